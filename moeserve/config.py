@@ -1,0 +1,346 @@
+"""Engine configuration: frozen dataclasses, validated on construction.
+
+ModelConfig is built once from a Hugging Face config.json (checkpoint or preset) by
+`ModelConfig.from_hf`, which rejects any field whose value we do not implement rather than
+serving it wrongly. The other configs hold the user's knobs; a knob may be "auto", and
+`resolve_static` turns those into values with a reason for each (the capacity report prints the
+reasons). Figures found at run time (KV blocks, the admission cap) are returned by the runner and
+`resolve_max_running_requests`, never written back into a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM")
+
+# HF config fields that do not change inference (training knobs, bookkeeping).
+_INERT_FIELDS = {
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
+    "initializer_range", "use_cache", "output_router_logits", "router_aux_loss_coef",
+    "attention_dropout", "pad_token_id", "router_jitter_noise", "_name_or_path",
+    "max_window_layers", "use_sliding_window", "sliding_window", "layer_types", "rope_scaling",
+    "rope_parameters", "rope_theta", "attention_bias", "hidden_act", "bos_token_id",
+    "eos_token_id", "tie_word_embeddings", "max_position_embeddings", "rms_norm_eps",
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size",
+}
+_MOE_FIELDS = {"num_experts", "num_local_experts", "num_experts_per_tok"}
+_QWEN3_MOE_FIELDS = {"moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+                     "norm_topk_prob"}
+# moeserve's own preset fields (ignored by transformers).
+_PRESET_FIELDS = {"moeserve_tokenizer", "moeserve_description"}
+_KNOWN_FIELDS = {
+    "Qwen3ForCausalLM": _INERT_FIELDS,
+    "Qwen3MoeForCausalLM": _INERT_FIELDS | _MOE_FIELDS | _QWEN3_MOE_FIELDS,
+    "MixtralForCausalLM": _INERT_FIELDS | _MOE_FIELDS,
+}
+
+
+class ConfigError(ValueError):
+    """A config (checkpoint or engine) that moeserve cannot serve correctly."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The model's shape, from its HF config.json. `num_experts == 0` means a dense model."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    """Dense MLP width (Qwen3 dense layers)."""
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    """Expert width."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to 1."""
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    qk_norm: bool = False
+    """Qwen3's RMSNorm on each head of q and k before RoPE."""
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str = "bfloat16"
+    tokenizer: str | None = None
+    """Built-in tokenizer name for presets without tokenizer files ("byte")."""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"unknown architecture {self.architecture!r}; "
+                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_kv_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
+                              f"[1, {self.num_experts}]")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Qwen3-MoE's rule; Mixtral has every layer sparse (decoder_sparse_step 1)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def kv_bytes_per_token_per_layer_elem(self) -> int:
+        """K and V elements per token per layer."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count, from the shapes alone."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2) + (2 * d if self.qk_norm else 0)
+        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for i in range(self.num_layers):
+            if self.is_moe_layer(i):
+                mlp = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
+            else:
+                mlp = 3 * h * self.intermediate_size
+            total += attn + mlp + 2 * h
+        return total
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a config.json dict; raise ConfigError naming any field we cannot serve."""
+        archs = hf.get("architectures") or []
+        if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"unknown architecture {archs!r}; "
+                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = archs[0]
+        unknown = sorted(set(hf) - _KNOWN_FIELDS[arch] - _PRESET_FIELDS)
+        if unknown:
+            raise ConfigError(f"config field(s) not implemented for {arch}: {', '.join(unknown)}")
+        _check_unsupported_values(hf)
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        common = dict(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            intermediate_size=hf["intermediate_size"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(hf),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"),
+            tokenizer=hf.get("moeserve_tokenizer"),
+        )
+        num_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
+        if arch == "Qwen3ForCausalLM":
+            return cls(**common, qk_norm=True)
+        if arch == "Qwen3MoeForCausalLM":
+            return cls(**common, qk_norm=True, num_experts=num_experts,
+                       num_experts_per_tok=hf["num_experts_per_tok"],
+                       moe_intermediate_size=hf["moe_intermediate_size"],
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                       decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+                       mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
+        return cls(**common, num_experts=num_experts,  # Mixtral: every layer sparse
+                   num_experts_per_tok=hf["num_experts_per_tok"],
+                   moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+
+    @classmethod
+    def from_file(cls, path: str) -> ModelConfig:
+        with open(path) as f:
+            try:
+                hf = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_hf(hf)
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _check_unsupported_values(hf: dict[str, Any]) -> None:
+    """Fields we accept only at the value that does not change the maths we implement."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = hf.get(key)
+        if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ConfigError(f"{key} type {rope.get('rope_type', rope.get('type'))!r} "
+                              "is not implemented (only default RoPE)")
+        extra = set(rope or ()) - {"rope_type", "type", "rope_theta"}
+        if extra:
+            raise ConfigError(f"{key} field(s) not implemented: {', '.join(sorted(extra))}")
+    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
+        raise ConfigError(f"sliding_window={hf['sliding_window']} is not implemented")
+    if any(t != "full_attention" for t in hf.get("layer_types") or ()):
+        raise ConfigError(f"layer_types other than full_attention are not implemented: "
+                          f"{sorted(set(hf['layer_types']))}")
+    if hf.get("attention_bias"):
+        raise ConfigError("attention_bias=true is not implemented")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not implemented (only silu)")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    mem_fraction: float = 0.90
+    """Share of the GPU's total memory the engine may use (weights, activations, KV, graphs)."""
+    cpu_kv_cache_bytes: int = 256 << 20
+    """KV budget in bytes when running on CPU."""
+    num_blocks: int | None = None
+    """Force the number of KV blocks (tests, debugging); None sizes it from memory."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of full blocks whose token prefix was seen before."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks must be >= 2 (block 0 is the null block), "
+                              f"got {self.num_blocks}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching and admission."""
+
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step (prefill chunks + decodes)."""
+    max_running_requests: int | str = "auto"
+    """Cap on running requests; "auto" = min(request_pool, KV tokens // expected tokens)."""
+    request_pool: int = 4096
+    """Upper bound on running requests under "auto"."""
+    expected_tokens_per_request: int = 256
+    """Footprint (prompt + output tokens) assumed by the "auto" admission cap."""
+    max_model_len: int | str = "auto"
+    """Longest prompt + output; "auto" = the model's max_position_embeddings."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the step's remaining budget over several steps."""
+    watermark: float = 0.01
+    """Share of KV blocks kept free when admitting a new request."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, "
+                              f"got {self.max_num_batched_tokens}")
+        if self.max_running_requests != "auto" and (
+                not isinstance(self.max_running_requests, int) or self.max_running_requests < 1):
+            raise ConfigError(f"max_running_requests must be 'auto' or an integer >= 1, "
+                              f"got {self.max_running_requests!r}")
+        if self.max_model_len != "auto" and (
+                not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ConfigError(f"max_model_len must be 'auto' or an integer >= 2, "
+                              f"got {self.max_model_len!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.request_pool < 1 or self.expected_tokens_per_request < 1:
+            raise ConfigError("request_pool and expected_tokens_per_request must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs; "auto" fields are resolved by `resolve_static`."""
+
+    model: str = "tiny-moe"
+    """A checkpoint folder (config.json + safetensors) or a preset name."""
+    tokenizer: str | None = None
+    """Tokenizer folder; defaults to the model folder, or the preset's built-in tokenizer."""
+    device: str = "auto"
+    """"cuda", "cpu" or "auto" (cuda when available)."""
+    dtype: str = "auto"
+    """"float32", "bfloat16", "float16" or "auto" (bf16 on GPU, fp32 on CPU)."""
+    load_format: str = "auto"
+    """"safetensors", "dummy" (random weights) or "auto" (dummy for presets)."""
+    moe_backend: str = "auto"
+    """"torch" (per-expert loop), "grouped_mm" or "auto"."""
+    attention_backend: str = "torch"
+    """"torch" (reference over the paged KV)."""
+    seed: int = 0
+    """Seed for dummy weights and for requests without their own seed."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _check_choice("load_format", self.load_format, ("auto", "safetensors", "dummy"))
+        _check_choice("moe_backend", self.moe_backend, ("auto", "torch", "grouped_mm"))
+        _check_choice("attention_backend", self.attention_backend, ("torch",))
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices and not (name == "device" and value.startswith("cuda:")):
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
+                   cuda_available: bool) -> tuple[EngineConfig, dict[str, str]]:
+    """Resolve the "auto" values known before loading anything. Returns the new config and the
+    reason for each resolved field (keyed by field name)."""
+    why: dict[str, str] = {}
+    device, dtype, load_format, moe = cfg.device, cfg.dtype, cfg.load_format, cfg.moe_backend
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+        why["device"] = "a CUDA device is available" if cuda_available else "no CUDA device"
+    if device.startswith("cuda") and not cuda_available:
+        raise ConfigError(f"device={device!r} but no CUDA device is available")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        why["dtype"] = f"default for {device}"
+    if load_format == "auto":
+        load_format = "dummy" if is_preset else "safetensors"
+        why["load_format"] = "a preset has no weights" if is_preset else "checkpoint folder"
+    if moe == "auto":
+        moe = "grouped_mm"
+        why["moe_backend"] = "torch._grouped_mm: sorted tokens, no host sync"
+    sched = cfg.scheduler
+    if sched.max_model_len == "auto":
+        sched = dataclasses.replace(sched, max_model_len=model.max_position_embeddings)
+        why["max_model_len"] = "the model's max_position_embeddings"
+    elif sched.max_model_len > model.max_position_embeddings:
+        raise ConfigError(f"max_model_len {sched.max_model_len} exceeds the model's "
+                          f"max_position_embeddings {model.max_position_embeddings}")
+    new = dataclasses.replace(cfg, device=device, dtype=dtype, load_format=load_format,
+                              moe_backend=moe, scheduler=sched)
+    return new, why
+
+
+def resolve_max_running_requests(sched: SchedulerConfig, num_kv_tokens: int) -> tuple[int, str]:
+    """DESIGN.md's admission rule. An explicit value is honoured (with a warning in the reason
+    when the KV cannot hold it at the expected footprint), never clamped."""
+    by_kv = num_kv_tokens // sched.expected_tokens_per_request
+    if sched.max_running_requests == "auto":
+        value = max(1, min(sched.request_pool, by_kv))
+        return value, (f"auto: min(request pool {sched.request_pool}, KV tokens {num_kv_tokens} "
+                       f"// {sched.expected_tokens_per_request} expected tokens = {by_kv})")
+    value = int(sched.max_running_requests)
+    if value > by_kv:
+        return value, (f"explicit; WARNING: KV holds {num_kv_tokens} tokens = {by_kv} requests "
+                       f"at {sched.expected_tokens_per_request} tokens each, fewer than {value}: "
+                       "expect preemptions")
+    return value, "explicit"
+
+
+def env_flag(name: str, default: str = "") -> str:
+    """Read a MOESERVE_ environment variable (the one place they are read)."""
+    return os.environ.get(f"MOESERVE_{name}", default)

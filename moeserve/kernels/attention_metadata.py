@@ -1,0 +1,93 @@
+"""Per-step attention metadata: the tensors every attention backend reads, built once per step.
+
+`build_attention_metadata` turns the scheduler's per-request ints into tensors with numpy, with
+no per-token Python loop (one small loop over requests only to copy block tables). It is passed
+explicitly to `model.forward(input_ids, positions, attn_meta)`, never through a global.
+
+Layout, for B requests (rows) and T = sum(query_lens) tokens in the step:
+
+    row b:  context [0, seq_lens[b])  = computed before  [0, start)  + this step [start, seq_len)
+            start = seq_lens[b] - query_lens[b];  tokens query_start_loc[b] : query_start_loc[b+1]
+    token t: position positions[t], KV slot slot_mapping[t], row token_to_req[t]
+    slot of position p in row b: block_tables[b, p // block_size] * block_size + p % block_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, where each token's K/V is written
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with the null block 0
+    seq_lens: torch.Tensor  # [B] int32, context length after this step
+    query_start_loc: torch.Tensor  # [B + 1] int32, cu_seqlens of the step's tokens
+    token_to_req: torch.Tensor  # [T] int64, the row of each token
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    # host copies (numpy) for backends that split the batch on the CPU side
+    query_lens_np: np.ndarray  # [B] int64
+    seq_lens_np: np.ndarray  # [B] int64
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens_np.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def build_attention_metadata(num_computed_tokens: list[int], num_scheduled_tokens: list[int],
+                             block_tables: list[list[int]], block_size: int,
+                             device: torch.device | str) -> AttentionMetadata:
+    """Build the step's metadata from the scheduler's per-request lists.
+
+    Args:
+        num_computed_tokens: per row, tokens already in the KV cache before this step.
+        num_scheduled_tokens: per row, tokens computed this step (>= 1).
+        block_tables: per row, the request's KV block ids (enough to hold seq_len tokens).
+        block_size: tokens per KV block.
+    """
+    start = np.asarray(num_computed_tokens, dtype=np.int64)  # [B]
+    query_lens = np.asarray(num_scheduled_tokens, dtype=np.int64)  # [B]
+    seq_lens = start + query_lens
+    num_reqs = len(query_lens)
+    cu = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=cu[1:])
+    num_tokens = int(cu[-1])
+    token_to_req = np.repeat(np.arange(num_reqs, dtype=np.int64), query_lens)  # [T]
+    positions = np.arange(num_tokens, dtype=np.int64) - cu[token_to_req] + start[token_to_req]
+
+    max_blocks = max((len(bt) for bt in block_tables), default=1) or 1
+    table = np.zeros((num_reqs, max_blocks), dtype=np.int32)  # [B, max_blocks]
+    for i, bt in enumerate(block_tables):
+        table[i, : len(bt)] = bt
+    block_of_token = table[token_to_req, positions // block_size].astype(np.int64)
+    slot_mapping = block_of_token * block_size + positions % block_size
+
+    def put(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        if torch.device(device).type == "cuda":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t
+
+    return AttentionMetadata(
+        positions=put(positions),
+        slot_mapping=put(slot_mapping),
+        block_tables=put(table),
+        seq_lens=put(seq_lens.astype(np.int32)),
+        query_start_loc=put(cu.astype(np.int32)),
+        token_to_req=put(token_to_req),
+        block_size=block_size,
+        max_query_len=int(query_lens.max()) if num_reqs else 0,
+        max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+        query_lens_np=query_lens,
+        seq_lens_np=seq_lens,
+    )

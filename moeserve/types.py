@@ -1,0 +1,140 @@
+"""Plain request-level data shared by the engine, scheduler and runner: no torch, no CUDA.
+
+SamplingParams is what a caller asks for (validated here, once, so bad input never reaches the
+step loop). SchedulerOutput is what the scheduler hands the runner each step, and ModelOutput is
+what the runner hands back; both are flat lists of ints so the runner can build tensors from them
+in a few vectorised calls. RequestOutput is what the engine reports to its caller per step.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request. Validated at construction: a bad value raises ValueError."""
+
+    max_tokens: int = 16
+    """Most tokens to generate (>= 1)."""
+    temperature: float = 1.0
+    """0 means greedy; must be >= 0."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens below min_p x the top probability; in [0, 1]."""
+    seed: int | None = None
+    """Per-request seed: the same tokens whatever else is in the batch."""
+    stop: tuple[str, ...] = ()
+    """Strings that end generation; the stop string is not included in the text."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation (in addition to EOS unless ignore_eos)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS until max_tokens."""
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top logprobs (0..MAX_LOGPROBS)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # aborted by the caller (or the client went away)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan, in batch order. Only ints and lists: the runner builds the tensors.
+
+    Row i is request `req_ids[i]`; it computes `num_scheduled_tokens[i]` tokens starting at
+    position `num_computed_tokens[i]`; their ids are the i-th slice of the flat `token_ids`.
+    `sample[i]` is True when the row's chunk reaches the end of its known tokens, so the runner
+    samples a new token for it (a prefill chunk that stops short of the prompt's end does not).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # flat, sum(num_scheduled_tokens) long
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    sampling_params: list[SamplingParams] = field(default_factory=list)
+    sample_seeds: list[int] = field(default_factory=list)  # per row; resolved seed of the request
+    num_output_tokens: list[int] = field(default_factory=list)  # per row; outputs so far
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # freed since the last step
+    num_prefix_hit_tokens: int = 0  # tokens served from the prefix cache this step
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Log-probabilities for one sampled token."""
+
+    token_logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """What the runner returns: one sampled token per row with `sample` True, in row order,
+    -1 for rows that did not sample; logprobs per row where asked, else None."""
+
+    sampled_token_ids: list[int]
+    logprobs: list[Logprobs | None] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What the engine reports for one request after a step (or at the end, from LLM.generate)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]  # this step's tokens (or all tokens, from LLM.generate)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or id that ended it
+    text: str = ""
+    logprobs: list[Logprobs] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
