@@ -127,24 +127,24 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-        common = dict(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            intermediate_size=hf["intermediate_size"],
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(hf),
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"),
-            tokenizer=hf.get("moeserve_tokenizer"),
-        )
+        common = {
+            "architecture": arch,
+            "vocab_size": hf["vocab_size"],
+            "hidden_size": hf["hidden_size"],
+            "num_layers": hf["num_hidden_layers"],
+            "num_heads": num_heads,
+            "num_kv_heads": hf.get("num_key_value_heads") or num_heads,
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            "intermediate_size": hf["intermediate_size"],
+            "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "rope_theta": _rope_theta(hf),
+            "max_position_embeddings": hf.get("max_position_embeddings", 32768),
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "bos_token_id": hf.get("bos_token_id"),
+            "eos_token_ids": eos_ids,
+            "checkpoint_dtype": str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"),
+            "tokenizer": hf.get("moeserve_tokenizer"),
+        }
         num_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
         if arch == "Qwen3ForCausalLM":
             return cls(**common, qk_norm=True)

@@ -1,0 +1,40 @@
+"""Model registry: HF architecture name -> module class, and `build_model`.
+
+The MoE and attention backends are chosen once here, at construction (by registry name or as
+the function itself), and stored in the layers; nothing is looked up per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from moeserve.config import ModelConfig
+from moeserve.kernels.registry import get_attention_backend, get_moe_backend
+from moeserve.models.qwen3_moe import CausalLM
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "Qwen3MoeForCausalLM": CausalLM,
+    "Qwen3ForCausalLM": CausalLM,
+    "MixtralForCausalLM": CausalLM,
+}
+
+
+def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
+                device: torch.device | str, moe_backend: str | Callable,
+                attention_backend: str | Callable) -> CausalLM:
+    """Build the model with uninitialised weights (load_weights or init_dummy_weights fill them).
+
+    Args:
+        dtype: torch dtype or its name ("bfloat16").
+        moe_backend: a name from kernels.registry ("torch", "grouped_mm") or the backend function.
+        attention_backend: a name from kernels.registry ("torch") or the backend function.
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    moe_fn = get_moe_backend(moe_backend) if isinstance(moe_backend, str) else moe_backend
+    attn_fn = (get_attention_backend(attention_backend) if isinstance(attention_backend, str)
+               else attention_backend)
+    cls = MODEL_CLASSES[model_config.architecture]
+    return cls(model_config, moe_fn, attn_fn, dtype, torch.device(device)).eval()

@@ -1,0 +1,146 @@
+"""The engine core: start-up (config -> weights -> memory plan -> scheduler) and the step loop.
+
+    out = scheduler.schedule()          # pure Python: who runs, how many tokens, which blocks
+    result = runner.execute(out)        # tensors, forward, sampling
+    outputs = scheduler.update(out, result)   # append tokens, apply stops, free blocks
+
+It deals in token ids only; text (tokenize, detokenize, stop strings) belongs to the caller: the
+offline LLM or the API server. Every request is validated in `add_request`, so a bad request is
+refused with a ValueError naming the problem and never reaches the step loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import random
+
+import torch
+
+from moeserve.config import (
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_max_running_requests,
+    resolve_static,
+)
+from moeserve.presets import is_preset, load_preset
+from moeserve.runner.capacity import CapacityReport
+from moeserve.runner.kv_cache import allocate_kv_caches, plan_memory
+from moeserve.runner.model_runner import ModelRunner, timed
+from moeserve.sched import Request, Scheduler
+from moeserve.types import FinishReason, RequestOutput, SamplingParams
+
+
+def load_model_config(model: str) -> tuple[ModelConfig, bool]:
+    """A checkpoint folder's config.json, or a preset. Returns (config, is_preset)."""
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"model folder {model!r} has no config.json")
+        return ModelConfig.from_file(path), False
+    if is_preset(model):
+        return ModelConfig.from_hf(load_preset(model)), True
+    raise ConfigError(f"model {model!r} is neither a checkpoint folder nor a preset "
+                      "(see `moeserve presets`)")
+
+
+class EngineCore:
+    """Owns the runner and the scheduler; `step()` advances every running request by one step."""
+
+    def __init__(self, cfg: EngineConfig):
+        phases: dict[str, float] = {}
+        with timed(phases, "config"):
+            self.model_config, preset = load_model_config(cfg.model)
+            self.cfg, resolved = resolve_static(cfg, self.model_config, preset,
+                                                torch.cuda.is_available())
+        device = torch.device(self.cfg.device)
+        with timed(phases, "weights", device):
+            self.runner = ModelRunner(self.cfg, self.model_config,
+                                      None if preset else self.cfg.model)
+        with timed(phases, "profile", device):
+            sched_cfg = self.cfg.scheduler
+            budget = sched_cfg.max_num_batched_tokens
+            cap = sched_cfg.max_running_requests
+            rows = min(budget, cap if isinstance(cap, int) else sched_cfg.request_pool)
+            peak = self.runner.profile_activation_peak(min(budget, sched_cfg.max_model_len), rows)
+        with timed(phases, "kv_cache", device):
+            plan = plan_memory(self.model_config, self.cfg.cache, self.runner.dtype, device,
+                               self.runner.weight_bytes, peak)
+            self.runner.bind_kv_caches(
+                allocate_kv_caches(self.model_config, plan, self.runner.dtype, device))
+        sched_cfg = self._fit_max_model_len(sched_cfg, plan.num_kv_tokens, resolved)
+        self.cfg = dataclasses.replace(self.cfg, scheduler=sched_cfg)
+        self.max_running_requests, rule = resolve_max_running_requests(sched_cfg,
+                                                                       plan.num_kv_tokens)
+        self.scheduler = Scheduler(sched_cfg, plan.num_blocks, plan.block_size,
+                                   self.max_running_requests,
+                                   self.cfg.cache.enable_prefix_caching)
+        self.report = CapacityReport(
+            model=self.cfg.model, architecture=self.model_config.architecture,
+            num_params=self.model_config.num_params(), engine_config=self.cfg, memory=plan,
+            max_running_requests=self.max_running_requests, max_running_requests_rule=rule,
+            resolved=resolved, phase_seconds=phases)
+        self._arrivals = itertools.count()
+        self._seed_rng = random.Random(self.cfg.seed)
+
+    def _fit_max_model_len(self, sched_cfg: SchedulerConfig, num_kv_tokens: int,
+                           resolved: dict[str, str]) -> SchedulerConfig:
+        """One request must fit in the whole KV cache, or preemption could never make room."""
+        if sched_cfg.max_model_len <= num_kv_tokens:
+            return sched_cfg
+        if "max_model_len" not in resolved:
+            raise ConfigError(f"max_model_len {sched_cfg.max_model_len} exceeds the KV cache's "
+                              f"{num_kv_tokens} tokens: lower max_model_len or give the KV cache "
+                              "more memory (mem_fraction, cpu_kv_cache_bytes, num_blocks)")
+        resolved["max_model_len"] = f"capped by the KV cache's {num_kv_tokens} tokens"
+        return dataclasses.replace(sched_cfg, max_model_len=num_kv_tokens)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        """Queue a request; raise ValueError naming what is wrong (nothing is queued then)."""
+        self._validate(request_id, prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        self.scheduler.add_request(Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params, eos_token_ids=self.model_config.eos_token_ids, seed=seed,
+            arrival_seq=next(self._arrivals)))
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if self.scheduler.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        max_len = self.cfg.scheduler.max_model_len
+        if len(prompt) >= max_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; max_model_len is {max_len}, "
+                             f"so a prompt may have at most {max_len - 1}")
+
+    def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
+        """Finish requests now (abort, or a stop string found by the caller); frees their KV."""
+        self.scheduler.finish_requests(request_ids, reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.num_reqs == 0:
+            return []
+        result = self.runner.execute(out)
+        return self.scheduler.update(out, result)

@@ -1,0 +1,128 @@
+"""The offline API: `LLM(model_or_preset, **engine_args).generate(prompts, SamplingParams(...))`.
+
+Runs the engine core in-process. Prompts are text (tokenized here) or token-id lists. Besides
+`generate`, `add_request` / `step` expose the loop so callers can interleave arrivals with steps;
+a bad request raises ValueError from `add_request` and the others carry on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from moeserve.engine.args import engine_config_from_kwargs
+from moeserve.engine.core import EngineCore
+from moeserve.engine.output_processor import OutputProcessor
+from moeserve.tokenizer import Tokenizer, load_tokenizer
+from moeserve.types import FinishReason, Logprobs, RequestOutput, SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One request's whole result, as `generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[Logprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class LLM:
+    def __init__(self, model: str = "tiny-moe", **engine_args: object):
+        self.engine = EngineCore(engine_config_from_kwargs(model=model, **engine_args))
+        cfg, mc = self.engine.cfg, self.engine.model_config
+        folder = cfg.tokenizer or (None if mc.tokenizer else cfg.model)
+        self.tokenizer: Tokenizer = load_tokenizer(folder, mc.tokenizer, mc)
+        self._outputs = OutputProcessor(self.tokenizer)
+        self._results: dict[str, CompletionOutput] = {}
+        self._ids = itertools.count()
+
+    @property
+    def report(self):  # the capacity report
+        return self.engine.report
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one request; ValueError names what is wrong, and nothing is queued then."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            prompt_ids = list(prompt)
+        else:
+            raise ValueError(f"a prompt must be text or a list of token ids, "
+                             f"got {type(prompt).__name__}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.engine.add_request(request_id, prompt_ids, params)
+        self._outputs.add_request(request_id, prompt_ids, params)
+        self._results[request_id] = CompletionOutput(request_id, prompt_ids)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort([request_id])
+        self._outputs.abort(request_id)
+        result = self._results.get(request_id)
+        if result is not None and not result.finished:
+            result.finish_reason = FinishReason.ABORT
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns this step's per-request deltas (text filled in)."""
+        outputs, stopped = self._outputs.process(self.engine.step())
+        if stopped:
+            self.engine.abort(stopped, FinishReason.STOP)
+        for out in outputs:
+            result = self._results[out.request_id]
+            result.token_ids += out.new_token_ids
+            result.text += out.text
+            result.logprobs += out.logprobs or []
+            result.num_cached_tokens = out.num_cached_tokens
+            if out.finished:
+                result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
+        return outputs
+
+    def result(self, request_id: str) -> CompletionOutput:
+        return self._results[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[CompletionOutput]:
+        """Run the prompts to completion; results in the prompts' order.
+
+        A bad prompt raises ValueError naming its index and the problem; the prompts queued
+        before it are withdrawn, so nothing of the call stays in the engine."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+                try:
+                    ids.append(self.add_request(prompt, p))
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from e
+        except ValueError:
+            for rid in ids:
+                self.abort(rid)
+                self._results.pop(rid)
+            raise
+        while any(not self._results[rid].finished for rid in ids):
+            self.step()
+        return [self._results.pop(rid) for rid in ids]

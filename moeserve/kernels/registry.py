@@ -1,0 +1,58 @@
+"""Kernel backends by name: layers pick their attention and MoE implementation here, once.
+
+`moe_backend` / `attention_backend` names from the engine config map to functions with one
+shared signature per op. Triton backends (a later issue) add entries here; their modules import
+triton lazily, so importing this registry never imports triton.
+
+    MOE_BACKENDS        torch -> moe_loop_ref, grouped_mm -> moe_grouped_mm
+    ATTENTION_BACKENDS  torch -> paged_attention_ref
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
+import torch
+
+from moeserve.kernels.attention_metadata import AttentionMetadata
+from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe_ref import moe_loop_ref
+from moeserve.kernels.paged_attention import paged_attention_ref
+
+
+class MoeFn(Protocol):
+    """(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k])
+    -> [T, H]."""
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class AttentionFn(Protocol):
+    """(q [T, H, D], kv_cache [2, num_blocks, block_size, KVH, D], meta, scale) -> [T, H, D]."""
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor: ...
+
+
+_Fn = TypeVar("_Fn")
+
+MOE_BACKENDS: dict[str, MoeFn] = {"torch": moe_loop_ref, "grouped_mm": moe_grouped_mm}
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref}
+
+
+def get_moe_backend(name: str) -> MoeFn:
+    """The MoE experts function registered as `name`; ValueError naming the choices if none."""
+    return _lookup("moe_backend", MOE_BACKENDS, name)
+
+
+def get_attention_backend(name: str) -> AttentionFn:
+    """The attention function registered as `name`; ValueError naming the choices if none."""
+    return _lookup("attention_backend", ATTENTION_BACKENDS, name)
+
+
+def _lookup(kind: str, table: dict[str, _Fn], name: str) -> _Fn:
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown {kind} {name!r}; choices: {', '.join(sorted(table))}") from None

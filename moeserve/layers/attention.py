@@ -1,0 +1,75 @@
+"""Self-attention over the paged KV cache (GQA, optional Qwen3 q/k norm, RoPE).
+
+One forward, for the T tokens of a step (prefill chunks and decodes mixed):
+
+    hidden [T, hidden] --qkv_proj--> q [T, H, D], k [T, KVH, D], v [T, KVH, D]
+      -> q_norm / k_norm (per head, over D; Qwen3 only) -> RoPE at positions
+      -> write_kv(k, v) into self.kv_cache at meta.slot_mapping
+      -> attention_backend(q, kv_cache, meta, scale) [T, H, D] --o_proj--> [T, hidden]
+
+`self.kv_cache` is [2, num_blocks, block_size, KVH, D], bound by the runner
+(CausalLM.bind_kv_caches) before the first forward. NOTE: it must stay the same tensor object
+across steps, because CUDA graphs capture its address; rebind only outside captured graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.kernels.attention_metadata import AttentionMetadata
+from moeserve.kernels.paged_attention import write_kv
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rope import RotaryEmbedding
+
+# fn(q [T, H, D], kv_cache [2, NB, BS, KVH, D], meta, scale) -> [T, H, D]
+AttentionBackend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+def _empty(*shape: int, dtype: torch.dtype | None,
+           device: torch.device | str | None) -> nn.Parameter:
+    """An uninitialised inference weight (filled by the weight loader or init_dummy_weights)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_idx: int, config: ModelConfig, attention_backend: AttentionBackend,
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = d = config.head_dim
+        self.scale = d ** -0.5
+        self.backend = attention_backend
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
+        self.qkv_proj = _empty(qkv_rows, config.hidden_size, dtype=dtype, device=device)
+        self.o_proj = _empty(config.hidden_size, self.num_heads * d, dtype=dtype, device=device)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta, device)
+        self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, KVH, D]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_caches)")
+        t, d = hidden.shape[0], self.head_dim
+        qkv = F.linear(hidden, self.qkv_proj)  # [T, (H + 2 * KVH) * D]
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d,
+                             self.num_kv_heads * d], dim=-1)
+        q = q.view(t, self.num_heads, d)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, d)  # [T, KVH, D]
+        v = v.view(t, self.num_kv_heads, d)  # [T, KVH, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_kv(k, v, self.kv_cache, meta.slot_mapping)
+        out = self.backend(q, self.kv_cache, meta, self.scale)  # [T, H, D]
+        return F.linear(out.reshape(t, self.num_heads * d), self.o_proj)  # [T, hidden]

@@ -1,0 +1,50 @@
+"""Sparse MoE block: router, top-k selection, experts run by the chosen MoE backend.
+
+    x [T, hidden] --gate--> router_logits [T, E] (activation dtype, as HF)
+      -> select_experts(top_k, renormalize=norm_topk_prob) -> topk_weights [T, k] fp32,
+                                                               topk_ids [T, k] int64
+      -> moe_backend(x, w13, w2, topk_weights, topk_ids) -> [T, hidden]
+
+    w13 [E, 2I, hidden]: per expert, rows [0, I) gate_proj, rows [I, 2I) up_proj
+    w2  [E, hidden, I]:  per expert, down_proj
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.kernels.routing import select_experts
+
+# fn(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]
+MoeBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                      torch.Tensor]
+
+
+def _empty(*shape: int, dtype: torch.dtype | None,
+           device: torch.device | str | None) -> nn.Parameter:
+    """An uninitialised inference weight (filled by the weight loader or init_dummy_weights)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, moe_backend: MoeBackend,
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.backend = moe_backend
+        self.gate = _empty(e, h, dtype=dtype, device=device)  # router, [E, hidden]
+        self.w13 = _empty(e, 2 * i, h, dtype=dtype, device=device)  # [E, 2I, hidden]
+        self.w2 = _empty(e, h, i, dtype=dtype, device=device)  # [E, hidden, I]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = F.linear(x, self.gate)  # [T, E]
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.backend(x, self.w13, self.w2, topk_weights, topk_ids)  # [T, hidden]

@@ -1,0 +1,57 @@
+"""Rotary position embedding (default RoPE, neox style: rotate_half), as Hugging Face computes it.
+
+    inv_freq[i] = 1 / theta ** (arange(0, D, 2) / D)              fp32, HF's exact expression
+    freqs[p, i] = p * inv_freq[i];  emb = cat(freqs, freqs)        [max_position, D] fp32
+    cos, sin    = emb.cos(), emb.sin()   (cast to q's dtype at use, as HF does)
+    q' = q * cos + rotate_half(q) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
+
+The cos/sin table is computed once per (head_dim, max_position, theta, device) and shared by
+every layer (48 layers must not hold 48 copies of a 131k-position table).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+
+@functools.lru_cache(maxsize=8)
+def _cos_sin_table(head_dim: int, max_position: int, theta: float,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    pos = torch.arange(max_position, dtype=torch.float)  # [P]
+    freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, H, D] and k [T, KVH, D] at `positions` [T] (int64)."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        self.head_dim, self.max_position, self.theta = head_dim, max_position, theta
+        # NOTE: plain attributes, not buffers: shared across layers and kept out of state_dict.
+        self.cos, self.sin = _cos_sin_table(head_dim, max_position, float(theta),
+                                            torch.device(device or "cpu"))  # [P, D] fp32
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_position={self.max_position}, theta={self.theta}"

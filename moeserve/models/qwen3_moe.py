@@ -1,0 +1,106 @@
+"""Qwen3-MoE, Qwen3 (dense) and Mixtral: one module tree, built from layers/.
+
+    input_ids [T] -> embed_tokens -> DecoderLayer x L -> norm -> hidden [T, hidden]
+    DecoderLayer (pre-norm):
+        h = h + self_attn(positions, input_layernorm(h), meta)
+        h = h + mlp(post_attention_layernorm(h))     mlp: SparseMoeBlock if
+                                                      config.is_moe_layer(i), else dense MLP
+    compute_logits(hidden [N, hidden]) -> [N, V] fp32 (lm_head, or embed_tokens when tied)
+
+The families differ only in config: Qwen3 has q/k norm and no experts; Qwen3-MoE has q/k norm,
+experts on the layers `is_moe_layer` picks, and optional top-k renormalisation; Mixtral has no
+q/k norm, every layer sparse, renormalised top-k. Weight names map to HF's in
+runner/weight_loader.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.kernels.attention_metadata import AttentionMetadata
+from moeserve.layers.attention import Attention, AttentionBackend
+from moeserve.layers.mlp import MLP
+from moeserve.layers.moe import MoeBackend, SparseMoeBlock
+from moeserve.layers.norm import RMSNorm
+
+Device = torch.device | str | None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, layer_idx: int, config: ModelConfig, moe_backend: MoeBackend,
+                 attention_backend: AttentionBackend, dtype: torch.dtype, device: Device) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, dtype, device)
+        self.self_attn = Attention(layer_idx, config, attention_backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
+        self.mlp: MLP | SparseMoeBlock
+        if config.is_moe_layer(layer_idx):
+            self.mlp = SparseMoeBlock(config, moe_backend, dtype, device)
+        else:
+            self.mlp = MLP(h, config.intermediate_size, dtype, device)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # [T, hidden]
+
+
+class Model(nn.Module):
+    def __init__(self, config: ModelConfig, moe_backend: MoeBackend,
+                 attention_backend: AttentionBackend, dtype: torch.dtype, device: Device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+            requires_grad=False)  # [V, hidden]
+        self.layers = nn.ModuleList(
+            DecoderLayer(i, config, moe_backend, attention_backend, dtype, device)
+            for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden)
+
+
+class CausalLM(nn.Module):
+    """The served model: forward to the final hidden states, then logits for chosen rows."""
+
+    def __init__(self, config: ModelConfig, moe_backend: MoeBackend,
+                 attention_backend: AttentionBackend, dtype: torch.dtype,
+                 device: Device = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Model(config, moe_backend, attention_backend, dtype, device)
+        self.lm_head: nn.Parameter | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+                requires_grad=False)  # [V, hidden]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [T], positions [T] int64 -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, V] fp32 (matmul in the model dtype, as HF)."""
+        weight = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Give each layer its KV tensor [2, num_blocks, block_size, KVH, D]; [] unbinds all.
+
+        NOTE: layers keep these exact tensor objects; CUDA graphs captured later read them.
+        """
+        layers = self.model.layers
+        if kv_caches and len(kv_caches) != len(layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
+        for i, layer in enumerate(layers):
+            layer.self_attn.kv_cache = kv_caches[i] if kv_caches else None

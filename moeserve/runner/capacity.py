@@ -1,0 +1,78 @@
+"""The capacity report: what the engine chose at start-up, and why.
+
+Printed once at start-up and served later at /v1/engine. It answers the seeds' questions at a
+glance: how many KV tokens, how many running requests and which footprint gave that number, what
+the weights and activations cost, which kernels run, and how long each start-up phase took.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from moeserve.config import EngineConfig
+from moeserve.runner.kv_cache import GiB, MemoryPlan
+
+
+@dataclass(slots=True)
+class CapacityReport:
+    model: str
+    architecture: str
+    num_params: int
+    engine_config: EngineConfig  # fully resolved
+    memory: MemoryPlan
+    max_running_requests: int
+    max_running_requests_rule: str
+    resolved: dict[str, str]  # field -> why its "auto" value was chosen
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    cuda_graphs: str = "off: decode runs eager (CUDA graphs are not built yet)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "architecture": self.architecture,
+            "num_params": self.num_params,
+            "engine_config": dataclasses.asdict(self.engine_config),
+            "memory": self.memory.to_dict(),
+            "weights_gib": self.memory.weight_bytes / GiB,
+            "kv_blocks": self.memory.num_blocks,
+            "kv_tokens": self.memory.num_kv_tokens,
+            "max_running_requests": self.max_running_requests,
+            "max_running_requests_rule": self.max_running_requests_rule,
+            "resolved": self.resolved,
+            "phase_seconds": self.phase_seconds,
+            "cuda_graphs": self.cuda_graphs,
+        }
+
+    def format(self) -> str:
+        """A plain-text table for the terminal and the log."""
+        m, c = self.memory, self.engine_config
+        rows = [
+            ("model", f"{self.model} ({self.architecture}, {self.num_params / 1e9:.2f} B params)"),
+            ("device / dtype", f"{c.device} / {c.dtype}"),
+            ("weights", f"{m.weight_bytes / GiB:.2f} GiB ({c.load_format})"),
+        ]
+        if m.total_bytes:
+            rows += [("memory budget", (f"{m.budget_bytes / GiB:.2f} GiB of "
+                                       f"{m.total_bytes / GiB:.2f} GiB (mem_fraction "
+                                       f"{c.cache.mem_fraction})")),
+                     ("activation peak", (f"{m.activation_peak_bytes / GiB:.2f} GiB (profiled at "
+                                         f"{c.scheduler.max_num_batched_tokens} tokens)")),
+                     ("graph reserve", f"{m.graph_reserve_bytes / GiB:.2f} GiB")]
+        rows += [
+            ("KV cache", (f"{m.kv_bytes / GiB:.2f} GiB = {m.num_blocks} blocks x {m.block_size} "
+                         f"tokens = {m.num_kv_tokens:,} tokens ({m.rule})")),
+            ("max running requests", (f"{self.max_running_requests} <- "
+                                     f"{self.max_running_requests_rule}")),
+            ("max model len", str(c.scheduler.max_model_len)),
+            ("token budget / step", str(c.scheduler.max_num_batched_tokens)),
+            ("prefix caching", "on" if c.cache.enable_prefix_caching else "off"),
+            ("kernels", f"attention={c.attention_backend}, moe={c.moe_backend}"),
+            ("CUDA graphs", self.cuda_graphs),
+        ]
+        rows += [(f"auto {k}", v) for k, v in self.resolved.items()]
+        rows += [("start-up", ", ".join(f"{k} {v:.2f}s" for k, v in self.phase_seconds.items()))]
+        width = max(len(k) for k, _ in rows)
+        lines = ["moeserve capacity report"] + [f"  {k:<{width}}  {v}" for k, v in rows]
+        return "\n".join(lines)

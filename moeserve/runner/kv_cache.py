@@ -1,0 +1,86 @@
+"""The KV cache: its memory plan and its tensors.
+
+DESIGN.md's memory plan, in order: (1) weights are loaded, (2) one forward at the largest token
+budget is profiled for its activation peak, (3) a reserve is kept for CUDA graphs, (4) the KV
+cache gets the rest of `total x mem_fraction`. On CPU the KV cache gets a fixed byte budget.
+`MemoryPlan` keeps every term so the capacity report can print them.
+
+Layout: one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; block 0
+is the null block (padding points at it; the scheduler never hands it out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from moeserve.config import CacheConfig, ConfigError, ModelConfig
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    device: str
+    total_bytes: int  # device memory (GPU) or 0 (CPU)
+    budget_bytes: int  # total x mem_fraction (GPU) or the CPU KV budget
+    weight_bytes: int
+    activation_peak_bytes: int  # profiled forward + sampling at the largest batch
+    graph_reserve_bytes: int  # CUDA graphs (0 while decode runs eager)
+    kv_bytes: int
+    bytes_per_block: int
+    num_blocks: int
+    block_size: int
+    rule: str  # how num_blocks was found, in words
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens the cache holds, null block excluded."""
+        return (self.num_blocks - 1) * self.block_size
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"num_kv_tokens": self.num_kv_tokens}
+
+
+def bytes_per_block(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return model.num_layers * 2 * cache.block_size * model.num_kv_heads * model.head_dim * elem
+
+
+def plan_memory(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device,
+                weight_bytes: int, activation_peak_bytes: int,
+                graph_reserve_bytes: int = 0) -> MemoryPlan:
+    """Size the KV cache. Raises ConfigError naming the knob when nothing is left for it."""
+    per_block = bytes_per_block(model, cache, dtype)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(total * cache.mem_fraction)
+        kv_bytes = budget - weight_bytes - activation_peak_bytes - graph_reserve_bytes
+        rule = (f"total {total / GiB:.1f} GiB x mem_fraction {cache.mem_fraction} - weights "
+                f"- activation peak - graph reserve")
+    else:
+        total, budget = 0, cache.cpu_kv_cache_bytes
+        kv_bytes = budget
+        rule = f"CPU: cpu_kv_cache_bytes {budget / GiB:.2f} GiB"
+    num_blocks = kv_bytes // per_block
+    if cache.num_blocks is not None:
+        num_blocks, kv_bytes = cache.num_blocks, cache.num_blocks * per_block
+        rule = f"num_blocks={cache.num_blocks} set explicitly"
+    if num_blocks < 2:
+        raise ConfigError(
+            f"no memory left for the KV cache ({kv_bytes / GiB:.2f} GiB after weights "
+            f"{weight_bytes / GiB:.2f} GiB and activations {activation_peak_bytes / GiB:.2f} GiB): "
+            "raise mem_fraction, lower max_num_batched_tokens, or use a smaller model")
+    return MemoryPlan(device=str(device), total_bytes=total, budget_bytes=budget,
+                      weight_bytes=weight_bytes, activation_peak_bytes=activation_peak_bytes,
+                      graph_reserve_bytes=graph_reserve_bytes, kv_bytes=num_blocks * per_block,
+                      bytes_per_block=per_block, num_blocks=num_blocks,
+                      block_size=cache.block_size, rule=rule)
+
+
+def allocate_kv_caches(model: ModelConfig, plan: MemoryPlan, dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One zeroed tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (2, plan.num_blocks, plan.block_size, model.num_kv_heads, model.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]

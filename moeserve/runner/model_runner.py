@@ -1,0 +1,148 @@
+"""The model runner: the only place that turns the scheduler's ints into tensors.
+
+Per step: SchedulerOutput (lists) -> input ids, positions, slot mapping, block tables (numpy,
+vectorised, one host-to-device copy each) -> model forward -> logits of the rows that sample ->
+sampler -> ModelOutput (lists). It also owns the weights (loaded or dummy), the KV cache tensors and
+the activation profile that the memory plan needs. CUDA graphs will live beside it in their own
+module; `execute` is the eager path they fall back to.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from moeserve.config import EngineConfig, ModelConfig
+from moeserve.kernels.attention_metadata import build_attention_metadata
+from moeserve.kernels.registry import get_attention_backend, get_moe_backend
+from moeserve.layers.sampler import SamplingTensors, sample
+from moeserve.models import build_model
+from moeserve.runner.kv_cache import MemoryPlan, allocate_kv_caches
+from moeserve.runner.weight_loader import init_dummy_weights, load_weights, model_weight_bytes
+from moeserve.types import Logprobs, ModelOutput, SamplingParams, SchedulerOutput
+
+
+class ModelRunner:
+    """Builds the model, holds the KV cache, runs one step at a time."""
+
+    def __init__(self, cfg: EngineConfig, model_config: ModelConfig, weights_folder: str | None):
+        self.cfg = cfg
+        self.model_config = model_config
+        self.device = torch.device(cfg.device)
+        self.dtype = getattr(torch, cfg.dtype)
+        self.block_size = cfg.cache.block_size
+        self.kv_caches: list[torch.Tensor] = []
+        self._init_model(weights_folder)
+
+    def _init_model(self, weights_folder: str | None) -> None:
+        self.model = build_model(self.model_config, self.dtype, self.device,
+                                 get_moe_backend(self.cfg.moe_backend),
+                                 get_attention_backend(self.cfg.attention_backend))
+        if self.cfg.load_format == "dummy":
+            init_dummy_weights(self.model, self.cfg.seed)
+        else:
+            assert weights_folder is not None, "safetensors load_format needs a checkpoint folder"
+            load_weights(self.model, self.model_config, weights_folder)
+        self.model.eval()
+        self.weight_bytes = model_weight_bytes(self.model)
+
+    # ---- memory --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_activation_peak(self, num_tokens: int, num_sample_rows: int) -> int:
+        """Peak bytes above the weights of one forward over `num_tokens` prompt tokens (one row,
+        the attention reference's worst case) and one sampling pass over `num_sample_rows` rows.
+        Only meaningful on CUDA; returns 0 on CPU, whose KV cache has its own byte budget."""
+        if self.device.type != "cuda":
+            return 0
+        num_blocks = num_tokens // self.block_size + 2
+        plan = MemoryPlan(str(self.device), 0, 0, 0, 0, 0, 0, 0, num_blocks, self.block_size, "")
+        self.bind_kv_caches(allocate_kv_caches(self.model_config, plan, self.dtype, self.device))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        table = list(range(1, num_blocks))
+        out = SchedulerOutput(
+            req_ids=["profile"], num_scheduled_tokens=[num_tokens], num_computed_tokens=[0],
+            token_ids=[0] * num_tokens, block_tables=[table], sample=[True],
+            sampling_params=[SamplingParams()], sample_seeds=[0], num_output_tokens=[0])
+        self.execute(out)
+        logits = torch.randn(num_sample_rows, self.model_config.vocab_size,
+                             device=self.device, dtype=torch.float32)
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)]
+        sample(logits, SamplingTensors.build(params * num_sample_rows, [0] * num_sample_rows,
+                                             [0] * num_sample_rows, self.device))
+        del logits
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.bind_kv_caches([])
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+        self.model.bind_kv_caches(kv_caches)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        """Run one step of the scheduler's plan; return one sampled token per sampling row."""
+        if any(t < 0 for t in out.token_ids):
+            raise RuntimeError("a token id of -1 (overlap placeholder) reached the synchronous "
+                               "runner: schedule() was called twice without update()")
+        meta = build_attention_metadata(out.num_computed_tokens, out.num_scheduled_tokens,
+                                        out.block_tables, self.block_size, self.device)
+        input_ids = self._to_device(np.asarray(out.token_ids, dtype=np.int64))  # [T]
+        hidden = self.model(input_ids, meta.positions, meta)  # [T, hidden]
+
+        rows = np.flatnonzero(np.asarray(out.sample, dtype=bool))  # [R]
+        sampled = [-1] * out.num_reqs
+        if rows.size == 0:
+            return ModelOutput(sampled_token_ids=sampled)
+        last_token = np.cumsum(meta.query_lens_np)[rows] - 1  # [R]
+        logits = self.model.compute_logits(hidden[self._to_device(last_token)])  # [R, V] fp32
+        params = [out.sampling_params[i] for i in rows]
+        tensors = SamplingTensors.build(
+            params, [out.sample_seeds[i] for i in rows],
+            meta.seq_lens_np[rows].tolist(), self.device)
+        token_ids, lps = sample(logits, tensors)
+        for i, tok in zip(rows.tolist(), token_ids.tolist()):
+            sampled[i] = tok
+        return ModelOutput(sampled_token_ids=sampled,
+                           logprobs=self._logprobs(out.num_reqs, rows, params, lps))
+
+    def _logprobs(self, num_reqs: int, rows: np.ndarray, params: list[SamplingParams],
+                  lps: object) -> list[Logprobs | None] | None:
+        if lps is None:
+            return None
+        result: list[Logprobs | None] = [None] * num_reqs
+        token_lp = lps.token_logprob.tolist()
+        top_ids, top_lps = lps.top_ids.tolist(), lps.top_logprobs.tolist()
+        for j, (row, p) in enumerate(zip(rows.tolist(), params)):
+            if p.logprobs is not None:
+                n = p.logprobs
+                result[row] = Logprobs(token_lp[j], top_ids[j][:n], top_lps[j][:n])
+        return result
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+
+@contextmanager
+def timed(phases: dict[str, float], name: str,
+          device: torch.device | None = None) -> Iterator[None]:
+    """Record the wall seconds of a start-up phase (synchronising the GPU at the end)."""
+    start = time.perf_counter()
+    yield
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    phases[name] = round(time.perf_counter() - start, 3)

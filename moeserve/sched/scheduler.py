@@ -1,0 +1,336 @@
+"""Continuous batching by token budget (vLLM v1 style): what runs each step, and what it produced.
+
+The engine's loop is `out = scheduler.schedule(); result = runner.execute(out);
+scheduler.update(out, result)`. Each request's `num_computed_tokens` catches up with its tokens,
+one chunk per step, so prefill, chunked prefill, prefix-cache hits and decode are one mechanism:
+
+    schedule()  1. RUNNING requests in order: a decode needs 1 token, a prefill in progress its
+                   remaining tokens (capped by the budget when chunked prefill is on). When blocks
+                   run out, preempt the LAST running request (free its blocks, recompute later,
+                   front of the waiting queue) and retry.
+                2. WAITING requests in FIFO order (none if step 1 preempted): prefix-cache lookup,
+                   admit while the running cap, the budget and the free blocks (+ watermark) allow;
+                   stop at the first that does not fit (no overtaking).
+                -> SchedulerOutput; num_computed_tokens advances now, optimistically.
+    update()    append each sampled token, apply the stop conditions, free finished requests'
+                blocks at once, enter newly full blocks into the prefix cache.
+
+Overlap: schedule() for step N+1 may run before update() of step N. A request whose sampled token
+is still in flight counts it as a placeholder (`num_output_placeholders`); its next decode is
+scheduled with token id -1 (the runner takes it from step N's output on the device). A stop is then
+applied one step late: update() of step N+1 finds the request already finished and discards its
+extra token. A preempted request is not re-admitted while a token of it is in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from moeserve.config import ConfigError, SchedulerConfig
+from moeserve.sched.block_pool import BlockPool, cdiv
+from moeserve.sched.request import Request, RequestStatus
+from moeserve.types import (
+    FinishReason,
+    Logprobs,
+    ModelOutput,
+    RequestOutput,
+    SchedulerOutput,
+)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Cumulative counters (kv_usage is the current fraction of usable KV blocks in use)."""
+
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_prefill_chunks: int = 0  # prefill chunks that stopped short of the end of the tokens
+    num_scheduled_steps: int = 0  # schedule() calls that scheduled at least one request
+    num_aborted: int = 0
+    kv_usage: float = 0.0
+
+
+class Scheduler:
+    """Plans each step over a paged KV cache of `num_blocks` blocks of `block_size` tokens.
+
+    Request ids must be unique among the requests the scheduler and in-flight steps know.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, num_blocks: int, block_size: int,
+                 max_running_requests: int, enable_prefix_caching: bool) -> None:
+        self.config = scheduler_config
+        self.max_model_len = int(scheduler_config.max_model_len)
+        self.max_running_requests = max_running_requests
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.watermark_blocks = math.ceil(scheduler_config.watermark * num_blocks)
+        self.stats = SchedulerStats()
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_req_ids: list[str] = []  # freed since the last schedule()
+        self._check_config(num_blocks, block_size)
+
+    def _check_config(self, num_blocks: int, block_size: int) -> None:
+        if self.max_running_requests < 1:
+            raise ConfigError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if cdiv(self.max_model_len, block_size) > num_blocks - 1:
+            raise ConfigError(
+                f"the KV cache ({num_blocks - 1} usable blocks of {block_size} tokens) cannot hold "
+                f"one request of max_model_len={self.max_model_len} tokens; lower max_model_len "
+                "or give the KV cache more memory")
+        if (not self.config.enable_chunked_prefill
+                and self.config.max_num_batched_tokens < self.max_model_len):
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}), or a long prompt could never be scheduled")
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_request(self, req_id: str) -> bool:
+        """True while the request is waiting or running (not yet finished)."""
+        return req_id in self.requests
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a validated request (FIFO)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already scheduled")
+        assert req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> None:
+        """Finish requests from outside (abort, or a stop string the engine found): their blocks
+        are freed at once. Unknown or already finished ids are ignored."""
+        finished = [self.requests[i] for i in dict.fromkeys(req_ids) if i in self.requests]
+        for req in finished:
+            self._finish(req, reason)
+            if reason is FinishReason.ABORT:
+                self.stats.num_aborted += 1
+        self._drop_finished(finished)
+        self.stats.kv_usage = self.pool.usage
+
+    # ---- schedule ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (see the module docstring). Rows are in batch order."""
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = []
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        if out.req_ids:
+            self.stats.num_scheduled_steps += 1
+        self.stats.kv_usage = self.pool.usage
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedule RUNNING requests in order; returns the budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, budget)
+            if num_new > 0:
+                if not self._allocate_or_preempt(req, num_new, out):
+                    break  # it was the last running request: preempted itself
+                self._add_row(out, req, num_new)
+                budget -= num_new
+            i += 1
+        return budget
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens to compute for a running request this step (0: skip it this step)."""
+        num_outputs = len(req.output_token_ids) + req.num_output_placeholders
+        num_tokens = len(req.prompt_token_ids) + num_outputs  # known + in flight
+        if num_outputs >= req.sampling_params.max_tokens or num_tokens >= self.max_model_len:
+            return 0  # its in-flight token is its last: update() will finish it
+        # Only a prefill in progress can exceed the budget, and only with chunked prefill on:
+        # without it a prompt is admitted whole, and running requests then decode 1 token.
+        return min(num_tokens - req.num_computed_tokens, budget)
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for `num_new` tokens of `req`, preempting the last running request
+        until they fit. False when `req` itself had to be preempted."""
+        while self.pool.allocate_slots(req, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Preempt by recompute: drop its KV, keep its outputs, first in line to come back."""
+        self.pool.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_req_ids.append(req.request_id)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit WAITING requests in FIFO order while they fit; stop at the first that does not."""
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+            req = self.waiting[0]
+            if req.num_output_placeholders:
+                break  # preempted with a token in flight: its tokens are not all known yet
+            hit_blocks, num_hit = self.pool.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if num_new > budget:
+                if not chunked:
+                    break
+                num_new = budget
+            # The watermark keeps room for running requests to grow; with none running it
+            # would only stall the queue.
+            reserved = self.watermark_blocks if self.running else 0
+            if self.pool.allocate_slots(req, num_new, hit_blocks, reserved) is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = req.num_cached_tokens = num_hit
+            self.stats.num_prefix_hit_tokens += num_hit
+            out.num_prefix_hit_tokens += num_hit
+            self.running.append(req)
+            self._add_row(out, req, num_new)
+            budget -= num_new
+
+    def _add_row(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        """Append the request's row to the step and advance its state optimistically."""
+        start = req.num_computed_tokens
+        end = start + num_new
+        num_outputs = len(req.output_token_ids) + req.num_output_placeholders
+        sample = end == len(req.prompt_token_ids) + num_outputs
+        out.req_ids.append(req.request_id)
+        out.num_scheduled_tokens.append(num_new)
+        out.num_computed_tokens.append(start)
+        out.token_ids += req.get_token_ids(start, end)
+        out.block_tables.append(list(self.pool.block_tables[req.request_id]))
+        out.sample.append(sample)
+        out.sampling_params.append(req.sampling_params)
+        out.sample_seeds.append(req.seed)
+        out.num_output_tokens.append(num_outputs)
+        req.num_computed_tokens = end
+        if sample:
+            req.num_output_placeholders += 1
+        else:
+            self.stats.num_prefill_chunks += 1
+
+    # ---- update --------------------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
+        """Take a step's sampled tokens; returns one RequestOutput per row that produced one.
+
+        A row whose request finished since `out` was scheduled (a stop applied one step late,
+        or an abort) is discarded.
+        """
+        outputs: list[RequestOutput] = []
+        finished: list[Request] = []
+        sampled, logprobs = model_out.sampled_token_ids, model_out.logprobs
+        for i, req_id in enumerate(out.req_ids):
+            req = self.requests.get(req_id)
+            if req is None:
+                continue  # finished since `out` was scheduled: its token is discarded
+            if not out.sample[i]:
+                self._cache_blocks(req)
+                continue
+            token = sampled[i]
+            req.output_token_ids.append(token)
+            req.num_output_placeholders -= 1
+            self._cache_blocks(req)  # before a stop frees them
+            if self._check_stop(req, token):
+                finished.append(req)
+            outputs.append(self._make_output(req, token, logprobs[i] if logprobs else None))
+        self._drop_finished(finished)
+        self.stats.kv_usage = self.pool.usage
+        return outputs
+
+    def _cache_blocks(self, req: Request) -> None:
+        """Enter the request's newly full blocks into the prefix cache (a preempted request
+        holds none). Blocks below num_computed_tokens are computed by steps already scheduled,
+        so any step that hits them runs after those steps."""
+        if req.status is RequestStatus.RUNNING:
+            self.pool.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        """Apply the stop conditions after `token` was appended; finish the request if one holds.
+
+        A stop token (EOS or a stop id) wins over a length limit reached by the same token.
+        """
+        params = req.sampling_params
+        if token in req.eos_token_ids and not params.ignore_eos:
+            self._finish(req, FinishReason.STOP)
+        elif token in params.stop_token_ids:
+            self._finish(req, FinishReason.STOP, stop_reason=token)
+        elif (len(req.output_token_ids) >= params.max_tokens
+              or req.num_tokens >= self.max_model_len):
+            self._finish(req, FinishReason.LENGTH)
+        return req.status is RequestStatus.FINISHED
+
+    def _make_output(self, req: Request, token: int, logprobs: Logprobs | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            new_token_ids=[token], finished=req.is_finished, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, logprobs=None if logprobs is None else [logprobs],
+            num_cached_tokens=req.num_cached_tokens)
+
+    def _finish(self, req: Request, reason: FinishReason,
+                stop_reason: int | str | None = None) -> None:
+        """Free the request's blocks and forget it (call `_drop_finished` after)."""
+        self.pool.free(req)
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.status = RequestStatus.FINISHED
+        del self.requests[req.request_id]
+        self._finished_req_ids.append(req.request_id)
+
+    def _drop_finished(self, finished: list[Request]) -> None:
+        """Remove finished requests from the queues: one pass per queue, not one per request."""
+        if not finished:
+            return
+        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        if len(self.requests) != len(self.running) + len(self.waiting):  # a waiting one finished
+            self.waiting = deque(r for r in self.waiting if r.status is RequestStatus.WAITING)
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Recount everything from the block tables; raise AssertionError naming what is off."""
+        self.pool.check_integrity()
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        assert len(set(running_ids)) == len(running_ids), f"request twice in running: {running_ids}"
+        assert len(set(waiting_ids)) == len(waiting_ids), f"request twice in waiting: {waiting_ids}"
+        assert not set(running_ids) & set(waiting_ids), "request both running and waiting"
+        assert set(self.requests) == set(running_ids) | set(waiting_ids), (
+            "requests dict != running + waiting")
+        assert set(self.pool.block_tables) == set(running_ids), (
+            f"block tables {sorted(self.pool.block_tables)} != running {sorted(running_ids)}")
+        assert len(self.running) <= self.max_running_requests, (
+            f"{len(self.running)} running > cap {self.max_running_requests}")
+        size = self.pool.block_size
+        for req in self.running:
+            assert req.status is RequestStatus.RUNNING, f"{req.request_id} running as {req.status}"
+            num_slots = len(self.pool.block_tables[req.request_id]) * size
+            assert num_slots >= req.num_computed_tokens, (
+                f"{req.request_id}: {num_slots} KV slots < {req.num_computed_tokens} computed")
+            assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
+        for req in self.waiting:
+            assert req.status is RequestStatus.WAITING, f"{req.request_id} waiting as {req.status}"
+            assert req.num_computed_tokens == 0, f"waiting {req.request_id} has computed tokens"

@@ -1,0 +1,34 @@
+"""Backend registry: names to functions, clear errors, no triton import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe_ref import moe_loop_ref
+from moeserve.kernels.paged_attention import paged_attention_ref
+from moeserve.kernels.registry import get_attention_backend, get_moe_backend
+
+
+def test_known_backends() -> None:
+    assert get_moe_backend("torch") is moe_loop_ref
+    assert get_moe_backend("grouped_mm") is moe_grouped_mm
+    assert get_attention_backend("torch") is paged_attention_ref
+
+
+def test_unknown_backend_names_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"moe_backend 'cutlass'; choices: grouped_mm, torch"):
+        get_moe_backend("cutlass")
+    with pytest.raises(ValueError, match=r"attention_backend 'flash'; choices: torch"):
+        get_attention_backend("flash")
+
+
+def test_importing_kernels_does_not_import_triton() -> None:
+    code = ("import sys, moeserve.kernels.registry, moeserve.kernels.routing, "
+            "moeserve.kernels.moe_ref; assert 'triton' not in sys.modules, 'triton imported'")
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,37 @@
+"""The command line: presets listing, offline generate on tiny-moe, errors as messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moeserve.cli import main
+
+
+def test_presets_lists_shapes(capsys: pytest.CaptureFixture) -> None:
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-moe" in out and "qwen3-30b-a3b" in out and "mixtral-8x7b" in out
+    assert "30.532B" in out  # Qwen3-30B-A3B's parameter count, from its shape alone
+
+
+def test_generate_tiny_moe(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out_file = tmp_path / "gen.json"
+    rc = main(["generate", "--preset", "tiny-moe", "--device", "cpu", "--num-prompts", "3",
+               "--max-tokens", "5", "--ignore-eos", "--max-running-requests", "2",
+               "--json-out", str(out_file)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "moeserve capacity report" in text and "max running requests" in text
+    result = json.loads(out_file.read_text())
+    assert result["summary"]["output_tokens"] == 15
+    assert result["capacity"]["max_running_requests"] == 2
+    assert result["capacity"]["kv_tokens"] > 0
+
+
+def test_generate_bad_flag_value(capsys: pytest.CaptureFixture) -> None:
+    rc = main(["generate", "--preset", "tiny-moe", "--device", "cpu", "--block-size", "12"])
+    assert rc == 2
+    assert "block_size must be a power of two" in capsys.readouterr().err
