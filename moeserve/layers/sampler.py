@@ -5,7 +5,7 @@ from the requests' SamplingParams) and `sample` (logits -> token ids, plus logpr
 
     logits [B, V] --argmax----------------------------------------------> greedy rows
            |-- fp32 / temperature -> top-k -> top-p -> min-p -> softmax
-           |        -> argmax(probs / E), E ~ Exp(1) from hash(seed, position, vocab index) -> others
+           |        -> argmax(probs / E), E ~ Exp(1) = hash(seed, position, vocab index) -> others
            '-- logsumexp, topk -----------------------------------------> logprobs (raw model)
 
 Randomness is counter-based: the exponential noise of row b at vocab index v is a pure function
