@@ -57,7 +57,8 @@ def run_w1_offline(preset: str, concurrency: int, input_len: int, output_len: in
     prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_prompts)]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
 
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=32, temperature=0.0))  # warm-up
+    warmup = [rng.randrange(vocab) for _ in range(16)]  # shares no block with the prompts
+    llm.generate([warmup], SamplingParams(max_tokens=32, temperature=0.0))
     time.sleep(1.0)
     stats = llm.engine.scheduler.stats
     base_steps, base_hits = stats.num_scheduled_steps, stats.num_prefix_hit_tokens
