@@ -1,0 +1,93 @@
+"""Where a decode step's time goes: scheduler, runner (host + GPU), update, and GPU kernel time.
+
+Fills the engine with B requests of 128 random prompt tokens, runs until all decode, then times
+N decode steps phase by phase (synchronising the GPU after each phase) and profiles one step with
+torch.profiler to sum GPU kernel time by kind. Writes JSON with the environment.
+
+    python benchmarks/profile_step.py --preset qwen3-30b-a3b --batch 256 1024 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from benchmarks.w1_offline import environment
+from moeserve import LLM, SamplingParams
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict) -> dict:
+    llm = LLM(preset, max_running_requests=batch, **engine_args)
+    rng = random.Random(batch)
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        llm.add_request([rng.randrange(vocab) for _ in range(128)], params)
+    engine, sched = llm.engine, llm.engine.scheduler
+    while True:  # prefill everything
+        out = sched.schedule()
+        sched.update(out, engine.runner.execute(out))
+        if all(n == 1 for n in out.num_scheduled_tokens) and out.num_reqs == batch:
+            break
+    phases: dict[str, list[float]] = {"schedule": [], "execute": [], "update": [], "step": []}
+    for _ in range(num_steps):
+        _sync()
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        result = engine.runner.execute(out)  # ends with .tolist(): the GPU is done
+        t2 = time.perf_counter()
+        sched.update(out, result)
+        t3 = time.perf_counter()
+        for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            phases[k].append(v * 1e3)
+    kernels = {}
+    if torch.cuda.is_available():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = sched.schedule()
+            sched.update(out, engine.runner.execute(out))
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        gpu_total = sum(e.self_device_time_total for e in events) / 1e3
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:15]
+        kernels = {"gpu_busy_ms": gpu_total,
+                   "top": [{"name": e.key[:120], "ms": e.self_device_time_total / 1e3,
+                            "calls": e.count} for e in top]}
+    result = {"preset": preset, "batch": batch, "num_steps": num_steps,
+              "median_ms": {k: statistics.median(v) for k, v in phases.items()},
+              "gpu_kernels_one_step": kernels, "capacity_report": llm.report.to_dict(),
+              "environment": environment()}
+    del llm
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--batch", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--moe-backend", default="grouped_mm")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    for b in args.batch:
+        r = profile_batch(args.preset, b, args.steps, {"moe_backend": args.moe_backend})
+        with open(os.path.join(args.out, f"profile_step_{args.preset}_b{b}.json"), "w") as f:
+            json.dump(r, f, indent=2)
+        print(json.dumps({"batch": b, **r["median_ms"],
+                          "gpu_busy_ms": r["gpu_kernels_one_step"].get("gpu_busy_ms")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
