@@ -1,0 +1,149 @@
+"""Messages between the API server process and the engine core process (msgspec over ZMQ).
+
+    API process  --PUSH-->  engine   AddRequest | AbortRequests | Ping | Shutdown
+    API process  <--PUSH--  engine   Ready (once, with the capacity report) | StepOutputs | Pong
+
+One StepOutputs message carries every request's output of one engine step plus a stats snapshot,
+so the API side handles one message per step, not one per token. Token ids only: text lives in
+the API process.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from moeserve.types import FinishReason, Logprobs, RequestOutput, SamplingParams
+
+
+class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @classmethod
+    def from_params(cls, p: SamplingParams) -> WireSamplingParams:
+        # stop strings stay in the API process (the detokenizer finds them)
+        return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed,
+                   list(p.stop_token_ids), p.ignore_eos, p.logprobs)
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
+                              ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: WireSamplingParams
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+    reason: str = FinishReason.ABORT.value  # "stop" when the API side found a stop string
+
+
+class Ping(msgspec.Struct, tag=True, array_like=True):
+    seq: int
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+ToEngine = AddRequest | AbortRequests | Ping | Shutdown
+
+
+class WireLogprobs(msgspec.Struct, array_like=True):
+    token_logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    logprobs: list[WireLogprobs] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # the request was refused (e.g. it failed validation)
+
+    @classmethod
+    def from_output(cls, o: RequestOutput) -> WireOutput:
+        lps = None if o.logprobs is None else [
+            WireLogprobs(lp.token_logprob, lp.top_token_ids, lp.top_logprobs) for lp in o.logprobs]
+        stop = o.stop_reason if isinstance(o.stop_reason, int) else None
+        return cls(o.request_id, o.new_token_ids, o.finished,
+                   o.finish_reason.value if o.finish_reason else None, stop, lps,
+                   o.num_cached_tokens, o.error)
+
+    def to_output(self, prompt_token_ids: list[int]) -> RequestOutput:
+        lps = None if self.logprobs is None else [
+            Logprobs(lp.token_logprob, lp.top_token_ids, lp.top_logprobs) for lp in self.logprobs]
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=prompt_token_ids,
+            new_token_ids=self.new_token_ids, finished=self.finished,
+            finish_reason=FinishReason(self.finish_reason) if self.finish_reason else None,
+            stop_reason=self.stop_reason, logprobs=lps,
+            num_cached_tokens=self.num_cached_tokens, error=self.error)
+
+
+class EngineStats(msgspec.Struct, omit_defaults=False):
+    """A snapshot of the engine after a step (for /metrics and /v1/engine)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_prompt_tokens: int = 0  # cumulative tokens computed for prompts (incl. recompute)
+    num_generated_tokens: int = 0
+    num_aborted: int = 0
+    num_refused: int = 0  # add requests refused by validation
+    step_seconds: float = 0.0  # wall seconds of the last step
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    outputs: list[WireOutput]
+    stats: EngineStats
+
+
+class Ready(msgspec.Struct, tag=True):
+    capacity_report: dict
+    max_model_len: int
+    max_running_requests: int
+    vocab_size: int
+
+
+class Pong(msgspec.Struct, tag=True, array_like=True):
+    seq: int
+    stats: EngineStats
+
+
+FromEngine = Ready | StepOutputs | Pong
+
+_to_engine = msgspec.msgpack.Encoder()
+_decode_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_decode_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _to_engine.encode(msg)
+
+
+def decode_to_engine(data: bytes) -> ToEngine:
+    return _decode_to_engine.decode(data)
+
+
+def decode_from_engine(data: bytes) -> FromEngine:
+    return _decode_from_engine.decode(data)
