@@ -341,6 +341,21 @@ def resolve_max_running_requests(sched: SchedulerConfig, num_kv_tokens: int) -> 
     return value, "explicit"
 
 
+def load_model_config(model: str) -> tuple[ModelConfig, bool]:
+    """A checkpoint folder's config.json, or a preset. Returns (config, is_preset)."""
+    from moeserve.presets import is_preset, load_preset
+
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"model folder {model!r} has no config.json")
+        return ModelConfig.from_file(path), False
+    if is_preset(model):
+        return ModelConfig.from_hf(load_preset(model)), True
+    raise ConfigError(f"model {model!r} is neither a checkpoint folder nor a preset "
+                      "(see `moeserve presets`)")
+
+
 def env_flag(name: str, default: str = "") -> str:
     """Read a MOESERVE_ environment variable (the one place they are read)."""
     return os.environ.get(f"MOESERVE_{name}", default)

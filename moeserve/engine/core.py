@@ -13,38 +13,26 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import random
+import time
+from dataclasses import dataclass
 
 import torch
 
 from moeserve.config import (
     ConfigError,
     EngineConfig,
-    ModelConfig,
     SchedulerConfig,
+    load_model_config,
     resolve_max_running_requests,
     resolve_static,
 )
-from moeserve.presets import is_preset, load_preset
+from moeserve.engine.validate import validate_request
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.kv_cache import allocate_kv_caches, plan_memory
 from moeserve.runner.model_runner import ModelRunner, timed
 from moeserve.sched import Request, Scheduler
-from moeserve.types import FinishReason, RequestOutput, SamplingParams
-
-
-def load_model_config(model: str) -> tuple[ModelConfig, bool]:
-    """A checkpoint folder's config.json, or a preset. Returns (config, is_preset)."""
-    if os.path.isdir(model):
-        path = os.path.join(model, "config.json")
-        if not os.path.isfile(path):
-            raise ConfigError(f"model folder {model!r} has no config.json")
-        return ModelConfig.from_file(path), False
-    if is_preset(model):
-        return ModelConfig.from_hf(load_preset(model)), True
-    raise ConfigError(f"model {model!r} is neither a checkpoint folder nor a preset "
-                      "(see `moeserve presets`)")
+from moeserve.types import FinishReason, RequestOutput, SamplingParams, SchedulerOutput
 
 
 class EngineCore:
@@ -83,6 +71,7 @@ class EngineCore:
             num_params=self.model_config.num_params(), engine_config=self.cfg, memory=plan,
             max_running_requests=self.max_running_requests, max_running_requests_rule=rule,
             resolved=resolved, phase_seconds=phases)
+        self.counters = StepCounters()
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.cfg.seed)
 
@@ -111,23 +100,10 @@ class EngineCore:
             arrival_seq=next(self._arrivals)))
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if self.scheduler.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
-        max_len = self.cfg.scheduler.max_model_len
-        if len(prompt) >= max_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; max_model_len is {max_len}, "
-                             f"so a prompt may have at most {max_len - 1}")
+        validate_request(prompt, params, self.model_config.vocab_size,
+                         self.cfg.scheduler.max_model_len)
 
     def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
         """Finish requests now (abort, or a stop string found by the caller); frees their KV."""
@@ -139,8 +115,27 @@ class EngineCore:
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.num_reqs == 0:
             return []
         result = self.runner.execute(out)
-        return self.scheduler.update(out, result)
+        outputs = self.scheduler.update(out, result)
+        self.counters.record(out, outputs, time.perf_counter() - start)
+        return outputs
+
+
+@dataclass(slots=True)
+class StepCounters:
+    """Cumulative token counts of the step loop (for stats and metrics)."""
+
+    num_prompt_tokens: int = 0  # tokens computed for prompts (recomputation included)
+    num_generated_tokens: int = 0
+    last_step_seconds: float = 0.0
+
+    def record(self, out: SchedulerOutput, outputs: list[RequestOutput], seconds: float) -> None:
+        decodes = sum(1 for n, k in zip(out.num_scheduled_tokens, out.num_output_tokens)
+                      if n == 1 and k > 0)
+        self.num_prompt_tokens += out.total_num_tokens - decodes
+        self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
+        self.last_step_seconds = seconds

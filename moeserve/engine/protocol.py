@@ -118,7 +118,7 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     stats: EngineStats
 
 
-class Ready(msgspec.Struct, tag=True):
+class Ready(msgspec.Struct, tag=True, array_like=True):
     capacity_report: dict
     max_model_len: int
     max_running_requests: int
@@ -130,7 +130,11 @@ class Pong(msgspec.Struct, tag=True, array_like=True):
     stats: EngineStats
 
 
-FromEngine = Ready | StepOutputs | Pong
+class StartupFailed(msgspec.Struct, tag=True, array_like=True):
+    error: str  # the exception's message, e.g. a ConfigError naming the bad field
+
+
+FromEngine = Ready | StepOutputs | Pong | StartupFailed
 
 _to_engine = msgspec.msgpack.Encoder()
 _decode_to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -1,0 +1,246 @@
+"""The API process's handle on the engine core process.
+
+    generate(id, prompt, params) --AddRequest--> engine process --StepOutputs--> _read_outputs()
+         ^                                                                          |
+         '---- per-request asyncio.Queue <-- WireOutput (one per request per step) -'
+
+The client starts the engine process, validates requests before they leave (so a bad request gets
+a ValueError naming its problem and never reaches the engine), bounds the number of requests in
+flight (QueueFullError beyond max_running_requests + max_waiting_requests: the server's 429),
+detokenizes each step's tokens and applies stop strings, and aborts a request in the engine when
+its consumer goes away. ZMQ does not report a dead peer, so a watchdog polls the engine process:
+when it dies, `alive` turns False and every waiting generate() raises EngineDeadError at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from moeserve.config import load_model_config
+from moeserve.detokenizer import IncrementalDetokenizer
+from moeserve.engine import protocol as p
+from moeserve.engine.core_proc import run_engine_core
+from moeserve.engine.validate import validate_request
+from moeserve.tokenizer import load_tokenizer
+from moeserve.types import FinishReason, RequestOutput, SamplingParams
+
+_WATCHDOG_SECONDS = 0.1
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process died or is shutting down (HTTP 503)."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting (HTTP 429 with Retry-After)."""
+
+
+class AsyncEngineClient:
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pings: dict[int, asyncio.Future] = {}
+        self._ping_ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._dead_reason: str | None = None
+        self.stats = p.EngineStats()
+
+    @classmethod
+    async def start(cls, engine_kwargs: dict, max_waiting_requests: int = 4096,
+                    served_model_name: str | None = None,
+                    startup_timeout: float = 600.0) -> AsyncEngineClient:
+        """Spawn the engine process and wait until it is ready (RuntimeError if it fails)."""
+        self = cls()
+        model = str(engine_kwargs.get("model", "tiny-moe"))
+        self.model_name = served_model_name or model
+        self.max_waiting_requests = max_waiting_requests
+        self.model_config, _ = load_model_config(model)
+        mc = self.model_config
+        folder = engine_kwargs.get("tokenizer") or (None if mc.tokenizer else model)
+        self.tokenizer = load_tokenizer(folder, mc.tokenizer, mc)
+        self._init_sockets()
+        self._proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="moeserve-engine", daemon=True,
+            args=(dict(engine_kwargs), self._inbox_addr, self._outbox_addr))
+        self._proc.start()
+        try:
+            await asyncio.wait_for(self._wait_ready(), startup_timeout)
+        except BaseException:
+            await self.shutdown()
+            raise
+        self._tasks = [asyncio.create_task(self._read_outputs()),
+                       asyncio.create_task(self._watchdog())]
+        return self
+
+    def _init_sockets(self) -> None:
+        self._ipc_dir = tempfile.mkdtemp(prefix="moeserve-")
+        self._inbox_addr = f"ipc://{self._ipc_dir}/to-engine"
+        self._outbox_addr = f"ipc://{self._ipc_dir}/from-engine"
+        self._ctx = zmq.asyncio.Context()
+        self._to_engine = self._ctx.socket(zmq.PUSH)
+        self._to_engine.bind(self._inbox_addr)
+        self._from_engine = self._ctx.socket(zmq.PULL)
+        self._from_engine.bind(self._outbox_addr)
+
+    async def _wait_ready(self) -> None:
+        while True:
+            if await self._from_engine.poll(100):
+                msg = p.decode_from_engine(await self._from_engine.recv())
+                if isinstance(msg, p.StartupFailed):
+                    raise RuntimeError(f"the engine failed to start: {msg.error}")
+                if isinstance(msg, p.Ready):
+                    self.capacity_report = msg.capacity_report
+                    self.max_model_len = msg.max_model_len
+                    self.max_running_requests = msg.max_running_requests
+                    return
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the engine process exited during start-up "
+                                   f"(exit code {self._proc.exitcode})")
+
+    # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._dead_reason is None and self._proc.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    async def check_ready(self, timeout: float = 1.0) -> bool:
+        """True when the engine loop answers a ping within `timeout` seconds."""
+        if not self.alive:
+            return False
+        seq = next(self._ping_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pings[seq] = future
+        try:
+            self._send(p.Ping(seq=seq))
+            await asyncio.wait_for(future, timeout)
+            return True
+        except (TimeoutError, EngineDeadError):
+            return False
+        finally:
+            self._pings.pop(seq, None)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs, one per engine step (see module doc)."""
+        if not self.alive:
+            raise EngineDeadError(self._dead_reason or "the engine process is not running")
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size,
+                         self.max_model_len)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.num_in_flight >= self.max_running_requests + self.max_waiting_requests:
+            raise QueueFullError(f"{self.num_in_flight} requests in flight: the waiting queue "
+                                 f"({self.max_waiting_requests}) is full")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop)
+        finished = False
+        try:
+            self._send(p.AddRequest(request_id, list(prompt_token_ids),
+                                    p.WireSamplingParams.from_params(params)))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                out = self._to_output(item, prompt_token_ids, detok)
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.alive:  # the consumer went away: free the request's KV
+                self._send(p.AbortRequests([request_id]))
+
+    def _to_output(self, wire: p.WireOutput, prompt: list[int],
+                   detok: IncrementalDetokenizer) -> RequestOutput:
+        if wire.error is not None:
+            raise ValueError(wire.error)
+        out = wire.to_output(prompt)
+        out.text = detok.add(out.new_token_ids)
+        if detok.stop_hit is not None:
+            if not out.finished:  # the engine does not know about stop strings
+                self._send(p.AbortRequests([out.request_id], FinishReason.STOP.value))
+            out.finished, out.finish_reason = True, FinishReason.STOP
+            out.stop_reason = detok.stop_hit
+        if out.finished:
+            out.text += detok.flush()
+        return out
+
+    async def abort(self, request_id: str) -> None:
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            if self.alive:
+                self._send(p.AbortRequests([request_id]))
+            queue.put_nowait(p.WireOutput(request_id, [], finished=True,
+                                          finish_reason=FinishReason.ABORT.value))
+
+    def _send(self, msg: p.ToEngine) -> None:
+        if not self.alive:
+            raise EngineDeadError(self._dead_reason or "the engine process is not running")
+        # NOTE: PUSH to one connected peer never blocks under its high-water mark; send without
+        # awaiting so that generate()'s cleanup can abort from a finally block.
+        self._to_engine.send(p.encode(msg), flags=zmq.NOBLOCK)
+
+    # ---- background tasks ----------------------------------------------------------------
+
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = p.decode_from_engine(await self._from_engine.recv())
+            if isinstance(msg, p.StepOutputs):
+                self.stats = msg.stats
+                for out in msg.outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+            elif isinstance(msg, p.Pong):
+                self.stats = msg.stats
+                future = self._pings.get(msg.seq)
+                if future is not None and not future.done():
+                    future.set_result(None)
+
+    async def _watchdog(self) -> None:
+        while self._dead_reason is None:
+            await asyncio.sleep(_WATCHDOG_SECONDS)
+            if not self._proc.is_alive():
+                self._fail_all(f"the engine process died (exit code {self._proc.exitcode})")
+
+    def _fail_all(self, reason: str) -> None:
+        """Mark the engine dead and end every in-flight request with EngineDeadError."""
+        if self._dead_reason is None:
+            self._dead_reason = reason
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+        for future in self._pings.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """End in-flight requests with EngineDeadError, stop the engine process, clean up."""
+        if self._proc.is_alive() and self._dead_reason is None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._to_engine.send(p.encode(p.Shutdown()), flags=zmq.NOBLOCK)
+        self._fail_all("the server is shutting down")
+        for task in self._tasks:
+            task.cancel()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._proc.join, timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            await loop.run_in_executor(None, self._proc.join, 5.0)
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

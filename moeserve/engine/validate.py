@@ -1,0 +1,26 @@
+"""Request validation shared by the engine core and the API process (no torch here).
+
+Every check names what is wrong, so the caller can return it as-is (a ValueError, HTTP 400).
+"""
+
+from __future__ import annotations
+
+from moeserve.types import SamplingParams
+
+
+def validate_request(prompt: list[int], params: SamplingParams, vocab_size: int,
+                     max_model_len: int) -> None:
+    """Raise ValueError naming the first problem of a request; return None when it is servable."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; max_model_len is {max_model_len}, "
+                         f"so a prompt may have at most {max_model_len - 1}")
