@@ -1,4 +1,4 @@
-"""The `moeserve` command line: `generate` (offline, in-process) and `presets`.
+"""The `moeserve` command line: `serve`, `bench`, `generate` (offline, in-process), `presets`.
 
 Engine flags come from the config dataclasses (engine/args.py), so every knob the engine has is a
 flag with the field's own docstring as its help.
@@ -73,11 +73,33 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from moeserve.server.launch import run_serve
+
+    return run_serve(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from moeserve.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("presets", help="list the built-in model presets").set_defaults(
         func=_cmd_presets)
+    serve = sub.add_parser("serve", help="the OpenAI-compatible server (API + engine processes)")
+    serve.set_defaults(func=_cmd_serve)
+    from moeserve.server.launch import add_serve_args
+
+    add_serve_args(serve)
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server (or start one)")
+    bench.set_defaults(func=_cmd_bench)
+    from moeserve.bench.cli import add_bench_args
+
+    add_bench_args(bench)
     gen = sub.add_parser("generate", help="generate offline with the in-process engine")
     gen.set_defaults(func=_cmd_generate)
     gen.add_argument("--preset", dest="model", help="a built-in preset (same as --model NAME)")

@@ -68,7 +68,8 @@ class EngineCore:
                                    self.cfg.cache.enable_prefix_caching)
         self.report = CapacityReport(
             model=self.cfg.model, architecture=self.model_config.architecture,
-            num_params=self.model_config.num_params(), engine_config=self.cfg, memory=plan,
+            num_params=self.model_config.num_params(),
+            vocab_size=self.model_config.vocab_size, engine_config=self.cfg, memory=plan,
             max_running_requests=self.max_running_requests, max_running_requests_rule=rule,
             resolved=resolved, phase_seconds=phases)
         self.counters = StepCounters()

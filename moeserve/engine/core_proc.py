@@ -67,6 +67,7 @@ class _EngineLoop:
         self.poller.register(inbox, zmq.POLLIN)
         self.refused: list[p.WireOutput] = []
         self.num_refused = 0
+        self.stats_stale = False  # an add/abort changed the state since the last message
         self.running = True
 
     def run(self) -> None:
@@ -76,9 +77,13 @@ class _EngineLoop:
             if os.getppid() != self.parent:
                 return  # orphaned: the API process is gone
             outputs = self.core.step() if self.running else []
-            if outputs or self.refused:
+            idle = not self.core.has_unfinished_requests()
+            if outputs or self.refused or (idle and self.stats_stale):
+                # NOTE: the last message before going idle carries fresh stats (an abort of the
+                # last request produces no output, but /metrics must see running == 0)
                 wire = self.refused + [p.WireOutput.from_output(o) for o in outputs]
                 self.refused = []
+                self.stats_stale = not idle
                 self.outbox.send(p.encode(p.StepOutputs(outputs=wire, stats=self._stats())))
 
     def _drain(self, timeout_ms: int) -> None:
@@ -88,6 +93,7 @@ class _EngineLoop:
             timeout_ms = 0
 
     def _handle(self, msg: p.ToEngine) -> None:
+        self.stats_stale |= isinstance(msg, (p.AddRequest, p.AbortRequests))
         if isinstance(msg, p.AddRequest):
             try:
                 self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params.to_params())

@@ -20,6 +20,7 @@ class CapacityReport:
     model: str
     architecture: str
     num_params: int
+    vocab_size: int
     engine_config: EngineConfig  # fully resolved
     memory: MemoryPlan
     max_running_requests: int
@@ -33,6 +34,7 @@ class CapacityReport:
             "model": self.model,
             "architecture": self.architecture,
             "num_params": self.num_params,
+            "vocab_size": self.vocab_size,
             "engine_config": dataclasses.asdict(self.engine_config),
             "memory": self.memory.to_dict(),
             "weights_gib": self.memory.weight_bytes / GiB,

@@ -1,0 +1,177 @@
+"""The FastAPI app: routes, authentication, errors, and the engine's shutdown with the app.
+
+    POST /v1/completions        serve_completions.py     (Bearer key when --api-key)
+    POST /v1/chat/completions   serve_chat.py            (Bearer key when --api-key)
+    GET  /v1/models             the served model          (Bearer key when --api-key)
+    GET  /v1/engine             capacity report + live engine stats + server settings (key too)
+    GET  /health                200 while this process is up
+    GET  /ready                 200 only when the engine process is alive and its loop answers
+    GET  /metrics               Prometheus text (metrics.py)
+
+Every /v1 response carries an X-Request-Id ("cmpl-...", "chatcmpl-..." for generation). Every
+error is OpenAI-style JSON (errors.py): a route raises APIError and `_guard` answers it; unknown
+routes and methods too. The app's lifespan ends by shutting the engine client down, which ends
+in-flight requests with an error and stops the engine process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from moeserve.server.errors import APIError
+from moeserve.server.metrics import ServerMetrics
+from moeserve.server.serve_chat import create_chat_completion
+from moeserve.server.serve_completions import create_completion
+from moeserve.server.serving import ServerContext, new_request_id, now
+
+if TYPE_CHECKING:
+    from moeserve.engine.async_client import AsyncEngineClient
+
+logger = logging.getLogger("moeserve.server")
+_REJECTED = {429: "queue_full", 503: "engine_unavailable"}
+Handler = Callable[[ServerContext, Request, str], Awaitable[Response]]
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+async def shutdown_engine(app: FastAPI) -> None:
+    """Shut the engine client down once (the lifespan and the server's signal path both call
+    this)."""
+    ctx: ServerContext = app.state.ctx
+    if not ctx.shut_down:
+        ctx.shut_down = True
+        await ctx.client.shutdown()
+
+
+def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
+              settings: dict[str, Any] | None = None) -> FastAPI:
+    """The HTTP app over a started engine client.
+
+    Args:
+        client: a started AsyncEngineClient; the app's shutdown shuts it down.
+        api_key: when set, every /v1 route requires "Authorization: Bearer <api_key>".
+        settings: the server's own settings, shown at /v1/engine (host, port, ...).
+    """
+    names = {client.model_name, str(client.capacity_report.get("model", client.model_name))}
+    ctx = ServerContext(client=client, metrics=ServerMetrics(client),
+                        model_names=frozenset(names), api_key=api_key or None,
+                        settings=dict(settings or {}))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await shutdown_engine(app)
+
+    app = FastAPI(title="moeserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.ctx = ctx
+    _add_routes(app, ctx)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).to_response()
+
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
+    client = ctx.client
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _guard(ctx, request, "cmpl", create_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _guard(ctx, request, "chatcmpl", create_chat_completion)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await _guard(ctx, request, None, _list_models)
+
+    @app.get("/v1/engine")
+    async def engine(request: Request) -> Response:
+        return await _guard(ctx, request, None, _engine_state)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return _json({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if client.alive and await client.check_ready():
+            return _json({"status": "ready"})
+        reason = "the engine process is not alive" if not client.alive else \
+            "the engine loop did not answer"
+        return _json({"status": "not ready", "reason": reason}, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await _refresh_stats(client)
+        return Response(ctx.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _refresh_stats(client: AsyncEngineClient) -> None:
+    """The client's stats arrive with each engine step; an idle engine sends none, so ask it
+    (a ping's answer carries a fresh snapshot, taken after every message sent before it)."""
+    if client.alive:
+        await client.check_ready(timeout=0.5)
+
+
+async def _guard(ctx: ServerContext, request: Request, id_prefix: str | None,
+                 handler: Handler) -> Response:
+    """Authentication, then the handler; an APIError becomes its JSON response."""
+    request_id = new_request_id(id_prefix) if id_prefix else ""
+    try:
+        _check_api_key(ctx, request)
+        return await handler(ctx, request, request_id)
+    except APIError as e:
+        if id_prefix:
+            ctx.metrics.rejected.labels(_REJECTED.get(e.status, "invalid_request")).inc()
+        level = logging.DEBUG if e.status == 429 else logging.INFO
+        logger.log(level, "%s %s %s: %d %s", request_id or "-", request.method,
+                   request.url.path, e.status, e.message)
+        return e.to_response(request_id)
+
+
+def _check_api_key(ctx: ServerContext, request: Request) -> None:
+    if ctx.api_key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             ctx.api_key.encode()):
+        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _list_models(ctx: ServerContext, request: Request, request_id: str) -> Response:
+    card = {"id": ctx.served_model, "object": "model", "created": now(), "owned_by": "moeserve",
+            "max_model_len": ctx.client.max_model_len}
+    return _json({"object": "list", "data": [card]})
+
+
+async def _engine_state(ctx: ServerContext, request: Request, request_id: str) -> Response:
+    client = ctx.client
+    await _refresh_stats(client)
+    server = {**ctx.settings, "served_model_name": ctx.served_model,
+              "api_key": ctx.api_key is not None, "max_model_len": client.max_model_len,
+              "max_running_requests": client.max_running_requests,
+              "max_waiting_requests": getattr(client, "max_waiting_requests", None),
+              "num_in_flight": client.num_in_flight, "engine_alive": client.alive}
+    return _json({"capacity_report": client.capacity_report,
+                  "stats": msgspec.structs.asdict(client.stats), "server": server})

@@ -1,0 +1,179 @@
+"""`moeserve serve`: its flags, and the start-up and shutdown of the API server process.
+
+    run_serve(args)
+      -> AsyncEngineClient.start(engine args)     spawns the engine process, waits for Ready
+      -> print the capacity report
+      -> uvicorn (uvloop, httptools when installed else h11, no access log, a deep listen
+         backlog and the open-files limit raised, for thousands of streams) serving build_app
+    SIGINT / SIGTERM
+      -> the engine client shuts down first: in-flight requests end with an error (503, or an
+         error event in a stream) instead of holding the graceful shutdown open
+      -> uvicorn closes the listeners and connections, the app's lifespan ends; exit code 0
+
+The engine client and uvicorn run on one uvloop event loop that this module creates, so the
+client's sockets and the HTTP handlers share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import logging
+import resource
+import signal
+import socket
+from typing import TYPE_CHECKING, Any
+
+from moeserve.engine.args import add_engine_args, engine_kwargs_from_args
+
+if TYPE_CHECKING:  # imported when serving, so that building the CLI parser stays light
+    from fastapi import FastAPI
+
+logger = logging.getLogger("moeserve.server")
+_BACKLOG = 16384  # pending connections: a 2,048-stream benchmark opens them all at once
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags, then every engine flag (which include --model)."""
+    parser.add_argument("--preset", dest="model", default=None,
+                        help="a built-in preset (same as --model NAME)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
+                        "127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
+                        "on every /v1 route (/health, /ready, /metrics stay open)")
+    parser.add_argument("--served-model-name", default=None, help="the model name clients "
+                        "see in /v1/models and may send as 'model' (default: --model)")
+    parser.add_argument("--max-waiting-requests", type=int, default=4096, help="requests "
+                        "that may wait beyond max_running_requests; more get HTTP 429 "
+                        "(default: 4096)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"],
+                        help="log level of the server (debug logs every request)")
+    add_engine_args(parser)
+
+
+def raise_open_files_limit() -> None:
+    """One socket per client: thousands of streams need more than the usual 1,024 files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as e:
+            logger.warning("could not raise the open-files limit from %d: %s", soft, e)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket (uvicorn listens on it with its backlog)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def http_implementation() -> str:
+    return "httptools" if importlib.util.find_spec("httptools") else "h11"
+
+
+def format_capacity(report: dict[str, Any]) -> str:
+    """The engine's capacity report (CapacityReport.to_dict()) as terminal lines."""
+    cfg = report.get("engine_config", {})
+    sched = cfg.get("scheduler", {})
+    rows = [
+        ("model", f"{report.get('model')} ({report.get('architecture')}, "
+                  f"{report.get('num_params', 0) / 1e9:.2f} B params)"),
+        ("device / dtype", f"{cfg.get('device')} / {cfg.get('dtype')}"),
+        ("weights", f"{report.get('weights_gib', 0.0):.2f} GiB"),
+        ("KV cache", f"{report.get('kv_blocks')} blocks = {report.get('kv_tokens', 0):,} tokens"),
+        ("max running requests", f"{report.get('max_running_requests')} <- "
+                                 f"{report.get('max_running_requests_rule')}"),
+        ("max model len", str(sched.get("max_model_len"))),
+        ("CUDA graphs", str(report.get("cuda_graphs"))),
+        ("start-up", ", ".join(f"{k} {v:.2f}s"
+                               for k, v in report.get("phase_seconds", {}).items())),
+    ]
+    rows += [(f"auto {k}", v) for k, v in report.get("resolved", {}).items()]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["moeserve capacity report"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start the engine and serve HTTP until SIGINT/SIGTERM. Returns the exit code."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(_serve(args))
+    except KeyboardInterrupt:  # interrupted during start-up
+        return 130
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from moeserve.engine.async_client import AsyncEngineClient
+    from moeserve.server.app import build_app, shutdown_engine
+
+    try:  # bind first: a port in use fails now, not after minutes of engine start-up
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        logger.error("cannot listen on %s:%s: %s", args.host, args.port, e)
+        return 1
+    try:
+        client = await AsyncEngineClient.start(engine_kwargs_from_args(args),
+                                               max_waiting_requests=args.max_waiting_requests,
+                                               served_model_name=args.served_model_name)
+    except RuntimeError as e:  # the engine failed to start: its error names the problem
+        logger.error("%s", e)
+        sock.close()
+        return 1
+    except BaseException:
+        sock.close()
+        raise
+    print(format_capacity(client.capacity_report), flush=True)
+    http = http_implementation()
+    settings = {"host": args.host, "port": args.port, "http": http, "loop": "uvloop",
+                "max_waiting_requests": args.max_waiting_requests,
+                "engine_args": json.loads(json.dumps(engine_kwargs_from_args(args),
+                                                     default=str))}
+    app = build_app(client, args.api_key, settings=settings)
+    raise_open_files_limit()
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http=http,
+                            access_log=False, log_level=args.log_level, lifespan="on",
+                            backlog=_BACKLOG)
+    server = _server(config, app)
+    # uvicorn restores these after its graceful shutdown and re-raises the signal it got:
+    # make that a no-op, so a handled SIGINT/SIGTERM ends in a clean exit code 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await shutdown_engine(app)
+    return 0
+
+
+def _server(config: Any, app: FastAPI) -> Any:
+    """A uvicorn.Server that shuts the engine client down before waiting for connections."""
+    import uvicorn
+
+    from moeserve.server.app import shutdown_engine
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            logger.info("shutting down: ending in-flight requests, stopping the engine")
+            await shutdown_engine(app)
+            await super().shutdown(sockets)
+
+    return Server(config)

@@ -1,0 +1,366 @@
+"""The OpenAI wire protocol: pydantic models for requests and responses (and nothing else).
+
+Requests are parsed strictly: a field we do not support is an error (`extra="forbid"`), a value
+of the wrong JSON type is an error (`strict=True`: no "1" for 1, no 1.0 for an int), and every
+number and list is bounded, so bad input gets a 400 naming the field before it reaches the engine.
+Fields OpenAI clients send with no effect (penalties at 0, `best_of` 1, `echo` false, an empty
+`logit_bias`, `response_format` text, no tools) are accepted at exactly those values and refused
+otherwise. `docs/openai-compat.md` lists every field.
+
+Response models document the shapes and build non-streamed responses; the streaming path writes
+the same shapes as plain dicts (for speed), and the tests validate every streamed chunk against
+the chunk models here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from moeserve.types import MAX_LOGPROBS
+
+MAX_N = 8
+MAX_CHOICES = 256  # prompts x n in one request
+MAX_STOP = 16
+MAX_STOP_LEN = 256
+MAX_STOP_TOKEN_IDS = 64
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    """Send a last chunk with `usage` and empty `choices` before [DONE]."""
+
+
+class SamplingFields(_Request):
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    """One string or a list; each ends generation and is not included in the text."""
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    # Passive fields: accepted only at the value that changes nothing.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _only_zero(cls, value: float | None) -> float | None:
+        if value not in (None, 0.0):
+            raise ValueError("is not supported (only 0 or null is accepted)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("is not supported (only {} or null is accepted)")
+        return value
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop_shape(cls, value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValueError:
+            raise ValueError(f"must be a non-empty string or a list of at most {MAX_STOP} "
+                             f"non-empty strings of at most {MAX_STOP_LEN} characters") from None
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> SamplingFields:
+        # NOTE: messages of model validators start with the field's name: it becomes `param`.
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise ValueError(f"seed + n - 1 must be at most {INT64_MAX}")
+        return self
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+PromptInput = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: PromptInput
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler: Any) -> PromptInput:
+        try:
+            return handler(value)
+        except ValueError:
+            raise ValueError("must be a string, a list of strings, a list of token ids or a list "
+                             "of token-id lists") from None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("is not supported (only false is accepted)")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("is not supported (only 1 or null is accepted)")
+        return value
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _text_parts_only(cls, value: Any, handler: Any) -> str | list[TextPart]:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"must contain only text parts ({{\"type\": \"text\", "
+                                     f"\"text\": ...}}), got a part of type {kind!r}")
+        try:
+            return handler(value)
+        except ValueError:
+            raise ValueError("must be a string or a list of text parts "
+                             "({\"type\": \"text\", \"text\": ...})") from None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Passive fields: accepted only at the value that changes nothing.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value not in (None, {"type": "text"}):
+            raise ValueError('is not supported (only {"type": "text"} or null is accepted)')
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("are not supported (only [] or null is accepted)")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise ValueError('is not supported (only "none" or null is accepted)')
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ValueError("max_completion_tokens differs from max_tokens (give one of them)")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    token_ids: list[int]  # moeserve extension: the tokens of `text`
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionStreamResponse(_Response):
+    """One SSE event of a streamed completion; the usage chunk has empty choices."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    token_ids: list[int]  # moeserve extension
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: Delta
+    token_ids: list[int]  # moeserve extension: the tokens of this delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "moeserve"
+    max_model_len: int  # moeserve extension
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo

@@ -1,0 +1,120 @@
+"""POST /v1/completions: prompts (text or token ids, one or a list) -> text.
+
+A list of prompts gives one choice per prompt (x n), indexed prompt-major like OpenAI. Each
+streamed event carries one choice's `text` and `token_ids` of one engine step (the token ids
+are a moeserve extension: a client can count tokens per event without a tokenizer).
+Logprobs use the legacy completions format: tokens, token_logprobs, top_logprobs (a dict per
+token: token text -> logprob; where two tokens have the same text, e.g. two bytes that are not
+UTF-8 on their own, the likelier one is kept) and text_offset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from moeserve.server.generation import Generation
+from moeserve.server.protocol import CompletionRequest
+from moeserve.server.serving import (
+    ChoiceResult,
+    ServerContext,
+    check_lengths,
+    check_model,
+    now,
+    parse_body,
+    sampling_params,
+    serve,
+)
+from moeserve.types import Logprobs, RequestOutput
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_THREAD_TOKENIZE_CHARS = 16384  # longer texts are tokenized off the event loop
+
+
+async def create_completion(ctx: ServerContext, request: Request, request_id: str) -> Response:
+    req = await parse_body(request, CompletionRequest)
+    check_model(ctx, req.model)
+    prompts = await tokenize_prompts(ctx, req.prompt)
+    check_lengths(ctx, prompts, req.max_tokens, "max_tokens", "prompt")
+    params = sampling_params(req, prompts, req.max_tokens, DEFAULT_MAX_TOKENS, req.logprobs,
+                             ctx.client.max_model_len)
+    choice_prompts = [p for p in prompts for _ in range(req.n)]
+    gen = Generation(ctx.client, request_id, choice_prompts, params, "prompt")
+    renderer = CompletionRenderer(ctx, request_id, req.logprobs is not None)
+    return await serve(ctx, request, request_id, req, gen, renderer, prompts)
+
+
+async def tokenize_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
+    """The prompt field as token-id lists, one per prompt."""
+    if isinstance(prompt, str):
+        return [await _encode_text(ctx, prompt)]
+    if not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    if isinstance(prompt[0], str):
+        return [await _encode_text(ctx, text) for text in prompt]
+    return prompt
+
+
+async def _encode_text(ctx: ServerContext, text: str) -> list[int]:
+    encode = ctx.client.tokenizer.encode
+    if len(text) > _THREAD_TOKENIZE_CHARS:
+        return await asyncio.to_thread(encode, text)
+    return encode(text)
+
+
+class CompletionRenderer:
+    def __init__(self, ctx: ServerContext, request_id: str, want_logprobs: bool) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.want_logprobs = want_logprobs
+        self.created = now()
+        self._offsets: list[int] = []
+
+    def envelope(self) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.served_model}
+
+    def head(self, num_choices: int) -> bytes:
+        self._offsets = [0] * num_choices
+        return b""
+
+    def chunk(self, index: int, out: RequestOutput, result: ChoiceResult) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "text": out.text,
+                                  "token_ids": out.new_token_ids, "logprobs": None,
+                                  "finish_reason": result.finish_reason}
+        if self.want_logprobs:
+            choice["logprobs"], self._offsets[index] = self.logprobs(
+                out.new_token_ids, out.logprobs or [], self._offsets[index])
+        if out.finished:
+            choice["stop_reason"] = result.stop_reason
+        return choice
+
+    def final(self, results: list[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
+        choices = []
+        for i, r in enumerate(results):
+            logprobs = self.logprobs(r.token_ids, r.logprobs, 0)[0] if self.want_logprobs else None
+            choices.append({"index": i, "text": "".join(r.text), "token_ids": r.token_ids,
+                            "logprobs": logprobs, "finish_reason": r.finish_reason,
+                            "stop_reason": r.stop_reason})
+        return {**self.envelope(), "choices": choices, "usage": usage}
+
+    def logprobs(self, token_ids: list[int], logprobs: list[Logprobs],
+                 offset: int) -> tuple[dict[str, Any], int]:
+        """The legacy format for these tokens; text_offset continues from `offset`."""
+        text = self.ctx.token_string
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, lp in zip(token_ids, logprobs):
+            token = text(token_id)[0]
+            tokens.append(token)
+            token_logprobs.append(lp.token_logprob)
+            entry: dict[str, float] = {}
+            for t, v in zip(lp.top_token_ids, lp.top_logprobs):
+                entry.setdefault(text(t)[0], v)  # tokens with the same text: keep the likeliest
+            top.append(entry)
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}, offset

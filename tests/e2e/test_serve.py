@@ -1,0 +1,221 @@
+"""End to end: a real `moeserve serve` subprocess (tiny-moe on CPU), driven by the official `openai`
+client, by raw HTTP for the failure cases, and by `moeserve bench`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+SERVE = [sys.executable, "-m", "moeserve.cli", "serve", "--preset", "tiny-moe", "--device", "cpu",
+         "--max-model-len", "512"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([*SERVE, "--port", str(self.port), *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not become ready")
+
+    def engine_pid(self) -> int:
+        """The spawned engine process (not multiprocessing's resource tracker)."""
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        return next(c.pid for c in children if "spawn_main" in " ".join(c.cmdline()))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server()
+    yield s
+    s.stop()
+
+
+def _engine_state(url: str) -> dict:
+    return httpx.get(f"{url}/v1/engine", timeout=5).json()
+
+
+def test_openai_completions_and_chat(server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt="Hello", max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 7 and out.choices[0].finish_reason == "length"
+    stream = client.completions.create(model=model, prompt="Hello", max_tokens=7, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == out.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 7
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5,
+        temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 5 and chat.choices[0].message.role == "assistant"
+    chat_stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    pieces = list(chat_stream)
+    content = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+    assert content == chat.choices[0].message.content
+    assert pieces[-1].usage.completion_tokens == 5
+
+
+def test_unsupported_field_is_rejected(server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model="tiny-moe", prompt="Hi", max_tokens=3,
+                                  presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model="tiny-moe", prompt=[1] * 600, max_tokens=3)
+
+
+def test_bench_counts_equal_server_usage(server: Server, tmp_path: Path) -> None:
+    from moeserve.bench.cli import run_bench_argv
+
+    out = tmp_path / "bench.jsonl"
+    rc = run_bench_argv(["--url", server.url, "--input-len", "16", "--output-len", "12",
+                         "--num-prompts", "8", "--max-concurrency", "4", "--output-json",
+                         str(out)])
+    assert rc == 0
+    run = json.loads(out.read_text().splitlines()[-1])
+    assert run["completed"] == 8 and run["failed"] == 0
+    for r in run["requests"]:
+        assert r["output_len"] == 12
+        assert r["streamed_tokens"] == r["output_len"]  # counted in the stream == usage
+
+
+def test_disconnect_frees_blocks(server: Server) -> None:
+    async def main() -> None:
+        body = {"model": "tiny-moe", "prompt": [1, 2, 3], "max_tokens": 400, "stream": True,
+                "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=30) as client:
+            async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    break  # one event, then the client goes away
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            state = _engine_state(server.url)["stats"]
+            if state["num_running"] == 0 and state["kv_usage"] == 0.0:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"request still holds blocks: {state}")
+
+    before = _engine_state(server.url)["stats"]["num_aborted"]
+    asyncio.run(main())
+    assert _engine_state(server.url)["stats"]["num_aborted"] == before + 1
+
+
+def test_queue_full_gets_429() -> None:
+    s = Server("--max-running-requests", "1", "--max-waiting-requests", "1")
+    try:
+        async def main() -> list[httpx.Response]:
+            body = {"model": "tiny-moe", "prompt": [5, 6], "max_tokens": 60, "ignore_eos": True}
+            async with httpx.AsyncClient(timeout=60) as client:
+                tasks = [asyncio.create_task(client.post(f"{s.url}/v1/completions", json=body))
+                         for _ in range(4)]
+                return await asyncio.gather(*tasks)
+
+        responses = asyncio.run(main())
+        codes = [r.status_code for r in responses]
+        assert codes.count(200) == 2 and codes.count(429) == 2
+        limited = next(r for r in responses if r.status_code == 429)
+        assert limited.headers["retry-after"]
+    finally:
+        s.stop()
+
+
+def test_api_key() -> None:
+    s = Server("--api-key", "sekret")
+    try:
+        body = {"model": "tiny-moe", "prompt": "Hi", "max_tokens": 2}
+        assert httpx.post(f"{s.url}/v1/completions", json=body).status_code == 401
+        ok = httpx.post(f"{s.url}/v1/completions", json=body,
+                        headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+        assert httpx.get(f"{s.url}/health").status_code == 200
+    finally:
+        s.stop()
+
+
+def test_engine_death_and_clean_shutdown() -> None:
+    s = Server()
+    try:
+        engine = psutil.Process(s.engine_pid())
+        engine.kill()
+        start = time.monotonic()
+        while httpx.get(f"{s.url}/ready").status_code == 200:
+            assert time.monotonic() - start < 2.0
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        r = httpx.post(f"{s.url}/v1/completions",
+                       json={"model": "tiny-moe", "prompt": "Hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and time.monotonic() - t0 < 1.0
+    finally:
+        s.stop()
+    assert s.proc.returncode is not None
+
+
+def test_sigterm_ends_inflight_and_leaves_no_process() -> None:
+    s = Server()
+    children = psutil.Process(s.proc.pid).children(recursive=True)
+
+    async def stream_until_closed() -> str:
+        body = {"model": "tiny-moe", "prompt": [1, 2], "max_tokens": 500, "stream": True,
+                "ignore_eos": True}
+        lines = []
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", f"{s.url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    lines.append(line)
+                    if len(lines) == 3:
+                        os.kill(s.proc.pid, signal.SIGTERM)
+        return "\n".join(lines)
+
+    try:
+        text = asyncio.run(stream_until_closed())
+        assert s.proc.wait(30) == 0
+    finally:
+        s.stop()
+    assert "error" in text  # the in-flight stream ended with an error event
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"processes left behind: {alive}"
