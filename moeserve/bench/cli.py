@@ -39,6 +39,7 @@ from moeserve.bench.server import (
     first_model,
     get_json,
     git_commit,
+    server_cpu_seconds,
     vocab_size_of,
 )
 from moeserve.bench.workloads import (
@@ -258,8 +259,10 @@ def _run_one(args: argparse.Namespace, client: ClientConfig, conc: int | None, s
                                 s["vocab_size"], s["text"], s["tokenizer"])[0]
         run_async(warmup(client, fresh))
     label = f"concurrency {conc}" if conc else f"rate {args.request_rate}"
+    api_cpu0 = server_cpu_seconds(client.base_url, client.api_key)
     with progress_bar(console, len(items), label, args.progress) as on_progress:
         run = run_timed(client, items, run_cfg, on_progress)
+    api_cpu1 = server_cpu_seconds(client.base_url, client.api_key)
     metrics = compute_metrics(run.records, run.duration)
     warnings = list(s["warnings"])
     no_usage = sum(1 for r in run.records if r.success and r.usage_completion_tokens is None)
@@ -268,5 +271,8 @@ def _run_one(args: argparse.Namespace, client: ClientConfig, conc: int | None, s
                         f"lengths are counted from the stream")
     res = build_result(metrics, run, max_concurrency=conc, request_rate=args.request_rate,
                        warnings=warnings, **provenance)
+    # the server's API process CPU over the run (moeserve exports it): is the API side the limit?
+    res["server_api_cpu_fraction"] = (None if api_cpu0 is None or api_cpu1 is None
+                                      else (api_cpu1 - api_cpu0) / run.duration)
     print_run(console, res)
     return res

@@ -56,6 +56,22 @@ def first_model(base_url: str, api_key: str | None) -> str:
         raise ValueError(f"GET {base_url}/v1/models listed no model: pass --model") from None
 
 
+def server_cpu_seconds(base_url: str, api_key: str | None = None) -> float | None:
+    """The API process's CPU seconds (`process_cpu_seconds_total` in /metrics), or None when the
+    server does not export it: sampled around a run to see whether the API side was busy."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        req = urllib.request.Request(base_url.rstrip("/") + "/metrics", headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    for line in text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    return None
+
+
 def find_key(doc: Any, key: str) -> Any | None:
     """The value of the first `key` in a nested JSON document (breadth-first), or None."""
     level = [doc]

@@ -18,7 +18,13 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
@@ -97,6 +103,7 @@ class _EngineCollector:
 class ServerMetrics:
     def __init__(self, client: AsyncEngineClient) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        ProcessCollector(registry=self.registry)  # the API process's CPU and memory
         self.meter = RateMeter()
         r = self.registry
         self.prompt_tokens = Counter("moeserve_prompt_tokens", "Prompt tokens of accepted "
