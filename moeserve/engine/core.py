@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import platform
 import random
 import time
 from dataclasses import dataclass
@@ -69,7 +70,8 @@ class EngineCore:
         self.report = CapacityReport(
             model=self.cfg.model, architecture=self.model_config.architecture,
             num_params=self.model_config.num_params(),
-            vocab_size=self.model_config.vocab_size, engine_config=self.cfg, memory=plan,
+            vocab_size=self.model_config.vocab_size, device_name=_device_name(device),
+            engine_config=self.cfg, memory=plan,
             max_running_requests=self.max_running_requests, max_running_requests_rule=rule,
             resolved=resolved, phase_seconds=phases)
         self.counters = StepCounters()
@@ -124,6 +126,12 @@ class EngineCore:
         outputs = self.scheduler.update(out, result)
         self.counters.record(out, outputs, time.perf_counter() - start)
         return outputs
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ class CapacityReport:
     architecture: str
     num_params: int
     vocab_size: int
+    device_name: str  # e.g. "NVIDIA H200", or the CPU
     engine_config: EngineConfig  # fully resolved
     memory: MemoryPlan
     max_running_requests: int
@@ -35,6 +36,7 @@ class CapacityReport:
             "architecture": self.architecture,
             "num_params": self.num_params,
             "vocab_size": self.vocab_size,
+            "device_name": self.device_name,
             "engine_config": dataclasses.asdict(self.engine_config),
             "memory": self.memory.to_dict(),
             "weights_gib": self.memory.weight_bytes / GiB,
@@ -52,7 +54,7 @@ class CapacityReport:
         m, c = self.memory, self.engine_config
         rows = [
             ("model", f"{self.model} ({self.architecture}, {self.num_params / 1e9:.2f} B params)"),
-            ("device / dtype", f"{c.device} / {c.dtype}"),
+            ("device / dtype", f"{c.device} ({self.device_name}) / {c.dtype}"),
             ("weights", f"{m.weight_bytes / GiB:.2f} GiB ({c.load_format})"),
         ]
         if m.total_bytes:
