@@ -57,8 +57,9 @@ def first_model(base_url: str, api_key: str | None) -> str:
 
 
 def server_cpu_seconds(base_url: str, api_key: str | None = None) -> float | None:
-    """The API process's CPU seconds (`process_cpu_seconds_total` in /metrics), or None when the
-    server does not export it: sampled around a run to see whether the API side was busy."""
+    """The API side's CPU seconds from /metrics (moeserve's `moeserve_api_cpu_seconds_total`,
+    summed over its API processes, else `process_cpu_seconds_total`), or None when the server
+    exports neither: sampled around a run to see whether the API side was busy."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         req = urllib.request.Request(base_url.rstrip("/") + "/metrics", headers=headers)
@@ -66,10 +67,12 @@ def server_cpu_seconds(base_url: str, api_key: str | None = None) -> float | Non
             text = r.read().decode()
     except (urllib.error.URLError, OSError):
         return None
+    values = {}
     for line in text.splitlines():
-        if line.startswith("process_cpu_seconds_total "):
-            return float(line.split()[1])
-    return None
+        name, _, value = line.partition(" ")
+        if name in ("moeserve_api_cpu_seconds_total", "process_cpu_seconds_total"):
+            values[name] = float(value)
+    return values.get("moeserve_api_cpu_seconds_total", values.get("process_cpu_seconds_total"))
 
 
 def find_key(doc: Any, key: str) -> Any | None:

@@ -21,7 +21,9 @@ import multiprocessing
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
+from typing import Any
 
+import psutil
 import zmq
 import zmq.asyncio
 
@@ -46,6 +48,7 @@ class QueueFullError(RuntimeError):
 
 class AsyncEngineClient:
     def __init__(self) -> None:
+        self._ctx: zmq.asyncio.Context | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._pings: dict[int, asyncio.Future] = {}
         self._ping_ids = itertools.count()
@@ -57,21 +60,41 @@ class AsyncEngineClient:
     async def start(cls, engine_kwargs: dict, max_waiting_requests: int = 4096,
                     served_model_name: str | None = None,
                     startup_timeout: float = 600.0) -> AsyncEngineClient:
-        """Spawn the engine process and wait until it is ready (RuntimeError if it fails)."""
+        """Spawn the engine process (for this one API process) and wait until it is ready;
+        RuntimeError with the engine's own error if it fails to start."""
+        ipc_dir = tempfile.mkdtemp(prefix="moeserve-")
+        proc = spawn_engine(engine_kwargs, ipc_dir, num_clients=1)
+        return await cls._connect(engine_kwargs, ipc_dir, 0, proc, True, max_waiting_requests,
+                                  served_model_name, startup_timeout)
+
+    @classmethod
+    async def connect(cls, engine_kwargs: dict, ipc_dir: str, client_index: int,
+                      engine_pid: int, max_waiting_requests: int = 4096,
+                      served_model_name: str | None = None,
+                      startup_timeout: float = 600.0) -> AsyncEngineClient:
+        """Join an engine that another process started (one of several API processes)."""
+        return await cls._connect(engine_kwargs, ipc_dir, client_index, _PidHandle(engine_pid),
+                                  False, max_waiting_requests, served_model_name,
+                                  startup_timeout)
+
+    @classmethod
+    async def _connect(cls, engine_kwargs: dict, ipc_dir: str, client_index: int, proc: Any,
+                       owns_engine: bool, max_waiting_requests: int,
+                       served_model_name: str | None, startup_timeout: float
+                       ) -> AsyncEngineClient:
         self = cls()
+        self._proc, self._owns_engine, self._client = proc, owns_engine, client_index
+        self._ipc_dir = ipc_dir
         model = str(engine_kwargs.get("model", "tiny-moe"))
         self.model_name = served_model_name or model
         self.max_waiting_requests = max_waiting_requests
-        self.model_config, _ = load_model_config(model)
-        mc = self.model_config
-        folder = engine_kwargs.get("tokenizer") or (None if mc.tokenizer else model)
-        self.tokenizer = load_tokenizer(folder, mc.tokenizer, mc)
-        self._init_sockets()
-        self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="moeserve-engine", daemon=True,
-            args=(dict(engine_kwargs), self._inbox_addr, self._outbox_addr))
-        self._proc.start()
         try:
+            self.model_config, _ = load_model_config(model)
+            mc = self.model_config
+            folder = engine_kwargs.get("tokenizer") or (None if mc.tokenizer else model)
+            self.tokenizer = load_tokenizer(folder, mc.tokenizer, mc)
+            self._init_sockets()
+            self._send(p.Hello(client=client_index))
             await asyncio.wait_for(self._wait_ready(), startup_timeout)
         except BaseException:
             await self.shutdown()
@@ -81,14 +104,12 @@ class AsyncEngineClient:
         return self
 
     def _init_sockets(self) -> None:
-        self._ipc_dir = tempfile.mkdtemp(prefix="moeserve-")
-        self._inbox_addr = f"ipc://{self._ipc_dir}/to-engine"
-        self._outbox_addr = f"ipc://{self._ipc_dir}/from-engine"
+        inbox, outboxes = p.ipc_addresses(self._ipc_dir, self._client + 1)
         self._ctx = zmq.asyncio.Context()
         self._to_engine = self._ctx.socket(zmq.PUSH)
-        self._to_engine.bind(self._inbox_addr)
+        self._to_engine.connect(inbox)
         self._from_engine = self._ctx.socket(zmq.PULL)
-        self._from_engine.bind(self._outbox_addr)
+        self._from_engine.connect(outboxes[self._client])
 
     async def _wait_ready(self) -> None:
         while True:
@@ -123,7 +144,7 @@ class AsyncEngineClient:
         future = asyncio.get_running_loop().create_future()
         self._pings[seq] = future
         try:
-            self._send(p.Ping(seq=seq))
+            self._send(p.Ping(seq=seq, client=self._client))
             await asyncio.wait_for(future, timeout)
             return True
         except (TimeoutError, EngineDeadError):
@@ -151,7 +172,7 @@ class AsyncEngineClient:
         finished = False
         try:
             self._send(p.AddRequest(request_id, list(prompt_token_ids),
-                                    p.WireSamplingParams.from_params(params)))
+                                    p.WireSamplingParams.from_params(params), self._client))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -188,7 +209,7 @@ class AsyncEngineClient:
                                           finish_reason=FinishReason.ABORT.value))
 
     def _send(self, msg: p.ToEngine) -> None:
-        if not self.alive:
+        if self._dead_reason is not None or not self._proc.is_alive():
             raise EngineDeadError(self._dead_reason or "the engine process is not running")
         # NOTE: PUSH to one connected peer never blocks under its high-water mark; send without
         # awaiting so that generate()'s cleanup can abort from a finally block.
@@ -228,19 +249,53 @@ class AsyncEngineClient:
                 future.set_exception(EngineDeadError(reason))
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """End in-flight requests with EngineDeadError, stop the engine process, clean up."""
-        if self._proc.is_alive() and self._dead_reason is None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._to_engine.send(p.encode(p.Shutdown()), flags=zmq.NOBLOCK)
+        """End in-flight requests with EngineDeadError and close the sockets; the client that
+        started the engine also stops the engine process."""
+        connected = self._ctx is not None
+        if self._owns_engine and connected and self._dead_reason is None:
+            with contextlib.suppress(zmq.ZMQError, EngineDeadError):
+                self._send(p.Shutdown())
         self._fail_all("the server is shutting down")
         for task in self._tasks:
             task.cancel()
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._proc.join, timeout)
-        if self._proc.is_alive():
-            self._proc.kill()
-            await loop.run_in_executor(None, self._proc.join, 5.0)
-        self._to_engine.close(linger=0)
-        self._from_engine.close(linger=0)
-        self._ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._owns_engine:  # without sockets the engine never heard Shutdown: stop it now
+            await stop_engine(self._proc, timeout if connected else 0.0)
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._ctx is not None:
+            self._to_engine.close(linger=0)
+            self._from_engine.close(linger=0)
+            self._ctx.term()
+            self._ctx = None
+
+
+def spawn_engine(engine_kwargs: dict, ipc_dir: str, num_clients: int) -> Any:
+    """Start the engine core process (spawn, daemon); it binds its sockets in `ipc_dir`."""
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, name="moeserve-engine", daemon=True,
+        args=(dict(engine_kwargs), ipc_dir, num_clients))
+    proc.start()
+    return proc
+
+
+async def stop_engine(proc: Any, timeout: float = 10.0) -> None:
+    """Wait for the engine process to exit (after Shutdown); kill it past `timeout`."""
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, proc.join, timeout)
+    if proc.is_alive():
+        proc.kill()
+        await loop.run_in_executor(None, proc.join, 5.0)
+
+
+class _PidHandle:
+    """is_alive / exitcode / pid of an engine process this process did not start."""
+
+    exitcode = None
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False

@@ -1,13 +1,14 @@
 """The engine core process: one busy loop, no HTTP in it.
 
-    API process --AddRequest/AbortRequests/Ping/Shutdown--> [drain inbox] -> step() -> StepOutputs
-                                                                   ^-- idle: block on the inbox
+    API processes --Hello/AddRequest/AbortRequests/Ping/Shutdown--> inbox -> [drain] -> step()
+    API process i <--Ready / StepOutputs (its requests' outputs + stats) / Pong-- outbox i
 
-Started by `AsyncEngineClient.start` (spawn). It builds the EngineCore, sends Ready (or
-StartupFailed with the error), then loops: drain every pending message without blocking while
-there is work, step, and send all of the step's outputs in one message. When idle it blocks on
-the inbox for up to 100 ms. It exits on Shutdown, or when its parent process is gone, so no engine
-is ever left behind.
+Started by `AsyncEngineClient.start` (spawn) or by the multi-process launcher. It binds its
+sockets, builds the EngineCore, then loops: drain every pending message without blocking while
+there is work, step, and send each API process the step's outputs of its own requests in one
+message. When idle it blocks on the inbox for up to 100 ms. A start-up failure is sent to every
+API process as StartupFailed. It exits on Shutdown, or when its parent process is gone, so no
+engine is ever left behind.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import traceback
+from collections import defaultdict
 
 import zmq
 
@@ -24,47 +26,48 @@ from moeserve.types import FinishReason
 _IDLE_POLL_MS = 100
 
 
-def run_engine_core(engine_kwargs: dict, inbox_addr: str, outbox_addr: str) -> None:
+def run_engine_core(engine_kwargs: dict, ipc_dir: str, num_clients: int = 1) -> None:
     """Process entry point: serve the engine until Shutdown or the parent's death."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
     parent = os.getppid()
+    inbox_addr, outbox_addrs = p.ipc_addresses(ipc_dir, num_clients)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
-    inbox.connect(inbox_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(outbox_addr)
+    inbox.bind(inbox_addr)
+    outboxes = []
+    for addr in outbox_addrs:
+        outboxes.append(ctx.socket(zmq.PUSH))
+        outboxes[-1].bind(addr)
     try:
-        core = _start(engine_kwargs, outbox)
+        core = _start(engine_kwargs, outboxes)
         if core is not None:
-            _EngineLoop(core, inbox, outbox, parent).run()
+            _EngineLoop(core, inbox, outboxes, parent).run()
     finally:
         inbox.close(linger=0)
-        outbox.close(linger=1000)
+        for box in outboxes:
+            box.close(linger=1000)
         ctx.term()
 
 
-def _start(engine_kwargs: dict, outbox: zmq.Socket):
+def _start(engine_kwargs: dict, outboxes: list[zmq.Socket]):
     from moeserve.engine.args import engine_config_from_kwargs
     from moeserve.engine.core import EngineCore
 
     try:
-        core = EngineCore(engine_config_from_kwargs(**engine_kwargs))
-    except Exception as e:  # report any start-up failure to the API process, then exit
+        return EngineCore(engine_config_from_kwargs(**engine_kwargs))
+    except Exception as e:  # report any start-up failure to the API processes, then exit
         message = str(e) if isinstance(e, ValueError) else traceback.format_exc()
-        outbox.send(p.encode(p.StartupFailed(error=message)))
+        for box in outboxes:
+            box.send(p.encode(p.StartupFailed(error=message)))
         return None
-    outbox.send(p.encode(p.Ready(capacity_report=core.report.to_dict(),
-                                 max_model_len=core.cfg.scheduler.max_model_len,
-                                 max_running_requests=core.max_running_requests,
-                                 vocab_size=core.model_config.vocab_size)))
-    return core
 
 
 class _EngineLoop:
-    def __init__(self, core, inbox: zmq.Socket, outbox: zmq.Socket, parent: int):
-        self.core, self.inbox, self.outbox, self.parent = core, inbox, outbox, parent
+    def __init__(self, core, inbox: zmq.Socket, outboxes: list[zmq.Socket], parent: int):
+        self.core, self.inbox, self.outboxes, self.parent = core, inbox, outboxes, parent
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
+        self.owner: dict[str, int] = {}  # request id -> the API process that sent it
         self.refused: list[p.WireOutput] = []
         self.num_refused = 0
         self.stats_stale = False  # an add/abort changed the state since the last message
@@ -75,16 +78,29 @@ class _EngineLoop:
             busy = self.core.has_unfinished_requests()
             self._drain(0 if busy else _IDLE_POLL_MS)
             if os.getppid() != self.parent:
-                return  # orphaned: the API process is gone
+                return  # orphaned: the process that started the engine is gone
             outputs = self.core.step() if self.running else []
             idle = not self.core.has_unfinished_requests()
             if outputs or self.refused or (idle and self.stats_stale):
                 # NOTE: the last message before going idle carries fresh stats (an abort of the
                 # last request produces no output, but /metrics must see running == 0)
-                wire = self.refused + [p.WireOutput.from_output(o) for o in outputs]
+                self._send_outputs(self.refused + [p.WireOutput.from_output(o) for o in outputs],
+                                   everyone=idle)
                 self.refused = []
                 self.stats_stale = not idle
-                self.outbox.send(p.encode(p.StepOutputs(outputs=wire, stats=self._stats())))
+
+    def _send_outputs(self, wire: list[p.WireOutput], everyone: bool) -> None:
+        """One StepOutputs per API process that has outputs (every process when `everyone`)."""
+        by_client: dict[int, list[p.WireOutput]] = defaultdict(list)
+        for out in wire:
+            client = self.owner.get(out.request_id, 0)
+            if out.finished:
+                self.owner.pop(out.request_id, None)
+            by_client[client].append(out)
+        stats = self._stats()
+        for client, box in enumerate(self.outboxes):
+            if client in by_client or everyone:
+                box.send(p.encode(p.StepOutputs(outputs=by_client.get(client, []), stats=stats)))
 
     def _drain(self, timeout_ms: int) -> None:
         """Handle every message waiting in the inbox; wait up to timeout_ms for the first."""
@@ -95,6 +111,7 @@ class _EngineLoop:
     def _handle(self, msg: p.ToEngine) -> None:
         self.stats_stale |= isinstance(msg, (p.AddRequest, p.AbortRequests))
         if isinstance(msg, p.AddRequest):
+            self.owner[msg.request_id] = msg.client
             try:
                 self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params.to_params())
             except ValueError as e:  # refused: only this request fails
@@ -103,10 +120,21 @@ class _EngineLoop:
                                                  finish_reason="abort", error=str(e)))
         elif isinstance(msg, p.AbortRequests):
             self.core.abort(msg.request_ids, FinishReason(msg.reason))
+            for rid in msg.request_ids:
+                self.owner.pop(rid, None)
         elif isinstance(msg, p.Ping):
-            self.outbox.send(p.encode(p.Pong(seq=msg.seq, stats=self._stats())))
+            self.outboxes[msg.client].send(p.encode(p.Pong(seq=msg.seq, stats=self._stats())))
+        elif isinstance(msg, p.Hello):
+            self.outboxes[msg.client].send(p.encode(self._ready()))
         elif isinstance(msg, p.Shutdown):
             self.running = False
+
+    def _ready(self) -> p.Ready:
+        core = self.core
+        return p.Ready(capacity_report=core.report.to_dict(),
+                       max_model_len=core.cfg.scheduler.max_model_len,
+                       max_running_requests=core.max_running_requests,
+                       vocab_size=core.model_config.vocab_size)
 
     def _stats(self) -> p.EngineStats:
         s, c = self.core.scheduler, self.core.counters

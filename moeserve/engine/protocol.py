@@ -1,11 +1,14 @@
-"""Messages between the API server process and the engine core process (msgspec over ZMQ).
+"""Messages between the API server processes and the engine core process (msgspec over ZMQ).
 
-    API process  --PUSH-->  engine   AddRequest | AbortRequests | Ping | Shutdown
-    API process  <--PUSH--  engine   Ready (once, with the capacity report) | StepOutputs | Pong
+    API process i --PUSH--> engine inbox (one, shared)  Hello | AddRequest | AbortRequests | Ping
+                                                        | Shutdown
+    API process i <--PUSH-- engine outbox i             Ready | StepOutputs | Pong | StartupFailed
 
-One StepOutputs message carries every request's output of one engine step plus a stats snapshot,
-so the API side handles one message per step, not one per token. Token ids only: text lives in
-the API process.
+The engine binds every socket; API process i connects to the inbox and to outbox i, and says
+Hello(i) to get Ready. Each message names its client index, so the engine routes a request's
+outputs back to the API process that sent it. One StepOutputs message carries every output of one
+engine step for that client plus a stats snapshot, so the API side handles one message per step,
+not one per token. Token ids only: text lives in the API processes.
 """
 
 from __future__ import annotations
@@ -39,10 +42,15 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
                               ignore_eos=self.ignore_eos, logprobs=self.logprobs)
 
 
+class Hello(msgspec.Struct, tag=True, array_like=True):
+    client: int  # the API process's index; the engine answers Ready on its outbox
+
+
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: WireSamplingParams
+    client: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -52,13 +60,14 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True):
 
 class Ping(msgspec.Struct, tag=True, array_like=True):
     seq: int
+    client: int = 0
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ToEngine = AddRequest | AbortRequests | Ping | Shutdown
+ToEngine = Hello | AddRequest | AbortRequests | Ping | Shutdown
 
 
 class WireLogprobs(msgspec.Struct, array_like=True):
@@ -151,3 +160,9 @@ def decode_to_engine(data: bytes) -> ToEngine:
 
 def decode_from_engine(data: bytes) -> FromEngine:
     return _decode_from_engine.decode(data)
+
+
+def ipc_addresses(ipc_dir: str, num_clients: int) -> tuple[str, list[str]]:
+    """The engine's inbox and its outbox per API process, as ZMQ ipc:// addresses."""
+    return (f"ipc://{ipc_dir}/to-engine",
+            [f"ipc://{ipc_dir}/from-engine-{i}" for i in range(num_clients)])

@@ -24,6 +24,7 @@ import logging
 import resource
 import signal
 import socket
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moeserve.engine.args import add_engine_args, engine_kwargs_from_args
@@ -49,6 +50,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=4096, help="requests "
                         "that may wait beyond max_running_requests; more get HTTP 429 "
                         "(default: 4096)")
+    parser.add_argument("--api-servers", type=int, default=1, help="API server processes "
+                        "sharing the port in front of the one engine; more than 1 when one "
+                        "process cannot carry the streams (default: 1)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="log level of the server (debug logs every request)")
@@ -66,11 +70,14 @@ def raise_open_files_limit() -> None:
             logger.warning("could not raise the open-files limit from %d: %s", soft, e)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket (uvicorn listens on it with its backlog)."""
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """The listening socket (uvicorn listens on it with its backlog). With `reuse_port`,
+    several API processes bind the same port and the kernel spreads connections over them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError:
@@ -106,34 +113,54 @@ def format_capacity(report: dict[str, Any]) -> str:
     return "\n".join(["moeserve capacity report"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Start the engine and serve HTTP until SIGINT/SIGTERM. Returns the exit code."""
+def run_serve(args: argparse.Namespace, join: EngineJoin | None = None) -> int:
+    """Start the engine and serve HTTP until SIGINT/SIGTERM. Returns the exit code.
+
+    With --api-servers N > 1 this process becomes the launcher of N API processes
+    (server/multiproc.py), each of which calls run_serve again with `join` set."""
+    if join is None and args.api_servers > 1:
+        from moeserve.server.multiproc import run_launcher
+
+        return run_launcher(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvloop
 
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(_serve(args))
+            return runner.run(_serve(args, join))
     except KeyboardInterrupt:  # interrupted during start-up
         return 130
 
 
-async def _serve(args: argparse.Namespace) -> int:
+@dataclass(frozen=True, slots=True)
+class EngineJoin:
+    """How an API process of several joins the engine the launcher started."""
+
+    ipc_dir: str
+    client_index: int
+    engine_pid: int
+
+
+async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
     import uvicorn
 
     from moeserve.engine.async_client import AsyncEngineClient
     from moeserve.server.app import build_app, shutdown_engine
 
     try:  # bind first: a port in use fails now, not after minutes of engine start-up
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(args.host, args.port, reuse_port=join is not None)
     except OSError as e:
         logger.error("cannot listen on %s:%s: %s", args.host, args.port, e)
         return 1
+    common = {"max_waiting_requests": args.max_waiting_requests,
+              "served_model_name": args.served_model_name}
     try:
-        client = await AsyncEngineClient.start(engine_kwargs_from_args(args),
-                                               max_waiting_requests=args.max_waiting_requests,
-                                               served_model_name=args.served_model_name)
+        if join is None:
+            client = await AsyncEngineClient.start(engine_kwargs_from_args(args), **common)
+        else:
+            client = await AsyncEngineClient.connect(engine_kwargs_from_args(args), join.ipc_dir,
+                                                     join.client_index, join.engine_pid, **common)
     except RuntimeError as e:  # the engine failed to start: its error names the problem
         logger.error("%s", e)
         sock.close()
@@ -141,10 +168,13 @@ async def _serve(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
-    print(format_capacity(client.capacity_report), flush=True)
+    if join is None or join.client_index == 0:
+        print(format_capacity(client.capacity_report), flush=True)
     http = http_implementation()
     settings = {"host": args.host, "port": args.port, "http": http, "loop": "uvloop",
                 "max_waiting_requests": args.max_waiting_requests,
+                "api_servers": args.api_servers,
+                "api_server_index": join.client_index if join else 0,
                 "engine_args": json.loads(json.dumps(engine_kwargs_from_args(args),
                                                      default=str))}
     app = build_app(client, args.api_key, settings=settings)

@@ -14,10 +14,13 @@ counter increment), so metrics stay cheap at tens of thousands of events per sec
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import psutil
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -26,6 +29,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
     from moeserve.engine.async_client import AsyncEngineClient
@@ -100,12 +104,36 @@ class _EngineCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+class _ApiCpuCollector:
+    """CPU seconds of all API processes (this one alone unless the launcher lists several)."""
+
+    def collect(self) -> Iterator[Metric]:
+        pids = [os.getpid()]
+        path = os.environ.get("MOESERVE_API_PIDS_FILE")
+        if path and os.path.exists(path):
+            with open(path) as f:
+                pids = [int(x) for x in f.read().split()]
+        total = 0.0
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = psutil.Process(pid).cpu_times()
+                total += t.user + t.system
+        yield CounterMetricFamily("moeserve_api_cpu_seconds", "CPU seconds used by the API "
+                                  "server processes, summed", value=total)
+
+
 class ServerMetrics:
     def __init__(self, client: AsyncEngineClient) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        ProcessCollector(registry=self.registry)  # the API process's CPU and memory
+        ProcessCollector(registry=self.registry)  # this API process's CPU and memory
+        self.registry.register(_ApiCpuCollector())
         self.meter = RateMeter()
         r = self.registry
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            # NOTE: several API processes (server/multiproc.py): the counters and histograms
+            # below live in shared files and are summed over the processes at scrape time.
+            MultiProcessCollector(self.registry)
+            r = None
         self.prompt_tokens = Counter("moeserve_prompt_tokens", "Prompt tokens of accepted "
                                      "requests", registry=r)
         self.generation_tokens = Counter("moeserve_generation_tokens", "Output tokens sent to "
@@ -127,7 +155,7 @@ class ServerMetrics:
             self.requests.labels(reason)
         for reason in ("invalid_request", "queue_full", "engine_unavailable"):
             self.rejected.labels(reason)
-        r.register(_EngineCollector(client, self.meter))
+        self.registry.register(_EngineCollector(client, self.meter))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -219,3 +219,30 @@ def test_sigterm_ends_inflight_and_leaves_no_process() -> None:
     assert "error" in text  # the in-flight stream ended with an error event
     _, alive = psutil.wait_procs(children, timeout=5)
     assert not alive, f"processes left behind: {alive}"
+
+
+def test_several_api_processes_share_one_engine() -> None:
+    s = Server("--api-servers", "2")
+    try:
+        procs = psutil.Process(s.proc.pid).children(recursive=True)
+        apis = [p for p in procs if "spawn_main" in " ".join(p.cmdline())]
+        assert len(apis) == 3  # two API processes and the engine
+
+        async def main() -> list[dict]:
+            body = {"model": "tiny-moe", "prompt": [7, 8, 9], "max_tokens": 6, "ignore_eos": True}
+            async with httpx.AsyncClient(timeout=60) as client:
+                rs = await asyncio.gather(*(client.post(f"{s.url}/v1/completions", json=body)
+                                            for _ in range(24)))
+            return [r.json() for r in rs]
+
+        results = asyncio.run(main())
+        assert all(r["usage"]["completion_tokens"] == 6 for r in results)
+        metrics = httpx.get(f"{s.url}/metrics").text
+        # counters are summed over both API processes, whichever one answers the scrape
+        assert 'moeserve_requests_total{finish_reason="length"} 24.0' in metrics
+        assert "moeserve_generation_tokens_total 144.0" in metrics
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    assert not alive, f"processes left behind: {alive}"
