@@ -96,13 +96,17 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--moe-backend", default="grouped_mm")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="overlap the CPU's planning of step N+1 with the device's step N")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    engine_args = {"moe_backend": args.moe_backend, "dtype": args.dtype}
+    engine_args = {"moe_backend": args.moe_backend, "dtype": args.dtype,
+                   "async_scheduling": args.async_scheduling}
     for c in args.concurrency:
         result = run_w1_offline(args.preset, c, args.input_len, args.output_len, engine_args)
-        name = f"w1_offline_{args.preset}_c{c}.json"
+        name = f"w1_offline_{args.preset}_c{c}{args.tag}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(result, f, indent=2)
         print(json.dumps({k: result[k] for k in ("concurrency", "duration_s",

@@ -277,6 +277,9 @@ class EngineConfig:
     """"torch" (reference over the paged KV)."""
     seed: int = 0
     """Seed for dummy weights and for requests without their own seed."""
+    async_scheduling: bool = False
+    """Overlap scheduling: plan and launch step N+1 while the device runs step N (a stop then
+    applies one step late and the extra token is discarded)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

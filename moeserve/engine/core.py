@@ -4,6 +4,9 @@
     result = runner.execute(out)        # tensors, forward, sampling
     outputs = scheduler.update(out, result)   # append tokens, apply stops, free blocks
 
+With `async_scheduling` the runner only launches step N+1 and the update is step N's: the CPU's
+planning overlaps the device's work (DESIGN.md, overlap scheduling).
+
 It deals in token ids only; text (tokenize, detokenize, stop strings) belongs to the caller: the
 offline LLM or the API server. Every request is validated in `add_request`, so a bad request is
 refused with a ValueError naming the problem and never reaches the step loop.
@@ -31,7 +34,7 @@ from moeserve.config import (
 from moeserve.engine.validate import validate_request
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.kv_cache import allocate_kv_caches, plan_memory
-from moeserve.runner.model_runner import ModelRunner, timed
+from moeserve.runner.model_runner import ModelRunner, PendingOutput, timed
 from moeserve.sched import Request, Scheduler
 from moeserve.types import FinishReason, RequestOutput, SamplingParams, SchedulerOutput
 
@@ -75,6 +78,7 @@ class EngineCore:
             max_running_requests=self.max_running_requests, max_running_requests_rule=rule,
             resolved=resolved, phase_seconds=phases)
         self.counters = StepCounters()
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.cfg.seed)
 
@@ -113,17 +117,27 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, execute, update. With async_scheduling, the update is that of the
+        previous launch, so the CPU plans and launches step N+1 while the device runs step N."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        if out.num_reqs == 0:
-            return []
-        result = self.runner.execute(out)
-        outputs = self.scheduler.update(out, result)
+        if not self.cfg.async_scheduling:
+            if out.num_reqs == 0:
+                return []
+            result = self.runner.execute(out)
+            outputs = self.scheduler.update(out, result)
+        else:
+            launched = (out, self.runner.launch(out)) if out.num_reqs else None
+            previous, self._in_flight = self._in_flight, launched
+            if previous is None:
+                return []
+            out, pending = previous
+            outputs = self.scheduler.update(out, pending.result())
         self.counters.record(out, outputs, time.perf_counter() - start)
         return outputs
 

@@ -34,6 +34,7 @@ class AttentionMetadata:
     # host copies (numpy) for backends that split the batch on the CPU side
     query_lens_np: np.ndarray  # [B] int64
     seq_lens_np: np.ndarray  # [B] int64
+    token_to_req_np: np.ndarray  # [T] int64
 
     @property
     def num_reqs(self) -> int:
@@ -90,4 +91,5 @@ def build_attention_metadata(num_computed_tokens: list[int], num_scheduled_token
         max_seq_len=int(seq_lens.max()) if num_reqs else 0,
         query_lens_np=query_lens,
         seq_lens_np=seq_lens,
+        token_to_req_np=token_to_req,
     )

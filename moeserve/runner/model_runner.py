@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from moeserve.config import EngineConfig, ModelConfig
-from moeserve.kernels.attention_metadata import build_attention_metadata
+from moeserve.kernels.attention_metadata import AttentionMetadata, build_attention_metadata
 from moeserve.kernels.registry import get_attention_backend, get_moe_backend
 from moeserve.layers.sampler import SamplingTensors, sample
 from moeserve.models import build_model
@@ -36,6 +36,7 @@ class ModelRunner:
         self.dtype = getattr(torch, cfg.dtype)
         self.block_size = cfg.cache.block_size
         self.kv_caches: list[torch.Tensor] = []
+        self._last: tuple[PendingOutput, dict[str, int]] | None = None  # the latest launch
         self._init_model(weights_folder)
 
     def _init_model(self, weights_folder: str | None) -> None:
@@ -90,51 +91,92 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        """Run one step of the scheduler's plan; return one sampled token per sampling row."""
-        if any(t < 0 for t in out.token_ids):
-            raise RuntimeError("a token id of -1 (overlap placeholder) reached the synchronous "
-                               "runner: schedule() was called twice without update()")
+        """Run one step of the scheduler's plan and wait for its sampled tokens."""
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingOutput:
+        """Enqueue one step on the device and return without waiting for it.
+
+        Overlap scheduling: a token id of -1 in the plan is the token the previous launch is
+        sampling for the same request; it is taken from that launch's device tensor, so step
+        N+1 can be enqueued before step N's tokens reach the host."""
         meta = build_attention_metadata(out.num_computed_tokens, out.num_scheduled_tokens,
                                         out.block_tables, self.block_size, self.device)
-        input_ids = self._to_device(np.asarray(out.token_ids, dtype=np.int64))  # [T]
+        token_ids = np.asarray(out.token_ids, dtype=np.int64)  # [T]
+        input_ids = self._to_device(token_ids)
+        missing = np.flatnonzero(token_ids < 0)
+        if missing.size:
+            input_ids[self._to_device(missing)] = self._previous_tokens(out, meta, missing)
         hidden = self.model(input_ids, meta.positions, meta)  # [T, hidden]
 
         rows = np.flatnonzero(np.asarray(out.sample, dtype=bool))  # [R]
-        sampled = [-1] * out.num_reqs
+        pending = PendingOutput(out.num_reqs, rows)
+        self._last = (pending, {out.req_ids[i]: j for j, i in enumerate(rows.tolist())})
         if rows.size == 0:
-            return ModelOutput(sampled_token_ids=sampled)
+            return pending
         last_token = np.cumsum(meta.query_lens_np)[rows] - 1  # [R]
         logits = self.model.compute_logits(hidden[self._to_device(last_token)])  # [R, V] fp32
-        params = [out.sampling_params[i] for i in rows]
+        pending.params = [out.sampling_params[i] for i in rows]
         tensors = SamplingTensors.build(
-            params, [out.sample_seeds[i] for i in rows],
+            pending.params, [out.sample_seeds[i] for i in rows],
             meta.seq_lens_np[rows].tolist(), self.device)
-        token_ids, lps = sample(logits, tensors)
-        for i, tok in zip(rows.tolist(), token_ids.tolist()):
-            sampled[i] = tok
-        return ModelOutput(sampled_token_ids=sampled,
-                           logprobs=self._logprobs(out.num_reqs, rows, params, lps))
+        pending.token_ids, pending.logprobs = sample(logits, tensors)
+        return pending
 
-    def _logprobs(self, num_reqs: int, rows: np.ndarray, params: list[SamplingParams],
-                  lps: object) -> list[Logprobs | None] | None:
-        if lps is None:
-            return None
-        result: list[Logprobs | None] = [None] * num_reqs
-        token_lp = lps.token_logprob.tolist()
-        top_ids, top_lps = lps.top_ids.tolist(), lps.top_logprobs.tolist()
-        for j, (row, p) in enumerate(zip(rows.tolist(), params)):
-            if p.logprobs is not None:
-                n = p.logprobs
-                result[row] = Logprobs(token_lp[j], top_ids[j][:n], top_lps[j][:n])
-        return result
+    def _previous_tokens(self, out: SchedulerOutput, meta: AttentionMetadata,
+                         missing: np.ndarray) -> torch.Tensor:
+        """Device tensor of the tokens the previous launch sampled for the rows of `missing`."""
+        if self._last is None:
+            raise RuntimeError("a -1 token (overlap placeholder) in the first launch")
+        prev, prev_rows = self._last
+        rows = meta.token_to_req_np[missing]  # [M] rows of this step
+        try:
+            src = np.fromiter((prev_rows[out.req_ids[r]] for r in rows), np.int64, len(rows))
+        except KeyError as e:
+            raise RuntimeError(f"request {e.args[0]!r} has a -1 token but the previous launch "
+                               "sampled nothing for it") from None
+        return prev.token_ids[self._to_device(src)]
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
+
+
+class PendingOutput:
+    """One launched step's sampled tokens, still on the device until `result()`."""
+
+    def __init__(self, num_reqs: int, rows: np.ndarray):
+        self.num_reqs = num_reqs
+        self.rows = rows  # [R] rows of the step that sample
+        self.params: list[SamplingParams] = []
+        self.token_ids: torch.Tensor | None = None  # [R] int64, on the device
+        self.logprobs = None  # SampleLogprobs | None
+
+    def result(self) -> ModelOutput:
+        """Wait for the step (the host sync) and return its ModelOutput."""
+        sampled = [-1] * self.num_reqs
+        if self.token_ids is None:
+            return ModelOutput(sampled_token_ids=sampled)
+        for i, tok in zip(self.rows.tolist(), self.token_ids.tolist()):
+            sampled[i] = tok
+        return ModelOutput(sampled_token_ids=sampled, logprobs=self._logprobs())
+
+    def _logprobs(self) -> list[Logprobs | None] | None:
+        if self.logprobs is None:
+            return None
+        result: list[Logprobs | None] = [None] * self.num_reqs
+        lps = self.logprobs
+        token_lp = lps.token_logprob.tolist()
+        top_ids, top_lps = lps.top_ids.tolist(), lps.top_logprobs.tolist()
+        for j, (row, p) in enumerate(zip(self.rows.tolist(), self.params)):
+            if p.logprobs is not None:
+                n = p.logprobs
+                result[row] = Logprobs(token_lp[j], top_ids[j][:n], top_lps[j][:n])
+        return result
 
 
 @contextmanager

@@ -127,3 +127,31 @@ def test_seeded_sampling_is_batch_independent(device: str, checkpoints: dict) ->
     noisy = [SamplingParams(max_tokens=16, temperature=1.0, seed=s) for s in (1, 2, 3)]
     batched = _llm(folder, device).generate(prompts, [params] + noisy)[0].token_ids
     assert alone == batched
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_async_scheduling_matches_hf(device: str, checkpoints: dict, arch: str) -> None:
+    """Overlap: step N+1 is launched with step N's tokens still on the device."""
+    folder, prompts, expected = checkpoints[arch]
+    llm = _llm(folder, device, async_scheduling=True, max_num_batched_tokens=16)
+    results = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.stats.num_prefill_chunks > 1
+    assert [r.token_ids for r in results] == expected
+
+
+def test_async_scheduling_with_preemption_and_stops(device: str, checkpoints: dict) -> None:
+    """A stop applies one step late under overlap; outputs still equal the synchronous run."""
+    folder, prompts, expected = checkpoints["qwen3_moe"]
+    stop = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                          stop_token_ids=[expected[2][20]])  # a token its greedy run will meet
+    params = [GREEDY, GREEDY, stop, GREEDY]
+    kw = {"block_size": 4, "num_blocks": 25, "max_model_len": 96, "max_running_requests": 4}
+    sync = _llm(folder, device, **kw).generate(prompts, params)
+    overlap_llm = _llm(folder, device, async_scheduling=True, **kw)
+    overlap = overlap_llm.generate(prompts, params)
+    assert overlap_llm.engine.scheduler.stats.num_preemptions > 0
+    assert [r.token_ids for r in overlap] == [r.token_ids for r in sync]
+    assert [r.finish_reason for r in overlap] == [r.finish_reason for r in sync]
+    assert any(r.finish_reason.value == "stop" for r in sync)
+    overlap_llm.engine.scheduler.check_integrity()
+    assert overlap_llm.engine.scheduler.pool.num_free_blocks == 24
