@@ -47,6 +47,7 @@ class CapacityReport:
             "resolved": self.resolved,
             "phase_seconds": self.phase_seconds,
             "cuda_graphs": self.cuda_graphs,
+            "text": self.format(),  # as printed at start-up (the API process prints this too)
         }
 
     def format(self) -> str:

@@ -91,28 +91,6 @@ def http_implementation() -> str:
     return "httptools" if importlib.util.find_spec("httptools") else "h11"
 
 
-def format_capacity(report: dict[str, Any]) -> str:
-    """The engine's capacity report (CapacityReport.to_dict()) as terminal lines."""
-    cfg = report.get("engine_config", {})
-    sched = cfg.get("scheduler", {})
-    rows = [
-        ("model", f"{report.get('model')} ({report.get('architecture')}, "
-                  f"{report.get('num_params', 0) / 1e9:.2f} B params)"),
-        ("device / dtype", f"{cfg.get('device')} / {cfg.get('dtype')}"),
-        ("weights", f"{report.get('weights_gib', 0.0):.2f} GiB"),
-        ("KV cache", f"{report.get('kv_blocks')} blocks = {report.get('kv_tokens', 0):,} tokens"),
-        ("max running requests", f"{report.get('max_running_requests')} <- "
-                                 f"{report.get('max_running_requests_rule')}"),
-        ("max model len", str(sched.get("max_model_len"))),
-        ("CUDA graphs", str(report.get("cuda_graphs"))),
-        ("start-up", ", ".join(f"{k} {v:.2f}s"
-                               for k, v in report.get("phase_seconds", {}).items())),
-    ]
-    rows += [(f"auto {k}", v) for k, v in report.get("resolved", {}).items()]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(["moeserve capacity report"] + [f"  {k:<{width}}  {v}" for k, v in rows])
-
-
 def run_serve(args: argparse.Namespace, join: EngineJoin | None = None) -> int:
     """Start the engine and serve HTTP until SIGINT/SIGTERM. Returns the exit code.
 
@@ -169,7 +147,7 @@ async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
         sock.close()
         raise
     if join is None or join.client_index == 0:
-        print(format_capacity(client.capacity_report), flush=True)
+        print(client.capacity_report["text"], flush=True)
     http = http_implementation()
     settings = {"host": args.host, "port": args.port, "http": http, "loop": "uvloop",
                 "max_waiting_requests": args.max_waiting_requests,

@@ -34,6 +34,7 @@ def test_outputs_equal_in_process_engine() -> None:
         client = await AsyncEngineClient.start(ENGINE)
         try:
             assert client.max_model_len == 256 and client.capacity_report["kv_tokens"] > 0
+            assert "max running requests" in client.capacity_report["text"]
             assert await client.check_ready()
             results = await asyncio.gather(*(_collect(client, f"r{i}", p)
                                              for i, p in enumerate(PROMPTS)))

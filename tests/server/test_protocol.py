@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from moeserve.engine.async_client import EngineDeadError, QueueFullError
 from moeserve.server.errors import APIError, from_validation_error
 from moeserve.server.generation import engine_error
-from moeserve.server.launch import add_serve_args, format_capacity
+from moeserve.server.launch import add_serve_args
 from moeserve.server.metrics import RateMeter
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from moeserve.server.serving import ChoiceResult, sampling_params, usage_dict
@@ -105,14 +105,3 @@ def test_serve_args() -> None:
     assert (args.host, args.port, args.max_waiting_requests) == ("127.0.0.1", 8000, 4096)
     assert parser.parse_args(["--model", "/ckpt"]).model == "/ckpt"
     assert parser.parse_args([]).api_key is None
-
-
-def test_format_capacity() -> None:
-    text = format_capacity({"model": "m", "architecture": "A", "num_params": 3e9,
-                            "kv_blocks": 10, "kv_tokens": 160, "max_running_requests": 2,
-                            "max_running_requests_rule": "auto: rule", "weights_gib": 1.5,
-                            "engine_config": {"device": "cpu", "dtype": "float32",
-                                              "scheduler": {"max_model_len": 64}},
-                            "phase_seconds": {"weights": 0.5}, "resolved": {"dtype": "why"}})
-    assert "m (A, 3.00 B params)" in text and "160 tokens" in text
-    assert "2 <- auto: rule" in text and "weights 0.50s" in text and "auto dtype" in text
