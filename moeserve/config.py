@@ -277,6 +277,9 @@ class EngineConfig:
     """"torch" (reference over the paged KV)."""
     seed: int = 0
     """Seed for dummy weights and for requests without their own seed."""
+    collect_expert_load: bool = True
+    """Count tokens per expert per MoE layer on the device (read out on demand, no per-step
+    sync): /v1/engine and the doctor use it."""
     async_scheduling: bool = False
     """Overlap scheduling: plan and launch step N+1 while the device runs step N (a stop then
     applies one step late and the extra token is discarded)."""

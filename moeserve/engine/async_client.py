@@ -221,6 +221,7 @@ class AsyncEngineClient:
         while True:
             msg = p.decode_from_engine(await self._from_engine.recv())
             if isinstance(msg, p.StepOutputs):
+                msg.stats.expert_load = self.stats.expert_load  # refreshed by pongs only
                 self.stats = msg.stats
                 for out in msg.outputs:
                     queue = self._queues.get(out.request_id)

@@ -123,7 +123,9 @@ class _EngineLoop:
             for rid in msg.request_ids:
                 self.owner.pop(rid, None)
         elif isinstance(msg, p.Ping):
-            self.outboxes[msg.client].send(p.encode(p.Pong(seq=msg.seq, stats=self._stats())))
+            stats = self._stats()
+            stats.expert_load = self.core.runner.expert_load()
+            self.outboxes[msg.client].send(p.encode(p.Pong(seq=msg.seq, stats=stats)))
         elif isinstance(msg, p.Hello):
             self.outboxes[msg.client].send(p.encode(self._ready()))
         elif isinstance(msg, p.Shutdown):

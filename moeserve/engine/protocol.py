@@ -120,6 +120,9 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     num_aborted: int = 0
     num_refused: int = 0  # add requests refused by validation
     step_seconds: float = 0.0  # wall seconds of the last step
+    # {"num_steps": forward steps, "tokens_per_expert": [[E ints] per MoE layer]}, cumulative;
+    # read from the device only for Pong (on demand), kept by the client between pongs
+    expert_load: dict | None = None
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

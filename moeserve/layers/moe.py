@@ -7,6 +7,9 @@
 
     w13 [E, 2I, hidden]: per expert, rows [0, I) gate_proj, rows [I, 2I) up_proj
     w2  [E, hidden, I]:  per expert, down_proj
+
+Expert load: when the runner binds `expert_counts` (a row [E] int64 of its per-layer counter),
+every forward adds the tokens routed to each expert, on the device, with no host sync.
 """
 
 from __future__ import annotations
@@ -43,8 +46,13 @@ class SparseMoeBlock(nn.Module):
         self.gate = _empty(e, h, dtype=dtype, device=device)  # router, [E, hidden]
         self.w13 = _empty(e, 2 * i, h, dtype=dtype, device=device)  # [E, 2I, hidden]
         self.w2 = _empty(e, h, i, dtype=dtype, device=device)  # [E, hidden, I]
+        self.expert_counts: torch.Tensor | None = None  # [E] int64, bound by the runner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.gate)  # [T, E]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.expert_counts is not None:
+            # NOTE: scatter_add_, not bincount: bincount syncs with the host
+            ids = topk_ids.flatten()  # [T * k]
+            self.expert_counts.scatter_add_(0, ids, torch.ones_like(ids))
         return self.backend(x, self.w13, self.w2, topk_weights, topk_ids)  # [T, hidden]

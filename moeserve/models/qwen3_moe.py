@@ -94,6 +94,16 @@ class CausalLM(nn.Module):
         weight = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()
 
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        """The sparse MoE blocks, in layer order."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def bind_expert_counters(self, counts: torch.Tensor | None) -> None:
+        """Give MoE block j the row counts[j] ([E] int64) to add its routed tokens to; None
+        stops counting."""
+        for j, block in enumerate(self.moe_blocks()):
+            block.expert_counts = None if counts is None else counts[j]
+
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Give each layer its KV tensor [2, num_blocks, block_size, KVH, D]; [] unbinds all.
 

@@ -50,6 +50,20 @@ class ModelRunner:
             load_weights(self.model, self.model_config, weights_folder)
         self.model.eval()
         self.weight_bytes = model_weight_bytes(self.model)
+        self.num_forward_steps = 0
+        self.expert_counts: torch.Tensor | None = None  # [moe layers, E] int64 on the device
+        if self.cfg.collect_expert_load and self.model.moe_blocks():
+            self.expert_counts = torch.zeros(len(self.model.moe_blocks()),
+                                             self.model_config.num_experts, dtype=torch.int64,
+                                             device=self.device)
+
+    def expert_load(self) -> dict | None:
+        """Tokens routed to each expert of each MoE layer since start-up, and over how many
+        forward steps (one host sync: call it on demand, not per step)."""
+        if self.expert_counts is None:
+            return None
+        return {"num_steps": self.num_forward_steps,
+                "tokens_per_expert": self.expert_counts.tolist()}
 
     # ---- memory --------------------------------------------------------------------------
 
@@ -86,8 +100,11 @@ class ModelRunner:
         return int(peak)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Bind the KV tensors; serving starts here, so expert counting starts here too (the
+        activation profile runs before and is not counted)."""
         self.kv_caches = kv_caches
         self.model.bind_kv_caches(kv_caches)
+        self.model.bind_expert_counters(self.expert_counts if kv_caches else None)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -110,6 +127,7 @@ class ModelRunner:
         if missing.size:
             input_ids[self._to_device(missing)] = self._previous_tokens(out, meta, missing)
         hidden = self.model(input_ids, meta.positions, meta)  # [T, hidden]
+        self.num_forward_steps += 1
 
         rows = np.flatnonzero(np.asarray(out.sample, dtype=bool))  # [R]
         pending = PendingOutput(out.num_reqs, rows)

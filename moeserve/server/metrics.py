@@ -85,6 +85,7 @@ class _EngineCollector:
             ("moeserve_generation_tokens_per_second", f"Output tokens per second streamed over "
              f"the last {self.meter.window} s", self.meter.rate()),
         ]
+        gauges += _expert_load_gauges(s.expert_load)
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = [
@@ -102,6 +103,22 @@ class _EngineCollector:
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+
+
+def _expert_load_gauges(load: dict | None) -> list[tuple[str, str, float]]:
+    """Mean tokens per expert per step and the worst layer's imbalance (max / mean expert),
+    from the engine's cumulative counts (refreshed at each scrape)."""
+    if not load or not load["num_steps"] or not load["tokens_per_expert"]:
+        return []
+    layers = load["tokens_per_expert"]
+    num_experts = len(layers[0])
+    total = sum(sum(row) for row in layers)
+    mean = total / (len(layers) * num_experts * load["num_steps"])
+    imbalance = max((max(row) * num_experts / sum(row)) for row in layers if sum(row))
+    return [("moeserve_expert_tokens_per_step", "Mean tokens per expert per MoE layer per "
+             "engine step, since start-up", mean),
+            ("moeserve_expert_load_imbalance", "Busiest expert over the mean expert, in the "
+             "most imbalanced MoE layer, since start-up", imbalance)]
 
 
 class _ApiCpuCollector:

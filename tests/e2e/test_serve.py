@@ -246,3 +246,13 @@ def test_several_api_processes_share_one_engine() -> None:
     assert s.proc.returncode == 0
     _, alive = psutil.wait_procs(procs, timeout=5)
     assert not alive, f"processes left behind: {alive}"
+
+
+def test_expert_load_in_metrics_and_engine_state(server: Server) -> None:
+    body = {"model": "tiny-moe", "prompt": [3, 4, 5], "max_tokens": 4, "ignore_eos": True}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+    load = _engine_state(server.url)["stats"]["expert_load"]
+    assert load["num_steps"] > 0 and len(load["tokens_per_expert"]) == 4  # tiny-moe: 4 layers
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "moeserve_expert_tokens_per_step " in metrics
+    assert "moeserve_expert_load_imbalance " in metrics
