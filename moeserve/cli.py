@@ -1,4 +1,5 @@
-"""The `moeserve` command line: `serve`, `bench`, `generate` (offline, in-process), `presets`.
+"""The `moeserve` command line: `serve`, `bench`, `doctor`, `report`, `generate` (offline,
+in-process), `presets`.
 
 Engine flags come from the config dataclasses (engine/args.py), so every knob the engine has is a
 flag with the field's own docstring as its help.
@@ -86,7 +87,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moeserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="moeserve", description="moeserve: serve, benchmark and diagnose MoE models")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("presets", help="list the built-in model presets").set_defaults(
         func=_cmd_presets)
@@ -100,6 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     from moeserve.bench.cli import add_bench_args
 
     add_bench_args(bench)
+    from moeserve.diagnose.cli import (
+        add_doctor_args,
+        add_report_args,
+        run_doctor,
+        run_report,
+    )
+
+    doctor = sub.add_parser("doctor", help="verdicts on benchmark runs: what bound them, "
+                            "which knob to turn")
+    doctor.set_defaults(func=run_doctor)
+    add_doctor_args(doctor)
+    report = sub.add_parser("report", help="markdown + plots of runs; several runs side by "
+                            "side with the diff of their configs")
+    report.set_defaults(func=run_report)
+    add_report_args(report)
     gen = sub.add_parser("generate", help="generate offline with the in-process engine")
     gen.set_defaults(func=_cmd_generate)
     gen.add_argument("--preset", dest="model", help="a built-in preset (same as --model NAME)")

@@ -10,6 +10,8 @@
         timed run under the rich progress bar          -> runner.run_timed
         figures                                        -> metrics.compute_metrics
         table on the terminal; one JSON line appended  -> report
+        --diagnose: telemetry during the timed run, then the doctor's verdicts after the table
+                    (res["diagnostics"], res["verdicts"])  -> diagnostics.py
       a sweep table when there was more than one run
 
 `run_bench` also takes an argv list (as does `run_bench_argv`), so tests can drive it like the
@@ -30,6 +32,7 @@ from typing import Any
 from rich.console import Console
 
 from moeserve.bench.client import ClientConfig
+from moeserve.bench.diagnostics import RunDiagnostics, attach, print_verdicts
 from moeserve.bench.metrics import compute_metrics
 from moeserve.bench.report import append_jsonl, build_result, print_run, print_sweep, progress_bar
 from moeserve.bench.runner import RunConfig, run_async, run_timed, warmup
@@ -125,6 +128,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--output-json", help="append one JSON line per run to this file")
     o.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar")
+    o.add_argument("--diagnose", action="store_true",
+                   help="sample the engine (/v1/engine, 250 ms), the GPUs (NVML, 100 ms) and the "
+                   "server's processes during each run, then print the doctor's verdicts")
 
 
 class _HFTokenizer:
@@ -163,7 +169,8 @@ def run_bench(args: argparse.Namespace | Sequence[str]) -> int:
                       f"{' ' + args.server_args if args.server_args else ''}`", highlight=False)
         with ServerProcess(args.preset, args.server_args, args.api_key,
                            ready_timeout_s=args.server_timeout) as server:
-            return _bench(args, server.url, console, started=True)
+            return _bench(args, server.url, console, started=True,
+                          server_proc=(server.proc.pid, server.port) if server.proc else None)
     except (ValueError, RuntimeError) as e:
         print(f"moeserve bench: error: {e}", file=sys.stderr)
         return 2
@@ -211,7 +218,8 @@ def build_workload(args: argparse.Namespace, num_prompts: int, rng: random.Rando
                            s["vocab_size"], s["text"], tok)
 
 
-def _bench(args: argparse.Namespace, url: str, console: Console, started: bool) -> int:
+def _bench(args: argparse.Namespace, url: str, console: Console, started: bool,
+           server_proc: tuple[int, int] | None = None) -> int:
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     engine = get_json(url, "/v1/engine", api_key)
     model = args.model or first_model(url, api_key)
@@ -236,7 +244,8 @@ def _bench(args: argparse.Namespace, url: str, console: Console, started: bool) 
     rng = random.Random(args.seed)
     results = []
     for i, conc in enumerate(_concurrency_list(args.max_concurrency)):
-        res = _run_one(args, client, conc, args.seed + i, rng, s, provenance, console)
+        res = _run_one(args, client, conc, args.seed + i, rng, s, provenance, console,
+                       server_proc)
         if args.output_json:
             append_jsonl(args.output_json, res)
         results.append(res)
@@ -247,7 +256,7 @@ def _bench(args: argparse.Namespace, url: str, console: Console, started: bool) 
 
 def _run_one(args: argparse.Namespace, client: ClientConfig, conc: int | None, seed: int,
              rng: random.Random, s: dict[str, Any], provenance: dict[str, Any],
-             console: Console) -> dict[str, Any]:
+             console: Console, server_proc: tuple[int, int] | None = None) -> dict[str, Any]:
     """One run of the sweep: workload, warm-up, timed run, figures, table; its JSON object."""
     num = args.num_prompts or (3 * conc if conc else DEFAULT_NUM_PROMPTS_UNCAPPED)
     run_cfg = RunConfig(max_concurrency=conc, request_rate=args.request_rate,
@@ -260,8 +269,18 @@ def _run_one(args: argparse.Namespace, client: ClientConfig, conc: int | None, s
         run_async(warmup(client, fresh))
     label = f"concurrency {conc}" if conc else f"rate {args.request_rate}"
     api_cpu0 = server_cpu_seconds(client.base_url, client.api_key)
-    with progress_bar(console, len(items), label, args.progress) as on_progress:
-        run = run_timed(client, items, run_cfg, on_progress)
+    diag = RunDiagnostics(client.base_url, client.api_key, provenance["engine"] is not None,
+                          server_proc) if args.diagnose else None
+    if diag is not None:
+        diag.start()
+    try:
+        with progress_bar(console, len(items), label, args.progress) as on_progress:
+            run = run_timed(client, items, run_cfg, on_progress)
+    except BaseException:
+        if diag is not None:
+            diag.stop(None)
+        raise
+    diagnostics = diag.stop(run.duration) if diag is not None else None
     api_cpu1 = server_cpu_seconds(client.base_url, client.api_key)
     metrics = compute_metrics(run.records, run.duration)
     warnings = list(s["warnings"])
@@ -275,4 +294,6 @@ def _run_one(args: argparse.Namespace, client: ClientConfig, conc: int | None, s
     res["server_api_cpu_fraction"] = (None if api_cpu0 is None or api_cpu1 is None
                                       else (api_cpu1 - api_cpu0) / run.duration)
     print_run(console, res)
+    if diagnostics is not None:
+        print_verdicts(console, res, attach(res, diagnostics))
     return res

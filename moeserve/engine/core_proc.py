@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import traceback
 from collections import defaultdict
 
@@ -24,6 +25,7 @@ from moeserve.engine import protocol as p
 from moeserve.types import FinishReason
 
 _IDLE_POLL_MS = 100
+_EXPERT_LOAD_PERIOD_S = 1.0
 
 
 def run_engine_core(engine_kwargs: dict, ipc_dir: str, num_clients: int = 1) -> None:
@@ -72,6 +74,8 @@ class _EngineLoop:
         self.num_refused = 0
         self.stats_stale = False  # an add/abort changed the state since the last message
         self.running = True
+        self.expert_load: dict | None = None
+        self.expert_load_time = -_EXPERT_LOAD_PERIOD_S
 
     def run(self) -> None:
         while self.running:
@@ -124,12 +128,20 @@ class _EngineLoop:
                 self.owner.pop(rid, None)
         elif isinstance(msg, p.Ping):
             stats = self._stats()
-            stats.expert_load = self.core.runner.expert_load()
+            stats.expert_load = self._expert_load()
             self.outboxes[msg.client].send(p.encode(p.Pong(seq=msg.seq, stats=stats)))
         elif isinstance(msg, p.Hello):
             self.outboxes[msg.client].send(p.encode(self._ready()))
         elif isinstance(msg, p.Shutdown):
             self.running = False
+
+    def _expert_load(self) -> dict | None:
+        """The device counters, read (one host sync) at most once a second however often the
+        API side asks."""
+        now = time.monotonic()
+        if now - self.expert_load_time >= _EXPERT_LOAD_PERIOD_S:
+            self.expert_load, self.expert_load_time = self.core.runner.expert_load(), now
+        return self.expert_load
 
     def _ready(self) -> p.Ready:
         core = self.core

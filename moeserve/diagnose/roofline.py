@@ -1,0 +1,175 @@
+"""The roofline of one engine step: the bytes it must read and the FLOPs it must do, against the
+device's ceilings, and how close a run came.
+
+    step_cost(model, dtype_bytes, tokens, rows, batch, context)
+        bytes  = expert weights touched (each MoE layer: E x (1 - (1 - k/E)^tokens) experts of
+                 3 x hidden x expert width) + dense weights (attention, router, dense MLPs,
+                 lm_head, the embedding rows looked up) + the KV cache of the batch
+                 (batch x context x layers x 2 x kv heads x head dim)
+        FLOPs  = 2 x active parameters per token (lm_head only for the `rows` that sample)
+                 + attention over the context (4 x context x heads x head dim per layer)
+        bound  = max(bytes / bandwidth, FLOPs / peak): memory- or compute-bound
+
+    analyse(run)  the run's steady window (figures.steady_window): observed seconds per step,
+                  tokens per step, batch; the model shape from the capacity report
+                  (engine_config.model through moeserve.config.load_model_config); the device's
+                  ceilings by name. Achieved bandwidth and FLOP/s, the share of the bound.
+
+Ceilings measured on the reference machine (shared/reference/ANCHORS.md): one NVIDIA H200,
+787 TFLOP/s dense bf16, 4.27 TB/s device copy. W1 at batch 1,024 (context 128 + 64): 18.8 ms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moeserve.config import ConfigError, ModelConfig, load_model_config
+from moeserve.diagnose import figures
+
+
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    name: str
+    flops_per_s: float
+    bytes_per_s: float
+
+
+CEILINGS = (Ceilings("H200", 787e12, 4.27e12),)
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+
+
+def ceilings_for(device_name: str | None) -> Ceilings | None:
+    """The measured ceilings of a device, matched by name ("NVIDIA H200" -> H200); None for
+    a device without measured ceilings."""
+    for c in CEILINGS:
+        if device_name and c.name.lower() in device_name.lower():
+            return c
+    return None
+
+
+def experts_touched(num_experts: int, top_k: int, tokens: float) -> float:
+    """Expected distinct experts hit by `tokens` tokens routing top_k of num_experts each
+    (uniform routing)."""
+    if num_experts == 0 or tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    tokens: float  # tokens through the model this step (decode rows + prefill tokens)
+    rows: float  # rows that sample a token (the lm_head's batch)
+    batch: float  # running requests whose KV is read
+    context: float  # mean context per running request
+    expert_bytes: float
+    dense_bytes: float
+    kv_bytes: float
+    flops: float
+
+    @property
+    def bytes(self) -> float:
+        return self.expert_bytes + self.dense_bytes + self.kv_bytes
+
+    def bound_seconds(self, c: Ceilings) -> float:
+        return max(self.bytes / c.bytes_per_s, self.flops / c.flops_per_s)
+
+    def bound_kind(self, c: Ceilings) -> str:
+        return "memory" if self.bytes / c.bytes_per_s >= self.flops / c.flops_per_s else "compute"
+
+
+def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, batch: float,
+              context: float) -> StepCost:
+    """Bytes and FLOPs of one step (see the module docstring)."""
+    h, d = model.hidden_size, model.head_dim
+    attn_params = h * d * (2 * model.num_heads + 2 * model.num_kv_heads)
+    expert_params = 3 * h * model.moe_intermediate_size
+    moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i))
+    dense_layers = model.num_layers - moe_layers
+    dense_params = (model.num_layers * attn_params + dense_layers * 3 * h * model.intermediate_size
+                    + moe_layers * model.num_experts * h)  # + the routers
+    lm_head = model.vocab_size * h
+    touched = experts_touched(model.num_experts, model.num_experts_per_tok, tokens)
+    kv_per_token = model.num_layers * model.kv_bytes_per_token_per_layer_elem * dtype_bytes
+    active_per_token = dense_params + moe_layers * model.num_experts_per_tok * expert_params
+    attn_flops = 4.0 * context * model.num_heads * d * model.num_layers
+    return StepCost(
+        tokens=tokens, rows=rows, batch=batch, context=context,
+        expert_bytes=moe_layers * touched * expert_params * dtype_bytes,
+        dense_bytes=(dense_params + lm_head + min(tokens, model.vocab_size) * h) * dtype_bytes,
+        kv_bytes=batch * context * kv_per_token,
+        flops=2.0 * tokens * active_per_token + 2.0 * rows * lm_head + tokens * attn_flops)
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineResult:
+    cost: StepCost
+    ceilings: Ceilings
+    observed_step_s: float
+    generated_per_step: float
+
+    @property
+    def bound_s(self) -> float:
+        return self.cost.bound_seconds(self.ceilings)
+
+    @property
+    def kind(self) -> str:
+        return self.cost.bound_kind(self.ceilings)
+
+    @property
+    def fraction(self) -> float:
+        """The bound's share of the observed step time (1.0 = at the roofline)."""
+        return self.bound_s / self.observed_step_s
+
+    def evidence(self) -> dict[str, Any]:
+        c, obs = self.cost, self.observed_step_s
+        return {
+            "device": self.ceilings.name, "bound": self.kind,
+            "batch": round(c.batch, 1), "tokens_per_step": round(c.tokens, 1),
+            "context": round(c.context, 1),
+            "step_ms_observed": round(obs * 1e3, 3), "step_ms_bound": round(self.bound_s * 1e3, 3),
+            "percent_of_roofline": round(100 * self.fraction, 1),
+            "gb_per_step": round(c.bytes / 1e9, 3), "gflop_per_step": round(c.flops / 1e9, 1),
+            "achieved_tb_per_s": round(c.bytes / obs / 1e12, 3),
+            "ceiling_tb_per_s": self.ceilings.bytes_per_s / 1e12,
+            "achieved_tflop_per_s": round(c.flops / obs / 1e12, 2),
+            "ceiling_tflop_per_s": self.ceilings.flops_per_s / 1e12,
+            "engine_tok_per_s_observed": round(self.generated_per_step / obs, 1),
+            "engine_tok_per_s_bound": round(self.generated_per_step / self.bound_s, 1),
+        }
+
+
+def model_of(run: dict[str, Any]) -> ModelConfig | None:
+    """The served model's shape: engine_config.model as a preset or a readable folder."""
+    name = figures.engine_config(run).get("model")
+    if not isinstance(name, str):
+        return None
+    try:
+        return load_model_config(name)[0]
+    except (ConfigError, ValueError, OSError):
+        return None
+
+
+def dtype_bytes_of(run: dict[str, Any]) -> int:
+    dtype = str(figures.engine_config(run).get("dtype") or "auto")
+    if dtype in DTYPE_BYTES:
+        return DTYPE_BYTES[dtype]
+    return 2 if figures.device_kind(run) == "cuda" else 4
+
+
+def analyse(run: dict[str, Any]) -> tuple[RooflineResult | None, str]:
+    """The run's steady window against the roofline; (None, why) when a figure is missing."""
+    c = ceilings_for(figures.capacity_report(run).get("device_name"))
+    if c is None:
+        return None, (f"no measured ceilings for device "
+                      f"{figures.capacity_report(run).get('device_name')!r}")
+    model = model_of(run)
+    if model is None:
+        return None, "the model's shape is unknown (engine_config.model is not readable here)"
+    w = figures.steady_window(run)
+    context = figures.mean_decode_context(run)
+    if w is None or w.step_seconds is None or w.tokens_per_step is None or context is None:
+        return None, "no steady window with engine steps in the timeline"
+    rows = w.generated_tokens / w.steps
+    cost = step_cost(model, dtype_bytes_of(run), w.tokens_per_step, rows, w.mean_running, context)
+    return RooflineResult(cost, c, w.step_seconds, rows), ""

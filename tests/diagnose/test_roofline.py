@@ -1,0 +1,85 @@
+"""The roofline reproduces ANCHORS.md's W1 step bounds; the expert-load figures are right."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeserve.config import load_model_config
+from moeserve.diagnose import expert_load
+from moeserve.diagnose.roofline import (
+    CEILINGS,
+    analyse,
+    ceilings_for,
+    experts_touched,
+    step_cost,
+)
+from tests.diagnose.synthetic import make_run
+
+
+@pytest.mark.parametrize("batch, anchor_ms", [(256, 15.4), (512, 16.6), (1024, 18.8),
+                                               (2048, 23.4)])
+def test_w1_step_bound_matches_anchors(batch: int, anchor_ms: float) -> None:
+    # ANCHORS.md: qwen3-30b-a3b bf16 on an H200, context 128 + 64 on average
+    model = load_model_config("qwen3-30b-a3b")[0]
+    cost = step_cost(model, 2, batch, batch, batch, 192)
+    h200 = ceilings_for("NVIDIA H200")
+    assert h200 is CEILINGS[0]
+    assert cost.bound_kind(h200) == "memory"
+    # ANCHORS counts the whole embedding table (0.6 GB); we count the rows looked up
+    assert cost.bound_seconds(h200) * 1e3 == pytest.approx(anchor_ms, rel=0.015)
+    assert cost.expert_bytes / 1e9 == pytest.approx(58.0, rel=0.01)
+    assert cost.kv_bytes == batch * 192 * 98304
+    # 2 x 3.0 G FLOPs per token plus attention over the context
+    assert cost.flops / batch / 2e9 == pytest.approx(3.04 + 4 * 192 * 32 * 128 * 48 / 2e9,
+                                                     rel=0.01)
+
+
+def test_experts_touched() -> None:
+    assert experts_touched(128, 8, 0) == 0.0
+    assert experts_touched(128, 8, 1) == pytest.approx(8.0)
+    assert experts_touched(128, 8, 1024) == pytest.approx(128.0, rel=1e-9)
+    assert 8 < experts_touched(128, 8, 4) < 32
+    assert ceilings_for("x86_64") is None and ceilings_for(None) is None
+
+
+def test_analyse_run_observed_against_bound() -> None:
+    res, why = analyse(make_run(step_ms=25))
+    assert why == "" and res is not None
+    ev = res.evidence()
+    assert ev["step_ms_observed"] == pytest.approx(25.0)
+    assert ev["percent_of_roofline"] == pytest.approx(100 * 18.68 / 25, abs=0.3)
+    assert ev["achieved_tb_per_s"] == pytest.approx(79.8 / 25, rel=0.01)
+    assert ev["engine_tok_per_s_observed"] == pytest.approx(1024 / 0.025, rel=1e-3)
+    res, why = analyse(make_run(device_name="x86_64"))
+    assert res is None and "no measured ceilings" in why
+    res, why = analyse(make_run(model="/nonexistent/checkpoint"))
+    assert res is None and "shape is unknown" in why
+
+
+def test_expert_load_delta_and_summary() -> None:
+    first = {"num_steps": 10, "tokens_per_expert": [[5, 5, 0, 0], [1, 2, 3, 4]]}
+    last = {"num_steps": 30, "tokens_per_expert": [[45, 15, 10, 10], [21, 22, 23, 24]]}
+    delta = expert_load.run_delta(first, last)
+    assert delta == {"num_steps": 20, "tokens_per_expert": [[40, 10, 10, 10], [20, 20, 20, 20]]}
+    s = expert_load.summarize(delta)
+    assert s is not None
+    assert s.mean_tokens_per_expert_per_step == pytest.approx(150 / (2 * 4 * 20))
+    assert s.max_imbalance == pytest.approx(40 / 17.5) and s.hot_experts[0][:2] == (0, 0)
+    assert s.mean_imbalance == pytest.approx((40 / 17.5 + 1.0) / 2)
+    assert s.per_expert_per_step[:2] == [2.0, 0.5]
+    # counters that restarted (fewer steps at the end) are taken as they are
+    assert expert_load.run_delta(last, first) == first
+    assert expert_load.run_delta(None, last) == last and expert_load.run_delta(first, None) is None
+    assert expert_load.summarize({"num_steps": 0, "tokens_per_expert": [[0]]}) is None
+
+
+@pytest.mark.parametrize("load, match", [
+    ([1, 2], "must be an object"),
+    ({"num_steps": -1, "tokens_per_expert": [[1]]}, "num_steps must be an integer"),
+    ({"num_steps": 1, "tokens_per_expert": []}, "non-empty list of lists"),
+    ({"num_steps": 1, "tokens_per_expert": [[1, 2], [1]]}, r"\[1\] has 1 experts"),
+    ({"num_steps": 1, "tokens_per_expert": [[1, -2]]}, "counts >= 0"),
+])
+def test_expert_load_validation(load: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        expert_load.validate(load)
