@@ -290,8 +290,8 @@ class EngineConfig:
         _check_choice("device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _check_choice("load_format", self.load_format, ("auto", "safetensors", "dummy"))
-        _check_choice("moe_backend", self.moe_backend, ("auto", "torch", "grouped_mm"))
-        _check_choice("attention_backend", self.attention_backend, ("torch",))
+        _check_choice("moe_backend", self.moe_backend, ("auto", "torch", "grouped_mm", "triton"))
+        _check_choice("attention_backend", self.attention_backend, ("torch", "triton"))
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -136,10 +136,11 @@ class _EngineLoop:
             self.running = False
 
     def _expert_load(self) -> dict | None:
-        """The device counters, read (one host sync) at most once a second however often the
-        API side asks."""
+        """The device counters: read (one host sync) at most once a second while the engine is
+        busy, however often the API side asks; always fresh when it is idle."""
         now = time.monotonic()
-        if now - self.expert_load_time >= _EXPERT_LOAD_PERIOD_S:
+        idle = not self.core.has_unfinished_requests()
+        if idle or now - self.expert_load_time >= _EXPERT_LOAD_PERIOD_S:
             self.expert_load, self.expert_load_time = self.core.runner.expert_load(), now
         return self.expert_load
 

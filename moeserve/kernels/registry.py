@@ -1,11 +1,11 @@
 """Kernel backends by name: layers pick their attention and MoE implementation here, once.
 
 `moe_backend` / `attention_backend` names from the engine config map to functions with one
-shared signature per op. Triton backends (a later issue) add entries here; their modules import
-triton lazily, so importing this registry never imports triton.
+shared signature per op. Triton modules import triton lazily, so importing this registry never
+imports triton.
 
-    MOE_BACKENDS        torch -> moe_loop_ref, grouped_mm -> moe_grouped_mm
-    ATTENTION_BACKENDS  torch -> paged_attention_ref
+    MOE_BACKENDS        torch -> moe_loop_ref, grouped_mm -> moe_grouped_mm, triton -> moe_triton
+    ATTENTION_BACKENDS  torch -> paged_attention_ref, triton -> paged_attention_triton
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import torch
 from moeserve.kernels.attention_metadata import AttentionMetadata
 from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe_ref import moe_loop_ref
+from moeserve.kernels.moe_triton import moe_triton
 from moeserve.kernels.paged_attention import paged_attention_ref
+from moeserve.kernels.paged_attention_triton import paged_attention_triton
 
 
 class MoeFn(Protocol):
@@ -37,8 +39,10 @@ class AttentionFn(Protocol):
 
 _Fn = TypeVar("_Fn")
 
-MOE_BACKENDS: dict[str, MoeFn] = {"torch": moe_loop_ref, "grouped_mm": moe_grouped_mm}
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref}
+MOE_BACKENDS: dict[str, MoeFn] = {"torch": moe_loop_ref, "grouped_mm": moe_grouped_mm,
+                                  "triton": moe_triton}
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref,
+                                              "triton": paged_attention_triton}
 
 
 def get_moe_backend(name: str) -> MoeFn:

@@ -20,9 +20,10 @@ def test_known_backends() -> None:
 
 
 def test_unknown_backend_names_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"moe_backend 'cutlass'; choices: grouped_mm, torch"):
+    with pytest.raises(ValueError,
+                       match=r"moe_backend .cutlass.; choices: grouped_mm, torch, triton"):
         get_moe_backend("cutlass")
-    with pytest.raises(ValueError, match=r"attention_backend 'flash'; choices: torch"):
+    with pytest.raises(ValueError, match=r"attention_backend 'flash'; choices: torch, triton"):
         get_attention_backend("flash")
 
 

@@ -1,0 +1,210 @@
+"""Paged attention on the GPU: the Triton kernels against the torch reference, decode and prefill.
+
+Shape: preset qwen3-30b-a3b's attention (32 query heads, 4 KV heads of 128, bf16, blocks of 16
+scattered over one pool). Each case is first checked against `paged_attention_ref` (decode: on a
+subset of rows for the big batches), then timed with triton.testing.do_bench (L2 flushed before
+each call): Triton decode replayed from a CUDA graph (as the engine runs it), the reference and
+prefill eager. Reports ms per layer, achieved KV-read bandwidth (context K/V bytes of the batch /
+time) and its share of the device copy rate (4.27 TB/s on the H200), and a small sweep of decode
+tile configs and split counts at three cases. Writes kernels_attention.json to --out.
+
+    python -m benchmarks.kernels_attention --out DIR [--batches 256 512] [--no-sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from benchmarks.w1_offline import environment
+from moeserve.kernels.attention_metadata import AttentionMetadata, build_attention_metadata
+from moeserve.kernels.paged_attention import paged_attention_ref
+from moeserve.kernels.paged_attention_triton import (
+    TileConfig,
+    decode_num_splits,
+    default_config,
+    paged_attention_triton,
+)
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 4, 128, 16
+DTYPE = torch.bfloat16
+KV_BYTES_PER_TOKEN = 2 * KV_HEADS * HEAD_DIM * 2  # K and V of one layer, bf16
+COPY_TBPS = 4.27  # device copy rate measured on the H200 (reference/ANCHORS.md)
+DENSE_TFLOPS = 787.0
+TOL = 2e-2
+REF_MAX_TOKENS = 1024 * 2048  # time the reference only up to this many context tokens
+CHECK_ROWS = 128  # decode rows checked against the reference in big batches
+SWEEP_CASES = ((1024, 192), (256, 4096), (2048, 1024))
+SWEEP_CONFIGS = [TileConfig(16, n, w, s) for n in (32, 64, 128) for w in (2, 4, 8)
+                 for s in (2, 3)]
+SWEEP_SPLITS = (1, 2, 4, 8)
+
+
+def make_pool(num_tokens: int) -> torch.Tensor:
+    """A bf16 KV pool with room for num_tokens (+ null block and 5% spare), random contents."""
+    num_blocks = 1 + int(num_tokens * 1.05) // BLOCK + 1
+    pool = torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    return pool.normal_()
+
+
+def decode_step(pool: torch.Tensor, batch: int, context: int,
+                seed: int) -> tuple[torch.Tensor, AttentionMetadata, list[list[int]]]:
+    """q and metadata of one decode step: every row at `context` keys, blocks scattered."""
+    per_row = -(-context // BLOCK)
+    gen = torch.Generator().manual_seed(seed)
+    ids = (torch.randperm(pool.shape[1] - 1, generator=gen)[:batch * per_row] + 1).view(
+        batch, per_row).tolist()
+    meta = build_attention_metadata([context - 1] * batch, [1] * batch, ids, BLOCK, "cuda")
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    return q, meta, ids
+
+
+def check_decode(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata,
+                 tables: list[list[int]], out: torch.Tensor) -> float:
+    """Max |triton - reference| over (a subset of) the rows; raises past the tolerance."""
+    rows = np.arange(len(tables))
+    if len(rows) > CHECK_ROWS:
+        rows = np.random.default_rng(0).choice(rows, CHECK_ROWS, replace=False)
+    sub = build_attention_metadata((meta.seq_lens_np[rows] - 1).tolist(), [1] * len(rows),
+                                   [tables[r] for r in rows], BLOCK, "cuda")
+    idx = torch.from_numpy(rows).cuda()
+    ref = paged_attention_ref(q[idx], pool, sub, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(out[idx].float(), ref.float(), atol=TOL, rtol=TOL)
+    return float((out[idx].float() - ref.float()).abs().max())
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def time_graph_ms(fn: Callable[[], object]) -> float:
+    """Capture fn (already compiled) in a CUDA graph and time its replay."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = time_ms(graph.replay)
+    del graph
+    return ms
+
+
+def bandwidth(batch: int, context: int, ms: float) -> dict:
+    gbps = batch * context * KV_BYTES_PER_TOKEN / ms / 1e6
+    return {"kv_gb_per_s": round(gbps, 1), "pct_of_copy": round(100 * gbps / (COPY_TBPS * 1e3), 1)}
+
+
+def bench_decode(pool: torch.Tensor, batch: int, context: int) -> dict:
+    q, meta, tables = decode_step(pool, batch, context, seed=batch + context)
+    scale = HEAD_DIM ** -0.5
+    out = paged_attention_triton(q, pool, meta, scale)
+    row: dict = {"batch": batch, "context": context,
+                 "splits": decode_num_splits(batch, KV_HEADS, context),
+                 "max_abs_err": check_decode(q, pool, meta, tables, out)}
+    ms = time_graph_ms(lambda: paged_attention_triton(q, pool, meta, scale))
+    row |= {"triton_ms": round(ms, 4), "triton_ms_48_layers": round(48 * ms, 2),
+            **bandwidth(batch, context, ms)}
+    if batch * context <= REF_MAX_TOKENS:
+        ref_ms = time_ms(lambda: paged_attention_ref(q, pool, meta, scale))
+        row |= {"ref_ms": round(ref_ms, 4), "speedup": round(ref_ms / ms, 2)}
+    return row
+
+
+def sweep_decode(pool: torch.Tensor) -> list[dict]:
+    """Decode tile configs (default split count), then split counts (default tiles)."""
+    trials = [({"decode_config": c}, c.__dict__) for c in SWEEP_CONFIGS]
+    trials += [({"decode_splits": s}, {"splits": s}) for s in SWEEP_SPLITS]
+    rows = []
+    for batch, context in SWEEP_CASES:
+        q, meta, tables = decode_step(pool, batch, context, seed=7)
+        for kwargs, label in trials:
+            run = functools.partial(paged_attention_triton, q, pool, meta, HEAD_DIM ** -0.5,
+                                    **kwargs)
+            row = {"batch": batch, "context": context, **label}
+            try:
+                check_decode(q, pool, meta, tables, run())
+                ms = time_graph_ms(run)
+                row |= {"triton_ms": round(ms, 4), **bandwidth(batch, context, ms)}
+            except Exception as exc:  # a failing candidate is data, not the end of the run
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+    return rows
+
+
+def bench_prefill(pool: torch.Tensor, computed: list[int], scheduled: list[int]) -> dict:
+    """One prefill step (new prompts or chunks after a prefix), eager with its host work."""
+    seq = [c + s for c, s in zip(computed, scheduled)]
+    per_row = [-(-n // BLOCK) for n in seq]
+    ids = (torch.randperm(pool.shape[1] - 1)[:sum(per_row)] + 1).tolist()
+    firsts = np.cumsum([0, *per_row]).tolist()
+    tables = [ids[a:b] for a, b in zip(firsts[:-1], firsts[1:])]
+    meta = build_attention_metadata(computed, scheduled, tables, BLOCK, "cuda")
+    q = torch.randn(sum(scheduled), HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    scale = HEAD_DIM ** -0.5
+    out = paged_attention_triton(q, pool, meta, scale)
+    ref = paged_attention_ref(q, pool, meta, scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL, rtol=TOL)
+    ms = time_ms(lambda: paged_attention_triton(q, pool, meta, scale))
+    ref_ms = time_ms(lambda: paged_attention_ref(q, pool, meta, scale))
+    # causal: query i of a row sees computed + i + 1 keys; 4 FLOPs per (query, key, head, dim)
+    pairs = sum(s * c + s * (s + 1) // 2 for c, s in zip(computed, scheduled))
+    tflops = 4 * pairs * HEADS * HEAD_DIM / ms / 1e9
+    return {"rows": len(seq), "tokens": sum(scheduled), "computed": computed[0],
+            "chunk": scheduled[0], "max_abs_err": float((out.float() - ref.float()).abs().max()),
+            "triton_ms": round(ms, 4), "ref_ms": round(ref_ms, 4),
+            "speedup": round(ref_ms / ms, 2), "tflops": round(tflops, 1),
+            "pct_of_dense": round(100 * tflops / DENSE_TFLOPS, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for kernels_attention.json")
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 192, 1024, 2048, 4096])
+    parser.add_argument("--no-sweep", action="store_true", help="skip the decode config sweep")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("kernels_attention needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    prefill_tokens = 256 * 128 + 8 * 4096
+    sweep_tokens = 0 if args.no_sweep else max(b * c for b, c in SWEEP_CASES)
+    pool = make_pool(max(max(args.batches) * max(args.contexts), prefill_tokens, sweep_tokens))
+    result: dict = {"environment": environment(), "copy_tb_per_s": COPY_TBPS,
+                    "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                              "block_size": BLOCK, "dtype": str(DTYPE),
+                              "decode_config": default_config("decode", HEAD_DIM, DTYPE).__dict__,
+                              "prefill_config": default_config("prefill", HEAD_DIM,
+                                                               DTYPE).__dict__},
+                    "decode": [], "sweep": [], "prefill": []}
+    print(f"{'batch':>6} {'ctx':>5} {'splits':>6} {'triton ms':>10} {'GB/s':>7} {'% copy':>6} "
+          f"{'ref ms':>8} {'x':>6}")
+    for batch in args.batches:
+        for context in args.contexts:
+            row = bench_decode(pool, batch, context)
+            result["decode"].append(row)
+            ref_ms, speedup = row.get("ref_ms", float("nan")), row.get("speedup", float("nan"))
+            print(f"{batch:>6} {context:>5} {row['splits']:>6} {row['triton_ms']:>10.4f} "
+                  f"{row['kv_gb_per_s']:>7.0f} {row['pct_of_copy']:>6.1f} {ref_ms:>8.4f} "
+                  f"{speedup:>6.2f}")
+    for computed, scheduled in (([0] * 256, [128] * 256), ([2048] * 8, [2048] * 8)):
+        row = bench_prefill(pool, computed, scheduled)
+        result["prefill"].append(row)
+        print(f"prefill {row}")
+    if not args.no_sweep:
+        result["sweep"] = sweep_decode(pool)
+        for row in result["sweep"]:
+            print(f"sweep {row}")
+    path = os.path.join(args.out, "kernels_attention.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Routed MoE layer on one GPU: the Triton fused MoE (default / tuned tiles) vs torch._grouped_mm.
+
+For a preset's expert shape (default qwen3-30b-a3b: E 128, H 2048, I 768, top-8, bf16) at 64, 256,
+1,024 and 2,048 tokens, with dummy routing (random router logits) and skewed routing (logits of
+20% of the experts raised so that they take most pairs), times the whole routed layer
+(select_experts + experts) inside a CUDA graph. Reports ms, % of the expert-weight read bound
+(bytes of the experts actually touched / 4.27 TB/s; 0.283 ms with all 128 touched) and TFLOP/s
+against 787 (reference/ANCHORS.md). Every backend is first checked against moe_loop_ref (fp32 on
+the same bf16 values) at one token count, and not timed if it fails. Also times the expert sort
+alone (torch vs Triton align). --tune first runs a quick resumable tune at the same token counts
+(JSON under DIR/configs, named for moeserve/kernels/configs/moe/) and adds "triton_tuned".
+
+    python -m benchmarks.kernels_moe --out DIR [--tune | --tune-full] [--tokens 64 256 1024 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.w1_offline import environment
+from moeserve.kernels import moe_configs
+from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
+from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe_ref import moe_loop_ref
+from moeserve.kernels.moe_triton import moe_triton
+from moeserve.kernels.routing import select_experts
+from moeserve.presets import load_preset
+
+COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # H200, measured (ANCHORS.md)
+HOT_FRACTION, HOT_BIAS = 0.2, 3.0  # skewed routing: +3 on the logits of 20% of the experts
+CHECK_TOKENS = 256
+TOL = dict(atol=2e-2, rtol=2e-2)
+DEVICE, DTYPE = "cuda", torch.bfloat16
+MoeFn = Callable[..., torch.Tensor]  # (x, w13, w2, topk_weights, topk_ids, num_tokens)
+
+
+def expert_shape(preset: str) -> tuple[int, int, int, int]:
+    cfg = load_preset(preset)
+    return (cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"],
+            cfg["num_experts_per_tok"])
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+
+
+def router_logits(kind: str, num_tokens: int, num_experts: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, device=DEVICE, generator=gen)
+    if kind == "skewed":
+        hot = torch.randperm(num_experts, device=DEVICE, generator=gen)
+        logits[:, hot[:round(HOT_FRACTION * num_experts)]] += HOT_BIAS
+    return logits
+
+
+def time_in_graph(fn: Callable[[], torch.Tensor], calls: int = 10, replays: int = 10) -> float:
+    """Median ms per call of `fn`, `calls` of them captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm up outside the graph
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
+
+
+def check_backends(backends: dict[str, MoeFn], w13: torch.Tensor, w2: torch.Tensor,
+                   top_k: int) -> dict[str, dict]:
+    """Each backend vs the fp32 loop ref at CHECK_TOKENS tokens, dummy and skewed routing."""
+    w13_f, w2_f = w13.float(), w2.float()
+    results: dict[str, dict] = {}
+    for kind in ("dummy", "skewed"):
+        x = torch.randn(CHECK_TOKENS, w13.shape[2], device=DEVICE).to(DTYPE)
+        weights, ids = select_experts(router_logits(kind, CHECK_TOKENS, w13.shape[0], 7), top_k,
+                                      renormalize=True)
+        expected = moe_loop_ref(x.float(), w13_f, w2_f, weights, ids)
+        for name, fn in backends.items():
+            out = fn(x, w13, w2, weights, ids, num_tokens=CHECK_TOKENS).float()
+            err = (out - expected).abs().max().item()
+            try:
+                torch.testing.assert_close(out, expected, **TOL)
+                ok = True
+            except AssertionError:
+                ok = False
+            prev = results.get(name, {"ok": True, "max_abs_err": 0.0})
+            results[name] = {"ok": prev["ok"] and ok, "max_abs_err": max(prev["max_abs_err"], err)}
+    del w13_f, w2_f
+    torch.cuda.empty_cache()
+    return results
+
+
+def bench_layer(name: str, fn: MoeFn, kind: str, num_tokens: int, w13: torch.Tensor,
+                w2: torch.Tensor, top_k: int) -> dict:
+    num_experts, _, hidden = w13.shape
+    inter = w2.shape[2]
+    x = torch.randn(num_tokens, hidden, device=DEVICE).to(DTYPE)
+    logits = router_logits(kind, num_tokens, num_experts, seed=num_tokens)
+
+    def layer() -> torch.Tensor:
+        weights, ids = select_experts(logits, top_k, renormalize=True)
+        return fn(x, w13, w2, weights, ids, num_tokens=num_tokens)
+
+    ms = time_in_graph(layer)
+    _, ids = select_experts(logits, top_k, renormalize=True)
+    touched = int(torch.unique(ids).numel())
+    per_expert_bytes = 3 * hidden * inter * w13.element_size()
+    bound_ms = touched * per_expert_bytes / (COPY_TBPS * 1e12) * 1e3
+    tflops = 2 * num_tokens * top_k * 3 * hidden * inter / (ms * 1e-3) / 1e12
+    hot = round(HOT_FRACTION * num_experts)
+    counts = torch.bincount(ids.flatten(), minlength=num_experts).sort(descending=True).values
+    return {"backend": name, "routing": kind, "tokens": num_tokens, "ms": round(ms, 4),
+            "experts_touched": touched, "read_bound_ms": round(bound_ms, 4),
+            "pct_of_read_bound": round(100 * bound_ms / ms, 1), "tflops": round(tflops, 1),
+            "pct_of_787_tflops": round(100 * tflops / DENSE_TFLOPS, 1),
+            "share_of_pairs_on_top_20pct_experts": round(
+                counts[:hot].sum().item() / ids.numel(), 3)}
+
+
+def bench_align(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> list[dict]:
+    logits = router_logits("dummy", num_tokens, num_experts, seed=1)
+    _, ids = select_experts(logits, top_k, renormalize=True)
+    rows = []
+    for name, align in (("torch", moe_align_block_size), ("triton", moe_align_block_size_triton)):
+        ms = time_in_graph(functools.partial(align, ids, num_experts, block_m))
+        rows.append({"align": name, "tokens": num_tokens, "block_m": block_m,
+                     "ms": round(ms, 4)})
+    return rows
+
+
+def quick_candidates(num_experts: int, top_k: int, num_tokens: int) -> list[dict[str, int]]:
+    """A small slice of the full grid (4 warps, one stage count per BLOCK_M): ~8-16 configs."""
+    return [c for c in moe_configs.moe_tune_candidates(num_experts, top_k, num_tokens)
+            if c["num_warps"] == 4 and c["GROUP_M"] == 1
+            and c["num_stages"] == (4 if c["BLOCK_M"] <= 32 else 3)]
+
+
+def run_tune(args: argparse.Namespace, shape: tuple[int, int, int, int]) -> tuple[dict, dict]:
+    num_experts, hidden, inter, top_k = shape
+    name = moe_configs.config_file_name(num_experts, hidden, inter, DTYPE,
+                                        device_name())
+    path = os.path.join(args.out, "configs", name)
+    candidates = None if args.tune_full else functools.partial(quick_candidates, num_experts,
+                                                               top_k)
+    t0 = time.perf_counter()
+    best = moe_configs.tune_moe(num_experts, hidden, inter, top_k, DTYPE, args.tokens,
+                                path, candidates=candidates)
+    info = {"path": path, "grid": "full" if args.tune_full else "quick",
+            "seconds": round(time.perf_counter() - t0, 1),
+            "best": {str(n): c for n, c in best.items()}}
+    return best, info
+
+
+def make_backends(tuned: dict[int, dict] | None) -> dict[str, MoeFn]:
+    """grouped_mm, triton (default/looked-up tiles; "sum" combine, Triton align) and variants."""
+
+    def grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        return moe_grouped_mm(x, w13, w2, weights, ids)
+
+    def triton(**kwargs: str) -> MoeFn:
+        def fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+               ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+            config = None
+            if kwargs.get("tuned") and tuned:
+                nearest = min(tuned, key=lambda n: abs(n - num_tokens))
+                config = {k: tuned[nearest][k] for k in moe_configs.CONFIG_KEYS}
+            return moe_triton(x, w13, w2, weights, ids, config=config,
+                              combine=kwargs.get("combine", "sum"),
+                              align=kwargs.get("align", "triton"))
+        return fn
+
+    backends = {"grouped_mm": grouped, "triton": triton(),
+                "triton_atomic": triton(combine="atomic"),
+                "triton_torch_align": triton(align="torch")}
+    if tuned:
+        backends["triton_tuned"] = triton(tuned="yes")
+    return backends
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 1024, 2048])
+    parser.add_argument("--tune", action="store_true", help="quick tune (small grid) first")
+    parser.add_argument("--tune-full", action="store_true", help="full grid (long; resumable)")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    shape = num_experts, hidden, inter, top_k = expert_shape(args.preset)
+    t0 = time.perf_counter()
+    result: dict = {"environment": environment(), "preset": args.preset,
+                    "shape": {"E": num_experts, "H": hidden, "I": inter, "top_k": top_k,
+                              "dtype": str(DTYPE)}}
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen)
+           * hidden ** -0.5).to(DTYPE)
+    w2 = (torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen)
+          * inter ** -0.5).to(DTYPE)
+    tuned = None
+    if args.tune or args.tune_full:
+        tuned, result["tune"] = run_tune(args, shape)
+        print(json.dumps(result["tune"]), flush=True)
+    backends = make_backends(tuned)
+    result["check"] = check_backends(backends, w13, w2, top_k)
+    print(json.dumps({"check": result["check"]}), flush=True)
+    result["default_configs"] = {  # what "triton" runs with: a tuned file's entry, or defaults
+        str(n): dataclasses.asdict(moe_configs.get_moe_config(
+            num_experts, hidden, inter, top_k, DTYPE, n, device_name()))
+        for n in args.tokens}
+    result["rows"], result["align"] = [], []
+    for num_tokens in args.tokens:
+        block_m = result["default_configs"][str(num_tokens)]["config"]["BLOCK_M"]
+        result["align"] += bench_align(num_tokens, num_experts, top_k, block_m)
+        for kind in ("dummy", "skewed"):
+            for name, fn in backends.items():
+                if not result["check"][name]["ok"]:
+                    continue
+                row = bench_layer(name, fn, kind, num_tokens, w13, w2, top_k)
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    path = os.path.join(args.out, f"kernels_moe_{args.preset}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path} ({result['seconds']} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

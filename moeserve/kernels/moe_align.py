@@ -1,0 +1,213 @@
+"""Expert-sorted, block-padded (token, slot) order for the Triton fused-MoE kernel.
+
+Owns `moe_align_block_size` (vectorised torch, no host sync, stable order),
+`moe_align_block_size_triton` (one Triton launch instead of ~25 small torch kernels; order within
+an expert not stable) and `moe_align_block_size_ref` (a plain loop, for tests). For T tokens
+routed to k experts each there are M = T * k pairs; pair p = t * k + i is token t's i-th expert
+`topk_ids[t, i]`. The kernel works on tiles of `block_m` sorted rows that all belong to one
+expert, so each expert's run of pairs is padded to a multiple of `block_m` with the sentinel M:
+
+    topk_ids [[2, 0], [2, 1]], E = 3, block_m = 2   (pairs 0..3, sentinel 4)
+    sorted_token_ids  [1, 4 | 3, 4 | 0, 2 | 4, 4 ...]   expert 0 | expert 1 | expert 2 | unused
+    expert_ids        [0,     1,     2,     -1 ...]      one per block; -1: block not used
+    num_tokens_post_padded [6]
+
+The output length P is a static bound, so shapes depend only on (T, k, E, block_m), never on the
+routing, which is what CUDA-graph capture needs. At most min(E, M) experts get pairs and each
+pads by at most block_m - 1, so P = round_up(M + min(E, M) * (block_m - 1), block_m); the tail
+past num_tokens_post_padded holds the sentinel, and its blocks have expert id -1.
+
+The Triton version runs as one program (one CTA; triton imported lazily, on first call):
+    A: counts[e] += 1 per pair (atomics into a zeroed scratch)             | barrier
+    B: padded, ends = cumsum(padded), starts and ends -> scratch, the total | barrier
+       expert_ids (binary search in ends), sentinel fill of sorted_token_ids | barrier
+    C: sorted_token_ids[starts[e] + atomic_add(cursor[e], 1)] = pair
+Pairs of one expert land in arrival order of the atomics, not pair order; the fused-MoE output
+does not depend on that order (every row of the GEMMs is computed on its own).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+_ALIGN_CHUNK = 1024  # pairs per step of the single program
+_ALIGN_BLOCKS_CHUNK = 64  # expert_ids entries per step
+tl: Any = None  # triton.language, bound by _align_kernel() on first use
+_add: Any = None  # the jitted combine function of the scans, bound there too
+
+
+def moe_align_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The static length P of `sorted_token_ids` for M = `num_pairs` (a multiple of block_m)."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
+                         block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the (token, slot) pairs by expert and pad each expert's run to a multiple of block_m.
+
+    Runs on topk_ids' device without reading any device value on the host (no .item(),
+    .tolist(), nonzero or bincount): counts come from scatter_add_, offsets from cumsum.
+    Within an expert, pairs keep their original order (stable sort).
+
+    Args:
+        topk_ids: [T, k] integer expert ids in [0, num_experts).
+        num_experts: E.
+        block_m: the kernel's BLOCK_M, >= 1.
+    Returns:
+        sorted_token_ids: [P] int32, pair indices t * k + i, sentinel T * k in padding.
+        expert_ids: [P // block_m] int32, the expert of each block, -1 past the used blocks.
+        num_tokens_post_padded: [1] int32, the number of used rows (a multiple of block_m).
+    """
+    _check_align_args(topk_ids, num_experts, block_m)
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    size = moe_align_size(num_pairs, num_experts, block_m)
+    flat = topk_ids.reshape(-1).long()  # [M]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)  # [E]
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_end = torch.cumsum(padded, dim=0)  # [E], end row of each expert's padded segment
+    start_delta = (padded_end - padded) - (torch.cumsum(counts, dim=0) - counts)  # [E]
+
+    sorted_experts, order = torch.sort(flat, stable=True)  # [M] each
+    dest = torch.arange(num_pairs, device=device) + start_delta[sorted_experts]  # [M]
+    sorted_token_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=device)
+    sorted_token_ids[dest] = order.to(torch.int32)
+
+    block_starts = torch.arange(0, size, block_m, device=device)  # [P // block_m]
+    expert_ids = torch.searchsorted(padded_end, block_starts, right=True)  # [P // block_m]
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    num_tokens_post_padded = padded_end[-1:].to(torch.int32)  # [1]
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+def moe_align_block_size_triton(topk_ids: torch.Tensor, num_experts: int,
+                                block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_align_block_size` in one Triton launch (plus one memset); no host sync.
+
+    Same outputs, except that the pairs of one expert may come in any order within its segment.
+    topk_ids must be on a device Triton runs on (CUDA, or CPU under TRITON_INTERPRET=1).
+    """
+    _check_align_args(topk_ids, num_experts, block_m)
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    size = moe_align_size(num_pairs, num_experts, block_m)
+    sorted_token_ids = torch.empty(size, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=device)
+    num_tokens_post_padded = torch.zeros(1, dtype=torch.int32, device=device)
+    if num_pairs == 0:
+        return sorted_token_ids, expert_ids, num_tokens_post_padded
+    log2_experts = (num_experts - 1).bit_length()
+    # rows: counts, cursors, segment starts, segment ends (the kernel zeroes nothing itself)
+    scratch = torch.zeros(4, 1 << log2_experts, dtype=torch.int32, device=device)
+    _align_kernel()[(1,)](
+        topk_ids.reshape(-1), sorted_token_ids, expert_ids, num_tokens_post_padded, scratch,
+        num_pairs, num_experts, size, BLOCK_M=block_m, E_POW2=1 << log2_experts,
+        LOG2_E=log2_experts, CHUNK=_ALIGN_CHUNK, BLOCKS_CHUNK=_ALIGN_BLOCKS_CHUNK, num_warps=8)
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int,
+                             block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same outputs as `moe_align_block_size`, by a loop over experts on the host."""
+    _check_align_args(topk_ids, num_experts, block_m)
+    flat = topk_ids.reshape(-1).tolist()
+    num_pairs = len(flat)
+    rows: list[int] = []
+    blocks: list[int] = []
+    for e in range(num_experts):
+        pairs = [p for p, expert in enumerate(flat) if expert == e]
+        num_blocks = -(-len(pairs) // block_m)
+        rows += pairs + [num_pairs] * (num_blocks * block_m - len(pairs))
+        blocks += [e] * num_blocks
+    size = moe_align_size(num_pairs, num_experts, block_m)
+    used = len(rows)
+    rows += [num_pairs] * (size - used)
+    blocks += [-1] * (size // block_m - len(blocks))
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=topk_ids.device)
+
+    return as_tensor(rows), as_tensor(blocks), as_tensor([used])
+
+
+def _check_align_args(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"num_experts ({num_experts}) and block_m ({block_m}) must be >= 1")
+
+
+@functools.cache
+def _align_kernel() -> Any:
+    """Build `_moe_align_kernel` on first use (see the module docstring for its phases).
+
+    Only triton.language builtins are called (no tl.sum/tl.cumsum, which are @jit helpers bound
+    when triton is imported): so it also runs when TRITON_INTERPRET=1 was set after that import.
+    What the kernel names (tl, _add) is bound as a module global: Triton's interpreter resolves
+    names in the function's module, not in its closure.
+    """
+    global tl, _add
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
+    def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, post_ptr, scratch_ptr,
+                          num_pairs, num_experts, size, BLOCK_M: tl.constexpr,
+                          E_POW2: tl.constexpr, LOG2_E: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCKS_CHUNK: tl.constexpr):
+        counts_ptr = scratch_ptr
+        cursor_ptr = scratch_ptr + E_POW2
+        start_ptr = scratch_ptr + 2 * E_POW2
+        ends_ptr = scratch_ptr + 3 * E_POW2
+        lanes = tl.arange(0, CHUNK)
+        for c in range(0, num_pairs, CHUNK):  # A: count pairs per expert
+            ok = c + lanes < num_pairs
+            ids = tl.load(ids_ptr + c + lanes, mask=ok, other=0)
+            tl.atomic_add(counts_ptr + ids, 1, mask=ok, sem="relaxed")
+        tl.debug_barrier()
+
+        experts = tl.arange(0, E_POW2)  # B: segment offsets, expert of each block, sentinel
+        real = experts < num_experts
+        counts = tl.atomic_add(counts_ptr + experts, 0, mask=real, sem="relaxed")  # fresh read
+        padded = (tl.where(real, counts, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.associative_scan(padded, 0, _add)  # inclusive cumsum
+        tl.store(start_ptr + experts, ends - padded)
+        tl.store(ends_ptr + experts, ends)
+        total = tl.reduce(padded, 0, _add)
+        tl.store(post_ptr, total)
+        tl.debug_barrier()
+        blocks = tl.arange(0, BLOCKS_CHUNK)
+        num_blocks = size // BLOCK_M
+        for b in range(0, num_blocks, BLOCKS_CHUNK):
+            rows = (b + blocks) * BLOCK_M
+            owner = tl.full((BLOCKS_CHUNK,), 0, tl.int32)  # binary search: #experts ending <= row
+            for i in tl.static_range(LOG2_E + 1):  # steps E_POW2, E_POW2 / 2, ..., 1
+                probe = owner + (E_POW2 >> i)
+                end = tl.load(ends_ptr + probe - 1, mask=probe <= E_POW2, other=size + 1)
+                owner = tl.where(end <= rows, probe, owner)
+            tl.store(expert_ids_ptr + b + blocks, tl.where(rows < total, owner, -1),
+                     mask=b + blocks < num_blocks)
+        sentinel = tl.full((CHUNK,), 0, tl.int32) + num_pairs
+        for c in range(0, size, CHUNK):
+            tl.store(sorted_ids_ptr + c + lanes, sentinel, mask=c + lanes < size)
+        tl.debug_barrier()
+
+        for c in range(0, num_pairs, CHUNK):  # C: scatter each pair into its segment
+            ok = c + lanes < num_pairs
+            ids = tl.load(ids_ptr + c + lanes, mask=ok, other=0)
+            start = tl.load(start_ptr + ids, mask=ok, other=0)
+            rank = tl.atomic_add(cursor_ptr + ids, 1, mask=ok, sem="relaxed")
+            tl.store(sorted_ids_ptr + start + rank, c + lanes, mask=ok)
+
+    return _moe_align_kernel

@@ -1,0 +1,256 @@
+"""MoE experts as a Triton fused grouped GEMM: gather, both expert GEMMs, SiLU-mul and weighting.
+
+Owns `moe_triton` (the "triton" MoE backend, same contract as `moe_loop_ref`) and the kernel
+`_fused_moe_kernel`, launched twice. Data flow, for T tokens, k experts each, M = T * k pairs
+(pair p = t * k + i), E experts, weights w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]:
+
+    topk_ids --moe_align_block_size(_triton)--> sorted_token_ids [P], expert_ids [P / BLOCK_M]
+    launch 1, program (block b, N-tile n), e = expert_ids[b]:
+        rows = x[sorted_token_ids[b-tile] // k]         gathered in the loads, no x_sorted copy
+        gate = rows @ w13[e, n-tile].T,  up = rows @ w13[e, I + n-tile].T   (fp32 accumulators)
+        act[pair, n-tile] = silu(gate) * up             act: [M, I], in (token, slot) order
+    launch 2, program (block b, N-tile n):
+        y = act[sorted pairs] @ w2[e, n-tile].T * topk_weights[pair]   (weight in the epilogue)
+        combine "sum":    y -> out[pair] of [T, k, H] in x's dtype, then one .sum(1) over k
+                          (k == 1: out is already [T, H], no reduction at all)
+        combine "atomic": tl.atomic_add(y) into a zeroed fp32 [T, H], then one cast to x's dtype
+
+So the gate_up tensor [M, 2I] never exists, the activation is fused into the first GEMM's
+epilogue, and the routing weight into the second's. "sum" (the default) is deterministic: the
+same inputs give the same bits, eager or in a CUDA graph. "atomic" writes T * H fp32 instead of
+M * H, but the order of the k additions varies from run to run.
+
+Weights are read in place through their strides as [BLOCK_K, BLOCK_N] tiles of w[e] (no copy or
+transpose). Padded rows (sentinel pair M) load zeros and are never stored; blocks past the used
+ones (expert id -1) return at once, and experts with no pairs have no blocks. Nothing reads a
+device value on the host, so the op can be captured in a CUDA graph. fp32 uses
+`input_precision="ieee"` (no TF32), so it matches the torch reference tightly.
+
+triton is imported lazily (`_kernel()`), so importing this module works without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
+from moeserve.kernels.moe_configs import CONFIG_KEYS, get_moe_config
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_COMBINES = ("sum", "atomic")
+_ALIGNS = {"triton": moe_align_block_size_triton, "torch": moe_align_block_size}
+tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
+
+
+def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+               config: dict[str, int] | None = None, combine: str = "sum",
+               align: str = "triton") -> torch.Tensor:
+    """Routed experts through two launches of `_fused_moe_kernel` (see the module docstring).
+
+    Args:
+        x: [T, H], fp32/fp16/bf16, last dim contiguous.
+        w13: [E, 2I, H] (gate rows then up rows), x's dtype, last dim contiguous.
+        w2: [E, H, I], x's dtype, last dim contiguous.
+        topk_weights: [T, k] float32, contiguous.
+        topk_ids: [T, k] integer expert ids in [0, E) (not checked: that would sync).
+        config: tile config (keys of `moe_configs.CONFIG_KEYS`); default: `get_moe_config`.
+        combine: "sum" (deterministic) or "atomic" (fp32 atomics), how the k slots are added.
+        align: "triton" (one launch) or "torch" (~25 small kernels): the expert sort.
+    Returns:
+        [T, H] in x's dtype.
+    """
+    _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    _check_options(x.device, combine, align)
+    num_tokens, hidden = x.shape
+    num_experts, inter, top_k = w13.shape[0], w2.shape[-1], topk_ids.shape[1]
+    if num_tokens == 0:
+        return x.new_empty(0, hidden)
+    if config is None:
+        config = get_moe_config(num_experts, hidden, inter, top_k, x.dtype, num_tokens,
+                                _device_name(x.device)).config
+    _check_config(config)
+    sorted_ids, expert_ids, _ = _ALIGNS[align](topk_ids, num_experts, config["BLOCK_M"])
+    num_pairs = num_tokens * top_k
+
+    act = x.new_empty(num_pairs, inter)  # [M, I], row = pair
+    _launch(x, w13, act, topk_weights, sorted_ids, expert_ids, num_pairs, config,
+            a_row_div=top_k, c_row_div=1, gated=True, atomic=False)
+    if combine == "atomic" and top_k > 1:
+        out32 = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [T, H]
+        _launch(act, w2, out32, topk_weights, sorted_ids, expert_ids, num_pairs, config,
+                a_row_div=1, c_row_div=top_k, gated=False, atomic=True)
+        return out32.to(x.dtype)
+    out = x.new_empty(num_tokens, top_k, hidden)  # [T, k, H], row pair = t * k + i
+    _launch(act, w2, out.view(num_pairs, hidden), topk_weights, sorted_ids, expert_ids,
+            num_pairs, config, a_row_div=1, c_row_div=1, gated=False, atomic=False)
+    return out.view(num_tokens, hidden) if top_k == 1 else out.sum(dim=1)
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
+            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_pairs: int,
+            config: dict[str, int], *, a_row_div: int, c_row_div: int, gated: bool,
+            atomic: bool) -> None:
+    """One grouped GEMM: c[rows] = a[rows] @ w[e].T over expert-sorted row blocks.
+
+    gated: w is w13 ([E, 2I, H]); N = I and the program computes silu(gate) * up.
+    Otherwise w is w2 ([E, H, I]); N = H and rows are scaled by their routing weight.
+    """
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    k_dim = w.shape[2]
+    num_blocks = expert_ids.shape[0]
+    grid = (num_blocks * _cdiv(n_out, config["BLOCK_N"]),)
+    _kernel()[grid](
+        a, w, c, topk_weights, sorted_ids, expert_ids,
+        num_pairs, num_blocks, n_out, k_dim, n_out * w.stride(1),
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
+        A_ROW_DIV=a_row_div, C_ROW_DIV=c_row_div, GATED=gated, MUL_WEIGHT=not gated,
+        ATOMIC=atomic, EVEN_K=k_dim % config["BLOCK_K"] == 0,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _kernel() -> Any:
+    """Build `_fused_moe_kernel` on first use (the only place triton is imported).
+
+    The kernel calls only builtins of triton.language, none of its @jit helpers (tl.zeros,
+    tl.cdiv, tl.sigmoid): those are bound when triton is imported, so under TRITON_INTERPRET=1
+    set after that import they would fail, while builtins are interpreted either way. `tl` is
+    bound as a module global: Triton's interpreter resolves names in the function's module.
+    """
+    global tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fused_moe_kernel(
+            a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
+            num_pairs, num_blocks, N, K, up_offset,
+            stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+            A_ROW_DIV: tl.constexpr, C_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+            MUL_WEIGHT: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        # GROUP_M row blocks side by side per N-tile: blocks of one expert share B tiles in L2
+        pid = tl.program_id(0)
+        num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
+        group_size = GROUP_M * num_pid_n
+        first_m = (pid // group_size) * GROUP_M
+        group_m = tl.minimum(num_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % group_size) % group_m
+        pid_n = (pid % group_size) // group_m
+        expert = tl.load(expert_ids_ptr + pid_m)
+        if expert < 0:  # past the used blocks
+            return
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]; P is a multiple of BLOCK_M
+        row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
+        a_rows = (pairs // A_ROW_DIV).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        b_cols = offs_n % N  # in bounds without a mask; the store masks the tail
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + b_cols[None, :] * stride_bn
+                  + offs_k[:, None] * stride_bk)  # [BLOCK_K, BLOCK_N] tile of w[e]^T
+
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+        acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # used when GATED
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0  # unused (and dropped) when EVEN_K
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                if EVEN_K:
+                    b_up = tl.load(b_ptrs + up_offset)
+                else:
+                    b_up = tl.load(b_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
+        if MUL_WEIGHT:
+            acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
+        c_rows = (pairs // C_ROW_DIV).to(tl.int64)
+        c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        c_ok = row_ok[:, None] & (offs_n < N)[None, :]
+        if ATOMIC:
+            tl.atomic_add(c_ptrs, acc, mask=c_ok, sem="relaxed")
+        else:
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_ok)
+
+    return _fused_moe_kernel
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _check_options(device: torch.device, combine: str, align: str) -> None:
+    if combine not in _COMBINES:
+        raise ValueError(f"combine must be one of {_COMBINES}, got {combine!r}")
+    if align not in _ALIGNS:
+        raise ValueError(f"align must be one of {tuple(_ALIGNS)}, got {align!r}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"moe_triton runs on CUDA tensors, or on {device.type} only under "
+                         "Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
+
+
+def _check_config(config: dict[str, int]) -> None:
+    missing = [k for k in CONFIG_KEYS if k not in config]
+    if missing:
+        raise ValueError(f"MoE tile config lacks {missing}: {config}")
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        value = config[key]
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{key} must be a power of two >= 16 (tl.dot), got {value}")
+
+
+def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    """Shapes, dtypes, devices and strides, with an error naming what is wrong (no sync)."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"want x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    num_experts, two_inter, hidden = w13.shape
+    if x.shape[1] != hidden or two_inter % 2 or w2.shape != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)} "
+                         f"(want [E, 2I, H]), w2 {tuple(w2.shape)} (want [E, H, I])")
+    if x.dtype not in _DTYPES or not x.dtype == w13.dtype == w2.dtype:
+        raise TypeError(f"x, w13, w2 must share one of {_DTYPES}; got {x.dtype}, {w13.dtype}, "
+                        f"{w2.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must be [T, k] with T = {x.shape[0]}, got "
+                         f"{tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be float32 {tuple(topk_ids.shape)}, got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be integer, got {topk_ids.dtype}")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim, strides {t.stride()}")
+    if not topk_weights.is_contiguous():
+        raise ValueError(f"topk_weights must be contiguous, strides {topk_weights.stride()}")
+    devices = {t.device for t in (x, w13, w2, topk_weights, topk_ids)}
+    if len(devices) > 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")

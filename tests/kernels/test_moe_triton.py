@@ -1,0 +1,463 @@
+"""Triton fused MoE: alignment, kernel vs the per-expert loop, tile configs and the tuner.
+
+Without a GPU the kernel runs through Triton's interpreter (TRITON_INTERPRET=1, set before triton
+is first imported), in fp32 and fp16 on tiny shapes; with one, the same tests run compiled, and
+the @pytest.mark.gpu tests add bf16 at the qwen3-30b-a3b shape and a CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from moeserve.kernels import moe_configs  # noqa: E402
+from moeserve.kernels.moe_align import (  # noqa: E402
+    moe_align_block_size,
+    moe_align_block_size_ref,
+    moe_align_block_size_triton,
+    moe_align_size,
+)
+from moeserve.kernels.moe_configs import (  # noqa: E402
+    candidate_key,
+    config_file_name,
+    get_moe_config,
+    tune_moe,
+)
+from moeserve.kernels.moe_ref import moe_loop_ref  # noqa: E402
+from moeserve.kernels.moe_triton import moe_triton  # noqa: E402
+from moeserve.kernels.routing import select_experts  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HIDDEN, INTER = 32, 16
+SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2)
+
+
+def test_kernel_is_interpreted_without_a_gpu() -> None:
+    from moeserve.kernels.moe_triton import _kernel
+
+    # triton.language binds its jit helpers at import: TRITON_INTERPRET must be set before
+    interpreted = type(_kernel()).__name__ == "InterpretedFunction"
+    assert interpreted == (DEVICE == "cpu")
+
+
+# ---------------------------------------------------------------- alignment
+
+def canonical(sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+              block_m: int) -> torch.Tensor:
+    """sorted_ids with each expert's segment sorted (pairs ascending, then the sentinels)."""
+    out = sorted_ids.clone()
+    owner = expert_ids.repeat_interleave(block_m)
+    for e in owner.unique().tolist():
+        seg = (owner == e).nonzero().flatten()
+        out[seg] = sorted_ids[seg].sort().values
+    return out
+
+
+def check_align(align: Callable, ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    """align's outputs equal the ref's (up to order within an expert, unless align is the torch
+    one, which is stable) and satisfy the invariants the kernel relies on."""
+    sorted_ids, expert_ids, post = align(ids.to(DEVICE), num_experts, block_m)
+    sorted_ids, expert_ids, post = sorted_ids.cpu(), expert_ids.cpu(), post.cpu()
+    ref_ids, ref_experts, ref_post = moe_align_block_size_ref(ids, num_experts, block_m)
+    assert torch.equal(expert_ids, ref_experts) and torch.equal(post, ref_post)
+    stable = align is moe_align_block_size
+    assert torch.equal(sorted_ids if stable else canonical(sorted_ids, expert_ids, block_m),
+                       ref_ids)
+
+    num_pairs = ids.numel()
+    size = moe_align_size(num_pairs, num_experts, block_m)
+    assert sorted_ids.shape == (size,) and expert_ids.shape == (size // block_m,)
+    assert sorted_ids.dtype == expert_ids.dtype == post.dtype == torch.int32
+    counts = torch.bincount(ids.flatten(), minlength=num_experts)
+    used = int((-(-counts // block_m) * block_m).sum())
+    assert post.tolist() == [used]
+    real = sorted_ids[sorted_ids < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))  # every (token, slot) exactly once
+    assert int((sorted_ids == num_pairs).sum()) == size - num_pairs  # the rest is sentinel
+    flat = ids.flatten()
+    for b, e in enumerate(expert_ids.tolist()):
+        rows = sorted_ids[b * block_m:(b + 1) * block_m]
+        pairs = rows[rows < num_pairs]
+        if e < 0:
+            assert b * block_m >= used and pairs.numel() == 0
+        else:
+            assert b * block_m < used and (flat[pairs.long()] == e).all()
+            assert pairs.numel() > 0  # a block exists only for pairs, so segments are padded
+    assert expert_ids[:used // block_m].tolist() == sorted(expert_ids[:used // block_m].tolist())
+
+
+ALIGNS = [moe_align_block_size, moe_align_block_size_triton]
+
+
+@pytest.mark.parametrize("align", ALIGNS, ids=["torch", "triton"])
+@pytest.mark.parametrize("block_m", [1, 4, 16, 64])
+@pytest.mark.parametrize(("num_experts", "top_k"), [(1, 1), (8, 2), (16, 1), (64, 8)])
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 33])
+def test_align_matches_ref(num_tokens: int, num_experts: int, top_k: int, block_m: int,
+                           align: Callable) -> None:
+    gen = torch.Generator().manual_seed(num_tokens * 7 + top_k)
+    _, ids = select_experts(torch.randn(num_tokens, num_experts, generator=gen), top_k, False)
+    check_align(align, ids, num_experts, block_m)
+
+
+@pytest.mark.parametrize("align", ALIGNS, ids=["torch", "triton"])
+def test_align_skewed_large_and_int32_ids(align: Callable) -> None:
+    ids = torch.tensor([[5, 0]] * 20 + [[5, 3]], dtype=torch.int32)
+    check_align(align, ids, 8, 16)
+    _, expert_ids, post = align(ids.to(DEVICE), 8, 16)
+    assert expert_ids.tolist()[:5] == [0, 0, 3, 5, 5] and post.item() == 80
+    # more pairs than one step of the Triton program (1,024), 128 experts, some idle
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 100, (300, 8), generator=gen)
+    check_align(align, ids, 128, 64)
+
+
+def test_align_reads_no_device_value() -> None:
+    # meta tensors hold no data: .item(), nonzero, bincount... would raise
+    ids = torch.empty(9, 2, dtype=torch.int64, device="meta")
+    sorted_ids, expert_ids, post = moe_align_block_size(ids, 128, 16)
+    assert sorted_ids.shape == (moe_align_size(18, 128, 16),) == (288,)
+    assert expert_ids.shape == (18,) and post.shape == (1,)
+
+
+def test_align_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="topk_ids must be"):
+        moe_align_block_size(torch.zeros(4, dtype=torch.int64), 8, 16)
+    with pytest.raises(TypeError, match="integer"):
+        moe_align_block_size(torch.zeros(4, 2), 8, 16)
+    with pytest.raises(ValueError, match="block_m"):
+        moe_align_block_size(torch.zeros(4, 2, dtype=torch.int64), 8, 0)
+
+
+# ---------------------------------------------------------------- the kernel
+
+def make_experts(num_experts: int, dtype: torch.dtype, hidden: int = HIDDEN,
+                 inter: int = INTER, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
+    return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype)
+
+
+def make_routing(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype,
+                 hidden: int = HIDDEN, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=gen), top_k,
+                                  renormalize=True)
+    return x.to(DEVICE, dtype), weights.to(DEVICE), ids.to(DEVICE)
+
+
+def assert_matches_ref(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       weights: torch.Tensor, ids: torch.Tensor) -> None:
+    assert out.shape == x.shape and out.dtype == x.dtype
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(out, moe_loop_ref(x, w13, w2, weights, ids),
+                                   atol=1e-5, rtol=1e-5)
+    else:  # fp16 kernel (fp32 accumulation) vs the fp32 loop on the same fp16 values
+        expected = moe_loop_ref(x.float(), w13.float(), w2.float(), weights, ids)
+        torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 33])
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("num_experts", [8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matches_loop_ref(dtype: torch.dtype, num_experts: int, top_k: int,
+                          num_tokens: int) -> None:
+    w13, w2 = make_experts(num_experts, dtype)
+    x, weights, ids = make_routing(num_tokens, num_experts, top_k, dtype)
+    out = moe_triton(x, w13, w2, weights, ids)  # default tile config
+    assert_matches_ref(out, x, w13, w2, weights, ids)
+    if num_tokens:
+        assert out.abs().max() > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_idle_experts_and_several_tiles_per_expert(dtype: torch.dtype) -> None:
+    # BLOCK 16 over H 64 / I 48: several N- and K-tiles; 21 pairs of expert 3 span 2 blocks
+    w13, w2 = make_experts(8, dtype, hidden=64, inter=48)
+    x, _, _ = make_routing(21, 8, 2, dtype, hidden=64)
+    ids = torch.tensor([[0, 3], [3, 0]] * 10 + [[6, 3]], device=DEVICE)  # 1,2,4,5,7 idle
+    weights = torch.rand(21, 2, device=DEVICE)  # need not sum to 1
+    out = moe_triton(x, w13, w2, weights, ids, config=SMALL)
+    assert_matches_ref(out, x, w13, w2, weights, ids)
+
+
+def test_all_tokens_to_one_expert_and_ragged_widths() -> None:
+    # H 40, I 24: K and N tails masked (40 % 16, 24 % 16); all 33 tokens on expert 5
+    w13, w2 = make_experts(16, torch.float32, hidden=40, inter=24)
+    x, weights, _ = make_routing(33, 16, 1, torch.float32, hidden=40)
+    ids = torch.full((33, 1), 5, device=DEVICE)
+    out = moe_triton(x, w13, w2, weights, ids, config=SMALL)
+    gate_up = x @ w13[5].T
+    expected = (torch.nn.functional.silu(gate_up[:, :24]) * gate_up[:, 24:]) @ w2[5].T
+    torch.testing.assert_close(out, expected * weights, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_rows_and_weights_are_read_in_place() -> None:
+    # x rows and w13/w2 rows padded by 16 columns: only the last dim is contiguous
+    w13_big, w2_big = make_experts(8, torch.float32, hidden=HIDDEN + 16, inter=INTER + 16)
+    w13, w2 = w13_big[:, :2 * INTER, :HIDDEN], w2_big[:, :HIDDEN, :INTER]
+    x_big, weights, ids = make_routing(9, 8, 2, torch.float32, hidden=HIDDEN + 16)
+    x = x_big[:, :HIDDEN]
+    assert not (x.is_contiguous() or w13.is_contiguous() or w2.is_contiguous())
+    out = moe_triton(x, w13, w2, weights, ids, config=SMALL)
+    assert_matches_ref(out, x.contiguous(), w13.contiguous(), w2.contiguous(), weights, ids)
+
+
+def test_atomic_combine_and_torch_align_match_the_default() -> None:
+    w13, w2 = make_experts(8, torch.float32)
+    x, weights, ids = make_routing(33, 8, 2, torch.float32)
+    summed = moe_triton(x, w13, w2, weights, ids, config=SMALL)
+    atomic = moe_triton(x, w13, w2, weights, ids, config=SMALL, combine="atomic")
+    torch.testing.assert_close(atomic, summed, atol=1e-6, rtol=1e-6)
+    assert_matches_ref(atomic, x, w13, w2, weights, ids)
+    # rows are computed independently: the order within an expert changes no bit
+    torch_align = moe_triton(x, w13, w2, weights, ids, config=SMALL, align="torch")
+    assert torch.equal(torch_align, summed)
+
+
+def test_launcher_rejects_bad_inputs() -> None:
+    w13, w2 = make_experts(8, torch.float32)
+    x, weights, ids = make_routing(4, 8, 2, torch.float32)
+    with pytest.raises(TypeError, match="share one of"):
+        moe_triton(x.half(), w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        moe_triton(x, w13, w2[:, :, :8], weights, ids)
+    with pytest.raises(ValueError, match="w13 needs a contiguous last dim"):
+        moe_triton(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, weights, ids)
+    with pytest.raises(ValueError, match="topk_weights must be float32"):
+        moe_triton(x, w13, w2, weights.half(), ids)
+    with pytest.raises(TypeError, match="topk_ids must be integer"):
+        moe_triton(x, w13, w2, weights, ids.float())
+    with pytest.raises(ValueError, match="power of two"):
+        moe_triton(x, w13, w2, weights, ids, config={**SMALL, "BLOCK_K": 8})
+    with pytest.raises(ValueError, match="combine must be"):
+        moe_triton(x, w13, w2, weights, ids, combine="mean")
+    with pytest.raises(ValueError, match="align must be"):
+        moe_triton(x, w13, w2, weights, ids, align="numpy")
+
+
+def test_importing_without_triton_works() -> None:
+    code = ("import sys; sys.modules['triton'] = None; "  # `import triton` now fails
+            "import moeserve.kernels.moe_triton, moeserve.kernels.moe_configs, "
+            "moeserve.kernels.moe_align; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+# ---------------------------------------------------------------- configs and the tuner
+
+def test_default_config_grows_with_tokens_per_expert() -> None:
+    small = get_moe_config(128, 2048, 768, 8, torch.bfloat16, 64, "cpu")
+    large = get_moe_config(128, 2048, 768, 8, torch.bfloat16, 4096, "cpu")
+    assert not small.tuned and small.source == "default"
+    assert small.config["BLOCK_M"] == 16 and large.config["BLOCK_M"] >= 64
+    assert set(small.config) == set(moe_configs.CONFIG_KEYS)
+
+
+def test_tuned_file_is_found_and_nearest_token_count_wins(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    name = config_file_name(8, 64, 32, torch.float16, "Fake GPU")
+    assert name.startswith("E=8,H=64,I=32,device_name=Fake_GPU,dtype=float16,triton=")
+    cfg16 = dict(SMALL, BLOCK_M=16)
+    cfg64 = dict(SMALL, BLOCK_M=64)
+    doc = {"meta": {}, "configs": {"16": {**cfg16, "ms": 1.0}, "512": {**cfg64, "ms": 2.0}}}
+    (tmp_path / name).write_text(json.dumps(doc))
+    monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path))
+    near16 = get_moe_config(8, 64, 32, 2, torch.float16, 100, "Fake GPU")
+    assert near16.tuned and near16.config == cfg16 and near16.source == str(tmp_path / name)
+    assert get_moe_config(8, 64, 32, 2, torch.float16, 400, "Fake GPU").config == cfg64
+    assert not get_moe_config(8, 64, 32, 2, torch.bfloat16, 100, "Fake GPU").tuned
+
+
+class Killed(BaseException):
+    """Stands for the process being killed mid-tune (not an Exception: not skipped)."""
+
+
+def test_tune_records_failures_resumes_and_feeds_the_lookup(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    grid = [dict(SMALL, BLOCK_N=n, num_stages=s) for n in (16, 32, 64) for s in (2, 3)]
+    calls: list[tuple[str, int]] = []
+
+    def timer(config: dict, num_tokens: int) -> float:
+        calls.append((candidate_key(config), num_tokens))
+        if len(calls) == 8 and not resumed:
+            raise Killed
+        if config["BLOCK_N"] == 64:
+            raise RuntimeError("out of resource: shared memory")
+        return config["BLOCK_N"] / 16 + config["num_stages"] / 100 + num_tokens / 1000
+
+    path = tmp_path / config_file_name(8, 64, 32, torch.float16, "Fake GPU")
+    args = (8, 64, 32, 2, torch.float16, [16, 256], path)
+    resumed = False
+    with pytest.raises(Killed):
+        tune_moe(*args, candidates=lambda n: grid, timer=timer, device_name="Fake GPU",
+                 log=lambda s: None)
+    doc = json.loads(path.read_text())
+    assert len(doc["trials"]["16"]) == 6 and len(doc["trials"]["256"]) == 1
+    assert "16" in doc["configs"] and "256" not in doc["configs"]
+    assert sum(isinstance(v, str) for v in doc["trials"]["16"].values()) == 2  # BLOCK_N 64
+
+    resumed, calls[:] = True, []
+    best = tune_moe(*args, candidates=lambda n: grid, timer=timer, device_name="Fake GPU",
+                    log=lambda s: None)
+    assert calls == [(candidate_key(c), 256) for c in grid[1:]]  # only the rest
+    assert best[256]["BLOCK_N"] == 16 and best[256]["num_stages"] == 2
+    assert best[256]["ms"] == pytest.approx(1 + 0.02 + 0.256)
+    doc = json.loads(path.read_text())
+    assert doc["meta"]["device_name"] == "Fake GPU" and doc["meta"]["top_k"] == 2
+    assert doc["meta"]["triton"] == moe_configs.triton_version()
+    monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path))
+    choice = get_moe_config(8, 64, 32, 2, torch.float16, 300, "Fake GPU")
+    assert choice.tuned and choice.config == {k: best[256][k] for k in moe_configs.CONFIG_KEYS}
+
+    with pytest.raises(ValueError, match="holds a tune of"):
+        tune_moe(8, 64, 32, 4, torch.float16, [16], path, timer=timer, device_name="Fake GPU")
+
+
+def test_tune_fails_clearly_when_every_candidate_fails(tmp_path: Path) -> None:
+    def timer(config: dict, num_tokens: int) -> float:
+        raise RuntimeError("no kernel")
+
+    with pytest.raises(RuntimeError, match="every candidate failed at 16 tokens"):
+        tune_moe(8, 64, 32, 2, torch.float16, [16], tmp_path / "t.json",
+                 candidates=lambda n: [SMALL], timer=timer, log=lambda s: None)
+
+
+def test_tune_grid_is_modest_and_fits_tokens_per_expert() -> None:
+    for num_tokens in (64, 256, 1024, 2048):
+        grid = moe_configs.moe_tune_candidates(128, 8, num_tokens)
+        assert 20 <= len(grid) <= 150
+        assert len({candidate_key(c) for c in grid}) == len(grid)
+    assert {c["BLOCK_M"] for c in moe_configs.moe_tune_candidates(128, 8, 64)} == {16}
+
+
+# ---------------------------------------------------------------- GPU (bf16, compiled)
+
+QWEN_E, QWEN_H, QWEN_I, QWEN_K = 128, 2048, 768, 8  # qwen3-30b-a3b experts
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 kernel vs the fp32 loop on the same bf16 values
+
+
+@pytest.fixture(scope="module")
+def qwen_experts() -> tuple[torch.Tensor, ...]:
+    """bf16 expert weights at the qwen3-30b-a3b shape, and their fp32 copies for the ref."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(QWEN_E, 2 * QWEN_I, QWEN_H, device="cuda", generator=gen)
+           * QWEN_H ** -0.5).bfloat16()
+    w2 = (torch.randn(QWEN_E, QWEN_H, QWEN_I, device="cuda", generator=gen)
+          * QWEN_I ** -0.5).bfloat16()
+    return w13, w2, w13.float(), w2.float()
+
+
+def qwen_tokens(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(num_tokens, QWEN_H, device="cuda", generator=gen).bfloat16()
+    return x, torch.randn(num_tokens, QWEN_E, device="cuda", generator=gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["sum", "atomic"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 256, 1024])
+def test_gpu_qwen3_shape_bf16_matches_loop_ref(qwen_experts: tuple, num_tokens: int,
+                                               combine: str) -> None:
+    w13, w2, w13_f, w2_f = qwen_experts
+    x, logits = qwen_tokens(num_tokens, seed=num_tokens)
+    weights, ids = select_experts(logits, QWEN_K, renormalize=True)
+    out = moe_triton(x, w13, w2, weights, ids, combine=combine)  # default or tuned config
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    expected = moe_loop_ref(x.float(), w13_f, w2_f, weights, ids)
+    torch.testing.assert_close(out.float(), expected, **BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [64, 256, 1024, 4096])
+def test_gpu_every_default_tile_config_compiles_and_is_right(qwen_experts: tuple,
+                                                            num_tokens: int) -> None:
+    w13, w2, w13_f, w2_f = qwen_experts
+    x, logits = qwen_tokens(300, seed=num_tokens)
+    weights, ids = select_experts(logits, QWEN_K, renormalize=True)
+    config = moe_configs.default_moe_config(QWEN_E, QWEN_K, num_tokens)
+    out = moe_triton(x, w13, w2, weights, ids, config=config)
+    expected = moe_loop_ref(x.float(), w13_f, w2_f, weights, ids)
+    torch.testing.assert_close(out.float(), expected, **BF16_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_align_at_scale() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    _, ids = select_experts(torch.randn(2048, QWEN_E, device="cuda", generator=gen), QWEN_K,
+                            renormalize=False)
+    check_align(moe_align_block_size_triton, ids.cpu(), QWEN_E, 64)
+    check_align(moe_align_block_size_triton, ids[:64].cpu(), QWEN_E, 16)
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync(qwen_experts: tuple) -> None:
+    w13, w2, _, _ = qwen_experts
+    x, logits = qwen_tokens(64, seed=1)
+    moe_triton(x, w13, w2, *select_experts(logits, QWEN_K, renormalize=True))  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe_triton(x, w13, w2, *select_experts(logits, QWEN_K, renormalize=True))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == x.shape
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays_with_new_routing(qwen_experts: tuple) -> None:
+    w13, w2, w13_f, w2_f = qwen_experts
+    x, logits = qwen_tokens(96, seed=2)
+    static_x, static_logits = x.clone(), logits.clone()
+
+    def step() -> torch.Tensor:
+        return moe_triton(static_x, w13, w2,
+                          *select_experts(static_logits, QWEN_K, renormalize=True))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile and warm up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    x2, logits2 = qwen_tokens(96, seed=3)  # new tokens, new routing
+    static_x.copy_(x2)
+    static_logits.copy_(logits2)
+    graph.replay()
+    torch.testing.assert_close(static_out, step(), atol=0, rtol=0)  # "sum" is deterministic
+    expected = moe_loop_ref(x2.float(), w13_f, w2_f,
+                            *select_experts(logits2, QWEN_K, renormalize=True))
+    torch.testing.assert_close(static_out.float(), expected, **BF16_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_tune_skips_a_failing_candidate_and_feeds_the_lookup(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+    too_big = dict(good, BLOCK_K=512, num_stages=8)  # > 1 MB of shared memory: cannot launch
+    device = torch.cuda.get_device_name()
+    path = tmp_path / config_file_name(QWEN_E, QWEN_H, QWEN_I, torch.bfloat16, device)
+    best = tune_moe(QWEN_E, QWEN_H, QWEN_I, QWEN_K, torch.bfloat16, [64], path,
+                    candidates=lambda n: [too_big, good])
+    doc = json.loads(path.read_text())
+    assert doc["trials"]["64"][candidate_key(too_big)].startswith("error")
+    assert best[64]["BLOCK_K"] == 128 and 0 < best[64]["ms"] < 10
+    monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path))
+    choice = get_moe_config(QWEN_E, QWEN_H, QWEN_I, QWEN_K, torch.bfloat16, 64, device)
+    assert choice.tuned and choice.config == good
