@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--moe-backend", default="grouped_mm")
+    parser.add_argument("--attention-backend", default="torch")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="overlap the CPU's planning of step N+1 with the device's step N")
@@ -103,6 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     engine_args = {"moe_backend": args.moe_backend, "dtype": args.dtype,
+                   "attention_backend": args.attention_backend,
                    "async_scheduling": args.async_scheduling}
     for c in args.concurrency:
         result = run_w1_offline(args.preset, c, args.input_len, args.output_len, engine_args)
