@@ -280,6 +280,8 @@ class EngineConfig:
     collect_expert_load: bool = True
     """Count tokens per expert per MoE layer on the device (read out on demand, no per-step
     sync): /v1/engine and the doctor use it."""
+    step_profile_every: int = 32
+    """Time attention, MoE and the whole forward of every Nth step with CUDA events (0: off)."""
     async_scheduling: bool = False
     """Overlap scheduling: plan and launch step N+1 while the device runs step N (a stop then
     applies one step late and the extra token is discarded)."""

@@ -126,6 +126,7 @@ class EngineCore:
         previous launch, so the CPU plans and launches step N+1 while the device runs step N."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        self.counters.schedule_seconds = time.perf_counter() - start
         if not self.cfg.async_scheduling:
             if out.num_reqs == 0:
                 return []
@@ -155,6 +156,7 @@ class StepCounters:
     num_prompt_tokens: int = 0  # tokens computed for prompts (recomputation included)
     num_generated_tokens: int = 0
     last_step_seconds: float = 0.0
+    schedule_seconds: float = 0.0  # the last schedule() call
 
     def record(self, out: SchedulerOutput, outputs: list[RequestOutput], seconds: float) -> None:
         decodes = sum(1 for n, k in zip(out.num_scheduled_tokens, out.num_output_tokens)

@@ -153,10 +153,16 @@ class _EngineLoop:
 
     def _stats(self) -> p.EngineStats:
         s, c = self.core.scheduler, self.core.counters
+        profiler = self.core.runner.profiler
+        sample = profiler.latest if profiler is not None else None
+        profile = {} if sample is None else {
+            "gpu_step_seconds": sample.forward_ms / 1e3,
+            "attention_seconds": sample.attention_ms / 1e3,
+            "moe_seconds": sample.moe_ms / 1e3, "profiled_tokens": sample.num_tokens}
         return p.EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.stats.kv_usage,
             num_steps=s.stats.num_scheduled_steps, num_preemptions=s.stats.num_preemptions,
             num_prefix_hit_tokens=s.stats.num_prefix_hit_tokens,
             num_prompt_tokens=c.num_prompt_tokens, num_generated_tokens=c.num_generated_tokens,
             num_aborted=s.stats.num_aborted, num_refused=self.num_refused,
-            step_seconds=c.last_step_seconds)
+            step_seconds=c.last_step_seconds, schedule_seconds=c.schedule_seconds, **profile)

@@ -120,6 +120,12 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     num_aborted: int = 0
     num_refused: int = 0  # add requests refused by validation
     step_seconds: float = 0.0  # wall seconds of the last step
+    schedule_seconds: float = 0.0  # CPU seconds of the last step's schedule()
+    # the latest sampled step profile (runner/step_profile.py); 0 until one is complete
+    gpu_step_seconds: float = 0.0  # the model forward on the device
+    attention_seconds: float = 0.0
+    moe_seconds: float = 0.0
+    profiled_tokens: int = 0
     # {"num_steps": forward steps, "tokens_per_expert": [[E ints] per MoE layer]}, cumulative;
     # read from the device only for Pong (on demand), kept by the client between pongs
     expert_load: dict | None = None

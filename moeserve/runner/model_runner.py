@@ -22,6 +22,7 @@ from moeserve.kernels.registry import get_attention_backend, get_moe_backend
 from moeserve.layers.sampler import SamplingTensors, sample
 from moeserve.models import build_model
 from moeserve.runner.kv_cache import MemoryPlan, allocate_kv_caches
+from moeserve.runner.step_profile import StepProfiler
 from moeserve.runner.weight_loader import init_dummy_weights, load_weights, model_weight_bytes
 from moeserve.types import Logprobs, ModelOutput, SamplingParams, SchedulerOutput
 
@@ -51,6 +52,8 @@ class ModelRunner:
         self.model.eval()
         self.weight_bytes = model_weight_bytes(self.model)
         self.num_forward_steps = 0
+        self.profiler = (StepProfiler(self.model, self.device, self.cfg.step_profile_every)
+                         if self.cfg.step_profile_every > 0 else None)
         self.expert_counts: torch.Tensor | None = None  # [moe layers, E] int64 on the device
         if self.cfg.collect_expert_load and self.model.moe_blocks():
             self.expert_counts = torch.zeros(len(self.model.moe_blocks()),
@@ -126,7 +129,11 @@ class ModelRunner:
         missing = np.flatnonzero(token_ids < 0)
         if missing.size:
             input_ids[self._to_device(missing)] = self._previous_tokens(out, meta, missing)
+        if self.profiler is not None:
+            self.profiler.begin()
         hidden = self.model(input_ids, meta.positions, meta)  # [T, hidden]
+        if self.profiler is not None:
+            self.profiler.end(len(token_ids))
         self.num_forward_steps += 1
 
         rows = np.flatnonzero(np.asarray(out.sample, dtype=bool))  # [R]

@@ -82,6 +82,14 @@ class _EngineCollector:
             ("moeserve_engine_alive", "1 while the engine process is alive",
              int(self.client.alive)),
             ("moeserve_engine_step_seconds", "Wall time of the engine's last step", s.step_seconds),
+            ("moeserve_engine_schedule_seconds", "CPU time of the last step's scheduling",
+             s.schedule_seconds),
+            ("moeserve_engine_gpu_step_seconds", "Device time of the model forward (sampled "
+             "step profile)", s.gpu_step_seconds),
+            ("moeserve_engine_attention_seconds", "Device time of all attention layers in the "
+             "sampled step", s.attention_seconds),
+            ("moeserve_engine_moe_seconds", "Device time of all MoE blocks in the sampled step",
+             s.moe_seconds),
             ("moeserve_generation_tokens_per_second", f"Output tokens per second streamed over "
              f"the last {self.meter.window} s", self.meter.rate()),
         ]

@@ -251,8 +251,10 @@ def test_several_api_processes_share_one_engine() -> None:
 def test_expert_load_in_metrics_and_engine_state(server: Server) -> None:
     body = {"model": "tiny-moe", "prompt": [3, 4, 5], "max_tokens": 4, "ignore_eos": True}
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
-    load = _engine_state(server.url)["stats"]["expert_load"]
+    stats = _engine_state(server.url)["stats"]
+    load = stats["expert_load"]
     assert load["num_steps"] > 0 and len(load["tokens_per_expert"]) == 4  # tiny-moe: 4 layers
+    assert stats["gpu_step_seconds"] >= stats["attention_seconds"] + stats["moe_seconds"] > 0
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "moeserve_expert_tokens_per_step " in metrics
     assert "moeserve_expert_load_imbalance " in metrics
