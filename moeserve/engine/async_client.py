@@ -28,9 +28,9 @@ import zmq
 import zmq.asyncio
 
 from moeserve.config import load_model_config
-from moeserve.detokenizer import IncrementalDetokenizer
 from moeserve.engine import protocol as p
 from moeserve.engine.core_proc import run_engine_core
+from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.validate import validate_request
 from moeserve.tokenizer import load_tokenizer
 from moeserve.types import FinishReason, RequestOutput, SamplingParams
@@ -93,6 +93,7 @@ class AsyncEngineClient:
             mc = self.model_config
             folder = engine_kwargs.get("tokenizer") or (None if mc.tokenizer else model)
             self.tokenizer = load_tokenizer(folder, mc.tokenizer, mc)
+            self._outputs = OutputProcessor(self.tokenizer)  # text deltas and stop strings
             self._init_sockets()
             self._send(p.Hello(client=client_index))
             await asyncio.wait_for(self._wait_ready(), startup_timeout)
@@ -168,7 +169,7 @@ class AsyncEngineClient:
                                  f"({self.max_waiting_requests}) is full")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop)
+        self._outputs.add_request(request_id, prompt_token_ids, params)
         finished = False
         try:
             self._send(p.AddRequest(request_id, list(prompt_token_ids),
@@ -177,27 +178,21 @@ class AsyncEngineClient:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                out = self._to_output(item, prompt_token_ids, detok)
+                out = self._to_output(item, prompt_token_ids)
                 finished = out.finished
                 yield out
         finally:
             self._queues.pop(request_id, None)
+            self._outputs.abort(request_id)
             if not finished and self.alive:  # the consumer went away: free the request's KV
                 self._send(p.AbortRequests([request_id]))
 
-    def _to_output(self, wire: p.WireOutput, prompt: list[int],
-                   detok: IncrementalDetokenizer) -> RequestOutput:
+    def _to_output(self, wire: p.WireOutput, prompt: list[int]) -> RequestOutput:
         if wire.error is not None:
             raise ValueError(wire.error)
-        out = wire.to_output(prompt)
-        out.text = detok.add(out.new_token_ids)
-        if detok.stop_hit is not None:
-            if not out.finished:  # the engine does not know about stop strings
-                self._send(p.AbortRequests([out.request_id], FinishReason.STOP.value))
-            out.finished, out.finish_reason = True, FinishReason.STOP
-            out.stop_reason = detok.stop_hit
-        if out.finished:
-            out.text += detok.flush()
+        [out], stopped = self._outputs.process([wire.to_output(prompt)])
+        if stopped:  # a stop string: the engine does not know about those
+            self._send(p.AbortRequests(stopped, FinishReason.STOP.value))
         return out
 
     async def abort(self, request_id: str) -> None:
