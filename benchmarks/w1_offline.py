@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from moeserve import LLM, SamplingParams
+from moeserve import LLM, SamplingParams, envs
 
 
 def environment() -> dict:
@@ -31,7 +31,7 @@ def environment() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    commit = os.environ.get("MOESERVE_GIT_COMMIT")
+    commit = envs.git_commit()
     if not commit and os.path.exists("GIT_COMMIT"):
         commit = open("GIT_COMMIT").read().strip()
     if not commit:

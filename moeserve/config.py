@@ -364,6 +364,3 @@ def load_model_config(model: str) -> tuple[ModelConfig, bool]:
                       "(see `moeserve presets`)")
 
 
-def env_flag(name: str, default: str = "") -> str:
-    """Read a MOESERVE_ environment variable (the one place they are read)."""
-    return os.environ.get(f"MOESERVE_{name}", default)

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import socket
 import subprocess
@@ -25,6 +24,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from moeserve import envs
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout (or site-packages)
 
@@ -131,8 +132,8 @@ def git_commit() -> dict[str, Any]:
                 return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
         pass
-    if os.environ.get("MOESERVE_GIT_COMMIT"):
-        return {"commit": os.environ["MOESERVE_GIT_COMMIT"], "dirty": None}
+    if envs.git_commit():
+        return {"commit": envs.git_commit(), "dirty": None}
     for f in (_PACKAGE_ROOT / "GIT_COMMIT", _PACKAGE_ROOT / "moeserve" / "GIT_COMMIT"):
         if f.is_file():
             return {"commit": f.read_text().strip(), "dirty": None}

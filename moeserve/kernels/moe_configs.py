@@ -29,9 +29,11 @@ from pathlib import Path
 
 import torch
 
+from moeserve import envs
+
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 PACKAGE_CONFIG_DIR = Path(__file__).parent / "configs" / "moe"
-CONFIG_DIR_ENV = "MOESERVE_MOE_CONFIG_DIR"
+CONFIG_DIR_ENV = envs.MOE_CONFIG_DIR
 
 Timer = Callable[[dict, int], float]  # (config, num_tokens) -> ms; raises if the config fails
 
@@ -165,7 +167,7 @@ def _parse_key(key: str) -> dict[str, int]:
 
 
 def _config_dirs() -> list[Path]:
-    extra = os.environ.get(CONFIG_DIR_ENV)
+    extra = envs.moe_config_dir()
     return ([Path(extra)] if extra else []) + [PACKAGE_CONFIG_DIR]
 
 

@@ -31,6 +31,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from moeserve import envs
+
 if TYPE_CHECKING:
     from moeserve.engine.async_client import AsyncEngineClient
 
@@ -134,7 +136,7 @@ class _ApiCpuCollector:
 
     def collect(self) -> Iterator[Metric]:
         pids = [os.getpid()]
-        path = os.environ.get("MOESERVE_API_PIDS_FILE")
+        path = envs.api_pids_file()
         if path and os.path.exists(path):
             with open(path) as f:
                 pids = [int(x) for x in f.read().split()]

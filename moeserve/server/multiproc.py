@@ -24,6 +24,8 @@ import signal
 import tempfile
 import time
 
+from moeserve import envs
+
 logger = logging.getLogger("moeserve.server")
 API_PIDS_FILE = "api_pids"  # in the IPC folder: the API processes' pids, for the CPU metric
 
@@ -44,7 +46,7 @@ def run_launcher(args: argparse.Namespace) -> int:
     metrics_dir = os.path.join(ipc_dir, "prometheus")
     os.makedirs(metrics_dir)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API processes
-    os.environ["MOESERVE_API_PIDS_FILE"] = os.path.join(ipc_dir, API_PIDS_FILE)
+    os.environ[envs.API_PIDS_FILE] = os.path.join(ipc_dir, API_PIDS_FILE)
     stop = _install_stop_handlers()
     engine = spawn_engine(engine_kwargs_from_args(args), ipc_dir, args.api_servers)
     ctx = multiprocessing.get_context("spawn")
@@ -52,7 +54,7 @@ def run_launcher(args: argparse.Namespace) -> int:
                         args=(args, ipc_dir, i, engine.pid)) for i in range(args.api_servers)]
     for proc in apis:
         proc.start()
-    with open(os.environ["MOESERVE_API_PIDS_FILE"], "w") as f:
+    with open(os.environ[envs.API_PIDS_FILE], "w") as f:
         f.write(" ".join(str(proc.pid) for proc in apis))
     try:
         failed = _wait(stop, engine, apis)
