@@ -99,13 +99,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="overlap the CPU's planning of step N+1 with the device's step N")
+    parser.add_argument("--num-continuous-decode-steps", type=int, default=1)
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     engine_args = {"moe_backend": args.moe_backend, "dtype": args.dtype,
                    "attention_backend": args.attention_backend,
-                   "async_scheduling": args.async_scheduling}
+                   "async_scheduling": args.async_scheduling,
+                   "num_continuous_decode_steps": args.num_continuous_decode_steps}
     for c in args.concurrency:
         result = run_w1_offline(args.preset, c, args.input_len, args.output_len, engine_args)
         name = f"w1_offline_{args.preset}_c{c}{args.tag}.json"

@@ -238,6 +238,8 @@ class SchedulerConfig:
     """Split prompts longer than the step's remaining budget over several steps."""
     watermark: float = 0.01
     """Share of KV blocks kept free when admitting a new request."""
+    num_continuous_decode_steps: int = 1
+    """Decode steps run back to back when a step is decode-only (fewer scheduling rounds)."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -253,6 +255,9 @@ class SchedulerConfig:
                               f"got {self.max_model_len!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.num_continuous_decode_steps < 1:
+            raise ConfigError(f"num_continuous_decode_steps must be >= 1, "
+                              f"got {self.num_continuous_decode_steps}")
         if self.request_pool < 1 or self.expected_tokens_per_request < 1:
             raise ConfigError("request_pool and expected_tokens_per_request must be >= 1")
 
@@ -294,6 +299,9 @@ class EngineConfig:
         _check_choice("load_format", self.load_format, ("auto", "safetensors", "dummy"))
         _check_choice("moe_backend", self.moe_backend, ("auto", "torch", "grouped_mm", "triton"))
         _check_choice("attention_backend", self.attention_backend, ("torch", "triton"))
+        if self.async_scheduling and self.scheduler.num_continuous_decode_steps > 1:
+            raise ConfigError("async_scheduling and num_continuous_decode_steps > 1 cannot be "
+                              "combined yet: choose one")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

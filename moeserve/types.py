@@ -96,6 +96,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # freed since the last step
     num_prefix_hit_tokens: int = 0  # tokens served from the prefix cache this step
+    num_steps: int = 1  # decode-only steps run back to back (num_continuous_decode_steps)
 
     @property
     def num_reqs(self) -> int:
@@ -122,6 +123,7 @@ class ModelOutput:
 
     sampled_token_ids: list[int]
     logprobs: list[Logprobs | None] | None = None
+    extra_token_ids: list[list[int]] | None = None  # per row, steps 2..num_steps
 
 
 @dataclass(slots=True)

@@ -122,6 +122,8 @@ class ModelRunner:
         Overlap scheduling: a token id of -1 in the plan is the token the previous launch is
         sampling for the same request; it is taken from that launch's device tensor, so step
         N+1 can be enqueued before step N's tokens reach the host."""
+        if out.num_steps > 1:
+            return self._launch_decode_steps(out)
         meta = build_attention_metadata(out.num_computed_tokens, out.num_scheduled_tokens,
                                         out.block_tables, self.block_size, self.device)
         token_ids = np.asarray(out.token_ids, dtype=np.int64)  # [T]
@@ -148,6 +150,33 @@ class ModelRunner:
             pending.params, [out.sample_seeds[i] for i in rows],
             meta.seq_lens_np[rows].tolist(), self.device)
         pending.token_ids, pending.logprobs = sample(logits, tensors)
+        return pending
+
+    def _launch_decode_steps(self, out: SchedulerOutput) -> PendingOutput:
+        """A decode-only plan run for `out.num_steps` tokens back to back: each step's sampled
+        tokens are the next step's inputs, on the device, with no host sync in between."""
+        pending = PendingOutput(out.num_reqs, np.arange(out.num_reqs))
+        pending.params = out.sampling_params
+        input_ids = self._to_device(np.asarray(out.token_ids, dtype=np.int64))  # [B]
+        tokens = []
+        for step in range(out.num_steps):
+            meta = build_attention_metadata([n + step for n in out.num_computed_tokens],
+                                            out.num_scheduled_tokens, out.block_tables,
+                                            self.block_size, self.device)
+            if self.profiler is not None:
+                self.profiler.begin()
+            hidden = self.model(input_ids, meta.positions, meta)  # [B, hidden]
+            if self.profiler is not None:
+                self.profiler.end(out.num_reqs)
+            self.num_forward_steps += 1
+            logits = self.model.compute_logits(hidden)  # [B, V] fp32
+            tensors = SamplingTensors.build(out.sampling_params, out.sample_seeds,
+                                            meta.seq_lens_np.tolist(), self.device)
+            input_ids, _ = sample(logits, tensors)  # [B]: this step's tokens, next step's input
+            tokens.append(input_ids)
+        pending.token_ids = tokens[0]
+        pending.extra_token_ids = torch.stack(tokens[1:], dim=1)  # [B, num_steps - 1]
+        self._last = (pending, {rid: i for i, rid in enumerate(out.req_ids)})
         return pending
 
     def _previous_tokens(self, out: SchedulerOutput, meta: AttentionMetadata,
@@ -179,6 +208,7 @@ class PendingOutput:
         self.rows = rows  # [R] rows of the step that sample
         self.params: list[SamplingParams] = []
         self.token_ids: torch.Tensor | None = None  # [R] int64, on the device
+        self.extra_token_ids: torch.Tensor | None = None  # [R, steps - 1], multi-step decode
         self.logprobs = None  # SampleLogprobs | None
 
     def result(self) -> ModelOutput:
@@ -188,7 +218,9 @@ class PendingOutput:
             return ModelOutput(sampled_token_ids=sampled)
         for i, tok in zip(self.rows.tolist(), self.token_ids.tolist()):
             sampled[i] = tok
-        return ModelOutput(sampled_token_ids=sampled, logprobs=self._logprobs())
+        extra = None if self.extra_token_ids is None else self.extra_token_ids.tolist()
+        return ModelOutput(sampled_token_ids=sampled, logprobs=self._logprobs(),
+                           extra_token_ids=extra)
 
     def _logprobs(self) -> list[Logprobs | None] | None:
         if self.logprobs is None:

@@ -135,6 +135,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
+            if self.config.num_continuous_decode_steps > 1 and out.req_ids:
+                self._extend_decode_steps(out)
         if out.req_ids:
             self.stats.num_scheduled_steps += 1
         self.stats.kv_usage = self.pool.usage
@@ -232,6 +234,34 @@ class Scheduler:
         else:
             self.stats.num_prefill_chunks += 1
 
+    def _extend_decode_steps(self, out: SchedulerOutput) -> None:
+        """Make a decode-only step run several tokens back to back (num_continuous_decode_steps),
+        as many as every row can still take and the free blocks allow; else leave it one step.
+        Rows asking for logprobs keep single steps."""
+        if not all(out.sample) or any(n != 1 for n in out.num_scheduled_tokens):
+            return
+        if any(p.logprobs is not None for p in out.sampling_params):
+            return
+        reqs = [self.requests[rid] for rid in out.req_ids]
+        steps = self.config.num_continuous_decode_steps
+        for req in reqs:  # outputs after this step's first token: len(outputs) + placeholders
+            num_outputs = len(req.output_token_ids) + req.num_output_placeholders
+            steps = min(steps, req.sampling_params.max_tokens - num_outputs + 1,
+                        self.max_model_len - len(req.prompt_token_ids) - num_outputs + 1)
+        size = self.pool.block_size
+        tables = self.pool.block_tables
+        needed = sum(max(0, cdiv(r.num_computed_tokens + steps - 1, size)
+                         - len(tables[r.request_id])) for r in reqs)
+        if steps < 2 or needed > self.pool.num_free_blocks:
+            return
+        for i, req in enumerate(reqs):
+            allocated = self.pool.allocate_slots(req, steps - 1)
+            assert allocated is not None  # the free blocks were counted above
+            req.num_computed_tokens += steps - 1
+            req.num_output_placeholders += steps - 1
+            out.block_tables[i] = list(tables[req.request_id])
+        out.num_steps = steps
+
     # ---- update --------------------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
@@ -250,13 +280,18 @@ class Scheduler:
             if not out.sample[i]:
                 self._cache_blocks(req)
                 continue
-            token = sampled[i]
-            req.output_token_ids.append(token)
-            req.num_output_placeholders -= 1
-            self._cache_blocks(req)  # before a stop frees them
-            if self._check_stop(req, token):
-                finished.append(req)
-            outputs.append(self._make_output(req, token, logprobs[i] if logprobs else None))
+            new_tokens = []
+            for token in [sampled[i], *(model_out.extra_token_ids[i]
+                                        if model_out.extra_token_ids else ())]:
+                req.output_token_ids.append(token)
+                req.num_output_placeholders -= 1
+                new_tokens.append(token)
+                self._cache_blocks(req)  # before a stop frees them
+                if self._check_stop(req, token):
+                    finished.append(req)
+                    break  # tokens of later steps are discarded with the request
+            outputs.append(self._make_output(req, new_tokens,
+                                             logprobs[i] if logprobs else None))
         self._drop_finished(finished)
         self.stats.kv_usage = self.pool.usage
         return outputs
@@ -283,10 +318,11 @@ class Scheduler:
             self._finish(req, FinishReason.LENGTH)
         return req.status is RequestStatus.FINISHED
 
-    def _make_output(self, req: Request, token: int, logprobs: Logprobs | None) -> RequestOutput:
+    def _make_output(self, req: Request, tokens: list[int],
+                     logprobs: Logprobs | None) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            new_token_ids=[token], finished=req.is_finished, finish_reason=req.finish_reason,
+            new_token_ids=tokens, finished=req.is_finished, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, logprobs=None if logprobs is None else [logprobs],
             num_cached_tokens=req.num_cached_tokens)
 

@@ -165,3 +165,35 @@ def test_triton_backends_match_hf(device: str, checkpoints: dict, arch: str) -> 
     llm = _llm(folder, device, "triton", attention_backend="triton", max_num_batched_tokens=32)
     results = llm.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == expected
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_continuous_decode_steps_match_hf(device: str, checkpoints: dict, arch: str) -> None:
+    """Decode-only steps run 4 tokens back to back, fed on the device; ragged max_tokens."""
+    folder, prompts, expected = checkpoints[arch]
+    llm = _llm(folder, device, num_continuous_decode_steps=4)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (NEW_TOKENS, 7, NEW_TOKENS - 3, 1)]
+    results = llm.generate(prompts, params)
+    assert [r.token_ids for r in results] == [e[:p.max_tokens] for e, p in zip(expected, params)]
+    forwards = llm.engine.runner.num_forward_steps
+    assert forwards > llm.engine.scheduler.stats.num_scheduled_steps  # several per round ran
+    llm.engine.scheduler.check_integrity()
+    assert llm.engine.scheduler.pool.num_free_blocks == llm.engine.report.memory.num_blocks - 1
+
+
+def test_continuous_decode_steps_with_stops_and_preemption(device: str, checkpoints: dict) -> None:
+    folder, prompts, expected = checkpoints["qwen3_moe"]
+    stop = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                          stop_token_ids=[expected[2][10]])
+    params = [GREEDY, GREEDY, stop, GREEDY]
+    kw = {"block_size": 4, "num_blocks": 25, "max_model_len": 96, "max_running_requests": 4}
+    single = _llm(folder, device, **kw).generate(prompts, params)
+    multi_llm = _llm(folder, device, num_continuous_decode_steps=3, **kw)
+    multi = multi_llm.generate(prompts, params)
+    assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+    assert [r.finish_reason for r in multi] == [r.finish_reason for r in single]
+    stats = multi_llm.engine.scheduler.stats
+    assert multi_llm.engine.runner.num_forward_steps > stats.num_scheduled_steps
+    assert stats.num_preemptions > 0
+    multi_llm.engine.scheduler.check_integrity()
