@@ -11,6 +11,8 @@ one chunk per step, so prefill, chunked prefill, prefix-cache hits and decode ar
                 2. WAITING requests in FIFO order (none if step 1 preempted): prefix-cache lookup,
                    admit while the running cap, the budget and the free blocks (+ watermark) allow;
                    stop at the first that does not fit (no overtaking).
+                3. num_continuous_decode_steps > 1 and a decode-only plan: extend it to run
+                   several tokens back to back, if every row can take them and blocks allow.
                 -> SchedulerOutput; num_computed_tokens advances now, optimistically.
     update()    append each sampled token, apply the stop conditions, free finished requests'
                 blocks at once, enter newly full blocks into the prefix cache.
