@@ -35,3 +35,14 @@ def test_generate_bad_flag_value(capsys: pytest.CaptureFixture) -> None:
     rc = main(["generate", "--preset", "tiny-moe", "--device", "cpu", "--block-size", "12"])
     assert rc == 2
     assert "block_size must be a power of two" in capsys.readouterr().err
+
+
+def test_capacity_report_names_the_moe_tile_configs() -> None:
+    from moeserve import LLM
+
+    report = LLM("tiny-moe", device="cpu", moe_backend="triton").report
+    configs = report.to_dict()["moe_configs"]
+    assert set(configs) == {"1", "64", "256", "1024", "8192"}
+    assert all(not c["tuned"] and c["source"] == "default" for c in configs.values())
+    assert "MoE tile configs      NOT tuned (defaults)" in report.format()
+    assert LLM("tiny-moe", device="cpu", moe_backend="grouped_mm").report.moe_configs == {}

@@ -26,6 +26,7 @@ import torch
 from moeserve.config import (
     ConfigError,
     EngineConfig,
+    ModelConfig,
     SchedulerConfig,
     load_model_config,
     resolve_max_running_requests,
@@ -76,7 +77,9 @@ class EngineCore:
             vocab_size=self.model_config.vocab_size, device_name=_device_name(device),
             engine_config=self.cfg, memory=plan,
             max_running_requests=self.max_running_requests, max_running_requests_rule=rule,
-            resolved=resolved, phase_seconds=phases)
+            resolved=resolved, phase_seconds=phases,
+            moe_configs=_moe_configs(self.cfg, self.model_config, self.runner.dtype,
+                                     _device_name(device)))
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
         self._arrivals = itertools.count()
@@ -141,6 +144,20 @@ class EngineCore:
             outputs = self.scheduler.update(out, pending.result())
         self.counters.record(out, outputs, time.perf_counter() - start)
         return outputs
+
+
+def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
+                 device_name: str) -> dict[str, dict]:
+    """The fused-MoE tile config at a few batch sizes, and whether each was tuned (report)."""
+    if cfg.moe_backend != "triton" or not mc.num_experts:
+        return {}
+    from moeserve.kernels.moe_configs import get_moe_config
+
+    sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
+    choices = {n: get_moe_config(mc.num_experts, mc.hidden_size, mc.moe_intermediate_size,
+                                 mc.num_experts_per_tok, dtype, n, device_name) for n in sizes}
+    return {str(n): {"config": c.config, "tuned": c.tuned, "source": c.source}
+            for n, c in choices.items()}
 
 
 def _device_name(device: torch.device) -> str:

@@ -29,6 +29,7 @@ class CapacityReport:
     resolved: dict[str, str]  # field -> why its "auto" value was chosen
     phase_seconds: dict[str, float] = field(default_factory=dict)
     cuda_graphs: str = "off: decode runs eager (CUDA graphs are not built yet)"
+    moe_configs: dict[str, dict] = field(default_factory=dict)  # tokens -> tile config (triton)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -47,6 +48,7 @@ class CapacityReport:
             "resolved": self.resolved,
             "phase_seconds": self.phase_seconds,
             "cuda_graphs": self.cuda_graphs,
+            "moe_configs": self.moe_configs,
             "text": self.format(),  # as printed at start-up (the API process prints this too)
         }
 
@@ -76,6 +78,11 @@ class CapacityReport:
             ("kernels", f"attention={c.attention_backend}, moe={c.moe_backend}"),
             ("CUDA graphs", self.cuda_graphs),
         ]
+        if self.moe_configs:
+            sources = sorted({c["source"] for c in self.moe_configs.values()})
+            tuned = all(c["tuned"] for c in self.moe_configs.values())
+            rows.append(("MoE tile configs", f"{'tuned' if tuned else 'NOT tuned (defaults)'}: "
+                                             f"{', '.join(sources)}"))
         rows += [(f"auto {k}", v) for k, v in self.resolved.items()]
         rows += [("start-up", ", ".join(f"{k} {v:.2f}s" for k, v in self.phase_seconds.items()))]
         width = max(len(k) for k, _ in rows)
