@@ -8,35 +8,30 @@ the @pytest.mark.gpu tests add bf16 at the qwen3-30b-a3b shape and a CUDA-graph 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from moeserve.kernels import moe_configs  # noqa: E402
-from moeserve.kernels.moe_align import (  # noqa: E402
+from moeserve.kernels import moe_configs
+from moeserve.kernels.moe_align import (
     moe_align_block_size,
     moe_align_block_size_ref,
     moe_align_block_size_triton,
     moe_align_size,
 )
-from moeserve.kernels.moe_configs import (  # noqa: E402
+from moeserve.kernels.moe_configs import (
     candidate_key,
     config_file_name,
     get_moe_config,
     tune_moe,
 )
-from moeserve.kernels.moe_ref import moe_loop_ref  # noqa: E402
-from moeserve.kernels.moe_triton import moe_triton  # noqa: E402
-from moeserve.kernels.routing import select_experts  # noqa: E402
+from moeserve.kernels.moe_ref import moe_loop_ref
+from moeserve.kernels.moe_triton import moe_triton
+from moeserve.kernels.routing import select_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, INTER = 32, 16

@@ -1,35 +1,31 @@
 """Triton paged attention against the torch reference: CPU through Triton's interpreter (fp32,
-fp16, tiny shapes), and the GPU (bf16, realistic shapes, one case inside a CUDA graph)."""
+fp16, tiny shapes), and the GPU (bf16, realistic shapes, one case inside a CUDA graph).
+
+Without a GPU, tests/conftest.py turns Triton's interpreter on before anything imports triton.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
-# Triton's interpreter must be on before the kernels are first jitted (and, for other kernels that
-# use tl.max & co., before triton is imported). Only without a GPU: there they must be compiled.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from dataclasses import dataclass, replace  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from moeserve.kernels.attention_metadata import (  # noqa: E402
+from moeserve.kernels.attention_metadata import (
     AttentionMetadata,
     build_attention_metadata,
 )
-from moeserve.kernels.paged_attention import (  # noqa: E402
+from moeserve.kernels.paged_attention import (
     paged_attention_loop_ref,
     paged_attention_ref,
     write_kv,
 )
-from moeserve.kernels.paged_attention_triton import (  # noqa: E402
+from moeserve.kernels.paged_attention_triton import (
     MIN_PARTITION_TOKENS,
     decode_num_splits,
     paged_attention_triton,
