@@ -7,10 +7,20 @@ For a preset's expert shape (default qwen3-30b-a3b: E 128, H 2048, I 768, top-8,
 (bytes of the experts actually touched / 4.27 TB/s; 0.283 ms with all 128 touched) and TFLOP/s
 against 787 (reference/ANCHORS.md). Every backend is first checked against moe_loop_ref (fp32 on
 the same bf16 values) at one token count, and not timed if it fails. Also times the expert sort
-alone (torch vs Triton align). --tune first runs a quick resumable tune at the same token counts
-(JSON under DIR/configs, named for moeserve/kernels/configs/moe/) and adds "triton_tuned".
+alone (torch vs Triton align).
 
-    python -m benchmarks.kernels_moe --out DIR [--tune | --tune-full] [--tokens 64 256 1024 2048]
+Backends: grouped_mm; triton_default (in-code default tiles); triton (tiles looked up: a tuned
+file if one is found); measured (per token count the backend the tune measured faster, the
+engine's "measured"); triton_atomic / triton_torch_align (looked-up tiles, other combine/sort).
+
+--tune first runs the engine's tune (`moe_configs.tune_for_engine`: the quick grid at 1, 2, 4,
+..., 8192 tokens, capped by --max-batched-tokens; grouped_mm timed at each with the same timer;
+resumable: rerun after a kill) into DIR/configs/<name>.json, named for
+moeserve/kernels/configs/moe/ (copy it there to commit it), and points the lookup at it.
+--time-budget bounds it (a rerun resumes). --tune-only skips the layer benchmark.
+
+    python -m benchmarks.kernels_moe --out DIR [--tune | --tune-full] [--time-budget S]
+        [--tune-only] [--max-batched-tokens 8192] [--tokens 64 256 1024 2048]
 """
 
 from __future__ import annotations
@@ -20,7 +30,6 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 
@@ -30,6 +39,7 @@ from benchmarks.w1_offline import environment
 from moeserve.kernels import moe_configs
 from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
 from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe_measured import moe_measured
 from moeserve.kernels.moe_ref import moe_loop_ref
 from moeserve.kernels.moe_triton import moe_triton
 from moeserve.kernels.routing import select_experts
@@ -63,29 +73,8 @@ def router_logits(kind: str, num_tokens: int, num_experts: int, seed: int) -> to
 
 
 def time_in_graph(fn: Callable[[], torch.Tensor], calls: int = 10, replays: int = 10) -> float:
-    """Median ms per call of `fn`, `calls` of them captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm up outside the graph
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del graph
-    return statistics.median(times)
+    """Median ms per call of `fn`, `calls` of them captured in one CUDA graph: the tuner's timer."""
+    return moe_configs.time_in_graph(fn, calls, replays)
 
 
 def check_backends(backends: dict[str, MoeFn], w13: torch.Tensor, w2: torch.Tensor,
@@ -151,63 +140,77 @@ def bench_align(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> 
     return rows
 
 
-def quick_candidates(num_experts: int, top_k: int, num_tokens: int) -> list[dict[str, int]]:
-    """A small slice of the full grid (4 warps, one stage count per BLOCK_M): ~8-16 configs."""
-    return [c for c in moe_configs.moe_tune_candidates(num_experts, top_k, num_tokens)
-            if c["num_warps"] == 4 and c["GROUP_M"] == 1
-            and c["num_stages"] == (4 if c["BLOCK_M"] <= 32 else 3)]
-
-
-def run_tune(args: argparse.Namespace, shape: tuple[int, int, int, int]) -> tuple[dict, dict]:
+def run_tune(args: argparse.Namespace, shape: tuple[int, int, int, int],
+             weights: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """The engine's tune (quick or full grid) into DIR/configs; the lookup then reads it."""
     num_experts, hidden, inter, top_k = shape
-    name = moe_configs.config_file_name(num_experts, hidden, inter, DTYPE,
-                                        device_name())
-    path = os.path.join(args.out, "configs", name)
-    candidates = None if args.tune_full else functools.partial(quick_candidates, num_experts,
-                                                               top_k)
+    name = moe_configs.config_file_name(num_experts, hidden, inter, DTYPE, device_name())
+    config_dir = os.path.join(args.out, "configs")
+    path = os.path.join(config_dir, name)
+    counts = args.tune_tokens or moe_configs.engine_token_counts(args.max_batched_tokens)
+    grid = moe_configs.moe_tune_candidates if args.tune_full else moe_configs.quick_moe_candidates
+    candidates = [grid(num_experts, top_k, n) for n in counts]
+    distinct = {moe_configs.candidate_key(c) for cs in candidates for c in cs}
+    print(f"tune: {len(counts)} token counts {counts}, {sum(map(len, candidates))} candidates "
+          f"({len(distinct)} distinct configs), estimated "
+          f"~{moe_configs.estimate_tune_seconds(candidates):.0f} s with a cold Triton cache "
+          f"(budget {args.time_budget} s)", flush=True)
     t0 = time.perf_counter()
-    best = moe_configs.tune_moe(num_experts, hidden, inter, top_k, DTYPE, args.tokens,
-                                path, candidates=candidates)
-    info = {"path": path, "grid": "full" if args.tune_full else "quick",
-            "seconds": round(time.perf_counter() - t0, 1),
-            "best": {str(n): c for n, c in best.items()}}
-    return best, info
+    best = moe_configs.tune_for_engine(num_experts, hidden, inter, top_k, DTYPE, path,
+                                       token_counts=counts, time_budget_s=args.time_budget,
+                                       full_grid=args.tune_full, weights=weights)
+    os.environ[moe_configs.CONFIG_DIR_ENV] = config_dir  # "triton" and "measured" read it now
+    moe_configs.clear_caches()
+    return {"path": path, "grid": "full" if args.tune_full else "quick",
+            "seconds": round(time.perf_counter() - t0, 1), "token_counts": counts,
+            "complete": all(n in best for n in counts),
+            "best": {str(n): c for n, c in sorted(best.items())}}
 
 
-def make_backends(tuned: dict[int, dict] | None) -> dict[str, MoeFn]:
-    """grouped_mm, triton (default/looked-up tiles; "sum" combine, Triton align) and variants."""
+def make_backends() -> dict[str, MoeFn]:
+    """grouped_mm, triton (default / looked-up tiles; "sum" combine, Triton align), measured and
+    variants."""
 
     def grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                 ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return moe_grouped_mm(x, w13, w2, weights, ids)
 
+    def measured(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                 ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        return moe_measured(x, w13, w2, weights, ids)
+
     def triton(**kwargs: str) -> MoeFn:
         def fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-            config = None
-            if kwargs.get("tuned") and tuned:
-                nearest = min(tuned, key=lambda n: abs(n - num_tokens))
-                config = {k: tuned[nearest][k] for k in moe_configs.CONFIG_KEYS}
+            config = None  # moe_triton looks it up
+            if kwargs.get("default"):
+                config = moe_configs.default_moe_config(w13.shape[0], ids.shape[1], num_tokens)
             return moe_triton(x, w13, w2, weights, ids, config=config,
                               combine=kwargs.get("combine", "sum"),
                               align=kwargs.get("align", "triton"))
         return fn
 
-    backends = {"grouped_mm": grouped, "triton": triton(),
-                "triton_atomic": triton(combine="atomic"),
-                "triton_torch_align": triton(align="torch")}
-    if tuned:
-        backends["triton_tuned"] = triton(tuned="yes")
-    return backends
+    return {"grouped_mm": grouped, "triton_default": triton(default="yes"), "triton": triton(),
+            "measured": measured, "triton_atomic": triton(combine="atomic"),
+            "triton_torch_align": triton(align="torch")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--preset", default="qwen3-30b-a3b")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 1024, 2048])
-    parser.add_argument("--tune", action="store_true", help="quick tune (small grid) first")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 1024, 2048],
+                        help="token counts of the layer benchmark")
+    parser.add_argument("--tune", action="store_true",
+                        help="the engine's quick tune first (<= 12 candidates per token count)")
     parser.add_argument("--tune-full", action="store_true", help="full grid (long; resumable)")
+    parser.add_argument("--tune-tokens", type=int, nargs="+", default=None,
+                        help="token counts to tune (default: 1, 2, 4, ... up to "
+                             "--max-batched-tokens, at most 8192)")
+    parser.add_argument("--max-batched-tokens", type=int, default=moe_configs.MAX_TUNE_TOKENS)
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds for the tune; it stops there (a rerun resumes)")
+    parser.add_argument("--tune-only", action="store_true", help="no layer benchmark")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     shape = num_experts, hidden, inter, top_k = expert_shape(args.preset)
@@ -220,20 +223,32 @@ def main() -> None:
            * hidden ** -0.5).to(DTYPE)
     w2 = (torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen)
           * inter ** -0.5).to(DTYPE)
-    tuned = None
     if args.tune or args.tune_full:
-        tuned, result["tune"] = run_tune(args, shape)
-        print(json.dumps(result["tune"]), flush=True)
-    backends = make_backends(tuned)
-    result["check"] = check_backends(backends, w13, w2, top_k)
-    print(json.dumps({"check": result["check"]}), flush=True)
-    result["default_configs"] = {  # what "triton" runs with: a tuned file's entry, or defaults
+        result["tune"] = run_tune(args, shape, (w13, w2))
+        print(json.dumps({k: v for k, v in result["tune"].items() if k != "best"}), flush=True)
+    result["picks"] = {  # what "triton" and "measured" run with: a tuned file's entry, or defaults
         str(n): dataclasses.asdict(moe_configs.get_moe_config(
             num_experts, hidden, inter, top_k, DTYPE, n, device_name()))
         for n in args.tokens}
+    print(json.dumps({"picks": result["picks"]}), flush=True)
+    if not args.tune_only:
+        bench(args, result, w13, w2, top_k)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    path = os.path.join(args.out, f"kernels_moe_{args.preset}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path} ({result['seconds']} s)", flush=True)
+
+
+def bench(args: argparse.Namespace, result: dict, w13: torch.Tensor, w2: torch.Tensor,
+          top_k: int) -> None:
+    num_experts = w13.shape[0]
+    backends = make_backends()
+    result["check"] = check_backends(backends, w13, w2, top_k)
+    print(json.dumps({"check": result["check"]}), flush=True)
     result["rows"], result["align"] = [], []
     for num_tokens in args.tokens:
-        block_m = result["default_configs"][str(num_tokens)]["config"]["BLOCK_M"]
+        block_m = result["picks"][str(num_tokens)]["config"]["BLOCK_M"]
         result["align"] += bench_align(num_tokens, num_experts, top_k, block_m)
         for kind in ("dummy", "skewed"):
             for name, fn in backends.items():
@@ -242,11 +257,6 @@ def main() -> None:
                 row = bench_layer(name, fn, kind, num_tokens, w13, w2, top_k)
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
-    result["seconds"] = round(time.perf_counter() - t0, 1)
-    path = os.path.join(args.out, f"kernels_moe_{args.preset}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path} ({result['seconds']} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -277,9 +277,18 @@ class EngineConfig:
     load_format: str = "auto"
     """"safetensors", "dummy" (random weights) or "auto" (dummy for presets)."""
     moe_backend: str = "auto"
-    """"torch" (per-expert loop), "grouped_mm" or "auto"."""
-    attention_backend: str = "torch"
-    """"torch" (reference over the paged KV)."""
+    """"torch" (per-expert loop), "grouped_mm", "triton" (fused MoE), "measured" (per batch
+    size the faster of triton and grouped_mm, as the tune measured) or "auto" (measured on
+    CUDA, grouped_mm on CPU)."""
+    attention_backend: str = "auto"
+    """"torch" (reference over the paged KV), "triton" or "auto" (triton on CUDA, torch on
+    CPU)."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no CUDA graphs (debugging; decode then pays the host's launch
+    cost for every kernel)."""
+    cuda_graph_max_batch_size: int | str = "auto"
+    """Largest decode batch captured in a CUDA graph; "auto" = max_running_requests (capped by
+    the step's token budget), so every decode batch the scheduler can form has a graph."""
     seed: int = 0
     """Seed for dummy weights and for requests without their own seed."""
     collect_expert_load: bool = True
@@ -297,8 +306,14 @@ class EngineConfig:
         _check_choice("device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _check_choice("load_format", self.load_format, ("auto", "safetensors", "dummy"))
-        _check_choice("moe_backend", self.moe_backend, ("auto", "torch", "grouped_mm", "triton"))
-        _check_choice("attention_backend", self.attention_backend, ("torch", "triton"))
+        _check_choice("moe_backend", self.moe_backend, ("auto", "torch", "grouped_mm", "triton",
+                                                        "measured"))
+        _check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
+        if self.cuda_graph_max_batch_size != "auto" and (
+                not isinstance(self.cuda_graph_max_batch_size, int)
+                or self.cuda_graph_max_batch_size < 1):
+            raise ConfigError(f"cuda_graph_max_batch_size must be 'auto' or an integer >= 1, "
+                              f"got {self.cuda_graph_max_batch_size!r}")
         if self.async_scheduling and self.scheduler.num_continuous_decode_steps > 1:
             raise ConfigError("async_scheduling and num_continuous_decode_steps > 1 cannot be "
                               "combined yet: choose one")
@@ -326,9 +341,18 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
     if load_format == "auto":
         load_format = "dummy" if is_preset else "safetensors"
         why["load_format"] = "a preset has no weights" if is_preset else "checkpoint folder"
+    on_cuda = device.startswith("cuda")
     if moe == "auto":
-        moe = "grouped_mm"
-        why["moe_backend"] = "torch._grouped_mm: sorted tokens, no host sync"
+        moe = "measured" if on_cuda else "grouped_mm"
+        why["moe_backend"] = ("per batch size the faster of the fused Triton MoE and "
+                              "torch._grouped_mm, as the tune measured (configs/moe/, else "
+                              "tuned at start-up)" if on_cuda else
+                              "torch._grouped_mm: Triton runs interpreted on CPU")
+    attn = cfg.attention_backend
+    if attn == "auto":
+        attn = "triton" if on_cuda else "torch"
+        why["attention_backend"] = ("Triton paged attention: CUDA-graph capturable" if on_cuda
+                                    else "torch reference: Triton runs interpreted on CPU")
     sched = cfg.scheduler
     if sched.max_model_len == "auto":
         sched = dataclasses.replace(sched, max_model_len=model.max_position_embeddings)
@@ -337,7 +361,8 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
         raise ConfigError(f"max_model_len {sched.max_model_len} exceeds the model's "
                           f"max_position_embeddings {model.max_position_embeddings}")
     new = dataclasses.replace(cfg, device=device, dtype=dtype, load_format=load_format,
-                              moe_backend=moe, scheduler=sched)
+                              moe_backend=moe, attention_backend=attn,
+                              scheduler=sched)
     return new, why
 
 

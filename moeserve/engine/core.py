@@ -39,6 +39,13 @@ from moeserve.runner.model_runner import ModelRunner, PendingOutput, timed
 from moeserve.sched import Request, Scheduler
 from moeserve.types import FinishReason, RequestOutput, SamplingParams, SchedulerOutput
 
+# backends whose decode path has no host sync and no host-dependent shapes
+CAPTURABLE_ATTENTION = ("triton",)
+CAPTURABLE_MOE = ("triton", "grouped_mm", "measured")  # grouped_mm: bf16 only
+# the decode graphs' shared pool: the largest bucket's activations (~0.3 GiB at 2,048 rows of
+# qwen3-30b-a3b), with room to spare
+GRAPH_RESERVE_BYTES = 1 << 30
+
 
 class EngineCore:
     """Owns the runner and the scheduler; `step()` advances every running request by one step."""
@@ -53,6 +60,8 @@ class EngineCore:
         with timed(phases, "weights", device):
             self.runner = ModelRunner(self.cfg, self.model_config,
                                       None if preset else self.cfg.model)
+        with timed(phases, "moe_tune", device):
+            moe_tune = self._ensure_moe_tuned(device)
         with timed(phases, "profile", device):
             sched_cfg = self.cfg.scheduler
             budget = sched_cfg.max_num_batched_tokens
@@ -60,8 +69,9 @@ class EngineCore:
             rows = min(budget, cap if isinstance(cap, int) else sched_cfg.request_pool)
             peak = self.runner.profile_activation_peak(min(budget, sched_cfg.max_model_len), rows)
         with timed(phases, "kv_cache", device):
+            graph_reserve = GRAPH_RESERVE_BYTES if not self.cfg.enforce_eager else 0
             plan = plan_memory(self.model_config, self.cfg.cache, self.runner.dtype, device,
-                               self.runner.weight_bytes, peak)
+                               self.runner.weight_bytes, peak, graph_reserve)
             self.runner.bind_kv_caches(
                 allocate_kv_caches(self.model_config, plan, self.runner.dtype, device))
         sched_cfg = self._fit_max_model_len(sched_cfg, plan.num_kv_tokens, resolved)
@@ -71,19 +81,65 @@ class EngineCore:
         self.scheduler = Scheduler(sched_cfg, plan.num_blocks, plan.block_size,
                                    self.max_running_requests,
                                    self.cfg.cache.enable_prefix_caching)
+        with timed(phases, "cuda_graphs", device):
+            graphs_state = self._init_cuda_graphs(device, resolved)
         self.report = CapacityReport(
             model=self.cfg.model, architecture=self.model_config.architecture,
             num_params=self.model_config.num_params(),
             vocab_size=self.model_config.vocab_size, device_name=_device_name(device),
             engine_config=self.cfg, memory=plan,
             max_running_requests=self.max_running_requests, max_running_requests_rule=rule,
-            resolved=resolved, phase_seconds=phases,
+            resolved=resolved, phase_seconds=phases, cuda_graphs=graphs_state,
+            moe_tune=moe_tune,
             moe_configs=_moe_configs(self.cfg, self.model_config, self.runner.dtype,
                                      _device_name(device)))
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.cfg.seed)
+
+    def _ensure_moe_tuned(self, device: torch.device) -> str:
+        """Tiles and backend picks for this MoE shape: committed, cached, or tuned now (once per
+        device, shape and Triton version; resumable). The capacity report's line."""
+        mc = self.model_config
+        if device.type != "cuda" or self.cfg.moe_backend not in ("triton", "measured") or \
+                not mc.num_experts:
+            return ""
+        from moeserve.kernels.moe_configs import ensure_tuned
+
+        block = self.runner.model.moe_blocks()[0]
+        outcome = ensure_tuned(mc.num_experts, mc.hidden_size, mc.moe_intermediate_size,
+                               mc.num_experts_per_tok, self.runner.dtype,
+                               self.cfg.scheduler.max_num_batched_tokens,
+                               weights=(block.w13, block.w2), device_name=_device_name(device))
+        torch.cuda.empty_cache()
+        return f"{outcome.detail} ({outcome.source}, {outcome.seconds:.1f}s)"
+
+    def _init_cuda_graphs(self, device: torch.device, resolved: dict[str, str]) -> str:
+        """Capture the decode graphs, buckets up to the largest decode batch; the capacity
+        report's line (why they are off, when they are)."""
+        cfg = self.cfg
+        if device.type != "cuda":
+            return "off: CPU (CUDA graphs need a GPU)"
+        if cfg.enforce_eager:
+            return "off: enforce_eager"
+        if cfg.attention_backend not in CAPTURABLE_ATTENTION:
+            return (f"off: attention backend {cfg.attention_backend!r} cannot be captured "
+                    f"(use {', '.join(CAPTURABLE_ATTENTION)})")
+        if self.model_config.num_experts and (
+                cfg.moe_backend not in CAPTURABLE_MOE
+                or (cfg.moe_backend == "grouped_mm" and cfg.dtype != "bfloat16")):
+            return (f"off: MoE backend {cfg.moe_backend!r} in {cfg.dtype} cannot be captured "
+                    "(triton can; grouped_mm only in bf16: other dtypes sync with the host)")
+        decode_bound = min(self.max_running_requests, cfg.scheduler.max_num_batched_tokens)
+        max_batch = cfg.cuda_graph_max_batch_size
+        if max_batch == "auto":
+            max_batch = decode_bound
+            resolved["cuda_graph_max_batch_size"] = (
+                f"min(max_running_requests {self.max_running_requests}, token budget "
+                f"{cfg.scheduler.max_num_batched_tokens}): every decode batch has a graph")
+        max_batch = min(int(max_batch), decode_bound)
+        return self.runner.init_decode_graphs(max_batch, cfg.scheduler.max_model_len)
 
     def _fit_max_model_len(self, sched_cfg: SchedulerConfig, num_kv_tokens: int,
                            resolved: dict[str, str]) -> SchedulerConfig:
@@ -149,14 +205,17 @@ class EngineCore:
 def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
                  device_name: str) -> dict[str, dict]:
     """The fused-MoE tile config at a few batch sizes, and whether each was tuned (report)."""
-    if cfg.moe_backend != "triton" or not mc.num_experts:
+    if cfg.moe_backend not in ("triton", "measured") or not mc.num_experts:
         return {}
     from moeserve.kernels.moe_configs import get_moe_config
 
     sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
     choices = {n: get_moe_config(mc.num_experts, mc.hidden_size, mc.moe_intermediate_size,
                                  mc.num_experts_per_tok, dtype, n, device_name) for n in sizes}
-    return {str(n): {"config": c.config, "tuned": c.tuned, "source": c.source}
+    measured = cfg.moe_backend == "measured"
+    return {str(n): {"config": c.config, "tuned": c.tuned, "source": c.source,
+                     "backend": c.backend if measured else "triton",
+                     "tuned_tokens": c.tuned_tokens}
             for n, c in choices.items()}
 
 

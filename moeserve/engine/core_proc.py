@@ -72,6 +72,7 @@ class _EngineLoop:
         self.owner: dict[str, int] = {}  # request id -> the API process that sent it
         self.refused: list[p.WireOutput] = []
         self.num_refused = 0
+        self.breakdown: dict[str, float] = {}  # attention / MoE seconds of the latest eager sample
         self.stats_stale = False  # an add/abort changed the state since the last message
         self.running = True
         self.expert_load: dict | None = None
@@ -156,13 +157,18 @@ class _EngineLoop:
         profiler = self.core.runner.profiler
         sample = profiler.latest if profiler is not None else None
         profile = {} if sample is None else {
-            "gpu_step_seconds": sample.forward_ms / 1e3,
-            "attention_seconds": sample.attention_ms / 1e3,
-            "moe_seconds": sample.moe_ms / 1e3, "profiled_tokens": sample.num_tokens}
+            "gpu_step_seconds": sample.forward_ms / 1e3, "profiled_tokens": sample.num_tokens}
+        if sample is not None and sample.attention_ms is not None:
+            self.breakdown = {"attention_seconds": sample.attention_ms / 1e3,
+                              "moe_seconds": sample.moe_ms / 1e3}
+        profile |= self.breakdown  # the latest eager step's (graph replays have none)
+        runner = self.core.runner
         return p.EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.stats.kv_usage,
             num_steps=s.stats.num_scheduled_steps, num_preemptions=s.stats.num_preemptions,
             num_prefix_hit_tokens=s.stats.num_prefix_hit_tokens,
             num_prompt_tokens=c.num_prompt_tokens, num_generated_tokens=c.num_generated_tokens,
             num_aborted=s.stats.num_aborted, num_refused=self.num_refused,
-            step_seconds=c.last_step_seconds, schedule_seconds=c.schedule_seconds, **profile)
+            step_seconds=c.last_step_seconds, schedule_seconds=c.schedule_seconds,
+            num_graph_steps=runner.num_graph_steps,
+            cuda_graph_fallbacks=runner.num_eager_decode_fallbacks, **profile)

@@ -126,6 +126,8 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     attention_seconds: float = 0.0
     moe_seconds: float = 0.0
     profiled_tokens: int = 0
+    num_graph_steps: int = 0  # forward steps replayed from a CUDA graph
+    cuda_graph_fallbacks: int = 0  # decode batches run eagerly on CUDA (no graph fitted)
     # {"num_steps": forward steps, "tokens_per_expert": [[E ints] per MoE layer]}, cumulative;
     # read from the device only for Pong (on demand), kept by the client between pongs
     expert_load: dict | None = None

@@ -4,7 +4,9 @@
 shared signature per op. Triton modules import triton lazily, so importing this registry never
 imports triton.
 
-    MOE_BACKENDS        torch -> moe_loop_ref, grouped_mm -> moe_grouped_mm, triton -> moe_triton
+    MOE_BACKENDS        torch -> moe_loop_ref, grouped_mm -> moe_grouped_mm, triton -> moe_triton,
+                        measured -> moe_measured (per token count, the faster of the two as
+                        the tune measured it; Triton with default tiles when untuned)
     ATTENTION_BACKENDS  torch -> paged_attention_ref, triton -> paged_attention_triton
 """
 
@@ -16,6 +18,7 @@ import torch
 
 from moeserve.kernels.attention_metadata import AttentionMetadata
 from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe_measured import moe_measured
 from moeserve.kernels.moe_ref import moe_loop_ref
 from moeserve.kernels.moe_triton import moe_triton
 from moeserve.kernels.paged_attention import paged_attention_ref
@@ -40,7 +43,7 @@ class AttentionFn(Protocol):
 _Fn = TypeVar("_Fn")
 
 MOE_BACKENDS: dict[str, MoeFn] = {"torch": moe_loop_ref, "grouped_mm": moe_grouped_mm,
-                                  "triton": moe_triton}
+                                  "triton": moe_triton, "measured": moe_measured}
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref,
                                               "triton": paged_attention_triton}
 

@@ -9,7 +9,8 @@
     w2  [E, hidden, I]:  per expert, down_proj
 
 Expert load: when the runner binds `expert_counts` (a row [E] int64 of its per-layer counter),
-every forward adds the tokens routed to each expert, on the device, with no host sync.
+every forward adds the tokens routed to each expert, on the device, with no host sync. A CUDA
+graph's padding rows are left out through `count_mask` ([T] int64, 1 = a real token).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class SparseMoeBlock(nn.Module):
         self.w13 = _empty(e, 2 * i, h, dtype=dtype, device=device)  # [E, 2I, hidden]
         self.w2 = _empty(e, h, i, dtype=dtype, device=device)  # [E, hidden, I]
         self.expert_counts: torch.Tensor | None = None  # [E] int64, bound by the runner
+        self.count_mask: torch.Tensor | None = None  # [T] int64, set around CUDA-graph decode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.gate)  # [T, E]
@@ -54,5 +56,9 @@ class SparseMoeBlock(nn.Module):
         if self.expert_counts is not None:
             # NOTE: scatter_add_, not bincount: bincount syncs with the host
             ids = topk_ids.flatten()  # [T * k]
-            self.expert_counts.scatter_add_(0, ids, torch.ones_like(ids))
+            if self.count_mask is None:
+                ones = torch.ones_like(ids)
+            else:
+                ones = self.count_mask[:, None].expand(-1, self.top_k).reshape(-1)  # [T * k]
+            self.expert_counts.scatter_add_(0, ids, ones)
         return self.backend(x, self.w13, self.w2, topk_weights, topk_ids)  # [T, hidden]

@@ -104,6 +104,12 @@ class CausalLM(nn.Module):
         for j, block in enumerate(self.moe_blocks()):
             block.expert_counts = None if counts is None else counts[j]
 
+    def set_expert_count_mask(self, mask: torch.Tensor | None) -> None:
+        """Count only the tokens whose mask ([T] int64) is 1 (CUDA-graph padding is 0); None
+        counts every token."""
+        for block in self.moe_blocks():
+            block.count_mask = mask
+
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Give each layer its KV tensor [2, num_blocks, block_size, KVH, D]; [] unbinds all.
 

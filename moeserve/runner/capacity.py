@@ -28,7 +28,8 @@ class CapacityReport:
     max_running_requests_rule: str
     resolved: dict[str, str]  # field -> why its "auto" value was chosen
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    cuda_graphs: str = "off: decode runs eager (CUDA graphs are not built yet)"
+    moe_tune: str = ""  # what the start-up MoE tune did (ensure_tuned), "" when none ran
+    cuda_graphs: str = "off"  # "on: ..." or "off: <why>" (EngineCore._init_cuda_graphs)
     moe_configs: dict[str, dict] = field(default_factory=dict)  # tokens -> tile config (triton)
 
     def to_dict(self) -> dict[str, Any]:
@@ -48,6 +49,7 @@ class CapacityReport:
             "resolved": self.resolved,
             "phase_seconds": self.phase_seconds,
             "cuda_graphs": self.cuda_graphs,
+            "moe_tune": self.moe_tune,
             "moe_configs": self.moe_configs,
             "text": self.format(),  # as printed at start-up (the API process prints this too)
         }
@@ -83,6 +85,10 @@ class CapacityReport:
             tuned = all(c["tuned"] for c in self.moe_configs.values())
             rows.append(("MoE tile configs", f"{'tuned' if tuned else 'NOT tuned (defaults)'}: "
                                              f"{', '.join(sources)}"))
+            picks = ", ".join(f"{n}: {c['backend']}" for n, c in self.moe_configs.items())
+            rows.append(("MoE backend by tokens", picks))
+        if self.moe_tune:
+            rows.append(("MoE tune", self.moe_tune))
         rows += [(f"auto {k}", v) for k, v in self.resolved.items()]
         rows += [("start-up", ", ".join(f"{k} {v:.2f}s" for k, v in self.phase_seconds.items()))]
         width = max(len(k) for k, _ in rows)

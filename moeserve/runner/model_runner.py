@@ -3,24 +3,26 @@
 Per step: SchedulerOutput (lists) -> input ids, positions, slot mapping, block tables (numpy,
 vectorised, one host-to-device copy each) -> model forward -> logits of the rows that sample ->
 sampler -> ModelOutput (lists). It also owns the weights (loaded or dummy), the KV cache tensors and
-the activation profile that the memory plan needs. CUDA graphs will live beside it in their own
-module; `execute` is the eager path they fall back to.
+the activation profile that the memory plan needs. Decode steps (every row one token) replay a
+CUDA graph of runner/cuda_graphs.py when one fits the batch; everything else runs eagerly, and a
+decode batch run eagerly on CUDA is counted (`num_eager_decode_fallbacks`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from moeserve.config import EngineConfig, ModelConfig
-from moeserve.kernels.attention_metadata import AttentionMetadata, build_attention_metadata
+from moeserve.kernels.attention_metadata import build_attention_metadata
 from moeserve.kernels.registry import get_attention_backend, get_moe_backend
 from moeserve.layers.sampler import SamplingTensors, sample
 from moeserve.models import build_model
+from moeserve.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from moeserve.runner.kv_cache import MemoryPlan, allocate_kv_caches
 from moeserve.runner.step_profile import StepProfiler
 from moeserve.runner.weight_loader import init_dummy_weights, load_weights, model_weight_bytes
@@ -38,6 +40,9 @@ class ModelRunner:
         self.block_size = cfg.cache.block_size
         self.kv_caches: list[torch.Tensor] = []
         self._last: tuple[PendingOutput, dict[str, int]] | None = None  # the latest launch
+        self.graphs: DecodeGraphs | None = None
+        self.num_eager_decode_fallbacks = 0  # decode batches run without a graph (CUDA only)
+        self.num_graph_steps = 0
         self._init_model(weights_folder)
 
     def _init_model(self, weights_folder: str | None) -> None:
@@ -109,6 +114,21 @@ class ModelRunner:
         self.model.bind_kv_caches(kv_caches)
         self.model.bind_expert_counters(self.expert_counts if kv_caches else None)
 
+    def init_decode_graphs(self, max_batch: int, max_model_len: int,
+                           capture: bool = True) -> str:
+        """Build the decode buckets up to `max_batch` and capture them (CUDA only; `capture`
+        False keeps the static buffers with eager replays: tests on CPU). Returns the capacity
+        report's one-line state."""
+        if not self.kv_caches:
+            raise RuntimeError("bind the KV caches before capturing CUDA graphs")
+        sizes = graph_batch_sizes(max_batch)
+        self.graphs = DecodeGraphs(self.model, sizes, max_model_len, self.block_size,
+                                   self.device)
+        seconds = self.graphs.capture() if capture else 0.0
+        kind = "captured" if self.graphs.graphs else "static buffers, eager (no CUDA)"
+        return (f"on: {len(sizes)} decode batch sizes 1..{max_batch} ({kind} in {seconds:.1f}s), "
+                "padding < 10% of a batch")
+
     # ---- one step ------------------------------------------------------------------------
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
@@ -122,56 +142,103 @@ class ModelRunner:
         Overlap scheduling: a token id of -1 in the plan is the token the previous launch is
         sampling for the same request; it is taken from that launch's device tensor, so step
         N+1 can be enqueued before step N's tokens reach the host."""
+        is_decode = all(n == 1 for n in out.num_scheduled_tokens)
+        bucket = self.graphs.bucket(out.num_reqs) if self.graphs and is_decode else None
+        if bucket is None and is_decode and self.device.type == "cuda":
+            self.num_eager_decode_fallbacks += 1
         if out.num_steps > 1:
-            return self._launch_decode_steps(out)
+            return self._launch_decode_steps(out, bucket)
+        if bucket is not None:
+            return self._launch_graph_step(out, bucket)
         meta = build_attention_metadata(out.num_computed_tokens, out.num_scheduled_tokens,
                                         out.block_tables, self.block_size, self.device)
         token_ids = np.asarray(out.token_ids, dtype=np.int64)  # [T]
         input_ids = self._to_device(token_ids)
         missing = np.flatnonzero(token_ids < 0)
         if missing.size:
-            input_ids[self._to_device(missing)] = self._previous_tokens(out, meta, missing)
+            input_ids[self._to_device(missing)] = self._previous_tokens(
+                out, meta.token_to_req_np[missing])
+        hidden = self._forward(self.model, (input_ids, meta.positions, meta), len(token_ids),
+                               breakdown=True)  # [T, hidden]
+        last_token = np.cumsum(meta.query_lens_np) - 1  # [B] each row's last token
+        return self._sample_rows(out, hidden, last_token, meta.seq_lens_np)
+
+    def _launch_graph_step(self, out: SchedulerOutput, bucket: int) -> PendingOutput:
+        """A decode step through the bucket's CUDA graph (rows past the batch are padding)."""
+        graphs = self.graphs
+        token_ids = np.asarray(out.token_ids, dtype=np.int64)  # [B]
+        positions = np.asarray(out.num_computed_tokens, dtype=np.int64)  # [B]
+        graphs.stage(token_ids, positions, out.block_tables, bucket)
+        missing = np.flatnonzero(token_ids < 0)
+        if missing.size:
+            graphs.input_ids[self._to_device(missing)] = self._previous_tokens(out, missing)
+        hidden = self._forward(graphs.replay, (bucket,), out.num_reqs,
+                               breakdown=not graphs.graphs)  # [bucket, hidden]
+        self.num_graph_steps += 1
+        return self._sample_rows(out, hidden, np.arange(out.num_reqs), positions + 1)
+
+    def _forward(self, fn: Callable[..., torch.Tensor], args: tuple, num_tokens: int,
+                 breakdown: bool) -> torch.Tensor:
+        """One model forward, `fn(*args)` (eager or a graph replay), timed when the profiler
+        samples it; `breakdown` False when per-layer hooks cannot fire (a replay)."""
         if self.profiler is not None:
             self.profiler.begin()
-        hidden = self.model(input_ids, meta.positions, meta)  # [T, hidden]
+        hidden = fn(*args)
         if self.profiler is not None:
-            self.profiler.end(len(token_ids))
+            self.profiler.end(num_tokens, breakdown)
         self.num_forward_steps += 1
+        return hidden
 
+    def _sample_rows(self, out: SchedulerOutput, hidden: torch.Tensor, last_token: np.ndarray,
+                     seq_lens: np.ndarray) -> PendingOutput:
+        """Sample the rows that sample; last_token [B] is each row's hidden row, seq_lens [B]
+        each row's length after the step (the position of its random stream)."""
         rows = np.flatnonzero(np.asarray(out.sample, dtype=bool))  # [R]
         pending = PendingOutput(out.num_reqs, rows)
         self._last = (pending, {out.req_ids[i]: j for j, i in enumerate(rows.tolist())})
         if rows.size == 0:
             return pending
-        last_token = np.cumsum(meta.query_lens_np)[rows] - 1  # [R]
-        logits = self.model.compute_logits(hidden[self._to_device(last_token)])  # [R, V] fp32
+        if np.array_equal(last_token[rows], np.arange(rows.size)):
+            picked = hidden[:rows.size]  # decode: the rows in order, no gather
+        else:
+            picked = hidden[self._to_device(last_token[rows])]
+        logits = self.model.compute_logits(picked)  # [R, V] fp32
         pending.params = [out.sampling_params[i] for i in rows]
         tensors = SamplingTensors.build(
             pending.params, [out.sample_seeds[i] for i in rows],
-            meta.seq_lens_np[rows].tolist(), self.device)
+            seq_lens[rows].tolist(), self.device)
         pending.token_ids, pending.logprobs = sample(logits, tensors)
         return pending
 
-    def _launch_decode_steps(self, out: SchedulerOutput) -> PendingOutput:
+    def _launch_decode_steps(self, out: SchedulerOutput, bucket: int | None) -> PendingOutput:
         """A decode-only plan run for `out.num_steps` tokens back to back: each step's sampled
-        tokens are the next step's inputs, on the device, with no host sync in between."""
+        tokens are the next step's inputs, on the device, with no host sync in between. With a
+        graph bucket, positions and slots advance on the device; else the metadata is rebuilt."""
         pending = PendingOutput(out.num_reqs, np.arange(out.num_reqs))
         pending.params = out.sampling_params
-        input_ids = self._to_device(np.asarray(out.token_ids, dtype=np.int64))  # [B]
+        token_ids = np.asarray(out.token_ids, dtype=np.int64)  # [B]
+        computed = np.asarray(out.num_computed_tokens, dtype=np.int64)  # [B]
+        graphs = self.graphs if bucket is not None else None
+        if graphs is not None:
+            graphs.stage(token_ids, computed, out.block_tables, bucket)
+        input_ids = self._to_device(token_ids)
         tokens = []
         for step in range(out.num_steps):
-            meta = build_attention_metadata([n + step for n in out.num_computed_tokens],
-                                            out.num_scheduled_tokens, out.block_tables,
-                                            self.block_size, self.device)
-            if self.profiler is not None:
-                self.profiler.begin()
-            hidden = self.model(input_ids, meta.positions, meta)  # [B, hidden]
-            if self.profiler is not None:
-                self.profiler.end(out.num_reqs)
-            self.num_forward_steps += 1
+            if graphs is not None:
+                if step:
+                    graphs.advance(input_ids)
+                hidden = self._forward(graphs.replay, (bucket,), out.num_reqs,
+                                       breakdown=not graphs.graphs)[:out.num_reqs]
+                self.num_graph_steps += 1
+            else:
+                meta = build_attention_metadata((computed + step).tolist(),
+                                                out.num_scheduled_tokens, out.block_tables,
+                                                self.block_size, self.device)
+                hidden = self._forward(self.model, (input_ids, meta.positions, meta),
+                                       out.num_reqs, breakdown=True)  # [B, hidden]
             logits = self.model.compute_logits(hidden)  # [B, V] fp32
             tensors = SamplingTensors.build(out.sampling_params, out.sample_seeds,
-                                            meta.seq_lens_np.tolist(), self.device)
+                                            (computed + step + 1).tolist(), self.device)
             input_ids, _ = sample(logits, tensors)  # [B]: this step's tokens, next step's input
             tokens.append(input_ids)
         pending.token_ids = tokens[0]
@@ -179,13 +246,11 @@ class ModelRunner:
         self._last = (pending, {rid: i for i, rid in enumerate(out.req_ids)})
         return pending
 
-    def _previous_tokens(self, out: SchedulerOutput, meta: AttentionMetadata,
-                         missing: np.ndarray) -> torch.Tensor:
-        """Device tensor of the tokens the previous launch sampled for the rows of `missing`."""
+    def _previous_tokens(self, out: SchedulerOutput, rows: np.ndarray) -> torch.Tensor:
+        """Device tensor of the tokens the previous launch sampled for `rows` [M] of this step."""
         if self._last is None:
             raise RuntimeError("a -1 token (overlap placeholder) in the first launch")
         prev, prev_rows = self._last
-        rows = meta.token_to_req_np[missing]  # [M] rows of this step
         try:
             src = np.fromiter((prev_rows[out.req_ids[r]] for r in rows), np.int64, len(rows))
         except KeyError as e:

@@ -9,7 +9,9 @@ never stalls the device:
     forward N + every    -> read sample N (event.elapsed_time: no wait), queue sample N + every
 
 `latest` holds the last complete sample: forward, attention and MoE milliseconds, the rest of the
-forward ("other"), and the step's token count. The engine adds its CPU scheduling time.
+forward ("other"), and the step's token count. The engine adds its CPU scheduling time. A
+CUDA-graph replay runs no hooks, so its sample has the forward's time only (attention and MoE
+None); the breakdown comes from eagerly run steps.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from torch import nn
 class StepSample:
     num_tokens: int
     forward_ms: float
-    attention_ms: float
-    moe_ms: float
+    attention_ms: float | None  # None: a CUDA-graph replay (no per-layer events inside)
+    moe_ms: float | None
 
     @property
-    def other_ms(self) -> float:
+    def other_ms(self) -> float | None:
+        if self.attention_ms is None or self.moe_ms is None:
+            return None
         return max(0.0, self.forward_ms - self.attention_ms - self.moe_ms)
 
     def to_dict(self) -> dict:
@@ -61,7 +65,8 @@ class StepProfiler:
         self.latest: StepSample | None = None
         self._count = 0
         self._active = False
-        self._pending: tuple[int, _Clock, _Clock, dict[str, list[tuple[_Clock, _Clock]]]] | None
+        self._pending: tuple[int, _Clock, _Clock,
+                             dict[str, list[tuple[_Clock, _Clock]]] | None] | None
         self._pending = None
         self._spans: dict[str, list[tuple[_Clock, _Clock]]] = {}
         self._start = self._end = None
@@ -98,12 +103,13 @@ class StepProfiler:
             self._start = _Clock(self.cuda)
             self._start.record()
 
-    def end(self, num_tokens: int) -> None:
-        """After a forward (before sampling)."""
+    def end(self, num_tokens: int, breakdown: bool = True) -> None:
+        """After a forward (before sampling); `breakdown` False for a CUDA-graph replay, whose
+        layers ran no hooks: only the whole forward is timed then."""
         if self._active:
             end = _Clock(self.cuda)
             end.record()
-            self._pending = (num_tokens, self._start, end, self._spans)
+            self._pending = (num_tokens, self._start, end, self._spans if breakdown else None)
             self._active = False
             if not self.cuda:  # host clocks are final at once
                 self._read_pending()
@@ -116,7 +122,9 @@ class StepProfiler:
             return  # not done yet (a long step): read it next time
         self._pending = None
 
-        def total(kind: str) -> float:
+        def total(kind: str) -> float | None:
+            if spans is None:
+                return None
             return sum(a.ms_until(b) for a, b in spans.get(kind, []))
 
         self.latest = StepSample(num_tokens, start.ms_until(end), total("attention"),

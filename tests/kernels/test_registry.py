@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe_measured import moe_measured
 from moeserve.kernels.moe_ref import moe_loop_ref
 from moeserve.kernels.paged_attention import paged_attention_ref
 from moeserve.kernels.registry import get_attention_backend, get_moe_backend
@@ -16,12 +17,13 @@ from moeserve.kernels.registry import get_attention_backend, get_moe_backend
 def test_known_backends() -> None:
     assert get_moe_backend("torch") is moe_loop_ref
     assert get_moe_backend("grouped_mm") is moe_grouped_mm
+    assert get_moe_backend("measured") is moe_measured
     assert get_attention_backend("torch") is paged_attention_ref
 
 
 def test_unknown_backend_names_the_choices() -> None:
-    with pytest.raises(ValueError,
-                       match=r"moe_backend .cutlass.; choices: grouped_mm, torch, triton"):
+    with pytest.raises(ValueError, match=r"moe_backend .cutlass.; "
+                       r"choices: grouped_mm, measured, torch, triton"):
         get_moe_backend("cutlass")
     with pytest.raises(ValueError, match=r"attention_backend 'flash'; choices: torch, triton"):
         get_attention_backend("flash")

@@ -1,0 +1,67 @@
+"""The "measured" MoE backend: per token count, the backend the tune measured faster there.
+
+Owns `moe_measured` (same contract as `moe_loop_ref`). The tuner (`moe_configs.tune_moe`) times
+the best Triton tile config and torch._grouped_mm at each tuned token count and records the
+faster as the entry's "backend". Each call here takes the entry whose token count is nearest
+x.shape[0] (ties: the smaller; `moe_configs.get_moe_config`) and runs
+
+    backend "triton"      -> moe_triton(..., config=<the entry's tiles>)
+    backend "grouped_mm"  -> moe_grouped_mm(...)
+    no tuned file         -> moe_triton with the in-code default tiles
+
+The pick reads only host metadata (shapes, dtype, device): no device value, so no sync, and
+inside a CUDA graph the token count is static, so each captured graph runs one backend. Picks
+are cached per (device, dtype, E, H, I, top_k) and token count: after the first call at a size a
+call costs a couple of dict lookups (it runs once per MoE layer per step). `moe_configs.
+clear_caches()` (called after every tune) forgets them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moeserve.kernels import moe_configs
+from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe_triton import moe_triton
+
+# (device, dtype, E, H, I, top_k) -> {num_tokens: (backend, tile config)}
+_PLANS: dict[tuple, dict[int, tuple[str, dict[str, int]]]] = {}
+moe_configs.register_cache(_PLANS.clear)
+
+
+def moe_measured(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed experts through the backend measured faster at this token count.
+
+    Args and result as `moe_triton` / `moe_grouped_mm`: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
+    topk_weights [T, k] float32, topk_ids [T, k] -> [T, H] in x's dtype.
+    """
+    shape_key = (x.device, x.dtype, w13.shape[0], w13.shape[2], w2.shape[2], topk_ids.shape[1])
+    plans = _PLANS.get(shape_key)
+    if plans is None:
+        plans = _PLANS[shape_key] = {}
+    num_tokens = x.shape[0]
+    plan = plans.get(num_tokens)
+    if plan is None:
+        plan = plans[num_tokens] = pick(shape_key, num_tokens)
+    backend, config = plan
+    if backend == "grouped_mm":
+        return moe_grouped_mm(x, w13, w2, topk_weights, topk_ids)
+    return moe_triton(x, w13, w2, topk_weights, topk_ids, config=config)
+
+
+def pick(shape_key: tuple, num_tokens: int) -> tuple[str, dict[str, int]]:
+    """(backend, Triton tiles) for one shape key and token count, from the tuned files."""
+    device, dtype, num_experts, hidden, inter, top_k = shape_key
+    choice = moe_configs.get_moe_config(num_experts, hidden, inter, top_k, dtype, num_tokens,
+                                        _device_name(device))
+    backend = choice.backend if num_tokens > 0 else "triton"  # moe_triton returns [0, H] at once
+    return backend, choice.config
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    """As `moe_triton` names it for the lookup: the CUDA device's name, else the device type."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

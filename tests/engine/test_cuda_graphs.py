@@ -1,0 +1,100 @@
+"""Decode CUDA graphs: the bucket spacing, and the static-buffer decode path against eager.
+
+On CPU the graphs are not captured; `init_decode_graphs(capture=False)` keeps the static buffers
+and runs them eagerly, so padding rows, staging, multi-step `advance` and the expert-count mask
+are checked everywhere. On the GPU (`-m gpu`) the same tests capture and replay real graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moeserve import LLM, SamplingParams
+from moeserve.runner.cuda_graphs import bucket_padding, graph_batch_sizes
+from tests.engine.test_generate_vs_hf import _prompts, hf_greedy
+from tests.models.checkpoints import write_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("cap", [1, 7, 64, 100, 256, 1000, 2048, 4096])
+def test_buckets_cover_every_batch_with_padding_under_10_percent(cap: int) -> None:
+    sizes = graph_batch_sizes(cap)
+    assert sizes[0] == 1 and sizes[-1] == cap
+    assert sizes == sorted(set(sizes))
+    for b in range(1, cap + 1):  # the bucket each batch pads to
+        bucket = next(s for s in sizes if s >= b)
+        assert (bucket - b) / bucket < 0.1, (b, bucket)
+    assert bucket_padding(sizes) < 0.1
+    if cap >= 2048:
+        assert len(sizes) < 80  # capture time stays bounded
+
+
+def test_bad_bucket_bound_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_batch"):
+        graph_batch_sizes(0)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]], list]:
+    folder = str(write_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("graphs")))
+    prompts = _prompts(256, (5, 17, 9, 12, 3))
+    return folder, prompts, hf_greedy(folder, prompts, GREEDY.max_tokens)
+
+
+def _graph_llm(folder: str, device: str, max_batch: int, **kw: object) -> LLM:
+    if device == "cuda":
+        kw.setdefault("mem_fraction", 0.1)
+    kw.setdefault("max_model_len", 64)  # the decode graphs' partitions span max_model_len
+    # the graph path's metadata is what the Triton attention reads; the MoE backend only needs
+    # to be capturable (fp32 grouped_mm syncs on CUDA; Triton's interpreter is slow on CPU)
+    llm = LLM(folder, device=device, dtype="float32", attention_backend="triton",
+              moe_backend="triton" if device == "cuda" else "grouped_mm", **kw)
+    runner = llm.engine.runner
+    if runner.graphs is None or runner.graphs.max_batch != max_batch:  # CPU: static buffers
+        runner.init_decode_graphs(max_batch, llm.engine.cfg.scheduler.max_model_len,
+                                  capture=device == "cuda")
+    return llm
+
+
+@pytest.mark.parametrize("max_batch", [8, 3])  # 5 requests: padded to 8; or some run eager
+def test_graph_decode_matches_hf(device: str, ckpt: tuple, max_batch: int) -> None:
+    folder, prompts, expected = ckpt
+    llm = _graph_llm(folder, device, max_batch, cuda_graph_max_batch_size=max_batch)
+    results = llm.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected
+    runner = llm.engine.runner
+    fits = max_batch >= len(prompts)  # else the five-row decode steps have no graph
+    assert (runner.num_graph_steps > 0) == fits
+    if device == "cuda":
+        assert bool(runner.graphs.graphs)
+        assert (runner.num_eager_decode_fallbacks > 0) == (not fits)  # counted on CUDA only
+    else:
+        assert runner.num_eager_decode_fallbacks == 0
+
+
+def test_graph_decode_with_overlap_and_multi_step(device: str, ckpt: tuple) -> None:
+    folder, prompts, expected = ckpt
+    for kw in ({"async_scheduling": True}, {"num_continuous_decode_steps": 4}):
+        llm = _graph_llm(folder, device, 8, cuda_graph_max_batch_size=8, **kw)
+        results = llm.generate(prompts, GREEDY)
+        assert [r.token_ids for r in results] == expected, kw
+        assert llm.engine.runner.num_graph_steps > 0
+
+
+def test_padding_rows_are_not_counted_as_expert_load(device: str, ckpt: tuple) -> None:
+    folder, prompts, _ = ckpt
+    llm = _graph_llm(folder, device, 8, cuda_graph_max_batch_size=8)
+    llm.generate(prompts, GREEDY)
+    load = llm.engine.runner.expert_load()
+    top_k = llm.engine.model_config.num_experts_per_tok
+    computed = sum(len(p) for p in prompts) + len(prompts) * (GREEDY.max_tokens - 1)
+    for layer in load["tokens_per_expert"]:  # every real token routed once per layer, no pads
+        assert sum(layer) == computed * top_k
+
+
+def test_capacity_report_says_why_graphs_are_off_on_cpu(ckpt: tuple) -> None:
+    folder, _, _ = ckpt
+    report = LLM(folder, device="cpu", dtype="float32").report
+    assert report.cuda_graphs.startswith("off: CPU")
+    assert "cuda_graphs" in report.phase_seconds

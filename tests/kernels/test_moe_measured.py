@@ -1,0 +1,366 @@
+"""The "measured" MoE backend and the engine tune: backend picks recorded by the tuner, nearest
+token count lookup, the JSON round trip, the time budget and resume, `ensure_tuned`.
+
+On CPU the Triton kernel runs through the interpreter (tests/conftest.py) on tiny shapes; tuned
+files are written for the device name "cpu" (what the backend looks up for CPU tensors) or
+"Fake GPU", with fake timers standing in for the CUDA ones.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moeserve.kernels import moe_configs, moe_measured
+from moeserve.kernels.moe_configs import (
+    candidate_key,
+    config_file_name,
+    engine_token_counts,
+    ensure_tuned,
+    find_tuned,
+    get_moe_config,
+    nearest_token_count,
+    quick_moe_candidates,
+    tune_for_engine,
+    tune_moe,
+)
+from moeserve.kernels.moe_ref import moe_loop_ref
+from moeserve.kernels.routing import select_experts
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E, H, N, K = 8, 32, 16, 2  # tiny expert shape: experts, hidden, expert width, top-k
+SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2)
+
+
+@pytest.fixture(autouse=True)
+def isolated_config_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Config lookup sees only tmp folders: the env folder, an empty package folder, the cache."""
+    monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path / "env"))
+    monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(moe_configs, "PACKAGE_CONFIG_DIR", tmp_path / "package")
+    moe_configs.clear_caches()
+    yield tmp_path
+    moe_configs.clear_caches()
+
+
+def write_tuned(directory: Path, entries: dict[int, dict], device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / config_file_name(E, H, N, dtype, device)
+    doc = {"meta": {}, "configs": {str(n): e for n, e in entries.items()}}
+    path.write_text(json.dumps(doc))
+    moe_configs.clear_caches()
+    return path
+
+
+def experts_and_tokens(num_tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * N, H, generator=gen) * H ** -0.5
+    w2 = torch.randn(E, H, N, generator=gen) * N ** -0.5
+    x = torch.randn(num_tokens, H, generator=gen)
+    weights, ids = select_experts(torch.randn(num_tokens, E, generator=gen), K, renormalize=True)
+    return tuple(t.to(DEVICE) for t in (x, w13, w2, weights, ids))
+
+
+class Spy:
+    """Counts the calls of each backend inside moe_measured, and runs the real one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, int, dict | None]] = []
+        real_triton, real_grouped = moe_measured.moe_triton, moe_measured.moe_grouped_mm
+
+        def triton(x: torch.Tensor, *args: torch.Tensor, config: dict) -> torch.Tensor:
+            self.calls.append(("triton", x.shape[0], config))
+            return real_triton(x, *args, config=config)
+
+        def grouped(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+            self.calls.append(("grouped_mm", x.shape[0], None))
+            return real_grouped(x, *args)
+
+        monkeypatch.setattr(moe_measured, "moe_triton", triton)
+        monkeypatch.setattr(moe_measured, "moe_grouped_mm", grouped)
+
+
+# ---------------------------------------------------------------- lookup
+
+def test_nearest_token_count_takes_the_closest_and_the_smaller_on_ties() -> None:
+    tuned = [1, 4, 16, 64]
+    assert [nearest_token_count(tuned, n) for n in (0, 1, 2, 3, 10, 11, 40, 41, 5000)] == \
+        [1, 1, 1, 4, 4, 16, 16, 64, 64]  # 10: 6 from 4 and from 16
+    assert nearest_token_count({8: "a", 2: "b"}, 5) == 2  # tie 2 / 8: the smaller
+
+
+def test_entry_backend_is_read_and_defaults_to_triton(isolated_config_dirs: Path) -> None:
+    path = write_tuned(isolated_config_dirs / "env", {
+        1: {**SMALL, "ms": 0.3, "grouped_mm_ms": 0.2, "backend": "grouped_mm"},
+        64: {**SMALL, "BLOCK_M": 32, "ms": 0.5}})  # an older file: no backend recorded
+    small = get_moe_config(E, H, N, K, torch.float32, 3, "cpu")
+    assert (small.backend, small.tuned_tokens, small.source) == ("grouped_mm", 1, str(path))
+    large = get_moe_config(E, H, N, K, torch.float32, 100, "cpu")
+    assert (large.backend, large.tuned_tokens, large.config["BLOCK_M"]) == ("triton", 64, 32)
+    untuned = get_moe_config(E, H, N, K, torch.float16, 3, "cpu")
+    assert (untuned.tuned, untuned.backend, untuned.tuned_tokens) == (False, "triton", None)
+    write_tuned(isolated_config_dirs / "env", {1: {**SMALL, "backend": "cutlass"}})
+    with pytest.raises(ValueError, match="backend 'cutlass'"):
+        get_moe_config(E, H, N, K, torch.float32, 3, "cpu")
+
+
+def test_lookup_order_env_then_package_then_user_cache(isolated_config_dirs: Path) -> None:
+    cache = isolated_config_dirs / "cache" / "moe_configs"
+    write_tuned(cache, {8: dict(SMALL, BLOCK_N=64)})
+    assert find_tuned(E, H, N, torch.float32, "cpu")[0] == str(cache / config_file_name(
+        E, H, N, torch.float32, "cpu"))
+    write_tuned(isolated_config_dirs / "package", {8: dict(SMALL, BLOCK_N=32)})
+    assert get_moe_config(E, H, N, K, torch.float32, 8, "cpu").config["BLOCK_N"] == 32
+    write_tuned(isolated_config_dirs / "env", {8: dict(SMALL, BLOCK_N=16)})
+    assert get_moe_config(E, H, N, K, torch.float32, 8, "cpu").config["BLOCK_N"] == 16
+
+
+# ---------------------------------------------------------------- the measured backend
+
+def test_measured_runs_the_backend_of_the_nearest_entry(isolated_config_dirs: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    write_tuned(isolated_config_dirs / "env", {
+        2: {**SMALL, "ms": 0.3, "grouped_mm_ms": 0.2, "backend": "grouped_mm"},
+        16: {**SMALL, "BLOCK_N": 32, "ms": 0.4, "grouped_mm_ms": 0.6, "backend": "triton"}})
+    spy = Spy(monkeypatch)
+    for num_tokens in (1, 9, 10, 33):  # nearest: 2, 2 (a tie), 16, 16
+        x, w13, w2, weights, ids = experts_and_tokens(num_tokens, seed=num_tokens)
+        out = moe_measured.moe_measured(x, w13, w2, weights, ids)
+        torch.testing.assert_close(out, moe_loop_ref(x, w13, w2, weights, ids),
+                                   atol=1e-5, rtol=1e-5)
+    assert [(b, n) for b, n, _ in spy.calls] == [("grouped_mm", 1), ("grouped_mm", 9),
+                                                 ("triton", 10), ("triton", 33)]
+    assert spy.calls[2][2] == dict(SMALL, BLOCK_N=32)  # the entry's tiles, not the defaults
+
+
+def test_measured_without_a_tune_is_triton_with_default_tiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = Spy(monkeypatch)
+    for num_tokens in (0, 3, 33):
+        x, w13, w2, weights, ids = experts_and_tokens(num_tokens, seed=7)
+        out = moe_measured.moe_measured(x, w13, w2, weights, ids)
+        assert out.shape == (num_tokens, H)
+        torch.testing.assert_close(out, moe_loop_ref(x, w13, w2, weights, ids),
+                                   atol=1e-5, rtol=1e-5)
+    assert [(b, n) for b, n, _ in spy.calls] == [("triton", 0), ("triton", 3), ("triton", 33)]
+    assert spy.calls[1][2] == moe_configs.default_moe_config(E, K, 3)
+
+
+def test_measured_picks_are_cached_per_shape_and_token_count(
+        isolated_config_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_tuned(isolated_config_dirs / "env", {4: {**SMALL, "backend": "grouped_mm"}})
+    x, w13, w2, weights, ids = experts_and_tokens(4)
+    lookups: list[int] = []
+    real = moe_configs.get_moe_config
+
+    def counting(*args: object) -> moe_configs.MoeConfigChoice:
+        lookups.append(args[5])
+        return real(*args)
+
+    monkeypatch.setattr(moe_configs, "get_moe_config", counting)
+    spy = Spy(monkeypatch)
+    for _ in range(3):
+        moe_measured.moe_measured(x, w13, w2, weights, ids)
+    assert lookups == [4] and [b for b, _, _ in spy.calls] == ["grouped_mm"] * 3
+    # a new tune (clear_caches) is seen by the next call
+    write_tuned(isolated_config_dirs / "env", {4: {**SMALL, "backend": "triton"}})
+    moe_measured.moe_measured(x, w13, w2, weights, ids)
+    assert lookups == [4, 4] and spy.calls[-1][0] == "triton"
+
+
+# ---------------------------------------------------------------- the tuner
+
+def fake_timers(grouped_ms: dict[int, float]) -> tuple[list, object, object]:
+    """A Triton timer (BLOCK_N 16 fastest, 0.1 ms + tokens / 1000) and a grouped_mm one."""
+    calls: list[tuple[str, int]] = []
+
+    def timer(config: dict, num_tokens: int) -> float:
+        calls.append((candidate_key(config), num_tokens))
+        return 0.1 + config["BLOCK_N"] / 160 + num_tokens / 1000
+
+    def baseline(num_tokens: int) -> float:
+        calls.append(("grouped_mm", num_tokens))
+        if num_tokens not in grouped_ms:
+            raise RuntimeError("grouped_mm unsupported here")
+        return grouped_ms[num_tokens]
+
+    return calls, timer, baseline
+
+
+GRID = [dict(SMALL, BLOCK_N=n) for n in (16, 32, 64)]
+
+
+def test_tune_records_both_timings_and_the_pick_and_round_trips(tmp_path: Path) -> None:
+    calls, timer, baseline = fake_timers({1: 0.05, 8: 0.5})  # 64: grouped_mm fails
+    path = tmp_path / "env" / config_file_name(E, H, N, torch.float32, "cpu")
+    best = tune_moe(E, H, N, K, torch.float32, [1, 8, 64], path, candidates=lambda n: GRID,
+                    timer=timer, baseline_timer=baseline, device_name="cpu",
+                    log=lambda s: None)
+    assert {n: e["backend"] for n, e in best.items()} == {1: "grouped_mm", 8: "triton",
+                                                           64: "triton"}
+    assert best[1]["grouped_mm_ms"] == 0.05 and best[1]["ms"] == pytest.approx(0.201)
+    assert "grouped_mm_ms" not in best[64]
+    doc = json.loads(path.read_text())
+    assert doc["grouped_mm"]["64"].startswith("error: RuntimeError")
+    assert doc["configs"]["8"] == {**dict(SMALL, BLOCK_N=16), "ms": pytest.approx(0.208),
+                                   "grouped_mm_ms": 0.5, "backend": "triton"}
+    found_path, table = find_tuned(E, H, N, torch.float32, "cpu")
+    assert found_path == str(path) and table == best  # what the lookup reads is what was tuned
+    # a rerun times nothing again, grouped_mm included
+    calls.clear()
+    assert tune_moe(E, H, N, K, torch.float32, [1, 8, 64], path, candidates=lambda n: GRID,
+                    timer=timer, baseline_timer=baseline, device_name="cpu",
+                    log=lambda s: None) == best
+    assert calls == []
+
+
+def test_tune_stops_at_the_time_budget_and_resumes(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(moe_configs, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    calls, timer, baseline = fake_timers({1: 9.0, 2: 9.0, 4: 9.0})
+
+    def slow_timer(config: dict, num_tokens: int) -> float:
+        clock.now += 1.0  # each candidate costs one second
+        return timer(config, num_tokens)
+
+    logs: list[str] = []
+    path = tmp_path / "t.json"
+    kwargs = dict(candidates=lambda n: GRID, timer=slow_timer, baseline_timer=baseline,
+                  device_name="cpu", log=logs.append)
+    done = tune_moe(E, H, N, K, torch.float32, [1, 2, 4], path, time_budget_s=4.5, **kwargs)
+    assert sorted(done) == [1]  # 5 candidates ran (t = 0..4); T=2 has 2 of its 3
+    assert any("time budget of 4 s spent at T=2" in line for line in logs)
+    assert any("T=1: 3 candidates to time, estimated" in line for line in logs)
+    assert len(json.loads(path.read_text())["trials"]["2"]) == 2
+    calls.clear()
+    done = tune_moe(E, H, N, K, torch.float32, [1, 2, 4], path, time_budget_s=100, **kwargs)
+    assert sorted(done) == [1, 2, 4]
+    assert calls == [(candidate_key(GRID[2]), 2), ("grouped_mm", 2)] + \
+        [(candidate_key(c), 4) for c in GRID] + [("grouped_mm", 4)]
+
+
+def test_engine_token_counts() -> None:
+    assert engine_token_counts() == [1 << i for i in range(14)]  # 1 .. 8192
+    assert engine_token_counts(2048)[-3:] == [512, 1024, 2048]
+    assert engine_token_counts(6000)[-2:] == [4096, 6000]
+    assert engine_token_counts(1 << 20)[-1] == 8192 and engine_token_counts(1) == [1]
+
+
+@pytest.mark.parametrize(("num_experts", "top_k"), [(128, 8), (8, 2), (64, 6)])
+def test_quick_grid_is_small_fits_and_compiles_few_configs(num_experts: int,
+                                                           top_k: int) -> None:
+    counts = engine_token_counts()
+    grids = [quick_moe_candidates(num_experts, top_k, n) for n in counts]
+    distinct = {candidate_key(c) for grid in grids for c in grid}
+    assert all(6 <= len(grid) <= 12 for grid in grids) and len(distinct) <= 30
+    for num_tokens, grid in zip(counts, grids):
+        assert len({candidate_key(c) for c in grid}) == len(grid)
+        per_expert = num_tokens * top_k / num_experts
+        for c in grid:
+            assert c["BLOCK_M"] <= max(16, 2 * per_expert)
+            smem = (c["BLOCK_M"] + 2 * c["BLOCK_N"]) * c["BLOCK_K"] * 2 * c["num_stages"]
+            assert smem <= 227 * 1024, c  # the gated launch's bf16 tiles fit an H100/H200
+    assert {c["BLOCK_M"] for c in grids[0]} == {16}  # decode: one block per expert
+    assert {c["BLOCK_M"] for c in grids[-1]} == {64, 128}
+    # the whole qwen3-30b-a3b tune's prior estimate stays well within ensure_tuned's budget
+    assert moe_configs.estimate_tune_seconds(grids) < moe_configs.DEFAULT_TUNE_BUDGET_S / 2
+
+
+# ---------------------------------------------------------------- ensure_tuned
+
+def test_ensure_tuned_tunes_once_then_returns_at_once(isolated_config_dirs: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(moe_configs.CONFIG_DIR_ENV)  # tunes go to the user cache
+    calls, timer, baseline = fake_timers({1: 0.01})
+    args = (E, H, N, K, torch.float16, 4)  # engine counts 1, 2, 4
+    outcome = ensure_tuned(*args, timer=timer, baseline_timer=baseline,
+                           device_name="Fake GPU", log=lambda s: None)
+    expected = (isolated_config_dirs / "cache" / "moe_configs"
+                / config_file_name(E, H, N, torch.float16, "Fake GPU"))
+    assert outcome.tuned and outcome.source == str(expected) and expected.exists()
+    assert outcome.detail.startswith("tuned now: 3 of 3 token counts")
+    assert {n for _, n in calls} == {1, 2, 4}
+    assert len(calls) == sum(len(quick_moe_candidates(E, K, n)) + 1 for n in (1, 2, 4))
+    choice = get_moe_config(E, H, N, K, torch.float16, 1, "Fake GPU")
+    assert choice.tuned and choice.backend == "grouped_mm"
+    calls.clear()
+    again = ensure_tuned(*args, timer=timer, baseline_timer=baseline, device_name="Fake GPU",
+                         log=lambda s: None)
+    assert calls == [] and again.tuned and again.detail == "tuned earlier (cached)"
+    assert again.source == outcome.source and again.seconds < 1
+
+
+def test_ensure_tuned_uses_a_committed_file_as_it_is(isolated_config_dirs: Path) -> None:
+    path = write_tuned(isolated_config_dirs / "package", {64: SMALL}, device="Fake GPU",
+                       dtype=torch.float16)
+
+    def timer(config: dict, num_tokens: int) -> float:
+        raise AssertionError("a committed file is not re-tuned")
+
+    outcome = ensure_tuned(E, H, N, K, torch.float16, 8192, timer=timer, device_name="Fake GPU",
+                           log=lambda s: None)
+    assert outcome.tuned and outcome.source == str(path) and outcome.detail == "committed"
+
+
+def test_ensure_tuned_resumes_a_partial_tune(isolated_config_dirs: Path) -> None:
+    path = (isolated_config_dirs / "env"
+            / config_file_name(E, H, N, torch.float16, "Fake GPU"))
+    calls, timer, _ = fake_timers({})
+    kwargs = dict(timer=timer, device_name="Fake GPU", log=lambda s: None)
+    tune_for_engine(E, H, N, K, torch.float16, path, token_counts=[1], **kwargs)
+    calls.clear()
+    outcome = ensure_tuned(E, H, N, K, torch.float16, 2, **kwargs)  # wants 1 and 2
+    assert {n for _, n in calls} == {2} and outcome.detail.startswith("tuned now: 2 of 2")
+    assert outcome.source == str(path)
+    calls.clear()
+    spent = ensure_tuned(E, H, N, K, torch.float16, 8, time_budget_s=0, **kwargs)
+    assert calls == [] and "time budget spent" in spent.detail and spent.tuned
+
+
+def test_ensure_tuned_without_cuda_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    outcome = ensure_tuned(E, H, N, K, torch.float16, 8192)
+    assert outcome == (0.0, False, "default", outcome.detail) and "no CUDA" in outcome.detail
+
+
+# ---------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+def test_gpu_measured_in_a_cuda_graph_without_sync() -> None:
+    """Both picks at the qwen3-30b-a3b shape: no host sync, graph replay equals eager."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e, h, i, k = 128, 2048, 768, 8
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).bfloat16()
+    device = torch.cuda.get_device_name()
+    tmp = Path(moe_configs.tune_dir())
+    tmp.mkdir(parents=True, exist_ok=True)
+    doc = {"meta": {}, "configs": {
+        "64": {**moe_configs.default_moe_config(e, k, 64), "backend": "grouped_mm"},
+        "256": {**moe_configs.default_moe_config(e, k, 256), "backend": "triton"}}}
+    (tmp / config_file_name(e, h, i, torch.bfloat16, device)).write_text(json.dumps(doc))
+    moe_configs.clear_caches()
+    for num_tokens in (64, 256):
+        x = torch.randn(num_tokens, h, device="cuda", generator=gen).bfloat16()
+        weights, ids = select_experts(torch.randn(num_tokens, e, device="cuda", generator=gen),
+                                      k, renormalize=True)
+        eager = moe_measured.moe_measured(x, w13, w2, weights, ids)  # compile, pick
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            moe_measured.moe_measured(x, w13, w2, weights, ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = moe_measured.moe_measured(x, w13, w2, weights, ids)
+        graph.replay()
+        torch.testing.assert_close(static, eager)  # bf16 defaults: the same kernels, replayed
+        expected = moe_loop_ref(x.float(), w13.float(), w2.float(), weights, ids)
+        torch.testing.assert_close(eager.float(), expected, atol=2e-2, rtol=2e-2)
