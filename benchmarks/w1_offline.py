@@ -62,6 +62,8 @@ def run_w1_offline(preset: str, concurrency: int, input_len: int, output_len: in
     time.sleep(1.0)
     stats = llm.engine.scheduler.stats
     base_steps, base_hits = stats.num_scheduled_steps, stats.num_prefix_hit_tokens
+    runner = llm.engine.runner
+    base_graph, base_fallback = runner.num_graph_steps, runner.num_eager_decode_fallbacks
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     if torch.cuda.is_available():
@@ -79,6 +81,8 @@ def run_w1_offline(preset: str, concurrency: int, input_len: int, output_len: in
         "num_steps": stats.num_scheduled_steps - base_steps,
         "prefix_hit_rate": (stats.num_prefix_hit_tokens - base_hits) / (num_prompts * input_len),
         "num_preemptions": stats.num_preemptions,
+        "num_graph_steps": runner.num_graph_steps - base_graph,
+        "cuda_graph_fallbacks": runner.num_eager_decode_fallbacks - base_fallback,
         "capacity_report": llm.report.to_dict(),
         "environment": environment(),
     }
@@ -94,8 +98,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--moe-backend", default="grouped_mm")
-    parser.add_argument("--attention-backend", default="torch")
+    parser.add_argument("--moe-backend", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="overlap the CPU's planning of step N+1 with the device's step N")
@@ -107,7 +112,8 @@ def main() -> None:
     engine_args = {"moe_backend": args.moe_backend, "dtype": args.dtype,
                    "attention_backend": args.attention_backend,
                    "async_scheduling": args.async_scheduling,
-                   "num_continuous_decode_steps": args.num_continuous_decode_steps}
+                   "num_continuous_decode_steps": args.num_continuous_decode_steps,
+                   "enforce_eager": args.enforce_eager}
     for c in args.concurrency:
         result = run_w1_offline(args.preset, c, args.input_len, args.output_len, engine_args)
         name = f"w1_offline_{args.preset}_c{c}{args.tag}.json"
@@ -115,7 +121,8 @@ def main() -> None:
             json.dump(result, f, indent=2)
         print(json.dumps({k: result[k] for k in ("concurrency", "duration_s",
                                                   "output_throughput", "num_steps",
-                                                  "prefix_hit_rate", "num_preemptions")}),
+                                                  "prefix_hit_rate", "num_preemptions",
+                                                  "num_graph_steps", "cuda_graph_fallbacks")}),
               flush=True)
 
 
