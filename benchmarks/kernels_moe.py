@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 
@@ -159,6 +160,8 @@ def run_tune(args: argparse.Namespace, shape: tuple[int, int, int, int],
     best = moe_configs.tune_for_engine(num_experts, hidden, inter, top_k, DTYPE, path,
                                        token_counts=counts, time_budget_s=args.time_budget,
                                        full_grid=args.tune_full, weights=weights)
+    if os.path.exists(path):  # a copy under a plain name: the GPU machine's transfer refuses
+        shutil.copyfile(path, os.path.join(args.out, "tuned_moe_configs.json"))  # "=" and ","
     os.environ[moe_configs.CONFIG_DIR_ENV] = config_dir  # "triton" and "measured" read it now
     moe_configs.clear_caches()
     return {"path": path, "grid": "full" if args.tune_full else "quick",

@@ -52,6 +52,14 @@ def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict) ->
         t3 = time.perf_counter()
         for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
             phases[k].append(v * 1e3)
+    engine_steps = []
+    for _ in range(num_steps):  # the whole engine step, as LLM.generate drives it
+        _sync()
+        t0 = time.perf_counter()
+        llm.step()
+        _sync()
+        engine_steps.append((time.perf_counter() - t0) * 1e3)
+    phases["engine_step"] = engine_steps
     kernels = {}
     if torch.cuda.is_available():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -59,12 +67,14 @@ def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict) ->
             sched.update(out, engine.runner.execute(out))
         events = [e for e in prof.key_averages() if e.device_time_total > 0]
         gpu_total = sum(e.self_device_time_total for e in events) / 1e3
-        top = sorted(events, key=lambda e: -e.self_device_time_total)[:15]
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:25]
         kernels = {"gpu_busy_ms": gpu_total,
                    "top": [{"name": e.key[:120], "ms": e.self_device_time_total / 1e3,
                             "calls": e.count} for e in top]}
     result = {"preset": preset, "batch": batch, "num_steps": num_steps,
               "median_ms": {k: statistics.median(v) for k, v in phases.items()},
+              "graph_steps": engine.runner.num_graph_steps,
+              "cuda_graph_fallbacks": engine.runner.num_eager_decode_fallbacks,
               "gpu_kernels_one_step": kernels, "capacity_report": llm.report.to_dict(),
               "environment": environment()}
     del llm
@@ -77,13 +87,17 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen3-30b-a3b")
     parser.add_argument("--batch", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--moe-backend", default="grouped_mm")
+    parser.add_argument("--moe-backend", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tag", default="")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for b in args.batch:
-        r = profile_batch(args.preset, b, args.steps, {"moe_backend": args.moe_backend})
-        with open(os.path.join(args.out, f"profile_step_{args.preset}_b{b}.json"), "w") as f:
+        r = profile_batch(args.preset, b, args.steps, {"moe_backend": args.moe_backend,
+                                                       "enforce_eager": args.enforce_eager})
+        name = f"profile_step_{args.preset}_b{b}{args.tag}.json"
+        with open(os.path.join(args.out, name), "w") as f:
             json.dump(r, f, indent=2)
         print(json.dumps({"batch": b, **r["median_ms"],
                           "gpu_busy_ms": r["gpu_kernels_one_step"].get("gpu_busy_ms")}), flush=True)
