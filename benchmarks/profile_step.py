@@ -21,6 +21,8 @@ import torch
 from benchmarks.w1_offline import environment
 from moeserve import LLM, SamplingParams
 
+MIXED_NEW, MIXED_ROUNDS = 64, 3  # W1 at 1,024: a group of 64 finishes, 64 new prompts come in
+
 
 def _sync() -> None:
     if torch.cuda.is_available():
@@ -28,7 +30,7 @@ def _sync() -> None:
 
 
 def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict) -> dict:
-    llm = LLM(preset, max_running_requests=batch, **engine_args)
+    llm = LLM(preset, max_running_requests=batch + MIXED_ROUNDS * MIXED_NEW, **engine_args)
     rng = random.Random(batch)
     vocab = llm.engine.model_config.vocab_size
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
@@ -38,7 +40,7 @@ def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict) ->
     while True:  # prefill everything
         out = sched.schedule()
         sched.update(out, engine.runner.execute(out))
-        if all(n == 1 for n in out.num_scheduled_tokens) and out.num_reqs == batch:
+        if all(n == 1 for n in out.num_scheduled_tokens) and out.num_reqs >= batch:
             break
     phases: dict[str, list[float]] = {"schedule": [], "execute": [], "update": [], "step": []}
     for _ in range(num_steps):
@@ -71,7 +73,8 @@ def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict) ->
         kernels = {"gpu_busy_ms": gpu_total,
                    "top": [{"name": e.key[:120], "ms": e.self_device_time_total / 1e3,
                             "calls": e.count} for e in top]}
-    result = {"preset": preset, "batch": batch, "num_steps": num_steps,
+    mixed = profile_mixed_steps(llm, rng, vocab, params)
+    result = {"preset": preset, "batch": batch, "num_steps": num_steps, "mixed_step": mixed,
               "median_ms": {k: statistics.median(v) for k, v in phases.items()},
               "graph_steps": engine.runner.num_graph_steps,
               "cuda_graph_fallbacks": engine.runner.num_eager_decode_fallbacks,
@@ -80,6 +83,42 @@ def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict) ->
     del llm
     torch.cuda.empty_cache()
     return result
+
+
+def profile_mixed_steps(llm: LLM, rng: random.Random, vocab: int,
+                        params: SamplingParams) -> dict:
+    """W1's other step: MIXED_NEW new prompts of 128 tokens beside the running decodes (eager).
+    Times MIXED_ROUNDS such steps (the first also compiles) and profiles the last one's host
+    and device time."""
+    walls = []
+    prof = None
+    for i in range(MIXED_ROUNDS):
+        for _ in range(MIXED_NEW):
+            llm.add_request([rng.randrange(vocab) for _ in range(128)], params)
+        _sync()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        last = i == MIXED_ROUNDS - 1
+        t0 = time.perf_counter()
+        if last:
+            with torch.profiler.profile(activities=activities) as prof:
+                llm.step()
+                _sync()
+        else:
+            llm.step()
+            _sync()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    events = list(prof.key_averages())
+    gpu = [e for e in events if e.self_device_time_total > 0]
+    cpu_top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
+    gpu_top = sorted(gpu, key=lambda e: -e.self_device_time_total)[:15]
+    return {"new_prompts": MIXED_NEW, "wall_ms": walls,
+            "gpu_busy_ms_last": sum(e.self_device_time_total for e in gpu) / 1e3,
+            "cpu_top": [{"name": e.key[:120], "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                         "calls": e.count} for e in cpu_top],
+            "gpu_top": [{"name": e.key[:120], "ms": e.self_device_time_total / 1e3,
+                         "calls": e.count} for e in gpu_top]}
 
 
 def main() -> None:
@@ -99,7 +138,9 @@ def main() -> None:
         name = f"profile_step_{args.preset}_b{b}{args.tag}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(r, f, indent=2)
-        print(json.dumps({"batch": b, **r["median_ms"],
+        print(json.dumps({"batch": b, "mixed_wall_ms": r["mixed_step"]["wall_ms"],
+                          "mixed_gpu_ms": r["mixed_step"]["gpu_busy_ms_last"],
+                          **r["median_ms"],
                           "gpu_busy_ms": r["gpu_kernels_one_step"].get("gpu_busy_ms")}), flush=True)
 
 

@@ -102,8 +102,9 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="overlap the CPU's planning of step N+1 with the device's step N")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None, help="overlap the CPU's planning of step N+1 with the "
+                        "device's step N (default: the engine's, on for CUDA)")
     parser.add_argument("--num-continuous-decode-steps", type=int, default=1)
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--out", default="benchmarks/results")

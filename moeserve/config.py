@@ -296,9 +296,10 @@ class EngineConfig:
     sync): /v1/engine and the doctor use it."""
     step_profile_every: int = 32
     """Time attention, MoE and the whole forward of every Nth step with CUDA events (0: off)."""
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     """Overlap scheduling: plan and launch step N+1 while the device runs step N (a stop then
-    applies one step late and the extra token is discarded)."""
+    applies one step late and the extra token is discarded). None (auto): on for CUDA unless
+    num_continuous_decode_steps > 1."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -314,7 +315,7 @@ class EngineConfig:
                 or self.cuda_graph_max_batch_size < 1):
             raise ConfigError(f"cuda_graph_max_batch_size must be 'auto' or an integer >= 1, "
                               f"got {self.cuda_graph_max_batch_size!r}")
-        if self.async_scheduling and self.scheduler.num_continuous_decode_steps > 1:
+        if self.async_scheduling is True and self.scheduler.num_continuous_decode_steps > 1:
             raise ConfigError("async_scheduling and num_continuous_decode_steps > 1 cannot be "
                               "combined yet: choose one")
 
@@ -354,6 +355,13 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
         why["attention_backend"] = ("Triton paged attention: CUDA-graph capturable" if on_cuda
                                     else "torch reference: Triton runs interpreted on CPU")
     sched = cfg.scheduler
+    overlap = cfg.async_scheduling
+    if overlap is None:
+        overlap = on_cuda and sched.num_continuous_decode_steps == 1
+        why["async_scheduling"] = (
+            "CPU: one step at a time" if not on_cuda else
+            "num_continuous_decode_steps > 1 runs its steps back to back" if not overlap else
+            "overlap the CPU's planning of step N+1 with the GPU's step N")
     if sched.max_model_len == "auto":
         sched = dataclasses.replace(sched, max_model_len=model.max_position_embeddings)
         why["max_model_len"] = "the model's max_position_embeddings"
@@ -362,7 +370,7 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
                           f"max_position_embeddings {model.max_position_embeddings}")
     new = dataclasses.replace(cfg, device=device, dtype=dtype, load_format=load_format,
                               moe_backend=moe, attention_backend=attn,
-                              scheduler=sched)
+                              async_scheduling=overlap, scheduler=sched)
     return new, why
 
 

@@ -75,7 +75,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not dataclasses.MISSING else None
         flag = "--" + name.replace("_", "-")
         help_text = f"{field_docs(cls).get(name, '')} (default: {default})"
-        if f.type == "bool":
+        if f.type in ("bool", "bool | None"):
             parser.add_argument(flag, dest=name, default=None,
                                 action=argparse.BooleanOptionalAction, help=help_text)
             continue
