@@ -283,6 +283,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     """"torch" (reference over the paged KV), "triton" or "auto" (triton on CUDA, torch on
     CPU)."""
+    moe_tune_budget_s: float = 240.0
+    """Seconds the start-up tune of the fused MoE may take when no tuned file exists for this
+    device and MoE shape (resumable: a later start goes on); 0 = never tune, default tiles."""
     enforce_eager: bool = False
     """Run every step eagerly: no CUDA graphs (debugging; decode then pays the host's launch
     cost for every kernel)."""
@@ -310,6 +313,8 @@ class EngineConfig:
         _check_choice("moe_backend", self.moe_backend, ("auto", "torch", "grouped_mm", "triton",
                                                         "measured"))
         _check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
+        if self.moe_tune_budget_s < 0:
+            raise ConfigError(f"moe_tune_budget_s must be >= 0, got {self.moe_tune_budget_s}")
         if self.cuda_graph_max_batch_size != "auto" and (
                 not isinstance(self.cuda_graph_max_batch_size, int)
                 or self.cuda_graph_max_batch_size < 1):

@@ -105,12 +105,17 @@ class EngineCore:
         if device.type != "cuda" or self.cfg.moe_backend not in ("triton", "measured") or \
                 not mc.num_experts:
             return ""
-        from moeserve.kernels.moe_configs import ensure_tuned
+        from moeserve.kernels.moe_configs import ensure_tuned, find_tuned
 
+        shape = (mc.num_experts, mc.hidden_size, mc.moe_intermediate_size)
+        if self.cfg.moe_tune_budget_s == 0:
+            found = find_tuned(*shape, self.runner.dtype, _device_name(device))
+            return ("not tuned at start-up (moe_tune_budget_s=0): "
+                    + (f"using {found[0]}" if found else "default tiles"))
         block = self.runner.model.moe_blocks()[0]
-        outcome = ensure_tuned(mc.num_experts, mc.hidden_size, mc.moe_intermediate_size,
-                               mc.num_experts_per_tok, self.runner.dtype,
+        outcome = ensure_tuned(*shape, mc.num_experts_per_tok, self.runner.dtype,
                                self.cfg.scheduler.max_num_batched_tokens,
+                               time_budget_s=self.cfg.moe_tune_budget_s,
                                weights=(block.w13, block.w2), device_name=_device_name(device))
         torch.cuda.empty_cache()
         return f"{outcome.detail} ({outcome.source}, {outcome.seconds:.1f}s)"

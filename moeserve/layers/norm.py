@@ -1,15 +1,23 @@
-"""RMSNorm, as Hugging Face's Qwen3 / Mixtral compute it.
+"""RMSNorm, as Hugging Face's Qwen3 / Mixtral compute it, optionally fused with the residual add.
 
-Order of operations (matches HF exactly, so bf16 results agree bit for bit):
+Order of operations (matches HF exactly, so bf16 results agree bit for bit on CPU):
     x32 = x.float();  y = x32 * rsqrt(mean(x32^2, -1) + eps);  out = weight * y.to(x.dtype)
 The normalisation runs in fp32; the cast back to the input dtype happens BEFORE the multiply by
 the weight, which runs in the weight's dtype (the model dtype).
+
+`forward(x, residual)` (vLLM's pattern) first forms s = residual + x in the model dtype, as HF's
+`hidden = residual + hidden`, and returns (norm(s), s): s is the next residual.
+
+On CUDA both run as one Triton kernel (kernels/rmsnorm_triton.py: the same ops, up to the order
+of the fp32 sum of squares); elsewhere the torch reference runs (bit for bit HF's ops).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from moeserve.kernels.rmsnorm_triton import rms_norm_ref, rms_norm_triton
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +30,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device),
                                    requires_grad=False)  # [dim]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [..., dim] -> out [..., dim]; with residual (x's shape and dtype) ->
+        (norm(residual + x), residual + x)."""
+        if x.is_cuda:
+            return rms_norm_triton(x, self.weight, self.eps, residual)
+        return rms_norm_ref(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

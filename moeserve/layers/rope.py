@@ -7,6 +7,9 @@
 
 The cos/sin table is computed once per (head_dim, max_position, theta, device) and shared by
 every layer (48 layers must not hold 48 copies of a 131k-position table).
+
+On CUDA, q and k are rotated in one Triton launch (kernels/rope_triton.py, bit for bit the same
+ops and roundings); elsewhere the torch reference runs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import functools
 
 import torch
 from torch import nn
+
+from moeserve.kernels.rope_triton import rope_ref, rope_triton
 
 
 @functools.lru_cache(maxsize=8)
@@ -25,11 +30,6 @@ def _cos_sin_table(head_dim: int, max_position: int, theta: float,
     freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
     return emb.cos().to(device), emb.sin().to(device)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -47,11 +47,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k
+        """q [T, H, D], k [T, KVH, D] (strided views allowed) -> new (q', k'), same shapes."""
+        if q.is_cuda:
+            return rope_triton(positions, q, k, self.cos, self.sin)
+        return rope_ref(positions, q, k, self.cos, self.sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}, theta={self.theta}"

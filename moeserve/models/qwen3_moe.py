@@ -5,6 +5,8 @@
         h = h + self_attn(positions, input_layernorm(h), meta)
         h = h + mlp(post_attention_layernorm(h))     mlp: SparseMoeBlock if
                                                       config.is_moe_layer(i), else dense MLP
+    computed as (hidden, residual) pairs: each residual add is fused into the norm after it
+    (norm(x, residual) -> (norm(residual + x), residual + x)), and into the final norm.
     compute_logits(hidden [N, hidden]) -> [N, V] fp32 (lm_head, or embed_tokens when tied)
 
 The families differ only in config: Qwen3 has q/k norm and no experts; Qwen3-MoE has q/k norm,
@@ -43,10 +45,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(h, config.intermediate_size, dtype, device)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # [T, hidden]
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (mlp output, residual before it), both [T, hidden]. The
+        residual adds are fused into the norms that follow them (vLLM's pattern): the stream HF
+        keeps is residual + hidden, with the same ops in the same dtype. residual None: layer 0."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual  # [T, hidden] each
 
 
 class Model(nn.Module):
@@ -64,9 +74,12 @@ class Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        residual = None
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, meta)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]  # [T, hidden]
 
 
 class CausalLM(nn.Module):

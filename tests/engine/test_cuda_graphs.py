@@ -45,6 +45,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]]
 def _graph_llm(folder: str, device: str, max_batch: int, **kw: object) -> LLM:
     if device == "cuda":
         kw.setdefault("mem_fraction", 0.1)
+        kw.setdefault("moe_tune_budget_s", 0)  # no start-up tune of the tiny MoE shape
     kw.setdefault("max_model_len", 64)  # the decode graphs' partitions span max_model_len
     # the graph path's metadata is what the Triton attention reads; the MoE backend only needs
     # to be capturable (fp32 grouped_mm syncs on CUDA; Triton's interpreter is slow on CPU)
