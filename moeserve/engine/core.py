@@ -81,8 +81,11 @@ class EngineCore:
         self.scheduler = Scheduler(sched_cfg, plan.num_blocks, plan.block_size,
                                    self.max_running_requests,
                                    self.cfg.cache.enable_prefix_caching)
+        with timed(phases, "warmup", device):
+            self.runner.warmup(_moe_token_counts(self.cfg, self.model_config))
         with timed(phases, "cuda_graphs", device):
             graphs_state = self._init_cuda_graphs(device, resolved)
+        self.runner.reset_counters()  # warm-up and capture are not served load
         self.report = CapacityReport(
             model=self.cfg.model, architecture=self.model_config.architecture,
             num_params=self.model_config.num_params(),
@@ -222,6 +225,15 @@ def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
                      "backend": c.backend if measured else "triton",
                      "tuned_tokens": c.tuned_tokens}
             for n, c in choices.items()}
+
+
+def _moe_token_counts(cfg: EngineConfig, mc: ModelConfig) -> list[int]:
+    """The token counts whose MoE kernels the warm-up compiles: those the tune covers."""
+    if not mc.num_experts:
+        return []
+    from moeserve.kernels.moe_configs import engine_token_counts
+
+    return engine_token_counts(cfg.scheduler.max_num_batched_tokens)
 
 
 def _device_name(device: torch.device) -> str:

@@ -85,6 +85,7 @@ class ModelRunner:
         num_blocks = num_tokens // self.block_size + 2
         plan = MemoryPlan(str(self.device), 0, 0, 0, 0, 0, 0, 0, num_blocks, self.block_size, "")
         self.bind_kv_caches(allocate_kv_caches(self.model_config, plan, self.dtype, self.device))
+        self.model.bind_expert_counters(None)  # the profile is not served load
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -113,6 +114,36 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.model.bind_kv_caches(kv_caches)
         self.model.bind_expert_counters(self.expert_counts if kv_caches else None)
+
+    @torch.inference_mode()
+    def warmup(self, moe_token_counts: list[int]) -> None:
+        """Compile the kernel variants serving will hit, before it starts (CUDA only): one MoE
+        block at each token count (each tuned count has its own tiles) and one mixed step
+        (a decode row beside a prefill row). It writes KV blocks 1-4, which are free; the
+        expert counters are reset afterwards."""
+        if self.device.type != "cuda" or not self.kv_caches:
+            return
+        blocks = self.model.moe_blocks()
+        if blocks:
+            hidden = self.model_config.hidden_size
+            gen = torch.Generator(device=self.device).manual_seed(0)
+            for n in moe_token_counts:
+                blocks[0](torch.randn(n, hidden, generator=gen, device=self.device,
+                                      dtype=self.dtype))
+        if self.kv_caches[0].shape[1] > 4:
+            self.execute(SchedulerOutput(
+                req_ids=["warmup-decode", "warmup-prefill"], num_scheduled_tokens=[1, 17],
+                num_computed_tokens=[16, 0], token_ids=[0] * 18, block_tables=[[1, 2], [3, 4]],
+                sample=[True, True], sampling_params=[SamplingParams()] * 2,
+                sample_seeds=[0, 0], num_output_tokens=[1, 0]))
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Zero the expert-load counters and the forward count (serving starts now)."""
+        if self.expert_counts is not None:
+            self.expert_counts.zero_()
+        self.num_forward_steps = 0
+        self._last = None
 
     def init_decode_graphs(self, max_batch: int, max_model_len: int,
                            capture: bool = True) -> str:
