@@ -64,11 +64,12 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         out [..., D] (dtype promote(weight, x)), or (out, s) with s = residual + x [..., D] in
         x's dtype: the next layer's residual. Both contiguous, new tensors.
     """
-    d = x.shape[-1]
     _check(x, weight, residual)
+    d = x.shape[-1]
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) \
-        if residual is not None else None
+    new_residual = None
+    if residual is not None:
+        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     x3 = _rows_view(x)  # [A, B, D]: row r = (r // B, r % B)
     r3 = _rows_view(residual) if residual is not None else x3
     num_rows = x3.shape[0] * x3.shape[1]
@@ -105,9 +106,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
         if not ok:
             raise ValueError(f"rms_norm_triton: {what}")
 
+    need(x.dim() >= 1 and 0 < x.shape[-1] <= MAX_DIM, f"last dimension must be in "
+         f"1..{MAX_DIM}, got shape {tuple(x.shape)}")
     d = x.shape[-1]
-    need(x.dim() >= 1 and 0 < d <= MAX_DIM, f"last dimension must be in 1..{MAX_DIM}, got "
-         f"shape {tuple(x.shape)}")
     need(weight.shape == (d,) and weight.is_contiguous(), f"weight must be contiguous [{d}], got "
          f"{tuple(weight.shape)}")
     need(x.is_floating_point() and weight.is_floating_point(), "x and weight must be floating")
