@@ -133,7 +133,29 @@ def get_moe_config(num_experts: int, hidden: int, inter: int, top_k: int, dtype:
         entry = table[nearest]
         return MoeConfigChoice({k: entry[k] for k in CONFIG_KEYS}, True, path,
                                entry["backend"], nearest)
-    return MoeConfigChoice(default_moe_config(num_experts, top_k, num_tokens), False, "default")
+    config = fit_shared_memory(default_moe_config(num_experts, top_k, num_tokens),
+                               torch.empty((), dtype=dtype).element_size())
+    return MoeConfigChoice(config, False, "default")
+
+
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes per block: under an H100/H200's 227 KiB, with room
+
+
+def fit_shared_memory(config: dict[str, int], elem_size: int) -> dict[str, int]:
+    """The default tiles are sized for 2-byte dtypes: for wider ones (fp32) drop pipeline
+    stages, then halve BLOCK_K, until the gated GEMM's tiles, (BLOCK_M + 2 BLOCK_N) x BLOCK_K
+    per stage, fit SHARED_MEMORY_BUDGET."""
+    config = dict(config)
+
+    def need() -> int:
+        return ((config["BLOCK_M"] + 2 * config["BLOCK_N"]) * config["BLOCK_K"] * elem_size
+                * config["num_stages"])
+
+    while need() > SHARED_MEMORY_BUDGET and config["num_stages"] > 2:
+        config["num_stages"] -= 1
+    while need() > SHARED_MEMORY_BUDGET and config["BLOCK_K"] > 16:
+        config["BLOCK_K"] //= 2
+    return config
 
 
 def find_tuned(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,

@@ -148,7 +148,8 @@ def test_measured_without_a_tune_is_triton_with_default_tiles(
         torch.testing.assert_close(out, moe_loop_ref(x, w13, w2, weights, ids),
                                    atol=1e-5, rtol=1e-5)
     assert [(b, n) for b, n, _ in spy.calls] == [("triton", 0), ("triton", 3), ("triton", 33)]
-    assert spy.calls[1][2] == moe_configs.default_moe_config(E, K, 3)
+    assert spy.calls[1][2] == moe_configs.fit_shared_memory(
+        moe_configs.default_moe_config(E, K, 3), x.element_size())
 
 
 def test_measured_picks_are_cached_per_shape_and_token_count(
@@ -364,3 +365,16 @@ def test_gpu_measured_in_a_cuda_graph_without_sync() -> None:
         torch.testing.assert_close(static, eager)  # bf16 defaults: the same kernels, replayed
         expected = moe_loop_ref(x.float(), w13.float(), w2.float(), weights, ids)
         torch.testing.assert_close(eager.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 64, 1024, 8192])
+def test_default_tiles_fit_shared_memory_in_every_dtype(dtype: torch.dtype,
+                                                        num_tokens: int) -> None:
+    """fp32 at a long prompt once asked for 240 KiB of shared memory (over the H200's 227)."""
+    from moeserve.kernels.moe_configs import SHARED_MEMORY_BUDGET, get_moe_config
+
+    c = get_moe_config(8, 64, 32, 2, dtype, num_tokens, "no such device").config
+    elem = torch.empty((), dtype=dtype).element_size()
+    need = (c["BLOCK_M"] + 2 * c["BLOCK_N"]) * c["BLOCK_K"] * elem * c["num_stages"]
+    assert need <= SHARED_MEMORY_BUDGET, c
