@@ -117,8 +117,11 @@ def vocab_size_of(engine: Any | None) -> tuple[int | None, str]:
 
 
 def git_commit() -> dict[str, Any]:
-    """{"commit", "dirty"} of the moeserve checkout; else $MOESERVE_GIT_COMMIT or a GIT_COMMIT
-    file next to the package; commit None when none of these exist."""
+    """{"commit", "dirty"}: $MOESERVE_GIT_COMMIT when set (it overrides a checkout, which on a
+    copied tree may be stale), else the moeserve checkout's, else a GIT_COMMIT file next to the
+    package; commit None when none of these exist."""
+    if envs.git_commit():
+        return {"commit": envs.git_commit(), "dirty": None}
     try:
         top = subprocess.run(["git", "-C", str(_PACKAGE_ROOT), "rev-parse", "--show-toplevel"],
                              capture_output=True, text=True, timeout=10)
@@ -132,8 +135,6 @@ def git_commit() -> dict[str, Any]:
                 return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
         pass
-    if envs.git_commit():
-        return {"commit": envs.git_commit(), "dirty": None}
     for f in (_PACKAGE_ROOT / "GIT_COMMIT", _PACKAGE_ROOT / "moeserve" / "GIT_COMMIT"):
         if f.is_file():
             return {"commit": f.read_text().strip(), "dirty": None}

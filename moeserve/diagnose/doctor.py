@@ -42,6 +42,7 @@ LOW_POWER_SHARE = 0.5
 LOW_UTIL_PCT = 50.0
 BUSY_CPU = 0.9  # a process at this share of one core is saturated (Python is one thread)
 STEP_OVER_GPU = 1.5
+EAGER_SHARE_HIGH = 0.2  # graphs on, yet this share of steps ran eagerly: mixed steps dominate
 ROOFLINE_TARGET = 0.6  # DESIGN.md: the target is 60% of the ceiling
 
 
@@ -263,6 +264,11 @@ def cpu_bound_step(run: dict[str, Any]) -> Verdict | None:
     async_on = bool(figures.engine_config(run).get("async_scheduling"))
     knob = ("CUDA graphs and --num-continuous-decode-steps (less Python per token)" if async_on
             else "--async-scheduling (plan step N+1 while the GPU runs step N), CUDA graphs")
+    eager = _eager_step_share(run)
+    if eager is not None and eager >= EAGER_SHARE_HIGH:
+        knob = (f"{eager:.0%} of steps ran eagerly (a step that mixes prefill with decode has no "
+                "CUDA graph and pays the host's kernel launches): fewer, larger prefill batches "
+                "(--max-num-batched-tokens), or --num-continuous-decode-steps")
     _, step = figures.engine_series(run, "step_seconds")
     _, gpu_step = figures.engine_series(run, "gpu_step_seconds")
     step_m, gpu_m = figures.mean(step), figures.mean(gpu_step)
@@ -283,6 +289,18 @@ def cpu_bound_step(run: dict[str, Any]) -> Verdict | None:
                    "running", knob,
                    {"engine_cpu_fraction": _r(max(engine)), "gpu_util_pct": _r(util, 1),
                     "mean_running": _r(w.mean_running, 1), "async_scheduling": async_on})
+
+
+def _eager_step_share(run: dict[str, Any]) -> float | None:
+    """Share of the run's engine steps that replayed no CUDA graph (stats num_steps and
+    num_graph_steps, cumulative); None when the engine does not report graph steps."""
+    _, steps = figures.engine_series(run, "num_steps", in_run=False)
+    _, graphed = figures.engine_series(run, "num_graph_steps", in_run=False)
+    pairs = [(a, b) for a, b in zip(steps, graphed) if a is not None and b is not None]
+    if len(pairs) < 2 or pairs[-1][0] <= pairs[0][0]:
+        return None
+    d_steps, d_graph = pairs[-1][0] - pairs[0][0], pairs[-1][1] - pairs[0][1]
+    return max(0.0, 1.0 - d_graph / d_steps)
 
 
 def roofline_rule(run: dict[str, Any]) -> Verdict | None:

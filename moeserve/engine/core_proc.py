@@ -137,12 +137,16 @@ class _EngineLoop:
             self.running = False
 
     def _expert_load(self) -> dict | None:
-        """The device counters: read (one host sync) at most once a second while the engine is
-        busy, however often the API side asks; always fresh when it is idle."""
+        """The device counters: while the engine is busy, at most once a second and without a
+        host sync (an asynchronous copy, read one request later: a sync would stall the overlap
+        of CPU and GPU); fresh (synchronous) when it is idle."""
         now = time.monotonic()
         idle = not self.core.has_unfinished_requests()
         if idle or now - self.expert_load_time >= _EXPERT_LOAD_PERIOD_S:
-            self.expert_load, self.expert_load_time = self.core.runner.expert_load(), now
+            runner = self.core.runner
+            load = runner.expert_load() if idle else runner.expert_load_async()
+            self.expert_load = load if load is not None else self.expert_load
+            self.expert_load_time = now
         return self.expert_load
 
     def _ready(self) -> p.Ready:

@@ -42,6 +42,8 @@ class ModelRunner:
         self._last: tuple[PendingOutput, dict[str, int]] | None = None  # the latest launch
         self.graphs: DecodeGraphs | None = None
         self.num_eager_decode_fallbacks = 0  # decode batches run without a graph (CUDA only)
+        self._load_copy: tuple[torch.Tensor, torch.cuda.Event, int] | None = None
+        self._load_snapshot: dict | None = None
         self.num_graph_steps = 0
         self._init_model(weights_folder)
 
@@ -72,6 +74,24 @@ class ModelRunner:
             return None
         return {"num_steps": self.num_forward_steps,
                 "tokens_per_expert": self.expert_counts.tolist()}
+
+    def expert_load_async(self) -> dict | None:
+        """`expert_load` without a host sync (for a busy engine): starts a copy of the counters
+        to pinned host memory and returns the latest copy that has completed, one call stale;
+        None until the first completes. On CPU it is `expert_load`."""
+        if self.expert_counts is None or self.device.type != "cuda":
+            return self.expert_load()
+        if self._load_copy is not None:
+            host, event, steps = self._load_copy
+            if not event.query():
+                return self._load_snapshot  # the copy is still queued behind running steps
+            self._load_snapshot = {"num_steps": steps, "tokens_per_expert": host.tolist()}
+        host = torch.empty(self.expert_counts.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(self.expert_counts, non_blocking=True)  # after every step launched so far
+        event = torch.cuda.Event()
+        event.record()
+        self._load_copy = (host, event, self.num_forward_steps)
+        return self._load_snapshot
 
     # ---- memory --------------------------------------------------------------------------
 
@@ -143,6 +163,7 @@ class ModelRunner:
         if self.expert_counts is not None:
             self.expert_counts.zero_()
         self.num_forward_steps = 0
+        self._load_copy = self._load_snapshot = None
         self._last = None
 
     def init_decode_graphs(self, max_batch: int, max_model_len: int,

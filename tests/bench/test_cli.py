@@ -222,3 +222,9 @@ def test_moeserve_engine_without_vocab_uses_its_preset(fake_server: FakeServer, 
     assert run["server"]["vocab_size"] == 512
     assert run["server"]["vocab_source"] == "preset tiny-moe"
     assert not any("vocab" in w or "engine" in w for w in run["warnings"])  # info, not a warning
+
+
+def test_git_commit_env_overrides_a_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copied tree (the GPU machine) can carry a stale .git: the explicit variable wins."""
+    monkeypatch.setenv("MOESERVE_GIT_COMMIT", "feed42")
+    assert git_commit() == {"commit": "feed42", "dirty": None}

@@ -141,6 +141,19 @@ def test_cpu_bound_step_loop() -> None:
     assert v.evidence == {"step_ms": 25.0, "gpu_step_ms": 10.0, "async_scheduling": True}
 
 
+def test_cpu_bound_step_names_eager_mixed_steps() -> None:
+    """Graphs on, but most steps replayed none: the knob names the eager (mixed) steps."""
+    base = make_run(stats_extra={"gpu_step_seconds": [0.010] * 82})
+    steps = base["diagnostics"]["engine_timeline"]["stats"]["num_steps"]
+    graphed = [0.25 * s for s in steps]  # a quarter of the steps replayed a graph
+    run = make_run(stats_extra={"gpu_step_seconds": [0.010] * 82, "num_graph_steps": graphed})
+    v = _fired(run)["cpu_bound_step"]
+    assert "75% of steps ran eagerly" in v.knob
+    all_graphed = make_run(stats_extra={"gpu_step_seconds": [0.010] * 82,
+                                        "num_graph_steps": list(steps)})
+    assert "ran eagerly" not in _fired(all_graphed)["cpu_bound_step"].knob
+
+
 def test_roofline_memory_bound_far_from_the_bound() -> None:
     fired = _fired(make_run(step_ms=60))
     assert set(fired) == {"roofline"}

@@ -3,6 +3,7 @@ made independently from each MoE block's router inputs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -42,3 +43,15 @@ def test_counting_can_be_turned_off() -> None:
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     assert llm.engine.runner.expert_load() is None
     assert all(b.expert_counts is None for b in llm.engine.runner.model.moe_blocks())
+
+
+@pytest.mark.gpu
+def test_async_read_catches_up_with_the_synchronous_one() -> None:
+    """The busy engine's read (`expert_load_async`, no host sync) returns a completed copy."""
+    llm = LLM("tiny-moe", device="cuda", dtype="float32", mem_fraction=0.1,
+              moe_backend="grouped_mm", attention_backend="torch")
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))
+    runner = llm.engine.runner
+    assert runner.expert_load_async() is None  # the first copy has only been started
+    torch.cuda.synchronize()
+    assert runner.expert_load_async() == runner.expert_load()
