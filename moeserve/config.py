@@ -240,6 +240,11 @@ class SchedulerConfig:
     """Share of KV blocks kept free when admitting a new request."""
     num_continuous_decode_steps: int = 1
     """Decode steps run back to back when a step is decode-only (fewer scheduling rounds)."""
+    prefill_batch_delay_steps: int = 0
+    """Decode-only steps (CUDA-graph replays) the scheduler may run while new requests wait, to
+    gather them into one prefill step: a step mixing prefill with decode runs eagerly. Waiting
+    requests are admitted once this many steps have held them, or at once when their tokens fill
+    the step's budget or nothing is running. 0: admit at once."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -255,6 +260,9 @@ class SchedulerConfig:
                               f"got {self.max_model_len!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.prefill_batch_delay_steps < 0:
+            raise ConfigError(f"prefill_batch_delay_steps must be >= 0, "
+                              f"got {self.prefill_batch_delay_steps}")
         if self.num_continuous_decode_steps < 1:
             raise ConfigError(f"num_continuous_decode_steps must be >= 1, "
                               f"got {self.num_continuous_decode_steps}")

@@ -267,8 +267,8 @@ def cpu_bound_step(run: dict[str, Any]) -> Verdict | None:
     eager = _eager_step_share(run)
     if eager is not None and eager >= EAGER_SHARE_HIGH:
         knob = (f"{eager:.0%} of steps ran eagerly (a step that mixes prefill with decode has no "
-                "CUDA graph and pays the host's kernel launches): fewer, larger prefill batches "
-                "(--max-num-batched-tokens), or --num-continuous-decode-steps")
+                "CUDA graph and pays the host's kernel launches): gather new prompts into fewer "
+                "prefill steps (--prefill-batch-delay-steps), or --num-continuous-decode-steps")
     _, step = figures.engine_series(run, "step_seconds")
     _, gpu_step = figures.engine_series(run, "gpu_step_seconds")
     step_m, gpu_m = figures.mean(step), figures.mean(gpu_step)

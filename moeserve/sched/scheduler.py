@@ -10,7 +10,9 @@ one chunk per step, so prefill, chunked prefill, prefix-cache hits and decode ar
                    front of the waiting queue) and retry.
                 2. WAITING requests in FIFO order (none if step 1 preempted): prefix-cache lookup,
                    admit while the running cap, the budget and the free blocks (+ watermark) allow;
-                   stop at the first that does not fit (no overtaking).
+                   stop at the first that does not fit (no overtaking). With
+                   prefill_batch_delay_steps > 0, admission may be held for that many steps
+                   while requests decode, so new prompts share one (eager) prefill step.
                 3. num_continuous_decode_steps > 1 and a decode-only plan: extend it to run
                    several tokens back to back, if every row can take them and blocks allow.
                 -> SchedulerOutput; num_computed_tokens advances now, optimistically.
@@ -73,6 +75,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_req_ids: list[str] = []  # freed since the last schedule()
+        self._held_steps = 0  # steps admission has been held (prefill_batch_delay_steps)
         self._check_config(num_blocks, block_size)
 
     def _check_config(self, num_blocks: int, block_size: int) -> None:
@@ -135,7 +138,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted_req_ids:
+        if not out.preempted_req_ids and not self._hold_admission(out, budget):
             self._schedule_waiting(out, budget)
             if self.config.num_continuous_decode_steps > 1 and out.req_ids:
                 self._extend_decode_steps(out)
@@ -187,6 +190,28 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted_req_ids.append(req.request_id)
+
+    def _hold_admission(self, out: SchedulerOutput, budget: int) -> bool:
+        """prefill_batch_delay_steps: hold the waiting queue for one more decode-only step? Not
+        once held long enough, nor when nothing runs, nor when the step already prefills, nor
+        when the waiting prompts (or the free running slots) would fill the step anyway."""
+        delay = self.config.prefill_batch_delay_steps
+        if (not delay or not self.waiting or not self.running or self._held_steps >= delay
+                or any(n > 1 for n in out.num_scheduled_tokens)):
+            self._held_steps = 0
+            return False
+        free_slots = self.max_running_requests - len(self.running)
+        if len(self.waiting) >= free_slots:
+            self._held_steps = 0
+            return False
+        waiting_tokens = 0
+        for req in self.waiting:
+            waiting_tokens += req.num_tokens - req.num_computed_tokens
+            if waiting_tokens >= budget:
+                self._held_steps = 0
+                return False
+        self._held_steps += 1
+        return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit WAITING requests in FIFO order while they fit; stop at the first that does not."""

@@ -197,3 +197,20 @@ def test_continuous_decode_steps_with_stops_and_preemption(device: str, checkpoi
     assert multi_llm.engine.runner.num_forward_steps > stats.num_scheduled_steps
     assert stats.num_preemptions > 0
     multi_llm.engine.scheduler.check_integrity()
+
+
+def test_prefill_batching_matches_hf(device: str, checkpoints: dict) -> None:
+    """prefill_batch_delay_steps holds new prompts behind running decodes; tokens are unchanged."""
+    folder, prompts, expected = checkpoints["qwen3_moe"]
+    llm = _llm(folder, device, prefill_batch_delay_steps=3)
+    ids = []
+    for p in prompts:  # a new request every step, beside running decodes
+        ids.append(llm.add_request(p, GREEDY))
+        llm.step()
+    sched = llm.engine.scheduler
+    assert (sched.num_running, sched.num_waiting) == (1, 3)  # held for 3 decode-only steps
+    llm.step()
+    assert (sched.num_running, sched.num_waiting) == (4, 0)  # then admitted together
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert [llm.result(i).token_ids for i in ids] == expected

@@ -8,6 +8,7 @@ for a reason its tokens justify, and all blocks are free again.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 
@@ -82,11 +83,11 @@ ops = st.lists(st.one_of(arrive, arrive, arrive, st.tuples(st.just("step"), st.i
        budget=st.sampled_from([3, 8, 32]), max_running=st.sampled_from([1, 2, 4, 8]),
        prefix_caching=st.booleans(), chunked=st.booleans(), watermark=st.sampled_from([0, 0.1]),
        overlap=st.booleans(), eos_prob=st.sampled_from([0.0, 0.2]), ops=ops,
-       rng=st.randoms(use_true_random=False))
+       delay=st.sampled_from([0, 0, 3]), rng=st.randoms(use_true_random=False))
 def test_random_sequences_keep_integrity_and_finish(
         block_size: int, extra_blocks: int, budget: int, max_running: int,
         prefix_caching: bool, chunked: bool, watermark: float, overlap: bool, eos_prob: float,
-        ops: list[tuple], rng: random.Random) -> None:
+        ops: list[tuple], delay: int, rng: random.Random) -> None:
     max_model_len = 24
     if not chunked:
         budget = max(budget, max_model_len)
@@ -95,6 +96,7 @@ def test_random_sequences_keep_integrity_and_finish(
                            max_num_batched_tokens=budget, max_running_requests=max_running,
                            enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked,
                            watermark=watermark, max_model_len=max_model_len)
+    sched.config = dataclasses.replace(sched.config, prefill_batch_delay_steps=delay)
     h = Harness(sched, FakeRunner(block_size, random_sampler(rng, 7, eos_prob)), overlap)
     for op in ops:
         if op[0] == "arrive":
