@@ -13,7 +13,7 @@ Backends: grouped_mm; triton_default (in-code default tiles); triton (tiles look
 file if one is found); measured (per token count the backend the tune measured faster, the
 engine's "measured"); triton_atomic / triton_torch_align (looked-up tiles, other combine/sort).
 
---tune first runs the engine's tune (`moe_configs.tune_for_engine`: the quick grid at 1, 2, 4,
+--tune first runs the engine's tune (`moe_tune.tune_for_engine`: the quick grid at 1, 2, 4,
 ..., 8192 tokens, capped by --max-batched-tokens; grouped_mm timed at each with the same timer;
 resumable: rerun after a kill) into DIR/configs/<name>.json, named for
 moeserve/kernels/configs/moe/ (copy it there to commit it), and points the lookup at it.
@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.w1_offline import environment
-from moeserve.kernels import moe_configs
+from moeserve.kernels import moe_configs, moe_tune
 from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
 from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe_measured import moe_measured
@@ -75,7 +75,7 @@ def router_logits(kind: str, num_tokens: int, num_experts: int, seed: int) -> to
 
 def time_in_graph(fn: Callable[[], torch.Tensor], calls: int = 10, replays: int = 10) -> float:
     """Median ms per call of `fn`, `calls` of them captured in one CUDA graph: the tuner's timer."""
-    return moe_configs.time_in_graph(fn, calls, replays)
+    return moe_tune.time_in_graph(fn, calls, replays)
 
 
 def check_backends(backends: dict[str, MoeFn], w13: torch.Tensor, w2: torch.Tensor,
@@ -149,15 +149,15 @@ def run_tune(args: argparse.Namespace, shape: tuple[int, int, int, int],
     config_dir = os.path.join(args.out, "configs")
     path = os.path.join(config_dir, name)
     counts = args.tune_tokens or moe_configs.engine_token_counts(args.max_batched_tokens)
-    grid = moe_configs.moe_tune_candidates if args.tune_full else moe_configs.quick_moe_candidates
+    grid = moe_tune.moe_tune_candidates if args.tune_full else moe_tune.quick_moe_candidates
     candidates = [grid(num_experts, top_k, n) for n in counts]
-    distinct = {moe_configs.candidate_key(c) for cs in candidates for c in cs}
+    distinct = {moe_tune.candidate_key(c) for cs in candidates for c in cs}
     print(f"tune: {len(counts)} token counts {counts}, {sum(map(len, candidates))} candidates "
           f"({len(distinct)} distinct configs), estimated "
-          f"~{moe_configs.estimate_tune_seconds(candidates):.0f} s with a cold Triton cache "
+          f"~{moe_tune.estimate_tune_seconds(candidates):.0f} s with a cold Triton cache "
           f"(budget {args.time_budget} s)", flush=True)
     t0 = time.perf_counter()
-    best = moe_configs.tune_for_engine(num_experts, hidden, inter, top_k, DTYPE, path,
+    best = moe_tune.tune_for_engine(num_experts, hidden, inter, top_k, DTYPE, path,
                                        token_counts=counts, time_budget_s=args.time_budget,
                                        full_grid=args.tune_full, weights=weights)
     if os.path.exists(path):  # a copy under a plain name: the GPU machine's transfer refuses

@@ -108,7 +108,8 @@ class EngineCore:
         if device.type != "cuda" or self.cfg.moe_backend not in ("triton", "measured") or \
                 not mc.num_experts:
             return ""
-        from moeserve.kernels.moe_configs import ensure_tuned, find_tuned
+        from moeserve.kernels.moe_configs import find_tuned
+        from moeserve.kernels.moe_tune import ensure_tuned
 
         shape = (mc.num_experts, mc.hidden_size, mc.moe_intermediate_size)
         if self.cfg.moe_tune_budget_s == 0:

@@ -1,6 +1,6 @@
 """The "measured" MoE backend: per token count, the backend the tune measured faster there.
 
-Owns `moe_measured` (same contract as `moe_loop_ref`). The tuner (`moe_configs.tune_moe`) times
+Owns `moe_measured` (same contract as `moe_loop_ref`). The tuner (`moe_tune.tune_moe`) times
 the best Triton tile config and torch._grouped_mm at each tuned token count and records the
 faster as the entry's "backend". Each call here takes the entry whose token count is nearest
 x.shape[0] (ties: the smaller; `moe_configs.get_moe_config`) and runs

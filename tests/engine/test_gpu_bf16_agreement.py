@@ -286,8 +286,9 @@ def test_next_token_logits_line_up_with_greedy(tiny_model: CausalLM) -> None:
 # ---- GPU: bf16 at the real per-layer shapes ------------------------------------------------
 
 def _require_cuda() -> None:
+    """These tests are marked gpu (deselected on CPU): run without CUDA, they fail loudly."""
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+        pytest.fail("a gpu-marked test ran without a CUDA device")
 
 
 def _mid_hf_config() -> dict:

@@ -15,20 +15,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moeserve.kernels import moe_configs, moe_measured
+from moeserve.kernels import moe_configs, moe_measured, moe_tune
 from moeserve.kernels.moe_configs import (
-    candidate_key,
     config_file_name,
     engine_token_counts,
-    ensure_tuned,
     find_tuned,
     get_moe_config,
     nearest_token_count,
+)
+from moeserve.kernels.moe_ref import moe_loop_ref
+from moeserve.kernels.moe_tune import (
+    candidate_key,
+    ensure_tuned,
     quick_moe_candidates,
     tune_for_engine,
     tune_moe,
 )
-from moeserve.kernels.moe_ref import moe_loop_ref
 from moeserve.kernels.routing import select_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -223,7 +225,7 @@ def test_tune_records_both_timings_and_the_pick_and_round_trips(tmp_path: Path) 
 def test_tune_stops_at_the_time_budget_and_resumes(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr(moe_configs, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(moe_tune, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     calls, timer, baseline = fake_timers({1: 9.0, 2: 9.0, 4: 9.0})
 
     def slow_timer(config: dict, num_tokens: int) -> float:
@@ -270,7 +272,7 @@ def test_quick_grid_is_small_fits_and_compiles_few_configs(num_experts: int,
     assert {c["BLOCK_M"] for c in grids[0]} == {16}  # decode: one block per expert
     assert {c["BLOCK_M"] for c in grids[-1]} == {64, 128}
     # the whole qwen3-30b-a3b tune's prior estimate stays well within ensure_tuned's budget
-    assert moe_configs.estimate_tune_seconds(grids) < moe_configs.DEFAULT_TUNE_BUDGET_S / 2
+    assert moe_tune.estimate_tune_seconds(grids) < moe_tune.DEFAULT_TUNE_BUDGET_S / 2
 
 
 # ---------------------------------------------------------------- ensure_tuned

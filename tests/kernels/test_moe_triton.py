@@ -16,21 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.kernels import moe_configs
+from moeserve.kernels import moe_configs, moe_tune
 from moeserve.kernels.moe_align import (
     moe_align_block_size,
     moe_align_block_size_ref,
     moe_align_block_size_triton,
     moe_align_size,
 )
-from moeserve.kernels.moe_configs import (
-    candidate_key,
-    config_file_name,
-    get_moe_config,
-    tune_moe,
-)
+from moeserve.kernels.moe_configs import config_file_name, get_moe_config
 from moeserve.kernels.moe_ref import moe_loop_ref
 from moeserve.kernels.moe_triton import moe_triton
+from moeserve.kernels.moe_tune import candidate_key, tune_moe
 from moeserve.kernels.routing import select_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -248,6 +244,7 @@ def test_launcher_rejects_bad_inputs() -> None:
 def test_importing_without_triton_works() -> None:
     code = ("import sys; sys.modules['triton'] = None; "  # `import triton` now fails
             "import moeserve.kernels.moe_triton, moeserve.kernels.moe_configs, "
+            "moeserve.kernels.moe_tune, "
             "moeserve.kernels.moe_align; print('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "ok", result.stderr
@@ -334,10 +331,10 @@ def test_tune_fails_clearly_when_every_candidate_fails(tmp_path: Path) -> None:
 
 def test_tune_grid_is_modest_and_fits_tokens_per_expert() -> None:
     for num_tokens in (64, 256, 1024, 2048):
-        grid = moe_configs.moe_tune_candidates(128, 8, num_tokens)
+        grid = moe_tune.moe_tune_candidates(128, 8, num_tokens)
         assert 20 <= len(grid) <= 150
         assert len({candidate_key(c) for c in grid}) == len(grid)
-    assert {c["BLOCK_M"] for c in moe_configs.moe_tune_candidates(128, 8, 64)} == {16}
+    assert {c["BLOCK_M"] for c in moe_tune.moe_tune_candidates(128, 8, 64)} == {16}
 
 
 # ---------------------------------------------------------------- GPU (bf16, compiled)
