@@ -14,7 +14,7 @@ Layout, for B requests (rows) and T = sum(query_lens) tokens in the step:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ class AttentionMetadata:
     query_lens_np: np.ndarray  # [B] int64
     seq_lens_np: np.ndarray  # [B] int64
     token_to_req_np: np.ndarray  # [T] int64
+    # per-step tensors a backend derives from the above, built by its first layer and reused by
+    # the others (one host-to-device copy per step, not one per layer)
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -74,10 +77,7 @@ def build_attention_metadata(num_computed_tokens: list[int], num_scheduled_token
     slot_mapping = block_of_token * block_size + positions % block_size
 
     def put(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        if torch.device(device).type == "cuda":
-            return t.pin_memory().to(device, non_blocking=True)
-        return t
+        return to_device(a, device)
 
     return AttentionMetadata(
         positions=put(positions),
@@ -93,3 +93,12 @@ def build_attention_metadata(num_computed_tokens: list[int], num_scheduled_token
         seq_lens_np=seq_lens,
         token_to_req_np=token_to_req,
     )
+
+
+def to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A host array on `device` without a stream sync: through pinned memory on CUDA (a copy
+    from pageable memory makes CUDA wait for the stream's queued work first)."""
+    t = torch.from_numpy(a)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.attention_metadata import AttentionMetadata
+from moeserve.kernels.attention_metadata import AttentionMetadata, to_device
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -103,7 +103,7 @@ def _attend_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
     tok = cu[rows][row_of_tok] + offset  # [n_tok] index into q
     # one host-to-device copy for every index this group needs
     host = np.concatenate([rows, seq_lens, seq_lens - q_lens, tok, row_of_tok, offset])
-    dev = torch.from_numpy(host).to(q.device, non_blocking=True)
+    dev = to_device(host, q.device)
     rows_t, seq_t, start_t = dev[:3 * num_rows].view(3, num_rows)  # [n] each
     tok_t, row_t, off_t = dev[3 * num_rows:].view(3, num_tok)  # [n_tok] each
 

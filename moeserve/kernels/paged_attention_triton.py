@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeserve.kernels.attention_metadata import AttentionMetadata
+from moeserve.kernels.attention_metadata import AttentionMetadata, to_device
 
 SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -111,24 +111,32 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
         _launch_decode(q, kv_cache, meta, scale, out, None, meta.num_reqs, meta.max_seq_len,
                        decode_splits, decode_config)
         return out
-    decode_rows = np.flatnonzero(is_decode)  # [Bd]
-    prefill_rows = np.flatnonzero(~is_decode)  # [Bp]
     prefill_cfg = prefill_config or default_config("prefill", q.shape[2], q.dtype)
     block_q = _prefill_block_q(prefill_cfg, q.shape[1] // kv_cache.shape[3])
+    key = ("paged_attention_triton", block_q, q.device)
+    if key not in meta.derived:  # the step's first layer: later layers reuse it
+        meta.derived[key] = _split_rows(meta, is_decode, block_q, q.device)
+    dev, num_decode, num_tiles, max_seq = meta.derived[key]
+    if num_decode:
+        _launch_decode(q, kv_cache, meta, scale, out, dev[:num_decode], num_decode, max_seq,
+                       decode_splits, decode_config)
+    _launch_prefill(q, kv_cache, meta, scale, out, dev[num_decode:], num_tiles, prefill_cfg)
+    return out
+
+
+def _split_rows(meta: AttentionMetadata, is_decode: np.ndarray, block_q: int,
+                device: torch.device) -> tuple[torch.Tensor, int, int, int]:
+    """A mixed step's rows: (device int32 [decode rows | tile rows | tile indices], number of
+    decode rows, number of prefill query tiles, longest decode context), in one copy."""
+    decode_rows = np.flatnonzero(is_decode)  # [Bd]
+    prefill_rows = np.flatnonzero(~is_decode)  # [Bp]
     tiles_per_row = -(-meta.query_lens_np[prefill_rows] // block_q)  # [Bp]
     tile_req = np.repeat(prefill_rows, tiles_per_row)  # [n_tiles] row of each query tile
     first_tile = np.cumsum(tiles_per_row) - tiles_per_row  # [Bp]
     tile_idx = np.arange(len(tile_req)) - np.repeat(first_tile, tiles_per_row)  # [n_tiles]
-    # one host-to-device copy for every index of the step
     host = np.concatenate([decode_rows, tile_req, tile_idx]).astype(np.int32)
-    dev = torch.from_numpy(host).to(q.device, non_blocking=True)
-    num_decode = len(decode_rows)
-    if num_decode:
-        max_seq = int(meta.seq_lens_np[decode_rows].max())
-        _launch_decode(q, kv_cache, meta, scale, out, dev[:num_decode], num_decode, max_seq,
-                       decode_splits, decode_config)
-    _launch_prefill(q, kv_cache, meta, scale, out, dev[num_decode:], len(tile_req), prefill_cfg)
-    return out
+    max_seq = int(meta.seq_lens_np[decode_rows].max()) if len(decode_rows) else 0
+    return to_device(host, device), len(decode_rows), len(tile_req), max_seq
 
 
 def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -65,6 +65,8 @@ class SamplingTensors:
                                [p.min_p for p in params]], dtype=torch.float32)  # [3, B]
         ints = torch.tensor([[max(p.top_k, 0) for p in params], [_wrap_int64(s) for s in seeds],
                              list(positions)], dtype=torch.int64)  # [3, B]
+        if torch.device(device).type == "cuda":  # pinned: a pageable copy syncs the stream
+            floats, ints = floats.pin_memory(), ints.pin_memory()
         floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(

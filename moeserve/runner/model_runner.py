@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from moeserve.config import EngineConfig, ModelConfig
-from moeserve.kernels.attention_metadata import build_attention_metadata
+from moeserve.kernels.attention_metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_moe_backend
 from moeserve.layers.sampler import SamplingTensors, sample
 from moeserve.models import build_model
@@ -311,10 +311,7 @@ class ModelRunner:
         return prev.token_ids[self._to_device(src)]
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return to_device(a, self.device)
 
 
 class PendingOutput:

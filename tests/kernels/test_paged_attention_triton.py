@@ -126,6 +126,18 @@ def test_mixed_batch(group: int, dtype: torch.dtype) -> None:
     check(make_step(*MIXED, block_size=16, group=group, dtype=dtype))
 
 
+def test_mixed_step_rows_are_split_once_per_step() -> None:
+    """Every layer of a step shares its metadata: the row split (a host-to-device copy) is made
+    by the first call and reused by the others, with the same result."""
+    step = make_step(*MIXED, block_size=16)
+    first = check(step)
+    assert len(step.meta.derived) == 1
+    cached = next(iter(step.meta.derived.values()))
+    second = check(step)
+    assert next(iter(step.meta.derived.values())) is cached
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize(("block_size", "head_dim", "group"), [(32, 32, 3), (8, 64, 8)])
 def test_other_block_sizes_head_dims_and_groups(block_size: int, head_dim: int,
                                                 group: int) -> None:
