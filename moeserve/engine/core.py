@@ -33,6 +33,7 @@ from moeserve.config import (
     resolve_static,
 )
 from moeserve.engine.validate import validate_request
+from moeserve.gc_tuning import freeze_heap
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.kv_cache import allocate_kv_caches, plan_memory
 from moeserve.runner.model_runner import ModelRunner, PendingOutput, timed
@@ -100,6 +101,7 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.cfg.seed)
+        freeze_heap()  # the model, the pool, the graphs: kept out of the step loop's GC passes
 
     def _ensure_moe_tuned(self, device: torch.device) -> str:
         """Tiles and backend picks for this MoE shape: committed, cached, or tuned now (once per

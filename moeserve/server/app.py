@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from moeserve.gc_tuning import freeze_heap
 from moeserve.server.errors import APIError
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.serve_chat import create_chat_completion
@@ -72,6 +73,7 @@ def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        freeze_heap()  # what start-up built lives as long as the process: keep GC off it
         yield
         await shutdown_engine(app)
 
