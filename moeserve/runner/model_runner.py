@@ -194,7 +194,7 @@ class ModelRunner:
         Overlap scheduling: a token id of -1 in the plan is the token the previous launch is
         sampling for the same request; it is taken from that launch's device tensor, so step
         N+1 can be enqueued before step N's tokens reach the host."""
-        is_decode = all(n == 1 for n in out.num_scheduled_tokens)
+        is_decode = out.num_reqs > 0 and all(n == 1 for n in out.num_scheduled_tokens)
         bucket = self.graphs.bucket(out.num_reqs) if self.graphs and is_decode else None
         if bucket is None and is_decode and self.device.type == "cuda":
             self.num_eager_decode_fallbacks += 1
