@@ -272,12 +272,19 @@ def cpu_bound_step(run: dict[str, Any]) -> Verdict | None:
     _, step = figures.engine_series(run, "step_seconds")
     _, gpu_step = figures.engine_series(run, "gpu_step_seconds")
     step_m, gpu_m = figures.mean(step), figures.mean(gpu_step)
+    loop_m = figures.mean(figures.engine_series(run, "loop_seconds")[1])
     if step_m and gpu_m and step_m > STEP_OVER_GPU * gpu_m:
+        ev = {"step_ms": _r(step_m * 1e3), "gpu_step_ms": _r(gpu_m * 1e3),
+              "async_scheduling": async_on}
+        where = ""
+        if loop_m:  # the engine reports its loop: intake and outputs beside the step
+            ev |= {f"{k}_ms": _r(figures.mean(figures.engine_series(run, f"{k}_seconds")[1])
+                                 * 1e3) for k in ("loop", "intake", "send")}
+            where = (f"; the whole loop iteration {ev['loop_ms']} ms (intake {ev['intake_ms']}, "
+                     f"outputs {ev['send_ms']})")
         return Verdict("cpu_bound_step", "critical",
                        f"CPU-bound step loop: a step takes {step_m * 1e3:.2f} ms, its GPU work "
-                       f"{gpu_m * 1e3:.2f} ms", knob,
-                       {"step_ms": _r(step_m * 1e3), "gpu_step_ms": _r(gpu_m * 1e3),
-                        "async_scheduling": async_on})
+                       f"{gpu_m * 1e3:.2f} ms{where}", knob, ev)
     engine = figures.process_cpu(run).get("engine")
     gpus = figures.busy_gpus(figures.gpu_figures(run))
     util = figures.mean([g.mean_util_pct for g in gpus])

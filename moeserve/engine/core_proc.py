@@ -73,6 +73,7 @@ class _EngineLoop:
         self.refused: list[p.WireOutput] = []
         self.num_refused = 0
         self.breakdown: dict[str, float] = {}  # attention / MoE seconds of the latest eager sample
+        self.loop_times = (0.0, 0.0, 0.0)  # the last busy iteration: whole, intake, outputs
         self.stats_stale = False  # an add/abort changed the state since the last message
         self.running = True
         self.expert_load: dict | None = None
@@ -81,10 +82,13 @@ class _EngineLoop:
     def run(self) -> None:
         while self.running:
             busy = self.core.has_unfinished_requests()
+            start = time.perf_counter()
             self._drain(0 if busy else _IDLE_POLL_MS)
             if os.getppid() != self.parent:
                 return  # orphaned: the process that started the engine is gone
+            drained = time.perf_counter()
             outputs = self.core.step() if self.running else []
+            stepped = time.perf_counter()
             idle = not self.core.has_unfinished_requests()
             if outputs or self.refused or (idle and self.stats_stale):
                 # NOTE: the last message before going idle carries fresh stats (an abort of the
@@ -93,6 +97,9 @@ class _EngineLoop:
                                    everyone=idle)
                 self.refused = []
                 self.stats_stale = not idle
+            if busy:  # where a busy loop's time goes (the stats carry the previous iteration's)
+                end = time.perf_counter()
+                self.loop_times = (end - start, drained - start, end - stepped)
 
     def _send_outputs(self, wire: list[p.WireOutput], everyone: bool) -> None:
         """One StepOutputs per API process that has outputs (every process when `everyone`)."""
@@ -174,5 +181,6 @@ class _EngineLoop:
             num_prompt_tokens=c.num_prompt_tokens, num_generated_tokens=c.num_generated_tokens,
             num_aborted=s.stats.num_aborted, num_refused=self.num_refused,
             step_seconds=c.last_step_seconds, schedule_seconds=c.schedule_seconds,
-            num_graph_steps=runner.num_graph_steps,
+            loop_seconds=self.loop_times[0], intake_seconds=self.loop_times[1],
+            send_seconds=self.loop_times[2], num_graph_steps=runner.num_graph_steps,
             cuda_graph_fallbacks=runner.num_eager_decode_fallbacks, **profile)

@@ -121,6 +121,11 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     num_refused: int = 0  # add requests refused by validation
     step_seconds: float = 0.0  # wall seconds of the last step
     schedule_seconds: float = 0.0  # CPU seconds of the last step's schedule()
+    # the engine loop's last busy iteration: all of it (step_seconds is its core.step()), the
+    # requests and messages taken in before the step, the outputs sent after it
+    loop_seconds: float = 0.0
+    intake_seconds: float = 0.0
+    send_seconds: float = 0.0
     # the latest sampled step profile (runner/step_profile.py); 0 until one is complete
     gpu_step_seconds: float = 0.0  # the model forward on the device
     attention_seconds: float = 0.0

@@ -86,6 +86,8 @@ class _EngineCollector:
             ("moeserve_engine_step_seconds", "Wall time of the engine's last step", s.step_seconds),
             ("moeserve_engine_schedule_seconds", "CPU time of the last step's scheduling",
              s.schedule_seconds),
+            ("moeserve_engine_loop_seconds", "Wall time of the engine loop's last busy "
+             "iteration (intake, step, outputs)", s.loop_seconds),
             ("moeserve_engine_gpu_step_seconds", "Device time of the model forward (sampled "
              "step profile)", s.gpu_step_seconds),
             ("moeserve_engine_attention_seconds", "Device time of all attention layers in the "

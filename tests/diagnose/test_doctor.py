@@ -141,6 +141,14 @@ def test_cpu_bound_step_loop() -> None:
     assert v.evidence == {"step_ms": 25.0, "gpu_step_ms": 10.0, "async_scheduling": True}
 
 
+def test_cpu_bound_step_shows_the_engine_loop_when_reported() -> None:
+    run = make_run(stats_extra={"gpu_step_seconds": [0.010] * 82, "loop_seconds": [0.040] * 82,
+                                "intake_seconds": [0.002] * 82, "send_seconds": [0.008] * 82})
+    v = _fired(run)["cpu_bound_step"]
+    assert (v.evidence["loop_ms"], v.evidence["intake_ms"], v.evidence["send_ms"]) == (40, 2, 8)
+    assert "whole loop iteration 40" in v.message
+
+
 def test_cpu_bound_step_names_eager_mixed_steps() -> None:
     """Graphs on, but most steps replayed none: the knob names the eager (mixed) steps."""
     base = make_run(stats_extra={"gpu_step_seconds": [0.010] * 82})

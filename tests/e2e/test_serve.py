@@ -255,6 +255,9 @@ def test_expert_load_in_metrics_and_engine_state(server: Server) -> None:
     load = stats["expert_load"]
     assert load["num_steps"] > 0 and len(load["tokens_per_expert"]) == 4  # tiny-moe: 4 layers
     assert stats["gpu_step_seconds"] >= stats["attention_seconds"] + stats["moe_seconds"] > 0
+    assert stats["loop_seconds"] >= stats["intake_seconds"] + stats["send_seconds"]
+    assert stats["loop_seconds"] > 0
     metrics = httpx.get(f"{server.url}/metrics").text
+    assert "moeserve_engine_loop_seconds " in metrics
     assert "moeserve_expert_tokens_per_step " in metrics
     assert "moeserve_expert_load_imbalance " in metrics
