@@ -338,13 +338,9 @@ class Server:
             return ""
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from moeserve.bench.server import stop_process
+
+        stop_process(self.proc, grace_s)
 
 
 def wait_gpu_memory_back(baseline: int | None, timeout_s: float = 60.0) -> None:

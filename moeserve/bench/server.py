@@ -207,13 +207,18 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 15.0, keep_log: bool = True) -> None:
         """SIGTERM, wait `grace_s`, then SIGKILL; the log is kept unless told otherwise."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s)
         self.log.close()
         if not keep_log:
             Path(self.log.name).unlink(missing_ok=True)
+
+
+def stop_process(proc: subprocess.Popen | None, grace_s: float) -> None:
+    """SIGTERM a running server process, wait `grace_s` for it, then SIGKILL it."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
