@@ -33,6 +33,7 @@ from rich.console import Console
 
 from moeserve.bench.client import ClientConfig
 from moeserve.bench.diagnostics import RunDiagnostics, attach, print_verdicts
+from moeserve.bench.engine_run import describe, engine_run, engine_snapshot
 from moeserve.bench.metrics import compute_metrics
 from moeserve.bench.report import append_jsonl, build_result, print_run, print_sweep, progress_bar
 from moeserve.bench.runner import RunConfig, run_async, run_timed, warmup
@@ -269,7 +270,9 @@ def _run_one(args: argparse.Namespace, client: ClientConfig, conc: int | None, s
         run_async(warmup(client, fresh))
     label = f"concurrency {conc}" if conc else f"rate {args.request_rate}"
     api_cpu0 = server_cpu_seconds(client.base_url, client.api_key)
-    diag = RunDiagnostics(client.base_url, client.api_key, provenance["engine"] is not None,
+    has_engine = provenance["engine"] is not None
+    engine0 = engine_snapshot(client.base_url, client.api_key) if has_engine else None
+    diag = RunDiagnostics(client.base_url, client.api_key, has_engine,
                           server_proc) if args.diagnose else None
     if diag is not None:
         diag.start()
@@ -282,6 +285,7 @@ def _run_one(args: argparse.Namespace, client: ClientConfig, conc: int | None, s
         raise
     diagnostics = diag.stop(run.duration) if diag is not None else None
     api_cpu1 = server_cpu_seconds(client.base_url, client.api_key)
+    engine1 = engine_snapshot(client.base_url, client.api_key) if has_engine else None
     metrics = compute_metrics(run.records, run.duration)
     warnings = list(s["warnings"])
     no_usage = sum(1 for r in run.records if r.success and r.usage_completion_tokens is None)
@@ -293,7 +297,11 @@ def _run_one(args: argparse.Namespace, client: ClientConfig, conc: int | None, s
     # the server's API process CPU over the run (moeserve exports it): is the API side the limit?
     res["server_api_cpu_fraction"] = (None if api_cpu0 is None or api_cpu1 is None
                                       else (api_cpu1 - api_cpu0) / run.duration)
+    # what the engine did in the timed run: steps, graph replays, where the loop's time went
+    res["engine_run"] = engine_run(engine0, engine1, run.duration)
     print_run(console, res)
+    if (line := describe(res["engine_run"])) is not None:
+        console.print(line, highlight=False)
     if diagnostics is not None:
         print_verdicts(console, res, attach(res, diagnostics))
     return res

@@ -74,6 +74,8 @@ class _EngineLoop:
         self.num_refused = 0
         self.breakdown: dict[str, float] = {}  # attention / MoE seconds of the latest eager sample
         self.loop_times = (0.0, 0.0, 0.0)  # the last busy iteration: whole, intake, outputs
+        self.loop_totals = [0.0, 0.0, 0.0, 0.0]  # summed: whole, step, intake, outputs
+        self.num_busy_iterations = 0
         self.stats_stale = False  # an add/abort changed the state since the last message
         self.running = True
         self.expert_load: dict | None = None
@@ -100,6 +102,10 @@ class _EngineLoop:
             if busy:  # where a busy loop's time goes (the stats carry the previous iteration's)
                 end = time.perf_counter()
                 self.loop_times = (end - start, drained - start, end - stepped)
+                for i, dt in enumerate((end - start, stepped - drained, drained - start,
+                                        end - stepped)):
+                    self.loop_totals[i] += dt
+                self.num_busy_iterations += 1
 
     def _send_outputs(self, wire: list[p.WireOutput], everyone: bool) -> None:
         """One StepOutputs per API process that has outputs (every process when `everyone`)."""
@@ -182,5 +188,9 @@ class _EngineLoop:
             num_aborted=s.stats.num_aborted, num_refused=self.num_refused,
             step_seconds=c.last_step_seconds, schedule_seconds=c.schedule_seconds,
             loop_seconds=self.loop_times[0], intake_seconds=self.loop_times[1],
-            send_seconds=self.loop_times[2], num_graph_steps=runner.num_graph_steps,
+            send_seconds=self.loop_times[2], busy_loop_seconds_total=self.loop_totals[0],
+            busy_step_seconds_total=self.loop_totals[1],
+            busy_intake_seconds_total=self.loop_totals[2],
+            busy_send_seconds_total=self.loop_totals[3],
+            num_busy_iterations=self.num_busy_iterations, num_graph_steps=runner.num_graph_steps,
             cuda_graph_fallbacks=runner.num_eager_decode_fallbacks, **profile)

@@ -126,6 +126,13 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     loop_seconds: float = 0.0
     intake_seconds: float = 0.0
     send_seconds: float = 0.0
+    # the same, summed over every busy iteration since start (counters: a run's share is the
+    # difference of two snapshots; bench/engine_run.py)
+    busy_loop_seconds_total: float = 0.0
+    busy_step_seconds_total: float = 0.0
+    busy_intake_seconds_total: float = 0.0
+    busy_send_seconds_total: float = 0.0
+    num_busy_iterations: int = 0
     # the latest sampled step profile (runner/step_profile.py); 0 until one is complete
     gpu_step_seconds: float = 0.0  # the model forward on the device
     attention_seconds: float = 0.0

@@ -116,6 +116,16 @@ class _EngineCollector:
              s.num_graph_steps),
             ("moeserve_engine_cuda_graph_fallbacks", "Decode batches run eagerly on CUDA (no "
              "captured graph fitted)", s.cuda_graph_fallbacks),
+            ("moeserve_engine_busy_iterations", "Engine loop iterations with work",
+             s.num_busy_iterations),
+            ("moeserve_engine_busy_loop_seconds", "Wall seconds of the engine loop's busy "
+             "iterations", s.busy_loop_seconds_total),
+            ("moeserve_engine_busy_step_seconds", "Wall seconds of core.step() in busy "
+             "iterations", s.busy_step_seconds_total),
+            ("moeserve_engine_busy_intake_seconds", "Wall seconds taking in requests and "
+             "messages in busy iterations", s.busy_intake_seconds_total),
+            ("moeserve_engine_busy_send_seconds", "Wall seconds sending outputs in busy "
+             "iterations", s.busy_send_seconds_total),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -40,7 +40,13 @@ def test_bench_diagnose_against_its_own_server(tmp_path: Path,
     load = diag["expert_load"]
     assert load is not None and load["num_steps"] > 0 and len(load["tokens_per_expert"][0]) == 16
     assert diag["gpu"]["available"] is False and diag["gpu"]["reason"]
+    # the engine's share of the run: every generated token of the run, and the loop's times
+    er = run["engine_run"]
+    assert er["counters"]["num_generated_tokens"] >= 12 * 48 - 12  # first tokens: prefill
+    assert er["counters"]["num_steps"] >= 48 and er["counters"]["num_graph_steps"] == 0
+    assert 0 < er["mean_step_ms"] <= er["mean_loop_ms"] and 0 < er["busy_share"] <= 1.0
     text = capsys.readouterr().out
+    assert "engine: " in text and "a busy loop iteration" in text
     assert "Doctor" in text and "no gpu samples" in text
     parser = argparse.ArgumentParser()
     add_report_args(parser)

@@ -1,0 +1,75 @@
+"""What the engine did during one timed run: the difference of two /v1/engine stats snapshots.
+
+Owns `engine_snapshot` (the stats object of GET /v1/engine, or None for a server without it)
+and `engine_run` (the run's share of the engine's cumulative counters, with per-step means):
+how many steps it took, how many replayed a CUDA graph, how many decode batches fell back to
+eager, and where a busy engine-loop iteration's wall time went (core.step(), request intake,
+sending outputs). A result without these cannot say whether a slow run was the GPU's or the
+host's; the /v1/engine document fetched before the run (provenance) holds only the start.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeserve.bench.server import get_json
+
+# cumulative fields of the engine's stats (moeserve/engine/protocol.py EngineStats)
+COUNTERS = ("num_steps", "num_graph_steps", "cuda_graph_fallbacks", "num_preemptions",
+            "num_prefix_hit_tokens", "num_prompt_tokens", "num_generated_tokens", "num_aborted",
+            "num_refused", "num_busy_iterations", "busy_loop_seconds_total",
+            "busy_step_seconds_total", "busy_intake_seconds_total", "busy_send_seconds_total")
+
+
+def engine_snapshot(base_url: str, api_key: str | None) -> dict[str, Any] | None:
+    """The engine's stats now, or None when the server has no /v1/engine or cannot be read."""
+    try:
+        doc = get_json(base_url, "/v1/engine", api_key)
+    except ValueError:
+        return None
+    stats = doc.get("stats") if isinstance(doc, dict) else None
+    return stats if isinstance(stats, dict) else None
+
+
+def engine_run(before: dict[str, Any] | None, after: dict[str, Any] | None,
+               duration_s: float) -> dict[str, Any] | None:
+    """The counters' growth from `before` to `after` plus derived figures, or None when either
+    snapshot is missing. Fields missing from a snapshot (an older server) are left out."""
+    if before is None or after is None:
+        return None
+    delta = {k: after[k] - before[k] for k in COUNTERS
+             if isinstance(after.get(k), int | float) and isinstance(before.get(k), int | float)}
+    out: dict[str, Any] = {"counters": delta}
+    steps, iters = delta.get("num_steps"), delta.get("num_busy_iterations")
+    if steps:
+        if "num_graph_steps" in delta:
+            out["graph_step_share"] = delta["num_graph_steps"] / steps
+        if "num_generated_tokens" in delta:
+            out["generated_tokens_per_step"] = delta["num_generated_tokens"] / steps
+    if iters:
+        for key in ("loop", "step", "intake", "send"):
+            total = delta.get(f"busy_{key}_seconds_total")
+            if total is not None:
+                out[f"mean_{key}_ms"] = 1e3 * total / iters
+    busy = delta.get("busy_loop_seconds_total")
+    if busy is not None and duration_s > 0:
+        out["busy_share"] = busy / duration_s  # of the run's wall time, the loop had work
+    return out
+
+
+def describe(run: dict[str, Any] | None) -> str | None:
+    """One line for the terminal: steps, graph share, fallbacks, the loop's mean iteration."""
+    if not run or not run["counters"].get("num_steps"):
+        return None
+    c = run["counters"]
+    parts = [f"{c['num_steps']} steps"]
+    if "graph_step_share" in run:
+        parts.append(f"{run['graph_step_share']:.0%} from CUDA graphs")
+    if "cuda_graph_fallbacks" in c:
+        parts.append(f"{c['cuda_graph_fallbacks']} eager decode fallbacks")
+    line = "engine: " + ", ".join(parts)
+    if "mean_loop_ms" in run:
+        line += (f"; a busy loop iteration {run['mean_loop_ms']:.2f} ms (step "
+                 f"{run.get('mean_step_ms', 0):.2f}, intake {run.get('mean_intake_ms', 0):.2f}, "
+                 f"outputs {run.get('mean_send_ms', 0):.2f})")
+    return line

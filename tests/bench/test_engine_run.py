@@ -1,0 +1,42 @@
+"""bench/engine_run.py: the run's share of the engine's counters, and its derived figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeserve.bench.engine_run import describe, engine_run
+
+
+def _stats(steps: int, graphs: int, iters: int, loop: float, step: float,
+           tokens: int) -> dict:
+    return {"num_steps": steps, "num_graph_steps": graphs, "cuda_graph_fallbacks": 1,
+            "num_generated_tokens": tokens, "num_busy_iterations": iters,
+            "busy_loop_seconds_total": loop, "busy_step_seconds_total": step,
+            "busy_intake_seconds_total": 0.0, "busy_send_seconds_total": loop - step,
+            "num_running": 7, "kv_usage": 0.5}
+
+
+def test_difference_of_two_snapshots() -> None:
+    run = engine_run(_stats(10, 4, 10, 1.0, 0.8, 100), _stats(110, 94, 110, 3.0, 2.2, 5100), 4.0)
+    c = run["counters"]
+    assert c["num_steps"] == 100 and c["num_graph_steps"] == 90 and c["cuda_graph_fallbacks"] == 0
+    assert "num_running" not in c and "kv_usage" not in c  # gauges have no difference
+    assert run["graph_step_share"] == pytest.approx(0.9)
+    assert run["generated_tokens_per_step"] == pytest.approx(50)
+    assert run["mean_loop_ms"] == pytest.approx(20.0) and run["mean_step_ms"] == pytest.approx(14)
+    assert run["mean_send_ms"] == pytest.approx(6.0)
+    assert run["busy_share"] == pytest.approx(0.5)
+    line = describe(run)
+    assert line.startswith("engine: 100 steps, 90% from CUDA graphs, 0 eager decode fallbacks")
+    assert "20.00 ms (step 14.00" in line
+
+
+def test_missing_snapshot_or_fields() -> None:
+    assert engine_run(None, _stats(1, 0, 1, 0.1, 0.1, 1), 1.0) is None
+    assert engine_run(_stats(1, 0, 1, 0.1, 0.1, 1), None, 1.0) is None
+    old = {"num_steps": 3, "num_generated_tokens": 30}  # a server from before the loop totals
+    run = engine_run(old, {"num_steps": 5, "num_generated_tokens": 50}, 1.0)
+    assert run["counters"] == {"num_steps": 2, "num_generated_tokens": 20}
+    assert "mean_loop_ms" not in run and "busy_share" not in run
+    assert describe(run) == "engine: 2 steps"
+    assert describe(engine_run(old, old, 1.0)) is None  # no steps in the run
