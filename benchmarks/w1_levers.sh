@@ -10,6 +10,7 @@
 #   MOESERVE_GIT_COMMIT=<sha> bash benchmarks/w1_levers.sh /tmp/w1l [concurrency ...]; \
 #       tar czf $OUT/w1_levers.tgz -C /tmp w1l
 #   PYTHON=.venv/bin/python PRESET=tiny-moe bash benchmarks/w1_levers.sh /tmp/w1l 4   # CPU smoke
+#   VARIANTS="baseline multistep4" bash benchmarks/w1_levers.sh /tmp/w1l 256 512 1024 2048
 set -uo pipefail
 out=${1:?usage: w1_levers.sh OUT [concurrency ...]}
 shift
@@ -21,7 +22,8 @@ declare -A variants=(
   [api2]="--api-servers 2"
   [multistep4]="--num-continuous-decode-steps 4"
 )
-for name in baseline prefill_delay8 api2 multistep4; do
+for name in ${VARIANTS:-baseline prefill_delay8 api2 multistep4}; do
+  [ -n "${variants[$name]+set}" ] || { echo "unknown variant $name (${!variants[*]})"; exit 2; }
   echo "== $name: ${variants[$name]:-(defaults)} $(date +%T)"
   "${PYTHON:-python3}" -m moeserve.cli bench --preset "${PRESET:-qwen3-30b-a3b}" --max-concurrency ${conc[*]} \
     --server-args "${variants[$name]}" --no-progress \

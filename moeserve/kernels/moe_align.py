@@ -161,7 +161,7 @@ def _align_kernel() -> Any:
     def _add(a, b):
         return a + b
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs", "size"])  # step-varying (see moe_triton.py)
     def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, post_ptr, scratch_ptr,
                           num_pairs, num_experts, size, BLOCK_M: tl.constexpr,
                           E_POW2: tl.constexpr, LOG2_E: tl.constexpr, CHUNK: tl.constexpr,

@@ -133,7 +133,8 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # step-varying sizes exempt from Triton's value specialization (paged_attention_triton.py)
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
     def _fused_moe_kernel(
             a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
             num_pairs, num_blocks, N, K, up_offset,

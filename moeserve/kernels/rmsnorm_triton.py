@@ -136,7 +136,8 @@ def _kernels() -> SimpleNamespace:
 
     tl = triton.language
     _sum = triton.jit(_sum)
-    return SimpleNamespace(rms_norm=triton.jit(_rms_norm_kernel))
+    # the row count changes every step: no variant per value (paged_attention_triton.py)
+    return SimpleNamespace(rms_norm=triton.jit(_rms_norm_kernel, do_not_specialize=["num_rows"]))
 
 
 # ---- Triton kernel (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----

@@ -1,0 +1,78 @@
+"""GPU: the Triton kernels compile once per tile config, not once per step shape.
+
+Triton compiles a new variant of a kernel when an int argument changes between "multiple of
+16", "equal to 1" and neither, or a pointer's 16-byte alignment changes. Serving calls the
+kernels with a new row count and block-table width at every step, and a compile costs seconds:
+on the H200 7.6 s of a 31 s W1 run went to compiling new variants mid-run. The kernels exempt
+those arguments (`do_not_specialize`); these tests call each kernel at many step shapes and
+count its compiled variants.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeserve.kernels import moe_align, moe_triton, paged_attention_triton, rmsnorm_triton
+from moeserve.kernels.moe_triton import moe_triton as run_moe
+from moeserve.kernels.paged_attention_triton import paged_attention_triton as run_attention
+from moeserve.kernels.rmsnorm_triton import rms_norm_triton
+from tests.kernels.test_paged_attention_triton import gpu_step
+
+pytestmark = pytest.mark.gpu
+
+
+def variants(jit_fn: object) -> int:
+    """Compiled variants of a Triton JITFunction, over every device it ran on."""
+    caches = getattr(jit_fn, "device_caches", None)
+    if caches is None:
+        pytest.fail("this Triton's JITFunction has no device_caches: update variants()")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def test_paged_attention_compiles_once_across_batch_shapes() -> None:
+    kern = paged_attention_triton._kernels()
+    rng = np.random.default_rng(0)
+    counts = []
+    for batch, num_prefill in [(7, 1), (16, 2), (33, 3), (100, 1), (129, 4), (250, 5)]:
+        computed = rng.integers(1, 250, batch).tolist() + [0] * num_prefill
+        scheduled = [1] * batch + rng.integers(5, 130, num_prefill).tolist()
+        step = gpu_step(computed, scheduled, seed=batch)
+        run_attention(step.q, step.kv_cache, step.meta, step.scale)
+        torch.cuda.synchronize()
+        counts.append((variants(kern.decode), variants(kern.prefill)))
+    assert counts[0][0] >= 1 and counts[0][1] >= 1
+    assert counts == [counts[0]] * len(counts), counts
+
+
+def test_moe_compiles_once_across_token_counts() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts, hidden, inter, top_k = 16, 256, 128, 4
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16,
+                      generator=gen) * 0.05
+    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16,
+                     generator=gen) * 0.05
+    config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4,
+              "num_stages": 2}
+    counts = []
+    for tokens in (3, 16, 37, 64, 129, 250):
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+        weights, ids = torch.topk(logits.softmax(-1), top_k)
+        run_moe(x, w13, w2, weights.contiguous(), ids.to(torch.int32), config=config)
+        torch.cuda.synchronize()
+        counts.append((variants(moe_triton._kernel()), variants(moe_align._align_kernel())))
+    assert counts[0] == (2, 1)  # the gated launch and the down launch; one align kernel
+    assert counts == [counts[0]] * len(counts), counts
+
+
+def test_rms_norm_compiles_once_across_row_counts() -> None:
+    weight = torch.ones(512, device="cuda", dtype=torch.bfloat16)
+    counts = []
+    for rows in (3, 16, 17, 64, 100, 1000):
+        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        rms_norm_triton(x, weight, 1e-6, residual=torch.randn_like(x))
+        torch.cuda.synchronize()
+        counts.append(variants(rmsnorm_triton._kernels().rms_norm))
+    assert counts == [1] * len(counts), counts
