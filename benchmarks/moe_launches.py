@@ -14,6 +14,7 @@ Stops at --deadline-s and writes what it has.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -68,12 +69,14 @@ def main() -> None:
         committed = get_moe_config(experts, hidden, inter, top_k, torch.bfloat16, tokens,
                                    torch.cuda.get_device_name())
         entry: dict = {"committed": committed.config, "by_block_m": {}}
-        reduce_ms = time_in_graph(lambda: y.view(tokens, top_k, hidden).sum(dim=1))
+        reduce_ms = time_in_graph(functools.partial(torch.sum, y.view(tokens, top_k, hidden),
+                                                    dim=1))
         entry["reduce_ms"] = reduce_ms
         for block_m in sorted(set(block_ms_for(tokens, experts, top_k))
                               | {committed.config["BLOCK_M"]}):
             sorted_ids, expert_ids, _ = moe_align_block_size_triton(ids, experts, block_m)
-            align_ms = time_in_graph(lambda: moe_align_block_size_triton(ids, experts, block_m))
+            align_ms = time_in_graph(functools.partial(moe_align_block_size_triton, ids,
+                                                       experts, block_m))
             rows: list[dict] = []
             for n, k, warps, stages in CANDIDATES:
                 if time.monotonic() - t0 > a.deadline_s:
@@ -82,10 +85,10 @@ def main() -> None:
                 cfg = tile_config(block_m, n, k, 8 if block_m > 16 else 1, warps, stages)
                 row = {"config": cfg}
                 for name, gated, src, dst in (("gated", True, x, act), ("down", False, act, y)):
-                    def launch(cfg=cfg, gated=gated, src=src, dst=dst, w=(w13 if gated else w2)):
-                        _launch(src, w, dst, weights, sorted_ids, expert_ids, pairs, cfg,
-                                a_row_div=top_k if gated else 1, c_row_div=1, gated=gated,
-                                atomic=False)
+                    launch = functools.partial(
+                        _launch, src, w13 if gated else w2, dst, weights, sorted_ids,
+                        expert_ids, pairs, cfg, a_row_div=top_k if gated else 1, c_row_div=1,
+                        gated=gated, atomic=False)
                     try:
                         row[f"{name}_ms"] = time_in_graph(launch)
                     except Exception as e:  # out of shared memory / registers: skip the tile
