@@ -15,10 +15,11 @@ from typing import Any
 from moeserve.bench.server import get_json
 
 # cumulative fields of the engine's stats (moeserve/engine/protocol.py EngineStats)
-COUNTERS = ("num_steps", "num_graph_steps", "cuda_graph_fallbacks", "num_preemptions",
-            "num_prefix_hit_tokens", "num_prompt_tokens", "num_generated_tokens", "num_aborted",
-            "num_refused", "num_busy_iterations", "busy_loop_seconds_total",
-            "busy_step_seconds_total", "busy_intake_seconds_total", "busy_send_seconds_total")
+COUNTERS = ("num_steps", "num_forward_steps", "num_graph_steps", "cuda_graph_fallbacks",
+            "num_preemptions", "num_prefix_hit_tokens", "num_prompt_tokens",
+            "num_generated_tokens", "num_aborted", "num_refused", "num_busy_iterations",
+            "busy_loop_seconds_total", "busy_step_seconds_total", "busy_intake_seconds_total",
+            "busy_send_seconds_total")
 
 
 def engine_snapshot(base_url: str, api_key: str | None) -> dict[str, Any] | None:
@@ -41,9 +42,10 @@ def engine_run(before: dict[str, Any] | None, after: dict[str, Any] | None,
              if isinstance(after.get(k), int | float) and isinstance(before.get(k), int | float)}
     out: dict[str, Any] = {"counters": delta}
     steps, iters = delta.get("num_steps"), delta.get("num_busy_iterations")
+    forwards = delta.get("num_forward_steps")
+    if forwards and "num_graph_steps" in delta:  # of the model forwards, graph replays
+        out["graph_step_share"] = delta["num_graph_steps"] / forwards
     if steps:
-        if "num_graph_steps" in delta:
-            out["graph_step_share"] = delta["num_graph_steps"] / steps
         if "num_generated_tokens" in delta:
             out["generated_tokens_per_step"] = delta["num_generated_tokens"] / steps
     if iters:
@@ -63,8 +65,10 @@ def describe(run: dict[str, Any] | None) -> str | None:
         return None
     c = run["counters"]
     parts = [f"{c['num_steps']} steps"]
+    if c.get("num_forward_steps", c["num_steps"]) != c["num_steps"]:
+        parts.append(f"{c['num_forward_steps']} forwards")
     if "graph_step_share" in run:
-        parts.append(f"{run['graph_step_share']:.0%} from CUDA graphs")
+        parts.append(f"{run['graph_step_share']:.0%} of forwards from CUDA graphs")
     if "cuda_graph_fallbacks" in c:
         parts.append(f"{c['cuda_graph_fallbacks']} eager decode fallbacks")
     line = "engine: " + ", ".join(parts)

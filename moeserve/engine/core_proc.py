@@ -192,5 +192,6 @@ class _EngineLoop:
             busy_step_seconds_total=self.loop_totals[1],
             busy_intake_seconds_total=self.loop_totals[2],
             busy_send_seconds_total=self.loop_totals[3],
-            num_busy_iterations=self.num_busy_iterations, num_graph_steps=runner.num_graph_steps,
+            num_busy_iterations=self.num_busy_iterations,
+            num_forward_steps=runner.num_forward_steps, num_graph_steps=runner.num_graph_steps,
             cuda_graph_fallbacks=runner.num_eager_decode_fallbacks, **profile)

@@ -138,6 +138,7 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     attention_seconds: float = 0.0
     moe_seconds: float = 0.0
     profiled_tokens: int = 0
+    num_forward_steps: int = 0  # model forwards (a multi-step decode plan runs several)
     num_graph_steps: int = 0  # forward steps replayed from a CUDA graph
     cuda_graph_fallbacks: int = 0  # decode batches run eagerly on CUDA (no graph fitted)
     # {"num_steps": forward steps, "tokens_per_expert": [[E ints] per MoE layer]}, cumulative;

@@ -112,6 +112,8 @@ class _EngineCollector:
              s.num_generated_tokens),
             ("moeserve_engine_aborted_requests", "Requests aborted in the engine", s.num_aborted),
             ("moeserve_engine_refused_requests", "Requests the engine refused", s.num_refused),
+            ("moeserve_engine_forward_steps", "Model forwards (a multi-step decode plan runs "
+             "several per step)", s.num_forward_steps),
             ("moeserve_engine_graph_steps", "Forward steps replayed from a CUDA graph",
              s.num_graph_steps),
             ("moeserve_engine_cuda_graph_fallbacks", "Decode batches run eagerly on CUDA (no "

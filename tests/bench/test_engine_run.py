@@ -9,7 +9,8 @@ from moeserve.bench.engine_run import describe, engine_run
 
 def _stats(steps: int, graphs: int, iters: int, loop: float, step: float,
            tokens: int) -> dict:
-    return {"num_steps": steps, "num_graph_steps": graphs, "cuda_graph_fallbacks": 1,
+    return {"num_steps": steps, "num_forward_steps": steps, "num_graph_steps": graphs,
+            "cuda_graph_fallbacks": 1,
             "num_generated_tokens": tokens, "num_busy_iterations": iters,
             "busy_loop_seconds_total": loop, "busy_step_seconds_total": step,
             "busy_intake_seconds_total": 0.0, "busy_send_seconds_total": loop - step,
@@ -27,8 +28,17 @@ def test_difference_of_two_snapshots() -> None:
     assert run["mean_send_ms"] == pytest.approx(6.0)
     assert run["busy_share"] == pytest.approx(0.5)
     line = describe(run)
-    assert line.startswith("engine: 100 steps, 90% from CUDA graphs, 0 eager decode fallbacks")
+    assert line.startswith("engine: 100 steps, 90% of forwards from CUDA graphs, 0 eager decode "
+                           "fallbacks")
     assert "20.00 ms (step 14.00" in line
+
+
+def test_multi_step_plans_share_graphs_by_forward() -> None:
+    before = _stats(0, 0, 0, 0.0, 0.0, 0)
+    after = _stats(10, 36, 10, 1.0, 0.9, 4000) | {"num_forward_steps": 40}
+    run = engine_run(before, after, 1.0)
+    assert run["graph_step_share"] == pytest.approx(0.9)  # 36 of 40 forwards, not 36 of 10
+    assert describe(run).startswith("engine: 10 steps, 40 forwards, 90% of forwards")
 
 
 def test_missing_snapshot_or_fields() -> None:

@@ -44,6 +44,7 @@ def test_bench_diagnose_against_its_own_server(tmp_path: Path,
     er = run["engine_run"]
     assert er["counters"]["num_generated_tokens"] >= 12 * 48 - 12  # first tokens: prefill
     assert er["counters"]["num_steps"] >= 48 and er["counters"]["num_graph_steps"] == 0
+    assert er["counters"]["num_forward_steps"] == er["counters"]["num_steps"]
     assert 0 < er["mean_step_ms"] <= er["mean_loop_ms"] and 0 < er["busy_share"] <= 1.0
     text = capsys.readouterr().out
     assert "engine: " in text and "a busy loop iteration" in text
