@@ -1,8 +1,8 @@
 """Expert-sorted, block-padded (token, slot) order for the Triton fused-MoE kernel.
 
 Owns `moe_align_block_size` (vectorised torch, no host sync, stable order),
-`moe_align_block_size_triton` (one Triton launch instead of ~25 small torch kernels; order within
-an expert not stable) and `moe_align_block_size_ref` (a plain loop, for tests). For T tokens
+`moe_align_block_size_triton` (three Triton launches instead of ~25 small torch kernels; order
+within an expert not stable) and `moe_align_block_size_ref` (a plain loop, for tests). For T tokens
 routed to k experts each there are M = T * k pairs; pair p = t * k + i is token t's i-th expert
 `topk_ids[t, i]`. The kernel works on tiles of `block_m` sorted rows that all belong to one
 expert, so each expert's run of pairs is padded to a multiple of `block_m` with the sentinel M:
@@ -17,10 +17,13 @@ routing, which is what CUDA-graph capture needs. At most min(E, M) experts get p
 pads by at most block_m - 1, so P = round_up(M + min(E, M) * (block_m - 1), block_m); the tail
 past num_tokens_post_padded holds the sentinel, and its blocks have expert id -1.
 
-The Triton version runs as one program (one CTA; triton imported lazily, on first call):
-    A: counts[e] += 1 per pair (atomics into a zeroed scratch)             | barrier
-    B: padded, ends = cumsum(padded), starts and ends -> scratch, the total | barrier
-       expert_ids (binary search in ends), sentinel fill of sorted_token_ids | barrier
+The Triton version is three launches (triton imported lazily, on first call); A and C run one
+program per 512 pairs, so the pairs spread over the GPU (one program for all of them took
+0.05 ms at 2,048 tokens on the H200, 9% of the MoE layer):
+    A: counts[e] += 1 per pair (atomics into a zeroed scratch); sentinel fill of
+       sorted_token_ids, each program its share of the rows
+    B (one program): padded, ends = cumsum(padded), starts and ends -> scratch, the total;
+       expert_ids (binary search in ends)
     C: sorted_token_ids[starts[e] + atomic_add(cursor[e], 1)] = pair
 Pairs of one expert land in arrival order of the atomics, not pair order; the fused-MoE output
 does not depend on that order (every row of the GEMMs is computed on its own).
@@ -29,12 +32,13 @@ does not depend on that order (every row of the GEMMs is computed on its own).
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-_ALIGN_CHUNK = 1024  # pairs per step of the single program
-_ALIGN_BLOCKS_CHUNK = 64  # expert_ids entries per step
+_ALIGN_CHUNK = 512  # pairs per program of the count and scatter launches
+_ALIGN_BLOCKS_CHUNK = 64  # expert_ids entries per step of the offsets program
 tl: Any = None  # triton.language, bound by _align_kernel() on first use
 _add: Any = None  # the jitted combine function of the scans, bound there too
 
@@ -87,7 +91,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
 
 def moe_align_block_size_triton(topk_ids: torch.Tensor, num_experts: int,
                                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`moe_align_block_size` in one Triton launch (plus one memset); no host sync.
+    """`moe_align_block_size` in three Triton launches (plus one memset); no host sync.
 
     Same outputs, except that the pairs of one expert may come in any order within its segment.
     topk_ids must be on a device Triton runs on (CUDA, or CPU under TRITON_INTERPRET=1).
@@ -102,12 +106,21 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, num_experts: int,
     if num_pairs == 0:
         return sorted_token_ids, expert_ids, num_tokens_post_padded
     log2_experts = (num_experts - 1).bit_length()
-    # rows: counts, cursors, segment starts, segment ends (the kernel zeroes nothing itself)
-    scratch = torch.zeros(4, 1 << log2_experts, dtype=torch.int32, device=device)
-    _align_kernel()[(1,)](
-        topk_ids.reshape(-1), sorted_token_ids, expert_ids, num_tokens_post_padded, scratch,
-        num_pairs, num_experts, size, BLOCK_M=block_m, E_POW2=1 << log2_experts,
-        LOG2_E=log2_experts, CHUNK=_ALIGN_CHUNK, BLOCKS_CHUNK=_ALIGN_BLOCKS_CHUNK, num_warps=8)
+    e_pow2 = 1 << log2_experts
+    # rows: counts, cursors, segment starts, segment ends (the kernels zero nothing themselves)
+    scratch = torch.zeros(4, e_pow2, dtype=torch.int32, device=device)
+    counts, cursors, starts, ends = scratch.unbind(0)
+    ids = topk_ids.reshape(-1)
+    kern = _align_kernels()
+    programs = -(-num_pairs // _ALIGN_CHUNK)
+    fill = -(-size // programs)
+    kern.count[(programs,)](ids, counts, sorted_token_ids, num_pairs, size, fill,
+                            CHUNK=_ALIGN_CHUNK, num_warps=4)
+    kern.offsets[(1,)](counts, starts, ends, expert_ids, num_tokens_post_padded, num_experts,
+                       size, BLOCK_M=block_m, E_POW2=e_pow2, LOG2_E=log2_experts,
+                       BLOCKS_CHUNK=_ALIGN_BLOCKS_CHUNK, num_warps=4)
+    kern.scatter[(programs,)](ids, starts, cursors, sorted_token_ids, num_pairs,
+                              CHUNK=_ALIGN_CHUNK, num_warps=4)
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
@@ -145,13 +158,14 @@ def _check_align_args(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 
 @functools.cache
-def _align_kernel() -> Any:
-    """Build `_moe_align_kernel` on first use (see the module docstring for its phases).
+def _align_kernels() -> Any:
+    """Build the three align kernels on first use (see the module docstring for their phases).
 
     Only triton.language builtins are called (no tl.sum/tl.cumsum, which are @jit helpers bound
-    when triton is imported): so it also runs when TRITON_INTERPRET=1 was set after that import.
-    What the kernel names (tl, _add) is bound as a module global: Triton's interpreter resolves
-    names in the function's module, not in its closure.
+    when triton is imported): so they also run when TRITON_INTERPRET=1 was set after that
+    import. What the kernels name (tl, _add) is bound as a module global: Triton's interpreter
+    resolves names in the function's module, not in its closure. Step-varying sizes are exempt
+    from value specialization (see moe_triton.py).
     """
     global tl, _add
     import triton
@@ -161,26 +175,32 @@ def _align_kernel() -> Any:
     def _add(a, b):
         return a + b
 
-    @triton.jit(do_not_specialize=["num_pairs", "size"])  # step-varying (see moe_triton.py)
-    def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, post_ptr, scratch_ptr,
-                          num_pairs, num_experts, size, BLOCK_M: tl.constexpr,
-                          E_POW2: tl.constexpr, LOG2_E: tl.constexpr, CHUNK: tl.constexpr,
-                          BLOCKS_CHUNK: tl.constexpr):
-        counts_ptr = scratch_ptr
-        cursor_ptr = scratch_ptr + E_POW2
-        start_ptr = scratch_ptr + 2 * E_POW2
-        ends_ptr = scratch_ptr + 3 * E_POW2
+    @triton.jit(do_not_specialize=["num_pairs", "size", "fill_per_program"])
+    def _count_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, num_pairs, size, fill_per_program,
+                      CHUNK: tl.constexpr):
+        # A: counts[e] += 1 for this program's CHUNK pairs; sentinel-fill its share of rows
+        pid = tl.program_id(0)
         lanes = tl.arange(0, CHUNK)
-        for c in range(0, num_pairs, CHUNK):  # A: count pairs per expert
-            ok = c + lanes < num_pairs
-            ids = tl.load(ids_ptr + c + lanes, mask=ok, other=0)
-            tl.atomic_add(counts_ptr + ids, 1, mask=ok, sem="relaxed")
-        tl.debug_barrier()
+        offs = pid * CHUNK + lanes
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+        tl.atomic_add(counts_ptr + ids, 1, mask=ok, sem="relaxed")
+        sentinel = tl.full((CHUNK,), 0, tl.int32) + num_pairs
+        first = pid * fill_per_program
+        for c in range(0, fill_per_program, CHUNK):
+            rows = first + c + lanes
+            tl.store(sorted_ids_ptr + rows, sentinel,
+                     mask=(rows < size) & (c + lanes < fill_per_program))
 
-        experts = tl.arange(0, E_POW2)  # B: segment offsets, expert of each block, sentinel
+    @triton.jit(do_not_specialize=["size"])
+    def _offsets_kernel(counts_ptr, start_ptr, ends_ptr, expert_ids_ptr, post_ptr, num_experts,
+                        size, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
+                        LOG2_E: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+        # B (one program): segment starts and ends, the total, the expert of every block
+        experts = tl.arange(0, E_POW2)
         real = experts < num_experts
-        counts = tl.atomic_add(counts_ptr + experts, 0, mask=real, sem="relaxed")  # fresh read
-        padded = (tl.where(real, counts, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        counts = tl.load(counts_ptr + experts, mask=real, other=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.associative_scan(padded, 0, _add)  # inclusive cumsum
         tl.store(start_ptr + experts, ends - padded)
         tl.store(ends_ptr + experts, ends)
@@ -198,16 +218,16 @@ def _align_kernel() -> Any:
                 owner = tl.where(end <= rows, probe, owner)
             tl.store(expert_ids_ptr + b + blocks, tl.where(rows < total, owner, -1),
                      mask=b + blocks < num_blocks)
-        sentinel = tl.full((CHUNK,), 0, tl.int32) + num_pairs
-        for c in range(0, size, CHUNK):
-            tl.store(sorted_ids_ptr + c + lanes, sentinel, mask=c + lanes < size)
-        tl.debug_barrier()
 
-        for c in range(0, num_pairs, CHUNK):  # C: scatter each pair into its segment
-            ok = c + lanes < num_pairs
-            ids = tl.load(ids_ptr + c + lanes, mask=ok, other=0)
-            start = tl.load(start_ptr + ids, mask=ok, other=0)
-            rank = tl.atomic_add(cursor_ptr + ids, 1, mask=ok, sem="relaxed")
-            tl.store(sorted_ids_ptr + start + rank, c + lanes, mask=ok)
+    @triton.jit(do_not_specialize=["num_pairs"])
+    def _scatter_kernel(ids_ptr, start_ptr, cursor_ptr, sorted_ids_ptr, num_pairs,
+                        CHUNK: tl.constexpr):
+        # C: each of this program's pairs into its expert's segment
+        offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+        start = tl.load(start_ptr + ids, mask=ok, other=0)
+        rank = tl.atomic_add(cursor_ptr + ids, 1, mask=ok, sem="relaxed")
+        tl.store(sorted_ids_ptr + start + rank, offs, mask=ok)
 
-    return _moe_align_kernel
+    return SimpleNamespace(count=_count_kernel, offsets=_offsets_kernel, scatter=_scatter_kernel)

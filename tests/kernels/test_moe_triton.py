@@ -108,7 +108,7 @@ def test_align_skewed_large_and_int32_ids(align: Callable) -> None:
     check_align(align, ids, 8, 16)
     _, expert_ids, post = align(ids.to(DEVICE), 8, 16)
     assert expert_ids.tolist()[:5] == [0, 0, 3, 5, 5] and post.item() == 80
-    # more pairs than one step of the Triton program (1,024), 128 experts, some idle
+    # more pairs than one program of the Triton launches (512): several programs; 128 experts
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 100, (300, 8), generator=gen)
     check_align(align, ids, 128, 64)

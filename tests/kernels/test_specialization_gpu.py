@@ -62,8 +62,10 @@ def test_moe_compiles_once_across_token_counts() -> None:
         weights, ids = torch.topk(logits.softmax(-1), top_k)
         run_moe(x, w13, w2, weights.contiguous(), ids.to(torch.int32), config=config)
         torch.cuda.synchronize()
-        counts.append((variants(moe_triton._kernel()), variants(moe_align._align_kernel())))
-    assert counts[0] == (2, 1)  # the gated launch and the down launch; one align kernel
+        align = moe_align._align_kernels()
+        counts.append((variants(moe_triton._kernel()), variants(align.count),
+                       variants(align.offsets), variants(align.scatter)))
+    assert counts[0] == (2, 1, 1, 1)  # the gated launch and the down launch; one of each align
     assert counts == [counts[0]] * len(counts), counts
 
 
