@@ -11,6 +11,9 @@
 Expert load: when the runner binds `expert_counts` (a row [E] int64 of its per-layer counter),
 every forward adds the tokens routed to each expert, on the device, with no host sync. A CUDA
 graph's padding rows are left out through `count_mask` ([T] int64, 1 = a real token).
+
+On CUDA the routing and the count run as one Triton kernel (kernels/routing_triton.py; the same
+ops up to a few fp32 ulps and the order of exact ties); elsewhere the torch reference runs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.kernels.routing import select_experts
+from moeserve.kernels.routing_triton import MAX_EXPERTS, select_experts_triton
 
 # fn(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]
 MoeBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -52,6 +56,14 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.gate)  # [T, E]
+        if x.is_cuda and router_logits.shape[1] <= MAX_EXPERTS:
+            mask = self.count_mask
+            if mask is not None and mask.shape[0] != x.shape[0]:
+                raise ValueError(f"count_mask has {mask.shape[0]} rows for {x.shape[0]} tokens")
+            topk_weights, topk_ids = select_experts_triton(
+                router_logits, self.top_k, self.renormalize, counts=self.expert_counts,
+                count_mask=mask if self.expert_counts is not None else None)
+            return self.backend(x, self.w13, self.w2, topk_weights, topk_ids)  # [T, hidden]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         if self.expert_counts is not None:
             # NOTE: scatter_add_, not bincount: bincount syncs with the host

@@ -78,3 +78,17 @@ def test_rms_norm_compiles_once_across_row_counts() -> None:
         torch.cuda.synchronize()
         counts.append(variants(rmsnorm_triton._kernels().rms_norm))
     assert counts == [1] * len(counts), counts
+
+
+def test_routing_compiles_once_across_token_counts() -> None:
+    from moeserve.kernels import routing_triton
+
+    counts = torch.zeros(128, dtype=torch.int64, device="cuda")
+    seen = []
+    for tokens in (3, 16, 37, 64, 129, 1000):
+        logits = torch.randn(tokens, 128, device="cuda", dtype=torch.bfloat16)
+        mask = torch.ones(tokens, dtype=torch.int64, device="cuda")
+        routing_triton.select_experts_triton(logits, 8, True, counts=counts, count_mask=mask)
+        torch.cuda.synchronize()
+        seen.append(variants(routing_triton._kernels().route))
+    assert seen == [1] * len(seen), seen
