@@ -46,4 +46,7 @@ def test_capacity_report_names_the_moe_tile_configs() -> None:
     assert all(not c["tuned"] and c["source"] == "default" for c in configs.values())
     assert any(line.split()[:3] == ["MoE", "tile", "configs"] and "NOT tuned (defaults)" in line
                for line in report.format().splitlines())
+    tiles_line = next(line for line in report.format().splitlines()
+                      if line.split()[:4] == ["MoE", "tiles", "by", "tokens"])
+    assert f"1: {configs['1']['tiles']}" in tiles_line and "+down" not in tiles_line
     assert LLM("tiny-moe", device="cpu", moe_backend="grouped_mm").report.moe_configs == {}

@@ -8,8 +8,10 @@ The client starts the engine process, validates requests before they leave (so a
 a ValueError naming its problem and never reaches the engine), bounds the number of requests in
 flight (QueueFullError beyond max_running_requests + max_waiting_requests: the server's 429),
 detokenizes each step's tokens and applies stop strings, and aborts a request in the engine when
-its consumer goes away. ZMQ does not report a dead peer, so a watchdog polls the engine process:
-when it dies, `alive` turns False and every waiting generate() raises EngineDeadError at once.
+its consumer goes away. A consumer that falls behind gets the steps waiting in its queue merged
+into one output (fewer detokenizations and SSE events when the API process is the busy one).
+ZMQ does not report a dead peer, so a watchdog polls the engine process: when it dies, `alive`
+turns False and every waiting generate() raises EngineDeadError at once.
 """
 
 from __future__ import annotations
@@ -174,10 +176,20 @@ class AsyncEngineClient:
         try:
             self._send(p.AddRequest(request_id, list(prompt_token_ids),
                                     p.WireSamplingParams.from_params(params), self._client))
+            carry = None  # an item taken while coalescing that must come on its own
             while not finished:
-                item = await queue.get()
+                item, carry = (carry if carry is not None else await queue.get()), None
                 if isinstance(item, BaseException):
                     raise item
+                # NOTE: when the consumer fell behind (a busy API process), the steps waiting
+                # in the queue become one output: one detokenisation, one SSE event, instead
+                # of one per step. A caller keeping up sees one output per step, as before.
+                while not item.finished and item.error is None and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, BaseException) or nxt.error is not None:
+                        carry = nxt
+                        break
+                    item = _merge(item, nxt)
                 out = self._to_output(item, prompt_token_ids)
                 finished = out.finished
                 yield out
@@ -262,6 +274,15 @@ class AsyncEngineClient:
             self._from_engine.close(linger=0)
             self._ctx.term()
             self._ctx = None
+
+
+def _merge(a: p.WireOutput, b: p.WireOutput) -> p.WireOutput:
+    """Two consecutive outputs of one request as one: b's tokens after a's, b's end state."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else \
+        (a.logprobs or []) + (b.logprobs or [])
+    return p.WireOutput(a.request_id, a.new_token_ids + b.new_token_ids, b.finished,
+                        b.finish_reason, b.stop_reason, logprobs,
+                        max(a.num_cached_tokens, b.num_cached_tokens), b.error)
 
 
 def spawn_engine(engine_kwargs: dict, ipc_dir: str, num_clients: int) -> Any:

@@ -215,16 +215,19 @@ class EngineCore:
 
 def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
                  device_name: str) -> dict[str, dict]:
-    """The fused-MoE tile config at a few batch sizes, and whether each was tuned (report)."""
+    """The fused-MoE tile config at a few batch sizes, and whether each was tuned (report).
+    "tiles" names the config (`config_key`: M.._N.._K.._G.._w.._s.., then +down_N.. when the
+    down launch has its own tiles)."""
     if cfg.moe_backend not in ("triton", "measured") or not mc.num_experts:
         return {}
-    from moeserve.kernels.moe_configs import get_moe_config
+    from moeserve.kernels.moe_configs import config_key, get_moe_config
 
     sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
     choices = {n: get_moe_config(mc.num_experts, mc.hidden_size, mc.moe_intermediate_size,
                                  mc.num_experts_per_tok, dtype, n, device_name) for n in sizes}
     measured = cfg.moe_backend == "measured"
-    return {str(n): {"config": c.config, "tuned": c.tuned, "source": c.source,
+    return {str(n): {"config": c.config, "tiles": config_key(c.config), "tuned": c.tuned,
+                     "source": c.source,
                      "backend": c.backend if measured else "triton",
                      "tuned_tokens": c.tuned_tokens}
             for n, c in choices.items()}

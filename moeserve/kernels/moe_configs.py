@@ -1,15 +1,26 @@
 """Tile configs of the Triton fused-MoE kernel and the backend per batch size: the lookup.
 
-A config is a dict BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, used by both GEMMs
-of `moe_triton` (BLOCK_M must be shared: it sets the expert-sorted padding). Tuned configs live in
-one JSON file per (device, dtype, E, H, I, Triton version), named by `config_file_name`:
+A config is a dict BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages (CONFIG_KEYS) for
+the two launches of `moe_triton`, plus an optional "down": {BLOCK_N, BLOCK_K, GROUP_M, num_warps,
+num_stages} (DOWN_KEYS) for the second (down) launch alone; without it both launches use the
+top-level tiles. BLOCK_M is always shared: it sets the expert-sorted padding of the one align.
+`check_config` validates both parts (a bad value raises a ValueError naming the key and value),
+`down_tiles` gives the down launch's full tiles, `split_config` joins a gated and a down pick
+(adding "down" only where they differ), `config_key` names a config (M64_N64_K64_G8_w4_s4, then
++down_N128_K64_G8_w8_s3 when split). Tuned configs live in one JSON file per (device, dtype, E,
+H, I, Triton version), named by `config_file_name`:
 
     {"meta":       {"device_name", "dtype", "E", "H", "I", "top_k", "triton", "torch"},
-     "configs":    {"<num_tokens>": {BLOCK_M.., "ms": best Triton time,
+     "configs":    {"<num_tokens>": {BLOCK_M.., ["down": {BLOCK_N..}], "ms": the Triton MoE's
+                                     time with these tiles (align, both launches, combine),
                                      "grouped_mm_ms": torch._grouped_mm's time (when measured),
                                      "backend": "triton" | "grouped_mm" (the faster)}},
-     "trials":     {"<num_tokens>": {"<candidate key>": ms | "error: ..."}},  <- Triton ledger
-     "grouped_mm": {"<num_tokens>": ms | "error: ..."}}                       <- its ledger
+     "trials":     {"<num_tokens>": {"<part>:<key>": ms | "error: ..."}},  <- Triton ledger
+     "grouped_mm": {"<num_tokens>": ms | "error: ..."}}                    <- its ledger
+
+(the ledger's parts are `moe_tune.py`'s; files of older tuners hold plain candidate keys there,
+whole-op times, which are kept but not reused). Entries are validated on load
+(`parse_entry`), so a bad file fails at start-up naming the file and token count.
 
 `get_moe_config` looks in $MOESERVE_MOE_CONFIG_DIR (if set), then in the package's
 `kernels/configs/moe/` (committed tunes), then in the user cache (`tune_dir()`, where a tune at
@@ -34,15 +45,18 @@ import torch
 from moeserve import envs
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+DOWN_KEYS = CONFIG_KEYS[1:]  # an optional "down" entry: the down launch's own tiles, no BLOCK_M
 PACKAGE_CONFIG_DIR = Path(__file__).parent / "configs" / "moe"
 CONFIG_DIR_ENV = envs.MOE_CONFIG_DIR
 BACKENDS = ("triton", "grouped_mm")  # what a tuned entry's "backend" may name
 MAX_TUNE_TOKENS = 8192  # engine_token_counts stops here: past it the GEMMs are compute-bound
+
+
 @dataclass(frozen=True)
 class MoeConfigChoice:
     """The tile config for one call, whether it came from a tuned file, and which."""
 
-    config: dict[str, int]
+    config: dict  # CONFIG_KEYS, plus "down" (DOWN_KEYS) when the down launch has its own tiles
     tuned: bool
     source: str  # the JSON path, or "default"
     backend: str = "triton"  # the backend the tune measured faster at tuned_tokens
@@ -77,7 +91,8 @@ def tune_dir() -> Path:
 
 
 def default_moe_config(num_experts: int, top_k: int, num_tokens: int) -> dict[str, int]:
-    """In-code fallback: small tiles while few tokens reach each expert, larger ones after."""
+    """In-code fallback: small tiles while few tokens reach each expert, larger ones after (one
+    set for both launches)."""
     per_expert = num_tokens * top_k / max(num_experts, 1)
     if per_expert <= 16:  # decode: each expert reads its weights for a handful of rows
         return tile_config(16, 64, 128, 1, 4, 4)
@@ -101,8 +116,7 @@ def get_moe_config(num_experts: int, hidden: int, inter: int, top_k: int, dtype:
         path, table = found
         nearest = nearest_token_count(table, num_tokens)
         entry = table[nearest]
-        return MoeConfigChoice({k: entry[k] for k in CONFIG_KEYS}, True, path,
-                               entry["backend"], nearest)
+        return MoeConfigChoice(entry_config(entry), True, path, entry["backend"], nearest)
     config = fit_shared_memory(default_moe_config(num_experts, top_k, num_tokens),
                                torch.empty((), dtype=dtype).element_size())
     return MoeConfigChoice(config, False, "default")
@@ -111,28 +125,126 @@ def get_moe_config(num_experts: int, hidden: int, inter: int, top_k: int, dtype:
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes per block: under an H100/H200's 227 KiB, with room
 
 
-def fit_shared_memory(config: dict[str, int], elem_size: int) -> dict[str, int]:
+def fit_shared_memory(config: dict, elem_size: int) -> dict:
     """The default tiles are sized for 2-byte dtypes: for wider ones (fp32) drop pipeline
-    stages, then halve BLOCK_K, until the gated GEMM's tiles, (BLOCK_M + 2 BLOCK_N) x BLOCK_K
-    per stage, fit SHARED_MEMORY_BUDGET."""
-    config = dict(config)
+    stages, then halve BLOCK_K, until the tiles fit SHARED_MEMORY_BUDGET. The gated launch holds
+    (BLOCK_M + 2 BLOCK_N) x BLOCK_K per stage (x rows, gate and up columns); the down launch
+    (BLOCK_M + BLOCK_N) x BLOCK_K, with its own tiles when the config has "down" (else the
+    top-level ones, which then fit a fortiori). BLOCK_M is shared and never changed."""
+    block_m = config["BLOCK_M"]
+    fitted = _fit_tiles(config, block_m, elem_size, b_tiles=2)
+    if "down" in config:
+        fitted["down"] = _fit_tiles(config["down"], block_m, elem_size, b_tiles=1)
+    return fitted
 
-    def need() -> int:
-        return ((config["BLOCK_M"] + 2 * config["BLOCK_N"]) * config["BLOCK_K"] * elem_size
-                * config["num_stages"])
 
-    while need() > SHARED_MEMORY_BUDGET and config["num_stages"] > 2:
-        config["num_stages"] -= 1
-    while need() > SHARED_MEMORY_BUDGET and config["BLOCK_K"] > 16:
-        config["BLOCK_K"] //= 2
+def shared_memory_bytes(config: dict, elem_size: int) -> tuple[int, int]:
+    """(gated, down) launch's shared memory per block for `config`'s tiles: the operand tiles
+    of every pipeline stage, as `fit_shared_memory` counts them."""
+    down = down_tiles(config)
+    return (_tile_bytes(config, config["BLOCK_M"], elem_size, 2),
+            _tile_bytes(down, config["BLOCK_M"], elem_size, 1))
+
+
+def _tile_bytes(tiles: dict, block_m: int, elem_size: int, b_tiles: int) -> int:
+    return ((block_m + b_tiles * tiles["BLOCK_N"]) * tiles["BLOCK_K"] * elem_size
+            * tiles["num_stages"])
+
+
+def _fit_tiles(tiles: dict, block_m: int, elem_size: int, b_tiles: int) -> dict:
+    tiles = dict(tiles)
+    while (_tile_bytes(tiles, block_m, elem_size, b_tiles) > SHARED_MEMORY_BUDGET
+           and tiles["num_stages"] > 2):
+        tiles["num_stages"] -= 1
+    while (_tile_bytes(tiles, block_m, elem_size, b_tiles) > SHARED_MEMORY_BUDGET
+           and tiles["BLOCK_K"] > 16):
+        tiles["BLOCK_K"] //= 2
+    return tiles
+
+
+def down_tiles(config: dict) -> dict[str, int]:
+    """The down launch's full tiles (CONFIG_KEYS): the shared BLOCK_M with the "down" entry's
+    tiles, or the top-level ones when there is none."""
+    down = config.get("down") or config
+    return {"BLOCK_M": config["BLOCK_M"], **{k: down[k] for k in DOWN_KEYS}}
+
+
+def split_config(gated: dict, down: dict) -> dict:
+    """One config from the gated launch's tiles and the down launch's (both with the same
+    BLOCK_M): the gated ones at the top level, "down" added only when the two differ."""
+    if gated["BLOCK_M"] != down["BLOCK_M"]:
+        raise ValueError(f"the two launches share BLOCK_M: gated {gated['BLOCK_M']}, "
+                         f"down {down['BLOCK_M']}")
+    config = {k: gated[k] for k in CONFIG_KEYS}
+    down_part = {k: down[k] for k in DOWN_KEYS}
+    if down_part != {k: gated[k] for k in DOWN_KEYS}:
+        config["down"] = down_part
     return config
+
+
+def entry_config(entry: dict) -> dict:
+    """The tile config of a tuned entry (CONFIG_KEYS, and "down" when it has one)."""
+    config: dict = {k: entry[k] for k in CONFIG_KEYS}
+    if "down" in entry:
+        config["down"] = dict(entry["down"])
+    return config
+
+
+def config_key(config: dict) -> str:
+    """M16_N64_K128_G1_w4_s4, then +down_N128_K64_G8_w8_s3 when the down launch has its own
+    tiles: a config's name in the tuner's ledger and in reports."""
+    key = "M{BLOCK_M}_N{BLOCK_N}_K{BLOCK_K}_G{GROUP_M}_w{num_warps}_s{num_stages}".format(**config)
+    if "down" in config:
+        key += "+down_N{BLOCK_N}_K{BLOCK_K}_G{GROUP_M}_w{num_warps}_s{num_stages}".format(
+            **config["down"])
+    return key
+
+
+def check_config(config: dict, what: str = "MoE tile config") -> None:
+    """Raise a ValueError naming the key and value when `config` cannot run: a missing key,
+    BLOCK_M/N/K not a power of two >= 16 (tl.dot), GROUP_M or num_stages < 1, num_warps not a
+    power of two; an optional "down" must be a dict of exactly DOWN_KEYS (BLOCK_M is shared),
+    checked the same way. Keys other than CONFIG_KEYS and "down" at the top level are ignored."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{what} must be a dict, got {type(config).__name__}: {config!r}")
+    _check_tiles(config, CONFIG_KEYS, what)
+    if "down" not in config:
+        return
+    down = config["down"]
+    if not isinstance(down, dict):
+        raise ValueError(f"{what}: 'down' must be a dict of {list(DOWN_KEYS)}, got "
+                         f"{type(down).__name__}: {down!r}")
+    if "BLOCK_M" in down:
+        raise ValueError(f"{what}: 'down' must not set BLOCK_M (got {down['BLOCK_M']!r}): both "
+                         "launches share the top-level BLOCK_M (the align's block size)")
+    unknown = sorted(set(down) - set(DOWN_KEYS), key=str)
+    if unknown:
+        raise ValueError(f"{what}: 'down' holds unknown keys {unknown} (allowed: "
+                         f"{list(DOWN_KEYS)}): {down!r}")
+    _check_tiles(down, DOWN_KEYS, f"{what} 'down'")
+
+
+def _check_tiles(tiles: dict, keys: Sequence[str], what: str) -> None:
+    missing = [k for k in keys if k not in tiles]
+    if missing:
+        raise ValueError(f"{what} lacks {missing}: {tiles}")
+    for key in keys:
+        value = tiles[key]
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{what} {key} must be an int, got {value!r}")
+        if key.startswith("BLOCK_") and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{what} {key} must be a power of two >= 16 (tl.dot), got {value}")
+        if key in ("GROUP_M", "num_stages") and value < 1:
+            raise ValueError(f"{what} {key} must be >= 1, got {value}")
+        if key == "num_warps" and (value < 1 or value & (value - 1)):
+            raise ValueError(f"{what} {key} must be a power of two >= 1, got {value}")
 
 
 def find_tuned(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
                device_name: str) -> tuple[str, dict[int, dict]] | None:
     """(path, {num_tokens: entry}) of the first config folder with a finished entry for this
-    shape, or None. An entry holds CONFIG_KEYS and "backend" (plus "ms", "grouped_mm_ms" when
-    recorded)."""
+    shape, or None. An entry holds CONFIG_KEYS and "backend" (plus "down", "ms",
+    "grouped_mm_ms" when recorded)."""
     name = config_file_name(num_experts, hidden, inter, dtype, device_name)
     for directory in _config_dirs():
         path = str(directory / name)
@@ -180,11 +292,28 @@ def _load_tuned(path: str) -> dict[int, dict]:
         return {}
     with open(path) as f:
         doc = json.load(f)
-    return {int(n): parse_entry(cfg) for n, cfg in doc.get("configs", {}).items()}
+    table = {}
+    for n, raw in doc.get("configs", {}).items():
+        try:
+            table[int(n)] = parse_entry(raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"{path}: the entry for {n} tokens: {exc}") from exc
+    return table
 
 
 def parse_entry(raw: dict) -> dict:
-    entry: dict = {k: int(raw[k]) for k in CONFIG_KEYS}
+    """A tuned entry as the lookup uses it: the tiles as ints (and "down" when present,
+    validated by `check_config`), "backend" (default "triton"), "ms"/"grouped_mm_ms" as floats."""
+    missing = [k for k in CONFIG_KEYS if k not in raw]
+    if missing:
+        raise ValueError(f"tuned MoE entry lacks {missing}: {raw}")
+    entry: dict = {k: _as_int(raw[k], k) for k in CONFIG_KEYS}
+    if "down" in raw:
+        down = raw["down"]
+        if isinstance(down, dict):  # else check_config names it
+            down = {k: _as_int(v, f"'down' {k}") for k, v in down.items()}
+        entry["down"] = down
+    check_config(entry, "tuned MoE entry")
     backend = raw.get("backend", "triton")
     if backend not in BACKENDS:
         raise ValueError(f"tuned MoE entry names backend {backend!r}, not one of {BACKENDS}")
@@ -193,6 +322,19 @@ def parse_entry(raw: dict) -> dict:
         if key in raw:
             entry[key] = float(raw[key])
     return entry
+
+
+def _as_int(value: object, key: str) -> int:
+    """A JSON tile value as an int (64, 64.0 or "64", as int() reads it); 64.5, "x" or a bool
+    are refused, naming the key."""
+    try:
+        as_int = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        as_int = None
+    if as_int is None or isinstance(value, bool) or (isinstance(value, float)
+                                                     and value != as_int):
+        raise ValueError(f"tuned MoE entry {key} must be an integer, got {value!r}")
+    return as_int
 
 
 _CACHE_CLEARERS: list[Callable[[], None]] = [_load_tuned.cache_clear]

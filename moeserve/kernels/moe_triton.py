@@ -20,6 +20,11 @@ epilogue, and the routing weight into the second's. "sum" (the default) is deter
 same inputs give the same bits, eager or in a CUDA graph. "atomic" writes T * H fp32 instead of
 M * H, but the order of the k additions varies from run to run.
 
+Tiles: one config (`moe_configs`) for both launches, BLOCK_M shared (it is the align's block
+size); its optional "down" entry gives launch 2 its own BLOCK_N, BLOCK_K, GROUP_M, num_warps and
+num_stages (the two GEMMs differ: N = I with two accumulators vs N = H with one, and a tune may
+find different best tiles for each). Without "down" launch 2 uses the top-level tiles.
+
 Weights are read in place through their strides as [BLOCK_K, BLOCK_N] tiles of w[e] (no copy or
 transpose). Padded rows (sentinel pair M) load zeros and are never stored; blocks past the used
 ones (expert id -1) return at once, and experts with no pairs have no blocks. Nothing reads a
@@ -38,7 +43,7 @@ from typing import Any
 import torch
 
 from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
-from moeserve.kernels.moe_configs import CONFIG_KEYS, get_moe_config
+from moeserve.kernels.moe_configs import check_config, down_tiles, get_moe_config
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _COMBINES = ("sum", "atomic")
@@ -48,7 +53,7 @@ tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
 
 def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-               config: dict[str, int] | None = None, combine: str = "sum",
+               config: dict | None = None, combine: str = "sum",
                align: str = "triton") -> torch.Tensor:
     """Routed experts through two launches of `_fused_moe_kernel` (see the module docstring).
 
@@ -58,7 +63,8 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w2: [E, H, I], x's dtype, last dim contiguous.
         topk_weights: [T, k] float32, contiguous.
         topk_ids: [T, k] integer expert ids in [0, E) (not checked: that would sync).
-        config: tile config (keys of `moe_configs.CONFIG_KEYS`); default: `get_moe_config`.
+        config: tile config (keys of `moe_configs.CONFIG_KEYS`, plus an optional "down" with the
+            down launch's own tiles, `moe_configs.DOWN_KEYS`); default: `get_moe_config`.
         combine: "sum" (deterministic) or "atomic" (fp32 atomics), how the k slots are added.
         align: "triton" (one launch) or "torch" (~25 small kernels): the expert sort.
     Returns:
@@ -76,18 +82,19 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _check_config(config)
     sorted_ids, expert_ids, _ = _ALIGNS[align](topk_ids, num_experts, config["BLOCK_M"])
     num_pairs = num_tokens * top_k
+    down = down_tiles(config)  # launch 2's tiles: config["down"] or the top-level ones
 
     act = x.new_empty(num_pairs, inter)  # [M, I], row = pair
     _launch(x, w13, act, topk_weights, sorted_ids, expert_ids, num_pairs, config,
             a_row_div=top_k, c_row_div=1, gated=True, atomic=False)
     if combine == "atomic" and top_k > 1:
         out32 = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [T, H]
-        _launch(act, w2, out32, topk_weights, sorted_ids, expert_ids, num_pairs, config,
+        _launch(act, w2, out32, topk_weights, sorted_ids, expert_ids, num_pairs, down,
                 a_row_div=1, c_row_div=top_k, gated=False, atomic=True)
         return out32.to(x.dtype)
     out = x.new_empty(num_tokens, top_k, hidden)  # [T, k, H], row pair = t * k + i
     _launch(act, w2, out.view(num_pairs, hidden), topk_weights, sorted_ids, expert_ids,
-            num_pairs, config, a_row_div=1, c_row_div=1, gated=False, atomic=False)
+            num_pairs, down, a_row_div=1, c_row_div=1, gated=False, atomic=False)
     return out.view(num_tokens, hidden) if top_k == 1 else out.sum(dim=1)
 
 
@@ -95,7 +102,9 @@ def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: tor
             sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_pairs: int,
             config: dict[str, int], *, a_row_div: int, c_row_div: int, gated: bool,
             atomic: bool) -> None:
-    """One grouped GEMM: c[rows] = a[rows] @ w[e].T over expert-sorted row blocks.
+    """One grouped GEMM: c[rows] = a[rows] @ w[e].T over expert-sorted row blocks, with the
+    top-level tiles of `config` (CONFIG_KEYS; a "down" entry is not read here: pass
+    `down_tiles(config)` for the down launch).
 
     gated: w is w13 ([E, 2I, H]); N = I and the program computes silu(gate) * up.
     Otherwise w is w2 ([E, H, I]); N = H and rows are scaled by their routing weight.
@@ -216,14 +225,10 @@ def _check_options(device: torch.device, combine: str, align: str) -> None:
                          "Triton's interpreter (TRITON_INTERPRET=1 before importing triton)")
 
 
-def _check_config(config: dict[str, int]) -> None:
-    missing = [k for k in CONFIG_KEYS if k not in config]
-    if missing:
-        raise ValueError(f"MoE tile config lacks {missing}: {config}")
-    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-        value = config[key]
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"{key} must be a power of two >= 16 (tl.dot), got {value}")
+def _check_config(config: dict) -> None:
+    """The tiles of both launches (`moe_configs.check_config`: a ValueError naming the key and
+    value; host-side only, no sync)."""
+    check_config(config)
 
 
 def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

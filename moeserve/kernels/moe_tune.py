@@ -1,16 +1,30 @@
 """The tuner of the fused-MoE tile configs (the files `moe_configs.py` reads).
 
-`tune_moe` times every candidate at every token count, and torch._grouped_mm once per token
-count, with the same timer (`time_in_graph`: calls captured in one CUDA graph, a few replays);
-it writes the file after each one (atomically), and on a rerun skips what the ledgers already
-hold, so a killed tune resumes where it stopped. A candidate that fails to compile or run is
-recorded as an error and skipped. With a time budget it stops before the next candidate once
-the budget is spent, and a later run picks up from there.
+`moe_triton` runs two launches that share BLOCK_M (the align's block size) but may each take
+their own other tiles (a config's "down" entry). So `tune_moe` searches per token count and per
+candidate BLOCK_M (the candidates grouped by BLOCK_M): it times the align once, then the gated
+launch under every candidate tile, then the down launch under every candidate tile, each apart;
+it combines the best gated and the best down tile (`best_split`), and the BLOCK_M with the least
+align + gated + down wins. That winner is then timed whole (`moe_triton`: align, both launches,
+the combine), which is the entry's "ms", compared with torch._grouped_mm's time at that token
+count (the entry's "backend"). Every timing uses the same timer (`time_in_graph`: calls captured
+in one CUDA graph, a few replays). With n tiles per BLOCK_M that is 2n launch timings (each tile
+compiles once per launch, as before), not the n^2 of timing every gated/down pair.
+
+The ledger (the file's "trials") holds each timing under "<part>:<key>" (`trial_key`: parts
+align, gated, down, moe); the file is written after each one (atomically), and a rerun skips
+what the ledger already holds, so a killed tune resumes where it stopped. (Plain candidate keys
+in "trials", whole-op times of an older tuner, are left there and not reused: such a token
+count is timed again by parts.) A part that fails to compile or run is recorded as an error and
+skipped. With a time budget it stops before the next timing once the budget is spent, and a
+later run picks up from there. The entry keeps the top-level tiles of the best gated launch and
+adds "down" only when the best down tiles differ.
 
 `tune_for_engine` tunes the batch sizes an engine runs (`engine_token_counts`: powers of two up
-to its max batched tokens) over the quick grid (`quick_moe_candidates`, <= 12 per token count);
-`ensure_tuned` is the start-up entry: it returns at once when a tuned file covers the shape and
-otherwise tunes into the user cache within a time budget.
+to its max batched tokens) over the quick grid (`quick_moe_candidates`: <= 6 tiles for each of
+the BLOCK_M values from tokens-per-expert / 2 up, the same lists at every token count so that
+each variant compiles once per tune); `ensure_tuned` is the start-up entry: it returns at once
+when a tuned file covers the shape and otherwise tunes into the user cache within a time budget.
 """
 
 from __future__ import annotations
@@ -33,9 +47,12 @@ from moeserve.kernels.moe_configs import (
     MAX_TUNE_TOKENS,
     clear_caches,
     config_file_name,
+    config_key,
+    down_tiles,
     engine_token_counts,
     find_tuned,
     parse_entry,
+    split_config,
     tile_config,
     triton_version,
     tune_dir,
@@ -43,7 +60,13 @@ from moeserve.kernels.moe_configs import (
 
 DEFAULT_TUNE_BUDGET_S = 240.0  # ensure_tuned's default time budget
 
-Timer = Callable[[dict, int], float]  # (config, num_tokens) -> ms; raises if the config fails
+# What one timing measures (the first argument of a Timer):
+#   "align": moe_align_block_size_triton at config["BLOCK_M"] (config holds only BLOCK_M)
+#   "gated": launch 1 (x @ w13, SiLU-mul) alone with config's top-level tiles
+#   "down":  launch 2 (act @ w2, weighted) alone with config's top-level tiles
+#   "moe":   the whole moe_triton with config (its "down" tiles, if any, for launch 2)
+PARTS = ("align", "gated", "down", "moe")
+Timer = Callable[[str, dict, int], float]  # (part, config, num_tokens) -> ms; raises on failure
 BaselineTimer = Callable[[int], float]  # num_tokens -> ms of torch._grouped_mm; may raise
 
 
@@ -57,7 +80,8 @@ class TuneOutcome(NamedTuple):
 
 
 def moe_tune_candidates(num_experts: int, top_k: int, num_tokens: int) -> list[dict[str, int]]:
-    """The search grid at one token count (~50-150 configs): BLOCK_M limited by tokens/expert."""
+    """The full search grid at one token count (~50-150 tiles, each timed for both launches):
+    BLOCK_M limited by tokens/expert."""
     per_expert = num_tokens * top_k / max(num_experts, 1)
     block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * per_expert)
                 and m >= min(64, per_expert / 4)]
@@ -70,7 +94,8 @@ def moe_tune_candidates(num_experts: int, top_k: int, num_tokens: int) -> list[d
 
 
 # Quick grid: per BLOCK_M a fixed list (best guesses first), shared by every token count so that
-# each config compiles once per tune. (BLOCK_N, BLOCK_K, num_warps, num_stages); GROUP_M is 1 at
+# each tile compiles once per launch per tune; the gated and the down launch each try the whole
+# list and keep their own best. (BLOCK_N, BLOCK_K, num_warps, num_stages); GROUP_M is 1 at
 # BLOCK_M 16 (about one block per expert) and 8 above. Shared memory per stage of the gated
 # launch is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: every entry fits the H100/H200's 227 KB.
 _QUICK = {
@@ -83,23 +108,24 @@ _QUICK = {
     128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 8, 3), (128, 128, 8, 2),
           (64, 64, 8, 5)],
 }
-QUICK_PER_BLOCK_M = 6  # configs per BLOCK_M when two BLOCK_M values are tried
+QUICK_PER_BLOCK_M = 6  # tiles per BLOCK_M when several BLOCK_M values are tried
 
 
 def quick_moe_candidates(num_experts: int, top_k: int, num_tokens: int) -> list[dict[str, int]]:
-    """The quick grid at one token count: <= 12 configs over the one or two BLOCK_M values that
-    fit the tokens per expert (16 alone while <= 8 reach an expert)."""
+    """The quick grid at one token count: <= 18 tiles (each timed for both launches) over the
+    BLOCK_M values that fit the tokens per expert (<= 2x it): the two largest, and any down to
+    half of it (16 alone while <= 8 reach an expert; 32, 64 and 128 at 64 per expert)."""
     per_expert = num_tokens * top_k / max(num_experts, 1)
     fitting = [m for m in _QUICK if m <= max(16, 2 * per_expert)]
-    block_ms = fitting[-2:]
+    block_ms = [m for i, m in enumerate(fitting) if i >= len(fitting) - 2 or m >= per_expert / 2]
     per_block_m = QUICK_PER_BLOCK_M if len(block_ms) > 1 else len(_QUICK[block_ms[0]])
     return [tile_config(m, n, k, 1 if m == 16 else 8, warps, stages)
             for m in block_ms for n, k, warps, stages in _QUICK[m][:per_block_m]]
 
 
-def candidate_key(config: dict[str, int]) -> str:
-    """M16_N64_K128_G1_w4_s4: the ledger key of a config."""
-    return "M{BLOCK_M}_N{BLOCK_N}_K{BLOCK_K}_G{GROUP_M}_w{num_warps}_s{num_stages}".format(**config)
+def candidate_key(config: dict) -> str:
+    """M16_N64_K128_G1_w4_s4: the name of a candidate's top-level tiles (any "down" ignored)."""
+    return config_key({k: config[k] for k in CONFIG_KEYS})
 
 
 def tune_moe(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
@@ -109,16 +135,19 @@ def tune_moe(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch
              device_name: str | None = None, time_budget_s: float | None = None,
              weights: tuple[torch.Tensor, torch.Tensor] | None = None,
              log: Callable[[str], None] = print) -> dict[int, dict]:
-    """Time the candidates, and grouped_mm, at each token count; write the JSON after every
-    one; resumable; stops once `time_budget_s` is spent (a rerun continues).
+    """Tune the tiles at each token count (see the module docstring), and time grouped_mm;
+    write the JSON after every timing; resumable; stops once `time_budget_s` is spent (a rerun
+    continues).
 
-    The default timer builds random inputs on the current CUDA device (or uses `weights`,
-    (w13, w2), e.g. the model's own) and times `moe_triton` (alignment, both GEMMs, combine)
-    and `moe_grouped_mm` on the same inputs with `time_in_graph`. `timer` and `baseline_timer`
-    are the seams for tests; with a custom `timer` and no `baseline_timer`, grouped_mm is not
-    measured and every entry picks "triton".
-    Returns {num_tokens: entry} for the finished token counts of the file (CONFIG_KEYS, "ms",
-    "backend", "grouped_mm_ms" when measured).
+    `candidates(num_tokens)` gives tile configs (CONFIG_KEYS; a "down" in them is ignored):
+    grouped by BLOCK_M, each one is tried for the gated launch and for the down launch. The
+    default timer builds random inputs on the current CUDA device (or uses `weights`, (w13,
+    w2), e.g. the model's own) and times each part, and `moe_grouped_mm`, with `time_in_graph`.
+    `timer` (part, config, num_tokens) -> ms and `baseline_timer` are the seams for tests; with
+    a custom `timer` and no `baseline_timer`, grouped_mm is not measured and every entry picks
+    "triton".
+    Returns {num_tokens: entry} for the finished token counts of the file (CONFIG_KEYS, "down"
+    when the launches' best tiles differ, "ms", "backend", "grouped_mm_ms" when measured).
     """
     if timer is None:
         if not torch.cuda.is_available():
@@ -136,28 +165,60 @@ def tune_moe(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch
     start = time.perf_counter()
     deadline = None if time_budget_s is None else start + time_budget_s
     cost = _CostModel()
+
+    def run(part: str, config: dict, num_tokens: int, trials: dict) -> bool:
+        """Time one part into the ledger (an error is recorded, not raised); False, timing
+        nothing, once the budget is spent."""
+        if deadline is not None and time.perf_counter() >= deadline:
+            log(f"tune_moe: time budget of {time_budget_s:.0f} s spent at T={num_tokens}; "
+                "rerun to resume")
+            return False
+        key = trial_key(part, config)
+        t_one = time.perf_counter()
+        try:
+            trials[key] = float(timer(part, config, num_tokens))
+        except Exception as exc:  # compile failure, out of shared memory, bad launch...
+            trials[key] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+            log(f"tune_moe T={num_tokens} {key}: skipped ({trials[key]})")
+        cost.record(key, time.perf_counter() - t_one)
+        _write_atomic(out_path, doc)
+        return True
+
     for num_tokens in token_counts:
         trials = doc["trials"].setdefault(str(num_tokens), {})
-        todo = [c for c in get_candidates(num_tokens) if candidate_key(c) not in trials]
+        grid = tiles_by_block_m(get_candidates(num_tokens))
+        todo = [k for k in _plan_keys(grid) if k not in trials]
         if todo:
-            log(f"tune_moe T={num_tokens}: {len(todo)} candidates to time, "
-                f"estimated {cost.estimate(todo):.1f} s")
+            log(f"tune_moe T={num_tokens}: {len(todo)} timings to run over BLOCK_M "
+                f"{list(grid)}, estimated {cost.estimate(todo):.1f} s")
         t_tokens = time.perf_counter()
-        for config in todo:
-            if deadline is not None and time.perf_counter() >= deadline:
-                log(f"tune_moe: time budget of {time_budget_s:.0f} s spent at T={num_tokens}; "
-                    "rerun to resume")
+        for block_m, tiles in grid.items():
+            align_key = trial_key("align", {"BLOCK_M": block_m})
+            if align_key not in trials and not run("align", {"BLOCK_M": block_m}, num_tokens,
+                                                   trials):
                 clear_caches()
                 return _finished(doc)
-            key = candidate_key(config)
-            t_one = time.perf_counter()
-            try:
-                trials[key] = float(timer(config, num_tokens))
-            except Exception as exc:  # compile failure, out of shared memory, bad launch...
-                trials[key] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
-                log(f"tune_moe T={num_tokens} {key}: skipped ({trials[key]})")
-            cost.record(config, time.perf_counter() - t_one)
-            _write_atomic(out_path, doc)
+            if not isinstance(trials[align_key], float):
+                continue  # no align at this BLOCK_M: its launches cannot run either
+            for part in ("gated", "down"):
+                for config in tiles:
+                    if trial_key(part, config) not in trials and not run(part, config,
+                                                                         num_tokens, trials):
+                        clear_caches()
+                        return _finished(doc)
+        pick = best_split(grid, trials)
+        if pick is None:
+            raise RuntimeError(f"tune_moe: every candidate failed at {num_tokens} tokens")
+        config, parts_ms = pick
+        whole_key = trial_key("moe", config)
+        if whole_key not in trials and not run("moe", config, num_tokens, trials):
+            clear_caches()
+            return _finished(doc)
+        whole = trials[whole_key]
+        ms = whole if isinstance(whole, float) else parts_ms
+        if not isinstance(whole, float):  # each part ran alone: unlikely, but say so
+            log(f"tune_moe T={num_tokens}: the whole op failed with {config_key(config)}; its "
+                "ms is the sum of its parts (align, gated, down; no combine)")
         baseline = doc["grouped_mm"].get(str(num_tokens))
         if baseline is None and baseline_timer is not None:
             try:
@@ -165,23 +226,76 @@ def tune_moe(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch
             except Exception as exc:  # unsupported dtype / shape, a sync in the capture...
                 baseline = f"error: {type(exc).__name__}: {str(exc)[:200]}"
             doc["grouped_mm"][str(num_tokens)] = baseline
-        timed = {k: v for k, v in trials.items() if isinstance(v, float)}
-        if not timed:
-            raise RuntimeError(f"tune_moe: every candidate failed at {num_tokens} tokens")
-        best = min(timed, key=timed.__getitem__)
-        entry = {**_parse_key(best), "ms": timed[best], "backend": "triton"}
+        entry = {**config, "ms": ms, "backend": "triton"}
         if isinstance(baseline, float):
             entry["grouped_mm_ms"] = baseline
-            if baseline < timed[best]:
+            if baseline < ms:
                 entry["backend"] = "grouped_mm"
         doc["configs"][str(num_tokens)] = entry
         _write_atomic(out_path, doc)
-        log(f"tune_moe T={num_tokens}: best {best} {timed[best]:.4f} ms, grouped_mm "
+        timed = [k for k, v in trials.items() if _is_part_key(k) and isinstance(v, float)]
+        failed = [k for k, v in trials.items() if _is_part_key(k) and not isinstance(v, float)]
+        log(f"tune_moe T={num_tokens}: best {config_key(config)} {ms:.4f} ms (parts "
+            f"{parts_ms:.4f} ms), grouped_mm "
             f"{baseline if not isinstance(baseline, float) else f'{baseline:.4f} ms'} -> "
-            f"{entry['backend']} ({len(timed)} timed, {len(trials) - len(timed)} failed; "
+            f"{entry['backend']} ({len(timed)} timed, {len(failed)} failed; "
             f"{time.perf_counter() - t_tokens:.1f} s, {time.perf_counter() - start:.1f} s in all)")
     clear_caches()
     return _finished(doc)
+
+
+def tiles_by_block_m(configs: Sequence[dict]) -> dict[int, list[dict[str, int]]]:
+    """{BLOCK_M: [tile configs]} in first-seen order, without repeats (by `candidate_key`);
+    a "down" entry in a candidate is dropped (each tile is tried for both launches)."""
+    grid: dict[int, dict[str, dict[str, int]]] = {}
+    for config in configs:
+        tiles = {k: config[k] for k in CONFIG_KEYS}
+        grid.setdefault(tiles["BLOCK_M"], {}).setdefault(candidate_key(tiles), tiles)
+    return {m: list(tiles.values()) for m, tiles in grid.items()}
+
+
+def best_split(grid: dict[int, list[dict[str, int]]],
+               trials: dict[str, float | str]) -> tuple[dict, float] | None:
+    """(config, align + gated + down ms) of the BLOCK_M whose align plus best gated tile plus
+    best down tile is the least (ties: the first), from the ledger; None if no BLOCK_M has all
+    three timed. The config has "down" when the two launches' best tiles differ."""
+    best: tuple[dict, float] | None = None
+    for block_m, tiles in grid.items():
+        align = trials.get(trial_key("align", {"BLOCK_M": block_m}))
+        picks = []
+        for part in ("gated", "down"):
+            timed = [(trials[trial_key(part, c)], i, c) for i, c in enumerate(tiles)
+                     if isinstance(trials.get(trial_key(part, c)), float)]
+            if timed:
+                picks.append(min(timed, key=lambda t: t[:2]))
+        if not isinstance(align, float) or len(picks) < 2:
+            continue
+        (gated_ms, _, gated), (down_ms, _, down) = picks
+        total = align + gated_ms + down_ms
+        if best is None or total < best[1]:
+            best = split_config(gated, down), total
+    return best
+
+
+def trial_key(part: str, config: dict) -> str:
+    """The ledger key of one timing: "align:M64", "gated:M64_N64_K64_G8_w4_s4",
+    "down:M64_N128_K64_G8_w8_s3", "moe:M64_N64_K64_G8_w4_s4+down_N128_K64_G8_w8_s3"."""
+    if part == "align":
+        return f"align:M{config['BLOCK_M']}"
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    return f"{part}:{config_key(config) if part == 'moe' else candidate_key(config)}"
+
+
+def _plan_keys(grid: dict[int, list[dict[str, int]]]) -> list[str]:
+    """Every timing key of one token count's search (the whole-op one excepted)."""
+    return [key for m, tiles in grid.items()
+            for key in [trial_key("align", {"BLOCK_M": m})]
+            + [trial_key(part, c) for part in ("gated", "down") for c in tiles]]
+
+
+def _is_part_key(key: str) -> bool:
+    return key.split(":", 1)[0] in PARTS
 
 
 def tune_for_engine(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
@@ -247,11 +361,12 @@ def ensure_tuned(num_experts: int, hidden: int, inter: int, top_k: int, dtype: t
 
 def estimate_tune_seconds(candidates: Sequence[Sequence[dict[str, int]]]) -> float:
     """A prior for a whole tune (candidate lists per token count), before anything is timed:
-    each distinct config compiles once (two kernels), every candidate then costs a capture and
-    a few replays."""
-    total = sum(map(len, candidates))
-    distinct = len({candidate_key(c) for cs in candidates for c in cs})
-    return distinct * _CostModel.PRIOR_NEW_S + (total - distinct) * _CostModel.PRIOR_SEEN_S
+    per token count an align per BLOCK_M, each tile for each launch and one whole-op timing;
+    each distinct (part, tiles) compiles once, every timing costs a capture and a few replays."""
+    keys = [k for cs in candidates for k in _plan_keys(tiles_by_block_m(cs))]
+    distinct = len(set(keys))
+    seen = len(keys) - distinct + len(candidates)  # + the whole-op timings (compiled by then)
+    return distinct * _CostModel.PRIOR_NEW_S + seen * _CostModel.PRIOR_SEEN_S
 
 
 def time_in_graph(fn: Callable[[], object], calls: int = 10, replays: int = 10) -> float:
@@ -279,11 +394,6 @@ def time_in_graph(fn: Callable[[], object], calls: int = 10, replays: int = 10) 
         times.append(start.elapsed_time(end) / calls)
     del graph
     return statistics.median(times)
-
-
-def _parse_key(key: str) -> dict[str, int]:
-    values = [int(part[1:]) for part in key.split("_")]
-    return dict(zip(CONFIG_KEYS, values))
 
 
 def _finished(doc: dict) -> dict[int, dict]:
@@ -315,38 +425,46 @@ def _write_atomic(path: Path, doc: dict) -> None:
 
 
 class _CostModel:
-    """Seconds per candidate seen so far, split into first-time configs (compiled then) and
-    configs compiled at an earlier token count: the tuner's estimate for the next one."""
+    """Seconds per timing seen so far, split into first-time kernels (compiled then) and parts
+    whose kernel an earlier token count compiled (same ledger key): the tuner's estimate for the
+    next ones. A whole-op timing ("moe:") reuses compiled kernels: it counts as seen."""
 
-    PRIOR_NEW_S, PRIOR_SEEN_S = 1.5, 0.15
+    PRIOR_NEW_S, PRIOR_SEEN_S = 0.75, 0.15  # one kernel compiled, then a capture and replays
 
     def __init__(self) -> None:
         self.seen: set[str] = set()
         self.new_s: list[float] = []
         self.seen_s: list[float] = []
 
-    def record(self, config: dict[str, int], seconds: float) -> None:
-        key = candidate_key(config)
-        (self.seen_s if key in self.seen else self.new_s).append(seconds)
+    def record(self, key: str, seconds: float) -> None:
+        (self.new_s if self._new(key) else self.seen_s).append(seconds)
         self.seen.add(key)
 
-    def estimate(self, configs: list[dict[str, int]]) -> float:
-        new = sum(candidate_key(c) not in self.seen for c in configs)
+    def estimate(self, keys: list[str]) -> float:
+        new = sum(map(self._new, keys))
         per_new = statistics.fmean(self.new_s) if self.new_s else self.PRIOR_NEW_S
         per_seen = statistics.fmean(self.seen_s[-8:]) if self.seen_s else self.PRIOR_SEEN_S
-        return new * per_new + (len(configs) - new) * per_seen
+        return new * per_new + (len(keys) - new) * per_seen
+
+    def _new(self, key: str) -> bool:
+        return key not in self.seen and not key.startswith("moe:")
 
 
 class _CudaTimer:
-    """Times moe_triton with one config, and moe_grouped_mm, on the same random inputs per token
-    count, with `time_in_graph` (weights built once, or the caller's)."""
+    """Times each part (align, one launch, the whole moe_triton) and moe_grouped_mm on the same
+    random inputs per token count, with `time_in_graph` (weights built once, or the caller's).
+    A launch timed alone reads the align's output at its BLOCK_M (computed once, kept for the
+    token count) and writes buffers of the shapes moe_triton uses, so the kernel variants it
+    compiles are the ones moe_triton runs. Inputs live on the weights' device (CUDA when it
+    builds them; a test may hand CPU weights and replace `time_in_graph`)."""
 
     CALLS, REPLAYS = 10, 5
 
     def __init__(self, num_experts: int, hidden: int, inter: int, top_k: int,
                  dtype: torch.dtype,
                  weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        gen = torch.Generator(device="cuda").manual_seed(0)
+        device = weights[0].device if weights is not None else torch.device("cuda")
+        gen = torch.Generator(device=device).manual_seed(0)
         if weights is not None:
             self.w13, self.w2 = weights
         else:
@@ -356,29 +474,58 @@ class _CudaTimer:
                        * inter ** -0.5).to(dtype)
         self.top_k, self.dtype, self.gen = top_k, dtype, gen
         self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._aligned: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def inputs(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
-        """x, topk_weights, topk_ids at num_tokens (dummy routing), kept for one token count."""
+        """x, topk_weights, topk_ids at num_tokens (dummy routing), then the launches' buffers
+        act [T*k, I] (random: the down launch's input) and out [T*k, H]; kept for one token
+        count."""
         if num_tokens not in self._inputs:
             from moeserve.kernels.routing import select_experts
 
             self._inputs.clear()
+            self._aligned.clear()
             num_experts, hidden = self.w13.shape[0], self.w13.shape[2]
-            x = torch.randn(num_tokens, hidden, device="cuda", generator=self.gen).to(self.dtype)
-            logits = torch.randn(num_tokens, num_experts, device="cuda", generator=self.gen)
-            self._inputs[num_tokens] = (x, *select_experts(logits, self.top_k, renormalize=True))
+            inter, pairs = self.w2.shape[2], num_tokens * self.top_k
+            device = self.w13.device
+            x = torch.randn(num_tokens, hidden, device=device, generator=self.gen).to(self.dtype)
+            logits = torch.randn(num_tokens, num_experts, device=device, generator=self.gen)
+            act = torch.randn(pairs, inter, device=device, generator=self.gen).to(self.dtype)
+            out = torch.empty(pairs, hidden, device=device, dtype=self.dtype)
+            self._inputs[num_tokens] = (x, *select_experts(logits, self.top_k, renormalize=True),
+                                        act, out)
         return self._inputs[num_tokens]
 
-    def __call__(self, config: dict, num_tokens: int) -> float:
-        from moeserve.kernels.moe_triton import moe_triton
+    def __call__(self, part: str, config: dict, num_tokens: int) -> float:
+        from moeserve.kernels.moe_align import moe_align_block_size_triton
+        from moeserve.kernels.moe_triton import _launch, moe_triton
 
-        x, weights, ids = self.inputs(num_tokens)
-        return time_in_graph(lambda: moe_triton(x, self.w13, self.w2, weights, ids,
-                                                config=config), self.CALLS, self.REPLAYS)
+        x, weights, ids, act, out = self.inputs(num_tokens)
+        num_experts = self.w13.shape[0]
+        if part == "moe":
+            fn = functools.partial(moe_triton, x, self.w13, self.w2, weights, ids, config=config)
+        elif part == "align":
+            fn = functools.partial(moe_align_block_size_triton, ids, num_experts,
+                                   config["BLOCK_M"])
+        elif part in ("gated", "down"):
+            key = (num_tokens, config["BLOCK_M"])
+            if key not in self._aligned:
+                self._aligned[key] = moe_align_block_size_triton(ids, num_experts,
+                                                                 config["BLOCK_M"])[:2]
+            sorted_ids, expert_ids = self._aligned[key]
+            gated = part == "gated"
+            tiles = {k: config[k] for k in CONFIG_KEYS} if gated else down_tiles(config)
+            fn = functools.partial(
+                _launch, x if gated else act, self.w13 if gated else self.w2,
+                act if gated else out, weights, sorted_ids, expert_ids, ids.numel(), tiles,
+                a_row_div=self.top_k if gated else 1, c_row_div=1, gated=gated, atomic=False)
+        else:
+            raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+        return time_in_graph(fn, self.CALLS, self.REPLAYS)
 
     def grouped_mm(self, num_tokens: int) -> float:
         from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
 
-        x, weights, ids = self.inputs(num_tokens)
+        x, weights, ids, _, _ = self.inputs(num_tokens)
         return time_in_graph(lambda: moe_grouped_mm(x, self.w13, self.w2, weights, ids),
                              self.CALLS, self.REPLAYS)

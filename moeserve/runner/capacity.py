@@ -30,7 +30,9 @@ class CapacityReport:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     moe_tune: str = ""  # what the start-up MoE tune did (ensure_tuned), "" when none ran
     cuda_graphs: str = "off"  # "on: ..." or "off: <why>" (EngineCore._init_cuda_graphs)
-    moe_configs: dict[str, dict] = field(default_factory=dict)  # tokens -> tile config (triton)
+    # tokens -> {"config" (tile config, "down" included when split), "tiles" (its name),
+    #            "tuned", "source", "backend", "tuned_tokens"} (EngineCore._moe_configs)
+    moe_configs: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -87,6 +89,10 @@ class CapacityReport:
                                              f"{', '.join(sources)}"))
             picks = ", ".join(f"{n}: {c['backend']}" for n, c in self.moe_configs.items())
             rows.append(("MoE backend by tokens", picks))
+            tiles = ", ".join(f"{n}: {c['tiles']}" for n, c in self.moe_configs.items()
+                              if c.get("tiles"))
+            if tiles:  # the down launch's own tiles, when it has them, as +down_N.._K..
+                rows.append(("MoE tiles by tokens", tiles))
         if self.moe_tune:
             rows.append(("MoE tune", self.moe_tune))
         rows += [(f"auto {k}", v) for k, v in self.resolved.items()]

@@ -49,6 +49,29 @@ def test_outputs_equal_in_process_engine() -> None:
     asyncio.run(main())
 
 
+def test_a_slow_consumer_gets_waiting_steps_merged() -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = LLM(**ENGINE).generate([PROMPTS[1]], params)[0]
+
+    async def main() -> None:
+        client = await AsyncEngineClient.start(ENGINE)
+        try:
+            tokens, text, outs = [], "", []
+            async for out in client.generate("slow", PROMPTS[1], params):
+                tokens += out.new_token_ids
+                text += out.text
+                outs.append(out)
+                await asyncio.sleep(0.2)  # the engine runs ahead: steps queue up meanwhile
+            assert tokens == expected.token_ids and text == expected.text
+            assert len(outs) < len(tokens)  # several steps came as one output
+            assert outs[-1].finished and [o.finished for o in outs[:-1]] == [False] * (
+                len(outs) - 1)
+        finally:
+            await client.shutdown()
+
+    asyncio.run(main())
+
+
 def test_bad_request_refused_before_the_engine() -> None:
     async def main() -> None:
         client = await AsyncEngineClient.start(ENGINE)

@@ -28,6 +28,7 @@ from moeserve.kernels.moe_tune import (
     candidate_key,
     ensure_tuned,
     quick_moe_candidates,
+    trial_key,
     tune_for_engine,
     tune_moe,
 )
@@ -122,6 +123,21 @@ def test_lookup_order_env_then_package_then_user_cache(isolated_config_dirs: Pat
     assert get_moe_config(E, H, N, K, torch.float32, 8, "cpu").config["BLOCK_N"] == 16
 
 
+def test_the_capacity_report_names_the_down_tiles(isolated_config_dirs: Path) -> None:
+    from moeserve.engine.core import _moe_configs
+
+    write_tuned(isolated_config_dirs / "env", {1: SMALL, 64: {**SPLIT, "backend": "grouped_mm"}},
+                device="Fake GPU", dtype=torch.float16)
+    cfg = SimpleNamespace(moe_backend="measured",
+                          scheduler=SimpleNamespace(max_num_batched_tokens=2048))
+    mc = SimpleNamespace(num_experts=E, hidden_size=H, moe_intermediate_size=N,
+                         num_experts_per_tok=K)
+    report = _moe_configs(cfg, mc, torch.float16, "Fake GPU")
+    assert report["1"]["config"] == SMALL and report["1"]["tiles"] == "M16_N16_K16_G1_w4_s2"
+    assert report["64"]["config"] == SPLIT and report["64"]["backend"] == "grouped_mm"
+    assert report["64"]["tiles"] == "M16_N16_K16_G1_w4_s2+down_N32_K16_G1_w4_s2"
+
+
 # ---------------------------------------------------------------- the measured backend
 
 def test_measured_runs_the_backend_of_the_nearest_entry(isolated_config_dirs: Path,
@@ -178,13 +194,26 @@ def test_measured_picks_are_cached_per_shape_and_token_count(
 
 # ---------------------------------------------------------------- the tuner
 
+def part_ms(part: str, config: dict, num_tokens: int) -> float:
+    """Fake part times: align 0.01 ms; a launch 0.05 ms + tokens / 2000 + 1/160 ms per 1 of
+    BLOCK_N away from its best, 16 for the gated launch, 32 for the down one."""
+    if part == "align":
+        return 0.01
+    best = 16 if part == "gated" else 32
+    return 0.05 + abs(config["BLOCK_N"] - best) / 160 + num_tokens / 2000
+
+
 def fake_timers(grouped_ms: dict[int, float]) -> tuple[list, object, object]:
-    """A Triton timer (BLOCK_N 16 fastest, 0.1 ms + tokens / 1000) and a grouped_mm one."""
+    """A Triton timer by parts (`part_ms`; the whole op: its parts + 0.001 ms) and a grouped_mm
+    one; calls are logged as (ledger key, num_tokens)."""
     calls: list[tuple[str, int]] = []
 
-    def timer(config: dict, num_tokens: int) -> float:
-        calls.append((candidate_key(config), num_tokens))
-        return 0.1 + config["BLOCK_N"] / 160 + num_tokens / 1000
+    def timer(part: str, config: dict, num_tokens: int) -> float:
+        calls.append((trial_key(part, config), num_tokens))
+        if part == "moe":
+            return (part_ms("align", config, num_tokens) + part_ms("gated", config, num_tokens)
+                    + part_ms("down", moe_configs.down_tiles(config), num_tokens) + 0.001)
+        return part_ms(part, config, num_tokens)
 
     def baseline(num_tokens: int) -> float:
         calls.append(("grouped_mm", num_tokens))
@@ -196,6 +225,9 @@ def fake_timers(grouped_ms: dict[int, float]) -> tuple[list, object, object]:
 
 
 GRID = [dict(SMALL, BLOCK_N=n) for n in (16, 32, 64)]
+SPLIT = {**dict(SMALL, BLOCK_N=16), "down": {k: SMALL[k] for k in moe_configs.DOWN_KEYS}
+         | {"BLOCK_N": 32}}  # the fake timers' pick: gated BLOCK_N 16, down BLOCK_N 32
+TIMINGS = 1 + 2 * len(GRID) + 1  # per token count: the align, each tile per launch, the whole
 
 
 def test_tune_records_both_timings_and_the_pick_and_round_trips(tmp_path: Path) -> None:
@@ -206,12 +238,16 @@ def test_tune_records_both_timings_and_the_pick_and_round_trips(tmp_path: Path) 
                     log=lambda s: None)
     assert {n: e["backend"] for n, e in best.items()} == {1: "grouped_mm", 8: "triton",
                                                            64: "triton"}
-    assert best[1]["grouped_mm_ms"] == 0.05 and best[1]["ms"] == pytest.approx(0.201)
+    # "ms" is the whole op's time with the split pick: 0.01 + 2 * (0.05 + T / 2000) + 0.001
+    assert best[1]["grouped_mm_ms"] == 0.05 and best[1]["ms"] == pytest.approx(0.112)
     assert "grouped_mm_ms" not in best[64]
+    assert len(calls) == 3 * (TIMINGS + 1)  # + grouped_mm
     doc = json.loads(path.read_text())
     assert doc["grouped_mm"]["64"].startswith("error: RuntimeError")
-    assert doc["configs"]["8"] == {**dict(SMALL, BLOCK_N=16), "ms": pytest.approx(0.208),
+    assert doc["configs"]["8"] == {**SPLIT, "ms": pytest.approx(0.119),
                                    "grouped_mm_ms": 0.5, "backend": "triton"}
+    assert doc["trials"]["8"][trial_key("moe", SPLIT)] == pytest.approx(0.119)
+    assert get_moe_config(E, H, N, K, torch.float32, 8, "cpu").config == SPLIT
     found_path, table = find_tuned(E, H, N, torch.float32, "cpu")
     assert found_path == str(path) and table == best  # what the lookup reads is what was tuned
     # a rerun times nothing again, grouped_mm included
@@ -228,24 +264,28 @@ def test_tune_stops_at_the_time_budget_and_resumes(tmp_path: Path,
     monkeypatch.setattr(moe_tune, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     calls, timer, baseline = fake_timers({1: 9.0, 2: 9.0, 4: 9.0})
 
-    def slow_timer(config: dict, num_tokens: int) -> float:
-        clock.now += 1.0  # each candidate costs one second
-        return timer(config, num_tokens)
+    def slow_timer(part: str, config: dict, num_tokens: int) -> float:
+        clock.now += 1.0  # each timing costs one second
+        return timer(part, config, num_tokens)
 
     logs: list[str] = []
     path = tmp_path / "t.json"
     kwargs = dict(candidates=lambda n: GRID, timer=slow_timer, baseline_timer=baseline,
                   device_name="cpu", log=logs.append)
-    done = tune_moe(E, H, N, K, torch.float32, [1, 2, 4], path, time_budget_s=4.5, **kwargs)
-    assert sorted(done) == [1]  # 5 candidates ran (t = 0..4); T=2 has 2 of its 3
-    assert any("time budget of 4 s spent at T=2" in line for line in logs)
-    assert any("T=1: 3 candidates to time, estimated" in line for line in logs)
-    assert len(json.loads(path.read_text())["trials"]["2"]) == 2
+    done = tune_moe(E, H, N, K, torch.float32, [1, 2, 4], path, time_budget_s=9.2, **kwargs)
+    assert sorted(done) == [1]  # 10 timings ran (t = 0..9): T=1's 8, T=2's align and 1 gated
+    assert any("time budget of 9 s spent at T=2" in line for line in logs)
+    assert any("T=1: 7 timings to run over BLOCK_M [16], estimated" in line for line in logs)
+    assert list(json.loads(path.read_text())["trials"]["2"]) == [
+        trial_key("align", SMALL), trial_key("gated", GRID[0])]
     calls.clear()
     done = tune_moe(E, H, N, K, torch.float32, [1, 2, 4], path, time_budget_s=100, **kwargs)
-    assert sorted(done) == [1, 2, 4]
-    assert calls == [(candidate_key(GRID[2]), 2), ("grouped_mm", 2)] + \
-        [(candidate_key(c), 4) for c in GRID] + [("grouped_mm", 4)]
+    assert sorted(done) == [1, 2, 4] and done[4] == {**SPLIT, "ms": pytest.approx(0.115),
+                                                     "backend": "triton", "grouped_mm_ms": 9.0}
+    plan = ([trial_key("gated", c) for c in GRID] + [trial_key("down", c) for c in GRID]
+            + [trial_key("moe", SPLIT)])
+    assert calls == [(k, 2) for k in plan[1:]] + [("grouped_mm", 2)] + \
+        [(k, 4) for k in [trial_key("align", SMALL)] + plan] + [("grouped_mm", 4)]
 
 
 def test_engine_token_counts() -> None:
@@ -261,7 +301,7 @@ def test_quick_grid_is_small_fits_and_compiles_few_configs(num_experts: int,
     counts = engine_token_counts()
     grids = [quick_moe_candidates(num_experts, top_k, n) for n in counts]
     distinct = {candidate_key(c) for grid in grids for c in grid}
-    assert all(6 <= len(grid) <= 12 for grid in grids) and len(distinct) <= 30
+    assert all(6 <= len(grid) <= 18 for grid in grids) and len(distinct) <= 30
     for num_tokens, grid in zip(counts, grids):
         assert len({candidate_key(c) for c in grid}) == len(grid)
         per_expert = num_tokens * top_k / num_experts
@@ -271,6 +311,8 @@ def test_quick_grid_is_small_fits_and_compiles_few_configs(num_experts: int,
             assert smem <= 227 * 1024, c  # the gated launch's bf16 tiles fit an H100/H200
     assert {c["BLOCK_M"] for c in grids[0]} == {16}  # decode: one block per expert
     assert {c["BLOCK_M"] for c in grids[-1]} == {64, 128}
+    if (num_experts, top_k) == (128, 8):  # 1024 tokens: 64 per expert, BLOCK_M down to 32
+        assert {c["BLOCK_M"] for c in grids[counts.index(1024)]} == {32, 64, 128}
     # the whole qwen3-30b-a3b tune's prior estimate stays well within ensure_tuned's budget
     assert moe_tune.estimate_tune_seconds(grids) < moe_tune.DEFAULT_TUNE_BUDGET_S / 2
 
@@ -289,7 +331,9 @@ def test_ensure_tuned_tunes_once_then_returns_at_once(isolated_config_dirs: Path
     assert outcome.tuned and outcome.source == str(expected) and expected.exists()
     assert outcome.detail.startswith("tuned now: 3 of 3 token counts")
     assert {n for _, n in calls} == {1, 2, 4}
-    assert len(calls) == sum(len(quick_moe_candidates(E, K, n)) + 1 for n in (1, 2, 4))
+    # per token count: an align per BLOCK_M, each tile per launch, the whole op, grouped_mm
+    grids = {n: moe_tune.tiles_by_block_m(quick_moe_candidates(E, K, n)) for n in (1, 2, 4)}
+    assert len(calls) == sum(len(g) + 2 * sum(map(len, g.values())) + 2 for g in grids.values())
     choice = get_moe_config(E, H, N, K, torch.float16, 1, "Fake GPU")
     assert choice.tuned and choice.backend == "grouped_mm"
     calls.clear()
@@ -303,7 +347,7 @@ def test_ensure_tuned_uses_a_committed_file_as_it_is(isolated_config_dirs: Path)
     path = write_tuned(isolated_config_dirs / "package", {64: SMALL}, device="Fake GPU",
                        dtype=torch.float16)
 
-    def timer(config: dict, num_tokens: int) -> float:
+    def timer(part: str, config: dict, num_tokens: int) -> float:
         raise AssertionError("a committed file is not re-tuned")
 
     outcome = ensure_tuned(E, H, N, K, torch.float16, 8192, timer=timer, device_name="Fake GPU",

@@ -26,7 +26,7 @@ from moeserve.kernels.moe_align import (
 from moeserve.kernels.moe_configs import config_file_name, get_moe_config
 from moeserve.kernels.moe_ref import moe_loop_ref
 from moeserve.kernels.moe_triton import moe_triton
-from moeserve.kernels.moe_tune import candidate_key, tune_moe
+from moeserve.kernels.moe_tune import candidate_key, trial_key, tune_moe
 from moeserve.kernels.routing import select_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -241,6 +241,120 @@ def test_launcher_rejects_bad_inputs() -> None:
         moe_triton(x, w13, w2, weights, ids, align="numpy")
 
 
+SPLIT = {**dict(SMALL, BLOCK_K=32, GROUP_M=1),
+         "down": dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=2, num_stages=3)}
+
+
+@pytest.mark.parametrize("combine", ["sum", "atomic"])
+def test_split_config_matches_loop_ref_and_each_launch_gets_its_tiles(
+        combine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import moeserve.kernels.moe_triton as mt
+
+    # H 64, I 48: the gated launch (N = I) and the down one (N = H) each span several N- and
+    # K-tiles of their own sizes; expert 3 gets two row blocks, some experts none
+    w13, w2 = make_experts(8, torch.float32, hidden=64, inter=48)
+    x, _, _ = make_routing(21, 8, 2, torch.float32, hidden=64)
+    ids = torch.tensor([[0, 3], [3, 0]] * 10 + [[6, 3]], device=DEVICE)
+    weights = torch.rand(21, 2, device=DEVICE)
+    launches: list[tuple[bool, dict]] = []
+    real = mt._launch
+
+    def spy(*args: object, **kwargs: object) -> None:
+        config = args[7]  # _launch reads the top-level tiles only
+        launches.append((kwargs["gated"], {k: config[k] for k in moe_configs.CONFIG_KEYS}))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(mt, "_launch", spy)
+    out = moe_triton(x, w13, w2, weights, ids, config=SPLIT, combine=combine)
+    assert_matches_ref(out, x, w13, w2, weights, ids)
+    top = {k: SPLIT[k] for k in moe_configs.CONFIG_KEYS}
+    assert launches == [(True, top), (False, {"BLOCK_M": 16, **SPLIT["down"]})]
+    # the same down tiles written out in full give the same bits as the top-level ones
+    same = moe_triton(x, w13, w2, weights, ids, combine=combine,
+                      config={**top, "down": {k: top[k] for k in moe_configs.DOWN_KEYS}})
+    unsplit = moe_triton(x, w13, w2, weights, ids, config=top, combine=combine)
+    if combine == "sum":
+        assert torch.equal(same, unsplit)
+    torch.testing.assert_close(out, unsplit, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("down", "message"), [
+    (dict(SPLIT["down"], BLOCK_N=48),
+     r"MoE tile config 'down' BLOCK_N must be a power of two >= 16 \(tl.dot\), got 48"),
+    (dict(SPLIT["down"], BLOCK_K=8), r"'down' BLOCK_K must be a power of two >= 16.*got 8"),
+    (dict(SPLIT["down"], BLOCK_M=32), r"'down' must not set BLOCK_M \(got 32\)"),
+    ({k: v for k, v in SPLIT["down"].items() if k != "num_stages"},
+     r"'down' lacks \['num_stages'\]"),
+    (dict(SPLIT["down"], num_warps=3), r"'down' num_warps must be a power of two >= 1, got 3"),
+    (dict(SPLIT["down"], num_stages=0), r"'down' num_stages must be >= 1, got 0"),
+    (dict(SPLIT["down"], GROUP_M="8"), r"'down' GROUP_M must be an int, got '8'"),
+    (dict(SPLIT["down"], BLOCK_SIZE=64), r"'down' holds unknown keys \['BLOCK_SIZE'\]"),
+    ([32, 16, 2, 2, 3], r"'down' must be a dict of \['BLOCK_N', .*got list"),
+])
+def test_a_bad_down_entry_is_refused(down: object, message: str) -> None:
+    w13, w2 = make_experts(8, torch.float32)
+    x, weights, ids = make_routing(4, 8, 2, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        moe_triton(x, w13, w2, weights, ids, config={**SMALL, "down": down})
+
+
+def test_a_tuned_file_with_a_bad_down_entry_fails_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    name = config_file_name(8, 64, 32, torch.float16, "Fake GPU")
+    entry = {**SMALL, "down": dict(SPLIT["down"], BLOCK_N=24), "ms": 1.0}
+    (tmp_path / name).write_text(json.dumps({"meta": {}, "configs": {"64": entry}}))
+    monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path))
+    moe_configs.clear_caches()
+    try:
+        with pytest.raises(ValueError, match=r"the entry for 64 tokens: tuned MoE entry 'down' "
+                                             r"BLOCK_N must be a power of two >= 16.*got 24"):
+            get_moe_config(8, 64, 32, 2, torch.float16, 64, "Fake GPU")
+        entry["down"] = dict(SPLIT["down"], BLOCK_K=64.0)  # JSON floats of integers are fine
+        (tmp_path / name).write_text(json.dumps({"meta": {}, "configs": {"64": entry}}))
+        moe_configs.clear_caches()
+        choice = get_moe_config(8, 64, 32, 2, torch.float16, 64, "Fake GPU")
+        assert choice.config == {**SMALL, "down": dict(SPLIT["down"], BLOCK_K=64)}
+        entry["down"] = dict(SPLIT["down"], BLOCK_K=64.5)
+        (tmp_path / name).write_text(json.dumps({"meta": {}, "configs": {"64": entry}}))
+        moe_configs.clear_caches()
+        with pytest.raises(ValueError, match=r"'down' BLOCK_K must be an integer, got 64.5"):
+            get_moe_config(8, 64, 32, 2, torch.float16, 64, "Fake GPU")
+    finally:
+        moe_configs.clear_caches()
+
+
+def test_fit_shared_memory_fits_each_launch_by_its_own_need() -> None:
+    budget = moe_configs.SHARED_MEMORY_BUDGET
+    config = {**moe_configs.tile_config(128, 128, 128, 8, 8, 4),
+              "down": dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)}
+    fitted = moe_configs.fit_shared_memory(config, 4)  # fp32
+    # gated: (128 + 2 * 128) * 128 * 4 * 4 = 768 KiB -> 2 stages, then BLOCK_K 64 (192 KiB);
+    # down: (128 + 64) * 128 * 4 * 3 = 288 KiB -> 2 stages (192 KiB) is enough, BLOCK_K kept
+    assert {k: fitted[k] for k in ("BLOCK_M", "BLOCK_K", "num_stages")} == dict(
+        BLOCK_M=128, BLOCK_K=64, num_stages=2)
+    assert fitted["down"] == dict(config["down"], num_stages=2)
+    gated_bytes, down_bytes = moe_configs.shared_memory_bytes(fitted, 4)
+    assert gated_bytes == (128 + 256) * 64 * 4 * 2 <= budget
+    assert down_bytes == (128 + 64) * 128 * 4 * 2 <= budget
+    assert "down" not in moe_configs.fit_shared_memory(moe_configs.tile_config(
+        64, 64, 64, 8, 4, 4), 4)
+    assert config["down"]["num_stages"] == 3  # the input is not changed
+
+
+def test_split_config_and_its_key() -> None:
+    gated = dict(SMALL, BLOCK_M=64, BLOCK_N=64, GROUP_M=8)
+    down = dict(gated, BLOCK_N=128, num_warps=8)
+    assert moe_configs.split_config(gated, gated) == gated
+    split = moe_configs.split_config(gated, down)
+    assert split == {**gated, "down": {k: down[k] for k in moe_configs.DOWN_KEYS}}
+    assert moe_configs.down_tiles(split) == down and moe_configs.down_tiles(gated) == gated
+    assert moe_configs.config_key(gated) == "M64_N64_K16_G8_w4_s2"
+    assert moe_configs.config_key(split) == "M64_N64_K16_G8_w4_s2+down_N128_K16_G8_w8_s2"
+    assert candidate_key(split) == "M64_N64_K16_G8_w4_s2"
+    with pytest.raises(ValueError, match="share BLOCK_M"):
+        moe_configs.split_config(gated, dict(down, BLOCK_M=32))
+
+
 def test_importing_without_triton_works() -> None:
     code = ("import sys; sys.modules['triton'] = None; "  # `import triton` now fails
             "import moeserve.kernels.moe_triton, moeserve.kernels.moe_configs, "
@@ -284,13 +398,21 @@ def test_tune_records_failures_resumes_and_feeds_the_lookup(
     grid = [dict(SMALL, BLOCK_N=n, num_stages=s) for n in (16, 32, 64) for s in (2, 3)]
     calls: list[tuple[str, int]] = []
 
-    def timer(config: dict, num_tokens: int) -> float:
-        calls.append((candidate_key(config), num_tokens))
-        if len(calls) == 8 and not resumed:
+    def timer(part: str, config: dict, num_tokens: int) -> float:
+        calls.append((trial_key(part, config), num_tokens))
+        if len(calls) == 16 and not resumed:  # T=16's 14 timings, then T=256's align
             raise Killed
+        if part == "moe":
+            return 1.5 + num_tokens / 1000
+        if part == "align":
+            return 0.01
         if config["BLOCK_N"] == 64:
             raise RuntimeError("out of resource: shared memory")
-        return config["BLOCK_N"] / 16 + config["num_stages"] / 100 + num_tokens / 1000
+        if part == "gated":  # best: BLOCK_N 16, 2 stages
+            return config["BLOCK_N"] / 16 + config["num_stages"] / 100 + num_tokens / 1000
+        # down, best: BLOCK_N 32, 3 stages
+        return (abs(config["BLOCK_N"] - 32) / 16 + (5 - config["num_stages"]) / 100
+                + num_tokens / 1000)
 
     path = tmp_path / config_file_name(8, 64, 32, torch.float16, "Fake GPU")
     args = (8, 64, 32, 2, torch.float16, [16, 256], path)
@@ -299,34 +421,151 @@ def test_tune_records_failures_resumes_and_feeds_the_lookup(
         tune_moe(*args, candidates=lambda n: grid, timer=timer, device_name="Fake GPU",
                  log=lambda s: None)
     doc = json.loads(path.read_text())
-    assert len(doc["trials"]["16"]) == 6 and len(doc["trials"]["256"]) == 1
+    assert len(doc["trials"]["16"]) == 1 + 2 * 6 + 1 and len(doc["trials"]["256"]) == 1
     assert "16" in doc["configs"] and "256" not in doc["configs"]
-    assert sum(isinstance(v, str) for v in doc["trials"]["16"].values()) == 2  # BLOCK_N 64
+    assert sum(isinstance(v, str) for v in doc["trials"]["16"].values()) == 4  # BLOCK_N 64
 
     resumed, calls[:] = True, []
     best = tune_moe(*args, candidates=lambda n: grid, timer=timer, device_name="Fake GPU",
                     log=lambda s: None)
-    assert calls == [(candidate_key(c), 256) for c in grid[1:]]  # only the rest
+    down = dict(grid[3], BLOCK_N=32, num_stages=3)
+    split = moe_configs.split_config(grid[0], down)
+    assert calls == ([(trial_key("gated", c), 256) for c in grid]  # only the rest: no align
+                     + [(trial_key("down", c), 256) for c in grid]
+                     + [(trial_key("moe", split), 256)])
     assert best[256]["BLOCK_N"] == 16 and best[256]["num_stages"] == 2
-    assert best[256]["ms"] == pytest.approx(1 + 0.02 + 0.256)
+    assert best[256]["down"] == {k: down[k] for k in moe_configs.DOWN_KEYS}
+    assert best[256]["ms"] == pytest.approx(1.5 + 0.256)  # the whole op's time
     doc = json.loads(path.read_text())
     assert doc["meta"]["device_name"] == "Fake GPU" and doc["meta"]["top_k"] == 2
     assert doc["meta"]["triton"] == moe_configs.triton_version()
     monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path))
     choice = get_moe_config(8, 64, 32, 2, torch.float16, 300, "Fake GPU")
-    assert choice.tuned and choice.config == {k: best[256][k] for k in moe_configs.CONFIG_KEYS}
+    assert choice.tuned and choice.config == split == moe_configs.entry_config(best[256])
 
     with pytest.raises(ValueError, match="holds a tune of"):
         tune_moe(8, 64, 32, 4, torch.float16, [16], path, timer=timer, device_name="Fake GPU")
 
 
 def test_tune_fails_clearly_when_every_candidate_fails(tmp_path: Path) -> None:
-    def timer(config: dict, num_tokens: int) -> float:
+    def timer(part: str, config: dict, num_tokens: int) -> float:
+        if part == "align":
+            return 0.01
         raise RuntimeError("no kernel")
 
     with pytest.raises(RuntimeError, match="every candidate failed at 16 tokens"):
         tune_moe(8, 64, 32, 2, torch.float16, [16], tmp_path / "t.json",
                  candidates=lambda n: [SMALL], timer=timer, log=lambda s: None)
+
+
+def test_tune_times_the_launches_apart_and_combines_their_best_tiles(tmp_path: Path) -> None:
+    """Per BLOCK_M: one align, each tile for the gated launch and for the down launch; the best
+    of each combine, the least total BLOCK_M wins, and only that pick is timed whole."""
+    tiles = [dict(SMALL, BLOCK_M=m, BLOCK_N=n) for m in (16, 32) for n in (16, 32, 64)]
+    align_ms = {16: 0.02, 32: 0.01}
+    # (part, BLOCK_M) -> {BLOCK_N: ms}: at T=8 the gated launch likes N16 at M16 and N64 at
+    # M32 (its best tile of all), the down launch N32 at both; N64 fails the gated launch at
+    # M16 but runs the down one. At T=64 both launches like N16 at M16: no "down" entry.
+    ms = {8: {("gated", 16): {16: 0.08, 32: 0.09},
+              ("gated", 32): {16: 0.12, 32: 0.11, 64: 0.07},
+              ("down", 16): {16: 0.12, 32: 0.10, 64: 0.30},
+              ("down", 32): {16: 0.25, 32: 0.20, 64: 0.40}},
+          64: {("gated", 16): {16: 0.1, 32: 0.2},
+               ("gated", 32): {16: 0.3, 32: 0.3, 64: 0.3},
+               ("down", 16): {16: 0.1, 32: 0.2, 64: 0.2},
+               ("down", 32): {16: 0.3, 32: 0.3, 64: 0.3}}}
+    calls: list[tuple[str, dict, int]] = []
+
+    def timer(part: str, config: dict, num_tokens: int) -> float:
+        calls.append((part, config, num_tokens))
+        if part == "align":
+            return align_ms[config["BLOCK_M"]]
+        if part == "moe":
+            return 0.5
+        table = ms[num_tokens][part, config["BLOCK_M"]]
+        if config["BLOCK_N"] not in table:
+            raise RuntimeError("out of resource: shared memory")
+        return table[config["BLOCK_N"]]
+
+    path = tmp_path / "t.json"
+    best = tune_moe(8, 64, 32, 2, torch.float32, [8, 64], path, candidates=lambda n: tiles,
+                    timer=timer, device_name="cpu", log=lambda s: None)
+    at8 = [(part, c) for part, c, n in calls if n == 8]
+    assert [c["BLOCK_M"] for part, c in at8 if part == "align"] == [16, 32]  # once per BLOCK_M
+    for part in ("gated", "down"):
+        assert [c for p, c in at8 if p == part] == tiles  # each tile once per launch
+    assert len(at8) == 2 + 2 * len(tiles) + 1  # not one timing per (gated, down) pair
+    # M16: 0.02 + 0.08 (gated N16) + 0.10 (down N32) = 0.20 beats M32: 0.01 + 0.07 + 0.20
+    down = {k: SMALL[k] for k in moe_configs.DOWN_KEYS} | {"BLOCK_N": 32}
+    split = {**dict(SMALL, BLOCK_N=16), "down": down}
+    assert [(p, c) for p, c in at8 if p == "moe"] == [("moe", split)]
+    assert best[8] == {**split, "ms": 0.5, "backend": "triton"}
+    assert best[64] == {**dict(SMALL, BLOCK_N=16), "ms": 0.5, "backend": "triton"}
+    doc = json.loads(path.read_text())
+    assert doc["configs"]["8"]["down"] == down and "down" not in doc["configs"]["64"]
+    trials = doc["trials"]["8"]
+    assert trials["gated:M16_N64_K16_G2_w4_s2"].startswith("error: RuntimeError")
+    assert trials["down:M16_N64_K16_G2_w4_s2"] == 0.30
+    assert trials["align:M32"] == 0.01 and trials[trial_key("moe", split)] == 0.5
+    assert moe_tune.best_split(moe_tune.tiles_by_block_m(tiles), trials) == (
+        split, pytest.approx(0.20))
+
+
+def test_a_failing_align_skips_its_block_m(tmp_path: Path) -> None:
+    tiles = [dict(SMALL, BLOCK_M=m) for m in (16, 32)]
+    calls: list[str] = []
+
+    def timer(part: str, config: dict, num_tokens: int) -> float:
+        calls.append(trial_key(part, config))
+        if part == "align" and config["BLOCK_M"] == 16:
+            raise RuntimeError("align failed")
+        return 0.1
+
+    best = tune_moe(8, 64, 32, 2, torch.float32, [8], tmp_path / "t.json",
+                    candidates=lambda n: tiles, timer=timer, log=lambda s: None)
+    assert best[8]["BLOCK_M"] == 32 and "down" not in best[8]
+    assert calls == ["align:M16", "align:M32", trial_key("gated", tiles[1]),
+                     trial_key("down", tiles[1]), trial_key("moe", tiles[1])]
+
+
+def test_an_older_tune_still_loads_and_is_retimed_by_parts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the committed files (no "down"): every entry loads, the tiles alone, both launches
+    for path in sorted(moe_configs.PACKAGE_CONFIG_DIR.glob("*.json")):
+        table = moe_configs._load_tuned(str(path))
+        assert table and all("down" not in e for e in table.values())
+        for entry in table.values():
+            config = moe_configs.entry_config(entry)
+            assert set(config) == set(moe_configs.CONFIG_KEYS)
+            assert moe_configs.down_tiles(config) == config
+    # an older tuner's file: plain candidate keys in its ledger, whole-op times
+    old = dict(SMALL, BLOCK_N=32)
+    doc = {"meta": {"device_name": "Fake GPU", "dtype": "float16", "E": 8, "H": 64, "I": 32,
+                    "top_k": 2, "triton": moe_configs.triton_version()},
+           "configs": {"16": {**old, "ms": 0.3, "backend": "triton"},
+                       "256": {**old, "ms": 0.9}},
+           "trials": {"16": {candidate_key(old): 0.3}, "256": {candidate_key(old): 0.9}},
+           "grouped_mm": {"16": 0.5}}
+    path = tmp_path / config_file_name(8, 64, 32, torch.float16, "Fake GPU")
+    path.write_text(json.dumps(doc))
+    monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path))
+    moe_configs.clear_caches()
+    choice = get_moe_config(8, 64, 32, 2, torch.float16, 200, "Fake GPU")
+    assert choice.tuned and choice.config == old and choice.tuned_tokens == 256
+    # resuming it at 16 tokens times the parts, keeps the old ledger entries and the 256 entry
+    calls: list[str] = []
+
+    def timer(part: str, config: dict, num_tokens: int) -> float:
+        calls.append(trial_key(part, config))
+        return 0.1
+
+    best = tune_moe(8, 64, 32, 2, torch.float16, [16], path, candidates=lambda n: [SMALL],
+                    timer=timer, device_name="Fake GPU", log=lambda s: None)
+    assert calls == ["align:M16", trial_key("gated", SMALL), trial_key("down", SMALL),
+                     trial_key("moe", SMALL)]
+    assert best[16] == {**SMALL, "ms": 0.1, "backend": "triton", "grouped_mm_ms": 0.5}
+    assert best[256] == {**old, "ms": 0.9, "backend": "triton"}
+    assert json.loads(path.read_text())["trials"]["16"][candidate_key(old)] == 0.3
 
 
 def test_tune_grid_is_modest_and_fits_tokens_per_expert() -> None:
@@ -335,6 +574,36 @@ def test_tune_grid_is_modest_and_fits_tokens_per_expert() -> None:
         assert 20 <= len(grid) <= 150
         assert len({candidate_key(c) for c in grid}) == len(grid)
     assert {c["BLOCK_M"] for c in moe_tune.moe_tune_candidates(128, 8, 64)} == {16}
+
+
+def test_the_cuda_timer_runs_each_part_as_moe_triton_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default timer's parts, run once each (time_in_graph replaced; on CPU through the
+    interpreter): the gated part writes silu(gate) * up for every pair, the down part the
+    weighted rows, and the whole op is moe_triton with the (split) config."""
+    ran: list[object] = []
+
+    def run_once(fn: Callable[[], object], calls: int, replays: int) -> float:
+        ran.append(fn())
+        return 1.0
+
+    monkeypatch.setattr(moe_tune, "time_in_graph", run_once)
+    w13, w2 = make_experts(8, torch.float32)
+    timer = moe_tune._CudaTimer(8, HIDDEN, INTER, 2, torch.float32, (w13, w2))
+    x, weights, ids, act, out = timer.inputs(5)
+    assert timer("align", {"BLOCK_M": 16}, 5) == 1.0
+    assert torch.equal(ran[-1][0], moe_align_block_size_triton(ids, 8, 16)[0])
+    timer("gated", SMALL, 5)
+    gate_up = torch.einsum("th,tkih->tki", x, w13[ids])  # [T, k, 2I]
+    expected_act = torch.nn.functional.silu(gate_up[..., :INTER]) * gate_up[..., INTER:]
+    torch.testing.assert_close(act, expected_act.reshape(10, INTER), atol=1e-5, rtol=1e-5)
+    timer("down", dict(SMALL, BLOCK_N=32, BLOCK_K=16), 5)
+    expected = torch.einsum("pi,phi->ph", act, w2[ids.flatten()]) * weights.reshape(10, 1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    timer("moe", SPLIT, 5)
+    assert_matches_ref(ran[-1], x, w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="part must be one of"):
+        timer("combine", SMALL, 5)
 
 
 # ---------------------------------------------------------------- GPU (bf16, compiled)
