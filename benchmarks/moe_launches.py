@@ -1,8 +1,9 @@
 """The fused MoE's two launches timed apart, per tile config: would each launch want its own?
 
-`moe_triton` runs `_fused_moe_kernel` twice with one tile config: the gated launch (x @ w13,
+`moe_triton` runs `_fused_moe_kernel` twice with one BLOCK_M: the gated launch (x @ w13,
 SiLU-mul; N = I, two accumulators) and the down launch (act @ w2, weighted; N = H, one
-accumulator). Their best tiles may differ (the gated one holds twice the accumulator). For each
+accumulator). Their best tiles may differ (the gated one holds twice the accumulator), which a
+config's "down" tiles allow (kernels/moe_configs.py) and the tuner now searches. For each
 token count and BLOCK_M this times, inside CUDA graphs: the align, each launch under every
 candidate (BLOCK_N, BLOCK_K, num_warps, num_stages), and the reduce over k; then it sets the
 committed config's total beside the best split total. Dummy routing (random logits, top-k).

@@ -66,7 +66,7 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         config: tile config (keys of `moe_configs.CONFIG_KEYS`, plus an optional "down" with the
             down launch's own tiles, `moe_configs.DOWN_KEYS`); default: `get_moe_config`.
         combine: "sum" (deterministic) or "atomic" (fp32 atomics), how the k slots are added.
-        align: "triton" (one launch) or "torch" (~25 small kernels): the expert sort.
+        align: "triton" (three launches) or "torch" (~25 small kernels): the expert sort.
     Returns:
         [T, H] in x's dtype.
     """
