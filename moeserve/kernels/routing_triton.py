@@ -22,11 +22,12 @@ on first use (`_kernels`); on CPU the kernel runs only under TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from moeserve.kernels.triton_common import next_pow2, require_triton_device
 
 MAX_EXPERTS = 1024  # one token's logits live in registers
 BLOCK_T = 16  # tokens per program
@@ -60,7 +61,7 @@ def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: 
     _kernels().route[grid](
         router_logits, weights, ids, counts if counts is not None else ids,
         count_mask if count_mask is not None else ids, num_tokens, router_logits.stride(0),
-        E=num_experts, E_POW2=_next_pow2(num_experts), K=top_k, K_POW2=_next_pow2(top_k),
+        E=num_experts, E_POW2=next_pow2(num_experts), K=top_k, K_POW2=next_pow2(top_k),
         BLOCK_T=BLOCK_T, RENORMALIZE=renormalize, COUNT=counts is not None,
         HAS_MASK=count_mask is not None, num_warps=4)
     return weights, ids
@@ -89,13 +90,7 @@ def _check(logits: torch.Tensor, top_k: int, counts: torch.Tensor | None,
              and count_mask.is_contiguous() and count_mask.device == logits.device,
              f"count_mask must be a contiguous int64 [{num_tokens}], got "
              f"{tuple(count_mask.shape)} {count_mask.dtype}")
-    need(logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
-         f"runs on CUDA tensors, or on {logits.device.type} only under Triton's interpreter "
-         "(TRITON_INTERPRET=1 before importing triton)")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    require_triton_device(logits.device, "select_experts_triton")
 
 
 @functools.cache
