@@ -150,3 +150,25 @@ def test_grouped_without_host_reads_and_bad_arguments() -> None:
             select_experts_grouped(logits, **args)
     with pytest.raises(ValueError, match="router_logits must be a float"):
         select_experts_grouped(torch.zeros(3, 16, dtype=torch.int64), 2)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_router_has_no_host_sync() -> None:
+    from moeserve.kernels.routing import select_experts_grouped
+
+    logits = torch.randn(1024, 256, device="cuda")
+    bias = torch.randn(256, device="cuda") * 0.1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        weights, ids = select_experts_grouped(logits, 8, num_groups=8, topk_groups=4,
+                                              correction_bias=bias, scaling_factor=2.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected_w, expected_i = select_experts_grouped(logits.cpu(), 8, num_groups=8, topk_groups=4,
+                                                    correction_bias=bias.cpu(),
+                                                    scaling_factor=2.5)
+    w, i = by_expert(weights.cpu(), ids.cpu())
+    ew, ei = by_expert(expected_w, expected_i)
+    assert torch.equal(i, ei)
+    torch.testing.assert_close(w, ew)
