@@ -72,3 +72,103 @@ def test_runs_without_reading_device_values() -> None:
     # meta tensors hold no data: any host read (.item(), nonzero, ...) would raise
     weights, ids = select_experts(torch.empty(5, 8, device="meta"), 2, renormalize=True)
     assert weights.shape == ids.shape == (5, 2)
+
+
+# ---- the grouped sigmoid router (DeepSeek-V3, GLM-4.5 MoE) -------------------------------------
+
+def hf_grouped_router(num_experts: int, top_k: int, groups: int, topk_groups: int,
+                      renormalize: bool, scaling: float) -> torch.nn.Module:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = SimpleNamespace(num_experts_per_tok=top_k, num_local_experts=num_experts,
+                          hidden_size=HIDDEN, routed_scaling_factor=scaling, n_group=groups,
+                          topk_group=topk_groups, norm_topk_prob=renormalize)
+    router = DeepseekV3TopkRouter(cfg)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    router.e_score_correction_bias.normal_(std=0.2)
+    return router
+
+
+def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (expert, weight) pairs sorted by expert (topk(sorted=False) has no order)."""
+    ids_sorted, order = ids.sort(dim=1)
+    return weights.gather(1, order), ids_sorted
+
+
+@pytest.mark.parametrize(("num_experts", "top_k", "groups", "topk_groups"),
+                         [(16, 4, 1, 1), (16, 4, 4, 2), (64, 8, 8, 4), (32, 6, 8, 3)])
+@pytest.mark.parametrize(("renormalize", "scaling"), [(True, 2.5), (False, 1.0)])
+def test_grouped_matches_hf_deepseek_v3_router(num_experts: int, top_k: int, groups: int,
+                                               topk_groups: int, renormalize: bool,
+                                               scaling: float) -> None:
+    from moeserve.kernels.routing import select_experts_grouped
+
+    router = hf_grouped_router(num_experts, top_k, groups, topk_groups, renormalize, scaling)
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = router(torch.randn(29, HIDDEN))
+        weights, ids = select_experts_grouped(
+            logits, top_k, num_groups=groups, topk_groups=topk_groups,
+            correction_bias=router.e_score_correction_bias, renormalize=renormalize,
+            scaling_factor=scaling)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    w, i = by_expert(weights, ids)
+    hf_w, hf_i = by_expert(hf_weights, hf_ids)
+    assert torch.equal(i, hf_i)
+    torch.testing.assert_close(w, hf_w)
+    # the bias steers the choice but not the weights
+    unbiased = logits.sigmoid().gather(1, ids)
+    if renormalize:
+        unbiased = unbiased / unbiased.sum(dim=-1, keepdim=True)
+    torch.testing.assert_close(weights, unbiased * scaling)
+
+
+def test_grouped_rows_use_at_most_topk_groups() -> None:
+    from moeserve.kernels.routing import select_experts_grouped
+
+    logits = torch.randn(200, 64)
+    _, ids = select_experts_grouped(logits, 8, num_groups=8, topk_groups=2)
+    groups_per_row = [len(set((row // 8).tolist())) for row in ids]
+    assert max(groups_per_row) <= 2
+
+
+def test_grouped_without_host_reads_and_bad_arguments() -> None:
+    from moeserve.kernels.routing import select_experts_grouped
+
+    weights, ids = select_experts_grouped(torch.empty(5, 16, device="meta"), 4, num_groups=4,
+                                          topk_groups=2,
+                                          correction_bias=torch.empty(16, device="meta"))
+    assert weights.shape == ids.shape == (5, 4)
+    logits = torch.randn(3, 16)
+    for kwargs, message in [({"num_groups": 5}, "must divide the 16 experts"),
+                            ({"num_groups": 4, "topk_groups": 5}, "topk_groups \\(5\\)"),
+                            ({"num_groups": 4, "topk_groups": 1, "top_k": 5},
+                             "top_k \\(5\\) must be in 1..4"),
+                            ({"correction_bias": torch.zeros(8)}, "correction_bias must be"),
+                            ({"top_k": 0}, "top_k \\(0\\)")]:
+        args = {"top_k": 4} | kwargs
+        with pytest.raises(ValueError, match=message):
+            select_experts_grouped(logits, **args)
+    with pytest.raises(ValueError, match="router_logits must be a float"):
+        select_experts_grouped(torch.zeros(3, 16, dtype=torch.int64), 2)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_router_has_no_host_sync() -> None:
+    from moeserve.kernels.routing import select_experts_grouped
+
+    logits = torch.randn(1024, 256, device="cuda")
+    bias = torch.randn(256, device="cuda") * 0.1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        weights, ids = select_experts_grouped(logits, 8, num_groups=8, topk_groups=4,
+                                              correction_bias=bias, scaling_factor=2.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected_w, expected_i = select_experts_grouped(logits.cpu(), 8, num_groups=8, topk_groups=4,
+                                                    correction_bias=bias.cpu(),
+                                                    scaling_factor=2.5)
+    w, i = by_expert(weights.cpu(), ids.cpu())
+    ew, ei = by_expert(expected_w, expected_i)
+    assert torch.equal(i, ei)
+    torch.testing.assert_close(w, ew)
