@@ -200,8 +200,9 @@ def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
     cfg = cfg or default_config("decode", head_dim, q.dtype)
     if num_splits is None:
         num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len)
-    if num_splits < 1:
-        raise ValueError(f"paged_attention_triton: decode_splits must be >= 1, got {num_splits}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"paged_attention_triton: decode_splits must be in 1..{MAX_SPLITS}, "
+                         f"got {num_splits}")
     partition = -(-max(1, max_seq_len) // num_splits)
     partition = -(-partition // cfg.block_n) * cfg.block_n  # whole key tiles per partition
     split = num_splits > 1
@@ -227,7 +228,8 @@ def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
         kern.decode_reduce[(num_rows, num_heads)](
             part_m, part_l, part_acc, out, meta.query_start_loc, row_ids, num_splits,
             out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=max(2, next_pow2(num_splits)),
+            # one BLOCK_S for every split count: one compiled variant, not one per power of two
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=next_pow2(max(2, MAX_SPLITS)),
             USE_ROWS=rows is not None, num_warps=4)
 
 

@@ -138,9 +138,9 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self, moe_token_counts: list[int]) -> None:
         """Compile the kernel variants serving will hit, before it starts (CUDA only): one MoE
-        block at each token count (each tuned count has its own tiles) and one mixed step
-        (a decode row beside a prefill row). It writes KV blocks 1-4, which are free; the
-        expert counters are reset afterwards."""
+        block at each token count (each tuned count has its own tiles) and two mixed steps (a
+        decode row beside a prefill row; the second decode row's context splits). It writes
+        the first KV blocks, which are free; the expert counters are reset afterwards."""
         if self.device.type != "cuda" or not self.kv_caches:
             return
         blocks = self.model.moe_blocks()
@@ -150,10 +150,17 @@ class ModelRunner:
             for n in moe_token_counts:
                 blocks[0](torch.randn(n, hidden, generator=gen, device=self.device,
                                       dtype=self.dtype))
-        if self.kv_caches[0].shape[1] > 4:
+        # mixed steps: a decode row with a short context, then one long enough for the decode
+        # attention to split over the context (its reduce kernel too)
+        for context in (16, 600):
+            blocks_needed = -(-(context + 1) // self.block_size) + 2
+            if self.kv_caches[0].shape[1] <= blocks_needed:
+                break
+            table = list(range(1, blocks_needed - 1))
             self.execute(SchedulerOutput(
                 req_ids=["warmup-decode", "warmup-prefill"], num_scheduled_tokens=[1, 17],
-                num_computed_tokens=[16, 0], token_ids=[0] * 18, block_tables=[[1, 2], [3, 4]],
+                num_computed_tokens=[context, 0], token_ids=[0] * 18,
+                block_tables=[table, [blocks_needed - 1, blocks_needed]],
                 sample=[True, True], sampling_params=[SamplingParams()] * 2,
                 sample_seeds=[0, 0], num_output_tokens=[1, 0]))
         self.reset_counters()

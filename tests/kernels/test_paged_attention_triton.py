@@ -91,10 +91,18 @@ def test_pure_decode_with_split_k(group: int, dtype: torch.dtype) -> None:
     check(make_step(computed, [1] * 5, group=group, dtype=dtype))
 
 
-@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("splits", [1, 3, 8, 64])
 def test_decode_forced_splits_incl_empty_partitions(splits: int) -> None:
-    # 8 partitions of 48 tokens: the short rows leave most of theirs empty
+    # 8 partitions of 48 tokens: the short rows leave most of theirs empty; 64 is MAX_SPLITS
     check(make_step([4, 9, 370, 0, 63], [1] * 5, block_size=16, head_dim=32), decode_splits=splits)
+
+
+def test_decode_splits_outside_the_reduce_are_refused() -> None:
+    step = make_step([40, 9], [1, 1], block_size=16, head_dim=32)
+    for splits in (0, 65):
+        with pytest.raises(ValueError, match="decode_splits must be in 1..64"):
+            paged_attention_triton(step.q, step.kv_cache, step.meta, step.scale,
+                                   decode_splits=splits)
 
 
 def test_decode_attends_past_a_stale_max_seq_len() -> None:

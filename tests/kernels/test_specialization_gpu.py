@@ -92,3 +92,14 @@ def test_routing_compiles_once_across_token_counts() -> None:
         torch.cuda.synchronize()
         seen.append(variants(routing_triton._kernels().route))
     assert seen == [1] * len(seen), seen
+
+
+def test_split_decode_compiles_once_across_split_counts() -> None:
+    kern = paged_attention_triton._kernels()
+    seen = []
+    for context in (300, 900, 3000):  # one decode row: 2, 4 and 12 context partitions
+        step = gpu_step([context, 0], [1, 40], seed=context)
+        run_attention(step.q, step.kv_cache, step.meta, step.scale)
+        torch.cuda.synchronize()
+        seen.append(variants(kern.decode_reduce))
+    assert seen == [seen[0]] * len(seen) and seen[0] >= 1, seen
