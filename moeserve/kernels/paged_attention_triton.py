@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from moeserve.kernels.attention_metadata import AttentionMetadata, to_device
+from moeserve.kernels.triton_common import next_pow2
 
 SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -218,7 +219,7 @@ def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
         meta.block_tables, meta.seq_lens, meta.query_start_loc, row_ids,
         scale * math.log2(math.e), partition, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, _next_pow2(group)),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
         USE_ROWS=rows is not None, SPLIT=split, IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -226,7 +227,7 @@ def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
         kern.decode_reduce[(num_rows, num_heads)](
             part_m, part_l, part_acc, out, meta.query_start_loc, row_ids, num_splits,
             out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=max(2, _next_pow2(num_splits)),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=max(2, next_pow2(num_splits)),
             USE_ROWS=rows is not None, num_warps=4)
 
 
@@ -244,13 +245,9 @@ def _launch_prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         meta.query_start_loc, tiles, num_tiles, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_Q=block_q,
-        BLOCK_M=max(16, _next_pow2(block_q * group)), HEAD_DIM=head_dim,
+        BLOCK_M=max(16, next_pow2(block_q * group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 @functools.cache

@@ -26,11 +26,12 @@ imported on first use (`_kernels`); on CPU the kernel runs only under TRITON_INT
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from moeserve.kernels.triton_common import next_pow2, require_triton_device
 
 MAX_DIM = 16384  # one row lives in registers
 ROW_ELEMENTS = 2048  # elements per program: rows of 2048 one by one, rows of 128 16 at a time
@@ -75,7 +76,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     num_rows = x3.shape[0] * x3.shape[1]
     if num_rows == 0:
         return out if residual is None else (out, new_residual)
-    block_d = _next_pow2(d)
+    block_d = next_pow2(d)
     block_rows = max(1, ROW_ELEMENTS // block_d)
     grid = (-(-num_rows // block_rows),)
     _kernels().rms_norm[grid](
@@ -118,13 +119,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
              and residual.device == x.device,
              f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} "
              f"{residual.dtype}")
-    need(x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
-         f"runs on CUDA tensors, or on {x.device.type} only under Triton's interpreter "
-         "(TRITON_INTERPRET=1 before importing triton)")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    require_triton_device(x.device, "rms_norm_triton")
 
 
 @functools.cache

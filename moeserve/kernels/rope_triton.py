@@ -25,11 +25,12 @@ must be < P). Triton is imported on first use; on CPU it runs only under TRITON_
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from moeserve.kernels.triton_common import next_pow2, require_triton_device
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a global
 
@@ -69,14 +70,14 @@ def rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
         return q_out, k_out
     kvh = k.shape[1]
     half = d // 2
-    block_h = _next_pow2(max(h, kvh))
+    block_h = next_pow2(max(h, kvh))
     _kernels().rope[(t,)](
         positions, q, k, q_out, k_out, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
-        NUM_Q_HEADS=h, NUM_K_HEADS=kvh, BLOCK_QH=_next_pow2(h), BLOCK_KH=_next_pow2(kvh),
-        HALF=half, BLOCK_HALF=_next_pow2(half),
-        num_warps=min(8, max(1, block_h * _next_pow2(half) // 512)), enable_fp_fusion=False)
+        NUM_Q_HEADS=h, NUM_K_HEADS=kvh, BLOCK_QH=next_pow2(h), BLOCK_KH=next_pow2(kvh),
+        HALF=half, BLOCK_HALF=next_pow2(half),
+        num_warps=min(8, max(1, block_h * next_pow2(half) // 512)), enable_fp_fusion=False)
     return q_out, k_out
 
 
@@ -103,13 +104,7 @@ def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     need(cos.shape == sin.shape, "cos and sin shapes differ")
     devices = {positions.device, q.device, k.device, cos.device, sin.device}
     need(len(devices) == 1, f"tensors on several devices: {devices}")
-    need(q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
-         f"runs on CUDA tensors, or on {q.device.type} only under Triton's interpreter "
-         "(TRITON_INTERPRET=1 before importing triton)")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    require_triton_device(q.device, "rope_triton")
 
 
 @functools.cache
