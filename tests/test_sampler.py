@@ -96,12 +96,18 @@ def test_seeded_row_is_independent_of_its_neighbours() -> None:
     assert batch[3] == alone[0]
 
 
-def test_race_in_chunks_of_rows_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    logits = torch.randn(10, 100)
-    t = _tensors([SamplingParams(temperature=1.0, top_p=0.9)] * 10, list(range(10)))
+@pytest.mark.parametrize("elements", [100, 300, 1000])  # 1, 3 and 10 rows a chunk
+def test_random_path_in_chunks_of_rows_gives_the_same_tokens(
+        monkeypatch: pytest.MonkeyPatch, elements: int) -> None:
+    logits = torch.randn(10, 100) * 3
+    params = [SamplingParams(temperature=0.7 + 0.1 * i, top_p=0.5 + 0.05 * i, top_k=i * 7,
+                             min_p=0.01 * (i % 3)) for i in range(9)]
+    params.insert(4, SamplingParams(temperature=0.0))  # a greedy row amid the chunks
+    t = _tensors(params, list(range(10)))
     whole, _ = sample(logits, t)
-    monkeypatch.setattr(sampler_module, "_RACE_CHUNK_ELEMENTS", 300)  # 3 rows a chunk
+    monkeypatch.setattr(sampler_module, "_ROW_CHUNK_ELEMENTS", elements)
     assert torch.equal(sample(logits, t)[0], whole)
+    assert whole[4] == logits[4].argmax()
 
 
 def test_noise_depends_on_seed_and_position_only() -> None:

@@ -17,6 +17,7 @@ work no row needs; a captured graph must be captured with the flags it will be r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,9 @@ _MASK32 = 0xFFFFFFFF
 _MUL_A = 0x045D9F3B
 _MUL_B = 0x7FEB352D
 _GOLDEN32 = 0x9E3779B9  # spreads consecutive vocab indices over the 32-bit space
-_RACE_CHUNK_ELEMENTS = 1 << 27  # rows x vocab per noise chunk: int64 temporaries of 1 GiB
+_ROW_CHUNK_ELEMENTS = 1 << 27  # rows x vocab per chunk of the random path: int64 temporaries of
+# 1 GiB. The sort (values + int64 indices), softmax, cumsum and noise of top-k/top-p over a whole
+# [B, V] batch held ~20 GB at B=4,096, V=152k: memory the profile took from the KV cache.
 
 
 @dataclass
@@ -164,7 +167,28 @@ def _apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
 
 
 def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then the exponential race. Returns [B] int64."""
+    """Temperature, top-k, top-p, min-p, then the exponential race, in chunks of rows so that
+    the [rows, V] temporaries stay near _ROW_CHUNK_ELEMENTS elements. Returns [B] int64; each
+    row's token depends on that row only, so the chunking does not change it."""
+    batch, vocab_size = logits.shape
+    rows = max(1, _ROW_CHUNK_ELEMENTS // vocab_size)
+    token_ids = [_sample_random_rows(logits[s:s + rows], _row_slice(t, s, s + rows))
+                 for s in range(0, batch, rows)]
+    return token_ids[0] if len(token_ids) == 1 else torch.cat(token_ids)
+
+
+def _row_slice(t: SamplingTensors, start: int, end: int) -> SamplingTensors:
+    """Rows [start, end) of t; the host flags stay the whole batch's (a flag that is on for
+    rows it does not concern only costs work, never changes a token)."""
+    if start == 0 and end >= t.temperature.shape[0]:
+        return t
+    return dataclasses.replace(
+        t, temperature=t.temperature[start:end], top_k=t.top_k[start:end],
+        top_p=t.top_p[start:end], min_p=t.min_p[start:end], seeds=t.seeds[start:end],
+        positions=t.positions[start:end])
+
+
+def _sample_random_rows(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     temperature = torch.where(t.temperature > 0, t.temperature, 1.0)  # [B]; greedy rows unused
     scaled = logits.to(torch.float32, copy=True).div_(temperature[:, None])  # [B, V]
     if t.any_top_k or t.any_top_p:
@@ -173,22 +197,11 @@ def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         # p < min_p * p_max  <=>  logit < max_logit + log(min_p); unchanged by renormalisation.
         floor = scaled.amax(dim=-1, keepdim=True) + t.min_p[:, None].log()  # [B, 1]
         scaled.masked_fill_(scaled < floor, float("-inf"))
-    return _exponential_race(scaled.softmax(dim=-1), t.seeds, t.positions)
-
-
-def _exponential_race(probs: torch.Tensor, seeds: torch.Tensor,
-                      positions: torch.Tensor) -> torch.Tensor:
-    """argmax(probs / E), E ~ Exp(1): a draw from probs. Overwrites probs; returns [B] int64.
-
-    NOTE: the noise costs ~20 int64 passes over [B, V] in eager torch (about 19 ms at
-    B=2048, V=152k on an H200), so it runs in chunks of rows to bound the temporaries.
-    """
-    batch, vocab_size = probs.shape
-    rows = max(1, _RACE_CHUNK_ELEMENTS // vocab_size)
-    token_ids = [probs[s:s + rows].div_(exponential_noise(seeds[s:s + rows],
-                                                          positions[s:s + rows], vocab_size))
-                 .argmax(dim=-1) for s in range(0, batch, rows)]
-    return token_ids[0] if len(token_ids) == 1 else torch.cat(token_ids)
+    probs = scaled.softmax(dim=-1)
+    del scaled
+    # argmax(probs / E), E ~ Exp(1): a draw from probs.
+    return probs.div_(exponential_noise(t.seeds, t.positions, vocab_size=probs.shape[-1])) \
+        .argmax(dim=-1)
 
 
 def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num: int) -> SampleLogprobs:
