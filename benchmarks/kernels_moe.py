@@ -3,11 +3,11 @@
 For a preset's expert shape (default qwen3-30b-a3b: E 128, H 2048, I 768, top-8, bf16) at 64, 256,
 1,024 and 2,048 tokens, with dummy routing (random router logits) and skewed routing (logits of
 20% of the experts raised so that they take most pairs), times the whole routed layer
-(select_experts + experts) inside a CUDA graph. Reports ms, % of the expert-weight read bound
-(bytes of the experts actually touched / 4.27 TB/s; 0.283 ms with all 128 touched) and TFLOP/s
-against 787 (reference/ANCHORS.md). Every backend is first checked against moe_loop_ref (fp32 on
-the same bf16 values) at one token count, and not timed if it fails. Also times the expert sort
-alone (torch vs Triton align).
+(the engine's routing with its expert-load count, then the experts) inside a CUDA graph. Reports
+ms, % of the expert-weight read bound (bytes of the experts actually touched / 4.27 TB/s; 0.283
+ms with all 128 touched) and TFLOP/s against 787 (reference/ANCHORS.md). Every backend is first
+checked against moe_loop_ref (fp32 on the same bf16 values) at one token count, and not timed if
+it fails. Also times the expert sort alone (torch vs Triton align).
 
 Backends: grouped_mm; triton_default (in-code default tiles); triton (tiles looked up: a tuned
 file if one is found); measured (per token count the backend the tune measured faster, the
@@ -44,6 +44,7 @@ from moeserve.kernels.moe_measured import moe_measured
 from moeserve.kernels.moe_ref import moe_loop_ref
 from moeserve.kernels.moe_triton import moe_triton
 from moeserve.kernels.routing import select_experts
+from moeserve.kernels.routing_triton import MAX_EXPERTS, select_experts_triton
 from moeserve.presets import load_preset
 
 COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # H200, measured (ANCHORS.md)
@@ -110,8 +111,13 @@ def bench_layer(name: str, fn: MoeFn, kind: str, num_tokens: int, w13: torch.Ten
     x = torch.randn(num_tokens, hidden, device=DEVICE).to(DTYPE)
     logits = router_logits(kind, num_tokens, num_experts, seed=num_tokens)
 
-    def layer() -> torch.Tensor:
-        weights, ids = select_experts(logits, top_k, renormalize=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=DEVICE)
+
+    def layer() -> torch.Tensor:  # the engine's routing, expert-load count included
+        if logits.is_cuda and num_experts <= MAX_EXPERTS:
+            weights, ids = select_experts_triton(logits, top_k, True, counts=counts)
+        else:
+            weights, ids = select_experts(logits, top_k, renormalize=True)
         return fn(x, w13, w2, weights, ids, num_tokens=num_tokens)
 
     ms = time_in_graph(layer)

@@ -112,7 +112,7 @@ def profile_mixed_steps(llm: LLM, rng: random.Random, vocab: int,
     events = list(prof.key_averages())
     gpu = [e for e in events if e.self_device_time_total > 0]
     cpu_top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
-    gpu_top = sorted(gpu, key=lambda e: -e.self_device_time_total)[:15]
+    gpu_top = sorted(gpu, key=lambda e: -e.self_device_time_total)[:40]
     return {"new_prompts": MIXED_NEW, "wall_ms": walls,
             "gpu_busy_ms_last": sum(e.self_device_time_total for e in gpu) / 1e3,
             "cpu_top": [{"name": e.key[:120], "self_cpu_ms": e.self_cpu_time_total / 1e3,
