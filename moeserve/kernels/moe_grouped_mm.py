@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 
 def moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                   reduce: bool = True) -> torch.Tensor:
     """Routed experts as two grouped GEMMs over expert-sorted (token, slot) pairs.
 
     Args:
@@ -36,8 +37,10 @@ def moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w2: [E, H, I], x's dtype, last dim contiguous.
         topk_weights: [T, k] float32 (cast to x's dtype before the multiply, as HF does).
         topk_ids: [T, k] integer expert ids in [0, E).
+        reduce: False returns the k weighted rows [T, k, H] unsummed (the caller's norm adds
+            them: `rms_norm_triton` parts).
     Returns:
-        [T, H] in x's dtype.
+        [T, H] in x's dtype ([T, k, H] with reduce False).
     """
     _check_inputs(x, w13, w2, topk_ids)
     num_tokens, hidden = x.shape
@@ -54,7 +57,8 @@ def moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     y = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)  # [M, H]
     y = y * topk_weights.reshape(-1)[order].to(x.dtype)[:, None]  # [M, H]
     unsorted = torch.empty_like(y).index_copy_(0, order, y)  # [M, H] in (token, slot) order
-    return unsorted.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]
+    parts = unsorted.view(num_tokens, top_k, hidden)  # [T, k, H]
+    return parts.sum(dim=1) if reduce else parts
 
 
 def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

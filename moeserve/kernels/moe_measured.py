@@ -32,11 +32,13 @@ moe_configs.register_cache(_PLANS.clear)
 
 
 def moe_measured(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                 reduce: bool = True) -> torch.Tensor:
     """Routed experts through the backend measured faster at this token count.
 
     Args and result as `moe_triton` / `moe_grouped_mm`: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
-    topk_weights [T, k] float32, topk_ids [T, k] -> [T, H] in x's dtype.
+    topk_weights [T, k] float32, topk_ids [T, k] -> [T, H] in x's dtype (reduce False: [T, k,
+    H], the k weighted rows unsummed).
     """
     shape_key = (x.device, x.dtype, w13.shape[0], w13.shape[2], w2.shape[2], topk_ids.shape[1])
     plans = _PLANS.get(shape_key)
@@ -48,8 +50,8 @@ def moe_measured(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         plan = plans[num_tokens] = pick(shape_key, num_tokens)
     backend, config = plan
     if backend == "grouped_mm":
-        return moe_grouped_mm(x, w13, w2, topk_weights, topk_ids)
-    return moe_triton(x, w13, w2, topk_weights, topk_ids, config=config)
+        return moe_grouped_mm(x, w13, w2, topk_weights, topk_ids, reduce=reduce)
+    return moe_triton(x, w13, w2, topk_weights, topk_ids, config=config, reduce=reduce)
 
 
 def pick(shape_key: tuple, num_tokens: int) -> tuple[str, dict[str, int]]:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 
 def moe_loop_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                 reduce: bool = True) -> torch.Tensor:
     """Per-expert loop over the experts that received tokens.
 
     Args:
@@ -27,8 +28,10 @@ def moe_loop_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w2: [E, H, I], x's dtype.
         topk_weights: [T, k] float32.
         topk_ids: [T, k] integer expert ids in [0, E).
+        reduce: False returns [T, 1, H] (the backends' contract: parts whose sum over dim 1 is
+            the result; this loop adds the k rows itself).
     Returns:
-        [T, H] in x's dtype.
+        [T, H] in x's dtype ([T, 1, H] with reduce False).
     """
     inter = w2.shape[-1]
     out = torch.zeros_like(x)  # [T, H]
@@ -39,7 +42,7 @@ def moe_loop_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = act @ w2[e].T  # [n_e, H]
         y = y * topk_weights[token_idx, slot, None].to(x.dtype)
         out.index_add_(0, token_idx, y)
-    return out
+    return out if reduce else out.unsqueeze(1)
 
 
 def moe_dense_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

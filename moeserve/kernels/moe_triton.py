@@ -54,7 +54,7 @@ tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
 def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                config: dict | None = None, combine: str = "sum",
-               align: str = "triton") -> torch.Tensor:
+               align: str = "triton", reduce: bool = True) -> torch.Tensor:
     """Routed experts through two launches of `_fused_moe_kernel` (see the module docstring).
 
     Args:
@@ -67,15 +67,17 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             down launch's own tiles, `moe_configs.DOWN_KEYS`); default: `get_moe_config`.
         combine: "sum" (deterministic) or "atomic" (fp32 atomics), how the k slots are added.
         align: "triton" (three launches) or "torch" (~25 small kernels): the expert sort.
+        reduce: False skips the "sum" pass and returns the k weighted rows [T, k, H] (the next
+            norm adds them: `rms_norm_triton` parts); "atomic" then returns [T, 1, H].
     Returns:
-        [T, H] in x's dtype.
+        [T, H] in x's dtype ([T, S, H] with reduce False, summing over S to the result).
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     _check_options(x.device, combine, align)
     num_tokens, hidden = x.shape
     num_experts, inter, top_k = w13.shape[0], w2.shape[-1], topk_ids.shape[1]
     if num_tokens == 0:
-        return x.new_empty(0, hidden)
+        return x.new_empty(0, hidden) if reduce else x.new_empty(0, 1, hidden)
     if config is None:
         config = get_moe_config(num_experts, hidden, inter, top_k, x.dtype, num_tokens,
                                 _device_name(x.device)).config
@@ -91,10 +93,12 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         out32 = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [T, H]
         _launch(act, w2, out32, topk_weights, sorted_ids, expert_ids, num_pairs, down,
                 a_row_div=1, c_row_div=top_k, gated=False, atomic=True)
-        return out32.to(x.dtype)
+        return out32.to(x.dtype) if reduce else out32.to(x.dtype).unsqueeze(1)
     out = x.new_empty(num_tokens, top_k, hidden)  # [T, k, H], row pair = t * k + i
     _launch(act, w2, out.view(num_pairs, hidden), topk_weights, sorted_ids, expert_ids,
             num_pairs, down, a_row_div=1, c_row_div=1, gated=False, atomic=False)
+    if not reduce:
+        return out
     return out.view(num_tokens, hidden) if top_k == 1 else out.sum(dim=1)
 
 

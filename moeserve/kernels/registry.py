@@ -27,10 +27,12 @@ from moeserve.kernels.paged_attention_triton import paged_attention_triton
 
 class MoeFn(Protocol):
     """(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k])
-    -> [T, H]."""
+    -> [T, H]; with reduce=False -> [T, S, H] parts whose sum over S is that result (the
+    decoder layer passes them to the next norm, which adds them: no pass of their own)."""
 
     def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor: ...
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                 reduce: bool = True) -> torch.Tensor: ...
 
 
 class AttentionFn(Protocol):

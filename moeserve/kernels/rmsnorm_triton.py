@@ -4,6 +4,11 @@ Hugging Face's order of operations (Qwen3 / Mixtral), which both paths follow:
 
     residual given:  s = residual + x        in x's dtype (HF's `hidden = residual + hidden`)
                      x = s, and s is returned as the new residual
+    parts:           x [T, S, D] with residual [T, D]: x is first x.sum(1) in x's dtype (fp32
+                     sum, rounded once, as torch's), so the MoE layer's k weighted expert rows
+                     [T, k, D] are added here instead of in a pass of their own (the "sum"
+                     combine: 0.85 ms of a 30 ms decode step at 1,024 rows on the H200, plus a
+                     write and a read of [T, D])
     x32 = x.float();  y = x32 * rsqrt(mean(x32^2, -1) + eps)                fp32
     out = weight * y.to(x.dtype)        one product, rounded to promote(weight.dtype, x.dtype)
 
@@ -41,7 +46,10 @@ tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference (HF's exact ops). Returns out, or (out, new residual) with residual."""
+    """The torch reference (HF's exact ops). Returns out, or (out, new residual) with residual.
+    With residual [..., D] and x [..., S, D] (parts), x.sum(-2) is the x added."""
+    if residual is not None and x.dim() == residual.dim() + 1:
+        x = x.squeeze(-2) if x.shape[-2] == 1 else x.sum(-2)
     if residual is not None:
         x = residual = residual + x
     x32 = x.float()
@@ -60,19 +68,28 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
             other layouts are copied first).
         weight: [D], contiguous.
         eps: added to the mean square.
-        residual: None, or a tensor of x's shape and dtype (any strides, as x).
+        residual: None, or a tensor of x's shape and dtype (any strides, as x); or, with x
+            [T, S, D] (parts, any strides with a unit last one), a contiguous [T, D] of x's
+            dtype: the x added to it is x.sum(1).
     Returns:
         out [..., D] (dtype promote(weight, x)), or (out, s) with s = residual + x [..., D] in
         x's dtype: the next layer's residual. Both contiguous, new tensors.
     """
     _check(x, weight, residual)
     d = x.shape[-1]
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    parts = residual is not None and x.dim() == residual.dim() + 1
+    shape = residual.shape if parts else x.shape
+    out = torch.empty(shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     new_residual = None
     if residual is not None:
-        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x3 = _rows_view(x)  # [A, B, D]: row r = (r // B, r % B)
-    r3 = _rows_view(residual) if residual is not None else x3
+        new_residual = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if parts:  # x [T, S, D]: row t sums x[t, 0..S-1]
+        num_parts, stride_part = x.shape[1], x.stride(1)
+        x3, r3 = x[:, :1], residual.unsqueeze(1)  # [T, 1, D] each
+    else:
+        num_parts, stride_part = 1, 0
+        x3 = _rows_view(x)  # [A, B, D]: row r = (r // B, r % B)
+        r3 = _rows_view(residual) if residual is not None else x3
     num_rows = x3.shape[0] * x3.shape[1]
     if num_rows == 0:
         return out if residual is None else (out, new_residual)
@@ -81,9 +98,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     grid = (-(-num_rows // block_rows),)
     _kernels().rms_norm[grid](
         x3, r3, weight, out, new_residual if residual is not None else out,
-        num_rows, x3.shape[1], x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-        1.0 / d, eps, D=d, BLOCK_D=block_d, BLOCK_ROWS=block_rows,
-        HAS_RESIDUAL=residual is not None,
+        num_rows, x3.shape[1], x3.stride(0), x3.stride(1), stride_part, r3.stride(0),
+        r3.stride(1), 1.0 / d, eps, D=d, BLOCK_D=block_d, BLOCK_ROWS=block_rows,
+        HAS_RESIDUAL=residual is not None, NUM_PARTS=num_parts,
         num_warps=min(8, max(1, block_rows * block_d // 256)), enable_fp_fusion=False)
     return out if residual is None else (out, new_residual)
 
@@ -114,11 +131,18 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
          f"{tuple(weight.shape)}")
     need(x.is_floating_point() and weight.is_floating_point(), "x and weight must be floating")
     need(weight.device == x.device, f"weight on {weight.device}, x on {x.device}")
-    if residual is not None:
+    if residual is not None and x.dim() == 3 and residual.dim() == 2:  # parts
+        need(residual.shape == (x.shape[0], d) and residual.is_contiguous()
+             and residual.dtype == x.dtype and residual.device == x.device
+             and x.stride(-1) == 1 and x.shape[1] >= 1,
+             f"parts: residual must be contiguous [{x.shape[0]}, {d}] {x.dtype} for x "
+             f"{tuple(x.shape)} with a unit last stride, got {tuple(residual.shape)} "
+             f"{residual.dtype}")
+    elif residual is not None:
         need(residual.shape == x.shape and residual.dtype == x.dtype
              and residual.device == x.device,
-             f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} "
-             f"{residual.dtype}")
+             f"residual must match x {tuple(x.shape)} {x.dtype} (or be [T, D] for x [T, S, D]), "
+             f"got {tuple(residual.shape)} {residual.dtype}")
     require_triton_device(x.device, "rms_norm_triton")
 
 
@@ -144,18 +168,25 @@ def _sum(x, AXIS: tl.constexpr):
 
 
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, heads,
-                     stride_xa, stride_xb, stride_ra, stride_rb, inv_d, eps,
+                     stride_xa, stride_xb, stride_xp, stride_ra, stride_rb, inv_d, eps,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, NUM_PARTS: tl.constexpr):
     """Rows pid * BLOCK_ROWS .. + BLOCK_ROWS of x [A, B, D] (strided) -> out [A * B, D]
-    (contiguous); HAS_RESIDUAL: x := res + x, stored to res_out [A * B, D] first."""
+    (contiguous); NUM_PARTS > 1: x := the fp32 sum of the NUM_PARTS rows stride_xp apart,
+    rounded to x's dtype; HAS_RESIDUAL: x := res + x, stored to res_out [A * B, D] first."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
     cols = tl.arange(0, BLOCK_D)  # [BD]
     mask = (rows < num_rows)[:, None] & (cols < D)[None, :]  # [R, BD]
     rows = rows.to(tl.int64)
     a, b = rows // heads, rows % heads  # [R]
-    x = tl.load(x_ptr + (a * stride_xa + b * stride_xb)[:, None] + cols[None, :], mask=mask,
-                other=0.0)  # [R, BD] x's dtype
+    x_offs = (a * stride_xa + b * stride_xb)[:, None] + cols[None, :]  # [R, BD]
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)  # [R, BD] x's dtype
+    if NUM_PARTS > 1:  # the MoE's k expert rows of each token, in order, as torch's sum
+        part_sum = x.to(tl.float32)
+        for j in range(1, NUM_PARTS):
+            part_sum += tl.load(x_ptr + x_offs + j * stride_xp, mask=mask,
+                                other=0.0).to(tl.float32)
+        x = part_sum.to(x_ptr.dtype.element_ty)
     out_offs = rows[:, None] * D + cols[None, :]  # [R, BD] contiguous outputs
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + (a * stride_ra + b * stride_rb)[:, None] + cols[None, :],

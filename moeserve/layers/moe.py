@@ -4,6 +4,8 @@
       -> select_experts(top_k, renormalize=norm_topk_prob) -> topk_weights [T, k] fp32,
                                                                topk_ids [T, k] int64
       -> moe_backend(x, w13, w2, topk_weights, topk_ids) -> [T, hidden]
+         (forward(x, reduce=False): [T, S, hidden] parts, summed by the next norm; the Triton
+         backend then skips its own pass over the k weighted rows)
 
     w13 [E, 2I, hidden]: per expert, rows [0, I) gate_proj, rows [I, 2I) up_proj
     w2  [E, hidden, I]:  per expert, down_proj
@@ -54,7 +56,9 @@ class SparseMoeBlock(nn.Module):
         self.expert_counts: torch.Tensor | None = None  # [E] int64, bound by the runner
         self.count_mask: torch.Tensor | None = None  # [T] int64, set around CUDA-graph decode
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; reduce False -> [T, S, hidden] whose sum over S is
+        that (the MoeFn contract in kernels/registry.py)."""
         router_logits = F.linear(x, self.gate)  # [T, E]
         if x.is_cuda and router_logits.shape[1] <= MAX_EXPERTS:
             mask = self.count_mask
@@ -63,7 +67,7 @@ class SparseMoeBlock(nn.Module):
             topk_weights, topk_ids = select_experts_triton(
                 router_logits, self.top_k, self.renormalize, counts=self.expert_counts,
                 count_mask=mask if self.expert_counts is not None else None)
-            return self.backend(x, self.w13, self.w2, topk_weights, topk_ids)  # [T, hidden]
+            return self.backend(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         if self.expert_counts is not None:
             # NOTE: scatter_add_, not bincount: bincount syncs with the host
@@ -73,4 +77,4 @@ class SparseMoeBlock(nn.Module):
             else:
                 ones = self.count_mask[:, None].expand(-1, self.top_k).reshape(-1)  # [T * k]
             self.expert_counts.scatter_add_(0, ids, ones)
-        return self.backend(x, self.w13, self.w2, topk_weights, topk_ids)  # [T, hidden]
+        return self.backend(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)

@@ -6,7 +6,9 @@ The normalisation runs in fp32; the cast back to the input dtype happens BEFORE 
 the weight, which runs in the weight's dtype (the model dtype).
 
 `forward(x, residual)` (vLLM's pattern) first forms s = residual + x in the model dtype, as HF's
-`hidden = residual + hidden`, and returns (norm(s), s): s is the next residual.
+`hidden = residual + hidden`, and returns (norm(s), s): s is the next residual. x may be [T, S,
+dim] parts with residual [T, dim] (a sparse MoE layer's k weighted expert rows): x.sum(1) is
+then the x added.
 
 On CUDA both run as one Triton kernel (kernels/rmsnorm_triton.py: the same ops, up to the order
 of the fp32 sum of squares); elsewhere the torch reference runs (bit for bit HF's ops).
@@ -33,7 +35,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [..., dim] -> out [..., dim]; with residual (x's shape and dtype) ->
-        (norm(residual + x), residual + x)."""
+        (norm(residual + x), residual + x); x [T, S, dim] with residual [T, dim] adds x.sum(1)."""
         if x.is_cuda:
             return rms_norm_triton(x, self.weight, self.eps, residual)
         return rms_norm_ref(x, self.weight, self.eps, residual)

@@ -6,8 +6,12 @@
         h = h + mlp(post_attention_layernorm(h))     mlp: SparseMoeBlock if
                                                       config.is_moe_layer(i), else dense MLP
     computed as (hidden, residual) pairs: each residual add is fused into the norm after it
-    (norm(x, residual) -> (norm(residual + x), residual + x)), and into the final norm.
-    compute_logits(hidden [N, hidden]) -> [N, V] fp32 (lm_head, or embed_tokens when tied)
+    (norm(x, residual) -> (norm(residual + x), residual + x)), and into the final norm. A sparse
+    layer hands on its experts' k weighted rows [T, k, hidden] unsummed: the norm after it adds
+    them with the residual (rms_norm_triton's parts), so they take no pass of their own.
+    compute_logits(hidden [N, hidden]) -> [N, V] in the model dtype (lm_head, or embed_tokens when
+    tied), as HF's logits; the sampler reads them as they are (greedy: argmax, exact in any
+    dtype) and upcasts only where it computes (random sampling, logprobs)
 
 The families differ only in config: Qwen3 has q/k norm and no experts; Qwen3-MoE has q/k norm,
 experts on the layers `is_moe_layer` picks, and optional top-k renormalisation; Mixtral has no
@@ -47,7 +51,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) -> (mlp output, residual before it), both [T, hidden]. The
+        """(hidden, residual) -> (mlp output, residual before it), [T, hidden] each (a sparse
+        mlp's output as [T, S, hidden] parts, which the next norm sums). The
         residual adds are fused into the norms that follow them (vLLM's pattern): the stream HF
         keeps is residual + hidden, with the same ops in the same dtype. residual None: layer 0."""
         if residual is None:
@@ -56,6 +61,8 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if isinstance(self.mlp, SparseMoeBlock):
+            return self.mlp(hidden, reduce=False), residual  # [T, S, hidden], [T, hidden]
         return self.mlp(hidden), residual  # [T, hidden] each
 
 
@@ -103,9 +110,10 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, V] fp32 (matmul in the model dtype, as HF)."""
+        """hidden [N, hidden] -> logits [N, V] in the model dtype (as HF). No fp32 copy here:
+        at 1,024 rows and V 152k that copy cost 0.45 ms of a 30 ms decode step on the H200."""
         weight = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight)
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         """The sparse MoE blocks, in layer order."""

@@ -268,7 +268,7 @@ class ModelRunner:
             picked = hidden[:rows.size]  # decode: the rows in order, no gather
         else:
             picked = hidden[self._to_device(last_token[rows])]
-        logits = self.model.compute_logits(picked)  # [R, V] fp32
+        logits = self.model.compute_logits(picked)  # [R, V] model dtype
         pending.params = [out.sampling_params[i] for i in rows]
         tensors = SamplingTensors.build(
             pending.params, [out.sample_seeds[i] for i in rows],
@@ -302,7 +302,7 @@ class ModelRunner:
                                                 self.block_size, self.device)
                 hidden = self._forward(self.model, (input_ids, meta.positions, meta),
                                        out.num_reqs, breakdown=True)  # [B, hidden]
-            logits = self.model.compute_logits(hidden)  # [B, V] fp32
+            logits = self.model.compute_logits(hidden)  # [B, V] model dtype
             tensors = SamplingTensors.build(out.sampling_params, out.sample_seeds,
                                             (computed + step + 1).tolist(), self.device)
             input_ids, _ = sample(logits, tensors)  # [B]: this step's tokens, next step's input

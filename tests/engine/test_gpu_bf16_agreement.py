@@ -238,10 +238,10 @@ def drop_top_expert(moe: str) -> MoeBackend:
     fn = get_moe_backend(moe)
 
     def broken(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor) -> torch.Tensor:
+               topk_ids: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
         weights = topk_weights.clone()  # [T, k]
         weights.scatter_(1, weights.argmax(-1, keepdim=True), 0.0)
-        return fn(x, w13, w2, weights, topk_ids)
+        return fn(x, w13, w2, weights, topk_ids, reduce=reduce)
 
     return broken
 

@@ -76,13 +76,14 @@ class Spy:
         self.calls: list[tuple[str, int, dict | None]] = []
         real_triton, real_grouped = moe_measured.moe_triton, moe_measured.moe_grouped_mm
 
-        def triton(x: torch.Tensor, *args: torch.Tensor, config: dict) -> torch.Tensor:
+        def triton(x: torch.Tensor, *args: torch.Tensor, config: dict,
+                   reduce: bool = True) -> torch.Tensor:
             self.calls.append(("triton", x.shape[0], config))
-            return real_triton(x, *args, config=config)
+            return real_triton(x, *args, config=config, reduce=reduce)
 
-        def grouped(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        def grouped(x: torch.Tensor, *args: torch.Tensor, reduce: bool = True) -> torch.Tensor:
             self.calls.append(("grouped_mm", x.shape[0], None))
-            return real_grouped(x, *args)
+            return real_grouped(x, *args, reduce=reduce)
 
         monkeypatch.setattr(moe_measured, "moe_triton", triton)
         monkeypatch.setattr(moe_measured, "moe_grouped_mm", grouped)

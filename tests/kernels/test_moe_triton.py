@@ -220,6 +220,32 @@ def test_atomic_combine_and_torch_align_match_the_default() -> None:
     assert torch.equal(torch_align, summed)
 
 
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_unreduced_output_is_the_k_weighted_rows(top_k: int) -> None:
+    """reduce=False hands on [T, k, H] (the next norm sums them): their sum is the default
+    output bit for bit, and each row is one expert's weighted output; "atomic" gives [T, 1, H];
+    the reference backends follow the same contract."""
+    from moeserve.kernels.registry import MOE_BACKENDS
+
+    w13, w2 = make_experts(8, torch.float32)
+    x, weights, ids = make_routing(21, 8, top_k, torch.float32)
+    summed = moe_triton(x, w13, w2, weights, ids, config=SMALL)
+    parts = moe_triton(x, w13, w2, weights, ids, config=SMALL, reduce=False)
+    assert parts.shape == (21, top_k, x.shape[1])
+    assert torch.equal(parts.sum(1) if top_k > 1 else parts[:, 0], summed)
+    for slot in range(top_k):  # slot i of token t: expert ids[t, i] alone, weighted
+        alone = moe_triton(x, w13, w2, weights[:, slot:slot + 1].contiguous(),
+                           ids[:, slot:slot + 1].contiguous(), config=SMALL)
+        torch.testing.assert_close(parts[:, slot], alone, atol=1e-6, rtol=1e-6)
+    atomic = moe_triton(x, w13, w2, weights, ids, config=SMALL, combine="atomic", reduce=False)
+    assert atomic.shape == (21, 1, x.shape[1])
+    torch.testing.assert_close(atomic[:, 0], summed, atol=1e-6, rtol=1e-6)
+    assert moe_triton(x[:0], w13, w2, weights[:0], ids[:0], reduce=False).shape == (0, 1, 32)
+    ref = MOE_BACKENDS["torch"](x, w13, w2, weights, ids, reduce=False)
+    assert ref.shape == (21, 1, x.shape[1])
+    torch.testing.assert_close(ref[:, 0], summed, atol=1e-5, rtol=1e-5)
+
+
 def test_launcher_rejects_bad_inputs() -> None:
     w13, w2 = make_experts(8, torch.float32)
     x, weights, ids = make_routing(4, 8, 2, torch.float32)

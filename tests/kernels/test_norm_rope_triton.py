@@ -69,6 +69,24 @@ def check_rms_norm(t: int, dtype: torch.dtype, device: str) -> None:
     assert_norm_close(out, expected)
 
 
+def check_rms_norm_parts(t: int, dtype: torch.dtype, device: str, parts: int = 8) -> None:
+    """x [T, S, D] with residual [T, D] (a MoE layer's k weighted rows): the norm adds x.sum(1).
+    The fp32 sum may add the parts in another order than torch's: a rare one-ulp difference
+    in the new residual, none in fp32 beyond rounding."""
+    _, residual, weight = norm_inputs(t, HIDDEN, dtype, device, seed=t)
+    gen = torch.Generator().manual_seed(t + 1)
+    x = (torch.randn(t, parts, HIDDEN, generator=gen) * 0.5).to(dtype).to(device)
+    out, new_residual = rms_norm_triton(x, weight, EPS, residual)
+    expected, expected_residual = rms_norm_ref(x, weight, EPS, residual)
+    assert expected_residual.shape == (t, HIDDEN)
+    assert torch.equal(expected_residual, residual + x.sum(1))  # the reference: torch's ops
+    assert new_residual.shape == out.shape == (t, HIDDEN)
+    torch.testing.assert_close(new_residual, expected_residual, **NORM_TOL[dtype])
+    flips = (new_residual != expected_residual).float().mean().item()
+    assert flips <= MAX_FLIPS, f"{flips:.2e} of the residual elements differ"
+    torch.testing.assert_close(out, expected, **NORM_TOL[dtype])
+
+
 def check_qk_norm(t: int, dtype: torch.dtype, device: str) -> None:
     qkv, q, k = qkv_views(t, dtype, device, seed=t)
     before = qkv.clone()
@@ -100,6 +118,31 @@ def check_rope(t: int, dtype: torch.dtype, device: str) -> None:
 @pytest.mark.parametrize("t", TOKENS)
 def test_rms_norm_hidden_rows(t: int, dtype: torch.dtype) -> None:
     check_rms_norm(t, dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("t", TOKENS)
+def test_rms_norm_adds_parts_to_the_residual(t: int, dtype: torch.dtype) -> None:
+    check_rms_norm_parts(t, dtype, "cpu")
+
+
+def test_rms_norm_parts_one_part_and_strided_parts() -> None:
+    """One part (a backend that adds its k rows itself: [T, 1, D]) is x itself, bit exact; parts
+    read through a strided view ([T, S, D] sliced out of a wider tensor)."""
+    torch.manual_seed(0)
+    weight = torch.randn(64)
+    x, residual = torch.randn(9, 1, 64), torch.randn(9, 64)
+    out, new_residual = rms_norm_triton(x, weight, EPS, residual)
+    expected, expected_residual = rms_norm_ref(x[:, 0], weight, EPS, residual)
+    assert torch.equal(new_residual, expected_residual)
+    torch.testing.assert_close(out, expected, **NORM_TOL[torch.float32])
+    wide = torch.randn(9, 6, 64)
+    out, new_residual = rms_norm_triton(wide[:, 1:5], weight, EPS, residual)
+    expected, expected_residual = rms_norm_ref(wide[:, 1:5], weight, EPS, residual)
+    torch.testing.assert_close(new_residual, expected_residual, **NORM_TOL[torch.float32])
+    torch.testing.assert_close(out, expected, **NORM_TOL[torch.float32])
+    with pytest.raises(ValueError, match="parts"):
+        rms_norm_triton(torch.randn(9, 4, 64), weight, EPS, torch.randn(8, 64))
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -177,6 +220,7 @@ def test_cpu_layers_keep_the_torch_ops() -> None:
 @pytest.mark.parametrize("t", (1, 7, 300, 4096))
 def test_gpu_bf16(t: int) -> None:
     check_rms_norm(t, torch.bfloat16, "cuda")
+    check_rms_norm_parts(t, torch.bfloat16, "cuda")
     check_qk_norm(t, torch.bfloat16, "cuda")
     check_rope(t, torch.bfloat16, "cuda")
 
