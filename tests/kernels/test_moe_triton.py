@@ -220,6 +220,25 @@ def test_atomic_combine_and_torch_align_match_the_default() -> None:
     assert torch.equal(torch_align, summed)
 
 
+@pytest.mark.parametrize("persistent", [1, 3])
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_persistent_launch_matches_one_program_per_tile(num_tokens: int,
+                                                        persistent: int) -> None:
+    """n programs per SM (4 "SMs" off CUDA) walking the used tiles: the same bits as one
+    program per tile, with the default and the down tiles, fp32 and fp16, K not a multiple of
+    BLOCK_K; and a bad value is refused."""
+    for dtype in (torch.float32, torch.float16):
+        w13, w2 = make_experts(8, dtype, hidden=40)
+        x, weights, ids = make_routing(num_tokens, 8, 2, dtype, hidden=40)
+        for config in (SMALL, {**SMALL, "down": dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=1,
+                                                     num_warps=4, num_stages=2)}):
+            once = moe_triton(x, w13, w2, weights, ids, config=config)
+            walked = moe_triton(x, w13, w2, weights, ids, config=config, persistent=persistent)
+            assert torch.equal(walked, once)
+    with pytest.raises(ValueError, match="persistent"):
+        moe_triton(x, w13, w2, weights, ids, config=SMALL, persistent=-1)
+
+
 @pytest.mark.parametrize("top_k", [1, 3])
 def test_unreduced_output_is_the_k_weighted_rows(top_k: int) -> None:
     """reduce=False hands on [T, k, H] (the next norm sums them): their sum is the default
@@ -286,7 +305,7 @@ def test_split_config_matches_loop_ref_and_each_launch_gets_its_tiles(
     real = mt._launch
 
     def spy(*args: object, **kwargs: object) -> None:
-        config = args[7]  # _launch reads the top-level tiles only
+        config = args[8]  # _launch reads the top-level tiles only
         launches.append((kwargs["gated"], {k: config[k] for k in moe_configs.CONFIG_KEYS}))
         real(*args, **kwargs)
 
@@ -670,6 +689,19 @@ def test_gpu_qwen3_shape_bf16_matches_loop_ref(qwen_experts: tuple, num_tokens: 
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     expected = moe_loop_ref(x.float(), w13_f, w2_f, weights, ids)
     torch.testing.assert_close(out.float(), expected, **BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 1024, 2048, 8192])
+def test_gpu_persistent_launch_gives_the_same_bits(qwen_experts: tuple, num_tokens: int) -> None:
+    """The persistent variant (1 and 2 programs per SM) with the tuned tiles of each size: the
+    same tiles and sums as one program per tile, so the same bits."""
+    w13, w2, _, _ = qwen_experts
+    x, logits = qwen_tokens(num_tokens, seed=num_tokens + 1)
+    weights, ids = select_experts(logits, QWEN_K, renormalize=True)
+    once = moe_triton(x, w13, w2, weights, ids)
+    for persistent in (1, 2):
+        assert torch.equal(moe_triton(x, w13, w2, weights, ids, persistent=persistent), once)
 
 
 @pytest.mark.gpu
