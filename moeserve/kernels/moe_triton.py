@@ -25,6 +25,11 @@ size); its optional "down" entry gives launch 2 its own BLOCK_N, BLOCK_K, GROUP_
 num_stages (the two GEMMs differ: N = I with two accumulators vs N = H with one, and a tune may
 find different best tiles for each). Without "down" launch 2 uses the top-level tiles.
 
+Interleaved gate/up (an experiment, `w13_interleaved=True` with `interleave_gate_up(w13)`): the
+gated launch reads one [BLOCK_K, 2 * BLOCK_N] tile of alternating gate and up rows and does one
+dot into one [BLOCK_M, 2 * BLOCK_N] accumulator, split in the epilogue: A is read from shared
+memory once per K step instead of twice. Not yet measured on the GPU.
+
 Persistent (an experiment, `persistent=n`): each launch runs n programs per SM instead of one
 program per tile; a program walks the used tiles (blocks below num_tokens_post_padded, read on
 the device) with a stride of the program count, in one loop that Triton flattens with the K
@@ -62,7 +67,7 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                config: dict | None = None, combine: str = "sum",
                align: str = "triton", reduce: bool = True,
-               persistent: int = 0) -> torch.Tensor:
+               persistent: int = 0, w13_interleaved: bool = False) -> torch.Tensor:
     """Routed experts through two launches of `_fused_moe_kernel` (see the module docstring).
 
     Args:
@@ -79,6 +84,8 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             norm adds them: `rms_norm_triton` parts); "atomic" then returns [T, 1, H].
         persistent: 0 (one program per tile), or n > 0: n programs per SM walk the tiles (see
             the module docstring; an experiment).
+        w13_interleaved: w13 is in `interleave_gate_up`'s layout (gate j, up j at rows 2j,
+            2j + 1): the gated launch does one dot of twice the width (an experiment).
     Returns:
         [T, H] in x's dtype ([T, S, H] with reduce False, summing over S to the result).
     """
@@ -102,7 +109,8 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     act = x.new_empty(num_pairs, inter)  # [M, I], row = pair
     _launch(x, w13, act, topk_weights, sorted_ids, expert_ids, post_padded, num_pairs, config,
-            programs, a_row_div=top_k, c_row_div=1, gated=True, atomic=False)
+            programs, a_row_div=top_k, c_row_div=1, gated=True, atomic=False,
+            interleaved=w13_interleaved)
     if combine == "atomic" and top_k > 1:
         out32 = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [T, H]
         _launch(act, w2, out32, topk_weights, sorted_ids, expert_ids, post_padded, num_pairs,
@@ -120,7 +128,7 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
             sorted_ids: torch.Tensor, expert_ids: torch.Tensor, post_padded: torch.Tensor,
             num_pairs: int, config: dict[str, int], programs: int, *, a_row_div: int,
-            c_row_div: int, gated: bool, atomic: bool) -> None:
+            c_row_div: int, gated: bool, atomic: bool, interleaved: bool = False) -> None:
     """One grouped GEMM: c[rows] = a[rows] @ w[e].T over expert-sorted row blocks, with the
     top-level tiles of `config` (CONFIG_KEYS; a "down" entry is not read here: pass
     `down_tiles(config)` for the down launch).
@@ -128,6 +136,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: tor
     gated: w is w13 ([E, 2I, H]); N = I and the program computes silu(gate) * up.
     Otherwise w is w2 ([E, H, I]); N = H and rows are scaled by their routing weight.
     programs > 0: that many programs walk the used tiles (persistent); 0: one per tile.
+    interleaved (gated only): w13's gate and up rows alternate (`interleave_gate_up`).
     """
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
@@ -142,8 +151,17 @@ def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: tor
         ATOMIC=atomic, EVEN_K=k_dim % config["BLOCK_K"] == 0, PERSISTENT=programs > 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        B_WIDTH=config["BLOCK_N"] * (2 if gated and interleaved else 1),
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"])
+
+
+def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """w13 [E, 2I, H] (gate rows, then up rows) -> a new [E, 2I, H] with gate row j at 2j and
+    up row j at 2j + 1, for `moe_triton(..., w13_interleaved=True)`."""
+    num_experts, two_inter, hidden = w13.shape
+    gate, up = w13.view(num_experts, 2, two_inter // 2, hidden).unbind(1)  # [E, I, H] each
+    return torch.stack((gate, up), dim=2).reshape(num_experts, two_inter, hidden)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -183,7 +201,8 @@ def _kernel() -> Any:
             A_ROW_DIV: tl.constexpr, C_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
             MUL_WEIGHT: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
             PERSISTENT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+            B_WIDTH: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
         if PERSISTENT:  # the used blocks only: every one has an expert (>= 0)
@@ -194,7 +213,7 @@ def _kernel() -> Any:
                       tl.load(expert_ids_ptr + pid_m), num_pairs, N, K, up_offset,
                       stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm,
                       stride_cn, A_ROW_DIV, C_ROW_DIV, GATED, MUL_WEIGHT, ATOMIC, EVEN_K,
-                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, B_WIDTH)
         else:
             pid_m, pid_n = _tile_coords(pid, num_blocks, num_pid_n, GROUP_M)
             expert = tl.load(expert_ids_ptr + pid_m)
@@ -202,7 +221,8 @@ def _kernel() -> Any:
                 _tile(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert,
                       num_pairs, N, K, up_offset, stride_am, stride_ak, stride_be, stride_bn,
                       stride_bk, stride_cm, stride_cn, A_ROW_DIV, C_ROW_DIV, GATED,
-                      MUL_WEIGHT, ATOMIC, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                      MUL_WEIGHT, ATOMIC, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                      B_WIDTH)
 
     return _fused_moe_kernel
 
@@ -217,27 +237,31 @@ def _tile_coords(tile, num_blocks, num_pid_n, GROUP_M: tl.constexpr):
     group_m = tl.minimum(num_blocks - first_m, GROUP_M)
     return first_m + (tile % group_size) % group_m, (tile % group_size) // group_m
 
+
 def _tile(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert,
           num_pairs, N, K, up_offset,
           stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
           A_ROW_DIV: tl.constexpr, C_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
           MUL_WEIGHT: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
           DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`)."""
+          BLOCK_K: tl.constexpr, B_WIDTH: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`). B_WIDTH is
+    BLOCK_N, or 2 * BLOCK_N for a gated launch over interleaved w13 rows (gate j, up j at rows
+    2j, 2j + 1): one dot of that width, split into gate and up in the epilogue."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]; P is a multiple of BLOCK_M
     row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    b_cols = offs_n % N  # in bounds without a mask; the store masks the tail
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
+    offs_b = pid_n * B_WIDTH + tl.arange(0, B_WIDTH)  # the weight rows they read
+    b_rows = offs_b % (N * (B_WIDTH // BLOCK_N))  # in bounds unmasked; the store masks the tail
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + b_cols[None, :] * stride_bn
-              + offs_k[:, None] * stride_bk)  # [BLOCK_K, BLOCK_N] tile of w[e]^T
+    b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + b_rows[None, :] * stride_bn
+              + offs_k[:, None] * stride_bk)  # [BLOCK_K, B_WIDTH] tile of w[e]^T
 
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # used when GATED
+    acc = tl.full((BLOCK_M, B_WIDTH), 0.0, dtype=tl.float32)
+    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # the second dot's
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0  # unused (and dropped) when EVEN_K
         if EVEN_K:
@@ -247,7 +271,7 @@ def _tile(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if GATED:
+        if GATED and B_WIDTH == BLOCK_N:  # gate and up rows apart: a second dot
             if EVEN_K:
                 b_up = tl.load(b_ptrs + up_offset)
             else:
@@ -257,6 +281,8 @@ def _tile(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert
         b_ptrs += BLOCK_K * stride_bk
 
     if GATED:
+        if B_WIDTH != BLOCK_N:  # interleaved: columns 2j, 2j + 1 are gate j, up j
+            acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
