@@ -19,7 +19,7 @@ mapfile -t gpu_files < <(grep -rlE "pytest\.mark\.gpu|pytestmark = .*gpu" tests 
 timeout 200 "$py" -m pytest -q -m gpu "${gpu_files[@]}" > "$out/gpu_tests.log" 2>&1
 echo "rc=$?"; tail -3 "$out/gpu_tests.log"; pack
 echo "== MoE layer $(date +%T)"
-timeout 120 "$py" -m benchmarks.kernels_moe --out "$out/kmoe" --tokens 64 256 1024 2048 8192 \
+timeout 200 "$py" -m benchmarks.kernels_moe --out "$out/kmoe" --tokens 64 256 1024 2048 8192 \
   > "$out/kernels_moe.log" 2>&1
 echo "rc=$?"; grep '"dummy"' "$out/kernels_moe.log" | cut -c1-120; pack
 echo "== MoE launches $(date +%T)"
