@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.w1_offline import environment
-from moeserve.kernels import moe_configs, moe_tune
+from moeserve.kernels import moe_configs, moe_timer, moe_tune
 from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
 from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe_measured import moe_measured
@@ -80,7 +80,7 @@ def router_logits(kind: str, num_tokens: int, num_experts: int, seed: int) -> to
 
 def time_in_graph(fn: Callable[[], torch.Tensor], calls: int = 10, replays: int = 10) -> float:
     """Median ms per call of `fn`, `calls` of them captured in one CUDA graph: the tuner's timer."""
-    return moe_tune.time_in_graph(fn, calls, replays)
+    return moe_timer.time_in_graph(fn, calls, replays)
 
 
 def check_backends(backends: dict[str, MoeFn], w13: torch.Tensor, w2: torch.Tensor,

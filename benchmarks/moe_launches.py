@@ -26,8 +26,8 @@ from benchmarks.kernels_moe import expert_shape, router_logits
 from benchmarks.w1_offline import environment
 from moeserve.kernels.moe_align import moe_align_block_size_triton
 from moeserve.kernels.moe_configs import get_moe_config, tile_config
+from moeserve.kernels.moe_timer import time_in_graph
 from moeserve.kernels.moe_triton import _launch
-from moeserve.kernels.moe_tune import time_in_graph
 from moeserve.kernels.routing import select_experts
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)

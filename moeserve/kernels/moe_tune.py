@@ -7,8 +7,8 @@ launch under every candidate tile, then the down launch under every candidate ti
 it combines the best gated and the best down tile (`best_split`), and the BLOCK_M with the least
 align + gated + down wins. That winner is then timed whole (`moe_triton`: align, both launches,
 the combine), which is the entry's "ms", compared with torch._grouped_mm's time at that token
-count (the entry's "backend"). Every timing uses the same timer (`time_in_graph`: calls captured
-in one CUDA graph, a few replays). With n tiles per BLOCK_M that is 2n launch timings (each tile
+count (the entry's "backend"). Every timing uses the same timer (`moe_timer`: calls captured in
+one CUDA graph, a few replays). With n tiles per BLOCK_M that is 2n launch timings (each tile
 compiles once per launch, as before), not the n^2 of timing every gated/down pair.
 
 The ledger (the file's "trials") holds each timing under "<part>:<key>" (`trial_key`: parts
@@ -48,7 +48,6 @@ from moeserve.kernels.moe_configs import (
     clear_caches,
     config_file_name,
     config_key,
-    down_tiles,
     engine_token_counts,
     find_tuned,
     parse_entry,
@@ -57,6 +56,7 @@ from moeserve.kernels.moe_configs import (
     triton_version,
     tune_dir,
 )
+from moeserve.kernels.moe_timer import PARTS, CudaPartTimer
 
 DEFAULT_TUNE_BUDGET_S = 240.0  # ensure_tuned's default time budget
 
@@ -65,7 +65,7 @@ DEFAULT_TUNE_BUDGET_S = 240.0  # ensure_tuned's default time budget
 #   "gated": launch 1 (x @ w13, SiLU-mul) alone with config's top-level tiles
 #   "down":  launch 2 (act @ w2, weighted) alone with config's top-level tiles
 #   "moe":   the whole moe_triton with config (its "down" tiles, if any, for launch 2)
-PARTS = ("align", "gated", "down", "moe")
+# (PARTS, from moe_timer, names them.)
 Timer = Callable[[str, dict, int], float]  # (part, config, num_tokens) -> ms; raises on failure
 BaselineTimer = Callable[[int], float]  # num_tokens -> ms of torch._grouped_mm; may raise
 
@@ -152,7 +152,7 @@ def tune_moe(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch
     if timer is None:
         if not torch.cuda.is_available():
             raise RuntimeError("tune_moe times kernels on a CUDA GPU; none is available")
-        cuda_timer = _CudaTimer(num_experts, hidden, inter, top_k, dtype, weights)
+        cuda_timer = CudaPartTimer(num_experts, hidden, inter, top_k, dtype, weights)
         timer = cuda_timer
         baseline_timer = baseline_timer or cuda_timer.grouped_mm
         device_name = device_name or torch.cuda.get_device_name()
@@ -369,33 +369,6 @@ def estimate_tune_seconds(candidates: Sequence[Sequence[dict[str, int]]]) -> flo
     return distinct * _CostModel.PRIOR_NEW_S + seen * _CostModel.PRIOR_SEEN_S
 
 
-def time_in_graph(fn: Callable[[], object], calls: int = 10, replays: int = 10) -> float:
-    """Median ms per call of `fn`, `calls` of them captured in one CUDA graph and replayed
-    `replays` times (after two eager warm-up calls: compilation happens there)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm up outside the graph
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del graph
-    return statistics.median(times)
-
-
 def _finished(doc: dict) -> dict[int, dict]:
     return {int(n): parse_entry(cfg) for n, cfg in doc["configs"].items()}
 
@@ -448,85 +421,3 @@ class _CostModel:
 
     def _new(self, key: str) -> bool:
         return key not in self.seen and not key.startswith("moe:")
-
-
-class _CudaTimer:
-    """Times each part (align, one launch, the whole moe_triton) and moe_grouped_mm on the same
-    random inputs per token count, with `time_in_graph` (weights built once, or the caller's).
-    A launch timed alone reads the align's output at its BLOCK_M (computed once, kept for the
-    token count) and writes buffers of the shapes moe_triton uses, so the kernel variants it
-    compiles are the ones moe_triton runs. Inputs live on the weights' device (CUDA when it
-    builds them; a test may hand CPU weights and replace `time_in_graph`)."""
-
-    CALLS, REPLAYS = 10, 5
-
-    def __init__(self, num_experts: int, hidden: int, inter: int, top_k: int,
-                 dtype: torch.dtype,
-                 weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        device = weights[0].device if weights is not None else torch.device("cuda")
-        gen = torch.Generator(device=device).manual_seed(0)
-        if weights is not None:
-            self.w13, self.w2 = weights
-        else:
-            self.w13 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda",
-                                    generator=gen) * hidden ** -0.5).to(dtype)
-            self.w2 = (torch.randn(num_experts, hidden, inter, device="cuda", generator=gen)
-                       * inter ** -0.5).to(dtype)
-        self.top_k, self.dtype, self.gen = top_k, dtype, gen
-        self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._aligned: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def inputs(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
-        """x, topk_weights, topk_ids at num_tokens (dummy routing), then the launches' buffers
-        act [T*k, I] (random: the down launch's input) and out [T*k, H]; kept for one token
-        count."""
-        if num_tokens not in self._inputs:
-            from moeserve.kernels.routing import select_experts
-
-            self._inputs.clear()
-            self._aligned.clear()
-            num_experts, hidden = self.w13.shape[0], self.w13.shape[2]
-            inter, pairs = self.w2.shape[2], num_tokens * self.top_k
-            device = self.w13.device
-            x = torch.randn(num_tokens, hidden, device=device, generator=self.gen).to(self.dtype)
-            logits = torch.randn(num_tokens, num_experts, device=device, generator=self.gen)
-            act = torch.randn(pairs, inter, device=device, generator=self.gen).to(self.dtype)
-            out = torch.empty(pairs, hidden, device=device, dtype=self.dtype)
-            self._inputs[num_tokens] = (x, *select_experts(logits, self.top_k, renormalize=True),
-                                        act, out)
-        return self._inputs[num_tokens]
-
-    def __call__(self, part: str, config: dict, num_tokens: int) -> float:
-        from moeserve.kernels.moe_align import moe_align_block_size_triton
-        from moeserve.kernels.moe_triton import _launch, moe_triton
-
-        x, weights, ids, act, out = self.inputs(num_tokens)
-        num_experts = self.w13.shape[0]
-        if part == "moe":
-            fn = functools.partial(moe_triton, x, self.w13, self.w2, weights, ids, config=config)
-        elif part == "align":
-            fn = functools.partial(moe_align_block_size_triton, ids, num_experts,
-                                   config["BLOCK_M"])
-        elif part in ("gated", "down"):
-            key = (num_tokens, config["BLOCK_M"])
-            if key not in self._aligned:
-                self._aligned[key] = moe_align_block_size_triton(ids, num_experts,
-                                                                 config["BLOCK_M"])
-            sorted_ids, expert_ids, post_padded = self._aligned[key]
-            gated = part == "gated"
-            tiles = {k: config[k] for k in CONFIG_KEYS} if gated else down_tiles(config)
-            fn = functools.partial(
-                _launch, x if gated else act, self.w13 if gated else self.w2,
-                act if gated else out, weights, sorted_ids, expert_ids, post_padded, ids.numel(),
-                tiles, 0, a_row_div=self.top_k if gated else 1, c_row_div=1, gated=gated,
-                atomic=False)
-        else:
-            raise ValueError(f"part must be one of {PARTS}, got {part!r}")
-        return time_in_graph(fn, self.CALLS, self.REPLAYS)
-
-    def grouped_mm(self, num_tokens: int) -> float:
-        from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
-
-        x, weights, ids, _, _ = self.inputs(num_tokens)
-        return time_in_graph(lambda: moe_grouped_mm(x, self.w13, self.w2, weights, ids),
-                             self.CALLS, self.REPLAYS)

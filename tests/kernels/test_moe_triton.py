@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.kernels import moe_configs, moe_tune
+from moeserve.kernels import moe_configs, moe_timer, moe_tune
 from moeserve.kernels.moe_align import (
     moe_align_block_size,
     moe_align_block_size_ref,
@@ -653,9 +653,9 @@ def test_the_cuda_timer_runs_each_part_as_moe_triton_does(
         ran.append(fn())
         return 1.0
 
-    monkeypatch.setattr(moe_tune, "time_in_graph", run_once)
+    monkeypatch.setattr(moe_timer, "time_in_graph", run_once)
     w13, w2 = make_experts(8, torch.float32)
-    timer = moe_tune._CudaTimer(8, HIDDEN, INTER, 2, torch.float32, (w13, w2))
+    timer = moe_timer.CudaPartTimer(8, HIDDEN, INTER, 2, torch.float32, (w13, w2))
     x, weights, ids, act, out = timer.inputs(5)
     assert timer("align", {"BLOCK_M": 16}, 5) == 1.0
     assert torch.equal(ran[-1][0], moe_align_block_size_triton(ids, 8, 16)[0])
