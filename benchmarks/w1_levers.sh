@@ -4,8 +4,8 @@
 # multi-step decode (--num-continuous-decode-steps, which turns overlap scheduling off), and a
 # prefill chunk of 16,384 tokens (chunk16k; not in the default list). Each
 # variant starts its own server (`moeserve bench` without --url) and appends its runs, with the
-# server's capacity report and resolved config, to OUT/w1_levers.jsonl, then the per-chunk arrays
-# are dropped into one JSON per run (benchmarks/split_runs.py). One GPU call, ~5-6 minutes. The
+# server's capacity report and resolved config, to OUT/w1_levers.jsonl, then each run goes to a
+# JSON of its own without the per-request records (benchmarks/split_runs.py). One GPU call, ~5-6 minutes. The
 # GPU machine returns at most 8 files: write OUT outside $OUT and tar it into $OUT.
 #
 #   MOESERVE_GIT_COMMIT=<sha> bash benchmarks/w1_levers.sh /tmp/w1l [concurrency ...]; \
