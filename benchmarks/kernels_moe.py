@@ -11,7 +11,11 @@ it fails. Also times the expert sort alone (torch vs Triton align).
 
 Backends: grouped_mm; triton_default (in-code default tiles); triton (tiles looked up: a tuned
 file if one is found); measured (per token count the backend the tune measured faster, the
-engine's "measured"); triton_atomic / triton_torch_align (looked-up tiles, other combine/sort).
+engine's "measured"); triton_atomic / triton_torch_align (looked-up tiles, other combine/sort);
+triton_persistent1 / 2 (looked-up tiles, 1 or 2 programs per SM walking the tiles) and
+triton_interleaved (w13's gate and up rows interleaved, one dot of twice the width; also with 1
+program per SM): experiments no tuned config selects yet. A backend that fails to compile is
+reported in "check", not timed.
 
 --tune first runs the engine's tune (`moe_tune.tune_for_engine`: the quick grid at 1, 2, 4,
 ..., 8192 tokens, capped by --max-batched-tokens; grouped_mm timed at each with the same timer;
@@ -42,7 +46,7 @@ from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_siz
 from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe_measured import moe_measured
 from moeserve.kernels.moe_ref import moe_loop_ref
-from moeserve.kernels.moe_triton import moe_triton
+from moeserve.kernels.moe_triton import interleave_gate_up, moe_triton
 from moeserve.kernels.routing import select_experts
 from moeserve.kernels.routing_triton import MAX_EXPERTS, select_experts_triton
 from moeserve.presets import load_preset
@@ -90,7 +94,12 @@ def check_backends(backends: dict[str, MoeFn], w13: torch.Tensor, w2: torch.Tens
                                       renormalize=True)
         expected = moe_loop_ref(x.float(), w13_f, w2_f, weights, ids)
         for name, fn in backends.items():
-            out = fn(x, w13, w2, weights, ids, num_tokens=CHECK_TOKENS).float()
+            try:  # an experimental variant may fail to compile: it is reported, not timed
+                out = fn(x, w13, w2, weights, ids, num_tokens=CHECK_TOKENS).float()
+            except Exception as exc:
+                results[name] = {"ok": False, "max_abs_err": None,
+                                 "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                continue
             err = (out - expected).abs().max().item()
             try:
                 torch.testing.assert_close(out, expected, **TOL)
@@ -98,6 +107,8 @@ def check_backends(backends: dict[str, MoeFn], w13: torch.Tensor, w2: torch.Tens
             except AssertionError:
                 ok = False
             prev = results.get(name, {"ok": True, "max_abs_err": 0.0})
+            if "error" in prev:
+                continue
             results[name] = {"ok": prev["ok"] and ok, "max_abs_err": max(prev["max_abs_err"], err)}
     del w13_f, w2_f
     torch.cuda.empty_cache()
@@ -188,20 +199,32 @@ def make_backends() -> dict[str, MoeFn]:
                  ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return moe_measured(x, w13, w2, weights, ids)
 
+    interleaved: dict[int, torch.Tensor] = {}  # w13's data_ptr -> its interleave_gate_up copy
+
     def triton(**kwargs: str) -> MoeFn:
         def fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
             config = None  # moe_triton looks it up
             if kwargs.get("default"):
                 config = moe_configs.default_moe_config(w13.shape[0], ids.shape[1], num_tokens)
+            if kwargs.get("interleaved"):  # made once, before any graph capture (the check)
+                if w13.data_ptr() not in interleaved:
+                    interleaved[w13.data_ptr()] = interleave_gate_up(w13)
+                w13 = interleaved[w13.data_ptr()]
             return moe_triton(x, w13, w2, weights, ids, config=config,
                               combine=kwargs.get("combine", "sum"),
-                              align=kwargs.get("align", "triton"))
+                              align=kwargs.get("align", "triton"),
+                              persistent=int(kwargs.get("persistent", 0)),
+                              w13_interleaved=bool(kwargs.get("interleaved")))
         return fn
 
     return {"grouped_mm": grouped, "triton_default": triton(default="yes"), "triton": triton(),
             "measured": measured, "triton_atomic": triton(combine="atomic"),
-            "triton_torch_align": triton(align="torch")}
+            "triton_torch_align": triton(align="torch"),
+            "triton_persistent1": triton(persistent="1"),
+            "triton_persistent2": triton(persistent="2"),
+            "triton_interleaved": triton(interleaved="yes"),
+            "triton_interleaved_persistent1": triton(interleaved="yes", persistent="1")}
 
 
 def main() -> None:

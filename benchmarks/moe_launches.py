@@ -75,7 +75,8 @@ def main() -> None:
         entry["reduce_ms"] = reduce_ms
         for block_m in sorted(set(block_ms_for(tokens, experts, top_k))
                               | {committed.config["BLOCK_M"]}):
-            sorted_ids, expert_ids, _ = moe_align_block_size_triton(ids, experts, block_m)
+            sorted_ids, expert_ids, post_padded = moe_align_block_size_triton(ids, experts,
+                                                                              block_m)
             align_ms = time_in_graph(functools.partial(moe_align_block_size_triton, ids,
                                                        experts, block_m))
             rows: list[dict] = []
@@ -88,8 +89,8 @@ def main() -> None:
                 for name, gated, src, dst in (("gated", True, x, act), ("down", False, act, y)):
                     launch = functools.partial(
                         _launch, src, w13 if gated else w2, dst, weights, sorted_ids,
-                        expert_ids, pairs, cfg, a_row_div=top_k if gated else 1, c_row_div=1,
-                        gated=gated, atomic=False)
+                        expert_ids, post_padded, pairs, cfg, 0,
+                        a_row_div=top_k if gated else 1, c_row_div=1, gated=gated, atomic=False)
                     try:
                         row[f"{name}_ms"] = time_in_graph(launch)
                     except Exception as e:  # out of shared memory / registers: skip the tile

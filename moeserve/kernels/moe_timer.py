@@ -68,7 +68,7 @@ class CudaPartTimer:
                        * inter ** -0.5).to(dtype)
         self.top_k, self.dtype, self.gen = top_k, dtype, gen
         self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._aligned: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._aligned: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     def inputs(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
         """x, topk_weights, topk_ids at num_tokens (dummy routing), then the launches' buffers
@@ -105,14 +105,15 @@ class CudaPartTimer:
             key = (num_tokens, config["BLOCK_M"])
             if key not in self._aligned:
                 self._aligned[key] = moe_align_block_size_triton(ids, num_experts,
-                                                                 config["BLOCK_M"])[:2]
-            sorted_ids, expert_ids = self._aligned[key]
+                                                                 config["BLOCK_M"])
+            sorted_ids, expert_ids, post_padded = self._aligned[key]
             gated = part == "gated"
             tiles = {k: config[k] for k in CONFIG_KEYS} if gated else down_tiles(config)
             fn = functools.partial(
                 _launch, x if gated else act, self.w13 if gated else self.w2,
-                act if gated else out, weights, sorted_ids, expert_ids, ids.numel(), tiles,
-                a_row_div=self.top_k if gated else 1, c_row_div=1, gated=gated, atomic=False)
+                act if gated else out, weights, sorted_ids, expert_ids, post_padded, ids.numel(),
+                tiles, 0, a_row_div=self.top_k if gated else 1, c_row_div=1, gated=gated,
+                atomic=False)
         else:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")
         return time_in_graph(fn, self.CALLS, self.REPLAYS)

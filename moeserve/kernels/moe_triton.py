@@ -25,6 +25,18 @@ size); its optional "down" entry gives launch 2 its own BLOCK_N, BLOCK_K, GROUP_
 num_stages (the two GEMMs differ: N = I with two accumulators vs N = H with one, and a tune may
 find different best tiles for each). Without "down" launch 2 uses the top-level tiles.
 
+Interleaved gate/up (an experiment, `w13_interleaved=True` with `interleave_gate_up(w13)`): the
+gated launch reads one [BLOCK_K, 2 * BLOCK_N] tile of alternating gate and up rows and does one
+dot into one [BLOCK_M, 2 * BLOCK_N] accumulator, split in the epilogue: A is read from shared
+memory once per K step instead of twice. Not yet measured on the GPU.
+
+Persistent (an experiment, `persistent=n`): each launch runs n programs per SM instead of one
+program per tile; a program walks the used tiles (blocks below num_tokens_post_padded, read on
+the device) with a stride of the program count, in one loop that Triton flattens with the K
+loop (`tl.range(..., flatten=True)`), so the next tile's loads overlap this tile's epilogue
+instead of every tile paying its pipeline's fill. Not yet measured on the GPU: no tuned config
+selects it; `benchmarks/kernels_moe.py` times it beside the default.
+
 Weights are read in place through their strides as [BLOCK_K, BLOCK_N] tiles of w[e] (no copy or
 transpose). Padded rows (sentinel pair M) load zeros and are never stored; blocks past the used
 ones (expert id -1) return at once, and experts with no pairs have no blocks. Nothing reads a
@@ -54,7 +66,8 @@ tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
 def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                config: dict | None = None, combine: str = "sum",
-               align: str = "triton", reduce: bool = True) -> torch.Tensor:
+               align: str = "triton", reduce: bool = True,
+               persistent: int = 0, w13_interleaved: bool = False) -> torch.Tensor:
     """Routed experts through two launches of `_fused_moe_kernel` (see the module docstring).
 
     Args:
@@ -69,11 +82,17 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         align: "triton" (three launches) or "torch" (~25 small kernels): the expert sort.
         reduce: False skips the "sum" pass and returns the k weighted rows [T, k, H] (the next
             norm adds them: `rms_norm_triton` parts); "atomic" then returns [T, 1, H].
+        persistent: 0 (one program per tile), or n > 0: n programs per SM walk the tiles (see
+            the module docstring; an experiment).
+        w13_interleaved: w13 is in `interleave_gate_up`'s layout (gate j, up j at rows 2j,
+            2j + 1): the gated launch does one dot of twice the width (an experiment).
     Returns:
         [T, H] in x's dtype ([T, S, H] with reduce False, summing over S to the result).
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     _check_options(x.device, combine, align)
+    if not isinstance(persistent, int) or isinstance(persistent, bool) or persistent < 0:
+        raise ValueError(f"persistent must be an int >= 0 (programs per SM), got {persistent!r}")
     num_tokens, hidden = x.shape
     num_experts, inter, top_k = w13.shape[0], w2.shape[-1], topk_ids.shape[1]
     if num_tokens == 0:
@@ -82,55 +101,80 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         config = get_moe_config(num_experts, hidden, inter, top_k, x.dtype, num_tokens,
                                 _device_name(x.device)).config
     _check_config(config)
-    sorted_ids, expert_ids, _ = _ALIGNS[align](topk_ids, num_experts, config["BLOCK_M"])
+    sorted_ids, expert_ids, post_padded = _ALIGNS[align](topk_ids, num_experts,
+                                                         config["BLOCK_M"])
+    programs = persistent * _num_sms(x.device)  # 0: one program per tile
     num_pairs = num_tokens * top_k
     down = down_tiles(config)  # launch 2's tiles: config["down"] or the top-level ones
 
     act = x.new_empty(num_pairs, inter)  # [M, I], row = pair
-    _launch(x, w13, act, topk_weights, sorted_ids, expert_ids, num_pairs, config,
-            a_row_div=top_k, c_row_div=1, gated=True, atomic=False)
+    _launch(x, w13, act, topk_weights, sorted_ids, expert_ids, post_padded, num_pairs, config,
+            programs, a_row_div=top_k, c_row_div=1, gated=True, atomic=False,
+            interleaved=w13_interleaved)
     if combine == "atomic" and top_k > 1:
         out32 = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [T, H]
-        _launch(act, w2, out32, topk_weights, sorted_ids, expert_ids, num_pairs, down,
-                a_row_div=1, c_row_div=top_k, gated=False, atomic=True)
+        _launch(act, w2, out32, topk_weights, sorted_ids, expert_ids, post_padded, num_pairs,
+                down, programs, a_row_div=1, c_row_div=top_k, gated=False, atomic=True)
         return out32.to(x.dtype) if reduce else out32.to(x.dtype).unsqueeze(1)
     out = x.new_empty(num_tokens, top_k, hidden)  # [T, k, H], row pair = t * k + i
     _launch(act, w2, out.view(num_pairs, hidden), topk_weights, sorted_ids, expert_ids,
-            num_pairs, down, a_row_div=1, c_row_div=1, gated=False, atomic=False)
+            post_padded, num_pairs, down, programs, a_row_div=1, c_row_div=1, gated=False,
+            atomic=False)
     if not reduce:
         return out
     return out.view(num_tokens, hidden) if top_k == 1 else out.sum(dim=1)
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
-            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_pairs: int,
-            config: dict[str, int], *, a_row_div: int, c_row_div: int, gated: bool,
-            atomic: bool) -> None:
+            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, post_padded: torch.Tensor,
+            num_pairs: int, config: dict[str, int], programs: int, *, a_row_div: int,
+            c_row_div: int, gated: bool, atomic: bool, interleaved: bool = False) -> None:
     """One grouped GEMM: c[rows] = a[rows] @ w[e].T over expert-sorted row blocks, with the
     top-level tiles of `config` (CONFIG_KEYS; a "down" entry is not read here: pass
     `down_tiles(config)` for the down launch).
 
     gated: w is w13 ([E, 2I, H]); N = I and the program computes silu(gate) * up.
     Otherwise w is w2 ([E, H, I]); N = H and rows are scaled by their routing weight.
+    programs > 0: that many programs walk the used tiles (persistent); 0: one per tile.
+    interleaved (gated only): w13's gate and up rows alternate (`interleave_gate_up`).
     """
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
     num_blocks = expert_ids.shape[0]
-    grid = (num_blocks * _cdiv(n_out, config["BLOCK_N"]),)
+    num_tiles = num_blocks * _cdiv(n_out, config["BLOCK_N"])  # an upper bound: blocks padded
+    grid = (min(programs, num_tiles) if programs else num_tiles,)
     _kernel()[grid](
-        a, w, c, topk_weights, sorted_ids, expert_ids,
-        num_pairs, num_blocks, n_out, k_dim, n_out * w.stride(1),
+        a, w, c, topk_weights, sorted_ids, expert_ids, post_padded,
+        num_pairs, num_blocks, grid[0], n_out, k_dim, n_out * w.stride(1),
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div, C_ROW_DIV=c_row_div, GATED=gated, MUL_WEIGHT=not gated,
-        ATOMIC=atomic, EVEN_K=k_dim % config["BLOCK_K"] == 0,
+        ATOMIC=atomic, EVEN_K=k_dim % config["BLOCK_K"] == 0, PERSISTENT=programs > 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        B_WIDTH=config["BLOCK_N"] * (2 if gated and interleaved else 1),
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"])
 
 
+def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """w13 [E, 2I, H] (gate rows, then up rows) -> a new [E, 2I, H] with gate row j at 2j and
+    up row j at 2j + 1, for `moe_triton(..., w13_interleaved=True)`."""
+    num_experts, two_inter, hidden = w13.shape
+    gate, up = w13.view(num_experts, 2, two_inter // 2, hidden).unbind(1)  # [E, I, H] each
+    return torch.stack((gate, up), dim=2).reshape(num_experts, two_inter, hidden)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the interpreter), so that a
+    persistent launch's programs still walk several tiles each in the CPU tests."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 @functools.cache
@@ -142,76 +186,113 @@ def _kernel() -> Any:
     set after that import they would fail, while builtins are interpreted either way. `tl` is
     bound as a module global: Triton's interpreter resolves names in the function's module.
     """
-    global tl
+    global tl, _tile_coords, _tile
     import triton
     import triton.language as tl
 
+    _tile_coords, _tile = triton.jit(_tile_coords), triton.jit(_tile)  # module globals, as tl
+
     # step-varying sizes exempt from Triton's value specialization (paged_attention_triton.py)
-    @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "num_programs"])
     def _fused_moe_kernel(
-            a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
-            num_pairs, num_blocks, N, K, up_offset,
+            a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, post_padded_ptr,
+            num_pairs, num_blocks, num_programs, N, K, up_offset,
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
             A_ROW_DIV: tl.constexpr, C_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
             MUL_WEIGHT: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        # GROUP_M row blocks side by side per N-tile: blocks of one expert share B tiles in L2
+            PERSISTENT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+            B_WIDTH: tl.constexpr):
         pid = tl.program_id(0)
         num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
-        group_size = GROUP_M * num_pid_n
-        first_m = (pid // group_size) * GROUP_M
-        group_m = tl.minimum(num_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % group_size) % group_m
-        pid_n = (pid % group_size) // group_m
-        expert = tl.load(expert_ids_ptr + pid_m)
-        if expert < 0:  # past the used blocks
-            return
-
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]; P is a multiple of BLOCK_M
-        row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
-        a_rows = (pairs // A_ROW_DIV).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        b_cols = offs_n % N  # in bounds without a mask; the store masks the tail
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + b_cols[None, :] * stride_bn
-                  + offs_k[:, None] * stride_bk)  # [BLOCK_K, BLOCK_N] tile of w[e]^T
-
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-        acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # used when GATED
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0  # unused (and dropped) when EVEN_K
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            if GATED:
-                if EVEN_K:
-                    b_up = tl.load(b_ptrs + up_offset)
-                else:
-                    b_up = tl.load(b_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-
-        if GATED:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
-        if MUL_WEIGHT:
-            acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
-        c_rows = (pairs // C_ROW_DIV).to(tl.int64)
-        c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        c_ok = row_ok[:, None] & (offs_n < N)[None, :]
-        if ATOMIC:
-            tl.atomic_add(c_ptrs, acc, mask=c_ok, sem="relaxed")
+        if PERSISTENT:  # the used blocks only: every one has an expert (>= 0)
+            used_blocks = tl.load(post_padded_ptr) // BLOCK_M
+            for tile in tl.range(pid, used_blocks * num_pid_n, num_programs, flatten=True):
+                pid_m, pid_n = _tile_coords(tile, used_blocks, num_pid_n, GROUP_M)
+                _tile(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n,
+                      tl.load(expert_ids_ptr + pid_m), num_pairs, N, K, up_offset,
+                      stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm,
+                      stride_cn, A_ROW_DIV, C_ROW_DIV, GATED, MUL_WEIGHT, ATOMIC, EVEN_K,
+                      DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, B_WIDTH)
         else:
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_ok)
+            pid_m, pid_n = _tile_coords(pid, num_blocks, num_pid_n, GROUP_M)
+            expert = tl.load(expert_ids_ptr + pid_m)
+            if expert >= 0:  # else past the used blocks
+                _tile(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert,
+                      num_pairs, N, K, up_offset, stride_am, stride_ak, stride_be, stride_bn,
+                      stride_bk, stride_cm, stride_cn, A_ROW_DIV, C_ROW_DIV, GATED,
+                      MUL_WEIGHT, ATOMIC, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                      B_WIDTH)
 
     return _fused_moe_kernel
+
+
+# ---- Triton helpers (jitted by _kernel; module globals, as the interpreter resolves names) ----
+
+def _tile_coords(tile, num_blocks, num_pid_n, GROUP_M: tl.constexpr):
+    """(row block, N-tile) of a tile id: GROUP_M row blocks side by side per N-tile, so
+    blocks of one expert share B tiles in L2."""
+    group_size = GROUP_M * num_pid_n
+    first_m = (tile // group_size) * GROUP_M
+    group_m = tl.minimum(num_blocks - first_m, GROUP_M)
+    return first_m + (tile % group_size) % group_m, (tile % group_size) // group_m
+
+
+def _tile(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert,
+          num_pairs, N, K, up_offset,
+          stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+          A_ROW_DIV: tl.constexpr, C_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+          MUL_WEIGHT: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
+          DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, B_WIDTH: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`). B_WIDTH is
+    BLOCK_N, or 2 * BLOCK_N for a gated launch over interleaved w13 rows (gate j, up j at rows
+    2j, 2j + 1): one dot of that width, split into gate and up in the epilogue."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]; P is a multiple of BLOCK_M
+    row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
+    a_rows = (pairs // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
+    offs_b = pid_n * B_WIDTH + tl.arange(0, B_WIDTH)  # the weight rows they read
+    b_rows = offs_b % (N * (B_WIDTH // BLOCK_N))  # in bounds unmasked; the store masks the tail
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + b_rows[None, :] * stride_bn
+              + offs_k[:, None] * stride_bk)  # [BLOCK_K, B_WIDTH] tile of w[e]^T
+
+    acc = tl.full((BLOCK_M, B_WIDTH), 0.0, dtype=tl.float32)
+    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # the second dot's
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0  # unused (and dropped) when EVEN_K
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if GATED and B_WIDTH == BLOCK_N:  # gate and up rows apart: a second dot
+            if EVEN_K:
+                b_up = tl.load(b_ptrs + up_offset)
+            else:
+                b_up = tl.load(b_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if GATED:
+        if B_WIDTH != BLOCK_N:  # interleaved: columns 2j, 2j + 1 are gate j, up j
+            acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
+    c_rows = (pairs // C_ROW_DIV).to(tl.int64)
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_ok = row_ok[:, None] & (offs_n < N)[None, :]
+    if ATOMIC:
+        tl.atomic_add(c_ptrs, acc, mask=c_ok, sem="relaxed")
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_ok)
 
 
 @functools.cache

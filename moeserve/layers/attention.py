@@ -7,6 +7,10 @@ One forward, for the T tokens of a step (prefill chunks and decodes mixed):
       -> write_kv(k, v) into self.kv_cache at meta.slot_mapping
       -> attention_backend(q, kv_cache, meta, scale) [T, H, D] --o_proj--> [T, hidden]
 
+On CUDA the three middle steps are one Triton launch (kernels/qk_rope_kv_triton.py: it reads
+each token's qkv row once and writes q [T, H, D] and the token's K/V slot; five launches fewer
+per layer and step); elsewhere the torch ops run one by one (bit for bit HF's).
+
 `self.kv_cache` is [2, num_blocks, block_size, KVH, D], bound by the runner
 (CausalLM.bind_kv_caches) before the first forward. NOTE: it must stay the same tensor object
 across steps, because CUDA graphs capture its address; rebind only outside captured graphs.
@@ -23,6 +27,7 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.kernels.attention_metadata import AttentionMetadata
 from moeserve.kernels.paged_attention import write_kv
+from moeserve.kernels.qk_rope_kv_triton import qk_rope_kv_triton, split_qkv
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rope import RotaryEmbedding
 
@@ -62,14 +67,23 @@ class Attention(nn.Module):
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_caches)")
         t, d = hidden.shape[0], self.head_dim
         qkv = F.linear(hidden, self.qkv_proj)  # [T, (H + 2 * KVH) * D]
-        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d,
-                             self.num_kv_heads * d], dim=-1)
-        q = q.view(t, self.num_heads, d)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, d)  # [T, KVH, D]
-        v = v.view(t, self.num_kv_heads, d)  # [T, KVH, D]
+        q = self._qk_rope_kv(positions, qkv, meta.slot_mapping, fused=qkv.is_cuda)  # [T, H, D]
+        out = self.backend(q, self.kv_cache, meta, self.scale)  # [T, H, D]
+        return F.linear(out.reshape(t, self.num_heads * d), self.o_proj)  # [T, hidden]
+
+    def _qk_rope_kv(self, positions: torch.Tensor, qkv: torch.Tensor,
+                    slot_mapping: torch.Tensor, fused: bool) -> torch.Tensor:
+        """q/k norm, RoPE and the K/V write of qkv [T, (H + 2 * KVH) * D] -> q [T, H, D].
+        fused: one Triton launch (CUDA, or CPU under Triton's interpreter in tests)."""
+        if fused:
+            weights = ((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+                       if self.q_norm is not None else (None, None, 0.0))
+            return qk_rope_kv_triton(qkv, positions, self.rotary.cos, self.rotary.sin,
+                                     self.kv_cache, slot_mapping, self.num_heads,
+                                     self.num_kv_heads, *weights)
+        q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)  # views
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        write_kv(k, v, self.kv_cache, meta.slot_mapping)
-        out = self.backend(q, self.kv_cache, meta, self.scale)  # [T, H, D]
-        return F.linear(out.reshape(t, self.num_heads * d), self.o_proj)  # [T, hidden]
+        write_kv(k, v, self.kv_cache, slot_mapping)
+        return q

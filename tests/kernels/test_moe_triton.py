@@ -220,6 +220,43 @@ def test_atomic_combine_and_torch_align_match_the_default() -> None:
     assert torch.equal(torch_align, summed)
 
 
+@pytest.mark.parametrize("persistent", [1, 3])
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_persistent_launch_matches_one_program_per_tile(num_tokens: int,
+                                                        persistent: int) -> None:
+    """n programs per SM (4 "SMs" off CUDA) walking the used tiles: the same bits as one
+    program per tile, with the default and the down tiles, fp32 and fp16, K not a multiple of
+    BLOCK_K; and a bad value is refused."""
+    for dtype in (torch.float32, torch.float16):
+        w13, w2 = make_experts(8, dtype, hidden=40)
+        x, weights, ids = make_routing(num_tokens, 8, 2, dtype, hidden=40)
+        for config in (SMALL, {**SMALL, "down": dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=1,
+                                                     num_warps=4, num_stages=2)}):
+            once = moe_triton(x, w13, w2, weights, ids, config=config)
+            walked = moe_triton(x, w13, w2, weights, ids, config=config, persistent=persistent)
+            assert torch.equal(walked, once)
+    with pytest.raises(ValueError, match="persistent"):
+        moe_triton(x, w13, w2, weights, ids, config=SMALL, persistent=-1)
+
+
+def test_interleaved_gate_up_gives_the_same_output() -> None:
+    """w13 with gate and up rows alternating, one dot of twice the width: the same output as
+    the two-dot launch (fp32 ieee dots over the same K order), for N not a multiple of
+    BLOCK_N (I = 24 with BLOCK_N 16) and K not a multiple of BLOCK_K, persistent too."""
+    from moeserve.kernels.moe_triton import interleave_gate_up
+
+    w13, w2 = make_experts(8, torch.float32, hidden=40, inter=24)
+    x, weights, ids = make_routing(19, 8, 2, torch.float32, hidden=40)
+    mixed = interleave_gate_up(w13)
+    assert torch.equal(mixed[:, 0::2], w13[:, :24]) and torch.equal(mixed[:, 1::2], w13[:, 24:])
+    plain = moe_triton(x, w13, w2, weights, ids, config=SMALL)
+    for persistent in (0, 2):
+        out = moe_triton(x, mixed, w2, weights, ids, config=SMALL, w13_interleaved=True,
+                         persistent=persistent)
+        torch.testing.assert_close(out, plain, atol=1e-6, rtol=1e-6)
+    assert_matches_ref(plain, x, w13, w2, weights, ids)
+
+
 @pytest.mark.parametrize("top_k", [1, 3])
 def test_unreduced_output_is_the_k_weighted_rows(top_k: int) -> None:
     """reduce=False hands on [T, k, H] (the next norm sums them): their sum is the default
@@ -286,7 +323,7 @@ def test_split_config_matches_loop_ref_and_each_launch_gets_its_tiles(
     real = mt._launch
 
     def spy(*args: object, **kwargs: object) -> None:
-        config = args[7]  # _launch reads the top-level tiles only
+        config = args[8]  # _launch reads the top-level tiles only
         launches.append((kwargs["gated"], {k: config[k] for k in moe_configs.CONFIG_KEYS}))
         real(*args, **kwargs)
 
@@ -670,6 +707,37 @@ def test_gpu_qwen3_shape_bf16_matches_loop_ref(qwen_experts: tuple, num_tokens: 
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     expected = moe_loop_ref(x.float(), w13_f, w2_f, weights, ids)
     torch.testing.assert_close(out.float(), expected, **BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 1024, 2048, 8192])
+def test_gpu_persistent_launch_gives_the_same_bits(qwen_experts: tuple, num_tokens: int) -> None:
+    """The persistent variant (1 and 2 programs per SM) with the tuned tiles of each size: the
+    same tiles and sums as one program per tile, so the same bits."""
+    w13, w2, _, _ = qwen_experts
+    x, logits = qwen_tokens(num_tokens, seed=num_tokens + 1)
+    weights, ids = select_experts(logits, QWEN_K, renormalize=True)
+    once = moe_triton(x, w13, w2, weights, ids)
+    for persistent in (1, 2):
+        assert torch.equal(moe_triton(x, w13, w2, weights, ids, persistent=persistent), once)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 1024, 2048, 8192])
+def test_gpu_interleaved_gate_up_matches(qwen_experts: tuple, num_tokens: int) -> None:
+    """One dot over interleaved gate/up rows (the tuned tiles of each size) against the two-dot
+    launch and the fp32 loop: within bf16 rounding (the MMA's accumulation order may differ)."""
+    from moeserve.kernels.moe_triton import interleave_gate_up
+
+    w13, w2, w13_f, w2_f = qwen_experts
+    x, logits = qwen_tokens(num_tokens, seed=num_tokens + 2)
+    weights, ids = select_experts(logits, QWEN_K, renormalize=True)
+    mixed = interleave_gate_up(w13)
+    out = moe_triton(x, mixed, w2, weights, ids, w13_interleaved=True)
+    torch.testing.assert_close(out, moe_triton(x, w13, w2, weights, ids), **BF16_TOL)
+    if num_tokens <= 1024:  # the fp32 loop is slow at the large sizes
+        expected = moe_loop_ref(x.float(), w13_f, w2_f, weights, ids)
+        torch.testing.assert_close(out.float(), expected, **BF16_TOL)
 
 
 @pytest.mark.gpu

@@ -110,3 +110,29 @@ def test_split_decode_compiles_once_across_split_counts() -> None:
         torch.cuda.synchronize()
         seen.append(variants(kern.decode_reduce))
     assert seen == [seen[0]] * len(seen) and seen[0] >= 1, seen
+
+
+def test_qk_rope_kv_compiles_once_across_token_counts() -> None:
+    """Positions and slots sliced at any offset of a packed buffer (as the runner's may be)."""
+    from moeserve.kernels import qk_rope_kv_triton
+    from moeserve.layers.rope import _cos_sin_table
+
+    heads, kv_heads, head_dim = 32, 4, 128
+    cos, sin = _cos_sin_table(head_dim, 4096, 1e6, torch.device("cuda"))
+    kv_cache = torch.zeros(2, 128, 16, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    weight = torch.ones(head_dim, device="cuda", dtype=torch.bfloat16)
+    packed = torch.arange(2048, device="cuda").repeat(2, 1)  # [2, 2048]: positions; slots
+    before, counts = None, []
+    for offset, tokens in enumerate((1, 3, 16, 17, 64, 100, 1000)):
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda",
+                          dtype=torch.bfloat16)
+        positions, slots = packed[:, offset:offset + tokens]  # [T] each, misaligned by offset
+        qk_rope_kv_triton.qk_rope_kv_triton(qkv, positions, cos, sin, kv_cache, slots, heads,
+                                            kv_heads, weight, weight, 1e-6)
+        torch.cuda.synchronize()
+        seen = variants(qk_rope_kv_triton._kernels().qk_rope_kv)
+        if before is None:  # the first call compiles what it needs
+            before = seen
+        else:
+            counts.append(seen - before)
+    assert counts == [0] * len(counts), counts
