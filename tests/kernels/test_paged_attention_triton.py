@@ -27,6 +27,7 @@ from moeserve.kernels.paged_attention import (
 )
 from moeserve.kernels.paged_attention_triton import (
     MIN_PARTITION_TOKENS,
+    TileConfig,
     decode_num_splits,
     paged_attention_triton,
 )
@@ -126,6 +127,14 @@ def test_pure_prefill(block_size: int, dtype: torch.dtype) -> None:
 def test_chunked_prefill_after_prefix_hit(group: int) -> None:
     # queries start mid-context (num_computed > 0), not aligned to blocks or tiles
     check(make_step([8, 37, 16, 61], [5, 20, 3, 34], block_size=8, group=group))
+
+
+def test_prefill_config_sets_the_tiles() -> None:
+    # block_m 8 and 64 over group 4: 2 and 16 query tokens per program, both cached on the meta
+    step = make_step([0, 6, 3], [9, 14, 1], block_size=8, group=4)
+    for cfg in (TileConfig(8, 16, 1, 1), TileConfig(64, 32, 4, 2)):
+        check(step, prefill_config=cfg)
+    assert {k[1] for k in step.meta.derived} == {2, 16}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
