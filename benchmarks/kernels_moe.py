@@ -12,10 +12,10 @@ it fails. Also times the expert sort alone (torch vs Triton align).
 Backends: grouped_mm; triton_default (in-code default tiles); triton (tiles looked up: a tuned
 file if one is found); measured (per token count the backend the tune measured faster, the
 engine's "measured"); triton_atomic / triton_torch_align (looked-up tiles, other combine/sort);
-triton_persistent1 / 2 (looked-up tiles, 1 or 2 programs per SM walking the tiles) and
-triton_interleaved (w13's gate and up rows interleaved, one dot of twice the width; also with 1
-program per SM): experiments no tuned config selects yet. A backend that fails to compile is
-reported in "check", not timed.
+triton_plain / triton_one_dot / triton_persistent1 (the looked-up tiles with their launch
+options replaced: none, the gated launch in one dot, 1 program per SM walking the tiles in both
+launches: what each option is worth). A backend that fails to compile is reported in "check",
+not timed.
 
 --tune first runs the engine's tune (`moe_tune.tune_for_engine`: the quick grid at 1, 2, 4,
 ..., 8192 tokens, capped by --max-batched-tokens; grouped_mm timed at each with the same timer;
@@ -46,7 +46,7 @@ from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_siz
 from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe_measured import moe_measured
 from moeserve.kernels.moe_ref import moe_loop_ref
-from moeserve.kernels.moe_triton import interleave_gate_up, moe_triton
+from moeserve.kernels.moe_triton import moe_triton
 from moeserve.kernels.routing import select_experts
 from moeserve.kernels.routing_triton import MAX_EXPERTS, select_experts_triton
 from moeserve.presets import load_preset
@@ -169,9 +169,10 @@ def run_tune(args: argparse.Namespace, shape: tuple[int, int, int, int],
     grid = moe_tune.moe_tune_candidates if args.tune_full else moe_tune.quick_moe_candidates
     candidates = [grid(num_experts, top_k, n) for n in counts]
     distinct = {moe_tune.candidate_key(c) for cs in candidates for c in cs}
+    flags = [moe_tune.search_options(num_experts, top_k, n) for n in counts]
     print(f"tune: {len(counts)} token counts {counts}, {sum(map(len, candidates))} candidates "
           f"({len(distinct)} distinct configs), estimated "
-          f"~{moe_tune.estimate_tune_seconds(candidates):.0f} s with a cold Triton cache "
+          f"~{moe_tune.estimate_tune_seconds(candidates, flags):.0f} s with a cold Triton cache "
           f"(budget {args.time_budget} s)", flush=True)
     t0 = time.perf_counter()
     best = moe_tune.tune_for_engine(num_experts, hidden, inter, top_k, DTYPE, path,
@@ -199,32 +200,49 @@ def make_backends() -> dict[str, MoeFn]:
                  ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return moe_measured(x, w13, w2, weights, ids)
 
-    interleaved: dict[int, torch.Tensor] = {}  # w13's data_ptr -> its interleave_gate_up copy
-
     def triton(**kwargs: str) -> MoeFn:
         def fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
             config = None  # moe_triton looks it up
             if kwargs.get("default"):
                 config = moe_configs.default_moe_config(w13.shape[0], ids.shape[1], num_tokens)
-            if kwargs.get("interleaved"):  # made once, before any graph capture (the check)
-                if w13.data_ptr() not in interleaved:
-                    interleaved[w13.data_ptr()] = interleave_gate_up(w13)
-                w13 = interleaved[w13.data_ptr()]
+            elif kwargs.get("options"):
+                config = with_options(looked_up_config(x, w13, w2, ids), kwargs["options"])
             return moe_triton(x, w13, w2, weights, ids, config=config,
                               combine=kwargs.get("combine", "sum"),
-                              align=kwargs.get("align", "triton"),
-                              persistent=int(kwargs.get("persistent", 0)),
-                              w13_interleaved=bool(kwargs.get("interleaved")))
+                              align=kwargs.get("align", "triton"))
         return fn
 
     return {"grouped_mm": grouped, "triton_default": triton(default="yes"), "triton": triton(),
             "measured": measured, "triton_atomic": triton(combine="atomic"),
             "triton_torch_align": triton(align="torch"),
-            "triton_persistent1": triton(persistent="1"),
-            "triton_persistent2": triton(persistent="2"),
-            "triton_interleaved": triton(interleaved="yes"),
-            "triton_interleaved_persistent1": triton(interleaved="yes", persistent="1")}
+            "triton_plain": triton(options="plain"),
+            "triton_one_dot": triton(options="one_dot"),
+            "triton_persistent1": triton(options="persistent1")}
+
+
+def looked_up_config(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     ids: torch.Tensor) -> dict:
+    """The tiles moe_triton would look up for these inputs (tuned, else the default)."""
+    name = torch.cuda.get_device_name(x.device) if x.is_cuda else x.device.type
+    return moe_configs.get_moe_config(w13.shape[0], w13.shape[2], w2.shape[2], ids.shape[1],
+                                      x.dtype, x.shape[0], name).config
+
+
+def with_options(config: dict, options: str) -> dict:
+    """`config` with its launch options replaced: "plain" (none: two dots, one program per
+    tile), "one_dot" (the gated launch in one dot), "persistent1" (1 program per SM, both
+    launches); the tiles are kept."""
+    gated = {k: config[k] for k in moe_configs.CONFIG_KEYS}
+    down = {k: v for k, v in moe_configs.down_tiles(config).items()
+            if k in moe_configs.CONFIG_KEYS}
+    if options == "one_dot":
+        gated["ONE_DOT"] = 1
+    elif options == "persistent1":
+        gated["PERSISTENT"] = down["PERSISTENT"] = 1
+    elif options != "plain":
+        raise ValueError(f"options must be plain, one_dot or persistent1, got {options!r}")
+    return moe_configs.split_config(gated, down)
 
 
 def main() -> None:

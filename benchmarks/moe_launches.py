@@ -89,7 +89,7 @@ def main() -> None:
                 for name, gated, src, dst in (("gated", True, x, act), ("down", False, act, y)):
                     launch = functools.partial(
                         _launch, src, w13 if gated else w2, dst, weights, sorted_ids,
-                        expert_ids, post_padded, pairs, cfg, 0,
+                        expert_ids, post_padded, pairs, cfg,
                         a_row_div=top_k if gated else 1, c_row_div=1, gated=gated, atomic=False)
                     try:
                         row[f"{name}_ms"] = time_in_graph(launch)

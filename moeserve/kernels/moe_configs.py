@@ -4,11 +4,15 @@ A config is a dict BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages (CO
 the two launches of `moe_triton`, plus an optional "down": {BLOCK_N, BLOCK_K, GROUP_M, num_warps,
 num_stages} (DOWN_KEYS) for the second (down) launch alone; without it both launches use the
 top-level tiles. BLOCK_M is always shared: it sets the expert-sorted padding of the one align.
+Two optional launch options (OPTION_KEYS, 0 when absent) ride beside the tiles: "ONE_DOT" 1
+(top level only: the gated launch reads gate and up columns as one tile of twice the width and
+does one dot, split in the epilogue) and "PERSISTENT" n (n programs per SM walk the used tiles;
+the top level's is the gated launch's, the "down" entry's the down launch's).
 `check_config` validates both parts (a bad value raises a ValueError naming the key and value),
 `down_tiles` gives the down launch's full tiles, `split_config` joins a gated and a down pick
-(adding "down" only where they differ), `config_key` names a config (M64_N64_K64_G8_w4_s4, then
-+down_N128_K64_G8_w8_s3 when split). Tuned configs live in one JSON file per (device, dtype, E,
-H, I, Triton version), named by `config_file_name`:
+(adding "down" only where they differ), `config_key` names a config (M64_N64_K64_G8_w4_s4, with
+_1dot / _p1 for the options, then +down_N128_K64_G8_w8_s3 when split). Tuned configs live in
+one JSON file per (device, dtype, E, H, I, Triton version), named by `config_file_name`:
 
     {"meta":       {"device_name", "dtype", "E", "H", "I", "top_k", "triton", "torch"},
      "configs":    {"<num_tokens>": {BLOCK_M.., ["down": {BLOCK_N..}], "ms": the Triton MoE's
@@ -46,6 +50,10 @@ from moeserve import envs
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 DOWN_KEYS = CONFIG_KEYS[1:]  # an optional "down" entry: the down launch's own tiles, no BLOCK_M
+# Launch options beside the tiles, 0 when absent: {key: (largest value, name suffix)}. ONE_DOT is
+# the gated launch's only (the down launch has one weight tile); PERSISTENT may be in both.
+OPTION_KEYS = {"ONE_DOT": (1, "1dot"), "PERSISTENT": (8, "p")}
+DOWN_OPTION_KEYS = ("PERSISTENT",)
 PACKAGE_CONFIG_DIR = Path(__file__).parent / "configs" / "moe"
 CONFIG_DIR_ENV = envs.MOE_CONFIG_DIR
 BACKENDS = ("triton", "grouped_mm")  # what a tuned entry's "backend" may name
@@ -163,10 +171,21 @@ def _fit_tiles(tiles: dict, block_m: int, elem_size: int, b_tiles: int) -> dict:
 
 
 def down_tiles(config: dict) -> dict[str, int]:
-    """The down launch's full tiles (CONFIG_KEYS): the shared BLOCK_M with the "down" entry's
-    tiles, or the top-level ones when there is none."""
+    """The down launch's full tiles (CONFIG_KEYS, and PERSISTENT when set): the shared BLOCK_M
+    with the "down" entry's tiles, or the top-level ones when there is none."""
     down = config.get("down") or config
-    return {"BLOCK_M": config["BLOCK_M"], **{k: down[k] for k in DOWN_KEYS}}
+    return ({"BLOCK_M": config["BLOCK_M"]} | {k: down[k] for k in DOWN_KEYS}
+            | _set_options(down, DOWN_OPTION_KEYS))
+
+
+def _set_options(tiles: dict, keys: Sequence[str]) -> dict[str, int]:
+    """The options among `keys` that `tiles` sets to a non-zero value (0 is their default)."""
+    return {k: tiles[k] for k in keys if tiles.get(k)}
+
+
+def launch_options(tiles: dict) -> tuple[int, int]:
+    """(ONE_DOT, PERSISTENT) of one launch's tiles, 0 where absent."""
+    return int(tiles.get("ONE_DOT", 0)), int(tiles.get("PERSISTENT", 0))
 
 
 def split_config(gated: dict, down: dict) -> dict:
@@ -175,16 +194,18 @@ def split_config(gated: dict, down: dict) -> dict:
     if gated["BLOCK_M"] != down["BLOCK_M"]:
         raise ValueError(f"the two launches share BLOCK_M: gated {gated['BLOCK_M']}, "
                          f"down {down['BLOCK_M']}")
-    config = {k: gated[k] for k in CONFIG_KEYS}
-    down_part = {k: down[k] for k in DOWN_KEYS}
-    if down_part != {k: gated[k] for k in DOWN_KEYS}:
+    config = {k: gated[k] for k in CONFIG_KEYS} | _set_options(gated, OPTION_KEYS)
+    down_part = {k: down[k] for k in DOWN_KEYS} | _set_options(down, DOWN_OPTION_KEYS)
+    if down_part != {k: gated[k] for k in DOWN_KEYS} | _set_options(gated, DOWN_OPTION_KEYS):
         config["down"] = down_part
     return config
 
 
 def entry_config(entry: dict) -> dict:
-    """The tile config of a tuned entry (CONFIG_KEYS, and "down" when it has one)."""
+    """The tile config of a tuned entry (CONFIG_KEYS, any set OPTION_KEYS, and "down" when it
+    has one)."""
     config: dict = {k: entry[k] for k in CONFIG_KEYS}
+    config.update(_set_options(entry, OPTION_KEYS))
     if "down" in entry:
         config["down"] = dict(entry["down"])
     return config
@@ -193,21 +214,34 @@ def entry_config(entry: dict) -> dict:
 def config_key(config: dict) -> str:
     """M16_N64_K128_G1_w4_s4, then +down_N128_K64_G8_w8_s3 when the down launch has its own
     tiles: a config's name in the tuner's ledger and in reports."""
-    key = "M{BLOCK_M}_N{BLOCK_N}_K{BLOCK_K}_G{GROUP_M}_w{num_warps}_s{num_stages}".format(**config)
+    key = ("M{BLOCK_M}_N{BLOCK_N}_K{BLOCK_K}_G{GROUP_M}_w{num_warps}_s{num_stages}".format(**config)
+           + _options_suffix(config))
     if "down" in config:
         key += "+down_N{BLOCK_N}_K{BLOCK_K}_G{GROUP_M}_w{num_warps}_s{num_stages}".format(
-            **config["down"])
+            **config["down"]) + _options_suffix(config["down"])
     return key
+
+
+def _options_suffix(tiles: dict) -> str:
+    """_1dot, _p2, ... for the options set in `tiles` (nothing for the plain launch)."""
+    suffix = ""
+    for key, (_, name) in OPTION_KEYS.items():
+        value = tiles.get(key, 0)
+        if value:
+            suffix += f"_{name}" if key == "ONE_DOT" else f"_{name}{value}"
+    return suffix
 
 
 def check_config(config: dict, what: str = "MoE tile config") -> None:
     """Raise a ValueError naming the key and value when `config` cannot run: a missing key,
     BLOCK_M/N/K not a power of two >= 16 (tl.dot), GROUP_M or num_stages < 1, num_warps not a
     power of two; an optional "down" must be a dict of exactly DOWN_KEYS (BLOCK_M is shared),
-    checked the same way. Keys other than CONFIG_KEYS and "down" at the top level are ignored."""
+    checked the same way. OPTION_KEYS, when present, must be ints in [0, their largest value]
+    (ONE_DOT not in "down"). Other keys at the top level are ignored."""
     if not isinstance(config, dict):
         raise ValueError(f"{what} must be a dict, got {type(config).__name__}: {config!r}")
     _check_tiles(config, CONFIG_KEYS, what)
+    _check_options(config, tuple(OPTION_KEYS), what)
     if "down" not in config:
         return
     down = config["down"]
@@ -217,11 +251,21 @@ def check_config(config: dict, what: str = "MoE tile config") -> None:
     if "BLOCK_M" in down:
         raise ValueError(f"{what}: 'down' must not set BLOCK_M (got {down['BLOCK_M']!r}): both "
                          "launches share the top-level BLOCK_M (the align's block size)")
-    unknown = sorted(set(down) - set(DOWN_KEYS), key=str)
+    allowed = (*DOWN_KEYS, *DOWN_OPTION_KEYS)
+    unknown = sorted(set(down) - set(allowed), key=str)
     if unknown:
         raise ValueError(f"{what}: 'down' holds unknown keys {unknown} (allowed: "
-                         f"{list(DOWN_KEYS)}): {down!r}")
+                         f"{list(allowed)}): {down!r}")
     _check_tiles(down, DOWN_KEYS, f"{what} 'down'")
+    _check_options(down, DOWN_OPTION_KEYS, f"{what} 'down'")
+
+
+def _check_options(tiles: dict, keys: Sequence[str], what: str) -> None:
+    for key in keys:
+        value = tiles.get(key, 0)
+        largest = OPTION_KEYS[key][0]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= largest:
+            raise ValueError(f"{what} {key} must be an int in [0, {largest}], got {value!r}")
 
 
 def _check_tiles(tiles: dict, keys: Sequence[str], what: str) -> None:
@@ -308,6 +352,7 @@ def parse_entry(raw: dict) -> dict:
     if missing:
         raise ValueError(f"tuned MoE entry lacks {missing}: {raw}")
     entry: dict = {k: _as_int(raw[k], k) for k in CONFIG_KEYS}
+    entry.update({k: _as_int(raw[k], k) for k in OPTION_KEYS if k in raw})
     if "down" in raw:
         down = raw["down"]
         if isinstance(down, dict):  # else check_config names it

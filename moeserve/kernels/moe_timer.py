@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from moeserve.kernels.moe_configs import CONFIG_KEYS, down_tiles
+from moeserve.kernels.moe_configs import down_tiles
 
 PARTS = ("align", "gated", "down", "moe")  # what one timing measures (moe_tune's Timer)
 
@@ -108,11 +108,12 @@ class CudaPartTimer:
                                                                  config["BLOCK_M"])
             sorted_ids, expert_ids, post_padded = self._aligned[key]
             gated = part == "gated"
-            tiles = {k: config[k] for k in CONFIG_KEYS} if gated else down_tiles(config)
+            tiles = ({k: v for k, v in config.items() if k != "down"} if gated
+                     else down_tiles(config))  # with their options (ONE_DOT, PERSISTENT)
             fn = functools.partial(
                 _launch, x if gated else act, self.w13 if gated else self.w2,
                 act if gated else out, weights, sorted_ids, expert_ids, post_padded, ids.numel(),
-                tiles, 0, a_row_div=self.top_k if gated else 1, c_row_div=1, gated=gated,
+                tiles, a_row_div=self.top_k if gated else 1, c_row_div=1, gated=gated,
                 atomic=False)
         else:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")

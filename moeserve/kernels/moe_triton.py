@@ -23,19 +23,18 @@ M * H, but the order of the k additions varies from run to run.
 Tiles: one config (`moe_configs`) for both launches, BLOCK_M shared (it is the align's block
 size); its optional "down" entry gives launch 2 its own BLOCK_N, BLOCK_K, GROUP_M, num_warps and
 num_stages (the two GEMMs differ: N = I with two accumulators vs N = H with one, and a tune may
-find different best tiles for each). Without "down" launch 2 uses the top-level tiles.
+find different best tiles for each). Without "down" launch 2 uses the top-level tiles. Two
+launch options ride in the config too (0 when absent; the tuner tries them):
 
-Interleaved gate/up (an experiment, `w13_interleaved=True` with `interleave_gate_up(w13)`): the
-gated launch reads one [BLOCK_K, 2 * BLOCK_N] tile of alternating gate and up rows and does one
-dot into one [BLOCK_M, 2 * BLOCK_N] accumulator, split in the epilogue: A is read from shared
-memory once per K step instead of twice. Not yet measured on the GPU.
-
-Persistent (an experiment, `persistent=n`): each launch runs n programs per SM instead of one
-program per tile; a program walks the used tiles (blocks below num_tokens_post_padded, read on
-the device) with a stride of the program count, in one loop that Triton flattens with the K
-loop (`tl.range(..., flatten=True)`), so the next tile's loads overlap this tile's epilogue
-instead of every tile paying its pipeline's fill. Not yet measured on the GPU: no tuned config
-selects it; `benchmarks/kernels_moe.py` times it beside the default.
+- "ONE_DOT": 1 (gated launch): the program reads one [BLOCK_K, 2 * BLOCK_N] tile whose column
+  2j is gate row j and column 2j + 1 up row j (a gather of w13's rows in place: w13 keeps its
+  layout) and does one dot into one [BLOCK_M, 2 * BLOCK_N] accumulator, split in the epilogue:
+  one MMA of twice the width per K step instead of two, A read from shared memory once.
+- "PERSISTENT": n (either launch): n programs per SM instead of one per tile; a program walks
+  the used tiles (blocks below num_tokens_post_padded, read on the device) with a stride of the
+  program count, in one loop that Triton flattens with the K loop (`tl.range(...,
+  flatten=True)`), so the next tile's loads overlap this tile's epilogue instead of every tile
+  paying its pipeline's fill. The same tiles and sums: the same bits as one program per tile.
 
 Weights are read in place through their strides as [BLOCK_K, BLOCK_N] tiles of w[e] (no copy or
 transpose). Padded rows (sentinel pair M) load zeros and are never stored; blocks past the used
@@ -55,7 +54,12 @@ from typing import Any
 import torch
 
 from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
-from moeserve.kernels.moe_configs import check_config, down_tiles, get_moe_config
+from moeserve.kernels.moe_configs import (
+    check_config,
+    down_tiles,
+    get_moe_config,
+    launch_options,
+)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _COMBINES = ("sum", "atomic")
@@ -66,8 +70,7 @@ tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
 def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                config: dict | None = None, combine: str = "sum",
-               align: str = "triton", reduce: bool = True,
-               persistent: int = 0, w13_interleaved: bool = False) -> torch.Tensor:
+               align: str = "triton", reduce: bool = True) -> torch.Tensor:
     """Routed experts through two launches of `_fused_moe_kernel` (see the module docstring).
 
     Args:
@@ -76,23 +79,18 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w2: [E, H, I], x's dtype, last dim contiguous.
         topk_weights: [T, k] float32, contiguous.
         topk_ids: [T, k] integer expert ids in [0, E) (not checked: that would sync).
-        config: tile config (keys of `moe_configs.CONFIG_KEYS`, plus an optional "down" with the
-            down launch's own tiles, `moe_configs.DOWN_KEYS`); default: `get_moe_config`.
+        config: tile config (keys of `moe_configs.CONFIG_KEYS`, optional OPTION_KEYS, plus an
+            optional "down" with the down launch's own tiles, `moe_configs.DOWN_KEYS`);
+            default: `get_moe_config`.
         combine: "sum" (deterministic) or "atomic" (fp32 atomics), how the k slots are added.
         align: "triton" (three launches) or "torch" (~25 small kernels): the expert sort.
         reduce: False skips the "sum" pass and returns the k weighted rows [T, k, H] (the next
             norm adds them: `rms_norm_triton` parts); "atomic" then returns [T, 1, H].
-        persistent: 0 (one program per tile), or n > 0: n programs per SM walk the tiles (see
-            the module docstring; an experiment).
-        w13_interleaved: w13 is in `interleave_gate_up`'s layout (gate j, up j at rows 2j,
-            2j + 1): the gated launch does one dot of twice the width (an experiment).
     Returns:
         [T, H] in x's dtype ([T, S, H] with reduce False, summing over S to the result).
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     _check_options(x.device, combine, align)
-    if not isinstance(persistent, int) or isinstance(persistent, bool) or persistent < 0:
-        raise ValueError(f"persistent must be an int >= 0 (programs per SM), got {persistent!r}")
     num_tokens, hidden = x.shape
     num_experts, inter, top_k = w13.shape[0], w2.shape[-1], topk_ids.shape[1]
     if num_tokens == 0:
@@ -103,23 +101,20 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _check_config(config)
     sorted_ids, expert_ids, post_padded = _ALIGNS[align](topk_ids, num_experts,
                                                          config["BLOCK_M"])
-    programs = persistent * _num_sms(x.device)  # 0: one program per tile
     num_pairs = num_tokens * top_k
     down = down_tiles(config)  # launch 2's tiles: config["down"] or the top-level ones
 
     act = x.new_empty(num_pairs, inter)  # [M, I], row = pair
     _launch(x, w13, act, topk_weights, sorted_ids, expert_ids, post_padded, num_pairs, config,
-            programs, a_row_div=top_k, c_row_div=1, gated=True, atomic=False,
-            interleaved=w13_interleaved)
+            a_row_div=top_k, c_row_div=1, gated=True, atomic=False)
     if combine == "atomic" and top_k > 1:
         out32 = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [T, H]
         _launch(act, w2, out32, topk_weights, sorted_ids, expert_ids, post_padded, num_pairs,
-                down, programs, a_row_div=1, c_row_div=top_k, gated=False, atomic=True)
+                down, a_row_div=1, c_row_div=top_k, gated=False, atomic=True)
         return out32.to(x.dtype) if reduce else out32.to(x.dtype).unsqueeze(1)
     out = x.new_empty(num_tokens, top_k, hidden)  # [T, k, H], row pair = t * k + i
     _launch(act, w2, out.view(num_pairs, hidden), topk_weights, sorted_ids, expert_ids,
-            post_padded, num_pairs, down, programs, a_row_div=1, c_row_div=1, gated=False,
-            atomic=False)
+            post_padded, num_pairs, down, a_row_div=1, c_row_div=1, gated=False, atomic=False)
     if not reduce:
         return out
     return out.view(num_tokens, hidden) if top_k == 1 else out.sum(dim=1)
@@ -127,17 +122,18 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
             sorted_ids: torch.Tensor, expert_ids: torch.Tensor, post_padded: torch.Tensor,
-            num_pairs: int, config: dict[str, int], programs: int, *, a_row_div: int,
-            c_row_div: int, gated: bool, atomic: bool, interleaved: bool = False) -> None:
+            num_pairs: int, config: dict[str, int], *, a_row_div: int, c_row_div: int,
+            gated: bool, atomic: bool) -> None:
     """One grouped GEMM: c[rows] = a[rows] @ w[e].T over expert-sorted row blocks, with the
-    top-level tiles of `config` (CONFIG_KEYS; a "down" entry is not read here: pass
-    `down_tiles(config)` for the down launch).
+    top-level tiles and options of `config` (CONFIG_KEYS, OPTION_KEYS; a "down" entry is not
+    read here: pass `down_tiles(config)` for the down launch).
 
-    gated: w is w13 ([E, 2I, H]); N = I and the program computes silu(gate) * up.
-    Otherwise w is w2 ([E, H, I]); N = H and rows are scaled by their routing weight.
-    programs > 0: that many programs walk the used tiles (persistent); 0: one per tile.
-    interleaved (gated only): w13's gate and up rows alternate (`interleave_gate_up`).
+    gated: w is w13 ([E, 2I, H]); N = I and the program computes silu(gate) * up (ONE_DOT: in
+    one dot of twice the width). Otherwise w is w2 ([E, H, I]); N = H and rows are scaled by
+    their routing weight. PERSISTENT n > 0: n programs per SM walk the used tiles.
     """
+    one_dot, persistent = launch_options(config)
+    programs = persistent * _num_sms(a.device)  # 0: one program per tile
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
     num_blocks = expert_ids.shape[0]
@@ -151,17 +147,9 @@ def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: tor
         ATOMIC=atomic, EVEN_K=k_dim % config["BLOCK_K"] == 0, PERSISTENT=programs > 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-        B_WIDTH=config["BLOCK_N"] * (2 if gated and interleaved else 1),
+        B_WIDTH=config["BLOCK_N"] * (2 if gated and one_dot else 1),
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"])
-
-
-def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
-    """w13 [E, 2I, H] (gate rows, then up rows) -> a new [E, 2I, H] with gate row j at 2j and
-    up row j at 2j + 1, for `moe_triton(..., w13_interleaved=True)`."""
-    num_experts, two_inter, hidden = w13.shape
-    gate, up = w13.view(num_experts, 2, two_inter // 2, hidden).unbind(1)  # [E, I, H] each
-    return torch.stack((gate, up), dim=2).reshape(num_experts, two_inter, hidden)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -246,15 +234,18 @@ def _tile(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert
           DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, B_WIDTH: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`). B_WIDTH is
-    BLOCK_N, or 2 * BLOCK_N for a gated launch over interleaved w13 rows (gate j, up j at rows
-    2j, 2j + 1): one dot of that width, split into gate and up in the epilogue."""
+    BLOCK_N, or 2 * BLOCK_N for a gated launch with ONE_DOT: its weight tile's column 2j is gate
+    row j, column 2j + 1 up row j (= N + j), one dot of that width split in the epilogue."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ids_ptr + offs_m)  # [BLOCK_M]; P is a multiple of BLOCK_M
     row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
-    offs_b = pid_n * B_WIDTH + tl.arange(0, B_WIDTH)  # the weight rows they read
-    b_rows = offs_b % (N * (B_WIDTH // BLOCK_N))  # in bounds unmasked; the store masks the tail
+    if B_WIDTH == BLOCK_N:  # the weight rows they read; % N: in bounds unmasked, the store
+        b_rows = offs_n % N  # masks the tail
+    else:  # one dot: gate row j, up row N + j side by side
+        col = tl.arange(0, B_WIDTH)
+        b_rows = (pid_n * BLOCK_N + col // 2) % N + (col % 2) * N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + b_rows[None, :] * stride_bn
@@ -281,7 +272,7 @@ def _tile(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert
         b_ptrs += BLOCK_K * stride_bk
 
     if GATED:
-        if B_WIDTH != BLOCK_N:  # interleaved: columns 2j, 2j + 1 are gate j, up j
+        if B_WIDTH != BLOCK_N:  # one dot: columns 2j, 2j + 1 are gate j, up j
             acc, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     if MUL_WEIGHT:

@@ -3,13 +3,16 @@
 `moe_triton` runs two launches that share BLOCK_M (the align's block size) but may each take
 their own other tiles (a config's "down" entry). So `tune_moe` searches per token count and per
 candidate BLOCK_M (the candidates grouped by BLOCK_M): it times the align once, then the gated
-launch under every candidate tile, then the down launch under every candidate tile, each apart;
-it combines the best gated and the best down tile (`best_split`), and the BLOCK_M with the least
-align + gated + down wins. That winner is then timed whole (`moe_triton`: align, both launches,
-the combine), which is the entry's "ms", compared with torch._grouped_mm's time at that token
-count (the entry's "backend"). Every timing uses the same timer (`moe_timer`: calls captured in
-one CUDA graph, a few replays). With n tiles per BLOCK_M that is 2n launch timings (each tile
-compiles once per launch, as before), not the n^2 of timing every gated/down pair.
+launch under every candidate tile (from ONE_DOT_MIN_PER_EXPERT pairs per expert each also with
+the launch option ONE_DOT), then the down launch under every candidate tile, each apart; from
+PERSISTENT_MIN_PER_EXPERT a second round times each launch's best tile with PERSISTENT 1 and 2
+(`search_options`). It combines the best gated
+and the best down pick (`best_split`), and the BLOCK_M with the least align + gated + down wins.
+That winner is then timed whole (`moe_triton`: align, both launches, the combine), which is the
+entry's "ms", compared with torch._grouped_mm's time at that token count (the entry's
+"backend"). Every timing uses the same timer (`moe_timer`: calls captured in one CUDA graph, a
+few replays). With n tiles per BLOCK_M that is 3n launch timings (+4 in the second round; each
+tile compiles once per launch and option), not the n^2 of timing every gated/down pair.
 
 The ledger (the file's "trials") holds each timing under "<part>:<key>" (`trial_key`: parts
 align, gated, down, moe); the file is written after each one (atomically), and a rerun skips
@@ -124,8 +127,64 @@ def quick_moe_candidates(num_experts: int, top_k: int, num_tokens: int) -> list[
 
 
 def candidate_key(config: dict) -> str:
-    """M16_N64_K128_G1_w4_s4: the name of a candidate's top-level tiles (any "down" ignored)."""
-    return config_key({k: config[k] for k in CONFIG_KEYS})
+    """M16_N64_K128_G1_w4_s4 (then _1dot / _p1 for its options): the name of a candidate's
+    top-level tiles (any "down" ignored)."""
+    return config_key({k: v for k, v in config.items() if k != "down"})
+
+
+# Launch options (moe_configs.OPTION_KEYS) the search adds to the tiles, each from a number of
+# pairs per expert on. ONE_DOT: every gated tile is tried with and without. PERSISTENT: a second
+# round tries each launch's best tile of a BLOCK_M with PERSISTENT_TRIES. On the H200 at 0f157b4
+# (qwen3-30b-a3b, the tuned tiles of the two-dot launch), ONE_DOT was the same at 64 and 256
+# tokens (4 and 16 per expert) and 1-4% faster at 1,024 and 2,048 (64, 128); one program per SM
+# was slower at 64-2,048 tokens and faster only at 8,192 (512 per expert) with ONE_DOT.
+ONE_DOT_MIN_PER_EXPERT = 32
+PERSISTENT_MIN_PER_EXPERT = 128
+PERSISTENT_TRIES = (1, 2)
+
+
+class SearchOptions(NamedTuple):
+    """Which launch options the search at one token count tries (`search_options`)."""
+
+    one_dot: bool = False
+    persistent: bool = False
+
+
+NO_OPTIONS = SearchOptions()
+
+
+def search_options(num_experts: int, top_k: int, num_tokens: int) -> SearchOptions:
+    """The options worth trying at num_tokens (ONE_/PERSISTENT_MIN_PER_EXPERT)."""
+    pairs = num_tokens * top_k
+    return SearchOptions(pairs >= ONE_DOT_MIN_PER_EXPERT * num_experts,
+                         pairs >= PERSISTENT_MIN_PER_EXPERT * num_experts)
+
+
+def part_candidates(part: str, tiles: Sequence[dict],
+                    options: SearchOptions = NO_OPTIONS) -> list[dict]:
+    """The first round of one launch at one BLOCK_M: the tiles, and for the gated launch (with
+    options.one_dot) each again with ONE_DOT."""
+    if part == "gated" and options.one_dot:
+        return [*tiles, *({**t, "ONE_DOT": 1} for t in tiles)]
+    return list(tiles)
+
+
+def persistent_candidates(part: str, tiles: Sequence[dict], trials: dict[str, float | str],
+                          options: SearchOptions = NO_OPTIONS) -> list[dict]:
+    """The second round (with options.persistent): the first round's best timed tile of `part`
+    with each PERSISTENT_TRIES; none before the first round has a timing."""
+    if not options.persistent:
+        return []
+    best = _best_timed(part, part_candidates(part, tiles, options), trials)
+    return [] if best is None else [{**best[2], "PERSISTENT": n} for n in PERSISTENT_TRIES]
+
+
+def _best_timed(part: str, configs: Sequence[dict],
+                trials: dict[str, float | str]) -> tuple[float, int, dict] | None:
+    """(ms, position, config) of the fastest timed config of `part` (ties: the first)."""
+    timed = [(trials[trial_key(part, c)], i, c) for i, c in enumerate(configs)
+             if isinstance(trials.get(trial_key(part, c)), float)]
+    return min(timed, key=lambda t: t[:2]) if timed else None
 
 
 def tune_moe(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
@@ -187,7 +246,8 @@ def tune_moe(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch
     for num_tokens in token_counts:
         trials = doc["trials"].setdefault(str(num_tokens), {})
         grid = tiles_by_block_m(get_candidates(num_tokens))
-        todo = [k for k in _plan_keys(grid) if k not in trials]
+        options = search_options(num_experts, top_k, num_tokens)
+        todo = [k for k in _plan_keys(grid, options, trials) if k not in trials]
         if todo:
             log(f"tune_moe T={num_tokens}: {len(todo)} timings to run over BLOCK_M "
                 f"{list(grid)}, estimated {cost.estimate(todo):.1f} s")
@@ -201,12 +261,15 @@ def tune_moe(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch
             if not isinstance(trials[align_key], float):
                 continue  # no align at this BLOCK_M: its launches cannot run either
             for part in ("gated", "down"):
-                for config in tiles:
-                    if trial_key(part, config) not in trials and not run(part, config,
-                                                                         num_tokens, trials):
-                        clear_caches()
-                        return _finished(doc)
-        pick = best_split(grid, trials)
+                for second_round in (False, True):  # the second's tiles follow the first's
+                    configs = (persistent_candidates(part, tiles, trials, options)
+                               if second_round else part_candidates(part, tiles, options))
+                    for config in configs:
+                        if trial_key(part, config) not in trials and not run(
+                                part, config, num_tokens, trials):
+                            clear_caches()
+                            return _finished(doc)
+        pick = best_split(grid, trials, options)
         if pick is None:
             raise RuntimeError(f"tune_moe: every candidate failed at {num_tokens} tokens")
         config, parts_ms = pick
@@ -254,20 +317,21 @@ def tiles_by_block_m(configs: Sequence[dict]) -> dict[int, list[dict[str, int]]]
     return {m: list(tiles.values()) for m, tiles in grid.items()}
 
 
-def best_split(grid: dict[int, list[dict[str, int]]],
-               trials: dict[str, float | str]) -> tuple[dict, float] | None:
+def best_split(grid: dict[int, list[dict[str, int]]], trials: dict[str, float | str],
+               options: SearchOptions = NO_OPTIONS) -> tuple[dict, float] | None:
     """(config, align + gated + down ms) of the BLOCK_M whose align plus best gated tile plus
-    best down tile is the least (ties: the first), from the ledger; None if no BLOCK_M has all
-    three timed. The config has "down" when the two launches' best tiles differ."""
+    best down tile is the least (ties: the first), from the ledger (both rounds: the tiles with
+    their options, then PERSISTENT on the best); None if no BLOCK_M has all three timed. The
+    config has "down" when the two launches' best tiles differ."""
     best: tuple[dict, float] | None = None
     for block_m, tiles in grid.items():
         align = trials.get(trial_key("align", {"BLOCK_M": block_m}))
         picks = []
         for part in ("gated", "down"):
-            timed = [(trials[trial_key(part, c)], i, c) for i, c in enumerate(tiles)
-                     if isinstance(trials.get(trial_key(part, c)), float)]
-            if timed:
-                picks.append(min(timed, key=lambda t: t[:2]))
+            pick = _best_timed(part, part_candidates(part, tiles, options)
+                               + persistent_candidates(part, tiles, trials, options), trials)
+            if pick is not None:
+                picks.append(pick)
         if not isinstance(align, float) or len(picks) < 2:
             continue
         (gated_ms, _, gated), (down_ms, _, down) = picks
@@ -287,11 +351,21 @@ def trial_key(part: str, config: dict) -> str:
     return f"{part}:{config_key(config) if part == 'moe' else candidate_key(config)}"
 
 
-def _plan_keys(grid: dict[int, list[dict[str, int]]]) -> list[str]:
-    """Every timing key of one token count's search (the whole-op one excepted)."""
-    return [key for m, tiles in grid.items()
-            for key in [trial_key("align", {"BLOCK_M": m})]
-            + [trial_key(part, c) for part in ("gated", "down") for c in tiles]]
+def _plan_keys(grid: dict[int, list[dict[str, int]]], options: SearchOptions = NO_OPTIONS,
+               trials: dict[str, float | str] | None = None) -> list[str]:
+    """Every timing key of one token count's search (the whole-op one excepted). With
+    options.persistent, the second round's keys from the ledger's best so far, or placeholders
+    before the first round has a timing (the count is right, the names are not)."""
+    keys = []
+    for block_m, tiles in grid.items():
+        keys.append(trial_key("align", {"BLOCK_M": block_m}))
+        for part in ("gated", "down"):
+            keys += [trial_key(part, c) for c in part_candidates(part, tiles, options)]
+            if options.persistent:
+                second = persistent_candidates(part, tiles, trials or {}, options)
+                keys += ([trial_key(part, c) for c in second] if second else
+                         [f"{part}:M{block_m}:persistent{n}" for n in PERSISTENT_TRIES])
+    return keys
 
 
 def _is_part_key(key: str) -> bool:
@@ -343,7 +417,8 @@ def ensure_tuned(num_experts: int, hidden: int, inter: int, top_k: int, dtype: t
         out_path = Path(path)  # a partial tune (a budget ran out): resume it
     else:
         out_path = tune_dir() / config_file_name(num_experts, hidden, inter, dtype, device_name)
-    estimate = estimate_tune_seconds([quick_moe_candidates(num_experts, top_k, n) for n in wanted])
+    estimate = estimate_tune_seconds([quick_moe_candidates(num_experts, top_k, n) for n in wanted],
+                                     [search_options(num_experts, top_k, n) for n in wanted])
     log(f"MoE tiles: no complete tune for E={num_experts} H={hidden} I={inter} {dtype} on "
         f"{device_name}; tuning {len(wanted)} token counts into {out_path} "
         f"(estimated ~{estimate:.0f} s from scratch, budget {time_budget_s:.0f} s)")
@@ -359,11 +434,13 @@ def ensure_tuned(num_experts: int, hidden: int, inter: int, top_k: int, dtype: t
     return TuneOutcome(seconds, bool(done), str(out_path) if done else "default", detail)
 
 
-def estimate_tune_seconds(candidates: Sequence[Sequence[dict[str, int]]]) -> float:
+def estimate_tune_seconds(candidates: Sequence[Sequence[dict[str, int]]],
+                          options: Sequence[SearchOptions] | None = None) -> float:
     """A prior for a whole tune (candidate lists per token count), before anything is timed:
     per token count an align per BLOCK_M, each tile for each launch and one whole-op timing;
     each distinct (part, tiles) compiles once, every timing costs a capture and a few replays."""
-    keys = [k for cs in candidates for k in _plan_keys(tiles_by_block_m(cs))]
+    per_count = options or [NO_OPTIONS] * len(candidates)
+    keys = [k for cs, o in zip(candidates, per_count) for k in _plan_keys(tiles_by_block_m(cs), o)]
     distinct = len(set(keys))
     seen = len(keys) - distinct + len(candidates)  # + the whole-op timings (compiled by then)
     return distinct * _CostModel.PRIOR_NEW_S + seen * _CostModel.PRIOR_SEEN_S

@@ -224,37 +224,42 @@ def test_atomic_combine_and_torch_align_match_the_default() -> None:
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
 def test_persistent_launch_matches_one_program_per_tile(num_tokens: int,
                                                         persistent: int) -> None:
-    """n programs per SM (4 "SMs" off CUDA) walking the used tiles: the same bits as one
-    program per tile, with the default and the down tiles, fp32 and fp16, K not a multiple of
-    BLOCK_K; and a bad value is refused."""
+    """PERSISTENT n: n programs per SM (4 "SMs" off CUDA) walking the used tiles give the same
+    bits as one program per tile, set on the gated launch, on the down launch alone (its "down"
+    entry) or on both, fp32 and fp16, K not a multiple of BLOCK_K; a bad value is refused."""
+    down = dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2)
     for dtype in (torch.float32, torch.float16):
         w13, w2 = make_experts(8, dtype, hidden=40)
         x, weights, ids = make_routing(num_tokens, 8, 2, dtype, hidden=40)
-        for config in (SMALL, {**SMALL, "down": dict(BLOCK_N=32, BLOCK_K=16, GROUP_M=1,
-                                                     num_warps=4, num_stages=2)}):
-            once = moe_triton(x, w13, w2, weights, ids, config=config)
-            walked = moe_triton(x, w13, w2, weights, ids, config=config, persistent=persistent)
-            assert torch.equal(walked, once)
-    with pytest.raises(ValueError, match="persistent"):
-        moe_triton(x, w13, w2, weights, ids, config=SMALL, persistent=-1)
+        once = moe_triton(x, w13, w2, weights, ids, config=SMALL)
+        split_once = moe_triton(x, w13, w2, weights, ids, config={**SMALL, "down": down})
+        for config, expected in (
+                ({**SMALL, "PERSISTENT": persistent}, once),  # both launches (no "down")
+                ({**SMALL, "PERSISTENT": persistent, "down": down}, split_once),  # gated only
+                ({**SMALL, "down": {**down, "PERSISTENT": persistent}}, split_once)):
+            assert torch.equal(moe_triton(x, w13, w2, weights, ids, config=config), expected)
+    for bad in (-1, 9, True, 1.0):
+        with pytest.raises(ValueError, match="PERSISTENT"):
+            moe_triton(x, w13, w2, weights, ids, config={**SMALL, "PERSISTENT": bad})
 
 
-def test_interleaved_gate_up_gives_the_same_output() -> None:
-    """w13 with gate and up rows alternating, one dot of twice the width: the same output as
-    the two-dot launch (fp32 ieee dots over the same K order), for N not a multiple of
-    BLOCK_N (I = 24 with BLOCK_N 16) and K not a multiple of BLOCK_K, persistent too."""
-    from moeserve.kernels.moe_triton import interleave_gate_up
-
+def test_one_dot_gate_up_gives_the_same_output() -> None:
+    """ONE_DOT: the gated launch reads gate and up columns side by side (w13 in its own layout)
+    and does one dot of twice the width: the same output as two dots (fp32 ieee dots over the
+    same K order), for N not a multiple of BLOCK_N (I = 24 with BLOCK_N 16) and K not a
+    multiple of BLOCK_K, persistent too; the down launch refuses the option."""
     w13, w2 = make_experts(8, torch.float32, hidden=40, inter=24)
     x, weights, ids = make_routing(19, 8, 2, torch.float32, hidden=40)
-    mixed = interleave_gate_up(w13)
-    assert torch.equal(mixed[:, 0::2], w13[:, :24]) and torch.equal(mixed[:, 1::2], w13[:, 24:])
     plain = moe_triton(x, w13, w2, weights, ids, config=SMALL)
-    for persistent in (0, 2):
-        out = moe_triton(x, mixed, w2, weights, ids, config=SMALL, w13_interleaved=True,
-                         persistent=persistent)
+    for extra in ({}, {"PERSISTENT": 2}):
+        out = moe_triton(x, w13, w2, weights, ids, config={**SMALL, "ONE_DOT": 1, **extra})
         torch.testing.assert_close(out, plain, atol=1e-6, rtol=1e-6)
     assert_matches_ref(plain, x, w13, w2, weights, ids)
+    down = {k: SMALL[k] for k in moe_configs.DOWN_KEYS}
+    with pytest.raises(ValueError, match="unknown keys \\['ONE_DOT'\\]"):
+        moe_triton(x, w13, w2, weights, ids, config={**SMALL, "down": {**down, "ONE_DOT": 1}})
+    with pytest.raises(ValueError, match="ONE_DOT must be an int in \\[0, 1\\]"):
+        moe_triton(x, w13, w2, weights, ids, config={**SMALL, "ONE_DOT": 2})
 
 
 @pytest.mark.parametrize("top_k", [1, 3])
@@ -471,8 +476,9 @@ def test_tune_records_failures_resumes_and_feeds_the_lookup(
             return 0.01
         if config["BLOCK_N"] == 64:
             raise RuntimeError("out of resource: shared memory")
-        if part == "gated":  # best: BLOCK_N 16, 2 stages
-            return config["BLOCK_N"] / 16 + config["num_stages"] / 100 + num_tokens / 1000
+        if part == "gated":  # best: BLOCK_N 16, 2 stages, in one dot
+            return (config["BLOCK_N"] / 16 + config["num_stages"] / 100 + num_tokens / 1000
+                    - config.get("ONE_DOT", 0) / 200)
         # down, best: BLOCK_N 32, 3 stages
         return (abs(config["BLOCK_N"] - 32) / 16 + (5 - config["num_stages"]) / 100
                 + num_tokens / 1000)
@@ -484,6 +490,7 @@ def test_tune_records_failures_resumes_and_feeds_the_lookup(
         tune_moe(*args, candidates=lambda n: grid, timer=timer, device_name="Fake GPU",
                  log=lambda s: None)
     doc = json.loads(path.read_text())
+    # align, 6 gated and 6 down tiles, the whole op (4 pairs per expert: no launch options)
     assert len(doc["trials"]["16"]) == 1 + 2 * 6 + 1 and len(doc["trials"]["256"]) == 1
     assert "16" in doc["configs"] and "256" not in doc["configs"]
     assert sum(isinstance(v, str) for v in doc["trials"]["16"].values()) == 4  # BLOCK_N 64
@@ -492,11 +499,15 @@ def test_tune_records_failures_resumes_and_feeds_the_lookup(
     best = tune_moe(*args, candidates=lambda n: grid, timer=timer, device_name="Fake GPU",
                     log=lambda s: None)
     down = dict(grid[3], BLOCK_N=32, num_stages=3)
-    split = moe_configs.split_config(grid[0], down)
+    split = moe_configs.split_config({**grid[0], "ONE_DOT": 1}, down)
+    # 64 pairs per expert: each gated tile also in one dot (search_options)
     assert calls == ([(trial_key("gated", c), 256) for c in grid]  # only the rest: no align
+                     + [(trial_key("gated", {**c, "ONE_DOT": 1}), 256) for c in grid]
                      + [(trial_key("down", c), 256) for c in grid]
                      + [(trial_key("moe", split), 256)])
     assert best[256]["BLOCK_N"] == 16 and best[256]["num_stages"] == 2
+    assert best[256]["ONE_DOT"] == 1 and trial_key("moe", split).endswith(
+        "_s2_1dot+down_N32_K16_G2_w4_s3")
     assert best[256]["down"] == {k: down[k] for k in moe_configs.DOWN_KEYS}
     assert best[256]["ms"] == pytest.approx(1.5 + 0.256)  # the whole op's time
     doc = json.loads(path.read_text())
@@ -572,6 +583,64 @@ def test_tune_times_the_launches_apart_and_combines_their_best_tiles(tmp_path: P
     assert trials["align:M32"] == 0.01 and trials[trial_key("moe", split)] == 0.5
     assert moe_tune.best_split(moe_tune.tiles_by_block_m(tiles), trials) == (
         split, pytest.approx(0.20))
+
+
+def test_tune_tries_launch_options_by_pairs_per_expert(tmp_path: Path) -> None:
+    """ONE_DOT from 32 pairs per expert, the PERSISTENT round from 128 on the first round's best
+    tile of each launch; the entry keeps an option only where it was faster, and the lookup
+    hands it to moe_triton (config_key names it)."""
+    tiles = [dict(SMALL, BLOCK_N=n) for n in (16, 32)]
+    calls: list[tuple[str, int]] = []
+
+    def timer(part: str, config: dict, num_tokens: int) -> float:
+        calls.append((trial_key(part, config), num_tokens))
+        if part in ("align", "moe"):
+            return 0.01
+        ms = 1.0 + config["BLOCK_N"] / 100 - config.get("ONE_DOT", 0) / 10
+        # one program per SM: faster for the down launch, slower for the gated one
+        return ms + config.get("PERSISTENT", 0) * (0.05 if part == "gated" else -0.02)
+
+    assert moe_tune.search_options(8, 2, 64) == (False, False)  # 16 per expert
+    assert moe_tune.search_options(8, 2, 128) == (True, False)  # 32
+    assert moe_tune.search_options(8, 2, 512) == (True, True)  # 128
+    best = tune_moe(8, 64, 32, 2, torch.float32, [64, 512], tmp_path / "t.json",
+                    candidates=lambda n: tiles, timer=timer, log=lambda s: None)
+    at64 = [k for k, n in calls if n == 64]
+    assert not [k for k in at64 if "_1dot" in k or "_p" in k]
+    assert best[64] == {**tiles[0], "ms": 0.01, "backend": "triton"}
+    at512 = [k for k, n in calls if n == 512]
+    one_dot = {**tiles[0], "ONE_DOT": 1}
+    down = {k: tiles[0][k] for k in moe_configs.DOWN_KEYS}
+    assert at512 == ["align:M16", *[trial_key("gated", c) for c in tiles],
+                     *[trial_key("gated", {**c, "ONE_DOT": 1}) for c in tiles],
+                     trial_key("gated", {**one_dot, "PERSISTENT": 1}),
+                     trial_key("gated", {**one_dot, "PERSISTENT": 2}),
+                     *[trial_key("down", c) for c in tiles],
+                     trial_key("down", {**tiles[0], "PERSISTENT": 1}),
+                     trial_key("down", {**tiles[0], "PERSISTENT": 2}),
+                     trial_key("moe", moe_configs.split_config(
+                         one_dot, {**tiles[0], "PERSISTENT": 2}))]
+    assert best[512] == {**one_dot, "down": {**down, "PERSISTENT": 2}, "ms": 0.01,
+                         "backend": "triton"}
+    assert moe_configs.config_key(moe_configs.entry_config(best[512])) == (
+        "M16_N16_K16_G2_w4_s2_1dot+down_N16_K16_G2_w4_s2_p2")
+    assert moe_configs.down_tiles(best[512]) == {**tiles[0], "PERSISTENT": 2}
+
+
+def test_launch_options_in_configs_split_and_parse() -> None:
+    """split_config keeps a launch's options (a "down" entry appears when only PERSISTENT
+    differs), parse_entry reads them from JSON, and a bad one is named."""
+    gated = {**SMALL, "ONE_DOT": 1, "PERSISTENT": 1}
+    same = moe_configs.split_config(gated, {**SMALL, "PERSISTENT": 1})
+    assert same == gated and moe_configs.down_tiles(same) == {**SMALL, "PERSISTENT": 1}
+    apart = moe_configs.split_config(gated, SMALL)  # the down launch: one program per tile
+    assert apart["down"] == {k: SMALL[k] for k in moe_configs.DOWN_KEYS}
+    assert moe_configs.down_tiles(apart) == SMALL
+    assert moe_configs.split_config({**SMALL, "ONE_DOT": 0}, SMALL) == SMALL  # 0: absent
+    raw = {**{k: str(v) for k, v in gated.items()}, "backend": "triton"}
+    assert moe_configs.entry_config(moe_configs.parse_entry(raw)) == gated
+    with pytest.raises(ValueError, match="PERSISTENT must be an int in \\[0, 8\\]"):
+        moe_configs.check_config({**SMALL, "down": {**apart["down"], "PERSISTENT": 9}})
 
 
 def test_a_failing_align_skips_its_block_m(tmp_path: Path) -> None:
@@ -711,33 +780,29 @@ def test_gpu_qwen3_shape_bf16_matches_loop_ref(qwen_experts: tuple, num_tokens: 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 64, 1024, 2048, 8192])
-def test_gpu_persistent_launch_gives_the_same_bits(qwen_experts: tuple, num_tokens: int) -> None:
-    """The persistent variant (1 and 2 programs per SM) with the tuned tiles of each size: the
-    same tiles and sums as one program per tile, so the same bits."""
-    w13, w2, _, _ = qwen_experts
-    x, logits = qwen_tokens(num_tokens, seed=num_tokens + 1)
-    weights, ids = select_experts(logits, QWEN_K, renormalize=True)
-    once = moe_triton(x, w13, w2, weights, ids)
-    for persistent in (1, 2):
-        assert torch.equal(moe_triton(x, w13, w2, weights, ids, persistent=persistent), once)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 64, 1024, 2048, 8192])
-def test_gpu_interleaved_gate_up_matches(qwen_experts: tuple, num_tokens: int) -> None:
-    """One dot over interleaved gate/up rows (the tuned tiles of each size) against the two-dot
-    launch and the fp32 loop: within bf16 rounding (the MMA's accumulation order may differ)."""
-    from moeserve.kernels.moe_triton import interleave_gate_up
+def test_gpu_launch_options_match(qwen_experts: tuple, num_tokens: int) -> None:
+    """The looked-up tiles of each size with their launch options off, then PERSISTENT 1 and 2
+    on both launches (the same tiles and sums: the same bits), then ONE_DOT (one MMA of twice
+    the width: within bf16 rounding of the two-dot launch and of the fp32 loop)."""
+    from benchmarks.kernels_moe import looked_up_config, with_options
 
     w13, w2, w13_f, w2_f = qwen_experts
-    x, logits = qwen_tokens(num_tokens, seed=num_tokens + 2)
+    x, logits = qwen_tokens(num_tokens, seed=num_tokens + 1)
     weights, ids = select_experts(logits, QWEN_K, renormalize=True)
-    mixed = interleave_gate_up(w13)
-    out = moe_triton(x, mixed, w2, weights, ids, w13_interleaved=True)
-    torch.testing.assert_close(out, moe_triton(x, w13, w2, weights, ids), **BF16_TOL)
+    config = looked_up_config(x, w13, w2, ids)
+    plain = moe_triton(x, w13, w2, weights, ids, config=with_options(config, "plain"))
+    for n in (1, 2):
+        gated = {k: config[k] for k in moe_configs.CONFIG_KEYS} | {"PERSISTENT": n}
+        down = {k: v for k, v in moe_configs.down_tiles(config).items()
+                if k in moe_configs.CONFIG_KEYS} | {"PERSISTENT": n}
+        walked = moe_triton(x, w13, w2, weights, ids,
+                            config=moe_configs.split_config(gated, down))
+        assert torch.equal(walked, plain)
+    one_dot = moe_triton(x, w13, w2, weights, ids, config=with_options(config, "one_dot"))
+    torch.testing.assert_close(one_dot, plain, **BF16_TOL)
     if num_tokens <= 1024:  # the fp32 loop is slow at the large sizes
         expected = moe_loop_ref(x.float(), w13_f, w2_f, weights, ids)
-        torch.testing.assert_close(out.float(), expected, **BF16_TOL)
+        torch.testing.assert_close(one_dot.float(), expected, **BF16_TOL)
 
 
 @pytest.mark.gpu
