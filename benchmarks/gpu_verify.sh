@@ -13,7 +13,7 @@
 # timed) into OUT/tune/configs and points every later stage at it (MOESERVE_MOE_CONFIG_DIR);
 # copy that file to moeserve/kernels/configs/moe/ to commit it. "attention" runs
 # kernels_attention (decode at 1,024 and 2,048 rows, the prefill tile sweep). TESTS overrides
-# the GPU test files.
+# the GPU test files; PROFILE_BATCH the step profile's decode rows (1,024).
 set -uo pipefail
 out=${1:?usage: gpu_verify.sh OUT}
 mkdir -p "$out"
@@ -61,7 +61,8 @@ if want w1; then
 fi
 if want profile; then
   echo "== step profile $(date +%T)"
-  timeout 80 "$py" benchmarks/profile_step.py --batch 1024 --steps 5 --out "$out/prof" \
+  timeout 100 "$py" benchmarks/profile_step.py --batch "${PROFILE_BATCH:-1024}" --steps 5 \
+    --out "$out/prof" \
     > "$out/profile_step.log" 2>&1
   echo "rc=$?"; tail -1 "$out/profile_step.log" | cut -c1-300; pack
 fi

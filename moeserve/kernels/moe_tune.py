@@ -101,14 +101,16 @@ def moe_tune_candidates(num_experts: int, top_k: int, num_tokens: int) -> list[d
 # list and keep their own best. (BLOCK_N, BLOCK_K, num_warps, num_stages); GROUP_M is 1 at
 # BLOCK_M 16 (about one block per expert) and 8 above. Shared memory per stage of the gated
 # launch is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: every entry fits the H100/H200's 227 KB.
+# BLOCK_N 256 (at BLOCK_M 64 and 128, in place of (128, 128, 8, 2), slowest of the H200's tune at
+# 1,024-8,192 tokens) is for the down launch: N = H there, and a wider tile re-reads A less.
 _QUICK = {
     16: [(64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 4),
          (32, 256, 4, 3), (64, 64, 4, 5), (64, 128, 4, 3), (128, 128, 8, 3), (32, 64, 4, 5)],
     32: [(64, 128, 4, 4), (64, 64, 4, 5), (128, 64, 4, 4), (128, 128, 4, 3), (64, 128, 4, 3),
          (128, 64, 8, 4)],
-    64: [(128, 64, 8, 4), (64, 64, 4, 4), (128, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3),
+    64: [(128, 64, 8, 4), (64, 64, 4, 4), (128, 64, 4, 4), (256, 64, 8, 2), (64, 128, 4, 3),
          (128, 64, 8, 3)],
-    128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 8, 3), (128, 128, 8, 2),
+    128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 8, 3), (256, 64, 8, 2),
           (64, 64, 8, 5)],
 }
 QUICK_PER_BLOCK_M = 6  # tiles per BLOCK_M when several BLOCK_M values are tried
