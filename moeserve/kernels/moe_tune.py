@@ -4,15 +4,16 @@
 their own other tiles (a config's "down" entry). So `tune_moe` searches per token count and per
 candidate BLOCK_M (the candidates grouped by BLOCK_M): it times the align once, then the gated
 launch under every candidate tile (from ONE_DOT_MIN_PER_EXPERT pairs per expert each also with
-the launch option ONE_DOT), then the down launch under every candidate tile, each apart; from
-PERSISTENT_MIN_PER_EXPERT a second round times each launch's best tile with PERSISTENT 1 and 2
-(`search_options`). It combines the best gated
-and the best down pick (`best_split`), and the BLOCK_M with the least align + gated + down wins.
-That winner is then timed whole (`moe_triton`: align, both launches, the combine), which is the
-entry's "ms", compared with torch._grouped_mm's time at that token count (the entry's
-"backend"). Every timing uses the same timer (`moe_timer`: calls captured in one CUDA graph, a
-few replays). With n tiles per BLOCK_M that is 3n launch timings (+4 in the second round; each
-tile compiles once per launch and option), not the n^2 of timing every gated/down pair.
+the launch option ONE_DOT), then the down launch under every candidate tile, each apart; a
+second round times each launch's best tile with the other GROUP_M and, from
+PERSISTENT_MIN_PER_EXPERT, with PERSISTENT 1 and 2 (`search_options`, `refine_candidates`). It
+combines the best gated and the best down pick (`best_split`), and the BLOCK_M with the least
+align + gated + down wins. That winner is then timed whole (`moe_triton`: align, both launches,
+the combine), which is the entry's "ms", compared with torch._grouped_mm's time at that token
+count (the entry's "backend"). Every timing uses the same timer (`moe_timer`: calls captured
+in one CUDA graph, a few replays). With n tiles per BLOCK_M that is 3n launch timings (+2-6 in
+the second round; each tile compiles once per launch and option), not the n^2 of timing
+every gated/down pair.
 
 The ledger (the file's "trials") holds each timing under "<part>:<key>" (`trial_key`: parts
 align, gated, down, moe); the file is written after each one (atomically), and a rerun skips
@@ -101,16 +102,14 @@ def moe_tune_candidates(num_experts: int, top_k: int, num_tokens: int) -> list[d
 # list and keep their own best. (BLOCK_N, BLOCK_K, num_warps, num_stages); GROUP_M is 1 at
 # BLOCK_M 16 (about one block per expert) and 8 above. Shared memory per stage of the gated
 # launch is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: every entry fits the H100/H200's 227 KB.
-# BLOCK_N 256 (at BLOCK_M 64 and 128, in place of (128, 128, 8, 2), slowest of the H200's tune at
-# 1,024-8,192 tokens) is for the down launch: N = H there, and a wider tile re-reads A less.
 _QUICK = {
     16: [(64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 4),
          (32, 256, 4, 3), (64, 64, 4, 5), (64, 128, 4, 3), (128, 128, 8, 3), (32, 64, 4, 5)],
     32: [(64, 128, 4, 4), (64, 64, 4, 5), (128, 64, 4, 4), (128, 128, 4, 3), (64, 128, 4, 3),
          (128, 64, 8, 4)],
-    64: [(128, 64, 8, 4), (64, 64, 4, 4), (128, 64, 4, 4), (256, 64, 8, 2), (64, 128, 4, 3),
+    64: [(128, 64, 8, 4), (64, 64, 4, 4), (128, 64, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3),
          (128, 64, 8, 3)],
-    128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 8, 3), (256, 64, 8, 2),
+    128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (64, 128, 8, 3), (128, 128, 8, 2),
           (64, 64, 8, 5)],
 }
 QUICK_PER_BLOCK_M = 6  # tiles per BLOCK_M when several BLOCK_M values are tried
@@ -135,11 +134,15 @@ def candidate_key(config: dict) -> str:
 
 
 # Launch options (moe_configs.OPTION_KEYS) the search adds to the tiles, each from a number of
-# pairs per expert on. ONE_DOT: every gated tile is tried with and without. PERSISTENT: a second
-# round tries each launch's best tile of a BLOCK_M with PERSISTENT_TRIES. On the H200 at 0f157b4
-# (qwen3-30b-a3b, the tuned tiles of the two-dot launch), ONE_DOT was the same at 64 and 256
-# tokens (4 and 16 per expert) and 1-4% faster at 1,024 and 2,048 (64, 128); one program per SM
-# was slower at 64-2,048 tokens and faster only at 8,192 (512 per expert) with ONE_DOT.
+# pairs per expert on. ONE_DOT: every gated tile is tried with and without. PERSISTENT: the
+# second round (`refine_candidates`) tries each launch's best tile of a BLOCK_M with
+# PERSISTENT_TRIES. On the H200 at 0f157b4 (qwen3-30b-a3b, the tuned tiles of the two-dot
+# launch), ONE_DOT was the same at 64 and 256 tokens (4 and 16 per expert) and 1-4% faster at
+# 1,024 and 2,048 (64, 128); one program per SM was slower at 64-2,048 tokens and faster only
+# at 8,192 (512 per expert) with ONE_DOT. The second round also tries the best tile with the
+# other GROUP_M (1 <-> 8; the quick grid has 8 above BLOCK_M 16): the full grid at 8,192 tokens
+# found the down launch 11% faster with GROUP_M 1, and with about one row block per expert a
+# group of 8 blocks spans 8 experts, whose weight tiles it cannot share.
 ONE_DOT_MIN_PER_EXPERT = 32
 PERSISTENT_MIN_PER_EXPERT = 128
 PERSISTENT_TRIES = (1, 2)
@@ -171,14 +174,26 @@ def part_candidates(part: str, tiles: Sequence[dict],
     return list(tiles)
 
 
-def persistent_candidates(part: str, tiles: Sequence[dict], trials: dict[str, float | str],
-                          options: SearchOptions = NO_OPTIONS) -> list[dict]:
-    """The second round (with options.persistent): the first round's best timed tile of `part`
-    with each PERSISTENT_TRIES; none before the first round has a timing."""
-    if not options.persistent:
-        return []
+def refine_candidates(part: str, tiles: Sequence[dict], trials: dict[str, float | str],
+                      options: SearchOptions = NO_OPTIONS) -> list[dict]:
+    """The second round: the first round's best timed tile of `part` with the other GROUP_M
+    (above BLOCK_M 16), then (with options.persistent) with each PERSISTENT_TRIES; none before
+    the first round has a timing."""
     best = _best_timed(part, part_candidates(part, tiles, options), trials)
-    return [] if best is None else [{**best[2], "PERSISTENT": n} for n in PERSISTENT_TRIES]
+    if best is None:
+        return []
+    tile = best[2]
+    refined = []
+    if tile["BLOCK_M"] > 16:
+        refined.append({**tile, "GROUP_M": 8 if tile["GROUP_M"] == 1 else 1})
+    if options.persistent:
+        refined += [{**tile, "PERSISTENT": n} for n in PERSISTENT_TRIES]
+    return refined
+
+
+def _refine_count(block_m: int, options: SearchOptions) -> int:
+    """How many tiles `refine_candidates` gives at this BLOCK_M (once the first round ran)."""
+    return (block_m > 16) + (len(PERSISTENT_TRIES) if options.persistent else 0)
 
 
 def _best_timed(part: str, configs: Sequence[dict],
@@ -264,7 +279,7 @@ def tune_moe(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch
                 continue  # no align at this BLOCK_M: its launches cannot run either
             for part in ("gated", "down"):
                 for second_round in (False, True):  # the second's tiles follow the first's
-                    configs = (persistent_candidates(part, tiles, trials, options)
+                    configs = (refine_candidates(part, tiles, trials, options)
                                if second_round else part_candidates(part, tiles, options))
                     for config in configs:
                         if trial_key(part, config) not in trials and not run(
@@ -331,7 +346,7 @@ def best_split(grid: dict[int, list[dict[str, int]]], trials: dict[str, float | 
         picks = []
         for part in ("gated", "down"):
             pick = _best_timed(part, part_candidates(part, tiles, options)
-                               + persistent_candidates(part, tiles, trials, options), trials)
+                               + refine_candidates(part, tiles, trials, options), trials)
             if pick is not None:
                 picks.append(pick)
         if not isinstance(align, float) or len(picks) < 2:
@@ -355,18 +370,18 @@ def trial_key(part: str, config: dict) -> str:
 
 def _plan_keys(grid: dict[int, list[dict[str, int]]], options: SearchOptions = NO_OPTIONS,
                trials: dict[str, float | str] | None = None) -> list[str]:
-    """Every timing key of one token count's search (the whole-op one excepted). With
-    options.persistent, the second round's keys from the ledger's best so far, or placeholders
-    before the first round has a timing (the count is right, the names are not)."""
+    """Every timing key of one token count's search (the whole-op one excepted): the second
+    round's from the ledger's best so far, or placeholders before the first round has a timing
+    (the count is right, the names are not)."""
     keys = []
     for block_m, tiles in grid.items():
         keys.append(trial_key("align", {"BLOCK_M": block_m}))
         for part in ("gated", "down"):
             keys += [trial_key(part, c) for c in part_candidates(part, tiles, options)]
-            if options.persistent:
-                second = persistent_candidates(part, tiles, trials or {}, options)
-                keys += ([trial_key(part, c) for c in second] if second else
-                         [f"{part}:M{block_m}:persistent{n}" for n in PERSISTENT_TRIES])
+            second = refine_candidates(part, tiles, trials or {}, options)
+            keys += ([trial_key(part, c) for c in second] if second else
+                     [f"{part}:M{block_m}:refine{i}"
+                      for i in range(_refine_count(block_m, options))])
     return keys
 
 

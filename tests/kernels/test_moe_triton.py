@@ -566,9 +566,11 @@ def test_tune_times_the_launches_apart_and_combines_their_best_tiles(tmp_path: P
                     timer=timer, device_name="cpu", log=lambda s: None)
     at8 = [(part, c) for part, c, n in calls if n == 8]
     assert [c["BLOCK_M"] for part, c in at8 if part == "align"] == [16, 32]  # once per BLOCK_M
-    for part in ("gated", "down"):
-        assert [c for p, c in at8 if p == part] == tiles  # each tile once per launch
-    assert len(at8) == 2 + 2 * len(tiles) + 1  # not one timing per (gated, down) pair
+    for part in ("gated", "down"):  # each tile once per launch, then (above BLOCK_M 16) the
+        assert [c for p, c in at8 if p == part and c["GROUP_M"] == 2] == tiles  # best with
+        assert [c for p, c in at8 if p == part and c["GROUP_M"] != 2] == [  # the other GROUP_M
+            dict(tiles[5 if part == "gated" else 4], GROUP_M=1)]
+    assert len(at8) == 2 + 2 * len(tiles) + 2 + 1  # not one timing per (gated, down) pair
     # M16: 0.02 + 0.08 (gated N16) + 0.10 (down N32) = 0.20 beats M32: 0.01 + 0.07 + 0.20
     down = {k: SMALL[k] for k in moe_configs.DOWN_KEYS} | {"BLOCK_N": 32}
     split = {**dict(SMALL, BLOCK_N=16), "down": down}
@@ -657,7 +659,8 @@ def test_a_failing_align_skips_its_block_m(tmp_path: Path) -> None:
                     candidates=lambda n: tiles, timer=timer, log=lambda s: None)
     assert best[8]["BLOCK_M"] == 32 and "down" not in best[8]
     assert calls == ["align:M16", "align:M32", trial_key("gated", tiles[1]),
-                     trial_key("down", tiles[1]), trial_key("moe", tiles[1])]
+                     trial_key("gated", dict(tiles[1], GROUP_M=1)), trial_key("down", tiles[1]),
+                     trial_key("down", dict(tiles[1], GROUP_M=1)), trial_key("moe", tiles[1])]
 
 
 def test_an_older_tune_still_loads_and_is_retimed_by_parts(
@@ -668,9 +671,11 @@ def test_an_older_tune_still_loads_and_is_retimed_by_parts(
         assert table
         for entry in table.values():
             config = moe_configs.entry_config(entry)
-            assert set(config) - {"down"} == set(moe_configs.CONFIG_KEYS)
+            assert set(moe_configs.CONFIG_KEYS) <= set(config) <= {
+                *moe_configs.CONFIG_KEYS, *moe_configs.OPTION_KEYS, "down"}
             down = moe_configs.down_tiles(config)
-            assert set(down) == set(moe_configs.CONFIG_KEYS)
+            assert set(moe_configs.CONFIG_KEYS) <= set(down) <= {
+                *moe_configs.CONFIG_KEYS, *moe_configs.DOWN_OPTION_KEYS}
             assert down["BLOCK_M"] == config["BLOCK_M"]
             assert ("down" in config) == (down != {k: config[k] for k in down})
     # an older tuner's file: plain candidate keys in its ledger, whole-op times
