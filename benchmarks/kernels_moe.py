@@ -12,9 +12,10 @@ it fails. Also times the expert sort alone (torch vs Triton align).
 Backends: grouped_mm; triton_default (in-code default tiles); triton (tiles looked up: a tuned
 file if one is found); measured (per token count the backend the tune measured faster, the
 engine's "measured"); triton_atomic / triton_torch_align (looked-up tiles, other combine/sort);
-triton_plain / triton_one_dot / triton_persistent1 (the looked-up tiles with their launch
-options replaced: none, the gated launch in one dot, 1 program per SM walking the tiles in both
-launches: what each option is worth). A backend that fails to compile is reported in "check",
+triton_plain / triton_one_dot / triton_persistent1 / triton_sub_m (the looked-up tiles with
+their launch options replaced: none, the gated launch in one dot, 1 program per SM walking the
+tiles in both launches, half / quarter tiles for blocks of few rows: what each option is
+worth). A backend that fails to compile is reported in "check",
 not timed.
 
 --tune first runs the engine's tune (`moe_tune.tune_for_engine`: the quick grid at 1, 2, 4,
@@ -218,7 +219,8 @@ def make_backends() -> dict[str, MoeFn]:
             "triton_torch_align": triton(align="torch"),
             "triton_plain": triton(options="plain"),
             "triton_one_dot": triton(options="one_dot"),
-            "triton_persistent1": triton(options="persistent1")}
+            "triton_persistent1": triton(options="persistent1"),
+            "triton_sub_m": triton(options="sub_m")}
 
 
 def looked_up_config(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -231,8 +233,9 @@ def looked_up_config(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 def with_options(config: dict, options: str) -> dict:
     """`config` with its launch options replaced: "plain" (none: two dots, one program per
-    tile), "one_dot" (the gated launch in one dot), "persistent1" (1 program per SM, both
-    launches); the tiles are kept."""
+    tile, whole blocks), "one_dot" (the gated launch in one dot), "persistent1" (1 program per
+    SM, both launches), "sub_m" (half / quarter tiles for blocks of few rows, both launches);
+    the tiles are kept."""
     gated = {k: config[k] for k in moe_configs.CONFIG_KEYS}
     down = {k: v for k, v in moe_configs.down_tiles(config).items()
             if k in moe_configs.CONFIG_KEYS}
@@ -240,8 +243,10 @@ def with_options(config: dict, options: str) -> dict:
         gated["ONE_DOT"] = 1
     elif options == "persistent1":
         gated["PERSISTENT"] = down["PERSISTENT"] = 1
+    elif options == "sub_m":
+        gated["SUB_M"] = down["SUB_M"] = 1
     elif options != "plain":
-        raise ValueError(f"options must be plain, one_dot or persistent1, got {options!r}")
+        raise ValueError(f"options must be plain, one_dot, persistent1 or sub_m, got {options!r}")
     return moe_configs.split_config(gated, down)
 
 

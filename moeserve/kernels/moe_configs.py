@@ -4,10 +4,12 @@ A config is a dict BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages (CO
 the two launches of `moe_triton`, plus an optional "down": {BLOCK_N, BLOCK_K, GROUP_M, num_warps,
 num_stages} (DOWN_KEYS) for the second (down) launch alone; without it both launches use the
 top-level tiles. BLOCK_M is always shared: it sets the expert-sorted padding of the one align.
-Two optional launch options (OPTION_KEYS, 0 when absent) ride beside the tiles: "ONE_DOT" 1
-(top level only: the gated launch reads gate and up columns as one tile of twice the width and
-does one dot, split in the epilogue) and "PERSISTENT" n (n programs per SM walk the used tiles;
-the top level's is the gated launch's, the "down" entry's the down launch's).
+Optional launch options (OPTION_KEYS, 0 when absent) ride beside the tiles: "ONE_DOT" 1 (top
+level only: the gated launch reads gate and up columns as one tile of twice the width and does
+one dot, split in the epilogue), "PERSISTENT" n (n programs per SM walk the used tiles) and
+"SUB_M" 1 (a program whose row block holds at most a half or a quarter of BLOCK_M real rows
+computes only those: an expert's last block is mostly padding). The top level's are the gated
+launch's, the "down" entry's the down launch's. SUB_M and PERSISTENT exclude each other.
 `check_config` validates both parts (a bad value raises a ValueError naming the key and value),
 `down_tiles` gives the down launch's full tiles, `split_config` joins a gated and a down pick
 (adding "down" only where they differ), `config_key` names a config (M64_N64_K64_G8_w4_s4, with
@@ -52,8 +54,8 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_sta
 DOWN_KEYS = CONFIG_KEYS[1:]  # an optional "down" entry: the down launch's own tiles, no BLOCK_M
 # Launch options beside the tiles, 0 when absent: {key: (largest value, name suffix)}. ONE_DOT is
 # the gated launch's only (the down launch has one weight tile); PERSISTENT may be in both.
-OPTION_KEYS = {"ONE_DOT": (1, "1dot"), "PERSISTENT": (8, "p")}
-DOWN_OPTION_KEYS = ("PERSISTENT",)
+OPTION_KEYS = {"ONE_DOT": (1, "1dot"), "PERSISTENT": (8, "p"), "SUB_M": (1, "sub")}
+DOWN_OPTION_KEYS = ("PERSISTENT", "SUB_M")
 PACKAGE_CONFIG_DIR = Path(__file__).parent / "configs" / "moe"
 CONFIG_DIR_ENV = envs.MOE_CONFIG_DIR
 BACKENDS = ("triton", "grouped_mm")  # what a tuned entry's "backend" may name
@@ -183,9 +185,9 @@ def _set_options(tiles: dict, keys: Sequence[str]) -> dict[str, int]:
     return {k: tiles[k] for k in keys if tiles.get(k)}
 
 
-def launch_options(tiles: dict) -> tuple[int, int]:
-    """(ONE_DOT, PERSISTENT) of one launch's tiles, 0 where absent."""
-    return int(tiles.get("ONE_DOT", 0)), int(tiles.get("PERSISTENT", 0))
+def launch_options(tiles: dict) -> tuple[int, int, int]:
+    """(ONE_DOT, PERSISTENT, SUB_M) of one launch's tiles, 0 where absent."""
+    return tuple(int(tiles.get(key, 0)) for key in OPTION_KEYS)  # type: ignore[return-value]
 
 
 def split_config(gated: dict, down: dict) -> dict:
@@ -225,10 +227,10 @@ def config_key(config: dict) -> str:
 def _options_suffix(tiles: dict) -> str:
     """_1dot, _p2, ... for the options set in `tiles` (nothing for the plain launch)."""
     suffix = ""
-    for key, (_, name) in OPTION_KEYS.items():
+    for key, (largest, name) in OPTION_KEYS.items():
         value = tiles.get(key, 0)
         if value:
-            suffix += f"_{name}" if key == "ONE_DOT" else f"_{name}{value}"
+            suffix += f"_{name}" if largest == 1 else f"_{name}{value}"
     return suffix
 
 
@@ -266,6 +268,9 @@ def _check_options(tiles: dict, keys: Sequence[str], what: str) -> None:
         largest = OPTION_KEYS[key][0]
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= largest:
             raise ValueError(f"{what} {key} must be an int in [0, {largest}], got {value!r}")
+    if tiles.get("SUB_M") and tiles.get("PERSISTENT"):
+        raise ValueError(f"{what}: SUB_M and PERSISTENT cannot be combined (the persistent walk "
+                         f"has no sub-tiles): {tiles!r}")
 
 
 def _check_tiles(tiles: dict, keys: Sequence[str], what: str) -> None:

@@ -5,7 +5,7 @@ their own other tiles (a config's "down" entry). So `tune_moe` searches per toke
 candidate BLOCK_M (the candidates grouped by BLOCK_M): it times the align once, then the gated
 launch under every candidate tile (from ONE_DOT_MIN_PER_EXPERT pairs per expert each also with
 the launch option ONE_DOT), then the down launch under every candidate tile, each apart; a
-second round times each launch's best tile with the other GROUP_M and, from
+second round times each launch's best tile with the other GROUP_M, with SUB_M and, from
 PERSISTENT_MIN_PER_EXPERT, with PERSISTENT 1 and 2 (`search_options`, `refine_candidates`). It
 combines the best gated and the best down pick (`best_split`), and the BLOCK_M with the least
 align + gated + down wins. That winner is then timed whole (`moe_triton`: align, both launches,
@@ -142,7 +142,8 @@ def candidate_key(config: dict) -> str:
 # at 8,192 (512 per expert) with ONE_DOT. The second round also tries the best tile with the
 # other GROUP_M (1 <-> 8; the quick grid has 8 above BLOCK_M 16): the full grid at 8,192 tokens
 # found the down launch 11% faster with GROUP_M 1, and with about one row block per expert a
-# group of 8 blocks spans 8 experts, whose weight tiles it cannot share.
+# group of 8 blocks spans 8 experts, whose weight tiles it cannot share. And with SUB_M (the
+# last, mostly padding, block of an expert computed as a half or quarter tile).
 ONE_DOT_MIN_PER_EXPERT = 32
 PERSISTENT_MIN_PER_EXPERT = 128
 PERSISTENT_TRIES = (1, 2)
@@ -177,8 +178,8 @@ def part_candidates(part: str, tiles: Sequence[dict],
 def refine_candidates(part: str, tiles: Sequence[dict], trials: dict[str, float | str],
                       options: SearchOptions = NO_OPTIONS) -> list[dict]:
     """The second round: the first round's best timed tile of `part` with the other GROUP_M
-    (above BLOCK_M 16), then (with options.persistent) with each PERSISTENT_TRIES; none before
-    the first round has a timing."""
+    and with SUB_M (above BLOCK_M 16), then (with options.persistent) with each
+    PERSISTENT_TRIES; none before the first round has a timing."""
     best = _best_timed(part, part_candidates(part, tiles, options), trials)
     if best is None:
         return []
@@ -186,6 +187,7 @@ def refine_candidates(part: str, tiles: Sequence[dict], trials: dict[str, float 
     refined = []
     if tile["BLOCK_M"] > 16:
         refined.append({**tile, "GROUP_M": 8 if tile["GROUP_M"] == 1 else 1})
+        refined.append({**tile, "SUB_M": 1})  # half tiles (>= 16 rows) exist from BLOCK_M 32
     if options.persistent:
         refined += [{**tile, "PERSISTENT": n} for n in PERSISTENT_TRIES]
     return refined
@@ -193,7 +195,7 @@ def refine_candidates(part: str, tiles: Sequence[dict], trials: dict[str, float 
 
 def _refine_count(block_m: int, options: SearchOptions) -> int:
     """How many tiles `refine_candidates` gives at this BLOCK_M (once the first round ran)."""
-    return (block_m > 16) + (len(PERSISTENT_TRIES) if options.persistent else 0)
+    return 2 * (block_m > 16) + (len(PERSISTENT_TRIES) if options.persistent else 0)
 
 
 def _best_timed(part: str, configs: Sequence[dict],

@@ -262,6 +262,39 @@ def test_one_dot_gate_up_gives_the_same_output() -> None:
         moe_triton(x, w13, w2, weights, ids, config={**SMALL, "ONE_DOT": 2})
 
 
+def sub_m_routing(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """top-1 routing over 5 experts whose loads hit each SUB_M case at BLOCK_M 64 (quarter 16,
+    half 32): 10 rows (a quarter tile), 20 (a half), 16 and 32 (the edges), 40 (the whole
+    block) and 70 (one full block, then a block of 6: a quarter tile)."""
+    loads = [10, 20, 16, 32, 40, 70]
+    ids = torch.cat([torch.full((n,), e) for e, n in enumerate(loads)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(3))]
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(ids.numel(), 40, generator=gen).to(DEVICE, dtype)
+    weights = torch.rand(ids.numel(), 1, generator=gen).to(DEVICE)
+    return x, weights, ids[:, None].to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sub_m_tiles_compute_only_the_real_rows(dtype: torch.dtype) -> None:
+    """SUB_M: blocks whose real rows fit a quarter or half of BLOCK_M take a tile of that
+    height (both launches, or the down launch alone through its "down" entry, with ONE_DOT
+    too): the same output as whole blocks; SUB_M with PERSISTENT is refused."""
+    w13, w2 = make_experts(6, dtype, hidden=40)
+    x, weights, ids = sub_m_routing(dtype)
+    config = dict(SMALL, BLOCK_M=64, GROUP_M=1)
+    whole = moe_triton(x, w13, w2, weights, ids, config=config)
+    assert_matches_ref(whole, x, w13, w2, weights, ids)
+    down = {k: config[k] for k in moe_configs.DOWN_KEYS}
+    for sub in ({**config, "SUB_M": 1}, {**config, "SUB_M": 1, "ONE_DOT": 1},
+                {**config, "down": {**down, "SUB_M": 1}}, dict(config, BLOCK_M=32, SUB_M=1)):
+        out = moe_triton(x, w13, w2, weights, ids, config=sub)
+        torch.testing.assert_close(out, whole, atol=1e-6 if dtype == torch.float32 else 1e-3,
+                                   rtol=1e-6 if dtype == torch.float32 else 1e-3)
+    with pytest.raises(ValueError, match="SUB_M and PERSISTENT"):
+        moe_triton(x, w13, w2, weights, ids, config={**config, "SUB_M": 1, "PERSISTENT": 1})
+
+
 @pytest.mark.parametrize("top_k", [1, 3])
 def test_unreduced_output_is_the_k_weighted_rows(top_k: int) -> None:
     """reduce=False hands on [T, k, H] (the next norm sums them): their sum is the default
@@ -567,10 +600,10 @@ def test_tune_times_the_launches_apart_and_combines_their_best_tiles(tmp_path: P
     at8 = [(part, c) for part, c, n in calls if n == 8]
     assert [c["BLOCK_M"] for part, c in at8 if part == "align"] == [16, 32]  # once per BLOCK_M
     for part in ("gated", "down"):  # each tile once per launch, then (above BLOCK_M 16) the
-        assert [c for p, c in at8 if p == part and c["GROUP_M"] == 2] == tiles  # best with
-        assert [c for p, c in at8 if p == part and c["GROUP_M"] != 2] == [  # the other GROUP_M
-            dict(tiles[5 if part == "gated" else 4], GROUP_M=1)]
-    assert len(at8) == 2 + 2 * len(tiles) + 2 + 1  # not one timing per (gated, down) pair
+        timed = [c for p, c in at8 if p == part]  # best with the other GROUP_M and with SUB_M
+        first = tiles[5 if part == "gated" else 4]  # the first round's best at M32
+        assert timed == [*tiles, dict(first, GROUP_M=1), dict(first, SUB_M=1)]
+    assert len(at8) == 2 + 2 * len(tiles) + 4 + 1  # not one timing per (gated, down) pair
     # M16: 0.02 + 0.08 (gated N16) + 0.10 (down N32) = 0.20 beats M32: 0.01 + 0.07 + 0.20
     down = {k: SMALL[k] for k in moe_configs.DOWN_KEYS} | {"BLOCK_N": 32}
     split = {**dict(SMALL, BLOCK_N=16), "down": down}
@@ -658,9 +691,10 @@ def test_a_failing_align_skips_its_block_m(tmp_path: Path) -> None:
     best = tune_moe(8, 64, 32, 2, torch.float32, [8], tmp_path / "t.json",
                     candidates=lambda n: tiles, timer=timer, log=lambda s: None)
     assert best[8]["BLOCK_M"] == 32 and "down" not in best[8]
-    assert calls == ["align:M16", "align:M32", trial_key("gated", tiles[1]),
-                     trial_key("gated", dict(tiles[1], GROUP_M=1)), trial_key("down", tiles[1]),
-                     trial_key("down", dict(tiles[1], GROUP_M=1)), trial_key("moe", tiles[1])]
+    assert calls == ["align:M16", "align:M32"] + [
+        trial_key(part, c) for part in ("gated", "down")
+        for c in (tiles[1], dict(tiles[1], GROUP_M=1), dict(tiles[1], SUB_M=1))] + [
+        trial_key("moe", tiles[1])]
 
 
 def test_an_older_tune_still_loads_and_is_retimed_by_parts(
@@ -788,7 +822,8 @@ def test_gpu_qwen3_shape_bf16_matches_loop_ref(qwen_experts: tuple, num_tokens: 
 def test_gpu_launch_options_match(qwen_experts: tuple, num_tokens: int) -> None:
     """The looked-up tiles of each size with their launch options off, then PERSISTENT 1 and 2
     on both launches (the same tiles and sums: the same bits), then ONE_DOT (one MMA of twice
-    the width: within bf16 rounding of the two-dot launch and of the fp32 loop)."""
+    the width) and SUB_M (smaller tiles for blocks of few rows): within bf16 rounding of the
+    plain launch (and ONE_DOT of the fp32 loop)."""
     from benchmarks.kernels_moe import looked_up_config, with_options
 
     w13, w2, w13_f, w2_f = qwen_experts
@@ -805,6 +840,8 @@ def test_gpu_launch_options_match(qwen_experts: tuple, num_tokens: int) -> None:
         assert torch.equal(walked, plain)
     one_dot = moe_triton(x, w13, w2, weights, ids, config=with_options(config, "one_dot"))
     torch.testing.assert_close(one_dot, plain, **BF16_TOL)
+    sub_m = moe_triton(x, w13, w2, weights, ids, config=with_options(config, "sub_m"))
+    torch.testing.assert_close(sub_m, plain, **BF16_TOL)  # other MMA shapes: bf16 rounding
     if num_tokens <= 1024:  # the fp32 loop is slow at the large sizes
         expected = moe_loop_ref(x.float(), w13_f, w2_f, weights, ids)
         torch.testing.assert_close(one_dot.float(), expected, **BF16_TOL)
