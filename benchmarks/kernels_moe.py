@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.w1_offline import environment
-from moeserve.kernels import moe_configs, moe_timer, moe_tune
+from moeserve.kernels import moe_configs, moe_search, moe_timer, moe_tune
 from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
 from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe_measured import moe_measured
@@ -167,10 +167,10 @@ def run_tune(args: argparse.Namespace, shape: tuple[int, int, int, int],
     config_dir = os.path.join(args.out, "configs")
     path = os.path.join(config_dir, name)
     counts = args.tune_tokens or moe_configs.engine_token_counts(args.max_batched_tokens)
-    grid = moe_tune.moe_tune_candidates if args.tune_full else moe_tune.quick_moe_candidates
+    grid = moe_search.moe_tune_candidates if args.tune_full else moe_search.quick_moe_candidates
     candidates = [grid(num_experts, top_k, n) for n in counts]
-    distinct = {moe_tune.candidate_key(c) for cs in candidates for c in cs}
-    flags = [moe_tune.search_options(num_experts, top_k, n) for n in counts]
+    distinct = {moe_search.candidate_key(c) for cs in candidates for c in cs}
+    flags = [moe_search.search_options(num_experts, top_k, n) for n in counts]
     print(f"tune: {len(counts)} token counts {counts}, {sum(map(len, candidates))} candidates "
           f"({len(distinct)} distinct configs), estimated "
           f"~{moe_tune.estimate_tune_seconds(candidates, flags):.0f} s with a cold Triton cache "

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moeserve.kernels import moe_configs, moe_measured, moe_tune
+from moeserve.kernels import moe_configs, moe_measured, moe_search, moe_tune
 from moeserve.kernels.moe_configs import (
     config_file_name,
     engine_token_counts,
@@ -24,14 +24,8 @@ from moeserve.kernels.moe_configs import (
     nearest_token_count,
 )
 from moeserve.kernels.moe_ref import moe_loop_ref
-from moeserve.kernels.moe_tune import (
-    candidate_key,
-    ensure_tuned,
-    quick_moe_candidates,
-    trial_key,
-    tune_for_engine,
-    tune_moe,
-)
+from moeserve.kernels.moe_search import candidate_key, quick_moe_candidates, trial_key
+from moeserve.kernels.moe_tune import ensure_tuned, tune_for_engine, tune_moe
 from moeserve.kernels.routing import select_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -333,7 +327,7 @@ def test_ensure_tuned_tunes_once_then_returns_at_once(isolated_config_dirs: Path
     assert outcome.detail.startswith("tuned now: 3 of 3 token counts")
     assert {n for _, n in calls} == {1, 2, 4}
     # per token count: an align per BLOCK_M, each tile per launch, the whole op, grouped_mm
-    grids = {n: moe_tune.tiles_by_block_m(quick_moe_candidates(E, K, n)) for n in (1, 2, 4)}
+    grids = {n: moe_search.tiles_by_block_m(quick_moe_candidates(E, K, n)) for n in (1, 2, 4)}
     assert len(calls) == sum(len(g) + 2 * sum(map(len, g.values())) + 2 for g in grids.values())
     choice = get_moe_config(E, H, N, K, torch.float16, 1, "Fake GPU")
     assert choice.tuned and choice.backend == "grouped_mm"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.kernels import moe_configs, moe_timer, moe_tune
+from moeserve.kernels import moe_configs, moe_search, moe_timer
 from moeserve.kernels.moe_align import (
     moe_align_block_size,
     moe_align_block_size_ref,
@@ -25,8 +25,9 @@ from moeserve.kernels.moe_align import (
 )
 from moeserve.kernels.moe_configs import config_file_name, get_moe_config
 from moeserve.kernels.moe_ref import moe_loop_ref
+from moeserve.kernels.moe_search import candidate_key, trial_key
 from moeserve.kernels.moe_triton import moe_triton
-from moeserve.kernels.moe_tune import candidate_key, trial_key, tune_moe
+from moeserve.kernels.moe_tune import tune_moe
 from moeserve.kernels.routing import select_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -616,7 +617,7 @@ def test_tune_times_the_launches_apart_and_combines_their_best_tiles(tmp_path: P
     assert trials["gated:M16_N64_K16_G2_w4_s2"].startswith("error: RuntimeError")
     assert trials["down:M16_N64_K16_G2_w4_s2"] == 0.30
     assert trials["align:M32"] == 0.01 and trials[trial_key("moe", split)] == 0.5
-    assert moe_tune.best_split(moe_tune.tiles_by_block_m(tiles), trials) == (
+    assert moe_search.best_split(moe_search.tiles_by_block_m(tiles), trials) == (
         split, pytest.approx(0.20))
 
 
@@ -635,9 +636,9 @@ def test_tune_tries_launch_options_by_pairs_per_expert(tmp_path: Path) -> None:
         # one program per SM: faster for the down launch, slower for the gated one
         return ms + config.get("PERSISTENT", 0) * (0.05 if part == "gated" else -0.02)
 
-    assert moe_tune.search_options(8, 2, 64) == (False, False)  # 16 per expert
-    assert moe_tune.search_options(8, 2, 128) == (True, False)  # 32
-    assert moe_tune.search_options(8, 2, 512) == (True, True)  # 128
+    assert moe_search.search_options(8, 2, 64) == (False, False)  # 16 per expert
+    assert moe_search.search_options(8, 2, 128) == (True, False)  # 32
+    assert moe_search.search_options(8, 2, 512) == (True, True)  # 128
     best = tune_moe(8, 64, 32, 2, torch.float32, [64, 512], tmp_path / "t.json",
                     candidates=lambda n: tiles, timer=timer, log=lambda s: None)
     at64 = [k for k, n in calls if n == 64]
@@ -744,10 +745,10 @@ def test_an_older_tune_still_loads_and_is_retimed_by_parts(
 
 def test_tune_grid_is_modest_and_fits_tokens_per_expert() -> None:
     for num_tokens in (64, 256, 1024, 2048):
-        grid = moe_tune.moe_tune_candidates(128, 8, num_tokens)
+        grid = moe_search.moe_tune_candidates(128, 8, num_tokens)
         assert 20 <= len(grid) <= 150
         assert len({candidate_key(c) for c in grid}) == len(grid)
-    assert {c["BLOCK_M"] for c in moe_tune.moe_tune_candidates(128, 8, 64)} == {16}
+    assert {c["BLOCK_M"] for c in moe_search.moe_tune_candidates(128, 8, 64)} == {16}
 
 
 def test_the_cuda_timer_runs_each_part_as_moe_triton_does(
