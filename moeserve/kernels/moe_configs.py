@@ -13,7 +13,7 @@ launch's, the "down" entry's the down launch's. SUB_M and PERSISTENT exclude eac
 `check_config` validates both parts (a bad value raises a ValueError naming the key and value),
 `down_tiles` gives the down launch's full tiles, `split_config` joins a gated and a down pick
 (adding "down" only where they differ), `config_key` names a config (M64_N64_K64_G8_w4_s4, with
-_1dot / _p1 for the options, then +down_N128_K64_G8_w8_s3 when split). Tuned configs live in
+_1dot / _p1 / _sub for the options, then +down_N128_K64_G8_w8_s3 when split). Tuned configs live in
 one JSON file per (device, dtype, E, H, I, Triton version), named by `config_file_name`:
 
     {"meta":       {"device_name", "dtype", "E", "H", "I", "top_k", "triton", "torch"},
@@ -53,7 +53,7 @@ from moeserve import envs
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 DOWN_KEYS = CONFIG_KEYS[1:]  # an optional "down" entry: the down launch's own tiles, no BLOCK_M
 # Launch options beside the tiles, 0 when absent: {key: (largest value, name suffix)}. ONE_DOT is
-# the gated launch's only (the down launch has one weight tile); PERSISTENT may be in both.
+# the gated launch's only (the down launch has one weight tile); the others may be in both.
 OPTION_KEYS = {"ONE_DOT": (1, "1dot"), "PERSISTENT": (8, "p"), "SUB_M": (1, "sub")}
 DOWN_OPTION_KEYS = ("PERSISTENT", "SUB_M")
 PACKAGE_CONFIG_DIR = Path(__file__).parent / "configs" / "moe"
@@ -173,8 +173,8 @@ def _fit_tiles(tiles: dict, block_m: int, elem_size: int, b_tiles: int) -> dict:
 
 
 def down_tiles(config: dict) -> dict[str, int]:
-    """The down launch's full tiles (CONFIG_KEYS, and PERSISTENT when set): the shared BLOCK_M
-    with the "down" entry's tiles, or the top-level ones when there is none."""
+    """The down launch's full tiles (CONFIG_KEYS, and its DOWN_OPTION_KEYS when set): the shared
+    BLOCK_M with the "down" entry's tiles, or the top-level ones when there is none."""
     down = config.get("down") or config
     return ({"BLOCK_M": config["BLOCK_M"]} | {k: down[k] for k in DOWN_KEYS}
             | _set_options(down, DOWN_OPTION_KEYS))
@@ -214,8 +214,9 @@ def entry_config(entry: dict) -> dict:
 
 
 def config_key(config: dict) -> str:
-    """M16_N64_K128_G1_w4_s4, then +down_N128_K64_G8_w8_s3 when the down launch has its own
-    tiles: a config's name in the tuner's ledger and in reports."""
+    """M16_N64_K128_G1_w4_s4 (+ _1dot / _p1 / _sub for the options set), then
+    +down_N128_K64_G8_w8_s3 when the down launch has its own tiles: a config's name in the
+    tuner's ledger and in reports."""
     key = ("M{BLOCK_M}_N{BLOCK_N}_K{BLOCK_K}_G{GROUP_M}_w{num_warps}_s{num_stages}".format(**config)
            + _options_suffix(config))
     if "down" in config:
