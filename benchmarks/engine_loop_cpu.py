@@ -8,7 +8,7 @@ Runs in a fresh process per mode, with the heap frozen after start-up (as the en
 not, and writes JSON with per-step median / mean / p99 / max and the number of full (generation
 2) GC passes.
 
-    python benchmarks/engine_loop_cpu.py --running 1024 --steps 600 --out DIR
+    python -m benchmarks.engine_loop_cpu --running 1024 --steps 600 --out DIR
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def main() -> None:
 
     modes = {}
     for mode in ("unfrozen", "frozen"):
-        proc = subprocess.run([sys.executable, __file__, "--child", mode, "--running",
-                               str(args.running), "--steps", str(args.steps)],
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.engine_loop_cpu", "--child", mode,
+                               "--running", str(args.running), "--steps", str(args.steps)],
                               capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONPATH": os.getcwd()})
         modes[mode] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -8,6 +8,9 @@ each with its scalar fields only: the per-chunk arrival lists go (a W1 run at co
 has 6,144 x 128 of them, tens of MB; the ITL figures summarise them) and `num_chunks` says how
 many there were.
 
+A concurrency run again in the same file (`moeserve bench --max-concurrency 1024 1024`) gets
+_run2, _run3, ... after its name instead of overwriting the first.
+
     python benchmarks/split_runs.py RUNS.jsonl OUT_DIR PREFIX [--keep-requests]
 """
 
@@ -31,10 +34,14 @@ def slim(run: dict, keep_requests: bool) -> dict:
 
 def main(path: str, out_dir: str, prefix: str, keep_requests: bool = False) -> None:
     os.makedirs(out_dir, exist_ok=True)
+    seen: dict[object, int] = {}  # concurrency -> runs so far in this file
     with open(path) as f:
         for line in f:
             run = slim(json.loads(line), keep_requests)
-            name = f"{prefix}_c{run['max_concurrency']}.json"
+            concurrency = run["max_concurrency"]
+            seen[concurrency] = seen.get(concurrency, 0) + 1
+            repeat = f"_run{seen[concurrency]}" if seen[concurrency] > 1 else ""
+            name = f"{prefix}_c{concurrency}{repeat}.json"  # a repeat never overwrites
             with open(os.path.join(out_dir, name), "w") as out:
                 json.dump(run, out, indent=1)
             print(name, {k: run[k] for k in ("completed", "failed", "output_throughput",
