@@ -6,7 +6,7 @@ candidate BLOCK_M (the candidates grouped by BLOCK_M): it times the align once, 
 launch under every candidate tile (from ONE_DOT_MIN_PER_EXPERT pairs per expert each also with
 the launch option ONE_DOT), then the down launch under every candidate tile, each apart; a
 second round times each launch's best tile with the other GROUP_M, with SUB_M and, from
-PERSISTENT_MIN_PER_EXPERT, with PERSISTENT 1 and 2 (`search_options`, `refine_candidates`). It
+PERSISTENT_MIN_PER_EXPERT, with PERSISTENT 1 and 2 (all in `moe_search`: the search space). It
 combines the best gated and the best down pick (`best_split`), and the BLOCK_M with the least
 align + gated + down wins. That winner is then timed whole (`moe_triton`: align, both launches,
 the combine), which is the entry's "ms", compared with torch._grouped_mm's time at that token
