@@ -7,6 +7,8 @@
     MOESERVE_CACHE_DIR       moeserve's on-disk cache (default $XDG_CACHE_HOME/moeserve, else
                              ~/.cache/moeserve); MoE tunes made at start-up go to moe_configs/
     MOESERVE_GIT_COMMIT      the commit to stamp on results where no git checkout is at hand
+    MOESERVE_FAULT_INJECT    tests only, off when unset: faults to raise for chosen request ids,
+                             "KIND:ID[,KIND:ID...]" with KIND one of FAULT_KINDS (below)
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ API_PIDS_FILE = "MOESERVE_API_PIDS_FILE"
 MOE_CONFIG_DIR = "MOESERVE_MOE_CONFIG_DIR"
 CACHE_DIR = "MOESERVE_CACHE_DIR"
 GIT_COMMIT = "MOESERVE_GIT_COMMIT"
+FAULT_INJECT = "MOESERVE_FAULT_INJECT"
+
+# Where an injected fault fires, for the request id it names:
+#   sample      the step's sampler raises while that request is in the batch (the runner then
+#               samples row by row, and only that request's row fails)
+#   nan         that request's logits are NaN (the runner's finite check fails its row)
+#   detokenize  its detokenization raises (API process or offline LLM)
+#   step        the forward raises while it is in the batch: a fault of no one request, which
+#               stops the engine loudly
+FAULT_KINDS = ("sample", "nan", "detokenize", "step")
 
 
 def api_pids_file() -> str | None:
@@ -38,3 +50,21 @@ def cache_dir() -> str:
 
 def git_commit() -> str | None:
     return os.environ.get(GIT_COMMIT) or None
+
+
+class InjectedFault(RuntimeError):
+    """A fault raised on purpose by MOESERVE_FAULT_INJECT (tests only)."""
+
+
+def fault_injection() -> dict[str, frozenset[str]]:
+    """MOESERVE_FAULT_INJECT parsed: kind -> request ids; {} when unset (the default). A
+    malformed value raises ValueError naming it, so a test never runs without its faults."""
+    raw = os.environ.get(FAULT_INJECT, "").strip()
+    faults: dict[str, set[str]] = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        kind, sep, request_id = item.partition(":")
+        if not sep or kind not in FAULT_KINDS or not request_id:
+            raise ValueError(f"{FAULT_INJECT}: {item!r} is not KIND:REQUEST_ID with KIND one of "
+                             f"{', '.join(FAULT_KINDS)}")
+        faults.setdefault(kind, set()).add(request_id)
+    return {kind: frozenset(ids) for kind, ids in faults.items()}

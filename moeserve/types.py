@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (vLLM's floor): dividing the
+# logits by it would overflow fp32 (1e-39 gives inf logits and a NaN softmax)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,9 +23,10 @@ class SamplingParams:
     max_tokens: int = 16
     """Most tokens to generate (>= 1)."""
     temperature: float = 1.0
-    """0 means greedy; must be >= 0."""
+    """0 means greedy; must be finite and >= 0; below 1e-5 it is greedy (stored as 0)."""
     top_p: float = 1.0
-    """Nucleus mass in (0, 1]."""
+    """Nucleus mass in [0, 1]: the smallest set of most likely tokens whose probability reaches
+    it; the most likely token is always kept (so 0, or a mass below any token's, keeps one)."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 or -1 disables."""
     min_p: float = 0.0
@@ -46,10 +49,13 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got "
+                             f"{self.temperature!r}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -72,6 +78,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # aborted by the caller (or the client went away)
+    ERROR = "error"  # a fault of this request alone in the engine step (RequestOutput.error)
 
 
 @dataclass(slots=True)
@@ -119,11 +126,14 @@ class Logprobs:
 @dataclass(slots=True)
 class ModelOutput:
     """What the runner returns: one sampled token per row with `sample` True, in row order,
-    -1 for rows that did not sample; logprobs per row where asked, else None."""
+    -1 for rows that did not sample; logprobs per row where asked, else None. `row_errors`:
+    rows whose own fault (non-finite logits, a sampler error of that row alone) failed them, with
+    what happened; their tokens are placeholders that the scheduler discards."""
 
     sampled_token_ids: list[int]
     logprobs: list[Logprobs | None] | None = None
     extra_token_ids: list[list[int]] | None = None  # per row, steps 2..num_steps
+    row_errors: dict[int, str] | None = None
 
 
 @dataclass(slots=True)
@@ -139,4 +149,4 @@ class RequestOutput:
     text: str = ""
     logprobs: list[Logprobs] | None = None
     num_cached_tokens: int = 0
-    error: str | None = None
+    error: str | None = None  # why it was refused (finish "abort") or failed (finish "error")

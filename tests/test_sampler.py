@@ -16,6 +16,7 @@ from moeserve.layers.sampler import (
     random_uniform,
     sample,
 )
+from moeserve.runner.step_sampling import sample_step
 from moeserve.types import SamplingParams
 
 CHI2_7DOF_P001 = 24.32  # chi-square critical value, 7 degrees of freedom, p = 0.001
@@ -31,7 +32,7 @@ def _draw(probs: list[float], n: int, seed: int = 1, **kw: float) -> torch.Tenso
     """n draws from one distribution: one row per position, same seed."""
     logits = torch.tensor(probs).log().expand(n, -1).contiguous()  # [n, V]
     params = [SamplingParams(**kw)] * n
-    token_ids, _ = sample(logits, _tensors(params, [seed] * n, list(range(n))))
+    token_ids, _, _ = sample(logits, _tensors(params, [seed] * n, list(range(n))))
     return token_ids
 
 
@@ -61,7 +62,7 @@ def test_build_converts_params_and_sets_flags() -> None:
 def test_greedy_is_argmax_lowest_index_on_ties(dtype: torch.dtype) -> None:
     logits = torch.randn(6, 50).to(dtype)
     logits[2, 7] = logits[2, 30] = 100.0  # a tie: index 7 wins
-    token_ids, logprobs = sample(logits, _tensors([SamplingParams(temperature=0.0)] * 6))
+    token_ids, logprobs, _ = sample(logits, _tensors([SamplingParams(temperature=0.0)] * 6))
     assert token_ids.tolist() == logits.argmax(dim=-1).tolist()
     assert token_ids[2] == 7 and logprobs is None
 
@@ -69,7 +70,7 @@ def test_greedy_is_argmax_lowest_index_on_ties(dtype: torch.dtype) -> None:
 def test_mixed_batch_greedy_rows_stay_argmax() -> None:
     logits = torch.randn(4, 100)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=5.0)] * 2
-    token_ids, _ = sample(logits, _tensors(params))
+    token_ids, _, _ = sample(logits, _tensors(params))
     assert token_ids[0] == logits[0].argmax() and token_ids[2] == logits[2].argmax()
 
 
@@ -85,14 +86,14 @@ def test_temperature_sampling_matches_the_distribution(temperature: float) -> No
 def test_seeded_row_is_independent_of_its_neighbours() -> None:
     torch.manual_seed(0)
     row = torch.randn(1, 1000)
-    alone, _ = sample(row, _tensors([SamplingParams(temperature=1.0)], [1234], [57]))
+    alone, _, _ = sample(row, _tensors([SamplingParams(temperature=1.0)], [1234], [57]))
     neighbours = torch.randn(8, 1000)
     neighbours[3] = row[0]
     params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in
               [(0.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.5), (1.0, 0, 1.0), (2.0, 50, 0.9),
                (0.0, 3, 1.0), (1.0, 0, 0.2), (0.9, 10, 0.8)]]
     seeds = [1, 2, 3, 1234, 5, 6, 7, 8]
-    batch, _ = sample(neighbours, _tensors(params, seeds, [0, 9, 99, 57, 3, 2, 1, 0]))
+    batch, _, _ = sample(neighbours, _tensors(params, seeds, [0, 9, 99, 57, 3, 2, 1, 0]))
     assert batch[3] == alone[0]
 
 
@@ -104,7 +105,7 @@ def test_random_path_in_chunks_of_rows_gives_the_same_tokens(
                              min_p=0.01 * (i % 3)) for i in range(9)]
     params.insert(4, SamplingParams(temperature=0.0))  # a greedy row amid the chunks
     t = _tensors(params, list(range(10)))
-    whole, _ = sample(logits, t)
+    whole, _, _ = sample(logits, t)
     monkeypatch.setattr(sampler_module, "_ROW_CHUNK_ELEMENTS", elements)
     assert torch.equal(sample(logits, t)[0], whole)
     assert whole[4] == logits[4].argmax()
@@ -180,9 +181,9 @@ def test_disabled_filters_leave_the_distribution_untouched() -> None:
     logits = torch.randn(64, 300) * 3
     params = [SamplingParams(temperature=0.8)] * 64
     t = _tensors(params, list(range(64)), list(range(100, 164)))
-    plain, _ = sample(logits, t)
+    plain, _, _ = sample(logits, t)
     forced = dataclasses.replace(t, any_top_k=True, any_top_p=True, any_min_p=True)
-    filtered, _ = sample(logits, forced)
+    filtered, _, _ = sample(logits, forced)
     assert torch.equal(plain, filtered)  # same noise, every mask a no-op
 
 
@@ -202,7 +203,7 @@ def test_logprobs_are_raw_log_softmax() -> None:
     params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=1.5),
               SamplingParams(top_k=3, logprobs=4), SamplingParams(temperature=0.0),
               SamplingParams(top_p=0.5, logprobs=0)]
-    token_ids, lp = sample(logits, _tensors(params))
+    token_ids, lp, _ = sample(logits, _tensors(params))
     assert lp is not None and lp.top_ids.shape == (5, 4) and lp.top_logprobs.shape == (5, 4)
     ref = torch.log_softmax(logits.float(), dim=-1)
     torch.testing.assert_close(lp.token_logprob, ref.gather(-1, token_ids[:, None])[:, 0])
@@ -226,13 +227,13 @@ def test_cuda_matches_cpu_and_runs_inside_a_cuda_graph() -> None:
               for k, p, m in [(0, 1.0, 0.0), (20, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.05)]] * 16
     seeds, positions = list(range(64)), list(range(1000, 1064))
     logits = torch.randn(64, 32000) * 4
-    cpu_ids, _ = sample(logits, _tensors(params, seeds, positions))
+    cpu_ids, _, _ = sample(logits, _tensors(params, seeds, positions))
     t = SamplingTensors.build(params, seeds, positions, "cuda")
     noise = exponential_noise(t.seeds, t.positions, 32000)
     torch.testing.assert_close(noise.cpu(), exponential_noise(t.seeds.cpu(), t.positions.cpu(),
                                                               32000))
     static_logits = logits.cuda()
-    eager_ids, eager_lp = sample(static_logits, t)
+    eager_ids, eager_lp, _ = sample(static_logits, t)
     assert (eager_ids.cpu() == cpu_ids).float().mean() > 0.95  # fp rounding may flip a near-tie
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -241,10 +242,39 @@ def test_cuda_matches_cpu_and_runs_inside_a_cuda_graph() -> None:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_ids, graph_lp = sample(static_logits, t)
+        graph_ids, graph_lp, _ = sample(static_logits, t)
     graph.replay()
     assert torch.equal(graph_ids, eager_ids) and torch.equal(graph_lp.top_ids, eager_lp.top_ids)
     t.positions.add_(1)  # the next decode step, in place: new draws, same graph
     graph.replay()
-    next_ids, _ = sample(static_logits, t)
+    next_ids, _, _ = sample(static_logits, t)
     assert torch.equal(graph_ids, next_ids) and not torch.equal(next_ids, eager_ids)
+
+
+def test_sample_step_fails_only_the_faulted_row_and_keeps_the_others_logprobs() -> None:
+    logits = torch.randn(4, 300) * 3
+    params = [SamplingParams(temperature=0.8, seed=5, logprobs=3),
+              SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, top_p=0.9, top_k=7, logprobs=1)]
+    seeds, positions, ids = [1, 2, 3, 4], [10, 11, 12, 13], ["a", "b", "c", "d"]
+    clean = sample_step(logits, params, seeds, positions, ids, {})
+    assert not clean.row_errors and bool(clean.finite.all())
+    faulted = sample_step(logits, params, seeds, positions, ids,
+                          {"sample": frozenset({"c"}), "nan": frozenset({"a"})})
+    assert list(faulted.row_errors) == [2] and "InjectedFault" in faulted.row_errors[2]
+    assert faulted.finite.tolist() == [False, True, True, True]  # row a: NaN logits
+    for j in (1, 3):
+        assert faulted.token_ids[j] == clean.token_ids[j]
+        n = params[j].logprobs
+        assert torch.equal(faulted.logprobs.top_ids[j, :n], clean.logprobs.top_ids[j, :n])
+        torch.testing.assert_close(faulted.logprobs.token_logprob[j],
+                                   clean.logprobs.token_logprob[j])
+
+
+def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:
+    logits = torch.randn(6, 50) * 2
+    params = [SamplingParams(temperature=1.0, top_p=p, seed=i)
+              for i, p in enumerate([0.0, 1e-46, 5e-324, 1e-46, 0.0, 1e-30])]
+    token_ids, _, finite = sample(logits, _tensors(params))
+    assert torch.equal(token_ids, logits.argmax(dim=-1)) and bool(finite.all())

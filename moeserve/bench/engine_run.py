@@ -17,7 +17,8 @@ from moeserve.bench.server import get_json
 # cumulative fields of the engine's stats (moeserve/engine/protocol.py EngineStats)
 COUNTERS = ("num_steps", "num_forward_steps", "num_graph_steps", "cuda_graph_fallbacks",
             "num_preemptions", "num_prefix_hit_tokens", "num_prompt_tokens",
-            "num_generated_tokens", "num_aborted", "num_refused", "num_busy_iterations",
+            "num_generated_tokens", "num_aborted", "num_failed", "num_refused",
+            "num_busy_iterations",
             "busy_loop_seconds_total", "busy_step_seconds_total", "busy_intake_seconds_total",
             "busy_send_seconds_total")
 

@@ -48,6 +48,11 @@ class QueueFullError(RuntimeError):
     """Too many requests are waiting (HTTP 429 with Retry-After)."""
 
 
+class RequestFailedError(RuntimeError):
+    """A fault of this request alone failed it in the engine or its detokenization (HTTP 500);
+    the other requests go on."""
+
+
 class AsyncEngineClient:
     def __init__(self) -> None:
         self._ctx: zmq.asyncio.Context | None = None
@@ -201,10 +206,16 @@ class AsyncEngineClient:
 
     def _to_output(self, wire: p.WireOutput, prompt: list[int]) -> RequestOutput:
         if wire.error is not None:
-            raise ValueError(wire.error)
-        [out], stopped = self._outputs.process([wire.to_output(prompt)])
+            if wire.finish_reason == FinishReason.ERROR.value:
+                raise RequestFailedError(wire.error)
+            raise ValueError(wire.error)  # refused by the engine's validation
+        [out], stopped, failed = self._outputs.process([wire.to_output(prompt)])
         if stopped:  # a stop string: the engine does not know about those
             self._send(p.AbortRequests(stopped, FinishReason.STOP.value))
+        if failed:
+            self._send(p.AbortRequests(failed, FinishReason.ERROR.value))
+        if out.finish_reason is FinishReason.ERROR:
+            raise RequestFailedError(out.error or "the request failed")
         return out
 
     async def abort(self, request_id: str) -> None:

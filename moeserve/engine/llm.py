@@ -32,6 +32,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[Logprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
+    error: str | None = None  # what failed, when finish_reason is ERROR (a fault of its own)
 
     @property
     def finished(self) -> bool:
@@ -78,9 +79,11 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns this step's per-request deltas (text filled in)."""
-        outputs, stopped = self._outputs.process(self.engine.step())
+        outputs, stopped, failed = self._outputs.process(self.engine.step())
         if stopped:
             self.engine.abort(stopped, FinishReason.STOP)
+        if failed:
+            self.engine.abort(failed, FinishReason.ERROR)
         for out in outputs:
             result = self._results[out.request_id]
             result.token_ids += out.new_token_ids
@@ -89,6 +92,7 @@ class LLM:
             result.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
+                result.error = out.error
         return outputs
 
     def result(self, request_id: str) -> CompletionOutput:

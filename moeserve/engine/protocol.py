@@ -118,6 +118,7 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     num_prompt_tokens: int = 0  # cumulative tokens computed for prompts (incl. recompute)
     num_generated_tokens: int = 0
     num_aborted: int = 0
+    num_failed: int = 0  # requests failed by a fault of their own (FinishReason.ERROR)
     num_refused: int = 0  # add requests refused by validation
     step_seconds: float = 0.0  # wall seconds of the last step
     schedule_seconds: float = 0.0  # CPU seconds of the last step's schedule()

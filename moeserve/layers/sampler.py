@@ -159,10 +159,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
             sorted_logits.masked_fill_(rank[None, :] >= k[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)  # [B, V]
         mass_before = probs.cumsum(dim=-1) - probs  # [B, V], exclusive prefix sums
-        # The smallest prefix with mass >= top_p: rank 0 always (its mass_before 0 < top_p).
-        # top_p == 1 keeps everything, whatever the rounding of the cumulative sum.
+        # The smallest prefix with mass >= top_p. top_p == 1 keeps everything, whatever the
+        # rounding of the cumulative sum.
         keep = (mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)  # [B, V]
-        num_kept = torch.minimum(keep.sum(dim=-1), k)  # [B]
+        # NOTE: at least the most likely token: a top_p of 0, or one that rounds to 0 in fp32
+        # (1e-46), keeps none above, and index -1 below would fail (a device assert on CUDA).
+        num_kept = torch.minimum(keep.sum(dim=-1).clamp_(min=1), k)  # [B]
     threshold = sorted_logits.gather(-1, (num_kept - 1)[:, None])  # [B, 1]
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
@@ -215,22 +217,27 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num: int) -> Sample
     return SampleLogprobs(token_logprob, top_ids, top_logits - lse[:, None])
 
 
-def sample(logits: torch.Tensor,
-           t: SamplingTensors) -> tuple[torch.Tensor, SampleLogprobs | None]:
+def sample(logits: torch.Tensor, t: SamplingTensors
+           ) -> tuple[torch.Tensor, SampleLogprobs | None, torch.Tensor]:
     """Sample one token per row.
 
     Args:
         logits: [B, V], any float dtype; not modified.
         t: the rows' parameters (B rows, on the logits' device).
     Returns:
-        token_ids [B] int64, and the logprobs when some row asked for them (else None).
-        Greedy rows (temperature 0) take argmax, lowest index on ties.
+        token_ids [B] int64, the logprobs when some row asked for them (else None), and
+        finite [B] bool: False for a row whose logits hold a NaN or no finite maximum (its token
+        is garbage; the runner fails that row's request alone). Greedy rows (temperature 0)
+        take argmax, lowest index on ties.
     """
     token_ids = logits.argmax(dim=-1)  # [B]
+    # NOTE: argmax returns a NaN's index when the row has one (NaN compares as the largest), so
+    # one gather checks the row: NaN, +inf, or a row that is all -inf. O(B), no [B, V] pass.
+    finite = logits.gather(-1, token_ids[:, None])[:, 0].isfinite()  # [B]
     if not t.all_greedy:
         sampled = _sample_random(logits, t)
         token_ids = torch.where(t.temperature == 0, token_ids, sampled)
     logprobs = None
     if t.max_num_logprobs is not None:
         logprobs = _logprobs(logits, token_ids, t.max_num_logprobs)
-    return token_ids, logprobs
+    return token_ids, logprobs, finite

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from moeserve import envs
 from moeserve.config import EngineConfig, ModelConfig
 from moeserve.kernels.attention_metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_moe_backend
@@ -25,6 +26,7 @@ from moeserve.models import build_model
 from moeserve.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from moeserve.runner.kv_cache import MemoryPlan, allocate_kv_caches
 from moeserve.runner.step_profile import StepProfiler
+from moeserve.runner.step_sampling import StepSample, sample_step
 from moeserve.runner.weight_loader import init_dummy_weights, load_weights, model_weight_bytes
 from moeserve.types import Logprobs, ModelOutput, SamplingParams, SchedulerOutput
 
@@ -45,6 +47,7 @@ class ModelRunner:
         self._load_copy: tuple[torch.Tensor, torch.cuda.Event, int] | None = None
         self._load_snapshot: dict | None = None
         self.num_graph_steps = 0
+        self.faults = envs.fault_injection()  # {} unless a test injects faults
         self._init_model(weights_folder)
 
     def _init_model(self, weights_folder: str | None) -> None:
@@ -208,6 +211,8 @@ class ModelRunner:
         return pending
 
     def _launch(self, out: SchedulerOutput) -> PendingOutput:
+        if self.faults.get("step") and not self.faults["step"].isdisjoint(out.req_ids):
+            raise envs.InjectedFault("injected step fault: the forward failed")
         is_decode = out.num_reqs > 0 and all(n == 1 for n in out.num_scheduled_tokens)
         bucket = self.graphs.bucket(out.num_reqs) if self.graphs and is_decode else None
         if bucket is None and is_decode and self.device.type == "cuda":
@@ -270,10 +275,9 @@ class ModelRunner:
             picked = hidden[self._to_device(last_token[rows])]
         logits = self.model.compute_logits(picked)  # [R, V] model dtype
         pending.params = [out.sampling_params[i] for i in rows]
-        tensors = SamplingTensors.build(
-            pending.params, [out.sample_seeds[i] for i in rows],
-            seq_lens[rows].tolist(), self.device)
-        pending.token_ids, pending.logprobs = sample(logits, tensors)
+        pending.take(sample_step(logits, pending.params, [out.sample_seeds[i] for i in rows],
+                                 seq_lens[rows].tolist(), [out.req_ids[i] for i in rows],
+                                 self.faults))
         return pending
 
     def _launch_decode_steps(self, out: SchedulerOutput, bucket: int | None) -> PendingOutput:
@@ -303,10 +307,11 @@ class ModelRunner:
                 hidden = self._forward(self.model, (input_ids, meta.positions, meta),
                                        out.num_reqs, breakdown=True)  # [B, hidden]
             logits = self.model.compute_logits(hidden)  # [B, V] model dtype
-            tensors = SamplingTensors.build(out.sampling_params, out.sample_seeds,
-                                            (computed + step + 1).tolist(), self.device)
-            input_ids, _ = sample(logits, tensors)  # [B]: this step's tokens, next step's input
+            step_sample = sample_step(logits, out.sampling_params, out.sample_seeds,
+                                      (computed + step + 1).tolist(), out.req_ids, self.faults)
+            input_ids = step_sample.token_ids  # [B]: this step's tokens, next step's input
             tokens.append(input_ids)
+            pending.take(step_sample, first=step == 0)
         pending.token_ids = tokens[0]
         pending.extra_token_ids = torch.stack(tokens[1:], dim=1)  # [B, num_steps - 1]
         self._last = (pending, {rid: i for i, rid in enumerate(out.req_ids)})
@@ -338,8 +343,19 @@ class PendingOutput:
         self.token_ids: torch.Tensor | None = None  # [R] int64, on the device
         self.extra_token_ids: torch.Tensor | None = None  # [R, steps - 1], multi-step decode
         self.logprobs = None  # SampleLogprobs | None
+        self.finite: torch.Tensor | None = None  # [R] bool: False = the row's logits were not
+        self.row_errors: dict[int, str] = {}  # finite; row (of R) -> a fault of that row alone
         self._copied: torch.cuda.Event | None = None  # start_copy's end, on CUDA
         self._host: tuple = ()  # start_copy's pinned (token_ids, extra_token_ids, logprobs)
+
+    def take(self, step: StepSample, first: bool = True) -> None:
+        """Keep a sample_step's result: the first step's tokens and logprobs; every step's
+        finite flags and row errors (multi-step decode: a row that fails in any step fails)."""
+        if first:
+            self.token_ids, self.logprobs = step.token_ids, step.logprobs
+        self.finite = step.finite if self.finite is None else self.finite & step.finite
+        for row, error in step.row_errors.items():
+            self.row_errors.setdefault(row, error)
 
     def start_copy(self) -> None:
         """On CUDA, enqueue the copy of the sampled tokens (and logprobs) into pinned host
@@ -359,7 +375,8 @@ class PendingOutput:
                       else _to_host_async(self.extra_token_ids),
                       None if lp is None else SampleLogprobs(
                           _to_host_async(lp.token_logprob), _to_host_async(lp.top_ids),
-                          _to_host_async(lp.top_logprobs)))
+                          _to_host_async(lp.top_logprobs)),
+                      _to_host_async(self.finite))
         self._copied = torch.cuda.Event()
         self._copied.record()
 
@@ -368,15 +385,26 @@ class PendingOutput:
         sampled = [-1] * self.num_reqs
         if self.token_ids is None:
             return ModelOutput(sampled_token_ids=sampled)
-        token_ids, extra_ids, logprobs = self.token_ids, self.extra_token_ids, self.logprobs
+        token_ids, extra_ids, logprobs, finite = (self.token_ids, self.extra_token_ids,
+                                                  self.logprobs, self.finite)
         if self._copied is not None:
             self._copied.synchronize()  # this step's copies only, not later launches
-            token_ids, extra_ids, logprobs = self._host
-        for i, tok in zip(self.rows.tolist(), token_ids.tolist()):
+            token_ids, extra_ids, logprobs, finite = self._host
+        rows = self.rows.tolist()
+        for i, tok in zip(rows, token_ids.tolist()):
             sampled[i] = tok
         extra = None if extra_ids is None else extra_ids.tolist()
         return ModelOutput(sampled_token_ids=sampled, logprobs=self._logprobs(logprobs),
-                           extra_token_ids=extra)
+                           extra_token_ids=extra, row_errors=self._row_errors(rows, finite))
+
+    def _row_errors(self, rows: list[int], finite: torch.Tensor | None) -> dict[int, str] | None:
+        """Batch row -> what failed, for the rows with a fault of their own; None when none."""
+        errors = {rows[j]: e for j, e in self.row_errors.items()}
+        if finite is not None and not bool(finite.all()):
+            for j in torch.nonzero(~finite).flatten().tolist():
+                errors.setdefault(rows[j], "the model's logits for this request are not "
+                                           "finite (NaN or infinite)")
+        return errors or None
 
     def _logprobs(self, lps: SampleLogprobs | None) -> list[Logprobs | None] | None:
         if lps is None:

@@ -54,6 +54,7 @@ class SchedulerStats:
     num_prefill_chunks: int = 0  # prefill chunks that stopped short of the end of the tokens
     num_scheduled_steps: int = 0  # schedule() calls that scheduled at least one request
     num_aborted: int = 0
+    num_failed: int = 0  # requests finished with FinishReason.ERROR (a fault of their own)
     kv_usage: float = 0.0
 
 
@@ -128,6 +129,8 @@ class Scheduler:
             self._finish(req, reason)
             if reason is FinishReason.ABORT:
                 self.stats.num_aborted += 1
+            elif reason is FinishReason.ERROR:
+                self.stats.num_failed += 1
         self._drop_finished(finished)
         self.stats.kv_usage = self.pool.usage
 
@@ -295,15 +298,23 @@ class Scheduler:
         """Take a step's sampled tokens; returns one RequestOutput per row that produced one.
 
         A row whose request finished since `out` was scheduled (a stop applied one step late,
-        or an abort) is discarded.
+        or an abort) is discarded. A row in `model_out.row_errors` finishes its request with
+        FinishReason.ERROR and the error, and no token.
         """
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
         sampled, logprobs = model_out.sampled_token_ids, model_out.logprobs
+        row_errors = model_out.row_errors or {}
         for i, req_id in enumerate(out.req_ids):
             req = self.requests.get(req_id)
             if req is None:
                 continue  # finished since `out` was scheduled: its token is discarded
+            if row_errors and i in row_errors:
+                self._finish(req, FinishReason.ERROR)
+                self.stats.num_failed += 1
+                finished.append(req)
+                outputs.append(self._make_output(req, [], None, error=row_errors[i]))
+                continue
             if not out.sample[i]:
                 self._cache_blocks(req)
                 continue
@@ -345,13 +356,13 @@ class Scheduler:
             self._finish(req, FinishReason.LENGTH)
         return req.status is RequestStatus.FINISHED
 
-    def _make_output(self, req: Request, tokens: list[int],
-                     logprobs: Logprobs | None) -> RequestOutput:
+    def _make_output(self, req: Request, tokens: list[int], logprobs: Logprobs | None,
+                     error: str | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             new_token_ids=tokens, finished=req.is_finished, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, logprobs=None if logprobs is None else [logprobs],
-            num_cached_tokens=req.num_cached_tokens)
+            num_cached_tokens=req.num_cached_tokens, error=error)
 
     def _finish(self, req: Request, reason: FinishReason,
                 stop_reason: int | str | None = None) -> None:

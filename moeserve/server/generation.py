@@ -42,7 +42,7 @@ def named(param: str | None, message: str) -> str:
 
 def engine_error(exc: BaseException, param: str | None) -> APIError:
     """The HTTP error for an exception raised by AsyncEngineClient.generate."""
-    from moeserve.engine.async_client import EngineDeadError, QueueFullError
+    from moeserve.engine.async_client import EngineDeadError, QueueFullError, RequestFailedError
 
     if isinstance(exc, APIError):
         return exc
@@ -51,6 +51,9 @@ def engine_error(exc: BaseException, param: str | None) -> APIError:
                         headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is unavailable: {exc}")
+    if isinstance(exc, RequestFailedError):  # this request's own fault; the server goes on
+        logger.warning("a request failed in the engine: %s", exc)
+        return APIError(500, f"the request failed in the engine: {exc}")
     if isinstance(exc, ValueError):
         message = str(exc)
         param = "stop_token_ids" if "stop token" in message else param

@@ -24,7 +24,7 @@ COMPLETION_CASES: list[tuple[dict[str, Any], str, str]] = [
     ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
     ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
     ({"temperature": "hot"}, "temperature", "valid number"),
-    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"top_p": -0.1}, "top_p", "greater than or equal to 0"),
     ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
     ({"top_k": -2}, "top_k", "greater than or equal to -1"),
     ({"min_p": 1.5}, "min_p", "less than or equal to 1"),

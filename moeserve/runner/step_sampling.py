@@ -1,0 +1,106 @@
+"""One step's sampling as the runner runs it: parameters to tensors, sample, and the faults that
+belong to single requests kept to those requests.
+
+    logits [R, V] --SamplingTensors.build + sample--> token_ids [R], logprobs, finite [R]
+         | the batch call raised?
+         '--> each row alone: the rows that raise alone fail (row_errors); the others are
+              sampled again together (a row's token depends on that row only, so this gives the
+              tokens the batch would have), and their results are scattered back into [R]
+
+A row whose logits are not finite (`finite` False: NaN, or no finite maximum) is failed by the
+PendingOutput once its flags reach the host, with no sync here. What cannot be attributed to rows
+(every row fails alone, or the good rows fail together, or a device-side error) propagates: the
+engine then fails loudly. Fault injection (`envs.fault_injection`, tests only) raises the
+"sample" fault for a chosen request wherever it is in the batch, and the "nan" fault writes NaN
+into its logits, so the isolation above runs for real.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moeserve.envs import InjectedFault
+from moeserve.layers.sampler import SampleLogprobs, SamplingTensors, sample
+from moeserve.types import SamplingParams
+
+
+@dataclass
+class StepSample:
+    """What `sample_step` gives for the R sampled rows."""
+
+    token_ids: torch.Tensor  # [R] int64; a failed row holds 0, a valid id the next step may read
+    logprobs: SampleLogprobs | None
+    finite: torch.Tensor  # [R] bool, on the device
+    row_errors: dict[int, str] = field(default_factory=dict)  # row (of R) -> what failed
+
+
+def sample_step(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                positions: list[int], req_ids: list[str],
+                faults: dict[str, frozenset[str]]) -> StepSample:
+    """Sample R rows (see module doc). `req_ids` [R] name the rows for errors and faults."""
+    if faults.get("nan"):
+        logits = _inject_nan(logits, req_ids, faults["nan"])
+    try:
+        return StepSample(*_sample(logits, params, seeds, positions, req_ids, faults))
+    except Exception as batch_error:
+        return _sample_row_by_row(logits, params, seeds, positions, req_ids, faults,
+                                  batch_error)
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+            positions: list[int], req_ids: list[str], faults: dict[str, frozenset[str]]
+            ) -> tuple[torch.Tensor, SampleLogprobs | None, torch.Tensor]:
+    injected = faults.get("sample")
+    if injected and not injected.isdisjoint(req_ids):
+        raise InjectedFault(f"injected sampler fault for {sorted(injected & set(req_ids))}")
+    return sample(logits, SamplingTensors.build(params, seeds, positions, logits.device))
+
+
+def _sample_row_by_row(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                       positions: list[int], req_ids: list[str],
+                       faults: dict[str, frozenset[str]],
+                       batch_error: Exception) -> StepSample:
+    """The batch call raised: find the rows that raise alone, sample the rest together."""
+    errors: dict[int, str] = {}
+    for j in range(len(req_ids)):
+        try:
+            _sample(logits[j:j + 1], params[j:j + 1], seeds[j:j + 1], positions[j:j + 1],
+                    req_ids[j:j + 1], faults)
+        except Exception as e:
+            errors[j] = f"sampling failed: {type(e).__name__}: {e}"
+    good = [j for j in range(len(req_ids)) if j not in errors]
+    if not errors or not good:
+        raise batch_error  # no row is to blame, or every row is: not a fault of one request
+    index = torch.tensor(good, device=logits.device)  # [G]
+    token_ids, logprobs, finite = _sample(logits[index], [params[j] for j in good],
+                                          [seeds[j] for j in good],
+                                          [positions[j] for j in good],
+                                          [req_ids[j] for j in good], faults)
+    num_rows = len(req_ids)
+    full_ids = torch.zeros(num_rows, dtype=token_ids.dtype, device=logits.device)
+    full_ids[index] = token_ids
+    full_finite = torch.ones(num_rows, dtype=torch.bool, device=logits.device)
+    full_finite[index] = finite
+    if logprobs is not None:
+        logprobs = SampleLogprobs(_scatter_rows(logprobs.token_logprob, index, num_rows),
+                                  _scatter_rows(logprobs.top_ids, index, num_rows),
+                                  _scatter_rows(logprobs.top_logprobs, index, num_rows))
+    return StepSample(full_ids, logprobs, full_finite, errors)
+
+
+def _scatter_rows(values: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """values [G, ...] placed at rows `index` of a zero tensor [num_rows, ...]."""
+    out = values.new_zeros((num_rows, *values.shape[1:]))
+    out[index] = values
+    return out
+
+
+def _inject_nan(logits: torch.Tensor, req_ids: list[str], ids: frozenset[str]) -> torch.Tensor:
+    rows = [j for j, rid in enumerate(req_ids) if rid in ids]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    logits[rows] = float("nan")
+    return logits
