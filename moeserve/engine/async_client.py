@@ -11,7 +11,12 @@ detokenizes each step's tokens and applies stop strings, and aborts a request in
 its consumer goes away. A consumer that falls behind gets the steps waiting in its queue merged
 into one output (fewer detokenizations and SSE events when the API process is the busy one).
 ZMQ does not report a dead peer, so a watchdog polls the engine process: when it dies, `alive`
-turns False and every waiting generate() raises EngineDeadError at once.
+turns False, every waiting generate() raises EngineDeadError at once, and `died` is set (the
+server then exits non-zero for its supervisor to restart it).
+
+    launch() -> starting: the engine process runs its start-up; `ready` False
+    wait_ready() -> ready: Ready arrived (capacity report, limits); the tasks run
+    start() = launch() + wait_ready()
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import multiprocessing
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -62,6 +68,8 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task] = []
         self._dead_reason: str | None = None
         self.stats = p.EngineStats()
+        self.ready = False  # Ready arrived: the engine loop runs, the limits below are known
+        self.died = asyncio.Event()  # the engine process died while serving (not a shutdown)
 
     @classmethod
     async def start(cls, engine_kwargs: dict, max_waiting_requests: int = 4096,
@@ -69,47 +77,81 @@ class AsyncEngineClient:
                     startup_timeout: float = 600.0) -> AsyncEngineClient:
         """Spawn the engine process (for this one API process) and wait until it is ready;
         RuntimeError with the engine's own error if it fails to start."""
+        client = cls.launch(engine_kwargs, max_waiting_requests, served_model_name)
+        await client.wait_ready(startup_timeout)
+        return client
+
+    @classmethod
+    def launch(cls, engine_kwargs: dict, max_waiting_requests: int = 4096,
+               served_model_name: str | None = None) -> AsyncEngineClient:
+        """Spawn the engine process and return at once, `ready` False (the server answers
+        /health meanwhile); `wait_ready` next."""
         ipc_dir = tempfile.mkdtemp(prefix="moeserve-")
-        proc = spawn_engine(engine_kwargs, ipc_dir, num_clients=1)
-        return await cls._connect(engine_kwargs, ipc_dir, 0, proc, True, max_waiting_requests,
-                                  served_model_name, startup_timeout)
+        try:
+            proc = spawn_engine(engine_kwargs, ipc_dir, num_clients=1)
+        except BaseException:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
+        return cls._begin(engine_kwargs, ipc_dir, 0, proc, True, max_waiting_requests,
+                          served_model_name)
+
+    @classmethod
+    def join(cls, engine_kwargs: dict, ipc_dir: str, client_index: int, engine_pid: int,
+             max_waiting_requests: int = 4096,
+             served_model_name: str | None = None) -> AsyncEngineClient:
+        """Join an engine that another process started (one of several API processes);
+        `wait_ready` next."""
+        return cls._begin(engine_kwargs, ipc_dir, client_index, _PidHandle(engine_pid), False,
+                          max_waiting_requests, served_model_name)
 
     @classmethod
     async def connect(cls, engine_kwargs: dict, ipc_dir: str, client_index: int,
                       engine_pid: int, max_waiting_requests: int = 4096,
                       served_model_name: str | None = None,
                       startup_timeout: float = 600.0) -> AsyncEngineClient:
-        """Join an engine that another process started (one of several API processes)."""
-        return await cls._connect(engine_kwargs, ipc_dir, client_index, _PidHandle(engine_pid),
-                                  False, max_waiting_requests, served_model_name,
-                                  startup_timeout)
+        """`join` + `wait_ready`."""
+        client = cls.join(engine_kwargs, ipc_dir, client_index, engine_pid,
+                          max_waiting_requests, served_model_name)
+        await client.wait_ready(startup_timeout)
+        return client
 
     @classmethod
-    async def _connect(cls, engine_kwargs: dict, ipc_dir: str, client_index: int, proc: Any,
-                       owns_engine: bool, max_waiting_requests: int,
-                       served_model_name: str | None, startup_timeout: float
-                       ) -> AsyncEngineClient:
+    def _begin(cls, engine_kwargs: dict, ipc_dir: str, client_index: int, proc: Any,
+               owns_engine: bool, max_waiting_requests: int,
+               served_model_name: str | None) -> AsyncEngineClient:
         self = cls()
         self._proc, self._owns_engine, self._client = proc, owns_engine, client_index
         self._ipc_dir = ipc_dir
-        model = str(engine_kwargs.get("model", "tiny-moe"))
-        self.model_name = served_model_name or model
+        self.model = str(engine_kwargs.get("model", "tiny-moe"))
+        self.model_name = served_model_name or self.model
         self.max_waiting_requests = max_waiting_requests
         try:
-            self.model_config, _ = load_model_config(model)
+            self.model_config, _ = load_model_config(self.model)
             mc = self.model_config
-            folder = engine_kwargs.get("tokenizer") or (None if mc.tokenizer else model)
+            folder = engine_kwargs.get("tokenizer") or (None if mc.tokenizer else self.model)
             self.tokenizer = load_tokenizer(folder, mc.tokenizer, mc)
             self._outputs = OutputProcessor(self.tokenizer)  # text deltas and stop strings
             self._init_sockets()
             self._send(p.Hello(client=client_index))
-            await asyncio.wait_for(self._wait_ready(), startup_timeout)
+        except BaseException:
+            if owns_engine:
+                proc.kill()
+                proc.join(5)
+            self._close_now()
+            raise
+        return self
+
+    async def wait_ready(self, timeout: float = 600.0) -> None:
+        """Wait for the engine's Ready; RuntimeError with the engine's own error if its
+        start-up fails (the client is shut down then)."""
+        try:
+            await asyncio.wait_for(self._wait_ready(), timeout)
         except BaseException:
             await self.shutdown()
             raise
+        self.ready = True
         self._tasks = [asyncio.create_task(self._read_outputs()),
                        asyncio.create_task(self._watchdog())]
-        return self
 
     def _init_sockets(self) -> None:
         inbox, outboxes = p.ipc_addresses(self._ipc_dir, self._client + 1)
@@ -138,6 +180,7 @@ class AsyncEngineClient:
 
     @property
     def alive(self) -> bool:
+        """The engine process runs (starting or serving) and this client is not shut down."""
         return self._dead_reason is None and self._proc.is_alive()
 
     @property
@@ -146,7 +189,7 @@ class AsyncEngineClient:
 
     async def check_ready(self, timeout: float = 1.0) -> bool:
         """True when the engine loop answers a ping within `timeout` seconds."""
-        if not self.alive:
+        if not self.alive or not self.ready:
             return False
         seq = next(self._ping_ids)
         future = asyncio.get_running_loop().create_future()
@@ -256,6 +299,7 @@ class AsyncEngineClient:
             await asyncio.sleep(_WATCHDOG_SECONDS)
             if not self._proc.is_alive():
                 self._fail_all(f"the engine process died (exit code {self._proc.exitcode})")
+                self.died.set()
 
     def _fail_all(self, reason: str) -> None:
         """Mark the engine dead and end every in-flight request with EngineDeadError."""
@@ -277,8 +321,18 @@ class AsyncEngineClient:
         self._fail_all("the server is shutting down")
         for task in self._tasks:
             task.cancel()
-        if self._owns_engine:  # without sockets the engine never heard Shutdown: stop it now
+        if self._owns_engine:
+            if not self.ready and self._proc.is_alive():
+                # NOTE: an engine in start-up (weights, MoE tune) reads no message until its
+                # loop starts; SIGTERM ends it now (it then removes its IPC folder itself)
+                self._proc.terminate()
+            # without sockets the engine never heard Shutdown: stop it now
             await stop_engine(self._proc, timeout if connected else 0.0)
+        self._close_now()
+
+    def _close_now(self) -> None:
+        """Close the sockets; the client that started the engine removes its IPC folder."""
+        if self._owns_engine:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         if self._ctx is not None:
             self._to_engine.close(linger=0)
@@ -300,7 +354,7 @@ def spawn_engine(engine_kwargs: dict, ipc_dir: str, num_clients: int) -> Any:
     """Start the engine core process (spawn, daemon); it binds its sockets in `ipc_dir`."""
     proc = multiprocessing.get_context("spawn").Process(
         target=run_engine_core, name="moeserve-engine", daemon=True,
-        args=(dict(engine_kwargs), ipc_dir, num_clients))
+        args=(dict(engine_kwargs), ipc_dir, num_clients, os.getpid()))
     proc.start()
     return proc
 

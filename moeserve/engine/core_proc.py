@@ -7,14 +7,27 @@ Started by `AsyncEngineClient.start` (spawn) or by the multi-process launcher. I
 sockets, builds the EngineCore, then loops: drain every pending message without blocking while
 there is work, step, and send each API process the step's outputs of its own requests in one
 message. When idle it blocks on the inbox for up to 100 ms. A start-up failure is sent to every
-API process as StartupFailed. It exits on Shutdown, or when its parent process is gone, so no
-engine is ever left behind.
+API process as StartupFailed. It exits on Shutdown, on SIGTERM, or when its parent process is
+gone, so no engine is ever left behind:
+
+    the parent dies (even by kill -9)  -> the kernel sends SIGTERM (PR_SET_PDEATHSIG, Linux),
+                                          and the loop also sees getppid() change
+    SIGTERM                            -> SystemExit: sockets closed, the IPC folder removed
+    an API process stops reading       -> sends wait at most 100 ms at a time, checking that
+                                          the parent lives (a blocking send would hang forever)
+
+A step that raises (a fault no single request owns: a device error, out of memory) ends the
+process with the traceback in its log and a non-zero exit code; the API side sees it die.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import shutil
 import signal
+import sys
 import time
 import traceback
 from collections import defaultdict
@@ -25,13 +38,48 @@ from moeserve.engine import protocol as p
 from moeserve.types import FinishReason
 
 _IDLE_POLL_MS = 100
+_SEND_POLL_MS = 100
 _EXPERT_LOAD_PERIOD_S = 1.0
+_PR_SET_PDEATHSIG = 1
+logger = logging.getLogger("moeserve.engine")
 
 
-def run_engine_core(engine_kwargs: dict, ipc_dir: str, num_clients: int = 1) -> None:
-    """Process entry point: serve the engine until Shutdown or the parent's death."""
+class Orphaned(SystemExit):
+    """The process that started the engine is gone."""
+
+
+def run_engine_core(engine_kwargs: dict, ipc_dir: str, num_clients: int = 1,
+                    parent: int | None = None) -> None:
+    """Process entry point: serve the engine until Shutdown, SIGTERM or the parent's death.
+
+    `parent`: the pid of the process that started this one (its death ends this one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
-    parent = os.getppid()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    parent = os.getppid() if parent is None else parent
+    _die_with_parent(parent)
+    try:
+        _serve(engine_kwargs, ipc_dir, num_clients, parent)
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel for SIGTERM when the parent dies (Linux), then check that it has not died
+    already (before the request)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError) as e:  # the getppid() checks still run
+            logger.warning("PR_SET_PDEATHSIG is unavailable (%s)", e)
+    if os.getppid() != parent:
+        raise Orphaned(1)
+
+
+def _serve(engine_kwargs: dict, ipc_dir: str, num_clients: int, parent: int) -> None:
     inbox_addr, outbox_addrs = p.ipc_addresses(ipc_dir, num_clients)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -41,7 +89,7 @@ def run_engine_core(engine_kwargs: dict, ipc_dir: str, num_clients: int = 1) -> 
         outboxes.append(ctx.socket(zmq.PUSH))
         outboxes[-1].bind(addr)
     try:
-        core = _start(engine_kwargs, outboxes)
+        core = _start(engine_kwargs, outboxes, parent)
         if core is not None:
             _EngineLoop(core, inbox, outboxes, parent).run()
     finally:
@@ -51,7 +99,21 @@ def run_engine_core(engine_kwargs: dict, ipc_dir: str, num_clients: int = 1) -> 
         ctx.term()
 
 
-def _start(engine_kwargs: dict, outboxes: list[zmq.Socket]):
+def send(box: zmq.Socket, data: bytes, parent: int) -> None:
+    """Send without ever blocking for good: an API process that stops reading fills its queue
+    (the high-water mark), and a blocking send would then wait forever, even after the parent
+    died. Waits up to _SEND_POLL_MS at a time, checking the parent in between."""
+    while True:
+        try:
+            box.send(data, flags=zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            if os.getppid() != parent:
+                raise Orphaned(1) from None
+            box.poll(_SEND_POLL_MS, zmq.POLLOUT)
+
+
+def _start(engine_kwargs: dict, outboxes: list[zmq.Socket], parent: int):
     from moeserve.engine.args import engine_config_from_kwargs
     from moeserve.engine.core import EngineCore
 
@@ -60,7 +122,7 @@ def _start(engine_kwargs: dict, outboxes: list[zmq.Socket]):
     except Exception as e:  # report any start-up failure to the API processes, then exit
         message = str(e) if isinstance(e, ValueError) else traceback.format_exc()
         for box in outboxes:
-            box.send(p.encode(p.StartupFailed(error=message)))
+            send(box, p.encode(p.StartupFailed(error=message)), parent)
         return None
 
 
@@ -87,7 +149,7 @@ class _EngineLoop:
             start = time.perf_counter()
             self._drain(0 if busy else _IDLE_POLL_MS)
             if os.getppid() != self.parent:
-                return  # orphaned: the process that started the engine is gone
+                raise Orphaned(1)  # the process that started the engine is gone
             drained = time.perf_counter()
             outputs = self.core.step() if self.running else []
             stepped = time.perf_counter()
@@ -118,7 +180,8 @@ class _EngineLoop:
         stats = self._stats()
         for client, box in enumerate(self.outboxes):
             if client in by_client or everyone:
-                box.send(p.encode(p.StepOutputs(outputs=by_client.get(client, []), stats=stats)))
+                send(box, p.encode(p.StepOutputs(outputs=by_client.get(client, []),
+                                                 stats=stats)), self.parent)
 
     def _drain(self, timeout_ms: int) -> None:
         """Handle every message waiting in the inbox; wait up to timeout_ms for the first."""
@@ -143,9 +206,10 @@ class _EngineLoop:
         elif isinstance(msg, p.Ping):
             stats = self._stats()
             stats.expert_load = self._expert_load()
-            self.outboxes[msg.client].send(p.encode(p.Pong(seq=msg.seq, stats=stats)))
+            send(self.outboxes[msg.client], p.encode(p.Pong(seq=msg.seq, stats=stats)),
+                 self.parent)
         elif isinstance(msg, p.Hello):
-            self.outboxes[msg.client].send(p.encode(self._ready()))
+            send(self.outboxes[msg.client], p.encode(self._ready()), self.parent)
         elif isinstance(msg, p.Shutdown):
             self.running = False
 

@@ -4,8 +4,10 @@
     POST /v1/chat/completions   serve_chat.py            (Bearer key when --api-key)
     GET  /v1/models             the served model          (Bearer key when --api-key)
     GET  /v1/engine             capacity report + live engine stats + server settings (key too)
-    GET  /health                200 while this process is up
-    GET  /ready                 200 only when the engine process is alive and its loop answers
+    GET  /health                200 while this process and the engine process are alive (its
+                                start-up included), else 503: a liveness probe
+    GET  /ready                 200 only when the engine is ready and its loop answers, else 503
+                                (while it starts: the /v1 routes answer 503 then too)
     GET  /metrics               Prometheus text (metrics.py)
 
 Every /v1 response carries an X-Request-Id ("cmpl-...", "chatcmpl-..." for generation). Every
@@ -66,7 +68,7 @@ def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
         api_key: when set, every /v1 route requires "Authorization: Bearer <api_key>".
         settings: the server's own settings, shown at /v1/engine (host, port, ...).
     """
-    names = {client.model_name, str(client.capacity_report.get("model", client.model_name))}
+    names = {client.model_name, client.model}
     ctx = ServerContext(client=client, metrics=ServerMetrics(client),
                         model_names=frozenset(names), api_key=api_key or None,
                         settings=dict(settings or {}))
@@ -110,14 +112,17 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        return _json({"status": "ok"})
+        if client.alive:
+            return _json({"status": "ok", "engine": "serving" if client.ready else "starting"})
+        return _json({"status": "engine dead", "reason": "the engine process is not alive"}, 503)
 
     @app.get("/ready")
     async def ready() -> Response:
         if client.alive and await client.check_ready():
             return _json({"status": "ready"})
-        reason = "the engine process is not alive" if not client.alive else \
-            "the engine loop did not answer"
+        reason = ("the engine process is not alive" if not client.alive else
+                  "the engine is starting" if not client.ready else
+                  "the engine loop did not answer")
         return _json({"status": "not ready", "reason": reason}, 503)
 
     @app.get("/metrics")
@@ -140,6 +145,9 @@ async def _guard(ctx: ServerContext, request: Request, id_prefix: str | None,
     request_id = new_request_id(id_prefix) if id_prefix else ""
     try:
         _check_api_key(ctx, request)
+        if not ctx.client.ready:
+            raise APIError(503, "the engine is starting (loading weights, tuning, capturing "
+                           "graphs): retry when /ready answers 200", headers={"Retry-After": "5"})
         return await handler(ctx, request, request_id)
     except APIError as e:
         if id_prefix:

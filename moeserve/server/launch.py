@@ -1,14 +1,21 @@
 """`moeserve serve`: its flags, and the start-up and shutdown of the API server process.
 
     run_serve(args)
-      -> AsyncEngineClient.start(engine args)     spawns the engine process, waits for Ready
-      -> print the capacity report
+      -> bind the port; AsyncEngineClient.launch(engine args): spawns the engine process
       -> uvicorn (uvloop, httptools when installed else h11, no access log, a deep listen
          backlog and the open-files limit raised, for thousands of streams) serving build_app
+         at once: /health answers 200 during the engine's start-up (weights, MoE tune,
+         graphs), /ready and the /v1 routes 503 until the engine is ready
+      -> Ready: print the capacity report; watch the engine process
     SIGINT / SIGTERM
       -> the engine client shuts down first: in-flight requests end with an error (503, or an
          error event in a stream) instead of holding the graceful shutdown open
       -> uvicorn closes the listeners and connections, the app's lifespan ends; exit code 0
+    the engine process dies
+      -> every in-flight request ends with an error (an error event in a stream), then the
+         server shuts down and exits with EXIT_ENGINE_DIED, for its supervisor to restart it
+    exit codes: 0 stopped by a signal; 1 could not start (port in use, engine start-up
+    failed); EXIT_ENGINE_DIED (3) the engine (or, with --api-servers, any serving process) died
 
 The engine client and uvicorn run on one uvloop event loop that this module creates, so the
 client's sockets and the HTTP handlers share it.
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import logging
@@ -28,12 +36,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moeserve.engine.args import add_engine_args, engine_kwargs_from_args
+from moeserve.gc_tuning import freeze_heap
 
 if TYPE_CHECKING:  # imported when serving, so that building the CLI parser stays light
     from fastapi import FastAPI
 
 logger = logging.getLogger("moeserve.server")
 _BACKLOG = 16384  # pending connections: a 2,048-stream benchmark opens them all at once
+EXIT_ENGINE_DIED = 3
+_DRAIN_SECONDS = 5.0  # after the engine's death: how long streams may take to get their error
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -135,19 +146,13 @@ async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
               "served_model_name": args.served_model_name}
     try:
         if join is None:
-            client = await AsyncEngineClient.start(engine_kwargs_from_args(args), **common)
+            client = AsyncEngineClient.launch(engine_kwargs_from_args(args), **common)
         else:
-            client = await AsyncEngineClient.connect(engine_kwargs_from_args(args), join.ipc_dir,
-                                                     join.client_index, join.engine_pid, **common)
-    except RuntimeError as e:  # the engine failed to start: its error names the problem
-        logger.error("%s", e)
-        sock.close()
-        return 1
+            client = AsyncEngineClient.join(engine_kwargs_from_args(args), join.ipc_dir,
+                                            join.client_index, join.engine_pid, **common)
     except BaseException:
         sock.close()
         raise
-    if join is None or join.client_index == 0:
-        print(client.capacity_report["text"], flush=True)
     http = http_implementation()
     settings = {"host": args.host, "port": args.port, "http": http, "loop": "uvloop",
                 "max_waiting_requests": args.max_waiting_requests,
@@ -165,11 +170,46 @@ async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
     # make that a no-op, so a handled SIGINT/SIGTERM ends in a clean exit code 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    code = 0
     try:
-        await server.serve(sockets=[sock])
+        code = await _supervise(client, server, serving, join is None or join.client_index == 0)
+        await serving
     finally:
         await shutdown_engine(app)
-    return 0
+    return EXIT_ENGINE_DIED if client.died.is_set() else code
+
+
+async def _supervise(client: Any, server: Any, serving: asyncio.Task, show_report: bool) -> int:
+    """While uvicorn serves: wait for the engine's start-up (exit code 1 if it fails), then
+    for its death (stop the server once the in-flight requests got their errors)."""
+    starting = asyncio.create_task(client.wait_ready())
+    await asyncio.wait({serving, starting}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # a signal stopped the server during start-up
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        return 0
+    if starting.exception() is not None:  # the engine's own error names the problem
+        logger.error("%s", starting.exception())
+        server.should_exit = True
+        return 1
+    freeze_heap()  # what start-up built lives as long as the process: keep GC off it
+    if show_report:
+        print(client.capacity_report["text"], flush=True)
+    died = asyncio.create_task(client.died.wait())
+    await asyncio.wait({serving, died}, return_when=asyncio.FIRST_COMPLETED)
+    if not died.done():
+        died.cancel()
+        return 0
+    logger.error("the engine process died: ending every request with an error, then exiting "
+                 "with code %d", EXIT_ENGINE_DIED)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _DRAIN_SECONDS
+    while client.num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    server.should_exit = True
+    return EXIT_ENGINE_DIED
 
 
 def _server(config: Any, app: FastAPI) -> Any:

@@ -10,7 +10,9 @@ carry N times that, while the engine still runs one step loop. Prometheus counte
 are summed over the API processes (prometheus_client's multiprocess mode, in a folder of the
 launcher's); `moeserve_api_cpu_seconds_total` sums their CPU. SIGINT/SIGTERM: the API processes
 shut down first (in-flight requests end with an error), then the engine; if any of them dies, the
-launcher stops the rest and exits non-zero. No process is left behind.
+launcher stops the rest and exits with EXIT_ENGINE_DIED (3), as one API process does when its
+engine dies. No process is left behind: the engine dies with the launcher (parent-death signal)
+and each API process watches the launcher.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import tempfile
 import time
 
 from moeserve import envs
+from moeserve.server.launch import EXIT_ENGINE_DIED
 
 logger = logging.getLogger("moeserve.server")
 API_PIDS_FILE = "api_pids"  # in the IPC folder: the API processes' pids, for the CPU metric
@@ -57,11 +60,16 @@ def run_launcher(args: argparse.Namespace) -> int:
     with open(os.environ[envs.API_PIDS_FILE], "w") as f:
         f.write(" ".join(str(proc.pid) for proc in apis))
     try:
-        failed = _wait(stop, engine, apis)
+        dead = _wait(stop, engine, apis)
     finally:
         _stop_all(engine, apis)
         shutil.rmtree(ipc_dir, ignore_errors=True)
-    return 1 if failed else 0
+    if dead is None:
+        return 0
+    # the engine ends by itself with 0 only after a failed start-up; an API process exits
+    # with 1 when it could not start
+    could_not_start = dead.exitcode == (0 if dead is engine else 1)
+    return 1 if could_not_start else EXIT_ENGINE_DIED
 
 
 def _install_stop_handlers() -> list[int]:
@@ -73,16 +81,16 @@ def _install_stop_handlers() -> list[int]:
 
 
 def _wait(stop: list[int], engine: multiprocessing.Process,
-          apis: list[multiprocessing.Process]) -> bool:
-    """Until a stop signal (False) or the death of any process (True)."""
+          apis: list[multiprocessing.Process]) -> multiprocessing.Process | None:
+    """Until a stop signal (None) or the death of any process (that process)."""
     while not stop:
         dead = [p for p in [engine, *apis] if not p.is_alive()]
         if dead:
             logger.error("%s exited (code %s): stopping the server", dead[0].name,
                          dead[0].exitcode)
-            return True
+            return dead[0]
         time.sleep(0.2)
-    return False
+    return None
 
 
 def _stop_all(engine: multiprocessing.Process, apis: list[multiprocessing.Process]) -> None:

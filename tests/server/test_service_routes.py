@@ -48,7 +48,7 @@ def test_no_key_needed_without_api_key(http: httpx.Client) -> None:
 
 
 def test_health_and_ready(http: httpx.Client) -> None:
-    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/health").json() == {"status": "ok", "engine": "serving"}
     assert http.get("/ready").json() == {"status": "ready"}
 
 
