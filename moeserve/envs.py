@@ -28,7 +28,9 @@ FAULT_INJECT = "MOESERVE_FAULT_INJECT"
 #   detokenize  its detokenization raises (API process or offline LLM)
 #   step        the forward raises while it is in the batch: a fault of no one request, which
 #               stops the engine loudly
-FAULT_KINDS = ("sample", "nan", "detokenize", "step")
+#   hold_startup  (the id is a file path) the engine's start-up waits until that file exists:
+#               a start-up as long as a test needs, like a long MoE tune
+FAULT_KINDS = ("sample", "nan", "detokenize", "step", "hold_startup")
 
 
 def api_pids_file() -> str | None:

@@ -50,6 +50,11 @@ class Tokenizer(Protocol):
         """The prompt text for a chat, ending with the assistant's turn when asked."""
         ...
 
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can cover (bounds a prompt's length in
+        characters by its length in tokens, before tokenizing)."""
+        ...
+
 
 def _message_text(content: Any) -> str:
     """OpenAI message content: a string, None, or a list of parts ({"type": "text", ...})."""
@@ -88,6 +93,9 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def max_token_chars(self) -> int:
+        return 1  # a token is one byte of UTF-8: at most one character
 
     def token_bytes(self, ids: Sequence[int], skip_special_tokens: bool = True) -> list[bytes]:
         out = []
@@ -192,6 +200,7 @@ class HFTokenizer:
         self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items()
                              if t.special}
         self._cache: dict[int, bytes] = {}
+        self._max_token_chars: int | None = None
         self._init_special_tokens(folder)
         self.chat_template = _read_chat_template(folder)
         self._template: Any = None  # compiled on first use
@@ -214,6 +223,14 @@ class HFTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def max_token_chars(self) -> int:
+        """The longest piece of the vocabulary, added tokens included (a byte-level piece has
+        one character per byte: at least the characters it covers)."""
+        if self._max_token_chars is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max((len(piece) for piece in vocab), default=1)
+        return self._max_token_chars
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         _check_ids(ids)

@@ -114,9 +114,13 @@ def send(box: zmq.Socket, data: bytes, parent: int) -> None:
 
 
 def _start(engine_kwargs: dict, outboxes: list[zmq.Socket], parent: int):
+    from moeserve import envs
     from moeserve.engine.args import engine_config_from_kwargs
     from moeserve.engine.core import EngineCore
 
+    for path in envs.fault_injection().get("hold_startup", ()):  # tests only
+        while not os.path.exists(path):
+            time.sleep(0.05)
     try:
         return EngineCore(engine_config_from_kwargs(**engine_kwargs))
     except Exception as e:  # report any start-up failure to the API processes, then exit

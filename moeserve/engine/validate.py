@@ -15,12 +15,12 @@ def validate_request(prompt: list[int], params: SamplingParams, vocab_size: int,
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
     if not prompt:
         raise ValueError("the prompt is empty")
+    if len(prompt) >= max_model_len:  # before the scan of the ids: a long prompt costs O(1)
+        raise ValueError(f"the prompt has {len(prompt)} tokens; max_model_len is {max_model_len}, "
+                         f"so a prompt may have at most {max_model_len - 1}")
     bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if len(prompt) >= max_model_len:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; max_model_len is {max_model_len}, "
-                         f"so a prompt may have at most {max_model_len - 1}")

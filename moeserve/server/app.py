@@ -10,7 +10,9 @@
                                 (while it starts: the /v1 routes answer 503 then too)
     GET  /metrics               Prometheus text (metrics.py)
 
-Every /v1 response carries an X-Request-Id ("cmpl-...", "chatcmpl-..." for generation). Every
+Every /v1 response carries an X-Request-Id ("cmpl-...", "chatcmpl-..." for generation; a client's
+own X-Request-Id header is used instead when it sends one, as in vLLM: 1-128 characters of
+[A-Za-z0-9._:-], unique among the requests in flight, else 400). Every
 error is OpenAI-style JSON (errors.py): a route raises APIError and `_guard` answers it; unknown
 routes and methods too. The app's lifespan ends by shutting the engine client down, which ends
 in-flight requests with an error and stops the engine process.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("moeserve.server")
 _REJECTED = {429: "queue_full", 503: "engine_unavailable"}
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 Handler = Callable[[ServerContext, Request, str], Awaitable[Response]]
 
 
@@ -144,6 +148,8 @@ async def _guard(ctx: ServerContext, request: Request, id_prefix: str | None,
     """Authentication, then the handler; an APIError becomes its JSON response."""
     request_id = new_request_id(id_prefix) if id_prefix else ""
     try:
+        if id_prefix:
+            request_id = _client_request_id(request) or request_id
         _check_api_key(ctx, request)
         if not ctx.client.ready:
             raise APIError(503, "the engine is starting (loading weights, tuning, capturing "
@@ -156,6 +162,17 @@ async def _guard(ctx: ServerContext, request: Request, id_prefix: str | None,
         logger.log(level, "%s %s %s: %d %s", request_id or "-", request.method,
                    request.url.path, e.status, e.message)
         return e.to_response(request_id)
+
+
+def _client_request_id(request: Request) -> str | None:
+    """The client's X-Request-Id header, when it sent a valid one; 400 when it is not."""
+    value = request.headers.get("x-request-id")
+    if value is None:
+        return None
+    if not _REQUEST_ID.fullmatch(value):
+        raise APIError(400, "the X-Request-Id header must be 1-128 characters of "
+                       "[A-Za-z0-9._:-]", "X-Request-Id")
+    return value
 
 
 def _check_api_key(ctx: ServerContext, request: Request) -> None:

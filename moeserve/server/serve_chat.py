@@ -21,6 +21,7 @@ from starlette.responses import Response
 from moeserve.server.errors import APIError
 from moeserve.server.generation import Generation
 from moeserve.server.protocol import ChatCompletionRequest
+from moeserve.server.request_limits import THREAD_TOKENIZE_CHARS, check_messages
 from moeserve.server.serving import (
     ChoiceResult,
     ServerContext,
@@ -34,13 +35,13 @@ from moeserve.server.serving import (
 )
 from moeserve.types import Logprobs, RequestOutput
 
-_THREAD_TEMPLATE_CHARS = 16384  # longer chats are rendered and tokenized off the event loop
-
 
 async def create_chat_completion(ctx: ServerContext, request: Request,
                                  request_id: str) -> Response:
-    req = await parse_body(request, ChatCompletionRequest)
+    req = await parse_body(ctx, request, ChatCompletionRequest)
     check_model(ctx, req.model)
+    check_messages([len(m.text) for m in req.messages], ctx.client.max_model_len,
+                   ctx.max_prompt_chars)
     prompt = await chat_prompt(ctx, req)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_lengths(ctx, [prompt], req.max_new_tokens, field, "messages")
@@ -63,7 +64,7 @@ async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[in
                            "messages") from None
         return tokenizer.encode(text, add_special_tokens=False)
 
-    if sum(len(m["content"]) for m in messages) > _THREAD_TEMPLATE_CHARS:
+    if sum(len(m["content"]) for m in messages) > THREAD_TOKENIZE_CHARS:
         return await asyncio.to_thread(render)
     return render()
 

@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from moeserve.server.generation import Generation
 from moeserve.server.protocol import CompletionRequest
+from moeserve.server.request_limits import THREAD_TOKENIZE_CHARS, check_prompt
 from moeserve.server.serving import (
     ChoiceResult,
     ServerContext,
@@ -31,12 +32,12 @@ from moeserve.server.serving import (
 from moeserve.types import Logprobs, RequestOutput
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_THREAD_TOKENIZE_CHARS = 16384  # longer texts are tokenized off the event loop
 
 
 async def create_completion(ctx: ServerContext, request: Request, request_id: str) -> Response:
-    req = await parse_body(request, CompletionRequest)
+    req = await parse_body(ctx, request, CompletionRequest)
     check_model(ctx, req.model)
+    check_prompt(req.prompt, req.n, ctx.client.max_model_len, ctx.max_prompt_chars)
     prompts = await tokenize_prompts(ctx, req.prompt)
     check_lengths(ctx, prompts, req.max_tokens, "max_tokens", "prompt")
     params = sampling_params(req, prompts, req.max_tokens, DEFAULT_MAX_TOKENS, req.logprobs,
@@ -48,21 +49,24 @@ async def create_completion(ctx: ServerContext, request: Request, request_id: st
 
 
 async def tokenize_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
-    """The prompt field as token-id lists, one per prompt."""
+    """The prompt field as token-id lists, one per prompt; more than THREAD_TOKENIZE_CHARS of
+    text in all is tokenized in one call off the event loop."""
     if isinstance(prompt, str):
-        return [await _encode_text(ctx, prompt)]
-    if not prompt or isinstance(prompt[0], int):
+        texts = [prompt]
+    elif not prompt or isinstance(prompt[0], int):
         return [prompt]
-    if isinstance(prompt[0], str):
-        return [await _encode_text(ctx, text) for text in prompt]
-    return prompt
-
-
-async def _encode_text(ctx: ServerContext, text: str) -> list[int]:
+    elif isinstance(prompt[0], str):
+        texts = prompt
+    else:
+        return prompt
     encode = ctx.client.tokenizer.encode
-    if len(text) > _THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(encode, text)
-    return encode(text)
+
+    def tokenize() -> list[list[int]]:
+        return [encode(text) for text in texts]
+
+    if sum(len(text) for text in texts) > THREAD_TOKENIZE_CHARS:
+        return await asyncio.to_thread(tokenize)
+    return tokenize()
 
 
 class CompletionRenderer:

@@ -36,14 +36,14 @@ from moeserve.server.generation import (
     named,
 )
 from moeserve.server.metrics import RequestTimer, ServerMetrics
-from moeserve.server.protocol import MAX_CHOICES, SamplingFields
+from moeserve.server.protocol import SamplingFields
+from moeserve.server.request_limits import MAX_BODY_BYTES, max_prompt_chars, precheck_body
 from moeserve.types import Logprobs, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from moeserve.engine.async_client import AsyncEngineClient
 
 logger = logging.getLogger("moeserve.server")
-MAX_BODY_BYTES = 64 << 20
 _encode = msgspec.json.Encoder().encode
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
@@ -64,6 +64,12 @@ class ServerContext:
     def served_model(self) -> str:
         return self.client.model_name
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """Longer text cannot fit in max_model_len tokens (request_limits.py)."""
+        return max_prompt_chars(self.client.max_model_len,
+                                self.client.tokenizer.max_token_chars())
+
     def token_string(self, token_id: int) -> tuple[str, list[int]]:
         """A token's own text and bytes, as logprobs show it (special tokens included)."""
         hit = self._token_strings.get(token_id)
@@ -77,8 +83,19 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
-    """Read and validate a JSON body; APIError 400/413 naming what is wrong."""
+async def parse_body(ctx: ServerContext, request: Request, model: type[RequestT]) -> RequestT:
+    """Read and validate a JSON body; APIError 400/413 naming what is wrong. A big body gets
+    the request limits first, off the event loop (request_limits.py)."""
+    body = await read_body(request)
+    await precheck_body(body, ctx.client.max_model_len, ctx.max_prompt_chars)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, up to MAX_BODY_BYTES (APIError 413 beyond)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise APIError(413, f"the body has {length} bytes; the limit is {MAX_BODY_BYTES}")
@@ -87,10 +104,7 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise APIError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
-    try:
-        return model.model_validate_json(bytes(body))
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+    return bytes(body)
 
 
 def check_model(ctx: ServerContext, name: str | None) -> None:
@@ -121,10 +135,8 @@ def sampling_params(req: SamplingFields, prompts: list[list[int]], max_tokens: i
                     max_model_len: int) -> list[SamplingParams]:
     """One SamplingParams per choice: prompt-major, n per prompt; seed + i for choice i of a
     prompt. Without max_tokens: default_max_tokens, or up to max_model_len when that is None
-    (capped by max_model_len either way)."""
-    if len(prompts) * req.n > MAX_CHOICES:
-        raise APIError(400, f"n x number of prompts is {len(prompts) * req.n}; the limit is "
-                       f"{MAX_CHOICES}", "n")
+    (capped by max_model_len either way). The number of choices is checked before (request
+    limits)."""
     out = []
     for prompt in prompts:
         room = max_model_len - len(prompt)
