@@ -30,7 +30,9 @@ FAULT_INJECT = "MOESERVE_FAULT_INJECT"
 #               stops the engine loudly
 #   hold_startup  (the id is a file path) the engine's start-up waits until that file exists:
 #               a start-up as long as a test needs, like a long MoE tune
-FAULT_KINDS = ("sample", "nan", "detokenize", "step", "hold_startup")
+#   slow_step   (the id is milliseconds) every engine step sleeps that long first: an engine
+#               slower than its clients, for overload and disconnect tests
+FAULT_KINDS = ("sample", "nan", "detokenize", "step", "hold_startup", "slow_step")
 
 
 def api_pids_file() -> str | None:

@@ -184,6 +184,10 @@ class AsyncEngineClient:
         return self._dead_reason is None and self._proc.is_alive()
 
     @property
+    def engine_pid(self) -> int:
+        return self._proc.pid
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._queues)
 

@@ -48,6 +48,8 @@ class ModelRunner:
         self._load_snapshot: dict | None = None
         self.num_graph_steps = 0
         self.faults = envs.fault_injection()  # {} unless a test injects faults
+        self.step_delay_s = max((float(ms) / 1e3 for ms in self.faults.get("slow_step", ())),
+                                default=0.0)
         self._init_model(weights_folder)
 
     def _init_model(self, weights_folder: str | None) -> None:
@@ -211,8 +213,8 @@ class ModelRunner:
         return pending
 
     def _launch(self, out: SchedulerOutput) -> PendingOutput:
-        if self.faults.get("step") and not self.faults["step"].isdisjoint(out.req_ids):
-            raise envs.InjectedFault("injected step fault: the forward failed")
+        if self.faults:
+            self._inject_step_faults(out)
         is_decode = out.num_reqs > 0 and all(n == 1 for n in out.num_scheduled_tokens)
         bucket = self.graphs.bucket(out.num_reqs) if self.graphs and is_decode else None
         if bucket is None and is_decode and self.device.type == "cuda":
@@ -233,6 +235,13 @@ class ModelRunner:
                                breakdown=True)  # [T, hidden]
         last_token = np.cumsum(meta.query_lens_np) - 1  # [B] each row's last token
         return self._sample_rows(out, hidden, last_token, meta.seq_lens_np)
+
+    def _inject_step_faults(self, out: SchedulerOutput) -> None:
+        """Tests only (envs.fault_injection): a slow step, or a forward that raises."""
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        if self.faults.get("step") and not self.faults["step"].isdisjoint(out.req_ids):
+            raise envs.InjectedFault("injected step fault: the forward failed")
 
     def _launch_graph_step(self, out: SchedulerOutput, bucket: int) -> PendingOutput:
         """A decode step through the bucket's CUDA graph (rows past the batch are padding)."""

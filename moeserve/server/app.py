@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -199,6 +200,7 @@ async def _engine_state(ctx: ServerContext, request: Request, request_id: str) -
               "api_key": ctx.api_key is not None, "max_model_len": client.max_model_len,
               "max_running_requests": client.max_running_requests,
               "max_waiting_requests": getattr(client, "max_waiting_requests", None),
-              "num_in_flight": client.num_in_flight, "engine_alive": client.alive}
+              "num_in_flight": client.num_in_flight, "engine_alive": client.alive,
+              "engine_pid": client.engine_pid, "pid": os.getpid()}
     return _json({"capacity_report": client.capacity_report,
                   "stats": msgspec.structs.asdict(client.stats), "server": server})
