@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from moeserve.gc_tuning import freeze_heap
+from moeserve.server.connections import BODY_TIMED_OUT
 from moeserve.server.errors import APIError
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.serve_chat import create_chat_completion
@@ -91,7 +92,18 @@ def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail)).to_response()
+        headers = dict(exc.headers or {})  # a 405's Allow
+        return APIError(exc.status_code, str(exc.detail), headers=headers).to_response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        """The client went away before its body was read: nothing to answer, no traceback.
+        (A body that timed out has had its 408, counted by the connection: connections.py.)"""
+        if not request.scope.get(BODY_TIMED_OUT):
+            ctx.metrics.disconnects.inc()
+            logger.debug("%s %s: the client went away before its body was read",
+                         request.method, request.url.path)
+        return Response(status_code=499)
 
     return app
 

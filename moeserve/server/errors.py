@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error",
           500: "internal_error", 503: "service_unavailable"}
 
 # Segments pydantic adds to a location for the members of a union type: not field names.

@@ -4,7 +4,8 @@
       -> bind the port; AsyncEngineClient.launch(engine args): spawns the engine process
       -> uvicorn (uvloop, httptools when installed else h11, no access log, a deep listen
          backlog and the open-files limit raised, for thousands of streams) serving build_app
-         at once: /health answers 200 during the engine's start-up (weights, MoE tune,
+         at once, with connections.py's protocol (request deadlines, a cap on open
+         connections): /health answers 200 during the engine's start-up (weights, MoE tune,
          graphs), /ready and the /v1 routes 503 until the engine is ready
       -> Ready: print the capacity report; watch the engine process
     SIGINT / SIGTERM
@@ -41,6 +42,8 @@ from moeserve.gc_tuning import freeze_heap
 if TYPE_CHECKING:  # imported when serving, so that building the CLI parser stays light
     from fastapi import FastAPI
 
+    from moeserve.server.connections import ConnectionLimits
+
 logger = logging.getLogger("moeserve.server")
 _BACKLOG = 16384  # pending connections: a 2,048-stream benchmark opens them all at once
 EXIT_ENGINE_DIED = 3
@@ -64,21 +67,54 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-servers", type=int, default=1, help="API server processes "
                         "sharing the port in front of the one engine; more than 1 when one "
                         "process cannot carry the streams (default: 1)")
+    parser.add_argument("--http-header-timeout", type=_positive_seconds, default=20.0,
+                        metavar="SECONDS", help="a connection must send complete request "
+                        "headers within this time of connecting (or of a keep-alive request's "
+                        "first byte), else it is closed (default: 20)")
+    parser.add_argument("--http-body-timeout", type=_positive_seconds, default=60.0,
+                        metavar="SECONDS", help="a request must send its whole body within this "
+                        "time of its headers, else it gets HTTP 408 and the connection is "
+                        "closed; responses are not bounded (default: 60)")
+    parser.add_argument("--max-connections", type=_max_connections, default="auto",
+                        metavar="N|auto", help="open connections per API process; one more gets "
+                        "HTTP 503 with Retry-After: 1 at accept. auto: the open-files limit less "
+                        "a reserve for the process's own files, which is at least 4 x (max "
+                        "running + max waiting requests) where the limit allows (default: auto)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="log level of the server (debug logs every request)")
     add_engine_args(parser)
 
 
-def raise_open_files_limit() -> None:
-    """One socket per client: thousands of streams need more than the usual 1,024 files."""
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def _max_connections(text: str) -> int | None:
+    """"auto" -> None (resolved at start-up from the open-files limit), else an int >= 1."""
+    if text == "auto":
+        return None
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {text}")
+    return value
+
+
+def raise_open_files_limit() -> int:
+    """One socket per client: thousands of streams need more than the usual 1,024 files.
+    Raises the soft RLIMIT_NOFILE to the hard one; returns the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft < target:
+    if soft != resource.RLIM_INFINITY and soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
         except (ValueError, OSError) as e:
             logger.warning("could not raise the open-files limit from %d: %s", soft, e)
+    return target if soft == resource.RLIM_INFINITY else soft
 
 
 def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -136,6 +172,7 @@ async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
 
     from moeserve.engine.async_client import AsyncEngineClient
     from moeserve.server.app import build_app, shutdown_engine
+    from moeserve.server.connections import protocol_class
 
     try:  # bind first: a port in use fails now, not after minutes of engine start-up
         sock = bind_socket(args.host, args.port, reuse_port=join is not None)
@@ -154,15 +191,21 @@ async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
         sock.close()
         raise
     http = http_implementation()
+    limits, cap_reason = _connection_limits(args, _max_running_bound(args) +
+                                            args.max_waiting_requests)
     settings = {"host": args.host, "port": args.port, "http": http, "loop": "uvloop",
+                "http_header_timeout": limits.header_timeout,
+                "http_body_timeout": limits.body_timeout,
+                "max_connections": limits.max_connections,
+                "max_connections_reason": cap_reason,
                 "max_waiting_requests": args.max_waiting_requests,
                 "api_servers": args.api_servers,
                 "api_server_index": join.client_index if join else 0,
                 "engine_args": json.loads(json.dumps(engine_kwargs_from_args(args),
                                                      default=str))}
     app = build_app(client, args.api_key, settings=settings)
-    raise_open_files_limit()
-    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http=http,
+    protocol = protocol_class(http, limits, app.state.ctx.metrics)
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http=protocol,
                             access_log=False, log_level=args.log_level, lifespan="on",
                             backlog=_BACKLOG)
     server = _server(config, app)
@@ -210,6 +253,34 @@ async def _supervise(client: Any, server: Any, serving: asyncio.Task, show_repor
         await asyncio.sleep(0.05)
     server.should_exit = True
     return EXIT_ENGINE_DIED
+
+
+def _max_running_bound(args: argparse.Namespace) -> int:
+    """The most requests the engine can run, known before its start-up ends: the explicit cap,
+    or the request pool that bounds the "auto" one."""
+    from moeserve.config import SchedulerConfig
+
+    cap = args.max_running_requests
+    if cap is not None and str(cap).isdigit():
+        return int(cap)
+    pool = args.request_pool
+    return int(pool) if pool is not None else SchedulerConfig.__dataclass_fields__[
+        "request_pool"].default
+
+
+def _connection_limits(args: argparse.Namespace,
+                       queue_bound: int) -> tuple[ConnectionLimits, str]:
+    """The flags' deadlines, and the connection cap with its reason: --max-connections, or
+    derived from the open-files limit (raised here to the hard limit) and the queue bound."""
+    from moeserve.server.connections import ConnectionLimits, resolve_max_connections
+
+    open_files = raise_open_files_limit()
+    cap, reason = resolve_max_connections(args.max_connections, open_files, queue_bound)
+    limits = ConnectionLimits(args.http_header_timeout, args.http_body_timeout, cap)
+    logger.info("connections: at most %d open (%s); request headers within %g s, a body "
+                "within %g s of its headers", cap, reason, limits.header_timeout,
+                limits.body_timeout)
+    return limits, reason
 
 
 def _server(config: Any, app: FastAPI) -> Any:

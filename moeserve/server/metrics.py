@@ -3,8 +3,8 @@
 Two sources, one registry per app:
 - measured here, per request, from the moment its HTTP body is parsed: TTFT, time per output
   token, end-to-end latency (histograms), tokens and requests by finish reason, rejections by
-  reason (400 / 429 / 503), client disconnects, and a tokens-per-second gauge over the last
-  `RATE_WINDOW_S` seconds;
+  reason (400 / 429 / 503), client disconnects, connections refused at accept and timed out
+  (connections.py), and a tokens-per-second gauge over the last `RATE_WINDOW_S` seconds;
 - read from the engine at scrape time (the client's latest stats snapshot): running, waiting, KV
   usage, in flight, and the engine's own cumulative counters (steps, preemptions, prefix hits).
 
@@ -24,6 +24,7 @@ import psutil
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     ProcessCollector,
     generate_latest,
@@ -193,6 +194,15 @@ class ServerMetrics:
                                 "(503)", ["reason"], registry=r)
         self.disconnects = Counter("moeserve_client_disconnects", "Requests aborted because "
                                    "the client went away", registry=r)
+        self.connections_refused = Counter("moeserve_connections_refused", "Connections "
+                                           "refused at accept with HTTP 503: the connection cap "
+                                           "(--max-connections) was reached", registry=r)
+        self.num_connections = Gauge("moeserve_num_connections", "Open HTTP connections, "
+                                     "refused ones included until they close",
+                                     registry=r, multiprocess_mode="livesum")
+        self.connection_timeouts = Counter("moeserve_connection_timeouts", "Connections whose "
+                                           "request did not arrive in time: headers (closed), "
+                                           "body (HTTP 408)", ["phase"], registry=r)
         self.ttft = Histogram("moeserve_time_to_first_token_seconds", "From the parsed request "
                               "to its first output token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("moeserve_time_per_output_token_seconds", "Per choice: (last token "
@@ -203,6 +213,8 @@ class ServerMetrics:
             self.requests.labels(reason)
         for reason in ("invalid_request", "queue_full", "engine_unavailable"):
             self.rejected.labels(reason)
+        for phase in ("headers", "body"):
+            self.connection_timeouts.labels(phase)
         self.registry.register(_EngineCollector(client, self.meter))
 
     def render(self) -> bytes:

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -261,3 +261,124 @@ def test_expert_load_in_metrics_and_engine_state(server: Server) -> None:
     assert "moeserve_engine_loop_seconds " in metrics
     assert "moeserve_expert_tokens_per_step " in metrics
     assert "moeserve_expert_load_imbalance " in metrics
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    """What the server sends until it closes (a reset counts as closed too)."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def _request_head(length: int) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % length)
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def _deadlines_pass(s: Server) -> None:
+    """Headers that never end, a body that stalls, a body cut short by its client, a 405."""
+    with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n")
+        assert _until_closed(sock) == b""  # closed at the header deadline, nothing answered
+    with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+        sock.sendall(_request_head(100) + b'{"prompt": ')
+        answer = _until_closed(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == 408
+    with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+        sock.sendall(_request_head(100) + b'{"prompt": ')  # then the client goes away
+    r = httpx.get(f"{s.url}/v1/completions", timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+async def _stream(client: httpx.AsyncClient, url: str, max_tokens: int,
+                  while_open: Callable[[], Awaitable[object]] | None = None) -> list[dict]:
+    """A streamed completion's events (asserting it ends well); `while_open` is awaited after
+    the first, with the response in progress."""
+    body = {"model": "tiny-moe", "prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}
+    events = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                if len(events) == 1 and while_open is not None:
+                    await while_open()
+    assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_connection_deadlines_and_cap() -> None:
+    """One server with short deadlines and a cap of 4 connections (the flags): a long stream is
+    not cut while other connections' deadlines pass; the 5th connection gets 503 at accept and
+    the 4 open ones finish; a client gone mid-body leaves no traceback in the log."""
+    s = Server("--http-header-timeout", "0.3", "--http-body-timeout", "0.3",
+               "--max-connections", "4")
+    try:
+        settings = _engine_state(s.url)["server"]
+        assert settings["max_connections"] == 4 and settings["http_body_timeout"] == 0.3
+        assert settings["max_connections_reason"].startswith("--max-connections")
+
+        async def long_stream() -> list[dict]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await _stream(client, s.url, 16,
+                                     lambda: asyncio.to_thread(_deadlines_pass, s))
+
+        events = asyncio.run(long_stream())
+        assert sum(len(e["choices"][0]["token_ids"]) for e in events) == 16
+
+        deadline = time.monotonic() + 30  # every connection so far closed, but the scrape's
+        while _metric(s.url, "moeserve_num_connections") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        async def at_the_cap() -> tuple[bytes, list[list[dict]]]:
+            clients = [httpx.AsyncClient(timeout=60) for _ in range(4)]
+            opened = [asyncio.Event() for _ in clients]
+
+            async def mark(i: int) -> None:
+                opened[i].set()
+
+            tasks = [asyncio.create_task(_stream(c, s.url, 4, lambda i=i: mark(i)))
+                     for i, c in enumerate(clients)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in opened)), 60)
+
+            def fifth() -> bytes:
+                with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+                    sock.sendall(_request_head(2) + b"{}")
+                    return _until_closed(sock)
+
+            refused = await asyncio.to_thread(fifth)
+            streams = await asyncio.gather(*tasks)
+            for c in clients:
+                await c.aclose()
+            return refused, streams
+
+        refused, streams = asyncio.run(at_the_cap())
+        head, _, body = refused.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower()
+        assert json.loads(body)["error"]["code"] == 503
+        assert all(sum(len(e["choices"][0]["token_ids"]) for e in events) == 4
+                   for events in streams)  # the open connections kept working
+        assert _metric(s.url, "moeserve_connections_refused_total") == 1
+        assert _metric(s.url, 'moeserve_connection_timeouts_total{phase="headers"}') == 1
+        assert _metric(s.url, 'moeserve_connection_timeouts_total{phase="body"}') == 1
+        assert _metric(s.url, "moeserve_client_disconnects_total") == 1  # not the 408's
+    finally:
+        s.stop()
+    log = s.proc.stdout.read()
+    assert "connections: at most 4 open" in log
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log
