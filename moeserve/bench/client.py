@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,11 +199,12 @@ def make_session(timeout_s: float | None) -> aiohttp.ClientSession:
 
 
 async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, item: WorkItem,
-                       record: RequestRecord, origin: float) -> None:
+                       record: RequestRecord, origin: float,
+                       clock: Callable[[], float] = time.perf_counter) -> None:
     """Send one request and stream its response into `record` (never raises for HTTP or
-    network failures: they become `record.error`). `origin`: the run's perf_counter start."""
+    network failures: they become `record.error`). `origin`: the run's start on `clock`."""
     body = msgspec.json.encode(build_payload(cfg, item.prompt, item.output_len))
-    st = time.perf_counter()
+    st = clock()
     record.start = st - origin
     try:
         async with session.post(cfg.endpoint, data=body, headers=cfg.headers()) as resp:
@@ -212,12 +214,12 @@ async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, item: 
                 return
             splitter = SSELineSplitter()
             async for data in resp.content.iter_any():
-                now = time.perf_counter() - st
+                now = clock() - st
                 for line in splitter.feed(data):
                     if line:  # skip the blank lines between events
                         handle_line(line, now, record)
             for line in splitter.flush():
-                handle_line(line, time.perf_counter() - st, record)
+                handle_line(line, clock() - st, record)
     except asyncio.TimeoutError:
         record.error = f"timeout: no complete response within {cfg.timeout_s} s (--timeout)"
     except aiohttp.ClientError as e:

@@ -26,6 +26,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -42,10 +43,12 @@ SCHEMA = "moeserve.diagnostics/1"
 class EngineTimeline:
     """GET /v1/engine's stats, one row per sample; numeric fields become columns."""
 
-    def __init__(self, base_url: str, api_key: str | None, interval_s: float) -> None:
+    def __init__(self, base_url: str, api_key: str | None, interval_s: float,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.url = base_url.rstrip("/") + "/v1/engine"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.interval_s = interval_s
+        self._clock = clock
         self.t: list[float] = []
         self.rows: list[dict[str, float]] = []
         self.errors = 0
@@ -54,7 +57,7 @@ class EngineTimeline:
         self.last_load: dict[str, Any] | None = None
 
     def sample(self, now: float) -> None:
-        t0 = time.perf_counter()
+        t0 = self._clock()
         try:
             req = urllib.request.Request(self.url, headers=self.headers)
             with urllib.request.urlopen(req, timeout=2.0) as resp:
@@ -68,7 +71,7 @@ class EngineTimeline:
             self.errors += 1
             self.last_error = "GET /v1/engine has no 'stats' object"
             return
-        self.t.append((t0 + time.perf_counter()) / 2)
+        self.t.append((t0 + self._clock()) / 2)
         self.rows.append({k: v for k, v in stats.items()
                           if isinstance(v, int | float) and not isinstance(v, bool)})
         load = stats.get("expert_load", doc.get("expert_load"))
@@ -95,13 +98,16 @@ class RunDiagnostics:
         has_engine_route: False for a server without /v1/engine (no timeline then).
         server: (pid, port) of the `moeserve serve` the bench started, else None (no CPU series).
         nvml: a pynvml-like module (tests); None imports pynvml.
+        clock: what every sample and the run's start and end are stamped with (tests).
     """
 
     def __init__(self, base_url: str, api_key: str | None, has_engine_route: bool,
                  server: tuple[int, int] | None, nvml: Any | None = None,
                  engine_interval_s: float = ENGINE_INTERVAL_S,
-                 gpu_interval_s: float = GPU_INTERVAL_S) -> None:
-        self.timeline = EngineTimeline(base_url, api_key, engine_interval_s) \
+                 gpu_interval_s: float = GPU_INTERVAL_S,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self.timeline = EngineTimeline(base_url, api_key, engine_interval_s, clock) \
             if has_engine_route else None
         self.gpu = GpuSampler(gpu_interval_s, nvml)
         self.cpu: ProcessCpuSampler | None = None
@@ -114,27 +120,27 @@ class RunDiagnostics:
         self._t_start = 0.0
 
     def start(self) -> None:
-        self._t_start = time.perf_counter()
+        self._t_start = self._clock()
         if self.timeline is not None:
             self._threads.append(Periodic(self.timeline.interval_s, self.timeline.sample,
-                                          "moeserve-diag-engine"))
+                                          "moeserve-diag-engine", self._clock))
         if self.gpu.open():
             self._threads.append(Periodic(self.gpu.interval_s, self.gpu.sample,
-                                          "moeserve-diag-gpu"))
+                                          "moeserve-diag-gpu", self._clock))
         if self.cpu is not None:
             self._threads.append(Periodic(self.cpu.interval_s, self.cpu.sample,
-                                          "moeserve-diag-cpu"))
+                                          "moeserve-diag-cpu", self._clock))
         for th in self._threads:
             th.start()
 
     def stop(self, duration: float | None) -> dict[str, Any]:
         """Stop sampling; the run's diagnostics object (`duration` None: the run failed)."""
-        t_end = time.perf_counter()
+        t_end = self._clock()
         for th in self._threads:
             th.stop()
         self.gpu.close()
         if self.timeline is not None:
-            self.timeline.sample(time.perf_counter())  # the end-of-run counters
+            self.timeline.sample(self._clock())  # the end-of-run counters
         origin = self._t_start if duration is None else max(self._t_start, t_end - duration)
         errors = {th.name: th.error for th in self._threads if th.error}
         return {

@@ -21,7 +21,7 @@ import math
 import multiprocessing as mp
 import queue
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -134,11 +134,14 @@ async def run_process(cfg: ClientConfig, items: list[WorkItem], indices: list[in
                       max_concurrency: int | None, rate: float, burstiness: float, seed: int,
                       worker: int = 0, on_done: Callable[[], None] | None = None,
                       wait_start: Callable[[], Coroutine[Any, Any, float]] | None = None,
+                      clock: Callable[[], float] = time.perf_counter,
+                      sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
                       ) -> tuple[list[RequestRecord], ProcessStats, float]:
     """One process's requests. Returns its records, its stats and its origin's wall time.
 
     `wait_start` (workers) waits for the common start and returns its wall time; records are
-    shifted so that `start` counts from that common start.
+    shifted so that `start` counts from that common start. `clock` and `sleep` time the
+    arrivals and the records (tests pass fakes).
     """
     raise_open_file_limit()
     records = [RequestRecord(index=i, prompt_len=it.prompt_len, max_tokens=it.output_len,
@@ -149,25 +152,25 @@ async def run_process(cfg: ClientConfig, items: list[WorkItem], indices: list[in
         start_wall = await wait_start() if wait_start is not None else None
         proc = psutil.Process()
         cpu0 = sum(proc.cpu_times()[:2])
-        origin, origin_wall = time.perf_counter(), time.time()
+        origin, origin_wall = clock(), time.time()
 
         async def one(item: WorkItem, rec: RequestRecord) -> None:
             if sem is None:
-                await send_request(session, cfg, item, rec, origin)
+                await send_request(session, cfg, item, rec, origin, clock)
             else:
                 async with sem:
-                    await send_request(session, cfg, item, rec, origin)
+                    await send_request(session, cfg, item, rec, origin, clock)
             if on_done is not None:
                 on_done()
 
         tasks = []
         for item, rec, at in zip(items, records, offsets):
-            delay = at - (time.perf_counter() - origin)
+            delay = at - (clock() - origin)
             if delay > 0:
-                await asyncio.sleep(delay)
+                await sleep(delay)
             tasks.append(asyncio.create_task(one(item, rec)))
         await asyncio.gather(*tasks)
-        wall = time.perf_counter() - origin
+        wall = clock() - origin
         cpu = sum(proc.cpu_times()[:2]) - cpu0
     if start_wall is not None:
         shift = origin_wall - start_wall  # >= 0: how late this process woke up

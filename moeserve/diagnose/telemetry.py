@@ -2,7 +2,8 @@
 background thread at a fixed period, on one clock (time.perf_counter).
 
     Periodic(interval_s, fn)      calls fn(now) every interval_s until stop(); a slow call delays
-                                  the next one, it never queues several
+                                  the next one, it never queues several (tests pass their own
+                                  `clock` and `wait`)
     GpuSampler                    NVML (pynvml, from the nvidia-ml-py package): per device power
                                   draw and enforced limit (W), SM clock (MHz), GPU utilisation (%),
                                   memory used (MiB). `open()` says why not when there is no NVML
@@ -31,15 +32,25 @@ MiB = 1 << 20
 
 
 class Periodic:
-    """A daemon thread calling `fn(now)` every `interval_s` seconds of time.perf_counter."""
+    """A daemon thread calling `fn(now)` every `interval_s` seconds of `clock`.
 
-    def __init__(self, interval_s: float, fn: Callable[[float], None], name: str) -> None:
+    Args:
+        clock: the time source; `now` is its reading (time.perf_counter).
+        wait: blocks for up to the seconds it is given and returns True once stop() was called
+            (None: the stop event's own wait). Tests pass a fake clock and wait.
+    """
+
+    def __init__(self, interval_s: float, fn: Callable[[float], None], name: str,
+                 clock: Callable[[], float] = time.perf_counter,
+                 wait: Callable[[float], bool] | None = None) -> None:
         if not interval_s > 0:
             raise ValueError(f"{name}: sampling interval must be > 0, got {interval_s}")
         self.interval_s = interval_s
         self.name = name
         self._fn = fn
+        self._clock = clock
         self._stop = threading.Event()
+        self._wait = wait or self._stop.wait
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.error: str | None = None
 
@@ -51,18 +62,19 @@ class Periodic:
         self._thread.join(timeout=10 * self.interval_s + 5)
 
     def _loop(self) -> None:
-        due = time.perf_counter()
+        due = self._clock()
         while not self._stop.is_set():
             try:
-                self._fn(time.perf_counter())
+                self._fn(self._clock())
             except Exception as e:  # keep the first error; the run goes on without samples
                 self.error = f"{type(e).__name__}: {e}"
                 return
             due += self.interval_s
-            now = time.perf_counter()
+            now = self._clock()
             if due < now:  # late: the next sample one period from now, not a burst
                 due = now
-            self._stop.wait(due - now)
+            if self._wait(due - now):
+                return
 
 
 def _rel(t: list[float], origin: float) -> list[float]:

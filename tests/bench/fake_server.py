@@ -2,8 +2,10 @@
 
 It streams a known timeline: `first_delay_s`, then chunks of `chunk_sizes` tokens (cycled) every
 `delay_s`, then a usage chunk and [DONE]. It counts requests in flight (the peak is
-`max_in_flight`) and keeps the request bodies. `FakeServer` runs it in a thread with its own
-event loop, so code under test may call asyncio.run itself.
+`max_in_flight`) and keeps the request bodies. With `gather` N, the first N requests wait for one
+another (all N in flight) before they stream, so a test sees a concurrency reached however slow
+the machine. `FakeServer` runs it in a thread with its own event loop, so code under test may
+call asyncio.run itself.
 
 Run standalone (`python -m tests.bench.fake_server --port 8123`) to measure the client's rate.
 """
@@ -31,6 +33,7 @@ class FakeOptions:
     huge_text_bytes: int = 0  # > 0: the first chunk's text is this long
     fail_status: int | None = None  # answer every request with this status
     usage_extra_tokens: int = 0  # report usage.completion_tokens off by this much
+    gather: int = 0  # the first `gather` requests wait until that many are in flight (10 s at most)
     engine: dict[str, Any] | None = field(default_factory=lambda: {
         "capacity_report": {"engine_config": {"device": "cpu", "max_model_len": 4096},
                             "model": "fake", "vocab_size": 1000}})
@@ -64,6 +67,8 @@ async def _stream(request: web.Request, state: FakeState, api: str) -> web.Strea
     state.in_flight += 1
     state.max_in_flight = max(state.max_in_flight, state.in_flight)
     try:
+        if len(state.bodies) <= opts.gather:
+            await _gathered(state, opts.gather)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         n_total, sent, i = int(body["max_tokens"]), 0, 0
@@ -89,6 +94,14 @@ async def _stream(request: web.Request, state: FakeState, api: str) -> web.Strea
         return resp
     finally:
         state.in_flight -= 1
+
+
+async def _gathered(state: FakeState, n: int, timeout_s: float = 10.0) -> None:
+    """Until `n` requests are in flight; past `timeout_s` go on (max_in_flight then says so)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while state.max_in_flight < n and loop.time() < deadline:
+        await asyncio.sleep(0.001)
 
 
 def make_app(state: FakeState) -> web.Application:

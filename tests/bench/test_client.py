@@ -1,10 +1,14 @@
-"""The client: SSE parsing, chunk token counts, and timed requests against a real test server."""
+"""The client: SSE parsing, chunk token counts, the timestamps of a stream (on a fake clock),
+and requests against a real test server."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -109,19 +113,74 @@ def test_payload() -> None:
     assert ClientConfig("http://h", "m", api_key="k").headers()["Authorization"] == "Bearer k"
 
 
-def test_timed_stream_against_server(fake_server: FakeServer) -> None:
-    # 0.2 s to the first chunk (1 token), then chunks of 3 and 1 tokens 0.1 s apart
-    fake_server.state.options.first_delay_s = 0.2
-    fake_server.state.options.delay_s = 0.1
+def _data(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _tokens(ids: list[int]) -> bytes:
+    return _data({"choices": [{"text": "x" * len(ids), "token_ids": ids}]})
+
+
+class ScriptedResponse:
+    """Stands in for aiohttp's session and its 200 response: `reads` are (clock time, bytes);
+    each read arrives when the fake clock shows its time."""
+
+    status = 200
+
+    def __init__(self, clock: SimpleNamespace, reads: list[tuple[float, bytes]]) -> None:
+        self.clock, self.reads, self.content = clock, reads, self
+        self.posts: list[dict[str, Any]] = []
+
+    def post(self, url: str, **kwargs: Any) -> ScriptedResponse:
+        self.posts.append({"url": url, **kwargs})
+        return self
+
+    async def __aenter__(self) -> ScriptedResponse:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        for at, data in self.reads:
+            self.clock.now = at
+            yield data
+
+
+def test_stream_timestamps_count_from_the_request_start() -> None:
+    clock = SimpleNamespace(now=100.0)
+    split = _tokens([1, 2, 3])
+    usage = _data({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}})
+    reads = [(100.25, _tokens([0])),  # the first token 0.25 s after the request went out
+             (100.375, split[:12]),  # a line cut in two reads counts when it is complete
+             (100.5, split[12:]),
+             (100.75, _tokens([4]) + usage + b"data: [DONE]\n\n")]  # lines read together
+    session = ScriptedResponse(clock, reads)
+    cfg = ClientConfig(base_url="http://h:1", model="fake-model")
+    rec = _rec(5)
+    asyncio.run(send_request(session, cfg, WorkItem([1, 2, 3], 3, 5), rec, 99.0,
+                             clock=lambda: clock.now))
+    assert rec.success and rec.status == 200, rec.error
+    assert session.posts[0]["url"] == "http://h:1/v1/completions"
+    assert rec.start == 1.0  # from the run's origin to the POST
+    assert rec.ttft == 0.25 and rec.chunk_times == [0.25, 0.5, 0.75]
+    assert rec.chunk_tokens == [1, 3, 1] and rec.streamed_tokens == 5
+    assert request_itls(rec) == pytest.approx([0.25 / 3] * 3 + [0.25])
+    assert rec.latency == 0.75  # to [DONE], which came with the last token
+    assert (rec.usage_prompt_tokens, rec.usage_completion_tokens) == (3, 5)
+
+
+def test_stream_against_server(fake_server: FakeServer) -> None:
+    # 1 token, then chunks of 3 and 1 tokens, over the network (timestamps: the test above)
+    fake_server.state.options.delay_s = 0.01
     fake_server.state.options.chunk_sizes = [1, 3, 1]
     rec = _send(fake_server, WorkItem([1, 2, 3], 3, 5))
     assert rec.success and rec.status == 200, rec.error
     assert rec.chunk_tokens == [1, 3, 1]
     assert rec.streamed_tokens == 5 == rec.usage_completion_tokens
     assert rec.usage_prompt_tokens == 3
-    assert rec.ttft == pytest.approx(0.2, abs=0.05)
-    assert request_itls(rec) == pytest.approx([0.1 / 3] * 3 + [0.1], abs=0.03)
-    assert rec.latency == pytest.approx(0.4, abs=0.06) and rec.latency >= rec.chunk_times[-1]
+    assert rec.ttft == rec.chunk_times[0] and rec.chunk_times == sorted(rec.chunk_times)
+    assert rec.latency >= rec.chunk_times[-1]
     sent = fake_server.state.bodies[0]
     assert sent["prompt"] == [1, 2, 3] and sent["ignore_eos"] is True
     assert sent["stream_options"] == {"include_usage": True} and sent["max_tokens"] == 5

@@ -1,7 +1,11 @@
-"""The runner: arrival process, concurrency cap, client processes, warm-up, client-bound flag."""
+"""The runner: arrival process, concurrency cap, client processes, warm-up, client-bound flag.
+
+Arrival times are checked on a fake clock (`FakeClock`), concurrency through the records' own
+timestamps and the test server's `gather`, never against the wall clock."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import numpy as np
@@ -16,6 +20,7 @@ from moeserve.bench.runner import (
     RunResult,
     arrival_offsets,
     run_async,
+    run_process,
     run_timed,
     split_evenly,
     warmup,
@@ -30,6 +35,40 @@ def _items(n: int, out: int = 4) -> list[WorkItem]:
 
 def _client(server: FakeServer) -> ClientConfig:
     return ClientConfig(base_url=server.url, model="fake-model", timeout_s=20)
+
+
+class FakeClock:
+    """`clock` and `sleep` for run_process: time moves only when the runner sleeps, once the
+    requests already released have been sent (they run up to their first await)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        await asyncio.sleep(0)
+        self.now += seconds
+
+
+def _fake_clock_run(server: FakeServer, n: int, rate: float) -> tuple[FakeClock, list[float]]:
+    """The send times of a run of n one-token requests at `rate`, on a FakeClock."""
+    fake = FakeClock()
+    records, _, _ = run_async(run_process(_client(server), _items(n, out=1), list(range(n)),
+                                          None, rate, 1.0, 3, clock=fake.clock,
+                                          sleep=fake.sleep))
+    assert all(r.success for r in records)
+    return fake, [r.start for r in records]
+
+
+def _max_overlap(records: list) -> int:
+    """The most requests in flight at once on the client's clock, from start to last line
+    (1 us of rounding allowed where one request's end meets the next one's start)."""
+    spans = [(r.start, r.start + r.latency) for r in records]
+    return max(sum(a <= s < b - 1e-6 for a, b in spans) for s, _ in spans)
 
 
 def test_rate_inf_sends_all_at_zero() -> None:
@@ -66,6 +105,7 @@ def test_run_config_errors() -> None:
 
 def test_concurrency_cap_holds(fake_server: FakeServer) -> None:
     fake_server.state.options.delay_s = 0.01
+    fake_server.state.options.gather = 3  # the first 3 stream only once all 3 are in flight
     seen: list[int] = []
     run = run_timed(_client(fake_server), _items(24), RunConfig(max_concurrency=3),
                     on_progress=seen.append)
@@ -74,26 +114,27 @@ def test_concurrency_cap_holds(fake_server: FakeServer) -> None:
         range(24))
     assert seen == list(range(1, 25))
     assert run.duration > 0 and len(run.processes) == 1
-    # the cap queues requests in the client, outside their TTFT: the last wave starts late
-    starts = sorted(r.start for r in run.records)
-    assert starts[-1] > starts[2] + 0.02
+    # the cap queues requests in the client, outside their TTFT: a request's clock starts
+    # when it gets a slot, so no more than 3 are ever between start and last line
+    assert _max_overlap(run.records) == 3
     m = compute_metrics(run.records, run.duration)
     assert m.concurrency <= 3.0 + 1e-9
     assert m.total_output_tokens == m.total_streamed_tokens == 96
 
 
 def test_no_cap_sends_everything_at_once(fake_server: FakeServer) -> None:
-    fake_server.state.options.first_delay_s = 0.2
+    fake_server.state.options.gather = 10  # none streams before all 10 are in flight
     run = run_timed(_client(fake_server), _items(10), RunConfig())
-    assert fake_server.state.max_in_flight == 10
-    assert max(r.start for r in run.records) < 0.1
+    assert fake_server.state.max_in_flight == 10 and all(r.success for r in run.records)
+    fake, starts = _fake_clock_run(fake_server, 10, math.inf)
+    assert fake.sleeps == [] and starts == [0.0] * 10  # rate inf: no wait before any send
 
 
 def test_finite_rate_spreads_sends(fake_server: FakeServer) -> None:
-    run = run_timed(_client(fake_server), _items(6, out=1), RunConfig(request_rate=20.0, seed=3))
+    fake, starts = _fake_clock_run(fake_server, 6, 20.0)
     offs = arrival_offsets(6, 20.0, 1.0, np.random.default_rng(3))
-    starts = [r.start for r in run.records]
-    assert starts == pytest.approx(offs, abs=0.03)
+    assert starts == pytest.approx(offs, abs=1e-9)  # each request sent at its arrival offset
+    assert fake.sleeps == pytest.approx(np.diff(offs).tolist(), abs=1e-9)  # the gaps, in turn
 
 
 def test_workers_share_the_load(fake_server: FakeServer) -> None:
@@ -106,7 +147,9 @@ def test_workers_share_the_load(fake_server: FakeServer) -> None:
     assert {r.worker for r in run.records} == {0, 1}
     assert fake_server.state.max_in_flight <= 4
     assert len(run.processes) == 2 and all(p.num_requests == 6 for p in run.processes)
-    assert min(r.start for r in run.records) < 0.05  # one time axis from the common start
+    # one time axis from the common start: every record between it and the run's end (the
+    # processes' wall clocks agree to far less than the 1 ms allowed)
+    assert min(r.start for r in run.records) >= -1e-3
     assert run.duration >= max(r.start + r.latency for r in run.records) - 1e-6
     assert seen[-1] == 12
 

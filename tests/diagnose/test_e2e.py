@@ -13,8 +13,8 @@ from moeserve.bench.cli import run_bench
 from moeserve.diagnose.cli import add_report_args, run_report
 
 
-def test_bench_diagnose_against_its_own_server(tmp_path: Path,
-                                               capsys: pytest.CaptureFixture) -> None:
+def test_bench_diagnose_against_its_own_server(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                               first_sample_before_the_run: None) -> None:
     out = tmp_path / "run.jsonl"
     rc = run_bench(["--server-args", "--device cpu --max-model-len 512", "--max-concurrency",
                     "4", "--num-prompts", "12", "--input-len", "16", "--output-len", "48",
@@ -23,19 +23,23 @@ def test_bench_diagnose_against_its_own_server(tmp_path: Path,
     (run,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert run["completed"] == 12 and isinstance(run["verdicts"], list)
     diag = run["diagnostics"]
+    # the timeline holds a sample from before the run (the fixture waits for it) and the
+    # end-of-run one: every token of the run falls between the two
     tl = diag["engine_timeline"]
     assert tl["available"] and len(tl["t"]) >= 2 and tl["errors"] == 0
+    assert tl["t"] == sorted(tl["t"]) and tl["t"][0] <= 0 < tl["t"][-1]
     steps = tl["stats"]["num_steps"]
-    assert steps[-1] > steps[0]  # the engine stepped during the run
-    assert max(tl["stats"]["num_running"]) >= 1
-    # most of the run's tokens fall between the first and the last sample (the first can come
-    # a few steps late on a loaded machine)
+    assert steps[-1] - steps[0] >= 48  # the engine stepped during the run
     assert tl["stats"]["num_generated_tokens"][-1] - tl["stats"]["num_generated_tokens"][0] \
-        >= 12 * 48 // 2
-    roles = sorted(p["role"] for p in diag["cpu"]["processes"])
-    assert roles == ["api", "engine"] and len(diag["cpu"]["t"]) >= 2
-    engine = next(p for p in diag["cpu"]["processes"] if p["role"] == "engine")
-    assert max(f for f in engine["cpu_fraction"] if f is not None) > 0.1
+        >= 12 * 48 - 12  # first tokens: prefill
+    # the server's processes by role; how many CPU samples fall in the run is the machine's
+    # business, but each is a number for each live process
+    cpu = diag["cpu"]
+    assert cpu["available"] and sorted(p["role"] for p in cpu["processes"]) == ["api", "engine"]
+    for proc in cpu["processes"]:
+        assert len(proc["cpu_fraction"]) == len(cpu["t"])
+        assert all(f is not None and f >= 0 for f in proc["cpu_fraction"])
+    assert diag["sampler_errors"] == {}
     # the engine's expert counters over the run: tiny-moe routes top-2 of 16 experts
     load = diag["expert_load"]
     assert load is not None and load["num_steps"] > 0 and len(load["tokens_per_expert"][0]) == 16

@@ -1,11 +1,12 @@
 """Samplers: NVML series from a fake NVML module (no GPU here), process CPU, process roles of a
-server tree, the periodic thread."""
+server tree, the periodic thread (its schedule on a fake clock)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from moeserve.diagnose.telemetry import (
     ProcessCpuSampler,
     server_processes,
 )
+from tests.wait import wait_until
 
 
 class FakeNvml:
@@ -92,18 +94,19 @@ def test_gpu_sampler_says_why_not() -> None:
 
 def test_process_cpu_sampler_measures_a_busy_process() -> None:
     s = ProcessCpuSampler([(os.getpid(), "engine"), (2 ** 22 + 12345, "api")])
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    s.sample(t0)
-    while time.perf_counter() - t0 < 0.3:  # burn one core (less when the machine is loaded)
+    cpu0 = time.process_time()
+    s.sample(10.0)  # the `now`s are the sampler's clock: 2 s apart, whatever the wall clock did
+    while time.process_time() - cpu0 < 0.05:  # 50 ms of CPU, however long a loaded machine takes
         pass
-    t1, cpu1 = time.perf_counter(), time.process_time()
-    s.sample(t1)
-    d = s.to_dict(origin=t0)
+    cpu1 = time.process_time()
+    s.sample(12.0)
+    d = s.to_dict(origin=10.0)
     me, gone = d["processes"]
-    assert len(d["t"]) == 1 and d["t"][0] == pytest.approx(t1 - t0, abs=1e-3)  # rounded
-    # what the process itself counted, within the kernel's clock ticks (10 ms over >= 0.3 s)
-    assert me["cpu_fraction"][0] == pytest.approx((cpu1 - cpu0) / (t1 - t0), abs=0.1)
-    assert me["cpu_fraction"][0] > 0.1  # it did see the busy loop
+    assert d["t"] == [2.0]
+    # the CPU seconds the process itself counted, over the 2 s between the samples, within the
+    # kernel's clock ticks (psutil reads user + system in 10 ms ticks)
+    assert me["cpu_fraction"][0] * 2.0 == pytest.approx(cpu1 - cpu0, abs=0.025)
+    assert me["cpu_fraction"][0] > 0  # it did see the busy loop
     assert gone["cpu_fraction"] == [None]
 
 
@@ -151,20 +154,70 @@ def test_server_process_roles(who_listens: str, roles: list[str]) -> None:
         server_processes(proc.pid, port)
 
 
-def test_periodic_samples_and_keeps_the_first_error() -> None:
+class FakeTicks:
+    """A clock and a wait for Periodic: `wait(s)` moves the clock s ahead at once and the
+    `stop_after`-th wait reports a stop (then `stopped` is set)."""
+
+    def __init__(self, now: float, stop_after: int) -> None:
+        self.now = now
+        self.stop_after = stop_after
+        self.waits: list[float] = []
+        self.stopped = threading.Event()
+
+    def clock(self) -> float:
+        return self.now
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        self.now += seconds
+        if len(self.waits) < self.stop_after:
+            return False
+        self.stopped.set()
+        return True
+
+
+def test_periodic_keeps_its_period_and_never_bursts() -> None:
+    ticks = FakeTicks(100.0, stop_after=5)
     calls: list[float] = []
-    p = Periodic(0.02, calls.append, "test")
+
+    def sample(now: float) -> None:
+        calls.append(now)
+        if len(calls) == 2:
+            ticks.now += 0.005  # a call a quarter of the period long
+        if len(calls) == 3:
+            ticks.now += 0.05  # a call 2.5 periods long
+
+    p = Periodic(0.02, sample, "test", clock=ticks.clock, wait=ticks.wait)
     p.start()
-    time.sleep(0.25)
+    assert ticks.stopped.wait(30)
     p.stop()
-    assert 5 <= len(calls) <= 14 and calls == sorted(calls)
+    # every 20 ms from the start (a short call shortens the wait after it); after the long call
+    # the next sample comes at once and the period restarts there: no burst to catch up
+    assert calls == pytest.approx([100.0, 100.02, 100.04, 100.09, 100.11])
+    assert ticks.waits == pytest.approx([0.02, 0.015, 0.0, 0.02, 0.02])
+    assert p.error is None
+
+
+def test_periodic_on_the_real_clock_samples_until_stopped() -> None:
+    calls: list[float] = []
+    p = Periodic(0.001, calls.append, "test")
+    p.start()
+    wait_until(lambda: len(calls) >= 3, "three samples")
+    p.stop()
+    assert not p._thread.is_alive() and calls == sorted(calls)
+
+
+def test_periodic_keeps_the_first_error() -> None:
+    raised = threading.Event()
 
     def boom(now: float) -> None:
+        raised.set()
         raise OSError("gone")
 
     p = Periodic(0.01, boom, "boom")
     p.start()
+    assert raised.wait(30)
     p.stop()
     assert p.error == "OSError: gone"
     with pytest.raises(ValueError, match="interval must be > 0"):
-        Periodic(0, calls.append, "zero")
+        Periodic(0, boom, "zero")

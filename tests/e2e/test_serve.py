@@ -19,6 +19,8 @@ import openai
 import psutil
 import pytest
 
+from tests.wait import wait_until
+
 SERVE = [sys.executable, "-m", "moeserve.cli", "serve", "--preset", "tiny-moe", "--device", "cpu",
          "--max-model-len", "512"]
 
@@ -182,14 +184,13 @@ def test_engine_death_and_clean_shutdown() -> None:
     try:
         engine = psutil.Process(s.engine_pid())
         engine.kill()
-        start = time.monotonic()
-        while httpx.get(f"{s.url}/ready").status_code == 200:
-            assert time.monotonic() - start < 2.0
-            time.sleep(0.05)
-        t0 = time.monotonic()
+        # the API process notices: /ready stops saying 200, and a request is refused with 503
+        # (one left waiting on the dead engine would run into httpx's timeout and fail)
+        wait_until(lambda: httpx.get(f"{s.url}/ready").status_code != 200,
+                   "/ready no longer 200", poll_s=0.05)
         r = httpx.post(f"{s.url}/v1/completions",
                        json={"model": "tiny-moe", "prompt": "Hi", "max_tokens": 2}, timeout=10)
-        assert r.status_code == 503 and time.monotonic() - t0 < 1.0
+        assert r.status_code == 503
     finally:
         s.stop()
     assert s.proc.returncode is not None

@@ -317,7 +317,18 @@ def test_quick_grid_is_small_fits_and_compiles_few_configs(num_experts: int,
 def test_ensure_tuned_tunes_once_then_returns_at_once(isolated_config_dirs: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(moe_configs.CONFIG_DIR_ENV)  # tunes go to the user cache
-    calls, timer, baseline = fake_timers({1: 0.01})
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(moe_tune, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    calls, fast_timer, fast_baseline = fake_timers({1: 0.01})
+
+    def timer(part: str, config: dict, num_tokens: int) -> float:
+        clock.now += 0.5  # each timing costs half a second of the tune's clock
+        return fast_timer(part, config, num_tokens)
+
+    def baseline(num_tokens: int) -> float:
+        clock.now += 0.5
+        return fast_baseline(num_tokens)
+
     args = (E, H, N, K, torch.float16, 4)  # engine counts 1, 2, 4
     outcome = ensure_tuned(*args, timer=timer, baseline_timer=baseline,
                            device_name="Fake GPU", log=lambda s: None)
@@ -329,13 +340,14 @@ def test_ensure_tuned_tunes_once_then_returns_at_once(isolated_config_dirs: Path
     # per token count: an align per BLOCK_M, each tile per launch, the whole op, grouped_mm
     grids = {n: moe_search.tiles_by_block_m(quick_moe_candidates(E, K, n)) for n in (1, 2, 4)}
     assert len(calls) == sum(len(g) + 2 * sum(map(len, g.values())) + 2 for g in grids.values())
+    assert outcome.seconds == 0.5 * len(calls)  # the tune's time: its timings
     choice = get_moe_config(E, H, N, K, torch.float16, 1, "Fake GPU")
     assert choice.tuned and choice.backend == "grouped_mm"
     calls.clear()
     again = ensure_tuned(*args, timer=timer, baseline_timer=baseline, device_name="Fake GPU",
                          log=lambda s: None)
     assert calls == [] and again.tuned and again.detail == "tuned earlier (cached)"
-    assert again.source == outcome.source and again.seconds < 1
+    assert again.source == outcome.source and again.seconds == 0.0  # nothing timed: no time
 
 
 def test_ensure_tuned_uses_a_committed_file_as_it_is(isolated_config_dirs: Path) -> None:

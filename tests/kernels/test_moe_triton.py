@@ -924,7 +924,9 @@ def test_gpu_tune_skips_a_failing_candidate_and_feeds_the_lookup(
     doc = json.loads(path.read_text())
     for part in ("gated", "down"):  # each launch is timed apart, and each fails to launch
         assert doc["trials"]["64"][trial_key(part, too_big)].startswith("error")
-    assert best[64]["BLOCK_K"] == 128 and 0 < best[64]["ms"] < 10
+    assert best[64]["BLOCK_K"] == 128 and best[64]["ms"] > 0
+    # the entry's time is the whole op's own timing in the ledger (not a bound on the GPU's speed)
+    assert best[64]["ms"] in [v for k, v in doc["trials"]["64"].items() if k.startswith("moe:")]
     monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path))
     choice = get_moe_config(QWEN_E, QWEN_H, QWEN_I, QWEN_K, torch.bfloat16, 64, device)
     assert choice.tuned and choice.config == good
