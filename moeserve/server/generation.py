@@ -56,7 +56,8 @@ def engine_error(exc: BaseException, param: str | None) -> APIError:
         return APIError(500, f"the request failed in the engine: {exc}")
     if isinstance(exc, ValueError):
         message = str(exc)
-        param = "stop_token_ids" if "stop token" in message else param
+        param = ("stop_token_ids" if "stop token" in message else
+                 "X-Request-Id" if "request id" in message else param)
         return APIError(400, named(param, message), param)
     logger.error("unexpected engine error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")

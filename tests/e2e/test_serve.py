@@ -19,8 +19,6 @@ import openai
 import psutil
 import pytest
 
-from tests.wait import wait_until
-
 SERVE = [sys.executable, "-m", "moeserve.cli", "serve", "--preset", "tiny-moe", "--device", "cpu",
          "--max-model-len", "512"]
 
@@ -179,21 +177,15 @@ def test_api_key() -> None:
         s.stop()
 
 
-def test_engine_death_and_clean_shutdown() -> None:
+def test_engine_death_ends_the_server_with_code_3() -> None:
+    """A dead engine ends the server (for its supervisor to restart it), never a server that
+    answers 503 forever; tests/faults covers the streams in flight."""
     s = Server()
     try:
-        engine = psutil.Process(s.engine_pid())
-        engine.kill()
-        # the API process notices: /ready stops saying 200, and a request is refused with 503
-        # (one left waiting on the dead engine would run into httpx's timeout and fail)
-        wait_until(lambda: httpx.get(f"{s.url}/ready").status_code != 200,
-                   "/ready no longer 200", poll_s=0.05)
-        r = httpx.post(f"{s.url}/v1/completions",
-                       json={"model": "tiny-moe", "prompt": "Hi", "max_tokens": 2}, timeout=10)
-        assert r.status_code == 503
+        psutil.Process(s.engine_pid()).kill()
+        assert s.proc.wait(60) == 3
     finally:
         s.stop()
-    assert s.proc.returncode is not None
 
 
 def test_sigterm_ends_inflight_and_leaves_no_process() -> None:
