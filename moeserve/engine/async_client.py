@@ -157,6 +157,10 @@ class AsyncEngineClient:
         inbox, outboxes = p.ipc_addresses(self._ipc_dir, self._client + 1)
         self._ctx = zmq.asyncio.Context()
         self._to_engine = self._ctx.socket(zmq.PUSH)
+        # NOTE: no high-water mark: a send must never fail while the engine is busy in a long
+        # step (an "Again" would fail a request that admission accepted); what is queued is
+        # bounded by admission (max running + waiting requests) and their aborts
+        self._to_engine.setsockopt(zmq.SNDHWM, 0)
         self._to_engine.connect(inbox)
         self._from_engine = self._ctx.socket(zmq.PULL)
         self._from_engine.connect(outboxes[self._client])

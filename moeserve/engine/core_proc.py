@@ -83,6 +83,7 @@ def _serve(engine_kwargs: dict, ipc_dir: str, num_clients: int, parent: int) -> 
     inbox_addr, outbox_addrs = p.ipc_addresses(ipc_dir, num_clients)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
+    inbox.setsockopt(zmq.RCVHWM, 0)  # the API side bounds what it sends (async_client.py)
     inbox.bind(inbox_addr)
     outboxes = []
     for addr in outbox_addrs:
