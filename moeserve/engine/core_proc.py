@@ -13,6 +13,8 @@ gone, so no engine is ever left behind:
     the parent dies (even by kill -9)  -> the kernel sends SIGTERM (PR_SET_PDEATHSIG, Linux),
                                           and the loop also sees getppid() change
     SIGTERM                            -> SystemExit: sockets closed, the IPC folder removed
+                                          (with --api-servers, the launcher's to remove,
+                                          unless it is gone)
     an API process stops reading       -> sends wait at most 100 ms at a time, checking that
                                           the parent lives (a blocking send would hang forever)
 
@@ -41,6 +43,7 @@ _IDLE_POLL_MS = 100
 _SEND_POLL_MS = 100
 _EXPERT_LOAD_PERIOD_S = 1.0
 _PR_SET_PDEATHSIG = 1
+_ORPHAN_CLEANUP_WAIT_S = 10.0  # orphaned: how long API processes may take to exit first
 logger = logging.getLogger("moeserve.engine")
 
 
@@ -60,7 +63,26 @@ def run_engine_core(engine_kwargs: dict, ipc_dir: str, num_clients: int = 1,
     try:
         _serve(engine_kwargs, ipc_dir, num_clients, parent)
     finally:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        _remove_ipc_dir(ipc_dir, num_clients, parent)
+
+
+def _remove_ipc_dir(ipc_dir: str, num_clients: int, parent: int) -> None:
+    """One API process: the folder is this engine's alone. Several: it is the launcher's (the
+    API processes' metrics live there too), removed by the launcher; the engine removes it only
+    when the launcher is gone, once the API processes have exited."""
+    if num_clients > 1:
+        if os.getppid() == parent:
+            return
+        import psutil
+
+        try:
+            with open(os.path.join(ipc_dir, p.API_PIDS_FILE)) as f:
+                pids = [int(pid) for pid in f.read().split()]
+            psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)],
+                              timeout=_ORPHAN_CLEANUP_WAIT_S)
+        except (OSError, ValueError, psutil.Error):
+            pass
+    shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

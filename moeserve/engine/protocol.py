@@ -187,6 +187,9 @@ def decode_from_engine(data: bytes) -> FromEngine:
     return _decode_from_engine.decode(data)
 
 
+API_PIDS_FILE = "api_pids"  # in the IPC folder (--api-servers): the API processes' pids
+
+
 def ipc_addresses(ipc_dir: str, num_clients: int) -> tuple[str, list[str]]:
     """The engine's inbox and its outbox per API process, as ZMQ ipc:// addresses."""
     return (f"ipc://{ipc_dir}/to-engine",

@@ -27,10 +27,11 @@ import tempfile
 import time
 
 from moeserve import envs
+from moeserve.engine import protocol as p
 from moeserve.server.launch import EXIT_ENGINE_DIED
 
 logger = logging.getLogger("moeserve.server")
-API_PIDS_FILE = "api_pids"  # in the IPC folder: the API processes' pids, for the CPU metric
+API_PIDS_FILE = p.API_PIDS_FILE  # the API processes' pids: the CPU metric, the engine's cleanup
 
 
 def run_launcher(args: argparse.Namespace) -> int:
