@@ -352,10 +352,10 @@ class PendingOutput:
         self.token_ids: torch.Tensor | None = None  # [R] int64, on the device
         self.extra_token_ids: torch.Tensor | None = None  # [R, steps - 1], multi-step decode
         self.logprobs = None  # SampleLogprobs | None
-        self.finite: torch.Tensor | None = None  # [R] bool: False = the row's logits were not
-        self.row_errors: dict[int, str] = {}  # finite; row (of R) -> a fault of that row alone
+        self.finite: torch.Tensor | None = None  # [R] bool, False: the row's logits not finite
+        self.row_errors: dict[int, str] = {}  # row (of R) -> a fault of that row alone
         self._copied: torch.cuda.Event | None = None  # start_copy's end, on CUDA
-        self._host: tuple = ()  # start_copy's pinned (token_ids, extra_token_ids, logprobs)
+        self._host: tuple = ()  # start_copy's pinned (token_ids, extra ids, logprobs, finite)
 
     def take(self, step: StepSample, first: bool = True) -> None:
         """Keep a sample_step's result: the first step's tokens and logprobs; every step's
