@@ -385,7 +385,7 @@ class PendingOutput:
                       None if lp is None else SampleLogprobs(
                           _to_host_async(lp.token_logprob), _to_host_async(lp.top_ids),
                           _to_host_async(lp.top_logprobs)),
-                      _to_host_async(self.finite))
+                      None if self.finite is None else _to_host_async(self.finite))
         self._copied = torch.cuda.Event()
         self._copied.record()
 
