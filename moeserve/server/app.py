@@ -7,11 +7,13 @@
     GET  /health                200 while this process is up
     GET  /ready                 200 only when the engine process is alive and its loop answers
     GET  /metrics               Prometheus text (metrics.py)
+    GET  /openapi.json, /docs   the OpenAPI document (openapi.py) and its Swagger UI (open)
 
-Every /v1 response carries an X-Request-Id ("cmpl-...", "chatcmpl-..." for generation). Every
-error is OpenAI-style JSON (errors.py): a route raises APIError and `_guard` answers it; unknown
-routes and methods too. The app's lifespan ends by shutting the engine client down, which ends
-in-flight requests with an error and stops the engine process.
+Every response of the generation routes carries an X-Request-Id ("cmpl-...", "chatcmpl-...").
+Every error is OpenAI-style JSON (errors.py): a route raises APIError and `_guard` answers it;
+unknown routes and methods too. The app's lifespan ends by
+shutting the engine client down, which ends in-flight requests with an error and stops the engine
+process.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from starlette.responses import Response
 from moeserve.gc_tuning import freeze_heap
 from moeserve.server.errors import APIError
 from moeserve.server.metrics import ServerMetrics
+from moeserve.server.openapi import install as install_openapi
 from moeserve.server.serve_chat import create_chat_completion
 from moeserve.server.serve_completions import create_completion
 from moeserve.server.serving import ServerContext, new_request_id, now
@@ -77,10 +80,11 @@ def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
         yield
         await shutdown_engine(app)
 
-    app = FastAPI(title="moeserve", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="moeserve", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.ctx = ctx
     _add_routes(app, ctx)
+    install_openapi(app, api_key=ctx.api_key is not None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
