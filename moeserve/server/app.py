@@ -11,7 +11,7 @@
 
 Every response of the generation routes carries an X-Request-Id ("cmpl-...", "chatcmpl-...").
 Every error is OpenAI-style JSON (errors.py): a route raises APIError and `_guard` answers it;
-unknown routes and methods too. The app's lifespan ends by
+unknown routes and methods too (a 405 keeps its Allow header). The app's lifespan ends by
 shutting the engine client down, which ends in-flight requests with an error and stops the engine
 process.
 """
@@ -88,7 +88,7 @@ def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail)).to_response()
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).to_response()
 
     return app
 
