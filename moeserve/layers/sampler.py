@@ -162,7 +162,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
         # The smallest prefix with mass >= top_p: rank 0 always (its mass_before 0 < top_p).
         # top_p == 1 keeps everything, whatever the rounding of the cumulative sum.
         keep = (mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)  # [B, V]
-        num_kept = torch.minimum(keep.sum(dim=-1), k)  # [B]
+        # NOTE: at least rank 0 even when no mass_before is below top_p: a top_p that rounds
+        # to 0 in fp32 (5e-324), or NaN probabilities (a tiny temperature overflowing the
+        # logits to inf); gathering at rank -1 would fail the whole step.
+        num_kept = torch.minimum(keep.sum(dim=-1), k).clamp_(min=1)  # [B]
     threshold = sorted_logits.gather(-1, (num_kept - 1)[:, None])  # [B, 1]
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
