@@ -162,9 +162,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
         # The smallest prefix with mass >= top_p. top_p == 1 keeps everything, whatever the
         # rounding of the cumulative sum.
         keep = (mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)  # [B, V]
-        # NOTE: at least the most likely token: a top_p of 0, or one that rounds to 0 in fp32
-        # (1e-46), keeps none above, and index -1 below would fail (a device assert on CUDA).
-        num_kept = torch.minimum(keep.sum(dim=-1).clamp_(min=1), k)  # [B]
+        # NOTE: at least rank 0 even when no mass_before is below top_p: a top_p of 0, one that
+        # rounds to 0 in fp32 (1e-46, 5e-324), or NaN probabilities; gathering at rank -1
+        # would fail the whole step (a device assert on CUDA).
+        num_kept = torch.minimum(keep.sum(dim=-1), k).clamp_(min=1)  # [B]
     threshold = sorted_logits.gather(-1, (num_kept - 1)[:, None])  # [B, 1]
     return logits.masked_fill_(logits < threshold, float("-inf"))
 

@@ -9,13 +9,14 @@
     GET  /ready                 200 only when the engine is ready and its loop answers, else 503
                                 (while it starts: the /v1 routes answer 503 then too)
     GET  /metrics               Prometheus text (metrics.py)
+    GET  /openapi.json, /docs   the OpenAPI document (openapi.py) and its Swagger UI (open)
 
 Every /v1 response carries an X-Request-Id ("cmpl-...", "chatcmpl-..." for generation; a client's
 own X-Request-Id header is used instead when it sends one, as in vLLM: 1-128 characters of
 [A-Za-z0-9._:-], unique among the requests in flight, else 400). Every
 error is OpenAI-style JSON (errors.py): a route raises APIError and `_guard` answers it; unknown
-routes and methods too. The app's lifespan ends by shutting the engine client down, which ends
-in-flight requests with an error and stops the engine process.
+routes and methods too (a 405 keeps its Allow header). The app's lifespan ends by shutting the
+engine client down, which ends in-flight requests with an error and stops the engine process.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from moeserve.gc_tuning import freeze_heap
 from moeserve.server.connections import BODY_TIMED_OUT
 from moeserve.server.errors import APIError
 from moeserve.server.metrics import ServerMetrics
+from moeserve.server.openapi import install as install_openapi
 from moeserve.server.serve_chat import create_chat_completion
 from moeserve.server.serve_completions import create_completion
 from moeserve.server.serving import ServerContext, new_request_id, now
@@ -85,10 +87,11 @@ def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
         yield
         await shutdown_engine(app)
 
-    app = FastAPI(title="moeserve", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="moeserve", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.ctx = ctx
     _add_routes(app, ctx)
+    install_openapi(app, api_key=ctx.api_key is not None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -7,6 +7,16 @@ Fields OpenAI clients send with no effect (penalties at 0, `best_of` 1, `echo` f
 `logit_bias`, `response_format` text, no tools) are accepted at exactly those values and refused
 otherwise. `docs/openai-compat.md` lists every field.
 
+Every per-field limit lives in the field's type (bounds, `Literal`, `max_length`, a model), so the
+JSON schema of these models (served at /openapi.json, server/openapi.py) shows exactly what is
+accepted; field validators only reword errors. pydantic checks bool and int literals laxly even
+in strict mode (`Literal[False]` takes 0, `Literal[1]` takes true and 1.0), so `best_of` is an int
+bounded to [1, 1], and `echo`, the one exception, is a strict bool that a validator refuses unless
+false, with `const: false` added to its schema. What a schema cannot say stays in the model
+validators (400s naming the field): limits across fields (stream_options without stream,
+top_logprobs without logprobs, seed + n - 1), and, in the routes, limits of the served model
+(vocabulary, max_model_len, prompts x n).
+
 Response models document the shapes and build non-streamed responses; the streaming path writes
 the same shapes as plain dicts (for speed), and the tests validate every streamed chunk against
 the chunk models here.
@@ -16,7 +26,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from moeserve.types import MAX_LOGPROBS
 
@@ -33,7 +50,30 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NOTE: the attribute docstrings become the fields' descriptions in /openapi.json
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+
+# The error of a passive field at any other value (its type allows only the neutral one).
+_NEUTRAL = {
+    "frequency_penalty": "is not supported (only 0 or null is accepted)",
+    "presence_penalty": "is not supported (only 0 or null is accepted)",
+    "logit_bias": "is not supported (only {} or null is accepted)",
+    "echo": "is not supported (only false is accepted)",
+    "best_of": "is not supported (only 1 or null is accepted)",
+    "response_format": 'is not supported (only {"type": "text"} or null is accepted)',
+    "tools": "are not supported (only [] or null is accepted)",
+    "tool_choice": 'is not supported (only "none" or null is accepted)',
+}
+
+
+def _only_neutral(value: Any, handler: Any, info: ValidationInfo) -> Any:
+    """A passive field's wrap validator: its type checks the value, this names the field's
+    neutral values in the error."""
+    try:
+        return handler(value)
+    except ValueError:
+        raise ValueError(_NEUTRAL[str(info.field_name)]) from None
 
 
 class StreamOptions(_Request):
@@ -60,23 +100,14 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     # Passive fields: accepted only at the value that changes nothing.
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
-    @field_validator("frequency_penalty", "presence_penalty")
+    @field_validator("frequency_penalty", "presence_penalty", "logit_bias", mode="wrap")
     @classmethod
-    def _only_zero(cls, value: float | None) -> float | None:
-        if value not in (None, 0.0):
-            raise ValueError("is not supported (only 0 or null is accepted)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("is not supported (only {} or null is accepted)")
-        return value
+    def _passive_shared(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        return _only_neutral(value, handler, info)
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -113,10 +144,10 @@ PromptInput = str | list[int] | list[str] | list[list[int]]
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: PromptInput
+    prompt: Annotated[PromptInput, Field(examples=["Hello", [[1, 2, 3], [4, 5]]])]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
-    best_of: int | None = None
+    echo: Annotated[bool, Field(json_schema_extra={"const": False})] = False
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -127,19 +158,21 @@ class CompletionRequest(SamplingFields):
             raise ValueError("must be a string, a list of strings, a list of token ids or a list "
                              "of token-id lists") from None
 
+    @field_validator("best_of", mode="wrap")
+    @classmethod
+    def _passive_completion(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        return _only_neutral(value, handler, info)
+
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("is not supported (only false is accepted)")
+        if value:  # NOTE: not Literal[False], which would also take 0
+            raise ValueError(_NEUTRAL["echo"])
         return value
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_one(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("is not supported (only 1 or null is accepted)")
-        return value
+
+class ResponseFormat(_Request):
+    type: Literal["text"]
 
 
 class TextPart(_Request):
@@ -176,35 +209,20 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(
+        min_length=1, examples=[[{"role": "user", "content": "Hi"}]])]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # Passive fields: accepted only at the value that changes nothing.
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Any], Field(max_length=0)] | None = None
+    tool_choice: Literal["none"] | None = None
 
-    @field_validator("response_format")
+    @field_validator("response_format", "tools", "tool_choice", mode="wrap")
     @classmethod
-    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value not in (None, {"type": "text"}):
-            raise ValueError('is not supported (only {"type": "text"} or null is accepted)')
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("are not supported (only [] or null is accepted)")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
-        if value not in (None, "none"):
-            raise ValueError('is not supported (only "none" or null is accepted)')
-        return value
+    def _passive_chat(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        return _only_neutral(value, handler, info)
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -228,7 +246,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class PromptTokensDetails(_Response):
@@ -364,3 +382,39 @@ class ErrorInfo(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorInfo
+
+
+class StatusResponse(_Response):
+    """GET /health and GET /ready: {"status": "ok", "engine": ...}, {"status": "ready"}, or why
+    not."""
+
+    status: str
+    engine: Literal["starting", "serving"] | None = None  # /health 200: the engine's phase
+    reason: str | None = None
+
+
+class ServerInfo(_Response):
+    """The `server` part of GET /v1/engine: the launcher's settings (host, port, http, loop,
+    api_servers, engine_args, ...: whatever `moeserve serve` passed), then these."""
+
+    model_config = ConfigDict(extra="allow")
+
+    served_model_name: str
+    api_key: bool  # whether --api-key is set (never the key)
+    max_model_len: int
+    max_running_requests: int
+    max_waiting_requests: int | None
+    num_in_flight: int
+    engine_alive: bool
+    engine_pid: int
+    pid: int  # this API process
+
+
+class EngineState(_Response):
+    """GET /v1/engine."""
+
+    capacity_report: dict[str, Any]
+    """What the engine chose at start-up and why (runner/capacity.py)."""
+    stats: dict[str, Any]
+    """The engine's latest snapshot (engine/protocol.py EngineStats)."""
+    server: ServerInfo
