@@ -75,7 +75,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from moeserve.server.launch import run_serve
+    from moeserve.server.process.launch import run_serve
 
     return run_serve(args)
 
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         func=_cmd_presets)
     serve = sub.add_parser("serve", help="the OpenAI-compatible server (API + engine processes)")
     serve.set_defaults(func=_cmd_serve)
-    from moeserve.server.launch import add_serve_args
+    from moeserve.server.process.launch import add_serve_args
 
     add_serve_args(serve)
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server (or start one)")

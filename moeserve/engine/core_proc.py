@@ -10,11 +10,12 @@ message. When idle it blocks on the inbox for up to 100 ms. A start-up failure i
 API process as StartupFailed. It exits on Shutdown, on SIGTERM, or when its parent process is
 gone, so no engine is ever left behind:
 
-    the parent dies (even by kill -9)  -> the kernel sends SIGTERM (PR_SET_PDEATHSIG, Linux),
-                                          and the loop also sees getppid() change
+    the parent dies (even by kill -9)  -> the kernel sends SIGUSR1 (PR_SET_PDEATHSIG, Linux),
+                                          and the loop also sees getppid() change: Orphaned,
+                                          sockets closed, the IPC folder removed
     SIGTERM                            -> SystemExit: sockets closed, the IPC folder removed
-                                          (with --api-servers, the launcher's to remove,
-                                          unless it is gone)
+                                          (with --api-servers it is the launcher's to remove,
+                                          unless the launcher is gone)
     an API process stops reading       -> sends wait at most 100 ms at a time, checking that
                                           the parent lives (a blocking send would hang forever)
 
@@ -47,6 +48,13 @@ _ORPHAN_CLEANUP_WAIT_S = 10.0  # orphaned: how long API processes may take to ex
 logger = logging.getLogger("moeserve.engine")
 
 
+# NOTE: not SIGTERM, which is also how the launcher stops the engine: the kernel sends it
+# when the thread that started this process exits, which for a process killed with -9 can be
+# before its last thread is gone, while getppid() still names it; the signal itself tells
+PARENT_DIED_SIGNAL = signal.SIGUSR1
+_SIGNALS: list[int] = []  # SIGTERM / PARENT_DIED_SIGNAL received
+
+
 class Orphaned(SystemExit):
     """The process that started the engine is gone."""
 
@@ -57,21 +65,29 @@ def run_engine_core(engine_kwargs: dict, ipc_dir: str, num_clients: int = 1,
 
     `parent`: the pid of the process that started this one (its death ends this one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(PARENT_DIED_SIGNAL, _on_signal)
     parent = os.getppid() if parent is None else parent
-    _die_with_parent(parent)
+    orphaned = False
     try:
+        _die_with_parent(parent)
         _serve(engine_kwargs, ipc_dir, num_clients, parent)
+    except Orphaned:
+        orphaned = True
+        raise
     finally:
-        _remove_ipc_dir(ipc_dir, num_clients, parent)
+        # NOTE: a signal now would interrupt the clean-up and leave the folder behind
+        for sig in (signal.SIGTERM, PARENT_DIED_SIGNAL):
+            signal.signal(sig, signal.SIG_IGN)
+        _remove_ipc_dir(ipc_dir, num_clients, orphaned or os.getppid() != parent)
 
 
-def _remove_ipc_dir(ipc_dir: str, num_clients: int, parent: int) -> None:
+def _remove_ipc_dir(ipc_dir: str, num_clients: int, orphaned: bool) -> None:
     """One API process: the folder is this engine's alone. Several: it is the launcher's (the
     API processes' metrics live there too), removed by the launcher; the engine removes it only
-    when the launcher is gone, once the API processes have exited."""
+    when orphaned (the launcher is gone), once the API processes have exited."""
     if num_clients > 1:
-        if os.getppid() == parent:
+        if not orphaned:
             return
         import psutil
 
@@ -85,16 +101,26 @@ def _remove_ipc_dir(ipc_dir: str, num_clients: int, parent: int) -> None:
     shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
+def _on_signal(signum: int, frame: object) -> None:
+    # NOTE: raised where the main thread is; inside a __del__ Python ignores it, so the loop
+    # also checks _SIGNALS and stops at its next iteration
+    _SIGNALS.append(signum)
+    _raise_for_signal(signum)
+
+
+def _raise_for_signal(signum: int) -> None:
+    if signum == PARENT_DIED_SIGNAL:
+        raise Orphaned(1)
     raise SystemExit(128 + signum)
 
 
 def _die_with_parent(parent: int) -> None:
-    """Ask the kernel for SIGTERM when the parent dies (Linux), then check that it has not died
-    already (before the request)."""
+    """Ask the kernel for PARENT_DIED_SIGNAL when the parent dies (Linux), then check that it
+    has not died already (before the request)."""
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, PARENT_DIED_SIGNAL, 0, 0,
+                                                    0)
         except (OSError, AttributeError) as e:  # the getppid() checks still run
             logger.warning("PR_SET_PDEATHSIG is unavailable (%s)", e)
     if os.getppid() != parent:
@@ -177,6 +203,8 @@ class _EngineLoop:
             self._drain(0 if busy else _IDLE_POLL_MS)
             if os.getppid() != self.parent:
                 raise Orphaned(1)  # the process that started the engine is gone
+            if _SIGNALS:
+                _raise_for_signal(_SIGNALS[0])
             drained = time.perf_counter()
             outputs = self.core.step() if self.running else []
             stepped = time.perf_counter()

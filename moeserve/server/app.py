@@ -1,7 +1,7 @@
 """The FastAPI app: routes, authentication, errors, and the engine's shutdown with the app.
 
-    POST /v1/completions        serve_completions.py     (Bearer key when --api-key)
-    POST /v1/chat/completions   serve_chat.py            (Bearer key when --api-key)
+    POST /v1/completions        routes/completions.py    (Bearer key when --api-key)
+    POST /v1/chat/completions   routes/chat.py           (Bearer key when --api-key)
     GET  /v1/models             the served model          (Bearer key when --api-key)
     GET  /v1/engine             capacity report + live engine stats + server settings (key too)
     GET  /health                200 while this process and the engine process are alive (its
@@ -36,13 +36,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from moeserve.gc_tuning import freeze_heap
-from moeserve.server.connections import BODY_TIMED_OUT
 from moeserve.server.errors import APIError
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.openapi import install as install_openapi
-from moeserve.server.serve_chat import create_chat_completion
-from moeserve.server.serve_completions import create_completion
-from moeserve.server.serving import ServerContext, new_request_id, now
+from moeserve.server.process.connections import BODY_TIMED_OUT
+from moeserve.server.routes.chat import create_chat_completion
+from moeserve.server.routes.completions import create_completion
+from moeserve.server.routes.serving import ServerContext, new_request_id, now
 
 if TYPE_CHECKING:
     from moeserve.engine.async_client import AsyncEngineClient
@@ -101,7 +101,8 @@ def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
         """The client went away before its body was read: nothing to answer, no traceback.
-        (A body that timed out has had its 408, counted by the connection: connections.py.)"""
+        (A body that timed out has had its 408, counted by the connection:
+        process/connections.py.)"""
         if not request.scope.get(BODY_TIMED_OUT):
             ctx.metrics.disconnects.inc()
             logger.debug("%s %s: the client went away before its body was read",

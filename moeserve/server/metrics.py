@@ -4,7 +4,7 @@ Two sources, one registry per app:
 - measured here, per request, from the moment its HTTP body is parsed: TTFT, time per output
   token, end-to-end latency (histograms), tokens and requests by finish reason, rejections by
   reason (400 / 429 / 503), client disconnects, connections refused at accept and timed out
-  (connections.py), and a tokens-per-second gauge over the last `RATE_WINDOW_S` seconds;
+  (process/connections.py), and a tokens-per-second gauge over the last `RATE_WINDOW_S` seconds;
 - read from the engine at scrape time (the client's latest stats snapshot): running, waiting, KV
   usage, in flight, and the engine's own cumulative counters (steps, preemptions, prefix hits).
 
@@ -179,7 +179,7 @@ class ServerMetrics:
         self.meter = RateMeter()
         r = self.registry
         if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
-            # NOTE: several API processes (server/multiproc.py): the counters and histograms
+            # NOTE: several API processes (process/multiproc.py): the counters and histograms
             # below live in shared files and are summed over the processes at scrape time.
             MultiProcessCollector(self.registry)
             r = None

@@ -49,7 +49,7 @@ from moeserve.server.protocol import (
     ModelList,
     StatusResponse,
 )
-from moeserve.server.serving import MAX_BODY_BYTES
+from moeserve.server.routes.serving import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

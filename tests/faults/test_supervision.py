@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from moeserve.server.launch import EXIT_ENGINE_DIED
+from moeserve.server.process.launch import EXIT_ENGINE_DIED
 from tests.faults.figures import record
 from tests.faults.serve import ServeProcess
 from tests.wait import wait_until

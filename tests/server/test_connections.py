@@ -1,7 +1,7 @@
-"""Connection limits (server/connections.py) over both uvicorn HTTP implementations: a small ASGI
-app behind the limited protocol, served by uvicorn on a uvloop in a background thread and driven
-over raw sockets; then the real app's 405 and mid-body disconnect. The deadlines are short and
-every wait for the server is generous: the tests check what happens, never how fast."""
+"""Connection limits (server/process/connections.py) over both uvicorn HTTP implementations: a
+small ASGI app behind the limited protocol, served by uvicorn on a uvloop in a background thread
+and driven over raw sockets; then the real app's 405 and mid-body disconnect. The deadlines are
+short and every wait for the server is generous: the tests check what happens, never how fast."""
 
 from __future__ import annotations
 
@@ -23,14 +23,14 @@ import uvicorn
 import uvloop
 
 from moeserve.engine.protocol import EngineStats
-from moeserve.server.connections import (
+from moeserve.server.metrics import ServerMetrics
+from moeserve.server.process.connections import (
     BODY_TIMED_OUT,
     ConnectionLimits,
     protocol_class,
     resolve_max_connections,
 )
-from moeserve.server.launch import add_serve_args
-from moeserve.server.metrics import ServerMetrics
+from moeserve.server.process.launch import add_serve_args
 from tests.server.conftest import LiveServer
 
 DEADLINE_S = 0.2  # both deadlines

@@ -10,11 +10,11 @@ from pydantic import ValidationError
 
 from moeserve.engine.async_client import EngineDeadError, QueueFullError
 from moeserve.server.errors import APIError, from_validation_error
-from moeserve.server.generation import engine_error
-from moeserve.server.launch import add_serve_args
 from moeserve.server.metrics import RateMeter
+from moeserve.server.process.launch import add_serve_args
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from moeserve.server.serving import ChoiceResult, sampling_params, usage_dict
+from moeserve.server.routes.generation import engine_error
+from moeserve.server.routes.serving import ChoiceResult, sampling_params, usage_dict
 
 
 def _error(model: type, body: str) -> APIError:

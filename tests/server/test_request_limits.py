@@ -1,5 +1,5 @@
 """No one request blocks the API process's event loop: its size is checked before any
-tokenization, and a large request is tokenized off the loop (server/request_limits.py)."""
+tokenization, and a large request is tokenized off the loop (server/routes/request_limits.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeserve.server.request_limits import BIG_BODY_BYTES, count_array_elements
+from moeserve.server.routes.request_limits import BIG_BODY_BYTES, count_array_elements
 from tests.server.conftest import MAX_MODEL_LEN, LiveServer
 from tests.server.helpers import COMPLETIONS
 

@@ -28,7 +28,7 @@ import time
 
 from moeserve import envs
 from moeserve.engine import protocol as p
-from moeserve.server.launch import EXIT_ENGINE_DIED
+from moeserve.server.process.launch import EXIT_ENGINE_DIED
 
 logger = logging.getLogger("moeserve.server")
 API_PIDS_FILE = p.API_PIDS_FILE  # the API processes' pids: the CPU metric, the engine's cleanup
@@ -37,7 +37,7 @@ API_PIDS_FILE = p.API_PIDS_FILE  # the API processes' pids: the CPU metric, the 
 def run_launcher(args: argparse.Namespace) -> int:
     from moeserve.engine.args import engine_kwargs_from_args
     from moeserve.engine.async_client import spawn_engine
-    from moeserve.server.launch import bind_socket
+    from moeserve.server.process.launch import bind_socket
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -115,7 +115,7 @@ def _api_process(args: argparse.Namespace, ipc_dir: str, index: int, engine_pid:
     import sys
     import threading
 
-    from moeserve.server.launch import EngineJoin, run_serve
+    from moeserve.server.process.launch import EngineJoin, run_serve
 
     launcher = os.getppid()
 

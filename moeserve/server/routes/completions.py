@@ -16,10 +16,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from moeserve.server.generation import Generation
 from moeserve.server.protocol import CompletionRequest
-from moeserve.server.request_limits import THREAD_TOKENIZE_CHARS, check_prompt
-from moeserve.server.serving import (
+from moeserve.server.routes.generation import Generation
+from moeserve.server.routes.request_limits import THREAD_TOKENIZE_CHARS, check_prompt
+from moeserve.server.routes.serving import (
     ChoiceResult,
     ServerContext,
     check_lengths,

@@ -42,7 +42,7 @@ from moeserve.gc_tuning import freeze_heap
 if TYPE_CHECKING:  # imported when serving, so that building the CLI parser stays light
     from fastapi import FastAPI
 
-    from moeserve.server.connections import ConnectionLimits
+    from moeserve.server.process.connections import ConnectionLimits
 
 logger = logging.getLogger("moeserve.server")
 _BACKLOG = 16384  # pending connections: a 2,048-stream benchmark opens them all at once
@@ -142,9 +142,9 @@ def run_serve(args: argparse.Namespace, join: EngineJoin | None = None) -> int:
     """Start the engine and serve HTTP until SIGINT/SIGTERM. Returns the exit code.
 
     With --api-servers N > 1 this process becomes the launcher of N API processes
-    (server/multiproc.py), each of which calls run_serve again with `join` set."""
+    (process/multiproc.py), each of which calls run_serve again with `join` set."""
     if join is None and args.api_servers > 1:
-        from moeserve.server.multiproc import run_launcher
+        from moeserve.server.process.multiproc import run_launcher
 
         return run_launcher(args)
     logging.basicConfig(level=args.log_level.upper(),
@@ -172,7 +172,7 @@ async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
 
     from moeserve.engine.async_client import AsyncEngineClient
     from moeserve.server.app import build_app, shutdown_engine
-    from moeserve.server.connections import protocol_class
+    from moeserve.server.process.connections import protocol_class
 
     try:  # bind first: a port in use fails now, not after minutes of engine start-up
         sock = bind_socket(args.host, args.port, reuse_port=join is not None)
@@ -272,7 +272,7 @@ def _connection_limits(args: argparse.Namespace,
                        queue_bound: int) -> tuple[ConnectionLimits, str]:
     """The flags' deadlines, and the connection cap with its reason: --max-connections, or
     derived from the open-files limit (raised here to the hard limit) and the queue bound."""
-    from moeserve.server.connections import ConnectionLimits, resolve_max_connections
+    from moeserve.server.process.connections import ConnectionLimits, resolve_max_connections
 
     open_files = raise_open_files_limit()
     cap, reason = resolve_max_connections(args.max_connections, open_files, queue_bound)

@@ -28,16 +28,16 @@ from starlette.responses import Response
 
 from moeserve.engine.validate import validate_request
 from moeserve.server.errors import APIError, from_validation_error
-from moeserve.server.generation import (
+from moeserve.server.metrics import RequestTimer, ServerMetrics
+from moeserve.server.protocol import SamplingFields
+from moeserve.server.routes.generation import (
     DisconnectWatch,
     Generation,
     SSEResponse,
     engine_error,
     named,
 )
-from moeserve.server.metrics import RequestTimer, ServerMetrics
-from moeserve.server.protocol import SamplingFields
-from moeserve.server.request_limits import MAX_BODY_BYTES, max_prompt_chars, precheck_body
+from moeserve.server.routes.request_limits import MAX_BODY_BYTES, max_prompt_chars, precheck_body
 from moeserve.types import Logprobs, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:

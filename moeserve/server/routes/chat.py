@@ -19,10 +19,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from moeserve.server.errors import APIError
-from moeserve.server.generation import Generation
 from moeserve.server.protocol import ChatCompletionRequest
-from moeserve.server.request_limits import THREAD_TOKENIZE_CHARS, check_messages
-from moeserve.server.serving import (
+from moeserve.server.routes.generation import Generation
+from moeserve.server.routes.request_limits import THREAD_TOKENIZE_CHARS, check_messages
+from moeserve.server.routes.serving import (
     ChoiceResult,
     ServerContext,
     check_lengths,

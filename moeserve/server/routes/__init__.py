@@ -1,0 +1,1 @@
+"""The generation routes: POST /v1/completions and /v1/chat/completions (server/__init__.py)."""
