@@ -58,7 +58,10 @@ class ServeProcess:
         raise RuntimeError(f"{path} never answered 200: {self.output()}")
 
     def output(self) -> str:
-        return self.log.read_text()
+        return self.log.read_text(errors="replace")
+
+    def log_tail(self, num_lines: int = 60) -> str:
+        return "\n".join(self.output().splitlines()[-num_lines:])
 
     def children(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)

@@ -21,8 +21,8 @@ import httpx
 import schemathesis
 from schemathesis.engine import events, from_schema
 
-from tests.faults.conftest import Served
 from tests.faults.figures import FIGURES
+from tests.faults.serve import ServeProcess
 
 # Not positive_data_acceptance: a body valid by the schema may still be a 400 for a limit no
 # schema can show (an empty prompt under the byte tokenizer, prompts x n over 256, ...).
@@ -84,7 +84,7 @@ class _Tally:
                 "version": schemathesis.__version__}
 
 
-def test_served_schema_holds_under_fuzzing(served: Served) -> None:
+def test_served_schema_holds_under_fuzzing(served: ServeProcess) -> None:
     config = schemathesis.Config.from_dict({
         "seed": SEED,
         "workers": 4,  # operations in parallel: the engine batches their requests

@@ -12,7 +12,6 @@ Logprobs use the chat format: {"content": [{token, logprob, bytes, top_logprobs}
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -21,7 +20,7 @@ from starlette.responses import Response
 from moeserve.server.errors import APIError
 from moeserve.server.protocol import ChatCompletionRequest
 from moeserve.server.routes.generation import Generation
-from moeserve.server.routes.request_limits import THREAD_TOKENIZE_CHARS, check_messages
+from moeserve.server.routes.request_limits import check_messages, tokenize_off_loop_if_large
 from moeserve.server.routes.serving import (
     ChoiceResult,
     ServerContext,
@@ -64,9 +63,7 @@ async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[in
                            "messages") from None
         return tokenizer.encode(text, add_special_tokens=False)
 
-    if sum(len(m["content"]) for m in messages) > THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(render)
-    return render()
+    return await tokenize_off_loop_if_large(sum(len(m["content"]) for m in messages), render)
 
 
 class ChatRenderer:

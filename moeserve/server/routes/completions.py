@@ -10,7 +10,6 @@ UTF-8 on their own, the likelier one is kept) and text_offset.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -18,7 +17,7 @@ from starlette.responses import Response
 
 from moeserve.server.protocol import CompletionRequest
 from moeserve.server.routes.generation import Generation
-from moeserve.server.routes.request_limits import THREAD_TOKENIZE_CHARS, check_prompt
+from moeserve.server.routes.request_limits import check_prompt, tokenize_off_loop_if_large
 from moeserve.server.routes.serving import (
     ChoiceResult,
     ServerContext,
@@ -64,9 +63,7 @@ async def tokenize_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
     def tokenize() -> list[list[int]]:
         return [encode(text) for text in texts]
 
-    if sum(len(text) for text in texts) > THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(tokenize)
-    return tokenize()
+    return await tokenize_off_loop_if_large(sum(len(text) for text in texts), tokenize)
 
 
 class CompletionRenderer:

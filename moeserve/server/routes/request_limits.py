@@ -17,13 +17,14 @@ so that no one request blocks the event loop every other stream and /health shar
         its ids are scanned)
 
 Text longer than THREAD_TOKENIZE_CHARS in all is tokenized (chat: rendered too) off the event
-loop, in one worker-thread call per request.
+loop, in one worker-thread call per request (`tokenize_off_loop_if_large`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -35,6 +36,7 @@ MAX_BODY_BYTES = 64 << 20
 BIG_BODY_BYTES = 1 << 20
 THREAD_TOKENIZE_CHARS = 16384
 _CHARS_MARGIN = 2
+T = TypeVar("T")
 
 
 class _Shape(msgspec.Struct, forbid_unknown_fields=False):
@@ -43,6 +45,13 @@ class _Shape(msgspec.Struct, forbid_unknown_fields=False):
     prompt: msgspec.Raw = msgspec.Raw(b"null")
     messages: msgspec.Raw = msgspec.Raw(b"null")
     n: Any = 1
+
+
+async def tokenize_off_loop_if_large(num_chars: int, tokenize: Callable[[], T]) -> T:
+    """`tokenize()`, in a worker thread when it covers more than THREAD_TOKENIZE_CHARS."""
+    if num_chars > THREAD_TOKENIZE_CHARS:
+        return await asyncio.to_thread(tokenize)
+    return tokenize()
 
 
 def max_prompt_chars(max_model_len: int, max_token_chars: int) -> int:
