@@ -9,10 +9,14 @@ belong to single requests kept to those requests.
 
 A row whose logits are not finite (`finite` False: NaN, or no finite maximum) is failed by the
 PendingOutput once its flags reach the host, with no sync here. What cannot be attributed to rows
-(every row fails alone, or the good rows fail together, or a device-side error) propagates: the
-engine then fails loudly. Fault injection (`envs.fault_injection`, tests only) raises the
-"sample" fault for a chosen request wherever it is in the batch, and the "nan" fault writes NaN
-into its logits, so the isolation above runs for real.
+propagates, and the engine then fails loudly: no row fails alone (a fault of the combination),
+every row of several fails alone (the sampler, not a request), the good rows fail together, or a
+device-side error. A step that samples one row only (one request in the batch, or the others
+mid-prefill) that fails alone fails that request.
+
+Fault injection (`envs.fault_injection`, tests only) raises the "sample" fault for a chosen
+request wherever it is in the batch, and the "nan" fault writes NaN into its logits, so the
+isolation above runs for real.
 """
 
 from __future__ import annotations
@@ -71,8 +75,11 @@ def _sample_row_by_row(logits: torch.Tensor, params: list[SamplingParams], seeds
         except Exception as e:
             errors[j] = f"sampling failed: {type(e).__name__}: {e}"
     good = [j for j in range(len(req_ids)) if j not in errors]
-    if not errors or not good:
-        raise batch_error  # no row is to blame, or every row is: not a fault of one request
+    if not errors or (not good and len(req_ids) > 1):
+        raise batch_error  # no row is to blame, or every row of several: no one request's
+    if not good:  # the step's one row: its request fails
+        return StepSample(torch.zeros(1, dtype=torch.int64, device=logits.device), None,
+                          torch.ones(1, dtype=torch.bool, device=logits.device), errors)
     index = torch.tensor(good, device=logits.device)  # [G]
     token_ids, logprobs, finite = _sample(logits[index], [params[j] for j in good],
                                           [seeds[j] for j in good],

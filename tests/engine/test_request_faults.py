@@ -65,14 +65,29 @@ def test_a_request_fault_fails_that_request_alone(
     assert llm.generate(_prompts()[0], GREEDY)[0].token_ids == clean[0]
 
 
-def test_a_fault_of_every_row_is_not_attributed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """When each row fails alone, no one request is to blame: the step raises (loud)."""
-    monkeypatch.setenv(envs.FAULT_INJECT, "sample:only")
+def test_a_fault_of_every_row_of_several_is_not_attributed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """When each of several rows fails alone, the sampler is to blame, not one request: the
+    step raises (loud)."""
+    monkeypatch.setenv(envs.FAULT_INJECT, "sample:a,sample:b")
     llm = _tiny()
-    llm.add_request([1, 2, 3], GREEDY, request_id="only")
+    llm.add_request([1, 2, 3], GREEDY, request_id="a")
+    llm.add_request([4, 5, 6], GREEDY, request_id="b")
     with pytest.raises(envs.InjectedFault, match="sampler fault"):
         while llm.has_unfinished_requests():
             llm.step()
+
+
+def test_the_one_row_of_a_step_failing_fails_its_request(
+        monkeypatch: pytest.MonkeyPatch, clean: list[list[int]]) -> None:
+    """A step that samples one row only (here the only request) is that request's fault."""
+    monkeypatch.setenv(envs.FAULT_INJECT, "sample:only")
+    llm = _tiny()
+    llm.add_request([1, 2, 3], GREEDY, request_id="only")
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.result("only").finish_reason is FinishReason.ERROR
+    assert llm.generate(_prompts()[1], GREEDY)[0].token_ids == clean[1]  # the engine goes on
 
 
 def test_a_forward_fault_fails_the_engine_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
