@@ -32,7 +32,10 @@ FAULT_INJECT = "MOESERVE_FAULT_INJECT"
 #               a start-up as long as a test needs, like a long MoE tune
 #   slow_step   (the id is milliseconds) every engine step sleeps that long first: an engine
 #               slower than its clients, for overload and disconnect tests
-FAULT_KINDS = ("sample", "nan", "detokenize", "step", "hold_startup", "slow_step")
+#   hold_steps  (the id is a file path) every engine step waits until that file exists: no
+#               request finishes until a test lets them
+FAULT_KINDS = ("sample", "nan", "detokenize", "step", "hold_startup", "slow_step",
+               "hold_steps")
 
 
 def api_pids_file() -> str | None:

@@ -10,6 +10,7 @@ decode batch run eagerly on CUDA is counted (`num_eager_decode_fallbacks`).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -237,7 +238,10 @@ class ModelRunner:
         return self._sample_rows(out, hidden, last_token, meta.seq_lens_np)
 
     def _inject_step_faults(self, out: SchedulerOutput) -> None:
-        """Tests only (envs.fault_injection): a slow step, or a forward that raises."""
+        """Tests only (envs.fault_injection): a held or slow step, or a forward that raises."""
+        for path in self.faults.get("hold_steps", ()):
+            while not os.path.exists(path):
+                time.sleep(0.01)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         if self.faults.get("step") and not self.faults["step"].isdisjoint(out.req_ids):

@@ -1,9 +1,11 @@
 """The fault suite under load, against a real `moeserve serve` (tiny-moe, CPU): overload at 4x the
 queue bound loses nothing, and mid-stream disconnects free every KV block.
 
-The engine is slowed (MOESERVE_FAULT_INJECT slow_step) so that it is slower than its clients, as
-a loaded GPU is; what is asserted is behaviour (every request ends with a finish reason, a 429 or
-a refused connection; the blocks come back), never a time or a rate.
+The overload test holds the engine's steps (MOESERVE_FAULT_INJECT hold_steps) until every request
+beyond the queue bound has had its answer, so exactly the queue bound is admitted; the disconnect
+test slows the steps (slow_step), as a loaded GPU is slower than its clients. What is asserted is
+behaviour (every request ends with a finish reason, a 429 or a refused connection; the blocks
+come back), never a time or a rate.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 
 from tests.faults.figures import record
 from tests.faults.serve import ServeProcess
+from tests.wait import async_wait_until
 
 MAX_RUNNING, MAX_WAITING = 8, 24
 QUEUE_BOUND = MAX_RUNNING + MAX_WAITING
@@ -68,8 +71,9 @@ async def _one(session: aiohttp.ClientSession, url: str, out: Outcomes) -> None:
 
 
 def test_overload_at_4x_the_queue_bound_loses_nothing(tmp_path: Path) -> None:
+    go = tmp_path / "go"
     server = ServeProcess(tmp_path, "--max-running-requests", str(MAX_RUNNING),
-                          "--max-waiting-requests", str(MAX_WAITING), faults="slow_step:20")
+                          "--max-waiting-requests", str(MAX_WAITING), faults=f"hold_steps:{go}")
     try:
         out = Outcomes()
 
@@ -77,8 +81,14 @@ def test_overload_at_4x_the_queue_bound_loses_nothing(tmp_path: Path) -> None:
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=connector,
                                              timeout=CLIENT_TIMEOUT) as session:
-                await asyncio.gather(*(_one(session, server.url, out)
-                                       for _ in range(4 * QUEUE_BOUND)))
+                tasks = [asyncio.create_task(_one(session, server.url, out))
+                         for _ in range(4 * QUEUE_BOUND)]
+                await async_wait_until(  # every request beyond the bound has its answer
+                    lambda: out.rejected_429 + out.refused_at_accept + len(out.lost)
+                    >= 3 * QUEUE_BOUND or all(t.done() for t in tasks),
+                    "the requests beyond the queue bound answered", timeout_s=120)
+                go.touch()  # now the engine may step
+                await asyncio.gather(*tasks)
 
         asyncio.run(main())
         stats = _idle_stats(server)
@@ -89,13 +99,13 @@ def test_overload_at_4x_the_queue_bound_loses_nothing(tmp_path: Path) -> None:
            refused_at_accept=out.refused_at_accept, lost=len(out.lost))
     assert not out.lost, out.lost[:5]
     assert out.finished + out.rejected_429 + out.refused_at_accept == 4 * QUEUE_BOUND
-    assert out.finished >= QUEUE_BOUND and out.rejected_429 > 0  # it was overloaded
+    assert out.finished == QUEUE_BOUND and out.rejected_429 == 3 * QUEUE_BOUND
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_usage"] == 0
 
 
 def test_mid_stream_disconnects_free_every_block(tmp_path: Path) -> None:
     num_streams = 200
-    server = ServeProcess(tmp_path, "--max-running-requests", "64", faults="slow_step:10")
+    server = ServeProcess(tmp_path, "--max-running-requests", "64", faults="slow_step:25")
     try:
         before = server.engine_state()["stats"]["num_aborted"]
 

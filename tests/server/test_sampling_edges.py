@@ -1,0 +1,25 @@
+"""Issue 12's sampling reproducers over HTTP: values inside the API's ranges that round to 0 in
+fp32 get the greedy answer (they crashed the engine, or returned token 0 repeated), and the next
+request is served."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.helpers import CHAT, COMPLETIONS, MESSAGES, post
+
+EDGES = [{"top_p": 1e-46}, {"temperature": 1e-39, "top_p": 0.9}, {"temperature": 1e-39},
+         {"top_p": 5e-324}, {"top_p": 0}, {"temperature": 9e-6, "top_k": 3, "min_p": 1e-300}]
+
+
+@pytest.mark.parametrize("path,body", [(COMPLETIONS, {"prompt": "hi"}),
+                                       (CHAT, {"messages": MESSAGES})])
+@pytest.mark.parametrize("edge", EDGES, ids=[str(e) for e in EDGES])
+def test_sampling_values_that_round_to_zero_give_the_greedy_answer(
+        http: httpx.Client, path: str, body: dict, edge: dict) -> None:
+    request = {**body, "max_tokens": 6, "ignore_eos": True}
+    greedy = post(http, path, {**request, "temperature": 0})["choices"][0]["token_ids"]
+    assert post(http, path, {**request, **edge})["choices"][0]["token_ids"] == greedy
+    assert post(http, path, {**request, "temperature": 0})["choices"][0]["token_ids"] == greedy
+    assert http.get("/ready").status_code == 200
