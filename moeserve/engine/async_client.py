@@ -287,6 +287,18 @@ class AsyncEngineClient:
     # ---- background tasks ----------------------------------------------------------------
 
     async def _read_outputs(self) -> None:
+        """Route each message to its request; if this task fails, no output would ever arrive
+        again: every request fails and `died` is set, as for a dead engine."""
+        try:
+            await self._route_messages()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail_all(f"the engine's outputs can no longer be read: {type(e).__name__}: {e}")
+            self.died.set()
+            raise
+
+    async def _route_messages(self) -> None:
         while True:
             msg = p.decode_from_engine(await self._from_engine.recv())
             if isinstance(msg, p.StepOutputs):

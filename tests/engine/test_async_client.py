@@ -164,3 +164,25 @@ def test_startup_failure_is_reported() -> None:
             await AsyncEngineClient.start(ENGINE | {"max_model_len": 99999})
 
     asyncio.run(main())
+
+
+def test_a_failing_output_reader_fails_every_request_and_marks_the_engine_dead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without this, a message the reader cannot handle would leave every stream waiting for
+    outputs that never come, while the server looked healthy."""
+    from moeserve.engine import async_client as module
+
+    async def main() -> None:
+        client = await AsyncEngineClient.start(ENGINE)
+        try:
+            def broken(data: bytes) -> object:
+                raise ValueError("undecodable message")
+
+            monkeypatch.setattr(module.p, "decode_from_engine", broken)
+            with pytest.raises(EngineDeadError, match="can no longer be read"):
+                await asyncio.wait_for(_collect(client, "r", PROMPTS[0]), TIMEOUT_S)
+            assert client.died.is_set() and not client.alive
+        finally:
+            await client.shutdown()
+
+    asyncio.run(main())
