@@ -300,6 +300,10 @@ class EngineConfig:
     cuda_graph_max_batch_size: int | str = "auto"
     """Largest decode batch captured in a CUDA graph; "auto" = max_running_requests (capped by
     the step's token budget), so every decode batch the scheduler can form has a graph."""
+    torch_threads: int | str = "auto"
+    """Threads torch's CPU ops use in the engine process (torch.set_num_threads); "auto" =
+    torch's default, about the usable cores. On CPU it is what moves throughput (against the
+    cores other processes use); on a GPU only host-side ops use them."""
     seed: int = 0
     """Seed for dummy weights and for requests without their own seed."""
     collect_expert_load: bool = True
@@ -328,6 +332,11 @@ class EngineConfig:
                 or self.cuda_graph_max_batch_size < 1):
             raise ConfigError(f"cuda_graph_max_batch_size must be 'auto' or an integer >= 1, "
                               f"got {self.cuda_graph_max_batch_size!r}")
+        if self.torch_threads != "auto" and (not isinstance(self.torch_threads, int)
+                                             or isinstance(self.torch_threads, bool)
+                                             or self.torch_threads < 1):
+            raise ConfigError(f"torch_threads must be 'auto' or an integer >= 1, got "
+                              f"{self.torch_threads!r}")
         if self.async_scheduling is True and self.scheduler.num_continuous_decode_steps > 1:
             raise ConfigError("async_scheduling and num_continuous_decode_steps > 1 cannot be "
                               "combined yet: choose one")

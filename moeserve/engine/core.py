@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import platform
 import random
 import time
@@ -57,6 +58,7 @@ class EngineCore:
             self.model_config, preset = load_model_config(cfg.model)
             self.cfg, resolved = resolve_static(cfg, self.model_config, preset,
                                                 torch.cuda.is_available())
+            cpu_threads = self._init_torch_threads(resolved)
         device = torch.device(self.cfg.device)
         with timed(phases, "weights", device):
             self.runner = ModelRunner(self.cfg, self.model_config,
@@ -94,7 +96,7 @@ class EngineCore:
             engine_config=self.cfg, memory=plan,
             max_running_requests=self.max_running_requests, max_running_requests_rule=rule,
             resolved=resolved, phase_seconds=phases, cuda_graphs=graphs_state,
-            moe_tune=moe_tune,
+            moe_tune=moe_tune, cpu_threads=cpu_threads,
             moe_configs=_moe_configs(self.cfg, self.model_config, self.runner.dtype,
                                      _device_name(device)))
         self.counters = StepCounters()
@@ -102,6 +104,23 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.cfg.seed)
         freeze_heap()  # the model, the pool, the graphs: kept out of the step loop's GC passes
+
+    def _init_torch_threads(self, resolved: dict[str, str]) -> str:
+        """Set torch's CPU threads (torch_threads) and say them against the usable cores: on
+        CPU that ratio, not the MoE's tokens per expert, is what moves throughput. The capacity
+        report's line."""
+        if self.cfg.torch_threads != "auto":
+            torch.set_num_threads(int(self.cfg.torch_threads))
+        threads = torch.get_num_threads()
+        if self.cfg.torch_threads == "auto":
+            resolved["torch_threads"] = "torch's default"
+            self.cfg = dataclasses.replace(self.cfg, torch_threads=threads)
+        cores = usable_cores()
+        line = (f"{threads} torch threads, {cores} usable cores (of {os.cpu_count()} on the "
+                "machine)")
+        if threads > cores:
+            line += ": more threads than cores, they contend (lower torch_threads)"
+        return line
 
     def _ensure_moe_tuned(self, device: torch.device) -> str:
         """Tiles and backend picks for this MoE shape: committed, cached, or tuned now (once per
@@ -240,6 +259,14 @@ def _moe_token_counts(cfg: EngineConfig, mc: ModelConfig) -> list[int]:
     from moeserve.kernels.moe_configs import engine_token_counts
 
     return engine_token_counts(cfg.scheduler.max_num_batched_tokens)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _device_name(device: torch.device) -> str:

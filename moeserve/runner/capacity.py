@@ -30,6 +30,7 @@ class CapacityReport:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     moe_tune: str = ""  # what the start-up MoE tune did (ensure_tuned), "" when none ran
     cuda_graphs: str = "off"  # "on: ..." or "off: <why>" (EngineCore._init_cuda_graphs)
+    cpu_threads: str = ""  # torch's threads against the usable cores (EngineCore)
     # tokens -> {"config" (tile config, "down" included when split), "tiles" (its name),
     #            "tuned", "source", "backend", "tuned_tokens"} (EngineCore._moe_configs)
     moe_configs: dict[str, dict] = field(default_factory=dict)
@@ -51,6 +52,7 @@ class CapacityReport:
             "resolved": self.resolved,
             "phase_seconds": self.phase_seconds,
             "cuda_graphs": self.cuda_graphs,
+            "cpu_threads": self.cpu_threads,
             "moe_tune": self.moe_tune,
             "moe_configs": self.moe_configs,
             "text": self.format(),  # as printed at start-up (the API process prints this too)
@@ -62,6 +64,7 @@ class CapacityReport:
         rows = [
             ("model", f"{self.model} ({self.architecture}, {self.num_params / 1e9:.2f} B params)"),
             ("device / dtype", f"{c.device} ({self.device_name}) / {c.dtype}"),
+            *([("CPU threads", self.cpu_threads)] if self.cpu_threads else []),
             ("weights", f"{m.weight_bytes / GiB:.2f} GiB ({c.load_format})"),
         ]
         if m.total_bytes:
