@@ -40,6 +40,7 @@ import http
 import logging
 import select
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -162,9 +163,7 @@ class _Guard:
     connections: set
     server_state: Any
     loop: asyncio.AbstractEventLoop
-
-    def _received_phase(self) -> str:
-        raise NotImplementedError
+    _received_phase: Callable[[], str]  # the phase class's (httptools or h11 below)
 
     # -- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
