@@ -291,9 +291,15 @@ class EngineConfig:
     attention_backend: str = "auto"
     """"torch" (reference over the paged KV), "triton" or "auto" (triton on CUDA, torch on
     CPU)."""
+    moe_tiles: str = "tuned"
+    """The fused MoE's tiles: "tuned" (a committed or cached tuned file for this device and MoE
+    shape, tuned at start-up within moe_tune_budget_s when none exists) or "default" (the
+    in-code default tiles at every batch size: no tuned file read, no start-up tune; "measured"
+    then has no measurements and runs triton)."""
     moe_tune_budget_s: float = 240.0
     """Seconds the start-up tune of the fused MoE may take when no tuned file exists for this
-    device and MoE shape (resumable: a later start goes on); 0 = never tune, default tiles."""
+    device and MoE shape (resumable: a later start goes on); 0 = never tune (a committed or
+    cached tuned file is still used; moe_tiles=default leaves tuned tiles out)."""
     enforce_eager: bool = False
     """Run every step eagerly: no CUDA graphs (debugging; decode then pays the host's launch
     cost for every kernel)."""
@@ -325,6 +331,7 @@ class EngineConfig:
         _check_choice("moe_backend", self.moe_backend, ("auto", "torch", "grouped_mm", "triton",
                                                         "measured"))
         _check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
+        _check_choice("moe_tiles", self.moe_tiles, ("tuned", "default"))
         if self.moe_tune_budget_s < 0:
             raise ConfigError(f"moe_tune_budget_s must be >= 0, got {self.moe_tune_budget_s}")
         if self.cuda_graph_max_batch_size != "auto" and (
@@ -367,10 +374,12 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
     on_cuda = device.startswith("cuda")
     if moe == "auto":
         moe = "measured" if on_cuda else "grouped_mm"
-        why["moe_backend"] = ("per batch size the faster of the fused Triton MoE and "
-                              "torch._grouped_mm, as the tune measured (configs/moe/, else "
-                              "tuned at start-up)" if on_cuda else
-                              "torch._grouped_mm: Triton runs interpreted on CPU")
+        why["moe_backend"] = (
+            "torch._grouped_mm: Triton runs interpreted on CPU" if not on_cuda else
+            "measured, with moe_tiles=default: nothing measured, so the fused Triton MoE with "
+            "the default tiles at every batch size" if cfg.moe_tiles == "default" else
+            "per batch size the faster of the fused Triton MoE and torch._grouped_mm, as the "
+            "tune measured (configs/moe/, else tuned at start-up)")
     attn = cfg.attention_backend
     if attn == "auto":
         attn = "triton" if on_cuda else "torch"

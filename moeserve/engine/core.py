@@ -35,6 +35,7 @@ from moeserve.config import (
 )
 from moeserve.engine.validate import validate_request
 from moeserve.gc_tuning import freeze_heap
+from moeserve.kernels.registry import TILED_MOE_BACKENDS
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.kv_cache import allocate_kv_caches, plan_memory
 from moeserve.runner.model_runner import ModelRunner, PendingOutput, timed
@@ -124,10 +125,15 @@ class EngineCore:
 
     def _ensure_moe_tuned(self, device: torch.device) -> str:
         """Tiles and backend picks for this MoE shape: committed, cached, or tuned now (once per
-        device, shape and Triton version; resumable). The capacity report's line."""
+        device, shape and Triton version; resumable); none with moe_tiles=default. The
+        capacity report's line."""
         mc = self.model_config
-        if device.type != "cuda" or self.cfg.moe_backend not in ("triton", "measured") or \
-                not mc.num_experts:
+        if self.cfg.moe_backend not in TILED_MOE_BACKENDS or not mc.num_experts:
+            return ""
+        if self.cfg.moe_tiles == "default":
+            return ("not tuned: moe_tiles=default (the in-code default tiles at every batch "
+                    "size, no tuned file read)")
+        if device.type != "cuda":
             return ""
         from moeserve.kernels.moe_configs import find_tuned
         from moeserve.kernels.moe_tune import ensure_tuned
@@ -234,16 +240,18 @@ class EngineCore:
 
 def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
                  device_name: str) -> dict[str, dict]:
-    """The fused-MoE tile config at a few batch sizes, and whether each was tuned (report).
-    "tiles" names the config (`config_key`: M.._N.._K.._G.._w.._s.., then +down_N.. when the
-    down launch has its own tiles)."""
-    if cfg.moe_backend not in ("triton", "measured") or not mc.num_experts:
+    """The fused-MoE tile config at a few batch sizes, and whether each was tuned (report),
+    from the engine's tile source (moe_tiles: "default" gives tuned False, source "default",
+    backend "triton" everywhere). "tiles" names the config (`config_key`: M.._N.._K.._G.._w..
+    _s.., then +down_N.. when the down launch has its own tiles)."""
+    if cfg.moe_backend not in TILED_MOE_BACKENDS or not mc.num_experts:
         return {}
     from moeserve.kernels.moe_configs import config_key, get_moe_config
 
     sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
     choices = {n: get_moe_config(mc.num_experts, mc.hidden_size, mc.moe_intermediate_size,
-                                 mc.num_experts_per_tok, dtype, n, device_name) for n in sizes}
+                                 mc.num_experts_per_tok, dtype, n, device_name,
+                                 tiles=cfg.moe_tiles) for n in sizes}
     measured = cfg.moe_backend == "measured"
     return {str(n): {"config": c.config, "tiles": config_key(c.config), "tuned": c.tuned,
                      "source": c.source,

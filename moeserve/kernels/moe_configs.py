@@ -35,6 +35,12 @@ falls back to in-code defaults chosen by tokens per expert (fitted to shared mem
 dtype); the result says which (for the capacity report) and which backend the tune measured
 faster there ("measured" backend, `moe_measured.py`). An entry without "backend" (older files)
 means "triton". The tuner that writes these files is `moe_tune.py`.
+
+The tile source (`tiles`, TILE_SOURCES; the engine's `moe_tiles`) picks between the two:
+
+    "tuned"    the lookup above: a tuned file when one exists, else the defaults
+    "default"  the in-code defaults at every token count, no file read; backend "triton"
+               (no tune measured anything, so the "measured" backend runs the fused Triton MoE)
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ DOWN_OPTION_KEYS = ("PERSISTENT", "SUB_M")
 PACKAGE_CONFIG_DIR = Path(__file__).parent / "configs" / "moe"
 CONFIG_DIR_ENV = envs.MOE_CONFIG_DIR
 BACKENDS = ("triton", "grouped_mm")  # what a tuned entry's "backend" may name
+TILE_SOURCES = ("tuned", "default")  # where get_moe_config takes the tiles from
 MAX_TUNE_TOKENS = 8192  # engine_token_counts stops here: past it the GEMMs are compute-bound
 
 
@@ -119,9 +126,12 @@ def nearest_token_count(tuned: Sequence[int] | dict[int, object], num_tokens: in
 
 
 def get_moe_config(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
-                   num_tokens: int, device_name: str) -> MoeConfigChoice:
-    """The tuned entry nearest `num_tokens` for this shape and device, else the default."""
-    found = find_tuned(num_experts, hidden, inter, dtype, device_name)
+                   num_tokens: int, device_name: str, tiles: str = "tuned") -> MoeConfigChoice:
+    """The tuned entry nearest `num_tokens` for this shape and device, else the default.
+    tiles "default": the default at once, whatever tuned files exist (backend "triton")."""
+    check_tile_source(tiles)
+    found = (find_tuned(num_experts, hidden, inter, dtype, device_name) if tiles == "tuned"
+             else None)
     if found is not None:
         path, table = found
         nearest = nearest_token_count(table, num_tokens)
@@ -129,7 +139,13 @@ def get_moe_config(num_experts: int, hidden: int, inter: int, top_k: int, dtype:
         return MoeConfigChoice(entry_config(entry), True, path, entry["backend"], nearest)
     config = fit_shared_memory(default_moe_config(num_experts, top_k, num_tokens),
                                torch.empty((), dtype=dtype).element_size())
-    return MoeConfigChoice(config, False, "default")
+    return MoeConfigChoice(config, False, "default", backend="triton")  # nothing measured
+
+
+def check_tile_source(tiles: str) -> None:
+    """A ValueError naming the choices unless `tiles` is one of TILE_SOURCES."""
+    if tiles not in TILE_SOURCES:
+        raise ValueError(f"MoE tiles must be one of {', '.join(TILE_SOURCES)}; got {tiles!r}")
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes per block: under an H100/H200's 227 KiB, with room

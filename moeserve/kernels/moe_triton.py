@@ -62,6 +62,7 @@ import torch
 from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
 from moeserve.kernels.moe_configs import (
     check_config,
+    check_tile_source,
     down_tiles,
     get_moe_config,
     launch_options,
@@ -75,7 +76,7 @@ tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
 
 def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-               config: dict | None = None, combine: str = "sum",
+               config: dict | None = None, tiles: str = "tuned", combine: str = "sum",
                align: str = "triton", reduce: bool = True) -> torch.Tensor:
     """Routed experts through two launches of `_fused_moe_kernel` (see the module docstring).
 
@@ -87,7 +88,10 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         topk_ids: [T, k] integer expert ids in [0, E) (not checked: that would sync).
         config: tile config (keys of `moe_configs.CONFIG_KEYS`, optional OPTION_KEYS, plus an
             optional "down" with the down launch's own tiles, `moe_configs.DOWN_KEYS`);
-            default: `get_moe_config`.
+            default: `get_moe_config` with `tiles`.
+        tiles: where a looked-up config comes from (`moe_configs.TILE_SOURCES`): "tuned" (a
+            tuned file for this device and shape, else the defaults) or "default" (the
+            in-code defaults, no file read). Unused when `config` is given.
         combine: "sum" (deterministic) or "atomic" (fp32 atomics), how the k slots are added.
         align: "triton" (three launches) or "torch" (~25 small kernels): the expert sort.
         reduce: False skips the "sum" pass and returns the k weighted rows [T, k, H] (the next
@@ -97,13 +101,14 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
     _check_options(x.device, combine, align)
+    check_tile_source(tiles)
     num_tokens, hidden = x.shape
     num_experts, inter, top_k = w13.shape[0], w2.shape[-1], topk_ids.shape[1]
     if num_tokens == 0:
         return x.new_empty(0, hidden) if reduce else x.new_empty(0, 1, hidden)
     if config is None:
         config = get_moe_config(num_experts, hidden, inter, top_k, x.dtype, num_tokens,
-                                _device_name(x.device)).config
+                                _device_name(x.device), tiles=tiles).config
     _check_config(config)
     sorted_ids, expert_ids, post_padded = _ALIGNS[align](topk_ids, num_experts,
                                                          config["BLOCK_M"])

@@ -8,15 +8,21 @@ imports triton.
                         measured -> moe_measured (per token count, the faster of the two as
                         the tune measured it; Triton with default tiles when untuned)
     ATTENTION_BACKENDS  torch -> paged_attention_ref, triton -> paged_attention_triton
+
+The MoE tile source (the engine's `moe_tiles`) is bound here too, into the backends that read
+tile configs (TILED_MOE_BACKENDS): `get_moe_backend("triton", tiles="default")` is moe_triton
+with `tiles="default"` on every call, so no layer looks a global up.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, TypeVar
 
 import torch
 
 from moeserve.kernels.attention_metadata import AttentionMetadata
+from moeserve.kernels.moe_configs import check_tile_source
 from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe_measured import moe_measured
 from moeserve.kernels.moe_ref import moe_loop_ref
@@ -48,11 +54,21 @@ MOE_BACKENDS: dict[str, MoeFn] = {"torch": moe_loop_ref, "grouped_mm": moe_group
                                   "triton": moe_triton, "measured": moe_measured}
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref,
                                               "triton": paged_attention_triton}
+TILED_MOE_BACKENDS = ("triton", "measured")  # the MoE backends that read tile configs
 
 
-def get_moe_backend(name: str) -> MoeFn:
-    """The MoE experts function registered as `name`; ValueError naming the choices if none."""
-    return _lookup("moe_backend", MOE_BACKENDS, name)
+def get_moe_backend(name: str, tiles: str = "tuned") -> MoeFn:
+    """The MoE experts function registered as `name`; ValueError naming the choices if none.
+
+    tiles: the tile source of TILED_MOE_BACKENDS (`moe_configs.TILE_SOURCES`): "tuned" gives
+    the function itself (its default), "default" the function bound to `tiles="default"`; the
+    other backends have no tiles and ignore it.
+    """
+    fn = _lookup("moe_backend", MOE_BACKENDS, name)
+    check_tile_source(tiles)
+    if tiles == "tuned" or name not in TILED_MOE_BACKENDS:
+        return fn
+    return functools.partial(fn, tiles=tiles)
 
 
 def get_attention_backend(name: str) -> AttentionFn:

@@ -88,8 +88,10 @@ class CapacityReport:
         if self.moe_configs:
             sources = sorted({c["source"] for c in self.moe_configs.values()})
             tuned = all(c["tuned"] for c in self.moe_configs.values())
-            rows.append(("MoE tile configs", f"{'tuned' if tuned else 'NOT tuned (defaults)'}: "
-                                             f"{', '.join(sources)}"))
+            state = ("default tiles (moe_tiles=default)"
+                     if self.engine_config.moe_tiles == "default" else
+                     "tuned" if tuned else "NOT tuned (defaults)")
+            rows.append(("MoE tile configs", f"{state}: {', '.join(sources)}"))
             picks = ", ".join(f"{n}: {c['backend']}" for n, c in self.moe_configs.items())
             rows.append(("MoE backend by tokens", picks))
             tiles = ", ".join(f"{n}: {c['tiles']}" for n, c in self.moe_configs.items()

@@ -55,7 +55,7 @@ class ModelRunner:
 
     def _init_model(self, weights_folder: str | None) -> None:
         self.model = build_model(self.model_config, self.dtype, self.device,
-                                 get_moe_backend(self.cfg.moe_backend),
+                                 get_moe_backend(self.cfg.moe_backend, self.cfg.moe_tiles),
                                  get_attention_backend(self.cfg.attention_backend))
         if self.cfg.load_format == "dummy":
             init_dummy_weights(self.model, self.cfg.seed)

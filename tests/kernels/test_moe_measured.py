@@ -123,7 +123,7 @@ def test_the_capacity_report_names_the_down_tiles(isolated_config_dirs: Path) ->
 
     write_tuned(isolated_config_dirs / "env", {1: SMALL, 64: {**SPLIT, "backend": "grouped_mm"}},
                 device="Fake GPU", dtype=torch.float16)
-    cfg = SimpleNamespace(moe_backend="measured",
+    cfg = SimpleNamespace(moe_backend="measured", moe_tiles="tuned",
                           scheduler=SimpleNamespace(max_num_batched_tokens=2048))
     mc = SimpleNamespace(num_experts=E, hidden_size=H, moe_intermediate_size=N,
                          num_experts_per_tok=K)
@@ -172,9 +172,9 @@ def test_measured_picks_are_cached_per_shape_and_token_count(
     lookups: list[int] = []
     real = moe_configs.get_moe_config
 
-    def counting(*args: object) -> moe_configs.MoeConfigChoice:
+    def counting(*args: object, **kwargs: object) -> moe_configs.MoeConfigChoice:
         lookups.append(args[5])
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(moe_configs, "get_moe_config", counting)
     spy = Spy(monkeypatch)
@@ -185,6 +185,102 @@ def test_measured_picks_are_cached_per_shape_and_token_count(
     write_tuned(isolated_config_dirs / "env", {4: {**SMALL, "backend": "triton"}})
     moe_measured.moe_measured(x, w13, w2, weights, ids)
     assert lookups == [4, 4] and spy.calls[-1][0] == "triton"
+
+
+# ---------------------------------------------------------------- the tile source (moe_tiles)
+
+def default_tiles(num_tokens: int, dtype: torch.dtype = torch.float32) -> dict:
+    """What get_moe_config falls back to at this token count (the tiny shape, `dtype`)."""
+    return moe_configs.fit_shared_memory(moe_configs.default_moe_config(E, K, num_tokens),
+                                         torch.empty((), dtype=dtype).element_size())
+
+
+def test_default_tiles_leave_a_tuned_file_out(isolated_config_dirs: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_tuned(isolated_config_dirs / "env", {
+        1: {**SMALL, "backend": "grouped_mm"}, 64: dict(SMALL, BLOCK_M=32)})
+    tuned = get_moe_config(E, H, N, K, torch.float32, 1, "cpu", tiles="tuned")
+    assert (tuned.tuned, tuned.source, tuned.backend) == (True, str(path), "grouped_mm")
+
+    def no_file(*args: object) -> None:
+        raise AssertionError("tiles='default' reads no tuned file")
+
+    monkeypatch.setattr(moe_configs, "find_tuned", no_file)
+    for num_tokens in (1, 64, 4096):
+        choice = get_moe_config(E, H, N, K, torch.float32, num_tokens, "cpu", tiles="default")
+        assert choice == moe_configs.MoeConfigChoice(default_tiles(num_tokens), tuned=False,
+                                                     source="default", backend="triton",
+                                                     tuned_tokens=None)
+    with pytest.raises(ValueError, match=r"MoE tiles must be one of tuned, default; got 'x'"):
+        get_moe_config(E, H, N, K, torch.float32, 1, "cpu", tiles="x")
+
+
+def test_triton_with_default_tiles_launches_the_defaults(isolated_config_dirs: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeserve.kernels import moe_triton as triton_module
+
+    write_tuned(isolated_config_dirs / "env", {4: dict(SMALL, BLOCK_N=32)})
+    launched: list[dict] = []
+    real_launch = triton_module._launch
+
+    def launch(*args: object, **kwargs: object) -> None:
+        launched.append(args[8])  # the launch's tiles
+        real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_module, "_launch", launch)
+    x, w13, w2, weights, ids = experts_and_tokens(4, seed=3)
+    expected = moe_loop_ref(x, w13, w2, weights, ids)
+    for tiles, config in (("tuned", dict(SMALL, BLOCK_N=32)), ("default", default_tiles(4))):
+        launched.clear()
+        out = triton_module.moe_triton(x, w13, w2, weights, ids, tiles=tiles)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        assert launched == [config, moe_configs.down_tiles(config)], tiles
+    with pytest.raises(ValueError, match="MoE tiles must be one of"):
+        triton_module.moe_triton(x, w13, w2, weights, ids, tiles="x")
+
+
+def test_measured_with_default_tiles_is_triton_and_keeps_its_own_picks(
+        isolated_config_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two engines in one process, one per tile source: the plan cache is keyed on the source,
+    so neither sees the other's pick."""
+    write_tuned(isolated_config_dirs / "env", {4: {**SMALL, "backend": "grouped_mm"}})
+    spy = Spy(monkeypatch)
+    x, w13, w2, weights, ids = experts_and_tokens(4, seed=5)
+    expected = moe_loop_ref(x, w13, w2, weights, ids)
+    for tiles in ("tuned", "default", "tuned", "default"):
+        out = moe_measured.moe_measured(x, w13, w2, weights, ids, tiles=tiles)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert [(b, c) for b, _, c in spy.calls] == [("grouped_mm", None),
+                                                 ("triton", default_tiles(4))] * 2
+
+
+@pytest.mark.parametrize("backend", ["triton", "measured"])
+def test_the_capacity_report_says_which_tiles_are_in_use(isolated_config_dirs: Path,
+                                                         backend: str) -> None:
+    from moeserve.config import EngineConfig, SchedulerConfig
+    from moeserve.engine.core import _moe_configs
+
+    path = write_tuned(isolated_config_dirs / "env", {1: SMALL, 64: {**SPLIT, "backend":
+                                                                     "grouped_mm"}},
+                       device="Fake GPU", dtype=torch.float16)
+    mc = SimpleNamespace(num_experts=E, hidden_size=H, moe_intermediate_size=N,
+                         num_experts_per_tok=K)
+
+    def report(tiles: str) -> dict[str, dict]:
+        cfg = EngineConfig(moe_backend=backend, moe_tiles=tiles,
+                           scheduler=SchedulerConfig(max_num_batched_tokens=2048))
+        return _moe_configs(cfg, mc, torch.float16, "Fake GPU")
+
+    tuned = report("tuned")
+    assert all(c["tuned"] and c["source"] == str(path) for c in tuned.values())
+    assert tuned["64"]["config"] == SPLIT
+    assert tuned["64"]["backend"] == ("grouped_mm" if backend == "measured" else "triton")
+    default = report("default")
+    assert list(default) == ["1", "64", "256", "1024", "2048"]
+    for n, c in default.items():
+        config = default_tiles(int(n), torch.float16)
+        assert c == {"config": config, "tiles": moe_configs.config_key(config), "tuned": False,
+                     "source": "default", "backend": "triton", "tuned_tokens": None}
 
 
 # ---------------------------------------------------------------- the tuner

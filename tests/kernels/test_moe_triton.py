@@ -862,6 +862,25 @@ def test_gpu_every_default_tile_config_compiles_and_is_right(qwen_experts: tuple
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 256])
+def test_gpu_default_tiles_backend_runs_the_defaults(qwen_experts: tuple,
+                                                    num_tokens: int) -> None:
+    """The triton backend as an engine with moe_tiles=default builds it: the default tiles even
+    where a tuned file exists (the committed H200 one, on an H200), and right."""
+    from moeserve.kernels.registry import get_moe_backend
+
+    w13, w2, w13_f, w2_f = qwen_experts
+    x, logits = qwen_tokens(num_tokens, seed=num_tokens + 7)
+    weights, ids = select_experts(logits, QWEN_K, renormalize=True)
+    out = get_moe_backend("triton", tiles="default")(x, w13, w2, weights, ids)
+    config = moe_configs.fit_shared_memory(
+        moe_configs.default_moe_config(QWEN_E, QWEN_K, num_tokens), 2)
+    assert torch.equal(out, moe_triton(x, w13, w2, weights, ids, config=config))  # "sum"
+    expected = moe_loop_ref(x.float(), w13_f, w2_f, weights, ids)
+    torch.testing.assert_close(out.float(), expected, **BF16_TOL)
+
+
+@pytest.mark.gpu
 def test_gpu_triton_align_at_scale() -> None:
     gen = torch.Generator(device="cuda").manual_seed(5)
     _, ids = select_experts(torch.randn(2048, QWEN_E, device="cuda", generator=gen), QWEN_K,

@@ -21,6 +21,20 @@ def test_known_backends() -> None:
     assert get_attention_backend("torch") is paged_attention_ref
 
 
+def test_the_tile_source_is_bound_into_the_backends_that_read_tiles() -> None:
+    from moeserve.kernels.moe_triton import moe_triton
+
+    assert get_moe_backend("triton", tiles="tuned") is moe_triton  # the function's own default
+    assert get_moe_backend("measured", tiles="tuned") is moe_measured
+    for name, fn in (("triton", moe_triton), ("measured", moe_measured)):
+        bound = get_moe_backend(name, tiles="default")
+        assert bound.func is fn and bound.args == () and bound.keywords == {"tiles": "default"}
+    assert get_moe_backend("grouped_mm", tiles="default") is moe_grouped_mm  # no tiles to bind
+    assert get_moe_backend("torch", tiles="default") is moe_loop_ref
+    with pytest.raises(ValueError, match=r"MoE tiles must be one of tuned, default; got 'x'"):
+        get_moe_backend("triton", tiles="x")
+
+
 def test_unknown_backend_names_the_choices() -> None:
     with pytest.raises(ValueError, match=r"moe_backend .cutlass.; "
                        r"choices: grouped_mm, measured, torch, triton"):
