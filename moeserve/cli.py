@@ -1,5 +1,5 @@
-"""The `moeserve` command line: `serve`, `bench`, `doctor`, `report`, `generate` (offline,
-in-process), `presets`.
+"""The `moeserve` command line: `serve`, `bench`, `doctor`, `report`, `tune`, `generate`
+(offline, in-process), `presets`.
 
 Engine flags come from the config dataclasses (engine/args.py), so every knob the engine has is a
 flag with the field's own docstring as its help.
@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "side with the diff of their configs")
     report.set_defaults(func=run_report)
     add_report_args(report)
+    from moeserve.tune.cli import add_tune_args, run_tune
+
+    tune = sub.add_parser("tune", help="search the engine's knobs with the real server and "
+                          "benchmark (Optuna, a ledger of every trial), steered by the doctor")
+    tune.set_defaults(func=run_tune)
+    add_tune_args(tune)
     gen = sub.add_parser("generate", help="generate offline with the in-process engine")
     gen.set_defaults(func=_cmd_generate)
     gen.add_argument("--preset", dest="model", help="a built-in preset (same as --model NAME)")

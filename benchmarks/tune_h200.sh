@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Issue 13's H200 study: `moeserve tune` on qwen3-30b-a3b, W1 at concurrency 1,024, from the
+# seeds' bad start (admission cap 64, default MoE tiles, eager, no overlap scheduling). One GPU
+# call per invocation; the ledger (SQLite) lives in the checkout, so the next call, carried the
+# file back, resumes it.
+#   bash benchmarks/tune_h200.sh PHASES WALL_SECONDS [GPU_TESTS=0|1] [LIMIT_SECONDS]
+# The ledger is copied to $OUT/tune.db and used there, so that what a call wrote comes back
+# even if the call is cut; the tune gets SIGINT (a clean stop) at LIMIT_SECONDS (default 560).
+# Writes $OUT/tune (report, logs), $OUT/tune.db, $OUT/tune.log.
+set -uo pipefail
+PHASES=${1:-search}
+WALL=${2:-450}
+GPU_TESTS=${3:-0}
+LIMIT=${4:-560}
+START=$(date +%s)
+SRC=benchmarks/results/tune_qwen3_c1024/tune.db
+DB=$OUT/tune.db
+mkdir -p "$OUT"
+[ -f "$SRC" ] && cp "$SRC" "$DB"
+SITE=/tmp/site
+[ -d "$SITE" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --target "$SITE" .whl/*.whl
+export PYTHONPATH=$PWD:$SITE
+[ -f GIT_COMMIT ] && export MOESERVE_GIT_COMMIT=$(cat GIT_COMMIT)
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv > "$OUT/device.csv" 2>&1
+python3 -c "import torch, triton, optuna; print(torch.__version__, triton.__version__, optuna.__version__)" \
+  > "$OUT/versions.txt" 2>&1
+if [ "$GPU_TESTS" = 1 ]; then
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+fi
+LEFT=$((LIMIT - ($(date +%s) - START)))
+timeout -s INT "$LEFT" python3 -m moeserve.cli tune --preset qwen3-30b-a3b --max-concurrency 1024 \
+  --start "--max-running-requests 64 --moe-tiles default --enforce-eager --no-async-scheduling" \
+  --storage "sqlite:///$DB" --study-name qwen3-c1024-bad-start --n-trials 40 \
+  --wall-time "$WALL" --phases "$PHASES" --confirm-runs 3 --confirm-defaults \
+  --trial-timeout 240 --server-timeout 300 --recover-running --out "$OUT/tune" \
+  2>&1 | tee "$OUT/tune.log" | tail -60

@@ -1,0 +1,81 @@
+"""What each knob was worth: one-at-a-time ablation from the winner, and Optuna's importances.
+
+    ablate(evaluator, space, winner, start) -> [Ablation]
+        the winner measured once more (the reference), then, for every knob where the winner
+        differs from the start, the winner with that one knob set back to the start's value;
+        its worth is the reference's objective less that run's (largest first)
+    importances(study) -> {knob: share}
+        Optuna's parameter importances (PED-ANOVA: what reaching the top trials takes; fANOVA
+        would need scikit-learn) over the measured feasible trials; {} with
+        the reason when the study has too few trials or too little variation
+
+The ablation's runs use the trial workload (the bounded benchmark), as the search did.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from moeserve.tune.evaluate import Evaluator, Outcome
+from moeserve.tune.space import Space
+
+
+@dataclass(frozen=True, slots=True)
+class Ablation:
+    knob: str
+    winner_value: Any
+    start_value: Any
+    objective: float | None  # the winner with this knob at the start's value
+    worth: float | None  # reference - objective, tok/s (None: that run failed)
+    failure: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ablate(evaluator: Evaluator, space: Space, winner: Mapping[str, Any],
+           start: Mapping[str, Any],
+           on_run: Callable[[str, Outcome], None] | None = None
+           ) -> tuple[float | None, list[Ablation]]:
+    """(the reference objective, the ablations sorted by worth, largest first)."""
+    ref = evaluator.evaluate(dict(winner), "trial")
+    if on_run is not None:
+        on_run("winner", ref)
+    reference = ref.value if ref.failure is None else None
+    out = []
+    for name in space.knobs:
+        if repr(winner.get(name)) == repr(start.get(name)):
+            continue
+        params = space.complete({**winner, name: start.get(name)})
+        res = evaluator.evaluate(params, "trial")
+        if on_run is not None:
+            on_run(name, res)
+        value = res.value if res.failure is None else None
+        worth = None if value is None or reference is None else reference - value
+        out.append(Ablation(name, winner.get(name), start.get(name), value, worth,
+                            None if res.failure is None else f"{res.failure}: {res.error}"))
+    out.sort(key=lambda a: (a.worth is None, -(a.worth or 0.0)))
+    return reference, out
+
+
+def importances(study: Any) -> tuple[dict[str, float], str]:
+    """({knob: importance}, "") or ({}, why not)."""
+    import optuna
+
+    from moeserve.tune.study import is_feasible, ledger, measured
+
+    trials = [t for t in measured(ledger(study)) if is_feasible(t)]
+    if len(trials) < 4:
+        return {}, f"{len(trials)} feasible trials: too few for importances"
+    try:  # PED-ANOVA ranks what it takes to reach low targets: the objective negated
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            values = optuna.importance.get_param_importances(
+                study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(),
+                target=lambda t: -(t.value if is_feasible(t) else 0.0))
+    except (RuntimeError, ValueError, ZeroDivisionError) as e:
+        return {}, f"importances not computed: {e}"
+    return {k: round(float(v), 4) for k, v in values.items()}, ""

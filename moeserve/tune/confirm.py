@@ -1,0 +1,113 @@
+"""Confirmation: is the best config's gain real, or noise?
+
+    confirm(evaluator, arms, runs) -> Confirmation
+
+The arms (the best config and the start config, optionally the engine's defaults) run in
+turn, A B [C] A B [C] ..., `runs` times each, every run on a fresh server with the full
+workload (evaluator purpose "confirm"), so that drift of the machine over the call lands on
+every arm alike. Per arm: each value, the mean, and the spread (max - min). The gain of the best
+over the start is called real only when the difference of the means exceeds the larger of the
+two arms' spreads; inside it, the verdict is "noise". A failed run is kept with its failure and
+left out of the means.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from moeserve.tune.evaluate import Evaluator, Outcome
+
+
+@dataclass(slots=True)
+class Arm:
+    name: str
+    params: dict[str, Any]
+    values: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    runs: list[list[dict[str, Any]]] = field(default_factory=list)  # figures of each run
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.values) if self.values else None
+
+    @property
+    def spread(self) -> float:
+        return max(self.values) - min(self.values) if len(self.values) > 1 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"mean": self.mean, "spread": self.spread}
+
+
+@dataclass(slots=True)
+class Confirmation:
+    arms: list[Arm]
+    gain: float | None  # mean best / mean start - 1
+    difference: float | None  # mean best - mean start, tok/s
+    spread: float  # the larger arm spread, tok/s
+    verdict: str  # "gain", "loss", "noise" or "unknown" (an arm without a value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"arms": [a.to_dict() for a in self.arms], "gain": self.gain,
+                "difference": self.difference, "spread": self.spread, "verdict": self.verdict}
+
+    def line(self) -> str:
+        best, start = self.arms[0], self.arms[1]
+        if self.verdict == "unknown":
+            return "confirmation: an arm has no successful run (see the failures)"
+        return (f"confirmation ({len(best.values)}+{len(start.values)} runs): best "
+                f"{best.mean:,.0f} tok/s (spread {best.spread:,.0f}) vs start {start.mean:,.0f} "
+                f"(spread {start.spread:,.0f}): {self.gain:+.1%}, "
+                + ("a real gain" if self.verdict == "gain" else
+                   "a real loss" if self.verdict == "loss" else
+                   f"noise (the difference {self.difference:+,.0f} is inside the spread "
+                   f"{self.spread:,.0f})"))
+
+
+def judge(best: Arm, start: Arm) -> tuple[float | None, float | None, float, str]:
+    """(gain, difference, spread, verdict) of two arms."""
+    spread = max(best.spread, start.spread)
+    if best.mean is None or start.mean is None or start.mean <= 0:
+        return None, None, spread, "unknown"
+    diff = best.mean - start.mean
+    verdict = "noise" if abs(diff) <= spread else "gain" if diff > 0 else "loss"
+    return best.mean / start.mean - 1.0, diff, spread, verdict
+
+
+def confirm(evaluator: Evaluator, arms: Mapping[str, Mapping[str, Any]], runs: int = 3,
+            on_run: Callable[[str, int, Outcome], None] | None = None,
+            done: list[dict[str, Any]] | None = None,
+            save: Callable[[list[dict[str, Any]]], None] | None = None) -> Confirmation:
+    """`arms`: name -> config, the best first and the start second (then any others).
+
+    Resumable: `done` holds the records of runs made before (arm, round, value, failure,
+    runs; what `save` was given after each run), which are taken as they are when their arm's
+    config is the same; a call interrupted between runs loses only the run in progress."""
+    if runs < 1:
+        raise ValueError(f"confirmation runs must be >= 1, got {runs}")
+    if len(arms) < 2:
+        raise ValueError("confirmation needs the best and the start config")
+    state = [Arm(name, dict(params)) for name, params in arms.items()]
+    records = [r for r in done or [] if r.get("arm") in arms and
+               r.get("params") == dict(arms[r["arm"]])]
+    for i in range(runs):
+        for arm in state:
+            rec = next((r for r in records if r["arm"] == arm.name and r["round"] == i), None)
+            if rec is None:
+                out = evaluator.evaluate(arm.params, "confirm")
+                rec = {"arm": arm.name, "round": i, "params": arm.params, "value": out.value,
+                       "failure": out.failure, "error": out.error, "runs": out.runs}
+                records.append(rec)
+                if save is not None:
+                    save(records)
+                if on_run is not None:
+                    on_run(arm.name, i, out)
+            arm.runs.append(rec["runs"])
+            if rec["value"] is not None and rec["failure"] is None:
+                arm.values.append(rec["value"])
+            else:
+                arm.failures.append(f"{rec['failure']}: {rec['error']}")
+    gain, diff, spread, verdict = judge(state[0], state[1])
+    return Confirmation(state, gain, diff, spread, verdict)

@@ -1,0 +1,75 @@
+"""Confirmation and ablation against the fake benchmark: a gain inside the spread is noise,
+one beyond it is a gain; the ablation ranks the knobs by what setting each back costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeserve.tune import confirm as confirm_mod
+from moeserve.tune import study as study_mod
+from moeserve.tune.ablation import ablate, importances
+from moeserve.tune.space import knob_space
+from tests.tune.fake_bench import BAD_START, FakeEvaluator, throughput
+
+
+def _arms(space, **moved):
+    return {"best": space.complete({**space.start, **moved}), "start": space.start}
+
+
+def test_a_difference_inside_the_noise_is_called_noise():
+    space = knob_space("cuda", {})
+    # block 32 vs 16: 1% apart, measured with 4% noise
+    c = confirm_mod.confirm(FakeEvaluator(seed=5, noise=0.04), _arms(space, block_size=32), 3)
+    assert c.verdict == "noise"
+    assert abs(c.difference) <= c.spread
+    assert "noise" in c.line()
+    assert [a.name for a in c.arms] == ["best", "start"] and all(len(a.values) == 3
+                                                                 for a in c.arms)
+
+
+def test_a_real_gain_beyond_the_spread_is_a_gain():
+    space = knob_space("cuda", BAD_START)
+    c = confirm_mod.confirm(FakeEvaluator(seed=5, noise=0.02),
+                            _arms(space, max_running_requests=1024), 3)
+    assert c.verdict == "gain" and c.gain > 1.0
+
+
+def test_confirmation_alternates_the_arms_on_fresh_runs():
+    space = knob_space("cuda", BAD_START)
+    ev = FakeEvaluator()
+    arms = _arms(space, enforce_eager=False) | {
+        "defaults": {n: k.default for n, k in space.knobs.items()}}
+    confirm_mod.confirm(ev, arms, 2)
+    order = [next(n for n, p in arms.items() if p == params) for params, _ in ev.calls]
+    assert order == ["best", "start", "defaults"] * 2
+    assert {purpose for _, purpose in ev.calls} == {"confirm"}
+
+
+def test_a_failed_arm_is_unknown_not_a_gain():
+    space = knob_space("cuda", {})
+    arms = _arms(space, mem_fraction=0.95)  # the fake's OOM region
+    c = confirm_mod.confirm(FakeEvaluator(), arms, 2)
+    assert c.verdict == "unknown" and c.arms[0].failures and c.arms[0].mean is None
+    with pytest.raises(ValueError, match="runs must be"):
+        confirm_mod.confirm(FakeEvaluator(), arms, 0)
+
+
+def test_ablation_names_the_largest_lever():
+    space = knob_space("cuda", BAD_START)
+    winner = space.complete({"max_running_requests": 1024, "enforce_eager": False,
+                             "moe_tiles": "tuned", "async_scheduling": None})
+    ref, rows = ablate(FakeEvaluator(noise=0.0), space, winner, space.start)
+    assert ref == pytest.approx(throughput(winner))
+    assert [r.knob for r in rows][0] == "max_running_requests"
+    assert {r.knob for r in rows} == {"max_running_requests", "enforce_eager", "moe_tiles",
+                                      "async_scheduling"}
+    assert all(r.worth > 0 for r in rows)
+
+
+def test_importances_after_a_study(tmp_path):
+    study = study_mod.open_study(f"sqlite:///{tmp_path / 't.db'}", "imp", 0, 4)
+    space = knob_space("cuda", BAD_START)
+    study_mod.search(study, space, FakeEvaluator(), study_mod.Budget(n_trials=12))
+    imp, why = importances(study)
+    assert why == "" and imp and abs(sum(imp.values()) - 1.0) < 1e-3
+    assert set(imp) <= set(space.knobs)
