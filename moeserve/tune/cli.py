@@ -172,7 +172,8 @@ def run_tune(args: argparse.Namespace | Sequence[str]) -> int:
         parser = argparse.ArgumentParser(prog="moeserve tune")
         add_tune_args(parser)
         args = parser.parse_args(list(args))
-    console = Console() if sys.stdout.isatty() else Console(width=120)
+    # plain text: a trial's "[doctor: rule]" is not markup, a number is not highlighted
+    console = Console(markup=False, highlight=False, width=None if sys.stdout.isatty() else 120)
     try:
         return _tune(args, console)
     except ValueError as e:

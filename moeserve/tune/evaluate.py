@@ -19,8 +19,9 @@ Failure kinds, each an infeasible trial and never an abort of the study:
     slo        the run's latency broke the bound (a feasible measurement, kept with its value)
 
 The bench runs as a subprocess so that a trial's time limit can end it, and a bench that
-fails cannot take the study with it. Its JSON lines are read back; the per-request records are
-left out of the ledger (their figures are in it), the rest is kept.
+fails cannot take the study with it. Its JSON lines are read back: every figure is kept in
+the ledger (`figures_of`); the per-request records, the timelines and the /v1/engine document
+are not (their figures are, and the capacity report is kept once per trial).
 """
 
 from __future__ import annotations
@@ -42,11 +43,8 @@ from moeserve.bench.server import ServerProcess, find_key
 FAILURE_KINDS = ("invalid", "oom", "startup", "crash", "timeout", "failed", "slo")
 _OOM_MARKERS = ("out of memory", "outofmemoryerror", "cuda error: out of memory",
                 "cannot allocate memory", "memoryerror")
-# figures of a bench run kept in the ledger (bench_serving's names)
-FIGURES = ("completed", "failed", "duration", "output_throughput", "total_throughput",
-           "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-           "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
-           "median_e2el_ms", "concurrency", "max_concurrency", "num_prompts")
+# parts of a bench result kept whole beside its scalar figures
+KEPT = ("engine_run", "warnings", "client")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +81,7 @@ class Outcome:
     geometric mean over the concurrencies), None when the trial is infeasible (`failure`)."""
 
     value: float | None
-    runs: list[dict[str, Any]] = field(default_factory=list)  # FIGURES per concurrency
+    runs: list[dict[str, Any]] = field(default_factory=list)  # figures_of() per concurrency
     verdicts: list[dict[str, Any]] = field(default_factory=list)  # doctor.Verdict.to_dict()
     capacity: dict[str, Any] | None = None
     failure: str | None = None  # one of FAILURE_KINDS
@@ -229,9 +227,7 @@ class ServerBenchEvaluator:
         lines = path.read_text().splitlines() if path.exists() else []
         for line in lines:
             res = json.loads(line)
-            out.runs.append({k: res.get(k) for k in FIGURES} |
-                            {"engine_run": res.get("engine_run"),
-                             "warnings": res.get("warnings", [])})
+            out.runs.append(figures_of(res))
             out.verdicts += [v.to_dict() | {"max_concurrency": res.get("max_concurrency")}
                              for v in doctor.diagnose(res)]
             if out.capacity is None:
@@ -252,6 +248,15 @@ class ServerBenchEvaluator:
         path = self.log_dir / f"server_{time.strftime('%Y%m%d-%H%M%S')}_{self._count}.log"
         path.write_text(f"$ {out.command}\n{log}\n")
         out.extra["server_log"] = str(path)
+
+
+def figures_of(res: Mapping[str, Any]) -> dict[str, Any]:
+    """Every figure of a bench result (its scalar fields: bench_serving's metrics, the
+    identity of the run, server API CPU), with the engine's counters over the run and the
+    client's CPU; not the per-request records, the /v1/engine document or the timelines."""
+    out = {k: v for k, v in res.items()
+           if v is None or isinstance(v, str | int | float | bool)}
+    return out | {k: res.get(k) for k in KEPT}
 
 
 def _last_lines(text: str, n: int) -> str:

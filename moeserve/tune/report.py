@@ -135,6 +135,9 @@ def write_report(study: Any, space: Space, out: str | Path,
                           f"{r['objective']:,.0f}" if r["objective"] is not None else r["failure"],
                           f"{r['worth']:+,.0f}" if r["worth"] is not None else "—"]
                          for r in a["knobs"]])
+        lines += ["A knob's worth is the winner's objective less the winner's with that knob at "
+                  "the start's value, one run each: a negative worth says the start's value did "
+                  "as well (within the noise the confirmation measured) or better.", ""]
     if s["importances"]:
         lines += ["## Optuna's parameter importances (PED-ANOVA)", ""]
         lines += _table(["knob", "importance"],
