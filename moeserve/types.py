@@ -134,6 +134,9 @@ class ModelOutput:
     logprobs: list[Logprobs | None] | None = None
     extra_token_ids: list[list[int]] | None = None  # per row, steps 2..num_steps
     row_errors: dict[int, str] | None = None
+    # ids of this step's forwards the step profiler timed (runner/step_profile.py): the engine
+    # hands them back with the step's wall time
+    profiled_forwards: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

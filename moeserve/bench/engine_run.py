@@ -4,8 +4,10 @@ Owns `engine_snapshot` (the stats object of GET /v1/engine, or None for a server
 and `engine_run` (the run's share of the engine's cumulative counters, with per-step means):
 how many steps it took, how many replayed a CUDA graph, how many decode batches fell back to
 eager, and where a busy engine-loop iteration's wall time went (core.step(), request intake,
-sending outputs). A result without these cannot say whether a slow run was the GPU's or the
-host's; the /v1/engine document fetched before the run (provenance) holds only the start.
+sending outputs), and over the step profile's sampled forwards the wall time of their steps
+against their device time (per forward: a multi-step plan runs several). A result without these
+cannot say whether a slow run was the GPU's or the host's; the /v1/engine document fetched
+before the run (provenance) holds only the start.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ COUNTERS = ("num_steps", "num_forward_steps", "num_graph_steps", "cuda_graph_fal
             "num_generated_tokens", "num_aborted", "num_failed", "num_refused",
             "num_busy_iterations",
             "busy_loop_seconds_total", "busy_step_seconds_total", "busy_intake_seconds_total",
-            "busy_send_seconds_total")
+            "busy_send_seconds_total", "num_profiled_forwards", "profiled_device_seconds_total",
+            "profiled_wall_seconds_total")
 
 
 def engine_snapshot(base_url: str, api_key: str | None) -> dict[str, Any] | None:
@@ -54,6 +57,15 @@ def engine_run(before: dict[str, Any] | None, after: dict[str, Any] | None,
             total = delta.get(f"busy_{key}_seconds_total")
             if total is not None:
                 out[f"mean_{key}_ms"] = 1e3 * total / iters
+    if forwards and "busy_step_seconds_total" in delta:
+        out["step_ms_per_forward"] = 1e3 * delta["busy_step_seconds_total"] / forwards
+    profiled = delta.get("num_profiled_forwards")
+    if profiled and "profiled_device_seconds_total" in delta:  # the same forwards, both ways
+        device, wall = delta["profiled_device_seconds_total"], delta["profiled_wall_seconds_total"]
+        out["profiled_device_ms_per_forward"] = 1e3 * device / profiled
+        out["profiled_wall_ms_per_forward"] = 1e3 * wall / profiled
+        if device > 0:
+            out["profiled_wall_over_device"] = wall / device
     busy = delta.get("busy_loop_seconds_total")
     if busy is not None and duration_s > 0:
         out["busy_share"] = busy / duration_s  # of the run's wall time, the loop had work
@@ -77,4 +89,9 @@ def describe(run: dict[str, Any] | None) -> str | None:
         line += (f"; a busy loop iteration {run['mean_loop_ms']:.2f} ms (step "
                  f"{run.get('mean_step_ms', 0):.2f}, intake {run.get('mean_intake_ms', 0):.2f}, "
                  f"outputs {run.get('mean_send_ms', 0):.2f})")
+    if "profiled_wall_over_device" in run:
+        line += (f"; {c['num_profiled_forwards']} profiled forwards: their steps' wall "
+                 f"{run['profiled_wall_ms_per_forward']:.2f} ms per forward, device "
+                 f"{run['profiled_device_ms_per_forward']:.2f} ms "
+                 f"({run['profiled_wall_over_device']:.2f}x)")
     return line

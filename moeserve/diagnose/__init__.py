@@ -7,7 +7,9 @@
     expert_load.py  the engine's tokens-per-expert counters: run delta, mean per step, imbalance
     roofline.py     bytes and FLOPs of a step from the model shape; H200 ceilings; the share of
                     the bound a run reached
-    doctor.py       the rules: run -> [Verdict(rule, severity, message, knob, evidence)]
+    doctor.py       the rules: run -> [Verdict(rule, severity, message, knob, evidence,
+                    settings)]; host_rules.py the host's (client, API, engine loop, CPU threads);
+                    verdict.py the Verdict (settings: engine config fields for a tuner)
     plots.py        matplotlib PNGs; report.py: markdown report and run-against-run config diff
     cli.py          `moeserve doctor` and `moeserve report`
 

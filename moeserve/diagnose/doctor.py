@@ -4,22 +4,59 @@
                                   documents its parts), most severe first
 
 A rule is a pure function run -> Verdict | None: None when its case is absent or its figures
-are missing (a run without --diagnose still gets the rules that need only the bench's figures).
-A Verdict cites the figures that fired it in `evidence`. The rules:
+are missing (a run without --diagnose still gets the rules that need only the bench's figures);
+those about the host's processes (client_bound, api_bound, cpu_bound_step, cpu_threads) live in
+host_rules.py, the Verdict in verdict.py. A Verdict cites the figures that fired it in
+`evidence`, says the knob in words (`knob`) and, for a tuner, the same proposal as engine config
+fields (`settings`: the flat names of config.py, as `engine_config_from_kwargs` takes them; {}
+when no engine field is the fix). The rules:
 
     admission_cap     running == max_running_requests while requests wait, in >= 25% of samples
+                      settings: explicit cap -> max_running_requests min(concurrency, KV fits);
+                      auto cap -> request_pool concurrency (the pool set it), else
+                      expected_tokens_per_request (the footprint held, when smaller), else
+                      max_running_requests concurrency
     kv_capacity       min(concurrency, cap) x footprint > KV tokens, or preemptions, or KV >= 95%
+                      settings: on CUDA mem_fraction + 0.05 (up to 0.95), else
+                      max_running_requests what the KV holds; {} for KV >= 95% alone (info)
     cuda_graphs       CUDA decode outside graphs: the capacity report's cuda_graphs starts
                       with "off"/"eager", or an engine stat whose name holds "fallback" grew
-    tokens_per_expert mean tokens per expert per step < 32 (expert_load, else an estimate from
-                      the batch): expert GEMMs that only read weights
+                      settings: enforce_eager False, or the capturable attention_backend /
+                      moe_backend "triton" (the backend kept them off), or
+                      cuda_graph_max_batch_size "auto" (batches fell outside the graphs)
+    tokens_per_expert (CUDA engines) mean tokens per expert per step < 32 (expert_load, else an
+                      estimate from the batch): expert GEMMs that only read weights
+                      settings: max_running_requests min(concurrency, KV fits) when the cap is
+                      below the client's concurrency; {} when the client's load is the limit
+                      (multi-step decode repeats the weight reads: it does not help here)
+    cpu_threads       (CPU engines) torch's threads > the usable cores (oversubscribed), or the
+                      engine process got < 50% of a core per torch thread while the loop was
+                      busy (other processes hold the cores)
+                      settings: torch_threads the usable cores, or the cores it got
     gpu_power         the busy GPUs drew < 50% of their power limit at < 50% utilisation
+                      settings: {} (the GPU waits on what the other verdicts name)
     client_bound      the bench's client_bound flag, or a client process above 90% of a core
+                      settings: {} (--workers is the bench's)
     api_bound         an API process used >= 90% of a core
-    cpu_bound_step    the engine process used >= 90% of a core while the GPUs were < 50% busy
-                      (or step_seconds > 1.5 x gpu_step_seconds, when the engine's stats
-                      carry that GPU time per step)
+                      settings: {} (--api-servers is the server's, not the engine's)
+    cpu_bound_step    (CUDA engines) the step's wall time > 1.5 x its device time, per forward,
+                      over the step profile's sampled forwards (the run's engine counters:
+                      num_profiled_forwards, profiled_wall/device_seconds_total); for a server
+                      without them, the engine process used >= 90% of a core while the GPUs
+                      were < 50% busy
+                      settings: enforce_eager False (graphs off); prefill_batch_delay_steps
+                      max(4, 2 x now) (>= 20% of forwards eager: mixed steps); async_scheduling
+                      True (off, one decode step per plan); else num_continuous_decode_steps
+                      max(2, 2 x now) with async_scheduling False (the two exclude each other)
     roofline          the steady step under 60% of its roofline bound (roofline.py)
+                      settings: {} (the fix is in the kernels or in the other verdicts)
+
+NOTE: cpu_bound_step reads no gauge means. The gauges step_seconds and gpu_step_seconds are
+sampled by /v1/engine, whose answer (a Ping) waits for the step in progress: a query is answered
+after the step it arrives in, so long (mixed, prefill) steps are over-represented in the
+step_seconds samples, while the profile samples every Nth forward whatever its length. Their
+means' ratio overstated the host's share (mixtral W1 at 1,024: 178 ms against 94, while the
+counters said 104 ms a step).
 
 A step at 60% or more of its bound is not a verdict; `summary_lines` states which roof bounds
 it (memory or compute) and at what share, for every run with an engine timeline.
@@ -28,52 +65,34 @@ it (memory or compute) and at what share, for every run with an engine timeline.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from moeserve.diagnose import expert_load, figures, roofline
+from moeserve.diagnose.host_rules import (
+    LOW_UTIL_PCT,
+    api_bound,
+    client_bound,
+    cpu_bound_step,
+    cpu_threads,
+    graphs_off,
+    graphs_off_settings,
+)
+from moeserve.diagnose.verdict import SEVERITIES, Verdict, as_flags
+from moeserve.diagnose.verdict import rounded as _r
 
-SEVERITIES = ("critical", "warning", "info")
+__all__ = ["RULES", "SEVERITIES", "Verdict", "diagnose", "format_verdicts", "summary_lines"]
+
 CAP_BINDING_SHARE = 0.25
 KV_USAGE_HIGH = 0.95
 MIN_TOKENS_PER_EXPERT = 32.0  # below it, expert GEMMs read weights far more than they compute
 LOW_TOKENS_PER_EXPERT = 16.0  # critical below this
 LOW_POWER_SHARE = 0.5
-LOW_UTIL_PCT = 50.0
-BUSY_CPU = 0.9  # a process at this share of one core is saturated (Python is one thread)
-STEP_OVER_GPU = 1.5
-EAGER_SHARE_HIGH = 0.2  # graphs on, yet this share of steps ran eagerly: mixed steps dominate
+MEM_FRACTION_MAX = 0.95  # kv_capacity proposes mem_fraction up to this
 ROOFLINE_TARGET = 0.6  # DESIGN.md: the target is 60% of the ceiling
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    rule: str
-    severity: str  # one of SEVERITIES
-    message: str
-    knob: str
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.severity not in SEVERITIES:
-            raise ValueError(f"verdict severity must be one of {SEVERITIES}, "
-                             f"got {self.severity!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Verdict:
-        return cls(d["rule"], d["severity"], d["message"], d["knob"], dict(d.get("evidence", {})))
-
-
-def _r(x: float | None, nd: int = 3) -> float | None:
-    return None if x is None else round(float(x), nd)
-
-
 def _sched(run: dict[str, Any]) -> dict[str, Any]:
-    s = figures.engine_config(run).get("scheduler")
-    return s if isinstance(s, dict) else {}
+    return figures.engine_section(run, "scheduler")
 
 
 def admission_cap(run: dict[str, Any]) -> Verdict | None:
@@ -97,29 +116,36 @@ def admission_cap(run: dict[str, Any]) -> Verdict | None:
           "client_concurrency": conc, "kv_tokens": kv, "request_footprint": _r(fp, 1),
           "requests_kv_fits": fits}
     if setting == "auto":
-        knob = _auto_cap_knob(run, cap, conc, fp)
+        knob, settings = _auto_cap_knob(run, cap, conc, fp)
     else:
         target = min(conc, fits) if fits else conc
         knob = (f"--max-running-requests auto, or {target} (client concurrency {conc}"
                 + (f"; the KV cache fits {fits} requests of {fp:.0f} tokens)" if fits else ")"))
+        settings = {"max_running_requests": target}
     how = "auto" if setting == "auto" else "explicit"
     return Verdict("admission_cap", "critical",
                    f"admission cap binding: running == max_running_requests {cap} ({how}) "
                    f"while about {ev['mean_waiting_when_capped']:.0f} requests waited, in "
-                   f"{share:.0%} of {len(t)} samples; the client kept {conc} in flight", knob, ev)
+                   f"{share:.0%} of {len(t)} samples; the client kept {conc} in flight", knob, ev,
+                   settings)
 
 
-def _auto_cap_knob(run: dict[str, Any], cap: int, conc: int, fp: float | None) -> str:
+def _auto_cap_knob(run: dict[str, Any], cap: int, conc: int, fp: float | None
+                   ) -> tuple[str, dict[str, Any]]:
     """What raises an auto cap: the pool when the pool set it, else more KV or a smaller
-    assumed footprint, or an explicit cap (preemption then handles the overflow)."""
+    assumed footprint, or an explicit cap (preemption then handles the overflow). The knob
+    and the one setting proposed (the first the knob names that applies)."""
     pool, assumed = _sched(run).get("request_pool"), _sched(run).get("expected_tokens_per_request")
     if cap == pool:
-        return f"--request-pool (the cap is the pool, {pool})"
+        return (f"--request-pool {conc} (the cap is the pool, {pool})",
+                {"request_pool": conc})
     knob = "--mem-fraction (a larger KV cache raises the auto cap)"
+    settings: dict[str, Any] = {"max_running_requests": conc}
     if fp and isinstance(assumed, int) and fp < assumed:
         knob += (f", --expected-tokens-per-request {int(fp)} (the rule assumed {assumed}; "
                  f"these requests hold {fp:.0f})")
-    return knob + f", or --max-running-requests {conc} (preemption absorbs the overflow)"
+        settings = {"expected_tokens_per_request": int(fp)}
+    return knob + f", or --max-running-requests {conc} (preemption absorbs the overflow)", settings
 
 
 def kv_capacity(run: dict[str, Any]) -> Verdict | None:
@@ -149,14 +175,23 @@ def kv_capacity(run: dict[str, Any]) -> Verdict | None:
             f"--max-running-requests {fits if fits else 'lower'} (what the KV cache holds)")
     sev = "warning" if preemptions > 0 or (need and kv and need > kv) else "info"
     return Verdict("kv_capacity", sev, "KV cache too small for the concurrency: " + "; ".join(why),
-                   knob, ev)
+                   knob, ev, _kv_settings(run, fits) if sev == "warning" else {})
+
+
+def _kv_settings(run: dict[str, Any], fits: int | None) -> dict[str, Any]:
+    """More KV on a GPU while mem_fraction has room, else a cap the KV cache holds."""
+    mem = figures.engine_section(run, "cache").get("mem_fraction")
+    if figures.device_kind(run) == "cuda" and isinstance(mem, int | float) and \
+            mem < MEM_FRACTION_MAX:
+        return {"mem_fraction": round(min(MEM_FRACTION_MAX, mem + 0.05), 2)}
+    return {"max_running_requests": fits} if fits else {}
 
 
 def cuda_graphs(run: dict[str, Any]) -> Verdict | None:
     if figures.device_kind(run) != "cuda":
         return None
     state = figures.capacity_report(run).get("cuda_graphs")
-    off = isinstance(state, str) and state.strip().lower().startswith(("off", "eager", "disabled"))
+    off = graphs_off(state)
     tl = figures.diagnostics(run).get("engine_timeline") or {}
     fallbacks = {}
     for key in (tl.get("stats") or {}):
@@ -169,12 +204,18 @@ def cuda_graphs(run: dict[str, Any]) -> Verdict | None:
     what = (f"the capacity report says CUDA graphs are {state!r}" if off else
             "decode batches fell outside the captured graphs: " +
             ", ".join(f"{k} +{v}" for k, v in fallbacks.items()))
+    settings = graphs_off_settings(state) if off else {"cuda_graph_max_batch_size": "auto"}
     return Verdict("cuda_graphs", "warning", f"decode runs outside CUDA graphs: {what}",
-                   "turn CUDA graphs on, with batch sizes up to max_running_requests",
-                   {"cuda_graphs": state, "fallbacks": fallbacks})
+                   f"turn CUDA graphs on ({as_flags(settings)}), with batch sizes up to "
+                   "max_running_requests", {"cuda_graphs": state, "fallbacks": fallbacks},
+                   settings)
 
 
 def tokens_per_expert(run: dict[str, Any]) -> Verdict | None:
+    # NOTE: GPU only: a GPU's expert GEMMs at few tokens stream weights at a fraction of their
+    # FLOPs; a CPU's throughput moves with torch's threads against its cores (cpu_threads)
+    if figures.device_kind(run) != "cuda":
+        return None
     summary = expert_load.summarize(expert_load.of_run(run))
     if summary is not None:
         value, source = summary.mean_tokens_per_expert_per_step, "expert_load counters"
@@ -192,14 +233,26 @@ def tokens_per_expert(run: dict[str, Any]) -> Verdict | None:
         return None
     ev.update({"mean_tokens_per_expert_per_step": _r(value, 2), "source": source,
                "threshold": MIN_TOKENS_PER_EXPERT})
-    steps = figures.engine_config(run).get("num_continuous_decode_steps")
-    knob = ("raise the batch: --max-concurrency and --max-running-requests; or "
-            f"--num-continuous-decode-steps{f' (now {steps})' if steps is not None else ''}")
+    knob, settings = _batch_knob(run)
     sev = "critical" if value < LOW_TOKENS_PER_EXPERT else "warning"
     return Verdict("tokens_per_expert", sev,
                    f"too few tokens per expert for efficient GEMMs: {value:.1f} per expert per "
                    f"step ({source}); below {MIN_TOKENS_PER_EXPERT:.0f} the expert GEMMs only "
-                   "stream weights", knob, ev)
+                   "stream weights", knob, ev, settings)
+
+
+def _batch_knob(run: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A larger decode batch: the engine's cap when it is below the client's concurrency,
+    else the client's load (the engine already runs all it is sent)."""
+    cap, conc = figures.max_running_cap(run), figures.client_concurrency(run)
+    kv, fp = figures.kv_tokens(run), figures.request_footprint(run)
+    fits = int(kv // fp) if kv and fp else None
+    target = min(conc, fits) if fits else conc
+    if cap is not None and cap < target:
+        return (f"raise the batch: --max-running-requests {target} (the cap {cap} is below the "
+                f"client's {conc} in flight)", {"max_running_requests": target})
+    return (f"raise the batch: more requests in flight (--max-concurrency, now {conc}); the "
+            "engine runs every request it is sent", {})
 
 
 def gpu_power(run: dict[str, Any]) -> Verdict | None:
@@ -222,92 +275,6 @@ def gpu_power(run: dict[str, Any]) -> Verdict | None:
                    "utilisation; the GPU waits on something else (see the other verdicts)",
                    "more work per step: raise --max-concurrency / --max-running-requests; "
                    "then CUDA graphs, async scheduling, the client and API processes", ev)
-
-
-def client_bound(run: dict[str, Any]) -> Verdict | None:
-    fractions = [c.get("cpu_fraction", 0.0) for c in run.get("client") or []]
-    if not run.get("client_bound") and not any(f > BUSY_CPU for f in fractions):
-        return None
-    n = len(fractions) or 1
-    return Verdict("client_bound", "critical",
-                   f"client-bound: a bench client process used {max(fractions, default=0):.0%} "
-                   f"of a core (> {BUSY_CPU:.0%}); the figures measure the client",
-                   f"--workers {2 * n} (bench client processes; now {n})",
-                   {"client_cpu_fractions": [_r(f) for f in fractions], "workers": n})
-
-
-def api_bound(run: dict[str, Any]) -> Verdict | None:
-    n = figures.server_settings(run).get("api_servers") or 1
-    per_proc = figures.process_cpu(run).get("api")
-    if per_proc:
-        busiest, source = max(per_proc), "psutil, per API process"
-    elif isinstance(run.get("server_api_cpu_fraction"), int | float):
-        busiest, source = run["server_api_cpu_fraction"] / n, "/metrics CPU seconds / processes"
-    else:
-        return None
-    if busiest < BUSY_CPU:
-        return None
-    return Verdict("api_bound", "critical",
-                   f"API-bound: an API server process used {busiest:.0%} of a core ({n} API "
-                   "process(es)); streaming, not the engine, sets the pace",
-                   f"--api-servers {2 * n} (serve flag; now {n})",
-                   {"api_cpu_fraction": _r(busiest), "api_servers": n, "source": source,
-                    "per_process": [_r(p) for p in per_proc or []]})
-
-
-def cpu_bound_step(run: dict[str, Any]) -> Verdict | None:
-    if figures.device_kind(run) != "cuda":
-        return None
-    w = figures.steady_window(run)
-    if w is None or w.mean_running <= 0:
-        return None
-    async_on = bool(figures.engine_config(run).get("async_scheduling"))
-    knob = ("CUDA graphs and --num-continuous-decode-steps (less Python per token)" if async_on
-            else "--async-scheduling (plan step N+1 while the GPU runs step N), CUDA graphs")
-    eager = _eager_step_share(run)
-    if eager is not None and eager >= EAGER_SHARE_HIGH:
-        knob = (f"{eager:.0%} of steps ran eagerly (a step that mixes prefill with decode has no "
-                "CUDA graph and pays the host's kernel launches): gather new prompts into fewer "
-                "prefill steps (--prefill-batch-delay-steps), or --num-continuous-decode-steps")
-    _, step = figures.engine_series(run, "step_seconds")
-    _, gpu_step = figures.engine_series(run, "gpu_step_seconds")
-    step_m, gpu_m = figures.mean(step), figures.mean(gpu_step)
-    loop_m = figures.mean(figures.engine_series(run, "loop_seconds")[1])
-    if step_m and gpu_m and step_m > STEP_OVER_GPU * gpu_m:
-        ev = {"step_ms": _r(step_m * 1e3), "gpu_step_ms": _r(gpu_m * 1e3),
-              "async_scheduling": async_on}
-        where = ""
-        if loop_m:  # the engine reports its loop: intake and outputs beside the step
-            ev |= {f"{k}_ms": _r(figures.mean(figures.engine_series(run, f"{k}_seconds")[1])
-                                 * 1e3) for k in ("loop", "intake", "send")}
-            where = (f"; the whole loop iteration {ev['loop_ms']} ms (intake {ev['intake_ms']}, "
-                     f"outputs {ev['send_ms']})")
-        return Verdict("cpu_bound_step", "critical",
-                       f"CPU-bound step loop: a step takes {step_m * 1e3:.2f} ms, its GPU work "
-                       f"{gpu_m * 1e3:.2f} ms{where}", knob, ev)
-    engine = figures.process_cpu(run).get("engine")
-    gpus = figures.busy_gpus(figures.gpu_figures(run))
-    util = figures.mean([g.mean_util_pct for g in gpus])
-    if not engine or util is None or max(engine) < BUSY_CPU or util >= LOW_UTIL_PCT:
-        return None
-    return Verdict("cpu_bound_step", "critical",
-                   f"CPU-bound step loop: the engine process used {max(engine):.0%} of a core "
-                   f"while the GPU was {util:.0f}% busy, with {w.mean_running:.0f} requests "
-                   "running", knob,
-                   {"engine_cpu_fraction": _r(max(engine)), "gpu_util_pct": _r(util, 1),
-                    "mean_running": _r(w.mean_running, 1), "async_scheduling": async_on})
-
-
-def _eager_step_share(run: dict[str, Any]) -> float | None:
-    """Share of the run's engine steps that replayed no CUDA graph (stats num_steps and
-    num_graph_steps, cumulative); None when the engine does not report graph steps."""
-    _, steps = figures.engine_series(run, "num_steps", in_run=False)
-    _, graphed = figures.engine_series(run, "num_graph_steps", in_run=False)
-    pairs = [(a, b) for a, b in zip(steps, graphed) if a is not None and b is not None]
-    if len(pairs) < 2 or pairs[-1][0] <= pairs[0][0]:
-        return None
-    d_steps, d_graph = pairs[-1][0] - pairs[0][0], pairs[-1][1] - pairs[0][1]
-    return max(0.0, 1.0 - d_graph / d_steps)
 
 
 def roofline_rule(run: dict[str, Any]) -> Verdict | None:
@@ -333,8 +300,8 @@ def roofline_rule(run: dict[str, Any]) -> Verdict | None:
 
 
 Rule = Callable[[dict[str, Any]], Verdict | None]
-RULES: tuple[Rule, ...] = (admission_cap, kv_capacity, cuda_graphs, tokens_per_expert, gpu_power,
-                           client_bound, api_bound, cpu_bound_step, roofline_rule)
+RULES: tuple[Rule, ...] = (admission_cap, kv_capacity, cuda_graphs, tokens_per_expert, cpu_threads,
+                           gpu_power, client_bound, api_bound, cpu_bound_step, roofline_rule)
 
 
 def diagnose(run: dict[str, Any]) -> list[Verdict]:
@@ -359,6 +326,18 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
         step = f", {w.step_seconds * 1e3:.2f} ms per step" if w.step_seconds else ""
         lines.append(f"engine: {w.mean_running:.0f} running, {w.mean_waiting:.0f} waiting "
                      f"(steady window {w.t0:.1f}-{w.t1:.1f} s){step}")
+    er = figures.engine_run(run)
+    if "profiled_wall_over_device" in er:
+        lines.append(f"engine loop: {er['counters']['num_profiled_forwards']} profiled forwards, "
+                     f"their steps {er['profiled_wall_ms_per_forward']:.2f} ms per forward vs "
+                     f"{er['profiled_device_ms_per_forward']:.2f} ms on the device "
+                     f"({er['profiled_wall_over_device']:.2f}x)")
+    threads = figures.torch_threads(run)
+    if figures.device_kind(run) == "cpu" and threads is not None:
+        engine = figures.process_cpu(run).get("engine")
+        lines.append(f"CPU: {threads} torch threads, {figures.usable_cores(run) or '?'} usable "
+                     "cores" + (f", the engine process used {max(engine):.1f} cores" if engine
+                                else ""))
     res, why = roofline.analyse(run)
     if res is not None:
         ev = res.evidence()
@@ -388,4 +367,7 @@ def format_verdicts(verdicts: list[Verdict]) -> list[str]:
     out = []
     for v in verdicts:
         out += [f"[{v.severity}] {v.rule}: {v.message}", f"    knob: {v.knob}"]
+        if v.settings:
+            out.append("    settings: " + ", ".join(f"{k}={val!r}" for k, val in
+                                                    v.settings.items()))
     return out

@@ -1,9 +1,10 @@
 """Figures read out of one bench run's JSON object, for the doctor, the roofline and the report.
 
 A run object (bench/report.py) carries the bench's figures at the top level, GET /v1/engine under
-"engine" (capacity_report, stats, server) and, with `moeserve bench --diagnose`, this under
-"diagnostics" (bench/diagnostics.py writes it; every `t` is seconds on the run's clock, 0 = the
-start of the timed run, `duration` = its end):
+"engine" (capacity_report, stats, server), the engine counters' growth over the timed run under
+"engine_run" (bench/engine_run.py: "counters" and per-step figures) and, with `moeserve bench
+--diagnose`, this under "diagnostics" (bench/diagnostics.py writes it; every `t` is seconds on
+the run's clock, 0 = the start of the timed run, `duration` = its end):
 
     engine_timeline  {"available", "reason", "interval_s", "t": [...],
                       "stats": {"num_running": [...], "num_waiting": [...], ...}}   GET /v1/engine
@@ -39,6 +40,40 @@ def capacity_report(run: dict[str, Any]) -> dict[str, Any]:
 def engine_config(run: dict[str, Any]) -> dict[str, Any]:
     """The resolved engine config from the capacity report ({} when unknown)."""
     return _dict(capacity_report(run).get("engine_config"))
+
+
+def engine_run(run: dict[str, Any]) -> dict[str, Any]:
+    """What the engine did in the timed run: its counters' growth ("counters") and the figures
+    derived from them (bench/engine_run.py); {} for a server without /v1/engine."""
+    return _dict(run.get("engine_run"))
+
+
+def run_counters(run: dict[str, Any]) -> dict[str, Any]:
+    """The engine counters' growth over the timed run ({} when unknown). Counters are
+    count-uniform: unlike a gauge sampled now and then, every step adds to them."""
+    return _dict(engine_run(run).get("counters"))
+
+
+def _positive_int(value: Any) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else None
+
+
+def torch_threads(run: dict[str, Any]) -> int | None:
+    """torch's CPU threads in the engine process: the capacity report's, else the resolved
+    engine config's (an int once resolved)."""
+    return (_positive_int(capacity_report(run).get("torch_threads"))
+            or _positive_int(engine_config(run).get("torch_threads")))
+
+
+def usable_cores(run: dict[str, Any]) -> int | None:
+    """The cores the engine process may run on (its CPU affinity), from the capacity report."""
+    return _positive_int(capacity_report(run).get("usable_cores"))
+
+
+def engine_section(run: dict[str, Any], name: str) -> dict[str, Any]:
+    """One nested part of the resolved engine config: "cache" or "scheduler" ({} unknown)."""
+    return _dict(engine_config(run).get(name))
 
 
 def server_settings(run: dict[str, Any]) -> dict[str, Any]:

@@ -143,6 +143,10 @@ def _run_section(n: int, run: Run, verdicts: list[doctor.Verdict], out: Path) ->
         lines += ["- none: no rule fired", ""]
     for v in verdicts:
         lines += [f"- **{v.rule}** ({v.severity}): {v.message}  ", f"  knob: `{v.knob}`"]
+        if v.settings:
+            lines[-1] += "  "
+            lines.append("  settings: " + ", ".join(f"`{k}={val!r}`"
+                                                    for k, val in v.settings.items()))
     lines.append("")
     if figures.diagnostics(run.data):
         name = f"timeline_{n}.png"

@@ -59,7 +59,7 @@ class EngineCore:
             self.model_config, preset = load_model_config(cfg.model)
             self.cfg, resolved = resolve_static(cfg, self.model_config, preset,
                                                 torch.cuda.is_available())
-            cpu_threads = self._init_torch_threads(resolved)
+            cpu_threads, torch_threads, cores = self._init_torch_threads(resolved)
         device = torch.device(self.cfg.device)
         with timed(phases, "weights", device):
             self.runner = ModelRunner(self.cfg, self.model_config,
@@ -97,7 +97,8 @@ class EngineCore:
             engine_config=self.cfg, memory=plan,
             max_running_requests=self.max_running_requests, max_running_requests_rule=rule,
             resolved=resolved, phase_seconds=phases, cuda_graphs=graphs_state,
-            moe_tune=moe_tune, cpu_threads=cpu_threads,
+            moe_tune=moe_tune, cpu_threads=cpu_threads, torch_threads=torch_threads,
+            usable_cores=cores,
             moe_configs=_moe_configs(self.cfg, self.model_config, self.runner.dtype,
                                      _device_name(device)))
         self.counters = StepCounters()
@@ -106,10 +107,10 @@ class EngineCore:
         self._seed_rng = random.Random(self.cfg.seed)
         freeze_heap()  # the model, the pool, the graphs: kept out of the step loop's GC passes
 
-    def _init_torch_threads(self, resolved: dict[str, str]) -> str:
+    def _init_torch_threads(self, resolved: dict[str, str]) -> tuple[str, int, int]:
         """Set torch's CPU threads (torch_threads) and say them against the usable cores: on
         CPU that ratio, not the MoE's tokens per expert, is what moves throughput. The capacity
-        report's line."""
+        report's line, the threads and the usable cores."""
         if self.cfg.torch_threads != "auto":
             torch.set_num_threads(int(self.cfg.torch_threads))
         threads = torch.get_num_threads()
@@ -121,7 +122,7 @@ class EngineCore:
                 "machine)")
         if threads > cores:
             line += ": more threads than cores, they contend (lower torch_threads)"
-        return line
+        return line, threads, cores
 
     def _ensure_moe_tuned(self, device: torch.device) -> str:
         """Tiles and backend picks for this MoE shape: committed, cached, or tuned now (once per
@@ -226,15 +227,18 @@ class EngineCore:
             if out.num_reqs == 0:
                 return []
             result = self.runner.execute(out)
-            outputs = self.scheduler.update(out, result)
         else:
             launched = (out, self.runner.launch(out)) if out.num_reqs else None
             previous, self._in_flight = self._in_flight, launched
             if previous is None:
                 return []
             out, pending = previous
-            outputs = self.scheduler.update(out, pending.result())
-        self.counters.record(out, outputs, time.perf_counter() - start)
+            result = pending.result()
+        outputs = self.scheduler.update(out, result)
+        seconds = time.perf_counter() - start
+        self.counters.record(out, outputs, seconds)
+        if result.profiled_forwards:  # the step profile's timed forwards: this step's wall
+            self.runner.profiler.add_step_wall(result.profiled_forwards, seconds / out.num_steps)
         return outputs
 
 

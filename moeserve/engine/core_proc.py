@@ -298,6 +298,10 @@ class _EngineLoop:
             self.breakdown = {"attention_seconds": sample.attention_ms / 1e3,
                               "moe_seconds": sample.moe_ms / 1e3}
         profile |= self.breakdown  # the latest eager step's (graph replays have none)
+        if profiler is not None:
+            profile |= {"num_profiled_forwards": profiler.num_profiled_forwards,
+                        "profiled_device_seconds_total": profiler.profiled_device_seconds_total,
+                        "profiled_wall_seconds_total": profiler.profiled_wall_seconds_total}
         runner = self.core.runner
         return p.EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.stats.kv_usage,

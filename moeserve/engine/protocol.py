@@ -120,7 +120,10 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     num_aborted: int = 0
     num_failed: int = 0  # requests failed by a fault of their own (FinishReason.ERROR)
     num_refused: int = 0  # add requests refused by validation
-    step_seconds: float = 0.0  # wall seconds of the last step
+    # wall seconds of the last step. NOTE: a gauge read by a stats request (Ping) is answered
+    # between steps, after the step it arrived in: long steps are over-represented in its
+    # samples (length-biased); means over a run belong to the *_total counters below
+    step_seconds: float = 0.0
     schedule_seconds: float = 0.0  # CPU seconds of the last step's schedule()
     # the engine loop's last busy iteration: all of it (step_seconds is its core.step()), the
     # requests and messages taken in before the step, the outputs sent after it
@@ -139,6 +142,12 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     attention_seconds: float = 0.0
     moe_seconds: float = 0.0
     profiled_tokens: int = 0
+    # the step profile's totals (counters, count-uniform: every Nth forward, whatever its length):
+    # sampled forwards, their device seconds, and the wall seconds per forward of the engine
+    # steps that ran them; wall / device is how much longer a step takes than its device work
+    num_profiled_forwards: int = 0
+    profiled_device_seconds_total: float = 0.0
+    profiled_wall_seconds_total: float = 0.0
     num_forward_steps: int = 0  # model forwards (a multi-step decode plan runs several)
     num_graph_steps: int = 0  # forward steps replayed from a CUDA graph
     cuda_graph_fallbacks: int = 0  # decode batches run eagerly on CUDA (no graph fitted)

@@ -31,6 +31,8 @@ class CapacityReport:
     moe_tune: str = ""  # what the start-up MoE tune did (ensure_tuned), "" when none ran
     cuda_graphs: str = "off"  # "on: ..." or "off: <why>" (EngineCore._init_cuda_graphs)
     cpu_threads: str = ""  # torch's threads against the usable cores (EngineCore)
+    torch_threads: int = 0  # torch's CPU threads in the engine process (0: not reported)
+    usable_cores: int = 0  # the cores the engine process may run on (its CPU affinity)
     # tokens -> {"config" (tile config, "down" included when split), "tiles" (its name),
     #            "tuned", "source", "backend", "tuned_tokens"} (EngineCore._moe_configs)
     moe_configs: dict[str, dict] = field(default_factory=dict)
@@ -53,6 +55,8 @@ class CapacityReport:
             "phase_seconds": self.phase_seconds,
             "cuda_graphs": self.cuda_graphs,
             "cpu_threads": self.cpu_threads,
+            "torch_threads": self.torch_threads,
+            "usable_cores": self.usable_cores,
             "moe_tune": self.moe_tune,
             "moe_configs": self.moe_configs,
             "text": self.format(),  # as printed at start-up (the API process prints this too)

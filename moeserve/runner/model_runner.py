@@ -172,12 +172,15 @@ class ModelRunner:
         self.reset_counters()
 
     def reset_counters(self) -> None:
-        """Zero the expert-load counters and the forward count (serving starts now)."""
+        """Zero the expert-load counters, the forward count and the step profile's totals
+        (serving starts now)."""
         if self.expert_counts is not None:
             self.expert_counts.zero_()
         self.num_forward_steps = 0
         self._load_copy = self._load_snapshot = None
         self._last = None
+        if self.profiler is not None:
+            self.profiler.reset_counters()
 
     def init_decode_graphs(self, max_batch: int, max_model_len: int,
                            capture: bool = True) -> str:
@@ -210,6 +213,8 @@ class ModelRunner:
         the host is enqueued here, right behind the step (`PendingOutput.start_copy`): step N's
         `result()`, called after step N+1 was launched, then waits for step N alone."""
         pending = self._launch(out)
+        if self.profiler is not None:
+            pending.profiled_forwards = self.profiler.take_sampled()
         pending.start_copy()
         return pending
 
@@ -358,6 +363,7 @@ class PendingOutput:
         self.logprobs = None  # SampleLogprobs | None
         self.finite: torch.Tensor | None = None  # [R] bool, False: the row's logits not finite
         self.row_errors: dict[int, str] = {}  # row (of R) -> a fault of that row alone
+        self.profiled_forwards: tuple[int, ...] = ()  # the step profiler's timed forwards
         self._copied: torch.cuda.Event | None = None  # start_copy's end, on CUDA
         self._host: tuple = ()  # start_copy's pinned (token_ids, extra ids, logprobs, finite)
 
@@ -397,7 +403,8 @@ class PendingOutput:
         """Wait for the step (the host sync) and return its ModelOutput."""
         sampled = [-1] * self.num_reqs
         if self.token_ids is None:
-            return ModelOutput(sampled_token_ids=sampled)
+            return ModelOutput(sampled_token_ids=sampled,
+                               profiled_forwards=self.profiled_forwards)
         token_ids, extra_ids, logprobs, finite = (self.token_ids, self.extra_token_ids,
                                                   self.logprobs, self.finite)
         if self._copied is not None:
@@ -408,7 +415,8 @@ class PendingOutput:
             sampled[i] = tok
         extra = None if extra_ids is None else extra_ids.tolist()
         return ModelOutput(sampled_token_ids=sampled, logprobs=self._logprobs(logprobs),
-                           extra_token_ids=extra, row_errors=self._row_errors(rows, finite))
+                           extra_token_ids=extra, row_errors=self._row_errors(rows, finite),
+                           profiled_forwards=self.profiled_forwards)
 
     def _row_errors(self, rows: list[int], finite: torch.Tensor | None) -> dict[int, str] | None:
         """Batch row -> what failed, for the rows with a fault of their own; None when none."""

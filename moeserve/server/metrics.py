@@ -132,6 +132,12 @@ class _EngineCollector:
              "messages in busy iterations", s.busy_intake_seconds_total),
             ("moeserve_engine_busy_send_seconds", "Wall seconds sending outputs in busy "
              "iterations", s.busy_send_seconds_total),
+            ("moeserve_engine_profiled_forwards", "Model forwards timed by the sampled step "
+             "profile (every Nth)", s.num_profiled_forwards),
+            ("moeserve_engine_profiled_device_seconds", "Device seconds of the profiled "
+             "forwards", s.profiled_device_seconds_total),
+            ("moeserve_engine_profiled_wall_seconds", "Wall seconds per forward of the engine "
+             "steps that ran the profiled forwards, summed", s.profiled_wall_seconds_total),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

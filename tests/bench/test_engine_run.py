@@ -50,3 +50,22 @@ def test_missing_snapshot_or_fields() -> None:
     assert "mean_loop_ms" not in run and "busy_share" not in run
     assert describe(run) == "engine: 2 steps"
     assert describe(engine_run(old, old, 1.0)) is None  # no steps in the run
+
+
+def test_profiled_forwards_wall_against_device() -> None:
+    """The step profile's totals: over the same sampled forwards, their steps' wall time per
+    forward against their device time; and the whole run's step time per forward."""
+    before = _stats(0, 0, 0, 0.0, 0.0, 0) | {"num_profiled_forwards": 2,
+                                              "profiled_device_seconds_total": 0.2,
+                                              "profiled_wall_seconds_total": 0.25}
+    after = _stats(100, 360, 100, 4.4, 4.0, 4000) | {
+        "num_forward_steps": 400, "num_profiled_forwards": 12,
+        "profiled_device_seconds_total": 0.28, "profiled_wall_seconds_total": 0.35}
+    run = engine_run(before, after, 5.0)
+    assert run["counters"]["num_profiled_forwards"] == 10
+    assert run["profiled_device_ms_per_forward"] == pytest.approx(8.0)
+    assert run["profiled_wall_ms_per_forward"] == pytest.approx(10.0)
+    assert run["profiled_wall_over_device"] == pytest.approx(1.25)
+    assert run["step_ms_per_forward"] == pytest.approx(10.0)  # 4 s over 400 forwards
+    assert describe(run).endswith("; 10 profiled forwards: their steps' wall 10.00 ms per "
+                                  "forward, device 8.00 ms (1.25x)")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from moeserve.bench.engine_run import engine_run
+
 H200 = "NVIDIA H200"
 CUDA_GRAPHS_ON = "on: 52 batch sizes up to 1935"
 
@@ -77,9 +79,12 @@ def make_run(*, conc: int | None = 1024, cap: int = 1935, cap_setting: int | str
              expert_tpe: float | None = 64.0, device: str = "cuda", device_name: str = H200,
              duration: float = 20.0, kv_tokens: int = 495488, api_servers: int = 1,
              stats_extra: dict[str, list[float]] | None = None, diagnose: bool = True,
+             counters: dict[str, float] | None = None, capacity_extra: dict | None = None,
              **knobs: Any) -> dict[str, Any]:
     """A bench run object (see the module docstring); `knobs` set engine_config fields by
-    path, e.g. cache__mem_fraction=0.8."""
+    path, e.g. cache__mem_fraction=0.8. `counters`: the engine counters' growth over the run
+    (run["engine_run"], with its derived figures, as bench/engine_run.py makes it);
+    `capacity_extra`: more capacity report fields."""
     tokens = float(running if tokens_per_step is None else tokens_per_step)
     run: dict[str, Any] = {
         "schema": "moeserve.bench/1", "max_concurrency": conc, "request_rate": "inf",
@@ -102,8 +107,12 @@ def make_run(*, conc: int | None = 1024, cap: int = 1935, cap_setting: int | str
                 "max_running_requests_rule": "auto: ...", "cuda_graphs": cuda_graphs},
             "stats": {},
             "server": {"api_servers": api_servers, "max_running_requests": cap}},
+        "engine_run": None,
         "device": device_name, "server_api_cpu_fraction": api_cpu * api_servers,
     }
+    run["engine"]["capacity_report"].update(capacity_extra or {})
+    if counters is not None:
+        run["engine_run"] = engine_run(dict.fromkeys(counters, 0), counters, duration)
     if not diagnose:
         return run
     generated = float(min(running, tokens))

@@ -21,7 +21,8 @@ from tests.wait import wait_until
 
 
 def _engine_doc(steps: int, running: int, load_scale: int) -> dict:
-    return {"capacity_report": {"engine_config": {"device": "cpu", "max_model_len": 4096},
+    # a CUDA engine: tokens per expert is a GPU verdict (on CPU torch's threads matter instead)
+    return {"capacity_report": {"engine_config": {"device": "cuda", "max_model_len": 4096},
                                 "model": "fake", "vocab_size": 1000, "max_running_requests": 8},
             "stats": {"num_running": running, "num_waiting": 0, "kv_usage": 0.25,
                       "num_steps": steps, "num_preemptions": 0, "step_seconds": 0.01,
@@ -64,9 +65,11 @@ def test_run_diagnostics_timeline_clock_and_expert_load() -> None:
            "engine": server.state.options.engine}
     verdicts = attach(res, d)
     assert res["diagnostics"] is d and res["verdicts"] == [v.to_dict() for v in verdicts]
-    # 90 routed tokens / (1 layer x 2 experts x 60 steps): far too few per expert
-    assert [v.rule for v in verdicts] == ["tokens_per_expert"]
-    assert verdicts[0].evidence["mean_tokens_per_expert_per_step"] == 0.75
+    # 90 routed tokens / (1 layer x 2 experts x 60 steps): far too few per expert; the fake
+    # GPUs (250 of 700 W at 40%) fire gpu_power when their samples fall inside the run
+    fired = {v.rule: v for v in verdicts}
+    assert "tokens_per_expert" in fired and set(fired) <= {"tokens_per_expert", "gpu_power"}
+    assert fired["tokens_per_expert"].evidence["mean_tokens_per_expert_per_step"] == 0.75
 
 
 def test_server_without_engine_route_gets_no_timeline() -> None:

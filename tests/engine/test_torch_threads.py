@@ -27,6 +27,10 @@ def test_an_explicit_thread_count_is_set_and_reported() -> None:
     assert report.engine_config.torch_threads == 1 and "torch_threads" not in report.resolved
     assert report.cpu_threads.startswith(f"1 torch threads, {usable_cores()} usable cores")
     assert "CPU threads" in report.format() and report.to_dict()["cpu_threads"]
+    # the same, structured, for the doctor's cpu_threads rule
+    assert (report.torch_threads, report.usable_cores) == (1, usable_cores())
+    assert report.to_dict()["torch_threads"] == 1
+    assert report.to_dict()["usable_cores"] == usable_cores()
 
 
 def test_auto_keeps_torch_default_and_says_so() -> None:
