@@ -48,6 +48,11 @@ when no engine field is the fix). The rules:
                       max(4, 2 x now) (>= 20% of forwards eager: mixed steps); async_scheduling
                       True (off, one decode step per plan); else num_continuous_decode_steps
                       max(2, 2 x now) with async_scheduling False (the two exclude each other)
+    moe_tiles         (CUDA engines, fused MoE: triton / measured) the capacity report's MoE
+                      tile configs are all untuned: the seeds' "MoE autotune left out"
+                      settings: moe_tiles "tuned" when the engine was told "default"; else
+                      {} (no tuned file for this device and shape: --moe-tune-budget-s, or
+                      benchmarks/kernels_moe.py --tune)
     roofline          the steady step under 60% of its roofline bound (roofline.py)
                       settings: {} (the fix is in the kernels or in the other verdicts)
 
@@ -277,6 +282,28 @@ def gpu_power(run: dict[str, Any]) -> Verdict | None:
                    "then CUDA graphs, async scheduling, the client and API processes", ev)
 
 
+def moe_tiles(run: dict[str, Any]) -> Verdict | None:
+    if figures.device_kind(run) != "cuda":
+        return None
+    cfg = figures.engine_config(run)
+    tiles = figures.capacity_report(run).get("moe_configs")
+    if cfg.get("moe_backend") not in ("triton", "measured") or not isinstance(tiles, dict) \
+            or not tiles or any(isinstance(c, dict) and c.get("tuned") for c in tiles.values()):
+        return None
+    told = cfg.get("moe_tiles") == "default"
+    ev = {"moe_tiles": cfg.get("moe_tiles"), "moe_backend": cfg.get("moe_backend"),
+          "batch_sizes": sorted(int(n) for n in tiles), "tiles": sorted(
+              {str(c.get("tiles")) for c in tiles.values() if isinstance(c, dict)})}
+    why = ("the engine was told to use them (moe_tiles=default)" if told else
+           "no tuned tile file exists for this device and MoE shape")
+    knob = ("--moe-tiles tuned" if told else
+            "--moe-tune-budget-s (tune at start-up), or benchmarks/kernels_moe.py --tune")
+    return Verdict("moe_tiles", "warning",
+                   f"the fused MoE runs its in-code default tiles at every batch size: {why}; "
+                   "tuned tiles are what the MoE's share of the step is measured against",
+                   knob, ev, {"moe_tiles": "tuned"} if told else {})
+
+
 def roofline_rule(run: dict[str, Any]) -> Verdict | None:
     res, _ = roofline.analyse(run)
     if res is None or res.fraction >= ROOFLINE_TARGET:
@@ -301,7 +328,8 @@ def roofline_rule(run: dict[str, Any]) -> Verdict | None:
 
 Rule = Callable[[dict[str, Any]], Verdict | None]
 RULES: tuple[Rule, ...] = (admission_cap, kv_capacity, cuda_graphs, tokens_per_expert, cpu_threads,
-                           gpu_power, client_bound, api_bound, cpu_bound_step, roofline_rule)
+                           gpu_power, client_bound, api_bound, cpu_bound_step, moe_tiles,
+                           roofline_rule)
 
 
 def diagnose(run: dict[str, Any]) -> list[Verdict]:

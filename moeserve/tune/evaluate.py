@@ -173,8 +173,12 @@ class ServerBenchEvaluator:
                 out.error = _last_lines(text, 12)
                 return out
             self._bench(server, purpose, out)
-            if out.failure is None and server.proc is not None and server.proc.poll() is not None:
-                out.failure, out.error = "crash", _last_lines(server.log_tail(), 12)
+            if out.failure in (None, "failed") and _exited(server, 0.0 if out.failure is None
+                                                           else _DEATH_GRACE_S):
+                log = server.log_tail(40)
+                out.failure = classify_log(log) or "crash"
+                out.error = (f"the server exited with code {server.proc.returncode} during the "
+                             "bench: " + _last_lines(log, 12))
         finally:
             log = server.log_tail(200) if Path(server.log.name).exists() else ""
             server.stop(keep_log=False)
@@ -208,12 +212,8 @@ class ServerBenchEvaluator:
                     out.error = (f"the bench at concurrency {conc} ran past the trial's "
                                  f"{self.trial_timeout_s:.0f} s (--trial-timeout)")
                     return
-                if server.proc is not None and server.proc.poll() is not None:
-                    log = server.log_tail(40)
-                    out.failure = classify_log(log) or "crash"
-                    out.error = (f"the server exited with code {server.proc.returncode} during "
-                                 f"the bench: " + _last_lines(log, 12))
-                    return
+                if _exited(server, 0.0):
+                    return  # evaluate() says how it died
                 if proc.returncode not in (0, 1):
                     out.failure = "failed"
                     out.error = f"moeserve bench exited {proc.returncode}: " + \
@@ -257,6 +257,20 @@ def figures_of(res: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in res.items()
            if v is None or isinstance(v, str | int | float | bool)}
     return out | {k: res.get(k) for k in KEPT}
+
+
+_DEATH_GRACE_S = 15.0  # a bench that failed: the server may be on its way out (exit 3)
+
+
+def _exited(server: ServerProcess, grace_s: float) -> bool:
+    """Whether the server process has exited, waiting up to `grace_s` for it."""
+    if server.proc is None:
+        return False
+    try:
+        server.proc.wait(timeout=grace_s) if grace_s > 0 else None
+    except subprocess.TimeoutExpired:
+        return False
+    return server.proc.poll() is not None
 
 
 def _last_lines(text: str, n: int) -> str:

@@ -14,6 +14,12 @@ from moeserve.engine.args import add_engine_args, engine_config_from_kwargs, eng
 from tests.diagnose.synthetic import make_run
 from tests.diagnose.test_host_rules import _cpu_run, _loop
 
+
+def _tiles(tuned: bool) -> dict:
+    return {str(n): {"tiles": "M16_N64_K128_G1_w4_s4", "tuned": tuned,
+                     "source": "x.json" if tuned else "default"} for n in (1, 64, 256)}
+
+
 CASES = [
     # admission_cap: an explicit cap goes to the client's concurrency (the KV fits 1,935)
     ("admission_cap", make_run(cap=64, cap_setting=64, running=64, waiting=960, expert_tpe=4.0,
@@ -52,6 +58,12 @@ CASES = [
     ("client_bound", make_run(client_cpu=0.97), {}),
     ("api_bound", make_run(api_cpu=0.95), {}),
     ("roofline", make_run(step_ms=60), {}),
+    # moe_tiles: default tiles the engine was told to use; default tiles for want of a tune
+    ("moe_tiles", make_run(moe_backend="measured", moe_tiles="default",
+                           capacity_extra={"moe_configs": _tiles(tuned=False)}),
+     {"moe_tiles": "tuned"}),
+    ("moe_tiles", make_run(moe_backend="triton", moe_tiles="tuned",
+                           capacity_extra={"moe_configs": _tiles(tuned=False)}), {}),
 ]
 
 
@@ -87,3 +99,13 @@ def test_settings_as_flags() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_kwargs_from_args(parser.parse_args(flags.split())) == settings
+
+
+def test_moe_tiles_is_silent_with_tuned_tiles_or_without_the_fused_moe() -> None:
+    tuned = make_run(moe_backend="measured", moe_tiles="tuned",
+                     capacity_extra={"moe_configs": _tiles(tuned=True)})
+    grouped = make_run(moe_backend="grouped_mm", capacity_extra={"moe_configs": {}})
+    cpu = make_run(device="cpu", moe_backend="triton",
+                   capacity_extra={"moe_configs": _tiles(tuned=False)})
+    for run in (tuned, grouped, cpu):
+        assert "moe_tiles" not in {v.rule for v in diagnose(run)}
