@@ -3,7 +3,7 @@
 # seeds' bad start (admission cap 64, default MoE tiles, eager, no overlap scheduling). One GPU
 # call per invocation; the ledger (SQLite) lives in the checkout, so the next call, carried the
 # file back, resumes it.
-#   bash benchmarks/tune_h200.sh PHASES WALL_SECONDS [GPU_TESTS=0|1] [LIMIT_SECONDS]
+#   bash benchmarks/tune_h200.sh PHASES WALL_SECONDS|auto [GPU_TESTS=0|1] [LIMIT_SECONDS]
 # The ledger is copied to $OUT/tune.db and used there, so that what a call wrote comes back
 # even if the call is cut; the tune gets SIGINT (a clean stop) at LIMIT_SECONDS (default 560).
 # Writes $OUT/tune (report, logs), $OUT/tune.db, $OUT/tune.log.
@@ -30,6 +30,7 @@ if [ "$GPU_TESTS" = 1 ]; then
   tail -3 "$OUT/gpu_tests.log"
 fi
 LEFT=$((LIMIT - ($(date +%s) - START)))
+[ "$WALL" = auto ] && WALL=$((LEFT - 110))  # no new trial in the last 110 s
 timeout -s INT "$LEFT" python3 -m moeserve.cli tune --preset qwen3-30b-a3b --max-concurrency 1024 \
   --start "--max-running-requests 64 --moe-tiles default --enforce-eager --no-async-scheduling" \
   --storage "sqlite:///$DB" --study-name qwen3-c1024-bad-start --n-trials 40 \
