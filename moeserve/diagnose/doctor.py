@@ -41,7 +41,9 @@ when no engine field is the fix). The rules:
                       settings: {} (--api-servers is the server's, not the engine's)
     cpu_bound_step    (CUDA engines) the step's wall time > 1.5 x its device time, per forward,
                       over the step profile's sampled forwards (the run's engine counters:
-                      num_profiled_forwards, profiled_wall/device_seconds_total); for a server
+                      num_profiled_forwards, profiled_wall/device_seconds_total); a warning
+                      from 1.2 x when overlap scheduling is off (host time it would hide); for a
+                      server
                       without them, the engine process used >= 90% of a core while the GPUs
                       were < 50% busy
                       settings: enforce_eager False (graphs off); prefill_batch_delay_steps

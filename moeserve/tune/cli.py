@@ -228,10 +228,38 @@ def _check_setup(study: Any, setup: dict[str, Any]) -> None:
                          + "): give another --study-name")
 
 
+def _report_only(args: argparse.Namespace, console: Console) -> int:
+    """`--phases report` on a study made anywhere (another machine, another device): the
+    setup it was made with, from the ledger, instead of this command's flags."""
+    from moeserve.tune import report
+    from moeserve.tune import study as study_mod
+    from moeserve.tune.space import knob_space
+
+    if not args.study_name:
+        raise ValueError("--phases report alone needs --study-name (the study to report)")
+    study = study_mod.open_study(args.storage, args.study_name, args.seed)
+    setup = study.user_attrs.get("setup")
+    if setup is None:
+        raise ValueError(f"study {args.study_name!r} in {args.storage} has no trials of "
+                         "moeserve tune (no setup recorded)")
+    fixed = _engine_flags(setup["server_args"], "--server-args")
+    space = knob_space(setup["device"], setup["start"], fixed=list(fixed), only=setup["knobs"],
+                       concurrency=max(setup["concurrencies"]))
+    evaluator = ServerBenchEvaluator(setup["model"], shlex.split(setup["server_args"]),
+                                     BenchPlan(setup["concurrencies"]), flags_of=space.flags)
+    path = report.write_report(study, space, Path(args.out),
+                               lambda p: shlex.join(evaluator.command(p)))
+    console.print(f"report: {path}")
+    return 0
+
+
 def _tune(args: argparse.Namespace, console: Console) -> int:
     from moeserve.tune import ablation, confirm, report
     from moeserve.tune import study as study_mod
 
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    if phases == ["report"] and not args.list_knobs:
+        return _report_only(args, console)
     s = _setup(args)
     space = s["space"]
     if args.list_knobs:

@@ -70,8 +70,31 @@ def make_storage(url: str) -> Any:
     if "://" not in url:
         raise ValueError(f"--storage {url!r}: expected an RDB URL (sqlite:///tune.db) or "
                          "journal:PATH")
-    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}}
-                                      if url.startswith("sqlite") else None)
+    if not url.startswith("sqlite"):
+        return optuna.storages.RDBStorage(url)
+    storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+    _serialize_sqlite(storage.engine)
+    return storage
+
+
+def _serialize_sqlite(engine: Any) -> None:
+    """Every SQLite transaction takes the write lock when it begins (BEGIN IMMEDIATE).
+
+    NOTE: SQLite ignores SELECT ... FOR UPDATE, and a deferred transaction reads before it
+    locks: two workers could both read a queued trial as waiting and both take it. Serialized
+    transactions make Optuna's pop of a queued trial atomic across processes (SQLAlchemy's
+    recipe for pysqlite: its own BEGIN off, ours on each begin)."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _no_driver_begin(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections made before the listeners: none kept
 
 
 def make_sampler(seed: int | None, n_startup_trials: int) -> Any:
@@ -264,7 +287,11 @@ def search(study: Any, space: Space, evaluator: Evaluator, budget: Budget,
         if budget.doctor and not _waiting(study):
             _enqueue_doctor(study, space)
         trial = study.ask()
-        trial.set_user_attr("worker", _worker_id())
+        try:
+            trial.set_user_attr("worker", _worker_id())
+        except optuna.exceptions.UpdateFinishedTrialError:  # see the NOTE below
+            emit("lost", {"number": trial.number})
+            continue
         source = trial.user_attrs.get("source", "sampler")
         trial.set_user_attr("source", source)
         params = space.complete(space.suggest(trial))
@@ -296,9 +323,16 @@ def search(study: Any, space: Space, evaluator: Evaluator, budget: Budget,
                                                     "rule": trial.user_attrs.get("rule")})
             raise
         constraint = _constraint(out)
-        _record(study, trial, params, out, constraint)
-        trial.set_constraint("infeasible", constraint)
-        study.tell(trial, out.value if out.value is not None else 0.0)
+        try:
+            _record(study, trial, params, out, constraint)
+            trial.set_constraint("infeasible", constraint)
+            study.tell(trial, out.value if out.value is not None else 0.0)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # NOTE: should two workers ever pop one queued trial (a database whose transactions
+            # are not serialized; SQLite's are, _serialize_sqlite), the other told it first and
+            # the ledger holds its measurement: this one is dropped
+            emit("lost", {"number": trial.number})
+            continue
         best = best_trial(study)
         emit("end", {"number": trial.number, "source": source, "outcome": out,
                      "best": None if best is None else (best.number, best.value)})

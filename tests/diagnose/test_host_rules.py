@@ -198,3 +198,16 @@ def test_cpu_threads_from_the_engine_config_without_report_fields() -> None:
     # a GPU engine is not judged by its CPU threads
     assert "cpu_threads" not in _fired(make_run(engine_cpu=0.5, capacity_extra={
         "torch_threads": 16, "usable_cores": 4}))
+
+
+def test_host_time_not_overlapped_is_a_warning_when_overlap_is_off() -> None:
+    # the H200's qwen3 W1 at 1,024, graphs on, overlap off: 36.2 ms a forward against 26.9
+    off = make_run(counters=_loop(wall_ms=36.2, device_ms=26.9), async_scheduling=False)
+    v = _fired(off)["cpu_bound_step"]
+    assert v.severity == "warning" and v.settings == {"async_scheduling": True}
+    assert "host time not overlapped" in v.message and v.evidence["threshold"] == 1.2
+    assert "9.30 ms of host work per forward" in v.message
+    on = make_run(counters=_loop(wall_ms=36.2, device_ms=26.9), async_scheduling=True)
+    assert "cpu_bound_step" not in _fired(on)  # overlap already on: 1.35x is not CPU-bound
+    close = make_run(counters=_loop(wall_ms=30.0, device_ms=26.9), async_scheduling=False)
+    assert "cpu_bound_step" not in _fired(close)

@@ -64,6 +64,14 @@ def test_tune_on_tiny_moe_against_real_servers(tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     assert "study 'e2e'" in again.stdout and "3 trials so far" in again.stdout
     assert len(study_mod.measured(study_mod.ledger(study))) == 4
+    # a report of a ledger made anywhere: its setup from the ledger, no server started
+    rep = subprocess.run([sys.executable, "-m", "moeserve.cli", "tune", "--phases", "report",
+                          "--storage", f"sqlite:///{tmp_path / 'tune.db'}", "--study-name",
+                          "e2e", "--out", str(tmp_path / "again")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    assert "4 measured trials" in (tmp_path / "again" / "tune.md").read_text()
 
 
 def test_a_server_that_cannot_start_is_an_infeasible_trial(tmp_path):
