@@ -3,7 +3,9 @@
 # seeds' bad start (admission cap 64, default MoE tiles, eager, no overlap scheduling). One GPU
 # call per invocation; the ledger (SQLite) lives in the checkout, so the next call, carried the
 # file back, resumes it.
-#   bash benchmarks/tune_h200.sh PHASES WALL_SECONDS|auto [GPU_TESTS=0|1] [LIMIT_SECONDS]
+#   bash benchmarks/tune_h200.sh PHASES WALL_SECONDS|auto [GPU_TESTS=0|1] [LIMIT_SECONDS] [ARMS]
+# ARMS: the confirmation's arms (default best,start; best,defaults measures the tune's best
+# against the engine's defaults); a confirmation cut by the limit resumes run by run.
 # The ledger is copied to $OUT/tune.db and used there, so that what a call wrote comes back
 # even if the call is cut; the tune gets SIGINT (a clean stop) at LIMIT_SECONDS (default 560).
 # Writes $OUT/tune (report, logs), $OUT/tune.db, $OUT/tune.log.
@@ -12,6 +14,7 @@ PHASES=${1:-search}
 WALL=${2:-450}
 GPU_TESTS=${3:-0}
 LIMIT=${4:-560}
+ARMS=${5:-best,start}
 START=$(date +%s)
 SRC=benchmarks/results/tune_qwen3_c1024/tune.db
 DB=$OUT/tune.db
@@ -34,6 +37,6 @@ LEFT=$((LIMIT - ($(date +%s) - START)))
 timeout -s INT "$LEFT" python3 -m moeserve.cli tune --preset qwen3-30b-a3b --max-concurrency 1024 \
   --start "--max-running-requests 64 --moe-tiles default --enforce-eager --no-async-scheduling" \
   --storage "sqlite:///$DB" --study-name qwen3-c1024-bad-start --n-trials 40 \
-  --wall-time "$WALL" --phases "$PHASES" --confirm-runs 3 --confirm-defaults \
+  --wall-time "$WALL" --phases "$PHASES" --confirm-runs 3 --confirm-arms "$ARMS" \
   --trial-timeout 240 --server-timeout 300 --recover-running --out "$OUT/tune" \
   2>&1 | tee "$OUT/tune.log" | tail -60

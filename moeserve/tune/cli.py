@@ -8,8 +8,9 @@
                  have been made for the same model, workload and concurrencies
       phases     --phases search,confirm,ablate,report (default: all, in that order)
         search   trials until --n-trials (the study's, every worker's) or --wall-time
-        confirm  best vs start (and --confirm-defaults: the engine's defaults), alternating,
-                 --confirm-runs each, the full workload on fresh servers
+        confirm  --confirm-arms (best vs start; the engine's defaults too on request), in
+                 turn, --confirm-runs each, the full workload on fresh servers; resumable run
+                 by run (a call cut short goes on next time)
         ablate   the winner with each knob set back to the start's, one at a time; Optuna's
                  importances
         report   OUT/tune.md, tune.json and plots; the winner's command line
@@ -83,8 +84,11 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--phases", default="search,confirm,ablate,report",
                    help="comma-separated, in order: search, confirm, ablate, report")
     p.add_argument("--confirm-runs", type=int, default=3, help="runs per arm (default: 3)")
+    p.add_argument("--confirm-arms", default="best,start", help="the arms of the confirmation, "
+                   "in turn: best, start, defaults (the engine's defaults); the first is "
+                   "judged against the second (default: best,start)")
     p.add_argument("--confirm-defaults", action="store_true",
-                   help="confirm the engine's defaults as a third arm")
+                   help="add the engine's defaults as an arm (same as listing them last)")
     p.add_argument("--out", default="tune-out", help="folder for the report, plots and server "
                    "logs (default: tune-out)")
 
@@ -215,6 +219,20 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
             "concurrencies": concurrencies, "phases": phases}
 
 
+def _arms(args: argparse.Namespace, best: dict[str, Any], space: Any) -> dict[str, dict]:
+    """--confirm-arms (and --confirm-defaults) as name -> config, in turn order."""
+    configs = {"best": best, "start": space.start,
+               "defaults": {n: k.default for n, k in space.knobs.items()}}
+    names = [a.strip() for a in args.confirm_arms.split(",") if a.strip()]
+    if args.confirm_defaults and "defaults" not in names:
+        names.append("defaults")
+    bad = [a for a in names if a not in configs]
+    if bad or len(names) < 2 or len(set(names)) != len(names):
+        raise ValueError(f"--confirm-arms {args.confirm_arms!r}: two or more distinct arms of "
+                         f"{', '.join(configs)}")
+    return {a: configs[a] for a in names}
+
+
 def _check_setup(study: Any, setup: dict[str, Any]) -> None:
     """A resumed study must measure the same thing: else its trials are not comparable."""
     have = study.user_attrs.get("setup")
@@ -298,9 +316,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             console.print("no feasible trial: every config failed (see the ledger's errors)")
             return 1
         if "confirm" in s["phases"]:
-            arms = {"best": best.user_attrs["params"], "start": space.start}
-            if args.confirm_defaults:
-                arms["defaults"] = {n: k.default for n, k in space.knobs.items()}
+            arms = _arms(args, best.user_attrs["params"], space)
             c = confirm.confirm(
                 evaluator, arms, args.confirm_runs,
                 on_run=lambda arm, i, o: console.print(
@@ -310,7 +326,9 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                 done=study.user_attrs.get("confirmation_runs"),
                 save=lambda records: study.set_user_attr(
                     "confirmation_runs", json.loads(json.dumps(records, default=str))))
-            study.set_user_attr("confirmation", c.to_dict() | {"best_trial": best.number})
+            done = dict(study.user_attrs.get("confirmations") or {})
+            done[" vs ".join(list(arms)[:2])] = c.to_dict() | {"best_trial": best.number}
+            study.set_user_attr("confirmations", done)
             console.print(c.line(), highlight=False)
         if "ablate" in s["phases"]:
             ref, rows = ablation.ablate(evaluator, space, best.user_attrs["params"], space.start,

@@ -2,12 +2,13 @@
 
     confirm(evaluator, arms, runs) -> Confirmation
 
-The arms (the best config and the start config, optionally the engine's defaults) run in
-turn, A B [C] A B [C] ..., `runs` times each, every run on a fresh server with the full
-workload (evaluator purpose "confirm"), so that drift of the machine over the call lands on
-every arm alike. Per arm: each value, the mean, and the spread (max - min). The gain of the best
-over the start is called real only when the difference of the means exceeds the larger of the
-two arms' spreads; inside it, the verdict is "noise". A failed run is kept with its failure and
+The arms (the best config and the start config, or the engine's defaults; the first is
+judged against the second) run in turn, A B [C] A B [C] ..., `runs` times each, every run on
+a fresh server with the full workload (evaluator purpose "confirm"), so that drift of the
+machine over the call lands on every arm alike. Per arm: each value, the mean, and the spread
+(max - min). The gain of the first arm over the second is called real only when the
+difference of the means exceeds the larger of the two arms' spreads; inside it, the verdict
+is "noise". A failed run is kept with its failure and
 left out of the means.
 """
 
@@ -57,9 +58,9 @@ class Confirmation:
         best, start = self.arms[0], self.arms[1]
         if self.verdict == "unknown":
             return "confirmation: an arm has no successful run (see the failures)"
-        return (f"confirmation ({len(best.values)}+{len(start.values)} runs): best "
-                f"{best.mean:,.0f} tok/s (spread {best.spread:,.0f}) vs start {start.mean:,.0f} "
-                f"(spread {start.spread:,.0f}): {self.gain:+.1%}, "
+        return (f"confirmation ({len(best.values)}+{len(start.values)} runs): {best.name} "
+                f"{best.mean:,.0f} tok/s (spread {best.spread:,.0f}) vs {start.name} "
+                f"{start.mean:,.0f} (spread {start.spread:,.0f}): {self.gain:+.1%}, "
                 + ("a real gain" if self.verdict == "gain" else
                    "a real loss" if self.verdict == "loss" else
                    f"noise (the difference {self.difference:+,.0f} is inside the spread "

@@ -58,7 +58,7 @@ def summarize(study: Any, space: Space, command_of: Callable[[Mapping[str, Any]]
                    "best_trial": None if steered is None else steered.number,
                    "gain_over_start": _gain(steered, start),
                    "sampler_beyond": _gain(overall, steered)},
-        "confirmation": attrs.get("confirmation"),
+        "confirmations": attrs.get("confirmations") or {},
         "ablation": attrs.get("ablation"),
         "importances": attrs.get("importances"),
         "space": space.help_lines(),
@@ -115,15 +115,14 @@ def write_report(study: Any, space: Space, out: str | Path,
                   + "); the sampler's trials added "
                   + (f"{d['sampler_beyond']:+.1%}" if d['sampler_beyond'] is not None else "—")
                   + " beyond them.", ""]
-    if s["confirmation"]:
-        c = s["confirmation"]
-        lines += ["## Confirmation (full workload, fresh servers, alternating)", ""]
+    for title, c in s["confirmations"].items():
+        lines += [f"## Confirmation: {title} (full workload, fresh servers, in turn)", ""]
         lines += _table(["arm", "runs", "mean tok/s", "spread", "values", "failures"],
                         [[a["name"], len(a["values"]), f"{a['mean']:,.0f}" if a["mean"] else "—",
                           f"{a['spread']:,.0f}", ", ".join(f"{v:,.0f}" for v in a["values"]),
                           len(a["failures"])] for a in c["arms"]])
         lines += [f"Verdict: **{c['verdict']}**" + (
-            f" (best vs start {c['gain']:+.1%}; difference {c['difference']:+,.0f} tok/s against "
+            f" ({title} {c['gain']:+.1%}; difference {c['difference']:+,.0f} tok/s against "
             f"a spread of {c['spread']:,.0f})" if c["gain"] is not None else ""), ""]
     if s["ablation"]:
         a = s["ablation"]

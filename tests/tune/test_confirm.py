@@ -73,3 +73,23 @@ def test_importances_after_a_study(tmp_path):
     imp, why = importances(study)
     assert why == "" and imp and abs(sum(imp.values()) - 1.0) < 1e-3
     assert set(imp) <= set(space.knobs)
+
+
+def test_a_cut_confirmation_resumes_run_by_run():
+    space = knob_space("cuda", BAD_START)
+    arms = _arms(space, max_running_requests=1024)
+    saved: list = []
+
+    class CutAfter(FakeEvaluator):
+        def evaluate(self, params, purpose):
+            if len(self.calls) == 3:
+                raise KeyboardInterrupt
+            return super().evaluate(params, purpose)
+
+    with pytest.raises(KeyboardInterrupt):
+        confirm_mod.confirm(CutAfter(), arms, 2, save=lambda records: saved.append(list(records)))
+    assert len(saved[-1]) == 3  # best, start, best: kept
+    ev = FakeEvaluator()
+    c = confirm_mod.confirm(ev, arms, 2, done=saved[-1])
+    assert len(ev.calls) == 1  # only the start's second run was left
+    assert [len(a.values) for a in c.arms] == [2, 2]

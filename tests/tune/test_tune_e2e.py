@@ -51,13 +51,16 @@ def test_tune_on_tiny_moe_against_real_servers(tmp_path):
     if "admission_cap" in rules:  # the cap bound in the sampled timeline: the doctor moves it
         doctor = [t for t in trials if t.user_attrs["source"] == "doctor"]
         assert doctor and doctor[0].user_attrs["rule"] in rules
-    assert "confirmation" in study.user_attrs and "ablation" in study.user_attrs
+    conf = study.user_attrs["confirmations"]["best vs start"]
+    assert [a["name"] for a in conf["arms"]] == ["best", "start"]
+    assert conf["verdict"] in ("gain", "loss", "noise")
+    assert "ablation" in study.user_attrs
     out = tmp_path / "out"
     summary = json.loads((out / "tune.json").read_text())
     assert summary["best"]["command"].startswith("moeserve serve --model tiny-moe")
     assert (out / "history.png").stat().st_size > 0 and (out / "knobs.png").exists()
     md = (out / "tune.md").read_text()
-    assert "## Winner" in md and "## Confirmation" in md
+    assert "## Winner" in md and "## Confirmation: best vs start" in md
     assert "winner (trial" in res.stdout
     # a second call resumes: the budget is the study's
     again = _tune(tmp_path, "--n-trials", "4", "--phases", "search")

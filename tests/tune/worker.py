@@ -1,8 +1,8 @@
 """One tune worker for test_two_workers: `python -m tests.tune.worker DB NAME ID DIR N`.
 
-It searches the shared study with the fake benchmark; before its first measurement it waits
-until every worker has announced itself in DIR (a file per worker), so that the workers'
-trials interleave whatever each process's start-up time."""
+It searches the shared study with the fake benchmark. In its first measurement it announces
+itself in DIR (a file per worker) and waits until every worker has: so each worker holds a
+trial of its own whatever each process's start-up time."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from tests.wait import wait_until
 def main() -> None:
     db, name, wid, folder, n = sys.argv[1:6]
     folder_p = Path(folder)
-    (folder_p / f"worker{wid}").write_text("here")
 
     def barrier(count, params):
         if count == 1:
+            (folder_p / f"worker{wid}").write_text("here")
             wait_until(lambda: len(list(folder_p.glob("worker*"))) == 2, timeout_s=120,
                        what="both workers")
 
