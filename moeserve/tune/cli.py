@@ -94,6 +94,9 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
 
 
 PHASES = ("search", "confirm", "ablate", "report")
+# bench flags each trial sets itself
+_TUNE_OWNS = {"--url", "--max-concurrency", "--num-prompts", "--output-json", "--preset",
+              "--server-args", "--diagnose", "--no-progress"}
 
 
 def _prompts(spec: str, flag: str):
@@ -209,6 +212,10 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--max-concurrency: give at least one concurrency >= 1")
     space = knob_space(device, start, fixed=list(fixed), only=only,
                        concurrency=max(concurrencies))
+    owned = sorted({a.split("=")[0] for a in shlex.split(args.bench_args)} & _TUNE_OWNS)
+    if owned:
+        raise ValueError(f"--bench-args: {', '.join(owned)} are the tune's own (use "
+                         "--max-concurrency, --trial-prompts / --confirm-prompts, --preset)")
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     bad = [p for p in phases if p not in PHASES]
     if bad or not phases:

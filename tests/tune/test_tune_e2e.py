@@ -87,3 +87,18 @@ def test_a_server_that_cannot_start_is_an_infeasible_trial(tmp_path):
     (t,) = study_mod.ledger(study)
     assert t.user_attrs["failure"] in ("startup", "failed") and t.user_attrs["error"]
     assert "no feasible trial" in res.stdout
+
+
+def test_bad_flags_are_named_before_anything_runs(tmp_path):
+    from moeserve.tune.cli import run_tune
+
+    base = ["--preset", "tiny-moe", "--storage", f"sqlite:///{tmp_path / 'x.db'}"]
+    cases = {"--bench-args": ["--bench-args", "--num-prompts 5"],
+             "--start": ["--start", "--no-such-flag 1"],
+             "--phases": ["--phases", "search,tidy"],
+             "--knobs": ["--knobs", "enforce_eager"],  # a CUDA knob, on a CPU study
+             "--max-concurrency": ["--max-concurrency", "many"],
+             "--trial-prompts": ["--trial-prompts", "0x"]}
+    for flag, extra in cases.items():
+        assert run_tune(base + extra) == 2, flag
+    assert not (tmp_path / "x.db").exists()  # no study was made for a bad command
