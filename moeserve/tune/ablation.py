@@ -38,25 +38,43 @@ class Ablation:
 
 def ablate(evaluator: Evaluator, space: Space, winner: Mapping[str, Any],
            start: Mapping[str, Any],
-           on_run: Callable[[str, Outcome], None] | None = None
+           on_run: Callable[[str, Outcome], None] | None = None,
+           done: list[dict[str, Any]] | None = None,
+           save: Callable[[list[dict[str, Any]]], None] | None = None
            ) -> tuple[float | None, list[Ablation]]:
-    """(the reference objective, the ablations sorted by worth, largest first)."""
-    ref = evaluator.evaluate(dict(winner), "trial")
-    if on_run is not None:
-        on_run("winner", ref)
-    reference = ref.value if ref.failure is None else None
+    """(the reference objective, the ablations sorted by worth, largest first).
+
+    Resumable as the confirmation is: `done` holds earlier runs' records (name, params,
+    value, failure, error; what `save` was given after each run), taken as they are when
+    their config is the same."""
+    records = list(done or [])
+
+    def measure(name: str, params: dict[str, Any]) -> dict[str, Any]:
+        rec = next((r for r in records if r.get("name") == name and r.get("params") == params),
+                   None)
+        if rec is None:
+            res = evaluator.evaluate(params, "trial")
+            rec = {"name": name, "params": params, "value": res.value, "failure": res.failure,
+                   "error": res.error}
+            records.append(rec)
+            if save is not None:
+                save(records)
+            if on_run is not None:
+                on_run(name, res)
+        return rec
+
+    ref = measure("winner", dict(winner))
+    reference = ref["value"] if ref["failure"] is None else None
     out = []
     for name in space.knobs:
         if repr(winner.get(name)) == repr(start.get(name)):
             continue
-        params = space.complete({**winner, name: start.get(name)})
-        res = evaluator.evaluate(params, "trial")
-        if on_run is not None:
-            on_run(name, res)
-        value = res.value if res.failure is None else None
+        rec = measure(name, space.complete({**winner, name: start.get(name)}))
+        value = rec["value"] if rec["failure"] is None else None
         worth = None if value is None or reference is None else reference - value
         out.append(Ablation(name, winner.get(name), start.get(name), value, worth,
-                            None if res.failure is None else f"{res.failure}: {res.error}"))
+                            None if rec["failure"] is None else
+                            f"{rec['failure']}: {rec['error']}"))
     out.sort(key=lambda a: (a.worth is None, -(a.worth or 0.0)))
     return reference, out
 

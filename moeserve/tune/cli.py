@@ -338,12 +338,14 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             study.set_user_attr("confirmations", done)
             console.print(c.line(), highlight=False)
         if "ablate" in s["phases"]:
-            ref, rows = ablation.ablate(evaluator, space, best.user_attrs["params"], space.start,
-                                        on_run=lambda knob, o: console.print(
-                                            f"ablate {knob}: " + (f"{o.value:,.0f} tok/s"
-                                                                  if o.failure is None else
-                                                                  f"{o.failure}"),
-                                            highlight=False))
+            ref, rows = ablation.ablate(
+                evaluator, space, best.user_attrs["params"], space.start,
+                on_run=lambda knob, o: console.print(
+                    f"ablate {knob}: " + (f"{o.value:,.0f} tok/s" if o.failure is None
+                                          else f"{o.failure}")),
+                done=study.user_attrs.get("ablation_runs"),
+                save=lambda records: study.set_user_attr(
+                    "ablation_runs", json.loads(json.dumps(records, default=str))))
             study.set_user_attr("ablation", {"reference": ref, "best_trial": best.number,
                                              "knobs": [r.to_dict() for r in rows]})
             imp, why = ablation.importances(study)

@@ -93,3 +93,24 @@ def test_a_cut_confirmation_resumes_run_by_run():
     c = confirm_mod.confirm(ev, arms, 2, done=saved[-1])
     assert len(ev.calls) == 1  # only the start's second run was left
     assert [len(a.values) for a in c.arms] == [2, 2]
+
+
+def test_a_cut_ablation_resumes_run_by_run():
+    space = knob_space("cuda", BAD_START)
+    winner = space.complete({"max_running_requests": 1024, "enforce_eager": False})
+    saved: list = []
+
+    class CutAfter(FakeEvaluator):
+        def evaluate(self, params, purpose):
+            if len(self.calls) == 2:
+                raise KeyboardInterrupt
+            return super().evaluate(params, purpose)
+
+    with pytest.raises(KeyboardInterrupt):
+        ablate(CutAfter(noise=0.0), space, winner, space.start,
+               save=lambda records: saved.append(list(records)))
+    assert [r["name"] for r in saved[-1]] == ["winner", "max_running_requests"]
+    ev = FakeEvaluator(noise=0.0)
+    ref, rows = ablate(ev, space, winner, space.start, done=saved[-1])
+    assert len(ev.calls) == 1  # only enforce_eager's run was left
+    assert ref == pytest.approx(throughput(winner)) and len(rows) == 2
