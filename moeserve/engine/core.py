@@ -35,6 +35,7 @@ from moeserve.config import (
 )
 from moeserve.engine.validate import validate_request
 from moeserve.gc_tuning import freeze_heap
+from moeserve.kernels.moe_configs import tile_device_name
 from moeserve.kernels.registry import TILED_MOE_BACKENDS
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.kv_cache import allocate_kv_caches, plan_memory
@@ -100,7 +101,7 @@ class EngineCore:
             moe_tune=moe_tune, cpu_threads=cpu_threads, torch_threads=torch_threads,
             usable_cores=cores,
             moe_configs=_moe_configs(self.cfg, self.model_config, self.runner.dtype,
-                                     _device_name(device)))
+                                     tile_device_name(device)))
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
         self._arrivals = itertools.count()
@@ -141,14 +142,15 @@ class EngineCore:
 
         shape = (mc.num_experts, mc.hidden_size, mc.moe_intermediate_size)
         if self.cfg.moe_tune_budget_s == 0:
-            found = find_tuned(*shape, self.runner.dtype, _device_name(device))
+            found = find_tuned(*shape, self.runner.dtype, tile_device_name(device))
             return ("not tuned at start-up (moe_tune_budget_s=0): "
                     + (f"using {found[0]}" if found else "default tiles"))
         block = self.runner.model.moe_blocks()[0]
         outcome = ensure_tuned(*shape, mc.num_experts_per_tok, self.runner.dtype,
                                self.cfg.scheduler.max_num_batched_tokens,
                                time_budget_s=self.cfg.moe_tune_budget_s,
-                               weights=(block.w13, block.w2), device_name=_device_name(device))
+                               weights=(block.w13, block.w2),
+                               device_name=tile_device_name(device))
         torch.cuda.empty_cache()
         return f"{outcome.detail} ({outcome.source}, {outcome.seconds:.1f}s)"
 

@@ -100,6 +100,14 @@ def config_file_name(num_experts: int, hidden: int, inter: int, dtype: torch.dty
             f"triton={triton or triton_version()}.json")
 
 
+@functools.cache
+def tile_device_name(device: torch.device) -> str:
+    """The device part of a tuned file's name: the CUDA device's name, else the device type
+    ("cpu"). One function for the kernels' lookups and the engine's report and tune, so both
+    find the same file."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def tune_dir() -> Path:
     """Where a tune made at start-up is written: $MOESERVE_MOE_CONFIG_DIR if set, else the user
     cache (<MOESERVE_CACHE_DIR>/moe_configs)."""

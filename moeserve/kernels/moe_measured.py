@@ -21,8 +21,6 @@ clear_caches()` (called after every tune) forgets them.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from moeserve.kernels import moe_configs
@@ -64,12 +62,7 @@ def pick(shape_key: tuple, num_tokens: int) -> tuple[str, dict[str, int]]:
     the defaults, as the key's tile source says)."""
     device, dtype, num_experts, hidden, inter, top_k, tiles = shape_key
     choice = moe_configs.get_moe_config(num_experts, hidden, inter, top_k, dtype, num_tokens,
-                                        _device_name(device), tiles=tiles)
+                                        moe_configs.tile_device_name(device), tiles=tiles)
     backend = choice.backend if num_tokens > 0 else "triton"  # moe_triton returns [0, H] at once
     return backend, choice.config
 
-
-@functools.cache
-def _device_name(device: torch.device) -> str:
-    """As `moe_triton` names it for the lookup: the CUDA device's name, else the device type."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

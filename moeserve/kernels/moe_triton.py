@@ -66,6 +66,7 @@ from moeserve.kernels.moe_configs import (
     down_tiles,
     get_moe_config,
     launch_options,
+    tile_device_name,
 )
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -108,7 +109,7 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return x.new_empty(0, hidden) if reduce else x.new_empty(0, 1, hidden)
     if config is None:
         config = get_moe_config(num_experts, hidden, inter, top_k, x.dtype, num_tokens,
-                                _device_name(x.device), tiles=tiles).config
+                                tile_device_name(x.device), tiles=tiles).config
     _check_config(config)
     sorted_ids, expert_ids, post_padded = _ALIGNS[align](topk_ids, num_experts,
                                                          config["BLOCK_M"])
@@ -332,11 +333,6 @@ def _tile(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert
         tl.atomic_add(c_ptrs, acc, mask=c_ok, sem="relaxed")
     else:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_ok)
-
-
-@functools.cache
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def _check_options(device: torch.device, combine: str, align: str) -> None:

@@ -55,7 +55,7 @@ def test_default_tiles_skip_the_start_up_tune(tmp_path: Path,
     name = moe_configs.config_file_name(8, 32, 16, torch.float16, "Fake GPU")
     doc = {"meta": {}, "configs": {"1": moe_configs.tile_config(16, 16, 16, 1, 4, 2)}}
     (tmp_path / name).write_text(json.dumps(doc))
-    monkeypatch.setattr("moeserve.engine.core._device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr("moeserve.engine.core.tile_device_name", lambda device: "Fake GPU")
 
     def no_tune(*args: object, **kwargs: object) -> None:
         raise AssertionError("moe_tiles=default tunes nothing")
@@ -88,3 +88,21 @@ def test_an_engine_with_default_tiles_reports_them() -> None:
                for line in lines)
     backend = llm.engine.runner.model.moe_blocks()[0].backend  # bound at construction
     assert backend.keywords == {"tiles": "default"}
+
+
+def test_the_report_and_the_kernels_look_tuned_tiles_up_under_one_device_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # on CPU the engine named the device by its processor for the report's lookup, the kernels
+    # by "cpu": a file one found the other missed; both use tile_device_name now
+    monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path))
+    assert moe_configs.tile_device_name(torch.device("cpu")) == "cpu"
+    name = moe_configs.config_file_name(16, 128, 64, torch.float32, "cpu")
+    doc = {"meta": {}, "configs": {"1": moe_configs.tile_config(16, 32, 32, 1, 4, 2)}}
+    (tmp_path / name).write_text(json.dumps(doc))
+    moe_configs.clear_caches()
+    try:
+        llm = LLM("tiny-moe", device="cpu", max_model_len=64, moe_backend="triton")
+        assert all(c["tuned"] and c["source"] == str(tmp_path / name)
+                   for c in llm.report.moe_configs.values())
+    finally:
+        moe_configs.clear_caches()
