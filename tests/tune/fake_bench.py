@@ -101,3 +101,14 @@ class FakeEvaluator:
         return Outcome(value, runs=[run], verdicts=verdicts(params),
                        capacity={"max_running_requests": _cap(params)}, seconds=1.0,
                        command="fake")
+
+
+class Interrupt:
+    """An `on_evaluate` hook: Ctrl-C at the `at`-th evaluation (1-based), before it runs."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __call__(self, n: int, params: Mapping[str, Any]) -> None:
+        if n == self.at:
+            raise KeyboardInterrupt

@@ -9,7 +9,7 @@ from moeserve.tune import confirm as confirm_mod
 from moeserve.tune import study as study_mod
 from moeserve.tune.ablation import ablate, importances
 from moeserve.tune.space import knob_space
-from tests.tune.fake_bench import BAD_START, FakeEvaluator, throughput
+from tests.tune.fake_bench import BAD_START, FakeEvaluator, Interrupt, throughput
 
 
 def _arms(space, **moved):
@@ -80,14 +80,9 @@ def test_a_cut_confirmation_resumes_run_by_run():
     arms = _arms(space, max_running_requests=1024)
     saved: list = []
 
-    class CutAfter(FakeEvaluator):
-        def evaluate(self, params, purpose):
-            if len(self.calls) == 3:
-                raise KeyboardInterrupt
-            return super().evaluate(params, purpose)
-
     with pytest.raises(KeyboardInterrupt):
-        confirm_mod.confirm(CutAfter(), arms, 2, save=lambda records: saved.append(list(records)))
+        confirm_mod.confirm(FakeEvaluator(on_evaluate=Interrupt(at=4)), arms, 2,
+                            save=lambda records: saved.append(list(records)))
     assert len(saved[-1]) == 3  # best, start, best: kept
     ev = FakeEvaluator()
     c = confirm_mod.confirm(ev, arms, 2, done=saved[-1])
@@ -100,14 +95,8 @@ def test_a_cut_ablation_resumes_run_by_run():
     winner = space.complete({"max_running_requests": 1024, "enforce_eager": False})
     saved: list = []
 
-    class CutAfter(FakeEvaluator):
-        def evaluate(self, params, purpose):
-            if len(self.calls) == 2:
-                raise KeyboardInterrupt
-            return super().evaluate(params, purpose)
-
     with pytest.raises(KeyboardInterrupt):
-        ablate(CutAfter(noise=0.0), space, winner, space.start,
+        ablate(FakeEvaluator(noise=0.0, on_evaluate=Interrupt(at=3)), space, winner, space.start,
                save=lambda records: saved.append(list(records)))
     assert [r["name"] for r in saved[-1]] == ["winner", "max_running_requests"]
     ev = FakeEvaluator(noise=0.0)

@@ -11,7 +11,14 @@ import pytest
 
 from moeserve.tune import study as study_mod
 from moeserve.tune.space import knob_space
-from tests.tune.fake_bench import BAD_START, OOM_ABOVE, OPTIMUM, FakeEvaluator, throughput
+from tests.tune.fake_bench import (
+    BAD_START,
+    OOM_ABOVE,
+    OPTIMUM,
+    FakeEvaluator,
+    Interrupt,
+    throughput,
+)
 
 
 def _study(tmp_path, name="s", seed=0):
@@ -67,20 +74,11 @@ def test_without_the_doctor_the_sampler_proposes_every_trial(tmp_path):
     assert sources[0] == "start" and set(sources[1:]) == {"sampler"}
 
 
-class _Interrupt:
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def __call__(self, n, params):
-        if n == self.at:
-            raise KeyboardInterrupt
-
-
 def test_ctrl_c_keeps_the_ledger_and_the_study_resumes(tmp_path):
     space = _space()
     study = _study(tmp_path)
     with pytest.raises(KeyboardInterrupt):
-        study_mod.search(study, space, FakeEvaluator(on_evaluate=_Interrupt(4)),
+        study_mod.search(study, space, FakeEvaluator(on_evaluate=Interrupt(at=4)),
                          study_mod.Budget(n_trials=10))
     trials = study_mod.ledger(study)
     assert len(study_mod.measured(trials)) == 3
