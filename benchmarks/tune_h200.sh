@@ -9,6 +9,10 @@
 # The ledger is copied to $OUT/tune.db and used there, so that what a call wrote comes back
 # even if the call is cut; the tune gets SIGINT (a clean stop) at LIMIT_SECONDS (default 560).
 # Writes $OUT/tune (report, logs), $OUT/tune.db, $OUT/tune.log.
+# Another study: PRESET, START (the start's flags; "" = the engine's defaults), STUDY and SRC
+# (the ledger in the checkout) from the environment, e.g. mixtral from its defaults:
+#   PRESET=mixtral-8x7b START= STUDY=mixtral-c1024-defaults \
+#     SRC=benchmarks/results/tune_mixtral_c1024/tune.db bash benchmarks/tune_h200.sh search auto
 set -uo pipefail
 PHASES=${1:-search}
 WALL=${2:-450}
@@ -16,7 +20,10 @@ GPU_TESTS=${3:-0}
 LIMIT=${4:-560}
 ARMS=${5:-best,start}
 START=$(date +%s)
-SRC=benchmarks/results/tune_qwen3_c1024/tune.db
+PRESET=${PRESET:-qwen3-30b-a3b}
+START=${START---max-running-requests 64 --moe-tiles default --enforce-eager --no-async-scheduling}
+STUDY=${STUDY:-qwen3-c1024-bad-start}
+SRC=${SRC:-benchmarks/results/tune_qwen3_c1024/tune.db}
 DB=$OUT/tune.db
 mkdir -p "$OUT"
 [ -f "$SRC" ] && cp "$SRC" "$DB"
@@ -34,9 +41,8 @@ if [ "$GPU_TESTS" = 1 ]; then
 fi
 LEFT=$((LIMIT - ($(date +%s) - START)))
 [ "$WALL" = auto ] && WALL=$((LEFT - 110))  # no new trial in the last 110 s
-timeout -s INT "$LEFT" python3 -m moeserve.cli tune --preset qwen3-30b-a3b --max-concurrency 1024 \
-  --start "--max-running-requests 64 --moe-tiles default --enforce-eager --no-async-scheduling" \
-  --storage "sqlite:///$DB" --study-name qwen3-c1024-bad-start --n-trials 40 \
+timeout -s INT "$LEFT" python3 -m moeserve.cli tune --preset "$PRESET" --max-concurrency 1024 \
+  --start "$START" --storage "sqlite:///$DB" --study-name "$STUDY" --n-trials 40 \
   --wall-time "$WALL" --phases "$PHASES" --confirm-runs 3 --confirm-arms "$ARMS" \
   --trial-timeout 240 --server-timeout 300 --recover-running --out "$OUT/tune" \
   2>&1 | tee "$OUT/tune.log" | tail -60
