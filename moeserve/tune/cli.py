@@ -153,11 +153,11 @@ class Progress:
 
         if kind == "recovered":
             self.console.print(f"resumed: trial(s) {info['trials']} were interrupted; their "
-                               "configs run again", highlight=False)
+                               "configs run again")
         elif kind == "start":
             who = info["source"] + (f": {info['rule']}" if info.get("rule") else "")
             self.console.print(f"trial {info['number']} [{who}] "
-                               f"{_moved(self.space, info['params'])}", highlight=False)
+                               f"{_moved(self.space, info['params'])}")
         elif kind == "end":
             out: Outcome = info["outcome"]
             best = info["best"]
@@ -167,11 +167,10 @@ class Progress:
                 self.console.print(
                     f"  -> {out.value:,.0f} tok/s, median TPOT {r.get('median_tpot_ms') or 0:.1f}"
                     f" ms, p99 TTFT {r.get('p99_ttft_ms') or 0:,.0f} ms, "
-                    f"{len(out.verdicts)} verdicts, {out.seconds:.0f} s{tail}", highlight=False)
+                    f"{len(out.verdicts)} verdicts, {out.seconds:.0f} s{tail}")
             else:
                 self.console.print(f"  -> infeasible ({out.failure}): "
-                                   f"{' '.join(str(out.error).split())[:300]}{tail}",
-                                   highlight=False)
+                                   f"{' '.join(str(out.error).split())[:300]}{tail}")
 
 
 def run_tune(args: argparse.Namespace | Sequence[str]) -> int:
@@ -278,8 +277,49 @@ def _report_only(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _saver(study: Any, key: str):
+    """Keep a phase's run records in the study's attributes (JSON), so it resumes run by run."""
+    return lambda records: study.set_user_attr(key, json.loads(json.dumps(records, default=str)))
+
+
+def _said(o: Outcome) -> str:
+    return f"{o.value:,.0f} tok/s" if o.failure is None else f"{o.failure}: {o.error}"
+
+
+def _confirm_phase(args: argparse.Namespace, study: Any, evaluator: Any, space: Any, best: Any,
+                   console: Console) -> None:
+    from moeserve.tune import confirm
+
+    arms = _arms(args, best.user_attrs["params"], space)
+    c = confirm.confirm(evaluator, arms, args.confirm_runs,
+                        on_run=lambda arm, i, o: console.print(
+                            f"confirm {arm} run {i + 1}: {_said(o)}"),
+                        done=study.user_attrs.get("confirmation_runs"),
+                        save=_saver(study, "confirmation_runs"))
+    done = dict(study.user_attrs.get("confirmations") or {})
+    done[" vs ".join(list(arms)[:2])] = c.to_dict() | {"best_trial": best.number}
+    study.set_user_attr("confirmations", done)
+    console.print(c.line())
+
+
+def _ablate_phase(study: Any, evaluator: Any, space: Any, best: Any, console: Console) -> None:
+    from moeserve.tune import ablation
+
+    ref, rows = ablation.ablate(evaluator, space, best.user_attrs["params"], space.start,
+                                on_run=lambda knob, o: console.print(
+                                    f"ablate {knob}: {_said(o)}"),
+                                done=study.user_attrs.get("ablation_runs"),
+                                save=_saver(study, "ablation_runs"))
+    study.set_user_attr("ablation", {"reference": ref, "best_trial": best.number,
+                                     "knobs": [r.to_dict() for r in rows]})
+    imp, why = ablation.importances(study)
+    study.set_user_attr("importances", imp or None)
+    if why:
+        console.print(why)
+
+
 def _tune(args: argparse.Namespace, console: Console) -> int:
-    from moeserve.tune import ablation, confirm, report
+    from moeserve.tune import report
     from moeserve.tune import study as study_mod
 
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
@@ -289,7 +329,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     space = s["space"]
     if args.list_knobs:
         for line in space.help_lines():
-            console.print(line, highlight=False)
+            console.print(line)
         return 0
     plan = BenchPlan(s["concurrencies"], _prompts(args.trial_prompts, "--trial-prompts"),
                      _prompts(args.confirm_prompts, "--confirm-prompts"),
@@ -310,56 +350,29 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                          "slo": [args.slo_tpot_ms, args.slo_ttft_ms, args.slo_stat]})
     command_of = lambda p: shlex.join(evaluator.command(p))  # noqa: E731
     console.print(f"study {name!r} in {args.storage}: {len(study_mod.ledger(study))} trials so "
-                  f"far; searching {len(space.knobs)} knobs on {s['device']}", highlight=False)
+                  f"far; searching {len(space.knobs)} knobs on {s['device']}")
     try:
         if "search" in s["phases"]:
             why = study_mod.search(study, space, evaluator,
                                    study_mod.Budget(args.n_trials, args.wall_time, args.doctor,
                                                     args.recover_running),
                                    fixed=s["fixed"], on_event=Progress(console, space))
-            console.print(f"search stopped: {why}", highlight=False)
+            console.print(f"search stopped: {why}")
         best = study_mod.best_trial(study)
         if best is None:
             console.print("no feasible trial: every config failed (see the ledger's errors)")
             return 1
         if "confirm" in s["phases"]:
-            arms = _arms(args, best.user_attrs["params"], space)
-            c = confirm.confirm(
-                evaluator, arms, args.confirm_runs,
-                on_run=lambda arm, i, o: console.print(
-                    f"confirm {arm} run {i + 1}: " + (f"{o.value:,.0f} tok/s" if o.failure
-                                                      is None else f"{o.failure}: {o.error}"),
-                    highlight=False),
-                done=study.user_attrs.get("confirmation_runs"),
-                save=lambda records: study.set_user_attr(
-                    "confirmation_runs", json.loads(json.dumps(records, default=str))))
-            done = dict(study.user_attrs.get("confirmations") or {})
-            done[" vs ".join(list(arms)[:2])] = c.to_dict() | {"best_trial": best.number}
-            study.set_user_attr("confirmations", done)
-            console.print(c.line(), highlight=False)
+            _confirm_phase(args, study, evaluator, space, best, console)
         if "ablate" in s["phases"]:
-            ref, rows = ablation.ablate(
-                evaluator, space, best.user_attrs["params"], space.start,
-                on_run=lambda knob, o: console.print(
-                    f"ablate {knob}: " + (f"{o.value:,.0f} tok/s" if o.failure is None
-                                          else f"{o.failure}")),
-                done=study.user_attrs.get("ablation_runs"),
-                save=lambda records: study.set_user_attr(
-                    "ablation_runs", json.loads(json.dumps(records, default=str))))
-            study.set_user_attr("ablation", {"reference": ref, "best_trial": best.number,
-                                             "knobs": [r.to_dict() for r in rows]})
-            imp, why = ablation.importances(study)
-            study.set_user_attr("importances", imp or None)
-            if why:
-                console.print(why, highlight=False)
+            _ablate_phase(study, evaluator, space, best, console)
         if "report" in s["phases"]:
             path = report.write_report(study, space, out_dir, command_of)
-            console.print(f"report: {path}", highlight=False)
+            console.print(f"report: {path}")
     except KeyboardInterrupt:
         console.print(f"\nstopped: the ledger ({args.storage}, study {name!r}) holds "
-                      f"{len(study_mod.ledger(study))} trials; the same command resumes",
-                      highlight=False)
+                      f"{len(study_mod.ledger(study))} trials; the same command resumes")
         return 130
     console.print(f"winner (trial {best.number}, {best.value:,.0f} tok/s in the search):\n  "
-                  f"{command_of(best.user_attrs['params'])}", highlight=False)
+                  f"{command_of(best.user_attrs['params'])}")
     return 0

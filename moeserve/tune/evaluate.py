@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -94,12 +94,6 @@ class Outcome:
         if self.failure is not None and self.failure not in FAILURE_KINDS:
             raise ValueError(f"failure must be one of {FAILURE_KINDS}, got {self.failure!r}")
 
-    @property
-    def feasible(self) -> bool:
-        return self.value is not None and self.failure is None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def objective(runs: Sequence[Mapping[str, Any]]) -> float:
@@ -151,17 +145,19 @@ class ServerBenchEvaluator:
         self.flags_of = flags_of or server_flags
         self._count = 0
 
+    def server_args(self, params: Mapping[str, Any]) -> list[str]:
+        """The `moeserve serve` arguments of a config: the model, the fixed ones, its flags."""
+        args = [*self.fixed, *self.flags_of(params)]
+        return args if "--model" in args or "--preset" in args else ["--model", self.model, *args]
+
     def command(self, params: Mapping[str, Any]) -> list[str]:
-        model = ["--model", self.model] if "--model" not in self.fixed else []
-        return ["moeserve", "serve", *model, *self.fixed, *self.flags_of(params)]
+        return ["moeserve", "serve", *self.server_args(params)]
 
     def evaluate(self, params: Mapping[str, Any], purpose: str) -> Outcome:
         start = time.monotonic()
         self._count += 1
-        server_args = [*self.fixed, *self.flags_of(params)]
-        if "--model" not in server_args and "--preset" not in server_args:
-            server_args = ["--model", self.model, *server_args]
-        out = Outcome(None, command=shlex.join(["moeserve", "serve", *server_args]))
+        server_args = self.server_args(params)
+        out = Outcome(None, command=shlex.join(self.command(params)))
         server = ServerProcess(self.model, shlex.join(server_args),
                                ready_timeout_s=self.server_timeout_s)
         try:

@@ -22,15 +22,10 @@ from typing import Any
 from moeserve.diagnose.plots import _plt
 from moeserve.diagnose.report import _table
 from moeserve.tune.space import Space
-from moeserve.tune.study import best_trial, is_feasible, ledger, measured
+from moeserve.tune.study import best_of, best_trial, is_feasible, ledger, measured
 
 SOURCES = ("start", "doctor", "sampler")
 _COLORS = {"start": "tab:red", "doctor": "tab:green", "sampler": "tab:blue"}
-
-
-def _best_of(trials: list[Any]) -> Any | None:
-    ok = [t for t in trials if is_feasible(t)]
-    return max(ok, key=lambda t: t.value) if ok else None
 
 
 def summarize(study: Any, space: Space, command_of: Callable[[Mapping[str, Any]], str]
@@ -39,8 +34,8 @@ def summarize(study: Any, space: Space, command_of: Callable[[Mapping[str, Any]]
     runs = measured(trials)
     best = best_trial(study)
     start = next((t for t in runs if t.user_attrs.get("source") == "start"), None)
-    steered = _best_of([t for t in runs if t.user_attrs.get("source") in ("start", "doctor")])
-    overall = _best_of(runs)
+    steered = best_of([t for t in runs if t.user_attrs.get("source") in ("start", "doctor")])
+    overall = best_of(runs)
     attrs = study.user_attrs
     return {
         "study": study.study_name,

@@ -121,9 +121,6 @@ class Space:
                 raise ValueError(f"start value {name}={value!r} is outside the knob's values "
                                  f"({self.describe(name)})")
 
-    def __iter__(self):
-        return iter(self.knobs.values())
-
     def describe(self, name: str) -> str:
         k = self.knobs[name]
         vals = (", ".join(map(_show, k.choices)) if k.kind == "categorical"

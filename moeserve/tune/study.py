@@ -179,9 +179,14 @@ def is_feasible(t: Any) -> bool:
         t.user_attrs.get("constraint", 0.0) <= 0.0 and "params" in t.user_attrs
 
 
-def best_trial(study: Any) -> Any | None:
-    ok = [t for t in ledger(study) if is_feasible(t)]
+def best_of(trials: list[Any]) -> Any | None:
+    """The feasible trial with the highest objective (the earlier one on a tie)."""
+    ok = [t for t in trials if is_feasible(t)]
     return max(ok, key=lambda t: (t.value, -t.number)) if ok else None
+
+
+def best_trial(study: Any) -> Any | None:
+    return best_of(ledger(study))
 
 
 def _tried(study: Any) -> set[tuple]:
@@ -289,7 +294,7 @@ def search(study: Any, space: Space, evaluator: Evaluator, budget: Budget,
         trial = study.ask()
         try:
             trial.set_user_attr("worker", _worker_id())
-        except optuna.exceptions.UpdateFinishedTrialError:  # see the NOTE below
+        except optuna.exceptions.UpdateFinishedTrialError:  # see the NOTE in _measure
             emit("lost", {"number": trial.number})
             continue
         source = trial.user_attrs.get("source", "sampler")
@@ -298,44 +303,59 @@ def search(study: Any, space: Space, evaluator: Evaluator, budget: Budget,
         trial.set_user_attr("params", json.loads(json.dumps(params)))
         prior = _measured_twin(study, params, trial.number) if source == "sampler" else None
         if prior is not None:
+            _tell_duplicate(study, trial, prior)
             duplicates += 1
-            trial.set_user_attr("duplicate_of", prior.number)
-            for key in ("failure", "constraint"):
-                trial.set_user_attr(key, prior.user_attrs.get(key, 0.0 if key == "constraint"
-                                                              else None))
-            trial.set_constraint("infeasible", float(prior.user_attrs.get("constraint", 0.0)))
-            study.tell(trial, prior.value if prior.value is not None else 0.0)
             if duplicates >= MAX_DUPLICATES_IN_A_ROW:
                 return "exhausted"
             continue
         duplicates = 0
         emit("start", {"number": trial.number, "source": source, "params": params,
                        "rule": trial.user_attrs.get("rule")})
-        reason = space.check(params, fixed or {})
-        try:
-            out = (Outcome(None, failure="invalid", error=reason) if reason is not None
-                   else evaluator.evaluate(params, "trial"))
-        except KeyboardInterrupt:  # the ledger keeps the trial; a resume runs its config again
-            trial.set_user_attr("failure", "interrupted")
-            trial.set_user_attr("error", "stopped by the user (Ctrl-C)")
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            study.enqueue_trial(params, user_attrs={"source": source, "retry_of": trial.number,
-                                                    "rule": trial.user_attrs.get("rule")})
-            raise
-        constraint = _constraint(out)
-        try:
-            _record(study, trial, params, out, constraint)
-            trial.set_constraint("infeasible", constraint)
-            study.tell(trial, out.value if out.value is not None else 0.0)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            # NOTE: should two workers ever pop one queued trial (a database whose transactions
-            # are not serialized; SQLite's are, _serialize_sqlite), the other told it first and
-            # the ledger holds its measurement: this one is dropped
+        out = _measure(study, trial, params, source, space, evaluator, fixed or {})
+        if out is None:  # see the NOTE in _measure
             emit("lost", {"number": trial.number})
             continue
         best = best_trial(study)
         emit("end", {"number": trial.number, "source": source, "outcome": out,
                      "best": None if best is None else (best.number, best.value)})
+
+
+def _tell_duplicate(study: Any, trial: Any, prior: Any) -> None:
+    """A config measured before: told its earlier value and constraint, not run again."""
+    trial.set_user_attr("duplicate_of", prior.number)
+    trial.set_user_attr("failure", prior.user_attrs.get("failure"))
+    trial.set_user_attr("constraint", prior.user_attrs.get("constraint", 0.0))
+    trial.set_constraint("infeasible", float(prior.user_attrs.get("constraint", 0.0)))
+    study.tell(trial, prior.value if prior.value is not None else 0.0)
+
+
+def _measure(study: Any, trial: Any, params: dict[str, Any], source: str, space: Space,
+             evaluator: Evaluator, fixed: Mapping[str, Any]) -> Outcome | None:
+    """Evaluate the trial's config (an invalid one without a server) and tell the ledger;
+    None when another worker told this trial first."""
+    optuna = _optuna()
+    reason = space.check(params, fixed)
+    try:
+        out = (Outcome(None, failure="invalid", error=reason) if reason is not None
+               else evaluator.evaluate(params, "trial"))
+    except KeyboardInterrupt:  # the ledger keeps the trial; a resume runs its config again
+        trial.set_user_attr("failure", "interrupted")
+        trial.set_user_attr("error", "stopped by the user (Ctrl-C)")
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        study.enqueue_trial(params, user_attrs={"source": source, "retry_of": trial.number,
+                                                "rule": trial.user_attrs.get("rule")})
+        raise
+    constraint = _constraint(out)
+    try:
+        _record(study, trial, params, out, constraint)
+        trial.set_constraint("infeasible", constraint)
+        study.tell(trial, out.value if out.value is not None else 0.0)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        # NOTE: should two workers ever pop one queued trial (a database whose transactions
+        # are not serialized; SQLite's are, _serialize_sqlite), the other told it first and
+        # the ledger holds its measurement: this one is dropped
+        return None
+    return out
 
 
 def _constraint(out: Outcome) -> float:
