@@ -58,13 +58,22 @@ def test_a_server_that_dies_during_the_bench_is_a_crash(tmp_path, monkeypatch):
 
     def kill_engine_when_serving() -> None:  # the bench runs, its requests held in the engine
         def procs(word: str) -> list[psutil.Process]:
-            return [p for p in psutil.Process().children(recursive=True)
-                    if word in " ".join(p.cmdline())]
+            found = []
+            for p in psutil.Process().children(recursive=True):
+                try:  # a child may exit (or be a zombie) between the listing and the read
+                    if word in " ".join(p.cmdline()):
+                        found.append(p)
+                except psutil.Error:
+                    continue
+            return found
 
         wait_until(lambda: procs(" bench ") and procs(" serve "), what="the bench running",
                    timeout_s=120)
         for child in procs(" serve ")[0].children():  # the engine (and any helper process)
-            child.kill()
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                continue
         killed.set()
 
     t = threading.Thread(target=kill_engine_when_serving, daemon=True)
