@@ -11,7 +11,7 @@
 # STAGES picks stages (default: tests moe launches w1 profile; also: tune attention). "tune"
 # first re-runs the quick MoE tune on top of the committed file's ledger (only what it lacks is
 # timed) into OUT/tune/configs and points every later stage at it (MOESERVE_MOE_CONFIG_DIR);
-# copy that file to moeserve/kernels/configs/moe/ to commit it. "attention" runs
+# copy that file to moeserve/kernels/moe/configs/ to commit it. "attention" runs
 # kernels_attention (decode at 1,024 and 2,048 rows, the prefill tile sweep). TESTS overrides
 # the GPU test files; PROFILE_BATCH the step profile's decode rows (1,024).
 set -uo pipefail
@@ -24,7 +24,7 @@ want() { [[ "$stages" == *" $1 "* ]]; }
 if want tune; then
   echo "== MoE tune $(date +%T)"
   mkdir -p "$out/tune/configs"
-  cp moeserve/kernels/configs/moe/*.json "$out/tune/configs/"
+  cp moeserve/kernels/moe/configs/*.json "$out/tune/configs/"
   timeout 240 "$py" -m benchmarks.kernels_moe --out "$out/tune" --tune --tune-only \
     --time-budget 200 > "$out/tune.log" 2>&1
   echo "rc=$?"; grep "best" "$out/tune.log" | cut -c1-200; pack

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from benchmarks.w1_offline import environment
-from moeserve.kernels.attention_metadata import AttentionMetadata, build_attention_metadata
-from moeserve.kernels.paged_attention import paged_attention_ref
-from moeserve.kernels.paged_attention_triton import (
+from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from moeserve.kernels.attention.paged import paged_attention_ref
+from moeserve.kernels.attention.paged_triton import (
     TileConfig,
     decode_num_splits,
     default_config,

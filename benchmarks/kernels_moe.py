@@ -21,7 +21,7 @@ not timed.
 --tune first runs the engine's tune (`moe_tune.tune_for_engine`: the quick grid at 1, 2, 4,
 ..., 8192 tokens, capped by --max-batched-tokens; grouped_mm timed at each with the same timer;
 resumable: rerun after a kill) into DIR/configs/<name>.json, named for
-moeserve/kernels/configs/moe/ (copy it there to commit it), and points the lookup at it.
+moeserve/kernels/moe/configs/ (copy it there to commit it), and points the lookup at it.
 --time-budget bounds it (a rerun resumes). --tune-only skips the layer benchmark.
 
     python -m benchmarks.kernels_moe --out DIR [--tune | --tune-full] [--time-budget S]
@@ -40,16 +40,19 @@ import time
 from collections.abc import Callable
 
 import torch
+from moeserve.kernels.routing.select_triton import MAX_EXPERTS, select_experts_triton
 
 from benchmarks.w1_offline import environment
-from moeserve.kernels import moe_configs, moe_search, moe_timer, moe_tune
-from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
-from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
-from moeserve.kernels.moe_measured import moe_measured
-from moeserve.kernels.moe_ref import moe_loop_ref
-from moeserve.kernels.moe_triton import moe_triton
-from moeserve.kernels.routing import select_experts
-from moeserve.kernels.routing_triton import MAX_EXPERTS, select_experts_triton
+from moeserve.kernels.moe import search as moe_search
+from moeserve.kernels.moe import tile_configs as moe_configs
+from moeserve.kernels.moe import timer as moe_timer
+from moeserve.kernels.moe import tune as moe_tune
+from moeserve.kernels.moe.align import moe_align_block_size, moe_align_block_size_triton
+from moeserve.kernels.moe.fused_triton import moe_triton
+from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe.measured import moe_measured
+from moeserve.kernels.moe.ref import moe_loop_ref
+from moeserve.kernels.routing.select import select_experts
 from moeserve.presets import load_preset
 
 COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # H200, measured (ANCHORS.md)

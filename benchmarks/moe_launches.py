@@ -3,7 +3,7 @@
 `moe_triton` runs `_fused_moe_kernel` twice with one BLOCK_M: the gated launch (x @ w13,
 SiLU-mul; N = I, two accumulators) and the down launch (act @ w2, weighted; N = H, one
 accumulator). Their best tiles may differ (the gated one holds twice the accumulator), which a
-config's "down" tiles allow (kernels/moe_configs.py) and the tuner now searches. For each
+config's "down" tiles allow (kernels/moe/tile_configs.py) and the tuner now searches. For each
 token count and BLOCK_M this times, inside CUDA graphs: the align, each launch under every
 candidate (BLOCK_N, BLOCK_K, num_warps, num_stages), and the reduce over k; then it sets the
 committed config's total beside the best split total. Dummy routing (random logits, top-k).
@@ -24,11 +24,11 @@ import torch
 
 from benchmarks.kernels_moe import expert_shape, router_logits
 from benchmarks.w1_offline import environment
-from moeserve.kernels.moe_align import moe_align_block_size_triton
-from moeserve.kernels.moe_configs import get_moe_config, tile_config
-from moeserve.kernels.moe_timer import time_in_graph
-from moeserve.kernels.moe_triton import _launch
-from moeserve.kernels.routing import select_experts
+from moeserve.kernels.moe.align import moe_align_block_size_triton
+from moeserve.kernels.moe.fused_triton import _launch
+from moeserve.kernels.moe.tile_configs import get_moe_config, tile_config
+from moeserve.kernels.moe.timer import time_in_graph
+from moeserve.kernels.routing.select import select_experts
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 CANDIDATES = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3),

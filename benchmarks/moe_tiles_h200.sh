@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tune a preset's fused-MoE tiles on the H200 and bring the file back to commit under
-# moeserve/kernels/configs/moe/ (so that no fresh GPU machine spends its start-up tuning them):
+# moeserve/kernels/moe/configs/ (so that no fresh GPU machine spends its start-up tuning them):
 # one engine start with the start-up tune's budget, the tuned file written to $OUT/moe_configs.
 #   bash benchmarks/moe_tiles_h200.sh PRESET [BUDGET_SECONDS=400]
 set -uo pipefail

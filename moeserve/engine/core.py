@@ -35,7 +35,7 @@ from moeserve.config import (
 )
 from moeserve.engine.validate import validate_request
 from moeserve.gc_tuning import freeze_heap
-from moeserve.kernels.moe_configs import tile_device_name
+from moeserve.kernels.moe.tile_configs import tile_device_name
 from moeserve.kernels.registry import TILED_MOE_BACKENDS
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.kv_cache import allocate_kv_caches, plan_memory
@@ -137,8 +137,8 @@ class EngineCore:
                     "size, no tuned file read)")
         if device.type != "cuda":
             return ""
-        from moeserve.kernels.moe_configs import find_tuned
-        from moeserve.kernels.moe_tune import ensure_tuned
+        from moeserve.kernels.moe.tile_configs import find_tuned
+        from moeserve.kernels.moe.tune import ensure_tuned
 
         shape = (mc.num_experts, mc.hidden_size, mc.moe_intermediate_size)
         if self.cfg.moe_tune_budget_s == 0:
@@ -252,7 +252,7 @@ def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
     _s.., then +down_N.. when the down launch has its own tiles)."""
     if cfg.moe_backend not in TILED_MOE_BACKENDS or not mc.num_experts:
         return {}
-    from moeserve.kernels.moe_configs import config_key, get_moe_config
+    from moeserve.kernels.moe.tile_configs import config_key, get_moe_config
 
     sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
     choices = {n: get_moe_config(mc.num_experts, mc.hidden_size, mc.moe_intermediate_size,
@@ -270,7 +270,7 @@ def _moe_token_counts(cfg: EngineConfig, mc: ModelConfig) -> list[int]:
     """The token counts whose MoE kernels the warm-up compiles: those the tune covers."""
     if not mc.num_experts:
         return []
-    from moeserve.kernels.moe_configs import engine_token_counts
+    from moeserve.kernels.moe.tile_configs import engine_token_counts
 
     return engine_token_counts(cfg.scheduler.max_num_batched_tokens)
 

@@ -21,14 +21,14 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from moeserve.kernels.attention_metadata import AttentionMetadata
-from moeserve.kernels.moe_configs import check_tile_source
-from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
-from moeserve.kernels.moe_measured import moe_measured
-from moeserve.kernels.moe_ref import moe_loop_ref
-from moeserve.kernels.moe_triton import moe_triton
-from moeserve.kernels.paged_attention import paged_attention_ref
-from moeserve.kernels.paged_attention_triton import paged_attention_triton
+from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.attention.paged import paged_attention_ref
+from moeserve.kernels.attention.paged_triton import paged_attention_triton
+from moeserve.kernels.moe.fused_triton import moe_triton
+from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe.measured import moe_measured
+from moeserve.kernels.moe.ref import moe_loop_ref
+from moeserve.kernels.moe.tile_configs import check_tile_source
 
 
 class MoeFn(Protocol):

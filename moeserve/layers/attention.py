@@ -7,8 +7,8 @@ One forward, for the T tokens of a step (prefill chunks and decodes mixed):
       -> write_kv(k, v) into self.kv_cache at meta.slot_mapping
       -> attention_backend(q, kv_cache, meta, scale) [T, H, D] --o_proj--> [T, hidden]
 
-On CUDA the three middle steps are one Triton launch (kernels/qk_rope_kv_triton.py: it reads
-each token's qkv row once and writes q [T, H, D] and the token's K/V slot; five launches fewer
+On CUDA the three middle steps are one Triton launch (kernels/attention/qk_rope_kv_triton.py: it
+reads each token's qkv row once and writes q [T, H, D] and the token's K/V slot; five launches fewer
 per layer and step); elsewhere the torch ops run one by one (bit for bit HF's).
 
 `self.kv_cache` is [2, num_blocks, block_size, KVH, D], bound by the runner
@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.kernels.attention_metadata import AttentionMetadata
-from moeserve.kernels.paged_attention import write_kv
-from moeserve.kernels.qk_rope_kv_triton import qk_rope_kv_triton, split_qkv
+from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.attention.paged import write_kv
+from moeserve.kernels.attention.qk_rope_kv_triton import qk_rope_kv_triton, split_qkv
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rope import RotaryEmbedding
 

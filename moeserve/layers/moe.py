@@ -14,8 +14,8 @@ Expert load: when the runner binds `expert_counts` (a row [E] int64 of its per-l
 every forward adds the tokens routed to each expert, on the device, with no host sync. A CUDA
 graph's padding rows are left out through `count_mask` ([T] int64, 1 = a real token).
 
-On CUDA the routing and the count run as one Triton kernel (kernels/routing_triton.py; the same
-ops up to a few fp32 ulps and the order of exact ties); elsewhere the torch reference runs.
+On CUDA the routing and the count run as one Triton kernel (kernels/routing/select_triton.py; the
+same ops up to a few fp32 ulps and the order of exact ties); elsewhere the torch reference runs.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.kernels.routing import select_experts
-from moeserve.kernels.routing_triton import MAX_EXPERTS, select_experts_triton
+from moeserve.kernels.routing.select import select_experts
+from moeserve.kernels.routing.select_triton import MAX_EXPERTS, select_experts_triton
 
 # fn(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]
 MoeBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],

@@ -10,8 +10,8 @@ the weight, which runs in the weight's dtype (the model dtype).
 dim] parts with residual [T, dim] (a sparse MoE layer's k weighted expert rows): x.sum(1) is
 then the x added.
 
-On CUDA both run as one Triton kernel (kernels/rmsnorm_triton.py: the same ops, up to the order
-of the fp32 sum of squares); elsewhere the torch reference runs (bit for bit HF's ops).
+On CUDA both run as one Triton kernel (kernels/norm_rope/rmsnorm_triton.py: the same ops, up to the
+order of the fp32 sum of squares); elsewhere the torch reference runs (bit for bit HF's ops).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.kernels.rmsnorm_triton import rms_norm_ref, rms_norm_triton
+from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_ref, rms_norm_triton
 
 
 class RMSNorm(nn.Module):

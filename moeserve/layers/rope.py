@@ -8,9 +8,9 @@
 The cos/sin table is computed once per (head_dim, max_position, theta, device) and shared by
 every layer (48 layers must not hold 48 copies of a 131k-position table).
 
-On CUDA, q and k are rotated in one Triton launch (kernels/rope_triton.py, bit for bit the same
-ops and roundings); elsewhere the torch reference runs. The attention layer on CUDA reads only
-the tables: kernels/qk_rope_kv_triton.py fuses RoPE with the q/k norm and the KV write.
+On CUDA, q and k are rotated in one Triton launch (kernels/norm_rope/rope_triton.py, bit for bit the
+same ops and roundings); elsewhere the torch reference runs. The attention layer on CUDA reads only
+the tables: kernels/attention/qk_rope_kv_triton.py fuses RoPE with the q/k norm and the KV write.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import functools
 import torch
 from torch import nn
 
-from moeserve.kernels.rope_triton import rope_ref, rope_triton
+from moeserve.kernels.norm_rope.rope_triton import rope_ref, rope_triton
 
 
 @functools.lru_cache(maxsize=8)

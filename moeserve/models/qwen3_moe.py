@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.kernels.attention_metadata import AttentionMetadata
+from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.layers.attention import Attention, AttentionBackend
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import MoeBackend, SparseMoeBlock

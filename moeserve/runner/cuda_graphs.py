@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from moeserve.kernels.attention_metadata import AttentionMetadata
+from moeserve.kernels.attention.metadata import AttentionMetadata
 
 MAX_PADDING = 0.1  # largest share of a bucket's rows that may be padding
 ROUND_FROM = 64  # buckets above this are multiples of 8 (tile-friendly)

@@ -20,7 +20,7 @@ import torch
 
 from moeserve import envs
 from moeserve.config import EngineConfig, ModelConfig
-from moeserve.kernels.attention_metadata import build_attention_metadata, to_device
+from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_moe_backend
 from moeserve.layers.sampler import SampleLogprobs, SamplingTensors, sample
 from moeserve.models import build_model

@@ -23,7 +23,7 @@ from benchmarks.kernels_attention import (
     sweep_prefill,
     sweep_prefill_configs,
 )
-from moeserve.kernels.paged_attention_triton import TileConfig, default_config
+from moeserve.kernels.attention.paged_triton import TileConfig, default_config
 
 
 def cpu_pool(num_blocks: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve import LLM, SamplingParams
-from moeserve.kernels.routing import select_experts
+from moeserve.kernels.routing.select import select_experts
 
 
 def test_counters_equal_reference_count() -> None:

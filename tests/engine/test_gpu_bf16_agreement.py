@@ -52,7 +52,7 @@ import pytest
 import torch
 
 from moeserve.config import ModelConfig
-from moeserve.kernels.attention_metadata import build_attention_metadata
+from moeserve.kernels.attention.metadata import build_attention_metadata
 from moeserve.kernels.registry import get_attention_backend, get_moe_backend
 from moeserve.layers import norm as norm_module
 from moeserve.layers import rope as rope_module

@@ -16,7 +16,8 @@ from moeserve.cli import build_parser
 from moeserve.config import ConfigError, EngineConfig
 from moeserve.engine.args import engine_config_from_kwargs, engine_kwargs_from_args
 from moeserve.engine.core import EngineCore
-from moeserve.kernels import moe_configs, moe_tune
+from moeserve.kernels.moe import tile_configs as moe_configs
+from moeserve.kernels.moe import tune as moe_tune
 
 
 def test_moe_tiles_is_validated() -> None:

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.kernels.attention_metadata import AttentionMetadata, build_attention_metadata
-from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
-from moeserve.kernels.moe_ref import moe_loop_ref
-from moeserve.kernels.paged_attention import (
+from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from moeserve.kernels.attention.paged import (
     paged_attention_loop_ref,
     paged_attention_ref,
     write_kv,
 )
-from moeserve.kernels.routing import select_experts
+from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe.ref import moe_loop_ref
+from moeserve.kernels.routing.select import select_experts
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
-from moeserve.kernels.moe_ref import moe_dense_ref, moe_loop_ref
-from moeserve.kernels.routing import select_experts
+from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe.ref import moe_dense_ref, moe_loop_ref
+from moeserve.kernels.routing.select import select_experts
 
 HIDDEN, INTER = 32, 16
 

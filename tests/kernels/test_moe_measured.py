@@ -15,18 +15,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moeserve.kernels import moe_configs, moe_measured, moe_search, moe_tune
-from moeserve.kernels.moe_configs import (
+from moeserve.kernels.moe import measured as moe_measured
+from moeserve.kernels.moe import search as moe_search
+from moeserve.kernels.moe import tile_configs as moe_configs
+from moeserve.kernels.moe import tune as moe_tune
+from moeserve.kernels.moe.ref import moe_loop_ref
+from moeserve.kernels.moe.search import candidate_key, quick_moe_candidates, trial_key
+from moeserve.kernels.moe.tile_configs import (
     config_file_name,
     engine_token_counts,
     find_tuned,
     get_moe_config,
     nearest_token_count,
 )
-from moeserve.kernels.moe_ref import moe_loop_ref
-from moeserve.kernels.moe_search import candidate_key, quick_moe_candidates, trial_key
-from moeserve.kernels.moe_tune import ensure_tuned, tune_for_engine, tune_moe
-from moeserve.kernels.routing import select_experts
+from moeserve.kernels.moe.tune import ensure_tuned, tune_for_engine, tune_moe
+from moeserve.kernels.routing.select import select_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E, H, N, K = 8, 32, 16, 2  # tiny expert shape: experts, hidden, expert width, top-k
@@ -217,7 +220,7 @@ def test_default_tiles_leave_a_tuned_file_out(isolated_config_dirs: Path,
 
 def test_triton_with_default_tiles_launches_the_defaults(isolated_config_dirs: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from moeserve.kernels import moe_triton as triton_module
+    from moeserve.kernels.moe import fused_triton as triton_module
 
     write_tuned(isolated_config_dirs / "env", {4: dict(SMALL, BLOCK_N=32)})
     launched: list[dict] = []
@@ -521,7 +524,7 @@ def test_gpu_measured_in_a_cuda_graph_without_sync() -> None:
 def test_default_tiles_fit_shared_memory_in_every_dtype(dtype: torch.dtype,
                                                         num_tokens: int) -> None:
     """fp32 at a long prompt once asked for 240 KiB of shared memory (over the H200's 227)."""
-    from moeserve.kernels.moe_configs import SHARED_MEMORY_BUDGET, get_moe_config
+    from moeserve.kernels.moe.tile_configs import SHARED_MEMORY_BUDGET, get_moe_config
 
     c = get_moe_config(8, 64, 32, 2, dtype, num_tokens, "no such device").config
     elem = torch.empty((), dtype=dtype).element_size()

@@ -16,19 +16,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.kernels import moe_configs, moe_search, moe_timer
-from moeserve.kernels.moe_align import (
+from moeserve.kernels.moe import search as moe_search
+from moeserve.kernels.moe import tile_configs as moe_configs
+from moeserve.kernels.moe import timer as moe_timer
+from moeserve.kernels.moe.align import (
     moe_align_block_size,
     moe_align_block_size_ref,
     moe_align_block_size_triton,
     moe_align_size,
 )
-from moeserve.kernels.moe_configs import config_file_name, get_moe_config
-from moeserve.kernels.moe_ref import moe_loop_ref
-from moeserve.kernels.moe_search import candidate_key, trial_key
-from moeserve.kernels.moe_triton import moe_triton
-from moeserve.kernels.moe_tune import tune_moe
-from moeserve.kernels.routing import select_experts
+from moeserve.kernels.moe.fused_triton import moe_triton
+from moeserve.kernels.moe.ref import moe_loop_ref
+from moeserve.kernels.moe.search import candidate_key, trial_key
+from moeserve.kernels.moe.tile_configs import config_file_name, get_moe_config
+from moeserve.kernels.moe.tune import tune_moe
+from moeserve.kernels.routing.select import select_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, INTER = 32, 16
@@ -36,7 +38,7 @@ SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_sta
 
 
 def test_kernel_is_interpreted_without_a_gpu() -> None:
-    from moeserve.kernels.moe_triton import _kernel
+    from moeserve.kernels.moe.fused_triton import _kernel
 
     # triton.language binds its jit helpers at import: TRITON_INTERPRET must be set before
     interpreted = type(_kernel()).__name__ == "InterpretedFunction"
@@ -350,7 +352,7 @@ SPLIT = {**dict(SMALL, BLOCK_K=32, GROUP_M=1),
 @pytest.mark.parametrize("combine", ["sum", "atomic"])
 def test_split_config_matches_loop_ref_and_each_launch_gets_its_tiles(
         combine: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import moeserve.kernels.moe_triton as mt
+    import moeserve.kernels.moe.fused_triton as mt
 
     # H 64, I 48: the gated launch (N = I) and the down one (N = H) each span several N- and
     # K-tiles of their own sizes; expert 3 gets two row blocks, some experts none
@@ -459,9 +461,9 @@ def test_split_config_and_its_key() -> None:
 
 def test_importing_without_triton_works() -> None:
     code = ("import sys; sys.modules['triton'] = None; "  # `import triton` now fails
-            "import moeserve.kernels.moe_triton, moeserve.kernels.moe_configs, "
-            "moeserve.kernels.moe_tune, "
-            "moeserve.kernels.moe_align; print('ok')")
+            "import moeserve.kernels.moe.fused_triton, moeserve.kernels.moe.tile_configs, "
+            "moeserve.kernels.moe.tune, "
+            "moeserve.kernels.moe.align; print('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "ok", result.stderr
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.kernels.rmsnorm_triton import rms_norm_ref, rms_norm_triton
-from moeserve.kernels.rope_triton import rope_ref, rope_triton
+from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_ref, rms_norm_triton
+from moeserve.kernels.norm_rope.rope_triton import rope_ref, rope_triton
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rope import RotaryEmbedding, _cos_sin_table
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.attention_metadata import AttentionMetadata, build_attention_metadata
-from moeserve.kernels.paged_attention import (
+from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from moeserve.kernels.attention.paged import (
     paged_attention_loop_ref,
     paged_attention_ref,
     write_kv,

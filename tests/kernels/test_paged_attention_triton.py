@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.kernels.attention_metadata import (
+from moeserve.kernels.attention.metadata import (
     AttentionMetadata,
     build_attention_metadata,
 )
-from moeserve.kernels.paged_attention import (
+from moeserve.kernels.attention.paged import (
     paged_attention_loop_ref,
     paged_attention_ref,
     write_kv,
 )
-from moeserve.kernels.paged_attention_triton import (
+from moeserve.kernels.attention.paged_triton import (
     MIN_PARTITION_TOKENS,
     TileConfig,
     decode_num_splits,
@@ -222,7 +222,7 @@ def test_interpreter_works_when_triton_was_imported_first() -> None:
 
 
 def test_import_does_not_import_triton() -> None:
-    code = ("import sys, moeserve.kernels.paged_attention_triton; "
+    code = ("import sys, moeserve.kernels.attention.paged_triton; "
             "assert 'triton' not in sys.modules, 'triton imported'")
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                             text=True)

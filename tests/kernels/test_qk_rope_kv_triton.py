@@ -1,5 +1,5 @@
-"""The fused q/k norm + RoPE + K/V write (kernels/qk_rope_kv_triton.py) against the unfused
-reference (rms_norm_ref per head -> rope_ref -> write_kv into a copy of the cache), at
+"""The fused q/k norm + RoPE + K/V write (kernels/attention/qk_rope_kv_triton.py) against the
+unfused reference (rms_norm_ref per head -> rope_ref -> write_kv into a copy of the cache), at
 qwen3-30b-a3b's attention shape (32 q / 4 kv heads of 128) and an odd one (6 / 2 of 64): CPU
 through Triton's interpreter (fp32, fp16), the GPU in bf16 (with one case in a CUDA graph).
 
@@ -26,10 +26,14 @@ import pytest
 import torch
 
 from moeserve.config import ModelConfig
-from moeserve.kernels.attention_metadata import build_attention_metadata
-from moeserve.kernels.paged_attention import paged_attention_ref
-from moeserve.kernels.qk_rope_kv_triton import qk_rope_kv_ref, qk_rope_kv_triton, split_qkv
-from moeserve.kernels.rope_triton import rope_ref
+from moeserve.kernels.attention.metadata import build_attention_metadata
+from moeserve.kernels.attention.paged import paged_attention_ref
+from moeserve.kernels.attention.qk_rope_kv_triton import (
+    qk_rope_kv_ref,
+    qk_rope_kv_triton,
+    split_qkv,
+)
+from moeserve.kernels.norm_rope.rope_triton import rope_ref
 from moeserve.layers import attention as attention_module
 from moeserve.layers.attention import Attention
 from moeserve.layers.rope import _cos_sin_table

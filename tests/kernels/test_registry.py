@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
-from moeserve.kernels.moe_measured import moe_measured
-from moeserve.kernels.moe_ref import moe_loop_ref
-from moeserve.kernels.paged_attention import paged_attention_ref
+from moeserve.kernels.attention.paged import paged_attention_ref
+from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
+from moeserve.kernels.moe.measured import moe_measured
+from moeserve.kernels.moe.ref import moe_loop_ref
 from moeserve.kernels.registry import get_attention_backend, get_moe_backend
 
 
@@ -22,7 +22,7 @@ def test_known_backends() -> None:
 
 
 def test_the_tile_source_is_bound_into_the_backends_that_read_tiles() -> None:
-    from moeserve.kernels.moe_triton import moe_triton
+    from moeserve.kernels.moe.fused_triton import moe_triton
 
     assert get_moe_backend("triton", tiles="tuned") is moe_triton  # the function's own default
     assert get_moe_backend("measured", tiles="tuned") is moe_measured
@@ -44,8 +44,8 @@ def test_unknown_backend_names_the_choices() -> None:
 
 
 def test_importing_kernels_does_not_import_triton() -> None:
-    code = ("import sys, moeserve.kernels.registry, moeserve.kernels.routing, "
-            "moeserve.kernels.moe_ref; assert 'triton' not in sys.modules, 'triton imported'")
+    code = ("import sys, moeserve.kernels.registry, moeserve.kernels.routing.select, "
+            "moeserve.kernels.moe.ref; assert 'triton' not in sys.modules, 'triton imported'")
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stderr

@@ -9,7 +9,7 @@ import torch
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from moeserve.kernels.routing import select_experts
+from moeserve.kernels.routing.select import select_experts
 
 HIDDEN = 32
 
@@ -101,7 +101,7 @@ def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
 def test_grouped_matches_hf_deepseek_v3_router(num_experts: int, top_k: int, groups: int,
                                                topk_groups: int, renormalize: bool,
                                                scaling: float) -> None:
-    from moeserve.kernels.routing import select_experts_grouped
+    from moeserve.kernels.routing.select import select_experts_grouped
 
     router = hf_grouped_router(num_experts, top_k, groups, topk_groups, renormalize, scaling)
     with torch.no_grad():
@@ -123,7 +123,7 @@ def test_grouped_matches_hf_deepseek_v3_router(num_experts: int, top_k: int, gro
 
 
 def test_grouped_rows_use_at_most_topk_groups() -> None:
-    from moeserve.kernels.routing import select_experts_grouped
+    from moeserve.kernels.routing.select import select_experts_grouped
 
     logits = torch.randn(200, 64)
     _, ids = select_experts_grouped(logits, 8, num_groups=8, topk_groups=2)
@@ -132,7 +132,7 @@ def test_grouped_rows_use_at_most_topk_groups() -> None:
 
 
 def test_grouped_without_host_reads_and_bad_arguments() -> None:
-    from moeserve.kernels.routing import select_experts_grouped
+    from moeserve.kernels.routing.select import select_experts_grouped
 
     weights, ids = select_experts_grouped(torch.empty(5, 16, device="meta"), 4, num_groups=4,
                                           topk_groups=2,
@@ -154,7 +154,7 @@ def test_grouped_without_host_reads_and_bad_arguments() -> None:
 
 @pytest.mark.gpu
 def test_gpu_grouped_router_has_no_host_sync() -> None:
-    from moeserve.kernels.routing import select_experts_grouped
+    from moeserve.kernels.routing.select import select_experts_grouped
 
     logits = torch.randn(1024, 256, device="cuda")
     bias = torch.randn(256, device="cuda") * 0.1

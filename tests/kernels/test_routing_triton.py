@@ -1,13 +1,13 @@
-"""kernels/routing_triton.py against routing.select_experts and a scatter_add count; CPU runs
+"""kernels/routing/select_triton.py against routing.select_experts and a scatter_add count; CPU runs
 the kernel under Triton's interpreter (tests/conftest.py), the GPU tests in bf16 and a graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from moeserve.kernels.routing.select_triton import select_experts_triton
 
-from moeserve.kernels.routing import select_experts
-from moeserve.kernels.routing_triton import select_experts_triton
+from moeserve.kernels.routing.select import select_experts
 
 DEVICE = "cpu"
 

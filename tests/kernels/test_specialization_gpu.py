@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.kernels import moe_align, moe_triton, paged_attention_triton, rmsnorm_triton
-from moeserve.kernels.moe_triton import moe_triton as run_moe
-from moeserve.kernels.paged_attention_triton import paged_attention_triton as run_attention
-from moeserve.kernels.rmsnorm_triton import rms_norm_triton
+from moeserve.kernels.attention import paged_triton as paged_attention_triton
+from moeserve.kernels.attention.paged_triton import paged_attention_triton as run_attention
+from moeserve.kernels.moe import align as moe_align
+from moeserve.kernels.moe import fused_triton as moe_triton
+from moeserve.kernels.moe.fused_triton import moe_triton as run_moe
+from moeserve.kernels.norm_rope import rmsnorm_triton
+from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_triton
 from tests.kernels.test_paged_attention_triton import gpu_step
 
 pytestmark = pytest.mark.gpu
@@ -88,7 +91,7 @@ def test_rms_norm_compiles_once_across_row_counts() -> None:
 
 
 def test_routing_compiles_once_across_token_counts() -> None:
-    from moeserve.kernels import routing_triton
+    from moeserve.kernels.routing.select import select_triton as routing_triton
 
     counts = torch.zeros(128, dtype=torch.int64, device="cuda")
     seen = []
@@ -114,7 +117,7 @@ def test_split_decode_compiles_once_across_split_counts() -> None:
 
 def test_qk_rope_kv_compiles_once_across_token_counts() -> None:
     """Positions and slots sliced at any offset of a packed buffer (as the runner's may be)."""
-    from moeserve.kernels import qk_rope_kv_triton
+    from moeserve.kernels.attention import qk_rope_kv_triton
     from moeserve.layers.rope import _cos_sin_table
 
     heads, kv_heads, head_dim = 32, 4, 128

@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from moeserve.config import ModelConfig
-from moeserve.kernels.attention_metadata import build_attention_metadata
+from moeserve.kernels.attention.metadata import build_attention_metadata
 from moeserve.models import build_model
 from moeserve.models.qwen3_moe import CausalLM
 from moeserve.runner.weight_loader import load_weights

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moeserve.config import ModelConfig
-from moeserve.kernels.attention_metadata import build_attention_metadata
-from moeserve.kernels.routing import select_experts
+from moeserve.kernels.attention.metadata import build_attention_metadata
+from moeserve.kernels.routing.select import select_experts
 from moeserve.models import build_model
 from moeserve.models.qwen3_moe import CausalLM
 from moeserve.runner.weight_loader import (

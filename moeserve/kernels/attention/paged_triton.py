@@ -1,6 +1,6 @@
 """Paged attention, Triton path: GQA decode (split-K for long contexts) and prefill kernels.
 
-Same contract as `paged_attention_ref` (kernels/paged_attention.py): causal attention of each
+Same contract as `paged_attention_ref` (kernels/attention/paged.py): causal attention of each
 row's new tokens over its whole paged context; the step's own K/V are already in the cache.
 Registered as the "triton" attention backend. Triton is imported and the kernels jitted on first
 use (`_kernels`), so importing this module needs no triton. On CPU they run in Triton's
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeserve.kernels.attention_metadata import AttentionMetadata, to_device
+from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
 from moeserve.kernels.triton_common import next_pow2
 
 SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64, 128)

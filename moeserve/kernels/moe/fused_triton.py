@@ -59,8 +59,8 @@ from typing import Any
 
 import torch
 
-from moeserve.kernels.moe_align import moe_align_block_size, moe_align_block_size_triton
-from moeserve.kernels.moe_configs import (
+from moeserve.kernels.moe.align import moe_align_block_size, moe_align_block_size_triton
+from moeserve.kernels.moe.tile_configs import (
     check_config,
     check_tile_source,
     down_tiles,

@@ -44,19 +44,8 @@ from typing import NamedTuple
 
 import torch
 
-from moeserve.kernels import moe_configs
-from moeserve.kernels.moe_configs import (
-    MAX_TUNE_TOKENS,
-    clear_caches,
-    config_file_name,
-    config_key,
-    engine_token_counts,
-    find_tuned,
-    parse_entry,
-    triton_version,
-    tune_dir,
-)
-from moeserve.kernels.moe_search import (
+from moeserve.kernels.moe import tile_configs as moe_configs
+from moeserve.kernels.moe.search import (
     NO_OPTIONS,
     SearchOptions,
     best_split,
@@ -69,7 +58,18 @@ from moeserve.kernels.moe_search import (
     tiles_by_block_m,
     trial_key,
 )
-from moeserve.kernels.moe_timer import PARTS, CudaPartTimer
+from moeserve.kernels.moe.tile_configs import (
+    MAX_TUNE_TOKENS,
+    clear_caches,
+    config_file_name,
+    config_key,
+    engine_token_counts,
+    find_tuned,
+    parse_entry,
+    triton_version,
+    tune_dir,
+)
+from moeserve.kernels.moe.timer import PARTS, CudaPartTimer
 
 DEFAULT_TUNE_BUDGET_S = 240.0  # ensure_tuned's default time budget
 

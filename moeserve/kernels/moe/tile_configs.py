@@ -29,7 +29,7 @@ whole-op times, which are kept but not reused). Entries are validated on load
 (`parse_entry`), so a bad file fails at start-up naming the file and token count.
 
 `get_moe_config` looks in $MOESERVE_MOE_CONFIG_DIR (if set), then in the package's
-`kernels/configs/moe/` (committed tunes), then in the user cache (`tune_dir()`, where a tune at
+`kernels/moe/configs/` (committed tunes), then in the user cache (`tune_dir()`, where a tune at
 start-up writes), takes the entry whose token count is nearest (ties: the smaller), and else
 falls back to in-code defaults chosen by tokens per expert (fitted to shared memory for the
 dtype); the result says which (for the capacity report) and which backend the tune measured
@@ -62,7 +62,7 @@ DOWN_KEYS = CONFIG_KEYS[1:]  # an optional "down" entry: the down launch's own t
 # the gated launch's only (the down launch has one weight tile); the others may be in both.
 OPTION_KEYS = {"ONE_DOT": (1, "1dot"), "PERSISTENT": (8, "p"), "SUB_M": (1, "sub")}
 DOWN_OPTION_KEYS = ("PERSISTENT", "SUB_M")
-PACKAGE_CONFIG_DIR = Path(__file__).parent / "configs" / "moe"
+PACKAGE_CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_DIR_ENV = envs.MOE_CONFIG_DIR
 BACKENDS = ("triton", "grouped_mm")  # what a tuned entry's "backend" may name
 TILE_SOURCES = ("tuned", "default")  # where get_moe_config takes the tiles from

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.attention_metadata import AttentionMetadata, to_device
+from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -18,8 +18,8 @@ import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from moeserve.kernels.moe_configs import CONFIG_KEYS, config_key, split_config, tile_config
-from moeserve.kernels.moe_timer import PARTS
+from moeserve.kernels.moe.tile_configs import CONFIG_KEYS, config_key, split_config, tile_config
+from moeserve.kernels.moe.timer import PARTS
 
 
 def moe_tune_candidates(num_experts: int, top_k: int, num_tokens: int) -> list[dict[str, int]]:

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.kernels import moe_configs
-from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
-from moeserve.kernels.moe_triton import moe_triton
+from moeserve.kernels.moe import tile_configs as moe_configs
+from moeserve.kernels.moe.fused_triton import moe_triton
+from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
 
 # (device, dtype, E, H, I, top_k, tiles) -> {num_tokens: (backend, tile config)}
 _PLANS: dict[tuple, dict[int, tuple[str, dict[str, int]]]] = {}

@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-from moeserve.kernels.paged_attention import write_kv
-from moeserve.kernels.rmsnorm_triton import rms_norm_ref
-from moeserve.kernels.rope_triton import rope_ref
+from moeserve.kernels.attention.paged import write_kv
+from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_ref
+from moeserve.kernels.norm_rope.rope_triton import rope_ref
 from moeserve.kernels.triton_common import next_pow2, require_triton_device
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a global

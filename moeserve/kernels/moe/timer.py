@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from moeserve.kernels.moe_configs import down_tiles
+from moeserve.kernels.moe.tile_configs import down_tiles
 
 PARTS = ("align", "gated", "down", "moe")  # what one timing measures (moe_tune's Timer)
 
@@ -75,7 +75,7 @@ class CudaPartTimer:
         act [T*k, I] (random: the down launch's input) and out [T*k, H]; kept for one token
         count."""
         if num_tokens not in self._inputs:
-            from moeserve.kernels.routing import select_experts
+            from moeserve.kernels.routing.select import select_experts
 
             self._inputs.clear()
             self._aligned.clear()
@@ -91,8 +91,8 @@ class CudaPartTimer:
         return self._inputs[num_tokens]
 
     def __call__(self, part: str, config: dict, num_tokens: int) -> float:
-        from moeserve.kernels.moe_align import moe_align_block_size_triton
-        from moeserve.kernels.moe_triton import _launch, moe_triton
+        from moeserve.kernels.moe.align import moe_align_block_size_triton
+        from moeserve.kernels.moe.fused_triton import _launch, moe_triton
 
         x, weights, ids, act, out = self.inputs(num_tokens)
         num_experts = self.w13.shape[0]
@@ -120,7 +120,7 @@ class CudaPartTimer:
         return time_in_graph(fn, self.CALLS, self.REPLAYS)
 
     def grouped_mm(self, num_tokens: int) -> float:
-        from moeserve.kernels.moe_grouped_mm import moe_grouped_mm
+        from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
 
         x, weights, ids, _, _ = self.inputs(num_tokens)
         return time_in_graph(lambda: moe_grouped_mm(x, self.w13, self.w2, weights, ids),
