@@ -16,33 +16,98 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM")
-
-# HF config fields that do not change inference (training knobs, bookkeeping).
-_INERT_FIELDS = {
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "initializer_range", "use_cache", "output_router_logits", "router_aux_loss_coef",
-    "attention_dropout", "pad_token_id", "router_jitter_noise", "_name_or_path",
-    "max_window_layers", "use_sliding_window", "sliding_window", "layer_types", "rope_scaling",
-    "rope_parameters", "rope_theta", "attention_bias", "hidden_act", "bos_token_id",
-    "eos_token_id", "tie_word_embeddings", "max_position_embeddings", "rms_norm_eps",
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "intermediate_size",
-}
-_MOE_FIELDS = {"num_experts", "num_local_experts", "num_experts_per_tok"}
-_QWEN3_MOE_FIELDS = {"moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
-                     "norm_topk_prob"}
-# moeserve's own preset fields (ignored by transformers).
-_PRESET_FIELDS = {"moeserve_tokenizer", "moeserve_description"}
-_KNOWN_FIELDS = {
-    "Qwen3ForCausalLM": _INERT_FIELDS,
-    "Qwen3MoeForCausalLM": _INERT_FIELDS | _MOE_FIELDS | _QWEN3_MOE_FIELDS,
-    "MixtralForCausalLM": _INERT_FIELDS | _MOE_FIELDS,
-}
+SUPPORTED_ARCHITECTURES = (
+    "Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+)
 
 
 class ConfigError(ValueError):
     """A config (checkpoint or engine) that moeserve cannot serve correctly."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary position embedding: which dims of a head rotate, in which layout, at which
+    frequencies (transformers' default and YaRN inits)."""
+
+    theta: float = 10000.0
+    rotary_dim: int = 0
+    """Dims of each head that rotate (the first ones; partial rotary when < the head's)."""
+    interleaved: bool = False
+    """Pairs (2i, 2i + 1) rotate together (DeepSeek, GLM MLA); else the halves (neox)."""
+    rope_type: str = "default"
+    """"default" or "yarn"."""
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    """YaRN: also scales the softmax (DeepSeek's mscale correction) when non-zero."""
+    attention_factor: float | None = None
+    """YaRN: the cos/sin multiplier; None = derived from factor and the mscales."""
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "yarn"):
+            raise ConfigError(f"rope type {self.rope_type!r} is not implemented")
+        if self.rope_type == "yarn" and self.original_max_position_embeddings < 1:
+            raise ConfigError("yarn rope needs original_max_position_embeddings >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention: K and V of every head are up-projected from one
+    shared latent (kv_lora_rank) per token, cached with the token's rotary key part."""
+
+    q_lora_rank: int | None
+    """None: q_proj straight from the hidden state; else q_a_proj -> norm -> q_b_proj."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """How router logits become each token's experts and weights."""
+
+    scoring: str = "softmax"
+    """"softmax" (Qwen3-MoE, Mixtral, DeepSeek-V2) or "sigmoid" (DeepSeek-V3, GLM)."""
+    topk_method: str = "greedy"
+    """"greedy"; "group_limited_greedy" (V2: groups scored by their best expert);
+    "noaux_tc" (V3, GLM: the correction bias steers the choice, groups scored by the sum of
+    their two best)."""
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    logits_fp32: bool = False
+    """The router's linear in fp32 (DeepSeek, GLM), not the activation dtype."""
+
+    def __post_init__(self) -> None:
+        ok = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
+        if self.topk_method not in ok.get(self.scoring, ()):
+            raise ConfigError(f"router scoring {self.scoring!r} with topk_method "
+                              f"{self.topk_method!r} is not implemented")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"topk_group {self.topk_group} must be in 1..n_group "
+                              f"{self.n_group}")
+
+    @property
+    def correction_bias(self) -> bool:
+        """Whether the router has an e_score_correction_bias [E] (loaded with the weights)."""
+        return self.topk_method == "noaux_tc"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +133,18 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     qk_norm: bool = False
     """Qwen3's RMSNorm on each head of q and k before RoPE."""
+    qkv_bias: bool = False
+    """Biases on q, k and v (GLM-4.5's attention_bias)."""
+    mla: MlaConfig | None = None
+    """Multi-head latent attention (DeepSeek, GLM-4.7-Flash); None: GQA."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared experts' one MLP beside the routed ones (0: none)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers the checkpoint carries after the decoder layers (kept
+    aside for speculative decoding; not run)."""
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    rope: RopeConfig = field(default_factory=RopeConfig)
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -88,6 +163,20 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
                               f"[1, {self.num_experts}]")
+        if self.num_experts and self.num_experts % self.router.n_group:
+            raise ConfigError(f"n_group {self.router.n_group} must divide the "
+                              f"{self.num_experts} experts")
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the MLA rope part, or the GQA head's share)."""
+        if self.rope.rotary_dim:
+            return self.rope.rotary_dim
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Qwen3-MoE's rule; Mixtral has every layer sparse (decoder_sparse_step 1)."""
@@ -96,68 +185,48 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token_per_layer_elem(self) -> int:
-        """K and V elements per token per layer."""
+        """Cached elements per token per layer: K and V of each KV head (GQA), or the latent
+        and the rotary key (MLA)."""
+        if self.mla is not None:
+            return self.mla.latent_dim
         return 2 * self.num_kv_heads * self.head_dim
 
+    def attention_params(self) -> int:
+        """One layer's attention weights."""
+        h, d, heads = self.hidden_size, self.head_dim, self.num_heads
+        m = self.mla
+        if m is None:
+            bias = (heads + 2 * self.num_kv_heads) * d if self.qkv_bias else 0
+            return (h * d * (heads * 2 + self.num_kv_heads * 2) + bias
+                    + (2 * d if self.qk_norm else 0))
+        q = (h * heads * m.qk_head_dim if m.q_lora_rank is None else
+             h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim)
+        kv = (h * m.latent_dim + m.kv_lora_rank
+              + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim))
+        return q + kv + heads * m.v_head_dim * h
+
     def num_params(self) -> int:
-        """Parameter count, from the shapes alone."""
-        h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2) + (2 * d if self.qk_norm else 0)
+        """Parameter count of the served model, from the shapes alone (MTP layers excluded)."""
+        h = self.hidden_size
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
         for i in range(self.num_layers):
             if self.is_moe_layer(i):
-                mlp = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
+                mlp = (self.num_experts * (3 * h * self.moe_intermediate_size + h)
+                       + 3 * h * self.shared_expert_intermediate_size)
+                if self.router.correction_bias:
+                    mlp += self.num_experts
             else:
                 mlp = 3 * h * self.intermediate_size
-            total += attn + mlp + 2 * h
+            total += self.attention_params() + mlp + 2 * h
         return total
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from a config.json dict; raise ConfigError naming any field we cannot serve."""
-        archs = hf.get("architectures") or []
-        if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(f"unknown architecture {archs!r}; "
-                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        arch = archs[0]
-        unknown = sorted(set(hf) - _KNOWN_FIELDS[arch] - _PRESET_FIELDS)
-        if unknown:
-            raise ConfigError(f"config field(s) not implemented for {arch}: {', '.join(unknown)}")
-        _check_unsupported_values(hf)
-        num_heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-        common = {
-            "architecture": arch,
-            "vocab_size": hf["vocab_size"],
-            "hidden_size": hf["hidden_size"],
-            "num_layers": hf["num_hidden_layers"],
-            "num_heads": num_heads,
-            "num_kv_heads": hf.get("num_key_value_heads") or num_heads,
-            "head_dim": hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            "intermediate_size": hf["intermediate_size"],
-            "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
-            "rope_theta": _rope_theta(hf),
-            "max_position_embeddings": hf.get("max_position_embeddings", 32768),
-            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "bos_token_id": hf.get("bos_token_id"),
-            "eos_token_ids": eos_ids,
-            "checkpoint_dtype": str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"),
-            "tokenizer": hf.get("moeserve_tokenizer"),
-        }
-        num_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
-        if arch == "Qwen3ForCausalLM":
-            return cls(**common, qk_norm=True)
-        if arch == "Qwen3MoeForCausalLM":
-            return cls(**common, qk_norm=True, num_experts=num_experts,
-                       num_experts_per_tok=hf["num_experts_per_tok"],
-                       moe_intermediate_size=hf["moe_intermediate_size"],
-                       norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                       decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-                       mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
-        return cls(**common, num_experts=num_experts,  # Mixtral: every layer sparse
-                   num_experts_per_tok=hf["num_experts_per_tok"],
-                   moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+        """Build from a config.json dict (moeserve/hf_config/: one parser per family); raise
+        ConfigError naming any field we cannot serve."""
+        from moeserve.hf_config import parse
+
+        return parse(hf)
 
     @classmethod
     def from_file(cls, path: str) -> ModelConfig:
@@ -167,32 +236,6 @@ class ModelConfig:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path} is not valid JSON: {e}") from e
         return cls.from_hf(hf)
-
-
-def _rope_theta(hf: dict[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def _check_unsupported_values(hf: dict[str, Any]) -> None:
-    """Fields we accept only at the value that does not change the maths we implement."""
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = hf.get(key)
-        if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ConfigError(f"{key} type {rope.get('rope_type', rope.get('type'))!r} "
-                              "is not implemented (only default RoPE)")
-        extra = set(rope or ()) - {"rope_type", "type", "rope_theta"}
-        if extra:
-            raise ConfigError(f"{key} field(s) not implemented: {', '.join(sorted(extra))}")
-    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
-        raise ConfigError(f"sliding_window={hf['sliding_window']} is not implemented")
-    if any(t != "full_attention" for t in hf.get("layer_types") or ()):
-        raise ConfigError(f"layer_types other than full_attention are not implemented: "
-                          f"{sorted(set(hf['layer_types']))}")
-    if hf.get("attention_bias"):
-        raise ConfigError("attention_bias=true is not implemented")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not implemented (only silu)")
 
 
 @dataclass(frozen=True, slots=True)

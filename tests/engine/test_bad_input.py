@@ -108,7 +108,9 @@ def test_unknown_engine_argument() -> None:
 @pytest.mark.parametrize("edit,needle", [
     ({"architectures": ["LlamaForCausalLM"]}, "unknown architecture"),
     ({"some_new_field": 1}, "some_new_field"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "longrope"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization"),
     ({"sliding_window": 4096, "use_sliding_window": True}, "sliding_window"),
 ])
 def test_config_we_cannot_serve(tmp_path: os.PathLike, edit: dict, needle: str) -> None:

@@ -22,6 +22,8 @@ thousands of decode rows to its length. Neither group syncs with the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -72,26 +74,41 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     NOTE: not CUDA-graph capturable: the padded shapes come from host lengths every step.
     """
     assert meta.block_size == kv_cache.shape[2], (meta.block_size, kv_cache.shape)
+    return attend_in_groups(q, kv_cache, meta, scale, _attend, q.shape[-1])
+
+
+# attend(q_pad [B, Q, H, Dq], cache, block_tables [B, max_blocks], seq_lens [B], start [B],
+#        max_seq_len, scale) -> [B, Q, H, Dout]: one padded group of rows
+PaddedAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                         int, float], torch.Tensor]
+
+
+def attend_in_groups(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, attend: PaddedAttend, out_dim: int) -> torch.Tensor:
+    """Run `attend` over the decode rows and the other rows of the step as two padded groups
+    (chosen on the host), or over all rows at once when every row is a decode; returns
+    [T, H, out_dim] in q's dtype. Shared by the GQA and MLA references."""
     if q.shape[0] == 0:
-        return torch.empty_like(q)
+        return q.new_empty(0, q.shape[1], out_dim)
     query_lens = meta.query_lens_np  # [B]
     is_decode = query_lens == 1
     if bool(is_decode.all()):  # pure decode: every index is already on the device
         start = meta.seq_lens.long() - 1  # [B] position of each row's one query
-        out = _attend(q[:, None], kv_cache, meta.block_tables, meta.seq_lens.long(), start,
-                      meta.max_seq_len, scale)  # [B, 1, H, D]
+        out = attend(q[:, None], cache, meta.block_tables, meta.seq_lens.long(), start,
+                     meta.max_seq_len, scale)  # [B, 1, H, out_dim]
         return out[:, 0]
-    out = torch.empty_like(q)  # [T, H, D]
+    out = q.new_empty(q.shape[0], q.shape[1], out_dim)  # [T, H, out_dim]
     cu = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=cu[1:])
     for rows in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
         if len(rows):
-            _attend_rows(q, kv_cache, meta, cu, rows, scale, out)
+            _attend_rows(q, cache, meta, cu, rows, scale, out, attend)
     return out
 
 
 def _attend_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                 cu: np.ndarray, rows: np.ndarray, scale: float, out: torch.Tensor) -> None:
+                 cu: np.ndarray, rows: np.ndarray, scale: float, out: torch.Tensor,
+                 attend: PaddedAttend) -> None:
     """Attend the tokens of `rows` (host indices) as one padded batch; write them into `out`."""
     q_lens = meta.query_lens_np[rows]  # [n]
     seq_lens = meta.seq_lens_np[rows]  # [n]
@@ -113,8 +130,8 @@ def _attend_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
     else:
         q_pad = q.new_zeros(num_rows, q_max, *q.shape[1:])  # [n, Qmax, H, D]
         q_pad[row_t, off_t] = q[tok_t]
-    o = _attend(q_pad, kv_cache, meta.block_tables[rows_t], seq_t, start_t, int(seq_lens.max()),
-                scale)  # [n, Qmax, H, D]
+    o = attend(q_pad, kv_cache, meta.block_tables[rows_t], seq_t, start_t, int(seq_lens.max()),
+               scale)  # [n, Qmax, H, Dout]
     out.index_copy_(0, tok_t, o[row_t, off_t])
 
 
@@ -133,23 +150,32 @@ def _attend(q_pad: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         [B, Q, H, D]. Padded query slots hold finite values that callers drop.
     """
     _, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-    device = q_pad.device
-    key_pos = torch.arange(max_seq_len, device=device)  # [L]
-    # padding keys read the row's last written slot: finite values, masked out below
-    pos = torch.minimum(key_pos[None, :], seq_lens[:, None] - 1)  # [B, L]
-    blocks = block_tables.gather(1, pos // block_size).long()  # [B, L]
-    slots = blocks * block_size + pos % block_size  # [B, L]
+    slots, mask = context_slots(block_tables, seq_lens, start, max_seq_len, block_size,
+                                q_pad.shape[1])
     # NOTE: two plain gathers; one kv_cache.view(2, ...)[:, slots] ran 3x slower on an H200
     k = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots]  # [B, L, KVH, D]
     v = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots]  # [B, L, KVH, D]
-
-    q_pos = start[:, None] + torch.arange(q_pad.shape[1], device=device)  # [B, Q]
-    mask = ((key_pos[None, None, :] <= q_pos[:, :, None])
-            & (key_pos[None, None, :] < seq_lens[:, None, None]))  # [B, Q, L]
     o = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, heads, len, D]
         attn_mask=mask[:, None], scale=scale, enable_gqa=True)  # [B, H, Q, D]
     return o.transpose(1, 2)
+
+
+def context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, start: torch.Tensor,
+                  max_seq_len: int, block_size: int,
+                  num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slot of every context position of each row, padded to max_seq_len (padding
+    reads the row's last written slot: finite values), and the causal mask [B, Q, L] of query i
+    at position start[b] + i."""
+    device = block_tables.device
+    key_pos = torch.arange(max_seq_len, device=device)  # [L]
+    pos = torch.minimum(key_pos[None, :], seq_lens[:, None] - 1)  # [B, L]
+    blocks = block_tables.gather(1, pos // block_size).long()  # [B, L]
+    slots = blocks * block_size + pos % block_size  # [B, L]
+    q_pos = start[:, None] + torch.arange(num_queries, device=device)  # [B, Q]
+    mask = ((key_pos[None, None, :] <= q_pos[:, :, None])
+            & (key_pos[None, None, :] < seq_lens[:, None, None]))  # [B, Q, L]
+    return slots, mask
 
 
 def paged_attention_loop_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

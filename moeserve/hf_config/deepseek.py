@@ -1,0 +1,85 @@
+"""DeepSeek-V2 / V2-Lite, DeepSeek-V3 / R1, Moonlight and Kimi K2 config.json -> ModelConfig.
+
+Kimi K2's published config says `model_type: kimi_k2` with `DeepseekV3ForCausalLM`: the same
+model, parsed here. Published configs carry fields transformers never writes (`scoring_func`,
+`topk_method`, `moe_layer_freq`, `ep_size`, `aux_loss_alpha`, `seq_aux`, ...): each is honoured,
+checked against the one value we implement, or inert (`INERT` below, with the reason).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeserve.config import ConfigError, MlaConfig, ModelConfig, RouterConfig
+from moeserve.hf_config import fields
+
+# Published-config fields with no effect on inference: the auxiliary-loss knobs of training
+# and the expert-parallel size the original remote code was launched with.
+INERT = {"aux_loss_alpha", "seq_aux", "ep_size"}
+_MLA = {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "qk_head_dim", "attention_bias"}
+_MOE = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+        "first_k_dense_replace", "moe_layer_freq", "norm_topk_prob", "routed_scaling_factor",
+        "n_group", "topk_group", "topk_method", "scoring_func", "num_local_experts"}
+KNOWN = {
+    "DeepseekV2ForCausalLM": INERT | _MLA | _MOE | {"mlp_bias"},
+    "DeepseekV3ForCausalLM": INERT | _MLA | _MOE | {"rope_interleave",
+                                                    "num_nextn_predict_layers"},
+}
+
+
+def parse(hf: dict[str, Any], arch: str) -> ModelConfig:
+    fields.check_known(hf, arch, KNOWN[arch])
+    v3 = arch == "DeepseekV3ForCausalLM"
+    fields.check_value(hf, "attention_bias", (False,))
+    fields.check_value(hf, "mlp_bias", (False,))
+    fields.check_value(hf, "moe_layer_freq", (1,))
+    fields.check_value(hf, "scoring_func", ("sigmoid",) if v3 else ("softmax",))
+    fields.check_value(hf, "topk_method",
+                       ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy"))
+    mla = mla_config(hf)
+    common = fields.common(hf, arch)
+    # MLA: every head has its own K/V (up-projected from the shared latent); the rope part of
+    # a head is qk_rope_head_dim wide (transformers' head_dim for these configs).
+    common.update(num_kv_heads=common["num_heads"], head_dim=mla.qk_head_dim)
+    # transformers 5 writes head_dim = qk_rope_head_dim; V2's RoPE is always interleaved
+    # (complex pairs), V3's when rope_interleave (its default).
+    if hf.get("head_dim") not in (None, mla.qk_rope_head_dim):
+        raise ConfigError(f"head_dim {hf['head_dim']} must equal qk_rope_head_dim "
+                          f"{mla.qk_rope_head_dim} for {arch}")
+    fields.check_value(hf, "rope_interleave", (True, False))
+    interleaved = bool(hf.get("rope_interleave", True)) if v3 else True
+    common["rope"] = fields.rope(hf, mla.qk_rope_head_dim, interleaved=interleaved)
+    num_experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or 0
+    if v3:
+        router = RouterConfig(scoring="sigmoid", topk_method="noaux_tc",
+                              n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                              routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                              logits_fp32=True)
+        norm = bool(hf.get("norm_topk_prob", True))
+    else:
+        router = RouterConfig(scoring="softmax", topk_method=hf.get("topk_method", "greedy"),
+                              n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                              routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                              logits_fp32=True)
+        norm = False  # transformers' DeepseekV2TopkRouter never renormalises
+    first_dense = hf.get("first_k_dense_replace", 3 if v3 else 0)
+    return ModelConfig(
+        **common, mla=mla, router=router, num_experts=num_experts,
+        num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+        moe_intermediate_size=hf.get("moe_intermediate_size", 0), norm_topk_prob=norm,
+        shared_expert_intermediate_size=(hf.get("moe_intermediate_size", 0)
+                                         * (hf.get("n_shared_experts") or 0)),
+        mlp_only_layers=tuple(range(min(first_dense, common["num_layers"]))),
+        mtp_layers=int(hf.get("num_nextn_predict_layers") or 0) if v3 else 0)
+
+
+def mla_config(hf: dict[str, Any]) -> MlaConfig:
+    """The MLA dims (shared by DeepSeek and GLM-4.7-Flash); q_lora_rank None: no q compression."""
+    mla = MlaConfig(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+                    qk_nope_head_dim=hf["qk_nope_head_dim"],
+                    qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"])
+    if hf.get("qk_head_dim") not in (None, mla.qk_head_dim):
+        raise ConfigError(f"qk_head_dim {hf['qk_head_dim']} must equal qk_nope_head_dim + "
+                          f"qk_rope_head_dim = {mla.qk_head_dim}")
+    return mla

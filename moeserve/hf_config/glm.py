@@ -1,0 +1,73 @@
+"""GLM-4.5 / 4.6 / 4.7 and -Air (Glm4Moe, GQA) and GLM-4.7-Flash (Glm4MoeLite, MLA)
+config.json -> ModelConfig."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeserve.config import ConfigError, ModelConfig, RouterConfig
+from moeserve.hf_config import fields
+from moeserve.hf_config.deepseek import mla_config
+
+_MOE = {"n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "n_shared_experts", "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group",
+        "topk_method", "scoring_func", "num_nextn_predict_layers", "num_mtp_layers"}
+KNOWN = {
+    "Glm4MoeForCausalLM": _MOE | {"attention_bias", "partial_rotary_factor", "use_qk_norm",
+                                  "first_k_dense_replace"},
+    "Glm4MoeLiteForCausalLM": _MOE | {"attention_bias", "partial_rotary_factor", "q_lora_rank",
+                                      "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                      "v_head_dim", "qk_head_dim", "rope_interleave",
+                                      "mlp_layer_types", "first_k_dense_replace"},
+}
+
+
+def parse(hf: dict[str, Any], arch: str) -> ModelConfig:
+    fields.check_known(hf, arch, KNOWN[arch])
+    fields.check_value(hf, "topk_method", ("noaux_tc",))
+    fields.check_value(hf, "scoring_func", ("sigmoid",))
+    common = fields.common(hf, arch)
+    router = RouterConfig(scoring="sigmoid", topk_method="noaux_tc",
+                          n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                          routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                          logits_fp32=True)
+    moe = dict(router=router, num_experts=hf.get("n_routed_experts") or 0,
+               num_experts_per_tok=hf["num_experts_per_tok"],
+               moe_intermediate_size=hf["moe_intermediate_size"],
+               norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+               shared_expert_intermediate_size=(hf["moe_intermediate_size"]
+                                                * (hf.get("n_shared_experts") or 0)),
+               mtp_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0))
+                              or 0))
+    if arch == "Glm4MoeForCausalLM":
+        # transformers' Glm4MoeConfig: partial_rotary_factor 0.5 when absent
+        hf = {"partial_rotary_factor": 0.5, **hf}
+        common["rope"] = fields.rope(hf, common["head_dim"])
+        first_dense = hf.get("first_k_dense_replace", 1)
+        return ModelConfig(**common, **moe, qkv_bias=bool(hf.get("attention_bias", False)),
+                           qk_norm=bool(hf.get("use_qk_norm", False)),
+                           mlp_only_layers=tuple(range(min(first_dense, common["num_layers"]))))
+    fields.check_value(hf, "attention_bias", (False,))
+    mla = mla_config(hf)
+    common.update(num_kv_heads=common["num_heads"], head_dim=mla.qk_head_dim)
+    fields.check_value(hf, "rope_interleave", (True, False))
+    common["rope"] = fields.rope(hf, mla.qk_rope_head_dim,
+                                 interleaved=bool(hf.get("rope_interleave", True)))
+    return ModelConfig(**common, **moe, mla=mla, mlp_only_layers=_lite_dense_layers(hf))
+
+
+def _lite_dense_layers(hf: dict[str, Any]) -> tuple[int, ...]:
+    """Glm4MoeLite's dense layers: `mlp_layer_types` ("dense" / "sparse" per layer), default
+    the first layer dense (transformers ignores `first_k_dense_replace`; one that disagrees
+    with the layer types is refused rather than guessed)."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+    if len(types) != n or set(types) - {"dense", "sparse"}:
+        raise ConfigError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {n} "
+                          f"layers, got {types}")
+    dense = tuple(i for i, t in enumerate(types) if t == "dense")
+    k = hf.get("first_k_dense_replace")
+    if k is not None and dense != tuple(range(k)):
+        raise ConfigError(f"first_k_dense_replace {k} disagrees with mlp_layer_types "
+                          f"(dense layers {list(dense)}); transformers follows mlp_layer_types")
+    return dense

@@ -1,0 +1,103 @@
+"""MLA over the paged latent cache (torch path): the absorbed form against a dense per-row
+loop, and the up-projected (MHA) form against the absorbed one, on steps that mix decodes,
+fresh prefills and chunks after a prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from moeserve.kernels.attention.mla import mla_attention_ref, mla_prefill_ref, write_latent
+
+MIXED = ([5, 17, 0, 12, 30, 0], [1, 1, 9, 7, 1, 1])  # decodes + prefill chunks, some mid-context
+DECODE = ([5, 17, 3, 40], [1, 1, 1, 1])
+
+
+@dataclass
+class MlaCase:
+    q_lat: torch.Tensor  # [T, H, L + R] absorbed queries
+    q: torch.Tensor  # [T, H, nope + R] the same queries before absorption
+    latent_cache: torch.Tensor  # [num_blocks, block_size, L + R]
+    kv_b_proj: torch.Tensor  # [H * (nope + v), L]
+    meta: AttentionMetadata
+    expected_latent: torch.Tensor  # [T, H, L] fp32, dense per-row absorbed attention
+    scale: float
+    L: int
+    R: int
+    nope: int
+    v_dim: int
+
+
+def make_mla_case(num_computed: list[int], num_scheduled: list[int], block_size: int = 4,
+                  num_heads: int = 4, L: int = 32, R: int = 16, nope: int = 16, v_dim: int = 16,
+                  dtype: torch.dtype = torch.float32, seed: int = 0) -> MlaCase:
+    """Random latents written through write_latent into shuffled blocks of a NaN pool (reading
+    a slot that was not written poisons the output)."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = (nope + R) ** -0.5
+    seq_lens = [c + s for c, s in zip(num_computed, num_scheduled, strict=True)]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = 1 + sum(blocks_per_req) + 3
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, first = [], 0
+    for n in blocks_per_req:
+        tables.append(ids[first:first + n])
+        first += n
+    cache = torch.full((num_blocks, block_size, L + R), float("nan"), dtype=dtype)
+    latents = [torch.randn(s, L + R, generator=gen).to(dtype) for s in seq_lens]
+    whole = build_attention_metadata([0] * len(seq_lens), seq_lens, tables, block_size, "cpu")
+    write_latent(torch.cat(latents), cache, whole.slot_mapping)
+    kv_b = (torch.randn(num_heads * (nope + v_dim), L, generator=gen) * L ** -0.5).to(dtype)
+    w = kv_b.float().view(num_heads, nope + v_dim, L)
+    w_uk = w[:, :nope]  # [H, nope, L]
+    qs, q_lats, expected = [], [], []
+    for lat, start, n in zip(latents, num_computed, num_scheduled, strict=True):
+        q = torch.randn(n, num_heads, nope + R, generator=gen).to(dtype)
+        q_lat = torch.cat([torch.einsum("thn,hnl->thl", q[..., :nope].float(), w_uk),
+                           q[..., nope:].float()], dim=-1).to(dtype)  # [n, H, L + R]
+        s = lat.shape[0]
+        scores = torch.einsum("thd,sd->hts", q_lat.float(), lat.float()) * scale
+        key_pos, q_pos = torch.arange(s), torch.arange(start, start + n)
+        scores = scores.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        expected.append(torch.einsum("hts,sl->thl", scores.softmax(-1), lat[:, :L].float()))
+        qs.append(q)
+        q_lats.append(q_lat)
+    meta = build_attention_metadata(num_computed, num_scheduled, tables, block_size, "cpu")
+    return MlaCase(torch.cat(q_lats), torch.cat(qs), cache, kv_b, meta, torch.cat(expected),
+                   scale, L, R, nope, v_dim)
+
+
+def up_project_output(case: MlaCase, out_latent: torch.Tensor) -> torch.Tensor:
+    """Absorbed output [T, H, L] -> per-head values [T, H, v] through W_UV."""
+    heads = out_latent.shape[1]
+    w_uv = case.kv_b_proj.float().view(heads, case.nope + case.v_dim, case.L)[:, case.nope:]
+    return torch.einsum("thl,hvl->thv", out_latent.float(), w_uv)
+
+
+@pytest.mark.parametrize("steps", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_absorbed_matches_dense(steps, block_size: int) -> None:
+    case = make_mla_case(*steps, block_size=block_size)
+    out = mla_attention_ref(case.q_lat, case.latent_cache, case.meta, case.scale, case.L)
+    assert out.shape == case.expected_latent.shape
+    torch.testing.assert_close(out, case.expected_latent, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("steps", [MIXED, ([0, 0], [9, 13]), ([8, 20], [5, 3])],
+                         ids=["mixed", "fresh", "after-prefix"])
+def test_up_projected_matches_absorbed(steps) -> None:
+    case = make_mla_case(*steps)
+    out = mla_prefill_ref(case.q, case.latent_cache, case.meta, case.scale, case.kv_b_proj,
+                          case.nope, case.v_dim)  # [T, H, v]
+    torch.testing.assert_close(out, up_project_output(case, case.expected_latent),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_absorbed_stays_close() -> None:
+    case = make_mla_case(*MIXED, dtype=torch.bfloat16)
+    out = mla_attention_ref(case.q_lat, case.latent_cache, case.meta, case.scale, case.L)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), case.expected_latent, rtol=2e-2, atol=2e-2)
