@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moeserve.kernels.routing.select_triton import select_experts_triton
 
 from moeserve.kernels.routing.select import select_experts
+from moeserve.kernels.routing.select_triton import select_experts_triton
 
 DEVICE = "cpu"
 
