@@ -38,7 +38,7 @@ from moeserve.gc_tuning import freeze_heap
 from moeserve.kernels.moe.tile_configs import tile_device_name
 from moeserve.kernels.registry import TILED_MOE_BACKENDS
 from moeserve.runner.capacity import CapacityReport
-from moeserve.runner.kv_cache import allocate_kv_caches, plan_memory
+from moeserve.runner.kv_cache import allocate_kv_caches, kv_layout, plan_memory
 from moeserve.runner.model_runner import ModelRunner, PendingOutput, timed
 from moeserve.sched import Request, Scheduler
 from moeserve.types import FinishReason, RequestOutput, SamplingParams, SchedulerOutput
@@ -101,7 +101,8 @@ class EngineCore:
             moe_tune=moe_tune, cpu_threads=cpu_threads, torch_threads=torch_threads,
             usable_cores=cores,
             moe_configs=_moe_configs(self.cfg, self.model_config, self.runner.dtype,
-                                     tile_device_name(device)))
+                                     tile_device_name(device)),
+            kv_layout=kv_layout(self.model_config, self.runner.dtype), mtp=self.runner.mtp_note)
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
         self._arrivals = itertools.count()

@@ -29,16 +29,12 @@ from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.paged import write_kv
 from moeserve.kernels.attention.qk_rope_kv_triton import qk_rope_kv_triton, split_qkv
 from moeserve.layers.norm import RMSNorm
+from moeserve.layers.params import empty_param
 from moeserve.layers.rope import RotaryEmbedding
 
 # fn(q [T, H, D], kv_cache [2, NB, BS, KVH, D], meta, scale) -> [T, H, D]
 AttentionBackend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
-
-def _empty(*shape: int, dtype: torch.dtype | None,
-           device: torch.device | str | None) -> nn.Parameter:
-    """An uninitialised inference weight (filled by the weight loader or init_dummy_weights)."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class Attention(nn.Module):
@@ -52,8 +48,11 @@ class Attention(nn.Module):
         self.scale = d ** -0.5
         self.backend = attention_backend
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
-        self.qkv_proj = _empty(qkv_rows, config.hidden_size, dtype=dtype, device=device)
-        self.o_proj = _empty(config.hidden_size, self.num_heads * d, dtype=dtype, device=device)
+        self.qkv_proj = empty_param(qkv_rows, config.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = (empty_param(qkv_rows, dtype=dtype, device=device) if config.qkv_bias
+                         else None)  # GLM-4.5's q/k/v biases
+        self.o_proj = empty_param(config.hidden_size, self.num_heads * d, dtype=dtype,
+                                  device=device)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, device)
@@ -66,7 +65,7 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_caches)")
         t, d = hidden.shape[0], self.head_dim
-        qkv = F.linear(hidden, self.qkv_proj)  # [T, (H + 2 * KVH) * D]
+        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 * KVH) * D]
         q = self._qk_rope_kv(positions, qkv, meta.slot_mapping, fused=qkv.is_cuda)  # [T, H, D]
         out = self.backend(q, self.kv_cache, meta, self.scale)  # [T, H, D]
         return F.linear(out.reshape(t, self.num_heads * d), self.o_proj)  # [T, hidden]

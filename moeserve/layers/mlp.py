@@ -10,11 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _empty(*shape: int, dtype: torch.dtype | None,
-           device: torch.device | str | None) -> nn.Parameter:
-    """An uninitialised inference weight (filled by the weight loader or init_dummy_weights)."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+from moeserve.layers.params import empty_param
 
 
 class MLP(nn.Module):
@@ -22,8 +18,9 @@ class MLP(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = _empty(2 * intermediate_size, hidden_size, dtype=dtype, device=device)
-        self.down_proj = _empty(hidden_size, intermediate_size, dtype=dtype, device=device)
+        self.gate_up_proj = empty_param(2 * intermediate_size, hidden_size, dtype=dtype,
+                                        device=device)
+        self.down_proj = empty_param(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)  # [T, I] each

@@ -14,8 +14,16 @@ Expert load: when the runner binds `expert_counts` (a row [E] int64 of its per-l
 every forward adds the tokens routed to each expert, on the device, with no host sync. A CUDA
 graph's padding rows are left out through `count_mask` ([T] int64, 1 = a real token).
 
-On CUDA the routing and the count run as one Triton kernel (kernels/routing/select_triton.py; the
-same ops up to a few fp32 ulps and the order of exact ties); elsewhere the torch reference runs.
+Routers (config.router): softmax top-k (Qwen3-MoE, Mixtral); DeepSeek-V2's softmax, greedy or
+group-limited, scaled; DeepSeek-V3 / GLM's sigmoid with `e_score_correction_bias` [E] fp32 and
+group-limited top-k, scaled (kernels/routing/select.py). DeepSeek and GLM compute the router
+logits in fp32. On CUDA the softmax top-k routing and the count run as one Triton kernel
+(kernels/routing/select_triton.py; the same ops up to a few fp32 ulps and the order of exact
+ties); the other routers and CPU run the torch references, counting with scatter_add.
+
+Shared experts (DeepSeek, GLM): one dense MLP of width `shared_expert_intermediate_size` sees
+every token beside the routed experts; its output is one more part of the [T, S, hidden] sum
+(or is added, reduce=True).
 """
 
 from __future__ import annotations
@@ -27,18 +35,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.kernels.routing.select import select_experts
+from moeserve.kernels.routing.select import (
+    select_experts,
+    select_experts_grouped,
+    select_experts_softmax_grouped,
+)
 from moeserve.kernels.routing.select_triton import MAX_EXPERTS, select_experts_triton
+from moeserve.layers.mlp import MLP
+from moeserve.layers.params import empty_param
 
 # fn(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]
 MoeBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                       torch.Tensor]
 
-
-def _empty(*shape: int, dtype: torch.dtype | None,
-           device: torch.device | str | None) -> nn.Parameter:
-    """An uninitialised inference weight (filled by the weight loader or init_dummy_weights)."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class SparseMoeBlock(nn.Module):
@@ -49,26 +58,55 @@ class SparseMoeBlock(nn.Module):
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
+        self.router = config.router
         self.backend = moe_backend
-        self.gate = _empty(e, h, dtype=dtype, device=device)  # router, [E, hidden]
-        self.w13 = _empty(e, 2 * i, h, dtype=dtype, device=device)  # [E, 2I, hidden]
-        self.w2 = _empty(e, h, i, dtype=dtype, device=device)  # [E, hidden, I]
+        self.gate = empty_param(e, h, dtype=dtype, device=device)  # router, [E, hidden]
+        self.correction_bias = (empty_param(e, dtype=torch.float32, device=device)
+                                if config.router.correction_bias else None)  # [E] fp32
+        self.w13 = empty_param(e, 2 * i, h, dtype=dtype, device=device)  # [E, 2I, hidden]
+        self.w2 = empty_param(e, h, i, dtype=dtype, device=device)  # [E, hidden, I]
+        self.shared_experts = (MLP(h, config.shared_expert_intermediate_size, dtype, device)
+                               if config.shared_expert_intermediate_size else None)
         self.expert_counts: torch.Tensor | None = None  # [E] int64, bound by the runner
         self.count_mask: torch.Tensor | None = None  # [T] int64, set around CUDA-graph decode
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; reduce False -> [T, S, hidden] whose sum over S is
-        that (the MoeFn contract in kernels/registry.py)."""
-        router_logits = F.linear(x, self.gate)  # [T, E]
-        if x.is_cuda and router_logits.shape[1] <= MAX_EXPERTS:
-            mask = self.count_mask
-            if mask is not None and mask.shape[0] != x.shape[0]:
-                raise ValueError(f"count_mask has {mask.shape[0]} rows for {x.shape[0]} tokens")
-            topk_weights, topk_ids = select_experts_triton(
-                router_logits, self.top_k, self.renormalize, counts=self.expert_counts,
-                count_mask=mask if self.expert_counts is not None else None)
-            return self.backend(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        that (the MoeFn contract in kernels/registry.py; shared experts add one part)."""
+        routed = self._routed(x, reduce)
+        if self.shared_experts is None:
+            return routed
+        shared = self.shared_experts(x)  # [T, hidden]
+        if reduce:
+            return routed + shared
+        return torch.cat([routed, shared[:, None]], dim=1)  # [T, S + 1, hidden]
+
+    def _routed(self, x: torch.Tensor, reduce: bool) -> torch.Tensor:
+        r = self.router
+        if r.logits_fp32:
+            router_logits = F.linear(x.float(), self.gate.float())  # [T, E] fp32, as HF
+        else:
+            router_logits = F.linear(x, self.gate)  # [T, E]
+        if r.scoring == "softmax" and r.topk_method == "greedy" and r.routed_scaling_factor == 1:
+            if x.is_cuda and router_logits.shape[1] <= MAX_EXPERTS:
+                mask = self.count_mask
+                if mask is not None and mask.shape[0] != x.shape[0]:
+                    raise ValueError(f"count_mask has {mask.shape[0]} rows for "
+                                     f"{x.shape[0]} tokens")
+                topk_weights, topk_ids = select_experts_triton(
+                    router_logits, self.top_k, self.renormalize, counts=self.expert_counts,
+                    count_mask=mask if self.expert_counts is not None else None)
+                return self.backend(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        elif r.scoring == "softmax":
+            topk_weights, topk_ids = select_experts_softmax_grouped(
+                router_logits, self.top_k, num_groups=r.n_group, topk_groups=r.topk_group,
+                scaling_factor=r.routed_scaling_factor)
+        else:
+            topk_weights, topk_ids = select_experts_grouped(
+                router_logits, self.top_k, num_groups=r.n_group, topk_groups=r.topk_group,
+                correction_bias=self.correction_bias, renormalize=self.renormalize,
+                scaling_factor=r.routed_scaling_factor)
         if self.expert_counts is not None:
             # NOTE: scatter_add_, not bincount: bincount syncs with the host
             ids = topk_ids.flatten()  # [T * k]

@@ -10,15 +10,14 @@ from collections.abc import Callable
 
 import torch
 
-from moeserve.config import ModelConfig
+from moeserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from moeserve.kernels.attention.mla import mla_attention_ref
 from moeserve.kernels.registry import get_attention_backend, get_moe_backend
-from moeserve.models.qwen3_moe import CausalLM
+from moeserve.models.decoder import CausalLM
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {
-    "Qwen3MoeForCausalLM": CausalLM,
-    "Qwen3ForCausalLM": CausalLM,
-    "MixtralForCausalLM": CausalLM,
-}
+MODEL_CLASSES: dict[str, type[CausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, CausalLM)
+# MLA's absorbed attention, by the engine's attention_backend name
+MLA_BACKENDS = {"torch": mla_attention_ref}
 
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
@@ -36,5 +35,7 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
     moe_fn = get_moe_backend(moe_backend) if isinstance(moe_backend, str) else moe_backend
     attn_fn = (get_attention_backend(attention_backend) if isinstance(attention_backend, str)
                else attention_backend)
+    mla_fn = (MLA_BACKENDS.get(attention_backend, mla_attention_ref)
+              if isinstance(attention_backend, str) else mla_attention_ref)
     cls = MODEL_CLASSES[model_config.architecture]
-    return cls(model_config, moe_fn, attn_fn, dtype, torch.device(device)).eval()
+    return cls(model_config, moe_fn, attn_fn, mla_fn, dtype, torch.device(device)).eval()

@@ -36,6 +36,8 @@ class CapacityReport:
     # tokens -> {"config" (tile config, "down" included when split), "tiles" (its name),
     #            "tuned", "source", "backend", "tuned_tokens"} (EngineCore._moe_configs)
     moe_configs: dict[str, dict] = field(default_factory=dict)
+    kv_layout: str = ""  # what one token costs in the cache, per layer (GQA K/V or MLA latent)
+    mtp: str = ""  # the checkpoint's multi-token-prediction layers, left out ("" when none)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -59,6 +61,8 @@ class CapacityReport:
             "usable_cores": self.usable_cores,
             "moe_tune": self.moe_tune,
             "moe_configs": self.moe_configs,
+            "kv_layout": self.kv_layout,
+            "mtp": self.mtp,
             "text": self.format(),  # as printed at start-up (the API process prints this too)
         }
 
@@ -81,6 +85,7 @@ class CapacityReport:
         rows += [
             ("KV cache", (f"{m.kv_bytes / GiB:.2f} GiB = {m.num_blocks} blocks x {m.block_size} "
                          f"tokens = {m.num_kv_tokens:,} tokens ({m.rule})")),
+            *([("KV per token", self.kv_layout)] if self.kv_layout else []),
             ("max running requests", (f"{self.max_running_requests} <- "
                                      f"{self.max_running_requests_rule}")),
             ("max model len", str(c.scheduler.max_model_len)),
@@ -104,6 +109,8 @@ class CapacityReport:
                 rows.append(("MoE tiles by tokens", tiles))
         if self.moe_tune:
             rows.append(("MoE tune", self.moe_tune))
+        if self.mtp:
+            rows.append(("MTP layers", self.mtp))
         rows += [(f"auto {k}", v) for k, v in self.resolved.items()]
         rows += [("start-up", ", ".join(f"{k} {v:.2f}s" for k, v in self.phase_seconds.items()))]
         width = max(len(k) for k, _ in rows)

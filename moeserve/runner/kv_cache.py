@@ -5,8 +5,10 @@ budget is profiled for its activation peak, (3) a reserve is kept for CUDA graph
 cache gets the rest of `total x mem_fraction`. On CPU the KV cache gets a fixed byte budget.
 `MemoryPlan` keeps every term so the capacity report can print them.
 
-Layout: one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; block 0
-is the null block (padding points at it; the scheduler never hands it out).
+Layout: one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] (GQA),
+or MLA's latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one shared row per
+token: 576 values for DeepSeek-V3); block 0 is the null block (padding points at it; the
+scheduler never hands it out).
 """
 
 from __future__ import annotations
@@ -45,7 +47,18 @@ class MemoryPlan:
 
 def bytes_per_block(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return model.num_layers * 2 * cache.block_size * model.num_kv_heads * model.head_dim * elem
+    return model.num_layers * cache.block_size * model.kv_bytes_per_token_per_layer_elem * elem
+
+
+def kv_layout(model: ModelConfig, dtype: torch.dtype) -> str:
+    """What one token costs in the cache, in words (the capacity report's line)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_layer = model.kv_bytes_per_token_per_layer_elem * elem
+    what = (f"MLA latent {model.mla.kv_lora_rank} + rope {model.mla.qk_rope_head_dim}"
+            if model.mla is not None else
+            f"K, V x {model.num_kv_heads} heads x {model.head_dim}")
+    return (f"{per_layer:,} B a layer ({what}) x {model.num_layers} layers = "
+            f"{per_layer * model.num_layers:,} B")
 
 
 def plan_memory(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device,
@@ -81,6 +94,10 @@ def plan_memory(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, devi
 
 def allocate_kv_caches(model: ModelConfig, plan: MemoryPlan, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
-    """One zeroed tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
-    shape = (2, plan.num_blocks, plan.block_size, model.num_kv_heads, model.head_dim)
+    """One zeroed tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim], or the
+    MLA latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]."""
+    shape: tuple[int, ...] = (2, plan.num_blocks, plan.block_size, model.num_kv_heads,
+                              model.head_dim)
+    if model.mla is not None:
+        shape = (plan.num_blocks, plan.block_size, model.mla.latent_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]

@@ -57,11 +57,15 @@ class ModelRunner:
         self.model = build_model(self.model_config, self.dtype, self.device,
                                  get_moe_backend(self.cfg.moe_backend, self.cfg.moe_tiles),
                                  get_attention_backend(self.cfg.attention_backend))
+        self.mtp_note = ""  # the capacity report's line on a checkpoint's MTP layers
         if self.cfg.load_format == "dummy":
             init_dummy_weights(self.model, self.cfg.seed)
         else:
             assert weights_folder is not None, "safetensors load_format needs a checkpoint folder"
-            load_weights(self.model, self.model_config, weights_folder)
+            mtp = load_weights(self.model, self.model_config, weights_folder)
+            if mtp:
+                self.mtp_note = (f"{self.model_config.mtp_layers} in the checkpoint ({mtp} "
+                                 "tensors): left out, kept for speculative decoding later")
         self.model.eval()
         self.weight_bytes = model_weight_bytes(self.model)
         self.num_forward_steps = 0
@@ -158,9 +162,10 @@ class ModelRunner:
                                       dtype=self.dtype))
         # mixed steps: a decode row with a short context, then one long enough for the decode
         # attention to split over the context (its reduce kernel too)
+        num_blocks = self.kv_caches[0].shape[0 if self.model_config.mla is not None else 1]
         for context in (16, 600):
             blocks_needed = -(-(context + 1) // self.block_size) + 2
-            if self.kv_caches[0].shape[1] <= blocks_needed:
+            if num_blocks <= blocks_needed:
                 break
             table = list(range(1, blocks_needed - 1))
             self.execute(SchedulerOutput(

@@ -6,16 +6,9 @@ parameters, so peak memory stays about 1x the model). The name map is strict: ev
 tensor must be present with its exact shape, and nothing else may be there; any mismatch raises
 WeightLoadError naming the tensor, before anything is copied.
 
-HF name (model.layers.{i}.)                         -> our parameter
-    self_attn.{q,k,v}_proj.weight                   -> self_attn.qkv_proj rows [q | k | v]
-    self_attn.{o_proj,q_norm,k_norm}.weight         -> self_attn.{o_proj, q_norm.weight, ...}
-    mlp.{gate,up}_proj.weight, mlp.down_proj.weight -> mlp.gate_up_proj rows [gate | up], down_proj
-    mlp.experts.{e}.{gate,up,down}_proj.weight   -> mlp.w13[e, :I], w13[e, I:], w2[e] (Qwen3-MoE)
-    block_sparse_moe.experts.{e}.{w1,w3,w2}.weight  -> mlp.w13[e, :I], w13[e, I:], w2[e]  (Mixtral)
-    mlp.experts.{gate_up_proj,down_proj}            -> mlp.w13, mlp.w2   (fused layout, written by
-                                                       save_pretrained(save_original_format=False))
-    {mlp,block_sparse_moe}.gate.weight              -> mlp.gate (router)
-lm_head.weight is skipped when the embeddings are tied.
+The name map (every family's HF names -> our packed parameters) is runner/weight_names.py.
+A checkpoint's multi-token-prediction layers are recognised by name and left out
+(`load_weights` returns how many, for the capacity report).
 """
 
 from __future__ import annotations
@@ -29,10 +22,12 @@ from safetensors import safe_open
 
 from moeserve.config import ModelConfig
 from moeserve.layers.attention import Attention
+from moeserve.layers.mla import MLAttention
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import SparseMoeBlock
 from moeserve.layers.norm import RMSNorm
-from moeserve.models.qwen3_moe import CausalLM
+from moeserve.models.decoder import CausalLM
+from moeserve.runner.weight_names import mtp_tensor_names, weight_targets
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -45,11 +40,13 @@ class WeightLoadError(ValueError):
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, model_config: ModelConfig, folder: str) -> None:
-    """Copy the checkpoint in `folder` into `model`'s parameters (strict; see module doc)."""
+def load_weights(model: CausalLM, model_config: ModelConfig, folder: str) -> int:
+    """Copy the checkpoint in `folder` into `model`'s parameters (strict; see module doc).
+    Returns the number of multi-token-prediction tensors left out."""
     files = _checkpoint_files(folder)  # tensor name -> file path
-    targets = _weight_targets(model, model_config, set(files))  # tensor name -> destination
-    skipped = {n for n in files if n.endswith(_IGNORED_SUFFIXES)}
+    targets = weight_targets(model, model_config, set(files))  # tensor name -> destination
+    mtp = mtp_tensor_names(model_config, set(files))
+    skipped = {n for n in files if n.endswith(_IGNORED_SUFFIXES)} | mtp
     if model_config.tie_word_embeddings:
         skipped.add("lm_head.weight")
     _check_names(set(targets), set(files) - skipped, folder)
@@ -72,6 +69,7 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str) -> Non
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in names:
                 targets[name].copy_(f.get_tensor(name))
+    return len(mtp)
 
 
 def _checkpoint_files(folder: str) -> dict[str, str]:
@@ -100,56 +98,6 @@ def _check_names(expected: set[str], found: set[str], folder: str) -> None:
                                   f"{', '.join(shown[:8])}{more}")
 
 
-def _weight_targets(model: CausalLM, cfg: ModelConfig,
-                    names: set[str]) -> dict[str, torch.Tensor]:
-    """HF tensor name -> the parameter (or the slice of a packed one) it is copied into."""
-    m = model.model
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": m.embed_tokens,
-                                  "model.norm.weight": m.norm.weight}
-    if model.lm_head is not None:
-        t["lm_head.weight"] = model.lm_head
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    for i, layer in enumerate(m.layers):
-        p = f"model.layers.{i}."
-        attn = layer.self_attn
-        t[p + "self_attn.q_proj.weight"] = attn.qkv_proj[:q]
-        t[p + "self_attn.k_proj.weight"] = attn.qkv_proj[q:q + kv]
-        t[p + "self_attn.v_proj.weight"] = attn.qkv_proj[q + kv:]
-        t[p + "self_attn.o_proj.weight"] = attn.o_proj
-        if attn.q_norm is not None:
-            t[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
-            t[p + "self_attn.k_norm.weight"] = attn.k_norm.weight
-        t[p + "input_layernorm.weight"] = layer.input_layernorm.weight
-        t[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        if isinstance(layer.mlp, MLP):
-            inter = layer.mlp.intermediate_size
-            t[p + "mlp.gate_proj.weight"] = layer.mlp.gate_up_proj[:inter]
-            t[p + "mlp.up_proj.weight"] = layer.mlp.gate_up_proj[inter:]
-            t[p + "mlp.down_proj.weight"] = layer.mlp.down_proj
-        else:
-            t.update(_expert_targets(p, layer.mlp, cfg, names))
-    return t
-
-
-def _expert_targets(prefix: str, moe: SparseMoeBlock, cfg: ModelConfig,
-                    names: set[str]) -> dict[str, torch.Tensor]:
-    if prefix + "mlp.experts.gate_up_proj" in names:  # fused layout
-        return {prefix + "mlp.gate.weight": moe.gate,
-                prefix + "mlp.experts.gate_up_proj": moe.w13,  # [E, 2I, hidden]
-                prefix + "mlp.experts.down_proj": moe.w2}  # [E, hidden, I]
-    if cfg.architecture == "MixtralForCausalLM":
-        p, (gate, up, down) = prefix + "block_sparse_moe.", ("w1", "w3", "w2")
-    else:
-        p, (gate, up, down) = prefix + "mlp.", ("gate_proj", "up_proj", "down_proj")
-    inter = cfg.moe_intermediate_size
-    t: dict[str, torch.Tensor] = {p + "gate.weight": moe.gate}
-    for e in range(cfg.num_experts):
-        t[f"{p}experts.{e}.{gate}.weight"] = moe.w13[e, :inter]
-        t[f"{p}experts.{e}.{up}.weight"] = moe.w13[e, inter:]
-        t[f"{p}experts.{e}.{down}.weight"] = moe.w2[e]
-    return t
-
-
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, seed: int) -> None:
     """Random weights on the model's own device (no CPU round trip), finite through deep stacks,
@@ -175,7 +123,7 @@ def init_dummy_weights(model: CausalLM, seed: int) -> None:
             std[id(module.w2)] = _DUMMY_STD / 10
         elif isinstance(module, MLP):
             std[id(module.down_proj)] = _DUMMY_STD / 10
-        elif isinstance(module, Attention):
+        elif isinstance(module, Attention | MLAttention):
             std[id(module.o_proj)] = _DUMMY_STD / 10
     for param in model.parameters():
         s = std.get(id(param), _DUMMY_STD)

@@ -59,7 +59,7 @@ from moeserve.layers import rope as rope_module
 from moeserve.layers.attention import Attention
 from moeserve.layers.moe import MoeBackend, SparseMoeBlock
 from moeserve.models import build_model
-from moeserve.models.qwen3_moe import CausalLM
+from moeserve.models.decoder import CausalLM
 from moeserve.presets import load_preset
 from moeserve.runner.weight_loader import init_dummy_weights, load_weights
 from tests.models.checkpoints import write_tiny_checkpoint

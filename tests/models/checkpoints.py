@@ -16,6 +16,10 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    Glm4MoeConfig,
+    Glm4MoeLiteConfig,
     MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
@@ -23,7 +27,24 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-ARCHS = ("qwen3_moe", "qwen3", "mixtral")
+ARCHS = ("qwen3_moe", "qwen3", "mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe",
+         "glm4_moe_lite")
+# MLA dims of the tiny DeepSeek / GLM-4.7-Flash checkpoints (latent 32 + rope 16)
+_MLA = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+        "num_key_value_heads": 4}
+_DEEPSEEK_MOE = {"intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8,
+                 "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_shared_experts": 2}
+# Fields published DeepSeek / Kimi / GLM configs carry that transformers never writes: the
+# tiny checkpoints carry them too, so a real checkpoint does not fail where the tests passed.
+PUBLISHED_EXTRA: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {"aux_loss_alpha": 0.001, "seq_aux": True, "ep_size": 1, "moe_layer_freq": 1,
+                    "scoring_func": "softmax", "auto_map": {
+                        "AutoConfig": "configuration_deepseek.DeepseekV2Config"}},
+    "deepseek_v3": {"aux_loss_alpha": 0.001, "seq_aux": True, "ep_size": 1, "moe_layer_freq": 1,
+                    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "auto_map": {
+                        "AutoConfig": "configuration_deepseek.DeepseekV3Config"}},
+}
+PUBLISHED_EXTRA["kimi_k2"] = PUBLISHED_EXTRA["deepseek_v3"]
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -38,6 +59,36 @@ _DEFAULTS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     "qwen3": (Qwen3Config, {"intermediate_size": 96}),
     "mixtral": (MixtralConfig, {"intermediate_size": 32, "num_local_experts": 8,
                                 "num_experts_per_tok": 2}),
+    # V2: no q_lora, group-limited greedy softmax routing, no renormalisation
+    "deepseek_v2": (DeepseekV2Config, {**_MLA, **_DEEPSEEK_MOE, "q_lora_rank": None,
+                                       "topk_method": "group_limited_greedy", "n_group": 4,
+                                       "topk_group": 2, "routed_scaling_factor": 1.5}),
+    # V3: q_lora, YaRN, n_group 4 > topk_group 2, two shared experts, a dense first layer, MTP
+    "deepseek_v3": (DeepseekV3Config, {**_MLA, **_DEEPSEEK_MOE, "q_lora_rank": 24, "n_group": 4,
+                                       "topk_group": 2, "routed_scaling_factor": 2.5,
+                                       "num_nextn_predict_layers": 1, "rope_parameters": {
+                                           "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                           "original_max_position_embeddings": 128,
+                                           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                           "mscale_all_dim": 1.0}}),
+    # Kimi K2: a DeepseekV3 checkpoint whose config says model_type kimi_k2 (patched on write)
+    "kimi_k2": (DeepseekV3Config, {**_MLA, **_DEEPSEEK_MOE, "q_lora_rank": 24, "n_group": 1,
+                                   "topk_group": 1, "routed_scaling_factor": 2.827,
+                                   "n_shared_experts": 1}),
+    # GLM-4.5: GQA, partial rotary 0.5, qkv bias, q/k norm, a shared expert, sigmoid router
+    "glm4_moe": (Glm4MoeConfig, {"intermediate_size": 96, "moe_intermediate_size": 32,
+                                 "n_routed_experts": 8, "num_experts_per_tok": 2,
+                                 "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                 "attention_bias": True, "use_qk_norm": True,
+                                 "partial_rotary_factor": 0.5, "routed_scaling_factor": 2.5,
+                                 "n_group": 2, "topk_group": 1}),
+    # GLM-4.7-Flash: MLA with v wider than nope, interleaved RoPE, mlp_layer_types
+    "glm4_moe_lite": (Glm4MoeLiteConfig, {**_MLA, "qk_nope_head_dim": 16, "v_head_dim": 32,
+                                          "q_lora_rank": 24, "intermediate_size": 96,
+                                          "moe_intermediate_size": 32, "n_routed_experts": 8,
+                                          "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                          "routed_scaling_factor": 1.8,
+                                          "mlp_layer_types": ["dense", "sparse", "sparse"]}),
 }
 
 
@@ -71,9 +122,62 @@ def write_tiny_checkpoint(arch: str, path: str | os.PathLike, sharded: bool = Fa
     path = os.fspath(path)
     model.save_pretrained(path, max_shard_size="40KB" if sharded else "10GB",
                           save_original_format=not fused_experts)
+    _publish_fields(arch, path)
     if tokenizer:
         write_byte_tokenizer(path)
     return path
+
+
+def _publish_fields(arch: str, path: str) -> None:
+    """Give config.json the fields the published checkpoints of `arch` carry (and Kimi K2's
+    model_type), which transformers' save_pretrained never writes."""
+    import json
+
+    extra = dict(PUBLISHED_EXTRA.get(arch, {}))
+    if arch == "kimi_k2":
+        extra["model_type"] = "kimi_k2"
+    if not extra:
+        return
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    with open(file, "w") as f:
+        json.dump({**config, **extra}, f, indent=2)
+
+
+def write_mtp_tensors(path: str | os.PathLike, num_layers: int, hidden: int, seed: int = 0) -> int:
+    """Add one multi-token-prediction layer's tensors (model.layers.<num_layers>.*: enorm,
+    hnorm, eh_proj, embed_tokens, shared_head.{norm,head} and a decoder layer's norms) as an
+    extra shard in the index (transformers has no MTP module, so tests write them). Returns the
+    number of tensors written."""
+    import json
+
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    p = f"model.layers.{num_layers}."
+    tensors = {p + "enorm.weight": torch.ones(hidden), p + "hnorm.weight": torch.ones(hidden),
+               p + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen),
+               p + "embed_tokens.weight": torch.randn(8, hidden, generator=gen),
+               p + "shared_head.norm.weight": torch.ones(hidden),
+               p + "shared_head.head.weight": torch.randn(8, hidden, generator=gen),
+               p + "input_layernorm.weight": torch.ones(hidden),
+               p + "post_attention_layernorm.weight": torch.ones(hidden)}
+    folder = os.fspath(path)
+    save_file(tensors, os.path.join(folder, "model-mtp.safetensors"))
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            doc = json.load(f)
+    else:  # a single-file checkpoint becomes an indexed one
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+            doc = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), "model.safetensors")}
+    doc["weight_map"].update(dict.fromkeys(tensors, "model-mtp.safetensors"))
+    with open(index, "w") as f:
+        json.dump(doc, f)
+    return len(tensors)
 
 
 def write_byte_tokenizer(path: str | os.PathLike) -> str:
@@ -101,8 +205,23 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def load_hf_model(path: str | os.PathLike) -> PreTrainedModel:
     """transformers' own model for a checkpoint folder: fp32, eval, eager attention."""
-    model = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=torch.float32,
-                                                 attn_implementation="eager")
+    import json
+
+    with open(os.path.join(os.fspath(path), "config.json")) as f:
+        published = json.load(f)
+    config = None
+    if "auto_map" in published or published.get("model_type") == "kimi_k2":
+        # the published fields point at remote code (auto_map) or a model_type transformers
+        # does not know: load the config with the architecture's own class, as a user would
+        cls = {"DeepseekV2ForCausalLM": DeepseekV2Config,
+               "DeepseekV3ForCausalLM": DeepseekV3Config}[published["architectures"][0]]
+        config = cls.from_pretrained(os.fspath(path))
+        config.auto_map = {}
+        # transformers picks the expert-weight conversion by model_type: a kimi_k2 checkpoint
+        # is a DeepseekV3 one, so load it as one (else its experts stay uninitialised)
+        config.model_type = cls.model_type
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(path), config=config,
+                                                 dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata
 from moeserve.models import build_model
-from moeserve.models.qwen3_moe import CausalLM
+from moeserve.models.decoder import CausalLM
 from moeserve.runner.weight_loader import load_weights
 from tests.models.checkpoints import hf_logits
 from tests.models.conftest import VARIANTS

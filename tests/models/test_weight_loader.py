@@ -14,7 +14,7 @@ from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata
 from moeserve.kernels.routing.select import select_experts
 from moeserve.models import build_model
-from moeserve.models.qwen3_moe import CausalLM
+from moeserve.models.decoder import CausalLM
 from moeserve.runner.weight_loader import (
     INDEX_FILE,
     WeightLoadError,

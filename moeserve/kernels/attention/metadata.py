@@ -102,3 +102,30 @@ def to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
+
+
+def select_rows(meta: AttentionMetadata, rows: np.ndarray) -> tuple[AttentionMetadata,
+                                                                     torch.Tensor]:
+    """The metadata of a subset of the step's rows (host indices, ascending), as if those rows
+    were the whole step, and the indices [n_tok] int64 (on the device) of their tokens in the
+    step. Builds host tensors: for eager (mixed) steps, not CUDA-graph replays."""
+    q_lens = meta.query_lens_np[rows]
+    cu_all = np.zeros(meta.num_reqs + 1, dtype=np.int64)
+    np.cumsum(meta.query_lens_np, out=cu_all[1:])
+    cu = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    row_of_tok = np.repeat(np.arange(len(rows), dtype=np.int64), q_lens)
+    tok = cu_all[rows][row_of_tok] + np.arange(int(cu[-1]), dtype=np.int64) - cu[row_of_tok]
+    device = meta.positions.device
+    tok_t = to_device(tok, device)
+    rows_t = to_device(rows.astype(np.int64), device)
+    seq_lens = meta.seq_lens_np[rows]
+    sub = AttentionMetadata(
+        positions=meta.positions[tok_t], slot_mapping=meta.slot_mapping[tok_t],
+        block_tables=meta.block_tables[rows_t], seq_lens=meta.seq_lens[rows_t],
+        query_start_loc=to_device(cu.astype(np.int32), device),
+        token_to_req=to_device(row_of_tok, device), block_size=meta.block_size,
+        max_query_len=int(q_lens.max()) if len(rows) else 0,
+        max_seq_len=int(seq_lens.max()) if len(rows) else 0,
+        query_lens_np=q_lens, seq_lens_np=seq_lens, token_to_req_np=row_of_tok)
+    return sub, tok_t

@@ -6,7 +6,9 @@ Owns the two routers, each computed exactly as Hugging Face computes it, with no
   and tie-breaking match token for token;
 - `select_experts_grouped`: the sigmoid router of DeepSeek-V3 and GLM-4.5 MoE, with the
   per-expert correction bias (it steers the choice, not the weights) and group-limited top-k
-  (experts come from the `topk_groups` groups whose two best biased scores sum highest).
+  (experts come from the `topk_groups` groups whose two best biased scores sum highest);
+- `select_experts_softmax_grouped`: DeepSeek-V2's softmax router, greedy or group-limited
+  (groups scored by their best expert), weights never renormalised, times the scaling factor.
 """
 
 from __future__ import annotations
@@ -75,6 +77,29 @@ def select_experts_grouped(router_logits: torch.Tensor, top_k: int, *, num_group
     topk_weights = scores.gather(1, topk_ids)  # [T, k]
     if renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * scaling_factor, topk_ids
+
+
+def select_experts_softmax_grouped(router_logits: torch.Tensor, top_k: int, *,
+                                   num_groups: int = 1, topk_groups: int = 1,
+                                   scaling_factor: float = 1.0
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 routing, as HF's DeepseekV2TopkRouter (transformers 5.17): softmax in fp32;
+    `topk_method` "greedy" is num_groups == topk_groups (every group kept); else each group is
+    scored by its best probability, the `topk_groups` best groups kept (the others' experts
+    zeroed) and the top_k experts chosen among them. Weights: the chosen probabilities times
+    `scaling_factor` (no renormalisation). Order within a row unspecified. No host sync."""
+    num_tokens, num_experts = _check_grouped(router_logits, top_k, num_groups, topk_groups,
+                                             None)
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    if topk_groups < num_groups:
+        per_group = num_experts // num_groups
+        group_scores = probs.view(num_tokens, num_groups, per_group).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()  # [T, G]
+        keep = keep.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, num_experts)
+        probs = probs.masked_fill(~keep, 0.0)
+    topk_weights, topk_ids = torch.topk(probs, k=top_k, dim=-1, sorted=False)
     return topk_weights * scaling_factor, topk_ids
 
 

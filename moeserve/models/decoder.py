@@ -1,22 +1,29 @@
-"""Qwen3-MoE, Qwen3 (dense) and Mixtral: one module tree, built from layers/.
+"""The decoder module tree of every family served: Qwen3-MoE, Qwen3 (dense), Mixtral,
+DeepSeek-V2/V3 (Kimi K2, Moonlight), GLM-4.5 (Glm4Moe) and GLM-4.7-Flash (Glm4MoeLite).
 
     input_ids [T] -> embed_tokens -> DecoderLayer x L -> norm -> hidden [T, hidden]
     DecoderLayer (pre-norm):
-        h = h + self_attn(positions, input_layernorm(h), meta)
+        h = h + self_attn(positions, input_layernorm(h), meta)   self_attn: MLAttention when
+                                                                  config.mla, else Attention
         h = h + mlp(post_attention_layernorm(h))     mlp: SparseMoeBlock if
                                                       config.is_moe_layer(i), else dense MLP
     computed as (hidden, residual) pairs: each residual add is fused into the norm after it
     (norm(x, residual) -> (norm(residual + x), residual + x)), and into the final norm. A sparse
-    layer hands on its experts' k weighted rows [T, k, hidden] unsummed: the norm after it adds
-    them with the residual (rms_norm_triton's parts), so they take no pass of their own.
+    layer hands on its experts' k weighted rows [T, k, hidden] unsummed (and its shared experts'
+    row): the norm after it adds them with the residual (rms_norm_triton's parts), so they take
+    no pass of their own.
     compute_logits(hidden [N, hidden]) -> [N, V] in the model dtype (lm_head, or embed_tokens when
     tied), as HF's logits; the sampler reads them as they are (greedy: argmax, exact in any
     dtype) and upcasts only where it computes (random sampling, logprobs)
 
-The families differ only in config: Qwen3 has q/k norm and no experts; Qwen3-MoE has q/k norm,
-experts on the layers `is_moe_layer` picks, and optional top-k renormalisation; Mixtral has no
-q/k norm, every layer sparse, renormalised top-k. Weight names map to HF's in
-runner/weight_loader.py.
+The families differ only in config, which picks the layers: attention (GQA with optional q/k
+norm, qkv bias and partial rotary; or MLA with optional q compression, interleaved RoPE and
+YaRN), the router (softmax; DeepSeek-V2's grouped softmax; the sigmoid router with correction
+bias and groups), shared experts, and which layers are dense (`mlp_only_layers`: Qwen3-MoE's
+list, DeepSeek's first_k_dense_replace, GLM-4.7-Flash's mlp_layer_types). One tree with the
+choices in layers/ rather than a file per family, so a fix lands once; each family's config
+parsing is in moeserve/hf_config/<family>.py and its HF weight names in
+runner/weight_names.py.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.layers.attention import Attention, AttentionBackend
+from moeserve.layers.mla import MlaBackend, MLAttention
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import MoeBackend, SparseMoeBlock
 from moeserve.layers.norm import RMSNorm
@@ -37,11 +45,16 @@ Device = torch.device | str | None
 
 class DecoderLayer(nn.Module):
     def __init__(self, layer_idx: int, config: ModelConfig, moe_backend: MoeBackend,
-                 attention_backend: AttentionBackend, dtype: torch.dtype, device: Device) -> None:
+                 attention_backend: AttentionBackend, mla_backend: MlaBackend,
+                 dtype: torch.dtype, device: Device) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
-        self.self_attn = Attention(layer_idx, config, attention_backend, dtype, device)
+        self.self_attn: Attention | MLAttention
+        if config.mla is not None:
+            self.self_attn = MLAttention(layer_idx, config, mla_backend, dtype, device)
+        else:
+            self.self_attn = Attention(layer_idx, config, attention_backend, dtype, device)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.mlp: MLP | SparseMoeBlock
         if config.is_moe_layer(layer_idx):
@@ -68,13 +81,14 @@ class DecoderLayer(nn.Module):
 
 class Model(nn.Module):
     def __init__(self, config: ModelConfig, moe_backend: MoeBackend,
-                 attention_backend: AttentionBackend, dtype: torch.dtype, device: Device) -> None:
+                 attention_backend: AttentionBackend, mla_backend: MlaBackend,
+                 dtype: torch.dtype, device: Device) -> None:
         super().__init__()
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False)  # [V, hidden]
         self.layers = nn.ModuleList(
-            DecoderLayer(i, config, moe_backend, attention_backend, dtype, device)
+            DecoderLayer(i, config, moe_backend, attention_backend, mla_backend, dtype, device)
             for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -93,11 +107,11 @@ class CausalLM(nn.Module):
     """The served model: forward to the final hidden states, then logits for chosen rows."""
 
     def __init__(self, config: ModelConfig, moe_backend: MoeBackend,
-                 attention_backend: AttentionBackend, dtype: torch.dtype,
-                 device: Device = None) -> None:
+                 attention_backend: AttentionBackend, mla_backend: MlaBackend,
+                 dtype: torch.dtype, device: Device = None) -> None:
         super().__init__()
         self.config = config
-        self.model = Model(config, moe_backend, attention_backend, dtype, device)
+        self.model = Model(config, moe_backend, attention_backend, mla_backend, dtype, device)
         self.lm_head: nn.Parameter | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(
@@ -132,7 +146,8 @@ class CausalLM(nn.Module):
             block.count_mask = mask
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Give each layer its KV tensor [2, num_blocks, block_size, KVH, D]; [] unbinds all.
+        """Give each layer its cache tensor ([2, num_blocks, block_size, KVH, D], or MLA's
+        latent [num_blocks, block_size, L + R]); [] unbinds all.
 
         NOTE: layers keep these exact tensor objects; CUDA graphs captured later read them.
         """

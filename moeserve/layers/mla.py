@@ -1,0 +1,150 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, Moonlight, GLM-4.7-Flash) over the
+paged latent cache.
+
+One forward, for the T tokens of a step (H heads; L = kv_lora_rank, R = qk_rope_head_dim):
+
+    hidden [T, h] --in_proj--> [q part | c_kv (L) | k_rope (R)]     (one GEMM: q_a_proj or
+                                                                     q_proj, and kv_a_proj)
+      q part -> (q_a_layernorm -> q_b_proj when q_lora_rank) -> q [T, H, nope + R]
+      c_kv -> kv_a_layernorm;  q_rope, k_rope -> RoPE (interleaved pairs or halves; YaRN)
+      latent_cache[slot] = [c_kv | k_rope]                           (kernels/attention/mla.py)
+      decode rows, absorbed:  q_lat = [q_nope @ W_UK[h] | q_rope] -> mla_backend -> [T, H, L]
+                              -> @ W_UV[h]^T -> [T, H, v]
+      prefill rows (form "mha"): the context's latents up-projected by kv_b_proj to per-head
+                              K/V (mla_prefill_ref) -> [T, H, v]; form "absorbed": as decode
+      -> o_proj -> [T, h]
+
+W_UK [H, nope, L] and W_UV [H, v, L] are views of kv_b_proj ([H * (nope + v), L], HF's layout),
+made once at construction: the loader and the dummy init fill kv_b_proj in place. A step whose
+rows are all decodes (every CUDA-graph replay) builds no host tensors.
+
+`self.kv_cache` is the latent cache [num_blocks, block_size, L + R], bound by the runner; it must
+stay the same tensor object across steps (CUDA graphs capture its address).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
+from moeserve.kernels.attention.mla import mla_prefill_ref, write_latent
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.params import empty_param
+from moeserve.layers.rope_scaling import inv_freq_and_factor, softmax_scale
+
+# fn(q_lat [T, H, L + R], latent_cache [NB, BS, L + R], meta, scale, L) -> [T, H, L]
+MlaBackend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, int], torch.Tensor]
+PREFILL_FORMS = ("mha", "absorbed")
+
+
+
+@functools.lru_cache(maxsize=8)
+def _pair_table(config_key: tuple, dim: int, max_position: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [P, dim / 2] fp32 of each rotary pair (the per-pair angle), times YaRN's
+    factor; shared by the layers."""
+    rope = dict(config_key)["rope"]
+    inv_freq, factor = inv_freq_and_factor(rope, dim)
+    freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+    return (freqs.cos() * factor).to(device), (freqs.sin() * factor).to(device)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """RoPE of x [T, ..., R] with cos/sin [T, R / 2] (already at each token's position), in x's
+    dtype as transformers. interleaved: pairs (x[2i], x[2i + 1]), output laid out as
+    [rotated evens | rotated odds] (transformers' apply_rotary_pos_emb_interleave; the same
+    permutation on q and k leaves q . k unchanged); else pairs (x[i], x[i + R / 2])."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    c, s = cos.to(x.dtype).view(shape), sin.to(x.dtype).view(shape)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, layer_idx: int, config: ModelConfig, mla_backend: MlaBackend,
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        m = config.mla
+        assert m is not None
+        self.layer_idx, self.backend = layer_idx, mla_backend
+        self.num_heads = h = config.num_heads
+        self.q_lora_rank, self.kv_lora_rank = m.q_lora_rank, m.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.q_part = m.q_lora_rank or h * m.qk_head_dim
+        self.interleaved = config.rope.interleaved
+        self.scale = softmax_scale(config.rope, m.qk_head_dim)
+        self.prefill_form = "mha"
+        hidden = config.hidden_size
+        # [q_a_proj or q_proj | kv_a_proj_with_mqa] rows: one GEMM reads the hidden state once
+        self.in_proj = empty_param(self.q_part + m.latent_dim, hidden, dtype=dtype, device=device)
+        self.q_a_layernorm = self.q_b_proj = None
+        if m.q_lora_rank:
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6, dtype, device)
+            self.q_b_proj = empty_param(h * m.qk_head_dim, m.q_lora_rank, dtype=dtype,
+                                        device=device)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6, dtype, device)
+        self.kv_b_proj = empty_param(h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank,
+                                dtype=dtype, device=device)
+        w = self.kv_b_proj.view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        self.w_uk = w[:, :m.qk_nope_head_dim]  # [H, nope, L] view
+        self.w_uv = w[:, m.qk_nope_head_dim:]  # [H, v, L] view
+        self.o_proj = empty_param(hidden, h * m.v_head_dim, dtype=dtype, device=device)
+        key = (("rope", config.rope),)
+        self.cos, self.sin = _pair_table(key, m.qk_rope_head_dim, config.max_position_embeddings,
+                                         torch.device(device or "cpu"))  # [P, R / 2]
+        self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, L + R]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_caches)")
+        t, heads, nope, L = hidden.shape[0], self.num_heads, self.nope, self.kv_lora_rank
+        a = F.linear(hidden, self.in_proj)  # [T, q_part + L + R]
+        q = a[:, :self.q_part]
+        if self.q_b_proj is not None:
+            q = F.linear(self.q_a_layernorm(q.contiguous()), self.q_b_proj)
+        q = q.view(t, heads, nope + self.rope_dim)
+        c_kv = self.kv_a_layernorm(a[:, self.q_part:self.q_part + L].contiguous())  # [T, L]
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, R / 2]
+        q_rope = rotate_pairs(q[..., nope:], cos, sin, self.interleaved)  # [T, H, R]
+        k_rope = rotate_pairs(a[:, self.q_part + L:], cos, sin, self.interleaved)  # [T, R]
+        write_latent(torch.cat([c_kv, k_rope], dim=-1), self.kv_cache, meta.slot_mapping)
+        q_nope = q[..., :nope]
+        is_decode = meta.query_lens_np == 1
+        if self.prefill_form == "absorbed" or bool(is_decode.all()):
+            out = self._absorbed(q_nope, q_rope, meta)
+        else:
+            out = hidden.new_empty(t, heads, self.v_dim)
+            for rows, absorbed in ((np.flatnonzero(is_decode), True),
+                                   (np.flatnonzero(~is_decode), False)):
+                if not len(rows):
+                    continue
+                sub, tok = select_rows(meta, rows)
+                if absorbed:
+                    out[tok] = self._absorbed(q_nope[tok], q_rope[tok], sub)
+                else:
+                    out[tok] = mla_prefill_ref(torch.cat([q_nope[tok], q_rope[tok]], dim=-1),
+                                               self.kv_cache, sub, self.scale, self.kv_b_proj,
+                                               nope, self.v_dim)
+        return F.linear(out.reshape(t, heads * self.v_dim), self.o_proj)  # [T, hidden]
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """q_nope [T, H, nope], q_rope [T, H, R] -> [T, H, v] through the latent cache."""
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, L]
+        q_full = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, L + R]
+        out_lat = self.backend(q_full, self.kv_cache, meta, self.scale, self.kv_lora_rank)
+        return torch.bmm(out_lat.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
