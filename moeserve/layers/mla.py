@@ -86,7 +86,10 @@ class MLAttention(nn.Module):
         self.q_part = m.q_lora_rank or h * m.qk_head_dim
         self.interleaved = config.rope.interleaved
         self.scale = softmax_scale(config.rope, m.qk_head_dim)
-        self.prefill_form = "mha"
+        self.prefill_form = "mha"  # or "absorbed": how rows with several queries attend
+        # tokens attended in each form, counted on the host when the forward runs eagerly (a
+        # CUDA-graph replay runs no Python): tests assert which path ran
+        self.tokens_absorbed = self.tokens_up_projected = 0
         hidden = config.hidden_size
         # [q_a_proj or q_proj | kv_a_proj_with_mqa] rows: one GEMM reads the hidden state once
         self.in_proj = empty_param(self.q_part + m.latent_dim, hidden, dtype=dtype, device=device)
@@ -125,6 +128,7 @@ class MLAttention(nn.Module):
         q_nope = q[..., :nope]
         is_decode = meta.query_lens_np == 1
         if self.prefill_form == "absorbed" or bool(is_decode.all()):
+            self.tokens_absorbed += t
             out = self._absorbed(q_nope, q_rope, meta)
         else:
             out = hidden.new_empty(t, heads, self.v_dim)
@@ -134,8 +138,10 @@ class MLAttention(nn.Module):
                     continue
                 sub, tok = select_rows(meta, rows)
                 if absorbed:
+                    self.tokens_absorbed += len(sub.token_to_req_np)
                     out[tok] = self._absorbed(q_nope[tok], q_rope[tok], sub)
                 else:
+                    self.tokens_up_projected += len(sub.token_to_req_np)
                     out[tok] = mla_prefill_ref(torch.cat([q_nope[tok], q_rope[tok]], dim=-1),
                                                self.kv_cache, sub, self.scale, self.kv_b_proj,
                                                nope, self.v_dim)

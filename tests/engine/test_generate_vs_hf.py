@@ -30,7 +30,10 @@ def _prompts(vocab: int, lens: tuple[int, ...] = PROMPT_LENS, seed: int = 0) -> 
 def hf_greedy(ckpt: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    from tests.models.checkpoints import hf_config_as_published
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, config=hf_config_as_published(ckpt),
+                                                 dtype=torch.float32).eval()
     outs = []
     with torch.no_grad():
         for p in prompts:

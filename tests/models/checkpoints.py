@@ -203,23 +203,30 @@ def _bytes_to_unicode() -> dict[int, str]:
             **{b: chr(256 + n) for n, b in enumerate(extra)}}
 
 
-def load_hf_model(path: str | os.PathLike) -> PreTrainedModel:
-    """transformers' own model for a checkpoint folder: fp32, eval, eager attention."""
+def hf_config_as_published(path: str | os.PathLike) -> PretrainedConfig | None:
+    """The transformers config to load a checkpoint folder with, or None for AutoConfig's own.
+    A published DeepSeek / Kimi config points at remote code (auto_map) or names a model_type
+    transformers does not know (kimi_k2): load it with the architecture's own class, as a user
+    of transformers would."""
     import json
 
     with open(os.path.join(os.fspath(path), "config.json")) as f:
         published = json.load(f)
-    config = None
-    if "auto_map" in published or published.get("model_type") == "kimi_k2":
-        # the published fields point at remote code (auto_map) or a model_type transformers
-        # does not know: load the config with the architecture's own class, as a user would
-        cls = {"DeepseekV2ForCausalLM": DeepseekV2Config,
-               "DeepseekV3ForCausalLM": DeepseekV3Config}[published["architectures"][0]]
-        config = cls.from_pretrained(os.fspath(path))
-        config.auto_map = {}
-        # transformers picks the expert-weight conversion by model_type: a kimi_k2 checkpoint
-        # is a DeepseekV3 one, so load it as one (else its experts stay uninitialised)
-        config.model_type = cls.model_type
+    if "auto_map" not in published and published.get("model_type") != "kimi_k2":
+        return None
+    cls = {"DeepseekV2ForCausalLM": DeepseekV2Config,
+           "DeepseekV3ForCausalLM": DeepseekV3Config}[published["architectures"][0]]
+    config = cls.from_pretrained(os.fspath(path))
+    config.auto_map = {}
+    # transformers picks the expert-weight conversion by model_type: a kimi_k2 checkpoint is a
+    # DeepseekV3 one, so load it as one (else its experts stay uninitialised)
+    config.model_type = cls.model_type
+    return config
+
+
+def load_hf_model(path: str | os.PathLike) -> PreTrainedModel:
+    """transformers' own model for a checkpoint folder: fp32, eval, eager attention."""
+    config = hf_config_as_published(path)
     model = AutoModelForCausalLM.from_pretrained(os.fspath(path), config=config,
                                                  dtype=torch.float32, attn_implementation="eager")
     return model.eval()
