@@ -8,6 +8,8 @@ imports triton.
                         measured -> moe_measured (per token count, the faster of the two as
                         the tune measured it; Triton with default tiles when untuned)
     ATTENTION_BACKENDS  torch -> paged_attention_ref, triton -> paged_attention_triton
+    MLA_BACKENDS        torch -> mla_attention_ref, triton -> mla_attention_triton (absorbed
+                        MLA over the paged latent cache)
 
 The MoE tile source (the engine's `moe_tiles`) is bound here too, into the backends that read
 tile configs (TILED_MOE_BACKENDS): `get_moe_backend("triton", tiles="default")` is moe_triton
@@ -22,6 +24,8 @@ from typing import Protocol, TypeVar
 import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.attention.mla import mla_attention_ref
+from moeserve.kernels.attention.mla_triton import mla_attention_triton
 from moeserve.kernels.attention.paged import paged_attention_ref
 from moeserve.kernels.attention.paged_triton import paged_attention_triton
 from moeserve.kernels.moe.fused_triton import moe_triton
@@ -48,12 +52,22 @@ class AttentionFn(Protocol):
                  scale: float) -> torch.Tensor: ...
 
 
+class MlaAttentionFn(Protocol):
+    """Absorbed MLA: (q [T, H, L + R], latent_cache [num_blocks, block_size, L + R], meta, scale,
+    kv_lora_rank L) -> [T, H, L]."""
+
+    def __call__(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, kv_lora_rank: int) -> torch.Tensor: ...
+
+
 _Fn = TypeVar("_Fn")
 
 MOE_BACKENDS: dict[str, MoeFn] = {"torch": moe_loop_ref, "grouped_mm": moe_grouped_mm,
                                   "triton": moe_triton, "measured": moe_measured}
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref,
                                               "triton": paged_attention_triton}
+MLA_BACKENDS: dict[str, MlaAttentionFn] = {"torch": mla_attention_ref,
+                                           "triton": mla_attention_triton}
 TILED_MOE_BACKENDS = ("triton", "measured")  # the MoE backends that read tile configs
 
 
@@ -74,6 +88,12 @@ def get_moe_backend(name: str, tiles: str = "tuned") -> MoeFn:
 def get_attention_backend(name: str) -> AttentionFn:
     """The attention function registered as `name`; ValueError naming the choices if none."""
     return _lookup("attention_backend", ATTENTION_BACKENDS, name)
+
+
+def get_mla_backend(name: str) -> MlaAttentionFn:
+    """The absorbed MLA attention function registered as `name`; ValueError naming the choices
+    if none."""
+    return _lookup("mla_backend", MLA_BACKENDS, name)
 
 
 def _lookup(kind: str, table: dict[str, _Fn], name: str) -> _Fn:

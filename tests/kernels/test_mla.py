@@ -33,9 +33,11 @@ class MlaCase:
 
 def make_mla_case(num_computed: list[int], num_scheduled: list[int], block_size: int = 4,
                   num_heads: int = 4, L: int = 32, R: int = 16, nope: int = 16, v_dim: int = 16,
-                  dtype: torch.dtype = torch.float32, seed: int = 0) -> MlaCase:
+                  dtype: torch.dtype = torch.float32, seed: int = 0,
+                  device: str = "cpu") -> MlaCase:
     """Random latents written through write_latent into shuffled blocks of a NaN pool (reading
-    a slot that was not written poisons the output)."""
+    a slot that was not written poisons the output). Drawn on the CPU (the same numbers on any
+    device), then everything, the dense expectation included, computed on `device`."""
     gen = torch.Generator().manual_seed(seed)
     scale = (nope + R) ** -0.5
     seq_lens = [c + s for c, s in zip(num_computed, num_scheduled, strict=True)]
@@ -46,26 +48,29 @@ def make_mla_case(num_computed: list[int], num_scheduled: list[int], block_size:
     for n in blocks_per_req:
         tables.append(ids[first:first + n])
         first += n
-    cache = torch.full((num_blocks, block_size, L + R), float("nan"), dtype=dtype)
-    latents = [torch.randn(s, L + R, generator=gen).to(dtype) for s in seq_lens]
-    whole = build_attention_metadata([0] * len(seq_lens), seq_lens, tables, block_size, "cpu")
+    cache = torch.full((num_blocks, block_size, L + R), float("nan"), dtype=dtype,
+                       device=device)
+    latents = [torch.randn(s, L + R, generator=gen).to(device, dtype) for s in seq_lens]
+    whole = build_attention_metadata([0] * len(seq_lens), seq_lens, tables, block_size, device)
     write_latent(torch.cat(latents), cache, whole.slot_mapping)
-    kv_b = (torch.randn(num_heads * (nope + v_dim), L, generator=gen) * L ** -0.5).to(dtype)
+    kv_b = (torch.randn(num_heads * (nope + v_dim), L, generator=gen) * L ** -0.5).to(device,
+                                                                                       dtype)
     w = kv_b.float().view(num_heads, nope + v_dim, L)
     w_uk = w[:, :nope]  # [H, nope, L]
     qs, q_lats, expected = [], [], []
     for lat, start, n in zip(latents, num_computed, num_scheduled, strict=True):
-        q = torch.randn(n, num_heads, nope + R, generator=gen).to(dtype)
+        q = torch.randn(n, num_heads, nope + R, generator=gen).to(device, dtype)
         q_lat = torch.cat([torch.einsum("thn,hnl->thl", q[..., :nope].float(), w_uk),
                            q[..., nope:].float()], dim=-1).to(dtype)  # [n, H, L + R]
         s = lat.shape[0]
         scores = torch.einsum("thd,sd->hts", q_lat.float(), lat.float()) * scale
-        key_pos, q_pos = torch.arange(s), torch.arange(start, start + n)
+        key_pos = torch.arange(s, device=device)
+        q_pos = torch.arange(start, start + n, device=device)
         scores = scores.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         expected.append(torch.einsum("hts,sl->thl", scores.softmax(-1), lat[:, :L].float()))
         qs.append(q)
         q_lats.append(q_lat)
-    meta = build_attention_metadata(num_computed, num_scheduled, tables, block_size, "cpu")
+    meta = build_attention_metadata(num_computed, num_scheduled, tables, block_size, device)
     return MlaCase(torch.cat(q_lats), torch.cat(qs), cache, kv_b, meta, torch.cat(expected),
                    scale, L, R, nope, v_dim)
 

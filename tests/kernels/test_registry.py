@@ -7,11 +7,13 @@ import sys
 
 import pytest
 
+from moeserve.kernels.attention.mla import mla_attention_ref
+from moeserve.kernels.attention.mla_triton import mla_attention_triton
 from moeserve.kernels.attention.paged import paged_attention_ref
 from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe.measured import moe_measured
 from moeserve.kernels.moe.ref import moe_loop_ref
-from moeserve.kernels.registry import get_attention_backend, get_moe_backend
+from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 
 
 def test_known_backends() -> None:
@@ -19,6 +21,8 @@ def test_known_backends() -> None:
     assert get_moe_backend("grouped_mm") is moe_grouped_mm
     assert get_moe_backend("measured") is moe_measured
     assert get_attention_backend("torch") is paged_attention_ref
+    assert get_mla_backend("torch") is mla_attention_ref
+    assert get_mla_backend("triton") is mla_attention_triton
 
 
 def test_the_tile_source_is_bound_into_the_backends_that_read_tiles() -> None:
@@ -41,6 +45,8 @@ def test_unknown_backend_names_the_choices() -> None:
         get_moe_backend("cutlass")
     with pytest.raises(ValueError, match=r"attention_backend 'flash'; choices: torch, triton"):
         get_attention_backend("flash")
+    with pytest.raises(ValueError, match=r"mla_backend 'flashmla'; choices: torch, triton"):
+        get_mla_backend("flashmla")
 
 
 def test_importing_kernels_does_not_import_triton() -> None:

@@ -15,13 +15,16 @@ import numpy as np
 import pytest
 import torch
 
+from moeserve.kernels.attention import mla_triton
 from moeserve.kernels.attention import paged_triton as paged_attention_triton
+from moeserve.kernels.attention.mla_triton import mla_attention_triton
 from moeserve.kernels.attention.paged_triton import paged_attention_triton as run_attention
 from moeserve.kernels.moe import align as moe_align
 from moeserve.kernels.moe import fused_triton as moe_triton
 from moeserve.kernels.moe.fused_triton import moe_triton as run_moe
 from moeserve.kernels.norm_rope import rmsnorm_triton
 from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_triton
+from tests.kernels.test_mla_triton import gpu_case
 from tests.kernels.test_paged_attention_triton import gpu_step
 
 pytestmark = pytest.mark.gpu
@@ -47,6 +50,25 @@ def test_paged_attention_compiles_once_across_batch_shapes() -> None:
         torch.cuda.synchronize()
         counts.append((variants(kern.decode), variants(kern.prefill)))
     assert counts[0][0] >= 1 and counts[0][1] >= 1
+    assert counts == [counts[0]] * len(counts), counts
+
+
+def test_mla_attention_compiles_once_across_batch_shapes() -> None:
+    """Mixed steps (decode rows by index, prefill tiles) and pure decode steps, split-K each."""
+    kern = mla_triton._kernels()
+    rng = np.random.default_rng(0)
+    counts = []
+    for batch, num_prefill in [(7, 1), (16, 2), (33, 3), (100, 1), (129, 4)]:
+        computed = [599] + rng.integers(1, 600, batch - 1).tolist()  # 3 context partitions
+        prefill = rng.integers(5, 130, num_prefill).tolist()
+        for case in (gpu_case(computed + [0] * num_prefill, [1] * batch + prefill, 16,
+                              seed=batch),
+                     gpu_case(computed, [1] * batch, 16, seed=batch)):
+            mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale, case.L)
+        torch.cuda.synchronize()
+        counts.append((variants(kern.decode), variants(kern.decode_reduce),
+                       variants(kern.prefill)))
+    assert min(counts[0]) >= 1, counts
     assert counts == [counts[0]] * len(counts), counts
 
 

@@ -1,0 +1,447 @@
+"""Absorbed MLA attention over the paged latent cache, Triton path: decode (split-K for long
+contexts) and prefill kernels.
+
+Same contract as `mla_attention_ref` (kernels/attention/mla.py): causal attention of each row's
+absorbed queries q [T, H, L + R] over its cached rows latent_cache [num_blocks, block_size,
+L + R], one shared "head" for every query head (MQA): the score of head h and key j is
+q[h, :L] . c_j[:L] + q[h, L:] . c_j[L:], the value is c_j[:L]. Registered as the "triton" MLA
+backend. Triton is imported and the kernels jitted on first use (`_kernels`), as in
+paged_triton.py; on CPU they run in Triton's interpreter (TRITON_INTERPRET=1).
+
+    q [T, H, L + R] ----host split on meta.query_lens_np----+
+      decode rows (query_len == 1)                           |  prefill rows (chunks, prefixes)
+      _decode_kernel  grid (rows, head tiles, splits)        |  _prefill_kernel
+        one program = a tile of heads of one row over one    |    grid (query tiles, head tiles)
+        context partition: each cached tile [BLOCK_N, L+R]   |    one program = BLOCK_Q tokens x
+        is loaded once and serves every head of the tile     |    a tile of heads, flattened to
+      splits > 1: partial (max, sum, acc [L]) in fp32 ->     |    rows; causal masking on the
+        _decode_reduce_kernel  grid (rows, H)                |    key tiles past the first query
+    out [T, H, L] <------------------------------------------+
+
+L + R (576 at DeepSeek's dims) is no power of two, so the latent part [.., L] and the rotary part
+[.., R] are two tiles and the score two dots; the value tile is the latent tile already loaded
+(transposed for the score dot). Keys are gathered token by token through the block table, so a
+tile of BLOCK_N keys may span several blocks. Softmax is online, in fp32 and base 2; fp32 inputs
+take IEEE dots (the reference's precision). Pure decode steps build no host tensors and never
+sync: CUDA-graph capturable. The split count is fixed at launch from host ints (rows, head
+tiles, meta.max_seq_len) and the last partition always runs to the row's seq_len, so a graph
+captured at a shorter max_seq_len still attends every key.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.attention.paged_triton import (
+    MAX_SPLITS,
+    SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_DTYPES,
+    TileConfig,
+    _split_rows,
+    decode_num_splits,
+)
+from moeserve.kernels.triton_common import next_pow2
+
+REDUCE_BLOCK_L = 128  # latent columns the split reduce combines per step (bounds its registers)
+
+tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
+
+
+def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype) -> TileConfig:
+    """Untuned defaults for kind "decode" or "prefill". block_m: decode, the query heads of one
+    program (one row); prefill, its query rows (tokens x heads). block_n: keys per iteration."""
+    if kv_lora_rank <= 64:  # tiny test shapes: small tiles, so loops and masks run several times
+        return TileConfig(16, 16, 2, 1)
+    if kind == "decode":
+        return TileConfig(16, 32 if dtype == torch.float32 else 64, 4, 2)
+    return TileConfig(32, 32, 8, 1 if dtype == torch.float32 else 2)
+
+
+def head_tiles(num_heads: int, block_m: int) -> tuple[int, int]:
+    """(number of head tiles, heads per tile): at most block_m heads per tile, balanced, so 20
+    heads at block_m 16 are two tiles of 10."""
+    num_tiles = -(-num_heads // max(1, block_m))
+    return num_tiles, -(-num_heads // num_tiles)
+
+
+def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, kv_lora_rank: int, *, decode_splits: int | None = None,
+                         decode_config: TileConfig | None = None,
+                         prefill_config: TileConfig | None = None) -> torch.Tensor:
+    """Absorbed MLA: causal attention of each row's queries over its cached latent rows.
+
+    Args:
+        q: [T, H, L + R] (last dim contiguous), each head's absorbed query
+            [q_nope @ W_UK | rotated q_rope], tokens in the order of `meta`.
+        latent_cache: [num_blocks, block_size, L + R], contiguous, q's dtype; the step's own
+            rows already written.
+        meta: the step's AttentionMetadata; its int32 tensors on q's device.
+        scale: the softmax scale.
+        kv_lora_rank: L; the values are the first L entries of each cached row. L and
+            R = q.shape[-1] - L must be powers of two >= 16.
+        decode_splits: force the decode split count (tests, CUDA-graph capture); default
+            `decode_num_splits` over (rows, head tiles, max_seq_len).
+        decode_config, prefill_config: tile shapes (benchmarks); default `default_config`.
+    Returns:
+        [T, H, L] contiguous, q's dtype.
+    """
+    _check_inputs(q, latent_cache, meta, kv_lora_rank)
+    num_tokens, num_heads = q.shape[:2]
+    out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    is_decode = meta.query_lens_np == 1  # [B]
+    if bool(is_decode.all()):  # every index already on the device: no host work, no sync
+        _launch_decode(q, latent_cache, meta, scale, kv_lora_rank, out, None, meta.num_reqs,
+                       meta.max_seq_len, decode_splits, decode_config)
+        return out
+    prefill_cfg = prefill_config or default_config("prefill", kv_lora_rank, q.dtype)
+    block_q = _prefill_block_q(prefill_cfg, num_heads)
+    key = ("mla_attention_triton", block_q, q.device)
+    if key not in meta.derived:  # the step's first layer: later layers reuse it
+        meta.derived[key] = _split_rows(meta, is_decode, block_q, q.device)
+    dev, num_decode, num_tiles, max_seq = meta.derived[key]
+    if num_decode:
+        _launch_decode(q, latent_cache, meta, scale, kv_lora_rank, out, dev[:num_decode],
+                       num_decode, max_seq, decode_splits, decode_config)
+    _launch_prefill(q, latent_cache, meta, scale, kv_lora_rank, out, dev[num_decode:],
+                    num_tiles, prefill_cfg)
+    return out
+
+
+def _check_inputs(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+                  kv_lora_rank: int) -> None:
+    """ValueError naming the first input the kernels cannot take."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"mla_attention_triton: {what}")
+
+    def pow2_16(n: int) -> bool:
+        return n >= 16 and n & (n - 1) == 0
+
+    need(q.dim() == 3, f"q must be [T, H, L + R], got shape {tuple(q.shape)}")
+    need(latent_cache.dim() == 3,
+         f"latent_cache must be [num_blocks, block_size, L + R], got {tuple(latent_cache.shape)}")
+    num_tokens, _, dim = q.shape
+    _, block_size, cache_dim = latent_cache.shape
+    need(q.dtype in SUPPORTED_DTYPES, f"q dtype {q.dtype} not in {SUPPORTED_DTYPES}")
+    need(latent_cache.dtype == q.dtype,
+         f"latent_cache dtype {latent_cache.dtype} != q dtype {q.dtype}")
+    need(latent_cache.device == q.device, f"latent_cache on {latent_cache.device}, q on {q.device}")
+    need(dim == cache_dim, f"q's last dim {dim} != latent_cache's {cache_dim}")
+    rope_dim = dim - kv_lora_rank
+    need(pow2_16(kv_lora_rank), f"kv_lora_rank {kv_lora_rank} must be a power of two >= 16")
+    need(pow2_16(rope_dim),
+         f"rope dims R = {dim} - {kv_lora_rank} = {rope_dim} must be a power of two >= 16")
+    need(block_size in SUPPORTED_BLOCK_SIZES,
+         f"block_size {block_size} not in {SUPPORTED_BLOCK_SIZES}")
+    need(meta.block_size == block_size,
+         f"meta.block_size {meta.block_size} != latent_cache block_size {block_size}")
+    need(q.stride(2) == 1, f"q's last dim must be contiguous, strides {q.stride()}")
+    need(latent_cache.is_contiguous(), "latent_cache must be contiguous")
+    need(num_tokens == meta.num_tokens, f"q has {num_tokens} tokens, meta {meta.num_tokens}")
+    for name in ("block_tables", "seq_lens", "query_start_loc"):
+        t = getattr(meta, name)
+        need(t.dtype == torch.int32 and t.is_contiguous(),
+             f"meta.{name} must be contiguous int32, got {t.dtype}")
+        need(t.device == q.device, f"meta.{name} on {t.device}, q on {q.device}")
+    if q.device.type == "cpu":
+        need(os.environ.get("TRITON_INTERPRET") == "1",
+             "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing "
+             "triton")
+        need(q.dtype != torch.bfloat16,
+             "bf16 is not supported on CPU (Triton's interpreter loads bf16 wrongly); "
+             "use fp16/fp32 on CPU, bf16 on the GPU")
+    else:
+        need(q.device.type == "cuda", f"unsupported device {q.device}")
+
+
+def _prefill_block_q(cfg: TileConfig, num_heads: int) -> int:
+    """Query tokens per prefill program: block_m rows hold block_q tokens x a tile of heads."""
+    _, per_tile = head_tiles(num_heads, cfg.block_m)
+    return max(1, cfg.block_m // per_tile)
+
+
+def _launch_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+                   scale: float, kv_lora_rank: int, out: torch.Tensor,
+                   rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
+                   num_splits: int | None, cfg: TileConfig | None) -> None:
+    """Decode rows (one query each): `rows` [num_rows] int32 row ids, or None for rows 0..B-1."""
+    kern = _kernels()
+    num_heads, dim = q.shape[1:]
+    cfg = cfg or default_config("decode", kv_lora_rank, q.dtype)
+    num_head_tiles, per_tile = head_tiles(num_heads, cfg.block_m)
+    if num_splits is None:
+        num_splits = decode_num_splits(num_rows, num_head_tiles, max_seq_len)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"mla_attention_triton: decode_splits must be in 1..{MAX_SPLITS}, "
+                         f"got {num_splits}")
+    partition = -(-max(1, max_seq_len) // num_splits)
+    partition = -(-partition // cfg.block_n) * cfg.block_n  # whole key tiles per partition
+    split = num_splits > 1
+    if split:
+        part_m = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32,
+                             device=q.device)  # [n, H, S] running max (base-2 logits)
+        part_l = torch.empty_like(part_m)  # [n, H, S] sum of exp2
+        part_acc = torch.empty(num_rows, num_heads, num_splits, kv_lora_rank,
+                               dtype=torch.float32, device=q.device)  # [n, H, S, L]
+    else:
+        part_m = part_l = part_acc = out  # unused
+    row_ids = rows if rows is not None else meta.query_start_loc  # unused when USE_ROWS is off
+    kern.decode[(num_rows, num_head_tiles, num_splits)](
+        q, latent_cache, out, part_m, part_l, part_acc,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc, row_ids,
+        scale * math.log2(math.e), partition, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, HEADS_PER_TILE=per_tile, BLOCK_H=max(16, next_pow2(per_tile)),
+        L=kv_lora_rank, R=dim - kv_lora_rank, BLOCK_SIZE=latent_cache.shape[1],
+        BLOCK_N=cfg.block_n, USE_ROWS=rows is not None, SPLIT=split,
+        IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split:
+        kern.decode_reduce[(num_rows, num_heads)](
+            part_m, part_l, part_acc, out, meta.query_start_loc, row_ids, num_splits,
+            out.stride(0), out.stride(1),
+            # one BLOCK_S for every split count: one compiled variant, not one per power of two
+            NUM_HEADS=num_heads, L=kv_lora_rank, BLOCK_L=min(kv_lora_rank, REDUCE_BLOCK_L),
+            BLOCK_S=next_pow2(max(2, MAX_SPLITS)), USE_ROWS=rows is not None, num_warps=4)
+
+
+def _launch_prefill(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, kv_lora_rank: int, out: torch.Tensor, tiles: torch.Tensor,
+                    num_tiles: int, cfg: TileConfig) -> None:
+    """Prefill rows by query tile: `tiles` [2 * num_tiles] int32 = (row of each tile, tile index
+    within the row)."""
+    num_heads, dim = q.shape[1:]
+    num_head_tiles, per_tile = head_tiles(num_heads, cfg.block_m)
+    block_q = _prefill_block_q(cfg, num_heads)
+    _kernels().prefill[(num_tiles, num_head_tiles)](
+        q, latent_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
+        num_tiles, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, HEADS_PER_TILE=per_tile, BLOCK_Q=block_q,
+        BLOCK_M=max(16, next_pow2(block_q * per_tile)), L=kv_lora_rank, R=dim - kv_lora_rank,
+        BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=cfg.block_n, IEEE=q.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now). Kernels
+    call the helpers and read `tl` by global name (Triton resolves names in the module's
+    globals), so those are bound here."""
+    global tl, _attend_tile, _max, _sum
+    import triton
+    import triton.language
+
+    tl = triton.language
+    _max, _sum = triton.jit(_max), triton.jit(_sum)
+    _attend_tile = triton.jit(_attend_tile)
+    # NOTE: step-varying ints (split partition and count, the block table's width, tile counts)
+    # and index arrays sliced at any offset are exempt from specialisation: a new batch shape
+    # must not compile a new variant mid-serving (see paged_triton._kernels).
+    return SimpleNamespace(
+        decode=triton.jit(_decode_kernel,
+                          do_not_specialize=["partition", "num_splits", "stride_table"],
+                          do_not_specialize_on_alignment=["rows_ptr"]),
+        decode_reduce=triton.jit(_decode_reduce_kernel, do_not_specialize=["num_splits"],
+                                 do_not_specialize_on_alignment=["rows_ptr"]),
+        prefill=triton.jit(_prefill_kernel, do_not_specialize=["num_tiles", "stride_table"],
+                           do_not_specialize_on_alignment=["tiles_ptr"]))
+
+
+# ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
+
+def _max(x, AXIS: tl.constexpr):
+    """Max over AXIS of fp32 x, without tl.max's own jit wrapper (see paged_triton._max)."""
+    return tl.reduce(x, AXIS, tl.standard._elementwise_max)
+
+
+def _sum(x, AXIS: tl.constexpr):
+    """Sum over AXIS of fp32 x (see _max)."""
+    return tl.reduce(x, AXIS, tl.standard._sum_combine)
+
+
+def _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table_ptr, n0, kv_end, q_pos,
+                 scale_log2, L: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """One online-softmax step of query rows (q_lat [M, L], q_pe [M, R]) over the cached rows of
+    keys n0 .. n0 + BLOCK_N of one row's paged context. MASKED: keys >= kv_end (and, CAUSAL,
+    keys after q_pos [M]) are dropped."""
+    pos = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
+    dl = tl.arange(0, L)
+    dr = tl.arange(0, R)
+    if MASKED:
+        valid = pos < kv_end  # [N]
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+    else:
+        block = tl.load(table_ptr + pos // BLOCK_SIZE)
+    row = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)  # [N] row offsets
+    if MASKED:
+        kv = tl.load(cache_ptr + row[:, None] + dl[None, :], mask=valid[:, None], other=0.0)
+        k_pe = tl.load(cache_ptr + row[None, :] + L + dr[:, None], mask=valid[None, :],
+                       other=0.0)
+    else:
+        kv = tl.load(cache_ptr + row[:, None] + dl[None, :])  # [N, L] latents: keys and values
+        k_pe = tl.load(cache_ptr + row[None, :] + L + dr[:, None])  # [R, N]
+    # fp32: exact products (the reference's precision); half types: default tensor-core dots
+    if IEEE:
+        s = (tl.dot(q_lat, tl.trans(kv), input_precision="ieee")
+             + tl.dot(q_pe, k_pe, input_precision="ieee"))
+    else:
+        s = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, k_pe)
+    s = s * scale_log2  # [M, N] base-2 logits
+    if MASKED:
+        keep = valid[None, :]
+        if CAUSAL:
+            keep = keep & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, _max(s, 1))  # [M]; finite: every row sees a key in its 1st tile
+    alpha = tl.exp2(m_i - m_new)  # [M]
+    p = tl.exp2(s - m_new[:, None])  # [M, N]
+    l_i = l_i * alpha + _sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+    return acc, m_new, l_i
+
+
+def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                   block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, rows_ptr,
+                   scale_log2, partition, num_splits,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+                   NUM_HEADS: tl.constexpr, HEADS_PER_TILE: tl.constexpr, BLOCK_H: tl.constexpr,
+                   L: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, USE_ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """Program (i, head_tile, split): the HEADS_PER_TILE query heads of head_tile for decode
+    row i, over context partition `split` (the last one runs to seq_len)."""
+    i = tl.program_id(0)
+    head_tile = tl.program_id(1)
+    split = tl.program_id(2)
+    if USE_ROWS:
+        req = tl.load(rows_ptr + i)
+    else:
+        req = i
+    tok = tl.load(query_start_loc_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start = split * partition
+    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(seq_len, start + partition))
+    h = tl.arange(0, BLOCK_H)  # [H'] head within the tile (padded)
+    head = head_tile * HEADS_PER_TILE + h
+    h_ok = (h < HEADS_PER_TILE) & (head < NUM_HEADS)
+    dl = tl.arange(0, L)
+    dr = tl.arange(0, R)
+    q_row = q_ptr + tok * stride_qt + head[:, None] * stride_qh  # [H', 1]
+    q_lat = tl.load(q_row + dl[None, :], mask=h_ok[:, None], other=0.0)  # [H', L]
+    q_pe = tl.load(q_row + L + dr[None, :], mask=h_ok[:, None], other=0.0)  # [H', R]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
+    acc = tl.full([BLOCK_H, L], 0.0, tl.float32)
+    table = block_tables_ptr + req.to(tl.int64) * stride_table
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table, n0, end, end,
+                                     scale_log2, L, R, BLOCK_SIZE, BLOCK_N, False, False, IEEE)
+    for n0 in range(full_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table, n0, end, end,
+                                     scale_log2, L, R, BLOCK_SIZE, BLOCK_N, True, False, IEEE)
+    if SPLIT:
+        part = (i * NUM_HEADS + head) * num_splits + split  # [H']
+        tl.store(part_m_ptr + part, m_i, mask=h_ok)
+        tl.store(part_l_ptr + part, l_i, mask=h_ok)
+        tl.store(part_acc_ptr + part[:, None].to(tl.int64) * L + dl[None, :], acc,
+                 mask=h_ok[:, None])
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty row (seq_len 0 padding) writes 0
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + dl[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_start_loc_ptr,
+                          rows_ptr, num_splits, stride_ot, stride_oh,
+                          NUM_HEADS: tl.constexpr, L: tl.constexpr, BLOCK_L: tl.constexpr,
+                          BLOCK_S: tl.constexpr, USE_ROWS: tl.constexpr):
+    """Program (i, head): combine the split partials of decode row i, query head `head`,
+    BLOCK_L latent columns at a time."""
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    if USE_ROWS:
+        req = tl.load(rows_ptr + i)
+    else:
+        req = i
+    tok = tl.load(query_start_loc_ptr + req)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_L)
+    s_ok = s < num_splits
+    base = (i * NUM_HEADS + head) * num_splits
+    m = tl.load(part_m_ptr + base + s, mask=s_ok, other=float("-inf"))  # [S]
+    l_s = tl.load(part_l_ptr + base + s, mask=s_ok, other=0.0)  # [S]
+    m_max = _max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # [S]; empty partitions (max -inf) weigh 0
+    total = _sum(w * l_s, 0)
+    w = w / tl.where(total == 0.0, 1.0, total)
+    acc_rows = part_acc_ptr + (base + s)[:, None].to(tl.int64) * L  # [S, 1]
+    out_row = out_ptr + tok * stride_ot + head * stride_oh
+    for d0 in range(0, L, BLOCK_L):
+        acc = tl.load(acc_rows + d0 + d[None, :], mask=s_ok[:, None], other=0.0)  # [S, BL]
+        o = _sum(acc * w[:, None], 0)  # [BL]
+        tl.store(out_row + d0 + d, o.to(out_ptr.dtype.element_ty))
+
+
+def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
+                    query_start_loc_ptr, tiles_ptr, num_tiles, scale_log2,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+                    NUM_HEADS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, L: tl.constexpr,
+                    R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    IEEE: tl.constexpr):
+    """Program (t, head_tile): query tile t (BLOCK_Q tokens of one row) x the HEADS_PER_TILE
+    heads of head_tile, flattened to rows r = token * HEADS_PER_TILE + head; causal over the
+    row's paged context."""
+    t = tl.program_id(0)
+    head_tile = tl.program_id(1)
+    req = tl.load(tiles_ptr + t)
+    tile = tl.load(tiles_ptr + num_tiles + t)
+    q_first = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_first
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_start = seq_len - q_len  # position of the row's first query
+    r = tl.arange(0, BLOCK_M)
+    qi = tile * BLOCK_Q + r // HEADS_PER_TILE  # [M] query index within the row
+    head = head_tile * HEADS_PER_TILE + r % HEADS_PER_TILE  # [M]
+    row_ok = (r < BLOCK_Q * HEADS_PER_TILE) & (qi < q_len) & (head < NUM_HEADS)
+    dl = tl.arange(0, L)
+    dr = tl.arange(0, R)
+    q_row = q_ptr + (q_first + qi)[:, None] * stride_qt + head[:, None] * stride_qh  # [M, 1]
+    q_lat = tl.load(q_row + dl[None, :], mask=row_ok[:, None], other=0.0)  # [M, L]
+    q_pe = tl.load(q_row + L + dr[None, :], mask=row_ok[:, None], other=0.0)  # [M, R]
+    q_pos = ctx_start + qi  # [M]; padded rows sit past the tile and see every key it sees
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, L], 0.0, tl.float32)
+    table = block_tables_ptr + req.to(tl.int64) * stride_table
+    first_pos = ctx_start + tile * BLOCK_Q
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # keys the tile's last query sees
+    full_end = first_pos // BLOCK_N * BLOCK_N  # keys every query of the tile sees
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table, n0, kv_end,
+                                     q_pos, scale_log2, L, R, BLOCK_SIZE, BLOCK_N, False, False,
+                                     IEEE)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table, n0, kv_end,
+                                     q_pos, scale_log2, L, R, BLOCK_SIZE, BLOCK_N, True, True,
+                                     IEEE)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + (q_first + qi)[:, None] * stride_ot + head[:, None] * stride_oh
+             + dl[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
