@@ -11,31 +11,33 @@ from collections.abc import Callable
 import torch
 
 from moeserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from moeserve.kernels.attention.mla import mla_attention_ref
-from moeserve.kernels.registry import get_attention_backend, get_moe_backend
+from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.models.decoder import CausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, CausalLM)
-# MLA's absorbed attention, by the engine's attention_backend name
-MLA_BACKENDS = {"torch": mla_attention_ref}
+
 
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
                 device: torch.device | str, moe_backend: str | Callable,
-                attention_backend: str | Callable) -> CausalLM:
+                attention_backend: str | Callable,
+                mla_backend: str | Callable | None = None) -> CausalLM:
     """Build the model with uninitialised weights (load_weights or init_dummy_weights fill them).
 
     Args:
         dtype: torch dtype or its name ("bfloat16").
         moe_backend: a name from kernels.registry ("torch", "grouped_mm") or the backend function.
         attention_backend: a name from kernels.registry ("torch") or the backend function.
+        mla_backend: MLA's absorbed attention, by name or function; None: the one registered
+            under attention_backend's name (the torch reference when that is a function).
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     moe_fn = get_moe_backend(moe_backend) if isinstance(moe_backend, str) else moe_backend
     attn_fn = (get_attention_backend(attention_backend) if isinstance(attention_backend, str)
                else attention_backend)
-    mla_fn = (MLA_BACKENDS.get(attention_backend, mla_attention_ref)
-              if isinstance(attention_backend, str) else mla_attention_ref)
+    if mla_backend is None:
+        mla_backend = attention_backend if isinstance(attention_backend, str) else "torch"
+    mla_fn = get_mla_backend(mla_backend) if isinstance(mla_backend, str) else mla_backend
     cls = MODEL_CLASSES[model_config.architecture]
     return cls(model_config, moe_fn, attn_fn, mla_fn, dtype, torch.device(device)).eval()

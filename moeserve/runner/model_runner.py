@@ -21,7 +21,7 @@ import torch
 from moeserve import envs
 from moeserve.config import EngineConfig, ModelConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
-from moeserve.kernels.registry import get_attention_backend, get_moe_backend
+from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers.sampler import SampleLogprobs, SamplingTensors, sample
 from moeserve.models import build_model
 from moeserve.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -56,7 +56,8 @@ class ModelRunner:
     def _init_model(self, weights_folder: str | None) -> None:
         self.model = build_model(self.model_config, self.dtype, self.device,
                                  get_moe_backend(self.cfg.moe_backend, self.cfg.moe_tiles),
-                                 get_attention_backend(self.cfg.attention_backend))
+                                 get_attention_backend(self.cfg.attention_backend),
+                                 get_mla_backend(self.cfg.attention_backend))
         self.mtp_note = ""  # the capacity report's line on a checkpoint's MTP layers
         if self.cfg.load_format == "dummy":
             init_dummy_weights(self.model, self.cfg.seed)

@@ -134,12 +134,51 @@ def test_async_scheduling_matches_hf(device: str, checkpoints: dict, arch: str) 
 def test_latent_cache_is_sized_by_its_bytes() -> None:
     """The memory plan and the report count MLA's latent row (L + R values a token a layer),
     not per-head K/V."""
+    import json
+
     from moeserve.config import CacheConfig
     from moeserve.hf_config import parse
     from moeserve.runner.kv_cache import bytes_per_block, kv_layout
     from tests.models.checkpoints import tiny_hf_config
 
-    hf = tiny_hf_config("deepseek_v3").to_dict() | {"architectures": ["DeepseekV3ForCausalLM"]}
+    hf = json.loads(tiny_hf_config("deepseek_v3").to_json_string(use_diff=True))
+    hf["architectures"] = ["DeepseekV3ForCausalLM"]
     mc = parse(hf)
     assert bytes_per_block(mc, CacheConfig(block_size=16), torch.float32) == 3 * 16 * 48 * 4
     assert "MLA latent 32 + rope 16" in kv_layout(mc, torch.float32)
+
+
+TRITON_PATHS = {
+    "batch": {},
+    "chunked": {"max_num_batched_tokens": 16},
+    "preemption": {"block_size": 4, "num_blocks": 25, "max_model_len": 96,
+                   "max_running_requests": 4},
+    "overlap": {"async_scheduling": True, "max_num_batched_tokens": 16},
+}
+
+
+@pytest.mark.parametrize("path", list(TRITON_PATHS))
+def test_triton_mla_paths_match_hf(device: str, checkpoints: dict, path: str) -> None:
+    """GLM-4.7-Flash's MLA through the Triton kernel (on CPU in Triton's interpreter), on each
+    engine path; prefix hits below."""
+    folder, prompts, expected = checkpoints["glm4_moe_lite"]
+    llm = _llm(folder, device, attention_backend="triton", **TRITON_PATHS[path])
+    results = llm.generate(prompts, GREEDY)
+    stats = llm.engine.scheduler.stats
+    assert {"chunked": stats.num_prefill_chunks > 1, "preemption": stats.num_preemptions > 0,
+            "overlap": stats.num_prefill_chunks > 1}.get(path, True)
+    assert [r.token_ids for r in results] == expected
+
+
+def test_triton_mla_prefix_hits_match_hf(device: str, checkpoints: dict) -> None:
+    folder, _, _ = checkpoints["glm4_moe_lite"]
+    shared = _prompts(256, (40,), seed=1)[0]
+    prompts = [shared + tail for tail in _prompts(256, (3, 9), seed=2)]
+    expected = hf_greedy(folder, prompts)
+    llm = _llm(folder, device, block_size=8, attention_backend="triton")
+    for layer in _mla_layers(llm):  # the prefix hit's queries through the Triton kernel too
+        layer.prefill_form = "absorbed"
+    first = llm.generate(prompts[:1], GREEDY)
+    rest = llm.generate(prompts[1:], GREEDY)
+    assert rest[0].num_cached_tokens > 0
+    assert [r.token_ids for r in first + rest] == expected
