@@ -1,11 +1,15 @@
 """Rotary position embedding (default RoPE, neox style: rotate_half), as Hugging Face computes it.
 
-    inv_freq[i] = 1 / theta ** (arange(0, D, 2) / D)              fp32, HF's exact expression
-    freqs[p, i] = p * inv_freq[i];  emb = cat(freqs, freqs)        [max_position, D] fp32
+    inv_freq[i] = 1 / theta ** (arange(0, R, 2) / R)              fp32, HF's exact expression
+    freqs[p, i] = p * inv_freq[i];  emb = cat(freqs, freqs)        [max_position, R] fp32
     cos, sin    = emb.cos(), emb.sin()   (cast to q's dtype at use, as HF does)
-    q' = q * cos + rotate_half(q) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
+    q' = q * cos + rotate_half(q) * sin,   rotate_half(x) = cat(-x[..., R/2:], x[..., :R/2])
 
-The cos/sin table is computed once per (head_dim, max_position, theta, device) and shared by
+R is the rotary dim: the head_dim D by default; R < D is partial rotary (GLM-4.5), where only
+the first R dims of each head rotate and the rest pass through (the kernels read R from the
+tables' width).
+
+The cos/sin table is computed once per (rotary_dim, max_position, theta, device) and shared by
 every layer (48 layers must not hold 48 copies of a 131k-position table).
 
 On CUDA, q and k are rotated in one Triton launch (kernels/norm_rope/rope_triton.py, bit for bit the
@@ -24,9 +28,10 @@ from moeserve.kernels.norm_rope.rope_triton import rope_ref, rope_triton
 
 
 @functools.lru_cache(maxsize=8)
-def _cos_sin_table(head_dim: int, max_position: int, theta: float,
+def _cos_sin_table(rotary_dim: int, max_position: int, theta: float,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    """cos, sin [max_position, rotary_dim] fp32 (rotary_dim: the head_dim for full RoPE)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
     pos = torch.arange(max_position, dtype=torch.float)  # [P]
     freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
@@ -37,14 +42,17 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, H, D] and k [T, KVH, D] at `positions` [T] (int64)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, rotary_dim: int | None = None) -> None:
         super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"RoPE needs an even rotary_dim in (0, head_dim {head_dim}], got "
+                             f"{rotary_dim}")
         self.head_dim, self.max_position, self.theta = head_dim, max_position, theta
+        self.rotary_dim = rotary_dim
         # NOTE: plain attributes, not buffers: shared across layers and kept out of state_dict.
-        self.cos, self.sin = _cos_sin_table(head_dim, max_position, float(theta),
-                                            torch.device(device or "cpu"))  # [P, D] fp32
+        self.cos, self.sin = _cos_sin_table(rotary_dim, max_position, float(theta),
+                                            torch.device(device or "cpu"))  # [P, R] fp32
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,4 +62,5 @@ class RotaryEmbedding(nn.Module):
         return rope_ref(positions, q, k, self.cos, self.sin)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, max_position={self.max_position}, theta={self.theta}"
+        return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+                f"max_position={self.max_position}, theta={self.theta}")

@@ -1,7 +1,8 @@
 """Triton RMSNorm (with and without the fused residual add) and RoPE against their torch
 references, at qwen3-30b-a3b's shapes (hidden 2048; 32 q / 4 kv heads of 128, split from the
 fused qkv output as strided views): CPU through Triton's interpreter (fp32, fp16), the GPU in
-bf16 (with one case inside a CUDA graph).
+bf16 (with one case inside a CUDA graph). Partial rotary (GLM-4.5: head_dim 128, rotary 64;
+and head_dim 16, rotary 8) against transformers' glm4_moe formula written out here.
 
 Tolerances (what the kernels promise):
   * the residual sum, and RoPE in every dtype: bit exact (the same roundings as torch's ops);
@@ -29,6 +30,8 @@ NORM_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5),
             torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5)}
 CPU_DTYPES = (torch.float32, torch.float16)
 TOKENS = (1, 7, 300)
+PARTIAL = ((32, 4, 128, 64), (6, 2, 16, 8))  # (H, KVH, head_dim, rotary_dim)
+PARTIAL_IDS = ("glm45", "tiny")
 
 
 def qkv_views(t: int, dtype: torch.dtype, device: str, seed: int = 0
@@ -112,6 +115,55 @@ def check_rope(t: int, dtype: torch.dtype, device: str) -> None:
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
 
 
+def hf_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    """transformers' default inv_freq over the rotary dims (glm4_moe's
+    compute_default_rope_parameters with dim = head_dim * partial_rotary_factor)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+def hf_partial_rope(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor:
+    """transformers' glm4_moe apply_rotary_pos_emb on x [T, H, D], tables [P, R], R <= D:
+    x_rot, x_pass = x[..., :R], x[..., R:]; cat(x_rot * cos + rotate_half(x_rot) * sin,
+    x_pass), with cos/sin cast to x's dtype first (HF's cos.to(x.dtype))."""
+    c = cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, R]
+    s = sin[positions].to(x.dtype).unsqueeze(1)
+    r = c.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot[..., :r // 2], x_rot[..., r // 2:]
+    embed = (x_rot * c) + (torch.cat((-x2, x1), dim=-1) * s)
+    return torch.cat([embed, x_pass], dim=-1)
+
+
+def check_partial_rope(t: int, dtype: torch.dtype, shape: tuple[int, int, int, int],
+                       device: str) -> None:
+    """rope_triton (out of place and in place) and rope_ref on strided q/k views of a fused qkv
+    row, with tables [P, R] narrower than the head: bit exact against HF's formula."""
+    h, kvh, d, r = shape
+    max_position, theta = (MAX_POSITION, THETA) if d == HEAD_DIM else (512, 1e4)
+    gen = torch.Generator().manual_seed(t)
+    qkv = (torch.randn(t, (h + 2 * kvh) * d, generator=gen) * 2).to(dtype).to(device)
+    q = qkv[:, :h * d].view(t, h, d)
+    k = qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)
+    cos, sin = _cos_sin_table(r, max_position, theta, torch.device(device))
+    assert cos.shape == sin.shape == (max_position, r)
+    positions = torch.randint(0, max_position, (t,), generator=gen).to(device)
+    positions[0] = max_position - 1
+    want_q, want_k = hf_partial_rope(positions, q, cos, sin), hf_partial_rope(positions, k, cos,
+                                                                               sin)
+    assert torch.equal(want_q[..., r:], q[..., r:]) and not torch.equal(want_q, q)
+    ref_q, ref_k = rope_ref(positions, q, k, cos, sin)
+    assert torch.equal(ref_q, want_q) and torch.equal(ref_k, want_k)
+    out_q, out_k = rope_triton(positions, q, k, cos, sin)
+    assert out_q.is_contiguous() and out_k.is_contiguous()
+    assert torch.equal(out_q, want_q) and torch.equal(out_k, want_k)
+    rest = qkv[:, (h + kvh) * d:].clone()
+    q_in, k_in = rope_triton(positions, q, k, cos, sin, inplace=True)  # writes into qkv
+    assert q_in.data_ptr() == q.data_ptr() and k_in.data_ptr() == k.data_ptr()
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (h + kvh) * d:], rest)  # v untouched
+
+
 # ---- CPU, through Triton's interpreter ----
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -157,6 +209,36 @@ def test_rope_bit_exact_on_qkv_views(t: int, dtype: torch.dtype) -> None:
     check_rope(t, dtype, "cpu")
 
 
+@pytest.mark.parametrize("shape", PARTIAL, ids=PARTIAL_IDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("t", TOKENS)
+def test_partial_rope_matches_hf_formula(t: int, dtype: torch.dtype,
+                                         shape: tuple[int, int, int, int]) -> None:
+    check_partial_rope(t, dtype, shape, "cpu")
+
+
+@pytest.mark.parametrize("rotary_dim", (8, 16))
+def test_rotary_embedding_tables_and_partial_rotary(rotary_dim: int) -> None:
+    """RotaryEmbedding(head_dim 16, rotary_dim): tables [P, R] from HF's inv_freq over R (R = D
+    by default, as before), and the layer's CPU forward is HF's partial formula."""
+    default = RotaryEmbedding(16, 512, 1e4)
+    assert default.rotary_dim == 16 and default.cos.shape == (512, 16)
+    rope = RotaryEmbedding(16, 512, 1e4, rotary_dim=rotary_dim)
+    assert rope.cos.shape == rope.sin.shape == (512, rotary_dim)
+    freqs = torch.arange(512, dtype=torch.float)[:, None] * hf_inv_freq(rotary_dim, 1e4)[None]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, R]
+    assert torch.equal(rope.cos, emb.cos()) and torch.equal(rope.sin, emb.sin())
+    torch.manual_seed(0)
+    q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
+    positions = torch.tensor([0, 3, 100, 511, 7])
+    out_q, out_k = rope(positions, q, k)
+    assert torch.equal(out_q, hf_partial_rope(positions, q, rope.cos, rope.sin))
+    assert torch.equal(out_k, hf_partial_rope(positions, k, rope.cos, rope.sin))
+    for bad in (0, 7, 18):
+        with pytest.raises(ValueError, match="rotary_dim"):
+            RotaryEmbedding(16, 512, 1e4, rotary_dim=bad)
+
+
 def test_rms_norm_odd_sizes_and_layouts() -> None:
     """D not a power of two (masked columns), rows not a multiple of the block, a 4-D input, a
     non-unit last stride, a 1-D input, and fp32 weights on fp16 activations (fp32 out, as HF)."""
@@ -197,6 +279,11 @@ def test_launchers_reject_bad_inputs() -> None:
         rope_triton(torch.arange(3), q, k, cos, sin)
     with pytest.raises(ValueError, match="cos"):
         rope_triton(torch.arange(2), q, k, cos.double(), sin)
+    wide, _ = _cos_sin_table(18, 32, 1e4, torch.device("cpu"))  # wider than the head
+    with pytest.raises(ValueError, match="R even and <= head_dim"):
+        rope_triton(torch.arange(2), q, k, wide, wide)
+    with pytest.raises(ValueError, match="R even"):
+        rope_triton(torch.arange(2), q, k, cos[:, :7].contiguous(), sin[:, :7].contiguous())
 
 
 def test_cpu_layers_keep_the_torch_ops() -> None:
@@ -223,6 +310,8 @@ def test_gpu_bf16(t: int) -> None:
     check_rms_norm_parts(t, torch.bfloat16, "cuda")
     check_qk_norm(t, torch.bfloat16, "cuda")
     check_rope(t, torch.bfloat16, "cuda")
+    for shape in PARTIAL:
+        check_partial_rope(t, torch.bfloat16, shape, "cuda")
 
 
 @pytest.mark.gpu
@@ -240,6 +329,10 @@ def test_gpu_layers_use_triton_and_match_reference() -> None:
     out_q, out_k = rope(positions, q, k)
     expected_q, expected_k = rope_ref(positions, q, k, rope.cos, rope.sin)
     assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
+    partial = RotaryEmbedding(HEAD_DIM, MAX_POSITION, THETA, "cuda", rotary_dim=HEAD_DIM // 2)
+    out_q, out_k = partial(positions, q, k)
+    assert torch.equal(out_q, hf_partial_rope(positions, q, partial.cos, partial.sin))
+    assert torch.equal(out_k, hf_partial_rope(positions, k, partial.cos, partial.sin))
 
 
 @pytest.mark.gpu

@@ -14,6 +14,9 @@ Tolerances (what the kernel promises):
   * RoPE and the write, given the same normed values: bit exact. Checked on inputs where the
     norm is exact in any order (values in {0, +-1, +-2} * 2^k, mean square a power of 4, eps
     0): the whole fused result then equals the reference bit for bit.
+Partial rotary (GLM-4.5: 96 / 8 heads of 128 with rotary 64; and 6 / 2 of 16 with rotary 8):
+against transformers' glm4_moe written out here (qk norm over the whole head, then RoPE on the
+first rotary_dim dims, the rest passed through), to the same tolerances.
 The interpreter rounds bf16 differently from CUDA and torch (it does for rope_triton too), so
 bf16 runs on the GPU only.
 """
@@ -37,10 +40,12 @@ from moeserve.kernels.norm_rope.rope_triton import rope_ref
 from moeserve.layers import attention as attention_module
 from moeserve.layers.attention import Attention
 from moeserve.layers.rope import _cos_sin_table
-from tests.kernels.test_norm_rope_triton import MAX_FLIPS, NORM_TOL
+from tests.kernels.test_norm_rope_triton import MAX_FLIPS, NORM_TOL, hf_partial_rope
 
 QWEN, ODD = (32, 4, 128), (6, 2, 64)  # (H, KVH, D)
-TABLES = {128: (40960, 1e6), 64: (4096, 1e4)}  # head_dim -> (max_position, theta)
+GLM45, TINY = (96, 8, 128), (6, 2, 16)  # partial rotary shapes, with rotary dims PARTIAL_DIM
+PARTIAL_DIM = {128: 64, 16: 8}  # head_dim -> rotary_dim (GLM-4.5's partial_rotary_factor 0.5)
+TABLES = {128: (40960, 1e6), 64: (4096, 1e4), 16: (512, 1e4)}  # head_dim -> (P, theta)
 EPS, BLOCK_SIZE = 1e-6, 16
 CPU_DTYPES = (torch.float32, torch.float16)
 TOKENS = (1, 7, 300)
@@ -50,7 +55,7 @@ TOKENS = (1, 7, 300)
 class Case:
     qkv: torch.Tensor  # [T, (H + 2 KVH) * D]
     positions: torch.Tensor  # [T] int64
-    cos: torch.Tensor  # [P, D] fp32
+    cos: torch.Tensor  # [P, R] fp32 (R = D, or R < D: partial rotary)
     sin: torch.Tensor
     kv_cache: torch.Tensor  # [2, num_blocks, BLOCK_SIZE, KVH, D], random (not zeros)
     slot_mapping: torch.Tensor  # [T] int64, distinct
@@ -63,11 +68,11 @@ class Case:
 
 
 def make_case(t: int, dtype: torch.dtype, shape: tuple[int, int, int], norm: bool,
-              device: str, seed: int = 0) -> Case:
+              device: str, seed: int = 0, rotary_dim: int | None = None) -> Case:
     h, kvh, d = shape
     gen = torch.Generator().manual_seed(seed)
     max_position, theta = TABLES[d]
-    cos, sin = _cos_sin_table(d, max_position, theta, torch.device(device))
+    cos, sin = _cos_sin_table(rotary_dim or d, max_position, theta, torch.device(device))
     qkv = (torch.randn(t, (h + 2 * kvh) * d, generator=gen) * 2).to(dtype)
     positions = torch.randint(0, max_position, (t,), generator=gen)
     positions[0] = max_position - 1
@@ -119,12 +124,12 @@ def check_fused(case: Case, exact: bool, eps: float = EPS) -> None:
 
 
 def exact_norm_case(dtype: torch.dtype, shape: tuple[int, int, int], t: int = 9,
-                    max_exp: int = 2, device: str = "cpu") -> Case:
+                    max_exp: int = 2, device: str = "cpu", rotary_dim: int | None = None) -> Case:
     """Heads of values in {0, +-1, +-2} * 2^k (|k| <= max_exp) with mean square 4^k: the fp32
     sum of squares is exact in any order and rsqrt of a power of 4 is exact, so the normed
     values (eps 0) agree bit for bit and any difference would come from RoPE or the write."""
     h, kvh, d = shape
-    case = make_case(t, dtype, shape, norm=True, device=device, seed=t)
+    case = make_case(t, dtype, shape, norm=True, device=device, seed=t, rotary_dim=rotary_dim)
     gen = torch.Generator().manual_seed(1)
     quads = torch.tensor([[1.0, 1, 1, 1], [2, 0, 0, 0], [0, 2, 0, 0], [0, 0, 0, 2]])  # sq sum 4
     heads = quads[torch.randint(0, 4, (t, h + 2 * kvh, d // 4), generator=gen)]  # [.., D/4, 4]
@@ -132,6 +137,67 @@ def exact_norm_case(dtype: torch.dtype, shape: tuple[int, int, int], t: int = 9,
     scale = 2.0 ** torch.randint(-max_exp, max_exp + 1, (t, h + 2 * kvh, 1, 1), generator=gen)
     case.qkv = (heads * signs * scale).reshape(t, -1).to(dtype).to(device)
     return case
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Glm4MoeRMSNorm.forward over the last dim (the whole head for q/k norm)."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def hf_formula(case: Case, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] and the cache after the step, as glm4_moe's attention computes q and k
+    (q/k norm over all D dims when weights are given, then apply_rotary_pos_emb with tables
+    [P, R]: R dims rotate, D - R pass through) and writes k, v at the token's slot."""
+    h, kvh = case.heads
+    d = case.kv_cache.shape[-1]
+    t = case.qkv.shape[0]
+    q = case.qkv[:, :h * d].reshape(t, h, d)
+    k = case.qkv[:, h * d:(h + kvh) * d].reshape(t, kvh, d)
+    v = case.qkv[:, (h + kvh) * d:].reshape(t, kvh, d)
+    if case.weights[0] is not None:
+        q, k = hf_rms_norm(q, case.weights[0], eps), hf_rms_norm(k, case.weights[1], eps)
+    q = hf_partial_rope(case.positions, q, case.cos, case.sin)
+    k = hf_partial_rope(case.positions, k, case.cos, case.sin)
+    cache = case.kv_cache.clone()
+    flat = cache.view(2, -1, kvh, d)  # [2, num_slots, KVH, D], a view of cache
+    flat[0, case.slot_mapping], flat[1, case.slot_mapping] = k, v
+    return q, cache
+
+
+def check_partial(case: Case, exact: bool, eps: float = EPS) -> None:
+    """The kernel and the reference chain against HF's formula (tables narrower than the head):
+    the reference bit for bit; the kernel bit for bit when exact, else to the norm bound."""
+    h, kvh = case.heads
+    d, r = case.kv_cache.shape[-1], case.cos.shape[1]
+    assert r < d
+    want_q, want_cache = hf_formula(case, eps)
+    ref_cache, got_cache = case.kv_cache.clone(), case.kv_cache.clone()
+    assert torch.equal(qk_rope_kv_ref(*case.args(ref_cache, eps)), want_q)
+    assert torch.equal(ref_cache, want_cache)
+    before = case.qkv.clone()
+    got = qk_rope_kv_triton(*case.args(got_cache, eps))
+    assert torch.equal(case.qkv, before), "qkv was modified"
+    assert got.is_contiguous() and got.shape == want_q.shape
+    k_got, v_got = got_cache.view(2, -1, kvh, d)  # [num_slots, KVH, D] each
+    k_want, v_want = want_cache.view(2, -1, kvh, d)
+    assert torch.equal(v_got, v_want)
+    untouched = torch.ones(k_got.shape[0], dtype=torch.bool, device=got.device)
+    untouched[case.slot_mapping] = False
+    assert torch.equal(k_got[untouched], k_want[untouched]), "a slot outside slot_mapping"
+    if case.weights[0] is None:  # no norm: the pass dims are the input's, bit for bit
+        q_in = case.qkv[:, :h * d].reshape(-1, h, d)
+        assert torch.equal(got[..., r:], q_in[..., r:])
+    if exact:
+        assert torch.equal(got, want_q) and torch.equal(k_got, k_want)
+    else:  # the norm bound, counting flips over q and k together (a 1-token k is 1k values)
+        k_got, k_want = k_got[case.slot_mapping], k_want[case.slot_mapping]
+        for part, what in ((slice(None, r), "rotary dims"), (slice(r, None), "pass dims")):
+            assert_close_after_norm(torch.cat((got[..., part].flatten(),
+                                               k_got[..., part].flatten())),
+                                    torch.cat((want_q[..., part].flatten(),
+                                               k_want[..., part].flatten())), f"q, k {what}")
 
 
 # ---- CPU, through Triton's interpreter ----
@@ -152,6 +218,27 @@ def test_matches_reference(t: int, dtype: torch.dtype, norm: bool,
 def test_rope_and_write_bit_exact_given_the_same_normed_values(
         dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
     check_fused(exact_norm_case(dtype, shape), exact=True, eps=0.0)
+
+
+@pytest.mark.parametrize("shape", (GLM45, TINY), ids=("glm45", "tiny"))
+@pytest.mark.parametrize("norm", (False, True), ids=("no_norm", "qk_norm"))
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("t", TOKENS)
+def test_partial_rotary_matches_hf_formula(t: int, dtype: torch.dtype, norm: bool,
+                                           shape: tuple[int, int, int]) -> None:
+    case = make_case(t, dtype, shape, norm, "cpu", seed=t, rotary_dim=PARTIAL_DIM[shape[2]])
+    check_partial(case, exact=not norm)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero", "ignore:invalid value")
+@pytest.mark.parametrize("shape", (GLM45, TINY), ids=("glm45", "tiny"))
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_partial_rotary_bit_exact_given_the_same_normed_values(
+        dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    """The norm spans the whole head (rotary and pass dims): with exact-norm inputs the fused
+    result is HF's bit for bit, which fails if the norm covered only the rotary dims."""
+    case = exact_norm_case(dtype, shape, rotary_dim=PARTIAL_DIM[shape[2]])
+    check_partial(case, exact=True, eps=0.0)
 
 
 def test_empty_step_and_strided_qkv() -> None:
@@ -218,6 +305,12 @@ def test_rejects_bad_inputs() -> None:
         call(q_norm_weight=case.weights[0].half())
     with pytest.raises(ValueError, match="cos must be"):
         call(cos=case.cos.double())
+    wide = torch.zeros(case.cos.shape[0], 66)  # wider than the head
+    with pytest.raises(ValueError, match="R even and <= head_dim 64"):
+        call(cos=wide, sin=wide)
+    odd = torch.zeros(case.cos.shape[0], 31)
+    with pytest.raises(ValueError, match="R even"):
+        call(cos=odd, sin=odd)
     assert torch.equal(cache, case.kv_cache)
 
 
@@ -287,6 +380,24 @@ def test_layer_fused_branch_matches_the_torch_branch(qk_norm: bool) -> None:
 @pytest.mark.parametrize("t", (1, 7, 300, 4096))
 def test_gpu_bf16(t: int, norm: bool, shape: tuple[int, int, int]) -> None:
     check_fused(make_case(t, torch.bfloat16, shape, norm, "cuda", seed=t), exact=not norm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", (GLM45, TINY), ids=("glm45", "tiny"))
+@pytest.mark.parametrize("norm", (False, True), ids=("no_norm", "qk_norm"))
+@pytest.mark.parametrize("t", (1, 7, 300, 4096))
+def test_gpu_bf16_partial_rotary(t: int, norm: bool, shape: tuple[int, int, int]) -> None:
+    case = make_case(t, torch.bfloat16, shape, norm, "cuda", seed=t,
+                     rotary_dim=PARTIAL_DIM[shape[2]])
+    check_partial(case, exact=not norm)
+
+
+@pytest.mark.gpu
+def test_gpu_partial_rotary_bit_exact_given_the_same_normed_values() -> None:
+    """As test_gpu_rope_and_write_bit_exact_given_the_same_normed_values, partial rotary."""
+    case = exact_norm_case(torch.bfloat16, GLM45, t=64, max_exp=0, device="cuda",
+                           rotary_dim=64)
+    check_partial(case, exact=True, eps=0.0)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,10 @@ And its torch reference, the three unfused steps.
       k -> kv_cache[0] at slot slot_mapping[t]     [2, num_blocks, block_size, KVH, D]
       v (as is) -> kv_cache[1] at the same slot
 
+Partial rotary (GLM-4.5): with cos/sin tables [P, R], R < D, RoPE rotates the first R dims of
+each head and passes the last D - R through; the norm still runs over all D dims (as HF's
+glm4_moe: use_qk_norm normalises the whole head, then apply_rotary_pos_emb splits it).
+
 `_qk_rope_kv_kernel`: grid (T,); one program reads token t's row of qkv once, keeps it in
 registers through the norm and the rotation, and writes q_out's row and the token's cache slot.
 It replaces five launches per layer and step on CUDA (q norm, k norm, RoPE, two index_copy_).
@@ -85,7 +89,8 @@ def qk_rope_kv_triton(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     Args:
         qkv: [T, (H + 2 KVH) * D], unit last stride (any row stride); not modified.
         positions: [T] integer, each < P (not checked: no host sync).
-        cos, sin: [P, D] fp32 contiguous tables (layers/rope.py's).
+        cos, sin: [P, R] fp32 contiguous tables (layers/rope.py's), R even and <= D: dims
+            [0, R) of each head rotate, [R, D) pass through (partial rotary when R < D).
         kv_cache: [2, num_blocks, block_size, KVH, D], contiguous, qkv's dtype; written in place.
         slot_mapping: [T] int64, token t's K/V go to flat slot slot_mapping[t].
         num_heads, num_kv_heads: H and KVH.
@@ -103,16 +108,17 @@ def qk_rope_kv_triton(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     has_norm = q_norm_weight is not None
     k_cache = kv_cache[0].view(-1, num_kv_heads, d)  # [num_slots, KVH, D]
     v_cache = kv_cache[1].view(-1, num_kv_heads, d)  # [num_slots, KVH, D]
-    half = d // 2
+    half = cos.shape[1] // 2
+    num_pass = d - 2 * half
     block_h = next_pow2(max(num_heads, num_kv_heads))
     _kernels().qk_rope_kv[(t,)](
         qkv, positions, cos, sin, q_norm_weight if has_norm else qkv,
         k_norm_weight if has_norm else qkv, q_out, k_cache, v_cache, slot_mapping,
         qkv.stride(0), cos.stride(0), k_cache.shape[0], k_cache.stride(0), 1.0 / d, eps,
         NUM_Q_HEADS=num_heads, NUM_K_HEADS=num_kv_heads, BLOCK_QH=next_pow2(num_heads),
-        BLOCK_KH=next_pow2(num_kv_heads), HALF=half, BLOCK_HALF=next_pow2(half),
-        BLOCK_D=next_pow2(d), HAS_NORM=has_norm,
-        num_warps=min(8, max(1, block_h * next_pow2(half) // 512)), enable_fp_fusion=False)
+        BLOCK_KH=next_pow2(num_kv_heads), HEAD_DIM=d, HALF=half, BLOCK_HALF=next_pow2(half),
+        PASS=num_pass, BLOCK_PASS=next_pow2(num_pass), BLOCK_D=next_pow2(d), HAS_NORM=has_norm,
+        num_warps=min(8, max(1, block_h * next_pow2(d // 2) // 512)), enable_fp_fusion=False)
     return q_out
 
 
@@ -144,8 +150,9 @@ def _check(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
          f"slot_mapping must be int64 [{t}], got {tuple(slot_mapping.shape)} "
          f"{slot_mapping.dtype}")
     for name, table in (("cos", cos), ("sin", sin)):
-        need(table.dim() == 2 and table.shape[1] == d and table.dtype == torch.float32
-             and table.is_contiguous(), f"{name} must be contiguous fp32 [P, {d}], got "
+        need(table.dim() == 2 and 0 < table.shape[1] <= d and table.shape[1] % 2 == 0
+             and table.dtype == torch.float32 and table.is_contiguous(),
+             f"{name} must be contiguous fp32 [P, R], R even and <= head_dim {d}, got "
              f"{tuple(table.shape)} {table.dtype}")
     need(cos.shape == sin.shape, f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
     tensors = [qkv, positions, cos, sin, kv_cache, slot_mapping]
@@ -180,26 +187,38 @@ def _kernels() -> SimpleNamespace:
 # ---- Triton kernel (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
 
 def _norm_rope_heads(x_ptr, w_ptr, out_ptr, stride_oh, num_stored, c1, c2, s1, s2, inv_d, eps,
-                     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """One token's heads x [NUM_HEADS, 2 * HALF] (contiguous) -> RMSNorm (HAS_NORM) -> RoPE ->
-    out (head stride stride_oh); heads >= num_stored are not stored (0: none). c1, c2, s1, s2
-    [BLOCK_HALF] fp32, already rounded to x's dtype."""
+                     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr,
+                     BLOCK_PASS: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One token's heads x [NUM_HEADS, HEAD_DIM] (contiguous) -> RMSNorm over all HEAD_DIM
+    dims (HAS_NORM) -> RoPE on the first 2 * HALF dims, the last PASS (= HEAD_DIM - 2 * HALF)
+    as normed -> out (head stride stride_oh); heads >= num_stored are not stored (0: none).
+    c1, c2, s1, s2 [BLOCK_HALF] fp32, already rounded to x's dtype."""
     h = tl.arange(0, BLOCK_H)  # [BH]
     i = tl.arange(0, BLOCK_HALF)  # [BHALF]
     mask = (h < NUM_HEADS)[:, None] & (i < HALF)[None, :]  # [BH, BHALF]
-    offs = h[:, None] * (2 * HALF) + i[None, :]  # [BH, BHALF]
+    offs = h[:, None] * HEAD_DIM + i[None, :]  # [BH, BHALF]
     dt = x_ptr.dtype.element_ty
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # first halves
     x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)  # second halves
+    if PASS > 0:  # partial rotary: the dims after the rotary ones
+        p = tl.arange(0, BLOCK_PASS)  # [BPASS]
+        pass_mask = (h < NUM_HEADS)[:, None] & (p < PASS)[None, :]  # [BH, BPASS]
+        pass_offs = h[:, None] * HEAD_DIM + 2 * HALF + p[None, :]  # [BH, BPASS]
+        xp = tl.load(x_ptr + pass_offs, mask=pass_mask, other=0.0).to(tl.float32)
     if HAS_NORM:  # rms_norm_ref's ops: fp32 y, cast to dt, one weight product rounded to dt
         sum_sq = (tl.reduce(x1 * x1, 1, tl.standard._sum_combine)
                   + tl.reduce(x2 * x2, 1, tl.standard._sum_combine))  # [BH]
+        if PASS > 0:  # the norm spans the whole head
+            sum_sq += tl.reduce(xp * xp, 1, tl.standard._sum_combine)
         r = tl.rsqrt(sum_sq * inv_d + eps)[:, None]  # [BH, 1]
         w1 = tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)  # [BHALF]
         w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
         x1 = (w1[None, :] * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         x2 = (w2[None, :] * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        if PASS > 0:
+            wp = tl.load(w_ptr + 2 * HALF + p, mask=p < PASS, other=0.0).to(tl.float32)
+            xp = (wp[None, :] * (xp * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     # x * cos + rotate_half(x) * sin, each product and the sum rounded to dt (as torch does)
     o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
     o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
@@ -208,16 +227,22 @@ def _norm_rope_heads(x_ptr, w_ptr, out_ptr, stride_oh, num_stored, c1, c2, s1, s
     store_mask = (h < num_stored)[:, None] & (i < HALF)[None, :]  # [BH, BHALF]
     tl.store(out_ptr + out_offs, o1.to(dt), mask=store_mask)
     tl.store(out_ptr + out_offs + HALF, o2.to(dt), mask=store_mask)
+    if PASS > 0:
+        pass_store = (h < num_stored)[:, None] & (p < PASS)[None, :]  # [BH, BPASS]
+        tl.store(out_ptr + h[:, None] * stride_oh + 2 * HALF + p[None, :], xp.to(dt),
+                 mask=pass_store)
 
 
 def _qk_rope_kv_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_ptr,
                        k_cache_ptr, v_cache_ptr, slots_ptr, stride_qkv, stride_cos, num_slots,
                        stride_slot, inv_d, eps, NUM_Q_HEADS: tl.constexpr,
                        NUM_K_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
-                       BLOCK_KH: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
                        BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
     """Token pid: q [H, D] -> q_out row; k [KVH, D] -> k_cache slot; v [KVH, D] -> v_cache slot.
-    Caches are [num_slots, KVH, D] (slot stride stride_slot, head stride 2 * HALF)."""
+    Caches are [num_slots, KVH, D] (slot stride stride_slot, head stride HEAD_DIM = D); RoPE
+    on each head's first 2 * HALF dims, the last PASS = D - 2 * HALF pass through."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -233,19 +258,19 @@ def _qk_rope_kv_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
     s1 = tl.load(sin_ptr + row + i, mask=im, other=0.0).to(dt).to(tl.float32)
     s2 = tl.load(sin_ptr + row + HALF + i, mask=im, other=0.0).to(dt).to(tl.float32)
     q_ptr = qkv_ptr + t * stride_qkv  # [H, D] heads of this token's row
-    k_ptr = q_ptr + NUM_Q_HEADS * 2 * HALF  # [KVH, D]
-    v_ptr = k_ptr + NUM_K_HEADS * 2 * HALF  # [KVH, D]
-    _norm_rope_heads(q_ptr, qw_ptr, q_out_ptr + t * (NUM_Q_HEADS * 2 * HALF), 2 * HALF, NUM_Q_HEADS,
-                     c1, c2, s1, s2, inv_d, eps, NUM_Q_HEADS, BLOCK_QH, HALF, BLOCK_HALF,
-                     HAS_NORM)
+    k_ptr = q_ptr + NUM_Q_HEADS * HEAD_DIM  # [KVH, D]
+    v_ptr = k_ptr + NUM_K_HEADS * HEAD_DIM  # [KVH, D]
+    _norm_rope_heads(q_ptr, qw_ptr, q_out_ptr + t * (NUM_Q_HEADS * HEAD_DIM), HEAD_DIM,
+                     NUM_Q_HEADS, c1, c2, s1, s2, inv_d, eps, NUM_Q_HEADS, BLOCK_QH, HEAD_DIM,
+                     HALF, BLOCK_HALF, PASS, BLOCK_PASS, HAS_NORM)
     slot_offs = slot * stride_slot
-    _norm_rope_heads(k_ptr, kw_ptr, k_cache_ptr + slot_offs, 2 * HALF, num_kv_stored,
-                     c1, c2, s1, s2, inv_d, eps, NUM_K_HEADS, BLOCK_KH, HALF, BLOCK_HALF,
-                     HAS_NORM)
+    _norm_rope_heads(k_ptr, kw_ptr, k_cache_ptr + slot_offs, HEAD_DIM, num_kv_stored,
+                     c1, c2, s1, s2, inv_d, eps, NUM_K_HEADS, BLOCK_KH, HEAD_DIM, HALF,
+                     BLOCK_HALF, PASS, BLOCK_PASS, HAS_NORM)
     h = tl.arange(0, BLOCK_KH)  # [BKH]
     d = tl.arange(0, BLOCK_D)  # [BD]
-    v_offs = h[:, None] * (2 * HALF) + d[None, :]  # [BKH, BD]
-    v = tl.load(v_ptr + v_offs, mask=(h < NUM_K_HEADS)[:, None] & (d < 2 * HALF)[None, :],
+    v_offs = h[:, None] * HEAD_DIM + d[None, :]  # [BKH, BD]
+    v = tl.load(v_ptr + v_offs, mask=(h < NUM_K_HEADS)[:, None] & (d < HEAD_DIM)[None, :],
                 other=0.0)  # [BKH, BD]
     tl.store(v_cache_ptr + slot_offs + v_offs, v,
-             mask=(h < num_kv_stored)[:, None] & (d < 2 * HALF)[None, :])
+             mask=(h < num_kv_stored)[:, None] & (d < HEAD_DIM)[None, :])

@@ -1,13 +1,19 @@
 """Rotary position embedding (neox style, rotate_half) on q and k in one Triton launch, and the
 torch reference.
 
-    c, s = cos[positions].to(q.dtype), sin[positions].to(q.dtype)     tables [P, D] fp32
-    q' = q * c + rotate_half(q) * s,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
-    (the same for k)
+    c, s = cos[positions].to(q.dtype), sin[positions].to(q.dtype)     tables [P, R] fp32, R <= D
+    q_rot, q_pass = q[..., :R], q[..., R:]
+    q' = cat(q_rot * c + rotate_half(q_rot) * s, q_pass)
+    rotate_half(x) = cat(-x[..., R/2:], x[..., :R/2])                 (the same for k)
+
+R (rotary_dim, the tables' width) is the head_dim D for full RoPE; R < D is partial rotary
+(GLM-4.5's partial_rotary_factor 0.5, as transformers' glm4_moe apply_rotary_pos_emb): the
+first R dims of each head rotate, the last D - R pass through unchanged.
 
 `_rope_kernel`: grid (T,); one program rotates every q head and every k head of one token,
-reading that token's cos/sin rows once. Each half of a head is loaded separately, so
-rotate_half costs nothing: out1 = x1 * c1 - x2 * s1, out2 = x2 * c2 + x1 * s2.
+reading that token's cos/sin rows once. Each half of a head's rotary part is loaded separately,
+so rotate_half costs nothing: out1 = x1 * c1 - x2 * s1, out2 = x2 * c2 + x1 * s2; the pass
+part (partial rotary) is copied as is, or left alone in place.
 
 Rounding: as Hugging Face, cos/sin are rounded to q's dtype, then each product and the sum are
 rounded to q's dtype (a product of two values of a half dtype is exact in fp32, and torch adds
@@ -38,10 +44,15 @@ tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a
 def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference (HF's exact ops): q [T, H, D], k [T, KVH, D], positions [T],
-    cos/sin [P, D] fp32 -> (q', k') in q's dtype."""
-    c = cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-    s = sin[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    cos/sin [P, R] fp32 (R <= D: the first R dims rotate) -> (q', k') in q's dtype."""
+    c = cos[positions].to(q.dtype)[:, None, :]  # [T, 1, R]
+    s = sin[positions].to(q.dtype)[:, None, :]  # [T, 1, R]
+    r = cos.shape[-1]
+    if r == q.shape[-1]:
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    q_rot, k_rot = q[..., :r], k[..., :r]
+    return (torch.cat((q_rot * c + _rotate_half(q_rot) * s, q[..., r:]), dim=-1),
+            torch.cat((k_rot * c + _rotate_half(k_rot) * s, k[..., r:]), dim=-1))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -57,8 +68,9 @@ def rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
         positions: [T] integer, each < P (not checked: no host sync).
         q: [T, H, D], k: [T, KVH, D], same floating dtype, unit stride on D (token and head
             strides free).
-        cos, sin: [P, D] fp32 contiguous tables (layers/rope.py's).
-        inplace: write into q and k instead of new tensors.
+        cos, sin: [P, R] fp32 contiguous tables (layers/rope.py's), R even and <= D: dims
+            [0, R) of each head rotate, [R, D) pass through (partial rotary when R < D).
+        inplace: write into q and k instead of new tensors (the pass dims are not touched).
     Returns:
         (q', k'): new contiguous tensors, or q and k themselves when inplace.
     """
@@ -69,15 +81,16 @@ def rope_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
     if t == 0:
         return q_out, k_out
     kvh = k.shape[1]
-    half = d // 2
+    half = cos.shape[1] // 2
+    num_pass = 0 if inplace else d - 2 * half  # in place, the pass dims stay where they are
     block_h = next_pow2(max(h, kvh))
     _kernels().rope[(t,)](
         positions, q, k, q_out, k_out, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos.stride(0),
         NUM_Q_HEADS=h, NUM_K_HEADS=kvh, BLOCK_QH=next_pow2(h), BLOCK_KH=next_pow2(kvh),
-        HALF=half, BLOCK_HALF=next_pow2(half),
-        num_warps=min(8, max(1, block_h * next_pow2(half) // 512)), enable_fp_fusion=False)
+        HALF=half, BLOCK_HALF=next_pow2(half), PASS=num_pass, BLOCK_PASS=next_pow2(num_pass),
+        num_warps=min(8, max(1, block_h * next_pow2(d // 2) // 512)), enable_fp_fusion=False)
     return q_out, k_out
 
 
@@ -98,8 +111,9 @@ def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     need(q.dtype == k.dtype and q.is_floating_point(), f"q {q.dtype}, k {k.dtype}")
     need(not positions.is_floating_point(), f"positions must be integer, got {positions.dtype}")
     for name, table in (("cos", cos), ("sin", sin)):
-        need(table.dim() == 2 and table.shape[1] == d and table.dtype == torch.float32
-             and table.is_contiguous(), f"{name} must be contiguous fp32 [P, {d}], got "
+        need(table.dim() == 2 and 0 < table.shape[1] <= d and table.shape[1] % 2 == 0
+             and table.dtype == torch.float32 and table.is_contiguous(),
+             f"{name} must be contiguous fp32 [P, R], R even and <= head_dim {d}, got "
              f"{tuple(table.shape)} {table.dtype}")
     need(cos.shape == sin.shape, "cos and sin shapes differ")
     devices = {positions.device, q.device, k.device, cos.device, sin.device}
@@ -124,9 +138,10 @@ def _kernels() -> SimpleNamespace:
 
 def _rotate_heads(x_ptr, out_ptr, stride_h, stride_oh, c1, c2, s1, s2,
                   NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr):
-    """One token's heads: x [NUM_HEADS, 2 * HALF] (row stride stride_h) -> out. c1, c2, s1, s2
-    [BLOCK_HALF] fp32, already rounded to x's dtype."""
+                  BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr):
+    """One token's heads: x [NUM_HEADS, 2 * HALF + PASS] (row stride stride_h) -> out: the
+    first 2 * HALF dims rotated, the next PASS copied (0: none). c1, c2, s1, s2 [BLOCK_HALF]
+    fp32, already rounded to x's dtype."""
     h = tl.arange(0, BLOCK_H)  # [BH]
     i = tl.arange(0, BLOCK_HALF)  # [BHALF]
     mask = (h < NUM_HEADS)[:, None] & (i < HALF)[None, :]  # [BH, BHALF]
@@ -141,14 +156,21 @@ def _rotate_heads(x_ptr, out_ptr, stride_h, stride_oh, c1, c2, s1, s2,
     o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
     tl.store(out_ptr + out_offs, o1.to(dt), mask=mask)
     tl.store(out_ptr + out_offs + HALF, o2.to(dt), mask=mask)
+    if PASS > 0:  # partial rotary, out of place: dims [2 * HALF, 2 * HALF + PASS) as they are
+        p = tl.arange(0, BLOCK_PASS)  # [BPASS]
+        pass_mask = (h < NUM_HEADS)[:, None] & (p < PASS)[None, :]  # [BH, BPASS]
+        xp = tl.load(x_ptr + h[:, None] * stride_h + 2 * HALF + p[None, :], mask=pass_mask)
+        tl.store(out_ptr + h[:, None] * stride_oh + 2 * HALF + p[None, :], xp, mask=pass_mask)
 
 
 def _rope_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh,
                  stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos,
                  NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
-                 BLOCK_KH: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Token pid: q [H, D] and k [KVH, D] rotated by the cos/sin rows at its position."""
+                 BLOCK_KH: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 PASS: tl.constexpr, BLOCK_PASS: tl.constexpr):
+    """Token pid: q [H, D] and k [KVH, D] rotated by the cos/sin rows at its position (their
+    first 2 * HALF dims; the next PASS dims copied)."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)  # [BHALF]
@@ -161,6 +183,6 @@ def _rope_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin
     s1 = tl.load(sin_ptr + row + i, mask=im, other=0.0).to(dt).to(tl.float32)
     s2 = tl.load(sin_ptr + row + HALF + i, mask=im, other=0.0).to(dt).to(tl.float32)
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
-                  c1, c2, s1, s2, NUM_Q_HEADS, BLOCK_QH, HALF, BLOCK_HALF)
+                  c1, c2, s1, s2, NUM_Q_HEADS, BLOCK_QH, HALF, BLOCK_HALF, PASS, BLOCK_PASS)
     _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, stride_kh, stride_koh,
-                  c1, c2, s1, s2, NUM_K_HEADS, BLOCK_KH, HALF, BLOCK_HALF)
+                  c1, c2, s1, s2, NUM_K_HEADS, BLOCK_KH, HALF, BLOCK_HALF, PASS, BLOCK_PASS)
