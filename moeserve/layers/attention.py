@@ -57,7 +57,8 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, device)
-        self.rotary = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta, device)
+        self.rotary = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta, device,
+                                      rotary_dim=config.rotary_dim, rope=config.rope)
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, KVH, D]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,

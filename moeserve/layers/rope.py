@@ -9,8 +9,12 @@ R is the rotary dim: the head_dim D by default; R < D is partial rotary (GLM-4.5
 the first R dims of each head rotate and the rest pass through (the kernels read R from the
 tables' width).
 
-The cos/sin table is computed once per (rotary_dim, max_position, theta, device) and shared by
-every layer (48 layers must not hold 48 copies of a 131k-position table).
+YaRN (`rope` given with rope_type "yarn"): inv_freq and the cos/sin factor come from
+layers/rope_scaling.py (transformers' init); the tables carry the factor, so the kernels need
+nothing of their own.
+
+The cos/sin table is computed once per (rotary_dim, max_position, theta or rope, device) and
+shared by every layer (48 layers must not hold 48 copies of a 131k-position table).
 
 On CUDA, q and k are rotated in one Triton launch (kernels/norm_rope/rope_triton.py, bit for bit the
 same ops and roundings); elsewhere the torch reference runs. The attention layer on CUDA reads only
@@ -24,17 +28,26 @@ import functools
 import torch
 from torch import nn
 
+from moeserve.config import RopeConfig
 from moeserve.kernels.norm_rope.rope_triton import rope_ref, rope_triton
+from moeserve.layers.rope_scaling import inv_freq_and_factor
 
 
 @functools.lru_cache(maxsize=8)
-def _cos_sin_table(rotary_dim: int, max_position: int, theta: float,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _cos_sin_table(rotary_dim: int, max_position: int, theta: float, device: torch.device,
+                   rope: RopeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_position, rotary_dim] fp32 (rotary_dim: the head_dim for full RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    factor = 1.0
+    if rope is not None and rope.rope_type != "default":
+        inv_freq, factor = inv_freq_and_factor(rope, rotary_dim)
+    else:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float)
+                                    / rotary_dim))
     pos = torch.arange(max_position, dtype=torch.float)  # [P]
     freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    if factor != 1.0:
+        return (emb.cos() * factor).to(device), (emb.sin() * factor).to(device)
     return emb.cos().to(device), emb.sin().to(device)
 
 
@@ -42,7 +55,8 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, H, D] and k [T, KVH, D] at `positions` [T] (int64)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 device: torch.device | str | None = None, rotary_dim: int | None = None) -> None:
+                 device: torch.device | str | None = None, rotary_dim: int | None = None,
+                 rope: RopeConfig | None = None) -> None:
         super().__init__()
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
@@ -52,7 +66,7 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         # NOTE: plain attributes, not buffers: shared across layers and kept out of state_dict.
         self.cos, self.sin = _cos_sin_table(rotary_dim, max_position, float(theta),
-                                            torch.device(device or "cpu"))  # [P, R] fp32
+                                            torch.device(device or "cpu"), rope)  # [P, R] fp32
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,16 @@ VARIANTS: dict[str, tuple[str, bool, dict[str, Any]]] = {
     "qwen3_moe_step2": ("qwen3_moe", False, {"decoder_sparse_step": 2, "mlp_only_layers": []}),
     "qwen3_tied": ("qwen3", False, {"tie_word_embeddings": True}),
     "mixtral": ("mixtral", False, {}),
+    "qwen3_yarn": ("qwen3", False, {"rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "rope_theta": 1e6}}),
+    "deepseek_v2": ("deepseek_v2", False, {}),
+    "deepseek_v3": ("deepseek_v3", True, {}),
+    "kimi_k2": ("kimi_k2", False, {}),
+    "glm4_moe": ("glm4_moe", False, {}),
+    "glm4_moe_lite": ("glm4_moe_lite", False, {}),
 }
+MLA_VARIANTS = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite")
 
 
 @pytest.fixture(scope="session")

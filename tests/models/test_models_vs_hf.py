@@ -17,7 +17,7 @@ from moeserve.models import build_model
 from moeserve.models.decoder import CausalLM
 from moeserve.runner.weight_loader import load_weights
 from tests.models.checkpoints import hf_logits
-from tests.models.conftest import VARIANTS
+from tests.models.conftest import MLA_VARIANTS, VARIANTS
 
 PROMPT_LENS = (5, 11, 8)
 BLOCK_SIZE = 4
@@ -36,8 +36,12 @@ def _build(folder: str, moe_backend: str) -> tuple[CausalLM, ModelConfig, list[t
     cfg = ModelConfig.from_file(os.path.join(folder, "config.json"))
     model = build_model(cfg, torch.float32, "cpu", moe_backend, "torch")
     load_weights(model, cfg, folder)
-    kv = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-          for _ in range(cfg.num_layers)]
+    if cfg.mla is not None:  # the latent cache
+        kv = [torch.zeros(NUM_BLOCKS, BLOCK_SIZE, cfg.mla.latent_dim)
+              for _ in range(cfg.num_layers)]
+    else:
+        kv = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+              for _ in range(cfg.num_layers)]
     model.bind_kv_caches(kv)
     return model, cfg, kv
 
@@ -50,14 +54,20 @@ def _block_tables(rng: random.Random, lens: tuple[int, ...]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("moe_backend", ["torch", "grouped_mm"])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(VARIANTS) + [f"{v}-absorbed" for v in MLA_VARIANTS])
 @torch.inference_mode()
 def test_prefill_then_decode_match_hf(variant: str, moe_backend: str,
                                       tiny_checkpoint: Callable[[str], str],
                                       hf_model: Callable[[str], PreTrainedModel]) -> None:
+    """MLA: the prefill up-projected (or, "-absorbed", through the latent like decode), the
+    decode absorbed."""
     torch.manual_seed(0)
     rng = random.Random(0)
+    variant, _, form = variant.partition("-")
     model, cfg, kv = _build(tiny_checkpoint(variant), moe_backend)
+    for layer in model.model.layers:
+        if form:
+            layer.self_attn.prefill_form = form
     hf = hf_model(variant)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
     tables = _block_tables(rng, PROMPT_LENS)
