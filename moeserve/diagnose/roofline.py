@@ -4,10 +4,12 @@ device's ceilings, and how close a run came.
     step_cost(model, dtype_bytes, tokens, rows, batch, context)
         bytes  = expert weights touched (each MoE layer: E x (1 - (1 - k/E)^tokens) experts of
                  3 x hidden x expert width) + dense weights (attention, router, dense MLPs,
-                 lm_head, the embedding rows looked up) + the KV cache of the batch
-                 (batch x context x layers x 2 x kv heads x head dim)
+                 shared experts, lm_head, the embedding rows looked up) + the KV cache of the
+                 batch (batch x context x layers x cached values a token: 2 x kv heads x head
+                 dim, or MLA's latent L + R)
         FLOPs  = 2 x active parameters per token (lm_head only for the `rows` that sample)
-                 + attention over the context (4 x context x heads x head dim per layer)
+                 + attention over the context (2 x context x heads x (qk dims + v dims) per
+                 layer: 4 x head dim for GQA; (L + R) + L for MLA's absorbed decode)
         bound  = max(bytes / bandwidth, FLOPs / peak): memory- or compute-bound
 
     analyse(run)  the run's steady window (figures.steady_window): observed seconds per step,
@@ -82,17 +84,22 @@ def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, 
               context: float) -> StepCost:
     """Bytes and FLOPs of one step (see the module docstring)."""
     h, d = model.hidden_size, model.head_dim
-    attn_params = h * d * (2 * model.num_heads + 2 * model.num_kv_heads)
+    attn_params = model.attention_params()
     expert_params = 3 * h * model.moe_intermediate_size
     moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i))
     dense_layers = model.num_layers - moe_layers
     dense_params = (model.num_layers * attn_params + dense_layers * 3 * h * model.intermediate_size
-                    + moe_layers * model.num_experts * h)  # + the routers
+                    + moe_layers * model.num_experts * h  # + the routers
+                    + moe_layers * 3 * h * model.shared_expert_intermediate_size)  # shared
+    # per head and context token: q . k over qk dims, p . v over v dims (MLA decode: absorbed,
+    # over the latent row L + R and its first L values)
+    qk_dim, v_dim = ((model.mla.latent_dim, model.mla.kv_lora_rank) if model.mla is not None
+                     else (d, d))
     lm_head = model.vocab_size * h
     touched = experts_touched(model.num_experts, model.num_experts_per_tok, tokens)
     kv_per_token = model.num_layers * model.kv_bytes_per_token_per_layer_elem * dtype_bytes
     active_per_token = dense_params + moe_layers * model.num_experts_per_tok * expert_params
-    attn_flops = 4.0 * context * model.num_heads * d * model.num_layers
+    attn_flops = 2.0 * context * model.num_heads * (qk_dim + v_dim) * model.num_layers
     return StepCost(
         tokens=tokens, rows=rows, batch=batch, context=context,
         expert_bytes=moe_layers * touched * expert_params * dtype_bytes,
