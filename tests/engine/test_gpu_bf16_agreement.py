@@ -53,10 +53,11 @@ import torch
 
 from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata
-from moeserve.kernels.registry import get_attention_backend, get_moe_backend
+from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers import norm as norm_module
 from moeserve.layers import rope as rope_module
 from moeserve.layers.attention import Attention
+from moeserve.layers.mla import MLAttention
 from moeserve.layers.moe import MoeBackend, SparseMoeBlock
 from moeserve.models import build_model
 from moeserve.models.decoder import CausalLM
@@ -120,10 +121,13 @@ def check_agreement(agreement: Agreement) -> None:
 def set_backends(model: CausalLM, attention: str | Callable, moe: str | MoeBackend) -> None:
     """Point every attention layer and MoE block of `model` at these backends (same weights)."""
     attn_fn = get_attention_backend(attention) if isinstance(attention, str) else attention
+    mla_fn = get_mla_backend(attention) if isinstance(attention, str) else None
     moe_fn = get_moe_backend(moe) if isinstance(moe, str) else moe
     for module in model.modules():
         if isinstance(module, Attention):
             module.backend = attn_fn
+        elif isinstance(module, MLAttention) and mla_fn is not None:
+            module.backend = mla_fn
         elif isinstance(module, SparseMoeBlock):
             module.backend = moe_fn
 
@@ -151,9 +155,10 @@ def teacher_forced_logits(model: CausalLM, prompts: list[list[int]], num_decode:
     blocks = [-(-(n + num_decode) // BLOCK_SIZE) for n in lens]
     ids = (torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(0)) + 1).tolist()
     tables = [ids[sum(blocks[:i]):sum(blocks[:i + 1])] for i in range(len(lens))]  # scattered
-    model.bind_kv_caches([torch.zeros(2, sum(blocks) + 1, BLOCK_SIZE, cfg.num_kv_heads,
-                                      cfg.head_dim, dtype=model.model.embed_tokens.dtype,
-                                      device=device) for _ in range(cfg.num_layers)])
+    shape = ((sum(blocks) + 1, BLOCK_SIZE, cfg.mla.latent_dim) if cfg.mla is not None else
+             (2, sum(blocks) + 1, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim))
+    model.bind_kv_caches([torch.zeros(shape, dtype=model.model.embed_tokens.dtype, device=device)
+                          for _ in range(cfg.num_layers)])
     try:
         firsts = [n // 2 for n in lens]
         rows = [i for i, k in enumerate(firsts) if k]
@@ -358,3 +363,26 @@ def test_engine_fast_path_top1_agrees_bf16(tmp_path: Path) -> None:
     print(f"engine top-1 agreement {top1:.2%} over {outputs.numel()} positions")
     assert outputs.shape == (len(prompts), GPU_DECODE_STEPS)
     assert top1 >= MIN_TOP1, f"top-1 agreement {top1:.2%} < {MIN_TOP1:.0%}"
+
+
+# MLA presets sliced to a few layers at their real widths (the first layers dense, then MoE)
+MLA_PRESET_LAYERS = {"glm-4.7-flash": 3, "deepseek-v3": 4}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", list(MLA_PRESET_LAYERS))
+def test_mla_fast_path_logits_agree_bf16(preset: str) -> None:
+    """The Triton MLA kernel (absorbed decode, and the prefill rows' up-projected form) and the
+    fused MoE against the torch references, in bf16 at the preset's real per-layer shapes."""
+    _require_cuda()
+    hf = {**load_preset(preset), "num_hidden_layers": MLA_PRESET_LAYERS[preset]}
+    model = build_model(ModelConfig.from_hf(hf), torch.bfloat16, "cuda", "torch", "torch")
+    init_dummy_weights(model, seed=0)
+    sharpen_logits(model)
+    prompts = random_prompts(model.config.vocab_size, GPU_PROMPT_LENS)
+    agreement = fast_vs_reference(model, prompts, GPU_DECODE_STEPS)
+    print(preset, agreement)
+    check_agreement(agreement)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
