@@ -84,11 +84,6 @@ def _gather(latent_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: to
     return latent_cache.view(-1, latent_cache.shape[-1])[slots], mask
 
 
-def _softmax_weights(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """fp32 softmax of scores [B, H, Q, S] over the keys the mask [B, Q, S] lets through."""
-    return scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
-
-
 def _attend_absorbed(q_pad: torch.Tensor, latent_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, start: torch.Tensor,
                      max_seq_len: int, scale: float, kv_lora_rank: int) -> torch.Tensor:
@@ -96,7 +91,7 @@ def _attend_absorbed(q_pad: torch.Tensor, latent_cache: torch.Tensor,
     rows, mask = _gather(latent_cache, block_tables, seq_lens, start, max_seq_len,
                          q_pad.shape[1])  # [B, S, L + R]
     scores = torch.einsum("bqhd,bsd->bhqs", q_pad.float(), rows.float()) * scale
-    probs = _softmax_weights(scores, mask)  # [B, H, Q, S]
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)  # [B, H, Q, S]
     out = torch.einsum("bhqs,bsl->bqhl", probs, rows[..., :kv_lora_rank].float())
     return out.to(q_pad.dtype)
 
@@ -105,16 +100,18 @@ def _attend_up_projected(q_pad: torch.Tensor, latent_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          start: torch.Tensor, max_seq_len: int, scale: float,
                          kv_b_proj: torch.Tensor, nope: int, v_dim: int) -> torch.Tensor:
-    """q_pad [B, Q, H, nope + R] -> [B, Q, H, v]."""
+    """q_pad [B, Q, H, nope + R] -> [B, Q, H, v], through SDPA (its fused kernels keep the
+    [Q, S] scores of long prompts out of memory; the values may be narrower than the keys)."""
     num_heads = q_pad.shape[2]
     rows, mask = _gather(latent_cache, block_tables, seq_lens, start, max_seq_len,
                          q_pad.shape[1])  # [B, S, L + R]
     kv_lora_rank = kv_b_proj.shape[1]
     kv = torch.nn.functional.linear(rows[..., :kv_lora_rank], kv_b_proj)  # [B, S, H*(nope+v)]
     kv = kv.view(*kv.shape[:2], num_heads, nope + v_dim)
-    k_nope, v = kv[..., :nope], kv[..., nope:]  # [B, S, H, nope], [B, S, H, v]
-    k_rope = rows[..., kv_lora_rank:]  # [B, S, R], shared by the heads
-    scores = (torch.einsum("bqhd,bshd->bhqs", q_pad[..., :nope].float(), k_nope.float())
-              + torch.einsum("bqhr,bsr->bhqs", q_pad[..., nope:].float(), k_rope.float()))
-    probs = _softmax_weights(scores * scale, mask)  # [B, H, Q, S]
-    return torch.einsum("bhqs,bshv->bqhv", probs, v.float()).to(q_pad.dtype)
+    k_rope = rows[..., None, kv_lora_rank:].expand(-1, -1, num_heads, -1)  # [B, S, H, R]
+    k = torch.cat([kv[..., :nope], k_rope], dim=-1)  # [B, S, H, nope + R]
+    v = kv[..., nope:]  # [B, S, H, v]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, len, dim]
+        attn_mask=mask[:, None], scale=scale)  # [B, H, Q, v]
+    return o.transpose(1, 2)
