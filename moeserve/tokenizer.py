@@ -1,10 +1,12 @@
 """Tokenizers: text <-> token ids, per-token bytes for streaming, and chat templates.
 
-One interface, `Tokenizer`, with two implementations:
+One interface, `Tokenizer`, with three implementations:
 - `HFTokenizer`: a checkpoint's tokenizer.json through the `tokenizers` library (not
   transformers, to keep the API process light), with special tokens and the chat template read
   from tokenizer_config.json, special_tokens_map.json, chat_template.jinja and
   generation_config.json.
+- `TiktokenTokenizer` (tokenizer_tiktoken.py): a checkpoint's tiktoken.model (Kimi K2,
+  Moonlight: no tokenizer.json), with the same special-token and chat-template files.
 - `ByteTokenizer`: the built-in tokenizer of presets without tokenizer files. Ids 0-255 are
   bytes; every other id of the vocabulary decodes to a visible placeholder `<|12345|>`.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
@@ -201,25 +204,13 @@ class HFTokenizer:
                              if t.special}
         self._cache: dict[int, bytes] = {}
         self._max_token_chars: int | None = None
-        self._init_special_tokens(folder)
-        self.chat_template = _read_chat_template(folder)
+        special = read_special_tokens(folder, self._tok.token_to_id)
+        self.special_tokens = special.names
+        self.bos_token_id: int | None = special.bos_token_id
+        self.eos_token_ids: tuple[int, ...] = special.eos_token_ids
+        self.pad_token_id: int | None = special.pad_token_id
+        self.chat_template = read_chat_template(folder)
         self._template: Any = None  # compiled on first use
-
-    def _init_special_tokens(self, folder: str) -> None:
-        config = {**_read_json(folder, "special_tokens_map.json"),
-                  **_read_json(folder, "tokenizer_config.json")}
-        generation = _read_json(folder, "generation_config.json")
-        self.special_tokens = {name: _token_content(config.get(name))
-                               for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        ids = {name: self._tok.token_to_id(text) if text else None
-               for name, text in self.special_tokens.items()}
-        gen_bos = _as_id_list(generation.get("bos_token_id"))
-        self.bos_token_id: int | None = ids["bos_token"] if ids["bos_token"] is not None else (
-            gen_bos[0] if gen_bos else None)
-        eos = [ids["eos_token"]] if ids["eos_token"] is not None else []
-        eos += [i for i in _as_id_list(generation.get("eos_token_id")) if i not in eos]
-        self.eos_token_ids: tuple[int, ...] = tuple(eos)
-        self.pad_token_id: int | None = ids["pad_token"]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -267,13 +258,38 @@ class HFTokenizer:
                        add_generation_prompt=add_generation_prompt, **self.special_tokens)
 
 
+@dataclass(frozen=True)
+class SpecialTokens:
+    names: dict[str, str | None]  # bos_token, eos_token, pad_token, unk_token -> text or None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+
+
+def read_special_tokens(folder: str, token_to_id: Callable[[str], int | None]) -> SpecialTokens:
+    """bos/eos/pad/unk from tokenizer_config.json over special_tokens_map.json, their ids by
+    `token_to_id`; generation_config.json's bos_token_id when the BOS has none, and its
+    eos_token_id(s) after the tokenizer's EOS."""
+    config = {**_read_json(folder, "special_tokens_map.json"),
+              **_read_json(folder, "tokenizer_config.json")}
+    generation = _read_json(folder, "generation_config.json")
+    names = {name: _token_content(config.get(name))
+             for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    ids = {name: token_to_id(text) if text else None for name, text in names.items()}
+    gen_bos = _as_id_list(generation.get("bos_token_id"))
+    bos = ids["bos_token"] if ids["bos_token"] is not None else (gen_bos[0] if gen_bos else None)
+    eos = [ids["eos_token"]] if ids["eos_token"] is not None else []
+    eos += [i for i in _as_id_list(generation.get("eos_token_id")) if i not in eos]
+    return SpecialTokens(names, bos, tuple(eos), ids["pad_token"])
+
+
 def _check_ids(ids: Sequence[int]) -> None:
     bad = [i for i in ids if i < 0]
     if bad:
         raise ValueError(f"token id {bad[0]} is negative")
 
 
-def _read_chat_template(folder: str) -> str | None:
+def read_chat_template(folder: str) -> str | None:
     """chat_template.jinja (transformers >= 4.43 writes it), chat_template.json, or the
     tokenizer_config.json field (a string, or a list of named templates: take "default")."""
     path = os.path.join(folder, "chat_template.jinja")
@@ -324,14 +340,22 @@ def _render(template: Any, **variables: Any) -> str:
 
 
 def load_tokenizer(folder: str | None, builtin: str | None, model_config: ModelConfig) -> Tokenizer:
-    """The checkpoint's tokenizer when `folder` has tokenizer.json, else the built-in one named
-    by `builtin` ("byte": vocab size, BOS and the first EOS from `model_config`)."""
+    """The checkpoint's tokenizer when `folder` has tokenizer.json (HFTokenizer) or else
+    tiktoken.model (TiktokenTokenizer), else the built-in one named by `builtin` ("byte": vocab
+    size, BOS and the first EOS from `model_config`)."""
     if folder is not None and os.path.isfile(os.path.join(folder, "tokenizer.json")):
         return HFTokenizer(folder)
+    if folder is not None and os.path.isfile(os.path.join(folder, "tiktoken.model")):
+        from moeserve.tokenizer_tiktoken import TiktokenTokenizer
+
+        return TiktokenTokenizer(folder)
     if builtin == "byte":
         eos = model_config.eos_token_ids[0] if model_config.eos_token_ids else None
         return ByteTokenizer(model_config.vocab_size, model_config.bos_token_id, eos)
     if builtin is not None:
         raise ConfigError(f"unknown built-in tokenizer {builtin!r} (known: 'byte')")
-    raise ConfigError(f"no tokenizer.json in {folder!r} and no built-in tokenizer: pass a "
-                      "tokenizer folder, or use a preset with a built-in tokenizer")
+    where = ("no tokenizer folder was given" if folder is None else
+             f"neither tokenizer.json nor tiktoken.model is in {folder!r}")
+    raise ConfigError(f"no tokenizer: {where}, and no built-in tokenizer is named; pass a "
+                      "folder with tokenizer.json (HF tokenizers) or tiktoken.model (tiktoken, "
+                      "with tokenizer_config.json), or use a preset with a built-in tokenizer")
