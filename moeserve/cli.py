@@ -27,13 +27,20 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     from moeserve.config import ModelConfig
     from moeserve.presets import list_presets, load_preset
 
-    print(f"{'preset':<16} {'arch':<22} {'params':>10} {'bf16 GiB':>9}  description")
+    rows = []
     for name in list_presets():
         hf = load_preset(name)
         mc = ModelConfig.from_hf(hf)
-        n = mc.num_params()
-        print(f"{name:<16} {mc.architecture:<22} {n / 1e9:>9.3f}B {n * 2 / 2**30:>9.2f}  "
-              f"{hf.get('moeserve_description', '')}")
+        rows.append((name, mc.architecture, mc.num_params(), hf.get("moeserve_description", "")))
+    name_w = max(len("preset"), *(len(r[0]) for r in rows))
+    arch_w = max(len("arch"), *(len(r[1]) for r in rows))
+    params_w = max(len("params"), *(len(f"{r[2] / 1e9:.3f}B") for r in rows))
+    gib_w = max(len("bf16 GiB"), *(len(f"{r[2] * 2 / 2**30:.2f}") for r in rows))
+    print(f"{'preset':<{name_w}}  {'arch':<{arch_w}}  {'params':>{params_w}}  "
+          f"{'bf16 GiB':>{gib_w}}  description")
+    for name, arch, n, description in rows:
+        print(f"{name:<{name_w}}  {arch:<{arch_w}}  {f'{n / 1e9:.3f}B':>{params_w}}  "
+              f"{n * 2 / 2**30:>{gib_w}.2f}  {description}")
     return 0
 
 

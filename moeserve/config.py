@@ -230,12 +230,19 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str) -> ModelConfig:
-        with open(path) as f:
-            try:
-                hf = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_hf(hf)
+        return cls.from_hf(read_json_config(path))
+
+
+def read_json_config(path: str) -> dict[str, Any]:
+    """A config.json file as a dict; ConfigError when it is not a JSON object."""
+    with open(path) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} holds a JSON {type(hf).__name__}, not an object")
+    return hf
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +326,11 @@ class EngineConfig:
 
     model: str = "tiny-moe"
     """A checkpoint folder (config.json + safetensors) or a preset name."""
+    hf_overrides: str | dict[str, Any] | None = None
+    """A JSON object merged over the model's config.json (checkpoint or preset) before it is
+    parsed: each key's value replaces the config's whole value (a nested object too), e.g.
+    '{"num_hidden_layers": 6}' to serve a model too large for the device at its real widths
+    with fewer layers. A dict is accepted from Python (kept as its JSON)."""
     tokenizer: str | None = None
     """Tokenizer folder; defaults to the model folder, or the preset's built-in tokenizer."""
     device: str = "auto"
@@ -368,6 +380,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if self.hf_overrides is not None:  # validated once; kept as canonical JSON text
+            object.__setattr__(self, "hf_overrides", hf_overrides_json(self.hf_overrides))
         _check_choice("device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _check_choice("load_format", self.load_format, ("auto", "safetensors", "dummy"))
@@ -464,18 +478,59 @@ def resolve_max_running_requests(sched: SchedulerConfig, num_kv_tokens: int) -> 
     return value, "explicit"
 
 
-def load_model_config(model: str) -> tuple[ModelConfig, bool]:
-    """A checkpoint folder's config.json, or a preset. Returns (config, is_preset)."""
+def parse_hf_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """The `hf_overrides` engine argument as a dict (empty when None); ConfigError naming
+    hf_overrides for text that is not JSON or a value that is not a JSON object."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"hf_overrides is not valid JSON ({e}): {value!r}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"hf_overrides must be a JSON object of config.json fields, e.g. "
+                          f"'{{\"num_hidden_layers\": 6}}'; got {value!r}")
+    return value
+
+
+def hf_overrides_json(value: str | dict[str, Any]) -> str:
+    """`hf_overrides` as canonical JSON text (sorted keys), validated."""
+    overrides = parse_hf_overrides(value)
+    try:
+        return json.dumps(overrides, sort_keys=True)
+    except (TypeError, ValueError) as e:  # a dict from Python holding a non-JSON value
+        raise ConfigError(f"hf_overrides must hold JSON values only: {e}") from None
+
+
+def read_model_hf_config(model: str) -> tuple[dict[str, Any], bool]:
+    """The raw config.json dict of a checkpoint folder or a preset. Returns (dict, is_preset)."""
     from moeserve.presets import is_preset, load_preset
 
     if os.path.isdir(model):
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"model folder {model!r} has no config.json")
-        return ModelConfig.from_file(path), False
+        return read_json_config(path), False
     if is_preset(model):
-        return ModelConfig.from_hf(load_preset(model)), True
+        return load_preset(model), True
     raise ConfigError(f"model {model!r} is neither a checkpoint folder nor a preset "
                       "(see `moeserve presets`)")
+
+
+def load_model_config(model: str, hf_overrides: str | dict[str, Any] | None = None
+                      ) -> tuple[ModelConfig, bool]:
+    """A checkpoint folder's config.json, or a preset, with `hf_overrides` merged over it
+    before parsing. Returns (config, is_preset). The engine and the API processes both build
+    their ModelConfig here, so they see the same overridden config."""
+    overrides = parse_hf_overrides(hf_overrides)
+    hf, preset = read_model_hf_config(model)
+    if not overrides:
+        return ModelConfig.from_hf(hf), preset
+    try:
+        return ModelConfig.from_hf({**hf, **overrides}), preset
+    except ConfigError as e:
+        raise ConfigError(f"{e} (with hf_overrides {json.dumps(overrides, sort_keys=True)} "
+                          "applied)") from None
 
 

@@ -11,10 +11,18 @@ from moeserve.cli import main
 
 
 def test_presets_lists_shapes(capsys: pytest.CaptureFixture) -> None:
+    from moeserve.presets import list_presets
+
     assert main(["presets"]) == 0
     out = capsys.readouterr().out
     assert "tiny-moe" in out and "qwen3-30b-a3b" in out and "mixtral-8x7b" in out
     assert "30.532B" in out  # Qwen3-30B-A3B's parameter count, from its shape alone
+    assert "671.026B" in out and "1026.408B" in out  # DeepSeek-V3, Kimi K2
+    header, *rows = out.splitlines()
+    assert [row.split()[0] for row in rows] == list_presets()
+    # the columns line up, whatever the longest name: each row's arch starts under "arch"
+    column = header.index("arch")
+    assert all(row[column - 2:column] == "  " and row[column] != " " for row in rows)
 
 
 def test_generate_tiny_moe(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -147,12 +147,14 @@ class RooflineResult:
 
 
 def model_of(run: dict[str, Any]) -> ModelConfig | None:
-    """The served model's shape: engine_config.model as a preset or a readable folder."""
-    name = figures.engine_config(run).get("model")
+    """The served model's shape: engine_config.model as a preset or a readable folder, with
+    the run's hf_overrides applied."""
+    engine_config = figures.engine_config(run)
+    name = engine_config.get("model")
     if not isinstance(name, str):
         return None
     try:
-        return load_model_config(name)[0]
+        return load_model_config(name, engine_config.get("hf_overrides"))[0]
     except (ConfigError, ValueError, OSError):
         return None
 

@@ -126,7 +126,9 @@ class AsyncEngineClient:
         self.model_name = served_model_name or self.model
         self.max_waiting_requests = max_waiting_requests
         try:
-            self.model_config, _ = load_model_config(self.model)
+            # the engine's own config: the same overrides, merged before parsing
+            self.model_config, _ = load_model_config(self.model,
+                                                     engine_kwargs.get("hf_overrides"))
             mc = self.model_config
             folder = engine_kwargs.get("tokenizer") or (None if mc.tokenizer else self.model)
             self.tokenizer = load_tokenizer(folder, mc.tokenizer, mc)

@@ -57,7 +57,7 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig):
         phases: dict[str, float] = {}
         with timed(phases, "config"):
-            self.model_config, preset = load_model_config(cfg.model)
+            self.model_config, preset = load_model_config(cfg.model, cfg.hf_overrides)
             self.cfg, resolved = resolve_static(cfg, self.model_config, preset,
                                                 torch.cuda.is_available())
             cpu_threads, torch_threads, cores = self._init_torch_threads(resolved)

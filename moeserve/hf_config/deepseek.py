@@ -4,6 +4,15 @@ Kimi K2's published config says `model_type: kimi_k2` with `DeepseekV3ForCausalL
 model, parsed here. Published configs carry fields transformers never writes (`scoring_func`,
 `topk_method`, `moe_layer_freq`, `ep_size`, `aux_loss_alpha`, `seq_aux`, ...): each is honoured,
 checked against the one value we implement, or inert (`INERT` below, with the reason).
+
+Checked (refused at any other value): `attention_bias` and `mlp_bias` false; `moe_layer_freq` 1
+(every layer past the dense ones is sparse); `scoring_func` sigmoid (V3) / softmax (V2);
+`topk_method` noaux_tc (V3) / greedy or group_limited_greedy (V2); V2's `norm_topk_prob` false
+(transformers' DeepseekV2 router never renormalises, DeepSeek's own code does when true: a true
+would be ambiguous); `rope_interleave` a bool; `head_dim` and `qk_head_dim` consistent with the MLA
+dims. Honoured: the shapes, `n_shared_experts`, `first_k_dense_replace`, the router's
+`n_group` / `topk_group` / `routed_scaling_factor` / `norm_topk_prob` (V3), RoPE (YaRN included),
+`num_nextn_predict_layers` (the MTP layers' count: their weights are not served).
 """
 
 from __future__ import annotations
@@ -13,18 +22,21 @@ from typing import Any
 from moeserve.config import ConfigError, MlaConfig, ModelConfig, RouterConfig
 from moeserve.hf_config import fields
 
-# Published-config fields with no effect on inference: the auxiliary-loss knobs of training
-# and the expert-parallel size the original remote code was launched with.
-INERT = {"aux_loss_alpha", "seq_aux", "ep_size"}
+# Published-config fields with no effect on inference: field -> why.
+INERT: dict[str, str] = {
+    "aux_loss_alpha": "training: the weight of the auxiliary expert-balance loss",
+    "seq_aux": "training: computes that balance loss per sequence",
+    "ep_size": "the expert-parallel size DeepSeek's remote code was launched with",
+}
 _MLA = {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
         "qk_head_dim", "attention_bias"}
 _MOE = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
         "first_k_dense_replace", "moe_layer_freq", "norm_topk_prob", "routed_scaling_factor",
         "n_group", "topk_group", "topk_method", "scoring_func", "num_local_experts"}
 KNOWN = {
-    "DeepseekV2ForCausalLM": INERT | _MLA | _MOE | {"mlp_bias"},
-    "DeepseekV3ForCausalLM": INERT | _MLA | _MOE | {"rope_interleave",
-                                                    "num_nextn_predict_layers"},
+    "DeepseekV2ForCausalLM": set(INERT) | _MLA | _MOE | {"mlp_bias"},
+    "DeepseekV3ForCausalLM": set(INERT) | _MLA | _MOE | {"rope_interleave",
+                                                         "num_nextn_predict_layers"},
 }
 
 
@@ -37,16 +49,14 @@ def parse(hf: dict[str, Any], arch: str) -> ModelConfig:
     fields.check_value(hf, "scoring_func", ("sigmoid",) if v3 else ("softmax",))
     fields.check_value(hf, "topk_method",
                        ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy"))
+    if not v3:
+        fields.check_value(hf, "norm_topk_prob", (False,))
     mla = mla_config(hf)
     common = fields.common(hf, arch)
     # MLA: every head has its own K/V (up-projected from the shared latent); the rope part of
     # a head is qk_rope_head_dim wide (transformers' head_dim for these configs).
     common.update(num_kv_heads=common["num_heads"], head_dim=mla.qk_head_dim)
-    # transformers 5 writes head_dim = qk_rope_head_dim; V2's RoPE is always interleaved
-    # (complex pairs), V3's when rope_interleave (its default).
-    if hf.get("head_dim") not in (None, mla.qk_rope_head_dim):
-        raise ConfigError(f"head_dim {hf['head_dim']} must equal qk_rope_head_dim "
-                          f"{mla.qk_rope_head_dim} for {arch}")
+    # V2's RoPE is always interleaved (complex pairs), V3's when rope_interleave (its default).
     fields.check_value(hf, "rope_interleave", (True, False))
     interleaved = bool(hf.get("rope_interleave", True)) if v3 else True
     common["rope"] = fields.rope(hf, mla.qk_rope_head_dim, interleaved=interleaved)
@@ -75,11 +85,16 @@ def parse(hf: dict[str, Any], arch: str) -> ModelConfig:
 
 
 def mla_config(hf: dict[str, Any]) -> MlaConfig:
-    """The MLA dims (shared by DeepSeek and GLM-4.7-Flash); q_lora_rank None: no q compression."""
+    """The MLA dims (shared by DeepSeek and GLM-4.7-Flash); q_lora_rank None: no q compression.
+    transformers 5 writes the derived `qk_head_dim` and `head_dim` (= qk_rope_head_dim, the
+    rotary width) into the configs it saves: accepted when they agree."""
     mla = MlaConfig(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
                     qk_nope_head_dim=hf["qk_nope_head_dim"],
                     qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"])
     if hf.get("qk_head_dim") not in (None, mla.qk_head_dim):
         raise ConfigError(f"qk_head_dim {hf['qk_head_dim']} must equal qk_nope_head_dim + "
                           f"qk_rope_head_dim = {mla.qk_head_dim}")
+    if hf.get("head_dim") not in (None, mla.qk_rope_head_dim):
+        raise ConfigError(f"head_dim {hf['head_dim']} must equal qk_rope_head_dim "
+                          f"{mla.qk_rope_head_dim} for an MLA model")
     return mla

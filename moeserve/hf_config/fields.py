@@ -3,43 +3,63 @@
 A config.json field is in exactly one of three states for an architecture: honoured (its parser
 reads it), checked (accepted only at the value we implement; any other value is refused with its
 name), or inert (changes nothing at inference: training knobs, bookkeeping, remote-code hooks),
-listed here. Anything else is refused by name: a real checkpoint fails loudly, never silently.
+listed with the reason here (every architecture) or in the family's module. Anything else is
+refused by name: a real checkpoint fails loudly, never silently. `quantization_config` is refused
+with its own message until quantized checkpoints are implemented.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from moeserve.config import ConfigError, RopeConfig
 
-# Fields that do not change inference, for every architecture (training knobs, bookkeeping).
-INERT = frozenset({
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "initializer_range", "use_cache", "output_router_logits", "router_aux_loss_coef",
-    "attention_dropout", "pad_token_id", "router_jitter_noise", "_name_or_path",
-    "auto_map", "pretraining_tp", "tie_word_embeddings",
-})
+# Fields that do not change inference, for every architecture: field -> why.
+INERT: dict[str, str] = {
+    "architectures": "read by hf_config.parse to pick the parser",
+    "model_type": "transformers' config class; the parser follows `architectures` (Kimi K2's "
+                  "kimi_k2 is a DeepseekV3ForCausalLM)",
+    "transformers_version": "bookkeeping: the version that wrote the file",
+    "dtype": "the checkpoint's dtype; ModelConfig.checkpoint_dtype records it, the engine's "
+             "`dtype` decides",
+    "torch_dtype": "transformers 4's name for `dtype`",
+    "initializer_range": "training: the std of the random init",
+    "use_cache": "transformers' generate() switch; the engine always caches",
+    "output_router_logits": "training: returns router logits for the aux loss",
+    "router_aux_loss_coef": "training: the auxiliary balance-loss weight",
+    "router_jitter_noise": "training: noise on the router input",
+    "attention_dropout": "training: dropout, off at inference",
+    "pad_token_id": "batching pad of transformers; the engine packs tokens and never pads",
+    "_name_or_path": "bookkeeping: where transformers loaded the config from",
+    "auto_map": "remote-code hooks (trust_remote_code); moeserve runs its own model code",
+    "pretraining_tp": "pretraining's tensor-parallel degree: transformers' Llama splits the "
+                      "same matmuls into that many slices, the same maths",
+}
 # Read by `common` for every architecture.
 COMMON = frozenset({
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
     "max_position_embeddings", "bos_token_id", "eos_token_id", "hidden_act",
-    "rope_scaling", "rope_parameters", "rope_theta",
+    "rope_scaling", "rope_parameters", "rope_theta", "tie_word_embeddings",
 })
 # moeserve's own preset fields (ignored by transformers).
 PRESET = frozenset({"moeserve_tokenizer", "moeserve_description"})
 
 
-def check_known(hf: dict[str, Any], arch: str, known: frozenset[str] | set[str]) -> None:
-    """Refuse, by name, every field that is neither honoured, checked nor inert."""
-    unknown = sorted(set(hf) - INERT - COMMON - PRESET - set(known))
-    if unknown:
-        raise ConfigError(f"config field(s) not implemented for {arch}: {', '.join(unknown)}")
-    if hf.get("quantization_config") is not None:
-        method = (hf["quantization_config"] or {}).get("quant_method", "?")
+def check_known(hf: dict[str, Any], arch: str, known: Collection[str]) -> None:
+    """Refuse, by name, every field that is neither honoured, checked nor inert; a quantized
+    checkpoint first, with its own message (`quantization_config: null` is no quantization)."""
+    quant = hf.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise ConfigError(f"quantization_config (quant_method {method!r}) is not implemented yet: "
                           "quantized (FP8, NVFP4, INT4) checkpoints come with the quantization "
                           "issue; serve the bf16 weights")
+    unknown = sorted(set(hf) - set(INERT) - COMMON - PRESET - set(known)
+                     - {"quantization_config"})
+    if unknown:
+        raise ConfigError(f"config field(s) not implemented for {arch}: {', '.join(unknown)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not implemented (only silu)")
 

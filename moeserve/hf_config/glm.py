@@ -1,5 +1,17 @@
 """GLM-4.5 / 4.6 / 4.7 and -Air (Glm4Moe, GQA) and GLM-4.7-Flash (Glm4MoeLite, MLA)
-config.json -> ModelConfig."""
+config.json -> ModelConfig.
+
+The published GLM configs carry no family-specific inert field (fields.INERT covers theirs:
+`pad_token_id`, `initializer_range`, `use_cache`, ...). Checked: `topk_method` noaux_tc,
+`scoring_func` sigmoid (GLM-4.7-Flash's config names only the former), Glm4MoeLite's
+`attention_bias` false and `rope_interleave` a bool, the MLA `head_dim` / `qk_head_dim`.
+Honoured: the shapes, `attention_bias` (GLM-4.5's q/k/v biases), `use_qk_norm`,
+`partial_rotary_factor` (0.5 when absent, transformers' default for Glm4Moe), RoPE,
+`first_k_dense_replace` (Glm4Moe) or `mlp_layer_types` (Glm4MoeLite), the router's `n_group` /
+`topk_group` / `routed_scaling_factor` / `norm_topk_prob`, `n_shared_experts`, and
+`num_nextn_predict_layers` (transformers' `num_mtp_layers`): the MTP layers' count, their weights
+not served. `n_routed_experts` may be spelled `num_local_experts` (transformers' alias).
+"""
 
 from __future__ import annotations
 
@@ -31,7 +43,8 @@ def parse(hf: dict[str, Any], arch: str) -> ModelConfig:
                           n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
                           routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                           logits_fp32=True)
-    moe = dict(router=router, num_experts=hf.get("n_routed_experts") or 0,
+    moe = dict(router=router,
+               num_experts=hf.get("n_routed_experts") or hf.get("num_local_experts") or 0,
                num_experts_per_tok=hf["num_experts_per_tok"],
                moe_intermediate_size=hf["moe_intermediate_size"],
                norm_topk_prob=bool(hf.get("norm_topk_prob", True)),

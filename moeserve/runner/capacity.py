@@ -71,6 +71,8 @@ class CapacityReport:
         m, c = self.memory, self.engine_config
         rows = [
             ("model", f"{self.model} ({self.architecture}, {self.num_params / 1e9:.2f} B params)"),
+            *([("hf overrides", f"{c.hf_overrides} (merged over config.json)")]
+              if c.hf_overrides else []),
             ("device / dtype", f"{c.device} ({self.device_name}) / {c.dtype}"),
             *([("CPU threads", self.cpu_threads)] if self.cpu_threads else []),
             ("weights", f"{m.weight_bytes / GiB:.2f} GiB ({c.load_format})"),
