@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from moeserve.kernels.routing.select_triton import MAX_EXPERTS, select_experts_triton
 
 from benchmarks.w1_offline import environment
 from moeserve.kernels.moe import search as moe_search
@@ -53,6 +52,7 @@ from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe.measured import moe_measured
 from moeserve.kernels.moe.ref import moe_loop_ref
 from moeserve.kernels.routing.select import select_experts
+from moeserve.kernels.routing.select_triton import MAX_EXPERTS, select_experts_triton
 from moeserve.presets import load_preset
 
 COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # H200, measured (ANCHORS.md)
