@@ -20,17 +20,9 @@ declare -A slice=(
 )
 out=$OUT/presets_w1
 mkdir -p "$out"
-SITE=/tmp/site
-[ -d "$SITE" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --target "$SITE" .whl/*.whl
-export PYTHONPATH=$PWD:$SITE
-[ -f GIT_COMMIT ] && export MOESERVE_GIT_COMMIT=$(cat GIT_COMMIT)
-nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv > "$OUT/device.csv" 2>&1
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" \
-  > "$OUT/versions.txt" 2>&1
+source benchmarks/gpu_env.sh
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1
-  tail -3 "$OUT/gpu_tests.log"
+  run_gpu_tests 420
 fi
 for p in ${presets[*]}; do
   args="--moe-tiles default"

@@ -27,17 +27,9 @@ SRC=${SRC:-benchmarks/results/tune_qwen3_c1024/tune.db}
 DB=$OUT/tune.db
 mkdir -p "$OUT"
 [ -f "$SRC" ] && cp "$SRC" "$DB"
-SITE=/tmp/site
-[ -d "$SITE" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --target "$SITE" .whl/*.whl
-export PYTHONPATH=$PWD:$SITE
-[ -f GIT_COMMIT ] && export MOESERVE_GIT_COMMIT=$(cat GIT_COMMIT)
-nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv > "$OUT/device.csv" 2>&1
-python3 -c "import torch, triton, optuna; print(torch.__version__, triton.__version__, optuna.__version__)" \
-  > "$OUT/versions.txt" 2>&1
+source benchmarks/gpu_env.sh optuna
 if [ "$GPU_TESTS" = 1 ]; then
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1
-  tail -3 "$OUT/gpu_tests.log"
+  run_gpu_tests 300
 fi
 LEFT=$((LIMIT - ($(date +%s) - START)))
 [ "$WALL" = auto ] && WALL=$((LEFT - 110))  # no new trial in the last 110 s

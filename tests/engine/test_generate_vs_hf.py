@@ -8,7 +8,9 @@ that each path really ran.
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -99,17 +101,23 @@ def test_chunked_prefill_matches_hf(device: str, checkpoints: dict) -> None:
     assert [r.token_ids for r in results] == expected
 
 
-def test_prefix_cache_hits_match_hf(device: str, checkpoints: dict) -> None:
-    folder, _, _ = checkpoints["qwen3_moe"]
+def check_prefix_hits_match_hf(folder: str, make_llm: Callable[..., LLM]) -> None:
+    """Three prompts sharing a 40-token prefix: the first fills the cache with the shared
+    blocks, the other two hit them; all equal transformers' greedy outputs."""
     shared = _prompts(256, (40,), seed=1)[0]
     prompts = [shared + tail for tail in _prompts(256, (3, 9, 1), seed=2)]
     expected = hf_greedy(folder, prompts)
-    llm = _llm(folder, device, block_size=8)
+    llm = make_llm(block_size=8)
     first = llm.generate(prompts[:1], GREEDY)  # fills the cache with the shared blocks
     rest = llm.generate(prompts[1:], GREEDY)
     assert llm.engine.scheduler.stats.num_prefix_hit_tokens >= 2 * 40 // 8 * 8
     assert all(r.num_cached_tokens > 0 for r in rest)
     assert [r.token_ids for r in first + rest] == expected
+
+
+def test_prefix_cache_hits_match_hf(device: str, checkpoints: dict) -> None:
+    folder, _, _ = checkpoints["qwen3_moe"]
+    check_prefix_hits_match_hf(folder, functools.partial(_llm, folder, device))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])

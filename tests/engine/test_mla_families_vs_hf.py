@@ -8,12 +8,19 @@ scheduling. Each test asserts that its path ran.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.layers.mla import MLAttention
-from tests.engine.test_generate_vs_hf import NEW_TOKENS, _prompts, hf_greedy
+from tests.engine.test_generate_vs_hf import (
+    NEW_TOKENS,
+    _prompts,
+    check_prefix_hits_match_hf,
+    hf_greedy,
+)
 from tests.models.checkpoints import write_mtp_tensors, write_tiny_checkpoint
 
 ARCHS = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "glm4_moe_lite")
@@ -101,15 +108,7 @@ def test_chunked_prefill_matches_hf(device: str, checkpoints: dict, arch: str) -
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_prefix_cache_hits_match_hf(device: str, checkpoints: dict, arch: str) -> None:
     folder, _, _ = checkpoints[arch]
-    shared = _prompts(256, (40,), seed=1)[0]
-    prompts = [shared + tail for tail in _prompts(256, (3, 9, 1), seed=2)]
-    expected = hf_greedy(folder, prompts)
-    llm = _llm(folder, device, block_size=8)
-    first = llm.generate(prompts[:1], GREEDY)  # fills the cache with the shared blocks
-    rest = llm.generate(prompts[1:], GREEDY)
-    assert llm.engine.scheduler.stats.num_prefix_hit_tokens >= 2 * 40 // 8 * 8
-    assert all(r.num_cached_tokens > 0 for r in rest)
-    assert [r.token_ids for r in first + rest] == expected
+    check_prefix_hits_match_hf(folder, functools.partial(_llm, folder, device))
 
 
 @pytest.mark.parametrize("arch", ["kimi_k2", "glm4_moe_lite"])
@@ -172,13 +171,11 @@ def test_triton_mla_paths_match_hf(device: str, checkpoints: dict, path: str) ->
 
 def test_triton_mla_prefix_hits_match_hf(device: str, checkpoints: dict) -> None:
     folder, _, _ = checkpoints["glm4_moe_lite"]
-    shared = _prompts(256, (40,), seed=1)[0]
-    prompts = [shared + tail for tail in _prompts(256, (3, 9), seed=2)]
-    expected = hf_greedy(folder, prompts)
-    llm = _llm(folder, device, block_size=8, attention_backend="triton")
-    for layer in _mla_layers(llm):  # the prefix hit's queries through the Triton kernel too
-        layer.prefill_form = "absorbed"
-    first = llm.generate(prompts[:1], GREEDY)
-    rest = llm.generate(prompts[1:], GREEDY)
-    assert rest[0].num_cached_tokens > 0
-    assert [r.token_ids for r in first + rest] == expected
+
+    def make_llm(**kw: object) -> LLM:
+        llm = _llm(folder, device, attention_backend="triton", **kw)
+        for layer in _mla_layers(llm):  # the prefix hit's queries through the Triton kernel
+            layer.prefill_form = "absorbed"
+        return llm
+
+    check_prefix_hits_match_hf(folder, make_llm)

@@ -1,0 +1,20 @@
+# Sourced by the GPU-machine scripts: the wheels brought in .whl/ installed once into /tmp/site
+# and on PYTHONPATH with the checkout, the commit under test (GIT_COMMIT, written before the
+# call) exported for the results' provenance, and the device and versions written to $OUT.
+#   source benchmarks/gpu_env.sh [extra module to report the version of, e.g. optuna]
+SITE=/tmp/site
+[ -d "$SITE" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --target "$SITE" .whl/*.whl
+export PYTHONPATH=$PWD:$SITE
+[ -f GIT_COMMIT ] && export MOESERVE_GIT_COMMIT=$(cat GIT_COMMIT)
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv > "$OUT/device.csv" 2>&1
+python3 -c "import sys, torch, triton; extra = [__import__(m) for m in sys.argv[1:]]; \
+print(torch.__version__, triton.__version__, *(m.__version__ for m in extra))" "$@" \
+  > "$OUT/versions.txt" 2>&1
+
+# run_gpu_tests SECONDS: `pytest -m gpu` over the test tree into $OUT/gpu_tests.log
+run_gpu_tests() {
+  timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+}
