@@ -37,7 +37,7 @@ class CapacityReport:
     #            "tuned", "source", "backend", "tuned_tokens"} (EngineCore._moe_configs)
     moe_configs: dict[str, dict] = field(default_factory=dict)
     kv_layout: str = ""  # what one token costs in the cache, per layer (GQA K/V or MLA latent)
-    mtp: str = ""  # the checkpoint's multi-token-prediction layers, left out ("" when none)
+    mtp: str = ""  # the checkpoint's layers not run (MTP, an hf_overrides slice), or ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,7 +112,7 @@ class CapacityReport:
         if self.moe_tune:
             rows.append(("MoE tune", self.moe_tune))
         if self.mtp:
-            rows.append(("MTP layers", self.mtp))
+            rows.append(("layers not run", self.mtp))
         rows += [(f"auto {k}", v) for k, v in self.resolved.items()]
         rows += [("start-up", ", ".join(f"{k} {v:.2f}s" for k, v in self.phase_seconds.items()))]
         width = max(len(k) for k, _ in rows)

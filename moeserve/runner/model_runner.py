@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from moeserve import envs
-from moeserve.config import EngineConfig, ModelConfig
+from moeserve.config import EngineConfig, ModelConfig, read_json_config
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers.sampler import SampleLogprobs, SamplingTensors, sample
@@ -58,15 +58,21 @@ class ModelRunner:
                                  get_moe_backend(self.cfg.moe_backend, self.cfg.moe_tiles),
                                  get_attention_backend(self.cfg.attention_backend),
                                  get_mla_backend(self.cfg.attention_backend))
-        self.mtp_note = ""  # the capacity report's line on a checkpoint's MTP layers
+        self.mtp_note = ""  # the capacity report's line on the checkpoint's layers not run
         if self.cfg.load_format == "dummy":
             init_dummy_weights(self.model, self.cfg.seed)
         else:
             assert weights_folder is not None, "safetensors load_format needs a checkpoint folder"
-            mtp = load_weights(self.model, self.model_config, weights_folder)
-            if mtp:
-                self.mtp_note = (f"{self.model_config.mtp_layers} in the checkpoint ({mtp} "
-                                 "tensors): left out, kept for speculative decoding later")
+            mc = self.model_config
+            layers = read_json_config(os.path.join(weights_folder, "config.json")).get(
+                "num_hidden_layers", mc.num_layers)
+            left_out = load_weights(self.model, mc, weights_folder, checkpoint_layers=layers)
+            if left_out:
+                parts = [f"{mc.mtp_layers} MTP layer(s): kept for speculative decoding later"
+                         ] if mc.mtp_layers else []
+                if layers > mc.num_layers:
+                    parts.append(f"layers {mc.num_layers}..{layers - 1} cut by hf_overrides")
+                self.mtp_note = f"{left_out} tensors left out: {'; '.join(parts)}"
         self.model.eval()
         self.weight_bytes = model_weight_bytes(self.model)
         self.num_forward_steps = 0

@@ -8,7 +8,8 @@ WeightLoadError naming the tensor, before anything is copied.
 
 The name map (every family's HF names -> our packed parameters) is runner/weight_names.py.
 A checkpoint's multi-token-prediction layers are recognised by name and left out
-(`load_weights` returns how many, for the capacity report).
+(`load_weights` returns how many, for the capacity report), as are the layers an
+`hf_overrides` slice of num_hidden_layers cuts off.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import SparseMoeBlock
 from moeserve.layers.norm import RMSNorm
 from moeserve.models.decoder import CausalLM
-from moeserve.runner.weight_names import mtp_tensor_names, weight_targets
+from moeserve.runner.weight_names import left_out_layer_names, weight_targets
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -40,13 +41,15 @@ class WeightLoadError(ValueError):
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, model_config: ModelConfig, folder: str) -> int:
+def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
+                 checkpoint_layers: int | None = None) -> int:
     """Copy the checkpoint in `folder` into `model`'s parameters (strict; see module doc).
-    Returns the number of multi-token-prediction tensors left out."""
+    checkpoint_layers: the checkpoint's own num_hidden_layers when hf_overrides served fewer.
+    Returns the number of tensors of layers left out (MTP layers, layers cut by a slice)."""
     files = _checkpoint_files(folder)  # tensor name -> file path
     targets = weight_targets(model, model_config, set(files))  # tensor name -> destination
-    mtp = mtp_tensor_names(model_config, set(files))
-    skipped = {n for n in files if n.endswith(_IGNORED_SUFFIXES)} | mtp
+    left_out = left_out_layer_names(model_config, set(files), checkpoint_layers)
+    skipped = {n for n in files if n.endswith(_IGNORED_SUFFIXES)} | left_out
     if model_config.tie_word_embeddings:
         skipped.add("lm_head.weight")
     _check_names(set(targets), set(files) - skipped, folder)
@@ -69,7 +72,7 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str) -> int
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in names:
                 targets[name].copy_(f.get_tensor(name))
-    return len(mtp)
+    return len(left_out)
 
 
 def _checkpoint_files(folder: str) -> dict[str, str]:

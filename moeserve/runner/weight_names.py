@@ -15,8 +15,9 @@
            mlp.experts.{gate_up_proj,down_proj} written by save_original_format=False)
            mlp.gate.weight (router), mlp.gate.e_score_correction_bias (sigmoid routers)
            mlp.shared_experts.{gate,up,down}_proj.weight -> mlp.shared_experts (a dense MLP)
-    model.layers.{num_layers + j}.*  (j < mtp_layers): multi-token-prediction layers; not loaded
-           (kept aside for speculative decoding), counted in the capacity report
+    model.layers.{checkpoint_layers + j}.*  (j < mtp_layers): multi-token-prediction layers; not
+           loaded (kept aside for speculative decoding), counted in the capacity report; so are
+           the layers num_layers .. checkpoint_layers that an hf_overrides slice cuts off
 """
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ from moeserve.models.decoder import CausalLM
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def mtp_tensor_names(cfg: ModelConfig, names: set[str]) -> set[str]:
-    """The checkpoint's multi-token-prediction tensors: layers num_layers .. + mtp_layers."""
-    if not cfg.mtp_layers:
-        return set()
-    mtp = range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers)
-    return {n for n in names if (m := _LAYER.match(n)) and int(m.group(1)) in mtp}
+def left_out_layer_names(cfg: ModelConfig, names: set[str],
+                         checkpoint_layers: int | None = None) -> set[str]:
+    """The tensors of the checkpoint's layers the served model does not run: its
+    multi-token-prediction layers (checkpoint_layers .. + mtp_layers) and, when hf_overrides
+    cut num_hidden_layers, the decoder layers num_layers .. checkpoint_layers.
+
+    Args:
+        checkpoint_layers: the checkpoint's own num_hidden_layers (None: cfg.num_layers).
+    """
+    total = checkpoint_layers if checkpoint_layers is not None else cfg.num_layers
+    left_out = range(cfg.num_layers, total + cfg.mtp_layers)
+    return {n for n in names if (m := _LAYER.match(n)) and int(m.group(1)) in left_out}
 
 
 def weight_targets(model: CausalLM, cfg: ModelConfig,

@@ -65,7 +65,7 @@ def test_batch_matches_hf(device: str, checkpoints: dict, arch: str) -> None:
         layers = _mla_layers(llm)
         assert layers and all(a.tokens_up_projected and a.tokens_absorbed for a in layers)
     if arch == "deepseek_v3":  # its MTP layer was recognised and left out
-        assert "left out" in llm.report.format() and "MTP" in llm.report.format()
+        assert "8 tensors left out: 1 MTP layer(s)" in llm.report.format()
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
@@ -179,3 +179,15 @@ def test_triton_mla_prefix_hits_match_hf(device: str, checkpoints: dict) -> None
         return llm
 
     check_prefix_hits_match_hf(folder, make_llm)
+
+
+def test_a_sliced_checkpoint_leaves_its_cut_layers_out(checkpoints: dict) -> None:
+    """hf_overrides num_hidden_layers 2 over the 3-layer DeepSeek-V3 checkpoint (and its MTP
+    layer): layers 2 and 3 are left out and reported, layers 0 and 1 load and serve; the
+    strict name check still holds for everything else."""
+    folder, prompts, _ = checkpoints["deepseek_v3"]
+    llm = LLM(folder, device="cpu", dtype="float32", hf_overrides={"num_hidden_layers": 2})
+    assert llm.engine.model_config.num_layers == 2
+    report = llm.report.format()
+    assert "1 MTP layer(s)" in report and "layers 2..2 cut by hf_overrides" in report
+    assert len(llm.generate(prompts[:1], GREEDY)[0].token_ids) == NEW_TOKENS
