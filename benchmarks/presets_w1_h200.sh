@@ -5,9 +5,11 @@
 # serves W1 at concurrency 256 through `moeserve serve`; the bench's JSON (with the server's
 # capacity report, /v1/engine's eager decode fallbacks and its resolved config) goes to
 # $OUT/presets_w1/<preset>.jsonl, its log beside it. One GPU call runs the presets given
-# (default: all; about a minute each), so two calls cover the seven:
+# (default: all; expect one to three minutes each: start-up compiles the new shapes' kernels),
+# so three calls cover the seven:
 #   bash benchmarks/presets_w1_h200.sh deepseek-v2-lite moonlight-16b-a3b glm-4.7-flash
-#   bash benchmarks/presets_w1_h200.sh glm-4.5-air glm-4.5 deepseek-v3 kimi-k2
+#   bash benchmarks/presets_w1_h200.sh glm-4.5-air glm-4.5
+#   bash benchmarks/presets_w1_h200.sh deepseek-v3 kimi-k2
 # GPU_TESTS=1 runs `pytest -m gpu` over the test tree first ($OUT/gpu_tests.log).
 set -uo pipefail
 presets=("${@:-deepseek-v2-lite moonlight-16b-a3b glm-4.7-flash glm-4.5-air glm-4.5 deepseek-v3 kimi-k2}")
