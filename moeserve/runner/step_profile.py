@@ -199,9 +199,10 @@ class StepProfiler:
 
 def _kind(module: nn.Module) -> str | None:
     from moeserve.layers.attention import Attention
+    from moeserve.layers.mla import MLAttention
     from moeserve.layers.moe import SparseMoeBlock
 
-    if isinstance(module, Attention):
+    if isinstance(module, Attention | MLAttention):
         return "attention"
     if isinstance(module, SparseMoeBlock):
         return "moe"

@@ -25,6 +25,17 @@ def test_profile_splits_the_forward() -> None:
     assert sample.other_ms == sample.forward_ms - sample.attention_ms - sample.moe_ms
 
 
+def test_profile_times_mla_attention(tmp_path) -> None:
+    """MLA layers (DeepSeek, GLM-4.7-Flash) are timed as attention too."""
+    from tests.models.checkpoints import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint("glm4_moe_lite", tmp_path / "ckpt", tokenizer=False)
+    llm = LLM(folder, device="cpu", dtype="float32", step_profile_every=1)
+    llm.generate([[1, 2, 3, 4], [5, 6]], PARAMS)
+    sample = llm.engine.runner.profiler.latest
+    assert sample is not None and sample.attention_ms > 0 and sample.moe_ms > 0
+
+
 def test_only_every_nth_forward_is_timed() -> None:
     llm = LLM("tiny-moe", device="cpu", step_profile_every=4)
     profiler: StepProfiler = llm.engine.runner.profiler
