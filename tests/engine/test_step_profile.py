@@ -29,7 +29,7 @@ def test_profile_times_mla_attention(tmp_path) -> None:
     """MLA layers (DeepSeek, GLM-4.7-Flash) are timed as attention too."""
     from tests.models.checkpoints import write_tiny_checkpoint
 
-    folder = write_tiny_checkpoint("glm4_moe_lite", tmp_path / "ckpt", tokenizer=False)
+    folder = write_tiny_checkpoint("glm4_moe_lite", tmp_path / "ckpt")
     llm = LLM(folder, device="cpu", dtype="float32", step_profile_every=1)
     llm.generate([[1, 2, 3, 4], [5, 6]], PARAMS)
     sample = llm.engine.runner.profiler.latest
