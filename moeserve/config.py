@@ -108,8 +108,8 @@ class DsaConfig:
             raise ConfigError(f"indexer_types must list 'full' or 'shared' per layer, got "
                               f"{list(self.indexer_types)}")
         if self.indexer_types and self.indexer_types[0] != "full":
-            raise ConfigError("indexer_types[0] must be 'full': a 'shared' layer reuses the "
-                              "selection of a 'full' layer before it")
+            raise ConfigError("indexer_types: the first entry must be 'full' (a 'shared' layer "
+                              "reuses the selection of a 'full' layer before it)")
 
     def is_full(self, layer_idx: int) -> bool:
         """Whether the layer runs its own indexer (and has an indexer key cache)."""
