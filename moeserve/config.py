@@ -19,8 +19,9 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
-    "Glm4MoeLiteForCausalLM",
+    "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM",
 )
+INDEXER_TYPES = ("full", "shared")
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,54 @@ class MlaConfig:
     def latent_dim(self) -> int:
         """Values cached per token per layer: the latent and the rotary key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class DsaConfig:
+    """DeepSeek Sparse Attention (GLM-5, DeepSeek-V3.2): a lightning indexer scores every
+    earlier position for each query token and the MLA attends to the `index_topk` best.
+
+    Indexer (per "full" layer): q_idx = wq_b(q_lora output) in `index_n_heads` heads of
+    `index_head_dim`, one key LayerNorm(wk(x)) per token (cached beside the latent), RoPE on the
+    first qk_rope_head_dim dims of both; score(t, s) = sum_h w_h(t) ReLU(q_h . k_s / sqrt(D)),
+    w = weights_proj(x) / sqrt(heads). A "shared" layer reuses the selection of the last "full"
+    layer before it and has no indexer (nor indexer cache) of its own."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_interleaved: bool
+    """The indexer's RoPE: pairs (GLM-5) or halves (DeepSeek-V3.2); each model's own code."""
+    indexer_types: tuple[str, ...]
+    """"full" or "shared" per layer (at least num_layers entries; the first "full")."""
+
+    def __post_init__(self) -> None:
+        if min(self.index_n_heads, self.index_head_dim, self.index_topk) < 1:
+            raise ConfigError(f"index_n_heads {self.index_n_heads}, index_head_dim "
+                              f"{self.index_head_dim} and index_topk {self.index_topk} must "
+                              "be >= 1")
+        if set(self.indexer_types) - set(INDEXER_TYPES):
+            raise ConfigError(f"indexer_types must list 'full' or 'shared' per layer, got "
+                              f"{list(self.indexer_types)}")
+        if self.indexer_types and self.indexer_types[0] != "full":
+            raise ConfigError("indexer_types: the first entry must be 'full' (a 'shared' layer "
+                              "reuses the selection of a 'full' layer before it)")
+
+    def is_full(self, layer_idx: int) -> bool:
+        """Whether the layer runs its own indexer (and has an indexer key cache)."""
+        return self.indexer_types[layer_idx] == "full"
+
+    def source_layer(self, layer_idx: int) -> int:
+        """The full layer whose selection the layer attends with (itself when full)."""
+        return max(i for i in range(layer_idx + 1) if self.indexer_types[i] == "full")
+
+    def num_full_layers(self, num_layers: int) -> int:
+        return sum(self.is_full(i) for i in range(num_layers))
+
+    def indexer_params(self, hidden: int, q_lora_rank: int) -> int:
+        """One full layer's indexer weights: wq_b, wk, k_norm (weight and bias), weights_proj."""
+        d, heads = self.index_head_dim, self.index_n_heads
+        return q_lora_rank * heads * d + hidden * d + 2 * d + hidden * heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +186,8 @@ class ModelConfig:
     """Biases on q, k and v (GLM-4.5's attention_bias)."""
     mla: MlaConfig | None = None
     """Multi-head latent attention (DeepSeek, GLM-4.7-Flash); None: GQA."""
+    dsa: DsaConfig | None = None
+    """DeepSeek Sparse Attention over the MLA (GLM-5, DeepSeek-V3.2); None: dense."""
     router: RouterConfig = field(default_factory=RouterConfig)
     shared_expert_intermediate_size: int = 0
     """Width of the shared experts' one MLP beside the routed ones (0: none)."""
@@ -166,6 +217,17 @@ class ModelConfig:
         if self.num_experts and self.num_experts % self.router.n_group:
             raise ConfigError(f"n_group {self.router.n_group} must divide the "
                               f"{self.num_experts} experts")
+        if self.dsa is not None:
+            if self.mla is None or not self.mla.q_lora_rank:
+                raise ConfigError("DSA needs MLA with q_lora_rank: the indexer's queries come "
+                                  "from the q_lora output")
+            if self.dsa.index_head_dim < self.mla.qk_rope_head_dim:
+                raise ConfigError(f"index_head_dim {self.dsa.index_head_dim} must be >= "
+                                  f"qk_rope_head_dim {self.mla.qk_rope_head_dim} (the indexer "
+                                  "rotates that many dims)")
+            if len(self.dsa.indexer_types) < self.num_layers:
+                raise ConfigError(f"indexer_types lists {len(self.dsa.indexer_types)} layers, "
+                                  f"fewer than num_hidden_layers {self.num_layers}")
 
     @property
     def rope_theta(self) -> float:
@@ -186,10 +248,24 @@ class ModelConfig:
     @property
     def kv_bytes_per_token_per_layer_elem(self) -> int:
         """Cached elements per token per layer: K and V of each KV head (GQA), or the latent
-        and the rotary key (MLA)."""
+        and the rotary key (MLA). DSA's indexer keys are counted apart
+        (`index_cache_layers`)."""
         if self.mla is not None:
             return self.mla.latent_dim
         return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def index_cache_layers(self) -> int:
+        """Layers with a DSA indexer key cache (the "full" ones; 0 without DSA)."""
+        return 0 if self.dsa is None else self.dsa.num_full_layers(self.num_layers)
+
+    def cache_elems_per_token(self, indexer_cache: bool = True) -> int:
+        """Cached elements per token over all layers: the attention cache of every layer, and
+        (indexer_cache) DSA's index_head_dim key of each full layer."""
+        total = self.num_layers * self.kv_bytes_per_token_per_layer_elem
+        if indexer_cache and self.dsa is not None:
+            total += self.index_cache_layers * self.dsa.index_head_dim
+        return total
 
     def attention_params(self) -> int:
         """One layer's attention weights."""
@@ -209,6 +285,9 @@ class ModelConfig:
         """Parameter count of the served model, from the shapes alone (MTP layers excluded)."""
         h = self.hidden_size
         total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        if self.dsa is not None:
+            assert self.mla is not None and self.mla.q_lora_rank
+            total += self.index_cache_layers * self.dsa.indexer_params(h, self.mla.q_lora_rank)
         for i in range(self.num_layers):
             if self.is_moe_layer(i):
                 mlp = (self.num_experts * (3 * h * self.moe_intermediate_size + h)
@@ -346,6 +425,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     """"torch" (reference over the paged KV), "triton" or "auto" (triton on CUDA, torch on
     CPU)."""
+    dsa: str = "auto"
+    """DeepSeek Sparse Attention models (GLM-5, DeepSeek-V3.2): "auto" (a request whose
+    context exceeds index_topk attends to the indexer's top-k positions, a shorter one runs
+    dense MLA: the same result) or "dense" (dense MLA for every request, for comparison: no
+    indexer runs and no indexer key cache is allocated). No effect on other models."""
     moe_tiles: str = "tuned"
     """The fused MoE's tiles: "tuned" (a committed or cached tuned file for this device and MoE
     shape, tuned at start-up within moe_tune_budget_s when none exists) or "default" (the
@@ -388,6 +472,7 @@ class EngineConfig:
         _check_choice("moe_backend", self.moe_backend, ("auto", "torch", "grouped_mm", "triton",
                                                         "measured"))
         _check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
+        _check_choice("dsa", self.dsa, ("auto", "dense"))
         _check_choice("moe_tiles", self.moe_tiles, ("tuned", "default"))
         if self.moe_tune_budget_s < 0:
             raise ConfigError(f"moe_tune_budget_s must be >= 0, got {self.moe_tune_budget_s}")

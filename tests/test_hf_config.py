@@ -131,6 +131,49 @@ moonshotai/Kimi-K2-Instruct (DeepseekV3ForCausalLM, model_type kimi_k2)
   routed_scaling_factor 2.827, scoring_func sigmoid, seq_aux true, tie_word_embeddings false,
   topk_group 1, topk_method noaux_tc, torch_dtype bfloat16, transformers_version 4.48.3,
   use_cache true, v_head_dim 128, vocab_size 163840.
+
+zai-org/GLM-5 (GlmMoeDsaForCausalLM, model_type glm_moe_dsa; the bf16 release)
+  found: (index) a prime-rl script's CONFIG "Exact GLM-5 dimensions, just 2 layers" (the field
+  set and values, with num_hidden_layers 2, first_k_dense_replace 1, n_routed_experts 16,
+  max_position_embeddings 4096 and num_nextn_predict_layers 0 cut down for its test); (index)
+  an omniinfer quantization guide printing GLM-5's config.json with its architectures and
+  model_type renamed to DeepseekV32ForCausalLM / deepseek_v32, torch_dtype for dtype, a
+  compressed-tensors quantization_config and an apply_mtp_rot key added (its values: 78 layers,
+  3 dense, 256 experts, max_position_embeddings 202752, one MTP layer); corroborated by
+  jd-opensource/xllm xllm/models/llm/glm5.h (defaults "from huggingface.co/zai-org/GLM-5",
+  indexer_rope_interleave true) and ai-dynamo/aiconfigurator's abridged GLM-5-FP8 config.
+  Fields: architectures, attention_bias false, attention_dropout 0.0, dtype bfloat16,
+  eos_token_id [154820, 154827, 154829], ep_size 1, first_k_dense_replace 3, hidden_act silu,
+  head_dim 64, hidden_size 6144, index_head_dim 128, index_n_heads 32, index_topk 2048,
+  indexer_rope_interleave true, initializer_range 0.02, intermediate_size 12288, kv_lora_rank
+  512, max_position_embeddings 202752, moe_intermediate_size 2048, moe_layer_freq 1, model_type,
+  n_group 1, n_routed_experts 256, n_shared_experts 1, norm_topk_prob true, num_attention_heads
+  64, num_experts_per_tok 8, num_hidden_layers 78, num_key_value_heads 64,
+  num_nextn_predict_layers 1, pad_token_id 154820, pretraining_tp 1, q_lora_rank 2048,
+  qk_head_dim 256, qk_nope_head_dim 192, qk_rope_head_dim 64, rms_norm_eps 1e-05,
+  rope_interleave true, rope_parameters {rope_theta 1000000, rope_type default},
+  routed_scaling_factor 2.5, scoring_func sigmoid, tie_word_embeddings false, topk_group 1,
+  topk_method noaux_tc, transformers_version 5.0.2.dev0, use_cache true, v_head_dim 256,
+  vocab_size 154880. No indexer_types (nor index_topk_freq): every layer "full".
+
+deepseek-ai/DeepSeek-V3.2 (DeepseekV32ForCausalLM, model_type deepseek_v32)
+  found: (index) a model report printing /nfs/.../deepseek-ai/DeepSeek-V3.2/config.json
+  verbatim ("原始 config.json") with its safetensors: 163 files, 685,396,921,376 parameters
+  (the MTP layer 61, every layer's indexer and the FP8 block scales included). Fields:
+  architectures, attention_bias false, attention_dropout 0.0, bos_token_id 0, eos_token_id 1,
+  ep_size 1, first_k_dense_replace 3, hidden_act silu, hidden_size 7168, index_head_dim 128,
+  index_n_heads 64, index_topk 2048, initializer_range 0.02, intermediate_size 18432,
+  kv_lora_rank 512, max_position_embeddings 163840, model_type, moe_intermediate_size 2048,
+  moe_layer_freq 1, n_group 8, n_routed_experts 256, n_shared_experts 1, norm_topk_prob true,
+  num_attention_heads 128, num_experts_per_tok 8, num_hidden_layers 61, num_key_value_heads
+  128, num_nextn_predict_layers 1, q_lora_rank 1536, qk_nope_head_dim 128, qk_rope_head_dim 64,
+  quantization_config {activation_scheme dynamic, fmt e4m3, quant_method fp8, scale_fmt ue8m0,
+  weight_block_size [128, 128]} (dropped in the bf16 preset), rms_norm_eps 1e-06, rope_scaling
+  {type yarn, factor 40, beta_fast 32, beta_slow 1, mscale 1.0, mscale_all_dim 1.0,
+  original_max_position_embeddings 4096}, rope_theta 10000, routed_scaling_factor 2.5,
+  scoring_func sigmoid, tie_word_embeddings false, topk_group 4, topk_method noaux_tc,
+  torch_dtype bfloat16, transformers_version 4.44.2, use_cache true, v_head_dim 128, vocab_size
+  129280.
 """
 
 from __future__ import annotations
@@ -145,6 +188,7 @@ import pytest
 
 from moeserve.config import (
     ConfigError,
+    DsaConfig,
     EngineConfig,
     MlaConfig,
     ModelConfig,
@@ -154,9 +198,12 @@ from moeserve.hf_config import deepseek, fields, glm
 from moeserve.presets import list_presets, load_preset
 
 NEW_PRESETS = ("deepseek-v2-lite", "moonlight-16b-a3b", "glm-4.7-flash", "glm-4.5-air",
-               "glm-4.5", "deepseek-v3", "kimi-k2")
+               "glm-4.5", "deepseek-v3", "kimi-k2", "glm-5", "deepseek-v3.2")
 FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
        "weight_block_size": [128, 128]}
+# the published configs' FP8 quantization_config, which the bf16 presets drop
+PUBLISHED_FP8 = {"deepseek-v3": FP8, "kimi-k2": FP8,
+                 "deepseek-v3.2": {**FP8, "scale_fmt": "ue8m0"}}
 V3_MLA = MlaConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                    qk_rope_head_dim=64, v_head_dim=128)
 LITE_MLA = MlaConfig(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -242,6 +289,36 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         rope=dict(rope_type="yarn", factor=32.0, theta=50000.0, rotary_dim=64, interleaved=True,
                   original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0,
                   beta_fast=1.0, beta_slow=1.0)),
+    "glm-5": dict(
+        architecture="GlmMoeDsaForCausalLM", num_layers=78, hidden_size=6144, num_heads=64,
+        num_kv_heads=64, head_dim=256,
+        mla=MlaConfig(q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+                      qk_rope_head_dim=64, v_head_dim=256),
+        dsa=DsaConfig(index_n_heads=32, index_head_dim=128, index_topk=2048,
+                      rope_interleaved=True, indexer_types=("full",) * 78),
+        intermediate_size=12288, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=2048, shared_expert_intermediate_size=2048,
+        mlp_only_layers=(0, 1, 2), norm_topk_prob=True, vocab_size=154880,
+        max_position_embeddings=202752, mtp_layers=1, bos_token_id=None,
+        eos_token_ids=(154820, 154827, 154829), rms_norm_eps=1e-5,
+        router=dict(scoring="sigmoid", topk_method="noaux_tc", n_group=1, topk_group=1,
+                    routed_scaling_factor=2.5),
+        rope=dict(rope_type="default", theta=1e6, rotary_dim=64, interleaved=True)),
+    "deepseek-v3.2": dict(
+        architecture="DeepseekV32ForCausalLM", num_layers=61, hidden_size=7168, num_heads=128,
+        num_kv_heads=128, head_dim=192, mla=V3_MLA,
+        dsa=DsaConfig(index_n_heads=64, index_head_dim=128, index_topk=2048,
+                      rope_interleaved=False, indexer_types=("full",) * 61),
+        intermediate_size=18432, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=2048, shared_expert_intermediate_size=2048,
+        mlp_only_layers=(0, 1, 2), norm_topk_prob=True, vocab_size=129280,
+        max_position_embeddings=163840, mtp_layers=1, bos_token_id=0, eos_token_ids=(1,),
+        rms_norm_eps=1e-6,
+        router=dict(scoring="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
+                    routed_scaling_factor=2.5),
+        rope=dict(rope_type="yarn", factor=40.0, theta=10000.0, rotary_dim=64, interleaved=True,
+                  original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0,
+                  beta_fast=32.0, beta_slow=1.0)),
 }
 
 # The published totals (model cards), in parameters, and what they count. DeepSeek-V3's 671B
@@ -249,6 +326,7 @@ PUBLISHED: dict[str, dict[str, Any]] = {
 PUBLISHED_TOTALS = {
     "deepseek-v2-lite": 15.7e9, "moonlight-16b-a3b": 16e9, "glm-4.7-flash": 30e9,
     "glm-4.5-air": 106e9, "glm-4.5": 355e9, "deepseek-v3": 671e9, "kimi-k2": 1.03e12,
+    "glm-5": 744e9, "deepseek-v3.2": 671e9,
 }
 
 
@@ -262,8 +340,8 @@ def _published(name: str) -> dict[str, Any]:
     """The published config.json: the preset less its moeserve_* keys, with the FP8
     quantization_config the bf16 preset drops put back."""
     hf = {k: v for k, v in load_preset(name).items() if not k.startswith("moeserve_")}
-    if name in ("deepseek-v3", "kimi-k2"):
-        hf["quantization_config"] = FP8
+    if name in PUBLISHED_FP8:
+        hf["quantization_config"] = PUBLISHED_FP8[name]
     return hf
 
 
@@ -290,7 +368,7 @@ def test_preset_is_the_published_config(name: str) -> None:
                                                                     "moeserve_tokenizer"}
     assert preset["moeserve_tokenizer"] == "byte"
     assert "quantization_config" not in preset
-    if name in ("deepseek-v3", "kimi-k2"):  # published FP8: the description says it is dropped
+    if name in PUBLISHED_FP8:  # published FP8: the description says it is dropped
         assert "FP8 quantization_config is dropped" in preset["moeserve_description"]
 
 
@@ -338,10 +416,16 @@ def test_num_params_equals_the_published_checkpoints_tensor_totals() -> None:
             == 684_531_386_000)
     kimi = mc("kimi-k2")  # no MTP layer; each layer stores a rotary inv_freq of 56 (bf16)
     assert kimi.num_params() + _fp8_block_scales(kimi, 61, 60) + 61 * 56 == 1_026_470_731_056
+    v32 = mc("deepseek-v3.2")  # V3's, and each of the 62 layers' indexer (wq_b and wk in FP8)
+    index_scales = 62 * (math.ceil(64 * 128 / 128) * math.ceil(1536 / 128)
+                         + math.ceil(128 / 128) * math.ceil(7168 / 128))
+    assert (v32.num_params() + _mtp_params(v32) + _fp8_block_scales(v32, 62, 59) + index_scales
+            == 685_396_921_376)
 
 
 _MODEL_TYPE = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
-               "Glm4MoeForCausalLM": "glm4_moe", "Glm4MoeLiteForCausalLM": "glm4_moe_lite"}
+               "Glm4MoeForCausalLM": "glm4_moe", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+               "GlmMoeDsaForCausalLM": "glm_moe_dsa", "DeepseekV32ForCausalLM": "deepseek_v32"}
 
 
 def _transformers_config(name: str) -> Any:
@@ -396,7 +480,7 @@ def test_every_published_field_is_honoured_checked_or_inert(name: str) -> None:
         assert all(isinstance(why, str) and why for why in inert.values())
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2"])
+@pytest.mark.parametrize("name", list(PUBLISHED_FP8))
 def test_the_published_fp8_config_is_refused_by_name(tmp_path: Path, name: str) -> None:
     folder = _write_checkpoint_config(tmp_path / name, _published(name))
     with pytest.raises(ConfigError, match=r"quantization_config \(quant_method 'fp8'\) is not "
@@ -436,6 +520,23 @@ def test_an_unknown_field_is_refused_by_name(name: str) -> None:
     ("glm-4.7-flash", {"head_dim": 256}, "head_dim 256 must equal qk_rope_head_dim 64"),
     ("glm-4.7-flash", {"attention_bias": True}, "attention_bias=True"),
     ("glm-4.7-flash", {"first_k_dense_replace": 2}, "first_k_dense_replace 2 disagrees"),
+    ("glm-5", {"indexer_rope_interleave": False}, "indexer_rope_interleave=False"),
+    ("glm-5", {"rope_interleave": False}, "rope_interleave=False"),
+    ("glm-5", {"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ("glm-5", {"attention_bias": True}, "attention_bias=True"),
+    ("glm-5", {"index_head_dim": 32}, "index_head_dim 32 must be >= qk_rope_head_dim 64"),
+    ("glm-5", {"indexer_types": ["shared"] + ["full"] * 77}, "first entry must be 'full'"),
+    ("glm-5", {"indexer_types": ["full"] * 77}, "indexer_types lists 77 layers, fewer than"),
+    ("glm-5", {"indexer_types": ["full", "sparse"] * 39}, "'full' or 'shared' per layer"),
+    ("glm-5", {"layer_types": ["full_attention"] * 78}, "deepseek_sparse_attention"),
+    ("glm-5", {"mlp_layer_types": ["dense"] * 2 + ["sparse"] * 76},
+     "first_k_dense_replace 3 disagrees"),
+    ("deepseek-v3.2", {"indexer_rope_interleave": True}, "indexer_rope_interleave=True"),
+    ("deepseek-v3.2", {"rope_interleave": False}, "rope_interleave=False"),
+    ("deepseek-v3.2", {"q_lora_rank": None}, "DSA needs MLA with q_lora_rank"),
+    ("deepseek-v3.2", {"mlp_bias": True}, "mlp_bias=True"),
+    ("deepseek-v3.2", {"indexer_types": ["full"] * 61}, "not implemented for "
+                                                        "DeepseekV32ForCausalLM: indexer_types"),
 ])
 def test_a_checked_field_at_another_value_is_refused_by_name(name: str, edit: dict,
                                                              needle: str) -> None:
@@ -579,3 +680,39 @@ def test_hf_overrides_flag_on_the_commands_that_build_an_engine(
     assert main(["generate", "--preset", "tiny-moe", "--device", "cpu",
                  "--hf-overrides", '{"num_experts_per_tok": 99}']) == 2
     assert "num_experts_per_tok 99" in capsys.readouterr().err
+
+
+# --- DeepSeek Sparse Attention --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", [
+    {}, {"index_topk_freq": 4, "index_skip_topk_offset": 3}, {"index_topk_freq": 2},
+    {"index_topk_pattern": "FFSSFS"}, {"index_topk_pattern": ["full", "shared"] * 3},
+    {"indexer_types": ["full", "shared", "shared", "full", "full", "shared"]},
+])
+def test_glm5_indexer_types_follow_transformers_schedule(schedule: dict) -> None:
+    """indexer_types, else index_topk_pattern, else index_topk_freq / index_skip_topk_offset:
+    the layers GlmMoeDsaConfig makes "full" and "shared"; a shared layer's selection comes
+    from the last full layer before it."""
+    from transformers import GlmMoeDsaConfig
+
+    hf = load_preset("glm-5") | {"num_hidden_layers": 6} | schedule
+    dsa = ModelConfig.from_hf(hf).dsa
+    assert dsa.indexer_types == tuple(GlmMoeDsaConfig(num_hidden_layers=6,
+                                                      **schedule).indexer_types)
+    for i in range(6):
+        src = dsa.source_layer(i)
+        assert dsa.is_full(src) and all(not dsa.is_full(j) for j in range(src + 1, i + 1))
+
+
+def test_dsa_presets_slice_and_count_the_indexer_per_full_layer() -> None:
+    """hf_overrides slices GLM-5 to 4 layers (its schedule derived for 4); num_params counts
+    one indexer per full layer, and the cache one indexer key per full layer."""
+    mc, _ = load_model_config("glm-5", {"num_hidden_layers": 4, "index_topk_freq": 2})
+    assert mc.dsa.indexer_types == ("full", "full", "shared", "full")
+    assert mc.index_cache_layers == 3
+    dense = dataclasses.replace(mc, dsa=None)
+    per_indexer = 2048 * 32 * 128 + 6144 * 128 + 2 * 128 + 6144 * 32
+    assert mc.num_params() - dense.num_params() == 3 * per_indexer
+    assert mc.cache_elems_per_token() == 4 * 576 + 3 * 128
+    assert mc.cache_elems_per_token(indexer_cache=False) == 4 * 576

@@ -6,10 +6,13 @@ device's ceilings, and how close a run came.
                  3 x hidden x expert width) + dense weights (attention, router, dense MLPs,
                  shared experts, lm_head, the embedding rows looked up) + the KV cache of the
                  batch (batch x context x layers x cached values a token: 2 x kv heads x head
-                 dim, or MLA's latent L + R)
+                 dim, or MLA's latent L + R; DSA: the latents of min(context, index_topk)
+                 positions, and every context position's indexer key in each full layer)
         FLOPs  = 2 x active parameters per token (lm_head only for the `rows` that sample)
                  + attention over the context (2 x context x heads x (qk dims + v dims) per
-                 layer: 4 x head dim for GQA; (L + R) + L for MLA's absorbed decode)
+                 layer: 4 x head dim for GQA; (L + R) + L for MLA's absorbed decode; DSA: over
+                 min(context, index_topk) positions, plus the indexer's 2 x context x index
+                 heads x index_head_dim a full layer)
         bound  = max(bytes / bandwidth, FLOPs / peak): memory- or compute-bound
 
     analyse(run)  the run's steady window (figures.steady_window): observed seconds per step,
@@ -91,20 +94,30 @@ def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, 
     dense_params = (model.num_layers * attn_params + dense_layers * 3 * h * model.intermediate_size
                     + moe_layers * model.num_experts * h  # + the routers
                     + moe_layers * 3 * h * model.shared_expert_intermediate_size)  # shared
+    dsa, index_layers = model.dsa, model.index_cache_layers
+    attended = context if dsa is None else min(context, dsa.index_topk)  # positions attended
+    index_flops = index_row = 0.0
+    if dsa is not None:
+        assert model.mla is not None and model.mla.q_lora_rank
+        dense_params += index_layers * dsa.indexer_params(h, model.mla.q_lora_rank)
+        index_row = context * index_layers * dsa.index_head_dim  # keys one row reads
+        index_flops = 2.0 * context * dsa.index_n_heads * dsa.index_head_dim * index_layers
     # per head and context token: q . k over qk dims, p . v over v dims (MLA decode: absorbed,
     # over the latent row L + R and its first L values)
     qk_dim, v_dim = ((model.mla.latent_dim, model.mla.kv_lora_rank) if model.mla is not None
                      else (d, d))
     lm_head = model.vocab_size * h
     touched = experts_touched(model.num_experts, model.num_experts_per_tok, tokens)
-    kv_per_token = model.num_layers * model.kv_bytes_per_token_per_layer_elem * dtype_bytes
+    kv_per_row = (attended * model.num_layers * model.kv_bytes_per_token_per_layer_elem
+                  + index_row) * dtype_bytes
     active_per_token = dense_params + moe_layers * model.num_experts_per_tok * expert_params
-    attn_flops = 2.0 * context * model.num_heads * (qk_dim + v_dim) * model.num_layers
+    attn_flops = (2.0 * attended * model.num_heads * (qk_dim + v_dim) * model.num_layers
+                  + index_flops)
     return StepCost(
         tokens=tokens, rows=rows, batch=batch, context=context,
         expert_bytes=moe_layers * touched * expert_params * dtype_bytes,
         dense_bytes=(dense_params + lm_head + min(tokens, model.vocab_size) * h) * dtype_bytes,
-        kv_bytes=batch * context * kv_per_token,
+        kv_bytes=batch * kv_per_row,
         flops=2.0 * tokens * active_per_token + 2.0 * rows * lm_head + tokens * attn_flops)
 
 

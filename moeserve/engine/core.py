@@ -75,10 +75,12 @@ class EngineCore:
             peak = self.runner.profile_activation_peak(min(budget, sched_cfg.max_model_len), rows)
         with timed(phases, "kv_cache", device):
             graph_reserve = GRAPH_RESERVE_BYTES if not self.cfg.enforce_eager else 0
+            indexer_cache = self.runner.indexer_cache
             plan = plan_memory(self.model_config, self.cfg.cache, self.runner.dtype, device,
-                               self.runner.weight_bytes, peak, graph_reserve)
-            self.runner.bind_kv_caches(
-                allocate_kv_caches(self.model_config, plan, self.runner.dtype, device))
+                               self.runner.weight_bytes, peak, graph_reserve, indexer_cache)
+            self.runner.bind_kv_caches(allocate_kv_caches(self.model_config, plan,
+                                                          self.runner.dtype, device,
+                                                          indexer_cache))
         sched_cfg = self._fit_max_model_len(sched_cfg, plan.num_kv_tokens, resolved)
         self.cfg = dataclasses.replace(self.cfg, scheduler=sched_cfg)
         self.max_running_requests, rule = resolve_max_running_requests(sched_cfg,
@@ -102,7 +104,8 @@ class EngineCore:
             usable_cores=cores,
             moe_configs=_moe_configs(self.cfg, self.model_config, self.runner.dtype,
                                      tile_device_name(device)),
-            kv_layout=kv_layout(self.model_config, self.runner.dtype), mtp=self.runner.mtp_note)
+            kv_layout=kv_layout(self.model_config, self.runner.dtype, indexer_cache),
+            mtp=self.runner.mtp_note, dsa=_dsa_line(self.cfg, self.model_config))
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
         self._arrivals = itertools.count()
@@ -163,6 +166,9 @@ class EngineCore:
             return "off: CPU (CUDA graphs need a GPU)"
         if cfg.enforce_eager:
             return "off: enforce_eager"
+        if self.model_config.dsa is not None and cfg.dsa != "dense":
+            return ("off: DeepSeek Sparse Attention runs its torch references (no Triton "
+                    "kernels yet); dsa='dense' runs the dense MLA, which can be captured")
         if cfg.attention_backend not in CAPTURABLE_ATTENTION:
             return (f"off: attention backend {cfg.attention_backend!r} cannot be captured "
                     f"(use {', '.join(CAPTURABLE_ATTENTION)})")
@@ -243,6 +249,23 @@ class EngineCore:
         if result.profiled_forwards:  # the step profile's timed forwards: this step's wall
             self.runner.profiler.add_step_wall(result.profiled_forwards, seconds / out.num_steps)
         return outputs
+
+
+def _dsa_line(cfg: EngineConfig, mc: ModelConfig) -> str:
+    """The capacity report's line on DeepSeek Sparse Attention ("" for other models)."""
+    d = mc.dsa
+    if d is None:
+        return ""
+    shared = mc.num_layers - mc.index_cache_layers
+    layers = (f"{mc.index_cache_layers} full layers" + (f", {shared} sharing the selection "
+                                                        "of the full layer before them"
+                                                        if shared else ""))
+    if cfg.dsa == "dense":
+        return f"dsa=dense: dense MLA for every request, no indexer ({layers})"
+    return (f"auto: a context beyond index_topk {d.index_topk} attends to the indexer's top "
+            f"{d.index_topk} positions ({d.index_n_heads} heads x {d.index_head_dim}, "
+            f"{layers}); shorter contexts run dense MLA (torch references; no Triton kernels "
+            "yet)")
 
 
 def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,

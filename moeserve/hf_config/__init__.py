@@ -23,6 +23,8 @@ PARSERS: dict[str, Callable[[dict[str, Any], str], ModelConfig]] = {
     "DeepseekV3ForCausalLM": deepseek.parse,
     "Glm4MoeForCausalLM": glm.parse,
     "Glm4MoeLiteForCausalLM": glm.parse,
+    "GlmMoeDsaForCausalLM": glm.parse,
+    "DeepseekV32ForCausalLM": deepseek.parse,
 }
 assert set(PARSERS) == set(SUPPORTED_ARCHITECTURES)
 

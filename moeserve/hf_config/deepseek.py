@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V2-Lite, DeepSeek-V3 / R1, Moonlight and Kimi K2 config.json -> ModelConfig.
+"""DeepSeek-V2 / V2-Lite, DeepSeek-V3 / R1, Moonlight, Kimi K2 and DeepSeek-V3.2 config.json ->
+ModelConfig.
 
 Kimi K2's published config says `model_type: kimi_k2` with `DeepseekV3ForCausalLM`: the same
 model, parsed here. Published configs carry fields transformers never writes (`scoring_func`,
@@ -13,6 +14,11 @@ would be ambiguous); `rope_interleave` a bool; `head_dim` and `qk_head_dim` cons
 dims. Honoured: the shapes, `n_shared_experts`, `first_k_dense_replace`, the router's
 `n_group` / `topk_group` / `routed_scaling_factor` / `norm_topk_prob` (V3), RoPE (YaRN included),
 `num_nextn_predict_layers` (the MTP layers' count: their weights are not served).
+
+DeepSeek-V3.2 (`DeepseekV32ForCausalLM`) is V3 with DeepSeek Sparse Attention: its indexer
+fields, `mlp_layer_types` and the RoPE layouts are read by hf_config/dsa.py (every layer
+"full"; transformers' V3.2 has no shared layers). Its MLA needs q_lora_rank (the indexer's
+queries come from the q_lora output).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from moeserve.config import ConfigError, MlaConfig, ModelConfig, RouterConfig
-from moeserve.hf_config import fields
+from moeserve.hf_config import dsa, fields
 
 # Published-config fields with no effect on inference: field -> why.
 INERT: dict[str, str] = {
@@ -37,12 +43,14 @@ KNOWN = {
     "DeepseekV2ForCausalLM": set(INERT) | _MLA | _MOE | {"mlp_bias"},
     "DeepseekV3ForCausalLM": set(INERT) | _MLA | _MOE | {"rope_interleave",
                                                          "num_nextn_predict_layers"},
+    "DeepseekV32ForCausalLM": set(INERT) | _MLA | _MOE | dsa.FIELDS | {"num_nextn_predict_layers"},
 }
 
 
 def parse(hf: dict[str, Any], arch: str) -> ModelConfig:
     fields.check_known(hf, arch, KNOWN[arch])
-    v3 = arch == "DeepseekV3ForCausalLM"
+    v32 = arch == "DeepseekV32ForCausalLM"
+    v3 = arch == "DeepseekV3ForCausalLM" or v32
     fields.check_value(hf, "attention_bias", (False,))
     fields.check_value(hf, "mlp_bias", (False,))
     fields.check_value(hf, "moe_layer_freq", (1,))
@@ -59,6 +67,7 @@ def parse(hf: dict[str, Any], arch: str) -> ModelConfig:
     # V2's RoPE is always interleaved (complex pairs), V3's when rope_interleave (its default).
     fields.check_value(hf, "rope_interleave", (True, False))
     interleaved = bool(hf.get("rope_interleave", True)) if v3 else True
+    sparse = dsa.dsa_config(hf, glm=False) if v32 else None  # V3.2: always interleaved
     common["rope"] = fields.rope(hf, mla.qk_rope_head_dim, interleaved=interleaved)
     num_experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or 0
     if v3:
@@ -74,13 +83,15 @@ def parse(hf: dict[str, Any], arch: str) -> ModelConfig:
                               logits_fp32=True)
         norm = False  # transformers' DeepseekV2TopkRouter never renormalises
     first_dense = hf.get("first_k_dense_replace", 3 if v3 else 0)
+    dense = (dsa.dense_layers(hf) if v32
+             else tuple(range(min(first_dense, common["num_layers"]))))
     return ModelConfig(
-        **common, mla=mla, router=router, num_experts=num_experts,
+        **common, mla=mla, dsa=sparse, router=router, num_experts=num_experts,
         num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
         moe_intermediate_size=hf.get("moe_intermediate_size", 0), norm_topk_prob=norm,
         shared_expert_intermediate_size=(hf.get("moe_intermediate_size", 0)
                                          * (hf.get("n_shared_experts") or 0)),
-        mlp_only_layers=tuple(range(min(first_dense, common["num_layers"]))),
+        mlp_only_layers=dense,
         mtp_layers=int(hf.get("num_nextn_predict_layers") or 0) if v3 else 0)
 
 

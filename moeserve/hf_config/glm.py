@@ -1,5 +1,5 @@
-"""GLM-4.5 / 4.6 / 4.7 and -Air (Glm4Moe, GQA) and GLM-4.7-Flash (Glm4MoeLite, MLA)
-config.json -> ModelConfig.
+"""GLM-4.5 / 4.6 / 4.7 and -Air (Glm4Moe, GQA), GLM-4.7-Flash (Glm4MoeLite, MLA) and GLM-5
+(GlmMoeDsa, MLA + DeepSeek Sparse Attention) config.json -> ModelConfig.
 
 The published GLM configs carry no family-specific inert field (fields.INERT covers theirs:
 `pad_token_id`, `initializer_range`, `use_cache`, ...). Checked: `topk_method` noaux_tc,
@@ -11,6 +11,12 @@ Honoured: the shapes, `attention_bias` (GLM-4.5's q/k/v biases), `use_qk_norm`,
 `topk_group` / `routed_scaling_factor` / `norm_topk_prob`, `n_shared_experts`, and
 `num_nextn_predict_layers` (transformers' `num_mtp_layers`): the MTP layers' count, their weights
 not served. `n_routed_experts` may be spelled `num_local_experts` (transformers' alias).
+
+GLM-5 (`GlmMoeDsaForCausalLM`): Glm4MoeLite's MLA fields and the router's, plus the DSA
+fields (hf_config/dsa.py: the indexer, `indexer_types` or its schedule, `mlp_layer_types` or
+`first_k_dense_replace`, the RoPE layouts). Its published config also carries `ep_size` (inert:
+the expert-parallel size of a launch) and `moe_layer_freq` (checked: 1, every layer past the
+dense ones sparse).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from moeserve.config import ConfigError, ModelConfig, RouterConfig
-from moeserve.hf_config import fields
+from moeserve.hf_config import dsa, fields
+from moeserve.hf_config.deepseek import INERT as DEEPSEEK_INERT
 from moeserve.hf_config.deepseek import mla_config
 
 _MOE = {"n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -31,7 +38,11 @@ KNOWN = {
                                       "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                       "v_head_dim", "qk_head_dim", "rope_interleave",
                                       "mlp_layer_types", "first_k_dense_replace"},
+    "GlmMoeDsaForCausalLM": _MOE | dsa.FIELDS | dsa.GLM_INDEXER | {
+        "attention_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+        "v_head_dim", "qk_head_dim", "first_k_dense_replace", "moe_layer_freq", "ep_size"},
 }
+INERT = {"ep_size": DEEPSEEK_INERT["ep_size"]} | dsa.INERT
 
 
 def parse(hf: dict[str, Any], arch: str) -> ModelConfig:
@@ -63,6 +74,11 @@ def parse(hf: dict[str, Any], arch: str) -> ModelConfig:
     fields.check_value(hf, "attention_bias", (False,))
     mla = mla_config(hf)
     common.update(num_kv_heads=common["num_heads"], head_dim=mla.qk_head_dim)
+    if arch == "GlmMoeDsaForCausalLM":  # both RoPEs interleaved (checked in dsa_config)
+        fields.check_value(hf, "moe_layer_freq", (1,))
+        common["rope"] = fields.rope(hf, mla.qk_rope_head_dim, interleaved=True)
+        return ModelConfig(**common, **moe, mla=mla, dsa=dsa.dsa_config(hf, glm=True),
+                           mlp_only_layers=dsa.dense_layers(hf))
     fields.check_value(hf, "rope_interleave", (True, False))
     common["rope"] = fields.rope(hf, mla.qk_rope_head_dim,
                                  interleaved=bool(hf.get("rope_interleave", True)))

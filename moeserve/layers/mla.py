@@ -20,12 +20,17 @@ rows are all decodes (every CUDA-graph replay) builds no host tensors.
 
 `self.kv_cache` is the latent cache [num_blocks, block_size, L + R], bound by the runner; it must
 stay the same tensor object across steps (CUDA graphs capture its address).
+
+DeepSeek Sparse Attention (layers/dsa.py) subclasses this layer: `extra_in_rows` appends its
+indexer key projection to in_proj, and `_attend` (the attention of the step's rows, given the
+projections) is where it picks sparse or dense rows.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -72,10 +77,20 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+class Projected(NamedTuple):
+    """What a step's forward computed before the attention, for `_attend` overrides."""
+
+    hidden: torch.Tensor  # [T, h] the layer's input
+    proj: torch.Tensor  # [T, in_proj rows]: [q part | c_kv | k_rope | extra rows]
+    q_resid: torch.Tensor  # [T, q_lora_rank] the normed q_a output (or the q part)
+    cos: torch.Tensor  # [T, R / 2] at each token's position
+    sin: torch.Tensor
+
+
 class MLAttention(nn.Module):
     def __init__(self, layer_idx: int, config: ModelConfig, mla_backend: MlaBackend,
                  dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, extra_in_rows: int = 0) -> None:
         super().__init__()
         m = config.mla
         assert m is not None
@@ -91,8 +106,11 @@ class MLAttention(nn.Module):
         # CUDA-graph replay runs no Python): tests assert which path ran
         self.tokens_absorbed = self.tokens_up_projected = 0
         hidden = config.hidden_size
-        # [q_a_proj or q_proj | kv_a_proj_with_mqa] rows: one GEMM reads the hidden state once
-        self.in_proj = empty_param(self.q_part + m.latent_dim, hidden, dtype=dtype, device=device)
+        # [q_a_proj or q_proj | kv_a_proj_with_mqa | extra_in_rows] rows: one GEMM reads the
+        # hidden state once
+        self.latent_end = self.q_part + m.latent_dim  # in_proj rows [q_part, latent_end): kv_a
+        self.in_proj = empty_param(self.latent_end + extra_in_rows, hidden, dtype=dtype,
+                                   device=device)
         self.q_a_layernorm = self.q_b_proj = None
         if m.q_lora_rank:
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6, dtype, device)
@@ -115,42 +133,57 @@ class MLAttention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_caches)")
         t, heads, nope, L = hidden.shape[0], self.num_heads, self.nope, self.kv_lora_rank
-        a = F.linear(hidden, self.in_proj)  # [T, q_part + L + R]
-        q = a[:, :self.q_part]
+        a = F.linear(hidden, self.in_proj)  # [T, q_part + L + R (+ extra rows)]
+        q = q_resid = a[:, :self.q_part]
         if self.q_b_proj is not None:
-            q = F.linear(self.q_a_layernorm(q.contiguous()), self.q_b_proj)
+            q_resid = self.q_a_layernorm(q_resid.contiguous())
+            q = F.linear(q_resid, self.q_b_proj)
         q = q.view(t, heads, nope + self.rope_dim)
         c_kv = self.kv_a_layernorm(a[:, self.q_part:self.q_part + L].contiguous())  # [T, L]
         cos, sin = self.cos[positions], self.sin[positions]  # [T, R / 2]
         q_rope = rotate_pairs(q[..., nope:], cos, sin, self.interleaved)  # [T, H, R]
-        k_rope = rotate_pairs(a[:, self.q_part + L:], cos, sin, self.interleaved)  # [T, R]
+        k_rope = rotate_pairs(a[:, self.q_part + L:self.latent_end], cos, sin,
+                              self.interleaved)  # [T, R]
         write_latent(torch.cat([c_kv, k_rope], dim=-1), self.kv_cache, meta.slot_mapping)
-        q_nope = q[..., :nope]
+        out = self._attend(q[..., :nope], q_rope, meta, Projected(hidden, a, q_resid, cos, sin))
+        return F.linear(out.reshape(t, heads * self.v_dim), self.o_proj)  # [T, hidden]
+
+    def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
+                proj: Projected) -> torch.Tensor:
+        """The step's attention, [T, H, v]: dense MLA here (DSA overrides it)."""
+        return self._dense(q_nope, q_rope, meta)
+
+    def _dense(self, q_nope: torch.Tensor, q_rope: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Dense MLA of the step's rows, [T, H, v]: decode rows absorbed, the other rows in
+        `prefill_form`."""
+        t, heads = q_nope.shape[:2]
         is_decode = meta.query_lens_np == 1
         if self.prefill_form == "absorbed" or bool(is_decode.all()):
             self.tokens_absorbed += t
-            out = self._absorbed(q_nope, q_rope, meta)
-        else:
-            out = hidden.new_empty(t, heads, self.v_dim)
-            for rows, absorbed in ((np.flatnonzero(is_decode), True),
-                                   (np.flatnonzero(~is_decode), False)):
-                if not len(rows):
-                    continue
-                sub, tok = select_rows(meta, rows)
-                if absorbed:
-                    self.tokens_absorbed += len(sub.token_to_req_np)
-                    out[tok] = self._absorbed(q_nope[tok], q_rope[tok], sub)
-                else:
-                    self.tokens_up_projected += len(sub.token_to_req_np)
-                    out[tok] = mla_prefill_ref(torch.cat([q_nope[tok], q_rope[tok]], dim=-1),
-                                               self.kv_cache, sub, self.scale, self.kv_b_proj,
-                                               nope, self.v_dim)
-        return F.linear(out.reshape(t, heads * self.v_dim), self.o_proj)  # [T, hidden]
+            return self._absorbed(q_nope, q_rope, meta)
+        out = q_nope.new_empty(t, heads, self.v_dim)
+        for rows, absorbed in ((np.flatnonzero(is_decode), True),
+                               (np.flatnonzero(~is_decode), False)):
+            if not len(rows):
+                continue
+            sub, tok = select_rows(meta, rows)
+            if absorbed:
+                self.tokens_absorbed += len(sub.token_to_req_np)
+                out[tok] = self._absorbed(q_nope[tok], q_rope[tok], sub)
+            else:
+                self.tokens_up_projected += len(sub.token_to_req_np)
+                out[tok] = mla_prefill_ref(torch.cat([q_nope[tok], q_rope[tok]], dim=-1),
+                                           self.kv_cache, sub, self.scale, self.kv_b_proj,
+                                           self.nope, self.v_dim)
+        return out
 
-    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor,
-                  meta: AttentionMetadata) -> torch.Tensor:
-        """q_nope [T, H, nope], q_rope [T, H, R] -> [T, H, v] through the latent cache."""
+    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
+                  attend: MlaBackend | None = None) -> torch.Tensor:
+        """q_nope [T, H, nope], q_rope [T, H, R] -> [T, H, v] through the latent cache, by
+        `attend` (default: the MLA backend)."""
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, L]
         q_full = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, L + R]
-        out_lat = self.backend(q_full, self.kv_cache, meta, self.scale, self.kv_lora_rank)
+        out_lat = (attend or self.backend)(q_full, self.kv_cache, meta, self.scale,
+                                           self.kv_lora_rank)
         return torch.bmm(out_lat.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)

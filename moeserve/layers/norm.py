@@ -42,3 +42,23 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias over the last dimension, in the input's dtype (as
+    torch's nn.LayerNorm, which HF's DSA indexer uses for its keys)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device),
+                                   requires_grad=False)  # [dim]
+        self.bias = nn.Parameter(torch.empty(dim, dtype=dtype, device=device),
+                                 requires_grad=False)  # [dim]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -21,7 +21,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES
 def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
                 device: torch.device | str, moe_backend: str | Callable,
                 attention_backend: str | Callable,
-                mla_backend: str | Callable | None = None) -> CausalLM:
+                mla_backend: str | Callable | None = None, dsa_mode: str = "auto") -> CausalLM:
     """Build the model with uninitialised weights (load_weights or init_dummy_weights fill them).
 
     Args:
@@ -30,6 +30,8 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
         attention_backend: a name from kernels.registry ("torch") or the backend function.
         mla_backend: MLA's absorbed attention, by name or function; None: the one registered
             under attention_backend's name (the torch reference when that is a function).
+        dsa_mode: DeepSeek Sparse Attention models: "auto" (the indexer's top-k for contexts
+            beyond index_topk, dense MLA below), "dense" or "sparse" (layers/dsa.py).
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -40,4 +42,6 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
         mla_backend = attention_backend if isinstance(attention_backend, str) else "torch"
     mla_fn = get_mla_backend(mla_backend) if isinstance(mla_backend, str) else mla_backend
     cls = MODEL_CLASSES[model_config.architecture]
-    return cls(model_config, moe_fn, attn_fn, mla_fn, dtype, torch.device(device)).eval()
+    model = cls(model_config, moe_fn, attn_fn, mla_fn, dtype, torch.device(device)).eval()
+    model.set_dsa_mode(dsa_mode)
+    return model

@@ -1,9 +1,11 @@
 """The decoder module tree of every family served: Qwen3-MoE, Qwen3 (dense), Mixtral,
-DeepSeek-V2/V3 (Kimi K2, Moonlight), GLM-4.5 (Glm4Moe) and GLM-4.7-Flash (Glm4MoeLite).
+DeepSeek-V2/V3 (Kimi K2, Moonlight), GLM-4.5 (Glm4Moe), GLM-4.7-Flash (Glm4MoeLite), GLM-5
+(GlmMoeDsa) and DeepSeek-V3.2.
 
     input_ids [T] -> embed_tokens -> DecoderLayer x L -> norm -> hidden [T, hidden]
     DecoderLayer (pre-norm):
-        h = h + self_attn(positions, input_layernorm(h), meta)   self_attn: MLAttention when
+        h = h + self_attn(positions, input_layernorm(h), meta)   self_attn: DsaAttention when
+                                                                  config.dsa, MLAttention when
                                                                   config.mla, else Attention
         h = h + mlp(post_attention_layernorm(h))     mlp: SparseMoeBlock if
                                                       config.is_moe_layer(i), else dense MLP
@@ -18,9 +20,10 @@ DeepSeek-V2/V3 (Kimi K2, Moonlight), GLM-4.5 (Glm4Moe) and GLM-4.7-Flash (Glm4Mo
 
 The families differ only in config, which picks the layers: attention (GQA with optional q/k
 norm, qkv bias and partial rotary; or MLA with optional q compression, interleaved RoPE and
-YaRN), the router (softmax; DeepSeek-V2's grouped softmax; the sigmoid router with correction
-bias and groups), shared experts, and which layers are dense (`mlp_only_layers`: Qwen3-MoE's
-list, DeepSeek's first_k_dense_replace, GLM-4.7-Flash's mlp_layer_types). One tree with the
+YaRN; or that MLA with DeepSeek Sparse Attention: GLM-5, DeepSeek-V3.2), the router (softmax;
+DeepSeek-V2's grouped softmax; the sigmoid router with correction bias and groups), shared
+experts, and which layers are dense (`mlp_only_layers`: Qwen3-MoE's list, DeepSeek's
+first_k_dense_replace, GLM-4.7-Flash's and the DSA models' mlp_layer_types). One tree with the
 choices in layers/ rather than a file per family, so a fix lands once; each family's config
 parsing is in moeserve/hf_config/<family>.py and its HF weight names in
 runner/weight_names.py.
@@ -35,6 +38,7 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.layers.attention import Attention, AttentionBackend
+from moeserve.layers.dsa import DSA_MODES, DsaAttention, DsaLayerCache
 from moeserve.layers.mla import MlaBackend, MLAttention
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import MoeBackend, SparseMoeBlock
@@ -51,7 +55,9 @@ class DecoderLayer(nn.Module):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
         self.self_attn: Attention | MLAttention
-        if config.mla is not None:
+        if config.dsa is not None:
+            self.self_attn = DsaAttention(layer_idx, config, mla_backend, dtype, device)
+        elif config.mla is not None:
             self.self_attn = MLAttention(layer_idx, config, mla_backend, dtype, device)
         else:
             self.self_attn = Attention(layer_idx, config, attention_backend, dtype, device)
@@ -145,9 +151,10 @@ class CausalLM(nn.Module):
         for block in self.moe_blocks():
             block.count_mask = mask
 
-    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Give each layer its cache tensor ([2, num_blocks, block_size, KVH, D], or MLA's
-        latent [num_blocks, block_size, L + R]); [] unbinds all.
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor | DsaLayerCache]) -> None:
+        """Give each layer its cache: a tensor ([2, num_blocks, block_size, KVH, D] for GQA,
+        MLA's latent [num_blocks, block_size, L + R], a shared DSA layer's latent) or, for a
+        full DSA layer, a DsaLayerCache (the latent and the indexer keys); [] unbinds all.
 
         NOTE: layers keep these exact tensor objects; CUDA graphs captured later read them.
         """
@@ -155,4 +162,22 @@ class CausalLM(nn.Module):
         if kv_caches and len(kv_caches) != len(layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
         for i, layer in enumerate(layers):
-            layer.self_attn.kv_cache = kv_caches[i] if kv_caches else None
+            cache = kv_caches[i] if kv_caches else None
+            if isinstance(layer.self_attn, DsaAttention):
+                layer.self_attn.bind_cache(cache)
+            elif isinstance(cache, DsaLayerCache):
+                raise ValueError(f"layer {i} is not a DSA layer: it takes one cache tensor")
+            else:
+                layer.self_attn.kv_cache = cache
+
+    def dsa_layers(self) -> list[DsaAttention]:
+        """The DSA attention layers, in order ([] for other models)."""
+        return [layer.self_attn for layer in self.model.layers
+                if isinstance(layer.self_attn, DsaAttention)]
+
+    def set_dsa_mode(self, mode: str) -> None:
+        """"auto" (sparse rows beyond index_topk), "dense" or "sparse" for every DSA layer."""
+        if mode not in DSA_MODES:
+            raise ValueError(f"dsa mode must be one of {', '.join(DSA_MODES)}; got {mode!r}")
+        for attn in self.dsa_layers():
+            attn.dsa_mode = mode

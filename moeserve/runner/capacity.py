@@ -38,6 +38,7 @@ class CapacityReport:
     moe_configs: dict[str, dict] = field(default_factory=dict)
     kv_layout: str = ""  # what one token costs in the cache, per layer (GQA K/V or MLA latent)
     mtp: str = ""  # the checkpoint's layers not run (MTP, an hf_overrides slice), or ""
+    dsa: str = ""  # DeepSeek Sparse Attention: how contexts attend (auto / dense), or ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +64,7 @@ class CapacityReport:
             "moe_configs": self.moe_configs,
             "kv_layout": self.kv_layout,
             "mtp": self.mtp,
+            "dsa": self.dsa,
             "text": self.format(),  # as printed at start-up (the API process prints this too)
         }
 
@@ -94,6 +96,7 @@ class CapacityReport:
             ("token budget / step", str(c.scheduler.max_num_batched_tokens)),
             ("prefix caching", "on" if c.cache.enable_prefix_caching else "off"),
             ("kernels", f"attention={c.attention_backend}, moe={c.moe_backend}"),
+            *([("sparse attention", self.dsa)] if self.dsa else []),
             ("CUDA graphs", self.cuda_graphs),
         ]
         if self.moe_configs:

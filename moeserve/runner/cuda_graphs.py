@@ -103,7 +103,8 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[:bucket + 1],
             token_to_req=self.token_to_req[:bucket], block_size=self.block_size,
             max_query_len=1, max_seq_len=self.max_model_len, query_lens_np=ones,
-            seq_lens_np=ones, token_to_req_np=np.arange(bucket, dtype=np.int64))
+            seq_lens_np=ones, token_to_req_np=np.arange(bucket, dtype=np.int64),
+            exact_host_lens=False)
 
     # ---- capture -------------------------------------------------------------------------
 

@@ -7,8 +7,12 @@ cache gets the rest of `total x mem_fraction`. On CPU the KV cache gets a fixed 
 
 Layout: one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] (GQA),
 or MLA's latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one shared row per
-token: 576 values for DeepSeek-V3); block 0 is the null block (padding points at it; the
-scheduler never hands it out).
+token: 576 values for DeepSeek-V3); a "full" DSA layer (GLM-5, DeepSeek-V3.2) has a second
+tensor beside its latent, the indexer's keys [num_blocks, block_size, index_head_dim], paged
+alike (a DsaLayerCache; a "shared" DSA layer has the latent only). Block 0 is the null block
+(padding points at it; the scheduler never hands it out). Every term is in bytes_per_block, so
+the memory plan and the capacity report count the indexer keys; `indexer_cache` False (the
+engine's dsa="dense") leaves them out.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moeserve.config import CacheConfig, ConfigError, ModelConfig
+from moeserve.layers.dsa import DsaLayerCache
+
+LayerCache = torch.Tensor | DsaLayerCache
 
 GiB = 1 << 30
 
@@ -45,27 +52,35 @@ class MemoryPlan:
         return asdict(self) | {"num_kv_tokens": self.num_kv_tokens}
 
 
-def bytes_per_block(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+def bytes_per_block(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
+                    indexer_cache: bool = True) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return model.num_layers * cache.block_size * model.kv_bytes_per_token_per_layer_elem * elem
+    return cache.block_size * model.cache_elems_per_token(indexer_cache) * elem
 
 
-def kv_layout(model: ModelConfig, dtype: torch.dtype) -> str:
+def kv_layout(model: ModelConfig, dtype: torch.dtype, indexer_cache: bool = True) -> str:
     """What one token costs in the cache, in words (the capacity report's line)."""
     elem = torch.empty((), dtype=dtype).element_size()
     per_layer = model.kv_bytes_per_token_per_layer_elem * elem
     what = (f"MLA latent {model.mla.kv_lora_rank} + rope {model.mla.qk_rope_head_dim}"
             if model.mla is not None else
             f"K, V x {model.num_kv_heads} heads x {model.head_dim}")
-    return (f"{per_layer:,} B a layer ({what}) x {model.num_layers} layers = "
-            f"{per_layer * model.num_layers:,} B")
+    line = f"{per_layer:,} B a layer ({what}) x {model.num_layers} layers"
+    if model.dsa is not None:
+        if indexer_cache:
+            index = model.dsa.index_head_dim * elem
+            line += (f" + DSA indexer key {index:,} B ({model.dsa.index_head_dim}) x "
+                     f"{model.index_cache_layers} full layers")
+        else:
+            line += " (dsa=dense: no DSA indexer keys)"
+    return f"{line} = {model.cache_elems_per_token(indexer_cache) * elem:,} B"
 
 
 def plan_memory(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device,
                 weight_bytes: int, activation_peak_bytes: int,
-                graph_reserve_bytes: int = 0) -> MemoryPlan:
+                graph_reserve_bytes: int = 0, indexer_cache: bool = True) -> MemoryPlan:
     """Size the KV cache. Raises ConfigError naming the knob when nothing is left for it."""
-    per_block = bytes_per_block(model, cache, dtype)
+    per_block = bytes_per_block(model, cache, dtype, indexer_cache)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         budget = int(total * cache.mem_fraction)
@@ -93,11 +108,30 @@ def plan_memory(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, devi
 
 
 def allocate_kv_caches(model: ModelConfig, plan: MemoryPlan, dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
-    """One zeroed tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim], or the
-    MLA latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]."""
+                       device: torch.device, indexer_cache: bool = True) -> list[LayerCache]:
+    """One zeroed cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim], or the
+    MLA latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], with (a full DSA
+    layer, indexer_cache) the indexer keys [num_blocks, block_size, index_head_dim] beside it."""
     shape: tuple[int, ...] = (2, plan.num_blocks, plan.block_size, model.num_kv_heads,
                               model.head_dim)
     if model.mla is not None:
         shape = (plan.num_blocks, plan.block_size, model.mla.latent_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+    caches: list[LayerCache] = []
+    for i in range(model.num_layers):
+        latent = torch.zeros(shape, dtype=dtype, device=device)
+        if indexer_cache and model.dsa is not None and model.dsa.is_full(i):
+            keys = torch.zeros(plan.num_blocks, plan.block_size, model.dsa.index_head_dim,
+                               dtype=dtype, device=device)
+            caches.append(DsaLayerCache(latent, keys))
+        else:
+            caches.append(latent)
+    return caches
+
+
+def num_cache_blocks(caches: list[LayerCache]) -> int:
+    """The blocks of allocated caches (0 when none)."""
+    if not caches:
+        return 0
+    first = caches[0]
+    tensor = first.latent if isinstance(first, DsaLayerCache) else first
+    return tensor.shape[1] if tensor.dim() == 5 else tensor.shape[0]  # GQA [2, NB, ...]

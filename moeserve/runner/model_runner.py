@@ -25,7 +25,7 @@ from moeserve.kernels.registry import get_attention_backend, get_mla_backend, ge
 from moeserve.layers.sampler import SampleLogprobs, SamplingTensors, sample
 from moeserve.models import build_model
 from moeserve.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from moeserve.runner.kv_cache import MemoryPlan, allocate_kv_caches
+from moeserve.runner.kv_cache import LayerCache, MemoryPlan, allocate_kv_caches, num_cache_blocks
 from moeserve.runner.step_profile import StepProfiler
 from moeserve.runner.step_sampling import StepSample, sample_step
 from moeserve.runner.weight_loader import init_dummy_weights, load_weights, model_weight_bytes
@@ -41,7 +41,9 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = getattr(torch, cfg.dtype)
         self.block_size = cfg.cache.block_size
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[LayerCache] = []
+        # DSA models: the indexer key cache exists unless dsa="dense" (no indexer runs then)
+        self.indexer_cache = cfg.dsa != "dense"
         self._last: tuple[PendingOutput, dict[str, int]] | None = None  # the latest launch
         self.graphs: DecodeGraphs | None = None
         self.num_eager_decode_fallbacks = 0  # decode batches run without a graph (CUDA only)
@@ -57,7 +59,8 @@ class ModelRunner:
         self.model = build_model(self.model_config, self.dtype, self.device,
                                  get_moe_backend(self.cfg.moe_backend, self.cfg.moe_tiles),
                                  get_attention_backend(self.cfg.attention_backend),
-                                 get_mla_backend(self.cfg.attention_backend))
+                                 get_mla_backend(self.cfg.attention_backend),
+                                 dsa_mode=self.cfg.dsa)
         self.mtp_note = ""  # the capacity report's line on the checkpoint's layers not run
         if self.cfg.load_format == "dummy":
             init_dummy_weights(self.model, self.cfg.seed)
@@ -121,7 +124,8 @@ class ModelRunner:
             return 0
         num_blocks = num_tokens // self.block_size + 2
         plan = MemoryPlan(str(self.device), 0, 0, 0, 0, 0, 0, 0, num_blocks, self.block_size, "")
-        self.bind_kv_caches(allocate_kv_caches(self.model_config, plan, self.dtype, self.device))
+        self.bind_kv_caches(allocate_kv_caches(self.model_config, plan, self.dtype, self.device,
+                                               self.indexer_cache))
         self.model.bind_expert_counters(None)  # the profile is not served load
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -145,7 +149,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak)
 
-    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+    def bind_kv_caches(self, kv_caches: list[LayerCache]) -> None:
         """Bind the KV tensors; serving starts here, so expert counting starts here too (the
         activation profile runs before and is not counted)."""
         self.kv_caches = kv_caches
@@ -169,7 +173,7 @@ class ModelRunner:
                                       dtype=self.dtype))
         # mixed steps: a decode row with a short context, then one long enough for the decode
         # attention to split over the context (its reduce kernel too)
-        num_blocks = self.kv_caches[0].shape[0 if self.model_config.mla is not None else 1]
+        num_blocks = num_cache_blocks(self.kv_caches)
         for context in (16, 600):
             blocks_needed = -(-(context + 1) // self.block_size) + 2
             if num_blocks <= blocks_needed:

@@ -26,7 +26,7 @@ from moeserve.layers.attention import Attention
 from moeserve.layers.mla import MLAttention
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import SparseMoeBlock
-from moeserve.layers.norm import RMSNorm
+from moeserve.layers.norm import LayerNorm, RMSNorm
 from moeserve.models.decoder import CausalLM
 from moeserve.runner.weight_names import left_out_layer_names, weight_targets
 
@@ -112,15 +112,18 @@ def init_dummy_weights(model: CausalLM, seed: int) -> None:
                                       tokens alike (at 0.02 everywhere, 40 of 128 experts get
                                       the tokens of the last layers)
         routers ~ N(0, 1/sqrt(hidden))  unit-RMS input -> logits of std ~1
-        norms = 1; everything else ~ N(0, 0.02)
+        norms = 1 (LayerNorm biases 0); everything else ~ N(0, 0.02)
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     std: dict[int, float] = {id(model.model.embed_tokens): 1.0}
+    const: dict[int, float] = {}  # filled with a value, not drawn
     for module in model.modules():
-        if isinstance(module, RMSNorm):
-            std[id(module.weight)] = 0.0  # filled with ones
+        if isinstance(module, RMSNorm | LayerNorm):
+            const[id(module.weight)] = 1.0
+            if isinstance(module, LayerNorm):
+                const[id(module.bias)] = 0.0
         elif isinstance(module, SparseMoeBlock):
             std[id(module.gate)] = module.gate.shape[1] ** -0.5
             std[id(module.w2)] = _DUMMY_STD / 10
@@ -129,11 +132,10 @@ def init_dummy_weights(model: CausalLM, seed: int) -> None:
         elif isinstance(module, Attention | MLAttention):
             std[id(module.o_proj)] = _DUMMY_STD / 10
     for param in model.parameters():
-        s = std.get(id(param), _DUMMY_STD)
-        if s == 0.0:
-            param.fill_(1.0)
+        if id(param) in const:
+            param.fill_(const[id(param)])
         else:
-            param.normal_(0.0, s, generator=gen)
+            param.normal_(0.0, std.get(id(param), _DUMMY_STD), generator=gen)
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:

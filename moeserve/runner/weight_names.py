@@ -6,8 +6,12 @@
       GQA  self_attn.{q,k,v}_proj.weight (.bias: GLM-4.5) -> self_attn.qkv_proj rows [q | k | v]
            self_attn.{o_proj, q_norm, k_norm}.weight
       MLA  self_attn.q_a_proj.weight (or q_proj)         -> self_attn.in_proj rows [0, q part)
-           self_attn.kv_a_proj_with_mqa.weight           -> self_attn.in_proj rows [q part, end)
+           self_attn.kv_a_proj_with_mqa.weight           -> self_attn.in_proj rows [q part,
+                                                              latent_end)
            self_attn.{q_a_layernorm, kv_a_layernorm, q_b_proj, kv_b_proj, o_proj}.weight
+      DSA  (MLA's, and on a "full" layer) self_attn.indexer.wk.weight -> self_attn.in_proj rows
+           [latent_end, end); self_attn.indexer.{wq_b, weights_proj (fp32 here), k_norm
+           (weight and bias)}
       dense  mlp.{gate,up}_proj.weight, mlp.down_proj.weight -> mlp.gate_up_proj [gate | up],
                                                                  mlp.down_proj
       MoE  mlp.experts.{e}.{gate,up,down}_proj.weight  -> mlp.w13[e, :I], w13[e, I:], w2[e]
@@ -28,6 +32,7 @@ import torch
 
 from moeserve.config import ModelConfig
 from moeserve.layers.attention import Attention
+from moeserve.layers.dsa import DsaAttention
 from moeserve.layers.mla import MLAttention
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import SparseMoeBlock
@@ -89,12 +94,19 @@ def _gqa_targets(p: str, attn: Attention, cfg: ModelConfig) -> dict[str, torch.T
 def _mla_targets(p: str, attn: MLAttention) -> dict[str, torch.Tensor]:
     q_name = "q_a_proj" if attn.q_b_proj is not None else "q_proj"
     t = {p + f"{q_name}.weight": attn.in_proj[:attn.q_part],
-         p + "kv_a_proj_with_mqa.weight": attn.in_proj[attn.q_part:],
+         p + "kv_a_proj_with_mqa.weight": attn.in_proj[attn.q_part:attn.latent_end],
          p + "kv_a_layernorm.weight": attn.kv_a_layernorm.weight,
          p + "kv_b_proj.weight": attn.kv_b_proj, p + "o_proj.weight": attn.o_proj}
     if attn.q_b_proj is not None:
         t[p + "q_a_layernorm.weight"] = attn.q_a_layernorm.weight
         t[p + "q_b_proj.weight"] = attn.q_b_proj
+    indexer = attn.indexer if isinstance(attn, DsaAttention) else None
+    if indexer is not None:
+        t.update({p + "indexer.wk.weight": attn.in_proj[attn.latent_end:],
+                  p + "indexer.wq_b.weight": indexer.wq_b,
+                  p + "indexer.weights_proj.weight": indexer.weights_proj,
+                  p + "indexer.k_norm.weight": indexer.k_norm.weight,
+                  p + "indexer.k_norm.bias": indexer.k_norm.bias})
     return t
 
 

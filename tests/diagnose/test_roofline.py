@@ -83,3 +83,17 @@ def test_expert_load_delta_and_summary() -> None:
 def test_expert_load_validation(load: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         expert_load.validate(load)
+
+
+def test_dsa_step_reads_the_selected_latents_and_every_indexer_key() -> None:
+    """DeepSeek-V3.2 decode: within index_topk its KV bytes are V3's plus the indexer keys;
+    beyond it, the latents of 2,048 positions and the keys of the whole context."""
+    from moeserve.config import load_model_config
+
+    v3, _ = load_model_config("deepseek-v3")
+    v32, _ = load_model_config("deepseek-v3.2")
+    short, long = (step_cost(m, 2, 64, 64, 64, 1024) for m in (v3, v32))
+    assert long.kv_bytes - short.kv_bytes == 64 * 1024 * 61 * 128 * 2
+    far = step_cost(v32, 2, 64, 64, 64, 65536)
+    assert far.kv_bytes == 64 * (2048 * 61 * 576 + 65536 * 61 * 128) * 2
+    assert far.kv_bytes < step_cost(v3, 2, 64, 64, 64, 65536).kv_bytes

@@ -18,8 +18,10 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    DeepseekV32Config,
     Glm4MoeConfig,
     Glm4MoeLiteConfig,
+    GlmMoeDsaConfig,
     MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
@@ -28,7 +30,7 @@ from transformers import (
 )
 
 ARCHS = ("qwen3_moe", "qwen3", "mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe",
-         "glm4_moe_lite")
+         "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32")
 # MLA dims of the tiny DeepSeek / GLM-4.7-Flash checkpoints (latent 32 + rope 16)
 _MLA = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
         "num_key_value_heads": 4}
@@ -45,6 +47,14 @@ PUBLISHED_EXTRA: dict[str, dict[str, Any]] = {
                         "AutoConfig": "configuration_deepseek.DeepseekV3Config"}},
 }
 PUBLISHED_EXTRA["kimi_k2"] = PUBLISHED_EXTRA["deepseek_v3"]
+PUBLISHED_EXTRA["deepseek_v32"] = {"ep_size": 1, "moe_layer_freq": 1, "scoring_func": "sigmoid",
+                                   "topk_method": "noaux_tc"}
+PUBLISHED_EXTRA["glm_moe_dsa"] = {"ep_size": 1, "moe_layer_freq": 1, "scoring_func": "sigmoid",
+                                  "topk_method": "noaux_tc", "pretraining_tp": 1,
+                                  "rope_interleave": True, "indexer_rope_interleave": True}
+# The DSA indexer of the tiny GLM-5 / DeepSeek-V3.2 checkpoints: top 8 positions, so prompts of
+# 16 to 128 tokens really select (a context of at most 8 selects everything)
+_DSA = {"index_topk": 8, "index_head_dim": 32, "q_lora_rank": 24}
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -89,6 +99,23 @@ _DEFAULTS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
                                           "num_experts_per_tok": 2, "n_shared_experts": 1,
                                           "routed_scaling_factor": 1.8,
                                           "mlp_layer_types": ["dense", "sparse", "sparse"]}),
+    # GLM-5: MLA + DSA, interleaved indexer RoPE, layer 1 "shared" (reuses layer 0's top-k)
+    "glm_moe_dsa": (GlmMoeDsaConfig, {**_MLA, **_DEEPSEEK_MOE, **_DSA, "index_n_heads": 8,
+                                      "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                                      "indexer_types": ["full", "shared", "full"],
+                                      "rope_parameters": {"rope_type": "default",
+                                                          "rope_theta": 1e6}}),
+    # DeepSeek-V3.2: V3's MLA, YaRN and grouped router + DSA with a half-split indexer RoPE;
+    # every layer full (the tests add an MTP layer)
+    "deepseek_v32": (DeepseekV32Config, {**_MLA, **_DEEPSEEK_MOE, **_DSA, "index_n_heads": 16,
+                                         "n_group": 4, "topk_group": 2,
+                                         "routed_scaling_factor": 2.5,
+                                         "num_nextn_predict_layers": 1, "rope_parameters": {
+                                             "rope_type": "yarn", "factor": 4.0,
+                                             "rope_theta": 1e4,
+                                             "original_max_position_embeddings": 128,
+                                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                             "mscale_all_dim": 1.0}}),
 }
 
 

@@ -25,8 +25,11 @@ VARIANTS: dict[str, tuple[str, bool, dict[str, Any]]] = {
     "kimi_k2": ("kimi_k2", False, {}),
     "glm4_moe": ("glm4_moe", False, {}),
     "glm4_moe_lite": ("glm4_moe_lite", False, {}),
+    "glm_moe_dsa": ("glm_moe_dsa", False, {}),
+    "deepseek_v32": ("deepseek_v32", True, {}),
 }
-MLA_VARIANTS = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite")
+MLA_VARIANTS = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite", "glm_moe_dsa",
+                "deepseek_v32")
 
 
 @pytest.fixture(scope="session")

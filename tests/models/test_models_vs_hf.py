@@ -1,5 +1,6 @@
-"""Our Qwen3-MoE / Qwen3 / Mixtral forward against transformers' own, on tiny random checkpoints:
-one batched prefill of 3 prompts over the paged KV cache, then one decode step."""
+"""Our forward of every family against transformers' own, on tiny random checkpoints: one
+batched prefill of 3 prompts over the paged KV cache, then one decode step. The DSA models
+(index_topk 8) run both paths in each step: the 11-token prompt sparse, the others dense."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata
 from moeserve.models import build_model
 from moeserve.models.decoder import CausalLM
+from moeserve.runner.kv_cache import LayerCache, MemoryPlan, allocate_kv_caches
 from moeserve.runner.weight_loader import load_weights
 from tests.models.checkpoints import hf_logits
 from tests.models.conftest import MLA_VARIANTS, VARIANTS
@@ -32,16 +34,12 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert err <= bound, f"max abs error {err:.3g} > {bound:.3g}"
 
 
-def _build(folder: str, moe_backend: str) -> tuple[CausalLM, ModelConfig, list[torch.Tensor]]:
+def _build(folder: str, moe_backend: str) -> tuple[CausalLM, ModelConfig, list[LayerCache]]:
     cfg = ModelConfig.from_file(os.path.join(folder, "config.json"))
     model = build_model(cfg, torch.float32, "cpu", moe_backend, "torch")
     load_weights(model, cfg, folder)
-    if cfg.mla is not None:  # the latent cache
-        kv = [torch.zeros(NUM_BLOCKS, BLOCK_SIZE, cfg.mla.latent_dim)
-              for _ in range(cfg.num_layers)]
-    else:
-        kv = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-              for _ in range(cfg.num_layers)]
+    plan = MemoryPlan("cpu", 0, 0, 0, 0, 0, 0, 0, NUM_BLOCKS, BLOCK_SIZE, "")
+    kv = allocate_kv_caches(cfg, plan, torch.float32, "cpu")  # GQA K/V, MLA latent, DSA both
     model.bind_kv_caches(kv)
     return model, cfg, kv
 
@@ -87,7 +85,8 @@ def test_prefill_then_decode_match_hf(variant: str, moe_backend: str,
     logits = model.compute_logits(model(torch.tensor(new_tokens), meta.positions, meta))
     for i, prompt in enumerate(prompts):
         assert_logits_close(logits[i], hf_logits(hf, prompt + [new_tokens[i]])[-1])
-    assert model.model.layers[0].self_attn.kv_cache is kv[0]  # bound tensors are kept as is
+    first = kv[0].latent if cfg.dsa is not None else kv[0]
+    assert model.model.layers[0].self_attn.kv_cache is first  # bound tensors are kept as is
 
 
 def test_sparse_layers_follow_config(tiny_checkpoint: Callable[[str], str]) -> None:

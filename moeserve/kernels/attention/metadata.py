@@ -35,6 +35,9 @@ class AttentionMetadata:
     query_lens_np: np.ndarray  # [B] int64
     seq_lens_np: np.ndarray  # [B] int64
     token_to_req_np: np.ndarray  # [T] int64
+    # False when the host lengths above are placeholders (a CUDA-graph decode: every row ones);
+    # a backend then decides on the device tensors alone (DSA: every row sparse)
+    exact_host_lens: bool = True
     # per-step tensors a backend derives from the above, built by its first layer and reused by
     # the others (one host-to-device copy per step, not one per layer)
     derived: dict = field(default_factory=dict)
@@ -127,5 +130,6 @@ def select_rows(meta: AttentionMetadata, rows: np.ndarray) -> tuple[AttentionMet
         token_to_req=to_device(row_of_tok, device), block_size=meta.block_size,
         max_query_len=int(q_lens.max()) if len(rows) else 0,
         max_seq_len=int(seq_lens.max()) if len(rows) else 0,
-        query_lens_np=q_lens, seq_lens_np=seq_lens, token_to_req_np=row_of_tok)
+        query_lens_np=q_lens, seq_lens_np=seq_lens, token_to_req_np=row_of_tok,
+        exact_host_lens=meta.exact_host_lens)
     return sub, tok_t
