@@ -9,6 +9,8 @@ pure host work. Two workloads:
              (prefix-cache hits on the shared prompt)
     decode   distinct random 128-token prompts, outputs long enough that none finishes while
              measured: every measured step is decode-only at N rows (issue 14's figure)
+    decode_sync  the same without overlap scheduling: each step's tokens are known when the next
+             is planned, as benchmarks/profile_step.py drives the scheduler on the GPU
 
 Each runs in a fresh process per mode, with the heap frozen after start-up (as the engine does) or
 not (mixed only), and writes JSON with per-step median / mean / p99 / max of the whole step and of
@@ -51,13 +53,13 @@ def child(running: int, steps: int, freeze: bool, workload: str) -> dict:
     from moeserve.runner.model_runner import PendingOutput
     from moeserve.types import SamplingParams
 
-    decode = workload == "decode"
+    decode = workload.startswith("decode")
     max_tokens = steps + 200 if decode else MIXED_MAX_TOKENS
     blocks_per_req = -(-(PROMPT_LEN + max_tokens) // 16) + 1
     core = EngineCore(engine_config_from_kwargs(
         model="tiny-moe", device="cpu", max_running_requests=running,
         num_blocks=running * blocks_per_req, max_num_batched_tokens=8192,
-        max_model_len=PROMPT_LEN + max_tokens, async_scheduling=True))
+        max_model_len=PROMPT_LEN + max_tokens, async_scheduling=workload != "decode_sync"))
     if not freeze:
         gc.unfreeze()  # start-up froze the heap: undo it to measure without
 
@@ -135,10 +137,10 @@ def _host() -> dict:
                           if line.startswith("model name")), "")
     except OSError:
         pass
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True)
     return {"cpu": model or platform.processor(), "cpu_count": os.cpu_count(),
-            "git_dirty": bool(dirty)}
+            "git_dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
 
 
 def main() -> None:
@@ -148,7 +150,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="", help="suffix of the JSON's name (before, after)")
     parser.add_argument("--child", choices=["frozen", "unfrozen"], help=argparse.SUPPRESS)
-    parser.add_argument("--workload", choices=["mixed", "decode"], help=argparse.SUPPRESS)
+    parser.add_argument("--workload", choices=["mixed", "decode", "decode_sync"],
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.running, args.steps, args.child == "frozen", args.workload)))
@@ -156,7 +159,8 @@ def main() -> None:
     from benchmarks.w1_offline import environment
 
     modes = {}
-    for workload, mode in (("mixed", "unfrozen"), ("mixed", "frozen"), ("decode", "frozen")):
+    for workload, mode in (("mixed", "unfrozen"), ("mixed", "frozen"), ("decode", "frozen"),
+                           ("decode_sync", "frozen")):
         proc = subprocess.run([sys.executable, "-m", "benchmarks.engine_loop_cpu", "--child", mode,
                                "--workload", workload, "--running", str(args.running),
                                "--steps", str(args.steps)],
