@@ -1,4 +1,4 @@
-"""The scheduler: pure Python (no torch, triton or numpy), ints and lists only.
+"""The scheduler: Python and numpy (no torch, no triton): ints, lists and arrays.
 
 `Scheduler` decides each step which requests run and how many tokens each computes; `BlockPool`
 owns the paged KV blocks, the per-request block tables and the prefix cache; `Request` is one

@@ -2,8 +2,9 @@
 
 The KV cache is `num_blocks` blocks of `block_size` tokens. Block 0 is the null block: never
 handed out, never freed, never in a block table (the runner pads tables and dummy rows with it).
-Each request owns a `block_table` (its blocks in position order); a block may be shared by several
-tables (a prefix hit), so blocks are ref-counted.
+Each request owns a `block_table` (its blocks in position order; replaced by a new list when it
+grows, never changed in place, so a step's plan may hold it without a copy); a block may be
+shared by several tables (a prefix hit), so blocks are ref-counted.
 
 Prefix caching hashes FULL blocks as a chain, hash((parent_hash, tokens of the block)), so a hash
 names a block's tokens and everything before them. Cached blocks whose refcount falls to 0 stay in
@@ -67,6 +68,10 @@ class BlockPool:
         """Fraction of the usable blocks (null block excluded) held by requests."""
         return 1.0 - len(self._free) / (self.num_blocks - 1)
 
+    def num_cached_blocks(self, req_id: str) -> int:
+        """The request's leading blocks already entered into the prefix cache (0 if none)."""
+        return self._num_cached_blocks.get(req_id, 0)
+
     def ref_count(self, block: int) -> int:
         """How many block tables hold the block."""
         return self._ref_counts[block]
@@ -120,19 +125,21 @@ class BlockPool:
         num_hit = len(new_computed_blocks)
         num_needed = max(cdiv(num_tokens + num_hit * self.block_size, self.block_size)
                          - num_held - num_hit, 0)
-        num_revived = sum(1 for b in new_computed_blocks if self._ref_counts[b] == 0)
+        num_revived = (sum(1 for b in new_computed_blocks if self._ref_counts[b] == 0)
+                       if new_computed_blocks else 0)
         if num_needed + num_revived + num_reserved_blocks > len(self._free):
             return None
         if table is None:
-            table = self.block_tables[request.request_id] = []
             self._num_cached_blocks[request.request_id] = num_hit
         for block in new_computed_blocks:
             if self._ref_counts[block] == 0:
                 del self._free[block]
             self._ref_counts[block] += 1
-            table.append(block)
         new_blocks = [self._take_free_block() for _ in range(num_needed)]
-        table.extend(new_blocks)
+        # NOTE: a new list, never the old one grown: a step's plan holds the table it was
+        # scheduled with (SchedulerOutput.block_tables), and it must not change under it.
+        self.block_tables[request.request_id] = [*(table or ()), *new_computed_blocks,
+                                                 *new_blocks]
         return new_blocks
 
     def free(self, request: Request) -> None:

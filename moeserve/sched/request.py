@@ -52,6 +52,8 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)
     """Chained hashes of its full blocks, filled lazily by the block pool."""
+    slot: int = -1
+    """Its slot in the scheduler's running arrays (sched/batch.py) while RUNNING, else -1."""
 
     @property
     def num_prompt_tokens(self) -> int:
