@@ -25,11 +25,13 @@ counts what the study already holds, so a resumed study goes on where it stopped
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,9 +209,33 @@ def _waiting(study: Any) -> int:
 
 
 def _enqueue_start(study: Any, space: Space) -> None:
-    if not any(t.user_attrs.get("source") == "start" for t in study.get_trials(deepcopy=False)) \
-            and config_key(space.start) not in _tried(study):
-        study.enqueue_trial(space.start, user_attrs={"source": "start"})
+    """Queue the start config once per study, whichever worker comes first (the check and the
+    enqueue under one file lock beside a SQLite or journal ledger: two workers starting at
+    once must not both queue it; a server database has no such lock)."""
+    with _ledger_lock(study):
+        if not any(t.user_attrs.get("source") == "start"
+                   for t in study.get_trials(deepcopy=False)) \
+                and config_key(space.start) not in _tried(study):
+            study.enqueue_trial(space.start, user_attrs={"source": "start"})
+
+
+@contextlib.contextmanager
+def _ledger_lock(study: Any) -> Iterator[None]:
+    """An exclusive lock on `<ledger file>.lock` for a SQLite or journal ledger; nothing for a
+    server database."""
+    storage = getattr(study._storage, "_backend", study._storage)  # RDB (cached) or journal
+    url = str(getattr(storage, "url", ""))
+    path = (url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else
+            getattr(storage, "_file_path", None))
+    if not path or path == ":memory:":
+        yield
+        return
+    with open(f"{path}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _combined(study: Any, space: Space) -> Any | None:
