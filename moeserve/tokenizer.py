@@ -250,12 +250,7 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
-        if self.chat_template is None:
-            return default_chat_template(messages, add_generation_prompt)
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        return _render(self._template, messages=messages,
-                       add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        return render_chat(self, messages, add_generation_prompt)
 
 
 @dataclass(frozen=True)
@@ -359,3 +354,15 @@ def load_tokenizer(folder: str | None, builtin: str | None, model_config: ModelC
     raise ConfigError(f"no tokenizer: {where}, and no built-in tokenizer is named; pass a "
                       "folder with tokenizer.json (HF tokenizers) or tiktoken.model (tiktoken, "
                       "with tokenizer_config.json), or use a preset with a built-in tokenizer")
+
+
+def render_chat(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    """A checkpoint tokenizer's chat template rendered (compiled on first use into
+    `tok._template`), or the default template when the checkpoint has none; shared by the HF
+    and the tiktoken tokenizers."""
+    if tok.chat_template is None:
+        return default_chat_template(messages, add_generation_prompt)
+    if tok._template is None:
+        tok._template = _compile_template(tok.chat_template)
+    return _render(tok._template, messages=messages,
+                   add_generation_prompt=add_generation_prompt, **tok.special_tokens)

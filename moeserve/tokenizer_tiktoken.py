@@ -36,13 +36,11 @@ from typing import Any
 
 from moeserve.tokenizer import (
     _check_ids,
-    _compile_template,
     _read_json,
-    _render,
     _token_content,
-    default_chat_template,
     read_chat_template,
     read_special_tokens,
+    render_chat,
 )
 
 NUM_RESERVED_SPECIAL_TOKENS = 256
@@ -208,9 +206,4 @@ class TiktokenTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
-        if self.chat_template is None:
-            return default_chat_template(messages, add_generation_prompt)
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        return _render(self._template, messages=messages,
-                       add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        return render_chat(self, messages, add_generation_prompt)

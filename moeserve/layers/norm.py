@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_ref, rms_norm_triton
+from moeserve.layers.params import empty_param
 
 
 class RMSNorm(nn.Module):
@@ -29,8 +30,7 @@ class RMSNorm(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device),
-                                   requires_grad=False)  # [dim]
+        self.weight = empty_param(dim, dtype=dtype, device=device)  # [dim]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -52,10 +52,8 @@ class LayerNorm(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device),
-                                   requires_grad=False)  # [dim]
-        self.bias = nn.Parameter(torch.empty(dim, dtype=dtype, device=device),
-                                 requires_grad=False)  # [dim]
+        self.weight = empty_param(dim, dtype=dtype, device=device)  # [dim]
+        self.bias = empty_param(dim, dtype=dtype, device=device)  # [dim]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
