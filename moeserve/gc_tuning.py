@@ -10,7 +10,8 @@ made the loop's p99 step 91 ms against a 4.9 ms median; frozen: p99 10.6 ms, mea
 raises the youngest generation's threshold from Python's 700 allocations to GEN0_THRESHOLD: a
 step at 2,048 running requests allocates a few thousand objects, which at 700 ran several
 young collections a step and a full one every ~15 steps
-(benchmarks/results/engine_loop_cpu_r2048_gc10k.json against _after.json).
+(benchmarks/results/engine_loop_cpu_r2048_gc10k.json against _gc700.json: schedule + update
+median 2.42 -> 1.66 ms, p99 17.1 -> 3.3 ms, full passes 42 -> 0 per 600 steps).
 """
 
 from __future__ import annotations
