@@ -24,7 +24,7 @@ _DEFAULT_PROMPTS = [
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
-    from moeserve.config import ModelConfig
+    from moeserve.model_config import ModelConfig
     from moeserve.presets import list_presets, load_preset
 
     rows = []

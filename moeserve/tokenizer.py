@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
-from moeserve.config import ConfigError, ModelConfig
+from moeserve.config import ConfigError
+from moeserve.model_config import ModelConfig
 
 
 @runtime_checkable

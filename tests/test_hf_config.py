@@ -186,15 +186,9 @@ from typing import Any
 
 import pytest
 
-from moeserve.config import (
-    ConfigError,
-    DsaConfig,
-    EngineConfig,
-    MlaConfig,
-    ModelConfig,
-    load_model_config,
-)
+from moeserve.config import ConfigError, EngineConfig, load_model_config
 from moeserve.hf_config import deepseek, fields, glm
+from moeserve.model_config import DsaConfig, MlaConfig, ModelConfig
 from moeserve.presets import list_presets, load_preset
 
 NEW_PRESETS = ("deepseek-v2-lite", "moonlight-16b-a3b", "glm-4.7-flash", "glm-4.5-air",

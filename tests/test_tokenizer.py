@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as RustTokenizer
 
-from moeserve.config import ConfigError, ModelConfig
+from moeserve.config import ConfigError
 from moeserve.detokenizer import IncrementalDetokenizer
+from moeserve.model_config import ModelConfig
 from moeserve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 VOCAB = 300

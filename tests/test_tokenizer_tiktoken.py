@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from moeserve.config import ConfigError, ModelConfig
+from moeserve.config import ConfigError
 from moeserve.detokenizer import IncrementalDetokenizer
+from moeserve.model_config import ModelConfig
 from moeserve.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from moeserve.tokenizer_tiktoken import (
     MAX_ENCODE_CHARS,

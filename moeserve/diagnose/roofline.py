@@ -29,8 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moeserve.config import ConfigError, ModelConfig, load_model_config
+from moeserve.config import ConfigError, load_model_config
 from moeserve.diagnose import figures
+from moeserve.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,6 @@ import torch
 from moeserve.config import (
     ConfigError,
     EngineConfig,
-    ModelConfig,
     SchedulerConfig,
     load_model_config,
     resolve_max_running_requests,
@@ -37,6 +36,7 @@ from moeserve.engine.validate import validate_request
 from moeserve.gc_tuning import freeze_heap
 from moeserve.kernels.moe.tile_configs import tile_device_name
 from moeserve.kernels.registry import TILED_MOE_BACKENDS
+from moeserve.model_config import ModelConfig
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.kv_cache import allocate_kv_caches, kv_layout, plan_memory
 from moeserve.runner.model_runner import ModelRunner, PendingOutput, timed

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from moeserve.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from moeserve.config import ConfigError
 from moeserve.hf_config import deepseek, glm, qwen3
+from moeserve.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 PARSERS: dict[str, Callable[[dict[str, Any], str], ModelConfig]] = {
     "Qwen3ForCausalLM": qwen3.parse,

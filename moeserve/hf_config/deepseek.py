@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeserve.config import ConfigError, MlaConfig, ModelConfig, RouterConfig
+from moeserve.config import ConfigError
 from moeserve.hf_config import dsa, fields
+from moeserve.model_config import MlaConfig, ModelConfig, RouterConfig
 
 # Published-config fields with no effect on inference: field -> why.
 INERT: dict[str, str] = {

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeserve.config import ConfigError, DsaConfig
+from moeserve.config import ConfigError
 from moeserve.hf_config import fields
+from moeserve.model_config import DsaConfig
 
 INERT: dict[str, str] = {
     "index_share_for_mtp_iteration": "how the MTP layers reuse the indexer; MTP layers are not "

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from moeserve.config import ConfigError, RopeConfig
+from moeserve.config import ConfigError
+from moeserve.model_config import RopeConfig
 
 # Fields that do not change inference, for every architecture: field -> why.
 INERT: dict[str, str] = {

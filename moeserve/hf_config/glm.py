@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeserve.config import ConfigError, ModelConfig, RouterConfig
+from moeserve.config import ConfigError
 from moeserve.hf_config import dsa, fields
 from moeserve.hf_config.deepseek import INERT as DEEPSEEK_INERT
 from moeserve.hf_config.deepseek import mla_config
+from moeserve.model_config import ModelConfig, RouterConfig
 
 _MOE = {"n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
         "n_shared_experts", "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeserve.config import ConfigError, ModelConfig
+from moeserve.config import ConfigError
 from moeserve.hf_config import fields
+from moeserve.model_config import ModelConfig
 
 _GQA = {"attention_bias", "max_window_layers", "use_sliding_window", "sliding_window",
         "layer_types"}

@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.paged import write_kv
 from moeserve.kernels.attention.qk_rope_kv_triton import qk_rope_kv_triton, split_qkv
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.params import empty_param
 from moeserve.layers.rope import RotaryEmbedding
+from moeserve.model_config import ModelConfig
 
 # fn(q [T, H, D], kv_cache [2, NB, BS, KVH, D], meta, scale) -> [T, H, D]
 AttentionBackend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]

@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.config import ModelConfig
 from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref, write_index_keys
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
 from moeserve.layers.mla import MlaBackend, MLAttention, Projected, rotate_pairs
 from moeserve.layers.norm import LayerNorm
 from moeserve.layers.params import empty_param
+from moeserve.model_config import ModelConfig
 
 DSA_MODES = ("auto", "dense", "sparse")
 

@@ -37,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
 from moeserve.kernels.attention.mla import mla_prefill_ref, write_latent
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.params import empty_param
 from moeserve.layers.rope_scaling import inv_freq_and_factor, softmax_scale
+from moeserve.model_config import ModelConfig
 
 # fn(q_lat [T, H, L + R], latent_cache [NB, BS, L + R], meta, scale, L) -> [T, H, L]
 MlaBackend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, int], torch.Tensor]

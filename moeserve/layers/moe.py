@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.config import ModelConfig
 from moeserve.kernels.routing.select import (
     select_experts,
     select_experts_grouped,
@@ -43,6 +42,7 @@ from moeserve.kernels.routing.select import (
 from moeserve.kernels.routing.select_triton import MAX_EXPERTS, select_experts_triton
 from moeserve.layers.mlp import MLP
 from moeserve.layers.params import empty_param
+from moeserve.model_config import ModelConfig
 
 # fn(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]
 MoeBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],

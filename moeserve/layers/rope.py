@@ -28,9 +28,9 @@ import functools
 import torch
 from torch import nn
 
-from moeserve.config import RopeConfig
 from moeserve.kernels.norm_rope.rope_triton import rope_ref, rope_triton
 from moeserve.layers.rope_scaling import inv_freq_and_factor
+from moeserve.model_config import RopeConfig
 
 
 @functools.lru_cache(maxsize=8)

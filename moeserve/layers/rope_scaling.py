@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from moeserve.config import RopeConfig
+from moeserve.model_config import RopeConfig
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

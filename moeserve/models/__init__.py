@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from moeserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
+from moeserve.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from moeserve.models.decoder import CausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, CausalLM)

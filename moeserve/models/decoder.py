@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.layers.attention import Attention, AttentionBackend
 from moeserve.layers.dsa import DSA_MODES, DsaAttention, DsaLayerCache
@@ -43,6 +42,7 @@ from moeserve.layers.mla import MlaBackend, MLAttention
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import MoeBackend, SparseMoeBlock
 from moeserve.layers.norm import RMSNorm
+from moeserve.model_config import ModelConfig
 
 Device = torch.device | str | None
 

@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from moeserve.config import CacheConfig, ConfigError, ModelConfig
+from moeserve.config import CacheConfig, ConfigError
 from moeserve.layers.dsa import DsaLayerCache
+from moeserve.model_config import ModelConfig
 
 LayerCache = torch.Tensor | DsaLayerCache
 

@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from moeserve import envs
-from moeserve.config import EngineConfig, ModelConfig, read_json_config
+from moeserve.config import EngineConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers.sampler import SampleLogprobs, SamplingTensors, sample
+from moeserve.model_config import ModelConfig, read_json_config
 from moeserve.models import build_model
 from moeserve.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from moeserve.runner.kv_cache import LayerCache, MemoryPlan, allocate_kv_caches, num_cache_blocks

@@ -21,12 +21,12 @@ from collections import defaultdict
 import torch
 from safetensors import safe_open
 
-from moeserve.config import ModelConfig
 from moeserve.layers.attention import Attention
 from moeserve.layers.mla import MLAttention
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import SparseMoeBlock
 from moeserve.layers.norm import LayerNorm, RMSNorm
+from moeserve.model_config import ModelConfig
 from moeserve.models.decoder import CausalLM
 from moeserve.runner.weight_names import left_out_layer_names, weight_targets
 

@@ -30,12 +30,12 @@ import re
 
 import torch
 
-from moeserve.config import ModelConfig
 from moeserve.layers.attention import Attention
 from moeserve.layers.dsa import DsaAttention
 from moeserve.layers.mla import MLAttention
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import SparseMoeBlock
+from moeserve.model_config import ModelConfig
 from moeserve.models.decoder import CausalLM
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

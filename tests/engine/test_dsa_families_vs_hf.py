@@ -201,7 +201,8 @@ def test_dsa_flag_is_validated() -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cache_bytes_count_the_indexer_keys(checkpoints: dict, arch: str) -> None:
     """bytes_per_block: the latent of every layer and the indexer key of each full layer."""
-    from moeserve.config import CacheConfig, ModelConfig
+    from moeserve.config import CacheConfig
+    from moeserve.model_config import ModelConfig
     from moeserve.runner.kv_cache import bytes_per_block, kv_layout
 
     folder, _, _ = checkpoints[arch]

@@ -54,7 +54,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str
     for arch in ("qwen3_moe", "qwen3", "mixtral"):
         folder = str(write_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch),
                                            sharded=arch == "qwen3_moe"))
-        from moeserve.config import ModelConfig
+        from moeserve.model_config import ModelConfig
 
         vocab = ModelConfig.from_file(f"{folder}/config.json").vocab_size
         prompts = _prompts(vocab)

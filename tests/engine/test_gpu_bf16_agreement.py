@@ -51,7 +51,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers import norm as norm_module
@@ -59,6 +58,7 @@ from moeserve.layers import rope as rope_module
 from moeserve.layers.attention import Attention
 from moeserve.layers.mla import MLAttention
 from moeserve.layers.moe import MoeBackend, SparseMoeBlock
+from moeserve.model_config import ModelConfig
 from moeserve.models import build_model
 from moeserve.models.decoder import CausalLM
 from moeserve.presets import load_preset

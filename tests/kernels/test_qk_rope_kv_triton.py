@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata
 from moeserve.kernels.attention.paged import paged_attention_ref
 from moeserve.kernels.attention.qk_rope_kv_triton import (
@@ -40,6 +39,7 @@ from moeserve.kernels.norm_rope.rope_triton import rope_ref
 from moeserve.layers import attention as attention_module
 from moeserve.layers.attention import Attention
 from moeserve.layers.rope import _cos_sin_table
+from moeserve.model_config import ModelConfig
 from tests.kernels.test_norm_rope_triton import MAX_FLIPS, NORM_TOL, hf_partial_rope
 
 QWEN, ODD = (32, 4, 128), (6, 2, 64)  # (H, KVH, D)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata
+from moeserve.model_config import ModelConfig
 from moeserve.models import build_model
 from moeserve.models.decoder import CausalLM
 from moeserve.runner.kv_cache import LayerCache, MemoryPlan, allocate_kv_caches

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeserve.config import ModelConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata
 from moeserve.kernels.routing.select import select_experts
+from moeserve.model_config import ModelConfig
 from moeserve.models import build_model
 from moeserve.models.decoder import CausalLM
 from moeserve.runner.weight_loader import (
