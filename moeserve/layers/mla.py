@@ -163,11 +163,7 @@ class MLAttention(nn.Module):
             self.tokens_absorbed += t
             return self._absorbed(q_nope, q_rope, meta)
         out = q_nope.new_empty(t, heads, self.v_dim)
-        for rows, absorbed in ((np.flatnonzero(is_decode), True),
-                               (np.flatnonzero(~is_decode), False)):
-            if not len(rows):
-                continue
-            sub, tok = select_rows(meta, rows)
+        for sub, tok, absorbed in _decode_prefill_split(meta, is_decode):
             if absorbed:
                 self.tokens_absorbed += len(sub.token_to_req_np)
                 out[tok] = self._absorbed(q_nope[tok], q_rope[tok], sub)
@@ -187,3 +183,17 @@ class MLAttention(nn.Module):
         out_lat = (attend or self.backend)(q_full, self.kv_cache, meta, self.scale,
                                            self.kv_lora_rank)
         return torch.bmm(out_lat.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def _decode_prefill_split(meta: AttentionMetadata, is_decode: np.ndarray
+                          ) -> list[tuple[AttentionMetadata, torch.Tensor, bool]]:
+    """The step's decode rows and other rows as sub-steps (metadata, token indices, absorbed),
+    made by its first MLA layer and reused by the others (`meta.derived`): one set of host
+    copies a step, not one a layer; the sub-steps' own derived tensors are shared too."""
+    key = "mla_decode_prefill_split"
+    if key not in meta.derived:
+        meta.derived[key] = [(*select_rows(meta, rows), absorbed)
+                             for rows, absorbed in ((np.flatnonzero(is_decode), True),
+                                                    (np.flatnonzero(~is_decode), False))
+                             if len(rows)]
+    return meta.derived[key]
