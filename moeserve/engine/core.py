@@ -89,7 +89,8 @@ class EngineCore:
                                    self.max_running_requests,
                                    self.cfg.cache.enable_prefix_caching)
         with timed(phases, "warmup", device):
-            self.runner.warmup(_moe_token_counts(self.cfg, self.model_config))
+            self.runner.warmup(_moe_token_counts(self.cfg, self.model_config),
+                               sched_cfg.max_model_len)
         with timed(phases, "cuda_graphs", device):
             graphs_state = self._init_cuda_graphs(device, resolved)
         self.runner.reset_counters()  # warm-up and capture are not served load

@@ -158,11 +158,12 @@ class ModelRunner:
         self.model.bind_expert_counters(self.expert_counts if kv_caches else None)
 
     @torch.inference_mode()
-    def warmup(self, moe_token_counts: list[int]) -> None:
+    def warmup(self, moe_token_counts: list[int], max_model_len: int) -> None:
         """Compile the kernel variants serving will hit, before it starts (CUDA only): one MoE
         block at each token count (each tuned count has its own tiles) and two mixed steps (a
-        decode row beside a prefill row; the second decode row's context splits). It writes
-        the first KV blocks, which are free; the expert counters are reset afterwards."""
+        decode row beside a prefill row; the second decode row's context splits). Positions
+        stay below max_model_len (the RoPE tables end there or later). It writes the first KV
+        blocks, which are free; the expert counters are reset afterwards."""
         if self.device.type != "cuda" or not self.kv_caches:
             return
         blocks = self.model.moe_blocks()
@@ -175,14 +176,17 @@ class ModelRunner:
         # mixed steps: a decode row with a short context, then one long enough for the decode
         # attention to split over the context (its reduce kernel too)
         num_blocks = num_cache_blocks(self.kv_caches)
-        for context in (16, 600):
+        prompt = 17
+        for context in sorted({min(c, max_model_len - 1) for c in (16, 600)}):
+            if context < 1 or prompt > max_model_len:
+                break
             blocks_needed = -(-(context + 1) // self.block_size) + 2
             if num_blocks <= blocks_needed:
                 break
             table = list(range(1, blocks_needed - 1))
             self.execute(SchedulerOutput(
-                req_ids=["warmup-decode", "warmup-prefill"], num_scheduled_tokens=[1, 17],
-                num_computed_tokens=[context, 0], token_ids=[0] * 18,
+                req_ids=["warmup-decode", "warmup-prefill"], num_scheduled_tokens=[1, prompt],
+                num_computed_tokens=[context, 0], token_ids=[0] * (prompt + 1),
                 block_tables=[table, [blocks_needed - 1, blocks_needed]],
                 sample=[True, True], sampling_params=[SamplingParams()] * 2,
                 sample_seeds=[0, 0], num_output_tokens=[1, 0]))
