@@ -111,7 +111,15 @@ class DsaAttention(MLAttention):
         self.indexer = Indexer(config, dtype, device) if full else None
         self.index_cache: torch.Tensor | None = None  # [num_blocks, block_size, D]: full only
         self.dsa_mode = "auto"
-        self.tokens_sparse = 0  # tokens attended sparsely (host count, eager forwards)
+
+    def reset_path_counters(self) -> None:
+        """MLA's counts, the tokens attended sparsely (host count, eager forwards) and the
+        indexer's boundary ties."""
+        super().reset_path_counters()
+        self.tokens_sparse = 0
+        indexer = self.__dict__.get("_modules", {}).get("indexer")  # absent during __init__
+        if indexer is not None:
+            indexer.boundary_ties = 0
 
     def bind_cache(self, cache: torch.Tensor | DsaLayerCache | None) -> None:
         """A full layer takes a DsaLayerCache (or the latent alone: then only dsa_mode

@@ -104,7 +104,7 @@ class MLAttention(nn.Module):
         self.prefill_form = "mha"  # or "absorbed": how rows with several queries attend
         # tokens attended in each form, counted on the host when the forward runs eagerly (a
         # CUDA-graph replay runs no Python): tests assert which path ran
-        self.tokens_absorbed = self.tokens_up_projected = 0
+        self.reset_path_counters()
         hidden = config.hidden_size
         # [q_a_proj or q_proj | kv_a_proj_with_mqa | extra_in_rows] rows: one GEMM reads the
         # hidden state once
@@ -127,6 +127,11 @@ class MLAttention(nn.Module):
         self.cos, self.sin = _pair_table(key, m.qk_rope_head_dim, config.max_position_embeddings,
                                          torch.device(device or "cpu"))  # [P, R / 2]
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, L + R]
+
+    def reset_path_counters(self) -> None:
+        """Zero the tokens-per-form counts (the runner calls it after warm-up and capture,
+        which are not served load)."""
+        self.tokens_absorbed = self.tokens_up_projected = 0
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -193,11 +193,15 @@ class ModelRunner:
         self.reset_counters()
 
     def reset_counters(self) -> None:
-        """Zero the expert-load counters, the forward count and the step profile's totals
-        (serving starts now)."""
+        """Zero the expert-load counters, the forward count, the attention layers' path counts
+        and the step profile's totals (serving starts now)."""
         if self.expert_counts is not None:
             self.expert_counts.zero_()
         self.num_forward_steps = 0
+        for module in self.model.modules():  # the attention forms' token counts
+            reset = getattr(module, "reset_path_counters", None)
+            if reset is not None:
+                reset()
         self._load_copy = self._load_snapshot = None
         self._last = None
         if self.profiler is not None:

@@ -113,7 +113,7 @@ def test_rms_norm_compiles_once_across_row_counts() -> None:
 
 
 def test_routing_compiles_once_across_token_counts() -> None:
-    from moeserve.kernels.routing.select import select_triton as routing_triton
+    from moeserve.kernels.routing import select_triton as routing_triton
 
     counts = torch.zeros(128, dtype=torch.int64, device="cuda")
     seen = []
