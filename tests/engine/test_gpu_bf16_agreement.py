@@ -118,12 +118,10 @@ def check_agreement(agreement: Agreement) -> None:
 
 # ---- running one path ----------------------------------------------------------------------
 
-def set_backends(model: CausalLM, attention: str | Callable, moe: str | MoeBackend,
-                 mla: Callable | None = None) -> None:
-    """Point every attention layer and MoE block of `model` at these backends (same weights);
-    MLA layers at `mla`, else at the MLA backend named `attention`."""
+def set_backends(model: CausalLM, attention: str | Callable, moe: str | MoeBackend) -> None:
+    """Point every attention layer and MoE block of `model` at these backends (same weights)."""
     attn_fn = get_attention_backend(attention) if isinstance(attention, str) else attention
-    mla_fn = mla or (get_mla_backend(attention) if isinstance(attention, str) else None)
+    mla_fn = get_mla_backend(attention) if isinstance(attention, str) else None
     moe_fn = get_moe_backend(moe) if isinstance(moe, str) else moe
     for module in model.modules():
         if isinstance(module, Attention):
@@ -211,14 +209,13 @@ def next_token_logits(model: CausalLM, prompts: list[list[int]],
 
 
 def fast_vs_reference(model: CausalLM, prompts: list[list[int]], num_decode: int,
-                      fast: tuple[str | Callable, str | MoeBackend] = FAST,
-                      fast_mla: Callable | None = None) -> Agreement:
+                      fast: tuple[str | Callable, str | MoeBackend] = FAST) -> Agreement:
     """Reference first (its greedy tokens become the decode inputs), then the fast path fed the
-    same tokens, on the same weights (MLA layers on `fast_mla` when given)."""
+    same tokens, on the same weights."""
     set_backends(model, *REFERENCE)
     with torch_norm_and_rope():
         ref_logits, tokens = teacher_forced_logits(model, prompts, num_decode)
-    set_backends(model, *fast, mla=fast_mla)
+    set_backends(model, *fast)
     fast_logits, _ = teacher_forced_logits(model, prompts, num_decode, feed=tokens)
     set_backends(model, *REFERENCE)
     return compare_logits(fast_logits, ref_logits)
@@ -389,9 +386,10 @@ def floor_failures(fast: Agreement, floor: Agreement) -> list[str]:
     Why not qwen3's fixed bounds: on these dummy-weight models the floor itself breaks them.
     Measured on the H200 at 1d627ad (all 1,092 positions): deepseek-v3 (4 layers) floor rms
     0.42% of std, worst 7.7x the per-logit bound, fast path 0.90% / 7.75x; glm-4.7-flash (3
-    layers) floor 0.16% / 1.93x, fast 0.30% / 2.37x; top-1 100% in all four. A rounding step
-    in a norm moves logits that far because it flips near-tied experts of the sigmoid router
-    (256 or 64 experts whose dummy gate logits all sit near 0)."""
+    layers) floor 0.16% / 1.93x, fast 0.30% / 2.37x; top-1 100% in all four. The likely cause
+    (not measured): a rounding step flips near-tied experts of the sigmoid router, whose dummy
+    gate logits all sit near 0. The ratio depends on the positions compared (on a 333-position
+    subset glm-4.7-flash's fast path was 3.7x its floor), so the factor holds for this set."""
     out = [f for f in fast.failures() if f.startswith("top-1")]
     if fast.rms_per_std > FLOOR_FACTOR * floor.rms_per_std:
         out.append(f"rms logit diff {fast.rms_per_std:.3%} of std > {FLOOR_FACTOR:g}x the "
@@ -425,22 +423,23 @@ def test_mla_fast_path_logits_agree_bf16(preset: str) -> None:
 
 
 @pytest.mark.gpu
-def test_mla_criterion_rejects_a_wrong_softmax_scale() -> None:
-    """The floor criterion can fail: the Triton MLA kernel with its softmax scale 20% high."""
+def test_mla_floor_criterion_rejects_a_dropped_expert() -> None:
+    """The floor criterion can fail: glm-4.7-flash's fused MoE leaving out each token's top
+    routed expert, on the positions of the test above.
+
+    Not an attention error: on these dummy weights the logits barely see the attention (the
+    final hidden state is mostly the token's embedding; `sharpen_logits`). Measured on the H200
+    at 1d627ad over 333 positions: the Triton MLA kernel with its softmax scale 20% high gave
+    an rms of 0.331% of std against the right kernel's 0.299%. The MLA kernels' bf16 accuracy
+    is pinned where the attention output is compared directly, in
+    tests/kernels/test_mla_triton.py's GPU cases at DeepSeek-V3's dims."""
     _require_cuda()
     model = mla_preset_model("glm-4.7-flash")
-    mla = get_mla_backend("triton")
-
-    def scale_off(q: torch.Tensor, cache: torch.Tensor, meta: object, scale: float,
-                  kv_lora_rank: int) -> torch.Tensor:
-        return mla(q, cache, meta, scale * 1.2, kv_lora_rank)
-
-    prompts = random_prompts(model.config.vocab_size, GPU_PROMPT_LENS[:6])
-    floor = fast_vs_reference(model, prompts, 8, REFERENCE)
-    fast = fast_vs_reference(model, prompts, 8)
-    broken = fast_vs_reference(model, prompts, 8, fast_mla=scale_off)
-    print("floor", floor, "fast", fast, "scale 1.2x", broken)
+    prompts = random_prompts(model.config.vocab_size, GPU_PROMPT_LENS)
+    floor = fast_vs_reference(model, prompts, GPU_DECODE_STEPS, REFERENCE)
+    broken = fast_vs_reference(model, prompts, GPU_DECODE_STEPS,
+                               (FAST[0], drop_top_expert(FAST[1])))
+    print("floor", floor, "dropped top expert", broken)
     del model
     _free_cuda()
-    assert not floor_failures(fast, floor), (fast, floor)
     assert floor_failures(broken, floor), (broken, floor)
