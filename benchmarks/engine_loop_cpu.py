@@ -50,7 +50,7 @@ def child(running: int, steps: int, freeze: bool, workload: str) -> dict:
     from moeserve.engine import protocol as p
     from moeserve.engine.args import engine_config_from_kwargs
     from moeserve.engine.core import EngineCore
-    from moeserve.runner.model_runner import PendingOutput
+    from moeserve.runner.pending_output import PendingOutput
     from moeserve.types import SamplingParams
 
     decode = workload.startswith("decode")

@@ -141,6 +141,10 @@ class EngineConfig:
     enforce_eager: bool = False
     """Run every step eagerly: no CUDA graphs (debugging; decode then pays the host's launch
     cost for every kernel)."""
+    mixed_cuda_graphs: bool = False
+    """Mixed (prompt + decode) steps replay piecewise CUDA graphs: one graph per piece between
+    two attentions, at token-count buckets up to the step's token budget, each attention run
+    eagerly between them (runner/mixed_graphs.py). Off until measured on the H200."""
     cuda_graph_max_batch_size: int | str = "auto"
     """Largest decode batch captured in a CUDA graph; "auto" = max_running_requests (capped by
     the step's token budget), so every decode batch the scheduler can form has a graph."""

@@ -17,7 +17,8 @@ from typing import Any
 from moeserve.bench.server import get_json
 
 # cumulative fields of the engine's stats (moeserve/engine/protocol.py EngineStats)
-COUNTERS = ("num_steps", "num_forward_steps", "num_graph_steps", "cuda_graph_fallbacks",
+COUNTERS = ("num_steps", "num_forward_steps", "num_graph_steps", "num_mixed_graph_steps",
+            "cuda_graph_fallbacks",
             "num_preemptions", "num_prefix_hit_tokens", "num_prompt_tokens",
             "num_generated_tokens", "num_aborted", "num_failed", "num_refused",
             "num_busy_iterations",
@@ -49,6 +50,8 @@ def engine_run(before: dict[str, Any] | None, after: dict[str, Any] | None,
     forwards = delta.get("num_forward_steps")
     if forwards and "num_graph_steps" in delta:  # of the model forwards, graph replays
         out["graph_step_share"] = delta["num_graph_steps"] / forwards
+    if forwards and "num_mixed_graph_steps" in delta:  # ... and piecewise mixed replays
+        out["mixed_graph_step_share"] = delta["num_mixed_graph_steps"] / forwards
     if steps:
         if "num_generated_tokens" in delta:
             out["generated_tokens_per_step"] = delta["num_generated_tokens"] / steps
@@ -82,6 +85,8 @@ def describe(run: dict[str, Any] | None) -> str | None:
         parts.append(f"{c['num_forward_steps']} forwards")
     if "graph_step_share" in run:
         parts.append(f"{run['graph_step_share']:.0%} of forwards from CUDA graphs")
+    if run.get("mixed_graph_step_share"):  # only servers with mixed graphs on report any
+        parts.append(f"{run['mixed_graph_step_share']:.0%} mixed steps from piecewise graphs")
     if "cuda_graph_fallbacks" in c:
         parts.append(f"{c['cuda_graph_fallbacks']} eager decode fallbacks")
     line = "engine: " + ", ".join(parts)

@@ -39,7 +39,8 @@ from moeserve.kernels.registry import TILED_MOE_BACKENDS
 from moeserve.model_config import ModelConfig
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.kv_cache import allocate_kv_caches, kv_layout, plan_memory
-from moeserve.runner.model_runner import ModelRunner, PendingOutput, timed
+from moeserve.runner.model_runner import ModelRunner, timed
+from moeserve.runner.pending_output import PendingOutput
 from moeserve.sched import Request, Scheduler
 from moeserve.types import FinishReason, RequestOutput, SamplingParams, SchedulerOutput
 
@@ -74,7 +75,7 @@ class EngineCore:
             rows = min(budget, cap if isinstance(cap, int) else sched_cfg.request_pool)
             peak = self.runner.profile_activation_peak(min(budget, sched_cfg.max_model_len), rows)
         with timed(phases, "kv_cache", device):
-            graph_reserve = GRAPH_RESERVE_BYTES if not self.cfg.enforce_eager else 0
+            graph_reserve = self._graph_reserve(peak)
             indexer_cache = self.runner.indexer_cache
             plan = plan_memory(self.model_config, self.cfg.cache, self.runner.dtype, device,
                                self.runner.weight_bytes, peak, graph_reserve, indexer_cache)
@@ -186,7 +187,24 @@ class EngineCore:
                 f"min(max_running_requests {self.max_running_requests}, token budget "
                 f"{cfg.scheduler.max_num_batched_tokens}): every decode batch has a graph")
         max_batch = min(int(max_batch), decode_bound)
-        return self.runner.init_decode_graphs(max_batch, cfg.scheduler.max_model_len)
+        state = self.runner.init_decode_graphs(max_batch, cfg.scheduler.max_model_len)
+        if cfg.mixed_cuda_graphs:
+            state += "; mixed steps " + self.runner.init_mixed_graphs(
+                cfg.scheduler.max_num_batched_tokens)
+        return state
+
+    def _graph_reserve(self, activation_peak: int) -> int:
+        """Bytes the memory plan leaves to CUDA graphs: the decode graphs' pool; with mixed
+        graphs, also their pool (one piece's intermediates, at most a forward's activation
+        peak) and static buffers (estimated at 16 hidden widths a token of the budget; the
+        capacity report states what the capture took)."""
+        if self.cfg.enforce_eager:
+            return 0
+        reserve = GRAPH_RESERVE_BYTES
+        if self.cfg.mixed_cuda_graphs:
+            width = 16 * self.model_config.hidden_size * self.runner.dtype.itemsize
+            reserve += activation_peak + self.cfg.scheduler.max_num_batched_tokens * width
+        return reserve
 
     def _fit_max_model_len(self, sched_cfg: SchedulerConfig, num_kv_tokens: int,
                            resolved: dict[str, str]) -> SchedulerConfig:

@@ -150,6 +150,7 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     profiled_wall_seconds_total: float = 0.0
     num_forward_steps: int = 0  # model forwards (a multi-step decode plan runs several)
     num_graph_steps: int = 0  # forward steps replayed from a CUDA graph
+    num_mixed_graph_steps: int = 0  # mixed steps run through the piecewise graphs
     cuda_graph_fallbacks: int = 0  # decode batches run eagerly on CUDA (no graph fitted)
     # {"num_steps": forward steps, "tokens_per_expert": [[E ints] per MoE layer]}, cumulative;
     # read from the device only for Pong (on demand), kept by the client between pongs

@@ -63,13 +63,32 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        q = self.pre_attention(positions, hidden, meta.slot_mapping)
+        return self.post_attention(self.attention_core(q, meta))  # [T, hidden]
+
+    # the forward in three parts: piecewise CUDA graphs (runner/mixed_graphs.py) capture the
+    # first and the last, whose shapes depend only on the token count, and run the core eagerly
+
+    @property
+    def attention_out_dim(self) -> int:
+        """Width of the core's output per token (the output projection's input)."""
+        return self.num_heads * self.head_dim
+
+    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> torch.Tensor:
+        """hidden [T, h] -> q [T, H, D], with this step's K/V written at slot_mapping [T]."""
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_caches)")
-        t, d = hidden.shape[0], self.head_dim
         qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 * KVH) * D]
-        q = self._qk_rope_kv(positions, qkv, meta.slot_mapping, fused=qkv.is_cuda)  # [T, H, D]
-        out = self.backend(q, self.kv_cache, meta, self.scale)  # [T, H, D]
-        return F.linear(out.reshape(t, self.num_heads * d), self.o_proj)  # [T, hidden]
+        return self._qk_rope_kv(positions, qkv, slot_mapping, fused=qkv.is_cuda)
+
+    def attention_core(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D] over the paged cache -> [T, H, D]."""
+        return self.backend(q, self.kv_cache, meta, self.scale)
+
+    def post_attention(self, out: torch.Tensor) -> torch.Tensor:
+        """The core's output [T, H, D] (or [T, H * D]) -> [T, hidden]."""
+        return F.linear(out.reshape(out.shape[0], -1), self.o_proj)
 
     def _qk_rope_kv(self, positions: torch.Tensor, qkv: torch.Tensor,
                     slot_mapping: torch.Tensor, fused: bool) -> torch.Tensor:

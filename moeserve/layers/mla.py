@@ -87,6 +87,14 @@ class Projected(NamedTuple):
     sin: torch.Tensor
 
 
+class MlaState(NamedTuple):
+    """pre_attention's output: what the core reads."""
+
+    q_nope: torch.Tensor  # [T, H, nope]
+    q_rope: torch.Tensor  # [T, H, R], rotated
+    proj: Projected
+
+
 class MLAttention(nn.Module):
     def __init__(self, layer_idx: int, config: ModelConfig, mla_backend: MlaBackend,
                  dtype: torch.dtype | None = None,
@@ -135,6 +143,21 @@ class MLAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        state = self.pre_attention(positions, hidden, meta.slot_mapping)
+        return self.post_attention(self.attention_core(state, meta))  # [T, hidden]
+
+    # the forward in three parts, as Attention's (piecewise CUDA graphs capture the first and
+    # the last)
+
+    @property
+    def attention_out_dim(self) -> int:
+        """Width of the core's output per token (o_proj's input)."""
+        return self.num_heads * self.v_dim
+
+    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> MlaState:
+        """hidden [T, h] -> the queries and projections the core needs, with this step's
+        latents written at slot_mapping [T]."""
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_caches)")
         t, heads, nope, L = hidden.shape[0], self.num_heads, self.nope, self.kv_lora_rank
@@ -149,9 +172,16 @@ class MLAttention(nn.Module):
         q_rope = rotate_pairs(q[..., nope:], cos, sin, self.interleaved)  # [T, H, R]
         k_rope = rotate_pairs(a[:, self.q_part + L:self.latent_end], cos, sin,
                               self.interleaved)  # [T, R]
-        write_latent(torch.cat([c_kv, k_rope], dim=-1), self.kv_cache, meta.slot_mapping)
-        out = self._attend(q[..., :nope], q_rope, meta, Projected(hidden, a, q_resid, cos, sin))
-        return F.linear(out.reshape(t, heads * self.v_dim), self.o_proj)  # [T, hidden]
+        write_latent(torch.cat([c_kv, k_rope], dim=-1), self.kv_cache, slot_mapping)
+        return MlaState(q[..., :nope], q_rope, Projected(hidden, a, q_resid, cos, sin))
+
+    def attention_core(self, state: MlaState, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's attention, [T, H, v]."""
+        return self._attend(state.q_nope, state.q_rope, meta, state.proj)
+
+    def post_attention(self, out: torch.Tensor) -> torch.Tensor:
+        """The core's output [T, H, v] (or [T, H * v]) -> [T, hidden]."""
+        return F.linear(out.reshape(out.shape[0], -1), self.o_proj)
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
                 proj: Projected) -> torch.Tensor:

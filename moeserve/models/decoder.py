@@ -74,11 +74,35 @@ class DecoderLayer(nn.Module):
         mlp's output as [T, S, hidden] parts, which the next norm sums). The
         residual adds are fused into the norms that follow them (vLLM's pattern): the stream HF
         keeps is residual + hidden, with the same ops in the same dtype. residual None: layer 0."""
+        hidden, residual = self._input_norm(hidden, residual)
+        return self._mlp(self.self_attn(positions, hidden, meta), residual)
+
+    # forward in the parts piecewise CUDA graphs (runner/mixed_graphs.py) run: begin and
+    # finish captured, attention_core eager between them
+
+    def begin(self, positions: torch.Tensor, hidden: torch.Tensor,
+              residual: torch.Tensor | None, slot_mapping: torch.Tensor) -> tuple:
+        """The input norm and the attention's inputs -> (its pre-attention state, residual)."""
+        hidden, residual = self._input_norm(hidden, residual)
+        return self.self_attn.pre_attention(positions, hidden, slot_mapping), residual
+
+    def attention_core(self, state: object, meta: AttentionMetadata) -> torch.Tensor:
+        return self.self_attn.attention_core(state, meta)
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's output projection, the post-attention norm and the MLP; as forward's
+        return."""
+        return self._mlp(self.self_attn.post_attention(attn_out), residual)
+
+    def _input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
+
+    def _mlp(self, hidden: torch.Tensor, residual: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         if isinstance(self.mlp, SparseMoeBlock):
             return self.mlp(hidden, reduce=False), residual  # [T, S, hidden], [T, hidden]
@@ -100,13 +124,19 @@ class Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
-        residual = None
+        hidden, residual = self.embed(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
+        return self.final_norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's (hidden, residual) -> the final hidden states [T, hidden]."""
         if residual is None:  # no layers
             return self.norm(hidden)
-        return self.norm(hidden, residual)[0]  # [T, hidden]
+        return self.norm(hidden, residual)[0]
 
 
 class CausalLM(nn.Module):

@@ -4,8 +4,10 @@ Per step: SchedulerOutput (lists) -> input ids, positions, slot mapping, block t
 vectorised, one host-to-device copy each) -> model forward -> logits of the rows that sample ->
 sampler -> ModelOutput (lists). It also owns the weights (loaded or dummy), the KV cache tensors and
 the activation profile that the memory plan needs. Decode steps (every row one token) replay a
-CUDA graph of runner/cuda_graphs.py when one fits the batch; everything else runs eagerly, and a
-decode batch run eagerly on CUDA is counted (`num_eager_decode_fallbacks`).
+CUDA graph of runner/cuda_graphs.py when one fits the batch; mixed steps, when enabled, replay the
+piecewise graphs of runner/mixed_graphs.py (attention eager between captured pieces); everything
+else runs eagerly, and a decode batch run eagerly on CUDA is counted
+(`num_eager_decode_fallbacks`).
 """
 
 from __future__ import annotations
@@ -22,15 +24,17 @@ from moeserve import envs
 from moeserve.config import EngineConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
-from moeserve.layers.sampler import SampleLogprobs, SamplingTensors, sample
+from moeserve.layers.sampler import SamplingTensors, sample
 from moeserve.model_config import ModelConfig, read_json_config
 from moeserve.models import build_model
 from moeserve.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from moeserve.runner.kv_cache import LayerCache, MemoryPlan, allocate_kv_caches, num_cache_blocks
+from moeserve.runner.mixed_graphs import MixedGraphs, mixed_token_buckets
+from moeserve.runner.pending_output import PendingOutput
 from moeserve.runner.step_profile import StepProfiler
-from moeserve.runner.step_sampling import StepSample, sample_step
+from moeserve.runner.step_sampling import sample_step
 from moeserve.runner.weight_loader import init_dummy_weights, load_weights, model_weight_bytes
-from moeserve.types import Logprobs, ModelOutput, SamplingParams, SchedulerOutput
+from moeserve.types import ModelOutput, SamplingParams, SchedulerOutput
 
 
 class ModelRunner:
@@ -51,6 +55,8 @@ class ModelRunner:
         self._load_copy: tuple[torch.Tensor, torch.cuda.Event, int] | None = None
         self._load_snapshot: dict | None = None
         self.num_graph_steps = 0
+        self.mixed_graphs: MixedGraphs | None = None
+        self.num_mixed_graph_steps = 0  # mixed steps run through the piecewise graphs
         self.faults = envs.fault_injection()  # {} unless a test injects faults
         self.step_delay_s = max((float(ms) / 1e3 for ms in self.faults.get("slow_step", ())),
                                 default=0.0)
@@ -222,6 +228,22 @@ class ModelRunner:
         return (f"on: {len(sizes)} decode batch sizes 1..{max_batch} ({kind} in {seconds:.1f}s), "
                 "padding < 10% of a batch")
 
+    def init_mixed_graphs(self, max_tokens: int, capture: bool = True) -> str:
+        """Build the mixed-step token buckets up to `max_tokens` (the step's token budget) and
+        capture their pieces (CUDA only; `capture` False: static buffers, eager pieces).
+        Returns the capacity report's one-line state."""
+        if not self.kv_caches:
+            raise RuntimeError("bind the KV caches before capturing CUDA graphs")
+        sizes = mixed_token_buckets(max_tokens)
+        self.mixed_graphs = MixedGraphs(self.model, sizes, self.device)
+        seconds = self.mixed_graphs.capture() if capture else 0.0
+        kind = ("captured" if self.mixed_graphs.graphs
+                else "static buffers, eager (no CUDA)")
+        gib = (self.mixed_graphs.capture_bytes or self.mixed_graphs.buffer_bytes()) / 2**30
+        return (f"on: {len(sizes)} token buckets {sizes[0]}..{max_tokens} x "
+                f"{self.mixed_graphs.num_pieces} pieces ({kind} in {seconds:.1f}s, "
+                f"{gib:.2f} GiB)")
+
     # ---- one step ------------------------------------------------------------------------
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
@@ -262,8 +284,15 @@ class ModelRunner:
         if missing.size:
             input_ids[self._to_device(missing)] = self._previous_tokens(
                 out, meta.token_to_req_np[missing])
-        hidden = self._forward(self.model, (input_ids, meta.positions, meta), len(token_ids),
-                               breakdown=True)  # [T, hidden]
+        mixed = (self.mixed_graphs.bucket(len(token_ids))
+                 if self.mixed_graphs is not None and not is_decode else None)
+        if mixed is not None:  # piecewise graphs: the attention hooks never fire
+            hidden = self._forward(self.mixed_graphs.run, (input_ids, meta, mixed),
+                                   len(token_ids), breakdown=False)
+            self.num_mixed_graph_steps += 1
+        else:
+            hidden = self._forward(self.model, (input_ids, meta.positions, meta),
+                                   len(token_ids), breakdown=True)  # [T, hidden]
         last_token = np.cumsum(meta.query_lens_np) - 1  # [B] each row's last token
         return self._sample_rows(out, hidden, last_token, meta.seq_lens_np)
 
@@ -374,101 +403,6 @@ class ModelRunner:
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         return to_device(a, self.device)
-
-
-class PendingOutput:
-    """One launched step's sampled tokens, still on the device until `result()`."""
-
-    def __init__(self, num_reqs: int, rows: np.ndarray):
-        self.num_reqs = num_reqs
-        self.rows = rows  # [R] rows of the step that sample
-        self.params: list[SamplingParams] = []
-        self.token_ids: torch.Tensor | None = None  # [R] int64, on the device
-        self.extra_token_ids: torch.Tensor | None = None  # [R, steps - 1], multi-step decode
-        self.logprobs = None  # SampleLogprobs | None
-        self.finite: torch.Tensor | None = None  # [R] bool, False: the row's logits not finite
-        self.row_errors: dict[int, str] = {}  # row (of R) -> a fault of that row alone
-        self.profiled_forwards: tuple[int, ...] = ()  # the step profiler's timed forwards
-        self._copied: torch.cuda.Event | None = None  # start_copy's end, on CUDA
-        self._host: tuple = ()  # start_copy's pinned (token_ids, extra ids, logprobs, finite)
-
-    def take(self, step: StepSample, first: bool = True) -> None:
-        """Keep a sample_step's result: the first step's tokens and logprobs; every step's
-        finite flags and row errors (multi-step decode: a row that fails in any step fails)."""
-        if first:
-            self.token_ids, self.logprobs = step.token_ids, step.logprobs
-        self.finite = step.finite if self.finite is None else self.finite & step.finite
-        for row, error in step.row_errors.items():
-            self.row_errors.setdefault(row, error)
-
-    def start_copy(self) -> None:
-        """On CUDA, enqueue the copy of the sampled tokens (and logprobs) into pinned host
-        memory now, behind this step's kernels, and mark its end with an event.
-
-        NOTE: without it, `result()` would copy with `.tolist()` when called; in overlap
-        scheduling that is after step N+1 was launched on the same stream, so the copy (and
-        the host) would wait for step N+1's whole forward, and the GPU would then idle while
-        the host planned step N+2: overlap lost (~10 ms a step at 1,024 requests on the H200).
-        """
-        if self.token_ids is None or self.token_ids.device.type != "cuda":
-            return
-        # the device tensors stay: the next launch reads its -1 placeholders from token_ids
-        lp = self.logprobs
-        self._host = (_to_host_async(self.token_ids),
-                      None if self.extra_token_ids is None
-                      else _to_host_async(self.extra_token_ids),
-                      None if lp is None else SampleLogprobs(
-                          _to_host_async(lp.token_logprob), _to_host_async(lp.top_ids),
-                          _to_host_async(lp.top_logprobs)),
-                      None if self.finite is None else _to_host_async(self.finite))
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-
-    def result(self) -> ModelOutput:
-        """Wait for the step (the host sync) and return its ModelOutput."""
-        sampled = [-1] * self.num_reqs
-        if self.token_ids is None:
-            return ModelOutput(sampled_token_ids=sampled,
-                               profiled_forwards=self.profiled_forwards)
-        token_ids, extra_ids, logprobs, finite = (self.token_ids, self.extra_token_ids,
-                                                  self.logprobs, self.finite)
-        if self._copied is not None:
-            self._copied.synchronize()  # this step's copies only, not later launches
-            token_ids, extra_ids, logprobs, finite = self._host
-        rows = self.rows.tolist()
-        for i, tok in zip(rows, token_ids.tolist()):
-            sampled[i] = tok
-        extra = None if extra_ids is None else extra_ids.tolist()
-        return ModelOutput(sampled_token_ids=sampled, logprobs=self._logprobs(logprobs),
-                           extra_token_ids=extra, row_errors=self._row_errors(rows, finite),
-                           profiled_forwards=self.profiled_forwards)
-
-    def _row_errors(self, rows: list[int], finite: torch.Tensor | None) -> dict[int, str] | None:
-        """Batch row -> what failed, for the rows with a fault of their own; None when none."""
-        errors = {rows[j]: e for j, e in self.row_errors.items()}
-        if finite is not None and not bool(finite.all()):
-            for j in torch.nonzero(~finite).flatten().tolist():
-                errors.setdefault(rows[j], "the model's logits for this request are not "
-                                           "finite (NaN or infinite)")
-        return errors or None
-
-    def _logprobs(self, lps: SampleLogprobs | None) -> list[Logprobs | None] | None:
-        if lps is None:
-            return None
-        result: list[Logprobs | None] = [None] * self.num_reqs
-        token_lp = lps.token_logprob.tolist()
-        top_ids, top_lps = lps.top_ids.tolist(), lps.top_logprobs.tolist()
-        for j, (row, p) in enumerate(zip(self.rows.tolist(), self.params)):
-            if p.logprobs is not None:
-                n = p.logprobs
-                result[row] = Logprobs(token_lp[j], top_ids[j][:n], top_lps[j][:n])
-        return result
-
-
-def _to_host_async(t: torch.Tensor) -> torch.Tensor:
-    """A pinned host tensor that `t` is being copied into, on the current stream."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
 
 
 @contextmanager

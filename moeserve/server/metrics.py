@@ -120,6 +120,8 @@ class _EngineCollector:
              "several per step)", s.num_forward_steps),
             ("moeserve_engine_graph_steps", "Forward steps replayed from a CUDA graph",
              s.num_graph_steps),
+            ("moeserve_engine_mixed_graph_steps", "Mixed steps run through the piecewise CUDA "
+             "graphs", s.num_mixed_graph_steps),
             ("moeserve_engine_cuda_graph_fallbacks", "Decode batches run eagerly on CUDA (no "
              "captured graph fitted)", s.cuda_graph_fallbacks),
             ("moeserve_engine_busy_iterations", "Engine loop iterations with work",

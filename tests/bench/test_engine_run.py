@@ -41,6 +41,18 @@ def test_multi_step_plans_share_graphs_by_forward() -> None:
     assert describe(run).startswith("engine: 10 steps, 40 forwards, 90% of forwards")
 
 
+def test_mixed_graph_steps_beside_the_decode_share() -> None:
+    before = _stats(0, 0, 0, 0.0, 0.0, 0) | {"num_mixed_graph_steps": 0}
+    after = _stats(100, 80, 100, 1.0, 0.9, 4000) | {"num_mixed_graph_steps": 15}
+    run = engine_run(before, after, 1.0)
+    assert run["counters"]["num_mixed_graph_steps"] == 15
+    assert run["mixed_graph_step_share"] == pytest.approx(0.15)
+    assert ("80% of forwards from CUDA graphs, 15% mixed steps from piecewise graphs"
+            in describe(run))
+    assert "mixed" not in describe(engine_run(_stats(0, 0, 0, 0.0, 0.0, 0),
+                                              _stats(9, 9, 9, 1.0, 0.9, 9), 1.0))
+
+
 def test_missing_snapshot_or_fields() -> None:
     assert engine_run(None, _stats(1, 0, 1, 0.1, 0.1, 1), 1.0) is None
     assert engine_run(_stats(1, 0, 1, 0.1, 0.1, 1), None, 1.0) is None

@@ -1,4 +1,4 @@
-"""runner/model_runner.PendingOutput: a launched step's tokens, read on the host by result().
+"""runner/pending_output.PendingOutput: a launched step's tokens, read on the host by result().
 
 On CUDA the copy to the host is enqueued when the step is launched, so result() waits for that
 step alone: in overlap scheduling it is called after the next step was launched on the same
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moeserve.layers.sampler import SampleLogprobs
-from moeserve.runner.model_runner import PendingOutput
+from moeserve.runner.pending_output import PendingOutput
 from moeserve.types import SamplingParams
 
 
