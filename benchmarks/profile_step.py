@@ -2,7 +2,9 @@
 
 Fills the engine with B requests of 128 random prompt tokens, runs until all decode, then times
 N decode steps phase by phase (synchronising the GPU after each phase) and profiles one step with
-torch.profiler to sum GPU kernel time by kind. Writes JSON with the environment.
+torch.profiler to sum GPU kernel time by kind. The profiled decode step and W1's mixed step also
+report each part (MoE, attention, dense GEMMs, norms and RoPE, other) against its own roofline
+bound (moeserve/diagnose/step_parts.py). Writes JSON with the environment.
 
     python benchmarks/profile_step.py --preset qwen3-30b-a3b --batch 256 1024 --out DIR
 """
@@ -16,10 +18,14 @@ import random
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from benchmarks.w1_offline import environment
 from moeserve import LLM, SamplingParams
+from moeserve.diagnose.roofline import ceilings_for, step_cost
+from moeserve.diagnose.step_parts import describe, part_shares, part_times_ms
+from moeserve.types import SchedulerOutput
 
 MIXED_NEW, MIXED_ROUNDS = 64, 3  # W1 at 1,024: a group of 64 finishes, 64 new prompts come in
 
@@ -72,7 +78,8 @@ def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict) ->
         top = sorted(events, key=lambda e: -e.self_device_time_total)[:25]
         kernels = {"gpu_busy_ms": gpu_total,
                    "top": [{"name": e.key[:120], "ms": e.self_device_time_total / 1e3,
-                            "calls": e.count} for e in top]}
+                            "calls": e.count} for e in top],
+                   "parts": step_parts(llm, out, events)}
     mixed = profile_mixed_steps(llm, rng, vocab, params)
     result = {"preset": preset, "batch": batch, "num_steps": num_steps, "mixed_step": mixed,
               "median_ms": {k: statistics.median(v) for k, v in phases.items()},
@@ -101,10 +108,14 @@ def profile_mixed_steps(llm: LLM, rng: random.Random, vocab: int,
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         last = i == MIXED_ROUNDS - 1
         t0 = time.perf_counter()
-        if last:
+        if last:  # the step's plan kept (for its cost) by wrapping the scheduler's schedule
+            sched = llm.engine.scheduler
+            plans = _keep_plans(sched)
             with torch.profiler.profile(activities=activities) as prof:
                 llm.step()
                 _sync()
+            del sched.schedule  # the instance attribute: the method is back
+            out = plans[-1]
         else:
             llm.step()
             _sync()
@@ -115,10 +126,43 @@ def profile_mixed_steps(llm: LLM, rng: random.Random, vocab: int,
     gpu_top = sorted(gpu, key=lambda e: -e.self_device_time_total)[:40]
     return {"new_prompts": MIXED_NEW, "wall_ms": walls,
             "gpu_busy_ms_last": sum(e.self_device_time_total for e in gpu) / 1e3,
+            "parts": step_parts(llm, out, events),
             "cpu_top": [{"name": e.key[:120], "self_cpu_ms": e.self_cpu_time_total / 1e3,
                          "calls": e.count} for e in cpu_top],
             "gpu_top": [{"name": e.key[:120], "ms": e.self_device_time_total / 1e3,
                          "calls": e.count} for e in gpu_top]}
+
+
+def _keep_plans(sched: object) -> list[SchedulerOutput]:
+    """Wrap sched.schedule (an instance attribute) so that each plan it returns is kept."""
+    plans: list[SchedulerOutput] = []
+    schedule = sched.schedule
+
+    def keep() -> SchedulerOutput:
+        plans.append(schedule())
+        return plans[-1]
+
+    sched.schedule = keep
+    return plans
+
+
+def step_parts(llm: LLM, out: SchedulerOutput, events: list) -> dict:
+    """The profiled step's device kernels by part, each against its own bound: the step's cost
+    from its plan (its tokens, sampling rows, batch, and mean row length after the step as the
+    context attended)."""
+    kernels = [(e.key, e.self_device_time_total / 1e3) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA
+               and e.self_device_time_total > 0]
+    measured = part_times_ms(kernels)
+    lengths = (np.asarray(out.num_computed_tokens) + np.asarray(out.num_scheduled_tokens))
+    step = {"tokens": int(sum(out.num_scheduled_tokens)), "rows": int(sum(out.sample)),
+            "batch": out.num_reqs, "context": float(lengths.mean()) if out.num_reqs else 0.0}
+    ceilings = ceilings_for(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    if ceilings is None:
+        return {"step": step, "measured_ms": measured, "bounds": "no measured ceilings"}
+    cost = step_cost(llm.engine.model_config, llm.engine.runner.dtype.itemsize, **step)
+    shares = part_shares(cost, ceilings, measured)
+    return {"step": step, "parts": [s.to_dict() for s in shares], "line": describe(shares)}
 
 
 def main() -> None:
@@ -138,6 +182,9 @@ def main() -> None:
         name = f"profile_step_{args.preset}_b{b}{args.tag}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(r, f, indent=2)
+        for kind, parts in (("decode", r["gpu_kernels_one_step"].get("parts", {})),
+                            ("mixed", r["mixed_step"]["parts"])):
+            print(f"{kind} step at batch {b}: {parts.get('line', parts)}", flush=True)
         print(json.dumps({"batch": b, "mixed_wall_ms": r["mixed_step"]["wall_ms"],
                           "mixed_gpu_ms": r["mixed_step"]["gpu_busy_ms_last"],
                           **r["median_ms"],

@@ -2,7 +2,8 @@
 # W1 through the server, once per engine lever, at the concurrencies given (default 1024 2048):
 # the baseline, prefill batching (--prefill-batch-delay-steps), two API processes, and
 # multi-step decode (--num-continuous-decode-steps, which turns overlap scheduling off), and a
-# prefill chunk of 16,384 tokens (chunk16k; not in the default list). Each
+# prefill chunk of 16,384 tokens (chunk16k; not in the default list), and mixed steps through
+# the piecewise CUDA graphs (mixed; not in the default list either). Each
 # variant starts its own server (`moeserve bench` without --url) and appends its runs, with the
 # server's capacity report and resolved config, to OUT/w1_levers.jsonl, then each run goes to a
 # JSON of its own without the per-request records (benchmarks/split_runs.py). One GPU call, ~5-6 minutes. The
@@ -23,6 +24,7 @@ declare -A variants=(
   [api2]="--api-servers 2"
   [multistep4]="--num-continuous-decode-steps 4"
   [chunk16k]="--max-num-batched-tokens 16384"
+  [mixed]="--mixed-cuda-graphs"
 )
 for name in ${VARIANTS:-baseline prefill_delay8 api2 multistep4}; do
   [ -n "${variants[$name]+set}" ] || { echo "unknown variant $name (${!variants[*]})"; exit 2; }

@@ -71,11 +71,24 @@ class StepCost:
     expert_bytes: float
     dense_bytes: float
     kv_bytes: float
-    flops: float
+    expert_flops: float  # the routed experts' GEMMs
+    dense_flops: float  # every other weight's GEMMs (attention projections, dense MLPs,
+    #                     shared experts, routers, the indexer, lm_head)
+    attention_flops: float  # q . k and p . v over the context (the indexer's scores too)
 
     @property
     def bytes(self) -> float:
         return self.expert_bytes + self.dense_bytes + self.kv_bytes
+
+    @property
+    def flops(self) -> float:
+        return self.expert_flops + self.dense_flops + self.attention_flops
+
+    def parts(self) -> dict[str, tuple[float, float]]:
+        """(bytes, FLOPs) of the step's bounded parts (diagnose/step_parts.py)."""
+        return {"moe": (self.expert_bytes, self.expert_flops),
+                "attention": (self.kv_bytes, self.attention_flops),
+                "dense": (self.dense_bytes, self.dense_flops)}
 
     def bound_seconds(self, c: Ceilings) -> float:
         return max(self.bytes / c.bytes_per_s, self.flops / c.flops_per_s)
@@ -111,7 +124,6 @@ def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, 
     touched = experts_touched(model.num_experts, model.num_experts_per_tok, tokens)
     kv_per_row = (attended * model.num_layers * model.kv_bytes_per_token_per_layer_elem
                   + index_row) * dtype_bytes
-    active_per_token = dense_params + moe_layers * model.num_experts_per_tok * expert_params
     attn_flops = (2.0 * attended * model.num_heads * (qk_dim + v_dim) * model.num_layers
                   + index_flops)
     return StepCost(
@@ -119,7 +131,9 @@ def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, 
         expert_bytes=moe_layers * touched * expert_params * dtype_bytes,
         dense_bytes=(dense_params + lm_head + min(tokens, model.vocab_size) * h) * dtype_bytes,
         kv_bytes=batch * kv_per_row,
-        flops=2.0 * tokens * active_per_token + 2.0 * rows * lm_head + tokens * attn_flops)
+        expert_flops=2.0 * tokens * moe_layers * model.num_experts_per_tok * expert_params,
+        dense_flops=2.0 * tokens * dense_params + 2.0 * rows * lm_head,
+        attention_flops=tokens * attn_flops)
 
 
 @dataclass(frozen=True, slots=True)

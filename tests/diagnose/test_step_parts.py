@@ -1,0 +1,84 @@
+"""diagnose/step_parts.py: kernels sorted into parts, each part against its own bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeserve.config import load_model_config
+from moeserve.diagnose.roofline import CEILINGS, step_cost
+from moeserve.diagnose.step_parts import PARTS, describe, part_of, part_shares, part_times_ms
+
+H200 = CEILINGS[0]
+
+# names as torch.profiler reported them on the H200 (benchmarks/results/profile_step_*.json)
+KERNELS = {
+    "_fused_moe_kernel": "moe",
+    "_moe_align_kernel": "moe",
+    "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(at::cuda::": "moe",
+    "void at::native::bitonicSortKVInPlace<2, -1, 16, 16, float, long>": "moe",
+    "_decode_kernel": "attention",
+    "_prefill_kernel": "attention",
+    "_decode_reduce_kernel": "attention",
+    "nvjet_sm90_tst_128x192_64x5_2x1_v_bz_coopB_TNN": "dense",
+    "aten::mm": "dense",
+    "_rms_norm_kernel": "norm_rope",
+    "_qk_rope_kv_kernel": "norm_rope",
+    "_rope_kernel": "norm_rope",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda": "other",
+    "Memcpy HtoD (Pinned -> Device)": "other",
+}
+
+
+@pytest.mark.parametrize(("name", "part"), list(KERNELS.items()))
+def test_kernels_fall_into_their_parts(name: str, part: str) -> None:
+    assert part_of(name) == part
+
+
+def test_times_add_up_per_part() -> None:
+    ms = part_times_ms([("_fused_moe_kernel", 18.0), ("_moe_align_kernel", 1.2),
+                        ("_decode_kernel", 4.7), ("nvjet_x", 3.0), ("weird", 0.5)])
+    assert list(ms) == list(PARTS)
+    assert ms == pytest.approx({"moe": 19.2, "attention": 4.7, "dense": 3.0, "norm_rope": 0.0,
+                                "other": 0.5})
+
+
+def _decode_cost(batch: int = 1024, context: float = 192.0):
+    model = load_model_config("qwen3-30b-a3b")[0]
+    return step_cost(model, 2, tokens=batch, rows=batch, batch=batch, context=context)
+
+
+def test_parts_split_the_step_cost() -> None:
+    cost = _decode_cost()
+    parts = cost.parts()
+    assert set(parts) == {"moe", "attention", "dense"}
+    assert sum(b for b, _ in parts.values()) == pytest.approx(cost.bytes)
+    assert sum(f for _, f in parts.values()) == pytest.approx(cost.flops)
+    assert parts["moe"][0] == cost.expert_bytes and parts["attention"][0] == cost.kv_bytes
+    # the parts' bounds add up to at least the step's
+    total = sum(s.bound_ms for s in part_shares(cost, H200, {}) if s.bound_ms is not None)
+    assert total >= 1e3 * cost.bound_seconds(H200) * (1 - 1e-9)
+
+
+def test_each_part_against_its_own_bound() -> None:
+    cost = _decode_cost()
+    shares = {s.part: s for s in part_shares(cost, H200, {"moe": 18.0, "attention": 4.7,
+                                                          "dense": 3.0, "norm_rope": 0.8})}
+    moe = shares["moe"]
+    assert moe.bound_kind == "memory"  # a decode step reads every expert at 1,024 tokens
+    assert moe.bound_ms == pytest.approx(1e3 * cost.expert_bytes / H200.bytes_per_s, rel=1e-6)
+    assert moe.share == pytest.approx(moe.bound_ms / 18.0)
+    assert shares["norm_rope"].bound_ms is None and shares["norm_rope"].share is None
+    assert shares["other"].measured_ms == 0.0
+    line = describe(list(shares.values()))
+    assert line.startswith("moe 18.00 ms (") and "of its memory bound" in line
+    assert "norm_rope 0.80 ms" in line and "other" not in line
+    assert shares["attention"].to_dict()["percent_of_bound"] == pytest.approx(
+        100 * shares["attention"].bound_ms / 4.7, abs=0.05)
+
+
+def test_a_long_prefill_is_compute_bound_in_its_dense_and_attention_parts() -> None:
+    model = load_model_config("qwen3-30b-a3b")[0]
+    cost = step_cost(model, 2, tokens=8192, rows=1, batch=1, context=8192)
+    shares = {s.part: s for s in part_shares(cost, H200, {"dense": 10.0, "attention": 10.0})}
+    assert shares["dense"].bound_kind == "compute"
+    assert shares["moe"].bound_kind == "compute"
