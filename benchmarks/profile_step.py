@@ -172,13 +172,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--moe-backend", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--mixed-cuda-graphs", action="store_true",
+                        help="mixed steps through the piecewise CUDA graphs")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     for b in args.batch:
         r = profile_batch(args.preset, b, args.steps, {"moe_backend": args.moe_backend,
-                                                       "enforce_eager": args.enforce_eager})
+                                                       "enforce_eager": args.enforce_eager,
+                                                       "mixed_cuda_graphs":
+                                                           args.mixed_cuda_graphs})
         name = f"profile_step_{args.preset}_b{b}{args.tag}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(r, f, indent=2)

@@ -30,7 +30,7 @@ for name in ${VARIANTS:-baseline prefill_delay8 api2 multistep4}; do
   [ -n "${variants[$name]+set}" ] || { echo "unknown variant $name (${!variants[*]})"; exit 2; }
   echo "== $name: ${variants[$name]:-(defaults)} $(date +%T)"
   "${PYTHON:-python3}" -m moeserve.cli bench --preset "${PRESET:-qwen3-30b-a3b}" --max-concurrency ${conc[*]} \
-    --server-args "${variants[$name]}" --no-progress \
+    --server-args="${variants[$name]}" --no-progress \
     --output-json "$out/w1_levers_$name.jsonl" > "$out/w1_levers_$name.log" 2>&1
   echo "rc=$?"
   grep -E "Max request concurrency|Output token throughput" "$out/w1_levers_$name.log"
