@@ -53,6 +53,7 @@ from moeserve.bench.workloads import (
     shared_prefix_workload,
     sharegpt_workload,
 )
+from moeserve.diagnose.roofline import run_serial_bound
 
 DEFAULT_NUM_PROMPTS_UNCAPPED = 100  # --num-prompts without --max-concurrency
 
@@ -299,9 +300,15 @@ def _run_one(args: argparse.Namespace, client: ClientConfig, conc: int | None, s
                                       else (api_cpu1 - api_cpu0) / run.duration)
     # what the engine did in the timed run: steps, graph replays, where the loop's time went
     res["engine_run"] = engine_run(engine0, engine1, run.duration)
+    if conc and args.workload == "random" and args.range_ratio == 1.0:  # fixed lengths
+        res["serial_bound"] = run_serial_bound(res, conc, args.input_len, args.output_len)
     print_run(console, res)
     if (line := describe(res["engine_run"])) is not None:
         console.print(line, highlight=False)
+    if (bound := res.get("serial_bound")) and "percent" in bound:
+        console.print(f"serial roofline ({bound['device']}, ANCHORS.md's method): "
+                      f"{bound['output_tok_s']:,.0f} output tok/s; this run "
+                      f"{bound['percent']:.1f}% of it", highlight=False)
     if diagnostics is not None:
         print_verdicts(console, res, attach(res, diagnostics))
     return res

@@ -26,6 +26,7 @@ Ceilings measured on the reference machine (shared/reference/ANCHORS.md): one NV
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,3 +211,49 @@ def analyse(run: dict[str, Any]) -> tuple[RooflineResult | None, str]:
     rows = w.generated_tokens / w.steps
     cost = step_cost(model, dtype_bytes_of(run), w.tokens_per_step, rows, w.mean_running, context)
     return RooflineResult(cost, c, w.step_seconds, rows), ""
+
+
+def serial_bound(model: ModelConfig, dtype_bytes: int, ceilings: Ceilings, concurrency: int,
+                 input_len: int, output_len: int) -> dict[str, float]:
+    """ANCHORS.md's serial bound of a fixed-length workload at `concurrency`: every prompt's
+    prefill (one step of concurrency x input_len tokens, attending over a causal mean of
+    input_len / 2; it yields each request's first token), then output_len - 1 decode steps of
+    the whole batch at contexts input_len + 1 .. input_len + output_len - 1, each step at its
+    own bound; no overlap between the phases. A DSA model attends over at most index_topk
+    positions a token; `dataclasses.replace(model, dsa=None)` gives the dense MLA's bound.
+
+    Returns prefill_s, decode_s and output_tok_s (the bound on output tokens per second)."""
+    prefill = step_cost(model, dtype_bytes, tokens=concurrency * input_len, rows=concurrency,
+                        batch=concurrency, context=input_len / 2)
+    decode_s = sum(step_cost(model, dtype_bytes, tokens=concurrency, rows=concurrency,
+                             batch=concurrency, context=input_len + j).bound_seconds(ceilings)
+                   for j in range(1, output_len))
+    prefill_s = prefill.bound_seconds(ceilings)
+    return {"prefill_s": prefill_s, "decode_s": decode_s,
+            "output_tok_s": concurrency * output_len / (prefill_s + decode_s)}
+
+
+def run_serial_bound(run: dict[str, Any], concurrency: int, input_len: int,
+                     output_len: int) -> dict[str, Any] | None:
+    """A fixed-length run's serial bound (`serial_bound`, the model and device from its
+    capacity report; dense MLA when the engine ran dsa="dense") and the share of it the run's
+    output throughput reached. None without measured ceilings for the device or a readable
+    model shape."""
+    ceilings = ceilings_for(figures.capacity_report(run).get("device_name"))
+    model = model_of(run)
+    if ceilings is None or model is None:
+        return None
+    if figures.engine_config(run).get("dsa") == "dense":
+        model = dataclasses.replace(model, dsa=None)
+    bound = serial_bound(model, dtype_bytes_of(run), ceilings, concurrency, input_len,
+                         output_len)
+    out: dict[str, Any] = {"method": "serial (ANCHORS.md)", "device": ceilings.name,
+                           "concurrency": concurrency, "input_len": input_len,
+                           "output_len": output_len,
+                           "output_tok_s": round(bound["output_tok_s"], 1),
+                           "prefill_s": round(bound["prefill_s"], 4),
+                           "decode_s": round(bound["decode_s"], 4)}
+    achieved = run.get("output_throughput")
+    if isinstance(achieved, int | float) and bound["output_tok_s"] > 0:
+        out["percent"] = round(100 * achieved / bound["output_tok_s"], 1)
+    return out

@@ -97,3 +97,49 @@ def test_dsa_step_reads_the_selected_latents_and_every_indexer_key() -> None:
     far = step_cost(v32, 2, 64, 64, 64, 65536)
     assert far.kv_bytes == 64 * (2048 * 61 * 576 + 65536 * 61 * 128) * 2
     assert far.kv_bytes < step_cost(v3, 2, 64, 64, 64, 65536).kv_bytes
+
+
+# ANCHORS.md's W1 serial bounds (computed there by hand), output tok/s at 256 / 512 / 1,024 / 2,048
+ANCHORS_W1_SERIAL = {"qwen3-30b-a3b": (15_000, 25_600, 39_800, 54_900),
+                     "glm-4.7-flash": (15_400, 26_400, 41_200, 56_100)}
+
+
+@pytest.mark.parametrize("preset", list(ANCHORS_W1_SERIAL))
+def test_serial_bound_reproduces_the_anchors(preset: str) -> None:
+    from moeserve.diagnose.roofline import serial_bound
+
+    model = load_model_config(preset)[0]
+    for conc, expected in zip((256, 512, 1024, 2048), ANCHORS_W1_SERIAL[preset], strict=True):
+        got = serial_bound(model, 2, CEILINGS[0], conc, 128, 128)
+        assert got["output_tok_s"] == pytest.approx(expected, rel=0.015), (preset, conc, got)
+        assert got["prefill_s"] > 0 and got["decode_s"] > got["prefill_s"]
+
+
+def test_sparse_attention_lowers_the_long_context_bound() -> None:
+    """W3 (32k in, 256 out) on GLM-5 sliced to 6 layers: DSA's bound above dense MLA's, in
+    decode and most of all in the prefill's attention FLOPs."""
+    import dataclasses
+
+    from moeserve.diagnose.roofline import serial_bound
+
+    model = load_model_config("glm-5", {"num_hidden_layers": 6})[0]
+    sparse = serial_bound(model, 2, CEILINGS[0], 32, 32768, 256)
+    dense = serial_bound(dataclasses.replace(model, dsa=None), 2, CEILINGS[0], 32, 32768, 256)
+    assert sparse["output_tok_s"] > 2 * dense["output_tok_s"]
+    assert dense["decode_s"] > sparse["decode_s"] and dense["prefill_s"] > 2 * sparse["prefill_s"]
+    # within index_topk DSA attends densely and pays its indexer on top: a little below
+    short = serial_bound(model, 2, CEILINGS[0], 32, 128, 128)["output_tok_s"]
+    short_dense = serial_bound(dataclasses.replace(model, dsa=None), 2, CEILINGS[0], 32, 128,
+                               128)["output_tok_s"]
+    assert 0.9 * short_dense < short <= short_dense
+
+
+def test_a_run_beside_its_serial_bound() -> None:
+    from moeserve.diagnose.roofline import run_serial_bound
+
+    run = make_run(conc=1024) | {"output_throughput": 23_900.0}
+    bound = run_serial_bound(run, 1024, 128, 128)
+    assert bound is not None and bound["device"] == "H200"
+    assert bound["output_tok_s"] == pytest.approx(39_800, rel=0.015)
+    assert bound["percent"] == pytest.approx(100 * 23_900 / bound["output_tok_s"], abs=0.05)
+    assert run_serial_bound(make_run(device_name="NVIDIA A10"), 1024, 128, 128) is None
