@@ -63,19 +63,37 @@ State = torch.Tensor | tuple  # a layer's pre-attention state: a tensor or (name
 def _tensors(state: State | None) -> Iterator[torch.Tensor]:
     if isinstance(state, torch.Tensor):
         yield state
-    elif state is not None:
+    elif isinstance(state, tuple | list):
         for part in state:
             yield from _tensors(part)
 
 
-def _rebuild(template: State, parts: Iterator[torch.Tensor]) -> State:
-    """`template`'s structure with its tensors taken from `parts`, in `_tensors` order."""
-    if isinstance(template, torch.Tensor):
-        return next(parts)
-    if template is None:
+class _Leaf:
+    """A skeleton's stand-in for a tensor."""
+
+
+_LEAF = _Leaf()
+
+
+def _skeleton(state: State | None) -> object:
+    """`state`'s structure with each tensor replaced by _LEAF (holds no memory)."""
+    if isinstance(state, torch.Tensor):
+        return _LEAF
+    if state is None:
         return None
-    items = [_rebuild(p, parts) for p in template]
-    return type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
+    items = [_skeleton(p) for p in state]
+    return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
+
+
+def _rebuild(skeleton: object, parts: Iterator[torch.Tensor]) -> State:
+    """A skeleton's (or a state's) structure with its tensors taken from `parts`, in
+    `_tensors` order."""
+    if isinstance(skeleton, torch.Tensor) or skeleton is _LEAF:
+        return next(parts)
+    if skeleton is None:
+        return None
+    items = [_rebuild(p, parts) for p in skeleton]
+    return type(skeleton)(*items) if hasattr(skeleton, "_fields") else type(skeleton)(items)
 
 
 class MixedGraphs:
@@ -95,7 +113,7 @@ class MixedGraphs:
         self.residual = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=device)
         out_dim = self.layers[0].self_attn.attention_out_dim
         self.attn_out = torch.zeros(n, out_dim, dtype=dtype, device=device)
-        self.state_template: State | None = None  # the first pre-attention state's structure
+        self.state_skeleton: object = None  # the first pre-attention state's structure
         self.state_bufs: list[torch.Tensor] = []  # one [N, ...] buffer per state tensor
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # bucket -> its last piece's [B, hidden]
@@ -134,8 +152,8 @@ class MixedGraphs:
 
     def _store(self, state: State, residual: torch.Tensor, b: int) -> None:
         tensors = list(_tensors(state))
-        if self.state_template is None:  # first run (eager: a warm-up, never a capture)
-            self.state_template = state
+        if self.state_skeleton is None:  # first run (eager: a warm-up, never a capture)
+            self.state_skeleton = _skeleton(state)
             self.state_bufs = [torch.zeros((self.max_tokens, *t.shape[1:]), dtype=t.dtype,
                                            device=self.device) for t in tensors]
         if len(tensors) != len(self.state_bufs):
@@ -148,8 +166,8 @@ class MixedGraphs:
 
     def _state(self, num_tokens: int) -> State:
         """The state the last piece stored, as views of its first num_tokens rows."""
-        assert self.state_template is not None
-        return _rebuild(self.state_template, (buf[:num_tokens] for buf in self.state_bufs))
+        assert self.state_skeleton is not None
+        return _rebuild(self.state_skeleton, (buf[:num_tokens] for buf in self.state_bufs))
 
     def _run_piece(self, k: int, b: int) -> torch.Tensor | None:
         graph = self.graphs.get((b, k))

@@ -20,6 +20,7 @@ from moeserve.runner.mixed_graphs import (
     MIXED_MAX_PADDING,
     MixedGraphs,
     _rebuild,
+    _skeleton,
     _tensors,
     mixed_token_buckets,
 )
@@ -51,10 +52,12 @@ def test_state_structures_round_trip() -> None:
     state = MlaState(t[0], t[1], Projected(t[2], t[3], t[4], t[5], t[6]))
     flat = list(_tensors(state))
     assert [int(x[0, 0]) for x in flat] == list(range(7))
-    back = _rebuild(state, (x[:1] for x in flat))
+    skeleton = _skeleton(state)
+    assert not list(_tensors(skeleton))  # holds no tensor (no memory kept alive)
+    back = _rebuild(skeleton, (x[:1] for x in flat))
     assert isinstance(back, MlaState) and isinstance(back.proj, Projected)
     assert back.proj.sin.shape == (1, 2) and int(back.proj.sin[0, 0]) == 6
-    assert _rebuild(t[0], iter([t[1]])) is t[1]
+    assert _rebuild(_skeleton(t[0]), iter([t[1]])) is t[1]
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "glm4_moe_lite"])
