@@ -15,6 +15,7 @@ from typing import Any
 
 from moeserve.config import ConfigError
 from moeserve.model_config import RopeConfig
+from moeserve.quant.spec import describe_refusal
 
 # Fields that do not change inference, for every architecture: field -> why.
 INERT: dict[str, str] = {
@@ -51,12 +52,8 @@ PRESET = frozenset({"moeserve_tokenizer", "moeserve_description"})
 def check_known(hf: dict[str, Any], arch: str, known: Collection[str]) -> None:
     """Refuse, by name, every field that is neither honoured, checked nor inert; a quantized
     checkpoint first, with its own message (`quantization_config: null` is no quantization)."""
-    quant = hf.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise ConfigError(f"quantization_config (quant_method {method!r}) is not implemented yet: "
-                          "quantized (FP8, NVFP4, INT4) checkpoints come with the quantization "
-                          "issue; serve the bf16 weights")
+    if hf.get("quantization_config") is not None:
+        raise ConfigError(describe_refusal(hf))
     unknown = sorted(set(hf) - set(INERT) - COMMON - PRESET - set(known)
                      - {"quantization_config"})
     if unknown:

@@ -1,0 +1,11 @@
+"""Quantized checkpoint formats (issue 18): what a checkpoint's config says it holds, and each
+format's arithmetic as torch references.
+
+    spec.py       the format detected from config.json's quantization_config (or ModelOpt's
+                  hf_quant_config.json), checked field by field; refusals name the field
+    fp8_block.py  FP8 block-scaled weights (DeepSeek's layout): quantize / dequantize, the
+                  run-time activation quantization, the W8A8 linear reference
+
+The engine does not serve quantized checkpoints yet: hf_config still refuses a
+quantization_config, now naming the format it detected (spec.describe_refusal).
+"""
