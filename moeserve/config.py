@@ -299,7 +299,16 @@ def read_model_hf_config(model: str) -> tuple[dict[str, Any], bool]:
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"model folder {model!r} has no config.json")
-        return read_json_config(path), False
+        hf = read_json_config(path)
+        modelopt = os.path.join(model, "hf_quant_config.json")
+        if os.path.isfile(modelopt):  # ModelOpt's NVFP4 may say so only there
+            from moeserve.quant.spec import parse
+
+            spec = parse(hf, read_json_config(modelopt))
+            raise ConfigError(f"{modelopt}: {spec.format if spec else 'no'} weights detected "
+                              "(checked); serving quantized checkpoints is not implemented "
+                              "yet: serve the bf16 weights")
+        return hf, False
     if is_preset(model):
         return load_preset(model), True
     raise ConfigError(f"model {model!r} is neither a checkpoint folder nor a preset "

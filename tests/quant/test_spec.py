@@ -118,3 +118,19 @@ def test_the_refusal_names_what_was_detected() -> None:
     assert describe_refusal(FP8).startswith("quantization_config: fp8 weights detected")
     assert "not a format moeserve knows: quantization_config.quant_method 'awq'" in (
         describe_refusal({"quantization_config": {"quant_method": "awq"}}))
+
+
+def test_a_modelopt_folder_is_refused_with_its_format(tmp_path) -> None:
+    """ModelOpt may declare NVFP4 only in hf_quant_config.json: the folder is still refused."""
+    import json
+
+    from moeserve.config import load_model_config
+    from moeserve.presets import load_preset
+
+    (tmp_path / "config.json").write_text(json.dumps(load_preset("glm-4.7-flash")))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(NVFP4_HF_QUANT))
+    with pytest.raises(ConfigError, match="hf_quant_config.json: nvfp4 weights detected"):
+        load_model_config(str(tmp_path))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {}}))
+    with pytest.raises(ConfigError, match="quant_algo is missing"):
+        load_model_config(str(tmp_path))
