@@ -5,6 +5,8 @@ format's arithmetic as torch references.
                   hf_quant_config.json), checked field by field; refusals name the field
     fp8_block.py  FP8 block-scaled weights (DeepSeek's layout): quantize / dequantize, the
                   run-time activation quantization, the W8A8 linear reference
+    nvfp4.py      NVFP4 weights (ModelOpt's layout): e2m1 nibbles, e4m3 group scales and a
+                  global scale; quantize / dequantize, the weight-only (W4A16) linear reference
 
 The engine does not serve quantized checkpoints yet: hf_config still refuses a
 quantization_config, now naming the format it detected (spec.describe_refusal).
