@@ -24,6 +24,7 @@ from moeserve.runner.mixed_graphs import (
     _tensors,
     mixed_token_buckets,
 )
+from tests.engine.test_cuda_graphs import assert_only_real_tokens_routed
 from tests.engine.test_generate_vs_hf import _prompts, hf_greedy
 from tests.models.checkpoints import write_tiny_checkpoint
 
@@ -119,13 +120,7 @@ def test_mixed_steps_with_overlap_and_a_prefix_hit(device: str, ckpt: tuple) -> 
 
 def test_padding_rows_are_not_counted_as_expert_load(device: str, ckpt: tuple) -> None:
     folder, prompts, _ = ckpt
-    llm = _mixed_llm(folder, device)
-    llm.generate(prompts, GREEDY)
-    load = llm.engine.runner.expert_load()
-    top_k = llm.engine.model_config.num_experts_per_tok
-    computed = sum(len(p) for p in prompts) + len(prompts) * (GREEDY.max_tokens - 1)
-    for layer in load["tokens_per_expert"]:  # every real token routed once per layer, no pads
-        assert sum(layer) == computed * top_k
+    assert_only_real_tokens_routed(_mixed_llm(folder, device), prompts, GREEDY)
 
 
 def test_a_step_larger_than_the_buckets_is_refused(ckpt: tuple) -> None:
