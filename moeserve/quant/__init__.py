@@ -7,6 +7,8 @@ format's arithmetic as torch references.
                   run-time activation quantization, the W8A8 linear reference
     nvfp4.py      NVFP4 weights (ModelOpt's layout): e2m1 nibbles, e4m3 group scales and a
                   global scale; quantize / dequantize, the weight-only (W4A16) linear reference
+    int4_pack.py  INT4 weights (compressed-tensors' pack-quantized, Kimi K2-Thinking's): eight
+                  values an int32, group scales; pack / unpack, the W4A16 linear reference
 
 The engine does not serve quantized checkpoints yet: hf_config still refuses a
 quantization_config, now naming the format it detected (spec.describe_refusal).
