@@ -299,7 +299,7 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
             s = tl.dot(q, k)  # [H', N] fp32 accumulation of exact half products
         s = tl.maximum(s * scale, 0.0)  # the reference's order: q . k, times scale, ReLU
         score = _sum(s * w[:, None], 0)  # [N]
-        score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties +0.0, as in the reference
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 must tie +0.0 (the ref's ==)
         bits = score.to(tl.int32, bitcast=True)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 order = fp32 order
         key = (ordered.to(tl.int64) << 32) | (POS_BIAS - n).to(tl.int64)
