@@ -10,6 +10,9 @@ imports triton.
     ATTENTION_BACKENDS  torch -> paged_attention_ref, triton -> paged_attention_triton
     MLA_BACKENDS        torch -> mla_attention_ref, triton -> mla_attention_triton (absorbed
                         MLA over the paged latent cache)
+    DSA_BACKENDS        torch -> the references of kernels/attention/dsa.py, triton -> those of
+                        dsa_triton.py (the indexer's top-k, MLA over the selection); a DSA
+                        layer takes the pair named like its MLA backend (`dsa_backend_for`)
 
 The MoE tile source (the engine's `moe_tiles`) is bound here too, into the backends that read
 tile configs (TILED_MOE_BACKENDS): `get_moe_backend("triton", tiles="default")` is moe_triton
@@ -19,10 +22,12 @@ with `tiles="default"` on every call, so no layer looks a global up.
 from __future__ import annotations
 
 import functools
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
+from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref
+from moeserve.kernels.attention.dsa_triton import dsa_attention_triton, indexer_topk_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import mla_attention_ref
 from moeserve.kernels.attention.mla_triton import mla_attention_triton
@@ -60,6 +65,29 @@ class MlaAttentionFn(Protocol):
                  scale: float, kv_lora_rank: int) -> torch.Tensor: ...
 
 
+class IndexerTopkFn(Protocol):
+    """(q [T, Hi, D], weights [T, Hi] fp32, index_cache [num_blocks, block_size, D], meta, scale,
+    topk, count_boundary_ties) -> (positions [T, topk] int32, -1: none; boundary ties)."""
+
+    def __call__(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, topk: int,
+                 count_boundary_ties: bool = False) -> tuple[torch.Tensor, int]: ...
+
+
+class DsaAttentionFn(Protocol):
+    """(q [T, H, L + R], latent_cache, meta, positions [T, topk] int32, scale, L) -> [T, H, L]."""
+
+    def __call__(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+                 positions: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor: ...
+
+
+class DsaBackend(NamedTuple):
+    """DeepSeek Sparse Attention's two ops."""
+
+    indexer_topk: IndexerTopkFn
+    attention: DsaAttentionFn
+
+
 _Fn = TypeVar("_Fn")
 
 MOE_BACKENDS: dict[str, MoeFn] = {"torch": moe_loop_ref, "grouped_mm": moe_grouped_mm,
@@ -68,6 +96,9 @@ ATTENTION_BACKENDS: dict[str, AttentionFn] = {"torch": paged_attention_ref,
                                               "triton": paged_attention_triton}
 MLA_BACKENDS: dict[str, MlaAttentionFn] = {"torch": mla_attention_ref,
                                            "triton": mla_attention_triton}
+DSA_BACKENDS: dict[str, DsaBackend] = {
+    "torch": DsaBackend(indexer_topk_ref, dsa_attention_ref),
+    "triton": DsaBackend(indexer_topk_triton, dsa_attention_triton)}
 TILED_MOE_BACKENDS = ("triton", "measured")  # the MoE backends that read tile configs
 
 
@@ -94,6 +125,13 @@ def get_mla_backend(name: str) -> MlaAttentionFn:
     """The absorbed MLA attention function registered as `name`; ValueError naming the choices
     if none."""
     return _lookup("mla_backend", MLA_BACKENDS, name)
+
+
+def dsa_backend_for(mla_backend: object) -> DsaBackend:
+    """The DSA ops registered under the name of `mla_backend` (an MLA_BACKENDS function); the
+    torch references for any other function (a test's own, a wrapper)."""
+    name = next((n for n, fn in MLA_BACKENDS.items() if fn is mla_backend), "torch")
+    return DSA_BACKENDS[name]
 
 
 def _lookup(kind: str, table: dict[str, _Fn], name: str) -> _Fn:

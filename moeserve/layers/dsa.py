@@ -10,9 +10,13 @@ One forward of a DSA layer (on top of layers/mla.py's MLA; Hi heads of D, R rota
     the other rows:
       "full" layer:   q_idx = wq_b(q_lora output) [T, Hi, D], RoPE on q_idx[..., :R];
                       w = weights_proj(x) (fp32) / sqrt(Hi)
-                      positions [T, index_topk] = indexer_topk_ref(q_idx, w, index_cache)
+                      positions [T, index_topk] = indexer top-k(q_idx, w, index_cache)
       "shared" layer: the positions of the last full layer before it, this step
-      out = absorbed MLA over those positions only (dsa_attention_ref) -> W_UV -> o_proj
+      out = absorbed MLA over those positions only -> W_UV -> o_proj
+
+The indexer's top-k and the sparse MLA are the Triton kernels (kernels/attention/dsa_triton.py)
+when the layer's MLA backend is the Triton one, the torch references (dsa.py) otherwise
+(kernels/registry.py's `dsa_backend_for`); both select the same positions, ties included.
 
 The indexer's RoPE splits [rope | pass] (the main attention's q is [nope | rope]), in pairs for
 GLM-5 and in halves for V3.2, as each model's transformers code. The selection of a step's
@@ -36,8 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref, write_index_keys
+from moeserve.kernels.attention.dsa import write_index_keys
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
+from moeserve.kernels.registry import DsaBackend, IndexerTopkFn, dsa_backend_for
 from moeserve.layers.mla import MlaBackend, MLAttention, Projected, rotate_pairs
 from moeserve.layers.norm import LayerNorm
 from moeserve.layers.params import empty_param
@@ -58,8 +63,9 @@ class Indexer(nn.Module):
     (wk itself is rows of the attention's in_proj)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None,
-                 device: torch.device | str | None) -> None:
+                 device: torch.device | str | None, topk_fn: IndexerTopkFn) -> None:
         super().__init__()
+        self.topk_fn = topk_fn
         d, m = config.dsa, config.mla
         assert d is not None and m is not None and m.q_lora_rank
         self.heads, self.head_dim, self.rope_dim = d.index_n_heads, d.index_head_dim, \
@@ -91,8 +97,8 @@ class Indexer(nn.Module):
         q = F.linear(q_resid, self.wq_b).view(-1, self.heads, self.head_dim)
         q = self._rope(q, cos, sin)  # [T, Hi, D]
         w = F.linear(hidden.float(), self.weights_proj) * self.heads ** -0.5  # [T, Hi]
-        pos, ties = indexer_topk_ref(q, w, index_cache, meta, self.scale, topk,
-                                     count_boundary_ties=self.count_ties)
+        pos, ties = self.topk_fn(q, w, index_cache, meta, self.scale, topk,
+                                 count_boundary_ties=self.count_ties)
         self.boundary_ties += ties
         return pos
 
@@ -108,7 +114,8 @@ class DsaAttention(MLAttention):
                          extra_in_rows=d.index_head_dim if full else 0)
         self.topk = d.index_topk
         self.source_layer = d.source_layer(layer_idx)  # whose selection this layer uses
-        self.indexer = Indexer(config, dtype, device) if full else None
+        self.dsa_ops: DsaBackend = dsa_backend_for(mla_backend)
+        self.indexer = Indexer(config, dtype, device, self.dsa_ops.indexer_topk) if full else None
         self.index_cache: torch.Tensor | None = None  # [num_blocks, block_size, D]: full only
         self.dsa_mode = "auto"
 
@@ -179,7 +186,7 @@ class DsaAttention(MLAttention):
 
         def attend(q: torch.Tensor, cache: torch.Tensor, m: AttentionMetadata, scale: float,
                    rank: int) -> torch.Tensor:
-            return dsa_attention_ref(q, cache, m, positions, scale, rank)
+            return self.dsa_ops.attention(q, cache, m, positions, scale, rank)
 
         return self._absorbed(q_nope, q_rope, meta, attend)
 

@@ -3,10 +3,11 @@ moeserve's greedy outputs equal transformers' generate, token for token, in fp32
 checkpoints written by transformers' own classes (8 or 16 indexer heads, index_topk 8, so every
 prompt of 16 to 128 tokens really selects). The GLM-5 one has a "shared" indexer layer, the
 V3.2 one is sharded and carries an MTP layer. Paths: a batch of different lengths, chunked
-prefill, prefix hits, preemption, overlap, the CUDA-graph decode buffers; each test asserts its
-path ran, and that no selection had a tie at its k-th place (transformers' torch.topk orders
-ties in an implementation-defined way; moeserve breaks them to the lowest position: without a
-tie both select the same positions). Then the dense paths: a context of at most index_topk runs
+prefill, prefix hits, preemption, overlap, the CUDA-graph decode buffers, the Triton DSA
+kernels (attention_backend "triton", the interpreter on CPU); each test asserts its path ran,
+and that no selection had a tie at its k-th place (transformers' torch.topk orders ties in an
+implementation-defined way; moeserve breaks them to the lowest position: without a tie both
+select the same positions). Then the dense paths: a context of at most index_topk runs
 dense MLA (and equals transformers), and dsa="dense" drops the indexer (and differs from
 transformers on long prompts: the selection really drops tokens).
 """
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
+from moeserve.kernels.registry import DSA_BACKENDS
 from moeserve.layers.dsa import DsaAttention, DsaLayerCache
 from tests.engine.test_generate_vs_hf import (
     NEW_TOKENS,
@@ -217,3 +219,20 @@ def test_cache_bytes_count_the_indexer_keys(checkpoints: dict, arch: str) -> Non
     assert line == (f"96 B a layer (MLA latent 32 + rope 16) x 3 layers + DSA indexer key 64 B "
                     f"(32) x {full} full layers = {(3 * 48 + full * 32) * 2:,} B")
 
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_triton_backend_matches_hf(device: str, checkpoints: dict, arch: str) -> None:
+    """attention_backend="triton": the indexer's top-k and the sparse MLA are the Triton kernels
+    (the interpreter on CPU: small, it is slow), the dense rows mla_triton; two prompts beyond
+    index_topk prefilled in chunks beside decodes (mixed steps), still transformers' tokens."""
+    folder, _, _ = checkpoints[arch]
+    prompts = _prompts(256, (12, 30), seed=5)
+    expected = hf_greedy(folder, prompts, 6)
+    llm = _llm(folder, device, attention_backend="triton", max_num_batched_tokens=16)
+    results = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0,
+                                                   ignore_eos=True))
+    assert llm.engine.scheduler.stats.num_prefill_chunks > 1
+    assert [r.token_ids for r in results] == expected
+    assert all(a.dsa_ops is DSA_BACKENDS["triton"] for a in _dsa_layers(llm))
+    _assert_sparse_ran_without_ties(llm)

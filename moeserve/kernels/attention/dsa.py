@@ -29,8 +29,8 @@ the selected rows only: scores [T, H, topk], softmax in fp32, the latents as val
 
 Neither function syncs with the device when every row is a decode (their gathers and the
 sort have static shapes given T, topk and meta.max_seq_len), so a decode step can be
-captured; the Triton kernels of both are to come (the "triton" attention backend runs these
-references for DSA models).
+captured. Their Triton kernels, with the same contracts, are in dsa_triton.py (the "triton"
+attention backend runs them for DSA models).
 """
 
 from __future__ import annotations

@@ -236,13 +236,13 @@ def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now). Kernels
     call the helpers and read `tl` by global name (Triton resolves names in the module's
     globals), so those are bound here."""
-    global tl, _attend_tile, _max, _sum
+    global tl, _attend_tile, _attend_rows, _max, _sum
     import triton
     import triton.language
 
     tl = triton.language
     _max, _sum = triton.jit(_max), triton.jit(_sum)
-    _attend_tile = triton.jit(_attend_tile)
+    _attend_tile, _attend_rows = triton.jit(_attend_tile), triton.jit(_attend_rows)
     # NOTE: step-varying ints (split partition and count, the block table's width, tile counts)
     # and index arrays sliced at any offset are exempt from specialisation: a new batch shape
     # must not compile a new variant mid-serving (see paged_triton._kernels).
@@ -276,14 +276,27 @@ def _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table_ptr, n0, kv_end, q
     keys n0 .. n0 + BLOCK_N of one row's paged context. MASKED: keys >= kv_end (and, CAUSAL,
     keys after q_pos [M]) are dropped."""
     pos = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
-    dl = tl.arange(0, L)
-    dr = tl.arange(0, R)
+    valid = pos < kv_end  # [N]; read only when MASKED
     if MASKED:
-        valid = pos < kv_end  # [N]
         block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
     else:
         block = tl.load(table_ptr + pos // BLOCK_SIZE)
     row = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)  # [N] row offsets
+    keep = valid[None, :]
+    if CAUSAL:
+        keep = keep & (pos[None, :] <= q_pos[:, None])
+    return _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid, keep, scale_log2,
+                        L, R, MASKED, IEEE)
+
+
+def _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid, keep, scale_log2,
+                 L: tl.constexpr, R: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step of query rows (q_lat [M, L], q_pe [M, R]) over the cached latent
+    rows at element offsets `row` [N] (a tile of the paged context, or DSA's selected
+    positions). MASKED: rows not `valid` [N] are not read, scores not `keep` ([M, N] or
+    [1, N]) are dropped; a query row that has seen no key yet stays empty (m -inf, l 0)."""
+    dl = tl.arange(0, L)
+    dr = tl.arange(0, R)
     if MASKED:
         kv = tl.load(cache_ptr + row[:, None] + dl[None, :], mask=valid[:, None], other=0.0)
         k_pe = tl.load(cache_ptr + row[None, :] + L + dr[:, None], mask=valid[None, :],
@@ -299,13 +312,13 @@ def _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table_ptr, n0, kv_end, q
         s = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, k_pe)
     s = s * scale_log2  # [M, N] base-2 logits
     if MASKED:
-        keep = valid[None, :]
-        if CAUSAL:
-            keep = keep & (pos[None, :] <= q_pos[:, None])
         s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, _max(s, 1))  # [M]; finite: every row sees a key in its 1st tile
-    alpha = tl.exp2(m_i - m_new)  # [M]
-    p = tl.exp2(s - m_new[:, None])  # [M, N]
+    m_new = tl.maximum(m_i, _max(s, 1))  # [M]
+    # -inf while a row has seen no key (DSA: a tile of -1 positions): exp2 against 0 then
+    # gives alpha 0 and p 0 instead of NaN
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)  # [M]
+    p = tl.exp2(s - m_ref[:, None])  # [M, N]
     l_i = l_i * alpha + _sum(p, 1)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")

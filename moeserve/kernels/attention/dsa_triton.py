@@ -1,0 +1,348 @@
+"""DeepSeek Sparse Attention (DSA), Triton path: the lightning indexer's scores and top-k over
+the paged indexer-key cache, and absorbed MLA over the selected positions.
+
+Same contracts as the torch references in kernels/attention/dsa.py (`indexer_topk_ref`,
+`dsa_attention_ref`); layers/dsa.py runs these when the MLA backend is the Triton one
+(kernels/registry.py's DSA_BACKENDS). Triton is imported and the kernels jitted on first use
+(`_kernels`), as in mla_triton.py; on CPU they run in Triton's interpreter (TRITON_INTERPRET=1).
+
+    indexer_topk_triton                                 dsa_attention_triton
+      _index_score_kernel  grid (tokens, key tiles)       _sparse_attention_kernel
+        token t (row token_to_req[t], position p),          grid (tokens, head tiles)
+        keys s of one tile gathered by block table:         token t's selected positions,
+        score = sum_h w[t,h] ReLU(q[t,h] . k[s] scale)      BLOCK_N at a time, gathered through
+        -> one int64 sort key per (t, s), s <= p            its row's block table ->
+      torch.topk of the keys [T, S] -> positions            mla_triton._attend_rows (online
+                                                            softmax, fp32) -> out [T, H, L]
+
+Exact selection, ties included: the kernel writes for each context position the int64
+key = ord(score) << 32 | (2^31 - 1 - s), where ord maps an fp32 score to an int32 of the same
+order (its bits, the magnitude bits flipped for negatives; -0.0 first made +0.0). Keys are
+distinct within a row, so torch.topk of them is exact and deterministic: descending score, ties
+to the lowest position, as the reference's stable sort. Positions past the token's context get
+the lowest int64 and decode to -1. Scores equal the reference's to fp32 rounding (dot and head
+sums in another order); a selection can differ only where two scores are that close (the tests'
+data has none; forced ties, exact zeros and duplicated keys, are equal in both).
+
+No host sync and no host tensor on any step: every index is read on the device (a token's row
+and position from meta.token_to_req and meta.positions), the shapes come from T, topk and
+meta.max_seq_len (as the reference's decode path), so a decode step can be captured in a CUDA
+graph. Long prefills are scored in chunks of tokens bounding the [n, S] key tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from moeserve.kernels.attention import mla_triton
+from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.attention.paged_triton import SUPPORTED_DTYPES, TileConfig
+from moeserve.kernels.triton_common import next_pow2
+
+# int64 sort keys a chunk of tokens may hold ([n, S]): 256 MiB
+_CHUNK_KEYS = 1 << 25
+_POS_BIAS = (1 << 31) - 1  # the key's low half: 2^31 - 1 - position (lower position, larger key)
+_LOW_HALF = (1 << 32) - 1
+# below every score's key (the lowest, -inf's, is about -2^63 + 2^55): positions past the
+# context. Not -2^63 itself, which Triton's literals cannot spell.
+_MASKED_KEY = -(1 << 63) + 1
+
+tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
+
+
+def index_block_n(head_dim: int) -> int:
+    """Keys per scoring program: small at test dims, so the tile loop and its masks run."""
+    return 16 if head_dim <= 64 else 64
+
+
+def indexer_topk_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, topk: int,
+                        count_boundary_ties: bool = False) -> tuple[torch.Tensor, int]:
+    """Each query token's top-`topk` context positions by the indexer's score
+    (`indexer_topk_ref`'s contract and result).
+
+    Args:
+        q: [T, H, D] the indexer's rotated queries (last dim contiguous), tokens in `meta`'s
+            order; D a power of two >= 16.
+        weights: [T, H] fp32 per-head weights (last dim contiguous).
+        index_cache: [num_blocks, block_size, D], contiguous, q's dtype; the step's own keys
+            already written.
+        meta: the step's AttentionMetadata, its tensors on q's device.
+        scale: D ** -0.5.
+        count_boundary_ties: also count the queries whose k-th and (k+1)-th scores are equal
+            (a host sync: tests only).
+    Returns:
+        (positions [T, topk] int32 in descending score order, -1 where the context is shorter
+        than topk; the number of boundary ties, 0 unless counted).
+    """
+    _check_indexer_inputs(q, weights, index_cache, meta, topk)
+    num_tokens, num_heads, dim = q.shape
+    out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
+    ties = 0
+    num_keys = max(1, meta.max_seq_len)  # S, the reference's padded context
+    if num_tokens == 0:
+        return out, ties
+    k = min(topk, num_keys)
+    take = k + 1 if count_boundary_ties and num_keys > topk else k
+    block_n = index_block_n(dim)
+    chunk = max(1, _CHUNK_KEYS // num_keys)
+    kern = _kernels()
+    for t0 in range(0, num_tokens, chunk):
+        n = min(chunk, num_tokens - t0)
+        keys = torch.empty(n, num_keys, dtype=torch.int64, device=q.device)  # [n, S]
+        kern.index_score[(n, -(-num_keys // block_n))](
+            q, weights, index_cache, keys, meta.block_tables, meta.seq_lens, meta.positions,
+            meta.token_to_req, scale, t0, num_keys,
+            q.stride(0), q.stride(1), weights.stride(0), meta.block_tables.stride(0),
+            NUM_HEADS=num_heads, BLOCK_H=max(16, next_pow2(num_heads)), D=dim,
+            BLOCK_SIZE=index_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+            MASKED_KEY=_MASKED_KEY, POS_BIAS=_POS_BIAS, num_warps=4)
+        top = torch.topk(keys, take, dim=1).values  # [n, take], descending; keys distinct
+        best = top[:, :k]
+        pos = torch.where(best > _MASKED_KEY, _POS_BIAS - (best & _LOW_HALF), -1)
+        out[t0:t0 + n, :k] = pos.to(torch.int32)
+        if take > k:  # equal high halves = equal scores at the k-th and (k+1)-th place
+            kth, nxt = top[:, k - 1], top[:, k]
+            ties += int(((kth >> 32 == nxt >> 32) & (nxt > _MASKED_KEY)).sum())
+    return out, ties
+
+
+def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+                         positions: torch.Tensor, scale: float, kv_lora_rank: int, *,
+                         config: TileConfig | None = None) -> torch.Tensor:
+    """Absorbed MLA of each query over its selected context positions only
+    (`dsa_attention_ref`'s contract).
+
+    Args:
+        q: [T, H, L + R] (last dim contiguous) absorbed queries [q_nope @ W_UK | rotated q_rope].
+        latent_cache: [num_blocks, block_size, L + R], contiguous, q's dtype.
+        positions: [T, topk] int32 (last dim contiguous) from the indexer; -1 (or a position
+            past the row's block table) is skipped.
+        kv_lora_rank: L; the values are the first L entries of each cached row. L and R powers
+            of two >= 16.
+        config: tile shape (block_m: heads per program, block_n: positions per iteration);
+            default mla_triton's decode tiles.
+    Returns:
+        [T, H, L] contiguous, q's dtype (softmax in fp32). A token with no valid position gets
+        zeros (the reference's softmax over nothing gives NaN there).
+    """
+    _check_attention_inputs(q, latent_cache, meta, positions, kv_lora_rank)
+    num_tokens, num_heads, dim = q.shape
+    out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    cfg = config or mla_triton.default_config("decode", kv_lora_rank, q.dtype)
+    num_head_tiles, per_tile = mla_triton.head_tiles(num_heads, cfg.block_m)
+    topk = positions.shape[1]
+    _kernels().sparse_attention[(num_tokens, num_head_tiles)](
+        q, latent_cache, out, positions, meta.block_tables, meta.token_to_req,
+        scale * math.log2(math.e), topk, meta.block_tables.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), positions.stride(0),
+        meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, HEADS_PER_TILE=per_tile, BLOCK_H=max(16, next_pow2(per_tile)),
+        L=kv_lora_rank, R=dim - kv_lora_rank, BLOCK_SIZE=latent_cache.shape[1],
+        BLOCK_N=cfg.block_n, IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
+
+
+# ---- input checks ----
+
+def _need(who: str, ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{who}: {what}")
+
+
+def _pow2_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def _check_common(who: str, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                  cache_name: str) -> None:
+    """The checks both launchers share: q and its cache's dtypes, devices, block size, the
+    metadata's index tensors, and where Triton can run."""
+    need = functools.partial(_need, who)
+    need(q.dim() == 3, f"q must be [T, H, dim], got shape {tuple(q.shape)}")
+    need(cache.dim() == 3,
+         f"{cache_name} must be [num_blocks, block_size, dim], got {tuple(cache.shape)}")
+    need(q.dtype in SUPPORTED_DTYPES, f"q dtype {q.dtype} not in {SUPPORTED_DTYPES}")
+    need(cache.dtype == q.dtype, f"{cache_name} dtype {cache.dtype} != q dtype {q.dtype}")
+    need(cache.device == q.device, f"{cache_name} on {cache.device}, q on {q.device}")
+    need(q.shape[-1] == cache.shape[-1],
+         f"q's last dim {q.shape[-1]} != {cache_name}'s {cache.shape[-1]}")
+    need(meta.block_size == cache.shape[1],
+         f"meta.block_size {meta.block_size} != {cache_name} block_size {cache.shape[1]}")
+    need(q.stride(2) == 1, f"q's last dim must be contiguous, strides {q.stride()}")
+    need(cache.is_contiguous(), f"{cache_name} must be contiguous")
+    need(q.shape[0] == meta.num_tokens, f"q has {q.shape[0]} tokens, meta {meta.num_tokens}")
+    for name, dtype in (("block_tables", torch.int32), ("seq_lens", torch.int32),
+                        ("positions", torch.int64), ("token_to_req", torch.int64)):
+        t = getattr(meta, name)
+        need(t.dtype == dtype and t.is_contiguous(),
+             f"meta.{name} must be contiguous {dtype}, got {t.dtype}")
+        need(t.device == q.device, f"meta.{name} on {t.device}, q on {q.device}")
+    if q.device.type == "cpu":
+        need(os.environ.get("TRITON_INTERPRET") == "1",
+             "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing "
+             "triton")
+        need(q.dtype != torch.bfloat16,
+             "bf16 is not supported on CPU (Triton's interpreter loads bf16 wrongly); "
+             "use fp16/fp32 on CPU, bf16 on the GPU")
+    else:
+        need(q.device.type == "cuda", f"unsupported device {q.device}")
+
+
+def _check_indexer_inputs(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                          meta: AttentionMetadata, topk: int) -> None:
+    """ValueError naming the first input the indexer kernel cannot take."""
+    who = "indexer_topk_triton"
+    need = functools.partial(_need, who)
+    _check_common(who, q, index_cache, meta, "index_cache")
+    need(_pow2_16(q.shape[-1]), f"index head dim {q.shape[-1]} must be a power of two >= 16")
+    need(weights.dtype == torch.float32, f"weights must be fp32, got {weights.dtype}")
+    need(weights.shape == q.shape[:2],
+         f"weights must be [T, H] = {tuple(q.shape[:2])}, got {tuple(weights.shape)}")
+    need(weights.device == q.device, f"weights on {weights.device}, q on {q.device}")
+    need(weights.stride(1) == 1, f"weights' last dim must be contiguous, {weights.stride()}")
+    need(topk >= 1, f"topk must be >= 1, got {topk}")
+
+
+def _check_attention_inputs(q: torch.Tensor, latent_cache: torch.Tensor,
+                            meta: AttentionMetadata, positions: torch.Tensor,
+                            kv_lora_rank: int) -> None:
+    """ValueError naming the first input the sparse attention kernel cannot take."""
+    who = "dsa_attention_triton"
+    need = functools.partial(_need, who)
+    _check_common(who, q, latent_cache, meta, "latent_cache")
+    rope_dim = q.shape[-1] - kv_lora_rank
+    need(_pow2_16(kv_lora_rank), f"kv_lora_rank {kv_lora_rank} must be a power of two >= 16")
+    need(_pow2_16(rope_dim), f"rope dims R = {q.shape[-1]} - {kv_lora_rank} = {rope_dim} must "
+                             "be a power of two >= 16")
+    need(positions.dim() == 2 and positions.shape[0] == q.shape[0],
+         f"positions must be [T, topk] with T = {q.shape[0]}, got {tuple(positions.shape)}")
+    need(positions.dtype == torch.int32, f"positions must be int32, got {positions.dtype}")
+    need(positions.device == q.device, f"positions on {positions.device}, q on {q.device}")
+    need(positions.stride(1) == 1, f"positions' last dim must be contiguous, "
+                                   f"{positions.stride()}")
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now). The
+    shared helpers are mla_triton's, jitted there; the kernels read them and `tl` by global
+    name, so they are bound here."""
+    global tl, _attend_rows, _sum
+    import triton
+    import triton.language
+
+    mla_triton._kernels()
+    tl = triton.language
+    _attend_rows, _sum = mla_triton._attend_rows, mla_triton._sum
+    # NOTE: step-varying ints (the first token of a chunk, S, topk, the block table's width and
+    # stride) are exempt from specialisation: a new batch shape must not compile a new variant
+    # mid-serving (see paged_triton._kernels).
+    return SimpleNamespace(
+        index_score=triton.jit(_index_score_kernel,
+                               do_not_specialize=["t0", "num_keys", "stride_table"]),
+        sparse_attention=triton.jit(_sparse_attention_kernel,
+                                    do_not_specialize=["topk", "max_blocks", "stride_table"]))
+
+
+# ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
+
+def _attend_rows(*args):  # bound by _kernels() to mla_triton's jitted helper
+    raise NotImplementedError
+
+
+def _sum(*args):  # bound by _kernels() to mla_triton's jitted helper
+    raise NotImplementedError
+
+
+def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq_lens_ptr,
+                        positions_ptr, token_to_req_ptr, scale, t0, num_keys,
+                        stride_qt, stride_qh, stride_wt, stride_table,
+                        NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                        MASKED_KEY: tl.constexpr, POS_BIAS: tl.constexpr):
+    """Program (i, key tile): the sort keys [BLOCK_N] of token t0 + i over context positions
+    tile * BLOCK_N .., written to keys row i ([n, num_keys] int64)."""
+    i = tl.program_id(0)
+    n0 = tl.program_id(1) * BLOCK_N
+    t = (t0 + i).to(tl.int64)
+    req = tl.load(token_to_req_ptr + t)
+    # keys the token sees: s <= its position, s < its row's seq_len (padding rows: maybe none)
+    kv_end = tl.minimum(tl.load(positions_ptr + t) + 1, tl.load(seq_lens_ptr + req))
+    n = n0 + tl.arange(0, BLOCK_N)  # [N] context positions
+    key = tl.full([BLOCK_N], MASKED_KEY, tl.int64)
+    if n0 < kv_end:  # causal: a tile wholly after the token is all masked
+        h = tl.arange(0, BLOCK_H)
+        h_ok = h < NUM_HEADS
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=h_ok[:, None], other=0.0)  # [H', D]
+        w = tl.load(w_ptr + t * stride_wt + h, mask=h_ok, other=0.0)  # [H'] fp32
+        valid = n < kv_end
+        table = block_tables_ptr + req * stride_table
+        block = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE  # [N]
+        k = tl.load(cache_ptr + slot[None, :] * D + d[:, None], mask=valid[None, :],
+                    other=0.0)  # [D, N]
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)  # [H', N] fp32 accumulation of exact half products
+        s = tl.maximum(s * scale, 0.0)  # the reference's order: q . k, times scale, ReLU
+        score = _sum(s * w[:, None], 0)  # [N]
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 must tie +0.0 (the ref's ==)
+        bits = score.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 order = fp32 order
+        key = (ordered.to(tl.int64) << 32) | (POS_BIAS - n).to(tl.int64)
+        key = tl.where(valid, key, MASKED_KEY)
+    tl.store(keys_ptr + i.to(tl.int64) * num_keys + n, key, mask=n < num_keys)
+
+
+def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, sel_ptr, block_tables_ptr,
+                             token_to_req_ptr, scale_log2, topk, max_blocks,
+                             stride_qt, stride_qh, stride_ot, stride_oh, stride_sel,
+                             stride_table,
+                             NUM_HEADS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+                             BLOCK_H: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                             IEEE: tl.constexpr):
+    """Program (t, head_tile): the HEADS_PER_TILE query heads of head_tile for token t, over
+    its `topk` selected positions (sel_ptr row t), BLOCK_N at a time."""
+    t = tl.program_id(0).to(tl.int64)
+    head_tile = tl.program_id(1)
+    req = tl.load(token_to_req_ptr + t)
+    h = tl.arange(0, BLOCK_H)  # [H'] head within the tile (padded)
+    head = head_tile * HEADS_PER_TILE + h
+    h_ok = (h < HEADS_PER_TILE) & (head < NUM_HEADS)
+    dl = tl.arange(0, L)
+    dr = tl.arange(0, R)
+    q_row = q_ptr + t * stride_qt + head[:, None] * stride_qh  # [H', 1]
+    q_lat = tl.load(q_row + dl[None, :], mask=h_ok[:, None], other=0.0)  # [H', L]
+    q_pe = tl.load(q_row + L + dr[None, :], mask=h_ok[:, None], other=0.0)  # [H', R]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
+    acc = tl.full([BLOCK_H, L], 0.0, tl.float32)
+    table = block_tables_ptr + req * stride_table
+    sel = sel_ptr + t * stride_sel
+    for j0 in range(0, topk, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        pos = tl.load(sel + j, mask=j < topk, other=-1)  # [N] context positions
+        # -1: none; past the block table: never selected, kept from reading out of bounds
+        valid = (pos >= 0) & (pos < max_blocks * BLOCK_SIZE)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
+        row = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)  # [N]
+        acc, m_i, l_i = _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid,
+                                     valid[None, :], scale_log2, L, R, True, IEEE)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no valid position: zeros
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + dl[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])

@@ -1,0 +1,426 @@
+"""The Triton DSA kernels (kernels/attention/dsa_triton.py) against the torch references of
+kernels/attention/dsa.py.
+
+Indexer top-k: exactly the reference's positions in its order (descending score, ties to the
+lowest position, -1 past a short context) and the same boundary-tie count, for pure decode,
+prefill from 0, chunks after a prefix and mixed steps, contexts shorter than, equal to and longer
+than topk, block sizes 16 and 6; on random data and on data with forced ties (ReLU zero on every
+head, with all-negative weights putting those zeros at the top; duplicated keys; integer-valued
+data whose scores are exact and tie in bulk). Sparse MLA: dsa_attention_ref's output within
+1e-5 (fp32) or 3e-3 (fp16), with -1 padding, holes, a first tile of nothing and a token with no
+position (zeros, where the reference's softmax over nothing gives NaN).
+
+CPU through Triton's interpreter (tests/conftest.py sets it; fp32 and fp16, tiny dims); GPU
+(`-m gpu`) at GLM-5's indexer shape (32 heads x 128, topk 2048, contexts 4k-16k, bf16) and its
+sparse MLA (L 512, R 64, 64 and 128 heads), one decode step captured in a CUDA graph and one run
+under torch's sync debug mode "error" (no host sync).
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from moeserve.kernels.attention import dsa_triton
+from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref
+from moeserve.kernels.attention.dsa_triton import dsa_attention_triton, indexer_topk_triton
+from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from moeserve.kernels.attention.mla import mla_attention_ref
+from moeserve.kernels.attention.mla_triton import mla_attention_triton
+from moeserve.kernels.registry import DSA_BACKENDS, dsa_backend_for
+
+HEADS, DIM, TOPK = 8, 16, 8
+L, R = 32, 16
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+STEPS = {  # (computed, scheduled): contexts below, at and above TOPK in each
+    "decode": ([20, 3, 7, 40], [1, 1, 1, 1]),
+    "prefill": ([0, 0, 0], [5, 8, 30]),
+    "chunk_after_prefix": ([3, 33], [9, 17]),
+    "mixed": ([20, 0, 7, 33, 2], [1, 17, 1, 9, 1]),
+}
+
+
+@dataclass
+class Step:
+    meta: AttentionMetadata
+    tables: list[list[int]]
+    cache: torch.Tensor  # [num_blocks, block_size, D] indexer keys
+    q: torch.Tensor  # [T, H, D]
+    w: torch.Tensor  # [T, H] fp32
+
+    def slots(self, row: int, num: int) -> list[int]:
+        """The cache slots of row `row`'s first `num` positions."""
+        bs = self.meta.block_size
+        return [self.tables[row][s // bs] * bs + s % bs for s in range(num)]
+
+
+def make_step(computed: list[int], scheduled: list[int], block_size: int, *,
+              heads: int = HEADS, dim: int = DIM, dtype: torch.dtype = torch.float32,
+              device: str = "cpu", seed: int = 0) -> Step:
+    """A step's metadata over scattered blocks, random keys in every slot, random queries and
+    fp32 weights (weights_proj(x) * H^-0.5's scale)."""
+    rng = random.Random(seed)
+    need = [-(-(c + s) // block_size) for c, s in zip(computed, scheduled)]
+    num_blocks = sum(need) + 2
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in need]
+    meta = build_attention_metadata(computed, scheduled, tables, block_size, device)
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(num_blocks, block_size, dim, generator=gen).to(device, dtype)
+    q = torch.randn(meta.num_tokens, heads, dim, generator=gen).to(device, dtype)
+    w = (torch.randn(meta.num_tokens, heads, generator=gen) * heads ** -0.5).to(device)
+    return Step(meta, tables, cache, q, w)
+
+
+def check_topk(step: Step, topk: int = TOPK, scale: float = DIM ** -0.5) -> tuple[torch.Tensor,
+                                                                                 int]:
+    """Triton's selection == the reference's, exactly, and the same boundary-tie count."""
+    got, ties = indexer_topk_triton(step.q, step.w, step.cache, step.meta, scale, topk,
+                                    count_boundary_ties=True)
+    want, want_ties = indexer_topk_ref(step.q, step.w, step.cache, step.meta, scale, topk,
+                                       count_boundary_ties=True)
+    assert got.dtype == torch.int32 and got.shape == (step.meta.num_tokens, topk)
+    assert torch.equal(got, want)
+    assert ties == want_ties
+    return got, ties
+
+
+# ---------------------------------------------------------------- CPU, Triton's interpreter
+
+@pytest.mark.parametrize("block_size", [16, 6])
+@pytest.mark.parametrize("name", list(STEPS))
+def test_topk_equals_the_reference(block_size: int, name: str) -> None:
+    pos, _ = check_topk(make_step(*STEPS[name], block_size))
+    assert (pos == -1).any() and (pos[:, -1] >= 0).any()  # short and long contexts both ran
+
+
+def test_topk_fp16_and_a_topk_past_every_context() -> None:
+    check_topk(make_step(*STEPS["mixed"], 16, dtype=torch.float16, seed=1))
+    pos, _ = check_topk(make_step(*STEPS["mixed"], 16, seed=2), topk=64)  # all of each context
+    assert ((pos >= 0).sum(-1) == make_step(*STEPS["mixed"], 16).meta.positions + 1).all()
+
+
+def _relu_zero(step: Step) -> None:
+    """Positive queries; half of every row's keys negative: q . k < 0 on every head, so those
+    scores are exactly zero; the tokens whose weights are all negative score every other key
+    below zero, so their zeros tie at the top."""
+    step.q.abs_()
+    step.w[::2].copy_(-step.w[::2].abs())
+    flat = step.cache.view(-1, step.cache.shape[-1])
+    gen = torch.Generator().manual_seed(5)
+    for row, seq in enumerate(step.meta.seq_lens_np.tolist()):
+        slots = torch.tensor(step.slots(row, seq))
+        zero = slots[torch.randperm(seq, generator=gen)[:seq // 2]]
+        flat[zero] = -flat[zero].abs()
+
+
+def _duplicates(step: Step) -> None:
+    """Every third position of each row holds the same key as its row's position 1."""
+    flat = step.cache.view(-1, step.cache.shape[-1])
+    for row, seq in enumerate(step.meta.seq_lens_np.tolist()):
+        slots = step.slots(row, seq)
+        flat[slots[::3]] = flat[slots[1]].clone()
+
+
+def _integers(step: Step, seed: int = 6) -> None:
+    """Small integers (weights in quarters): every score exact in any summation order, and
+    equal scores everywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    for t in (step.q, step.cache):
+        t.copy_(torch.randint(-2, 3, t.shape, generator=gen).to(t.dtype))
+    step.w.copy_(torch.randint(-2, 3, step.w.shape, generator=gen) * 0.25)
+
+
+@pytest.mark.parametrize("block_size", [16, 6])
+@pytest.mark.parametrize("force", [_relu_zero, _duplicates, _integers])
+def test_forced_ties_break_to_the_lowest_position(block_size: int, force: object) -> None:
+    step = make_step(*STEPS["mixed"], block_size, seed=3)
+    force(step)  # type: ignore[operator]
+    _, ties = check_topk(step, scale=0.25)
+    if force is not _duplicates:  # these two tie at the k-th place somewhere, by construction
+        assert ties > 0
+
+
+def test_prefill_scored_in_chunks_of_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 42 keys a row, 100 keys a chunk: two tokens per launch
+    monkeypatch.setattr(dsa_triton, "_CHUNK_KEYS", 100)
+    check_topk(make_step(*STEPS["mixed"], 16, seed=4))
+
+
+def test_decode_reads_no_host_lengths() -> None:
+    """Only meta.max_seq_len is read on the host: placeholder host lengths (a CUDA-graph
+    decode's) change nothing, and a max_seq_len below topk pads with -1."""
+    step = make_step(*STEPS["decode"], 16)
+    want, _ = check_topk(step)
+    step.meta.seq_lens_np = step.meta.query_lens_np = np.ones(4, dtype=np.int64)
+    step.meta.exact_host_lens = False
+    got, _ = indexer_topk_triton(step.q, step.w, step.cache, step.meta, DIM ** -0.5, TOPK)
+    assert torch.equal(got, want)
+    short = make_step([2, 4], [1, 1], 16)
+    pos, _ = check_topk(short)
+    assert ((pos >= 0).sum(-1) == torch.tensor([3, 5])).all()
+
+
+def _latents(meta: AttentionMetadata, heads: int, dtype: torch.dtype, device: str = "cpu",
+             seed: int = 0, width: int = L + R) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed queries [T, H, width = L + R] and a latent cache over meta's blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = int(meta.block_tables.max()) + 1
+    latent = torch.randn(num_blocks, meta.block_size, width, generator=gen)
+    q = torch.randn(meta.num_tokens, heads, width, generator=gen)
+    return q.to(device, dtype), latent.to(device, dtype)
+
+
+@pytest.mark.parametrize("block_size", [16, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_attention_equals_the_reference(block_size: int, dtype: torch.dtype) -> None:
+    """Over the indexer's own selection (-1 padding on the short contexts), 5 heads."""
+    step = make_step(*STEPS["mixed"], block_size)
+    positions, _ = indexer_topk_ref(step.q, step.w, step.cache, step.meta, 0.25, TOPK)
+    q, latent = _latents(step.meta, 5, dtype)
+    got = dsa_attention_triton(q, latent, step.meta, positions, 0.1, L)
+    want = dsa_attention_ref(q, latent, step.meta, positions, 0.1, L)
+    assert got.shape == (step.meta.num_tokens, 5, L) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_sparse_attention_skips_holes_and_writes_zeros_for_nothing() -> None:
+    """topk 40 (two and a half tiles of 16), 20 heads (two tiles of 10): positions in random
+    order with -1 holes, the first tile of one token all -1, and a token with none selected,
+    which gets zeros (the reference: NaN, a softmax over nothing)."""
+    step = make_step(*STEPS["mixed"], 6)
+    gen = torch.Generator().manual_seed(7)
+    topk = 40
+    pos = torch.full((step.meta.num_tokens, topk), -1, dtype=torch.int32)
+    for tok, p in enumerate(step.meta.positions.tolist()):
+        pick = torch.randperm(p + 1, generator=gen)[:topk]
+        pos[tok, torch.randperm(topk, generator=gen)[:len(pick)]] = pick.int()
+    pos[1] = -1  # position 0 of a fresh prefill: its one key past the 1st tile of 16
+    pos[1, 20] = 0
+    pos[2] = -1
+    q, latent = _latents(step.meta, 20, torch.float32)
+    got = dsa_attention_triton(q, latent, step.meta, pos, 0.1, L)
+    want = dsa_attention_ref(q, latent, step.meta, pos, 0.1, L)
+    assert want[2].isnan().all() and torch.equal(got[2], torch.zeros_like(got[2]))
+    keep = torch.arange(step.meta.num_tokens) != 2
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_attention_over_every_position_is_the_dense_mla() -> None:
+    step = make_step(*STEPS["chunk_after_prefix"], 16)
+    every, _ = indexer_topk_ref(step.q, step.w, step.cache, step.meta, 0.25, 64)
+    q, latent = _latents(step.meta, 4, torch.float32)
+    got = dsa_attention_triton(q, latent, step.meta, every, 0.1, L)
+    torch.testing.assert_close(got, mla_attention_ref(q, latent, step.meta, 0.1, L),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_empty_step() -> None:
+    meta = build_attention_metadata([], [], [], 4, "cpu")
+    pos, ties = indexer_topk_triton(torch.randn(0, 8, 16), torch.randn(0, 8),
+                                    torch.zeros(2, 4, 16), meta, 0.25, TOPK)
+    assert pos.shape == (0, TOPK) and ties == 0
+    out = dsa_attention_triton(torch.randn(0, 4, L + R), torch.zeros(2, 4, L + R), meta,
+                               torch.zeros(0, TOPK, dtype=torch.int32), 0.1, L)
+    assert out.shape == (0, 4, L)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda s: setattr(s, "w", s.w.half()), "weights must be fp32"),
+    (lambda s: setattr(s, "w", s.w[:, :4]), r"weights must be \[T, H\]"),
+    (lambda s: setattr(s, "cache", s.cache.half()), "index_cache dtype"),
+    (lambda s: (setattr(s, "q", s.q[..., :12]),
+                setattr(s, "cache", s.cache[..., :12].contiguous())),
+     "index head dim 12 must be a power of two"),
+    (lambda s: (setattr(s, "q", s.q.bfloat16()), setattr(s, "cache", s.cache.bfloat16())),
+     "bf16 is not supported on CPU"),
+    (lambda s: setattr(s.meta, "block_size", 8), "meta.block_size 8"),
+    (lambda s: setattr(s.meta, "positions", s.meta.positions.int()), "meta.positions"),
+    (lambda s: setattr(s, "q", s.q[:2]), "q has 2 tokens, meta 6"),
+])
+def test_indexer_bad_input_is_named(change: object, message: str) -> None:
+    step = make_step([3, 0], [1, 5], 4)
+    change(step)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=f"indexer_topk_triton: {message}"):
+        indexer_topk_triton(step.q, step.w, step.cache, step.meta, 0.25, TOPK)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda a: a.update(pos=a["pos"].long()), "positions must be int32"),
+    (lambda a: a.update(pos=a["pos"][:3]), r"positions must be \[T, topk\] with T = 6"),
+    (lambda a: a.update(latent=a["latent"].half()), "latent_cache dtype"),
+    (lambda a: a.update(rank=24), "kv_lora_rank 24 must be a power of two"),
+    (lambda a: a.update(q=a["q"][..., :40], latent=a["latent"][..., :40].contiguous()),
+     r"rope dims R = 40 - 32 = 8"),
+])
+def test_attention_bad_input_is_named(change: object, message: str) -> None:
+    step = make_step([3, 0], [1, 5], 4)
+    q, latent = _latents(step.meta, 4, torch.float32)
+    args = {"q": q, "latent": latent, "pos": torch.zeros(6, TOPK, dtype=torch.int32), "rank": L}
+    change(args)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=f"dsa_attention_triton: {message}"):
+        dsa_attention_triton(args["q"], args["latent"], step.meta, args["pos"], 0.1,
+                             args["rank"])
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    step = make_step([3], [1], 4)
+    with pytest.raises(ValueError, match="CPU tensors need Triton's interpreter"):
+        indexer_topk_triton(step.q, step.w, step.cache, step.meta, 0.25, TOPK)
+
+
+def test_the_triton_mla_backend_takes_the_triton_dsa_ops() -> None:
+    assert dsa_backend_for(mla_attention_triton) is DSA_BACKENDS["triton"]
+    assert dsa_backend_for(mla_attention_ref) is DSA_BACKENDS["torch"]
+    assert dsa_backend_for(lambda *a: None) is DSA_BACKENDS["torch"]  # a test's own function
+    assert DSA_BACKENDS["triton"] == (indexer_topk_triton, dsa_attention_triton)
+
+
+def test_import_does_not_import_triton() -> None:
+    code = ("import sys, moeserve.kernels.attention.dsa_triton; "
+            "assert 'triton' not in sys.modules, 'triton imported'")
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------- GPU, GLM-5's shapes
+# Indexer: 32 heads x 128, index_topk 2048, bf16 keys, block 64. Random normal data: scores
+# agree with the reference's to fp32 rounding only (other summation orders), so two scores
+# closer than that may swap; integer-valued data makes every score exact, so there the
+# selection must be equal bit for bit (and it ties in bulk).
+GPU_INDEXER = {"heads": 32, "dim": 128, "device": "cuda"}
+GPU_TOPK, GPU_BLOCK = 2048, 64
+
+
+@pytest.fixture
+def no_tf32() -> Iterator[None]:
+    """The reference's fp32 matmuls in true fp32 (see test_mla_triton.no_tf32)."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
+
+
+def _gpu_steps() -> dict[str, tuple[list[int], list[int]]]:
+    rng = np.random.default_rng(0)
+    decode = rng.integers(4096, 16384, 32).tolist()
+    return {
+        "decode_4": ([4095, 8191, 12000, 16383], [1] * 4),
+        "decode_32": (decode, [1] * 32),
+        "prefill_and_chunk": ([0, 6000], [2500, 512]),  # 2500 crosses topk; a chunk at 6000
+        "mixed": (decode[:8] + [0, 9000], [1] * 8 + [300, 256]),
+    }
+
+
+def _ref_scores(step: Step, scale: float) -> torch.Tensor:
+    """The reference's scores [T, S_max] (fp32, -inf past each context), a token at a time."""
+    meta, flat = step.meta, step.cache.view(-1, step.cache.shape[-1])
+    out = torch.full((meta.num_tokens, meta.max_seq_len), float("-inf"), device=flat.device)
+    rows, positions = meta.token_to_req.tolist(), meta.positions.tolist()
+    slots_by_row = {}
+    for tok, (row, p) in enumerate(zip(rows, positions)):
+        if row not in slots_by_row:
+            slots_by_row[row] = torch.tensor(step.slots(row, int(meta.seq_lens_np[row])),
+                                             device=flat.device)
+        k = flat[slots_by_row[row][:p + 1]].float()  # [p + 1, D]
+        s = torch.relu(step.q[tok].float() @ k.T * scale)  # [H, p + 1]
+        out[tok, :p + 1] = step.w[tok] @ s
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(_gpu_steps()))
+def test_gpu_topk_integer_data_is_exact(name: str) -> None:
+    step = make_step(*_gpu_steps()[name], GPU_BLOCK, dtype=torch.bfloat16, **GPU_INDEXER)
+    _integers(step)
+    _, ties = check_topk(step, topk=GPU_TOPK, scale=0.25)
+    assert ties > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(_gpu_steps()))
+def test_gpu_topk_random_data_matches_to_rounding(name: str, no_tf32: None) -> None:
+    """The same positions as the reference but where two scores are within rounding: at most
+    a few swaps a token, each between scores equal to 1e-5 of the largest."""
+    step = make_step(*_gpu_steps()[name], GPU_BLOCK, dtype=torch.bfloat16, **GPU_INDEXER)
+    scale = 128 ** -0.5
+    got, _ = indexer_topk_triton(step.q, step.w, step.cache, step.meta, scale, GPU_TOPK)
+    want, _ = indexer_topk_ref(step.q, step.w, step.cache, step.meta, scale, GPU_TOPK)
+    assert torch.equal(got >= 0, want >= 0)
+    scores = _ref_scores(step, scale)
+    of = torch.cat([scores, scores.new_full((scores.shape[0], 1), float("-inf"))], dim=1)
+    s_got = of.gather(1, torch.where(got >= 0, got, of.shape[1] - 1).long())
+    s_want = of.gather(1, torch.where(want >= 0, want, of.shape[1] - 1).long())
+    eps = 1e-5 * float(scores[scores > float("-inf")].abs().max())
+    valid = want >= 0
+    assert ((s_got - s_want).abs()[valid] <= eps).all()  # rank by rank, the same score
+    assert (got == want).float().mean() > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_sparse_attention(num_heads: int, dtype: torch.dtype, no_tf32: None) -> None:
+    """L 512, R 64 over 2048 selected positions (-1 padding on the 2500-token prefill's first
+    queries), against the reference."""
+    step = make_step(*_gpu_steps()["mixed"], GPU_BLOCK, dtype=torch.bfloat16, **GPU_INDEXER)
+    positions, _ = indexer_topk_triton(step.q, step.w, step.cache, step.meta, 0.1, GPU_TOPK)
+    q, latent = _latents(step.meta, num_heads, dtype, "cuda", width=576)
+    got = dsa_attention_triton(q, latent, step.meta, positions, 576 ** -0.5, 512)
+    want = dsa_attention_ref(q, latent, step.meta, positions, 576 ** -0.5, 512)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_makes_no_host_sync_and_replays_in_a_cuda_graph() -> None:
+    """A 32-row decode: no sync under torch's sync debug mode; captured once, replayed with new
+    queries, keys and lengths written in place, equal to the reference each time."""
+    batch, max_len = 32, 8192
+    step = make_step([max_len - 1] * batch, [1] * batch, GPU_BLOCK, dtype=torch.bfloat16,
+                     **GPU_INDEXER)  # block tables sized for max_len
+    _integers(step)
+    meta = step.meta
+    q_lat, latent = _latents(meta, 64, torch.bfloat16, "cuda", width=576)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        pos, _ = indexer_topk_triton(step.q, step.w, step.cache, meta, 0.25, GPU_TOPK)
+        return pos, dsa_attention_triton(q_lat, latent, meta, pos, 0.1, 512)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pos_out, attn_out = run()
+    for seed in range(2):
+        lens = np.random.default_rng(10 + seed).integers(1, max_len + 1, batch)
+        meta.seq_lens.copy_(torch.from_numpy(lens).int())
+        meta.positions.copy_(torch.from_numpy(lens - 1))
+        _integers(step, seed=20 + seed)
+        latent.copy_(torch.randn_like(latent))
+        graph.replay()
+        fresh = build_attention_metadata((lens - 1).tolist(), [1] * batch,
+                                         meta.block_tables.cpu().tolist(), GPU_BLOCK, "cuda")
+        fresh.max_seq_len = meta.max_seq_len  # the captured shapes
+        want, _ = indexer_topk_ref(step.q, step.w, step.cache, fresh, 0.25, GPU_TOPK)
+        assert torch.equal(pos_out, want)
+        ref = dsa_attention_ref(q_lat, latent, fresh, want, 0.1, 512)
+        torch.testing.assert_close(attn_out.float(), ref.float(), atol=TOL[torch.bfloat16],
+                                   rtol=TOL[torch.bfloat16])
