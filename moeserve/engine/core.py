@@ -168,9 +168,11 @@ class EngineCore:
             return "off: CPU (CUDA graphs need a GPU)"
         if cfg.enforce_eager:
             return "off: enforce_eager"
-        if self.model_config.dsa is not None and cfg.dsa != "dense":
-            return ("off: DeepSeek Sparse Attention runs its torch references (no Triton "
-                    "kernels yet); dsa='dense' runs the dense MLA, which can be captured")
+        if (self.model_config.dsa is not None and cfg.dsa != "dense"
+                and cfg.attention_backend != "triton"):
+            return (f"off: DeepSeek Sparse Attention on attention backend "
+                    f"{cfg.attention_backend!r} runs its torch references, which sync with the "
+                    "host; the triton backend's DSA kernels (or dsa='dense') can be captured")
         if cfg.attention_backend not in CAPTURABLE_ATTENTION:
             return (f"off: attention backend {cfg.attention_backend!r} cannot be captured "
                     f"(use {', '.join(CAPTURABLE_ATTENTION)})")

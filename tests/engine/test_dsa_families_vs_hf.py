@@ -135,6 +135,31 @@ def test_async_scheduling_matches_hf(device: str, checkpoints: dict) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_triton_graph_decode_matches_hf(device: str, checkpoints: dict, arch: str) -> None:
+    """The Triton DSA kernels in the decode graphs: captured at start-up on CUDA (the engine
+    allows DSA graphs on the triton backend), static buffers replayed eagerly on CPU (the
+    interpreter); every row sparse, transformers' tokens."""
+    folder, _, _ = checkpoints[arch]
+    prompts = _prompts(256, (5, 16))
+    expected = hf_greedy(folder, prompts, 6)
+    kw = {"moe_backend": "triton", "moe_tune_budget_s": 0} if device == "cuda" else {}
+    llm = _llm(folder, device, attention_backend="triton", max_model_len=64,
+               cuda_graph_max_batch_size=4, **kw)
+    runner = llm.engine.runner
+    if device == "cuda":
+        assert runner.graphs is not None and runner.graphs.graphs, llm.report.cuda_graphs
+    else:
+        runner.init_decode_graphs(4, 64, capture=False)
+    results = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0,
+                                                   ignore_eos=True))
+    assert runner.num_graph_steps > 0
+    assert [r.token_ids for r in results] == expected
+    assert all(a.dsa_ops is DSA_BACKENDS["triton"] for a in _dsa_layers(llm))
+    if device == "cuda":
+        assert runner.num_eager_decode_fallbacks == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_graph_buffer_decode_matches_hf(device: str, checkpoints: dict, arch: str) -> None:
     """Decode through the CUDA-graph static buffers (eager replays on CPU): their host lengths
     are placeholders, so every row takes the sparse path, deciding on device tensors alone;
