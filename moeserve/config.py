@@ -306,7 +306,7 @@ def read_model_hf_config(model: str) -> tuple[dict[str, Any], bool]:
 
             spec = parse(hf, read_json_config(modelopt))
             raise ConfigError(f"{modelopt}: {spec.format if spec else 'no'} weights detected "
-                              "(checked); serving quantized checkpoints is not implemented "
+                              "(checked); serving ModelOpt checkpoints is not implemented "
                               "yet: serve the bf16 weights")
         return hf, False
     if is_preset(model):

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moeserve.quant.spec import QuantSpec
 
 SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
@@ -199,6 +202,9 @@ class ModelConfig:
     checkpoint_dtype: str = "bfloat16"
     tokenizer: str | None = None
     """Built-in tokenizer name for presets without tokenizer files ("byte")."""
+    quantization: QuantSpec | None = None
+    """The checkpoint's quantized format (moeserve/quant/spec.py); None: unquantized. FP8
+    block-scaled checkpoints load (dequantized at load for now); the others are refused."""
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -475,19 +475,35 @@ def test_every_published_field_is_honoured_checked_or_inert(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED_FP8))
-def test_the_published_fp8_config_is_refused_by_name(tmp_path: Path, name: str) -> None:
+def test_the_published_fp8_config_loads_as_fp8(tmp_path: Path, name: str) -> None:
+    """The published FP8 configs load through a checkpoint's path: the shape of the bf16 preset,
+    with its FP8 block-scaled quantization recorded."""
     folder = _write_checkpoint_config(tmp_path / name, _published(name))
-    with pytest.raises(ConfigError, match=r"quantization_config: fp8 weights detected \(checked\)"
-                                          r"; serving quantized checkpoints is not implemented "
-                                          r"yet.*bf16"):
-        load_model_config(folder)
+    cfg = load_model_config(folder)[0]
+    assert cfg.quantization is not None and cfg.quantization.format == "fp8"
+    assert cfg.quantization.block == (128, 128)
+    preset = load_model_config(name)[0]
+    assert dataclasses.replace(cfg, quantization=None, tokenizer=preset.tokenizer) == preset
+
+
+def test_nvfp4_and_int4_configs_are_recognised_and_refused() -> None:
+    hf = load_preset("glm-4.5")
+    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"weights": {"num_bits": 4, "symmetric": True, "group_size": 32,
+                                "strategy": "group", "type": "int"}}}}
+    with pytest.raises(ConfigError, match="int4 weights detected .checked.; serving int4 "
+                                          "checkpoints is not implemented yet"):
+        ModelConfig.from_hf(hf | {"quantization_config": int4})
+    nvfp4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    with pytest.raises(ConfigError, match="nvfp4 weights detected"):
+        ModelConfig.from_hf(hf | {"quantization_config": nvfp4})
 
 
 def test_a_compressed_tensors_config_is_refused_by_name() -> None:
     hf = load_preset("glm-4.5") | {"quantization_config": {
         "quant_method": "compressed-tensors", "format": "float-quantized"}}
-    with pytest.raises(ConfigError, match="not a format moeserve knows: quantization_config."
-                                          "format='float-quantized' is not implemented"):
+    with pytest.raises(ConfigError, match="quantization_config.format='float-quantized' is not "
+                                          "implemented"):
         ModelConfig.from_hf(hf)
 
 
@@ -599,7 +615,8 @@ def test_bad_hf_overrides_name_the_argument(value: object, needle: str) -> None:
     ({"num_experts_per_tok": 300}, r"num_experts_per_tok 300 must be in \[1, 256\]"),
     ({"n_group": 7}, "n_group 7 must divide the 256 experts"),
     ({"brand_new_field": 1}, "brand_new_field"),
-    ({"quantization_config": FP8}, "quantization_config"),
+    ({"quantization_config": {**FP8, "weight_block_size": [64, 64]}},
+     r"weight_block_size=\[64, 64\] is not implemented"),
 ])
 def test_an_override_making_an_invalid_config_gives_the_parsers_error(override: dict,
                                                                        needle: str) -> None:

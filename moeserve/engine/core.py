@@ -107,7 +107,8 @@ class EngineCore:
             moe_configs=_moe_configs(self.cfg, self.model_config, self.runner.dtype,
                                      tile_device_name(device)),
             kv_layout=kv_layout(self.model_config, self.runner.dtype, indexer_cache),
-            mtp=self.runner.mtp_note, dsa=_dsa_line(self.cfg, self.model_config))
+            mtp=self.runner.mtp_note, dsa=_dsa_line(self.cfg, self.model_config),
+            checkpoint_format=self.runner.format_note)
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
         self._arrivals = itertools.count()

@@ -4,8 +4,9 @@ A config.json field is in exactly one of three states for an architecture: honou
 reads it), checked (accepted only at the value we implement; any other value is refused with its
 name), or inert (changes nothing at inference: training knobs, bookkeeping, remote-code hooks),
 listed with the reason here (every architecture) or in the family's module. Anything else is
-refused by name: a real checkpoint fails loudly, never silently. `quantization_config` is refused
-with its own message until quantized checkpoints are implemented.
+refused by name: a real checkpoint fails loudly, never silently. `quantization_config` is parsed
+by moeserve/quant/spec.py: FP8 block-scaled is accepted (ModelConfig.quantization), NVFP4 and
+INT4 are refused with their own message until they are served.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from moeserve.config import ConfigError
 from moeserve.model_config import RopeConfig
-from moeserve.quant.spec import describe_refusal
+from moeserve.quant.spec import QuantSpec, parse
 
 # Fields that do not change inference, for every architecture: field -> why.
 INERT: dict[str, str] = {
@@ -52,8 +53,6 @@ PRESET = frozenset({"moeserve_tokenizer", "moeserve_description"})
 def check_known(hf: dict[str, Any], arch: str, known: Collection[str]) -> None:
     """Refuse, by name, every field that is neither honoured, checked nor inert; a quantized
     checkpoint first, with its own message (`quantization_config: null` is no quantization)."""
-    if hf.get("quantization_config") is not None:
-        raise ConfigError(describe_refusal(hf))
     unknown = sorted(set(hf) - set(INERT) - COMMON - PRESET - set(known)
                      - {"quantization_config"})
     if unknown:
@@ -90,7 +89,19 @@ def common(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         "eos_token_ids": eos_ids,
         "checkpoint_dtype": str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"),
         "tokenizer": hf.get("moeserve_tokenizer"),
+        "quantization": quantization(hf),
     }
+
+
+def quantization(hf: dict[str, Any]) -> QuantSpec | None:
+    """The checkpoint's quantization_config, checked field by field: FP8 block-scaled loads;
+    NVFP4 and INT4 are recognised and refused until the engine serves them."""
+    spec = parse(hf)
+    if spec is not None and spec.format != "fp8":
+        raise ConfigError(f"quantization_config: {spec.format} weights detected (checked); "
+                          f"serving {spec.format} checkpoints is not implemented yet (FP8 "
+                          "block-scaled ones load): serve the bf16 weights")
+    return spec
 
 
 _YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",

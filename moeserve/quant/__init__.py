@@ -10,6 +10,7 @@ format's arithmetic as torch references.
     int4_pack.py  INT4 weights (compressed-tensors' pack-quantized, Kimi K2-Thinking's): eight
                   values an int32, group scales; pack / unpack, the W4A16 linear reference
 
-The engine does not serve quantized checkpoints yet: hf_config still refuses a
-quantization_config, now naming the format it detected (spec.describe_refusal).
+FP8 block-scaled checkpoints load, dequantized into the engine's dtype as they are copied
+(runner/weight_loader.py); the FP8 kernels that keep them in FP8 come next. NVFP4 and INT4
+checkpoints are recognised and refused with their format named.
 """

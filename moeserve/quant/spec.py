@@ -167,15 +167,3 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantSpec:
     if not isinstance(size, int) or size <= 0:
         raise ConfigError(f"{wwhere}.group_size={size!r}: a positive group size is required")
     return QuantSpec("int4", group_size=size, kept_modules=tuple(q.get("ignore") or ()))
-
-
-def describe_refusal(config: dict[str, Any]) -> str:
-    """hf_config's refusal of a quantized checkpoint until the engine serves it: what format
-    was detected, or why the config is not one of the three."""
-    try:
-        spec = parse(config)
-    except ConfigError as e:
-        return f"quantization_config is not a format moeserve knows: {e}"
-    assert spec is not None
-    return (f"quantization_config: {spec.format} weights detected (checked); serving "
-            "quantized checkpoints is not implemented yet: serve the bf16 weights")

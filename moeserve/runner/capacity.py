@@ -38,6 +38,7 @@ class CapacityReport:
     moe_configs: dict[str, dict] = field(default_factory=dict)
     kv_layout: str = ""  # what one token costs in the cache, per layer (GQA K/V or MLA latent)
     mtp: str = ""  # the checkpoint's layers not run (MTP, an hf_overrides slice), or ""
+    checkpoint_format: str = ""  # a quantized checkpoint's weights (how they load), or ""
     dsa: str = ""  # DeepSeek Sparse Attention: how contexts attend (auto / dense), or ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,6 +117,8 @@ class CapacityReport:
             rows.append(("MoE tune", self.moe_tune))
         if self.mtp:
             rows.append(("layers not run", self.mtp))
+        if self.checkpoint_format:
+            rows.append(("checkpoint format", self.checkpoint_format))
         rows += [(f"auto {k}", v) for k, v in self.resolved.items()]
         rows += [("start-up", ", ".join(f"{k} {v:.2f}s" for k, v in self.phase_seconds.items()))]
         width = max(len(k) for k, _ in rows)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from moeserve import envs
-from moeserve.config import EngineConfig
+from moeserve.config import ConfigError, EngineConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers.sampler import SamplingTensors, sample
@@ -69,14 +69,25 @@ class ModelRunner:
                                  get_mla_backend(self.cfg.attention_backend),
                                  dsa_mode=self.cfg.dsa)
         self.mtp_note = ""  # the capacity report's line on the checkpoint's layers not run
+        self.format_note = ""  # ... and on a quantized checkpoint's weights
         if self.cfg.load_format == "dummy":
+            quant = self.model_config.quantization
+            if quant is not None:
+                raise ConfigError(f"load_format 'dummy' with a {quant.format} "
+                                  "quantization_config: dummy weights in a quantized layout are "
+                                  "not implemented yet (drop the quantization_config)")
             init_dummy_weights(self.model, self.cfg.seed)
         else:
             assert weights_folder is not None, "safetensors load_format needs a checkpoint folder"
             mc = self.model_config
             layers = read_json_config(os.path.join(weights_folder, "config.json")).get(
                 "num_hidden_layers", mc.num_layers)
-            left_out = load_weights(self.model, mc, weights_folder, checkpoint_layers=layers)
+            left_out, fp8 = load_weights(self.model, mc, weights_folder,
+                                         checkpoint_layers=layers)
+            if fp8:
+                block = "x".join(map(str, mc.quantization.block))
+                self.format_note = (f"fp8 block-scaled ({block}): {fp8} weights dequantized "
+                                    f"to {self.cfg.dtype} at load (FP8 kernels: issue 18)")
             if left_out:
                 parts = [f"{mc.mtp_layers} MTP layer(s): kept for speculative decoding later"
                          ] if mc.mtp_layers else []

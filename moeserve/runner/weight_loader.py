@@ -8,8 +8,14 @@ WeightLoadError naming the tensor, before anything is copied.
 
 The name map (every family's HF names -> our packed parameters) is runner/weight_names.py.
 A checkpoint's multi-token-prediction layers are recognised by name and left out
-(`load_weights` returns how many, for the capacity report), as are the layers an
-`hf_overrides` slice of num_hidden_layers cuts off.
+(`load_weights` counts them, for the capacity report), as are the layers an `hf_overrides`
+slice of num_hidden_layers cuts off.
+
+FP8 block-scaled checkpoints (ModelConfig.quantization "fp8": DeepSeek's layout, an e4m3
+`X.weight` beside its fp32 `X.weight_scale_inv`) are dequantized into the parameters as they are
+copied (quant/fp8_block.py), so they serve at the engine's dtype until the FP8 kernels land; a
+float8 tensor without its scale, a scale without its weight or of the wrong shape, or scales in a
+checkpoint whose config declares no FP8 raise WeightLoadError naming the tensor.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -28,6 +35,7 @@ from moeserve.layers.moe import SparseMoeBlock
 from moeserve.layers.norm import LayerNorm, RMSNorm
 from moeserve.model_config import ModelConfig
 from moeserve.models.decoder import CausalLM
+from moeserve.quant.fp8_block import dequantize_blockwise, scale_shape
 from moeserve.runner.weight_names import left_out_layer_names, weight_targets
 
 SINGLE_FILE = "model.safetensors"
@@ -36,23 +44,36 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old checkpoints ca
 _DUMMY_STD = 0.02
 
 
+SCALE_SUFFIX = "_scale_inv"  # FP8: X.weight's block scales are X.weight_scale_inv
+
+
 class WeightLoadError(ValueError):
     """A checkpoint whose tensors do not match the model (names the tensor or file)."""
 
 
+class LoadedWeights(NamedTuple):
+    left_out: int  # tensors of layers not run (MTP layers, layers cut by a slice)
+    fp8_dequantized: int  # FP8 weights dequantized into the engine's dtype
+
+
 @torch.no_grad()
 def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
-                 checkpoint_layers: int | None = None) -> int:
+                 checkpoint_layers: int | None = None) -> LoadedWeights:
     """Copy the checkpoint in `folder` into `model`'s parameters (strict; see module doc).
-    checkpoint_layers: the checkpoint's own num_hidden_layers when hf_overrides served fewer.
-    Returns the number of tensors of layers left out (MTP layers, layers cut by a slice)."""
+    checkpoint_layers: the checkpoint's own num_hidden_layers when hf_overrides served fewer."""
     files = _checkpoint_files(folder)  # tensor name -> file path
-    targets = weight_targets(model, model_config, set(files))  # tensor name -> destination
     left_out = left_out_layer_names(model_config, set(files), checkpoint_layers)
-    skipped = {n for n in files if n.endswith(_IGNORED_SUFFIXES)} | left_out
+    scales = _fp8_scales(model_config, files, left_out, folder)  # weight name -> scale name
+    tensors = set(files) - set(scales.values())
+    targets = weight_targets(model, model_config, tensors)  # tensor name -> destination
+    skipped = {n for n in tensors if n.endswith(_IGNORED_SUFFIXES)} | left_out
     if model_config.tie_word_embeddings:
         skipped.add("lm_head.weight")
-    _check_names(set(targets), set(files) - skipped, folder)
+    _check_names(set(targets), tensors - skipped, folder)
+    if scales.keys() - targets.keys():
+        name = sorted(scales.keys() - targets.keys())[0]
+        raise WeightLoadError(f"scale tensor {scales[name]} in {folder} has no weight {name} "
+                              "the model loads")
     by_file: dict[str, list[str]] = defaultdict(list)
     for name in targets:
         by_file[files[name]].append(name)
@@ -63,16 +84,59 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
                 if name not in present:
                     raise WeightLoadError(f"{INDEX_FILE} puts tensor {name} in {path}, "
                                           "which does not contain it")
-                shape = tuple(f.get_slice(name).get_shape())
+                header = f.get_slice(name)
+                shape = tuple(header.get_shape())
                 if shape != tuple(targets[name].shape):
                     raise WeightLoadError(
                         f"tensor {name} has shape {list(shape)} in {path}; the model expects "
                         f"{list(targets[name].shape)}")
+                if header.get_dtype().startswith("F8") and name not in scales:
+                    raise WeightLoadError(f"tensor {name} is float8_e4m3fn ({header.get_dtype()}) "
+                                          f"in {path} but has no {name}{SCALE_SUFFIX}")
+                if name in scales:
+                    _check_scale(name, shape, scales[name], files, model_config)
     for path, names in by_file.items():  # pass 2: copy, one tensor at a time
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in names:
-                targets[name].copy_(f.get_tensor(name))
-    return len(left_out)
+                tensor = f.get_tensor(name)
+                if name in scales:
+                    tensor = dequantize_blockwise(tensor, _read(files, scales[name]),
+                                                  model_config.quantization.block,
+                                                  targets[name].dtype)
+                targets[name].copy_(tensor)
+    return LoadedWeights(len(left_out), len(scales))
+
+
+def _fp8_scales(cfg: ModelConfig, files: dict[str, str], left_out: set[str],
+                folder: str) -> dict[str, str]:
+    """The checkpoint's FP8 scales that load: weight name -> its scale tensor's name."""
+    found = sorted(n for n in files if n.endswith(".weight" + SCALE_SUFFIX) and n not in left_out)
+    if not found:
+        return {}
+    if cfg.quantization is None or cfg.quantization.format != "fp8":
+        raise WeightLoadError(f"the checkpoint {folder} holds FP8 scales ({found[0]}, "
+                              f"{len(found)} in all) but its config.json declares no fp8 "
+                              "quantization_config")
+    return {n[:-len(SCALE_SUFFIX)]: n for n in found}
+
+
+def _check_scale(name: str, shape: tuple[int, ...], scale_name: str, files: dict[str, str],
+                 cfg: ModelConfig) -> None:
+    with safe_open(files[scale_name], framework="pt", device="cpu") as f:
+        scale = f.get_slice(scale_name)
+        got, dtype = tuple(scale.get_shape()), scale.get_dtype()
+    want = scale_shape(shape[0], shape[1], cfg.quantization.block) if len(shape) == 2 else None
+    if got != want:
+        raise WeightLoadError(f"{scale_name} has shape {list(got)} in {files[scale_name]}; "
+                              f"{name} {list(shape)} in {cfg.quantization.block} blocks needs "
+                              f"{list(want) if want else 'a 2-D weight'}")
+    if dtype not in ("F32", "BF16"):
+        raise WeightLoadError(f"{scale_name} is {dtype}; FP8 block scales are F32 (or BF16)")
+
+
+def _read(files: dict[str, str], name: str) -> torch.Tensor:
+    with safe_open(files[name], framework="pt", device="cpu") as f:
+        return f.get_tensor(name)
 
 
 def _checkpoint_files(folder: str) -> dict[str, str]:

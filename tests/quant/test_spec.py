@@ -10,7 +10,7 @@ import copy
 import pytest
 
 from moeserve.model_config import ConfigError
-from moeserve.quant.spec import QuantSpec, describe_refusal, flag_format, parse
+from moeserve.quant.spec import QuantSpec, flag_format, parse
 
 FP8 = {"quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
                                "quant_method": "fp8", "weight_block_size": [128, 128]}}
@@ -112,12 +112,6 @@ def test_the_flag_must_agree_with_the_checkpoint() -> None:
     with pytest.raises(ConfigError, match="hf_quant_config.json says nvfp4 but config.json's "
                                           "quantization_config says fp8"):
         parse(FP8, NVFP4_HF_QUANT)
-
-
-def test_the_refusal_names_what_was_detected() -> None:
-    assert describe_refusal(FP8).startswith("quantization_config: fp8 weights detected")
-    assert "not a format moeserve knows: quantization_config.quant_method 'awq'" in (
-        describe_refusal({"quantization_config": {"quant_method": "awq"}}))
 
 
 def test_a_modelopt_folder_is_refused_with_its_format(tmp_path) -> None:
