@@ -21,6 +21,7 @@ from moeserve.model_config import (  # ConfigError: the engine configs raise it 
     ModelConfig,
     read_json_config,
 )
+from moeserve.quant.spec import flag_format
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,10 @@ class EngineConfig:
     context exceeds index_topk attends to the indexer's top-k positions, a shorter one runs
     dense MLA: the same result) or "dense" (dense MLA for every request, for comparison: no
     indexer runs and no indexer key cache is allocated). No effect on other models."""
+    quantization: str | None = None
+    """The checkpoint's quantized format, to check it against: fp8, nvfp4 or int4 (vLLM's
+    modelopt_fp4 and compressed-tensors accepted); None: whatever the checkpoint declares. A
+    value the checkpoint contradicts is an error."""
     moe_tiles: str = "tuned"
     """The fused MoE's tiles: "tuned" (a committed or cached tuned file for this device and MoE
     shape, tuned at start-up within moe_tune_budget_s when none exists) or "default" (the
@@ -177,6 +182,8 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
         _check_choice("dsa", self.dsa, ("auto", "dense"))
         _check_choice("moe_tiles", self.moe_tiles, ("tuned", "default"))
+        if self.quantization is not None:
+            flag_format(self.quantization)
         if self.moe_tune_budget_s < 0:
             raise ConfigError(f"moe_tune_budget_s must be >= 0, got {self.moe_tune_budget_s}")
         if self.cuda_graph_max_batch_size != "auto" and (
@@ -192,6 +199,17 @@ class EngineConfig:
         if self.async_scheduling is True and self.scheduler.num_continuous_decode_steps > 1:
             raise ConfigError("async_scheduling and num_continuous_decode_steps > 1 cannot be "
                               "combined yet: choose one")
+
+
+def _check_quantization(wanted: str, model: ModelConfig) -> None:
+    have = model.quantization.format if model.quantization is not None else None
+    if have is None:
+        raise ConfigError(f"--quantization {wanted} was given but the checkpoint is not "
+                          "quantized; quantizing bf16 or dummy weights at start-up is not "
+                          "implemented yet")
+    if have != wanted:
+        raise ConfigError(f"--quantization {wanted} contradicts the checkpoint, which holds "
+                          f"{have} weights")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -238,6 +256,8 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
             "CPU: one step at a time" if not on_cuda else
             "num_continuous_decode_steps > 1 runs its steps back to back" if not overlap else
             "overlap the CPU's planning of step N+1 with the GPU's step N")
+    if cfg.quantization is not None:
+        _check_quantization(flag_format(cfg.quantization), model)
     if sched.max_model_len == "auto":
         sched = dataclasses.replace(sched, max_model_len=model.max_position_embeddings)
         why["max_model_len"] = "the model's max_position_embeddings"

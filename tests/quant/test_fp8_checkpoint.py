@@ -156,3 +156,19 @@ def test_dummy_weights_in_a_quantized_layout_are_refused() -> None:
     with pytest.raises(ConfigError, match="dummy weights in a quantized layout are not "
                                           "implemented"):
         LLM("tiny-moe", device="cpu", hf_overrides={"quantization_config": FP8_CONFIG})
+
+
+def test_the_quantization_flag_is_checked_against_the_checkpoint(pair: tuple) -> None:
+    from moeserve.config import ConfigError
+
+    fp8, ref, _, prompts, expected = pair
+    llm = LLM(fp8, device="cpu", dtype="float32", quantization="fp8")
+    assert [r.token_ids for r in llm.generate(prompts[:1], GREEDY)] == expected[:1]
+    with pytest.raises(ConfigError, match="--quantization nvfp4 contradicts the checkpoint, "
+                                          "which holds fp8 weights"):
+        LLM(fp8, device="cpu", quantization="modelopt_fp4")
+    with pytest.raises(ConfigError, match="--quantization int4 was given but the checkpoint "
+                                          "is not quantized"):
+        LLM(ref, device="cpu", quantization="compressed-tensors")
+    with pytest.raises(ConfigError, match="--quantization 'awq' is not a format"):
+        LLM(fp8, device="cpu", quantization="awq")
