@@ -18,3 +18,17 @@ def require_triton_device(device: torch.device, who: str) -> None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{who}: runs on CUDA tensors, or on {device.type} only under Triton's "
                          "interpreter (TRITON_INTERPRET=1 before importing triton)")
+
+
+def require_attention_inputs_device(q: torch.Tensor, who: str) -> None:
+    """The attention kernels' device rule for their query tensor: CUDA, or CPU under Triton's
+    interpreter and not in bf16 (the interpreter loads bf16 wrongly). ValueError otherwise."""
+    if q.device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"{who}: CPU tensors need Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 before importing triton")
+        if q.dtype == torch.bfloat16:
+            raise ValueError(f"{who}: bf16 is not supported on CPU (Triton's interpreter loads "
+                             "bf16 wrongly); use fp16/fp32 on CPU, bf16 on the GPU")
+    elif q.device.type != "cuda":
+        raise ValueError(f"{who}: unsupported device {q.device}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -302,16 +301,6 @@ GPU_INDEXER = {"heads": 32, "dim": 128, "device": "cuda"}
 GPU_TOPK, GPU_BLOCK = 2048, 64
 
 
-@pytest.fixture
-def no_tf32() -> Iterator[None]:
-    """The reference's fp32 matmuls in true fp32 (see test_mla_triton.no_tf32)."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = matmul.allow_tf32, cudnn.allow_tf32
-    matmul.allow_tf32 = cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        matmul.allow_tf32, cudnn.allow_tf32 = saved
 
 
 def _gpu_steps() -> dict[str, tuple[list[int], list[int]]]:

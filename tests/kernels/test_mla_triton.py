@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -193,17 +192,6 @@ def test_import_does_not_import_triton() -> None:
 GPU_DIMS = {"L": 512, "R": 64, "nope": 128, "v_dim": 128, "block_size": 64}
 
 
-@pytest.fixture
-def no_tf32() -> Iterator[None]:
-    """The fp32 expectations computed in true fp32 (not TF32). Set and restored by hand: torch's
-    cuBLAS flags are properties of its backend module, which monkeypatch cannot save."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = matmul.allow_tf32, cudnn.allow_tf32
-    matmul.allow_tf32 = cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        matmul.allow_tf32, cudnn.allow_tf32 = saved
 
 
 def gpu_case(computed: list[int], scheduled: list[int], num_heads: int,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -43,7 +42,7 @@ import torch
 from moeserve.kernels.attention import mla_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.paged_triton import SUPPORTED_DTYPES, TileConfig
-from moeserve.kernels.triton_common import next_pow2
+from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
 # int64 sort keys a chunk of tokens may hold ([n, S]): 256 MiB
 _CHUNK_KEYS = 1 << 25
@@ -187,15 +186,7 @@ def _check_common(who: str, q: torch.Tensor, cache: torch.Tensor, meta: Attentio
         need(t.dtype == dtype and t.is_contiguous(),
              f"meta.{name} must be contiguous {dtype}, got {t.dtype}")
         need(t.device == q.device, f"meta.{name} on {t.device}, q on {q.device}")
-    if q.device.type == "cpu":
-        need(os.environ.get("TRITON_INTERPRET") == "1",
-             "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing "
-             "triton")
-        need(q.dtype != torch.bfloat16,
-             "bf16 is not supported on CPU (Triton's interpreter loads bf16 wrongly); "
-             "use fp16/fp32 on CPU, bf16 on the GPU")
-    else:
-        need(q.device.type == "cuda", f"unsupported device {q.device}")
+    require_attention_inputs_device(q, who)
 
 
 def _check_indexer_inputs(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,

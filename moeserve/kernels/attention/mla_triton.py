@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -47,7 +46,7 @@ from moeserve.kernels.attention.paged_triton import (
     _split_rows,
     decode_num_splits,
 )
-from moeserve.kernels.triton_common import next_pow2
+from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
 REDUCE_BLOCK_L = 128  # latent columns the split reduce combines per step (bounds its registers)
 
@@ -152,15 +151,7 @@ def _check_inputs(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMe
         need(t.dtype == torch.int32 and t.is_contiguous(),
              f"meta.{name} must be contiguous int32, got {t.dtype}")
         need(t.device == q.device, f"meta.{name} on {t.device}, q on {q.device}")
-    if q.device.type == "cpu":
-        need(os.environ.get("TRITON_INTERPRET") == "1",
-             "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing "
-             "triton")
-        need(q.dtype != torch.bfloat16,
-             "bf16 is not supported on CPU (Triton's interpreter loads bf16 wrongly); "
-             "use fp16/fp32 on CPU, bf16 on the GPU")
-    else:
-        need(q.device.type == "cuda", f"unsupported device {q.device}")
+    require_attention_inputs_device(q, "mla_attention_triton")
 
 
 def _prefill_block_q(cfg: TileConfig, num_heads: int) -> int:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
-from moeserve.kernels.triton_common import next_pow2
+from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
 SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -174,15 +173,7 @@ def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
         need(t.dtype == torch.int32 and t.is_contiguous(),
              f"meta.{name} must be contiguous int32, got {t.dtype}")
         need(t.device == q.device, f"meta.{name} on {t.device}, q on {q.device}")
-    if q.device.type == "cpu":
-        need(os.environ.get("TRITON_INTERPRET") == "1",
-             "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing "
-             "triton")
-        need(q.dtype != torch.bfloat16,
-             "bf16 is not supported on CPU (Triton's interpreter loads bf16 wrongly); "
-             "use fp16/fp32 on CPU, bf16 on the GPU")
-    else:
-        need(q.device.type == "cuda", f"unsupported device {q.device}")
+    require_attention_inputs_device(q, "paged_attention_triton")
 
 
 def _prefill_block_q(cfg: TileConfig, group: int) -> int:
