@@ -131,3 +131,18 @@ def test_a_step_larger_than_the_buckets_is_refused(ckpt: tuple) -> None:
     with pytest.raises(ValueError, match="do not fit bucket 4"):
         graphs.run(ids, None, 4)
     assert graphs.bucket(BUDGET + 1) is None
+
+
+def test_the_memory_plan_reserves_the_mixed_graphs(ckpt: tuple) -> None:
+    """With mixed graphs on, the plan leaves their pool (up to a forward's activation peak) and
+    their static buffers (16 hidden widths a token of the budget) beside the decode graphs'."""
+    import dataclasses
+
+    folder, _, _ = ckpt
+    core = LLM(folder, device="cpu", dtype="float32", max_num_batched_tokens=BUDGET).engine
+    base = core._graph_reserve(1000)
+    core.cfg = dataclasses.replace(core.cfg, mixed_cuda_graphs=True)
+    width = 16 * core.model_config.hidden_size * 4  # fp32
+    assert core._graph_reserve(1000) == base + 1000 + BUDGET * width
+    core.cfg = dataclasses.replace(core.cfg, enforce_eager=True)
+    assert core._graph_reserve(1000) == 0
