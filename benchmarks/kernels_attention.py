@@ -8,6 +8,10 @@ prefill eager. Reports ms per layer, achieved KV-read bandwidth (context K/V byt
 time) and its share of the device copy rate (4.27 TB/s on the H200), and a small sweep of decode
 tile configs and split counts at three cases.
 
+Prefill ("prefill"): W1's mixed step, eight 2k chunks after 2k, and the long prompts at 8k
+context (one and four fresh 8,192-token prompts, four last 2k chunks of 8k prompts), each at
+its achieved TFLOP/s of the unmasked causal FLOPs against the 787 TFLOP/s bf16 peak.
+
 Prefill tile sweep ("prefill_sweep"): three prefill steps, W1's mixed step (64 fresh prompts of
 128 tokens), 8 fresh prompts of 1,024 and 8 chunks of 512 after 512 cached tokens. Each
 TileConfig of PREFILL_GRID (the default first; those whose shared memory or accumulator
@@ -341,7 +345,10 @@ def main() -> None:
             print(f"{batch:>6} {context:>5} {row['splits']:>6} {row['triton_ms']:>10.4f} "
                   f"{row['kv_gb_per_s']:>7.0f} {row['pct_of_copy']:>6.1f} {ref_ms:>8.4f} "
                   f"{speedup:>6.2f}")
-    for computed, scheduled in (([0] * 256, [128] * 256), ([2048] * 8, [2048] * 8)):
+    # W1's mixed step, 2k chunks, and issue 14's long prompts at 8k context: one and four fresh
+    # 8,192-token prompts, and four last 2,048-token chunks of 8k prompts (unmasked FLOPs only)
+    for computed, scheduled in (([0] * 256, [128] * 256), ([2048] * 8, [2048] * 8),
+                                ([0], [8192]), ([0] * 4, [8192] * 4), ([6144] * 4, [2048] * 4)):
         row = bench_prefill(pool, computed, scheduled)
         result["prefill"].append(row)
         print(f"prefill {row}")
