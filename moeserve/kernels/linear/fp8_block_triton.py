@@ -1,0 +1,172 @@
+"""FP8 block-scaled W8A8 linear on Triton: the run-time activation quantization and the
+block-scaled GEMM (Hopper's FP8 tensor cores), against quant/fp8_block.py's references.
+
+    quantize_activations_triton(x)  x [T, K] -> (e4m3 [T, K], fp32 scales [T, ceil(K / 128)]):
+                                    one program per (token, 128-group), s = max(amax / 448,
+                                    1e-12), q = e4m3(clamp(x / s)); the reference's ops in the
+                                    reference's order, so the bytes are equal
+    w8a8_block_matmul_triton(...)   out[t, n] = sum over K blocks kb of
+                                    (x_q[t, kb] . w_q[n, kb]) * s_x[t, kb] * s_w[n // 128, kb]:
+                                    one BLOCK_M x BLOCK_N tile a program, K in 128-wide steps
+                                    (one scale per step), the dot in fp32 on e4m3 inputs
+    fp8_linear_triton(x, w, s)      the two, as `w8a8_linear_ref`
+
+The GEMM sums each block's exact e4m3 products in the tensor cores' fp32 accumulator, so it
+equals the reference up to fp32 summation order. Launch shapes depend on shapes only (no host
+sync): CUDA-graph capturable. Triton is imported on first use (`_kernels`); on CPU the kernels
+run under TRITON_INTERPRET=1 (tests). Its fp8 loads and dots are exact, but its fp32 -> e4m3
+cast drops the carry into the exponent (124.3 becomes 64, not 128; Triton 3.6's interpreter), so
+on CPU `fp8_linear_triton` quantizes activations with the torch reference and the GEMM alone
+runs in Triton; the activation kernel is tested on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from moeserve.kernels.triton_common import require_triton_device
+from moeserve.quant.fp8_block import BLOCK, E4M3, E4M3_MAX, quantize_activations, scale_shape
+
+tl: Any = None  # triton.language, bound by _kernels(): the kernels read it as a global
+GROUP = BLOCK[1]  # K per activation scale and per weight-scale column
+_MIN_SCALE = 1e-12  # as the reference's
+
+
+def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (fp32 / bf16 / fp16, unit last stride) -> (e4m3 [T, K], scales fp32
+    [T, ceil(K / 128)]), equal to quant.fp8_block.quantize_activations."""
+    _need(x.dim() == 2 and x.is_floating_point(), f"x must be a 2-D float tensor, got "
+          f"{x.dtype} {tuple(x.shape)}")
+    require_triton_device(x.device, "quantize_activations_triton")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t, k = x.shape
+    groups = math.ceil(k / GROUP)
+    q = torch.empty(t, k, dtype=E4M3, device=x.device)
+    scales = torch.empty(t, groups, dtype=torch.float32, device=x.device)
+    if t and k:
+        _kernels().quantize[(t, groups)](x, q, scales, k, x.stride(0), q.stride(0),
+                                         scales.stride(0), GROUP=GROUP, FP8_MAX=E4M3_MAX,
+                                         MIN_SCALE=_MIN_SCALE)
+    return q, scales
+
+
+def w8a8_block_matmul_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                             w_scale: torch.Tensor, out_dtype: torch.dtype,
+                             block_m: int = 64, block_n: int = 128) -> torch.Tensor:
+    """x_q e4m3 [T, K] with x_scale fp32 [T, ceil(K / 128)], w e4m3 [N, K] with w_scale
+    [ceil(N / 128), ceil(K / 128)] -> [T, N] in out_dtype."""
+    t, k = x_q.shape
+    n = w.shape[0]
+    _need(x_q.dtype == E4M3 and w.dtype == E4M3, f"x_q and w must be float8_e4m3fn, got "
+          f"{x_q.dtype} and {w.dtype}")
+    _need(w.dim() == 2 and w.shape[1] == k, f"w must be [N, {k}], got {tuple(w.shape)}")
+    _need(tuple(x_scale.shape) == (t, math.ceil(k / GROUP)) and x_scale.dtype == torch.float32,
+          f"x_scale must be fp32 [{t}, {math.ceil(k / GROUP)}], got {x_scale.dtype} "
+          f"{tuple(x_scale.shape)}")
+    _need(tuple(w_scale.shape) == scale_shape(n, k), f"w_scale must be {scale_shape(n, k)} for "
+          f"w [{n}, {k}], got {tuple(w_scale.shape)}")
+    _need(block_n <= BLOCK[0] and BLOCK[0] % block_n == 0, f"block_n {block_n} must divide "
+          f"{BLOCK[0]}")
+    for name, a in (("x_q", x_q), ("x_scale", x_scale), ("w", w), ("w_scale", w_scale)):
+        _need(a.device == x_q.device, f"{name} on {a.device}, x_q on {x_q.device}")
+    require_triton_device(x_q.device, "w8a8_block_matmul_triton")
+    w_scale = w_scale.float()
+    out = torch.empty(t, n, dtype=out_dtype, device=x_q.device)
+    if t and n:
+        grid = (math.ceil(t / block_m), math.ceil(n / block_n))
+        _kernels().matmul[grid](
+            x_q, w, out, x_scale, w_scale, t, n, k,
+            x_q.stride(0), x_q.stride(1), w.stride(0), w.stride(1), out.stride(0),
+            out.stride(1), x_scale.stride(0), x_scale.stride(1), w_scale.stride(0),
+            w_scale.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
+            SCALE_ROWS=BLOCK[0])
+    return out
+
+
+def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] through an FP8 block-scaled weight [N, K] -> [..., N] in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.device.type == "cpu":  # the interpreter's e4m3 cast is wrong (module docstring)
+        x_q, x_scale = quantize_activations(rows)
+    else:
+        x_q, x_scale = quantize_activations_triton(rows)
+    out = w8a8_block_matmul_triton(x_q, x_scale, weight, scale_inv, x.dtype)
+    if bias is not None:
+        out = (out.float() + bias.float()).to(x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"fp8 linear: {what}")
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now)."""
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    # the token count changes every step: no variant per value
+    return SimpleNamespace(
+        quantize=triton.jit(_quantize_kernel),
+        matmul=triton.jit(_matmul_kernel, do_not_specialize=["M", "stride_am", "stride_cm",
+                                                            "stride_asm"]))
+
+
+# ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ---
+
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
+                     GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Program (row, group): one token's 128 values -> their e4m3 bytes and one scale."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), 0)
+    scale = tl.maximum(amax / FP8_MAX, MIN_SCALE)
+    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * stride_s + g, scale)
+
+
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
+                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                   stride_asm, stride_ask, stride_bsn, stride_bsk,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SCALE_ROWS: tl.constexpr):
+    """Program (m tile, n tile): C[m, n] = sum over K steps of the e4m3 dot of A's and B's
+    BLOCK_K columns times A's per-row and B's per-(row block) scales of that step."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rk = tl.arange(0, BLOCK_K)  # [BK]
+    m_ok, n_ok = rm < M, rn < N
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am  # [BM, 1]
+    b_cols = b_ptr + rn.to(tl.int64)[None, :] * stride_bn  # [1, BN]
+    a_scale = as_ptr + rm.to(tl.int64) * stride_asm  # [BM]
+    b_scale = bs_ptr + (rn // SCALE_ROWS) * stride_bsn  # [BN]: one scale row per 128 of N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + rk
+        k_ok = k < K
+        a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [BM, BK] e4m3
+        b = tl.load(b_cols + k[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0)  # [BK, BN] e4m3
+        s_a = tl.load(a_scale + kb * stride_ask, mask=m_ok, other=0.0)  # [BM]
+        s_b = tl.load(b_scale + kb * stride_bsk, mask=n_ok, other=0.0)  # [BN]
+        acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
+    c = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn.to(tl.int64)[None, :] * stride_cn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

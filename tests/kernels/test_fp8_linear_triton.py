@@ -1,0 +1,118 @@
+"""kernels/linear/fp8_block_triton.py against quant/fp8_block.py's references: the activation
+quantization byte for byte, the block-scaled GEMM and the whole W8A8 linear to fp32 summation
+order. Interpreter cases on CPU (its fp8 loads and dots are exact); GPU cases at projection
+shapes of the served models, in bf16, and under CUDA-graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.kernels.linear.fp8_block_triton import (
+    fp8_linear_triton,
+    quantize_activations_triton,
+    w8a8_block_matmul_triton,
+)
+from moeserve.quant.fp8_block import (
+    E4M3,
+    quantize_activations,
+    quantize_blockwise,
+    w8a8_linear_ref,
+)
+
+
+def _data(t: int, n: int, k: int, device: str = "cpu", seed: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g) * torch.logspace(-2, 1, t)[:, None]
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, n)[:, None]
+    return x.to(device), w.to(device)
+
+
+@pytest.mark.gpu  # the interpreter's fp32 -> e4m3 cast drops mantissa carries (module doc)
+@pytest.mark.parametrize(("t", "k"), [(1, 128), (5, 320), (3, 64), (7, 1000), (4096, 7168)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_activation_quantization_equals_the_reference_bytes(t: int, k: int,
+                                                                dtype: torch.dtype) -> None:
+    x, _ = _data(t, 1, k, device="cuda")
+    x = x.to(dtype)
+    q, s = quantize_activations_triton(x)
+    q_ref, s_ref = quantize_activations(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("t", "n", "k"), [(3, 200, 320), (70, 128, 256), (1, 64, 100)])
+def test_block_matmul_equals_the_reference(t: int, n: int, k: int) -> None:
+    x, w = _data(t, n, k)
+    wq, ws = quantize_blockwise(w)
+    xq, xs = quantize_activations(x)
+    out = w8a8_block_matmul_triton(xq, xs, wq, ws, torch.float32, block_m=16, block_n=64)
+    ref = w8a8_linear_ref(x, wq, ws)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6 * ref.abs().max())
+
+
+def test_the_linear_keeps_shape_dtype_and_bias() -> None:
+    x, w = _data(6, 192, 320)
+    wq, ws = quantize_blockwise(w)
+    bias = torch.linspace(-1, 1, 192)
+    out = fp8_linear_triton(x.view(2, 3, 320), wq, ws, bias)
+    ref = w8a8_linear_ref(x.view(2, 3, 320), wq, ws, bias=bias)
+    assert out.shape == (2, 3, 192) and out.dtype == torch.float32
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+    empty = fp8_linear_triton(x[:0], wq, ws)
+    assert empty.shape == (0, 192)
+
+
+def test_bad_inputs_are_named() -> None:
+    x, w = _data(4, 128, 256)
+    wq, ws = quantize_blockwise(w)
+    xq, xs = quantize_activations(x)
+    with pytest.raises(ValueError, match="must be float8_e4m3fn"):
+        w8a8_block_matmul_triton(x, xs, wq, ws, torch.float32)
+    with pytest.raises(ValueError, match=r"w_scale must be \(1, 2\)"):
+        w8a8_block_matmul_triton(xq, xs, wq, ws.t(), torch.float32)
+    with pytest.raises(ValueError, match=r"x_scale must be fp32 \[4, 2\]"):
+        w8a8_block_matmul_triton(xq, xs[:, :1], wq, ws, torch.float32)
+    with pytest.raises(ValueError, match="block_n 96 must divide 128"):
+        w8a8_block_matmul_triton(xq, xs, wq, ws, torch.float32, block_n=96)
+    with pytest.raises(ValueError, match="x must be a 2-D float tensor"):
+        quantize_activations_triton(xq.view(torch.uint8))
+
+
+# ---- GPU ----------------------------------------------------------------------------------
+
+# (tokens, out, in): qwen3-30b-a3b's qkv (5120 x 2048) and o_proj, DeepSeek-V3's q_a (2112 rows
+# with kv_a: a partial 128-block of N) and kv_b's K of 512
+GPU_SHAPES = [(1024, 5120, 2048), (64, 2048, 4096), (256, 2112, 7168), (3, 32768, 512)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "n", "k"), GPU_SHAPES)
+def test_gpu_linear_matches_the_reference(t: int, n: int, k: int) -> None:
+    x, w = _data(t, n, k, device="cuda")
+    wq, ws = quantize_blockwise(w)
+    x = x.to(torch.bfloat16)
+    out = fp8_linear_triton(x, wq, ws)
+    ref = w8a8_linear_ref(x.float(), wq, ws)
+    assert out.dtype == torch.bfloat16
+    err = (out.float() - ref).abs() / (ref.abs() + ref.abs().mean())
+    assert err.max() < 2 ** -7, err.max()  # bf16 rounding of the output
+
+
+@pytest.mark.gpu
+def test_gpu_linear_in_a_cuda_graph() -> None:
+    x, w = _data(512, 1024, 2048, device="cuda")
+    wq, ws = quantize_blockwise(w)
+    x = x.to(torch.bfloat16)
+    expected = fp8_linear_triton(x, wq, ws)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear_triton(x, wq, ws)
+    x.mul_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out.float(), fp8_linear_triton(x, wq, ws).float(), rtol=0, atol=0)
+    assert not torch.allclose(out.float(), expected.float())
+    assert wq.dtype == E4M3
