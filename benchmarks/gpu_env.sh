@@ -13,8 +13,28 @@ python3 -c "import sys, torch, triton; extra = [__import__(m) for m in sys.argv[
 print(torch.__version__, triton.__version__, *(m.__version__ for m in extra))" "$@" \
   > "$OUT/versions.txt" 2>&1
 
-# run_gpu_tests SECONDS: `pytest -m gpu` over the test tree into $OUT/gpu_tests.log
+# run_gpu_tests SECONDS: `pytest -m gpu` over the test tree into $OUT/gpu_tests.log. If the run
+# crashes (a device-side assert aborts the whole process, and every later test errors), each
+# test file then runs in a process of its own within what is left of SECONDS, their logs in
+# $OUT/gpu_tests_by_file.tgz (a call returns at most 8 files), so one call shows them all.
 run_gpu_tests() {
-  timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1
+  local start=$SECONDS rc
+  timeout "$1" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests \
+    > "$OUT/gpu_tests.log" 2>&1
+  rc=$?
   tail -3 "$OUT/gpu_tests.log"
+  if [ "$rc" -gt 128 ]; then
+    echo "pytest crashed (rc $rc): file by file"
+    local dir=/tmp/gpu_tests_by_file f
+    mkdir -p "$dir"
+    for f in $(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests 2>/dev/null \
+               | grep "::" | sed 's/::.*//' | sort -u); do
+      local left=$(( $1 - (SECONDS - start) ))
+      [ "$left" -gt 20 ] || break
+      timeout "$left" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "$f" \
+        > "$dir/$(basename "$f" .py).log" 2>&1
+      echo "$f: $(tail -1 "$dir/$(basename "$f" .py).log")"
+    done
+    tar czf "$OUT/gpu_tests_by_file.tgz" -C /tmp gpu_tests_by_file
+  fi
 }
