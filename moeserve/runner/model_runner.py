@@ -88,6 +88,9 @@ class ModelRunner:
                 block = "x".join(map(str, mc.quantization.block))
                 self.format_note = (f"fp8 block-scaled ({block}): {fp8} weights dequantized "
                                     f"to {self.cfg.dtype} at load (FP8 kernels: issue 18)")
+            elif mc.quantization is not None:
+                self.format_note = (f"config.json declares {mc.quantization.format} but the "
+                                    "checkpoint holds no quantized tensors: loaded as stored")
             if left_out:
                 parts = [f"{mc.mtp_layers} MTP layer(s): kept for speculative decoding later"
                          ] if mc.mtp_layers else []

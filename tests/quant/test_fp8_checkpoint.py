@@ -172,3 +172,20 @@ def test_the_quantization_flag_is_checked_against_the_checkpoint(pair: tuple) ->
         LLM(ref, device="cpu", quantization="compressed-tensors")
     with pytest.raises(ConfigError, match="--quantization 'awq' is not a format"):
         LLM(fp8, device="cpu", quantization="awq")
+
+
+def test_an_fp8_config_over_unquantized_tensors_is_reported(pair: tuple) -> None:
+    _, ref, _, prompts, expected = pair
+    path = os.path.join(ref, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump(config | {"quantization_config": FP8_CONFIG}, f)
+    try:
+        llm = LLM(ref, device="cpu", dtype="float32")
+        assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+        assert "declares fp8 but the checkpoint holds no quantized tensors" in (
+            llm.report.format())
+    finally:
+        with open(path, "w") as f:
+            json.dump(config, f)
