@@ -21,7 +21,7 @@ from moeserve.model_config import (  # ConfigError: the engine configs raise it 
     ModelConfig,
     read_json_config,
 )
-from moeserve.quant.spec import flag_format
+from moeserve.quant.spec import flag_format, parse
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,13 +321,12 @@ def read_model_hf_config(model: str) -> tuple[dict[str, Any], bool]:
             raise ConfigError(f"model folder {model!r} has no config.json")
         hf = read_json_config(path)
         modelopt = os.path.join(model, "hf_quant_config.json")
-        if os.path.isfile(modelopt):  # ModelOpt's NVFP4 may say so only there
-            from moeserve.quant.spec import parse
-
-            spec = parse(hf, read_json_config(modelopt))
-            raise ConfigError(f"{modelopt}: {spec.format if spec else 'no'} weights detected "
-                              "(checked); serving ModelOpt checkpoints is not implemented "
-                              "yet: serve the bf16 weights")
+        if os.path.isfile(modelopt):  # ModelOpt's NVFP4 may be declared only there
+            extra = read_json_config(modelopt)
+            parse(hf, extra)  # checked against config.json's own quantization_config
+            quant = extra.get("quantization")
+            if hf.get("quantization_config") is None and isinstance(quant, dict):
+                hf = hf | {"quantization_config": {"quant_method": "modelopt", **quant}}
         return hf, False
     if is_preset(model):
         return load_preset(model), True

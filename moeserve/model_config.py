@@ -203,8 +203,8 @@ class ModelConfig:
     tokenizer: str | None = None
     """Built-in tokenizer name for presets without tokenizer files ("byte")."""
     quantization: QuantSpec | None = None
-    """The checkpoint's quantized format (moeserve/quant/spec.py); None: unquantized. FP8
-    block-scaled checkpoints load (dequantized at load for now); the others are refused."""
+    """The checkpoint's quantized format (moeserve/quant/spec.py); None: unquantized. Such
+    weights load dequantized for now (runner/quant_loading.py)."""
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

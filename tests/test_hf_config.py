@@ -486,17 +486,16 @@ def test_the_published_fp8_config_loads_as_fp8(tmp_path: Path, name: str) -> Non
     assert dataclasses.replace(cfg, quantization=None, tokenizer=preset.tokenizer) == preset
 
 
-def test_nvfp4_and_int4_configs_are_recognised_and_refused() -> None:
+def test_nvfp4_and_int4_configs_are_recorded() -> None:
     hf = load_preset("glm-4.5")
     int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
         "group_0": {"weights": {"num_bits": 4, "symmetric": True, "group_size": 32,
                                 "strategy": "group", "type": "int"}}}}
-    with pytest.raises(ConfigError, match="int4 weights detected .checked.; serving int4 "
-                                          "checkpoints is not implemented yet"):
-        ModelConfig.from_hf(hf | {"quantization_config": int4})
+    cfg = ModelConfig.from_hf(hf | {"quantization_config": int4})
+    assert cfg.quantization.format == "int4" and cfg.quantization.group_size == 32
     nvfp4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
-    with pytest.raises(ConfigError, match="nvfp4 weights detected"):
-        ModelConfig.from_hf(hf | {"quantization_config": nvfp4})
+    assert ModelConfig.from_hf(hf | {"quantization_config": nvfp4}).quantization.format == (
+        "nvfp4")
 
 
 def test_a_compressed_tensors_config_is_refused_by_name() -> None:

@@ -5,8 +5,8 @@ reads it), checked (accepted only at the value we implement; any other value is 
 name), or inert (changes nothing at inference: training knobs, bookkeeping, remote-code hooks),
 listed with the reason here (every architecture) or in the family's module. Anything else is
 refused by name: a real checkpoint fails loudly, never silently. `quantization_config` is parsed
-by moeserve/quant/spec.py: FP8 block-scaled is accepted (ModelConfig.quantization), NVFP4 and
-INT4 are refused with their own message until they are served.
+by moeserve/quant/spec.py into ModelConfig.quantization (FP8 block-scaled, NVFP4, INT4; the
+loader dequantizes such weights at load for now).
 """
 
 from __future__ import annotations
@@ -94,14 +94,8 @@ def common(hf: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 def quantization(hf: dict[str, Any]) -> QuantSpec | None:
-    """The checkpoint's quantization_config, checked field by field: FP8 block-scaled loads;
-    NVFP4 and INT4 are recognised and refused until the engine serves them."""
-    spec = parse(hf)
-    if spec is not None and spec.format != "fp8":
-        raise ConfigError(f"quantization_config: {spec.format} weights detected (checked); "
-                          f"serving {spec.format} checkpoints is not implemented yet (FP8 "
-                          "block-scaled ones load): serve the bf16 weights")
-    return spec
+    """The checkpoint's quantization_config, checked field by field (quant/spec.py)."""
+    return parse(hf)
 
 
 _YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",

@@ -85,9 +85,12 @@ class ModelRunner:
             left_out, fp8 = load_weights(self.model, mc, weights_folder,
                                          checkpoint_layers=layers)
             if fp8:
-                block = "x".join(map(str, mc.quantization.block))
-                self.format_note = (f"fp8 block-scaled ({block}): {fp8} weights dequantized "
-                                    f"to {self.cfg.dtype} at load (FP8 kernels: issue 18)")
+                q = mc.quantization
+                kind = {"fp8": f"fp8 block-scaled ({'x'.join(map(str, q.block or ()))})",
+                        "nvfp4": "nvfp4 (groups of 16)",
+                        "int4": f"int4 pack-quantized (groups of {q.group_size})"}[q.format]
+                self.format_note = (f"{kind}: {fp8} weights dequantized to {self.cfg.dtype} "
+                                    "at load (quantized kernels: issue 18)")
             elif mc.quantization is not None:
                 self.format_note = (f"config.json declares {mc.quantization.format} but the "
                                     "checkpoint holds no quantized tensors: loaded as stored")

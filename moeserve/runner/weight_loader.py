@@ -11,11 +11,11 @@ A checkpoint's multi-token-prediction layers are recognised by name and left out
 (`load_weights` counts them, for the capacity report), as are the layers an `hf_overrides`
 slice of num_hidden_layers cuts off.
 
-FP8 block-scaled checkpoints (ModelConfig.quantization "fp8": DeepSeek's layout, an e4m3
-`X.weight` beside its fp32 `X.weight_scale_inv`) are dequantized into the parameters as they are
-copied (quant/fp8_block.py), so they serve at the engine's dtype until the FP8 kernels land; a
-float8 tensor without its scale, a scale without its weight or of the wrong shape, or scales in a
-checkpoint whose config declares no FP8 raise WeightLoadError naming the tensor.
+Quantized checkpoints (ModelConfig.quantization: FP8 block-scaled, NVFP4, INT4; each linear's
+tensors as runner/quant_loading.py lists them) are dequantized into the parameters as they are
+copied, so they serve at the engine's dtype until the quantized kernels land; a tensor that does
+not fit its format, or quantized tensors under a config that declares none, raise
+WeightLoadError naming the tensor.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from moeserve.layers.moe import SparseMoeBlock
 from moeserve.layers.norm import LayerNorm, RMSNorm
 from moeserve.model_config import ModelConfig
 from moeserve.models.decoder import CausalLM
-from moeserve.quant.fp8_block import dequantize_blockwise, scale_shape
+from moeserve.runner.quant_loading import QuantizedTensors, QuantLoadError
 from moeserve.runner.weight_names import left_out_layer_names, weight_targets
 
 SINGLE_FILE = "model.safetensors"
@@ -44,16 +44,13 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some old checkpoints ca
 _DUMMY_STD = 0.02
 
 
-SCALE_SUFFIX = "_scale_inv"  # FP8: X.weight's block scales are X.weight_scale_inv
-
-
 class WeightLoadError(ValueError):
     """A checkpoint whose tensors do not match the model (names the tensor or file)."""
 
 
 class LoadedWeights(NamedTuple):
     left_out: int  # tensors of layers not run (MTP layers, layers cut by a slice)
-    fp8_dequantized: int  # FP8 weights dequantized into the engine's dtype
+    dequantized: int  # quantized weights dequantized into the engine's dtype
 
 
 @torch.no_grad()
@@ -63,24 +60,32 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
     checkpoint_layers: the checkpoint's own num_hidden_layers when hf_overrides served fewer."""
     files = _checkpoint_files(folder)  # tensor name -> file path
     left_out = left_out_layer_names(model_config, set(files), checkpoint_layers)
-    scales = _fp8_scales(model_config, files, left_out, folder)  # weight name -> scale name
-    tensors = set(files) - set(scales.values())
+    try:
+        quant = QuantizedTensors(model_config, files, left_out, folder)
+    except QuantLoadError as e:
+        raise WeightLoadError(str(e)) from None
+    tensors = (set(files) - quant.consumed) | set(quant.weights)  # int4: X.weight is virtual
     targets = weight_targets(model, model_config, tensors)  # tensor name -> destination
     skipped = {n for n in tensors if n.endswith(_IGNORED_SUFFIXES)} | left_out
     if model_config.tie_word_embeddings:
         skipped.add("lm_head.weight")
     _check_names(set(targets), tensors - skipped, folder)
-    if scales.keys() - targets.keys():
-        name = sorted(scales.keys() - targets.keys())[0]
-        raise WeightLoadError(f"scale tensor {scales[name]} in {folder} has no weight {name} "
-                              "the model loads")
+    if quant.weights.keys() - targets.keys():
+        name = sorted(quant.weights.keys() - targets.keys())[0]
+        raise WeightLoadError(f"quantized weight {name} in {folder} is not one the model loads")
     by_file: dict[str, list[str]] = defaultdict(list)
     for name in targets:
-        by_file[files[name]].append(name)
+        by_file[files[quant.data_name(name) if name in quant.weights else name]].append(name)
     for path, names in by_file.items():  # pass 1: headers only, fail before copying anything
         with safe_open(path, framework="pt", device="cpu") as f:
             present = set(f.keys())
             for name in names:
+                if name in quant.weights:
+                    try:
+                        quant.check(name, tuple(targets[name].shape))
+                    except QuantLoadError as e:
+                        raise WeightLoadError(f"{e} (in {path})") from None
+                    continue
                 if name not in present:
                     raise WeightLoadError(f"{INDEX_FILE} puts tensor {name} in {path}, "
                                           "which does not contain it")
@@ -90,53 +95,17 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
                     raise WeightLoadError(
                         f"tensor {name} has shape {list(shape)} in {path}; the model expects "
                         f"{list(targets[name].shape)}")
-                if header.get_dtype().startswith("F8") and name not in scales:
+                if header.get_dtype().startswith("F8"):
                     raise WeightLoadError(f"tensor {name} is float8_e4m3fn ({header.get_dtype()}) "
-                                          f"in {path} but has no {name}{SCALE_SUFFIX}")
-                if name in scales:
-                    _check_scale(name, shape, scales[name], files, model_config)
+                                          f"in {path} but has no {name}_scale_inv")
     for path, names in by_file.items():  # pass 2: copy, one tensor at a time
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in names:
-                tensor = f.get_tensor(name)
-                if name in scales:
-                    tensor = dequantize_blockwise(tensor, _read(files, scales[name]),
-                                                  model_config.quantization.block,
-                                                  targets[name].dtype)
-                targets[name].copy_(tensor)
-    return LoadedWeights(len(left_out), len(scales))
-
-
-def _fp8_scales(cfg: ModelConfig, files: dict[str, str], left_out: set[str],
-                folder: str) -> dict[str, str]:
-    """The checkpoint's FP8 scales that load: weight name -> its scale tensor's name."""
-    found = sorted(n for n in files if n.endswith(".weight" + SCALE_SUFFIX) and n not in left_out)
-    if not found:
-        return {}
-    if cfg.quantization is None or cfg.quantization.format != "fp8":
-        raise WeightLoadError(f"the checkpoint {folder} holds FP8 scales ({found[0]}, "
-                              f"{len(found)} in all) but its config.json declares no fp8 "
-                              "quantization_config")
-    return {n[:-len(SCALE_SUFFIX)]: n for n in found}
-
-
-def _check_scale(name: str, shape: tuple[int, ...], scale_name: str, files: dict[str, str],
-                 cfg: ModelConfig) -> None:
-    with safe_open(files[scale_name], framework="pt", device="cpu") as f:
-        scale = f.get_slice(scale_name)
-        got, dtype = tuple(scale.get_shape()), scale.get_dtype()
-    want = scale_shape(shape[0], shape[1], cfg.quantization.block) if len(shape) == 2 else None
-    if got != want:
-        raise WeightLoadError(f"{scale_name} has shape {list(got)} in {files[scale_name]}; "
-                              f"{name} {list(shape)} in {cfg.quantization.block} blocks needs "
-                              f"{list(want) if want else 'a 2-D weight'}")
-    if dtype not in ("F32", "BF16"):
-        raise WeightLoadError(f"{scale_name} is {dtype}; FP8 block scales are F32 (or BF16)")
-
-
-def _read(files: dict[str, str], name: str) -> torch.Tensor:
-    with safe_open(files[name], framework="pt", device="cpu") as f:
-        return f.get_tensor(name)
+                if name in quant.weights:
+                    targets[name].copy_(quant.dequantize(name, targets[name].dtype))
+                else:
+                    targets[name].copy_(f.get_tensor(name))
+    return LoadedWeights(len(left_out), len(quant.weights))
 
 
 def _checkpoint_files(folder: str) -> dict[str, str]:

@@ -114,8 +114,8 @@ def test_the_flag_must_agree_with_the_checkpoint() -> None:
         parse(FP8, NVFP4_HF_QUANT)
 
 
-def test_a_modelopt_folder_is_refused_with_its_format(tmp_path) -> None:
-    """ModelOpt may declare NVFP4 only in hf_quant_config.json: the folder is still refused."""
+def test_a_modelopt_folder_declares_nvfp4_in_hf_quant_config(tmp_path) -> None:
+    """ModelOpt may declare NVFP4 only in hf_quant_config.json: the folder's config has it."""
     import json
 
     from moeserve.config import load_model_config
@@ -123,8 +123,9 @@ def test_a_modelopt_folder_is_refused_with_its_format(tmp_path) -> None:
 
     (tmp_path / "config.json").write_text(json.dumps(load_preset("glm-4.7-flash")))
     (tmp_path / "hf_quant_config.json").write_text(json.dumps(NVFP4_HF_QUANT))
-    with pytest.raises(ConfigError, match="hf_quant_config.json: nvfp4 weights detected"):
-        load_model_config(str(tmp_path))
+    cfg = load_model_config(str(tmp_path))[0]
+    assert cfg.quantization is not None and cfg.quantization.format == "nvfp4"
+    assert cfg.quantization.kept_modules == ("lm_head", "model.layers.*.self_attn*")
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {}}))
     with pytest.raises(ConfigError, match="quant_algo is missing"):
         load_model_config(str(tmp_path))
