@@ -72,8 +72,9 @@ class QuantizedTensors:
         return parts.get(".weight_packed", weight)
 
     def check(self, weight: str, shape: tuple[int, ...]) -> None:
-        """weight's tensors against its format and the model's [N, K] `shape`."""
-        t = self._tensors(weight)
+        """weight's tensors against its format and the model's [N, K] `shape` (the data tensor
+        from its header alone: the checks read no weight bytes)."""
+        t = self._tensors(weight, data_header_only=True)
         try:
             if self.spec.format == "fp8":
                 fp8_block.check_weight(weight, t["data"], t[".weight_scale_inv"],
@@ -110,11 +111,27 @@ class QuantizedTensors:
         return int4_pack.dequantize(t["data"], t[".weight_scale"], t[".weight_shape"],
                                     self.spec.group_size, dtype)
 
-    def _tensors(self, weight: str) -> dict[str, torch.Tensor]:
+    def _tensors(self, weight: str, data_header_only: bool = False) -> dict[str, torch.Tensor]:
+        """weight's tensors by role ("data", then its companions' suffixes); the data tensor as
+        an empty meta tensor of its header's shape and dtype when `data_header_only`."""
         names = {"data": self.data_name(weight)}
         names |= {s: n for s, n in self.weights[weight].items() if n != names["data"]}
         out = {}
         for key, name in names.items():
             with safe_open(self.files[name], framework="pt", device="cpu") as f:
-                out[key] = f.get_tensor(name)
+                if key == "data" and data_header_only:
+                    header = f.get_slice(name)
+                    dtype = _DTYPES.get(header.get_dtype())
+                    if dtype is None:
+                        raise QuantLoadError(f"{name}: dtype {header.get_dtype()} is not one "
+                                             f"a {self.spec.format} weight is stored in")
+                    out[key] = torch.empty(header.get_shape(), dtype=dtype, device="meta")
+                else:
+                    out[key] = f.get_tensor(name)
         return out
+
+
+# safetensors' dtype names of the quantized formats' data tensors (and of plain weights, which
+# the formats' checks then name as the wrong dtype)
+_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "I32": torch.int32,
+           "I8": torch.int8, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
