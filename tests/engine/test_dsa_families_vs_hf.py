@@ -26,6 +26,7 @@ from tests.engine.test_generate_vs_hf import (
     check_prefix_hits_match_hf,
     hf_greedy,
 )
+from tests.engine.test_mla_families_vs_hf import _llm as mla_llm
 from tests.models.checkpoints import write_mtp_tensors, write_tiny_checkpoint
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32")
@@ -48,10 +49,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str
 
 
 def _llm(folder: str, device: str, **kw: object) -> LLM:
-    if device == "cuda":
-        kw.setdefault("mem_fraction", 0.1)
-    kw.setdefault("moe_backend", "grouped_mm")
-    llm = LLM(folder, device=device, dtype="float32", **kw)
+    llm = mla_llm(folder, device, **kw)
     for attn in _dsa_layers(llm):
         if attn.indexer is not None:
             attn.indexer.count_ties = True

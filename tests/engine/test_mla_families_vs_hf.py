@@ -44,6 +44,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str
 
 
 def _llm(folder: str, device: str, **kw: object) -> LLM:
+    """The fp32 engine of these tests (a small share of the GPU; grouped_mm MoE)."""
     if device == "cuda":
         kw.setdefault("mem_fraction", 0.1)
     kw.setdefault("moe_backend", "grouped_mm")

@@ -53,6 +53,9 @@ _LOW_HALF = (1 << 32) - 1
 _MASKED_KEY = -(1 << 63) + 1
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
+# mla_triton's jitted helpers, bound by _kernels() too (the kernels read them by global name)
+_attend_rows: Any = None
+_sum: Any = None
 
 
 def index_block_n(head_dim: int) -> int:
@@ -246,14 +249,6 @@ def _kernels() -> SimpleNamespace:
 
 
 # ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
-
-def _attend_rows(*args):  # bound by _kernels() to mla_triton's jitted helper
-    raise NotImplementedError
-
-
-def _sum(*args):  # bound by _kernels() to mla_triton's jitted helper
-    raise NotImplementedError
-
 
 def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq_lens_ptr,
                         positions_ptr, token_to_req_ptr, scale, t0, num_keys,
