@@ -50,6 +50,63 @@ class CacheConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """One model over several devices (docs/parallel.md): tensor and expert parallelism."""
+
+    tensor_parallel_size: int = 1
+    """World size W: ranks over all nodes (--tp); attention and dense layers split W ways."""
+    enable_expert_parallel: bool = False
+    """Split the routed experts across the ranks instead of each expert's width (EP = W
+    unless expert_parallel_size says otherwise)."""
+    expert_parallel_size: int | None = None
+    """EP of a MoE split MoE-TP x EP = W (e.g. 2 of W = 4: MoE TP 2 x EP 2); None: W with
+    enable_expert_parallel, else 1."""
+    nnodes: int = 1
+    """Nodes the W ranks span (W / nnodes on each)."""
+    node_rank: int = 0
+    """This node's index; node 0 runs the engine core and API, the others --headless."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0's rendezvous (torch.distributed's TCP store)."""
+    master_port: int | None = None
+    """Port of the rendezvous; None picks a free one (one node only)."""
+    step_timeout_s: float = 300.0
+    """Deadline of one engine step over the ranks: a rank that misses it is named and the
+    engine ends (collectives in CUDA graphs have no timeout of their own)."""
+    headless: bool = False
+    """Run this node's ranks as workers only (no API server, no engine core): nodes >= 1."""
+
+    def __post_init__(self) -> None:
+        w, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if w < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {w}")
+        if self.nnodes < 1 or w % self.nnodes:
+            raise ConfigError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({w}): "
+                              "each node runs W / nnodes ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank {self.node_rank} is not in [0, nnodes {self.nnodes})")
+        if ep is not None and (ep < 1 or w % ep):
+            raise ConfigError(f"expert_parallel_size {ep} must divide tensor_parallel_size {w} "
+                              "(MoE TP x EP = W)")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ConfigError("several nodes need --master-port (and --master-addr): every "
+                              "node must name the same rendezvous")
+        if self.step_timeout_s <= 0:
+            raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if self.headless and self.node_rank == 0 and self.nnodes > 1:
+            raise ConfigError("node 0 runs the engine core: --headless is for node_rank >= 1")
+
+    @property
+    def ep_size(self) -> int:
+        if self.expert_parallel_size is not None:
+            return self.expert_parallel_size
+        return self.tensor_parallel_size if self.enable_expert_parallel else 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Continuous batching and admission."""
 
@@ -170,6 +227,7 @@ class EngineConfig:
     num_continuous_decode_steps > 1."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.hf_overrides is not None:  # validated once; kept as canonical JSON text

@@ -17,9 +17,10 @@ import itertools
 from typing import Any
 
 from moeserve import config as cfgmod
-from moeserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from moeserve.config import CacheConfig, ConfigError, EngineConfig, ParallelConfig, SchedulerConfig
 
-_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+_ALIASES = {"tensor_parallel_size": ("--tp",)}  # the peers' short names
 
 
 @functools.cache
@@ -73,10 +74,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name, (section, f) in _flat_fields().items():
         cls = EngineConfig if section is None else _SECTIONS[section]
         default = f.default if f.default is not dataclasses.MISSING else None
-        flag = "--" + name.replace("_", "-")
+        flags = ("--" + name.replace("_", "-"), *_ALIASES.get(name, ()))
         help_text = f"{field_docs(cls).get(name, '')} (default: {default})"
         if f.type in ("bool", "bool | None"):
-            parser.add_argument(flag, dest=name, default=None,
+            parser.add_argument(*flags, dest=name, default=None,
                                 action=argparse.BooleanOptionalAction, help=help_text)
             continue
         kind = {"int": int, "float": float}.get(str(f.type), None)
@@ -84,7 +85,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind = _parse_auto_int
         elif "int | None" in str(f.type):
             kind = int
-        parser.add_argument(flag, dest=name, default=None, type=kind or str, help=help_text)
+        parser.add_argument(*flags, dest=name, default=None, type=kind or str, help=help_text)
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -37,8 +37,10 @@ from moeserve.gc_tuning import freeze_heap
 from moeserve.kernels.moe.tile_configs import tile_device_name
 from moeserve.kernels.registry import TILED_MOE_BACKENDS
 from moeserve.model_config import ModelConfig
+from moeserve.parallel.comm import TensorParallel
+from moeserve.parallel.executor import RankedRunner, start_ranks
+from moeserve.parallel.layout import RankLayout, check_layout
 from moeserve.runner.capacity import CapacityReport
-from moeserve.runner.kv_cache import allocate_kv_caches, kv_layout, plan_memory
 from moeserve.runner.model_runner import ModelRunner, timed
 from moeserve.runner.pending_output import PendingOutput
 from moeserve.sched import Request, Scheduler
@@ -64,8 +66,7 @@ class EngineCore:
             cpu_threads, torch_threads, cores = self._init_torch_threads(resolved)
         device = torch.device(self.cfg.device)
         with timed(phases, "weights", device):
-            self.runner = ModelRunner(self.cfg, self.model_config,
-                                      None if preset else self.cfg.model)
+            self.runner = self._start_runner(preset)
         with timed(phases, "moe_tune", device):
             moe_tune = self._ensure_moe_tuned(device)
         with timed(phases, "profile", device):
@@ -75,13 +76,8 @@ class EngineCore:
             rows = min(budget, cap if isinstance(cap, int) else sched_cfg.request_pool)
             peak = self.runner.profile_activation_peak(min(budget, sched_cfg.max_model_len), rows)
         with timed(phases, "kv_cache", device):
-            graph_reserve = self._graph_reserve(peak)
-            indexer_cache = self.runner.indexer_cache
-            plan = plan_memory(self.model_config, self.cfg.cache, self.runner.dtype, device,
-                               self.runner.weight_bytes, peak, graph_reserve, indexer_cache)
-            self.runner.bind_kv_caches(allocate_kv_caches(self.model_config, plan,
-                                                          self.runner.dtype, device,
-                                                          indexer_cache))
+            plan = self.runner.plan_memory(self.cfg.cache, peak, self._graph_reserve(peak))
+            self.runner.allocate_kv_caches(plan)
         sched_cfg = self._fit_max_model_len(sched_cfg, plan.num_kv_tokens, resolved)
         self.cfg = dataclasses.replace(self.cfg, scheduler=sched_cfg)
         self.max_running_requests, rule = resolve_max_running_requests(sched_cfg,
@@ -106,7 +102,7 @@ class EngineCore:
             usable_cores=cores,
             moe_configs=_moe_configs(self.cfg, self.model_config, self.runner.dtype,
                                      tile_device_name(device)),
-            kv_layout=kv_layout(self.model_config, self.runner.dtype, indexer_cache),
+            kv_layout=self.runner.kv_layout(),
             mtp=self.runner.mtp_note, dsa=_dsa_line(self.cfg, self.model_config),
             checkpoint_format=self.runner.format_note)
         self.counters = StepCounters()
@@ -114,6 +110,25 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.cfg.seed)
         freeze_heap()  # the model, the pool, the graphs: kept out of the step loop's GC passes
+
+    def _start_runner(self, preset: bool) -> ModelRunner | RankedRunner:
+        """This process's runner; with tensor_parallel_size > 1, rank 0's, every call mirrored
+        on the other ranks (parallel/executor.py), which it starts."""
+        folder = None if preset else self.cfg.model
+
+        def build(tp: TensorParallel | None = None) -> ModelRunner:
+            return ModelRunner(self.cfg, self.model_config, folder, tp)
+
+        pc = self.cfg.parallel
+        if pc.tensor_parallel_size == 1:
+            return build()
+        check_layout(self.model_config, RankLayout(pc.tensor_parallel_size, 0, pc.ep_size))
+        return start_ranks(self.cfg, build)
+
+    def close(self) -> None:
+        """Stop the other ranks (a no-op on one rank); the engine takes no steps after it."""
+        if isinstance(self.runner, RankedRunner):
+            self.runner.shutdown()
 
     def _init_torch_threads(self, resolved: dict[str, str]) -> tuple[str, int, int]:
         """Set torch's CPU threads (torch_threads) and say them against the usable cores: on
@@ -147,12 +162,12 @@ class EngineCore:
         from moeserve.kernels.moe.tile_configs import find_tuned
         from moeserve.kernels.moe.tune import ensure_tuned
 
-        shape = (mc.num_experts, mc.hidden_size, mc.moe_intermediate_size)
+        block = self.runner.model.moe_blocks()[0]  # this rank's experts and widths
+        shape = (block.num_local_experts, mc.hidden_size, block.w2.shape[-1])
         if self.cfg.moe_tune_budget_s == 0:
             found = find_tuned(*shape, self.runner.dtype, tile_device_name(device))
             return ("not tuned at start-up (moe_tune_budget_s=0): "
                     + (f"using {found[0]}" if found else "default tiles"))
-        block = self.runner.model.moe_blocks()[0]
         outcome = ensure_tuned(*shape, mc.num_experts_per_tok, self.runner.dtype,
                                self.cfg.scheduler.max_num_batched_tokens,
                                time_budget_s=self.cfg.moe_tune_budget_s,

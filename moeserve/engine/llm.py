@@ -49,6 +49,16 @@ class LLM:
         self._results: dict[str, CompletionOutput] = {}
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's other ranks (tensor_parallel_size > 1); nothing to do on one."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def report(self):  # the capacity report
         return self.engine.report

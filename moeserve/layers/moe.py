@@ -24,6 +24,12 @@ ties); the other routers and CPU run the torch references, counting with scatter
 Shared experts (DeepSeek, GLM): one dense MLP of width `shared_expert_intermediate_size` sees
 every token beside the routed experts; its output is one more part of the [T, S, hidden] sum
 (or is added, reduce=True).
+
+Expert parallelism (`experts=(first, count)`): the block holds experts [first, first + count)
+of the E the router chooses among; the router runs whole (every rank selects the same pairs),
+a pair whose expert is elsewhere gets id -1, which every MoE backend skips (it adds zero), and
+the layer's all-reduce (models/decoder.py) sums the ranks' partials. Expert load counts the
+global ids, so every rank counts every pair.
 """
 
 from __future__ import annotations
@@ -53,9 +59,13 @@ MoeBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, t
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, moe_backend: MoeBackend,
                  dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 experts: tuple[int, int] | None = None) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.first_expert, local = experts if experts is not None else (0, e)
+        self.num_local_experts = local
+        self.sharded = local != e
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.router = config.router
@@ -63,8 +73,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = empty_param(e, h, dtype=dtype, device=device)  # router, [E, hidden]
         self.correction_bias = (empty_param(e, dtype=torch.float32, device=device)
                                 if config.router.correction_bias else None)  # [E] fp32
-        self.w13 = empty_param(e, 2 * i, h, dtype=dtype, device=device)  # [E, 2I, hidden]
-        self.w2 = empty_param(e, h, i, dtype=dtype, device=device)  # [E, hidden, I]
+        self.w13 = empty_param(local, 2 * i, h, dtype=dtype, device=device)  # [E, 2I, hidden]
+        self.w2 = empty_param(local, h, i, dtype=dtype, device=device)  # [E, hidden, I]
         self.shared_experts = (MLP(h, config.shared_expert_intermediate_size, dtype, device)
                                if config.shared_expert_intermediate_size else None)
         self.expert_counts: torch.Tensor | None = None  # [E] int64, bound by the runner
@@ -96,7 +106,7 @@ class SparseMoeBlock(nn.Module):
                 topk_weights, topk_ids = select_experts_triton(
                     router_logits, self.top_k, self.renormalize, counts=self.expert_counts,
                     count_mask=mask if self.expert_counts is not None else None)
-                return self.backend(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)
+                return self._experts(x, topk_weights, topk_ids, reduce)
             topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         elif r.scoring == "softmax":
             topk_weights, topk_ids = select_experts_softmax_grouped(
@@ -115,4 +125,13 @@ class SparseMoeBlock(nn.Module):
             else:
                 ones = self.count_mask[:, None].expand(-1, self.top_k).reshape(-1)  # [T * k]
             self.expert_counts.scatter_add_(0, ids, ones)
+        return self._experts(x, topk_weights, topk_ids, reduce)
+
+    def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 reduce: bool) -> torch.Tensor:
+        """The backend over this block's experts: global ids -> local, -1 for the others."""
+        if self.sharded:
+            local = topk_ids - self.first_expert
+            held = (local >= 0) & (local < self.num_local_experts)
+            topk_ids = torch.where(held, local, torch.full_like(local, -1))
         return self.backend(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)

@@ -13,6 +13,7 @@ import torch
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from moeserve.models.decoder import CausalLM
+from moeserve.parallel.comm import TensorParallel
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, CausalLM)
 
@@ -21,7 +22,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES
 def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
                 device: torch.device | str, moe_backend: str | Callable,
                 attention_backend: str | Callable,
-                mla_backend: str | Callable | None = None, dsa_mode: str = "auto") -> CausalLM:
+                mla_backend: str | Callable | None = None, dsa_mode: str = "auto",
+                tp: TensorParallel | None = None) -> CausalLM:
     """Build the model with uninitialised weights (load_weights or init_dummy_weights fill them).
 
     Args:
@@ -32,6 +34,8 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
             under attention_backend's name (the torch reference when that is a function).
         dsa_mode: DeepSeek Sparse Attention models: "auto" (the indexer's top-k for contexts
             beyond index_topk, dense MLA below), "dense" or "sparse" (layers/dsa.py).
+        tp: this rank's shard and its collectives under tensor / expert parallelism; None
+            builds the whole model.
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -42,6 +46,6 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
         mla_backend = attention_backend if isinstance(attention_backend, str) else "torch"
     mla_fn = get_mla_backend(mla_backend) if isinstance(mla_backend, str) else mla_backend
     cls = MODEL_CLASSES[model_config.architecture]
-    model = cls(model_config, moe_fn, attn_fn, mla_fn, dtype, torch.device(device)).eval()
+    model = cls(model_config, moe_fn, attn_fn, mla_fn, dtype, torch.device(device), tp).eval()
     model.set_dsa_mode(dsa_mode)
     return model

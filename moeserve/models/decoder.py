@@ -27,6 +27,12 @@ first_k_dense_replace, GLM-4.7-Flash's and the DSA models' mlp_layer_types). One
 choices in layers/ rather than a file per family, so a fix lands once; each family's config
 parsing is in moeserve/hf_config/<family>.py and its HF weight names in
 runner/weight_names.py.
+
+Tensor parallelism (`tp`, a parallel.comm.TensorParallel; None at one rank): the layers are
+built from the rank's local config (parallel/layout.py: heads and widths divided), each
+DecoderLayer all-reduces its attention output and its MLP / MoE output (reduced over the parts
+first), the embedding holds a slice of the vocabulary (a token outside it looks up zeros; the
+all-reduce fills it in) and so does the LM head (its logits all-gathered, the padding cut).
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import MoeBackend, SparseMoeBlock
 from moeserve.layers.norm import RMSNorm
 from moeserve.model_config import ModelConfig
+from moeserve.parallel.comm import TensorParallel
+from moeserve.parallel.layout import local_experts, local_model_config, local_vocab
 
 Device = torch.device | str | None
 
@@ -50,8 +58,12 @@ Device = torch.device | str | None
 class DecoderLayer(nn.Module):
     def __init__(self, layer_idx: int, config: ModelConfig, moe_backend: MoeBackend,
                  attention_backend: AttentionBackend, mla_backend: MlaBackend,
-                 dtype: torch.dtype, device: Device) -> None:
+                 dtype: torch.dtype, device: Device, tp: TensorParallel | None = None,
+                 num_experts: int = 0) -> None:
+        """config: the rank's local config (the whole model's at one rank); num_experts: the
+        model's routed experts (the router's width), of which this rank holds its share."""
         super().__init__()
+        self.tp = tp
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
         self.self_attn: Attention | MLAttention
@@ -64,7 +76,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.mlp: MLP | SparseMoeBlock
         if config.is_moe_layer(layer_idx):
-            self.mlp = SparseMoeBlock(config, moe_backend, dtype, device)
+            experts = local_experts(num_experts, tp.layout) if tp is not None else None
+            self.mlp = SparseMoeBlock(config, moe_backend, dtype, device, experts)
         else:
             self.mlp = MLP(h, config.intermediate_size, dtype, device)
 
@@ -103,7 +116,12 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, hidden: torch.Tensor, residual: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's output [T, hidden] (this rank's partial sum under TP) -> as forward."""
+        if self.tp is not None:
+            hidden = self.tp.all_reduce(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.tp is not None:  # the partials summed here, the ranks' by the all-reduce
+            return self.tp.all_reduce(self.mlp(hidden)), residual
         if isinstance(self.mlp, SparseMoeBlock):
             return self.mlp(hidden, reduce=False), residual  # [T, S, hidden], [T, hidden]
         return self.mlp(hidden), residual  # [T, hidden] each
@@ -112,13 +130,18 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, config: ModelConfig, moe_backend: MoeBackend,
                  attention_backend: AttentionBackend, mla_backend: MlaBackend,
-                 dtype: torch.dtype, device: Device) -> None:
+                 dtype: torch.dtype, device: Device, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp
+        self.vocab_start, rows = (local_vocab(config.vocab_size, tp.layout) if tp is not None
+                                  else (0, config.vocab_size))
         self.embed_tokens = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
-            requires_grad=False)  # [V, hidden]
+            torch.empty(rows, config.hidden_size, dtype=dtype, device=device),
+            requires_grad=False)  # [V, hidden] (this rank's rows under TP)
+        local = local_model_config(config, tp.layout) if tp is not None else config
         self.layers = nn.ModuleList(
-            DecoderLayer(i, config, moe_backend, attention_backend, mla_backend, dtype, device)
+            DecoderLayer(i, local, moe_backend, attention_backend, mla_backend, dtype, device,
+                         tp, config.num_experts)
             for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -130,7 +153,12 @@ class Model(nn.Module):
         return self.final_norm(hidden, residual)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        local = input_ids - self.vocab_start
+        held = (local >= 0) & (local < self.embed_tokens.shape[0])  # [T]
+        rows = F.embedding(torch.where(held, local, torch.zeros_like(local)), self.embed_tokens)
+        return self.tp.all_reduce(rows * held[:, None].to(rows.dtype))
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The last layer's (hidden, residual) -> the final hidden states [T, hidden]."""
@@ -144,15 +172,18 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, moe_backend: MoeBackend,
                  attention_backend: AttentionBackend, mla_backend: MlaBackend,
-                 dtype: torch.dtype, device: Device = None) -> None:
+                 dtype: torch.dtype, device: Device = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.config = config
-        self.model = Model(config, moe_backend, attention_backend, mla_backend, dtype, device)
+        self.config = config  # the whole model's (each layer holds its rank's local shapes)
+        self.tp = tp
+        self.model = Model(config, moe_backend, attention_backend, mla_backend, dtype, device,
+                           tp)
         self.lm_head: nn.Parameter | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
-                requires_grad=False)  # [V, hidden]
+                torch.empty(self.model.embed_tokens.shape, dtype=dtype, device=device),
+                requires_grad=False)  # [V, hidden] (this rank's rows under TP)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -163,7 +194,10 @@ class CausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, V] in the model dtype (as HF). No fp32 copy here:
         at 1,024 rows and V 152k that copy cost 0.45 ms of a 30 ms decode step on the H200."""
         weight = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight)
+        logits = F.linear(hidden, weight)
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_last(logits)[:, :self.config.vocab_size]
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         """The sparse MoE blocks, in layer order."""

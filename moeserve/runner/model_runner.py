@@ -21,14 +21,23 @@ import numpy as np
 import torch
 
 from moeserve import envs
-from moeserve.config import ConfigError, EngineConfig
+from moeserve.config import CacheConfig, ConfigError, EngineConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers.sampler import SamplingTensors, sample
 from moeserve.model_config import ModelConfig, read_json_config
 from moeserve.models import build_model
+from moeserve.parallel.comm import TensorParallel
+from moeserve.parallel.layout import RankLayout, local_model_config
 from moeserve.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from moeserve.runner.kv_cache import LayerCache, MemoryPlan, allocate_kv_caches, num_cache_blocks
+from moeserve.runner.kv_cache import (
+    LayerCache,
+    MemoryPlan,
+    allocate_kv_caches,
+    kv_layout,
+    num_cache_blocks,
+    plan_memory,
+)
 from moeserve.runner.mixed_graphs import MixedGraphs, mixed_token_buckets
 from moeserve.runner.pending_output import PendingOutput
 from moeserve.runner.step_profile import StepProfiler
@@ -40,9 +49,15 @@ from moeserve.types import ModelOutput, SamplingParams, SchedulerOutput
 class ModelRunner:
     """Builds the model, holds the KV cache, runs one step at a time."""
 
-    def __init__(self, cfg: EngineConfig, model_config: ModelConfig, weights_folder: str | None):
+    def __init__(self, cfg: EngineConfig, model_config: ModelConfig, weights_folder: str | None,
+                 tp: TensorParallel | None = None):
+        """tp: this rank's shard and collectives under tensor / expert parallelism (None: the
+        whole model on this process)."""
         self.cfg = cfg
         self.model_config = model_config
+        self.tp = tp
+        self.layout = tp.layout if tp is not None else RankLayout()
+        self.local_config = local_model_config(model_config, self.layout)  # the rank's shapes
         self.device = torch.device(cfg.device)
         self.dtype = getattr(torch, cfg.dtype)
         self.block_size = cfg.cache.block_size
@@ -67,7 +82,7 @@ class ModelRunner:
                                  get_moe_backend(self.cfg.moe_backend, self.cfg.moe_tiles),
                                  get_attention_backend(self.cfg.attention_backend),
                                  get_mla_backend(self.cfg.attention_backend),
-                                 dsa_mode=self.cfg.dsa)
+                                 dsa_mode=self.cfg.dsa, tp=self.tp)
         self.mtp_note = ""  # the capacity report's line on the checkpoint's layers not run
         self.format_note = ""  # ... and on a quantized checkpoint's weights
         if self.cfg.load_format == "dummy":
@@ -83,7 +98,7 @@ class ModelRunner:
             layers = read_json_config(os.path.join(weights_folder, "config.json")).get(
                 "num_hidden_layers", mc.num_layers)
             left_out, fp8 = load_weights(self.model, mc, weights_folder,
-                                         checkpoint_layers=layers)
+                                         checkpoint_layers=layers, layout=self.layout)
             if fp8:
                 q = mc.quantization
                 kind = {"fp8": f"fp8 block-scaled ({'x'.join(map(str, q.block or ()))})",
@@ -148,8 +163,7 @@ class ModelRunner:
             return 0
         num_blocks = num_tokens // self.block_size + 2
         plan = MemoryPlan(str(self.device), 0, 0, 0, 0, 0, 0, 0, num_blocks, self.block_size, "")
-        self.bind_kv_caches(allocate_kv_caches(self.model_config, plan, self.dtype, self.device,
-                                               self.indexer_cache))
+        self.allocate_kv_caches(plan)
         self.model.bind_expert_counters(None)  # the profile is not served load
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -172,6 +186,21 @@ class ModelRunner:
         self.bind_kv_caches([])
         torch.cuda.empty_cache()
         return int(peak)
+
+    def plan_memory(self, cache: CacheConfig, activation_peak: int,
+                    graph_reserve: int) -> MemoryPlan:
+        """This rank's memory plan: the KV blocks that fit beside its weights (its local
+        shapes: a rank's share of the KV heads)."""
+        return plan_memory(self.local_config, cache, self.dtype, self.device, self.weight_bytes,
+                           activation_peak, graph_reserve, self.indexer_cache)
+
+    def allocate_kv_caches(self, plan: MemoryPlan) -> None:
+        """Allocate plan.num_blocks blocks of every layer's cache (the rank's shapes), bound."""
+        self.bind_kv_caches(allocate_kv_caches(self.local_config, plan, self.dtype, self.device,
+                                               self.indexer_cache))
+
+    def kv_layout(self) -> str:
+        return kv_layout(self.local_config, self.dtype, self.indexer_cache)
 
     def bind_kv_caches(self, kv_caches: list[LayerCache]) -> None:
         """Bind the KV tensors; serving starts here, so expert counting starts here too (the

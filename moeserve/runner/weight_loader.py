@@ -35,6 +35,7 @@ from moeserve.layers.moe import SparseMoeBlock
 from moeserve.layers.norm import LayerNorm, RMSNorm
 from moeserve.model_config import ModelConfig
 from moeserve.models.decoder import CausalLM
+from moeserve.parallel.layout import RankLayout
 from moeserve.runner.quant_loading import QuantizedTensors, QuantLoadError
 from moeserve.runner.weight_names import left_out_layer_names, weight_targets
 
@@ -55,9 +56,11 @@ class LoadedWeights(NamedTuple):
 
 @torch.no_grad()
 def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
-                 checkpoint_layers: int | None = None) -> LoadedWeights:
+                 checkpoint_layers: int | None = None,
+                 layout: RankLayout | None = None) -> LoadedWeights:
     """Copy the checkpoint in `folder` into `model`'s parameters (strict; see module doc).
-    checkpoint_layers: the checkpoint's own num_hidden_layers when hf_overrides served fewer."""
+    checkpoint_layers: the checkpoint's own num_hidden_layers when hf_overrides served fewer;
+    layout: the rank whose shard `model` holds (each tensor's part read, weight_names.Target)."""
     files = _checkpoint_files(folder)  # tensor name -> file path
     left_out = left_out_layer_names(model_config, set(files), checkpoint_layers)
     try:
@@ -65,7 +68,7 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
     except QuantLoadError as e:
         raise WeightLoadError(str(e)) from None
     tensors = (set(files) - quant.consumed) | set(quant.weights)  # int4: X.weight is virtual
-    targets = weight_targets(model, model_config, tensors)  # tensor name -> destination
+    targets = weight_targets(model, model_config, tensors, layout)  # name -> Target
     skipped = {n for n in tensors if n.endswith(_IGNORED_SUFFIXES)} | left_out
     if model_config.tie_word_embeddings:
         skipped.add("lm_head.weight")
@@ -102,9 +105,14 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in names:
                 if name in quant.weights:
-                    targets[name].copy_(quant.dequantize(name, targets[name].dtype))
-                else:
-                    targets[name].copy_(f.get_tensor(name))
+                    parts = targets[name].parts
+                    if parts:
+                        full = quant.dequantize(name, parts[0][0].dtype)
+                        for dest, index in parts:
+                            dest.copy_(full[index])
+                    continue
+                for dest, index in targets[name].parts:  # none: another rank's tensor
+                    dest.copy_(f.get_slice(name)[index] if index else f.get_tensor(name))
     return LoadedWeights(len(left_out), len(quant.weights))
 
 

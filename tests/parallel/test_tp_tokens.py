@@ -1,0 +1,63 @@
+"""One model over several processes (gloo, one torch thread each) gives the single process's
+greedy tokens: tensor parallelism, expert parallelism and their mix, for every attention kind.
+
+Each case starts real worker processes through the engine (parallel/executor.py) and serves a
+batch of prompts of different lengths for 32 new tokens, with a token budget that chunks the
+long prompts' prefill and a KV pool small enough that requests are preempted and recomputed.
+The reference is the same engine on one process; the tiny fp32 checkpoints have peaked logits
+(tests/models/checkpoints.py), so a misplaced shard changes the tokens.
+
+    layouts: W = 2 as TP 2; W = 2 as attention TP 2 with MoE EP 2; W = 4 as attention TP 4
+    with MoE TP 2 x EP 2 (qwen3_moe's 2 KV heads then replicated over pairs of ranks)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moeserve import LLM, SamplingParams
+from tests.engine.test_generate_vs_hf import _prompts
+from tests.models.checkpoints import write_tiny_checkpoint
+
+NEW_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+PROMPT_LENS = (41, 5, 17, 1)
+# the budget chunks the 41-token prompt; 4 requests need up to (41 + 32) / 4 = 19 blocks
+# each, and 40 blocks cannot hold them all at once: preemption
+ENGINE = dict(device="cpu", dtype="float32", moe_backend="grouped_mm", torch_threads=1,
+              block_size=4, num_blocks=40, max_model_len=96, max_num_batched_tokens=24,
+              max_running_requests=4)
+LAYOUTS = {"tp2": dict(tensor_parallel_size=2),
+           "tp2-ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+           "tp4-moe-tp2xep2": dict(tensor_parallel_size=4, expert_parallel_size=2)}
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "glm_moe_dsa")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """arch -> (checkpoint, prompts, the single process's tokens), built on first use."""
+    cache: dict[str, tuple] = {}
+
+    def get(arch: str) -> tuple:
+        if arch not in cache:
+            folder = write_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch))
+            prompts = _prompts(256, PROMPT_LENS, seed=3)
+            llm = LLM(folder, **ENGINE)
+            tokens = [r.token_ids for r in llm.generate(prompts, GREEDY)]
+            assert llm.engine.scheduler.stats.num_preemptions > 0
+            assert llm.engine.scheduler.stats.num_prefill_chunks > 1
+            cache[arch] = (folder, prompts, tokens)
+        return cache[arch]
+    return get
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sharded_engine_gives_the_single_process_tokens(references, arch: str,
+                                                        layout: str) -> None:
+    folder, prompts, expected = references(arch)
+    with LLM(folder, **ENGINE, **LAYOUTS[layout]) as llm:
+        results = llm.generate(prompts, GREEDY)
+        assert llm.engine.scheduler.stats.num_preemptions > 0
+        assert llm.engine.runner.world_size == LAYOUTS[layout]["tensor_parallel_size"]
+    assert [r.token_ids for r in results] == expected
