@@ -140,7 +140,10 @@ def _serve(engine_kwargs: dict, ipc_dir: str, num_clients: int, parent: int) -> 
     try:
         core = _start(engine_kwargs, outboxes, parent)
         if core is not None:
-            _EngineLoop(core, inbox, outboxes, parent).run()
+            try:
+                _EngineLoop(core, inbox, outboxes, parent).run()
+            finally:
+                core.close()  # the other ranks (tensor_parallel_size > 1)
     finally:
         inbox.close(linger=0)
         for box in outboxes:

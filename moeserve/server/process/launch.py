@@ -143,6 +143,14 @@ def run_serve(args: argparse.Namespace, join: EngineJoin | None = None) -> int:
 
     With --api-servers N > 1 this process becomes the launcher of N API processes
     (process/multiproc.py), each of which calls run_serve again with `join` set."""
+    if join is None:
+        from moeserve.engine.args import engine_config_from_kwargs
+        from moeserve.parallel.node import run_node, serve_role
+
+        cfg = engine_config_from_kwargs(**engine_kwargs_from_args(args))
+        if serve_role(cfg) != "engine":  # a worker node: no API server, no engine core
+            logging.basicConfig(level=args.log_level.upper())
+            return run_node(cfg)
     if join is None and args.api_servers > 1:
         from moeserve.server.process.multiproc import run_launcher
 
