@@ -101,7 +101,8 @@ class EngineCore:
             moe_tune=moe_tune, cpu_threads=cpu_threads, torch_threads=torch_threads,
             usable_cores=cores,
             moe_configs=_moe_configs(self.cfg, self.model_config, self.runner.dtype,
-                                     tile_device_name(device)),
+                                     tile_device_name(device), self._moe_shape()),
+            parallel=self._parallel_line(plan),
             kv_layout=self.runner.kv_layout(),
             mtp=self.runner.mtp_note, dsa=_dsa_line(self.cfg, self.model_config),
             checkpoint_format=self.runner.format_note)
@@ -124,6 +125,25 @@ class EngineCore:
             return build()
         check_layout(self.model_config, RankLayout(pc.tensor_parallel_size, 0, pc.ep_size))
         return start_ranks(self.cfg, build)
+
+    def _moe_shape(self) -> tuple[int, int, int] | None:
+        """This rank's routed experts as (experts, hidden, width): what its tiles are for."""
+        blocks = self.runner.model.moe_blocks()
+        if not blocks:
+            return None
+        return (blocks[0].num_local_experts, self.model_config.hidden_size,
+                blocks[0].w2.shape[-1])
+
+    def _parallel_line(self, plan) -> str:
+        """The capacity report's layout line: the split, and what each rank holds."""
+        layout, mc = self.runner.layout, self.model_config
+        if layout.world_size == 1:
+            return ""
+        local = self.runner.local_config
+        cache = ("the latent cache whole on every rank" if mc.mla is not None else
+                 f"{local.num_kv_heads} of {mc.num_kv_heads} KV heads a rank")
+        return (f"{layout.describe()}; each rank: weights {plan.weight_bytes / (1 << 30):.2f} "
+                f"GiB, {plan.num_kv_tokens:,} KV tokens ({cache})")
 
     def close(self) -> None:
         """Stop the other ranks (a no-op on one rank); the engine takes no steps after it."""
@@ -162,8 +182,8 @@ class EngineCore:
         from moeserve.kernels.moe.tile_configs import find_tuned
         from moeserve.kernels.moe.tune import ensure_tuned
 
-        block = self.runner.model.moe_blocks()[0]  # this rank's experts and widths
-        shape = (block.num_local_experts, mc.hidden_size, block.w2.shape[-1])
+        shape = self._moe_shape()
+        block = self.runner.model.moe_blocks()[0]
         if self.cfg.moe_tune_budget_s == 0:
             found = find_tuned(*shape, self.runner.dtype, tile_device_name(device))
             return ("not tuned at start-up (moe_tune_budget_s=0): "
@@ -306,18 +326,18 @@ def _dsa_line(cfg: EngineConfig, mc: ModelConfig) -> str:
 
 
 def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
-                 device_name: str) -> dict[str, dict]:
+                 device_name: str, shape: tuple[int, int, int] | None) -> dict[str, dict]:
     """The fused-MoE tile config at a few batch sizes, and whether each was tuned (report),
     from the engine's tile source (moe_tiles: "default" gives tuned False, source "default",
     backend "triton" everywhere). "tiles" names the config (`config_key`: M.._N.._K.._G.._w..
-    _s.., then +down_N.. when the down launch has its own tiles)."""
-    if cfg.moe_backend not in TILED_MOE_BACKENDS or not mc.num_experts:
+    _s.., then +down_N.. when the down launch has its own tiles). shape: this rank's (experts,
+    hidden, width)."""
+    if cfg.moe_backend not in TILED_MOE_BACKENDS or shape is None:
         return {}
     from moeserve.kernels.moe.tile_configs import config_key, get_moe_config
 
     sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
-    choices = {n: get_moe_config(mc.num_experts, mc.hidden_size, mc.moe_intermediate_size,
-                                 mc.num_experts_per_tok, dtype, n, device_name,
+    choices = {n: get_moe_config(*shape, mc.num_experts_per_tok, dtype, n, device_name,
                                  tiles=cfg.moe_tiles) for n in sizes}
     measured = cfg.moe_backend == "measured"
     return {str(n): {"config": c.config, "tiles": config_key(c.config), "tuned": c.tuned,

@@ -40,6 +40,7 @@ class CapacityReport:
     mtp: str = ""  # the checkpoint's layers not run (MTP, an hf_overrides slice), or ""
     checkpoint_format: str = ""  # a quantized checkpoint's weights (how they load), or ""
     dsa: str = ""  # DeepSeek Sparse Attention: how contexts attend (auto / dense), or ""
+    parallel: str = ""  # the ranks' split and what each holds (tensor_parallel_size > 1), or ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -66,6 +67,7 @@ class CapacityReport:
             "kv_layout": self.kv_layout,
             "mtp": self.mtp,
             "dsa": self.dsa,
+            "parallel": self.parallel,
             "text": self.format(),  # as printed at start-up (the API process prints this too)
         }
 
@@ -78,6 +80,7 @@ class CapacityReport:
               if c.hf_overrides else []),
             ("device / dtype", f"{c.device} ({self.device_name}) / {c.dtype}"),
             *([("CPU threads", self.cpu_threads)] if self.cpu_threads else []),
+            *([("parallel", self.parallel)] if self.parallel else []),
             ("weights", f"{m.weight_bytes / GiB:.2f} GiB ({c.load_format})"),
         ]
         if m.total_bytes:
