@@ -141,6 +141,16 @@ def _device(fixed: Mapping[str, Any]) -> str:
     return "cuda" if dev.startswith("cuda") else "cpu"
 
 
+def _device_count(device: str) -> int:
+    """The GPUs a study may spread one server over (1 on CPU: gloo ranks there are for tests,
+    not throughput)."""
+    if device != "cuda":
+        return 1
+    import torch
+
+    return torch.cuda.device_count()
+
+
 class Progress:
     """One line when a trial starts, one when it ends: its figures and the best so far."""
 
@@ -209,8 +219,9 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
                     raise ValueError(f"--max-concurrency: {part!r} is not an integer") from None
     if not concurrencies or min(concurrencies) < 1:
         raise ValueError("--max-concurrency: give at least one concurrency >= 1")
+    num_devices = _device_count(device)
     space = knob_space(device, start, fixed=list(fixed), only=only,
-                       concurrency=max(concurrencies))
+                       concurrency=max(concurrencies), num_devices=num_devices)
     owned = sorted({a.split("=")[0] for a in shlex.split(args.bench_args)} & _TUNE_OWNS)
     if owned:
         raise ValueError(f"--bench-args: {', '.join(owned)} are the tune's own (use "
@@ -222,7 +233,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     if args.confirm_runs < 1 or args.n_trials < 1:
         raise ValueError("--confirm-runs and --n-trials must be >= 1")
     return {"model": model, "fixed": fixed, "space": space, "device": device,
-            "concurrencies": concurrencies, "phases": phases}
+            "concurrencies": concurrencies, "phases": phases, "num_devices": num_devices}
 
 
 def _arms(args: argparse.Namespace, best: dict[str, Any], space: Any) -> dict[str, dict]:
@@ -268,7 +279,8 @@ def _report_only(args: argparse.Namespace, console: Console) -> int:
                          "moeserve tune (no setup recorded)")
     fixed = _engine_flags(setup["server_args"], "--server-args")
     space = knob_space(setup["device"], setup["start"], fixed=list(fixed), only=setup["knobs"],
-                       concurrency=max(setup["concurrencies"]))
+                       concurrency=max(setup["concurrencies"]),
+                       num_devices=setup.get("num_devices", 1))
     evaluator = ServerBenchEvaluator(setup["model"], shlex.split(setup["server_args"]),
                                      BenchPlan(setup["concurrencies"]), flags_of=space.flags)
     path = report.write_report(study, space, Path(args.out),
@@ -347,6 +359,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                          "concurrencies": s["concurrencies"], "bench_args": args.bench_args,
                          "trial_prompts": args.trial_prompts, "server_args": args.server_args,
                          "start": space.start, "knobs": list(space.knobs),
+                         "num_devices": s["num_devices"],
                          "slo": [args.slo_tpot_ms, args.slo_ttft_ms, args.slo_stat]})
     command_of = lambda p: shlex.join(evaluator.command(p))  # noqa: E731
     console.print(f"study {name!r} in {args.storage}: {len(study_mod.ledger(study))} trials so "

@@ -16,8 +16,10 @@ A knob's condition (`unless`) names a knob listed before it, so that define-by-r
 the condition first. Values are the engine's own (config.py field values; "auto" where the
 field takes it), so a ledger row reads as a command line. Ordered numeric choices (powers of
 two) are categorical to Optuna, whose TPE sampler handles a few dozen noisy trials over them
-well; a range of small integers is an integer distribution. A knob the engine gains later
-(parallelism, KV dtype, quantization) is one more row in _knobs.
+well; a range of small integers is an integer distribution. On a machine of several GPUs the
+parallel layout joins the space (tensor_parallel_size, enable_expert_parallel,
+expert_parallel_size: `_parallel_knobs`); a knob the engine gains later (KV dtype,
+quantization) is one more row in _knobs.
 
 Restart: every knob today is an engine flag, read at start-up, so a trial is a fresh server;
 `restart` is declared per knob so that a knob the server can change live can skip it.
@@ -85,8 +87,23 @@ def _cap_choices(concurrency: int) -> tuple[Any, ...]:
                                            (4 * top).bit_length())))
 
 
-def _knobs(concurrency: int = 1024) -> tuple[Knob, ...]:
+def _parallel_knobs(num_devices: int) -> tuple[Knob, ...]:
+    """Tensor and expert parallelism over the machine's devices (none on one device): the
+    world sizes that are powers of two up to the devices, EP on or off, or a MoE TP x EP mix."""
+    if num_devices < 2:
+        return ()
+    sizes = tuple(1 << i for i in range(num_devices.bit_length()) if 1 << i <= num_devices)
     return (
+        Knob("tensor_parallel_size", 1, sizes, devices=("cuda",)),
+        Knob("enable_expert_parallel", False, (False, True), devices=("cuda",),
+             unless=("tensor_parallel_size", 1)),
+        Knob("expert_parallel_size", None, (None, *sizes[1:-1]), devices=("cuda",),
+             unless=("enable_expert_parallel", False)),
+    )
+
+
+def _knobs(concurrency: int = 1024, num_devices: int = 1) -> tuple[Knob, ...]:
+    return (*_parallel_knobs(num_devices),
         Knob("max_running_requests", "auto", _cap_choices(concurrency)),
         Knob("async_scheduling", None, (None, True, False), devices=("cuda",)),
         Knob("num_continuous_decode_steps", 1, low=1, high=8, kind="int",
@@ -209,13 +226,15 @@ def _show(v: Any) -> str:
 
 
 def knob_space(device: str, start: Mapping[str, Any], fixed: Sequence[str] = (),
-               only: Sequence[str] | None = None, concurrency: int = 1024) -> Space:
+               only: Sequence[str] | None = None, concurrency: int = 1024,
+               num_devices: int = 1) -> Space:
     """The knobs that matter on `device` ("cuda" or "cpu") at the largest concurrency the
     study optimises, less `fixed` (fields the user set in the server's fixed arguments),
-    restricted to `only` when given."""
+    restricted to `only` when given; with num_devices > 1 (GPUs), the parallel layouts too."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
-    knobs = [k for k in _knobs(concurrency) if device in k.devices and k.name not in fixed]
+    knobs = [k for k in _knobs(concurrency, num_devices)
+             if device in k.devices and k.name not in fixed]
     if only is not None:
         unknown = sorted(set(only) - {k.name for k in knobs})
         if unknown:

@@ -1,0 +1,23 @@
+"""The knob space on a machine of several GPUs: the parallel layouts join it."""
+
+from __future__ import annotations
+
+from moeserve.tune.space import knob_space
+
+
+def test_several_gpus_add_the_parallel_layouts() -> None:
+    assert "tensor_parallel_size" not in knob_space("cuda", {}).knobs  # one GPU: no layouts
+    space = knob_space("cuda", {}, num_devices=8)
+    assert space.knobs["tensor_parallel_size"].choices == (1, 2, 4, 8)
+    assert space.knobs["expert_parallel_size"].choices == (None, 2, 4)
+    params = space.complete({"tensor_parallel_size": 4, "enable_expert_parallel": True,
+                             "expert_parallel_size": 2})
+    assert space.flags(params) == ["--tensor-parallel-size", "4", "--enable-expert-parallel",
+                                   "--expert-parallel-size", "2"]
+    assert space.check(params, {}) is None
+    bad = space.complete({"tensor_parallel_size": 2, "enable_expert_parallel": True,
+                          "expert_parallel_size": 4})
+    assert "expert_parallel_size 4 must divide" in space.check(bad, {})
+    # EP off: the EP size does not apply, and is reset to its default
+    assert space.complete({"tensor_parallel_size": 2, "expert_parallel_size": 2}
+                          )["expert_parallel_size"] is None
