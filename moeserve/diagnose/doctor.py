@@ -57,6 +57,9 @@ when no engine field is the fix). The rules:
                       benchmarks/kernels_moe.py --tune)
     roofline          the steady step under 60% of its roofline bound (roofline.py)
                       settings: {} (the fix is in the kernels or in the other verdicts)
+    communication     (several ranks) the collectives' share of the sampled step's device time
+                      (parallel_rules.py), with each EP rank's share of the routed tokens
+                      settings: tensor_parallel_size half of now
 
 NOTE: cpu_bound_step reads no gauge means. The gauges step_seconds and gpu_step_seconds are
 sampled by /v1/engine, whose answer (a Ping) waits for the step in progress: a query is answered
@@ -84,6 +87,7 @@ from moeserve.diagnose.host_rules import (
     graphs_off,
     graphs_off_settings,
 )
+from moeserve.diagnose.parallel_rules import communication, ep_rank_load
 from moeserve.diagnose.verdict import SEVERITIES, Verdict, as_flags
 from moeserve.diagnose.verdict import rounded as _r
 
@@ -331,7 +335,7 @@ def roofline_rule(run: dict[str, Any]) -> Verdict | None:
 Rule = Callable[[dict[str, Any]], Verdict | None]
 RULES: tuple[Rule, ...] = (admission_cap, kv_capacity, cuda_graphs, tokens_per_expert, cpu_threads,
                            gpu_power, client_bound, api_bound, cpu_bound_step, moe_tiles,
-                           roofline_rule)
+                           roofline_rule, communication)
 
 
 def diagnose(run: dict[str, Any]) -> list[Verdict]:
@@ -384,6 +388,10 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
         lines.append(f"experts: {summary.mean_tokens_per_expert_per_step:.1f} tokens per expert "
                      f"per step, imbalance {summary.mean_imbalance:.2f} (worst layer "
                      f"{summary.max_imbalance:.2f})")
+    shares = ep_rank_load(run)
+    if shares is not None:
+        lines.append("experts by EP rank: " + ", ".join(
+            f"rank {r} {s:.0%}" for r, s in enumerate(shares)) + " of the routed tokens")
     if not figures.diagnostics(run):
         lines.append("no diagnostics in this run (`moeserve bench --diagnose` records them): "
                      "only the rules that need the bench's own figures ran")

@@ -299,7 +299,9 @@ class _EngineLoop:
             "gpu_step_seconds": sample.forward_ms / 1e3, "profiled_tokens": sample.num_tokens}
         if sample is not None and sample.attention_ms is not None:
             self.breakdown = {"attention_seconds": sample.attention_ms / 1e3,
-                              "moe_seconds": sample.moe_ms / 1e3}
+                              "moe_seconds": sample.moe_ms / 1e3,
+                              "comm_seconds": (sample.comm_ms or 0.0) / 1e3,
+                              "eager_step_seconds": sample.forward_ms / 1e3}
         profile |= self.breakdown  # the latest eager step's (graph replays have none)
         if profiler is not None:
             profile |= {"num_profiled_forwards": profiler.num_profiled_forwards,

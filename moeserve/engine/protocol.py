@@ -141,6 +141,10 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     gpu_step_seconds: float = 0.0  # the model forward on the device
     attention_seconds: float = 0.0
     moe_seconds: float = 0.0
+    # the latest eagerly run sampled step's collectives (tensor parallelism) and its whole
+    # forward: their ratio is the step's communication share (graph replays have no breakdown)
+    comm_seconds: float = 0.0
+    eager_step_seconds: float = 0.0
     profiled_tokens: int = 0
     # the step profile's totals (counters, count-uniform: every Nth forward, whatever its length):
     # sampled forwards, their device seconds, and the wall seconds per forward of the engine

@@ -13,7 +13,8 @@ not by the process group's timeout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,14 +28,25 @@ class TensorParallel:
 
     layout: RankLayout
     group: dist.ProcessGroup | None = None  # None: the default (world) group
+    # (before, after) each collective: the step profile's communication span, or None
+    hooks: tuple[Callable[[], None], Callable[[], None]] | None = field(default=None,
+                                                                        repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; returns x."""
+        if self.hooks is not None:
+            self.hooks[0]()
         dist.all_reduce(x, group=self.group)
+        if self.hooks is not None:
+            self.hooks[1]()
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., W * n], rank r's slice at [r * n, (r + 1) * n)."""
+        if self.hooks is not None:
+            self.hooks[0]()
         parts = [torch.empty_like(x) for _ in range(self.layout.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
+        if self.hooks is not None:
+            self.hooks[1]()
         return torch.cat(parts, dim=-1)

@@ -2,8 +2,9 @@
 
 Every `every`-th forward, CUDA events (host clocks on CPU) are recorded around the whole forward
 and around each attention and each MoE block, through forward hooks that do nothing on other
-steps. A sample is read one sampled step later, when its events have long completed, so profiling
-never stalls the device:
+steps, and under tensor parallelism around each collective (the all-reduces and the logits'
+all-gather: `comm`, through the model's TensorParallel hooks). A sample is read one sampled
+step later, when its events have long completed, so profiling never stalls the device:
 
     forward N (sampled)  -> events queued
     forward N + every    -> read sample N (event.elapsed_time: no wait), queue sample N + every
@@ -40,12 +41,14 @@ class StepSample:
     forward_ms: float
     attention_ms: float | None  # None: a CUDA-graph replay (no per-layer events inside)
     moe_ms: float | None
+    comm_ms: float | None = None  # the collectives (tensor parallelism; None on one rank)
 
     @property
     def other_ms(self) -> float | None:
         if self.attention_ms is None or self.moe_ms is None:
             return None
-        return max(0.0, self.forward_ms - self.attention_ms - self.moe_ms)
+        return max(0.0, self.forward_ms - self.attention_ms - self.moe_ms
+                   - (self.comm_ms or 0.0))
 
     def to_dict(self) -> dict:
         return asdict(self) | {"other_ms": self.other_ms}
@@ -101,6 +104,11 @@ class StepProfiler:
             if kind is not None:
                 module.register_forward_pre_hook(self._pre_hook(kind))
                 module.register_forward_hook(self._post_hook(kind))
+        tp = getattr(model, "tp", None)
+        self.parallel = tp is not None
+        if tp is not None:
+            pre, post = self._pre_hook("comm"), self._post_hook("comm")
+            tp.hooks = (lambda: pre(model, ()), lambda: post(model, (), None))
 
     def reset_counters(self) -> None:
         """Zero the totals and forget open samples (serving starts now: warm-up and graph
@@ -194,7 +202,8 @@ class StepProfiler:
         forward_ms = timed.start.ms_until(timed.end)
         timed.device_s = forward_ms / 1e3
         timed.spans = None  # the events are read: let them go
-        self.latest = StepSample(timed.num_tokens, forward_ms, total("attention"), total("moe"))
+        self.latest = StepSample(timed.num_tokens, forward_ms, total("attention"), total("moe"),
+                                 total("comm") if self.parallel else None)
 
 
 def _kind(module: nn.Module) -> str | None:

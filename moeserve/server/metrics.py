@@ -95,6 +95,8 @@ class _EngineCollector:
              "sampled step", s.attention_seconds),
             ("moeserve_engine_moe_seconds", "Device time of all MoE blocks in the sampled step",
              s.moe_seconds),
+            ("moeserve_engine_comm_seconds", "Device time of the collectives (tensor "
+             "parallelism) in the latest eagerly run sampled step", s.comm_seconds),
             ("moeserve_generation_tokens_per_second", f"Output tokens per second streamed over "
              f"the last {self.meter.window} s", self.meter.rate()),
         ]

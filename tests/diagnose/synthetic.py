@@ -32,7 +32,7 @@ def _engine_config(cap_setting: int | str, device: str, **knobs: Any) -> dict[st
         *path, leaf = dotted.split("__")
         node = cfg
         for p in path:
-            node = node[p]
+            node = node.setdefault(p, {})
         node[leaf] = value
     return cfg
 
