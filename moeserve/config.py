@@ -74,6 +74,10 @@ class ParallelConfig:
     engine ends (collectives in CUDA graphs have no timeout of their own)."""
     headless: bool = False
     """Run this node's ranks as workers only (no API server, no engine core): nodes >= 1."""
+    distributed_at_one_rank: bool = False
+    """At tensor_parallel_size 1, run through torch.distributed anyway (a world of one: the
+    sharded layers, their collectives and the control group), to measure what that path
+    costs on one GPU."""
 
     def __post_init__(self) -> None:
         w, ep = self.tensor_parallel_size, self.expert_parallel_size

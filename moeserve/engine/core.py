@@ -121,7 +121,7 @@ class EngineCore:
             return ModelRunner(self.cfg, self.model_config, folder, tp)
 
         pc = self.cfg.parallel
-        if pc.tensor_parallel_size == 1:
+        if pc.tensor_parallel_size == 1 and not pc.distributed_at_one_rank:
             return build()
         check_layout(self.model_config, RankLayout(pc.tensor_parallel_size, 0, pc.ep_size))
         return start_ranks(self.cfg, build)
