@@ -43,7 +43,9 @@ from moeserve.kernels.moe.tile_configs import check_tile_source
 class MoeFn(Protocol):
     """(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k])
     -> [T, H]; with reduce=False -> [T, S, H] parts whose sum over S is that result (the
-    decoder layer passes them to the next norm, which adds them: no pass of their own)."""
+    decoder layer passes them to the next norm, which adds them: no pass of their own). A
+    topk_ids entry of -1 (expert parallelism: the expert is on another rank; ids >= 0 index
+    w13's E local experts) contributes exactly zero and costs no expert compute."""
 
     def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,

@@ -12,19 +12,24 @@ expert, so each expert's run of pairs is padded to a multiple of `block_m` with 
     expert_ids        [0,     1,     2,     -1 ...]      one per block; -1: block not used
     num_tokens_post_padded [6]
 
+An id of -1 (expert parallelism: the pair's expert is on another rank) is counted into no
+expert: the pair gets no row of sorted_token_ids (so the kernel never computes it) and pads
+nothing; only the sentinel marks unused rows, as before.
+
 The output length P is a static bound, so shapes depend only on (T, k, E, block_m), never on the
 routing, which is what CUDA-graph capture needs. At most min(E, M) experts get pairs and each
 pads by at most block_m - 1, so P = round_up(M + min(E, M) * (block_m - 1), block_m); the tail
-past num_tokens_post_padded holds the sentinel, and its blocks have expert id -1.
+past num_tokens_post_padded holds the sentinel, and its blocks have expert id -1 (pairs of id
+-1 only make the used part shorter).
 
 The Triton version is three launches (triton imported lazily, on first call); A and C run one
 program per 512 pairs, so the pairs spread over the GPU (one program for all of them took
 0.05 ms at 2,048 tokens on the H200, 9% of the MoE layer):
-    A: counts[e] += 1 per pair (atomics into a zeroed scratch); sentinel fill of
+    A: counts[e] += 1 per pair of id e >= 0 (atomics into a zeroed scratch); sentinel fill of
        sorted_token_ids, each program its share of the rows
     B (one program): padded, ends = cumsum(padded), starts and ends -> scratch, the total;
        expert_ids (binary search in ends)
-    C: sorted_token_ids[starts[e] + atomic_add(cursor[e], 1)] = pair
+    C: sorted_token_ids[starts[e] + atomic_add(cursor[e], 1)] = pair, for ids e >= 0
 Pairs of one expert land in arrival order of the atomics, not pair order; the fused-MoE output
 does not depend on that order (every row of the GEMMs is computed on its own).
 """
@@ -55,10 +60,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
 
     Runs on topk_ids' device without reading any device value on the host (no .item(),
     .tolist(), nonzero or bincount): counts come from scatter_add_, offsets from cumsum.
-    Within an expert, pairs keep their original order (stable sort).
+    Within an expert, pairs keep their original order (stable sort). Pairs of id -1 sort last
+    and are written to a spare slot past P (dropped): no row, no count.
 
     Args:
-        topk_ids: [T, k] integer expert ids in [0, num_experts).
+        topk_ids: [T, k] integer expert ids in [0, num_experts), or -1: not on this rank
+            (counted into no expert, given no row).
         num_experts: E.
         block_m: the kernel's BLOCK_M, >= 1.
     Returns:
@@ -71,16 +78,22 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
     num_pairs = topk_ids.numel()
     size = moe_align_size(num_pairs, num_experts, block_m)
     flat = topk_ids.reshape(-1).long()  # [M]
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)  # [E]
+    flat = flat.masked_fill(flat < 0, num_experts)  # -1 (not on this rank) -> E: sorts last
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)  # [E + 1]
     counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts[:num_experts]  # [E], the local experts' pairs only
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     padded_end = torch.cumsum(padded, dim=0)  # [E], end row of each expert's padded segment
     start_delta = (padded_end - padded) - (torch.cumsum(counts, dim=0) - counts)  # [E]
 
     sorted_experts, order = torch.sort(flat, stable=True)  # [M] each
-    dest = torch.arange(num_pairs, device=device) + start_delta[sorted_experts]  # [M]
-    sorted_token_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=device)
+    local = sorted_experts < num_experts  # [M]; the -1 pairs come after all local ones
+    delta = start_delta[sorted_experts.clamp(max=num_experts - 1)]  # [M]
+    # -1 pairs go to a spare slot past the P rows, sliced off below
+    dest = torch.where(local, torch.arange(num_pairs, device=device) + delta, size)  # [M]
+    sorted_token_ids = torch.full((size + 1,), num_pairs, dtype=torch.int32, device=device)
     sorted_token_ids[dest] = order.to(torch.int32)
+    sorted_token_ids = sorted_token_ids[:size]  # [P]
 
     block_starts = torch.arange(0, size, block_m, device=device)  # [P // block_m]
     expert_ids = torch.searchsorted(padded_end, block_starts, right=True)  # [P // block_m]
@@ -93,7 +106,8 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, num_experts: int,
                                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`moe_align_block_size` in three Triton launches (plus one memset); no host sync.
 
-    Same outputs, except that the pairs of one expert may come in any order within its segment.
+    Same outputs (ids -1 counted into no expert), except that the pairs of one expert may come
+    in any order within its segment.
     topk_ids must be on a device Triton runs on (CUDA, or CPU under TRITON_INTERPRET=1).
     """
     _check_align_args(topk_ids, num_experts, block_m)
@@ -126,7 +140,8 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, num_experts: int,
 
 def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int,
                              block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same outputs as `moe_align_block_size`, by a loop over experts on the host."""
+    """The same outputs as `moe_align_block_size`, by a loop over experts on the host (a pair
+    of id -1 matches none of them: no row, no count)."""
     _check_align_args(topk_ids, num_experts, block_m)
     flat = topk_ids.reshape(-1).tolist()
     num_pairs = len(flat)
@@ -183,8 +198,8 @@ def _align_kernels() -> Any:
         lanes = tl.arange(0, CHUNK)
         offs = pid * CHUNK + lanes
         ok = offs < num_pairs
-        ids = tl.load(ids_ptr + offs, mask=ok, other=0)
-        tl.atomic_add(counts_ptr + ids, 1, mask=ok, sem="relaxed")
+        ids = tl.load(ids_ptr + offs, mask=ok, other=-1)
+        tl.atomic_add(counts_ptr + ids, 1, mask=ids >= 0, sem="relaxed")  # -1: not on this rank
         sentinel = tl.full((CHUNK,), 0, tl.int32) + num_pairs
         first = pid * fill_per_program
         for c in range(0, fill_per_program, CHUNK):
@@ -225,7 +240,8 @@ def _align_kernels() -> Any:
         # C: each of this program's pairs into its expert's segment
         offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
         ok = offs < num_pairs
-        ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+        ids = tl.load(ids_ptr + offs, mask=ok, other=-1)
+        ok = ids >= 0  # -1: not on this rank, no row
         start = tl.load(start_ptr + ids, mask=ok, other=0)
         rank = tl.atomic_add(cursor_ptr + ids, 1, mask=ok, sem="relaxed")
         tl.store(sorted_ids_ptr + start + rank, offs, mask=ok)

@@ -12,13 +12,20 @@ Owns `moe_triton` (the "triton" MoE backend, same contract as `moe_loop_ref`) an
     launch 2, program (block b, N-tile n):
         y = act[sorted pairs] @ w2[e, n-tile].T * topk_weights[pair]   (weight in the epilogue)
         combine "sum":    y -> out[pair] of [T, k, H] in x's dtype, then one .sum(1) over k
-                          (k == 1: out is already [T, H], no reduction at all)
+                          (k == 1: out is already [T, H], no reduction at all); the rows of
+                          pairs of id -1 get zeros from `_zero_rows_kernel`
         combine "atomic": tl.atomic_add(y) into a zeroed fp32 [T, H], then one cast to x's dtype
 
 So the gate_up tensor [M, 2I] never exists, the activation is fused into the first GEMM's
 epilogue, and the routing weight into the second's. "sum" (the default) is deterministic: the
 same inputs give the same bits, eager or in a CUDA graph. "atomic" writes T * H fp32 instead of
 M * H, but the order of the k additions varies from run to run.
+
+Expert parallelism: a topk_ids entry of -1 means the pair's expert is on another rank. The align
+gives such a pair no row, so neither launch computes it (act's row of it stays unwritten and is
+never read); "atomic" adds nothing for it, and "sum" zeroes its out row with one small launch
+(`_zero_rows_kernel`: it reads the M ids and stores only the rows of -1 pairs, so without them
+it writes nothing), so the pair's part row is exactly 0.
 
 Tiles: one config (`moe_configs`) for both launches, BLOCK_M shared (it is the align's block
 size); its optional "down" entry gives launch 2 its own BLOCK_N, BLOCK_K, GROUP_M, num_warps and
@@ -72,6 +79,7 @@ from moeserve.kernels.moe.tile_configs import (
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _COMBINES = ("sum", "atomic")
 _ALIGNS = {"triton": moe_align_block_size_triton, "torch": moe_align_block_size}
+_ZERO_ROWS, _ZERO_COLS = 16, 128  # the tile of one `_zero_rows_kernel` program's stores
 tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
 
 
@@ -86,7 +94,8 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w13: [E, 2I, H] (gate rows then up rows), x's dtype, last dim contiguous.
         w2: [E, H, I], x's dtype, last dim contiguous.
         topk_weights: [T, k] float32, contiguous.
-        topk_ids: [T, k] integer expert ids in [0, E) (not checked: that would sync).
+        topk_ids: [T, k] integer expert ids in [0, E) (not checked: that would sync), or -1:
+            not on this rank (never computed; its part row is 0, it adds nothing).
         config: tile config (keys of `moe_configs.CONFIG_KEYS`, optional OPTION_KEYS, plus an
             optional "down" with the down launch's own tiles, `moe_configs.DOWN_KEYS`);
             default: `get_moe_config` with `tiles`.
@@ -125,6 +134,7 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 down, a_row_div=1, c_row_div=top_k, gated=False, atomic=True)
         return out32.to(x.dtype) if reduce else out32.to(x.dtype).unsqueeze(1)
     out = x.new_empty(num_tokens, top_k, hidden)  # [T, k, H], row pair = t * k + i
+    _zero_nonlocal_rows(out.view(num_pairs, hidden), topk_ids)  # rows no launch writes
     _launch(act, w2, out.view(num_pairs, hidden), topk_weights, sorted_ids, expert_ids,
             post_padded, num_pairs, down, a_row_div=1, c_row_div=1, gated=False, atomic=False)
     if not reduce:
@@ -165,6 +175,15 @@ def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: tor
         HALF_M=half if half >= 16 else 0, QUARTER_M=quarter if quarter >= 16 else 0,
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"])
+
+
+def _zero_nonlocal_rows(out: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    """out[p] = 0 for each pair p whose id is -1 (the down launch never writes those rows):
+    one launch of `_zero_rows_kernel`, no host sync; it stores nothing where no id is -1."""
+    num_pairs, hidden = out.shape
+    _zero_kernel()[(_cdiv(num_pairs, _ZERO_ROWS),)](
+        topk_ids.reshape(-1), out, num_pairs, hidden, out.stride(0), ROWS=_ZERO_ROWS,
+        BLOCK_H=_ZERO_COLS, num_warps=4)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -252,6 +271,30 @@ def _kernel() -> Any:
                               BLOCK_M, BLOCK_N, BLOCK_K, B_WIDTH, QUARTER_M)
 
     return _fused_moe_kernel
+
+
+@functools.cache
+def _zero_kernel() -> Any:
+    """Build `_zero_rows_kernel` on first use (builtins of triton.language only, as `_kernel`):
+    program r zeroes, across all H columns, those of pair rows [r * ROWS, (r + 1) * ROWS) whose
+    id is negative (-1: the expert is on another rank); other rows are masked off."""
+    global tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["num_pairs"])
+    def _zero_rows_kernel(ids_ptr, out_ptr, num_pairs, H, stride_m, ROWS: tl.constexpr,
+                          BLOCK_H: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ids = tl.load(ids_ptr + rows, mask=rows < num_pairs, other=0)
+        off_rank = ids < 0  # [ROWS]
+        cols = tl.arange(0, BLOCK_H)
+        ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_m + cols[None, :]
+        zeros = tl.full((ROWS, BLOCK_H), 0.0, out_ptr.dtype.element_ty)
+        for h in range(0, H, BLOCK_H):
+            tl.store(ptrs + h, zeros, mask=off_rank[:, None] & (cols < H - h)[None, :])
+
+    return _zero_rows_kernel
 
 
 # ---- Triton helpers (jitted by _kernel; module globals, as the interpreter resolves names) ----

@@ -2,11 +2,18 @@
 
 Owns `moe_grouped_mm`. Data flow, for T tokens, k experts each, M = T * k (token, slot) pairs:
 
-    topk_ids [T, k] --flatten, stable sort by expert--> order [M]   (pair order[m] is m-th sorted)
+    topk_ids [T, k] --flatten, -1 -> E, stable sort--> order [M]   (pair order[m] is m-th sorted)
     x [T, H] --gather rows order // k--> x_sorted [M, H]
     counts [E] = zeros.scatter_add_(ids)  ->  offs [E] = cumsum(counts) (int32, group ends)
     x_sorted @ w13[e].T per group  ->  [M, 2I]  ->  silu(gate) * up  ->  [M, I]
-             @ w2[e].T per group   ->  [M, H]   ->  * routing weight  ->  un-sort, [T, k, H].sum(1)
+             @ w2[e].T per group   ->  [M, H]   ->  * routing weight  ->  [M + 1, H] (row M: 0)
+             ->  un-sort (gather each pair's sorted row), [T, k, H].sum(1)
+
+An id of -1 (expert parallelism: the pair's expert is on another rank) sorts after every
+expert's group, past offs[-1], where no GEMM computes a row: those rows of the GEMMs' outputs are
+undefined (garbage, NaN even) and are never read. The un-sort gathers, for such a pair, the
+extra zero row M instead, so its part row is exactly 0 (no multiply by a zero weight, which
+would keep a NaN) at no extra pass over [M, H].
 
 Nothing reads a device value on the host (no .item(), .tolist(), nonzero or bincount), so the
 op can sit inside a captured CUDA graph.
@@ -36,7 +43,8 @@ def moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w13: [E, 2I, H] (gate rows then up rows), x's dtype, last dim contiguous.
         w2: [E, H, I], x's dtype, last dim contiguous.
         topk_weights: [T, k] float32 (cast to x's dtype before the multiply, as HF does).
-        topk_ids: [T, k] integer expert ids in [0, E).
+        topk_ids: [T, k] integer expert ids in [0, E), or -1: not on this rank (no GEMM row,
+            a zero part row, adds nothing).
         reduce: False returns the k weighted rows [T, k, H] unsummed (the caller's norm adds
             them: `rms_norm_triton` parts).
     Returns:
@@ -45,19 +53,25 @@ def moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _check_inputs(x, w13, w2, topk_ids)
     num_tokens, hidden = x.shape
     num_experts, top_k, inter = w13.shape[0], topk_ids.shape[1], w2.shape[-1]
+    num_pairs = num_tokens * top_k
     flat_ids = topk_ids.reshape(-1).long()  # [M]
+    flat_ids = flat_ids.masked_fill(flat_ids < 0, num_experts)  # -1 (not on this rank) -> E
     _, order = torch.sort(flat_ids, stable=True)  # [M], pair index of each sorted row
     x_sorted = x.index_select(0, order // top_k)  # [M, H]
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)  # [E]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)  # [E + 1]
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    offs = torch.cumsum(counts, dim=0).to(torch.int32)  # [E], end row of each expert's group
+    offs = torch.cumsum(counts[:num_experts], dim=0).to(torch.int32)  # [E], group end rows
 
     gate_up = torch._grouped_mm(x_sorted, w13.transpose(-2, -1), offs=offs)  # [M, 2I]
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [M, I]
-    y = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)  # [M, H]
-    y = y * topk_weights.reshape(-1)[order].to(x.dtype)[:, None]  # [M, H]
-    unsorted = torch.empty_like(y).index_copy_(0, order, y)  # [M, H] in (token, slot) order
-    parts = unsorted.view(num_tokens, top_k, hidden)  # [T, k, H]
+    y = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)  # [M, H], past offs[-1] undefined
+    weighted = y.new_empty(num_pairs + 1, hidden)  # [M + 1, H]: row M is the -1 pairs' zero row
+    torch.mul(y, topk_weights.reshape(-1)[order].to(x.dtype)[:, None], out=weighted[:num_pairs])
+    weighted[num_pairs:].zero_()
+    arange = torch.arange(num_pairs, device=x.device)
+    row = torch.empty_like(order).scatter_(0, order, arange)  # [M], each pair's sorted row
+    row = row.masked_fill(flat_ids == num_experts, num_pairs)  # -1 pairs read the zero row
+    parts = weighted.index_select(0, row).view(num_tokens, top_k, hidden)  # [T, k, H]
     return parts.sum(dim=1) if reduce else parts
 
 

@@ -38,9 +38,11 @@ def moe_measured(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Routed experts through the backend measured faster at this token count.
 
     Args and result as `moe_triton` / `moe_grouped_mm`: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
-    topk_weights [T, k] float32, topk_ids [T, k] -> [T, H] in x's dtype (reduce False: [T, k,
-    H], the k weighted rows unsummed). tiles: "tuned" (the tune's picks) or "default" (Triton
-    with the in-code default tiles at every size), as `moe_configs.get_moe_config` takes it.
+    topk_weights [T, k] float32, topk_ids [T, k] (ids in [0, E), or -1: not on this rank, a
+    pair that both backends skip and that adds zero) -> [T, H] in x's dtype (reduce False:
+    [T, k, H], the k weighted rows unsummed, a -1 pair's row 0). tiles: "tuned" (the tune's
+    picks) or "default" (Triton with the in-code default tiles at every size), as
+    `moe_configs.get_moe_config` takes it.
     """
     shape_key = (x.device, x.dtype, w13.shape[0], w13.shape[2], w2.shape[2], topk_ids.shape[1],
                  tiles)
