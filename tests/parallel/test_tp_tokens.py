@@ -61,3 +61,28 @@ def test_sharded_engine_gives_the_single_process_tokens(references, arch: str,
         assert llm.engine.scheduler.stats.num_preemptions > 0
         assert llm.engine.runner.world_size == LAYOUTS[layout]["tensor_parallel_size"]
     assert [r.token_ids for r in results] == expected
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_quantized_checkpoint_at_two_ranks(tmp_path, fmt: str) -> None:
+    """FP8 block-scaled and NVFP4 checkpoints (loaded dequantized, each rank its slice of the
+    dequantized weights) give the single process's tokens at TP 2 and at EP 2."""
+    from tests.quant.test_quantized_checkpoints import write_quantized_pair
+
+    folder, _, _ = write_quantized_pair("qwen3_moe", str(tmp_path), fmt)
+    prompts = _prompts(256, (5, 17, 9), seed=4)
+    kw = dict(device="cpu", dtype="float32", torch_threads=1, max_model_len=96)
+    expected = [r.token_ids for r in LLM(folder, **kw).generate(prompts, GREEDY)]
+    for layout in ("tp2", "tp2-ep2"):
+        with LLM(folder, **kw, **LAYOUTS[layout]) as llm:
+            assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected, layout
+
+
+def test_one_rank_through_the_distributed_path(references) -> None:
+    """distributed_at_one_rank: a world of one through the sharded layers and collectives
+    (what the H200 measures against the plain path) gives the plain path's tokens."""
+    folder, prompts, expected = references("deepseek_v3")
+    with LLM(folder, **ENGINE, distributed_at_one_rank=True) as llm:
+        results = llm.generate(prompts, GREEDY)
+        assert llm.engine.runner.world_size == 1 and llm.engine.runner.tp is not None
+    assert [r.token_ids for r in results] == expected
