@@ -3,8 +3,14 @@
 # call) exported for the results' provenance, and the device and versions written to $OUT.
 #   source benchmarks/gpu_env.sh [extra module to report the version of, e.g. optuna]
 SITE=/tmp/site
-[ -d "$SITE" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --target "$SITE" .whl/*.whl
+# (re)installed when the set of wheels differs from the one installed (a warm machine keeps
+# /tmp/site between calls)
+WHEELS=$(ls .whl | sort | md5sum | cut -c1-32)
+if [ "$(cat "$SITE/.wheels" 2>/dev/null)" != "$WHEELS" ]; then
+  rm -rf "$SITE"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target "$SITE" .whl/*.whl && echo "$WHEELS" > "$SITE/.wheels"
+fi
 export PYTHONPATH=$PWD:$SITE
 [ -f GIT_COMMIT ] && export MOESERVE_GIT_COMMIT=$(cat GIT_COMMIT)
 mkdir -p "$OUT"
