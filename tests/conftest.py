@@ -1,19 +1,35 @@
 """Test-wide set-up: without a GPU, Triton kernels run through Triton's interpreter (the
 variable must be set before anything imports triton, transformers does for one, so it is set
-here, when pytest loads this file, rather than in the kernel test modules). At the end of the
-run, the figures tests recorded (tests/faults/figures.py) are printed.
+here, when pytest loads this file, rather than in the kernel test modules); `no_tf32` for fp32
+expectations on the GPU. At the end of the run, the figures tests recorded
+(tests/faults/figures.py) are printed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def no_tf32() -> Iterator[None]:
+    """fp32 expectations computed in true fp32 (not TF32). Set and restored by hand: torch's
+    cuBLAS flags are properties of its backend module, which monkeypatch cannot save."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
