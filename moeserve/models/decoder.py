@@ -28,7 +28,8 @@ choices in layers/ rather than a file per family, so a fix lands once; each fami
 parsing is in moeserve/hf_config/<family>.py and its HF weight names in
 runner/weight_names.py.
 
-Tensor parallelism (`tp`, a parallel.comm.TensorParallel; None at one rank): the layers are
+Tensor parallelism (`tp`, a parallel.comm.TensorParallel; None at one rank, and held as None
+over a world of one, whose collectives are the identity): the layers are
 built from the rank's local config (parallel/layout.py: heads and widths divided), each
 DecoderLayer all-reduces its attention output and its MLP / MoE output (reduced over the parts
 first), the embedding holds a slice of the vocabulary (a token outside it looks up zeros; the
@@ -63,7 +64,7 @@ class DecoderLayer(nn.Module):
         """config: the rank's local config (the whole model's at one rank); num_experts: the
         model's routed experts (the router's width), of which this rank holds its share."""
         super().__init__()
-        self.tp = tp
+        self.tp = tp if tp is not None and tp.sums else None  # None: nothing to sum over
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
         self.self_attn: Attention | MLAttention
@@ -132,7 +133,7 @@ class Model(nn.Module):
                  attention_backend: AttentionBackend, mla_backend: MlaBackend,
                  dtype: torch.dtype, device: Device, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp = tp if tp is not None and tp.sums else None
         self.vocab_start, rows = (local_vocab(config.vocab_size, tp.layout) if tp is not None
                                   else (0, config.vocab_size))
         self.embed_tokens = nn.Parameter(
@@ -176,7 +177,7 @@ class CausalLM(nn.Module):
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config  # the whole model's (each layer holds its rank's local shapes)
-        self.tp = tp
+        self.tp = tp if tp is not None and tp.sums else None
         self.model = Model(config, moe_backend, attention_backend, mla_backend, dtype, device,
                            tp)
         self.lm_head: nn.Parameter | None = None

@@ -32,6 +32,11 @@ class TensorParallel:
     hooks: tuple[Callable[[], None], Callable[[], None]] | None = field(default=None,
                                                                         repr=False)
 
+    @property
+    def sums(self) -> bool:
+        """Whether the layers' partial sums need the collectives (more than one rank)."""
+        return self.layout.world_size > 1
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; returns x."""
         if self.hooks is not None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from moeserve.config import EngineConfig
 from moeserve.parallel.env import free_port, guard_multicast, under_torchrun
 from moeserve.parallel.group import RankGroups, join, leave
+from moeserve.parallel.plan_codec import PLAN_CALLS, PlanEncoder
 from moeserve.parallel.watchdog import Watchdog
 from moeserve.parallel.worker import GATHERED, SHUTDOWN
 
@@ -97,6 +98,7 @@ class RankedRunner:
         self.watchdog = Watchdog.over_store(groups.store, self.world_size, timeout_s,
                                             self._on_deadline).start()
         self._closed = False
+        self.encoder = PlanEncoder()
 
     def __getattr__(self, name: str):
         attr = getattr(self.runner, name)
@@ -104,7 +106,10 @@ class RankedRunner:
             return attr
 
         def call(*args, **kwargs):
-            self.send(name, args, kwargs)
+            if name in PLAN_CALLS:  # the plan without the parameters the workers hold
+                self.send(name, self.encoder.encode(*args), kwargs)
+            else:
+                self.send(name, args, kwargs)
             try:
                 self.watchdog.begin(name)
                 result = attr(*args, **kwargs)
@@ -125,6 +130,8 @@ class RankedRunner:
     def send(self, name: str, args: tuple, kwargs: dict) -> None:
         if self._failure is not None:
             raise RankFailed(self._failure)
+        if self.world_size == 1:  # a world of one: no one to tell
+            return
         try:
             dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.groups.control)
         except Exception as e:

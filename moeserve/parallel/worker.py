@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from moeserve.config import EngineConfig, ParallelConfig, load_model_config
 from moeserve.parallel.group import RankGroups, join, leave
+from moeserve.parallel.plan_codec import PLAN_CALLS, PlanDecoder
 from moeserve.parallel.watchdog import Heartbeat
 
 logger = logging.getLogger("moeserve.parallel")
@@ -81,8 +82,11 @@ def rank_config(cfg: EngineConfig, local_rank: int) -> EngineConfig:
 def serve_calls(runner, groups: RankGroups, beat: Heartbeat) -> None:
     """Run rank 0's calls in order until SHUTDOWN."""
     pending = None
+    plans = PlanDecoder()
     while True:
         name, args, kwargs = receive(groups.control)
+        if name in PLAN_CALLS:
+            args = (plans.decode(*args),)
         if name != "launch" and pending is not None:
             pending.result()
             pending, beat.steps = None, beat.steps + 1
