@@ -134,10 +134,14 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), 0)
-    # NOTE: div_rn, IEEE division: `/` compiles to the approximate div.full.f32 on the GPU,
-    # an ulp off at times, which moves a value across an e4m3 rounding boundary (the
-    # reference's bytes then differ: measured at 4096 x 7168 on the H200)
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
+    # NOTE: the reference's divisions, as torch runs them on the GPU: by the constant as `/`
+    # (torch multiplies by the scalar's reciprocal; so does Triton here), by the scale as IEEE
+    # division, div_rn (Triton's `/` is the approximate div.full.f32, an ulp off at times,
+    # which moves a value across an e4m3 rounding boundary). Measured on the H200
+    # (benchmarks/fp8_quant_variants.py): these two give the reference's scales and bytes at
+    # 4096 x 7168 exactly; `/` for the values leaves 7 bytes apart, div_rn for the scale
+    # 124,625 scales
+    scale = tl.maximum(amax / FP8_MAX, MIN_SCALE)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_s + g, scale)
