@@ -39,7 +39,7 @@ from moeserve.kernels.registry import TILED_MOE_BACKENDS
 from moeserve.model_config import ModelConfig
 from moeserve.parallel.comm import TensorParallel
 from moeserve.parallel.executor import RankedRunner, start_ranks
-from moeserve.parallel.layout import RankLayout, check_layout
+from moeserve.parallel.layout import RankLayout, check_layout, quantized_split_breaks
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.model_runner import ModelRunner, timed
 from moeserve.runner.pending_output import PendingOutput
@@ -142,8 +142,13 @@ class EngineCore:
         local = self.runner.local_config
         cache = ("the latent cache whole on every rank" if mc.mla is not None else
                  f"{local.num_kv_heads} of {mc.num_kv_heads} KV heads a rank")
-        return (f"{layout.describe()}; each rank: weights {plan.weight_bytes / (1 << 30):.2f} "
+        line = (f"{layout.describe()}; each rank: weights {plan.weight_bytes / (1 << 30):.2f} "
                 f"GiB, {plan.num_kv_tokens:,} KV tokens ({cache})")
+        breaks = quantized_split_breaks(mc, layout)
+        if breaks:  # served: the weights load dequantized, each rank its slice
+            line += ("; splits that cut the checkpoint's scale blocks (loaded dequantized, so "
+                     "served; the quantized kernels will refuse them): " + "; ".join(breaks))
+        return line
 
     def close(self) -> None:
         """Stop the other ranks (a no-op on one rank); the engine takes no steps after it."""

@@ -136,3 +136,46 @@ def local_experts(num_experts: int, layout: RankLayout) -> tuple[int, int]:
     """(first expert, count) of the routed experts a rank holds."""
     per = num_experts // layout.expert_parallel_size
     return layout.ep_rank * per, per
+
+
+def quantized_split_breaks(mc: ModelConfig, layout: RankLayout) -> list[str]:
+    """The splits that cut a quantized checkpoint's scale blocks (FP8: the weight's 128 x 128
+    blocks, rows and columns; NVFP4 / INT4: the groups along K), one line each; [] when none.
+
+    Today the loader dequantizes every quantized weight and each rank copies its slice of the
+    dequantized tensor, so such a split loads and serves; the quantized kernels, which keep the
+    blocks, must refuse it (ConfigError naming these sizes) when they land.
+    """
+    q, w = mc.quantization, layout.world_size
+    if q is None or w == 1:
+        return []
+    rows_block, cols_block = (q.block or (128, 128)) if q.format == "fp8" else (1, q.group_size)
+    heads = mc.num_heads // w
+    rows: list[tuple[str, int]] = []  # (what, this rank's rows) of the row-split weights
+    cols: list[tuple[str, int]] = []  # ... and the columns (K) of the column-split ones
+    if mc.mla is not None:
+        m = mc.mla
+        rows += [("q_b_proj", heads * m.qk_head_dim),
+                 ("kv_b_proj", heads * (m.qk_nope_head_dim + m.v_head_dim))]
+        cols.append(("o_proj", heads * m.v_head_dim))
+    else:
+        rows.append(("q_proj", heads * mc.head_dim))
+        cols.append(("o_proj", heads * mc.head_dim))
+    if any(not mc.is_moe_layer(i) for i in range(mc.num_layers)):
+        rows.append(("the dense MLP's gate / up", mc.intermediate_size // w))
+        cols.append(("the dense MLP's down_proj", mc.intermediate_size // w))
+    if mc.num_experts and layout.moe_tp > 1:
+        inter = mc.moe_intermediate_size // layout.moe_tp
+        rows.append(("each expert's gate / up", inter))
+        cols.append(("each expert's down_proj", inter))
+    if mc.shared_expert_intermediate_size:
+        inter = mc.shared_expert_intermediate_size // w
+        rows.append(("the shared experts' gate / up", inter))
+        cols.append(("the shared experts' down_proj", inter))
+    unit = f"{rows_block} x {cols_block} blocks" if q.format == "fp8" else \
+        f"groups of {cols_block}"
+    out = [f"{what}: {n} rows a rank cut the {q.format} {unit}"
+           for what, n in rows if n % rows_block]
+    out += [f"{what}: {n} columns a rank cut the {q.format} {unit}"
+            for what, n in cols if n % cols_block]
+    return out

@@ -19,6 +19,7 @@ from moeserve.parallel.layout import (
     local_experts,
     local_model_config,
     local_vocab,
+    quantized_split_breaks,
 )
 from moeserve.parallel.watchdog import SILENT_AFTER_S, Watchdog
 
@@ -143,3 +144,18 @@ def test_watchdog_names_the_rank_behind_in_steps_and_is_quiet_in_time() -> None:
     beats = {1: "9 7", 2: "9 6"}
     dog.read_beat = beats.get
     assert dog.check().startswith("rank 2 did not finish its step")
+
+
+def test_splits_that_cut_quantized_blocks_are_named(qwen3_moe) -> None:
+    from moeserve.quant.spec import QuantSpec
+
+    fp8 = dataclasses.replace(qwen3_moe, quantization=QuantSpec("fp8", block=(128, 128)))
+    assert quantized_split_breaks(fp8, RankLayout(2)) == []  # 768 / 2 = 384: three blocks
+    assert len(quantized_split_breaks(fp8, RankLayout(4))) == 2  # 192: a block and a half
+    breaks = quantized_split_breaks(fp8, RankLayout(8))  # 768 / 8 = 96 rows an expert
+    assert "each expert's gate / up: 96 rows a rank cut the fp8 128 x 128 blocks" in breaks
+    assert "each expert's down_proj: 96 columns a rank cut the fp8 128 x 128 blocks" in breaks
+    assert quantized_split_breaks(fp8, RankLayout(8, expert_parallel_size=8)) == []  # EP: whole
+    nvfp4 = dataclasses.replace(qwen3_moe, quantization=QuantSpec("nvfp4", group_size=16))
+    assert quantized_split_breaks(nvfp4, RankLayout(8)) == []  # K splits of 96: 6 groups
+    assert quantized_split_breaks(qwen3_moe, RankLayout(8)) == []  # not quantized
