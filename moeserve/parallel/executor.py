@@ -9,7 +9,9 @@ a gathered call's results are combined (the largest activation peak, the plan wi
 KV blocks, so every rank allocates the same blocks); everything else (counters, the step
 profile, expert load) is rank 0's own.
 
-Failure: the watchdog (parallel/watchdog.py) fires when a call runs past step_timeout_s; the
+Failure: the watchdog (parallel/watchdog.py) fires when a call, or the wait for a launched
+step's result (where a hang in a collective captured in a CUDA graph shows), runs past
+step_timeout_s; the
 executor then kills node 0's workers, which ends rank 0's own wait in the collective, and a
 call that raises afterwards, or any call that fails because a rank died, raises `RankFailed`
 naming the rank. If rank 0 is still stuck after _EXIT_GRACE_S (a collective on the device
@@ -124,6 +126,8 @@ class RankedRunner:
                 raise failure from e
             finally:
                 self.watchdog.end()
+            if name == "launch":  # the device may still be in the step: watch its result too
+                return _WatchedPending(result, self)
             return result
         return call
 
@@ -183,6 +187,29 @@ class RankedRunner:
         self._exit_timer = threading.Timer(_EXIT_GRACE_S, exit_if_stuck)
         self._exit_timer.daemon = True
         self._exit_timer.start()
+
+
+class _WatchedPending:
+    """A launched step's PendingOutput whose result() (where rank 0 waits for the device, and
+    so for the collectives inside the step's graphs) runs under the step deadline."""
+
+    def __init__(self, pending, ranked: RankedRunner):
+        self.pending, self.ranked = pending, ranked
+
+    def result(self):
+        self.ranked.watchdog.begin("waiting for a step's result")
+        try:
+            return self.pending.result()
+        except Exception as e:
+            failure = self.ranked._failed(e)
+            if failure is e:
+                raise
+            raise failure from e
+        finally:
+            self.ranked.watchdog.end()
+
+    def __getattr__(self, name: str):
+        return getattr(self.pending, name)
 
 
 def _combine(name: str, results: list):

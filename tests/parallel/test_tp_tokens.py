@@ -78,6 +78,15 @@ def test_a_quantized_checkpoint_at_two_ranks(tmp_path, fmt: str) -> None:
             assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected, layout
 
 
+def test_overlap_scheduling_over_ranks(references) -> None:
+    """async_scheduling: rank 0 launches step N + 1 before it reads step N (the workers do the
+    same); the tokens are the single process's."""
+    folder, prompts, expected = references("qwen3_moe")
+    with LLM(folder, **ENGINE, **LAYOUTS["tp2-ep2"], async_scheduling=True) as llm:
+        results = llm.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected
+
+
 def test_one_rank_through_the_distributed_path(references) -> None:
     """distributed_at_one_rank: a world of one through the sharded layers and collectives
     (what the H200 measures against the plain path) gives the plain path's tokens."""
