@@ -9,6 +9,9 @@
     MOESERVE_GIT_COMMIT      the commit to stamp on results where no git checkout is at hand
     MOESERVE_FAULT_INJECT    tests only, off when unset: faults to raise for chosen request ids,
                              "KIND:ID[,KIND:ID...]" with KIND one of FAULT_KINDS (below)
+    MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
+                             (the identity, skipped otherwise), so one GPU captures NCCL in
+                             CUDA graphs
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ MOE_CONFIG_DIR = "MOESERVE_MOE_CONFIG_DIR"
 CACHE_DIR = "MOESERVE_CACHE_DIR"
 GIT_COMMIT = "MOESERVE_GIT_COMMIT"
 FAULT_INJECT = "MOESERVE_FAULT_INJECT"
+COLLECTIVES_AT_ONE_RANK = "MOESERVE_COLLECTIVES_AT_ONE_RANK"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -36,6 +40,10 @@ FAULT_INJECT = "MOESERVE_FAULT_INJECT"
 #               request finishes until a test lets them
 FAULT_KINDS = ("sample", "nan", "detokenize", "step", "hold_startup", "slow_step",
                "hold_steps")
+
+
+def collectives_at_one_rank() -> bool:
+    return os.environ.get(COLLECTIVES_AT_ONE_RANK) == "1"
 
 
 def api_pids_file() -> str | None:

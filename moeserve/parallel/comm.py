@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moeserve import envs
 from moeserve.parallel.layout import RankLayout
 
 
@@ -34,8 +35,9 @@ class TensorParallel:
 
     @property
     def sums(self) -> bool:
-        """Whether the layers' partial sums need the collectives (more than one rank)."""
-        return self.layout.world_size > 1
+        """Whether the layers' partial sums need the collectives (more than one rank; or a
+        test's MOESERVE_COLLECTIVES_AT_ONE_RANK)."""
+        return self.layout.world_size > 1 or envs.collectives_at_one_rank()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; returns x."""

@@ -1,6 +1,7 @@
 """On one GPU: a world of one through NCCL (distributed_at_one_rank) with overlap scheduling
-and CUDA graphs, the collectives captured inside the decode graphs, gives exactly the plain
-path's tokens in fp32 (TF32 off), with no decode step outside the graphs.
+and CUDA graphs, the collectives run anyway (MOESERVE_COLLECTIVES_AT_ONE_RANK; served, a world
+of one skips them) and captured inside the decode graphs, gives exactly the plain path's tokens
+in fp32 (TF32 off), with no decode step outside the graphs.
 
 Not in bf16: under tensor parallelism a MoE layer's parts (its k expert rows and the shared
 experts' row) are summed before the all-reduce, in the activation dtype, where one process
@@ -24,7 +25,9 @@ ENGINE = dict(device="cuda", dtype="float32", moe_backend="triton", attention_ba
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_one_rank_over_nccl_matches_the_plain_path(tmp_path, arch: str, no_tf32) -> None:
+def test_one_rank_over_nccl_matches_the_plain_path(tmp_path, arch: str, no_tf32,
+                                                  monkeypatch) -> None:
+    monkeypatch.setenv("MOESERVE_COLLECTIVES_AT_ONE_RANK", "1")
     folder = write_tiny_checkpoint(arch, tmp_path / arch)
     prompts = _prompts(256, (41, 5, 17, 1, 9, 30), seed=5)
     plain = LLM(folder, **ENGINE)

@@ -87,9 +87,13 @@ def test_overlap_scheduling_over_ranks(references) -> None:
     assert [r.token_ids for r in results] == expected
 
 
-def test_one_rank_through_the_distributed_path(references) -> None:
-    """distributed_at_one_rank: a world of one through the sharded layers and collectives
-    (what the H200 measures against the plain path) gives the plain path's tokens."""
+@pytest.mark.parametrize("collectives", ["skipped", "run"])
+def test_one_rank_through_the_distributed_path(references, monkeypatch, collectives) -> None:
+    """distributed_at_one_rank: a world of one through the executor and the sharded layers
+    (what the H200 measures against the plain path), its identity collectives skipped or run,
+    gives the plain path's tokens."""
+    if collectives == "run":
+        monkeypatch.setenv("MOESERVE_COLLECTIVES_AT_ONE_RANK", "1")
     folder, prompts, expected = references("deepseek_v3")
     with LLM(folder, **ENGINE, distributed_at_one_rank=True) as llm:
         results = llm.generate(prompts, GREEDY)
