@@ -38,8 +38,14 @@ from moeserve.kernels.moe.tile_configs import tile_device_name
 from moeserve.kernels.registry import TILED_MOE_BACKENDS
 from moeserve.model_config import ModelConfig
 from moeserve.parallel.comm import TensorParallel
+from moeserve.parallel.env import under_torchrun
 from moeserve.parallel.executor import RankedRunner, start_ranks
-from moeserve.parallel.layout import RankLayout, check_layout, quantized_split_breaks
+from moeserve.parallel.layout import (
+    RankLayout,
+    check_devices,
+    check_layout,
+    quantized_split_breaks,
+)
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.model_runner import ModelRunner, timed
 from moeserve.runner.pending_output import PendingOutput
@@ -124,6 +130,10 @@ class EngineCore:
         if pc.tensor_parallel_size == 1 and not pc.distributed_at_one_rank:
             return build()
         check_layout(self.model_config, RankLayout(pc.tensor_parallel_size, 0, pc.ep_size))
+        if not under_torchrun():  # torchrun placed its processes itself
+            device = torch.device(self.cfg.device)
+            check_devices(pc.ranks_per_node, device.type,
+                          torch.cuda.device_count() if device.type == "cuda" else 0)
         return start_ranks(self.cfg, build)
 
     def _moe_shape(self) -> tuple[int, int, int] | None:

@@ -63,6 +63,13 @@ class RankLayout:
                 f"MoE TP {self.moe_tp} x EP {self.expert_parallel_size}")
 
 
+def check_devices(ranks_per_node: int, device_type: str, num_gpus: int) -> None:
+    """A node's ranks need a GPU each (ConfigError naming both counts)."""
+    if device_type == "cuda" and ranks_per_node > num_gpus:
+        raise ConfigError(f"{ranks_per_node} ranks a node (tensor_parallel_size / nnodes) need "
+                          f"{ranks_per_node} GPUs on each node; this one has {num_gpus}")
+
+
 def split(total: int, parts: int, what: str) -> int:
     """total / parts, or a ConfigError naming `what` when it does not divide."""
     if total % parts:

@@ -47,6 +47,12 @@ def run_node(cfg: EngineConfig) -> int:
                  int(os.environ["MASTER_PORT"]), device_type)
         return 0
     assert pc.master_port is not None, "ParallelConfig requires it with nnodes > 1"
+    if device_type == "cuda":
+        import torch
+
+        from moeserve.parallel.layout import check_devices
+
+        check_devices(pc.ranks_per_node, device_type, torch.cuda.device_count())
     procs = spawn_workers(cfg, pc.node_rank, pc.master_port, skip_local_rank_0=False)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))

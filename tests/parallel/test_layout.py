@@ -159,3 +159,13 @@ def test_splits_that_cut_quantized_blocks_are_named(qwen3_moe) -> None:
     nvfp4 = dataclasses.replace(qwen3_moe, quantization=QuantSpec("nvfp4", group_size=16))
     assert quantized_split_breaks(nvfp4, RankLayout(8)) == []  # K splits of 96: 6 groups
     assert quantized_split_breaks(qwen3_moe, RankLayout(8)) == []  # not quantized
+
+
+def test_a_node_needs_a_gpu_per_rank() -> None:
+    from moeserve.parallel.layout import check_devices
+
+    check_devices(8, "cuda", 8)
+    check_devices(4, "cpu", 0)  # gloo ranks on CPU
+    with pytest.raises(ConfigError, match="8 ranks a node .* need 8 GPUs on each node; this "
+                                          "one has 1"):
+        check_devices(8, "cuda", 1)
