@@ -198,11 +198,11 @@ class EngineCore:
         from moeserve.kernels.moe.tune import ensure_tuned
 
         shape = self._moe_shape()
-        block = self.runner.model.moe_blocks()[0]
         if self.cfg.moe_tune_budget_s == 0:
             found = find_tuned(*shape, self.runner.dtype, tile_device_name(device))
             return ("not tuned at start-up (moe_tune_budget_s=0): "
                     + (f"using {found[0]}" if found else "default tiles"))
+        block = self.runner.model.moe_blocks()[0]
         outcome = ensure_tuned(*shape, mc.num_experts_per_tok, self.runner.dtype,
                                self.cfg.scheduler.max_num_batched_tokens,
                                time_budget_s=self.cfg.moe_tune_budget_s,

@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -45,6 +46,7 @@ BROADCAST = frozenset({"profile_activation_peak", "plan_memory", "allocate_kv_ca
                        "execute", "launch"})
 EXIT_RANK_FAILED = 70
 _EXIT_GRACE_S = 10.0
+_DEATH_WAIT_S = 3.0  # how long a failed call waits to see which worker died
 
 
 class RankFailed(RuntimeError):
@@ -168,13 +170,24 @@ class RankedRunner:
         if self._exit_timer is not None:  # rank 0 returned: the engine ends in order
             self._exit_timer.cancel()
         if self._failure is None:
-            dead = [f"rank {r + 1} (pid {p.pid}) exited with code {p.returncode}"
-                    for r, p in enumerate(self.procs) if p.poll() is not None]
+            dead = self._dead_workers()
             self._failure = "; ".join(dead) or f"rank 0 failed: {error!r}"
             _kill(self.procs)
             if not dead:
                 return error
         return RankFailed(self._failure)
+
+    def _dead_workers(self) -> list[str]:
+        """Node 0's workers that exited, each named. A peer's death reaches rank 0 as a closed
+        connection while the kernel may still be tearing that process down, so a failure
+        waits up to _DEATH_WAIT_S for one to be seen gone."""
+        deadline = time.monotonic() + (_DEATH_WAIT_S if self.procs else 0.0)
+        while True:
+            dead = [f"rank {r + 1} (pid {p.pid}) exited with code {p.returncode}"
+                    for r, p in enumerate(self.procs) if p.poll() is not None]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
 
     def _on_deadline(self, message: str) -> None:
         logger.error("%s; ending the engine", message)

@@ -9,7 +9,8 @@ deadline (`step_timeout_s`):
     rank 0          `Watchdog.check` (its thread calls it each CHECK_PERIOD_S) sees how long
                     the call in flight has run; past the deadline it names the ranks that
                     failed: those whose beat stopped (dead or stopped), else those with the
-                    fewest steps done (hung in a kernel), else rank 0 itself, and calls
+                    fewest steps done (hung in a kernel), else, when no rank has gone silent
+                    within SILENT_AFTER_S more, rank 0 itself, and calls
                     `on_fire(message)` once (the executor kills the local workers, which ends
                     rank 0's own wait in the collective, and exits if that wait does not end)
 
@@ -108,16 +109,18 @@ class Watchdog:
             return None
         what = call[0]
         silent = [r for r in beats if now - self._seen[r][1] > SILENT_AFTER_S]
+        steps = {r: int(b.split()[1]) for r, b in beats.items() if b is not None}
+        fewest = min(steps.values(), default=None)
+        laggards = [r for r, s in steps.items() if s == fewest and fewest < max(steps.values())]
         if silent:
             who = ", ".join(f"rank {r}" for r in silent)
             why = "stopped beating (dead, stopped or cut off)"
+        elif laggards:
+            who, why = ", ".join(f"rank {r}" for r in laggards), "did not finish its step"
+        elif now - call[1] <= self.timeout_s + SILENT_AFTER_S:
+            return None  # a rank stopped just now is not silent long enough to tell yet
         else:
-            steps = {r: int(b.split()[1]) for r, b in beats.items() if b is not None}
-            fewest = min(steps.values(), default=None)
-            laggards = [r for r, s in steps.items() if s == fewest
-                        and fewest < max(steps.values())]
-            who = ", ".join(f"rank {r}" for r in laggards) or "rank 0"
-            why = "did not finish its step" if laggards else "(the engine's own rank) is stuck"
+            who, why = "rank 0", "(the engine's own rank) is stuck"
         self.fired = (f"{who} {why}: {what} ran past the step deadline of "
                       f"{self.timeout_s:g} s (step_timeout_s)")
         self.on_fire(self.fired)

@@ -130,7 +130,7 @@ def test_the_capacity_report_names_the_down_tiles(isolated_config_dirs: Path) ->
                           scheduler=SimpleNamespace(max_num_batched_tokens=2048))
     mc = SimpleNamespace(num_experts=E, hidden_size=H, moe_intermediate_size=N,
                          num_experts_per_tok=K)
-    report = _moe_configs(cfg, mc, torch.float16, "Fake GPU")
+    report = _moe_configs(cfg, mc, torch.float16, "Fake GPU", (E, H, N))
     assert report["1"]["config"] == SMALL and report["1"]["tiles"] == "M16_N16_K16_G1_w4_s2"
     assert report["64"]["config"] == SPLIT and report["64"]["backend"] == "grouped_mm"
     assert report["64"]["tiles"] == "M16_N16_K16_G1_w4_s2+down_N32_K16_G1_w4_s2"
@@ -272,7 +272,7 @@ def test_the_capacity_report_says_which_tiles_are_in_use(isolated_config_dirs: P
     def report(tiles: str) -> dict[str, dict]:
         cfg = EngineConfig(moe_backend=backend, moe_tiles=tiles,
                            scheduler=SchedulerConfig(max_num_batched_tokens=2048))
-        return _moe_configs(cfg, mc, torch.float16, "Fake GPU")
+        return _moe_configs(cfg, mc, torch.float16, "Fake GPU", (E, H, N))
 
     tuned = report("tuned")
     assert all(c["tuned"] and c["source"] == str(path) for c in tuned.values())

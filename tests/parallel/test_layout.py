@@ -169,3 +169,23 @@ def test_a_node_needs_a_gpu_per_rank() -> None:
     with pytest.raises(ConfigError, match="8 ranks a node .* need 8 GPUs on each node; this "
                                           "one has 1"):
         check_devices(8, "cuda", 1)
+
+
+def test_watchdog_waits_to_tell_a_rank_stopped_just_now_from_rank_0() -> None:
+    clock, fired = _Clock(), []
+    beats = {1: "1 4", 2: "1 4"}
+    dog = _watchdog(beats, clock, fired)
+    dog.begin("launch")
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):  # both beat until 4 s; rank 1 stops then
+        clock.now = t
+        beats = {1: f"{int(t) + 1} 4" if t < 4 else "5 4", 2: f"{int(t) + 1} 4"}
+        dog.read_beat = beats.get
+        dog.check()
+    clock.now = 5.5  # past the 5 s deadline, rank 1 silent for 1.5 s only: not named yet
+    beats = {1: "5 4", 2: "7 4"}
+    dog.read_beat = beats.get
+    assert dog.check() is None and not fired
+    clock.now = 4.0 + SILENT_AFTER_S + 0.5
+    beats = {1: "5 4", 2: "9 4"}
+    dog.read_beat = beats.get
+    assert dog.check().startswith("rank 1 stopped beating")
