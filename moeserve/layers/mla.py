@@ -8,6 +8,8 @@ One forward, for the T tokens of a step (H heads; L = kv_lora_rank, R = qk_rope_
       q part -> (q_a_layernorm -> q_b_proj when q_lora_rank) -> q [T, H, nope + R]
       c_kv -> kv_a_layernorm;  q_rope, k_rope -> RoPE (interleaved pairs or halves; YaRN)
       latent_cache[slot] = [c_kv | k_rope]                           (kernels/attention/mla.py)
+      (on CUDA the norm, both RoPEs and the write are one launch, reading each token's kv_a
+      row once: kernels/attention/mla_rope_cache_triton.py; elsewhere the torch ops one by one)
       decode rows, absorbed:  q_lat = [q_nope @ W_UK[h] | q_rope] -> mla_backend -> [T, H, L]
                               -> @ W_UV[h]^T -> [T, H, v]
       prefill rows (form "mha"): the context's latents up-projected by kv_b_proj to per-head
@@ -39,6 +41,10 @@ from torch import nn
 
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
 from moeserve.kernels.attention.mla import mla_prefill_ref, write_latent
+from moeserve.kernels.attention.mla_rope_cache_triton import (
+    mla_rope_cache_triton,
+    rotate_pairs,
+)
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.params import empty_param
 from moeserve.layers.rope_scaling import inv_freq_and_factor, softmax_scale
@@ -59,22 +65,6 @@ def _pair_table(config_key: tuple, dim: int, max_position: int,
     inv_freq, factor = inv_freq_and_factor(rope, dim)
     freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
     return (freqs.cos() * factor).to(device), (freqs.sin() * factor).to(device)
-
-
-def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 interleaved: bool) -> torch.Tensor:
-    """RoPE of x [T, ..., R] with cos/sin [T, R / 2] (already at each token's position), in x's
-    dtype as transformers. interleaved: pairs (x[2i], x[2i + 1]), output laid out as
-    [rotated evens | rotated odds] (transformers' apply_rotary_pos_emb_interleave; the same
-    permutation on q and k leaves q . k unchanged); else pairs (x[i], x[i + R / 2])."""
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-    c, s = cos.to(x.dtype).view(shape), sin.to(x.dtype).view(shape)
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 class Projected(NamedTuple):
@@ -135,6 +125,9 @@ class MLAttention(nn.Module):
         self.cos, self.sin = _pair_table(key, m.qk_rope_head_dim, config.max_position_embeddings,
                                          torch.device(device or "cpu"))  # [P, R / 2]
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, L + R]
+        # the latent norm, RoPE and latent write fused into one launch: None on CUDA; tests
+        # force True on CPU (Triton's interpreter) or False on CUDA
+        self.fused_rope_cache: bool | None = None
 
     def reset_path_counters(self) -> None:
         """Zero the tokens-per-form counts (the runner calls it after warm-up and capture,
@@ -160,20 +153,37 @@ class MLAttention(nn.Module):
         latents written at slot_mapping [T]."""
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_caches)")
-        t, heads, nope, L = hidden.shape[0], self.num_heads, self.nope, self.kv_lora_rank
+        t, heads, nope = hidden.shape[0], self.num_heads, self.nope
         a = F.linear(hidden, self.in_proj)  # [T, q_part + L + R (+ extra rows)]
         q = q_resid = a[:, :self.q_part]
         if self.q_b_proj is not None:
             q_resid = self.q_a_layernorm(q_resid.contiguous())
             q = F.linear(q_resid, self.q_b_proj)
         q = q.view(t, heads, nope + self.rope_dim)
+        fused = a.is_cuda if self.fused_rope_cache is None else self.fused_rope_cache
+        q_rope, cos, sin = self._rope_cache(positions, a, q, slot_mapping, fused)
+        return MlaState(q[..., :nope], q_rope, Projected(hidden, a, q_resid, cos, sin))
+
+    def _rope_cache(self, positions: torch.Tensor, a: torch.Tensor, q: torch.Tensor,
+                    slot_mapping: torch.Tensor, fused: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """in_proj's output a and q [T, H, nope + R] -> q_rope [T, H, R] and cos, sin
+        [T, R / 2] at positions, with the normed latent and rotated k_rope written at
+        slot_mapping. fused: one Triton launch (CUDA, or CPU under Triton's interpreter in
+        tests: `fused_rope_cache`)."""
+        if fused:
+            norm = self.kv_a_layernorm
+            return mla_rope_cache_triton(a[:, self.q_part:self.latent_end], q, positions,
+                                         self.cos, self.sin, norm.weight, norm.eps,
+                                         self.kv_cache, slot_mapping, self.interleaved)
+        L = self.kv_lora_rank
         c_kv = self.kv_a_layernorm(a[:, self.q_part:self.q_part + L].contiguous())  # [T, L]
         cos, sin = self.cos[positions], self.sin[positions]  # [T, R / 2]
-        q_rope = rotate_pairs(q[..., nope:], cos, sin, self.interleaved)  # [T, H, R]
+        q_rope = rotate_pairs(q[..., self.nope:], cos, sin, self.interleaved)  # [T, H, R]
         k_rope = rotate_pairs(a[:, self.q_part + L:self.latent_end], cos, sin,
                               self.interleaved)  # [T, R]
         write_latent(torch.cat([c_kv, k_rope], dim=-1), self.kv_cache, slot_mapping)
-        return MlaState(q[..., :nope], q_rope, Projected(hidden, a, q_resid, cos, sin))
+        return q_rope, cos, sin
 
     def attention_core(self, state: MlaState, meta: AttentionMetadata) -> torch.Tensor:
         """The step's attention, [T, H, v]."""

@@ -161,3 +161,31 @@ def test_qk_rope_kv_compiles_once_across_token_counts() -> None:
         else:
             counts.append(seen - before)
     assert counts == [0] * len(counts), counts
+
+
+def test_mla_rope_cache_compiles_once_across_token_counts() -> None:
+    """DeepSeek-V3's layout (128 heads, L 512, R 64; q_lora: kv_a a view at q_part 1536 of
+    in_proj's output); positions and slots sliced at any offset of a packed buffer."""
+    from moeserve.kernels.attention import mla_rope_cache_triton
+
+    heads, nope, rope_dim, rank, q_part = 128, 128, 64, 512, 1536
+    angles = torch.arange(4096, device="cuda")[:, None] * torch.rand(rope_dim // 2,
+                                                                     device="cuda")
+    cos, sin = angles.cos(), angles.sin()  # [P, R / 2] fp32
+    cache = torch.zeros(128, 16, rank + rope_dim, device="cuda", dtype=torch.bfloat16)
+    weight = torch.ones(rank, device="cuda", dtype=torch.bfloat16)
+    packed = torch.arange(2048, device="cuda").repeat(2, 1)  # [2, 2048]: positions; slots
+    before, counts = None, []
+    for offset, tokens in enumerate((1, 3, 16, 17, 64, 100, 1000)):
+        a = torch.randn(tokens, q_part + rank + rope_dim, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(tokens, heads, nope + rope_dim, device="cuda", dtype=torch.bfloat16)
+        positions, slots = packed[:, offset:offset + tokens]  # [T] each, misaligned by offset
+        mla_rope_cache_triton.mla_rope_cache_triton(a[:, q_part:], q, positions, cos, sin,
+                                                    weight, 1e-6, cache, slots, True)
+        torch.cuda.synchronize()
+        seen = variants(mla_rope_cache_triton._kernels().mla_rope_cache)
+        if before is None:  # the first call compiles what it needs
+            before = seen
+        else:
+            counts.append(seen - before)
+    assert counts == [0] * len(counts), counts
