@@ -75,3 +75,35 @@ def test_two_torchrun_nodes_serve_the_single_process_tokens(checkpoint: str,
                 n.kill()
     _, alive = psutil.wait_procs(everything, timeout=EXIT_WAIT_S)
     assert not alive, f"processes left behind: {alive}"
+
+
+def test_a_headless_node_started_by_moeserve(checkpoint: str, tmp_path: Path) -> None:
+    """Without torchrun: node 0 `moeserve serve --tp 2 --nnodes 2`, node 1 the same with
+    --node-rank 1 --headless (it spawns its rank itself); the single process's tokens, and
+    stopping node 0 ends node 1 with code 0 (the engine's shutdown reaches its worker)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = LLM(checkpoint, device="cpu", dtype="float32").generate([PROMPT], params)[0]
+    rdzv, http = free_port(), free_port()
+    url = f"http://127.0.0.1:{http}"
+    common = [str(BIN / "moeserve"), "serve", "--model", checkpoint, "--device", "cpu",
+              "--dtype", "float32", "--tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(rdzv), "--torch-threads", "1", "--log-level", "warning"]
+    nodes = []
+    for rank, extra in ((1, ["--headless"]), (0, ["--port", str(http)])):
+        with open(tmp_path / f"node{rank}.log", "w") as out:
+            nodes.append(subprocess.Popen([*common, "--node-rank", str(rank), *extra],
+                                          stdout=out, stderr=subprocess.STDOUT))
+    headless, serving = nodes
+    try:
+        wait_until(lambda: _ready(url, nodes), "node 0 ready", timeout_s=180)
+        workers = psutil.Process(headless.pid).children(recursive=True)
+        assert any("moeserve.parallel.worker" in " ".join(p.cmdline()) for p in workers)
+        body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert got["choices"][0]["token_ids"] == expected.token_ids, got
+    finally:
+        serving.send_signal(signal.SIGTERM)
+        serving.wait(EXIT_WAIT_S)
+    assert headless.wait(EXIT_WAIT_S) == 0, (tmp_path / "node1.log").read_text()
+    _, alive = psutil.wait_procs(workers, timeout=EXIT_WAIT_S)
+    assert not alive
