@@ -72,6 +72,30 @@ def test_mla_attention_compiles_once_across_batch_shapes() -> None:
     assert counts == [counts[0]] * len(counts), counts
 
 
+def test_dsa_indexer_compiles_once_across_batch_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLM-5's indexer (32 heads x 128, bf16, blocks of 64): decode steps (one token a program)
+    and mixed steps (query tiles), some scored in chunks of tiles (the tiles sliced at odd
+    offsets): at most two new variants, both compiled by the first pair of steps."""
+    from moeserve.kernels.attention import dsa_triton
+    from tests.kernels.test_dsa_triton import make_step
+
+    kern = dsa_triton._kernels()
+    rng = np.random.default_rng(0)
+    monkeypatch.setattr(dsa_triton, "_CHUNK_KEYS", 1 << 16)  # ~20 tokens a chunk at S ~ 3k
+    start, counts = variants(kern.index_score), []
+    for batch, num_prefill in [(7, 1), (16, 2), (33, 3), (100, 1), (129, 4)]:
+        computed = rng.integers(1, 3000, batch).tolist()
+        prefill = rng.integers(5, 130, num_prefill).tolist()
+        for comp, sched in ((computed + [0] * num_prefill, [1] * batch + prefill),
+                            (computed, [1] * batch)):
+            step = make_step(comp, sched, 64, heads=32, dim=128, dtype=torch.bfloat16,
+                             device="cuda", seed=batch)
+            dsa_triton.indexer_topk_triton(step.q, step.w, step.cache, step.meta, 0.1, 2048)
+        torch.cuda.synchronize()
+        counts.append(variants(kern.index_score) - start)
+    assert 1 <= counts[0] <= 2 and counts == [counts[0]] * len(counts), counts
+
+
 def test_moe_compiles_once_across_token_counts() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     experts, hidden, inter, top_k = 16, 256, 128, 4

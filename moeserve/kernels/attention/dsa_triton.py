@@ -7,13 +7,13 @@ Same contracts as the torch references in kernels/attention/dsa.py (`indexer_top
 (`_kernels`), as in mla_triton.py; on CPU they run in Triton's interpreter (TRITON_INTERPRET=1).
 
     indexer_topk_triton                                 dsa_attention_triton
-      _index_score_kernel  grid (tokens, key tiles)       _sparse_attention_kernel
-        token t (row token_to_req[t], position p),          grid (tokens, head tiles)
-        keys s of one tile gathered by block table:         token t's selected positions,
-        score = sum_h w[t,h] ReLU(q[t,h] . k[s] scale)      BLOCK_N at a time, gathered through
-        -> one int64 sort key per (t, s), s <= p            its row's block table ->
-      torch.topk of the keys [T, S] -> positions            mla_triton._attend_rows (online
-                                                            softmax, fp32) -> out [T, H, L]
+      _index_score_kernel  grid (query tiles, key tiles)  _sparse_attention_kernel
+        a tile: BLOCK_Q consecutive tokens of one row        grid (tokens, head tiles)
+        (decode-only step: one token), each key tile         token t's selected positions,
+        gathered by block table once for all of them:        BLOCK_N at a time, gathered through
+        score = sum_h w[t,h] ReLU(q[t,h] . k[s] scale)      its row's block table ->
+        -> one int64 sort key per (t, s), s <= p(t)         mla_triton._attend_rows (online
+      torch.topk of the keys [T, S] -> positions            softmax, fp32) -> out [T, H, L]
 
 Exact selection, ties included: the kernel writes for each context position the int64
 key = ord(score) << 32 | (2^31 - 1 - s), where ord maps an fp32 score to an int32 of the same
@@ -21,26 +21,44 @@ order (its bits, the magnitude bits flipped for negatives; -0.0 first made +0.0)
 distinct within a row, so torch.topk of them is exact and deterministic: descending score, ties
 to the lowest position, as the reference's stable sort. Positions past the token's context get
 the lowest int64 and decode to -1. Scores equal the reference's to fp32 rounding (dot and head
-sums in another order); a selection can differ only where two scores are that close (the tests'
-data has none; forced ties, exact zeros and duplicated keys, are equal in both).
+sums in another order); a selection can differ only where two scores are that close (see below
+for the tests' data).
 
-No host sync and no host tensor on any step: every index is read on the device (a token's row
-and position from meta.token_to_req and meta.positions), the shapes come from T, topk and
-meta.max_seq_len (as the reference's decode path), so a decode step can be captured in a CUDA
-graph. Long prefills are scored in chunks of tokens bounding the [n, S] key tensor.
+Query tiles (index_block_q: 128 dot rows of tokens x heads, 4 tokens at GLM-5's 32 heads) share
+each loaded key tile, so a prefill chunk of T tokens reads its context's keys T / BLOCK_Q times,
+not T (the kernel's docstring has the bytes). A tile's scores are one [BLOCK_Q * H, D] x [D, N]
+dot, then per query ReLU(. * scale) and the fp32 sum over its heads of w times that: the
+reference's formula and fp32 operations, each score from its own query's row only (padded heads
+and masked queries add exact zeros or are not stored). Only the order inside the dot's sum over
+D and the head sum's tree are the compiler's, as in a one-token program (a taller dot may pick
+another MMA), so scores agree with the reference to fp32 rounding and no further. The tests are
+exact because their data is: random scores whose top-k + 1 are apart by far more than rounding
+(tests/kernels/test_dsa_triton_tiles.py checks that margin against fp64), or exact
+scores (small integers: exact in any order; ReLU zeros; duplicated keys: identical operands
+give identical sums), whose ties both break to the lowest position.
+
+No host sync: a decode-only step (every host query length 1, also a CUDA graph's placeholder
+ones) runs one token a program with every index read on the device (a token's row and position
+from meta.token_to_req and meta.positions), the shapes from T, topk and meta.max_seq_len (as
+the reference's decode path), so it can be captured in a CUDA graph. A step with a prefill row
+(eager, its host lengths exact) cuts rows into query tiles on the host, copied once a step
+(`meta.derived`, shared by its full layers); a decode row there is a tile of one. Long steps are
+scored in chunks of whole tiles bounding the [n, S] key tensor.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from moeserve.kernels.attention import mla_triton
-from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
 from moeserve.kernels.attention.paged_triton import SUPPORTED_DTYPES, TileConfig
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
@@ -51,6 +69,9 @@ _LOW_HALF = (1 << 32) - 1
 # below every score's key (the lowest, -inf's, is about -2^63 + 2^55): positions past the
 # context. Not -2^63 itself, which Triton's literals cannot spell.
 _MASKED_KEY = -(1 << 63) + 1
+# rows (query tokens x indexer heads) of a prefill scoring program's q . k dot: see
+# index_block_q (a [128, D] x [D, BLOCK_N] dot: fp32 accumulator [128, 64] at GLM-5's shape)
+INDEX_TILE_ROWS = 128
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 # mla_triton's jitted helpers, bound by _kernels() too (the kernels read them by global name)
@@ -61,6 +82,13 @@ _sum: Any = None
 def index_block_n(head_dim: int) -> int:
     """Keys per scoring program: small at test dims, so the tile loop and its masks run."""
     return 16 if head_dim <= 64 else 64
+
+
+def index_block_q(num_heads: int) -> int:
+    """Query tokens per scoring program on a step with a prefill row: INDEX_TILE_ROWS dot rows
+    of tokens x heads (heads padded to a power of two): GLM-5's 32 heads, 4 tokens; V3.2's
+    64, 2; the tests' 8, 16. A decode-only step runs 1 (one token a program)."""
+    return max(1, INDEX_TILE_ROWS // next_pow2(num_heads))
 
 
 def indexer_topk_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
@@ -84,27 +112,13 @@ def indexer_topk_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: tor
         than topk; the number of boundary ties, 0 unless counted).
     """
     _check_indexer_inputs(q, weights, index_cache, meta, topk)
-    num_tokens, num_heads, dim = q.shape
+    num_tokens = q.shape[0]
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     ties = 0
     num_keys = max(1, meta.max_seq_len)  # S, the reference's padded context
-    if num_tokens == 0:
-        return out, ties
     k = min(topk, num_keys)
     take = k + 1 if count_boundary_ties and num_keys > topk else k
-    block_n = index_block_n(dim)
-    chunk = max(1, _CHUNK_KEYS // num_keys)
-    kern = _kernels()
-    for t0 in range(0, num_tokens, chunk):
-        n = min(chunk, num_tokens - t0)
-        keys = torch.empty(n, num_keys, dtype=torch.int64, device=q.device)  # [n, S]
-        kern.index_score[(n, -(-num_keys // block_n))](
-            q, weights, index_cache, keys, meta.block_tables, meta.seq_lens, meta.positions,
-            meta.token_to_req, scale, t0, num_keys,
-            q.stride(0), q.stride(1), weights.stride(0), meta.block_tables.stride(0),
-            NUM_HEADS=num_heads, BLOCK_H=max(16, next_pow2(num_heads)), D=dim,
-            BLOCK_SIZE=index_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-            MASKED_KEY=_MASKED_KEY, POS_BIAS=_POS_BIAS, num_warps=4)
+    for t0, n, keys in index_score_chunks(q, weights, index_cache, meta, scale):
         top = torch.topk(keys, take, dim=1).values  # [n, take], descending; keys distinct
         best = top[:, :k]
         pos = torch.where(best > _MASKED_KEY, _POS_BIAS - (best & _LOW_HALF), -1)
@@ -113,6 +127,71 @@ def indexer_topk_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: tor
             kth, nxt = top[:, k - 1], top[:, k]
             ties += int(((kth >> 32 == nxt >> 32) & (nxt > _MASKED_KEY)).sum())
     return out, ties
+
+
+def index_score_chunks(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, block_q: int | None = None
+                       ) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """The step's sort keys, a chunk of tokens at a time (indexer_topk_triton's inputs, checked
+    there): (first token t0, tokens n, keys [n, S] int64), S = max(1, meta.max_seq_len), each
+    chunk launched as the previous one is consumed. block_q: tokens a tile on a step with a
+    prefill row (benchmarks: 1 scores one token a program there); default index_block_q."""
+    num_tokens, num_heads, dim = q.shape
+    num_keys = max(1, meta.max_seq_len)
+    if num_tokens == 0:
+        return
+    block_n = index_block_n(dim)
+    chunk = max(1, _CHUNK_KEYS // num_keys)  # tokens a chunk: its [n, S] keys
+    if bool((meta.query_lens_np == 1).all()):  # decode (or a graph's placeholder ones)
+        block_q, tiles = 1, None  # program i: token t0 + i; every index read on the device
+        chunks = [(t0, min(chunk, num_tokens - t0), None)
+                  for t0 in range(0, num_tokens, chunk)]
+    else:
+        block_q = block_q or index_block_q(num_heads)
+        key = ("indexer_topk_triton", block_q, chunk, q.device)
+        if key not in meta.derived:  # the step's first full layer: later ones reuse it
+            meta.derived[key] = _query_tiles(meta, block_q, chunk, q.device)
+        tiles, chunks = meta.derived[key]
+    kern = _kernels()
+    for t0, n, part in chunks:
+        keys = torch.empty(n, num_keys, dtype=torch.int64, device=q.device)  # [n, S]
+        grid = (n if part is None else part.stop - part.start, -(-num_keys // block_n))
+        kern.index_score[grid](
+            q, weights, index_cache, keys, meta.block_tables, meta.seq_lens, meta.positions,
+            meta.token_to_req, meta.positions if part is None else tiles[part], scale, t0,
+            num_keys, q.stride(0), q.stride(1), weights.stride(0), meta.block_tables.stride(0),
+            NUM_HEADS=num_heads, BLOCK_H=max(16 // block_q, next_pow2(num_heads)),
+            BLOCK_Q=block_q, D=dim, BLOCK_SIZE=index_cache.shape[1], BLOCK_N=block_n,
+            USE_TILES=part is not None, IEEE=q.dtype == torch.float32,
+            MASKED_KEY=_MASKED_KEY, POS_BIAS=_POS_BIAS, num_warps=4)
+        yield t0, n, keys
+
+
+def _query_tiles(meta: AttentionMetadata, block_q: int, chunk: int,
+                 device: torch.device) -> tuple[torch.Tensor, list[tuple[int, int, slice]]]:
+    """A step with a prefill row, from its exact host lengths: the query tiles, device int32
+    [n_tiles, 2] = (first token, tokens), each row's tokens cut into tiles of block_q from its
+    first (a decode row: one tile of one), in token order; and the chunks that score them,
+    (first token, tokens, the chunk's slice of the tiles): whole tiles of at most `chunk`
+    tokens, or one tile. One host-to-device copy."""
+    q_lens = meta.query_lens_np
+    cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    if int(cu[-1]) != meta.num_tokens:
+        raise ValueError(f"indexer_topk_triton: meta's query lengths sum to {int(cu[-1])}, "
+                         f"not its {meta.num_tokens} tokens")
+    per_row = -(-q_lens // block_q)  # [B] tiles of each row
+    row = np.repeat(np.arange(len(q_lens)), per_row)  # [n_tiles]
+    within = np.arange(len(row)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+    first = cu[row] + within * block_q
+    end = np.minimum(first + block_q, cu[row + 1])  # tiles cover the tokens in order
+    chunks, a = [], 0
+    while a < len(first):
+        b = max(a + 1, int(np.searchsorted(end, first[a] + chunk, side="right")))
+        chunks.append((int(first[a]), int(end[b - 1] - first[a]), slice(a, b)))
+        a = b
+    host = np.stack([first, end - first], axis=1).astype(np.int32)
+    return to_device(host, device), chunks
 
 
 def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
@@ -239,11 +318,12 @@ def _kernels() -> SimpleNamespace:
     tl = triton.language
     _attend_rows, _sum = mla_triton._attend_rows, mla_triton._sum
     # NOTE: step-varying ints (the first token of a chunk, S, topk, the block table's width and
-    # stride) are exempt from specialisation: a new batch shape must not compile a new variant
-    # mid-serving (see paged_triton._kernels).
+    # stride) and the query tiles sliced at any chunk's offset are exempt from specialisation:
+    # a new batch shape must not compile a new variant mid-serving (see paged_triton._kernels).
     return SimpleNamespace(
         index_score=triton.jit(_index_score_kernel,
-                               do_not_specialize=["t0", "num_keys", "stride_table"]),
+                               do_not_specialize=["t0", "num_keys", "stride_table"],
+                               do_not_specialize_on_alignment=["tiles_ptr"]),
         sparse_attention=triton.jit(_sparse_attention_kernel,
                                     do_not_specialize=["topk", "max_blocks", "stride_table"]))
 
@@ -251,46 +331,84 @@ def _kernels() -> SimpleNamespace:
 # ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
 
 def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq_lens_ptr,
-                        positions_ptr, token_to_req_ptr, scale, t0, num_keys,
+                        positions_ptr, token_to_req_ptr, tiles_ptr, scale, t0, num_keys,
                         stride_qt, stride_qh, stride_wt, stride_table,
-                        NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                        MASKED_KEY: tl.constexpr, POS_BIAS: tl.constexpr):
-    """Program (i, key tile): the sort keys [BLOCK_N] of token t0 + i over context positions
-    tile * BLOCK_N .., written to keys row i ([n, num_keys] int64)."""
+                        NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
+                        D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        USE_TILES: tl.constexpr, IEEE: tl.constexpr, MASKED_KEY: tl.constexpr,
+                        POS_BIAS: tl.constexpr):
+    """Program (i, key tile): the sort keys [BLOCK_Q, BLOCK_N] of query tile i over context
+    positions tile * BLOCK_N .., written to keys rows (token - t0) ([n, num_keys] int64).
+
+    Query tile i: USE_TILES, tiles row i = (first token, count <= BLOCK_Q), consecutive tokens
+    of one row; else the one token t0 + i (BLOCK_Q 1: decode, every index on the device). Dot
+    rows r = query * BLOCK_H + head (heads padded to BLOCK_H, BLOCK_Q * BLOCK_H >= 16): one
+    [BLOCK_Q * BLOCK_H, D] x [D, BLOCK_N] dot per loaded key tile, then per query the
+    reference's ReLU(q . k * scale) and fp32 sum of w * that over its heads; query j masks
+    positions past its own (s <= its position, s < the row's seq_len).
+
+    Reads per program: one key tile, BLOCK_N x D x the cache's bytes, for BLOCK_Q tokens, and
+    those tokens' q rows [BLOCK_Q * Hi, D] and weights. Keys per query token, bf16, GLM-5's
+    Hi = 32, D = 128, BLOCK_N = 64, a prefill chunk of T = 64 tokens of one request whose
+    tokens each see about S positions (a chunk after S - 64; causal, so S - 63 .. S):
+      before (one token a program): each token loads every key tile it sees, D * 2 = 256 B a
+        key: 256 * S a token, 64 * 256 * S = 16 KiB * S for the chunk;
+      now (BLOCK_Q = INDEX_TILE_ROWS // 32 = 4 tokens a program): 256 / 4 = 64 B a key a
+        token, 64 * S a token, 64 / 4 = 16 tiles * 256 * S = 4 KiB * S for the chunk;
+      S = 8192: 2 MiB -> 512 KiB a token, 128 MiB -> 32 MiB the chunk.
+    q is loaded per key tile as before: Hi * D * 2 = 8 KiB a token per 64 keys, 128 B a key a
+    token (the chunk's q, 64 * 8 KiB = 512 KiB, stays in L2). Decode rows: one token, 256 B a
+    key, as before.
+    """
     i = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    t = (t0 + i).to(tl.int64)
-    req = tl.load(token_to_req_ptr + t)
-    # keys the token sees: s <= its position, s < its row's seq_len (padding rows: maybe none)
-    kv_end = tl.minimum(tl.load(positions_ptr + t) + 1, tl.load(seq_lens_ptr + req))
+    if USE_TILES:
+        first = tl.load(tiles_ptr + 2 * i).to(tl.int64)
+        count = tl.load(tiles_ptr + 2 * i + 1)
+    else:
+        first = (t0 + i).to(tl.int64)
+        count = 1
+    req = tl.load(token_to_req_ptr + first)
+    seq_len = tl.load(seq_lens_ptr + req)
+    qi = tl.arange(0, BLOCK_Q)  # [Q] query within the tile
+    q_ok = qi < count
+    tok = first + qi  # [Q]
+    # keys each query sees: s <= its position, s < its row's seq_len (padding rows: maybe none);
+    # the tile's last query sees the most (positions rise along a row)
+    kv_end = tl.minimum(tl.load(positions_ptr + tok, mask=q_ok, other=-1) + 1, seq_len)  # [Q]
+    kv_hi = tl.minimum(tl.load(positions_ptr + first + count - 1) + 1, seq_len)
     n = n0 + tl.arange(0, BLOCK_N)  # [N] context positions
-    key = tl.full([BLOCK_N], MASKED_KEY, tl.int64)
-    if n0 < kv_end:  # causal: a tile wholly after the token is all masked
-        h = tl.arange(0, BLOCK_H)
-        h_ok = h < NUM_HEADS
+    key = tl.full([BLOCK_Q, BLOCK_N], MASKED_KEY, tl.int64)
+    if n0 < kv_hi:  # causal: a tile wholly after the tile's last query is all masked
+        r = tl.arange(0, BLOCK_Q * BLOCK_H)  # [M] dot rows
+        r_ok = (r // BLOCK_H < count) & (r % BLOCK_H < NUM_HEADS)
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
-                    mask=h_ok[:, None], other=0.0)  # [H', D]
-        w = tl.load(w_ptr + t * stride_wt + h, mask=h_ok, other=0.0)  # [H'] fp32
-        valid = n < kv_end
+        q = tl.load(q_ptr + (first + r // BLOCK_H)[:, None] * stride_qt
+                    + (r % BLOCK_H)[:, None] * stride_qh + d[None, :],
+                    mask=r_ok[:, None], other=0.0)  # [M, D]
+        h = tl.arange(0, BLOCK_H)
+        w = tl.load(w_ptr + tok[:, None] * stride_wt + h[None, :],
+                    mask=q_ok[:, None] & (h < NUM_HEADS)[None, :], other=0.0)  # [Q, H'] fp32
+        k_ok = n < kv_hi
         table = block_tables_ptr + req * stride_table
-        block = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0)
+        block = tl.load(table + n // BLOCK_SIZE, mask=k_ok, other=0)
         slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE  # [N]
-        k = tl.load(cache_ptr + slot[None, :] * D + d[:, None], mask=valid[None, :],
+        k = tl.load(cache_ptr + slot[None, :] * D + d[:, None], mask=k_ok[None, :],
                     other=0.0)  # [D, N]
         if IEEE:
             s = tl.dot(q, k, input_precision="ieee")
         else:
-            s = tl.dot(q, k)  # [H', N] fp32 accumulation of exact half products
+            s = tl.dot(q, k)  # [M, N] fp32 accumulation of exact half products
         s = tl.maximum(s * scale, 0.0)  # the reference's order: q . k, times scale, ReLU
-        score = _sum(s * w[:, None], 0)  # [N]
+        s = tl.reshape(s, [BLOCK_Q, BLOCK_H, BLOCK_N])
+        score = _sum(s * w[:, :, None], 1)  # [Q, N]; padded heads add w 0 x 0
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 must tie +0.0 (the ref's ==)
         bits = score.to(tl.int32, bitcast=True)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 order = fp32 order
-        key = (ordered.to(tl.int64) << 32) | (POS_BIAS - n).to(tl.int64)
-        key = tl.where(valid, key, MASKED_KEY)
-    tl.store(keys_ptr + i.to(tl.int64) * num_keys + n, key, mask=n < num_keys)
+        key = (ordered.to(tl.int64) << 32) | (POS_BIAS - n).to(tl.int64)[None, :]
+        key = tl.where(n[None, :] < kv_end[:, None], key, MASKED_KEY)
+    tl.store(keys_ptr + (tok - t0)[:, None] * num_keys + n[None, :], key,
+             mask=q_ok[:, None] & (n < num_keys)[None, :])
 
 
 def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, sel_ptr, block_tables_ptr,
