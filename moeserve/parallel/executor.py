@@ -110,12 +110,14 @@ class RankedRunner:
             return attr
 
         def call(*args, **kwargs):
-            if name in PLAN_CALLS:  # the plan without the parameters the workers hold
-                self.send(name, self.encoder.encode(*args), kwargs)
-            else:
-                self.send(name, args, kwargs)
+            # the deadline covers the send too: it blocks once a stopped rank's socket
+            # buffer is full (the fault test's stopped worker, under load)
+            self.watchdog.begin(name)
             try:
-                self.watchdog.begin(name)
+                if name in PLAN_CALLS:  # the plan without the parameters the workers hold
+                    self.send(name, self.encoder.encode(*args), kwargs)
+                else:
+                    self.send(name, args, kwargs)
                 result = attr(*args, **kwargs)
                 if name in GATHERED:
                     results: list = [None] * self.world_size
