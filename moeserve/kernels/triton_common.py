@@ -32,3 +32,15 @@ def require_attention_inputs_device(q: torch.Tensor, who: str) -> None:
                              "bf16 wrongly); use fp16/fp32 on CPU, bf16 on the GPU")
     elif q.device.type != "cuda":
         raise ValueError(f"{who}: unsupported device {q.device}")
+
+
+def require_step_indices(positions: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int,
+                         who: str) -> None:
+    """A cache-writing kernel's per-token inputs: integer positions [T] and int64 slots [T]
+    (ValueError naming `who` and the tensor)."""
+    if positions.shape != (num_tokens,) or positions.is_floating_point():
+        raise ValueError(f"{who}: positions must be integer [{num_tokens}], got "
+                         f"{tuple(positions.shape)} {positions.dtype}")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"{who}: slot_mapping must be int64 [{num_tokens}], got "
+                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")

@@ -57,7 +57,7 @@ import torch
 
 from moeserve.kernels.attention.mla import write_latent
 from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_ref
-from moeserve.kernels.triton_common import next_pow2, require_triton_device
+from moeserve.kernels.triton_common import next_pow2, require_step_indices, require_triton_device
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a global
 
@@ -177,11 +177,7 @@ def _check(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
          and norm_weight.dtype == kv_a.dtype,
          f"norm_weight must be contiguous [{kv_lora_rank}] {kv_a.dtype}, got "
          f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
-    need(positions.shape == (t,) and not positions.is_floating_point(),
-         f"positions must be integer [{t}], got {tuple(positions.shape)} {positions.dtype}")
-    need(slot_mapping.shape == (t,) and slot_mapping.dtype == torch.int64,
-         f"slot_mapping must be int64 [{t}], got {tuple(slot_mapping.shape)} "
-         f"{slot_mapping.dtype}")
+    require_step_indices(positions, slot_mapping, t, "mla_rope_cache_triton")
     tensors = (kv_a, q, positions, cos_table, sin_table, norm_weight, latent_cache, slot_mapping)
     devices = {x.device for x in tensors}
     need(len(devices) == 1, f"tensors on several devices: {devices}")

@@ -50,7 +50,7 @@ import torch
 from moeserve.kernels.attention.paged import write_kv
 from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_ref
 from moeserve.kernels.norm_rope.rope_triton import rope_ref
-from moeserve.kernels.triton_common import next_pow2, require_triton_device
+from moeserve.kernels.triton_common import next_pow2, require_step_indices, require_triton_device
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a global
 
@@ -144,11 +144,7 @@ def _check(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
     t = qkv.shape[0]
     need(qkv.is_floating_point() and kv_cache.dtype == qkv.dtype,
          f"qkv {qkv.dtype} and kv_cache {kv_cache.dtype} must share one floating dtype")
-    need(positions.shape == (t,) and not positions.is_floating_point(),
-         f"positions must be integer [{t}], got {tuple(positions.shape)} {positions.dtype}")
-    need(slot_mapping.shape == (t,) and slot_mapping.dtype == torch.int64,
-         f"slot_mapping must be int64 [{t}], got {tuple(slot_mapping.shape)} "
-         f"{slot_mapping.dtype}")
+    require_step_indices(positions, slot_mapping, t, "qk_rope_kv_triton")
     for name, table in (("cos", cos), ("sin", sin)):
         need(table.dim() == 2 and 0 < table.shape[1] <= d and table.shape[1] % 2 == 0
              and table.dtype == torch.float32 and table.is_contiguous(),
