@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -72,8 +73,6 @@ def _build_runner(cfg: EngineConfig, groups: RankGroups):
 
 def rank_config(cfg: EngineConfig, local_rank: int) -> EngineConfig:
     """The engine config as a rank runs it: on CUDA, device cuda:<local rank>."""
-    import dataclasses
-
     if cfg.device.startswith("cuda"):
         return dataclasses.replace(cfg, device=f"cuda:{local_rank}")
     return cfg
