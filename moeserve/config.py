@@ -96,8 +96,9 @@ class ParallelConfig:
                               "node must name the same rendezvous")
         if self.step_timeout_s <= 0:
             raise ConfigError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
-        if self.headless and self.node_rank == 0 and self.nnodes > 1:
-            raise ConfigError("node 0 runs the engine core: --headless is for node_rank >= 1")
+        if self.headless and self.node_rank == 0:
+            raise ConfigError("node 0 runs the engine core: --headless is for node_rank >= 1 "
+                              "of --nnodes > 1")
 
     @property
     def ep_size(self) -> int:

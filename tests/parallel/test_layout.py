@@ -77,6 +77,8 @@ def test_parallel_config_refusals() -> None:
         ParallelConfig(tensor_parallel_size=4, nnodes=2)
     with pytest.raises(ConfigError, match="--headless is for node_rank >= 1"):
         ParallelConfig(tensor_parallel_size=4, nnodes=2, master_port=1, headless=True)
+    with pytest.raises(ConfigError, match="--headless is for node_rank >= 1"):
+        ParallelConfig(tensor_parallel_size=2, headless=True)  # one node: no engine anywhere
     assert ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True).ep_size == 4
     assert ParallelConfig(tensor_parallel_size=4).ep_size == 1
 
