@@ -193,9 +193,11 @@ class EngineConfig:
     dense MLA: the same result) or "dense" (dense MLA for every request, for comparison: no
     indexer runs and no indexer key cache is allocated). No effect on other models."""
     quantization: str | None = None
-    """The checkpoint's quantized format, to check it against: fp8, nvfp4 or int4 (vLLM's
-    modelopt_fp4 and compressed-tensors accepted); None: whatever the checkpoint declares. A
-    value the checkpoint contradicts is an error."""
+    """fp8, nvfp4 or int4 (vLLM's modelopt_fp4 and compressed-tensors accepted). With a
+    checkpoint: its format, checked (a value the checkpoint contradicts, or a checkpoint that is
+    not quantized, is an error); None: whatever it declares. With load_format dummy: the layout
+    the random weights are made in (every linear projection; the embedding, LM head, routers
+    and norms stay in `dtype`)."""
     moe_tiles: str = "tuned"
     """The fused MoE's tiles: "tuned" (a committed or cached tuned file for this device and MoE
     shape, tuned at start-up within moe_tune_budget_s when none exists) or "default" (the
@@ -264,12 +266,14 @@ class EngineConfig:
                               "combined yet: choose one")
 
 
-def _check_quantization(wanted: str, model: ModelConfig) -> None:
+def _check_quantization(wanted: str, model: ModelConfig, load_format: str) -> None:
     have = model.quantization.format if model.quantization is not None else None
+    if load_format == "dummy":
+        return  # the random weights are made in the wanted layout
     if have is None:
         raise ConfigError(f"--quantization {wanted} was given but the checkpoint is not "
-                          "quantized; quantizing bf16 or dummy weights at start-up is not "
-                          "implemented yet")
+                          "quantized; quantizing bf16 weights at start-up is not implemented "
+                          "(with --load-format dummy the random weights take that layout)")
     if have != wanted:
         raise ConfigError(f"--quantization {wanted} contradicts the checkpoint, which holds "
                           f"{have} weights")
@@ -320,7 +324,7 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
             "num_continuous_decode_steps > 1 runs its steps back to back" if not overlap else
             "overlap the CPU's planning of step N+1 with the GPU's step N")
     if cfg.quantization is not None:
-        _check_quantization(flag_format(cfg.quantization), model)
+        _check_quantization(flag_format(cfg.quantization), model, load_format)
     if sched.max_model_len == "auto":
         sched = dataclasses.replace(sched, max_model_len=model.max_position_embeddings)
         why["max_model_len"] = "the model's max_position_embeddings"

@@ -46,7 +46,8 @@ from moeserve.parallel.layout import (
     check_layout,
     quantized_split_breaks,
 )
-from moeserve.runner.capacity import CapacityReport
+from moeserve.quant.packed import QuantWeight
+from moeserve.runner.capacity import CapacityReport, weights_by_class
 from moeserve.runner.model_runner import ModelRunner, timed
 from moeserve.runner.pending_output import PendingOutput
 from moeserve.sched import Request, Scheduler
@@ -111,7 +112,8 @@ class EngineCore:
             parallel=self._parallel_line(plan),
             kv_layout=self.runner.kv_layout(),
             mtp=self.runner.mtp_note, dsa=_dsa_line(self.cfg, self.model_config),
-            checkpoint_format=self.runner.format_note)
+            checkpoint_format=self.runner.format_note,
+            weights=weights_by_class(self.runner.model))
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
         self._arrivals = itertools.count()
@@ -139,7 +141,7 @@ class EngineCore:
     def _moe_shape(self) -> tuple[int, int, int] | None:
         """This rank's routed experts as (experts, hidden, width): what its tiles are for."""
         blocks = self.runner.model.moe_blocks()
-        if not blocks:
+        if not blocks or isinstance(blocks[0].w13, QuantWeight):  # not the bf16 kernel's tiles
             return None
         return (blocks[0].num_local_experts, self.model_config.hidden_size,
                 blocks[0].w2.shape[-1])
@@ -155,9 +157,12 @@ class EngineCore:
         line = (f"{layout.describe()}; each rank: weights {plan.weight_bytes / (1 << 30):.2f} "
                 f"GiB, {plan.num_kv_tokens:,} KV tokens ({cache})")
         breaks = quantized_split_breaks(mc, layout)
-        if breaks:  # served: the weights load dequantized, each rank its slice
-            line += ("; splits that cut the checkpoint's scale blocks (loaded dequantized, so "
-                     "served; the quantized kernels will refuse them): " + "; ".join(breaks))
+        if breaks:  # held dequantized: each rank copies its slice of the dequantized weight
+            q = mc.quantization
+            group = 128 if q.format == "fp8" else q.group_size
+            line += ("; splits that cut the checkpoint's scale groups (those weights held in "
+                     f"{self.cfg.dtype}, dequantized at load): "
+                     + "; ".join(b.line(q.format, group) for b in breaks))
         return line
 
     def close(self) -> None:
@@ -189,6 +194,10 @@ class EngineCore:
         mc = self.model_config
         if self.cfg.moe_backend not in TILED_MOE_BACKENDS or not mc.num_experts:
             return ""
+        blocks = self.runner.model.moe_blocks()
+        if blocks and isinstance(blocks[0].w13, QuantWeight):
+            return (f"not tuned: {blocks[0].w13.format} experts run the fused quantized MoE "
+                    "with its in-code default tiles (kernels/moe/fused_quant_triton.py)")
         if self.cfg.moe_tiles == "default":
             return ("not tuned: moe_tiles=default (the in-code default tiles at every batch "
                     "size, no tuned file read)")

@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.paged import write_kv
 from moeserve.kernels.attention.qk_rope_kv_triton import qk_rope_kv_triton, split_qkv
+from moeserve.layers.linear import WeightFactory, linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.params import empty_param
 from moeserve.layers.rope import RotaryEmbedding
@@ -40,19 +40,23 @@ AttentionBackend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, floa
 class Attention(nn.Module):
     def __init__(self, layer_idx: int, config: ModelConfig, attention_backend: AttentionBackend,
                  dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 weights: WeightFactory | None = None) -> None:
+        """weights: declares the projections under the model's quantization plan."""
         super().__init__()
+        weights = weights or WeightFactory()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = d = config.head_dim
         self.scale = d ** -0.5
         self.backend = attention_backend
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
-        self.qkv_proj = empty_param(qkv_rows, config.hidden_size, dtype=dtype, device=device)
+        self.qkv_proj = weights.linear("qkv_proj", qkv_rows, config.hidden_size, dtype=dtype,
+                                       device=device)
         self.qkv_bias = (empty_param(qkv_rows, dtype=dtype, device=device) if config.qkv_bias
                          else None)  # GLM-4.5's q/k/v biases
-        self.o_proj = empty_param(config.hidden_size, self.num_heads * d, dtype=dtype,
-                                  device=device)
+        self.o_proj = weights.linear("o_proj", config.hidden_size, self.num_heads * d,
+                                     dtype=dtype, device=device)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, device)
@@ -79,7 +83,7 @@ class Attention(nn.Module):
         """hidden [T, h] -> q [T, H, D], with this step's K/V written at slot_mapping [T]."""
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_caches)")
-        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 * KVH) * D]
+        qkv = linear(hidden, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 * KVH) * D]
         return self._qk_rope_kv(positions, qkv, slot_mapping, fused=qkv.is_cuda)
 
     def attention_core(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -88,7 +92,7 @@ class Attention(nn.Module):
 
     def post_attention(self, out: torch.Tensor) -> torch.Tensor:
         """The core's output [T, H, D] (or [T, H * D]) -> [T, hidden]."""
-        return F.linear(out.reshape(out.shape[0], -1), self.o_proj)
+        return linear(out.reshape(out.shape[0], -1), self.o_proj)
 
     def _qk_rope_kv(self, positions: torch.Tensor, qkv: torch.Tensor,
                     slot_mapping: torch.Tensor, fused: bool) -> torch.Tensor:

@@ -43,6 +43,7 @@ from torch import nn
 from moeserve.kernels.attention.dsa import write_index_keys
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
 from moeserve.kernels.registry import DsaBackend, IndexerTopkFn, dsa_backend_for
+from moeserve.layers.linear import WeightFactory, linear
 from moeserve.layers.mla import MlaBackend, MLAttention, Projected, rotate_pairs
 from moeserve.layers.norm import LayerNorm
 from moeserve.layers.params import empty_param
@@ -63,8 +64,10 @@ class Indexer(nn.Module):
     (wk itself is rows of the attention's in_proj)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None,
-                 device: torch.device | str | None, topk_fn: IndexerTopkFn) -> None:
+                 device: torch.device | str | None, topk_fn: IndexerTopkFn,
+                 weights: WeightFactory | None = None) -> None:
         super().__init__()
+        weights = weights or WeightFactory()
         self.topk_fn = topk_fn
         d, m = config.dsa, config.mla
         assert d is not None and m is not None and m.q_lora_rank
@@ -72,8 +75,8 @@ class Indexer(nn.Module):
             m.qk_rope_head_dim
         self.interleaved = d.rope_interleaved
         self.scale = d.index_head_dim ** -0.5
-        self.wq_b = empty_param(d.index_n_heads * d.index_head_dim, m.q_lora_rank, dtype=dtype,
-                                device=device)
+        self.wq_b = weights.linear("wq_b", d.index_n_heads * d.index_head_dim, m.q_lora_rank,
+                                   dtype=dtype, device=device)
         self.k_norm = LayerNorm(d.index_head_dim, 1e-6, dtype, device)
         # fp32, as transformers keeps it (_keep_in_fp32_modules), and computed in fp32
         self.weights_proj = empty_param(d.index_n_heads, config.hidden_size,
@@ -94,7 +97,7 @@ class Indexer(nn.Module):
                sin: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata,
                topk: int) -> torch.Tensor:
         """The top-k context positions [T, topk] int32 (-1: none) of the step's tokens."""
-        q = F.linear(q_resid, self.wq_b).view(-1, self.heads, self.head_dim)
+        q = linear(q_resid, self.wq_b).view(-1, self.heads, self.head_dim)
         q = self._rope(q, cos, sin)  # [T, Hi, D]
         w = F.linear(hidden.float(), self.weights_proj) * self.heads ** -0.5  # [T, Hi]
         pos, ties = self.topk_fn(q, w, index_cache, meta, self.scale, topk,
@@ -106,16 +109,19 @@ class Indexer(nn.Module):
 class DsaAttention(MLAttention):
     def __init__(self, layer_idx: int, config: ModelConfig, mla_backend: MlaBackend,
                  dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 weights: WeightFactory | None = None) -> None:
         d = config.dsa
         assert d is not None
         full = d.is_full(layer_idx)
+        weights = weights or WeightFactory()
         super().__init__(layer_idx, config, mla_backend, dtype, device,
-                         extra_in_rows=d.index_head_dim if full else 0)
+                         extra_in_rows=d.index_head_dim if full else 0, weights=weights)
         self.topk = d.index_topk
         self.source_layer = d.source_layer(layer_idx)  # whose selection this layer uses
         self.dsa_ops: DsaBackend = dsa_backend_for(mla_backend)
-        self.indexer = Indexer(config, dtype, device, self.dsa_ops.indexer_topk) if full else None
+        self.indexer = (Indexer(config, dtype, device, self.dsa_ops.indexer_topk,
+                                weights.child("indexer")) if full else None)
         self.index_cache: torch.Tensor | None = None  # [num_blocks, block_size, D]: full only
         self.dsa_mode = "auto"
 

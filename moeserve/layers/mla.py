@@ -36,7 +36,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
@@ -45,6 +44,7 @@ from moeserve.kernels.attention.mla_rope_cache_triton import (
     mla_rope_cache_triton,
     rotate_pairs,
 )
+from moeserve.layers.linear import WeightFactory, linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.params import empty_param
 from moeserve.layers.rope_scaling import inv_freq_and_factor, softmax_scale
@@ -88,8 +88,12 @@ class MlaState(NamedTuple):
 class MLAttention(nn.Module):
     def __init__(self, layer_idx: int, config: ModelConfig, mla_backend: MlaBackend,
                  dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, extra_in_rows: int = 0) -> None:
+                 device: torch.device | str | None = None, extra_in_rows: int = 0,
+                 weights: WeightFactory | None = None) -> None:
+        """weights: declares the projections under the model's quantization plan (kv_b_proj
+        stays in the engine's dtype: W_UK and W_UV are views of it)."""
         super().__init__()
+        weights = weights or WeightFactory()
         m = config.mla
         assert m is not None
         self.layer_idx, self.backend = layer_idx, mla_backend
@@ -107,20 +111,21 @@ class MLAttention(nn.Module):
         # [q_a_proj or q_proj | kv_a_proj_with_mqa | extra_in_rows] rows: one GEMM reads the
         # hidden state once
         self.latent_end = self.q_part + m.latent_dim  # in_proj rows [q_part, latent_end): kv_a
-        self.in_proj = empty_param(self.latent_end + extra_in_rows, hidden, dtype=dtype,
-                                   device=device)
+        self.in_proj = weights.linear("in_proj", self.latent_end + extra_in_rows, hidden,
+                                      dtype=dtype, device=device)
         self.q_a_layernorm = self.q_b_proj = None
         if m.q_lora_rank:
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, 1e-6, dtype, device)
-            self.q_b_proj = empty_param(h * m.qk_head_dim, m.q_lora_rank, dtype=dtype,
-                                        device=device)
+            self.q_b_proj = weights.linear("q_b_proj", h * m.qk_head_dim, m.q_lora_rank,
+                                           dtype=dtype, device=device)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6, dtype, device)
         self.kv_b_proj = empty_param(h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank,
                                 dtype=dtype, device=device)
         w = self.kv_b_proj.view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         self.w_uk = w[:, :m.qk_nope_head_dim]  # [H, nope, L] view
         self.w_uv = w[:, m.qk_nope_head_dim:]  # [H, v, L] view
-        self.o_proj = empty_param(hidden, h * m.v_head_dim, dtype=dtype, device=device)
+        self.o_proj = weights.linear("o_proj", hidden, h * m.v_head_dim, dtype=dtype,
+                                     device=device)
         key = (("rope", config.rope),)
         self.cos, self.sin = _pair_table(key, m.qk_rope_head_dim, config.max_position_embeddings,
                                          torch.device(device or "cpu"))  # [P, R / 2]
@@ -154,11 +159,11 @@ class MLAttention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_caches)")
         t, heads, nope = hidden.shape[0], self.num_heads, self.nope
-        a = F.linear(hidden, self.in_proj)  # [T, q_part + L + R (+ extra rows)]
+        a = linear(hidden, self.in_proj)  # [T, q_part + L + R (+ extra rows)]
         q = q_resid = a[:, :self.q_part]
         if self.q_b_proj is not None:
             q_resid = self.q_a_layernorm(q_resid.contiguous())
-            q = F.linear(q_resid, self.q_b_proj)
+            q = linear(q_resid, self.q_b_proj)
         q = q.view(t, heads, nope + self.rope_dim)
         fused = a.is_cuda if self.fused_rope_cache is None else self.fused_rope_cache
         q_rope, cos, sin = self._rope_cache(positions, a, q, slot_mapping, fused)
@@ -191,7 +196,7 @@ class MLAttention(nn.Module):
 
     def post_attention(self, out: torch.Tensor) -> torch.Tensor:
         """The core's output [T, H, v] (or [T, H * v]) -> [T, hidden]."""
-        return F.linear(out.reshape(out.shape[0], -1), self.o_proj)
+        return linear(out.reshape(out.shape[0], -1), self.o_proj)
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
                 proj: Projected) -> torch.Tensor:

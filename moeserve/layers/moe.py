@@ -40,15 +40,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels.moe.quantized import moe_quantized
 from moeserve.kernels.routing.select import (
     select_experts,
     select_experts_grouped,
     select_experts_softmax_grouped,
 )
 from moeserve.kernels.routing.select_triton import MAX_EXPERTS, select_experts_triton
+from moeserve.layers.linear import WeightFactory
 from moeserve.layers.mlp import MLP
 from moeserve.layers.params import empty_param
 from moeserve.model_config import ModelConfig
+from moeserve.quant.packed import QuantWeight
 
 # fn(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]
 MoeBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -60,8 +63,12 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, moe_backend: MoeBackend,
                  dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None,
-                 experts: tuple[int, int] | None = None) -> None:
+                 experts: tuple[int, int] | None = None,
+                 weights: WeightFactory | None = None) -> None:
+        """weights: declares the experts' and shared experts' weights under the model's
+        quantization plan (the router stays in the engine's dtype)."""
         super().__init__()
+        weights = weights or WeightFactory()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.first_expert, local = experts if experts is not None else (0, e)
         self.num_local_experts = local
@@ -73,9 +80,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = empty_param(e, h, dtype=dtype, device=device)  # router, [E, hidden]
         self.correction_bias = (empty_param(e, dtype=torch.float32, device=device)
                                 if config.router.correction_bias else None)  # [E] fp32
-        self.w13 = empty_param(local, 2 * i, h, dtype=dtype, device=device)  # [E, 2I, hidden]
-        self.w2 = empty_param(local, h, i, dtype=dtype, device=device)  # [E, hidden, I]
-        self.shared_experts = (MLP(h, config.shared_expert_intermediate_size, dtype, device)
+        self.w13 = weights.linear("w13", local, 2 * i, h, dtype=dtype,
+                                  device=device)  # [E, 2I, hidden]
+        self.w2 = weights.linear("w2", local, h, i, dtype=dtype, device=device)  # [E, hidden, I]
+        self.shared_experts = (MLP(h, config.shared_expert_intermediate_size, dtype, device,
+                                   weights.child("shared_experts"))
                                if config.shared_expert_intermediate_size else None)
         self.expert_counts: torch.Tensor | None = None  # [E] int64, bound by the runner
         self.count_mask: torch.Tensor | None = None  # [T] int64, set around CUDA-graph decode
@@ -134,4 +143,6 @@ class SparseMoeBlock(nn.Module):
             local = topk_ids - self.first_expert
             held = (local >= 0) & (local < self.num_local_experts)
             topk_ids = torch.where(held, local, torch.full_like(local, -1))
+        if isinstance(self.w13, QuantWeight):
+            return moe_quantized(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)
         return self.backend(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)

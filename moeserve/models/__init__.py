@@ -14,6 +14,7 @@ from moeserve.kernels.registry import get_attention_backend, get_mla_backend, ge
 from moeserve.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from moeserve.models.decoder import CausalLM
 from moeserve.parallel.comm import TensorParallel
+from moeserve.quant.plan import QuantPlan
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, CausalLM)
 
@@ -23,7 +24,7 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
                 device: torch.device | str, moe_backend: str | Callable,
                 attention_backend: str | Callable,
                 mla_backend: str | Callable | None = None, dsa_mode: str = "auto",
-                tp: TensorParallel | None = None) -> CausalLM:
+                tp: TensorParallel | None = None, quant: QuantPlan | None = None) -> CausalLM:
     """Build the model with uninitialised weights (load_weights or init_dummy_weights fill them).
 
     Args:
@@ -36,6 +37,8 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
             beyond index_topk, dense MLA below), "dense" or "sparse" (layers/dsa.py).
         tp: this rank's shard and its collectives under tensor / expert parallelism; None
             builds the whole model.
+        quant: the weights held quantized and their format (quant/plan.py); None: every
+            weight in `dtype`.
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -46,6 +49,7 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
         mla_backend = attention_backend if isinstance(attention_backend, str) else "torch"
     mla_fn = get_mla_backend(mla_backend) if isinstance(mla_backend, str) else mla_backend
     cls = MODEL_CLASSES[model_config.architecture]
-    model = cls(model_config, moe_fn, attn_fn, mla_fn, dtype, torch.device(device), tp).eval()
+    model = cls(model_config, moe_fn, attn_fn, mla_fn, dtype, torch.device(device), tp,
+                quant).eval()
     model.set_dsa_mode(dsa_mode)
     return model

@@ -45,6 +45,7 @@ from torch import nn
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.layers.attention import Attention, AttentionBackend
 from moeserve.layers.dsa import DSA_MODES, DsaAttention, DsaLayerCache
+from moeserve.layers.linear import WeightFactory
 from moeserve.layers.mla import MlaBackend, MLAttention
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import MoeBackend, SparseMoeBlock
@@ -52,6 +53,7 @@ from moeserve.layers.norm import RMSNorm
 from moeserve.model_config import ModelConfig
 from moeserve.parallel.comm import TensorParallel
 from moeserve.parallel.layout import local_experts, local_model_config, local_vocab
+from moeserve.quant.plan import QuantPlan
 
 Device = torch.device | str | None
 
@@ -60,27 +62,34 @@ class DecoderLayer(nn.Module):
     def __init__(self, layer_idx: int, config: ModelConfig, moe_backend: MoeBackend,
                  attention_backend: AttentionBackend, mla_backend: MlaBackend,
                  dtype: torch.dtype, device: Device, tp: TensorParallel | None = None,
-                 num_experts: int = 0) -> None:
+                 num_experts: int = 0, weights: WeightFactory | None = None) -> None:
         """config: the rank's local config (the whole model's at one rank); num_experts: the
-        model's routed experts (the router's width), of which this rank holds its share."""
+        model's routed experts (the router's width), of which this rank holds its share;
+        weights: the quantization plan seen from this layer (its prefix model.layers.{i}.)."""
         super().__init__()
+        weights = weights or WeightFactory(prefix=f"model.layers.{layer_idx}.")
+        attn_weights = weights.child("self_attn")
         self.tp = tp if tp is not None and tp.sums else None  # None: nothing to sum over
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, dtype, device)
         self.self_attn: Attention | MLAttention
         if config.dsa is not None:
-            self.self_attn = DsaAttention(layer_idx, config, mla_backend, dtype, device)
+            self.self_attn = DsaAttention(layer_idx, config, mla_backend, dtype, device,
+                                         attn_weights)
         elif config.mla is not None:
-            self.self_attn = MLAttention(layer_idx, config, mla_backend, dtype, device)
+            self.self_attn = MLAttention(layer_idx, config, mla_backend, dtype, device,
+                                        weights=attn_weights)
         else:
-            self.self_attn = Attention(layer_idx, config, attention_backend, dtype, device)
+            self.self_attn = Attention(layer_idx, config, attention_backend, dtype, device,
+                                      attn_weights)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, device)
         self.mlp: MLP | SparseMoeBlock
         if config.is_moe_layer(layer_idx):
             experts = local_experts(num_experts, tp.layout) if tp is not None else None
-            self.mlp = SparseMoeBlock(config, moe_backend, dtype, device, experts)
+            self.mlp = SparseMoeBlock(config, moe_backend, dtype, device, experts,
+                                      weights.child("mlp"))
         else:
-            self.mlp = MLP(h, config.intermediate_size, dtype, device)
+            self.mlp = MLP(h, config.intermediate_size, dtype, device, weights.child("mlp"))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +140,8 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, config: ModelConfig, moe_backend: MoeBackend,
                  attention_backend: AttentionBackend, mla_backend: MlaBackend,
-                 dtype: torch.dtype, device: Device, tp: TensorParallel | None = None) -> None:
+                 dtype: torch.dtype, device: Device, tp: TensorParallel | None = None,
+                 quant: QuantPlan | None = None) -> None:
         super().__init__()
         self.tp = tp if tp is not None and tp.sums else None
         self.vocab_start, rows = (local_vocab(config.vocab_size, tp.layout) if tp is not None
@@ -142,7 +152,7 @@ class Model(nn.Module):
         local = local_model_config(config, tp.layout) if tp is not None else config
         self.layers = nn.ModuleList(
             DecoderLayer(i, local, moe_backend, attention_backend, mla_backend, dtype, device,
-                         tp, config.num_experts)
+                         tp, config.num_experts, WeightFactory(quant, f"model.layers.{i}."))
             for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -174,12 +184,14 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, moe_backend: MoeBackend,
                  attention_backend: AttentionBackend, mla_backend: MlaBackend,
                  dtype: torch.dtype, device: Device = None,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, quant: QuantPlan | None = None) -> None:
+        """quant: which weights are held quantized (quant/plan.py); None: none."""
         super().__init__()
-        self.config = config  # the whole model's (each layer holds its rank's local shapes)
+        self.config = config
+        self.quant = quant  # the whole model's (each layer holds its rank's local shapes)
         self.tp = tp if tp is not None and tp.sums else None
         self.model = Model(config, moe_backend, attention_backend, mla_backend, dtype, device,
-                           tp)
+                           tp, quant)
         self.lm_head: nn.Parameter | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(

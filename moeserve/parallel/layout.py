@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from moeserve.model_config import ConfigError, ModelConfig
 
@@ -145,44 +146,36 @@ def local_experts(num_experts: int, layout: RankLayout) -> tuple[int, int]:
     return layout.ep_rank * per, per
 
 
-def quantized_split_breaks(mc: ModelConfig, layout: RankLayout) -> list[str]:
-    """The splits that cut a quantized checkpoint's scale blocks (FP8: the weight's 128 x 128
-    blocks, rows and columns; NVFP4 / INT4: the groups along K), one line each; [] when none.
+class SplitBreak(NamedTuple):
+    """A row-parallel weight class whose per-rank columns (K) cut its quantization groups."""
 
-    Today the loader dequantizes every quantized weight and each rank copies its slice of the
-    dequantized tensor, so such a split loads and serves; the quantized kernels, which keep the
-    blocks, must refuse it (ConfigError naming these sizes) when they land.
-    """
+    what: str  # e.g. "each expert's down_proj"
+    suffix: str  # the weights' path suffix in the model (".mlp.w2")
+    columns: int  # this rank's columns
+
+    def line(self, fmt: str, group: int) -> str:
+        return f"{self.what}: {self.columns} columns a rank cut the {fmt} groups of {group}"
+
+
+def quantized_split_breaks(mc: ModelConfig, layout: RankLayout) -> list[SplitBreak]:
+    """The row-parallel splits whose columns a rank holds cut a quantized checkpoint's scale
+    groups along K (FP8: 128, NVFP4: 16, INT4: its group); [] when none. Row (N) splits never
+    do: the in-memory layout keeps a scale row per weight row (quant/packed.py). The plan holds
+    such weights in the engine's dtype, dequantized as each rank copies its slice (exact)."""
     q, w = mc.quantization, layout.world_size
     if q is None or w == 1:
         return []
-    rows_block, cols_block = (q.block or (128, 128)) if q.format == "fp8" else (1, q.group_size)
+    group = 128 if q.format == "fp8" else q.group_size
     heads = mc.num_heads // w
-    rows: list[tuple[str, int]] = []  # (what, this rank's rows) of the row-split weights
-    cols: list[tuple[str, int]] = []  # ... and the columns (K) of the column-split ones
-    if mc.mla is not None:
-        m = mc.mla
-        rows += [("q_b_proj", heads * m.qk_head_dim),
-                 ("kv_b_proj", heads * (m.qk_nope_head_dim + m.v_head_dim))]
-        cols.append(("o_proj", heads * m.v_head_dim))
-    else:
-        rows.append(("q_proj", heads * mc.head_dim))
-        cols.append(("o_proj", heads * mc.head_dim))
+    v = mc.mla.v_head_dim if mc.mla is not None else mc.head_dim
+    cols = [SplitBreak("o_proj", ".self_attn.o_proj", heads * v)]
     if any(not mc.is_moe_layer(i) for i in range(mc.num_layers)):
-        rows.append(("the dense MLP's gate / up", mc.intermediate_size // w))
-        cols.append(("the dense MLP's down_proj", mc.intermediate_size // w))
+        cols.append(SplitBreak("the dense MLP's down_proj", ".mlp.down_proj",
+                               mc.intermediate_size // w))
     if mc.num_experts and layout.moe_tp > 1:
-        inter = mc.moe_intermediate_size // layout.moe_tp
-        rows.append(("each expert's gate / up", inter))
-        cols.append(("each expert's down_proj", inter))
+        cols.append(SplitBreak("each expert's down_proj", ".mlp.w2",
+                               mc.moe_intermediate_size // layout.moe_tp))
     if mc.shared_expert_intermediate_size:
-        inter = mc.shared_expert_intermediate_size // w
-        rows.append(("the shared experts' gate / up", inter))
-        cols.append(("the shared experts' down_proj", inter))
-    unit = f"{rows_block} x {cols_block} blocks" if q.format == "fp8" else \
-        f"groups of {cols_block}"
-    out = [f"{what}: {n} rows a rank cut the {q.format} {unit}"
-           for what, n in rows if n % rows_block]
-    out += [f"{what}: {n} columns a rank cut the {q.format} {unit}"
-            for what, n in cols if n % cols_block]
-    return out
+        cols.append(SplitBreak("the shared experts' down_proj", ".mlp.shared_experts.down_proj",
+                               mc.shared_expert_intermediate_size // w))
+    return [c for c in cols if c.columns % group]

@@ -6,7 +6,8 @@ tensor-parallel shard, one expert) is the same slice of each tensor, whatever th
 blocks:
 
     fp8    qweight  float8_e4m3fn [..., N, K]
-           scale    fp32 [..., ceil(N / scale_rows), ceil(K / 128)]   W = q * scale[n // scale_rows, k // 128]
+           scale    fp32 [..., ceil(N / scale_rows), ceil(K / 128)]
+                    W = q * scale[n // scale_rows, k // 128]
                     (scale_rows 1 while loading; `compact_fp8_scales` folds it to 128, the
                     checkpoint's blocks, when every 128 rows share their scales)
     nvfp4  qweight  uint8 [..., N, K / 2], element 2j in the low nibble (ModelOpt's)
@@ -15,7 +16,8 @@ blocks:
                     came from (gate and up, q / k / v differ)   W = e2m1 * (scale * global_scale[n])
     int4   qweight  int32 [..., N, ceil(K / 8)], element k at bits 4 (k % 8) of word k // 8,
                     stored as q + 8 (compressed-tensors' pack-quantized)
-           scale    the engine's dtype [..., N, ceil(K / group)]   W = (nibble - 8) * scale[n, k // group]
+           scale    the engine's dtype [..., N, ceil(K / group)]
+                    W = (nibble - 8) * scale[n, k // group]
 
 `group` is K per scale column (128 / 16 / the checkpoint's group, 32 for Kimi K2). The
 activations: FP8 quantizes them per token and 128-group at run time (W8A8); NVFP4 and INT4 keep
@@ -73,6 +75,7 @@ class QuantView:
     scale: torch.Tensor
     global_scale: torch.Tensor | None
     shape: tuple[int, ...]  # logical
+    group: int  # K per scale column
 
 
 class QuantWeight(nn.Module):
@@ -110,7 +113,7 @@ class QuantWeight(nn.Module):
         if self.scale_rows != 1:
             raise ValueError("a QuantWeight with compacted FP8 scales has no row views")
         return QuantView(self.format, self.qweight, self.scale, self.global_scale,
-                         self.logical_shape)
+                         self.logical_shape, self.group)
 
     def __getitem__(self, index) -> QuantView:
         """Rows of the weight (an index over the dims before K), as a QuantView."""
@@ -134,7 +137,7 @@ def rows_of(view: QuantView, index) -> QuantView:
     probe = torch.empty(view.shape[:-1], device="meta")[index]
     return QuantView(view.format, q, view.scale[index],
                      None if view.global_scale is None else view.global_scale[index],
-                     (*probe.shape, view.shape[-1]))
+                     (*probe.shape, view.shape[-1]), view.group)
 
 
 def dequantize(fmt: str, qweight: torch.Tensor, scale: torch.Tensor,
@@ -156,10 +159,12 @@ def dequantize(fmt: str, qweight: torch.Tensor, scale: torch.Tensor,
     raise ValueError(f"unknown quantized format {fmt!r}")
 
 
-def quantize_into(view: QuantView, w: torch.Tensor, group: int) -> None:
+def quantize_into(view: QuantView, w: torch.Tensor, group: int | None = None) -> None:
     """Quantize w [..., N, K] (float) by the format's rule into view's tensors (dummy weights,
     tests): fp8 per row and 128-group (scale_rows 1), nvfp4 with one global scale per
-    leading index, int4 symmetric per group."""
+    leading index, int4 symmetric per group. `group`, if given, must be view's."""
+    if group is not None and group != view.group:
+        raise ValueError(f"group {group} is not the weight's {view.group}")
     flat = w.reshape(-1, w.shape[-2], w.shape[-1])
     q_out = view.qweight.reshape(-1, *view.qweight.shape[-2:])
     s_out = view.scale.reshape(-1, *view.scale.shape[-2:])
@@ -168,12 +173,12 @@ def quantize_into(view: QuantView, w: torch.Tensor, group: int) -> None:
     for i, m in enumerate(flat):
         if view.format == "fp8":
             from moeserve.quant.fp8_block import quantize_blockwise
-            q, s = quantize_blockwise(m, (1, group))
+            q, s = quantize_blockwise(m, (1, view.group))
         elif view.format == "nvfp4":
             q, s, g = nvfp4.quantize(m)
             g_out[i].copy_(g.expand(m.shape[0]))
         else:
-            q, s = int4_pack.quantize(m, group)
+            q, s = int4_pack.quantize(m, view.group)
         q_out[i].copy_(q)
         s_out[i].copy_(s)
 

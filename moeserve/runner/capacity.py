@@ -39,6 +39,7 @@ class CapacityReport:
     kv_layout: str = ""  # what one token costs in the cache, per layer (GQA K/V or MLA latent)
     mtp: str = ""  # the checkpoint's layers not run (MTP, an hf_overrides slice), or ""
     checkpoint_format: str = ""  # a quantized checkpoint's weights (how they load), or ""
+    weights: str = ""  # each module class's format and GiB (weights_by_class)
     dsa: str = ""  # DeepSeek Sparse Attention: how contexts attend (auto / dense), or ""
     parallel: str = ""  # the ranks' split and what each holds (tensor_parallel_size > 1), or ""
 
@@ -52,6 +53,7 @@ class CapacityReport:
             "engine_config": dataclasses.asdict(self.engine_config),
             "memory": self.memory.to_dict(),
             "weights_gib": self.memory.weight_bytes / GiB,
+            "weights_by_class": self.weights,
             "kv_blocks": self.memory.num_blocks,
             "kv_tokens": self.memory.num_kv_tokens,
             "max_running_requests": self.max_running_requests,
@@ -122,8 +124,52 @@ class CapacityReport:
             rows.append(("layers not run", self.mtp))
         if self.checkpoint_format:
             rows.append(("checkpoint format", self.checkpoint_format))
+        if self.weights:
+            rows.append(("weights by class", self.weights))
         rows += [(f"auto {k}", v) for k, v in self.resolved.items()]
         rows += [("start-up", ", ".join(f"{k} {v:.2f}s" for k, v in self.phase_seconds.items()))]
         width = max(len(k) for k, _ in rows)
         lines = ["moeserve capacity report"] + [f"  {k:<{width}}  {v}" for k, v in rows]
         return "\n".join(lines)
+
+
+def _module_class(name: str) -> str | None:
+    """A parameter's module class, by its path; None for the norms (small, left out)."""
+    if "norm" in name:
+        return None
+    if name.endswith((".mlp.gate", ".mlp.correction_bias")):
+        return "routers"
+    for pattern, cls in ((".mlp.shared_experts.", "shared experts"),
+                         (".mlp.w13", "routed experts"), (".mlp.w2", "routed experts"),
+                         (".self_attn.indexer.", "DSA indexer"),
+                         (".self_attn.kv_b_proj", "MLA kv_b"), (".self_attn.", "attention"),
+                         (".mlp.", "dense MLP"), ("embed_tokens", "embedding"),
+                         ("lm_head", "LM head")):
+        if pattern in name:
+            return cls
+    return "other"
+
+
+def weights_by_class(model: Any) -> str:
+    """Each module class's storage format and size, largest first: "routed experts nvfp4
+    12.30 GiB, attention nvfp4 0.41 GiB, embedding bfloat16 ..." (a class holding several
+    formats lists each; the norms left out: small)."""
+    from moeserve.quant.packed import QuantWeight
+
+    owner = {}  # parameter id -> the QuantWeight's format
+    for m in model.modules():
+        if isinstance(m, QuantWeight):
+            owner.update({id(p): m.format for p in m.parameters()})
+    sizes: dict[tuple[str, str], int] = {}
+    for name, p in model.named_parameters():
+        cls = _module_class(name)
+        if cls is None:
+            continue
+        key = (cls, owner.get(id(p), str(p.dtype).removeprefix("torch.")))
+        sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
+    ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{c} {f} {_size(b)}" for (c, f), b in ranked)
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 100 else f"{n / (1 << 20):.2f} MiB"

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from moeserve import envs
-from moeserve.config import CacheConfig, ConfigError, EngineConfig
+from moeserve.config import CacheConfig, EngineConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers.sampler import SamplingTensors, sample
@@ -29,6 +29,8 @@ from moeserve.model_config import ModelConfig, read_json_config
 from moeserve.models import build_model
 from moeserve.parallel.comm import TensorParallel
 from moeserve.parallel.layout import RankLayout, local_model_config
+from moeserve.quant.plan import DUMMY_INT4_GROUP, QuantPlan
+from moeserve.quant.spec import flag_format
 from moeserve.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from moeserve.runner.kv_cache import (
     LayerCache,
@@ -42,7 +44,12 @@ from moeserve.runner.mixed_graphs import MixedGraphs, mixed_token_buckets
 from moeserve.runner.pending_output import PendingOutput
 from moeserve.runner.step_profile import StepProfiler
 from moeserve.runner.step_sampling import sample_step
-from moeserve.runner.weight_loader import init_dummy_weights, load_weights, model_weight_bytes
+from moeserve.runner.weight_loader import (
+    checkpoint_plan,
+    init_dummy_weights,
+    load_weights,
+    model_weight_bytes,
+)
 from moeserve.types import ModelOutput, SamplingParams, SchedulerOutput
 
 
@@ -78,37 +85,32 @@ class ModelRunner:
         self._init_model(weights_folder)
 
     def _init_model(self, weights_folder: str | None) -> None:
-        self.model = build_model(self.model_config, self.dtype, self.device,
+        mc = self.model_config
+        plan = self._quant_plan(weights_folder)
+        self.model = build_model(mc, self.dtype, self.device,
                                  get_moe_backend(self.cfg.moe_backend, self.cfg.moe_tiles),
                                  get_attention_backend(self.cfg.attention_backend),
                                  get_mla_backend(self.cfg.attention_backend),
-                                 dsa_mode=self.cfg.dsa, tp=self.tp)
+                                 dsa_mode=self.cfg.dsa, tp=self.tp, quant=plan)
         self.mtp_note = ""  # the capacity report's line on the checkpoint's layers not run
         self.format_note = ""  # ... and on a quantized checkpoint's weights
         if self.cfg.load_format == "dummy":
-            quant = self.model_config.quantization
-            if quant is not None:
-                raise ConfigError(f"load_format 'dummy' with a {quant.format} "
-                                  "quantization_config: dummy weights in a quantized layout are "
-                                  "not implemented yet (drop the quantization_config)")
             init_dummy_weights(self.model, self.cfg.seed)
+            if plan is not None:
+                self.format_note = f"dummy weights in {plan.describe()}"
         else:
-            assert weights_folder is not None, "safetensors load_format needs a checkpoint folder"
-            mc = self.model_config
-            layers = read_json_config(os.path.join(weights_folder, "config.json")).get(
-                "num_hidden_layers", mc.num_layers)
-            left_out, fp8 = load_weights(self.model, mc, weights_folder,
-                                         checkpoint_layers=layers, layout=self.layout)
-            if fp8:
-                q = mc.quantization
-                kind = {"fp8": f"fp8 block-scaled ({'x'.join(map(str, q.block or ()))})",
-                        "nvfp4": "nvfp4 (groups of 16)",
-                        "int4": f"int4 pack-quantized (groups of {q.group_size})"}[q.format]
-                self.format_note = (f"{kind}: {fp8} weights dequantized to {self.cfg.dtype} "
-                                    "at load (quantized kernels: issue 18)")
+            left_out, dequantized, kept = load_weights(
+                self.model, mc, weights_folder, checkpoint_layers=self._checkpoint_layers,
+                layout=self.layout)
+            if plan is not None and (kept or dequantized):
+                self.format_note = f"{plan.describe()}: {kept} checkpoint weights kept quantized"
+                if dequantized:  # MLA's kv_b_proj; a fused weight with an unquantized part
+                    self.format_note += (f", {dequantized} held dequantized in "
+                                         f"{self.cfg.dtype} (see weights by class)")
             elif mc.quantization is not None:
                 self.format_note = (f"config.json declares {mc.quantization.format} but the "
                                     "checkpoint holds no quantized tensors: loaded as stored")
+            layers = self._checkpoint_layers
             if left_out:
                 parts = [f"{mc.mtp_layers} MTP layer(s): kept for speculative decoding later"
                          ] if mc.mtp_layers else []
@@ -125,6 +127,24 @@ class ModelRunner:
             self.expert_counts = torch.zeros(len(self.model.moe_blocks()),
                                              self.model_config.num_experts, dtype=torch.int64,
                                              device=self.device)
+
+    def _quant_plan(self, weights_folder: str | None) -> QuantPlan | None:
+        """Which weights are held quantized: from the checkpoint's tensors, or, for dummy
+        weights, every quantizable one in the format `--quantization` (or the config) names."""
+        mc, cfg = self.model_config, self.cfg
+        self._checkpoint_layers = mc.num_layers
+        if cfg.load_format == "dummy":
+            fmt = flag_format(cfg.quantization) if cfg.quantization is not None else None
+            spec = mc.quantization
+            if fmt is None:
+                return QuantPlan.from_spec(spec) if spec is not None else None
+            if spec is not None and spec.format == fmt:
+                return QuantPlan.from_spec(spec)
+            return QuantPlan(fmt, DUMMY_INT4_GROUP if fmt == "int4" else None)
+        assert weights_folder is not None, "safetensors load_format needs a checkpoint folder"
+        self._checkpoint_layers = read_json_config(
+            os.path.join(weights_folder, "config.json")).get("num_hidden_layers", mc.num_layers)
+        return checkpoint_plan(mc, weights_folder, self._checkpoint_layers, self.layout)
 
     def expert_load(self) -> dict | None:
         """Tokens routed to each expert of each MoE layer since start-up, and over how many

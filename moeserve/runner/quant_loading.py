@@ -1,5 +1,7 @@
-"""A quantized checkpoint's tensors, read as the weights the model loads (dequantized into the
-engine's dtype as they are copied; the quantized kernels come later in issue 18).
+"""A quantized checkpoint's tensors, read as the weights the model loads: kept quantized where
+the model holds the weight quantized (quant/plan.py; `source` gives them in quant/packed.py's
+row layout), dequantized into the engine's dtype where it does not (a fused weight with a part
+the checkpoint left unquantized).
 
 Per linear `X` (the model loads `X.weight`), each format's tensors (quant/spec.py's formats):
 
@@ -21,6 +23,7 @@ from safetensors import safe_open
 
 from moeserve.model_config import ModelConfig
 from moeserve.quant import fp8_block, int4_pack, nvfp4
+from moeserve.quant.packed import QuantView, QuantWeight, packed_columns, rows_of
 
 # the companion tensors of X.weight in each format, by suffix of X
 COMPANIONS = {"fp8": (".weight_scale_inv",),
@@ -111,6 +114,23 @@ class QuantizedTensors:
         return int4_pack.dequantize(t["data"], t[".weight_scale"], t[".weight_shape"],
                                     self.spec.group_size, dtype)
 
+    def source(self, weight: str) -> QuantView:
+        """weight's tensors in the in-memory layout (quant/packed.py): FP8's block scales
+        repeated per row, NVFP4's global scale as one value per row."""
+        t = self._tensors(weight)
+        data = t["data"]
+        if self.spec.format == "fp8":
+            n, k = data.shape
+            scale = t[".weight_scale_inv"].float().repeat_interleave(self.spec.block[0], 0)[:n]
+            return QuantView("fp8", data, scale, None, (n, k), self.spec.block[1])
+        if self.spec.format == "nvfp4":
+            n = data.shape[0]
+            g = t[".weight_scale_2"].float().reshape(1).expand(n)
+            return QuantView("nvfp4", data, t[".weight_scale"], g, (n, 2 * data.shape[1]),
+                             nvfp4.GROUP)
+        n, k = (int(v) for v in t[".weight_shape"].tolist())
+        return QuantView("int4", data, t[".weight_scale"], None, (n, k), self.spec.group_size)
+
     def _tensors(self, weight: str, data_header_only: bool = False) -> dict[str, torch.Tensor]:
         """weight's tensors by role ("data", then its companions' suffixes); the data tensor as
         an empty meta tensor of its header's shape and dtype when `data_header_only`."""
@@ -135,3 +155,48 @@ class QuantizedTensors:
 # the formats' checks then name as the wrong dtype)
 _DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "I32": torch.int32,
            "I8": torch.int8, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def part_of(view: QuantView, index: tuple, group: int, name: str) -> QuantView:
+    """view[index], where index may also cut the columns (K): a row-parallel shard's. The cut
+    must fall on the format's groups (QuantLoadError naming the tensor otherwise)."""
+    index = tuple(index)
+    if len(index) < len(view.shape):
+        return _rows(view, index)
+    *lead, cols = index
+    start, stop = check_cut(cols, view.shape[-1], group, view.format, name)
+    first = {"fp8": start, "nvfp4": start // 2, "int4": start // int4_pack.PER_WORD}
+    q = view.qweight[(*lead, slice(first[view.format],
+                                   first[view.format] + packed_columns(view.format,
+                                                                       stop - start)))]
+    scale = view.scale[(*lead, slice(start // group, -(-stop // group)))]
+    glob = None if view.global_scale is None else view.global_scale[tuple(lead)]
+    rows = torch.empty(view.shape[:-1], device="meta")[tuple(lead)].shape
+    return QuantView(view.format, q, scale, glob, (*rows, stop - start), group)
+
+
+def check_cut(cols: slice, k: int, group: int, fmt: str, name: str) -> tuple[int, int]:
+    """A shard's column range of a K-wide quantized weight, on its groups: (start, stop)."""
+    start, stop, step = cols.indices(k)
+    if step != 1 or start % group or (stop != k and stop % group):
+        raise QuantLoadError(f"{name}: its shard's columns [{start}, {stop}) of {k} cut the "
+                             f"{fmt} groups of {group} (choose a parallel layout whose split "
+                             "falls on them)")
+    return start, stop
+
+
+def copy_part(dest: QuantView | QuantWeight, src: QuantView) -> None:
+    """Copy a checkpoint's quantized part into the model's (same format, same shape)."""
+    if isinstance(dest, QuantWeight):
+        dest = dest.view_of()
+    if dest.format != src.format or tuple(dest.shape) != tuple(src.shape):
+        raise QuantLoadError(f"a {src.format} part {list(src.shape)} does not fit the model's "
+                             f"{dest.format} {list(dest.shape)}")
+    dest.qweight.copy_(src.qweight)
+    dest.scale.copy_(src.scale)
+    if dest.global_scale is not None:
+        dest.global_scale.copy_(src.global_scale)
+
+
+def _rows(view: QuantView, index: tuple) -> QuantView:
+    return rows_of(view, index) if index else view

@@ -12,14 +12,18 @@ A checkpoint's multi-token-prediction layers are recognised by name and left out
 slice of num_hidden_layers cuts off.
 
 Quantized checkpoints (ModelConfig.quantization: FP8 block-scaled, NVFP4, INT4; each linear's
-tensors as runner/quant_loading.py lists them) are dequantized into the parameters as they are
-copied, so they serve at the engine's dtype until the quantized kernels land; a tensor that does
-not fit its format, or quantized tensors under a config that declares none, raise
-WeightLoadError naming the tensor.
+tensors as runner/quant_loading.py lists them): `checkpoint_plan` says which of the model's
+weights are held quantized (those whose every checkpoint part is quantized: quant/plan.py); those
+copy their packed tensors and scales as they are, the others are dequantized into the engine's
+dtype as they are copied. A tensor that does not fit its format, a tensor-parallel cut through a
+scale group, or quantized tensors under a config that declares none raise WeightLoadError
+naming the tensor. Dummy weights in a quantized layout are drawn in the engine's dtype and
+quantized by the format's rule, one matrix at a time.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections import defaultdict
@@ -35,9 +39,17 @@ from moeserve.layers.moe import SparseMoeBlock
 from moeserve.layers.norm import LayerNorm, RMSNorm
 from moeserve.model_config import ModelConfig
 from moeserve.models.decoder import CausalLM
-from moeserve.parallel.layout import RankLayout
-from moeserve.runner.quant_loading import QuantizedTensors, QuantLoadError
-from moeserve.runner.weight_names import left_out_layer_names, weight_targets
+from moeserve.parallel.layout import RankLayout, quantized_split_breaks
+from moeserve.quant.packed import QuantView, QuantWeight, quantize_into, rows_of
+from moeserve.quant.plan import QuantPlan
+from moeserve.runner.quant_loading import (
+    QuantizedTensors,
+    QuantLoadError,
+    check_cut,
+    copy_part,
+    part_of,
+)
+from moeserve.runner.weight_names import Target, left_out_layer_names, weight_targets
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,7 +63,48 @@ class WeightLoadError(ValueError):
 
 class LoadedWeights(NamedTuple):
     left_out: int  # tensors of layers not run (MTP layers, layers cut by a slice)
-    dequantized: int  # quantized weights dequantized into the engine's dtype
+    dequantized: int  # quantized checkpoint weights dequantized into the engine's dtype
+    kept: int = 0  # quantized checkpoint weights copied as they are (held quantized)
+
+
+def checkpoint_plan(model_config: ModelConfig, folder: str,
+                    checkpoint_layers: int | None = None,
+                    layout: RankLayout | None = None) -> QuantPlan | None:
+    """The weights to hold quantized for the checkpoint in `folder` (module doc); None when it
+    is not quantized. Works on the model built on the meta device (no memory). Under `layout`
+    the row-parallel weights whose rank's columns cut the scale groups are held dequantized
+    (parallel/layout.py's quantized_split_breaks)."""
+    spec = model_config.quantization
+    if spec is None:
+        return None
+    from moeserve.models import build_model
+
+    files = _checkpoint_files(folder)
+    left_out = left_out_layer_names(model_config, set(files), checkpoint_layers)
+    try:
+        quant = QuantizedTensors(model_config, files, left_out, folder)
+    except QuantLoadError as e:
+        raise WeightLoadError(str(e)) from None
+    every = QuantPlan.from_spec(spec)  # the meta model declares each quantizable weight so
+    meta = build_model(model_config, "bfloat16", "meta", "torch", "torch", quant=every)
+    path_of = {id(m.qweight): name for name, m in meta.named_modules()
+               if isinstance(m, QuantWeight)}
+    tensors = (set(files) - quant.consumed) | set(quant.weights)
+    parts: dict[str, list[bool]] = defaultdict(list)  # weight path -> its parts quantized?
+    for name, target in weight_targets(meta, model_config, tensors).items():
+        for dest, _ in target.parts:
+            if isinstance(dest, QuantView | QuantWeight):
+                q = dest.qweight
+                parts[path_of[id(q._base if q._base is not None else q)]].append(
+                    name in quant.weights)
+    broken = tuple(b.suffix for b in quantized_split_breaks(model_config,
+                                                            layout or RankLayout()))
+    held = {p for p, q in parts.items() if all(q) and not p.endswith(broken)}
+    # a MoE block's w13 and w2 run in one op: both quantized, or both in the engine's dtype
+    pairs = {p.removesuffix(".w13"): p for p in held if p.endswith(".mlp.w13")}
+    held -= {w13 for block, w13 in pairs.items() if block + ".w2" not in held}
+    held -= {p for p in held if p.endswith(".mlp.w2") and p[:-3] + ".w13" not in held}
+    return QuantPlan.from_spec(spec, frozenset(held))
 
 
 @torch.no_grad()
@@ -86,9 +139,13 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
                 if name in quant.weights:
                     try:
                         quant.check(name, tuple(targets[name].shape))
+                        _check_quantized_parts(name, targets[name], quant)
                     except QuantLoadError as e:
                         raise WeightLoadError(f"{e} (in {path})") from None
                     continue
+                if any(isinstance(d, QuantView | QuantWeight) for d, _ in targets[name].parts):
+                    raise WeightLoadError(f"tensor {name} in {path} is not quantized, but the "
+                                          "model holds its weight quantized")
                 if name not in present:
                     raise WeightLoadError(f"{INDEX_FILE} puts tensor {name} in {path}, "
                                           "which does not contain it")
@@ -101,19 +158,33 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
                 if header.get_dtype().startswith("F8"):
                     raise WeightLoadError(f"tensor {name} is float8_e4m3fn ({header.get_dtype()}) "
                                           f"in {path} but has no {name}_scale_inv")
+    kept = dequantized = 0
     for path, names in by_file.items():  # pass 2: copy, one tensor at a time
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in names:
                 if name in quant.weights:
                     parts = targets[name].parts
-                    if parts:
+                    if parts and isinstance(parts[0][0], QuantView | QuantWeight):
+                        src = quant.source(name)
+                        for dest, index in parts:
+                            copy_part(dest, part_of(src, index, dest.group, name))
+                        kept += 1
+                    elif parts:
                         full = quant.dequantize(name, parts[0][0].dtype)
                         for dest, index in parts:
                             dest.copy_(full[index])
+                        dequantized += 1
                     continue
                 for dest, index in targets[name].parts:  # none: another rank's tensor
                     dest.copy_(f.get_slice(name)[index] if index else f.get_tensor(name))
-    return LoadedWeights(len(left_out), len(quant.weights))
+    return LoadedWeights(len(left_out), dequantized, kept)
+
+
+def _check_quantized_parts(name: str, target: Target, quant: QuantizedTensors) -> None:
+    """Each quantized part of a checkpoint weight: a shard's column cut on the groups."""
+    for dest, index in target.parts:
+        if isinstance(dest, QuantView | QuantWeight) and len(index) == len(target.shape):
+            check_cut(index[-1], target.shape[-1], dest.group, quant.spec.format, name)
 
 
 def _checkpoint_files(folder: str) -> dict[str, str]:
@@ -172,11 +243,31 @@ def init_dummy_weights(model: CausalLM, seed: int) -> None:
             std[id(module.down_proj)] = _DUMMY_STD / 10
         elif isinstance(module, Attention | MLAttention):
             std[id(module.o_proj)] = _DUMMY_STD / 10
+    packed: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, QuantWeight):
+            packed.update(id(p) for p in module.parameters())
+            _dummy_quantized(module, std.get(id(module), _DUMMY_STD), gen)
     for param in model.parameters():
+        if id(param) in packed:
+            continue
         if id(param) in const:
             param.fill_(const[id(param)])
         else:
             param.normal_(0.0, std.get(id(param), _DUMMY_STD), generator=gen)
+
+
+def _dummy_quantized(w: QuantWeight, std: float, gen: torch.Generator) -> None:
+    """N(0, std) weights in the engine's precision, quantized into w one matrix at a time (an
+    expert's, for a MoE block: the float copy stays one matrix)."""
+    n, k = w.shape[-2:]
+    view = w.view_of()
+    dtype = w.scale.dtype if w.scale.dtype.is_floating_point and w.scale.element_size() > 1 \
+        else torch.float32
+    for lead in itertools.product(*(range(d) for d in w.shape[:-2])):
+        m = torch.empty(n, k, dtype=torch.float32, device=w.device).normal_(0.0, std,
+                                                                         generator=gen)
+        quantize_into(rows_of(view, lead) if lead else view, m.to(dtype))
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:

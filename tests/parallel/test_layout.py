@@ -148,15 +148,16 @@ def test_watchdog_names_the_rank_behind_in_steps_and_is_quiet_in_time() -> None:
     assert dog.check().startswith("rank 2 did not finish its step")
 
 
-def test_splits_that_cut_quantized_blocks_are_named(qwen3_moe) -> None:
+def test_splits_that_cut_quantized_groups_are_named(qwen3_moe) -> None:
+    """Only column (K) cuts count: the in-memory layout has a scale row per weight row."""
     from moeserve.quant.spec import QuantSpec
 
     fp8 = dataclasses.replace(qwen3_moe, quantization=QuantSpec("fp8", block=(128, 128)))
-    assert quantized_split_breaks(fp8, RankLayout(2)) == []  # 768 / 2 = 384: three blocks
-    assert len(quantized_split_breaks(fp8, RankLayout(4))) == 2  # 192: a block and a half
-    breaks = quantized_split_breaks(fp8, RankLayout(8))  # 768 / 8 = 96 rows an expert
-    assert "each expert's gate / up: 96 rows a rank cut the fp8 128 x 128 blocks" in breaks
-    assert "each expert's down_proj: 96 columns a rank cut the fp8 128 x 128 blocks" in breaks
+    assert quantized_split_breaks(fp8, RankLayout(2)) == []  # 768 / 2 = 384: three groups
+    assert [b.suffix for b in quantized_split_breaks(fp8, RankLayout(4))] == [".mlp.w2"]
+    breaks = quantized_split_breaks(fp8, RankLayout(8))  # 768 / 8 = 96 columns an expert
+    assert [b.line("fp8", 128) for b in breaks] == [
+        "each expert's down_proj: 96 columns a rank cut the fp8 groups of 128"]
     assert quantized_split_breaks(fp8, RankLayout(8, expert_parallel_size=8)) == []  # EP: whole
     nvfp4 = dataclasses.replace(qwen3_moe, quantization=QuantSpec("nvfp4", group_size=16))
     assert quantized_split_breaks(nvfp4, RankLayout(8)) == []  # K splits of 96: 6 groups

@@ -1,0 +1,30 @@
+"""The routed experts over quantized weights (quant/packed.py's layouts): which op runs.
+
+    CUDA       fused_quant_triton.moe_quant_triton: the fused MoE's two launches with the
+               weight tiles dequantized in their loads (nvfp4 / int4, W4A16) or read as e4m3
+               against activations quantized per token and 128-group (fp8, W8A8)
+    elsewhere  quant_ref.moe_quant_ref: the same arithmetic in torch, expert by expert
+
+Same contract as the bf16 backends (kernels/registry.py's MoeFn): ids of -1 add nothing,
+reduce=False returns [T, S, hidden] parts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.quant.packed import QuantWeight
+
+
+def moe_quantized(x: torch.Tensor, w13: QuantWeight, w2: QuantWeight,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  reduce: bool = True) -> torch.Tensor:
+    if w13.format != w2.format:
+        raise ValueError(f"w13 is {w13.format} but w2 is {w2.format}")
+    if x.is_cuda:
+        from moeserve.kernels.moe.fused_quant_triton import moe_quant_triton
+
+        return moe_quant_triton(x, w13, w2, topk_weights, topk_ids, reduce=reduce)
+    from moeserve.kernels.moe.quant_ref import moe_quant_ref
+
+    return moe_quant_ref(x, w13, w2, topk_weights, topk_ids, reduce=reduce)

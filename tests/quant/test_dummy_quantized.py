@@ -1,0 +1,51 @@
+"""`--quantization F --load-format dummy`: random weights made directly in each format's layout
+(the presets' way to benchmark quantized with no download), served, and reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from moeserve.config import ConfigError
+from moeserve.quant.packed import QuantWeight
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+# tiny-moe's widths are not NVFP4's multiples of 16 everywhere: this slice is
+WIDER = {"hidden_size": 128, "moe_intermediate_size": 64, "intermediate_size": 128}
+
+
+@pytest.mark.parametrize("flag,fmt", [("fp8", "fp8"), ("modelopt_fp4", "nvfp4"),
+                                      ("compressed-tensors", "int4")])
+def test_dummy_weights_take_the_quantized_layout(flag: str, fmt: str) -> None:
+    llm = LLM("tiny-moe", device="cpu", quantization=flag, hf_overrides=WIDER)
+    plain = LLM("tiny-moe", device="cpu", hf_overrides=WIDER)
+    held = {n: m for n, m in llm.engine.runner.model.named_modules()
+            if isinstance(m, QuantWeight)}
+    assert {n.rsplit(".", 1)[-1] for n in held} >= {"qkv_proj", "o_proj", "w13", "w2"}
+    assert all(m.format == fmt for m in held.values())
+    w13 = next(m for n, m in held.items() if n.endswith("w13"))
+    dtype = {"fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8, "int4": torch.int32}[fmt]
+    assert w13.qweight.dtype == dtype
+    deq = w13.dequantize()
+    assert torch.isfinite(deq).all() and 0.005 < deq.std() < 0.05  # N(0, 0.02), quantized
+    assert llm.engine.runner.weight_bytes < plain.engine.runner.weight_bytes
+    report = llm.report.format()
+    assert f"dummy weights in {fmt}" in report and f"routed experts {fmt}" in report
+    outs = llm.generate([[1, 2, 3, 4], [5, 6]], GREEDY)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+
+
+def test_nvfp4_needs_its_group_along_every_input_width() -> None:
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.qkv_proj \[\d+, 72\]: "
+                                          "NVFP4 needs in_features a multiple of 16"):
+        LLM("tiny-moe", device="cpu", quantization="nvfp4",
+            hf_overrides={"hidden_size": 72})
+
+
+def test_a_bf16_checkpoint_with_the_flag_is_still_refused(tmp_path) -> None:
+    from tests.models.checkpoints import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint("qwen3_moe", str(tmp_path))
+    with pytest.raises(ConfigError, match="checkpoint is not quantized.*--load-format dummy"):
+        LLM(str(folder), device="cpu", quantization="fp8")
