@@ -1,0 +1,414 @@
+"""MoE experts over quantized expert weights on Triton: `moe_quant_triton`, the same contract as
+`quant_ref.moe_quant_ref`, and its kernel `_fused_moe_quant_kernel`, templated by FORMAT.
+
+The data flow is `moe_triton`'s (fused_triton.py), for T tokens, k experts each, M = T * k pairs
+(pair p = t * k + i), weights in quant/packed.py's layouts, logical w13 [E, 2I, H], w2 [E, H, I]:
+
+    topk_ids --moe_align_block_size_triton--> sorted_token_ids [P], expert_ids [P / BLOCK_M]
+    (fp8: x [T, H] --quantize_activations--> x_q e4m3 [T, H], s_x fp32 [T, ceil(H / 128)])
+    launch 1 (gated), program (block b, N-tile n), e = expert_ids[b]:
+        gate, up = rows @ w13[e, n-tile].T, rows @ w13[e, I + n-tile].T    rows = x[pair // k]
+        act[pair, n-tile] = silu(gate) * up                  act [M, I] in x's dtype
+    (fp8: act --quantize_activations--> act_q [M, I], s_act [M, ceil(I / 128)])
+    launch 2: out[pair] = topk_weights[pair] * act[pair] @ w2[e, n-tile].T   out [T, k, H]
+    combine "sum": out.sum(1) (reduce=False returns the parts); rows of -1 pairs zeroed by
+    fused_triton's `_zero_nonlocal_rows` (neither launch computes them)
+
+B tiles ([BLOCK_K, BLOCK_N] of w[e]^T, read in place through the strides) come in their packed
+dtype and are dequantized in registers, per FORMAT:
+
+    nvfp4  uint8 bytes (two e2m1 nibbles, element 2j low), the e4m3 group scale read as uint8
+           and decoded by bit arithmetic, times global_scale[e, n]:
+           w = e2m1 * (scale * global_scale), the reference's fp32 ops, then x's dtype
+    int4   int32 words of 8 nibbles (q + 8): w = (nibble - 8) * scale[n, k // group]
+    fp8    e4m3 as loaded; A is e4m3 too, BLOCK_K = 128 (one scale column a step):
+           acc += dot(a_q, b_q) * s_a[row, kb] * s_b[e, n // scale_rows, kb]   (fp32)
+
+For nvfp4 / int4 the dequantized tile is cast to x's dtype and multiplied by tl.dot in fp32
+(fp32: input_precision "ieee"): the same weights, bit for bit, as `packed.dequantize(...)` in x's
+dtype, so the op differs from the reference only by summation order. The global scale is
+folded into the tile, not the epilogue: one more multiply per element, but the reference's
+single rounding of e2m1 * (scale * global_scale), and gate and up rows (whose global scales
+differ) need nothing special.
+
+Tiles: `default_quant_config` (BLOCK_M 16/32/64 by the pairs per expert) or a `config` of
+tile_configs.CONFIG_KEYS, one for both launches; BLOCK_K a multiple of the group (nvfp4, int4)
+or exactly 128 (fp8). No host sync: the launches' shapes depend on shapes only, so the op can be
+captured in a CUDA graph. triton is imported on first use (`_kernel`).
+
+NOTE (CPU, Triton's interpreter): its fp32 -> e4m3 cast is wrong (fp8_block_triton.py), so on
+CPU the activations are quantized with the torch reference (on CUDA with
+`quantize_activations_triton`); its bf16 loads are wrong, so bf16 x (or int4 bf16 scales) are
+refused on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+
+from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
+from moeserve.kernels.moe.align import moe_align_block_size_triton
+from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
+from moeserve.kernels.moe.quant_ref import weight_layout
+from moeserve.kernels.moe.tile_configs import OPTION_KEYS, check_config, tile_config
+from moeserve.kernels.triton_common import require_triton_device
+from moeserve.quant.fp8_block import E4M3, quantize_activations
+from moeserve.quant.packed import FP8_GROUP, packed_columns
+
+FORMAT_IDS = {"fp8": 0, "nvfp4": 1, "int4": 2}  # the kernel's FORMAT constexpr
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_QWEIGHT_DTYPES = {"fp8": E4M3, "nvfp4": torch.uint8, "int4": torch.int32}
+tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
+
+
+def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, *, config: dict | None = None,
+                     reduce: bool = True) -> torch.Tensor:
+    """Routed experts over quantized weights in two launches (see the module docstring).
+
+    Args:
+        x: [T, H] fp32 / fp16 / bf16 (bf16 on CUDA only), last dim contiguous.
+        w13: quantized (QuantWeight / QuantView: format, qweight, scale, global_scale, group,
+            scale_rows, shape), logical [E, 2I, H], gate rows then up rows.
+        w2: quantized, logical [E, H, I], the same format.
+        topk_weights: [T, k] float32, contiguous.
+        topk_ids: [T, k] integer expert ids in [0, E) (not checked: that would sync), or -1:
+            not on this rank (never computed; its part row is 0).
+        config: tiles, the keys of tile_configs.CONFIG_KEYS (one set for both launches);
+            default `default_quant_config`.
+        reduce: False returns the k weighted parts [T, k, H] (summing over dim 1 to the result).
+    Returns:
+        [T, H] in x's dtype ([T, k, H] with reduce False).
+    """
+    fmt, (group13, rows13), (group2, rows2) = _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    num_tokens, hidden = x.shape
+    num_experts, inter, top_k = w13.shape[0], w2.shape[-1], topk_ids.shape[1]
+    if num_tokens == 0:
+        return x.new_empty(0, hidden) if reduce else x.new_empty(0, top_k, hidden)
+    if config is None:
+        config = default_quant_config(fmt, num_tokens, top_k, num_experts,
+                                      max(group13, group2))
+    _check_config(config, fmt, (group13, group2))
+    # the grid covers every block; those past the used ones (expert -1) return at once, so
+    # num_tokens_post_padded is not read
+    sorted_ids, expert_ids, _ = moe_align_block_size_triton(topk_ids, num_experts,
+                                                            config["BLOCK_M"])
+    num_pairs = num_tokens * top_k
+
+    a, a_scale = _activations(x, fmt)  # fp8: ([T, H] e4m3, [T, H / 128] fp32), else (x, None)
+    act = x.new_empty(num_pairs, inter)  # [M, I], row = pair
+    _launch(fmt, a, a_scale, w13, group13, rows13, act, topk_weights, sorted_ids, expert_ids,
+            num_pairs, config, a_row_div=top_k, gated=True)
+    a, a_scale = _activations(act, fmt)  # rows of -1 pairs unwritten: quantized, never read
+    out = x.new_empty(num_tokens, top_k, hidden)  # [T, k, H], row pair = t * k + i
+    _zero_nonlocal_rows(out.view(num_pairs, hidden), topk_ids)  # rows no launch writes
+    _launch(fmt, a, a_scale, w2, group2, rows2, out.view(num_pairs, hidden), topk_weights,
+            sorted_ids, expert_ids, num_pairs, config, a_row_div=1, gated=False)
+    if not reduce:
+        return out
+    return out.view(num_tokens, hidden) if top_k == 1 else out.sum(dim=1)
+
+
+def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int,
+                         group: int) -> dict[str, int]:
+    """In-code tiles by the pairs per expert: BLOCK_M 16 / 32 / 64, BLOCK_N 64 then 128,
+    BLOCK_K 128 (fp8) or 64 and at least the group (nvfp4, int4)."""
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    block_k = 128 if fmt == "fp8" else max(64, group)
+    if per_expert <= 16:  # decode: a handful of rows per expert
+        return tile_config(16, 64, block_k, 1, 4, 3)
+    if per_expert <= 48:
+        return tile_config(32, 64, block_k, 8, 4, 3)
+    return tile_config(64, 128, block_k, 8, 4, 3)
+
+
+def _activations(a: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The A operand: a itself (W4A16), or fp8's run-time quantization of it (W8A8)."""
+    if fmt != "fp8":
+        return a, None
+    if a.device.type == "cpu":  # the interpreter's e4m3 cast is wrong (module docstring)
+        return quantize_activations(a)
+    return quantize_activations_triton(a)
+
+
+def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, group: int,
+            scale_rows: int, c: torch.Tensor, topk_weights: torch.Tensor,
+            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_pairs: int,
+            config: dict[str, int], *, a_row_div: int, gated: bool) -> None:
+    """One grouped GEMM c[rows] = a[rows] @ dequant(w[e]).T over expert-sorted row blocks.
+
+    gated: w is w13 (N = I, silu(gate) * up in the epilogue), a_row_div = k (A's row of pair p
+    is token p // k); else w is w2 (N = H, rows scaled by their routing weight).
+    """
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    k_dim = w.shape[2]
+    qweight = w.qweight  # [E, N, K / pack]: e4m3, uint8 or int32
+    scale = w.scale.view(torch.uint8) if fmt == "nvfp4" else w.scale  # e4m3 bits, decoded
+    glob = w.global_scale if fmt == "nvfp4" else scale  # unused unless nvfp4
+    a_scale = a_scale if a_scale is not None else topk_weights  # unused unless fp8
+    num_blocks = expert_ids.shape[0]
+    grid = (num_blocks * -(-n_out // config["BLOCK_N"]),)  # blocks past the used ones return
+    _kernel()[grid](
+        a, a_scale, qweight, scale, glob, c, topk_weights, sorted_ids, expert_ids,
+        num_pairs, num_blocks, n_out, k_dim,
+        a.stride(0), a_scale.stride(0),  # A [rows, K], its fp8 scales [rows, K / 128]
+        qweight.stride(0), qweight.stride(1), qweight.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(2),
+        glob.stride(0), glob.stride(1),  # [E, N] (nvfp4)
+        c.stride(0),  # C [M, N]
+        FORMAT=FORMAT_IDS[fmt], GROUP=group, SCALE_ROWS=scale_rows, A_ROW_DIV=a_row_div,
+        GATED=gated, EVEN_K=k_dim % config["BLOCK_K"] == 0,
+        DOT_PRECISION="ieee" if c.dtype == torch.float32 else "tf32",
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
+
+
+@functools.cache
+def _kernel() -> Any:
+    """Build `_fused_moe_quant_kernel` on first use (the only place triton is imported).
+
+    As in fused_triton.py, only builtins of triton.language are called (its @jit helpers are
+    bound at import and would not be interpreted under a later TRITON_INTERPRET=1), and the
+    helpers are jitted here and bound as module globals, where the interpreter finds them.
+    """
+    global tl, _tile, _b_step, _load_k, _e2m1_to_f32, _e4m3_to_f32
+    import triton
+    import triton.language as tl
+
+    _tile, _b_step, _load_k, _e2m1_to_f32, _e4m3_to_f32 = (
+        triton.jit(f) for f in (_tile, _b_step, _load_k, _e2m1_to_f32, _e4m3_to_f32))
+
+    # step-varying sizes and row strides exempt from Triton's value specialization
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "stride_am", "stride_asm",
+                                   "stride_cm"])
+    def _fused_moe_quant_kernel(
+            a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
+            expert_ids_ptr, num_pairs, num_blocks, N, K, stride_am, stride_asm,
+            stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
+            stride_ge, stride_gn, stride_cm,
+            FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
+            A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        # (row block, N-tile): GROUP_M row blocks side by side per N-tile (B tiles shared in L2)
+        pid = tl.program_id(0)
+        num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
+        group_size = GROUP_M * num_pid_n
+        first_m = (pid // group_size) * GROUP_M
+        group_m = tl.minimum(num_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % group_size) % group_m
+        pid_n = (pid % group_size) // group_m
+        expert = tl.load(expert_ids_ptr + pid_m)
+        if expert >= 0:  # else past the used blocks
+            _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
+                  pid_m, pid_n, expert.to(tl.int64), num_pairs, N, K, stride_am, stride_asm,
+                  stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
+                  stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS, A_ROW_DIV,
+                  GATED, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+
+    return _fused_moe_quant_kernel
+
+
+def _check_config(config: dict, fmt: str, groups: tuple[int, int]) -> None:
+    """tile_configs.check_config's rules, no launch options, and BLOCK_K: 128 for fp8 (one
+    scale column a K step), a multiple of both weights' groups for nvfp4 / int4."""
+    what = "moe_quant_triton config"
+    check_config(config, what)
+    extra = sorted(k for k in ("down", *OPTION_KEYS) if config.get(k))
+    if extra:
+        raise ValueError(f"{what}: {extra} are not supported (one set of CONFIG_KEYS tiles for "
+                         f"both launches): {config!r}")
+    block_k = config["BLOCK_K"]
+    if fmt == "fp8" and block_k != FP8_GROUP:
+        raise ValueError(f"{what}: fp8 needs BLOCK_K {FP8_GROUP} (one scale column a step), "
+                         f"got {block_k}")
+    if fmt != "fp8" and any(block_k % g for g in groups):
+        raise ValueError(f"{what}: BLOCK_K {block_k} must be a multiple of the {fmt} groups "
+                         f"{sorted(set(groups))}")
+
+
+def _check_inputs(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> tuple[str, tuple[int, int], tuple[int, int]]:
+    """Shapes, dtypes, devices and strides, with a ValueError naming the tensor (no sync).
+    Returns the format and each weight's (group, scale_rows)."""
+    if x.dim() != 2 or x.dtype not in _DTYPES or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, H] of {_DTYPES} with a contiguous last dim, got "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    require_triton_device(x.device, "moe_quant_triton")
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        raise ValueError("moe_quant_triton: x in bf16 needs CUDA (Triton's interpreter loads "
+                         "bf16 wrongly); use fp32 / fp16 on CPU")
+    fmt = weight_layout("w13", w13)[0]
+    if len(w13.shape) != 3 or w13.shape[1] % 2 or w13.shape[2] != x.shape[1]:
+        raise ValueError(f"w13: logical shape must be [E, 2I, H] with H = {x.shape[1]} (x's), "
+                         f"got {list(w13.shape)}")
+    num_experts, two_inter, hidden = w13.shape
+    layout13 = _check_weight("w13", w13, fmt, (num_experts, two_inter, hidden), x.device)
+    layout2 = _check_weight("w2", w2, fmt, (num_experts, hidden, two_inter // 2), x.device)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must be [T, k] with T = {x.shape[0]}, got "
+                         f"{tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise ValueError(f"topk_ids must be integer, got {topk_ids.dtype}")
+    if (topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32
+            or not topk_weights.is_contiguous()):
+        raise ValueError(f"topk_weights must be contiguous float32 {tuple(topk_ids.shape)}, got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    return fmt, layout13, layout2
+
+
+def _check_weight(name: str, w: Any, fmt: str, shape: tuple[int, int, int],
+                  device: torch.device) -> tuple[int, int]:
+    """One quantized weight of logical `shape` [E, N, K] in format `fmt`, as quant/packed.py
+    lays it out; returns its (group, scale_rows)."""
+    wfmt, group, scale_rows = weight_layout(name, w)
+    if wfmt != fmt:
+        raise ValueError(f"{name}: format {wfmt!r}, w13's is {fmt!r}: one format for both")
+    if tuple(w.shape) != shape:
+        raise ValueError(f"{name}: logical shape must be {list(shape)}, got {list(w.shape)}")
+    num_experts, n, k = shape
+    want = _QWEIGHT_DTYPES[fmt]
+    if w.qweight.dtype != want:
+        raise ValueError(f"{name}.qweight must be {want} for {fmt}, got {w.qweight.dtype}")
+    if tuple(w.qweight.shape) != (num_experts, n, packed_columns(fmt, k)):
+        raise ValueError(f"{name}.qweight must be {[num_experts, n, packed_columns(fmt, k)]} for "
+                         f"{fmt} {list(shape)}, got {list(w.qweight.shape)}")
+    if fmt == "fp8" and (group != FP8_GROUP or scale_rows < 1):
+        raise ValueError(f"{name}: fp8 needs group {FP8_GROUP} and scale_rows >= 1, got {group} "
+                         f"and {scale_rows}")
+    if fmt != "fp8" and (scale_rows != 1 or group < 8 or group & (group - 1)):
+        raise ValueError(f"{name}: {fmt} needs scale_rows 1 and a power-of-two group >= 8, got "
+                         f"{scale_rows} and {group}")
+    want_s = (num_experts, math.ceil(n / scale_rows), math.ceil(k / group))
+    if tuple(w.scale.shape) != want_s:
+        raise ValueError(f"{name}.scale must be {list(want_s)}, got {list(w.scale.shape)}")
+    s_ok = {"fp8": w.scale.dtype == torch.float32, "nvfp4": w.scale.dtype == E4M3,
+            "int4": w.scale.dtype in _DTYPES}[fmt]
+    if not s_ok or (device.type == "cpu" and w.scale.dtype == torch.bfloat16):
+        raise ValueError(f"{name}.scale: {w.scale.dtype} is not {fmt}'s scale dtype (fp8 "
+                         "float32, nvfp4 float8_e4m3fn, int4 fp32 / fp16 / bf16, bf16 on CUDA)")
+    tensors = [("qweight", w.qweight), ("scale", w.scale)]
+    if fmt == "nvfp4":
+        gs = w.global_scale
+        if gs is None or gs.dtype != torch.float32 or tuple(gs.shape) != (num_experts, n):
+            raise ValueError(f"{name}.global_scale must be float32 [{num_experts}, {n}], got "
+                             f"{None if gs is None else (gs.dtype, list(gs.shape))}")
+        tensors.append(("global_scale", gs))
+    for part, t in tensors:
+        if t.device != device:
+            raise ValueError(f"{name}.{part} is on {t.device}, x on {device}")
+    return group, scale_rows
+
+
+# ---- Triton helpers (jitted by _kernel; module globals, as the interpreter resolves names) ----
+
+def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
+          pid_m, pid_n, expert, num_pairs, N, K, stride_am, stride_asm,
+          stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
+          stride_ge, stride_gn, stride_cm,
+          FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
+          A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
+          DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`, int64)."""
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
+    a_rows = (pairs // A_ROW_DIV).to(tl.int64)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
+    rows = offs_n % N  # [BN] weight rows: in bounds unmasked, the store masks the tail
+    offs_k = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + a_rows[:, None] * stride_am  # [BM, 1]; A's last dim is contiguous
+    b_base = b_ptr + expert * stride_be
+    s_base = bs_ptr + expert * stride_se
+    g_base = bg_ptr + expert * stride_ge
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # the up rows' (gated)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k  # [BK]
+        k_ok = kk < K  # unused when EVEN_K
+        if EVEN_K:
+            a = tl.load(a_base + kk[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BK]
+        else:
+            a = tl.load(a_base + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        s_a = a  # fp8: the rows' scales of this 128-group, [BM]
+        if FORMAT == 0:
+            s_a = tl.load(as_ptr + a_rows * stride_asm + k0 // BLOCK_K, mask=row_ok, other=0.0)
+        acc = _b_step(acc, a, s_a, b_base, s_base, g_base, rows, kk, k_ok, k0, stride_bn,
+                      stride_bk, stride_sn, stride_sk, stride_gn, FORMAT, GROUP, SCALE_ROWS,
+                      EVEN_K, DOT_PRECISION, BLOCK_K)
+        if GATED:  # the up rows N + n: their own scales (and global scales)
+            acc_up = _b_step(acc_up, a, s_a, b_base, s_base, g_base, rows + N, kk, k_ok, k0,
+                             stride_bn, stride_bk, stride_sn, stride_sk, stride_gn, FORMAT,
+                             GROUP, SCALE_ROWS, EVEN_K, DOT_PRECISION, BLOCK_K)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
+    else:
+        acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+def _b_step(acc, a, s_a, b_base, s_base, g_base, rows, kk, k_ok, k0, stride_bn, stride_bk,
+            stride_sn, stride_sk, stride_gn, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+            SCALE_ROWS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """acc [BM, BN] + a [BM, BK] @ the [BK, BN] tile of weight rows `rows` at columns kk,
+    dequantized per FORMAT (0 fp8, 1 nvfp4, 2 int4; the module docstring)."""
+    rows = rows.to(tl.int64)
+    if FORMAT == 0:  # e4m3 x e4m3 in fp32, times s_a[row] and s_b[row // SCALE_ROWS]
+        b = _load_k(b_base + rows[None, :] * stride_bn + kk[:, None] * stride_bk, k_ok, EVEN_K)
+        s_b = tl.load(s_base + (rows // SCALE_ROWS) * stride_sn + (k0 // BLOCK_K) * stride_sk)
+        acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
+    else:
+        scales = _load_k(s_base + rows[None, :] * stride_sn + (kk // GROUP)[:, None] * stride_sk,
+                         k_ok, EVEN_K)  # [BK, BN]: e4m3 bits (nvfp4) or the scale dtype
+        if FORMAT == 1:  # bytes of two e2m1 nibbles, element 2j low
+            byte = _load_k(b_base + rows[None, :] * stride_bn + (kk // 2)[:, None] * stride_bk,
+                           k_ok, EVEN_K).to(tl.int32)
+            nibble = (byte >> ((kk % 2) * 4)[:, None]) & 0xF
+            glob = tl.load(g_base + rows * stride_gn)  # [BN] fp32
+            # the reference's ops: e2m1 * (scale * global_scale), fp32
+            w = _e2m1_to_f32(nibble) * (_e4m3_to_f32(scales.to(tl.int32)) * glob[None, :])
+        else:  # int32 words of 8 nibbles, element i at bits 4 (i % 8), stored as q + 8
+            word = _load_k(b_base + rows[None, :] * stride_bn + (kk // 8)[:, None] * stride_bk,
+                           k_ok, EVEN_K)
+            q = ((word >> ((kk % 8) * 4)[:, None]) & 0xF) - 8
+            w = q.to(tl.float32) * scales.to(tl.float32)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+def _load_k(ptrs, k_ok, EVEN_K: tl.constexpr):
+    """A [BK, BN] tile; rows past K (not EVEN_K) load 0."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=k_ok[:, None], other=0.0)
+
+
+def _e2m1_to_f32(nibble):
+    """e2m1 codes (int32, 0..15) -> fp32: bit 3 sign, bits 2-1 exponent (bias 1), bit 0
+    mantissa; exponent 0 is subnormal (0.5 x mantissa)."""
+    exp = (nibble >> 1) & 3
+    man = nibble & 1
+    normal = (((exp + 126) << 23) | (man << 22)).to(tl.float32, bitcast=True)
+    mag = tl.where(exp == 0, man.to(tl.float32) * 0.5, normal)
+    return tl.where(nibble >= 8, -mag, mag)
+
+
+def _e4m3_to_f32(bits):
+    """float8_e4m3fn bytes (int32, 0..255) -> fp32: bit 7 sign, bits 6-3 exponent (bias 7),
+    bits 2-0 mantissa; exponent 0 is subnormal (mantissa x 2^-9). (0x7F / 0xFF, NaN in e4m3fn,
+    decode as 480: group scales are finite.)"""
+    exp = (bits >> 3) & 0xF
+    man = bits & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)
+    return tl.where(bits >= 128, -mag, mag)
