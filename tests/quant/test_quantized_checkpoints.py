@@ -108,10 +108,11 @@ INT4_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized",
                    "strategy": "group", "dynamic": False}}}}
 
 
-def write_quantized_pair(arch: str, root: str, fmt: str = "fp8") -> tuple[str, str, int]:
+def write_quantized_pair(arch: str, root: str, fmt: str = "fp8",
+                         **overrides) -> tuple[str, str, int]:
     """(the quantized checkpoint in `fmt`'s layout, the reference with its dequantized weights,
-    tensors quantized)."""
-    src = write_tiny_checkpoint(arch, os.path.join(root, "src"), **WIDE[arch])
+    tensors quantized); overrides: config fields over WIDE's."""
+    src = write_tiny_checkpoint(arch, os.path.join(root, "src"), **(WIDE[arch] | overrides))
     quant, ref = os.path.join(root, fmt), os.path.join(root, "ref")
     for out in (quant, ref):
         shutil.copytree(src, out)
