@@ -221,7 +221,8 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--max-concurrency: give at least one concurrency >= 1")
     num_devices = _device_count(device)
     space = knob_space(device, start, fixed=list(fixed), only=only,
-                       concurrency=max(concurrencies), num_devices=num_devices)
+                       concurrency=max(concurrencies), num_devices=num_devices,
+                       dummy_weights=_dummy_weights(model, fixed))
     owned = sorted({a.split("=")[0] for a in shlex.split(args.bench_args)} & _TUNE_OWNS)
     if owned:
         raise ValueError(f"--bench-args: {', '.join(owned)} are the tune's own (use "
@@ -234,6 +235,15 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--confirm-runs and --n-trials must be >= 1")
     return {"model": model, "fixed": fixed, "space": space, "device": device,
             "concurrencies": concurrencies, "phases": phases, "num_devices": num_devices}
+
+
+def _dummy_weights(model: str, fixed: dict[str, Any]) -> bool:
+    """Whether the served weights are random (a preset's default, or --load-format dummy), so
+    that their quantized format is a choice."""
+    from moeserve.presets import is_preset
+
+    load = fixed.get("load_format", "auto")
+    return load == "dummy" or (load == "auto" and is_preset(model))
 
 
 def _arms(args: argparse.Namespace, best: dict[str, Any], space: Any) -> dict[str, dict]:
@@ -280,7 +290,8 @@ def _report_only(args: argparse.Namespace, console: Console) -> int:
     fixed = _engine_flags(setup["server_args"], "--server-args")
     space = knob_space(setup["device"], setup["start"], fixed=list(fixed), only=setup["knobs"],
                        concurrency=max(setup["concurrencies"]),
-                       num_devices=setup.get("num_devices", 1))
+                       num_devices=setup.get("num_devices", 1),
+                       dummy_weights="quantization" in setup["knobs"])
     evaluator = ServerBenchEvaluator(setup["model"], shlex.split(setup["server_args"]),
                                      BenchPlan(setup["concurrencies"]), flags_of=space.flags)
     path = report.write_report(study, space, Path(args.out),

@@ -18,8 +18,9 @@ field takes it), so a ledger row reads as a command line. Ordered numeric choice
 two) are categorical to Optuna, whose TPE sampler handles a few dozen noisy trials over them
 well; a range of small integers is an integer distribution. On a machine of several GPUs the
 parallel layout joins the space (tensor_parallel_size, enable_expert_parallel,
-expert_parallel_size: `_parallel_knobs`); a knob the engine gains later (KV dtype,
-quantization) is one more row in _knobs.
+expert_parallel_size: `_parallel_knobs`); with dummy weights the quantized format
+(`QUANTIZATION`: a checkpoint's format is its own); a knob the engine gains later (KV dtype) is
+one more row in _knobs.
 
 Restart: every knob today is an engine flag, read at start-up, so a trial is a fresh server;
 `restart` is declared per knob so that a knob the server can change live can skip it.
@@ -225,15 +226,22 @@ def _show(v: Any) -> str:
     return "auto" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
+# the weights' format, where the weights are dummy (a checkpoint's format is its own): on CUDA,
+# where the quantized kernels run (on CPU their torch references dequantize every step)
+QUANTIZATION = Knob("quantization", None, (None, "fp8", "nvfp4", "int4"), devices=("cuda",))
+
+
 def knob_space(device: str, start: Mapping[str, Any], fixed: Sequence[str] = (),
                only: Sequence[str] | None = None, concurrency: int = 1024,
-               num_devices: int = 1) -> Space:
+               num_devices: int = 1, dummy_weights: bool = False) -> Space:
     """The knobs that matter on `device` ("cuda" or "cpu") at the largest concurrency the
     study optimises, less `fixed` (fields the user set in the server's fixed arguments),
-    restricted to `only` when given; with num_devices > 1 (GPUs), the parallel layouts too."""
+    restricted to `only` when given; with num_devices > 1 (GPUs), the parallel layouts too;
+    with dummy_weights (a preset, or --load-format dummy), the weights' quantized format."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
-    knobs = [k for k in _knobs(concurrency, num_devices)
+    extra = [QUANTIZATION] if dummy_weights else []
+    knobs = [k for k in [*_knobs(concurrency, num_devices), *extra]
              if device in k.devices and k.name not in fixed]
     if only is not None:
         unknown = sorted(set(only) - {k.name for k in knobs})

@@ -21,3 +21,18 @@ def test_several_gpus_add_the_parallel_layouts() -> None:
     # EP off: the EP size does not apply, and is reset to its default
     assert space.complete({"tensor_parallel_size": 2, "expert_parallel_size": 2}
                           )["expert_parallel_size"] is None
+
+
+def test_dummy_weights_add_the_quantized_format() -> None:
+    from moeserve.tune.cli import _dummy_weights
+
+    assert "quantization" not in knob_space("cuda", {}).knobs  # a checkpoint's is its own
+    space = knob_space("cuda", {}, dummy_weights=True)
+    assert space.knobs["quantization"].choices == (None, "fp8", "nvfp4", "int4")
+    assert space.flags(space.complete({"quantization": "nvfp4"})) == ["--quantization", "nvfp4"]
+    assert space.flags(space.complete({})) == []  # None: the engine's default, no flag
+    assert space.check(space.complete({"quantization": "fp8"}), {}) is None
+    assert "quantization" not in knob_space("cpu", {}, dummy_weights=True).knobs
+    assert _dummy_weights("qwen3-30b-a3b", {}) and _dummy_weights("/ckpt", {"load_format": "dummy"})
+    assert not _dummy_weights("/ckpt", {}) and not _dummy_weights(
+        "qwen3-30b-a3b", {"load_format": "safetensors"})
