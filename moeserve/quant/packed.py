@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from moeserve.quant import int4_pack, nvfp4
-from moeserve.quant.fp8_block import E4M3
+from moeserve.quant.fp8_block import E4M3, quantize_blockwise
 
 FP8_GROUP = 128
 
@@ -171,9 +171,9 @@ def quantize_into(view: QuantView, w: torch.Tensor, group: int | None = None) ->
     g_out = (view.global_scale.reshape(-1, view.global_scale.shape[-1])
              if view.global_scale is not None else None)
     for i, m in enumerate(flat):
-        if view.format == "fp8":
-            from moeserve.quant.fp8_block import quantize_blockwise
-            q, s = quantize_blockwise(m, (1, view.group))
+        if view.format == "fp8":  # in the checkpoints' 128 x 128 blocks, a scale row per row
+            q, s = quantize_blockwise(m, (FP8_GROUP, view.group))
+            s = s.repeat_interleave(FP8_GROUP, 0)[:m.shape[0]]
         elif view.format == "nvfp4":
             q, s, g = nvfp4.quantize(m)
             g_out[i].copy_(g.expand(m.shape[0]))
@@ -181,6 +181,23 @@ def quantize_into(view: QuantView, w: torch.Tensor, group: int | None = None) ->
             q, s = int4_pack.quantize(m, view.group)
         q_out[i].copy_(q)
         s_out[i].copy_(s)
+
+
+def compact_fp8_scales(w: QuantWeight) -> bool:
+    """Fold an FP8 weight's per-row scales to one row per 128 rows (scale_rows 128) when every
+    128 rows share them, as a checkpoint's 128 x 128 blocks do: the kernels then read 1/128 of
+    the scale bytes (1.03 bytes a weight become 1.0002). A fused weight whose parts end off the
+    blocks (or a row shard that starts off them) keeps its rows. True when folded."""
+    if w.format != "fp8" or w.scale_rows != 1:
+        return False
+    n = w.shape[-2]
+    first = w.scale[..., ::FP8_GROUP, :]  # [..., ceil(N / 128), K / 128]
+    if not torch.equal(first.repeat_interleave(FP8_GROUP, -2)[..., :n, :], w.scale):
+        return False
+    w.scale = _param(*first.shape, dtype=first.dtype, device=first.device)
+    w.scale.copy_(first)
+    w.scale_rows = FP8_GROUP
+    return True
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:

@@ -29,6 +29,7 @@ from moeserve.model_config import ModelConfig, read_json_config
 from moeserve.models import build_model
 from moeserve.parallel.comm import TensorParallel
 from moeserve.parallel.layout import RankLayout, local_model_config
+from moeserve.quant.packed import QuantWeight, compact_fp8_scales
 from moeserve.quant.plan import DUMMY_INT4_GROUP, QuantPlan
 from moeserve.quant.spec import flag_format
 from moeserve.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -117,6 +118,9 @@ class ModelRunner:
                 if layers > mc.num_layers:
                     parts.append(f"layers {mc.num_layers}..{layers - 1} cut by hf_overrides")
                 self.mtp_note = f"{left_out} tensors left out: {'; '.join(parts)}"
+        for m in self.model.modules():  # FP8 scales in the checkpoint's row blocks, where
+            if isinstance(m, QuantWeight):  # each 128 rows share them
+                compact_fp8_scales(m)
         self.model.eval()
         self.weight_bytes = model_weight_bytes(self.model)
         self.num_forward_steps = 0

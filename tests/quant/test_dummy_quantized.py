@@ -49,3 +49,23 @@ def test_a_bf16_checkpoint_with_the_flag_is_still_refused(tmp_path) -> None:
     folder = write_tiny_checkpoint("qwen3_moe", str(tmp_path))
     with pytest.raises(ConfigError, match="checkpoint is not quantized.*--load-format dummy"):
         LLM(str(folder), device="cpu", quantization="fp8")
+
+
+def test_fp8_scales_fold_to_the_checkpoints_row_blocks() -> None:
+    """Dummy FP8 weights are drawn in 128 x 128 blocks, so their per-row scales fold to one row
+    per 128 (compact_fp8_scales); a weight whose rows do not share them keeps its rows."""
+    from moeserve.quant.packed import compact_fp8_scales, quantize_into
+
+    llm = LLM("tiny-moe", device="cpu", quantization="fp8", hf_overrides=WIDER)
+    blocks = llm.engine.runner.model.moe_blocks()
+    w13 = blocks[0].w13
+    assert w13.scale_rows == 128 and w13.scale.shape[-2] == -(-w13.shape[-2] // 128)
+    w = QuantWeight("fp8", 200, 256, scale_dtype=torch.float32, device="cpu")
+    quantize_into(w[:], torch.randn(200, 256))
+    before = w.dequantize()
+    assert compact_fp8_scales(w) and w.scale.shape == (2, 2)
+    assert torch.equal(w.dequantize(), before)
+    rows = QuantWeight("fp8", 200, 256, scale_dtype=torch.float32, device="cpu")
+    quantize_into(rows[:100], torch.randn(100, 256))  # a fused part ending off the blocks
+    quantize_into(rows[100:], torch.randn(100, 256) * 3)
+    assert not compact_fp8_scales(rows) and rows.scale_rows == 1
