@@ -6,7 +6,9 @@ block-scaled GEMM (Hopper's FP8 tensor cores), against quant/fp8_block.py's refe
                                     1e-12), q = e4m3(clamp(x / s)); the reference's ops in the
                                     reference's order, so the bytes are equal
     w8a8_block_matmul_triton(...)   out[t, n] = sum over K blocks kb of
-                                    (x_q[t, kb] . w_q[n, kb]) * s_x[t, kb] * s_w[n // 128, kb]:
+                                    (x_q[t, kb] . w_q[n, kb]) * s_x[t, kb] * s_w[n // r, kb]
+                                    with r = scale_rows, 128 (the checkpoint's blocks) or 1
+                                    (quant/packed.py's per-row scales):
                                     one BLOCK_M x BLOCK_N tile a program, K in 128-wide steps
                                     (one scale per step), the dot in fp32 on e4m3 inputs
     fp8_linear_triton(x, w, s)      the two, as `w8a8_linear_ref`
@@ -58,9 +60,12 @@ def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def w8a8_block_matmul_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                              w_scale: torch.Tensor, out_dtype: torch.dtype,
-                             block_m: int = 64, block_n: int = 128) -> torch.Tensor:
+                             block_m: int = 64, block_n: int = 128,
+                             scale_rows: int = BLOCK[0]) -> torch.Tensor:
     """x_q e4m3 [T, K] with x_scale fp32 [T, ceil(K / 128)], w e4m3 [N, K] with w_scale
-    [ceil(N / 128), ceil(K / 128)] -> [T, N] in out_dtype."""
+    [ceil(N / scale_rows), ceil(K / 128)] -> [T, N] in out_dtype. scale_rows: 128 (the
+    checkpoint's blocks) or 1 (quant/packed.py's per-row layout, before
+    `compact_fp8_scales`)."""
     t, k = x_q.shape
     n = w.shape[0]
     _need(x_q.dtype == E4M3 and w.dtype == E4M3, f"x_q and w must be float8_e4m3fn, got "
@@ -69,10 +74,14 @@ def w8a8_block_matmul_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.
     _need(tuple(x_scale.shape) == (t, math.ceil(k / GROUP)) and x_scale.dtype == torch.float32,
           f"x_scale must be fp32 [{t}, {math.ceil(k / GROUP)}], got {x_scale.dtype} "
           f"{tuple(x_scale.shape)}")
-    _need(tuple(w_scale.shape) == scale_shape(n, k), f"w_scale must be {scale_shape(n, k)} for "
-          f"w [{n}, {k}], got {tuple(w_scale.shape)}")
-    _need(block_n <= BLOCK[0] and BLOCK[0] % block_n == 0, f"block_n {block_n} must divide "
-          f"{BLOCK[0]}")
+    _need(scale_rows in (1, BLOCK[0]), f"scale_rows must be 1 or {BLOCK[0]}, got {scale_rows}")
+    want = scale_shape(n, k, (scale_rows, GROUP))
+    _need(tuple(w_scale.shape) == want, f"w_scale must be {want} for w [{n}, {k}] with "
+          f"scale_rows {scale_rows}, got {tuple(w_scale.shape)}")
+    # NOTE: with 128-row scales a tile must not straddle two scale rows; per-row scales are
+    # loaded per column of the tile, any block_n goes
+    _need(scale_rows == 1 or (block_n <= BLOCK[0] and BLOCK[0] % block_n == 0),
+          f"block_n {block_n} must divide {BLOCK[0]} (the scale rows)")
     for name, a in (("x_q", x_q), ("x_scale", x_scale), ("w", w), ("w_scale", w_scale)):
         _need(a.device == x_q.device, f"{name} on {a.device}, x_q on {x_q.device}")
     require_triton_device(x_q.device, "w8a8_block_matmul_triton")
@@ -85,19 +94,22 @@ def w8a8_block_matmul_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.
             x_q.stride(0), x_q.stride(1), w.stride(0), w.stride(1), out.stride(0),
             out.stride(1), x_scale.stride(0), x_scale.stride(1), w_scale.stride(0),
             w_scale.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
-            SCALE_ROWS=BLOCK[0])
+            SCALE_ROWS=scale_rows)
     return out
 
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] through an FP8 block-scaled weight [N, K] -> [..., N] in x's dtype."""
+                      bias: torch.Tensor | None = None, scale_rows: int = BLOCK[0]
+                      ) -> torch.Tensor:
+    """x [..., K] through an FP8 block-scaled weight [N, K] -> [..., N] in x's dtype;
+    scale_inv [ceil(N / scale_rows), ceil(K / 128)], scale_rows 128 or 1."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.device.type == "cpu":  # the interpreter's e4m3 cast is wrong (module docstring)
         x_q, x_scale = quantize_activations(rows)
     else:
         x_q, x_scale = quantize_activations_triton(rows)
-    out = w8a8_block_matmul_triton(x_q, x_scale, weight, scale_inv, x.dtype)
+    out = w8a8_block_matmul_triton(x_q, x_scale, weight, scale_inv, x.dtype,
+                                   scale_rows=scale_rows)
     if bias is not None:
         out = (out.float() + bias.float()).to(x.dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -163,7 +175,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
     a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am  # [BM, 1]
     b_cols = b_ptr + rn.to(tl.int64)[None, :] * stride_bn  # [1, BN]
     a_scale = as_ptr + rm.to(tl.int64) * stride_asm  # [BM]
-    b_scale = bs_ptr + (rn // SCALE_ROWS) * stride_bsn  # [BN]: one scale row per 128 of N
+    b_scale = bs_ptr + (rn // SCALE_ROWS) * stride_bsn  # [BN]: one scale row per SCALE_ROWS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + rk

@@ -1,0 +1,283 @@
+"""W4A16 linear on Triton: activations in their float dtype times a 4-bit weight held in
+quant/packed.py's NVFP4 or INT4 layout, dequantized tile by tile inside the GEMM (Hopper has no
+FP4 tensor cores; the dot runs in x's dtype with an fp32 accumulator).
+
+    w4a16_linear_triton(x, fmt, qweight, scale, global_scale, group, k, bias)
+        x [T, K] (or [..., K]) @ dequantize(...)[N, K].T -> [T, N] in x's dtype
+
+    nvfp4  qweight uint8 [N, K / 2] (low nibble = even k), scale e4m3 [N, K / 16],
+           global_scale fp32 [N]:   W[n, k] = e2m1(nibble) * e4m3(scale[n, k // 16]),
+           and global_scale[n] multiplies accumulator column n in the epilogue (e2m1 x e4m3
+           has at most 6 significant bits and lies in [2^-10, 2688]: exact in fp16 and bf16,
+           so the tile cast to x's dtype rounds nothing)
+    int4   qweight int32 [N, ceil(K / 8)] (k at bits 4 (k % 8) of word k // 8, stored q + 8),
+           scale float [N, ceil(K / group)]:   W[n, k] = (nibble - 8) * scale[n, k // group],
+           computed in fp32, then cast to x's dtype
+
+One BLOCK_M x BLOCK_N output tile a program; the K loop steps BLOCK_K (a multiple of the group)
+columns: the step's packed [BLOCK_K / 2 or / 8, BLOCK_N] bytes or words, each shifted by every
+nibble's offset at once ([.., 2 or 8, BLOCK_N]) and masked, reshaped to the [BLOCK_K, BLOCK_N]
+nibble tile; the [BLOCK_K / group, BLOCK_N] scales broadcast along the group the same way; the
+product cast to x's dtype and dotted with x's [BLOCK_M, BLOCK_K] tile (fp32 x: IEEE fp32 dot,
+no TF32). The bias is added to the fp32 accumulator; one rounding to x's dtype at the store.
+
+NVFP4's e4m3 scales are read as their bytes (`scale.view(torch.uint8)`) and decoded by bit
+arithmetic in the kernel (NaN codes 0x7F / 0xFF give NaN, as torch's cast does). Measured under
+Triton's interpreter (3.9): loading float8_e4m3fn directly is exact for the 254 finite codes but
+turns the NaN codes into +-480, so the byte path is the one used on both CPU and GPU.
+
+Launch shapes depend on shapes only (no host sync): CUDA-graph capturable. The token count and
+its strides are `do_not_specialize`, so a new batch size compiles nothing; the default tile
+(`_default_config`) depends on T in three buckets, `config=` overrides it (a tuner's entry).
+Triton is imported on first use (`_kernels`); on CPU the kernel runs under TRITON_INTERPRET=1
+(tests), in fp32 and fp16 only: the interpreter mishandles bf16 (bf16 runs on the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from moeserve.kernels.triton_common import require_triton_device
+from moeserve.quant.fp8_block import E4M3
+from moeserve.quant.int4_pack import PER_WORD
+from moeserve.quant.nvfp4 import GROUP as NVFP4_GROUP
+
+tl: Any = None  # triton.language, bound by _kernels(): the kernels read it as a global
+FORMATS = ("nvfp4", "int4")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def w4a16_linear_triton(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale: torch.Tensor,
+                        global_scale: torch.Tensor | None, group: int, k: int,
+                        bias: torch.Tensor | None = None,
+                        config: dict[str, int] | None = None) -> torch.Tensor:
+    """x [..., K] through a 4-bit weight of logical shape [N, K] -> [..., N] in x's dtype.
+
+    Args:
+        x: fp32 / fp16 / bf16 [..., K] (bf16 on CUDA only).
+        fmt: "nvfp4" or "int4"; qweight, scale, global_scale as quant/packed.py lays them out
+            for a 2-D weight (global_scale None for int4).
+        group: K per scale column (16 for nvfp4; int4: a power of two, a multiple of 8).
+        k: the logical K (int4's last word may be partly padding).
+        bias: float [N], added in fp32 before the one rounding to x's dtype.
+        config: override of the tile (keys CONFIG_KEYS; BLOCK_* powers of two >= 16, BLOCK_K a
+            multiple of the group).
+    Returns:
+        [..., N] in x's dtype, a new tensor. ValueError names a wrong dtype, shape or config.
+    """
+    n = _check_weight(fmt, qweight, scale, global_scale, group, k)
+    _check_x(x, k, n, bias, (qweight, scale, global_scale))
+    rows = x.reshape(-1, k)  # [T, K]
+    t = rows.shape[0]
+    cfg = _resolve_config(t, group, config)
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)  # [T, N]
+    if t and n:
+        nvfp4 = fmt == "nvfp4"
+        s = scale.view(torch.uint8) if nvfp4 else scale  # nvfp4: e4m3 bytes [N, K / 16]
+        g = global_scale if nvfp4 else s  # [N] fp32 (int4: unused, any pointer)
+        b = bias if bias is not None else out  # [N] (unused without HAS_BIAS)
+        grid = (math.ceil(t / cfg["BLOCK_M"]), math.ceil(n / cfg["BLOCK_N"]))
+        _kernels().w4a16[grid](
+            rows, qweight, s, g, b, out, t, n, k,
+            rows.stride(0), rows.stride(1), qweight.stride(0), qweight.stride(1),
+            s.stride(0), s.stride(1), g.stride(0), b.stride(0), out.stride(0), out.stride(1),
+            NVFP4=nvfp4, GROUP=group, HAS_BIAS=bias is not None,
+            IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _default_config(t: int, group: int) -> dict[str, int]:
+    """The tile for T tokens: decode-sized M tiles for small T (the weight read dominates).
+
+    NOTE: untuned. Measured once on an H200 (bf16, N 4096, K 7168): these run decode in 192 us
+    (nvfp4) / 104 us (int4), T 512 in 588 / 316 us; the best of a small sweep was about 2x
+    faster (T 1: BLOCK_N 16-32, BLOCK_K 256; T 512: num_warps 4) and still far from the
+    weight's read time (a bf16 dense GEMM of the same shape: 27 us). A tuner's job (`config`).
+    """
+    bk = max(128, group)
+    if t <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=4)
+    if t <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3)
+
+
+def _resolve_config(t: int, group: int, config: dict[str, int] | None) -> dict[str, int]:
+    cfg = _default_config(t, group)
+    if config is None:
+        return cfg
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    _need(not unknown, f"unknown config keys {unknown} (known: {list(CONFIG_KEYS)})")
+    cfg.update(config)
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        v = cfg[key]
+        _need(isinstance(v, int) and v >= 16 and v & (v - 1) == 0,
+              f"config {key} must be a power of two >= 16, got {v}")
+    _need(cfg["BLOCK_K"] % group == 0, f"config BLOCK_K {cfg['BLOCK_K']} must be a multiple of "
+          f"the group {group}")
+    w, s = cfg["num_warps"], cfg["num_stages"]
+    _need(isinstance(w, int) and w >= 1 and w & (w - 1) == 0,
+          f"config num_warps must be a power of two, got {w}")
+    _need(isinstance(s, int) and s >= 1, f"config num_stages must be >= 1, got {s}")
+    return cfg
+
+
+def _check_weight(fmt: str, qweight: torch.Tensor, scale: torch.Tensor,
+                  global_scale: torch.Tensor | None, group: int, k: int) -> int:
+    """The packed tensors against packed.py's layout for [N, k]; returns N."""
+    _need(fmt in FORMATS, f"fmt must be one of {FORMATS}, got {fmt!r}")
+    _need(qweight.dim() == 2, f"qweight must be 2-D [N, packed K], got {tuple(qweight.shape)}")
+    n = qweight.shape[0]
+    if fmt == "nvfp4":
+        _need(group == NVFP4_GROUP, f"nvfp4's group is {NVFP4_GROUP}, got {group}")
+        _need(k % NVFP4_GROUP == 0, f"nvfp4 needs K a multiple of {NVFP4_GROUP}, got {k}")
+        _need(qweight.dtype == torch.uint8 and qweight.shape[1] == k // 2,
+              f"nvfp4 qweight must be uint8 [{n}, {k // 2}], got {qweight.dtype} "
+              f"{tuple(qweight.shape)}")
+        _need(scale.dtype == E4M3 and tuple(scale.shape) == (n, k // NVFP4_GROUP),
+              f"nvfp4 scale must be float8_e4m3fn [{n}, {k // NVFP4_GROUP}], got "
+              f"{scale.dtype} {tuple(scale.shape)}")
+        got = None if global_scale is None else (global_scale.dtype, tuple(global_scale.shape))
+        _need(global_scale is not None and global_scale.dtype == torch.float32
+              and tuple(global_scale.shape) == (n,),
+              f"nvfp4 global_scale must be fp32 [{n}], got {got}")
+        return n
+    _need(group > 0 and group % PER_WORD == 0 and group & (group - 1) == 0,
+          f"int4's group must be a power of two and a multiple of {PER_WORD}, got {group}")
+    words, groups = math.ceil(k / PER_WORD), math.ceil(k / group)
+    _need(qweight.dtype == torch.int32 and qweight.shape[1] == words,
+          f"int4 qweight must be int32 [{n}, {words}] for K {k}, got {qweight.dtype} "
+          f"{tuple(qweight.shape)}")
+    _need(scale.is_floating_point() and scale.element_size() >= 2
+          and tuple(scale.shape) == (n, groups),
+          f"int4 scale must be float [{n}, {groups}] (groups of {group}), got {scale.dtype} "
+          f"{tuple(scale.shape)}")
+    _need(global_scale is None, "int4 takes no global_scale (got a tensor)")
+    return n
+
+
+def _check_x(x: torch.Tensor, k: int, n: int, bias: torch.Tensor | None,
+             weights: tuple[torch.Tensor | None, ...]) -> None:
+    _need(x.dtype in _X_DTYPES, f"x must be fp32 / fp16 / bf16, got {x.dtype}")
+    _need(x.dim() >= 1 and x.shape[-1] == k, f"x must be [..., {k}], got {tuple(x.shape)}")
+    if bias is not None:
+        _need(bias.is_floating_point() and tuple(bias.shape) == (n,),
+              f"bias must be float [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    for a in (*weights, bias):
+        _need(a is None or a.device == x.device, f"a weight tensor on {getattr(a, 'device', '')}"
+              f", x on {x.device}")
+    require_triton_device(x.device, "w4a16_linear_triton")
+    _need(x.device.type != "cpu" or x.dtype != torch.bfloat16,
+          "bf16 x is not supported on CPU (Triton's interpreter mishandles bf16); use fp32 / "
+          "fp16 on CPU, bf16 on the GPU")
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"w4a16 linear: {what}")
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """Import triton and jit the kernel and its helpers, once (interpreted if
+    TRITON_INTERPRET=1 now)."""
+    global tl, _e2m1_to_f32, _e4m3_to_f32
+    import triton
+    import triton.language
+
+    tl = triton.language
+    _e2m1_to_f32 = triton.jit(_e2m1_to_f32)  # the kernel calls them by these global names
+    _e4m3_to_f32 = triton.jit(_e4m3_to_f32)
+    # the token count changes every step: no variant per value
+    return SimpleNamespace(w4a16=triton.jit(
+        _w4a16_kernel, do_not_specialize=["M", "stride_xm", "stride_om"]))
+
+
+# ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ---
+
+def _e2m1_to_f32(code):
+    """int32 nibbles 0..15 -> their e2m1 values fp32: bit 3 the sign, bits 2-1 the exponent
+    (bias 1), bit 0 the mantissa; exponent 0 is 0 or 0.5."""
+    mag = code & 7
+    normal = ((((mag >> 1) + 126) << 23) | ((mag & 1) << 22)).to(tl.float32, bitcast=True)
+    value = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
+    return tl.where(code >= 8, -value, value)
+
+
+def _e4m3_to_f32(byte):
+    """int32 bytes 0..255 of float8_e4m3fn -> fp32: bit 7 the sign, bits 6-3 the exponent
+    (bias 7), bits 2-0 the mantissa; exponent 0 is subnormal (m x 2^-9); 0x7F / 0xFF NaN."""
+    exp = (byte >> 3) & 15
+    man = byte & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)
+    value = tl.where(byte >= 128, -value, value)
+    return tl.where((byte & 127) == 127, float("nan"), value)
+
+
+def _w4a16_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K,
+                  stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sk,
+                  stride_g, stride_bias, stride_om, stride_on,
+                  NVFP4: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Program (m tile, n tile): out[m, n] = sum over K steps of x's [BM, BK] tile dotted with
+    the dequantized [BK, BN] weight tile (module docstring), then the epilogue."""
+    GROUPS_PER_STEP: tl.constexpr = BLOCK_K // GROUP
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rk = tl.arange(0, BLOCK_K)  # [BK]
+    rg = tl.arange(0, GROUPS_PER_STEP)  # [BK / G]
+    m_ok, n_ok = rm < M, rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+    q_cols = q_ptr + rn.to(tl.int64)[None, :] * stride_qn  # [1, BN]
+    s_cols = s_ptr + rn.to(tl.int64)[None, :] * stride_sn  # [1, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + rk  # [BK]
+        k_ok = k < K
+        a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [BM, BK] x's dtype
+        g = kb * GROUPS_PER_STEP + rg  # [BK / G] scale columns of this step
+        s_mask = (g * GROUP < K)[:, None] & n_ok[None, :]  # [BK / G, BN]
+        if NVFP4:  # K % 16 == 0: no byte is cut by K
+            c = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
+            byte = tl.load(q_cols + c[:, None] * stride_qk,
+                           mask=(2 * c < K)[:, None] & n_ok[None, :], other=0)  # [BK / 2, BN]
+            nib = (byte.to(tl.int32)[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 15
+            w = _e2m1_to_f32(tl.reshape(nib, (BLOCK_K, BLOCK_N)))  # [BK, BN]: low nibble first
+            s_byte = tl.load(s_cols + g[:, None] * stride_sk, mask=s_mask, other=0)
+            s = _e4m3_to_f32(s_byte.to(tl.int32))  # [BK / G, BN]
+        else:
+            c = kb * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # [BK / 8] word columns
+            word = tl.load(q_cols + c[:, None] * stride_qk,
+                           mask=(8 * c < K)[:, None] & n_ok[None, :], other=0)  # [BK / 8, BN]
+            nib = (word[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15  # [BK/8, 8, BN]
+            nib = tl.reshape(nib, (BLOCK_K, BLOCK_N))  # [BK, BN]: bits 4 (k % 8) of word k // 8
+            # NOTE: the last word's nibbles past K are padding (any value): finite here, they
+            # meet x's masked zeros
+            w = (nib - 8).to(tl.float32)  # [BK, BN]
+            s = tl.load(s_cols + g[:, None] * stride_sk, mask=s_mask,
+                        other=0.0).to(tl.float32)  # [BK / G, BN]
+        s = tl.reshape(tl.broadcast_to(s[:, None, :], (GROUPS_PER_STEP, GROUP, BLOCK_N)),
+                       (BLOCK_K, BLOCK_N))  # [BK, BN]: each scale over its group's rows
+        b = (w * s).to(a.dtype)  # [BK, BN]
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if NVFP4:
+        acc *= tl.load(g_ptr + rn * stride_g, mask=n_ok, other=0.0)[None, :]  # [1, BN]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn.to(tl.int64)[None, :] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
