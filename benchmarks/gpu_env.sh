@@ -2,7 +2,7 @@
 # and on PYTHONPATH with the checkout, the commit under test (GIT_COMMIT, written before the
 # call) exported for the results' provenance, and the device and versions written to $OUT.
 #   source benchmarks/gpu_env.sh [extra module to report the version of, e.g. optuna]
-SITE=/tmp/site
+export SITE=/tmp/site  # exported: the scripts run the benchmarks in subshells
 # (re)installed when the set of wheels differs from the one installed (a warm machine keeps
 # /tmp/site between calls)
 WHEELS=$(ls .whl | sort | md5sum | cut -c1-32)

@@ -11,8 +11,10 @@ Tolerances (what the kernel promises):
     in every dtype (bf16 too: the kernel rounds on the fp32 bits, which the interpreter's
     truncating cast would not).
   * the normed latent: its fp32 sum of squares runs in another order (and rsqrt may differ):
-    fp32 within rtol 1e-6 (atol 1e-6); fp16 / bf16 within one ulp of the dtype (rtol 2^-10 /
-    2^-7), on at most max(2, 0.1%) of the values. Bit exact, in every dtype, on inputs whose
+    fp32 within rtol 1e-6 (atol 1e-6); fp16 / bf16 within two ulps of the dtype (rtol 2^-9 /
+    2^-6: HF's order rounds the normed value, then its product with the weight, so a one-ulp
+    flip of the first can land two ulps away after the second; the H200 showed 4 such values of
+    2,096,640 at T 4096), on at most max(2, 0.1%) of the values. Bit exact, in every dtype, on inputs whose
     norm is exact in any order (values in {0, +-1, +-2} * 2^k, mean square a power of 4, eps 0).
 Through the layer: the tiny MLA checkpoints (DeepSeek-V2 / V3, Kimi K2, GLM-4.7-Flash, and the
 DSA ones, GLM-5 and DeepSeek-V3.2, whose indexer takes the kernel's cos / sin) give the same
@@ -45,7 +47,7 @@ from tests.models.test_models_vs_hf import PROMPT_LENS, _block_tables, _build
 LAYOUTS = {"v3": (128, 128, 64, 512, 1536), "v2_lite": (16, 128, 64, 512, None),
            "odd": (6, 8, 12, 40, None), "odd_q_lora": (6, 8, 12, 40, 24)}
 EXTRA_ROWS, BLOCK_SIZE, MAX_POSITION, EPS = 8, 16, 4096, 1e-6
-LATENT_RTOL = {torch.float32: 1e-6, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+LATENT_RTOL = {torch.float32: 1e-6, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}
 DTYPES, DTYPE_IDS = (torch.float32, torch.float16, torch.bfloat16), ("fp32", "fp16", "bf16")
 
 

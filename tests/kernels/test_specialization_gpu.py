@@ -75,7 +75,8 @@ def test_mla_attention_compiles_once_across_batch_shapes() -> None:
 def test_dsa_indexer_compiles_once_across_batch_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """GLM-5's indexer (32 heads x 128, bf16, blocks of 64): decode steps (one token a program)
     and mixed steps (query tiles), some scored in chunks of tiles (the tiles sliced at odd
-    offsets): at most two new variants, both compiled by the first pair of steps."""
+    offsets): at most two new variants, both compiled by the first pair of steps (none when
+    the run's earlier DSA tests compiled them: the full `pytest -m gpu` on the H200)."""
     from moeserve.kernels.attention import dsa_triton
     from tests.kernels.test_dsa_triton import make_step
 
@@ -93,7 +94,8 @@ def test_dsa_indexer_compiles_once_across_batch_shapes(monkeypatch: pytest.Monke
             dsa_triton.indexer_topk_triton(step.q, step.w, step.cache, step.meta, 0.1, 2048)
         torch.cuda.synchronize()
         counts.append(variants(kern.index_score) - start)
-    assert 1 <= counts[0] <= 2 and counts == [counts[0]] * len(counts), counts
+    # counts[0] is 0 when an earlier test of the run compiled both variants already
+    assert counts[0] <= 2 and counts == [counts[0]] * len(counts), counts
 
 
 def test_moe_compiles_once_across_token_counts() -> None:
