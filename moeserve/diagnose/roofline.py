@@ -14,6 +14,12 @@ device's ceilings, and how close a run came.
                  min(context, index_topk) positions, plus the indexer's 2 x context x index
                  heads x index_head_dim a full layer)
         bound  = max(bytes / bandwidth, FLOPs / peak): memory- or compute-bound
+        quant  (fp8 / nvfp4 / int4) the linear projections held quantized, as the engine holds
+               them (quant/plan.py): experts, attention projections but MLA's kv_b, dense MLPs,
+               shared experts at QUANT_BYTES a weight (scales included); routers, the LM head,
+               the embedding, kv_b and the KV cache at dtype_bytes. The FLOPs are unchanged
+               (W4A16 computes in bf16; FP8's tensor cores are counted at the bf16 peak: a
+               conservative bound)
 
     analyse(run)  the run's steady window (figures.steady_window): observed seconds per step,
                   tokens per step, batch; the model shape from the capacity report
@@ -44,6 +50,9 @@ class Ceilings:
 
 CEILINGS = (Ceilings("H200", 787e12, 4.27e12),)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+# bytes a quantized weight, its scales included (quant/packed.py): e4m3 + an fp32 scale per
+# 128 x 128 block; e2m1 + an e4m3 scale per 16; 4 bits + a bf16 scale per 32 (Kimi's group)
+QUANT_BYTES = {"fp8": 1.0 + 4 / (128 * 128), "nvfp4": 0.5 + 1 / 16, "int4": 0.5 + 2 / 32}
 
 
 def ceilings_for(device_name: str | None) -> Ceilings | None:
@@ -99,16 +108,21 @@ class StepCost:
 
 
 def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, batch: float,
-              context: float) -> StepCost:
+              context: float, quant: str | None = None) -> StepCost:
     """Bytes and FLOPs of one step (see the module docstring)."""
     h, d = model.hidden_size, model.head_dim
     attn_params = model.attention_params()
     expert_params = 3 * h * model.moe_intermediate_size
     moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i))
     dense_layers = model.num_layers - moe_layers
-    dense_params = (model.num_layers * attn_params + dense_layers * 3 * h * model.intermediate_size
-                    + moe_layers * model.num_experts * h  # + the routers
-                    + moe_layers * 3 * h * model.shared_expert_intermediate_size)  # shared
+    projections = (model.num_layers * attn_params + dense_layers * 3 * h * model.intermediate_size
+                   + moe_layers * 3 * h * model.shared_expert_intermediate_size)  # + shared
+    dense_params = projections + moe_layers * model.num_experts * h  # + the routers
+    weight_bytes = dtype_bytes if quant is None else QUANT_BYTES[quant]
+    if quant is not None and model.mla is not None:  # kv_b stays in the engine's dtype
+        m = model.mla
+        projections -= model.num_layers * m.kv_lora_rank * model.num_heads * (
+            m.qk_nope_head_dim + m.v_head_dim)
     dsa, index_layers = model.dsa, model.index_cache_layers
     attended = context if dsa is None else min(context, dsa.index_topk)  # positions attended
     index_flops = index_row = 0.0
@@ -129,8 +143,9 @@ def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, 
                   + index_flops)
     return StepCost(
         tokens=tokens, rows=rows, batch=batch, context=context,
-        expert_bytes=moe_layers * touched * expert_params * dtype_bytes,
-        dense_bytes=(dense_params + lm_head + min(tokens, model.vocab_size) * h) * dtype_bytes,
+        expert_bytes=moe_layers * touched * expert_params * weight_bytes,
+        dense_bytes=((dense_params - projections + lm_head + min(tokens, model.vocab_size) * h)
+                     * dtype_bytes + projections * weight_bytes),
         kv_bytes=batch * kv_per_row,
         expert_flops=2.0 * tokens * moe_layers * model.num_experts_per_tok * expert_params,
         dense_flops=2.0 * tokens * dense_params + 2.0 * rows * lm_head,
@@ -195,6 +210,16 @@ def dtype_bytes_of(run: dict[str, Any]) -> int:
     return 2 if figures.device_kind(run) == "cuda" else 4
 
 
+def quant_of(run: dict[str, Any], model: ModelConfig) -> str | None:
+    """The run's quantized weight format: --quantization, else the checkpoint's."""
+    from moeserve.quant.spec import ALIASES
+
+    flag = figures.engine_config(run).get("quantization")
+    if isinstance(flag, str) and flag in ALIASES:
+        return ALIASES[flag]
+    return model.quantization.format if model.quantization is not None else None
+
+
 def analyse(run: dict[str, Any]) -> tuple[RooflineResult | None, str]:
     """The run's steady window against the roofline; (None, why) when a figure is missing."""
     c = ceilings_for(figures.capacity_report(run).get("device_name"))
@@ -209,12 +234,13 @@ def analyse(run: dict[str, Any]) -> tuple[RooflineResult | None, str]:
     if w is None or w.step_seconds is None or w.tokens_per_step is None or context is None:
         return None, "no steady window with engine steps in the timeline"
     rows = w.generated_tokens / w.steps
-    cost = step_cost(model, dtype_bytes_of(run), w.tokens_per_step, rows, w.mean_running, context)
+    cost = step_cost(model, dtype_bytes_of(run), w.tokens_per_step, rows, w.mean_running, context,
+                     quant_of(run, model))
     return RooflineResult(cost, c, w.step_seconds, rows), ""
 
 
 def serial_bound(model: ModelConfig, dtype_bytes: int, ceilings: Ceilings, concurrency: int,
-                 input_len: int, output_len: int) -> dict[str, float]:
+                 input_len: int, output_len: int, quant: str | None = None) -> dict[str, float]:
     """ANCHORS.md's serial bound of a fixed-length workload at `concurrency`: every prompt's
     prefill (one step of concurrency x input_len tokens, attending over a causal mean of
     input_len / 2; it yields each request's first token), then output_len - 1 decode steps of
@@ -222,11 +248,13 @@ def serial_bound(model: ModelConfig, dtype_bytes: int, ceilings: Ceilings, concu
     own bound; no overlap between the phases. A DSA model attends over at most index_topk
     positions a token; `dataclasses.replace(model, dsa=None)` gives the dense MLA's bound.
 
-    Returns prefill_s, decode_s and output_tok_s (the bound on output tokens per second)."""
+    quant: the projections' quantized format (step_cost). Returns prefill_s, decode_s and
+    output_tok_s (the bound on output tokens per second)."""
     prefill = step_cost(model, dtype_bytes, tokens=concurrency * input_len, rows=concurrency,
-                        batch=concurrency, context=input_len / 2)
+                        batch=concurrency, context=input_len / 2, quant=quant)
     decode_s = sum(step_cost(model, dtype_bytes, tokens=concurrency, rows=concurrency,
-                             batch=concurrency, context=input_len + j).bound_seconds(ceilings)
+                             batch=concurrency, context=input_len + j,
+                             quant=quant).bound_seconds(ceilings)
                    for j in range(1, output_len))
     prefill_s = prefill.bound_seconds(ceilings)
     return {"prefill_s": prefill_s, "decode_s": decode_s,
@@ -245,9 +273,11 @@ def run_serial_bound(run: dict[str, Any], concurrency: int, input_len: int,
         return None
     if figures.engine_config(run).get("dsa") == "dense":
         model = dataclasses.replace(model, dsa=None)
+    quant = quant_of(run, model)
     bound = serial_bound(model, dtype_bytes_of(run), ceilings, concurrency, input_len,
-                         output_len)
+                         output_len, quant)
     out: dict[str, Any] = {"method": "serial (ANCHORS.md)", "device": ceilings.name,
+                           "weights": quant or "unquantized",
                            "concurrency": concurrency, "input_len": input_len,
                            "output_len": output_len,
                            "output_tok_s": round(bound["output_tok_s"], 1),
