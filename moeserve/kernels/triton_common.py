@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -44,3 +45,23 @@ def require_step_indices(positions: torch.Tensor, slot_mapping: torch.Tensor, nu
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64:
         raise ValueError(f"{who}: slot_mapping must be int64 [{num_tokens}], got "
                          f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+
+
+def split_k_for(tiles: int, steps: int, num_sms: int) -> int:
+    """The power-of-two split of a GEMM's K `steps` that brings its `tiles` programs to about
+    2 x num_sms, each split keeping at least 4 steps (1: enough programs already, or K too
+    short): decode-sized GEMMs have too few output tiles to fill the SMs otherwise."""
+    split = 1
+    while tiles * split * 2 <= 2 * num_sms and steps // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+@functools.cache
+def _num_sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device."""
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())

@@ -14,8 +14,9 @@ Tolerances (what the kernel promises):
     fp32 within rtol 1e-6 (atol 1e-6); fp16 / bf16 within two ulps of the dtype (rtol 2^-9 /
     2^-6: HF's order rounds the normed value, then its product with the weight, so a one-ulp
     flip of the first can land two ulps away after the second; the H200 showed 4 such values of
-    2,096,640 at T 4096), on at most max(2, 0.1%) of the values. Bit exact, in every dtype, on inputs whose
-    norm is exact in any order (values in {0, +-1, +-2} * 2^k, mean square a power of 4, eps 0).
+    2,096,640 at T 4096), on at most max(2, 0.1%) of the values. Bit exact, in every dtype, on
+    inputs whose norm is exact in any order (values in {0, +-1, +-2} * 2^k, mean square a power
+    of 4, eps 0).
 Through the layer: the tiny MLA checkpoints (DeepSeek-V2 / V3, Kimi K2, GLM-4.7-Flash, and the
 DSA ones, GLM-5 and DeepSeek-V3.2, whose indexer takes the kernel's cos / sin) give the same
 logits with the fused path forced on CPU as with the torch ops, fp32, prefill then decode.

@@ -10,6 +10,7 @@ import torch
 
 from moeserve.kernels.linear.fp8_block_triton import fp8_linear_triton, w8a8_block_matmul_triton
 from moeserve.kernels.linear.w4a16_triton import _default_config, w4a16_linear_triton
+from moeserve.kernels.triton_common import split_k_for
 from moeserve.quant import packed
 from moeserve.quant.fp8_block import (
     E4M3,
@@ -172,10 +173,34 @@ def test_w4a16_keeps_leading_dims_adds_bias_and_takes_no_tokens() -> None:
 
 
 def test_default_tiles_follow_the_token_count() -> None:
-    assert _default_config(1, 32)["BLOCK_M"] == 16  # decode
-    assert _default_config(16, 16)["BLOCK_M"] == 16
-    assert _default_config(4096, 32)["BLOCK_M"] == 64
-    assert _default_config(1, 256)["BLOCK_K"] == 256  # a multiple of the group
+    cpu = torch.device("cpu")
+    assert _default_config(1, 2048, 4096, 32, cpu)["BLOCK_M"] == 16  # decode
+    assert _default_config(16, 2048, 4096, 16, cpu)["BLOCK_M"] == 16
+    assert _default_config(4096, 2048, 4096, 32, cpu)["BLOCK_M"] == 64
+    assert _default_config(1, 2048, 4096, 256, cpu)["BLOCK_K"] == 256  # a multiple of the group
+    assert _default_config(1, 2048, 4096, 32, cpu)["SPLIT_K"] == 1  # CUDA only
+
+
+def test_split_k_brings_the_programs_to_two_an_sm() -> None:
+    assert split_k_for(32, 32, 132) == 8  # 32 tiles x 8 = 256 programs, 4 steps a split
+    assert split_k_for(32, 16, 132) == 4  # K caps it: at least 4 steps a split
+    assert split_k_for(300, 64, 132) == 1  # enough programs already
+    assert split_k_for(1, 3, 132) == 1
+
+
+@pytest.mark.parametrize("fmt,group", [("nvfp4", None), ("int4", 32)])
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_split_k_matches_one_split(fmt: str, group: int | None, split: int) -> None:
+    """Each split's partial sums, added in a fixed order, with the bias after: the reference's
+    result as one split's (an uneven split, 3, leaves the last split fewer steps; 8 splits of 5
+    steps leave some empty)."""
+
+    qw = _quantized(fmt, 96, 320, group)
+    x, bias = _x(5, 320), torch.linspace(-1, 1, 96)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=split)
+    for c in (cfg, {**cfg, "SPLIT_K": 1}):  # the same bound: only the fp32 order differs
+        _assert_matches(_run(x, qw, bias=bias, config=c), x, qw.dequantize(), rtol=1e-5,
+                        bias=bias)
 
 
 def test_w4a16_bad_inputs_are_named() -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from moeserve.kernels.triton_common import require_triton_device
+from moeserve.kernels.triton_common import num_sms, require_triton_device, split_k_for
 from moeserve.quant.fp8_block import BLOCK, E4M3, E4M3_MAX, quantize_activations, scale_shape
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels read it as a global
@@ -60,12 +60,16 @@ def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def w8a8_block_matmul_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                              w_scale: torch.Tensor, out_dtype: torch.dtype,
-                             block_m: int = 64, block_n: int = 128,
-                             scale_rows: int = BLOCK[0]) -> torch.Tensor:
+                             block_m: int | None = None, block_n: int = 128,
+                             scale_rows: int = BLOCK[0],
+                             split_k: int | None = None) -> torch.Tensor:
     """x_q e4m3 [T, K] with x_scale fp32 [T, ceil(K / 128)], w e4m3 [N, K] with w_scale
     [ceil(N / scale_rows), ceil(K / 128)] -> [T, N] in out_dtype. scale_rows: 128 (the
     checkpoint's blocks) or 1 (quant/packed.py's per-row layout, before
-    `compact_fp8_scales`)."""
+    `compact_fp8_scales`). block_m None: 16 up to 16 tokens, else 64; split_k None: on CUDA
+    up to 64 tokens the split of K that brings the programs to about two an SM
+    (w4a16_triton.split_k_for), else 1; with a split each split's fp32 partial sums are
+    added in order after."""
     t, k = x_q.shape
     n = w.shape[0]
     _need(x_q.dtype == E4M3 and w.dtype == E4M3, f"x_q and w must be float8_e4m3fn, got "
@@ -86,15 +90,26 @@ def w8a8_block_matmul_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.
         _need(a.device == x_q.device, f"{name} on {a.device}, x_q on {x_q.device}")
     require_triton_device(x_q.device, "w8a8_block_matmul_triton")
     w_scale = w_scale.float()
+    block_m = block_m or (16 if t <= 16 else 64)
+    if split_k is None:
+        split_k = 1
+        if x_q.device.type == "cuda" and t <= 64:
+            split_k = split_k_for(math.ceil(t / block_m) * math.ceil(n / block_n),
+                                  math.ceil(k / GROUP), num_sms(x_q.device))
+    _need(isinstance(split_k, int) and split_k >= 1, f"split_k must be >= 1, got {split_k}")
     out = torch.empty(t, n, dtype=out_dtype, device=x_q.device)
     if t and n:
-        grid = (math.ceil(t / block_m), math.ceil(n / block_n))
+        dest = out if split_k == 1 else torch.empty(split_k, t, n, dtype=torch.float32,
+                                                     device=x_q.device)
+        grid = (math.ceil(t / block_m), math.ceil(n / block_n), split_k)
         _kernels().matmul[grid](
-            x_q, w, out, x_scale, w_scale, t, n, k,
-            x_q.stride(0), x_q.stride(1), w.stride(0), w.stride(1), out.stride(0),
-            out.stride(1), x_scale.stride(0), x_scale.stride(1), w_scale.stride(0),
-            w_scale.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
-            SCALE_ROWS=scale_rows)
+            x_q, w, dest, x_scale, w_scale, t, n, k,
+            x_q.stride(0), x_q.stride(1), w.stride(0), w.stride(1), dest.stride(-2),
+            dest.stride(-1), x_scale.stride(0), x_scale.stride(1), w_scale.stride(0),
+            w_scale.stride(1), t * n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
+            SCALE_ROWS=scale_rows, SPLIT_K=split_k)
+        if split_k > 1:
+            out.copy_(dest.sum(0))
     return out
 
 
@@ -132,6 +147,7 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(
         quantize=triton.jit(_quantize_kernel),
         matmul=triton.jit(_matmul_kernel, do_not_specialize=["M", "stride_am", "stride_cm",
+                                                            "split_stride",
                                                             "stride_asm"]))
 
 
@@ -161,13 +177,18 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
 
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
                    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-                   stride_asm, stride_ask, stride_bsn, stride_bsk,
+                   stride_asm, stride_ask, stride_bsn, stride_bsk, split_stride,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SCALE_ROWS: tl.constexpr):
+                   SCALE_ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Program (m tile, n tile): C[m, n] = sum over K steps of the e4m3 dot of A's and B's
     BLOCK_K columns times A's per-row and B's per-(row block) scales of that step."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)  # the K split: steps [kb_start, kb_end) of this program
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    kb_start = pid_s * per_split
+    kb_end = tl.minimum(kb_start + per_split, steps)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     rk = tl.arange(0, BLOCK_K)  # [BK]
@@ -177,7 +198,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
     a_scale = as_ptr + rm.to(tl.int64) * stride_asm  # [BM]
     b_scale = bs_ptr + (rn // SCALE_ROWS) * stride_bsn  # [BN]: one scale row per SCALE_ROWS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb_start, kb_end):
         k = kb * BLOCK_K + rk
         k_ok = k < K
         a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :],
@@ -187,5 +208,6 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
         s_a = tl.load(a_scale + kb * stride_ask, mask=m_ok, other=0.0)  # [BM]
         s_b = tl.load(b_scale + kb * stride_bsk, mask=n_ok, other=0.0)  # [BN]
         acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
-    c = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn.to(tl.int64)[None, :] * stride_cn
+    c = (c_ptr + pid_s.to(tl.int64) * split_stride + rm.to(tl.int64)[:, None] * stride_cm
+         + rn.to(tl.int64)[None, :] * stride_cn)
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -14,12 +14,15 @@ FP4 tensor cores; the dot runs in x's dtype with an fp32 accumulator).
            scale float [N, ceil(K / group)]:   W[n, k] = (nibble - 8) * scale[n, k // group],
            computed in fp32, then cast to x's dtype
 
-One BLOCK_M x BLOCK_N output tile a program; the K loop steps BLOCK_K (a multiple of the group)
-columns: the step's packed [BLOCK_K / 2 or / 8, BLOCK_N] bytes or words, each shifted by every
-nibble's offset at once ([.., 2 or 8, BLOCK_N]) and masked, reshaped to the [BLOCK_K, BLOCK_N]
-nibble tile; the [BLOCK_K / group, BLOCK_N] scales broadcast along the group the same way; the
-product cast to x's dtype and dotted with x's [BLOCK_M, BLOCK_K] tile (fp32 x: IEEE fp32 dot,
-no TF32). The bias is added to the fp32 accumulator; one rounding to x's dtype at the store.
+One BLOCK_M x BLOCK_N output tile a program (and a K split: with SPLIT_K > 1, the default for small
+T on CUDA, each of SPLIT_K programs of a tile sums its share of K's steps into an fp32 plane [S, T,
+N], the planes then added in order and the bias after: decode has too few tiles to fill the SMs
+otherwise); the K loop steps BLOCK_K (a multiple of the group) columns: the step's packed [BLOCK_K /
+2 or / 8, BLOCK_N] bytes or words, each shifted by every nibble's offset at once ([.., 2 or 8,
+BLOCK_N]) and masked, reshaped to the [BLOCK_K, BLOCK_N] nibble tile; the [BLOCK_K / group, BLOCK_N]
+scales broadcast along the group the same way; the product cast to x's dtype and dotted with x's
+[BLOCK_M, BLOCK_K] tile (fp32 x: IEEE fp32 dot, no TF32). The bias is added to the fp32 accumulator;
+one rounding to x's dtype at the store.
 
 NVFP4's e4m3 scales are read as their bytes (`scale.view(torch.uint8)`) and decoded by bit
 arithmetic in the kernel (NaN codes 0x7F / 0xFF give NaN, as torch's cast does). Measured under
@@ -42,14 +45,14 @@ from typing import Any
 
 import torch
 
-from moeserve.kernels.triton_common import require_triton_device
+from moeserve.kernels.triton_common import num_sms, require_triton_device, split_k_for
 from moeserve.quant.fp8_block import E4M3
 from moeserve.quant.int4_pack import PER_WORD
 from moeserve.quant.nvfp4 import GROUP as NVFP4_GROUP
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels read it as a global
 FORMATS = ("nvfp4", "int4")
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K")
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -75,26 +78,40 @@ def w4a16_linear_triton(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale:
     _check_x(x, k, n, bias, (qweight, scale, global_scale))
     rows = x.reshape(-1, k)  # [T, K]
     t = rows.shape[0]
-    cfg = _resolve_config(t, group, config)
+    cfg = _resolve_config(t, n, k, group, x.device, config)
+    split = cfg["SPLIT_K"]
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)  # [T, N]
     if t and n:
         nvfp4 = fmt == "nvfp4"
         s = scale.view(torch.uint8) if nvfp4 else scale  # nvfp4: e4m3 bytes [N, K / 16]
         g = global_scale if nvfp4 else s  # [N] fp32 (int4: unused, any pointer)
         b = bias if bias is not None else out  # [N] (unused without HAS_BIAS)
-        grid = (math.ceil(t / cfg["BLOCK_M"]), math.ceil(n / cfg["BLOCK_N"]))
+        # split-K: each split's fp32 partial sums [S, T, N], added in a fixed order after
+        dest = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32,
+                                                  device=x.device)
+        grid = (math.ceil(t / cfg["BLOCK_M"]), math.ceil(n / cfg["BLOCK_N"]), split)
         _kernels().w4a16[grid](
-            rows, qweight, s, g, b, out, t, n, k,
+            rows, qweight, s, g, b, dest, t, n, k,
             rows.stride(0), rows.stride(1), qweight.stride(0), qweight.stride(1),
-            s.stride(0), s.stride(1), g.stride(0), b.stride(0), out.stride(0), out.stride(1),
-            NVFP4=nvfp4, GROUP=group, HAS_BIAS=bias is not None,
+            s.stride(0), s.stride(1), g.stride(0), b.stride(0), dest.stride(-2),
+            dest.stride(-1), t * n,
+            NVFP4=nvfp4, GROUP=group, HAS_BIAS=bias is not None and split == 1,
             IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+        if split > 1:
+            total = dest.sum(0)  # [T, N] fp32
+            if bias is not None:
+                total += bias.float()
+            out.copy_(total)
     return out.reshape(*x.shape[:-1], n)
 
 
-def _default_config(t: int, group: int) -> dict[str, int]:
-    """The tile for T tokens: decode-sized M tiles for small T (the weight read dominates).
+def _default_config(t: int, n: int, k: int, group: int, device: torch.device) -> dict[str, int]:
+    """The tile for T tokens: decode-sized M tiles for small T (the weight read dominates), and
+    for small T on CUDA a split of K (SPLIT_K, each split at least 4 steps) that brings the
+    programs to about two per SM: at T 16, N 2,048 and BLOCK_N 64 there are 32 tiles, a quarter
+    of an H200's 132 SMs, each reading all of K alone.
 
     NOTE: untuned. Measured once on an H200 (bf16, N 4096, K 7168): these run decode in 192 us
     (nvfp4) / 104 us (int4), T 512 in 588 / 316 us; the best of a small sweep was about 2x
@@ -103,14 +120,21 @@ def _default_config(t: int, group: int) -> dict[str, int]:
     """
     bk = max(128, group)
     if t <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=4)
-    if t <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3)
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=4)
+    elif t <= 64:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=bk, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3)
+    cfg["SPLIT_K"] = 1
+    if device.type == "cuda" and t <= 64:
+        tiles = math.ceil(t / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"])
+        cfg["SPLIT_K"] = split_k_for(tiles, math.ceil(k / bk), num_sms(device))
+    return cfg
 
 
-def _resolve_config(t: int, group: int, config: dict[str, int] | None) -> dict[str, int]:
-    cfg = _default_config(t, group)
+def _resolve_config(t: int, n: int, k: int, group: int, device: torch.device,
+                    config: dict[str, int] | None) -> dict[str, int]:
+    cfg = _default_config(t, n, k, group, device)
     if config is None:
         return cfg
     unknown = sorted(set(config) - set(CONFIG_KEYS))
@@ -126,6 +150,8 @@ def _resolve_config(t: int, group: int, config: dict[str, int] | None) -> dict[s
     _need(isinstance(w, int) and w >= 1 and w & (w - 1) == 0,
           f"config num_warps must be a power of two, got {w}")
     _need(isinstance(s, int) and s >= 1, f"config num_stages must be >= 1, got {s}")
+    split = cfg["SPLIT_K"]
+    _need(isinstance(split, int) and split >= 1, f"config SPLIT_K must be >= 1, got {split}")
     return cfg
 
 
@@ -197,7 +223,7 @@ def _kernels() -> SimpleNamespace:
     _e4m3_to_f32 = triton.jit(_e4m3_to_f32)
     # the token count changes every step: no variant per value
     return SimpleNamespace(w4a16=triton.jit(
-        _w4a16_kernel, do_not_specialize=["M", "stride_xm", "stride_om"]))
+        _w4a16_kernel, do_not_specialize=["M", "stride_xm", "stride_om", "split_stride"]))
 
 
 # ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ---
@@ -224,15 +250,22 @@ def _e4m3_to_f32(byte):
 
 def _w4a16_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K,
                   stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sk,
-                  stride_g, stride_bias, stride_om, stride_on,
+                  stride_g, stride_bias, stride_om, stride_on, split_stride,
                   NVFP4: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """Program (m tile, n tile): out[m, n] = sum over K steps of x's [BM, BK] tile dotted with
-    the dequantized [BK, BN] weight tile (module docstring), then the epilogue."""
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Program (m tile, n tile, split): out[m, n] = sum over the split's K steps of x's
+    [BM, BK] tile dotted with the dequantized [BK, BN] weight tile (module docstring), then the
+    epilogue; with SPLIT_K > 1 the fp32 partial goes to its split's plane of out (split_stride
+    apart), summed on the host side after."""
     GROUPS_PER_STEP: tl.constexpr = BLOCK_K // GROUP
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    kb_start = pid_s * per_split
+    kb_end = tl.minimum(kb_start + per_split, steps)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     rk = tl.arange(0, BLOCK_K)  # [BK]
@@ -242,7 +275,7 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K,
     q_cols = q_ptr + rn.to(tl.int64)[None, :] * stride_qn  # [1, BN]
     s_cols = s_ptr + rn.to(tl.int64)[None, :] * stride_sn  # [1, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb_start, kb_end):
         k = kb * BLOCK_K + rk  # [BK]
         k_ok = k < K
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :],
@@ -279,5 +312,6 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K,
         acc *= tl.load(g_ptr + rn * stride_g, mask=n_ok, other=0.0)[None, :]  # [1, BN]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn.to(tl.int64)[None, :] * stride_on
+    out = (out_ptr + pid_s.to(tl.int64) * split_stride + rm.to(tl.int64)[:, None] * stride_om
+           + rn.to(tl.int64)[None, :] * stride_on)
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
