@@ -43,11 +43,13 @@ def test_the_flag_is_listed_and_parses(capsys: pytest.CaptureFixture) -> None:
 
 
 def fake_core(moe_tiles: str, **cfg: object) -> SimpleNamespace:
-    """What `EngineCore._ensure_moe_tuned` reads: the config, the MoE shape, the dtype."""
+    """What `EngineCore._ensure_moe_tuned` reads: the config, the MoE shape, the dtype, the
+    model's MoE blocks (none here: their weights are not quantized)."""
     mc = SimpleNamespace(num_experts=8, hidden_size=32, moe_intermediate_size=16,
                          num_experts_per_tok=2)
+    runner = SimpleNamespace(dtype=torch.float16, model=SimpleNamespace(moe_blocks=list))
     return SimpleNamespace(cfg=EngineConfig(moe_backend="measured", moe_tiles=moe_tiles, **cfg),
-                           model_config=mc, runner=SimpleNamespace(dtype=torch.float16),
+                           model_config=mc, runner=runner,
                            _moe_shape=lambda: (8, 32, 16))  # the rank's (experts, hidden, width)
 
 
