@@ -341,13 +341,13 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
         s_a = a  # fp8: the rows' scales of this 128-group, [BM]
         if FORMAT == 0:
             s_a = tl.load(as_ptr + a_rows * stride_asm + k0 // BLOCK_K, mask=row_ok, other=0.0)
-        acc = _b_step(acc, a, s_a, b_base, s_base, g_base, rows, kk, k_ok, k0, stride_bn,
+        acc = _b_step(acc, a, s_a, b_base, s_base, g_base, rows, kk, k_ok, k0, K, stride_bn,
                       stride_bk, stride_sn, stride_sk, stride_gn, FORMAT, GROUP, SCALE_ROWS,
-                      EVEN_K, DOT_PRECISION, BLOCK_K)
+                      EVEN_K, DOT_PRECISION, BLOCK_N, BLOCK_K)
         if GATED:  # the up rows N + n: their own scales (and global scales)
             acc_up = _b_step(acc_up, a, s_a, b_base, s_base, g_base, rows + N, kk, k_ok, k0,
-                             stride_bn, stride_bk, stride_sn, stride_sk, stride_gn, FORMAT,
-                             GROUP, SCALE_ROWS, EVEN_K, DOT_PRECISION, BLOCK_K)
+                             K, stride_bn, stride_bk, stride_sn, stride_sk, stride_gn, FORMAT,
+                             GROUP, SCALE_ROWS, EVEN_K, DOT_PRECISION, BLOCK_N, BLOCK_K)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     else:
@@ -356,10 +356,10 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
 
-def _b_step(acc, a, s_a, b_base, s_base, g_base, rows, kk, k_ok, k0, stride_bn, stride_bk,
+def _b_step(acc, a, s_a, b_base, s_base, g_base, rows, kk, k_ok, k0, K, stride_bn, stride_bk,
             stride_sn, stride_sk, stride_gn, FORMAT: tl.constexpr, GROUP: tl.constexpr,
             SCALE_ROWS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            BLOCK_K: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BM, BN] + a [BM, BK] @ the [BK, BN] tile of weight rows `rows` at columns kk,
     dequantized per FORMAT (0 fp8, 1 nvfp4, 2 int4; the module docstring)."""
     rows = rows.to(tl.int64)
@@ -368,21 +368,28 @@ def _b_step(acc, a, s_a, b_base, s_base, g_base, rows, kk, k_ok, k0, stride_bn, 
         s_b = tl.load(s_base + (rows // SCALE_ROWS) * stride_sn + (k0 // BLOCK_K) * stride_sk)
         acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
     else:
-        scales = _load_k(s_base + rows[None, :] * stride_sn + (kk // GROUP)[:, None] * stride_sk,
-                         k_ok, EVEN_K)  # [BK, BN]: e4m3 bits (nvfp4) or the scale dtype
-        if FORMAT == 1:  # bytes of two e2m1 nibbles, element 2j low
-            byte = _load_k(b_base + rows[None, :] * stride_bn + (kk // 2)[:, None] * stride_bk,
-                           k_ok, EVEN_K).to(tl.int32)
-            nibble = (byte >> ((kk % 2) * 4)[:, None]) & 0xF
+        # each packed byte / word and each group scale loaded once: [BK / P, BN] and
+        # [BK / G, BN], spread to the [BK, BN] tile in registers (P nibbles a byte or word)
+        PER: tl.constexpr = 2 if FORMAT == 1 else 8
+        kp = k0 // PER + tl.arange(0, BLOCK_K // PER)  # [BK / P] packed columns
+        kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [BK / G] scale columns
+        kp_ok, kg_ok = kp * PER < K, kg * GROUP < K  # past K: 0 (x's columns there are 0)
+        packed = _load_k(b_base + rows[None, :] * stride_bn + kp[:, None] * stride_bk, kp_ok,
+                         EVEN_K).to(tl.int32)  # [BK / P, BN]
+        nib = (packed[:, None, :] >> (tl.arange(0, PER) * 4)[None, :, None]) & 0xF
+        nib = tl.reshape(nib, (BLOCK_K, BLOCK_N))  # [BK, BN]: element P j + i at nibble i
+        scales = _load_k(s_base + rows[None, :] * stride_sn + kg[:, None] * stride_sk, kg_ok,
+                         EVEN_K)  # [BK / G, BN]: e4m3 bits (nvfp4) or the scale dtype
+        if FORMAT == 1:  # the reference's ops: e2m1 * (scale * global_scale), fp32
             glob = tl.load(g_base + rows * stride_gn)  # [BN] fp32
-            # the reference's ops: e2m1 * (scale * global_scale), fp32
-            w = _e2m1_to_f32(nibble) * (_e4m3_to_f32(scales.to(tl.int32)) * glob[None, :])
-        else:  # int32 words of 8 nibbles, element i at bits 4 (i % 8), stored as q + 8
-            word = _load_k(b_base + rows[None, :] * stride_bn + (kk // 8)[:, None] * stride_bk,
-                           k_ok, EVEN_K)
-            q = ((word >> ((kk % 8) * 4)[:, None]) & 0xF) - 8
-            w = q.to(tl.float32) * scales.to(tl.float32)
-        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+            step = _e4m3_to_f32(scales.to(tl.int32)) * glob[None, :]  # [BK / G, BN]
+            w_val = _e2m1_to_f32(nib)
+        else:  # int32 words of 8 nibbles, stored as q + 8
+            step = scales.to(tl.float32)
+            w_val = (nib - 8).to(tl.float32)
+        step = tl.reshape(tl.broadcast_to(step[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N)),
+                          (BLOCK_K, BLOCK_N))  # [BK, BN]: each scale over its group's rows
+        acc = tl.dot(a, (w_val * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
     return acc
 
 
