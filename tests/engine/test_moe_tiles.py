@@ -47,7 +47,9 @@ def fake_core(moe_tiles: str, **cfg: object) -> SimpleNamespace:
     mc = SimpleNamespace(num_experts=8, hidden_size=32, moe_intermediate_size=16,
                          num_experts_per_tok=2)
     return SimpleNamespace(cfg=EngineConfig(moe_backend="measured", moe_tiles=moe_tiles, **cfg),
-                           model_config=mc, runner=SimpleNamespace(dtype=torch.float16),
+                           model_config=mc,
+                           runner=SimpleNamespace(dtype=torch.float16,  # bf16-style experts
+                                                  model=SimpleNamespace(moe_blocks=lambda: [])),
                            _moe_shape=lambda: (8, 32, 16))  # the rank's (experts, hidden, width)
 
 
