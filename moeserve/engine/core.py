@@ -107,8 +107,7 @@ class EngineCore:
             resolved=resolved, phase_seconds=phases, cuda_graphs=graphs_state,
             moe_tune=moe_tune, cpu_threads=cpu_threads, torch_threads=torch_threads,
             usable_cores=cores,
-            moe_configs=_moe_configs(self.cfg, self.model_config, self.runner.dtype,
-                                     tile_device_name(device), self._moe_shape()),
+            moe_configs=self._report_moe_configs(device),
             parallel=self._parallel_line(plan),
             kv_layout=self.runner.kv_layout(),
             mtp=self.runner.mtp_note, dsa=_dsa_line(self.cfg, self.model_config),
@@ -145,6 +144,18 @@ class EngineCore:
             return None
         return (blocks[0].num_local_experts, self.model_config.hidden_size,
                 blocks[0].w2.shape[-1])
+
+    def _report_moe_configs(self, device: torch.device) -> dict[str, dict]:
+        """The capacity report's MoE tiles: the bf16 kernel's (`_moe_configs`), or for quantized
+        experts on CUDA those of the fused quantized MoE (`_quant_moe_configs`)."""
+        blocks = self.runner.model.moe_blocks()
+        if blocks and isinstance(blocks[0].w13, QuantWeight):
+            if device.type != "cuda" or not self.model_config.num_experts:
+                return {}  # the torch reference runs them: no tiles
+            return _quant_moe_configs(self.cfg, self.model_config, blocks[0], self.runner.dtype,
+                                      tile_device_name(device))
+        return _moe_configs(self.cfg, self.model_config, self.runner.dtype,
+                            tile_device_name(device), self._moe_shape())
 
     def _parallel_line(self, plan) -> str:
         """The capacity report's layout line: the split, and what each rank holds."""
@@ -196,8 +207,7 @@ class EngineCore:
             return ""
         blocks = self.runner.model.moe_blocks()
         if blocks and isinstance(blocks[0].w13, QuantWeight):
-            return (f"not tuned: {blocks[0].w13.format} experts run the fused quantized MoE "
-                    "with its in-code default tiles (kernels/moe/fused_quant_triton.py)")
+            return _ensure_quant_moe_tuned(self.cfg, mc, blocks[0], self.runner.dtype, device)
         if self.cfg.moe_tiles == "default":
             return ("not tuned: moe_tiles=default (the in-code default tiles at every batch "
                     "size, no tuned file read)")
@@ -349,6 +359,34 @@ def _dsa_line(cfg: EngineConfig, mc: ModelConfig) -> str:
             "yet)")
 
 
+def _ensure_quant_moe_tuned(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.Module,
+                            dtype: torch.dtype, device: torch.device) -> str:
+    """`_ensure_moe_tuned` for quantized experts (the fused quantized MoE's tiles, per format:
+    kernels/moe/quant_tune.py), on the block's own weights; the capacity report's line."""
+    w13 = block.w13
+    fmt, group = w13.format, max(w13.group, block.w2.group)
+    if cfg.moe_tiles == "default":
+        return (f"not tuned: moe_tiles=default ({fmt} experts: the fused quantized MoE's "
+                "in-code default tiles at every batch size, no tuned file read)")
+    if device.type != "cuda":
+        return ""  # the torch reference runs the quantized experts: no tiles
+    from moeserve.kernels.moe.quant_configs import find_quant_tuned
+    from moeserve.kernels.moe.quant_tune import ensure_quant_tuned
+
+    shape = (fmt, block.num_local_experts, mc.hidden_size, block.w2.shape[-1],
+             mc.num_experts_per_tok, group, dtype)
+    if cfg.moe_tune_budget_s == 0:
+        found = find_quant_tuned(*shape, tile_device_name(device))
+        return (f"not tuned at start-up (moe_tune_budget_s=0; {fmt} experts): "
+                + (f"using {found[0]}" if found else "default tiles"))
+    outcome = ensure_quant_tuned(*shape, cfg.scheduler.max_num_batched_tokens,
+                                 time_budget_s=cfg.moe_tune_budget_s,
+                                 weights=(block.w13, block.w2),
+                                 device_name=tile_device_name(device))
+    torch.cuda.empty_cache()
+    return f"{fmt} experts: {outcome.detail} ({outcome.source}, {outcome.seconds:.1f}s)"
+
+
 def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
                  device_name: str, shape: tuple[int, int, int] | None) -> dict[str, dict]:
     """The fused-MoE tile config at a few batch sizes, and whether each was tuned (report),
@@ -368,6 +406,25 @@ def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
                      "source": c.source,
                      "backend": c.backend if measured else "triton",
                      "tuned_tokens": c.tuned_tokens}
+            for n, c in choices.items()}
+
+
+def _quant_moe_configs(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.Module,
+                       dtype: torch.dtype, device_name: str) -> dict[str, dict]:
+    """`_moe_configs` for quantized experts: the fused quantized MoE's tiles at a few batch
+    sizes (quant_configs.get_quant_config with the engine's moe_tiles); backend "triton"
+    everywhere (the quantized experts have no other), "format" the weights'."""
+    from moeserve.kernels.moe.quant_configs import get_quant_config
+    from moeserve.kernels.moe.tile_configs import config_key
+
+    fmt, group = block.w13.format, max(block.w13.group, block.w2.group)
+    sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
+    choices = {n: get_quant_config(fmt, block.num_local_experts, mc.hidden_size,
+                                   block.w2.shape[-1], mc.num_experts_per_tok, group, dtype, n,
+                                   device_name, tiles=cfg.moe_tiles) for n in sizes}
+    return {str(n): {"config": c.config, "tiles": config_key(c.config), "tuned": c.tuned,
+                     "source": c.source, "backend": "triton", "tuned_tokens": c.tuned_tokens,
+                     "format": fmt}
             for n, c in choices.items()}
 
 

@@ -16,7 +16,8 @@ imports triton.
 
 The MoE tile source (the engine's `moe_tiles`) is bound here too, into the backends that read
 tile configs (TILED_MOE_BACKENDS): `get_moe_backend("triton", tiles="default")` is moe_triton
-with `tiles="default"` on every call, so no layer looks a global up.
+with `tiles="default"` on every call, so no layer looks a global up; `moe_tile_source` reads it
+back for the quantized experts' own kernel.
 """
 
 from __future__ import annotations
@@ -116,6 +117,13 @@ def get_moe_backend(name: str, tiles: str = "tuned") -> MoeFn:
     if tiles == "tuned" or name not in TILED_MOE_BACKENDS:
         return fn
     return functools.partial(fn, tiles=tiles)
+
+
+def moe_tile_source(backend: MoeFn) -> str:
+    """The tile source `get_moe_backend` bound into `backend` ("tuned" unless bound to another):
+    quantized experts, which run their own kernel whatever the backend, follow it."""
+    keywords = getattr(backend, "keywords", None) or {}
+    return keywords.get("tiles", "tuned")
 
 
 def get_attention_backend(name: str) -> AttentionFn:

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels.moe.quantized import moe_quantized
+from moeserve.kernels.registry import moe_tile_source
 from moeserve.kernels.routing.select import (
     select_experts,
     select_experts_grouped,
@@ -77,6 +78,7 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = config.norm_topk_prob
         self.router = config.router
         self.backend = moe_backend
+        self.tiles = moe_tile_source(moe_backend)  # the quantized experts' tile source
         self.gate = empty_param(e, h, dtype=dtype, device=device)  # router, [E, hidden]
         self.correction_bias = (empty_param(e, dtype=torch.float32, device=device)
                                 if config.router.correction_bias else None)  # [E] fp32
@@ -144,5 +146,6 @@ class SparseMoeBlock(nn.Module):
             held = (local >= 0) & (local < self.num_local_experts)
             topk_ids = torch.where(held, local, torch.full_like(local, -1))
         if isinstance(self.w13, QuantWeight):
-            return moe_quantized(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)
+            return moe_quantized(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce,
+                                 tiles=self.tiles)
         return self.backend(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)

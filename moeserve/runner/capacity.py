@@ -34,7 +34,8 @@ class CapacityReport:
     torch_threads: int = 0  # torch's CPU threads in the engine process (0: not reported)
     usable_cores: int = 0  # the cores the engine process may run on (its CPU affinity)
     # tokens -> {"config" (tile config, "down" included when split), "tiles" (its name),
-    #            "tuned", "source", "backend", "tuned_tokens"} (EngineCore._moe_configs)
+    #            "tuned", "source", "backend", "tuned_tokens"[, "format": quantized experts']}
+    #            (EngineCore._moe_configs / _quant_moe_configs)
     moe_configs: dict[str, dict] = field(default_factory=dict)
     kv_layout: str = ""  # what one token costs in the cache, per layer (GQA K/V or MLA latent)
     mtp: str = ""  # the checkpoint's layers not run (MTP, an hf_overrides slice), or ""
@@ -111,6 +112,9 @@ class CapacityReport:
             state = ("default tiles (moe_tiles=default)"
                      if self.engine_config.moe_tiles == "default" else
                      "tuned" if tuned else "NOT tuned (defaults)")
+            formats = sorted({c["format"] for c in self.moe_configs.values() if "format" in c})
+            if formats:  # quantized experts: the fused quantized MoE's tiles (quant_configs)
+                state += f" ({', '.join(formats)} experts, the fused quantized MoE)"
             rows.append(("MoE tile configs", f"{state}: {', '.join(sources)}"))
             picks = ", ".join(f"{n}: {c['backend']}" for n, c in self.moe_configs.items())
             rows.append(("MoE backend by tokens", picks))

@@ -31,10 +31,12 @@ folded into the tile, not the epilogue: one more multiply per element, but the r
 single rounding of e2m1 * (scale * global_scale), and gate and up rows (whose global scales
 differ) need nothing special.
 
-Tiles: `default_quant_config` (BLOCK_M 16/32/64 by the pairs per expert) or a `config` of
-tile_configs.CONFIG_KEYS, one for both launches; BLOCK_K a multiple of the group (nvfp4, int4)
-or exactly 128 (fp8). No host sync: the launches' shapes depend on shapes only, so the op can be
-captured in a CUDA graph. triton is imported on first use (`_kernel`).
+Tiles: a `config` of tile_configs.CONFIG_KEYS, one for both launches, else the lookup of
+quant_configs.py (a tuned file of quant_tune.py, nearest token count; or, untuned or with
+tiles "default", `default_quant_config`: BLOCK_M 16/32/64 by the pairs per expert); BLOCK_K a
+multiple of the group (nvfp4, int4) or exactly 128 (fp8). No host sync: the launches' shapes
+depend on shapes only, so the op can be captured in a CUDA graph. triton is imported on first
+use (`_kernel`).
 
 NOTE (CPU, Triton's interpreter): its fp32 -> e4m3 cast is wrong (fp8_block_triton.py), so on
 CPU the activations are quantized with the torch reference (on CUDA with
@@ -53,8 +55,9 @@ import torch
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
+from moeserve.kernels.moe.quant_configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.quant_ref import weight_layout
-from moeserve.kernels.moe.tile_configs import OPTION_KEYS, check_config, tile_config
+from moeserve.kernels.moe.tile_configs import check_tile_source, tile_device_name
 from moeserve.kernels.triton_common import require_triton_device
 from moeserve.quant.fp8_block import E4M3, quantize_activations
 from moeserve.quant.packed import FP8_GROUP, packed_columns
@@ -67,7 +70,7 @@ tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
 
 def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, config: dict | None = None,
-                     reduce: bool = True) -> torch.Tensor:
+                     tiles: str = "tuned", reduce: bool = True) -> torch.Tensor:
     """Routed experts over quantized weights in two launches (see the module docstring).
 
     Args:
@@ -79,20 +82,25 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
         topk_ids: [T, k] integer expert ids in [0, E) (not checked: that would sync), or -1:
             not on this rank (never computed; its part row is 0).
         config: tiles, the keys of tile_configs.CONFIG_KEYS (one set for both launches);
-            default `default_quant_config`.
+            default: `quant_configs.get_quant_config` with `tiles`.
+        tiles: where a looked-up config comes from (tile_configs.TILE_SOURCES): "tuned" (the
+            nearest token count of a tuned file for this device, format and shape, else the
+            default) or "default" (`default_quant_config`, no file read).
         reduce: False returns the k weighted parts [T, k, H] (summing over dim 1 to the result).
     Returns:
         [T, H] in x's dtype ([T, k, H] with reduce False).
     """
+    check_tile_source(tiles)
     fmt, (group13, rows13), (group2, rows2) = _check_inputs(x, w13, w2, topk_weights, topk_ids)
     num_tokens, hidden = x.shape
     num_experts, inter, top_k = w13.shape[0], w2.shape[-1], topk_ids.shape[1]
     if num_tokens == 0:
         return x.new_empty(0, hidden) if reduce else x.new_empty(0, top_k, hidden)
-    if config is None:
-        config = default_quant_config(fmt, num_tokens, top_k, num_experts,
-                                      max(group13, group2))
-    _check_config(config, fmt, (group13, group2))
+    if config is None:  # host-side lookups only (cached files): no sync, graph-capturable
+        config = get_quant_config(fmt, num_experts, hidden, inter, top_k, max(group13, group2),
+                                  x.dtype, num_tokens, tile_device_name(x.device),
+                                  tiles=tiles).config
+    check_quant_config(config, fmt, (group13, group2))
     # the grid covers every block; those past the used ones (expert -1) return at once, so
     # num_tokens_post_padded is not read
     sorted_ids, expert_ids, _ = moe_align_block_size_triton(topk_ids, num_experts,
@@ -111,19 +119,6 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
     if not reduce:
         return out
     return out.view(num_tokens, hidden) if top_k == 1 else out.sum(dim=1)
-
-
-def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int,
-                         group: int) -> dict[str, int]:
-    """In-code tiles by the pairs per expert: BLOCK_M 16 / 32 / 64, BLOCK_N 64 then 128,
-    BLOCK_K 128 (fp8) or 64 and at least the group (nvfp4, int4)."""
-    per_expert = num_tokens * top_k / max(num_experts, 1)
-    block_k = 128 if fmt == "fp8" else max(64, group)
-    if per_expert <= 16:  # decode: a handful of rows per expert
-        return tile_config(16, 64, block_k, 1, 4, 3)
-    if per_expert <= 48:
-        return tile_config(32, 64, block_k, 8, 4, 3)
-    return tile_config(64, 128, block_k, 8, 4, 3)
 
 
 def _activations(a: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -212,24 +207,6 @@ def _kernel() -> Any:
                   GATED, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
     return _fused_moe_quant_kernel
-
-
-def _check_config(config: dict, fmt: str, groups: tuple[int, int]) -> None:
-    """tile_configs.check_config's rules, no launch options, and BLOCK_K: 128 for fp8 (one
-    scale column a K step), a multiple of both weights' groups for nvfp4 / int4."""
-    what = "moe_quant_triton config"
-    check_config(config, what)
-    extra = sorted(k for k in ("down", *OPTION_KEYS) if config.get(k))
-    if extra:
-        raise ValueError(f"{what}: {extra} are not supported (one set of CONFIG_KEYS tiles for "
-                         f"both launches): {config!r}")
-    block_k = config["BLOCK_K"]
-    if fmt == "fp8" and block_k != FP8_GROUP:
-        raise ValueError(f"{what}: fp8 needs BLOCK_K {FP8_GROUP} (one scale column a step), "
-                         f"got {block_k}")
-    if fmt != "fp8" and any(block_k % g for g in groups):
-        raise ValueError(f"{what}: BLOCK_K {block_k} must be a multiple of the {fmt} groups "
-                         f"{sorted(set(groups))}")
 
 
 def _check_inputs(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor,

@@ -5,8 +5,9 @@
                against activations quantized per token and 128-group (fp8, W8A8)
     elsewhere  quant_ref.moe_quant_ref: the same arithmetic in torch, expert by expert
 
-Same contract as the bf16 backends (kernels/registry.py's MoeFn): ids of -1 add nothing,
-reduce=False returns [T, S, hidden] parts.
+The CUDA op's tiles: tuned per format and shape (quant_tune.py, looked up by quant_configs.py),
+or with tiles "default" its in-code defaults. Same contract as the bf16 backends
+(kernels/registry.py's MoeFn): ids of -1 add nothing, reduce=False returns [T, S, hidden] parts.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from moeserve.quant.packed import QuantWeight
 
 def moe_quantized(x: torch.Tensor, w13: QuantWeight, w2: QuantWeight,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  reduce: bool = True) -> torch.Tensor:
+                  reduce: bool = True, tiles: str = "tuned") -> torch.Tensor:
+    """tiles: the CUDA kernel's tile source (tile_configs.TILE_SOURCES, the engine's
+    moe_tiles); the reference has no tiles."""
     if w13.format != w2.format:
         raise ValueError(f"w13 is {w13.format} but w2 is {w2.format}")
     if x.is_cuda:
         from moeserve.kernels.moe.fused_quant_triton import moe_quant_triton
 
-        return moe_quant_triton(x, w13, w2, topk_weights, topk_ids, reduce=reduce)
+        return moe_quant_triton(x, w13, w2, topk_weights, topk_ids, tiles=tiles, reduce=reduce)
     from moeserve.kernels.moe.quant_ref import moe_quant_ref
 
     return moe_quant_ref(x, w13, w2, topk_weights, topk_ids, reduce=reduce)

@@ -320,7 +320,7 @@ def find_tuned(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
     shape, or None. An entry holds CONFIG_KEYS and "backend" (plus "down", "ms",
     "grouped_mm_ms" when recorded)."""
     name = config_file_name(num_experts, hidden, inter, dtype, device_name)
-    for directory in _config_dirs():
+    for directory in config_dirs():
         path = str(directory / name)
         table = _load_tuned(path)
         if table:
@@ -353,7 +353,9 @@ def tile_config(block_m: int, block_n: int, block_k: int, group_m: int, warps: i
     return dict(zip(CONFIG_KEYS, (block_m, block_n, block_k, group_m, warps, stages)))
 
 
-def _config_dirs() -> list[Path]:
+def config_dirs() -> list[Path]:
+    """The folders a lookup searches, in order: $MOESERVE_MOE_CONFIG_DIR (if set), the package's
+    committed configs, the user cache (the quantized tuner's files live in the same ones)."""
     extra = envs.moe_config_dir()
     user = Path(envs.cache_dir()) / "moe_configs"
     return ([Path(extra)] if extra else []) + [PACKAGE_CONFIG_DIR, user]

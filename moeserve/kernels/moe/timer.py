@@ -1,7 +1,9 @@
-"""How the MoE tuner times a candidate: `time_in_graph` (calls captured in one CUDA graph, a
-few replays, the median) and `CudaPartTimer` (each part of `moe_triton` alone on random inputs:
-the align, the gated launch, the down launch, the whole op; and torch._grouped_mm). `moe_tune`
-owns the search and the ledger; this module only measures.
+"""How the MoE tuners time a candidate: `time_in_graph` (calls captured in one CUDA graph, a
+few replays, the median; generic: the quantized tuner, quant_tune.py, uses it too),
+`random_tokens` (the random tokens and routing both tuners time on) and `CudaPartTimer` (each
+part of `moe_triton` alone on random inputs: the align, the gated launch, the down launch, the
+whole op; and torch._grouped_mm). `moe_tune` owns the search and the ledger; this module only
+measures.
 """
 
 from __future__ import annotations
@@ -44,6 +46,19 @@ def time_in_graph(fn: Callable[[], object], calls: int = 10, replays: int = 10) 
     return statistics.median(times)
 
 
+def random_tokens(num_tokens: int, hidden: int, num_experts: int, top_k: int,
+                  dtype: torch.dtype, gen: torch.Generator
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tuner's inputs at num_tokens on gen's device: x [T, H] in dtype (randn), then
+    topk_weights [T, k] fp32 and topk_ids [T, k] of a random router's top-k (renormalized).
+    Shared by the bf16 timer (CudaPartTimer) and the quantized one (quant_tune.QuantTimer)."""
+    from moeserve.kernels.routing.select import select_experts
+
+    x = torch.randn(num_tokens, hidden, device=gen.device, generator=gen).to(dtype)
+    logits = torch.randn(num_tokens, num_experts, device=gen.device, generator=gen)
+    return (x, *select_experts(logits, top_k, renormalize=True))
+
+
 class CudaPartTimer:
     """Times each part (align, one launch, the whole moe_triton) and moe_grouped_mm on the same
     random inputs per token count, with `time_in_graph` (weights built once, or the caller's).
@@ -75,19 +90,16 @@ class CudaPartTimer:
         act [T*k, I] (random: the down launch's input) and out [T*k, H]; kept for one token
         count."""
         if num_tokens not in self._inputs:
-            from moeserve.kernels.routing.select import select_experts
-
             self._inputs.clear()
             self._aligned.clear()
             num_experts, hidden = self.w13.shape[0], self.w13.shape[2]
             inter, pairs = self.w2.shape[2], num_tokens * self.top_k
             device = self.w13.device
-            x = torch.randn(num_tokens, hidden, device=device, generator=self.gen).to(self.dtype)
-            logits = torch.randn(num_tokens, num_experts, device=device, generator=self.gen)
+            routed = random_tokens(num_tokens, hidden, num_experts, self.top_k, self.dtype,
+                                   self.gen)
             act = torch.randn(pairs, inter, device=device, generator=self.gen).to(self.dtype)
             out = torch.empty(pairs, hidden, device=device, dtype=self.dtype)
-            self._inputs[num_tokens] = (x, *select_experts(logits, self.top_k, renormalize=True),
-                                        act, out)
+            self._inputs[num_tokens] = (*routed, act, out)
         return self._inputs[num_tokens]
 
     def __call__(self, part: str, config: dict, num_tokens: int) -> float:

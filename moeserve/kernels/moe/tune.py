@@ -145,7 +145,7 @@ def tune_moe(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch
             trials[key] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
             log(f"tune_moe T={num_tokens} {key}: skipped ({trials[key]})")
         cost.record(key, time.perf_counter() - t_one)
-        _write_atomic(out_path, doc)
+        write_json_atomic(out_path, doc)
         return True
 
     for num_tokens in token_counts:
@@ -200,7 +200,7 @@ def tune_moe(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch
             if baseline < ms:
                 entry["backend"] = "grouped_mm"
         doc["configs"][str(num_tokens)] = entry
-        _write_atomic(out_path, doc)
+        write_json_atomic(out_path, doc)
         timed = [k for k, v in trials.items() if _is_part_key(k) and isinstance(v, float)]
         failed = [k for k, v in trials.items() if _is_part_key(k) and not isinstance(v, float)]
         log(f"tune_moe T={num_tokens}: best {config_key(config)} {ms:.4f} ms (parts "
@@ -310,7 +310,9 @@ def _load_ledger(path: Path, meta: dict) -> dict:
     return doc
 
 
-def _write_atomic(path: Path, doc: dict) -> None:
+def write_json_atomic(path: Path, doc: dict) -> None:
+    """Write doc as JSON to path through a temporary file and os.replace: a kill leaves the old
+    file or the new one, never half of one (the ledgers are written after every timing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:

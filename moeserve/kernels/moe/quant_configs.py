@@ -1,0 +1,233 @@
+"""Tile configs of the quantized fused MoE (`fused_quant_triton.moe_quant_triton`): the in-code
+defaults, the rules a config must keep per format, the tuner's candidate grid and the lookup of
+tuned files.
+
+A config is tile_configs.CONFIG_KEYS (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
+num_stages), one set for both launches, no launch options and no "down" entry. Per format
+(`check_quant_config`): fp8 needs BLOCK_K 128 (one activation / weight scale column a K step);
+nvfp4 and int4 a BLOCK_K that is a multiple of the group (16, or the checkpoint's int4 group).
+
+Tuned configs live beside the bf16 ones (tile_configs.config_dirs: $MOESERVE_MOE_CONFIG_DIR, the
+package's configs/, the user cache), one JSON file per (format, E, H, I, top_k, group, device,
+activation dtype, Triton version), named by `quant_config_file_name`:
+
+    quant=fp8,E=128,H=2048,I=768,k=8,group=128,device_name=NVIDIA_H200,dtype=bfloat16,
+    triton=3.6.0.json   (one name; wrapped here)
+
+    {"meta":    {"device_name", "dtype", "format", "E", "H", "I", "top_k", "group", "triton",
+                 "torch"},
+     "configs": {"<num_tokens>": {CONFIG_KEYS.., "ms": the op's time with these tiles,
+                                  "default_ms": with default_quant_config's}},
+     "trials":  {"<num_tokens>": {"moe:<config key>": ms | "error: ..."}}}   <- the ledger
+
+`get_quant_config` takes the entry whose token count is nearest (ties: the smaller,
+tile_configs.nearest_token_count), else `default_quant_config`; with tiles "default" the default
+at once, no file read. `quant_tune_candidates` is the grid `quant_tune.py` times.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import torch
+
+from moeserve.kernels.moe.tile_configs import (
+    CONFIG_KEYS,
+    OPTION_KEYS,
+    MoeConfigChoice,
+    check_config,
+    check_tile_source,
+    config_dirs,
+    config_key,
+    nearest_token_count,
+    register_cache,
+    tile_config,
+    triton_version,
+)
+from moeserve.quant.packed import FP8_GROUP
+
+QUANT_FORMATS = ("fp8", "nvfp4", "int4")
+MAX_QUANT_CANDIDATES = 24  # per token count, the default included
+# Budgets the grid keeps to (per program): shared memory of the gated launch's pipeline stages,
+# and the fp32 values of one dequantized [BLOCK_K, BLOCK_N] weight tile per thread (W4A16: the
+# nibbles are decoded in registers; past ~128 a thread the tile spills).
+SHARED_MEMORY_BUDGET = 200 * 1024
+DEQUANT_VALUES_PER_THREAD = 128
+
+
+def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int,
+                         group: int) -> dict[str, int]:
+    """In-code tiles by the pairs per expert: BLOCK_M 16 / 32 / 64, BLOCK_N 64 then 128,
+    BLOCK_K 128 (fp8) or 64 and at least the group (nvfp4, int4)."""
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    block_k = FP8_GROUP if fmt == "fp8" else max(64, group)
+    if per_expert <= 16:  # decode: a handful of rows per expert
+        return tile_config(16, 64, block_k, 1, 4, 3)
+    if per_expert <= 48:
+        return tile_config(32, 64, block_k, 8, 4, 3)
+    return tile_config(64, 128, block_k, 8, 4, 3)
+
+
+def check_quant_config(config: dict, fmt: str, groups: tuple[int, ...],
+                       what: str = "moe_quant_triton config") -> None:
+    """tile_configs.check_config's rules, no launch options, and BLOCK_K: 128 for fp8 (one
+    scale column a K step), a multiple of both weights' groups for nvfp4 / int4."""
+    check_config(config, what)
+    extra = sorted(k for k in ("down", *OPTION_KEYS) if config.get(k))
+    if extra:
+        raise ValueError(f"{what}: {extra} are not supported (one set of CONFIG_KEYS tiles for "
+                         f"both launches): {config!r}")
+    block_k = config["BLOCK_K"]
+    if fmt == "fp8" and block_k != FP8_GROUP:
+        raise ValueError(f"{what}: fp8 needs BLOCK_K {FP8_GROUP} (one scale column a step), "
+                         f"got {block_k}")
+    if fmt != "fp8" and any(block_k % g for g in groups):
+        raise ValueError(f"{what}: BLOCK_K {block_k} must be a multiple of the {fmt} groups "
+                         f"{sorted(set(groups))}")
+
+
+def quant_block_ks(fmt: str, group: int) -> list[int]:
+    """The BLOCK_K values the grid tries: 128 for fp8; for nvfp4 / int4 64 and 128 where they
+    are multiples of the group, else the group itself (a group past 128)."""
+    if fmt == "fp8":
+        return [FP8_GROUP]
+    return [k for k in (64, 128) if k % group == 0] or [group]
+
+
+# Per BLOCK_M, (BLOCK_N, num_warps, num_stages), best guesses first: the same lists at every
+# token count, so that each variant compiles once per tune. `quant_tune_candidates` keeps those
+# that fit the budgets above for the format and BLOCK_K.
+_GRID = {
+    16: [(64, 4, 3), (128, 4, 3), (32, 4, 4), (64, 4, 4), (128, 4, 4), (256, 8, 3),
+         (64, 4, 2), (128, 8, 3), (32, 4, 3), (256, 4, 3), (64, 8, 4), (128, 4, 2)],
+    32: [(64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 3), (256, 8, 3), (32, 4, 4),
+         (128, 4, 4), (64, 8, 3), (256, 4, 3), (64, 4, 2), (128, 8, 4), (32, 4, 3)],
+    64: [(128, 4, 3), (64, 4, 3), (128, 8, 3), (256, 8, 3), (64, 4, 4), (128, 4, 4),
+         (256, 8, 2), (64, 8, 3), (128, 8, 4), (32, 4, 4), (128, 4, 2), (64, 4, 2)],
+    128: [(128, 8, 3), (64, 4, 3), (128, 8, 2), (256, 8, 2), (64, 8, 3), (128, 4, 3),
+          (64, 4, 4), (128, 8, 4), (256, 8, 3), (32, 4, 3), (64, 8, 4), (128, 4, 2)],
+}
+
+
+def quant_tune_candidates(fmt: str, num_experts: int, top_k: int, num_tokens: int,
+                          group: int) -> list[dict[str, int]]:
+    """The grid at one token count: `default_quant_config` first, then <= 23 more (at most
+    MAX_QUANT_CANDIDATES in all). BLOCK_M: the one or two of 16 / 32 / 64 / 128 that fit the
+    pairs per expert (<= 2x it; 16 alone in decode), as the bf16 quick grid picks them; BLOCK_K
+    by `quant_block_ks`; GROUP_M 8 when an expert holds more than one row block, else 1. Every
+    candidate keeps `check_quant_config` for the format and the group."""
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}; one of {QUANT_FORMATS}")
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    fitting = [m for m in _GRID if m <= max(16, 2 * per_expert)]
+    block_ms = fitting[-2:]
+    block_ks = quant_block_ks(fmt, group)
+    grid = [default_quant_config(fmt, num_tokens, top_k, num_experts, group)]
+    per_block = -(-(MAX_QUANT_CANDIDATES - 1) // (len(block_ms) * len(block_ks)))
+    for block_m in block_ms:
+        for block_k in block_ks:
+            fits = [c for c in (tile_config(block_m, n, block_k, 8 if per_expert > block_m else 1,
+                                            warps, stages)
+                                for n, warps, stages in _GRID[block_m])
+                    if _fits(fmt, c, group)]
+            grid += fits[:per_block]
+    unique = list({config_key(c): c for c in grid}.values())
+    return unique[:MAX_QUANT_CANDIDATES]
+
+
+def _fits(fmt: str, config: dict[str, int], group: int) -> bool:
+    """The gated launch's pipeline (A tile, gate and up weight tiles and their scales, per stage)
+    within SHARED_MEMORY_BUDGET; W4A16 also its dequantized tile within
+    DEQUANT_VALUES_PER_THREAD fp32 values a thread."""
+    m, n, k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if fmt == "fp8":  # e4m3 A and B
+        stage = m * k + 2 * n * k
+    else:  # 2-byte A; B half a byte a weight, a scale (<= 4 bytes) per group
+        stage = 2 * m * k + 2 * (n * k // 2 + n * max(1, k // group) * 4)
+        if n * k > DEQUANT_VALUES_PER_THREAD * 32 * config["num_warps"]:
+            return False
+    return stage * config["num_stages"] <= SHARED_MEMORY_BUDGET
+
+
+def quant_config_file_name(fmt: str, num_experts: int, hidden: int, inter: int, top_k: int,
+                           group: int, dtype: torch.dtype, device_name: str,
+                           triton: str | None = None) -> str:
+    """quant=fp8,E=128,H=2048,I=768,k=8,group=128,device_name=NVIDIA_H200,dtype=bfloat16,
+    triton=3.6.0.json (tile_configs.config_file_name's style; dtype: the activations')."""
+    device = device_name.replace(" ", "_").replace("/", "_")
+    dtype_name = str(dtype).removeprefix("torch.")
+    return (f"quant={fmt},E={num_experts},H={hidden},I={inter},k={top_k},group={group},"
+            f"device_name={device},dtype={dtype_name},triton={triton or triton_version()}.json")
+
+
+def find_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_k: int,
+                     group: int, dtype: torch.dtype,
+                     device_name: str) -> tuple[str, dict[int, dict]] | None:
+    """(path, {num_tokens: entry}) of the first config folder with a finished entry for this
+    shape and format, or None."""
+    name = quant_config_file_name(fmt, num_experts, hidden, inter, top_k, group, dtype,
+                                  device_name)
+    for directory in config_dirs():
+        path = str(directory / name)
+        table = _load_quant_tuned(path, fmt, group)
+        if table:
+            return path, table
+    return None
+
+
+def get_quant_config(fmt: str, num_experts: int, hidden: int, inter: int, top_k: int,
+                     group: int, dtype: torch.dtype, num_tokens: int, device_name: str,
+                     tiles: str = "tuned") -> MoeConfigChoice:
+    """The tuned entry nearest `num_tokens` for this shape, format and device, else
+    `default_quant_config`; tiles "default": the default at once, no file read. (backend is
+    always "triton": the quantized experts have no other.)"""
+    check_tile_source(tiles)
+    found = (find_quant_tuned(fmt, num_experts, hidden, inter, top_k, group, dtype, device_name)
+             if tiles == "tuned" else None)
+    if found is not None:
+        path, table = found
+        nearest = nearest_token_count(table, num_tokens)
+        config = {k: table[nearest][k] for k in CONFIG_KEYS}
+        return MoeConfigChoice(config, True, path, "triton", nearest)
+    return MoeConfigChoice(default_quant_config(fmt, num_tokens, top_k, num_experts, group),
+                           False, "default")
+
+
+def parse_quant_entry(raw: dict, fmt: str, group: int) -> dict:
+    """A tuned entry as the lookup uses it: the tiles as ints, checked for the format
+    (`check_quant_config`), "ms" / "default_ms" as floats when recorded."""
+    missing = [k for k in CONFIG_KEYS if k not in raw]
+    if missing:
+        raise ValueError(f"tuned quantized MoE entry lacks {missing}: {raw}")
+    entry: dict = {}
+    for key in CONFIG_KEYS:
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+            raise ValueError(f"tuned quantized MoE entry {key} must be an integer, got {value!r}")
+        entry[key] = int(value)
+    check_quant_config(entry, fmt, (group,), "tuned quantized MoE entry")
+    for key in ("ms", "default_ms"):
+        if key in raw:
+            entry[key] = float(raw[key])
+    return entry
+
+
+@functools.lru_cache(maxsize=64)
+def _load_quant_tuned(path: str, fmt: str, group: int) -> dict[int, dict]:
+    """{num_tokens: entry} of a tuned file; empty if absent or holding no finished entry."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        doc = json.load(f)
+    table = {}
+    for n, raw in doc.get("configs", {}).items():
+        try:
+            table[int(n)] = parse_quant_entry(raw, fmt, group)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"{path}: the entry for {n} tokens: {exc}") from exc
+    return table
+
+
+register_cache(_load_quant_tuned.cache_clear)  # tile_configs.clear_caches forgets these too

@@ -1,0 +1,422 @@
+"""The quantized fused MoE's tune (kernels/moe/quant_tune.py) and its lookup (quant_configs.py):
+the candidate grid keeps each format's BLOCK_K rule, the ledger resumes, the time budget stops
+the tune, the pick is the fastest, the lookup reads a file back (nearest token count) and
+`moe_quant_triton` takes it with tiles "tuned" and reads no file with tiles "default";
+`ensure_quant_tuned` and the engine's start-up line.
+
+Fake timers (and a fake clock) stand in for the CUDA ones: the tests assert behaviour, never a
+wall-clock time. The few real kernel runs go through Triton's interpreter on tiny shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moeserve.config import EngineConfig
+from moeserve.engine import core
+from moeserve.kernels.moe import fused_quant_triton, quant_configs, quant_tune
+from moeserve.kernels.moe import tile_configs as moe_configs
+from moeserve.kernels.moe.quant_configs import (
+    MAX_QUANT_CANDIDATES,
+    check_quant_config,
+    default_quant_config,
+    get_quant_config,
+    quant_config_file_name,
+    quant_tune_candidates,
+)
+from moeserve.kernels.moe.quant_ref import moe_quant_ref
+from moeserve.kernels.moe.quant_tune import ensure_quant_tuned, random_quant_experts
+from moeserve.kernels.moe.search import trial_key
+from moeserve.kernels.moe.tile_configs import config_key, engine_token_counts, tile_config
+from moeserve.kernels.moe.timer import random_tokens
+from moeserve.runner.capacity import CapacityReport
+from moeserve.runner.kv_cache import MemoryPlan
+
+E, H, N, K = 4, 64, 32, 2  # tiny experts: count, hidden, width, top-k
+SMALL = tile_config(16, 32, 32, 1, 4, 2)  # a W4A16 tile the interpreter runs fast (group 16)
+# format -> group: nvfp4's is fixed (16), fp8's 128; int4 takes the checkpoint's
+GROUPS = {"fp8": 128, "nvfp4": 16, "int4": 32}
+
+
+@pytest.fixture(autouse=True)
+def isolated_config_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Config lookup sees only tmp folders: the env folder, an empty package folder, the cache."""
+    monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path / "env"))
+    monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(moe_configs, "PACKAGE_CONFIG_DIR", tmp_path / "package")
+    moe_configs.clear_caches()
+    yield tmp_path
+    moe_configs.clear_caches()
+
+
+def fake_timer(ms_of: dict[str, float] | None = None, fail: frozenset[str] | set[str] = frozenset()
+               ) -> tuple[list[tuple[str, int]], quant_tune.QuantTimerFn]:
+    """(calls, timer): the timer records (config key, tokens) and returns ms_of[key] (else a
+    number fixed by the key); raises for keys in `fail`."""
+    calls: list[tuple[str, int]] = []
+
+    def timer(config: dict, num_tokens: int) -> float:
+        key = config_key(config)
+        calls.append((key, num_tokens))
+        if key in fail:
+            raise RuntimeError("out of resources: shared memory")
+        if ms_of is not None and key in ms_of:
+            return ms_of[key]
+        return 1.0 + (sum(map(ord, key)) % 97) / 100 + num_tokens / 1000
+
+    return calls, timer
+
+
+def tune(fmt: str, path: Path, counts: list[int], timer: quant_tune.QuantTimerFn,
+         **kwargs: object) -> dict[int, dict]:
+    return quant_tune.tune_quant_moe(fmt, E, H, N, K, GROUPS[fmt], torch.float32, counts, path,
+                                     timer=timer, device_name="cpu", log=lambda s: None,
+                                     **kwargs)
+
+
+# ---------------------------------------------------------------- the grid
+
+@pytest.mark.parametrize(("fmt", "group"), [("fp8", 128), ("nvfp4", 16), ("int4", 32),
+                                            ("int4", 128), ("int4", 256)])
+@pytest.mark.parametrize(("num_experts", "top_k"), [(128, 8), (256, 8), (8, 2)])
+def test_the_grid_is_valid_for_each_format(fmt: str, group: int, num_experts: int,
+                                           top_k: int) -> None:
+    counts = engine_token_counts(8192)
+    for num_tokens in counts:
+        grid = quant_tune_candidates(fmt, num_experts, top_k, num_tokens, group)
+        assert 1 < len(grid) <= MAX_QUANT_CANDIDATES
+        assert grid[0] == default_quant_config(fmt, num_tokens, top_k, num_experts, group)
+        assert len({config_key(c) for c in grid}) == len(grid)
+        per_expert = num_tokens * top_k / num_experts
+        for c in grid:
+            check_quant_config(c, fmt, (group,))  # raises on a bad BLOCK_K
+            assert c["BLOCK_K"] == 128 if fmt == "fp8" else c["BLOCK_K"] % group == 0
+            assert c["BLOCK_M"] in (16, 32, 64, 128) and c["BLOCK_N"] in (32, 64, 128, 256)
+            assert c["num_warps"] in (4, 8) and 2 <= c["num_stages"] <= 4
+            assert c["GROUP_M"] in (1, 8)
+        assert {c["BLOCK_M"] for c in grid[1:]} <= {m for m in (16, 32, 64, 128)
+                                                  if m <= max(16, 2 * per_expert)}
+    decode = quant_tune_candidates(fmt, num_experts, top_k, 1, group)
+    assert {c["BLOCK_M"] for c in decode} == {16}  # one row block per expert
+    if num_experts >= 128:  # 8192 tokens: 256-512 pairs per expert
+        assert {c["BLOCK_M"] for c in quant_tune_candidates(fmt, num_experts, top_k, 8192,
+                                                            group)[1:]} == {64, 128}
+
+
+def test_the_grid_refuses_an_unknown_format() -> None:
+    with pytest.raises(ValueError, match="unknown quantized format 'int8'"):
+        quant_tune_candidates("int8", E, K, 1, 32)
+
+
+def test_a_bad_candidate_is_refused_before_any_timing(tmp_path: Path) -> None:
+    calls, timer = fake_timer()
+    bad = tile_config(16, 32, 64, 1, 4, 2)
+    with pytest.raises(ValueError, match="fp8 needs BLOCK_K 128"):
+        tune("fp8", tmp_path / "t.json", [1], timer, candidates=lambda n: [bad])
+    assert calls == []
+
+
+# ---------------------------------------------------------------- the tuner
+
+def test_the_pick_is_the_fastest_and_the_default_is_timed(tmp_path: Path) -> None:
+    grid = quant_tune_candidates("nvfp4", E, K, 4, 16)
+    fastest = grid[5]
+    ms_of = {config_key(c): 2.0 + i / 10 for i, c in enumerate(grid)}
+    ms_of[config_key(fastest)] = 0.5
+    calls, timer = fake_timer(ms_of)
+    done = tune("nvfp4", tmp_path / "t.json", [4], timer)
+    assert len(calls) == len(grid)  # each candidate once
+    entry = done[4]
+    assert {k: entry[k] for k in moe_configs.CONFIG_KEYS} == fastest
+    assert entry["ms"] == 0.5 and entry["default_ms"] == 2.0  # grid[0]: the default's time
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["meta"]["format"] == "nvfp4" and doc["meta"]["group"] == 16
+    assert doc["trials"]["4"][trial_key("moe", fastest)] == 0.5
+
+
+def test_ties_keep_the_first_and_failures_are_skipped(tmp_path: Path) -> None:
+    grid = quant_tune_candidates("int4", E, K, 1, 32)
+    failing = config_key(grid[0])
+    calls, timer = fake_timer({config_key(c): 1.0 for c in grid}, fail={failing})
+    done = tune("int4", tmp_path / "t.json", [1], timer)
+    assert {k: done[1][k] for k in moe_configs.CONFIG_KEYS} == grid[1]  # the first timed
+    assert "default_ms" not in done[1]  # the default failed
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["trials"]["1"][trial_key("moe", grid[0])].startswith("error: RuntimeError")
+    _, all_fail = fake_timer(fail={config_key(c) for c in grid})
+    with pytest.raises(RuntimeError, match="every int4 candidate failed at 1 tokens"):
+        tune("int4", tmp_path / "u.json", [1], all_fail)
+
+
+def test_the_ledger_resumes_and_a_rerun_times_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    calls, timer = fake_timer()
+    first = tune("fp8", path, [1, 16], timer)
+    timed = len(calls)
+    assert timed == sum(len(quant_tune_candidates("fp8", E, K, n, 128)) for n in (1, 16))
+    calls.clear()
+    again = tune("fp8", path, [1, 16], timer)
+    assert calls == [] and again == first
+    more = tune("fp8", path, [1, 16, 64], timer)  # only the new token count is timed
+    assert {n for _, n in calls} == {64} and set(more) == {1, 16, 64}
+    with pytest.raises(ValueError, match="holds a tune of"):  # another format, same file
+        tune("nvfp4", path, [1], timer)
+
+
+def test_the_time_budget_stops_the_tune_and_a_rerun_resumes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(quant_tune, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    calls, fast = fake_timer()
+
+    def timer(config: dict, num_tokens: int) -> float:
+        clock.now += 1.0  # each timing costs a second of the tune's clock
+        return fast(config, num_tokens)
+
+    path = tmp_path / "t.json"
+    done = tune("nvfp4", path, [1, 4], timer, time_budget_s=2.5)
+    assert len(calls) == 3 and done == {}  # stopped before the 4th timing, nothing finished
+    trials = json.loads(path.read_text())["trials"]["1"]
+    assert len(trials) == 3  # the ledger holds what was timed
+    first = list(calls)
+    calls.clear()
+    done = tune("nvfp4", path, [1, 4], timer)  # no budget: finishes, timing nothing twice
+    assert set(done) == {1, 4} and not set(first) & set(calls)
+    calls.clear()
+    assert tune("nvfp4", path, [1, 4, 8], timer, time_budget_s=0) == done and calls == []
+
+
+def test_random_tokens_and_quant_experts_feed_the_real_timer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CUDA timer on CPU weights, with time_in_graph replaced by one eager call: the op it
+    # times is moe_quant_triton on the random quantized experts, with the candidate's tiles
+    ran: list[torch.Tensor] = []
+    monkeypatch.setattr(quant_tune, "time_in_graph",
+                        lambda fn, calls, replays: ran.append(fn()) or 0.25)
+    for fmt in ("nvfp4", "fp8"):
+        ran.clear()
+        w13, w2 = random_quant_experts(fmt, E, H, N, GROUPS[fmt], torch.float32,
+                                       torch.device("cpu"))
+        assert w13.shape == (E, 2 * N, H) and w2.shape == (E, H, N)
+        assert (w13.scale_rows == 128) == (fmt == "fp8")  # as the engine holds fp8 scales
+        timer = quant_tune.QuantTimer(fmt, E, H, N, K, GROUPS[fmt], torch.float32, (w13, w2))
+        config = SMALL if fmt == "nvfp4" else tile_config(16, 32, 128, 1, 4, 2)
+        assert timer(config, 3) == 0.25
+        x, weights, ids = random_tokens(3, H, E, K, torch.float32, torch.Generator().manual_seed(0))
+        assert ran[0].shape == (3, H) and ids.shape == (3, K) and weights.dtype == torch.float32
+        expected = moe_quant_ref(*timer._inputs[3][:1], w13, w2, *timer._inputs[3][1:])
+        torch.testing.assert_close(ran[0], expected, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- the lookup
+
+def write_tuned(directory: Path, fmt: str, entries: dict[int, dict],
+                device: str = "cpu") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / quant_config_file_name(fmt, E, H, N, K, GROUPS[fmt], torch.float32,
+                                              device)
+    path.write_text(json.dumps({"meta": {}, "configs": {str(n): e for n, e in entries.items()}}))
+    moe_configs.clear_caches()
+    return path
+
+
+def test_the_lookup_reads_the_tune_back_at_the_nearest_token_count(
+        isolated_config_dirs: Path) -> None:
+    path = isolated_config_dirs / "env" / quant_config_file_name(
+        "nvfp4", E, H, N, K, 16, torch.float32, "cpu")
+    _, timer = fake_timer()
+    done = tune("nvfp4", path, [1, 64], timer)
+    args = ("nvfp4", E, H, N, K, 16, torch.float32)
+    for num_tokens, nearest in ((1, 1), (20, 1), (40, 64), (5000, 64)):
+        choice = get_quant_config(*args, num_tokens, "cpu")
+        assert choice.tuned and choice.source == str(path) and choice.tuned_tokens == nearest
+        assert choice.config == {k: done[nearest][k] for k in moe_configs.CONFIG_KEYS}
+    other = get_quant_config("nvfp4", E, H, N, 8, 16, torch.float32, 1, "cpu")  # top-k 8
+    assert not other.tuned and other.source == "default"
+    default = get_quant_config(*args, 1, "cpu", tiles="default")
+    assert not default.tuned and default.config == default_quant_config("nvfp4", 1, K, E, 16)
+
+
+def test_a_bad_entry_names_the_file(isolated_config_dirs: Path) -> None:
+    path = write_tuned(isolated_config_dirs / "env", "fp8", {4: dict(SMALL)})  # BLOCK_K 32
+    with pytest.raises(ValueError, match=rf"{path.name}: the entry for 4 tokens: .*BLOCK_K 128"):
+        get_quant_config("fp8", E, H, N, K, 128, torch.float32, 4, "cpu")
+
+
+def test_moe_quant_triton_takes_tuned_tiles_and_default_reads_no_file(
+        isolated_config_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_tuned(isolated_config_dirs / "env", "nvfp4", {2: {**SMALL, "ms": 0.1}})
+    launched: list[dict] = []
+    real_launch = fused_quant_triton._launch
+
+    def spy(*args: object, **kwargs: object) -> None:
+        launched.append(args[11])  # the config
+        real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(fused_quant_triton, "_launch", spy)
+    w13, w2 = random_quant_experts("nvfp4", E, H, N, 16, torch.float32, torch.device("cpu"))
+    x, weights, ids = random_tokens(3, H, E, K, torch.float32, torch.Generator().manual_seed(1))
+    expected = moe_quant_ref(x, w13, w2, weights, ids)
+    tuned = fused_quant_triton.moe_quant_triton(x, w13, w2, weights, ids)  # tiles="tuned"
+    assert launched == [SMALL, SMALL]  # both launches, the entry of 2 tokens (nearest 3)
+    torch.testing.assert_close(tuned, expected, atol=1e-4, rtol=1e-4)
+
+    def no_file(*args: object) -> None:
+        raise AssertionError("tiles='default' reads no tuned file")
+
+    monkeypatch.setattr(quant_configs, "find_quant_tuned", no_file)
+    launched.clear()
+    out = fused_quant_triton.moe_quant_triton(x, w13, w2, weights, ids, tiles="default")
+    assert launched == [default_quant_config("nvfp4", 3, K, E, 16)] * 2
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="MoE tiles must be one of tuned, default"):
+        fused_quant_triton.moe_quant_triton(x, w13, w2, weights, ids, tiles="x")
+
+
+# ---------------------------------------------------------------- start-up
+
+def test_ensure_quant_tuned_tunes_once_then_returns_at_once(
+        isolated_config_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(moe_configs.CONFIG_DIR_ENV)  # tunes go to the user cache
+    calls, timer = fake_timer()
+    args = ("int4", E, H, N, K, 32, torch.float32, 4)  # engine counts 1, 2, 4
+    outcome = ensure_quant_tuned(*args, timer=timer, device_name="Fake GPU", log=lambda s: None)
+    expected = (isolated_config_dirs / "cache" / "moe_configs"
+                / quant_config_file_name("int4", E, H, N, K, 32, torch.float32, "Fake GPU"))
+    assert outcome.tuned and outcome.source == str(expected) and expected.exists()
+    assert outcome.detail.startswith("tuned now: 3 of 3 token counts")
+    assert {n for _, n in calls} == {1, 2, 4}
+    assert get_quant_config(*args[:7], 2, "Fake GPU").tuned
+    calls.clear()
+    again = ensure_quant_tuned(*args, timer=timer, device_name="Fake GPU", log=lambda s: None)
+    assert calls == [] and again.detail == "tuned earlier (cached)"
+    calls.clear()  # a larger engine: resumes the same file with the new counts only
+    more = ensure_quant_tuned(*args[:7], 16, timer=timer, device_name="Fake GPU",
+                              log=lambda s: None)
+    assert {n for _, n in calls} == {8, 16} and more.source == str(expected)
+    spent = ensure_quant_tuned(*args[:7], 64, time_budget_s=0, timer=timer,
+                               device_name="Fake GPU", log=lambda s: None)
+    assert "time budget spent" in spent.detail and spent.tuned
+
+
+def test_ensure_quant_tuned_uses_a_committed_file_and_needs_cuda(
+        isolated_config_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_tuned(isolated_config_dirs / "package", "fp8",
+                       {64: tile_config(16, 64, 128, 1, 4, 3)}, device="Fake GPU")
+    outcome = ensure_quant_tuned("fp8", E, H, N, K, 128, torch.float32, 8192,
+                                 timer=lambda c, n: pytest.fail("a committed file is kept"),
+                                 device_name="Fake GPU", log=lambda s: None)
+    assert outcome.tuned and outcome.source == str(path) and outcome.detail == "committed"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    outcome = ensure_quant_tuned("fp8", E, H, N, K, 128, torch.float32, 8192)
+    assert not outcome.tuned and outcome.source == "default" and "no CUDA" in outcome.detail
+
+
+def quant_block(fmt: str) -> SimpleNamespace:
+    """What the engine reads of a quantized MoE block: its weights' format, group and shape."""
+    group = GROUPS[fmt]
+    return SimpleNamespace(num_local_experts=E,
+                           w13=SimpleNamespace(format=fmt, group=group, shape=(E, 2 * N, H)),
+                           w2=SimpleNamespace(format=fmt, group=group, shape=(E, H, N)))
+
+
+def test_the_engine_tunes_quantized_experts_at_start_up(
+        isolated_config_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mc = SimpleNamespace(hidden_size=H, num_experts_per_tok=K, num_experts=E)
+    cuda = torch.device("cuda")  # a descriptor only: nothing runs on it
+    monkeypatch.setattr(core, "tile_device_name", lambda device: "cpu")
+    seen: list[tuple] = []
+
+    def fake_ensure(*args: object, **kwargs: object) -> quant_tune.TuneOutcome:
+        seen.append(args)
+        return quant_tune.TuneOutcome(1.5, True, "/x.json", "tuned now: 3 of 3 token counts")
+
+    monkeypatch.setattr(quant_tune, "ensure_quant_tuned", fake_ensure)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    line = core._ensure_quant_moe_tuned(EngineConfig(moe_tiles="default"), mc,
+                                        quant_block("fp8"), torch.float32, cuda)
+    assert line.startswith("not tuned: moe_tiles=default (fp8 experts") and seen == []
+    path = write_tuned(isolated_config_dirs / "env", "fp8", {1: tile_config(16, 64, 128, 1, 4, 3)})
+    line = core._ensure_quant_moe_tuned(EngineConfig(moe_tune_budget_s=0), mc,
+                                        quant_block("fp8"), torch.float32, cuda)
+    assert line == f"not tuned at start-up (moe_tune_budget_s=0; fp8 experts): using {path}"
+    assert seen == []
+    assert core._ensure_quant_moe_tuned(EngineConfig(), mc, quant_block("fp8"), torch.float32,
+                                        torch.device("cpu")) == ""  # the reference: no tiles
+    line = core._ensure_quant_moe_tuned(EngineConfig(moe_tune_budget_s=30), mc,
+                                        quant_block("int4"), torch.float32, cuda)
+    assert line == "int4 experts: tuned now: 3 of 3 token counts (/x.json, 1.5s)"
+    assert seen == [("int4", E, H, N, K, 32, torch.float32, 8192)]
+
+
+def test_the_report_names_the_quantized_tiles(isolated_config_dirs: Path) -> None:
+    mc = SimpleNamespace(hidden_size=H, num_experts_per_tok=K)
+    entry = {**SMALL, "ms": 0.1}
+    path = write_tuned(isolated_config_dirs / "env", "nvfp4", {64: entry})
+    tuned = core._quant_moe_configs(EngineConfig(), mc, quant_block("nvfp4"), torch.float32,
+                                    "cpu")
+    assert all(c["tuned"] and c["source"] == str(path) and c["tiles"] == config_key(SMALL)
+               and c["format"] == "nvfp4" and c["backend"] == "triton" for c in tuned.values())
+    default = core._quant_moe_configs(EngineConfig(moe_tiles="default"), mc,
+                                      quant_block("nvfp4"), torch.float32, "cpu")
+    assert all(not c["tuned"] and c["source"] == "default" for c in default.values())
+    plan = MemoryPlan("cuda", 0, 0, 0, 0, 0, 0, 1, 2, 16, "test")
+    report = CapacityReport("m", "a", 1, 1, "Fake GPU", EngineConfig(), plan, 1, "test", {},
+                            moe_configs=tuned)
+    line, = (ln for ln in report.format().splitlines() if "MoE tile configs" in ln)
+    assert line.endswith(f"  tuned (nvfp4 experts, the fused quantized MoE): {path}")
+
+
+def test_the_command_line_tunes_one_format_and_shape(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(quant_tune, "tune_quant_moe",
+                        lambda *args, **kwargs: seen.append((args, kwargs)))
+    quant_tune.main(["--format", "int4", "-E", "256", "-H", "6144", "-I", "2048", "-k", "8",
+                     "--group", "32", "--out", str(tmp_path), "--max-batched-tokens", "4"])
+    (args, kwargs), = seen
+    assert args[:7] == ("int4", 256, 6144, 2048, 8, 32, torch.bfloat16)
+    assert args[7] == [1, 2, 4] and kwargs == {"time_budget_s": None}
+    assert args[8] == tmp_path / quant_config_file_name("int4", 256, 6144, 2048, 8, 32,
+                                                        torch.bfloat16, "Fake GPU")
+
+
+def test_quantized_blocks_follow_the_tile_source_bound_into_the_backend() -> None:
+    from moeserve.kernels.registry import get_moe_backend, moe_tile_source
+
+    assert moe_tile_source(get_moe_backend("triton", "default")) == "default"
+    assert moe_tile_source(get_moe_backend("measured", "tuned")) == "tuned"
+    assert moe_tile_source(get_moe_backend("torch", "default")) == "tuned"  # no tiles bound
+
+
+# ---------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(GROUPS))
+def test_gpu_a_small_real_tune_writes_a_file_the_kernel_reads(fmt: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """The CUDA timer end to end (random quantized experts, CUDA-graph timings) on a small
+    shape, the grid at 2 token counts (1 and 2); moe_quant_triton then runs the tuned tiles."""
+    monkeypatch.delenv(moe_configs.CONFIG_DIR_ENV)
+    e, h, i, k, group = 16, 512, 256, 4, GROUPS[fmt]
+    done = ensure_quant_tuned(fmt, e, h, i, k, group, torch.bfloat16, 2, log=lambda s: None)
+    assert done.tuned and done.detail.startswith("tuned now: 2 of 2")
+    doc = json.loads(Path(done.source).read_text())
+    assert all(isinstance(v, float) for t in doc["trials"].values() for v in t.values())
+    device = moe_configs.tile_device_name(torch.device("cuda"))
+    choice = get_quant_config(fmt, e, h, i, k, group, torch.bfloat16, 2, device)
+    assert choice.tuned and choice.source == done.source
+    w13, w2 = random_quant_experts(fmt, e, h, i, group, torch.bfloat16, torch.device("cuda"))
+    x, weights, ids = random_tokens(2, h, e, k, torch.bfloat16,
+                                    torch.Generator(device="cuda").manual_seed(0))
+    out = fused_quant_triton.moe_quant_triton(x, w13, w2, weights, ids)
+    expected = moe_quant_ref(x, w13, w2, weights, ids).float()
+    assert float((out.float() - expected).abs().max() / expected.abs().max()) < 2e-2
+
