@@ -362,7 +362,7 @@ def _dsa_line(cfg: EngineConfig, mc: ModelConfig) -> str:
 def _ensure_quant_moe_tuned(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.Module,
                             dtype: torch.dtype, device: torch.device) -> str:
     """`_ensure_moe_tuned` for quantized experts (the fused quantized MoE's tiles, per format:
-    kernels/moe/quant_tune.py), on the block's own weights; the capacity report's line."""
+    kernels/moe/quant/tune.py), on the block's own weights; the capacity report's line."""
     w13 = block.w13
     fmt, group = w13.format, max(w13.group, block.w2.group)
     if cfg.moe_tiles == "default":
@@ -370,8 +370,8 @@ def _ensure_quant_moe_tuned(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.
                 "in-code default tiles at every batch size, no tuned file read)")
     if device.type != "cuda":
         return ""  # the torch reference runs the quantized experts: no tiles
-    from moeserve.kernels.moe.quant_configs import find_quant_tuned
-    from moeserve.kernels.moe.quant_tune import ensure_quant_tuned
+    from moeserve.kernels.moe.quant.configs import find_quant_tuned
+    from moeserve.kernels.moe.quant.tune import ensure_quant_tuned
 
     shape = (fmt, block.num_local_experts, mc.hidden_size, block.w2.shape[-1],
              mc.num_experts_per_tok, group, dtype)
@@ -412,9 +412,9 @@ def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
 def _quant_moe_configs(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.Module,
                        dtype: torch.dtype, device_name: str) -> dict[str, dict]:
     """`_moe_configs` for quantized experts: the fused quantized MoE's tiles at a few batch
-    sizes (quant_configs.get_quant_config with the engine's moe_tiles); backend "triton"
+    sizes (quant.configs.get_quant_config with the engine's moe_tiles); backend "triton"
     everywhere (the quantized experts have no other), "format" the weights'."""
-    from moeserve.kernels.moe.quant_configs import get_quant_config
+    from moeserve.kernels.moe.quant.configs import get_quant_config
     from moeserve.kernels.moe.tile_configs import config_key
 
     fmt, group = block.w13.format, max(block.w13.group, block.w2.group)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels.moe.quantized import moe_quantized
+from moeserve.kernels.moe.quant import moe_quantized
 from moeserve.kernels.registry import moe_tile_source
 from moeserve.kernels.routing.select import (
     select_experts,

@@ -113,7 +113,7 @@ class CapacityReport:
                      if self.engine_config.moe_tiles == "default" else
                      "tuned" if tuned else "NOT tuned (defaults)")
             formats = sorted({c["format"] for c in self.moe_configs.values() if "format" in c})
-            if formats:  # quantized experts: the fused quantized MoE's tiles (quant_configs)
+            if formats:  # quantized experts: the fused quantized MoE's tiles (quant/configs.py)
                 state += f" ({', '.join(formats)} experts, the fused quantized MoE)"
             rows.append(("MoE tile configs", f"{state}: {', '.join(sources)}"))
             picks = ", ".join(f"{n}: {c['backend']}" for n, c in self.moe_configs.items())

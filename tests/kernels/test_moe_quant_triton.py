@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.moe.fused_quant_triton import moe_quant_triton
-from moeserve.kernels.moe.quant_configs import default_quant_config
-from moeserve.kernels.moe.quant_ref import moe_quant_ref
+from moeserve.kernels.moe.quant.configs import default_quant_config
+from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
+from moeserve.kernels.moe.quant.ref import moe_quant_ref
 from moeserve.kernels.moe.ref import moe_loop_ref
 from moeserve.quant.fp8_block import E4M3, quantize_activations, quantize_blockwise
 from moeserve.quant.packed import QuantView, QuantWeight, quantize_into

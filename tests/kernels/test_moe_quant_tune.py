@@ -1,4 +1,4 @@
-"""The quantized fused MoE's tune (kernels/moe/quant_tune.py) and its lookup (quant_configs.py):
+"""The quantized fused MoE's tune (kernels/moe/quant/tune.py) and its lookup (quant/configs.py):
 the candidate grid keeps each format's BLOCK_K rule, the ledger resumes, the time budget stops
 the tune, the pick is the fastest, the lookup reads a file back (nearest token count) and
 `moe_quant_triton` takes it with tiles "tuned" and reads no file with tiles "default";
@@ -19,9 +19,11 @@ import torch
 
 from moeserve.config import EngineConfig
 from moeserve.engine import core
-from moeserve.kernels.moe import fused_quant_triton, quant_configs, quant_tune
 from moeserve.kernels.moe import tile_configs as moe_configs
-from moeserve.kernels.moe.quant_configs import (
+from moeserve.kernels.moe.quant import configs as quant_configs
+from moeserve.kernels.moe.quant import fused_triton as fused_quant_triton
+from moeserve.kernels.moe.quant import tune as quant_tune
+from moeserve.kernels.moe.quant.configs import (
     MAX_QUANT_CANDIDATES,
     check_quant_config,
     default_quant_config,
@@ -29,8 +31,8 @@ from moeserve.kernels.moe.quant_configs import (
     quant_config_file_name,
     quant_tune_candidates,
 )
-from moeserve.kernels.moe.quant_ref import moe_quant_ref
-from moeserve.kernels.moe.quant_tune import ensure_quant_tuned, random_quant_experts
+from moeserve.kernels.moe.quant.ref import moe_quant_ref
+from moeserve.kernels.moe.quant.tune import ensure_quant_tuned, random_quant_experts
 from moeserve.kernels.moe.search import trial_key
 from moeserve.kernels.moe.tile_configs import config_key, engine_token_counts, tile_config
 from moeserve.kernels.moe.timer import random_tokens

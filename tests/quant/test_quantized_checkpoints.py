@@ -14,7 +14,7 @@ token for token.
 moeserve holds these weights quantized in memory (quant/packed.py) and runs them through the
 formats' arithmetic: NVFP4 and INT4 weight-only, so equal to the dequantized model; FP8 W8A8,
 so equal to transformers with the same run-time activation quantization patched in. On CPU the
-kernels' torch references run (layers/linear.py, kernels/moe/quant_ref.py); the Triton kernels
+kernels' torch references run (layers/linear.py, kernels/moe/quant/ref.py); the Triton kernels
 have their own tests. This also pins the loader: names, per-expert slices, the kept modules, the
 checks.
 """

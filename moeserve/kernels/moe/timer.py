@@ -1,5 +1,5 @@
 """How the MoE tuners time a candidate: `time_in_graph` (calls captured in one CUDA graph, a
-few replays, the median; generic: the quantized tuner, quant_tune.py, uses it too),
+few replays, the median; generic: the quantized tuner, quant/tune.py, uses it too),
 `random_tokens` (the random tokens and routing both tuners time on) and `CudaPartTimer` (each
 part of `moe_triton` alone on random inputs: the align, the gated launch, the down launch, the
 whole op; and torch._grouped_mm). `moe_tune` owns the search and the ledger; this module only
@@ -51,7 +51,7 @@ def random_tokens(num_tokens: int, hidden: int, num_experts: int, top_k: int,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tuner's inputs at num_tokens on gen's device: x [T, H] in dtype (randn), then
     topk_weights [T, k] fp32 and topk_ids [T, k] of a random router's top-k (renormalized).
-    Shared by the bf16 timer (CudaPartTimer) and the quantized one (quant_tune.QuantTimer)."""
+    Shared by the bf16 timer (CudaPartTimer) and the quantized one (quant.tune.QuantTimer)."""
     from moeserve.kernels.routing.select import select_experts
 
     x = torch.randn(num_tokens, hidden, device=gen.device, generator=gen).to(dtype)

@@ -1,5 +1,5 @@
 """MoE experts over quantized expert weights on Triton: `moe_quant_triton`, the same contract as
-`quant_ref.moe_quant_ref`, and its kernel `_fused_moe_quant_kernel`, templated by FORMAT.
+`quant.ref.moe_quant_ref`, and its kernel `_fused_moe_quant_kernel`, templated by FORMAT.
 
 The data flow is `moe_triton`'s (fused_triton.py), for T tokens, k experts each, M = T * k pairs
 (pair p = t * k + i), weights in quant/packed.py's layouts, logical w13 [E, 2I, H], w2 [E, H, I]:
@@ -32,7 +32,7 @@ single rounding of e2m1 * (scale * global_scale), and gate and up rows (whose gl
 differ) need nothing special.
 
 Tiles: a `config` of tile_configs.CONFIG_KEYS, one for both launches, else the lookup of
-quant_configs.py (a tuned file of quant_tune.py, nearest token count; or, untuned or with
+quant/configs.py (a tuned file of quant/tune.py, nearest token count; or, untuned or with
 tiles "default", `default_quant_config`: BLOCK_M 16/32/64 by the pairs per expert); BLOCK_K a
 multiple of the group (nvfp4, int4) or exactly 128 (fp8). No host sync: the launches' shapes
 depend on shapes only, so the op can be captured in a CUDA graph. triton is imported on first
@@ -55,8 +55,8 @@ import torch
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
-from moeserve.kernels.moe.quant_configs import check_quant_config, get_quant_config
-from moeserve.kernels.moe.quant_ref import weight_layout
+from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
+from moeserve.kernels.moe.quant.ref import weight_layout
 from moeserve.kernels.moe.tile_configs import check_tile_source, tile_device_name
 from moeserve.kernels.triton_common import require_triton_device
 from moeserve.quant.fp8_block import E4M3, quantize_activations
@@ -82,7 +82,7 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
         topk_ids: [T, k] integer expert ids in [0, E) (not checked: that would sync), or -1:
             not on this rank (never computed; its part row is 0).
         config: tiles, the keys of tile_configs.CONFIG_KEYS (one set for both launches);
-            default: `quant_configs.get_quant_config` with `tiles`.
+            default: `quant.configs.get_quant_config` with `tiles`.
         tiles: where a looked-up config comes from (tile_configs.TILE_SOURCES): "tuned" (the
             nearest token count of a tuned file for this device, format and shape, else the
             default) or "default" (`default_quant_config`, no file read).

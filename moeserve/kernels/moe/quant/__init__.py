@@ -1,11 +1,17 @@
-"""The routed experts over quantized weights (quant/packed.py's layouts): which op runs.
+"""The routed experts over quantized weights (moeserve/quant/packed.py's layouts): the
+sub-package of the quantized MoE kernels, and here `moe_quantized`, which picks the op.
 
-    CUDA       fused_quant_triton.moe_quant_triton: the fused MoE's two launches with the
+    fused_triton.py  the fused MoE over packed weights (Triton), its two launches
+    ref.py           its torch reference, expert by expert
+    configs.py       its tile configs: defaults, per-format rules, the tuned files' lookup
+    tune.py          the tuner of those files (CUDA graphs, resumable, time-bounded)
+
+    CUDA       fused_triton.moe_quant_triton: the fused MoE's two launches with the
                weight tiles dequantized in their loads (nvfp4 / int4, W4A16) or read as e4m3
                against activations quantized per token and 128-group (fp8, W8A8)
-    elsewhere  quant_ref.moe_quant_ref: the same arithmetic in torch, expert by expert
+    elsewhere  ref.moe_quant_ref: the same arithmetic in torch, expert by expert
 
-The CUDA op's tiles: tuned per format and shape (quant_tune.py, looked up by quant_configs.py),
+The CUDA op's tiles: tuned per format and shape (tune.py, looked up by configs.py),
 or with tiles "default" its in-code defaults. Same contract as the bf16 backends
 (kernels/registry.py's MoeFn): ids of -1 add nothing, reduce=False returns [T, S, hidden] parts.
 """
@@ -25,9 +31,9 @@ def moe_quantized(x: torch.Tensor, w13: QuantWeight, w2: QuantWeight,
     if w13.format != w2.format:
         raise ValueError(f"w13 is {w13.format} but w2 is {w2.format}")
     if x.is_cuda:
-        from moeserve.kernels.moe.fused_quant_triton import moe_quant_triton
+        from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
 
         return moe_quant_triton(x, w13, w2, topk_weights, topk_ids, tiles=tiles, reduce=reduce)
-    from moeserve.kernels.moe.quant_ref import moe_quant_ref
+    from moeserve.kernels.moe.quant.ref import moe_quant_ref
 
     return moe_quant_ref(x, w13, w2, topk_weights, topk_ids, reduce=reduce)

@@ -1,6 +1,6 @@
-"""The tuner of the quantized fused MoE's tiles (`fused_quant_triton.moe_quant_triton`; the
-files `quant_configs.py` reads): per (device, format, E, H, I, top_k, group, activation dtype)
-and token count, the fastest of `quant_configs.quant_tune_candidates` (the in-code default and
+"""The tuner of the quantized fused MoE's tiles (`quant.fused_triton.moe_quant_triton`; the
+files `quant/configs.py` reads): per (device, format, E, H, I, top_k, group, activation dtype)
+and token count, the fastest of `configs.quant_tune_candidates` (the in-code default and
 <= 23 more, valid for the format's BLOCK_K rule).
 
 Unlike the bf16 tuner (tune.py), which times the two launches apart and joins their best tiles,
@@ -19,7 +19,7 @@ with "ms" and the default's "default_ms".
 `ensure_quant_tuned` is the start-up entry (engine/core.py, for QuantWeight experts): it
 returns at once when a committed file, or a found file with every engine token count, serves
 the shape, and otherwise tunes (resuming a partial tune) into the user cache within a budget.
-`main` (python -m moeserve.kernels.moe.quant_tune) tunes one format and shape on the GPU into a
+`main` (python -m moeserve.kernels.moe.quant.tune) tunes one format and shape on the GPU into a
 folder, for a file to commit under configs/.
 """
 
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from moeserve.kernels.moe import tile_configs
-from moeserve.kernels.moe.quant_configs import (
+from moeserve.kernels.moe.quant.configs import (
     check_quant_config,
     find_quant_tuned,
     parse_quant_entry,
@@ -73,7 +73,7 @@ class QuantTimer:
         self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def __call__(self, config: dict, num_tokens: int) -> float:
-        from moeserve.kernels.moe.fused_quant_triton import moe_quant_triton
+        from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
 
         if num_tokens not in self._inputs:
             self._inputs = {num_tokens: random_tokens(num_tokens, self.w13.shape[2],
@@ -258,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """The GPU tune of one format and shape on random quantized experts, into --out (resumable:
     rerun the same command after a kill). E.g. qwen3-30b-a3b in fp8:
 
-        python -m moeserve.kernels.moe.quant_tune --format fp8 -E 128 -H 2048 -I 768 -k 8 \\
+        python -m moeserve.kernels.moe.quant.tune --format fp8 -E 128 -H 2048 -I 768 -k 8 \\
             --out DIR [--time-budget-s S] [--max-batched-tokens 8192] [--group 32 (int4)]
     """
     import argparse

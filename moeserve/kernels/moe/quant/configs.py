@@ -1,4 +1,4 @@
-"""Tile configs of the quantized fused MoE (`fused_quant_triton.moe_quant_triton`): the in-code
+"""Tile configs of the quantized fused MoE (`quant.fused_triton.moe_quant_triton`): the in-code
 defaults, the rules a config must keep per format, the tuner's candidate grid and the lookup of
 tuned files.
 
@@ -22,7 +22,7 @@ activation dtype, Triton version), named by `quant_config_file_name`:
 
 `get_quant_config` takes the entry whose token count is nearest (ties: the smaller,
 tile_configs.nearest_token_count), else `default_quant_config`; with tiles "default" the default
-at once, no file read. `quant_tune_candidates` is the grid `quant_tune.py` times.
+at once, no file read. `quant_tune_candidates` is the grid `quant/tune.py` times.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """MoE experts over quantized expert weights, torch reference: the contract the Triton kernel
-(`fused_quant_triton.moe_quant_triton`) is tested against.
+(`quant.fused_triton.moe_quant_triton`) is tested against.
 
 Owns `moe_quant_ref` and the small helpers both modules share to read a quantized weight
 (`weight_layout`: format, group and scale_rows of a `quant.packed.QuantWeight` or `QuantView`).
