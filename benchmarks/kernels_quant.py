@@ -107,7 +107,7 @@ def check_output(out: torch.Tensor, ref: torch.Tensor | None) -> dict:
 
 def moe_op(fmt: str, x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
            tiles: str) -> Callable[[], torch.Tensor]:
-    from moeserve.kernels.moe.fused_quant_triton import moe_quant_triton
+    from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
     from moeserve.kernels.moe.fused_triton import moe_triton
 
     if fmt == "bf16":
@@ -117,7 +117,7 @@ def moe_op(fmt: str, x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch
 
 def moe_ref(fmt: str, x: torch.Tensor, w13, w2, weights: torch.Tensor,
             ids: torch.Tensor) -> torch.Tensor:
-    from moeserve.kernels.moe.quant_ref import moe_quant_ref
+    from moeserve.kernels.moe.quant.ref import moe_quant_ref
     from moeserve.kernels.moe.ref import moe_loop_ref
 
     if fmt == "bf16":
@@ -128,7 +128,7 @@ def moe_ref(fmt: str, x: torch.Tensor, w13, w2, weights: torch.Tensor,
 def moe_tiles(fmt: str, w13, num_tokens: int, top_k: int, dtype: torch.dtype,
               tiles: str) -> dict:
     """The tiles the op runs with, looked up as the op looks them up (tuned file or default)."""
-    from moeserve.kernels.moe.quant_configs import get_quant_config
+    from moeserve.kernels.moe.quant.configs import get_quant_config
     from moeserve.kernels.moe.tile_configs import get_moe_config, tile_device_name
 
     num_experts, _, hidden = w13.shape
@@ -198,7 +198,7 @@ def linear_op(fmt: str, x: torch.Tensor, w) -> Callable[[], torch.Tensor]:
 
 def linear_ref(fmt: str, x: torch.Tensor, w) -> torch.Tensor:
     """fp32: x (fp8: its run-time quantization, dequantized) @ the dequantized weight.T."""
-    from moeserve.kernels.moe.quant_ref import fp8_dequant_activations
+    from moeserve.kernels.moe.quant.ref import fp8_dequant_activations
 
     if fmt == "bf16":
         return x.float() @ w.float().T

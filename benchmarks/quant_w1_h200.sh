@@ -15,7 +15,7 @@
 # Every server gets --moe-tune-budget-s ${MOE_TUNE_BUDGET_S:-0}: a start-up tune of the
 # quantized experts' tiles (up to 240 s a format when no tuned file is found) does not fit the
 # call, so they run a tuned file the lookup finds (committed, or in MOESERVE_MOE_CONFIG_DIR,
-# e.g. the --out of an earlier `python -m moeserve.kernels.moe.quant_tune` call on the same
+# e.g. the --out of an earlier `python -m moeserve.kernels.moe.quant.tune` call on the same
 # warm machine) or their in-code defaults; each run's capacity report (and compare.json's
 # moe_tile_sources) says which.
 #
