@@ -107,8 +107,8 @@ def check_output(out: torch.Tensor, ref: torch.Tensor | None) -> dict:
 
 def moe_op(fmt: str, x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
            tiles: str) -> Callable[[], torch.Tensor]:
-    from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
     from moeserve.kernels.moe.fused_triton import moe_triton
+    from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
 
     if fmt == "bf16":
         return lambda: moe_triton(x, w13, w2, weights, ids, tiles=tiles)
