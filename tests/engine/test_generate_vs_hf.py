@@ -36,6 +36,12 @@ def hf_greedy(ckpt: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS)
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, config=hf_config_as_published(ckpt),
                                                  dtype=torch.float32).eval()
+    return hf_generate(model, prompts, new_tokens)
+
+
+def hf_generate(model: torch.nn.Module, prompts: list[list[int]],
+                new_tokens: int) -> list[list[int]]:
+    """A transformers model's greedy continuations of `prompts`, exactly new_tokens each."""
     outs = []
     with torch.no_grad():
         for p in prompts:

@@ -31,20 +31,13 @@ from moeserve.kernels.moe.tile_configs import (
 from moeserve.kernels.moe.tune import ensure_tuned, tune_for_engine, tune_moe
 from moeserve.kernels.routing.select import select_experts
 
+pytestmark = pytest.mark.usefixtures("isolated_config_dirs")  # conftest.py
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E, H, N, K = 8, 32, 16, 2  # tiny expert shape: experts, hidden, expert width, top-k
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2)
 
 
-@pytest.fixture(autouse=True)
-def isolated_config_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Config lookup sees only tmp folders: the env folder, an empty package folder, the cache."""
-    monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path / "env"))
-    monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(moe_configs, "PACKAGE_CONFIG_DIR", tmp_path / "package")
-    moe_configs.clear_caches()
-    yield tmp_path
-    moe_configs.clear_caches()
 
 
 def write_tuned(directory: Path, entries: dict[int, dict], device: str = "cpu",

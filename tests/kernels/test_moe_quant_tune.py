@@ -39,21 +39,14 @@ from moeserve.kernels.moe.timer import random_tokens
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.kv_cache import MemoryPlan
 
+pytestmark = pytest.mark.usefixtures("isolated_config_dirs")  # conftest.py
+
 E, H, N, K = 4, 64, 32, 2  # tiny experts: count, hidden, width, top-k
 SMALL = tile_config(16, 32, 32, 1, 4, 2)  # a W4A16 tile the interpreter runs fast (group 16)
 # format -> group: nvfp4's is fixed (16), fp8's 128; int4 takes the checkpoint's
 GROUPS = {"fp8": 128, "nvfp4": 16, "int4": 32}
 
 
-@pytest.fixture(autouse=True)
-def isolated_config_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Config lookup sees only tmp folders: the env folder, an empty package folder, the cache."""
-    monkeypatch.setenv(moe_configs.CONFIG_DIR_ENV, str(tmp_path / "env"))
-    monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(moe_configs, "PACKAGE_CONFIG_DIR", tmp_path / "package")
-    moe_configs.clear_caches()
-    yield tmp_path
-    moe_configs.clear_caches()
 
 
 def fake_timer(ms_of: dict[str, float] | None = None, fail: frozenset[str] | set[str] = frozenset()

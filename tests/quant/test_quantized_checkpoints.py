@@ -36,7 +36,7 @@ from moeserve.quant import int4_pack, nvfp4
 from moeserve.quant.fp8_block import quantize_blockwise
 from moeserve.quant.packed import QuantWeight
 from moeserve.runner.weight_loader import WeightLoadError
-from tests.engine.test_generate_vs_hf import _prompts, hf_greedy
+from tests.engine.test_generate_vs_hf import _prompts, hf_generate, hf_greedy
 from tests.models.checkpoints import write_tiny_checkpoint
 
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
@@ -202,15 +202,8 @@ def hf_greedy_w8a8(ref: str, fp8: str, prompts: list[list[int]], new_tokens: int
     model = AutoModelForCausalLM.from_pretrained(ref, config=hf_config_as_published(ref),
                                                  dtype=torch.float32).eval()
     model.config._experts_implementation = "eager"  # the expert loop, through F.linear
-    outs = []
-    with torch.no_grad(), _w8a8_activations(model, quantized):
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
+    with _w8a8_activations(model, quantized):
+        return hf_generate(model, prompts, new_tokens)
 
 
 def _top1_agreement(llm: LLM, ref: str, prompts: list[list[int]]) -> float:

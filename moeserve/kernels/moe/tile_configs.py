@@ -363,7 +363,12 @@ def config_dirs() -> list[Path]:
 
 @functools.lru_cache(maxsize=64)
 def _load_tuned(path: str) -> dict[int, dict]:
-    """{num_tokens: entry} of a tuned file; empty if absent or holding no finished entry."""
+    return read_tuned_table(path, parse_entry)
+
+
+def read_tuned_table(path: str, parse: Callable[[dict], dict]) -> dict[int, dict]:
+    """{num_tokens: parse(entry)} of a tuned file (the bf16 one's or the quantized MoE's);
+    empty if absent or holding no finished entry; a bad entry raises ValueError naming it."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
@@ -371,7 +376,7 @@ def _load_tuned(path: str) -> dict[int, dict]:
     table = {}
     for n, raw in doc.get("configs", {}).items():
         try:
-            table[int(n)] = parse_entry(raw)
+            table[int(n)] = parse(raw)
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"{path}: the entry for {n} tokens: {exc}") from exc
     return table

@@ -295,18 +295,24 @@ def _finished(doc: dict) -> dict[int, dict]:
 
 
 def _load_ledger(path: Path, meta: dict) -> dict:
+    return load_ledger(path, meta, ("device_name", "dtype", "E", "H", "I", "top_k", "triton"),
+                       ("configs", "trials", "grouped_mm"))
+
+
+def load_ledger(path: Path, meta: dict, same: tuple[str, ...],
+                sections: tuple[str, ...]) -> dict:
+    """A tune's ledger file (new when absent), refused when its meta differs from `meta` in
+    any of `same` (a tune of another shape or device); `sections` exist, empty if new."""
     if not path.exists():
-        return {"meta": meta, "configs": {}, "trials": {}, "grouped_mm": {}}
+        return {"meta": meta, **{k: {} for k in sections}}
     with open(path) as f:
         doc = json.load(f)
-    same = ("device_name", "dtype", "E", "H", "I", "top_k", "triton")
     theirs = {k: doc.get("meta", {}).get(k) for k in same}
     if theirs != {k: meta[k] for k in same}:
         raise ValueError(f"{path} holds a tune of {theirs}, not {dict((k, meta[k]) for k in same)};"
                          " pick another out_path")
-    doc.setdefault("configs", {})
-    doc.setdefault("trials", {})
-    doc.setdefault("grouped_mm", {})
+    for k in sections:
+        doc.setdefault(k, {})
     return doc
 
 

@@ -28,8 +28,6 @@ at once, no file read. `quant_tune_candidates` is the grid `quant/tune.py` times
 from __future__ import annotations
 
 import functools
-import json
-import os
 
 import torch
 
@@ -42,6 +40,7 @@ from moeserve.kernels.moe.tile_configs import (
     config_dirs,
     config_key,
     nearest_token_count,
+    read_tuned_table,
     register_cache,
     tile_config,
     triton_version,
@@ -217,17 +216,7 @@ def parse_quant_entry(raw: dict, fmt: str, group: int) -> dict:
 @functools.lru_cache(maxsize=64)
 def _load_quant_tuned(path: str, fmt: str, group: int) -> dict[int, dict]:
     """{num_tokens: entry} of a tuned file; empty if absent or holding no finished entry."""
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        doc = json.load(f)
-    table = {}
-    for n, raw in doc.get("configs", {}).items():
-        try:
-            table[int(n)] = parse_quant_entry(raw, fmt, group)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(f"{path}: the entry for {n} tokens: {exc}") from exc
-    return table
+    return read_tuned_table(path, functools.partial(parse_quant_entry, fmt=fmt, group=group))
 
 
 register_cache(_load_quant_tuned.cache_clear)  # tile_configs.clear_caches forgets these too

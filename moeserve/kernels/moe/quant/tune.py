@@ -26,7 +26,6 @@ folder, for a file to commit under configs/.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,7 +50,12 @@ from moeserve.kernels.moe.tile_configs import (
     tune_dir,
 )
 from moeserve.kernels.moe.timer import random_tokens, time_in_graph
-from moeserve.kernels.moe.tune import DEFAULT_TUNE_BUDGET_S, TuneOutcome, write_json_atomic
+from moeserve.kernels.moe.tune import (
+    DEFAULT_TUNE_BUDGET_S,
+    TuneOutcome,
+    load_ledger,
+    write_json_atomic,
+)
 
 QuantTimerFn = Callable[[dict, int], float]  # (config, num_tokens) -> ms; raises on failure
 _SAME = ("device_name", "dtype", "format", "E", "H", "I", "top_k", "group", "triton")
@@ -199,17 +203,7 @@ def _finished(doc: dict, fmt: str, group: int) -> dict[int, dict]:
 
 
 def _load_ledger(path: Path, meta: dict) -> dict:
-    if not path.exists():
-        return {"meta": meta, "configs": {}, "trials": {}}
-    with open(path) as f:
-        doc = json.load(f)
-    theirs = {k: doc.get("meta", {}).get(k) for k in _SAME}
-    if theirs != {k: meta[k] for k in _SAME}:
-        raise ValueError(f"{path} holds a tune of {theirs}, not {dict((k, meta[k]) for k in _SAME)}"
-                         "; pick another out_path")
-    doc.setdefault("configs", {})
-    doc.setdefault("trials", {})
-    return doc
+    return load_ledger(path, meta, _SAME, ("configs", "trials"))
 
 
 def ensure_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_k: int,
