@@ -270,6 +270,13 @@ def ensure_tuned(num_experts: int, hidden: int, inter: int, top_k: int, dtype: t
                            token_counts=wanted, time_budget_s=time_budget_s, timer=timer,
                            baseline_timer=baseline_timer, device_name=device_name,
                            weights=weights, log=log)
+    return tune_outcome(start, done, wanted, out_path)
+
+
+def tune_outcome(start: float, done: dict, wanted: Sequence[int], out_path: Path
+                 ) -> TuneOutcome:
+    """What a start-up tune begun at perf_counter `start` did: the token counts of `wanted`
+    that `done` (the tuned table) now covers, the file, the seconds."""
     seconds = time.perf_counter() - start
     covered = sum(n in done for n in wanted)
     detail = f"tuned now: {covered} of {len(wanted)} token counts in {seconds:.0f} s"

@@ -54,6 +54,7 @@ from moeserve.kernels.moe.tune import (
     DEFAULT_TUNE_BUDGET_S,
     TuneOutcome,
     load_ledger,
+    tune_outcome,
     write_json_atomic,
 )
 
@@ -240,12 +241,7 @@ def ensure_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_
         f"into {out_path} (budget {time_budget_s:.0f} s)")
     done = tune_quant_moe(*shape, wanted, out_path, timer=timer, device_name=device_name,
                           time_budget_s=time_budget_s, weights=weights, log=log)
-    seconds = time.perf_counter() - start
-    covered = sum(n in done for n in wanted)
-    detail = f"tuned now: {covered} of {len(wanted)} token counts in {seconds:.0f} s"
-    if covered < len(wanted):
-        detail += " (time budget spent; the next start resumes)"
-    return TuneOutcome(seconds, bool(done), str(out_path) if done else "default", detail)
+    return tune_outcome(start, done, wanted, out_path)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
