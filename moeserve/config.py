@@ -193,11 +193,11 @@ class EngineConfig:
     dense MLA: the same result) or "dense" (dense MLA for every request, for comparison: no
     indexer runs and no indexer key cache is allocated). No effect on other models."""
     quantization: str | None = None
-    """fp8, nvfp4 or int4 (vLLM's modelopt_fp4 and compressed-tensors accepted). With a
-    checkpoint: its format, checked (a value the checkpoint contradicts, or a checkpoint that is
-    not quantized, is an error); None: whatever it declares. With load_format dummy: the layout
-    the random weights are made in (every linear projection; the embedding, LM head, routers
-    and norms stay in `dtype`)."""
+    """fp8, nvfp4 or int4 (vLLM's modelopt_fp4 and compressed-tensors accepted). With a quantized
+    checkpoint: its format, checked (a value the checkpoint contradicts is an error); None:
+    whatever it declares. With an unquantized checkpoint or load_format dummy: the layout its
+    weights are quantized into as they load (every linear projection, by the format's rule; the
+    embedding, LM head, routers, norms and MLA's kv_b_proj stay in `dtype`)."""
     moe_tiles: str = "tuned"
     """The fused MoE's tiles: "tuned" (a committed or cached tuned file for this device and MoE
     shape, tuned at start-up within moe_tune_budget_s when none exists) or "default" (the
@@ -268,12 +268,8 @@ class EngineConfig:
 
 def _check_quantization(wanted: str, model: ModelConfig, load_format: str) -> None:
     have = model.quantization.format if model.quantization is not None else None
-    if load_format == "dummy":
-        return  # the random weights are made in the wanted layout
-    if have is None:
-        raise ConfigError(f"--quantization {wanted} was given but the checkpoint is not "
-                          "quantized; quantizing bf16 weights at start-up is not implemented "
-                          "(with --load-format dummy the random weights take that layout)")
+    if load_format == "dummy" or have is None:
+        return  # random or unquantized weights are quantized into the wanted layout
     if have != wanted:
         raise ConfigError(f"--quantization {wanted} contradicts the checkpoint, which holds "
                           f"{have} weights")

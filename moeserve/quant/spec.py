@@ -15,8 +15,9 @@ Three formats (../shared/reference/MODELS.md, "Checkpoint formats"):
             {num_bits: 4, symmetric: true, group_size: 32, strategy: "group"}}}, ignore: [...]}
 
 `--quantization` takes these names and vLLM's (`modelopt_fp4` for nvfp4, `compressed-tensors` for
-int4); a flag that contradicts the checkpoint is an error, as is a checkpoint field outside what
-each format's arithmetic implements (named in the message).
+int4); over an unquantized checkpoint it asks for the weights to be quantized as they load (the
+engine's plan, quant/plan.py); a flag that contradicts a quantized checkpoint is an error, as
+is a checkpoint field outside what each format's arithmetic implements (named in the message).
 """
 
 from __future__ import annotations
@@ -68,11 +69,8 @@ def parse(config: dict[str, Any], hf_quant_config: dict[str, Any] | None = None,
         spec = spec or from_config
     if flag is not None:
         wanted = flag_format(flag)
-        if spec is None:
-            raise ConfigError(f"--quantization {flag} was given but the checkpoint is not "
-                              "quantized (no quantization_config, no hf_quant_config.json); "
-                              "a quantized layout from unquantized weights needs "
-                              "--load-format dummy")
+        if spec is None:  # unquantized weights: the engine quantizes them as they load
+            return None
         if wanted != spec.format:
             raise ConfigError(f"--quantization {flag} contradicts the checkpoint, which holds "
                               f"{spec.format} weights")

@@ -103,7 +103,10 @@ class ModelRunner:
             left_out, dequantized, kept = load_weights(
                 self.model, mc, weights_folder, checkpoint_layers=self._checkpoint_layers,
                 layout=self.layout)
-            if plan is not None and (kept or dequantized):
+            if plan is not None and mc.quantization is None:
+                self.format_note = (f"{plan.describe()}: the checkpoint's {mc.checkpoint_dtype} "
+                                    "projections quantized as they loaded (--quantization)")
+            elif plan is not None and (kept or dequantized):
                 self.format_note = f"{plan.describe()}: {kept} checkpoint weights kept quantized"
                 if dequantized:  # MLA's kv_b_proj; a fused weight with an unquantized part
                     self.format_note += (f", {dequantized} held dequantized in "
@@ -148,6 +151,9 @@ class ModelRunner:
         assert weights_folder is not None, "safetensors load_format needs a checkpoint folder"
         self._checkpoint_layers = read_json_config(
             os.path.join(weights_folder, "config.json")).get("num_hidden_layers", mc.num_layers)
+        if mc.quantization is None and cfg.quantization is not None:  # quantized as it loads
+            fmt = flag_format(cfg.quantization)
+            return QuantPlan(fmt, DUMMY_INT4_GROUP if fmt == "int4" else None)
         return checkpoint_plan(mc, weights_folder, self._checkpoint_layers, self.layout)
 
     def expert_load(self) -> dict | None:

@@ -143,7 +143,8 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
                     except QuantLoadError as e:
                         raise WeightLoadError(f"{e} (in {path})") from None
                     continue
-                if any(isinstance(d, QuantView | QuantWeight) for d, _ in targets[name].parts):
+                if (quant.spec is not None and any(
+                        isinstance(d, QuantView | QuantWeight) for d, _ in targets[name].parts)):
                     raise WeightLoadError(f"tensor {name} in {path} is not quantized, but the "
                                           "model holds its weight quantized")
                 if name not in present:
@@ -176,7 +177,12 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
                         dequantized += 1
                     continue
                 for dest, index in targets[name].parts:  # none: another rank's tensor
-                    dest.copy_(f.get_slice(name)[index] if index else f.get_tensor(name))
+                    src = f.get_slice(name)[index] if index else f.get_tensor(name)
+                    if isinstance(dest, QuantView | QuantWeight):  # an unquantized checkpoint
+                        view = dest.view_of() if isinstance(dest, QuantWeight) else dest
+                        quantize_into(view, src.float())  # under --quantization
+                    else:
+                        dest.copy_(src)
     return LoadedWeights(len(left_out), dequantized, kept)
 
 

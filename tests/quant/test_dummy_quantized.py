@@ -43,14 +43,6 @@ def test_nvfp4_needs_its_group_along_every_input_width() -> None:
             hf_overrides={"hidden_size": 72})
 
 
-def test_a_bf16_checkpoint_with_the_flag_is_still_refused(tmp_path) -> None:
-    from tests.models.checkpoints import write_tiny_checkpoint
-
-    folder = write_tiny_checkpoint("qwen3_moe", str(tmp_path))
-    with pytest.raises(ConfigError, match="checkpoint is not quantized.*--load-format dummy"):
-        LLM(str(folder), device="cpu", quantization="fp8")
-
-
 def test_fp8_scales_fold_to_the_checkpoints_row_blocks() -> None:
     """Dummy FP8 weights are drawn in 128 x 128 blocks, so their per-row scales fold to one row
     per 128 (compact_fp8_scales); a weight whose rows do not share them keeps its rows."""

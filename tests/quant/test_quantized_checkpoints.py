@@ -108,10 +108,12 @@ INT4_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized",
                    "strategy": "group", "dynamic": False}}}}
 
 
-def write_quantized_pair(arch: str, root: str, fmt: str = "fp8",
+def write_quantized_pair(arch: str, root: str, fmt: str = "fp8", kept: list[str] | None = None,
                          **overrides) -> tuple[str, str, int]:
     """(the quantized checkpoint in `fmt`'s layout, the reference with its dequantized weights,
-    tensors quantized); overrides: config fields over WIDE's."""
+    tensors quantized); kept: the modules left unquantized (default KEPT[arch]); overrides:
+    config fields over WIDE's. The unquantized source is beside them, in root/src."""
+    kept = KEPT[arch] if kept is None else kept
     src = write_tiny_checkpoint(arch, os.path.join(root, "src"), **(WIDE[arch] | overrides))
     quant, ref = os.path.join(root, fmt), os.path.join(root, "ref")
     for out in (quant, ref):
@@ -123,7 +125,7 @@ def write_quantized_pair(arch: str, root: str, fmt: str = "fp8",
         with safe_open(os.path.join(src, fname), framework="pt") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
-                if _quantizable(name, tuple(t.shape), KEPT[arch]):
+                if _quantizable(name, tuple(t.shape), kept):
                     made, ref_tensors[name] = QUANTIZE[fmt](name, t)
                     q_tensors |= made
                     count += 1
@@ -135,13 +137,13 @@ def write_quantized_pair(arch: str, root: str, fmt: str = "fp8",
     with open(path) as f:
         config = json.load(f)
     if fmt == "fp8":
-        config["quantization_config"] = {**FP8_CONFIG, "modules_to_not_convert": KEPT[arch]}
+        config["quantization_config"] = {**FP8_CONFIG, "modules_to_not_convert": kept}
     elif fmt == "int4":
-        config["quantization_config"] = {**INT4_CONFIG, "ignore": KEPT[arch]}
+        config["quantization_config"] = {**INT4_CONFIG, "ignore": kept}
     else:  # ModelOpt: declared only in hf_quant_config.json
         with open(os.path.join(quant, "hf_quant_config.json"), "w") as f:
             json.dump({"producer": {"name": "modelopt"}, "quantization": {
-                "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": KEPT[arch]}}, f)
+                "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": kept}}, f)
     with open(path, "w") as f:
         json.dump(config, f)
     return quant, ref, count
@@ -307,9 +309,6 @@ def test_the_quantization_flag_is_checked_against_the_checkpoint(pair: tuple) ->
     with pytest.raises(ConfigError, match="--quantization nvfp4 contradicts the checkpoint, "
                                           "which holds fp8 weights"):
         LLM(fp8, device="cpu", quantization="modelopt_fp4")
-    with pytest.raises(ConfigError, match="--quantization int4 was given but the checkpoint "
-                                          "is not quantized"):
-        LLM(ref, device="cpu", quantization="compressed-tensors")
     with pytest.raises(ConfigError, match="--quantization 'awq' is not a format"):
         LLM(fp8, device="cpu", quantization="awq")
 
@@ -351,3 +350,24 @@ def test_nvfp4_and_int4_checkpoints_match_transformers_on_their_dequantized_weig
     assert held and all(m.format == fmt for m in held.values())
     assert not any(n.startswith(k) for n in held for k in KEPT[arch])
     assert not any("kv_b_proj" in n for n in held)  # MLA's absorbed views stay dequantized
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int4"])
+def test_an_unquantized_checkpoint_is_quantized_as_it_loads(tmp_path: str, fmt: str) -> None:
+    """`--quantization F` on the unquantized checkpoint quantizes each projection tensor by the
+    format's rule as it loads (vLLM's online quantization): the same tokens as the checkpoint
+    quantized offline by that rule with nothing kept (FP8 in 128 x 128 blocks per tensor, INT4
+    by compressed-tensors' compressor on the same scales), and the same weights held."""
+    quant, _, _ = write_quantized_pair("qwen3_moe", str(tmp_path), fmt, kept=[])
+    src = os.path.join(str(tmp_path), "src")
+    prompts = _prompts(256, (5, 17, 9))
+    offline = LLM(quant, device="cpu", dtype="float32")
+    online = LLM(src, device="cpu", dtype="float32", quantization=fmt)
+    assert ([r.token_ids for r in online.generate(prompts, GREEDY)]
+            == [r.token_ids for r in offline.generate(prompts, GREEDY)])
+    assert "quantized as they loaded" in online.report.format()
+    got = dict(online.engine.runner.model.named_modules())
+    for name, m in offline.engine.runner.model.named_modules():
+        if isinstance(m, QuantWeight):
+            assert isinstance(got[name], QuantWeight) and torch.equal(
+                got[name].dequantize(), m.dequantize()), name
