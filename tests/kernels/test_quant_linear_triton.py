@@ -149,7 +149,7 @@ def test_w4a16_fp16(t: int, fmt: str, k: int, group: int | None) -> None:
 
 
 @pytest.mark.parametrize(("fmt", "k", "group", "config"), [
-    ("nvfp4", 336, None, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)),
+    ("nvfp4", 336, None, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),
     ("nvfp4", 336, None, dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=8)),
     ("int4", 200, 32, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_stages=2)),
     ("int4", 320, 64, dict(BLOCK_K=256))])
@@ -222,6 +222,7 @@ def test_w4a16_bad_inputs_are_named() -> None:
         (dict(bias=torch.zeros(63)), r"bias must be float \[64\]"),
         (dict(config=dict(BLOCK_K=8)), "BLOCK_K must be a power of two >= 16"),
         (dict(config=dict(BLOCK_N=48)), "BLOCK_N must be a power of two >= 16"),
+        (dict(config=dict(BLOCK_K=16)), "nvfp4 needs at least 32"),
         (dict(config=dict(BLOCK_SIZE=64)), r"unknown config keys \['BLOCK_SIZE'\]"),
     ]
     base = dict(x=x, fmt="nvfp4", qweight=q, scale=s, global_scale=g, group=16, k=64)

@@ -17,17 +17,21 @@ FP4 tensor cores; the dot runs in x's dtype with an fp32 accumulator).
 One BLOCK_M x BLOCK_N output tile a program (and a K split: with SPLIT_K > 1, the default for small
 T on CUDA, each of SPLIT_K programs of a tile sums its share of K's steps into an fp32 plane [S, T,
 N], the planes then added in order and the bias after: decode has too few tiles to fill the SMs
-otherwise); the K loop steps BLOCK_K (a multiple of the group) columns: the step's packed [BLOCK_K /
-2 or / 8, BLOCK_N] bytes or words, each shifted by every nibble's offset at once ([.., 2 or 8,
-BLOCK_N]) and masked, reshaped to the [BLOCK_K, BLOCK_N] nibble tile; the [BLOCK_K / group, BLOCK_N]
-scales broadcast along the group the same way; the product cast to x's dtype and dotted with x's
-[BLOCK_M, BLOCK_K] tile (fp32 x: IEEE fp32 dot, no TF32). The bias is added to the fp32 accumulator;
-one rounding to x's dtype at the store.
+otherwise); the K loop steps BLOCK_K (a multiple of the group) columns:
+    nvfp4  the step's [BLOCK_K / 2, BLOCK_N] bytes and, per byte, its group's scale (a gather
+           load: 8 bytes share one), dequantized and dotted by nvfp4_tile.nvfp4_step (x's even
+           and odd columns against the low and high nibbles: no reshape of the weight tile;
+           BLOCK_K >= 32)
+    int4   the step's [BLOCK_K / 8, BLOCK_N] words, each shifted by every nibble's offset at
+           once ([.., 8, BLOCK_N]) and masked, reshaped to the [BLOCK_K, BLOCK_N] nibble tile;
+           the [BLOCK_K / group, BLOCK_N] scales broadcast along the group the same way
+the product cast to x's dtype and dotted with x's tile (fp32 x: IEEE fp32 dot, no TF32). The bias
+is added to the fp32 accumulator; one rounding to x's dtype at the store.
 
-NVFP4's e4m3 scales are read as their bytes (`scale.view(torch.uint8)`) and decoded by bit
-arithmetic in the kernel (NaN codes 0x7F / 0xFF give NaN, as torch's cast does). Measured under
-Triton's interpreter (3.9): loading float8_e4m3fn directly is exact for the 254 finite codes but
-turns the NaN codes into +-480, so the byte path is the one used on both CPU and GPU.
+NVFP4's e4m3 scales: on CUDA loaded as float8_e4m3fn and converted by the hardware; on CPU read as
+their bytes (`scale.view(torch.uint8)`) and decoded by bit arithmetic (NaN codes 0x7F / 0xFF give
+NaN, as torch's cast does): measured under Triton's interpreter (3.9), loading float8_e4m3fn is
+exact for the 254 finite codes but turns the NaN codes into +-480.
 
 Launch shapes depend on shapes only (no host sync): CUDA-graph capturable. The token count and
 its strides are `do_not_specialize`, so a new batch size compiles nothing; the default tile
@@ -45,6 +49,7 @@ from typing import Any
 
 import torch
 
+from moeserve.kernels.linear import nvfp4_tile
 from moeserve.kernels.triton_common import num_sms, require_triton_device, split_k_for
 from moeserve.quant.fp8_block import E4M3
 from moeserve.quant.int4_pack import PER_WORD
@@ -79,11 +84,15 @@ def w4a16_linear_triton(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale:
     rows = x.reshape(-1, k)  # [T, K]
     t = rows.shape[0]
     cfg = _resolve_config(t, n, k, group, x.device, config)
+    _need(fmt != "nvfp4" or cfg["BLOCK_K"] >= nvfp4_tile.MIN_BLOCK_K,
+          f"config BLOCK_K {cfg['BLOCK_K']}: nvfp4 needs at least {nvfp4_tile.MIN_BLOCK_K} "
+          "(each nibble's dot spans half of it)")
     split = cfg["SPLIT_K"]
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)  # [T, N]
     if t and n:
         nvfp4 = fmt == "nvfp4"
-        s = scale.view(torch.uint8) if nvfp4 else scale  # nvfp4: e4m3 bytes [N, K / 16]
+        native_fp8 = x.device.type == "cuda"  # nvfp4's scales loaded as float8 (or bytes)
+        s = scale.view(torch.uint8) if nvfp4 and not native_fp8 else scale  # [N, K / 16]
         g = global_scale if nvfp4 else s  # [N] fp32 (int4: unused, any pointer)
         b = bias if bias is not None else out  # [N] (unused without HAS_BIAS)
         # split-K: each split's fp32 partial sums [S, T, N], added in a fixed order after
@@ -96,7 +105,8 @@ def w4a16_linear_triton(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale:
             s.stride(0), s.stride(1), g.stride(0), b.stride(0), dest.stride(-2),
             dest.stride(-1), t * n,
             NVFP4=nvfp4, GROUP=group, HAS_BIAS=bias is not None and split == 1,
-            IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            NATIVE_FP8=native_fp8, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
         if split > 1:
@@ -146,6 +156,7 @@ def _resolve_config(t: int, n: int, k: int, group: int, device: torch.device,
               f"config {key} must be a power of two >= 16, got {v}")
     _need(cfg["BLOCK_K"] % group == 0, f"config BLOCK_K {cfg['BLOCK_K']} must be a multiple of "
           f"the group {group}")
+
     w, s = cfg["num_warps"], cfg["num_stages"]
     _need(isinstance(w, int) and w >= 1 and w & (w - 1) == 0,
           f"config num_warps must be a power of two, got {w}")
@@ -214,13 +225,13 @@ def _need(ok: bool, what: str) -> None:
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel and its helpers, once (interpreted if
     TRITON_INTERPRET=1 now)."""
-    global tl, _e2m1_to_f32, _e4m3_to_f32
+    global tl, _nvfp4_step, _e4m3_bits_to_f32
     import triton
     import triton.language
 
     tl = triton.language
-    _e2m1_to_f32 = triton.jit(_e2m1_to_f32)  # the kernel calls them by these global names
-    _e4m3_to_f32 = triton.jit(_e4m3_to_f32)
+    tiles = nvfp4_tile.jitted()  # the kernel calls them by these global names
+    _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
     # the token count changes every step: no variant per value
     return SimpleNamespace(w4a16=triton.jit(
         _w4a16_kernel, do_not_specialize=["M", "stride_xm", "stride_om", "split_stride"]))
@@ -228,32 +239,13 @@ def _kernels() -> SimpleNamespace:
 
 # ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ---
 
-def _e2m1_to_f32(code):
-    """int32 nibbles 0..15 -> their e2m1 values fp32: bit 3 the sign, bits 2-1 the exponent
-    (bias 1), bit 0 the mantissa; exponent 0 is 0 or 0.5."""
-    mag = code & 7
-    normal = ((((mag >> 1) + 126) << 23) | ((mag & 1) << 22)).to(tl.float32, bitcast=True)
-    value = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
-    return tl.where(code >= 8, -value, value)
-
-
-def _e4m3_to_f32(byte):
-    """int32 bytes 0..255 of float8_e4m3fn -> fp32: bit 7 the sign, bits 6-3 the exponent
-    (bias 7), bits 2-0 the mantissa; exponent 0 is subnormal (m x 2^-9); 0x7F / 0xFF NaN."""
-    exp = (byte >> 3) & 15
-    man = byte & 7
-    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-    value = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)
-    value = tl.where(byte >= 128, -value, value)
-    return tl.where((byte & 127) == 127, float("nan"), value)
-
-
 def _w4a16_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K,
                   stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sk,
                   stride_g, stride_bias, stride_om, stride_on, split_stride,
                   NVFP4: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SPLIT_K: tl.constexpr):
     """Program (m tile, n tile, split): out[m, n] = sum over the split's K steps of x's
     [BM, BK] tile dotted with the dequantized [BK, BN] weight tile (module docstring), then the
     epilogue; with SPLIT_K > 1 the fp32 partial goes to its split's plane of out (split_stride
@@ -280,17 +272,19 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K,
         k_ok = k < K
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [BM, BK] x's dtype
-        g = kb * GROUPS_PER_STEP + rg  # [BK / G] scale columns of this step
-        s_mask = (g * GROUP < K)[:, None] & n_ok[None, :]  # [BK / G, BN]
         if NVFP4:  # K % 16 == 0: no byte is cut by K
             c = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
-            byte = tl.load(q_cols + c[:, None] * stride_qk,
-                           mask=(2 * c < K)[:, None] & n_ok[None, :], other=0)  # [BK / 2, BN]
-            nib = (byte.to(tl.int32)[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 15
-            w = _e2m1_to_f32(tl.reshape(nib, (BLOCK_K, BLOCK_N)))  # [BK, BN]: low nibble first
-            s_byte = tl.load(s_cols + g[:, None] * stride_sk, mask=s_mask, other=0)
-            s = _e4m3_to_f32(s_byte.to(tl.int32))  # [BK / G, BN]
+            c_mask = (2 * c < K)[:, None] & n_ok[None, :]  # [BK / 2, BN]
+            byte = tl.load(q_cols + c[:, None] * stride_qk, mask=c_mask, other=0)
+            s_ptrs = s_cols + (c // (GROUP // 2))[:, None] * stride_sk  # each byte's group
+            if NATIVE_FP8:  # float8_e4m3fn, the hardware's conversion
+                s = tl.load(s_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+            else:  # its bytes (the interpreter's fp8 loads lose the NaN codes)
+                s = _e4m3_bits_to_f32(tl.load(s_ptrs, mask=c_mask, other=0).to(tl.int32))
+            acc = _nvfp4_step(acc, a, byte, s, BLOCK_M, BLOCK_K, DOT_PRECISION)
         else:
+            g = kb * GROUPS_PER_STEP + rg  # [BK / G] scale columns of this step
+            s_mask = (g * GROUP < K)[:, None] & n_ok[None, :]  # [BK / G, BN]
             c = kb * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # [BK / 8] word columns
             word = tl.load(q_cols + c[:, None] * stride_qk,
                            mask=(8 * c < K)[:, None] & n_ok[None, :], other=0)  # [BK / 8, BN]
@@ -301,13 +295,9 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K,
             w = (nib - 8).to(tl.float32)  # [BK, BN]
             s = tl.load(s_cols + g[:, None] * stride_sk, mask=s_mask,
                         other=0.0).to(tl.float32)  # [BK / G, BN]
-        s = tl.reshape(tl.broadcast_to(s[:, None, :], (GROUPS_PER_STEP, GROUP, BLOCK_N)),
-                       (BLOCK_K, BLOCK_N))  # [BK, BN]: each scale over its group's rows
-        b = (w * s).to(a.dtype)  # [BK, BN]
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+            s = tl.reshape(tl.broadcast_to(s[:, None, :], (GROUPS_PER_STEP, GROUP, BLOCK_N)),
+                           (BLOCK_K, BLOCK_N))  # [BK, BN]: each scale over its group's rows
+            acc = tl.dot(a, (w * s).to(a.dtype), acc, input_precision=DOT_PRECISION)
     if NVFP4:
         acc *= tl.load(g_ptr + rn * stride_g, mask=n_ok, other=0.0)[None, :]  # [1, BN]
     if HAS_BIAS:

@@ -5,7 +5,8 @@ tuned files.
 A config is tile_configs.CONFIG_KEYS (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
 num_stages), one set for both launches, no launch options and no "down" entry. Per format
 (`check_quant_config`): fp8 needs BLOCK_K 128 (one activation / weight scale column a K step);
-nvfp4 and int4 a BLOCK_K that is a multiple of the group (16, or the checkpoint's int4 group).
+nvfp4 and int4 a BLOCK_K that is a multiple of the group (16, or the checkpoint's int4 group),
+for nvfp4 at least 32.
 
 Tuned configs live beside the bf16 ones (tile_configs.config_dirs: $MOESERVE_MOE_CONFIG_DIR, the
 package's configs/, the user cache), one JSON file per (format, E, H, I, top_k, group, device,
@@ -31,6 +32,7 @@ import functools
 
 import torch
 
+from moeserve.kernels.linear.nvfp4_tile import MIN_BLOCK_K as NVFP4_MIN_BLOCK_K
 from moeserve.kernels.moe.tile_configs import (
     CONFIG_KEYS,
     OPTION_KEYS,
@@ -85,6 +87,9 @@ def check_quant_config(config: dict, fmt: str, groups: tuple[int, ...],
     if fmt != "fp8" and any(block_k % g for g in groups):
         raise ValueError(f"{what}: BLOCK_K {block_k} must be a multiple of the {fmt} groups "
                          f"{sorted(set(groups))}")
+    if fmt == "nvfp4" and block_k < NVFP4_MIN_BLOCK_K:
+        raise ValueError(f"{what}: nvfp4 needs BLOCK_K >= {NVFP4_MIN_BLOCK_K} (each nibble's "
+                         f"dot spans half of it), got {block_k}")
 
 
 def quant_block_ks(fmt: str, group: int) -> list[int]:

@@ -17,19 +17,22 @@ The data flow is `moe_triton`'s (fused_triton.py), for T tokens, k experts each,
 B tiles ([BLOCK_K, BLOCK_N] of w[e]^T, read in place through the strides) come in their packed
 dtype and are dequantized in registers, per FORMAT:
 
-    nvfp4  uint8 bytes (two e2m1 nibbles, element 2j low), the e4m3 group scale read as uint8
-           and decoded by bit arithmetic, times global_scale[e, n]:
-           w = e2m1 * (scale * global_scale), the reference's fp32 ops, then x's dtype
-    int4   int32 words of 8 nibbles (q + 8): w = (nibble - 8) * scale[n, k // group]
+    nvfp4  uint8 bytes (two e2m1 nibbles, element 2j low) and, per byte, its group's e4m3
+           scale (a gather load: 8 bytes share one; on CUDA loaded as float8, on CPU as bytes
+           decoded by bit arithmetic): linear/nvfp4_tile.py's step dots x's even and odd
+           columns with the low and high nibbles' [BK / 2, BN] tiles (BLOCK_K >= 32), each
+           e2m1 * scale, exact in x's dtype; global_scale[e, n] multiplies the fp32
+           accumulator's column n before the epilogue (gate and up rows their own)
+    int4   int32 words of 8 nibbles (q + 8): w = (nibble - 8) * scale[n, k // group], the
+           [BK / 8, 8, BN] nibbles reshaped to the [BK, BN] tile
     fp8    e4m3 as loaded; A is e4m3 too, BLOCK_K = 128 (one scale column a step):
            acc += dot(a_q, b_q) * s_a[row, kb] * s_b[e, n // scale_rows, kb]   (fp32)
 
-For nvfp4 / int4 the dequantized tile is cast to x's dtype and multiplied by tl.dot in fp32
-(fp32: input_precision "ieee"): the same weights, bit for bit, as `packed.dequantize(...)` in x's
-dtype, so the op differs from the reference only by summation order. The global scale is
-folded into the tile, not the epilogue: one more multiply per element, but the reference's
-single rounding of e2m1 * (scale * global_scale), and gate and up rows (whose global scales
-differ) need nothing special.
+For nvfp4 / int4 the dequantized tile is in x's dtype and multiplied by tl.dot in fp32 (fp32:
+input_precision "ieee"). int4's tile is the same weights, bit for bit, as
+`packed.dequantize(...)` in x's dtype; nvfp4's is dequantize / global_scale, exact, the global
+scale then applied once in fp32 (the reference folds it into each weight, one rounding more),
+so the op differs from the reference by summation order and that one rounding.
 
 Tiles: a `config` of tile_configs.CONFIG_KEYS, one for both launches, else the lookup of
 quant/configs.py (a tuned file of quant/tune.py, nearest token count; or, untuned or with
@@ -52,6 +55,7 @@ from typing import Any
 
 import torch
 
+from moeserve.kernels.linear import nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
@@ -142,7 +146,8 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
     qweight = w.qweight  # [E, N, K / pack]: e4m3, uint8 or int32
-    scale = w.scale.view(torch.uint8) if fmt == "nvfp4" else w.scale  # e4m3 bits, decoded
+    native_fp8 = a.device.type == "cuda"  # nvfp4's scales loaded as float8 (else as bytes)
+    scale = w.scale.view(torch.uint8) if fmt == "nvfp4" and not native_fp8 else w.scale
     glob = w.global_scale if fmt == "nvfp4" else scale  # unused unless nvfp4
     a_scale = a_scale if a_scale is not None else topk_weights  # unused unless fp8
     num_blocks = expert_ids.shape[0]
@@ -157,7 +162,7 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
         c.stride(0),  # C [M, N]
         FORMAT=FORMAT_IDS[fmt], GROUP=group, SCALE_ROWS=scale_rows, A_ROW_DIV=a_row_div,
         GATED=gated, EVEN_K=k_dim % config["BLOCK_K"] == 0,
-        DOT_PRECISION="ieee" if c.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if c.dtype == torch.float32 else "tf32", NATIVE_FP8=native_fp8,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"])
@@ -171,12 +176,13 @@ def _kernel() -> Any:
     bound at import and would not be interpreted under a later TRITON_INTERPRET=1), and the
     helpers are jitted here and bound as module globals, where the interpreter finds them.
     """
-    global tl, _tile, _b_step, _load_k, _e2m1_to_f32, _e4m3_to_f32
+    global tl, _tile, _b_step, _load_k, _nvfp4_step, _e4m3_bits_to_f32
     import triton
     import triton.language as tl
 
-    _tile, _b_step, _load_k, _e2m1_to_f32, _e4m3_to_f32 = (
-        triton.jit(f) for f in (_tile, _b_step, _load_k, _e2m1_to_f32, _e4m3_to_f32))
+    _tile, _b_step, _load_k = (triton.jit(f) for f in (_tile, _b_step, _load_k))
+    tiles = nvfp4_tile.jitted()
+    _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
 
     # step-varying sizes and row strides exempt from Triton's value specialization
     @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "stride_am", "stride_asm",
@@ -188,8 +194,8 @@ def _kernel() -> Any:
             stride_ge, stride_gn, stride_cm,
             FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
             A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         # (row block, N-tile): GROUP_M row blocks side by side per N-tile (B tiles shared in L2)
         pid = tl.program_id(0)
         num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -204,7 +210,7 @@ def _kernel() -> Any:
                   pid_m, pid_n, expert.to(tl.int64), num_pairs, N, K, stride_am, stride_asm,
                   stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
                   stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS, A_ROW_DIV,
-                  GATED, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                  GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8, BLOCK_M, BLOCK_N, BLOCK_K)
 
     return _fused_moe_quant_kernel
 
@@ -293,8 +299,8 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
           stride_ge, stride_gn, stride_cm,
           FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
           A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-          DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+          DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`, int64)."""
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
@@ -305,7 +311,6 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
     a_base = a_ptr + a_rows[:, None] * stride_am  # [BM, 1]; A's last dim is contiguous
     b_base = b_ptr + expert * stride_be
     s_base = bs_ptr + expert * stride_se
-    g_base = bg_ptr + expert * stride_ge
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # the up rows' (gated)
     for k0 in range(0, K, BLOCK_K):
@@ -318,13 +323,19 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
         s_a = a  # fp8: the rows' scales of this 128-group, [BM]
         if FORMAT == 0:
             s_a = tl.load(as_ptr + a_rows * stride_asm + k0 // BLOCK_K, mask=row_ok, other=0.0)
-        acc = _b_step(acc, a, s_a, b_base, s_base, g_base, rows, kk, k_ok, k0, K, stride_bn,
-                      stride_bk, stride_sn, stride_sk, stride_gn, FORMAT, GROUP, SCALE_ROWS,
-                      EVEN_K, DOT_PRECISION, BLOCK_N, BLOCK_K)
-        if GATED:  # the up rows N + n: their own scales (and global scales)
-            acc_up = _b_step(acc_up, a, s_a, b_base, s_base, g_base, rows + N, kk, k_ok, k0,
-                             K, stride_bn, stride_bk, stride_sn, stride_sk, stride_gn, FORMAT,
-                             GROUP, SCALE_ROWS, EVEN_K, DOT_PRECISION, BLOCK_N, BLOCK_K)
+        acc = _b_step(acc, a, s_a, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn,
+                      stride_bk, stride_sn, stride_sk, FORMAT, GROUP, SCALE_ROWS, EVEN_K,
+                      DOT_PRECISION, NATIVE_FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+        if GATED:  # the up rows N + n: their own scales
+            acc_up = _b_step(acc_up, a, s_a, b_base, s_base, rows + N, kk, k_ok, k0, K,
+                             stride_bn, stride_bk, stride_sn, stride_sk, FORMAT, GROUP,
+                             SCALE_ROWS, EVEN_K, DOT_PRECISION, NATIVE_FP8, BLOCK_M, BLOCK_N,
+                             BLOCK_K)
+    if FORMAT == 1:  # nvfp4's global scales, per weight row (gate and up rows their own)
+        g_rows = bg_ptr + expert * stride_ge + rows.to(tl.int64) * stride_gn  # [BN]
+        acc = acc * tl.load(g_rows)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(g_rows + N * stride_gn)[None, :]
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     else:
@@ -333,10 +344,11 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
 
-def _b_step(acc, a, s_a, b_base, s_base, g_base, rows, kk, k_ok, k0, K, stride_bn, stride_bk,
-            stride_sn, stride_sk, stride_gn, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+def _b_step(acc, a, s_a, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, stride_bk,
+            stride_sn, stride_sk, FORMAT: tl.constexpr, GROUP: tl.constexpr,
             SCALE_ROWS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr):
     """acc [BM, BN] + a [BM, BK] @ the [BK, BN] tile of weight rows `rows` at columns kk,
     dequantized per FORMAT (0 fp8, 1 nvfp4, 2 int4; the module docstring)."""
     rows = rows.to(tl.int64)
@@ -344,28 +356,32 @@ def _b_step(acc, a, s_a, b_base, s_base, g_base, rows, kk, k_ok, k0, K, stride_b
         b = _load_k(b_base + rows[None, :] * stride_bn + kk[:, None] * stride_bk, k_ok, EVEN_K)
         s_b = tl.load(s_base + (rows // SCALE_ROWS) * stride_sn + (k0 // BLOCK_K) * stride_sk)
         acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
+    elif FORMAT == 1:  # the bytes and, per byte, its group's scale: nvfp4_tile's step
+        c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
+        c_ok = c * 2 < K  # past K: 0 (x's columns there are 0)
+        byte = _load_k(b_base + rows[None, :] * stride_bn + c[:, None] * stride_bk, c_ok,
+                       EVEN_K)  # [BK / 2, BN] uint8
+        s_ptrs = s_base + rows[None, :] * stride_sn + (c // (GROUP // 2))[:, None] * stride_sk
+        if NATIVE_FP8:  # float8_e4m3fn, the hardware's conversion
+            scale = _load_k(s_ptrs, c_ok, EVEN_K).to(tl.float32)
+        else:  # its bytes (the interpreter's fp8 loads lose the NaN codes)
+            scale = _e4m3_bits_to_f32(_load_k(s_ptrs, c_ok, EVEN_K).to(tl.int32))
+        acc = _nvfp4_step(acc, a, byte, scale, BLOCK_M, BLOCK_K, DOT_PRECISION)
     else:
-        # each packed byte / word and each group scale loaded once: [BK / P, BN] and
-        # [BK / G, BN], spread to the [BK, BN] tile in registers (P nibbles a byte or word)
-        PER: tl.constexpr = 2 if FORMAT == 1 else 8
-        kp = k0 // PER + tl.arange(0, BLOCK_K // PER)  # [BK / P] packed columns
+        # each packed word and each group scale loaded once: [BK / 8, BN] and [BK / G, BN],
+        # spread to the [BK, BN] tile in registers (8 nibbles a word)
+        kp = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK / 8] packed columns
         kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [BK / G] scale columns
-        kp_ok, kg_ok = kp * PER < K, kg * GROUP < K  # past K: 0 (x's columns there are 0)
+        kp_ok, kg_ok = kp * 8 < K, kg * GROUP < K  # past K: 0 (x's columns there are 0)
         packed = _load_k(b_base + rows[None, :] * stride_bn + kp[:, None] * stride_bk, kp_ok,
-                         EVEN_K).to(tl.int32)  # [BK / P, BN]
-        nib = (packed[:, None, :] >> (tl.arange(0, PER) * 4)[None, :, None]) & 0xF
-        nib = tl.reshape(nib, (BLOCK_K, BLOCK_N))  # [BK, BN]: element P j + i at nibble i
-        scales = _load_k(s_base + rows[None, :] * stride_sn + kg[:, None] * stride_sk, kg_ok,
-                         EVEN_K)  # [BK / G, BN]: e4m3 bits (nvfp4) or the scale dtype
-        if FORMAT == 1:  # the reference's ops: e2m1 * (scale * global_scale), fp32
-            glob = tl.load(g_base + rows * stride_gn)  # [BN] fp32
-            step = _e4m3_to_f32(scales.to(tl.int32)) * glob[None, :]  # [BK / G, BN]
-            w_val = _e2m1_to_f32(nib)
-        else:  # int32 words of 8 nibbles, stored as q + 8
-            step = scales.to(tl.float32)
-            w_val = (nib - 8).to(tl.float32)
+                         EVEN_K).to(tl.int32)  # [BK / 8, BN]
+        nib = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+        nib = tl.reshape(nib, (BLOCK_K, BLOCK_N))  # [BK, BN]: element 8 j + i at nibble i
+        step = _load_k(s_base + rows[None, :] * stride_sn + kg[:, None] * stride_sk, kg_ok,
+                       EVEN_K).to(tl.float32)  # [BK / G, BN]
         step = tl.reshape(tl.broadcast_to(step[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N)),
                           (BLOCK_K, BLOCK_N))  # [BK, BN]: each scale over its group's rows
+        w_val = (nib - 8).to(tl.float32)  # int32 words of 8 nibbles, stored as q + 8
         acc = tl.dot(a, (w_val * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
     return acc
 
@@ -375,24 +391,3 @@ def _load_k(ptrs, k_ok, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=k_ok[:, None], other=0.0)
-
-
-def _e2m1_to_f32(nibble):
-    """e2m1 codes (int32, 0..15) -> fp32: bit 3 sign, bits 2-1 exponent (bias 1), bit 0
-    mantissa; exponent 0 is subnormal (0.5 x mantissa)."""
-    exp = (nibble >> 1) & 3
-    man = nibble & 1
-    normal = (((exp + 126) << 23) | (man << 22)).to(tl.float32, bitcast=True)
-    mag = tl.where(exp == 0, man.to(tl.float32) * 0.5, normal)
-    return tl.where(nibble >= 8, -mag, mag)
-
-
-def _e4m3_to_f32(bits):
-    """float8_e4m3fn bytes (int32, 0..255) -> fp32: bit 7 sign, bits 6-3 exponent (bias 7),
-    bits 2-0 mantissa; exponent 0 is subnormal (mantissa x 2^-9). (0x7F / 0xFF, NaN in e4m3fn,
-    decode as 480: group scales are finite.)"""
-    exp = (bits >> 3) & 0xF
-    man = bits & 7
-    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)
-    return tl.where(bits >= 128, -mag, mag)

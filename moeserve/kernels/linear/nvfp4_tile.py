@@ -1,0 +1,80 @@
+"""One K step of an NVFP4 weight tile on Triton, shared by the W4A16 linear (w4a16_triton.py)
+and the quantized fused MoE (moe/quant/fused_triton.py): the packed bytes dequantized in
+registers and dotted with the activations, with no reshape of the weight tile.
+
+    nvfp4_step(acc, a, byte, scale)
+        a     [BM, BK]      the activations of the step's K columns (x's dtype)
+        byte  [BK / 2, BN]  the packed bytes (uint8): byte j holds k = 2j (low nibble) and
+                            2j + 1 (high nibble)
+        scale [BK / 2, BN]  fp32, each byte's group scale (e4m3's value; one group is 8 bytes)
+        -> acc + a[:, 0::2] @ W_lo + a[:, 1::2] @ W_hi   with W_h[j, n] = e2m1(nibble h) * scale
+
+The step splits a into its even and odd columns (a reshape to [BM, BK / 2, 2] and tl.split:
+the small operand moves, the weight tile stays as loaded) and dots each with the tile of one
+nibble, so BK / 2 must be at least 16 (tl.dot's K): BLOCK_K >= 32. The global scale is not
+applied here: the caller multiplies its fp32 accumulator by it per output column.
+
+The nibble's value comes from its bits: sign-magnitude s m2 m1 m0 set as fp16 bits s << 15 |
+m << 9 is exactly the e2m1 value times 2^-14 (exponent 0 is fp16's subnormal, as e2m1's is),
+converted to fp32 exactly and multiplied by scale * 2^14; e2m1 x e4m3 has at most 7
+significant bits in [2^-10, 2688], so that product and its cast to x's dtype (fp32, fp16 or
+bf16) round nothing: the tile equals packed.dequantize(...) / global_scale bit for bit. About
+8 integer and float operations an element, against the ~20 and two layout conversions of
+decoding [BK, BN] nibbles after a reshape (measured at 7e90c0c: benchmarks/results/gpu_7e90c0c).
+
+`e4m3_bits_to_f32` decodes e4m3 bytes by bit arithmetic: Triton's interpreter loads
+float8_e4m3fn's NaN codes as +-480, so on CPU the callers load the scales' bytes and decode
+them here (on CUDA the float8 load and its hardware conversion). The functions are plain
+Python until `jitted()` wraps them (the callers' kernels jit on first use, see fused_triton.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+tl: Any = None  # triton.language, bound by jitted(): the helpers read it as a global
+MIN_BLOCK_K = 32  # each nibble's dot has K = BLOCK_K / 2 >= 16
+
+
+def nvfp4_step(acc, a, byte, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """acc [BM, BN] + a [BM, BK] @ the dequantized [BK, BN] tile (module docstring)."""
+    a_lo, a_hi = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))  # k = 2j, 2j + 1
+    bits = byte.to(tl.int32)
+    step = scale * 16384.0  # the nibbles decode to their value x 2^-14
+    acc = _nibble_dot(acc, a_lo, ((bits & 7) << 9) | ((bits & 8) << 12), step, DOT_PRECISION)
+    return _nibble_dot(acc, a_hi, ((bits & 0x70) << 5) | ((bits & 0x80) << 8), step,
+                       DOT_PRECISION)
+
+
+def _nibble_dot(acc, a, half_bits, step, DOT_PRECISION: tl.constexpr):
+    """acc + a @ (fp16(half_bits) * step) in a's dtype; half_bits int32 < 2^16."""
+    value = half_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.dot(a, (value * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
+
+
+def e4m3_bits_to_f32(bits):
+    """float8_e4m3fn bytes (int32, 0..255) -> fp32: bit 7 sign, bits 6-3 exponent (bias 7),
+    bits 2-0 mantissa; exponent 0 is subnormal (mantissa x 2^-9); 0x7F / 0xFF NaN."""
+    exp = (bits >> 3) & 15
+    man = bits & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)
+    value = tl.where(bits >= 128, -value, value)
+    return tl.where((bits & 127) == 127, float("nan"), value)
+
+
+@functools.cache
+def jitted() -> SimpleNamespace:
+    """The helpers as Triton functions (bound here as module globals too: they call each other
+    by name); triton is imported here, on first use."""
+    global tl, _nibble_dot, nvfp4_step, e4m3_bits_to_f32
+    import triton
+    import triton.language
+
+    tl = triton.language
+    _nibble_dot, nvfp4_step, e4m3_bits_to_f32 = (
+        triton.jit(f) for f in (_nibble_dot, nvfp4_step, e4m3_bits_to_f32))
+    return SimpleNamespace(nvfp4_step=nvfp4_step, e4m3_bits_to_f32=e4m3_bits_to_f32)
