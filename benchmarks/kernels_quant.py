@@ -33,7 +33,8 @@ short keeps what it measured, after each format of each shape). Exit status 1 if
 was not finite.
 
 On the H200 (one call; expected 3-6 minutes, most of it Triton compiles and weight drawing;
-the timeout's SIGINT leaves the JSON of what was done; `--shapes glm-5` etc. split it):
+the timeout's SIGINT leaves the JSON of what was done; `--shapes glm-5` etc. split it;
+--profile adds each MoE row's kernels by GPU time, torch.profiler over three eager calls):
 
     source benchmarks/gpu_env.sh; timeout -s INT 560 python3 -m benchmarks.kernels_quant \
         --out $OUT
@@ -115,6 +116,20 @@ def moe_op(fmt: str, x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch
     return lambda: moe_quant_triton(x, w13, w2, weights, ids, tiles=tiles)
 
 
+def kernel_breakdown(fn: Callable[[], object], calls: int = 3) -> list[dict]:
+    """The op's GPU kernels (torch.profiler, `calls` eager calls): name, us a call, share."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    return [{"kernel": e.key[:100], "us": round(e.self_device_time_total / calls, 1),
+             "share": round(e.self_device_time_total / total, 3)}
+            for e in sorted(events, key=lambda e: -e.self_device_time_total)]
+
+
 def moe_ref(fmt: str, x: torch.Tensor, w13, w2, weights: torch.Tensor,
             ids: torch.Tensor) -> torch.Tensor:
     from moeserve.kernels.moe.quant.ref import moe_quant_ref
@@ -174,6 +189,8 @@ def bench_moe_format(fmt: str, shape_name: str, shape: tuple[int, int, int, int]
             "pct_of_read_bound": round(100 * bound_ms / ms, 1), "tflops": round(tflops, 1),
             "pct_of_787_tflops": round(100 * tflops / DENSE_TFLOPS, 1),
             "tiles": moe_tiles(fmt, w13, num_tokens, top_k, dtype, ctx["tiles"])})
+        if ctx.get("profile") and device == "cuda":
+            row["kernels"] = kernel_breakdown(fn)
         if ctx.get("fp8_peak_tflops"):
             row["pct_of_fp8_peak"] = round(100 * tflops / ctx["fp8_peak_tflops"], 1)
         rows.append(row)
@@ -338,6 +355,8 @@ def main() -> None:
                              "is found, else the defaults; or the defaults")
     parser.add_argument("--peak-size", type=int, default=8192, help="dense peaks at size^3")
     parser.add_argument("--no-linear", action="store_true", help="skip the linear kernels")
+    parser.add_argument("--profile", action="store_true",
+                        help="each MoE row also lists the op's GPU kernels by time (CUDA)")
     parser.add_argument("--small", action="store_true",
                         help="CPU smoke: tiny shapes through Triton's interpreter in fp32")
     args = parser.parse_args()
@@ -358,7 +377,7 @@ def main() -> None:
     path = os.path.join(args.out, "kernels_quant.json")
     shapes = moe_shapes(args.shapes, args.small)
     ctx = {"device": device, "dtype": dtype, "timer": make_timer(device),
-           "formats": args.formats, "tiles": args.tiles}
+           "formats": args.formats, "tiles": args.tiles, "profile": args.profile}
     t0 = time.perf_counter()
     result: dict = {
         "environment": environment(),
