@@ -6,8 +6,10 @@
                                  quant.packed.QuantWeight when the plan holds prefix + name
                                  quantized; `child(name)` scopes it to a submodule
     linear(x, w, bias)           x [..., K] -> [..., N]: F.linear, or the format's kernel:
-        fp8    W8A8: x quantized per token and 128-group at run time; on CUDA the Triton block
-               GEMM (kernels/linear/fp8_block_triton.py), elsewhere its torch reference
+        fp8    W8A8: x quantized per token and 128-group at run time; on CUDA
+               kernels/linear/fp8_cublas.py's `fp8_linear` (cuBLASLt's blockwise scaled_mm
+               where the device and shape allow, else the Triton block GEMM of
+               fp8_block_triton.py), elsewhere its torch reference
         nvfp4, int4  W4A16: on CUDA the Triton GEMM that dequantizes in its loads
                (kernels/linear/w4a16_triton.py), elsewhere the dequantized weight's matmul in
                fp32 (the reference)
@@ -76,9 +78,9 @@ def linear(x: torch.Tensor, w: Weight | torch.Tensor,
 
 def _linear_cuda(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if w.format == "fp8":
-        from moeserve.kernels.linear.fp8_block_triton import fp8_linear_triton
+        from moeserve.kernels.linear.fp8_cublas import fp8_linear
 
-        return fp8_linear_triton(x, w.qweight, w.scale, bias, scale_rows=w.scale_rows)
+        return fp8_linear(x, w.qweight, w.scale, bias, scale_rows=w.scale_rows)
     from moeserve.kernels.linear.w4a16_triton import w4a16_linear_triton
 
     return w4a16_linear_triton(x, w.format, w.qweight, w.scale, w.global_scale, w.group,

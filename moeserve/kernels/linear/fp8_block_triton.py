@@ -2,9 +2,11 @@
 block-scaled GEMM (Hopper's FP8 tensor cores), against quant/fp8_block.py's references.
 
     quantize_activations_triton(x)  x [T, K] -> (e4m3 [T, K], fp32 scales [T, ceil(K / 128)]):
-                                    one program per (token, 128-group), s = max(amax / 448,
-                                    1e-12), q = e4m3(clamp(x / s)); the reference's ops in the
-                                    reference's order, so the bytes are equal
+                                    one program per (16 or 64 tokens, 128-group),
+                                    s = max(amax / 448, 1e-12), q = e4m3(clamp(x / s)); the
+                                    reference's ops in the reference's order, so the bytes
+                                    are equal (optionally cuBLAS's padded, token-major scale
+                                    layout: kernels/linear/fp8_cublas.py)
     w8a8_block_matmul_triton(...)   out[t, n] = sum over K blocks kb of
                                     (x_q[t, kb] . w_q[n, kb]) * s_x[t, kb] * s_w[n // r, kb]
                                     with r = scale_rows, 128 (the checkpoint's blocks) or 1
@@ -39,9 +41,17 @@ GROUP = BLOCK[1]  # K per activation scale and per weight-scale column
 _MIN_SCALE = 1e-12  # as the reference's
 
 
-def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations_triton(x: torch.Tensor, block_rows: int | None = None,
+                                pad_rows_to: int = 1, mn_major_scales: bool = False
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] (fp32 / bf16 / fp16, unit last stride) -> (e4m3 [T, K], scales fp32
-    [T, ceil(K / 128)]), equal to quant.fp8_block.quantize_activations."""
+    [T, ceil(K / 128)]), equal to quant.fp8_block.quantize_activations.
+
+    block_rows: tokens a program (None: 16 below 2,048 tokens, else 64: two variants, both
+    compiled by a warm-up that runs a decode and a long prefill). For cuBLAS's layout
+    (kernels/linear/fp8_cublas.py): pad_rows_to rounds the rows up (T_pad; the pad rows are
+    quantized zeros, scale 1e-12) and mn_major_scales stores the scales token-major, shape
+    [T_pad, G] with strides (1, T_pad)."""
     _need(x.dim() == 2 and x.is_floating_point(), f"x must be a 2-D float tensor, got "
           f"{x.dtype} {tuple(x.shape)}")
     require_triton_device(x.device, "quantize_activations_triton")
@@ -49,12 +59,17 @@ def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         x = x.contiguous()
     t, k = x.shape
     groups = math.ceil(k / GROUP)
-    q = torch.empty(t, k, dtype=E4M3, device=x.device)
-    scales = torch.empty(t, groups, dtype=torch.float32, device=x.device)
-    if t and k:
-        _kernels().quantize[(t, groups)](x, q, scales, k, x.stride(0), q.stride(0),
-                                         scales.stride(0), GROUP=GROUP, FP8_MAX=E4M3_MAX,
-                                         MIN_SCALE=_MIN_SCALE)
+    rows = -(-t // pad_rows_to) * pad_rows_to
+    q = torch.empty(rows, k, dtype=E4M3, device=x.device)  # [T_pad, K]
+    scales = (torch.empty(groups, rows, dtype=torch.float32, device=x.device).t()
+              if mn_major_scales else
+              torch.empty(rows, groups, dtype=torch.float32, device=x.device))  # [T_pad, G]
+    block_rows = block_rows or (16 if t < 2048 else 64)
+    if rows and k:
+        grid = (math.ceil(rows / block_rows), groups)
+        _kernels().quantize[grid](x, q, scales, t, rows, k, x.stride(0), q.stride(0),
+                                  scales.stride(0), scales.stride(1), BLOCK_ROWS=block_rows,
+                                  GROUP=GROUP, FP8_MAX=E4M3_MAX, MIN_SCALE=_MIN_SCALE)
     return q, scales
 
 
@@ -145,7 +160,7 @@ def _kernels() -> SimpleNamespace:
     tl = triton.language
     # the token count changes every step: no variant per value
     return SimpleNamespace(
-        quantize=triton.jit(_quantize_kernel),
+        quantize=triton.jit(_quantize_kernel, do_not_specialize=["M", "M_STORE", "stride_sg"]),
         matmul=triton.jit(_matmul_kernel, do_not_specialize=["M", "stride_am", "stride_cm",
                                                             "split_stride",
                                                             "stride_asm"]))
@@ -153,15 +168,19 @@ def _kernels() -> SimpleNamespace:
 
 # ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ---
 
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
-                     GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """Program (row, group): one token's 128 values -> their e4m3 bytes and one scale."""
-    row = tl.program_id(0).to(tl.int64)
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, M_STORE, K, stride_x, stride_q, stride_sm,
+                     stride_sg, BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr,
+                     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Program (row block, group): BLOCK_ROWS tokens' 128 values -> their e4m3 bytes and one
+    scale a token. Rows in [M, M_STORE) (padding) read as zeros."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR]
     g = tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, GROUP)
-    mask = cols < K
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), 0)
+    cols = g * GROUP + tl.arange(0, GROUP)  # [G]
+    rows64 = rows.to(tl.int64)
+    col_ok = cols < K
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :],
+                mask=(rows < M)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)  # [BR]
     # NOTE: the reference's divisions, as torch runs them on the GPU: by the constant as `/`
     # (torch multiplies by the scalar's reciprocal; so does Triton here), by the scale as IEEE
     # division, div_rn (Triton's `/` is the approximate div.full.f32, an ulp off at times,
@@ -169,10 +188,12 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
     # (benchmarks/fp8_quant_variants.py): these two give the reference's scales and bytes at
     # 4096 x 7168 exactly; `/` for the values leaves 7 bytes apart, div_rn for the scale
     # 124,625 scales
-    scale = tl.maximum(amax / FP8_MAX, MIN_SCALE)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + g, scale)
+    scale = tl.maximum(amax / FP8_MAX, MIN_SCALE)  # [BR]
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+    store = rows < M_STORE
+    tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :],
+             q.to(q_ptr.dtype.element_ty), mask=store[:, None] & col_ok[None, :])
+    tl.store(s_ptr + rows64 * stride_sm + g * stride_sg, scale, mask=store)
 
 
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
