@@ -23,8 +23,10 @@ The "bf16" rows are the engine's dtype unquantized (fp32 in the CPU smoke).
 
 Linear: qwen3-30b-a3b's qkv (N 5120, K 2048) and o_proj (N 2048, K 4096), GLM-5's q_b (N
 16384, K 2048) and o_proj (N 6144, K 16384) at 64 / 256 / 1,024 tokens: F.linear (bf16),
-`fp8_linear_triton`, `w4a16_linear_triton` (in-code default tiles), beside the weight-read
-bound and the whole bound max((weights + x + out bytes) / 4.27 TB/s, FLOPs / 787 TFLOP/s).
+`fp8_linear` (the engine's backend choice: cuBLASLt where supported, else Triton;
+benchmarks/fp8_linear_backends.py times the two apart), `w4a16_linear_triton` (in-code default
+tiles), beside the weight-read bound and the whole bound max((weights + x + out bytes) / 4.27
+TB/s, FLOPs / 787 TFLOP/s).
 
 Each op is first run once and its output checked finite and against its reference (moe_loop_ref
 / moe_quant_ref; the dequantized weight in fp32) at the smallest token count; `acceptance` lists
@@ -202,13 +204,13 @@ def bench_moe_format(fmt: str, shape_name: str, shape: tuple[int, int, int, int]
 
 
 def linear_op(fmt: str, x: torch.Tensor, w) -> Callable[[], torch.Tensor]:
-    from moeserve.kernels.linear.fp8_block_triton import fp8_linear_triton
+    from moeserve.kernels.linear.fp8_cublas import fp8_linear
     from moeserve.kernels.linear.w4a16_triton import w4a16_linear_triton
 
     if fmt == "bf16":
         return lambda: F.linear(x, w)
-    if fmt == "fp8":
-        return lambda: fp8_linear_triton(x, w.qweight, w.scale, scale_rows=w.scale_rows)
+    if fmt == "fp8":  # the engine's choice of backend (fp8_cublas.fp8_linear, "auto")
+        return lambda: fp8_linear(x, w.qweight, w.scale, scale_rows=w.scale_rows)
     return lambda: w4a16_linear_triton(x, w.format, w.qweight, w.scale, w.global_scale,
                                        w.group, w.shape[-1])
 
