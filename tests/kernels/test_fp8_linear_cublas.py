@@ -88,6 +88,7 @@ def _fake_support(monkeypatch: pytest.MonkeyPatch, ok: bool) -> None:
 def test_auto_picks_cublas_where_supported_and_the_shape_fits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_support(monkeypatch, True)
+    monkeypatch.setattr(fp8_cublas, "AUTO_CUBLAS_MIN_TOKENS", 1)
     assert choose_fp8_backend(1, 5120, 2048, 128, CUDA) == "cublas"
     assert choose_fp8_backend(4096, 5120, 2048, 1, CUDA) == "triton"  # per-row scales
     assert choose_fp8_backend(64, 2112, 7168, 128, CUDA) == "triton"

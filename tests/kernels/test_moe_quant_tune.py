@@ -380,6 +380,12 @@ def test_the_command_line_tunes_one_format_and_shape(tmp_path: Path,
     assert args[7] == [1, 2, 4] and kwargs == {"time_budget_s": None}
     assert args[8] == tmp_path / quant_config_file_name("int4", 256, 6144, 2048, 8, 32,
                                                         torch.bfloat16, "Fake GPU")
+    quant_tune.main(["--format", "nvfp4", "-E", "8", "-H", "256", "-I", "128", "-k", "2",
+                     "--out", str(tmp_path), "--tokens", "64", "1024"])
+    assert seen[1][0][:6] == ("nvfp4", 8, 256, 128, 2, 16) and seen[1][0][7] == [64, 1024]
+    with pytest.raises(SystemExit):
+        quant_tune.main(["--format", "fp8", "-E", "8", "-H", "256", "-I", "128", "-k", "2",
+                         "--out", str(tmp_path), "--tokens", "0"])
 
 
 def test_quantized_blocks_follow_the_tile_source_bound_into_the_backend() -> None:

@@ -138,10 +138,12 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Te
         x_q, x_scale = quantize_activations(rows)
     else:
         x_q, x_scale = quantize_activations_triton(rows)
-    out = w8a8_block_matmul_triton(x_q, x_scale, weight, scale_inv, x.dtype,
+    # with a bias: fp32 out, the bias added before the one rounding to x's dtype
+    out = w8a8_block_matmul_triton(x_q, x_scale, weight, scale_inv,
+                                   x.dtype if bias is None else torch.float32,
                                    scale_rows=scale_rows)
     if bias is not None:
-        out = (out.float() + bias.float()).to(x.dtype)
+        out = (out + bias.float()).to(x.dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -45,9 +45,11 @@ from moeserve.quant.fp8_block import BLOCK, quantize_activations
 logger = logging.getLogger("moeserve.kernels")
 
 BACKENDS = ("auto", "cublas", "triton")
-# auto takes cuBLAS from this many tokens on (below: Triton). To be set from
-# benchmarks/fp8_linear_backends.py's H200 run; 1 (cuBLAS at every token count) until then.
-AUTO_CUBLAS_MIN_TOKENS = 1
+# auto takes cuBLAS from this many tokens on (below: Triton). Measured on the H200
+# (benchmarks/results/gpu_b606888/fp8_linear_backends.json, four projection shapes): from 64
+# tokens cuBLAS is faster at every shape (qwen3 qkv at 1,024: 0.028 against 0.185 ms, 766
+# TFLOP/s; GLM-5 o_proj 1,202 TFLOP/s); at 1 and 16 it is slower on two of the four.
+AUTO_CUBLAS_MIN_TOKENS = 64
 M_ALIGN = 4  # cuBLASLt: the rows of A (and of its 1x128 scales) a multiple of 4
 _SUPPORT: dict[int, tuple[bool, str]] = {}  # device index -> (supported, reason)
 
@@ -117,10 +119,12 @@ def fp8_linear_cublas(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Te
         return x.new_empty(*x.shape[:-1], n)
     a, a_scale = quantize_activations_triton(rows, pad_rows_to=M_ALIGN,
                                              mn_major_scales=True)  # [T4, K], [T4, L]
+    # with a bias: fp32 out (the probe's dtype), the bias added before the one rounding
+    out_dtype = x.dtype if bias is None else torch.float32
     out = scaled_mm_blockwise(a, a_scale, weight.t(), weight_scale_cublas(scale_inv),
-                              x.dtype)[:t]  # [T, N]
+                              out_dtype)[:t]  # [T, N]
     if bias is not None:
-        out = (out.float() + bias.float()).to(x.dtype)
+        out = (out + bias.float()).to(x.dtype)
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -265,13 +265,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the activations' dtype")
     parser.add_argument("--out", required=True, help="folder of the tuned file")
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, nargs="+",
+                        help="the token counts to tune (default: the engine's, 1, 2, 4, ... "
+                             "up to --max-batched-tokens)")
     parser.add_argument("--time-budget-s", type=float, default=None)
     args = parser.parse_args(argv)
+    if args.tokens and min(args.tokens) < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
     group = group_size(args.format, args.group)
     dtype = getattr(torch, args.dtype)
     shape = (args.format, args.experts, args.hidden, args.inter, args.top_k, group, dtype)
     path = Path(args.out) / quant_config_file_name(*shape, torch.cuda.get_device_name())
-    tune_quant_moe(*shape, engine_token_counts(args.max_batched_tokens), path,
+    tune_quant_moe(*shape, args.tokens or engine_token_counts(args.max_batched_tokens), path,
                    time_budget_s=args.time_budget_s)
     print(path)
 
