@@ -378,3 +378,34 @@ def test_gpu_cuda_graph_replays_with_new_routing(fmt: str) -> None:
     graph.replay()
     assert torch.equal(static_out, step())  # deterministic: the same bits as eager
     assert rel_err(static_out, moe_quant_ref(x2, w13, w2, weights2, ids2)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+def test_gpu_nvfp4_asm_decode_gives_the_same_bits(num_tokens: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvfp4_tile's "asm" decode (inline PTX) against the default "bits" one: the same
+    dequantized tiles, so the same output bits."""
+    from moeserve.kernels.linear import nvfp4_tile
+
+    w13, w2 = gpu_experts("nvfp4")
+    x = tokens(num_tokens, GPU_SHAPE[1], seed=num_tokens, dtype=torch.bfloat16)
+    weights, ids = routing(num_tokens, GPU_SHAPE[0], seed=num_tokens, off_rank=True)
+    expected = moe_quant_triton(x, w13, w2, weights, ids)
+    monkeypatch.setattr(nvfp4_tile, "decode", "asm")
+    assert torch.equal(moe_quant_triton(x, w13, w2, weights, ids), expected)
+
+
+def test_nvfp4_asm_decode_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    from moeserve.kernels.linear import nvfp4_tile
+
+    w13, w2 = make_weight("nvfp4", 4, 64, 32, None), make_weight("nvfp4", 4, 32, 32, None)
+    x = tokens(3, 32, seed=0)
+    weights, ids = routing(3, 4, seed=0)
+    monkeypatch.setattr(nvfp4_tile, "decode", "asm")
+    with pytest.raises(ValueError, match="'asm' needs bf16 activations on CUDA"):
+        moe_quant_triton(x, w13, w2, weights, ids)
+    monkeypatch.setattr(nvfp4_tile, "decode", "lut")
+    with pytest.raises(ValueError, match=r"decode must be one of \('bits', 'asm'\)"):
+        moe_quant_triton(x, w13, w2, weights, ids)

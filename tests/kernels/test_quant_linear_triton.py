@@ -328,6 +328,20 @@ def test_gpu_w4a16_bf16(t: int, n: int, k: int, fmt: str, group: int | None,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("t", "n", "k"), GPU_SHAPES)
+def test_gpu_nvfp4_asm_decode_gives_the_same_bits(t: int, n: int, k: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvfp4_tile's "asm" decode against "bits": the same tiles, so the same output bits."""
+    from moeserve.kernels.linear import nvfp4_tile
+
+    qw = _quantized("nvfp4", n, k, None, scale_dtype=torch.bfloat16, device="cuda")
+    x = _x(t, k, device="cuda").bfloat16()
+    expected = _run(x, qw)
+    monkeypatch.setattr(nvfp4_tile, "decode", "asm")
+    assert torch.equal(_run(x, qw), expected)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 37, 512])  # the three default tiles
 @pytest.mark.parametrize(("fmt", "group"), [("nvfp4", None), ("int4", 32), ("int4", 128)])
 def test_gpu_w4a16_fp32_default_tiles(t: int, fmt: str, group: int | None,

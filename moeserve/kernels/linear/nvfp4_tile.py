@@ -26,6 +26,10 @@ decoding [BK, BN] nibbles after a reshape (measured at 7e90c0c: benchmarks/resul
 float8_e4m3fn's NaN codes as +-480, so on CPU the callers load the scales' bytes and decode
 them here (on CUDA the float8 load and its hardware conversion). The functions are plain
 Python until `jitted()` wraps them (the callers' kernels jit on first use, see fused_triton.py).
+
+`decode` "asm" (an experiment, off by default) does the nibbles' decode and the scale's
+multiply in inline PTX on bf16 pairs, about 4 instructions a weight against the "bits" path's
+8 or so; both give the same bits (the GPU tests compare them), so the choice is speed alone.
 """
 
 from __future__ import annotations
@@ -36,12 +40,59 @@ from typing import Any
 
 tl: Any = None  # triton.language, bound by jitted(): the helpers read it as a global
 MIN_BLOCK_K = 32  # each nibble's dot has K = BLOCK_K / 2 >= 16
+DECODES = ("bits", "asm")
+# The decode the kernels compile (an experiment switch, set by benchmarks and tests; "bits"
+# until the H200 measures "asm" faster: benchmarks/kernels_quant.py --nvfp4-decode).
+decode = "bits"
+
+# "asm": four packed bytes ($4) and their four bf16 group scales ($5: bytes 0-1, $6: 2-3) ->
+# the low nibbles' four bf16 weights ($0, $1) and the high nibbles' ($2, $3). prmt spreads
+# bytes 0-1 (2-3) to the two halves of a register; a nibble's sign-magnitude s m2 m1 m0 set as
+# bf16 bits s << 15 | m << 6 is its e2m1 value times 2^-126 (m 1: bf16's subnormal, as e2m1's);
+# times 2^126 (0x7E80) and the scale, both exact (at most 7 significant bits).
+_E2M1_BF16X2_ASM = """{
+.reg .b32 z, c, t0, t1, u, m, s;
+mov.b32 z, 0;
+mov.b32 c, 0x7E807E80;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+and.b32 m, t0, 0x00070007; shl.b32 m, m, 6; and.b32 s, t0, 0x00080008; shl.b32 s, s, 12;
+or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 $0, m, $5;
+and.b32 m, t1, 0x00070007; shl.b32 m, m, 6; and.b32 s, t1, 0x00080008; shl.b32 s, s, 12;
+or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 $1, m, $6;
+shr.b32 u, t0, 4;
+and.b32 m, u, 0x00070007; shl.b32 m, m, 6; and.b32 s, u, 0x00080008; shl.b32 s, s, 12;
+or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 $2, m, $5;
+shr.b32 u, t1, 4;
+and.b32 m, u, 0x00070007; shl.b32 m, m, 6; and.b32 s, u, 0x00080008; shl.b32 s, s, 12;
+or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 $3, m, $6;
+}"""
+
+
+def decode_id(x_dtype, device) -> int:
+    """The DECODE constexpr of `decode` for activations of x_dtype on device; ValueError where
+    "asm" cannot run (it needs bf16 activations on CUDA)."""
+    import torch
+
+    if decode not in DECODES:
+        raise ValueError(f"nvfp4_tile.decode must be one of {DECODES}, got {decode!r}")
+    if decode == "asm" and (device.type != "cuda" or x_dtype != torch.bfloat16):
+        raise ValueError(f"nvfp4 decode 'asm' needs bf16 activations on CUDA, got {x_dtype} "
+                         f"on {device.type}")
+    return DECODES.index(decode)
 
 
 def nvfp4_step(acc, a, byte, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    """acc [BM, BN] + a [BM, BK] @ the dequantized [BK, BN] tile (module docstring)."""
+               DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr):
+    """acc [BM, BN] + a [BM, BK] @ the dequantized [BK, BN] tile (module docstring); DECODE
+    0 "bits" (Triton's integer and fp32 ops), 1 "asm" (PTX on bf16 pairs; bf16 a, CUDA)."""
     a_lo, a_hi = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))  # k = 2j, 2j + 1
+    if DECODE == 1:
+        w_lo, w_hi = tl.inline_asm_elementwise(
+            _E2M1_BF16X2_ASM, "=r,=r,=r,=r,r,r,r", [byte, scale.to(tl.bfloat16)],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        acc = tl.dot(a_lo, w_lo, acc, input_precision=DOT_PRECISION)
+        return tl.dot(a_hi, w_hi, acc, input_precision=DOT_PRECISION)
     bits = byte.to(tl.int32)
     step = scale * 16384.0  # the nibbles decode to their value x 2^-14
     acc = _nibble_dot(acc, a_lo, ((bits & 7) << 9) | ((bits & 8) << 12), step, DOT_PRECISION)

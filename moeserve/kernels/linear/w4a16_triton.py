@@ -106,7 +106,9 @@ def w4a16_linear_triton(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale:
             dest.stride(-1), t * n,
             NVFP4=nvfp4, GROUP=group, HAS_BIAS=bias is not None and split == 1,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            NATIVE_FP8=native_fp8, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            NATIVE_FP8=native_fp8,
+            DECODE=nvfp4_tile.decode_id(x.dtype, x.device) if nvfp4 else 0,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
         if split > 1:
@@ -243,7 +245,7 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K,
                   stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sk,
                   stride_g, stride_bias, stride_om, stride_on, split_stride,
                   NVFP4: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT_K: tl.constexpr):
     """Program (m tile, n tile, split): out[m, n] = sum over the split's K steps of x's
@@ -281,7 +283,7 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K,
                 s = tl.load(s_ptrs, mask=c_mask, other=0.0).to(tl.float32)
             else:  # its bytes (the interpreter's fp8 loads lose the NaN codes)
                 s = _e4m3_bits_to_f32(tl.load(s_ptrs, mask=c_mask, other=0).to(tl.int32))
-            acc = _nvfp4_step(acc, a, byte, s, BLOCK_M, BLOCK_K, DOT_PRECISION)
+            acc = _nvfp4_step(acc, a, byte, s, BLOCK_M, BLOCK_K, DOT_PRECISION, DECODE)
         else:
             g = kb * GROUPS_PER_STEP + rg  # [BK / G] scale columns of this step
             s_mask = (g * GROUP < K)[:, None] & n_ok[None, :]  # [BK / G, BN]

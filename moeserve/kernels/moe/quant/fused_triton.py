@@ -163,6 +163,7 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
         FORMAT=FORMAT_IDS[fmt], GROUP=group, SCALE_ROWS=scale_rows, A_ROW_DIV=a_row_div,
         GATED=gated, EVEN_K=k_dim % config["BLOCK_K"] == 0,
         DOT_PRECISION="ieee" if c.dtype == torch.float32 else "tf32", NATIVE_FP8=native_fp8,
+        DECODE=nvfp4_tile.decode_id(a.dtype, a.device) if fmt == "nvfp4" else 0,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"])
@@ -194,8 +195,9 @@ def _kernel() -> Any:
             stride_ge, stride_gn, stride_cm,
             FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
             A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            GROUP_M: tl.constexpr):
         # (row block, N-tile): GROUP_M row blocks side by side per N-tile (B tiles shared in L2)
         pid = tl.program_id(0)
         num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -210,7 +212,8 @@ def _kernel() -> Any:
                   pid_m, pid_n, expert.to(tl.int64), num_pairs, N, K, stride_am, stride_asm,
                   stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
                   stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS, A_ROW_DIV,
-                  GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+                  GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N,
+                  BLOCK_K)
 
     return _fused_moe_quant_kernel
 
@@ -299,8 +302,8 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
           stride_ge, stride_gn, stride_cm,
           FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
           A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-          DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`, int64)."""
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
@@ -325,12 +328,12 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
             s_a = tl.load(as_ptr + a_rows * stride_asm + k0 // BLOCK_K, mask=row_ok, other=0.0)
         acc = _b_step(acc, a, s_a, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn,
                       stride_bk, stride_sn, stride_sk, FORMAT, GROUP, SCALE_ROWS, EVEN_K,
-                      DOT_PRECISION, NATIVE_FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+                      DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
         if GATED:  # the up rows N + n: their own scales
             acc_up = _b_step(acc_up, a, s_a, b_base, s_base, rows + N, kk, k_ok, k0, K,
                              stride_bn, stride_bk, stride_sn, stride_sk, FORMAT, GROUP,
-                             SCALE_ROWS, EVEN_K, DOT_PRECISION, NATIVE_FP8, BLOCK_M, BLOCK_N,
-                             BLOCK_K)
+                             SCALE_ROWS, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M,
+                             BLOCK_N, BLOCK_K)
     if FORMAT == 1:  # nvfp4's global scales, per weight row (gate and up rows their own)
         g_rows = bg_ptr + expert * stride_ge + rows.to(tl.int64) * stride_gn  # [BN]
         acc = acc * tl.load(g_rows)[None, :]
@@ -347,8 +350,8 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
 def _b_step(acc, a, s_a, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, stride_bk,
             stride_sn, stride_sk, FORMAT: tl.constexpr, GROUP: tl.constexpr,
             SCALE_ROWS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr):
+            NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BM, BN] + a [BM, BK] @ the [BK, BN] tile of weight rows `rows` at columns kk,
     dequantized per FORMAT (0 fp8, 1 nvfp4, 2 int4; the module docstring)."""
     rows = rows.to(tl.int64)
@@ -366,7 +369,7 @@ def _b_step(acc, a, s_a, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, strid
             scale = _load_k(s_ptrs, c_ok, EVEN_K).to(tl.float32)
         else:  # its bytes (the interpreter's fp8 loads lose the NaN codes)
             scale = _e4m3_bits_to_f32(_load_k(s_ptrs, c_ok, EVEN_K).to(tl.int32))
-        acc = _nvfp4_step(acc, a, byte, scale, BLOCK_M, BLOCK_K, DOT_PRECISION)
+        acc = _nvfp4_step(acc, a, byte, scale, BLOCK_M, BLOCK_K, DOT_PRECISION, DECODE)
     else:
         # each packed word and each group scale loaded once: [BK / 8, BN] and [BK / G, BN],
         # spread to the [BK, BN] tile in registers (8 nibbles a word)
