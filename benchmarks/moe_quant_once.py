@@ -33,7 +33,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--tiles", choices=("tuned", "default"), default="tuned")
     parser.add_argument("--calls", type=int, default=2, help="measured calls")
+    parser.add_argument("--nvfp4-decode", choices=("bits", "asm"), default=None,
+                        help="kernels/linear/nvfp4_tile.py's decode (default: as set there)")
     args = parser.parse_args()
+    if args.nvfp4_decode:
+        from moeserve.kernels.linear import nvfp4_tile
+
+        nvfp4_tile.decode = args.nvfp4_decode
     if not torch.cuda.is_available():
         raise SystemExit("moe_quant_once needs a CUDA GPU")
     num_experts, hidden, inter, top_k = moe_shapes([args.shape], False)[args.shape]
