@@ -163,9 +163,9 @@ def _kernels() -> SimpleNamespace:
     # the token count changes every step: no variant per value
     return SimpleNamespace(
         quantize=triton.jit(_quantize_kernel, do_not_specialize=["M", "M_STORE", "stride_sg"]),
-        matmul=triton.jit(_matmul_kernel, do_not_specialize=["M", "stride_am", "stride_cm",
-                                                            "split_stride",
-                                                            "stride_asm"]))
+        # not the row strides (the model's K and N): specialized, their divisibility by 16
+        # lets the loads vectorize and pipeline (the fused MoE's NOTE, moe/quant/fused_triton)
+        matmul=triton.jit(_matmul_kernel, do_not_specialize=["M", "split_stride"]))
 
 
 # ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ---

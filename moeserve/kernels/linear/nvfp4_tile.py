@@ -121,11 +121,13 @@ def e4m3_bits_to_f32(bits):
 def jitted() -> SimpleNamespace:
     """The helpers as Triton functions (bound here as module globals too: they call each other
     by name); triton is imported here, on first use."""
-    global tl, _nibble_dot, nvfp4_step, e4m3_bits_to_f32
+    global tl, _nibble_dot, nvfp4_step, e4m3_bits_to_f32, _E2M1_BF16X2_ASM
     import triton
     import triton.language
 
     tl = triton.language
+    if isinstance(_E2M1_BF16X2_ASM, str):  # a kernel reads only constexpr globals
+        _E2M1_BF16X2_ASM = tl.constexpr(_E2M1_BF16X2_ASM)
     _nibble_dot, nvfp4_step, e4m3_bits_to_f32 = (
         triton.jit(f) for f in (_nibble_dot, nvfp4_step, e4m3_bits_to_f32))
     return SimpleNamespace(nvfp4_step=nvfp4_step, e4m3_bits_to_f32=e4m3_bits_to_f32)

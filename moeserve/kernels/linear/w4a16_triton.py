@@ -33,8 +33,10 @@ their bytes (`scale.view(torch.uint8)`) and decoded by bit arithmetic (NaN codes
 NaN, as torch's cast does): measured under Triton's interpreter (3.9), loading float8_e4m3fn is
 exact for the 254 finite codes but turns the NaN codes into +-480.
 
-Launch shapes depend on shapes only (no host sync): CUDA-graph capturable. The token count and
-its strides are `do_not_specialize`, so a new batch size compiles nothing; the default tile
+Launch shapes depend on shapes only (no host sync): CUDA-graph capturable. The token count (and
+the split planes' stride, T x N) are `do_not_specialize`, so a new batch size compiles nothing;
+the row strides (the model's K and N) are specialized, so that their divisibility by 16 lets
+the loads vectorize and pipeline; the default tile
 (`_default_config`) depends on T in three buckets, `config=` overrides it (a tuner's entry).
 Triton is imported on first use (`_kernels`); on CPU the kernel runs under TRITON_INTERPRET=1
 (tests), in fp32 and fp16 only: the interpreter mishandles bf16 (bf16 runs on the GPU).
@@ -236,7 +238,7 @@ def _kernels() -> SimpleNamespace:
     _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
     # the token count changes every step: no variant per value
     return SimpleNamespace(w4a16=triton.jit(
-        _w4a16_kernel, do_not_specialize=["M", "stride_xm", "stride_om", "split_stride"]))
+        _w4a16_kernel, do_not_specialize=["M", "split_stride"]))
 
 
 # ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ---

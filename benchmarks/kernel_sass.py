@@ -1,0 +1,130 @@
+"""A quantized kernel compiled for the H200 (sm90) with no GPU: its SASS instruction mix, its
+shared memory and whether its loads are pipelined (cp.async), for a tile config. This is a
+static look before a GPU call, not a timing.
+
+The compile sees what a launch would. Pointers and every integer argument outside the kernel's
+`do_not_specialize` list are taken as divisible by 16, which is what Triton's specialization
+gives a model's sizes and row strides. Unit strides are 1. The kernels' own constexprs are as
+their launchers pass them.
+
+To match the GPU machine, put its Triton on the path first:
+
+    pip install --target /tmp/tri36 --no-deps triton==3.6.0
+    PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernel_sass moe-quant --format nvfp4 \
+        --tile 16 64 64 4 2
+    PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernel_sass w4a16 --tile 16 64 128 4 4 \
+        --split 4 --decode asm
+
+--tile is BLOCK_M BLOCK_N BLOCK_K num_warps num_stages. --nospec lists the integer arguments
+taken as unspecialized; its default is the kernel's own list. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+
+def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str],
+                 warps: int, stages: int) -> dict:
+    """Compile `jit_fn` for sm90: the report (module doc) of its SASS and TTGIR."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(jit_fn.fn).parameters)
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
+    div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+           if n not in const and n not in nospec}
+    src = ASTSource(jit_fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                    attrs=div)
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(out.asm["cubin"])
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+                          check=True).stdout
+    os.unlink(f.name)
+    ops = collections.Counter(
+        m.group(1) for line in sass.splitlines()
+        if (m := re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)))
+    ttgir = out.asm["ttgir"]
+    return {"triton": triton.__version__, "sass_instructions": sum(ops.values()),
+            "top_ops": dict(ops.most_common(12)), "shared_bytes": out.metadata.shared,
+            "cp_async": out.asm["ptx"].count("cp.async."),
+            "convert_layout": ttgir.count("ttg.convert_layout"),
+            "wgmma": ttgir.count("warp_group_dot ")}
+
+
+def moe_quant(args: argparse.Namespace) -> dict:
+    from moeserve.kernels.linear import nvfp4_tile
+    from moeserve.kernels.moe.quant import fused_triton
+
+    bm, bn, bk, warps, stages = args.tile
+    fmt = args.format
+    weight = {"fp8": "*fp8e4nv", "nvfp4": "*u8", "int4": "*i32"}[fmt]
+    scale = {"fp8": "*fp32", "nvfp4": "*fp8e4nv", "int4": "*bf16"}[fmt]
+    pointers = {"a_ptr": "*fp8e4nv" if fmt == "fp8" else "*bf16", "as_ptr": "*fp32",
+                "b_ptr": weight, "bs_ptr": scale, "bg_ptr": "*fp32", "c_ptr": "*bf16",
+                "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"}
+    const = dict(FORMAT=fused_triton.FORMAT_IDS[fmt],
+                 GROUP={"fp8": 128, "nvfp4": 16, "int4": 32}[fmt],
+                 SCALE_ROWS=128 if fmt == "fp8" else 1, A_ROW_DIV=8 if args.gated else 1,
+                 GATED=args.gated, EVEN_K=True, DOT_PRECISION="tf32", NATIVE_FP8=True,
+                 DECODE=nvfp4_tile.DECODES.index(args.decode), BLOCK_M=bm, BLOCK_N=bn,
+                 BLOCK_K=bk, GROUP_M=1, stride_bk=1, stride_sk=1)
+    kernel = fused_triton._kernel()
+    return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
+
+
+def w4a16(args: argparse.Namespace) -> dict:
+    from moeserve.kernels.linear import nvfp4_tile, w4a16_triton
+
+    bm, bn, bk, warps, stages = args.tile
+    pointers = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32",
+                "bias_ptr": "*bf16", "out_ptr": "*bf16" if args.split == 1 else "*fp32"}
+    const = dict(NVFP4=True, GROUP=16, HAS_BIAS=False, DOT_PRECISION="tf32", NATIVE_FP8=True,
+                 DECODE=nvfp4_tile.DECODES.index(args.decode), BLOCK_M=bm, BLOCK_N=bn,
+                 BLOCK_K=bk, SPLIT_K=args.split, stride_xk=1, stride_qk=1, stride_sk=1,
+                 stride_on=1)
+    kernel = w4a16_triton._kernels().w4a16
+    return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
+
+
+def _nospec(args: argparse.Namespace, kernel) -> set[str]:
+    if args.nospec is not None:
+        return set(args.nospec)
+    names = list(inspect.signature(kernel.fn).parameters)  # the list holds names or indices
+    return {names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="kernel", required=True)
+    for name in ("moe-quant", "w4a16"):
+        p = sub.add_parser(name)
+        p.add_argument("--tile", type=int, nargs=5, required=True,
+                       metavar=("BM", "BN", "BK", "WARPS", "STAGES"))
+        p.add_argument("--decode", choices=("bits", "asm"), default="bits")
+        p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
+        if name == "moe-quant":
+            p.add_argument("--format", choices=("fp8", "nvfp4", "int4"), default="nvfp4")
+            p.add_argument("--down", dest="gated", action="store_false",
+                           help="the down launch (default: the gated one)")
+        else:
+            p.add_argument("--split", type=int, default=1, help="SPLIT_K")
+    args = parser.parse_args()
+    report = moe_quant(args) if args.kernel == "moe-quant" else w4a16(args)
+    print(json.dumps({"kernel": args.kernel, **{k: v for k, v in vars(args).items()
+                                               if k != "kernel"}, **report}))
+
+
+if __name__ == "__main__":
+    main()
