@@ -52,15 +52,39 @@ def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str]
     sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
                           check=True).stdout
     os.unlink(f.name)
+    if os.environ.get("SASS_DUMP"):  # the whole listing, to read
+        with open(os.environ["SASS_DUMP"], "w") as dump:
+            dump.write(sass)
     ops = collections.Counter(
         m.group(1) for line in sass.splitlines()
         if (m := re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)))
     ttgir = out.asm["ttgir"]
     return {"triton": triton.__version__, "sass_instructions": sum(ops.values()),
-            "top_ops": dict(ops.most_common(12)), "shared_bytes": out.metadata.shared,
+            "loop_instructions": dict(_loop_ops(sass).most_common(
+                int(os.environ.get("SASS_TOP", "12")))),
+            "top_ops": dict(ops.most_common(int(os.environ.get("SASS_TOP", "12")))),
+            "shared_bytes": out.metadata.shared,
             "cp_async": out.asm["ptx"].count("cp.async."),
             "convert_layout": ttgir.count("ttg.convert_layout"),
             "wgmma": ttgir.count("warp_group_dot ")}
+
+
+def _loop_ops(sass: str) -> collections.Counter:
+    """The opcodes of the longest loop: the instructions between a label and a later branch
+    back to it (the K loop), "total" their count."""
+    labels, body, best = {}, [], collections.Counter()
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(body)
+        elif m := re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line):
+            body.append(m.group(1))
+            target = re.search(r"BRA\s+(?:\S+\s+)?`?\(?(\.L_x_\d+)", line)
+            if m.group(1) == "BRA" and target and target.group(1) in labels:
+                ops = collections.Counter(body[labels[target.group(1)]:])
+                if sum(ops.values()) > sum(best.values()):
+                    best = ops
+    best["total"] = sum(best.values())
+    return best
 
 
 def moe_quant(args: argparse.Namespace) -> dict:
