@@ -100,7 +100,9 @@ def moe_quant(args: argparse.Namespace) -> dict:
                 "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"}
     const = dict(FORMAT=fused_triton.FORMAT_IDS[fmt],
                  GROUP={"fp8": 128, "nvfp4": 16, "int4": 32}[fmt],
-                 SCALE_ROWS=128 if fmt == "fp8" else 1, A_ROW_DIV=8 if args.gated else 1,
+                 SCALE_ROWS=128 if fmt == "fp8" else 1,
+                 ONE_SCALE_ROW=fmt == "fp8" and 128 % bn == 0 and not args.row_scales,
+                 A_ROW_DIV=8 if args.gated else 1,
                  GATED=args.gated, EVEN_K=True, DOT_PRECISION="tf32", NATIVE_FP8=True,
                  DECODE=nvfp4_tile.DECODES.index(args.decode), BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=1, stride_bk=1, stride_sk=1)
@@ -142,6 +144,8 @@ def main() -> None:
             p.add_argument("--format", choices=("fp8", "nvfp4", "int4"), default="nvfp4")
             p.add_argument("--down", dest="gated", action="store_false",
                            help="the down launch (default: the gated one)")
+            p.add_argument("--row-scales", action="store_true",
+                           help="fp8: a weight scale per row loaded (not one per tile)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
     args = parser.parse_args()

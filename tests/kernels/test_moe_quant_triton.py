@@ -191,6 +191,40 @@ def test_fp8_compact_scales_and_quant_views() -> None:
                            moe_quant_triton(x, v13, v2, weights, ids))
 
 
+def _fp8_block_experts(e: int, h: int, i: int, dtype: torch.dtype
+                       ) -> tuple[list[QuantWeight], list[QuantWeight]]:
+    """The same FP8 128 x 128-block experts (w13, w2) twice: scales one row per 128 rows
+    (scale_rows 128), and repeated to one a row (scale_rows 1)."""
+    compact, per_row = [], []
+    for n, k in ((2 * i, h), (h, i)):
+        gen = torch.Generator().manual_seed(n)
+        blocks = [quantize_blockwise(torch.randn(n, k, generator=gen) * 0.05) for _ in range(e)]
+        for rows, out in ((128, compact), (1, per_row)):
+            w = make_weight("fp8", e, n, k, None, dtype=dtype)
+            w.qweight.copy_(torch.stack([q for q, _ in blocks]).to(DEVICE))
+            scale = torch.stack([s_ for _, s_ in blocks])  # [E, N / 128, K / 128]
+            if rows == 1:
+                scale = scale.repeat_interleave(128, 1)
+            w.scale = torch.nn.Parameter(scale.to(DEVICE), requires_grad=False)
+            w.scale_rows = rows
+            out.append(w)
+    return compact, per_row
+
+
+def test_fp8_one_weight_scale_a_tile_gives_the_per_row_bits() -> None:
+    """N a multiple of 128 and BLOCK_N dividing it: each tile's rows share one 128-row scale,
+    loaded once a step (ONE_SCALE_ROW); the same weights with a scale per row (scale_rows 1,
+    loaded per row) give the same bits, and both the reference's sums."""
+    e, h, i = 4, 256, 128
+    compact, per_row = _fp8_block_experts(e, h, i, torch.float32)
+    x = tokens(21, h, seed=8)
+    weights, ids = routing(21, e, seed=8, off_rank=True)
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
+    out = moe_quant_triton(x, *compact, weights, ids, config=config)
+    assert torch.equal(out, moe_quant_triton(x, *per_row, weights, ids, config=config))
+    assert rel_err(out, moe_quant_ref(x, *compact, weights, ids)) < 1e-4
+
+
 @pytest.mark.parametrize("fmt", list(SHAPES))
 def test_kernel_matches_ref_fp16(fmt: str) -> None:
     """fp16 activations (int4 scales fp16 too): the same dequantized fp16 weights on both
@@ -409,3 +443,15 @@ def test_nvfp4_asm_decode_is_refused_where_it_cannot_run(monkeypatch: pytest.Mon
     monkeypatch.setattr(nvfp4_tile, "decode", "lut")
     with pytest.raises(ValueError, match=r"decode must be one of \('bits', 'asm'\)"):
         moe_quant_triton(x, w13, w2, weights, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [5, 64, 300])
+def test_gpu_fp8_one_weight_scale_a_tile_gives_the_per_row_bits(num_tokens: int) -> None:
+    e, h, i = 16, 1024, 512
+    compact, per_row = _fp8_block_experts(e, h, i, torch.bfloat16)
+    x = tokens(num_tokens, h, seed=num_tokens, dtype=torch.bfloat16)
+    weights, ids = routing(num_tokens, e, seed=num_tokens, off_rank=True)
+    out = moe_quant_triton(x, *compact, weights, ids, tiles="default")
+    assert torch.equal(out, moe_quant_triton(x, *per_row, weights, ids, tiles="default"))
+    assert rel_err(out, moe_quant_ref(x, *compact, weights, ids)) < 2e-2

@@ -27,6 +27,9 @@ dtype and are dequantized in registers, per FORMAT:
            [BK / 8, 8, BN] nibbles reshaped to the [BK, BN] tile
     fp8    e4m3 as loaded; A is e4m3 too, BLOCK_K = 128 (one scale column a step):
            acc += dot(a_q, b_q) * s_a[row, kb] * s_b[e, n // scale_rows, kb]   (fp32)
+           where a tile's rows lie in one block of scale_rows (128-row blocks, BLOCK_N
+           dividing 128, N a multiple of 128: ONE_SCALE_ROW) s_b is one scalar load a step,
+           not BLOCK_N (kernel_sass.py: 34 -> 4 LDGs a step of the 64 x 128 gated tile)
 
 For nvfp4 / int4 the dequantized tile is in x's dtype and multiplied by tl.dot in fp32 (fp32:
 input_precision "ieee"). int4's tile is the same weights, bit for bit, as
@@ -160,7 +163,9 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
         scale.stride(0), scale.stride(1), scale.stride(2),
         glob.stride(0), glob.stride(1),  # [E, N] (nvfp4)
         c.stride(0),  # C [M, N]
-        FORMAT=FORMAT_IDS[fmt], GROUP=group, SCALE_ROWS=scale_rows, A_ROW_DIV=a_row_div,
+        FORMAT=FORMAT_IDS[fmt], GROUP=group, SCALE_ROWS=scale_rows,
+        ONE_SCALE_ROW=fmt == "fp8" and scale_rows % config["BLOCK_N"] == 0
+        and n_out % scale_rows == 0, A_ROW_DIV=a_row_div,
         GATED=gated, EVEN_K=k_dim % config["BLOCK_K"] == 0,
         DOT_PRECISION="ieee" if c.dtype == torch.float32 else "tf32", NATIVE_FP8=native_fp8,
         DECODE=nvfp4_tile.decode_id(a.dtype, a.device) if fmt == "nvfp4" else 0,
@@ -197,10 +202,10 @@ def _kernel() -> Any:
             stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
             stride_ge, stride_gn, stride_cm,
             FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
-            A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            GROUP_M: tl.constexpr):
+            ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+            EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
+            DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         # (row block, N-tile): GROUP_M row blocks side by side per N-tile (B tiles shared in L2)
         pid = tl.program_id(0)
         num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -214,7 +219,8 @@ def _kernel() -> Any:
             _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
                   pid_m, pid_n, expert.to(tl.int64), num_pairs, N, K, stride_am, stride_asm,
                   stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
-                  stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS, A_ROW_DIV,
+                  stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS, ONE_SCALE_ROW,
+                  A_ROW_DIV,
                   GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N,
                   BLOCK_K)
 
@@ -304,9 +310,10 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
           stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
           stride_ge, stride_gn, stride_cm,
           FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
-          A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
-          DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+          EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
+          DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`, int64)."""
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
@@ -329,14 +336,15 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
         s_a = a  # fp8: the rows' scales of this 128-group, [BM]
         if FORMAT == 0:
             s_a = tl.load(as_ptr + a_rows * stride_asm + k0 // BLOCK_K, mask=row_ok, other=0.0)
-        acc = _b_step(acc, a, s_a, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn,
-                      stride_bk, stride_sn, stride_sk, FORMAT, GROUP, SCALE_ROWS, EVEN_K,
-                      DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _b_step(acc, a, s_a, b_base, s_base, rows, pid_n * BLOCK_N, kk, k_ok, k0, K,
+                      stride_bn, stride_bk, stride_sn, stride_sk, FORMAT, GROUP, SCALE_ROWS,
+                      ONE_SCALE_ROW, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M,
+                      BLOCK_N, BLOCK_K)
         if GATED:  # the up rows N + n: their own scales
-            acc_up = _b_step(acc_up, a, s_a, b_base, s_base, rows + N, kk, k_ok, k0, K,
-                             stride_bn, stride_bk, stride_sn, stride_sk, FORMAT, GROUP,
-                             SCALE_ROWS, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M,
-                             BLOCK_N, BLOCK_K)
+            acc_up = _b_step(acc_up, a, s_a, b_base, s_base, rows + N, pid_n * BLOCK_N + N, kk,
+                             k_ok, k0, K, stride_bn, stride_bk, stride_sn, stride_sk, FORMAT,
+                             GROUP, SCALE_ROWS, ONE_SCALE_ROW, EVEN_K, DOT_PRECISION,
+                             NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
     if FORMAT == 1:  # nvfp4's global scales, per weight row (gate and up rows their own)
         g_rows = bg_ptr + expert * stride_ge + rows.to(tl.int64) * stride_gn  # [BN]
         acc = acc * tl.load(g_rows)[None, :]
@@ -350,18 +358,23 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
 
-def _b_step(acc, a, s_a, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, stride_bk,
+def _b_step(acc, a, s_a, b_base, s_base, rows, row0, kk, k_ok, k0, K, stride_bn, stride_bk,
             stride_sn, stride_sk, FORMAT: tl.constexpr, GROUP: tl.constexpr,
-            SCALE_ROWS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BM, BN] + a [BM, BK] @ the [BK, BN] tile of weight rows `rows` at columns kk,
-    dequantized per FORMAT (0 fp8, 1 nvfp4, 2 int4; the module docstring)."""
+            SCALE_ROWS: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, EVEN_K: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BM, BN] + a [BM, BK] @ the [BK, BN] tile of weight rows `rows` (the first: row0)
+    at columns kk, dequantized per FORMAT (0 fp8, 1 nvfp4, 2 int4; the module docstring)."""
     rows = rows.to(tl.int64)
     if FORMAT == 0:  # e4m3 x e4m3 in fp32, times s_a[row] and s_b[row // SCALE_ROWS]
         b = _load_k(b_base + rows[None, :] * stride_bn + kk[:, None] * stride_bk, k_ok, EVEN_K)
-        s_b = tl.load(s_base + (rows // SCALE_ROWS) * stride_sn + (k0 // BLOCK_K) * stride_sk)
-        acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
+        if ONE_SCALE_ROW:  # the tile's rows lie in one block of SCALE_ROWS: one scale a step
+            s_b = tl.load(s_base + (row0 // SCALE_ROWS) * stride_sn + (k0 // BLOCK_K) * stride_sk)
+            acc += tl.dot(a, b) * s_a[:, None] * s_b  # the per-row path's ops: its bits
+        else:  # a scale a row (BLOCK_N of them a step)
+            s_b = tl.load(s_base + (rows // SCALE_ROWS) * stride_sn
+                          + (k0 // BLOCK_K) * stride_sk)
+            acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
     elif FORMAT == 1:  # the bytes and, per byte, its group's scale: nvfp4_tile's step
         c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
         c_ok = c * 2 < K  # past K: 0 (x's columns there are 0)
