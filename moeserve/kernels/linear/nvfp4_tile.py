@@ -38,6 +38,8 @@ import functools
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 tl: Any = None  # triton.language, bound by jitted(): the helpers read it as a global
 MIN_BLOCK_K = 32  # each nibble's dot has K = BLOCK_K / 2 >= 16
 DECODES = ("bits", "asm")
@@ -72,8 +74,6 @@ or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 $3, m, $6;
 def decode_id(x_dtype, device) -> int:
     """The DECODE constexpr of `decode` for activations of x_dtype on device; ValueError where
     "asm" cannot run (it needs bf16 activations on CUDA)."""
-    import torch
-
     if decode not in DECODES:
         raise ValueError(f"nvfp4_tile.decode must be one of {DECODES}, got {decode!r}")
     if decode == "asm" and (device.type != "cuda" or x_dtype != torch.bfloat16):
