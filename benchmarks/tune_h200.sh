@@ -4,10 +4,12 @@
 # call per invocation; the ledger (SQLite) lives in the checkout, so the next call, carried the
 # file back, resumes it.
 #   bash benchmarks/tune_h200.sh PHASES WALL_SECONDS|auto [GPU_TESTS=0|1] [LIMIT_SECONDS] [ARMS]
-# ARMS: the confirmation's arms (default best,start; best,defaults measures the tune's best
-# against the engine's defaults); a confirmation cut by the limit resumes run by run.
+# ARMS: the confirmation's arms, in turn (default best,start,defaults: the tune's best judged
+# against the start and against the engine's defaults in one interleaved confirmation).
 # The ledger is copied to $OUT/tune.db and used there, so that what a call wrote comes back
-# even if the call is cut; the tune gets SIGINT (a clean stop) at LIMIT_SECONDS (default 560).
+# even if the call is cut. The confirmation and the ablation start no run that would end past
+# LIMIT_SECONDS (default 560; `--time-limit`, exit 3) and resume run by run in the next call;
+# the tune gets SIGINT (a clean stop) at the limit as a backstop.
 # Writes $OUT/tune (report, logs), $OUT/tune.db, $OUT/tune.log.
 # Another study: PRESET, START (the start's flags; "" = the engine's defaults), STUDY and SRC
 # (the ledger in the checkout) from the environment, e.g. mixtral from its defaults:
@@ -18,8 +20,8 @@ PHASES=${1:-search}
 WALL=${2:-450}
 GPU_TESTS=${3:-0}
 LIMIT=${4:-560}
-ARMS=${5:-best,start}
-START=$(date +%s)
+ARMS=${5:-best,start,defaults}
+T0=$(date +%s)
 PRESET=${PRESET:-qwen3-30b-a3b}
 START=${START---max-running-requests 64 --moe-tiles default --enforce-eager --no-async-scheduling}
 STUDY=${STUDY:-qwen3-c1024-bad-start}
@@ -31,10 +33,10 @@ source benchmarks/gpu_env.sh optuna
 if [ "$GPU_TESTS" = 1 ]; then
   run_gpu_tests 300
 fi
-LEFT=$((LIMIT - ($(date +%s) - START)))
+LEFT=$((LIMIT - ($(date +%s) - T0)))
 [ "$WALL" = auto ] && WALL=$((LEFT - 110))  # no new trial in the last 110 s
 timeout -s INT "$LEFT" python3 -m moeserve.cli tune --preset "$PRESET" --max-concurrency 1024 \
   --start "$START" --storage "sqlite:///$DB" --study-name "$STUDY" --n-trials 40 \
-  --wall-time "$WALL" --phases "$PHASES" --confirm-runs 3 --confirm-arms "$ARMS" \
+  --wall-time "$WALL" --time-limit "$((LEFT - 5))" --phases "$PHASES" --confirm-runs 3 --confirm-arms "$ARMS" \
   --trial-timeout 240 --server-timeout 300 --recover-running --out "$OUT/tune" \
   2>&1 | tee "$OUT/tune.log" | tail -60

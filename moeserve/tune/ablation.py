@@ -1,6 +1,6 @@
 """What each knob was worth: one-at-a-time ablation from the winner, and Optuna's importances.
 
-    ablate(evaluator, space, winner, start) -> [Ablation]
+    ablate(evaluator, space, winner, start, deadline=None) -> [Ablation]
         the winner measured once more (the reference), then, for every knob where the winner
         differs from the start, the winner with that one knob set back to the start's value;
         its worth is the reference's objective less that run's (largest first)
@@ -9,7 +9,9 @@
         would need scikit-learn) over the measured feasible trials; {} with
         the reason when the study has too few trials or too little variation
 
-The ablation's runs use the trial workload (the bounded benchmark), as the search did.
+The ablation's runs use the trial workload (the bounded benchmark), as the search did. With a
+`deadline`, a run that the longest earlier one says would end past it is not started
+(OutOfTime; the finished runs are saved for the next call).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from moeserve.tune.deadline import Deadline, estimate
 from moeserve.tune.evaluate import Evaluator, Outcome
 from moeserve.tune.space import Space
 
@@ -40,8 +43,8 @@ def ablate(evaluator: Evaluator, space: Space, winner: Mapping[str, Any],
            start: Mapping[str, Any],
            on_run: Callable[[str, Outcome], None] | None = None,
            done: list[dict[str, Any]] | None = None,
-           save: Callable[[list[dict[str, Any]]], None] | None = None
-           ) -> tuple[float | None, list[Ablation]]:
+           save: Callable[[list[dict[str, Any]]], None] | None = None,
+           deadline: Deadline | None = None) -> tuple[float | None, list[Ablation]]:
     """(the reference objective, the ablations sorted by worth, largest first).
 
     Resumable as the confirmation is: `done` holds earlier runs' records (name, params,
@@ -53,9 +56,11 @@ def ablate(evaluator: Evaluator, space: Space, winner: Mapping[str, Any],
         rec = next((r for r in records if r.get("name") == name and r.get("params") == params),
                    None)
         if rec is None:
+            if deadline is not None:
+                deadline.check(f"the ablation's {name} run", estimate(records))
             res = evaluator.evaluate(params, "trial")
             rec = {"name": name, "params": params, "value": res.value, "failure": res.failure,
-                   "error": res.error}
+                   "error": res.error, "seconds": res.seconds}
             records.append(rec)
             if save is not None:
                 save(records)

@@ -8,16 +8,19 @@
                  have been made for the same model, workload and concurrencies
       phases     --phases search,confirm,ablate,report (default: all, in that order)
         search   trials until --n-trials (the study's, every worker's) or --wall-time
-        confirm  --confirm-arms (best vs start; the engine's defaults too on request), in
-                 turn, --confirm-runs each, the full workload on fresh servers; resumable run
-                 by run (a call cut short goes on next time)
+        confirm  --confirm-arms (best vs start; the engine's defaults too on request: the
+                 best judged against each), in turn, --confirm-runs each, the full workload
+                 on fresh servers; resumable run by run (a call cut short goes on next time)
         ablate   the winner with each knob set back to the start's, one at a time; Optuna's
                  importances
         report   OUT/tune.md, tune.json and plots; the winner's command line
       Ctrl-C     ends the running trial as "interrupted", keeps the ledger, exits 130; the
                  same command resumes
+      --time-limit  the confirmation and the ablation start no run that their earlier runs
+                 say would end past it (a machine's command limit would lose it whole); exit 3,
+                 and the same command resumes
 
-Exit codes: 0 done, 1 no feasible trial, 2 bad flags, 130 interrupted.
+Exit codes: 0 done, 1 no feasible trial, 2 bad flags, 3 out of --time-limit, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 
 from rich.console import Console
 
+from moeserve.tune.deadline import Deadline, OutOfTime
 from moeserve.tune.evaluate import BenchPlan, Outcome, ServerBenchEvaluator, Slo
 
 
@@ -66,8 +70,12 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--n-trials", type=int, default=30, help="measured trials in the study, "
                    "every worker's together (default: 30)")
     b.add_argument("--wall-time", type=float, help="seconds this call may search")
+    b.add_argument("--time-limit", type=float, help="seconds this whole call may take: the "
+                   "confirmation and the ablation start no run that would end past it (as "
+                   "their earlier runs say), and stop with exit 3 to be resumed")
     b.add_argument("--trial-timeout", type=float, default=900.0, help="seconds a trial's "
-                   "bench may run before it is infeasible (timeout) (default: 900)")
+                   "bench may run before it is infeasible (timeout); a confirmation run gets "
+                   "as many times more as it has prompts (default: 900)")
     b.add_argument("--server-timeout", type=float, default=900.0, help="seconds a server may "
                    "take to be ready (default: 900)")
     b.add_argument("--storage", default="sqlite:///tune.db", help="the ledger: an Optuna RDB "
@@ -86,7 +94,7 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--confirm-runs", type=int, default=3, help="runs per arm (default: 3)")
     p.add_argument("--confirm-arms", default="best,start", help="the arms of the confirmation, "
                    "in turn: best, start, defaults (the engine's defaults); the first is "
-                   "judged against the second (default: best,start)")
+                   "judged against each of the others (default: best,start)")
     p.add_argument("--confirm-defaults", action="store_true",
                    help="add the engine's defaults as an arm (same as listing them last)")
     p.add_argument("--out", default="tune-out", help="folder for the report, plots and server "
@@ -310,7 +318,7 @@ def _said(o: Outcome) -> str:
 
 
 def _confirm_phase(args: argparse.Namespace, study: Any, evaluator: Any, space: Any, best: Any,
-                   console: Console) -> None:
+                   console: Console, deadline: Any) -> None:
     from moeserve.tune import confirm
 
     arms = _arms(args, best.user_attrs["params"], space)
@@ -318,21 +326,22 @@ def _confirm_phase(args: argparse.Namespace, study: Any, evaluator: Any, space: 
                         on_run=lambda arm, i, o: console.print(
                             f"confirm {arm} run {i + 1}: {_said(o)}"),
                         done=study.user_attrs.get("confirmation_runs"),
-                        save=_saver(study, "confirmation_runs"))
+                        save=_saver(study, "confirmation_runs"), deadline=deadline)
     done = dict(study.user_attrs.get("confirmations") or {})
-    done[" vs ".join(list(arms)[:2])] = c.to_dict() | {"best_trial": best.number}
+    done[" vs ".join(arms)] = c.to_dict() | {"best_trial": best.number}
     study.set_user_attr("confirmations", done)
     console.print(c.line())
 
 
-def _ablate_phase(study: Any, evaluator: Any, space: Any, best: Any, console: Console) -> None:
+def _ablate_phase(study: Any, evaluator: Any, space: Any, best: Any, console: Console,
+                  deadline: Any) -> None:
     from moeserve.tune import ablation
 
     ref, rows = ablation.ablate(evaluator, space, best.user_attrs["params"], space.start,
                                 on_run=lambda knob, o: console.print(
                                     f"ablate {knob}: {_said(o)}"),
                                 done=study.user_attrs.get("ablation_runs"),
-                                save=_saver(study, "ablation_runs"))
+                                save=_saver(study, "ablation_runs"), deadline=deadline)
     study.set_user_attr("ablation", {"reference": ref, "best_trial": best.number,
                                      "knobs": [r.to_dict() for r in rows]})
     imp, why = ablation.importances(study)
@@ -345,6 +354,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     from moeserve.tune import report
     from moeserve.tune import study as study_mod
 
+    deadline = Deadline(args.time_limit)
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     if phases == ["report"] and not args.list_knobs:
         return _report_only(args, console)
@@ -387,12 +397,16 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             console.print("no feasible trial: every config failed (see the ledger's errors)")
             return 1
         if "confirm" in s["phases"]:
-            _confirm_phase(args, study, evaluator, space, best, console)
+            _confirm_phase(args, study, evaluator, space, best, console, deadline)
         if "ablate" in s["phases"]:
-            _ablate_phase(study, evaluator, space, best, console)
+            _ablate_phase(study, evaluator, space, best, console, deadline)
         if "report" in s["phases"]:
             path = report.write_report(study, space, out_dir, command_of)
             console.print(f"report: {path}")
+    except OutOfTime as e:
+        console.print(f"stopped: {e}; the ledger ({args.storage}, study {name!r}) holds every "
+                      "finished run; the same command resumes")
+        return 3
     except KeyboardInterrupt:
         console.print(f"\nstopped: the ledger ({args.storage}, study {name!r}) holds "
                       f"{len(study_mod.ledger(study))} trials; the same command resumes")

@@ -188,11 +188,21 @@ class ServerBenchEvaluator:
                 out.extra["slo_excess"] = self.slo.excess(out.runs)
         return out
 
+    def bench_limit_s(self, purpose: str) -> float:
+        """Seconds a bench may run: --trial-timeout for a trial; a confirmation run, with
+        more prompts, gets as many times more (the start's full W1 is 3x its trial)."""
+        if purpose == "trial":
+            return self.trial_timeout_s
+        ratio = max(self.plan.confirm_prompts(c) / max(1, self.plan.trial_prompts(c))
+                    for c in self.plan.concurrencies)
+        return self.trial_timeout_s * max(1.0, ratio)
+
     def _bench(self, server: ServerProcess, purpose: str, out: Outcome) -> None:
         num = self.plan.trial_prompts if purpose == "trial" else self.plan.confirm_prompts
+        limit = self.bench_limit_s(purpose)
         with tempfile.TemporaryDirectory(prefix="moeserve-tune-") as tmp:
             results = Path(tmp) / "bench.jsonl"
-            deadline = time.monotonic() + self.trial_timeout_s
+            deadline = time.monotonic() + limit
             for conc in self.plan.concurrencies:
                 cmd = [sys.executable, "-m", "moeserve.cli", "bench", "--url", server.url,
                        "--max-concurrency", str(conc), "--num-prompts", str(num(conc)),
@@ -205,8 +215,10 @@ class ServerBenchEvaluator:
                                           timeout=max(1.0, left))
                 except subprocess.TimeoutExpired:
                     out.failure = "timeout"
-                    out.error = (f"the bench at concurrency {conc} ran past the trial's "
-                                 f"{self.trial_timeout_s:.0f} s (--trial-timeout)")
+                    out.error = (f"the bench at concurrency {conc} ran past its {limit:.0f} s "
+                                 f"(--trial-timeout {self.trial_timeout_s:.0f} s"
+                                 + ("" if purpose == "trial" else ", scaled by the "
+                                    "confirmation's prompts") + ")")
                     return
                 if _exited(server, 0.0):
                     return  # evaluate() says how it died

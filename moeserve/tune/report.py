@@ -116,9 +116,14 @@ def write_report(study: Any, space: Space, out: str | Path,
                         [[a["name"], len(a["values"]), f"{a['mean']:,.0f}" if a["mean"] else "—",
                           f"{a['spread']:,.0f}", ", ".join(f"{v:,.0f}" for v in a["values"]),
                           len(a["failures"])] for a in c["arms"]])
-        lines += [f"Verdict: **{c['verdict']}**" + (
-            f" ({title} {c['gain']:+.1%}; difference {c['difference']:+,.0f} tok/s against "
-            f"a spread of {c['spread']:,.0f})" if c["gain"] is not None else ""), ""]
+        first = c["arms"][0]["name"]
+        comparisons = c.get("comparisons") or [
+            {"against": c["arms"][1]["name"]} | {k: c[k] for k in
+                                                  ("gain", "difference", "spread", "verdict")}]
+        for v in comparisons:
+            lines += [f"{first} vs {v['against']}: **{v['verdict']}**" + (
+                f" ({v['gain']:+.1%}; difference {v['difference']:+,.0f} tok/s against "
+                f"a spread of {v['spread']:,.0f})" if v["gain"] is not None else ""), ""]
     if s["ablation"]:
         a = s["ablation"]
         lines += ["## What each knob was worth (one at a time, from the winner)", "",

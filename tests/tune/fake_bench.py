@@ -76,16 +76,33 @@ def verdicts(params: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def run_seconds(params: Mapping[str, Any]) -> float:
+    """A run's fake duration: the same prompts through a low admission cap take longer (the
+    seeds' bad start took minutes a run where the winner took seconds)."""
+    return 10.0 * CONCURRENCY / _cap(params)
+
+
+class FakeClock:
+    """An injected clock that the fake evaluator moves on by each run's seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class FakeEvaluator:
     """Seeded noise (`noise` relative, Gaussian); every call is recorded in `calls`."""
 
     def __init__(self, seed: int = 0, noise: float = 0.01, fn=throughput,
-                 on_evaluate=None) -> None:
+                 on_evaluate=None, clock: FakeClock | None = None) -> None:
         self.rng = random.Random(seed)
         self.noise = noise
         self.fn = fn
         self.calls: list[tuple[dict[str, Any], str]] = []
         self.on_evaluate = on_evaluate
+        self.clock = clock
 
     def evaluate(self, params: Mapping[str, Any], purpose: str) -> Outcome:
         self.calls.append((dict(params), purpose))
@@ -96,10 +113,13 @@ class FakeEvaluator:
             return Outcome(None, failure="oom", error="torch.OutOfMemoryError: CUDA out of "
                            f"memory (fake: mem_fraction {params['mem_fraction']} > {OOM_ABOVE})")
         value = self.fn(params) * (1.0 + self.rng.gauss(0.0, self.noise))
+        seconds = run_seconds(params)
+        if self.clock is not None:
+            self.clock.now += seconds
         run = {"output_throughput": value, "median_tpot_ms": 20.0, "p99_ttft_ms": 900.0,
                "completed": CONCURRENCY, "failed": 0, "max_concurrency": CONCURRENCY}
         return Outcome(value, runs=[run], verdicts=verdicts(params),
-                       capacity={"max_running_requests": _cap(params)}, seconds=1.0,
+                       capacity={"max_running_requests": _cap(params)}, seconds=seconds,
                        command="fake")
 
 

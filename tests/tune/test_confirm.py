@@ -8,8 +8,9 @@ import pytest
 from moeserve.tune import confirm as confirm_mod
 from moeserve.tune import study as study_mod
 from moeserve.tune.ablation import ablate, importances
+from moeserve.tune.deadline import Deadline, OutOfTime
 from moeserve.tune.space import knob_space
-from tests.tune.fake_bench import BAD_START, FakeEvaluator, Interrupt, throughput
+from tests.tune.fake_bench import BAD_START, FakeClock, FakeEvaluator, Interrupt, throughput
 
 
 def _arms(space, **moved):
@@ -103,3 +104,63 @@ def test_a_cut_ablation_resumes_run_by_run():
     ref, rows = ablate(ev, space, winner, space.start, done=saved[-1])
     assert len(ev.calls) == 1  # only enforce_eager's run was left
     assert ref == pytest.approx(throughput(winner)) and len(rows) == 2
+
+
+def test_every_arm_is_judged_against_the_first():
+    space = knob_space("cuda", BAD_START)
+    arms = _arms(space, max_running_requests=1024, enforce_eager=False) | {
+        "defaults": {n: k.default for n, k in space.knobs.items()}}
+    c = confirm_mod.confirm(FakeEvaluator(seed=3, noise=0.01), arms, 3)
+    assert [v.against for v in c.comparisons] == ["start", "defaults"]
+    assert c.comparisons[0].verdict == c.verdict == "gain"
+    vs_defaults = c.comparisons[1]
+    assert vs_defaults.verdict in ("gain", "loss", "noise")
+    assert (vs_defaults.verdict == "noise") == (abs(vs_defaults.difference)
+                                                <= vs_defaults.spread)
+    assert "vs start" in c.line() and "vs defaults" in c.line()
+    d = c.to_dict()
+    assert d["verdict"] == "gain" and [v["against"] for v in d["comparisons"]] == [
+        "start", "defaults"]
+
+
+def test_a_second_confirmation_keeps_the_first_ones_runs():
+    space = knob_space("cuda", BAD_START)
+    arms = _arms(space, max_running_requests=1024)
+    saved: list = []
+    confirm_mod.confirm(FakeEvaluator(), arms, 2, save=lambda r: saved.append(list(r)))
+    first = saved[-1]
+    other = {"best": arms["best"], "defaults": {n: k.default for n, k in space.knobs.items()}}
+    ev = FakeEvaluator()
+    confirm_mod.confirm(ev, other, 2, done=first, save=lambda r: saved.append(list(r)))
+    assert len(ev.calls) == 2  # the best's two runs were reused, the defaults' measured
+    kept = saved[-1]
+    assert sum(r["arm"] == "start" for r in kept) == 2 and len(kept) == 6
+
+
+def test_a_deadline_stops_before_a_run_that_would_not_fit_and_resumes():
+    space = knob_space("cuda", BAD_START)
+    arms = _arms(space, max_running_requests=1024)  # the fake: 10 s a run vs the start's 160
+    clock, saved = FakeClock(), []
+    with pytest.raises(OutOfTime, match="start's run 2"):
+        confirm_mod.confirm(FakeEvaluator(clock=clock), arms, 3,
+                            save=lambda r: saved.append(list(r)),
+                            deadline=Deadline(200.0, clock))
+    # best 10 s, start 160 s, best 10 s: 20 s left, and the start's next run takes 160
+    assert [r["arm"] for r in saved[-1]] == ["best", "start", "best"]
+    assert clock.now == pytest.approx(180.0)
+    clock = FakeClock()
+    ev = FakeEvaluator(clock=clock)
+    c = confirm_mod.confirm(ev, arms, 3, done=saved[-1], deadline=Deadline(1000.0, clock))
+    assert len(ev.calls) == 3 and [len(a.values) for a in c.arms] == [3, 3]
+    with pytest.raises(ValueError, match="time-limit"):
+        Deadline(0.0)
+
+
+def test_a_deadline_stops_the_ablation_between_runs():
+    space = knob_space("cuda", BAD_START)
+    winner = space.complete({"max_running_requests": 1024, "enforce_eager": False})
+    clock, saved = FakeClock(), []
+    with pytest.raises(OutOfTime):
+        ablate(FakeEvaluator(noise=0.0, clock=clock), space, winner, space.start,
+               save=lambda r: saved.append(list(r)), deadline=Deadline(15.0, clock))
+    assert [r["name"] for r in saved[-1]] == ["winner"] and saved[-1][0]["seconds"] == 10.0

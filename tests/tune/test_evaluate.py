@@ -88,3 +88,13 @@ def test_out_of_memory_is_told_from_the_log():
     assert classify_log("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate") == "oom"
     assert classify_log("RuntimeError: CUDA error: out of memory") == "oom"
     assert classify_log("ConfigError: max_model_len") is None
+
+
+def test_a_confirmation_run_gets_its_prompts_worth_of_the_trial_timeout(tmp_path):
+    plan = BenchPlan([64, 1024], lambda c: c, lambda c: 3 * c, BENCH)
+    ev = ServerBenchEvaluator("tiny-moe", [], plan, trial_timeout_s=240.0)
+    assert ev.bench_limit_s("trial") == 240.0
+    assert ev.bench_limit_s("confirm") == 720.0  # the seeds' bad start: 263 s of full W1
+    fewer = ServerBenchEvaluator("tiny-moe", [], BenchPlan([8], lambda c: 16, lambda c: 8),
+                                 trial_timeout_s=240.0)
+    assert fewer.bench_limit_s("confirm") == 240.0  # never less than a trial's
