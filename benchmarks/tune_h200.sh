@@ -13,7 +13,7 @@
 # Writes $OUT/tune (report, logs), $OUT/tune.db, $OUT/tune.log.
 # Another study: PRESET, START (the start's flags; "" = the engine's defaults), STUDY and SRC
 # (the ledger in the checkout) from the environment, e.g. mixtral from its defaults:
-#   PRESET=mixtral-8x7b START= KNOBS= STUDY=mixtral-c1024-defaults \
+#   PRESET=mixtral-8x7b START= STUDY=mixtral-c1024-defaults \
 #     SRC=benchmarks/results/tune_mixtral_c1024/tune.db bash benchmarks/tune_h200.sh search auto
 set -uo pipefail
 PHASES=${1:-search}
