@@ -118,6 +118,12 @@ def open_study(storage: str, name: str, seed: int | None = 0,
     study = optuna.create_study(storage=make_storage(storage), study_name=name,
                                 direction=DIRECTION, load_if_exists=True,
                                 sampler=make_sampler(seed, n_startup_trials))
+    done = len(study.get_trials(deepcopy=False))
+    if done and seed is not None:
+        # a resumed study: the same seed would draw the first call's random start-up configs
+        # again (each one then a duplicate, told its old value, exploring nothing); seeded by
+        # the ledger's length, a resume stays reproducible and draws new ones
+        study.sampler = make_sampler(seed + done, n_startup_trials)
     return study
 
 

@@ -418,15 +418,18 @@ def test_gpu_cuda_graph_replays_with_new_routing(fmt: str) -> None:
 @pytest.mark.parametrize("num_tokens", [1, 64, 300])
 def test_gpu_nvfp4_asm_decode_gives_the_same_bits(num_tokens: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """nvfp4_tile's "asm" decode (inline PTX) against the default "bits" one: the same
-    dequantized tiles, so the same output bits."""
+    """nvfp4_tile's "asm" decode (inline PTX, what "auto" takes here) against "bits": the
+    same dequantized tiles, so the same output bits."""
     from moeserve.kernels.linear import nvfp4_tile
 
     w13, w2 = gpu_experts("nvfp4")
     x = tokens(num_tokens, GPU_SHAPE[1], seed=num_tokens, dtype=torch.bfloat16)
     weights, ids = routing(num_tokens, GPU_SHAPE[0], seed=num_tokens, off_rank=True)
+    monkeypatch.setattr(nvfp4_tile, "decode", "bits")
     expected = moe_quant_triton(x, w13, w2, weights, ids)
     monkeypatch.setattr(nvfp4_tile, "decode", "asm")
+    assert torch.equal(moe_quant_triton(x, w13, w2, weights, ids), expected)
+    monkeypatch.setattr(nvfp4_tile, "decode", "auto")
     assert torch.equal(moe_quant_triton(x, w13, w2, weights, ids), expected)
 
 
@@ -441,8 +444,25 @@ def test_nvfp4_asm_decode_is_refused_where_it_cannot_run(monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="'asm' needs bf16 activations on CUDA"):
         moe_quant_triton(x, w13, w2, weights, ids)
     monkeypatch.setattr(nvfp4_tile, "decode", "lut")
-    with pytest.raises(ValueError, match=r"decode must be one of \('bits', 'asm'\)"):
+    with pytest.raises(ValueError, match=r"decode must be one of \('auto', 'bits', 'asm'\)"):
         moe_quant_triton(x, w13, w2, weights, ids)
+
+
+def test_nvfp4_auto_decode_takes_asm_where_it_runs_and_bits_elsewhere(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeserve.kernels.linear import nvfp4_tile
+
+    monkeypatch.setattr(nvfp4_tile, "decode", "auto")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert nvfp4_tile.DECODES[nvfp4_tile.decode_id(torch.bfloat16, cuda)] == "asm"
+    assert nvfp4_tile.DECODES[nvfp4_tile.decode_id(torch.float16, cuda)] == "bits"
+    assert nvfp4_tile.DECODES[nvfp4_tile.decode_id(torch.bfloat16, cpu)] == "bits"
+    x = tokens(3, 32, seed=0)  # CPU: the interpreter runs "bits"
+    w13, w2 = make_weight("nvfp4", 4, 64, 32, None), make_weight("nvfp4", 4, 32, 32, None)
+    weights, ids = routing(3, 4, seed=0)
+    got = moe_quant_triton(x, w13, w2, weights, ids)
+    monkeypatch.setattr(nvfp4_tile, "decode", "bits")
+    assert torch.equal(got, moe_quant_triton(x, w13, w2, weights, ids))
 
 
 @pytest.mark.gpu

@@ -144,3 +144,17 @@ def test_a_repeated_config_is_told_its_earlier_value_without_a_run(tmp_path):
     dups = [t for t in study_mod.ledger(study) if "duplicate_of" in t.user_attrs]
     assert dups and all(t.value == study.trials[t.user_attrs["duplicate_of"]].value
                         for t in dups)
+
+
+def test_a_resumed_study_draws_new_configs_not_the_first_calls_again(tmp_path):
+    space = _space()
+    study = _study(tmp_path)
+    study_mod.search(study, space, FakeEvaluator(), study_mod.Budget(n_trials=4, doctor=False))
+    first = study_mod.ledger(study)
+    again = _study(tmp_path)  # a new call: the same storage, name and seed
+    study_mod.search(again, space, FakeEvaluator(), study_mod.Budget(n_trials=8, doctor=False))
+    after = study_mod.ledger(again)
+    assert len(study_mod.measured(after)) == 8
+    assert not [t.number for t in after if "duplicate_of" in t.user_attrs]
+    seen = {repr(sorted(t.user_attrs["params"].items())) for t in first}
+    assert all(repr(sorted(t.user_attrs["params"].items())) not in seen for t in after[4:])

@@ -27,9 +27,11 @@ float8_e4m3fn's NaN codes as +-480, so on CPU the callers load the scales' bytes
 them here (on CUDA the float8 load and its hardware conversion). The functions are plain
 Python until `jitted()` wraps them (the callers' kernels jit on first use, see fused_triton.py).
 
-`decode` "asm" (an experiment, off by default) does the nibbles' decode and the scale's
-multiply in inline PTX on bf16 pairs, about 4 instructions a weight against the "bits" path's
-8 or so; both give the same bits (the GPU tests compare them), so the choice is speed alone.
+`decode` "asm" does the nibbles' decode and the scale's multiply in inline PTX on bf16 pairs,
+about 4 instructions a weight against the "bits" path's 8 or so; both give the same bits (the
+GPU tests compare them), so the choice is speed alone. "auto" (the default) takes "asm" where
+it runs (bf16 activations on CUDA: 15-17% faster on the H200 at 64-8,192 tokens,
+benchmarks/results/gpu_1206642) and "bits" elsewhere.
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ import torch
 
 tl: Any = None  # triton.language, bound by jitted(): the helpers read it as a global
 MIN_BLOCK_K = 32  # each nibble's dot has K = BLOCK_K / 2 >= 16
-DECODES = ("bits", "asm")
-# The decode the kernels compile (an experiment switch, set by benchmarks and tests; "bits"
-# until the H200 measures "asm" faster: benchmarks/kernels_quant.py --nvfp4-decode).
-decode = "bits"
+DECODES = ("bits", "asm")  # the DECODE constexpr's values, in order
+# The decode the kernels compile: "auto", or one of DECODES (benchmarks and tests set it;
+# benchmarks/kernels_quant.py --nvfp4-decode times each).
+decode = "auto"
 
 # "asm": four packed bytes ($4) and their four bf16 group scales ($5: bytes 0-1, $6: 2-3) ->
 # the low nibbles' four bf16 weights ($0, $1) and the high nibbles' ($2, $3). prmt spreads
@@ -72,11 +74,16 @@ or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 $3, m, $6;
 
 
 def decode_id(x_dtype, device) -> int:
-    """The DECODE constexpr of `decode` for activations of x_dtype on device; ValueError where
-    "asm" cannot run (it needs bf16 activations on CUDA)."""
-    if decode not in DECODES:
-        raise ValueError(f"nvfp4_tile.decode must be one of {DECODES}, got {decode!r}")
-    if decode == "asm" and (device.type != "cuda" or x_dtype != torch.bfloat16):
+    """The DECODE constexpr of `decode` for activations of x_dtype on device: "auto" is "asm"
+    where it runs, else "bits"; ValueError where "asm", asked for, cannot run (it needs bf16
+    activations on CUDA)."""
+    if decode not in ("auto", *DECODES):
+        raise ValueError(f"nvfp4_tile.decode must be one of {('auto', *DECODES)}, "
+                         f"got {decode!r}")
+    asm_runs = device.type == "cuda" and x_dtype == torch.bfloat16
+    if decode == "auto":
+        return DECODES.index("asm" if asm_runs else "bits")
+    if decode == "asm" and not asm_runs:
         raise ValueError(f"nvfp4 decode 'asm' needs bf16 activations on CUDA, got {x_dtype} "
                          f"on {device.type}")
     return DECODES.index(decode)
