@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.w1_offline import environment
+from moeserve.config import load_model_config
 from moeserve.kernels.moe import search as moe_search
 from moeserve.kernels.moe import tile_configs as moe_configs
 from moeserve.kernels.moe import timer as moe_timer
@@ -53,7 +54,6 @@ from moeserve.kernels.moe.measured import moe_measured
 from moeserve.kernels.moe.ref import moe_loop_ref
 from moeserve.kernels.routing.select import select_experts
 from moeserve.kernels.routing.select_triton import MAX_EXPERTS, select_experts_triton
-from moeserve.presets import load_preset
 
 COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # H200, measured (ANCHORS.md)
 HOT_FRACTION, HOT_BIAS = 0.2, 3.0  # skewed routing: +3 on the logits of 20% of the experts
@@ -63,10 +63,16 @@ DEVICE, DTYPE = "cuda", torch.bfloat16
 MoeFn = Callable[..., torch.Tensor]  # (x, w13, w2, topk_weights, topk_ids, num_tokens)
 
 
-def expert_shape(preset: str) -> tuple[int, int, int, int]:
-    cfg = load_preset(preset)
-    return (cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"],
-            cfg["num_experts_per_tok"])
+def expert_shape(preset: str, moe_tp: int = 1, ep: int = 1) -> tuple[int, int, int, int]:
+    """(experts, hidden, width, top-k) of one rank's routed experts: under expert parallelism
+    EP a rank holds E / EP experts, under MoE tensor parallelism each expert's width is split
+    moe_tp ways (docs/parallel.md); ValueError when they do not divide."""
+    mc = load_model_config(preset)[0]  # any family's preset (GLM-5's n_routed_experts)
+    experts, inter = mc.num_experts, mc.moe_intermediate_size
+    if moe_tp < 1 or ep < 1 or experts % ep or inter % moe_tp:
+        raise ValueError(f"{preset}: {experts} experts over EP {ep} and width {inter} over "
+                         f"MoE-TP {moe_tp} must divide")
+    return experts // ep, mc.hidden_size, inter // moe_tp, mc.num_experts_per_tok
 
 
 def device_name() -> str:
@@ -269,11 +275,18 @@ def main() -> None:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for the tune; it stops there (a rerun resumes)")
     parser.add_argument("--tune-only", action="store_true", help="no layer benchmark")
+    parser.add_argument("--moe-tp", type=int, default=1, help="one rank's shape under MoE "
+                        "tensor parallelism: each expert's width / N")
+    parser.add_argument("--ep", type=int, default=1, help="one rank's shape under expert "
+                        "parallelism: E / N experts (its tuned entries are looked up at T x "
+                        "E_local / E tokens, tile_configs.tile_tokens: the layer benchmark's "
+                        "token counts are then that share)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    shape = num_experts, hidden, inter, top_k = expert_shape(args.preset)
+    shape = num_experts, hidden, inter, top_k = expert_shape(args.preset, args.moe_tp, args.ep)
     t0 = time.perf_counter()
     result: dict = {"environment": environment(), "preset": args.preset,
+                    "moe_tp": args.moe_tp, "ep": args.ep,
                     "shape": {"E": num_experts, "H": hidden, "I": inter, "top_k": top_k,
                               "dtype": str(DTYPE)}}
     gen = torch.Generator(device=DEVICE).manual_seed(0)

@@ -396,10 +396,11 @@ def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
     hidden, width)."""
     if cfg.moe_backend not in TILED_MOE_BACKENDS or shape is None:
         return {}
-    from moeserve.kernels.moe.tile_configs import config_key, get_moe_config
+    from moeserve.kernels.moe.tile_configs import config_key, get_moe_config, tile_tokens
 
     sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
-    choices = {n: get_moe_config(*shape, mc.num_experts_per_tok, dtype, n, device_name,
+    choices = {n: get_moe_config(*shape, mc.num_experts_per_tok, dtype,
+                                 tile_tokens(n, shape[0], mc.num_experts), device_name,
                                  tiles=cfg.moe_tiles) for n in sizes}
     measured = cfg.moe_backend == "measured"
     return {str(n): {"config": c.config, "tiles": config_key(c.config), "tuned": c.tuned,
@@ -415,13 +416,15 @@ def _quant_moe_configs(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.Modul
     sizes (quant.configs.get_quant_config with the engine's moe_tiles); backend "triton"
     everywhere (the quantized experts have no other), "format" the weights'."""
     from moeserve.kernels.moe.quant.configs import get_quant_config
-    from moeserve.kernels.moe.tile_configs import config_key
+    from moeserve.kernels.moe.tile_configs import config_key, tile_tokens
 
     fmt, group = block.w13.format, max(block.w13.group, block.w2.group)
     sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
-    choices = {n: get_quant_config(fmt, block.num_local_experts, mc.hidden_size,
-                                   block.w2.shape[-1], mc.num_experts_per_tok, group, dtype, n,
-                                   device_name, tiles=cfg.moe_tiles) for n in sizes}
+    local = block.num_local_experts
+    choices = {n: get_quant_config(fmt, local, mc.hidden_size, block.w2.shape[-1],
+                                   mc.num_experts_per_tok, group, dtype,
+                                   tile_tokens(n, local, mc.num_experts), device_name,
+                                   tiles=cfg.moe_tiles) for n in sizes}
     return {str(n): {"config": c.config, "tiles": config_key(c.config), "tuned": c.tuned,
                      "source": c.source, "backend": "triton", "tuned_tokens": c.tuned_tokens,
                      "format": fmt}

@@ -119,6 +119,16 @@ def get_moe_backend(name: str, tiles: str = "tuned") -> MoeFn:
     return functools.partial(fn, tiles=tiles)
 
 
+def bind_routed_experts(backend: MoeFn, routed_experts: int) -> MoeFn:
+    """`backend` for a rank that holds some of the model's `routed_experts` (expert
+    parallelism): the TILED_MOE_BACKENDS look their tiles up at that rank's density
+    (`tile_configs.tile_tokens`); the others, with no tiles, are returned as they are."""
+    fn = getattr(backend, "func", backend)
+    if fn not in (MOE_BACKENDS[name] for name in TILED_MOE_BACKENDS):
+        return backend
+    return functools.partial(backend, routed_experts=routed_experts)
+
+
 def moe_tile_source(backend: MoeFn) -> str:
     """The tile source `get_moe_backend` bound into `backend` ("tuned" unless bound to another):
     quantized experts, which run their own kernel whatever the backend, follow it."""

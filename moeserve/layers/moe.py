@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels.moe.quant import moe_quantized
-from moeserve.kernels.registry import moe_tile_source
+from moeserve.kernels.registry import bind_routed_experts, moe_tile_source
 from moeserve.kernels.routing.select import (
     select_experts,
     select_experts_grouped,
@@ -77,7 +77,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.router = config.router
-        self.backend = moe_backend
+        # a rank with some of the experts looks its tiles up at its own pairs' density
+        self.backend = bind_routed_experts(moe_backend, e) if self.sharded else moe_backend
         self.tiles = moe_tile_source(moe_backend)  # the quantized experts' tile source
         self.gate = empty_param(e, h, dtype=dtype, device=device)  # router, [E, hidden]
         self.correction_bias = (empty_param(e, dtype=torch.float32, device=device)
@@ -147,5 +148,6 @@ class SparseMoeBlock(nn.Module):
             topk_ids = torch.where(held, local, torch.full_like(local, -1))
         if isinstance(self.w13, QuantWeight):
             return moe_quantized(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce,
-                                 tiles=self.tiles)
+                                 tiles=self.tiles,
+                                 routed_experts=self.gate.shape[0] if self.sharded else None)
         return self.backend(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)

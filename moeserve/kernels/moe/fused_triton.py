@@ -74,6 +74,7 @@ from moeserve.kernels.moe.tile_configs import (
     get_moe_config,
     launch_options,
     tile_device_name,
+    tile_tokens,
 )
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -86,7 +87,8 @@ tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
 def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                config: dict | None = None, tiles: str = "tuned", combine: str = "sum",
-               align: str = "triton", reduce: bool = True) -> torch.Tensor:
+               align: str = "triton", reduce: bool = True,
+               routed_experts: int | None = None) -> torch.Tensor:
     """Routed experts through two launches of `_fused_moe_kernel` (see the module docstring).
 
     Args:
@@ -102,6 +104,9 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         tiles: where a looked-up config comes from (`moe_configs.TILE_SOURCES`): "tuned" (a
             tuned file for this device and shape, else the defaults) or "default" (the
             in-code defaults, no file read). Unused when `config` is given.
+        routed_experts: the model's routed experts when w13 holds only this rank's E of them
+            (expert parallelism): the tiles are looked up at `tile_tokens`' count, the
+            density of this rank's pairs. Unused when `config` is given.
         combine: "sum" (deterministic) or "atomic" (fp32 atomics), how the k slots are added.
         align: "triton" (three launches) or "torch" (~25 small kernels): the expert sort.
         reduce: False skips the "sum" pass and returns the k weighted rows [T, k, H] (the next
@@ -117,7 +122,8 @@ def moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if num_tokens == 0:
         return x.new_empty(0, hidden) if reduce else x.new_empty(0, 1, hidden)
     if config is None:
-        config = get_moe_config(num_experts, hidden, inter, top_k, x.dtype, num_tokens,
+        config = get_moe_config(num_experts, hidden, inter, top_k, x.dtype,
+                                tile_tokens(num_tokens, num_experts, routed_experts),
                                 tile_device_name(x.device), tiles=tiles).config
     _check_config(config)
     sorted_ids, expert_ids, post_padded = _ALIGNS[align](topk_ids, num_experts,

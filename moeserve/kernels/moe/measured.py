@@ -13,8 +13,9 @@ x.shape[0] (ties: the smaller; `moe_configs.get_moe_config`) and runs
 
 The pick reads only host metadata (shapes, dtype, device): no device value, so no sync, and
 inside a CUDA graph the token count is static, so each captured graph runs one backend. Picks
-are cached per (device, dtype, E, H, I, top_k, tiles) and token count, so two engines in one
-process with different tile sources never share one: after the first call at a size a call
+are cached per (device, dtype, E, H, I, top_k, tiles, routed experts) and token count, so two
+engines in one process with different tile sources never share one: after the first call at a
+size a call
 costs a couple of dict lookups (it runs once per MoE layer per step). `moe_configs.
 clear_caches()` (called after every tune) forgets them.
 """
@@ -27,14 +28,15 @@ from moeserve.kernels.moe import tile_configs as moe_configs
 from moeserve.kernels.moe.fused_triton import moe_triton
 from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
 
-# (device, dtype, E, H, I, top_k, tiles) -> {num_tokens: (backend, tile config)}
+# (device, dtype, E, H, I, top_k, tiles, routed experts) -> {num_tokens: (backend, tiles)}
 _PLANS: dict[tuple, dict[int, tuple[str, dict[str, int]]]] = {}
 moe_configs.register_cache(_PLANS.clear)
 
 
 def moe_measured(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                 tiles: str = "tuned", reduce: bool = True) -> torch.Tensor:
+                 tiles: str = "tuned", reduce: bool = True,
+                 routed_experts: int | None = None) -> torch.Tensor:
     """Routed experts through the backend measured faster at this token count.
 
     Args and result as `moe_triton` / `moe_grouped_mm`: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
@@ -42,10 +44,11 @@ def moe_measured(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     pair that both backends skip and that adds zero) -> [T, H] in x's dtype (reduce False:
     [T, k, H], the k weighted rows unsummed, a -1 pair's row 0). tiles: "tuned" (the tune's
     picks) or "default" (Triton with the in-code default tiles at every size), as
-    `moe_configs.get_moe_config` takes it.
+    `moe_configs.get_moe_config` takes it. routed_experts: as `moe_triton`'s (expert
+    parallelism: the picks at `moe_configs.tile_tokens`' count).
     """
     shape_key = (x.device, x.dtype, w13.shape[0], w13.shape[2], w2.shape[2], topk_ids.shape[1],
-                 tiles)
+                 tiles, routed_experts)
     plans = _PLANS.get(shape_key)
     if plans is None:
         plans = _PLANS[shape_key] = {}
@@ -62,9 +65,11 @@ def moe_measured(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def pick(shape_key: tuple, num_tokens: int) -> tuple[str, dict[str, int]]:
     """(backend, Triton tiles) for one shape key and token count, from the tuned files (or
     the defaults, as the key's tile source says)."""
-    device, dtype, num_experts, hidden, inter, top_k, tiles = shape_key
-    choice = moe_configs.get_moe_config(num_experts, hidden, inter, top_k, dtype, num_tokens,
-                                        moe_configs.tile_device_name(device), tiles=tiles)
+    device, dtype, num_experts, hidden, inter, top_k, tiles, routed = shape_key
+    choice = moe_configs.get_moe_config(
+        num_experts, hidden, inter, top_k, dtype,
+        moe_configs.tile_tokens(num_tokens, num_experts, routed),
+        moe_configs.tile_device_name(device), tiles=tiles)
     backend = choice.backend if num_tokens > 0 else "triton"  # moe_triton returns [0, H] at once
     return backend, choice.config
 

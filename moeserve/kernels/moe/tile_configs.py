@@ -128,6 +128,19 @@ def default_moe_config(num_experts: int, top_k: int, num_tokens: int) -> dict[st
     return tile_config(128, 128, 64, 8, 8, 3)
 
 
+def tile_tokens(num_tokens: int, num_experts: int, routed_experts: int | None = None) -> int:
+    """The token count whose tiles fit a rank that holds `num_experts` of the model's
+    `routed_experts` (expert parallelism): of its num_tokens x k pairs only about num_experts /
+    routed_experts are its own (the rest are -1, skipped), as many pairs per expert as
+    num_experts experts alone draw from that share of the tokens. The tuned files and the
+    default tiles are by that count, so a rank's tiles are its local shape's tuned at that
+    density (tuning the local shape at num_tokens would give it routed / local times too many
+    pairs an expert). num_tokens itself when the rank holds every expert."""
+    if not routed_experts or routed_experts <= num_experts or num_tokens <= 0:
+        return num_tokens
+    return max(1, -(-num_tokens * num_experts // routed_experts))
+
+
 def nearest_token_count(tuned: Sequence[int] | dict[int, object], num_tokens: int) -> int:
     """The tuned token count closest to num_tokens (ties: the smaller), as vLLM picks."""
     return min(tuned, key=lambda n: (abs(n - num_tokens), n))

@@ -25,15 +25,18 @@ from moeserve.quant.packed import QuantWeight
 
 def moe_quantized(x: torch.Tensor, w13: QuantWeight, w2: QuantWeight,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  reduce: bool = True, tiles: str = "tuned") -> torch.Tensor:
+                  reduce: bool = True, tiles: str = "tuned",
+                  routed_experts: int | None = None) -> torch.Tensor:
     """tiles: the CUDA kernel's tile source (tile_configs.TILE_SOURCES, the engine's
-    moe_tiles); the reference has no tiles."""
+    moe_tiles); routed_experts: the model's, when this rank holds some of them (the tiles'
+    lookup, tile_configs.tile_tokens); the reference has no tiles."""
     if w13.format != w2.format:
         raise ValueError(f"w13 is {w13.format} but w2 is {w2.format}")
     if x.is_cuda:
         from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
 
-        return moe_quant_triton(x, w13, w2, topk_weights, topk_ids, tiles=tiles, reduce=reduce)
+        return moe_quant_triton(x, w13, w2, topk_weights, topk_ids, tiles=tiles, reduce=reduce,
+                                routed_experts=routed_experts)
     from moeserve.kernels.moe.quant.ref import moe_quant_ref
 
     return moe_quant_ref(x, w13, w2, topk_weights, topk_ids, reduce=reduce)

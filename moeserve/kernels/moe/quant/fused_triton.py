@@ -64,7 +64,7 @@ from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.quant.ref import weight_layout
-from moeserve.kernels.moe.tile_configs import check_tile_source, tile_device_name
+from moeserve.kernels.moe.tile_configs import check_tile_source, tile_device_name, tile_tokens
 from moeserve.kernels.triton_common import require_triton_device
 from moeserve.quant.fp8_block import E4M3, quantize_activations
 from moeserve.quant.packed import FP8_GROUP, packed_columns
@@ -77,7 +77,8 @@ tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
 
 def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, config: dict | None = None,
-                     tiles: str = "tuned", reduce: bool = True) -> torch.Tensor:
+                     tiles: str = "tuned", reduce: bool = True,
+                     routed_experts: int | None = None) -> torch.Tensor:
     """Routed experts over quantized weights in two launches (see the module docstring).
 
     Args:
@@ -105,8 +106,8 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
         return x.new_empty(0, hidden) if reduce else x.new_empty(0, top_k, hidden)
     if config is None:  # host-side lookups only (cached files): no sync, graph-capturable
         config = get_quant_config(fmt, num_experts, hidden, inter, top_k, max(group13, group2),
-                                  x.dtype, num_tokens, tile_device_name(x.device),
-                                  tiles=tiles).config
+                                  x.dtype, tile_tokens(num_tokens, num_experts, routed_experts),
+                                  tile_device_name(x.device), tiles=tiles).config
     check_quant_config(config, fmt, (group13, group2))
     # the grid covers every block; those past the used ones (expert -1) return at once, so
     # num_tokens_post_padded is not read
