@@ -18,7 +18,13 @@ from moeserve.kernels.moe.measured import moe_measured
 from moeserve.kernels.moe.tile_configs import tile_tokens
 from moeserve.kernels.registry import bind_routed_experts, get_moe_backend, moe_tile_source
 from moeserve.layers.moe import SparseMoeBlock
-from tests.kernels.test_moe_measured import SMALL, Spy, experts_and_tokens, write_tuned
+from tests.kernels.test_moe_measured import (
+    SMALL,
+    TWO_BACKENDS,
+    Spy,
+    experts_and_tokens,
+    write_tuned,
+)
 
 pytestmark = pytest.mark.usefixtures("isolated_config_dirs")  # conftest.py
 
@@ -35,9 +41,7 @@ def test_tile_tokens_scale_by_the_share_of_experts_held() -> None:
 
 def test_a_sharded_rank_takes_the_entry_of_its_density(isolated_config_dirs: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    write_tuned(isolated_config_dirs / "env", {
-        2: {**SMALL, "ms": 0.3, "grouped_mm_ms": 0.2, "backend": "grouped_mm"},
-        16: {**SMALL, "BLOCK_N": 32, "ms": 0.4, "grouped_mm_ms": 0.6, "backend": "triton"}})
+    write_tuned(isolated_config_dirs / "env", TWO_BACKENDS)
     spy = Spy(monkeypatch)
     x, w13, w2, weights, ids = experts_and_tokens(16)
     whole = moe_measured(x, w13, w2, weights, ids)  # the 16-token entry: triton, BLOCK_N 32

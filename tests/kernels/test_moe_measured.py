@@ -131,11 +131,14 @@ def test_the_capacity_report_names_the_down_tiles(isolated_config_dirs: Path) ->
 
 # ---------------------------------------------------------------- the measured backend
 
+# grouped_mm measured faster at 2 tokens, triton (BLOCK_N 32) at 16
+TWO_BACKENDS = {2: {**SMALL, "ms": 0.3, "grouped_mm_ms": 0.2, "backend": "grouped_mm"},
+                16: {**SMALL, "BLOCK_N": 32, "ms": 0.4, "grouped_mm_ms": 0.6, "backend": "triton"}}
+
+
 def test_measured_runs_the_backend_of_the_nearest_entry(isolated_config_dirs: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    write_tuned(isolated_config_dirs / "env", {
-        2: {**SMALL, "ms": 0.3, "grouped_mm_ms": 0.2, "backend": "grouped_mm"},
-        16: {**SMALL, "BLOCK_N": 32, "ms": 0.4, "grouped_mm_ms": 0.6, "backend": "triton"}})
+    write_tuned(isolated_config_dirs / "env", TWO_BACKENDS)
     spy = Spy(monkeypatch)
     for num_tokens in (1, 9, 10, 33):  # nearest: 2, 2 (a tie), 16, 16
         x, w13, w2, weights, ids = experts_and_tokens(num_tokens, seed=num_tokens)

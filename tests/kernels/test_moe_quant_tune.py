@@ -350,7 +350,7 @@ def test_the_engine_tunes_quantized_experts_at_start_up(
 
 
 def test_the_report_names_the_quantized_tiles(isolated_config_dirs: Path) -> None:
-    mc = SimpleNamespace(hidden_size=H, num_experts_per_tok=K)
+    mc = SimpleNamespace(hidden_size=H, num_experts_per_tok=K, num_experts=E)  # every expert here
     entry = {**SMALL, "ms": 0.1}
     path = write_tuned(isolated_config_dirs / "env", "nvfp4", {64: entry})
     tuned = core._quant_moe_configs(EngineConfig(), mc, quant_block("nvfp4"), torch.float32,
