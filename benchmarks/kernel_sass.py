@@ -104,7 +104,8 @@ def moe_quant(args: argparse.Namespace) -> dict:
                  ONE_SCALE_ROW=fmt == "fp8" and 128 % bn == 0 and not args.row_scales,
                  A_ROW_DIV=8 if args.gated else 1,
                  GATED=args.gated, EVEN_K=True, DOT_PRECISION="tf32", NATIVE_FP8=True,
-                 DECODE=nvfp4_tile.DECODES.index(args.decode), BLOCK_M=bm, BLOCK_N=bn,
+                 DECODE=nvfp4_tile.DECODES.index(args.decode),
+                 PREFETCH=fmt == "fp8" and args.prefetch, BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=1, stride_bk=1, stride_sk=1)
     kernel = fused_triton._kernel()
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
@@ -146,6 +147,8 @@ def main() -> None:
                            help="the down launch (default: the gated one)")
             p.add_argument("--row-scales", action="store_true",
                            help="fp8: a weight scale per row loaded (not one per tile)")
+            p.add_argument("--prefetch", action="store_true",
+                           help="fp8: the scales loaded a K step ahead (prefetch_scales)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
     args = parser.parse_args()

@@ -37,7 +37,8 @@ was not finite.
 On the H200 (one call; expected 3-6 minutes, most of it Triton compiles and weight drawing;
 the timeout's SIGINT leaves the JSON of what was done; `--shapes glm-5` etc. split it;
 --profile adds each MoE row's kernels by GPU time, torch.profiler over three eager calls;
---nvfp4-decode bits asm times the NVFP4 rows with each decode of kernels/linear/nvfp4_tile.py,
+--nvfp4-decode bits asm times the NVFP4 rows with each decode of kernels/linear/nvfp4_tile.py
+(--fp8-prefetch off on the FP8 rows with and without the scales' one-step prefetch),
 the acceptance taking the better):
 
     source benchmarks/gpu_env.sh; timeout -s INT 560 python3 -m benchmarks.kernels_quant \
@@ -300,15 +301,31 @@ def with_decode(decode: str | None, bench: Callable[[], list[dict]]) -> list[dic
     NVFP4 row tagged with it."""
     from moeserve.kernels.linear import nvfp4_tile
 
-    before = nvfp4_tile.decode
-    nvfp4_tile.decode = decode or before
+    return _with_switch(nvfp4_tile, "decode", decode, "nvfp4", "decode", bench)
+
+
+def with_prefetch(prefetch: str | None, bench: Callable[[], list[dict]]) -> list[dict]:
+    """bench()'s rows with the fused MoE's fp8 scales loaded a step ahead or not
+    (quant.fused_triton.prefetch_scales; "on" / "off", None: as set), each FP8 row tagged."""
+    from moeserve.kernels.moe.quant import fused_triton
+
+    value = None if prefetch is None else prefetch == "on"
+    return _with_switch(fused_triton, "prefetch_scales", value, "fp8", "prefetch", bench)
+
+
+def _with_switch(module, name: str, value, fmt: str, tag: str,
+                 bench: Callable[[], list[dict]]) -> list[dict]:
+    """bench() with module.name set to value (None: as set), the rows of `fmt` tagged."""
+    before = getattr(module, name)
+    setattr(module, name, before if value is None else value)
     try:
         rows = bench()
     finally:
-        nvfp4_tile.decode = before
+        chosen = getattr(module, name)
+        setattr(module, name, before)
     for row in rows:
-        if row["format"] == "nvfp4":
-            row["decode"] = decode or before
+        if row["format"] == fmt:
+            row[tag] = chosen
     return rows
 
 
@@ -383,6 +400,9 @@ def main() -> None:
     parser.add_argument("--nvfp4-decode", nargs="+", choices=("bits", "asm"),
                         default=["bits"], help="NVFP4 rows per decode of "
                         "kernels/linear/nvfp4_tile.py (asm: inline PTX, CUDA only)")
+    parser.add_argument("--fp8-prefetch", nargs="+", choices=("off", "on"), default=["off"],
+                        help="FP8 MoE rows per setting of the scales' one-step prefetch "
+                        "(kernels/moe/quant/fused_triton.py prefetch_scales)")
     parser.add_argument("--profile", action="store_true",
                         help="each MoE row also lists the op's GPU kernels by time (CUDA)")
     parser.add_argument("--small", action="store_true",
@@ -432,9 +452,11 @@ def main() -> None:
     for shape_name, shape in shapes.items():
         for fmt in args.formats:
             for decode in args.nvfp4_decode if fmt == "nvfp4" else [None]:
-                result["moe"] += with_decode(decode, functools.partial(
-                    bench_moe_format, fmt, shape_name, shape, args.tokens, ctx))
-                save()
+                for prefetch in args.fp8_prefetch if fmt == "fp8" else [None]:
+                    result["moe"] += with_prefetch(prefetch, functools.partial(
+                        with_decode, decode, functools.partial(
+                            bench_moe_format, fmt, shape_name, shape, args.tokens, ctx)))
+                    save()
     if not args.no_linear:
         for decode in args.nvfp4_decode if "nvfp4" in args.formats else [None]:
             linear_ctx = ctx if decode == args.nvfp4_decode[0] else {

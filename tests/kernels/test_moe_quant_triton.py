@@ -211,10 +211,14 @@ def _fp8_block_experts(e: int, h: int, i: int, dtype: torch.dtype
     return compact, per_row
 
 
-def test_fp8_one_weight_scale_a_tile_gives_the_per_row_bits() -> None:
+def test_fp8_one_weight_scale_a_tile_gives_the_per_row_bits(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
     """N a multiple of 128 and BLOCK_N dividing it: each tile's rows share one 128-row scale,
     loaded once a step (ONE_SCALE_ROW); the same weights with a scale per row (scale_rows 1,
-    loaded per row) give the same bits, and both the reference's sums."""
+    loaded per row) give the same bits, and both the reference's sums; so do both with the
+    scales loaded a step ahead (prefetch_scales: h 256, two 128-groups a row)."""
+    from moeserve.kernels.moe.quant import fused_triton
+
     e, h, i = 4, 256, 128
     compact, per_row = _fp8_block_experts(e, h, i, torch.float32)
     x = tokens(21, h, seed=8)
@@ -223,6 +227,9 @@ def test_fp8_one_weight_scale_a_tile_gives_the_per_row_bits() -> None:
     out = moe_quant_triton(x, *compact, weights, ids, config=config)
     assert torch.equal(out, moe_quant_triton(x, *per_row, weights, ids, config=config))
     assert rel_err(out, moe_quant_ref(x, *compact, weights, ids)) < 1e-4
+    monkeypatch.setattr(fused_triton, "prefetch_scales", True)
+    for experts in (compact, per_row):
+        assert torch.equal(out, moe_quant_triton(x, *experts, weights, ids, config=config))
 
 
 @pytest.mark.parametrize("fmt", list(SHAPES))
@@ -467,7 +474,10 @@ def test_nvfp4_auto_decode_takes_asm_where_it_runs_and_bits_elsewhere(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [5, 64, 300])
-def test_gpu_fp8_one_weight_scale_a_tile_gives_the_per_row_bits(num_tokens: int) -> None:
+def test_gpu_fp8_one_weight_scale_a_tile_gives_the_per_row_bits(
+        num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeserve.kernels.moe.quant import fused_triton
+
     e, h, i = 16, 1024, 512
     compact, per_row = _fp8_block_experts(e, h, i, torch.bfloat16)
     x = tokens(num_tokens, h, seed=num_tokens, dtype=torch.bfloat16)
@@ -475,3 +485,6 @@ def test_gpu_fp8_one_weight_scale_a_tile_gives_the_per_row_bits(num_tokens: int)
     out = moe_quant_triton(x, *compact, weights, ids, tiles="default")
     assert torch.equal(out, moe_quant_triton(x, *per_row, weights, ids, tiles="default"))
     assert rel_err(out, moe_quant_ref(x, *compact, weights, ids)) < 2e-2
+    monkeypatch.setattr(fused_triton, "prefetch_scales", True)  # the scales a step ahead
+    for experts in (compact, per_row):
+        assert torch.equal(out, moe_quant_triton(x, *experts, weights, ids, tiles="default"))

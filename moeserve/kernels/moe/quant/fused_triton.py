@@ -74,6 +74,12 @@ from moeserve.quant.fp8_block import E4M3, quantize_activations
 from moeserve.quant.packed import FP8_GROUP, packed_columns
 
 FORMAT_IDS = {"fp8": 0, "nvfp4": 1, "int4": 2}  # the kernel's FORMAT constexpr
+# fp8's activation and weight scales loaded a K step ahead (an experiment switch, off until
+# the H200 measures it faster: benchmarks/kernels_quant.py --fp8-prefetch off on). The same
+# values and ops either way, so the same bits (tests compare them). Triton 3.6's sm90 SASS,
+# 16 x 64 x 128 gated tile: every in-loop scale load one step ahead of its use, for 239 -> 255
+# loop instructions.
+prefetch_scales = False
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _QWEIGHT_DTYPES = {"fp8": E4M3, "nvfp4": torch.uint8, "int4": torch.int32}
 tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
@@ -174,6 +180,7 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
         GATED=gated, EVEN_K=k_dim % config["BLOCK_K"] == 0,
         DOT_PRECISION="ieee" if c.dtype == torch.float32 else "tf32", NATIVE_FP8=native_fp8,
         DECODE=nvfp4_tile.decode_id(a.dtype, a.device) if fmt == "nvfp4" else 0,
+        PREFETCH=fmt == "fp8" and prefetch_scales,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"])
@@ -187,11 +194,12 @@ def _kernel() -> Any:
     bound at import and would not be interpreted under a later TRITON_INTERPRET=1), and the
     helpers are jitted here and bound as module globals, where the interpreter finds them.
     """
-    global tl, _tile, _b_step, _load_k, _nvfp4_step, _e4m3_bits_to_f32
+    global tl, _tile, _b_step, _w_scale, _load_k, _nvfp4_step, _e4m3_bits_to_f32
     import triton
     import triton.language as tl
 
-    _tile, _b_step, _load_k = (triton.jit(f) for f in (_tile, _b_step, _load_k))
+    _tile, _b_step, _w_scale, _load_k = (triton.jit(f) for f in (_tile, _b_step, _w_scale,
+                                                                  _load_k))
     tiles = nvfp4_tile.jitted()
     _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
 
@@ -209,8 +217,8 @@ def _kernel() -> Any:
             FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
             ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
             EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
-            DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+            DECODE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         # (row block, N-tile): GROUP_M row blocks side by side per N-tile (B tiles shared in L2)
         pid = tl.program_id(0)
         num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -226,8 +234,8 @@ def _kernel() -> Any:
                   stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
                   stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS, ONE_SCALE_ROW,
                   A_ROW_DIV,
-                  GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N,
-                  BLOCK_K)
+                  GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, PREFETCH, BLOCK_M,
+                  BLOCK_N, BLOCK_K)
 
     return _fused_moe_quant_kernel
 
@@ -317,8 +325,8 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
           FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
           ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
           EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
-          DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+          DECODE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`, int64)."""
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
@@ -331,25 +339,49 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
     s_base = bs_ptr + expert * stride_se
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # the up rows' (gated)
+    # fp8: the rows' scales of a 128-group ([BM]) and the weights' (gate and up rows their
+    # own); with PREFETCH each loaded a step ahead (a load that feeds no dot is not in
+    # Triton's pipeline: loaded in the step that uses it, its latency is the step's)
+    s_rows = as_ptr + a_rows * stride_asm
+    s_a = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
+    s_g = 0.0
+    s_u = 0.0
+    if FORMAT == 0:
+        s_a = tl.load(s_rows, mask=row_ok, other=0.0)
+        s_g = _w_scale(s_base, rows, pid_n * BLOCK_N, 0, stride_sn, stride_sk, SCALE_ROWS,
+                       ONE_SCALE_ROW)
+        if GATED:
+            s_u = _w_scale(s_base, rows + N, pid_n * BLOCK_N + N, 0, stride_sn, stride_sk,
+                           SCALE_ROWS, ONE_SCALE_ROW)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k  # [BK]
         k_ok = kk < K  # unused when EVEN_K
+        s_a_next, s_g_next, s_u_next = s_a, s_g, s_u
+        if FORMAT == 0:
+            kb = k0 // BLOCK_K
+            if PREFETCH:  # the next group's; after the last, the last again (unused)
+                kb = kb + 1 - ((kb + 1) * BLOCK_K >= K)
+            s_a_next = tl.load(s_rows + kb, mask=row_ok, other=0.0)
+            s_g_next = _w_scale(s_base, rows, pid_n * BLOCK_N, kb, stride_sn, stride_sk,
+                                SCALE_ROWS, ONE_SCALE_ROW)
+            if GATED:
+                s_u_next = _w_scale(s_base, rows + N, pid_n * BLOCK_N + N, kb, stride_sn,
+                                    stride_sk, SCALE_ROWS, ONE_SCALE_ROW)
+            if not PREFETCH:  # this step's own
+                s_a, s_g, s_u = s_a_next, s_g_next, s_u_next
         if EVEN_K:
             a = tl.load(a_base + kk[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BK]
         else:
             a = tl.load(a_base + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        s_a = a  # fp8: the rows' scales of this 128-group, [BM]
-        if FORMAT == 0:
-            s_a = tl.load(as_ptr + a_rows * stride_asm + k0 // BLOCK_K, mask=row_ok, other=0.0)
-        acc = _b_step(acc, a, s_a, b_base, s_base, rows, pid_n * BLOCK_N, kk, k_ok, k0, K,
-                      stride_bn, stride_bk, stride_sn, stride_sk, FORMAT, GROUP, SCALE_ROWS,
-                      ONE_SCALE_ROW, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M,
-                      BLOCK_N, BLOCK_K)
+        acc = _b_step(acc, a, s_a, s_g, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn,
+                      stride_bk, stride_sn, stride_sk, FORMAT, GROUP, ONE_SCALE_ROW, EVEN_K,
+                      DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
         if GATED:  # the up rows N + n: their own scales
-            acc_up = _b_step(acc_up, a, s_a, b_base, s_base, rows + N, pid_n * BLOCK_N + N, kk,
-                             k_ok, k0, K, stride_bn, stride_bk, stride_sn, stride_sk, FORMAT,
-                             GROUP, SCALE_ROWS, ONE_SCALE_ROW, EVEN_K, DOT_PRECISION,
-                             NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc_up = _b_step(acc_up, a, s_a, s_u, b_base, s_base, rows + N, kk, k_ok, k0, K,
+                             stride_bn, stride_bk, stride_sn, stride_sk, FORMAT, GROUP,
+                             ONE_SCALE_ROW, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M,
+                             BLOCK_N, BLOCK_K)
+        s_a, s_g, s_u = s_a_next, s_g_next, s_u_next
     if FORMAT == 1:  # nvfp4's global scales, per weight row (gate and up rows their own)
         g_rows = bg_ptr + expert * stride_ge + rows.to(tl.int64) * stride_gn  # [BN]
         acc = acc * tl.load(g_rows)[None, :]
@@ -363,22 +395,31 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
 
-def _b_step(acc, a, s_a, b_base, s_base, rows, row0, kk, k_ok, k0, K, stride_bn, stride_bk,
+def _w_scale(s_base, rows, row0, kb, stride_sn, stride_sk, SCALE_ROWS: tl.constexpr,
+             ONE_SCALE_ROW: tl.constexpr):
+    """fp8: the weight scales of 128-group kb for rows `rows` (the first: row0): one scalar
+    where the tile's rows lie in one block of SCALE_ROWS (ONE_SCALE_ROW), else [BN]."""
+    if ONE_SCALE_ROW:  # one return: Triton types every return alike, constexpr or not
+        s = tl.load(s_base + (row0 // SCALE_ROWS) * stride_sn + kb * stride_sk)
+    else:
+        s = tl.load(s_base + (rows.to(tl.int64) // SCALE_ROWS) * stride_sn + kb * stride_sk)
+    return s
+
+
+def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, stride_bk,
             stride_sn, stride_sk, FORMAT: tl.constexpr, GROUP: tl.constexpr,
-            SCALE_ROWS: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, EVEN_K: tl.constexpr,
+            ONE_SCALE_ROW: tl.constexpr, EVEN_K: tl.constexpr,
             DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BM, BN] + a [BM, BK] @ the [BK, BN] tile of weight rows `rows` (the first: row0)
-    at columns kk, dequantized per FORMAT (0 fp8, 1 nvfp4, 2 int4; the module docstring)."""
+    """acc [BM, BN] + a [BM, BK] @ the [BK, BN] tile of weight rows `rows` at columns kk,
+    dequantized per FORMAT (0 fp8, 1 nvfp4, 2 int4; the module docstring); fp8's scales
+    s_a [BM] and s_b (`_w_scale`) are the caller's."""
     rows = rows.to(tl.int64)
     if FORMAT == 0:  # e4m3 x e4m3 in fp32, times s_a[row] and s_b[row // SCALE_ROWS]
         b = _load_k(b_base + rows[None, :] * stride_bn + kk[:, None] * stride_bk, k_ok, EVEN_K)
         if ONE_SCALE_ROW:  # the tile's rows lie in one block of SCALE_ROWS: one scale a step
-            s_b = tl.load(s_base + (row0 // SCALE_ROWS) * stride_sn + (k0 // BLOCK_K) * stride_sk)
             acc += tl.dot(a, b) * s_a[:, None] * s_b  # the per-row path's ops: its bits
         else:  # a scale a row (BLOCK_N of them a step)
-            s_b = tl.load(s_base + (rows // SCALE_ROWS) * stride_sn
-                          + (k0 // BLOCK_K) * stride_sk)
             acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
     elif FORMAT == 1:  # the bytes and, per byte, its group's scale: nvfp4_tile's step
         c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
