@@ -119,8 +119,8 @@ def w4a16(args: argparse.Namespace) -> dict:
                 "bias_ptr": "*bf16", "out_ptr": "*bf16" if args.split == 1 else "*fp32"}
     const = dict(NVFP4=True, GROUP=16, HAS_BIAS=False, DOT_PRECISION="tf32", NATIVE_FP8=True,
                  DECODE=nvfp4_tile.DECODES.index(args.decode), BLOCK_M=bm, BLOCK_N=bn,
-                 BLOCK_K=bk, SPLIT_K=args.split, stride_xk=1, stride_qk=1, stride_sk=1,
-                 stride_on=1)
+                 BLOCK_K=bk, SPLIT_K=args.split, EVEN_K=True, stride_xk=1, stride_qk=1,
+                 stride_sk=1, stride_on=1)
     kernel = w4a16_triton._kernels().w4a16
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
 
