@@ -60,13 +60,24 @@ def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str]
         if (m := re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)))
     ttgir = out.asm["ttgir"]
     return {"triton": triton.__version__, "sass_instructions": sum(ops.values()),
-            "loop_instructions": dict(_loop_ops(sass).most_common(
-                int(os.environ.get("SASS_TOP", "12")))),
+            "loop_instructions": _top(_loop_ops(sass)),
             "top_ops": dict(ops.most_common(int(os.environ.get("SASS_TOP", "12")))),
             "shared_bytes": out.metadata.shared,
             "cp_async": out.asm["ptx"].count("cp.async."),
             "convert_layout": ttgir.count("ttg.convert_layout"),
             "wgmma": ttgir.count("warp_group_dot ")}
+
+
+# the loads, stores and barriers: always reported, however rare (a synchronous LDG in the K
+# loop, or a cp.async missing from it, is what one reads the loop for)
+MEMORY_OPS = ("LDG", "LDGSTS", "LDGDEPBAR", "DEPBAR", "LDS", "LDSM", "STS", "STSM", "BAR")
+
+
+def _top(ops: collections.Counter) -> dict[str, int]:
+    """The SASS_TOP (default 12) most common opcodes and "total", plus every MEMORY_OPS
+    opcode (0 when absent)."""
+    top = dict(ops.most_common(int(os.environ.get("SASS_TOP", "12"))))
+    return top | {op: ops.get(op, 0) for op in MEMORY_OPS}
 
 
 def _loop_ops(sass: str) -> collections.Counter:
