@@ -78,6 +78,7 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = config.norm_topk_prob
         self.router = config.router
         # a rank with some of the experts looks its tiles up at its own pairs' density
+        self.routed_experts = e if self.sharded else None
         self.backend = bind_routed_experts(moe_backend, e) if self.sharded else moe_backend
         self.tiles = moe_tile_source(moe_backend)  # the quantized experts' tile source
         self.gate = empty_param(e, h, dtype=dtype, device=device)  # router, [E, hidden]
@@ -148,6 +149,5 @@ class SparseMoeBlock(nn.Module):
             topk_ids = torch.where(held, local, torch.full_like(local, -1))
         if isinstance(self.w13, QuantWeight):
             return moe_quantized(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce,
-                                 tiles=self.tiles,
-                                 routed_experts=self.gate.shape[0] if self.sharded else None)
+                                 tiles=self.tiles, routed_experts=self.routed_experts)
         return self.backend(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)

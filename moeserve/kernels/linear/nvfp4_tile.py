@@ -113,6 +113,14 @@ def _nibble_dot(acc, a, half_bits, step, DOT_PRECISION: tl.constexpr):
     return tl.dot(a, (value * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
 
 
+def spread_groups(s, ROWS: tl.constexpr):
+    """[G, BN] group scales -> [G x ROWS, BN]: each over its group's ROWS rows (bytes or
+    nibbles) of the weight tile, in registers; the 4-bit kernels load each scale once."""
+    groups: tl.constexpr = s.shape[0]
+    cols: tl.constexpr = s.shape[1]
+    return tl.reshape(tl.broadcast_to(s[:, None, :], (groups, ROWS, cols)), (groups * ROWS, cols))
+
+
 def e4m3_bits_to_f32(bits):
     """float8_e4m3fn bytes (int32, 0..255) -> fp32: bit 7 sign, bits 6-3 exponent (bias 7),
     bits 2-0 mantissa; exponent 0 is subnormal (mantissa x 2^-9); 0x7F / 0xFF NaN."""
@@ -128,13 +136,14 @@ def e4m3_bits_to_f32(bits):
 def jitted() -> SimpleNamespace:
     """The helpers as Triton functions (bound here as module globals too: they call each other
     by name); triton is imported here, on first use."""
-    global tl, _nibble_dot, nvfp4_step, e4m3_bits_to_f32, _E2M1_BF16X2_ASM
+    global tl, _nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups, _E2M1_BF16X2_ASM
     import triton
     import triton.language
 
     tl = triton.language
     if isinstance(_E2M1_BF16X2_ASM, str):  # a kernel reads only constexpr globals
         _E2M1_BF16X2_ASM = tl.constexpr(_E2M1_BF16X2_ASM)
-    _nibble_dot, nvfp4_step, e4m3_bits_to_f32 = (
-        triton.jit(f) for f in (_nibble_dot, nvfp4_step, e4m3_bits_to_f32))
-    return SimpleNamespace(nvfp4_step=nvfp4_step, e4m3_bits_to_f32=e4m3_bits_to_f32)
+    _nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups = (
+        triton.jit(f) for f in (_nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups))
+    return SimpleNamespace(nvfp4_step=nvfp4_step, e4m3_bits_to_f32=e4m3_bits_to_f32,
+                           spread_groups=spread_groups)

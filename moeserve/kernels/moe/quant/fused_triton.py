@@ -194,7 +194,7 @@ def _kernel() -> Any:
     bound at import and would not be interpreted under a later TRITON_INTERPRET=1), and the
     helpers are jitted here and bound as module globals, where the interpreter finds them.
     """
-    global tl, _tile, _b_step, _w_scale, _load_k, _nvfp4_step, _e4m3_bits_to_f32
+    global tl, _tile, _b_step, _w_scale, _load_k, _nvfp4_step, _e4m3_bits_to_f32, _spread_groups
     import triton
     import triton.language as tl
 
@@ -202,6 +202,7 @@ def _kernel() -> Any:
                                                                   _load_k))
     tiles = nvfp4_tile.jitted()
     _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
+    _spread_groups = tiles.spread_groups
 
     # the step-varying sizes exempt from Triton's value specialization. NOTE: not the row
     # strides (a model's constants): specialized, their divisibility by 16 lets the A loads
@@ -432,9 +433,7 @@ def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, 
             scale = _load_k(s_ptrs, g * GROUP < K, EVEN_K).to(tl.float32)
         else:  # its bytes (the interpreter's fp8 loads lose the NaN codes)
             scale = _e4m3_bits_to_f32(_load_k(s_ptrs, g * GROUP < K, EVEN_K).to(tl.int32))
-        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // GROUP, GROUP // 2,
-                                                               BLOCK_N)),
-                           (BLOCK_K // 2, BLOCK_N))  # [BK / 2, BN]: a scale a byte
+        scale = _spread_groups(scale, GROUP // 2)  # [BK / 2, BN]: a scale a byte
         acc = _nvfp4_step(acc, a, byte, scale, BLOCK_M, BLOCK_K, DOT_PRECISION, DECODE)
     else:
         # each packed word and each group scale loaded once: [BK / 8, BN] and [BK / G, BN],
@@ -448,8 +447,7 @@ def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, 
         nib = tl.reshape(nib, (BLOCK_K, BLOCK_N))  # [BK, BN]: element 8 j + i at nibble i
         step = _load_k(s_base + rows[None, :] * stride_sn + kg[:, None] * stride_sk, kg_ok,
                        EVEN_K).to(tl.float32)  # [BK / G, BN]
-        step = tl.reshape(tl.broadcast_to(step[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N)),
-                          (BLOCK_K, BLOCK_N))  # [BK, BN]: each scale over its group's rows
+        step = _spread_groups(step, GROUP)  # [BK, BN]: each scale over its group's rows
         w_val = (nib - 8).to(tl.float32)  # int32 words of 8 nibbles, stored as q + 8
         acc = tl.dot(a, (w_val * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
     return acc
