@@ -165,7 +165,8 @@ def main() -> None:
                                "--workload", workload, "--running", str(args.running),
                                "--steps", str(args.steps)],
                               capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))})
         if proc.returncode:
             sys.exit(proc.stderr)
         name = mode if workload == "mixed" else f"{workload}_{mode}"
