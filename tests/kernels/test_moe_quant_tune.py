@@ -421,3 +421,23 @@ def test_gpu_a_small_real_tune_writes_a_file_the_kernel_reads(fmt: str, tmp_path
     expected = moe_quant_ref(x, w13, w2, weights, ids).float()
     assert float((out.float() - expected).abs().max() / expected.abs().max()) < 2e-2
 
+
+
+PACKAGE_CONFIGS = Path(quant_configs.__file__).parents[1] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE_CONFIGS.glob("quant=*.json")), ids=lambda p: p.name)
+def test_each_committed_quantized_tile_file_is_named_by_its_meta_and_every_entry_parses(
+        path: Path) -> None:
+    """A committed file the lookup would skip (a name its meta does not give, an entry a format
+    rule refuses) would silently leave its shape on the in-code defaults."""
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    name = quant_config_file_name(meta["format"], meta["E"], meta["H"], meta["I"], meta["top_k"],
+                                  meta["group"], getattr(torch, meta["dtype"]),
+                                  meta["device_name"], meta["triton"])
+    assert path.name == name
+    assert data["configs"], "a committed file with no finished entry"
+    for tokens, raw in data["configs"].items():
+        entry = quant_configs.parse_quant_entry(raw, meta["format"], meta["group"])
+        assert int(tokens) > 0 and entry["ms"] > 0
