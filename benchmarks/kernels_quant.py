@@ -24,9 +24,10 @@ The "bf16" rows are the engine's dtype unquantized (fp32 in the CPU smoke).
 Linear: qwen3-30b-a3b's qkv (N 5120, K 2048) and o_proj (N 2048, K 4096), GLM-5's q_b (N
 16384, K 2048) and o_proj (N 6144, K 16384) at 64 / 256 / 1,024 tokens: F.linear (bf16),
 `fp8_linear` (the engine's backend choice: cuBLASLt where supported, else Triton;
-benchmarks/fp8_linear_backends.py times the two apart), `w4a16_linear_triton` (in-code default
-tiles), beside the weight-read bound and the whole bound max((weights + x + out bytes) / 4.27
-TB/s, FLOPs / 787 TFLOP/s).
+benchmarks/fp8_linear_backends.py times the two apart), `w4a16_linear` (the engine's choice
+of kernels/linear/w4a16_dequant.py; `--w4a16-backend fused dequant` times each), beside the
+weight-read bound and the whole bound max((weights + x + out bytes) / 4.27 TB/s, FLOPs / 787
+TFLOP/s).
 
 Each op is first run once and its output checked finite and against its reference (moe_loop_ref
 / moe_quant_ref; the dequantized weight in fp32) at the smallest token count; `acceptance` lists
@@ -209,14 +210,14 @@ def bench_moe_format(fmt: str, shape_name: str, shape: tuple[int, int, int, int]
 
 def linear_op(fmt: str, x: torch.Tensor, w) -> Callable[[], torch.Tensor]:
     from moeserve.kernels.linear.fp8_cublas import fp8_linear
-    from moeserve.kernels.linear.w4a16_triton import w4a16_linear_triton
+    from moeserve.kernels.linear.w4a16_dequant import w4a16_linear
 
     if fmt == "bf16":
         return lambda: F.linear(x, w)
     if fmt == "fp8":  # the engine's choice of backend (fp8_cublas.fp8_linear, "auto")
         return lambda: fp8_linear(x, w.qweight, w.scale, scale_rows=w.scale_rows)
-    return lambda: w4a16_linear_triton(x, w.format, w.qweight, w.scale, w.global_scale,
-                                       w.group, w.shape[-1])
+    return lambda: w4a16_linear(x, w.format, w.qweight, w.scale, w.global_scale, w.group,
+                                w.shape[-1])
 
 
 def linear_ref(fmt: str, x: torch.Tensor, w) -> torch.Tensor:
@@ -313,9 +314,19 @@ def with_prefetch(prefetch: str | None, bench: Callable[[], list[dict]]) -> list
     return _with_switch(fused_triton, "prefetch_scales", value, "fp8", "prefetch", bench)
 
 
-def _with_switch(module, name: str, value, fmt: str, tag: str,
+def with_w4a16_backend(backend: str | None, bench: Callable[[], list[dict]]) -> list[dict]:
+    """bench()'s rows with the 4-bit linears on kernels/linear/w4a16_dequant.py's `backend`
+    (None: as set), each NVFP4 / INT4 row tagged with it."""
+    from moeserve.kernels.linear import w4a16_dequant
+
+    return _with_switch(w4a16_dequant, "backend", backend, ("nvfp4", "int4"), "w4a16_backend",
+                        bench)
+
+
+def _with_switch(module, name: str, value, fmt: str | tuple[str, ...], tag: str,
                  bench: Callable[[], list[dict]]) -> list[dict]:
-    """bench() with module.name set to value (None: as set), the rows of `fmt` tagged."""
+    """bench() with module.name set to value (None: as set), the rows of `fmt` (one format or
+    several) tagged."""
     before = getattr(module, name)
     setattr(module, name, before if value is None else value)
     try:
@@ -324,7 +335,7 @@ def _with_switch(module, name: str, value, fmt: str, tag: str,
         chosen = getattr(module, name)
         setattr(module, name, before)
     for row in rows:
-        if row["format"] == fmt:
+        if row["format"] in ((fmt,) if isinstance(fmt, str) else fmt):
             row[tag] = chosen
     return rows
 
@@ -403,6 +414,10 @@ def main() -> None:
     parser.add_argument("--fp8-prefetch", nargs="+", choices=("off", "on"), default=["off"],
                         help="FP8 MoE rows per setting of the scales' one-step prefetch "
                         "(kernels/moe/quant/fused_triton.py prefetch_scales)")
+    parser.add_argument("--w4a16-backend", nargs="+", choices=("auto", "fused", "dequant"),
+                        default=["auto"], help="NVFP4 / INT4 linear rows per backend of "
+                        "kernels/linear/w4a16_dequant.py (fused: dequantized in the GEMM's "
+                        "loads; dequant: the weight dequantized once, then cuBLAS)")
     parser.add_argument("--profile", action="store_true",
                         help="each MoE row also lists the op's GPU kernels by time (CUDA)")
     parser.add_argument("--small", action="store_true",
@@ -458,12 +473,17 @@ def main() -> None:
                             bench_moe_format, fmt, shape_name, shape, args.tokens, ctx)))
                     save()
     if not args.no_linear:
-        for decode in args.nvfp4_decode if "nvfp4" in args.formats else [None]:
-            linear_ctx = ctx if decode == args.nvfp4_decode[0] else {
-                **ctx, "formats": ["nvfp4"]}  # the other formats once
-            result["linear"] += with_decode(decode, functools.partial(
-                bench_linear, SMALL_LINEAR if args.small else LINEAR_SHAPES,
-                args.linear_tokens, linear_ctx))
+        four_bit = [f for f in args.formats if f in ("nvfp4", "int4")]
+        for i, w4_backend in enumerate(args.w4a16_backend if four_bit else [None]):
+            for decode in args.nvfp4_decode if "nvfp4" in args.formats else [None]:
+                formats = (args.formats if i == 0 and decode == args.nvfp4_decode[0]
+                           else four_bit if decode == args.nvfp4_decode[0]
+                           else ["nvfp4"])  # each other format once
+                result["linear"] += with_w4a16_backend(w4_backend, functools.partial(
+                    with_decode, decode, functools.partial(
+                        bench_linear, SMALL_LINEAR if args.small else LINEAR_SHAPES,
+                        args.linear_tokens, {**ctx, "formats": formats})))
+                save()
     result["acceptance"] = acceptance(result["moe"], ctx["fp8_peak_tflops"])
     bad = [r for r in result["moe"] + result["linear"] if not r["finite"]]
     result["not_finite"] = [{k: r[k] for k in ("shape", "format", "tokens")} for r in bad]

@@ -10,9 +10,10 @@
                kernels/linear/fp8_cublas.py's `fp8_linear` (cuBLASLt's blockwise scaled_mm
                where the device and shape allow, else the Triton block GEMM of
                fp8_block_triton.py), elsewhere its torch reference
-        nvfp4, int4  W4A16: on CUDA the Triton GEMM that dequantizes in its loads
-               (kernels/linear/w4a16_triton.py), elsewhere the dequantized weight's matmul in
-               fp32 (the reference)
+        nvfp4, int4  W4A16: on CUDA kernels/linear/w4a16_dequant.py's `w4a16_linear` (the
+               Triton GEMM that dequantizes in its loads, w4a16_triton.py, for few tokens; from
+               AUTO_DEQUANT_MIN_TOKENS the weight dequantized once, then cuBLAS), elsewhere the
+               dequantized weight's matmul in fp32 (the reference)
 
 Leading dims before [N, K] (the experts of a MoE block) go to `linear_stack`.
 """
@@ -81,7 +82,7 @@ def _linear_cuda(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> 
         from moeserve.kernels.linear.fp8_cublas import fp8_linear
 
         return fp8_linear(x, w.qweight, w.scale, bias, scale_rows=w.scale_rows)
-    from moeserve.kernels.linear.w4a16_triton import w4a16_linear_triton
+    from moeserve.kernels.linear.w4a16_dequant import w4a16_linear
 
-    return w4a16_linear_triton(x, w.format, w.qweight, w.scale, w.global_scale, w.group,
-                               w.shape[-1], bias)
+    return w4a16_linear(x, w.format, w.qweight, w.scale, w.global_scale, w.group, w.shape[-1],
+                        bias)

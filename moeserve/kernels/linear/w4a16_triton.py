@@ -87,8 +87,8 @@ def w4a16_linear_triton(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale:
     Returns:
         [..., N] in x's dtype, a new tensor. ValueError names a wrong dtype, shape or config.
     """
-    n = _check_weight(fmt, qweight, scale, global_scale, group, k)
-    _check_x(x, k, n, bias, (qweight, scale, global_scale))
+    n = check_w4a16_weight(fmt, qweight, scale, global_scale, group, k)
+    check_w4a16_x(x, k, n, bias, (qweight, scale, global_scale))
     rows = x.reshape(-1, k)  # [T, K]
     t = rows.shape[0]
     cfg = _resolve_config(t, n, k, group, x.device, config)
@@ -177,7 +177,7 @@ def _resolve_config(t: int, n: int, k: int, group: int, device: torch.device,
     return cfg
 
 
-def _check_weight(fmt: str, qweight: torch.Tensor, scale: torch.Tensor,
+def check_w4a16_weight(fmt: str, qweight: torch.Tensor, scale: torch.Tensor,
                   global_scale: torch.Tensor | None, group: int, k: int) -> int:
     """The packed tensors against packed.py's layout for [N, k]; returns N."""
     _need(fmt in FORMATS, f"fmt must be one of {FORMATS}, got {fmt!r}")
@@ -211,7 +211,7 @@ def _check_weight(fmt: str, qweight: torch.Tensor, scale: torch.Tensor,
     return n
 
 
-def _check_x(x: torch.Tensor, k: int, n: int, bias: torch.Tensor | None,
+def check_w4a16_x(x: torch.Tensor, k: int, n: int, bias: torch.Tensor | None,
              weights: tuple[torch.Tensor | None, ...]) -> None:
     _need(x.dtype in _X_DTYPES, f"x must be fp32 / fp16 / bf16, got {x.dtype}")
     _need(x.dim() >= 1 and x.shape[-1] == k, f"x must be [..., {k}], got {tuple(x.shape)}")

@@ -1,0 +1,209 @@
+"""W4A16 linear for many tokens: the 4-bit weight dequantized once into x's dtype by a Triton
+kernel, then one cuBLAS GEMM with an fp32 result, and the choice between that and the fused
+kernel of w4a16_triton.py.
+
+    w4a16_linear(x, fmt, qweight, scale, global_scale, group, k, bias)
+        the engine's entry: "dequant" (below) when `choose_w4a16_backend` says so, else
+        w4a16_linear_triton (the weight dequantized tile by tile inside the GEMM)
+    w4a16_linear_dequant(...)      x [T, K] @ dequantize_w4a16(...)[N, K].T -> [T, N]
+    dequantize_w4a16(fmt, qweight, scale, group, k, dtype) -> [N, K] in dtype
+
+Why: the fused kernel decodes the weight again for every BLOCK_M rows of x, so its time grows
+with the tokens: on the H200 at qwen3-30b-a3b's qkv (N 5,120, K 2,048) 0.019 / 0.084 / 0.205 ms
+at 64 / 256 / 1,024 tokens, 0.7-2.6% of its weight-read bound from 256 tokens on
+(benchmarks/results/gpu_04e1157). Decoding once costs a write and a read of the weight in x's
+dtype (2 + 2 bytes a weight beside the 0.5625 read), about 10 us for that qkv, after which the
+GEMM runs at cuBLAS's rate. vLLM's AWQ makes the same switch (dequantize, then matmul) from 256
+tokens. Below AUTO_DEQUANT_MIN_TOKENS the fused kernel reads the weight once and wins.
+
+The dequantized tile is the fused kernel's, bit for bit: NVFP4 e2m1 x e4m3 (at most 7
+significant bits in [2^-10, 2688]: exact in fp16 and bf16; the global scale is not applied),
+INT4 (nibble - 8) x scale in fp32 and then cast to x's dtype. The GEMM returns fp32
+(`torch.mm(..., out_dtype=torch.float32)` on CUDA), NVFP4's global scale and the bias are
+applied in fp32, and the result is rounded to x's dtype once, as in the fused kernel: only the
+order of the fp32 sums differs. On CPU (tests, TRITON_INTERPRET=1) the matmul runs in fp32.
+
+Launch shapes depend on the weight's shape only, so a CUDA graph captures the whole op; the
+[N, K] workspace comes from the caching allocator (a graph's pool reuses it from layer to
+layer).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from moeserve.kernels.linear import nvfp4_tile
+from moeserve.kernels.linear.w4a16_triton import (
+    check_w4a16_weight,
+    check_w4a16_x,
+    w4a16_linear_triton,
+)
+from moeserve.quant.int4_pack import PER_WORD
+
+tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a global
+BACKENDS = ("auto", "fused", "dequant")
+# From this many tokens "auto" dequantizes first (module doc). NOTE: set from the fused
+# kernel's measured scaling and the dequant path's arithmetic; the H200 A/B of the two
+# (benchmarks/kernels_quant.py --w4a16-backend fused dequant) decides it.
+AUTO_DEQUANT_MIN_TOKENS = 128
+# The backend the engine's linear layers use: "auto" or one of the two (benchmarks set it).
+backend = "auto"
+_BLOCK_N = 32  # weight rows a program
+_BLOCK_K = 128  # weight columns a program (a multiple of every group: 16, int4's <= 128)
+
+
+def w4a16_linear(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale: torch.Tensor,
+                 global_scale: torch.Tensor | None, group: int, k: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] through a 4-bit weight [N, K] -> [..., N] in x's dtype, on the backend
+    `choose_w4a16_backend` picks (arguments as w4a16_linear_triton's)."""
+    num_tokens = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if choose_w4a16_backend(num_tokens, x.device, x.dtype, group) == "dequant":
+        return w4a16_linear_dequant(x, fmt, qweight, scale, global_scale, group, k, bias)
+    return w4a16_linear_triton(x, fmt, qweight, scale, global_scale, group, k, bias)
+
+
+def choose_w4a16_backend(num_tokens: int, device: torch.device, x_dtype: torch.dtype,
+                         group: int, choice: str | None = None) -> str:
+    """"fused" or "dequant" for one call. choice (default: the module's `backend`) "auto" is
+    "dequant" on CUDA from AUTO_DEQUANT_MIN_TOKENS tokens where cuBLAS gives an fp32 result
+    from x's dtype, else "fused"; ValueError names an unknown choice or a "dequant" that
+    cannot run."""
+    choice = backend if choice is None else choice
+    if choice not in BACKENDS:
+        raise ValueError(f"w4a16 linear backend must be one of {BACKENDS}, got {choice!r}")
+    if choice == "fused":
+        return "fused"
+    unfit = dequant_unfit(group)
+    if choice == "dequant":
+        if unfit is not None:
+            raise ValueError(f"w4a16 linear: the dequant path cannot run: {unfit}")
+        return "dequant"
+    runs = (device.type == "cuda" and unfit is None and num_tokens >= AUTO_DEQUANT_MIN_TOKENS
+            and fp32_result_mm(device, x_dtype))
+    return "dequant" if runs else "fused"
+
+
+def dequant_unfit(group: int) -> str | None:
+    """Why the dequant kernel cannot take this group, or None."""
+    if _BLOCK_K % group:
+        return f"group {group} does not divide its {_BLOCK_K}-column tile"
+    return None
+
+
+@functools.cache
+def fp32_result_mm(device: torch.device, x_dtype: torch.dtype) -> bool:
+    """Whether torch.mm gives an fp32 result from two x_dtype operands on device (cuBLAS's
+    `out_dtype`; fp32 operands always)."""
+    if x_dtype == torch.float32:
+        return True
+    try:
+        a = torch.ones(2, 16, dtype=x_dtype, device=device)
+        out = torch.mm(a, a.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return out.dtype == torch.float32 and bool((out == 16).all())
+
+
+def w4a16_linear_dequant(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale: torch.Tensor,
+                         global_scale: torch.Tensor | None, group: int, k: int,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ the dequantized weight [N, K].T (module doc) -> [..., N] in x's dtype;
+    ValueError names a wrong dtype, shape or device."""
+    n = check_w4a16_weight(fmt, qweight, scale, global_scale, group, k)
+    check_w4a16_x(x, k, n, bias, (qweight, scale, global_scale))
+    rows = x.reshape(-1, k)  # [T, K]
+    w = dequantize_w4a16(fmt, qweight, scale, group, k, x.dtype)  # [N, K]
+    if x.is_cuda and x.dtype != torch.float32:
+        acc = torch.mm(rows, w.t(), out_dtype=torch.float32)  # [T, N]
+    else:
+        acc = rows.float() @ w.float().t()
+    if fmt == "nvfp4":
+        acc.mul_(global_scale)
+    if bias is not None:
+        acc.add_(bias.float())
+    return acc.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def dequantize_w4a16(fmt: str, qweight: torch.Tensor, scale: torch.Tensor, group: int, k: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in dtype, NVFP4 without its global scale (module doc), by the Triton
+    kernel (interpreted on CPU)."""
+    unfit = dequant_unfit(group)
+    if unfit is not None:
+        raise ValueError(f"w4a16 dequantize: {unfit}")
+    n = qweight.shape[0]
+    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    if n and k:
+        nvfp4 = fmt == "nvfp4"
+        native_fp8 = qweight.device.type == "cuda"
+        s = scale.view(torch.uint8) if nvfp4 and not native_fp8 else scale
+        grid = (math.ceil(n / _BLOCK_N), math.ceil(k / _BLOCK_K))
+        _kernels().dequant[grid](
+            qweight, s, out, n, k, qweight.stride(0), qweight.stride(1), s.stride(0),
+            s.stride(1), out.stride(0), out.stride(1),
+            NVFP4=nvfp4, GROUP=group, NATIVE_FP8=native_fp8, BLOCK_N=_BLOCK_N,
+            BLOCK_K=_BLOCK_K, num_warps=4)
+    return out
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now)."""
+    global tl, _e4m3_bits_to_f32
+    import triton
+    import triton.language
+
+    tl = triton.language
+    _e4m3_bits_to_f32 = nvfp4_tile.jitted().e4m3_bits_to_f32  # called by this global name
+    return SimpleNamespace(dequant=triton.jit(_dequant_kernel))
+
+
+# ---- Triton kernel (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
+
+def _dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, stride_qn, stride_qk, stride_sn, stride_sk,
+                    stride_on, stride_ok, NVFP4: tl.constexpr, GROUP: tl.constexpr,
+                    NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (n tile, k tile): out[n, k] for BLOCK_N rows and BLOCK_K columns (module doc)."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    k0 = tl.program_id(1) * BLOCK_K
+    n_ok = rn < N
+    rows = rn.to(tl.int64)[:, None]  # [BN, 1]
+    g = k0 // GROUP + tl.arange(0, GROUPS)  # [G] scale columns
+    s_ptrs = s_ptr + rows * stride_sn + g[None, :] * stride_sk  # [BN, G]
+    s_mask = n_ok[:, None] & (g * GROUP < K)[None, :]
+    if NVFP4:  # bytes 2j (low nibble) and 2j + 1 (high), K % 16 == 0
+        c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
+        byte = tl.load(q_ptr + rows * stride_qn + c[None, :] * stride_qk,
+                       mask=n_ok[:, None] & (2 * c < K)[None, :], other=0).to(tl.int32)
+        if NATIVE_FP8:
+            s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+        else:  # its bytes (the interpreter's fp8 loads lose the NaN codes)
+            s = _e4m3_bits_to_f32(tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32))
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, GROUP // 2)),
+                       (BLOCK_N, BLOCK_K // 2)) * 16384.0  # a scale a byte; nibbles x 2^-14
+        # fp16 bits s << 15 | m << 9: the e2m1 value x 2^-14, exactly (nvfp4_tile's "bits")
+        lo = (((byte & 7) << 9) | ((byte & 8) << 12)).to(tl.int16)  # [BN, BK / 2]
+        hi = (((byte & 0x70) << 5) | ((byte & 0x80) << 8)).to(tl.int16)
+        lo = lo.to(tl.float16, bitcast=True).to(tl.float32) * s
+        hi = hi.to(tl.float16, bitcast=True).to(tl.float32) * s
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # k = 2j + h
+    else:  # k at bits 4 (k % 8) of word k // 8, stored q + 8
+        c = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)  # [BK / 8] word columns
+        word = tl.load(q_ptr + rows * stride_qn + c[None, :] * stride_qk,
+                       mask=n_ok[:, None] & (PER_WORD * c < K)[None, :], other=0)
+        nib = (word[:, :, None] >> (tl.arange(0, PER_WORD) * 4)[None, None, :]) & 15
+        s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BN, G]
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, GROUP)),
+                       (BLOCK_N, BLOCK_K))
+        w = (tl.reshape(nib, (BLOCK_N, BLOCK_K)) - 8).to(tl.float32) * s
+    rk = k0 + tl.arange(0, BLOCK_K)  # [BK]
+    tl.store(out_ptr + rows * stride_on + rk[None, :] * stride_ok,
+             w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
+
