@@ -6,13 +6,16 @@ registers and dotted with the activations, with no reshape of the weight tile.
         a     [BM, BK]      the activations of the step's K columns (x's dtype)
         byte  [BK / 2, BN]  the packed bytes (uint8): byte j holds k = 2j (low nibble) and
                             2j + 1 (high nibble)
-        scale [BK / 2, BN]  fp32, each byte's group scale (e4m3's value; one group is 8 bytes)
-        -> acc + a[:, 0::2] @ W_lo + a[:, 1::2] @ W_hi   with W_h[j, n] = e2m1(nibble h) * scale
+        scale [BK / 16, BN] fp32, the group scales (e4m3's values), each spread over its
+                            group's 8 bytes in registers
+        -> acc + a[:, 0::2] @ W_lo + a[:, 1::2] @ W_hi   with W_h[j, n] = e2m1(nibble h) *
+                                                          scale[j // 8, n]
 
 The step splits a into its even and odd columns (a reshape to [BM, BK / 2, 2] and tl.split:
 the small operand moves, the weight tile stays as loaded) and dots each with the tile of one
 nibble, so BK / 2 must be at least 16 (tl.dot's K): BLOCK_K >= 32. The global scale is not
-applied here: the caller multiplies its fp32 accumulator by it per output column.
+applied here: the caller multiplies its fp32 accumulator by it per output column, and by
+`unscale(DECODE)`.
 
 The nibble's value comes from its bits: sign-magnitude s m2 m1 m0 set as fp16 bits s << 15 |
 m << 9 is exactly the e2m1 value times 2^-14 (exponent 0 is fp16's subnormal, as e2m1's is),
@@ -28,10 +31,13 @@ them here (on CUDA the float8 load and its hardware conversion). The functions a
 Python until `jitted()` wraps them (the callers' kernels jit on first use, see fused_triton.py).
 
 `decode` "asm" does the nibbles' decode and the scale's multiply in inline PTX on bf16 pairs,
-about 4 instructions a weight against the "bits" path's 8 or so; both give the same bits (the
-GPU tests compare them), so the choice is speed alone. "auto" (the default) takes "asm" where
-it runs (bf16 activations on CUDA: 15-17% faster on the H200 at 64-8,192 tokens,
-benchmarks/results/gpu_1206642) and "bits" elsewhere.
+about 2.5 instructions a weight against the "bits" path's 8 or so. Its tile is the weight times
+2^-10 (the scales enter times 2^116, so that bf16's exponent bias needs no multiply of its own),
+and `unscale` gives the epilogue the 2^10 back: a power of two throughout, so both decodes give
+the same bits (the GPU tests compare them), and the choice is speed alone. "auto" (the
+default) takes "asm" where it runs (bf16 activations on CUDA: the 4-instruction asm was 15-17%
+faster than "bits" on the H200 at 64-8,192 tokens, benchmarks/results/gpu_1206642) and "bits"
+elsewhere.
 """
 
 from __future__ import annotations
@@ -50,27 +56,31 @@ DECODES = ("bits", "asm")  # the DECODE constexpr's values, in order
 decode = "auto"
 
 # "asm": four packed bytes ($4) and their four bf16 group scales ($5: bytes 0-1, $6: 2-3) ->
-# the low nibbles' four bf16 weights ($0, $1) and the high nibbles' ($2, $3). prmt spreads
-# bytes 0-1 (2-3) to the two halves of a register; a nibble's sign-magnitude s m2 m1 m0 set as
-# bf16 bits s << 15 | m << 6 is its e2m1 value times 2^-126 (m 1: bf16's subnormal, as e2m1's);
-# times 2^126 (0x7E80) and the scale, both exact (at most 7 significant bits).
+# the low nibbles' four bf16 weights ($0, $1) and the high nibbles' ($2, $3). prmt puts byte 0
+# (2) in the high byte of one half of a register and byte 1 (3) in the other's, so that a high
+# nibble s m2 m1 m0 sits at bits 12-15 of its half (a shift by 4 brings the low nibble there);
+# (h & 0x8000) | (h & 0x7000) >> 6, as bf16 bits s << 15 | m << 6, is the nibble's e2m1 value
+# times 2^-126 (m 1: bf16's subnormal, as e2m1's is). The scales come times 2^116
+# (ASM_SCALE_SHIFT), so the product is the weight times 2^-10, normal and exact (at most 7
+# significant bits); `unscale` gives the epilogue its 2^10 back. About 2.5 instructions a
+# weight (the decode with 2^126 folded in by a multiply of its own took 4).
 _E2M1_BF16X2_ASM = """{
-.reg .b32 z, c, t0, t1, u, m, s;
+.reg .b32 z, p0, p1, h, m, s;
 mov.b32 z, 0;
-mov.b32 c, 0x7E807E80;
-prmt.b32 t0, $4, z, 0x4140;
-prmt.b32 t1, $4, z, 0x4342;
-and.b32 m, t0, 0x00070007; shl.b32 m, m, 6; and.b32 s, t0, 0x00080008; shl.b32 s, s, 12;
-or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 $0, m, $5;
-and.b32 m, t1, 0x00070007; shl.b32 m, m, 6; and.b32 s, t1, 0x00080008; shl.b32 s, s, 12;
-or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 $1, m, $6;
-shr.b32 u, t0, 4;
-and.b32 m, u, 0x00070007; shl.b32 m, m, 6; and.b32 s, u, 0x00080008; shl.b32 s, s, 12;
-or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 $2, m, $5;
-shr.b32 u, t1, 4;
-and.b32 m, u, 0x00070007; shl.b32 m, m, 6; and.b32 s, u, 0x00080008; shl.b32 s, s, 12;
-or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 $3, m, $6;
+prmt.b32 p0, $4, z, 0x1404;
+prmt.b32 p1, $4, z, 0x3424;
+and.b32 m, p0, 0x70007000; shr.b32 m, m, 6; and.b32 s, p0, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $2, m, $5;
+and.b32 m, p1, 0x70007000; shr.b32 m, m, 6; and.b32 s, p1, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $3, m, $6;
+shl.b32 h, p0, 4;
+and.b32 m, h, 0x70007000; shr.b32 m, m, 6; and.b32 s, h, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $0, m, $5;
+shl.b32 h, p1, 4;
+and.b32 m, h, 0x70007000; shr.b32 m, m, 6; and.b32 s, h, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $1, m, $6;
 }"""
+ASM_SCALE_SHIFT = 116  # the asm decode's scales x 2^116: its tile is the weight x 2^-10
 
 
 def decode_id(x_dtype, device) -> int:
@@ -91,17 +101,20 @@ def decode_id(x_dtype, device) -> int:
 
 def nvfp4_step(acc, a, byte, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr):
-    """acc [BM, BN] + a [BM, BK] @ the dequantized [BK, BN] tile (module docstring); DECODE
-    0 "bits" (Triton's integer and fp32 ops), 1 "asm" (PTX on bf16 pairs; bf16 a, CUDA)."""
+    """acc [BM, BN] + a [BM, BK] @ the dequantized [BK, BN] tile (module docstring), scale the
+    step's [BK / 16, BN] group scales (fp32, each spread over its 8 bytes here); DECODE 0
+    "bits" (Triton's integer and fp32 ops), 1 "asm" (PTX on bf16 pairs; bf16 a, CUDA), whose
+    sums carry 2^-10: the caller's epilogue multiplies by `unscale(DECODE)`."""
     a_lo, a_hi = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))  # k = 2j, 2j + 1
-    if DECODE == 1:
+    if DECODE == 1:  # the scales x 2^116 (exact: e4m3 <= 448), in bf16, one a byte
+        step = spread_groups((scale * 8.307674973655724e34).to(tl.bfloat16), 8)
         w_lo, w_hi = tl.inline_asm_elementwise(
-            _E2M1_BF16X2_ASM, "=r,=r,=r,=r,r,r,r", [byte, scale.to(tl.bfloat16)],
+            _E2M1_BF16X2_ASM, "=r,=r,=r,=r,r,r,r", [byte, step],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         acc = tl.dot(a_lo, w_lo, acc, input_precision=DOT_PRECISION)
         return tl.dot(a_hi, w_hi, acc, input_precision=DOT_PRECISION)
     bits = byte.to(tl.int32)
-    step = scale * 16384.0  # the nibbles decode to their value x 2^-14
+    step = spread_groups(scale, 8) * 16384.0  # a scale a byte; nibbles decode to value x 2^-14
     acc = _nibble_dot(acc, a_lo, ((bits & 7) << 9) | ((bits & 8) << 12), step, DOT_PRECISION)
     return _nibble_dot(acc, a_hi, ((bits & 0x70) << 5) | ((bits & 0x80) << 8), step,
                        DOT_PRECISION)
@@ -111,6 +124,14 @@ def _nibble_dot(acc, a, half_bits, step, DOT_PRECISION: tl.constexpr):
     """acc + a @ (fp16(half_bits) * step) in a's dtype; half_bits int32 < 2^16."""
     value = half_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return tl.dot(a, (value * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
+
+
+def unscale(DECODE: tl.constexpr):
+    """What the caller multiplies `nvfp4_step`'s sums by: 2^10 after the "asm" decode (its tile
+    is the weight x 2^-10), 1 after "bits". A power of two: the product's bits are the same."""
+    if DECODE == 1:
+        return 1024.0
+    return 1.0
 
 
 def spread_groups(s, ROWS: tl.constexpr):
@@ -136,14 +157,16 @@ def e4m3_bits_to_f32(bits):
 def jitted() -> SimpleNamespace:
     """The helpers as Triton functions (bound here as module globals too: they call each other
     by name); triton is imported here, on first use."""
-    global tl, _nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups, _E2M1_BF16X2_ASM
+    global tl, _nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale
+    global _E2M1_BF16X2_ASM
     import triton
     import triton.language
 
     tl = triton.language
     if isinstance(_E2M1_BF16X2_ASM, str):  # a kernel reads only constexpr globals
         _E2M1_BF16X2_ASM = tl.constexpr(_E2M1_BF16X2_ASM)
-    _nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups = (
-        triton.jit(f) for f in (_nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups))
+    _nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale = (
+        triton.jit(f) for f in (_nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups,
+                                unscale))
     return SimpleNamespace(nvfp4_step=nvfp4_step, e4m3_bits_to_f32=e4m3_bits_to_f32,
-                           spread_groups=spread_groups)
+                           spread_groups=spread_groups, unscale=unscale)

@@ -236,14 +236,14 @@ def _need(ok: bool, what: str) -> None:
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel and its helpers, once (interpreted if
     TRITON_INTERPRET=1 now)."""
-    global tl, _nvfp4_step, _e4m3_bits_to_f32, _spread_groups
+    global tl, _nvfp4_step, _e4m3_bits_to_f32, _spread_groups, _unscale
     import triton
     import triton.language
 
     tl = triton.language
     tiles = nvfp4_tile.jitted()  # the kernel calls them by these global names
     _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
-    _spread_groups = tiles.spread_groups
+    _spread_groups, _unscale = tiles.spread_groups, tiles.unscale
     # the token count changes every step: no variant per value
     return SimpleNamespace(w4a16=triton.jit(
         _w4a16_kernel, do_not_specialize=["M", "split_stride"]))
@@ -297,7 +297,6 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K,
                 s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
             else:  # its bytes (the interpreter's fp8 loads lose the NaN codes)
                 s = _e4m3_bits_to_f32(tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32))
-            s = _spread_groups(s, GROUP // 2)  # [BK / 2, BN]: a scale a byte
             acc = _nvfp4_step(acc, a, byte, s, BLOCK_M, BLOCK_K, DOT_PRECISION, DECODE)
         else:
             g = kb * GROUPS_PER_STEP + rg  # [BK / G] scale columns of this step
@@ -316,7 +315,8 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, M, N, K,
             s = _spread_groups(s, GROUP)  # [BK, BN]: each scale over its group's rows
             acc = tl.dot(a, (w * s).to(a.dtype), acc, input_precision=DOT_PRECISION)
     if NVFP4:
-        acc *= tl.load(g_ptr + rn * stride_g, mask=n_ok, other=0.0)[None, :]  # [1, BN]
+        g = tl.load(g_ptr + rn * stride_g, mask=n_ok, other=0.0) * _unscale(DECODE)  # [BN]
+        acc *= g[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn * stride_bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = (out_ptr + pid_s.to(tl.int64) * split_stride + rm.to(tl.int64)[:, None] * stride_om

@@ -195,6 +195,7 @@ def _kernel() -> Any:
     helpers are jitted here and bound as module globals, where the interpreter finds them.
     """
     global tl, _tile, _b_step, _w_scale, _load_k, _nvfp4_step, _e4m3_bits_to_f32, _spread_groups
+    global _unscale
     import triton
     import triton.language as tl
 
@@ -202,7 +203,7 @@ def _kernel() -> Any:
                                                                   _load_k))
     tiles = nvfp4_tile.jitted()
     _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
-    _spread_groups = tiles.spread_groups
+    _spread_groups, _unscale = tiles.spread_groups, tiles.unscale
 
     # the step-varying sizes exempt from Triton's value specialization. NOTE: not the row
     # strides (a model's constants): specialized, their divisibility by 16 lets the A loads
@@ -385,9 +386,9 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
         s_a, s_g, s_u = s_a_next, s_g_next, s_u_next
     if FORMAT == 1:  # nvfp4's global scales, per weight row (gate and up rows their own)
         g_rows = bg_ptr + expert * stride_ge + rows.to(tl.int64) * stride_gn  # [BN]
-        acc = acc * tl.load(g_rows)[None, :]
+        acc = acc * (tl.load(g_rows) * _unscale(DECODE))[None, :]
         if GATED:
-            acc_up = acc_up * tl.load(g_rows + N * stride_gn)[None, :]
+            acc_up = acc_up * (tl.load(g_rows + N * stride_gn) * _unscale(DECODE))[None, :]
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     else:
@@ -433,7 +434,6 @@ def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, 
             scale = _load_k(s_ptrs, g * GROUP < K, EVEN_K).to(tl.float32)
         else:  # its bytes (the interpreter's fp8 loads lose the NaN codes)
             scale = _e4m3_bits_to_f32(_load_k(s_ptrs, g * GROUP < K, EVEN_K).to(tl.int32))
-        scale = _spread_groups(scale, GROUP // 2)  # [BK / 2, BN]: a scale a byte
         acc = _nvfp4_step(acc, a, byte, scale, BLOCK_M, BLOCK_K, DOT_PRECISION, DECODE)
     else:
         # each packed word and each group scale loaded once: [BK / 8, BN] and [BK / G, BN],
