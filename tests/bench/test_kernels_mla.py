@@ -1,0 +1,47 @@
+"""benchmarks/kernels_mla.py on CPU: the bounds' arithmetic, the step's scattered blocks, W1's
+contexts, and the smoke run end to end through Triton's interpreter (fp32, each case checked
+against mla_attention_ref)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from benchmarks import kernels_mla
+from benchmarks.kernels_mla import bounds, contexts, make_step
+
+
+def test_bounds_follow_the_issues_definition() -> None:
+    ctx = [4096] * 1024  # GLM-5's 64 heads at batch 1,024, 4k context
+    b = bounds(ctx, 64, 512, 64, 2)
+    assert b["read_bound_ms"] == pytest.approx(1024 * 4096 * 1152 / 4.27e12 * 1e3)
+    assert b["flops"] == 2 * 64 * (576 + 512) * 1024 * 4096
+    assert b["bound"] == "memory" and b["bound_ms"] == b["read_bound_ms"]
+    v3 = bounds(ctx, 128, 512, 64, 2)  # DeepSeek-V3's 128 heads: 242 FLOPs a byte, past the
+    assert v3["bound"] == "compute" and v3["bound_ms"] == v3["flop_bound_ms"]  # ridge of 184
+
+
+def test_make_step_scatters_each_rows_blocks_over_the_pool() -> None:
+    q, cache, meta = make_step([40, 17, 9], 4, 32, 16, 8, "cpu", torch.float32, seed=2)
+    assert q.shape == (3, 4, 48) and cache.shape[1:] == (8, 48)
+    assert meta.seq_lens_np.tolist() == [40, 17, 9] and meta.query_lens_np.tolist() == [1, 1, 1]
+    used = [b for row, n in zip(meta.block_tables.tolist(), (5, 3, 2)) for b in row[:n]]
+    assert len(set(used)) == 10 and 0 not in used and used != sorted(used)
+
+
+def test_w1_contexts_span_its_lengths() -> None:
+    ctx = contexts(2048, "w1")
+    assert min(ctx) >= 129 and max(ctx) <= 256 and abs(sum(ctx) / len(ctx) - 192.5) < 3
+    assert contexts(3, 1024) == [1024] * 3
+
+
+def test_smoke_run_writes_every_case_checked(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["kernels_mla", "--out", str(tmp_path), "--smoke"])
+    kernels_mla.main()
+    result = json.loads((tmp_path / "kernels_mla.json").read_text())
+    assert [c["case"] for c in result["cases"]] == [name for name, *_ in kernels_mla.SMOKE_CASES]
+    assert all(c["check_error"] < 1e-5 and c["ms"] > 0 for c in result["cases"])
+    assert result["config"]["smoke"] and result["environment"]["torch"]
