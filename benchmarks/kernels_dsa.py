@@ -1,4 +1,5 @@
-"""The DSA indexer's scoring on the GPU: query tiles (issue 17) against one token a program.
+"""DSA on the GPU (issue 17): the indexer's scoring, query tiles against one token a program;
+and the decode step's whole sparse attention against its read bound and against dense MLA.
 
 Shape: GLM-5's lightning indexer (32 heads x 128, bf16 keys, blocks of 64 scattered over one
 pool, index_topk 2048). Each case is first checked on integer-valued data (every score exact,
@@ -9,7 +10,19 @@ triton.testing.do_bench: the scoring launches alone, tiled and one token a progr
 whole op (scoring + torch.topk). Reports ms, the key bytes each scoring reads (a program loads
 its visible key tiles whole: ceil(kv / BLOCK_N) * BLOCK_N * D * 2 B per tile or token) and the
 achieved rate of those bytes. Decode-only steps run one token a program either way (listed as
-the baseline). Writes kernels_dsa.json to --out.
+the baseline).
+
+Decode step (`decode_cases`): GLM-5's attention per layer, one decode token a row at batch 32
+to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the latent cache
+(576 values, 1,152 bytes a token) over the same scattered blocks. Timed apart: the indexer
+(scores + top-k), the top-k alone (torch.topk of the step's sort keys), the sparse MLA over the
+2,048 selected positions, and dense MLA (mla_triton) on the same cache. The bound is the
+issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
+MLA; the dense kernel's own read bound is context x 1,152 bytes a row. The selection and the
+sparse output are first checked against the references on the first rows.
+
+Writes kernels_dsa.json to --out (`--no-decode` skips the decode step, `--decode-only` the
+scoring section).
 
     python -m benchmarks.kernels_dsa --out DIR
     python -m benchmarks.kernels_dsa --out DIR --smoke   # tiny shapes, CPU interpreter
@@ -26,9 +39,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-# neither imports triton (the kernels do on first use, after --smoke set the interpreter)
-from moeserve.kernels.attention import dsa_triton
-from moeserve.kernels.attention.dsa import indexer_topk_ref
+# none imports triton (the kernels do on first use, after --smoke set the interpreter)
+from moeserve.kernels.attention import dsa_triton, mla_triton
+from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 
 HEADS, DIM, BLOCK, TOPK = 32, 128, 64, 2048
@@ -41,6 +54,14 @@ CASES = (  # (name, computed tokens per row, new tokens per row)
     ("decode_32x8k", [8191] * 32, [1] * 32),
 )
 SMOKE = (("chunk_17_after_40", [40], [17]), ("2_decodes_and_chunk_9", [30, 5, 0], [1, 1, 9]))
+# the decode step: (name, batch, context); GLM-5's MLA: 64 heads, latent 512 + rope 64
+DECODE_CASES = (("decode_b32_ctx8k", 32, 8192), ("decode_b32_ctx64k", 32, 65536),
+                ("decode_b128_ctx32k", 128, 32768), ("decode_b256_ctx8k", 256, 8192),
+                ("decode_b256_ctx64k", 256, 65536))
+SMOKE_DECODE = (("decode_b3_ctx40", 3, 40),)
+MLA_HEADS, LATENT, ROPE = 64, 512, 64
+COPY_TBPS = 4.27  # ANCHORS.md: the H200's copy rate
+CHECK_ROWS = 2  # rows of each decode case checked against the references
 
 
 def make_step(computed: list[int], scheduled: list[int], block: int, device: str,
@@ -108,15 +129,82 @@ def run_case(name: str, computed: list[int], scheduled: list[int], device: str,
     return row
 
 
+def decode_bound_ms(batch: int, context: int, topk: int, index_dim: int, width: int,
+                    itemsize: int) -> tuple[float, float]:
+    """(DSA's read bound, dense MLA's) in ms for one decode step (module doc)."""
+    sparse = batch * (context * index_dim + min(topk, context) * width) * itemsize
+    dense = batch * context * width * itemsize
+    return (sparse / (COPY_TBPS * 1e12) * 1e3, dense / (COPY_TBPS * 1e12) * 1e3)
+
+
+def run_decode_case(name: str, batch: int, context: int, device: str,
+                    timer: Callable[[Callable[[], object]], float]) -> dict:
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    block, topk = (BLOCK, TOPK) if cuda else (16, 8)
+    heads, latent, rope = (MLA_HEADS, LATENT, ROPE) if cuda else (4, 32, 16)
+    scale, mla_scale = DIM ** -0.5, (128 + 64) ** -0.5
+    rows = [context - 1] * batch, [1] * batch
+
+    def latent_step(n: int, num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(absorbed queries [n, H, L + R], a latent cache over num_blocks blocks)."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        q = torch.randn(n, heads, latent + rope, generator=gen, device=device).to(dtype)
+        return q, torch.randn(num_blocks, block, latent + rope, generator=gen,
+                              device=device).to(dtype)
+
+    # the check: the first rows' selection and sparse output against the references
+    q_i, w, index_cache, meta = make_step(rows[0][:CHECK_ROWS], rows[1][:CHECK_ROWS], block,
+                                          device, dtype, integers=True, seed=3)
+    got, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta, 0.25, topk)
+    want, _ = indexer_topk_ref(q_i, w, index_cache, meta, 0.25, topk)
+    assert torch.equal(got, want), f"{name}: the selection differs from the reference"
+    q, cache = latent_step(CHECK_ROWS, index_cache.shape[0], 4)
+    out = dsa_triton.dsa_attention_triton(q, cache, meta, got, mla_scale, latent).float()
+    ref = dsa_attention_ref(q.float(), cache.float(), meta, got, mla_scale, latent).float()
+    err = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+    assert err <= (1e-5 if dtype == torch.float32 else 2 ** -6), f"{name}: sparse MLA {err:.3g}"
+    # the timed step
+    q_i, w, index_cache, meta = make_step(*rows, block, device, dtype, integers=False)
+    q, cache = latent_step(batch, index_cache.shape[0], 5)
+    positions, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta, scale, topk)
+    keys = torch.cat([k for _, _, k in dsa_triton.index_score_chunks(q_i, w, index_cache, meta,
+                                                                      scale)])
+    k = min(topk, keys.shape[1])
+    row: dict = {"case": name, "batch": batch, "context": context, "mla_heads": heads,
+                 "topk": topk, "check_error": err}
+    row["indexer_ms"] = timer(lambda: dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta,
+                                                                     scale, topk))
+    row["topk_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
+    row["sparse_mla_ms"] = timer(lambda: dsa_triton.dsa_attention_triton(
+        q, cache, meta, positions, mla_scale, latent))
+    row["dense_mla_ms"] = timer(lambda: mla_triton.mla_attention_triton(q, cache, meta,
+                                                                        mla_scale, latent))
+    row = {key: round(v, 4) if isinstance(v, float) and key != "check_error" else v
+           for key, v in row.items()}
+    dsa_ms = row["indexer_ms"] + row["sparse_mla_ms"]
+    bound, dense_bound = decode_bound_ms(batch, context, topk, DIM, latent + rope,
+                                         q.element_size())
+    row.update({"dsa_ms": round(dsa_ms, 4), "read_bound_ms": round(bound, 4),
+                "pct_of_bound": round(100 * bound / dsa_ms, 1),
+                "dense_read_bound_ms": round(dense_bound, 4),
+                "dense_pct_of_bound": round(100 * dense_bound / row["dense_mla_ms"], 1),
+                "speedup_vs_dense": round(row["dense_mla_ms"] / dsa_ms, 2),
+                "bytes_predicted_speedup": round(dense_bound / bound, 2)})
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for kernels_dsa.json")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU through Triton's interpreter (no timing)")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode step")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode step")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import triton
-        device, cases = "cpu", SMOKE
+        device, cases, decode_cases = "cpu", SMOKE, SMOKE_DECODE
 
         def timer(fn: Callable[[], object]) -> float:
             t = time.perf_counter()
@@ -127,7 +215,7 @@ def main() -> None:
             raise SystemExit("kernels_dsa needs a CUDA GPU (or --smoke)")
         import triton.testing
 
-        device, cases = "cuda", CASES
+        device, cases, decode_cases = "cuda", CASES, DECODE_CASES
 
         def timer(fn: Callable[[], object]) -> float:
             return float(triton.testing.do_bench(fn, warmup=25, rep=100))
@@ -138,12 +226,17 @@ def main() -> None:
     result: dict = {"environment": environment(), "shape": {
         "heads": HEADS, "dim": DIM, "block_size": BLOCK, "topk": TOPK}, "cases": []}
     path = os.path.join(args.out, "kernels_dsa.json")
-    for name, computed, scheduled in cases:
-        row = run_case(name, computed, scheduled, device, timer)
-        result["cases"].append(row)
-        print(json.dumps(row))
+    result["decode"] = []
+    runs = [] if args.decode_only else [("cases", run_case, c) for c in cases]
+    runs += [] if args.no_decode else [("decode", run_decode_case, c) for c in decode_cases]
+    for section, run, (name, *case) in runs:
+        row = run(name, *case, device, timer)
+        result[section].append(row)
+        print(json.dumps(row), flush=True)
         with open(path, "w") as f:  # after each case: a run cut short keeps what it measured
             json.dump(result, f, indent=1)
+        if device == "cuda":
+            torch.cuda.empty_cache()
     print(f"wrote {path}")
 
 

@@ -1,0 +1,37 @@
+"""benchmarks/kernels_dsa.py on CPU: the decode step's bounds (the issue's bytes), and the smoke
+run end to end through Triton's interpreter (fp32): the scoring cases and the decode step,
+each checked against the references before it is timed."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from benchmarks import kernels_dsa
+from benchmarks.kernels_dsa import decode_bound_ms
+
+
+def test_decode_bounds_are_the_issues_bytes() -> None:
+    sparse, dense = decode_bound_ms(32, 65536, 2048, 128, 576, 2)
+    assert sparse == pytest.approx(32 * (65536 * 256 + 2048 * 1152) / 4.27e12 * 1e3)
+    assert dense == pytest.approx(32 * 65536 * 1152 / 4.27e12 * 1e3)
+    assert dense / sparse == pytest.approx(3.95, abs=0.01)  # the issue's 3.95x at 64k
+    short, _ = decode_bound_ms(1, 100, 2048, 128, 576, 2)  # a context under top-k reads it all
+    assert short == pytest.approx(100 * (256 + 1152) / 4.27e12 * 1e3)
+
+
+def test_smoke_run_writes_both_sections(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["kernels_dsa", "--out", str(tmp_path), "--smoke"])
+    kernels_dsa.main()
+    result = json.loads((tmp_path / "kernels_dsa.json").read_text())
+    assert [c["case"] for c in result["cases"]] == [n for n, *_ in kernels_dsa.SMOKE]
+    decode = result["decode"]
+    assert [c["case"] for c in decode] == [n for n, *_ in kernels_dsa.SMOKE_DECODE]
+    assert all(c["check_error"] < 1e-5 and c["dsa_ms"] > 0 for c in decode)
+    monkeypatch.setattr(sys, "argv", ["kernels_dsa", "--out", str(tmp_path), "--smoke",
+                                      "--decode-only"])
+    kernels_dsa.main()
+    again = json.loads((tmp_path / "kernels_dsa.json").read_text())
+    assert again["cases"] == [] and len(again["decode"]) == len(decode)
