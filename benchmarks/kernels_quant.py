@@ -39,8 +39,9 @@ On the H200 (one call; expected 3-6 minutes, most of it Triton compiles and weig
 the timeout's SIGINT leaves the JSON of what was done; `--shapes glm-5` etc. split it;
 --profile adds each MoE row's kernels by GPU time, torch.profiler over three eager calls;
 --nvfp4-decode bits asm times the NVFP4 rows with each decode of kernels/linear/nvfp4_tile.py
-(--fp8-prefetch off on the FP8 rows with and without the scales' one-step prefetch),
-the acceptance taking the better):
+(--fp8-prefetch off on the FP8 rows with and without the scales' one-step prefetch;
+--moe-dequant off on the 4-bit MoE rows fused or dequantized first; --w4a16-backend fused
+dequant the 4-bit linears: benchmarks/quant_switches.py), the acceptance taking the best):
 
     source benchmarks/gpu_env.sh; timeout -s INT 560 python3 -m benchmarks.kernels_quant \
         --out $OUT
@@ -53,6 +54,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import time
@@ -60,6 +62,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.quant_switches import SWITCHES, switched
 
 COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # H200, measured (ANCHORS.md)
 FORMATS = ("bf16", "fp8", "nvfp4", "int4")
@@ -297,47 +301,13 @@ def dense_peaks(size: int, ctx: dict) -> dict:
     return out
 
 
-def with_decode(decode: str | None, bench: Callable[[], list[dict]]) -> list[dict]:
-    """bench()'s rows with NVFP4 tiles decoded by nvfp4_tile's `decode` (None: as set), each
-    NVFP4 row tagged with it."""
-    from moeserve.kernels.linear import nvfp4_tile
-
-    return _with_switch(nvfp4_tile, "decode", decode, "nvfp4", "decode", bench)
-
-
-def with_prefetch(prefetch: str | None, bench: Callable[[], list[dict]]) -> list[dict]:
-    """bench()'s rows with the fused MoE's fp8 scales loaded a step ahead or not
-    (quant.fused_triton.prefetch_scales; "on" / "off", None: as set), each FP8 row tagged."""
-    from moeserve.kernels.moe.quant import fused_triton
-
-    value = None if prefetch is None else prefetch == "on"
-    return _with_switch(fused_triton, "prefetch_scales", value, "fp8", "prefetch", bench)
-
-
-def with_w4a16_backend(backend: str | None, bench: Callable[[], list[dict]]) -> list[dict]:
-    """bench()'s rows with the 4-bit linears on kernels/linear/w4a16_dequant.py's `backend`
-    (None: as set), each NVFP4 / INT4 row tagged with it."""
-    from moeserve.kernels.linear import w4a16_dequant
-
-    return _with_switch(w4a16_dequant, "backend", backend, ("nvfp4", "int4"), "w4a16_backend",
-                        bench)
-
-
-def _with_switch(module, name: str, value, fmt: str | tuple[str, ...], tag: str,
-                 bench: Callable[[], list[dict]]) -> list[dict]:
-    """bench() with module.name set to value (None: as set), the rows of `fmt` (one format or
-    several) tagged."""
-    before = getattr(module, name)
-    setattr(module, name, before if value is None else value)
-    try:
-        rows = bench()
-    finally:
-        chosen = getattr(module, name)
-        setattr(module, name, before)
-    for row in rows:
-        if row["format"] in ((fmt,) if isinstance(fmt, str) else fmt):
-            row[tag] = chosen
-    return rows
+def settings_of(fmt: str, switches: dict[str, list[str]]) -> list[list[tuple[str, str]]]:
+    """Every combination of the switches (quant_switches.py) that act on `fmt`, each value of
+    each: one benchmark run apiece."""
+    mine = [(tag, values) for tag, values in switches.items()
+            if fmt in SWITCHES[tag].formats]
+    return [list(zip((tag for tag, _ in mine), combo))
+            for combo in itertools.product(*(values for _, values in mine))]
 
 
 def acceptance(moe_rows: list[dict], fp8_peak: float | None) -> list[dict]:
@@ -408,8 +378,8 @@ def main() -> None:
                              "is found, else the defaults; or the defaults")
     parser.add_argument("--peak-size", type=int, default=8192, help="dense peaks at size^3")
     parser.add_argument("--no-linear", action="store_true", help="skip the linear kernels")
-    parser.add_argument("--nvfp4-decode", nargs="+", choices=("bits", "asm"),
-                        default=["bits"], help="NVFP4 rows per decode of "
+    parser.add_argument("--nvfp4-decode", nargs="+", choices=("auto", "bits", "asm"),
+                        default=["auto"], help="NVFP4 rows per decode of "
                         "kernels/linear/nvfp4_tile.py (asm: inline PTX, CUDA only)")
     parser.add_argument("--fp8-prefetch", nargs="+", choices=("off", "on"), default=["off"],
                         help="FP8 MoE rows per setting of the scales' one-step prefetch "
@@ -418,6 +388,10 @@ def main() -> None:
                         default=["auto"], help="NVFP4 / INT4 linear rows per backend of "
                         "kernels/linear/w4a16_dequant.py (fused: dequantized in the GEMM's "
                         "loads; dequant: the weight dequantized once, then cuBLAS)")
+    parser.add_argument("--moe-dequant", nargs="+", choices=("auto", "on", "off"),
+                        default=["auto"], help="NVFP4 / INT4 MoE rows per mode of "
+                        "kernels/moe/quant/dequant.py (on: every expert dequantized, then the "
+                        "bf16 fused MoE; off: the W4A16 fused MoE)")
     parser.add_argument("--profile", action="store_true",
                         help="each MoE row also lists the op's GPU kernels by time (CUDA)")
     parser.add_argument("--small", action="store_true",
@@ -464,25 +438,21 @@ def main() -> None:
     result["peaks"] = dense_peaks(args.peak_size, ctx)
     ctx["fp8_peak_tflops"] = result["peaks"]["fp8_peak_tflops"]
     save()
+    moe_switches = {"decode": args.nvfp4_decode, "prefetch": args.fp8_prefetch,
+                    "moe_dequant": args.moe_dequant}
     for shape_name, shape in shapes.items():
         for fmt in args.formats:
-            for decode in args.nvfp4_decode if fmt == "nvfp4" else [None]:
-                for prefetch in args.fp8_prefetch if fmt == "fp8" else [None]:
-                    result["moe"] += with_prefetch(prefetch, functools.partial(
-                        with_decode, decode, functools.partial(
-                            bench_moe_format, fmt, shape_name, shape, args.tokens, ctx)))
-                    save()
+            for settings in settings_of(fmt, moe_switches):
+                result["moe"] += switched(settings, functools.partial(
+                    bench_moe_format, fmt, shape_name, shape, args.tokens, ctx))
+                save()
     if not args.no_linear:
-        four_bit = [f for f in args.formats if f in ("nvfp4", "int4")]
-        for i, w4_backend in enumerate(args.w4a16_backend if four_bit else [None]):
-            for decode in args.nvfp4_decode if "nvfp4" in args.formats else [None]:
-                formats = (args.formats if i == 0 and decode == args.nvfp4_decode[0]
-                           else four_bit if decode == args.nvfp4_decode[0]
-                           else ["nvfp4"])  # each other format once
-                result["linear"] += with_w4a16_backend(w4_backend, functools.partial(
-                    with_decode, decode, functools.partial(
-                        bench_linear, SMALL_LINEAR if args.small else LINEAR_SHAPES,
-                        args.linear_tokens, {**ctx, "formats": formats})))
+        linear_switches = {"decode": args.nvfp4_decode, "w4a16_backend": args.w4a16_backend}
+        for fmt in args.formats:
+            for settings in settings_of(fmt, linear_switches):
+                result["linear"] += switched(settings, functools.partial(
+                    bench_linear, SMALL_LINEAR if args.small else LINEAR_SHAPES,
+                    args.linear_tokens, {**ctx, "formats": [fmt]}))
                 save()
     result["acceptance"] = acceptance(result["moe"], ctx["fp8_peak_tflops"])
     bad = [r for r in result["moe"] + result["linear"] if not r["finite"]]

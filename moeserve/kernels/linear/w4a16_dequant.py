@@ -131,25 +131,32 @@ def w4a16_linear_dequant(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale
 
 
 def dequantize_w4a16(fmt: str, qweight: torch.Tensor, scale: torch.Tensor, group: int, k: int,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """The weight [N, K] in dtype, NVFP4 without its global scale (module doc), by the Triton
-    kernel (interpreted on CPU)."""
+                     dtype: torch.dtype, global_scale: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """The weight [..., N, K] in dtype by the Triton kernel (interpreted on CPU): NVFP4 without
+    its global scale (module doc), or with it, global_scale [..., N] fp32 multiplied in fp32
+    before the one rounding to dtype (no longer exact: the MoE's dequant path); leading dims
+    (a MoE block's experts) flattened into the rows."""
     unfit = dequant_unfit(group)
     if unfit is not None:
         raise ValueError(f"w4a16 dequantize: {unfit}")
-    n = qweight.shape[0]
-    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    if n and k:
+    *lead, n = qweight.shape[:-1]
+    rows_q, rows_s = qweight.reshape(-1, qweight.shape[-1]), scale.reshape(-1, scale.shape[-1])
+    rows = rows_q.shape[0]
+    out = torch.empty(rows, k, dtype=dtype, device=qweight.device)
+    if rows and k:
         nvfp4 = fmt == "nvfp4"
         native_fp8 = qweight.device.type == "cuda"
-        s = scale.view(torch.uint8) if nvfp4 and not native_fp8 else scale
-        grid = (math.ceil(n / _BLOCK_N), math.ceil(k / _BLOCK_K))
+        s = rows_s.view(torch.uint8) if nvfp4 and not native_fp8 else rows_s
+        g = global_scale.reshape(-1) if global_scale is not None else out  # unused without
+        grid = (math.ceil(rows / _BLOCK_N), math.ceil(k / _BLOCK_K))
         _kernels().dequant[grid](
-            qweight, s, out, n, k, qweight.stride(0), qweight.stride(1), s.stride(0),
+            rows_q, s, g, out, rows, k, rows_q.stride(0), rows_q.stride(1), s.stride(0),
             s.stride(1), out.stride(0), out.stride(1),
-            NVFP4=nvfp4, GROUP=group, NATIVE_FP8=native_fp8, BLOCK_N=_BLOCK_N,
-            BLOCK_K=_BLOCK_K, num_warps=4)
-    return out
+            NVFP4=nvfp4, GROUP=group, NATIVE_FP8=native_fp8,
+            HAS_GLOBAL=global_scale is not None, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+            num_warps=4)
+    return out.reshape(*lead, n, k)
 
 
 @functools.cache
@@ -166,10 +173,12 @@ def _kernels() -> SimpleNamespace:
 
 # ---- Triton kernel (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
 
-def _dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, stride_qn, stride_qk, stride_sn, stride_sk,
-                    stride_on, stride_ok, NVFP4: tl.constexpr, GROUP: tl.constexpr,
-                    NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (n tile, k tile): out[n, k] for BLOCK_N rows and BLOCK_K columns (module doc)."""
+def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, stride_sn,
+                    stride_sk, stride_on, stride_ok, NVFP4: tl.constexpr, GROUP: tl.constexpr,
+                    NATIVE_FP8: tl.constexpr, HAS_GLOBAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """Program (n tile, k tile): out[n, k] for BLOCK_N rows and BLOCK_K columns (module doc);
+    HAS_GLOBAL: times g[n] (contiguous fp32) before the cast."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k0 = tl.program_id(1) * BLOCK_K
@@ -203,6 +212,8 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, stride_qn, stride_qk, stride_sn
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, GROUP)),
                        (BLOCK_N, BLOCK_K))
         w = (tl.reshape(nib, (BLOCK_N, BLOCK_K)) - 8).to(tl.float32) * s
+    if HAS_GLOBAL:
+        w = w * tl.load(g_ptr + rn, mask=n_ok, other=0.0)[:, None]
     rk = k0 + tl.arange(0, BLOCK_K)  # [BK]
     tl.store(out_ptr + rows * stride_on + rk[None, :] * stride_ok,
              w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])

@@ -2,13 +2,16 @@
 sub-package of the quantized MoE kernels, and here `moe_quantized`, which picks the op.
 
     fused_triton.py  the fused MoE over packed weights (Triton), its two launches
+    dequant.py       large steps of the 4-bit formats: the experts dequantized once, then the
+                     bf16 fused MoE
     ref.py           its torch reference, expert by expert
     configs.py       its tile configs: defaults, per-format rules, the tuned files' lookup
     tune.py          the tuner of those files (CUDA graphs, resumable, time-bounded)
 
     CUDA       fused_triton.moe_quant_triton: the fused MoE's two launches with the
                weight tiles dequantized in their loads (nvfp4 / int4, W4A16) or read as e4m3
-               against activations quantized per token and 128-group (fp8, W8A8)
+               against activations quantized per token and 128-group (fp8, W8A8); nvfp4 /
+               int4 steps of many tokens: dequant.moe_dequant (`choose_moe_dequant`)
     elsewhere  ref.moe_quant_ref: the same arithmetic in torch, expert by expert
 
 The CUDA op's tiles: tuned per format and shape (tune.py, looked up by configs.py),
@@ -33,7 +36,12 @@ def moe_quantized(x: torch.Tensor, w13: QuantWeight, w2: QuantWeight,
     if w13.format != w2.format:
         raise ValueError(f"w13 is {w13.format} but w2 is {w2.format}")
     if x.is_cuda:
+        from moeserve.kernels.moe.quant.dequant import choose_moe_dequant, moe_dequant
         from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
+
+        if choose_moe_dequant(w13, w2, x.shape[0], x):
+            return moe_dequant(x, w13, w2, topk_weights, topk_ids, reduce=reduce, tiles=tiles,
+                               routed_experts=routed_experts)
 
         return moe_quant_triton(x, w13, w2, topk_weights, topk_ids, tiles=tiles, reduce=reduce,
                                 routed_experts=routed_experts)
