@@ -31,15 +31,14 @@ scoring section).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 # none imports triton (the kernels do on first use, after --smoke set the interpreter)
+from benchmarks.kernel_runs import Timer, make_timer, record
 from moeserve.kernels.attention import dsa_triton, mla_triton
 from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
@@ -97,7 +96,7 @@ def key_bytes(meta: AttentionMetadata, block_q: int, block_n: int) -> int:
 
 
 def run_case(name: str, computed: list[int], scheduled: list[int], device: str,
-             timer: Callable[[Callable[[], object]], float]) -> dict:
+             timer: Timer) -> dict:
     dtype, scale = (torch.bfloat16, DIM ** -0.5) if device == "cuda" else (torch.float32, 0.1)
     block, topk = (BLOCK, TOPK) if device == "cuda" else (16, 8)
     q, w, cache, meta = make_step(computed, scheduled, block, device, dtype, integers=True)
@@ -138,7 +137,7 @@ def decode_bound_ms(batch: int, context: int, topk: int, index_dim: int, width: 
 
 
 def run_decode_case(name: str, batch: int, context: int, device: str,
-                    timer: Callable[[Callable[[], object]], float]) -> dict:
+                    timer: Timer) -> dict:
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     block, topk = (BLOCK, TOPK) if cuda else (16, 8)
@@ -205,21 +204,11 @@ def main() -> None:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import triton
         device, cases, decode_cases = "cpu", SMOKE, SMOKE_DECODE
-
-        def timer(fn: Callable[[], object]) -> float:
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
     else:
         if not torch.cuda.is_available():
             raise SystemExit("kernels_dsa needs a CUDA GPU (or --smoke)")
-        import triton.testing
-
         device, cases, decode_cases = "cuda", CASES, DECODE_CASES
-
-        def timer(fn: Callable[[], object]) -> float:
-            return float(triton.testing.do_bench(fn, warmup=25, rep=100))
-
+    timer = make_timer(args.smoke, warmup_ms=25, rep_ms=100)
     from benchmarks.w1_offline import environment
 
     os.makedirs(args.out, exist_ok=True)
@@ -230,13 +219,7 @@ def main() -> None:
     runs = [] if args.decode_only else [("cases", run_case, c) for c in cases]
     runs += [] if args.no_decode else [("decode", run_decode_case, c) for c in decode_cases]
     for section, run, (name, *case) in runs:
-        row = run(name, *case, device, timer)
-        result[section].append(row)
-        print(json.dumps(row), flush=True)
-        with open(path, "w") as f:  # after each case: a run cut short keeps what it measured
-            json.dump(result, f, indent=1)
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        record(result, section, run(name, *case, device, timer), path, device)
     print(f"wrote {path}")
 
 

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from benchmarks.kernel_runs import Timer, make_timer, record
 
 # neither imports triton (the kernels do on first use, after --smoke set the interpreter)
 from moeserve.kernels.attention import mla_triton
@@ -103,7 +102,7 @@ def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device
 
 def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
              device: str, dtype: torch.dtype,
-             timer: Callable[[Callable[[], object]], float]) -> dict:
+             timer: Timer) -> dict:
     latent, rope, block = shape["latent"], shape["rope"], shape["block_size"]
     ctx = contexts(batch, context)
     err = check(ctx, heads, latent, rope, block, device, dtype)
@@ -137,23 +136,13 @@ def main() -> None:
         device, dtype, cases = "cpu", torch.float32, SMOKE_CASES
         shape = {"latent": 32, "rope": 16, "block_size": 8}
         heads = [min(h, 4) for h in args.heads[:1]]
-
-        def timer(fn: Callable[[], object]) -> float:
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
     else:
         if not torch.cuda.is_available():
             raise SystemExit("kernels_mla needs a CUDA GPU (or --smoke)")
-        import triton.testing
-
         device, dtype, cases = "cuda", torch.bfloat16, CASES
         shape = {"latent": LATENT, "rope": ROPE, "block_size": args.block_size}
         heads = args.heads
-
-        def timer(fn: Callable[[], object]) -> float:
-            return float(triton.testing.do_bench(fn, warmup=10, rep=50))
-
+    timer = make_timer(args.smoke, warmup_ms=10, rep_ms=50)
     from benchmarks.w1_offline import environment
 
     os.makedirs(args.out, exist_ok=True)
@@ -166,13 +155,8 @@ def main() -> None:
     path = os.path.join(args.out, "kernels_mla.json")
     for h in heads:
         for name, batch, context in cases:
-            row = run_case(name, batch, context, h, shape, device, dtype, timer)
-            result["cases"].append(row)
-            print(json.dumps(row), flush=True)
-            with open(path, "w") as f:
-                json.dump(result, f, indent=1)
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            record(result, "cases", run_case(name, batch, context, h, shape, device, dtype,
+                                             timer), path, device)
     print(f"wrote {path}")
 
 

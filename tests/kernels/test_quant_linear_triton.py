@@ -358,15 +358,21 @@ def test_gpu_w4a16_fp32_and_in_a_cuda_graph(fmt: str, group: int | None, no_tf32
     qw = _quantized(fmt, 1000, 2048, group, device="cuda")
     x = _x(24, 2048, device="cuda")
     _assert_matches(_run(x, qw), x, qw.dequantize(), rtol=1e-5)
-    expected = _run(x, qw)  # compiled outside the capture
+    assert_graph_replays(lambda: _run(x, qw), x)
+
+
+def assert_graph_replays(run, x: torch.Tensor) -> None:
+    """run() captured in a CUDA graph replays on x's new values (doubled in place): the replay
+    equals an eager call on them and differs from the first output."""
+    expected = run()  # compiled outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _run(x, qw)
+        out = run()
     x.mul_(2.0)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, _run(x, qw))
+    assert torch.equal(out, run())
     assert not torch.allclose(out, expected)
 
 

@@ -1,0 +1,42 @@
+"""What the attention-kernel benchmarks (kernels_mla.py, kernels_dsa.py) share: their timer
+and the JSON they rewrite after every case, so that a run cut short keeps what it measured.
+
+    make_timer(smoke, warmup_ms, rep_ms)   fn -> ms: triton.testing.do_bench on the GPU, one
+                                           eager call in a CPU smoke run (not a measurement)
+    record(result, section, row, path, device)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import torch
+
+Timer = Callable[[Callable[[], object]], float]
+
+
+def make_timer(smoke: bool, warmup_ms: int, rep_ms: int) -> Timer:
+    if smoke:
+        def one_call(fn: Callable[[], object]) -> float:
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        return one_call
+    import triton.testing
+
+    def bench(fn: Callable[[], object]) -> float:
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms))
+    return bench
+
+
+def record(result: dict, section: str, row: dict, path: str, device: str) -> None:
+    """Append row to result[section], print it, rewrite the JSON at path, and on a GPU give the
+    case's memory back before the next."""
+    result[section].append(row)
+    print(json.dumps(row), flush=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    if device == "cuda":
+        torch.cuda.empty_cache()
