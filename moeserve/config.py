@@ -210,6 +210,12 @@ class EngineConfig:
     enforce_eager: bool = False
     """Run every step eagerly: no CUDA graphs (debugging; decode then pays the host's launch
     cost for every kernel)."""
+    fold_shared_experts: bool = False
+    """Run a MoE block's shared experts inside the routed experts' launch: their weights
+    appended to the routed stack as always-selected experts (one per routed width of the
+    shared width, weight 1), so the block is one MoE op with no separate MLP and no extra
+    part. bf16 experts without expert parallelism only (the capacity report says why not
+    otherwise). Off until measured on the H200."""
     mixed_cuda_graphs: bool = False
     """Mixed (prompt + decode) steps replay piecewise CUDA graphs: one graph per piece between
     two attentions, at token-count buckets up to the step's token budget, each attention run

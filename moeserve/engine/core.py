@@ -111,7 +111,7 @@ class EngineCore:
             parallel=self._parallel_line(plan),
             kv_layout=self.runner.kv_layout(),
             mtp=self.runner.mtp_note, dsa=_dsa_line(self.cfg, self.model_config),
-            checkpoint_format=self.runner.format_note,
+            checkpoint_format=self.runner.format_note, shared_experts=self.runner.shared_note,
             weights=weights_by_class(self.runner.model))
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
@@ -138,11 +138,12 @@ class EngineCore:
         return start_ranks(self.cfg, build)
 
     def _moe_shape(self) -> tuple[int, int, int] | None:
-        """This rank's routed experts as (experts, hidden, width): what its tiles are for."""
+        """This rank's experts as its w13 holds them, (experts, hidden, width): what its
+        tiles are for (shared experts folded in count, fold_shared_experts)."""
         blocks = self.runner.model.moe_blocks()
         if not blocks or isinstance(blocks[0].w13, QuantWeight):  # not the bf16 kernel's tiles
             return None
-        return (blocks[0].num_local_experts, self.model_config.hidden_size,
+        return (blocks[0].w13.shape[0], self.model_config.hidden_size,  # folded shared incl.
                 blocks[0].w2.shape[-1])
 
     def _report_moe_configs(self, device: torch.device) -> dict[str, dict]:
@@ -155,7 +156,10 @@ class EngineCore:
             return _quant_moe_configs(self.cfg, self.model_config, blocks[0], self.runner.dtype,
                                       tile_device_name(device))
         return _moe_configs(self.cfg, self.model_config, self.runner.dtype,
-                            tile_device_name(device), self._moe_shape())
+                            tile_device_name(device), self._moe_shape(),
+                            blocks[0].num_local_experts if blocks else 0,
+                            self.model_config.num_experts_per_tok
+                            + (blocks[0].folded_shared if blocks else 0))
 
     def _parallel_line(self, plan) -> str:
         """The capacity report's layout line: the split, and what each rank holds."""
@@ -222,7 +226,8 @@ class EngineCore:
             return ("not tuned at start-up (moe_tune_budget_s=0): "
                     + (f"using {found[0]}" if found else "default tiles"))
         block = self.runner.model.moe_blocks()[0]
-        outcome = ensure_tuned(*shape, mc.num_experts_per_tok, self.runner.dtype,
+        outcome = ensure_tuned(*shape, mc.num_experts_per_tok + block.folded_shared,
+                               self.runner.dtype,
                                self.cfg.scheduler.max_num_batched_tokens,
                                time_budget_s=self.cfg.moe_tune_budget_s,
                                weights=(block.w13, block.w2),
@@ -388,19 +393,24 @@ def _ensure_quant_moe_tuned(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.
 
 
 def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
-                 device_name: str, shape: tuple[int, int, int] | None) -> dict[str, dict]:
+                 device_name: str, shape: tuple[int, int, int] | None,
+                 routed_local: int | None = None, top_k: int | None = None) -> dict[str, dict]:
     """The fused-MoE tile config at a few batch sizes, and whether each was tuned (report),
     from the engine's tile source (moe_tiles: "default" gives tuned False, source "default",
     backend "triton" everywhere). "tiles" names the config (`config_key`: M.._N.._K.._G.._w..
     _s.., then +down_N.. when the down launch has its own tiles). shape: this rank's (experts,
-    hidden, width)."""
+    hidden, width) as its w13 holds them (folded shared experts included); routed_local: its
+    routed experts (the density of its pairs under EP; default shape's); top_k: each token's
+    pairs (default the model's)."""
     if cfg.moe_backend not in TILED_MOE_BACKENDS or shape is None:
         return {}
     from moeserve.kernels.moe.tile_configs import config_key, get_moe_config, tile_tokens
 
+    routed_local = shape[0] if routed_local is None else routed_local
+    top_k = mc.num_experts_per_tok if top_k is None else top_k
     sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
-    choices = {n: get_moe_config(*shape, mc.num_experts_per_tok, dtype,
-                                 tile_tokens(n, shape[0], mc.num_experts), device_name,
+    choices = {n: get_moe_config(*shape, top_k, dtype,
+                                 tile_tokens(n, routed_local, mc.num_experts), device_name,
                                  tiles=cfg.moe_tiles) for n in sizes}
     measured = cfg.moe_backend == "measured"
     return {str(n): {"config": c.config, "tiles": config_key(c.config), "tuned": c.tuned,

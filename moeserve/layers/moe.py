@@ -23,7 +23,11 @@ ties); the other routers and CPU run the torch references, counting with scatter
 
 Shared experts (DeepSeek, GLM): one dense MLP of width `shared_expert_intermediate_size` sees
 every token beside the routed experts; its output is one more part of the [T, S, hidden] sum
-(or is added, reduce=True).
+(or is added, reduce=True). `fold_shared_experts` (the engine's flag, after the weights are
+loaded) appends that MLP's weights to w13 / w2 instead, as S = shared width / expert width
+experts of their own (the MLP's intermediate columns cut into S chunks: the same sum), and
+every token's pairs gain them, with weight 1 and ids E..E+S-1, after routing and counting:
+one MoE launch for the block.
 
 Expert parallelism (`experts=(first, count)`): the block holds experts [first, first + count)
 of the E the router chooses among; the router runs whole (every rank selects the same pairs),
@@ -90,6 +94,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = (MLP(h, config.shared_expert_intermediate_size, dtype, device,
                                    weights.child("shared_experts"))
                                if config.shared_expert_intermediate_size else None)
+        self.folded_shared = 0  # shared experts appended to w13 / w2 (fold_shared_experts)
         self.expert_counts: torch.Tensor | None = None  # [E] int64, bound by the runner
         self.count_mask: torch.Tensor | None = None  # [T] int64, set around CUDA-graph decode
 
@@ -103,6 +108,30 @@ class SparseMoeBlock(nn.Module):
         if reduce:
             return routed + shared
         return torch.cat([routed, shared[:, None]], dim=1)  # [T, S + 1, hidden]
+
+    def fold_shared_experts(self) -> str:
+        """Append the shared experts to the routed stack (module doc); returns why they stay
+        a separate MLP, or "" once folded (or when the block has none)."""
+        mlp = self.shared_experts
+        if mlp is None:
+            return ""
+        if isinstance(self.w13, QuantWeight) or isinstance(mlp.gate_up_proj, QuantWeight):
+            return "quantized weights"
+        if self.sharded:
+            return ("expert parallelism (the routed experts are split by rank, the shared "
+                    "ones by TP)")
+        width, shared = self.w2.shape[-1], mlp.intermediate_size
+        if shared % width:
+            return f"shared width {shared} is not a multiple of the experts' {width}"
+        s, hidden = shared // width, self.w13.shape[-1]
+        gate_up = mlp.gate_up_proj.detach()  # [2 SI, H]: gate rows, then up rows
+        w13 = torch.cat([gate_up[:shared].view(s, width, hidden),
+                         gate_up[shared:].view(s, width, hidden)], dim=1)  # [S, 2I, H]
+        w2 = mlp.down_proj.detach().view(hidden, s, width).transpose(0, 1)  # [S, H, I]
+        self.w13 = nn.Parameter(torch.cat([self.w13.detach(), w13]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.cat([self.w2.detach(), w2]), requires_grad=False)
+        self.shared_experts, self.folded_shared = None, s
+        return ""
 
     def _routed(self, x: torch.Tensor, reduce: bool) -> torch.Tensor:
         r = self.router
@@ -147,6 +176,12 @@ class SparseMoeBlock(nn.Module):
             local = topk_ids - self.first_expert
             held = (local >= 0) & (local < self.num_local_experts)
             topk_ids = torch.where(held, local, torch.full_like(local, -1))
+        if self.folded_shared:  # every token's pairs gain the shared experts, weight 1
+            shared = torch.arange(self.num_local_experts, self.num_local_experts
+                                  + self.folded_shared, dtype=topk_ids.dtype, device=x.device)
+            topk_ids = torch.cat([topk_ids, shared.expand(x.shape[0], -1)], dim=1)
+            topk_weights = torch.cat([topk_weights, torch.ones(
+                x.shape[0], self.folded_shared, dtype=topk_weights.dtype, device=x.device)], 1)
         if isinstance(self.w13, QuantWeight):
             return moe_quantized(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce,
                                  tiles=self.tiles, routed_experts=self.routed_experts)

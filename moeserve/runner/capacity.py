@@ -40,6 +40,7 @@ class CapacityReport:
     kv_layout: str = ""  # what one token costs in the cache, per layer (GQA K/V or MLA latent)
     mtp: str = ""  # the checkpoint's layers not run (MTP, an hf_overrides slice), or ""
     checkpoint_format: str = ""  # a quantized checkpoint's weights (how they load), or ""
+    shared_experts: str = ""  # fold_shared_experts: folded, or why not; "" when off
     weights: str = ""  # each module class's format and GiB (weights_by_class)
     dsa: str = ""  # DeepSeek Sparse Attention: how contexts attend (auto / dense), or ""
     parallel: str = ""  # the ranks' split and what each holds (tensor_parallel_size > 1), or ""
@@ -69,6 +70,7 @@ class CapacityReport:
             "moe_configs": self.moe_configs,
             "kv_layout": self.kv_layout,
             "mtp": self.mtp,
+            "shared_experts": self.shared_experts,
             "dsa": self.dsa,
             "parallel": self.parallel,
             "text": self.format(),  # as printed at start-up (the API process prints this too)
@@ -128,6 +130,8 @@ class CapacityReport:
             rows.append(("layers not run", self.mtp))
         if self.checkpoint_format:
             rows.append(("checkpoint format", self.checkpoint_format))
+        if self.shared_experts:
+            rows.append(("shared experts", self.shared_experts))
         if self.weights:
             rows.append(("weights by class", self.weights))
         rows += [(f"auto {k}", v) for k, v in self.resolved.items()]

@@ -131,6 +131,16 @@ def test_async_scheduling_matches_hf(device: str, checkpoints: dict, arch: str) 
     assert [r.token_ids for r in results] == expected
 
 
+@pytest.mark.parametrize("arch", ARCHS)  # deepseek_v2: 2 shared experts' width, folded as two
+def test_folded_shared_experts_match_hf(device: str, checkpoints: dict, arch: str) -> None:
+    folder, prompts, expected = checkpoints[arch]
+    llm = _llm(folder, device, fold_shared_experts=True)
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+    blocks = llm.engine.runner.model.moe_blocks()
+    assert blocks and all(b.shared_experts is None and b.folded_shared >= 1 for b in blocks)
+    assert "folded into the routed experts' launch" in llm.report.format()
+
+
 def test_latent_cache_is_sized_by_its_bytes() -> None:
     """The memory plan and the report count MLA's latent row (L + R values a token a layer),
     not per-head K/V."""
