@@ -230,7 +230,8 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     num_devices = _device_count(device)
     space = knob_space(device, start, fixed=list(fixed), only=only,
                        concurrency=max(concurrencies), num_devices=num_devices,
-                       dummy_weights=_dummy_weights(model, fixed))
+                       dummy_weights=_dummy_weights(model, fixed),
+                       shared_experts=_shared_experts(model))
     owned = sorted({a.split("=")[0] for a in shlex.split(args.bench_args)} & _TUNE_OWNS)
     if owned:
         raise ValueError(f"--bench-args: {', '.join(owned)} are the tune's own (use "
@@ -252,6 +253,17 @@ def _dummy_weights(model: str, fixed: dict[str, Any]) -> bool:
 
     load = fixed.get("load_format", "auto")
     return load == "dummy" or (load == "auto" and is_preset(model))
+
+
+def _shared_experts(model: str) -> bool:
+    """Whether the model (a preset or a checkpoint folder) has shared experts, so that folding
+    them is a choice; False where its config cannot be read here (the server then says)."""
+    from moeserve.config import load_model_config
+
+    try:
+        return bool(load_model_config(model)[0].shared_expert_intermediate_size)
+    except (OSError, ValueError):
+        return False
 
 
 def _arms(args: argparse.Namespace, best: dict[str, Any], space: Any) -> dict[str, dict]:
@@ -299,7 +311,8 @@ def _report_only(args: argparse.Namespace, console: Console) -> int:
     space = knob_space(setup["device"], setup["start"], fixed=list(fixed), only=setup["knobs"],
                        concurrency=max(setup["concurrencies"]),
                        num_devices=setup.get("num_devices", 1),
-                       dummy_weights="quantization" in setup["knobs"])
+                       dummy_weights="quantization" in setup["knobs"],
+                       shared_experts="fold_shared_experts" in setup["knobs"])
     evaluator = ServerBenchEvaluator(setup["model"], shlex.split(setup["server_args"]),
                                      BenchPlan(setup["concurrencies"]), flags_of=space.flags)
     path = report.write_report(study, space, Path(args.out),

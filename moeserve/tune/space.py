@@ -19,7 +19,8 @@ two) are categorical to Optuna, whose TPE sampler handles a few dozen noisy tria
 well; a range of small integers is an integer distribution. On a machine of several GPUs the
 parallel layout joins the space (tensor_parallel_size, enable_expert_parallel,
 expert_parallel_size: `_parallel_knobs`); with dummy weights the quantized format
-(`QUANTIZATION`: a checkpoint's format is its own); a knob the engine gains later (KV dtype) is
+(`QUANTIZATION`: a checkpoint's format is its own); for a model with shared experts whether
+they fold into the routed launch (`FOLD_SHARED`); a knob the engine gains later (KV dtype) is
 one more row in _knobs.
 
 Restart: every knob today is an engine flag, read at start-up, so a trial is a fresh server;
@@ -113,6 +114,8 @@ def _knobs(concurrency: int = 1024, num_devices: int = 1) -> tuple[Knob, ...]:
         Knob("prefill_batch_delay_steps", 0, low=0, high=8, kind="int"),
         Knob("enforce_eager", False, (False, True), devices=("cuda",)),
         Knob("cuda_graph_max_batch_size", "auto", ("auto", 64, 256, 1024), devices=("cuda",),
+             unless=("enforce_eager", True)),
+        Knob("mixed_cuda_graphs", False, (False, True), devices=("cuda",),
              unless=("enforce_eager", True)),
         Knob("moe_backend", "auto", ("auto", "measured", "triton", "grouped_mm"),
              devices=("cuda",)),
@@ -229,18 +232,23 @@ def _show(v: Any) -> str:
 # the weights' format, where the weights are dummy (a checkpoint's format is its own): on CUDA,
 # where the quantized kernels run (on CPU their torch references dequantize every step)
 QUANTIZATION = Knob("quantization", None, (None, "fp8", "nvfp4", "int4"), devices=("cuda",))
+# the shared experts in the routed launch or beside it: a model with shared experts only
+FOLD_SHARED = Knob("fold_shared_experts", False, (False, True))
 
 
 def knob_space(device: str, start: Mapping[str, Any], fixed: Sequence[str] = (),
                only: Sequence[str] | None = None, concurrency: int = 1024,
-               num_devices: int = 1, dummy_weights: bool = False) -> Space:
+               num_devices: int = 1, dummy_weights: bool = False,
+               shared_experts: bool = False) -> Space:
     """The knobs that matter on `device` ("cuda" or "cpu") at the largest concurrency the
     study optimises, less `fixed` (fields the user set in the server's fixed arguments),
     restricted to `only` when given; with num_devices > 1 (GPUs), the parallel layouts too;
-    with dummy_weights (a preset, or --load-format dummy), the weights' quantized format."""
+    with dummy_weights (a preset, or --load-format dummy), the weights' quantized format; with
+    shared_experts (the model has them), whether they fold into the routed launch."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
     extra = [QUANTIZATION] if dummy_weights else []
+    extra += [FOLD_SHARED] if shared_experts else []
     knobs = [k for k in [*_knobs(concurrency, num_devices), *extra]
              if device in k.devices and k.name not in fixed]
     if only is not None:

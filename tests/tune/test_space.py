@@ -36,3 +36,19 @@ def test_dummy_weights_add_the_quantized_format() -> None:
     assert _dummy_weights("qwen3-30b-a3b", {}) and _dummy_weights("/ckpt", {"load_format": "dummy"})
     assert not _dummy_weights("/ckpt", {}) and not _dummy_weights(
         "qwen3-30b-a3b", {"load_format": "safetensors"})
+
+
+def test_mixed_graphs_and_the_shared_experts_fold_are_knobs() -> None:
+    from moeserve.tune.cli import _shared_experts
+
+    space = knob_space("cuda", {})
+    assert space.knobs["mixed_cuda_graphs"].choices == (False, True)
+    assert "mixed_cuda_graphs" not in knob_space("cpu", {}).knobs  # CUDA graphs: the GPU's
+    eager = space.complete({"enforce_eager": True, "mixed_cuda_graphs": True})
+    assert eager["mixed_cuda_graphs"] is False  # no graphs at all: the knob does not apply
+    assert "fold_shared_experts" not in space.knobs  # the model has none
+    shared = knob_space("cpu", {}, shared_experts=True)
+    assert shared.flags(shared.complete({"fold_shared_experts": True})) == [
+        "--fold-shared-experts"]
+    assert _shared_experts("glm-4.7-flash") and _shared_experts("deepseek-v3")
+    assert not _shared_experts("qwen3-30b-a3b") and not _shared_experts("/no/such/folder")
