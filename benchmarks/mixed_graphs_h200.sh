@@ -9,11 +9,15 @@
 #   REP=1 bash benchmarks/mixed_graphs_h200.sh w1    # W1 at CONC (default 256 512 1024 2048):
 #                                                    # the defaults, then mixed graphs, each on a
 #                                                    # fresh server (~5 min); REP=2, 3 the repeats
+#   bash benchmarks/mixed_graphs_h200.sh long        # item 3's long prompts (8,192 in, 256 out,
+#                                                    # 128 at c128, --diagnose): the defaults,
+#                                                    # then mixed graphs; and the prefill
+#                                                    # attention at 8k context (~5 min)
 set -uo pipefail
 source benchmarks/gpu_env.sh
 R=/tmp/i14
 mkdir -p "$R"
-case "${1:?usage: mixed_graphs_h200.sh host|w1}" in
+case "${1:?usage: mixed_graphs_h200.sh host|w1|long}" in
   host)
     timeout 150 python3 -m benchmarks.engine_loop_cpu --running 2048 --tag gpu_host --out "$R" \
       > "$R/engine_loop.log" 2>&1; echo "engine_loop rc=$?"; tail -3 "$R/engine_loop.log"
@@ -28,5 +32,17 @@ case "${1:?usage: mixed_graphs_h200.sh host|w1}" in
   w1)
     VARIANTS="baseline mixed" bash benchmarks/w1_levers.sh "$R/w1_rep${REP:-1}" \
       ${CONC:-256 512 1024 2048} ;;
+  long)
+    for flag in "" --mixed-cuda-graphs; do
+      tag=${flag:+_mixed}
+      timeout 270 python3 -m moeserve.cli bench --preset qwen3-30b-a3b --input-len 8192 \
+        --output-len 256 --max-concurrency 128 --num-prompts 128 --server-args="$flag" \
+        --diagnose --no-progress --output-json "$R/long$tag.jsonl" > "$R/long$tag.log" 2>&1
+      echo "long ${flag:-(defaults)} rc=$?"
+      grep -E "Input token throughput|Output token throughput|Median TTFT" "$R/long$tag.log"
+    done
+    timeout 150 python3 -m benchmarks.kernels_attention --out "$R" --no-sweep \
+      > "$R/kernels_attention.log" 2>&1
+    echo "kernels_attention rc=$?"; grep -iE "prefill.*8192|8k" "$R/kernels_attention.log" | head ;;
 esac
 tar czf "$OUT/issue14.tgz" -C /tmp i14
