@@ -138,7 +138,7 @@ def test_bad_inputs_are_named() -> None:
 # ---- GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("t", "n", "k"), [(512, 7168, 2048), (1024, 5120, 2048), *GPU_SHAPES])
+@pytest.mark.parametrize(("t", "n", "k"), [(1024, 5120, 2048), *GPU_SHAPES])
 @pytest.mark.parametrize(("fmt", "group"), [("nvfp4", None), ("int4", 32)])
 def test_gpu_dequant_linear_bf16(t: int, n: int, k: int, fmt: str, group: int | None) -> None:
     qw = _quantized(fmt, n, k, group, scale_dtype=torch.bfloat16, device="cuda")
