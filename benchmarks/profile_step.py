@@ -7,6 +7,9 @@ report each part (MoE, attention, dense GEMMs, norms and RoPE, other) against it
 bound (moeserve/diagnose/step_parts.py). Writes JSON with the environment.
 
     python benchmarks/profile_step.py --preset qwen3-30b-a3b --batch 256 1024 --out DIR
+    python -m benchmarks.profile_step --preset deepseek-v3 --hf-overrides \
+        '{"num_hidden_layers": 5}' --engine-args '{"moe_tiles": "default"}' --batch 1024
+        # a preset too large for one GPU, sliced (issue 16's decode-step profile)
 """
 
 from __future__ import annotations
@@ -174,15 +177,20 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--mixed-cuda-graphs", action="store_true",
                         help="mixed steps through the piecewise CUDA graphs")
+    parser.add_argument("--hf-overrides", default=None,
+                        help="JSON edits to the preset's config (e.g. fewer layers to fit)")
+    parser.add_argument("--engine-args", default="{}",
+                        help="JSON of more engine keywords (e.g. {\"moe_tiles\": \"default\"})")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    engine_args = {"moe_backend": args.moe_backend, "enforce_eager": args.enforce_eager,
+                   "mixed_cuda_graphs": args.mixed_cuda_graphs, **json.loads(args.engine_args)}
+    if args.hf_overrides:
+        engine_args["hf_overrides"] = args.hf_overrides
     for b in args.batch:
-        r = profile_batch(args.preset, b, args.steps, {"moe_backend": args.moe_backend,
-                                                       "enforce_eager": args.enforce_eager,
-                                                       "mixed_cuda_graphs":
-                                                           args.mixed_cuda_graphs})
+        r = profile_batch(args.preset, b, args.steps, engine_args)
         name = f"profile_step_{args.preset}_b{b}{args.tag}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(r, f, indent=2)
