@@ -371,3 +371,33 @@ def test_an_unquantized_checkpoint_is_quantized_as_it_loads(tmp_path: str, fmt: 
         if isinstance(m, QuantWeight):
             assert isinstance(got[name], QuantWeight) and torch.equal(
                 got[name].dequantize(), m.dequantize()), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_gpu_4bit_many_token_paths_match_transformers(tmp_path: str, fmt: str,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      no_tf32: None) -> None:
+    """The 4-bit formats' many-token paths forced at every step (the linears dequantized
+    once, then cuBLAS; the experts dequantized, then the fused MoE): in fp32 the same greedy
+    tokens as transformers on the dequantized weights, and each path ran."""
+    from moeserve.kernels.linear import w4a16_dequant
+    from moeserve.kernels.moe.quant import dequant
+
+    calls = {"linear": 0, "moe": 0}
+    for module, name, key in ((w4a16_dequant, "w4a16_linear_dequant", "linear"),
+                              (dequant, "moe_dequant", "moe")):
+        real = getattr(module, name)
+
+        def counted(*a, _real=real, _key=key, **kw):
+            calls[_key] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(module, name, counted)
+    monkeypatch.setattr(w4a16_dequant, "backend", "dequant")
+    monkeypatch.setattr(dequant, "mode", "on")
+    quant, ref, _ = write_quantized_pair("qwen3_moe", str(tmp_path), fmt)
+    prompts = _prompts(256, (5, 17, 9))
+    expected = hf_greedy(ref, prompts, GREEDY.max_tokens)
+    llm = LLM(quant, device="cuda", dtype="float32", mem_fraction=0.1)
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+    assert calls["linear"] > 0 and calls["moe"] > 0

@@ -45,13 +45,13 @@ def dequant_bytes(w13: QuantWeight, w2: QuantWeight, dtype: torch.dtype) -> int:
 def choose_moe_dequant(w13: QuantWeight, w2: QuantWeight, num_tokens: int,
                        x: torch.Tensor) -> bool:
     """Whether this call runs `moe_dequant` (module doc): a 4-bit format the dequant kernel
-    takes, x in fp16 / bf16 on CUDA (the bf16 fused MoE), at most DEQUANT_MAX_BYTES, and, with
-    mode "auto", at least DEQUANT_MIN_TOKENS tokens."""
+    takes, x on CUDA (the fused MoE takes fp32, fp16 and bf16), at most DEQUANT_MAX_BYTES,
+    and, with mode "auto", at least DEQUANT_MIN_TOKENS tokens."""
     if mode not in MODES:
         raise ValueError(f"moe dequant mode must be one of {MODES}, got {mode!r}")
     if mode == "off" or w13.format not in ("nvfp4", "int4") or not x.is_cuda:
         return False
-    if x.dtype not in (torch.float16, torch.bfloat16) or dequant_unfit(w13.group):
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or dequant_unfit(w13.group):
         return False
     if dequant_bytes(w13, w2, x.dtype) > DEQUANT_MAX_BYTES:
         return False
