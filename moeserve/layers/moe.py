@@ -186,3 +186,18 @@ class SparseMoeBlock(nn.Module):
             return moe_quantized(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce,
                                  tiles=self.tiles, routed_experts=self.routed_experts)
         return self.backend(x, self.w13, self.w2, topk_weights, topk_ids, reduce=reduce)
+
+
+def fold_shared_experts(blocks: list[SparseMoeBlock]) -> str:
+    """The engine's fold_shared_experts over a model's MoE blocks (each block's
+    `fold_shared_experts`): the capacity report's line, or "" when no block has shared
+    experts."""
+    blocks = [b for b in blocks if b.shared_experts is not None]
+    if not blocks:
+        return ""
+    reasons = {b.fold_shared_experts() for b in blocks}
+    if reasons == {""}:
+        b = blocks[0]
+        return (f"folded into the routed experts' launch: {b.folded_shared} more expert(s) "
+                f"a block, always selected (w13 {list(b.w13.shape)})")
+    return "a separate MLP (fold_shared_experts: " + "; ".join(sorted(reasons - {""})) + ")"

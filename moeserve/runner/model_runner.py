@@ -24,6 +24,7 @@ from moeserve import envs
 from moeserve.config import CacheConfig, EngineConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
+from moeserve.layers.moe import fold_shared_experts
 from moeserve.layers.sampler import SamplingTensors, sample
 from moeserve.model_config import ModelConfig, read_json_config
 from moeserve.models import build_model
@@ -124,8 +125,8 @@ class ModelRunner:
         for m in self.model.modules():  # FP8 scales in the checkpoint's row blocks, where
             if isinstance(m, QuantWeight):  # each 128 rows share them
                 compact_fp8_scales(m)
-        self.shared_note = (self._fold_shared_experts() if self.cfg.fold_shared_experts
-                            else "")  # the capacity report's line on them
+        self.shared_note = (fold_shared_experts(self.model.moe_blocks())
+                            if self.cfg.fold_shared_experts else "")  # the report's line
         self.model.eval()
         self.weight_bytes = model_weight_bytes(self.model)
         self.num_forward_steps = 0
@@ -136,20 +137,6 @@ class ModelRunner:
             self.expert_counts = torch.zeros(len(self.model.moe_blocks()),
                                              self.model_config.num_experts, dtype=torch.int64,
                                              device=self.device)
-
-    def _fold_shared_experts(self) -> str:
-        """fold_shared_experts: each MoE block's shared experts into its routed stack
-        (SparseMoeBlock.fold_shared_experts); the capacity report's line, or "" when the model
-        has none."""
-        blocks = [b for b in self.model.moe_blocks() if b.shared_experts is not None]
-        if not blocks:
-            return ""
-        reasons = {b.fold_shared_experts() for b in blocks}
-        if reasons == {""}:
-            b = blocks[0]
-            return (f"folded into the routed experts' launch: {b.folded_shared} more expert(s) "
-                    f"a block, always selected (w13 {list(b.w13.shape)})")
-        return "a separate MLP (fold_shared_experts: " + "; ".join(sorted(reasons - {""})) + ")"
 
     def _quant_plan(self, weights_folder: str | None) -> QuantPlan | None:
         """Which weights are held quantized: from the checkpoint's tensors, or, for dummy
