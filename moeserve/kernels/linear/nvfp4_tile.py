@@ -116,15 +116,18 @@ def nvfp4_step(acc, a, byte, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
         return tl.dot(a_hi, w_hi, acc, input_precision=DOT_PRECISION)
     bits = byte.to(tl.int32)
     step = spread_groups(scale, 8) * 16384.0  # a scale a byte; nibbles decode to value x 2^-14
-    acc = _nibble_dot(acc, a_lo, ((bits & 7) << 9) | ((bits & 8) << 12), step, DOT_PRECISION)
-    return _nibble_dot(acc, a_hi, ((bits & 0x70) << 5) | ((bits & 0x80) << 8), step,
-                       DOT_PRECISION)
+    lo, hi = nibble_values(bits)
+    acc = tl.dot(a_lo, (lo * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
+    return tl.dot(a_hi, (hi * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
 
 
-def _nibble_dot(acc, a, half_bits, step, DOT_PRECISION: tl.constexpr):
-    """acc + a @ (fp16(half_bits) * step) in a's dtype; half_bits int32 < 2^16."""
-    value = half_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return tl.dot(a, (value * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
+def nibble_values(bits):
+    """Packed bytes (int32) -> the e2m1 values of their low and high nibbles x 2^-14, fp32,
+    exactly: sign-magnitude s m2 m1 m0 set as fp16 bits s << 15 | m << 9 (the module doc)."""
+    lo = (((bits & 7) << 9) | ((bits & 8) << 12)).to(tl.int16)
+    hi = (((bits & 0x70) << 5) | ((bits & 0x80) << 8)).to(tl.int16)
+    return (lo.to(tl.float16, bitcast=True).to(tl.float32),
+            hi.to(tl.float16, bitcast=True).to(tl.float32))
 
 
 def unscale(DECODE: tl.constexpr):
@@ -158,7 +161,7 @@ def e4m3_bits_to_f32(bits):
 def jitted() -> SimpleNamespace:
     """The helpers as Triton functions (bound here as module globals too: they call each other
     by name); triton is imported here, on first use."""
-    global tl, _nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale
+    global tl, nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale
     global _E2M1_BF16X2_ASM
     import triton
     import triton.language
@@ -166,8 +169,9 @@ def jitted() -> SimpleNamespace:
     tl = triton.language
     if isinstance(_E2M1_BF16X2_ASM, str):  # a kernel reads only constexpr globals
         _E2M1_BF16X2_ASM = tl.constexpr(_E2M1_BF16X2_ASM)
-    _nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale = (
-        triton.jit(f) for f in (_nibble_dot, nvfp4_step, e4m3_bits_to_f32, spread_groups,
+    nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale = (
+        triton.jit(f) for f in (nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups,
                                 unscale))
     return SimpleNamespace(nvfp4_step=nvfp4_step, e4m3_bits_to_f32=e4m3_bits_to_f32,
-                           spread_groups=spread_groups, unscale=unscale)
+                           spread_groups=spread_groups, unscale=unscale,
+                           nibble_values=nibble_values)

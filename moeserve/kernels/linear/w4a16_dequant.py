@@ -162,12 +162,13 @@ def dequantize_w4a16(fmt: str, qweight: torch.Tensor, scale: torch.Tensor, group
 @functools.cache
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now)."""
-    global tl, _e4m3_bits_to_f32
+    global tl, _e4m3_bits_to_f32, _nibble_values
     import triton
     import triton.language
 
     tl = triton.language
-    _e4m3_bits_to_f32 = nvfp4_tile.jitted().e4m3_bits_to_f32  # called by this global name
+    tiles = nvfp4_tile.jitted()  # the kernel calls them by these global names
+    _e4m3_bits_to_f32, _nibble_values = tiles.e4m3_bits_to_f32, tiles.nibble_values
     return SimpleNamespace(dequant=triton.jit(_dequant_kernel))
 
 
@@ -197,12 +198,8 @@ def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, st
             s = _e4m3_bits_to_f32(tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32))
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, GROUP // 2)),
                        (BLOCK_N, BLOCK_K // 2)) * 16384.0  # a scale a byte; nibbles x 2^-14
-        # fp16 bits s << 15 | m << 9: the e2m1 value x 2^-14, exactly (nvfp4_tile's "bits")
-        lo = (((byte & 7) << 9) | ((byte & 8) << 12)).to(tl.int16)  # [BN, BK / 2]
-        hi = (((byte & 0x70) << 5) | ((byte & 0x80) << 8)).to(tl.int16)
-        lo = lo.to(tl.float16, bitcast=True).to(tl.float32) * s
-        hi = hi.to(tl.float16, bitcast=True).to(tl.float32) * s
-        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # k = 2j + h
+        lo, hi = _nibble_values(byte)  # [BN, BK / 2] each: the e2m1 values x 2^-14
+        w = tl.reshape(tl.join(lo * s, hi * s), (BLOCK_N, BLOCK_K))  # k = 2j + h
     else:  # k at bits 4 (k % 8) of word k // 8, stored q + 8
         c = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)  # [BK / 8] word columns
         word = tl.load(q_ptr + rows * stride_qn + c[None, :] * stride_qk,
