@@ -155,7 +155,8 @@ def dequantize_w4a16(fmt: str, qweight: torch.Tensor, scale: torch.Tensor, group
             s.stride(1), out.stride(0), out.stride(1),
             NVFP4=nvfp4, GROUP=group, NATIVE_FP8=native_fp8,
             HAS_GLOBAL=global_scale is not None, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
-            num_warps=4)
+            PER_WORD=PER_WORD, num_warps=4)  # a constexpr argument: compiled Triton reads
+        # no plain Python global (the interpreter does, so only the GPU run caught it)
     return out.reshape(*lead, n, k)
 
 
@@ -177,9 +178,9 @@ def _kernels() -> SimpleNamespace:
 def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, stride_sn,
                     stride_sk, stride_on, stride_ok, NVFP4: tl.constexpr, GROUP: tl.constexpr,
                     NATIVE_FP8: tl.constexpr, HAS_GLOBAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, PER_WORD: tl.constexpr):
     """Program (n tile, k tile): out[n, k] for BLOCK_N rows and BLOCK_K columns (module doc);
-    HAS_GLOBAL: times g[n] (contiguous fp32) before the cast."""
+    HAS_GLOBAL: times g[n] (contiguous fp32) before the cast; PER_WORD: int4 values a word."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k0 = tl.program_id(1) * BLOCK_K
