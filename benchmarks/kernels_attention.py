@@ -20,10 +20,12 @@ timed replayed from a CUDA graph (kernel time, no host launch cost; the default 
 eager). Reports ms per layer, achieved TFLOP/s of the causal attention FLOPs (4 * D per query,
 visible key and head: QK^T and PV) and its share of 787 TFLOP/s, and the best config per case. A
 config that fails (compile, launch, accuracy) is recorded with its error; configs left when
---prefill-sweep-s has passed are recorded as skipped. Writes kernels_attention.json to --out
-after each section.
+--prefill-sweep-s has passed are recorded as skipped. `--prefill-cases long` sweeps issue 14's
+8k prompts instead (one fresh 8,192-token prompt, four last 2k chunks of 8k prompts). Writes
+kernels_attention.json to --out after each section.
 
     python -m benchmarks.kernels_attention --out DIR [--batches 256 512] [--no-sweep]
+    python -m benchmarks.kernels_attention --out DIR --prefill-cases long --no-decode-sweep
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ SWEEP_SPLITS = (1, 2, 4, 8)
 PREFILL_CASES = (("w1_64x128_fresh", [0] * 64, [128] * 64),
                  ("8x1024_fresh", [0] * 8, [1024] * 8),
                  ("8x512_after_512", [512] * 8, [512] * 8))
+# issue 14's long prompts: a fresh 8k prompt taken in whole, and four last 2k chunks of 8k
+LONG_PREFILL_CASES = (("1x8192_fresh", [0], [8192]),
+                      ("4x2048_after_6144", [6144] * 4, [2048] * 4))
+PREFILL_CASE_SETS = {"w1": PREFILL_CASES, "long": LONG_PREFILL_CASES}
 PREFILL_GRID = [TileConfig(m, n, w, s) for m in (64, 128, 256) for n in (32, 64, 128)
                 for w in (4, 8) for s in (1, 2, 3)]
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory per block on the H200
@@ -311,6 +317,10 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 192, 1024, 2048, 4096])
     parser.add_argument("--no-sweep", action="store_true",
                         help="skip the decode and the prefill config sweeps")
+    parser.add_argument("--prefill-cases", choices=sorted(PREFILL_CASE_SETS), default="w1",
+                        help="the prefill sweep's cases: W1's short prompts or 8k prompts")
+    parser.add_argument("--no-decode-sweep", action="store_true",
+                        help="sweep the prefill configs only")
     parser.add_argument("--prefill-sweep-s", type=float, default=100.0,
                         help="start no new prefill config past this many seconds of the sweep")
     args = parser.parse_args()
@@ -320,7 +330,7 @@ def main() -> None:
     prefill_tokens = 256 * 128 + 8 * 4096
     sweep_tokens = 0 if args.no_sweep else max(
         *(b * c for b, c in SWEEP_CASES),
-        *(sum(c) + sum(n) for _, c, n in PREFILL_CASES))
+        *(sum(c) + sum(n) for _, c, n in PREFILL_CASE_SETS[args.prefill_cases]))
     pool = make_pool(max(max(args.batches) * max(args.contexts), prefill_tokens, sweep_tokens))
     result: dict = {"environment": environment(), "copy_tb_per_s": COPY_TBPS,
                     "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
@@ -354,11 +364,13 @@ def main() -> None:
         print(f"prefill {row}")
     write()
     if not args.no_sweep:
-        result["prefill_sweep"] = sweep_prefill(pool, args.prefill_sweep_s)
+        result["prefill_sweep"] = sweep_prefill(pool, args.prefill_sweep_s,
+                                                PREFILL_CASE_SETS[args.prefill_cases])
         for case in result["prefill_sweep"]:
             print(summary_line(case))
         write()
-        result["sweep"] = sweep_decode(pool)
+        if not args.no_decode_sweep:
+            result["sweep"] = sweep_decode(pool)
         for row in result["sweep"]:
             print(f"sweep {row}")
     write()

@@ -10,6 +10,9 @@ bound (moeserve/diagnose/step_parts.py). Writes JSON with the environment.
     python -m benchmarks.profile_step --preset deepseek-v3 --hf-overrides \
         '{"num_hidden_layers": 5}' --engine-args '{"moe_tiles": "default"}' --batch 1024
         # a preset too large for one GPU, sliced (issue 16's decode-step profile)
+    python -m benchmarks.profile_step --batch 72 --prompt-len 8192 --mixed-new 1 \
+        --mixed-prompt-len 8192 --mixed-cuda-graphs
+        # issue 14's long prompts: decodes at 8k context, and a step that takes in one 8k prompt
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from moeserve.diagnose.step_parts import describe, part_shares, part_times_ms
 from moeserve.types import SchedulerOutput
 
 MIXED_NEW, MIXED_ROUNDS = 64, 3  # W1 at 1,024: a group of 64 finishes, 64 new prompts come in
+PROMPT_LEN = 128  # W1's prompts (the running requests' and the new ones')
 
 
 def _sync() -> None:
@@ -38,13 +42,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict) -> dict:
-    llm = LLM(preset, max_running_requests=batch + MIXED_ROUNDS * MIXED_NEW, **engine_args)
+def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict,
+                  prompt_len: int = PROMPT_LEN, mixed_new: int = MIXED_NEW,
+                  mixed_prompt_len: int = PROMPT_LEN) -> dict:
+    """B running requests of `prompt_len` random tokens, timed at decode; then MIXED_ROUNDS
+    steps that each take in `mixed_new` prompts of `mixed_prompt_len` tokens."""
+    llm = LLM(preset, max_running_requests=batch + MIXED_ROUNDS * mixed_new, **engine_args)
     rng = random.Random(batch)
     vocab = llm.engine.model_config.vocab_size
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
-        llm.add_request([rng.randrange(vocab) for _ in range(128)], params)
+        llm.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
     engine, sched = llm.engine, llm.engine.scheduler
     while True:  # prefill everything
         out = sched.schedule()
@@ -83,8 +91,9 @@ def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict) ->
                    "top": [{"name": e.key[:120], "ms": e.self_device_time_total / 1e3,
                             "calls": e.count} for e in top],
                    "parts": step_parts(llm, out, events)}
-    mixed = profile_mixed_steps(llm, rng, vocab, params)
+    mixed = profile_mixed_steps(llm, rng, vocab, params, mixed_new, mixed_prompt_len)
     result = {"preset": preset, "batch": batch, "num_steps": num_steps, "mixed_step": mixed,
+              "prompt_len": prompt_len,
               "median_ms": {k: statistics.median(v) for k, v in phases.items()},
               "graph_steps": engine.runner.num_graph_steps,
               "cuda_graph_fallbacks": engine.runner.num_eager_decode_fallbacks,
@@ -95,16 +104,17 @@ def profile_batch(preset: str, batch: int, num_steps: int, engine_args: dict) ->
     return result
 
 
-def profile_mixed_steps(llm: LLM, rng: random.Random, vocab: int,
-                        params: SamplingParams) -> dict:
-    """W1's other step: MIXED_NEW new prompts of 128 tokens beside the running decodes (eager).
+def profile_mixed_steps(llm: LLM, rng: random.Random, vocab: int, params: SamplingParams,
+                        new: int = MIXED_NEW, prompt_len: int = PROMPT_LEN) -> dict:
+    """W1's other step: `new` new prompts of `prompt_len` tokens beside the running decodes.
     Times MIXED_ROUNDS such steps (the first also compiles) and profiles the last one's host
-    and device time."""
+    and device time (a prompt longer than the step's token budget is chunked: the step
+    timed is the one that takes in its first chunk)."""
     walls = []
     prof = None
     for i in range(MIXED_ROUNDS):
-        for _ in range(MIXED_NEW):
-            llm.add_request([rng.randrange(vocab) for _ in range(128)], params)
+        for _ in range(new):
+            llm.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
         _sync()
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
@@ -127,7 +137,7 @@ def profile_mixed_steps(llm: LLM, rng: random.Random, vocab: int,
     gpu = [e for e in events if e.self_device_time_total > 0]
     cpu_top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
     gpu_top = sorted(gpu, key=lambda e: -e.self_device_time_total)[:40]
-    return {"new_prompts": MIXED_NEW, "wall_ms": walls,
+    return {"new_prompts": new, "new_prompt_len": prompt_len, "wall_ms": walls,
             "gpu_busy_ms_last": sum(e.self_device_time_total for e in gpu) / 1e3,
             "parts": step_parts(llm, out, events),
             "cpu_top": [{"name": e.key[:120], "self_cpu_ms": e.self_cpu_time_total / 1e3,
@@ -181,6 +191,11 @@ def main() -> None:
                         help="JSON edits to the preset's config (e.g. fewer layers to fit)")
     parser.add_argument("--engine-args", default="{}",
                         help="JSON of more engine keywords (e.g. {\"moe_tiles\": \"default\"})")
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
+                        help="the running requests' prompt tokens (their decode context)")
+    parser.add_argument("--mixed-new", type=int, default=MIXED_NEW,
+                        help="new prompts a profiled mixed step takes in")
+    parser.add_argument("--mixed-prompt-len", type=int, default=PROMPT_LEN)
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -190,7 +205,8 @@ def main() -> None:
     if args.hf_overrides:
         engine_args["hf_overrides"] = args.hf_overrides
     for b in args.batch:
-        r = profile_batch(args.preset, b, args.steps, engine_args)
+        r = profile_batch(args.preset, b, args.steps, engine_args, args.prompt_len,
+                          args.mixed_new, args.mixed_prompt_len)
         name = f"profile_step_{args.preset}_b{b}{args.tag}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(r, f, indent=2)

@@ -121,3 +121,14 @@ def test_sweep_end_to_end_in_the_interpreter() -> None:
         assert all("ms" in t and t["max_abs_err"] < 1e-4 for t in row["trials"]), row
         assert row["default_eager_ms"] == 2.0
     assert rows[1]["flops"] == causal_flops([19], [12])
+
+
+def test_long_prefill_cases_are_8k_prompts() -> None:
+    """The long set is issue 14's: one fresh 8,192-token prompt and four last 2,048-token
+    chunks of 8k prompts, at the causal FLOPs of their visible keys."""
+    from benchmarks.kernels_attention import LONG_PREFILL_CASES, PREFILL_CASE_SETS
+
+    assert PREFILL_CASE_SETS["long"] is LONG_PREFILL_CASES
+    assert [sum(c) + sum(n) for _, c, n in LONG_PREFILL_CASES] == [8192, 4 * 8192]
+    fresh, chunks = (causal_flops(c, n) for _, c, n in LONG_PREFILL_CASES)
+    assert chunks > fresh  # the last quarter of four prompts sees more keys than one whole
