@@ -26,9 +26,12 @@ from moeserve.kernels.attention.paged import (
     write_kv,
 )
 from moeserve.kernels.attention.paged_triton import (
+    LONG_PREFILL_MIN_TOKENS,
     MIN_PARTITION_TOKENS,
     TileConfig,
+    _split_rows,
     decode_num_splits,
+    default_config,
     paged_attention_triton,
 )
 
@@ -135,6 +138,33 @@ def test_prefill_config_sets_the_tiles() -> None:
     for cfg in (TileConfig(8, 16, 1, 1), TileConfig(64, 32, 4, 2)):
         check(step, prefill_config=cfg)
     assert {k[1] for k in step.meta.derived} == {2, 16}
+
+
+def test_long_prompts_take_the_long_prefill_tile() -> None:
+    """A prefill chunk of LONG_PREFILL_MIN_TOKENS or more at head_dim 128 in a half type takes
+    the long-prompt tile; shorter chunks, fp32 and other head sizes keep the W1 tile."""
+    short = default_config("prefill", 128, torch.bfloat16, LONG_PREFILL_MIN_TOKENS - 1)
+    long = default_config("prefill", 128, torch.bfloat16, LONG_PREFILL_MIN_TOKENS)
+    assert short == default_config("prefill", 128, torch.bfloat16) == TileConfig(64, 32, 4, 2)
+    assert long == TileConfig(128, 64, 4, 3)
+    assert default_config("prefill", 128, torch.float16, 8192) == long
+    assert default_config("prefill", 128, torch.float32, 8192) == TileConfig(64, 32, 4, 2)
+    assert default_config("prefill", 64, torch.bfloat16, 8192) == TileConfig(128, 64, 4, 2)
+    assert default_config("decode", 128, torch.bfloat16, 8192) == TileConfig(16, 64, 4, 2)
+
+
+def test_prefill_tiles_run_longest_first() -> None:
+    """The row split lists every query tile of every prefill row once, each row's tiles from
+    its last (the most keys under the causal mask) to its first; decode rows come first."""
+    step = make_step(*MIXED, block_size=16)
+    dev, num_decode, num_tiles, max_seq = _split_rows(
+        step.meta, step.meta.query_lens_np == 1, 4, torch.device("cpu"))
+    host = dev.tolist()
+    assert host[:num_decode] == [0, 1, 4, 5] and max_seq == 301
+    rows, tiles = host[num_decode:num_decode + num_tiles], host[num_decode + num_tiles:]
+    # rows 2, 3, 6 with 9, 7 and 19 new tokens: 3, 2 and 5 tiles of 4
+    assert rows == [2] * 3 + [3] * 2 + [6] * 5
+    assert tiles == [2, 1, 0, 1, 0, 4, 3, 2, 1, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -261,6 +291,15 @@ def test_gpu_decode_matches_fp32_loop_ref() -> None:
 @pytest.mark.gpu
 def test_gpu_prefill_and_prefix_hits() -> None:
     check(gpu_step([0, 0, 512, 1000, 37], [128, 1024, 256, 77, 300]), tol=GPU_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_long_prompts_through_the_long_tile() -> None:
+    """Issue 14's long prompts: a fresh 4k chunk and 2k chunks after cached context take the
+    long-prompt tile (a block_q of 16 tokens cached on the meta) and match the reference."""
+    step = gpu_step([0, 6144, 3000, 100], [4096, 2048, 2100, 1])
+    check(step, tol=GPU_TOL)
+    assert {k[1] for k in step.meta.derived} == {128 // (HEADS // KV_HEADS)}
 
 
 @pytest.mark.gpu

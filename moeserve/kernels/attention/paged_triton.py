@@ -45,6 +45,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TARGET_DECODE_PROGRAMS = 1024
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
+# a prefill with a query chunk this long takes the long-prompt tile (default_config); W1's sweep
+# had (64, 32, 4, 2) fastest up to 8 fresh prompts of 1,024 tokens
+LONG_PREFILL_MIN_TOKENS = 2048
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 
@@ -66,12 +69,21 @@ class TileConfig:
             raise ValueError(f"bad TileConfig {self}")
 
 
-def default_config(kind: str, head_dim: int, dtype: torch.dtype) -> TileConfig:
-    """Untuned defaults for kind "decode" or "prefill" (benchmarks/kernels_attention.py sweeps)."""
+def default_config(kind: str, head_dim: int, dtype: torch.dtype,
+                   longest_query: int = 0) -> TileConfig:
+    """Defaults for kind "decode" or "prefill" (benchmarks/kernels_attention.py sweeps);
+    a prefill whose longest query chunk is at least LONG_PREFILL_MIN_TOKENS gets the tile
+    measured best for long prompts."""
     if head_dim <= 32:  # tiny test shapes: small tiles, so loops and masks run several times
         return TileConfig(32, 16, 2, 1)
     if kind == "decode":
         return TileConfig(16, 32 if head_dim > 128 or dtype == torch.float32 else 64, 4, 2)
+    # long prompts at head_dim 128, bf16, on the H200 (kernels_attention --prefill-cases long at
+    # 40dfc12, 44 tiles): (128, 64, 4, 3) was the fastest in both cases, a fresh 8,192-token
+    # prompt 1.301 ms a layer (53.7% of the bf16 peak) against 1.437 with (64, 32, 4, 2), four
+    # last 2,048-token chunks of 8k prompts 2.107 against 2.441 (58.0%)
+    if longest_query >= LONG_PREFILL_MIN_TOKENS and head_dim == 128 and dtype != torch.float32:
+        return TileConfig(128, 64, 4, 3)
     # prefill at head_dim 128, bf16, on the H200 (kernels_attention's prefill sweep at 8feec63):
     # (64, 32, 4, 2) was the fastest of 44 tiles in all three cases, W1's 64 fresh prompts of
     # 128 tokens 0.072 ms a layer against 0.117 with the earlier (128, 64, 8, 2), 8 x 1,024 fresh
@@ -115,7 +127,8 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
         _launch_decode(q, kv_cache, meta, scale, out, None, meta.num_reqs, meta.max_seq_len,
                        decode_splits, decode_config)
         return out
-    prefill_cfg = prefill_config or default_config("prefill", q.shape[2], q.dtype)
+    prefill_cfg = prefill_config or default_config(
+        "prefill", q.shape[2], q.dtype, int(meta.query_lens_np.max()))
     block_q = _prefill_block_q(prefill_cfg, q.shape[1] // kv_cache.shape[3])
     key = ("paged_attention_triton", block_q, q.device)
     if key not in meta.derived:  # the step's first layer: later layers reuse it
@@ -137,7 +150,10 @@ def _split_rows(meta: AttentionMetadata, is_decode: np.ndarray, block_q: int,
     tiles_per_row = -(-meta.query_lens_np[prefill_rows] // block_q)  # [Bp]
     tile_req = np.repeat(prefill_rows, tiles_per_row)  # [n_tiles] row of each query tile
     first_tile = np.cumsum(tiles_per_row) - tiles_per_row  # [Bp]
-    tile_idx = np.arange(len(tile_req)) - np.repeat(first_tile, tiles_per_row)  # [n_tiles]
+    # each row's tiles last first: a causal tile's work grows with its index, so the longest
+    # start first and the grid's tail is short ones (longest-processing-time order)
+    tile_idx = (np.repeat(first_tile + tiles_per_row, tiles_per_row) - 1
+                - np.arange(len(tile_req)))  # [n_tiles]
     host = np.concatenate([decode_rows, tile_req, tile_idx]).astype(np.int32)
     max_seq = int(meta.seq_lens_np[decode_rows].max()) if len(decode_rows) else 0
     return to_device(host, device), len(decode_rows), len(tile_req), max_seq
