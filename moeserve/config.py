@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeserve.kernels.attention.limits import paged_triton_unfit
 from moeserve.model_config import (  # ConfigError: the engine configs raise it too
     ConfigError,
     ModelConfig,
@@ -313,10 +314,16 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
             "per batch size the faster of the fused Triton MoE and torch._grouped_mm, as the "
             "tune measured (configs/moe/, else tuned at start-up)")
     attn = cfg.attention_backend
+    unfit = None if model.mla is not None else paged_triton_unfit(model.head_dim)
     if attn == "auto":
-        attn = "triton" if on_cuda else "torch"
-        why["attention_backend"] = ("Triton paged attention: CUDA-graph capturable" if on_cuda
-                                    else "torch reference: Triton runs interpreted on CPU")
+        attn = "triton" if on_cuda and unfit is None else "torch"
+        why["attention_backend"] = (
+            "torch reference: Triton runs interpreted on CPU" if not on_cuda else
+            f"torch reference: the Triton paged attention does not take {unfit}" if unfit else
+            "Triton paged attention: CUDA-graph capturable")
+    elif attn == "triton" and unfit is not None:
+        raise ConfigError(f"attention_backend='triton': the Triton paged attention does not "
+                          f"take this model's {unfit}; use attention_backend='torch' or 'auto'")
     sched = cfg.scheduler
     overlap = cfg.async_scheduling
     if overlap is None:

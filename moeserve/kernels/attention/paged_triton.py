@@ -35,11 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from moeserve.kernels.attention.limits import PAGED_HEAD_DIMS
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
 SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64, 128)
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_HEAD_DIMS = PAGED_HEAD_DIMS
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # split-K: aim for this many decode programs (~8 per SM on an H200's 132), partitions >= this many
 TARGET_DECODE_PROGRAMS = 1024
