@@ -120,11 +120,13 @@ def check_output(out: torch.Tensor, ref: torch.Tensor | None) -> dict:
 def moe_op(fmt: str, x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
            tiles: str) -> Callable[[], torch.Tensor]:
     from moeserve.kernels.moe.fused_triton import moe_triton
-    from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
+    from moeserve.kernels.moe.quant import moe_quantized
 
     if fmt == "bf16":
         return lambda: moe_triton(x, w13, w2, weights, ids, tiles=tiles)
-    return lambda: moe_quant_triton(x, w13, w2, weights, ids, tiles=tiles)
+    # the engine's dispatcher, so that --moe-dequant's switch applies (calling the fused kernel
+    # itself, as this did at 65126ca, timed the fused kernel on both sides of the switch)
+    return lambda: moe_quantized(x, w13, w2, weights, ids, tiles=tiles)
 
 
 def kernel_breakdown(fn: Callable[[], object], calls: int = 3) -> list[dict]:

@@ -47,9 +47,11 @@ from moeserve.quant.int4_pack import PER_WORD
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a global
 BACKENDS = ("auto", "fused", "dequant")
-# From this many tokens "auto" dequantizes first (module doc). NOTE: set from the fused
-# kernel's measured scaling and the dequant path's arithmetic; the H200 A/B of the two
-# (benchmarks/kernels_quant.py --w4a16-backend fused dequant) decides it.
+# From this many tokens "auto" dequantizes first (module doc). Measured on the H200 for NVFP4
+# (benchmarks/results/gpu_71bb695/call1_65126ca, kernels_quant --w4a16-backend fused dequant,
+# four projection shapes): at 64 tokens the fused kernel is faster (qwen3 qkv 0.016 against
+# 0.021 ms), at 256 dequantizing is 2.7-3.7x faster (0.030 against 0.080 ms), at 1,024 3-4.7x;
+# INT4's dequant side failed to compile in that run (fixed at 9b3c541), not yet timed.
 AUTO_DEQUANT_MIN_TOKENS = 128
 # The backend the engine's linear layers use: "auto" or one of the two (benchmarks set it).
 backend = "auto"
