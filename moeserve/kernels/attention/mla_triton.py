@@ -10,7 +10,7 @@ paged_triton.py; on CPU they run in Triton's interpreter (TRITON_INTERPRET=1).
 
     q [T, H, L + R] ----host split on meta.query_lens_np----+
       decode rows (query_len == 1)                           |  prefill rows (chunks, prefixes)
-      _decode_kernel  grid (rows, head tiles, splits)        |  _prefill_kernel
+      _decode_kernel  grid (head tiles, rows, splits)        |  _prefill_kernel
         one program = a tile of heads of one row over one    |    grid (query tiles, head tiles)
         context partition: each cached tile [BLOCK_N, L+R]   |    one program = BLOCK_Q tokens x
         is loaded once and serves every head of the tile     |    a tile of heads, flattened to
@@ -48,6 +48,7 @@ from moeserve.kernels.attention.paged_triton import (
 )
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension (the decode rows)
 REDUCE_BLOCK_L = 128  # latent columns the split reduce combines per step (bounds its registers)
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
@@ -186,7 +187,12 @@ def _launch_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
     else:
         part_m = part_l = part_acc = out  # unused
     row_ids = rows if rows is not None else meta.query_start_loc  # unused when USE_ROWS is off
-    kern.decode[(num_rows, num_head_tiles, num_splits)](
+    if num_rows > MAX_GRID_Y:
+        raise ValueError(f"mla_attention_triton: {num_rows} decode rows in one launch, at most "
+                         f"{MAX_GRID_Y} (the grid's y dimension)")
+    # a row's head tiles side by side in the grid: they run at once and read the same latent
+    # blocks, so all but the first read hit L2 (each tile reads the row's whole latent cache)
+    kern.decode[(num_head_tiles, num_rows, num_splits)](
         q, latent_cache, out, part_m, part_l, part_acc,
         meta.block_tables, meta.seq_lens, meta.query_start_loc, row_ids,
         scale * math.log2(math.e), partition, num_splits,
@@ -326,10 +332,10 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
                    L: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, USE_ROWS: tl.constexpr, SPLIT: tl.constexpr,
                    IEEE: tl.constexpr):
-    """Program (i, head_tile, split): the HEADS_PER_TILE query heads of head_tile for decode
+    """Program (head_tile, i, split): the HEADS_PER_TILE query heads of head_tile for decode
     row i, over context partition `split` (the last one runs to seq_len)."""
-    i = tl.program_id(0)
-    head_tile = tl.program_id(1)
+    head_tile = tl.program_id(0)
+    i = tl.program_id(1)
     split = tl.program_id(2)
     if USE_ROWS:
         req = tl.load(rows_ptr + i)
