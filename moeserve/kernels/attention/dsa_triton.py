@@ -8,7 +8,7 @@ Same contracts as the torch references in kernels/attention/dsa.py (`indexer_top
 
     indexer_topk_triton                                 dsa_attention_triton
       _index_score_kernel  grid (query tiles, key tiles)  _sparse_attention_kernel
-        a tile: BLOCK_Q consecutive tokens of one row        grid (tokens, head tiles)
+        a tile: BLOCK_Q consecutive tokens of one row        grid (head tiles, tokens)
         (decode-only step: one token), each key tile         token t's selected positions,
         gathered by block table once for all of them:        BLOCK_N at a time, gathered through
         score = sum_h w[t,h] ReLU(q[t,h] . k[s] scale)      its row's block table ->
@@ -221,15 +221,19 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     cfg = config or mla_triton.default_config("decode", kv_lora_rank, q.dtype)
     num_head_tiles, per_tile = mla_triton.head_tiles(num_heads, cfg.block_m)
     topk = positions.shape[1]
-    _kernels().sparse_attention[(num_tokens, num_head_tiles)](
+    # a token's head tiles side by side in the grid (their reads of its selected latent rows
+    # then hit L2), unless the tokens pass the grid's y limit
+    tiles_first = num_tokens <= mla_triton.MAX_GRID_Y
+    grid = (num_head_tiles, num_tokens) if tiles_first else (num_tokens, num_head_tiles)
+    _kernels().sparse_attention[grid](
         q, latent_cache, out, positions, meta.block_tables, meta.token_to_req,
         scale * math.log2(math.e), topk, meta.block_tables.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), positions.stride(0),
         meta.block_tables.stride(0),
         NUM_HEADS=num_heads, HEADS_PER_TILE=per_tile, BLOCK_H=max(16, next_pow2(per_tile)),
         L=kv_lora_rank, R=dim - kv_lora_rank, BLOCK_SIZE=latent_cache.shape[1],
-        BLOCK_N=cfg.block_n, IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        BLOCK_N=cfg.block_n, IEEE=q.dtype == torch.float32, TILES_FIRST=tiles_first,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -418,11 +422,16 @@ def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, sel_ptr, block_tables_pt
                              NUM_HEADS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                              BLOCK_H: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                             IEEE: tl.constexpr):
-    """Program (t, head_tile): the HEADS_PER_TILE query heads of head_tile for token t, over
-    its `topk` selected positions (sel_ptr row t), BLOCK_N at a time."""
-    t = tl.program_id(0).to(tl.int64)
-    head_tile = tl.program_id(1)
+                             IEEE: tl.constexpr, TILES_FIRST: tl.constexpr):
+    """Program (head_tile, t), or (t, head_tile) without TILES_FIRST: the HEADS_PER_TILE query
+    heads of head_tile for token t, over its `topk` selected positions (sel_ptr row t),
+    BLOCK_N at a time."""
+    if TILES_FIRST:
+        head_tile = tl.program_id(0)
+        t = tl.program_id(1).to(tl.int64)
+    else:
+        t = tl.program_id(0).to(tl.int64)
+        head_tile = tl.program_id(1)
     req = tl.load(token_to_req_ptr + t)
     h = tl.arange(0, BLOCK_H)  # [H'] head within the tile (padded)
     head = head_tile * HEADS_PER_TILE + h
