@@ -15,7 +15,12 @@ To match the GPU machine, put its Triton on the path first:
     PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernel_sass w4a16 --tile 16 64 128 4 4 \
         --split 4 --decode asm
 
---tile is BLOCK_M BLOCK_N BLOCK_K num_warps num_stages. --nospec lists the integer arguments
+    PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernel_sass mla-decode --tile 16 64 4 2 \
+        --heads 64
+
+--tile is BLOCK_M BLOCK_N BLOCK_K num_warps num_stages (mla-decode: BLOCK_M BLOCK_N num_warps
+num_stages, BLOCK_M the heads a program). The report includes ptxas's registers a thread and
+spilled bytes. --nospec lists the integer arguments
 taken as unspecialized; its default is the kernel's own list. Prints one JSON line.
 """
 
@@ -59,13 +64,31 @@ def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str]
         m.group(1) for line in sass.splitlines()
         if (m := re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)))
     ttgir = out.asm["ttgir"]
-    return {"triton": triton.__version__, "sass_instructions": sum(ops.values()),
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(out.asm["ptx"])
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    usage = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                           capture_output=True, text=True, check=True).stderr
+    os.unlink(f.name)
+    return {"triton": triton.__version__, **ptxas_usage(usage),
+            "sass_instructions": sum(ops.values()),
             "loop_instructions": _top(_loop_ops(sass)),
             "top_ops": dict(ops.most_common(int(os.environ.get("SASS_TOP", "12")))),
             "shared_bytes": out.metadata.shared,
             "cp_async": out.asm["ptx"].count("cp.async."),
             "convert_layout": ttgir.count("ttg.convert_layout"),
             "wgmma": ttgir.count("warp_group_dot ")}
+
+
+def ptxas_usage(text: str) -> dict[str, int]:
+    """Registers a thread and spilled bytes from `ptxas -v`'s report (a spill in a kernel's
+    main loop is what makes it slow before anything else is)."""
+    def grab(pattern: str) -> int:
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+    return {"registers": grab(r"Used (\d+) registers"),
+            "spill_store_bytes": grab(r"(\d+) bytes spill stores"),
+            "spill_load_bytes": grab(r"(\d+) bytes spill loads")}
 
 
 # the loads, stores and barriers: always reported, however rare (a synchronous LDG in the K
@@ -136,6 +159,26 @@ def w4a16(args: argparse.Namespace) -> dict:
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
 
 
+def mla_decode(args: argparse.Namespace) -> dict:
+    """The absorbed MLA decode kernel (kernels/attention/mla_triton.py) at DeepSeek / GLM's
+    latent (L 512 + R 64), bf16, a row's heads split into tiles of at most BM."""
+    from moeserve.kernels.attention import mla_triton
+
+    bm, bn, warps, stages = args.tile
+    tiles, per_tile = mla_triton.head_tiles(args.heads, bm)
+    pointers = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
+                "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
+                "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "query_start_loc_ptr": "*i32", "rows_ptr": "*i32", "scale_log2": "fp32"}
+    const = dict(NUM_HEADS=args.heads, HEADS_PER_TILE=per_tile,
+                 BLOCK_H=max(16, 1 << max(0, per_tile - 1).bit_length()), L=512, R=64,
+                 BLOCK_SIZE=args.block_size, BLOCK_N=bn, USE_ROWS=False, SPLIT=args.split,
+                 IEEE=False)
+    kernel = mla_triton._kernels().decode
+    return {"head_tiles": tiles, **compile_sm90(kernel, pointers, const,
+                                                _nospec(args, kernel), warps, stages)}
+
+
 def _nospec(args: argparse.Namespace, kernel) -> set[str]:
     if args.nospec is not None:
         return set(args.nospec)
@@ -162,8 +205,15 @@ def main() -> None:
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
+    p = sub.add_parser("mla-decode")
+    p.add_argument("--tile", type=int, nargs=4, required=True,
+                   metavar=("BM", "BN", "WARPS", "STAGES"))
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--split", action="store_true", help="the split-K variant")
+    p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     args = parser.parse_args()
-    report = moe_quant(args) if args.kernel == "moe-quant" else w4a16(args)
+    report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode}[args.kernel](args)
     print(json.dumps({"kernel": args.kernel, **{k: v for k, v in vars(args).items()
                                                if k != "kernel"}, **report}))
 

@@ -19,6 +19,7 @@ after each case (a run cut short keeps what it measured).
 
     python -m benchmarks.kernels_mla --out DIR [--heads 20 64 128] [--block-size 16]
     python -m benchmarks.kernels_mla --out DIR --smoke   # tiny shapes, CPU interpreter
+    python -m benchmarks.kernels_mla --out DIR --tiles 16,64,4,2 32,32,8,2  # each case at each
 """
 
 from __future__ import annotations
@@ -86,11 +87,12 @@ def bounds(ctx: list[int], heads: int, latent: int, rope: int, itemsize: int) ->
 
 
 def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device: str,
-          dtype: torch.dtype) -> float:
+          dtype: torch.dtype, cfg: mla_triton.TileConfig | None = None) -> float:
     """The kernel against `mla_attention_ref` on a small step of this case's first rows: the
     largest error relative to the output's scale (raises past the dtype's bound)."""
     q, cache, meta = make_step(ctx[:CHECK_ROWS], heads, latent, rope, block, device, dtype, 1)
-    got = mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent).float()
+    got = mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
+                                          decode_config=cfg).float()
     want = mla_attention_ref(q.float(), cache.float(), meta, SCALE, latent).float()
     err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
     bound = 1e-5 if dtype == torch.float32 else 2 ** -6
@@ -101,16 +103,18 @@ def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device
 
 
 def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
-             device: str, dtype: torch.dtype,
-             timer: Timer) -> dict:
+             device: str, dtype: torch.dtype, timer: Timer,
+             tile: mla_triton.TileConfig | None = None) -> dict:
+    """One case at `tile` (default: the kernel's default decode config)."""
     latent, rope, block = shape["latent"], shape["rope"], shape["block_size"]
     ctx = contexts(batch, context)
-    err = check(ctx, heads, latent, rope, block, device, dtype)
+    cfg = tile or mla_triton.default_config("decode", latent, dtype)
+    err = check(ctx, heads, latent, rope, block, device, dtype, cfg)
     q, cache, meta = make_step(ctx, heads, latent, rope, block, device, dtype)
-    cfg = mla_triton.default_config("decode", latent, dtype)
     head_tiles = mla_triton.head_tiles(heads, cfg.block_m)[0]
     splits = mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len)  # the launch's
-    ms = timer(lambda: mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent))
+    ms = timer(lambda: mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
+                                                       decode_config=cfg))
     b = bounds(ctx, heads, latent, rope, q.element_size())
     return {"case": name, "heads": heads, "batch": batch, "context": context,
             "mean_context": round(float(np.mean(ctx)), 1), "splits": splits,
@@ -122,12 +126,26 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
             "cache_gb_per_s": round(sum(ctx) * (latent + rope) * 2 / ms / 1e6, 1)}
 
 
+def parse_tile(text: str) -> mla_triton.TileConfig:
+    """'32,32,8,2' -> TileConfig(block_m 32, block_n 32, num_warps 8, num_stages 2)."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+        raise SystemExit(f"--tiles: {text!r} is not BM,BN,W,S (four integers)")
+    try:
+        return mla_triton.TileConfig(*(int(p) for p in parts))
+    except ValueError as exc:
+        raise SystemExit(f"--tiles: {text!r}: {exc}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for kernels_mla.json")
     parser.add_argument("--heads", type=int, nargs="+", default=list(HEADS))
     parser.add_argument("--block-size", type=int, default=16,
                         help="tokens a KV block (the engine's default: 16)")
+    parser.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN,W,S",
+                        help="decode TileConfigs to time each case at (heads a program, keys "
+                             "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU through Triton's interpreter (no timing)")
     args = parser.parse_args()
@@ -153,10 +171,12 @@ def main() -> None:
                                else "triton.testing.do_bench, warmup 10 ms, rep 50 ms"},
                     "cases": []}
     path = os.path.join(args.out, "kernels_mla.json")
+    tiles = [parse_tile(t) for t in args.tiles] if args.tiles else [None]
     for h in heads:
         for name, batch, context in cases:
-            record(result, "cases", run_case(name, batch, context, h, shape, device, dtype,
-                                             timer), path, device)
+            for tile in tiles:
+                record(result, "cases", run_case(name, batch, context, h, shape, device,
+                                                 dtype, timer, tile), path, device)
     print(f"wrote {path}")
 
 

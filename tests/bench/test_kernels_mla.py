@@ -45,3 +45,20 @@ def test_smoke_run_writes_every_case_checked(tmp_path, monkeypatch) -> None:
     assert [c["case"] for c in result["cases"]] == [name for name, *_ in kernels_mla.SMOKE_CASES]
     assert all(c["check_error"] < 1e-5 and c["ms"] > 0 for c in result["cases"])
     assert result["config"]["smoke"] and result["environment"]["torch"]
+
+
+def test_smoke_run_times_each_case_at_each_tile(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["kernels_mla", "--out", str(tmp_path), "--smoke",
+                                      "--tiles", "16,16,2,1", "32,16,4,1"])
+    kernels_mla.main()
+    cases = json.loads((tmp_path / "kernels_mla.json").read_text())["cases"]
+    assert len(cases) == 2 * len(kernels_mla.SMOKE_CASES)
+    assert [c["tile"]["block_m"] for c in cases[:2]] == [16, 32]
+    assert all(c["check_error"] < 1e-5 for c in cases)
+
+
+@pytest.mark.parametrize(("text", "message"), [("32,32,8", "not BM,BN,W,S"),
+                                               ("32,48,8,2", "block_n 48")])
+def test_a_bad_tile_is_named(text: str, message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        kernels_mla.parse_tile(text)

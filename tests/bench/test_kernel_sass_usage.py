@@ -1,0 +1,22 @@
+"""benchmarks/kernel_sass.py's reading of `ptxas -v`: registers and spilled bytes."""
+
+from __future__ import annotations
+
+from benchmarks.kernel_sass import ptxas_usage
+
+SPILLING = """ptxas info    : Compiling entry function '_decode_kernel' for 'sm_90a'
+ptxas info    : Function properties for _decode_kernel
+    1344 bytes stack frame, 2144 bytes spill stores, 2168 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 1344 bytes cumulative stack size"""
+
+
+def test_a_spilling_kernel_reports_its_spills() -> None:
+    assert ptxas_usage(SPILLING) == {"registers": 255, "spill_store_bytes": 2144,
+                                     "spill_load_bytes": 2168}
+
+
+def test_a_clean_kernel_reports_zero_spills() -> None:
+    text = ("    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+            "ptxas info    : Used 190 registers, used 1 barriers")
+    assert ptxas_usage(text) == {"registers": 190, "spill_store_bytes": 0,
+                                 "spill_load_bytes": 0}
