@@ -163,6 +163,7 @@ def mla_decode(args: argparse.Namespace) -> dict:
     """The absorbed MLA decode kernel (kernels/attention/mla_triton.py) at DeepSeek / GLM's
     latent (L 512 + R 64), bf16, a row's heads split into tiles of at most BM."""
     from moeserve.kernels.attention import mla_triton
+    from moeserve.kernels.triton_common import next_pow2
 
     bm, bn, warps, stages = args.tile
     tiles, per_tile = mla_triton.head_tiles(args.heads, bm)
@@ -171,7 +172,7 @@ def mla_decode(args: argparse.Namespace) -> dict:
                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "query_start_loc_ptr": "*i32", "rows_ptr": "*i32", "scale_log2": "fp32"}
     const = dict(NUM_HEADS=args.heads, HEADS_PER_TILE=per_tile,
-                 BLOCK_H=max(16, 1 << max(0, per_tile - 1).bit_length()), L=512, R=64,
+                 BLOCK_H=max(16, next_pow2(per_tile)), L=512, R=64,
                  BLOCK_SIZE=args.block_size, BLOCK_N=bn, USE_ROWS=False, SPLIT=args.split,
                  IEEE=False)
     kernel = mla_triton._kernels().decode

@@ -52,9 +52,11 @@ def step_seconds(model: ModelConfig, dtype_bytes: int, decode_contexts: list[int
     weights = step_cost(model, dtype_bytes, tokens, rows=len(decode_contexts) + len(chunks),
                         batch=0, context=0)
     kv_bytes = attention_flops = 0.0
-    for ctx in decode_contexts:  # one query over ctx + 1 keys
-        part = step_cost(model, dtype_bytes, 1, 1, 1, ctx + 1)
-        kv_bytes, attention_flops = kv_bytes + part.kv_bytes, attention_flops + part.attention_flops
+    if decode_contexts:  # one query each over ctx + 1 keys; the cost is linear in the context,
+        # so the decodes at their mean context cost what they do one by one
+        n = len(decode_contexts)
+        part = step_cost(model, dtype_bytes, n, n, n, sum(decode_contexts) / n + 1)
+        kv_bytes, attention_flops = part.kv_bytes, part.attention_flops
     for start, n in chunks:  # query i of the chunk sees start + i + 1 keys: mean start + (n+1)/2
         part = step_cost(model, dtype_bytes, n, 1, 1, start + (n + 1) / 2)
         kv_bytes, attention_flops = kv_bytes + part.kv_bytes, attention_flops + part.attention_flops

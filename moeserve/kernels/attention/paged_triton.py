@@ -35,12 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeserve.kernels.attention.limits import PAGED_HEAD_DIMS
+from moeserve.kernels.attention.limits import paged_triton_unfit
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
 SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64, 128)
-SUPPORTED_HEAD_DIMS = PAGED_HEAD_DIMS
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # split-K: aim for this many decode programs (~8 per SM on an H200's 132), partitions >= this many
 TARGET_DECODE_PROGRAMS = 1024
@@ -175,7 +174,8 @@ def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
     need(kv_cache.dtype == q.dtype, f"kv_cache dtype {kv_cache.dtype} != q dtype {q.dtype}")
     need(kv_cache.device == q.device, f"kv_cache on {kv_cache.device}, q on {q.device}")
     need(head_dim == kv_dim, f"q head_dim {head_dim} != kv_cache head_dim {kv_dim}")
-    need(head_dim in SUPPORTED_HEAD_DIMS, f"head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}")
+    unfit = paged_triton_unfit(head_dim)  # the rule the engine config chose the backend by
+    need(unfit is None, unfit or "")
     need(num_heads % num_kv_heads == 0,
          f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     need(block_size in SUPPORTED_BLOCK_SIZES,
