@@ -62,7 +62,7 @@ def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str]
             dump.write(sass)
     ops = collections.Counter(
         m.group(1) for line in sass.splitlines()
-        if (m := re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line)))
+        if (m := OPCODE.search(line)))
     ttgir = out.asm["ttgir"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(out.asm["ptx"])
@@ -73,6 +73,7 @@ def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str]
     return {"triton": triton.__version__, **ptxas_usage(usage),
             "sass_instructions": sum(ops.values()),
             "loop_instructions": _top(_loop_ops(sass)),
+            "loop_copy_wait": _loop_copy_wait(sass),
             "top_ops": dict(ops.most_common(int(os.environ.get("SASS_TOP", "12")))),
             "shared_bytes": out.metadata.shared,
             "cp_async": out.asm["ptx"].count("cp.async."),
@@ -103,22 +104,42 @@ def _top(ops: collections.Counter) -> dict[str, int]:
     return top | {op: ops.get(op, 0) for op in MEMORY_OPS}
 
 
-def _loop_ops(sass: str) -> collections.Counter:
-    """The opcodes of the longest loop: the instructions between a label and a later branch
-    back to it (the K loop), "total" their count."""
-    labels, body, best = {}, [], collections.Counter()
+OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)")
+
+
+def _longest_loop(sass: str) -> list[str]:
+    """The instruction lines of the longest loop: between a label and a later branch back to
+    it (the K loop)."""
+    labels, body, best = {}, [], []
     for line in sass.splitlines():
         if m := re.match(r"\s*(\.L_x_\d+):", line):
             labels[m.group(1)] = len(body)
-        elif m := re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", line):
-            body.append(m.group(1))
+        elif m := OPCODE.search(line):
+            body.append(line)
             target = re.search(r"BRA\s+(?:\S+\s+)?`?\(?(\.L_x_\d+)", line)
             if m.group(1) == "BRA" and target and target.group(1) in labels:
-                ops = collections.Counter(body[labels[target.group(1)]:])
-                if sum(ops.values()) > sum(best.values()):
-                    best = ops
-    best["total"] = sum(best.values())
+                loop = body[labels[target.group(1)]:]
+                if len(loop) > len(best):
+                    best = loop
     return best
+
+
+def _loop_ops(sass: str) -> collections.Counter:
+    """The opcodes of the longest loop, "total" their count."""
+    ops = collections.Counter(OPCODE.search(line).group(1) for line in _longest_loop(sass))
+    ops["total"] = sum(ops.values())
+    return ops
+
+
+def _loop_copy_wait(sass: str) -> int | None:
+    """N of the longest loop's first wait on its async copies (DEPBAR.LE SB0, N): the copy
+    groups it leaves in flight while it computes. 0 means it waits for every copy issued, so
+    no load overlaps the loop's math (what a block-table lookup in front of the loads gives);
+    None, no wait in the loop."""
+    for line in _longest_loop(sass):
+        if m := re.search(r"DEPBAR\.LE\s+SB0,\s*(0x[0-9a-f]+|\d+)", line):
+            return int(m.group(1), 0)
+    return None
 
 
 def moe_quant(args: argparse.Namespace) -> dict:
@@ -159,25 +180,47 @@ def w4a16(args: argparse.Namespace) -> dict:
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
 
 
+MLA_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
+                "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
+                "sel_ptr": "*i32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "query_start_loc_ptr": "*i32", "rows_ptr": "*i32", "token_to_req_ptr": "*i32",
+                "scale_log2": "fp32"}
+
+
 def mla_decode(args: argparse.Namespace) -> dict:
-    """The absorbed MLA decode kernel (kernels/attention/mla_triton.py) at DeepSeek / GLM's
-    latent (L 512 + R 64), bf16, a row's heads split into tiles of at most BM."""
-    from moeserve.kernels.attention import mla_triton
+    """The absorbed MLA decode kernel (kernels/attention/mla_triton.py, or its keys-major form
+    in mla_decode_keys_triton.py) at DeepSeek / GLM's latent (L 512 + R 64), bf16, a row's
+    heads split into tiles of at most BM."""
+    from moeserve.kernels.attention import mla_decode_keys_triton, mla_triton
     from moeserve.kernels.triton_common import next_pow2
 
     bm, bn, warps, stages = args.tile
     tiles, per_tile = mla_triton.head_tiles(args.heads, bm)
-    pointers = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
-                "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
-                "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "query_start_loc_ptr": "*i32", "rows_ptr": "*i32", "scale_log2": "fp32"}
+    form = args.form or mla_triton.default_decode_form(per_tile)
     const = dict(NUM_HEADS=args.heads, HEADS_PER_TILE=per_tile,
                  BLOCK_H=max(16, next_pow2(per_tile)), L=512, R=64,
                  BLOCK_SIZE=args.block_size, BLOCK_N=bn, USE_ROWS=False, SPLIT=args.split,
                  IEEE=False)
-    kernel = mla_triton._kernels().decode
-    return {"head_tiles": tiles, **compile_sm90(kernel, pointers, const,
-                                                _nospec(args, kernel), warps, stages)}
+    kernel = (mla_decode_keys_triton if form == "keys" else mla_triton)._kernels().decode
+    return {"head_tiles": tiles, "form": form,
+            **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
+
+
+def dsa_sparse(args: argparse.Namespace) -> dict:
+    """DSA's sparse MLA (kernels/attention/dsa_triton.py's _sparse_attention_kernel) at
+    GLM-5's latent (L 512 + R 64), bf16: a token's heads in tiles of at most BM over its
+    selected positions, BN a step."""
+    from moeserve.kernels.attention import dsa_triton, mla_triton
+    from moeserve.kernels.triton_common import next_pow2
+
+    bm, bn, warps, stages = args.tile
+    tiles, per_tile = mla_triton.head_tiles(args.heads, bm)
+    const = dict(NUM_HEADS=args.heads, HEADS_PER_TILE=per_tile,
+                 BLOCK_H=max(16, next_pow2(per_tile)), L=512, R=64,
+                 BLOCK_SIZE=args.block_size, BLOCK_N=bn, IEEE=False, TILES_FIRST=True)
+    kernel = dsa_triton._kernels().sparse_attention
+    return {"head_tiles": tiles,
+            **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
 
 
 def _nospec(args: argparse.Namespace, kernel) -> set[str]:
@@ -206,15 +249,20 @@ def main() -> None:
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
-    p = sub.add_parser("mla-decode")
-    p.add_argument("--tile", type=int, nargs=4, required=True,
-                   metavar=("BM", "BN", "WARPS", "STAGES"))
-    p.add_argument("--heads", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--split", action="store_true", help="the split-K variant")
-    p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
+    for name in ("mla-decode", "dsa-sparse"):
+        p = sub.add_parser(name)
+        p.add_argument("--tile", type=int, nargs=4, required=True,
+                       metavar=("BM", "BN", "WARPS", "STAGES"))
+        p.add_argument("--heads", type=int, default=64)
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
+        if name == "mla-decode":
+            p.add_argument("--split", action="store_true", help="the split-K variant")
+            p.add_argument("--form", choices=("heads", "keys"), default=None,
+                           help="the decode form (default: the launcher's pick for BM)")
     args = parser.parse_args()
-    report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode}[args.kernel](args)
+    report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
+              "dsa-sparse": dsa_sparse}[args.kernel](args)
     print(json.dumps({"kernel": args.kernel, **{k: v for k, v in vars(args).items()
                                                if k != "kernel"}, **report}))
 

@@ -16,7 +16,8 @@ Decode step (`decode_cases`): GLM-5's attention per layer, one decode token a ro
 to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the latent cache
 (576 values, 1,152 bytes a token) over the same scattered blocks. Timed apart: the indexer
 (scores + top-k), the top-k alone (torch.topk of the step's sort keys), the sparse MLA over the
-2,048 selected positions, and dense MLA (mla_triton) on the same cache. The bound is the
+2,048 selected positions (with --tiles, also at those TileConfigs), and dense MLA
+(mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
 MLA; the dense kernel's own read bound is context x 1,152 bytes a row. The selection and the
 sparse output are first checked against the references on the first rows.
@@ -26,11 +27,13 @@ scoring section).
 
     python -m benchmarks.kernels_dsa --out DIR
     python -m benchmarks.kernels_dsa --out DIR --smoke   # tiny shapes, CPU interpreter
+    python -m benchmarks.kernels_dsa --out DIR --decode-only --tiles 64,32,8,3 32,32,8,3
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Callable
 
@@ -39,6 +42,7 @@ import torch
 
 # none imports triton (the kernels do on first use, after --smoke set the interpreter)
 from benchmarks.kernel_runs import Timer, make_timer, record
+from benchmarks.kernels_mla import parse_tile
 from moeserve.kernels.attention import dsa_triton, mla_triton
 from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
@@ -137,7 +141,7 @@ def decode_bound_ms(batch: int, context: int, topk: int, index_dim: int, width: 
 
 
 def run_decode_case(name: str, batch: int, context: int, device: str,
-                    timer: Timer) -> dict:
+                    timer: Timer, tiles: tuple = ()) -> dict:
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     block, topk = (BLOCK, TOPK) if cuda else (16, 8)
@@ -174,9 +178,20 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
                  "topk": topk, "check_error": err}
     row["indexer_ms"] = timer(lambda: dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta,
                                                                      scale, topk))
+    row["score_ms"] = timer(lambda: [c for _, _, c in dsa_triton.index_score_chunks(
+        q_i, w, index_cache, meta, scale)])
     row["topk_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
     row["sparse_mla_ms"] = timer(lambda: dsa_triton.dsa_attention_triton(
         q, cache, meta, positions, mla_scale, latent))
+    base = dsa_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,
+                                           latent).float()  # checked above, on a small step
+    for tile in tiles:  # the sparse MLA at other tiles (--tiles), first checked against it
+        run = functools.partial(dsa_triton.dsa_attention_triton, q, cache, meta, positions,
+                                mla_scale, latent, config=tile)
+        err = float((run().float() - base).abs().max() / base.abs().max())
+        assert err <= 2 ** -6, f"{name}: sparse MLA at {tile}: {err:.3g} from the default"
+        key = f"{tile.block_m},{tile.block_n},{tile.num_warps},{tile.num_stages}"
+        row.setdefault("sparse_mla_tiles", {})[key] = round(timer(run), 4)
     row["dense_mla_ms"] = timer(lambda: mla_triton.mla_attention_triton(q, cache, meta,
                                                                         mla_scale, latent))
     row = {key: round(v, 4) if isinstance(v, float) and key != "check_error" else v
@@ -200,6 +215,8 @@ def main() -> None:
                         help="tiny shapes on the CPU through Triton's interpreter (no timing)")
     parser.add_argument("--no-decode", action="store_true", help="skip the decode step")
     parser.add_argument("--decode-only", action="store_true", help="only the decode step")
+    parser.add_argument("--tiles", nargs="+", default=[], metavar="BM,BN,W,S",
+                        help="also time the decode step's sparse MLA at these TileConfigs")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import triton
@@ -217,7 +234,9 @@ def main() -> None:
     path = os.path.join(args.out, "kernels_dsa.json")
     result["decode"] = []
     runs = [] if args.decode_only else [("cases", run_case, c) for c in cases]
-    runs += [] if args.no_decode else [("decode", run_decode_case, c) for c in decode_cases]
+    tiles = tuple(parse_tile(t) for t in args.tiles)
+    decode = functools.partial(run_decode_case, tiles=tiles)
+    runs += [] if args.no_decode else [("decode", decode, c) for c in decode_cases]
     for section, run, (name, *case) in runs:
         record(result, section, run(name, *case, device, timer), path, device)
     print(f"wrote {path}")

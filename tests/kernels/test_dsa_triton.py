@@ -228,6 +228,31 @@ def test_sparse_attention_skips_holes_and_writes_zeros_for_nothing() -> None:
     torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 64])
+def test_sparse_attention_split_selection_is_the_same(num_splits: int) -> None:
+    """The selection cut into partitions (programs of their own, combined by mla_triton's
+    reduce), with holes and a token of none: the unsplit result (zeros for that token), and
+    the default split count over few tokens is more than one."""
+    from moeserve.kernels.attention import mla_triton
+
+    step = make_step(*STEPS["mixed"], 6)
+    gen = torch.Generator().manual_seed(8)
+    topk = 40
+    pos = torch.full((step.meta.num_tokens, topk), -1, dtype=torch.int32)
+    for tok, p in enumerate(step.meta.positions.tolist()):
+        pick = torch.randperm(p + 1, generator=gen)[:topk]
+        pos[tok, torch.randperm(topk, generator=gen)[:len(pick)]] = pick.int()
+    pos[2] = -1
+    q, latent = _latents(step.meta, 20, torch.float32)
+    want = dsa_attention_triton(q, latent, step.meta, pos, 0.1, L, num_splits=1)
+    got = dsa_attention_triton(q, latent, step.meta, pos, 0.1, L, num_splits=num_splits)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert mla_triton.decode_num_splits(4, 1, 2048) > 1  # few tokens: the default splits
+    with pytest.raises(ValueError, match="num_splits must be in 1..64"):
+        dsa_attention_triton(q, latent, step.meta, pos, 0.1, L, num_splits=65)
+
+
 def test_sparse_attention_over_every_position_is_the_dense_mla() -> None:
     step = make_step(*STEPS["chunk_after_prefix"], 16)
     every, _ = indexer_topk_ref(step.q, step.w, step.cache, step.meta, 0.25, 64)

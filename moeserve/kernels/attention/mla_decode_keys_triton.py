@@ -24,18 +24,23 @@ from types import SimpleNamespace
 from typing import Any
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
+_tile_rows: Any = None  # mla_triton's, bound by _kernels() too
 
 
 @functools.cache
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now); the
     helpers and `tl` are read by global name, so they are bound here."""
-    global tl, _max0, _sum0, _attend_keys
+    global tl, _max0, _sum0, _attend_keys, _tile_rows
     import triton
     import triton.language
 
+    from moeserve.kernels.attention import mla_triton
+
     tl = triton.language
     _max0, _sum0, _attend_keys = (triton.jit(f) for f in (_max0, _sum0, _attend_keys))
+    mla_triton._kernels()  # jits the helper this kernel shares with it
+    _tile_rows = mla_triton._tile_rows
     # step-varying ints are exempt from specialisation (see paged_triton._kernels)
     return SimpleNamespace(decode=triton.jit(
         _decode_keys_kernel, do_not_specialize=["partition", "num_splits", "stride_table"],
@@ -54,36 +59,22 @@ def _sum0(x):
     return tl.reduce(x, 0, tl.standard._sum_combine)
 
 
-def _attend_keys(q_lat_t, q_pe_t, acc_t, m_i, l_i, cache_ptr, table_ptr, n0, kv_end,
-                 scale_log2, L: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+def _attend_keys(q_lat_t, q_pe_t, acc_t, m_i, l_i, cache_ptr, row, valid, scale_log2,
+                 L: tl.constexpr, R: tl.constexpr, IEEE: tl.constexpr):
     """One online-softmax step of the heads (q_lat_t [L, H], q_pe_t [R, H]; acc_t [L, H]) over
-    the cached latents of keys n0 .. n0 + BLOCK_N of one row's paged context. MASKED: keys >=
-    kv_end are neither read nor scored."""
-    pos = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
-    valid = pos < kv_end
+    the cached latent rows at element offsets `row` [N]; rows not `valid` [N] are neither read
+    nor scored."""
     dl = tl.arange(0, L)
     dr = tl.arange(0, R)
-    if MASKED:
-        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
-    else:
-        block = tl.load(table_ptr + pos // BLOCK_SIZE)
-    row = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)  # [N] row offsets
-    if MASKED:
-        kv = tl.load(cache_ptr + row[:, None] + dl[None, :], mask=valid[:, None], other=0.0)
-        k_pe = tl.load(cache_ptr + row[:, None] + L + dr[None, :], mask=valid[:, None],
-                       other=0.0)
-    else:
-        kv = tl.load(cache_ptr + row[:, None] + dl[None, :])  # [N, L] keys and values
-        k_pe = tl.load(cache_ptr + row[:, None] + L + dr[None, :])  # [N, R]
+    kv = tl.load(cache_ptr + row[:, None] + dl[None, :], mask=valid[:, None], other=0.0)  # [N, L]
+    k_pe = tl.load(cache_ptr + row[:, None] + L + dr[None, :], mask=valid[:, None],
+                   other=0.0)  # [N, R]
     if IEEE:  # fp32: exact products (the reference's precision)
         s_t = (tl.dot(kv, q_lat_t, input_precision="ieee")
                + tl.dot(k_pe, q_pe_t, input_precision="ieee"))
     else:
         s_t = tl.dot(kv, q_lat_t) + tl.dot(k_pe, q_pe_t)
-    s_t = s_t * scale_log2  # [N, H] base-2 logits
-    if MASKED:
-        s_t = tl.where(valid[:, None], s_t, float("-inf"))
+    s_t = tl.where(valid[:, None], s_t * scale_log2, float("-inf"))  # [N, H] base-2 logits
     m_new = tl.maximum(m_i, _max0(s_t))  # [H]
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: alpha 0, p 0
     alpha = tl.exp2(m_i - m_ref)
@@ -129,13 +120,12 @@ def _decode_keys_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_
     l_i = tl.full([BLOCK_H], 0.0, tl.float32)
     acc_t = tl.full([L, BLOCK_H], 0.0, tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_table
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
-        acc_t, m_i, l_i = _attend_keys(q_lat_t, q_pe_t, acc_t, m_i, l_i, cache_ptr, table, n0,
-                                       end, scale_log2, L, R, BLOCK_SIZE, BLOCK_N, False, IEEE)
-    for n0 in range(full_end, end, BLOCK_N):
-        acc_t, m_i, l_i = _attend_keys(q_lat_t, q_pe_t, acc_t, m_i, l_i, cache_ptr, table, n0,
-                                       end, scale_log2, L, R, BLOCK_SIZE, BLOCK_N, True, IEEE)
+    row, valid = _tile_rows(table, start, end, L, R, BLOCK_SIZE, BLOCK_N)  # looked up a tile
+    for n0 in range(start, end, BLOCK_N):  # ahead, as in mla_triton's decode
+        row_next, valid_next = _tile_rows(table, n0 + BLOCK_N, end, L, R, BLOCK_SIZE, BLOCK_N)
+        acc_t, m_i, l_i = _attend_keys(q_lat_t, q_pe_t, acc_t, m_i, l_i, cache_ptr, row, valid,
+                                       scale_log2, L, R, IEEE)
+        row, valid = row_next, valid_next
     if SPLIT:
         part = (i * NUM_HEADS + head) * num_splits + split  # [H']
         tl.store(part_m_ptr + part, m_i, mask=h_ok)

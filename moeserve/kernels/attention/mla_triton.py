@@ -221,12 +221,27 @@ def _launch_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
         BLOCK_N=cfg.block_n, USE_ROWS=rows is not None, SPLIT=split,
         IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
-        kern.decode_reduce[(num_rows, num_heads)](
-            part_m, part_l, part_acc, out, meta.query_start_loc, row_ids, num_splits,
-            out.stride(0), out.stride(1),
-            # one BLOCK_S for every split count: one compiled variant, not one per power of two
-            NUM_HEADS=num_heads, L=kv_lora_rank, BLOCK_L=min(kv_lora_rank, REDUCE_BLOCK_L),
-            BLOCK_S=next_pow2(max(2, MAX_SPLITS)), USE_ROWS=rows is not None, num_warps=4)
+        reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows, num_rows,
+                      num_splits)
+
+
+def reduce_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor,
+                  out: torch.Tensor, query_start_loc: torch.Tensor | None,
+                  rows: torch.Tensor | None, num_rows: int, num_splits: int) -> None:
+    """Combine split partials (part_m, part_l [n, H, S] fp32 base-2 max and sum, part_acc
+    [n, H, S, L]) into out [T, H, L]: partial row i is output token query_start_loc[rows[i]]
+    (rows None: query_start_loc[i]; query_start_loc None: token i, as DSA's sparse MLA)."""
+    num_heads, kv_lora_rank = out.shape[1:]
+    _kernels().decode_reduce[(num_rows, num_heads)](
+        part_m, part_l, part_acc, out,
+        out if query_start_loc is None else query_start_loc,  # unused when TOKEN_ROWS
+        rows if rows is not None else query_start_loc if query_start_loc is not None
+        else part_m,  # unused when USE_ROWS is off
+        num_splits, out.stride(0), out.stride(1),
+        # one BLOCK_S for every split count: one compiled variant, not one per power of two
+        NUM_HEADS=num_heads, L=kv_lora_rank, BLOCK_L=min(kv_lora_rank, REDUCE_BLOCK_L),
+        BLOCK_S=next_pow2(max(2, MAX_SPLITS)), USE_ROWS=rows is not None,
+        TOKEN_ROWS=query_start_loc is None, num_warps=4)
 
 
 def _launch_prefill(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
@@ -252,13 +267,14 @@ def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now). Kernels
     call the helpers and read `tl` by global name (Triton resolves names in the module's
     globals), so those are bound here."""
-    global tl, _attend_tile, _attend_rows, _max, _sum
+    global tl, _attend_tile, _attend_rows, _tile_rows, _max, _sum
     import triton
     import triton.language
 
     tl = triton.language
     _max, _sum = triton.jit(_max), triton.jit(_sum)
     _attend_tile, _attend_rows = triton.jit(_attend_tile), triton.jit(_attend_rows)
+    _tile_rows = triton.jit(_tile_rows)
     # NOTE: step-varying ints (split partition and count, the block table's width, tile counts)
     # and index arrays sliced at any offset are exempt from specialisation: a new batch shape
     # must not compile a new variant mid-serving (see paged_triton._kernels).
@@ -282,6 +298,16 @@ def _max(x, AXIS: tl.constexpr):
 def _sum(x, AXIS: tl.constexpr):
     """Sum over AXIS of fp32 x (see _max)."""
     return tl.reduce(x, AXIS, tl.standard._sum_combine)
+
+
+def _tile_rows(table_ptr, n0, kv_end, L: tl.constexpr, R: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache element offsets [N] of keys n0 .. n0 + BLOCK_N of one row's paged context
+    (0 past kv_end), and which of them are before kv_end [N]."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < kv_end
+    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+    return (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R), valid
 
 
 def _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table_ptr, n0, kv_end, q_pos,
@@ -376,13 +402,15 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
     l_i = tl.full([BLOCK_H], 0.0, tl.float32)
     acc = tl.full([BLOCK_H, L], 0.0, tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_table
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table, n0, end, end,
-                                     scale_log2, L, R, BLOCK_SIZE, BLOCK_N, False, False, IEEE)
-    for n0 in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table, n0, end, end,
-                                     scale_log2, L, R, BLOCK_SIZE, BLOCK_N, True, False, IEEE)
+    # each tile's rows are looked up one tile ahead: the block-table load then is not in the
+    # chain in front of the tile's latent loads, so Triton's pipeliner keeps a tile of latents
+    # in flight during each tile's dots (with the lookup in the chain it waits for every copy)
+    row, valid = _tile_rows(table, start, end, L, R, BLOCK_SIZE, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        row_next, valid_next = _tile_rows(table, n0 + BLOCK_N, end, L, R, BLOCK_SIZE, BLOCK_N)
+        acc, m_i, l_i = _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid,
+                                     valid[None, :], scale_log2, L, R, True, IEEE)
+        row, valid = row_next, valid_next
     if SPLIT:
         part = (i * NUM_HEADS + head) * num_splits + split  # [H']
         tl.store(part_m_ptr + part, m_i, mask=h_ok)
@@ -399,16 +427,20 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
 def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_start_loc_ptr,
                           rows_ptr, num_splits, stride_ot, stride_oh,
                           NUM_HEADS: tl.constexpr, L: tl.constexpr, BLOCK_L: tl.constexpr,
-                          BLOCK_S: tl.constexpr, USE_ROWS: tl.constexpr):
-    """Program (i, head): combine the split partials of decode row i, query head `head`,
-    BLOCK_L latent columns at a time."""
+                          BLOCK_S: tl.constexpr, USE_ROWS: tl.constexpr,
+                          TOKEN_ROWS: tl.constexpr):
+    """Program (i, head): combine the split partials of row i, query head `head`, BLOCK_L
+    latent columns at a time, into its output token (TOKEN_ROWS: token i)."""
     i = tl.program_id(0)
     head = tl.program_id(1)
     if USE_ROWS:
         req = tl.load(rows_ptr + i)
     else:
         req = i
-    tok = tl.load(query_start_loc_ptr + req)
+    if TOKEN_ROWS:
+        tok = i
+    else:
+        tok = tl.load(query_start_loc_ptr + req)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_L)
     s_ok = s < num_splits
