@@ -188,21 +188,19 @@ MLA_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
 
 
 def mla_decode(args: argparse.Namespace) -> dict:
-    """The absorbed MLA decode kernel (kernels/attention/mla_triton.py, or its keys-major form
-    in mla_decode_keys_triton.py) at DeepSeek / GLM's latent (L 512 + R 64), bf16, a row's
-    heads split into tiles of at most BM."""
-    from moeserve.kernels.attention import mla_decode_keys_triton, mla_triton
+    """The absorbed MLA decode kernel (kernels/attention/mla_triton.py) at DeepSeek / GLM's
+    latent (L 512 + R 64), bf16, a row's heads split into tiles of at most BM."""
+    from moeserve.kernels.attention import mla_triton
     from moeserve.kernels.triton_common import next_pow2
 
     bm, bn, warps, stages = args.tile
     tiles, per_tile = mla_triton.head_tiles(args.heads, bm)
-    form = args.form or mla_triton.default_decode_form(per_tile)
     const = dict(NUM_HEADS=args.heads, HEADS_PER_TILE=per_tile,
                  BLOCK_H=max(16, next_pow2(per_tile)), L=512, R=64,
                  BLOCK_SIZE=args.block_size, BLOCK_N=bn, USE_ROWS=False, SPLIT=args.split,
                  IEEE=False)
-    kernel = (mla_decode_keys_triton if form == "keys" else mla_triton)._kernels().decode
-    return {"head_tiles": tiles, "form": form,
+    kernel = mla_triton._kernels().decode
+    return {"head_tiles": tiles,
             **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
 
 
@@ -258,8 +256,6 @@ def main() -> None:
         p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
         if name == "mla-decode":
             p.add_argument("--split", action="store_true", help="the split-K variant")
-            p.add_argument("--form", choices=("heads", "keys"), default=None,
-                           help="the decode form (default: the launcher's pick for BM)")
     args = parser.parse_args()
     report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
               "dsa-sparse": dsa_sparse}[args.kernel](args)

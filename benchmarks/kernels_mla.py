@@ -20,7 +20,6 @@ after each case (a run cut short keeps what it measured).
     python -m benchmarks.kernels_mla --out DIR [--heads 20 64 128] [--block-size 16]
     python -m benchmarks.kernels_mla --out DIR --smoke   # tiny shapes, CPU interpreter
     python -m benchmarks.kernels_mla --out DIR --tiles 16,64,4,2 32,32,8,2  # each case at each
-    python -m benchmarks.kernels_mla --out DIR --tiles 32,64,8,2 --forms heads keys
 """
 
 from __future__ import annotations
@@ -88,43 +87,41 @@ def bounds(ctx: list[int], heads: int, latent: int, rope: int, itemsize: int) ->
 
 
 def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device: str,
-          dtype: torch.dtype, cfg: mla_triton.TileConfig, form: str | None) -> float:
+          dtype: torch.dtype, cfg: mla_triton.TileConfig) -> float:
     """The kernel against `mla_attention_ref` on a small step of this case's first rows: the
     largest error relative to the output's scale (raises past the dtype's bound)."""
     q, cache, meta = make_step(ctx[:CHECK_ROWS], heads, latent, rope, block, device, dtype, 1)
-    got = mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent, decode_config=cfg,
-                                          decode_form=form).float()
+    got = mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
+                                          decode_config=cfg).float()
     want = mla_attention_ref(q.float(), cache.float(), meta, SCALE, latent).float()
     err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
     bound = 1e-5 if dtype == torch.float32 else 2 ** -6
     if not err <= bound:
-        raise SystemExit(f"MLA decode ({form or 'default'} form, {cfg}) differs from the "
-                         f"reference: {err:.3g} of the output scale (bound {bound:g})")
+        raise SystemExit(f"MLA decode ({cfg}) differs from the reference: {err:.3g} of the "
+                         f"output scale (bound {bound:g})")
     return err
 
 
 def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
              device: str, dtype: torch.dtype, timer: Timer,
-             variants: list[tuple[mla_triton.TileConfig | None, str | None]]) -> list[dict]:
-    """One case, one step built, timed at each (tile, form) variant (None: the kernel's
-    default)."""
+             tiles: list[mla_triton.TileConfig | None]) -> list[dict]:
+    """One case, one step built, timed at each tile (None: the kernel's default)."""
     latent, rope, block = shape["latent"], shape["rope"], shape["block_size"]
     ctx = contexts(batch, context)
     q, cache, meta = make_step(ctx, heads, latent, rope, block, device, dtype)
     b = bounds(ctx, heads, latent, rope, q.element_size())
     rows = []
-    for tile, form in variants:
-        cfg = tile or mla_triton.default_config("decode", latent, dtype)
-        head_tiles, per_tile = mla_triton.head_tiles(heads, cfg.block_m)
-        err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form)
+    for tile in tiles:
+        cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)
+        head_tiles = mla_triton.head_tiles(heads, cfg.block_m)[0]
+        err = check(ctx, heads, latent, rope, block, device, dtype, cfg)
         splits = mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len)
-        ms = timer(lambda cfg=cfg, form=form: mla_triton.mla_attention_triton(
-            q, cache, meta, SCALE, latent, decode_config=cfg, decode_form=form))
+        ms = timer(lambda cfg=cfg: mla_triton.mla_attention_triton(
+            q, cache, meta, SCALE, latent, decode_config=cfg))
         rows.append({
             "case": name, "heads": heads, "batch": batch, "context": context,
             "mean_context": round(float(np.mean(ctx)), 1), "splits": splits,
             "head_tiles": head_tiles, "tile": dataclasses.asdict(cfg),
-            "form": form or mla_triton.default_decode_form(per_tile),
             "check_error": err, "ms": round(ms, 4),
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in b.items()},
             "pct_of_bound": round(100 * b["bound_ms"] / ms, 1),
@@ -153,10 +150,6 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN,W,S",
                         help="decode TileConfigs to time each case at (heads a program, keys "
                              "an iteration, warps, stages); default: the kernel's default")
-    parser.add_argument("--forms", nargs="+", default=None,
-                        choices=mla_triton.DECODE_FORMS,
-                        help="decode forms to time each tile in (the heads or the keys as the "
-                             "dots' rows); default: the kernel's pick for the tile")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU through Triton's interpreter (no timing)")
     args = parser.parse_args()
@@ -183,11 +176,10 @@ def main() -> None:
                     "cases": []}
     path = os.path.join(args.out, "kernels_mla.json")
     tiles = [parse_tile(t) for t in args.tiles] if args.tiles else [None]
-    variants = [(t, f) for t in tiles for f in (args.forms or [None])]
     for h in heads:
         for name, batch, context in cases:
             for row in run_case(name, batch, context, h, shape, device, dtype, timer,
-                                variants):
+                                tiles):
                 record(result, "cases", row, path, device)
     print(f"wrote {path}")
 

@@ -21,10 +21,8 @@ import torch
 from moeserve.kernels.attention.metadata import build_attention_metadata
 from moeserve.kernels.attention.mla import mla_attention_ref
 from moeserve.kernels.attention.mla_triton import (
-    DECODE_FORMS,
     TileConfig,
     decode_num_splits,
-    default_decode_form,
     head_tiles,
     mla_attention_triton,
 )
@@ -71,27 +69,6 @@ def test_long_decode_splits_the_context(dtype: torch.dtype) -> None:
 def test_decode_forced_splits_incl_empty_partitions(splits: int) -> None:
     # 8 partitions of 48 tokens: the short rows leave most of theirs empty; 64 is MAX_SPLITS
     check(make_mla_case([4, 9, 370, 0, 63], [1] * 5, block_size=16), decode_splits=splits)
-
-
-@pytest.mark.parametrize("form", DECODE_FORMS)
-@pytest.mark.parametrize("splits", [None, 3])
-def test_decode_forms_match(form: str, splits: int | None) -> None:
-    # both forms of the decode kernel (heads or keys as the dots' rows), one tile and several
-    # (20 heads at block_m 16: two tiles of 10), split and not, with a mixed step's decode rows
-    for heads in (5, 20):
-        check(make_mla_case([4, 9, 370, 0, 63], [1] * 5, block_size=16, num_heads=heads),
-              decode_splits=splits, decode_form=form)
-    check(make_mla_case(*MIXED, block_size=4, num_heads=5), decode_form=form)
-
-
-def test_decode_form_default_and_refusal() -> None:
-    # wgmma takes 64 rows: fewer heads a program take the keys-major form
-    assert [default_decode_form(n) for n in (1, 20, 32, 33, 64, 128)] == [
-        "keys", "keys", "keys", "heads", "heads", "heads"]
-    case = make_mla_case([40, 9], [1, 1], block_size=16)
-    with pytest.raises(ValueError, match="decode_form 'rows' not in"):
-        mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
-                             decode_form="rows")
 
 
 def test_decode_splits_outside_the_reduce_are_refused() -> None:
@@ -224,16 +201,16 @@ def gpu_case(computed: list[int], scheduled: list[int], num_heads: int,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", DECODE_FORMS)
 @pytest.mark.parametrize("num_heads", [16, 20, 128])
 @pytest.mark.parametrize(("batch", "max_context"), [(4, 4096), (64, 2048), (128, 256)])
-def test_gpu_decode(num_heads: int, batch: int, max_context: int, form: str) -> None:
+def test_gpu_decode(num_heads: int, batch: int, max_context: int) -> None:
     rng = np.random.default_rng(batch)
     computed = rng.integers(1, max_context, batch).tolist()
     computed[0] = max_context - 1
     case = gpu_case(computed, [1] * batch, num_heads, seed=batch)
-    check(case, decode_form=form)
-    check(case, decode_form=form, decode_config=TileConfig(64, 32, 8, 2))
+    check(case)
+    for cfg in (TileConfig(16, 64, 4, 2), TileConfig(64, 32, 8, 3)):  # 2 stages, and 3
+        check(case, decode_config=cfg)
 
 
 @pytest.mark.gpu
@@ -254,9 +231,8 @@ def test_gpu_mixed_step(num_heads: int) -> None:
 @pytest.mark.parametrize("num_heads", [16, 128])
 def test_gpu_fp32_matches_dense(num_heads: int, no_tf32: None) -> None:
     case = gpu_case([0, 100, 3000, 4000, 9], [37, 1, 20, 1, 1], num_heads, dtype=torch.float32)
-    for form in DECODE_FORMS:
-        check(case, decode_form=form)
-        check(case, decode_splits=7, decode_form=form)
+    check(case)
+    check(case, decode_splits=7)
 
 
 @pytest.mark.gpu

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from moeserve.kernels.attention import mla_decode_keys_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.paged_triton import (
     MAX_SPLITS,
@@ -55,24 +54,24 @@ REDUCE_BLOCK_L = 128  # latent columns the split reduce combines per step (bound
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 
 
-def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype) -> TileConfig:
-    """Untuned defaults for kind "decode" or "prefill". block_m: decode, the query heads of one
-    program (one row); prefill, its query rows (tokens x heads). block_n: keys per iteration."""
+def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype,
+                   num_heads: int = 64) -> TileConfig:
+    """Defaults for kind "decode" or "prefill". block_m: decode, the query heads of one program
+    (one row); prefill, its query rows (tokens x heads). block_n: keys per iteration.
+
+    bf16 decode, as measured on the H200 (benchmarks/results/gpu_f3343e0/, kernels_mla over
+    seven tiles): up to 32 heads, one program of them over 64 keys a step (GLM-4.7-Flash's 20:
+    49-62% of the read bound at 1k-4k contexts, 36-38% at W1's); more heads, tiles of 64 over
+    32 keys (wgmma's 64 rows; 64 heads 39-42%, 128 heads 26-28% of the FLOP bound), against
+    20-31% / 20% / 14% for the earlier (16, 64, 4, 2). Three stages keep a tile of latents in
+    flight during each tile's dots (two give none: see _decode_kernel)."""
     if kv_lora_rank <= 64:  # tiny test shapes: small tiles, so loops and masks run several times
         return TileConfig(16, 16, 2, 1)
     if kind == "decode":
-        return TileConfig(16, 32 if dtype == torch.float32 else 64, 4, 2)
+        if dtype == torch.float32:  # exact tests: fp32 tiles are twice the bytes
+            return TileConfig(16, 32, 4, 2)
+        return TileConfig(32, 64, 8, 3) if num_heads <= 32 else TileConfig(64, 32, 8, 3)
     return TileConfig(32, 32, 8, 1 if dtype == torch.float32 else 2)
-
-
-DECODE_FORMS = ("heads", "keys")  # the MMA's rows: the heads, or the keys (mla_decode_keys_triton)
-WGMMA_MIN_M = 64  # Hopper's warp-group MMA takes rows in multiples of 64
-
-
-def default_decode_form(heads_per_tile: int) -> str:
-    """"keys" when a program's (padded) heads are too few rows for Hopper's wgmma, so the dots
-    take the keys as rows instead; "heads" from 64 heads a program."""
-    return "heads" if max(16, next_pow2(heads_per_tile)) >= WGMMA_MIN_M else "keys"
 
 
 def head_tiles(num_heads: int, block_m: int) -> tuple[int, int]:
@@ -85,8 +84,7 @@ def head_tiles(num_heads: int, block_m: int) -> tuple[int, int]:
 def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, kv_lora_rank: int, *, decode_splits: int | None = None,
                          decode_config: TileConfig | None = None,
-                         prefill_config: TileConfig | None = None,
-                         decode_form: str | None = None) -> torch.Tensor:
+                         prefill_config: TileConfig | None = None) -> torch.Tensor:
     """Absorbed MLA: causal attention of each row's queries over its cached latent rows.
 
     Args:
@@ -101,15 +99,10 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
         decode_splits: force the decode split count (tests, CUDA-graph capture); default
             `decode_num_splits` over (rows, head tiles, max_seq_len).
         decode_config, prefill_config: tile shapes (benchmarks); default `default_config`.
-        decode_form: "heads" or "keys" (DECODE_FORMS; benchmarks); default
-            `default_decode_form` of the decode tile's heads.
     Returns:
         [T, H, L] contiguous, q's dtype.
     """
     _check_inputs(q, latent_cache, meta, kv_lora_rank)
-    if decode_form is not None and decode_form not in DECODE_FORMS:
-        raise ValueError(f"mla_attention_triton: decode_form {decode_form!r} not in "
-                         f"{DECODE_FORMS}")
     num_tokens, num_heads = q.shape[:2]
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
@@ -117,7 +110,7 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     is_decode = meta.query_lens_np == 1  # [B]
     if bool(is_decode.all()):  # every index already on the device: no host work, no sync
         _launch_decode(q, latent_cache, meta, scale, kv_lora_rank, out, None, meta.num_reqs,
-                       meta.max_seq_len, decode_splits, decode_config, decode_form)
+                       meta.max_seq_len, decode_splits, decode_config)
         return out
     prefill_cfg = prefill_config or default_config("prefill", kv_lora_rank, q.dtype)
     block_q = _prefill_block_q(prefill_cfg, num_heads)
@@ -127,7 +120,7 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     dev, num_decode, num_tiles, max_seq = meta.derived[key]
     if num_decode:
         _launch_decode(q, latent_cache, meta, scale, kv_lora_rank, out, dev[:num_decode],
-                       num_decode, max_seq, decode_splits, decode_config, decode_form)
+                       num_decode, max_seq, decode_splits, decode_config)
     _launch_prefill(q, latent_cache, meta, scale, kv_lora_rank, out, dev[num_decode:],
                     num_tiles, prefill_cfg)
     return out
@@ -181,14 +174,12 @@ def _prefill_block_q(cfg: TileConfig, num_heads: int) -> int:
 def _launch_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                    scale: float, kv_lora_rank: int, out: torch.Tensor,
                    rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
-                   num_splits: int | None, cfg: TileConfig | None, form: str | None) -> None:
+                   num_splits: int | None, cfg: TileConfig | None) -> None:
     """Decode rows (one query each): `rows` [num_rows] int32 row ids, or None for rows 0..B-1."""
     kern = _kernels()
     num_heads, dim = q.shape[1:]
-    cfg = cfg or default_config("decode", kv_lora_rank, q.dtype)
+    cfg = cfg or default_config("decode", kv_lora_rank, q.dtype, num_heads)
     num_head_tiles, per_tile = head_tiles(num_heads, cfg.block_m)
-    decode = (mla_decode_keys_triton._kernels().decode
-              if (form or default_decode_form(per_tile)) == "keys" else kern.decode)
     if num_splits is None:
         num_splits = decode_num_splits(num_rows, num_head_tiles, max_seq_len)
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -211,7 +202,7 @@ def _launch_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
                          f"{MAX_GRID_Y} (the grid's y dimension)")
     # a row's head tiles side by side in the grid: they run at once and read the same latent
     # blocks, so all but the first read hit L2 (each tile reads the row's whole latent cache)
-    decode[(num_head_tiles, num_rows, num_splits)](
+    kern.decode[(num_head_tiles, num_rows, num_splits)](
         q, latent_cache, out, part_m, part_l, part_acc,
         meta.block_tables, meta.seq_lens, meta.query_start_loc, row_ids,
         scale * math.log2(math.e), partition, num_splits,
@@ -403,8 +394,10 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
     acc = tl.full([BLOCK_H, L], 0.0, tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_table
     # each tile's rows are looked up one tile ahead: the block-table load then is not in the
-    # chain in front of the tile's latent loads, so Triton's pipeliner keeps a tile of latents
-    # in flight during each tile's dots (with the lookup in the chain it waits for every copy)
+    # chain in front of the tile's latent loads, so from 3 stages Triton's pipeliner keeps a
+    # tile of latents in flight during each tile's dots (with the lookup in the chain it waited
+    # for every copy at the loop's top; with 2 stages the next tile's copies still start only
+    # after this tile's dots: `kernel_sass mla-decode` reports the loop's copy wait)
     row, valid = _tile_rows(table, start, end, L, R, BLOCK_SIZE, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         row_next, valid_next = _tile_rows(table, n0 + BLOCK_N, end, L, R, BLOCK_SIZE, BLOCK_N)
