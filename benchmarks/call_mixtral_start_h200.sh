@@ -11,9 +11,9 @@ export OUT=/tmp/callB
 mkdir -p "$OUT"
 source benchmarks/gpu_env.sh optuna
 timeout 200 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
-  tests/kernels/test_moe_quant_triton.py tests/kernels/test_quant_linear_triton.py \
-  tests/kernels/test_fp8_linear_triton.py tests/kernels/test_fp8_linear_cublas.py \
-  tests/kernels/test_moe_quant_tune.py > "$OUT/gpu_tests_quant.log" 2>&1
+  tests/kernels/moe/test_moe_quant_triton.py tests/kernels/linear/test_quant_linear_triton.py \
+  tests/kernels/linear/test_fp8_linear_triton.py tests/kernels/linear/test_fp8_linear_cublas.py \
+  tests/kernels/moe/test_moe_quant_tune.py > "$OUT/gpu_tests_quant.log" 2>&1
 tail -3 "$OUT/gpu_tests_quant.log"
 timeout 120 python3 -m benchmarks.kernels_quant --out "$OUT" --no-linear --formats fp8 nvfp4 \
   --shapes qwen3-30b-a3b --nvfp4-decode bits asm --profile > "$OUT/kernels_quant.log" 2>&1

@@ -4,7 +4,7 @@ scaled_mm), beside bf16 F.linear, at kernels_quant.py's linear shapes (qwen3 qkv
 o_proj 2048 x 4096, GLM-5 q_b 16384 x 2048, o_proj 6144 x 16384; 128 x 128 weight blocks)
 and 1 / 16 / 64 / 256 / 1,024 / 4,096 tokens. Each backend's error against w8a8_linear_ref
 (max of |out - ref| / (|ref| + mean |ref|), and sum |out - ref| / sum |ref| with ref rounded to
-bf16: tests/kernels/test_fp8_linear_triton.py's bounds, 2^-5 and 1e-3); times from the MoE
+bf16: tests/kernels/linear/test_fp8_linear_triton.py's bounds, 2^-5 and 1e-3); times from the MoE
 tuner's `time_in_graph` (10 calls in one CUDA graph, the median of 5 replays, as
 kernels_quant.py). Also `quantize_activations_triton` alone on [65,536, 768] (the fused MoE's
 activations at 8,192 tokens) and [8,192, 7,168], plain and in cuBLAS's layout.

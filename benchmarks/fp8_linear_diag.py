@@ -1,6 +1,7 @@
 """Where the FP8 block linear's error comes from on this GPU (issue 18: two shapes of
-tests/kernels/test_fp8_linear_triton.py::test_gpu_linear_matches_the_reference are 1.0-1.4% of
-the output scale off on the H200, against a 2^-7 bound). For each shape, with the test's data:
+tests/kernels/linear/test_fp8_linear_triton.py::test_gpu_linear_matches_the_reference are
+1.0-1.4% of the output scale off on the H200, against a 2^-7 bound). For each shape, with the
+test's data:
 
     activations  the Triton quantization's bytes and scales against the torch reference's
     gemm         the Triton GEMM on the reference's own quantized operands against the same

@@ -432,7 +432,7 @@ def test_mla_floor_criterion_rejects_a_dropped_expert() -> None:
     at 1d627ad over 333 positions: the Triton MLA kernel with its softmax scale 20% high gave
     an rms of 0.331% of std against the right kernel's 0.299%. The MLA kernels' bf16 accuracy
     is pinned where the attention output is compared directly, in
-    tests/kernels/test_mla_triton.py's GPU cases at DeepSeek-V3's dims."""
+    tests/kernels/attention/test_mla_triton.py's GPU cases at DeepSeek-V3's dims."""
     _require_cuda()
     model = mla_preset_model("glm-4.7-flash")
     prompts = random_prompts(model.config.vocab_size, GPU_PROMPT_LENS)

@@ -24,8 +24,8 @@ from moeserve.kernels.moe import fused_triton as moe_triton
 from moeserve.kernels.moe.fused_triton import moe_triton as run_moe
 from moeserve.kernels.norm_rope import rmsnorm_triton
 from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_triton
-from tests.kernels.test_mla_triton import gpu_case
-from tests.kernels.test_paged_attention_triton import gpu_step
+from tests.kernels.attention.test_mla_triton import gpu_case
+from tests.kernels.attention.test_paged_attention_triton import gpu_step
 
 pytestmark = pytest.mark.gpu
 
@@ -78,7 +78,7 @@ def test_dsa_indexer_compiles_once_across_batch_shapes(monkeypatch: pytest.Monke
     offsets): at most two new variants, both compiled by the first pair of steps (none when
     the run's earlier DSA tests compiled them: the full `pytest -m gpu` on the H200)."""
     from moeserve.kernels.attention import dsa_triton
-    from tests.kernels.test_dsa_triton import make_step
+    from tests.kernels.attention.test_dsa_triton import make_step
 
     kern = dsa_triton._kernels()
     rng = np.random.default_rng(0)

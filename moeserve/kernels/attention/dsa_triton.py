@@ -33,7 +33,7 @@ and masked queries add exact zeros or are not stored). Only the order inside the
 D and the head sum's tree are the compiler's, as in a one-token program (a taller dot may pick
 another MMA), so scores agree with the reference to fp32 rounding and no further. The tests are
 exact because their data is: random scores whose top-k + 1 are apart by far more than rounding
-(tests/kernels/test_dsa_triton_tiles.py checks that margin against fp64), or exact
+(tests/kernels/attention/test_dsa_triton_tiles.py checks that margin against fp64), or exact
 scores (small integers: exact in any order; ReLU zeros; duplicated keys: identical operands
 give identical sums), whose ties both break to the lowest position.
 

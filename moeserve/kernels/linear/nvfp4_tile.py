@@ -34,7 +34,7 @@ Python until `jitted()` wraps them (the callers' kernels jit on first use, see f
 about 2.5 instructions a weight against the "bits" path's 8 or so. Its tile is the weight times
 2^-10 (the scales enter times 2^116, so that bf16's exponent bias needs no multiply of its own),
 and `unscale` gives the epilogue the 2^10 back: a power of two throughout, so both decodes give
-the same bits (the GPU tests compare them; tests/kernels/test_nvfp4_asm_emulated.py runs the
+the same bits (the GPU tests compare them; tests/kernels/linear/test_nvfp4_asm_emulated.py runs the
 PTX itself through an emulator on the CPU), and the choice is speed alone. "auto" (the
 default) takes "asm" where it runs (bf16 activations on CUDA: the 4-instruction asm was 15-17%
 faster than "bits" on the H200 at 64-8,192 tokens, benchmarks/results/gpu_1206642) and "bits"

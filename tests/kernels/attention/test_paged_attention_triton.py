@@ -37,7 +37,7 @@ from moeserve.kernels.attention.paged_triton import (
 
 MIXED = ([5, 17, 0, 12, 300, 0, 40], [1, 1, 9, 7, 1, 1, 19])  # decodes (one long) + chunks
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass
@@ -243,7 +243,7 @@ def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
 def test_interpreter_works_when_triton_was_imported_first() -> None:
     # e.g. transformers imports triton (compiled mode) before this module sets TRITON_INTERPRET
     code = ("import os, triton; os.environ['TRITON_INTERPRET'] = '1'; "
-            "from tests.kernels.test_paged_attention_triton import check, make_step; "
+            "from tests.kernels.attention.test_paged_attention_triton import check, make_step; "
             "check(make_step([5, 40], [1, 9]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,

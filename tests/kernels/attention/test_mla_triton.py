@@ -26,11 +26,11 @@ from moeserve.kernels.attention.mla_triton import (
     head_tiles,
     mla_attention_triton,
 )
-from tests.kernels.test_mla import DECODE, MIXED, MlaCase, make_mla_case
+from tests.kernels.attention.test_mla import DECODE, MIXED, MlaCase, make_mla_case
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 LONG_DECODE = ([4, 9, 300, 0, 15], [1] * 5)  # 301 keys > one 256-token partition: split-K
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def check(case: MlaCase, tol: float | None = None, **kwargs: object) -> torch.Tensor:
@@ -170,7 +170,7 @@ def test_bad_input_is_named(change: object, message: str) -> None:
 def test_interpreter_works_when_triton_was_imported_first() -> None:
     # e.g. transformers imports triton (compiled mode) before conftest sets TRITON_INTERPRET
     code = ("import os, triton; os.environ['TRITON_INTERPRET'] = '1'; "
-            "from tests.kernels.test_mla_triton import check, make_mla_case, MIXED; "
+            "from tests.kernels.attention.test_mla_triton import check, make_mla_case, MIXED; "
             "check(make_mla_case(*MIXED))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,

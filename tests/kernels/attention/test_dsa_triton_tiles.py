@@ -24,7 +24,15 @@ import torch
 
 from moeserve.kernels.attention import dsa_triton
 from moeserve.kernels.attention.dsa_triton import index_block_q, indexer_topk_triton
-from tests.kernels.test_dsa_triton import DIM, HEADS, TOPK, Step, _integers, check_topk, make_step
+from tests.kernels.attention.test_dsa_triton import (
+    DIM,
+    HEADS,
+    TOPK,
+    Step,
+    _integers,
+    check_topk,
+    make_step,
+)
 
 SCALE = DIM ** -0.5
 

@@ -16,7 +16,7 @@ from moeserve.kernels.moe.quant.dequant import (
     moe_dequant,
 )
 from moeserve.kernels.moe.quant.ref import moe_quant_ref
-from tests.kernels.test_moe_quant_triton import (
+from tests.kernels.moe.test_moe_quant_triton import (
     GPU_SHAPE,
     experts,
     gpu_experts,

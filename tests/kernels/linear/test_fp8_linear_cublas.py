@@ -23,7 +23,7 @@ from moeserve.kernels.linear.fp8_cublas import (
     weight_scale_cublas,
 )
 from moeserve.quant.fp8_block import quantize_activations, quantize_blockwise, w8a8_linear_ref
-from tests.kernels.test_fp8_linear_triton import _data, assert_matches_reference
+from tests.kernels.linear.test_fp8_linear_triton import _data, assert_matches_reference
 
 CUDA = torch.device("cuda", 0)
 

@@ -20,7 +20,7 @@ from moeserve.kernels.linear.w4a16_dequant import (
 from moeserve.kernels.linear.w4a16_triton import w4a16_linear_triton
 from moeserve.quant import packed
 from moeserve.quant.fp8_block import E4M3
-from tests.kernels.test_quant_linear_triton import (
+from tests.kernels.linear.test_quant_linear_triton import (
     GPU_SHAPES,
     _assert_matches,
     _quantized,

@@ -18,7 +18,7 @@ from moeserve.kernels.moe.measured import moe_measured
 from moeserve.kernels.moe.tile_configs import tile_tokens
 from moeserve.kernels.registry import bind_routed_experts, get_moe_backend, moe_tile_source
 from moeserve.layers.moe import SparseMoeBlock
-from tests.kernels.test_moe_measured import (
+from tests.kernels.moe.test_moe_measured import (
     SMALL,
     TWO_BACKENDS,
     Spy,
