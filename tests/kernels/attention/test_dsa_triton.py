@@ -206,17 +206,23 @@ def test_sparse_attention_grid_orders_give_the_same_bits(monkeypatch: pytest.Mon
     torch.testing.assert_close(tiles_first, tokens_first, atol=0, rtol=0)
 
 
+def _holey_selection(step: Step, topk: int, seed: int) -> torch.Tensor:
+    """[T, topk] int32: each token's visible positions (at most topk) in random order at
+    random slots, -1 in the others."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.full((step.meta.num_tokens, topk), -1, dtype=torch.int32)
+    for tok, p in enumerate(step.meta.positions.tolist()):
+        pick = torch.randperm(p + 1, generator=gen)[:topk]
+        pos[tok, torch.randperm(topk, generator=gen)[:len(pick)]] = pick.int()
+    return pos
+
+
 def test_sparse_attention_skips_holes_and_writes_zeros_for_nothing() -> None:
     """topk 40 (two and a half tiles of 16), 20 heads (two tiles of 10): positions in random
     order with -1 holes, the first tile of one token all -1, and a token with none selected,
     which gets zeros (the reference: NaN, a softmax over nothing)."""
     step = make_step(*STEPS["mixed"], 6)
-    gen = torch.Generator().manual_seed(7)
-    topk = 40
-    pos = torch.full((step.meta.num_tokens, topk), -1, dtype=torch.int32)
-    for tok, p in enumerate(step.meta.positions.tolist()):
-        pick = torch.randperm(p + 1, generator=gen)[:topk]
-        pos[tok, torch.randperm(topk, generator=gen)[:len(pick)]] = pick.int()
+    pos = _holey_selection(step, 40, seed=7)
     pos[1] = -1  # position 0 of a fresh prefill: its one key past the 1st tile of 16
     pos[1, 20] = 0
     pos[2] = -1
@@ -236,12 +242,7 @@ def test_sparse_attention_split_selection_is_the_same(num_splits: int) -> None:
     from moeserve.kernels.attention import mla_triton
 
     step = make_step(*STEPS["mixed"], 6)
-    gen = torch.Generator().manual_seed(8)
-    topk = 40
-    pos = torch.full((step.meta.num_tokens, topk), -1, dtype=torch.int32)
-    for tok, p in enumerate(step.meta.positions.tolist()):
-        pick = torch.randperm(p + 1, generator=gen)[:topk]
-        pos[tok, torch.randperm(topk, generator=gen)[:len(pick)]] = pick.int()
+    pos = _holey_selection(step, 40, seed=8)
     pos[2] = -1
     q, latent = _latents(step.meta, 20, torch.float32)
     want = dsa_attention_triton(q, latent, step.meta, pos, 0.1, L, num_splits=1)
