@@ -3,8 +3,9 @@
 The step loop allocates thousands of short-lived objects per step (outputs, messages), which
 trigger collections; a full (generation 2) pass then walks every object start-up built (model
 modules, the block pool, the request table, captured graphs) and stalls the loop for tens of
-milliseconds. At 1,024 running requests (benchmarks/engine_loop_cpu.py, model stubbed out) they
-made the loop's p99 step 91 ms against a 4.9 ms median; frozen: p99 10.6 ms, mean 8.4 -> 4.7 ms.
+milliseconds. At 1,024 running requests (benchmarks/engine/engine_loop_cpu.py, model stubbed
+out) they made the loop's p99 step 91 ms against a 4.9 ms median; frozen: p99 10.6 ms, mean
+8.4 -> 4.7 ms.
 `freeze_heap` moves everything alive once start-up is done into the permanent generation
 (`gc.freeze`, as vLLM and SGLang do), so later passes only walk what serving allocated, and
 raises the youngest generation's threshold from Python's 700 allocations to GEN0_THRESHOLD: a

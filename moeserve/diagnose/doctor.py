@@ -54,7 +54,7 @@ when no engine field is the fix). The rules:
                       tile configs are all untuned: the seeds' "MoE autotune left out"
                       settings: moe_tiles "tuned" when the engine was told "default"; else
                       {} (no tuned file for this device and shape: --moe-tune-budget-s, or
-                      benchmarks/kernels_moe.py --tune)
+                      benchmarks/kernels/kernels_moe.py --tune)
     roofline          the steady step under 60% of its roofline bound (roofline.py)
                       settings: {} (the fix is in the kernels or in the other verdicts)
     communication     (several ranks) the collectives' share of the sampled step's device time
@@ -303,7 +303,7 @@ def moe_tiles(run: dict[str, Any]) -> Verdict | None:
     why = ("the engine was told to use them (moe_tiles=default)" if told else
            "no tuned tile file exists for this device and MoE shape")
     knob = ("--moe-tiles tuned" if told else
-            "--moe-tune-budget-s (tune at start-up), or benchmarks/kernels_moe.py --tune")
+            "--moe-tune-budget-s (tune at start-up), or benchmarks/kernels/kernels_moe.py --tune")
     return Verdict("moe_tiles", "warning",
                    f"the fused MoE runs its in-code default tiles at every batch size: {why}; "
                    "tuned tiles are what the MoE's share of the step is measured against",

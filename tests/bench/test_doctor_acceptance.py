@@ -1,10 +1,11 @@
-"""benchmarks/doctor_acceptance.py's pure helpers: the plan, the overhead figures, the cap check."""
+"""benchmarks/engine/doctor_acceptance.py's pure helpers: the plan, the overhead figures, the
+cap check."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import doctor_acceptance as da
+from benchmarks.engine import doctor_acceptance as da
 
 
 def _plan(design: str = "two-servers", **kw: object) -> list[da.Step]:

@@ -1,5 +1,5 @@
-"""benchmarks/kernels_attention.py's prefill tile sweep, on CPU: case construction, FLOP count,
-the skip rules, the sweep loop with a fake trial and clock, and one small sweep end to end
+"""benchmarks/kernels/kernels_attention.py's prefill tile sweep, on CPU: case construction, FLOP
+count, the skip rules, the sweep loop with a fake trial and clock, and one small sweep end to end
 through Triton's interpreter (fp32: the interpreter cannot take bf16) with a fake timer."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from benchmarks.kernels_attention import (
+from benchmarks.kernels.kernels_attention import (
     BLOCK,
     HEAD_DIM,
     HEADS,
@@ -126,7 +126,7 @@ def test_sweep_end_to_end_in_the_interpreter() -> None:
 def test_long_prefill_cases_are_8k_prompts() -> None:
     """The long set is issue 14's: one fresh 8,192-token prompt and four last 2,048-token
     chunks of 8k prompts, at the causal FLOPs of their visible keys."""
-    from benchmarks.kernels_attention import LONG_PREFILL_CASES, PREFILL_CASE_SETS
+    from benchmarks.kernels.kernels_attention import LONG_PREFILL_CASES, PREFILL_CASE_SETS
 
     assert PREFILL_CASE_SETS["long"] is LONG_PREFILL_CASES
     assert [sum(c) + sum(n) for _, c, n in LONG_PREFILL_CASES] == [8192, 4 * 8192]

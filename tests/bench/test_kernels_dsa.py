@@ -1,5 +1,5 @@
-"""benchmarks/kernels_dsa.py on CPU: the decode step's bounds (the issue's bytes), and the smoke
-run end to end through Triton's interpreter (fp32): the scoring cases and the decode step,
+"""benchmarks/kernels/kernels_dsa.py on CPU: the decode step's bounds (the issue's bytes), and the
+smoke run end to end through Triton's interpreter (fp32): the scoring cases and the decode step,
 each checked against the references before it is timed."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from benchmarks import kernels_dsa
-from benchmarks.kernels_dsa import decode_bound_ms
+from benchmarks.kernels import kernels_dsa
+from benchmarks.kernels.kernels_dsa import decode_bound_ms
 
 
 def test_decode_bounds_are_the_issues_bytes() -> None:

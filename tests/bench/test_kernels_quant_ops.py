@@ -1,11 +1,11 @@
-"""benchmarks/kernels_quant.py times the engine's quantized MoE dispatcher, so that its
+"""benchmarks/quant/kernels_quant.py times the engine's quantized MoE dispatcher, so that its
 --moe-dequant switch changes what runs (it once timed the fused kernel on both sides)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.kernels_quant import moe_op
+from benchmarks.quant.kernels_quant import moe_op
 
 
 def test_moe_op_goes_through_the_engine_dispatcher(monkeypatch: pytest.MonkeyPatch) -> None:

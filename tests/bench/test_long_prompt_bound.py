@@ -1,11 +1,11 @@
-"""benchmarks/long_prompt_bound.py: the idealised replay's scheduling (admission by KV room,
+"""benchmarks/engine/long_prompt_bound.py: the idealised replay's scheduling (admission by KV room,
 token budget, one token a decode step) and its times at the roofline."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.long_prompt_bound import Workload, replay, step_seconds
+from benchmarks.engine.long_prompt_bound import Workload, replay, step_seconds
 from moeserve.config import load_model_config
 from moeserve.diagnose.roofline import CEILINGS
 

@@ -1,11 +1,12 @@
-"""benchmarks/split_runs.py: one committed JSON per run, request records dropped or slimmed."""
+"""benchmarks/engine/split_runs.py: one committed JSON per run, request records dropped or
+slimmed."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks.split_runs import main
+from benchmarks.engine.split_runs import main
 
 
 def _runs(path: Path, concurrencies: tuple[int, ...] = (4, 8)) -> None:

@@ -59,12 +59,12 @@ def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype,
     """Defaults for kind "decode" or "prefill". block_m: decode, the query heads of one program
     (one row); prefill, its query rows (tokens x heads). block_n: keys per iteration.
 
-    bf16 decode, as measured on the H200 (benchmarks/results/gpu_f3343e0/, kernels_mla over
-    seven tiles): up to 32 heads, one program of them over 64 keys a step (GLM-4.7-Flash's 20:
-    49-62% of the read bound at 1k-4k contexts, 36-38% at W1's); more heads, tiles of 64 over
-    32 keys (wgmma's 64 rows; 64 heads 39-42%, 128 heads 26-28% of the FLOP bound), against
-    20-31% / 20% / 14% for the earlier (16, 64, 4, 2). Three stages keep a tile of latents in
-    flight during each tile's dots (two give none: see _decode_kernel)."""
+    bf16 decode, as measured on the H200 (benchmarks/results/gpu_b9de9a5/call2_f3343e0/,
+    kernels_mla over seven tiles): up to 32 heads, one program of them over 64 keys a step
+    (GLM-4.7-Flash's 20: 49-62% of the read bound at 1k-4k contexts, 36-38% at W1's); more
+    heads, tiles of 64 over 32 keys (wgmma's 64 rows; 64 heads 39-42%, 128 heads 26-28% of
+    the FLOP bound), against 20-31% / 20% / 14% for the earlier (16, 64, 4, 2). Three stages
+    keep a tile of latents in flight during each tile's dots (two give none: see _decode_kernel)."""
     if kv_lora_rank <= 64:  # tiny test shapes: small tiles, so loops and masks run several times
         return TileConfig(16, 16, 2, 1)
     if kind == "decode":

@@ -71,7 +71,7 @@ class TileConfig:
 
 def default_config(kind: str, head_dim: int, dtype: torch.dtype,
                    longest_query: int = 0) -> TileConfig:
-    """Defaults for kind "decode" or "prefill" (benchmarks/kernels_attention.py sweeps);
+    """Defaults for kind "decode" or "prefill" (benchmarks/kernels/kernels_attention.py sweeps);
     a prefill whose longest query chunk is at least LONG_PREFILL_MIN_TOKENS gets the tile
     measured best for long prompts."""
     if head_dim <= 32:  # tiny test shapes: small tiles, so loops and masks run several times

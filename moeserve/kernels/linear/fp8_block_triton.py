@@ -187,7 +187,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, M_STORE, K, stride_x, stride_q, str
     # (torch multiplies by the scalar's reciprocal; so does Triton here), by the scale as IEEE
     # division, div_rn (Triton's `/` is the approximate div.full.f32, an ulp off at times,
     # which moves a value across an e4m3 rounding boundary). Measured on the H200
-    # (benchmarks/fp8_quant_variants.py): these two give the reference's scales and bytes at
+    # (benchmarks/quant/fp8_quant_variants.py): these two give the reference's scales and bytes at
     # 4096 x 7168 exactly; `/` for the values leaves 7 bytes apart, div_rn for the scale
     # 124,625 scales
     scale = tl.maximum(amax / FP8_MAX, MIN_SCALE)  # [BR]

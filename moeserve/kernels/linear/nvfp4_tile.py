@@ -53,7 +53,7 @@ tl: Any = None  # triton.language, bound by jitted(): the helpers read it as a g
 MIN_BLOCK_K = 32  # each nibble's dot has K = BLOCK_K / 2 >= 16
 DECODES = ("bits", "asm")  # the DECODE constexpr's values, in order
 # The decode the kernels compile: "auto", or one of DECODES (benchmarks and tests set it;
-# benchmarks/kernels_quant.py --nvfp4-decode times each).
+# benchmarks/quant/kernels_quant.py --nvfp4-decode times each).
 decode = "auto"
 
 # "asm": four packed bytes ($4) and their four bf16 group scales ($5: bytes 0-1, $6: 2-3) ->

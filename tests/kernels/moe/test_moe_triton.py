@@ -830,7 +830,7 @@ def test_gpu_launch_options_match(qwen_experts: tuple, num_tokens: int) -> None:
     on both launches (the same tiles and sums: the same bits), then ONE_DOT (one MMA of twice
     the width) and SUB_M (smaller tiles for blocks of few rows): within bf16 rounding of the
     plain launch (and ONE_DOT of the fp32 loop)."""
-    from benchmarks.kernels_moe import looked_up_config, with_options
+    from benchmarks.kernels.kernels_moe import looked_up_config, with_options
 
     w13, w2, w13_f, w2_f = qwen_experts
     x, logits = qwen_tokens(num_tokens, seed=num_tokens + 1)

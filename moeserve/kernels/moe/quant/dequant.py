@@ -28,7 +28,7 @@ from moeserve.quant.packed import QuantWeight
 
 MODES = ("auto", "on", "off")
 # "auto" dequantizes from this many tokens a step. NOTE: from the fused kernel's measured times
-# and the dequant's bytes (module doc); the H200 A/B (benchmarks/kernels_quant.py
+# and the dequant's bytes (module doc); the H200 A/B (benchmarks/quant/kernels_quant.py
 # --moe-dequant off on) decides it.
 DEQUANT_MIN_TOKENS = 4096
 DEQUANT_MAX_BYTES = 2 << 30  # the transient bf16 experts of one layer, at most

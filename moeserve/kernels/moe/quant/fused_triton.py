@@ -75,7 +75,7 @@ from moeserve.quant.packed import FP8_GROUP, packed_columns
 
 FORMAT_IDS = {"fp8": 0, "nvfp4": 1, "int4": 2}  # the kernel's FORMAT constexpr
 # fp8's activation and weight scales loaded a K step ahead (an experiment switch, off until
-# the H200 measures it faster: benchmarks/kernels_quant.py --fp8-prefetch off on). The same
+# the H200 measures it faster: benchmarks/quant/kernels_quant.py --fp8-prefetch off on). The same
 # values and ops either way, so the same bits (tests compare them). Triton 3.6's sm90 SASS,
 # 16 x 64 x 128 gated tile: every in-loop scale load one step ahead of its use, for 239 -> 255
 # loop instructions.

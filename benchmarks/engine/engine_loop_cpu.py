@@ -1,0 +1,186 @@
+"""The engine loop's own CPU cost per step, with the model stubbed out: schedule, update, output
+messages (what the engine process does besides launching kernels), at N running requests.
+
+The runner's `launch` is replaced by a stub that "samples" token 7 for every row, so each step is
+pure host work. Two workloads:
+
+    mixed    the same 128-token prompt, 128 outputs; finished requests are replaced at once (as a
+             benchmark client does), so each step decodes most rows and prefills a few
+             (prefix-cache hits on the shared prompt)
+    decode   distinct random 128-token prompts, outputs long enough that none finishes while
+             measured: every measured step is decode-only at N rows (issue 14's figure)
+    decode_sync  the same without overlap scheduling: each step's tokens are known when the next
+             is planned, as benchmarks/engine/profile_step.py drives the scheduler on the GPU
+
+Each runs in a fresh process per mode, with the heap frozen after start-up (as the engine does) or
+not (mixed only), and writes JSON with per-step median / mean / p99 / max of the whole step and of
+`Scheduler.schedule` and `Scheduler.update` apart, and the number of full (generation 2) GC
+passes. The figures are this host's: the GPU machine's host is another CPU.
+
+    python -m benchmarks.engine.engine_loop_cpu --running 1024 --steps 600 --out DIR --tag before
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PROMPT_LEN = 128
+MIXED_MAX_TOKENS = 128
+
+
+def _summary(ms: list[float]) -> dict:
+    t = np.asarray(ms)
+    return {"median_ms": float(np.median(t)), "mean_ms": float(t.mean()),
+            "p99_ms": float(np.percentile(t, 99)), "max_ms": float(t.max())}
+
+
+def child(running: int, steps: int, freeze: bool, workload: str) -> dict:
+    import torch
+
+    from moeserve.engine import protocol as p
+    from moeserve.engine.args import engine_config_from_kwargs
+    from moeserve.engine.core import EngineCore
+    from moeserve.runner.pending_output import PendingOutput
+    from moeserve.types import SamplingParams
+
+    decode = workload.startswith("decode")
+    max_tokens = steps + 200 if decode else MIXED_MAX_TOKENS
+    blocks_per_req = -(-(PROMPT_LEN + max_tokens) // 16) + 1
+    core = EngineCore(engine_config_from_kwargs(
+        model="tiny-moe", device="cpu", max_running_requests=running,
+        num_blocks=running * blocks_per_req, max_num_batched_tokens=8192,
+        max_model_len=PROMPT_LEN + max_tokens, async_scheduling=workload != "decode_sync"))
+    if not freeze:
+        gc.unfreeze()  # start-up froze the heap: undo it to measure without
+
+    def stub_launch(out):
+        rows = np.flatnonzero(np.asarray(out.sample, dtype=bool))
+        pending = PendingOutput(out.num_reqs, rows)
+        pending.params = [out.sampling_params[i] for i in rows]
+        pending.token_ids = torch.full((len(rows),), 7, dtype=torch.int64)
+        return pending
+
+    core.runner.launch = stub_launch
+    sched = core.scheduler
+    phases: dict[str, list[float]] = {"schedule": [], "update": []}
+
+    last = {}
+
+    def timed(name: str, fn):
+        def wrapper(*args):
+            start = time.perf_counter()
+            result = fn(*args)
+            phases[name].append((time.perf_counter() - start) * 1e3)
+            last["plan" if name == "schedule" else name] = result
+            return result
+        return wrapper
+
+    sched.schedule = timed("schedule", sched.schedule)
+    sched.update = timed("update", sched.update)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    rng = random.Random(0)
+    added = 0
+
+    def refill() -> None:
+        nonlocal added
+        while sched.num_running + sched.num_waiting < running:
+            prompt = ([rng.randrange(1, 256) for _ in range(PROMPT_LEN)] if decode
+                      else list(range(1, PROMPT_LEN + 1)))
+            core.add_request(f"r{added}", prompt, params)
+            added += 1
+
+    refill()
+    for _ in range(50):
+        core.step()
+        if not decode:
+            refill()
+    while decode and (sched.num_waiting or any(n > 1 for n in last["plan"].num_scheduled_tokens)):
+        core.step()  # decode: until every request is admitted and its prompt computed
+    full_passes = []
+    gc.callbacks.append(lambda phase, info: full_passes.append(1)
+                        if phase == "start" and info["generation"] == 2 else None)
+    for v in phases.values():
+        v.clear()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        outputs = core.step()
+        if not decode:
+            refill()
+        p.encode(p.StepOutputs(outputs=[p.WireOutput.from_output(o) for o in outputs],
+                               stats=p.EngineStats()))
+        times.append((time.perf_counter() - start) * 1e3)
+    if decode:
+        assert sched.num_running == running and not sched.num_waiting, "a request finished"
+    both = [s + u for s, u in zip(phases["schedule"], phases["update"])]
+    return {"workload": workload, "heap_frozen": freeze, **_summary(times),
+            "schedule": _summary(phases["schedule"]), "update": _summary(phases["update"]),
+            "schedule_plus_update": _summary(both),
+            "full_gc_passes": len(full_passes), "tracked_objects": len(gc.get_objects())}
+
+
+def _host() -> dict:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), "")
+    except OSError:
+        pass
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True)
+    return {"cpu": model or platform.processor(), "cpu_count": os.cpu_count(),
+            "git_dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--running", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tag", default="", help="suffix of the JSON's name (before, after)")
+    parser.add_argument("--child", choices=["frozen", "unfrozen"], help=argparse.SUPPRESS)
+    parser.add_argument("--workload", choices=["mixed", "decode", "decode_sync"],
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.running, args.steps, args.child == "frozen", args.workload)))
+        return
+    from benchmarks.engine.w1_offline import environment
+
+    modes = {}
+    for workload, mode in (("mixed", "unfrozen"), ("mixed", "frozen"), ("decode", "frozen"),
+                           ("decode_sync", "frozen")):
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.engine.engine_loop_cpu",
+                               "--child", mode,
+                               "--workload", workload, "--running", str(args.running),
+                               "--steps", str(args.steps)],
+                              capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))})
+        if proc.returncode:
+            sys.exit(proc.stderr)
+        name = mode if workload == "mixed" else f"{workload}_{mode}"
+        modes[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(name, modes[name], flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    suffix = f"_{args.tag}" if args.tag else ""
+    path = os.path.join(args.out, f"engine_loop_cpu_r{args.running}{suffix}.json")
+    with open(path, "w") as f:
+        json.dump({"benchmark": "engine_loop_cpu", "running": args.running, "steps": args.steps,
+                   "modes": modes, "environment": {**environment(), **_host()}}, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 18's W1 check through the server: qwen3-30b-a3b with dummy weights, bf16, then every
+# projection quantized (`--quantization fp8`, then `--quantization nvfp4`), each format one
+# `moeserve bench` (its own server; CUDA graphs and overlap scheduling on, the defaults) over
+# the concurrencies CONCS (default 256 512 1024 2048), one call. Each run's JSON (without the
+# per-request records; with the server's capacity report, resolved config and `serial_bound`,
+# whose `weights` names the format) goes to OUT/runs/w1_<format>_c<C>.json, each format's log
+# to OUT/w1_<format>.log; benchmarks/quant/quant_compare.py then writes OUT/compare.json (output
+# tok/s, share of the format's serial bound, ratio to bf16, the issue's targets).
+# BUDGET_S (default 520) bounds the call: each format gets an equal share of what is left, and
+# one past its share is stopped with SIGINT (the bench then stops its server; the runs it
+# finished are kept). Expect ~7-8 minutes with 2048 (bf16 ~1.5, each quantized format ~2.5-3
+# with start-up: dummy quantization, kernel compiles, graph capture); CONCS="256 512 1024"
+# saves ~1.5. The GPU machine returns few files: write OUT outside $OUT and tar it into $OUT.
+# Every server gets --moe-tune-budget-s ${MOE_TUNE_BUDGET_S:-0}: a start-up tune of the
+# quantized experts' tiles (up to 240 s a format when no tuned file is found) does not fit the
+# call, so they run a tuned file the lookup finds (committed, or in MOESERVE_MOE_CONFIG_DIR,
+# e.g. the --out of an earlier `python -m moeserve.kernels.moe.quant.tune` call on the same
+# warm machine) or their in-code defaults; each run's capacity report (and compare.json's
+# moe_tile_sources) says which.
+#
+#   source benchmarks/gpu_env.sh; bash benchmarks/h200/quant_w1_h200.sh /tmp/qw1; \
+#       tar czf $OUT/quant_w1.tgz -C /tmp qw1
+#   PYTHON=.venv/bin/python PRESET=tiny-moe CONCS=4 bash benchmarks/h200/quant_w1_h200.sh /tmp/qw1
+#       # CPU smoke (tiny-moe's quantized projections through the CPU fallbacks)
+set -uo pipefail
+out=${1:?usage: quant_w1_h200.sh OUT}
+mkdir -p "$out"
+out=$(realpath "$out")
+py=${PYTHON:-python3}
+formats=(${FORMATS:-bf16 fp8 nvfp4})
+budget=${BUDGET_S:-520}
+start=$SECONDS
+for i in "${!formats[@]}"; do
+  fmt=${formats[$i]}
+  left=$(( budget - (SECONDS - start) ))
+  share=$(( left / (${#formats[@]} - i) ))
+  if [ "$share" -lt 60 ]; then echo "== $fmt skipped: ${left}s left"; continue; fi
+  flags="--moe-tune-budget-s ${MOE_TUNE_BUDGET_S:-0}"
+  [ "$fmt" != bf16 ] && flags="--quantization $fmt $flags"
+  name="w1_$fmt"
+  echo "== $name ($flags, at most ${share}s) $(date +%T)"
+  # SIGINT, not SIGTERM: the bench's KeyboardInterrupt stops the server it started
+  timeout -s INT -k 30 "$share" "$py" -m moeserve.cli bench --preset "${PRESET:-qwen3-30b-a3b}" \
+    --max-concurrency ${CONCS:-256 512 1024 2048} --server-args="$flags" --no-progress \
+    --output-json "$out/$name.jsonl" > "$out/$name.log" 2>&1
+  echo "rc=$? after $(( SECONDS - start ))s"
+  grep -E "Max request concurrency|Output token throughput|serial roofline" "$out/$name.log"
+  if [ -s "$out/$name.jsonl" ]; then
+    "$py" benchmarks/engine/split_runs.py "$out/$name.jsonl" "$out/runs" "$name" > /dev/null \
+      && rm -f "$out/$name.jsonl"
+  fi
+done
+"$py" benchmarks/quant/quant_compare.py "$out/runs" "$out/compare.json"

@@ -1,0 +1,267 @@
+"""A quantized kernel compiled for the H200 (sm90) with no GPU: its SASS instruction mix, its
+shared memory and whether its loads are pipelined (cp.async), for a tile config. This is a
+static look before a GPU call, not a timing.
+
+The compile sees what a launch would. Pointers and every integer argument outside the kernel's
+`do_not_specialize` list are taken as divisible by 16, which is what Triton's specialization
+gives a model's sizes and row strides. Unit strides are 1. The kernels' own constexprs are as
+their launchers pass them.
+
+To match the GPU machine, put its Triton on the path first:
+
+    pip install --target /tmp/tri36 --no-deps triton==3.6.0
+    PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass moe-quant --format nvfp4 \
+        --tile 16 64 64 4 2
+    PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass w4a16 --tile 16 64 128 4 4 \
+        --split 4 --decode asm
+
+    PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass mla-decode --tile 16 64 4 2 \
+        --heads 64
+
+--tile is BLOCK_M BLOCK_N BLOCK_K num_warps num_stages (mla-decode: BLOCK_M BLOCK_N num_warps
+num_stages, BLOCK_M the heads a program). The report includes ptxas's registers a thread and
+spilled bytes. --nospec lists the integer arguments
+taken as unspecialized; its default is the kernel's own list. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+
+def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str],
+                 warps: int, stages: int) -> dict:
+    """Compile `jit_fn` for sm90: the report (module doc) of its SASS and TTGIR."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(jit_fn.fn).parameters)
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
+    div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+           if n not in const and n not in nospec}
+    src = ASTSource(jit_fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                    attrs=div)
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(out.asm["cubin"])
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+                          check=True).stdout
+    os.unlink(f.name)
+    if os.environ.get("SASS_DUMP"):  # the whole listing, to read
+        with open(os.environ["SASS_DUMP"], "w") as dump:
+            dump.write(sass)
+    ops = collections.Counter(
+        m.group(1) for line in sass.splitlines()
+        if (m := OPCODE.search(line)))
+    ttgir = out.asm["ttgir"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(out.asm["ptx"])
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    usage = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                           capture_output=True, text=True, check=True).stderr
+    os.unlink(f.name)
+    return {"triton": triton.__version__, **ptxas_usage(usage),
+            "sass_instructions": sum(ops.values()),
+            "loop_instructions": _top(_loop_ops(sass)),
+            "loop_copy_wait": _loop_copy_wait(sass),
+            "top_ops": dict(ops.most_common(int(os.environ.get("SASS_TOP", "12")))),
+            "shared_bytes": out.metadata.shared,
+            "cp_async": out.asm["ptx"].count("cp.async."),
+            "convert_layout": ttgir.count("ttg.convert_layout"),
+            "wgmma": ttgir.count("warp_group_dot ")}
+
+
+def ptxas_usage(text: str) -> dict[str, int]:
+    """Registers a thread and spilled bytes from `ptxas -v`'s report (a spill in a kernel's
+    main loop is what makes it slow before anything else is)."""
+    def grab(pattern: str) -> int:
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+    return {"registers": grab(r"Used (\d+) registers"),
+            "spill_store_bytes": grab(r"(\d+) bytes spill stores"),
+            "spill_load_bytes": grab(r"(\d+) bytes spill loads")}
+
+
+# the loads, stores and barriers: always reported, however rare (a synchronous LDG in the K
+# loop, or a cp.async missing from it, is what one reads the loop for)
+MEMORY_OPS = ("LDG", "LDGSTS", "LDGDEPBAR", "DEPBAR", "LDS", "LDSM", "STS", "STSM", "BAR")
+
+
+def _top(ops: collections.Counter) -> dict[str, int]:
+    """The SASS_TOP (default 12) most common opcodes and "total", plus every MEMORY_OPS
+    opcode (0 when absent)."""
+    top = dict(ops.most_common(int(os.environ.get("SASS_TOP", "12"))))
+    return top | {op: ops.get(op, 0) for op in MEMORY_OPS}
+
+
+OPCODE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)")
+
+
+def _longest_loop(sass: str) -> list[str]:
+    """The instruction lines of the longest loop: between a label and a later branch back to
+    it (the K loop)."""
+    labels, body, best = {}, [], []
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(body)
+        elif m := OPCODE.search(line):
+            body.append(line)
+            target = re.search(r"BRA\s+(?:\S+\s+)?`?\(?(\.L_x_\d+)", line)
+            if m.group(1) == "BRA" and target and target.group(1) in labels:
+                loop = body[labels[target.group(1)]:]
+                if len(loop) > len(best):
+                    best = loop
+    return best
+
+
+def _loop_ops(sass: str) -> collections.Counter:
+    """The opcodes of the longest loop, "total" their count."""
+    ops = collections.Counter(OPCODE.search(line).group(1) for line in _longest_loop(sass))
+    ops["total"] = sum(ops.values())
+    return ops
+
+
+def _loop_copy_wait(sass: str) -> int | None:
+    """N of the longest loop's first wait on its async copies (DEPBAR.LE SB0, N): the copy
+    groups it leaves in flight while it computes. 0 means it waits for every copy issued, so
+    no load overlaps the loop's math (what a block-table lookup in front of the loads gives);
+    None, no wait in the loop."""
+    for line in _longest_loop(sass):
+        if m := re.search(r"DEPBAR\.LE\s+SB0,\s*(0x[0-9a-f]+|\d+)", line):
+            return int(m.group(1), 0)
+    return None
+
+
+def moe_quant(args: argparse.Namespace) -> dict:
+    from moeserve.kernels.linear import nvfp4_tile
+    from moeserve.kernels.moe.quant import fused_triton
+
+    bm, bn, bk, warps, stages = args.tile
+    fmt = args.format
+    weight = {"fp8": "*fp8e4nv", "nvfp4": "*u8", "int4": "*i32"}[fmt]
+    scale = {"fp8": "*fp32", "nvfp4": "*fp8e4nv", "int4": "*bf16"}[fmt]
+    pointers = {"a_ptr": "*fp8e4nv" if fmt == "fp8" else "*bf16", "as_ptr": "*fp32",
+                "b_ptr": weight, "bs_ptr": scale, "bg_ptr": "*fp32", "c_ptr": "*bf16",
+                "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"}
+    const = dict(FORMAT=fused_triton.FORMAT_IDS[fmt],
+                 GROUP={"fp8": 128, "nvfp4": 16, "int4": 32}[fmt],
+                 SCALE_ROWS=128 if fmt == "fp8" else 1,
+                 ONE_SCALE_ROW=fmt == "fp8" and 128 % bn == 0 and not args.row_scales,
+                 A_ROW_DIV=8 if args.gated else 1,
+                 GATED=args.gated, EVEN_K=True, DOT_PRECISION="tf32", NATIVE_FP8=True,
+                 DECODE=nvfp4_tile.DECODES.index(args.decode),
+                 PREFETCH=fmt == "fp8" and args.prefetch, BLOCK_M=bm, BLOCK_N=bn,
+                 BLOCK_K=bk, GROUP_M=1, stride_bk=1, stride_sk=1)
+    kernel = fused_triton._kernel()
+    return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
+
+
+def w4a16(args: argparse.Namespace) -> dict:
+    from moeserve.kernels.linear import nvfp4_tile, w4a16_triton
+
+    bm, bn, bk, warps, stages = args.tile
+    pointers = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32",
+                "bias_ptr": "*bf16", "out_ptr": "*bf16" if args.split == 1 else "*fp32"}
+    const = dict(NVFP4=True, GROUP=16, HAS_BIAS=False, DOT_PRECISION="tf32", NATIVE_FP8=True,
+                 DECODE=nvfp4_tile.DECODES.index(args.decode), BLOCK_M=bm, BLOCK_N=bn,
+                 BLOCK_K=bk, SPLIT_K=args.split, EVEN_K=True, stride_xk=1, stride_qk=1,
+                 stride_sk=1, stride_on=1)
+    kernel = w4a16_triton._kernels().w4a16
+    return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
+
+
+MLA_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
+                "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
+                "sel_ptr": "*i32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "query_start_loc_ptr": "*i32", "rows_ptr": "*i32", "token_to_req_ptr": "*i32",
+                "scale_log2": "fp32"}
+
+
+def mla_decode(args: argparse.Namespace) -> dict:
+    """The absorbed MLA decode kernel (kernels/attention/mla_triton.py) at DeepSeek / GLM's
+    latent (L 512 + R 64), bf16, a row's heads split into tiles of at most BM."""
+    from moeserve.kernels.attention import mla_triton
+    from moeserve.kernels.triton_common import next_pow2
+
+    bm, bn, warps, stages = args.tile
+    tiles, per_tile = mla_triton.head_tiles(args.heads, bm)
+    const = dict(NUM_HEADS=args.heads, HEADS_PER_TILE=per_tile,
+                 BLOCK_H=max(16, next_pow2(per_tile)), L=512, R=64,
+                 BLOCK_SIZE=args.block_size, BLOCK_N=bn, USE_ROWS=False, SPLIT=args.split,
+                 IEEE=False)
+    kernel = mla_triton._kernels().decode
+    return {"head_tiles": tiles,
+            **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
+
+
+def dsa_sparse(args: argparse.Namespace) -> dict:
+    """DSA's sparse MLA (kernels/attention/dsa_triton.py's _sparse_attention_kernel) at
+    GLM-5's latent (L 512 + R 64), bf16: a token's heads in tiles of at most BM over its
+    selected positions, BN a step."""
+    from moeserve.kernels.attention import dsa_triton, mla_triton
+    from moeserve.kernels.triton_common import next_pow2
+
+    bm, bn, warps, stages = args.tile
+    tiles, per_tile = mla_triton.head_tiles(args.heads, bm)
+    const = dict(NUM_HEADS=args.heads, HEADS_PER_TILE=per_tile,
+                 BLOCK_H=max(16, next_pow2(per_tile)), L=512, R=64,
+                 BLOCK_SIZE=args.block_size, BLOCK_N=bn, IEEE=False, TILES_FIRST=True)
+    kernel = dsa_triton._kernels().sparse_attention
+    return {"head_tiles": tiles,
+            **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
+
+
+def _nospec(args: argparse.Namespace, kernel) -> set[str]:
+    if args.nospec is not None:
+        return set(args.nospec)
+    names = list(inspect.signature(kernel.fn).parameters)  # the list holds names or indices
+    return {names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="kernel", required=True)
+    for name in ("moe-quant", "w4a16"):
+        p = sub.add_parser(name)
+        p.add_argument("--tile", type=int, nargs=5, required=True,
+                       metavar=("BM", "BN", "BK", "WARPS", "STAGES"))
+        p.add_argument("--decode", choices=("bits", "asm"), default="bits")
+        p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
+        if name == "moe-quant":
+            p.add_argument("--format", choices=("fp8", "nvfp4", "int4"), default="nvfp4")
+            p.add_argument("--down", dest="gated", action="store_false",
+                           help="the down launch (default: the gated one)")
+            p.add_argument("--row-scales", action="store_true",
+                           help="fp8: a weight scale per row loaded (not one per tile)")
+            p.add_argument("--prefetch", action="store_true",
+                           help="fp8: the scales loaded a K step ahead (prefetch_scales)")
+        else:
+            p.add_argument("--split", type=int, default=1, help="SPLIT_K")
+    for name in ("mla-decode", "dsa-sparse"):
+        p = sub.add_parser(name)
+        p.add_argument("--tile", type=int, nargs=4, required=True,
+                       metavar=("BM", "BN", "WARPS", "STAGES"))
+        p.add_argument("--heads", type=int, default=64)
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
+        if name == "mla-decode":
+            p.add_argument("--split", action="store_true", help="the split-K variant")
+    args = parser.parse_args()
+    report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
+              "dsa-sparse": dsa_sparse}[args.kernel](args)
+    print(json.dumps({"kernel": args.kernel, **{k: v for k, v in vars(args).items()
+                                               if k != "kernel"}, **report}))
+
+
+if __name__ == "__main__":
+    main()

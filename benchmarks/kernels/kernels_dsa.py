@@ -1,0 +1,246 @@
+"""DSA on the GPU (issue 17): the indexer's scoring, query tiles against one token a program;
+and the decode step's whole sparse attention against its read bound and against dense MLA.
+
+Shape: GLM-5's lightning indexer (32 heads x 128, bf16 keys, blocks of 64 scattered over one
+pool, index_topk 2048). Each case is first checked on integer-valued data (every score exact,
+so any summation order selects alike): `indexer_topk_triton` equal to `indexer_topk_ref`, and
+the one-token scoring's sort keys equal to the tiles' (`index_score_chunks(block_q=1)`, the
+pre-tile kernel's work: every key tile loaded once per token). Then, on random data, timed with
+triton.testing.do_bench: the scoring launches alone, tiled and one token a program, and the
+whole op (scoring + torch.topk). Reports ms, the key bytes each scoring reads (a program loads
+its visible key tiles whole: ceil(kv / BLOCK_N) * BLOCK_N * D * 2 B per tile or token) and the
+achieved rate of those bytes. Decode-only steps run one token a program either way (listed as
+the baseline).
+
+Decode step (`decode_cases`): GLM-5's attention per layer, one decode token a row at batch 32
+to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the latent cache
+(576 values, 1,152 bytes a token) over the same scattered blocks. Timed apart: the indexer
+(scores + top-k), the top-k alone (torch.topk of the step's sort keys), the sparse MLA over the
+2,048 selected positions (with --tiles, also at those TileConfigs), and dense MLA
+(mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
+issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
+MLA; the dense kernel's own read bound is context x 1,152 bytes a row. The selection and the
+sparse output are first checked against the references on the first rows.
+
+Writes kernels_dsa.json to --out (`--no-decode` skips the decode step, `--decode-only` the
+scoring section).
+
+    python -m benchmarks.kernels.kernels_dsa --out DIR
+    python -m benchmarks.kernels.kernels_dsa --out DIR --smoke   # tiny shapes, CPU interpreter
+    python -m benchmarks.kernels.kernels_dsa --out DIR --decode-only --tiles 64,32,8,3 32,32,8,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+# none imports triton (the kernels do on first use, after --smoke set the interpreter)
+from benchmarks.kernels.kernel_runs import Timer, make_timer, record
+from benchmarks.kernels.kernels_mla import parse_tile
+from moeserve.kernels.attention import dsa_triton, mla_triton
+from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref
+from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+
+HEADS, DIM, BLOCK, TOPK = 32, 128, 64, 2048
+CASES = (  # (name, computed tokens per row, new tokens per row)
+    ("chunk_64_after_8k", [8128], [64]),
+    ("chunk_512_after_8k", [8192], [512]),
+    ("fresh_2048", [0], [2048]),
+    ("4x512_after_4k", [4096] * 4, [512] * 4),
+    ("32_decodes_8k_and_chunk_256_after_4k", [8191] * 32 + [4096], [1] * 32 + [256]),
+    ("decode_32x8k", [8191] * 32, [1] * 32),
+)
+SMOKE = (("chunk_17_after_40", [40], [17]), ("2_decodes_and_chunk_9", [30, 5, 0], [1, 1, 9]))
+# the decode step: (name, batch, context); GLM-5's MLA: 64 heads, latent 512 + rope 64
+DECODE_CASES = (("decode_b32_ctx8k", 32, 8192), ("decode_b32_ctx64k", 32, 65536),
+                ("decode_b128_ctx32k", 128, 32768), ("decode_b256_ctx8k", 256, 8192),
+                ("decode_b256_ctx64k", 256, 65536))
+SMOKE_DECODE = (("decode_b3_ctx40", 3, 40),)
+MLA_HEADS, LATENT, ROPE = 64, 512, 64
+COPY_TBPS = 4.27  # ANCHORS.md: the H200's copy rate
+CHECK_ROWS = 2  # rows of each decode case checked against the references
+
+
+def make_step(computed: list[int], scheduled: list[int], block: int, device: str,
+              dtype: torch.dtype, integers: bool, seed: int = 0) -> tuple:
+    """(q [T, H, D], w [T, H] fp32, index cache, metadata) over shuffled blocks."""
+    rng = np.random.default_rng(seed)
+    need = [-(-(c + s) // block) for c, s in zip(computed, scheduled)]
+    free = rng.permutation(np.arange(1, sum(need) + 2)).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in need]
+    meta = build_attention_metadata(computed, scheduled, tables, block, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape_q, shape_c = (meta.num_tokens, HEADS, DIM), (sum(need) + 2, block, DIM)
+    if integers:
+        q = torch.randint(-2, 3, shape_q, generator=gen, device=device).to(dtype)
+        cache = torch.randint(-2, 3, shape_c, generator=gen, device=device).to(dtype)
+        w = torch.randint(-2, 3, shape_q[:2], generator=gen, device=device) * 0.25
+    else:
+        q = torch.randn(shape_q, generator=gen, device=device).to(dtype)
+        cache = torch.randn(shape_c, generator=gen, device=device).to(dtype)
+        w = torch.randn(shape_q[:2], generator=gen, device=device) * HEADS ** -0.5
+    return q, w.float(), cache, meta
+
+
+def key_bytes(meta: AttentionMetadata, block_q: int, block_n: int) -> int:
+    """Key bytes the scoring loads: each tile of block_q consecutive tokens of a row (1: each
+    token) loads its last token's visible key tiles whole."""
+    pos, seq = meta.positions.cpu().numpy(), meta.seq_lens_np
+    rows, starts = meta.token_to_req_np, np.cumsum(meta.query_lens_np) - meta.query_lens_np
+    last = (np.arange(len(pos)) - starts[rows]) % block_q == block_q - 1
+    last |= np.r_[rows[1:] != rows[:-1], True]  # a row's last token ends its tile
+    visible = np.minimum(pos[last] + 1, seq[rows[last]])
+    return int((-(-visible // block_n) * block_n).sum()) * DIM * 2
+
+
+def run_case(name: str, computed: list[int], scheduled: list[int], device: str,
+             timer: Timer) -> dict:
+    dtype, scale = (torch.bfloat16, DIM ** -0.5) if device == "cuda" else (torch.float32, 0.1)
+    block, topk = (BLOCK, TOPK) if device == "cuda" else (16, 8)
+    q, w, cache, meta = make_step(computed, scheduled, block, device, dtype, integers=True)
+    got, _ = dsa_triton.indexer_topk_triton(q, w, cache, meta, 0.25, topk)
+    want, _ = indexer_topk_ref(q, w, cache, meta, 0.25, topk)
+    assert torch.equal(got, want), f"{name}: the tiled selection differs from the reference"
+    tiled = [k for _, _, k in dsa_triton.index_score_chunks(q, w, cache, meta, 0.25)]
+    single = [k for _, _, k in dsa_triton.index_score_chunks(q, w, cache, meta, 0.25, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(tiled, single)), f"{name}: keys differ"
+    q, w, cache, meta = make_step(computed, scheduled, block, device, dtype, integers=False)
+    decode = bool((meta.query_lens_np == 1).all())
+    block_q = 1 if decode else dsa_triton.index_block_q(HEADS)
+    block_n = dsa_triton.index_block_n(DIM)
+
+    def scores(bq: int | None) -> Callable[[], object]:
+        return lambda: [k for _, _, k in dsa_triton.index_score_chunks(q, w, cache, meta,
+                                                                        scale, bq)]
+
+    row: dict = {"case": name, "rows": len(computed), "tokens": meta.num_tokens,
+                 "max_seq_len": meta.max_seq_len, "block_q": block_q}
+    for label, bq in (("tiled", None), ("one_token", 1)):
+        ms = timer(scores(bq))
+        nbytes = key_bytes(meta, block_q if bq is None else 1, block_n)
+        row[label] = {"score_ms": round(ms, 4), "key_mib": round(nbytes / 2 ** 20, 2),
+                      "key_gb_per_s": round(nbytes / ms / 1e6, 1)}
+    row["topk_op_ms"] = round(timer(lambda: dsa_triton.indexer_topk_triton(
+        q, w, cache, meta, scale, topk)), 4)
+    row["score_speedup"] = round(row["one_token"]["score_ms"] / row["tiled"]["score_ms"], 2)
+    return row
+
+
+def decode_bound_ms(batch: int, context: int, topk: int, index_dim: int, width: int,
+                    itemsize: int) -> tuple[float, float]:
+    """(DSA's read bound, dense MLA's) in ms for one decode step (module doc)."""
+    sparse = batch * (context * index_dim + min(topk, context) * width) * itemsize
+    dense = batch * context * width * itemsize
+    return (sparse / (COPY_TBPS * 1e12) * 1e3, dense / (COPY_TBPS * 1e12) * 1e3)
+
+
+def run_decode_case(name: str, batch: int, context: int, device: str,
+                    timer: Timer, tiles: tuple = ()) -> dict:
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    block, topk = (BLOCK, TOPK) if cuda else (16, 8)
+    heads, latent, rope = (MLA_HEADS, LATENT, ROPE) if cuda else (4, 32, 16)
+    scale, mla_scale = DIM ** -0.5, (128 + 64) ** -0.5
+    rows = [context - 1] * batch, [1] * batch
+
+    def latent_step(n: int, num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(absorbed queries [n, H, L + R], a latent cache over num_blocks blocks)."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        q = torch.randn(n, heads, latent + rope, generator=gen, device=device).to(dtype)
+        return q, torch.randn(num_blocks, block, latent + rope, generator=gen,
+                              device=device).to(dtype)
+
+    # the check: the first rows' selection and sparse output against the references
+    q_i, w, index_cache, meta = make_step(rows[0][:CHECK_ROWS], rows[1][:CHECK_ROWS], block,
+                                          device, dtype, integers=True, seed=3)
+    got, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta, 0.25, topk)
+    want, _ = indexer_topk_ref(q_i, w, index_cache, meta, 0.25, topk)
+    assert torch.equal(got, want), f"{name}: the selection differs from the reference"
+    q, cache = latent_step(CHECK_ROWS, index_cache.shape[0], 4)
+    out = dsa_triton.dsa_attention_triton(q, cache, meta, got, mla_scale, latent).float()
+    ref = dsa_attention_ref(q.float(), cache.float(), meta, got, mla_scale, latent).float()
+    err = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+    assert err <= (1e-5 if dtype == torch.float32 else 2 ** -6), f"{name}: sparse MLA {err:.3g}"
+    # the timed step
+    q_i, w, index_cache, meta = make_step(*rows, block, device, dtype, integers=False)
+    q, cache = latent_step(batch, index_cache.shape[0], 5)
+    positions, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta, scale, topk)
+    keys = torch.cat([k for _, _, k in dsa_triton.index_score_chunks(q_i, w, index_cache, meta,
+                                                                      scale)])
+    k = min(topk, keys.shape[1])
+    row: dict = {"case": name, "batch": batch, "context": context, "mla_heads": heads,
+                 "topk": topk, "check_error": err}
+    row["indexer_ms"] = timer(lambda: dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta,
+                                                                     scale, topk))
+    row["score_ms"] = timer(lambda: [c for _, _, c in dsa_triton.index_score_chunks(
+        q_i, w, index_cache, meta, scale)])
+    row["topk_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
+    row["sparse_mla_ms"] = timer(lambda: dsa_triton.dsa_attention_triton(
+        q, cache, meta, positions, mla_scale, latent))
+    base = dsa_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,
+                                           latent).float()  # checked above, on a small step
+    for tile in tiles:  # the sparse MLA at other tiles (--tiles), first checked against it
+        run = functools.partial(dsa_triton.dsa_attention_triton, q, cache, meta, positions,
+                                mla_scale, latent, config=tile)
+        err = float((run().float() - base).abs().max() / base.abs().max())
+        assert err <= 2 ** -6, f"{name}: sparse MLA at {tile}: {err:.3g} from the default"
+        key = f"{tile.block_m},{tile.block_n},{tile.num_warps},{tile.num_stages}"
+        row.setdefault("sparse_mla_tiles", {})[key] = round(timer(run), 4)
+    row["dense_mla_ms"] = timer(lambda: mla_triton.mla_attention_triton(q, cache, meta,
+                                                                        mla_scale, latent))
+    row = {key: round(v, 4) if isinstance(v, float) and key != "check_error" else v
+           for key, v in row.items()}
+    dsa_ms = row["indexer_ms"] + row["sparse_mla_ms"]
+    bound, dense_bound = decode_bound_ms(batch, context, topk, DIM, latent + rope,
+                                         q.element_size())
+    row.update({"dsa_ms": round(dsa_ms, 4), "read_bound_ms": round(bound, 4),
+                "pct_of_bound": round(100 * bound / dsa_ms, 1),
+                "dense_read_bound_ms": round(dense_bound, 4),
+                "dense_pct_of_bound": round(100 * dense_bound / row["dense_mla_ms"], 1),
+                "speedup_vs_dense": round(row["dense_mla_ms"] / dsa_ms, 2),
+                "bytes_predicted_speedup": round(dense_bound / bound, 2)})
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for kernels_dsa.json")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU through Triton's interpreter (no timing)")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode step")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode step")
+    parser.add_argument("--tiles", nargs="+", default=[], metavar="BM,BN,W,S",
+                        help="also time the decode step's sparse MLA at these TileConfigs")
+    args = parser.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import triton
+        device, cases, decode_cases = "cpu", SMOKE, SMOKE_DECODE
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("kernels_dsa needs a CUDA GPU (or --smoke)")
+        device, cases, decode_cases = "cuda", CASES, DECODE_CASES
+    timer = make_timer(args.smoke, warmup_ms=25, rep_ms=100)
+    from benchmarks.engine.w1_offline import environment
+
+    os.makedirs(args.out, exist_ok=True)
+    result: dict = {"environment": environment(), "shape": {
+        "heads": HEADS, "dim": DIM, "block_size": BLOCK, "topk": TOPK}, "cases": []}
+    path = os.path.join(args.out, "kernels_dsa.json")
+    result["decode"] = []
+    runs = [] if args.decode_only else [("cases", run_case, c) for c in cases]
+    tiles = tuple(parse_tile(t) for t in args.tiles)
+    decode = functools.partial(run_decode_case, tiles=tiles)
+    runs += [] if args.no_decode else [("decode", decode, c) for c in decode_cases]
+    for section, run, (name, *case) in runs:
+        record(result, section, run(name, *case, device, timer), path, device)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

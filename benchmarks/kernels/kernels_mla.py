@@ -1,0 +1,189 @@
+"""The absorbed MLA decode kernel (kernels/attention/mla_triton.py) on the GPU against its bound
+(issue 16): max(read bound, FLOP bound), per case.
+
+Shape: DeepSeek / GLM latent (kv_lora_rank L 512 + rope R 64 = 576 values a cached token, bf16:
+1,152 bytes a token a layer), the query heads of GLM-4.7-Flash (20), GLM-5 (64) and
+DeepSeek-V3 (128). Each case is one decode step of `batch` rows at the given context (every
+row's keys in blocks scattered over one pool, as a long-running server's are), or W1's:
+contexts drawn from 129..256 (128 prompt tokens, up to 128 generated; mean about 192).
+
+    read bound   = batch x context x 1,152 B / 4.27 TB/s           (the latent cache, once)
+    FLOP bound   = 2 x heads x (576 + 512) x batch x context / 787 TFLOP/s
+                   (the score dot over L + R, the value dot over L)
+    bound        = max of the two; pct_of_bound = 100 x bound / measured
+
+Each case is first checked against `mla_attention_ref` on its first rows (a small step with
+the same heads and contexts), then timed with triton.testing.do_bench: the whole op (decode
+kernel, and the split reduce when the context is split). Writes kernels_mla.json to --out
+after each case (a run cut short keeps what it measured).
+
+    python -m benchmarks.kernels.kernels_mla --out DIR [--heads 20 64 128] [--block-size 16]
+    python -m benchmarks.kernels.kernels_mla --out DIR --smoke   # tiny shapes, CPU interpreter
+    python -m benchmarks.kernels.kernels_mla --out DIR --tiles 16,64,4,2 32,32,8,2
+        # each case at each tile
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import numpy as np
+import torch
+
+from benchmarks.kernels.kernel_runs import Timer, make_timer, record
+
+# neither imports triton (the kernels do on first use, after --smoke set the interpreter)
+from moeserve.kernels.attention import mla_triton
+from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from moeserve.kernels.attention.mla import mla_attention_ref
+
+LATENT, ROPE = 512, 64  # kv_lora_rank, qk_rope_head_dim (DeepSeek-V3, GLM-4.7-Flash, GLM-5)
+SCALE = (128 + 64) ** -0.5  # (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # ANCHORS.md: the H200's copy rate, bf16 dense peak
+HEADS = (20, 64, 128)
+# (name, batch, context): a fixed context, or "w1" (contexts drawn from 129..256)
+CASES = tuple((f"b{b}_ctx{c}", b, c) for b in (256, 1024, 2048) for c in (1024, 4096)) + (
+    ("w1_b1024", 1024, "w1"), ("w1_b2048", 2048, "w1"))
+SMOKE_CASES = (("b3_ctx40", 3, 40), ("w1_b4", 4, "w1"))
+CHECK_ROWS = 8  # rows of the small step each case is checked on
+
+
+def contexts(batch: int, context: int | str, seed: int = 0) -> list[int]:
+    """Each row's context (its cached tokens, this step's one included)."""
+    if context == "w1":
+        return np.random.default_rng(seed).integers(129, 257, batch).tolist()
+    return [int(context)] * batch
+
+
+def make_step(ctx: list[int], heads: int, latent: int, rope: int, block: int, device: str,
+              dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor,
+                                                          AttentionMetadata]:
+    """(q [B, H, L + R], latent cache [blocks, block, L + R], metadata) for one decode step:
+    each row's blocks drawn without replacement from a shuffled pool (block 0, the null
+    block, never)."""
+    rng = np.random.default_rng(seed)
+    need = [-(-c // block) for c in ctx]
+    free = rng.permutation(np.arange(1, sum(need) + 1))
+    bounds = np.cumsum([0, *need])
+    tables = [free[bounds[i]:bounds[i + 1]].tolist() for i in range(len(ctx))]
+    meta = build_attention_metadata([c - 1 for c in ctx], [1] * len(ctx), tables, block, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(len(ctx), heads, latent + rope, generator=gen, device=device).to(dtype)
+    cache = torch.randn(sum(need) + 1, block, latent + rope, generator=gen,
+                        device=device).to(dtype)
+    return q, cache, meta
+
+
+def bounds(ctx: list[int], heads: int, latent: int, rope: int, itemsize: int) -> dict:
+    """The case's read and FLOP bounds in ms (module doc)."""
+    tokens = sum(ctx)
+    read_ms = tokens * (latent + rope) * itemsize / (COPY_TBPS * 1e12) * 1e3
+    flops = 2 * heads * (latent + rope + latent) * tokens
+    flop_ms = flops / (DENSE_TFLOPS * 1e12) * 1e3
+    return {"read_bound_ms": read_ms, "flop_bound_ms": flop_ms, "flops": flops,
+            "bound_ms": max(read_ms, flop_ms),
+            "bound": "memory" if read_ms >= flop_ms else "compute"}
+
+
+def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device: str,
+          dtype: torch.dtype, cfg: mla_triton.TileConfig) -> float:
+    """The kernel against `mla_attention_ref` on a small step of this case's first rows: the
+    largest error relative to the output's scale (raises past the dtype's bound)."""
+    q, cache, meta = make_step(ctx[:CHECK_ROWS], heads, latent, rope, block, device, dtype, 1)
+    got = mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
+                                          decode_config=cfg).float()
+    want = mla_attention_ref(q.float(), cache.float(), meta, SCALE, latent).float()
+    err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+    bound = 1e-5 if dtype == torch.float32 else 2 ** -6
+    if not err <= bound:
+        raise SystemExit(f"MLA decode ({cfg}) differs from the reference: {err:.3g} of the "
+                         f"output scale (bound {bound:g})")
+    return err
+
+
+def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
+             device: str, dtype: torch.dtype, timer: Timer,
+             tiles: list[mla_triton.TileConfig | None]) -> list[dict]:
+    """One case, one step built, timed at each tile (None: the kernel's default)."""
+    latent, rope, block = shape["latent"], shape["rope"], shape["block_size"]
+    ctx = contexts(batch, context)
+    q, cache, meta = make_step(ctx, heads, latent, rope, block, device, dtype)
+    b = bounds(ctx, heads, latent, rope, q.element_size())
+    rows = []
+    for tile in tiles:
+        cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)
+        head_tiles = mla_triton.head_tiles(heads, cfg.block_m)[0]
+        err = check(ctx, heads, latent, rope, block, device, dtype, cfg)
+        splits = mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len)
+        ms = timer(lambda cfg=cfg: mla_triton.mla_attention_triton(
+            q, cache, meta, SCALE, latent, decode_config=cfg))
+        rows.append({
+            "case": name, "heads": heads, "batch": batch, "context": context,
+            "mean_context": round(float(np.mean(ctx)), 1), "splits": splits,
+            "head_tiles": head_tiles, "tile": dataclasses.asdict(cfg),
+            "check_error": err, "ms": round(ms, 4),
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in b.items()},
+            "pct_of_bound": round(100 * b["bound_ms"] / ms, 1),
+            "tflops": round(b["flops"] / (ms * 1e-3) / 1e12, 1),
+            "cache_gb_per_s": round(sum(ctx) * (latent + rope) * 2 / ms / 1e6, 1)})
+    return rows
+
+
+def parse_tile(text: str) -> mla_triton.TileConfig:
+    """'32,32,8,2' -> TileConfig(block_m 32, block_n 32, num_warps 8, num_stages 2)."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+        raise SystemExit(f"--tiles: {text!r} is not BM,BN,W,S (four integers)")
+    try:
+        return mla_triton.TileConfig(*(int(p) for p in parts))
+    except ValueError as exc:
+        raise SystemExit(f"--tiles: {text!r}: {exc}") from None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for kernels_mla.json")
+    parser.add_argument("--heads", type=int, nargs="+", default=list(HEADS))
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens a KV block (the engine's default: 16)")
+    parser.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN,W,S",
+                        help="decode TileConfigs to time each case at (heads a program, keys "
+                             "an iteration, warps, stages); default: the kernel's default")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU through Triton's interpreter (no timing)")
+    args = parser.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import triton
+        device, dtype, cases = "cpu", torch.float32, SMOKE_CASES
+        shape = {"latent": 32, "rope": 16, "block_size": 8}
+        heads = [min(h, 4) for h in args.heads[:1]]
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("kernels_mla needs a CUDA GPU (or --smoke)")
+        device, dtype, cases = "cuda", torch.bfloat16, CASES
+        shape = {"latent": LATENT, "rope": ROPE, "block_size": args.block_size}
+        heads = args.heads
+    timer = make_timer(args.smoke, warmup_ms=10, rep_ms=50)
+    from benchmarks.engine.w1_offline import environment
+
+    os.makedirs(args.out, exist_ok=True)
+    result: dict = {"environment": environment(),
+                    "config": {**vars(args), **shape, "dtype": str(dtype), "scale": SCALE,
+                               "copy_tbps": COPY_TBPS, "dense_tflops": DENSE_TFLOPS,
+                               "timer": "one eager call (smoke)" if args.smoke
+                               else "triton.testing.do_bench, warmup 10 ms, rep 50 ms"},
+                    "cases": []}
+    path = os.path.join(args.out, "kernels_mla.json")
+    tiles = [parse_tile(t) for t in args.tiles] if args.tiles else [None]
+    for h in heads:
+        for name, batch, context in cases:
+            for row in run_case(name, batch, context, h, shape, device, dtype, timer,
+                                tiles):
+                record(result, "cases", row, path, device)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

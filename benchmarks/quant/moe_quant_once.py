@@ -1,0 +1,70 @@
+"""One routed-experts call for a kernel profiler (Nsight Compute): kernels_quant.py's weights,
+routing and op at one format, expert shape and token count, compiled and warmed up first, then
+the measured calls between cudaProfilerStart and cudaProfilerStop, so that
+`ncu --profile-from-start off` sees only them.
+
+    source benchmarks/gpu_env.sh
+    ncu --profile-from-start off --target-processes all -k regex:_fused_moe \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        --section SourceCounters -o $OUT/nvfp4_t64 \
+        python3 -m benchmarks.quant.moe_quant_once --format nvfp4 --tokens 64
+    ncu --import $OUT/nvfp4_t64.ncu-rep --page details > $OUT/nvfp4_t64.txt
+
+Without ncu it prints the op's median time over the measured calls (CUDA events), a check that
+the call runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+
+def main() -> None:
+    from benchmarks.quant.kernels_quant import FORMATS, make_weight, moe_op, moe_shapes
+    from moeserve.kernels.moe.timer import random_tokens
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--format", choices=FORMATS, default="nvfp4")
+    parser.add_argument("--shape", default="qwen3-30b-a3b", help="a preset's expert shape")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tiles", choices=("tuned", "default"), default="tuned")
+    parser.add_argument("--calls", type=int, default=2, help="measured calls")
+    parser.add_argument("--nvfp4-decode", choices=("bits", "asm"), default=None,
+                        help="kernels/linear/nvfp4_tile.py's decode (default: as set there)")
+    args = parser.parse_args()
+    if args.nvfp4_decode:
+        from moeserve.kernels.linear import nvfp4_tile
+
+        nvfp4_tile.decode = args.nvfp4_decode
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_quant_once needs a CUDA GPU")
+    num_experts, hidden, inter, top_k = moe_shapes([args.shape], False)[args.shape]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dtype = torch.bfloat16
+    w13 = make_weight(args.format, (num_experts, 2 * inter, hidden), dtype, "cuda", gen)
+    w2 = make_weight(args.format, (num_experts, hidden, inter), dtype, "cuda", gen)
+    x, weights, ids = random_tokens(args.tokens, hidden, num_experts, top_k, dtype, gen)
+    fn = moe_op(args.format, x, w13, w2, weights, ids, args.tiles)
+    for _ in range(3):  # compiles and warms up outside the profiled range
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    torch.cuda.profiler.start()
+    for _ in range(args.calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    torch.cuda.profiler.stop()
+    print(f"{args.format} {args.shape} T{args.tokens}: {statistics.median(times):.4f} ms "
+          f"(median of {args.calls} eager calls)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The quantized kernels' module switches that benchmarks/quant/kernels_quant.py times each setting
+of: a benchmark's rows run with one switch set, each row of the switch's formats tagged with
+the value it ran with.
+
+    decode         kernels/linear/nvfp4_tile.py `decode`            nvfp4   bits | asm
+    prefetch       kernels/moe/quant/fused_triton.py `prefetch_scales`  fp8  off | on
+    w4a16_backend  kernels/linear/w4a16_dequant.py `backend`        nvfp4, int4 linears
+    moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Switch:
+    module: str
+    attr: str
+    formats: tuple[str, ...]
+    convert: Callable[[str], object] = str  # the command line's value -> the module's
+
+
+SWITCHES = {
+    "decode": Switch("moeserve.kernels.linear.nvfp4_tile", "decode", ("nvfp4",)),
+    "prefetch": Switch("moeserve.kernels.moe.quant.fused_triton", "prefetch_scales", ("fp8",),
+                       lambda v: v == "on"),
+    "w4a16_backend": Switch("moeserve.kernels.linear.w4a16_dequant", "backend",
+                            ("nvfp4", "int4")),
+    "moe_dequant": Switch("moeserve.kernels.moe.quant.dequant", "mode", ("nvfp4", "int4")),
+}
+
+
+def with_switch(tag: str, value: str | None, bench: Callable[[], list[dict]]) -> list[dict]:
+    """bench()'s rows with switch `tag` set to value (None: as set), the rows of its formats
+    tagged with the value the module held."""
+    switch = SWITCHES[tag]
+    module = importlib.import_module(switch.module)
+    before = getattr(module, switch.attr)
+    setattr(module, switch.attr, before if value is None else switch.convert(value))
+    try:
+        rows = bench()
+    finally:
+        chosen = getattr(module, switch.attr)
+        setattr(module, switch.attr, before)
+    for row in rows:
+        if row["format"] in switch.formats:
+            row[tag] = chosen
+    return rows
+
+
+def switched(settings: list[tuple[str, str | None]],
+             bench: Callable[[], list[dict]]) -> list[dict]:
+    """bench() under every (tag, value) of settings at once."""
+    for tag, value in settings:
+        bench = _bind(tag, value, bench)
+    return bench()
+
+
+def _bind(tag: str, value: str | None, bench: Callable[[], list[dict]]
+          ) -> Callable[[], list[dict]]:
+    return lambda: with_switch(tag, value, bench)
