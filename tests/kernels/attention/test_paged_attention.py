@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,3 +149,30 @@ def test_write_kv_puts_tokens_at_their_slots() -> None:
     written[slot_mapping] = True
     untouched = kv_cache.view(2, -1, kvh, HEAD_DIM)[:, ~written]
     assert untouched.isnan().all()
+
+
+def test_select_rows_gives_a_slice_for_consecutive_tokens() -> None:
+    """A subset of rows whose tokens are consecutive selects them by a slice (a view, no
+    gather), any other by device indices; the sub-step's metadata is the same either way."""
+    from moeserve.kernels.attention.metadata import select_rows
+
+    computed, scheduled = [5, 9, 0, 3, 0], [1, 1, 4, 1, 6]  # tokens: 0, 1, 2-5, 6, 7-12
+    tables = [[0, 1], [2, 3], [4], [5], [6, 7]]
+    meta = build_attention_metadata(computed, scheduled, tables, 8, "cpu")
+    first, tok = select_rows(meta, np.array([0, 1, 2]))
+    assert tok == slice(0, 6)
+    later, tok_later = select_rows(meta, np.array([3, 4]))
+    assert tok_later == slice(6, 13)
+    apart, tok_apart = select_rows(meta, np.array([0, 3]))
+    assert isinstance(tok_apart, torch.Tensor) and tok_apart.tolist() == [0, 6]
+    x = torch.arange(13)
+    assert x[tok].tolist() == list(range(6)) and x[tok_later].tolist() == list(range(6, 13))
+    for sub, rows in ((first, [0, 1, 2]), (later, [3, 4]), (apart, [0, 3])):
+        want = build_attention_metadata([computed[r] for r in rows],
+                                        [scheduled[r] for r in rows],
+                                        [tables[r] for r in rows], 8, "cpu")
+        for name in ("positions", "slot_mapping", "seq_lens", "query_start_loc",
+                     "token_to_req"):
+            assert torch.equal(getattr(sub, name), getattr(want, name)), name
+        assert torch.equal(sub.block_tables[:, :want.block_tables.shape[1]],
+                           want.block_tables)
