@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 16 on the H200: the MLA family served end to end (glm-4.7-flash, bf16, dummy, the
+# committed MoE tiles). One GPU call per invocation; everything goes to /tmp/i16 and comes back
+# as $OUT/issue16.tgz (a call returns at most 8 files).
+#   bash benchmarks/h200/mla_h200.sh tests   # pytest -m gpu over the MLA / DSA kernel files and
+#                                            # the MLA presets' bf16 agreement (~4 min)
+#   bash benchmarks/h200/mla_h200.sh w1      # W1 at CONC (default 256 512 1024) through the
+#                                            # server, the defaults then --mixed-cuda-graphs,
+#                                            # and the decode and mixed step profile at 1,024
+#                                            # rows (~6 min)
+#   bash benchmarks/h200/mla_h200.sh tiles PRESET...   # tune each preset's MoE tiles at one
+#                                            # engine start (BUDGET s each, default 150) and
+#                                            # bring the files back to commit under
+#                                            # moeserve/kernels/moe/configs/
+set -uo pipefail
+source benchmarks/gpu_env.sh
+R=/tmp/i16
+mkdir -p "$R"
+PRESET=${PRESET:-glm-4.7-flash}
+case "${1:?usage: mla_h200.sh tests|w1|tiles PRESET...}" in
+  tests)
+    timeout 170 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
+      tests/kernels/attention/test_mla_triton.py tests/kernels/attention/test_dsa_triton.py \
+      tests/kernels/attention/test_dsa_triton_tiles.py \
+      tests/kernels/attention/test_mla_rope_cache_triton.py > "$R/gpu_tests_kernels.log" 2>&1
+    echo "kernel tests rc=$?"; tail -2 "$R/gpu_tests_kernels.log"
+    timeout 60 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -k mla \
+      tests/engine/test_gpu_bf16_agreement.py > "$R/gpu_tests_agreement.log" 2>&1
+    echo "agreement tests rc=$?"; tail -2 "$R/gpu_tests_agreement.log" ;;
+  w1)
+    for flag in "" --mixed-cuda-graphs; do
+      tag=${flag:+_mixed}
+      for c in ${CONC:-256 512 1024}; do
+        timeout 110 python3 -m moeserve.cli bench --preset "$PRESET" --max-concurrency "$c" \
+          --server-args="$flag" --no-progress --output-json "$R/w1_c$c$tag.jsonl" \
+          > "$R/w1_c$c$tag.log" 2>&1
+        echo "c=$c $flag rc=$?"
+        grep -E "Output token throughput|eager decode|serial roofline" "$R/w1_c$c$tag.log"
+      done
+      timeout 90 python3 -m benchmarks.engine.profile_step --preset "$PRESET" --batch 1024 \
+        $flag --tag "$tag" --out "$R" > "$R/profile_step$tag.log" 2>&1
+      echo "profile_step $flag rc=$?"; grep -E "step at batch" "$R/profile_step$tag.log"
+    done
+    gzip -f "$R"/*.jsonl ;;
+  tiles)
+    shift
+    export MOESERVE_MOE_CONFIG_DIR=$R/moe_configs
+    mkdir -p "$MOESERVE_MOE_CONFIG_DIR"
+    for p in "$@"; do
+      timeout $(( ${BUDGET:-150} + 90 )) python3 -m moeserve.cli generate --preset "$p" \
+        --num-prompts 1 --max-tokens 4 --moe-tune-budget-s "${BUDGET:-150}" \
+        --json-out "$R/capacity_$p.json" > "$R/tune_$p.log" 2>&1
+      echo "$p rc=$?"; grep -E "MoE tune|MoE tile configs" "$R/tune_$p.log"
+    done
+    ls "$MOESERVE_MOE_CONFIG_DIR" ;;
+esac
+tar czf "$OUT/issue16.tgz" -C /tmp i16
