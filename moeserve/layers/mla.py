@@ -103,7 +103,8 @@ class MLAttention(nn.Module):
         self.q_part = m.q_lora_rank or h * m.qk_head_dim
         self.interleaved = config.rope.interleaved
         self.scale = softmax_scale(config.rope, m.qk_head_dim)
-        self.prefill_form = "mha"  # or "absorbed": how rows with several queries attend
+        self.prefill_form = "mha"  # or "absorbed" (PREFILL_FORMS): how rows with several
+        # queries attend; the engine's mla_prefill sets it
         # tokens attended in each form, counted on the host when the forward runs eagerly (a
         # CUDA-graph replay runs no Python): tests assert which path ran
         self.reset_path_counters()
@@ -240,6 +241,9 @@ class MLAttention(nn.Module):
         out = out_lat.new_empty(t, heads, self.v_dim)  # [T, H, v], o_proj's rows as they are
         torch.bmm(out_lat.transpose(0, 1), self.w_uv.transpose(1, 2), out=out.transpose(0, 1))
         return out
+
+
+PREFILL_FORMS = ("mha", "absorbed")  # MLAttention.prefill_form's values
 
 
 def _decode_prefill_split(meta: AttentionMetadata, is_decode: np.ndarray

@@ -24,7 +24,8 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
                 device: torch.device | str, moe_backend: str | Callable,
                 attention_backend: str | Callable,
                 mla_backend: str | Callable | None = None, dsa_mode: str = "auto",
-                tp: TensorParallel | None = None, quant: QuantPlan | None = None) -> CausalLM:
+                tp: TensorParallel | None = None, quant: QuantPlan | None = None,
+                mla_prefill: str = "mha") -> CausalLM:
     """Build the model with uninitialised weights (load_weights or init_dummy_weights fill them).
 
     Args:
@@ -39,6 +40,8 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
             builds the whole model.
         quant: the weights held quantized and their format (quant/plan.py); None: every
             weight in `dtype`.
+        mla_prefill: MLA models: "mha" or "absorbed", how rows with several queries attend
+            (layers/mla.py's prefill_form).
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -52,4 +55,5 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
     model = cls(model_config, moe_fn, attn_fn, mla_fn, dtype, torch.device(device), tp,
                 quant).eval()
     model.set_dsa_mode(dsa_mode)
+    model.set_mla_prefill(mla_prefill)
     return model

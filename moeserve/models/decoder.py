@@ -46,7 +46,7 @@ from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.layers.attention import Attention, AttentionBackend
 from moeserve.layers.dsa import DSA_MODES, DsaAttention, DsaLayerCache
 from moeserve.layers.linear import WeightFactory
-from moeserve.layers.mla import MlaBackend, MLAttention
+from moeserve.layers.mla import PREFILL_FORMS, MlaBackend, MLAttention
 from moeserve.layers.mlp import MLP
 from moeserve.layers.moe import MoeBackend, SparseMoeBlock
 from moeserve.layers.norm import RMSNorm
@@ -251,6 +251,15 @@ class CausalLM(nn.Module):
         """The DSA attention layers, in order ([] for other models)."""
         return [layer.self_attn for layer in self.model.layers
                 if isinstance(layer.self_attn, DsaAttention)]
+
+    def set_mla_prefill(self, form: str) -> None:
+        """"mha" or "absorbed" (PREFILL_FORMS) for every MLA layer (DSA's included)."""
+        if form not in PREFILL_FORMS:
+            raise ValueError(f"mla prefill form must be one of {', '.join(PREFILL_FORMS)}; "
+                             f"got {form!r}")
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, MLAttention):
+                layer.self_attn.prefill_form = form
 
     def set_dsa_mode(self, mode: str) -> None:
         """"auto" (sparse rows beyond index_topk), "dense" or "sparse" for every DSA layer."""

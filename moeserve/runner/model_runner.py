@@ -93,7 +93,8 @@ class ModelRunner:
                                  get_moe_backend(self.cfg.moe_backend, self.cfg.moe_tiles),
                                  get_attention_backend(self.cfg.attention_backend),
                                  get_mla_backend(self.cfg.attention_backend),
-                                 dsa_mode=self.cfg.dsa, tp=self.tp, quant=plan)
+                                 dsa_mode=self.cfg.dsa, tp=self.tp, quant=plan,
+                                 mla_prefill=self.cfg.mla_prefill)
         self.mtp_note = ""  # the capacity report's line on the checkpoint's layers not run
         self.format_note = ""  # ... and on a quantized checkpoint's weights
         if self.cfg.load_format == "dummy":

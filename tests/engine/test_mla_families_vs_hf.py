@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
+from moeserve.config import ConfigError
 from moeserve.layers.mla import MLAttention
 from tests.engine.test_generate_vs_hf import (
     NEW_TOKENS,
@@ -71,11 +72,11 @@ def test_batch_matches_hf(device: str, checkpoints: dict, arch: str) -> None:
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
 def test_absorbed_prefill_matches_hf(device: str, checkpoints: dict, arch: str) -> None:
-    """Prefill rows through the absorbed form too (with chunks: queries after a prefix)."""
+    """Prefill rows through the absorbed form too (the engine's mla_prefill; with chunks:
+    queries after a prefix)."""
     folder, prompts, expected = checkpoints[arch]
-    llm = _llm(folder, device, max_num_batched_tokens=16)
-    for layer in _mla_layers(llm):
-        layer.prefill_form = "absorbed"
+    llm = _llm(folder, device, max_num_batched_tokens=16, mla_prefill="absorbed")
+    assert {a.prefill_form for a in _mla_layers(llm)} == {"absorbed"}
     results = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.stats.num_prefill_chunks > 1
     assert all(a.tokens_up_projected == 0 for a in _mla_layers(llm))
@@ -190,6 +191,12 @@ def test_triton_mla_prefix_hits_match_hf(device: str, checkpoints: dict) -> None
         return llm
 
     check_prefix_hits_match_hf(folder, make_llm)
+
+
+def test_mla_prefill_bad_value_is_named(checkpoints: dict) -> None:
+    folder, _, _ = checkpoints["deepseek_v3"]
+    with pytest.raises(ConfigError, match="mla_prefill"):
+        _llm(folder, "cpu", mla_prefill="up-projected")
 
 
 def test_a_sliced_checkpoint_leaves_its_cut_layers_out(checkpoints: dict) -> None:
