@@ -5,9 +5,11 @@
 #   bash benchmarks/h200/mla_h200.sh tests   # pytest -m gpu over the MLA / DSA kernel files and
 #                                            # the MLA presets' bf16 agreement (~4 min)
 #   bash benchmarks/h200/mla_h200.sh w1      # W1 at CONC (default 256 512 1024) through the
-#                                            # server, the defaults then --mixed-cuda-graphs,
-#                                            # and the decode and mixed step profile at 1,024
-#                                            # rows (~6 min)
+#                                            # server for each of VARIANTS (default "baseline
+#                                            # mixed": the defaults, --mixed-cuda-graphs;
+#                                            # "absorbed": --mla-prefill absorbed), and each
+#                                            # one's decode and mixed step profile at 1,024
+#                                            # rows (~3 min a variant)
 #   bash benchmarks/h200/mla_h200.sh tiles PRESET...   # tune each preset's MoE tiles at one
 #                                            # engine start (BUDGET s each, default 150) and
 #                                            # bring the files back to commit under
@@ -28,18 +30,24 @@ case "${1:?usage: mla_h200.sh tests|w1|tiles PRESET...}" in
       tests/engine/test_gpu_bf16_agreement.py > "$R/gpu_tests_agreement.log" 2>&1
     echo "agreement tests rc=$?"; tail -2 "$R/gpu_tests_agreement.log" ;;
   w1)
-    for flag in "" --mixed-cuda-graphs; do
-      tag=${flag:+_mixed}
+    declare -A flags=([baseline]="" [mixed]="--mixed-cuda-graphs"
+                      [absorbed]="--mla-prefill absorbed")
+    declare -A engine=([baseline]="{}" [mixed]="{}" [absorbed]='{"mla_prefill": "absorbed"}')
+    for variant in ${VARIANTS:-baseline mixed}; do
+      flag=${flags[$variant]}
+      tag=_$variant
       for c in ${CONC:-256 512 1024}; do
         timeout 110 python3 -m moeserve.cli bench --preset "$PRESET" --max-concurrency "$c" \
           --server-args="$flag" --no-progress --output-json "$R/w1_c$c$tag.jsonl" \
           > "$R/w1_c$c$tag.log" 2>&1
-        echo "c=$c $flag rc=$?"
+        echo "c=$c $variant rc=$?"
         grep -E "Output token throughput|eager decode|serial roofline" "$R/w1_c$c$tag.log"
       done
+      mixed=""; [ "$variant" = mixed ] && mixed=--mixed-cuda-graphs
       timeout 90 python3 -m benchmarks.engine.profile_step --preset "$PRESET" --batch 1024 \
-        $flag --tag "$tag" --out "$R" > "$R/profile_step$tag.log" 2>&1
-      echo "profile_step $flag rc=$?"; grep -E "step at batch" "$R/profile_step$tag.log"
+        $mixed --engine-args "${engine[$variant]}" --tag "$tag" --out "$R" \
+        > "$R/profile_step$tag.log" 2>&1
+      echo "profile_step $variant rc=$?"; grep -E "step at batch" "$R/profile_step$tag.log"
     done
     gzip -f "$R"/*.jsonl ;;
   tiles)
