@@ -111,6 +111,7 @@ class EngineCore:
             parallel=self._parallel_line(plan),
             kv_layout=self.runner.kv_layout(),
             mtp=self.runner.mtp_note, dsa=_dsa_line(self.cfg, self.model_config),
+            mla_prefill=self.cfg.mla_prefill if self.model_config.mla is not None else "",
             checkpoint_format=self.runner.format_note, shared_experts=self.runner.shared_note,
             weights=weights_by_class(self.runner.model))
         self.counters = StepCounters()
@@ -358,10 +359,11 @@ def _dsa_line(cfg: EngineConfig, mc: ModelConfig) -> str:
                                                         if shared else ""))
     if cfg.dsa == "dense":
         return f"dsa=dense: dense MLA for every request, no indexer ({layers})"
+    kernels = ("Triton kernels" if cfg.attention_backend == "triton"
+               else f"the torch references (attention_backend {cfg.attention_backend})")
     return (f"auto: a context beyond index_topk {d.index_topk} attends to the indexer's top "
             f"{d.index_topk} positions ({d.index_n_heads} heads x {d.index_head_dim}, "
-            f"{layers}); shorter contexts run dense MLA (torch references; no Triton kernels "
-            "yet)")
+            f"{layers}); shorter contexts run dense MLA; {kernels}")
 
 
 def _ensure_quant_moe_tuned(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.Module,

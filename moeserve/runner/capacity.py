@@ -43,6 +43,7 @@ class CapacityReport:
     shared_experts: str = ""  # fold_shared_experts: folded, or why not; "" when off
     weights: str = ""  # each module class's format and GiB (weights_by_class)
     dsa: str = ""  # DeepSeek Sparse Attention: how contexts attend (auto / dense), or ""
+    mla_prefill: str = ""  # MLA models: how prefill rows attend (mha / absorbed), or ""
     parallel: str = ""  # the ranks' split and what each holds (tensor_parallel_size > 1), or ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -72,6 +73,7 @@ class CapacityReport:
             "mtp": self.mtp,
             "shared_experts": self.shared_experts,
             "dsa": self.dsa,
+            "mla_prefill": self.mla_prefill,
             "parallel": self.parallel,
             "text": self.format(),  # as printed at start-up (the API process prints this too)
         }
@@ -104,7 +106,8 @@ class CapacityReport:
             ("max model len", str(c.scheduler.max_model_len)),
             ("token budget / step", str(c.scheduler.max_num_batched_tokens)),
             ("prefix caching", "on" if c.cache.enable_prefix_caching else "off"),
-            ("kernels", f"attention={c.attention_backend}, moe={c.moe_backend}"),
+            ("kernels", f"attention={c.attention_backend}, moe={c.moe_backend}"
+                        + (f", mla prefill={self.mla_prefill}" if self.mla_prefill else "")),
             *([("sparse attention", self.dsa)] if self.dsa else []),
             ("CUDA graphs", self.cuda_graphs),
         ]

@@ -79,6 +79,8 @@ def test_batch_matches_hf(device: str, checkpoints: dict, arch: str) -> None:
         assert attn.tokens_absorbed == attn.tokens_up_projected == 0
     report = llm.report.format()
     assert "DSA indexer key 128 B (32) x" in report and "index_topk 8" in report
+    triton = llm.engine.cfg.attention_backend == "triton"  # which DSA kernels ran
+    assert ("Triton kernels" if triton else "the torch references (attention_backend") in report
     if arch == "glm_moe_dsa":  # layer 1 "shared": no indexer, no indexer cache
         shared = _dsa_layers(llm)[1]
         assert shared.indexer is None and shared.index_cache is None

@@ -66,6 +66,9 @@ def test_batch_matches_hf(device: str, checkpoints: dict, arch: str) -> None:
     if arch in MLA_ARCHS:
         layers = _mla_layers(llm)
         assert layers and all(a.tokens_up_projected and a.tokens_absorbed for a in layers)
+        assert "mla prefill=mha" in llm.report.format()
+    else:
+        assert "mla prefill" not in llm.report.format()
     if arch == "deepseek_v3":  # its MTP layer was recognised and left out
         assert "8 tensors left out: 1 MTP layer(s)" in llm.report.format()
 
@@ -77,6 +80,7 @@ def test_absorbed_prefill_matches_hf(device: str, checkpoints: dict, arch: str) 
     folder, prompts, expected = checkpoints[arch]
     llm = _llm(folder, device, max_num_batched_tokens=16, mla_prefill="absorbed")
     assert {a.prefill_form for a in _mla_layers(llm)} == {"absorbed"}
+    assert "mla prefill=absorbed" in llm.report.format()
     results = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.stats.num_prefill_chunks > 1
     assert all(a.tokens_up_projected == 0 for a in _mla_layers(llm))
