@@ -205,10 +205,10 @@ def mla_decode(args: argparse.Namespace) -> dict:
 
 
 def dsa_sparse(args: argparse.Namespace) -> dict:
-    """DSA's sparse MLA (kernels/attention/dsa_triton.py's _sparse_attention_kernel) at
+    """DSA's sparse MLA (kernels/attention/dsa_sparse_triton.py's _sparse_attention_kernel) at
     GLM-5's latent (L 512 + R 64), bf16: a token's heads in tiles of at most BM over its
     selected positions, BN a step."""
-    from moeserve.kernels.attention import dsa_triton, mla_triton
+    from moeserve.kernels.attention import dsa_sparse_triton, mla_triton
     from moeserve.kernels.triton_common import next_pow2
 
     bm, bn, warps, stages = args.tile
@@ -216,7 +216,7 @@ def dsa_sparse(args: argparse.Namespace) -> dict:
     const = dict(NUM_HEADS=args.heads, HEADS_PER_TILE=per_tile,
                  BLOCK_H=max(16, next_pow2(per_tile)), L=512, R=64,
                  BLOCK_SIZE=args.block_size, BLOCK_N=bn, IEEE=False, TILES_FIRST=True)
-    kernel = dsa_triton._kernels().sparse_attention
+    kernel = dsa_sparse_triton._kernels().sparse_attention
     return {"head_tiles": tiles,
             **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
 

@@ -43,7 +43,7 @@ import torch
 # none imports triton (the kernels do on first use, after --smoke set the interpreter)
 from benchmarks.kernels.kernel_runs import Timer, make_timer, record
 from benchmarks.kernels.kernels_mla import parse_tile
-from moeserve.kernels.attention import dsa_triton, mla_triton
+from moeserve.kernels.attention import dsa_sparse_triton, dsa_triton, mla_triton
 from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 
@@ -163,7 +163,7 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     want, _ = indexer_topk_ref(q_i, w, index_cache, meta, 0.25, topk)
     assert torch.equal(got, want), f"{name}: the selection differs from the reference"
     q, cache = latent_step(CHECK_ROWS, index_cache.shape[0], 4)
-    out = dsa_triton.dsa_attention_triton(q, cache, meta, got, mla_scale, latent).float()
+    out = dsa_sparse_triton.dsa_attention_triton(q, cache, meta, got, mla_scale, latent).float()
     ref = dsa_attention_ref(q.float(), cache.float(), meta, got, mla_scale, latent).float()
     err = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
     assert err <= (1e-5 if dtype == torch.float32 else 2 ** -6), f"{name}: sparse MLA {err:.3g}"
@@ -181,12 +181,12 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     row["score_ms"] = timer(lambda: [c for _, _, c in dsa_triton.index_score_chunks(
         q_i, w, index_cache, meta, scale)])
     row["topk_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
-    row["sparse_mla_ms"] = timer(lambda: dsa_triton.dsa_attention_triton(
+    row["sparse_mla_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
         q, cache, meta, positions, mla_scale, latent))
-    base = dsa_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,
+    base = dsa_sparse_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,
                                            latent).float()  # checked above, on a small step
     for tile in tiles:  # the sparse MLA at other tiles (--tiles), first checked against it
-        run = functools.partial(dsa_triton.dsa_attention_triton, q, cache, meta, positions,
+        run = functools.partial(dsa_sparse_triton.dsa_attention_triton, q, cache, meta, positions,
                                 mla_scale, latent, config=tile)
         err = float((run().float() - base).abs().max() / base.abs().max())
         assert err <= 2 ** -6, f"{name}: sparse MLA at {tile}: {err:.3g} from the default"

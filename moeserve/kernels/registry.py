@@ -28,7 +28,8 @@ from typing import NamedTuple, Protocol, TypeVar
 import torch
 
 from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref
-from moeserve.kernels.attention.dsa_triton import dsa_attention_triton, indexer_topk_triton
+from moeserve.kernels.attention.dsa_sparse_triton import dsa_attention_triton
+from moeserve.kernels.attention.dsa_triton import indexer_topk_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import mla_attention_ref
 from moeserve.kernels.attention.mla_triton import mla_attention_triton

@@ -1,5 +1,6 @@
 """DeepSeek Sparse Attention (DSA), Triton path: the lightning indexer's scores and top-k over
-the paged indexer-key cache, and absorbed MLA over the selected positions.
+the paged indexer-key cache; absorbed MLA over the selected positions is dsa_sparse_triton.py's
+(the diagram shows both). The input checks both launchers share are here.
 
 Same contracts as the torch references in kernels/attention/dsa.py (`indexer_topk_ref`,
 `dsa_attention_ref`); layers/dsa.py runs these when the MLA backend is the Triton one
@@ -49,7 +50,6 @@ scored in chunks of whole tiles bounding the [n, S] key tensor.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -59,7 +59,7 @@ import torch
 
 from moeserve.kernels.attention import mla_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
-from moeserve.kernels.attention.paged_triton import SUPPORTED_DTYPES, TileConfig
+from moeserve.kernels.attention.paged_triton import SUPPORTED_DTYPES
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
 # int64 sort keys a chunk of tokens may hold ([n, S]): 256 MiB
@@ -74,8 +74,7 @@ _MASKED_KEY = -(1 << 63) + 1
 INDEX_TILE_ROWS = 128
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
-# mla_triton's jitted helpers, bound by _kernels() too (the kernels read them by global name)
-_attend_rows: Any = None
+# mla_triton's jitted helper, bound by _kernels() too (the kernel reads it by global name)
 _sum: Any = None
 
 
@@ -194,75 +193,6 @@ def _query_tiles(meta: AttentionMetadata, block_q: int, chunk: int,
     return to_device(host, device), chunks
 
 
-def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
-                         positions: torch.Tensor, scale: float, kv_lora_rank: int, *,
-                         config: TileConfig | None = None,
-                         num_splits: int | None = None) -> torch.Tensor:
-    """Absorbed MLA of each query over its selected context positions only
-    (`dsa_attention_ref`'s contract).
-
-    Args:
-        q: [T, H, L + R] (last dim contiguous) absorbed queries [q_nope @ W_UK | rotated q_rope].
-        latent_cache: [num_blocks, block_size, L + R], contiguous, q's dtype.
-        positions: [T, topk] int32 (last dim contiguous) from the indexer; -1 (or a position
-            past the row's block table) is skipped.
-        kv_lora_rank: L; the values are the first L entries of each cached row. L and R powers
-            of two >= 16.
-        config: tile shape (block_m: heads per program, block_n: positions per iteration);
-            default mla_triton's decode tiles.
-        num_splits: partitions of each token's selection, run by programs of their own and
-            combined by mla_triton's split reduce (tests, benchmarks); default
-            mla_triton.decode_num_splits over (tokens, head tiles, topk): enough programs to
-            fill the GPU when the tokens are few.
-    Returns:
-        [T, H, L] contiguous, q's dtype (softmax in fp32). A token with no valid position gets
-        zeros (the reference's softmax over nothing gives NaN there).
-    """
-    _check_attention_inputs(q, latent_cache, meta, positions, kv_lora_rank)
-    num_tokens, num_heads, dim = q.shape
-    out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    if num_tokens == 0:
-        return out
-    cfg = config or mla_triton.default_config("decode", kv_lora_rank, q.dtype, num_heads)
-    num_head_tiles, per_tile = mla_triton.head_tiles(num_heads, cfg.block_m)
-    topk = positions.shape[1]
-    if num_splits is None:  # host ints only: the same count inside a CUDA graph
-        num_splits = mla_triton.decode_num_splits(num_tokens, num_head_tiles, topk)
-    if not 1 <= num_splits <= mla_triton.MAX_SPLITS:
-        raise ValueError(f"dsa_attention_triton: num_splits must be in 1..{mla_triton.MAX_SPLITS}, "
-                         f"got {num_splits}")
-    partition = -(-topk // num_splits)
-    partition = -(-partition // cfg.block_n) * cfg.block_n  # whole tiles a partition
-    split = num_splits > 1
-    if split:  # mla_triton's partials layout, combined by its reduce
-        part_m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
-                             device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(num_tokens, num_heads, num_splits, kv_lora_rank,
-                               dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = out  # unused
-    # a token's head tiles side by side in the grid (their reads of its selected latent rows
-    # then hit L2), unless the tokens pass the grid's y limit
-    tiles_first = num_tokens <= mla_triton.MAX_GRID_Y
-    grid = ((num_head_tiles, num_tokens, num_splits) if tiles_first
-            else (num_tokens, num_head_tiles, num_splits))
-    _kernels().sparse_attention[grid](
-        q, latent_cache, out, part_m, part_l, part_acc, positions, meta.block_tables,
-        meta.token_to_req, scale * math.log2(math.e), topk, meta.block_tables.shape[1],
-        partition, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), positions.stride(0),
-        meta.block_tables.stride(0),
-        NUM_HEADS=num_heads, HEADS_PER_TILE=per_tile, BLOCK_H=max(16, next_pow2(per_tile)),
-        L=kv_lora_rank, R=dim - kv_lora_rank, BLOCK_SIZE=latent_cache.shape[1],
-        BLOCK_N=cfg.block_n, IEEE=q.dtype == torch.float32, TILES_FIRST=tiles_first,
-        SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split:
-        mla_triton.reduce_splits(part_m, part_l, part_acc, out, None, None, num_tokens,
-                                 num_splits)
-    return out
-
-
 # ---- input checks ----
 
 def _need(who: str, ok: bool, what: str) -> None:
@@ -316,48 +246,25 @@ def _check_indexer_inputs(q: torch.Tensor, weights: torch.Tensor, index_cache: t
     need(topk >= 1, f"topk must be >= 1, got {topk}")
 
 
-def _check_attention_inputs(q: torch.Tensor, latent_cache: torch.Tensor,
-                            meta: AttentionMetadata, positions: torch.Tensor,
-                            kv_lora_rank: int) -> None:
-    """ValueError naming the first input the sparse attention kernel cannot take."""
-    who = "dsa_attention_triton"
-    need = functools.partial(_need, who)
-    _check_common(who, q, latent_cache, meta, "latent_cache")
-    rope_dim = q.shape[-1] - kv_lora_rank
-    need(_pow2_16(kv_lora_rank), f"kv_lora_rank {kv_lora_rank} must be a power of two >= 16")
-    need(_pow2_16(rope_dim), f"rope dims R = {q.shape[-1]} - {kv_lora_rank} = {rope_dim} must "
-                             "be a power of two >= 16")
-    need(positions.dim() == 2 and positions.shape[0] == q.shape[0],
-         f"positions must be [T, topk] with T = {q.shape[0]}, got {tuple(positions.shape)}")
-    need(positions.dtype == torch.int32, f"positions must be int32, got {positions.dtype}")
-    need(positions.device == q.device, f"positions on {positions.device}, q on {q.device}")
-    need(positions.stride(1) == 1, f"positions' last dim must be contiguous, "
-                                   f"{positions.stride()}")
-
-
 @functools.cache
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now). The
     shared helpers are mla_triton's, jitted there; the kernels read them and `tl` by global
     name, so they are bound here."""
-    global tl, _attend_rows, _sum, _selected_rows
+    global tl, _sum
     import triton
     import triton.language
 
     mla_triton._kernels()
     tl = triton.language
-    _attend_rows, _sum = mla_triton._attend_rows, mla_triton._sum
-    _selected_rows = triton.jit(_selected_rows)
+    _sum = mla_triton._sum
     # NOTE: step-varying ints (the first token of a chunk, S, topk, the block table's width and
     # stride) and the query tiles sliced at any chunk's offset are exempt from specialisation:
     # a new batch shape must not compile a new variant mid-serving (see paged_triton._kernels).
     return SimpleNamespace(
         index_score=triton.jit(_index_score_kernel,
                                do_not_specialize=["t0", "num_keys", "stride_table"],
-                               do_not_specialize_on_alignment=["tiles_ptr"]),
-        sparse_attention=triton.jit(_sparse_attention_kernel,
-                                    do_not_specialize=["topk", "max_blocks", "partition",
-                                                       "num_splits", "stride_table"]))
+                               do_not_specialize_on_alignment=["tiles_ptr"]))
 
 
 # ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
@@ -441,72 +348,3 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
         key = tl.where(n[None, :] < kv_end[:, None], key, MASKED_KEY)
     tl.store(keys_ptr + (tok - t0)[:, None] * num_keys + n[None, :], key,
              mask=q_ok[:, None] & (n < num_keys)[None, :])
-
-
-def _selected_rows(sel_ptr, table_ptr, j0, j_end, max_blocks, L: tl.constexpr, R: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The cache element offsets [N] of selections j0 .. min(j0 + BLOCK_N, j_end) of one token
-    (its row of the selection at sel_ptr, its request's block table at table_ptr), and which
-    are valid [N]: -1 is none, and a position past the block table was never selected (kept
-    from reading out of bounds)."""
-    j = j0 + tl.arange(0, BLOCK_N)
-    pos = tl.load(sel_ptr + j, mask=j < j_end, other=-1)  # [N] context positions
-    valid = (pos >= 0) & (pos < max_blocks * BLOCK_SIZE)
-    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
-    return (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R), valid
-
-
-def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-                             sel_ptr, block_tables_ptr, token_to_req_ptr, scale_log2, topk,
-                             max_blocks, partition, num_splits, stride_qt, stride_qh,
-                             stride_ot, stride_oh, stride_sel, stride_table,
-                             NUM_HEADS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
-                             BLOCK_H: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                             IEEE: tl.constexpr, TILES_FIRST: tl.constexpr,
-                             SPLIT: tl.constexpr):
-    """Program (head_tile, t, split), or (t, head_tile, split) without TILES_FIRST: the
-    HEADS_PER_TILE query heads of head_tile for token t, over partition `split` of its `topk`
-    selected positions (sel_ptr row t; the last partition runs to topk), BLOCK_N at a time.
-    SPLIT: the partition's (max, sum, acc) go to the partials (mla_triton's layout)."""
-    if TILES_FIRST:
-        head_tile = tl.program_id(0)
-        t = tl.program_id(1).to(tl.int64)
-    else:
-        t = tl.program_id(0).to(tl.int64)
-        head_tile = tl.program_id(1)
-    split = tl.program_id(2)
-    start = split * partition
-    end = tl.where(split == num_splits - 1, topk, tl.minimum(topk, start + partition))
-    req = tl.load(token_to_req_ptr + t)
-    h = tl.arange(0, BLOCK_H)  # [H'] head within the tile (padded)
-    head = head_tile * HEADS_PER_TILE + h
-    h_ok = (h < HEADS_PER_TILE) & (head < NUM_HEADS)
-    dl = tl.arange(0, L)
-    dr = tl.arange(0, R)
-    q_row = q_ptr + t * stride_qt + head[:, None] * stride_qh  # [H', 1]
-    q_lat = tl.load(q_row + dl[None, :], mask=h_ok[:, None], other=0.0)  # [H', L]
-    q_pe = tl.load(q_row + L + dr[None, :], mask=h_ok[:, None], other=0.0)  # [H', R]
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
-    acc = tl.full([BLOCK_H, L], 0.0, tl.float32)
-    table = block_tables_ptr + req * stride_table
-    sel = sel_ptr + t * stride_sel
-    # each tile's positions and rows are looked up a tile ahead (see mla_triton's decode)
-    row, valid = _selected_rows(sel, table, start, end, max_blocks, L, R, BLOCK_SIZE, BLOCK_N)
-    for j0 in range(start, end, BLOCK_N):
-        row_next, valid_next = _selected_rows(sel, table, j0 + BLOCK_N, end, max_blocks, L, R,
-                                              BLOCK_SIZE, BLOCK_N)
-        acc, m_i, l_i = _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid,
-                                     valid[None, :], scale_log2, L, R, True, IEEE)
-        row, valid = row_next, valid_next
-    if SPLIT:
-        part = (t * NUM_HEADS + head) * num_splits + split  # [H']
-        tl.store(part_m_ptr + part, m_i, mask=h_ok)
-        tl.store(part_l_ptr + part, l_i, mask=h_ok)
-        tl.store(part_acc_ptr + part[:, None] * L + dl[None, :], acc, mask=h_ok[:, None])
-    else:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no valid position: zeros
-        o = acc / l_safe[:, None]
-        tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + dl[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
