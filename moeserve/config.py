@@ -193,13 +193,14 @@ class EngineConfig:
     context exceeds index_topk attends to the indexer's top-k positions, a shorter one runs
     dense MLA: the same result) or "dense" (dense MLA for every request, for comparison: no
     indexer runs and no indexer key cache is allocated). No effect on other models."""
-    mla_prefill: str = "mha"
+    mla_prefill: str = "auto"
     """Multi-head latent attention models (DeepSeek, Kimi, GLM-4.7-Flash, GLM-5): how rows
     with several queries (prefill chunks, prefix hits) attend. "mha": the context's latents
     up-projected through kv_b_proj, then multi-head attention; "absorbed": over the latent
     cache as the decode rows do (W_UK folded into the queries: no up-projection, more FLOPs a
-    cached token). The same result; which is faster depends on the lengths. No effect on
-    other models."""
+    cached token); "auto": rows of up to layers/mla.py's AUTO_ABSORBED_MAX_QUERY queries
+    absorbed, longer ones up-projected (the faster form of each, as measured on the H200). The
+    same result. No effect on other models."""
     quantization: str | None = None
     """fp8, nvfp4 or int4 (vLLM's modelopt_fp4 and compressed-tensors accepted). With a quantized
     checkpoint: its format, checked (a value the checkpoint contradicts is an error); None:
@@ -260,7 +261,7 @@ class EngineConfig:
                                                         "measured"))
         _check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
         _check_choice("dsa", self.dsa, ("auto", "dense"))
-        _check_choice("mla_prefill", self.mla_prefill, ("mha", "absorbed"))
+        _check_choice("mla_prefill", self.mla_prefill, ("auto", "mha", "absorbed"))
         _check_choice("moe_tiles", self.moe_tiles, ("tuned", "default"))
         if self.quantization is not None:
             flag_format(self.quantization)

@@ -12,8 +12,9 @@ One forward, for the T tokens of a step (H heads; L = kv_lora_rank, R = qk_rope_
       row once: kernels/attention/mla_rope_cache_triton.py; elsewhere the torch ops one by one)
       decode rows, absorbed:  q_lat = [q_nope @ W_UK[h] | q_rope] -> mla_backend -> [T, H, L]
                               -> @ W_UV[h]^T -> [T, H, v]
-      prefill rows (form "mha"): the context's latents up-projected by kv_b_proj to per-head
-                              K/V (mla_prefill_ref) -> [T, H, v]; form "absorbed": as decode
+      prefill rows, up-projected ("mha"): the context's latents through kv_b_proj to
+                              per-head K/V (mla_prefill_ref) -> [T, H, v]; or absorbed, as
+                              decode (`prefill_form`: "auto" absorbs the short rows only)
       -> o_proj -> [T, h]
 
 W_UK [H, nope, L] and W_UV [H, v, L] are views of kv_b_proj ([H * (nope + v), L], HF's layout),
@@ -52,9 +53,18 @@ from moeserve.model_config import ModelConfig
 
 # fn(q_lat [T, H, L + R], latent_cache [NB, BS, L + R], meta, scale, L) -> [T, H, L]
 MlaBackend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, int], torch.Tensor]
-PREFILL_FORMS = ("mha", "absorbed")
-
-
+# how rows with several queries attend (MLAttention.prefill_form; the engine's mla_prefill):
+# "auto" (rows of at most `auto_max_query` queries absorbed, longer ones up-projected), "mha"
+# (every such row up-projected) or "absorbed" (every row absorbed)
+PREFILL_FORMS = ("auto", "mha", "absorbed")
+# "auto"'s default: a row of up to this many queries attends absorbed. By FLOPs the
+# up-projected form wins on a fresh prompt of any length (2 x (nope + R + v) a query-key pair
+# against 2 x (2L + R), the up-projection of its own keys matching the absorption of its
+# queries), and the absorbed form once a short chunk follows a long prefix; but the MHA form's
+# gathers, padding and scatters cost per token: W1's 128-token prompts ran 11.6% faster
+# absorbed on the H200 (glm-4.7-flash at 1,024: 18,078 against 16,203 output tok/s,
+# benchmarks/results/gpu_b790193/). benchmarks/kernels/kernels_mla_prefill.py times both.
+AUTO_ABSORBED_MAX_QUERY = 512
 
 @functools.lru_cache(maxsize=8)
 def _pair_table(config_key: tuple, dim: int, max_position: int,
@@ -103,8 +113,8 @@ class MLAttention(nn.Module):
         self.q_part = m.q_lora_rank or h * m.qk_head_dim
         self.interleaved = config.rope.interleaved
         self.scale = softmax_scale(config.rope, m.qk_head_dim)
-        self.prefill_form = "mha"  # or "absorbed" (PREFILL_FORMS): how rows with several
-        # queries attend; the engine's mla_prefill sets it
+        self.prefill_form = "auto"  # PREFILL_FORMS; the engine's mla_prefill sets it
+        self.auto_max_query = AUTO_ABSORBED_MAX_QUERY  # "auto"'s longest absorbed row
         # tokens attended in each form, counted on the host when the forward runs eagerly (a
         # CUDA-graph replay runs no Python): tests assert which path ran
         self.reset_path_counters()
@@ -206,16 +216,17 @@ class MLAttention(nn.Module):
 
     def _dense(self, q_nope: torch.Tensor, q_rope: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
-        """Dense MLA of the step's rows, [T, H, v]: decode rows absorbed, the other rows in
-        `prefill_form`."""
+        """Dense MLA of the step's rows, [T, H, v]: the decode rows absorbed, the other rows
+        by `prefill_form`."""
         t, heads = q_nope.shape[:2]
-        is_decode = meta.query_lens_np == 1
-        if self.prefill_form == "absorbed" or bool(is_decode.all()):
+        limit = self.absorbed_max_query()
+        absorbed = meta.query_lens_np <= limit
+        if bool(absorbed.all()):
             self.tokens_absorbed += t
             return self._absorbed(q_nope, q_rope, meta)
         out = q_nope.new_empty(t, heads, self.v_dim)
-        for sub, tok, absorbed in _decode_prefill_split(meta, is_decode):
-            if absorbed:
+        for sub, tok, is_absorbed in _split_by_form(meta, absorbed, limit):
+            if is_absorbed:
                 self.tokens_absorbed += len(sub.token_to_req_np)
                 out[tok] = self._absorbed(q_nope[tok], q_rope[tok], sub)
             else:
@@ -224,6 +235,12 @@ class MLAttention(nn.Module):
                                            self.kv_cache, sub, self.scale, self.kv_b_proj,
                                            self.nope, self.v_dim)
         return out
+
+    def absorbed_max_query(self) -> int | float:
+        """The most queries a row may have and attend absorbed, by `prefill_form` (decode
+        rows always do)."""
+        return {"mha": 1, "absorbed": float("inf"), "auto": self.auto_max_query}[
+            self.prefill_form]
 
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
                   attend: MlaBackend | None = None) -> torch.Tensor:
@@ -243,18 +260,16 @@ class MLAttention(nn.Module):
         return out
 
 
-PREFILL_FORMS = ("mha", "absorbed")  # MLAttention.prefill_form's values
-
-
-def _decode_prefill_split(meta: AttentionMetadata, is_decode: np.ndarray
-                          ) -> list[tuple[AttentionMetadata, torch.Tensor, bool]]:
-    """The step's decode rows and other rows as sub-steps (metadata, token indices, absorbed),
-    made by its first MLA layer and reused by the others (`meta.derived`): one set of host
-    copies a step, not one a layer; the sub-steps' own derived tensors are shared too."""
-    key = "mla_decode_prefill_split"
+def _split_by_form(meta: AttentionMetadata, absorbed: np.ndarray, limit: int | float
+                   ) -> list[tuple[AttentionMetadata, slice | torch.Tensor, bool]]:
+    """The step's absorbed rows and up-projected rows as sub-steps (metadata, token selector,
+    absorbed), made by its first MLA layer and reused by the others (`meta.derived`, keyed by
+    the limit): one set of host copies a step, not one a layer; the sub-steps' own derived
+    tensors are shared too."""
+    key = f"mla_split_{limit}"
     if key not in meta.derived:
-        meta.derived[key] = [(*select_rows(meta, rows), absorbed)
-                             for rows, absorbed in ((np.flatnonzero(is_decode), True),
-                                                    (np.flatnonzero(~is_decode), False))
+        meta.derived[key] = [(*select_rows(meta, rows), is_absorbed)
+                             for rows, is_absorbed in ((np.flatnonzero(absorbed), True),
+                                                       (np.flatnonzero(~absorbed), False))
                              if len(rows)]
     return meta.derived[key]

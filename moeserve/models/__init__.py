@@ -25,7 +25,7 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
                 attention_backend: str | Callable,
                 mla_backend: str | Callable | None = None, dsa_mode: str = "auto",
                 tp: TensorParallel | None = None, quant: QuantPlan | None = None,
-                mla_prefill: str = "mha") -> CausalLM:
+                mla_prefill: str = "auto") -> CausalLM:
     """Build the model with uninitialised weights (load_weights or init_dummy_weights fill them).
 
     Args:
@@ -40,8 +40,8 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
             builds the whole model.
         quant: the weights held quantized and their format (quant/plan.py); None: every
             weight in `dtype`.
-        mla_prefill: MLA models: "mha" or "absorbed", how rows with several queries attend
-            (layers/mla.py's prefill_form).
+        mla_prefill: MLA models: "auto", "mha" or "absorbed", how rows with several queries
+            attend (layers/mla.py's prefill_form).
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)

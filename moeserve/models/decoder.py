@@ -253,7 +253,8 @@ class CausalLM(nn.Module):
                 if isinstance(layer.self_attn, DsaAttention)]
 
     def set_mla_prefill(self, form: str) -> None:
-        """"mha" or "absorbed" (PREFILL_FORMS) for every MLA layer (DSA's included)."""
+        """"auto", "mha" or "absorbed" (PREFILL_FORMS) for every MLA layer (DSA's
+        included)."""
         if form not in PREFILL_FORMS:
             raise ValueError(f"mla prefill form must be one of {', '.join(PREFILL_FORMS)}; "
                              f"got {form!r}")

@@ -43,7 +43,7 @@ class CapacityReport:
     shared_experts: str = ""  # fold_shared_experts: folded, or why not; "" when off
     weights: str = ""  # each module class's format and GiB (weights_by_class)
     dsa: str = ""  # DeepSeek Sparse Attention: how contexts attend (auto / dense), or ""
-    mla_prefill: str = ""  # MLA models: how prefill rows attend (mha / absorbed), or ""
+    mla_prefill: str = ""  # MLA models: how prefill rows attend (auto / mha / absorbed), or ""
     parallel: str = ""  # the ranks' split and what each holds (tensor_parallel_size > 1), or ""
 
     def to_dict(self) -> dict[str, Any]:

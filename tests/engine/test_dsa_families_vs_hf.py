@@ -187,7 +187,7 @@ def test_a_context_within_index_topk_runs_dense_mla(device: str, checkpoints: di
                  for p in prompts]
         expected = [hf_greedy(folder, [p], s.max_tokens)[0] for p, s in zip(prompts, short,
                                                                             strict=True)]
-        llm = _llm(folder, device)
+        llm = _llm(folder, device, mla_prefill="mha")  # both dense forms: prefill, decode
         results = llm.generate(prompts, short)
         assert [r.token_ids for r in results] == expected, arch
         for attn in _dsa_layers(llm):

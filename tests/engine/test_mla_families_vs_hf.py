@@ -63,14 +63,48 @@ def test_batch_matches_hf(device: str, checkpoints: dict, arch: str) -> None:
     llm = _llm(folder, device)
     results = llm.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == expected
-    if arch in MLA_ARCHS:
+    if arch in MLA_ARCHS:  # the default form, "auto": these short prompts attend absorbed
         layers = _mla_layers(llm)
-        assert layers and all(a.tokens_up_projected and a.tokens_absorbed for a in layers)
-        assert "mla prefill=mha" in llm.report.format()
+        assert layers and all(a.tokens_absorbed and not a.tokens_up_projected for a in layers)
+        assert "mla prefill=auto" in llm.report.format()
     else:
         assert "mla prefill" not in llm.report.format()
     if arch == "deepseek_v3":  # its MTP layer was recognised and left out
         assert "8 tensors left out: 1 MTP layer(s)" in llm.report.format()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
+def test_up_projected_prefill_matches_hf(device: str, checkpoints: dict, arch: str) -> None:
+    """mla_prefill "mha": every prefill row through the up-projected form, the decode rows
+    absorbed."""
+    folder, prompts, expected = checkpoints[arch]
+    llm = _llm(folder, device, mla_prefill="mha")
+    assert "mla prefill=mha" in llm.report.format()
+    results = llm.generate(prompts, GREEDY)
+    assert all(a.tokens_up_projected and a.tokens_absorbed for a in _mla_layers(llm))
+    assert [r.token_ids for r in results] == expected
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
+def test_auto_prefill_splits_a_step_by_query_length(device: str, checkpoints: dict,
+                                                    arch: str) -> None:
+    """"auto" with a small limit: in one step the short prompts attend absorbed with the
+    decodes and the longer ones up-projected, each row by its own length."""
+    folder, prompts, expected = checkpoints[arch]
+    llm = _llm(folder, device)
+    lens = sorted(len(p) for p in prompts)
+    limit = lens[len(lens) // 2]  # some prompts at most this long, some longer
+    assert lens[0] <= limit < lens[-1]
+    for layer in _mla_layers(llm):
+        layer.auto_max_query = limit
+    results = llm.generate(prompts, GREEDY)
+    longer = sum(n for n in lens if n > limit)
+    for a in _mla_layers(llm):
+        assert a.tokens_up_projected == longer  # each long prompt once, in one chunk
+        decodes = a.tokens_absorbed - sum(n for n in lens if n <= limit)
+        # each request's NEW_TOKENS - 1 decode steps (overlap scheduling may run one more)
+        assert len(lens) * (NEW_TOKENS - 1) <= decodes <= len(lens) * NEW_TOKENS
+    assert [r.token_ids for r in results] == expected
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
