@@ -7,9 +7,11 @@
 #   bash benchmarks/h200/mla_h200.sh w1      # W1 at CONC (default 256 512 1024) through the
 #                                            # server for each of VARIANTS (default "baseline
 #                                            # mixed": the defaults, --mixed-cuda-graphs;
-#                                            # "absorbed": --mla-prefill absorbed), and each
+#                                            # "mha" / "absorbed": --mla-prefill), and each
 #                                            # one's decode and mixed step profile at 1,024
-#                                            # rows (~3 min a variant)
+#                                            # rows (~3 min a variant; NO_PROFILE=1: none)
+#   bash benchmarks/h200/mla_h200.sh prefill # the MLA prefill forms timed on the same steps
+#                                            # (kernels_mla_prefill: AUTO_ABSORBED_MAX_QUERY)
 #   bash benchmarks/h200/mla_h200.sh tiles PRESET...   # tune each preset's MoE tiles at one
 #                                            # engine start (BUDGET s each, default 150) and
 #                                            # bring the files back to commit under
@@ -19,7 +21,13 @@ source benchmarks/gpu_env.sh
 R=/tmp/i16
 mkdir -p "$R"
 PRESET=${PRESET:-glm-4.7-flash}
-case "${1:?usage: mla_h200.sh tests|w1|tiles PRESET...}" in
+case "${1:?usage: mla_h200.sh tests|w1|prefill|tiles PRESET...}" in
+  prefill)
+    timeout 240 python3 -m benchmarks.kernels.kernels_mla_prefill --out "$R" \
+      > "$R/kernels_mla_prefill.log" 2>&1
+    echo "kernels_mla_prefill rc=$?"
+    python3 -c "import json, sys; [print(r['preset'], r['case'], r['mha_ms'], r['absorbed_ms'], \
+r['faster']) for r in json.load(open(sys.argv[1]))['cases']]" "$R/kernels_mla_prefill.json" ;;
   tests)
     timeout 170 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
       tests/kernels/attention/test_mla_triton.py tests/kernels/attention/test_dsa_triton.py \
@@ -30,9 +38,10 @@ case "${1:?usage: mla_h200.sh tests|w1|tiles PRESET...}" in
       tests/engine/test_gpu_bf16_agreement.py > "$R/gpu_tests_agreement.log" 2>&1
     echo "agreement tests rc=$?"; tail -2 "$R/gpu_tests_agreement.log" ;;
   w1)
-    declare -A flags=([baseline]="" [mixed]="--mixed-cuda-graphs"
+    declare -A flags=([baseline]="" [mixed]="--mixed-cuda-graphs" [mha]="--mla-prefill mha"
                       [absorbed]="--mla-prefill absorbed")
-    declare -A engine=([baseline]="{}" [mixed]="{}" [absorbed]='{"mla_prefill": "absorbed"}')
+    declare -A engine=([baseline]="{}" [mixed]="{}" [mha]='{"mla_prefill": "mha"}'
+                       [absorbed]='{"mla_prefill": "absorbed"}')
     for variant in ${VARIANTS:-baseline mixed}; do
       flag=${flags[$variant]}
       tag=_$variant
@@ -43,6 +52,7 @@ case "${1:?usage: mla_h200.sh tests|w1|tiles PRESET...}" in
         echo "c=$c $variant rc=$?"
         grep -E "Output token throughput|eager decode|serial roofline" "$R/w1_c$c$tag.log"
       done
+      [ -n "${NO_PROFILE:-}" ] && continue
       mixed=""; [ "$variant" = mixed ] && mixed=--mixed-cuda-graphs
       timeout 90 python3 -m benchmarks.engine.profile_step --preset "$PRESET" --batch 1024 \
         $mixed --engine-args "${engine[$variant]}" --tag "$tag" --out "$R" \
