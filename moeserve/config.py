@@ -198,9 +198,9 @@ class EngineConfig:
     with several queries (prefill chunks, prefix hits) attend. "mha": the context's latents
     up-projected through kv_b_proj, then multi-head attention; "absorbed": over the latent
     cache as the decode rows do (W_UK folded into the queries: no up-projection, more FLOPs a
-    cached token); "auto": rows of up to layers/mla.py's AUTO_ABSORBED_MAX_QUERY queries
-    absorbed, longer ones up-projected (the faster form of each, as measured on the H200). The
-    same result. No effect on other models."""
+    cached token); "auto": rows whose context is at most layers/mla.py's
+    AUTO_ABSORBED_MAX_CONTEXT tokens absorbed, longer ones up-projected (the faster form of
+    each, as measured on the H200). The same result. No effect on other models."""
     quantization: str | None = None
     """fp8, nvfp4 or int4 (vLLM's modelopt_fp4 and compressed-tensors accepted). With a quantized
     checkpoint: its format, checked (a value the checkpoint contradicts is an error); None:

@@ -11,7 +11,7 @@
 #                                            # one's decode and mixed step profile at 1,024
 #                                            # rows (~3 min a variant; NO_PROFILE=1: none)
 #   bash benchmarks/h200/mla_h200.sh prefill # the MLA prefill forms timed on the same steps
-#                                            # (kernels_mla_prefill: AUTO_ABSORBED_MAX_QUERY)
+#                                            # (kernels_mla_prefill: AUTO_ABSORBED_MAX_CONTEXT)
 #   bash benchmarks/h200/mla_h200.sh tiles PRESET...   # tune each preset's MoE tiles at one
 #                                            # engine start (BUDGET s each, default 150) and
 #                                            # bring the files back to commit under

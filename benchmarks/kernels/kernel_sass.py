@@ -184,6 +184,7 @@ MLA_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
                 "sel_ptr": "*i32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "query_start_loc_ptr": "*i32", "rows_ptr": "*i32", "token_to_req_ptr": "*i32",
+                "tiles_ptr": "*i32",
                 "scale_log2": "fp32"}
 
 
@@ -201,6 +202,23 @@ def mla_decode(args: argparse.Namespace) -> dict:
                  IEEE=False)
     kernel = mla_triton._kernels().decode
     return {"head_tiles": tiles,
+            **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
+
+
+def mla_prefill(args: argparse.Namespace) -> dict:
+    """The absorbed MLA prefill kernel (mla_triton's _prefill_kernel) at DeepSeek / GLM's
+    latent, bf16: BM rows a program, as many query tokens as fit beside a tile of heads."""
+    from moeserve.kernels.attention import mla_triton
+    from moeserve.kernels.triton_common import next_pow2
+
+    bm, bn, warps, stages = args.tile
+    tiles, per_tile = mla_triton.head_tiles(args.heads, bm)
+    block_q = mla_triton._prefill_block_q(mla_triton.TileConfig(*args.tile), args.heads)
+    const = dict(NUM_HEADS=args.heads, HEADS_PER_TILE=per_tile, BLOCK_Q=block_q,
+                 BLOCK_M=max(16, next_pow2(block_q * per_tile)), L=512, R=64,
+                 BLOCK_SIZE=args.block_size, BLOCK_N=bn, IEEE=False)
+    kernel = mla_triton._kernels().prefill
+    return {"head_tiles": tiles, "block_q": block_q,
             **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
 
 
@@ -247,7 +265,7 @@ def main() -> None:
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
-    for name in ("mla-decode", "dsa-sparse"):
+    for name in ("mla-decode", "mla-prefill", "dsa-sparse"):
         p = sub.add_parser(name)
         p.add_argument("--tile", type=int, nargs=4, required=True,
                        metavar=("BM", "BN", "WARPS", "STAGES"))
@@ -258,7 +276,7 @@ def main() -> None:
             p.add_argument("--split", action="store_true", help="the split-K variant")
     args = parser.parse_args()
     report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
-              "dsa-sparse": dsa_sparse}[args.kernel](args)
+              "mla-prefill": mla_prefill, "dsa-sparse": dsa_sparse}[args.kernel](args)
     print(json.dumps({"kernel": args.kernel, **{k: v for k, v in vars(args).items()
                                                if k != "kernel"}, **report}))
 

@@ -1,5 +1,5 @@
 """MLA prefill rows, both forms, on the same steps (issue 16): which form of layers/mla.py's
-prefill attention is faster at which lengths, to set `AUTO_ABSORBED_MAX_QUERY`.
+prefill attention is faster at which lengths, to set `AUTO_ABSORBED_MAX_CONTEXT`.
 
 One MLA layer of a preset (random weights, the Triton MLA backend), one step per case: prompts
 of `query` tokens after `prefix` cached tokens each (blocks scattered over the pool), beside
@@ -20,18 +20,23 @@ Both forms' outputs are compared first (the largest error relative to the output
 timed with triton.testing.do_bench. Writes kernels_mla_prefill.json to --out after each case.
 
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR [--presets glm-4.7-flash ...]
+    python -m benchmarks.kernels.kernels_mla_prefill --out DIR --tiles 32,32,8,2 64,32,8,3
+        # the absorbed form at each prefill TileConfig too (rows a program, keys a step,
+        # warps, stages)
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --smoke   # CPU interpreter
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import numpy as np
 import torch
 
 from benchmarks.kernels.kernel_runs import Timer, make_timer, record
+from benchmarks.kernels.kernels_mla import parse_tile
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 from moeserve.layers.mla import MLAttention
 from moeserve.model_config import ModelConfig
@@ -108,8 +113,9 @@ def prefill_flops(layer: MLAttention, prompts: int, query: int, prefix: int) -> 
 
 
 def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: str,
-             dtype: torch.dtype, timer: Timer) -> dict:
-    """One case: both forms checked against each other, then each timed."""
+             dtype: torch.dtype, timer: Timer, tiles: tuple = ()) -> dict:
+    """One case: both forms checked against each other, then each timed (and the absorbed
+    form at each of `tiles`, prefill TileConfigs)."""
     name, prompts, query, prefix, decodes = case
     q_nope, q_rope, meta = make_step(layer, case, block, device, dtype)
     outs, ms = {}, {}
@@ -118,6 +124,15 @@ def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: s
         with torch.no_grad():
             outs[form] = layer._dense(q_nope, q_rope, meta).float()
             ms[form] = timer(lambda: layer._dense(q_nope, q_rope, meta))
+    layer.prefill_form = "absorbed"
+    by_tile, backend = {}, layer.backend
+    for cfg in tiles:
+        layer.backend = functools.partial(backend, prefill_config=cfg)
+        with torch.no_grad():
+            by_tile[",".join(map(str, (cfg.block_m, cfg.block_n, cfg.num_warps,
+                                       cfg.num_stages)))] = round(
+                timer(lambda: layer._dense(q_nope, q_rope, meta)), 4)
+    layer.backend = backend
     want = outs["mha"]
     err = float((outs["absorbed"] - want).abs().max() / want.abs().max().clamp(min=1e-30))
     bound = 1e-4 if dtype == torch.float32 else 2 ** -5
@@ -130,7 +145,8 @@ def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: s
             "query": query, "prefix": prefix, "decodes": decodes, "check_error": err,
             **{f"{form}_ms": round(ms[form], 4) for form in FORMS},
             **{f"{form}_prefill_gflop": round(flops[form] / 1e9, 2) for form in FORMS},
-            "faster": faster, "absorbed_speedup": round(ms["mha"] / ms["absorbed"], 3)}
+            "faster": faster, "absorbed_speedup": round(ms["mha"] / ms["absorbed"], 3),
+            "absorbed_tiles_ms": by_tile}
 
 
 def main() -> None:
@@ -138,6 +154,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory for kernels_mla_prefill.json")
     parser.add_argument("--presets", nargs="+", default=list(PRESETS))
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tiles", nargs="+", default=[], metavar="BM,BN,W,S",
+                        help="prefill TileConfigs to time the absorbed form at as well")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU through Triton's interpreter (no timing)")
     args = parser.parse_args()
@@ -159,11 +177,12 @@ def main() -> None:
                                else "triton.testing.do_bench, warmup 10 ms, rep 50 ms"},
                     "cases": []}
     path = os.path.join(args.out, "kernels_mla_prefill.json")
+    tiles = tuple(parse_tile(t) for t in args.tiles)
     for preset in args.presets:
         layer = layer_for(preset, device, dtype, args.smoke)
         for case in cases:
-            record(result, "cases", run_case(preset, layer, case, block, device, dtype, timer),
-                   path, device)
+            record(result, "cases", run_case(preset, layer, case, block, device, dtype, timer,
+                                             tiles), path, device)
     print(f"wrote {path}")
 
 

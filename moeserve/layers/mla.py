@@ -14,7 +14,7 @@ One forward, for the T tokens of a step (H heads; L = kv_lora_rank, R = qk_rope_
                               -> @ W_UV[h]^T -> [T, H, v]
       prefill rows, up-projected ("mha"): the context's latents through kv_b_proj to
                               per-head K/V (mla_prefill_ref) -> [T, H, v]; or absorbed, as
-                              decode (`prefill_form`: "auto" absorbs the short rows only)
+                              decode (`prefill_form`: "auto" absorbs the short contexts)
       -> o_proj -> [T, h]
 
 W_UK [H, nope, L] and W_UV [H, v, L] are views of kv_b_proj ([H * (nope + v), L], HF's layout),
@@ -54,17 +54,20 @@ from moeserve.model_config import ModelConfig
 # fn(q_lat [T, H, L + R], latent_cache [NB, BS, L + R], meta, scale, L) -> [T, H, L]
 MlaBackend = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float, int], torch.Tensor]
 # how rows with several queries attend (MLAttention.prefill_form; the engine's mla_prefill):
-# "auto" (rows of at most `auto_max_query` queries absorbed, longer ones up-projected), "mha"
-# (every such row up-projected) or "absorbed" (every row absorbed)
+# "auto" (rows whose context is at most `auto_max_context` tokens absorbed, longer ones
+# up-projected), "mha" (every such row up-projected) or "absorbed" (every row absorbed)
 PREFILL_FORMS = ("auto", "mha", "absorbed")
-# "auto"'s default: a row of up to this many queries attends absorbed. By FLOPs the
-# up-projected form wins on a fresh prompt of any length (2 x (nope + R + v) a query-key pair
-# against 2 x (2L + R), the up-projection of its own keys matching the absorption of its
-# queries), and the absorbed form once a short chunk follows a long prefix; but the MHA form's
-# gathers, padding and scatters cost per token: W1's 128-token prompts ran 11.6% faster
-# absorbed on the H200 (glm-4.7-flash at 1,024: 18,078 against 16,203 output tok/s,
-# benchmarks/results/gpu_b790193/). benchmarks/kernels/kernels_mla_prefill.py times both.
-AUTO_ABSORBED_MAX_QUERY = 512
+# "auto"'s default: a row whose context (its cached tokens and this step's) is at most this
+# long attends absorbed. By FLOPs the up-projected form wins on a fresh prompt of any length
+# (2 x (nope + R + v) a query-key pair against 2 x (2L + R); the up-projection of its keys
+# matches the absorption of its queries) and the absorbed form on a short chunk after a long
+# prefix; but the MHA form's gathers, padding and scatters cost per token. On the H200
+# (benchmarks/results/gpu_b790193/call2_25bbc5a/, kernels_mla_prefill): 64 fresh prompts of
+# 128 tokens 1.25-2x faster absorbed (GLM-4.7-Flash, GLM-5, DeepSeek-V3), 512-token prompts
+# and every chunk after a 2k-6k prefix faster up-projected (but GLM-5's 512: 1.12x absorbed);
+# W1 (128-token prompts) 11.6% faster absorbed (glm-4.7-flash at 1,024: 18,078 against
+# 16,203 output tok/s, call1_b790193).
+AUTO_ABSORBED_MAX_CONTEXT = 256
 
 @functools.lru_cache(maxsize=8)
 def _pair_table(config_key: tuple, dim: int, max_position: int,
@@ -114,7 +117,7 @@ class MLAttention(nn.Module):
         self.interleaved = config.rope.interleaved
         self.scale = softmax_scale(config.rope, m.qk_head_dim)
         self.prefill_form = "auto"  # PREFILL_FORMS; the engine's mla_prefill sets it
-        self.auto_max_query = AUTO_ABSORBED_MAX_QUERY  # "auto"'s longest absorbed row
+        self.auto_max_context = AUTO_ABSORBED_MAX_CONTEXT  # "auto"'s longest absorbed row
         # tokens attended in each form, counted on the host when the forward runs eagerly (a
         # CUDA-graph replay runs no Python): tests assert which path ran
         self.reset_path_counters()
@@ -219,8 +222,9 @@ class MLAttention(nn.Module):
         """Dense MLA of the step's rows, [T, H, v]: the decode rows absorbed, the other rows
         by `prefill_form`."""
         t, heads = q_nope.shape[:2]
-        limit = self.absorbed_max_query()
-        absorbed = meta.query_lens_np <= limit
+        limit = self.absorbed_max_context()
+        # a decode row always attends absorbed
+        absorbed = (meta.query_lens_np == 1) | (meta.seq_lens_np <= limit)
         if bool(absorbed.all()):
             self.tokens_absorbed += t
             return self._absorbed(q_nope, q_rope, meta)
@@ -236,10 +240,10 @@ class MLAttention(nn.Module):
                                            self.nope, self.v_dim)
         return out
 
-    def absorbed_max_query(self) -> int | float:
-        """The most queries a row may have and attend absorbed, by `prefill_form` (decode
-        rows always do)."""
-        return {"mha": 1, "absorbed": float("inf"), "auto": self.auto_max_query}[
+    def absorbed_max_context(self) -> int | float:
+        """The longest context a row with several queries may have and attend absorbed, by
+        `prefill_form` (decode rows always do)."""
+        return {"mha": 0, "absorbed": float("inf"), "auto": self.auto_max_context}[
             self.prefill_form]
 
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,

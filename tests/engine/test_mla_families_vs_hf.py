@@ -86,17 +86,17 @@ def test_up_projected_prefill_matches_hf(device: str, checkpoints: dict, arch: s
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
-def test_auto_prefill_splits_a_step_by_query_length(device: str, checkpoints: dict,
-                                                    arch: str) -> None:
+def test_auto_prefill_splits_a_step_by_context(device: str, checkpoints: dict,
+                                               arch: str) -> None:
     """"auto" with a small limit: in one step the short prompts attend absorbed with the
-    decodes and the longer ones up-projected, each row by its own length."""
+    decodes and the longer ones up-projected, each row by its own context."""
     folder, prompts, expected = checkpoints[arch]
     llm = _llm(folder, device)
     lens = sorted(len(p) for p in prompts)
     limit = lens[len(lens) // 2]  # some prompts at most this long, some longer
     assert lens[0] <= limit < lens[-1]
     for layer in _mla_layers(llm):
-        layer.auto_max_query = limit
+        layer.auto_max_context = limit
     results = llm.generate(prompts, GREEDY)
     longer = sum(n for n in lens if n > limit)
     for a in _mla_layers(llm):

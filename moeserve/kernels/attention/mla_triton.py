@@ -71,7 +71,14 @@ def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype,
         if dtype == torch.float32:  # exact tests: fp32 tiles are twice the bytes
             return TileConfig(16, 32, 4, 2)
         return TileConfig(32, 64, 8, 3) if num_heads <= 32 else TileConfig(64, 32, 8, 3)
-    return TileConfig(32, 32, 8, 1 if dtype == torch.float32 else 2)
+    if dtype == torch.float32:
+        return TileConfig(32, 32, 8, 1)
+    # bf16 prefill as the decode: 64 rows a program (wgmma's M; at 20 heads 3 query tokens x
+    # 20 heads share each latent tile), 3 stages with the lookahead keeping a copy in flight
+    # (sm90 SASS: 2 copy groups, 8-224 bytes spilled at 128 / 20 heads). (32, 32, 8, 2) took
+    # one token of 20 heads a program: W1's 64 x 128-token prompts at 26 TFLOP/s on the H200
+    # (benchmarks/results/gpu_b790193/call2_25bbc5a/)
+    return TileConfig(64, 32, 8, 3)
 
 
 def head_tiles(num_heads: int, block_m: int) -> tuple[int, int]:
@@ -239,13 +246,13 @@ def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now). Kernels
     call the helpers and read `tl` by global name (Triton resolves names in the module's
     globals), so those are bound here."""
-    global tl, _attend_tile, _attend_rows, _tile_rows, _max, _sum
+    global tl, _attend_rows, _tile_rows, _max, _sum
     import triton
     import triton.language
 
     tl = triton.language
     _max, _sum = triton.jit(_max), triton.jit(_sum)
-    _attend_tile, _attend_rows = triton.jit(_attend_tile), triton.jit(_attend_rows)
+    _attend_rows = triton.jit(_attend_rows)
     _tile_rows = triton.jit(_tile_rows)
     # NOTE: step-varying ints (split partition and count, the block table's width, tile counts)
     # and index arrays sliced at any offset are exempt from specialisation: a new batch shape
@@ -278,27 +285,6 @@ def _tile_rows(table_ptr, n0, kv_end, L: tl.constexpr, R: tl.constexpr,
     valid = pos < kv_end
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
     return (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R), valid
-
-
-def _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table_ptr, n0, kv_end, q_pos,
-                 scale_log2, L: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                 IEEE: tl.constexpr):
-    """One online-softmax step of query rows (q_lat [M, L], q_pe [M, R]) over the cached rows of
-    keys n0 .. n0 + BLOCK_N of one row's paged context. MASKED: keys >= kv_end (and, CAUSAL,
-    keys after q_pos [M]) are dropped."""
-    pos = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
-    valid = pos < kv_end  # [N]; read only when MASKED
-    if MASKED:
-        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
-    else:
-        block = tl.load(table_ptr + pos // BLOCK_SIZE)
-    row = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)  # [N] row offsets
-    keep = valid[None, :]
-    if CAUSAL:
-        keep = keep & (pos[None, :] <= q_pos[:, None])
-    return _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid, keep, scale_log2,
-                        L, R, MASKED, IEEE)
 
 
 def _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid, keep, scale_log2,
@@ -431,14 +417,25 @@ def _prefill_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
     first_pos = ctx_start + tile * BLOCK_Q
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # keys the tile's last query sees
     full_end = first_pos // BLOCK_N * BLOCK_N  # keys every query of the tile sees
+    # each tile's rows looked up one tile ahead, as in _decode_kernel (so that from 3 stages
+    # the pipeliner keeps a tile of latents in flight during each tile's dots); the lookups
+    # are masked at kv_end, so the unmasked loop's last lookahead reads no table entry past it
+    row, valid = _tile_rows(table, 0, kv_end, L, R, BLOCK_SIZE, BLOCK_N)
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table, n0, kv_end,
-                                     q_pos, scale_log2, L, R, BLOCK_SIZE, BLOCK_N, False, False,
-                                     IEEE)
+        row_next, valid_next = _tile_rows(table, n0 + BLOCK_N, kv_end, L, R, BLOCK_SIZE,
+                                          BLOCK_N)
+        acc, m_i, l_i = _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid,
+                                     valid[None, :], scale_log2, L, R, False, IEEE)
+        row, valid = row_next, valid_next
+    row, valid = _tile_rows(table, full_end, kv_end, L, R, BLOCK_SIZE, BLOCK_N)
     for n0 in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q_lat, q_pe, acc, m_i, l_i, cache_ptr, table, n0, kv_end,
-                                     q_pos, scale_log2, L, R, BLOCK_SIZE, BLOCK_N, True, True,
-                                     IEEE)
+        row_next, valid_next = _tile_rows(table, n0 + BLOCK_N, kv_end, L, R, BLOCK_SIZE,
+                                          BLOCK_N)
+        pos = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
+        keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
+        acc, m_i, l_i = _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid, keep,
+                                     scale_log2, L, R, True, IEEE)
+        row, valid = row_next, valid_next
     o = acc / l_i[:, None]
     tl.store(out_ptr + (q_first + qi)[:, None] * stride_ot + head[:, None] * stride_oh
              + dl[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -214,7 +214,7 @@ def test_gpu_decode(num_heads: int, batch: int, max_context: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("num_heads", [16, 20, 128])
 def test_gpu_prefill_and_prefix_hits(num_heads: int) -> None:
     check(gpu_case([0, 0, 512, 1000, 37], [128, 700, 256, 77, 300], num_heads))
 
