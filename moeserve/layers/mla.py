@@ -61,13 +61,13 @@ PREFILL_FORMS = ("auto", "mha", "absorbed")
 # long attends absorbed. By FLOPs the up-projected form wins on a fresh prompt of any length
 # (2 x (nope + R + v) a query-key pair against 2 x (2L + R); the up-projection of its keys
 # matches the absorption of its queries) and the absorbed form on a short chunk after a long
-# prefix; but the MHA form's gathers, padding and scatters cost per token. On the H200
-# (benchmarks/results/gpu_b790193/call2_25bbc5a/, kernels_mla_prefill): 64 fresh prompts of
-# 128 tokens 1.25-2x faster absorbed (GLM-4.7-Flash, GLM-5, DeepSeek-V3), 512-token prompts
-# and every chunk after a 2k-6k prefix faster up-projected (but GLM-5's 512: 1.12x absorbed);
-# W1 (128-token prompts) 11.6% faster absorbed (glm-4.7-flash at 1,024: 18,078 against
-# 16,203 output tok/s, call1_b790193).
-AUTO_ABSORBED_MAX_CONTEXT = 256
+# prefix; but the MHA form's gathers, padding and scatters cost per token. On the H200 with
+# the absorbed prefill at (64, 32, 8, 3) (benchmarks/results/gpu_b790193/call3_*/,
+# kernels_mla_prefill): every case of a context up to 512 ran faster absorbed (W1's mixed step
+# 2.2x / 1.6x at GLM-4.7-Flash / DeepSeek-V3, 512-token prompts 1.9x / 1.14x); at 2k-8k the
+# up-projected form won at 128 heads and mostly at 20. W1 (128-token prompts) ran 11.6% faster
+# absorbed (glm-4.7-flash at 1,024: 18,078 against 16,203 output tok/s, call1_b790193).
+AUTO_ABSORBED_MAX_CONTEXT = 512
 
 @functools.lru_cache(maxsize=8)
 def _pair_table(config_key: tuple, dim: int, max_position: int,
