@@ -189,9 +189,9 @@ MLA_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
 
 
 def mla_decode(args: argparse.Namespace) -> dict:
-    """The absorbed MLA decode kernel (kernels/attention/mla_triton.py) at DeepSeek / GLM's
+    """The absorbed MLA decode kernel (kernels/attention/mla/absorbed_triton.py) at DeepSeek / GLM's
     latent (L 512 + R 64), bf16, a row's heads split into tiles of at most BM."""
-    from moeserve.kernels.attention import mla_triton
+    from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
     from moeserve.kernels.triton_common import next_pow2
 
     bm, bn, warps, stages = args.tile
@@ -205,10 +205,25 @@ def mla_decode(args: argparse.Namespace) -> dict:
             **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
 
 
+def mla_decode_flat(args: argparse.Namespace) -> dict:
+    """The flat MLA decode (kernels/attention/mla/decode_flat_triton.py) at DeepSeek / GLM's
+    latent, bf16: every head in one tile (BM unused), a program an SM over the row tiles."""
+    from moeserve.kernels.attention.mla import decode_flat_triton
+    from moeserve.kernels.triton_common import next_pow2
+
+    _, bn, warps, stages = args.tile
+    const = dict(NUM_PROGRAMS=132, NUM_HEADS=args.heads, BLOCK_H=max(16, next_pow2(args.heads)),
+                 L=512, USE_ROWS=False, R=64, BLOCK_SIZE=args.block_size, BLOCK_N=bn,
+                 SEARCH_BLOCK=decode_flat_triton.SEARCH_BLOCK, IEEE=False)
+    kernel = decode_flat_triton._kernels().decode
+    pointers = {**MLA_POINTERS, "cut_row_ptr": "*i32", "cu_tiles_ptr": "*i32"}
+    return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
+
+
 def mla_prefill(args: argparse.Namespace) -> dict:
     """The absorbed MLA prefill kernel (mla_triton's _prefill_kernel) at DeepSeek / GLM's
     latent, bf16: BM rows a program, as many query tokens as fit beside a tile of heads."""
-    from moeserve.kernels.attention import mla_triton
+    from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
     from moeserve.kernels.triton_common import next_pow2
 
     bm, bn, warps, stages = args.tile
@@ -223,10 +238,11 @@ def mla_prefill(args: argparse.Namespace) -> dict:
 
 
 def dsa_sparse(args: argparse.Namespace) -> dict:
-    """DSA's sparse MLA (kernels/attention/dsa_sparse_triton.py's _sparse_attention_kernel) at
+    """DSA's sparse MLA (kernels/attention/dsa/sparse_triton.py's _sparse_attention_kernel) at
     GLM-5's latent (L 512 + R 64), bf16: a token's heads in tiles of at most BM over its
     selected positions, BN a step."""
-    from moeserve.kernels.attention import dsa_sparse_triton, mla_triton
+    from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
+    from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
     from moeserve.kernels.triton_common import next_pow2
 
     bm, bn, warps, stages = args.tile
@@ -265,7 +281,7 @@ def main() -> None:
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
-    for name in ("mla-decode", "mla-prefill", "dsa-sparse"):
+    for name in ("mla-decode", "mla-decode-flat", "mla-prefill", "dsa-sparse"):
         p = sub.add_parser(name)
         p.add_argument("--tile", type=int, nargs=4, required=True,
                        metavar=("BM", "BN", "WARPS", "STAGES"))
@@ -276,7 +292,8 @@ def main() -> None:
             p.add_argument("--split", action="store_true", help="the split-K variant")
     args = parser.parse_args()
     report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
-              "mla-prefill": mla_prefill, "dsa-sparse": dsa_sparse}[args.kernel](args)
+              "mla-decode-flat": mla_decode_flat, "mla-prefill": mla_prefill,
+              "dsa-sparse": dsa_sparse}[args.kernel](args)
     print(json.dumps({"kernel": args.kernel, **{k: v for k, v in vars(args).items()
                                                if k != "kernel"}, **report}))
 

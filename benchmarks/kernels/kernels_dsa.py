@@ -43,9 +43,11 @@ import torch
 # none imports triton (the kernels do on first use, after --smoke set the interpreter)
 from benchmarks.kernels.kernel_runs import Timer, make_timer, record
 from benchmarks.kernels.kernels_mla import parse_tile
-from moeserve.kernels.attention import dsa_sparse_triton, dsa_triton, mla_triton
-from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref
+from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
+from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
+from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_topk_ref
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 
 HEADS, DIM, BLOCK, TOPK = 32, 128, 64, 2048
 CASES = (  # (name, computed tokens per row, new tokens per row)

@@ -1,4 +1,4 @@
-"""The absorbed MLA decode kernel (kernels/attention/mla_triton.py) on the GPU against its bound
+"""The absorbed MLA decode kernel (kernels/attention/mla/) on the GPU against its bound
 (issue 16): max(read bound, FLOP bound), per case.
 
 Shape: DeepSeek / GLM latent (kv_lora_rank L 512 + rope R 64 = 576 values a cached token, bf16:
@@ -21,6 +21,8 @@ after each case (a run cut short keeps what it measured).
     python -m benchmarks.kernels.kernels_mla --out DIR --smoke   # tiny shapes, CPU interpreter
     python -m benchmarks.kernels.kernels_mla --out DIR --tiles 16,64,4,2 32,32,8,2
         # each case at each tile
+    python -m benchmarks.kernels.kernels_mla --out DIR --forms split flat
+        # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat)
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ import numpy as np
 import torch
 
 from benchmarks.kernels.kernel_runs import Timer, make_timer, record
+from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 
 # neither imports triton (the kernels do on first use, after --smoke set the interpreter)
-from moeserve.kernels.attention import mla_triton
-from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
-from moeserve.kernels.attention.mla import mla_attention_ref
+from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
+from moeserve.kernels.attention.mla.reference import mla_attention_ref
 
 LATENT, ROPE = 512, 64  # kv_lora_rank, qk_rope_head_dim (DeepSeek-V3, GLM-4.7-Flash, GLM-5)
 SCALE = (128 + 64) ** -0.5  # (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
@@ -88,39 +90,44 @@ def bounds(ctx: list[int], heads: int, latent: int, rope: int, itemsize: int) ->
 
 
 def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device: str,
-          dtype: torch.dtype, cfg: mla_triton.TileConfig) -> float:
+          dtype: torch.dtype, cfg: mla_triton.TileConfig, form: str) -> float:
     """The kernel against `mla_attention_ref` on a small step of this case's first rows: the
     largest error relative to the output's scale (raises past the dtype's bound)."""
     q, cache, meta = make_step(ctx[:CHECK_ROWS], heads, latent, rope, block, device, dtype, 1)
-    got = mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
-                                          decode_config=cfg).float()
+    got = mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent, decode_config=cfg,
+                                          decode_form=form).float()
     want = mla_attention_ref(q.float(), cache.float(), meta, SCALE, latent).float()
     err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
     bound = 1e-5 if dtype == torch.float32 else 2 ** -6
     if not err <= bound:
-        raise SystemExit(f"MLA decode ({cfg}) differs from the reference: {err:.3g} of the "
+        raise SystemExit(f"MLA decode ({form}, {cfg}) differs from the reference: {err:.3g} of the "
                          f"output scale (bound {bound:g})")
     return err
 
 
 def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
              device: str, dtype: torch.dtype, timer: Timer,
-             tiles: list[mla_triton.TileConfig | None]) -> list[dict]:
-    """One case, one step built, timed at each tile (None: the kernel's default)."""
+             tiles: list[mla_triton.TileConfig | None], forms: list[str]) -> list[dict]:
+    """One case, one step built, timed at each decode form and tile (None: the default)."""
     latent, rope, block = shape["latent"], shape["rope"], shape["block_size"]
     ctx = contexts(batch, context)
     q, cache, meta = make_step(ctx, heads, latent, rope, block, device, dtype)
     b = bounds(ctx, heads, latent, rope, q.element_size())
     rows = []
-    for tile in tiles:
+    for form, tile in [(f, t) for f in forms for t in tiles]:
+        if form == "auto":
+            form = mla_triton.auto_decode_form(heads)
+        if form == "flat" and heads > mla_triton.FLAT_MAX_HEADS:
+            continue
         cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)
-        head_tiles = mla_triton.head_tiles(heads, cfg.block_m)[0]
-        err = check(ctx, heads, latent, rope, block, device, dtype, cfg)
-        splits = mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len)
-        ms = timer(lambda cfg=cfg: mla_triton.mla_attention_triton(
-            q, cache, meta, SCALE, latent, decode_config=cfg))
+        head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
+        err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form)
+        splits = (None if form == "flat"
+                  else mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len))
+        ms = timer(lambda cfg=cfg, form=form: mla_triton.mla_attention_triton(
+            q, cache, meta, SCALE, latent, decode_config=cfg, decode_form=form))
         rows.append({
-            "case": name, "heads": heads, "batch": batch, "context": context,
+            "case": name, "form": form, "heads": heads, "batch": batch, "context": context,
             "mean_context": round(float(np.mean(ctx)), 1), "splits": splits,
             "head_tiles": head_tiles, "tile": dataclasses.asdict(cfg),
             "check_error": err, "ms": round(ms, 4),
@@ -151,6 +158,10 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", default=None, metavar="BM,BN,W,S",
                         help="decode TileConfigs to time each case at (heads a program, keys "
                              "an iteration, warps, stages); default: the kernel's default")
+    parser.add_argument("--forms", nargs="+", default=["auto"],
+                        choices=list(mla_triton.DECODE_FORMS),
+                        help="decode forms to time (split, flat; auto: the launcher's pick; "
+                             "flat skips heads past its FLAT_MAX_HEADS)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU through Triton's interpreter (no timing)")
     args = parser.parse_args()
@@ -180,7 +191,7 @@ def main() -> None:
     for h in heads:
         for name, batch, context in cases:
             for row in run_case(name, batch, context, h, shape, device, dtype, timer,
-                                tiles):
+                                tiles, args.forms):
                 record(result, "cases", row, path, device)
     print(f"wrote {path}")
 

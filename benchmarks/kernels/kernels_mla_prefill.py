@@ -65,7 +65,7 @@ def layer_for(preset: str, device: str, dtype: torch.dtype, smoke: bool = False
     config = ModelConfig.from_hf(hf)
     if config.mla is None:
         raise SystemExit(f"{preset}: not an MLA model")
-    from moeserve.kernels.attention.mla_triton import mla_attention_triton
+    from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
 
     layer = MLAttention(0, config, mla_attention_triton, dtype, device)
     if device == "meta":  # the shapes only

@@ -10,8 +10,8 @@ imports triton.
     ATTENTION_BACKENDS  torch -> paged_attention_ref, triton -> paged_attention_triton
     MLA_BACKENDS        torch -> mla_attention_ref, triton -> mla_attention_triton (absorbed
                         MLA over the paged latent cache)
-    DSA_BACKENDS        torch -> the references of kernels/attention/dsa.py, triton -> those of
-                        dsa_triton.py (the indexer's top-k, MLA over the selection); a DSA
+    DSA_BACKENDS        torch -> attention/dsa/reference.py, triton -> those of
+                        dsa/indexer_triton.py (the indexer's top-k, MLA over the selection); a DSA
                         layer takes the pair named like its MLA backend (`dsa_backend_for`)
 
 The MoE tile source (the engine's `moe_tiles`) is bound here too, into the backends that read
@@ -27,12 +27,12 @@ from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
-from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref
-from moeserve.kernels.attention.dsa_sparse_triton import dsa_attention_triton
-from moeserve.kernels.attention.dsa_triton import indexer_topk_triton
+from moeserve.kernels.attention.dsa.indexer_triton import indexer_topk_triton
+from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_topk_ref
+from moeserve.kernels.attention.dsa.sparse_triton import dsa_attention_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata
-from moeserve.kernels.attention.mla import mla_attention_ref
-from moeserve.kernels.attention.mla_triton import mla_attention_triton
+from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
+from moeserve.kernels.attention.mla.reference import mla_attention_ref
 from moeserve.kernels.attention.paged import paged_attention_ref
 from moeserve.kernels.attention.paged_triton import paged_attention_triton
 from moeserve.kernels.moe.fused_triton import moe_triton

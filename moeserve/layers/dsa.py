@@ -14,8 +14,8 @@ One forward of a DSA layer (on top of layers/mla.py's MLA; Hi heads of D, R rota
       "shared" layer: the positions of the last full layer before it, this step
       out = absorbed MLA over those positions only -> W_UV -> o_proj
 
-The indexer's top-k and the sparse MLA are the Triton kernels (kernels/attention/dsa_triton.py)
-when the layer's MLA backend is the Triton one, the torch references (dsa.py) otherwise
+The indexer's top-k and the sparse MLA are the Triton kernels (kernels/attention/dsa/)
+when the layer's MLA backend is the Triton one, the torch references (dsa/reference.py) otherwise
 (kernels/registry.py's `dsa_backend_for`); both select the same positions, ties included.
 
 The indexer's RoPE splits [rope | pass] (the main attention's q is [nope | rope]), in pairs for
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels.attention.dsa import write_index_keys
+from moeserve.kernels.attention.dsa.reference import write_index_keys
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
 from moeserve.kernels.registry import DsaBackend, IndexerTopkFn, dsa_backend_for
 from moeserve.layers.linear import WeightFactory, linear

@@ -7,9 +7,9 @@ One forward, for the T tokens of a step (H heads; L = kv_lora_rank, R = qk_rope_
                                                                      q_proj, and kv_a_proj)
       q part -> (q_a_layernorm -> q_b_proj when q_lora_rank) -> q [T, H, nope + R]
       c_kv -> kv_a_layernorm;  q_rope, k_rope -> RoPE (interleaved pairs or halves; YaRN)
-      latent_cache[slot] = [c_kv | k_rope]                           (kernels/attention/mla.py)
+      latent_cache[slot] = [c_kv | k_rope]       (kernels/attention/mla/reference.py)
       (on CUDA the norm, both RoPEs and the write are one launch, reading each token's kv_a
-      row once: kernels/attention/mla_rope_cache_triton.py; elsewhere the torch ops one by one)
+      row once: kernels/attention/mla/rope_cache_triton.py; elsewhere the torch ops one by one)
       decode rows, absorbed:  q_lat = [q_nope @ W_UK[h] | q_rope] -> mla_backend -> [T, H, L]
                               -> @ W_UV[h]^T -> [T, H, v]
       prefill rows, up-projected ("mha"): the context's latents through kv_b_proj to
@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
-from moeserve.kernels.attention.mla import mla_prefill_ref, write_latent
-from moeserve.kernels.attention.mla_rope_cache_triton import (
+from moeserve.kernels.attention.mla.reference import mla_prefill_ref, write_latent
+from moeserve.kernels.attention.mla.rope_cache_triton import (
     mla_rope_cache_triton,
     rotate_pairs,
 )

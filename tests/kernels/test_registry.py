@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from moeserve.kernels.attention.mla import mla_attention_ref
-from moeserve.kernels.attention.mla_triton import mla_attention_triton
+from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
+from moeserve.kernels.attention.mla.reference import mla_attention_ref
 from moeserve.kernels.attention.paged import paged_attention_ref
 from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe.measured import moe_measured

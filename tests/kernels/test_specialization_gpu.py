@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.kernels.attention import mla_reduce_triton, mla_triton
 from moeserve.kernels.attention import paged_triton as paged_attention_triton
-from moeserve.kernels.attention.mla_triton import mla_attention_triton
+from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
+from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
+from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
 from moeserve.kernels.attention.paged_triton import paged_attention_triton as run_attention
 from moeserve.kernels.moe import align as moe_align
 from moeserve.kernels.moe import fused_triton as moe_triton
@@ -77,7 +78,7 @@ def test_dsa_indexer_compiles_once_across_batch_shapes(monkeypatch: pytest.Monke
     and mixed steps (query tiles), some scored in chunks of tiles (the tiles sliced at odd
     offsets): at most two new variants, both compiled by the first pair of steps (none when
     the run's earlier DSA tests compiled them: the full `pytest -m gpu` on the H200)."""
-    from moeserve.kernels.attention import dsa_triton
+    from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
     from tests.kernels.attention.test_dsa_triton import make_step
 
     kern = dsa_triton._kernels()
@@ -192,7 +193,7 @@ def test_qk_rope_kv_compiles_once_across_token_counts() -> None:
 def test_mla_rope_cache_compiles_once_across_token_counts() -> None:
     """DeepSeek-V3's layout (128 heads, L 512, R 64; q_lora: kv_a a view at q_part 1536 of
     in_proj's output); positions and slots sliced at any offset of a packed buffer."""
-    from moeserve.kernels.attention import mla_rope_cache_triton
+    from moeserve.kernels.attention.mla import rope_cache_triton as mla_rope_cache_triton
 
     heads, nope, rope_dim, rank, q_part = 128, 128, 64, 512, 1536
     angles = torch.arange(4096, device="cuda")[:, None] * torch.rand(rope_dim // 2,

@@ -1,4 +1,4 @@
-"""The DSA torch references (kernels/attention/dsa.py) against plain per-token loops: the
+"""The DSA torch references (kernels/attention/dsa/reference.py) against plain per-token loops: the
 indexer's top-k over the paged key cache (mixed steps, decode-only steps, chunks after a
 prefix), ties to the lowest position, short contexts selecting everything, the decode path on
 device tensors alone; and the sparse MLA over the selected rows against the dense absorbed MLA.
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.kernels.attention.dsa import (
+from moeserve.kernels.attention.dsa.reference import (
     dsa_attention_ref,
     indexer_topk_ref,
     write_index_keys,
 )
 from moeserve.kernels.attention.metadata import build_attention_metadata
-from moeserve.kernels.attention.mla import mla_attention_ref
+from moeserve.kernels.attention.mla.reference import mla_attention_ref
 
 BS, NB, HEADS, DIM, TOPK = 4, 48, 8, 16, 8
 

@@ -1,5 +1,5 @@
-"""The Triton DSA kernels (kernels/attention/dsa_triton.py) against the torch references of
-kernels/attention/dsa.py.
+"""The Triton DSA kernels (kernels/attention/dsa/indexer_triton.py) against the torch references of
+kernels/attention/dsa/reference.py.
 
 Indexer top-k: exactly the reference's positions in its order (descending score, ties to the
 lowest position, -1 past a short context) and the same boundary-tie count, for pure decode,
@@ -27,13 +27,13 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.kernels.attention import dsa_triton
-from moeserve.kernels.attention.dsa import dsa_attention_ref, indexer_topk_ref
-from moeserve.kernels.attention.dsa_sparse_triton import dsa_attention_triton
-from moeserve.kernels.attention.dsa_triton import indexer_topk_triton
+from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
+from moeserve.kernels.attention.dsa.indexer_triton import indexer_topk_triton
+from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_topk_ref
+from moeserve.kernels.attention.dsa.sparse_triton import dsa_attention_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
-from moeserve.kernels.attention.mla import mla_attention_ref
-from moeserve.kernels.attention.mla_triton import mla_attention_triton
+from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
+from moeserve.kernels.attention.mla.reference import mla_attention_ref
 from moeserve.kernels.registry import DSA_BACKENDS, dsa_backend_for
 
 HEADS, DIM, TOPK = 8, 16, 8
@@ -196,7 +196,7 @@ def test_sparse_attention_grid_orders_give_the_same_bits(monkeypatch: pytest.Mon
                                                          ) -> None:
     """Head tiles first in the grid (the default) and tokens first (past the grid's y limit,
     forced here by a limit of 0) compute the same output."""
-    from moeserve.kernels.attention import mla_triton
+    from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 
     step = make_step(*STEPS["mixed"], 16)
     positions, _ = indexer_topk_ref(step.q, step.w, step.cache, step.meta, 0.25, TOPK)
@@ -240,7 +240,7 @@ def test_sparse_attention_split_selection_is_the_same(num_splits: int) -> None:
     """The selection cut into partitions (programs of their own, combined by mla_triton's
     reduce), with holes and a token of none: the unsplit result (zeros for that token), and
     the default split count over few tokens is more than one."""
-    from moeserve.kernels.attention import mla_triton
+    from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 
     step = make_step(*STEPS["mixed"], 6)
     pos = _holey_selection(step, 40, seed=8)
@@ -327,7 +327,7 @@ def test_the_triton_mla_backend_takes_the_triton_dsa_ops() -> None:
 
 
 def test_import_does_not_import_triton() -> None:
-    code = ("import sys, moeserve.kernels.attention.dsa_triton; "
+    code = ("import sys, moeserve.kernels.attention.dsa.indexer_triton; "
             "assert 'triton' not in sys.modules, 'triton imported'")
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                             text=True)

@@ -1,4 +1,4 @@
-"""The indexer's query tiles (kernels/attention/dsa_triton.py, issue 17): programs of BLOCK_Q
+"""The indexer's query tiles (attention/dsa/indexer_triton.py, issue 17): programs of BLOCK_Q
 consecutive tokens of one row sharing each loaded key tile, against `indexer_topk_ref` exactly.
 
 Prefill chunks of 1, 3, 17 and 64 tokens of one request, fresh and after a prefix that ends
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.kernels.attention import dsa_triton
-from moeserve.kernels.attention.dsa_triton import index_block_q, indexer_topk_triton
+from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
+from moeserve.kernels.attention.dsa.indexer_triton import index_block_q, indexer_topk_triton
 from tests.kernels.attention.test_dsa_triton import (
     DIM,
     HEADS,

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
-from moeserve.kernels.attention.mla import mla_attention_ref, mla_prefill_ref, write_latent
+from moeserve.kernels.attention.mla.reference import (
+    mla_attention_ref,
+    mla_prefill_ref,
+    write_latent,
+)
 
 MIXED = ([5, 17, 0, 12, 30, 0], [1, 1, 9, 7, 1, 1])  # decodes + prefill chunks, some mid-context
 DECODE = ([5, 17, 3, 40], [1, 1, 1, 1])

@@ -1,5 +1,5 @@
 """The MLA layer's fused latent norm + RoPE + latent write (kernels/attention/
-mla_rope_cache_triton.py) against its unfused reference (rms_norm_ref -> rotate_pairs on q and
+mla/rope_cache_triton.py) against its unfused reference (rms_norm_ref -> rotate_pairs on q and
 k_rope -> cat -> write_latent into a copy of the cache): CPU through Triton's interpreter in
 fp32, fp16 and bf16, interleaved and half-split RoPE, at DeepSeek-V3's layout (q_lora: q is
 q_b_proj's own tensor), DeepSeek-V2-Lite's (no q_lora: q is a view of in_proj's output) and an
@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from moeserve.kernels.attention.metadata import build_attention_metadata
-from moeserve.kernels.attention.mla_rope_cache_triton import (
+from moeserve.kernels.attention.mla.rope_cache_triton import (
     mla_rope_cache_ref,
     mla_rope_cache_triton,
 )
@@ -410,7 +410,7 @@ def test_gpu_layer_uses_the_fused_kernel(tiny_folder, monkeypatch: pytest.Monkey
         return mla_rope_cache_triton(*args, **kwargs)
 
     monkeypatch.setattr(mla_module, "mla_rope_cache_triton", counted)
-    from moeserve.kernels.attention.mla import mla_attention_ref
+    from moeserve.kernels.attention.mla.reference import mla_attention_ref
     from moeserve.model_config import ModelConfig
 
     cfg = ModelConfig.from_file(os.path.join(tiny_folder("deepseek_v3"), "config.json"))

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from moeserve.kernels.attention.metadata import build_attention_metadata
-from moeserve.kernels.attention.mla import mla_attention_ref
-from moeserve.kernels.attention.mla_triton import (
+from moeserve.kernels.attention.mla.absorbed_triton import (
     TileConfig,
     decode_num_splits,
     head_tiles,
     mla_attention_triton,
 )
+from moeserve.kernels.attention.mla.reference import mla_attention_ref
 from tests.kernels.attention.test_mla import DECODE, MIXED, MlaCase, make_mla_case
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -56,13 +56,14 @@ def test_mixed_step(block_size: int, num_heads: int) -> None:
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_pure_decode(block_size: int) -> None:
-    check(make_mla_case(*DECODE, block_size=block_size, num_heads=5))
+    for form in ("split", "flat"):
+        check(make_mla_case(*DECODE, block_size=block_size, num_heads=5), decode_form=form)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_long_decode_splits_the_context(dtype: torch.dtype) -> None:
     assert decode_num_splits(5, 1, 301) > 1
-    check(make_mla_case(*LONG_DECODE, block_size=16, dtype=dtype))
+    check(make_mla_case(*LONG_DECODE, block_size=16, dtype=dtype), decode_form="split")
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8, 64])
@@ -89,11 +90,11 @@ def test_heads_not_a_power_of_two_in_several_tiles() -> None:
 def test_decode_attends_past_a_stale_max_seq_len() -> None:
     # a CUDA graph captured at a shorter max_seq_len: the last partition runs to seq_len
     case = make_mla_case([3, 200, 77], [1] * 3, block_size=16)
-    expected = check(case)
+    expected = check(case, decode_form="split")
     stale = replace(case.meta, max_seq_len=40)
     for splits in (None, 4):
         out = mla_attention_triton(case.q_lat, case.latent_cache, stale, case.scale, case.L,
-                                   decode_splits=splits)
+                                   decode_splits=splits, decode_form="split")
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -108,17 +109,18 @@ def test_prefill_config_sets_the_tiles() -> None:
     case = make_mla_case([0, 6, 3], [9, 14, 1], block_size=4)
     for cfg in (TileConfig(8, 16, 1, 1), TileConfig(32, 32, 4, 1)):
         check(case, prefill_config=cfg)
-    assert {k[1] for k in case.meta.derived} == {2, 8}
+    assert {k[1] for k in case.meta.derived if k[0] == "mla_attention_triton"} == {2, 8}
 
 
 def test_mixed_step_rows_are_split_once_per_step() -> None:
-    """The row split (a host-to-device copy) is made by a step's first layer and reused."""
+    """The row split (a host-to-device copy) and the flat decode's tile cumsum are made by a
+    step's first layer and reused."""
     case = make_mla_case(*MIXED, block_size=16)
     first = check(case)
-    assert len(case.meta.derived) == 1
-    cached = next(iter(case.meta.derived.values()))
+    assert sorted(k[0] for k in case.meta.derived) == ["mla_attention_triton", "mla_decode_flat"]
+    cached = dict(case.meta.derived)
     second = check(case)
-    assert next(iter(case.meta.derived.values())) is cached
+    assert all(case.meta.derived[k] is v for k, v in cached.items())
     torch.testing.assert_close(first, second, atol=0, rtol=0)
 
 
@@ -179,7 +181,7 @@ def test_interpreter_works_when_triton_was_imported_first() -> None:
 
 
 def test_import_does_not_import_triton() -> None:
-    code = ("import sys, moeserve.kernels.attention.mla_triton; "
+    code = ("import sys, moeserve.kernels.attention.mla.absorbed_triton; "
             "assert 'triton' not in sys.modules, 'triton imported'")
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                             text=True)

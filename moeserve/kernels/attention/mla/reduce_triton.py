@@ -1,5 +1,5 @@
-"""The split-K combine of the absorbed MLA decode (mla_triton.py) and of DSA's sparse MLA
-(dsa_sparse_triton.py): each (row, head)'s partitions, as (running max, sum of exp2, fp32
+"""The split-K combine of the absorbed MLA decode (mla/absorbed_triton.py) and of DSA's sparse MLA
+(dsa/sparse_triton.py): each (row, head)'s partitions, as (running max, sum of exp2, fp32
 accumulator) partials, weighted into one output row. Jitted on first use, as the kernels it
 follows."""
 
@@ -47,7 +47,7 @@ def _kernels() -> SimpleNamespace:
     import triton
     import triton.language
 
-    from moeserve.kernels.attention import mla_triton
+    from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 
     mla_triton._kernels()
     tl = triton.language

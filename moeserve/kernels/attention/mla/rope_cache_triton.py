@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from moeserve.kernels.attention.mla import write_latent
+from moeserve.kernels.attention.mla.reference import write_latent
 from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_ref
 from moeserve.kernels.triton_common import next_pow2, require_step_indices, require_triton_device
 

@@ -1,7 +1,7 @@
 """Absorbed MLA attention over the paged latent cache, Triton path: decode (split-K for long
 contexts) and prefill kernels.
 
-Same contract as `mla_attention_ref` (kernels/attention/mla.py): causal attention of each row's
+Same contract as `mla_attention_ref` (mla/reference.py): causal attention of each row's
 absorbed queries q [T, H, L + R] over its cached rows latent_cache [num_blocks, block_size,
 L + R], one shared "head" for every query head (MQA): the score of head h and key j is
 q[h, :L] . c_j[:L] + q[h, L:] . c_j[L:], the value is c_j[:L]. Registered as the "triton" MLA
@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from moeserve.kernels.attention import mla_reduce_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.attention.mla import decode_flat_triton
+from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
 from moeserve.kernels.attention.paged_triton import (
     MAX_SPLITS,
     SUPPORTED_BLOCK_SIZES,
@@ -50,6 +51,8 @@ from moeserve.kernels.attention.paged_triton import (
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension (the decode rows)
+DECODE_FORMS = ("auto", "split", "flat")
+FLAT_MAX_HEADS = 64  # the flat decode holds every head in one tile
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 
@@ -81,6 +84,11 @@ def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype,
     return TileConfig(64, 32, 8, 3)
 
 
+def auto_decode_form(num_heads: int) -> str:
+    """The decode form "auto" runs: the flat one up to FLAT_MAX_HEADS heads."""
+    return "flat" if num_heads <= FLAT_MAX_HEADS else "split"
+
+
 def head_tiles(num_heads: int, block_m: int) -> tuple[int, int]:
     """(number of head tiles, heads per tile): at most block_m heads per tile, balanced, so 20
     heads at block_m 16 are two tiles of 10."""
@@ -91,7 +99,8 @@ def head_tiles(num_heads: int, block_m: int) -> tuple[int, int]:
 def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, kv_lora_rank: int, *, decode_splits: int | None = None,
                          decode_config: TileConfig | None = None,
-                         prefill_config: TileConfig | None = None) -> torch.Tensor:
+                         prefill_config: TileConfig | None = None,
+                         decode_form: str = "auto") -> torch.Tensor:
     """Absorbed MLA: causal attention of each row's queries over its cached latent rows.
 
     Args:
@@ -106,10 +115,21 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
         decode_splits: force the decode split count (tests, CUDA-graph capture); default
             `decode_num_splits` over (rows, head tiles, max_seq_len).
         decode_config, prefill_config: tile shapes (benchmarks); default `default_config`.
+        decode_form: "split" (a program a head tile, row and context partition), "flat"
+            (decode_flat_triton.py: a program an SM over the flattened row tiles) or "auto"
+            (`auto_decode_form`; "split" whenever decode_splits is given).
     Returns:
         [T, H, L] contiguous, q's dtype.
     """
     _check_inputs(q, latent_cache, meta, kv_lora_rank)
+    if decode_form not in DECODE_FORMS:
+        raise ValueError(f"mla_attention_triton: decode_form {decode_form!r} not in "
+                         f"{DECODE_FORMS}")
+    if decode_form == "auto":
+        decode_form = "split" if decode_splits is not None else auto_decode_form(q.shape[1])
+    if decode_form == "flat" and q.shape[1] > FLAT_MAX_HEADS:
+        raise ValueError(f"mla_attention_triton: the flat decode takes at most "
+                         f"{FLAT_MAX_HEADS} heads, got {q.shape[1]}")
     num_tokens, num_heads = q.shape[:2]
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
@@ -117,7 +137,7 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     is_decode = meta.query_lens_np == 1  # [B]
     if bool(is_decode.all()):  # every index already on the device: no host work, no sync
         _launch_decode(q, latent_cache, meta, scale, kv_lora_rank, out, None, meta.num_reqs,
-                       meta.max_seq_len, decode_splits, decode_config)
+                       meta.max_seq_len, decode_splits, decode_config, decode_form)
         return out
     prefill_cfg = prefill_config or default_config("prefill", kv_lora_rank, q.dtype)
     block_q = _prefill_block_q(prefill_cfg, num_heads)
@@ -127,7 +147,7 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     dev, num_decode, num_tiles, max_seq = meta.derived[key]
     if num_decode:
         _launch_decode(q, latent_cache, meta, scale, kv_lora_rank, out, dev[:num_decode],
-                       num_decode, max_seq, decode_splits, decode_config)
+                       num_decode, max_seq, decode_splits, decode_config, decode_form)
     _launch_prefill(q, latent_cache, meta, scale, kv_lora_rank, out, dev[num_decode:],
                     num_tiles, prefill_cfg)
     return out
@@ -181,11 +201,15 @@ def _prefill_block_q(cfg: TileConfig, num_heads: int) -> int:
 def _launch_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                    scale: float, kv_lora_rank: int, out: torch.Tensor,
                    rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
-                   num_splits: int | None, cfg: TileConfig | None) -> None:
+                   num_splits: int | None, cfg: TileConfig | None, form: str) -> None:
     """Decode rows (one query each): `rows` [num_rows] int32 row ids, or None for rows 0..B-1."""
     kern = _kernels()
     num_heads, dim = q.shape[1:]
     cfg = cfg or default_config("decode", kv_lora_rank, q.dtype, num_heads)
+    if form == "flat":
+        decode_flat_triton.decode_flat(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
+                                       num_rows, cfg)
+        return
     num_head_tiles, per_tile = head_tiles(num_heads, cfg.block_m)
     if num_splits is None:
         num_splits = decode_num_splits(num_rows, num_head_tiles, max_seq_len)

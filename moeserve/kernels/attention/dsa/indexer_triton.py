@@ -1,11 +1,11 @@
 """DeepSeek Sparse Attention (DSA), Triton path: the lightning indexer's scores and top-k over
-the paged indexer-key cache; absorbed MLA over the selected positions is dsa_sparse_triton.py's
+the paged indexer-key cache; absorbed MLA over the selected positions is dsa/sparse_triton.py's
 (the diagram shows both). The input checks both launchers share are here.
 
-Same contracts as the torch references in kernels/attention/dsa.py (`indexer_topk_ref`,
+Same contracts as the torch references in kernels/attention/dsa/reference.py (`indexer_topk_ref`,
 `dsa_attention_ref`); layers/dsa.py runs these when the MLA backend is the Triton one
 (kernels/registry.py's DSA_BACKENDS). Triton is imported and the kernels jitted on first use
-(`_kernels`), as in mla_triton.py; on CPU they run in Triton's interpreter (TRITON_INTERPRET=1).
+(`_kernels`), as in mla/absorbed_triton.py; on CPU in Triton's interpreter (TRITON_INTERPRET=1).
 
     indexer_topk_triton                                 dsa_attention_triton
       _index_score_kernel  grid (query tiles, key tiles)  _sparse_attention_kernel
@@ -57,8 +57,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeserve.kernels.attention import mla_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
+from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.paged_triton import SUPPORTED_DTYPES
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 

@@ -17,7 +17,7 @@ Two forms of the same attention (softmax(q . k * scale) v per head h):
   with the shared rotary key, and attended as ordinary multi-head attention: fewer FLOPs per
   query token when many queries share a context.
 
-The Triton kernel of the absorbed form (kernels/attention/mla_triton.py) has the same contract
+The Triton kernel of the absorbed form (absorbed_triton.py) has the same contract
 as `mla_attention_ref`. Neither form syncs with the device on a pure decode step.
 """
 

@@ -24,12 +24,12 @@ CUDA): equal scores at the k-th place happen when ReLU zeroes every head for sev
 Here ties break to the lowest position in every path; `count_boundary_ties` tells whether any
 selection had a tie at its k-th place (tests use it: without one, both agree exactly).
 
-Sparse attention (`dsa_attention_ref`): the absorbed MLA form (kernels/attention/mla.py) over
+Sparse attention (`dsa_attention_ref`): the absorbed MLA form (mla/reference.py) over
 the selected rows only: scores [T, H, topk], softmax in fp32, the latents as values.
 
 Neither function syncs with the device when every row is a decode (their gathers and the
 sort have static shapes given T, topk and meta.max_seq_len), so a decode step can be
-captured. Their Triton kernels, with the same contracts, are in dsa_triton.py (the "triton"
+captured. Their Triton kernels, with the same contracts, are in dsa/indexer_triton.py (the "triton"
 attention backend runs them for DSA models).
 """
 

@@ -1,7 +1,7 @@
 """DeepSeek Sparse Attention (DSA), Triton path: absorbed MLA of each query over the context
-positions the lightning indexer selected (dsa_triton.py's `indexer_topk_triton`).
+positions the lightning indexer selected (dsa/indexer_triton.py's `indexer_topk_triton`).
 
-Same contract as `dsa_attention_ref` (kernels/attention/dsa.py); registered with the indexer as
+Same contract as `dsa_attention_ref` (dsa/reference.py); registered with the indexer as
 the "triton" DSA backend (kernels/registry.py). Program (head tile, token, split): a token's
 selected positions, BLOCK_N at a time, gathered through its row's block table (looked up a tile
 ahead, as mla_triton's decode does), through mla_triton's `_attend_rows` (online softmax in
@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from moeserve.kernels.attention import mla_reduce_triton, mla_triton
-from moeserve.kernels.attention.dsa_triton import _check_common, _need, _pow2_16
+from moeserve.kernels.attention.dsa.indexer_triton import _check_common, _need, _pow2_16
 from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
+from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
 from moeserve.kernels.attention.paged_triton import TileConfig
 from moeserve.kernels.triton_common import next_pow2
 
