@@ -201,6 +201,12 @@ class EngineConfig:
     cached token); "auto": rows whose context is at most layers/mla.py's
     AUTO_ABSORBED_MAX_CONTEXT tokens absorbed, longer ones up-projected (the faster form of
     each, as measured on the H200). The same result. No effect on other models."""
+    mla_decode: str = "auto"
+    """Multi-head latent attention models, Triton attention: how decode rows attend. "split":
+    a program a row (and context partition, for long contexts); "flat": a program an SM over
+    the step's flattened row tiles, rows cut between programs merged after
+    (kernels/attention/mla/decode_flat_triton.py); "auto": flat up to 64 heads, split above.
+    The same result. Needs attention_backend "triton" (or "auto" on CUDA) unless "auto"."""
     quantization: str | None = None
     """fp8, nvfp4 or int4 (vLLM's modelopt_fp4 and compressed-tensors accepted). With a quantized
     checkpoint: its format, checked (a value the checkpoint contradicts is an error); None:
@@ -262,6 +268,7 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
         _check_choice("dsa", self.dsa, ("auto", "dense"))
         _check_choice("mla_prefill", self.mla_prefill, ("auto", "mha", "absorbed"))
+        _check_choice("mla_decode", self.mla_decode, ("auto", "split", "flat"))
         _check_choice("moe_tiles", self.moe_tiles, ("tuned", "default"))
         if self.quantization is not None:
             flag_format(self.quantization)
@@ -333,6 +340,10 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
     elif attn == "triton" and unfit is not None:
         raise ConfigError(f"attention_backend='triton': the Triton paged attention does not "
                           f"take this model's {unfit}; use attention_backend='torch' or 'auto'")
+    if model.mla is not None and cfg.mla_decode != "auto" and attn != "triton":
+        raise ConfigError(f"mla_decode={cfg.mla_decode!r} is a form of the Triton MLA decode; "
+                          f"attention_backend resolves to {attn!r} here (the torch reference "
+                          f"has one form): use attention_backend='triton' or mla_decode='auto'")
     sched = cfg.scheduler
     overlap = cfg.async_scheduling
     if overlap is None:

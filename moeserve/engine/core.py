@@ -112,6 +112,7 @@ class EngineCore:
             kv_layout=self.runner.kv_layout(),
             mtp=self.runner.mtp_note, dsa=_dsa_line(self.cfg, self.model_config),
             mla_prefill=self.cfg.mla_prefill if self.model_config.mla is not None else "",
+            mla_decode=self.cfg.mla_decode if self.model_config.mla is not None else "",
             checkpoint_format=self.runner.format_note, shared_experts=self.runner.shared_note,
             weights=weights_by_class(self.runner.model))
         self.counters = StepCounters()

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
+from moeserve.kernels.attention.mla.absorbed_triton import DECODE_FORMS, mla_attention_triton
 from moeserve.kernels.attention.mla.reference import mla_prefill_ref, write_latent
 from moeserve.kernels.attention.mla.rope_cache_triton import (
     mla_rope_cache_triton,
@@ -117,6 +118,7 @@ class MLAttention(nn.Module):
         self.interleaved = config.rope.interleaved
         self.scale = softmax_scale(config.rope, m.qk_head_dim)
         self.prefill_form = "auto"  # PREFILL_FORMS; the engine's mla_prefill sets it
+        self.decode_kwargs: dict = {}  # to the MLA backend: set_decode_form (mla_decode)
         self.auto_max_context = AUTO_ABSORBED_MAX_CONTEXT  # "auto"'s longest absorbed row
         # tokens attended in each form, counted on the host when the forward runs eagerly (a
         # CUDA-graph replay runs no Python): tests assert which path ran
@@ -240,6 +242,18 @@ class MLAttention(nn.Module):
                                            self.nope, self.v_dim)
         return out
 
+    def set_decode_form(self, form: str) -> None:
+        """The Triton backend's decode form ("split", "flat"; "auto": its own pick). A form
+        other than "auto" needs that backend: the torch reference has one form."""
+        if form not in DECODE_FORMS:
+            raise ValueError(f"mla decode form must be one of {', '.join(DECODE_FORMS)}; "
+                             f"got {form!r}")
+        if form != "auto" and self.backend is not mla_attention_triton:
+            name = getattr(self.backend, "__name__", repr(self.backend))
+            raise ValueError(f"mla decode form {form!r} needs the triton attention backend "
+                             f"(this layer's MLA backend is {name})")
+        self.decode_kwargs = {} if form == "auto" else {"decode_form": form}
+
     def absorbed_max_context(self) -> int | float:
         """The longest context a row with several queries may have and attend absorbed, by
         `prefill_form` (decode rows always do)."""
@@ -258,7 +272,11 @@ class MLAttention(nn.Module):
         q_full = q_nope.new_empty(t, heads, L + q_rope.shape[-1])  # [T, H, L + R]
         torch.bmm(q_nope.transpose(0, 1), self.w_uk, out=q_full[..., :L].transpose(0, 1))
         q_full[..., L:] = q_rope
-        out_lat = (attend or self.backend)(q_full, self.kv_cache, meta, self.scale, L)
+        if attend is None:
+            out_lat = self.backend(q_full, self.kv_cache, meta, self.scale, L,
+                                   **self.decode_kwargs)
+        else:
+            out_lat = attend(q_full, self.kv_cache, meta, self.scale, L)
         out = out_lat.new_empty(t, heads, self.v_dim)  # [T, H, v], o_proj's rows as they are
         torch.bmm(out_lat.transpose(0, 1), self.w_uv.transpose(1, 2), out=out.transpose(0, 1))
         return out

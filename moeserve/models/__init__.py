@@ -25,7 +25,7 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
                 attention_backend: str | Callable,
                 mla_backend: str | Callable | None = None, dsa_mode: str = "auto",
                 tp: TensorParallel | None = None, quant: QuantPlan | None = None,
-                mla_prefill: str = "auto") -> CausalLM:
+                mla_prefill: str = "auto", mla_decode: str = "auto") -> CausalLM:
     """Build the model with uninitialised weights (load_weights or init_dummy_weights fill them).
 
     Args:
@@ -42,6 +42,8 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
             weight in `dtype`.
         mla_prefill: MLA models: "auto", "mha" or "absorbed", how rows with several queries
             attend (layers/mla.py's prefill_form).
+        mla_decode: MLA models: "auto", "split" or "flat", the Triton decode form
+            (layers/mla.py's set_decode_form).
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -56,4 +58,5 @@ def build_model(model_config: ModelConfig, dtype: torch.dtype | str,
                 quant).eval()
     model.set_dsa_mode(dsa_mode)
     model.set_mla_prefill(mla_prefill)
+    model.set_mla_decode(mla_decode)
     return model

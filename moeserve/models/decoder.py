@@ -262,6 +262,12 @@ class CausalLM(nn.Module):
             if isinstance(layer.self_attn, MLAttention):
                 layer.self_attn.prefill_form = form
 
+    def set_mla_decode(self, form: str) -> None:
+        """"auto", "split" or "flat" for every MLA layer's Triton decode (DSA's included)."""
+        for layer in self.model.layers:
+            if isinstance(layer.self_attn, MLAttention):
+                layer.self_attn.set_decode_form(form)
+
     def set_dsa_mode(self, mode: str) -> None:
         """"auto" (sparse rows beyond index_topk), "dense" or "sparse" for every DSA layer."""
         if mode not in DSA_MODES:

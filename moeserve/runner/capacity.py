@@ -44,6 +44,7 @@ class CapacityReport:
     weights: str = ""  # each module class's format and GiB (weights_by_class)
     dsa: str = ""  # DeepSeek Sparse Attention: how contexts attend (auto / dense), or ""
     mla_prefill: str = ""  # MLA models: how prefill rows attend (auto / mha / absorbed), or ""
+    mla_decode: str = ""  # MLA models: the Triton decode form (auto / split / flat), or ""
     parallel: str = ""  # the ranks' split and what each holds (tensor_parallel_size > 1), or ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,6 +75,7 @@ class CapacityReport:
             "shared_experts": self.shared_experts,
             "dsa": self.dsa,
             "mla_prefill": self.mla_prefill,
+            "mla_decode": self.mla_decode,
             "parallel": self.parallel,
             "text": self.format(),  # as printed at start-up (the API process prints this too)
         }
@@ -107,7 +109,8 @@ class CapacityReport:
             ("token budget / step", str(c.scheduler.max_num_batched_tokens)),
             ("prefix caching", "on" if c.cache.enable_prefix_caching else "off"),
             ("kernels", f"attention={c.attention_backend}, moe={c.moe_backend}"
-                        + (f", mla prefill={self.mla_prefill}" if self.mla_prefill else "")),
+                        + (f", mla prefill={self.mla_prefill}" if self.mla_prefill else "")
+                        + (f", mla decode={self.mla_decode}" if self.mla_decode else "")),
             *([("sparse attention", self.dsa)] if self.dsa else []),
             ("CUDA graphs", self.cuda_graphs),
         ]

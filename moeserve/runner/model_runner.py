@@ -94,7 +94,8 @@ class ModelRunner:
                                  get_attention_backend(self.cfg.attention_backend),
                                  get_mla_backend(self.cfg.attention_backend),
                                  dsa_mode=self.cfg.dsa, tp=self.tp, quant=plan,
-                                 mla_prefill=self.cfg.mla_prefill)
+                                 mla_prefill=self.cfg.mla_prefill,
+                                 mla_decode=self.cfg.mla_decode)
         self.mtp_note = ""  # the capacity report's line on the checkpoint's layers not run
         self.format_note = ""  # ... and on a quantized checkpoint's weights
         if self.cfg.load_format == "dummy":

@@ -219,6 +219,26 @@ def test_triton_mla_paths_match_hf(device: str, checkpoints: dict, path: str) ->
     assert [r.token_ids for r in results] == expected
 
 
+@pytest.mark.parametrize("form", ["split", "flat"])
+def test_triton_mla_decode_forms_match_hf(device: str, checkpoints: dict, form: str) -> None:
+    """The engine's mla_decode: each Triton decode form, with chunks (mixed steps: the decode
+    rows a subset of the step's)."""
+    folder, prompts, expected = checkpoints["glm4_moe_lite"]
+    llm = _llm(folder, device, attention_backend="triton", mla_decode=form,
+               max_num_batched_tokens=16)
+    assert all(layer.decode_kwargs == {"decode_form": form} for layer in _mla_layers(llm))
+    assert f"mla decode={form}" in llm.report.format()
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_mla_decode_bad_values_are_named(checkpoints: dict) -> None:
+    folder, _, _ = checkpoints["deepseek_v3"]
+    with pytest.raises(ConfigError, match="mla_decode must be one of auto, split, flat"):
+        _llm(folder, "cpu", mla_decode="wide")
+    with pytest.raises(ConfigError, match="mla_decode='flat' is a form of the Triton MLA"):
+        _llm(folder, "cpu", mla_decode="flat")  # auto resolves to the torch reference on CPU
+
+
 def test_triton_mla_prefix_hits_match_hf(device: str, checkpoints: dict) -> None:
     folder, _, _ = checkpoints["glm4_moe_lite"]
 
