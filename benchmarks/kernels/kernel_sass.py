@@ -216,7 +216,7 @@ def mla_decode_flat(args: argparse.Namespace) -> dict:
                  L=512, USE_ROWS=False, R=64, BLOCK_SIZE=args.block_size, BLOCK_N=bn,
                  SEARCH_BLOCK=decode_flat_triton.SEARCH_BLOCK, IEEE=False)
     kernel = decode_flat_triton._kernels().decode
-    pointers = {**MLA_POINTERS, "cut_row_ptr": "*i32", "cu_tiles_ptr": "*i32"}
+    pointers = {**MLA_POINTERS, "cut_ptr": "*i32"}
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
 
 

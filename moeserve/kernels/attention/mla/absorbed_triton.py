@@ -52,7 +52,9 @@ from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_d
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension (the decode rows)
 DECODE_FORMS = ("auto", "split", "flat")
-FLAT_MAX_HEADS = 64  # the flat decode holds every head in one tile
+# the flat decode holds every head in one tile: at 64 heads its accumulator and the next row's
+# q path spill (sm90 SASS: 1.2 KB at (64, 32, 8, 2)), so 64 and more take the split decode
+FLAT_MAX_HEADS = 32
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 
