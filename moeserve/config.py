@@ -205,7 +205,8 @@ class EngineConfig:
     """Multi-head latent attention models, Triton attention: how decode rows attend. "split":
     a program a row (and context partition, for long contexts); "flat": a program an SM over
     the step's flattened row tiles, rows cut between programs merged after
-    (kernels/attention/mla/decode_flat_triton.py); "auto": flat up to 32 heads, split above.
+    (kernels/attention/mla/decode_flat_triton.py); "auto": flat for steps of at most 256 decode
+    rows at up to 32 heads, split otherwise (the faster of each, as measured on the H200).
     The same result. Needs attention_backend "triton" (or "auto" on CUDA) unless "auto"."""
     quantization: str | None = None
     """fp8, nvfp4 or int4 (vLLM's modelopt_fp4 and compressed-tensors accepted). With a quantized

@@ -116,7 +116,7 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
     rows = []
     for form, tile in [(f, t) for f in forms for t in tiles]:
         if form == "auto":
-            form = mla_triton.auto_decode_form(heads)
+            form = mla_triton.auto_decode_form(heads, batch)
         if form == "flat" and heads > mla_triton.FLAT_MAX_HEADS:
             continue
         cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)

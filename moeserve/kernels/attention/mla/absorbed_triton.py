@@ -55,6 +55,7 @@ DECODE_FORMS = ("auto", "split", "flat")
 # the flat decode holds every head in one tile: at 64 heads its accumulator and the next row's
 # q path spill (sm90 SASS: 1.2 KB at (64, 32, 8, 2)), so 64 and more take the split decode
 FLAT_MAX_HEADS = 32
+FLAT_AUTO_MAX_ROWS = 256  # "auto" takes the flat decode up to this many decode rows
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 
@@ -86,9 +87,15 @@ def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype,
     return TileConfig(64, 32, 8, 3)
 
 
-def auto_decode_form(num_heads: int) -> str:
-    """The decode form "auto" runs: the flat one up to FLAT_MAX_HEADS heads."""
-    return "flat" if num_heads <= FLAT_MAX_HEADS else "split"
+def auto_decode_form(num_heads: int, num_rows: int) -> str:
+    """The decode form "auto" runs: flat for steps of few rows (at most FLAT_AUTO_MAX_ROWS) and
+    at most FLAT_MAX_HEADS heads, split otherwise. On the H200 at 20 heads (bf16,
+    benchmarks/results/gpu_504b028/call2_bf30b2d/): 256 rows of 1k / 4k keys 37.7 / 51.4% of
+    the read bound flat against 28.8 / 48.9% split; from 1,024 rows split is faster (1k-4k
+    keys 56-61% against 50-54%; W1's contexts 34.6 / 37.7% against 25.8 / 35.4% at 1,024 /
+    2,048 rows)."""
+    return ("flat" if num_heads <= FLAT_MAX_HEADS and num_rows <= FLAT_AUTO_MAX_ROWS
+            else "split")
 
 
 def head_tiles(num_heads: int, block_m: int) -> tuple[int, int]:
@@ -128,7 +135,8 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
         raise ValueError(f"mla_attention_triton: decode_form {decode_form!r} not in "
                          f"{DECODE_FORMS}")
     if decode_form == "auto":
-        decode_form = "split" if decode_splits is not None else auto_decode_form(q.shape[1])
+        decode_form = ("split" if decode_splits is not None
+                       else auto_decode_form(q.shape[1], int((meta.query_lens_np == 1).sum())))
     if decode_form == "flat" and q.shape[1] > FLAT_MAX_HEADS:
         raise ValueError(f"mla_attention_triton: the flat decode takes at most "
                          f"{FLAT_MAX_HEADS} heads, got {q.shape[1]}")
