@@ -27,8 +27,10 @@ from moeserve.kernels.attention.paged_triton import TileConfig
 from moeserve.kernels.triton_common import next_pow2
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernel below reads it as a global
-# mla_triton's jitted helper, bound by _kernels() too (the kernel reads it by global name)
+# mla_triton's jitted helpers, bound by _kernels() too (the kernel reads it by global name)
 _attend_rows: Any = None
+_query_heads: Any = None
+_empty_state: Any = None
 
 
 def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
@@ -123,13 +125,14 @@ def _check_attention_inputs(q: torch.Tensor, latent_cache: torch.Tensor,
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now); the
     shared tile step is mla_triton's, jitted there."""
-    global tl, _attend_rows, _selected_rows
+    global tl, _attend_rows, _query_heads, _empty_state, _selected_rows
     import triton
     import triton.language
 
     mla_triton._kernels()
     tl = triton.language
     _attend_rows = mla_triton._attend_rows
+    _query_heads, _empty_state = mla_triton._query_heads, mla_triton._empty_state
     _selected_rows = triton.jit(_selected_rows)
     # step-varying ints are exempt from specialisation (see paged_triton._kernels)
     return SimpleNamespace(
@@ -180,13 +183,8 @@ def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, 
     head = head_tile * HEADS_PER_TILE + h
     h_ok = (h < HEADS_PER_TILE) & (head < NUM_HEADS)
     dl = tl.arange(0, L)
-    dr = tl.arange(0, R)
-    q_row = q_ptr + t * stride_qt + head[:, None] * stride_qh  # [H', 1]
-    q_lat = tl.load(q_row + dl[None, :], mask=h_ok[:, None], other=0.0)  # [H', L]
-    q_pe = tl.load(q_row + L + dr[None, :], mask=h_ok[:, None], other=0.0)  # [H', R]
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
-    acc = tl.full([BLOCK_H, L], 0.0, tl.float32)
+    q_lat, q_pe = _query_heads(q_ptr, t, head, h_ok, stride_qt, stride_qh, L, R)
+    m_i, l_i, acc = _empty_state(BLOCK_H, L)
     table = block_tables_ptr + req * stride_table
     sel = sel_ptr + t * stride_sel
     # each tile's positions and rows are looked up a tile ahead (see mla_triton's decode)

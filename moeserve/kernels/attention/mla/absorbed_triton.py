@@ -280,7 +280,7 @@ def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now). Kernels
     call the helpers and read `tl` by global name (Triton resolves names in the module's
     globals), so those are bound here."""
-    global tl, _attend_rows, _tile_rows, _max, _sum
+    global tl, _attend_rows, _tile_rows, _query_heads, _empty_state, _max, _sum
     import triton
     import triton.language
 
@@ -288,6 +288,7 @@ def _kernels() -> SimpleNamespace:
     _max, _sum = triton.jit(_max), triton.jit(_sum)
     _attend_rows = triton.jit(_attend_rows)
     _tile_rows = triton.jit(_tile_rows)
+    _query_heads, _empty_state = triton.jit(_query_heads), triton.jit(_empty_state)
     # NOTE: step-varying ints (split partition and count, the block table's width, tile counts)
     # and index arrays sliced at any offset are exempt from specialisation: a new batch shape
     # must not compile a new variant mid-serving (see paged_triton._kernels).
@@ -319,6 +320,22 @@ def _tile_rows(table_ptr, n0, kv_end, L: tl.constexpr, R: tl.constexpr,
     valid = pos < kv_end
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
     return (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R), valid
+
+
+def _query_heads(q_ptr, tok, head, h_ok, stride_qt, stride_qh, L: tl.constexpr,
+                 R: tl.constexpr):
+    """Token tok's absorbed queries of heads `head` [H'] (0 where not h_ok): q_lat [H', L],
+    q_pe [H', R]."""
+    q_row = q_ptr + tok * stride_qt + head[:, None] * stride_qh  # [H', 1]
+    q_lat = tl.load(q_row + tl.arange(0, L)[None, :], mask=h_ok[:, None], other=0.0)
+    q_pe = tl.load(q_row + L + tl.arange(0, R)[None, :], mask=h_ok[:, None], other=0.0)
+    return q_lat, q_pe
+
+
+def _empty_state(BLOCK_H: tl.constexpr, L: tl.constexpr):
+    """The online softmax's state before any key: running max, sum and accumulator."""
+    return (tl.full([BLOCK_H], float("-inf"), tl.float32), tl.full([BLOCK_H], 0.0, tl.float32),
+            tl.full([BLOCK_H, L], 0.0, tl.float32))
 
 
 def _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid, keep, scale_log2,
@@ -384,13 +401,8 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
     head = head_tile * HEADS_PER_TILE + h
     h_ok = (h < HEADS_PER_TILE) & (head < NUM_HEADS)
     dl = tl.arange(0, L)
-    dr = tl.arange(0, R)
-    q_row = q_ptr + tok * stride_qt + head[:, None] * stride_qh  # [H', 1]
-    q_lat = tl.load(q_row + dl[None, :], mask=h_ok[:, None], other=0.0)  # [H', L]
-    q_pe = tl.load(q_row + L + dr[None, :], mask=h_ok[:, None], other=0.0)  # [H', R]
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
-    acc = tl.full([BLOCK_H, L], 0.0, tl.float32)
+    q_lat, q_pe = _query_heads(q_ptr, tok, head, h_ok, stride_qt, stride_qh, L, R)
+    m_i, l_i, acc = _empty_state(BLOCK_H, L)
     table = block_tables_ptr + req.to(tl.int64) * stride_table
     # each tile's rows are looked up one tile ahead: the block-table load then is not in the
     # chain in front of the tile's latent loads, so from 3 stages Triton's pipeliner keeps a

@@ -44,6 +44,8 @@ INTERPRETER_PROGRAMS = 3  # programs on CPU (Triton's interpreter): rows are cut
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 _attend_rows: Any = None  # absorbed_triton's jitted helpers, bound by _kernels() too
 _tile_rows: Any = None
+_query_heads: Any = None
+_empty_state: Any = None
 _sum: Any = None
 
 
@@ -89,7 +91,8 @@ def decode_flat(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMeta
 @functools.cache
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now)."""
-    global tl, _attend_rows, _tile_rows, _sum, _both, _add, _row, _tiles_of, _program_range
+    global tl, _attend_rows, _tile_rows, _query_heads, _empty_state, _sum
+    global _both, _add, _row, _tiles_of, _program_range
     import triton
     import triton.language
 
@@ -99,6 +102,7 @@ def _kernels() -> SimpleNamespace:
     tl = triton.language
     _attend_rows, _tile_rows = absorbed_triton._attend_rows, absorbed_triton._tile_rows
     _sum = absorbed_triton._sum  # not tl.sum: see paged_triton._max
+    _query_heads, _empty_state = absorbed_triton._query_heads, absorbed_triton._empty_state
     _both, _add, _row = triton.jit(_both), triton.jit(_add), triton.jit(_row)
     _tiles_of, _program_range = triton.jit(_tiles_of), triton.jit(_program_range)
     # the row count and the table's width vary by step; row ids may be sliced at any offset
@@ -194,13 +198,8 @@ def _flat_decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_
     head = tl.arange(0, BLOCK_H)
     h_ok = head < NUM_HEADS
     dl = tl.arange(0, L)
-    dr = tl.arange(0, R)
-    q_row = q_ptr + tok * stride_qt + head[:, None] * stride_qh  # [H', 1]
-    q_lat = tl.load(q_row + dl[None, :], mask=h_ok[:, None], other=0.0)  # [H', L]
-    q_pe = tl.load(q_row + L + dr[None, :], mask=h_ok[:, None], other=0.0)  # [H', R]
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
-    acc = tl.full([BLOCK_H, L], 0.0, tl.float32)
+    q_lat, q_pe = _query_heads(q_ptr, tok, head, h_ok, stride_qt, stride_qh, L, R)
+    m_i, l_i, acc = _empty_state(BLOCK_H, L)
     row, valid = _tile_rows(block_tables_ptr + req.to(tl.int64) * stride_table,
                             (g0 - t_begin) * BLOCK_N, seq_len, L, R, BLOCK_SIZE, BLOCK_N)
     valid = _both(valid, g0 < g1)
@@ -237,12 +236,8 @@ def _flat_decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_
                 tl.store(part_acc_ptr + slot[:, None].to(tl.int64) * L + dl[None, :], acc,
                          mask=h_ok[:, None])
         if adv:  # on to the next row: its q (latency exposed once a row), an empty state
-            q_row = q_ptr + tok_x * stride_qt + head[:, None] * stride_qh
-            q_lat = tl.load(q_row + dl[None, :], mask=h_ok[:, None], other=0.0)
-            q_pe = tl.load(q_row + L + dr[None, :], mask=h_ok[:, None], other=0.0)
-            m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            l_i = tl.full([BLOCK_H], 0.0, tl.float32)
-            acc = tl.full([BLOCK_H, L], 0.0, tl.float32)
+            q_lat, q_pe = _query_heads(q_ptr, tok_x, head, h_ok, stride_qt, stride_qh, L, R)
+            m_i, l_i, acc = _empty_state(BLOCK_H, L)
         # the scalars by selects, not in the branch: what the next tile's addresses hang on
         # stays out of the branch's results (Triton's pipeliner then keeps the latent copies
         # in flight; from the branch it gave up: sm90 SASS at 32 registers, 13 KB spilled)
