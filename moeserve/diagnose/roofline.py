@@ -85,6 +85,11 @@ class StepCost:
     dense_flops: float  # every other weight's GEMMs (attention projections, dense MLPs,
     #                     shared experts, routers, the indexer, lm_head)
     attention_flops: float  # q . k and p . v over the context (the indexer's scores too)
+    # the attention kernels' own activations: each token's queries read and outputs written
+    # (tokens x layers x heads x (qk dims + v dims)). Not in `bytes`: ANCHORS.md's serial
+    # roofline counts weights and cache; only the step profile's attention part counts them
+    # (with MLA's absorbed prefill they, not the latents, bound the kernel)
+    attention_io_bytes: float = 0.0
 
     @property
     def bytes(self) -> float:
@@ -95,7 +100,8 @@ class StepCost:
         return self.expert_flops + self.dense_flops + self.attention_flops
 
     def parts(self) -> dict[str, tuple[float, float]]:
-        """(bytes, FLOPs) of the step's bounded parts (diagnose/step_parts.py)."""
+        """(bytes, FLOPs) of the step's bounded parts, adding up to the step's (`bytes` and
+        `flops`; diagnose/step_parts.py adds attention_io_bytes to the attention part)."""
         return {"moe": (self.expert_bytes, self.expert_flops),
                 "attention": (self.kv_bytes, self.attention_flops),
                 "dense": (self.dense_bytes, self.dense_flops)}
@@ -149,7 +155,9 @@ def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, 
         kv_bytes=batch * kv_per_row,
         expert_flops=2.0 * tokens * moe_layers * model.num_experts_per_tok * expert_params,
         dense_flops=2.0 * tokens * dense_params + 2.0 * rows * lm_head,
-        attention_flops=tokens * attn_flops)
+        attention_flops=tokens * attn_flops,
+        attention_io_bytes=(tokens * model.num_layers * model.num_heads * (qk_dim + v_dim)
+                            * dtype_bytes))
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,10 @@ A step's kernels fall into parts by name (`part_of`):
 
     moe          the fused MoE and its routing (top-k, align/sort)       bound: expert weights
                                                                           touched, expert FLOPs
-    attention    paged / MLA / sparse attention kernels and their reduce  bound: KV read,
-                                                                          attention FLOPs
+    attention    paged / MLA / sparse attention kernels and their reduce  bound: KV read +
+                                                                          q read + out
+                                                                          written, attention
+                                                                          FLOPs
     dense        GEMMs (cuBLAS nvjet / cutlass / xmma, aten::mm)          bound: dense weights
                                                                           (+ lm_head), FLOPs
     norm_rope    RMSNorm, RoPE and the fused q/k norm + RoPE + KV write   no bound (activations)
@@ -14,7 +16,10 @@ A step's kernels fall into parts by name (`part_of`):
 Each bounded part's bound is max(bytes / bandwidth, FLOPs / peak) of its own bytes and FLOPs
 (diagnose/roofline.py's StepCost parts), so "MoE at 62% of its bound, attention at 20%" says
 where the rest of the step is, which the whole step's one percentage cannot. The parts' bounds
-add up to at least the step's bound (their work does not overlap within a step).
+add up to at least the step's bound (their work does not overlap within a step). The attention
+part also counts its kernels' queries and outputs (StepCost.attention_io_bytes), which the
+step's roofline leaves out: at a mixed step's prefill tokens (MLA absorbed: 20 heads x 1,088
+values a token a layer) they outweigh the latents read.
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ def part_shares(cost: StepCost, ceilings: Ceilings,
             out.append(PartShare(part, ms, None, None))
             continue
         nbytes, flops = bounded[part]
+        if part == "attention":
+            nbytes += cost.attention_io_bytes
         mem_s, flop_s = nbytes / ceilings.bytes_per_s, flops / ceilings.flops_per_s
         out.append(PartShare(part, ms, 1e3 * max(mem_s, flop_s),
                              "memory" if mem_s >= flop_s else "compute"))

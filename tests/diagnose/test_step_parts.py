@@ -59,6 +59,22 @@ def test_parts_split_the_step_cost() -> None:
     assert total >= 1e3 * cost.bound_seconds(H200) * (1 - 1e-9)
 
 
+def test_attention_part_counts_its_queries_and_outputs() -> None:
+    """A mixed step's absorbed MLA: the prefill tokens' queries and outputs bound the attention
+    part (and stay out of the step's roofline bytes)."""
+    model = load_model_config("glm-4.7-flash")[0]
+    m = model.mla
+    cost = step_cost(model, 2, tokens=1024 + 8192, rows=1024 + 64, batch=1024 + 64,
+                     context=192.0)
+    io = (1024 + 8192) * model.num_layers * model.num_heads * (m.latent_dim + m.kv_lora_rank) * 2
+    assert cost.attention_io_bytes == io
+    assert cost.bytes == cost.expert_bytes + cost.dense_bytes + cost.kv_bytes
+    share = next(s for s in part_shares(cost, H200, {"attention": 10.0}) if s.part == "attention")
+    want = max((cost.kv_bytes + io) / H200.bytes_per_s, cost.attention_flops / H200.flops_per_s)
+    assert share.bound_ms == pytest.approx(1e3 * want)
+    assert io > cost.kv_bytes and share.bound_kind == "memory"
+
+
 def test_each_part_against_its_own_bound() -> None:
     cost = _decode_cost()
     shares = {s.part: s for s in part_shares(cost, H200, {"moe": 18.0, "attention": 4.7,
