@@ -214,7 +214,7 @@ def mla_decode_flat(args: argparse.Namespace) -> dict:
     _, bn, warps, stages = args.tile
     const = dict(NUM_PROGRAMS=132, NUM_HEADS=args.heads, BLOCK_H=max(16, next_pow2(args.heads)),
                  L=512, USE_ROWS=False, R=64, BLOCK_SIZE=args.block_size, BLOCK_N=bn,
-                 SEARCH_BLOCK=decode_flat_triton.SEARCH_BLOCK, IEEE=False)
+                 SEARCH_BLOCK=decode_flat_triton.SEARCH_BLOCK, SCAN=True, IEEE=False)
     kernel = decode_flat_triton._kernels().decode
     pointers = {**MLA_POINTERS, "cut_ptr": "*i32"}
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)

@@ -39,6 +39,7 @@ from moeserve.kernels.attention.paged_triton import TileConfig
 from moeserve.kernels.triton_common import next_pow2
 
 SEARCH_BLOCK = 1024  # cu_tiles entries each program scans at once to find its first row
+INTERPRETER_SEARCH_BLOCK = 64  # ... in the interpreter (a masked [64, 64] sum, not a scan)
 INTERPRETER_PROGRAMS = 3  # programs on CPU (Triton's interpreter): rows are cut between them
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
@@ -80,7 +81,8 @@ def decode_flat(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMeta
         scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), NUM_PROGRAMS=num_programs,
         BLOCK_H=max(16, next_pow2(num_heads)), R=dim - kv_lora_rank,
-        BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=cfg.block_n, SEARCH_BLOCK=SEARCH_BLOCK,
+        BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=cfg.block_n,
+        SEARCH_BLOCK=SEARCH_BLOCK if q.is_cuda else INTERPRETER_SEARCH_BLOCK, SCAN=q.is_cuda,
         IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **common)
     kern.combine[(num_programs, num_heads)](
@@ -152,7 +154,8 @@ def _tiles_of(c, num_rows, rows_ptr, seq_lens_ptr, USE_ROWS: tl.constexpr,
 
 
 def _program_range(p, num_rows, rows_ptr, seq_lens_ptr, NUM_PROGRAMS: tl.constexpr,
-                   USE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
+                   USE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                   SCAN: tl.constexpr):
     """Program p's flat tiles [g0, g1), the tiles a program takes, its first row and the flat
     index of that row's first tile (every program counts the rows' tiles itself: no host
     tensor, nothing cached across CUDA-graph replays)."""
@@ -167,7 +170,11 @@ def _program_range(p, num_rows, rows_ptr, seq_lens_ptr, NUM_PROGRAMS: tl.constex
     t_begin = tl.full([], 0, tl.int32)
     for c in tl.range(0, num_rows, SEARCH_BLOCK, num_stages=1):
         t = _tiles_of(c, num_rows, rows_ptr, seq_lens_ptr, USE_ROWS, BLOCK_N, SEARCH_BLOCK)
-        ends = tl.associative_scan(t, 0, _add) + t_begin  # inclusive, from row c on
+        if SCAN:  # compiled: a scan
+            ends = tl.associative_scan(t, 0, _add) + t_begin  # inclusive, from row c on
+        else:  # Triton's interpreter runs a scan's combine per element in Python: a masked sum
+            k = tl.arange(0, SEARCH_BLOCK)
+            ends = _sum(tl.where(k[None, :] <= k[:, None], t[None, :], 0), 1) + t_begin
         before = (ends <= g0) & (t > 0)
         i += _sum(before.to(tl.int32), 0)
         t_begin += _sum(tl.where(before, t, 0), 0)
@@ -181,11 +188,11 @@ def _flat_decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_
                         NUM_PROGRAMS: tl.constexpr, NUM_HEADS: tl.constexpr,
                         BLOCK_H: tl.constexpr, L: tl.constexpr, USE_ROWS: tl.constexpr,
                         R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        SEARCH_BLOCK: tl.constexpr, IEEE: tl.constexpr):
+                        SEARCH_BLOCK: tl.constexpr, SCAN: tl.constexpr, IEEE: tl.constexpr):
     """Program p: its flat tiles, row after row, every query head at once."""
     p = tl.program_id(0)
     g0, g1, per, i, t_begin = _program_range(p, num_rows, rows_ptr, seq_lens_ptr,
-                                             NUM_PROGRAMS, USE_ROWS, BLOCK_N, SEARCH_BLOCK)
+                                             NUM_PROGRAMS, USE_ROWS, BLOCK_N, SEARCH_BLOCK, SCAN)
     i = tl.minimum(i, num_rows - 1)
     req, tok, seq_len, tiles = _row(i, num_rows, rows_ptr, seq_lens_ptr, query_start_loc_ptr,
                                     USE_ROWS, BLOCK_N)
