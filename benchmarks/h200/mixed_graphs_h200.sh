@@ -13,11 +13,15 @@
 #                                                    # 128 at c128, --diagnose): the defaults,
 #                                                    # then mixed graphs; and the prefill
 #                                                    # attention at 8k context (~5 min)
+#   bash benchmarks/h200/mixed_graphs_h200.sh attention   # the paged attention's GPU tests, then
+#                                                    # kernels_attention: decode table, prefill
+#                                                    # cases, the long and W1 prefill tile sweeps
+#                                                    # and the decode sweep (~5 min)
 set -uo pipefail
 source benchmarks/gpu_env.sh
 R=/tmp/i14
 mkdir -p "$R"
-case "${1:?usage: mixed_graphs_h200.sh host|w1|long}" in
+case "${1:?usage: mixed_graphs_h200.sh host|w1|long|attention}" in
   host)
     timeout 150 python3 -m benchmarks.engine.engine_loop_cpu --running 2048 --tag gpu_host --out "$R" \
       > "$R/engine_loop.log" 2>&1; echo "engine_loop rc=$?"; tail -3 "$R/engine_loop.log"
@@ -44,5 +48,17 @@ case "${1:?usage: mixed_graphs_h200.sh host|w1|long}" in
     timeout 150 python3 -m benchmarks.kernels.kernels_attention --out "$R" --no-sweep \
       > "$R/kernels_attention.log" 2>&1
     echo "kernels_attention rc=$?"; grep -iE "prefill.*8192|8k" "$R/kernels_attention.log" | head ;;
+  attention)
+    timeout 120 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
+      tests/kernels/attention/test_paged_attention_triton.py > "$R/gpu_tests_paged.log" 2>&1
+    echo "paged attention GPU tests rc=$?"; tail -1 "$R/gpu_tests_paged.log"
+    timeout 200 python3 -m benchmarks.kernels.kernels_attention --out "$R/long" \
+      --prefill-cases long --no-decode-sweep --prefill-sweep-s 110 --batches 1024 2048 \
+      > "$R/kernels_attention_long.log" 2>&1
+    echo "kernels_attention long rc=$?"; grep -E "^prefill|best" "$R/kernels_attention_long.log"
+    timeout 200 python3 -m benchmarks.kernels.kernels_attention --out "$R/w1" \
+      --prefill-cases w1 --prefill-sweep-s 60 --batches 256 2048 --contexts 192 4096 \
+      > "$R/kernels_attention_w1.log" 2>&1
+    echo "kernels_attention w1 rc=$?"; grep -E "best|^ +[0-9]" "$R/kernels_attention_w1.log" ;;
 esac
 tar czf "$OUT/issue14.tgz" -C /tmp i14

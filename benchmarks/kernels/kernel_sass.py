@@ -17,6 +17,8 @@ To match the GPU machine, put its Triton on the path first:
 
     PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass mla-decode --tile 16 64 4 2 \
         --heads 64
+    PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass gqa-prefill --tile 128 64 4 3 \
+        --heads 8
 
 --tile is BLOCK_M BLOCK_N BLOCK_K num_warps num_stages (mla-decode: BLOCK_M BLOCK_N num_warps
 num_stages, BLOCK_M the heads a program). The report includes ptxas's registers a thread and
@@ -255,6 +257,30 @@ def dsa_sparse(args: argparse.Namespace) -> dict:
             **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
 
 
+GQA_POINTERS = {**MLA_POINTERS, "k_ptr": "*bf16", "v_ptr": "*bf16"}
+
+
+def gqa(args: argparse.Namespace) -> dict:
+    """The paged GQA attention (kernels/attention/paged_triton.py) at head_dim 128, bf16:
+    gqa-prefill, BM rows a program (tokens x the query heads of one KV head); gqa-decode, a
+    row's GROUP heads (BM unused). --heads is the query heads a KV head (qwen3-30b-a3b's 8)."""
+    from moeserve.kernels.attention import paged_triton
+    from moeserve.kernels.triton_common import next_pow2
+
+    bm, bn, warps, stages = args.tile
+    group, kern = args.heads, paged_triton._kernels()
+    const = dict(NUM_KV_HEADS=4, GROUP=group, HEAD_DIM=128, BLOCK_SIZE=args.block_size,
+                 BLOCK_N=bn, IEEE=False)
+    if args.kernel == "gqa-prefill":
+        block_q = paged_triton._prefill_block_q(paged_triton.TileConfig(*args.tile), group)
+        const |= dict(BLOCK_Q=block_q, BLOCK_M=max(16, next_pow2(block_q * group)))
+        kernel = kern.prefill
+    else:
+        const |= dict(BLOCK_G=max(16, next_pow2(group)), USE_ROWS=False, SPLIT=args.split)
+        kernel = kern.decode
+    return compile_sm90(kernel, GQA_POINTERS, const, _nospec(args, kernel), warps, stages)
+
+
 def _nospec(args: argparse.Namespace, kernel) -> set[str]:
     if args.nospec is not None:
         return set(args.nospec)
@@ -281,19 +307,20 @@ def main() -> None:
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
-    for name in ("mla-decode", "mla-decode-flat", "mla-prefill", "dsa-sparse"):
+    for name in ("mla-decode", "mla-decode-flat", "mla-prefill", "dsa-sparse", "gqa-prefill",
+                 "gqa-decode"):
         p = sub.add_parser(name)
         p.add_argument("--tile", type=int, nargs=4, required=True,
                        metavar=("BM", "BN", "WARPS", "STAGES"))
         p.add_argument("--heads", type=int, default=64)
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
-        if name == "mla-decode":
+        if name in ("mla-decode", "gqa-decode"):
             p.add_argument("--split", action="store_true", help="the split-K variant")
     args = parser.parse_args()
     report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
               "mla-decode-flat": mla_decode_flat, "mla-prefill": mla_prefill,
-              "dsa-sparse": dsa_sparse}[args.kernel](args)
+              "dsa-sparse": dsa_sparse, "gqa-prefill": gqa, "gqa-decode": gqa}[args.kernel](args)
     print(json.dumps({"kernel": args.kernel, **{k: v for k, v in vars(args).items()
                                                if k != "kernel"}, **report}))
 
