@@ -269,13 +269,13 @@ def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now). Kernels
     call the helpers and read `tl` by global name (Triton resolves names in the module's
     globals), so those are bound here."""
-    global tl, _attend_tile, _tile_offs, _max, _sum
+    global tl, _attend_tile, _max, _sum
     import triton
     import triton.language
 
     tl = triton.language
     _max, _sum = triton.jit(_max), triton.jit(_sum)
-    _attend_tile, _tile_offs = triton.jit(_attend_tile), triton.jit(_tile_offs)
+    _attend_tile = triton.jit(_attend_tile)
     # NOTE: Triton compiles a variant per "is this int a multiple of 16 / equal to 1" and per
     # pointer alignment of every argument; sizes that change from step to step (row counts, the
     # block table's width, index arrays sliced at any offset) would compile new variants in the
@@ -304,26 +304,21 @@ def _sum(x, AXIS: tl.constexpr):
     return tl.reduce(x, AXIS, tl.standard._sum_combine)
 
 
-def _tile_offs(table_ptr, n0, kv_end, kv_head, NUM_KV_HEADS: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The cache element offsets [N] of keys n0 .. n0 + BLOCK_N of one row's paged context for
-    kv_head (block 0's past kv_end), and which of them are before kv_end [N]."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    valid = pos < kv_end
-    block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
-    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [N]
-    return slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM, valid
-
-
-def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, offs, valid, n0, q_pos, scale_log2,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, n0, kv_end, q_pos, kv_head,
+                 scale_log2, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  CAUSAL: tl.constexpr, IEEE: tl.constexpr):
     """One online-softmax step of rows q [M, D] over keys n0 .. n0 + BLOCK_N of one row's paged
-    context, at cache offsets `offs` [N] (`_tile_offs`, looked up a tile ahead by the callers:
-    the block-table load is then not in the chain in front of this tile's K/V loads, so the
-    pipeliner keeps the next tile's copies in flight during these dots). MASKED: keys not
-    `valid` [N] (and, CAUSAL, keys after q_pos [M]) are dropped."""
+    context. MASKED: keys >= kv_end (and, CAUSAL, keys after q_pos [M]) are dropped."""
+    pos = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
     d = tl.arange(0, HEAD_DIM)  # [D]
+    if MASKED:
+        valid = pos < kv_end  # [N]
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+    else:
+        block = tl.load(table_ptr + pos // BLOCK_SIZE)
+    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [N]
+    offs = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM  # [N]
     if MASKED:
         k = tl.load(k_ptr + offs[None, :] + d[:, None], mask=valid[None, :], other=0.0)
     else:
@@ -337,7 +332,6 @@ def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, offs, valid, n0, q_pos, scale_l
     if MASKED:
         keep = valid[None, :]
         if CAUSAL:
-            pos = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
             keep = keep & (pos[None, :] <= q_pos[:, None])
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, _max(s, 1))  # [M]; finite: every row sees a key in its 1st tile
@@ -386,18 +380,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_ac
     acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_table
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    # each tile's keys looked up one tile ahead (_attend_tile); the lookups are masked at end
-    offs, valid = _tile_offs(table, start, end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                             BLOCK_N)
     for n0 in range(start, full_end, BLOCK_N):
-        offs_next, valid_next = _tile_offs(table, n0 + BLOCK_N, end, kv_head, NUM_KV_HEADS,
-                                           HEAD_DIM, BLOCK_SIZE, BLOCK_N)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, offs, valid, n0, end,
-                                     scale_log2, HEAD_DIM, BLOCK_N, False, False, IEEE)
-        offs, valid = offs_next, valid_next
-    for n0 in range(full_end, end, BLOCK_N):  # at most one tile: its offsets are looked up
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, offs, valid, n0, end,
-                                     scale_log2, HEAD_DIM, BLOCK_N, True, False, IEEE)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table, n0, end, end,
+                                     kv_head, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                     BLOCK_N, False, False, IEEE)
+    for n0 in range(full_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table, n0, end, end,
+                                     kv_head, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                     BLOCK_N, True, False, IEEE)
     if SPLIT:
         part = (i * (NUM_KV_HEADS * GROUP) + head) * num_splits + split  # [G]
         tl.store(part_m_ptr + part, m_i, mask=g_ok)
@@ -470,23 +460,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr
     first_pos = ctx_start + tile * BLOCK_Q
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # keys the tile's last query sees
     full_end = first_pos // BLOCK_N * BLOCK_N  # keys every query of the tile sees
-    # each tile's keys looked up one tile ahead (_attend_tile); the lookups are masked at
-    # kv_end, so the unmasked loop's last lookahead reads no table entry past it, and it is
-    # the masked loop's first tile (full_end)
-    offs, valid = _tile_offs(table, 0, kv_end, kv_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                             BLOCK_N)
     for n0 in range(0, full_end, BLOCK_N):
-        offs_next, valid_next = _tile_offs(table, n0 + BLOCK_N, kv_end, kv_head, NUM_KV_HEADS,
-                                           HEAD_DIM, BLOCK_SIZE, BLOCK_N)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, offs, valid, n0, q_pos,
-                                     scale_log2, HEAD_DIM, BLOCK_N, False, False, IEEE)
-        offs, valid = offs_next, valid_next
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table, n0, kv_end, q_pos,
+                                     kv_head, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                     BLOCK_N, False, False, IEEE)
     for n0 in range(full_end, kv_end, BLOCK_N):
-        offs_next, valid_next = _tile_offs(table, n0 + BLOCK_N, kv_end, kv_head, NUM_KV_HEADS,
-                                           HEAD_DIM, BLOCK_SIZE, BLOCK_N)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, offs, valid, n0, q_pos,
-                                     scale_log2, HEAD_DIM, BLOCK_N, True, True, IEEE)
-        offs, valid = offs_next, valid_next
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table, n0, kv_end, q_pos,
+                                     kv_head, scale_log2, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                                     BLOCK_N, True, True, IEEE)
     o = acc / l_i[:, None]
     tl.store(out_ptr + (q_first + qi)[:, None] * stride_ot + head[:, None] * stride_oh
              + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
