@@ -16,7 +16,9 @@ when no engine field is the fix). The rules:
                       auto cap -> request_pool concurrency (the pool set it), else
                       expected_tokens_per_request (the footprint held, when smaller), else
                       max_running_requests concurrency
-    kv_capacity       min(concurrency, cap) x footprint > KV tokens, or preemptions, or KV >= 95%
+    kv_capacity       min(concurrency, cap) x footprint > KV tokens, or preemptions, or KV >= 95%;
+                      when the cache cannot hold the concurrency and the lengths are fixed, the
+                      throughput it allows (kv_bound.py's replay) and the share reached
                       settings: on CUDA mem_fraction + 0.05 (up to 0.95), else
                       max_running_requests what the KV holds; {} for KV >= 95% alone (info)
     cuda_graphs       CUDA decode outside graphs: the capacity report's cuda_graphs starts
@@ -77,7 +79,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from moeserve.diagnose import expert_load, figures, roofline
+from moeserve.diagnose import expert_load, figures, kv_bound, roofline
 from moeserve.diagnose.host_rules import (
     LOW_UTIL_PCT,
     api_bound,
@@ -184,9 +186,25 @@ def kv_capacity(run: dict[str, Any]) -> Verdict | None:
     fits = int(kv // fp) if kv and fp else None
     knob = ("--mem-fraction (a larger KV cache), --max-model-len (a shorter context), or "
             f"--max-running-requests {fits if fits else 'lower'} (what the KV cache holds)")
+    bound = kv_bound.run_kv_bound(run) if kv and need and need > kv else None
+    if bound is not None:
+        ev["kv_bound"] = bound
+        why.append(_kv_bound_words(bound))
+        knob += (": a cap at what the cache holds only stops preemption; more KV tokens are "
+                 "what raises the bound")
     sev = "warning" if preemptions > 0 or (need and kv and need > kv) else "info"
     return Verdict("kv_capacity", sev, "KV cache too small for the concurrency: " + "; ".join(why),
                    knob, ev, _kv_settings(run, fits) if sev == "warning" else {})
+
+
+def _kv_bound_words(bound: dict[str, Any]) -> str:
+    """The KV-limited bound in a sentence: what the cache allows, the share reached, and what
+    room for every request would allow."""
+    given, room = bound["with_kv_given"], bound["with_room_for_all"]
+    reached = f" (this run: {bound['percent']:.0f}% of it)" if "percent" in bound else ""
+    return (f"at {given['concurrent']} requests at a time the cache bounds this workload at "
+            f"{given['input_tok_per_s']:,.0f} input tok/s{reached}; room for all "
+            f"{room['concurrent']} would allow {room['input_tok_per_s']:,.0f}")
 
 
 def _kv_settings(run: dict[str, Any], fits: int | None) -> dict[str, Any]:
