@@ -24,6 +24,9 @@ from moeserve.model_config import (  # ConfigError: the engine configs raise it 
 )
 from moeserve.quant.spec import flag_format, parse
 
+# kv_cache_dtype's names -> the cache's element type (None: the model's dtype); torch-free
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
@@ -39,8 +42,17 @@ class CacheConfig:
     """Force the number of KV blocks (tests, debugging); None sizes it from memory."""
     enable_prefix_caching: bool = True
     """Reuse KV of full blocks whose token prefix was seen before."""
+    kv_cache_dtype: str = "auto"
+    """KV cache element type: auto (the model's dtype) or fp8 (alias fp8_e4m3: float8 e4m3,
+    half of bf16's bytes, so twice the tokens; values stored unscaled, clamped to +-448, as
+    vLLM does for a checkpoint without k/v scales). GQA attention only."""
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            hint = (" (fp8_e5m2 is not implemented; fp8_e4m3 is)"
+                    if self.kv_cache_dtype == "fp8_e5m2" else "")
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}{hint}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.mem_fraction <= 1.0:
@@ -341,6 +353,10 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
     elif attn == "triton" and unfit is not None:
         raise ConfigError(f"attention_backend='triton': the Triton paged attention does not "
                           f"take this model's {unfit}; use attention_backend='torch' or 'auto'")
+    if KV_CACHE_DTYPES[cfg.cache.kv_cache_dtype] is not None and model.mla is not None:
+        raise ConfigError(f"kv_cache_dtype={cfg.cache.kv_cache_dtype!r} is implemented for GQA "
+                          "attention's K/V cache only; this model's MLA latent cache stays in "
+                          "the model's dtype: use kv_cache_dtype='auto'")
     if model.mla is not None and cfg.mla_decode != "auto" and attn != "triton":
         raise ConfigError(f"mla_decode={cfg.mla_decode!r} is a form of the Triton MLA decode; "
                           f"attention_backend resolves to {attn!r} here (the torch reference "

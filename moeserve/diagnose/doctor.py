@@ -18,7 +18,8 @@ when no engine field is the fix). The rules:
                       max_running_requests concurrency
     kv_capacity       min(concurrency, cap) x footprint > KV tokens, or preemptions, or KV >= 95%;
                       when the cache cannot hold the concurrency and the lengths are fixed, the
-                      throughput it allows (kv_bound.py's replay) and the share reached
+                      throughput it allows (kv_bound.py's replay) and the share reached; the
+                      knob names --kv-cache-dtype fp8 for a GQA model whose cache is not yet
                       settings: on CUDA mem_fraction + 0.05 (up to 0.95), else
                       max_running_requests what the KV holds; {} for KV >= 95% alone (info)
     cuda_graphs       CUDA decode outside graphs: the capacity report's cuda_graphs starts
@@ -184,7 +185,9 @@ def kv_capacity(run: dict[str, Any]) -> Verdict | None:
     ev = {"kv_tokens": kv, "request_footprint": _r(fp, 1), "concurrency_at_engine": conc_at_engine,
           "tokens_needed": _r(need, 0), "preemptions": preemptions, "kv_usage_max": _r(usage_max)}
     fits = int(kv // fp) if kv and fp else None
-    knob = ("--mem-fraction (a larger KV cache), --max-model-len (a shorter context), or "
+    fp8 = ("--kv-cache-dtype fp8 (float8 e4m3: twice a bf16 cache's tokens, values rounded to "
+           "3 mantissa bits), " if _fp8_cache_possible(run) else "")
+    knob = (f"--mem-fraction (a larger KV cache), {fp8}--max-model-len (a shorter context), or "
             f"--max-running-requests {fits if fits else 'lower'} (what the KV cache holds)")
     bound = kv_bound.run_kv_bound(run) if kv and need and need > kv else None
     if bound is not None:
@@ -195,6 +198,15 @@ def kv_capacity(run: dict[str, Any]) -> Verdict | None:
     sev = "warning" if preemptions > 0 or (need and kv and need > kv) else "info"
     return Verdict("kv_capacity", sev, "KV cache too small for the concurrency: " + "; ".join(why),
                    knob, ev, _kv_settings(run, fits) if sev == "warning" else {})
+
+
+def _fp8_cache_possible(run: dict[str, Any]) -> bool:
+    """The cache is in the model's dtype and the model's attention is GQA (the e4m3 cache is
+    implemented for it alone)."""
+    if figures.engine_section(run, "cache").get("kv_cache_dtype", "auto") != "auto":
+        return False
+    model = roofline.model_of(run)
+    return model is not None and model.mla is None
 
 
 def _kv_bound_words(bound: dict[str, Any]) -> str:

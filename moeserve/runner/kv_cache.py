@@ -5,7 +5,8 @@ budget is profiled for its activation peak, (3) a reserve is kept for CUDA graph
 cache gets the rest of `total x mem_fraction`. On CPU the KV cache gets a fixed byte budget.
 `MemoryPlan` keeps every term so the capacity report can print them.
 
-Layout: one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] (GQA),
+Layout: one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] (GQA;
+in the model's dtype, or float8 e4m3 with kv_cache_dtype="fp8", whose bytes the plan counts),
 or MLA's latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one shared row per
 token: 576 values for DeepSeek-V3); a "full" DSA layer (GLM-5, DeepSeek-V3.2) has a second
 tensor beside its latent, the indexer's keys [num_blocks, block_size, index_head_dim], paged
@@ -26,6 +27,7 @@ from moeserve.layers.dsa import DsaLayerCache
 from moeserve.model_config import ModelConfig
 
 LayerCache = torch.Tensor | DsaLayerCache
+FP8_DTYPES = (torch.float8_e4m3fn,)  # kv_cache_dtype="fp8"
 
 GiB = 1 << 30
 
@@ -66,6 +68,8 @@ def kv_layout(model: ModelConfig, dtype: torch.dtype, indexer_cache: bool = True
     what = (f"MLA latent {model.mla.kv_lora_rank} + rope {model.mla.qk_rope_head_dim}"
             if model.mla is not None else
             f"K, V x {model.num_kv_heads} heads x {model.head_dim}")
+    if dtype in FP8_DTYPES:  # the model's own dtype goes without saying
+        what += f", {str(dtype).removeprefix('torch.')}"
     line = f"{per_layer:,} B a layer ({what}) x {model.num_layers} layers"
     if model.dsa is not None:
         if indexer_cache:

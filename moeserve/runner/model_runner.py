@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from moeserve import envs
-from moeserve.config import CacheConfig, EngineConfig
+from moeserve.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers.moe import fold_shared_experts
@@ -69,6 +69,8 @@ class ModelRunner:
         self.local_config = local_model_config(model_config, self.layout)  # the rank's shapes
         self.device = torch.device(cfg.device)
         self.dtype = getattr(torch, cfg.dtype)
+        # the KV cache's element type: the model's, or float8 e4m3 (kv_cache_dtype="fp8")
+        self.kv_dtype = getattr(torch, KV_CACHE_DTYPES[cfg.cache.kv_cache_dtype] or cfg.dtype)
         self.block_size = cfg.cache.block_size
         self.kv_caches: list[LayerCache] = []
         # DSA models: the indexer key cache exists unless dsa="dense" (no indexer runs then)
@@ -226,16 +228,16 @@ class ModelRunner:
                     graph_reserve: int) -> MemoryPlan:
         """This rank's memory plan: the KV blocks that fit beside its weights (its local
         shapes: a rank's share of the KV heads)."""
-        return plan_memory(self.local_config, cache, self.dtype, self.device, self.weight_bytes,
-                           activation_peak, graph_reserve, self.indexer_cache)
+        return plan_memory(self.local_config, cache, self.kv_dtype, self.device,
+                           self.weight_bytes, activation_peak, graph_reserve, self.indexer_cache)
 
     def allocate_kv_caches(self, plan: MemoryPlan) -> None:
         """Allocate plan.num_blocks blocks of every layer's cache (the rank's shapes), bound."""
-        self.bind_kv_caches(allocate_kv_caches(self.local_config, plan, self.dtype, self.device,
-                                               self.indexer_cache))
+        self.bind_kv_caches(allocate_kv_caches(self.local_config, plan, self.kv_dtype,
+                                               self.device, self.indexer_cache))
 
     def kv_layout(self) -> str:
-        return kv_layout(self.local_config, self.dtype, self.indexer_cache)
+        return kv_layout(self.local_config, self.kv_dtype, self.indexer_cache)
 
     def bind_kv_caches(self, kv_caches: list[LayerCache]) -> None:
         """Bind the KV tensors; serving starts here, so expert counting starts here too (the

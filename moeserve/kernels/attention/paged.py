@@ -5,7 +5,9 @@ Owns the KV cache write (`write_kv`) and two torch references of the paged atten
 1-2,048 requests) and `paged_attention_loop_ref` (one request at a time, the ground truth in
 tests). Triton kernels come later with the same signatures and register in `kernels/registry.py`.
 
-KV cache of one layer, and where a token's K/V lives:
+KV cache of one layer, and where a token's K/V lives (in the model's dtype, or float8 e4m3 with
+the engine's kv_cache_dtype="fp8": written by `to_cache_dtype`, unscaled and saturating at
++-448, and read back in the query's dtype):
 
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]     (index 0 = K, 1 = V)
     slot s = block_id * block_size + offset  ->  kv_cache[:, s // block_size, s % block_size]
@@ -30,13 +32,24 @@ import torch.nn.functional as F
 
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
 
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's element type. Float8 e4m3 saturates at +-FP8_MAX: torch's plain cast
+    turns a larger value into NaN, which would poison every later softmax over it."""
+    if dtype in FP8_CACHE_DTYPES:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write the step's keys and values into their cache slots, in place.
 
     Args:
-        k, v: [T, num_kv_heads, head_dim], the cache's dtype.
+        k, v: [T, num_kv_heads, head_dim], the model's dtype (stored in the cache's).
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], contiguous.
         slot_mapping: [T] int64, the flat slot of each token (see the module docstring).
 
@@ -47,6 +60,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     # view (not reshape): a copy would silently drop the write
     k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, KVH, D]
     v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)  # [num_slots, KVH, D]
+    if kv_cache.dtype in FP8_CACHE_DTYPES:  # index_copy_ has no float8 kernel: copy the bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        k = to_cache_dtype(k, kv_cache.dtype).view(torch.uint8)
+        v = to_cache_dtype(v, kv_cache.dtype).view(torch.uint8)
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)
 
@@ -153,8 +170,8 @@ def _attend(q_pad: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
     slots, mask = context_slots(block_tables, seq_lens, start, max_seq_len, block_size,
                                 q_pad.shape[1])
     # NOTE: two plain gathers; one kv_cache.view(2, ...)[:, slots] ran 3x slower on an H200
-    k = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots]  # [B, L, KVH, D]
-    v = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots]  # [B, L, KVH, D]
+    k = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots].to(q_pad.dtype)  # [B, L, KVH, D]
+    v = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots].to(q_pad.dtype)  # [B, L, KVH, D]
     o = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, heads, len, D]
         attn_mask=mask[:, None], scale=scale, enable_gqa=True)  # [B, H, Q, D]

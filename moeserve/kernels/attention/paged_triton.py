@@ -17,6 +17,7 @@ triton.language's own jitted helpers, so triton itself may have been imported ea
         _decode_reduce_kernel  grid (rows, H)            |
     out [T, H, D] <--------------------------------------+
 
+A float8 e4m3 cache (kv_cache_dtype="fp8") is read back in q's dtype as each tile loads.
 Keys are gathered token by token through the block table (slot = block * block_size + offset),
 so a tile of BLOCK_N keys may span several KV blocks. Softmax is online, in fp32 and base 2.
 Pure decode steps build no host tensors and never sync: CUDA-graph capturable. The split count is
@@ -37,6 +38,7 @@ import torch
 
 from moeserve.kernels.attention.limits import paged_triton_unfit
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
+from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
 SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64, 128)
@@ -171,7 +173,9 @@ def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_cache.shape
     need(q.dtype in SUPPORTED_DTYPES, f"q dtype {q.dtype} not in {SUPPORTED_DTYPES}")
-    need(kv_cache.dtype == q.dtype, f"kv_cache dtype {kv_cache.dtype} != q dtype {q.dtype}")
+    need(kv_cache.dtype in (q.dtype, *FP8_CACHE_DTYPES),
+         f"kv_cache dtype {kv_cache.dtype} is neither q's ({q.dtype}) nor one of "
+         f"{FP8_CACHE_DTYPES}")
     need(kv_cache.device == q.device, f"kv_cache on {kv_cache.device}, q on {q.device}")
     need(head_dim == kv_dim, f"q head_dim {head_dim} != kv_cache head_dim {kv_dim}")
     unfit = paged_triton_unfit(head_dim)  # the rule the engine config chose the backend by
@@ -323,6 +327,7 @@ def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, n0, kv_end, q_pos, k
         k = tl.load(k_ptr + offs[None, :] + d[:, None], mask=valid[None, :], other=0.0)
     else:
         k = tl.load(k_ptr + offs[None, :] + d[:, None])  # [D, N]
+    k = k.to(q.dtype)  # a float8 cache read back in the query's dtype (else no-op)
     # fp32: exact products (the reference's precision); half types: default tensor-core dots.
     # Two branches, not input_precision=None: a constexpr None would not select the default.
     if IEEE:
@@ -342,6 +347,7 @@ def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, table_ptr, n0, kv_end, q_pos, k
         v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     else:
         v = tl.load(v_ptr + offs[:, None] + d[None, :])  # [N, D]
+    v = v.to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     else:

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from moeserve.kernels.attention.paged import write_kv
+from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES, write_kv
 from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_ref
 from moeserve.kernels.norm_rope.rope_triton import rope_ref
 from moeserve.kernels.triton_common import next_pow2, require_step_indices, require_triton_device
@@ -91,7 +91,9 @@ def qk_rope_kv_triton(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
         positions: [T] integer, each < P (not checked: no host sync).
         cos, sin: [P, R] fp32 contiguous tables (layers/rope.py's), R even and <= D: dims
             [0, R) of each head rotate, [R, D) pass through (partial rotary when R < D).
-        kv_cache: [2, num_blocks, block_size, KVH, D], contiguous, qkv's dtype; written in place.
+        kv_cache: [2, num_blocks, block_size, KVH, D], contiguous, qkv's dtype or float8 e4m3
+            (paged.to_cache_dtype's rule: rounded to qkv's dtype, then clamped to +-448);
+            written in place.
         slot_mapping: [T] int64, token t's K/V go to flat slot slot_mapping[t].
         num_heads, num_kv_heads: H and KVH.
         q_norm_weight, k_norm_weight: both [D] contiguous in qkv's dtype, or both None (no norm).
@@ -118,6 +120,7 @@ def qk_rope_kv_triton(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
         NUM_Q_HEADS=num_heads, NUM_K_HEADS=num_kv_heads, BLOCK_QH=next_pow2(num_heads),
         BLOCK_KH=next_pow2(num_kv_heads), HEAD_DIM=d, HALF=half, BLOCK_HALF=next_pow2(half),
         PASS=num_pass, BLOCK_PASS=next_pow2(num_pass), BLOCK_D=next_pow2(d), HAS_NORM=has_norm,
+        FP8_CACHE=kv_cache.dtype in FP8_CACHE_DTYPES,
         num_warps=min(8, max(1, block_h * next_pow2(d // 2) // 512)), enable_fp_fusion=False)
     return q_out
 
@@ -142,8 +145,9 @@ def _check(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
          f"qkv must be [T, (H + 2 KVH) * D] = [T, {width}] with a unit last stride, got "
          f"{tuple(qkv.shape)} strides {qkv.stride()}")
     t = qkv.shape[0]
-    need(qkv.is_floating_point() and kv_cache.dtype == qkv.dtype,
-         f"qkv {qkv.dtype} and kv_cache {kv_cache.dtype} must share one floating dtype")
+    need(qkv.is_floating_point() and kv_cache.dtype in (qkv.dtype, *FP8_CACHE_DTYPES),
+         f"kv_cache {kv_cache.dtype} must be qkv's floating dtype ({qkv.dtype}) or one of "
+         f"{FP8_CACHE_DTYPES}")
     require_step_indices(positions, slot_mapping, t, "qk_rope_kv_triton")
     for name, table in (("cos", cos), ("sin", sin)):
         need(table.dim() == 2 and 0 < table.shape[1] <= d and table.shape[1] % 2 == 0
@@ -168,12 +172,12 @@ def _check(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel and its helper, once (interpreted if TRITON_INTERPRET=1
     now). The kernel calls `_norm_rope_heads` by global name, so it is rebound here."""
-    global tl, _norm_rope_heads
+    global tl, _norm_rope_heads, _round_e4m3
     import triton
     import triton.language
 
     tl = triton.language
-    _norm_rope_heads = triton.jit(_norm_rope_heads)
+    _norm_rope_heads, _round_e4m3 = triton.jit(_norm_rope_heads), triton.jit(_round_e4m3)
     # NOTE: no step-varying int is an argument (T is the grid); positions and slots may be
     # slices of a packed buffer at any offset, so their alignment is not specialized either
     return SimpleNamespace(qk_rope_kv=triton.jit(
@@ -182,14 +186,31 @@ def _kernels() -> SimpleNamespace:
 
 # ---- Triton kernel (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
 
+def _round_e4m3(x):
+    """fp32 x -> the nearest float8 e4m3 value (ties to even, saturated at +-448, the sign of
+    a zero kept), still in fp32: the cast that follows is then exact. paged.to_cache_dtype's
+    rule, spelled out because Triton's interpreter rounds its own fp32 -> e4m3 cast wrongly
+    (1.986 to 1.0, ties away from even); on the GPU the cast alone gives the same bytes.
+    The spacing of e4m3 values at x is 2^(exponent(x) - 3), 2^-9 below the normals (2^-6):
+    adding and subtracting 1.5 * 2^23 times it rounds to that grid in fp32's own rounding."""
+    x = tl.clamp(x, -448.0, 448.0)  # paged.FP8_MAX (a jitted function reads no plain global)
+    biased = tl.maximum((x.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
+    step = ((biased - 3) << 23).to(tl.float32, bitcast=True)
+    big = step * 12582912.0  # 1.5 * 2^23
+    r = (x + big) - big
+    return tl.where(r == 0.0, x * 0.0, r)
+
+
 def _norm_rope_heads(x_ptr, w_ptr, out_ptr, stride_oh, num_stored, c1, c2, s1, s2, inv_d, eps,
                      NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr,
-                     BLOCK_PASS: tl.constexpr, HAS_NORM: tl.constexpr):
+                     BLOCK_PASS: tl.constexpr, HAS_NORM: tl.constexpr,
+                     FP8_OUT: tl.constexpr):
     """One token's heads x [NUM_HEADS, HEAD_DIM] (contiguous) -> RMSNorm over all HEAD_DIM
     dims (HAS_NORM) -> RoPE on the first 2 * HALF dims, the last PASS (= HEAD_DIM - 2 * HALF)
     as normed -> out (head stride stride_oh); heads >= num_stored are not stored (0: none).
-    c1, c2, s1, s2 [BLOCK_HALF] fp32, already rounded to x's dtype."""
+    c1, c2, s1, s2 [BLOCK_HALF] fp32, already rounded to x's dtype. FP8_OUT: out is a float8
+    e4m3 cache, stored as the unfused path does (rounded to x's dtype, clamped to +-448)."""
     h = tl.arange(0, BLOCK_H)  # [BH]
     i = tl.arange(0, BLOCK_HALF)  # [BHALF]
     mask = (h < NUM_HEADS)[:, None] & (i < HALF)[None, :]  # [BH, BHALF]
@@ -221,11 +242,18 @@ def _norm_rope_heads(x_ptr, w_ptr, out_ptr, stride_oh, num_stored, c1, c2, s1, s
     out_offs = h[:, None] * stride_oh + i[None, :]  # [BH, BHALF]
     # NOTE: a bound on h, not `mask & scalar_bool`: the interpreter turns the latter into int32
     store_mask = (h < num_stored)[:, None] & (i < HALF)[None, :]  # [BH, BHALF]
-    tl.store(out_ptr + out_offs, o1.to(dt), mask=store_mask)
-    tl.store(out_ptr + out_offs + HALF, o2.to(dt), mask=store_mask)
+    ot = out_ptr.dtype.element_ty
+    o1, o2 = o1.to(dt), o2.to(dt)
+    if FP8_OUT:
+        o1, o2 = _round_e4m3(o1.to(tl.float32)), _round_e4m3(o2.to(tl.float32))
+    tl.store(out_ptr + out_offs, o1.to(ot), mask=store_mask)
+    tl.store(out_ptr + out_offs + HALF, o2.to(ot), mask=store_mask)
     if PASS > 0:
         pass_store = (h < num_stored)[:, None] & (p < PASS)[None, :]  # [BH, BPASS]
-        tl.store(out_ptr + h[:, None] * stride_oh + 2 * HALF + p[None, :], xp.to(dt),
+        xp = xp.to(dt)
+        if FP8_OUT:
+            xp = _round_e4m3(xp.to(tl.float32))
+        tl.store(out_ptr + h[:, None] * stride_oh + 2 * HALF + p[None, :], xp.to(ot),
                  mask=pass_store)
 
 
@@ -235,7 +263,8 @@ def _qk_rope_kv_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                        NUM_K_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr,
                        BLOCK_KH: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                        BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                       BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
+                       BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
+                       FP8_CACHE: tl.constexpr):
     """Token pid: q [H, D] -> q_out row; k [KVH, D] -> k_cache slot; v [KVH, D] -> v_cache slot.
     Caches are [num_slots, KVH, D] (slot stride stride_slot, head stride HEAD_DIM = D); RoPE
     on each head's first 2 * HALF dims, the last PASS = D - 2 * HALF pass through."""
@@ -258,15 +287,17 @@ def _qk_rope_kv_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
     v_ptr = k_ptr + NUM_K_HEADS * HEAD_DIM  # [KVH, D]
     _norm_rope_heads(q_ptr, qw_ptr, q_out_ptr + t * (NUM_Q_HEADS * HEAD_DIM), HEAD_DIM,
                      NUM_Q_HEADS, c1, c2, s1, s2, inv_d, eps, NUM_Q_HEADS, BLOCK_QH, HEAD_DIM,
-                     HALF, BLOCK_HALF, PASS, BLOCK_PASS, HAS_NORM)
+                     HALF, BLOCK_HALF, PASS, BLOCK_PASS, HAS_NORM, False)
     slot_offs = slot * stride_slot
     _norm_rope_heads(k_ptr, kw_ptr, k_cache_ptr + slot_offs, HEAD_DIM, num_kv_stored,
                      c1, c2, s1, s2, inv_d, eps, NUM_K_HEADS, BLOCK_KH, HEAD_DIM, HALF,
-                     BLOCK_HALF, PASS, BLOCK_PASS, HAS_NORM)
+                     BLOCK_HALF, PASS, BLOCK_PASS, HAS_NORM, FP8_CACHE)
     h = tl.arange(0, BLOCK_KH)  # [BKH]
     d = tl.arange(0, BLOCK_D)  # [BD]
     v_offs = h[:, None] * HEAD_DIM + d[None, :]  # [BKH, BD]
     v = tl.load(v_ptr + v_offs, mask=(h < NUM_K_HEADS)[:, None] & (d < HEAD_DIM)[None, :],
                 other=0.0)  # [BKH, BD]
-    tl.store(v_cache_ptr + slot_offs + v_offs, v,
+    if FP8_CACHE:
+        v = _round_e4m3(v.to(tl.float32))
+    tl.store(v_cache_ptr + slot_offs + v_offs, v.to(v_cache_ptr.dtype.element_ty),
              mask=(h < num_kv_stored)[:, None] & (d < HEAD_DIM)[None, :])
