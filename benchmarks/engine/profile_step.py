@@ -173,7 +173,9 @@ def step_parts(llm: LLM, out: SchedulerOutput, events: list) -> dict:
     ceilings = ceilings_for(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     if ceilings is None:
         return {"step": step, "measured_ms": measured, "bounds": "no measured ceilings"}
-    cost = step_cost(llm.engine.model_config, llm.engine.runner.dtype.itemsize, **step)
+    runner = llm.engine.runner
+    cost = step_cost(llm.engine.model_config, runner.dtype.itemsize, **step,
+                     kv_elem_bytes=runner.kv_dtype.itemsize)
     shares = part_shares(cost, ceilings, measured)
     return {"step": step, "parts": [s.to_dict() for s in shares], "line": describe(shares)}
 

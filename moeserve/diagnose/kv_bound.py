@@ -33,6 +33,7 @@ from moeserve.diagnose.roofline import (
     Ceilings,
     ceilings_for,
     dtype_bytes_of,
+    kv_elem_bytes_of,
     model_of,
     quant_of,
     step_cost,
@@ -56,9 +57,10 @@ class Workload:
 
 def step_seconds(model: ModelConfig, dtype_bytes: int, decode_contexts: list[int],
                  chunks: list[tuple[int, int]], ceilings: Ceilings,
-                 quant: str | None = None) -> float:
+                 quant: str | None = None, kv_elem_bytes: int | None = None) -> float:
     """One step's time at its parts' bounds: decodes at their contexts (keys before the new
-    token) and prompt chunks (start, length), causal within the chunk."""
+    token) and prompt chunks (start, length), causal within the chunk. quant, kv_elem_bytes:
+    roofline.step_cost's."""
     tokens = len(decode_contexts) + sum(n for _, n in chunks)
     weights = step_cost(model, dtype_bytes, tokens, rows=len(decode_contexts) + len(chunks),
                         batch=0, context=0, quant=quant)
@@ -66,10 +68,12 @@ def step_seconds(model: ModelConfig, dtype_bytes: int, decode_contexts: list[int
     if decode_contexts:  # one query each over ctx + 1 keys; the cost is linear in the context,
         # so the decodes at their mean context cost what they do one by one
         n = len(decode_contexts)
-        part = step_cost(model, dtype_bytes, n, n, n, sum(decode_contexts) / n + 1, quant)
+        part = step_cost(model, dtype_bytes, n, n, n, sum(decode_contexts) / n + 1, quant,
+                         kv_elem_bytes)
         kv_bytes, attention_flops = part.kv_bytes, part.attention_flops
     for start, n in chunks:  # query i of the chunk sees start + i + 1 keys: mean start + (n+1)/2
-        part = step_cost(model, dtype_bytes, n, 1, 1, start + (n + 1) / 2, quant)
+        part = step_cost(model, dtype_bytes, n, 1, 1, start + (n + 1) / 2, quant,
+                         kv_elem_bytes)
         kv_bytes, attention_flops = kv_bytes + part.kv_bytes, attention_flops + part.attention_flops
     cost = dataclasses.replace(weights, kv_bytes=kv_bytes, attention_flops=attention_flops)
     return sum(max(b / ceilings.bytes_per_s, f / ceilings.flops_per_s)
@@ -77,7 +81,8 @@ def step_seconds(model: ModelConfig, dtype_bytes: int, decode_contexts: list[int
 
 
 def replay(model: ModelConfig, work: Workload, kv_tokens: int, ceilings: Ceilings,
-           dtype_bytes: int = 2, quant: str | None = None) -> dict[str, Any]:
+           dtype_bytes: int = 2, quant: str | None = None,
+           kv_elem_bytes: int | None = None) -> dict[str, Any]:
     """The idealised run (module doc): its steps, duration and throughputs at the bound."""
     need = work.input_len + work.output_len  # KV a request holds at its end
     slots = min(work.max_concurrency, kv_tokens // need)
@@ -100,7 +105,7 @@ def replay(model: ModelConfig, work: Workload, kv_tokens: int, ceilings: Ceiling
                 budget -= n
         contexts = [work.input_len + generated.get(r, 0) for r in decodes]
         elapsed += step_seconds(model, dtype_bytes, contexts, [(s, n) for _, s, n in chunks],
-                                ceilings, quant)
+                                ceilings, quant, kv_elem_bytes)
         steps, prefill_steps = steps + 1, prefill_steps + bool(chunks)
         for r in decodes:
             generated[r] = generated.get(r, 0) + 1
@@ -144,17 +149,17 @@ def run_kv_bound(run: dict[str, Any]) -> dict[str, Any] | None:
     model = model_of(run)
     if work is None or not kv or ceilings is None or model is None:
         return None
-    dtype_bytes, quant = dtype_bytes_of(run), quant_of(run, model)
+    dtype_bytes, quant, kv_elem = dtype_bytes_of(run), quant_of(run, model), kv_elem_bytes_of(run)
     room = work.max_concurrency * (work.input_len + work.output_len)
     try:
-        given = replay(model, work, kv, ceilings, dtype_bytes, quant)
+        given = replay(model, work, kv, ceilings, dtype_bytes, quant, kv_elem)
     except ValueError:
         return None
     out: dict[str, Any] = {
         "method": "KV-limited replay (diagnose/kv_bound.py)", "device": ceilings.name,
         "workload": dataclasses.asdict(work), "with_kv_given": given,
         "with_room_for_all": (given if kv >= room else
-                              replay(model, work, room, ceilings, dtype_bytes, quant))}
+                              replay(model, work, room, ceilings, dtype_bytes, quant, kv_elem))}
     achieved = run.get("input_throughput")
     if isinstance(achieved, int | float) and given["input_tok_per_s"] > 0:
         out["percent"] = round(100 * achieved / given["input_tok_per_s"], 1)

@@ -114,8 +114,10 @@ class StepCost:
 
 
 def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, batch: float,
-              context: float, quant: str | None = None) -> StepCost:
-    """Bytes and FLOPs of one step (see the module docstring)."""
+              context: float, quant: str | None = None,
+              kv_elem_bytes: int | None = None) -> StepCost:
+    """Bytes and FLOPs of one step (see the module docstring). kv_elem_bytes: the KV cache's
+    element size when it is not the model's (1: kv_cache_dtype="fp8")."""
     h, d = model.hidden_size, model.head_dim
     attn_params = model.attention_params()
     expert_params = 3 * h * model.moe_intermediate_size
@@ -144,7 +146,7 @@ def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, 
     lm_head = model.vocab_size * h
     touched = experts_touched(model.num_experts, model.num_experts_per_tok, tokens)
     kv_per_row = (attended * model.num_layers * model.kv_bytes_per_token_per_layer_elem
-                  + index_row) * dtype_bytes
+                  + index_row) * (kv_elem_bytes or dtype_bytes)
     attn_flops = (2.0 * attended * model.num_heads * (qk_dim + v_dim) * model.num_layers
                   + index_flops)
     return StepCost(
@@ -218,6 +220,13 @@ def dtype_bytes_of(run: dict[str, Any]) -> int:
     return 2 if figures.device_kind(run) == "cuda" else 4
 
 
+def kv_elem_bytes_of(run: dict[str, Any]) -> int | None:
+    """The KV cache's element size when the run's engine keeps it in another type than the
+    model's (kv_cache_dtype "fp8": 1), else None."""
+    kv = figures.engine_section(run, "cache").get("kv_cache_dtype", "auto")
+    return 1 if isinstance(kv, str) and kv.startswith("fp8") else None
+
+
 def quant_of(run: dict[str, Any], model: ModelConfig) -> str | None:
     """The run's quantized weight format: --quantization, else the checkpoint's."""
     from moeserve.quant.spec import ALIASES
@@ -243,12 +252,13 @@ def analyse(run: dict[str, Any]) -> tuple[RooflineResult | None, str]:
         return None, "no steady window with engine steps in the timeline"
     rows = w.generated_tokens / w.steps
     cost = step_cost(model, dtype_bytes_of(run), w.tokens_per_step, rows, w.mean_running, context,
-                     quant_of(run, model))
+                     quant_of(run, model), kv_elem_bytes_of(run))
     return RooflineResult(cost, c, w.step_seconds, rows), ""
 
 
 def serial_bound(model: ModelConfig, dtype_bytes: int, ceilings: Ceilings, concurrency: int,
-                 input_len: int, output_len: int, quant: str | None = None) -> dict[str, float]:
+                 input_len: int, output_len: int, quant: str | None = None,
+                 kv_elem_bytes: int | None = None) -> dict[str, float]:
     """ANCHORS.md's serial bound of a fixed-length workload at `concurrency`: every prompt's
     prefill (one step of concurrency x input_len tokens, attending over a causal mean of
     input_len / 2; it yields each request's first token), then output_len - 1 decode steps of
@@ -256,13 +266,15 @@ def serial_bound(model: ModelConfig, dtype_bytes: int, ceilings: Ceilings, concu
     own bound; no overlap between the phases. A DSA model attends over at most index_topk
     positions a token; `dataclasses.replace(model, dsa=None)` gives the dense MLA's bound.
 
-    quant: the projections' quantized format (step_cost). Returns prefill_s, decode_s and
+    quant: the projections' quantized format, kv_elem_bytes the cache's element size where it
+    is not the model's (step_cost). Returns prefill_s, decode_s and
     output_tok_s (the bound on output tokens per second)."""
     prefill = step_cost(model, dtype_bytes, tokens=concurrency * input_len, rows=concurrency,
-                        batch=concurrency, context=input_len / 2, quant=quant)
+                        batch=concurrency, context=input_len / 2, quant=quant,
+                        kv_elem_bytes=kv_elem_bytes)
     decode_s = sum(step_cost(model, dtype_bytes, tokens=concurrency, rows=concurrency,
-                             batch=concurrency, context=input_len + j,
-                             quant=quant).bound_seconds(ceilings)
+                             batch=concurrency, context=input_len + j, quant=quant,
+                             kv_elem_bytes=kv_elem_bytes).bound_seconds(ceilings)
                    for j in range(1, output_len))
     prefill_s = prefill.bound_seconds(ceilings)
     return {"prefill_s": prefill_s, "decode_s": decode_s,
@@ -283,7 +295,7 @@ def run_serial_bound(run: dict[str, Any], concurrency: int, input_len: int,
         model = dataclasses.replace(model, dsa=None)
     quant = quant_of(run, model)
     bound = serial_bound(model, dtype_bytes_of(run), ceilings, concurrency, input_len,
-                         output_len, quant)
+                         output_len, quant, kv_elem_bytes_of(run))
     out: dict[str, Any] = {"method": "serial (ANCHORS.md)", "device": ceilings.name,
                            "weights": quant or "unquantized",
                            "concurrency": concurrency, "input_len": input_len,

@@ -11,7 +11,7 @@ import pytest
 from moeserve.config import load_model_config
 from moeserve.diagnose.doctor import diagnose
 from moeserve.diagnose.kv_bound import Workload, replay, run_kv_bound, step_seconds, workload_of
-from moeserve.diagnose.roofline import CEILINGS
+from moeserve.diagnose.roofline import CEILINGS, step_cost
 from tests.diagnose.synthetic import make_run
 
 H200 = CEILINGS[0]
@@ -128,3 +128,16 @@ def test_kv_capacity_states_the_bound_the_cache_allows() -> None:
     roomy = long_prompt_run()
     roomy["engine"]["capacity_report"]["kv_tokens"] = 2_000_000
     assert all("kv_bound" not in v.evidence for v in diagnose(roomy))
+
+
+def test_an_fp8_cache_halves_the_attention_bytes_of_the_bound(model) -> None:
+    bf16 = step_cost(model, 2, 64, 64, 64, 8192)
+    fp8 = step_cost(model, 2, 64, 64, 64, 8192, kv_elem_bytes=1)
+    assert fp8.kv_bytes * 2 == bf16.kv_bytes and fp8.expert_bytes == bf16.expert_bytes
+    run = long_prompt_run()
+    run["engine"]["capacity_report"]["engine_config"]["cache"]["kv_cache_dtype"] = "fp8"
+    run["engine"]["capacity_report"]["kv_tokens"] = 2 * 667360
+    bound = run_kv_bound(run)
+    work = Workload(128, 8192, 256, 128, 8192)
+    assert bound["with_kv_given"] == replay(model, work, 2 * 667360, H200, kv_elem_bytes=1)
+    assert bound["with_kv_given"]["concurrent"] == 128
