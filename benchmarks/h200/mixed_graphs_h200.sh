@@ -13,6 +13,11 @@
 #                                                    # 128 at c128, --diagnose): the defaults,
 #                                                    # then mixed graphs; and the prefill
 #                                                    # attention at 8k context (~5 min)
+#   bash benchmarks/h200/mixed_graphs_h200.sh fp8         # the float8 KV cache: its GPU tests, the
+#                                                    # decode at 1,024 / 2,048 rows over an e4m3
+#                                                    # pool, then the long prompts with
+#                                                    # --kv-cache-dtype fp8 beside the defaults
+#                                                    # (~7 min)
 #   bash benchmarks/h200/mixed_graphs_h200.sh attention   # the paged attention's GPU tests, then
 #                                                    # kernels_attention: decode table, prefill
 #                                                    # cases, the long and W1 prefill tile sweeps
@@ -21,7 +26,7 @@ set -uo pipefail
 source benchmarks/gpu_env.sh
 R=/tmp/i14
 mkdir -p "$R"
-case "${1:?usage: mixed_graphs_h200.sh host|w1|long|attention}" in
+case "${1:?usage: mixed_graphs_h200.sh host|w1|long|attention|fp8}" in
   host)
     timeout 150 python3 -m benchmarks.engine.engine_loop_cpu --running 2048 --tag gpu_host --out "$R" \
       > "$R/engine_loop.log" 2>&1; echo "engine_loop rc=$?"; tail -3 "$R/engine_loop.log"
@@ -48,6 +53,23 @@ case "${1:?usage: mixed_graphs_h200.sh host|w1|long|attention}" in
     timeout 150 python3 -m benchmarks.kernels.kernels_attention --out "$R" --no-sweep \
       > "$R/kernels_attention.log" 2>&1
     echo "kernels_attention rc=$?"; grep -iE "prefill.*8192|8k" "$R/kernels_attention.log" | head ;;
+  fp8)
+    timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
+      tests/kernels/attention/test_kv_fp8.py tests/engine/test_kv_cache_fp8.py \
+      > "$R/gpu_tests_fp8.log" 2>&1
+    echo "fp8 GPU tests rc=$?"; tail -1 "$R/gpu_tests_fp8.log"
+    timeout 120 python3 -m benchmarks.kernels.kernels_attention --out "$R/fp8" --no-sweep \
+      --kv-cache-dtype fp8 --batches 1024 2048 > "$R/kernels_attention_fp8.log" 2>&1
+    echo "kernels_attention fp8 rc=$?"; grep -E "^ +[0-9]|^prefill" "$R/kernels_attention_fp8.log"
+    for flag in --kv-cache-dtype=fp8 ""; do
+      tag=${flag:+_fp8}
+      timeout 240 python3 -m moeserve.cli bench --preset qwen3-30b-a3b --input-len 8192 \
+        --output-len 256 --max-concurrency 128 --num-prompts 128 --server-args="$flag" \
+        --diagnose --no-progress --output-json "$R/long$tag.jsonl" > "$R/long$tag.log" 2>&1
+      echo "long ${flag:-(defaults)} rc=$?"
+      grep -E "Input token throughput|Output token throughput|Median TTFT|KV cache " \
+        "$R/long$tag.log"
+    done ;;
   attention)
     timeout 120 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
       tests/kernels/attention/test_paged_attention_triton.py > "$R/gpu_tests_paged.log" 2>&1

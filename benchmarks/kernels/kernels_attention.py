@@ -26,6 +26,10 @@ kernels_attention.json to --out after each section.
 
     python -m benchmarks.kernels.kernels_attention --out DIR [--batches 256 512] [--no-sweep]
     python -m benchmarks.kernels.kernels_attention --out DIR --prefill-cases long --no-decode-sweep
+    python -m benchmarks.kernels.kernels_attention --out DIR --kv-cache-dtype fp8 --no-sweep
+
+`--kv-cache-dtype fp8` keeps the pool in float8 e4m3 (the engine's kv_cache_dtype="fp8"): the
+bandwidth then counts its 1-byte values, the queries stay bf16.
 """
 
 from __future__ import annotations
@@ -42,7 +46,11 @@ import torch
 
 from benchmarks.engine.w1_offline import environment
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
-from moeserve.kernels.attention.paged import paged_attention_ref
+from moeserve.kernels.attention.paged import (
+    FP8_CACHE_DTYPES,
+    paged_attention_ref,
+    to_cache_dtype,
+)
 from moeserve.kernels.attention.paged_triton import (
     TileConfig,
     decode_num_splits,
@@ -76,11 +84,21 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory per block on the H200
 MAX_REGS = 255  # per thread
 
 
-def make_pool(num_tokens: int) -> torch.Tensor:
-    """A bf16 KV pool with room for num_tokens (+ null block and 5% spare), random contents."""
+def make_pool(num_tokens: int, kv_dtype: torch.dtype = DTYPE) -> torch.Tensor:
+    """A KV pool (bf16, or float8 e4m3: the engine's kv_cache_dtype="fp8") with room for
+    num_tokens (+ null block and 5% spare), random contents."""
     num_blocks = 1 + int(num_tokens * 1.05) // BLOCK + 1
-    pool = torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    return pool.normal_()
+    pool = torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype, device="cuda")
+    if kv_dtype == DTYPE:
+        return pool.normal_()
+    for half in pool:  # normal_ has no float8 kernel: one bf16 half at a time
+        half.copy_(to_cache_dtype(torch.randn(half.shape, dtype=DTYPE, device="cuda"), kv_dtype))
+    return pool
+
+
+def query_dtype(pool: torch.Tensor) -> torch.dtype:
+    """The queries' dtype over this pool: the pool's, bf16 over a float8 one."""
+    return DTYPE if pool.dtype in FP8_CACHE_DTYPES else pool.dtype
 
 
 def decode_step(pool: torch.Tensor, batch: int, context: int,
@@ -125,8 +143,9 @@ def time_graph_ms(fn: Callable[[], object]) -> float:
     return ms
 
 
-def bandwidth(batch: int, context: int, ms: float) -> dict:
-    gbps = batch * context * KV_BYTES_PER_TOKEN / ms / 1e6
+def bandwidth(batch: int, context: int, ms: float, elem_bytes: int = 2) -> dict:
+    """The K/V bytes read a second (elem_bytes a value: 1 for a float8 pool)."""
+    gbps = batch * context * KV_BYTES_PER_TOKEN * elem_bytes / 2 / ms / 1e6
     return {"kv_gb_per_s": round(gbps, 1), "pct_of_copy": round(100 * gbps / (COPY_TBPS * 1e3), 1)}
 
 
@@ -139,7 +158,7 @@ def bench_decode(pool: torch.Tensor, batch: int, context: int) -> dict:
                  "max_abs_err": check_decode(q, pool, meta, tables, out)}
     ms = time_graph_ms(lambda: paged_attention_triton(q, pool, meta, scale))
     row |= {"triton_ms": round(ms, 4), "triton_ms_48_layers": round(48 * ms, 2),
-            **bandwidth(batch, context, ms)}
+            **bandwidth(batch, context, ms, pool.element_size())}
     if batch * context <= REF_MAX_TOKENS:
         ref_ms = time_ms(lambda: paged_attention_ref(q, pool, meta, scale))
         row |= {"ref_ms": round(ref_ms, 4), "speedup": round(ref_ms / ms, 2)}
@@ -160,7 +179,8 @@ def sweep_decode(pool: torch.Tensor) -> list[dict]:
             try:
                 check_decode(q, pool, meta, tables, run())
                 ms = time_graph_ms(run)
-                row |= {"triton_ms": round(ms, 4), **bandwidth(batch, context, ms)}
+                row |= {"triton_ms": round(ms, 4),
+                        **bandwidth(batch, context, ms, pool.element_size())}
             except Exception as exc:  # a failing candidate is data, not the end of the run
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
@@ -184,7 +204,7 @@ def prefill_step(pool: torch.Tensor, computed: Sequence[int], scheduled: Sequenc
                                     str(pool.device))
     gen = torch.Generator(device=pool.device).manual_seed(seed)
     q = torch.randn(sum(scheduled), HEADS, HEAD_DIM, generator=gen, device=pool.device,
-                    dtype=pool.dtype)
+                    dtype=query_dtype(pool))
     return q, meta
 
 
@@ -283,7 +303,7 @@ def sweep_prefill(pool: torch.Tensor, deadline_s: float,
     """Prefill cases x tile configs: each checked against the reference, then timed by `timer`
     (CUDA-graph replay; the default config also by `eager_timer`)."""
     scale = HEAD_DIM ** -0.5
-    default = default_config("prefill", HEAD_DIM, pool.dtype)
+    default = default_config("prefill", HEAD_DIM, query_dtype(pool))
     steps, refs, rows = [], [], []
     for k, (name, computed, scheduled) in enumerate(cases):
         q, meta = prefill_step(pool, computed, scheduled, seed=100 + k)
@@ -321,6 +341,8 @@ def main() -> None:
                         help="the prefill sweep's cases: W1's short prompts or 8k prompts")
     parser.add_argument("--no-decode-sweep", action="store_true",
                         help="sweep the prefill configs only")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the pool's element type: bf16, or float8 e4m3 (read back in bf16)")
     parser.add_argument("--prefill-sweep-s", type=float, default=100.0,
                         help="start no new prefill config past this many seconds of the sweep")
     args = parser.parse_args()
@@ -331,10 +353,13 @@ def main() -> None:
     sweep_tokens = 0 if args.no_sweep else max(
         *(b * c for b, c in SWEEP_CASES),
         *(sum(c) + sum(n) for _, c, n in PREFILL_CASE_SETS[args.prefill_cases]))
-    pool = make_pool(max(max(args.batches) * max(args.contexts), prefill_tokens, sweep_tokens))
+    kv_dtype = FP8_CACHE_DTYPES[0] if args.kv_cache_dtype == "fp8" else DTYPE
+    pool = make_pool(max(max(args.batches) * max(args.contexts), prefill_tokens, sweep_tokens),
+                     kv_dtype)
     result: dict = {"environment": environment(), "copy_tb_per_s": COPY_TBPS,
                     "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                               "block_size": BLOCK, "dtype": str(DTYPE),
+                              "kv_dtype": str(pool.dtype),
                               "decode_config": default_config("decode", HEAD_DIM, DTYPE).__dict__,
                               "prefill_config": default_config("prefill", HEAD_DIM,
                                                                DTYPE).__dict__},

@@ -16,6 +16,7 @@ from benchmarks.kernels.kernels_attention import (
     KV_HEADS,
     PREFILL_CASES,
     PREFILL_GRID,
+    bandwidth,
     causal_flops,
     prefill_skip_reason,
     prefill_step,
@@ -132,3 +133,11 @@ def test_long_prefill_cases_are_8k_prompts() -> None:
     assert [sum(c) + sum(n) for _, c, n in LONG_PREFILL_CASES] == [8192, 4 * 8192]
     fresh, chunks = (causal_flops(c, n) for _, c, n in LONG_PREFILL_CASES)
     assert chunks > fresh  # the last quarter of four prompts sees more keys than one whole
+
+
+def test_an_fp8_pool_takes_bf16_queries_and_counts_its_bytes() -> None:
+    pool = cpu_pool(64).to(torch.float8_e4m3fn)
+    q, _ = prefill_step(pool, [0], [5])
+    assert q.dtype == torch.bfloat16
+    assert bandwidth(64, 1000, 0.01, elem_bytes=1)["kv_gb_per_s"] * 2 == \
+        bandwidth(64, 1000, 0.01)["kv_gb_per_s"]
