@@ -85,22 +85,28 @@ def test_fp8_cache_reads_split_decode() -> None:
     check_fp8_reads(make_step([700, 3, 290], [1, 1, 1], block_size=8))
 
 
+def check_fused_write_fp8(case) -> None:
+    """The fused write into an e4m3 cache stores the unfused path's bytes, with v scaled past
+    448 so that the saturation runs too; q is the same as well."""
+    h, kvh = case.heads
+    d = case.kv_cache.shape[-1]
+    case.qkv[:, (h + kvh) * d:] *= 400
+    cache = case.kv_cache.to(FP8)
+    want_cache, got_cache = cache.clone(), cache.clone()
+    want = qk_rope_kv_ref(*case.args(want_cache))
+    got = qk_rope_kv_triton(*case.args(got_cache))
+    assert torch.equal(got, want)
+    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+    assert got_cache.float().abs().max().item() == FP8_MAX
+
+
 @pytest.mark.parametrize("shape", [QWEN, ODD])
 def test_fused_write_into_fp8_equals_the_unfused_one(shape: tuple[int, int, int]) -> None:
     # Mixtral-like (no q/k norm) and exactly-normed Qwen3-like heads: every value the same in
-    # the model's dtype, so the same e4m3 bytes; v scaled past 448 to check the saturation
+    # the model's dtype, so the same e4m3 bytes
     for case in (make_case(7, torch.float16, shape, norm=False, device="cpu"),
                  exact_norm_case(torch.float16, shape)):
-        h, kvh = case.heads
-        d = shape[2]
-        case.qkv[:, (h + kvh) * d:] *= 400
-        cache = case.kv_cache.to(FP8)
-        want_cache, got_cache = cache.clone(), cache.clone()
-        want = qk_rope_kv_ref(*case.args(want_cache))
-        got = qk_rope_kv_triton(*case.args(got_cache))
-        assert torch.equal(got, want)
-        assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
-        assert got_cache.float().abs().max().item() == FP8_MAX
+        check_fused_write_fp8(case)
 
 
 def test_fused_write_rounds_every_half_value_as_torch_does() -> None:
@@ -153,11 +159,4 @@ def test_gpu_fused_write_into_fp8_bf16() -> None:
         pytest.skip("needs a GPU")
     for case in (make_case(300, torch.bfloat16, QWEN, norm=False, device="cuda"),
                  exact_norm_case(torch.bfloat16, QWEN, device="cuda")):
-        h, kvh = case.heads
-        case.qkv[:, (h + kvh) * QWEN[2]:] *= 400
-        cache = case.kv_cache.to(FP8)
-        want_cache, got_cache = cache.clone(), cache.clone()
-        want = qk_rope_kv_ref(*case.args(want_cache))
-        got = qk_rope_kv_triton(*case.args(got_cache))
-        assert torch.equal(got, want)
-        assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+        check_fused_write_fp8(case)
