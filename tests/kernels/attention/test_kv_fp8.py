@@ -70,8 +70,11 @@ def check_fp8_reads(step: Step) -> None:
     assert got.dtype == step.q.dtype and not got.isnan().any()
     torch.testing.assert_close(ref, want, atol=0, rtol=0)  # the same values, the same ops
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    # e4m3 really ran: the kernel's output is nearer attention over the rounded cache than
+    # over the unrounded one (the rounding's error is ~10x a bf16 kernel's own)
     unquantized = paged_attention_ref(step.q, step.kv_cache, step.meta, step.scale)
-    assert (got.float() - unquantized.float()).abs().max() > 10 * tol  # e4m3 really ran
+    assert ((got.float() - want.float()).abs().max()
+            < (got.float() - unquantized.float()).abs().max())
 
 
 # ---------------------------------------------------------------- CPU, Triton's interpreter
