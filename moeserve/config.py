@@ -45,7 +45,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """KV cache element type: auto (the model's dtype) or fp8 (alias fp8_e4m3: float8 e4m3,
     half of bf16's bytes, so twice the tokens; values stored unscaled, clamped to +-448, as
-    vLLM does for a checkpoint without k/v scales). GQA attention only."""
+    vLLM does for a checkpoint without k/v scales): GQA's K/V, or MLA's latent rows (DSA's
+    indexer keys stay in the model's dtype)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -353,10 +354,6 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
     elif attn == "triton" and unfit is not None:
         raise ConfigError(f"attention_backend='triton': the Triton paged attention does not "
                           f"take this model's {unfit}; use attention_backend='torch' or 'auto'")
-    if KV_CACHE_DTYPES[cfg.cache.kv_cache_dtype] is not None and model.mla is not None:
-        raise ConfigError(f"kv_cache_dtype={cfg.cache.kv_cache_dtype!r} is implemented for GQA "
-                          "attention's K/V cache only; this model's MLA latent cache stays in "
-                          "the model's dtype: use kv_cache_dtype='auto'")
     if model.mla is not None and cfg.mla_decode != "auto" and attn != "triton":
         raise ConfigError(f"mla_decode={cfg.mla_decode!r} is a form of the Triton MLA decode; "
                           f"attention_backend resolves to {attn!r} here (the torch reference "

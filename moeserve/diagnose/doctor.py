@@ -19,7 +19,7 @@ when no engine field is the fix). The rules:
     kv_capacity       min(concurrency, cap) x footprint > KV tokens, or preemptions, or KV >= 95%;
                       when the cache cannot hold the concurrency and the lengths are fixed, the
                       throughput it allows (kv_bound.py's replay) and the share reached; the
-                      knob names --kv-cache-dtype fp8 for a GQA model whose cache is not yet
+                      knob names --kv-cache-dtype fp8 while the cache is in the model's dtype
                       settings: on CUDA mem_fraction + 0.05 (up to 0.95), else
                       max_running_requests what the KV holds; {} for KV >= 95% alone (info)
     cuda_graphs       CUDA decode outside graphs: the capacity report's cuda_graphs starts
@@ -201,12 +201,8 @@ def kv_capacity(run: dict[str, Any]) -> Verdict | None:
 
 
 def _fp8_cache_possible(run: dict[str, Any]) -> bool:
-    """The cache is in the model's dtype and the model's attention is GQA (the e4m3 cache is
-    implemented for it alone)."""
-    if figures.engine_section(run, "cache").get("kv_cache_dtype", "auto") != "auto":
-        return False
-    model = roofline.model_of(run)
-    return model is not None and model.mla is None
+    """The cache is still in the model's dtype (kv_cache_dtype "auto")."""
+    return figures.engine_section(run, "cache").get("kv_cache_dtype", "auto") == "auto"
 
 
 def _kv_bound_words(bound: dict[str, Any]) -> str:

@@ -6,10 +6,11 @@ cache gets the rest of `total x mem_fraction`. On CPU the KV cache gets a fixed 
 `MemoryPlan` keeps every term so the capacity report can print them.
 
 Layout: one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] (GQA;
-in the model's dtype, or float8 e4m3 with kv_cache_dtype="fp8", whose bytes the plan counts),
 or MLA's latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one shared row per
-token: 576 values for DeepSeek-V3); a "full" DSA layer (GLM-5, DeepSeek-V3.2) has a second
-tensor beside its latent, the indexer's keys [num_blocks, block_size, index_head_dim], paged
+token: 576 values for DeepSeek-V3), in the model's dtype or float8 e4m3 (kv_cache_dtype="fp8",
+whose bytes the plan counts); a "full" DSA layer (GLM-5, DeepSeek-V3.2) has a second tensor
+beside its latent, the indexer's keys [num_blocks, block_size, index_head_dim] (always the
+model's dtype: the indexer kernels read them as they are), paged
 alike (a DsaLayerCache; a "shared" DSA layer has the latent only). Block 0 is the null block
 (padding points at it; the scheduler never hands it out). Every term is in bytes_per_block, so
 the memory plan and the capacity report count the indexer keys; `indexer_cache` False (the
@@ -55,15 +56,26 @@ class MemoryPlan:
         return asdict(self) | {"num_kv_tokens": self.num_kv_tokens}
 
 
+def bytes_per_token(model: ModelConfig, dtype: torch.dtype, indexer_cache: bool = True,
+                    index_dtype: torch.dtype | None = None) -> int:
+    """One token's bytes over every layer: the attention cache in `dtype`, and (a DSA model,
+    indexer_cache) the indexer keys in `index_dtype` (default: dtype; the model's when the
+    attention cache is float8)."""
+    elem = dtype.itemsize
+    index = model.cache_elems_per_token(indexer_cache) - model.cache_elems_per_token(False)
+    return (model.cache_elems_per_token(False) * elem
+            + index * (index_dtype or dtype).itemsize)
+
+
 def bytes_per_block(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
-                    indexer_cache: bool = True) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cache.block_size * model.cache_elems_per_token(indexer_cache) * elem
+                    indexer_cache: bool = True, index_dtype: torch.dtype | None = None) -> int:
+    return cache.block_size * bytes_per_token(model, dtype, indexer_cache, index_dtype)
 
 
-def kv_layout(model: ModelConfig, dtype: torch.dtype, indexer_cache: bool = True) -> str:
+def kv_layout(model: ModelConfig, dtype: torch.dtype, indexer_cache: bool = True,
+              index_dtype: torch.dtype | None = None) -> str:
     """What one token costs in the cache, in words (the capacity report's line)."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     per_layer = model.kv_bytes_per_token_per_layer_elem * elem
     what = (f"MLA latent {model.mla.kv_lora_rank} + rope {model.mla.qk_rope_head_dim}"
             if model.mla is not None else
@@ -73,19 +85,20 @@ def kv_layout(model: ModelConfig, dtype: torch.dtype, indexer_cache: bool = True
     line = f"{per_layer:,} B a layer ({what}) x {model.num_layers} layers"
     if model.dsa is not None:
         if indexer_cache:
-            index = model.dsa.index_head_dim * elem
+            index = model.dsa.index_head_dim * (index_dtype or dtype).itemsize
             line += (f" + DSA indexer key {index:,} B ({model.dsa.index_head_dim}) x "
                      f"{model.index_cache_layers} full layers")
         else:
             line += " (dsa=dense: no DSA indexer keys)"
-    return f"{line} = {model.cache_elems_per_token(indexer_cache) * elem:,} B"
+    return f"{line} = {bytes_per_token(model, dtype, indexer_cache, index_dtype):,} B"
 
 
 def plan_memory(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device,
                 weight_bytes: int, activation_peak_bytes: int,
-                graph_reserve_bytes: int = 0, indexer_cache: bool = True) -> MemoryPlan:
+                graph_reserve_bytes: int = 0, indexer_cache: bool = True,
+                index_dtype: torch.dtype | None = None) -> MemoryPlan:
     """Size the KV cache. Raises ConfigError naming the knob when nothing is left for it."""
-    per_block = bytes_per_block(model, cache, dtype, indexer_cache)
+    per_block = bytes_per_block(model, cache, dtype, indexer_cache, index_dtype)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         budget = int(total * cache.mem_fraction)
@@ -113,10 +126,12 @@ def plan_memory(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, devi
 
 
 def allocate_kv_caches(model: ModelConfig, plan: MemoryPlan, dtype: torch.dtype,
-                       device: torch.device, indexer_cache: bool = True) -> list[LayerCache]:
-    """One zeroed cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim], or the
-    MLA latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], with (a full DSA
-    layer, indexer_cache) the indexer keys [num_blocks, block_size, index_head_dim] beside it."""
+                       device: torch.device, indexer_cache: bool = True,
+                       index_dtype: torch.dtype | None = None) -> list[LayerCache]:
+    """One zeroed cache per layer in `dtype`: [2, num_blocks, block_size, num_kv_heads,
+    head_dim], or the MLA latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim],
+    with (a full DSA layer, indexer_cache) the indexer keys [num_blocks, block_size,
+    index_head_dim] beside it in `index_dtype` (default: dtype)."""
     shape: tuple[int, ...] = (2, plan.num_blocks, plan.block_size, model.num_kv_heads,
                               model.head_dim)
     if model.mla is not None:
@@ -126,7 +141,7 @@ def allocate_kv_caches(model: ModelConfig, plan: MemoryPlan, dtype: torch.dtype,
         latent = torch.zeros(shape, dtype=dtype, device=device)
         if indexer_cache and model.dsa is not None and model.dsa.is_full(i):
             keys = torch.zeros(plan.num_blocks, plan.block_size, model.dsa.index_head_dim,
-                               dtype=dtype, device=device)
+                               dtype=index_dtype or dtype, device=device)
             caches.append(DsaLayerCache(latent, keys))
         else:
             caches.append(latent)

@@ -69,7 +69,8 @@ class ModelRunner:
         self.local_config = local_model_config(model_config, self.layout)  # the rank's shapes
         self.device = torch.device(cfg.device)
         self.dtype = getattr(torch, cfg.dtype)
-        # the KV cache's element type: the model's, or float8 e4m3 (kv_cache_dtype="fp8")
+        # the KV cache's element type: the model's, or float8 e4m3 (kv_cache_dtype="fp8");
+        # DSA's indexer keys stay in the model's
         self.kv_dtype = getattr(torch, KV_CACHE_DTYPES[cfg.cache.kv_cache_dtype] or cfg.dtype)
         self.block_size = cfg.cache.block_size
         self.kv_caches: list[LayerCache] = []
@@ -229,15 +230,16 @@ class ModelRunner:
         """This rank's memory plan: the KV blocks that fit beside its weights (its local
         shapes: a rank's share of the KV heads)."""
         return plan_memory(self.local_config, cache, self.kv_dtype, self.device,
-                           self.weight_bytes, activation_peak, graph_reserve, self.indexer_cache)
+                           self.weight_bytes, activation_peak, graph_reserve, self.indexer_cache,
+                           self.dtype)
 
     def allocate_kv_caches(self, plan: MemoryPlan) -> None:
         """Allocate plan.num_blocks blocks of every layer's cache (the rank's shapes), bound."""
         self.bind_kv_caches(allocate_kv_caches(self.local_config, plan, self.kv_dtype,
-                                               self.device, self.indexer_cache))
+                                               self.device, self.indexer_cache, self.dtype))
 
     def kv_layout(self) -> str:
-        return kv_layout(self.local_config, self.kv_dtype, self.indexer_cache)
+        return kv_layout(self.local_config, self.kv_dtype, self.indexer_cache, self.dtype)
 
     def bind_kv_caches(self, kv_caches: list[LayerCache]) -> None:
         """Bind the KV tensors; serving starts here, so expert counting starts here too (the

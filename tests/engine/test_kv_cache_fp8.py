@@ -1,5 +1,5 @@
 """The engine with kv_cache_dtype="fp8": the KV cache in float8 e4m3 (half of bf16's bytes, a
-quarter of fp32's), GQA attention only.
+quarter of fp32's): GQA's K/V, MLA's latent rows (DSA's indexer keys stay in the model's dtype).
 
 - The memory plan counts the cache's bytes: the same budget holds 4x the tokens of an fp32
   cache, and the capacity report says the element type.
@@ -8,7 +8,8 @@ quarter of fp32's), GQA attention only.
   an fp32 cache), token for token and logprob for logprob, through chunked prefill, prefix
   hits and preemption; and differs from the unrounded cache (the e4m3 path really ran).
 - The Triton attention reads the same tokens as the torch reference over the e4m3 cache.
-- A model with MLA, and an unknown element type, are refused by name.
+- The same for MLA's latent cache (DeepSeek-V3, GLM-4.7-Flash, GLM-5 with DSA's selection),
+  with the Triton MLA kernels; an unknown element type is refused by name.
 """
 
 from __future__ import annotations
@@ -19,15 +20,11 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.config import (
-    CacheConfig,
-    ConfigError,
-    EngineConfig,
-    load_model_config,
-    resolve_static,
-)
+from moeserve.config import ConfigError
 from moeserve.kernels.attention import paged
+from moeserve.kernels.attention.mla import reference as mla_reference
 from moeserve.layers import attention as attention_module
+from moeserve.layers import mla as mla_module
 from tests.engine.test_generate_vs_hf import _llm, _prompts
 from tests.models.checkpoints import write_tiny_checkpoint
 
@@ -121,12 +118,68 @@ def test_fp8_cache_triton_attention_matches_torch(device: str, checkpoint: str) 
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
-def test_mla_models_are_refused() -> None:
-    model, is_preset = load_model_config("glm-4.7-flash")
-    cfg = EngineConfig(model="glm-4.7-flash", device="cpu",
-                       cache=CacheConfig(kv_cache_dtype="fp8"))
-    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8' is implemented for GQA"):
-        resolve_static(cfg, model, is_preset, cuda_available=False)
+# ---- MLA's latent cache (DeepSeek-V3, GLM-4.7-Flash) and DSA's (GLM-5: indexer keys stay) ----
+
+MLA_ARCHS = ("deepseek_v3", "glm4_moe_lite", "glm_moe_dsa")
+
+
+@pytest.fixture(scope="module")
+def mla_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {arch: str(write_tiny_checkpoint(arch, tmp_path_factory.mktemp(f"{arch}_fp8kv")))
+            for arch in MLA_ARCHS}
+
+
+def rounded_write_latent(latent: torch.Tensor, latent_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """write_latent into a cache of the model's dtype, of the rows an e4m3 cache would hold."""
+    mla_reference.write_latent(paged.to_cache_dtype(latent, FP8).to(latent.dtype), latent_cache,
+                               slot_mapping)
+
+
+@pytest.mark.parametrize("arch", MLA_ARCHS)
+def test_fp8_latent_cache_serves_what_a_cache_of_the_rounded_rows_serves(
+        mla_checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+    # prompts past index_topk, so that GLM-5's indexer really selects; chunks of 16 tokens,
+    # so that prefill rows attend both absorbed and (past AUTO_ABSORBED_MAX_CONTEXT: none here)
+    prompts = _prompts(256, (16, 57, 33, 12))
+    kw = {"max_num_batched_tokens": 32}
+    fp8_llm = _llm(mla_checkpoints[arch], "cpu", kv_cache_dtype="fp8", **kw)
+    caches = fp8_llm.engine.runner.kv_caches
+    latents = [c.latent if hasattr(c, "latent") else c for c in caches]
+    assert all(t.dtype == FP8 for t in latents)
+    if arch == "glm_moe_dsa":  # the indexer keys stay in the model's dtype
+        keys = [c.index_keys for c in caches if hasattr(c, "index_keys")]
+        assert keys and all(k.dtype == torch.float32 for k in keys)
+    got = run(fp8_llm, prompts)
+    plain = run(_llm(mla_checkpoints[arch], "cpu", **kw), prompts)
+    with monkeypatch.context() as m:
+        m.setattr(mla_module, "write_latent", rounded_write_latent)
+        want = run(_llm(mla_checkpoints[arch], "cpu", **kw), prompts)
+    assert got == want
+    assert got[1] != plain[1]
+
+
+def test_fp8_latent_cache_triton_attention_matches_torch(device: str,
+                                                        mla_checkpoints: dict[str, str]) -> None:
+    """The Triton MLA kernels (absorbed decode and prefill) read the e4m3 latent cache as the
+    torch reference does."""
+    prompts = _prompts(256, (5, 23, 41, 12))
+    make = functools.partial(_llm, mla_checkpoints["deepseek_v3"], device,
+                             kv_cache_dtype="fp8", max_num_batched_tokens=32)
+    got = make(attention_backend="triton").generate(prompts, PARAMS)
+    want = make(attention_backend="torch").generate(prompts, PARAMS)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_fp8_latent_cache_bytes(mla_checkpoints: dict[str, str]) -> None:
+    fp32 = _llm(mla_checkpoints["glm_moe_dsa"], "cpu")
+    fp8 = _llm(mla_checkpoints["glm_moe_dsa"], "cpu", kv_cache_dtype="fp8")
+    mc = fp8.engine.model_config
+    latent = mc.num_layers * mc.mla.latent_dim
+    index = mc.index_cache_layers * mc.dsa.index_head_dim
+    assert fp32.report.memory.bytes_per_block == 16 * 4 * (latent + index)
+    assert fp8.report.memory.bytes_per_block == 16 * (latent + 4 * index)
+    assert "float8_e4m3fn" in fp8.report.to_dict()["kv_layout"]
 
 
 @pytest.mark.parametrize("value, message", [

@@ -47,12 +47,14 @@ from typing import Any
 
 import torch
 
+from moeserve.kernels.attention import e4m3_triton
 from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES, write_kv
 from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_ref
 from moeserve.kernels.norm_rope.rope_triton import rope_ref
 from moeserve.kernels.triton_common import next_pow2, require_step_indices, require_triton_device
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a global
+_round_e4m3: Any = None  # e4m3_triton.round_e4m3, jitted, bound by _kernels()
 
 
 def qk_rope_kv_ref(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -177,7 +179,7 @@ def _kernels() -> SimpleNamespace:
     import triton.language
 
     tl = triton.language
-    _norm_rope_heads, _round_e4m3 = triton.jit(_norm_rope_heads), triton.jit(_round_e4m3)
+    _norm_rope_heads, _round_e4m3 = triton.jit(_norm_rope_heads), e4m3_triton.jitted()
     # NOTE: no step-varying int is an argument (T is the grid); positions and slots may be
     # slices of a packed buffer at any offset, so their alignment is not specialized either
     return SimpleNamespace(qk_rope_kv=triton.jit(
@@ -185,21 +187,6 @@ def _kernels() -> SimpleNamespace:
 
 
 # ---- Triton kernel (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
-
-def _round_e4m3(x):
-    """fp32 x -> the nearest float8 e4m3 value (ties to even, saturated at +-448, the sign of
-    a zero kept), still in fp32: the cast that follows is then exact. paged.to_cache_dtype's
-    rule, spelled out because Triton's interpreter rounds its own fp32 -> e4m3 cast wrongly
-    (1.986 to 1.0, ties away from even); on the GPU the cast alone gives the same bytes.
-    The spacing of e4m3 values at x is 2^(exponent(x) - 3), 2^-9 below the normals (2^-6):
-    adding and subtracting 1.5 * 2^23 times it rounds to that grid in fp32's own rounding."""
-    x = tl.clamp(x, -448.0, 448.0)  # paged.FP8_MAX (a jitted function reads no plain global)
-    biased = tl.maximum((x.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
-    step = ((biased - 3) << 23).to(tl.float32, bitcast=True)
-    big = step * 12582912.0  # 1.5 * 2^23
-    r = (x + big) - big
-    return tl.where(r == 0.0, x * 0.0, r)
-
 
 def _norm_rope_heads(x_ptr, w_ptr, out_ptr, stride_oh, num_stored, c1, c2, s1, s2, inv_d, eps,
                      NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,

@@ -8,14 +8,26 @@
   representable there), and differ from attention over the unquantized values (so the e4m3
   path really ran). Unwritten slots of the pool are NaN: reading one poisons the output.
 
+- MLA's latent cache: the fused latent norm + RoPE + write stores the unfused bytes, and the
+  absorbed Triton MLA reads an e4m3 latent cache as the reference does.
+
 CPU through Triton's interpreter (fp32, fp16 queries); the GPU with bf16 queries.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from moeserve.kernels.attention.metadata import build_attention_metadata
+from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
+from moeserve.kernels.attention.mla.reference import mla_attention_ref
+from moeserve.kernels.attention.mla.rope_cache_triton import (
+    mla_rope_cache_ref,
+    mla_rope_cache_triton,
+)
 from moeserve.kernels.attention.paged import (
     FP8_MAX,
     paged_attention_ref,
@@ -24,6 +36,7 @@ from moeserve.kernels.attention.paged import (
 )
 from moeserve.kernels.attention.paged_triton import paged_attention_triton
 from moeserve.kernels.attention.qk_rope_kv_triton import qk_rope_kv_ref, qk_rope_kv_triton
+from tests.kernels.attention import test_mla_rope_cache_triton as mla_cases
 from tests.kernels.attention.test_paged_attention_triton import MIXED, Step, make_step
 from tests.kernels.attention.test_qk_rope_kv_triton import ODD, QWEN, exact_norm_case, make_case
 
@@ -132,6 +145,53 @@ def test_fused_write_rounds_every_half_value_as_torch_does() -> None:
     assert torch.equal(stored.view(torch.uint8), to_cache_dtype(values, FP8).view(torch.uint8))
 
 
+def check_fused_latent_write_fp8(case) -> None:
+    """MLA: the fused latent norm + RoPE + write into an e4m3 cache stores the unfused path's
+    bytes (exactly-normed latents, so every value is the same in the model's dtype), with the
+    norm's weight scaled so that the saturation runs too; q_rope, cos and sin the same."""
+    with torch.no_grad():
+        case.weight *= 300
+    kept = case.slots >= 0
+    case = dataclasses.replace(case, slots=case.slots[kept], a=case.a[kept], q=case.q[kept],
+                               positions=case.positions[kept])
+    cache = case.cache.to(FP8)
+    want_cache, got_cache = cache.clone(), cache.clone()
+    want = mla_rope_cache_ref(*case.args(want_cache))
+    got = mla_rope_cache_triton(*case.args(got_cache))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+    assert got_cache.float().abs().max().item() == FP8_MAX
+
+
+@pytest.mark.parametrize("layout", ["v3", "odd"])
+@pytest.mark.parametrize("interleaved", (True, False), ids=("interleaved", "half"))
+def test_fused_latent_write_into_fp8_equals_the_unfused_one(layout: str,
+                                                            interleaved: bool) -> None:
+    check_fused_latent_write_fp8(mla_cases.exact_norm_case(torch.float16, layout, interleaved))
+
+
+def test_mla_triton_reads_an_fp8_latent_cache() -> None:
+    # absorbed MLA, decode and prefill rows, over an e4m3 latent cache against the reference
+    # over that cache read back in the queries' dtype
+    gen = torch.Generator().manual_seed(0)
+    rank, rope_dim, heads, block = 32, 16, 4, 4
+    computed, scheduled = [5, 17, 0, 12], [1, 1, 9, 7]
+    seq = [c + n for c, n in zip(computed, scheduled, strict=True)]
+    per_row = [-(-n // block) for n in seq]
+    ids = (torch.randperm(sum(per_row) + 3, generator=gen) + 1).tolist()
+    tables = [ids[sum(per_row[:i]):sum(per_row[:i + 1])] for i in range(len(seq))]
+    cache = torch.randn(sum(per_row) + 4, block, rank + rope_dim, generator=gen).to(FP8)
+    meta = build_attention_metadata(computed, scheduled, tables, block, "cpu")
+    q = torch.randn(sum(scheduled), heads, rank + rope_dim, generator=gen)
+    scale = (rank + rope_dim) ** -0.5
+    got = mla_attention_triton(q, cache, meta, scale, rank)
+    want = mla_attention_ref(q, cache.float(), meta, scale, rank)
+    torch.testing.assert_close(mla_attention_ref(q, cache, meta, scale, rank), want,
+                               atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_fused_write_refuses_another_cache_dtype() -> None:
     case = make_case(3, torch.float16, ODD, norm=False, device="cpu")
     with pytest.raises(ValueError, match="kv_cache torch.bfloat16 must be qkv's"):
@@ -163,3 +223,12 @@ def test_gpu_fused_write_into_fp8_bf16() -> None:
     for case in (make_case(300, torch.bfloat16, QWEN, norm=False, device="cuda"),
                  exact_norm_case(torch.bfloat16, QWEN, device="cuda")):
         check_fused_write_fp8(case)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_latent_write_into_fp8_bf16() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    for interleaved in (True, False):
+        check_fused_latent_write_fp8(mla_cases.exact_norm_case(
+            torch.bfloat16, "v3", interleaved, t=300, device="cuda"))

@@ -59,6 +59,7 @@ import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
+from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
 from moeserve.kernels.attention.paged_triton import SUPPORTED_DTYPES
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
@@ -205,15 +206,17 @@ def _pow2_16(n: int) -> bool:
 
 
 def _check_common(who: str, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                  cache_name: str) -> None:
-    """The checks both launchers share: q and its cache's dtypes, devices, block size, the
-    metadata's index tensors, and where Triton can run."""
+                  cache_name: str, fp8_cache: bool = False) -> None:
+    """The checks both launchers share: q and its cache's dtypes (fp8_cache: the cache may
+    also be float8 e4m3, read back in q's dtype), devices, block size, the metadata's index
+    tensors, and where Triton can run."""
     need = functools.partial(_need, who)
     need(q.dim() == 3, f"q must be [T, H, dim], got shape {tuple(q.shape)}")
     need(cache.dim() == 3,
          f"{cache_name} must be [num_blocks, block_size, dim], got {tuple(cache.shape)}")
     need(q.dtype in SUPPORTED_DTYPES, f"q dtype {q.dtype} not in {SUPPORTED_DTYPES}")
-    need(cache.dtype == q.dtype, f"{cache_name} dtype {cache.dtype} != q dtype {q.dtype}")
+    allowed = (q.dtype, *FP8_CACHE_DTYPES) if fp8_cache else (q.dtype,)
+    need(cache.dtype in allowed, f"{cache_name} dtype {cache.dtype} is not one of {allowed}")
     need(cache.device == q.device, f"{cache_name} on {cache.device}, q on {q.device}")
     need(q.shape[-1] == cache.shape[-1],
          f"q's last dim {q.shape[-1]} != {cache_name}'s {cache.shape[-1]}")

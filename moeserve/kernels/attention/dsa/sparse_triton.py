@@ -108,7 +108,7 @@ def _check_attention_inputs(q: torch.Tensor, latent_cache: torch.Tensor,
     """ValueError naming the first input the sparse attention kernel cannot take."""
     who = "dsa_attention_triton"
     need = functools.partial(_need, who)
-    _check_common(who, q, latent_cache, meta, "latent_cache")
+    _check_common(who, q, latent_cache, meta, "latent_cache", fp8_cache=True)
     rope_dim = q.shape[-1] - kv_lora_rank
     need(_pow2_16(kv_lora_rank), f"kv_lora_rank {kv_lora_rank} must be a power of two >= 16")
     need(_pow2_16(rope_dim), f"rope dims R = {q.shape[-1]} - {kv_lora_rank} = {rope_dim} must "

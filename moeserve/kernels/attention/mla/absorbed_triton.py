@@ -40,6 +40,7 @@ import torch
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import decode_flat_triton
 from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
+from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
 from moeserve.kernels.attention.paged_triton import (
     MAX_SPLITS,
     SUPPORTED_BLOCK_SIZES,
@@ -179,8 +180,9 @@ def _check_inputs(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMe
     num_tokens, _, dim = q.shape
     _, block_size, cache_dim = latent_cache.shape
     need(q.dtype in SUPPORTED_DTYPES, f"q dtype {q.dtype} not in {SUPPORTED_DTYPES}")
-    need(latent_cache.dtype == q.dtype,
-         f"latent_cache dtype {latent_cache.dtype} != q dtype {q.dtype}")
+    need(latent_cache.dtype in (q.dtype, *FP8_CACHE_DTYPES),
+         f"latent_cache dtype {latent_cache.dtype} is neither q's ({q.dtype}) nor one of "
+         f"{FP8_CACHE_DTYPES}")
     need(latent_cache.device == q.device, f"latent_cache on {latent_cache.device}, q on {q.device}")
     need(dim == cache_dim, f"q's last dim {dim} != latent_cache's {cache_dim}")
     rope_dim = dim - kv_lora_rank
@@ -353,6 +355,8 @@ def _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid, keep, scale_
     else:
         kv = tl.load(cache_ptr + row[:, None] + dl[None, :])  # [N, L] latents: keys and values
         k_pe = tl.load(cache_ptr + row[None, :] + L + dr[:, None])  # [R, N]
+    # a float8 e4m3 cache read back in the queries' dtype (else no-op)
+    kv, k_pe = kv.to(q_lat.dtype), k_pe.to(q_pe.dtype)
     # fp32: exact products (the reference's precision); half types: default tensor-core dots
     if IEEE:
         s = (tl.dot(q_lat, tl.trans(kv), input_precision="ieee")

@@ -6,6 +6,9 @@ one shared "head" for all query heads:
     latent_cache: [num_blocks, block_size, L + R]   L = kv_lora_rank, R = qk_rope_head_dim
     slot s -> latent_cache.view(-1, L + R)[s]        (slots as in kernels/attention/paged.py)
 
+in the model's dtype, or float8 e4m3 (the engine's kv_cache_dtype="fp8": written by paged.py's
+to_cache_dtype rule, read back in the queries' dtype).
+
 Two forms of the same attention (softmax(q . k * scale) v per head h):
 
 - absorbed (`mla_attention_ref`; decode, and any row): the key up-projection W_UK[h] is folded
@@ -28,14 +31,24 @@ import functools
 import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
-from moeserve.kernels.attention.paged import attend_in_groups, context_slots
+from moeserve.kernels.attention.paged import (
+    FP8_CACHE_DTYPES,
+    attend_in_groups,
+    context_slots,
+    to_cache_dtype,
+)
 
 
 def write_latent(latent: torch.Tensor, latent_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """Write the step's [T, L + R] latent rows (the cache's dtype) into their slots, in place.
-    Padding tokens may share the null block's slots (any one of their rows stays)."""
-    latent_cache.view(-1, latent_cache.shape[-1]).index_copy_(0, slot_mapping, latent)
+    """Write the step's [T, L + R] latent rows (the model's dtype) into their slots, in place,
+    in the cache's dtype (a float8 e4m3 cache by paged.to_cache_dtype's rule). Padding
+    tokens may share the null block's slots (any one of their rows stays)."""
+    flat = latent_cache.view(-1, latent_cache.shape[-1])
+    if latent_cache.dtype in FP8_CACHE_DTYPES:  # index_copy_ has no float8 kernel: the bytes
+        flat = flat.view(torch.uint8)
+        latent = to_cache_dtype(latent, latent_cache.dtype).view(torch.uint8)
+    flat.index_copy_(0, slot_mapping, latent)
 
 
 def mla_attention_ref(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
@@ -76,12 +89,13 @@ def mla_prefill_ref(q: torch.Tensor, latent_cache: torch.Tensor, meta: Attention
 
 
 def _gather(latent_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            start: torch.Tensor, max_seq_len: int,
-            num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's context rows [B, S, L + R] from the cache, and the causal mask [B, Q, S]."""
+            start: torch.Tensor, max_seq_len: int, num_queries: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's context rows [B, S, L + R] from the cache in `dtype` (the queries': a float8
+    cache is read back in it), and the causal mask [B, Q, S]."""
     slots, mask = context_slots(block_tables, seq_lens, start, max_seq_len,
                                 latent_cache.shape[1], num_queries)
-    return latent_cache.view(-1, latent_cache.shape[-1])[slots], mask
+    return latent_cache.view(-1, latent_cache.shape[-1])[slots].to(dtype), mask
 
 
 def _attend_absorbed(q_pad: torch.Tensor, latent_cache: torch.Tensor,
@@ -89,7 +103,7 @@ def _attend_absorbed(q_pad: torch.Tensor, latent_cache: torch.Tensor,
                      max_seq_len: int, scale: float, kv_lora_rank: int) -> torch.Tensor:
     """q_pad [B, Q, H, L + R] -> [B, Q, H, L]."""
     rows, mask = _gather(latent_cache, block_tables, seq_lens, start, max_seq_len,
-                         q_pad.shape[1])  # [B, S, L + R]
+                         q_pad.shape[1], q_pad.dtype)  # [B, S, L + R]
     scores = torch.einsum("bqhd,bsd->bhqs", q_pad.float(), rows.float()) * scale
     probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)  # [B, H, Q, S]
     out = torch.einsum("bhqs,bsl->bqhl", probs, rows[..., :kv_lora_rank].float())
@@ -104,7 +118,7 @@ def _attend_up_projected(q_pad: torch.Tensor, latent_cache: torch.Tensor,
     [Q, S] scores of long prompts out of memory; the values may be narrower than the keys)."""
     num_heads = q_pad.shape[2]
     rows, mask = _gather(latent_cache, block_tables, seq_lens, start, max_seq_len,
-                         q_pad.shape[1])  # [B, S, L + R]
+                         q_pad.shape[1], q_pad.dtype)  # [B, S, L + R]
     kv_lora_rank = kv_b_proj.shape[1]
     kv = torch.nn.functional.linear(rows[..., :kv_lora_rank], kv_b_proj)  # [B, S, H*(nope+v)]
     kv = kv.view(*kv.shape[:2], num_heads, nope + v_dim)

@@ -55,11 +55,14 @@ from typing import Any
 
 import torch
 
+from moeserve.kernels.attention import e4m3_triton
 from moeserve.kernels.attention.mla.reference import write_latent
+from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
 from moeserve.kernels.norm_rope.rmsnorm_triton import rms_norm_ref
 from moeserve.kernels.triton_common import next_pow2, require_step_indices, require_triton_device
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a global
+_round_e4m3: Any = None  # e4m3_triton.round_e4m3, jitted, bound by _kernels()
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -110,7 +113,8 @@ def mla_rope_cache_triton(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.
         positions: [T] integer, each < P (not checked: no host sync).
         cos_table, sin_table: [P, R / 2] fp32 contiguous, one angle per rotary pair.
         norm_weight: [L] contiguous, kv_a's dtype; eps: the norm's epsilon.
-        latent_cache: [num_blocks, block_size, L + R] contiguous, kv_a's dtype; written in place.
+        latent_cache: [num_blocks, block_size, L + R] contiguous, kv_a's dtype or float8 e4m3
+            (paged.to_cache_dtype's rule); written in place.
         slot_mapping: [T] int64: token t's row goes to flat slot slot_mapping[t] (out of range:
             not written).
         interleaved: RoPE pairs (x[2i], x[2i + 1]), else (x[i], x[i + R / 2]).
@@ -136,7 +140,7 @@ def mla_rope_cache_triton(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.
         1.0 / kv_lora_rank, eps, NUM_HEADS=heads, BLOCK_H=block_h, NOPE=q.shape[-1] - rope_dim,
         HALF=half, BLOCK_HALF=block_half, L=kv_lora_rank, BLOCK_L=block_l,
         PAIR_STEP=2 if interleaved else 1, PAIR_OFFSET=1 if interleaved else half,
-        BF16=kv_a.dtype == torch.bfloat16,
+        BF16=kv_a.dtype == torch.bfloat16, FP8_CACHE=latent_cache.dtype in FP8_CACHE_DTYPES,
         num_warps=min(8, max(1, max(block_h * block_half, block_l) // 512)),
         enable_fp_fusion=False)
     return q_rope, cos, sin
@@ -170,9 +174,10 @@ def _check(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
          and q.stride(2) == 1,
          f"q must be [{t}, H, nope + R] (R = {rope_dim}) with a unit last stride, got "
          f"{tuple(q.shape)} strides {q.stride()}")
-    need(kv_a.is_floating_point() and q.dtype == latent_cache.dtype == kv_a.dtype,
-         f"kv_a {kv_a.dtype}, q {q.dtype} and latent_cache {latent_cache.dtype} must share one "
-         "floating dtype")
+    need(kv_a.is_floating_point() and q.dtype == kv_a.dtype
+         and latent_cache.dtype in (kv_a.dtype, *FP8_CACHE_DTYPES),
+         f"kv_a {kv_a.dtype} and q {q.dtype} must share one floating dtype, and latent_cache "
+         f"{latent_cache.dtype} be it or one of {FP8_CACHE_DTYPES}")
     need(norm_weight.shape == (kv_lora_rank,) and norm_weight.is_contiguous()
          and norm_weight.dtype == kv_a.dtype,
          f"norm_weight must be contiguous [{kv_lora_rank}] {kv_a.dtype}, got "
@@ -188,12 +193,13 @@ def _check(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel and its helpers, once (interpreted if TRITON_INTERPRET=1
     now). The kernel calls its helpers by global name, so they are rebound here."""
-    global tl, _round, _rotate
+    global tl, _round, _rotate, _round_e4m3
     import triton
     import triton.language
 
     tl = triton.language
     _round, _rotate = triton.jit(_round), triton.jit(_rotate)
+    _round_e4m3 = e4m3_triton.jitted()
     # NOTE: no step-varying int is an argument (T is the grid); positions and slots may be
     # slices of a packed buffer at any offset, so their alignment is not specialized either
     return SimpleNamespace(mla_rope_cache=triton.jit(
@@ -226,18 +232,21 @@ def _mla_rope_cache_kernel(kv_ptr, q_ptr, positions_ptr, cos_ptr, sin_ptr, w_ptr
                            NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, NOPE: tl.constexpr,
                            HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, L: tl.constexpr,
                            BLOCK_L: tl.constexpr, PAIR_STEP: tl.constexpr,
-                           PAIR_OFFSET: tl.constexpr, BF16: tl.constexpr):
+                           PAIR_OFFSET: tl.constexpr, BF16: tl.constexpr,
+                           FP8_CACHE: tl.constexpr):
     """Token pid: kv row [L + 2 HALF] -> cache slot [normed latent | rotated k_rope];
     q[t, :, NOPE:] [H, 2 HALF] -> q_out row; the tables' rows [HALF] -> cos_out, sin_out rows.
     A pair i is (x[i * PAIR_STEP], x[i * PAIR_STEP + PAIR_OFFSET]): (2i, 2i + 1) interleaved,
-    (i, i + HALF) half-split; its outputs land at i and HALF + i."""
+    (i, i + HALF) half-split; its outputs land at i and HALF + i. FP8_CACHE: the cache is
+    float8 e4m3; each value is rounded in the model's dtype first, as the unfused path."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     row_len = L + 2 * HALF
     # an out-of-range slot writes nothing: 0 elements of its row stored
     num_stored = tl.where((slot >= 0) & (slot < num_slots), row_len, 0)
-    dt = cache_ptr.dtype.element_ty
+    dt = kv_ptr.dtype.element_ty  # the model's dtype
+    ct = cache_ptr.dtype.element_ty  # the cache's: dt, or float8 e4m3
     i = tl.arange(0, BLOCK_HALF)  # [BHALF]
     im = i < HALF
     c = tl.load(cos_ptr + pos * HALF + i, mask=im, other=0.0)  # [BHALF] fp32
@@ -256,13 +265,17 @@ def _mla_rope_cache_kernel(kv_ptr, q_ptr, positions_ptr, cos_ptr, sin_ptr, w_ptr
     w = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)
     y = _round(w * _round(x * r, dt, BF16), dt, BF16)
     # NOTE: bounds on index tensors, not `mask & scalar_bool` (the interpreter makes it int32)
-    tl.store(cache_row + j, y.to(dt), mask=jm & (j < num_stored))
+    if FP8_CACHE:
+        y = _round_e4m3(y)
+    tl.store(cache_row + j, y.to(ct), mask=jm & (j < num_stored))
     # k_rope -> the cache row's last 2 HALF
     k1 = tl.load(kv_row + L + i * PAIR_STEP, mask=im, other=0.0).to(tl.float32)
     k2 = tl.load(kv_row + L + i * PAIR_STEP + PAIR_OFFSET, mask=im, other=0.0).to(tl.float32)
     o1, o2 = _rotate(k1, k2, c, s, dt, BF16)
-    tl.store(cache_row + L + i, o1.to(dt), mask=im & (L + i < num_stored))
-    tl.store(cache_row + L + HALF + i, o2.to(dt), mask=im & (L + HALF + i < num_stored))
+    if FP8_CACHE:
+        o1, o2 = _round_e4m3(o1), _round_e4m3(o2)
+    tl.store(cache_row + L + i, o1.to(ct), mask=im & (L + i < num_stored))
+    tl.store(cache_row + L + HALF + i, o2.to(ct), mask=im & (L + HALF + i < num_stored))
     # q's rotary parts, every head -> q_out [H, 2 HALF]
     h = tl.arange(0, BLOCK_H)  # [BH]
     qm = (h < NUM_HEADS)[:, None] & im[None, :]  # [BH, BHALF]
