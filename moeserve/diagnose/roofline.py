@@ -117,7 +117,8 @@ def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, 
               context: float, quant: str | None = None,
               kv_elem_bytes: int | None = None) -> StepCost:
     """Bytes and FLOPs of one step (see the module docstring). kv_elem_bytes: the KV cache's
-    element size when it is not the model's (1: kv_cache_dtype="fp8")."""
+    element size when it is not the model's (1: kv_cache_dtype="fp8"; DSA's indexer keys stay
+    in the model's dtype)."""
     h, d = model.hidden_size, model.head_dim
     attn_params = model.attention_params()
     expert_params = 3 * h * model.moe_intermediate_size
@@ -146,7 +147,8 @@ def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, 
     lm_head = model.vocab_size * h
     touched = experts_touched(model.num_experts, model.num_experts_per_tok, tokens)
     kv_per_row = (attended * model.num_layers * model.kv_bytes_per_token_per_layer_elem
-                  + index_row) * (kv_elem_bytes or dtype_bytes)
+                  * (kv_elem_bytes or dtype_bytes)
+                  + index_row * dtype_bytes)  # DSA's indexer keys: the model's dtype
     attn_flops = (2.0 * attended * model.num_heads * (qk_dim + v_dim) * model.num_layers
                   + index_flops)
     return StepCost(

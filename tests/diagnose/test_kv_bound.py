@@ -134,6 +134,11 @@ def test_an_fp8_cache_halves_the_attention_bytes_of_the_bound(model) -> None:
     bf16 = step_cost(model, 2, 64, 64, 64, 8192)
     fp8 = step_cost(model, 2, 64, 64, 64, 8192, kv_elem_bytes=1)
     assert fp8.kv_bytes * 2 == bf16.kv_bytes and fp8.expert_bytes == bf16.expert_bytes
+    glm5 = load_model_config("glm-5")[0]  # its indexer keys stay bf16
+    latent = 8192 * glm5.num_layers * glm5.mla.latent_dim
+    index = 8192 * glm5.index_cache_layers * glm5.dsa.index_head_dim
+    assert step_cost(glm5, 2, 1, 1, 1, 8192, kv_elem_bytes=1).kv_bytes == \
+        min(8192, glm5.dsa.index_topk) / 8192 * latent + 2 * index
     run = long_prompt_run()
     run["engine"]["capacity_report"]["engine_config"]["cache"]["kv_cache_dtype"] = "fp8"
     run["engine"]["capacity_report"]["kv_tokens"] = 2 * 667360
