@@ -14,8 +14,10 @@
 #                                                    # then mixed graphs; and the prefill
 #                                                    # attention at 8k context (~5 min)
 #   bash benchmarks/h200/mixed_graphs_h200.sh fp8         # the float8 KV cache: its GPU tests, the
-#                                                    # decode at 1,024 / 2,048 rows over an e4m3
-#                                                    # pool, then the long prompts with
+#                                                    # GQA decode at 1,024 / 2,048 rows over an
+#                                                    # e4m3 pool, the MLA decode (20 / 64 heads)
+#                                                    # over an e4m3 latent cache, the long
+#                                                    # prompts with
 #                                                    # --kv-cache-dtype fp8 beside the defaults
 #                                                    # (~7 min)
 #   bash benchmarks/h200/mixed_graphs_h200.sh attention   # the paged attention's GPU tests, then
@@ -61,6 +63,9 @@ case "${1:?usage: mixed_graphs_h200.sh host|w1|long|attention|fp8}" in
     timeout 120 python3 -m benchmarks.kernels.kernels_attention --out "$R/fp8" --no-sweep \
       --kv-cache-dtype fp8 --batches 1024 2048 > "$R/kernels_attention_fp8.log" 2>&1
     echo "kernels_attention fp8 rc=$?"; grep -E "^ +[0-9]|^prefill" "$R/kernels_attention_fp8.log"
+    timeout 100 python3 -m benchmarks.kernels.kernels_mla --out "$R/mla_fp8" --heads 20 64 \
+      --kv-cache-dtype fp8 > "$R/kernels_mla_fp8.log" 2>&1
+    echo "kernels_mla fp8 rc=$?"; tail -2 "$R/kernels_mla_fp8.log"
     for flag in --kv-cache-dtype=fp8 ""; do
       tag=${flag:+_fp8}
       timeout 240 python3 -m moeserve.cli bench --preset qwen3-30b-a3b --input-len 8192 \

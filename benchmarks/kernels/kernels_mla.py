@@ -40,6 +40,7 @@ from moeserve.kernels.attention.metadata import AttentionMetadata, build_attenti
 # neither imports triton (the kernels do on first use, after --smoke set the interpreter)
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.mla.reference import mla_attention_ref
+from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES, to_cache_dtype
 
 LATENT, ROPE = 512, 64  # kv_lora_rank, qk_rope_head_dim (DeepSeek-V3, GLM-4.7-Flash, GLM-5)
 SCALE = (128 + 64) ** -0.5  # (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
@@ -60,11 +61,12 @@ def contexts(batch: int, context: int | str, seed: int = 0) -> list[int]:
 
 
 def make_step(ctx: list[int], heads: int, latent: int, rope: int, block: int, device: str,
-              dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor,
-                                                          AttentionMetadata]:
+              dtype: torch.dtype, seed: int = 0, cache_dtype: torch.dtype | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(q [B, H, L + R], latent cache [blocks, block, L + R], metadata) for one decode step:
     each row's blocks drawn without replacement from a shuffled pool (block 0, the null
-    block, never)."""
+    block, never). cache_dtype: the cache's type when not q's (float8 e4m3, the engine's
+    kv_cache_dtype="fp8")."""
     rng = np.random.default_rng(seed)
     need = [-(-c // block) for c in ctx]
     free = rng.permutation(np.arange(1, sum(need) + 1))
@@ -73,8 +75,8 @@ def make_step(ctx: list[int], heads: int, latent: int, rope: int, block: int, de
     meta = build_attention_metadata([c - 1 for c in ctx], [1] * len(ctx), tables, block, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(len(ctx), heads, latent + rope, generator=gen, device=device).to(dtype)
-    cache = torch.randn(sum(need) + 1, block, latent + rope, generator=gen,
-                        device=device).to(dtype)
+    cache = to_cache_dtype(torch.randn(sum(need) + 1, block, latent + rope, generator=gen,
+                                       device=device).to(dtype), cache_dtype or dtype)
     return q, cache, meta
 
 
@@ -90,10 +92,12 @@ def bounds(ctx: list[int], heads: int, latent: int, rope: int, itemsize: int) ->
 
 
 def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device: str,
-          dtype: torch.dtype, cfg: mla_triton.TileConfig, form: str) -> float:
+          dtype: torch.dtype, cfg: mla_triton.TileConfig, form: str,
+          cache_dtype: torch.dtype | None = None) -> float:
     """The kernel against `mla_attention_ref` on a small step of this case's first rows: the
     largest error relative to the output's scale (raises past the dtype's bound)."""
-    q, cache, meta = make_step(ctx[:CHECK_ROWS], heads, latent, rope, block, device, dtype, 1)
+    q, cache, meta = make_step(ctx[:CHECK_ROWS], heads, latent, rope, block, device, dtype, 1,
+                               cache_dtype)
     got = mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent, decode_config=cfg,
                                           decode_form=form).float()
     want = mla_attention_ref(q.float(), cache.float(), meta, SCALE, latent).float()
@@ -107,12 +111,14 @@ def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device
 
 def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
              device: str, dtype: torch.dtype, timer: Timer,
-             tiles: list[mla_triton.TileConfig | None], forms: list[str]) -> list[dict]:
-    """One case, one step built, timed at each decode form and tile (None: the default)."""
+             tiles: list[mla_triton.TileConfig | None], forms: list[str],
+             cache_dtype: torch.dtype | None = None) -> list[dict]:
+    """One case, one step built, timed at each decode form and tile (None: the default);
+    cache_dtype: the latent cache's type when not the queries' (its bytes set the bound)."""
     latent, rope, block = shape["latent"], shape["rope"], shape["block_size"]
     ctx = contexts(batch, context)
-    q, cache, meta = make_step(ctx, heads, latent, rope, block, device, dtype)
-    b = bounds(ctx, heads, latent, rope, q.element_size())
+    q, cache, meta = make_step(ctx, heads, latent, rope, block, device, dtype, 0, cache_dtype)
+    b = bounds(ctx, heads, latent, rope, cache.element_size())
     rows = []
     for form, tile in [(f, t) for f in forms for t in tiles]:
         if form == "auto":
@@ -121,7 +127,7 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
             continue
         cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
-        err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form)
+        err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form, cache_dtype)
         splits = (None if form == "flat"
                   else mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len))
         ms = timer(lambda cfg=cfg, form=form: mla_triton.mla_attention_triton(
@@ -134,7 +140,8 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in b.items()},
             "pct_of_bound": round(100 * b["bound_ms"] / ms, 1),
             "tflops": round(b["flops"] / (ms * 1e-3) / 1e12, 1),
-            "cache_gb_per_s": round(sum(ctx) * (latent + rope) * 2 / ms / 1e6, 1)})
+            "cache_gb_per_s": round(sum(ctx) * (latent + rope) * cache.element_size()
+                                    / ms / 1e6, 1)})
     return rows
 
 
@@ -162,6 +169,9 @@ def main() -> None:
                         choices=list(mla_triton.DECODE_FORMS),
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
                              "flat skips heads past its FLAT_MAX_HEADS)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
+                             "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU through Triton's interpreter (no timing)")
     args = parser.parse_args()
@@ -188,10 +198,11 @@ def main() -> None:
                     "cases": []}
     path = os.path.join(args.out, "kernels_mla.json")
     tiles = [parse_tile(t) for t in args.tiles] if args.tiles else [None]
+    cache_dtype = FP8_CACHE_DTYPES[0] if args.kv_cache_dtype == "fp8" else None
     for h in heads:
         for name, batch, context in cases:
             for row in run_case(name, batch, context, h, shape, device, dtype, timer,
-                                tiles, args.forms):
+                                tiles, args.forms, cache_dtype):
                 record(result, "cases", row, path, device)
     print(f"wrote {path}")
 

@@ -57,6 +57,19 @@ def test_smoke_run_times_each_case_at_each_tile(tmp_path, monkeypatch) -> None:
     assert all(c["check_error"] < 1e-5 for c in cases)
 
 
+def test_smoke_run_over_an_fp8_latent_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["kernels_mla", "--out", str(tmp_path), "--smoke",
+                                      "--kv-cache-dtype", "fp8"])
+    kernels_mla.main()
+    cases = json.loads((tmp_path / "kernels_mla.json").read_text())["cases"]
+    assert cases and all(c["check_error"] < 1e-5 for c in cases)  # against the same cache
+    assert json.loads((tmp_path / "kernels_mla.json").read_text())["config"][
+        "kv_cache_dtype"] == "fp8"
+    _, cache, _ = kernels_mla.make_step([40, 9], 4, 32, 16, 8, "cpu", torch.float32,
+                                        cache_dtype=torch.float8_e4m3fn)
+    assert cache.dtype == torch.float8_e4m3fn  # run_case's read bound takes its 1-byte rows
+
+
 @pytest.mark.parametrize(("text", "message"), [("32,32,8", "not BM,BN,W,S"),
                                                ("32,48,8,2", "block_n 48")])
 def test_a_bad_tile_is_named(text: str, message: str) -> None:
