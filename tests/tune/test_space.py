@@ -23,7 +23,7 @@ def test_several_gpus_add_the_parallel_layouts() -> None:
                           )["expert_parallel_size"] is None
 
 
-def test_dummy_weights_add_the_quantized_format() -> None:
+def test_dummy_weights_add_the_quantized_format_and_the_kv_dtype() -> None:
     from moeserve.tune.cli import _dummy_weights
 
     assert "quantization" not in knob_space("cuda", {}).knobs  # a checkpoint's is its own
@@ -33,6 +33,10 @@ def test_dummy_weights_add_the_quantized_format() -> None:
     assert space.flags(space.complete({})) == []  # None: the engine's default, no flag
     assert space.check(space.complete({"quantization": "fp8"}), {}) is None
     assert "quantization" not in knob_space("cpu", {}, dummy_weights=True).knobs
+    # the KV cache's element type likewise: a study over real weights leaves it to the user
+    assert "kv_cache_dtype" not in knob_space("cuda", {}).knobs
+    assert space.knobs["kv_cache_dtype"].choices == ("auto", "fp8")
+    assert space.flags(space.complete({"kv_cache_dtype": "fp8"})) == ["--kv-cache-dtype", "fp8"]
     assert _dummy_weights("qwen3-30b-a3b", {}) and _dummy_weights("/ckpt", {"load_format": "dummy"})
     assert not _dummy_weights("/ckpt", {}) and not _dummy_weights(
         "qwen3-30b-a3b", {"load_format": "safetensors"})
