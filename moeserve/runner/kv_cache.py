@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from moeserve.config import CacheConfig, ConfigError
+from moeserve.config import KV_CACHE_DTYPES, CacheConfig, ConfigError
 from moeserve.layers.dsa import DsaLayerCache
 from moeserve.model_config import ModelConfig
 
@@ -54,6 +54,13 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         return asdict(self) | {"num_kv_tokens": self.num_kv_tokens}
+
+
+def cache_dtype(cfg: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The attention cache's element type: the model's, or float8 e4m3 (kv_cache_dtype
+    "fp8"). DSA's indexer keys always take the model's."""
+    name = KV_CACHE_DTYPES[cfg.kv_cache_dtype]
+    return getattr(torch, name) if name else model_dtype
 
 
 def bytes_per_token(model: ModelConfig, dtype: torch.dtype, indexer_cache: bool = True,

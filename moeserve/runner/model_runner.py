@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from moeserve import envs
-from moeserve.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
+from moeserve.config import CacheConfig, EngineConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers.moe import fold_shared_experts
@@ -38,6 +38,7 @@ from moeserve.runner.kv_cache import (
     LayerCache,
     MemoryPlan,
     allocate_kv_caches,
+    cache_dtype,
     kv_layout,
     num_cache_blocks,
     plan_memory,
@@ -69,9 +70,7 @@ class ModelRunner:
         self.local_config = local_model_config(model_config, self.layout)  # the rank's shapes
         self.device = torch.device(cfg.device)
         self.dtype = getattr(torch, cfg.dtype)
-        # the KV cache's element type: the model's, or float8 e4m3 (kv_cache_dtype="fp8");
-        # DSA's indexer keys stay in the model's
-        self.kv_dtype = getattr(torch, KV_CACHE_DTYPES[cfg.cache.kv_cache_dtype] or cfg.dtype)
+        self.kv_dtype = cache_dtype(cfg.cache, self.dtype)  # DSA's indexer keys: self.dtype
         self.block_size = cfg.cache.block_size
         self.kv_caches: list[LayerCache] = []
         # DSA models: the indexer key cache exists unless dsa="dense" (no indexer runs then)

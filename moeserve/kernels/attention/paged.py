@@ -58,14 +58,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     """
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     # view (not reshape): a copy would silently drop the write
-    k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, KVH, D]
-    v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)  # [num_slots, KVH, D]
-    if kv_cache.dtype in FP8_CACHE_DTYPES:  # index_copy_ has no float8 kernel: copy the bytes
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        k = to_cache_dtype(k, kv_cache.dtype).view(torch.uint8)
-        v = to_cache_dtype(v, kv_cache.dtype).view(torch.uint8)
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    write_slots(kv_cache[0].view(-1, num_kv_heads, head_dim), slot_mapping, k)  # [slots, KVH, D]
+    write_slots(kv_cache[1].view(-1, num_kv_heads, head_dim), slot_mapping, v)
+
+
+def write_slots(flat_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                values: torch.Tensor) -> None:
+    """flat_cache[slot_mapping] = values, in place, in the cache's dtype (to_cache_dtype's rule
+    for a float8 cache, whose bytes are copied: index_copy_ has no float8 kernel)."""
+    if flat_cache.dtype in FP8_CACHE_DTYPES:
+        values = to_cache_dtype(values, flat_cache.dtype).view(torch.uint8)
+        flat_cache = flat_cache.view(torch.uint8)
+    flat_cache.index_copy_(0, slot_mapping, values)
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -208,8 +208,6 @@ def test_triton_read_refuses_another_cache_dtype() -> None:
 
 @pytest.mark.gpu
 def test_gpu_fp8_cache_reads_bf16() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
     for computed, scheduled in (MIXED, ([4000] * 8 + [100] * 56, [1] * 64),
                                 ([0, 2048], [2048, 1024])):
         check_fp8_reads(make_step(computed, scheduled, block_size=16, num_kv_heads=4, group=8,
@@ -218,8 +216,6 @@ def test_gpu_fp8_cache_reads_bf16() -> None:
 
 @pytest.mark.gpu
 def test_gpu_fused_write_into_fp8_bf16() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
     for case in (make_case(300, torch.bfloat16, QWEN, norm=False, device="cuda"),
                  exact_norm_case(torch.bfloat16, QWEN, device="cuda")):
         check_fused_write_fp8(case)
@@ -227,8 +223,6 @@ def test_gpu_fused_write_into_fp8_bf16() -> None:
 
 @pytest.mark.gpu
 def test_gpu_fused_latent_write_into_fp8_bf16() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
     for interleaved in (True, False):
         check_fused_latent_write_fp8(mla_cases.exact_norm_case(
             torch.bfloat16, "v3", interleaved, t=300, device="cuda"))

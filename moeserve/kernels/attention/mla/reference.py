@@ -31,12 +31,7 @@ import functools
 import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
-from moeserve.kernels.attention.paged import (
-    FP8_CACHE_DTYPES,
-    attend_in_groups,
-    context_slots,
-    to_cache_dtype,
-)
+from moeserve.kernels.attention.paged import attend_in_groups, context_slots, write_slots
 
 
 def write_latent(latent: torch.Tensor, latent_cache: torch.Tensor,
@@ -44,11 +39,7 @@ def write_latent(latent: torch.Tensor, latent_cache: torch.Tensor,
     """Write the step's [T, L + R] latent rows (the model's dtype) into their slots, in place,
     in the cache's dtype (a float8 e4m3 cache by paged.to_cache_dtype's rule). Padding
     tokens may share the null block's slots (any one of their rows stays)."""
-    flat = latent_cache.view(-1, latent_cache.shape[-1])
-    if latent_cache.dtype in FP8_CACHE_DTYPES:  # index_copy_ has no float8 kernel: the bytes
-        flat = flat.view(torch.uint8)
-        latent = to_cache_dtype(latent, latent_cache.dtype).view(torch.uint8)
-    flat.index_copy_(0, slot_mapping, latent)
+    write_slots(latent_cache.view(-1, latent_cache.shape[-1]), slot_mapping, latent)
 
 
 def mla_attention_ref(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
