@@ -19,7 +19,9 @@
 #                                                    # over an e4m3 latent cache, the long
 #                                                    # prompts with
 #                                                    # --kv-cache-dtype fp8 beside the defaults
-#                                                    # (~7 min)
+#                                                    # (~7 min; LONG_FLAGS= skips the long
+#                                                    # prompts, LONG_FLAGS=--kv-cache-dtype=fp8
+#                                                    # runs only the fp8 arm)
 #   bash benchmarks/h200/mixed_graphs_h200.sh attention   # the paged attention's GPU tests, then
 #                                                    # kernels_attention: decode table, prefill
 #                                                    # cases, the long and W1 prefill tile sweeps
@@ -66,7 +68,7 @@ case "${1:?usage: mixed_graphs_h200.sh host|w1|long|attention|fp8}" in
     timeout 100 python3 -m benchmarks.kernels.kernels_mla --out "$R/mla_fp8" --heads 20 64 \
       --kv-cache-dtype fp8 > "$R/kernels_mla_fp8.log" 2>&1
     echo "kernels_mla fp8 rc=$?"; tail -2 "$R/kernels_mla_fp8.log"
-    for flag in --kv-cache-dtype=fp8 ""; do
+    for flag in ${LONG_FLAGS---kv-cache-dtype=fp8 ""}; do
       tag=${flag:+_fp8}
       timeout 240 python3 -m moeserve.cli bench --preset qwen3-30b-a3b --input-len 8192 \
         --output-len 256 --max-concurrency 128 --num-prompts 128 --server-args="$flag" \

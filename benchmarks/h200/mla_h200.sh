@@ -12,6 +12,9 @@
 #                                            # rows (~3 min a variant; NO_PROFILE=1: none)
 #   bash benchmarks/h200/mla_h200.sh prefill # the MLA prefill forms timed on the same steps
 #                                            # (kernels_mla_prefill: AUTO_ABSORBED_MAX_CONTEXT)
+#   bash benchmarks/h200/mla_h200.sh decode  # the decode kernel (kernels_mla) at each tile of
+#                                            # TILES20 (20 heads) and TILESWIDE (64 and 128
+#                                            # heads): the tile sweep behind default_config
 #   bash benchmarks/h200/mla_h200.sh tiles PRESET...   # tune each preset's MoE tiles at one
 #                                            # engine start (BUDGET s each, default 150) and
 #                                            # bring the files back to commit under
@@ -21,7 +24,20 @@ source benchmarks/gpu_env.sh
 R=/tmp/i16
 mkdir -p "$R"
 PRESET=${PRESET:-glm-4.7-flash}
-case "${1:?usage: mla_h200.sh tests|w1|prefill|tiles PRESET...}" in
+case "${1:?usage: mla_h200.sh tests|w1|prefill|decode|tiles PRESET...}" in
+  decode)
+    timeout 200 python3 -m benchmarks.kernels.kernels_mla --out "$R/decode20" --heads 20 \
+      --tiles ${TILES20:-32,64,8,3 32,32,8,4 16,64,8,3 16,32,4,3} > "$R/kernels_mla_20.log" 2>&1
+    echo "kernels_mla 20 heads rc=$?"
+    timeout 200 python3 -m benchmarks.kernels.kernels_mla --out "$R/decode_wide" --heads 64 128 \
+      --tiles ${TILESWIDE:-64,32,8,3 64,64,8,2} > "$R/kernels_mla_wide.log" 2>&1
+    echo "kernels_mla 64/128 heads rc=$?"
+    python3 -c "import json, sys
+for f in sys.argv[1:]:
+    for r in json.load(open(f))['cases']:
+        t = r['tile']
+        print(r['heads'], r['case'], (t['block_m'], t['block_n'], t['num_warps'], t['num_stages']), r['ms'], r['pct_of_bound'])
+" "$R/decode20/kernels_mla.json" "$R/decode_wide/kernels_mla.json" ;;
   prefill)
     timeout 240 python3 -m benchmarks.kernels.kernels_mla_prefill --out "$R" \
       > "$R/kernels_mla_prefill.log" 2>&1
