@@ -179,7 +179,16 @@ class ServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop(keep_log=False)
+        """Stop the server. One that exited by itself during the run (its engine died, say)
+        leaves its log, and the log's end goes to stderr: the bench's own output only shows
+        the requests' errors, the traceback is in there."""
+        died = self.proc is not None and self.proc.poll() is not None
+        if died:
+            assert self.proc is not None
+            self.log.flush()
+            print(f"the server exited with code {self.proc.returncode} during the run; its log "
+                  f"({self.log.name}) ends:\n{self.log_tail(60)}", file=sys.stderr, flush=True)
+        self.stop(keep_log=died)
 
     def log_tail(self, num_lines: int = 30) -> str:
         lines = Path(self.log.name).read_text(errors="replace").splitlines()

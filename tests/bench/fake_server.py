@@ -170,6 +170,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--delay", type=float, default=0.0)
     a, _ = p.parse_known_args()
+    print(f"fake server on port {a.port}", flush=True)  # a line in the bench's server log
     web.run_app(make_app(FakeState(FakeOptions(delay_s=a.delay))), host=a.host, port=a.port,
                 print=None)
 

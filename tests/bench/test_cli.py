@@ -168,6 +168,21 @@ def test_server_process_waits_for_ready_and_stops() -> None:
         get_json(server.url, "/v1/models")
 
 
+def test_server_that_dies_during_the_run_leaves_its_log(capfd: pytest.CaptureFixture) -> None:
+    # an engine that dies ends the server by itself: the bench shows where its traceback is
+    server = ServerProcess("tiny-moe", "--delay 0", module="tests.bench.fake_server",
+                           ready_timeout_s=30)
+    with server:
+        assert server.proc is not None
+        server.proc.kill()
+        server.proc.wait()
+    err = capfd.readouterr().err
+    assert f"the server exited with code -9 during the run; its log ({server.log.name})" in err
+    assert f"fake server on port {server.port}" in err  # the log's end, printed
+    assert Path(server.log.name).exists()
+    Path(server.log.name).unlink()
+
+
 def test_find_key() -> None:
     doc = {"a": {"b": [{"vocab_size": 7}]}, "engine_config": {"device": "cuda"}, "device": None}
     assert find_key(doc, "vocab_size") == 7 and find_key(doc, "device") == "cuda"
