@@ -81,7 +81,8 @@ class EngineCore:
             budget = sched_cfg.max_num_batched_tokens
             cap = sched_cfg.max_running_requests
             rows = min(budget, cap if isinstance(cap, int) else sched_cfg.request_pool)
-            peak = self.runner.profile_activation_peak(min(budget, sched_cfg.max_model_len), rows)
+            peak = self.runner.profile_activation_peak(min(budget, sched_cfg.max_model_len), rows,
+                                                       sched_cfg.max_model_len)
         with timed(phases, "kv_cache", device):
             plan = self.runner.plan_memory(self.cfg.cache, peak, self._graph_reserve(peak))
             self.runner.allocate_kv_caches(plan)

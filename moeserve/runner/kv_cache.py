@@ -1,9 +1,12 @@
 """The KV cache: its memory plan and its tensors.
 
 DESIGN.md's memory plan, in order: (1) weights are loaded, (2) one forward at the largest token
-budget is profiled for its activation peak, (3) a reserve is kept for CUDA graphs, (4) the KV
-cache gets the rest of `total x mem_fraction`. On CPU the KV cache gets a fixed byte budget.
-`MemoryPlan` keeps every term so the capacity report can print them.
+budget is profiled for its activation peak (`profile_step`: that chunk at the end of the longest
+context, where the attention's transients are largest: DSA's indexer scores every earlier
+position, the up-projected MLA prefill materialises the context's keys and values), (3) a
+reserve is kept for CUDA graphs, (4) the KV cache gets the rest of `total x mem_fraction`. On
+CPU the KV cache gets a fixed byte budget. `MemoryPlan` keeps every term so the capacity report
+can print them.
 
 Layout: one tensor per layer, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim] (GQA;
 or MLA's latent [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (one shared row per
@@ -26,6 +29,7 @@ import torch
 from moeserve.config import KV_CACHE_DTYPES, CacheConfig, ConfigError
 from moeserve.layers.dsa import DsaLayerCache
 from moeserve.model_config import ModelConfig
+from moeserve.types import SamplingParams, SchedulerOutput
 
 LayerCache = torch.Tensor | DsaLayerCache
 FP8_DTYPES = (torch.float8_e4m3fn,)  # kv_cache_dtype="fp8"
@@ -54,6 +58,29 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         return asdict(self) | {"num_kv_tokens": self.num_kv_tokens}
+
+
+def profile_step(num_tokens: int, context_len: int, block_size: int) -> tuple[SchedulerOutput,
+                                                                             int]:
+    """The step the activation peak is profiled on, and the blocks its pool needs: one row whose
+    last `num_tokens` prompt tokens are scheduled at the end of a `context_len`-token context
+    (the rest counted as computed; their cache holds whatever the pool held). A step's
+    transients grow with its rows' contexts as well as its tokens (W3's 32k prompts on GLM-5
+    ran out of memory in the indexer's top-k when the profile had a context of its budget
+    only). Several rows at long contexts stay within it where the attention is a Triton kernel
+    or DSA's indexer (it scores in chunks of bounded bytes); the torch references, which also
+    run MLA's up-projected prefill on the GPU, pad a step's prefill rows into one batch and can
+    need more for several long rows at once."""
+    if not 1 <= num_tokens <= context_len:
+        raise ValueError(f"profile_step: num_tokens {num_tokens} must be in 1..context_len "
+                         f"({context_len})")
+    num_blocks = -(-context_len // block_size) + 1  # and the null block
+    step = SchedulerOutput(
+        req_ids=["profile"], num_scheduled_tokens=[num_tokens],
+        num_computed_tokens=[context_len - num_tokens], token_ids=[0] * num_tokens,
+        block_tables=[list(range(1, num_blocks))], sample=[True],
+        sampling_params=[SamplingParams()], sample_seeds=[0], num_output_tokens=[0])
+    return step, num_blocks
 
 
 def cache_dtype(cfg: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:

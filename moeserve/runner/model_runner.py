@@ -42,6 +42,7 @@ from moeserve.runner.kv_cache import (
     kv_layout,
     num_cache_blocks,
     plan_memory,
+    profile_step,
 )
 from moeserve.runner.mixed_graphs import MixedGraphs, mixed_token_buckets
 from moeserve.runner.pending_output import PendingOutput
@@ -192,13 +193,15 @@ class ModelRunner:
     # ---- memory --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def profile_activation_peak(self, num_tokens: int, num_sample_rows: int) -> int:
-        """Peak bytes above the weights of one forward over `num_tokens` prompt tokens (one row,
-        the attention reference's worst case) and one sampling pass over `num_sample_rows` rows.
-        Only meaningful on CUDA; returns 0 on CPU, whose KV cache has its own byte budget."""
+    def profile_activation_peak(self, num_tokens: int, num_sample_rows: int,
+                                context_len: int) -> int:
+        """Peak bytes above the weights of one forward over `num_tokens` prompt tokens at the end
+        of a `context_len`-token context (kv_cache.profile_step) and one sampling pass over
+        `num_sample_rows` rows. Only meaningful on CUDA; returns 0 on CPU, whose KV cache has
+        its own byte budget."""
         if self.device.type != "cuda":
             return 0
-        num_blocks = num_tokens // self.block_size + 2
+        out, num_blocks = profile_step(num_tokens, context_len, self.block_size)
         plan = MemoryPlan(str(self.device), 0, 0, 0, 0, 0, 0, 0, num_blocks, self.block_size, "")
         self.allocate_kv_caches(plan)
         self.model.bind_expert_counters(None)  # the profile is not served load
@@ -206,11 +209,6 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        table = list(range(1, num_blocks))
-        out = SchedulerOutput(
-            req_ids=["profile"], num_scheduled_tokens=[num_tokens], num_computed_tokens=[0],
-            token_ids=[0] * num_tokens, block_tables=[table], sample=[True],
-            sampling_params=[SamplingParams()], sample_seeds=[0], num_output_tokens=[0])
         self.execute(out)
         logits = torch.randn(num_sample_rows, self.model_config.vocab_size,
                              device=self.device, dtype=torch.float32)

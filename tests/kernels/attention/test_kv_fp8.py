@@ -101,6 +101,15 @@ def test_fp8_cache_reads_split_decode() -> None:
     check_fp8_reads(make_step([700, 3, 290], [1, 1, 1], block_size=8))
 
 
+def e4m3_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor's bytes with -0.0 (0x80) as +0.0: the checks below compare values as
+    torch.equal does in the model's dtype, where the sign of an exact zero is the compiler's
+    (on the H200 the fused RoPE's exact zeros and torch's differ in sign, both ways, in 193 of
+    the exactly-normed case's bytes: the same value in every dot)."""
+    raw = cache.view(torch.uint8)
+    return torch.where(raw == 0x80, torch.zeros_like(raw), raw)
+
+
 def check_fused_write_fp8(case) -> None:
     """The fused write into an e4m3 cache stores the unfused path's bytes, with v scaled past
     448 so that the saturation runs too; q is the same as well."""
@@ -112,7 +121,7 @@ def check_fused_write_fp8(case) -> None:
     want = qk_rope_kv_ref(*case.args(want_cache))
     got = qk_rope_kv_triton(*case.args(got_cache))
     assert torch.equal(got, want)
-    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+    assert torch.equal(e4m3_bytes(got_cache), e4m3_bytes(want_cache))
     assert got_cache.float().abs().max().item() == FP8_MAX
 
 
@@ -160,7 +169,7 @@ def check_fused_latent_write_fp8(case) -> None:
     got = mla_rope_cache_triton(*case.args(got_cache))
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
-    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+    assert torch.equal(e4m3_bytes(got_cache), e4m3_bytes(want_cache))
     assert got_cache.float().abs().max().item() == FP8_MAX
 
 
