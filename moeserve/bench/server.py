@@ -147,6 +147,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# what `moeserve serve` logs when its engine process dies (server/process/launch.py)
+ENGINE_DIED = "the engine process died"
+
+
 class ServerProcess:
     """A `moeserve serve` subprocess the bench owns; use as a context manager."""
 
@@ -179,20 +183,34 @@ class ServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Stop the server. One that exited by itself during the run (its engine died, say)
-        leaves its log, and the log's end goes to stderr: the bench's own output only shows
-        the requests' errors, the traceback is in there."""
+        """Stop the server. One whose engine died during the run (the server then exits by
+        itself, after ending its requests) leaves its log, and the engine's traceback (or the
+        log's end) goes to stderr: the bench's own output only shows the requests' errors."""
         died = self.proc is not None and self.proc.poll() is not None
+        if self.proc is not None:
+            self.log.flush()
+            died = died or ENGINE_DIED in Path(self.log.name).read_text(errors="replace")
         if died:
             assert self.proc is not None
-            self.log.flush()
-            print(f"the server exited with code {self.proc.returncode} during the run; its log "
-                  f"({self.log.name}) ends:\n{self.log_tail(60)}", file=sys.stderr, flush=True)
+            state = (f"exited with code {self.proc.returncode}" if self.proc.poll() is not None
+                     else "lost its engine")
+            print(f"the server {state} during the run; its log ({self.log.name}):\n"
+                  f"{self.failure_excerpt()}", file=sys.stderr, flush=True)
         self.stop(keep_log=died)
 
     def log_tail(self, num_lines: int = 30) -> str:
         lines = Path(self.log.name).read_text(errors="replace").splitlines()
         return "\n".join(lines[-num_lines:])
+
+    def failure_excerpt(self, num_lines: int = 60) -> str:
+        """The log's last traceback, through its exception line; without one, its end."""
+        lines = Path(self.log.name).read_text(errors="replace").splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+        if not starts:
+            return "\n".join(lines[-num_lines:])
+        end = next((i for i in range(starts[-1] + 1, len(lines))
+                    if lines[i] and not lines[i][0].isspace()), len(lines) - 1)
+        return "\n".join(lines[starts[-1]:end + 1])
 
     def _wait_ready(self) -> None:
         assert self.proc is not None

@@ -169,7 +169,7 @@ def test_server_process_waits_for_ready_and_stops() -> None:
 
 
 def test_server_that_dies_during_the_run_leaves_its_log(capfd: pytest.CaptureFixture) -> None:
-    # an engine that dies ends the server by itself: the bench shows where its traceback is
+    # a server that exits by itself: the bench says so and shows the log's end
     server = ServerProcess("tiny-moe", "--delay 0", module="tests.bench.fake_server",
                            ready_timeout_s=30)
     with server:
@@ -177,8 +177,27 @@ def test_server_that_dies_during_the_run_leaves_its_log(capfd: pytest.CaptureFix
         server.proc.kill()
         server.proc.wait()
     err = capfd.readouterr().err
-    assert f"the server exited with code -9 during the run; its log ({server.log.name})" in err
+    assert f"the server exited with code -9 during the run; its log ({server.log.name}):" in err
     assert f"fake server on port {server.port}" in err  # the log's end, printed
+    assert Path(server.log.name).exists()
+    Path(server.log.name).unlink()
+
+
+def test_server_whose_engine_died_shows_the_traceback(capfd: pytest.CaptureFixture) -> None:
+    # the engine died and the server is still ending its requests when the bench stops it:
+    # the engine's traceback, through its exception line, not the 503s logged after it
+    server = ServerProcess("tiny-moe", "--delay 0", module="tests.bench.fake_server",
+                           ready_timeout_s=30)
+    with server:
+        server.log.write(b"Process moeserve-engine:\nTraceback (most recent call last):\n"
+                         b'  File "core.py", line 1, in step\n    launch()\n'
+                         b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 864 MiB\n"
+                         b"ERROR the engine process died: ending every request with an error\n"
+                         + b"INFO POST /v1/completions: 503\n" * 100)
+    err = capfd.readouterr().err
+    assert "the server lost its engine during the run" in err
+    assert 'Traceback (most recent call last):\n  File "core.py", line 1, in step' in err
+    assert err.rstrip().endswith("Tried to allocate 864 MiB")
     assert Path(server.log.name).exists()
     Path(server.log.name).unlink()
 
