@@ -1,7 +1,9 @@
 # Sourced by the GPU-machine scripts: the wheels brought in .whl/ installed once into /tmp/site
 # and on PYTHONPATH with the checkout, the commit under test (GIT_COMMIT, written before the
 # call) exported for the results' provenance, and the device and versions written to $OUT.
-#   source benchmarks/gpu_env.sh [extra module to report the version of, e.g. optuna]
+#   [GPU_ENV_VERSIONS="optuna ..."] source benchmarks/gpu_env.sh
+# (modules whose versions go beside torch's and Triton's; not positional arguments: `source`
+# without arguments hands the sourcing script's own, e.g. mla_h200.sh's "decode", to this file)
 export SITE=/tmp/site  # exported: the scripts run the benchmarks in subshells
 # (re)installed when the set of wheels differs from the one installed (a warm machine keeps
 # /tmp/site between calls)
@@ -16,7 +18,8 @@ export PYTHONPATH=$PWD:$SITE
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv > "$OUT/device.csv" 2>&1
 python3 -c "import sys, torch, triton; extra = [__import__(m) for m in sys.argv[1:]]; \
-print(torch.__version__, triton.__version__, *(m.__version__ for m in extra))" "$@" \
+print(torch.__version__, triton.__version__, *(m.__version__ for m in extra))" \
+  ${GPU_ENV_VERSIONS:-} \
   > "$OUT/versions.txt" 2>&1
 
 # run_gpu_tests SECONDS: `pytest -m gpu` over the test tree into $OUT/gpu_tests.log. If the run

@@ -9,7 +9,7 @@ LIMIT=${1:-585}
 REAL_OUT=$OUT
 export OUT=/tmp/callB
 mkdir -p "$OUT"
-source benchmarks/gpu_env.sh optuna
+GPU_ENV_VERSIONS=optuna source benchmarks/gpu_env.sh
 timeout 200 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/moe/test_moe_quant_triton.py tests/kernels/linear/test_quant_linear_triton.py \
   tests/kernels/linear/test_fp8_linear_triton.py tests/kernels/linear/test_fp8_linear_cublas.py \

@@ -34,7 +34,7 @@ moe_backend,moe_tiles,mem_fraction,block_size}
 DB=$OUT/tune.db
 mkdir -p "$OUT"
 [ -f "$SRC" ] && cp "$SRC" "$DB"
-source benchmarks/gpu_env.sh optuna
+GPU_ENV_VERSIONS=optuna source benchmarks/gpu_env.sh
 if [ "$GPU_TESTS" = 1 ]; then
   run_gpu_tests 300
 fi
