@@ -185,8 +185,7 @@ def kv_capacity(run: dict[str, Any]) -> Verdict | None:
     ev = {"kv_tokens": kv, "request_footprint": _r(fp, 1), "concurrency_at_engine": conc_at_engine,
           "tokens_needed": _r(need, 0), "preemptions": preemptions, "kv_usage_max": _r(usage_max)}
     fits = int(kv // fp) if kv and fp else None
-    fp8 = ("--kv-cache-dtype fp8 (float8 e4m3: twice a bf16 cache's tokens, values rounded to "
-           "3 mantissa bits), " if _fp8_cache_possible(run) else "")
+    fp8 = _fp8_cache_words(run)
     knob = (f"--mem-fraction (a larger KV cache), {fp8}--max-model-len (a shorter context), or "
             f"--max-running-requests {fits if fits else 'lower'} (what the KV cache holds)")
     bound = kv_bound.run_kv_bound(run) if kv and need and need > kv else None
@@ -200,9 +199,18 @@ def kv_capacity(run: dict[str, Any]) -> Verdict | None:
                    knob, ev, _kv_settings(run, fits) if sev == "warning" else {})
 
 
-def _fp8_cache_possible(run: dict[str, Any]) -> bool:
-    """The cache is still in the model's dtype (kv_cache_dtype "auto")."""
-    return figures.engine_section(run, "cache").get("kv_cache_dtype", "auto") == "auto"
+def _fp8_cache_words(run: dict[str, Any]) -> str:
+    """The float8 cache as a knob, while the cache is still in the model's dtype
+    (kv_cache_dtype "auto"), with what it costs a step as measured on the H200
+    (benchmarks/results/gpu_2928ff4/): a capacity lever, not a faster read."""
+    if figures.engine_section(run, "cache").get("kv_cache_dtype", "auto") != "auto":
+        return ""
+    model = roofline.model_of(run)
+    cost = ("its latent reads take about twice bf16's time a step in this build"
+            if model is not None and model.mla is not None
+            else "its reads take about bf16's time a step in this build")
+    return (f"--kv-cache-dtype fp8 (float8 e4m3: twice a bf16 cache's tokens, values rounded to "
+            f"3 mantissa bits; {cost}), ")
 
 
 def _kv_bound_words(bound: dict[str, Any]) -> str:

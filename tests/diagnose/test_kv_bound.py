@@ -118,12 +118,15 @@ def test_kv_capacity_states_the_bound_the_cache_allows() -> None:
             f"{room['input_tok_per_s']:,.0f}") in v.message
     assert "more KV tokens are what raises the bound" in v.knob
     assert "--kv-cache-dtype fp8 (float8 e4m3" in v.knob  # qwen3's cache in bf16
+    assert "its reads take about bf16's time a step in this build" in v.knob
     fp8 = long_prompt_run()
     fp8["engine"]["capacity_report"]["engine_config"]["cache"]["kv_cache_dtype"] = "fp8"
     assert "--kv-cache-dtype" not in {v.rule: v for v in diagnose(fp8)}["kv_capacity"].knob
     mla = long_prompt_run()  # a latent cache too
     mla["engine"]["capacity_report"]["engine_config"]["model"] = "glm-4.7-flash"
-    assert "--kv-cache-dtype fp8" in {v.rule: v for v in diagnose(mla)}["kv_capacity"].knob
+    knob = {v.rule: v for v in diagnose(mla)}["kv_capacity"].knob
+    assert "--kv-cache-dtype fp8" in knob
+    assert "its latent reads take about twice bf16's time a step in this build" in knob
     # a run whose cache holds its concurrency gets no replay, whatever else fired
     roomy = long_prompt_run()
     roomy["engine"]["capacity_report"]["kv_tokens"] = 2_000_000
