@@ -17,10 +17,12 @@ from moeserve.kernels.attention.metadata import AttentionMetadata
 from tests.models.checkpoints import write_tiny_checkpoint
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "glm_moe_dsa"])
-def test_steps_leave_no_cyclic_garbage(tmp_path, arch: str) -> None:
+def test_steps_leave_no_cyclic_garbage(tmp_path, arch: str, overlap: bool) -> None:
+    # overlap: the GPU's default, step N+1 planned while step N's outputs are pending
     llm = LLM(write_tiny_checkpoint(arch, tmp_path), device="cpu", dtype="float32",
-              moe_backend="grouped_mm", max_num_batched_tokens=96)
+              moe_backend="grouped_mm", max_num_batched_tokens=96, async_scheduling=overlap)
     engine = llm.engine
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
