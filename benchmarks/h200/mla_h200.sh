@@ -14,7 +14,8 @@
 #                                            # (kernels_mla_prefill: AUTO_ABSORBED_MAX_CONTEXT)
 #   bash benchmarks/h200/mla_h200.sh decode  # the decode kernel (kernels_mla) at each tile of
 #                                            # TILES20 (20 heads) and TILESWIDE (64 and 128
-#                                            # heads): the tile sweep behind default_config
+#                                            # heads): the tile sweep behind default_config;
+#                                            # KV=fp8: over an e4m3 latent cache
 #   bash benchmarks/h200/mla_h200.sh tiles PRESET...   # tune each preset's MoE tiles at one
 #                                            # engine start (BUDGET s each, default 150) and
 #                                            # bring the files back to commit under
@@ -27,10 +28,10 @@ PRESET=${PRESET:-glm-4.7-flash}
 case "${1:?usage: mla_h200.sh tests|w1|prefill|decode|tiles PRESET...}" in
   decode)
     timeout 200 python3 -m benchmarks.kernels.kernels_mla --out "$R/decode20" --heads 20 \
-      --tiles ${TILES20:-32,64,8,3 32,32,8,4 16,64,8,3 16,32,4,3} > "$R/kernels_mla_20.log" 2>&1
+      --kv-cache-dtype "${KV:-auto}" --tiles ${TILES20:-32,64,8,3 32,32,8,4 16,64,8,3 16,32,4,3} > "$R/kernels_mla_20.log" 2>&1
     echo "kernels_mla 20 heads rc=$?"
     timeout 200 python3 -m benchmarks.kernels.kernels_mla --out "$R/decode_wide" --heads 64 128 \
-      --tiles ${TILESWIDE:-64,32,8,3 64,64,8,2} > "$R/kernels_mla_wide.log" 2>&1
+      --kv-cache-dtype "${KV:-auto}" --tiles ${TILESWIDE:-64,32,8,3 64,64,8,2} > "$R/kernels_mla_wide.log" 2>&1
     echo "kernels_mla 64/128 heads rc=$?"
     python3 -c "import json, sys
 for f in sys.argv[1:]:

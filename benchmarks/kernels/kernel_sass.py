@@ -190,6 +190,14 @@ MLA_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "scale_log2": "fp32"}
 
 
+def _mla_pointers(args: argparse.Namespace) -> dict[str, str]:
+    """MLA_POINTERS with the latent cache's element type: --kv-cache-dtype fp8 compiles the
+    float8 e4m3 cache's variant (each load converted to the queries' bf16)."""
+    if getattr(args, "kv_cache_dtype", "auto") == "fp8":
+        return {**MLA_POINTERS, "cache_ptr": "*fp8e4nv"}
+    return MLA_POINTERS
+
+
 def mla_decode(args: argparse.Namespace) -> dict:
     """The absorbed MLA decode kernel (kernels/attention/mla/absorbed_triton.py) at DeepSeek / GLM's
     latent (L 512 + R 64), bf16, a row's heads split into tiles of at most BM."""
@@ -204,7 +212,8 @@ def mla_decode(args: argparse.Namespace) -> dict:
                  IEEE=False)
     kernel = mla_triton._kernels().decode
     return {"head_tiles": tiles,
-            **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
+            **compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps,
+                           stages)}
 
 
 def mla_decode_flat(args: argparse.Namespace) -> dict:
@@ -218,7 +227,7 @@ def mla_decode_flat(args: argparse.Namespace) -> dict:
                  L=512, USE_ROWS=False, R=64, BLOCK_SIZE=args.block_size, BLOCK_N=bn,
                  SEARCH_BLOCK=decode_flat_triton.SEARCH_BLOCK, SCAN=True, IEEE=False)
     kernel = decode_flat_triton._kernels().decode
-    pointers = {**MLA_POINTERS, "cut_ptr": "*i32"}
+    pointers = {**_mla_pointers(args), "cut_ptr": "*i32"}
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
 
 
@@ -236,7 +245,8 @@ def mla_prefill(args: argparse.Namespace) -> dict:
                  BLOCK_SIZE=args.block_size, BLOCK_N=bn, IEEE=False)
     kernel = mla_triton._kernels().prefill
     return {"head_tiles": tiles, "block_q": block_q,
-            **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
+            **compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps,
+                           stages)}
 
 
 def dsa_sparse(args: argparse.Namespace) -> dict:
@@ -254,7 +264,8 @@ def dsa_sparse(args: argparse.Namespace) -> dict:
                  BLOCK_SIZE=args.block_size, BLOCK_N=bn, IEEE=False, TILES_FIRST=True)
     kernel = dsa_sparse_triton._kernels().sparse_attention
     return {"head_tiles": tiles,
-            **compile_sm90(kernel, MLA_POINTERS, const, _nospec(args, kernel), warps, stages)}
+            **compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps,
+                           stages)}
 
 
 GQA_POINTERS = {**MLA_POINTERS, "k_ptr": "*bf16", "v_ptr": "*bf16"}
@@ -317,6 +328,9 @@ def main() -> None:
         p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
         if name in ("mla-decode", "gqa-decode"):
             p.add_argument("--split", action="store_true", help="the split-K variant")
+        if name.startswith(("mla-", "dsa-")):
+            p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                           help="fp8: the float8 e4m3 latent cache's variant")
     args = parser.parse_args()
     report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
               "mla-decode-flat": mla_decode_flat, "mla-prefill": mla_prefill,
