@@ -81,8 +81,8 @@ class EngineCore:
             budget = sched_cfg.max_num_batched_tokens
             cap = sched_cfg.max_running_requests
             rows = min(budget, cap if isinstance(cap, int) else sched_cfg.request_pool)
-            peak = self.runner.profile_activation_peak(min(budget, sched_cfg.max_model_len), rows,
-                                                       sched_cfg.max_model_len)
+            peak = self._profile(min(budget, sched_cfg.max_model_len), rows,
+                                 sched_cfg.max_model_len)
         with timed(phases, "kv_cache", device):
             plan = self.runner.plan_memory(self.cfg.cache, peak, self._graph_reserve(peak))
             self.runner.allocate_kv_caches(plan)
@@ -272,6 +272,19 @@ class EngineCore:
             state += "; mixed steps " + self.runner.init_mixed_graphs(
                 cfg.scheduler.max_num_batched_tokens)
         return state
+
+    def _profile(self, num_tokens: int, num_sample_rows: int, context_len: int) -> int:
+        """The activation peak (runner.profile_activation_peak); a profile that runs out of
+        device memory is a configuration no request at max_model_len could be served under:
+        a ConfigError naming the step and the two settings that shrink it."""
+        try:
+            return self.runner.profile_activation_peak(num_tokens, num_sample_rows, context_len)
+        except torch.OutOfMemoryError as e:
+            raise ConfigError(
+                f"the memory plan's profile step ({num_tokens} tokens at the end of a "
+                f"{context_len}-token context) ran out of device memory beside the weights: "
+                f"lower max_model_len ({context_len}) or max_num_batched_tokens ({num_tokens}) "
+                f"({str(e).splitlines()[0]})") from e
 
     def _graph_reserve(self, activation_peak: int) -> int:
         """Bytes the memory plan leaves to CUDA graphs: the decode graphs' pool; with mixed

@@ -5,6 +5,7 @@ context (DSA's indexer, the up-projected MLA prefill) are in the memory plan."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moeserve.runner.kv_cache import profile_step
 
@@ -24,3 +25,20 @@ def test_profile_step_is_a_chunk_at_the_end_of_the_longest_context() -> None:
 def test_profile_step_refuses_a_chunk_longer_than_its_context() -> None:
     with pytest.raises(ValueError, match="num_tokens 9 must be in 1..context_len"):
         profile_step(9, 8, 16)
+
+
+def test_a_profile_out_of_memory_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeserve import LLM
+    from moeserve.config import ConfigError
+    from moeserve.runner.model_runner import ModelRunner
+
+    def no_room(self, num_tokens: int, num_sample_rows: int, context_len: int) -> int:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 864.00 MiB.\nmore")
+
+    monkeypatch.setattr(ModelRunner, "profile_activation_peak", no_room)
+    with pytest.raises(ConfigError, match=r"profile step \(96 tokens at the end of a 300-token "
+                                          r"context\) ran out of device memory.*lower "
+                                          r"max_model_len \(300\) or max_num_batched_tokens "
+                                          r"\(96\) \(CUDA out of memory. Tried to allocate "
+                                          r"864.00 MiB.\)$"):
+        LLM("tiny-moe", device="cpu", max_model_len=300, max_num_batched_tokens=96)
