@@ -8,6 +8,9 @@
 # (concurrency, mode) pair at 128; both modes of 32 fit one call:
 #   CONC=32 bash benchmarks/h200/w3_h200.sh            # MODES="auto dense" by default
 #   CONC=128 MODES=auto bash benchmarks/h200/w3_h200.sh
+# At 128 the 2C = 256 prompts are 8.4M prompt tokens: at the 11.7k input tok/s dense
+# MLA measured at 32 (gpu_2928ff4) that alone is ~12 min, past a call's 10. PROMPTS=N runs N
+# prompts instead (a stated deviation: the run's JSON records the count).
 # Results: $OUT/w3/w3_glm-5_<mode>_c<C>.json (no per-request records: split_runs.py) + logs.
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -20,7 +23,7 @@ for mode in ${MODES:-auto dense}; do
   echo "== $name $(date +%T)"
   timeout "${LIMIT:-280}" python3 -m moeserve.cli bench --preset glm-5 \
     --server-args="--hf-overrides '$layers' --dsa $mode --moe-tiles default --max-model-len 33280" \
-    --input-len 32768 --output-len 256 --num-prompts $((2 * conc)) --max-concurrency "$conc" \
+    --input-len 32768 --output-len 256 --num-prompts "${PROMPTS:-$((2 * conc))}" --max-concurrency "$conc" \
     --no-progress --output-json "/tmp/w3/$name.jsonl" > "$out/$name.log" 2>&1
   echo "rc=$?"
   grep -E "Output token throughput|Median TPOT|serial roofline|eager decode" "$out/$name.log"
