@@ -16,8 +16,8 @@ import json
 import os
 
 from moeserve.config import load_model_config
-from moeserve.diagnose.kv_bound import Workload, replay
-from moeserve.diagnose.roofline import CEILINGS
+from moeserve.diagnose.bounds.kv_bound import Workload, replay
+from moeserve.diagnose.bounds.roofline import CEILINGS
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ Fills the engine with B requests of 128 random prompt tokens, runs until all dec
 N decode steps phase by phase (synchronising the GPU after each phase) and profiles one step with
 torch.profiler to sum GPU kernel time by kind. The profiled decode step and W1's mixed step also
 report each part (MoE, attention, dense GEMMs, norms and RoPE, other) against its own roofline
-bound (moeserve/diagnose/step_parts.py). Writes JSON with the environment.
+bound (moeserve/diagnose/bounds/step_parts.py). Writes JSON with the environment.
 
     python benchmarks/engine/profile_step.py --preset qwen3-30b-a3b --batch 256 1024 --out DIR
     python -m benchmarks.engine.profile_step --preset deepseek-v3 --hf-overrides \
@@ -29,8 +29,8 @@ import torch
 
 from benchmarks.engine.w1_offline import environment
 from moeserve import LLM, SamplingParams
-from moeserve.diagnose.roofline import ceilings_for, step_cost
-from moeserve.diagnose.step_parts import describe, part_shares, part_times_ms
+from moeserve.diagnose.bounds.roofline import ceilings_for, step_cost
+from moeserve.diagnose.bounds.step_parts import describe, part_shares, part_times_ms
 from moeserve.types import SchedulerOutput
 
 MIXED_NEW, MIXED_ROUNDS = 64, 3  # W1 at 1,024: a group of 64 finishes, 64 new prompts come in

@@ -84,7 +84,7 @@ Timer = Callable[[Callable[[], object]], float]
 
 
 def bytes_a_weight(fmt: str) -> float:
-    from moeserve.diagnose.roofline import QUANT_BYTES
+    from moeserve.diagnose.bounds.roofline import QUANT_BYTES
 
     return 2.0 if fmt == "bf16" else QUANT_BYTES[fmt]
 
@@ -174,7 +174,7 @@ def moe_tiles(fmt: str, w13, num_tokens: int, top_k: int, dtype: torch.dtype,
 def bench_moe_format(fmt: str, shape_name: str, shape: tuple[int, int, int, int],
                      tokens: list[int], ctx: dict) -> list[dict]:
     """The rows of one format at one expert shape (weights built once, freed after)."""
-    from moeserve.diagnose.roofline import experts_touched
+    from moeserve.diagnose.bounds.roofline import experts_touched
     from moeserve.kernels.moe.timer import random_tokens
 
     num_experts, hidden, inter, top_k = shape

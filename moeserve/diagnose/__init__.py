@@ -5,8 +5,10 @@
     figures.py      figures read out of a bench run object (its `diagnostics` part documented
                     there): engine timeline, steady window, GPU and process figures
     expert_load.py  the engine's tokens-per-expert counters: run delta, mean per step, imbalance
-    roofline.py     bytes and FLOPs of a step from the model shape; H200 ceilings; the share of
-                    the bound a run reached
+    bounds/         what a step could cost at best: roofline.py (bytes and FLOPs of a step
+                    from the model shape; H200 ceilings; the share of the bound a run reached),
+                    step_parts.py (a profiled step's parts against their bounds), kv_bound.py
+                    (the throughput a fixed-length run's KV cache allows)
     doctor.py       the rules: run -> [Verdict(rule, severity, message, knob, evidence,
                     settings)]; host_rules.py the host's (client, API, engine loop, CPU threads);
                     verdict.py the Verdict (settings: engine config fields for a tuner)

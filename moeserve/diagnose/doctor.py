@@ -80,7 +80,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from moeserve.diagnose import expert_load, figures, kv_bound, roofline
+from moeserve.diagnose import expert_load, figures
+from moeserve.diagnose.bounds import kv_bound, roofline
 from moeserve.diagnose.host_rules import (
     LOW_UTIL_PCT,
     api_bound,

@@ -1,4 +1,4 @@
-"""moeserve/diagnose/kv_bound.py: the idealised replay's scheduling (admission by KV room,
+"""moeserve/diagnose/bounds/kv_bound.py: the idealised replay's scheduling (admission by KV room,
 token budget, one token a decode step), its times at the roofline, the bound of a bench run,
 and the doctor's kv_capacity verdict that states it."""
 
@@ -9,9 +9,15 @@ import dataclasses
 import pytest
 
 from moeserve.config import load_model_config
+from moeserve.diagnose.bounds.kv_bound import (
+    Workload,
+    replay,
+    run_kv_bound,
+    step_seconds,
+    workload_of,
+)
+from moeserve.diagnose.bounds.roofline import CEILINGS, step_cost
 from moeserve.diagnose.doctor import diagnose
-from moeserve.diagnose.kv_bound import Workload, replay, run_kv_bound, step_seconds, workload_of
-from moeserve.diagnose.roofline import CEILINGS, step_cost
 from tests.diagnose.synthetic import make_run
 
 H200 = CEILINGS[0]

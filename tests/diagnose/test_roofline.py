@@ -6,7 +6,7 @@ import pytest
 
 from moeserve.config import load_model_config
 from moeserve.diagnose import expert_load
-from moeserve.diagnose.roofline import (
+from moeserve.diagnose.bounds.roofline import (
     CEILINGS,
     analyse,
     ceilings_for,
@@ -106,7 +106,7 @@ ANCHORS_W1_SERIAL = {"qwen3-30b-a3b": (15_000, 25_600, 39_800, 54_900),
 
 @pytest.mark.parametrize("preset", list(ANCHORS_W1_SERIAL))
 def test_serial_bound_reproduces_the_anchors(preset: str) -> None:
-    from moeserve.diagnose.roofline import serial_bound
+    from moeserve.diagnose.bounds.roofline import serial_bound
 
     model = load_model_config(preset)[0]
     for conc, expected in zip((256, 512, 1024, 2048), ANCHORS_W1_SERIAL[preset], strict=True):
@@ -120,7 +120,7 @@ def test_sparse_attention_lowers_the_long_context_bound() -> None:
     decode and most of all in the prefill's attention FLOPs."""
     import dataclasses
 
-    from moeserve.diagnose.roofline import serial_bound
+    from moeserve.diagnose.bounds.roofline import serial_bound
 
     model = load_model_config("glm-5", {"num_hidden_layers": 6})[0]
     sparse = serial_bound(model, 2, CEILINGS[0], 32, 32768, 256)
@@ -135,7 +135,7 @@ def test_sparse_attention_lowers_the_long_context_bound() -> None:
 
 
 def test_a_run_beside_its_serial_bound() -> None:
-    from moeserve.diagnose.roofline import run_serial_bound
+    from moeserve.diagnose.bounds.roofline import run_serial_bound
 
     run = make_run(conc=1024) | {"output_throughput": 23_900.0}
     bound = run_serial_bound(run, 1024, 128, 128)
@@ -156,7 +156,7 @@ def test_quantized_weights_raise_the_serial_bound(fmt: str) -> None:
     """With every projection quantized (as the engine holds them) the bound is at least the
     issue's experts-only figure and within 7% of it (attention is a small share of the bytes;
     NVFP4 at 256 is the widest, 36.7k), and the bf16 bound is unchanged."""
-    from moeserve.diagnose.roofline import serial_bound
+    from moeserve.diagnose.bounds.roofline import serial_bound
 
     model = load_model_config("qwen3-30b-a3b")[0]
     for conc, experts_only in zip((256, 512, 1024, 2048), ISSUE18_EXPERTS_ONLY[fmt],
@@ -168,7 +168,7 @@ def test_quantized_weights_raise_the_serial_bound(fmt: str) -> None:
 
 
 def test_a_runs_quantized_format_reaches_its_bound() -> None:
-    from moeserve.diagnose.roofline import quant_of, run_serial_bound
+    from moeserve.diagnose.bounds.roofline import quant_of, run_serial_bound
     from tests.diagnose.synthetic import make_run
 
     model = load_model_config("qwen3-30b-a3b")[0]

@@ -1,12 +1,12 @@
-"""diagnose/step_parts.py: kernels sorted into parts, each part against its own bound."""
+"""diagnose/bounds/step_parts.py: kernels sorted into parts, each part against its own bound."""
 
 from __future__ import annotations
 
 import pytest
 
 from moeserve.config import load_model_config
-from moeserve.diagnose.roofline import CEILINGS, step_cost
-from moeserve.diagnose.step_parts import PARTS, describe, part_of, part_shares, part_times_ms
+from moeserve.diagnose.bounds.roofline import CEILINGS, step_cost
+from moeserve.diagnose.bounds.step_parts import PARTS, describe, part_of, part_shares, part_times_ms
 
 H200 = CEILINGS[0]
 

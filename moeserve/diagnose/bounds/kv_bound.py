@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeserve.diagnose import figures
-from moeserve.diagnose.roofline import (
+from moeserve.diagnose.bounds.roofline import (
     Ceilings,
     ceilings_for,
     dtype_bytes_of,
@@ -156,7 +156,7 @@ def run_kv_bound(run: dict[str, Any]) -> dict[str, Any] | None:
     except ValueError:
         return None
     out: dict[str, Any] = {
-        "method": "KV-limited replay (diagnose/kv_bound.py)", "device": ceilings.name,
+        "method": "KV-limited replay (diagnose/bounds/kv_bound.py)", "device": ceilings.name,
         "workload": dataclasses.asdict(work), "with_kv_given": given,
         "with_room_for_all": (given if kv >= room else
                               replay(model, work, room, ceilings, dtype_bytes, quant, kv_elem))}

@@ -14,7 +14,7 @@ A step's kernels fall into parts by name (`part_of`):
     other        copies, fills, sampling, everything else                 no bound
 
 Each bounded part's bound is max(bytes / bandwidth, FLOPs / peak) of its own bytes and FLOPs
-(diagnose/roofline.py's StepCost parts), so "MoE at 62% of its bound, attention at 20%" says
+(diagnose/bounds/roofline.py's StepCost parts), so "MoE at 62% of its bound, attention at 20%" says
 where the rest of the step is, which the whole step's one percentage cannot. The parts' bounds
 add up to at least the step's bound (their work does not overlap within a step). The attention
 part also counts its kernels' queries and outputs (StepCost.attention_io_bytes), which the
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from moeserve.diagnose.roofline import Ceilings, StepCost
+from moeserve.diagnose.bounds.roofline import Ceilings, StepCost
 
 PARTS = ("moe", "attention", "dense", "norm_rope", "other")
 

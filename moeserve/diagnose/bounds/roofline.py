@@ -101,7 +101,7 @@ class StepCost:
 
     def parts(self) -> dict[str, tuple[float, float]]:
         """(bytes, FLOPs) of the step's bounded parts, adding up to the step's (`bytes` and
-        `flops`; diagnose/step_parts.py adds attention_io_bytes to the attention part)."""
+        `flops`; diagnose/bounds/step_parts.py adds attention_io_bytes to the attention part)."""
         return {"moe": (self.expert_bytes, self.expert_flops),
                 "attention": (self.kv_bytes, self.attention_flops),
                 "dense": (self.dense_bytes, self.dense_flops)}
