@@ -53,7 +53,7 @@ from moeserve.bench.workloads import (
     shared_prefix_workload,
     sharegpt_workload,
 )
-from moeserve.diagnose.roofline import run_serial_bound
+from moeserve.diagnose.bounds.roofline import run_serial_bound
 
 DEFAULT_NUM_PROMPTS_UNCAPPED = 100  # --num-prompts without --max-concurrency
 
