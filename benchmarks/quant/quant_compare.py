@@ -2,9 +2,10 @@
 bound the bench computed for the run's weights (`serial_bound`,
 moeserve/diagnose/bounds/roofline.py: the quantized projections at their bytes a weight, scales
 included) and the share of it, the ratio to bf16 at the same concurrency, and issue 18's W1
-targets: FP8 / NVFP4 at least 60% of their serial bound at 256 and 512; at 1,024 FP8 at least 1.2x and NVFP4 1.3x bf16 (2,048 is
-measured only); the issue's absolute figures for 256 / 512 (ANCHORS_TARGET) are checked beside
-the share. A format run more than once at a concurrency counts with its median.
+targets: FP8 / NVFP4 at least 60% of their serial bound at 256 and 512; at 1,024 FP8 at least
+1.2x and NVFP4 1.3x bf16 (2,048 is measured only); the issue's absolute figures for 256 / 512
+(ANCHORS_TARGET) are checked beside the share. A format run more than once at a concurrency
+counts with its median.
 
     python benchmarks/quant/quant_compare.py RUNS_DIR OUT.json
 """
