@@ -183,6 +183,14 @@ def test_server_that_dies_during_the_run_leaves_its_log(capfd: pytest.CaptureFix
     Path(server.log.name).unlink()
 
 
+def test_the_engine_death_phrase_is_what_the_server_logs() -> None:
+    # the bench recognises a dead engine by the words `moeserve serve` logs for it
+    from moeserve.bench.server import ENGINE_DIED
+    from moeserve.server.process import launch
+
+    assert f'logger.error("{ENGINE_DIED}:' in Path(launch.__file__).read_text()
+
+
 def test_server_whose_engine_died_shows_the_traceback(capfd: pytest.CaptureFixture) -> None:
     # the engine died and the server is still ending its requests when the bench stops it:
     # the engine's traceback, through its exception line, not the 503s logged after it
