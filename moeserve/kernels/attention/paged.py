@@ -105,10 +105,13 @@ PaddedAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 
 
 def attend_in_groups(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, attend: PaddedAttend, out_dim: int) -> torch.Tensor:
+                     scale: float, attend: PaddedAttend, out_dim: int,
+                     bounded: bool = False) -> torch.Tensor:
     """Run `attend` over the decode rows and the other rows of the step as two padded groups
     (chosen on the host), or over all rows at once when every row is a decode; returns
-    [T, H, out_dim] in q's dtype. Shared by the GQA and MLA references."""
+    [T, H, out_dim] in q's dtype. Shared by the GQA and MLA references. bounded: the other
+    rows in `bounded_groups` instead of one group, for an `attend` that materialises each
+    row's context (MLA's up-projected prefill)."""
     if q.shape[0] == 0:
         return q.new_empty(0, q.shape[1], out_dim)
     query_lens = meta.query_lens_np  # [B]
@@ -121,10 +124,39 @@ def attend_in_groups(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     out = q.new_empty(q.shape[0], q.shape[1], out_dim)  # [T, H, out_dim]
     cu = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=cu[1:])
-    for rows in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
+    others = np.flatnonzero(~is_decode)
+    groups = (bounded_groups(query_lens[others], meta.seq_lens_np[others], others) if bounded
+              else [others])
+    for rows in (np.flatnonzero(is_decode), *groups):
         if len(rows):
             _attend_rows(q, cache, meta, cu, rows, scale, out, attend)
     return out
+
+
+def bounded_groups(query_lens: np.ndarray, seq_lens: np.ndarray,
+                   rows: np.ndarray) -> list[np.ndarray]:
+    """`rows` (host indices, with their query and context lengths) cut into padded groups whose
+    rows x longest context stays within max(the longest context, the rows' tokens): the
+    contexts a group materialises are then no more than one row of the step's tokens at the
+    longest context would, the case the memory plan profiles (kv_cache.profile_step: the
+    budget's tokens at the end of a max_model_len context). Longest contexts first; a row
+    alone always fits. One group of a long row and a short one had padded the short row to
+    the long context: twice the long row's bytes."""
+    if len(rows) == 0:
+        return []
+    order = np.argsort(-seq_lens, kind="stable")
+    limit = max(int(seq_lens.max()), int(query_lens.sum()))
+    groups, current, longest = [], [], 0
+    for i in order:
+        s = int(seq_lens[i])
+        longest_if = max(longest, s)
+        if current and (len(current) + 1) * longest_if > limit:
+            groups.append(np.sort(rows[current]))
+            current, longest_if = [], s
+        current.append(i)
+        longest = longest_if
+    groups.append(np.sort(rows[current]))
+    return groups
 
 
 def _attend_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

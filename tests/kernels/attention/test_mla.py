@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,10 +96,19 @@ def test_absorbed_matches_dense(steps, block_size: int) -> None:
     torch.testing.assert_close(out, case.expected_latent, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("steps", [MIXED, ([0, 0], [9, 13]), ([8, 20], [5, 3])],
-                         ids=["mixed", "fresh", "after-prefix"])
+LONG_AND_SHORT = ([100, 0, 2, 0], [4, 3, 5, 1])  # one long context: attended apart
+
+
+@pytest.mark.parametrize("steps", [MIXED, ([0, 0], [9, 13]), ([8, 20], [5, 3]), LONG_AND_SHORT],
+                         ids=["mixed", "fresh", "after-prefix", "long-and-short"])
 def test_up_projected_matches_absorbed(steps) -> None:
     case = make_mla_case(*steps)
+    if steps is LONG_AND_SHORT:  # the prefill rows really go in two groups
+        from moeserve.kernels.attention.paged import bounded_groups
+
+        rows = np.flatnonzero(case.meta.query_lens_np > 1)
+        groups = bounded_groups(case.meta.query_lens_np[rows], case.meta.seq_lens_np[rows], rows)
+        assert [g.tolist() for g in groups] == [[0], [1, 2]]
     out = mla_prefill_ref(case.q, case.latent_cache, case.meta, case.scale, case.kv_b_proj,
                           case.nope, case.v_dim)  # [T, H, v]
     torch.testing.assert_close(out, up_project_output(case, case.expected_latent),

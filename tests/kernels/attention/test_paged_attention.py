@@ -176,3 +176,18 @@ def test_select_rows_gives_a_slice_for_consecutive_tokens() -> None:
             assert torch.equal(getattr(sub, name), getattr(want, name)), name
         assert torch.equal(sub.block_tables[:, :want.block_tables.shape[1]],
                            want.block_tables)
+
+
+def test_bounded_groups_keep_padding_within_the_longest_row() -> None:
+    from moeserve.kernels.attention.paged import bounded_groups
+
+    # a long row and a short one: apart (together they pad the short one to 200k)
+    q, s = np.array([8000, 192]), np.array([10_000, 200_000])
+    assert [g.tolist() for g in bounded_groups(q, s, np.array([3, 5]))] == [[5], [3]]
+    # W1's short prompts: groups of rows x longest context <= the step's tokens
+    q, s = np.full(64, 128), np.arange(129, 193)
+    groups = bounded_groups(q, s, np.arange(64))
+    assert sorted(np.concatenate(groups).tolist()) == list(range(64))
+    assert all(len(g) * int(s[g].max()) <= 64 * 128 for g in groups) and len(groups) == 2
+    assert bounded_groups(np.array([], dtype=np.int64), np.array([], dtype=np.int64),
+                          np.array([], dtype=np.int64)) == []

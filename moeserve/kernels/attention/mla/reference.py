@@ -76,7 +76,8 @@ def mla_prefill_ref(q: torch.Tensor, latent_cache: torch.Tensor, meta: Attention
     assert meta.block_size == latent_cache.shape[1], (meta.block_size, latent_cache.shape)
     attend = functools.partial(_attend_up_projected, kv_b_proj=kv_b_proj,
                                nope=qk_nope_head_dim, v_dim=v_head_dim)
-    return attend_in_groups(q, latent_cache, meta, scale, attend, v_head_dim)
+    # each group materialises its rows' up-projected contexts: groups bounded by the longest
+    return attend_in_groups(q, latent_cache, meta, scale, attend, v_head_dim, bounded=True)
 
 
 def _gather(latent_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
