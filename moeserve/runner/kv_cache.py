@@ -69,9 +69,9 @@ def profile_step(num_tokens: int, context_len: int, block_size: int) -> tuple[Sc
     peak is 10.98 GiB this way against 5.2-6.9 GiB at an empty context (its up-projected MLA
     prefill at 202,752 tokens of context), and the profile takes 16 s instead of 2-4; Qwen3's
     plan is unchanged (667,360 KV tokens). Several rows at long contexts stay within it where
-    the attention is a Triton kernel or DSA's indexer (it scores in chunks of bounded bytes);
-    the torch references, which also run MLA's up-projected prefill on the GPU, pad a step's
-    prefill rows into one batch and can need more for several long rows at once."""
+    the attention is a Triton kernel, DSA's indexer (it scores in chunks of bounded bytes) or
+    MLA's up-projected prefill (its rows in paged.bounded_groups); the other torch references,
+    the CPU's paths, pad a step's prefill rows into one batch."""
     if not 1 <= num_tokens <= context_len:
         raise ValueError(f"profile_step: num_tokens {num_tokens} must be in 1..context_len "
                          f"({context_len})")
