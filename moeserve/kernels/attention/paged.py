@@ -144,17 +144,13 @@ def bounded_groups(query_lens: np.ndarray, seq_lens: np.ndarray,
     the long context: twice the long row's bytes."""
     if len(rows) == 0:
         return []
-    order = np.argsort(-seq_lens, kind="stable")
     limit = max(int(seq_lens.max()), int(query_lens.sum()))
-    groups, current, longest = [], [], 0
-    for i in order:
-        s = int(seq_lens[i])
-        longest_if = max(longest, s)
-        if current and (len(current) + 1) * longest_if > limit:
+    groups, current = [], []
+    for i in np.argsort(-seq_lens, kind="stable"):  # a group's first row is its longest
+        if current and (len(current) + 1) * int(seq_lens[current[0]]) > limit:
             groups.append(np.sort(rows[current]))
-            current, longest_if = [], s
+            current = []
         current.append(i)
-        longest = longest_if
     groups.append(np.sort(rows[current]))
     return groups
 
