@@ -62,7 +62,7 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
-    cfg = config or mla_triton.default_config("decode", kv_lora_rank, q.dtype, num_heads)
+    cfg = config or mla_triton.default_config("sparse", kv_lora_rank, q.dtype, num_heads)
     num_head_tiles, per_tile = mla_triton.head_tiles(num_heads, cfg.block_m)
     topk = positions.shape[1]
     if num_splits is None:  # host ints only: the same count inside a CUDA graph

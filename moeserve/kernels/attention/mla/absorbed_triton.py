@@ -63,8 +63,9 @@ tl: Any = None  # triton.language, bound by _kernels(): the kernels below read i
 
 def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype,
                    num_heads: int = 64) -> TileConfig:
-    """Defaults for kind "decode" or "prefill". block_m: decode, the query heads of one program
-    (one row); prefill, its query rows (tokens x heads). block_n: keys per iteration.
+    """Defaults for kind "decode", "sparse" (DSA's sparse MLA) or "prefill". block_m: decode,
+    the query heads of one program (one row); prefill, its query rows (tokens x heads).
+    block_n: keys per iteration.
 
     bf16 decode, as measured on the H200 (benchmarks/results/gpu_b9de9a5/call2_f3343e0/,
     kernels_mla over seven tiles): up to 32 heads, one program of them over 64 keys a step
@@ -74,10 +75,16 @@ def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype,
     keep a tile of latents in flight during each tile's dots (two give none: see _decode_kernel)."""
     if kv_lora_rank <= 64:  # tiny test shapes: small tiles, so loops and masks run several times
         return TileConfig(16, 16, 2, 1)
-    if kind == "decode":
+    if kind in ("decode", "sparse"):
         if dtype == torch.float32:  # exact tests: fp32 tiles are twice the bytes
             return TileConfig(16, 32, 4, 2)
-        return TileConfig(32, 64, 8, 3) if num_heads <= 32 else TileConfig(64, 32, 8, 3)
+        if num_heads <= 32:
+            return TileConfig(32, 64, 8, 3)
+        # from 64 heads, 64 keys a step halve the shared-memory re-reads of the queries per key
+        # (each warp group's score dot n32, not n16): 5-17% faster than (64, 32, 8, 3) in 15 of
+        # 16 cases at 64 / 128 heads (benchmarks/results/gpu_2928ff4/call1_2928ff4/); DSA's
+        # sparse MLA ("sparse") keeps (64, 32, 8, 3) until timed at it
+        return TileConfig(64, 64, 8, 2) if kind == "decode" else TileConfig(64, 32, 8, 3)
     if dtype == torch.float32:
         return TileConfig(32, 32, 8, 1)
     # bf16 prefill as the decode: 64 rows a program (wgmma's M; at 20 heads 3 query tokens x
