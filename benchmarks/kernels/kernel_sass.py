@@ -186,7 +186,7 @@ MLA_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
                 "sel_ptr": "*i32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "query_start_loc_ptr": "*i32", "rows_ptr": "*i32", "token_to_req_ptr": "*i32",
-                "tiles_ptr": "*i32",
+                "tiles_ptr": "*i32", "tok_pos_ptr": "*i64",
                 "scale_log2": "fp32"}
 
 
@@ -261,7 +261,8 @@ def dsa_sparse(args: argparse.Namespace) -> dict:
     tiles, per_tile = mla_triton.head_tiles(args.heads, bm)
     const = dict(NUM_HEADS=args.heads, HEADS_PER_TILE=per_tile,
                  BLOCK_H=max(16, next_pow2(per_tile)), L=512, R=64,
-                 BLOCK_SIZE=args.block_size, BLOCK_N=bn, IEEE=False, TILES_FIRST=True)
+                 BLOCK_SIZE=args.block_size, BLOCK_N=bn, IEEE=False, TILES_FIRST=True,
+                 SPLIT=False, PACKED=True)
     kernel = dsa_sparse_triton._kernels().sparse_attention
     return {"head_tiles": tiles,
             **compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps,

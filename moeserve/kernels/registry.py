@@ -79,10 +79,13 @@ class IndexerTopkFn(Protocol):
 
 
 class DsaAttentionFn(Protocol):
-    """(q [T, H, L + R], latent_cache, meta, positions [T, topk] int32, scale, L) -> [T, H, L]."""
+    """(q [T, H, L + R], latent_cache, meta, positions [T, topk] int32, scale, L) -> [T, H, L];
+    packed: the positions are an indexer's (valid ones first, at most position + 1 of them),
+    which a backend may use to stop early."""
 
     def __call__(self, q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
-                 positions: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor: ...
+                 positions: torch.Tensor, scale: float, kv_lora_rank: int,
+                 packed: bool = False) -> torch.Tensor: ...
 
 
 class DsaBackend(NamedTuple):

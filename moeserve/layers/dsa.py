@@ -192,7 +192,7 @@ class DsaAttention(MLAttention):
 
         def attend(q: torch.Tensor, cache: torch.Tensor, m: AttentionMetadata, scale: float,
                    rank: int) -> torch.Tensor:
-            return self.dsa_ops.attention(q, cache, m, positions, scale, rank)
+            return self.dsa_ops.attention(q, cache, m, positions, scale, rank, packed=True)
 
         return self._absorbed(q_nope, q_rope, meta, attend)
 

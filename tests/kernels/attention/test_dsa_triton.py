@@ -192,6 +192,31 @@ def test_sparse_attention_equals_the_reference(block_size: int, dtype: torch.dty
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_packed_selection_stops_at_the_context(num_splits: int) -> None:
+    """packed=True (what the DSA layer passes: an indexer's selection holds its valid
+    positions first, at most position + 1 of them): the same bits as reading every slot; and
+    the loop really stops there, since a position planted after a token's first position + 1
+    slots changes the unpacked result but not the packed one."""
+    step = make_step(*STEPS["mixed"], 16)
+    positions, _ = indexer_topk_ref(step.q, step.w, step.cache, step.meta, 0.25, TOPK)
+    q, latent = _latents(step.meta, 5, torch.float32)
+    args = (q, latent, step.meta, positions)
+    full = dsa_attention_triton(*args, 0.1, L, num_splits=num_splits)
+    packed = dsa_attention_triton(*args, 0.1, L, num_splits=num_splits, packed=True)
+    torch.testing.assert_close(packed, full, atol=0, rtol=0)
+    seen = step.meta.positions.cpu() + 1
+    short = int(torch.nonzero((seen > 1) & (seen < TOPK))[0])  # several keys, then -1 slots
+    assert positions[short, -1] == -1
+    planted = positions.clone()
+    planted[short, -1] = 0  # position 0 a second time (its weight doubles), past the count
+    moved = dsa_attention_triton(q, latent, step.meta, planted, 0.1, L, num_splits=num_splits)
+    assert not torch.equal(moved[short], full[short])
+    kept = dsa_attention_triton(q, latent, step.meta, planted, 0.1, L, num_splits=num_splits,
+                                packed=True)
+    torch.testing.assert_close(kept, full, atol=0, rtol=0)
+
+
 def test_sparse_attention_grid_orders_give_the_same_bits(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """Head tiles first in the grid (the default) and tokens first (past the grid's y limit,

@@ -153,7 +153,8 @@ def _score_topk(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
 
 
 def dsa_attention_ref(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
-                      positions: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+                      positions: torch.Tensor, scale: float, kv_lora_rank: int,
+                      packed: bool = False) -> torch.Tensor:
     """Absorbed MLA of each query over its selected context positions only.
 
     Args:
@@ -161,6 +162,8 @@ def dsa_attention_ref(q: torch.Tensor, latent_cache: torch.Tensor, meta: Attenti
         latent_cache: [num_blocks, block_size, L + R].
         positions: [T, topk] int32 from `indexer_topk_ref` (-1: none).
         kv_lora_rank: L; the values are the first L entries of each cached row.
+        packed: accepted for the backends' common signature (registry.DsaAttentionFn); the
+            reference reads every slot either way.
     Returns:
         [T, H, L] in q's dtype (softmax in fp32).
     """

@@ -36,7 +36,7 @@ _empty_state: Any = None
 def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                          positions: torch.Tensor, scale: float, kv_lora_rank: int, *,
                          config: TileConfig | None = None,
-                         num_splits: int | None = None) -> torch.Tensor:
+                         num_splits: int | None = None, packed: bool = False) -> torch.Tensor:
     """Absorbed MLA of each query over its selected context positions only
     (`dsa_attention_ref`'s contract).
 
@@ -53,6 +53,8 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
             combined by mla_triton's split reduce (tests, benchmarks); default
             mla_triton.decode_num_splits over (tokens, head tiles, topk): enough programs to
             fill the GPU when the tokens are few.
+        packed: the positions are an indexer's, valid ones first and at most position + 1 of
+            them: each token's loop stops at its context (`_sparse_attention_kernel`).
     Returns:
         [T, H, L] contiguous, q's dtype (softmax in fp32). A token with no valid position gets
         zeros (the reference's softmax over nothing gives NaN there).
@@ -88,14 +90,15 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
             else (num_tokens, num_head_tiles, num_splits))
     _kernels().sparse_attention[grid](
         q, latent_cache, out, part_m, part_l, part_acc, positions, meta.block_tables,
-        meta.token_to_req, scale * math.log2(math.e), topk, meta.block_tables.shape[1],
+        meta.token_to_req, meta.positions, scale * math.log2(math.e), topk,
+        meta.block_tables.shape[1],
         partition, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), positions.stride(0),
         meta.block_tables.stride(0),
         NUM_HEADS=num_heads, HEADS_PER_TILE=per_tile, BLOCK_H=max(16, next_pow2(per_tile)),
         L=kv_lora_rank, R=dim - kv_lora_rank, BLOCK_SIZE=latent_cache.shape[1],
         BLOCK_N=cfg.block_n, IEEE=q.dtype == torch.float32, TILES_FIRST=tiles_first,
-        SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SPLIT=split, PACKED=packed, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         mla_reduce_triton.reduce_splits(part_m, part_l, part_acc, out, None, None, num_tokens,
                                  num_splits)
@@ -157,18 +160,24 @@ def _selected_rows(sel_ptr, table_ptr, j0, j_end, max_blocks, L: tl.constexpr, R
 
 
 def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-                             sel_ptr, block_tables_ptr, token_to_req_ptr, scale_log2, topk,
+                             sel_ptr, block_tables_ptr, token_to_req_ptr, tok_pos_ptr,
+                             scale_log2, topk,
                              max_blocks, partition, num_splits, stride_qt, stride_qh,
                              stride_ot, stride_oh, stride_sel, stride_table,
                              NUM_HEADS: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
                              BLOCK_H: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                              IEEE: tl.constexpr, TILES_FIRST: tl.constexpr,
-                             SPLIT: tl.constexpr):
+                             SPLIT: tl.constexpr, PACKED: tl.constexpr):
     """Program (head_tile, t, split), or (t, head_tile, split) without TILES_FIRST: the
     HEADS_PER_TILE query heads of head_tile for token t, over partition `split` of its `topk`
     selected positions (sel_ptr row t; the last partition runs to topk), BLOCK_N at a time.
-    SPLIT: the partition's (max, sum, acc) go to the partials (mla_triton's layout)."""
+    SPLIT: the partition's (max, sum, acc) go to the partials (mla_triton's layout).
+    PACKED: the selection holds its valid positions first, at most position + 1 of them (the
+    indexers' output: descending score, -1 past a short context), so the loop stops there; a
+    context of 256 positions then costs its 256, not topk's 2,048 slots of mostly -1 (a CUDA
+    graph's decode runs every row sparse: W1 on the glm-5 slice was 14% slower than dense MLA
+    forced, gpu_b1fed26)."""
     if TILES_FIRST:
         head_tile = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)
@@ -178,6 +187,8 @@ def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, 
     split = tl.program_id(2)
     start = split * partition
     end = tl.where(split == num_splits - 1, topk, tl.minimum(topk, start + partition))
+    if PACKED:  # past the token's own context: -1 only
+        end = tl.minimum(end, tl.load(tok_pos_ptr + t).to(tl.int32) + 1)
     req = tl.load(token_to_req_ptr + t)
     h = tl.arange(0, BLOCK_H)  # [H'] head within the tile (padded)
     head = head_tile * HEADS_PER_TILE + h
