@@ -21,10 +21,13 @@ when the layer's MLA backend is the Triton one, the torch references (dsa/refere
 The indexer's RoPE splits [rope | pass] (the main attention's q is [nope | rope]), in pairs for
 GLM-5 and in halves for V3.2, as each model's transformers code. The selection of a step's
 full layer is kept in `meta.derived` for the shared layers after it; the rows' split into
-sparse and dense is made once per step (also in `meta.derived`). When the host lengths are
-not the real ones (a CUDA-graph decode: `meta.exact_host_lens` False) every row takes the
-sparse path, which selects every position of a context of at most index_topk: the same
-result without a host decision.
+sparse and dense is made once per step (also in `meta.derived`). A step whose
+`meta.max_seq_len` (an upper bound on every row's context) is at most index_topk runs dense
+whatever else it knows: the CUDA-graph decode's second graph per bucket, for steps whose
+contexts all lie within index_topk (runner/cuda_graphs.py), so short-context serving pays no
+indexer. Otherwise, when the host lengths are not the real ones (a CUDA-graph decode:
+`meta.exact_host_lens` False) every row takes the sparse path, which selects every position of
+a context of at most index_topk: the same result without a host decision.
 
 `dsa_mode`: "auto" (above), "dense" (never sparse: the engine's dsa="dense"; the keys are
 still written when an indexer cache is bound) or "sparse" (every row sparse: tests, to show
@@ -199,14 +202,20 @@ class DsaAttention(MLAttention):
 
 def _split_rows(meta: AttentionMetadata, topk: int, mode: str) -> tuple:
     """The step's rows as (sparse part, dense part), each None or (its metadata, its token
-    indices in the step or None for all). Sparse: context > topk ("auto" with exact host
-    lengths), every row otherwise. Made once per step; the sparse part's metadata is the one
-    object every layer of the step stores its selection in. `meta.derived` never holds `meta`
+    indices in the step or None for all). "sparse": every row sparse. "auto": every row dense
+    when meta.max_seq_len (a bound on each row's context) is at most topk; else with exact host
+    lengths the rows of context > topk sparse, the others dense; without them every row
+    sparse. Made once per step; the sparse part's metadata is the one object every layer of
+    the step stores its selection in. `meta.derived` never holds `meta`
     itself: that cycle left every step's metadata, with its selections, to the garbage
     collector, and W3's 32k prompts on the H200 grew by gigabytes until out of memory."""
     key = ("dsa_split", topk, mode)
     if key not in meta.derived:
-        if mode == "sparse" or not meta.exact_host_lens:
+        if mode == "sparse":
+            split = _WHOLE_SPARSE
+        elif meta.max_seq_len <= topk:  # a bound on every row, exact host lengths or not
+            split = _WHOLE_DENSE
+        elif not meta.exact_host_lens:
             split = _WHOLE_SPARSE
         else:
             long = meta.seq_lens_np > topk

@@ -268,6 +268,16 @@ class CausalLM(nn.Module):
             if isinstance(layer.self_attn, MLAttention):
                 layer.self_attn.set_decode_form(form)
 
+    def dense_context_limit(self) -> int | None:
+        """The context length up to which every DSA layer runs dense MLA whatever the host
+        knows (its index_topk; layers/dsa.py's `_split_rows` reads meta.max_seq_len as the
+        rows' bound): the CUDA-graph decode captures a second graph per bucket for steps
+        whose contexts all lie within it. None without DSA layers or when one is not "auto"."""
+        layers = self.dsa_layers()
+        if not layers or any(a.dsa_mode != "auto" for a in layers):
+            return None
+        return min(a.topk for a in layers)
+
     def set_dsa_mode(self, mode: str) -> None:
         """"auto" (sparse rows beyond index_topk), "dense" or "sparse" for every DSA layer."""
         if mode not in DSA_MODES:

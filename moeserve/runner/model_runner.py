@@ -305,10 +305,7 @@ class ModelRunner:
         sizes = graph_batch_sizes(max_batch)
         self.graphs = DecodeGraphs(self.model, sizes, max_model_len, self.block_size,
                                    self.device)
-        seconds = self.graphs.capture() if capture else 0.0
-        kind = "captured" if self.graphs.graphs else "static buffers, eager (no CUDA)"
-        return (f"on: {len(sizes)} decode batch sizes 1..{max_batch} ({kind} in {seconds:.1f}s), "
-                "padding < 10% of a batch")
+        return self.graphs.report(self.graphs.capture() if capture else 0.0)
 
     def init_mixed_graphs(self, max_tokens: int, capture: bool = True) -> str:
         """Build the mixed-step token buckets up to `max_tokens` (the step's token budget) and
@@ -444,7 +441,7 @@ class ModelRunner:
         computed = np.asarray(out.num_computed_tokens, dtype=np.int64)  # [B]
         graphs = self.graphs if bucket is not None else None
         if graphs is not None:
-            graphs.stage(token_ids, computed, out.block_tables, bucket)
+            graphs.stage(token_ids, computed, out.block_tables, bucket, out.num_steps)
         input_ids = self._to_device(token_ids)
         tokens = []
         for step in range(out.num_steps):

@@ -7,10 +7,12 @@ are checked everywhere. On the GPU (`-m gpu`) the same tests capture and replay 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.runner.cuda_graphs import bucket_padding, graph_batch_sizes
+from moeserve.runner.cuda_graphs import DecodeGraphs, bucket_padding, graph_batch_sizes
 from tests.engine.test_generate_vs_hf import _prompts, hf_greedy
 from tests.models.checkpoints import write_tiny_checkpoint
 
@@ -123,3 +125,33 @@ def test_mla_graph_decode_matches_hf(device: str, tmp_path_factory: pytest.TempP
         assert llm.engine.runner.num_graph_steps > 0
         if device == "cuda":
             assert llm.engine.runner.num_eager_decode_fallbacks == 0
+
+
+class _ShortModel(torch.nn.Module):
+    """A stand-in model whose dense_context_limit is 8 (as a DSA model's index_topk)."""
+
+    def dense_context_limit(self) -> int:
+        return 8
+
+
+def test_stage_picks_the_short_context_graph_only_when_every_context_stays_within() -> None:
+    """DecodeGraphs with a short-context bound: `stage` picks the short graph when every row's
+    context after all of the round's steps is within it, and its metadata carries the bound
+    as max_seq_len (what layers/dsa.py reads); a model without the bound, or one at least
+    max_model_len, keeps one graph a bucket."""
+    cpu = torch.device("cpu")
+    graphs = DecodeGraphs(_ShortModel(), [1, 2, 4], 64, 4, cpu)
+    assert graphs.short_context == 8 and graphs.kinds() == (False, True)
+    ids = np.array([5, 6], dtype=np.int64)
+    for positions, steps, short in (([3, 6], 1, True), ([3, 7], 1, True), ([3, 7], 2, False),
+                                    ([8, 0], 1, False), ([2, 4], 4, True), ([2, 4], 5, False)):
+        graphs.stage(ids, np.array(positions, dtype=np.int64), [[1, 2, 3], [4, 5, 6]], 2, steps)
+        assert graphs.short is short, (positions, steps)
+    assert graphs.metadata(2, True).max_seq_len == 8
+    assert graphs.metadata(2).max_seq_len == 64
+    assert "contexts within 8" in graphs.report(0.0)
+    plain = DecodeGraphs(torch.nn.Module(), [1, 2], 64, 4, cpu)
+    assert plain.short_context is None and plain.kinds() == (False,)
+    plain.stage(ids, np.array([1, 2], dtype=np.int64), [[1], [2]], 2)
+    assert plain.short is False and "contexts within" not in plain.report(0.0)
+    assert DecodeGraphs(_ShortModel(), [1], 8, 4, cpu).short_context is None  # 8 >= 8
