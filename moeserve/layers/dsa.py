@@ -23,11 +23,11 @@ GLM-5 and in halves for V3.2, as each model's transformers code. The selection o
 full layer is kept in `meta.derived` for the shared layers after it; the rows' split into
 sparse and dense is made once per step (also in `meta.derived`). A step whose
 `meta.max_seq_len` (an upper bound on every row's context) is at most index_topk runs dense
-whatever else it knows: the CUDA-graph decode's second graph per bucket, for steps whose
-contexts all lie within index_topk (runner/cuda_graphs.py), so short-context serving pays no
-indexer. Otherwise, when the host lengths are not the real ones (a CUDA-graph decode:
-`meta.exact_host_lens` False) every row takes the sparse path, which selects every position of
-a context of at most index_topk: the same result without a host decision.
+whatever else it knows: the CUDA-graph decode's graph of the smallest context bound, for
+steps whose contexts all lie within index_topk (runner/cuda_graphs.py), so short-context
+serving pays no indexer. Otherwise, when the host lengths are not the real ones (a CUDA-graph
+decode: `meta.exact_host_lens` False) every row takes the sparse path, which selects every
+position of a context of at most index_topk: the same result without a host decision.
 
 `dsa_mode`: "auto" (above), "dense" (never sparse: the engine's dsa="dense"; the keys are
 still written when an indexer cache is bound) or "sparse" (every row sparse: tests, to show

@@ -271,8 +271,9 @@ class CausalLM(nn.Module):
     def dense_context_limit(self) -> int | None:
         """The context length up to which every DSA layer runs dense MLA whatever the host
         knows (its index_topk; layers/dsa.py's `_split_rows` reads meta.max_seq_len as the
-        rows' bound): the CUDA-graph decode captures a second graph per bucket for steps
-        whose contexts all lie within it. None without DSA layers or when one is not "auto"."""
+        rows' bound): the CUDA-graph decode captures a graph per bucket at this bound and at
+        larger ones (runner/cuda_graphs.py's `context_bounds`). None without DSA layers or
+        when one is not "auto"."""
         layers = self.dsa_layers()
         if not layers or any(a.dsa_mode != "auto" for a in layers):
             return None

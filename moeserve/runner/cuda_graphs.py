@@ -17,10 +17,11 @@ them out of the expert-load counters. Their outputs are dropped.
 
 The Triton decode kernel sizes its context partitions from `max_seq_len`, fixed at capture to
 max_model_len; rows shorter than a partition skip it, so one graph serves every context length.
-A model with DeepSeek Sparse Attention gets a second graph per bucket, its `max_seq_len` the
-model's `dense_context_limit()` (index_topk): a step whose contexts all lie within it (after
-every step of a multi-step round, judged by `stage` on the host) replays that one, which runs
-dense MLA with no indexer (layers/dsa.py); the first one, every row sparse, serves the rest.
+A model with DeepSeek Sparse Attention gets one graph per bucket and context bound
+(`context_bounds`): the model's `dense_context_limit()` (index_topk), where layers/dsa.py runs
+dense MLA with no indexer, then bounds 8x apart up to max_model_len, where every row is sparse
+and the indexer's scores and top-k span the bound, not max_model_len. `stage` picks, on the
+host, the smallest bound that every context stays within through a multi-step round.
 Graphs are captured largest first into one memory pool (a smaller graph's activations fit in the
 larger one's). Multi-step decode advances positions, lengths and slots on the device (`advance`)
 between replays, with no host round trip.
@@ -37,6 +38,7 @@ import torch
 from moeserve.kernels.attention.metadata import AttentionMetadata
 
 MAX_PADDING = 0.1  # largest share of a bucket's rows that may be padding
+CONTEXT_STEP = 8  # a DSA model's graph context bounds grow 8x from index_topk
 ROUND_FROM = 64  # buckets above this are multiples of 8 (tile-friendly)
 
 
@@ -66,6 +68,20 @@ def bucket_padding(sizes: list[int]) -> float:
     return worst
 
 
+def context_bounds(dense_limit: int | None, max_model_len: int,
+                   step: int = CONTEXT_STEP) -> tuple[int, ...]:
+    """The max_seq_len of each graph a bucket holds, ascending, the last max_model_len:
+    (max_model_len,) without a dense limit below it; else the limit, then `step`x bounds
+    below max_model_len, then max_model_len (GLM-5's 2,048 at 202,752: 2,048, 16,384,
+    131,072, 202,752)."""
+    if dense_limit is None or dense_limit >= max_model_len:
+        return (max_model_len,)
+    bounds = [dense_limit]
+    while bounds[-1] * step < max_model_len:
+        bounds.append(bounds[-1] * step)
+    return (*bounds, max_model_len)
+
+
 class DecodeGraphs:
     """Static decode buffers and one CUDA graph per bucket (see the module docstring).
 
@@ -81,9 +97,9 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.device = device
         limit = getattr(model, "dense_context_limit", lambda: None)()
-        # the short graphs' context bound (DSA: index_topk), None: one graph a bucket
-        self.short_context = limit if limit is not None and limit < max_model_len else None
-        self.short = False  # this step's contexts all within short_context (`stage`)
+        self.bounds = context_bounds(limit, max_model_len)  # each bucket's graphs' max_seq_len
+        self.dense_context = limit if len(self.bounds) > 1 else None  # DSA: index_topk
+        self.bound = max_model_len  # the staged step's (`stage`)
         n = self.max_batch
         self.max_blocks = -(-max_model_len // block_size)
         # int64 rows: input ids, positions, slots, count mask; one host-to-device copy per step
@@ -93,9 +109,9 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.token_to_req = torch.arange(n, dtype=torch.int64, device=device)
-        # (bucket, short) -> the graph, and its hidden states [B, hidden]
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        # (bucket, context bound) -> the graph, and its hidden states [B, hidden]
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
 
     def bucket(self, batch: int) -> int | None:
@@ -103,20 +119,16 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, batch)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def kinds(self) -> tuple[bool, ...]:
-        """The graphs a bucket has: (False,), or (False, True) with short-context graphs."""
-        return (False,) if self.short_context is None else (False, True)
-
-    def metadata(self, bucket: int, short: bool = False) -> AttentionMetadata:
-        """The attention metadata of bucket rows, as views of the static buffers; `short`:
-        max_seq_len is short_context (every row's context within it), else max_model_len."""
+    def metadata(self, bucket: int, bound: int | None = None) -> AttentionMetadata:
+        """The attention metadata of bucket rows, as views of the static buffers; max_seq_len
+        is `bound` (every row's context within it; default max_model_len)."""
         ones = np.ones(bucket, dtype=np.int64)
         return AttentionMetadata(
             positions=self.positions[:bucket], slot_mapping=self.slot_mapping[:bucket],
             block_tables=self.block_tables[:bucket], seq_lens=self.seq_lens[:bucket],
             query_start_loc=self.query_start_loc[:bucket + 1],
             token_to_req=self.token_to_req[:bucket], block_size=self.block_size,
-            max_query_len=1, max_seq_len=self.short_context if short else self.max_model_len,
+            max_query_len=1, max_seq_len=bound or self.max_model_len,
             query_lens_np=ones,
             seq_lens_np=ones, token_to_req_np=np.arange(bucket, dtype=np.int64),
             exact_host_lens=False)
@@ -134,8 +146,8 @@ class DecodeGraphs:
         set_mask = getattr(self.model, "set_expert_count_mask", None)
         try:
             for bucket in reversed(self.sizes):
-                for short in self.kinds():
-                    meta = self.metadata(bucket, short)
+                for bound in self.bounds:
+                    meta = self.metadata(bucket, bound)
                     if set_mask is not None:
                         set_mask(self.count_mask[:bucket])
                     # warm-up: Triton JIT for this bucket's tile configs, cuBLAS workspaces
@@ -143,9 +155,9 @@ class DecodeGraphs:
                     torch.cuda.synchronize(self.device)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[bucket, short] = self.model(
+                        self.outputs[bucket, bound] = self.model(
                             self.input_ids[:bucket], self.positions[:bucket], meta)
-                    self.graphs[bucket, short] = graph
+                    self.graphs[bucket, bound] = graph
         finally:
             if set_mask is not None:
                 set_mask(None)
@@ -156,10 +168,11 @@ class DecodeGraphs:
     def report(self, seconds: float) -> str:
         """The capacity report's one-line state, after `capture` took `seconds`."""
         kind = "captured" if self.graphs else "static buffers, eager (no CUDA)"
-        short = (f", a second graph each for contexts within {self.short_context} (DSA: "
-                 "dense MLA, no indexer)" if self.short_context is not None else "")
-        return (f"on: {len(self.sizes)} decode batch sizes 1..{self.max_batch} ({kind} in "
-                f"{seconds:.1f}s){short}, padding < 10% of a batch")
+        bounds = (f" x {len(self.bounds)} context bounds {', '.join(map(str, self.bounds))} "
+                  f"(DSA: within {self.dense_context} dense MLA, no indexer)"
+                  if self.dense_context is not None else "")
+        return (f"on: {len(self.sizes)} decode batch sizes 1..{self.max_batch}{bounds} ({kind} "
+                f"in {seconds:.1f}s), padding < 10% of a batch")
 
     def _pad_all(self) -> None:
         """Every row as padding (the state captured; also harmless for warm-up)."""
@@ -172,8 +185,8 @@ class DecodeGraphs:
     def stage(self, token_ids: np.ndarray, num_computed: np.ndarray,
               block_tables: list[list[int]], bucket: int, steps: int = 1) -> None:
         """Write one decode step's inputs for `len(token_ids)` rows, padded to `bucket`, and
-        choose the graph kind: short when every context stays within short_context through
-        `steps` steps (a multi-step round advances them on the device).
+        choose the graph's context bound: the smallest that every context stays within
+        through `steps` steps (a multi-step round advances them on the device).
 
         token_ids [B] int64 (a -1 is left as 0: the caller fills it on the device),
         num_computed [B] int64 = each row's position."""
@@ -194,8 +207,9 @@ class DecodeGraphs:
         host64[3, :b] = 1
         seq = np.ones(bucket, dtype=np.int32)
         seq[:b] = pos + 1
-        self.short = (self.short_context is not None
-                      and int(pos.max(initial=0)) + steps <= self.short_context)
+        need = int(pos.max(initial=0)) + steps  # the longest context the round reaches
+        self.bound = self.bounds[min(bisect.bisect_left(self.bounds, need),
+                                     len(self.bounds) - 1)]
         self.packed64[:, :bucket].copy_(_pinned(host64, self.device), non_blocking=True)
         self.seq_lens[:bucket].copy_(_pinned(seq, self.device), non_blocking=True)
         self.block_tables[:bucket, :width].copy_(_pinned(table, self.device), non_blocking=True)
@@ -203,16 +217,16 @@ class DecodeGraphs:
     def replay(self, bucket: int) -> torch.Tensor:
         """Run bucket's graph on the staged inputs; returns its hidden states [bucket, hidden]
         (graph memory: valid until the next replay)."""
-        graph = self.graphs.get((bucket, self.short))
+        graph = self.graphs.get((bucket, self.bound))
         if graph is not None:
             graph.replay()
-            return self.outputs[bucket, self.short]
+            return self.outputs[bucket, self.bound]
         set_mask = getattr(self.model, "set_expert_count_mask", None)
         if set_mask is not None:
             set_mask(self.count_mask[:bucket])
         try:
             return self.model(self.input_ids[:bucket], self.positions[:bucket],
-                              self.metadata(bucket, self.short))
+                              self.metadata(bucket, self.bound))
         finally:
             if set_mask is not None:
                 set_mask(None)

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.runner.cuda_graphs import DecodeGraphs, bucket_padding, graph_batch_sizes
+from moeserve.runner.cuda_graphs import (
+    DecodeGraphs,
+    bucket_padding,
+    context_bounds,
+    graph_batch_sizes,
+)
 from tests.engine.test_generate_vs_hf import _prompts, hf_greedy
 from tests.models.checkpoints import write_tiny_checkpoint
 
@@ -134,24 +139,35 @@ class _ShortModel(torch.nn.Module):
         return 8
 
 
-def test_stage_picks_the_short_context_graph_only_when_every_context_stays_within() -> None:
-    """DecodeGraphs with a short-context bound: `stage` picks the short graph when every row's
-    context after all of the round's steps is within it, and its metadata carries the bound
-    as max_seq_len (what layers/dsa.py reads); a model without the bound, or one at least
-    max_model_len, keeps one graph a bucket."""
+def test_context_bounds() -> None:
+    """index_topk, then 8x bounds below max_model_len, then max_model_len; one bound without
+    a dense limit below max_model_len."""
+    assert context_bounds(2048, 202752) == (2048, 16384, 131072, 202752)
+    assert context_bounds(2048, 33280) == (2048, 16384, 33280)
+    assert context_bounds(2048, 16384) == (2048, 16384)
+    assert context_bounds(8, 64) == (8, 64) and context_bounds(8, 65) == (8, 64, 65)
+    assert context_bounds(None, 4096) == (4096,) and context_bounds(4096, 4096) == (4096,)
+
+
+def test_stage_picks_the_smallest_context_bound_every_context_stays_within() -> None:
+    """DecodeGraphs of a model with a dense limit: `stage` picks the smallest bound that every
+    row's context stays within after all of the round's steps, and its metadata carries it as
+    max_seq_len (what layers/dsa.py and the indexer read); a model without the limit keeps
+    one graph a bucket at max_model_len."""
     cpu = torch.device("cpu")
-    graphs = DecodeGraphs(_ShortModel(), [1, 2, 4], 64, 4, cpu)
-    assert graphs.short_context == 8 and graphs.kinds() == (False, True)
+    graphs = DecodeGraphs(_ShortModel(), [1, 2, 4], 128, 4, cpu)
+    assert graphs.bounds == (8, 64, 128) and graphs.dense_context == 8
     ids = np.array([5, 6], dtype=np.int64)
-    for positions, steps, short in (([3, 6], 1, True), ([3, 7], 1, True), ([3, 7], 2, False),
-                                    ([8, 0], 1, False), ([2, 4], 4, True), ([2, 4], 5, False)):
-        graphs.stage(ids, np.array(positions, dtype=np.int64), [[1, 2, 3], [4, 5, 6]], 2, steps)
-        assert graphs.short is short, (positions, steps)
-    assert graphs.metadata(2, True).max_seq_len == 8
-    assert graphs.metadata(2).max_seq_len == 64
-    assert "contexts within 8" in graphs.report(0.0)
+    tables = [list(range(1, 33)), list(range(33, 65))]
+    for positions, steps, bound in (([3, 6], 1, 8), ([3, 7], 1, 8), ([3, 7], 2, 64),
+                                    ([8, 0], 1, 64), ([2, 4], 4, 8), ([2, 4], 5, 64),
+                                    ([63, 1], 1, 64), ([63, 1], 2, 128), ([127, 0], 1, 128)):
+        graphs.stage(ids, np.array(positions, dtype=np.int64), tables, 2, steps)
+        assert graphs.bound == bound, (positions, steps)
+        assert graphs.metadata(2, graphs.bound).max_seq_len == bound
+    assert graphs.metadata(2).max_seq_len == 128
+    assert "3 context bounds 8, 64, 128" in graphs.report(0.0)
     plain = DecodeGraphs(torch.nn.Module(), [1, 2], 64, 4, cpu)
-    assert plain.short_context is None and plain.kinds() == (False,)
+    assert plain.bounds == (64,) and plain.dense_context is None
     plain.stage(ids, np.array([1, 2], dtype=np.int64), [[1], [2]], 2)
-    assert plain.short is False and "contexts within" not in plain.report(0.0)
-    assert DecodeGraphs(_ShortModel(), [1], 8, 4, cpu).short_context is None  # 8 >= 8
+    assert plain.bound == 64 and "context bounds" not in plain.report(0.0)

@@ -178,33 +178,34 @@ def test_graph_buffer_decode_matches_hf(device: str, checkpoints: dict, arch: st
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_graph_decode_within_index_topk_runs_dense_mla(device: str, checkpoints: dict,
-                                                       arch: str) -> None:
-    """Decode through the graph buffers whose contexts all stay within index_topk 8: `stage`
-    picks the short-context graph (max_seq_len 8), which runs dense MLA with no indexer query
-    and no sparse row (the other graph ran every row sparse); still transformers' tokens. A
-    multi-step round that would pass 8 takes the other graph, and selects."""
+def test_graph_decode_picks_its_context_bound(device: str, checkpoints: dict,
+                                             arch: str) -> None:
+    """Decode through the graph buffers (max_model_len 128: bounds index_topk 8, 64, 128).
+    Contexts all within 8: `stage` picks the 8 graph, which runs dense MLA with no indexer
+    query and no sparse row; transformers' tokens. Contexts past 8 but within 64 (a
+    multi-step round counted to its end): the 64 graph, every row sparse over an indexer that
+    spans 64 positions, not 128; transformers' tokens."""
     folder, _, _ = checkpoints[arch]
     prompts = _prompts(256, (3, 5), seed=5)
     params = [SamplingParams(max_tokens=9 - len(p), temperature=0.0, ignore_eos=True)
               for p in prompts]
     expected = [hf_greedy(folder, [p], s.max_tokens)[0] for p, s in zip(prompts, params,
                                                                        strict=True)]
-    llm = _llm(folder, device, max_model_len=64)
+    llm = _llm(folder, device, max_model_len=128)
     runner = llm.engine.runner
-    runner.init_decode_graphs(4, 64, capture=False)
-    assert runner.graphs.short_context == 8
+    runner.init_decode_graphs(4, 128, capture=False)
+    assert runner.graphs.bounds == (8, 64, 128)
     assert [r.token_ids for r in llm.generate(prompts, params)] == expected
-    assert runner.num_graph_steps > 0
+    assert runner.num_graph_steps > 0 and runner.graphs.bound == 8
     assert all(a.tokens_sparse == 0 for a in _dsa_layers(llm))
 
-    prompt = _prompts(256, (6,), seed=6)
+    prompt = _prompts(256, (6, 30), seed=6)
     crossing = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    multi = _llm(folder, device, max_model_len=64, num_continuous_decode_steps=4)
-    multi.engine.runner.init_decode_graphs(4, 64, capture=False)
-    tokens = multi.generate(prompt, crossing)[0].token_ids
-    assert tokens == hf_greedy(folder, prompt, crossing.max_tokens)[0]
-    assert multi.engine.runner.num_graph_steps > 0
+    multi = _llm(folder, device, max_model_len=128, num_continuous_decode_steps=4)
+    multi.engine.runner.init_decode_graphs(4, 128, capture=False)
+    assert [r.token_ids for r in multi.generate(prompt, crossing)] == hf_greedy(
+        folder, prompt, crossing.max_tokens)
+    assert multi.engine.runner.num_graph_steps > 0 and multi.engine.runner.graphs.bound == 64
     assert any(a.tokens_sparse > 0 for a in _dsa_layers(multi))
 
 
