@@ -262,7 +262,7 @@ def dsa_sparse(args: argparse.Namespace) -> dict:
     const = dict(NUM_HEADS=args.heads, HEADS_PER_TILE=per_tile,
                  BLOCK_H=max(16, next_pow2(per_tile)), L=512, R=64,
                  BLOCK_SIZE=args.block_size, BLOCK_N=bn, IEEE=False, TILES_FIRST=True,
-                 SPLIT=False, PACKED=True)
+                 SPLIT=False, PACKED=True, SLOTS=args.slots)
     kernel = dsa_sparse_triton._kernels().sparse_attention
     return {"head_tiles": tiles,
             **compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps,
@@ -334,6 +334,9 @@ def main() -> None:
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                            help="fp8: the float8 e4m3 latent cache's variant")
+        if name == "dsa-sparse":
+            p.add_argument("--slots", action="store_true",
+                           help="the selection given as cache rows (sparse_triton.slot_rows)")
     args = parser.parse_args()
     report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
               "mla-decode-flat": mla_decode_flat, "mla-prefill": mla_prefill,

@@ -16,7 +16,8 @@ Decode step (`decode_cases`): GLM-5's attention per layer, one decode token a ro
 to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the latent cache
 (576 values, 1,152 bytes a token) over the same scattered blocks. Timed apart: the indexer
 (scores + top-k), the top-k alone (torch.topk of the step's sort keys), the sparse MLA over the
-2,048 selected positions (with --tiles, also at those TileConfigs), and dense MLA
+2,048 selected positions (with --tiles, also at those TileConfigs; sparse_mla_slots_ms with
+sparse_triton's `slot_rows` experiment switch on, its row conversion included), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
 MLA; the dense kernel's own read bound is context x 1,152 bytes a row. The selection and the
@@ -187,6 +188,14 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         q, cache, meta, positions, mla_scale, latent))
     base = dsa_sparse_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,
                                            latent).float()  # checked above, on a small step
+    dsa_sparse_triton.slot_rows = True  # the experiment switch: cache rows first, then the loop
+    try:
+        assert torch.equal(dsa_sparse_triton.dsa_attention_triton(
+            q, cache, meta, positions, mla_scale, latent).float(), base), f"{name}: slot rows"
+        row["sparse_mla_slots_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
+            q, cache, meta, positions, mla_scale, latent))
+    finally:
+        dsa_sparse_triton.slot_rows = False
     for tile in tiles:  # the sparse MLA at other tiles (--tiles), first checked against it
         run = functools.partial(dsa_sparse_triton.dsa_attention_triton, q, cache, meta, positions,
                                 mla_scale, latent, config=tile)

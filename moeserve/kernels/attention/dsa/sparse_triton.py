@@ -26,6 +26,12 @@ from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
 from moeserve.kernels.attention.paged_triton import TileConfig
 from moeserve.kernels.triton_common import next_pow2
 
+# An experiment switch (off until the H200 times it: benchmarks/kernels/kernels_dsa.py's
+# sparse_mla_slots_ms): the selection turned into cache rows by one small launch first
+# (`_slots_kernel`), so that the attention loop loads each tile's rows with one load instead
+# of a position load feeding a block-table load. Its sm90 SASS holds 26 LDGs a loop against the
+# dense decode's 9 at (64, 32, 8, 3). The same rows and ops, so the same bits (tests).
+slot_rows = False
 tl: Any = None  # triton.language, bound by _kernels(): the kernel below reads it as a global
 # mla_triton's jitted helpers, bound by _kernels() too (the kernel reads it by global name)
 _attend_rows: Any = None
@@ -88,8 +94,16 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     tiles_first = num_tokens <= mla_triton.MAX_GRID_Y
     grid = ((num_head_tiles, num_tokens, num_splits) if tiles_first
             else (num_tokens, num_head_tiles, num_splits))
-    _kernels().sparse_attention[grid](
-        q, latent_cache, out, part_m, part_l, part_acc, positions, meta.block_tables,
+    kern = _kernels()
+    sel = positions
+    if slot_rows:  # [T, topk] int32 cache rows, -1 none
+        sel = torch.empty_like(positions)
+        kern.slots[(num_tokens, -(-topk // _SLOTS_BLOCK))](
+            positions, meta.block_tables, meta.token_to_req, sel, topk,
+            meta.block_tables.shape[1], positions.stride(0), meta.block_tables.stride(0),
+            BLOCK_SIZE=latent_cache.shape[1], BLOCK=_SLOTS_BLOCK)
+    kern.sparse_attention[grid](
+        q, latent_cache, out, part_m, part_l, part_acc, sel, meta.block_tables,
         meta.token_to_req, meta.positions, scale * math.log2(math.e), topk,
         meta.block_tables.shape[1],
         partition, num_splits,
@@ -98,7 +112,8 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
         NUM_HEADS=num_heads, HEADS_PER_TILE=per_tile, BLOCK_H=max(16, next_pow2(per_tile)),
         L=kv_lora_rank, R=dim - kv_lora_rank, BLOCK_SIZE=latent_cache.shape[1],
         BLOCK_N=cfg.block_n, IEEE=q.dtype == torch.float32, TILES_FIRST=tiles_first,
-        SPLIT=split, PACKED=packed, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SPLIT=split, PACKED=packed, SLOTS=slot_rows, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if split:
         mla_reduce_triton.reduce_splits(part_m, part_l, part_acc, out, None, None, num_tokens,
                                  num_splits)
@@ -141,18 +156,41 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(
         sparse_attention=triton.jit(_sparse_attention_kernel,
                                     do_not_specialize=["topk", "max_blocks", "partition",
-                                                       "num_splits", "stride_table"]))
+                                                       "num_splits", "stride_table"]),
+        slots=triton.jit(_slots_kernel, do_not_specialize=["topk", "max_blocks",
+                                                           "stride_table"]))
+
+
+_SLOTS_BLOCK = 1024  # selections a `_slots_kernel` program converts
 
 
 # ---- Triton kernel (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
 
+def _slots_kernel(sel_ptr, block_tables_ptr, token_to_req_ptr, out_ptr, topk, max_blocks,
+                  stride_sel, stride_table, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, block of BLOCK selections): token t's selected positions -> their cache rows
+    (`_selected_rows`' rule: -1, or a position past the block table, gives -1), int32."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    pos = tl.load(sel_ptr + t * stride_sel + j, mask=j < topk, other=-1)
+    valid = (pos >= 0) & (pos < max_blocks * BLOCK_SIZE)
+    req = tl.load(token_to_req_ptr + t)
+    block = tl.load(block_tables_ptr + req * stride_table + pos // BLOCK_SIZE, mask=valid,
+                    other=0)
+    slot = tl.where(valid, block * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
+    tl.store(out_ptr + t * stride_sel + j, slot.to(tl.int32), mask=j < topk)
+
+
 def _selected_rows(sel_ptr, table_ptr, j0, j_end, max_blocks, L: tl.constexpr, R: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr):
     """The cache element offsets [N] of selections j0 .. min(j0 + BLOCK_N, j_end) of one token
     (its row of the selection at sel_ptr, its request's block table at table_ptr), and which
     are valid [N]: -1 is none, and a position past the block table was never selected (kept
-    from reading out of bounds)."""
+    from reading out of bounds). SLOTS: sel_ptr holds cache rows already (`_slots_kernel`)."""
     j = j0 + tl.arange(0, BLOCK_N)
+    if SLOTS:
+        slot = tl.load(sel_ptr + j, mask=j < j_end, other=-1)  # [N] cache rows
+        return slot.to(tl.int64) * (L + R), slot >= 0
     pos = tl.load(sel_ptr + j, mask=j < j_end, other=-1)  # [N] context positions
     valid = (pos >= 0) & (pos < max_blocks * BLOCK_SIZE)
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
@@ -168,7 +206,8 @@ def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, 
                              BLOCK_H: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                              IEEE: tl.constexpr, TILES_FIRST: tl.constexpr,
-                             SPLIT: tl.constexpr, PACKED: tl.constexpr):
+                             SPLIT: tl.constexpr, PACKED: tl.constexpr,
+                             SLOTS: tl.constexpr):
     """Program (head_tile, t, split), or (t, head_tile, split) without TILES_FIRST: the
     HEADS_PER_TILE query heads of head_tile for token t, over partition `split` of its `topk`
     selected positions (sel_ptr row t; the last partition runs to topk), BLOCK_N at a time.
@@ -177,7 +216,7 @@ def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, 
     indexers' output: descending score, -1 past a short context), so the loop stops there; a
     context of 256 positions then costs its 256, not topk's 2,048 slots of mostly -1 (a CUDA
     graph's decode runs every row sparse: W1 on the glm-5 slice was 14% slower than dense MLA
-    forced, gpu_b1fed26)."""
+    forced, gpu_b1fed26). SLOTS: sel_ptr holds cache rows (`slot_rows`), not positions."""
     if TILES_FIRST:
         head_tile = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)
@@ -199,10 +238,11 @@ def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, 
     table = block_tables_ptr + req * stride_table
     sel = sel_ptr + t * stride_sel
     # each tile's positions and rows are looked up a tile ahead (see mla_triton's decode)
-    row, valid = _selected_rows(sel, table, start, end, max_blocks, L, R, BLOCK_SIZE, BLOCK_N)
+    row, valid = _selected_rows(sel, table, start, end, max_blocks, L, R, BLOCK_SIZE, BLOCK_N,
+                                SLOTS)
     for j0 in range(start, end, BLOCK_N):
         row_next, valid_next = _selected_rows(sel, table, j0 + BLOCK_N, end, max_blocks, L, R,
-                                              BLOCK_SIZE, BLOCK_N)
+                                              BLOCK_SIZE, BLOCK_N, SLOTS)
         acc, m_i, l_i = _attend_rows(q_lat, q_pe, acc, m_i, l_i, cache_ptr, row, valid,
                                      valid[None, :], scale_log2, L, R, True, IEEE)
         row, valid = row_next, valid_next
