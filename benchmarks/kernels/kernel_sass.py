@@ -159,7 +159,7 @@ def moe_quant(args: argparse.Namespace) -> dict:
                  GROUP={"fp8": 128, "nvfp4": 16, "int4": 32}[fmt],
                  SCALE_ROWS=128 if fmt == "fp8" else 1,
                  ONE_SCALE_ROW=fmt == "fp8" and 128 % bn == 0 and not args.row_scales,
-                 A_ROW_DIV=8 if args.gated else 1, HALVES=fmt == "nvfp4" and args.halves,
+                 A_ROW_DIV=8 if args.gated else 1,
                  GATED=args.gated, EVEN_K=True, DOT_PRECISION="tf32", NATIVE_FP8=True,
                  DECODE=nvfp4_tile.DECODES.index(args.decode),
                  PREFETCH=fmt == "fp8" and args.prefetch, BLOCK_M=bm, BLOCK_N=bn,
@@ -317,8 +317,6 @@ def main() -> None:
                            help="fp8: a weight scale per row loaded (not one per tile)")
             p.add_argument("--prefetch", action="store_true",
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
-            p.add_argument("--halves", action="store_true",
-                           help="nvfp4: the activations stored in halves (a_halves)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
     for name in ("mla-decode", "mla-decode-flat", "mla-prefill", "dsa-sparse", "gqa-prefill",

@@ -40,7 +40,6 @@ the timeout's SIGINT leaves the JSON of what was done; `--shapes glm-5` etc. spl
 --profile adds each MoE row's kernels by GPU time, torch.profiler over three eager calls;
 --nvfp4-decode bits asm times the NVFP4 rows with each decode of kernels/linear/nvfp4_tile.py
 (--fp8-prefetch off on the FP8 rows with and without the scales' one-step prefetch;
---a-halves off on the NVFP4 MoE rows with the activations split in registers or stored in halves;
 --moe-dequant off on the 4-bit MoE rows fused or dequantized first; --w4a16-backend fused
 dequant the 4-bit linears: benchmarks/quant/quant_switches.py), the acceptance taking the best):
 
@@ -388,9 +387,6 @@ def main() -> None:
     parser.add_argument("--fp8-prefetch", nargs="+", choices=("off", "on"), default=["off"],
                         help="FP8 MoE rows per setting of the scales' one-step prefetch "
                         "(kernels/moe/quant/fused_triton.py prefetch_scales)")
-    parser.add_argument("--a-halves", nargs="+", choices=("off", "on"), default=["off"],
-                        help="NVFP4 MoE rows per setting of the activations stored in halves "
-                        "(kernels/moe/quant/fused_triton.py a_halves)")
     parser.add_argument("--w4a16-backend", nargs="+", choices=("auto", "fused", "dequant"),
                         default=["auto"], help="NVFP4 / INT4 linear rows per backend of "
                         "kernels/linear/w4a16_dequant.py (fused: dequantized in the GEMM's "
@@ -446,7 +442,7 @@ def main() -> None:
     ctx["fp8_peak_tflops"] = result["peaks"]["fp8_peak_tflops"]
     save()
     moe_switches = {"decode": args.nvfp4_decode, "prefetch": args.fp8_prefetch,
-                    "a_halves": args.a_halves, "moe_dequant": args.moe_dequant}
+                    "moe_dequant": args.moe_dequant}
     for shape_name, shape in shapes.items():
         for fmt in args.formats:
             for settings in settings_of(fmt, moe_switches):

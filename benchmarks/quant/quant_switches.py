@@ -4,7 +4,6 @@ the value it ran with.
 
     decode         kernels/linear/nvfp4_tile.py `decode`            nvfp4   bits | asm
     prefetch       kernels/moe/quant/fused_triton.py `prefetch_scales`  fp8  off | on
-    a_halves       kernels/moe/quant/fused_triton.py `a_halves`     nvfp4 MoE  off | on
     w4a16_backend  kernels/linear/w4a16_dequant.py `backend`        nvfp4, int4 linears
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
 """
@@ -27,8 +26,6 @@ class Switch:
 SWITCHES = {
     "decode": Switch("moeserve.kernels.linear.nvfp4_tile", "decode", ("nvfp4",)),
     "prefetch": Switch("moeserve.kernels.moe.quant.fused_triton", "prefetch_scales", ("fp8",),
-                       lambda v: v == "on"),
-    "a_halves": Switch("moeserve.kernels.moe.quant.fused_triton", "a_halves", ("nvfp4",),
                        lambda v: v == "on"),
     "w4a16_backend": Switch("moeserve.kernels.linear.w4a16_dequant", "backend",
                             ("nvfp4", "int4")),

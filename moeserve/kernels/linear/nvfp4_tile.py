@@ -107,15 +107,6 @@ def nvfp4_step(acc, a, byte, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
     "bits" (Triton's integer and fp32 ops), 1 "asm" (PTX on bf16 pairs; bf16 a, CUDA), whose
     sums carry 2^-10: the caller's epilogue multiplies by `unscale(DECODE)`."""
     a_lo, a_hi = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))  # k = 2j, 2j + 1
-    return nvfp4_dots(acc, a_lo, a_hi, byte, scale, DOT_PRECISION, DECODE)
-
-
-def nvfp4_dots(acc, a_lo, a_hi, byte, scale, DOT_PRECISION: tl.constexpr,
-               DECODE: tl.constexpr):
-    """`nvfp4_step` with the activations' even and odd columns given apart: a_lo [BM, BK / 2]
-    (k = 2j) and a_hi (k = 2j + 1), loaded so by a caller whose activations are stored in
-    halves (moe/quant/fused_triton.py's `a_halves`), which saves the split's register
-    shuffles of every warp's A fragments."""
     if DECODE == 1:  # the scales x 2^116 (exact: e4m3 <= 448), in bf16, one a byte
         step = spread_groups((scale * 8.307674973655724e34).to(tl.bfloat16), 8)
         w_lo, w_hi = tl.inline_asm_elementwise(
@@ -126,8 +117,8 @@ def nvfp4_dots(acc, a_lo, a_hi, byte, scale, DOT_PRECISION: tl.constexpr,
     bits = byte.to(tl.int32)
     step = spread_groups(scale, 8) * 16384.0  # a scale a byte; nibbles decode to value x 2^-14
     lo, hi = nibble_values(bits)
-    acc = tl.dot(a_lo, (lo * step).to(a_lo.dtype), acc, input_precision=DOT_PRECISION)
-    return tl.dot(a_hi, (hi * step).to(a_lo.dtype), acc, input_precision=DOT_PRECISION)
+    acc = tl.dot(a_lo, (lo * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
+    return tl.dot(a_hi, (hi * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
 
 
 def nibble_values(bits):
@@ -170,7 +161,7 @@ def e4m3_bits_to_f32(bits):
 def jitted() -> SimpleNamespace:
     """The helpers as Triton functions (bound here as module globals too: they call each other
     by name); triton is imported here, on first use."""
-    global tl, nibble_values, nvfp4_step, nvfp4_dots, e4m3_bits_to_f32, spread_groups, unscale
+    global tl, nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale
     global _E2M1_BF16X2_ASM
     import triton
     import triton.language
@@ -178,10 +169,9 @@ def jitted() -> SimpleNamespace:
     tl = triton.language
     if isinstance(_E2M1_BF16X2_ASM, str):  # a kernel reads only constexpr globals
         _E2M1_BF16X2_ASM = tl.constexpr(_E2M1_BF16X2_ASM)
-    nibble_values, nvfp4_step, nvfp4_dots, e4m3_bits_to_f32, spread_groups, unscale = (
-        triton.jit(f) for f in (nibble_values, nvfp4_step, nvfp4_dots, e4m3_bits_to_f32,
-                                spread_groups, unscale))
-    return SimpleNamespace(nvfp4_step=nvfp4_step, nvfp4_dots=nvfp4_dots,
-                           e4m3_bits_to_f32=e4m3_bits_to_f32,
+    nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale = (
+        triton.jit(f) for f in (nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups,
+                                unscale))
+    return SimpleNamespace(nvfp4_step=nvfp4_step, e4m3_bits_to_f32=e4m3_bits_to_f32,
                            spread_groups=spread_groups, unscale=unscale,
                            nibble_values=nibble_values)

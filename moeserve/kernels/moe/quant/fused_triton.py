@@ -80,14 +80,6 @@ FORMAT_IDS = {"fp8": 0, "nvfp4": 1, "int4": 2}  # the kernel's FORMAT constexpr
 # 16 x 64 x 128 gated tile: every in-loop scale load one step ahead of its use, for 239 -> 255
 # loop instructions.
 prefetch_scales = False
-# nvfp4: the A operands stored in halves, each row's even columns then its odd ones (x permuted
-# once a call, act written so by the gated launch), so that a K step loads the two [BM, BK / 2]
-# tiles that nvfp4_tile's two dots take, instead of splitting a loaded [BM, BK] tile in every
-# warp's registers (Triton 3.6's sm90 SASS, 16 x 64 x 128 gated tile: 64 PRMTs a step on the
-# ALU pipe, the one that binds at decode sizes: ncu, gpu_b1fed26). The same products in the same
-# order, so the same bits (tests compare them); an experiment switch until the H200 times it
-# (benchmarks/quant/kernels_quant.py --a-halves off on).
-a_halves = False
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _QWEIGHT_DTYPES = {"fp8": E4M3, "nvfp4": torch.uint8, "int4": torch.int32}
 tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
@@ -133,19 +125,15 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
                                                             config["BLOCK_M"])
     num_pairs = num_tokens * top_k
 
-    halves = fmt == "nvfp4" and a_halves
     a, a_scale = _activations(x, fmt)  # fp8: ([T, H] e4m3, [T, H / 128] fp32), else (x, None)
-    if halves:  # [T, H]: x's even columns, then its odd ones
-        a = a.view(num_tokens, hidden // 2, 2).transpose(1, 2).reshape(num_tokens, hidden)
-    act = x.new_empty(num_pairs, inter)  # [M, I], row = pair (in halves when `halves`)
+    act = x.new_empty(num_pairs, inter)  # [M, I], row = pair
     _launch(fmt, a, a_scale, w13, group13, rows13, act, topk_weights, sorted_ids, expert_ids,
-            num_pairs, config, a_row_div=top_k, gated=True, halves=halves)
+            num_pairs, config, a_row_div=top_k, gated=True)
     a, a_scale = _activations(act, fmt)  # rows of -1 pairs unwritten: quantized, never read
     out = x.new_empty(num_tokens, top_k, hidden)  # [T, k, H], row pair = t * k + i
     _zero_nonlocal_rows(out.view(num_pairs, hidden), topk_ids)  # rows no launch writes
     _launch(fmt, a, a_scale, w2, group2, rows2, out.view(num_pairs, hidden), topk_weights,
-            sorted_ids, expert_ids, num_pairs, config, a_row_div=1, gated=False,
-            halves=halves)
+            sorted_ids, expert_ids, num_pairs, config, a_row_div=1, gated=False)
     if not reduce:
         return out
     return out.view(num_tokens, hidden) if top_k == 1 else out.sum(dim=1)
@@ -163,14 +151,11 @@ def _activations(a: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor 
 def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, group: int,
             scale_rows: int, c: torch.Tensor, topk_weights: torch.Tensor,
             sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_pairs: int,
-            config: dict[str, int], *, a_row_div: int, gated: bool,
-            halves: bool = False) -> None:
+            config: dict[str, int], *, a_row_div: int, gated: bool) -> None:
     """One grouped GEMM c[rows] = a[rows] @ dequant(w[e]).T over expert-sorted row blocks.
 
     gated: w is w13 (N = I, silu(gate) * up in the epilogue), a_row_div = k (A's row of pair p
     is token p // k); else w is w2 (N = H, rows scaled by their routing weight).
-    halves (nvfp4, `a_halves`): A's rows are stored in halves (even columns, then odd), and a
-    gated launch writes c so too (column n at n // 2, plus N / 2 for odd n).
     """
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
@@ -191,7 +176,7 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
         c.stride(0),  # C [M, N]
         FORMAT=FORMAT_IDS[fmt], GROUP=group, SCALE_ROWS=scale_rows,
         ONE_SCALE_ROW=fmt == "fp8" and scale_rows % config["BLOCK_N"] == 0
-        and n_out % scale_rows == 0, A_ROW_DIV=a_row_div, HALVES=halves,
+        and n_out % scale_rows == 0, A_ROW_DIV=a_row_div,
         GATED=gated, EVEN_K=k_dim % config["BLOCK_K"] == 0,
         DOT_PRECISION="ieee" if c.dtype == torch.float32 else "tf32", NATIVE_FP8=native_fp8,
         DECODE=nvfp4_tile.decode_id(a.dtype, a.device) if fmt == "nvfp4" else 0,
@@ -209,16 +194,15 @@ def _kernel() -> Any:
     bound at import and would not be interpreted under a later TRITON_INTERPRET=1), and the
     helpers are jitted here and bound as module globals, where the interpreter finds them.
     """
-    global tl, _tile, _b_step, _w_scale, _load_a, _load_k, _nvfp4_step, _nvfp4_dots
-    global _e4m3_bits_to_f32, _spread_groups, _unscale
+    global tl, _tile, _b_step, _w_scale, _load_k, _nvfp4_step, _e4m3_bits_to_f32, _spread_groups
+    global _unscale
     import triton
     import triton.language as tl
 
-    _tile, _b_step, _w_scale, _load_a, _load_k = (
-        triton.jit(f) for f in (_tile, _b_step, _w_scale, _load_a, _load_k))
+    _tile, _b_step, _w_scale, _load_k = (triton.jit(f) for f in (_tile, _b_step, _w_scale,
+                                                                  _load_k))
     tiles = nvfp4_tile.jitted()
-    _nvfp4_step, _nvfp4_dots = tiles.nvfp4_step, tiles.nvfp4_dots
-    _e4m3_bits_to_f32 = tiles.e4m3_bits_to_f32
+    _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
     _spread_groups, _unscale = tiles.spread_groups, tiles.unscale
 
     # the step-varying sizes exempt from Triton's value specialization. NOTE: not the row
@@ -233,11 +217,10 @@ def _kernel() -> Any:
             stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
             stride_ge, stride_gn, stride_cm,
             FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
-            ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, HALVES: tl.constexpr,
-            GATED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr, PREFETCH: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            GROUP_M: tl.constexpr):
+            ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+            EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
+            DECODE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         # (row block, N-tile): GROUP_M row blocks side by side per N-tile (B tiles shared in L2)
         pid = tl.program_id(0)
         num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -252,7 +235,7 @@ def _kernel() -> Any:
                   pid_m, pid_n, expert.to(tl.int64), num_pairs, N, K, stride_am, stride_asm,
                   stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
                   stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS, ONE_SCALE_ROW,
-                  A_ROW_DIV, HALVES,
+                  A_ROW_DIV,
                   GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, PREFETCH, BLOCK_M,
                   BLOCK_N, BLOCK_K)
 
@@ -342,10 +325,10 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
           stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
           stride_ge, stride_gn, stride_cm,
           FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
-          ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, HALVES: tl.constexpr,
-          GATED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-          NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr, PREFETCH: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+          EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
+          DECODE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`, int64)."""
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
@@ -388,21 +371,18 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
                                     stride_sk, SCALE_ROWS, ONE_SCALE_ROW)
             if not PREFETCH:  # this step's own
                 s_a, s_g, s_u = s_a_next, s_g_next, s_u_next
-        if HALVES:  # the step's even columns (a) and odd ones (a_hi): [BM, BK / 2] each
-            a = _load_a(a_base, k0 // 2, row_ok, K // 2, EVEN_K, BLOCK_K // 2)
-            a_hi = _load_a(a_base + K // 2, k0 // 2, row_ok, K // 2, EVEN_K, BLOCK_K // 2)
+        if EVEN_K:
+            a = tl.load(a_base + kk[None, :], mask=row_ok[:, None], other=0.0)  # [BM, BK]
         else:
-            a = _load_a(a_base, k0, row_ok, K, EVEN_K, BLOCK_K)  # [BM, BK]
-            a_hi = a  # unused
-        acc = _b_step(acc, a, a_hi, s_a, s_g, b_base, s_base, rows, kk, k_ok, k0, K,
-                      stride_bn, stride_bk, stride_sn, stride_sk, FORMAT, GROUP, ONE_SCALE_ROW,
-                      HALVES, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N,
-                      BLOCK_K)
+            a = tl.load(a_base + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _b_step(acc, a, s_a, s_g, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn,
+                      stride_bk, stride_sn, stride_sk, FORMAT, GROUP, ONE_SCALE_ROW, EVEN_K,
+                      DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
         if GATED:  # the up rows N + n: their own scales
-            acc_up = _b_step(acc_up, a, a_hi, s_a, s_u, b_base, s_base, rows + N, kk, k_ok, k0,
-                             K, stride_bn, stride_bk, stride_sn, stride_sk, FORMAT, GROUP,
-                             ONE_SCALE_ROW, HALVES, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE,
-                             BLOCK_M, BLOCK_N, BLOCK_K)
+            acc_up = _b_step(acc_up, a, s_a, s_u, b_base, s_base, rows + N, kk, k_ok, k0, K,
+                             stride_bn, stride_bk, stride_sn, stride_sk, FORMAT, GROUP,
+                             ONE_SCALE_ROW, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M,
+                             BLOCK_N, BLOCK_K)
         s_a, s_g, s_u = s_a_next, s_g_next, s_u_next
     if FORMAT == 1:  # nvfp4's global scales, per weight row (gate and up rows their own)
         g_rows = bg_ptr + expert * stride_ge + rows.to(tl.int64) * stride_gn  # [BN]
@@ -413,10 +393,7 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     else:
         acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
-    cols = offs_n
-    if HALVES and GATED:  # act in halves, as the down launch reads it
-        cols = offs_n // 2 + (offs_n % 2) * (N // 2)
-    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
 
@@ -431,15 +408,14 @@ def _w_scale(s_base, rows, row0, kb, stride_sn, stride_sk, SCALE_ROWS: tl.conste
     return s
 
 
-def _b_step(acc, a, a_hi, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn,
-            stride_bk, stride_sn, stride_sk, FORMAT: tl.constexpr, GROUP: tl.constexpr,
-            ONE_SCALE_ROW: tl.constexpr, HALVES: tl.constexpr, EVEN_K: tl.constexpr,
+def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, stride_bk,
+            stride_sn, stride_sk, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+            ONE_SCALE_ROW: tl.constexpr, EVEN_K: tl.constexpr,
             DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BM, BN] + a [BM, BK] @ the [BK, BN] tile of weight rows `rows` at columns kk,
     dequantized per FORMAT (0 fp8, 1 nvfp4, 2 int4; the module docstring); fp8's scales
-    s_a [BM] and s_b (`_w_scale`) are the caller's. HALVES (nvfp4): a is the step's even
-    columns [BM, BK / 2] and a_hi its odd ones."""
+    s_a [BM] and s_b (`_w_scale`) are the caller's."""
     rows = rows.to(tl.int64)
     if FORMAT == 0:  # e4m3 x e4m3 in fp32, times s_a[row] and s_b[row // SCALE_ROWS]
         b = _load_k(b_base + rows[None, :] * stride_bn + kk[:, None] * stride_bk, k_ok, EVEN_K)
@@ -458,10 +434,7 @@ def _b_step(acc, a, a_hi, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, strid
             scale = _load_k(s_ptrs, g * GROUP < K, EVEN_K).to(tl.float32)
         else:  # its bytes (the interpreter's fp8 loads lose the NaN codes)
             scale = _e4m3_bits_to_f32(_load_k(s_ptrs, g * GROUP < K, EVEN_K).to(tl.int32))
-        if HALVES:
-            acc = _nvfp4_dots(acc, a, a_hi, byte, scale, DOT_PRECISION, DECODE)
-        else:
-            acc = _nvfp4_step(acc, a, byte, scale, BLOCK_M, BLOCK_K, DOT_PRECISION, DECODE)
+        acc = _nvfp4_step(acc, a, byte, scale, BLOCK_M, BLOCK_K, DOT_PRECISION, DECODE)
     else:
         # each packed word and each group scale loaded once: [BK / 8, BN] and [BK / G, BN],
         # spread to the [BK, BN] tile in registers (8 nibbles a word)
@@ -478,15 +451,6 @@ def _b_step(acc, a, a_hi, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, strid
         w_val = (nib - 8).to(tl.float32)  # int32 words of 8 nibbles, stored as q + 8
         acc = tl.dot(a, (w_val * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
     return acc
-
-
-def _load_a(a_base, c0, row_ok, width, EVEN_K: tl.constexpr, COLS: tl.constexpr):
-    """A's [BM, COLS] tile at columns c0.. of a row region `width` columns wide (past it, 0)."""
-    cols = c0 + tl.arange(0, COLS)
-    if EVEN_K:
-        return tl.load(a_base + cols[None, :], mask=row_ok[:, None], other=0.0)
-    return tl.load(a_base + cols[None, :], mask=row_ok[:, None] & (cols < width)[None, :],
-                   other=0.0)
 
 
 def _load_k(ptrs, k_ok, EVEN_K: tl.constexpr):
