@@ -98,7 +98,6 @@ class DecodeGraphs:
         self.device = device
         limit = getattr(model, "dense_context_limit", lambda: None)()
         self.bounds = context_bounds(limit, max_model_len)  # each bucket's graphs' max_seq_len
-        self.dense_context = limit if len(self.bounds) > 1 else None  # DSA: index_topk
         self.bound = max_model_len  # the staged step's (`stage`)
         n = self.max_batch
         self.max_blocks = -(-max_model_len // block_size)
@@ -113,6 +112,11 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
+
+    @property
+    def dense_context(self) -> int | None:
+        """The smallest bound where it is the model's dense limit (DSA: index_topk), else None."""
+        return self.bounds[0] if len(self.bounds) > 1 else None
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket >= batch, or None when the batch is larger than every bucket."""
