@@ -3,6 +3,8 @@ and the JSON they rewrite after every case, so that a run cut short keeps what i
 
     make_timer(smoke, warmup_ms, rep_ms)   fn -> ms: triton.testing.do_bench on the GPU, one
                                            eager call in a CPU smoke run (not a measurement)
+    graph_timed(timer, fn, cuda)           the timer over fn captured in a CUDA graph (a
+                                           decode step as serving runs it), eager on CPU
     record(result, section, row, path, device)
 """
 
@@ -29,6 +31,21 @@ def make_timer(smoke: bool, warmup_ms: int, rep_ms: int) -> Timer:
     def bench(fn: Callable[[], object]) -> float:
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms))
     return bench
+
+
+def graph_timed(timer: Timer, fn: Callable[[], object], cuda: bool) -> float:
+    """timer(fn) with fn (already run once, so compiled) captured in a CUDA graph and replayed:
+    no host time between its launches, as in a served decode step. On CPU: timer(fn)."""
+    if not cuda:
+        return timer(fn)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return timer(graph.replay)
+    finally:
+        del graph
 
 
 def record(result: dict, section: str, row: dict, path: str, device: str) -> None:

@@ -15,12 +15,16 @@ the baseline).
 Decode step (`decode_cases`): GLM-5's attention per layer, one decode token a row at batch 32
 to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the latent cache
 (576 values, 1,152 bytes a token) over the same scattered blocks. Timed apart: the indexer
-(scores + top-k), the top-k alone (torch.topk of the step's sort keys), the sparse MLA over the
+(scores + top-k), the top-k alone (topk_triton's radix select over the step's scores; and
+torch.topk over int64 sort keys built from them, the path it replaced, as topk_torch_ms), the
+sparse MLA over the
 2,048 selected positions (with --tiles, also at those TileConfigs; sparse_mla_slots_ms with
 sparse_triton's `slot_rows` experiment switch on, its row conversion included), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
-MLA; the dense kernel's own read bound is context x 1,152 bytes a row. The selection and the
+MLA (eager: host gaps between the indexer's launches included), and against the two captured
+in one CUDA graph as a served decode step runs them (dsa_graph_ms, pct_of_bound_graph); the
+dense kernel's own read bound is context x 1,152 bytes a row. The selection and the
 sparse output are first checked against the references on the first rows.
 
 Writes kernels_dsa.json to --out (`--no-decode` skips the decode step, `--decode-only` the
@@ -42,10 +46,11 @@ import numpy as np
 import torch
 
 # none imports triton (the kernels do on first use, after --smoke set the interpreter)
-from benchmarks.kernels.kernel_runs import Timer, make_timer, record
+from benchmarks.kernels.kernel_runs import Timer, graph_timed, make_timer, record
 from benchmarks.kernels.kernels_mla import parse_tile
 from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
 from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
+from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_topk_ref
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
@@ -174,16 +179,28 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     q_i, w, index_cache, meta = make_step(*rows, block, device, dtype, integers=False)
     q, cache = latent_step(batch, index_cache.shape[0], 5)
     positions, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta, scale, topk)
-    keys = torch.cat([k for _, _, k in dsa_triton.index_score_chunks(q_i, w, index_cache, meta,
-                                                                      scale)])
-    k = min(topk, keys.shape[1])
+    scores = torch.cat([k for _, _, k in dsa_triton.index_score_chunks(q_i, w, index_cache,
+                                                                        meta, scale)])
+    k = min(topk, scores.shape[1])
+    # the replaced path's sort keys: ord(score) << 32 | (2^31 - 1 - position)
+    keys = (scores.long() << 32) | ((1 << 31) - 1 - torch.arange(scores.shape[1],
+                                                                 device=device))
+    selected = torch.full((batch, topk), -1, dtype=torch.int32, device=device)
     row: dict = {"case": name, "batch": batch, "context": context, "mla_heads": heads,
                  "topk": topk, "check_error": err}
     row["indexer_ms"] = timer(lambda: dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta,
                                                                      scale, topk))
     row["score_ms"] = timer(lambda: [c for _, _, c in dsa_triton.index_score_chunks(
         q_i, w, index_cache, meta, scale)])
-    row["topk_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
+    row["topk_ms"] = timer(lambda: topk_triton.radix_topk(scores, meta, 0, topk, selected))
+    row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
+
+    def step() -> torch.Tensor:
+        pos, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta, scale, topk)
+        return dsa_sparse_triton.dsa_attention_triton(q, cache, meta, pos, mla_scale, latent,
+                                                      packed=True)
+    step()
+    row["dsa_graph_ms"] = graph_timed(timer, step, cuda)
     row["sparse_mla_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
         q, cache, meta, positions, mla_scale, latent))
     base = dsa_sparse_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,
@@ -212,6 +229,7 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
                                          q.element_size())
     row.update({"dsa_ms": round(dsa_ms, 4), "read_bound_ms": round(bound, 4),
                 "pct_of_bound": round(100 * bound / dsa_ms, 1),
+                "pct_of_bound_graph": round(100 * bound / row["dsa_graph_ms"], 1),
                 "dense_read_bound_ms": round(dense_bound, 4),
                 "dense_pct_of_bound": round(100 * dense_bound / row["dense_mla_ms"], 1),
                 "speedup_vs_dense": round(row["dense_mla_ms"] / dsa_ms, 2),

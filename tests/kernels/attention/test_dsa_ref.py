@@ -87,13 +87,15 @@ def test_ties_break_to_the_lowest_position_and_are_counted() -> None:
     flat = cache.view(-1, DIM)
     slots = [tables[0][s // BS] * BS + s % BS for s in range(20)]
     pos, _ = indexer_topk_ref(q, w, cache, meta, DIM ** -0.5, TOPK)
-    best = pos[0].tolist()
+    best = pos[0].tolist()  # ascending positions: the k-th best is the one top-(k - 1) drops
+    fewer, _ = indexer_topk_ref(q, w, cache, meta, DIM ** -0.5, TOPK - 1)
+    (kth,) = set(best) - set(fewer[0].tolist())
     rest = [s for s in range(20) if s not in best]
     twin = rest[len(rest) // 2]
-    flat[slots[twin]] = flat[slots[best[-1]]].clone()
+    flat[slots[twin]] = flat[slots[kth]].clone()
     pos, ties = indexer_topk_ref(q, w, cache, meta, DIM ** -0.5, TOPK, count_boundary_ties=True)
     assert ties == 1
-    low, high = sorted((best[-1], twin))
+    low, high = sorted((kth, twin))
     assert low in pos[0].tolist() and high not in pos[0].tolist()
 
 

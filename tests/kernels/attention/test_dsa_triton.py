@@ -1,8 +1,8 @@
 """The Triton DSA kernels (kernels/attention/dsa/indexer_triton.py) against the torch references of
 kernels/attention/dsa/reference.py.
 
-Indexer top-k: exactly the reference's positions in its order (descending score, ties to the
-lowest position, -1 past a short context) and the same boundary-tie count, for pure decode,
+Indexer top-k: exactly the reference's positions in its order (the top-k by score, ties to the
+lowest position, in ascending position order, -1 after them for a short context) and the same boundary-tie count, for pure decode,
 prefill from 0, chunks after a prefix and mixed steps, contexts shorter than, equal to and longer
 than topk, block sizes 16 and 6; on random data and on data with forced ties (ReLU zero on every
 head, with all-negative weights putting those zeros at the top; duplicated keys; integer-valued

@@ -13,17 +13,18 @@ Same contracts as the torch references in kernels/attention/dsa/reference.py (`i
         (decode-only step: one token), each key tile         token t's selected positions,
         gathered by block table once for all of them:        BLOCK_N at a time, gathered through
         score = sum_h w[t,h] ReLU(q[t,h] . k[s] scale)      its row's block table ->
-        -> one int64 sort key per (t, s), s <= p(t)         mla_triton._attend_rows (online
-      torch.topk of the keys [T, S] -> positions            softmax, fp32) -> out [T, H, L]
+        -> one int32 ord(score) per (t, s), s <= p(t)       mla_triton._attend_rows (online
+      topk_triton.radix_topk of the scores [T, S]           softmax, fp32) -> out [T, H, L]
+        -> positions, ascending
 
-Exact selection, ties included: the kernel writes for each context position the int64
-key = ord(score) << 32 | (2^31 - 1 - s), where ord maps an fp32 score to an int32 of the same
-order (its bits, the magnitude bits flipped for negatives; -0.0 first made +0.0). Keys are
-distinct within a row, so torch.topk of them is exact and deterministic: descending score, ties
-to the lowest position, as the reference's stable sort. Positions past the token's context get
-the lowest int64 and decode to -1. Scores equal the reference's to fp32 rounding (dot and head
-sums in another order); a selection can differ only where two scores are that close (see below
-for the tests' data).
+Exact selection, ties included: the kernel writes for each context position ord(score), an
+int32 of the fp32 score's order (its bits, the magnitude bits flipped for negatives; -0.0
+first made +0.0), and dsa/topk_triton.py's radix select takes the topk largest with ties to the
+lowest position, as the reference's stable sort, returning them in ascending position order
+(the reference's order too). Positions past the token's context are never read (each token's
+context end comes from the metadata on the device). Scores equal the reference's to fp32
+rounding (dot and head sums in another order); a selection can differ only where two scores
+are that close (see below for the tests' data).
 
 Query tiles (index_block_q: 128 dot rows of tokens x heads, 4 tokens at GLM-5's 32 heads) share
 each loaded key tile, so a prefill chunk of T tokens reads its context's keys T / BLOCK_Q times,
@@ -57,19 +58,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
 from moeserve.kernels.attention.paged_triton import SUPPORTED_DTYPES
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
-# int64 sort keys a chunk of tokens may hold ([n, S]): 256 MiB
+# int32 scores a chunk of tokens may hold ([n, S]): 128 MiB
 _CHUNK_KEYS = 1 << 25
-_POS_BIAS = (1 << 31) - 1  # the key's low half: 2^31 - 1 - position (lower position, larger key)
-_LOW_HALF = (1 << 32) - 1
-# below every score's key (the lowest, -inf's, is about -2^63 + 2^55): positions past the
-# context. Not -2^63 itself, which Triton's literals cannot spell.
-_MASKED_KEY = -(1 << 63) + 1
+# written for positions past a token's context (never read: the top-k bounds each token by its
+# context end); below every score's ord but -NaN's
+_MASKED_SCORE = -(1 << 31)
 # rows (query tokens x indexer heads) of a prefill scoring program's q . k dot: see
 # index_block_q (a [128, D] x [D, BLOCK_N] dot: fp32 accumulator [128, 64] at GLM-5's shape)
 INDEX_TILE_ROWS = 128
@@ -93,7 +93,8 @@ def index_block_q(num_heads: int) -> int:
 
 def indexer_topk_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, topk: int,
-                        count_boundary_ties: bool = False) -> tuple[torch.Tensor, int]:
+                        count_boundary_ties: bool = False,
+                        topk_chunk: int = topk_triton.CHUNK) -> tuple[torch.Tensor, int]:
     """Each query token's top-`topk` context positions by the indexer's score
     (`indexer_topk_ref`'s contract and result).
 
@@ -107,35 +108,29 @@ def indexer_topk_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: tor
         scale: D ** -0.5.
         count_boundary_ties: also count the queries whose k-th and (k+1)-th scores are equal
             (a host sync: tests only).
+        topk_chunk: positions a top-k program takes (tests: small, so rows span several).
     Returns:
-        (positions [T, topk] int32 in descending score order, -1 where the context is shorter
-        than topk; the number of boundary ties, 0 unless counted).
+        (positions [T, topk] int32 in ascending position order, -1 after them where the
+        context is shorter than topk; the number of boundary ties, 0 unless counted).
     """
     _check_indexer_inputs(q, weights, index_cache, meta, topk)
     num_tokens = q.shape[0]
     out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     ties = 0
-    num_keys = max(1, meta.max_seq_len)  # S, the reference's padded context
-    k = min(topk, num_keys)
-    take = k + 1 if count_boundary_ties and num_keys > topk else k
-    for t0, n, keys in index_score_chunks(q, weights, index_cache, meta, scale):
-        top = torch.topk(keys, take, dim=1).values  # [n, take], descending; keys distinct
-        best = top[:, :k]
-        pos = torch.where(best > _MASKED_KEY, _POS_BIAS - (best & _LOW_HALF), -1)
-        out[t0:t0 + n, :k] = pos.to(torch.int32)
-        if take > k:  # equal high halves = equal scores at the k-th and (k+1)-th place
-            kth, nxt = top[:, k - 1], top[:, k]
-            ties += int(((kth >> 32 == nxt >> 32) & (nxt > _MASKED_KEY)).sum())
+    for t0, n, scores in index_score_chunks(q, weights, index_cache, meta, scale):
+        ties += topk_triton.radix_topk(scores, meta, t0, topk, out[t0:t0 + n],
+                                       chunk=topk_chunk,
+                                       count_boundary_ties=count_boundary_ties)
     return out, ties
 
 
 def index_score_chunks(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                        meta: AttentionMetadata, scale: float, block_q: int | None = None
                        ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """The step's sort keys, a chunk of tokens at a time (indexer_topk_triton's inputs, checked
-    there): (first token t0, tokens n, keys [n, S] int64), S = max(1, meta.max_seq_len), each
-    chunk launched as the previous one is consumed. block_q: tokens a tile on a step with a
-    prefill row (benchmarks: 1 scores one token a program there); default index_block_q."""
+    """The step's scores, a chunk of tokens at a time (indexer_topk_triton's inputs, checked
+    there): (first token t0, tokens n, scores [n, S] int32 ord), S = max(1, meta.max_seq_len),
+    each chunk launched as the previous one is consumed. block_q: tokens a tile on a step with
+    a prefill row (benchmarks: 1 scores one token a program there); default index_block_q."""
     num_tokens, num_heads, dim = q.shape
     num_keys = max(1, meta.max_seq_len)
     if num_tokens == 0:
@@ -154,17 +149,17 @@ def index_score_chunks(q: torch.Tensor, weights: torch.Tensor, index_cache: torc
         tiles, chunks = meta.derived[key]
     kern = _kernels()
     for t0, n, part in chunks:
-        keys = torch.empty(n, num_keys, dtype=torch.int64, device=q.device)  # [n, S]
+        scores = torch.empty(n, num_keys, dtype=torch.int32, device=q.device)  # [n, S]
         grid = (n if part is None else part.stop - part.start, -(-num_keys // block_n))
         kern.index_score[grid](
-            q, weights, index_cache, keys, meta.block_tables, meta.seq_lens, meta.positions,
+            q, weights, index_cache, scores, meta.block_tables, meta.seq_lens, meta.positions,
             meta.token_to_req, meta.positions if part is None else tiles[part], scale, t0,
             num_keys, q.stride(0), q.stride(1), weights.stride(0), meta.block_tables.stride(0),
             NUM_HEADS=num_heads, BLOCK_H=max(16 // block_q, next_pow2(num_heads)),
             BLOCK_Q=block_q, D=dim, BLOCK_SIZE=index_cache.shape[1], BLOCK_N=block_n,
             USE_TILES=part is not None, IEEE=q.dtype == torch.float32,
-            MASKED_KEY=_MASKED_KEY, POS_BIAS=_POS_BIAS, num_warps=4)
-        yield t0, n, keys
+            MASKED_SCORE=_MASKED_SCORE, num_warps=4)
+        yield t0, n, scores
 
 
 def _query_tiles(meta: AttentionMetadata, block_q: int, chunk: int,
@@ -277,10 +272,10 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
                         stride_qt, stride_qh, stride_wt, stride_table,
                         NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
                         D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        USE_TILES: tl.constexpr, IEEE: tl.constexpr, MASKED_KEY: tl.constexpr,
-                        POS_BIAS: tl.constexpr):
-    """Program (i, key tile): the sort keys [BLOCK_Q, BLOCK_N] of query tile i over context
-    positions tile * BLOCK_N .., written to keys rows (token - t0) ([n, num_keys] int64).
+                        USE_TILES: tl.constexpr, IEEE: tl.constexpr,
+                        MASKED_SCORE: tl.constexpr):
+    """Program (i, key tile): the scores' ord [BLOCK_Q, BLOCK_N] of query tile i over context
+    positions tile * BLOCK_N .., written to keys rows (token - t0) ([n, num_keys] int32).
 
     Query tile i: USE_TILES, tiles row i = (first token, count <= BLOCK_Q), consecutive tokens
     of one row; else the one token t0 + i (BLOCK_Q 1: decode, every index on the device). Dot
@@ -320,7 +315,7 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
     kv_end = tl.minimum(tl.load(positions_ptr + tok, mask=q_ok, other=-1) + 1, seq_len)  # [Q]
     kv_hi = tl.minimum(tl.load(positions_ptr + first + count - 1) + 1, seq_len)
     n = n0 + tl.arange(0, BLOCK_N)  # [N] context positions
-    key = tl.full([BLOCK_Q, BLOCK_N], MASKED_KEY, tl.int64)
+    key = tl.full([BLOCK_Q, BLOCK_N], MASKED_SCORE, tl.int32)
     if n0 < kv_hi:  # causal: a tile wholly after the tile's last query is all masked
         r = tl.arange(0, BLOCK_Q * BLOCK_H)  # [M] dot rows
         r_ok = (r // BLOCK_H < count) & (r % BLOCK_H < NUM_HEADS)
@@ -347,7 +342,6 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 must tie +0.0 (the ref's ==)
         bits = score.to(tl.int32, bitcast=True)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 order = fp32 order
-        key = (ordered.to(tl.int64) << 32) | (POS_BIAS - n).to(tl.int64)[None, :]
-        key = tl.where(n[None, :] < kv_end[:, None], key, MASKED_KEY)
+        key = tl.where(n[None, :] < kv_end[:, None], ordered, MASKED_SCORE)
     tl.store(keys_ptr + (tok - t0)[:, None] * num_keys + n[None, :], key,
              mask=q_ok[:, None] & (n < num_keys)[None, :])

@@ -13,8 +13,9 @@ position s <= p of that row (s < seq_lens[b]):
     selected(t) = the `topk` positions of highest score; ties to the LOWEST position
                   (a stable sort); a context of at most `topk` positions selects all of them
 
-returned as positions [T, topk] int32, in descending score order, -1 past the context when it
-is shorter than topk. The order of operations is transformers' (q . k in fp32 times scale,
+returned as positions [T, topk] int32, in ascending position order, -1 after them when the
+context is shorter than topk (the order the Triton top-k writes, and the sparse attention's
+cache reads run in). The order of operations is transformers' (q . k in fp32 times scale,
 ReLU, then the weighted sum over heads as one matmul), so scores agree to rounding.
 
 transformers takes `torch.topk` of the masked scores, whose choice among equal scores is
@@ -145,6 +146,9 @@ def _score_topk(q: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
     pos = torch.where(order.values[..., :k] > float("-inf"), pos, -1).to(torch.int32)
     if k < topk:
         pos = torch.cat([pos, pos.new_full((n, num_q, topk - k), -1)], dim=-1)
+    last = torch.iinfo(torch.int32).max  # ascending position order, the -1s after
+    pos = torch.where(pos < 0, last, pos).sort(dim=-1).values
+    pos = torch.where(pos == last, -1, pos)
     ties = 0
     if count_ties and index.shape[-1] > topk:
         kth, nxt = order.values[..., topk - 1], order.values[..., topk]

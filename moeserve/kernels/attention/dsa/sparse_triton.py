@@ -213,7 +213,7 @@ def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, 
     selected positions (sel_ptr row t; the last partition runs to topk), BLOCK_N at a time.
     SPLIT: the partition's (max, sum, acc) go to the partials (mla_triton's layout).
     PACKED: the selection holds its valid positions first, at most position + 1 of them (the
-    indexers' output: descending score, -1 past a short context), so the loop stops there; a
+    indexers' output: ascending positions, -1 after a short context), so the loop stops there; a
     context of 256 positions then costs its 256, not topk's 2,048 slots of mostly -1 (a CUDA
     graph's decode runs every row sparse: W1 on the glm-5 slice was 14% slower than dense MLA
     forced, gpu_b1fed26). SLOTS: sel_ptr holds cache rows (`slot_rows`), not positions."""

@@ -1,0 +1,241 @@
+"""DSA's top-k on Triton: each query token's `topk` highest-scoring context positions, by radix
+select over the indexer's scores (dsa/indexer_triton.py writes them), instead of torch.topk.
+
+Input: scores [n, S] int32, the fp32 score of (token t0 + i, position s) as an int32 of the
+same order ("ord": its bits, the magnitude bits flipped for negatives, -0.0 made +0.0), valid
+where s < end(t) = min(position(t) + 1, seq_len(row of t)) (the rest is never read). Output:
+the positions of the selection, in ascending position order, -1 after them:
+
+    a token whose end <= topk selects every position < end (no score is read);
+    else the topk largest scores, ties at the boundary to the LOWEST positions
+    (the reference's stable sort): exactly `topk` positions.
+
+Radix select, six launches over (token, chunk of CHUNK positions) programs, each program
+reading its chunk's 4-byte scores once; u = ord with its sign bit flipped orders as an
+unsigned int, read as four 8-bit digits from the top:
+
+    hist level 0     histogram of u's top byte over the token's valid scores
+    hist level 1-3   of the next byte, among the scores whose higher bytes are the
+                     threshold's so far (the bins the levels before found) -> the threshold T
+    count            per chunk: scores above T, scores equal to T
+    write            each selected position at (selected before its chunk) + (before it in it)
+
+Every histogram is summed into hist[token, level, 256] by atomic adds of its nonzero bins.
+A level's program finds the bins of the levels before it from hist (the bin b with fewer than
+`need` scores above it and at least `need` from it; `need` starts at topk and loses each
+level's scores above its bin), so no launch waits on a host value and the whole op has static
+shapes given n and S: it can be captured in a CUDA graph. The selection is T's scores above,
+plus the first (topk - above) scores equal to T in position order. The write is deterministic:
+offsets come from the count's per-chunk totals, not from atomics.
+
+Why: torch.topk over int64 sort keys (score << 32 | position) was 20-28% of DSA's decode step on
+the H200 at GLM-5's shape (benchmarks/results/gpu_bc677c8: 0.08 ms at 32 tokens and 8k
+positions, 0.56 ms at 256 and 64k), with the score kernel writing 8 bytes a position.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from moeserve.kernels.attention.metadata import AttentionMetadata
+
+CHUNK = 2048  # positions a program (tests set a smaller chunk so that rows span several)
+# 8-bit digits, four levels: Triton's histogram costs a thread about BINS / 32 instructions an
+# element (a ballot per bin bit, a popcount per bin a lane owns), so 256 bins over four passes
+# cost less than 2,048 over three (sm90 SASS: 3,904 instructions a 2,048-position program)
+_BINS = 256
+_LEVELS = 4
+
+tl: Any = None  # triton.language, bound by _kernels() (the kernels read it as a global)
+
+
+def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int,
+               out: torch.Tensor, chunk: int = CHUNK,
+               count_boundary_ties: bool = False) -> int:
+    """Write tokens t0 .. t0 + n's selections into out [n, topk] int32 (filled with -1 by the
+    caller; the module docstring has the contract). meta's positions, seq_lens and
+    token_to_req give each token's context end, on the device. Returns the number of tokens
+    whose topk-th and (topk + 1)-th scores are equal (a host sync) with count_boundary_ties,
+    else 0."""
+    n, num_keys = scores.shape
+    if n == 0:
+        return 0
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"radix_topk: chunk must be a power of two >= 16, got {chunk}")
+    kern = _kernels()
+    num_chunks = -(-num_keys // chunk)
+    grid = (n, num_chunks)
+    rows = (meta.positions, meta.seq_lens, meta.token_to_req, t0)
+    consts = dict(LEVELS=_LEVELS, CHUNK=chunk, BINS=_BINS, num_warps=4)
+    ties = torch.zeros(n if count_boundary_ties else 1, dtype=torch.int32, device=scores.device)
+    if num_keys > topk:  # else every token selects its whole context (the write alone)
+        hist = torch.zeros(n, _LEVELS, _BINS, dtype=torch.int32, device=scores.device)
+        counts = torch.zeros(n, num_chunks, 2, dtype=torch.int32, device=scores.device)
+        for level in range(_LEVELS):
+            kern.hist[grid](scores, hist, *rows, num_keys, topk, LEVEL=level, **consts)
+        kern.count[grid](scores, hist, counts, ties, *rows, num_keys, topk, num_chunks,
+                         COUNT_TIES=count_boundary_ties, **consts)
+    else:
+        hist = counts = ties  # unread: no token has more than topk positions
+    kern.write[grid](scores, hist, counts, out, *rows, num_keys, topk, num_chunks, out.stride(0),
+                     **consts)
+    return int(ties.sum()) if count_boundary_ties else 0
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now). The
+    kernels call the helpers and read `tl` by global name, so those are bound here. NOTE:
+    step-varying ints are exempt from specialisation (a new batch shape must not compile a new
+    variant mid-serving)."""
+    global tl, _context_end, _find_bin, _prefix, _top_bits, _threshold
+    import triton
+    import triton.language
+
+    tl = triton.language
+    _context_end, _find_bin = triton.jit(_context_end), triton.jit(_find_bin)
+    _prefix, _top_bits, _threshold = (triton.jit(f) for f in (_prefix, _top_bits, _threshold))
+    varying = ["t0", "num_keys", "topk", "num_chunks", "stride_out"]
+    jit = functools.partial(triton.jit, do_not_specialize=varying)
+    return SimpleNamespace(hist=jit(_radix_hist_kernel), count=jit(_radix_count_kernel),
+                           write=jit(_radix_write_kernel))
+
+
+# ---- Triton helpers and kernels (jitted by _kernels; module globals, as the interpreter
+# resolves names) ----
+
+def _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, tok):
+    """Positions token `tok` sees: min(its position + 1, its row's seq_len) (the score
+    kernel's bound)."""
+    req = tl.load(token_to_req_ptr + tok)
+    end = tl.minimum(tl.load(positions_ptr + tok) + 1, tl.load(seq_lens_ptr + req))
+    return end.to(tl.int32)
+
+
+def _find_bin(hist_ptr, need, BINS: tl.constexpr):
+    """The bin b of hist [BINS] with fewer than `need` counts above it and at least `need`
+    from it; returns (b, need minus the counts above b, hist[b])."""
+    bins = tl.arange(0, BINS)
+    h = tl.load(hist_ptr + bins)
+    from_bin = tl.cumsum(h, 0, reverse=True)  # [BINS]: counts in bins >= b
+    b = tl.sum((from_bin >= need).to(tl.int32), 0) - 1
+    above = tl.sum(tl.where(bins == b, from_bin - h, 0), 0)
+    at = tl.sum(tl.where(bins == b, h, 0), 0)
+    return b, need - above, at
+
+
+def _prefix(hist_ptr, topk, LEVELS: tl.constexpr, BINS: tl.constexpr):
+    """From hist levels 0 .. LEVELS - 1 (LEVELS >= 1): the threshold's top 8 x LEVELS bits of u
+    (the digits' bins), the scores equal to it still to take, and the last level's count at
+    its bin."""
+    b, need, at = _find_bin(hist_ptr, topk, BINS)
+    prefix = b
+    for level in tl.static_range(1, LEVELS):
+        b, need, at = _find_bin(hist_ptr + level * BINS, need, BINS)
+        prefix = (prefix << 8) | b
+    return prefix, need, at
+
+
+def _top_bits(s, LEVELS: tl.constexpr):
+    """u's top 8 x LEVELS bits (1 <= LEVELS <= 3) of ord scores s: their bits with the sign
+    bit flipped."""
+    return ((s >> (32 - 8 * LEVELS)) & ((1 << (8 * LEVELS)) - 1)) ^ (0x80 << (8 * LEVELS - 8))
+
+
+def _radix_hist_kernel(scores_ptr, hist_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr,
+                       t0, num_keys, topk, LEVEL: tl.constexpr, LEVELS: tl.constexpr,
+                       CHUNK: tl.constexpr, BINS: tl.constexpr):
+    """Program (i, chunk c): level LEVEL's digit histogram of token t0 + i's valid scores in
+    chunk c whose higher digits are the threshold's so far, added into hist[i, LEVEL]."""
+    i = tl.program_id(0)
+    n0 = tl.program_id(1) * CHUNK
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i)
+    if (end > topk) & (n0 < end):
+        hist = hist_ptr + i.to(tl.int64) * LEVELS * BINS
+        n = n0 + tl.arange(0, CHUNK)
+        ok = n < end
+        s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)  # ord
+        if LEVEL == 0:
+            digit = ((s >> 24) & 0xFF) ^ 0x80  # u's top byte
+        else:
+            prefix, _, _ = _prefix(hist, topk, LEVEL, BINS)
+            ok = ok & (_top_bits(s, LEVEL) == prefix)
+            digit = (s >> (24 - 8 * LEVEL)) & 0xFF
+        # from level 1 most chunks hold no score of the threshold's bins: no histogram there
+        if (LEVEL == 0) or (tl.sum(ok.to(tl.int32), 0) > 0):
+            counts = tl.histogram(digit, BINS, mask=ok)
+            tl.atomic_add(hist + LEVEL * BINS + tl.arange(0, BINS), counts, mask=counts > 0)
+
+
+def _threshold(hist_ptr, topk, LEVELS: tl.constexpr, BINS: tl.constexpr):
+    """The selection's lowest score T (as ord), how many scores equal to T it takes, and how
+    many there are."""
+    u, need, at = _prefix(hist_ptr, topk, LEVELS, BINS)
+    # u's bits as ord: the sign bit flipped back (the shift wraps into it)
+    return ((((u >> 24) & 0xFF) ^ 0x80) << 24) | (u & 0xFFFFFF), need, at
+
+
+def _radix_count_kernel(scores_ptr, hist_ptr, counts_ptr, ties_ptr, positions_ptr,
+                        seq_lens_ptr, token_to_req_ptr, t0, num_keys, topk, num_chunks,
+                        COUNT_TIES: tl.constexpr, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
+                        BINS: tl.constexpr):
+    """Program (i, c): counts[i, c] = (scores above T, scores equal to T) in chunk c; with
+    COUNT_TIES, chunk 0 also writes ties[i] = 1 where T's scores outnumber those taken."""
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    n0 = c * CHUNK
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i)
+    if (end > topk) & (n0 < end):
+        thr, need, at = _threshold(hist_ptr + i.to(tl.int64) * LEVELS * BINS, topk,
+                                     LEVELS, BINS)
+        n = n0 + tl.arange(0, CHUNK)
+        ok = n < end
+        s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)
+        row = counts_ptr + (i.to(tl.int64) * num_chunks + c) * 2
+        tl.store(row, tl.sum((ok & (s > thr)).to(tl.int32), 0))
+        tl.store(row + 1, tl.sum((ok & (s == thr)).to(tl.int32), 0))
+        if COUNT_TIES:
+            if c == 0:
+                tl.store(ties_ptr + i, (at > need).to(tl.int32))
+
+
+def _radix_write_kernel(scores_ptr, hist_ptr, counts_ptr, out_ptr, positions_ptr,
+                        seq_lens_ptr, token_to_req_ptr, t0, num_keys, topk, num_chunks,
+                        stride_out, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
+                        BINS: tl.constexpr):
+    """Program (i, c): token t0 + i's selected positions of chunk c, in position order, at
+    their places in out[i] (after those of chunks < c)."""
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    n0 = c * CHUNK
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i)
+    n = n0 + tl.arange(0, CHUNK)
+    ok = n < end
+    out = out_ptr + i.to(tl.int64) * stride_out
+    if n0 < end:
+        if end <= topk:  # the whole context: position s at place s
+            tl.store(out + n, n, mask=ok)
+        else:
+            thr, need, _ = _threshold(hist_ptr + i.to(tl.int64) * LEVELS * BINS, topk,
+                                     LEVELS, BINS)
+            above = tl.zeros([128], tl.int32)
+            equal = tl.zeros([128], tl.int32)
+            row = counts_ptr + i.to(tl.int64) * num_chunks * 2
+            for c0 in range(0, c, 128):  # the chunks before c
+                cc = c0 + tl.arange(0, 128)
+                m = cc < c
+                above += tl.load(row + cc * 2, mask=m, other=0)
+                equal += tl.load(row + cc * 2 + 1, mask=m, other=0)
+            above_before = tl.sum(above, 0)
+            equal_before = tl.sum(equal, 0)
+            s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)
+            equal = ok & (s == thr)
+            rank = equal_before + tl.cumsum(equal.to(tl.int32), 0)  # 1-based among T's
+            take = (ok & (s > thr)) | (equal & (rank <= need))
+            first = above_before + tl.minimum(equal_before, need)
+            place = first + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(out + place, n, mask=take)

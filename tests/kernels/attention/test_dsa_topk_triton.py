@@ -1,0 +1,168 @@
+"""DSA's radix top-k (attention/dsa/topk_triton.py, issue 17) against a torch reference of its
+contract, exactly: each token's topk largest scores among its first end(t) positions, ties to
+the lowest position, returned in ascending position order with -1 after; a context of at most
+topk selects all of it.
+
+The scores are built to reach each part of the select: random fp32 (the top digit decides),
+values one ulp apart (the low 10-bit digit decides), few distinct values (ties at the threshold
+spread over several chunks, taken lowest first across chunk boundaries), negative and zero
+scores (-0.0 and +0.0 are one score), and garbage past each token's end (never read). Chunks of
+16 and 64 positions make rows span several programs (the write's offsets, the ties' ranks);
+2,048 is the default. Then the whole indexer with small chunks, against `indexer_topk_ref`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moeserve.kernels.attention.dsa.indexer_triton import indexer_topk_triton
+from moeserve.kernels.attention.dsa.reference import indexer_topk_ref
+from moeserve.kernels.attention.dsa.topk_triton import radix_topk
+from tests.kernels.attention.test_dsa_triton import DIM, STEPS, TOPK, make_step
+
+
+def ord_of(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the int32 of the same order (the score kernel's): -0.0 made +0.0, then the
+    magnitude bits flipped for negatives."""
+    bits = torch.where(scores == 0, 0.0, scores).float().view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def want_topk(scores: torch.Tensor, ends: list[int], topk: int) -> tuple[torch.Tensor, int]:
+    """The contract in torch: (positions [n, topk], tokens with a tie at the boundary)."""
+    out = torch.full((len(ends), topk), -1, dtype=torch.int32)
+    ties = 0
+    for i, end in enumerate(ends):
+        row = torch.where(scores[i, :end] == 0, 0.0, scores[i, :end])
+        order = torch.sort(row, descending=True, stable=True)  # ties: lowest position first
+        take = order.indices[:topk].sort().values
+        out[i, :len(take)] = take.to(torch.int32)
+        ties += int(end > topk and order.values[topk - 1] == order.values[topk])
+    return out, ties
+
+
+def rows_meta(ends: list[int]) -> SimpleNamespace:
+    """What radix_topk reads of the metadata: token i is the last token of row i, at position
+    end - 1 (a decode), its row's seq_len end; an end of 0 is a padding token."""
+    n = len(ends)
+    return SimpleNamespace(positions=torch.tensor([max(e - 1, 0) for e in ends]),
+                           seq_lens=torch.tensor(ends, dtype=torch.int32),
+                           token_to_req=torch.arange(n))
+
+
+def run(scores: torch.Tensor, ends: list[int], topk: int, chunk: int,
+        num_keys: int | None = None) -> None:
+    """radix_topk over `scores` (garbage written past each end) equals want_topk, ties too."""
+    num_keys = num_keys or scores.shape[1]
+    keys = ord_of(scores)
+    for i, end in enumerate(ends):  # never read: the largest scores there
+        keys[i, end:] = 0x7F000000
+    out = torch.full((len(ends), topk), -1, dtype=torch.int32)
+    ties = radix_topk(keys[:, :num_keys].contiguous(), rows_meta(ends), 0, topk, out,
+                      chunk=chunk, count_boundary_ties=True)
+    want, want_ties = want_topk(scores, ends, topk)
+    assert torch.equal(out, want), (out, want)
+    assert ties == want_ties
+
+
+ENDS = [0, 1, 7, 8, 9, 16, 17, 63, 64, 65, 150, 200]
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 2048])
+@pytest.mark.parametrize("topk", [1, 8, 37])
+def test_random_scores(chunk: int, topk: int) -> None:
+    gen = torch.Generator().manual_seed(topk * chunk)
+    scores = torch.randn(len(ENDS), 200, generator=gen) * 3
+    run(scores, ENDS, topk, chunk)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_scores_one_ulp_apart(chunk: int) -> None:
+    """Every score within a few ulps of 1.5 (or of -1.5): the top two digits tie for all of
+    them and the low 10 bits choose."""
+    gen = torch.Generator().manual_seed(1)
+    base = torch.tensor(1.5).view(torch.int32)
+    ulps = torch.randint(0, 700, (4, 180), generator=gen, dtype=torch.int32)
+    scores = (base + ulps).view(torch.float32)
+    scores[2:] = -scores[2:]
+    run(scores, [180, 150, 180, 97], 8, chunk)
+    run(scores, [180, 150, 180, 97], 60, chunk)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("topk", [5, 8, 40])
+def test_ties_at_the_threshold_span_chunks(chunk: int, topk: int) -> None:
+    """Four distinct values (0 as both -0.0 and +0.0): the threshold's equal scores lie in
+    several chunks; the lowest positions among them are taken, across chunk boundaries."""
+    gen = torch.Generator().manual_seed(topk + chunk)
+    values = torch.tensor([-0.0, 0.0, 0.5, 1.0, -2.0])
+    scores = values[torch.randint(0, 5, (len(ENDS), 200), generator=gen)]
+    run(scores, ENDS, topk, chunk)
+
+
+@pytest.mark.parametrize("chunk", [16, 2048])
+def test_all_equal_takes_the_first_positions(chunk: int) -> None:
+    scores = torch.full((3, 100), 0.25)
+    scores[1] = float("-inf")
+    run(scores, [100, 60, 9], 8, chunk)
+    out = torch.full((1, 8), -1, dtype=torch.int32)
+    radix_topk(ord_of(scores[:1]), rows_meta([100]), 0, 8, out, chunk=chunk)
+    assert out.tolist() == [list(range(8))]
+
+
+def test_context_within_topk_selects_it_all_without_scores() -> None:
+    """S <= topk: only the write runs (whole contexts, ascending); and a padding token (end
+    0) selects nothing."""
+    scores = torch.randn(3, 6)
+    run(scores, [6, 2, 0], 8, 16)
+
+
+def test_tokens_from_an_offset_and_a_chunk_past_the_context() -> None:
+    """t0 > 0 reads tokens t0 .. of the metadata; scores wider than every context (a graph's
+    bound) leave chunks past each end untouched."""
+    gen = torch.Generator().manual_seed(3)
+    ends = [30, 90, 12, 77]
+    scores = torch.randn(4, 256, generator=gen)
+    keys = ord_of(scores)
+    out = torch.full((2, 8), -1, dtype=torch.int32)
+    radix_topk(keys[2:].contiguous(), rows_meta(ends), 2, 8, out, chunk=16)
+    assert torch.equal(out, want_topk(scores[2:], ends[2:], 8)[0])
+
+
+def test_bad_chunk() -> None:
+    with pytest.raises(ValueError, match="chunk must be a power of two >= 16, got 24"):
+        radix_topk(torch.zeros(1, 4, dtype=torch.int32), rows_meta([4]), 0, 2,
+                   torch.full((1, 2), -1, dtype=torch.int32), chunk=24)
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_indexer_with_small_chunks_equals_the_reference(name: str) -> None:
+    """The whole indexer (scores, then the radix select over 16-position chunks) against
+    indexer_topk_ref, exactly, with the boundary ties."""
+    step = make_step(*STEPS[name], 16, seed=5)
+    args = (step.q, step.w, step.cache, step.meta, DIM ** -0.5, TOPK)
+    got, ties = indexer_topk_triton(*args, count_boundary_ties=True, topk_chunk=16)
+    want, want_ties = indexer_topk_ref(*args, count_boundary_ties=True)
+    assert torch.equal(got, want) and ties == want_ties
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("chunk", [64, 2048])
+def test_on_the_gpu(chunk: int) -> None:
+    """Long rows on CUDA (atomics and histograms for real): 2,048 of 20,000 positions with
+    heavy ties, and random."""
+    gen = torch.Generator().manual_seed(chunk)
+    ends = [20000, 2048, 2049, 5000, 0, 19999]
+    for scores in (torch.randn(len(ends), 20000, generator=gen),
+                   torch.randint(0, 7, (len(ends), 20000), generator=gen).float() * 0.5):
+        keys = ord_of(scores).cuda()
+        out = torch.full((len(ends), 2048), -1, dtype=torch.int32, device="cuda")
+        meta = rows_meta(ends)
+        meta = SimpleNamespace(**{k: v.cuda() for k, v in vars(meta).items()})
+        ties = radix_topk(keys, meta, 0, 2048, out, chunk=chunk, count_boundary_ties=True)
+        want, want_ties = want_topk(scores, ends, 2048)
+        assert torch.equal(out.cpu(), want) and ties == want_ties
