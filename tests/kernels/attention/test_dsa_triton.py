@@ -4,11 +4,12 @@ kernels/attention/dsa/reference.py.
 Indexer top-k: exactly the reference's positions in its order (the top-k by score, ties to the
 lowest position, in ascending position order, -1 after them for a short context) and the same
 boundary-tie count, for pure decode, prefill from 0, chunks after a prefix and mixed steps,
-contexts shorter than, equal to and longer than topk, block sizes 16 and 6; on random data
-and on data with forced ties (ReLU zero on every head, with all-negative weights putting those
-zeros at the top; duplicated keys; integer-valued data whose scores are exact and tie in bulk). Sparse MLA: dsa_attention_ref's output within
-1e-5 (fp32) or 3e-3 (fp16), with -1 padding, holes, a first tile of nothing and a token with no
-position (zeros, where the reference's softmax over nothing gives NaN).
+contexts shorter than, equal to and longer than topk, block sizes 16 and 6; on random data and
+on data with forced ties (ReLU zero on every head, with all-negative weights putting those zeros
+at the top; duplicated keys; integer-valued data whose scores are exact and tie in bulk). Sparse
+MLA: dsa_attention_ref's output within 1e-5 (fp32) or 3e-3 (fp16), with -1 padding, holes, a
+first tile of nothing and a token with no position (zeros, where the reference's softmax over
+nothing gives NaN).
 
 CPU through Triton's interpreter (tests/conftest.py sets it; fp32 and fp16, tiny dims); GPU
 (`-m gpu`) at GLM-5's indexer shape (32 heads x 128, topk 2048, contexts 4k-16k, bf16) and its
