@@ -16,8 +16,8 @@ Decode step (`decode_cases`): GLM-5's attention per layer, one decode token a ro
 to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the latent cache
 (576 values, 1,152 bytes a token) over the same scattered blocks. Timed apart: the indexer
 (scores + top-k), the top-k alone (topk_triton's radix select over the step's scores; and
-torch.topk over int64 sort keys built from them, the path it replaced, as topk_torch_ms), the
-sparse MLA over the
+torch.topk over int64 sort keys built from them, the path it replaced, as topk_torch_ms; each
+also in a CUDA graph, topk_graph_ms and topk_torch_graph_ms), the sparse MLA over the
 2,048 selected positions (with --tiles, also at those TileConfigs; sparse_mla_slots_ms with
 sparse_triton's `slot_rows` experiment switch on, its row conversion included), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
@@ -194,6 +194,10 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         q_i, w, index_cache, meta, scale)])
     row["topk_ms"] = timer(lambda: topk_triton.radix_topk(scores, meta, 0, topk, selected))
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
+    # both as a served decode step runs them: in a CUDA graph (no host time between launches)
+    row["topk_graph_ms"] = graph_timed(
+        timer, lambda: topk_triton.radix_topk(scores, meta, 0, topk, selected), cuda)
+    row["topk_torch_graph_ms"] = graph_timed(timer, lambda: torch.topk(keys, k, dim=1), cuda)
 
     def step() -> torch.Tensor:
         pos, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta, scale, topk)

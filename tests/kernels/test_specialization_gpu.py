@@ -17,6 +17,7 @@ import torch
 
 from moeserve.kernels.attention import paged_triton as paged_attention_triton
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
+from moeserve.kernels.attention.mla import decode_flat_triton
 from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
 from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
 from moeserve.kernels.attention.paged_triton import paged_attention_triton as run_attention
@@ -55,8 +56,10 @@ def test_paged_attention_compiles_once_across_batch_shapes() -> None:
 
 
 def test_mla_attention_compiles_once_across_batch_shapes() -> None:
-    """Mixed steps (decode rows by index, prefill tiles) and pure decode steps, split-K each."""
-    kern = mla_triton._kernels()
+    """Mixed steps (decode rows by index, prefill tiles) and pure decode steps, each decode
+    form: split-K (its reduce) and flat (its combine). At these row counts "auto" would take
+    flat only, so each form is asked for by name."""
+    kern, flat = mla_triton._kernels(), decode_flat_triton._kernels()
     rng = np.random.default_rng(0)
     counts = []
     for batch, num_prefill in [(7, 1), (16, 2), (33, 3), (100, 1), (129, 4)]:
@@ -65,10 +68,12 @@ def test_mla_attention_compiles_once_across_batch_shapes() -> None:
         for case in (gpu_case(computed + [0] * num_prefill, [1] * batch + prefill, 16,
                               seed=batch),
                      gpu_case(computed, [1] * batch, 16, seed=batch)):
-            mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale, case.L)
+            for form in ("split", "flat"):
+                mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale,
+                                     case.L, decode_form=form)
         torch.cuda.synchronize()
         counts.append((variants(kern.decode), variants(mla_reduce_triton._kernels().decode_reduce),
-                       variants(kern.prefill)))
+                       variants(kern.prefill), variants(flat.decode), variants(flat.combine)))
     assert min(counts[0]) >= 1, counts
     assert counts == [counts[0]] * len(counts), counts
 

@@ -23,6 +23,8 @@ from moeserve.kernels.attention.dsa.reference import indexer_topk_ref
 from moeserve.kernels.attention.dsa.topk_triton import radix_topk
 from tests.kernels.attention.test_dsa_triton import DIM, STEPS, TOPK, make_step
 
+GARBAGE = 7777  # what out holds before a call: the top-k writes every place
+
 
 def ord_of(scores: torch.Tensor) -> torch.Tensor:
     """fp32 -> the int32 of the same order (the score kernel's): -0.0 made +0.0, then the
@@ -60,7 +62,7 @@ def run(scores: torch.Tensor, ends: list[int], topk: int, chunk: int,
     keys = ord_of(scores)
     for i, end in enumerate(ends):  # never read: the largest scores there
         keys[i, end:] = 0x7F000000
-    out = torch.full((len(ends), topk), -1, dtype=torch.int32)
+    out = torch.full((len(ends), topk), GARBAGE, dtype=torch.int32)  # every place written
     ties = radix_topk(keys[:, :num_keys].contiguous(), rows_meta(ends), 0, topk, out,
                       chunk=chunk, count_boundary_ties=True)
     want, want_ties = want_topk(scores, ends, topk)
@@ -108,7 +110,7 @@ def test_all_equal_takes_the_first_positions(chunk: int) -> None:
     scores = torch.full((3, 100), 0.25)
     scores[1] = float("-inf")
     run(scores, [100, 60, 9], 8, chunk)
-    out = torch.full((1, 8), -1, dtype=torch.int32)
+    out = torch.full((1, 8), GARBAGE, dtype=torch.int32)
     radix_topk(ord_of(scores[:1]), rows_meta([100]), 0, 8, out, chunk=chunk)
     assert out.tolist() == [list(range(8))]
 
@@ -122,12 +124,12 @@ def test_context_within_topk_selects_it_all_without_scores() -> None:
 
 def test_tokens_from_an_offset_and_a_chunk_past_the_context() -> None:
     """t0 > 0 reads tokens t0 .. of the metadata; scores wider than every context (a graph's
-    bound) leave chunks past each end untouched."""
+    bound): chunks past each end are read by no one."""
     gen = torch.Generator().manual_seed(3)
     ends = [30, 90, 12, 77]
     scores = torch.randn(4, 256, generator=gen)
     keys = ord_of(scores)
-    out = torch.full((2, 8), -1, dtype=torch.int32)
+    out = torch.full((2, 8), GARBAGE, dtype=torch.int32)
     radix_topk(keys[2:].contiguous(), rows_meta(ends), 2, 8, out, chunk=16)
     assert torch.equal(out, want_topk(scores[2:], ends[2:], 8)[0])
 
@@ -160,7 +162,7 @@ def test_on_the_gpu(chunk: int) -> None:
     for scores in (torch.randn(len(ends), 20000, generator=gen),
                    torch.randint(0, 7, (len(ends), 20000), generator=gen).float() * 0.5):
         keys = ord_of(scores).cuda()
-        out = torch.full((len(ends), 2048), -1, dtype=torch.int32, device="cuda")
+        out = torch.full((len(ends), 2048), GARBAGE, dtype=torch.int32, device="cuda")
         meta = rows_meta(ends)
         meta = SimpleNamespace(**{k: v.cuda() for k, v in vars(meta).items()})
         ties = radix_topk(keys, meta, 0, 2048, out, chunk=chunk, count_boundary_ties=True)

@@ -115,7 +115,7 @@ def indexer_topk_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: tor
     """
     _check_indexer_inputs(q, weights, index_cache, meta, topk)
     num_tokens = q.shape[0]
-    out = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
+    out = torch.empty(num_tokens, topk, dtype=torch.int32, device=q.device)  # all written
     ties = 0
     for t0, n, scores in index_score_chunks(q, weights, index_cache, meta, scale):
         ties += topk_triton.radix_topk(scores, meta, t0, topk, out[t0:t0 + n],

@@ -20,7 +20,8 @@ unsigned int, read as four 8-bit digits from the top:
     count            per chunk: scores above T, scores equal to T
     write            each selected position at (selected before its chunk) + (before it in it)
 
-Every histogram is summed into hist[token, level, 256] by atomic adds of its nonzero bins.
+Every histogram is summed into the token's hist[level, 256] (in one zeroed workspace a token,
+beside the chunks' counts) by atomic adds of its nonzero bins.
 A level's program finds the bins of the levels before it from hist (the bin b with fewer than
 `need` scores above it and at least `need` from it; `need` starts at topk and loses each
 level's scores above its bin), so no launch waits on a host value and the whole op has static
@@ -56,8 +57,8 @@ tl: Any = None  # triton.language, bound by _kernels() (the kernels read it as a
 def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int,
                out: torch.Tensor, chunk: int = CHUNK,
                count_boundary_ties: bool = False) -> int:
-    """Write tokens t0 .. t0 + n's selections into out [n, topk] int32 (filled with -1 by the
-    caller; the module docstring has the contract). meta's positions, seq_lens and
+    """Write tokens t0 .. t0 + n's selections into out [n, topk] int32, every place (-1 after
+    a short context's; the module docstring has the contract). meta's positions, seq_lens and
     token_to_req give each token's context end, on the device. Returns the number of tokens
     whose topk-th and (topk + 1)-th scores are equal (a host sync) with count_boundary_ties,
     else 0."""
@@ -71,19 +72,21 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     grid = (n, num_chunks)
     rows = (meta.positions, meta.seq_lens, meta.token_to_req, t0)
     consts = dict(LEVELS=_LEVELS, CHUNK=chunk, BINS=_BINS, num_warps=4)
-    ties = torch.zeros(n if count_boundary_ties else 1, dtype=torch.int32, device=scores.device)
-    if num_keys > topk:  # else every token selects its whole context (the write alone)
-        hist = torch.zeros(n, _LEVELS, _BINS, dtype=torch.int32, device=scores.device)
-        counts = torch.zeros(n, num_chunks, 2, dtype=torch.int32, device=scores.device)
+    if num_keys > topk:
+        # one zeroed workspace a token (one memset): its histograms [LEVELS, BINS], then its
+        # chunks' (above, equal) counts [num_chunks, 2], then its boundary-tie flag
+        work = torch.zeros(n, _LEVELS * _BINS + 2 * num_chunks + 1, dtype=torch.int32,
+                           device=scores.device)
         for level in range(_LEVELS):
-            kern.hist[grid](scores, hist, *rows, num_keys, topk, LEVEL=level, **consts)
-        kern.count[grid](scores, hist, counts, ties, *rows, num_keys, topk, num_chunks,
+            kern.hist[grid](scores, work, *rows, num_keys, topk, work.stride(0), LEVEL=level,
+                            **consts)
+        kern.count[grid](scores, work, *rows, num_keys, topk, num_chunks, work.stride(0),
                          COUNT_TIES=count_boundary_ties, **consts)
-    else:
-        hist = counts = ties  # unread: no token has more than topk positions
-    kern.write[grid](scores, hist, counts, out, *rows, num_keys, topk, num_chunks, out.stride(0),
-                     **consts)
-    return int(ties.sum()) if count_boundary_ties else 0
+    else:  # every token selects its whole context: the write alone (work unread)
+        work = scores
+    kern.write[grid](scores, work, out, *rows, num_keys, topk, num_chunks, work.stride(0),
+                     out.stride(0), **consts)
+    return int(work[:, -1].sum()) if count_boundary_ties and num_keys > topk else 0
 
 
 @functools.cache
@@ -99,7 +102,7 @@ def _kernels() -> SimpleNamespace:
     tl = triton.language
     _context_end, _find_bin = triton.jit(_context_end), triton.jit(_find_bin)
     _prefix, _top_bits, _threshold = (triton.jit(f) for f in (_prefix, _top_bits, _threshold))
-    varying = ["t0", "num_keys", "topk", "num_chunks", "stride_out"]
+    varying = ["t0", "num_keys", "topk", "num_chunks", "stride_work", "stride_out"]
     jit = functools.partial(triton.jit, do_not_specialize=varying)
     return SimpleNamespace(hist=jit(_radix_hist_kernel), count=jit(_radix_count_kernel),
                            write=jit(_radix_write_kernel))
@@ -146,16 +149,18 @@ def _top_bits(s, LEVELS: tl.constexpr):
     return ((s >> (32 - 8 * LEVELS)) & ((1 << (8 * LEVELS)) - 1)) ^ (0x80 << (8 * LEVELS - 8))
 
 
-def _radix_hist_kernel(scores_ptr, hist_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr,
-                       t0, num_keys, topk, LEVEL: tl.constexpr, LEVELS: tl.constexpr,
+def _radix_hist_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr,
+                       t0, num_keys, topk, stride_work, LEVEL: tl.constexpr,
+                       LEVELS: tl.constexpr,
                        CHUNK: tl.constexpr, BINS: tl.constexpr):
     """Program (i, chunk c): level LEVEL's digit histogram of token t0 + i's valid scores in
-    chunk c whose higher digits are the threshold's so far, added into hist[i, LEVEL]."""
+    chunk c whose higher digits are the threshold's so far, added into token i's histogram
+    LEVEL (work row i)."""
     i = tl.program_id(0)
     n0 = tl.program_id(1) * CHUNK
     end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i)
     if (end > topk) & (n0 < end):
-        hist = hist_ptr + i.to(tl.int64) * LEVELS * BINS
+        hist = work_ptr + i.to(tl.int64) * stride_work
         n = n0 + tl.arange(0, CHUNK)
         ok = n < end
         s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)  # ord
@@ -179,36 +184,37 @@ def _threshold(hist_ptr, topk, LEVELS: tl.constexpr, BINS: tl.constexpr):
     return ((((u >> 24) & 0xFF) ^ 0x80) << 24) | (u & 0xFFFFFF), need, at
 
 
-def _radix_count_kernel(scores_ptr, hist_ptr, counts_ptr, ties_ptr, positions_ptr,
-                        seq_lens_ptr, token_to_req_ptr, t0, num_keys, topk, num_chunks,
-                        COUNT_TIES: tl.constexpr, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
-                        BINS: tl.constexpr):
-    """Program (i, c): counts[i, c] = (scores above T, scores equal to T) in chunk c; with
-    COUNT_TIES, chunk 0 also writes ties[i] = 1 where T's scores outnumber those taken."""
+def _radix_count_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr,
+                        t0, num_keys, topk, num_chunks, stride_work, COUNT_TIES: tl.constexpr,
+                        LEVELS: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr):
+    """Program (i, c): token i's chunk counts [c] = (scores above T, scores equal to T) in
+    chunk c; with COUNT_TIES, chunk 0 also sets the token's tie flag where T's scores
+    outnumber those taken."""
     i = tl.program_id(0)
     c = tl.program_id(1)
     n0 = c * CHUNK
     end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i)
     if (end > topk) & (n0 < end):
-        thr, need, at = _threshold(hist_ptr + i.to(tl.int64) * LEVELS * BINS, topk,
-                                     LEVELS, BINS)
+        work = work_ptr + i.to(tl.int64) * stride_work
+        thr, need, at = _threshold(work, topk, LEVELS, BINS)
         n = n0 + tl.arange(0, CHUNK)
         ok = n < end
         s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)
-        row = counts_ptr + (i.to(tl.int64) * num_chunks + c) * 2
-        tl.store(row, tl.sum((ok & (s > thr)).to(tl.int32), 0))
-        tl.store(row + 1, tl.sum((ok & (s == thr)).to(tl.int32), 0))
+        counts = work + LEVELS * BINS + c * 2
+        tl.store(counts, tl.sum((ok & (s > thr)).to(tl.int32), 0))
+        tl.store(counts + 1, tl.sum((ok & (s == thr)).to(tl.int32), 0))
         if COUNT_TIES:
             if c == 0:
-                tl.store(ties_ptr + i, (at > need).to(tl.int32))
+                tl.store(work + LEVELS * BINS + 2 * num_chunks, (at > need).to(tl.int32))
 
 
-def _radix_write_kernel(scores_ptr, hist_ptr, counts_ptr, out_ptr, positions_ptr,
-                        seq_lens_ptr, token_to_req_ptr, t0, num_keys, topk, num_chunks,
+def _radix_write_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_ptr,
+                        token_to_req_ptr, t0, num_keys, topk, num_chunks, stride_work,
                         stride_out, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
                         BINS: tl.constexpr):
     """Program (i, c): token t0 + i's selected positions of chunk c, in position order, at
-    their places in out[i] (after those of chunks < c)."""
+    their places in out[i] (after those of chunks < c); chunk 0 also writes -1 at the places
+    a context shorter than topk leaves."""
     i = tl.program_id(0)
     c = tl.program_id(1)
     n0 = c * CHUNK
@@ -216,20 +222,24 @@ def _radix_write_kernel(scores_ptr, hist_ptr, counts_ptr, out_ptr, positions_ptr
     n = n0 + tl.arange(0, CHUNK)
     ok = n < end
     out = out_ptr + i.to(tl.int64) * stride_out
+    if c == 0:
+        for j in range(tl.maximum(end, 0), topk, CHUNK):  # the places past a short context
+            place = j + tl.arange(0, CHUNK)
+            tl.store(out + place, tl.full([CHUNK], -1, tl.int32), mask=place < topk)
     if n0 < end:
         if end <= topk:  # the whole context: position s at place s
             tl.store(out + n, n, mask=ok)
         else:
-            thr, need, _ = _threshold(hist_ptr + i.to(tl.int64) * LEVELS * BINS, topk,
-                                     LEVELS, BINS)
+            work = work_ptr + i.to(tl.int64) * stride_work
+            thr, need, _ = _threshold(work, topk, LEVELS, BINS)
             above = tl.zeros([128], tl.int32)
             equal = tl.zeros([128], tl.int32)
-            row = counts_ptr + i.to(tl.int64) * num_chunks * 2
+            counts = work + LEVELS * BINS
             for c0 in range(0, c, 128):  # the chunks before c
                 cc = c0 + tl.arange(0, 128)
                 m = cc < c
-                above += tl.load(row + cc * 2, mask=m, other=0)
-                equal += tl.load(row + cc * 2 + 1, mask=m, other=0)
+                above += tl.load(counts + cc * 2, mask=m, other=0)
+                equal += tl.load(counts + cc * 2 + 1, mask=m, other=0)
             above_before = tl.sum(above, 0)
             equal_before = tl.sum(equal, 0)
             s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)
