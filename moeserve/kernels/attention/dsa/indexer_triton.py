@@ -18,13 +18,13 @@ Same contracts as the torch references in kernels/attention/dsa/reference.py (`i
         -> positions, ascending
 
 Exact selection, ties included: the kernel writes for each context position ord(score), an
-int32 of the fp32 score's order (its bits, the magnitude bits flipped for negatives; -0.0
-first made +0.0), and dsa/topk_triton.py's radix select takes the topk largest with ties to the
+int32 of the fp32 score's order (its bits, the magnitude bits flipped for negatives; -0.0 first
+made +0.0), and dsa/topk_triton.py's radix select takes the topk largest with ties to the
 lowest position, as the reference's stable sort, returning them in ascending position order
-(the reference's order too). Positions past the token's context are never read (each token's
-context end comes from the metadata on the device). Scores equal the reference's to fp32
-rounding (dot and head sums in another order); a selection can differ only where two scores
-are that close (see below for the tests' data).
+(the reference's order too). Positions past the token's context are neither written nor read
+(each token's context end comes from the metadata on the device). Scores equal the reference's
+to fp32 rounding (dot and head sums in another order); a selection can differ only where two
+scores are that close (see below for the tests' data).
 
 Query tiles (index_block_q: 128 dot rows of tokens x heads, 4 tokens at GLM-5's 32 heads) share
 each loaded key tile, so a prefill chunk of T tokens reads its context's keys T / BLOCK_Q times,
@@ -67,9 +67,6 @@ from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_d
 
 # int32 scores a chunk of tokens may hold ([n, S]): 128 MiB
 _CHUNK_KEYS = 1 << 25
-# written for positions past a token's context (never read: the top-k bounds each token by its
-# context end); below every score's ord but -NaN's
-_MASKED_SCORE = -(1 << 31)
 # rows (query tokens x indexer heads) of a prefill scoring program's q . k dot: see
 # index_block_q (a [128, D] x [D, BLOCK_N] dot: fp32 accumulator [128, 64] at GLM-5's shape)
 INDEX_TILE_ROWS = 128
@@ -157,8 +154,7 @@ def index_score_chunks(q: torch.Tensor, weights: torch.Tensor, index_cache: torc
             num_keys, q.stride(0), q.stride(1), weights.stride(0), meta.block_tables.stride(0),
             NUM_HEADS=num_heads, BLOCK_H=max(16 // block_q, next_pow2(num_heads)),
             BLOCK_Q=block_q, D=dim, BLOCK_SIZE=index_cache.shape[1], BLOCK_N=block_n,
-            USE_TILES=part is not None, IEEE=q.dtype == torch.float32,
-            MASKED_SCORE=_MASKED_SCORE, num_warps=4)
+            USE_TILES=part is not None, IEEE=q.dtype == torch.float32, num_warps=4)
         yield t0, n, scores
 
 
@@ -272,10 +268,10 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
                         stride_qt, stride_qh, stride_wt, stride_table,
                         NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
                         D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        USE_TILES: tl.constexpr, IEEE: tl.constexpr,
-                        MASKED_SCORE: tl.constexpr):
+                        USE_TILES: tl.constexpr, IEEE: tl.constexpr):
     """Program (i, key tile): the scores' ord [BLOCK_Q, BLOCK_N] of query tile i over context
-    positions tile * BLOCK_N .., written to keys rows (token - t0) ([n, num_keys] int32).
+    positions tile * BLOCK_N .., written to keys rows (token - t0) ([n, num_keys] int32) where
+    each query sees the position (the rest of the row is left as it was).
 
     Query tile i: USE_TILES, tiles row i = (first token, count <= BLOCK_Q), consecutive tokens
     of one row; else the one token t0 + i (BLOCK_Q 1: decode, every index on the device). Dot
@@ -315,8 +311,7 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
     kv_end = tl.minimum(tl.load(positions_ptr + tok, mask=q_ok, other=-1) + 1, seq_len)  # [Q]
     kv_hi = tl.minimum(tl.load(positions_ptr + first + count - 1) + 1, seq_len)
     n = n0 + tl.arange(0, BLOCK_N)  # [N] context positions
-    key = tl.full([BLOCK_Q, BLOCK_N], MASKED_SCORE, tl.int32)
-    if n0 < kv_hi:  # causal: a tile wholly after the tile's last query is all masked
+    if n0 < kv_hi:  # causal: a tile wholly after the tile's last query writes nothing
         r = tl.arange(0, BLOCK_Q * BLOCK_H)  # [M] dot rows
         r_ok = (r // BLOCK_H < count) & (r % BLOCK_H < NUM_HEADS)
         d = tl.arange(0, D)
@@ -342,6 +337,7 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 must tie +0.0 (the ref's ==)
         bits = score.to(tl.int32, bitcast=True)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 order = fp32 order
-        key = tl.where(n[None, :] < kv_end[:, None], ordered, MASKED_SCORE)
-    tl.store(keys_ptr + (tok - t0)[:, None] * num_keys + n[None, :], key,
-             mask=q_ok[:, None] & (n < num_keys)[None, :])
+        # each query's own context only (kv_end <= seq_len <= num_keys): the top-k reads no
+        # further, so a CUDA graph's bound past the contexts costs no writes
+        tl.store(keys_ptr + (tok - t0)[:, None] * num_keys + n[None, :], ordered,
+                 mask=q_ok[:, None] & (n[None, :] < kv_end[:, None]))
