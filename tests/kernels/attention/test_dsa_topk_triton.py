@@ -55,15 +55,13 @@ def rows_meta(ends: list[int]) -> SimpleNamespace:
                            token_to_req=torch.arange(n))
 
 
-def run(scores: torch.Tensor, ends: list[int], topk: int, chunk: int,
-        num_keys: int | None = None) -> None:
+def run(scores: torch.Tensor, ends: list[int], topk: int, chunk: int) -> None:
     """radix_topk over `scores` (garbage written past each end) equals want_topk, ties too."""
-    num_keys = num_keys or scores.shape[1]
     keys = ord_of(scores)
     for i, end in enumerate(ends):  # never read: the largest scores there
         keys[i, end:] = 0x7F000000
     out = torch.full((len(ends), topk), GARBAGE, dtype=torch.int32)  # every place written
-    ties = radix_topk(keys[:, :num_keys].contiguous(), rows_meta(ends), 0, topk, out,
+    ties = radix_topk(keys, rows_meta(ends), 0, topk, out,
                       chunk=chunk, count_boundary_ties=True)
     want, want_ties = want_topk(scores, ends, topk)
     assert torch.equal(out, want), (out, want)
@@ -132,6 +130,16 @@ def test_tokens_from_an_offset_and_a_chunk_past_the_context() -> None:
     out = torch.full((2, 8), GARBAGE, dtype=torch.int32)
     radix_topk(keys[2:].contiguous(), rows_meta(ends), 2, 8, out, chunk=16)
     assert torch.equal(out, want_topk(scores[2:], ends[2:], 8)[0])
+
+
+def test_a_context_past_the_scores_is_cut_to_them() -> None:
+    """A token whose context runs past the scores' row (a graph bound a context outgrew: a
+    bug elsewhere) selects within the row; nothing is read past it."""
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(2, 100, generator=gen)
+    out = torch.full((2, 8), GARBAGE, dtype=torch.int32)
+    radix_topk(ord_of(scores), rows_meta([300, 50]), 0, 8, out, chunk=16)
+    assert torch.equal(out, want_topk(scores, [100, 50], 8)[0])
 
 
 def test_bad_chunk() -> None:

@@ -111,12 +111,13 @@ def _kernels() -> SimpleNamespace:
 # ---- Triton helpers and kernels (jitted by _kernels; module globals, as the interpreter
 # resolves names) ----
 
-def _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, tok):
+def _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, tok, num_keys):
     """Positions token `tok` sees: min(its position + 1, its row's seq_len) (the score
-    kernel's bound)."""
+    kernel's bound), and never past the scores' row (num_keys: a step's max_seq_len, or a
+    CUDA graph's context bound, which every replayed context stays within)."""
     req = tl.load(token_to_req_ptr + tok)
     end = tl.minimum(tl.load(positions_ptr + tok) + 1, tl.load(seq_lens_ptr + req))
-    return end.to(tl.int32)
+    return tl.minimum(end, num_keys).to(tl.int32)
 
 
 def _find_bin(hist_ptr, need, BINS: tl.constexpr):
@@ -158,7 +159,7 @@ def _radix_hist_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_
     LEVEL (work row i)."""
     i = tl.program_id(0)
     n0 = tl.program_id(1) * CHUNK
-    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i)
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     if (end > topk) & (n0 < end):
         hist = work_ptr + i.to(tl.int64) * stride_work
         n = n0 + tl.arange(0, CHUNK)
@@ -193,7 +194,7 @@ def _radix_count_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token
     i = tl.program_id(0)
     c = tl.program_id(1)
     n0 = c * CHUNK
-    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i)
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     if (end > topk) & (n0 < end):
         work = work_ptr + i.to(tl.int64) * stride_work
         thr, need, at = _threshold(work, topk, LEVELS, BINS)
@@ -218,7 +219,7 @@ def _radix_write_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_p
     i = tl.program_id(0)
     c = tl.program_id(1)
     n0 = c * CHUNK
-    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i)
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     n = n0 + tl.arange(0, CHUNK)
     ok = n < end
     out = out_ptr + i.to(tl.int64) * stride_out
