@@ -19,6 +19,13 @@ KERNELS = {
     "_decode_kernel": "attention",
     "_prefill_kernel": "attention",
     "_decode_reduce_kernel": "attention",
+    # DSA's indexer: its reads and FLOPs are in the attention part's bound (roofline.step_cost)
+    "_index_score_kernel": "attention",
+    "_radix_hist_kernel": "attention",
+    "_radix_count_kernel": "attention",
+    "_radix_write_kernel": "attention",
+    "_sparse_attention_kernel": "attention",
+    "_slots_kernel": "attention",
     "nvjet_sm90_tst_128x192_64x5_2x1_v_bz_coopB_TNN": "dense",
     "aten::mm": "dense",
     "_rms_norm_kernel": "norm_rope",

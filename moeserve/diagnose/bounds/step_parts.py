@@ -4,8 +4,8 @@ A step's kernels fall into parts by name (`part_of`):
 
     moe          the fused MoE and its routing (top-k, align/sort)       bound: expert weights
                                                                           touched, expert FLOPs
-    attention    paged / MLA / sparse attention kernels and their reduce  bound: KV read +
-                                                                          q read + out
+    attention    paged / MLA / sparse attention kernels and their reduce, bound: KV read +
+                 DSA's indexer (scores, radix top-k, slot rows)           q read + out
                                                                           written, attention
                                                                           FLOPs
     dense        GEMMs (cuBLAS nvjet / cutlass / xmma, aten::mm)          bound: dense weights
@@ -36,7 +36,8 @@ _PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("norm_rope", ("_rms_norm", "rmsnorm", "_rope", "qk_rope_kv", "rotary")),
     ("moe", ("moe", "_route", "topk", "bitonicsort", "expert")),
     ("attention", ("_decode_kernel", "_decode_reduce", "_prefill_kernel", "mla_", "_mla",
-                   "_sparse", "attention", "flash", "index_copy")),
+                   "_sparse", "attention", "flash", "index_copy", "_index_score", "_radix_",
+                   "_slots_kernel")),
     ("dense", ("nvjet", "gemm", "cutlass", "xmma", "aten::mm", "aten::addmm", "cublas",
                "sm90_")),
 )
