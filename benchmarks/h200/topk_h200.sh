@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 17: the radix top-k on the H200 in one short call (~100 s): its GPU tests, the
-# compile-once checks, and kernels_dsa --decode-only (the top-k eager and in CUDA graphs beside
-# torch.topk; the decode step as one graph). Results as $OUT/dsa.tgz.
+# Issue 17: the radix top-k on the H200 in one short call (~3 minutes): its GPU tests, the
+# compile-once checks, kernels_dsa --decode-only (the top-k eager and in CUDA graphs beside
+# torch.topk; the decode step as one graph) and kernels_dsa_prefill (W3's prefill chunk per
+# layer: indexer, top-k, sparse MLA against dense MLA). Results as $OUT/dsa.tgz.
 #   bash benchmarks/h200/topk_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -19,4 +20,7 @@ for r in json.load(open('/tmp/dsa/kernels_dsa.json'))['decode']:
           r['topk_torch_graph_ms'], 'score', r['score_ms'], 'sparse', r['sparse_mla_ms'],
           'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'])
 "
+timeout -s INT 150 python3 -m benchmarks.kernels.kernels_dsa_prefill --out $R \
+  > $R/kernels_dsa_prefill.log 2>&1
+echo "kernels_dsa_prefill rc=$?"; cut -c1-400 $R/kernels_dsa_prefill.log
 tar czf $OUT/dsa.tgz -C /tmp dsa

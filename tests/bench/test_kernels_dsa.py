@@ -35,3 +35,27 @@ def test_smoke_run_writes_both_sections(tmp_path, monkeypatch) -> None:
     kernels_dsa.main()
     again = json.loads((tmp_path / "kernels_dsa.json").read_text())
     assert again["cases"] == [] and len(again["decode"]) == len(decode)
+
+
+def test_prefill_smoke_run(tmp_path, monkeypatch) -> None:
+    """kernels_dsa_prefill's smoke run: the chunk checked against the references, every part
+    timed, each bound and share present."""
+    from benchmarks.kernels import kernels_dsa_prefill
+
+    monkeypatch.setattr(sys, "argv", ["kernels_dsa_prefill", "--out", str(tmp_path), "--smoke"])
+    kernels_dsa_prefill.main()
+    result = json.loads((tmp_path / "kernels_dsa_prefill.json").read_text())
+    (row,) = result["prefill"]
+    assert row["case"] == kernels_dsa_prefill.SMOKE[0][0] and row["check_error"] < 1e-5
+    for part in ("indexer", "score", "topk", "topk_torch", "sparse_mla", "dense_mla"):
+        assert row[f"{part}_ms"] > 0, part
+    for part in ("indexer", "sparse_mla", "dense_mla"):
+        assert row[f"{part}_bound_ms"] >= 0 and f"{part}_pct" in row
+
+
+def test_prefill_flop_bound_of_w3s_last_chunk() -> None:
+    """The prefill bound is ANCHORS.md's: FLOPs / 787 TFLOP/s, or bytes / 4.27 TB/s if larger."""
+    from benchmarks.kernels.kernels_dsa_prefill import bound_ms
+
+    assert bound_ms(0, 787e12) == pytest.approx(1e3)
+    assert bound_ms(4.27e12, 1.0) == pytest.approx(1e3)
