@@ -3,7 +3,7 @@ select over the indexer's scores (dsa/indexer_triton.py writes them), instead of
 
 Input: scores [n, S] int32, the fp32 score of (token t0 + i, position s) as an int32 of the
 same order ("ord": its bits, the magnitude bits flipped for negatives, -0.0 made +0.0), valid
-where s < end(t) = min(position(t) + 1, seq_len(row of t)) (the rest is never read). Output:
+where s < end(t) = min(position(t) + 1, seq_len(row of t), S) (the rest is never read). Output:
 the positions of the selection, in ascending position order, -1 after them:
 
     a token whose end <= topk selects every position < end (no score is read);
@@ -31,7 +31,11 @@ offsets come from the count's per-chunk totals, not from atomics.
 
 Why: torch.topk over int64 sort keys (score << 32 | position) was 20-28% of DSA's decode step on
 the H200 at GLM-5's shape (benchmarks/results/gpu_bc677c8: 0.08 ms at 32 tokens and 8k
-positions, 0.56 ms at 256 and 64k), with the score kernel writing 8 bytes a position.
+positions, 0.56 ms at 256 and 64k), with the score kernel writing 8 bytes a position. First
+measured (gpu_bc677c8/call5, a version with three launches more): faster where the GPU work
+dominates (the indexer 0.594 -> 0.414 ms at 32 tokens and 64k, the top-k 0.558 -> 0.413 ms at
+256 and 64k), slower eager at 8k where the launches' host time does (0.183 -> 0.233 ms); a
+served decode step replays it in a CUDA graph, which kernels_dsa times too.
 """
 
 from __future__ import annotations
