@@ -5,18 +5,33 @@ and the JSON they rewrite after every case, so that a run cut short keeps what i
                                            eager call in a CPU smoke run (not a measurement)
     graph_timed(timer, fn, cuda)           the timer over fn captured in a CUDA graph (a
                                            decode step as serving runs it), eager on CPU
+    run_device(smoke, name)                "cpu" through Triton's interpreter for a smoke run,
+                                           else "cuda" (SystemExit without a GPU); SMOKE_HELP
     record(result, section, row, path, device)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 
 import torch
 
 Timer = Callable[[Callable[[], object]], float]
+SMOKE_HELP = "tiny shapes on the CPU through Triton's interpreter (no timing)"
+
+
+def run_device(smoke: bool, name: str) -> str:
+    """The device a kernel benchmark runs on: "cpu" for a smoke run, with Triton's interpreter
+    switched on (before the kernels import triton), else "cuda", which it needs."""
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{name} needs a CUDA GPU (or --smoke)")
+    return "cuda"
 
 
 def make_timer(smoke: bool, warmup_ms: int, rep_ms: int) -> Timer:

@@ -46,7 +46,14 @@ import numpy as np
 import torch
 
 # none imports triton (the kernels do on first use, after --smoke set the interpreter)
-from benchmarks.kernels.kernel_runs import Timer, graph_timed, make_timer, record
+from benchmarks.kernels.kernel_runs import (
+    SMOKE_HELP,
+    Timer,
+    graph_timed,
+    make_timer,
+    record,
+    run_device,
+)
 from benchmarks.kernels.kernels_mla import parse_tile
 from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
 from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
@@ -252,20 +259,14 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for kernels_dsa.json")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes on the CPU through Triton's interpreter (no timing)")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     parser.add_argument("--no-decode", action="store_true", help="skip the decode step")
     parser.add_argument("--decode-only", action="store_true", help="only the decode step")
     parser.add_argument("--tiles", nargs="+", default=[], metavar="BM,BN,W,S",
                         help="also time the decode step's sparse MLA at these TileConfigs")
     args = parser.parse_args()
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import triton
-        device, cases, decode_cases = "cpu", SMOKE, SMOKE_DECODE
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("kernels_dsa needs a CUDA GPU (or --smoke)")
-        device, cases, decode_cases = "cuda", CASES, DECODE_CASES
+    device = run_device(args.smoke, "kernels_dsa")
+    cases, decode_cases = (SMOKE, SMOKE_DECODE) if args.smoke else (CASES, DECODE_CASES)
     timer = make_timer(args.smoke, warmup_ms=25, rep_ms=100)
     from benchmarks.engine.w1_offline import environment
 

@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from benchmarks.kernels.kernel_runs import Timer, make_timer, record
+from benchmarks.kernels.kernel_runs import SMOKE_HELP, Timer, make_timer, record, run_device
 from benchmarks.kernels.kernels_dsa import COPY_TBPS, key_bytes, make_step
 from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
 from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
@@ -143,16 +143,10 @@ def run_case(name: str, prefix: int, chunk: int, device: str, timer: Timer) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for kernels_dsa_prefill.json")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes on the CPU through Triton's interpreter (no timing)")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import triton
-        device, cases = "cpu", SMOKE
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("kernels_dsa_prefill needs a CUDA GPU (or --smoke)")
-        device, cases = "cuda", CASES
+    device = run_device(args.smoke, "kernels_dsa_prefill")
+    cases = SMOKE if args.smoke else CASES
     timer = make_timer(args.smoke, warmup_ms=25, rep_ms=100)
     from benchmarks.engine.w1_offline import environment
 

@@ -34,7 +34,7 @@ import os
 import numpy as np
 import torch
 
-from benchmarks.kernels.kernel_runs import Timer, make_timer, record
+from benchmarks.kernels.kernel_runs import SMOKE_HELP, Timer, make_timer, record, run_device
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 
 # neither imports triton (the kernels do on first use, after --smoke set the interpreter)
@@ -172,18 +172,15 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes on the CPU through Triton's interpreter (no timing)")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
+    device = run_device(args.smoke, "kernels_mla")
     if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import triton
-        device, dtype, cases = "cpu", torch.float32, SMOKE_CASES
+        dtype, cases = torch.float32, SMOKE_CASES
         shape = {"latent": 32, "rope": 16, "block_size": 8}
         heads = [min(h, 4) for h in args.heads[:1]]
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("kernels_mla needs a CUDA GPU (or --smoke)")
-        device, dtype, cases = "cuda", torch.bfloat16, CASES
+        dtype, cases = torch.bfloat16, CASES
         shape = {"latent": LATENT, "rope": ROPE, "block_size": args.block_size}
         heads = args.heads
     timer = make_timer(args.smoke, warmup_ms=10, rep_ms=50)

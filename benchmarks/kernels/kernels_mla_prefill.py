@@ -35,7 +35,7 @@ import os
 import numpy as np
 import torch
 
-from benchmarks.kernels.kernel_runs import Timer, make_timer, record
+from benchmarks.kernels.kernel_runs import SMOKE_HELP, Timer, make_timer, record, run_device
 from benchmarks.kernels.kernels_mla import parse_tile
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 from moeserve.layers.mla import MLAttention
@@ -156,16 +156,11 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tiles", nargs="+", default=[], metavar="BM,BN,W,S",
                         help="prefill TileConfigs to time the absorbed form at as well")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes on the CPU through Triton's interpreter (no timing)")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import triton
-        device, dtype, cases, block = "cpu", torch.float32, SMOKE_CASES, 4
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("kernels_mla_prefill needs a CUDA GPU (or --smoke)")
-        device, dtype, cases, block = "cuda", torch.bfloat16, CASES, args.block_size
+    device = run_device(args.smoke, "kernels_mla_prefill")
+    dtype, cases, block = ((torch.float32, SMOKE_CASES, 4) if args.smoke
+                           else (torch.bfloat16, CASES, args.block_size))
     timer = make_timer(args.smoke, warmup_ms=10, rep_ms=50)
     from benchmarks.engine.w1_offline import environment
 

@@ -59,3 +59,11 @@ def test_prefill_flop_bound_of_w3s_last_chunk() -> None:
 
     assert bound_ms(0, 787e12) == pytest.approx(1e3)
     assert bound_ms(4.27e12, 1.0) == pytest.approx(1e3)
+
+
+def test_a_gpu_run_without_a_gpu_exits_naming_the_benchmark(monkeypatch) -> None:
+    from benchmarks.kernels.kernel_runs import run_device
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit, match="kernels_dsa_prefill needs a CUDA GPU"):
+        run_device(False, "kernels_dsa_prefill")
