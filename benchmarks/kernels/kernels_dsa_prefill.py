@@ -62,8 +62,8 @@ def bound_ms(nbytes: float, flops: float) -> float:
 def check(device: str, dtype: torch.dtype, s: dict) -> float:
     """A small step of integer data: the selection equals the reference's, and the sparse MLA
     is within 2^-6 of its reference (relative to the largest output); returns that error."""
-    q, w, index_cache, meta = make_step([300 if device == "cuda" else 40], [64 if device ==
-                                        "cuda" else 17], s["block"], device, dtype,
+    prefix, chunk = (300, 64) if device == "cuda" else (40, 17)
+    q, w, index_cache, meta = make_step([prefix], [chunk], s["block"], device, dtype,
                                         integers=True, seed=7)
     got, _ = dsa_triton.indexer_topk_triton(q, w, index_cache, meta, 0.25, s["topk"])
     want, _ = indexer_topk_ref(q, w, index_cache, meta, 0.25, s["topk"])
