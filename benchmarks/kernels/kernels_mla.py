@@ -129,7 +129,8 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
         err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form, cache_dtype)
         splits = (None if form == "flat"
-                  else mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len))
+                  else mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len,
+                                                    q.device))
         ms = timer(lambda cfg=cfg, form=form: mla_triton.mla_attention_triton(
             q, cache, meta, SCALE, latent, decode_config=cfg, decode_form=form))
         rows.append({

@@ -276,7 +276,8 @@ def test_sparse_attention_split_selection_is_the_same(num_splits: int) -> None:
     got = dsa_attention_triton(q, latent, step.meta, pos, 0.1, L, num_splits=num_splits)
     assert torch.equal(got[2], torch.zeros_like(got[2]))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert mla_triton.decode_num_splits(4, 1, 2048) > 1  # few tokens: the default splits
+    # few tokens: the default splits
+    assert mla_triton.decode_num_splits(4, 1, 2048, torch.device("cpu")) > 1
     with pytest.raises(ValueError, match="num_splits must be in 1..64"):
         dsa_attention_triton(q, latent, step.meta, pos, 0.1, L, num_splits=65)
 

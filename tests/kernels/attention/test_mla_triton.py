@@ -62,8 +62,22 @@ def test_pure_decode(block_size: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_long_decode_splits_the_context(dtype: torch.dtype) -> None:
-    assert decode_num_splits(5, 1, 301) > 1
+    assert decode_num_splits(5, 1, 301, torch.device("cpu")) > 1
     check(make_mla_case(*LONG_DECODE, block_size=16, dtype=dtype), decode_form="split")
+
+
+def test_decode_splits_aim_at_two_programs_an_sm() -> None:
+    """MLA's heavy decode programs (one an SM): partitions up to two waves of them, none
+    shorter than 256 keys, at most 64; off CUDA as on an H200's 132 SMs."""
+    cpu = torch.device("cpu")
+    assert decode_num_splits(256, 1, 8192, cpu) == 1  # 256 programs already
+    assert decode_num_splits(128, 1, 32768, cpu) == 2
+    assert decode_num_splits(32, 1, 65536, cpu) == 8  # 256 programs
+    assert decode_num_splits(32, 1, 2048, cpu) == 8  # DSA's 2,048 selected keys
+    assert decode_num_splits(64, 2, 4096, cpu) == 2  # 128 heads: two head tiles a row
+    assert decode_num_splits(5, 1, 301, cpu) == 2  # by length: 256-key partitions
+    assert decode_num_splits(1, 1, 10 ** 6, cpu) == 64  # at most MAX_SPLITS
+    assert decode_num_splits(2048, 2, 100, cpu) == 1
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8, 64])

@@ -57,8 +57,8 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
             default mla_triton's decode tiles.
         num_splits: partitions of each token's selection, run by programs of their own and
             combined by mla_triton's split reduce (tests, benchmarks); default
-            mla_triton.decode_num_splits over (tokens, head tiles, topk): enough programs to
-            fill the GPU when the tokens are few.
+            mla_triton.decode_num_splits over (tokens, head tiles, topk): about two
+            programs an SM when the tokens are few.
         packed: the positions are an indexer's, valid ones first and at most position + 1 of
             them: each token's loop stops at its context (`_sparse_attention_kernel`).
     Returns:
@@ -74,7 +74,7 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     num_head_tiles, per_tile = mla_triton.head_tiles(num_heads, cfg.block_m)
     topk = positions.shape[1]
     if num_splits is None:  # host ints only: the same count inside a CUDA graph
-        num_splits = mla_triton.decode_num_splits(num_tokens, num_head_tiles, topk)
+        num_splits = mla_triton.decode_num_splits(num_tokens, num_head_tiles, topk, q.device)
     if not 1 <= num_splits <= mla_triton.MAX_SPLITS:
         raise ValueError(f"dsa_attention_triton: num_splits must be in 1..{mla_triton.MAX_SPLITS}, "
                          f"got {num_splits}")
