@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# Issue 17: the radix top-k on the H200 in one short call (~3 minutes): its GPU tests, the
-# compile-once checks, kernels_dsa --decode-only (the top-k eager and in CUDA graphs beside
-# torch.topk; the decode step as one graph) and kernels_dsa_prefill (W3's prefill chunk per
-# layer: indexer, top-k, sparse MLA against dense MLA). Results as $OUT/dsa.tgz.
+# Issue 17: the radix top-k on the H200 in one short call (~4 minutes): its GPU tests (both
+# forms), the DSA kernel and tile tests, the compile-once checks, kernels_dsa --decode-only
+# (the top-k's row and chunks forms eager and in CUDA graphs beside torch.topk; the decode step
+# as one graph) and kernels_dsa_prefill (W3's prefill chunk per layer: indexer, top-k, sparse
+# MLA against dense MLA). Results as $OUT/dsa.tgz.
 #   bash benchmarks/h200/topk_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
 R=/tmp/dsa; mkdir -p $R
-timeout 100 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
+timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/attention/test_dsa_topk_triton.py tests/kernels/attention/test_dsa_triton.py \
-  tests/kernels/test_specialization_gpu.py -k "dsa or mla" > $R/gpu_tests_topk.log 2>&1
+  tests/kernels/attention/test_dsa_triton_tiles.py tests/kernels/test_specialization_gpu.py -k "dsa or mla" > $R/gpu_tests_topk.log 2>&1
 echo "tests rc=$?"; tail -3 $R/gpu_tests_topk.log
 timeout -s INT 120 python3 -m benchmarks.kernels.kernels_dsa --out $R --decode-only > $R/kernels_dsa.log 2>&1
 echo "kernels_dsa rc=$?"
 python3 -c "
 import json
 for r in json.load(open('/tmp/dsa/kernels_dsa.json'))['decode']:
-    print(r['case'], 'topk', r['topk_ms'], r['topk_graph_ms'], 'torch', r['topk_torch_ms'],
+    print(r['case'], 'topk', r['topk_ms'], r['topk_graph_ms'], 'chunks', r['topk_chunks_ms'],
+          r['topk_chunks_graph_ms'], 'torch', r['topk_torch_ms'],
           r['topk_torch_graph_ms'], 'score', r['score_ms'], 'sparse', r['sparse_mla_ms'],
           'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'])
 "

@@ -16,8 +16,9 @@ Decode step (`decode_cases`): GLM-5's attention per layer, one decode token a ro
 to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the latent cache
 (576 values, 1,152 bytes a token) over the same scattered blocks. Timed apart: the indexer
 (scores + top-k), the top-k alone (topk_triton's radix select over the step's scores; and
-torch.topk over int64 sort keys built from them, the path it replaced, as topk_torch_ms; each
-also in a CUDA graph, topk_graph_ms and topk_torch_graph_ms), the sparse MLA over the
+torch.topk over int64 sort keys built from them, the path it replaced, as topk_torch_ms; the
+radix select's default form, and its "chunks" form as topk_chunks_ms; each also in a CUDA
+graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms), the sparse MLA over the
 2,048 selected positions (with --tiles, also at those TileConfigs; sparse_mla_slots_ms with
 sparse_triton's `slot_rows` experiment switch on, its row conversion included), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
@@ -208,6 +209,12 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     row["score_ms"] = timer(lambda: [c for _, _, c in dsa_triton.index_score_chunks(
         q_i, w, index_cache, meta, scale)])
     row["topk_ms"] = timer(lambda: topk_triton.radix_topk(scores, meta, 0, topk, selected))
+    chunks = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,
+                               torch.empty_like(selected), form="chunks")
+    chunks()
+    assert torch.equal(chunks.args[4], selected), f"{name}: the two top-k forms differ"
+    row["topk_chunks_ms"] = timer(chunks)
+    row["topk_chunks_graph_ms"] = graph_timed(timer, chunks, cuda)
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
     # both as a served decode step runs them: in a CUDA graph (no host time between launches)
     row["topk_graph_ms"] = graph_timed(

@@ -9,6 +9,8 @@ spread over several chunks, taken lowest first across chunk boundaries), negativ
 scores (-0.0 and +0.0 are one score), and garbage past each token's end (never read). Chunks of
 16 and 64 positions make rows span several programs (the write's offsets, the ties' ranks);
 2,048 is the default. Then the whole indexer with small chunks, against `indexer_topk_ref`.
+Every test runs in both of radix_topk's forms ("row": a program a token, the chunk its step;
+"chunks": programs over (token, chunk)), by the `form` fixture, as the module's default.
 """
 
 from __future__ import annotations
@@ -18,12 +20,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.dsa.indexer_triton import indexer_topk_triton
 from moeserve.kernels.attention.dsa.reference import indexer_topk_ref
 from moeserve.kernels.attention.dsa.topk_triton import radix_topk
 from tests.kernels.attention.test_dsa_triton import DIM, STEPS, TOPK, make_step
 
 GARBAGE = 7777  # what out holds before a call: the top-k writes every place
+
+
+@pytest.fixture(autouse=True, params=topk_triton.FORMS)
+def form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test in each form, set as the default (the indexer's calls take it too)."""
+    monkeypatch.setattr(topk_triton, "FORM", request.param)
+    return request.param
 
 
 def ord_of(scores: torch.Tensor) -> torch.Tensor:
@@ -142,10 +152,13 @@ def test_a_context_past_the_scores_is_cut_to_them() -> None:
     assert torch.equal(out, want_topk(scores, [100, 50], 8)[0])
 
 
-def test_bad_chunk() -> None:
+def test_bad_chunk_and_form() -> None:
+    args = (torch.zeros(1, 4, dtype=torch.int32), rows_meta([4]), 0, 2,
+            torch.full((1, 2), -1, dtype=torch.int32))
     with pytest.raises(ValueError, match="chunk must be a power of two >= 16, got 24"):
-        radix_topk(torch.zeros(1, 4, dtype=torch.int32), rows_meta([4]), 0, 2,
-                   torch.full((1, 2), -1, dtype=torch.int32), chunk=24)
+        radix_topk(*args, chunk=24)
+    with pytest.raises(ValueError, match="form 'rows' not in"):
+        radix_topk(*args, form="rows")
 
 
 @pytest.mark.parametrize("name", list(STEPS))

@@ -10,9 +10,18 @@ the positions of the selection, in ascending position order, -1 after them:
     else the topk largest scores, ties at the boundary to the LOWEST positions
     (the reference's stable sort): exactly `topk` positions.
 
-Radix select, six launches over (token, chunk of CHUNK positions) programs, each program
-reading its chunk's 4-byte scores once; u = ord with its sign bit flipped orders as an
-unsigned int, read as four 8-bit digits from the top:
+Radix select: u = ord with its sign bit flipped orders as an unsigned int, read as four 8-bit
+digits from the top. Two forms (`radix_topk`'s form, default FORM):
+
+"row": one launch, a program a token (`_radix_row_kernel`): four passes over the token's
+scores, CHUNK a step, each summing one digit's histogram in registers among the scores whose
+higher digits are the threshold's so far, then one pass writing the selection in position
+order with running offsets. No workspace, no atomics, no memset. Its level-0 histogram costs
+about 3.3 warp instructions a position (sm90 SASS: 824 a 2,048-position step of 8 warps), so a
+token's select is one SM's work: the form for steps of many tokens.
+
+"chunks": six launches over (token, chunk of CHUNK positions) programs, each program reading
+its chunk's 4-byte scores once, so few tokens with long contexts still spread over the GPU:
 
     hist level 0     histogram of u's top byte over the token's valid scores
     hist level 1-3   of the next byte, among the scores whose higher bytes are the
@@ -54,27 +63,41 @@ CHUNK = 2048  # positions a program (tests set a smaller chunk so that rows span
 # cost less than 2,048 over three (sm90 SASS: 3,904 instructions a 2,048-position program)
 _BINS = 256
 _LEVELS = 4
+FORMS = ("row", "chunks")
+FORM = "row"  # radix_topk's default form (module doc)
+ROW_WARPS = 8  # the row form's warps a program (sm90 SASS: 80 registers at 2,048 positions a step)
 
 tl: Any = None  # triton.language, bound by _kernels() (the kernels read it as a global)
 
 
 def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int,
                out: torch.Tensor, chunk: int = CHUNK,
-               count_boundary_ties: bool = False) -> int:
+               count_boundary_ties: bool = False, form: str | None = None) -> int:
     """Write tokens t0 .. t0 + n's selections into out [n, topk] int32, every place (-1 after
     a short context's; the module docstring has the contract). meta's positions, seq_lens and
-    token_to_req give each token's context end, on the device. Returns the number of tokens
-    whose topk-th and (topk + 1)-th scores are equal (a host sync) with count_boundary_ties,
-    else 0."""
+    token_to_req give each token's context end, on the device. form: "row" (one program a
+    token, CHUNK positions a step) or "chunks" (six launches over (token, chunk) programs);
+    default the module's FORM. Returns the number of tokens whose topk-th and (topk + 1)-th
+    scores are equal (a host sync) with count_boundary_ties, else 0."""
     n, num_keys = scores.shape
     if n == 0:
         return 0
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"radix_topk: chunk must be a power of two >= 16, got {chunk}")
+    form = form or FORM
+    if form not in FORMS:
+        raise ValueError(f"radix_topk: form {form!r} not in {FORMS}")
     kern = _kernels()
+    rows = (meta.positions, meta.seq_lens, meta.token_to_req, t0)
+    if form == "row":
+        ties = torch.empty(n if count_boundary_ties else 1, dtype=torch.int32,
+                           device=scores.device)
+        kern.row[(n,)](scores, out, *rows, ties, num_keys, topk, out.stride(0),
+                       COUNT_TIES=count_boundary_ties, BLOCK=chunk, BINS=_BINS,
+                       num_warps=ROW_WARPS)
+        return int(ties.sum()) if count_boundary_ties else 0
     num_chunks = -(-num_keys // chunk)
     grid = (n, num_chunks)
-    rows = (meta.positions, meta.seq_lens, meta.token_to_req, t0)
     consts = dict(LEVELS=_LEVELS, CHUNK=chunk, BINS=_BINS, num_warps=4)
     if num_keys > topk:
         # one zeroed workspace a token (one memset): its histograms [LEVELS, BINS], then its
@@ -109,7 +132,7 @@ def _kernels() -> SimpleNamespace:
     varying = ["t0", "num_keys", "topk", "num_chunks", "stride_work", "stride_out"]
     jit = functools.partial(triton.jit, do_not_specialize=varying)
     return SimpleNamespace(hist=jit(_radix_hist_kernel), count=jit(_radix_count_kernel),
-                           write=jit(_radix_write_kernel))
+                           write=jit(_radix_write_kernel), row=jit(_radix_row_kernel))
 
 
 # ---- Triton helpers and kernels (jitted by _kernels; module globals, as the interpreter
@@ -254,3 +277,61 @@ def _radix_write_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_p
             first = above_before + tl.minimum(equal_before, need)
             place = first + tl.cumsum(take.to(tl.int32), 0) - 1
             tl.store(out + place, n, mask=take)
+
+
+def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
+                      ties_ptr, num_keys, topk, stride_out, COUNT_TIES: tl.constexpr,
+                      BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """Program i: token t0 + i's whole select in one program, BLOCK positions a step: four
+    passes of digit histograms summed in registers (no atomics, no workspace), the threshold
+    T from each, then one pass writing the selection in position order with running offsets
+    (no count pass: the steps run in order). COUNT_TIES: ties_ptr[i] = 1 where T's scores
+    outnumber those taken."""
+    i = tl.program_id(0)
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
+    out = out_ptr + i.to(tl.int64) * stride_out
+    row = scores_ptr + i.to(tl.int64) * num_keys
+    if end <= topk:  # the whole context, -1 after it
+        for j in range(0, topk, BLOCK):
+            place = j + tl.arange(0, BLOCK)
+            tl.store(out + place, tl.where(place < end, place, -1), mask=place < topk)
+        if COUNT_TIES:
+            tl.store(ties_ptr + i, 0)
+    else:
+        bins = tl.arange(0, BINS)
+        need = topk
+        prefix = 0  # u's digits found so far
+        at = 0
+        for level in tl.static_range(4):
+            hist = tl.zeros([BINS], tl.int32)
+            for n0 in range(0, end, BLOCK):
+                n = n0 + tl.arange(0, BLOCK)
+                ok = n < end
+                s = tl.load(row + n, mask=ok, other=0)  # ord
+                if level == 0:
+                    hist += tl.histogram(((s >> 24) & 0xFF) ^ 0x80, BINS, mask=ok)
+                else:  # only the scores whose higher digits are the threshold's so far
+                    ok = ok & (_top_bits(s, level) == prefix)
+                    if tl.sum(ok.to(tl.int32), 0) > 0:
+                        hist += tl.histogram((s >> (24 - 8 * level)) & 0xFF, BINS, mask=ok)
+            from_bin = tl.cumsum(hist, 0, reverse=True)  # [BINS]: counts in bins >= b
+            b = tl.sum((from_bin >= need).to(tl.int32), 0) - 1
+            need -= tl.sum(tl.where(bins == b, from_bin - hist, 0), 0)
+            at = tl.sum(tl.where(bins == b, hist, 0), 0)
+            prefix = (prefix << 8) | b
+        # u's bits as ord: the sign bit flipped back (the shift wraps into it)
+        thr = ((((prefix >> 24) & 0xFF) ^ 0x80) << 24) | (prefix & 0xFFFFFF)
+        taken = 0
+        ties = 0
+        for n0 in range(0, end, BLOCK):
+            n = n0 + tl.arange(0, BLOCK)
+            ok = n < end
+            s = tl.load(row + n, mask=ok, other=0)
+            equal = ok & (s == thr)
+            rank = ties + tl.cumsum(equal.to(tl.int32), 0)  # 1-based among T's scores
+            take = (ok & (s > thr)) | (equal & (rank <= need))
+            tl.store(out + taken + tl.cumsum(take.to(tl.int32), 0) - 1, n, mask=take)
+            taken += tl.sum(take.to(tl.int32), 0)
+            ties += tl.sum(equal.to(tl.int32), 0)
+        if COUNT_TIES:
+            tl.store(ties_ptr + i, (at > need).to(tl.int32))

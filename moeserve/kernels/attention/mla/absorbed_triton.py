@@ -95,8 +95,10 @@ def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype,
         # from 64 heads, 64 keys a step halve the shared-memory re-reads of the queries per key
         # (each warp group's score dot n32, not n16): 5-17% faster than (64, 32, 8, 3) in 15 of
         # 16 cases at 64 / 128 heads (benchmarks/results/gpu_2928ff4/call1_2928ff4/); DSA's
-        # sparse MLA ("sparse") keeps (64, 32, 8, 3) until timed at it
-        return TileConfig(64, 64, 8, 2) if kind == "decode" else TileConfig(64, 32, 8, 3)
+        # sparse MLA likewise once unsplit at 256 rows (gpu_039305d/call3_splits/: 0.353 against
+        # 0.396 ms at 8k and 0.353 / 0.412 at 64k; 0.152 / 0.187 at 32 rows and 8k, 0.089 /
+        # 0.085 at 32 and 64k, 0.240 / 0.237 at 128 and 32k)
+        return TileConfig(64, 64, 8, 2)
     if dtype == torch.float32:
         return TileConfig(32, 32, 8, 1)
     # bf16 prefill as the decode: 64 rows a program (wgmma's M; at 20 heads 3 query tokens x
