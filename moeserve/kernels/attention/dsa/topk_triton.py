@@ -66,6 +66,7 @@ _LEVELS = 4
 FORMS = ("row", "chunks")
 FORM = "row"  # radix_topk's default form (module doc)
 ROW_WARPS = 8  # the row form's warps a program (sm90 SASS: 80 registers at 2,048 positions a step)
+ROW_STAGES = 3  # its loops' loads in flight (tl.range software pipelining)
 
 tl: Any = None  # triton.language, bound by _kernels() (the kernels read it as a global)
 
@@ -94,7 +95,7 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
                            device=scores.device)
         kern.row[(n,)](scores, out, *rows, ties, num_keys, topk, out.stride(0),
                        COUNT_TIES=count_boundary_ties, BLOCK=chunk, BINS=_BINS,
-                       num_warps=ROW_WARPS)
+                       ROW_STAGES=ROW_STAGES, num_warps=ROW_WARPS)
         return int(ties.sum()) if count_boundary_ties else 0
     num_chunks = -(-num_keys // chunk)
     grid = (n, num_chunks)
@@ -281,7 +282,7 @@ def _radix_write_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_p
 
 def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
                       ties_ptr, num_keys, topk, stride_out, COUNT_TIES: tl.constexpr,
-                      BLOCK: tl.constexpr, BINS: tl.constexpr):
+                      BLOCK: tl.constexpr, BINS: tl.constexpr, ROW_STAGES: tl.constexpr):
     """Program i: token t0 + i's whole select in one program, BLOCK positions a step: four
     passes of digit histograms summed in registers (no atomics, no workspace), the threshold
     T from each, then one pass writing the selection in position order with running offsets
@@ -304,7 +305,7 @@ def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to
         at = 0
         for level in tl.static_range(4):
             hist = tl.zeros([BINS], tl.int32)
-            for n0 in range(0, end, BLOCK):
+            for n0 in tl.range(0, end, BLOCK, num_stages=ROW_STAGES):
                 n = n0 + tl.arange(0, BLOCK)
                 ok = n < end
                 s = tl.load(row + n, mask=ok, other=0)  # ord
@@ -323,7 +324,7 @@ def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to
         thr = ((((prefix >> 24) & 0xFF) ^ 0x80) << 24) | (prefix & 0xFFFFFF)
         taken = 0
         ties = 0
-        for n0 in range(0, end, BLOCK):
+        for n0 in tl.range(0, end, BLOCK, num_stages=ROW_STAGES):
             n = n0 + tl.arange(0, BLOCK)
             ok = n < end
             s = tl.load(row + n, mask=ok, other=0)
