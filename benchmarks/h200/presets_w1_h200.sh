@@ -10,7 +10,10 @@
 #   bash benchmarks/h200/presets_w1_h200.sh deepseek-v2-lite moonlight-16b-a3b glm-4.7-flash
 #   bash benchmarks/h200/presets_w1_h200.sh glm-4.5-air glm-4.5
 #   bash benchmarks/h200/presets_w1_h200.sh deepseek-v3 kimi-k2
-# GPU_TESTS=1 runs `pytest -m gpu` over the test tree first ($OUT/gpu_tests.log).
+# GPU_TESTS=1 runs `pytest -m gpu` over the test tree first ($OUT/gpu_tests.log). CONC=N serves
+# at concurrency N (default 256; files then named <preset>_cN), and TILES=committed uses the
+# committed H200 MoE tiles instead of the defaults (issue 16's W1 at 1,024 on moonlight and the
+# sliced glm-4.5-air:  CONC=1024 TILES=committed bash ... moonlight-16b-a3b glm-4.5-air).
 set -uo pipefail
 presets=("${@:-deepseek-v2-lite moonlight-16b-a3b glm-4.7-flash glm-4.5-air glm-4.5 deepseek-v3 kimi-k2}")
 # layers kept where bf16 weights would not fit (the first layers dense, as published)
@@ -26,12 +29,14 @@ source benchmarks/gpu_env.sh
 if [ "${GPU_TESTS:-0}" = 1 ]; then
   run_gpu_tests 420
 fi
+conc=${CONC:-256}
+tag=""; [ "$conc" != 256 ] && tag=_c$conc
 for p in ${presets[*]}; do
-  args="--moe-tiles default"
+  args=""; [ "${TILES:-default}" = default ] && args="--moe-tiles default"
   [ -n "${slice[$p]+set}" ] && args="$args --hf-overrides '${slice[$p]}'"
   echo "== $p: $args $(date +%T)"
-  timeout 240 python3 -m moeserve.cli bench --preset "$p" --max-concurrency 256 \
-    --server-args "$args" --no-progress --output-json "$out/$p.jsonl" > "$out/$p.log" 2>&1
+  timeout 240 python3 -m moeserve.cli bench --preset "$p" --max-concurrency "$conc" \
+    --server-args "$args" --no-progress --output-json "$out/$p$tag.jsonl" > "$out/$p$tag.log" 2>&1
   echo "rc=$?"
-  grep -E "Output token throughput|eager decode|Error|error" "$out/$p.log" | head -5
+  grep -E "Output token throughput|serial roofline|eager decode|Error|error" "$out/$p$tag.log" | head -5
 done

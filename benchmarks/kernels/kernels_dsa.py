@@ -17,7 +17,7 @@ to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the late
 (576 values, 1,152 bytes a token) over the same scattered blocks. Timed apart: the indexer
 (scores + top-k), the top-k alone (topk_triton's radix select over the step's scores; and
 torch.topk over int64 sort keys built from them, the path it replaced, as topk_torch_ms; the
-radix select's default form, and its "chunks" form as topk_chunks_ms; each also in a CUDA
+radix select's default form ("auto"), and its "chunks" form as topk_chunks_ms; each also in a CUDA
 graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms; the row form at
 ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms), the sparse MLA over the
 2,048 selected positions (with --tiles, also at those TileConfigs; sparse_mla_slots_ms with
@@ -82,8 +82,8 @@ SMOKE_DECODE = (("decode_b3_ctx40", 3, 40),)
 MLA_HEADS, LATENT, ROPE = 64, 512, 64
 COPY_TBPS = 4.27  # ANCHORS.md: the H200's copy rate
 CHECK_ROWS = 2  # rows of each decode case checked against the references
-# the radix top-k's row form at other (positions a step, warps, pipeline stages), in graphs
-ROW_VARIANTS = ((2048, 8, 1), (2048, 8, 3), (1024, 4, 3), (4096, 8, 2), (1024, 4, 4))
+# the radix top-k's row form at (positions a step, warps), in graphs
+ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16))
 
 
 def make_step(computed: list[int], scheduled: list[int], block: int, device: str,
@@ -218,18 +218,17 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     assert torch.equal(chunks.args[4], selected), f"{name}: the two top-k forms differ"
     row["topk_chunks_ms"] = timer(chunks)
     row["topk_chunks_graph_ms"] = graph_timed(timer, chunks, cuda)
-    for block, warps, stages in ROW_VARIANTS if cuda else ():  # the row form's launch shapes
-        saved = topk_triton.ROW_WARPS, topk_triton.ROW_STAGES
-        topk_triton.ROW_WARPS, topk_triton.ROW_STAGES = warps, stages
+    for block, warps in ROW_VARIANTS if cuda else ():  # the row form's launch shapes
+        saved, topk_triton.ROW_WARPS = topk_triton.ROW_WARPS, warps
         try:
             fn = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,
                                    torch.empty_like(selected), chunk=block, form="row")
             fn()
-            assert torch.equal(fn.args[4], selected), f"{name}: row {block, warps, stages}"
-            row.setdefault("topk_row_graph_ms", {})[f"{block},{warps},{stages}"] = round(
+            assert torch.equal(fn.args[4], selected), f"{name}: row {block, warps}"
+            row.setdefault("topk_row_graph_ms", {})[f"{block},{warps}"] = round(
                 graph_timed(timer, fn, cuda), 4)
         finally:
-            topk_triton.ROW_WARPS, topk_triton.ROW_STAGES = saved
+            topk_triton.ROW_WARPS = saved
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
     # both as a served decode step runs them: in a CUDA graph (no host time between launches)
     row["topk_graph_ms"] = graph_timed(

@@ -114,6 +114,8 @@ def run_case(name: str, prefix: int, chunk: int, device: str, timer: Timer) -> d
     row["topk_ms"] = timer(lambda: topk_triton.radix_topk(scores, meta, 0, s["topk"], selected))
     row["topk_chunks_ms"] = timer(lambda: topk_triton.radix_topk(
         scores, meta, 0, s["topk"], selected, form="chunks"))
+    row["topk_row_ms"] = timer(lambda: topk_triton.radix_topk(
+        scores, meta, 0, s["topk"], selected, form="row"))
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
     row["sparse_mla_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
         q_lat, latent, meta, positions, width ** -0.5, s["latent"], packed=True))

@@ -10,7 +10,8 @@ scores (-0.0 and +0.0 are one score), and garbage past each token's end (never r
 16 and 64 positions make rows span several programs (the write's offsets, the ties' ranks);
 2,048 is the default. Then the whole indexer with small chunks, against `indexer_topk_ref`.
 Every test runs in both of radix_topk's forms ("row": a program a token, the chunk its step;
-"chunks": programs over (token, chunk)), by the `form` fixture, as the module's default.
+"chunks": programs over (token, chunk)), by the `form` fixture, as the module's default; "auto"
+picks between them by the token count.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.kernels.attention.test_dsa_triton import DIM, STEPS, TOPK, make_step
 GARBAGE = 7777  # what out holds before a call: the top-k writes every place
 
 
-@pytest.fixture(autouse=True, params=topk_triton.FORMS)
+@pytest.fixture(autouse=True, params=("row", "chunks"))
 def form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test in each form, set as the default (the indexer's calls take it too)."""
     monkeypatch.setattr(topk_triton, "FORM", request.param)
@@ -159,6 +160,30 @@ def test_bad_chunk_and_form() -> None:
         radix_topk(*args, chunk=24)
     with pytest.raises(ValueError, match="form 'rows' not in"):
         radix_topk(*args, form="rows")
+
+
+def test_auto_takes_the_row_form_from_row_min_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    kern = topk_triton._kernels()
+    launched: list[str] = []
+
+    class Spy:
+        def __init__(self, name: str, fn) -> None:
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.fn[grid]
+    for name in ("row", "write"):
+        monkeypatch.setattr(kern, name, Spy(name, getattr(kern, name)))
+    monkeypatch.setattr(topk_triton, "ROW_MIN_TOKENS", 3)
+    gen = torch.Generator().manual_seed(9)
+    for ends, form in (([40, 30], "chunks"), ([40, 30, 25], "row")):
+        launched.clear()
+        scores = torch.randn(len(ends), 40, generator=gen)
+        out = torch.full((len(ends), 8), GARBAGE, dtype=torch.int32)
+        radix_topk(ord_of(scores), rows_meta(ends), 0, 8, out, chunk=16, form="auto")
+        assert torch.equal(out, want_topk(scores, ends, 8)[0])
+        assert launched == (["write"] if form == "chunks" else ["row"]), launched
 
 
 @pytest.mark.parametrize("name", list(STEPS))

@@ -16,9 +16,13 @@ digits from the top. Two forms (`radix_topk`'s form, default FORM):
 "row": one launch, a program a token (`_radix_row_kernel`): four passes over the token's
 scores, CHUNK a step, each summing one digit's histogram in registers among the scores whose
 higher digits are the threshold's so far, then one pass writing the selection in position
-order with running offsets. No workspace, no atomics, no memset. Its level-0 histogram costs
-about 3.3 warp instructions a position (sm90 SASS: 824 a 2,048-position step of 8 warps), so a
-token's select is one SM's work: the form for steps of many tokens.
+order with running offsets. No workspace, no atomics, no memset. A token's select is one
+SM's work, and each step's cross-warp reductions (the histogram, the scans) wait on barriers:
+on the H200 about 8 clocks a position (gpu_039305d/call4, call5: 0.26 ms for one token of 64k
+positions, against 0.075 for the chunks form over 32 programs; pipelining its loads with
+tl.range changed nothing). With 256 tokens and more it is level or faster (256 x 8k: 0.063 ms
+in a graph against 0.079; W3's prefill chunks 4.87 against 5.76 ms), so "auto" takes it from
+ROW_MIN_TOKENS tokens (256 x 64k: 0.435 against 0.403, the one loss).
 
 "chunks": six launches over (token, chunk of CHUNK positions) programs, each program reading
 its chunk's 4-byte scores once, so few tokens with long contexts still spread over the GPU:
@@ -63,10 +67,10 @@ CHUNK = 2048  # positions a program (tests set a smaller chunk so that rows span
 # cost less than 2,048 over three (sm90 SASS: 3,904 instructions a 2,048-position program)
 _BINS = 256
 _LEVELS = 4
-FORMS = ("row", "chunks")
-FORM = "row"  # radix_topk's default form (module doc)
+FORMS = ("auto", "row", "chunks")
+FORM = "auto"  # radix_topk's default form: "row" from ROW_MIN_TOKENS tokens, else "chunks"
+ROW_MIN_TOKENS = 256
 ROW_WARPS = 8  # the row form's warps a program (sm90 SASS: 80 registers at 2,048 positions a step)
-ROW_STAGES = 3  # its loops' loads in flight (tl.range software pipelining)
 
 tl: Any = None  # triton.language, bound by _kernels() (the kernels read it as a global)
 
@@ -77,9 +81,10 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     """Write tokens t0 .. t0 + n's selections into out [n, topk] int32, every place (-1 after
     a short context's; the module docstring has the contract). meta's positions, seq_lens and
     token_to_req give each token's context end, on the device. form: "row" (one program a
-    token, CHUNK positions a step) or "chunks" (six launches over (token, chunk) programs);
-    default the module's FORM. Returns the number of tokens whose topk-th and (topk + 1)-th
-    scores are equal (a host sync) with count_boundary_ties, else 0."""
+    token, CHUNK positions a step), "chunks" (six launches over (token, chunk) programs) or
+    "auto" (row from ROW_MIN_TOKENS tokens); default the module's FORM. Returns the number
+    of tokens whose topk-th and (topk + 1)-th scores are equal (a host sync) with
+    count_boundary_ties, else 0."""
     n, num_keys = scores.shape
     if n == 0:
         return 0
@@ -88,6 +93,8 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     form = form or FORM
     if form not in FORMS:
         raise ValueError(f"radix_topk: form {form!r} not in {FORMS}")
+    if form == "auto":
+        form = "row" if n >= ROW_MIN_TOKENS else "chunks"
     kern = _kernels()
     rows = (meta.positions, meta.seq_lens, meta.token_to_req, t0)
     if form == "row":
@@ -95,7 +102,7 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
                            device=scores.device)
         kern.row[(n,)](scores, out, *rows, ties, num_keys, topk, out.stride(0),
                        COUNT_TIES=count_boundary_ties, BLOCK=chunk, BINS=_BINS,
-                       ROW_STAGES=ROW_STAGES, num_warps=ROW_WARPS)
+                       num_warps=ROW_WARPS)
         return int(ties.sum()) if count_boundary_ties else 0
     num_chunks = -(-num_keys // chunk)
     grid = (n, num_chunks)
@@ -282,7 +289,7 @@ def _radix_write_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_p
 
 def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
                       ties_ptr, num_keys, topk, stride_out, COUNT_TIES: tl.constexpr,
-                      BLOCK: tl.constexpr, BINS: tl.constexpr, ROW_STAGES: tl.constexpr):
+                      BLOCK: tl.constexpr, BINS: tl.constexpr):
     """Program i: token t0 + i's whole select in one program, BLOCK positions a step: four
     passes of digit histograms summed in registers (no atomics, no workspace), the threshold
     T from each, then one pass writing the selection in position order with running offsets
@@ -305,7 +312,7 @@ def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to
         at = 0
         for level in tl.static_range(4):
             hist = tl.zeros([BINS], tl.int32)
-            for n0 in tl.range(0, end, BLOCK, num_stages=ROW_STAGES):
+            for n0 in range(0, end, BLOCK):
                 n = n0 + tl.arange(0, BLOCK)
                 ok = n < end
                 s = tl.load(row + n, mask=ok, other=0)  # ord
@@ -324,7 +331,7 @@ def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to
         thr = ((((prefix >> 24) & 0xFF) ^ 0x80) << 24) | (prefix & 0xFFFFFF)
         taken = 0
         ties = 0
-        for n0 in tl.range(0, end, BLOCK, num_stages=ROW_STAGES):
+        for n0 in range(0, end, BLOCK):
             n = n0 + tl.arange(0, BLOCK)
             ok = n < end
             s = tl.load(row + n, mask=ok, other=0)
