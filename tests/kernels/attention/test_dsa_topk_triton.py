@@ -66,7 +66,7 @@ def rows_meta(ends: list[int]) -> SimpleNamespace:
                            token_to_req=torch.arange(n))
 
 
-def run(scores: torch.Tensor, ends: list[int], topk: int, chunk: int) -> None:
+def run(scores: torch.Tensor, ends: list[int], topk: int, chunk: int | None) -> None:
     """radix_topk over `scores` (garbage written past each end) equals want_topk, ties too."""
     keys = ord_of(scores)
     for i, end in enumerate(ends):  # never read: the largest scores there
@@ -82,10 +82,10 @@ def run(scores: torch.Tensor, ends: list[int], topk: int, chunk: int) -> None:
 ENDS = [0, 1, 7, 8, 9, 16, 17, 63, 64, 65, 150, 200]
 
 
-@pytest.mark.parametrize("chunk", [16, 64, 2048])
+@pytest.mark.parametrize("chunk", [16, 64, 2048, None])  # None: the form's default
 @pytest.mark.parametrize("topk", [1, 8, 37])
-def test_random_scores(chunk: int, topk: int) -> None:
-    gen = torch.Generator().manual_seed(topk * chunk)
+def test_random_scores(chunk: int | None, topk: int) -> None:
+    gen = torch.Generator().manual_seed(topk * (chunk or 3))
     scores = torch.randn(len(ENDS), 200, generator=gen) * 3
     run(scores, ENDS, topk, chunk)
 
@@ -199,11 +199,11 @@ def test_indexer_with_small_chunks_equals_the_reference(name: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("chunk", [64, 2048])
-def test_on_the_gpu(chunk: int) -> None:
+@pytest.mark.parametrize("chunk", [64, 2048, None])  # None: the form's default
+def test_on_the_gpu(chunk: int | None) -> None:
     """Long rows on CUDA (atomics and histograms for real): 2,048 of 20,000 positions with
     heavy ties, and random."""
-    gen = torch.Generator().manual_seed(chunk)
+    gen = torch.Generator().manual_seed(chunk or 3)
     ends = [20000, 2048, 2049, 5000, 0, 19999]
     for scores in (torch.randn(len(ends), 20000, generator=gen),
                    torch.randint(0, 7, (len(ends), 20000), generator=gen).float() * 0.5):

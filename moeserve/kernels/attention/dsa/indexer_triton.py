@@ -91,7 +91,7 @@ def index_block_q(num_heads: int) -> int:
 def indexer_topk_triton(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, topk: int,
                         count_boundary_ties: bool = False,
-                        topk_chunk: int = topk_triton.CHUNK) -> tuple[torch.Tensor, int]:
+                        topk_chunk: int | None = None) -> tuple[torch.Tensor, int]:
     """Each query token's top-`topk` context positions by the indexer's score
     (`indexer_topk_ref`'s contract and result).
 

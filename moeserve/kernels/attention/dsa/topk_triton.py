@@ -22,7 +22,8 @@ on the H200 about 8 clocks a position (gpu_039305d/call4, call5: 0.26 ms for one
 positions, against 0.075 for the chunks form over 32 programs; pipelining its loads with
 tl.range changed nothing). With 256 tokens and more it is level or faster (256 x 8k: 0.063 ms
 in a graph against 0.079; W3's prefill chunks 4.87 against 5.76 ms), so "auto" takes it from
-ROW_MIN_TOKENS tokens (256 x 64k: 0.435 against 0.403, the one loss).
+ROW_MIN_TOKENS tokens (256 x 64k at 2,048 a step: 0.435 against 0.403; at ROW_CHUNK 4,096
+0.382).
 
 "chunks": six launches over (token, chunk of CHUNK positions) programs, each program reading
 its chunk's 4-byte scores once, so few tokens with long contexts still spread over the GPU:
@@ -70,31 +71,34 @@ _LEVELS = 4
 FORMS = ("auto", "row", "chunks")
 FORM = "auto"  # radix_topk's default form: "row" from ROW_MIN_TOKENS tokens, else "chunks"
 ROW_MIN_TOKENS = 256
-ROW_WARPS = 8  # the row form's warps a program (sm90 SASS: 80 registers at 2,048 positions a step)
+ROW_CHUNK = 4096  # the row form's positions a step, and its warps (gpu_039305d/call6: in a
+ROW_WARPS = 8  # graph 0.058 / 0.382 ms at 256 x 8k / 64k against 0.063 / 0.436 at 2,048)
 
 tl: Any = None  # triton.language, bound by _kernels() (the kernels read it as a global)
 
 
 def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int,
-               out: torch.Tensor, chunk: int = CHUNK,
+               out: torch.Tensor, chunk: int | None = None,
                count_boundary_ties: bool = False, form: str | None = None) -> int:
     """Write tokens t0 .. t0 + n's selections into out [n, topk] int32, every place (-1 after
     a short context's; the module docstring has the contract). meta's positions, seq_lens and
     token_to_req give each token's context end, on the device. form: "row" (one program a
-    token, CHUNK positions a step), "chunks" (six launches over (token, chunk) programs) or
-    "auto" (row from ROW_MIN_TOKENS tokens); default the module's FORM. Returns the number
-    of tokens whose topk-th and (topk + 1)-th scores are equal (a host sync) with
-    count_boundary_ties, else 0."""
+    token, ROW_CHUNK positions a step), "chunks" (six launches over (token, CHUNK positions)
+    programs) or "auto" (row from ROW_MIN_TOKENS tokens); default the module's FORM. chunk
+    overrides the form's positions a program or step (tests: small, so rows span several).
+    Returns the number of tokens whose topk-th and (topk + 1)-th scores are equal (a host
+    sync) with count_boundary_ties, else 0."""
     n, num_keys = scores.shape
     if n == 0:
         return 0
-    if chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"radix_topk: chunk must be a power of two >= 16, got {chunk}")
     form = form or FORM
     if form not in FORMS:
         raise ValueError(f"radix_topk: form {form!r} not in {FORMS}")
     if form == "auto":
         form = "row" if n >= ROW_MIN_TOKENS else "chunks"
+    chunk = chunk or (ROW_CHUNK if form == "row" else CHUNK)
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"radix_topk: chunk must be a power of two >= 16, got {chunk}")
     kern = _kernels()
     rows = (meta.positions, meta.seq_lens, meta.token_to_req, t0)
     if form == "row":
