@@ -19,7 +19,9 @@ to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the late
 torch.topk over int64 sort keys built from them, the path it replaced, as topk_torch_ms; the
 radix select's default form ("auto"), and its "chunks" form as topk_chunks_ms; each also in a CUDA
 graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms; the row form at
-ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms), the sparse MLA over the
+ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms), the scores with each scoring
+program walking SCORE_KEY_TILES key tiles (score_key_tiles_ms, and the step in a graph as
+dsa_graph_key_tiles_ms), the sparse MLA over the
 2,048 selected positions (with --tiles, also at those TileConfigs; sparse_mla_slots_ms with
 sparse_triton's `slot_rows` experiment switch on, its row conversion included), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
@@ -84,6 +86,8 @@ COPY_TBPS = 4.27  # ANCHORS.md: the H200's copy rate
 CHECK_ROWS = 2  # rows of each decode case checked against the references
 # the radix top-k's row form at (positions a step, warps), in graphs
 ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16))
+# indexer_triton.score_key_tiles settings timed: the scores alone and the step in a graph
+SCORE_KEY_TILES = (2, 4, 8, 16)
 
 
 def make_step(computed: list[int], scheduled: list[int], block: int, device: str,
@@ -241,6 +245,20 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
                                                       packed=True)
     step()
     row["dsa_graph_ms"] = graph_timed(timer, step, cuda)
+    for key_tiles in SCORE_KEY_TILES if cuda else ():  # indexer_triton's experiment switch
+        saved, dsa_triton.score_key_tiles = dsa_triton.score_key_tiles, key_tiles
+        try:
+            walked = torch.cat([c for _, _, c in dsa_triton.index_score_chunks(
+                q_i, w, index_cache, meta, scale)])
+            seen = context_mask(meta, 0, batch, scores.shape[1])
+            assert torch.equal(walked[seen], scores[seen]), f"{name}: key tiles {key_tiles}"
+            row.setdefault("score_key_tiles_ms", {})[key_tiles] = round(timer(
+                lambda: [c for _, _, c in dsa_triton.index_score_chunks(
+                    q_i, w, index_cache, meta, scale)]), 4)
+            row.setdefault("dsa_graph_key_tiles_ms", {})[key_tiles] = round(
+                graph_timed(timer, step, cuda), 4)
+        finally:
+            dsa_triton.score_key_tiles = saved
     row["sparse_mla_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
         q, cache, meta, positions, mla_scale, latent))
     base = dsa_sparse_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,

@@ -150,6 +150,18 @@ def test_forced_ties_break_to_the_lowest_position(block_size: int, force: object
         assert ties > 0
 
 
+@pytest.mark.parametrize("key_tiles", [2, 3])
+@pytest.mark.parametrize("name", list(STEPS))
+def test_scoring_programs_walking_several_key_tiles(monkeypatch: pytest.MonkeyPatch,
+                                                    key_tiles: int, name: str) -> None:
+    """score_key_tiles: a scoring program over several key tiles (3: spans ending inside a
+    row's context and past it) selects as the reference does, ties included."""
+    monkeypatch.setattr(dsa_triton, "score_key_tiles", key_tiles)
+    step = make_step(*STEPS[name], 16, seed=7)
+    _integers(step)
+    check_topk(step, scale=0.25)
+
+
 def test_prefill_scored_in_chunks_of_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     # 42 keys a row, 100 keys a chunk: two tokens per launch
     monkeypatch.setattr(dsa_triton, "_CHUNK_KEYS", 100)
@@ -400,8 +412,11 @@ def _ref_scores(step: Step, scale: float) -> torch.Tensor:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key_tiles", [1, 4])
 @pytest.mark.parametrize("name", list(_gpu_steps()))
-def test_gpu_topk_integer_data_is_exact(name: str) -> None:
+def test_gpu_topk_integer_data_is_exact(name: str, key_tiles: int,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dsa_triton, "score_key_tiles", key_tiles)
     step = make_step(*_gpu_steps()[name], GPU_BLOCK, dtype=torch.bfloat16, **GPU_INDEXER)
     _integers(step)
     _, ties = check_topk(step, topk=GPU_TOPK, scale=0.25)

@@ -70,6 +70,10 @@ _CHUNK_KEYS = 1 << 25
 # rows (query tokens x indexer heads) of a prefill scoring program's q . k dot: see
 # index_block_q (a [128, D] x [D, BLOCK_N] dot: fp32 accumulator [128, 64] at GLM-5's shape)
 INDEX_TILE_ROWS = 128
+# Key tiles a scoring program walks (its queries and weights loaded once for them). 1: a
+# program a tile, as measured (decode scores at 71-73% of their read bound on the H200,
+# gpu_039305d/call6); an experiment switch until kernels_dsa's score_key_tiles_ms times it.
+score_key_tiles = 1
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 # mla_triton's jitted helper, bound by _kernels() too (the kernel reads it by global name)
@@ -147,14 +151,16 @@ def index_score_chunks(q: torch.Tensor, weights: torch.Tensor, index_cache: torc
     kern = _kernels()
     for t0, n, part in chunks:
         scores = torch.empty(n, num_keys, dtype=torch.int32, device=q.device)  # [n, S]
-        grid = (n if part is None else part.stop - part.start, -(-num_keys // block_n))
+        span = block_n * score_key_tiles
+        grid = (n if part is None else part.stop - part.start, -(-num_keys // span))
         kern.index_score[grid](
             q, weights, index_cache, scores, meta.block_tables, meta.seq_lens, meta.positions,
             meta.token_to_req, meta.positions if part is None else tiles[part], scale, t0,
             num_keys, q.stride(0), q.stride(1), weights.stride(0), meta.block_tables.stride(0),
             NUM_HEADS=num_heads, BLOCK_H=max(16 // block_q, next_pow2(num_heads)),
             BLOCK_Q=block_q, D=dim, BLOCK_SIZE=index_cache.shape[1], BLOCK_N=block_n,
-            USE_TILES=part is not None, IEEE=q.dtype == torch.float32, num_warps=4)
+            USE_TILES=part is not None, IEEE=q.dtype == torch.float32,
+            KEY_TILES=score_key_tiles, num_warps=4)
         yield t0, n, scores
 
 
@@ -268,10 +274,12 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
                         stride_qt, stride_qh, stride_wt, stride_table,
                         NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
                         D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        USE_TILES: tl.constexpr, IEEE: tl.constexpr):
-    """Program (i, key tile): the scores' ord [BLOCK_Q, BLOCK_N] of query tile i over context
-    positions tile * BLOCK_N .., written to keys rows (token - t0) ([n, num_keys] int32) where
-    each query sees the position (the rest of the row is left as it was).
+                        USE_TILES: tl.constexpr, IEEE: tl.constexpr,
+                        KEY_TILES: tl.constexpr):
+    """Program (i, span): the scores' ord [BLOCK_Q, BLOCK_N] of query tile i over KEY_TILES
+    key tiles of BLOCK_N context positions from span * BLOCK_N * KEY_TILES, written to keys
+    rows (token - t0) ([n, num_keys] int32) where each query sees the position (the rest of
+    the row is left as it was); the queries and weights loaded once for the span's tiles.
 
     Query tile i: USE_TILES, tiles row i = (first token, count <= BLOCK_Q), consecutive tokens
     of one row; else the one token t0 + i (BLOCK_Q 1: decode, every index on the device). Dot
@@ -294,7 +302,7 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
     key, as before.
     """
     i = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
+    span0 = tl.program_id(1) * (BLOCK_N * KEY_TILES)
     if USE_TILES:
         first = tl.load(tiles_ptr + 2 * i).to(tl.int64)
         count = tl.load(tiles_ptr + 2 * i + 1)
@@ -310,34 +318,36 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
     # the tile's last query sees the most (positions rise along a row)
     kv_end = tl.minimum(tl.load(positions_ptr + tok, mask=q_ok, other=-1) + 1, seq_len)  # [Q]
     kv_hi = tl.minimum(tl.load(positions_ptr + first + count - 1) + 1, seq_len)
-    n = n0 + tl.arange(0, BLOCK_N)  # [N] context positions
-    if n0 < kv_hi:  # causal: a tile wholly after the tile's last query writes nothing
+    if span0 < kv_hi:  # causal: key tiles wholly after the tile's last query write nothing
         r = tl.arange(0, BLOCK_Q * BLOCK_H)  # [M] dot rows
         r_ok = (r // BLOCK_H < count) & (r % BLOCK_H < NUM_HEADS)
         d = tl.arange(0, D)
         q = tl.load(q_ptr + (first + r // BLOCK_H)[:, None] * stride_qt
                     + (r % BLOCK_H)[:, None] * stride_qh + d[None, :],
-                    mask=r_ok[:, None], other=0.0)  # [M, D]
+                    mask=r_ok[:, None], other=0.0)  # [M, D], once for the program's tiles
         h = tl.arange(0, BLOCK_H)
         w = tl.load(w_ptr + tok[:, None] * stride_wt + h[None, :],
                     mask=q_ok[:, None] & (h < NUM_HEADS)[None, :], other=0.0)  # [Q, H'] fp32
-        k_ok = n < kv_hi
         table = block_tables_ptr + req * stride_table
-        block = tl.load(table + n // BLOCK_SIZE, mask=k_ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE  # [N]
-        k = tl.load(cache_ptr + slot[None, :] * D + d[:, None], mask=k_ok[None, :],
-                    other=0.0)  # [D, N]
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)  # [M, N] fp32 accumulation of exact half products
-        s = tl.maximum(s * scale, 0.0)  # the reference's order: q . k, times scale, ReLU
-        s = tl.reshape(s, [BLOCK_Q, BLOCK_H, BLOCK_N])
-        score = _sum(s * w[:, :, None], 1)  # [Q, N]; padded heads add w 0 x 0
-        score = tl.where(score == 0.0, 0.0, score)  # -0.0 must tie +0.0 (the ref's ==)
-        bits = score.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 order = fp32 order
-        # each query's own context only (kv_end <= seq_len <= num_keys): the top-k reads no
-        # further, so a CUDA graph's bound past the contexts costs no writes
-        tl.store(keys_ptr + (tok - t0)[:, None] * num_keys + n[None, :], ordered,
-                 mask=q_ok[:, None] & (n[None, :] < kv_end[:, None]))
+        span_end = tl.minimum(span0 + BLOCK_N * KEY_TILES, kv_hi)
+        for n0 in range(span0, span_end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)  # [N] context positions
+            k_ok = n < kv_hi
+            block = tl.load(table + n // BLOCK_SIZE, mask=k_ok, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE  # [N]
+            k = tl.load(cache_ptr + slot[None, :] * D + d[:, None], mask=k_ok[None, :],
+                        other=0.0)  # [D, N]
+            if IEEE:
+                s = tl.dot(q, k, input_precision="ieee")
+            else:
+                s = tl.dot(q, k)  # [M, N] fp32 accumulation of exact half products
+            s = tl.maximum(s * scale, 0.0)  # the reference's order: q . k, times scale, ReLU
+            s = tl.reshape(s, [BLOCK_Q, BLOCK_H, BLOCK_N])
+            score = _sum(s * w[:, :, None], 1)  # [Q, N]; padded heads add w 0 x 0
+            score = tl.where(score == 0.0, 0.0, score)  # -0.0 must tie +0.0 (the ref's ==)
+            bits = score.to(tl.int32, bitcast=True)
+            ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int32 order = fp32 order
+            # each query's own context only (kv_end <= seq_len <= num_keys): the top-k reads no
+            # further, so a CUDA graph's bound past the contexts costs no writes
+            tl.store(keys_ptr + (tok - t0)[:, None] * num_keys + n[None, :], ordered,
+                     mask=q_ok[:, None] & (n[None, :] < kv_end[:, None]))
