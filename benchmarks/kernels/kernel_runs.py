@@ -7,6 +7,9 @@ and the JSON they rewrite after every case, so that a run cut short keeps what i
                                            decode step as serving runs it), eager on CPU
     run_device(smoke, name)                "cpu" through Triton's interpreter for a smoke run,
                                            else "cuda" (SystemExit without a GPU); SMOKE_HELP
+    profiled_median_ms(fn, calls)          fn warmed up, then `calls` calls between
+                                           cudaProfilerStart / Stop (what `ncu
+                                           --profile-from-start off` sees): their median ms
     record(result, section, row, path, device)
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -61,6 +65,25 @@ def graph_timed(timer: Timer, fn: Callable[[], object], cuda: bool) -> float:
         return timer(graph.replay)
     finally:
         del graph
+
+
+def profiled_median_ms(fn: Callable[[], object], calls: int) -> float:
+    """fn compiled and warmed up (three calls), then `calls` calls each timed by CUDA events
+    (host launch time included) between cudaProfilerStart and cudaProfilerStop: the median."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    torch.cuda.profiler.start()
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    torch.cuda.profiler.stop()
+    return statistics.median(times)
 
 
 def record(result: dict, section: str, row: dict, path: str, device: str) -> None:

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from benchmarks.kernels.kernel_runs import profiled_median_ms
 from benchmarks.kernels.kernels_dsa import (
     BLOCK,
     COPY_TBPS,
@@ -89,20 +89,7 @@ def main() -> None:
             return absorbed_triton.mla_attention_triton(q, cache, meta, scale, LATENT,
                                                         decode_splits=args.splits,
                                                         decode_config=tile)
-    for _ in range(3):  # compiles and warms up outside the profiled range
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    torch.cuda.profiler.start()
-    for _ in range(args.calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    torch.cuda.profiler.stop()
-    ms = statistics.median(times)
+    ms = profiled_median_ms(fn, args.calls)
     nbytes = args.batch * keys * (LATENT + ROPE) * 2
     flops = 2 * args.batch * MLA_HEADS * keys * (2 * LATENT + ROPE)
     read_ms, flop_ms = nbytes / COPY_TBPS / 1e9, flops / PEAK_TFLOPS / 1e9

@@ -18,12 +18,12 @@ the call runs.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 
 def main() -> None:
+    from benchmarks.kernels.kernel_runs import profiled_median_ms
     from benchmarks.quant.kernels_quant import FORMATS, make_weight, moe_op, moe_shapes
     from moeserve.kernels.moe.timer import random_tokens
 
@@ -49,20 +49,8 @@ def main() -> None:
     w2 = make_weight(args.format, (num_experts, hidden, inter), dtype, "cuda", gen)
     x, weights, ids = random_tokens(args.tokens, hidden, num_experts, top_k, dtype, gen)
     fn = moe_op(args.format, x, w13, w2, weights, ids, args.tiles)
-    for _ in range(3):  # compiles and warms up outside the profiled range
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    torch.cuda.profiler.start()
-    for _ in range(args.calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    torch.cuda.profiler.stop()
-    print(f"{args.format} {args.shape} T{args.tokens}: {statistics.median(times):.4f} ms "
+    ms = profiled_median_ms(fn, args.calls)
+    print(f"{args.format} {args.shape} T{args.tokens}: {ms:.4f} ms "
           f"(median of {args.calls} eager calls)")
 
 
