@@ -279,10 +279,10 @@ def test_gpu_decode_in_cuda_graph() -> None:
 
 def test_decode_default_tiles_by_heads() -> None:
     # bf16 at DeepSeek / GLM's latent: up to 32 heads one program of them over 64 keys; from 64
-    # heads 64 heads over 64 keys (gpu_2928ff4); DSA's sparse MLA keeps 32 keys until timed
+    # heads 64 heads over 64 keys (gpu_2928ff4), DSA's sparse MLA too (gpu_039305d/call3)
     from moeserve.kernels.attention.mla.absorbed_triton import TileConfig, default_config
 
     assert default_config("decode", 512, torch.bfloat16, 20) == TileConfig(32, 64, 8, 3)
     assert default_config("decode", 512, torch.bfloat16, 64) == TileConfig(64, 64, 8, 2)
-    assert default_config("sparse", 512, torch.bfloat16, 64) == TileConfig(64, 32, 8, 3)
+    assert default_config("sparse", 512, torch.bfloat16, 64) == TileConfig(64, 64, 8, 2)
     assert default_config("sparse", 512, torch.bfloat16, 20) == TileConfig(32, 64, 8, 3)
