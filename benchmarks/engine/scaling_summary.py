@@ -1,11 +1,12 @@
 """Issue 20's scaling table from benchmarks/h200/scaling_h200.sh's runs: for each run
 w1_<mode>_w<W>_c<C>.jsonl in a folder (a `moeserve bench` JSON), the output tok/s, the same per
 GPU, its ratio to one GPU's at the same streams per GPU (the issue's target: at least 0.8 at
-2,048 streams a GPU), the step's collectives as a share of its GPU time (the engine's sampled
-step profile: comm_seconds / gpu_step_seconds; "-" without one), and whether the client or
-the API processes were the limit (the bench's client_bound, the API servers' CPU share).
+2,048 streams a GPU), the step's collectives as a share of its device time (the doctor's
+figure, diagnose/parallel_rules.comm_times: the engine samples' mean over a `--diagnose` run of
+the latest eagerly run sampled step's; "-" without them), and whether the client or the API
+processes were the limit (the bench's client_bound, the API servers' CPU share).
 
-    python benchmarks/engine/scaling_summary.py DIR    # prints the table; exit 1 if no run
+    python -m benchmarks.engine.scaling_summary DIR    # prints the table; exit 1 if no run
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from moeserve.diagnose.parallel_rules import comm_times
 
 NAME = re.compile(r"^w1_(?P<mode>[a-z]+)_w(?P<world>\d+)_c(?P<streams>\d+)\.jsonl$")
 
@@ -51,13 +54,12 @@ def load_runs(folder: Path) -> list[Run]:
         try:
             # the last result: `moeserve bench --output-json` appends one a run
             result = json.loads([ln for ln in path.read_text().splitlines() if ln.strip()][-1])
-            stats = (result.get("engine") or {}).get("stats") or {}
-            gpu, comm = stats.get("gpu_step_seconds"), stats.get("comm_seconds")
+            times = comm_times(result)
             runs.append(Run(
                 mode=m["mode"], world=int(m["world"]), streams=int(m["streams"]),
                 output_tok_s=float(result["output_throughput"]),
                 completed=int(result["completed"]), failed=int(result["failed"]),
-                comm_share=comm / gpu if comm is not None and gpu else None,
+                comm_share=times[0] / times[1] if times else None,
                 client_bound=bool(result.get("client_bound")),
                 api_cpu=result.get("server_api_cpu_fraction")))
         except (IndexError, KeyError, TypeError, ValueError) as exc:

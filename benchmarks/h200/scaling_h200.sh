@@ -62,4 +62,4 @@ for w in $worlds; do
     done
   done
 done
-$PY benchmarks/engine/scaling_summary.py "$out" | tee "$out/summary.txt"
+$PY -m benchmarks.engine.scaling_summary "$out" | tee "$out/summary.txt"

@@ -61,14 +61,21 @@ def ep_rank_load(run: dict[str, Any]) -> list[float] | None:
     return [t / whole for t in totals] if whole else None
 
 
-def communication(run: dict[str, Any]) -> Verdict | None:
-    w = world_size(run)
-    if w < 2:
-        return None
+def comm_times(run: dict[str, Any]) -> tuple[float, float] | None:
+    """(collectives' seconds, eager step's seconds), the means over a diagnosed run's engine
+    samples of the latest eagerly run sampled step (graph replays carry no breakdown); None
+    without them."""
     comm = figures.mean(figures.engine_series(run, "comm_seconds")[1])
     step = figures.mean(figures.engine_series(run, "eager_step_seconds")[1])
-    if not comm or not step:
+    return (comm, step) if comm and step else None
+
+
+def communication(run: dict[str, Any]) -> Verdict | None:
+    w = world_size(run)
+    times = comm_times(run) if w >= 2 else None
+    if times is None:
         return None
+    comm, step = times
     share = comm / step
     if share < COMM_SHARE:
         return None

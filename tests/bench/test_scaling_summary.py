@@ -1,7 +1,7 @@
 """benchmarks/engine/scaling_summary.py (issue 20's scaling table) over hand-made bench results:
 per-GPU throughput against one GPU's at the same streams per GPU, the collectives' share of the
-step, a run appended twice read at its last result, other files skipped, and a broken result
-named."""
+step (the doctor's: the engine samples' means in the run), a run appended twice read at its
+last result, other files skipped, and a broken result named."""
 
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ import pytest
 from benchmarks.engine.scaling_summary import load_runs, table
 
 
-def write(folder: Path, name: str, tok_s: float, comm: float | None = None,
-          gpu: float | None = None, lines: int = 1) -> None:
-    stats = {} if gpu is None else {"gpu_step_seconds": gpu, "comm_seconds": comm}
+def write(folder: Path, name: str, tok_s: float, comm: list[float] | None = None,
+          step: list[float] | None = None, lines: int = 1) -> None:
+    """A bench result; comm / step: the engine timeline's samples (a --diagnose run), the
+    last one past the run's 30 s (not counted)."""
     result = {"output_throughput": tok_s, "completed": 10, "failed": 0, "client_bound": False,
-              "server_api_cpu_fraction": 0.25, "engine": {"stats": stats}}
+              "server_api_cpu_fraction": 0.25, "duration": 30.0}
+    if step is not None:
+        result["diagnostics"] = {"engine_timeline": {
+            "t": [1.0 + 20 * i for i in range(len(step))],
+            "stats": {"comm_seconds": comm, "eager_step_seconds": step}}}
     stale = dict(result, output_throughput=1.0)
     text = [json.dumps(stale)] * (lines - 1) + [json.dumps(result)]
     (folder / name).write_text("\n".join(text) + "\n")
@@ -25,7 +30,8 @@ def write(folder: Path, name: str, tok_s: float, comm: float | None = None,
 
 def test_per_gpu_ratio_and_comm_share(tmp_path: Path) -> None:
     write(tmp_path, "w1_tp_w1_c1024.jsonl", 20_000.0)
-    write(tmp_path, "w1_tp_w2_c2048.jsonl", 36_000.0, comm=1.0, gpu=10.0, lines=2)
+    write(tmp_path, "w1_tp_w2_c2048.jsonl", 36_000.0, comm=[0.001, 0.003, 0.5],
+          step=[0.02, 0.02, 0.03], lines=2)  # means 2 of 20 ms in the run
     write(tmp_path, "w1_ep_w2_c4096.jsonl", 50_000.0)  # 2,048 a GPU: no W 1 run to compare
     (tmp_path / "comm_bandwidth.json").write_text("{}")
     (tmp_path / "w1_tp_w2_c2048.log").write_text("a log")
