@@ -3,7 +3,8 @@
 # forms), the DSA kernel and tile tests, the compile-once checks, kernels_dsa --decode-only
 # (the top-k's row and chunks forms eager and in CUDA graphs beside torch.topk; the decode step
 # as one graph) and kernels_dsa_prefill (W3's prefill chunk per layer: indexer, top-k, sparse
-# MLA against dense MLA). Results as $OUT/dsa.tgz.
+# MLA against dense MLA); kernels_dsa also times indexer_triton.score_key_tiles at 2-16 and the
+# sparse MLA at TILES. Results as $OUT/dsa.tgz.
 #   bash benchmarks/h200/topk_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -12,7 +13,10 @@ timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/attention/test_dsa_topk_triton.py tests/kernels/attention/test_dsa_triton.py \
   tests/kernels/attention/test_dsa_triton_tiles.py tests/kernels/test_specialization_gpu.py -k "dsa or mla" > $R/gpu_tests_topk.log 2>&1
 echo "tests rc=$?"; tail -3 $R/gpu_tests_topk.log
-timeout -s INT 120 python3 -m benchmarks.kernels.kernels_dsa --out $R --decode-only > $R/kernels_dsa.log 2>&1
+# TILES: the sparse MLA also at these tiles (default 32 heads a program: at 32 rows two head
+# tiles halve each program's split partials)
+timeout -s INT 200 python3 -m benchmarks.kernels.kernels_dsa --out $R --decode-only \
+  --tiles ${TILES:-32,64,8,3} > $R/kernels_dsa.log 2>&1
 echo "kernels_dsa rc=$?"
 python3 -c "
 import json
@@ -20,7 +24,9 @@ for r in json.load(open('/tmp/dsa/kernels_dsa.json'))['decode']:
     print(r['case'], 'topk', r['topk_ms'], r['topk_graph_ms'], 'chunks', r['topk_chunks_ms'],
           r['topk_chunks_graph_ms'], 'torch', r['topk_torch_ms'],
           r['topk_torch_graph_ms'], 'score', r['score_ms'], 'sparse', r['sparse_mla_ms'],
-          'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'])
+          'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'], 'key tiles',
+          r.get('score_key_tiles_ms'), r.get('dsa_graph_key_tiles_ms'), 'tiles',
+          r.get('sparse_mla_tiles'))
 "
 timeout -s INT 150 python3 -m benchmarks.kernels.kernels_dsa_prefill --out $R \
   > $R/kernels_dsa_prefill.log 2>&1
