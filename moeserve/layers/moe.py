@@ -19,7 +19,9 @@ group-limited, scaled; DeepSeek-V3 / GLM's sigmoid with `e_score_correction_bias
 group-limited top-k, scaled (kernels/routing/select.py). DeepSeek and GLM compute the router
 logits in fp32. On CUDA the softmax top-k routing and the count run as one Triton kernel
 (kernels/routing/select_triton.py; the same ops up to a few fp32 ulps and the order of exact
-ties); the other routers and CPU run the torch references, counting with scatter_add.
+ties); with `grouped_router_triton` on, the sigmoid, group-limited router (DeepSeek-V3, GLM,
+Kimi) does too (kernels/routing/grouped_triton.py; on CPU under Triton's interpreter, for the
+tests); the other routers and CPU run the torch references, counting with scatter_add.
 
 Shared experts (DeepSeek, GLM): one dense MLP of width `shared_expert_intermediate_size` sees
 every token beside the routed experts; its output is one more part of the [T, S, hidden] sum
@@ -38,6 +40,7 @@ global ids, so every rank counts every pair.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -46,6 +49,10 @@ from torch import nn
 
 from moeserve.kernels.moe.quant import moe_quantized
 from moeserve.kernels.registry import bind_routed_experts, moe_tile_source
+from moeserve.kernels.routing.grouped_triton import (
+    grouped_supported,
+    select_experts_grouped_triton,
+)
 from moeserve.kernels.routing.select import (
     select_experts,
     select_experts_grouped,
@@ -59,6 +66,10 @@ from moeserve.model_config import ModelConfig
 from moeserve.quant.packed import QuantWeight
 
 # fn(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]
+# The sigmoid router as one Triton launch (module doc): off until the H200's GPU tests and a
+# W1 A/B have run it (a dozen small launches a MoE layer replaced by one);
+# MOESERVE_GROUPED_ROUTER_TRITON=1 in the environment turns it on (a server's processes too).
+grouped_router_triton = os.environ.get("MOESERVE_GROUPED_ROUTER_TRITON") == "1"
 MoeBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                       torch.Tensor]
 
@@ -141,19 +152,23 @@ class SparseMoeBlock(nn.Module):
             router_logits = F.linear(x, self.gate)  # [T, E]
         if r.scoring == "softmax" and r.topk_method == "greedy" and r.routed_scaling_factor == 1:
             if x.is_cuda and router_logits.shape[1] <= MAX_EXPERTS:
-                mask = self.count_mask
-                if mask is not None and mask.shape[0] != x.shape[0]:
-                    raise ValueError(f"count_mask has {mask.shape[0]} rows for "
-                                     f"{x.shape[0]} tokens")
                 topk_weights, topk_ids = select_experts_triton(
                     router_logits, self.top_k, self.renormalize, counts=self.expert_counts,
-                    count_mask=mask if self.expert_counts is not None else None)
+                    count_mask=self._count_mask(x))
                 return self._experts(x, topk_weights, topk_ids, reduce)
             topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         elif r.scoring == "softmax":
             topk_weights, topk_ids = select_experts_softmax_grouped(
                 router_logits, self.top_k, num_groups=r.n_group, topk_groups=r.topk_group,
                 scaling_factor=r.routed_scaling_factor)
+        elif (grouped_router_triton and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+              and grouped_supported(router_logits.shape[1], r.n_group, r.topk_group)):
+            topk_weights, topk_ids = select_experts_grouped_triton(
+                router_logits, self.top_k, num_groups=r.n_group, topk_groups=r.topk_group,
+                correction_bias=self.correction_bias, renormalize=self.renormalize,
+                scaling_factor=r.routed_scaling_factor, counts=self.expert_counts,
+                count_mask=self._count_mask(x))
+            return self._experts(x, topk_weights, topk_ids, reduce)
         else:
             topk_weights, topk_ids = select_experts_grouped(
                 router_logits, self.top_k, num_groups=r.n_group, topk_groups=r.topk_group,
@@ -168,6 +183,13 @@ class SparseMoeBlock(nn.Module):
                 ones = self.count_mask[:, None].expand(-1, self.top_k).reshape(-1)  # [T * k]
             self.expert_counts.scatter_add_(0, ids, ones)
         return self._experts(x, topk_weights, topk_ids, reduce)
+
+    def _count_mask(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The count mask a fused router takes: None unless expert load is counted."""
+        mask = self.count_mask
+        if mask is not None and mask.shape[0] != x.shape[0]:
+            raise ValueError(f"count_mask has {mask.shape[0]} rows for {x.shape[0]} tokens")
+        return mask if self.expert_counts is not None else None
 
     def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  reduce: bool) -> torch.Tensor:

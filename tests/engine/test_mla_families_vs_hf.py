@@ -231,6 +231,28 @@ def test_triton_mla_decode_forms_match_hf(device: str, checkpoints: dict, form: 
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "kimi_k2"])
+def test_triton_grouped_router_matches_hf(device: str, checkpoints: dict, arch: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sigmoid, group-limited router as one Triton launch (layers/moe.py's
+    grouped_router_triton; on CPU in Triton's interpreter): DeepSeek-V3's 4 groups of 2 with
+    2 kept, GLM-4.5's 2 of 4 with 1 kept, Kimi's one group, token for token."""
+    from moeserve.layers import moe
+
+    calls: list[int] = []
+    fused = moe.select_experts_grouped_triton
+
+    def counted(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(1)
+        return fused(*args, **kwargs)
+    monkeypatch.setattr(moe, "grouped_router_triton", True)
+    monkeypatch.setattr(moe, "select_experts_grouped_triton", counted)
+    folder, prompts, expected = checkpoints[arch]
+    llm = _llm(folder, device)
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+    assert calls  # the fused router ran
+
+
 def test_mla_decode_bad_values_are_named(checkpoints: dict) -> None:
     folder, _, _ = checkpoints["deepseek_v3"]
     with pytest.raises(ConfigError, match="mla_decode must be one of auto, split, flat"):
