@@ -1,7 +1,7 @@
 """kernels/routing/grouped_triton.py (the sigmoid, group-limited router in one launch) against
 routing.select_experts_grouped and a scatter_add count: the routers of GLM-4.7-Flash (64
-experts, one group), GLM-4.5 (160, not a power of two), DeepSeek-V3 (256 in 8 groups, 4 kept)
-and a one-expert-a-group case; CPU runs the kernel under Triton's interpreter, the GPU test in
+experts, one group), GLM-4.5 (160, not a power of two), DeepSeek-V3 (256 in 8 groups, 4 kept),
+Kimi K2 (384) and a one-expert-a-group case; CPU runs the kernel under Triton's interpreter, the GPU test in
 bf16 inside a CUDA graph."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ CASES = [  # (tokens, experts, top_k, groups, kept, scaling)
     (33, 256, 8, 8, 4, 2.5),  # DeepSeek-V3
     (5, 8, 3, 8, 5, 1.0),  # one expert a group: a group's best alone
     (17, 32, 6, 4, 2, 1.0),  # k past one group's experts
+    (11, 384, 8, 1, 1, 2.827),  # Kimi K2: past 256 experts, 8 tokens a program
 ]
 
 

@@ -35,7 +35,8 @@ from moeserve.kernels.routing import select_triton
 from moeserve.kernels.routing.select import _check_grouped
 from moeserve.kernels.triton_common import next_pow2
 
-BLOCK_T = select_triton.BLOCK_T
+BLOCK_T = select_triton.BLOCK_T  # tokens a program, halved past 256 experts a token: at
+# Kimi's 384 (512 padded) sixteen tokens spilled 108 bytes (sm90, ptxas); eight spill none
 tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a global
 _max: Any = None  # select_triton's reductions, bound by _kernels() too
 _min: Any = None
@@ -83,12 +84,14 @@ def select_experts_grouped_triton(router_logits: torch.Tensor, top_k: int, *,
     bias = correction_bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    _kernels().route[(-(-num_tokens // BLOCK_T),)](
+    e_pow2 = next_pow2(num_experts)
+    block_t = max(1, BLOCK_T * 256 // max(256, e_pow2))
+    _kernels().route[(-(-num_tokens // block_t),)](
         router_logits, bias if bias is not None else weights, weights, ids,
         counts if counts is not None else ids, count_mask if count_mask is not None else ids,
         num_tokens, router_logits.stride(0), float(scaling_factor),
-        E=num_experts, E_POW2=next_pow2(num_experts), K=top_k, K_POW2=next_pow2(top_k),
-        G=num_groups if limit else 1, KEPT=topk_groups if limit else 1, BLOCK_T=BLOCK_T,
+        E=num_experts, E_POW2=e_pow2, K=top_k, K_POW2=next_pow2(top_k),
+        G=num_groups if limit else 1, KEPT=topk_groups if limit else 1, BLOCK_T=block_t,
         HAS_BIAS=bias is not None, RENORMALIZE=renormalize, COUNT=counts is not None,
         HAS_MASK=count_mask is not None, num_warps=4)
     return weights, ids
