@@ -1,8 +1,8 @@
 """kernels/routing/grouped_triton.py (the sigmoid, group-limited router in one launch) against
 routing.select_experts_grouped and a scatter_add count: the routers of GLM-4.7-Flash (64
 experts, one group), GLM-4.5 (160, not a power of two), DeepSeek-V3 (256 in 8 groups, 4 kept),
-Kimi K2 (384) and a one-expert-a-group case; CPU runs the kernel under Triton's interpreter, the GPU test in
-bf16 inside a CUDA graph."""
+Kimi K2 (384) and a one-expert-a-group case; CPU runs the kernel under Triton's interpreter,
+the GPU test in bf16 inside a CUDA graph."""
 
 from __future__ import annotations
 
