@@ -65,11 +65,11 @@ from moeserve.layers.params import empty_param
 from moeserve.model_config import ModelConfig
 from moeserve.quant.packed import QuantWeight
 
-# fn(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]
 # The sigmoid router as one Triton launch (module doc): off until the H200's GPU tests and a
 # W1 A/B have run it (a dozen small launches a MoE layer replaced by one);
 # MOESERVE_GROUPED_ROUTER_TRITON=1 in the environment turns it on (a server's processes too).
 grouped_router_triton = os.environ.get("MOESERVE_GROUPED_ROUTER_TRITON") == "1"
+# fn(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]
 MoeBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                       torch.Tensor]
 
