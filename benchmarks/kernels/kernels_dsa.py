@@ -163,6 +163,30 @@ def run_case(name: str, computed: list[int], scheduled: list[int], device: str,
     return row
 
 
+def time_score_key_tiles(name: str, args: tuple, scores: torch.Tensor, timer: Timer,
+                         also: dict[str, Callable[[], float]] | None = None) -> dict:
+    """The scores timed at each of SCORE_KEY_TILES (indexer_triton's experiment switch, set
+    and restored), each first checked equal to `scores` where the tokens see them:
+    {"score_key_tiles_ms": {tiles: ms}} and, for each `also` name, {name: {tiles: fn()}} run
+    with the switch set."""
+    def score() -> list[torch.Tensor]:
+        return [c for _, _, c in dsa_triton.index_score_chunks(*args)]
+    meta = args[3]
+    out: dict = {"score_key_tiles_ms": {}, **{key: {} for key in also or {}}}
+    for key_tiles in SCORE_KEY_TILES:
+        saved, dsa_triton.score_key_tiles = dsa_triton.score_key_tiles, key_tiles
+        try:
+            seen = context_mask(meta, 0, scores.shape[0], scores.shape[1])
+            walked = torch.cat(score())
+            assert torch.equal(walked[seen], scores[seen]), f"{name}: key tiles {key_tiles}"
+            out["score_key_tiles_ms"][key_tiles] = round(timer(score), 4)
+            for key, fn in (also or {}).items():
+                out[key][key_tiles] = round(fn(), 4)
+        finally:
+            dsa_triton.score_key_tiles = saved
+    return out
+
+
 def decode_bound_ms(batch: int, context: int, topk: int, index_dim: int, width: int,
                     itemsize: int) -> tuple[float, float]:
     """(DSA's read bound, dense MLA's) in ms for one decode step (module doc)."""
@@ -245,20 +269,10 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
                                                       packed=True)
     step()
     row["dsa_graph_ms"] = graph_timed(timer, step, cuda)
-    for key_tiles in SCORE_KEY_TILES if cuda else ():  # indexer_triton's experiment switch
-        saved, dsa_triton.score_key_tiles = dsa_triton.score_key_tiles, key_tiles
-        try:
-            walked = torch.cat([c for _, _, c in dsa_triton.index_score_chunks(
-                q_i, w, index_cache, meta, scale)])
-            seen = context_mask(meta, 0, batch, scores.shape[1])
-            assert torch.equal(walked[seen], scores[seen]), f"{name}: key tiles {key_tiles}"
-            row.setdefault("score_key_tiles_ms", {})[key_tiles] = round(timer(
-                lambda: [c for _, _, c in dsa_triton.index_score_chunks(
-                    q_i, w, index_cache, meta, scale)]), 4)
-            row.setdefault("dsa_graph_key_tiles_ms", {})[key_tiles] = round(
-                graph_timed(timer, step, cuda), 4)
-        finally:
-            dsa_triton.score_key_tiles = saved
+    if cuda:
+        row |= time_score_key_tiles(name, (q_i, w, index_cache, meta, scale), scores, timer,
+                                    {"dsa_graph_key_tiles_ms": lambda: graph_timed(
+                                        timer, step, cuda)})
     row["sparse_mla_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
         q, cache, meta, positions, mla_scale, latent))
     base = dsa_sparse_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,

@@ -32,7 +32,12 @@ import os
 import torch
 
 from benchmarks.kernels.kernel_runs import SMOKE_HELP, Timer, make_timer, record, run_device
-from benchmarks.kernels.kernels_dsa import COPY_TBPS, key_bytes, make_step
+from benchmarks.kernels.kernels_dsa import (
+    COPY_TBPS,
+    key_bytes,
+    make_step,
+    time_score_key_tiles,
+)
 from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
 from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
 from moeserve.kernels.attention.dsa import topk_triton
@@ -111,6 +116,8 @@ def run_case(name: str, prefix: int, chunk: int, device: str, timer: Timer) -> d
         q_i, w, index_cache, meta, scale_i, s["topk"]))
     row["score_ms"] = timer(lambda: [c for _, _, c in dsa_triton.index_score_chunks(
         q_i, w, index_cache, meta, scale_i)])
+    if cuda:  # indexer_triton's score_key_tiles switch (kernels_dsa's)
+        row |= time_score_key_tiles(name, (q_i, w, index_cache, meta, scale_i), scores, timer)
     row["topk_ms"] = timer(lambda: topk_triton.radix_topk(scores, meta, 0, s["topk"], selected))
     row["topk_chunks_ms"] = timer(lambda: topk_triton.radix_topk(
         scores, meta, 0, s["topk"], selected, form="chunks"))
