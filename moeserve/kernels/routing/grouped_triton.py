@@ -38,9 +38,9 @@ from moeserve.kernels.triton_common import next_pow2
 BLOCK_T = select_triton.BLOCK_T  # tokens a program, halved past 256 experts a token: at
 # Kimi's 384 (512 padded) sixteen tokens spilled 108 bytes (sm90, ptxas); eight spill none
 tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a global
-_max: Any = None  # select_triton's reductions, bound by _kernels() too
+_max: Any = None  # select_triton's jitted helpers, bound by _kernels() too
 _min: Any = None
-_sum: Any = None
+_take_top_k: Any = None
 
 
 def grouped_supported(num_experts: int, num_groups: int, topk_groups: int) -> bool:
@@ -100,13 +100,13 @@ def select_experts_grouped_triton(router_logits: torch.Tensor, top_k: int, *,
 @functools.cache
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now)."""
-    global tl, _max, _min, _sum
+    global tl, _max, _min, _take_top_k
     import triton
     import triton.language
 
     select_triton._kernels()
     tl = triton.language
-    _max, _min, _sum = select_triton._max, select_triton._min, select_triton._sum
+    _max, _min, _take_top_k = select_triton._max, select_triton._min, select_triton._take_top_k
     # the token count changes every step: no variant per value (paged_attention_triton.py)
     return SimpleNamespace(route=triton.jit(_route_sigmoid_kernel,
                                             do_not_specialize=["num_tokens"]))
@@ -150,29 +150,7 @@ def _route_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr
             keep = keep | (gcols == pick[:, None]).to(tl.int32)
         c = tl.reshape(tl.where(keep[:, :, None] != 0, grouped, float("-inf")),
                        [BLOCK_T, E_POW2])
-    kcols = tl.arange(0, K_POW2)  # [KP]
-    top_w = tl.zeros((BLOCK_T, K_POW2), dtype=tl.float32)
-    top_i = tl.zeros((BLOCK_T, K_POW2), dtype=tl.int64)
-    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    if HAS_MASK:
-        weight = tl.load(mask_ptr + rows, mask=row_ok, other=0)
-    else:
-        weight = tl.full((BLOCK_T,), 1, tl.int64)
-    for i in tl.static_range(K):
-        best_c = _max(c, 1)  # [BT]
-        pick = _min(tl.where(c == best_c[:, None], cols[None, :], E_POW2), 1)  # lowest index
-        chosen = cols[None, :] == pick[:, None]
-        w = _sum(tl.where(chosen, p, 0.0), 1)  # the unbiased score
-        top_w = tl.where(kcols[None, :] == i, w[:, None], top_w)
-        top_i = tl.where(kcols[None, :] == i, pick[:, None].to(tl.int64), top_i)
-        total += w
-        c = tl.where(chosen, float("-inf"), c)
-        if COUNT:
-            tl.atomic_add(counts_ptr + pick, weight, mask=row_ok, sem="relaxed")
-    if RENORMALIZE:
-        top_w = top_w / (total[:, None] + 1e-20)
-    top_w = top_w * scaling
-    out = rows[:, None].to(tl.int64) * K + kcols[None, :]
-    ok = row_ok[:, None] & (kcols[None, :] < K)
-    tl.store(weights_ptr + out, top_w, mask=ok)
-    tl.store(ids_ptr + out, top_i, mask=ok)
+    # the K best by the biased score, weighted by the unbiased one; -inf below every candidate
+    _take_top_k(c, p, cols, rows, row_ok, weights_ptr, ids_ptr, counts_ptr, mask_ptr,
+                float("-inf"), 1e-20, scaling, E_POW2, K, K_POW2, BLOCK_T, RENORMALIZE, COUNT,
+                HAS_MASK, False)
