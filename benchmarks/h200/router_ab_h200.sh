@@ -3,8 +3,9 @@
 # layers/moe.py's grouped_router_triton) on the H200 in one call (~7 minutes): its GPU tests
 # (the kernel in a CUDA graph at DeepSeek-V3's shape; the softmax router's, as the two share
 # _take_top_k; the engine's tokens against transformers' with it on), then W1 on PRESET
-# (default glm-4.7-flash, 46 sigmoid-routed MoE layers) at CONC (default 256) through the server, ROUNDS (default 2) rounds alternating off / on
-# (MOESERVE_GROUPED_ROUTER_TRITON=1 in the server's environment). $OUT/router_ab/.
+# (default glm-4.7-flash, 46 sigmoid-routed MoE layers) at CONC (default 256) through the
+# server, ROUNDS (default 2) rounds alternating off / on (MOESERVE_GROUPED_ROUTER_TRITON=1 in
+# the server's environment). $OUT/router_ab/.
 #   bash benchmarks/h200/router_ab_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
