@@ -34,7 +34,7 @@ out=$OUT/scaling
 mkdir -p "$out"
 worlds=${WORLDS:-$(for w in 1 2 4 8; do [ "$w" -le "$gpus" ] && echo -n "$w "; done)}
 if [ ! -f "$out/comm_bandwidth.json" ]; then
-  timeout 240 $PY -m benchmarks.engine.comm_bandwidth --out "$out" "${comm[@]}" \
+  timeout 240 $PY -m benchmarks.parallel.comm_bandwidth --out "$out" "${comm[@]}" \
     > "$out/comm_bandwidth.log" 2>&1
   echo "comm_bandwidth rc=$?"; tail -3 "$out/comm_bandwidth.log"
 fi
@@ -62,4 +62,4 @@ for w in $worlds; do
     done
   done
 done
-$PY -m benchmarks.engine.scaling_summary "$out" | tee "$out/summary.txt"
+$PY -m benchmarks.parallel.scaling_summary "$out" | tee "$out/summary.txt"

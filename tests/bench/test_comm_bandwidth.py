@@ -1,4 +1,4 @@
-"""benchmarks/engine/comm_bandwidth.py on CPU: nccl-tests' bus factors, the models' per-layer
+"""benchmarks/parallel/comm_bandwidth.py on CPU: nccl-tests' bus factors, the models' per-layer
 messages (docs/parallel.md's arithmetic), and a two-rank gloo run end to end."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.engine.comm_bandwidth import bus_factor, main, model_messages
+from benchmarks.parallel.comm_bandwidth import bus_factor, main, model_messages
 
 
 def test_bus_factors_are_nccl_tests() -> None:

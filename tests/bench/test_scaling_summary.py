@@ -1,4 +1,4 @@
-"""benchmarks/engine/scaling_summary.py (issue 20's scaling table) over hand-made bench results:
+"""benchmarks/parallel/scaling_summary.py (issue 20's scaling table) over hand-made bench results:
 per-GPU throughput against one GPU's at the same streams per GPU, the collectives' share of the
 step (the doctor's: the engine samples' means in the run), a run appended twice read at its
 last result, other files skipped, and a broken result named."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.engine.scaling_summary import load_runs, table
+from benchmarks.parallel.scaling_summary import load_runs, table
 
 
 def write(folder: Path, name: str, tok_s: float, comm: list[float] | None = None,

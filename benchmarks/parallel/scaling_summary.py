@@ -6,7 +6,7 @@ figure, diagnose/parallel_rules.comm_times: the engine samples' mean over a `--d
 the latest eagerly run sampled step's; "-" without them), and whether the client or the API
 processes were the limit (the bench's client_bound, the API servers' CPU share).
 
-    python -m benchmarks.engine.scaling_summary DIR    # prints the table; exit 1 if no run
+    python -m benchmarks.parallel.scaling_summary DIR    # prints the table; exit 1 if no run
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ The model messages: the all-reduce after each attention and MoE layer, S = rows 
 bytes (bf16), for each preset of `--models` at `--rows` decode rows; each row of the report
 gives the time at that size and the step's share (2 S a layer, every layer, and the embedding's).
 
-    python -m benchmarks.engine.comm_bandwidth --out DIR [--world 8]      # every GPU by default
-    python -m benchmarks.engine.comm_bandwidth --out DIR --cpu --world 2  # gloo (tests, no GPU)
+    python -m benchmarks.parallel.comm_bandwidth --out DIR [--world 8]      # every GPU by default
+    python -m benchmarks.parallel.comm_bandwidth --out DIR --cpu --world 2  # gloo (tests, no GPU)
 """
 
 from __future__ import annotations
