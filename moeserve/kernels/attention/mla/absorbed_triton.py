@@ -40,20 +40,16 @@ import torch
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import decode_flat_triton
 from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
+from moeserve.kernels.attention.mla.reduce_triton import decode_num_splits
 from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
 from moeserve.kernels.attention.paged_triton import (
     MAX_SPLITS,
-    MIN_PARTITION_TOKENS,
     SUPPORTED_BLOCK_SIZES,
     SUPPORTED_DTYPES,
     TileConfig,
     _split_rows,
 )
-from moeserve.kernels.triton_common import (
-    next_pow2,
-    num_sms,
-    require_attention_inputs_device,
-)
+from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension (the decode rows)
 DECODE_FORMS = ("auto", "split", "flat")
@@ -61,14 +57,6 @@ DECODE_FORMS = ("auto", "split", "flat")
 # q path spill (sm90 SASS: 1.2 KB at (64, 32, 8, 2)), so 64 and more take the split decode
 FLAT_MAX_HEADS = 32
 FLAT_AUTO_MAX_ROWS = 256  # "auto" takes the flat decode up to this many decode rows
-# A decode program (a head tile of one row) holds its heads' fp32 accumulators and 180-220 KB
-# of shared memory: one program an SM. Context partitions beyond about two waves of them cost
-# more than they fill (H200, 64 heads, benchmarks/results/gpu_039305d/call2_mla_profile/: DSA's
-# sparse MLA over 256 rows x 2,048 keys 0.48 ms in 1 partition, 0.89 / 0.81 in 2 / 4; the dense
-# decode over 256 rows x 2,048 keys 0.395 in 1, 0.696 in 4; 32 rows x 2,048 sparse keys best
-# at 8 partitions, 256 programs). paged_triton's rule (1,024 programs) is for GQA's light ones.
-DECODE_WAVES = 2
-NOMINAL_SMS = 132  # off CUDA (the interpreter): an H200's, so a step splits as it would there
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 
@@ -118,17 +106,6 @@ def auto_decode_form(num_heads: int, num_rows: int) -> str:
     2,048 rows)."""
     return ("flat" if num_heads <= FLAT_MAX_HEADS and num_rows <= FLAT_AUTO_MAX_ROWS
             else "split")
-
-
-def decode_num_splits(num_rows: int, num_head_tiles: int, context: int,
-                      device: torch.device) -> int:
-    """Context partitions per decode row (a host int, the same inside a CUDA graph): up to
-    DECODE_WAVES programs an SM over rows x head tiles x partitions, none shorter than
-    MIN_PARTITION_TOKENS keys, at most MAX_SPLITS."""
-    sms = num_sms(device) if device.type == "cuda" else NOMINAL_SMS
-    by_length = -(-max(1, context) // MIN_PARTITION_TOKENS)
-    by_programs = DECODE_WAVES * sms // max(1, num_rows * num_head_tiles)
-    return max(1, min(by_length, by_programs, MAX_SPLITS))
 
 
 def head_tiles(num_heads: int, block_m: int) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""The split-K combine of the absorbed MLA decode (mla/absorbed_triton.py) and of DSA's sparse MLA
+"""How many context partitions an MLA decode takes (`decode_num_splits`), and the split-K
+combine of the absorbed MLA decode (mla/absorbed_triton.py) and of DSA's sparse MLA
 (dsa/sparse_triton.py): each (row, head)'s partitions, as (running max, sum of exp2, fp32
 accumulator) partials, weighted into one output row. Jitted on first use, as the kernels it
 follows."""
@@ -11,7 +12,31 @@ from typing import Any
 
 import torch
 
+from moeserve.kernels.attention.paged_triton import MAX_SPLITS, MIN_PARTITION_TOKENS
+from moeserve.kernels.triton_common import num_sms
+
 tl: Any = None  # triton.language, bound by _kernels(): the kernel below reads it as a global
+
+
+# A decode program (a head tile of one row) holds its heads' fp32 accumulators and 180-220 KB
+# of shared memory: one program an SM. Context partitions beyond about two waves of them cost
+# more than they fill (H200, 64 heads, benchmarks/results/gpu_039305d/call2_mla_profile/: DSA's
+# sparse MLA over 256 rows x 2,048 keys 0.48 ms in 1 partition, 0.89 / 0.81 in 2 / 4; the dense
+# decode over 256 rows x 2,048 keys 0.395 in 1, 0.696 in 4; 32 rows x 2,048 sparse keys best
+# at 8 partitions, 256 programs). paged_triton's rule (1,024 programs) is for GQA's light ones.
+DECODE_WAVES = 2
+NOMINAL_SMS = 132  # off CUDA (the interpreter): an H200's, so a step splits as it would there
+
+
+def decode_num_splits(num_rows: int, num_head_tiles: int, context: int,
+                      device: torch.device) -> int:
+    """Context partitions per decode row (a host int, the same inside a CUDA graph): up to
+    DECODE_WAVES programs an SM over rows x head tiles x partitions, none shorter than
+    MIN_PARTITION_TOKENS keys, at most MAX_SPLITS."""
+    sms = num_sms(device) if device.type == "cuda" else NOMINAL_SMS
+    by_length = -(-max(1, context) // MIN_PARTITION_TOKENS)
+    by_programs = DECODE_WAVES * sms // max(1, num_rows * num_head_tiles)
+    return max(1, min(by_length, by_programs, MAX_SPLITS))
 
 
 def reduce_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor,
