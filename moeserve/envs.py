@@ -9,6 +9,8 @@
     MOESERVE_GIT_COMMIT      the commit to stamp on results where no git checkout is at hand
     MOESERVE_FAULT_INJECT    tests only, off when unset: faults to raise for chosen request ids,
                              "KIND:ID[,KIND:ID...]" with KIND one of FAULT_KINDS (below)
+    MOESERVE_GROUPED_ROUTER_TRITON  "0" turns off the sigmoid, group-limited router's one
+                             Triton launch on CUDA (layers/moe.py), for A/Bs; on otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -24,6 +26,7 @@ CACHE_DIR = "MOESERVE_CACHE_DIR"
 GIT_COMMIT = "MOESERVE_GIT_COMMIT"
 FAULT_INJECT = "MOESERVE_FAULT_INJECT"
 COLLECTIVES_AT_ONE_RANK = "MOESERVE_COLLECTIVES_AT_ONE_RANK"
+GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -44,6 +47,10 @@ FAULT_KINDS = ("sample", "nan", "detokenize", "step", "hold_startup", "slow_step
 
 def collectives_at_one_rank() -> bool:
     return os.environ.get(COLLECTIVES_AT_ONE_RANK) == "1"
+
+
+def grouped_router_triton() -> bool:
+    return os.environ.get(GROUPED_ROUTER_TRITON) != "0"
 
 
 def api_pids_file() -> str | None:

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The sigmoid router in one Triton launch (kernels/routing/grouped_triton.py, off by default:
-# layers/moe.py's grouped_router_triton) on the H200 in one call (~7 minutes): its GPU tests
+# The sigmoid router in one Triton launch (kernels/routing/grouped_triton.py, on by default on
+# CUDA since gpu_bb408cc: layers/moe.py's grouped_router_triton) on the H200 in one call (~7 minutes): its GPU tests
 # (the kernel in a CUDA graph at DeepSeek-V3's shape; the softmax router's, as the two share
 # _take_top_k; the engine's tokens against transformers' with it on), then W1 on PRESET
 # (default glm-4.7-flash, 46 sigmoid-routed MoE layers) at CONC (default 256) through the
-# server, ROUNDS (default 2) rounds alternating off / on (MOESERVE_GROUPED_ROUTER_TRITON=1 in
-# the server's environment). $OUT/router_ab/.
+# server, ROUNDS (default 2) rounds alternating off / on (MOESERVE_GROUPED_ROUTER_TRITON=0 / 1
+# in the server's environment). $OUT/router_ab/ (the runs' logs and records as runs.tgz: a call
+# returns at most 8 files).
 #   bash benchmarks/h200/router_ab_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
 out=$OUT/router_ab; mkdir -p "$out"
-MOESERVE_GROUPED_ROUTER_TRITON=1 timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
+timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/test_routing_grouped_triton.py tests/kernels/test_routing_triton.py \
   > "$out/gpu_tests.log" 2>&1
 echo "kernel gpu tests rc=$?"; tail -1 "$out/gpu_tests.log"
@@ -27,4 +28,4 @@ for round in $(seq "${ROUNDS:-2}"); do
     echo "$name rc=$? $(grep -E 'Output token throughput' "$out/$name.log")"
   done
 done
-gzip -f "$out"/*.jsonl
+tar czf "$out/runs.tgz" -C "$out" $(cd "$out" && ls w1_*) && rm "$out"/w1_*

@@ -19,9 +19,9 @@ group-limited, scaled; DeepSeek-V3 / GLM's sigmoid with `e_score_correction_bias
 group-limited top-k, scaled (kernels/routing/select.py). DeepSeek and GLM compute the router
 logits in fp32. On CUDA the softmax top-k routing and the count run as one Triton kernel
 (kernels/routing/select_triton.py; the same ops up to a few fp32 ulps and the order of exact
-ties); with `grouped_router_triton` on, the sigmoid, group-limited router (DeepSeek-V3, GLM,
-Kimi) does too (kernels/routing/grouped_triton.py; on CPU under Triton's interpreter, for the
-tests); the other routers and CPU run the torch references, counting with scatter_add.
+ties); so does the sigmoid, group-limited router (DeepSeek-V3, GLM, Kimi:
+kernels/routing/grouped_triton.py; `grouped_router_triton`; on CPU under Triton's interpreter
+for the tests); the other routers and CPU run the torch references, counting with scatter_add.
 
 Shared experts (DeepSeek, GLM): one dense MLP of width `shared_expert_intermediate_size` sees
 every token beside the routed experts; its output is one more part of the [T, S, hidden] sum
@@ -40,13 +40,13 @@ global ids, so every rank counts every pair.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve import envs
 from moeserve.kernels.moe.quant import moe_quantized
 from moeserve.kernels.registry import bind_routed_experts, moe_tile_source
 from moeserve.kernels.routing.grouped_triton import (
@@ -65,10 +65,13 @@ from moeserve.layers.params import empty_param
 from moeserve.model_config import ModelConfig
 from moeserve.quant.packed import QuantWeight
 
-# The sigmoid router as one Triton launch (module doc): off until the H200's GPU tests and a
-# W1 A/B have run it (a dozen small launches a MoE layer replaced by one);
-# MOESERVE_GROUPED_ROUTER_TRITON=1 in the environment turns it on (a server's processes too).
-grouped_router_triton = os.environ.get("MOESERVE_GROUPED_ROUTER_TRITON") == "1"
+# The sigmoid router as one Triton launch on CUDA (module doc): a dozen small launches a MoE
+# layer replaced by one, on since the H200's A/B (gpu_bb408cc/call2: glm-4.7-flash's W1 at
+# 256, 9,593 / 9,533 against 9,200 / 9,179 output tok/s off); MOESERVE_GROUPED_ROUTER_TRITON=0
+# turns it off (a server's processes too). `grouped_router_interpret`: tests, also on CPU
+# under Triton's interpreter.
+grouped_router_triton = envs.grouped_router_triton()
+grouped_router_interpret = False
 # fn(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k]) -> [T, H]
 MoeBackend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                       torch.Tensor]
@@ -161,7 +164,7 @@ class SparseMoeBlock(nn.Module):
             topk_weights, topk_ids = select_experts_softmax_grouped(
                 router_logits, self.top_k, num_groups=r.n_group, topk_groups=r.topk_group,
                 scaling_factor=r.routed_scaling_factor)
-        elif (grouped_router_triton and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        elif (grouped_router_triton and (x.is_cuda or grouped_router_interpret)
               and grouped_supported(router_logits.shape[1], r.n_group, r.topk_group)):
             topk_weights, topk_ids = select_experts_grouped_triton(
                 router_logits, self.top_k, num_groups=r.n_group, topk_groups=r.topk_group,

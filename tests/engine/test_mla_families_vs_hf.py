@@ -246,6 +246,7 @@ def test_triton_grouped_router_matches_hf(device: str, checkpoints: dict, arch: 
         calls.append(1)
         return fused(*args, **kwargs)
     monkeypatch.setattr(moe, "grouped_router_triton", True)
+    monkeypatch.setattr(moe, "grouped_router_interpret", True)
     monkeypatch.setattr(moe, "select_experts_grouped_triton", counted)
     folder, prompts, expected = checkpoints[arch]
     llm = _llm(folder, device)

@@ -70,10 +70,11 @@ _CHUNK_KEYS = 1 << 25
 # rows (query tokens x indexer heads) of a prefill scoring program's q . k dot: see
 # index_block_q (a [128, D] x [D, BLOCK_N] dot: fp32 accumulator [128, 64] at GLM-5's shape)
 INDEX_TILE_ROWS = 128
-# Key tiles a scoring program walks (its queries and weights loaded once for them). 1: a
-# program a tile, as measured (decode scores at 71-73% of their read bound on the H200,
-# gpu_039305d/call6); an experiment switch until kernels_dsa's score_key_tiles_ms times it.
-score_key_tiles = 1
+# Key tiles a scoring program walks (its queries and weights loaded once for them). 8, as
+# timed on the H200 (gpu_bb408cc/call1, against 1 / 2 / 4 / 16): the decode step in a graph
+# 1-14% faster in all five kernels_dsa cases (b256 64k: 2.149 -> 1.841 ms), W3's prefill
+# scores 13.09 -> 8.06 ms (16: 7.73); the tests also run 1 to 4.
+score_key_tiles = 8
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 # mla_triton's jitted helper, bound by _kernels() too (the kernel reads it by global name)
