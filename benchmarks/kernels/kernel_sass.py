@@ -51,8 +51,10 @@ def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str]
            if n not in const and n not in nospec}
     src = ASTSource(jit_fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
                     attrs=div)
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": warps, "num_stages": stages})
+    options = {"num_warps": warps, "num_stages": stages}
+    if os.environ.get("SASS_MAXNREG"):  # a register cap (Triton's maxnreg launch option)
+        options["maxnreg"] = int(os.environ["SASS_MAXNREG"])
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(out.asm["cubin"])
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")

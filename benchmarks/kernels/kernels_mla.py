@@ -147,10 +147,12 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
 
 
 def parse_tile(text: str) -> mla_triton.TileConfig:
-    """'32,32,8,2' -> TileConfig(block_m 32, block_n 32, num_warps 8, num_stages 2)."""
+    """'32,32,8,2' -> TileConfig(block_m 32, block_n 32, num_warps 8, num_stages 2); a fifth
+    integer is the register cap (maxnreg)."""
     parts = text.split(",")
-    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
-        raise SystemExit(f"--tiles: {text!r} is not BM,BN,W,S (four integers)")
+    if len(parts) not in (4, 5) or not all(p.strip().isdigit() for p in parts):
+        raise SystemExit(f"--tiles: {text!r} is not BM,BN,W,S[,MAXNREG] (four or five "
+                         "integers)")
     try:
         return mla_triton.TileConfig(*(int(p) for p in parts))
     except ValueError as exc:

@@ -71,7 +71,15 @@ def test_smoke_run_over_an_fp8_latent_cache(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(("text", "message"), [("32,32,8", "not BM,BN,W,S"),
-                                               ("32,48,8,2", "block_n 48")])
+                                               ("32,48,8,2", "block_n 48"),
+                                               ("32,32,8,3,300", "maxnreg 300")])
 def test_a_bad_tile_is_named(text: str, message: str) -> None:
     with pytest.raises(SystemExit, match=message):
         kernels_mla.parse_tile(text)
+
+
+def test_a_tile_may_cap_the_registers() -> None:
+    tile = kernels_mla.parse_tile("32,32,8,3,128")
+    assert (tile.block_m, tile.block_n, tile.maxnreg) == (32, 32, 128)
+    assert tile.launch() == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
+    assert "maxnreg" not in kernels_mla.parse_tile("32,32,8,3").launch()

@@ -57,18 +57,30 @@ tl: Any = None  # triton.language, bound by _kernels(): the kernels below read i
 @dataclass(frozen=True)
 class TileConfig:
     """Launch shape of one kernel. block_m: prefill query rows per program (tokens x the query
-    heads of one KV head), unused by decode; block_n: keys per loop iteration."""
+    heads of one KV head), unused by decode; block_n: keys per loop iteration; maxnreg: a cap
+    on each thread's registers (Triton's launch option; None: the compiler's choice), so that
+    more programs fit an SM (MLA's decode: two at 8 warps under 128)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_n not in (16, 32, 64, 128, 256):
             raise ValueError(f"TileConfig.block_n {self.block_n} not in (16, 32, 64, 128, 256)")
         if self.block_m < 1 or self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"bad TileConfig {self}")
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"TileConfig.maxnreg {self.maxnreg} not in 24..255")
+
+    def launch(self) -> dict[str, int]:
+        """The Triton launch options: warps, stages and, when set, the register cap."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
 
 
 def default_config(kind: str, head_dim: int, dtype: torch.dtype,

@@ -118,6 +118,12 @@ def test_prefill_fresh_and_after_a_prefix(dtype: torch.dtype) -> None:
     check(make_mla_case([0, 0, 8, 37], [7, 23, 5, 20], block_size=4, dtype=dtype))
 
 
+def test_a_register_capped_decode_tile_runs() -> None:
+    """TileConfig.maxnreg goes to the decode launch (the interpreter drops the option)."""
+    check(make_mla_case([5, 40, 17], [1, 1, 1], block_size=4),
+          decode_config=TileConfig(16, 16, 2, 1, 128))
+
+
 def test_prefill_config_sets_the_tiles() -> None:
     # block_m 8 and 32 over 4 heads: 2 and 8 query tokens per program, both cached on the meta
     case = make_mla_case([0, 6, 3], [9, 14, 1], block_size=4)
@@ -224,7 +230,8 @@ def test_gpu_decode(num_heads: int, batch: int, max_context: int) -> None:
     computed[0] = max_context - 1
     case = gpu_case(computed, [1] * batch, num_heads, seed=batch)
     check(case)
-    for cfg in (TileConfig(16, 64, 4, 2), TileConfig(64, 32, 8, 3)):  # 2 stages, and 3
+    # 2 stages, and 3; a register cap of 128 (two programs an SM at 8 warps: some spill)
+    for cfg in (TileConfig(16, 64, 4, 2), TileConfig(64, 32, 8, 3), TileConfig(32, 32, 8, 3, 128)):
         check(case, decode_config=cfg)
 
 

@@ -262,7 +262,7 @@ def _launch_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
         NUM_HEADS=num_heads, HEADS_PER_TILE=per_tile, BLOCK_H=max(16, next_pow2(per_tile)),
         L=kv_lora_rank, R=dim - kv_lora_rank, BLOCK_SIZE=latent_cache.shape[1],
         BLOCK_N=cfg.block_n, USE_ROWS=rows is not None, SPLIT=split,
-        IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IEEE=q.dtype == torch.float32, **cfg.launch())
     if split:
         mla_reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc,
                                         rows, num_rows, num_splits)
