@@ -1,7 +1,7 @@
 """One MLA decode attention case for a kernel profiler (Nsight Compute) or a quick A/B: GLM-5's
-attention shape (64 heads, latent 512 + rope 64, bf16, blocks of 64 scattered over one pool,
-kernels_dsa's cases), DSA's sparse MLA over 2,048 selected positions a row or the dense MLA
-decode over the whole context. Compiled and warmed up first; the timed calls (CUDA events)
+attention shape (64 heads, or --heads; latent 512 + rope 64, bf16, blocks of 64 scattered over
+one pool, kernels_dsa's cases), DSA's sparse MLA over 2,048 selected positions a row or the
+dense MLA decode over the whole context. Compiled and warmed up first; the timed calls (CUDA events)
 then run between cudaProfilerStart and cudaProfilerStop, so `ncu --profile-from-start off`
 sees only them. Prints one JSON line: the median ms, the bytes the op must read and the share
 of its read bound (4.27 TB/s), and of the FLOP bound (787 TFLOP/s).
@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--tile", default=None, metavar="BM,BN,W,S", help="default: the kernel's")
     parser.add_argument("--slot-rows", action="store_true", help="sparse_triton.slot_rows on")
     parser.add_argument("--calls", type=int, default=20, help="timed calls")
+    parser.add_argument("--heads", type=int, default=MLA_HEADS,
+                        help="query heads (GLM-4.7-Flash: 20)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("mla_once needs a CUDA GPU")
@@ -69,7 +71,7 @@ def main() -> None:
     rows = [args.context - 1] * args.batch, [1] * args.batch
     _, _, index_cache, meta = make_step(*rows, BLOCK, "cuda", dtype, integers=False)
     gen = torch.Generator(device="cuda").manual_seed(5)
-    q = torch.randn(args.batch, MLA_HEADS, LATENT + ROPE, generator=gen, device="cuda").to(dtype)
+    q = torch.randn(args.batch, args.heads, LATENT + ROPE, generator=gen, device="cuda").to(dtype)
     cache = torch.randn(index_cache.shape[0], BLOCK, LATENT + ROPE, generator=gen,
                         device="cuda").to(dtype)
     del index_cache
@@ -91,7 +93,7 @@ def main() -> None:
                                                         decode_config=tile)
     ms = profiled_median_ms(fn, args.calls)
     nbytes = args.batch * keys * (LATENT + ROPE) * 2
-    flops = 2 * args.batch * MLA_HEADS * keys * (2 * LATENT + ROPE)
+    flops = 2 * args.batch * args.heads * keys * (2 * LATENT + ROPE)
     read_ms, flop_ms = nbytes / COPY_TBPS / 1e9, flops / PEAK_TFLOPS / 1e9
     print(json.dumps({**vars(args), "ms": round(ms, 4), "read_bound_ms": round(read_ms, 4),
                       "pct_of_read_bound": round(100 * read_ms / ms, 1),
