@@ -9,7 +9,7 @@ import torch
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from moeserve.kernels.routing.select import select_experts
+from moeserve.kernels.routing.select import router_logits_fp32, select_experts
 
 HIDDEN = 32
 
@@ -172,3 +172,33 @@ def test_gpu_grouped_router_has_no_host_sync() -> None:
     ew, ei = by_expert(expected_w, expected_i)
     assert torch.equal(i, ei)
     torch.testing.assert_close(w, ew)
+
+
+def test_router_logits_fp32_off_cuda_is_the_fp32_gemm() -> None:
+    """DeepSeek / GLM's fp32 router logits: on CPU both operands cast to fp32, as HF does."""
+    x, gate = torch.randn(5, HIDDEN).bfloat16(), torch.randn(4, HIDDEN).bfloat16()
+    logits = router_logits_fp32(x, gate)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(x.float(), gate.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_router_logits_fp32_from_half_inputs(dtype: torch.dtype) -> None:
+    """On CUDA half inputs take one tensor-core GEMM with fp32 output: exact products summed
+    in fp32, so within fp32 roundings of the sums of |products| of the fp32 GEMM's logits."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1024, 2048, generator=gen, device="cuda").to(dtype)
+    gate = torch.randn(64, 2048, generator=gen, device="cuda").to(dtype)
+    logits = router_logits_fp32(x, gate)
+    exact = x.double() @ gate.double().T
+    assert logits.dtype == torch.float32
+    tol = 1e-5 * (x.double().abs() @ gate.double().abs().T)
+    assert bool(((logits.double() - exact).abs() <= tol).all())
+    graph_out = torch.empty_like(logits)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # capturable: the engine's decode graphs run it
+        graph_out.copy_(router_logits_fp32(x, gate))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, logits)

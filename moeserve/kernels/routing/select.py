@@ -9,11 +9,25 @@ Owns the two routers, each computed exactly as Hugging Face computes it, with no
   (experts come from the `topk_groups` groups whose two best biased scores sum highest);
 - `select_experts_softmax_grouped`: DeepSeek-V2's softmax router, greedy or group-limited
   (groups scored by their best expert), weights never renormalised, times the scaling factor.
+`router_logits_fp32` computes the logits in fp32 as DeepSeek and GLM do.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def router_logits_fp32(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [T, H] @ gate [E, H].T in fp32, as Hugging Face computes DeepSeek's and GLM's router
+    logits (both cast to fp32 first). Half-precision inputs on CUDA go through one tensor-core
+    GEMM with fp32 output: their products are exact in fp32 and summed in fp32, without the
+    fp32 copies of x and of the gate and the CUDA-core fp32 GEMM (on the H200, glm-4.7-flash's
+    decode step at 1,024 rows spent 0.8 ms in those GEMMs and about 0.9 ms in the copies:
+    benchmarks/results/gpu_bb408cc/call7_w1_glm47_2ae848a); the sums' order differs from the
+    fp32 GEMM's, by fp32 roundings. Elsewhere (CPU, fp32 models) the fp32 GEMM itself."""
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and gate.dtype == x.dtype:
+        return torch.mm(x, gate.t(), torch.float32)  # [T, E]
+    return torch.nn.functional.linear(x.float(), gate.float())
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
