@@ -178,7 +178,7 @@ class MLAttention(nn.Module):
         a = linear(hidden, self.in_proj)  # [T, q_part + L + R (+ extra rows)]
         q = q_resid = a[:, :self.q_part]
         if self.q_b_proj is not None:
-            q_resid = self.q_a_layernorm(q_resid.contiguous())
+            q_resid = self.q_a_layernorm(q_resid)  # a strided view: the norm reads it in place
             q = linear(q_resid, self.q_b_proj)
         q = q.view(t, heads, nope + self.rope_dim)
         fused = a.is_cuda if self.fused_rope_cache is None else self.fused_rope_cache

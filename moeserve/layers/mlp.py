@@ -1,4 +1,5 @@
-"""Dense SwiGLU MLP: down(silu(gate(x)) * up(x)) with gate and up fused into one weight.
+"""Dense SwiGLU MLP: down(silu(gate(x)) * up(x)) with gate and up fused into one weight; on
+CUDA the activation is one Triton launch (kernels/activation/silu_mul_triton.py).
 
     gate_up_proj [2I, hidden]: rows [0, I) are gate_proj, rows [I, 2I) are up_proj
     down_proj    [hidden, I]
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels.activation.silu_mul_triton import silu_mul_triton
 from moeserve.layers.linear import WeightFactory, linear
 
 
@@ -26,5 +28,8 @@ class MLP(nn.Module):
                                         dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)  # [T, I] each
+        gate_up = linear(x, self.gate_up_proj)  # [T, 2I]
+        if gate_up.is_cuda:  # one launch, the same bits as the two ops below
+            return linear(silu_mul_triton(gate_up), self.down_proj)
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return linear(F.silu(gate) * up, self.down_proj)  # [T, hidden]
