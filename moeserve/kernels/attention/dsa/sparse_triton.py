@@ -80,15 +80,8 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
                          f"got {num_splits}")
     partition = -(-topk // num_splits)
     partition = -(-partition // cfg.block_n) * cfg.block_n  # whole tiles a partition
-    split = num_splits > 1
-    if split:  # mla_triton's partials layout, combined by its reduce
-        part_m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
-                             device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(num_tokens, num_heads, num_splits, kv_lora_rank,
-                               dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = out  # unused
+    split = num_splits > 1  # mla's partials layout, combined by its reduce
+    part_m, part_l, part_acc = mla_reduce_triton.split_partials(out, num_tokens, num_splits)
     # a token's head tiles side by side in the grid (their reads of its selected latent rows
     # then hit L2), unless the tokens pass the grid's y limit
     tiles_first = num_tokens <= mla_triton.MAX_GRID_Y

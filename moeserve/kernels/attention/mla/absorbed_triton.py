@@ -240,14 +240,7 @@ def _launch_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
     partition = -(-max(1, max_seq_len) // num_splits)
     partition = -(-partition // cfg.block_n) * cfg.block_n  # whole key tiles per partition
     split = num_splits > 1
-    if split:
-        part_m = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32,
-                             device=q.device)  # [n, H, S] running max (base-2 logits)
-        part_l = torch.empty_like(part_m)  # [n, H, S] sum of exp2
-        part_acc = torch.empty(num_rows, num_heads, num_splits, kv_lora_rank,
-                               dtype=torch.float32, device=q.device)  # [n, H, S, L]
-    else:
-        part_m = part_l = part_acc = out  # unused
+    part_m, part_l, part_acc = mla_reduce_triton.split_partials(out, num_rows, num_splits)
     row_ids = rows if rows is not None else meta.query_start_loc  # unused when USE_ROWS is off
     if num_rows > MAX_GRID_Y:
         raise ValueError(f"mla_attention_triton: {num_rows} decode rows in one launch, at most "

@@ -39,6 +39,21 @@ def decode_num_splits(num_rows: int, num_head_tiles: int, context: int,
     return max(1, min(by_length, by_programs, MAX_SPLITS))
 
 
+def split_partials(out: torch.Tensor, num_rows: int, num_splits: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split decode's partials for out [T, H, L]: part_m, part_l [n, H, S] fp32 (running
+    max of the base-2 logits, sum of exp2) and part_acc [n, H, S, L] fp32, which `reduce_splits`
+    combines; with one split, out three times (the kernels then write out directly)."""
+    if num_splits == 1:
+        return out, out, out
+    num_heads, kv_lora_rank = out.shape[1:]
+    part_m = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32,
+                         device=out.device)
+    part_acc = torch.empty(num_rows, num_heads, num_splits, kv_lora_rank, dtype=torch.float32,
+                           device=out.device)
+    return part_m, torch.empty_like(part_m), part_acc
+
+
 def reduce_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor,
                   out: torch.Tensor, query_start_loc: torch.Tensor | None,
                   rows: torch.Tensor | None, num_rows: int, num_splits: int) -> None:
