@@ -49,6 +49,8 @@ def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str]
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
     div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
            if n not in const and n not in nospec}
+    if getattr(jit_fn, "is_gluon", lambda: False)():  # a Gluon kernel: its own IR source
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(jit_fn, sig, constexprs={(names.index(n),): v for n, v in const.items()},
                     attrs=div)
     options = {"num_warps": warps, "num_stages": stages}
@@ -218,6 +220,18 @@ def mla_decode(args: argparse.Namespace) -> dict:
                            stages)}
 
 
+def mla_decode_gluon(args: argparse.Namespace) -> dict:
+    """The Gluon MLA decode (kernels/attention/mla/decode_gluon.py, wgmma) at DeepSeek / GLM's
+    latent, bf16: BM unused (64 heads a program), BN keys a tile, WARPS must be 8."""
+    from moeserve.kernels.attention.mla import decode_gluon
+
+    _, bn, warps, stages = args.tile
+    const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size, BLOCK_N=bn,
+                 STAGES=stages, USE_ROWS=False, SPLIT=args.split)
+    kernel = decode_gluon._kernels().decode
+    return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
+
+
 def mla_decode_flat(args: argparse.Namespace) -> dict:
     """The flat MLA decode (kernels/attention/mla/decode_flat_triton.py) at DeepSeek / GLM's
     latent, bf16: every head in one tile (BM unused), a program an SM over the row tiles."""
@@ -321,15 +335,15 @@ def main() -> None:
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
-    for name in ("mla-decode", "mla-decode-flat", "mla-prefill", "dsa-sparse", "gqa-prefill",
-                 "gqa-decode"):
+    for name in ("mla-decode", "mla-decode-gluon", "mla-decode-flat", "mla-prefill",
+                 "dsa-sparse", "gqa-prefill", "gqa-decode"):
         p = sub.add_parser(name)
         p.add_argument("--tile", type=int, nargs=4, required=True,
                        metavar=("BM", "BN", "WARPS", "STAGES"))
         p.add_argument("--heads", type=int, default=64)
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
-        if name in ("mla-decode", "gqa-decode"):
+        if name in ("mla-decode", "mla-decode-gluon", "gqa-decode"):
             p.add_argument("--split", action="store_true", help="the split-K variant")
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
@@ -339,8 +353,9 @@ def main() -> None:
                            help="the selection given as cache rows (sparse_triton.slot_rows)")
     args = parser.parse_args()
     report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
-              "mla-decode-flat": mla_decode_flat, "mla-prefill": mla_prefill,
-              "dsa-sparse": dsa_sparse, "gqa-prefill": gqa, "gqa-decode": gqa}[args.kernel](args)
+              "mla-decode-gluon": mla_decode_gluon, "mla-decode-flat": mla_decode_flat,
+              "mla-prefill": mla_prefill, "dsa-sparse": dsa_sparse, "gqa-prefill": gqa,
+              "gqa-decode": gqa}[args.kernel](args)
     print(json.dumps({"kernel": args.kernel, **{k: v for k, v in vars(args).items()
                                                if k != "kernel"}, **report}))
 

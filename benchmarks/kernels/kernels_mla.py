@@ -21,8 +21,9 @@ after each case (a run cut short keeps what it measured).
     python -m benchmarks.kernels.kernels_mla --out DIR --smoke   # tiny shapes, CPU interpreter
     python -m benchmarks.kernels.kernels_mla --out DIR --tiles 16,64,4,2 32,32,8,2
         # each case at each tile
-    python -m benchmarks.kernels.kernels_mla --out DIR --forms split flat
-        # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat)
+    python -m benchmarks.kernels.kernels_mla --out DIR --forms split flat gluon
+        # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat,
+        # decode_gluon's wgmma kernel: its keys a tile and stages from --tiles' BN and S)
 """
 
 from __future__ import annotations
@@ -98,8 +99,7 @@ def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device
     largest error relative to the output's scale (raises past the dtype's bound)."""
     q, cache, meta = make_step(ctx[:CHECK_ROWS], heads, latent, rope, block, device, dtype, 1,
                                cache_dtype)
-    got = mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent, decode_config=cfg,
-                                          decode_form=form).float()
+    got = decode_op(q, cache, meta, latent, cfg, form)().float()
     want = mla_attention_ref(q.float(), cache.float(), meta, SCALE, latent).float()
     err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
     bound = 1e-5 if dtype == torch.float32 else 2 ** -6
@@ -107,6 +107,24 @@ def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device
         raise SystemExit(f"MLA decode ({form}, {cfg}) differs from the reference: {err:.3g} of the "
                          f"output scale (bound {bound:g})")
     return err
+
+
+def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, latent: int,
+              cfg: mla_triton.TileConfig, form: str):
+    """The decode step as a call: mla_attention_triton in `form`, or ("gluon") decode_gluon
+    at cfg's keys a tile and stages."""
+    if form != "gluon":
+        return lambda: mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
+                                                       decode_config=cfg, decode_form=form)
+    from moeserve.kernels.attention.mla import decode_gluon
+
+    def gluon() -> torch.Tensor:
+        out = q.new_empty(*q.shape[:2], latent)
+        decode_gluon.decode_gluon(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
+                                  meta.max_seq_len, block_n=cfg.block_n,
+                                  stages=cfg.num_stages)
+        return out
+    return gluon
 
 
 def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
@@ -126,13 +144,17 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
         if form == "flat" and heads > mla_triton.FLAT_MAX_HEADS:
             continue
         cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)
+        if form == "gluon":
+            from moeserve.kernels.attention.mla import decode_gluon
+            cfg = tile or mla_triton.TileConfig(decode_gluon.BLOCK_H, decode_gluon.DEFAULT_BLOCK_N,
+                                                decode_gluon.NUM_WARPS,
+                                                decode_gluon.DEFAULT_STAGES)
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
         err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form, cache_dtype)
         splits = (None if form == "flat"
                   else mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len,
                                                     q.device))
-        ms = timer(lambda cfg=cfg, form=form: mla_triton.mla_attention_triton(
-            q, cache, meta, SCALE, latent, decode_config=cfg, decode_form=form))
+        ms = timer(decode_op(q, cache, meta, latent, cfg, form))
         rows.append({
             "case": name, "form": form, "heads": heads, "batch": batch, "context": context,
             "mean_context": round(float(np.mean(ctx)), 1), "splits": splits,
@@ -169,9 +191,10 @@ def main() -> None:
                         help="decode TileConfigs to time each case at (heads a program, keys "
                              "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--forms", nargs="+", default=["auto"],
-                        choices=list(mla_triton.DECODE_FORMS),
+                        choices=[*mla_triton.DECODE_FORMS, "gluon"],
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
-                             "flat skips heads past its FLAT_MAX_HEADS)")
+                             "flat skips heads past its FLAT_MAX_HEADS; gluon: decode_gluon, "
+                             "sm90 only)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")

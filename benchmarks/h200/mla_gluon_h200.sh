@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 16: the Gluon MLA decode (kernels/attention/mla/decode_gluon.py: wgmma, operands read by
+# the tensor cores from shared memory, cp.async loads STAGES - 1 tiles ahead) on the H200 for the
+# first time, in one call (~6 minutes): its GPU tests, then kernels_mla at 20 / 64 / 128 heads,
+# the Triton split decode at its defaults beside the Gluon kernel at each of GLUON_TILES
+# (BM,BN,W,S: BM and W are 64 and 8; BN keys a tile, S stages). Results as $OUT/mla_gluon.tgz.
+#   bash benchmarks/h200/mla_gluon_h200.sh
+set -uo pipefail
+source benchmarks/gpu_env.sh
+R=/tmp/mla_gluon; mkdir -p $R
+timeout 200 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
+  tests/kernels/attention/test_mla_decode_gluon.py > $R/gpu_tests.log 2>&1
+echo "tests rc=$?"; grep -E "passed|failed|Error" $R/gpu_tests.log | tail -8
+timeout 120 python3 -m benchmarks.kernels.kernels_mla --out $R/split --heads ${HEADS:-20 64 128} \
+  --forms split > $R/kernels_mla_split.log 2>&1
+echo "kernels_mla split rc=$?"
+timeout 240 python3 -m benchmarks.kernels.kernels_mla --out $R/gluon --heads ${HEADS:-20 64 128} \
+  --forms gluon --tiles ${GLUON_TILES:-64,32,8,3 64,64,8,2 64,16,8,4 64,32,8,4} \
+  > $R/kernels_mla_gluon.log 2>&1
+echo "kernels_mla gluon rc=$?"; tail -3 $R/kernels_mla_gluon.log
+python3 -c "import json, sys
+for f in sys.argv[1:]:
+    try:
+        cases = json.load(open(f))['cases']
+    except (OSError, ValueError) as exc:
+        print(f, exc); continue
+    for r in cases:
+        t = r['tile']
+        print(r['form'], r['heads'], r['case'], (t['block_n'], t['num_stages']), r['ms'],
+              r['pct_of_bound'])
+" $R/split/kernels_mla.json $R/gluon/kernels_mla.json
+tar czf $OUT/mla_gluon.tgz -C /tmp mla_gluon

@@ -1,0 +1,272 @@
+"""Absorbed MLA decode on Hopper's asynchronous tensor cores, in Gluon (Triton's lower-level
+language): `decode_gluon`, the same contract as absorbed_triton's split decode (a program a
+head tile, decode row and context partition; the partitions combined by reduce_triton).
+
+Why a second kernel: Triton's tl.dot gives the 20-head decode mma.sync (M = 32 < 64), whose
+operands are re-read from shared memory into registers for every key tile; on the H200 that
+kernel is latency-bound on those loads with one program an SM (Nsight Compute,
+benchmarks/results/gpu_bb408cc/call5: short-scoreboard stalls 37% of the loop, DRAM at 34%),
+and neither more programs an SM nor more warps help (call4, call6). Here every product is a
+wgmma that reads its operands from shared memory itself:
+
+    program (head tile, row, partition), 8 warps = 2 warpgroups, BLOCK_H = 64 heads (20
+    heads padded, as FlashMLA pads them; 128 heads are two tiles):
+      Q  -> shared [64, L] + [64, R]           (cp.async, one group)
+      keys tile j (BLOCK_N latent rows, gathered through the block table) -> stage j % STAGES
+                                               (cp.async, a group a tile, STAGES - 1 ahead)
+      S  = Q_lat K_lat^T + Q_pe K_pe^T         wgmma [64, BLOCK_N], each warpgroup half the keys
+      online softmax in fp32 (base 2)          rows reduced across the two warpgroups
+      P  -> shared (bf16)
+      O += P V,  V = K_lat                     wgmma [64, L], each warpgroup half of L
+
+Bytes and FLOPs are the split decode's; what changes is how the tensor cores get their
+operands. Version 1 is synchronous within a tile (S, softmax, P V in turn, three CTA barriers a
+tile); its loads run STAGES - 1 tiles ahead. bf16 / fp16 queries and cache only (no float8
+cache, no fp32), L and R powers of two, an sm90 GPU; `supports` says whether it takes a call.
+
+An experiment until the H200 times it (benchmarks/kernels/kernels_mla --gluon): nothing in
+serving calls it yet. Gluon is imported on first use (`_kernels`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.attention.mla import reduce_triton
+
+BLOCK_H = 64  # heads a program: wgmma's M
+NUM_WARPS = 8  # two warpgroups: S split by keys, O by value columns
+DEFAULT_BLOCK_N, DEFAULT_STAGES = 32, 3  # 184 KB of shared memory at L 512, R 64
+_DTYPES = (torch.bfloat16, torch.float16)
+
+gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
+# the Hopper builtins the kernel calls, bound by _kernels()
+async_copy: Any = None
+fence_async_shared: Any = None
+warpgroup_mma: Any = None
+warpgroup_mma_wait: Any = None
+
+
+def supports(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """Whether decode_gluon takes these inputs: an sm90 GPU, bf16 / fp16 queries and cache of
+    one dtype, L and R powers of two of at least 16."""
+    rope = q.shape[-1] - kv_lora_rank
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and q.dtype in _DTYPES and latent_cache.dtype == q.dtype
+            and _pow2(kv_lora_rank) and _pow2(rope))
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, kv_lora_rank: int, out: torch.Tensor,
+                 rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
+                 num_splits: int | None = None, block_n: int = DEFAULT_BLOCK_N,
+                 stages: int = DEFAULT_STAGES) -> None:
+    """Decode rows (one query each) into out [T, H, L]: `rows` [num_rows] int32 row ids, or
+    None for rows 0..B-1 (absorbed_triton._launch_decode's contract). num_splits: context
+    partitions a row (default reduce_triton.decode_num_splits)."""
+    if not supports(q, latent_cache, kv_lora_rank):
+        raise ValueError("decode_gluon needs an sm90 GPU, bf16 / fp16 q and latent_cache of "
+                         "one dtype and power-of-two L and R >= 16; got "
+                         f"{q.dtype} / {latent_cache.dtype} on {q.device}, L {kv_lora_rank}, "
+                         f"R {q.shape[-1] - kv_lora_rank}")
+    num_heads, dim = q.shape[1:]
+    num_head_tiles = -(-num_heads // BLOCK_H)
+    if num_splits is None:
+        num_splits = reduce_triton.decode_num_splits(num_rows, num_head_tiles, max_seq_len,
+                                                     q.device)
+    if not 1 <= num_splits <= reduce_triton.MAX_SPLITS:
+        raise ValueError(f"decode_gluon: num_splits must be in 1..{reduce_triton.MAX_SPLITS}, "
+                         f"got {num_splits}")
+    partition = -(-max(1, max_seq_len) // num_splits)
+    partition = -(-partition // block_n) * block_n  # whole key tiles a partition
+    split = num_splits > 1
+    if split:
+        part_m = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32,
+                             device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(num_rows, num_heads, num_splits, kv_lora_rank,
+                               dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    row_ids = rows if rows is not None else meta.query_start_loc  # unused without rows
+    _kernels().decode[(num_head_tiles, num_rows, num_splits)](
+        q, latent_cache, out, part_m, part_l, part_acc,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc, row_ids,
+        scale * math.log2(math.e), partition, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
+        BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages,
+        USE_ROWS=rows is not None, SPLIT=split, num_warps=NUM_WARPS)
+    if split:
+        reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows,
+                                    num_rows, num_splits)
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """Build the Gluon kernel on first use (the only place gluon is imported): the functions
+    below jitted and bound, with the Hopper builtins they call, as module globals (where the
+    compiler resolves their names)."""
+    global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    global _load_tile, _decode_kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language
+    from triton.experimental.gluon.language.nvidia import hopper
+
+    gl = language
+    async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
+    warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
+    _load_tile = gluon.jit(_load_tile)
+    _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits"])(_decode_kernel)
+    return SimpleNamespace(decode=_decode_kernel)
+
+
+# ---- Gluon functions (jitted by _kernels; module globals, where the compiler finds names) ----
+
+def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                   block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, rows_ptr,
+                   scale_log2, partition, num_splits,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+                   NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+                   BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   USE_ROWS: gl.constexpr, SPLIT: gl.constexpr):
+    """Program (head_tile, i, split): BLOCK_H heads of decode row i over its context
+    partition `split` (the module docstring's data flow)."""
+    BH: gl.constexpr = 64
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    # register layouts: the copies' pointer tensors (16-byte vectors along a row), and the
+    # two wgmma accumulators, warpgroups side by side along N
+    lat_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [8, 1], [1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, L // 2 if L <= 512
+                                                               else 256, 16])
+    q_lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, L], dtype)
+    q_pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, R], dtype)
+    k_lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
+    k_pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BLOCK_N], dtype)
+    q_lat_s = gl.allocate_shared_memory(dtype, [BH, L], q_lat_sl)
+    q_pe_s = gl.allocate_shared_memory(dtype, [BH, R], q_pe_sl)
+    k_lat_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], k_lat_sl)
+    k_pe_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], k_pe_sl)
+    p_s = gl.allocate_shared_memory(dtype, [BH, BLOCK_N], p_sl)
+
+    head_tile = gl.program_id(0)
+    i = gl.program_id(1)
+    split = gl.program_id(2)
+    if USE_ROWS:
+        req = gl.load(rows_ptr + i)
+    else:
+        req = i
+    tok = gl.load(query_start_loc_ptr + req).to(gl.int64)
+    seq_len = gl.load(seq_lens_ptr + req)
+    start = split * partition
+    end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
+    table = block_tables_ptr + req.to(gl.int64) * stride_table
+
+    # the queries of the tile's heads (padding heads zero-filled): one copy group
+    hq = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, lat_l))
+    dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
+    q_row = q_ptr + tok * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
+    async_copy.async_copy_global_to_shared(q_lat_s, q_row + dq[None, :],
+                                           mask=(hq < NUM_HEADS)[:, None])
+    hp = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, pe_l))
+    dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
+    async_copy.async_copy_global_to_shared(
+        q_pe_s, q_ptr + tok * stride_qt + hp.to(gl.int64)[:, None] * stride_qh + L + dp[None, :],
+        mask=(hp < NUM_HEADS)[:, None])
+    async_copy.commit_group()
+
+    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    nl = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lat_l))
+    np_ = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pe_l))
+    for j in gl.static_range(STAGES - 1):  # the first tiles in flight
+        _load_tile(cache_ptr, table, start + j * BLOCK_N, end, k_lat_s.index(j),
+                   k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE)
+        async_copy.commit_group()
+
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
+    l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, s_l))
+    acc = gl.zeros([BH, L], gl.float32, layout=o_l)
+    s_zero = gl.zeros([BH, BLOCK_N], gl.float32, layout=s_l)
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+    for t in range(num_tiles):
+        # every warpgroup is done with the stage the next copy overwrites (tile t - 1's)
+        gl.thread_barrier()
+        ahead = t + STAGES - 1
+        _load_tile(cache_ptr, table, start + ahead * BLOCK_N, end,
+                   k_lat_s.index(ahead % STAGES), k_pe_s.index(ahead % STAGES), nl, dq,
+                   np_, dp, L, R, BLOCK_SIZE)
+        async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)  # tile t's group (and the queries') landed
+        gl.thread_barrier()
+        fence_async_shared()  # the copies' writes, before the wgmmas read them
+        k_lat = k_lat_s.index(t % STAGES)
+        s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma(q_pe_s, k_pe_s.index(t % STAGES).permute((1, 0)), s,
+                          is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        valid = (start + t * BLOCK_N + keys) < end
+        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_ref)
+        p = gl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        p_s.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # both warpgroups' halves of P written
+        acc = warpgroup_mma(p_s, k_lat, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)  # no copy left in flight at exit
+
+    ho = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
+    do = gl.arange(0, L, layout=gl.SliceLayout(0, o_l))
+    h_ok = ho < NUM_HEADS
+    if SPLIT:
+        hs = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
+        part = (i * NUM_HEADS + hs) * num_splits + split
+        gl.store(part_m_ptr + part, m_i, mask=hs < NUM_HEADS)
+        gl.store(part_l_ptr + part, l_i, mask=hs < NUM_HEADS)
+        part_o = (i * NUM_HEADS + ho) * num_splits + split
+        gl.store(part_acc_ptr + part_o.to(gl.int64)[:, None] * L + do[None, :], acc,
+                 mask=h_ok[:, None])
+    else:
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # an empty row writes 0
+        gl.store(out_ptr + tok * stride_ot + ho.to(gl.int64)[:, None] * stride_oh
+                 + do[None, :], o.to(dtype), mask=h_ok[:, None])
+
+
+def _load_tile(cache_ptr, table, n0, end, k_lat_dst, k_pe_dst, nl, dq, np_, dp,
+               L: gl.constexpr, R: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+    """Copies (cp.async, zero-filled past `end`) of keys n0 .. n0 + BLOCK_N of a row's
+    paged context into a stage: latents [BLOCK_N, L], rope parts [BLOCK_N, R]."""
+    pos = n0 + nl
+    ok = pos < end
+    block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
+    row = (block.to(gl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)
+    async_copy.async_copy_global_to_shared(k_lat_dst, cache_ptr + row[:, None] + dq[None, :],
+                                           mask=ok[:, None])
+    pos_p = n0 + np_
+    ok_p = pos_p < end
+    block_p = gl.load(table + pos_p // BLOCK_SIZE, mask=ok_p, other=0)
+    row_p = (block_p.to(gl.int64) * BLOCK_SIZE + pos_p % BLOCK_SIZE) * (L + R) + L
+    async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
+                                           mask=ok_p[:, None])

@@ -1,0 +1,80 @@
+"""The Gluon MLA decode (kernels/attention/mla/decode_gluon.py, wgmma) against the dense
+expectation of `make_mla_case` and mla_attention_ref: on the GPU (sm90) only, as Gluon has no
+interpreter; on CPU, that it refuses the call by name without importing Gluon."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeserve.kernels.attention.mla import decode_gluon
+from tests.kernels.attention.test_mla import DECODE, make_mla_case
+from tests.kernels.attention.test_mla_triton import TOL, gpu_case
+
+
+def run(case, rows: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+    """decode_gluon over a decode-only case (all its rows, or `rows`)."""
+    out = torch.zeros_like(case.q_lat[..., :case.L])
+    num_rows = case.meta.num_reqs if rows is None else rows.shape[0]
+    decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L, out,
+                              rows, num_rows, case.meta.max_seq_len, **kwargs)
+    return out
+
+
+def test_refuses_what_it_cannot_take_by_name() -> None:
+    case = make_mla_case(*DECODE, block_size=4, num_heads=5)
+    assert not decode_gluon.supports(case.q_lat, case.latent_cache, case.L)
+    with pytest.raises(ValueError, match="decode_gluon needs an sm90 GPU"):
+        run(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [16, 20, 64, 128])
+@pytest.mark.parametrize(("batch", "max_context"), [(4, 4096), (64, 2048), (128, 256)])
+def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int) -> None:
+    rng = np.random.default_rng(batch)
+    computed = rng.integers(1, max_context, batch).tolist()
+    computed[0] = max_context - 1
+    case = gpu_case(computed, [1] * batch, num_heads, seed=batch)
+    tol = TOL[torch.bfloat16]
+    ref = case.expected_latent
+    for kwargs in ({}, {"num_splits": 1}, {"num_splits": 3}, {"block_n": 64, "stages": 2},
+                   {"block_n": 16, "stages": 4}):
+        out = run(case, **kwargs)
+        assert not out.isnan().any(), kwargs
+        torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol, msg=str(kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_fp16_and_chosen_rows() -> None:
+    """fp16; `rows` picks decode rows (the mixed step's contract): only their tokens written;
+    contexts of 1 key, of a partial tile and of several partitions."""
+    case = gpu_case([0, 30, 700, 4095, 64], [1] * 5, 20, dtype=torch.float16, seed=3)
+    out = run(case)
+    torch.testing.assert_close(out.float(), case.expected_latent, atol=TOL[torch.float16],
+                               rtol=TOL[torch.float16])
+    rows = torch.tensor([3, 1], dtype=torch.int32, device="cuda")
+    picked = run(case, rows=rows, num_splits=2)
+    tokens = case.meta.query_start_loc[rows.long()].long()
+    torch.testing.assert_close(picked[tokens].float(), case.expected_latent[tokens],
+                               atol=TOL[torch.float16], rtol=TOL[torch.float16])
+    others = torch.ones(out.shape[0], dtype=torch.bool, device="cuda")
+    others[tokens] = False
+    assert not picked[others].any()
+
+
+@pytest.mark.gpu
+def test_gpu_replays_in_a_cuda_graph() -> None:
+    case = gpu_case([100, 2000, 37], [1] * 3, 64, seed=5)
+    out = run(case)  # compiled outside the capture
+    graph_out = torch.zeros_like(out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
+                                  graph_out, None, case.meta.num_reqs, case.meta.max_seq_len,
+                                  num_splits=2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(graph_out.float(), case.expected_latent,
+                               atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
