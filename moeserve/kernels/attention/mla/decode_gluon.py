@@ -90,14 +90,7 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     partition = -(-max(1, max_seq_len) // num_splits)
     partition = -(-partition // block_n) * block_n  # whole key tiles a partition
     split = num_splits > 1
-    if split:
-        part_m = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32,
-                             device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(num_rows, num_heads, num_splits, kv_lora_rank,
-                               dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = out  # unused
+    part_m, part_l, part_acc = reduce_triton.split_partials(out, num_rows, num_splits)
     row_ids = rows if rows is not None else meta.query_start_loc  # unused without rows
     _kernels().decode[(num_head_tiles, num_rows, num_splits)](
         q, latent_cache, out, part_m, part_l, part_acc,
