@@ -2,8 +2,9 @@
 # Issue 16: the Gluon MLA decode (kernels/attention/mla/decode_gluon.py: wgmma, operands read by
 # the tensor cores from shared memory, cp.async loads STAGES - 1 tiles ahead) on the H200 for the
 # first time, in one call (~6 minutes): its GPU tests, then kernels_mla at 20 / 64 / 128 heads,
-# the Triton split decode at its defaults beside the Gluon kernel at each of GLUON_TILES
-# (BM,BN,W,S: BM and W are 64 and 8; BN keys a tile, S stages). Results as $OUT/mla_gluon.tgz.
+# the Triton split decode at its defaults beside the Gluon kernel, without and with its overlap,
+# at each of GLUON_TILES (BM,BN,W,S: BM and W are 64 and 8; BN keys a tile, S stages: 3 or
+# more for the overlap, which skips the others; (64, 64) fits two stages in shared memory). Results as $OUT/mla_gluon.tgz.
 #   bash benchmarks/h200/mla_gluon_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -15,7 +16,7 @@ timeout 120 python3 -m benchmarks.kernels.kernels_mla --out $R/split --heads ${H
   --forms split > $R/kernels_mla_split.log 2>&1
 echo "kernels_mla split rc=$?"
 timeout 240 python3 -m benchmarks.kernels.kernels_mla --out $R/gluon --heads ${HEADS:-20 64 128} \
-  --forms gluon --tiles ${GLUON_TILES:-64,32,8,3 64,64,8,2 64,16,8,4 64,32,8,4} \
+  --forms gluon gluon-overlap --tiles ${GLUON_TILES:-64,32,8,3 64,32,8,4 64,16,8,4 64,64,8,2} \
   > $R/kernels_mla_gluon.log 2>&1
 echo "kernels_mla gluon rc=$?"; tail -3 $R/kernels_mla_gluon.log
 python3 -c "import json, sys

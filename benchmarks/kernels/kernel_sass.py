@@ -227,7 +227,7 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
 
     _, bn, warps, stages = args.tile
     const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size, BLOCK_N=bn,
-                 STAGES=stages, USE_ROWS=False, SPLIT=args.split)
+                 STAGES=stages, USE_ROWS=False, SPLIT=args.split, OVERLAP=args.overlap)
     kernel = decode_gluon._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -345,6 +345,9 @@ def main() -> None:
         p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
         if name in ("mla-decode", "mla-decode-gluon", "gqa-decode"):
             p.add_argument("--split", action="store_true", help="the split-K variant")
+        if name == "mla-decode-gluon":
+            p.add_argument("--overlap", action="store_true",
+                           help="the next tile's scores during this tile's softmax")
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                            help="fp8: the float8 e4m3 latent cache's variant")

@@ -21,9 +21,10 @@ after each case (a run cut short keeps what it measured).
     python -m benchmarks.kernels.kernels_mla --out DIR --smoke   # tiny shapes, CPU interpreter
     python -m benchmarks.kernels.kernels_mla --out DIR --tiles 16,64,4,2 32,32,8,2
         # each case at each tile
-    python -m benchmarks.kernels.kernels_mla --out DIR --forms split flat gluon
+    python -m benchmarks.kernels.kernels_mla --out DIR --forms split flat gluon gluon-overlap
         # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat,
-        # decode_gluon's wgmma kernel: its keys a tile and stages from --tiles' BN and S)
+        # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
+        # stages from --tiles' BN and S)
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device
 
 def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, latent: int,
               cfg: mla_triton.TileConfig, form: str):
-    """The decode step as a call: mla_attention_triton in `form`, or ("gluon") decode_gluon
-    at cfg's keys a tile and stages."""
-    if form != "gluon":
+    """The decode step as a call: mla_attention_triton in `form`, or ("gluon", "gluon-overlap")
+    decode_gluon at cfg's keys a tile and stages."""
+    if not form.startswith("gluon"):
         return lambda: mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
                                                        decode_config=cfg, decode_form=form)
     from moeserve.kernels.attention.mla import decode_gluon
@@ -122,7 +123,7 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
         out = q.new_empty(*q.shape[:2], latent)
         decode_gluon.decode_gluon(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                                   meta.max_seq_len, block_n=cfg.block_n,
-                                  stages=cfg.num_stages)
+                                  stages=cfg.num_stages, overlap=form == "gluon-overlap")
         return out
     return gluon
 
@@ -144,11 +145,13 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
         if form == "flat" and heads > mla_triton.FLAT_MAX_HEADS:
             continue
         cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)
-        if form == "gluon":
+        if form.startswith("gluon"):
             from moeserve.kernels.attention.mla import decode_gluon
             cfg = tile or mla_triton.TileConfig(decode_gluon.BLOCK_H, decode_gluon.DEFAULT_BLOCK_N,
                                                 decode_gluon.NUM_WARPS,
                                                 decode_gluon.DEFAULT_STAGES)
+            if form == "gluon-overlap" and cfg.num_stages < 3:  # it needs three stages
+                continue
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
         err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form, cache_dtype)
         splits = (None if form == "flat"
@@ -191,10 +194,10 @@ def main() -> None:
                         help="decode TileConfigs to time each case at (heads a program, keys "
                              "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--forms", nargs="+", default=["auto"],
-                        choices=[*mla_triton.DECODE_FORMS, "gluon"],
+                        choices=[*mla_triton.DECODE_FORMS, "gluon", "gluon-overlap"],
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
-                             "flat skips heads past its FLAT_MAX_HEADS; gluon: decode_gluon, "
-                             "sm90 only)")
+                             "flat skips heads past its FLAT_MAX_HEADS; gluon, gluon-overlap: "
+                             "decode_gluon, sm90 only)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")

@@ -30,6 +30,13 @@ def test_refuses_what_it_cannot_take_by_name() -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_overlap_needs_three_stages() -> None:
+    case = gpu_case([100], [1], 20)
+    with pytest.raises(ValueError, match="overlap needs stages >= 3, got 2"):
+        run(case, overlap=True, stages=2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_heads", [16, 20, 64, 128])
 @pytest.mark.parametrize(("batch", "max_context"), [(4, 4096), (64, 2048), (128, 256)])
 def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int) -> None:
@@ -40,7 +47,8 @@ def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int) -> Non
     tol = TOL[torch.bfloat16]
     ref = case.expected_latent
     for kwargs in ({}, {"num_splits": 1}, {"num_splits": 3}, {"block_n": 64, "stages": 2},
-                   {"block_n": 16, "stages": 4}):
+                   {"block_n": 16, "stages": 4}, {"overlap": True},
+                   {"overlap": True, "num_splits": 3, "block_n": 16, "stages": 4}):
         out = run(case, **kwargs)
         assert not out.isnan().any(), kwargs
         torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol, msg=str(kwargs))
@@ -55,7 +63,7 @@ def test_gpu_fp16_and_chosen_rows() -> None:
     torch.testing.assert_close(out.float(), case.expected_latent, atol=TOL[torch.float16],
                                rtol=TOL[torch.float16])
     rows = torch.tensor([3, 1], dtype=torch.int32, device="cuda")
-    picked = run(case, rows=rows, num_splits=2)
+    picked = run(case, rows=rows, num_splits=2, overlap=True)
     tokens = case.meta.query_start_loc[rows.long()].long()
     torch.testing.assert_close(picked[tokens].float(), case.expected_latent[tokens],
                                atol=TOL[torch.float16], rtol=TOL[torch.float16])

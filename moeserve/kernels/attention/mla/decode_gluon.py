@@ -20,8 +20,9 @@ wgmma that reads its operands from shared memory itself:
       O += P V,  V = K_lat                     wgmma [64, L], each warpgroup half of L
 
 Bytes and FLOPs are the split decode's; what changes is how the tensor cores get their
-operands. Version 1 is synchronous within a tile (S, softmax, P V in turn, three CTA barriers a
-tile); its loads run STAGES - 1 tiles ahead. bf16 / fp16 queries and cache only (no float8
+operands. Within a tile S, softmax and P V run in turn (three CTA barriers a tile), the loads
+STAGES - 1 tiles ahead; `overlap` issues tile t + 1's S before tile t's softmax, so that the
+tensor cores work during it. bf16 / fp16 queries and cache only (no float8
 cache, no fp32), L and R powers of two, an sm90 GPU; `supports` says whether it takes a call.
 
 An experiment until the H200 times it (benchmarks/kernels/kernels_mla --gluon): nothing in
@@ -70,15 +71,19 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                  scale: float, kv_lora_rank: int, out: torch.Tensor,
                  rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
                  num_splits: int | None = None, block_n: int = DEFAULT_BLOCK_N,
-                 stages: int = DEFAULT_STAGES) -> None:
+                 stages: int = DEFAULT_STAGES, overlap: bool = False) -> None:
     """Decode rows (one query each) into out [T, H, L]: `rows` [num_rows] int32 row ids, or
     None for rows 0..B-1 (absorbed_triton._launch_decode's contract). num_splits: context
-    partitions a row (default reduce_triton.decode_num_splits)."""
+    partitions a row (default reduce_triton.decode_num_splits). overlap: each tile's scores
+    issued during the previous tile's softmax (needs stages >= 3: tiles t and t + 1 resident
+    while t + 2 loads); the same ops in the same order, so the same result."""
     if not supports(q, latent_cache, kv_lora_rank):
         raise ValueError("decode_gluon needs an sm90 GPU, bf16 / fp16 q and latent_cache of "
                          "one dtype and power-of-two L and R >= 16; got "
                          f"{q.dtype} / {latent_cache.dtype} on {q.device}, L {kv_lora_rank}, "
                          f"R {q.shape[-1] - kv_lora_rank}")
+    if overlap and stages < 3:
+        raise ValueError(f"decode_gluon: overlap needs stages >= 3, got {stages}")
     num_heads, dim = q.shape[1:]
     num_head_tiles = -(-num_heads // BLOCK_H)
     if num_splits is None:
@@ -99,7 +104,7 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages,
-        USE_ROWS=rows is not None, SPLIT=split, num_warps=NUM_WARPS)
+        USE_ROWS=rows is not None, SPLIT=split, OVERLAP=overlap, num_warps=NUM_WARPS)
     if split:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows,
                                     num_rows, num_splits)
@@ -111,7 +116,7 @@ def _kernels() -> SimpleNamespace:
     below jitted and bound, with the Hopper builtins they call, as module globals (where the
     compiler resolves their names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    global _load_tile, _decode_kernel
+    global _load_tile, _scores, _decode_kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -119,7 +124,7 @@ def _kernels() -> SimpleNamespace:
     gl = language
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
-    _load_tile = gluon.jit(_load_tile)
+    _load_tile, _scores = gluon.jit(_load_tile), gluon.jit(_scores)
     _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits"])(_decode_kernel)
     return SimpleNamespace(decode=_decode_kernel)
 
@@ -132,7 +137,7 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
                    NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                    BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   USE_ROWS: gl.constexpr, SPLIT: gl.constexpr):
+                   USE_ROWS: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
     """Program (head_tile, i, split): BLOCK_H heads of decode row i over its context
     partition `split` (the module docstring's data flow)."""
     BH: gl.constexpr = 64
@@ -196,6 +201,12 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
     acc = gl.zeros([BH, L], gl.float32, layout=o_l)
     s_zero = gl.zeros([BH, BLOCK_N], gl.float32, layout=s_l)
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+    if OVERLAP:  # tile 0's scores before the loop; each iteration then issues the next tile's
+        async_copy.wait_group(STAGES - 2)  # the queries and tile 0 landed
+        gl.thread_barrier()
+        fence_async_shared()
+        s_cur = _scores(q_lat_s, q_pe_s, k_lat_s.index(0), k_pe_s.index(0), s_zero)
+        s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur,))
     for t in range(num_tiles):
         # every warpgroup is done with the stage the next copy overwrites (tile t - 1's)
         gl.thread_barrier()
@@ -204,15 +215,22 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
                    k_lat_s.index(ahead % STAGES), k_pe_s.index(ahead % STAGES), nl, dq,
                    np_, dp, L, R, BLOCK_SIZE)
         async_copy.commit_group()
-        async_copy.wait_group(STAGES - 1)  # tile t's group (and the queries') landed
-        gl.thread_barrier()
-        fence_async_shared()  # the copies' writes, before the wgmmas read them
-        k_lat = k_lat_s.index(t % STAGES)
-        s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-        s = warpgroup_mma(q_pe_s, k_pe_s.index(t % STAGES).permute((1, 0)), s,
-                          is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if OVERLAP:
+            # tile t + 1 landed: its scores run on the tensor cores during tile t's softmax
+            # (past the last tile a zero-filled stage's, unused)
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            fence_async_shared()
+            s_next = _scores(q_lat_s, q_pe_s, k_lat_s.index((t + 1) % STAGES),
+                             k_pe_s.index((t + 1) % STAGES), s_zero)
+            s = s_cur
+        else:
+            async_copy.wait_group(STAGES - 1)  # tile t's group (and the queries') landed
+            gl.thread_barrier()
+            fence_async_shared()  # the copies' writes, before the wgmmas read them
+            s = _scores(q_lat_s, q_pe_s, k_lat_s.index(t % STAGES), k_pe_s.index(t % STAGES),
+                        s_zero)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         valid = (start + t * BLOCK_N + keys) < end
         s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -225,8 +243,11 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         p_s.store(p.to(dtype))
         fence_async_shared()
         gl.thread_barrier()  # both warpgroups' halves of P written
-        acc = warpgroup_mma(p_s, k_lat, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = warpgroup_mma(p_s, k_lat_s.index(t % STAGES), acc, is_async=True)
+        if OVERLAP:  # wgmma groups complete in order: the next tile's scores first
+            acc, s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)  # no copy left in flight at exit
 
     ho = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
@@ -245,6 +266,12 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # an empty row writes 0
         gl.store(out_ptr + tok * stride_ot + ho.to(gl.int64)[:, None] * stride_oh
                  + do[None, :], o.to(dtype), mask=h_ok[:, None])
+
+
+def _scores(q_lat_s, q_pe_s, k_lat, k_pe, s_zero):
+    """Issue (asynchronously) the scores of a stage's keys: Q_lat K_lat^T + Q_pe K_pe^T."""
+    s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(q_pe_s, k_pe.permute((1, 0)), s, is_async=True)
 
 
 def _load_tile(cache_ptr, table, n0, end, k_lat_dst, k_pe_dst, nl, dq, np_, dp,
