@@ -222,12 +222,14 @@ def mla_decode(args: argparse.Namespace) -> dict:
 
 def mla_decode_gluon(args: argparse.Namespace) -> dict:
     """The Gluon MLA decode (kernels/attention/mla/decode_gluon.py, wgmma) at DeepSeek / GLM's
-    latent, bf16: BM unused (64 heads a program), BN keys a tile, WARPS must be 8."""
+    latent, bf16: BM unused (64 heads a program), BN keys a tile, WARPS must be 8; --sparse
+    its DSA form."""
     from moeserve.kernels.attention.mla import decode_gluon
 
     _, bn, warps, stages = args.tile
     const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size, BLOCK_N=bn,
-                 STAGES=stages, USE_ROWS=False, SPLIT=args.split, OVERLAP=args.overlap)
+                 STAGES=stages, USE_ROWS=False, SPLIT=args.split, OVERLAP=args.overlap,
+                 SPARSE=args.sparse, PACKED=args.sparse)
     kernel = decode_gluon._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -348,6 +350,8 @@ def main() -> None:
         if name == "mla-decode-gluon":
             p.add_argument("--overlap", action="store_true",
                            help="the next tile's scores during this tile's softmax")
+            p.add_argument("--sparse", action="store_true",
+                           help="DSA's sparse MLA over packed selections (sparse_gluon)")
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                            help="fp8: the float8 e4m3 latent cache's variant")

@@ -6,6 +6,10 @@ then run between cudaProfilerStart and cudaProfilerStop, so `ncu --profile-from-
 sees only them. Prints one JSON line: the median ms, the bytes the op must read and the share
 of its read bound (4.27 TB/s), and of the FLOP bound (787 TFLOP/s).
 
+The sparse kind passes its selection packed, as the DSA layer does (the same work here: every
+selected position is valid). `--gluon` runs mla/decode_gluon.py's kernels instead of the
+Triton ones (--tile's BN and S; `--overlap` its overlap).
+
 The selection (`--select`): "random", 2,048 distinct positions of each row's context drawn
 uniformly and sorted ascending (the indexer's output on random scores, without running it);
 "first", positions 0 .. 2,047 (each row's first 32 blocks: the same FLOPs and bytes, from
@@ -64,6 +68,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="timed calls")
     parser.add_argument("--heads", type=int, default=MLA_HEADS,
                         help="query heads (GLM-4.7-Flash: 20)")
+    parser.add_argument("--gluon", action="store_true",
+                        help="mla/decode_gluon.py's kernels (wgmma, sm90): --tile's BN and S")
+    parser.add_argument("--overlap", action="store_true", help="with --gluon: its overlap")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("mla_once needs a CUDA GPU")
@@ -76,18 +83,35 @@ def main() -> None:
                         device="cuda").to(dtype)
     del index_cache
     tile = parse_tile(args.tile) if args.tile else None
+    gluon = {}
+    if args.gluon:
+        from moeserve.kernels.attention.mla import decode_gluon
+
+        gluon = {"block_n": tile.block_n if tile else decode_gluon.DEFAULT_BLOCK_N,
+                 "stages": tile.num_stages if tile else decode_gluon.DEFAULT_STAGES,
+                 "overlap": args.overlap}
     if args.kind == "sparse":
         sparse_triton.slot_rows = args.slot_rows
         pos = selection(args.select, args.batch, args.context, gen)
         keys = pos.shape[1]
 
         def fn() -> torch.Tensor:
+            if gluon:
+                return decode_gluon.sparse_gluon(q, cache, meta, pos, scale, LATENT,
+                                                 num_splits=args.splits, packed=True, **gluon)
             return sparse_triton.dsa_attention_triton(q, cache, meta, pos, scale, LATENT,
-                                                      config=tile, num_splits=args.splits)
+                                                      config=tile, num_splits=args.splits,
+                                                      packed=True)
     else:
         keys = args.context
 
         def fn() -> torch.Tensor:
+            if gluon:
+                out = q.new_empty(*q.shape[:2], LATENT)
+                decode_gluon.decode_gluon(q, cache, meta, scale, LATENT, out, None,
+                                          meta.num_reqs, meta.max_seq_len,
+                                          num_splits=args.splits, **gluon)
+                return out
             return absorbed_triton.mla_attention_triton(q, cache, meta, scale, LATENT,
                                                         decode_splits=args.splits,
                                                         decode_config=tile)

@@ -86,3 +86,31 @@ def test_gpu_replays_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     torch.testing.assert_close(graph_out.float(), case.expected_latent,
                                atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [20, 64, 128])
+def test_gpu_sparse_matches_the_reference(num_heads: int, no_tf32: None) -> None:
+    """sparse_gluon: L 512, R 64 over 2,048 selected positions (-1 padding on a 2,500-token
+    prefill's first queries) against dsa_attention_ref, unpacked and packed, split or not."""
+    from moeserve.kernels.attention.dsa.indexer_triton import indexer_topk_triton
+    from moeserve.kernels.attention.dsa.reference import dsa_attention_ref
+    from tests.kernels.attention.test_dsa_triton import (
+        GPU_BLOCK,
+        GPU_INDEXER,
+        GPU_TOPK,
+        _gpu_steps,
+        _latents,
+        make_step,
+    )
+
+    step = make_step(*_gpu_steps()["mixed"], GPU_BLOCK, dtype=torch.bfloat16, **GPU_INDEXER)
+    positions, _ = indexer_topk_triton(step.q, step.w, step.cache, step.meta, 0.1, GPU_TOPK)
+    q, latent = _latents(step.meta, num_heads, torch.bfloat16, "cuda", width=576)
+    want = dsa_attention_ref(q, latent, step.meta, positions, 576 ** -0.5, 512).float()
+    tol = TOL[torch.bfloat16]
+    for kwargs in ({}, {"packed": True}, {"packed": True, "num_splits": 4},
+                   {"packed": True, "overlap": True}, {"block_n": 64, "stages": 2}):
+        got = decode_gluon.sparse_gluon(q, latent, step.meta, positions, 576 ** -0.5, 512,
+                                        **kwargs)
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, msg=str(kwargs))

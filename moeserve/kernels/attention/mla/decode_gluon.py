@@ -25,8 +25,12 @@ STAGES - 1 tiles ahead; `overlap` issues tile t + 1's S before tile t's softmax,
 tensor cores work during it. bf16 / fp16 queries and cache only (no float8
 cache, no fp32), L and R powers of two, an sm90 GPU; `supports` says whether it takes a call.
 
-An experiment until the H200 times it (benchmarks/kernels/kernels_mla --gluon): nothing in
-serving calls it yet. Gluon is imported on first use (`_kernels`).
+`sparse_gluon` is DSA's sparse MLA on the same kernel (SPARSE): a program's keys are a token's
+selected positions, dsa/sparse_triton.py's contract.
+
+An experiment until the H200 times it (benchmarks/h200/mla_gluon_h200.sh: kernels_mla --forms
+gluon gluon-overlap, mla_once --gluon): nothing in serving calls it yet. Gluon is imported on
+first use (`_kernels`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import reduce_triton
+from moeserve.kernels.attention.mla.absorbed_triton import MAX_GRID_Y
 
 BLOCK_H = 64  # heads a program: wgmma's M
 NUM_WARPS = 8  # two warpgroups: S split by keys, O by value columns
@@ -77,6 +82,52 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     partitions a row (default reduce_triton.decode_num_splits). overlap: each tile's scores
     issued during the previous tile's softmax (needs stages >= 3: tiles t and t + 1 resident
     while t + 2 loads); the same ops in the same order, so the same result."""
+    _check(q, latent_cache, kv_lora_rank, stages, overlap)
+    num_head_tiles = -(-q.shape[1] // BLOCK_H)
+    if num_splits is None:
+        num_splits = reduce_triton.decode_num_splits(num_rows, num_head_tiles, max_seq_len,
+                                                     q.device)
+    row_ids = rows if rows is not None else meta.query_start_loc  # unused without rows
+    parts = _launch(q, latent_cache, meta, scale, kv_lora_rank, out, num_rows, max_seq_len,
+                    num_splits, block_n, stages, overlap, rows=row_ids,
+                    use_rows=rows is not None)
+    if num_splits > 1:
+        reduce_triton.reduce_splits(*parts, out, meta.query_start_loc, rows, num_rows,
+                                    num_splits)
+
+
+def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+                 positions: torch.Tensor, scale: float, kv_lora_rank: int, *,
+                 num_splits: int | None = None, packed: bool = False,
+                 block_n: int = DEFAULT_BLOCK_N, stages: int = DEFAULT_STAGES,
+                 overlap: bool = False) -> torch.Tensor:
+    """DSA's sparse MLA (dsa/sparse_triton.dsa_attention_triton's contract): each token's
+    absorbed queries over its selected positions [T, topk] int32 (-1, or past the block
+    table: skipped; packed: valid ones first, at most the token's position + 1 of them, so
+    the loop stops there) -> [T, H, L]; a token with no valid position gets zeros."""
+    _check(q, latent_cache, kv_lora_rank, stages, overlap)
+    if positions.dim() != 2 or positions.shape[0] != q.shape[0] or positions.dtype != torch.int32:
+        raise ValueError(f"sparse_gluon: positions must be int32 [T, topk] with T = "
+                         f"{q.shape[0]}, got {positions.dtype} {tuple(positions.shape)}")
+    num_tokens, topk = positions.shape
+    out = q.new_empty(num_tokens, q.shape[1], kv_lora_rank)
+    if num_tokens == 0:
+        return out
+    if num_tokens > MAX_GRID_Y:
+        raise ValueError(f"sparse_gluon: {num_tokens} tokens in one launch, at most "
+                         f"{MAX_GRID_Y} (the grid's y dimension)")
+    num_head_tiles = -(-q.shape[1] // BLOCK_H)
+    if num_splits is None:
+        num_splits = reduce_triton.decode_num_splits(num_tokens, num_head_tiles, topk, q.device)
+    parts = _launch(q, latent_cache, meta, scale, kv_lora_rank, out, num_tokens, topk,
+                    num_splits, block_n, stages, overlap, sel=positions, packed=packed)
+    if num_splits > 1:
+        reduce_triton.reduce_splits(*parts, out, None, None, num_tokens, num_splits)
+    return out
+
+
+def _check(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, stages: int,
+           overlap: bool) -> None:
     if not supports(q, latent_cache, kv_lora_rank):
         raise ValueError("decode_gluon needs an sm90 GPU, bf16 / fp16 q and latent_cache of "
                          "one dtype and power-of-two L and R >= 16; got "
@@ -84,31 +135,38 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                          f"R {q.shape[-1] - kv_lora_rank}")
     if overlap and stages < 3:
         raise ValueError(f"decode_gluon: overlap needs stages >= 3, got {stages}")
-    num_heads, dim = q.shape[1:]
-    num_head_tiles = -(-num_heads // BLOCK_H)
-    if num_splits is None:
-        num_splits = reduce_triton.decode_num_splits(num_rows, num_head_tiles, max_seq_len,
-                                                     q.device)
+
+
+def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            kv_lora_rank: int, out: torch.Tensor, num_rows: int, keys: int, num_splits: int,
+            block_n: int, stages: int, overlap: bool, *, rows: torch.Tensor | None = None,
+            use_rows: bool = False, sel: torch.Tensor | None = None,
+            packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch over (head tiles, rows or tokens, partitions of `keys`: a row's context, or
+    a token's selection when `sel` is given); returns the split partials for the reduce."""
     if not 1 <= num_splits <= reduce_triton.MAX_SPLITS:
         raise ValueError(f"decode_gluon: num_splits must be in 1..{reduce_triton.MAX_SPLITS}, "
                          f"got {num_splits}")
-    partition = -(-max(1, max_seq_len) // num_splits)
+    if num_rows > MAX_GRID_Y:
+        raise ValueError(f"decode_gluon: {num_rows} rows in one launch, at most {MAX_GRID_Y} "
+                         "(the grid's y dimension)")
+    num_heads, dim = q.shape[1:]
+    partition = -(-max(1, keys) // num_splits)
     partition = -(-partition // block_n) * block_n  # whole key tiles a partition
-    split = num_splits > 1
     part_m, part_l, part_acc = reduce_triton.split_partials(out, num_rows, num_splits)
-    row_ids = rows if rows is not None else meta.query_start_loc  # unused without rows
-    _kernels().decode[(num_head_tiles, num_rows, num_splits)](
+    sparse = sel is not None
+    _kernels().decode[(-(-num_heads // BLOCK_H), num_rows, num_splits)](
         q, latent_cache, out, part_m, part_l, part_acc,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc, row_ids,
-        scale * math.log2(math.e), partition, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        meta.block_tables, meta.seq_lens, meta.query_start_loc, rows if rows is not None
+        else meta.query_start_loc, sel if sparse else meta.seq_lens, meta.token_to_req,
+        meta.positions, scale * math.log2(math.e), partition, num_splits, keys,
+        meta.block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0), sel.stride(0) if sparse else 0,
         NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages,
-        USE_ROWS=rows is not None, SPLIT=split, OVERLAP=overlap, num_warps=NUM_WARPS)
-    if split:
-        reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows,
-                                    num_rows, num_splits)
-
+        USE_ROWS=use_rows, SPLIT=num_splits > 1, OVERLAP=overlap, SPARSE=sparse,
+        PACKED=packed, num_warps=NUM_WARPS)
+    return part_m, part_l, part_acc
 
 @functools.cache
 def _kernels() -> SimpleNamespace:
@@ -116,7 +174,7 @@ def _kernels() -> SimpleNamespace:
     below jitted and bound, with the Hopper builtins they call, as module globals (where the
     compiler resolves their names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    global _load_tile, _scores, _decode_kernel
+    global _load_tile, _scores, _valid_keys, _decode_kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -125,21 +183,27 @@ def _kernels() -> SimpleNamespace:
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
     _load_tile, _scores = gluon.jit(_load_tile), gluon.jit(_scores)
-    _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits"])(_decode_kernel)
+    _valid_keys = gluon.jit(_valid_keys)
+    _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "topk",
+                                                  "max_blocks", "stride_table"])(_decode_kernel)
     return SimpleNamespace(decode=_decode_kernel)
 
 
 # ---- Gluon functions (jitted by _kernels; module globals, where the compiler finds names) ----
 
 def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-                   block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, rows_ptr,
-                   scale_log2, partition, num_splits,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+                   block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, rows_ptr, sel_ptr,
+                   token_to_req_ptr, tok_pos_ptr, scale_log2, partition, num_splits, topk,
+                   max_blocks, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+                   stride_sel,
                    NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                    BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   USE_ROWS: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr):
+                   USE_ROWS: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
+                   SPARSE: gl.constexpr, PACKED: gl.constexpr):
     """Program (head_tile, i, split): BLOCK_H heads of decode row i over its context
-    partition `split` (the module docstring's data flow)."""
+    partition `split` (the module docstring's data flow); SPARSE: of token i over partition
+    `split` of its `topk` selected positions (sel_ptr's row i; PACKED: valid ones first, at
+    most the token's position + 1)."""
     BH: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # register layouts: the copies' pointer tensors (16-byte vectors along a row), and the
@@ -165,15 +229,25 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
     head_tile = gl.program_id(0)
     i = gl.program_id(1)
     split = gl.program_id(2)
-    if USE_ROWS:
-        req = gl.load(rows_ptr + i)
-    else:
-        req = i
-    tok = gl.load(query_start_loc_ptr + req).to(gl.int64)
-    seq_len = gl.load(seq_lens_ptr + req)
     start = split * partition
-    end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
+    if SPARSE:  # keys: the token's selection; its request's block table
+        tok = i.to(gl.int64)
+        req = gl.load(token_to_req_ptr + tok)
+        end = gl.where(split == num_splits - 1, topk, gl.minimum(topk, start + partition))
+        if PACKED:  # past the token's own context: -1 only
+            end = gl.minimum(end, gl.load(tok_pos_ptr + tok).to(gl.int32) + 1)
+        sel = sel_ptr + tok * stride_sel
+    else:  # keys: positions start .. end of the row's context
+        if USE_ROWS:
+            req = gl.load(rows_ptr + i)
+        else:
+            req = i
+        tok = gl.load(query_start_loc_ptr + req).to(gl.int64)
+        seq_len = gl.load(seq_lens_ptr + req)
+        end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
+        sel = sel_ptr  # unused
     table = block_tables_ptr + req.to(gl.int64) * stride_table
+    max_pos = max_blocks * BLOCK_SIZE  # a selected position past the table: never read
 
     # the queries of the tile's heads (padding heads zero-filled): one copy group
     hq = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, lat_l))
@@ -192,8 +266,8 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
     nl = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lat_l))
     np_ = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pe_l))
     for j in gl.static_range(STAGES - 1):  # the first tiles in flight
-        _load_tile(cache_ptr, table, start + j * BLOCK_N, end, k_lat_s.index(j),
-                   k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE)
+        _load_tile(cache_ptr, table, sel, max_pos, start + j * BLOCK_N, end, k_lat_s.index(j),
+                   k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, SPARSE)
         async_copy.commit_group()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
@@ -211,9 +285,9 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         # every warpgroup is done with the stage the next copy overwrites (tile t - 1's)
         gl.thread_barrier()
         ahead = t + STAGES - 1
-        _load_tile(cache_ptr, table, start + ahead * BLOCK_N, end,
+        _load_tile(cache_ptr, table, sel, max_pos, start + ahead * BLOCK_N, end,
                    k_lat_s.index(ahead % STAGES), k_pe_s.index(ahead % STAGES), nl, dq,
-                   np_, dp, L, R, BLOCK_SIZE)
+                   np_, dp, L, R, BLOCK_SIZE, SPARSE)
         async_copy.commit_group()
         if OVERLAP:
             # tile t + 1 landed: its scores run on the tensor cores during tile t's softmax
@@ -231,7 +305,7 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
             s = _scores(q_lat_s, q_pe_s, k_lat_s.index(t % STAGES), k_pe_s.index(t % STAGES),
                         s_zero)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        valid = (start + t * BLOCK_N + keys) < end
+        _, valid = _valid_keys(sel, max_pos, start + t * BLOCK_N + keys, end, SPARSE)
         s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -274,18 +348,30 @@ def _scores(q_lat_s, q_pe_s, k_lat, k_pe, s_zero):
     return warpgroup_mma(q_pe_s, k_pe.permute((1, 0)), s, is_async=True)
 
 
-def _load_tile(cache_ptr, table, n0, end, k_lat_dst, k_pe_dst, nl, dq, np_, dp,
-               L: gl.constexpr, R: gl.constexpr, BLOCK_SIZE: gl.constexpr):
-    """Copies (cp.async, zero-filled past `end`) of keys n0 .. n0 + BLOCK_N of a row's
-    paged context into a stage: latents [BLOCK_N, L], rope parts [BLOCK_N, R]."""
-    pos = n0 + nl
-    ok = pos < end
+def _valid_keys(sel, max_pos, j, end, SPARSE: gl.constexpr):
+    """Keys j (< end) and whether each is read: a position of the context, or (SPARSE) a
+    selected position that is not -1 and lies within the block table."""
+    if SPARSE:
+        pos = gl.load(sel + j, mask=j < end, other=-1)
+        ok = (pos >= 0) & (pos < max_pos)
+    else:
+        pos = j
+        ok = j < end
+    return pos, ok
+
+
+def _load_tile(cache_ptr, table, sel, max_pos, n0, end, k_lat_dst, k_pe_dst, nl, dq, np_, dp,
+               L: gl.constexpr, R: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+               SPARSE: gl.constexpr):
+    """Copies (cp.async, zero-filled where a key is not read) of keys n0 .. n0 + BLOCK_N (a
+    row's context positions, or SPARSE a token's selected ones) from the paged cache into a
+    stage: latents [BLOCK_N, L], rope parts [BLOCK_N, R]."""
+    pos, ok = _valid_keys(sel, max_pos, n0 + nl, end, SPARSE)
     block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
     row = (block.to(gl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)
     async_copy.async_copy_global_to_shared(k_lat_dst, cache_ptr + row[:, None] + dq[None, :],
                                            mask=ok[:, None])
-    pos_p = n0 + np_
-    ok_p = pos_p < end
+    pos_p, ok_p = _valid_keys(sel, max_pos, n0 + np_, end, SPARSE)
     block_p = gl.load(table + pos_p // BLOCK_SIZE, mask=ok_p, other=0)
     row_p = (block_p.to(gl.int64) * BLOCK_SIZE + pos_p % BLOCK_SIZE) * (L + R) + L
     async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
