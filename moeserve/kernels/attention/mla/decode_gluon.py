@@ -106,9 +106,11 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     table: skipped; packed: valid ones first, at most the token's position + 1 of them, so
     the loop stops there) -> [T, H, L]; a token with no valid position gets zeros."""
     _check(q, latent_cache, kv_lora_rank, stages, overlap)
-    if positions.dim() != 2 or positions.shape[0] != q.shape[0] or positions.dtype != torch.int32:
+    if (positions.dim() != 2 or positions.shape[0] != q.shape[0]
+            or positions.dtype != torch.int32 or positions.stride(-1) != 1):
         raise ValueError(f"sparse_gluon: positions must be int32 [T, topk] with T = "
-                         f"{q.shape[0]}, got {positions.dtype} {tuple(positions.shape)}")
+                         f"{q.shape[0]} and a unit last stride, got {positions.dtype} "
+                         f"{tuple(positions.shape)} strides {positions.stride()}")
     num_tokens, topk = positions.shape
     out = q.new_empty(num_tokens, q.shape[1], kv_lora_rank)
     if num_tokens == 0:
@@ -167,6 +169,7 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         USE_ROWS=use_rows, SPLIT=num_splits > 1, OVERLAP=overlap, SPARSE=sparse,
         PACKED=packed, num_warps=NUM_WARPS)
     return part_m, part_l, part_acc
+
 
 @functools.cache
 def _kernels() -> SimpleNamespace:
