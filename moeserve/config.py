@@ -282,7 +282,7 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
         _check_choice("dsa", self.dsa, ("auto", "dense"))
         _check_choice("mla_prefill", self.mla_prefill, ("auto", "mha", "absorbed"))
-        _check_choice("mla_decode", self.mla_decode, ("auto", "split", "flat"))
+        _check_choice("mla_decode", self.mla_decode, ("auto", "split", "flat", "gluon"))
         _check_choice("moe_tiles", self.moe_tiles, ("tuned", "default"))
         if self.quantization is not None:
             flag_format(self.quantization)
@@ -358,6 +358,9 @@ def resolve_static(cfg: EngineConfig, model: ModelConfig, is_preset: bool,
         raise ConfigError(f"mla_decode={cfg.mla_decode!r} is a form of the Triton MLA decode; "
                           f"attention_backend resolves to {attn!r} here (the torch reference "
                           f"has one form): use attention_backend='triton' or mla_decode='auto'")
+    if model.mla is not None and cfg.mla_decode == "gluon" and not on_cuda:
+        raise ConfigError("mla_decode='gluon' is the MLA decode in Gluon on Hopper's wgmma "
+                          "(an sm90 GPU, bf16 or fp16); this engine's device is not CUDA")
     sched = cfg.scheduler
     overlap = cfg.async_scheduling
     if overlap is None:

@@ -7,7 +7,8 @@
 #   bash benchmarks/h200/mla_h200.sh w1      # W1 at CONC (default 256 512 1024) through the
 #                                            # server for each of VARIANTS (default "baseline
 #                                            # mixed": the defaults, --mixed-cuda-graphs;
-#                                            # "mha" / "absorbed": --mla-prefill), and each
+#                                            # "mha" / "absorbed": --mla-prefill; "gluon":
+#                                            # --mla-decode gluon), and each
 #                                            # one's decode and mixed step profile at 1,024
 #                                            # rows (~3 min a variant; NO_PROFILE=1: none)
 #   bash benchmarks/h200/mla_h200.sh prefill # the MLA prefill forms timed on the same steps
@@ -56,9 +57,9 @@ r['faster']) for r in json.load(open(sys.argv[1]))['cases']]" "$R/kernels_mla_pr
     echo "agreement tests rc=$?"; tail -2 "$R/gpu_tests_agreement.log" ;;
   w1)
     declare -A flags=([baseline]="" [mixed]="--mixed-cuda-graphs" [mha]="--mla-prefill mha"
-                      [absorbed]="--mla-prefill absorbed")
+                      [absorbed]="--mla-prefill absorbed" [gluon]="--mla-decode gluon")
     declare -A engine=([baseline]="{}" [mixed]="{}" [mha]='{"mla_prefill": "mha"}'
-                       [absorbed]='{"mla_prefill": "absorbed"}')
+                       [absorbed]='{"mla_prefill": "absorbed"}' [gluon]='{"mla_decode": "gluon"}')
     for variant in ${VARIANTS:-baseline mixed}; do
       flag=${flags[$variant]}
       tag=_$variant

@@ -256,8 +256,10 @@ def test_triton_grouped_router_matches_hf(device: str, checkpoints: dict, arch: 
 
 def test_mla_decode_bad_values_are_named(checkpoints: dict) -> None:
     folder, _, _ = checkpoints["deepseek_v3"]
-    with pytest.raises(ConfigError, match="mla_decode must be one of auto, split, flat"):
+    with pytest.raises(ConfigError, match="mla_decode must be one of auto, split, flat, gluon"):
         _llm(folder, "cpu", mla_decode="wide")
+    with pytest.raises(ConfigError, match="mla_decode='gluon' is the MLA decode in Gluon"):
+        _llm(folder, "cpu", attention_backend="triton", mla_decode="gluon")
     with pytest.raises(ConfigError, match="mla_decode='flat' is a form of the Triton MLA"):
         _llm(folder, "cpu", mla_decode="flat")  # auto resolves to the torch reference on CPU
 

@@ -114,3 +114,16 @@ def test_gpu_sparse_matches_the_reference(num_heads: int, no_tf32: None) -> None
         got = decode_gluon.sparse_gluon(q, latent, step.meta, positions, 576 ** -0.5, 512,
                                         **kwargs)
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, msg=str(kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_the_triton_launcher_takes_the_gluon_form() -> None:
+    """mla_attention_triton(decode_form="gluon") (the engine's mla_decode="gluon") on a mixed
+    step: its decode rows through decode_gluon, its prefill rows through the Triton prefill."""
+    from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
+
+    case = gpu_case([300, 0, 2000, 37], [1, 64, 1, 1], 20, seed=7)
+    out = mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
+                               decode_form="gluon")
+    torch.testing.assert_close(out.float(), case.expected_latent, atol=TOL[torch.bfloat16],
+                               rtol=TOL[torch.bfloat16])

@@ -52,7 +52,7 @@ from moeserve.kernels.attention.paged_triton import (
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension (the decode rows)
-DECODE_FORMS = ("auto", "split", "flat")
+DECODE_FORMS = ("auto", "split", "flat", "gluon")
 # the flat decode holds every head in one tile: at 64 heads its accumulator and the next row's
 # q path spill (sm90 SASS: 1.2 KB at (64, 32, 8, 2)), so 64 and more take the split decode
 FLAT_MAX_HEADS = 32
@@ -135,8 +135,9 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
             `decode_num_splits` over (rows, head tiles, max_seq_len).
         decode_config, prefill_config: tile shapes (benchmarks); default `default_config`.
         decode_form: "split" (a program a head tile, row and context partition), "flat"
-            (decode_flat_triton.py: a program an SM over the flattened row tiles) or "auto"
-            (`auto_decode_form`; "split" whenever decode_splits is given).
+            (decode_flat_triton.py: a program an SM over the flattened row tiles), "gluon"
+            (decode_gluon.py: split on wgmma, sm90) or "auto" (`auto_decode_form`; "split"
+            whenever decode_splits is given).
     Returns:
         [T, H, L] contiguous, q's dtype.
     """
@@ -230,6 +231,11 @@ def _launch_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
     if form == "flat":
         decode_flat_triton.decode_flat(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
                                        num_rows, cfg)
+        return
+    if form == "gluon":  # decode_gluon.py (wgmma, sm90; it imports this module, hence here)
+        from moeserve.kernels.attention.mla import decode_gluon
+        decode_gluon.decode_gluon(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
+                                  num_rows, max_seq_len, num_splits)
         return
     num_head_tiles, per_tile = head_tiles(num_heads, cfg.block_m)
     if num_splits is None:

@@ -29,8 +29,9 @@ cache, no fp32), L and R powers of two, an sm90 GPU; `supports` says whether it 
 selected positions, dsa/sparse_triton.py's contract.
 
 An experiment until the H200 times it (benchmarks/h200/mla_gluon_h200.sh: kernels_mla --forms
-gluon gluon-overlap, mla_once --gluon): nothing in serving calls it yet. Gluon is imported on
-first use (`_kernels`).
+gluon gluon-overlap, mla_once --gluon): serving runs it only when asked, as the Triton
+launcher's decode form "gluon" (the engine's mla_decode="gluon"); DSA's layer does not call
+sparse_gluon yet. Gluon is imported on first use (`_kernels`).
 """
 
 from __future__ import annotations
