@@ -194,7 +194,7 @@ def main() -> None:
                         help="decode TileConfigs to time each case at (heads a program, keys "
                              "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--forms", nargs="+", default=["auto"],
-                        choices=[*mla_triton.DECODE_FORMS, "gluon", "gluon-overlap"],
+                        choices=[*mla_triton.DECODE_FORMS, "gluon-overlap"],
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
                              "flat skips heads past its FLAT_MAX_HEADS; gluon, gluon-overlap: "
                              "decode_gluon, sm90 only)")

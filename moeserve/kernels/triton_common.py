@@ -7,6 +7,8 @@ import os
 
 import torch
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
+
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): Triton block shapes are powers of two."""

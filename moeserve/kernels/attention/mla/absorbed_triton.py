@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
-from moeserve.kernels.attention.mla import decode_flat_triton
+from moeserve.kernels.attention.mla import decode_flat_triton, decode_gluon
 from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
 from moeserve.kernels.attention.mla.reduce_triton import decode_num_splits
 from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
@@ -49,9 +49,8 @@ from moeserve.kernels.attention.paged_triton import (
     TileConfig,
     _split_rows,
 )
-from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
+from moeserve.kernels.triton_common import MAX_GRID_Y, next_pow2, require_attention_inputs_device
 
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension (the decode rows)
 DECODE_FORMS = ("auto", "split", "flat", "gluon")
 # the flat decode holds every head in one tile: at 64 heads its accumulator and the next row's
 # q path spill (sm90 SASS: 1.2 KB at (64, 32, 8, 2)), so 64 and more take the split decode
@@ -232,8 +231,7 @@ def _launch_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
         decode_flat_triton.decode_flat(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
                                        num_rows, cfg)
         return
-    if form == "gluon":  # decode_gluon.py (wgmma, sm90; it imports this module, hence here)
-        from moeserve.kernels.attention.mla import decode_gluon
+    if form == "gluon":  # decode_gluon.py (wgmma, sm90)
         decode_gluon.decode_gluon(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
                                   num_rows, max_seq_len, num_splits)
         return

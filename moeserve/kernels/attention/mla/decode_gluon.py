@@ -45,7 +45,7 @@ import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import reduce_triton
-from moeserve.kernels.attention.mla.absorbed_triton import MAX_GRID_Y
+from moeserve.kernels.triton_common import MAX_GRID_Y
 
 BLOCK_H = 64  # heads a program: wgmma's M
 NUM_WARPS = 8  # two warpgroups: S split by keys, O by value columns
@@ -64,9 +64,14 @@ def supports(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> 
     """Whether decode_gluon takes these inputs: an sm90 GPU, bf16 / fp16 queries and cache of
     one dtype, L and R powers of two of at least 16."""
     rope = q.shape[-1] - kv_lora_rank
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-            and q.dtype in _DTYPES and latent_cache.dtype == q.dtype
-            and _pow2(kv_lora_rank) and _pow2(rope))
+    return (q.is_cuda and _is_sm90(q.device.index) and q.dtype in _DTYPES
+            and latent_cache.dtype == q.dtype and _pow2(kv_lora_rank) and _pow2(rope))
+
+
+@functools.cache
+def _is_sm90(index: int | None) -> bool:
+    """Whether CUDA device `index` is Hopper (asked once a device: every decode call checks)."""
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def _pow2(n: int) -> bool:
@@ -88,10 +93,8 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     if num_splits is None:
         num_splits = reduce_triton.decode_num_splits(num_rows, num_head_tiles, max_seq_len,
                                                      q.device)
-    row_ids = rows if rows is not None else meta.query_start_loc  # unused without rows
     parts = _launch(q, latent_cache, meta, scale, kv_lora_rank, out, num_rows, max_seq_len,
-                    num_splits, block_n, stages, overlap, rows=row_ids,
-                    use_rows=rows is not None)
+                    num_splits, block_n, stages, overlap, rows=rows)
     if num_splits > 1:
         reduce_triton.reduce_splits(*parts, out, meta.query_start_loc, rows, num_rows,
                                     num_splits)
@@ -143,7 +146,7 @@ def _check(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, stage
 def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
             kv_lora_rank: int, out: torch.Tensor, num_rows: int, keys: int, num_splits: int,
             block_n: int, stages: int, overlap: bool, *, rows: torch.Tensor | None = None,
-            use_rows: bool = False, sel: torch.Tensor | None = None,
+            sel: torch.Tensor | None = None,
             packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch over (head tiles, rows or tokens, partitions of `keys`: a row's context, or
     a token's selection when `sel` is given); returns the split partials for the reduce."""
@@ -167,7 +170,7 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         meta.block_tables.stride(0), sel.stride(0) if sparse else 0,
         NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages,
-        USE_ROWS=use_rows, SPLIT=num_splits > 1, OVERLAP=overlap, SPARSE=sparse,
+        USE_ROWS=rows is not None, SPLIT=num_splits > 1, OVERLAP=overlap, SPARSE=sparse,
         PACKED=packed, num_warps=NUM_WARPS)
     return part_m, part_l, part_acc
 
