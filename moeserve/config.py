@@ -218,9 +218,11 @@ class EngineConfig:
     """Multi-head latent attention models, Triton attention: how decode rows attend. "split":
     a program a row (and context partition, for long contexts); "flat": a program an SM over
     the step's flattened row tiles, rows cut between programs merged after
-    (kernels/attention/mla/decode_flat_triton.py); "auto": flat for steps of at most 256 decode
-    rows at up to 32 heads, split otherwise (the faster of each, as measured on the H200).
-    The same result. Needs attention_backend "triton" (or "auto" on CUDA) unless "auto"."""
+    (kernels/attention/mla/decode_flat_triton.py); "gluon": the split decode on Hopper's wgmma
+    (decode_gluon.py; an sm90 GPU, bf16 / fp16 cache); "auto": gluon where it takes the
+    inputs, else flat for steps of at most 256 decode rows at up to 32 heads, split otherwise
+    (the faster of each, as measured on the H200). The same result to rounding. Needs
+    attention_backend "triton" (or "auto" on CUDA) unless "auto"."""
     quantization: str | None = None
     """fp8, nvfp4 or int4 (vLLM's modelopt_fp4 and compressed-tensors accepted). With a quantized
     checkpoint: its format, checked (a value the checkpoint contradicts is an error); None:

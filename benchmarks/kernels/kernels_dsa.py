@@ -22,8 +22,10 @@ graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms; the row form at
 ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms), the scores with each scoring
 program walking SCORE_KEY_TILES key tiles (score_key_tiles_ms, and the step in a graph as
 dsa_graph_key_tiles_ms), the sparse MLA over the
-2,048 selected positions (with --tiles, also at those TileConfigs; sparse_mla_slots_ms with
-sparse_triton's `slot_rows` experiment switch on, its row conversion included), and dense MLA
+2,048 selected positions (sparse_mla_ms the default kernel, sparse_mla_kernel naming it:
+decode_gluon.sparse_gluon on sm90 in bf16; sparse_mla_triton_ms the Triton kernel; with
+--tiles, also at those TileConfigs; sparse_mla_slots_ms with sparse_triton's `slot_rows`
+experiment switch on, its row conversion included), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
 MLA (eager: host gaps between the indexer's launches included), and against the two captured
@@ -65,6 +67,7 @@ from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_topk_ref
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
+from moeserve.kernels.attention.mla import decode_gluon
 
 HEADS, DIM, BLOCK, TOPK = 32, 128, 64, 2048
 CASES = (  # (name, computed tokens per row, new tokens per row)
@@ -273,16 +276,24 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         row |= time_score_key_tiles(name, (q_i, w, index_cache, meta, scale), scores, timer,
                                     {"dsa_graph_key_tiles_ms": lambda: graph_timed(
                                         timer, step, cuda)})
+    # the default (decode_gluon.sparse_gluon on sm90 in bf16) and the Triton kernel
+    row["sparse_mla_kernel"] = ("gluon" if decode_gluon.supports(q, cache, latent)
+                                else "triton")
     row["sparse_mla_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
         q, cache, meta, positions, mla_scale, latent))
+    row["sparse_mla_triton_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
+        q, cache, meta, positions, mla_scale, latent, gluon=False))
     base = dsa_sparse_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,
                                            latent).float()  # checked above, on a small step
+    triton_base = dsa_sparse_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,
+                                                         latent, gluon=False).float()
     dsa_sparse_triton.slot_rows = True  # the experiment switch: cache rows first, then the loop
     try:
         assert torch.equal(dsa_sparse_triton.dsa_attention_triton(
-            q, cache, meta, positions, mla_scale, latent).float(), base), f"{name}: slot rows"
+            q, cache, meta, positions, mla_scale, latent, gluon=False).float(),
+            triton_base), f"{name}: slot rows"
         row["sparse_mla_slots_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
-            q, cache, meta, positions, mla_scale, latent))
+            q, cache, meta, positions, mla_scale, latent, gluon=False))
     finally:
         dsa_sparse_triton.slot_rows = False
     for tile in tiles:  # the sparse MLA at other tiles (--tiles), first checked against it

@@ -21,6 +21,7 @@ after each case (a run cut short keeps what it measured).
     python -m benchmarks.kernels.kernels_mla --out DIR --smoke   # tiny shapes, CPU interpreter
     python -m benchmarks.kernels.kernels_mla --out DIR --tiles 16,64,4,2 32,32,8,2
         # each case at each tile
+    python -m benchmarks.kernels.kernels_mla --out DIR --few-rows   # 4-128 rows instead
     python -m benchmarks.kernels.kernels_mla --out DIR --forms split flat gluon gluon-overlap
         # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat,
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
@@ -51,6 +52,10 @@ HEADS = (20, 64, 128)
 # (name, batch, context): a fixed context, or "w1" (contexts drawn from 129..256)
 CASES = tuple((f"b{b}_ctx{c}", b, c) for b in (256, 1024, 2048) for c in (1024, 4096)) + (
     ("w1_b1024", 1024, "w1"), ("w1_b2048", 2048, "w1"))
+# --few-rows: steps of few rows (latency-bound serving, long contexts), where "auto" once took
+# the flat decode
+FEW_ROW_CASES = (("b4_ctx16384", 4, 16384), ("b32_ctx4096", 32, 4096),
+                 ("b64_ctx8192", 64, 8192), ("b128_ctx2048", 128, 2048))
 SMOKE_CASES = (("b3_ctx40", 3, 40), ("w1_b4", 4, "w1"))
 CHECK_ROWS = 8  # rows of the small step each case is checked on
 
@@ -141,16 +146,19 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
     rows = []
     for form, tile in [(f, t) for f in forms for t in tiles]:
         if form == "auto":
-            form = mla_triton.auto_decode_form(heads, batch)
+            from moeserve.kernels.attention.mla import decode_gluon
+            form = mla_triton.auto_decode_form(heads, batch,
+                                               decode_gluon.supports(q, cache, latent))
         if form == "flat" and heads > mla_triton.FLAT_MAX_HEADS:
             continue
         cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)
         if form.startswith("gluon"):
             from moeserve.kernels.attention.mla import decode_gluon
-            cfg = tile or mla_triton.TileConfig(decode_gluon.BLOCK_H, decode_gluon.DEFAULT_BLOCK_N,
-                                                decode_gluon.NUM_WARPS,
-                                                decode_gluon.DEFAULT_STAGES)
-            if form == "gluon-overlap" and cfg.num_stages < 3:  # it needs three stages
+            block_n, stages = decode_gluon.tile(tile and tile.block_n, tile and tile.num_stages,
+                                                form == "gluon-overlap")
+            cfg = mla_triton.TileConfig(decode_gluon.BLOCK_H, block_n, decode_gluon.NUM_WARPS,
+                                        stages)
+            if form == "gluon-overlap" and stages < 3:  # it needs three stages
                 continue
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
         err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form, cache_dtype)
@@ -201,6 +209,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")
+    parser.add_argument("--few-rows", action="store_true",
+                        help="time FEW_ROW_CASES (4-128 rows of 2k-16k keys) instead of CASES")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_mla")
@@ -209,7 +219,7 @@ def main() -> None:
         shape = {"latent": 32, "rope": 16, "block_size": 8}
         heads = [min(h, 4) for h in args.heads[:1]]
     else:
-        dtype, cases = torch.bfloat16, CASES
+        dtype, cases = torch.bfloat16, FEW_ROW_CASES if args.few_rows else CASES
         shape = {"latent": LATENT, "rope": ROPE, "block_size": args.block_size}
         heads = args.heads
     timer = make_timer(args.smoke, warmup_ms=10, rep_ms=50)

@@ -7,8 +7,9 @@ sees only them. Prints one JSON line: the median ms, the bytes the op must read 
 of its read bound (4.27 TB/s), and of the FLOP bound (787 TFLOP/s).
 
 The sparse kind passes its selection packed, as the DSA layer does (the same work here: every
-selected position is valid). `--gluon` runs mla/decode_gluon.py's kernels instead of the
-Triton ones (--tile's BN and S; `--overlap` its overlap).
+selected position is valid). Without `--gluon` the Triton kernels run (as "auto" would
+without decode_gluon); `--gluon` runs mla/decode_gluon.py's kernels, the serving default on
+sm90 (--tile's BN and S; `--overlap` its overlap).
 
 The selection (`--select`): "random", 2,048 distinct positions of each row's context drawn
 uniformly and sorted ascending (the indexer's output on random scores, without running it);
@@ -87,8 +88,7 @@ def main() -> None:
     if args.gluon:
         from moeserve.kernels.attention.mla import decode_gluon
 
-        gluon = {"block_n": tile.block_n if tile else decode_gluon.DEFAULT_BLOCK_N,
-                 "stages": tile.num_stages if tile else decode_gluon.DEFAULT_STAGES,
+        gluon = {"block_n": tile and tile.block_n, "stages": tile and tile.num_stages,
                  "overlap": args.overlap}
     if args.kind == "sparse":
         sparse_triton.slot_rows = args.slot_rows
@@ -101,7 +101,7 @@ def main() -> None:
                                                  num_splits=args.splits, packed=True, **gluon)
             return sparse_triton.dsa_attention_triton(q, cache, meta, pos, scale, LATENT,
                                                       config=tile, num_splits=args.splits,
-                                                      packed=True)
+                                                      packed=True, gluon=False)
     else:
         keys = args.context
 
@@ -112,9 +112,10 @@ def main() -> None:
                                           meta.num_reqs, meta.max_seq_len,
                                           num_splits=args.splits, **gluon)
                 return out
+            form = absorbed_triton.auto_decode_form(args.heads, args.batch)  # Triton's pick
             return absorbed_triton.mla_attention_triton(q, cache, meta, scale, LATENT,
                                                         decode_splits=args.splits,
-                                                        decode_config=tile)
+                                                        decode_config=tile, decode_form=form)
     ms = profiled_median_ms(fn, args.calls)
     nbytes = args.batch * keys * (LATENT + ROPE) * 2
     flops = 2 * args.batch * args.heads * keys * (2 * LATENT + ROPE)

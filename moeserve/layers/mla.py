@@ -243,7 +243,7 @@ class MLAttention(nn.Module):
         return out
 
     def set_decode_form(self, form: str) -> None:
-        """The Triton backend's decode form ("split", "flat"; "auto": its own pick). A form
+        """The Triton backend's decode form ("split", "flat", "gluon"; "auto": its own pick). A form
         other than "auto" needs that backend: the torch reference has one form."""
         if form not in DECODE_FORMS:
             raise ValueError(f"mla decode form must be one of {', '.join(DECODE_FORMS)}; "

@@ -446,13 +446,16 @@ def test_gpu_topk_random_data_matches_to_rounding(name: str, no_tf32: None) -> N
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_sparse_attention(num_heads: int, dtype: torch.dtype, no_tf32: None) -> None:
+@pytest.mark.parametrize("gluon", [None, False])
+def test_gpu_sparse_attention(num_heads: int, dtype: torch.dtype, gluon: bool | None,
+                              no_tf32: None) -> None:
     """L 512, R 64 over 2048 selected positions (-1 padding on the 2500-token prefill's first
-    queries), against the reference."""
+    queries), against the reference: the default (sparse_gluon in bf16 on sm90) and the Triton
+    kernel."""
     step = make_step(*_gpu_steps()["mixed"], GPU_BLOCK, dtype=torch.bfloat16, **GPU_INDEXER)
     positions, _ = indexer_topk_triton(step.q, step.w, step.cache, step.meta, 0.1, GPU_TOPK)
     q, latent = _latents(step.meta, num_heads, dtype, "cuda", width=576)
-    got = dsa_attention_triton(q, latent, step.meta, positions, 576 ** -0.5, 512)
+    got = dsa_attention_triton(q, latent, step.meta, positions, 576 ** -0.5, 512, gluon=gluon)
     want = dsa_attention_ref(q, latent, step.meta, positions, 576 ** -0.5, 512)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 

@@ -130,6 +130,7 @@ def test_equals_the_split_decode(programs) -> None:
 def test_auto_form_and_bad_forms() -> None:
     assert auto_decode_form(20, 256) == auto_decode_form(FLAT_MAX_HEADS, 1) == "flat"
     assert auto_decode_form(20, 257) == auto_decode_form(64, 8) == "split"
+    assert auto_decode_form(20, 256, gluon=True) == auto_decode_form(128, 4096, True) == "gluon"
     case = make_mla_case(*DECODE)
     with pytest.raises(ValueError, match="decode_form 'wide' not in"):
         mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,

@@ -127,3 +127,41 @@ def test_gpu_the_triton_launcher_takes_the_gluon_form() -> None:
                                decode_form="gluon")
     torch.testing.assert_close(out.float(), case.expected_latent, atol=TOL[torch.bfloat16],
                                rtol=TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_auto_takes_gluon_unless_a_triton_tile_or_split_is_forced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sm90 in bf16 the launcher's "auto" runs decode_gluon, and DSA's sparse attention
+    sparse_gluon; a forced Triton tile, split count or gluon=False keeps the Triton kernels.
+    Each result equals the expectation."""
+    from moeserve.kernels.attention.dsa import sparse_triton
+    from moeserve.kernels.attention.mla import absorbed_triton
+
+    calls: list[str] = []
+    for name in ("decode_gluon", "sparse_gluon"):
+        real = getattr(decode_gluon, name)
+        monkeypatch.setattr(decode_gluon, name,
+                            lambda *a, _real=real, _name=name, **k: (calls.append(_name),
+                                                                     _real(*a, **k))[1])
+    case = gpu_case([300, 0, 2000, 37], [1, 64, 1, 1], 20, seed=11)
+    tol = TOL[torch.bfloat16]
+    for kwargs, want in (({}, ["decode_gluon"]), ({"decode_splits": 2}, []),
+                         ({"decode_config": absorbed_triton.default_config(
+                             "decode", case.L, torch.bfloat16, 20)}, [])):
+        calls.clear()
+        out = absorbed_triton.mla_attention_triton(case.q_lat, case.latent_cache, case.meta,
+                                                   case.scale, case.L, **kwargs)
+        assert calls == want, kwargs
+        torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
+    decode = gpu_case([500, 900], [1, 1], 64, seed=12)
+    positions = torch.tensor([[0, 3, 7, 499], [5, 6, 700, 899]], dtype=torch.int32,
+                             device="cuda")
+    outs = {}
+    for gluon, want in ((None, ["sparse_gluon"]), (False, [])):
+        calls.clear()
+        outs[gluon] = sparse_triton.dsa_attention_triton(
+            decode.q_lat, decode.latent_cache, decode.meta, positions, decode.scale,
+            decode.L, packed=True, gluon=gluon)
+        assert calls == want, gluon
+    torch.testing.assert_close(outs[None].float(), outs[False].float(), atol=tol, rtol=tol)

@@ -229,7 +229,8 @@ def test_gpu_decode(num_heads: int, batch: int, max_context: int) -> None:
     computed = rng.integers(1, max_context, batch).tolist()
     computed[0] = max_context - 1
     case = gpu_case(computed, [1] * batch, num_heads, seed=batch)
-    check(case)
+    check(case)  # decode_gluon on sm90 ("auto")
+    check(case, decode_form="split")
     # 2 stages, and 3; a register cap of 128 (two programs an SM at 8 warps: some spill)
     for cfg in (TileConfig(16, 64, 4, 2), TileConfig(64, 32, 8, 3), TileConfig(32, 32, 8, 3, 128)):
         check(case, decode_config=cfg)

@@ -8,6 +8,8 @@ ahead, as mla_triton's decode does), through mla_triton's `_attend_rows` (online
 fp32); when the tokens are few each token's selection is split over programs and
 mla_reduce_triton.reduce_splits combines the parts. Triton is imported and the kernel jitted
 on first use (`_kernels`); on CPU it runs in Triton's interpreter (TRITON_INTERPRET=1).
+On an sm90 GPU in bf16 / fp16 the call runs mla/decode_gluon.sparse_gluon instead (the same
+contract on wgmma), unless `gluon=False` or a Triton tile is given.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from moeserve.kernels.attention.dsa.indexer_triton import _check_common, _need, _pow2_16
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
+from moeserve.kernels.attention.mla import decode_gluon
 from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
 from moeserve.kernels.attention.paged_triton import TileConfig
 from moeserve.kernels.triton_common import next_pow2
@@ -42,7 +45,8 @@ _empty_state: Any = None
 def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                          positions: torch.Tensor, scale: float, kv_lora_rank: int, *,
                          config: TileConfig | None = None,
-                         num_splits: int | None = None, packed: bool = False) -> torch.Tensor:
+                         num_splits: int | None = None, packed: bool = False,
+                         gluon: bool | None = None) -> torch.Tensor:
     """Absorbed MLA of each query over its selected context positions only
     (`dsa_attention_ref`'s contract).
 
@@ -61,11 +65,18 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
             programs an SM when the tokens are few.
         packed: the positions are an indexer's, valid ones first and at most position + 1 of
             them: each token's loop stops at its context (`_sparse_attention_kernel`).
+        gluon: run mla/decode_gluon.sparse_gluon (wgmma, sm90) instead of the Triton kernel;
+            default (None) wherever it takes the inputs and no Triton tile is given.
     Returns:
         [T, H, L] contiguous, q's dtype (softmax in fp32). A token with no valid position gets
         zeros (the reference's softmax over nothing gives NaN there).
     """
     _check_attention_inputs(q, latent_cache, meta, positions, kv_lora_rank)
+    if gluon is None:
+        gluon = config is None and decode_gluon.supports(q, latent_cache, kv_lora_rank)
+    if gluon:
+        return decode_gluon.sparse_gluon(q, latent_cache, meta, positions, scale, kv_lora_rank,
+                                         num_splits=num_splits, packed=packed)
     num_tokens, num_heads, dim = q.shape
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_tokens == 0:

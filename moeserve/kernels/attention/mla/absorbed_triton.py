@@ -96,13 +96,15 @@ def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype,
     return TileConfig(64, 32, 8, 3)
 
 
-def auto_decode_form(num_heads: int, num_rows: int) -> str:
-    """The decode form "auto" runs: flat for steps of few rows (at most FLAT_AUTO_MAX_ROWS) and
-    at most FLAT_MAX_HEADS heads, split otherwise. On the H200 at 20 heads (bf16,
-    benchmarks/results/gpu_504b028/call2_bf30b2d/): 256 rows of 1k / 4k keys 37.7 / 51.4% of
-    the read bound flat against 28.8 / 48.9% split; from 1,024 rows split is faster (1k-4k
-    keys 56-61% against 50-54%; W1's contexts 34.6 / 37.7% against 25.8 / 35.4% at 1,024 /
-    2,048 rows)."""
+def auto_decode_form(num_heads: int, num_rows: int, gluon: bool = False) -> str:
+    """The decode form "auto" runs: gluon where decode_gluon takes the inputs (`gluon`: sm90,
+    bf16 / fp16; H200, benchmarks/results/gpu_5bd5ebf/call1: 20 / 64 heads at 256-2,048 rows of
+    1k-4k keys 62-72% / 56-69% of the read bound against split's 45-61% / 41-47%, W1's
+    contexts 43-46% against 35-38%); else flat up to FLAT_AUTO_MAX_ROWS rows and
+    FLAT_MAX_HEADS heads, split otherwise (gpu_504b028/call2_bf30b2d/: 20 heads, 256 rows of
+    1k / 4k keys flat 37.7 / 51.4% against split 28.8 / 48.9%; from 1,024 rows split)."""
+    if gluon:
+        return "gluon"
     return ("flat" if num_heads <= FLAT_MAX_HEADS and num_rows <= FLAT_AUTO_MAX_ROWS
             else "split")
 
@@ -136,7 +138,7 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
         decode_form: "split" (a program a head tile, row and context partition), "flat"
             (decode_flat_triton.py: a program an SM over the flattened row tiles), "gluon"
             (decode_gluon.py: split on wgmma, sm90) or "auto" (`auto_decode_form`; "split"
-            whenever decode_splits is given).
+            whenever decode_splits is given, no gluon when decode_config is).
     Returns:
         [T, H, L] contiguous, q's dtype.
     """
@@ -144,9 +146,10 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     if decode_form not in DECODE_FORMS:
         raise ValueError(f"mla_attention_triton: decode_form {decode_form!r} not in "
                          f"{DECODE_FORMS}")
-    if decode_form == "auto":
-        decode_form = ("split" if decode_splits is not None
-                       else auto_decode_form(q.shape[1], int((meta.query_lens_np == 1).sum())))
+    if decode_form == "auto":  # split when a split count or Triton tile is forced
+        gluon = decode_config is None and decode_gluon.supports(q, latent_cache, kv_lora_rank)
+        decode_form = ("split" if decode_splits is not None else auto_decode_form(
+            q.shape[1], int((meta.query_lens_np == 1).sum()), gluon))
     if decode_form == "flat" and q.shape[1] > FLAT_MAX_HEADS:
         raise ValueError(f"mla_attention_triton: the flat decode takes at most "
                          f"{FLAT_MAX_HEADS} heads, got {q.shape[1]}")

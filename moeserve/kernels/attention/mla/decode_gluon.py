@@ -28,10 +28,11 @@ cache, no fp32), L and R powers of two, an sm90 GPU; `supports` says whether it 
 `sparse_gluon` is DSA's sparse MLA on the same kernel (SPARSE): a program's keys are a token's
 selected positions, dsa/sparse_triton.py's contract.
 
-An experiment until the H200 times it (benchmarks/h200/mla_gluon_h200.sh: kernels_mla --forms
-gluon gluon-overlap, mla_once --gluon): serving runs it only when asked, as the Triton
-launcher's decode form "gluon" (the engine's mla_decode="gluon"); DSA's layer does not call
-sparse_gluon yet. Gluon is imported on first use (`_kernels`).
+Timed on the H200 by benchmarks/h200/mla_gluon_h200.sh (kernels_mla --forms gluon
+gluon-overlap, mla_once --gluon). Where `supports` holds, the Triton launcher's "auto" decode
+form runs decode_gluon (absorbed_triton.auto_decode_form) and DSA's sparse attention runs
+sparse_gluon (dsa/sparse_triton.dsa_attention_triton). The overlap measured no faster and stays
+off. Gluon is imported on first use (`_kernels`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ from moeserve.kernels.triton_common import MAX_GRID_Y
 
 BLOCK_H = 64  # heads a program: wgmma's M
 NUM_WARPS = 8  # two warpgroups: S split by keys, O by value columns
-DEFAULT_BLOCK_N, DEFAULT_STAGES = 32, 3  # 184 KB of shared memory at L 512, R 64
+# keys a tile and stages: the fastest tile on the H200 at 20 and 64 heads, every case of
+# kernels_mla (benchmarks/results/gpu_5bd5ebf/call1: 62-72% of the read bound at 1k-4k keys
+# against 45-61% for the Triton split decode; (32, 3) 47-53%); about 221 KB of shared memory
+DEFAULT_BLOCK_N, DEFAULT_STAGES = 64, 2
+OVERLAP_BLOCK_N, OVERLAP_STAGES = 32, 3  # the overlap needs three stages: (64, 3) does not fit
 _DTYPES = (torch.bfloat16, torch.float16)
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
@@ -81,13 +86,15 @@ def _pow2(n: int) -> bool:
 def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, kv_lora_rank: int, out: torch.Tensor,
                  rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
-                 num_splits: int | None = None, block_n: int = DEFAULT_BLOCK_N,
-                 stages: int = DEFAULT_STAGES, overlap: bool = False) -> None:
+                 num_splits: int | None = None, block_n: int | None = None,
+                 stages: int | None = None, overlap: bool = False) -> None:
     """Decode rows (one query each) into out [T, H, L]: `rows` [num_rows] int32 row ids, or
     None for rows 0..B-1 (absorbed_triton._launch_decode's contract). num_splits: context
-    partitions a row (default reduce_triton.decode_num_splits). overlap: each tile's scores
-    issued during the previous tile's softmax (needs stages >= 3: tiles t and t + 1 resident
-    while t + 2 loads); the same ops in the same order, so the same result."""
+    partitions a row (default reduce_triton.decode_num_splits). block_n, stages: keys a tile
+    and shared-memory stages (default `tile`). overlap: each tile's scores issued during the
+    previous tile's softmax (needs stages >= 3: tiles t and t + 1 resident while t + 2 loads);
+    the same ops in the same order, so the same result."""
+    block_n, stages = tile(block_n, stages, overlap)
     _check(q, latent_cache, kv_lora_rank, stages, overlap)
     num_head_tiles = -(-q.shape[1] // BLOCK_H)
     if num_splits is None:
@@ -103,12 +110,13 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
 def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                  positions: torch.Tensor, scale: float, kv_lora_rank: int, *,
                  num_splits: int | None = None, packed: bool = False,
-                 block_n: int = DEFAULT_BLOCK_N, stages: int = DEFAULT_STAGES,
+                 block_n: int | None = None, stages: int | None = None,
                  overlap: bool = False) -> torch.Tensor:
     """DSA's sparse MLA (dsa/sparse_triton.dsa_attention_triton's contract): each token's
     absorbed queries over its selected positions [T, topk] int32 (-1, or past the block
     table: skipped; packed: valid ones first, at most the token's position + 1 of them, so
     the loop stops there) -> [T, H, L]; a token with no valid position gets zeros."""
+    block_n, stages = tile(block_n, stages, overlap)
     _check(q, latent_cache, kv_lora_rank, stages, overlap)
     if (positions.dim() != 2 or positions.shape[0] != q.shape[0]
             or positions.dtype != torch.int32 or positions.stride(-1) != 1):
@@ -130,6 +138,12 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     if num_splits > 1:
         reduce_triton.reduce_splits(*parts, out, None, None, num_tokens, num_splits)
     return out
+
+
+def tile(block_n: int | None, stages: int | None, overlap: bool) -> tuple[int, int]:
+    """(keys a tile, stages): the given ones, else the defaults for the overlap's setting."""
+    default = (OVERLAP_BLOCK_N, OVERLAP_STAGES) if overlap else (DEFAULT_BLOCK_N, DEFAULT_STAGES)
+    return block_n or default[0], stages or default[1]
 
 
 def _check(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, stages: int,
