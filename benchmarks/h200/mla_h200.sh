@@ -7,7 +7,7 @@
 #   bash benchmarks/h200/mla_h200.sh w1      # W1 at CONC (default 256 512 1024) through the
 #                                            # server for each of VARIANTS (default "baseline
 #                                            # mixed": the defaults, --mixed-cuda-graphs;
-#                                            # "mha" / "absorbed": --mla-prefill; "gluon":
+#                                            # "mha" / "absorbed": --mla-prefill; "gluon" / "split":
 #                                            # --mla-decode gluon), and each
 #                                            # one's decode and mixed step profile at 1,024
 #                                            # rows (~3 min a variant; NO_PROFILE=1: none)
@@ -57,9 +57,11 @@ r['faster']) for r in json.load(open(sys.argv[1]))['cases']]" "$R/kernels_mla_pr
     echo "agreement tests rc=$?"; tail -2 "$R/gpu_tests_agreement.log" ;;
   w1)
     declare -A flags=([baseline]="" [mixed]="--mixed-cuda-graphs" [mha]="--mla-prefill mha"
-                      [absorbed]="--mla-prefill absorbed" [gluon]="--mla-decode gluon")
+                      [absorbed]="--mla-prefill absorbed" [gluon]="--mla-decode gluon"
+                      [split]="--mla-decode split")
     declare -A engine=([baseline]="{}" [mixed]="{}" [mha]='{"mla_prefill": "mha"}'
-                       [absorbed]='{"mla_prefill": "absorbed"}' [gluon]='{"mla_decode": "gluon"}')
+                       [absorbed]='{"mla_prefill": "absorbed"}' [gluon]='{"mla_decode": "gluon"}'
+                       [split]='{"mla_decode": "split"}')
     for variant in ${VARIANTS:-baseline mixed}; do
       flag=${flags[$variant]}
       tag=_$variant
