@@ -8,7 +8,7 @@
 #                                            # server for each of VARIANTS (default "baseline
 #                                            # mixed": the defaults, --mixed-cuda-graphs;
 #                                            # "mha" / "absorbed": --mla-prefill; "gluon" / "split":
-#                                            # --mla-decode gluon), and each
+#                                            # --mla-decode gluon / split), and each
 #                                            # one's decode and mixed step profile at 1,024
 #                                            # rows (~3 min a variant; NO_PROFILE=1: none)
 #   bash benchmarks/h200/mla_h200.sh prefill # the MLA prefill forms timed on the same steps
