@@ -11,6 +11,9 @@
                              "KIND:ID[,KIND:ID...]" with KIND one of FAULT_KINDS (below)
     MOESERVE_GROUPED_ROUTER_TRITON  "0" turns off the sigmoid, group-limited router's one
                              Triton launch on CUDA (layers/moe.py), for A/Bs; on otherwise
+    MOESERVE_MLA_PREFILL_GLUON  "1" sends the Triton MLA backend's absorbed prefill rows through
+                             mla/decode_gluon.prefill_gluon (wgmma, sm90) for A/Bs; off
+                             otherwise, until the H200 times it
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -27,6 +30,7 @@ GIT_COMMIT = "MOESERVE_GIT_COMMIT"
 FAULT_INJECT = "MOESERVE_FAULT_INJECT"
 COLLECTIVES_AT_ONE_RANK = "MOESERVE_COLLECTIVES_AT_ONE_RANK"
 GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
+MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -51,6 +55,10 @@ def collectives_at_one_rank() -> bool:
 
 def grouped_router_triton() -> bool:
     return os.environ.get(GROUPED_ROUTER_TRITON) != "0"
+
+
+def mla_prefill_gluon() -> bool:
+    return os.environ.get(MLA_PREFILL_GLUON) == "1"
 
 
 def api_pids_file() -> str | None:

@@ -223,13 +223,16 @@ def mla_decode(args: argparse.Namespace) -> dict:
 def mla_decode_gluon(args: argparse.Namespace) -> dict:
     """The Gluon MLA decode (kernels/attention/mla/decode_gluon.py, wgmma) at DeepSeek / GLM's
     latent, bf16: BM unused (64 heads a program), BN keys a tile, WARPS must be 8; --sparse
-    its DSA form."""
+    its DSA form, --prefill its prefill form (prefill_gluon: query tiles of tokens x heads)."""
     from moeserve.kernels.attention.mla import decode_gluon
 
     _, bn, warps, stages = args.tile
+    _, per_tile, block_q = decode_gluon.prefill_block_q(args.heads)
     const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size, BLOCK_N=bn,
-                 STAGES=stages, USE_ROWS=False, SPLIT=args.split, OVERLAP=args.overlap,
-                 SPARSE=args.sparse, PACKED=args.sparse)
+                 STAGES=stages, USE_ROWS=args.prefill, SPLIT=args.split, OVERLAP=args.overlap,
+                 SPARSE=args.sparse, PACKED=args.sparse, PREFILL=args.prefill,
+                 HPT=per_tile if args.prefill else decode_gluon.BLOCK_H,
+                 BLOCK_Q=block_q if args.prefill else 1)
     kernel = decode_gluon._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -352,6 +355,8 @@ def main() -> None:
                            help="the next tile's scores during this tile's softmax")
             p.add_argument("--sparse", action="store_true",
                            help="DSA's sparse MLA over packed selections (sparse_gluon)")
+            p.add_argument("--prefill", action="store_true",
+                           help="the absorbed prefill over query tiles (prefill_gluon)")
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                            help="fp8: the float8 e4m3 latent cache's variant")

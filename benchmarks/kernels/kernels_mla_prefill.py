@@ -23,6 +23,8 @@ timed with triton.testing.do_bench. Writes kernels_mla_prefill.json to --out aft
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --tiles 32,32,8,2 64,32,8,3
         # the absorbed form at each prefill TileConfig too (rows a program, keys a step,
         # warps, stages)
+    python -m benchmarks.kernels.kernels_mla_prefill --out DIR --gluon
+        # the absorbed form's prefill rows through mla/decode_gluon.prefill_gluon too (sm90)
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --smoke   # CPU interpreter
 """
 
@@ -113,9 +115,9 @@ def prefill_flops(layer: MLAttention, prompts: int, query: int, prefix: int) -> 
 
 
 def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: str,
-             dtype: torch.dtype, timer: Timer, tiles: tuple = ()) -> dict:
+             dtype: torch.dtype, timer: Timer, tiles: tuple = (), gluon: bool = False) -> dict:
     """One case: both forms checked against each other, then each timed (and the absorbed
-    form at each of `tiles`, prefill TileConfigs)."""
+    form at each of `tiles`, prefill TileConfigs; gluon: its prefill rows in Gluon too)."""
     name, prompts, query, prefix, decodes = case
     q_nope, q_rope, meta = make_step(layer, case, block, device, dtype)
     outs, ms = {}, {}
@@ -126,6 +128,11 @@ def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: s
             ms[form] = timer(lambda: layer._dense(q_nope, q_rope, meta))
     layer.prefill_form = "absorbed"
     by_tile, backend = {}, layer.backend
+    if gluon:  # the absorbed prefill rows through decode_gluon.prefill_gluon
+        layer.backend = functools.partial(backend, prefill_gluon=True)
+        with torch.no_grad():
+            outs["absorbed_gluon"] = layer._dense(q_nope, q_rope, meta).float()
+            ms["absorbed_gluon"] = timer(lambda: layer._dense(q_nope, q_rope, meta))
     for cfg in tiles:
         layer.backend = functools.partial(backend, prefill_config=cfg)
         with torch.no_grad():
@@ -134,11 +141,13 @@ def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: s
                 timer(lambda: layer._dense(q_nope, q_rope, meta)), 4)
     layer.backend = backend
     want = outs["mha"]
-    err = float((outs["absorbed"] - want).abs().max() / want.abs().max().clamp(min=1e-30))
     bound = 1e-4 if dtype == torch.float32 else 2 ** -5
-    if not err <= bound:
-        raise SystemExit(f"{preset} {name}: the two forms differ by {err:.3g} of the output "
-                         f"scale (bound {bound:g})")
+    for form in outs:
+        err = float((outs[form] - want).abs().max() / want.abs().max().clamp(min=1e-30))
+        if not err <= bound:
+            raise SystemExit(f"{preset} {name}: {form} differs from mha by {err:.3g} of the "
+                             f"output scale (bound {bound:g})")
+    err = float((outs["absorbed"] - want).abs().max() / want.abs().max().clamp(min=1e-30))
     flops = prefill_flops(layer, prompts, query, prefix)
     faster = min(FORMS, key=ms.get)
     return {"preset": preset, "case": name, "heads": layer.num_heads, "prompts": prompts,
@@ -146,7 +155,8 @@ def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: s
             **{f"{form}_ms": round(ms[form], 4) for form in FORMS},
             **{f"{form}_prefill_gflop": round(flops[form] / 1e9, 2) for form in FORMS},
             "faster": faster, "absorbed_speedup": round(ms["mha"] / ms["absorbed"], 3),
-            "absorbed_tiles_ms": by_tile}
+            "absorbed_tiles_ms": by_tile,
+            **({"absorbed_gluon_ms": round(ms["absorbed_gluon"], 4)} if gluon else {})}
 
 
 def main() -> None:
@@ -156,6 +166,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tiles", nargs="+", default=[], metavar="BM,BN,W,S",
                         help="prefill TileConfigs to time the absorbed form at as well")
+    parser.add_argument("--gluon", action="store_true",
+                        help="the absorbed form's prefill rows through decode_gluon's "
+                             "prefill_gluon too (sm90): absorbed_gluon_ms")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_mla_prefill")
@@ -177,7 +190,7 @@ def main() -> None:
         layer = layer_for(preset, device, dtype, args.smoke)
         for case in cases:
             record(result, "cases", run_case(preset, layer, case, block, device, dtype, timer,
-                                             tiles), path, device)
+                                             tiles, args.gluon), path, device)
     print(f"wrote {path}")
 
 

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from moeserve import envs
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
 from moeserve.kernels.attention.mla.absorbed_triton import DECODE_FORMS, mla_attention_triton
 from moeserve.kernels.attention.mla.reference import mla_prefill_ref, write_latent
@@ -118,7 +119,7 @@ class MLAttention(nn.Module):
         self.interleaved = config.rope.interleaved
         self.scale = softmax_scale(config.rope, m.qk_head_dim)
         self.prefill_form = "auto"  # PREFILL_FORMS; the engine's mla_prefill sets it
-        self.decode_kwargs: dict = {}  # to the MLA backend: set_decode_form (mla_decode)
+        self.decode_kwargs: dict = self._prefill_kwargs()  # to the MLA backend: set_decode_form
         self.auto_max_context = AUTO_ABSORBED_MAX_CONTEXT  # "auto"'s longest absorbed row
         # tokens attended in each form, counted on the host when the forward runs eagerly (a
         # CUDA-graph replay runs no Python): tests assert which path ran
@@ -252,7 +253,14 @@ class MLAttention(nn.Module):
             name = getattr(self.backend, "__name__", repr(self.backend))
             raise ValueError(f"mla decode form {form!r} needs the triton attention backend "
                              f"(this layer's MLA backend is {name})")
-        self.decode_kwargs = {} if form == "auto" else {"decode_form": form}
+        self.decode_kwargs = ({} if form == "auto" else {"decode_form": form}) | (
+            self._prefill_kwargs())
+
+    def _prefill_kwargs(self) -> dict:
+        """The Triton backend's absorbed prefill in Gluon, when MOESERVE_MLA_PREFILL_GLUON=1
+        (an A/B switch, envs.py)."""
+        return ({"prefill_gluon": True}
+                if envs.mla_prefill_gluon() and self.backend is mla_attention_triton else {})
 
     def absorbed_max_context(self) -> int | float:
         """The longest context a row with several queries may have and attend absorbed, by

@@ -27,6 +27,32 @@ def test_refuses_what_it_cannot_take_by_name() -> None:
     assert not decode_gluon.supports(case.q_lat, case.latent_cache, case.L)
     with pytest.raises(ValueError, match="decode_gluon needs an sm90 GPU"):
         run(case)
+    with pytest.raises(ValueError, match="decode_gluon needs an sm90 GPU"):
+        decode_gluon.prefill_gluon(case.q_lat, case.latent_cache, case.meta, case.scale,
+                                   case.L, torch.empty_like(case.q_lat[..., :case.L]),
+                                   case.meta.query_start_loc, 1)
+
+
+@pytest.mark.parametrize(("num_heads", "want"), [(20, (1, 20, 3)), (16, (1, 16, 4)),
+                                                 (64, (1, 64, 1)), (128, (2, 64, 1)),
+                                                 (96, (2, 48, 1))])
+def test_prefill_tiles(num_heads: int, want: tuple) -> None:
+    """(head tiles, heads a tile, tokens a tile): as many tokens as fill 64 query rows."""
+    assert decode_gluon.prefill_block_q(num_heads) == want
+
+
+def test_cpu_prefill_gluon_falls_back_to_the_triton_prefill(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where decode_gluon does not take the inputs (here a CPU) prefill_gluon=True runs the
+    Triton prefill: the same output; MOESERVE_MLA_PREFILL_GLUON=1 is what asks for it in
+    serving (the MLA layer's backend arguments)."""
+    from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
+    from tests.kernels.attention.test_mla import MIXED
+
+    case = make_mla_case(*MIXED)
+    args = (case.q_lat, case.latent_cache, case.meta, case.scale, case.L)
+    torch.testing.assert_close(mla_attention_triton(*args, prefill_gluon=True),
+                               mla_attention_triton(*args))
 
 
 @pytest.mark.gpu
@@ -165,3 +191,53 @@ def test_gpu_auto_takes_gluon_unless_a_triton_tile_or_split_is_forced(
             decode.L, packed=True, gluon=gluon)
         assert calls == want, gluon
     torch.testing.assert_close(outs[None].float(), outs[False].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [16, 20, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_prefill_matches(num_heads: int, dtype: torch.dtype,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefill_gluon through the Triton launcher (prefill_gluon=True) on a mixed step: fresh
+    prompts, prefix hits, chunks ending in a partial query tile, one-token chunks and a decode
+    row, each token over its causal context; equal to the dense expectation."""
+    from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
+
+    calls: list[int] = []
+    real = decode_gluon.prefill_gluon
+    monkeypatch.setattr(decode_gluon, "prefill_gluon",
+                        lambda *a, **k: (calls.append(a[-1]), real(*a, **k))[1])
+    case = gpu_case([0, 0, 512, 1000, 37, 300, 64], [128, 700, 256, 77, 300, 1, 2], num_heads,
+                    dtype=dtype, seed=num_heads)
+    out = mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
+                               prefill_gluon=True)
+    block_q = decode_gluon.prefill_block_q(num_heads)[2]
+    assert calls == [sum(-(-n // block_q) for n in (128, 700, 256, 77, 300, 2))]
+    tol = TOL[torch.bfloat16]
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("env", [None, "0", "1"])
+def test_layer_asks_for_the_gluon_prefill_only_when_the_switch_is_on(
+        env: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOESERVE_MLA_PREFILL_GLUON=1 (envs.py) adds prefill_gluon to the Triton backend's
+    arguments, kept through a decode form set after; never for the torch reference."""
+    from moeserve import envs
+    from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
+    from moeserve.kernels.attention.mla.reference import mla_attention_ref
+    from moeserve.layers.mla import MLAttention
+    from moeserve.model_config import ModelConfig
+    from moeserve.presets import load_preset
+
+    if env is None:
+        monkeypatch.delenv(envs.MLA_PREFILL_GLUON, raising=False)
+    else:
+        monkeypatch.setenv(envs.MLA_PREFILL_GLUON, env)
+    cfg = ModelConfig.from_hf(load_preset("glm-4.7-flash"))
+    layer = MLAttention(0, cfg, mla_attention_triton, torch.bfloat16, "meta")
+    want = {"prefill_gluon": True} if env == "1" else {}
+    assert layer.decode_kwargs == want
+    layer.set_decode_form("split")
+    assert layer.decode_kwargs == {"decode_form": "split", **want}
+    assert MLAttention(0, cfg, mla_attention_ref, torch.bfloat16, "meta").decode_kwargs == {}

@@ -64,14 +64,10 @@ def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype,
                    num_heads: int = 64) -> TileConfig:
     """Defaults for kind "decode", "sparse" (DSA's sparse MLA) or "prefill". block_m: decode,
     the query heads of one program (one row); prefill, its query rows (tokens x heads).
-    block_n: keys per iteration.
-
-    bf16 decode, as measured on the H200 (benchmarks/results/gpu_b9de9a5/call2_f3343e0/,
-    kernels_mla over seven tiles): up to 32 heads, one program of them over 64 keys a step
-    (GLM-4.7-Flash's 20: 49-62% of the read bound at 1k-4k contexts, 36-38% at W1's); more
-    heads, tiles of 64 over 32 keys (wgmma's 64 rows; 64 heads 39-42%, 128 heads 26-28% of
-    the FLOP bound), against 20-31% / 20% / 14% for the earlier (16, 64, 4, 2). Three stages
-    keep a tile of latents in flight during each tile's dots (two give none: see _decode_kernel)."""
+    block_n: keys per iteration. bf16 decode on the H200 (gpu_b9de9a5/call2_f3343e0/): up to
+    32 heads one program over 64 keys a step (20 heads: 49-62% of the read bound at 1k-4k
+    keys), more heads tiles of 64 (wgmma's rows), against 20-31% for the earlier (16, 64, 4,
+    2); three stages keep a latent tile in flight during each tile's dots."""
     if kv_lora_rank <= 64:  # tiny test shapes: small tiles, so loops and masks run several times
         return TileConfig(16, 16, 2, 1)
     if kind in ("decode", "sparse"):
@@ -79,20 +75,14 @@ def default_config(kind: str, kv_lora_rank: int, dtype: torch.dtype,
             return TileConfig(16, 32, 4, 2)
         if num_heads <= 32:
             return TileConfig(32, 64, 8, 3)
-        # from 64 heads, 64 keys a step halve the shared-memory re-reads of the queries per key
-        # (each warp group's score dot n32, not n16): 5-17% faster than (64, 32, 8, 3) in 15 of
-        # 16 cases at 64 / 128 heads (benchmarks/results/gpu_2928ff4/call1_2928ff4/); DSA's
-        # sparse MLA likewise once unsplit at 256 rows (gpu_039305d/call3_splits/: 0.353 against
-        # 0.396 ms at 8k and 0.353 / 0.412 at 64k; 0.152 / 0.187 at 32 rows and 8k, 0.089 /
-        # 0.085 at 32 and 64k, 0.240 / 0.237 at 128 and 32k)
+        # from 64 heads, 64 keys a step: 5-17% faster than (64, 32, 8, 3) in 15 of 16 cases
+        # (gpu_2928ff4/call1_2928ff4/); DSA's sparse MLA likewise (gpu_039305d/call3_splits/)
         return TileConfig(64, 64, 8, 2)
     if dtype == torch.float32:
         return TileConfig(32, 32, 8, 1)
-    # bf16 prefill as the decode: 64 rows a program (wgmma's M; at 20 heads 3 query tokens x
-    # 20 heads share each latent tile), 3 stages with the lookahead keeping a copy in flight
-    # (sm90 SASS: 2 copy groups, 8-224 bytes spilled at 128 / 20 heads). (32, 32, 8, 2) took
-    # one token of 20 heads a program: W1's 64 x 128-token prompts at 26 TFLOP/s on the H200
-    # (benchmarks/results/gpu_b790193/call2_25bbc5a/)
+    # bf16 prefill: 64 rows a program (wgmma's M; at 20 heads 3 query tokens x 20 heads share
+    # each latent tile), 3 stages; (32, 32, 8, 2) ran W1's prompts at 26 TFLOP/s
+    # (gpu_b790193/call2_25bbc5a/)
     return TileConfig(64, 32, 8, 3)
 
 
@@ -120,7 +110,7 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
                          scale: float, kv_lora_rank: int, *, decode_splits: int | None = None,
                          decode_config: TileConfig | None = None,
                          prefill_config: TileConfig | None = None,
-                         decode_form: str = "auto") -> torch.Tensor:
+                         decode_form: str = "auto", prefill_gluon: bool = False) -> torch.Tensor:
     """Absorbed MLA: causal attention of each row's queries over its cached latent rows.
 
     Args:
@@ -139,6 +129,8 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
             (decode_flat_triton.py: a program an SM over the flattened row tiles), "gluon"
             (decode_gluon.py: split on wgmma, sm90) or "auto" (`auto_decode_form`; "split"
             whenever decode_splits is given, no gluon when decode_config is).
+        prefill_gluon: prefill rows through decode_gluon.prefill_gluon where it takes the
+            inputs (an A/B switch: envs.MLA_PREFILL_GLUON).
     Returns:
         [T, H, L] contiguous, q's dtype.
     """
@@ -163,7 +155,11 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
                        meta.max_seq_len, decode_splits, decode_config, decode_form)
         return out
     prefill_cfg = prefill_config or default_config("prefill", kv_lora_rank, q.dtype)
-    block_q = _prefill_block_q(prefill_cfg, num_heads)
+    if prefill_gluon and decode_gluon.supports(q, latent_cache, kv_lora_rank):
+        prefill_cfg = None  # _launch_prefill's Gluon form
+        block_q = decode_gluon.prefill_block_q(num_heads)[2]
+    else:
+        block_q = _prefill_block_q(prefill_cfg, num_heads)
     key = ("mla_attention_triton", block_q, q.device)
     if key not in meta.derived:  # the step's first layer: later layers reuse it
         meta.derived[key] = _split_rows(meta, is_decode, block_q, q.device)
@@ -270,9 +266,13 @@ def _launch_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
 
 def _launch_prefill(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, kv_lora_rank: int, out: torch.Tensor, tiles: torch.Tensor,
-                    num_tiles: int, cfg: TileConfig) -> None:
+                    num_tiles: int, cfg: TileConfig | None) -> None:
     """Prefill rows by query tile: `tiles` [2 * num_tiles] int32 = (row of each tile, tile index
-    within the row)."""
+    within the row); cfg None: decode_gluon.prefill_gluon."""
+    if cfg is None:
+        decode_gluon.prefill_gluon(q, latent_cache, meta, scale, kv_lora_rank, out, tiles,
+                                   num_tiles)
+        return
     num_heads, dim = q.shape[1:]
     num_head_tiles, per_tile = head_tiles(num_heads, cfg.block_m)
     block_q = _prefill_block_q(cfg, num_heads)

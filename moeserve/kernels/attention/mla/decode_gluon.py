@@ -146,6 +146,44 @@ def tile(block_n: int | None, stages: int | None, overlap: bool) -> tuple[int, i
     return block_n or default[0], stages or default[1]
 
 
+def prefill_block_q(num_heads: int) -> tuple[int, int, int]:
+    """(head tiles, heads a tile, query tokens a tile) of `prefill_gluon`: the heads in tiles
+    of at most 64, balanced, and as many of a row's tokens as fill the 64 query rows beside
+    a tile of heads (20 heads: 3 tokens; 64 or more: 1)."""
+    num_tiles = -(-num_heads // BLOCK_H)
+    per_tile = -(-num_heads // num_tiles)
+    return num_tiles, per_tile, BLOCK_H // per_tile
+
+
+def prefill_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, kv_lora_rank: int, out: torch.Tensor, tiles: torch.Tensor,
+                  num_tiles: int, block_n: int | None = None,
+                  stages: int | None = None) -> None:
+    """Absorbed MLA prefill rows by query tile, absorbed_triton._launch_prefill's contract:
+    `tiles` [2 * num_tiles] int32 (the row of each tile, then its index within the row), a
+    tile being `prefill_block_q(H)[2]` of the row's tokens; each token's queries over its
+    causal context (the cached positions before the row's query, and the query up to it),
+    written to out [T, H, L]."""
+    block_n, stages = tile(block_n, stages, False)
+    _check(q, latent_cache, kv_lora_rank, stages, False)
+    if num_tiles == 0:
+        return
+    if num_tiles > MAX_GRID_Y:
+        raise ValueError(f"prefill_gluon: {num_tiles} query tiles in one launch, at most "
+                         f"{MAX_GRID_Y} (the grid's y dimension)")
+    num_heads, dim = q.shape[1:]
+    num_head_tiles, per_tile, block_q = prefill_block_q(num_heads)
+    _kernels().decode[(num_head_tiles, num_tiles, 1)](
+        q, latent_cache, out, out, out, out, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, tiles, meta.seq_lens, meta.token_to_req, meta.positions,
+        scale * math.log2(math.e), 0, 1, num_tiles, meta.block_tables.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0), 0,
+        NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
+        BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages, USE_ROWS=True,
+        SPLIT=False, OVERLAP=False, SPARSE=False, PACKED=False, PREFILL=True, HPT=per_tile,
+        BLOCK_Q=block_q, num_warps=NUM_WARPS)
+
+
 def _check(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, stages: int,
            overlap: bool) -> None:
     if not supports(q, latent_cache, kv_lora_rank):
@@ -185,7 +223,7 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages,
         USE_ROWS=rows is not None, SPLIT=num_splits > 1, OVERLAP=overlap, SPARSE=sparse,
-        PACKED=packed, num_warps=NUM_WARPS)
+        PACKED=packed, PREFILL=False, HPT=BLOCK_H, BLOCK_Q=1, num_warps=NUM_WARPS)
     return part_m, part_l, part_acc
 
 
@@ -195,7 +233,7 @@ def _kernels() -> SimpleNamespace:
     below jitted and bound, with the Hopper builtins they call, as module globals (where the
     compiler resolves their names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    global _load_tile, _scores, _valid_keys, _decode_kernel
+    global _load_tile, _scores, _valid_keys, _query_rows, _decode_kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -204,9 +242,12 @@ def _kernels() -> SimpleNamespace:
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
     _load_tile, _scores = gluon.jit(_load_tile), gluon.jit(_scores)
-    _valid_keys = gluon.jit(_valid_keys)
+    _valid_keys, _query_rows = gluon.jit(_valid_keys), gluon.jit(_query_rows)
+    # the decode rows and prefill tiles are slices of one index array at any offset: no
+    # alignment specialisation (a new compile mid-serving), as absorbed_triton's kernels
     _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "topk",
-                                                  "max_blocks", "stride_table"])(_decode_kernel)
+                                                  "max_blocks", "stride_table"],
+                               do_not_specialize_on_alignment=["rows_ptr"])(_decode_kernel)
     return SimpleNamespace(decode=_decode_kernel)
 
 
@@ -220,11 +261,14 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
                    NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                    BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    USE_ROWS: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
-                   SPARSE: gl.constexpr, PACKED: gl.constexpr):
+                   SPARSE: gl.constexpr, PACKED: gl.constexpr, PREFILL: gl.constexpr,
+                   HPT: gl.constexpr, BLOCK_Q: gl.constexpr):
     """Program (head_tile, i, split): BLOCK_H heads of decode row i over its context
     partition `split` (the module docstring's data flow); SPARSE: of token i over partition
     `split` of its `topk` selected positions (sel_ptr's row i; PACKED: valid ones first, at
-    most the token's position + 1)."""
+    most the token's position + 1); PREFILL (one partition): query tile i, BLOCK_Q tokens x
+    HPT heads of a row as the tile's 64 query rows, each over its causal context (rows_ptr:
+    the tiles' rows, then their indices within the row, `topk` tiles)."""
     BH: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # register layouts: the copies' pointer tensors (16-byte vectors along a row), and the
@@ -251,7 +295,15 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
     i = gl.program_id(1)
     split = gl.program_id(2)
     start = split * partition
-    if SPARSE:  # keys: the token's selection; its request's block table
+    if PREFILL:  # keys: positions 0 .. the tile's last token's of the row's context
+        req = gl.load(rows_ptr + i)
+        q0 = gl.load(rows_ptr + topk + i) * BLOCK_Q  # the tile's first token in the row
+        tok = gl.load(query_start_loc_ptr + req).to(gl.int64)
+        q_len = (gl.load(query_start_loc_ptr + req + 1) - tok).to(gl.int32)
+        seq_len = gl.load(seq_lens_ptr + req)
+        end = seq_len - q_len + gl.minimum(q_len, q0 + BLOCK_Q)
+        sel = sel_ptr  # unused
+    elif SPARSE:  # keys: the token's selection; its request's block table
         tok = i.to(gl.int64)
         req = gl.load(token_to_req_ptr + tok)
         end = gl.where(split == num_splits - 1, topk, gl.minimum(topk, start + partition))
@@ -267,21 +319,27 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         seq_len = gl.load(seq_lens_ptr + req)
         end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
         sel = sel_ptr  # unused
+    if not PREFILL:  # one query token: _query_rows' tile arguments unused
+        q0 = 0
+        q_len = 1
     table = block_tables_ptr + req.to(gl.int64) * stride_table
     max_pos = max_blocks * BLOCK_SIZE  # a selected position past the table: never read
 
-    # the queries of the tile's heads (padding heads zero-filled): one copy group
-    hq = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, lat_l))
+    # the tile's query rows (padding rows zero-filled): one copy group
+    q_at, q_ok = _query_rows(tok, q0, q_len, head_tile, stride_qt, stride_qh,
+                             gl.SliceLayout(1, lat_l), NUM_HEADS, HPT, BLOCK_Q, PREFILL)
     dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
-    q_row = q_ptr + tok * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
-    async_copy.async_copy_global_to_shared(q_lat_s, q_row + dq[None, :],
-                                           mask=(hq < NUM_HEADS)[:, None])
-    hp = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, pe_l))
+    async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_at[:, None] + dq[None, :],
+                                           mask=q_ok[:, None])
+    q_at, q_ok = _query_rows(tok, q0, q_len, head_tile, stride_qt, stride_qh,
+                             gl.SliceLayout(1, pe_l), NUM_HEADS, HPT, BLOCK_Q, PREFILL)
     dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
-    async_copy.async_copy_global_to_shared(
-        q_pe_s, q_ptr + tok * stride_qt + hp.to(gl.int64)[:, None] * stride_qh + L + dp[None, :],
-        mask=(hp < NUM_HEADS)[:, None])
+    async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_at[:, None] + L + dp[None, :],
+                                           mask=q_ok[:, None])
     async_copy.commit_group()
+    if PREFILL:  # each query row's keys end at its token's position + 1
+        r = gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
+        row_end = seq_len - q_len + q0 + r // HPT + 1
 
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     nl = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lat_l))
@@ -326,8 +384,12 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
             s = _scores(q_lat_s, q_pe_s, k_lat_s.index(t % STAGES), k_pe_s.index(t % STAGES),
                         s_zero)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        _, valid = _valid_keys(sel, max_pos, start + t * BLOCK_N + keys, end, SPARSE)
-        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+        if PREFILL:  # causal: a row's keys up to its own token
+            s = gl.where((t * BLOCK_N + keys)[None, :] < row_end[:, None], s * scale_log2,
+                         float("-inf"))
+        else:
+            _, valid = _valid_keys(sel, max_pos, start + t * BLOCK_N + keys, end, SPARSE)
+            s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_ref)
@@ -345,8 +407,18 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)  # no copy left in flight at exit
 
-    ho = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
     do = gl.arange(0, L, layout=gl.SliceLayout(0, o_l))
+    if PREFILL:  # each row to its token and head
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+        ro = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
+        o_tok = tok + q0 + ro // HPT
+        o_head = head_tile * HPT + ro % HPT
+        o_ok = (ro < BLOCK_Q * HPT) & (q0 + ro // HPT < q_len) & (o_head < NUM_HEADS)
+        gl.store(out_ptr + o_tok[:, None] * stride_ot + o_head.to(gl.int64)[:, None] * stride_oh
+                 + do[None, :], o.to(dtype), mask=o_ok[:, None])
+        return
+    ho = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
     h_ok = ho < NUM_HEADS
     if SPLIT:
         hs = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
@@ -361,6 +433,24 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # an empty row writes 0
         gl.store(out_ptr + tok * stride_ot + ho.to(gl.int64)[:, None] * stride_oh
                  + do[None, :], o.to(dtype), mask=h_ok[:, None])
+
+
+def _query_rows(tok, q0, q_len, head_tile, stride_qt, stride_qh, layout: gl.constexpr,
+                NUM_HEADS: gl.constexpr, HPT: gl.constexpr, BLOCK_Q: gl.constexpr,
+                PREFILL: gl.constexpr):
+    """The 64 query rows' element offsets into q and whether each is read: a decode token's
+    heads head_tile * 64 + r, or (PREFILL) token q0 + r // HPT of the row's query (starting
+    at token `tok`), head head_tile * HPT + r % HPT."""
+    r = gl.arange(0, 64, layout=layout)
+    if PREFILL:
+        head = head_tile * HPT + r % HPT
+        ok = (r < BLOCK_Q * HPT) & (q0 + r // HPT < q_len) & (head < NUM_HEADS)
+        at = (tok + q0 + r // HPT) * stride_qt + head.to(gl.int64) * stride_qh
+    else:
+        head = head_tile * 64 + r
+        ok = head < NUM_HEADS
+        at = tok * stride_qt + head.to(gl.int64) * stride_qh
+    return at, ok
 
 
 def _scores(q_lat_s, q_pe_s, k_lat, k_pe, s_zero):
