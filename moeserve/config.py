@@ -212,8 +212,9 @@ class EngineConfig:
     up-projected through kv_b_proj, then multi-head attention; "absorbed": over the latent
     cache as the decode rows do (W_UK folded into the queries: no up-projection, more FLOPs a
     cached token); "auto": rows whose context is at most layers/mla.py's
-    AUTO_ABSORBED_MAX_CONTEXT tokens absorbed, longer ones up-projected (the faster form of
-    each, as measured on the H200). The same result. No effect on other models."""
+    AUTO_ABSORBED_MAX_CONTEXT tokens absorbed (GLUON_ABSORBED_MAX_CONTEXT's where the absorbed
+    prefill runs in Gluon, sm90), longer ones up-projected (the faster form of each, as
+    measured on the H200). The same result. No effect on other models."""
     mla_decode: str = "auto"
     """Multi-head latent attention models, Triton attention: how decode rows attend. "split":
     a program a row (and context partition, for long contexts); "flat": a program an SM over

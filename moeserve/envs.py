@@ -11,9 +11,9 @@
                              "KIND:ID[,KIND:ID...]" with KIND one of FAULT_KINDS (below)
     MOESERVE_GROUPED_ROUTER_TRITON  "0" turns off the sigmoid, group-limited router's one
                              Triton launch on CUDA (layers/moe.py), for A/Bs; on otherwise
-    MOESERVE_MLA_PREFILL_GLUON  "1" sends the Triton MLA backend's absorbed prefill rows through
-                             mla/decode_gluon.prefill_gluon (wgmma, sm90) for A/Bs; off
-                             otherwise, until the H200 times it
+    MOESERVE_MLA_PREFILL_GLUON  "0" keeps the Triton MLA backend's absorbed prefill rows off
+                             mla/decode_gluon.prefill_gluon (wgmma, sm90), for A/Bs; on
+                             otherwise where it takes the inputs
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -58,7 +58,7 @@ def grouped_router_triton() -> bool:
 
 
 def mla_prefill_gluon() -> bool:
-    return os.environ.get(MLA_PREFILL_GLUON) == "1"
+    return os.environ.get(MLA_PREFILL_GLUON) != "0"
 
 
 def api_pids_file() -> str | None:

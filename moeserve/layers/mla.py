@@ -41,6 +41,7 @@ from torch import nn
 
 from moeserve import envs
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
+from moeserve.kernels.attention.mla import decode_gluon
 from moeserve.kernels.attention.mla.absorbed_triton import DECODE_FORMS, mla_attention_triton
 from moeserve.kernels.attention.mla.reference import mla_prefill_ref, write_latent
 from moeserve.kernels.attention.mla.rope_cache_triton import (
@@ -70,6 +71,14 @@ PREFILL_FORMS = ("auto", "mha", "absorbed")
 # up-projected form won at 128 heads and mostly at 20. W1 (128-token prompts) ran 11.6% faster
 # absorbed (glm-4.7-flash at 1,024: 18,078 against 16,203 output tok/s, call1_b790193).
 AUTO_ABSORBED_MAX_CONTEXT = 512
+# ... and where the absorbed prefill runs in Gluon (mla/decode_gluon.prefill_gluon: sm90, a bf16
+# / fp16 cache), 1.1-1.8x faster than the Triton prefill at every case, the crossover moves out
+# with the FLOPs a query-key pair costs absorbed over up-projected, (2L + R) / (nope + R + v)
+# (benchmarks/results/gpu_5bd5ebf/call6-7, kernels_mla_prefill --gluon): at GLM's 2.1 (nope
+# 192, v 256) absorbed ran 0.13-0.94x mha's time at every context up to 8,192; at
+# DeepSeek-V3's 3.4 (nope 128, v 128) 0.53-0.68x up to 512 tokens and 2,304 after a prefix,
+# 1.01x for a fresh 2,048, 1.09-1.91x at 4,096-8,192.
+GLUON_ABSORBED_MAX_CONTEXT = {2.5: 8192, float("inf"): 2048}  # pair-FLOP ratio up to -> context
 
 @functools.lru_cache(maxsize=8)
 def _pair_table(config_key: tuple, dim: int, max_position: int,
@@ -120,7 +129,8 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(config.rope, m.qk_head_dim)
         self.prefill_form = "auto"  # PREFILL_FORMS; the engine's mla_prefill sets it
         self.decode_kwargs: dict = self._prefill_kwargs()  # to the MLA backend: set_decode_form
-        self.auto_max_context = AUTO_ABSORBED_MAX_CONTEXT  # "auto"'s longest absorbed row
+        # "auto"'s longest absorbed row; None: `auto_absorbed_max_context`'s rule
+        self.auto_max_context: int | None = None
         # tokens attended in each form, counted on the host when the forward runs eagerly (a
         # CUDA-graph replay runs no Python): tests assert which path ran
         self.reset_path_counters()
@@ -257,16 +267,31 @@ class MLAttention(nn.Module):
             self._prefill_kwargs())
 
     def _prefill_kwargs(self) -> dict:
-        """The Triton backend's absorbed prefill in Gluon, when MOESERVE_MLA_PREFILL_GLUON=1
+        """The Triton backend's absorbed prefill not in Gluon, when MOESERVE_MLA_PREFILL_GLUON=0
         (an A/B switch, envs.py)."""
-        return ({"prefill_gluon": True}
-                if envs.mla_prefill_gluon() and self.backend is mla_attention_triton else {})
+        return ({"prefill_gluon": False}
+                if not envs.mla_prefill_gluon() and self.backend is mla_attention_triton else {})
 
     def absorbed_max_context(self) -> int | float:
         """The longest context a row with several queries may have and attend absorbed, by
         `prefill_form` (decode rows always do)."""
-        return {"mha": 0, "absorbed": float("inf"), "auto": self.auto_max_context}[
-            self.prefill_form]
+        if self.prefill_form != "auto":
+            return {"mha": 0, "absorbed": float("inf")}[self.prefill_form]
+        return (self.auto_max_context if self.auto_max_context is not None
+                else self.auto_absorbed_max_context())
+
+    def auto_absorbed_max_context(self) -> int:
+        """"auto"'s longest absorbed row: GLUON_ABSORBED_MAX_CONTEXT's where this layer's
+        absorbed prefill runs in Gluon (the Triton backend, not switched off, over a cache
+        decode_gluon takes), AUTO_ABSORBED_MAX_CONTEXT otherwise."""
+        cache = getattr(self, "kv_cache", None)
+        if (cache is None or self.backend is not mla_attention_triton
+                or self.decode_kwargs.get("prefill_gluon") is False
+                or not decode_gluon.supports_cache(cache, self.kv_lora_rank)):
+            return AUTO_ABSORBED_MAX_CONTEXT
+        ratio = ((2 * self.kv_lora_rank + self.rope_dim)
+                 / (self.nope + self.rope_dim + self.v_dim))
+        return next(ctx for bound, ctx in GLUON_ABSORBED_MAX_CONTEXT.items() if ratio <= bound)
 
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
                   attend: MlaBackend | None = None) -> torch.Tensor:

@@ -198,9 +198,10 @@ def test_gpu_auto_takes_gluon_unless_a_triton_tile_or_split_is_forced(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_prefill_matches(num_heads: int, dtype: torch.dtype,
                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """prefill_gluon through the Triton launcher (prefill_gluon=True) on a mixed step: fresh
-    prompts, prefix hits, chunks ending in a partial query tile, one-token chunks and a decode
-    row, each token over its causal context; equal to the dense expectation."""
+    """prefill_gluon through the Triton launcher (prefill_gluon=True, and by default; False:
+    the Triton prefill) on a mixed step: fresh prompts, prefix hits, chunks ending in a partial
+    query tile, one-token chunks and a decode row, each token over its causal context; equal
+    to the dense expectation."""
     from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
 
     calls: list[int] = []
@@ -209,35 +210,79 @@ def test_gpu_prefill_matches(num_heads: int, dtype: torch.dtype,
                         lambda *a, **k: (calls.append(a[-1]), real(*a, **k))[1])
     case = gpu_case([0, 0, 512, 1000, 37, 300, 64], [128, 700, 256, 77, 300, 1, 2], num_heads,
                     dtype=dtype, seed=num_heads)
-    out = mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
-                               prefill_gluon=True)
     block_q = decode_gluon.prefill_block_q(num_heads)[2]
-    assert calls == [sum(-(-n // block_q) for n in (128, 700, 256, 77, 300, 2))]
+    tiles = sum(-(-n // block_q) for n in (128, 700, 256, 77, 300, 2))
     tol = TOL[torch.bfloat16]
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
+    for kwargs, want in (({"prefill_gluon": True}, [tiles]), ({}, [tiles]),
+                         ({"prefill_gluon": False}, [])):
+        calls.clear()
+        out = mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale,
+                                   case.L, **kwargs)
+        assert calls == want, kwargs
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("env", [None, "0", "1"])
-def test_layer_asks_for_the_gluon_prefill_only_when_the_switch_is_on(
-        env: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """MOESERVE_MLA_PREFILL_GLUON=1 (envs.py) adds prefill_gluon to the Triton backend's
-    arguments, kept through a decode form set after; never for the torch reference."""
-    from moeserve import envs
-    from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
-    from moeserve.kernels.attention.mla.reference import mla_attention_ref
+def _glm_layer(backend, preset: str = "glm-4.7-flash"):
+    """Layer 0's MLAttention of a preset, on the meta device (its shapes only)."""
     from moeserve.layers.mla import MLAttention
     from moeserve.model_config import ModelConfig
     from moeserve.presets import load_preset
+
+    return MLAttention(0, ModelConfig.from_hf(load_preset(preset)), backend, torch.bfloat16,
+                       "meta")
+
+
+@pytest.mark.parametrize("env", [None, "0", "1"])
+def test_layer_keeps_the_triton_prefill_only_when_the_switch_is_off(
+        env: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOESERVE_MLA_PREFILL_GLUON=0 (envs.py) adds prefill_gluon=False to the Triton backend's
+    arguments, kept through a decode form set after; never for the torch reference. Over a
+    CPU cache "auto" absorbs rows up to AUTO_ABSORBED_MAX_CONTEXT."""
+    from moeserve import envs
+    from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
+    from moeserve.kernels.attention.mla.reference import mla_attention_ref
+    from moeserve.layers.mla import AUTO_ABSORBED_MAX_CONTEXT
 
     if env is None:
         monkeypatch.delenv(envs.MLA_PREFILL_GLUON, raising=False)
     else:
         monkeypatch.setenv(envs.MLA_PREFILL_GLUON, env)
-    cfg = ModelConfig.from_hf(load_preset("glm-4.7-flash"))
-    layer = MLAttention(0, cfg, mla_attention_triton, torch.bfloat16, "meta")
-    want = {"prefill_gluon": True} if env == "1" else {}
+    layer = _glm_layer(mla_attention_triton)
+    want = {"prefill_gluon": False} if env == "0" else {}
     assert layer.decode_kwargs == want
     layer.set_decode_form("split")
     assert layer.decode_kwargs == {"decode_form": "split", **want}
-    assert MLAttention(0, cfg, mla_attention_ref, torch.bfloat16, "meta").decode_kwargs == {}
+    assert _glm_layer(mla_attention_ref).decode_kwargs == {}
+    layer.kv_cache = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    assert layer.absorbed_max_context() == AUTO_ABSORBED_MAX_CONTEXT
+    layer.auto_max_context = 77  # a set limit wins
+    assert layer.absorbed_max_context() == 77
+
+
+@pytest.mark.gpu
+def test_gpu_auto_absorbs_longer_rows_where_the_prefill_runs_in_gluon(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a bf16 cache on sm90 "auto"'s absorbed limit follows GLUON_ABSORBED_MAX_CONTEXT by
+    the pair-FLOP ratio (GLM's 2.1: 8,192; DeepSeek-V3's 3.4: 2,048); an fp8 cache, the torch
+    reference or the switch off keep AUTO_ABSORBED_MAX_CONTEXT."""
+    from moeserve import envs
+    from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
+    from moeserve.kernels.attention.mla.reference import mla_attention_ref
+    from moeserve.layers.mla import AUTO_ABSORBED_MAX_CONTEXT
+
+    monkeypatch.delenv(envs.MLA_PREFILL_GLUON, raising=False)
+    cache = torch.zeros(2, 16, 576, dtype=torch.bfloat16, device="cuda")
+    for preset, want in (("glm-4.7-flash", 8192), ("glm-5", 8192), ("deepseek-v3", 2048)):
+        layer = _glm_layer(mla_attention_triton, preset)
+        layer.kv_cache = cache
+        assert layer.absorbed_max_context() == want, preset
+        layer.kv_cache = cache.to(torch.float8_e4m3fn)
+        assert layer.absorbed_max_context() == AUTO_ABSORBED_MAX_CONTEXT, preset
+    ref = _glm_layer(mla_attention_ref)
+    ref.kv_cache = cache
+    assert ref.absorbed_max_context() == AUTO_ABSORBED_MAX_CONTEXT
+    monkeypatch.setenv(envs.MLA_PREFILL_GLUON, "0")
+    off = _glm_layer(mla_attention_triton)
+    off.kv_cache = cache
+    assert off.absorbed_max_context() == AUTO_ABSORBED_MAX_CONTEXT

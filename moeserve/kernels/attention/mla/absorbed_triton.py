@@ -110,27 +110,26 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
                          scale: float, kv_lora_rank: int, *, decode_splits: int | None = None,
                          decode_config: TileConfig | None = None,
                          prefill_config: TileConfig | None = None,
-                         decode_form: str = "auto", prefill_gluon: bool = False) -> torch.Tensor:
+                         decode_form: str = "auto",
+                         prefill_gluon: bool | None = None) -> torch.Tensor:
     """Absorbed MLA: causal attention of each row's queries over its cached latent rows.
 
     Args:
-        q: [T, H, L + R] (last dim contiguous), each head's absorbed query
-            [q_nope @ W_UK | rotated q_rope], tokens in the order of `meta`.
+        q: [T, H, L + R] (last dim contiguous), each head's absorbed query [q_nope @ W_UK |
+            rotated q_rope], tokens in the order of `meta`.
         latent_cache: [num_blocks, block_size, L + R], contiguous, q's dtype; the step's own
-            rows already written.
-        meta: the step's AttentionMetadata; its int32 tensors on q's device.
+            rows already written. meta: the step's AttentionMetadata (on q's device).
         scale: the softmax scale.
         kv_lora_rank: L; the values are the first L entries of each cached row. L and
             R = q.shape[-1] - L must be powers of two >= 16.
-        decode_splits: force the decode split count (tests, CUDA-graph capture); default
-            `decode_num_splits` over (rows, head tiles, max_seq_len).
+        decode_splits: force the decode split count (tests); default `decode_num_splits`.
         decode_config, prefill_config: tile shapes (benchmarks); default `default_config`.
         decode_form: "split" (a program a head tile, row and context partition), "flat"
             (decode_flat_triton.py: a program an SM over the flattened row tiles), "gluon"
             (decode_gluon.py: split on wgmma, sm90) or "auto" (`auto_decode_form`; "split"
             whenever decode_splits is given, no gluon when decode_config is).
-        prefill_gluon: prefill rows through decode_gluon.prefill_gluon where it takes the
-            inputs (an A/B switch: envs.MLA_PREFILL_GLUON).
+        prefill_gluon: prefill rows through decode_gluon.prefill_gluon; default (None)
+            wherever it takes the inputs and no prefill_config is given.
     Returns:
         [T, H, L] contiguous, q's dtype.
     """
@@ -155,7 +154,8 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
                        meta.max_seq_len, decode_splits, decode_config, decode_form)
         return out
     prefill_cfg = prefill_config or default_config("prefill", kv_lora_rank, q.dtype)
-    if prefill_gluon and decode_gluon.supports(q, latent_cache, kv_lora_rank):
+    if (prefill_config is None if prefill_gluon is None else prefill_gluon) and (
+            decode_gluon.supports(q, latent_cache, kv_lora_rank)):
         prefill_cfg = None  # _launch_prefill's Gluon form
         block_q = decode_gluon.prefill_block_q(num_heads)[2]
     else:

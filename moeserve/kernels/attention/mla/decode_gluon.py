@@ -26,11 +26,14 @@ tensor cores work during it. bf16 / fp16 queries and cache only (no float8
 cache, no fp32), L and R powers of two, an sm90 GPU; `supports` says whether it takes a call.
 
 `sparse_gluon` is DSA's sparse MLA on the same kernel (SPARSE): a program's keys are a token's
-selected positions, dsa/sparse_triton.py's contract.
+selected positions, dsa/sparse_triton.py's contract. `prefill_gluon` is the absorbed prefill on
+it (PREFILL): a program's 64 query rows are BLOCK_Q of a row's tokens x a tile of heads (20
+heads: 3 tokens), each masked to its causal context, absorbed_triton._launch_prefill's contract.
 
 Timed on the H200 by benchmarks/h200/mla_gluon_h200.sh (kernels_mla --forms gluon
 gluon-overlap, mla_once --gluon). Where `supports` holds, the Triton launcher's "auto" decode
-form runs decode_gluon (absorbed_triton.auto_decode_form) and DSA's sparse attention runs
+form runs decode_gluon (absorbed_triton.auto_decode_form), its prefill rows prefill_gluon
+(1.1-1.8x the Triton prefill: gpu_5bd5ebf/call6-7), and DSA's sparse attention runs
 sparse_gluon (dsa/sparse_triton.dsa_attention_triton). The overlap measured no faster and stays
 off. Gluon is imported on first use (`_kernels`).
 """
@@ -68,9 +71,14 @@ warpgroup_mma_wait: Any = None
 def supports(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
     """Whether decode_gluon takes these inputs: an sm90 GPU, bf16 / fp16 queries and cache of
     one dtype, L and R powers of two of at least 16."""
-    rope = q.shape[-1] - kv_lora_rank
-    return (q.is_cuda and _is_sm90(q.device.index) and q.dtype in _DTYPES
-            and latent_cache.dtype == q.dtype and _pow2(kv_lora_rank) and _pow2(rope))
+    return q.dtype == latent_cache.dtype and supports_cache(latent_cache, kv_lora_rank)
+
+
+def supports_cache(latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """Whether the kernels take queries of this latent cache's dtype over it (`supports`)."""
+    rope = latent_cache.shape[-1] - kv_lora_rank
+    return (latent_cache.is_cuda and _is_sm90(latent_cache.device.index)
+            and latent_cache.dtype in _DTYPES and _pow2(kv_lora_rank) and _pow2(rope))
 
 
 @functools.cache
@@ -168,12 +176,9 @@ def prefill_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMe
     _check(q, latent_cache, kv_lora_rank, stages, False)
     if num_tiles == 0:
         return
-    if num_tiles > MAX_GRID_Y:
-        raise ValueError(f"prefill_gluon: {num_tiles} query tiles in one launch, at most "
-                         f"{MAX_GRID_Y} (the grid's y dimension)")
     num_heads, dim = q.shape[1:]
     num_head_tiles, per_tile, block_q = prefill_block_q(num_heads)
-    _kernels().decode[(num_head_tiles, num_tiles, 1)](
+    _kernels().decode[(num_tiles, num_head_tiles, 1)](
         q, latent_cache, out, out, out, out, meta.block_tables, meta.seq_lens,
         meta.query_start_loc, tiles, meta.seq_lens, meta.token_to_req, meta.positions,
         scale * math.log2(math.e), 0, 1, num_tiles, meta.block_tables.shape[1],
@@ -266,9 +271,9 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
     """Program (head_tile, i, split): BLOCK_H heads of decode row i over its context
     partition `split` (the module docstring's data flow); SPARSE: of token i over partition
     `split` of its `topk` selected positions (sel_ptr's row i; PACKED: valid ones first, at
-    most the token's position + 1); PREFILL (one partition): query tile i, BLOCK_Q tokens x
-    HPT heads of a row as the tile's 64 query rows, each over its causal context (rows_ptr:
-    the tiles' rows, then their indices within the row, `topk` tiles)."""
+    most the token's position + 1); PREFILL (grid (i, head_tile, 1)): query tile i, BLOCK_Q
+    tokens x HPT heads of a row as the tile's 64 query rows, each over its causal context
+    (rows_ptr: the tiles' rows, then their indices within the row, `topk` tiles)."""
     BH: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # register layouts: the copies' pointer tensors (16-byte vectors along a row), and the
@@ -291,8 +296,12 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
     k_pe_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], k_pe_sl)
     p_s = gl.allocate_shared_memory(dtype, [BH, BLOCK_N], p_sl)
 
-    head_tile = gl.program_id(0)
-    i = gl.program_id(1)
+    if PREFILL:  # grid (query tiles, head tiles): the tiles past the grid's y limit
+        i = gl.program_id(0)
+        head_tile = gl.program_id(1)
+    else:
+        head_tile = gl.program_id(0)
+        i = gl.program_id(1)
     split = gl.program_id(2)
     start = split * partition
     if PREFILL:  # keys: positions 0 .. the tile's last token's of the row's context
