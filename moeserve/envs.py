@@ -14,6 +14,8 @@
     MOESERVE_MLA_PREFILL_GLUON  "0" keeps the Triton MLA backend's absorbed prefill rows off
                              mla/decode_gluon.prefill_gluon (wgmma, sm90), for A/Bs; on
                              otherwise where it takes the inputs
+    MOESERVE_MLA_DECODE_PERSISTENT  "1" runs the Gluon MLA decode's unsplit launches by
+                             mla/decode_gluon_persistent.py's kernel, for A/Bs; off otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -31,6 +33,7 @@ FAULT_INJECT = "MOESERVE_FAULT_INJECT"
 COLLECTIVES_AT_ONE_RANK = "MOESERVE_COLLECTIVES_AT_ONE_RANK"
 GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
 MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
+MLA_DECODE_PERSISTENT = "MOESERVE_MLA_DECODE_PERSISTENT"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -59,6 +62,10 @@ def grouped_router_triton() -> bool:
 
 def mla_prefill_gluon() -> bool:
     return os.environ.get(MLA_PREFILL_GLUON) != "0"
+
+
+def mla_decode_persistent() -> bool:
+    return os.environ.get(MLA_DECODE_PERSISTENT) == "1"
 
 
 def api_pids_file() -> str | None:

@@ -234,6 +234,12 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
                  HPT=per_tile if args.prefill else decode_gluon.BLOCK_H,
                  BLOCK_Q=block_q if args.prefill else 1)
     kernel = decode_gluon._kernels().decode
+    if args.persistent:  # decode_gluon_persistent.py: rows in one stream a program
+        from moeserve.kernels.attention.mla import decode_gluon_persistent
+
+        const = dict(NUM_HEADS=args.heads, NUM_HEAD_TILES=-(-args.heads // 64), L=512, R=64,
+                     BLOCK_SIZE=args.block_size, BLOCK_N=bn, STAGES=stages, USE_ROWS=False)
+        kernel = decode_gluon_persistent._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
 
@@ -357,6 +363,8 @@ def main() -> None:
                            help="DSA's sparse MLA over packed selections (sparse_gluon)")
             p.add_argument("--prefill", action="store_true",
                            help="the absorbed prefill over query tiles (prefill_gluon)")
+            p.add_argument("--persistent", action="store_true",
+                           help="decode_gluon_persistent's kernel (one stream of rows)")
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                            help="fp8: the float8 e4m3 latent cache's variant")

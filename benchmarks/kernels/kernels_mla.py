@@ -25,7 +25,7 @@ after each case (a run cut short keeps what it measured).
     python -m benchmarks.kernels.kernels_mla --out DIR --forms split flat gluon gluon-overlap
         # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat,
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
-        # stages from --tiles' BN and S)
+        # stages from --tiles' BN and S; gluon-persistent, decode_gluon_persistent's, unsplit)
 """
 
 from __future__ import annotations
@@ -126,6 +126,13 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
 
     def gluon() -> torch.Tensor:
         out = q.new_empty(*q.shape[:2], latent)
+        if form == "gluon-persistent":  # decode_gluon_persistent.py, unsplit
+            from moeserve.kernels.attention.mla.decode_gluon_persistent import (
+                decode_persistent,
+            )
+            decode_persistent(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
+                              block_n=cfg.block_n, stages=cfg.num_stages)
+            return out
         decode_gluon.decode_gluon(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                                   meta.max_seq_len, block_n=cfg.block_n,
                                   stages=cfg.num_stages, overlap=form == "gluon-overlap")
@@ -158,11 +165,12 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
                                                 form == "gluon-overlap")
             cfg = mla_triton.TileConfig(decode_gluon.BLOCK_H, block_n, decode_gluon.NUM_WARPS,
                                         stages)
-            if form == "gluon-overlap" and stages < 3:  # it needs three stages
+            if (form == "gluon-overlap" and stages < 3) or (
+                    form == "gluon-persistent" and stages != 2):  # their stage counts
                 continue
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
         err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form, cache_dtype)
-        splits = (None if form == "flat"
+        splits = (None if form == "flat" else 1 if form == "gluon-persistent"
                   else mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len,
                                                     q.device))
         ms = timer(decode_op(q, cache, meta, latent, cfg, form))
@@ -202,10 +210,12 @@ def main() -> None:
                         help="decode TileConfigs to time each case at (heads a program, keys "
                              "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--forms", nargs="+", default=["auto"],
-                        choices=[*mla_triton.DECODE_FORMS, "gluon-overlap"],
+                        choices=[*mla_triton.DECODE_FORMS, "gluon-overlap",
+                                 "gluon-persistent"],
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
                              "flat skips heads past its FLAT_MAX_HEADS; gluon, gluon-overlap: "
-                             "decode_gluon, sm90 only)")
+                             "decode_gluon, gluon-persistent: decode_gluon_persistent, sm90 "
+                             "only)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")

@@ -2,12 +2,10 @@
 language): `decode_gluon`, the same contract as absorbed_triton's split decode (a program a
 head tile, decode row and context partition; the partitions combined by reduce_triton).
 
-Why a second kernel: Triton's tl.dot gives the 20-head decode mma.sync (M = 32 < 64), whose
-operands are re-read from shared memory into registers for every key tile; on the H200 that
-kernel is latency-bound on those loads with one program an SM (Nsight Compute,
-benchmarks/results/gpu_bb408cc/call5: short-scoreboard stalls 37% of the loop, DRAM at 34%),
-and neither more programs an SM nor more warps help (call4, call6). Here every product is a
-wgmma that reads its operands from shared memory itself:
+Why: Triton's tl.dot gives the 20-head decode mma.sync, its operands re-read from shared
+memory into registers every key tile: latency-bound on those loads on the H200 (Nsight
+Compute, benchmarks/results/gpu_bb408cc/call5). Here every product is a wgmma that reads its
+operands from shared memory itself:
 
     program (head tile, row, partition), 8 warps = 2 warpgroups, BLOCK_H = 64 heads (20
     heads padded, as FlashMLA pads them; 128 heads are two tiles):
@@ -19,45 +17,46 @@ wgmma that reads its operands from shared memory itself:
       P  -> shared (bf16)
       O += P V,  V = K_lat                     wgmma [64, L], each warpgroup half of L
 
-Bytes and FLOPs are the split decode's; what changes is how the tensor cores get their
-operands. Within a tile S, softmax and P V run in turn (three CTA barriers a tile), the loads
-STAGES - 1 tiles ahead; `overlap` issues tile t + 1's S before tile t's softmax, so that the
-tensor cores work during it. bf16 / fp16 queries and cache only (no float8
-cache, no fp32), L and R powers of two, an sm90 GPU; `supports` says whether it takes a call.
+Within a tile S, softmax and P V run in turn (three CTA barriers a tile), the loads STAGES - 1
+tiles ahead; `overlap` issues tile t + 1's S before tile t's softmax. bf16 / fp16 queries and
+cache only, L and R powers of two, an sm90 GPU: `supports` says whether it takes a call.
 
 `sparse_gluon` is DSA's sparse MLA on the same kernel (SPARSE): a program's keys are a token's
 selected positions, dsa/sparse_triton.py's contract. `prefill_gluon` is the absorbed prefill on
 it (PREFILL): a program's 64 query rows are BLOCK_Q of a row's tokens x a tile of heads (20
 heads: 3 tokens), each masked to its causal context, absorbed_triton._launch_prefill's contract.
 
-Timed on the H200 by benchmarks/h200/mla_gluon_h200.sh (kernels_mla --forms gluon
-gluon-overlap, mla_once --gluon). Where `supports` holds, the Triton launcher's "auto" decode
-form runs decode_gluon (absorbed_triton.auto_decode_form), its prefill rows prefill_gluon
-(1.1-1.8x the Triton prefill: gpu_5bd5ebf/call6-7), and DSA's sparse attention runs
-sparse_gluon (dsa/sparse_triton.dsa_attention_triton). The overlap measured no faster and stays
-off. Gluon is imported on first use (`_kernels`).
+Where `supports` holds, the Triton launcher's "auto" decode form runs decode_gluon
+(absorbed_triton.auto_decode_form), its prefill rows prefill_gluon (1.1-1.8x the Triton
+prefill: gpu_5bd5ebf/call6-7), and DSA's sparse attention sparse_gluon
+(dsa/sparse_triton.dsa_attention_triton). The overlap measured no faster and stays off.
+Gluon is imported on first use (`_kernels`).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from moeserve import envs
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import reduce_triton
 from moeserve.kernels.triton_common import MAX_GRID_Y
 
 BLOCK_H = 64  # heads a program: wgmma's M
 NUM_WARPS = 8  # two warpgroups: S split by keys, O by value columns
-# keys a tile and stages: the fastest tile on the H200 at 20 and 64 heads, every case of
-# kernels_mla (benchmarks/results/gpu_5bd5ebf/call1: 62-72% of the read bound at 1k-4k keys
-# against 45-61% for the Triton split decode; (32, 3) 47-53%); about 221 KB of shared memory
+# keys a tile and stages: the fastest on the H200 at 20 and 64 heads in every kernels_mla case
+# (gpu_5bd5ebf/call1: 62-72% of the read bound at 1k-4k keys; (32, 3) 47-53%); 225 KB shared
 DEFAULT_BLOCK_N, DEFAULT_STAGES = 64, 2
 OVERLAP_BLOCK_N, OVERLAP_STAGES = 32, 3  # the overlap needs three stages: (64, 3) does not fit
+# experiment switch (MOESERVE_MLA_DECODE_PERSISTENT=1): unsplit decodes by
+# decode_gluon_persistent.py's kernel (rows in one key stream a program), off until timed
+persistent = envs.mla_decode_persistent()
 _DTYPES = (torch.bfloat16, torch.float16)
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
@@ -69,8 +68,7 @@ warpgroup_mma_wait: Any = None
 
 
 def supports(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """Whether decode_gluon takes these inputs: an sm90 GPU, bf16 / fp16 queries and cache of
-    one dtype, L and R powers of two of at least 16."""
+    """Whether it takes these inputs: sm90, bf16 / fp16 q and cache of one dtype, L, R 2^k."""
     return q.dtype == latent_cache.dtype and supports_cache(latent_cache, kv_lora_rank)
 
 
@@ -82,13 +80,16 @@ def supports_cache(latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
 
 
 @functools.cache
-def _is_sm90(index: int | None) -> bool:
-    """Whether CUDA device `index` is Hopper (asked once a device: every decode call checks)."""
+def _is_sm90(index: int | None) -> bool:  # asked once a device: every decode call checks
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
+
+
+def _persistent():  # the module, imported on use (it imports this one)
+    return importlib.import_module("moeserve.kernels.attention.mla.decode_gluon_persistent")
 
 
 def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
@@ -98,16 +99,19 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                  stages: int | None = None, overlap: bool = False) -> None:
     """Decode rows (one query each) into out [T, H, L]: `rows` [num_rows] int32 row ids, or
     None for rows 0..B-1 (absorbed_triton._launch_decode's contract). num_splits: context
-    partitions a row (default reduce_triton.decode_num_splits). block_n, stages: keys a tile
-    and shared-memory stages (default `tile`). overlap: each tile's scores issued during the
-    previous tile's softmax (needs stages >= 3: tiles t and t + 1 resident while t + 2 loads);
-    the same ops in the same order, so the same result."""
+    partitions a row (default reduce_triton.decode_num_splits). block_n, stages: default
+    `tile`. overlap: each tile's scores issued during the previous tile's softmax (stages >=
+    3); the same result."""
     block_n, stages = tile(block_n, stages, overlap)
     _check(q, latent_cache, kv_lora_rank, stages, overlap)
     num_head_tiles = -(-q.shape[1] // BLOCK_H)
+    forced = num_splits is not None
     if num_splits is None:
         num_splits = reduce_triton.decode_num_splits(num_rows, num_head_tiles, max_seq_len,
                                                      q.device)
+    if persistent and num_splits == 1 and not forced and stages == 2 and not overlap:
+        return _persistent().decode_persistent(q, latent_cache, meta, scale, kv_lora_rank,
+                                               out, rows, num_rows, block_n, stages)
     parts = _launch(q, latent_cache, meta, scale, kv_lora_rank, out, num_rows, max_seq_len,
                     num_splits, block_n, stages, overlap, rows=rows)
     if num_splits > 1:
@@ -149,7 +153,7 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
 
 
 def tile(block_n: int | None, stages: int | None, overlap: bool) -> tuple[int, int]:
-    """(keys a tile, stages): the given ones, else the defaults for the overlap's setting."""
+    """(keys a tile, stages): the given ones, else the overlap's setting's defaults."""
     default = (OVERLAP_BLOCK_N, OVERLAP_STAGES) if overlap else (DEFAULT_BLOCK_N, DEFAULT_STAGES)
     return block_n or default[0], stages or default[1]
 
@@ -234,9 +238,8 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
 
 @functools.cache
 def _kernels() -> SimpleNamespace:
-    """Build the Gluon kernel on first use (the only place gluon is imported): the functions
-    below jitted and bound, with the Hopper builtins they call, as module globals (where the
-    compiler resolves their names)."""
+    """Jit the functions below on first use (gluon imported here only), bound with the Hopper
+    builtins they call as module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     global _load_tile, _scores, _valid_keys, _query_rows, _decode_kernel
     from triton.experimental import gluon
@@ -248,8 +251,7 @@ def _kernels() -> SimpleNamespace:
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
     _load_tile, _scores = gluon.jit(_load_tile), gluon.jit(_scores)
     _valid_keys, _query_rows = gluon.jit(_valid_keys), gluon.jit(_query_rows)
-    # the decode rows and prefill tiles are slices of one index array at any offset: no
-    # alignment specialisation (a new compile mid-serving), as absorbed_triton's kernels
+    # rows_ptr: a slice of one index array at any offset (no new compile mid-serving)
     _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "topk",
                                                   "max_blocks", "stride_table"],
                                do_not_specialize_on_alignment=["rows_ptr"])(_decode_kernel)

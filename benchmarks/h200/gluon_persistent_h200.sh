@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 16: the persistent Gluon MLA decode (mla/decode_gluon_persistent.py, an experiment off
+# by default) and the Gluon prefill made default in session 26, on the H200. Two modes, each
+# one call; results as $OUT/gluon_persistent.tgz.
+#   bash benchmarks/h200/gluon_persistent_h200.sh kernels  # (~6 min) GPU tests: the persistent
+#        # kernel, the Gluon decode / prefill, the MLA presets' bf16 agreement through the
+#        # engine with the new defaults; kernels_mla gluon against gluon-persistent at 20 / 64 /
+#        # 128 heads (CASES and --few-rows)
+#   bash benchmarks/h200/gluon_persistent_h200.sh w1       # (~8 min) W1 on glm-4.7-flash at
+#        # CONC (default 256 512 1024) through the server: the defaults, then
+#        # MOESERVE_MLA_DECODE_PERSISTENT=1, then MOESERVE_MLA_PREFILL_GLUON=0, in turn at each
+#        # concurrency
+set -uo pipefail
+source benchmarks/gpu_env.sh
+R=/tmp/gluon_persistent; mkdir -p $R
+case "${1:-kernels}" in
+  kernels)
+    timeout 200 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -n 4 \
+      tests/kernels/attention/test_mla_decode_gluon_persistent.py \
+      tests/kernels/attention/test_mla_decode_gluon.py > $R/gpu_tests.log 2>&1
+    echo "kernel tests rc=$?"; grep -E "passed|failed|Error" $R/gpu_tests.log | tail -8
+    timeout 120 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -k mla \
+      tests/engine/test_gpu_bf16_agreement.py > $R/gpu_tests_agreement.log 2>&1
+    echo "agreement tests rc=$?"; tail -2 $R/gpu_tests_agreement.log
+    timeout 150 python3 -m benchmarks.kernels.kernels_mla --out $R/cases --heads 20 64 128 \
+      --forms gluon gluon-persistent > $R/kernels_mla.log 2>&1
+    echo "kernels_mla rc=$?"
+    timeout 60 python3 -m benchmarks.kernels.kernels_mla --out $R/few --heads 20 64 \
+      --few-rows --forms gluon gluon-persistent > $R/kernels_mla_few.log 2>&1
+    echo "kernels_mla few rc=$?"
+    python3 -c "import json, sys
+for f in sys.argv[1:]:
+    try:
+        cases = json.load(open(f))['cases']
+    except (OSError, ValueError) as exc:
+        print(f, exc); continue
+    for r in cases:
+        print(r['form'], r['heads'], r['case'], r['ms'], r['pct_of_bound'])
+" $R/cases/kernels_mla.json $R/few/kernels_mla.json ;;
+  w1)
+    for c in ${CONC:-256 512 1024}; do
+      for variant in default persistent triton_prefill; do
+        env=(); [ $variant = persistent ] && env=(MOESERVE_MLA_DECODE_PERSISTENT=1)
+        [ $variant = triton_prefill ] && env=(MOESERVE_MLA_PREFILL_GLUON=0)
+        timeout 110 env "${env[@]}" python3 -m moeserve.cli bench --preset glm-4.7-flash \
+          --max-concurrency "$c" --no-progress --output-json "$R/w1_c${c}_$variant.jsonl" \
+          > "$R/w1_c${c}_$variant.log" 2>&1
+        echo "c=$c $variant rc=$?"
+        grep -E "Output token throughput|eager decode|serial roofline" "$R/w1_c${c}_$variant.log"
+      done
+    done
+    gzip -f $R/*.jsonl ;;
+esac
+tar czf $OUT/gluon_persistent.tgz -C /tmp gluon_persistent
