@@ -5,7 +5,7 @@
 #   bash benchmarks/h200/gluon_persistent_h200.sh kernels  # (~6 min) GPU tests: the persistent
 #        # kernel, the Gluon decode / prefill, the MLA presets' bf16 agreement through the
 #        # engine with the new defaults; kernels_mla gluon against gluon-persistent at 20 / 64 /
-#        # 128 heads (CASES and --few-rows)
+#        # 128 heads (CASES and --few-rows); mla_once's split counts at few rows
 #   bash benchmarks/h200/gluon_persistent_h200.sh w1       # (~8 min) W1 on glm-4.7-flash at
 #        # CONC (default 256 512 1024) through the server: the defaults, then
 #        # MOESERVE_MLA_DECODE_PERSISTENT=1, then MOESERVE_MLA_PREFILL_GLUON=0, in turn at each
@@ -28,6 +28,17 @@ case "${1:-kernels}" in
     timeout 60 python3 -m benchmarks.kernels.kernels_mla --out $R/few --heads 20 64 \
       --few-rows --forms gluon gluon-persistent > $R/kernels_mla_few.log 2>&1
     echo "kernels_mla few rc=$?"
+    # split counts: the Gluon programs run one an SM, so decode_num_splits' two waves of
+    # programs may cost a tail; one wave against the default at few rows (mla_once --splits)
+    for case in "4|--kind sparse --batch 32 --context 8192" \
+                "33|--kind dense --heads 20 --batch 4 --context 16384" \
+                "4|--kind dense --heads 64 --batch 32 --context 4096"; do
+      one_wave=${case%%|*}; args=${case#*|}  # splits that make 132 programs: one wave
+      for s in "" "--splits $one_wave"; do
+        timeout 60 python3 -m benchmarks.kernels.mla_once $args --gluon $s 2>>$R/once.err \
+          | tail -1 | tee -a $R/mla_once.jsonl | cut -c1-200
+      done
+    done
     python3 -c "import json, sys
 for f in sys.argv[1:]:
     try:
