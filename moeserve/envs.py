@@ -48,8 +48,11 @@ MLA_DECODE_PERSISTENT = "MOESERVE_MLA_DECODE_PERSISTENT"
 #               slower than its clients, for overload and disconnect tests
 #   hold_steps  (the id is a file path) every engine step waits until that file exists: no
 #               request finishes until a test lets them
+#   oom         the forward raises torch.OutOfMemoryError while that request is in the batch
+#               (a step the memory plan did not foresee: engine/oom.py recovers); oom_once:
+#               only the first time
 FAULT_KINDS = ("sample", "nan", "detokenize", "step", "hold_startup", "slow_step",
-               "hold_steps")
+               "hold_steps", "oom", "oom_once")
 
 
 def collectives_at_one_rank() -> bool:

@@ -32,6 +32,7 @@ from moeserve.config import (
     resolve_max_running_requests,
     resolve_static,
 )
+from moeserve.engine.oom import OomRecovery
 from moeserve.engine.validate import validate_request
 from moeserve.gc_tuning import freeze_heap
 from moeserve.kernels.moe.tile_configs import tile_device_name
@@ -47,7 +48,7 @@ from moeserve.parallel.layout import (
     quantized_split_breaks,
 )
 from moeserve.quant.packed import QuantWeight
-from moeserve.runner.capacity import CapacityReport, weights_by_class
+from moeserve.runner.capacity import CapacityReport, dsa_line, weights_by_class
 from moeserve.runner.model_runner import ModelRunner, timed
 from moeserve.runner.pending_output import PendingOutput
 from moeserve.sched import Request, Scheduler
@@ -111,13 +112,14 @@ class EngineCore:
             moe_configs=self._report_moe_configs(device),
             parallel=self._parallel_line(plan),
             kv_layout=self.runner.kv_layout(),
-            mtp=self.runner.mtp_note, dsa=_dsa_line(self.cfg, self.model_config),
+            mtp=self.runner.mtp_note, dsa=dsa_line(self.cfg, self.model_config),
             mla_prefill=self.cfg.mla_prefill if self.model_config.mla is not None else "",
             mla_decode=self.cfg.mla_decode if self.model_config.mla is not None else "",
             checkpoint_format=self.runner.format_note, shared_experts=self.runner.shared_note,
             weights=weights_by_class(self.runner.model))
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
+        self.oom = OomRecovery(self.scheduler)
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.cfg.seed)
         freeze_heap()  # the model, the pool, the graphs: kept out of the step loop's GC passes
@@ -344,17 +346,22 @@ class EngineCore:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         self.counters.schedule_seconds = time.perf_counter() - start
-        if not self.cfg.async_scheduling:
-            if out.num_reqs == 0:
-                return []
-            result = self.runner.execute(out)
-        else:
+        if out.num_reqs == 0 and not self.cfg.async_scheduling:
+            return []
+        try:  # an out-of-memory forward: its requests preempted (engine/oom.py)
             launched = (out, self.runner.launch(out)) if out.num_reqs else None
+        except torch.OutOfMemoryError as e:  # a step in flight is older: it stands
+            return self._out_of_memory(e, out, True)
+        previous = launched
+        if self.cfg.async_scheduling:
             previous, self._in_flight = self._in_flight, launched
-            if previous is None:
-                return []
-            out, pending = previous
+        if previous is None:
+            return []
+        out, pending = previous
+        try:
             result = pending.result()
+        except torch.OutOfMemoryError as e:  # a step in flight ran on this one's tokens
+            return self._out_of_memory(e, out, False)
         outputs = self.scheduler.update(out, result)
         seconds = time.perf_counter() - start
         self.counters.record(out, outputs, seconds)
@@ -362,23 +369,14 @@ class EngineCore:
             self.runner.profiler.add_step_wall(result.profiled_forwards, seconds / out.num_steps)
         return outputs
 
-
-def _dsa_line(cfg: EngineConfig, mc: ModelConfig) -> str:
-    """The capacity report's line on DeepSeek Sparse Attention ("" for other models)."""
-    d = mc.dsa
-    if d is None:
-        return ""
-    shared = mc.num_layers - mc.index_cache_layers
-    layers = (f"{mc.index_cache_layers} full layers" + (f", {shared} sharing the selection "
-                                                        "of the full layer before them"
-                                                        if shared else ""))
-    if cfg.dsa == "dense":
-        return f"dsa=dense: dense MLA for every request, no indexer ({layers})"
-    kernels = ("Triton kernels" if cfg.attention_backend == "triton"
-               else f"the torch references (attention_backend {cfg.attention_backend})")
-    return (f"auto: a context beyond index_topk {d.index_topk} attends to the indexer's top "
-            f"{d.index_topk} positions ({d.index_n_heads} heads x {d.index_head_dim}, "
-            f"{layers}); shorter contexts run dense MLA; {kernels}")
+    def _out_of_memory(self, error: torch.OutOfMemoryError, failed: SchedulerOutput,
+                       in_flight_is_older: bool) -> list[RequestOutput]:
+        """OomRecovery over the failed step and the one in flight; ranks in lockstep cannot
+        recover one rank's failure: the error stands there."""
+        if isinstance(self.runner, RankedRunner):
+            raise error
+        in_flight, self._in_flight = self._in_flight, None
+        return self.oom.recover(error, [failed], in_flight, in_flight_is_older)
 
 
 def _ensure_quant_moe_tuned(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.Module,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moeserve.config import EngineConfig
+from moeserve.model_config import ModelConfig
 from moeserve.runner.kv_cache import GiB, MemoryPlan
 
 
@@ -187,3 +188,21 @@ def weights_by_class(model: Any) -> str:
 
 def _size(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB // 100 else f"{n / (1 << 20):.2f} MiB"
+
+
+def dsa_line(cfg: EngineConfig, mc: ModelConfig) -> str:
+    """The capacity report's line on DeepSeek Sparse Attention ("" for other models)."""
+    d = mc.dsa
+    if d is None:
+        return ""
+    shared = mc.num_layers - mc.index_cache_layers
+    layers = (f"{mc.index_cache_layers} full layers" + (f", {shared} sharing the selection "
+                                                        "of the full layer before them"
+                                                        if shared else ""))
+    if cfg.dsa == "dense":
+        return f"dsa=dense: dense MLA for every request, no indexer ({layers})"
+    kernels = ("Triton kernels" if cfg.attention_backend == "triton"
+               else f"the torch references (attention_backend {cfg.attention_backend})")
+    return (f"auto: a context beyond index_topk {d.index_topk} attends to the indexer's top "
+            f"{d.index_topk} positions ({d.index_n_heads} heads x {d.index_head_dim}, "
+            f"{layers}); shorter contexts run dense MLA; {kernels}")

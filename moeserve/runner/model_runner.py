@@ -85,6 +85,7 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         self.num_mixed_graph_steps = 0  # mixed steps run through the piecewise graphs
         self.faults = envs.fault_injection()  # {} unless a test injects faults
+        self.oom_fired: set[str] = set()  # the oom_once faults raised
         self.step_delay_s = max((float(ms) / 1e3 for ms in self.faults.get("slow_step", ())),
                                 default=0.0)
         self._init_model(weights_folder)
@@ -384,6 +385,10 @@ class ModelRunner:
             time.sleep(self.step_delay_s)
         if self.faults.get("step") and not self.faults["step"].isdisjoint(out.req_ids):
             raise envs.InjectedFault("injected step fault: the forward failed")
+        once = self.faults.get("oom_once", frozenset()) - self.oom_fired
+        if hit := (self.faults.get("oom", frozenset()) | once) & set(out.req_ids):
+            self.oom_fired |= hit
+            raise torch.OutOfMemoryError(f"injected: CUDA out of memory with {sorted(hit)}")
 
     def _launch_graph_step(self, out: SchedulerOutput, bucket: int) -> PendingOutput:
         """A decode step through the bucket's CUDA graph (rows past the batch are padding)."""

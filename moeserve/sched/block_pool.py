@@ -151,6 +151,17 @@ class BlockPool:
             if self._ref_counts[block] == 0:
                 self._free[block] = None  # tail of the LRU queue
 
+    def uncache(self, request: Request) -> None:
+        """Drop the request's blocks from the prefix cache (their KV may not have been written:
+        a failed step's); another request holding one still uses it, uncached."""
+        for block in self.block_tables.get(request.request_id, ()):
+            block_hash = self._block_hash[block]
+            if block_hash is not None:  # the map holds every hashed block
+                self._block_hash[block] = None
+                del self._hash_to_block[block_hash]
+        if request.request_id in self._num_cached_blocks:
+            self._num_cached_blocks[request.request_id] = 0
+
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter the request's full blocks below `num_computed_tokens` into the prefix cache.
 

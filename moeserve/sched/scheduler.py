@@ -46,6 +46,7 @@ import numpy as np
 from moeserve.config import ConfigError, SchedulerConfig
 from moeserve.sched.batch import APPEND_AND_CACHE, ONE_BY_ONE, RunningBatch, ScheduledStep
 from moeserve.sched.block_pool import BlockPool, cdiv
+from moeserve.sched.integrity import check_scheduler
 from moeserve.sched.request import Request, RequestStatus
 from moeserve.types import (
     FinishReason,
@@ -135,8 +136,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> None:
-        """Finish requests from outside (abort, or a stop string the engine found): their blocks
-        are freed at once. Unknown or already finished ids are ignored."""
+        """Finish requests from outside (abort, a stop string); unknown ids are ignored."""
         finished = [self.requests[i] for i in dict.fromkeys(req_ids) if i in self.requests]
         for req in finished:
             self._finish(req, reason)
@@ -146,6 +146,30 @@ class Scheduler:
                 self.stats.num_failed += 1
         self._drop_finished(finished)
         self.stats.kv_usage = self.pool.usage
+
+    def retry_later(self, req_ids: Iterable[str]) -> list[str]:
+        """Failed steps' requests (out of device memory, no fault of theirs; none of their
+        tokens will come): each running one preempted by recompute, in-flight tokens forgotten,
+        blocks dropped from the prefix cache (unwritten KV). Returns the ids preempted."""
+        ids = set(req_ids)
+        victims = [r for r in self.running if r.request_id in ids]
+        self.running = [r for r in self.running if r.request_id not in ids]
+        self._running_slots, step = None, ScheduledStep()
+        for req in reversed(victims):  # the first back at the front of the waiting queue
+            self.pool.uncache(req)
+            req.num_output_placeholders = 0
+            self._preempt(req, step)
+        return step.preempted_req_ids
+
+    def fail_request(self, req_id: str, error: str) -> RequestOutput | None:
+        """Finish a request with FinishReason.ERROR and `error`: its output (None: unknown)."""
+        if (req := self.requests.get(req_id)) is None:
+            return None
+        self.pool.uncache(req)
+        self._finish(req, FinishReason.ERROR)
+        self.stats.num_failed += 1
+        self._drop_finished([req])
+        return self._make_output(req, [], None, error=error)
 
     # ---- schedule ------------------------------------------------------------------------------
 
@@ -471,30 +495,6 @@ class Scheduler:
         if len(self.requests) != len(self.running) + len(self.waiting):  # a waiting one finished
             self.waiting = deque(r for r in self.waiting if r.status is RequestStatus.WAITING)
 
-    # ---- checks --------------------------------------------------------------------------------
-
     def check_integrity(self) -> None:
-        """Recount everything from the block tables; raise AssertionError naming what is off."""
-        self.pool.check_integrity()
-        running_ids = [r.request_id for r in self.running]
-        waiting_ids = [r.request_id for r in self.waiting]
-        assert len(set(running_ids)) == len(running_ids), f"request twice in running: {running_ids}"
-        assert len(set(waiting_ids)) == len(waiting_ids), f"request twice in waiting: {waiting_ids}"
-        assert not set(running_ids) & set(waiting_ids), "request both running and waiting"
-        assert set(self.requests) == set(running_ids) | set(waiting_ids), (
-            "requests dict != running + waiting")
-        assert set(self.pool.block_tables) == set(running_ids), (
-            f"block tables {sorted(self.pool.block_tables)} != running {sorted(running_ids)}")
-        assert len(self.running) <= self.max_running_requests, (
-            f"{len(self.running)} running > cap {self.max_running_requests}")
-        size = self.pool.block_size
-        for req in self.running:
-            assert req.status is RequestStatus.RUNNING, f"{req.request_id} running as {req.status}"
-            num_slots = len(self.pool.block_tables[req.request_id]) * size
-            assert num_slots >= req.num_computed_tokens, (
-                f"{req.request_id}: {num_slots} KV slots < {req.num_computed_tokens} computed")
-            assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
-        for req in self.waiting:
-            assert req.status is RequestStatus.WAITING, f"{req.request_id} waiting as {req.status}"
-            assert req.num_computed_tokens == 0, f"waiting {req.request_id} has computed tokens"
-        self.batch.check(self.running, list(self.waiting), self.pool, self._running_slots)
+        """Recount everything from the block tables (sched/integrity.py)."""
+        check_scheduler(self)

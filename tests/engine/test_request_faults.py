@@ -1,5 +1,6 @@
 """A fault that belongs to one request fails that request alone; the others are served exactly as
-in a run without it. What belongs to no request (a failing forward) still fails the engine loudly.
+in a run without it. What belongs to no request (a failing forward) still fails the engine loudly,
+unless it ran out of device memory (test_oom_recovery.py).
 
 Faults are raised with the injection hook (MOESERVE_FAULT_INJECT, read in envs.py), for a chosen
 request id, through the real isolation paths: the sampler retried row by row, the finite check on
