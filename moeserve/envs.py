@@ -12,7 +12,7 @@
     MOESERVE_GROUPED_ROUTER_TRITON  "0" turns off the sigmoid, group-limited router's one
                              Triton launch on CUDA (layers/moe.py), for A/Bs; on otherwise
     MOESERVE_MLA_PREFILL_GLUON  "0" keeps the Triton MLA backend's absorbed prefill rows off
-                             mla/decode_gluon.prefill_gluon (wgmma, sm90), for A/Bs; on
+                             mla/prefill_gluon.py (wgmma, sm90), for A/Bs; on
                              otherwise where it takes the inputs
     MOESERVE_MLA_DECODE_PERSISTENT  "1" runs the Gluon MLA decode's unsplit launches by
                              mla/decode_gluon_persistent.py's kernel, for A/Bs; off otherwise

@@ -224,10 +224,10 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
     """The Gluon MLA decode (kernels/attention/mla/decode_gluon.py, wgmma) at DeepSeek / GLM's
     latent, bf16: BM unused (64 heads a program), BN keys a tile, WARPS must be 8; --sparse
     its DSA form, --prefill its prefill form (prefill_gluon: query tiles of tokens x heads)."""
-    from moeserve.kernels.attention.mla import decode_gluon
+    from moeserve.kernels.attention.mla import decode_gluon, prefill_gluon
 
     _, bn, warps, stages = args.tile
-    _, per_tile, block_q = decode_gluon.prefill_block_q(args.heads)
+    _, per_tile, block_q = prefill_gluon.prefill_block_q(args.heads)
     const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size, BLOCK_N=bn,
                  STAGES=stages, USE_ROWS=args.prefill, SPLIT=args.split, OVERLAP=args.overlap,
                  SPARSE=args.sparse, PACKED=args.sparse, PREFILL=args.prefill,

@@ -24,7 +24,7 @@ timed with triton.testing.do_bench. Writes kernels_mla_prefill.json to --out aft
         # the absorbed form at each prefill TileConfig too (rows a program, keys a step,
         # warps, stages)
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --gluon
-        # the absorbed form's prefill rows through mla/decode_gluon.prefill_gluon too (sm90)
+        # the absorbed form's prefill rows through mla/prefill_gluon.py too (sm90)
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --smoke   # CPU interpreter
 """
 
@@ -128,7 +128,7 @@ def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: s
             ms[form] = timer(lambda: layer._dense(q_nope, q_rope, meta))
     layer.prefill_form = "absorbed"
     by_tile, backend = {}, layer.backend
-    if gluon:  # the absorbed prefill rows through decode_gluon.prefill_gluon
+    if gluon:  # the absorbed prefill rows through mla/prefill_gluon.py
         layer.backend = functools.partial(backend, prefill_gluon=True)
         with torch.no_grad():
             outs["absorbed_gluon"] = layer._dense(q_nope, q_rope, meta).float()
@@ -167,8 +167,8 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", default=[], metavar="BM,BN,W,S",
                         help="prefill TileConfigs to time the absorbed form at as well")
     parser.add_argument("--gluon", action="store_true",
-                        help="the absorbed form's prefill rows through decode_gluon's "
-                             "prefill_gluon too (sm90): absorbed_gluon_ms")
+                        help="the absorbed form's prefill rows through mla/prefill_gluon.py "
+                             "too (sm90): absorbed_gluon_ms")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_mla_prefill")

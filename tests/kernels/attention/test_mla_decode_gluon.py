@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.kernels.attention.mla import decode_gluon
+from moeserve.kernels.attention.mla import decode_gluon, prefill_gluon
 from tests.kernels.attention.test_mla import DECODE, make_mla_case
 from tests.kernels.attention.test_mla_triton import TOL, gpu_case
 
@@ -28,7 +28,7 @@ def test_refuses_what_it_cannot_take_by_name() -> None:
     with pytest.raises(ValueError, match="decode_gluon needs an sm90 GPU"):
         run(case)
     with pytest.raises(ValueError, match="decode_gluon needs an sm90 GPU"):
-        decode_gluon.prefill_gluon(case.q_lat, case.latent_cache, case.meta, case.scale,
+        prefill_gluon.prefill_gluon(case.q_lat, case.latent_cache, case.meta, case.scale,
                                    case.L, torch.empty_like(case.q_lat[..., :case.L]),
                                    case.meta.query_start_loc, 1)
 
@@ -38,7 +38,7 @@ def test_refuses_what_it_cannot_take_by_name() -> None:
                                                  (96, (2, 48, 1))])
 def test_prefill_tiles(num_heads: int, want: tuple) -> None:
     """(head tiles, heads a tile, tokens a tile): as many tokens as fill 64 query rows."""
-    assert decode_gluon.prefill_block_q(num_heads) == want
+    assert prefill_gluon.prefill_block_q(num_heads) == want
 
 
 def test_cpu_prefill_gluon_falls_back_to_the_triton_prefill(
@@ -205,12 +205,12 @@ def test_gpu_prefill_matches(num_heads: int, dtype: torch.dtype,
     from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
 
     calls: list[int] = []
-    real = decode_gluon.prefill_gluon
-    monkeypatch.setattr(decode_gluon, "prefill_gluon",
+    real = prefill_gluon.prefill_gluon
+    monkeypatch.setattr(prefill_gluon, "prefill_gluon",
                         lambda *a, **k: (calls.append(a[-1]), real(*a, **k))[1])
     case = gpu_case([0, 0, 512, 1000, 37, 300, 64], [128, 700, 256, 77, 300, 1, 2], num_heads,
                     dtype=dtype, seed=num_heads)
-    block_q = decode_gluon.prefill_block_q(num_heads)[2]
+    block_q = prefill_gluon.prefill_block_q(num_heads)[2]
     tiles = sum(-(-n // block_q) for n in (128, 700, 256, 77, 300, 2))
     tol = TOL[torch.bfloat16]
     for kwargs, want in (({"prefill_gluon": True}, [tiles]), ({}, [tiles]),

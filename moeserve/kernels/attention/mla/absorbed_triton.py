@@ -39,6 +39,7 @@ import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import decode_flat_triton, decode_gluon
+from moeserve.kernels.attention.mla import prefill_gluon as gluon_prefill
 from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
 from moeserve.kernels.attention.mla.reduce_triton import decode_num_splits
 from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
@@ -128,7 +129,7 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
             (decode_flat_triton.py: a program an SM over the flattened row tiles), "gluon"
             (decode_gluon.py: split on wgmma, sm90) or "auto" (`auto_decode_form`; "split"
             whenever decode_splits is given, no gluon when decode_config is).
-        prefill_gluon: prefill rows through decode_gluon.prefill_gluon; default (None)
+        prefill_gluon: prefill rows through mla/prefill_gluon.py; default (None)
             wherever it takes the inputs and no prefill_config is given.
     Returns:
         [T, H, L] contiguous, q's dtype.
@@ -157,7 +158,7 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     if (prefill_config is None if prefill_gluon is None else prefill_gluon) and (
             decode_gluon.supports(q, latent_cache, kv_lora_rank)):
         prefill_cfg = None  # _launch_prefill's Gluon form
-        block_q = decode_gluon.prefill_block_q(num_heads)[2]
+        block_q = gluon_prefill.prefill_block_q(num_heads)[2]
     else:
         block_q = _prefill_block_q(prefill_cfg, num_heads)
     key = ("mla_attention_triton", block_q, q.device)
@@ -268,11 +269,10 @@ def _launch_prefill(q: torch.Tensor, latent_cache: torch.Tensor, meta: Attention
                     scale: float, kv_lora_rank: int, out: torch.Tensor, tiles: torch.Tensor,
                     num_tiles: int, cfg: TileConfig | None) -> None:
     """Prefill rows by query tile: `tiles` [2 * num_tiles] int32 = (row of each tile, tile index
-    within the row); cfg None: decode_gluon.prefill_gluon."""
+    within the row); cfg None: mla/prefill_gluon.py."""
     if cfg is None:
-        decode_gluon.prefill_gluon(q, latent_cache, meta, scale, kv_lora_rank, out, tiles,
-                                   num_tiles)
-        return
+        return gluon_prefill.prefill_gluon(q, latent_cache, meta, scale, kv_lora_rank, out,
+                                           tiles, num_tiles)
     num_heads, dim = q.shape[1:]
     num_head_tiles, per_tile = head_tiles(num_heads, cfg.block_m)
     block_q = _prefill_block_q(cfg, num_heads)

@@ -22,9 +22,9 @@ tiles ahead; `overlap` issues tile t + 1's S before tile t's softmax. bf16 / fp1
 cache only, L and R powers of two, an sm90 GPU: `supports` says whether it takes a call.
 
 `sparse_gluon` is DSA's sparse MLA on the same kernel (SPARSE): a program's keys are a token's
-selected positions, dsa/sparse_triton.py's contract. `prefill_gluon` is the absorbed prefill on
-it (PREFILL): a program's 64 query rows are BLOCK_Q of a row's tokens x a tile of heads (20
-heads: 3 tokens), each masked to its causal context, absorbed_triton._launch_prefill's contract.
+selected positions, dsa/sparse_triton.py's contract. mla/prefill_gluon.py launches it for the
+absorbed prefill (PREFILL): a program's 64 query rows are BLOCK_Q of a row's tokens x a tile of
+heads, each masked to its causal context.
 
 Where `supports` holds, the Triton launcher's "auto" decode form runs decode_gluon
 (absorbed_triton.auto_decode_form), its prefill rows prefill_gluon (1.1-1.8x the Triton
@@ -158,41 +158,6 @@ def tile(block_n: int | None, stages: int | None, overlap: bool) -> tuple[int, i
     return block_n or default[0], stages or default[1]
 
 
-def prefill_block_q(num_heads: int) -> tuple[int, int, int]:
-    """(head tiles, heads a tile, query tokens a tile) of `prefill_gluon`: the heads in tiles
-    of at most 64, balanced, and as many of a row's tokens as fill the 64 query rows beside
-    a tile of heads (20 heads: 3 tokens; 64 or more: 1)."""
-    num_tiles = -(-num_heads // BLOCK_H)
-    per_tile = -(-num_heads // num_tiles)
-    return num_tiles, per_tile, BLOCK_H // per_tile
-
-
-def prefill_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, kv_lora_rank: int, out: torch.Tensor, tiles: torch.Tensor,
-                  num_tiles: int, block_n: int | None = None,
-                  stages: int | None = None) -> None:
-    """Absorbed MLA prefill rows by query tile, absorbed_triton._launch_prefill's contract:
-    `tiles` [2 * num_tiles] int32 (the row of each tile, then its index within the row), a
-    tile being `prefill_block_q(H)[2]` of the row's tokens; each token's queries over its
-    causal context (the cached positions before the row's query, and the query up to it),
-    written to out [T, H, L]."""
-    block_n, stages = tile(block_n, stages, False)
-    _check(q, latent_cache, kv_lora_rank, stages, False)
-    if num_tiles == 0:
-        return
-    num_heads, dim = q.shape[1:]
-    num_head_tiles, per_tile, block_q = prefill_block_q(num_heads)
-    _kernels().decode[(num_tiles, num_head_tiles, 1)](
-        q, latent_cache, out, out, out, out, meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, tiles, meta.seq_lens, meta.token_to_req, meta.positions,
-        scale * math.log2(math.e), 0, 1, num_tiles, meta.block_tables.shape[1],
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0), 0,
-        NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
-        BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages, USE_ROWS=True,
-        SPLIT=False, OVERLAP=False, SPARSE=False, PACKED=False, PREFILL=True, HPT=per_tile,
-        BLOCK_Q=block_q, num_warps=NUM_WARPS)
-
-
 def _check(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, stages: int,
            overlap: bool) -> None:
     if not supports(q, latent_cache, kv_lora_rank):
@@ -241,7 +206,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the functions below on first use (gluon imported here only), bound with the Hopper
     builtins they call as module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    global _load_tile, _scores, _valid_keys, _query_rows, _decode_kernel
+    global _load_tile, _scores, _valid_keys, _query_rows, _softmax_to_p, _decode_kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -251,6 +216,7 @@ def _kernels() -> SimpleNamespace:
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
     _load_tile, _scores = gluon.jit(_load_tile), gluon.jit(_scores)
     _valid_keys, _query_rows = gluon.jit(_valid_keys), gluon.jit(_query_rows)
+    _softmax_to_p = gluon.jit(_softmax_to_p)
     # rows_ptr: a slice of one index array at any offset (no new compile mid-serving)
     _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "topk",
                                                   "max_blocks", "stride_table"],
@@ -401,16 +367,7 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         else:
             _, valid = _valid_keys(sel, max_pos, start + t * BLOCK_N + keys, end, SPARSE)
             s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_ref)
-        p = gl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        p_s.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' halves of P written
+        m_i, l_i, acc = _softmax_to_p(s, m_i, l_i, acc, p_s, o_l)
         acc = warpgroup_mma(p_s, k_lat_s.index(t % STAGES), acc, is_async=True)
         if OVERLAP:  # wgmma groups complete in order: the next tile's scores first
             acc, s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_next))
@@ -462,6 +419,22 @@ def _query_rows(tok, q0, q_len, head_tile, stride_qt, stride_qh, layout: gl.cons
         ok = head < NUM_HEADS
         at = tok * stride_qt + head.to(gl.int64) * stride_qh
     return at, ok
+
+
+def _softmax_to_p(s, m_i, l_i, acc, p_s, o_l: gl.constexpr):
+    """Online softmax over a tile's masked base-2 scores s: the running max and sum updated,
+    the accumulator rescaled, P written to shared memory for the P V wgmma (fenced, and both
+    warpgroups' halves written). Returns (m_i, l_i, acc)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_ref)
+    p = gl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    p_s.store(p.to(p_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    return m_new, l_i, acc
 
 
 def _scores(q_lat_s, q_pe_s, k_lat, k_pe, s_zero):

@@ -50,6 +50,7 @@ async_copy: Any = None
 _load_tile: Any = None
 _scores: Any = None
 _query_rows: Any = None
+_softmax_to_p: Any = None
 _item: Any = None
 _advance: Any = None
 _copy_queries: Any = None
@@ -88,7 +89,8 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use, after decode_gluon's helpers (whose jitted forms it
     calls, bound here as module globals)."""
     global gl, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, async_copy
-    global _load_tile, _scores, _query_rows, _item, _advance, _copy_queries, _store_output
+    global _load_tile, _scores, _query_rows, _softmax_to_p, _item, _advance, _copy_queries
+    global _store_output
     global _persistent_kernel
     from triton.experimental import gluon
 
@@ -97,7 +99,7 @@ def _kernels() -> SimpleNamespace:
     fence_async_shared = decode_gluon.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = decode_gluon.warpgroup_mma, decode_gluon.warpgroup_mma_wait
     _load_tile, _scores = decode_gluon._load_tile, decode_gluon._scores
-    _query_rows = decode_gluon._query_rows
+    _query_rows, _softmax_to_p = decode_gluon._query_rows, decode_gluon._softmax_to_p
     _item, _advance = gluon.jit(_item), gluon.jit(_advance)
     _copy_queries, _store_output = gluon.jit(_copy_queries), gluon.jit(_store_output)
     _persistent_kernel = gluon.jit(do_not_specialize=["num_items", "stride_table"],
@@ -217,16 +219,7 @@ def _persistent_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr
                               dq, dp, gl.SliceLayout(1, lat_l), gl.SliceLayout(1, pe_l),
                               NUM_HEADS, L)
         s = gl.where((c_t * BLOCK_N + keys)[None, :] < c_end, s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_ref)
-        p = gl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        p_s.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' halves of P written
+        m_i, l_i, acc = _softmax_to_p(s, m_i, l_i, acc, p_s, o_l)
         acc = warpgroup_mma(p_s, k_lat_s.index(g % STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if last:  # the item's output; the next item's softmax starts from -inf
