@@ -36,13 +36,5 @@ for args in "--batch 256 --context 8192" "--batch 32 --context 65536" \
       | tail -1 | tee -a $R/mla_once.jsonl | cut -c1-60,200-330
   done
 done
-python3 -c "import json, sys
-for f in sys.argv[1:]:
-    try:
-        cases = json.load(open(f))['cases']
-    except (OSError, ValueError) as exc:
-        print(f, exc); continue
-    for r in cases:
-        print(r['form'], r['heads'], r['case'], r['ms'], r['pct_of_bound'])
-" $R/few/kernels_mla.json $R/h128/kernels_mla.json
+python3 -m benchmarks.kernels.mla_cases_table $R/few/kernels_mla.json $R/h128/kernels_mla.json
 tar czf $OUT/gluon_default.tgz -C /tmp gluon_default

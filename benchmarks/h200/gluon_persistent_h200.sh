@@ -39,15 +39,8 @@ case "${1:-kernels}" in
           | tail -1 | tee -a $R/mla_once.jsonl | cut -c1-200
       done
     done
-    python3 -c "import json, sys
-for f in sys.argv[1:]:
-    try:
-        cases = json.load(open(f))['cases']
-    except (OSError, ValueError) as exc:
-        print(f, exc); continue
-    for r in cases:
-        print(r['form'], r['heads'], r['case'], r['ms'], r['pct_of_bound'])
-" $R/cases/kernels_mla.json $R/few/kernels_mla.json ;;
+    python3 -m benchmarks.kernels.mla_cases_table $R/cases/kernels_mla.json \
+      $R/few/kernels_mla.json ;;
   w1)
     for c in ${CONC:-256 512 1024}; do
       for variant in default persistent triton_prefill; do

@@ -33,15 +33,5 @@ for args in "--kind sparse --batch 256 --context 8192" "--kind sparse --batch 32
   once $args --gluon
   once $args --gluon --overlap
 done
-python3 -c "import json, sys
-for f in sys.argv[1:]:
-    try:
-        cases = json.load(open(f))['cases']
-    except (OSError, ValueError) as exc:
-        print(f, exc); continue
-    for r in cases:
-        t = r['tile']
-        print(r['form'], r['heads'], r['case'], (t['block_n'], t['num_stages']), r['ms'],
-              r['pct_of_bound'])
-" $R/split/kernels_mla.json $R/gluon/kernels_mla.json
+python3 -m benchmarks.kernels.mla_cases_table $R/split/kernels_mla.json $R/gluon/kernels_mla.json
 tar czf $OUT/mla_gluon.tgz -C /tmp mla_gluon
