@@ -48,7 +48,7 @@ from moeserve.parallel.layout import (
     quantized_split_breaks,
 )
 from moeserve.quant.packed import QuantWeight
-from moeserve.runner.capacity import CapacityReport, dsa_line, weights_by_class
+from moeserve.runner.capacity import CapacityReport, dsa_line, mla_decode_line, weights_by_class
 from moeserve.runner.model_runner import ModelRunner, timed
 from moeserve.runner.pending_output import PendingOutput
 from moeserve.sched import Request, Scheduler
@@ -114,7 +114,8 @@ class EngineCore:
             kv_layout=self.runner.kv_layout(),
             mtp=self.runner.mtp_note, dsa=dsa_line(self.cfg, self.model_config),
             mla_prefill=self.cfg.mla_prefill if self.model_config.mla is not None else "",
-            mla_decode=self.cfg.mla_decode if self.model_config.mla is not None else "",
+            mla_decode=(mla_decode_line(self.cfg, device, self.runner.dtype)
+                        if self.model_config.mla is not None else ""),
             checkpoint_format=self.runner.format_note, shared_experts=self.runner.shared_note,
             weights=weights_by_class(self.runner.model))
         self.counters = StepCounters()

@@ -11,6 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from moeserve import envs
 from moeserve.config import EngineConfig
 from moeserve.model_config import ModelConfig
 from moeserve.runner.kv_cache import GiB, MemoryPlan
@@ -45,7 +48,7 @@ class CapacityReport:
     weights: str = ""  # each module class's format and GiB (weights_by_class)
     dsa: str = ""  # DeepSeek Sparse Attention: how contexts attend (auto / dense), or ""
     mla_prefill: str = ""  # MLA models: how prefill rows attend (auto / mha / absorbed), or ""
-    mla_decode: str = ""  # MLA models: the Triton decode form (auto / split / flat), or ""
+    mla_decode: str = ""  # MLA models: the decode form and the kernels it runs here, or ""
     parallel: str = ""  # the ranks' split and what each holds (tensor_parallel_size > 1), or ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -206,3 +209,20 @@ def dsa_line(cfg: EngineConfig, mc: ModelConfig) -> str:
     return (f"auto: a context beyond index_topk {d.index_topk} attends to the indexer's top "
             f"{d.index_topk} positions ({d.index_n_heads} heads x {d.index_head_dim}, "
             f"{layers}); shorter contexts run dense MLA; {kernels}")
+
+
+def mla_decode_line(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The capacity report's MLA decode form, with the kernels it runs here: "auto" on an sm90
+    GPU with a cache in the model's 16-bit dtype runs the Gluon ones (kernels/attention/mla/
+    decode_gluon.py: the decode, prefill rows unless MOESERVE_MLA_PREFILL_GLUON=0, DSA's
+    sparse attention), elsewhere the Triton ones."""
+    form = cfg.mla_decode
+    if cfg.attention_backend != "triton" or form not in ("auto", "gluon"):
+        return form
+    from moeserve.kernels.attention.mla import decode_gluon
+
+    if (device.type == "cuda" and decode_gluon._is_sm90(device.index)
+            and dtype in (torch.bfloat16, torch.float16) and cfg.cache.kv_cache_dtype == "auto"):
+        prefill = "" if envs.mla_prefill_gluon() else "; prefill rows in Triton"
+        return f"{form} (Gluon on sm90's wgmma{prefill})"
+    return f"{form} (Triton: no sm90 GPU with a 16-bit cache here)"

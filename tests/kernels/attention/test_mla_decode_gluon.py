@@ -286,3 +286,34 @@ def test_gpu_auto_absorbs_longer_rows_where_the_prefill_runs_in_gluon(
     off = _glm_layer(mla_attention_triton)
     off.kv_cache = cache
     assert off.absorbed_max_context() == AUTO_ABSORBED_MAX_CONTEXT
+
+
+def test_the_capacity_report_names_the_mla_kernels_that_run() -> None:
+    """mla_decode_line: the form as set, with the kernels that run here (the Triton ones on a
+    CPU; none named under the torch reference)."""
+    from moeserve.config import EngineConfig
+    from moeserve.runner.capacity import mla_decode_line
+
+    cpu = torch.device("cpu")
+    line = mla_decode_line(EngineConfig(attention_backend="triton"), cpu, torch.bfloat16)
+    assert line.startswith("auto (Triton")
+    assert mla_decode_line(EngineConfig(attention_backend="torch"), cpu, torch.bfloat16) == "auto"
+    assert mla_decode_line(EngineConfig(attention_backend="triton", mla_decode="split"), cpu,
+                           torch.bfloat16) == "split"
+
+
+@pytest.mark.gpu
+def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeserve import envs
+    from moeserve.config import CacheConfig, EngineConfig
+    from moeserve.runner.capacity import mla_decode_line
+
+    monkeypatch.delenv(envs.MLA_PREFILL_GLUON, raising=False)
+    cfg = EngineConfig(attention_backend="triton")
+    cuda = torch.device("cuda")
+    assert mla_decode_line(cfg, cuda, torch.bfloat16) == "auto (Gluon on sm90's wgmma)"
+    assert "Triton" in mla_decode_line(cfg, cuda, torch.float32)
+    fp8 = EngineConfig(attention_backend="triton", cache=CacheConfig(kv_cache_dtype="fp8"))
+    assert "Triton" in mla_decode_line(fp8, cuda, torch.bfloat16)
+    monkeypatch.setenv(envs.MLA_PREFILL_GLUON, "0")
+    assert "prefill rows in Triton" in mla_decode_line(cfg, cuda, torch.bfloat16)
