@@ -120,6 +120,7 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     num_aborted: int = 0
     num_failed: int = 0  # requests failed by a fault of their own (FinishReason.ERROR)
     num_refused: int = 0  # add requests refused by validation
+    num_oom_steps: int = 0  # forwards that ran out of device memory (engine/oom.py recovered)
     # wall seconds of the last step. NOTE: a gauge read by a stats request (Ping) is answered
     # between steps, after the step it arrived in: long steps are over-represented in its
     # samples (length-biased); means over a run belong to the *_total counters below

@@ -115,9 +115,12 @@ class _EngineCollector:
              s.num_generated_tokens),
             ("moeserve_engine_aborted_requests", "Requests aborted in the engine", s.num_aborted),
             ("moeserve_engine_failed_requests", "Requests failed by a fault of their own in the "
-             "engine step (non-finite logits, a sampler error of that request alone)",
+             "engine step (non-finite logits, a sampler error of that request alone, the largest "
+             "request of two steps out of device memory)",
              s.num_failed),
             ("moeserve_engine_refused_requests", "Requests the engine refused", s.num_refused),
+            ("moeserve_engine_oom_steps", "Forward steps that ran out of device memory (their "
+             "requests preempted to recompute; the engine went on)", s.num_oom_steps),
             ("moeserve_engine_forward_steps", "Model forwards (a multi-step decode plan runs "
              "several per step)", s.num_forward_steps),
             ("moeserve_engine_graph_steps", "Forward steps replayed from a CUDA graph",

@@ -132,3 +132,18 @@ def test_retry_later_and_fail_request_keep_the_scheduler_whole() -> None:
     while llm.has_unfinished_requests():
         llm.step()
     sched.check_integrity()
+
+
+def test_the_recoveries_reach_the_stats_and_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EngineStats.num_oom_steps is served as moeserve_engine_oom_steps on /metrics."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from moeserve.engine.protocol import EngineStats
+    from moeserve.server.metrics import ServerMetrics
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    client = SimpleNamespace(stats=EngineStats(num_oom_steps=2), num_in_flight=0, alive=True)
+    text = generate_latest(ServerMetrics(client).registry).decode()  # type: ignore[arg-type]
+    assert "moeserve_engine_oom_steps_total 2.0" in text
