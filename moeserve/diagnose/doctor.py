@@ -22,6 +22,9 @@ when no engine field is the fix). The rules:
                       knob names --kv-cache-dtype fp8 while the cache is in the model's dtype
                       settings: on CUDA mem_fraction + 0.05 (up to 0.95), else
                       max_running_requests what the KV holds; {} for KV >= 95% alone (info)
+    oom_steps         forward steps ran out of device memory during the run (engine/oom.py
+                      recovered them: recomputed requests, a failed culprit)
+                      settings: on CUDA mem_fraction - 0.05 (from above 0.5), else {}
     cuda_graphs       CUDA decode outside graphs: the capacity report's cuda_graphs starts
                       with "off"/"eager", or an engine stat whose name holds "fallback" grew
                       settings: enforce_eager False, or the capturable attention_backend /
@@ -233,6 +236,26 @@ def _kv_settings(run: dict[str, Any], fits: int | None) -> dict[str, Any]:
     return {"max_running_requests": fits} if fits else {}
 
 
+def oom_steps(run: dict[str, Any]) -> Verdict | None:
+    """Forward steps that ran out of device memory during the run (the engine recovered them:
+    engine/oom.py), from the engine counter num_oom_steps."""
+    _, series = figures.engine_series(run, "num_oom_steps", in_run=False)
+    vals = [v for v in series if v is not None]
+    steps = int(vals[-1] - vals[0]) if len(vals) >= 2 else 0
+    if steps <= 0:
+        return None
+    mem = figures.engine_section(run, "cache").get("mem_fraction")
+    settings = ({"mem_fraction": round(mem - 0.05, 2)}
+                if figures.device_kind(run) == "cuda" and isinstance(mem, int | float)
+                and mem > 0.5 else {})
+    return Verdict("oom_steps", "critical",
+                   f"{steps} forward steps ran out of device memory: their requests were "
+                   "recomputed (lost work), and a request that was the largest of two such steps "
+                   "failed", "--mem-fraction lower (more room beside the KV cache for a step's "
+                   "activations), or --max-num-batched-tokens lower (smaller prefill steps)",
+                   {"oom_steps": steps, "mem_fraction": mem}, settings)
+
+
 def cuda_graphs(run: dict[str, Any]) -> Verdict | None:
     if figures.device_kind(run) != "cuda":
         return None
@@ -368,9 +391,9 @@ def roofline_rule(run: dict[str, Any]) -> Verdict | None:
 
 
 Rule = Callable[[dict[str, Any]], Verdict | None]
-RULES: tuple[Rule, ...] = (admission_cap, kv_capacity, cuda_graphs, tokens_per_expert, cpu_threads,
-                           gpu_power, client_bound, api_bound, cpu_bound_step, moe_tiles,
-                           roofline_rule, communication)
+RULES: tuple[Rule, ...] = (admission_cap, kv_capacity, oom_steps, cuda_graphs, tokens_per_expert,
+                           cpu_threads, gpu_power, client_bound, api_bound, cpu_bound_step,
+                           moe_tiles, roofline_rule, communication)
 
 
 def diagnose(run: dict[str, Any]) -> list[Verdict]:

@@ -180,3 +180,18 @@ def test_verdict_round_trip_and_severity_check() -> None:
     assert Verdict.from_dict(old).settings == {}
     with pytest.raises(ValueError, match="severity"):
         Verdict("x", "fatal", "m", "k")
+
+
+def test_oom_steps_names_the_lost_work_and_the_memory_knobs() -> None:
+    """num_oom_steps grew during the run: critical, mem_fraction 0.05 lower on CUDA; quiet when
+    it did not grow, no setting on a CPU engine."""
+    n = 82  # the synthetic timeline's samples
+    run = make_run(stats_extra={"num_oom_steps": [0] * 40 + [3] * (n - 40)})
+    v = _fired(run)["oom_steps"]
+    assert v.severity == "critical" and "3 forward steps ran out of device memory" in v.message
+    assert "--mem-fraction lower" in v.knob and "--max-num-batched-tokens" in v.knob
+    assert v.evidence == {"oom_steps": 3, "mem_fraction": 0.9}
+    assert v.settings == {"mem_fraction": 0.85}
+    assert "oom_steps" not in _fired(make_run(stats_extra={"num_oom_steps": [2] * n}))
+    cpu = make_run(device="cpu", stats_extra={"num_oom_steps": [0] * 40 + [1] * (n - 40)})
+    assert _fired(cpu)["oom_steps"].settings == {}
