@@ -71,8 +71,8 @@ PREFILL_FORMS = ("auto", "mha", "absorbed")
 # up-projected form won at 128 heads and mostly at 20. W1 (128-token prompts) ran 11.6% faster
 # absorbed (glm-4.7-flash at 1,024: 18,078 against 16,203 output tok/s, call1_b790193).
 AUTO_ABSORBED_MAX_CONTEXT = 512
-# ... and where the absorbed prefill runs in Gluon (mla/decode_gluon.prefill_gluon: sm90, a bf16
-# / fp16 cache), 1.1-1.8x faster than the Triton prefill at every case, the crossover moves out
+# ... and where the absorbed prefill runs in Gluon (mla/prefill_gluon.py: sm90, a bf16 / fp16
+# cache), 1.07-1.9x faster than the Triton prefill at every case, the crossover moves out
 # with the FLOPs a query-key pair costs absorbed over up-projected, (2L + R) / (nope + R + v)
 # (benchmarks/results/gpu_5bd5ebf/call6-7, kernels_mla_prefill --gluon): at GLM's 2.1 (nope
 # 192, v 256) absorbed ran 0.13-0.94x mha's time at every context up to 8,192; at
@@ -128,7 +128,9 @@ class MLAttention(nn.Module):
         self.interleaved = config.rope.interleaved
         self.scale = softmax_scale(config.rope, m.qk_head_dim)
         self.prefill_form = "auto"  # PREFILL_FORMS; the engine's mla_prefill sets it
-        self.decode_kwargs: dict = self._prefill_kwargs()  # to the MLA backend: set_decode_form
+        # the MLA backend's keyword arguments (decode form, prefill_gluon), not only the decode's:
+        # set_decode_form and _prefill_kwargs
+        self.decode_kwargs: dict = self._prefill_kwargs()
         # "auto"'s longest absorbed row; None: `auto_absorbed_max_context`'s rule
         self.auto_max_context: int | None = None
         # tokens attended in each form, counted on the host when the forward runs eagerly (a

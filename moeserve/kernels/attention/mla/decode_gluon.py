@@ -27,7 +27,7 @@ absorbed prefill (PREFILL): a program's 64 query rows are BLOCK_Q of a row's tok
 heads, each masked to its causal context.
 
 Where `supports` holds, the Triton launcher's "auto" decode form runs decode_gluon
-(absorbed_triton.auto_decode_form), its prefill rows prefill_gluon (1.1-1.8x the Triton
+(absorbed_triton.auto_decode_form), its prefill rows prefill_gluon (1.07-1.9x the Triton
 prefill: gpu_5bd5ebf/call6-7), and DSA's sparse attention sparse_gluon
 (dsa/sparse_triton.dsa_attention_triton). The overlap measured no faster and stays off.
 Gluon is imported on first use (`_kernels`).
