@@ -9,7 +9,7 @@
 #   bash benchmarks/h200/gluon_persistent_h200.sh w1       # (~8 min) W1 on glm-4.7-flash at
 #        # CONC (default 256 512 1024) through the server: the defaults, then
 #        # MOESERVE_MLA_DECODE_PERSISTENT=1, then MOESERVE_MLA_PREFILL_GLUON=0, in turn at each
-#        # concurrency
+#        # concurrency (VARIANTS="default triton_prefill" picks among them)
 set -uo pipefail
 source benchmarks/gpu_env.sh
 R=/tmp/gluon_persistent; mkdir -p $R
@@ -43,7 +43,7 @@ case "${1:-kernels}" in
       $R/few/kernels_mla.json ;;
   w1)
     for c in ${CONC:-256 512 1024}; do
-      for variant in default persistent triton_prefill; do
+      for variant in ${VARIANTS:-default persistent triton_prefill}; do
         env=(); [ $variant = persistent ] && env=(MOESERVE_MLA_DECODE_PERSISTENT=1)
         [ $variant = triton_prefill ] && env=(MOESERVE_MLA_PREFILL_GLUON=0)
         timeout 110 env "${env[@]}" python3 -m moeserve.cli bench --preset glm-4.7-flash \
