@@ -42,6 +42,7 @@ from moeserve.kernels.attention.metadata import AttentionMetadata, build_attenti
 
 # neither imports triton (the kernels do on first use, after --smoke set the interpreter)
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
+from moeserve.kernels.attention.mla import decode_gluon, reduce_triton
 from moeserve.kernels.attention.mla.reference import mla_attention_ref
 from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES, to_cache_dtype
 
@@ -122,7 +123,6 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
     if not form.startswith("gluon"):
         return lambda: mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
                                                        decode_config=cfg, decode_form=form)
-    from moeserve.kernels.attention.mla import decode_gluon
 
     def gluon() -> torch.Tensor:
         out = q.new_empty(*q.shape[:2], latent)
@@ -153,14 +153,12 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
     rows = []
     for form, tile in [(f, t) for f in forms for t in tiles]:
         if form == "auto":
-            from moeserve.kernels.attention.mla import decode_gluon
             form = mla_triton.auto_decode_form(heads, batch,
                                                decode_gluon.supports(q, cache, latent))
         if form == "flat" and heads > mla_triton.FLAT_MAX_HEADS:
             continue
         cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)
         if form.startswith("gluon"):
-            from moeserve.kernels.attention.mla import decode_gluon
             block_n, stages = decode_gluon.tile(tile and tile.block_n, tile and tile.num_stages,
                                                 form == "gluon-overlap")
             cfg = mla_triton.TileConfig(decode_gluon.BLOCK_H, block_n, decode_gluon.NUM_WARPS,
@@ -170,9 +168,11 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
                 continue
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
         err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form, cache_dtype)
+        waves = (decode_gluon.DECODE_WAVES if form.startswith("gluon")
+                 else reduce_triton.DECODE_WAVES)
         splits = (None if form == "flat" else 1 if form == "gluon-persistent"
                   else mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len,
-                                                    q.device))
+                                                    q.device, waves=waves))
         ms = timer(decode_op(q, cache, meta, latent, cfg, form))
         rows.append({
             "case": name, "form": form, "heads": heads, "batch": batch, "context": context,

@@ -80,6 +80,19 @@ def test_decode_splits_aim_at_two_programs_an_sm() -> None:
     assert decode_num_splits(2048, 2, 100, cpu) == 1
 
 
+def test_gluon_decode_splits_aim_at_one_wave() -> None:
+    """decode_gluon's split count (its DECODE_WAVES, 1): at most one program an SM."""
+    from moeserve.kernels.attention.mla import decode_gluon
+
+    cpu = torch.device("cpu")
+    waves = decode_gluon.DECODE_WAVES
+    assert waves == 1
+    assert decode_num_splits(32, 1, 2048, cpu, waves=waves) == 4  # 128 programs, not 256
+    assert decode_num_splits(4, 1, 16384, cpu, waves=waves) == 33  # 132: exactly one wave
+    assert decode_num_splits(256, 1, 8192, cpu, waves=waves) == 1
+    assert decode_num_splits(5, 1, 301, cpu, waves=waves) == 2  # the length still limits
+
+
 @pytest.mark.parametrize("splits", [1, 3, 8, 64])
 def test_decode_forced_splits_incl_empty_partitions(splits: int) -> None:
     # 8 partitions of 48 tokens: the short rows leave most of theirs empty; 64 is MAX_SPLITS

@@ -54,8 +54,15 @@ NUM_WARPS = 8  # two warpgroups: S split by keys, O by value columns
 # (gpu_5bd5ebf/call1: 62-72% of the read bound at 1k-4k keys; (32, 3) 47-53%); 225 KB shared
 DEFAULT_BLOCK_N, DEFAULT_STAGES = 64, 2
 OVERLAP_BLOCK_N, OVERLAP_STAGES = 32, 3  # the overlap needs three stages: (64, 3) does not fit
+# Split decodes aim at one program an SM (the Triton kernels' rule takes two): a program holds
+# an SM's shared memory, so a second wave is a tail. On the H200 (gpu_c432eb0/call1, mla_once)
+# one wave against two: DSA's sparse MLA at 32 tokens x 2,048 keys 0.111 against 0.166 ms,
+# the dense decode at 4 rows x 16k keys (20 heads) 0.104 against 0.246, at 32 x 4k (64 heads)
+# 0.138 against 0.176.
+DECODE_WAVES = 1
 # experiment switch (MOESERVE_MLA_DECODE_PERSISTENT=1): unsplit decodes by
-# decode_gluon_persistent.py's kernel (rows in one key stream a program), off until timed
+# decode_gluon_persistent.py's kernel (rows in one key stream a program). Off: on the H200
+# (gpu_c432eb0/call1) within 1-2% of decode_gluon at W1's contexts, up to 5% slower at 4k.
 persistent = envs.mla_decode_persistent()
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -99,7 +106,7 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                  stages: int | None = None, overlap: bool = False) -> None:
     """Decode rows (one query each) into out [T, H, L]: `rows` [num_rows] int32 row ids, or
     None for rows 0..B-1 (absorbed_triton._launch_decode's contract). num_splits: context
-    partitions a row (default reduce_triton.decode_num_splits). block_n, stages: default
+    partitions a row (default reduce_triton.decode_num_splits, one wave). block_n, stages: default
     `tile`. overlap: each tile's scores issued during the previous tile's softmax (stages >=
     3); the same result."""
     block_n, stages = tile(block_n, stages, overlap)
@@ -108,7 +115,7 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     forced = num_splits is not None
     if num_splits is None:
         num_splits = reduce_triton.decode_num_splits(num_rows, num_head_tiles, max_seq_len,
-                                                     q.device)
+                                                     q.device, waves=DECODE_WAVES)
     if persistent and num_splits == 1 and not forced and stages == 2 and not overlap:
         return _persistent().decode_persistent(q, latent_cache, meta, scale, kv_lora_rank,
                                                out, rows, num_rows, block_n, stages)
@@ -144,7 +151,8 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                          f"{MAX_GRID_Y} (the grid's y dimension)")
     num_head_tiles = -(-q.shape[1] // BLOCK_H)
     if num_splits is None:
-        num_splits = reduce_triton.decode_num_splits(num_tokens, num_head_tiles, topk, q.device)
+        num_splits = reduce_triton.decode_num_splits(num_tokens, num_head_tiles, topk, q.device,
+                                                     waves=DECODE_WAVES)
     parts = _launch(q, latent_cache, meta, scale, kv_lora_rank, out, num_tokens, topk,
                     num_splits, block_n, stages, overlap, sel=positions, packed=packed)
     if num_splits > 1:

@@ -29,13 +29,13 @@ NOMINAL_SMS = 132  # off CUDA (the interpreter): an H200's, so a step splits as 
 
 
 def decode_num_splits(num_rows: int, num_head_tiles: int, context: int,
-                      device: torch.device) -> int:
+                      device: torch.device, waves: int = DECODE_WAVES) -> int:
     """Context partitions per decode row (a host int, the same inside a CUDA graph): up to
-    DECODE_WAVES programs an SM over rows x head tiles x partitions, none shorter than
-    MIN_PARTITION_TOKENS keys, at most MAX_SPLITS."""
+    `waves` programs an SM (DECODE_WAVES for the Triton kernels) over rows x head tiles x
+    partitions, none shorter than MIN_PARTITION_TOKENS keys, at most MAX_SPLITS."""
     sms = num_sms(device) if device.type == "cuda" else NOMINAL_SMS
     by_length = -(-max(1, context) // MIN_PARTITION_TOKENS)
-    by_programs = DECODE_WAVES * sms // max(1, num_rows * num_head_tiles)
+    by_programs = waves * sms // max(1, num_rows * num_head_tiles)
     return max(1, min(by_length, by_programs, MAX_SPLITS))
 
 
