@@ -3,13 +3,15 @@
 # Triton kernels' rule takes two), and W1's token budget at 1,024 streams, in one call (~6
 # minutes): the GPU tests of the Gluon and DSA kernels, kernels_mla over few-row steps (split /
 # gluon) at 20 / 64 / 128 heads, kernels_dsa --decode-only (DSA's decode step in a CUDA graph),
-# then W1 on glm-4.7-flash at 1,024 streams with --max-num-batched-tokens BUDGETS (default
-# 4096 16384; the default budget, 8,192, ran in gluon_persistent_h200.sh w1). Results as
-# $OUT/gluon_waves.tgz.
-#   bash benchmarks/h200/gluon_waves_h200.sh
+# then W1 on glm-4.7-flash with --max-num-batched-tokens: RUNS "concurrency:budget ..." (default
+# 1024:4096 1024:16384; the default budget, 8,192, ran in gluon_persistent_h200.sh w1). Results
+# as $OUT/gluon_waves.tgz.
+#   bash benchmarks/h200/gluon_waves_h200.sh          # all of it
+#   W1_ONLY=1 RUNS="512:16384 1024:32768" bash benchmarks/h200/gluon_waves_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
 R=/tmp/gluon_waves; mkdir -p $R
+if [ -z "${W1_ONLY:-}" ]; then
 timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -n 4 \
   tests/kernels/attention/test_mla_decode_gluon.py tests/kernels/attention/test_dsa_triton.py \
   > $R/gpu_tests.log 2>&1
@@ -27,13 +29,15 @@ for r in json.load(open('/tmp/gluon_waves/kernels_dsa.json'))['decode']:
           r['dsa_graph_ms'], r['pct_of_bound_graph'])
 "
 python3 -m benchmarks.kernels.mla_cases_table $R/few/kernels_mla.json
-for budget in ${BUDGETS:-4096 16384}; do
-  timeout 110 python3 -m moeserve.cli bench --preset glm-4.7-flash --max-concurrency 1024 \
+fi
+for run in ${RUNS:-1024:4096 1024:16384}; do
+  c=${run%%:*}; budget=${run#*:}; name=w1_c${c}_budget$budget
+  timeout 110 python3 -m moeserve.cli bench --preset glm-4.7-flash --max-concurrency "$c" \
     --server-args "--max-num-batched-tokens $budget" --no-progress \
-    --output-json "$R/w1_c1024_budget$budget.jsonl" > "$R/w1_c1024_budget$budget.log" 2>&1
-  echo "budget=$budget rc=$?"
+    --output-json "$R/$name.jsonl" > "$R/$name.log" 2>&1
+  echo "$name rc=$?"
   grep -E "Output token throughput|eager decode|serial roofline|Median TPOT|Median TTFT" \
-    "$R/w1_c1024_budget$budget.log"
+    "$R/$name.log"
 done
 gzip -f $R/*.jsonl
 tar czf $OUT/gluon_waves.tgz -C /tmp gluon_waves
