@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Fill .whl/ with what the GPU machine's python lacks (../shared/device/README.md lists what it
+# has), each at constraints.txt's pin where it has one, through ../shared/device/wheels.sh;
+# benchmarks/gpu_env.sh installs them there. A fresh checkout has no .whl/ (it is ignored), so
+# run this once before the first GPU call, and carry ".whl" with every call:
+#   bash benchmarks/gpu_wheels.sh
+# The list is the closure of the server's, the bench's, the tuner's and the tests' needs
+# (fastapi, uvicorn, pyzmq, msgspec, orjson, optuna, openai, compressed-tensors, pytest-xdist)
+# minus the GPU machine's own packages and platform-only requirements (Windows, PyPy, < 3.11).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NEEDED="alembic annotated-doc annotated-types colorlog compressed-tensors distro execnet fastapi
+greenlet httpcore2 httpx2 jiter loguru mako msgspec openai opentelemetry-api optuna orjson
+pydantic pydantic-core pytest-xdist pyzmq sqlalchemy starlette truststore typing-extensions
+typing-inspection uvicorn"
+specs=()
+for name in $NEEDED; do
+  # constraints.txt's pin, matched with -, _ and . as one and case ignored (PEP 503)
+  pattern=$(echo "$name" | sed 's/[-_.]/[-_.]/g')
+  pin=$(grep -iE "^${pattern}==" constraints.txt | head -1 || true)
+  specs+=("${pin:-$name}")
+done
+../shared/device/wheels.sh "${specs[@]}"
