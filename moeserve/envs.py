@@ -16,6 +16,9 @@
                              otherwise where it takes the inputs
     MOESERVE_MLA_DECODE_PERSISTENT  "1" runs the Gluon MLA decode's unsplit launches by
                              mla/decode_gluon_persistent.py's kernel, for A/Bs; off otherwise
+    MOESERVE_MLA_DECODE_SWAPPED  "1" runs the Gluon MLA decode's launches of at most 32 heads
+                             by mla/decode_gluon_swapped.py's kernel (keys as wgmma's M), for
+                             A/Bs; off otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -34,6 +37,7 @@ COLLECTIVES_AT_ONE_RANK = "MOESERVE_COLLECTIVES_AT_ONE_RANK"
 GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
 MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_PERSISTENT = "MOESERVE_MLA_DECODE_PERSISTENT"
+MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -69,6 +73,10 @@ def mla_prefill_gluon() -> bool:
 
 def mla_decode_persistent() -> bool:
     return os.environ.get(MLA_DECODE_PERSISTENT) == "1"
+
+
+def mla_decode_swapped() -> bool:
+    return os.environ.get(MLA_DECODE_SWAPPED) == "1"
 
 
 def api_pids_file() -> str | None:

@@ -240,6 +240,12 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
         const = dict(NUM_HEADS=args.heads, NUM_HEAD_TILES=-(-args.heads // 64), L=512, R=64,
                      BLOCK_SIZE=args.block_size, BLOCK_N=bn, STAGES=stages, USE_ROWS=False)
         kernel = decode_gluon_persistent._kernels().decode
+    if args.swapped:  # decode_gluon_swapped.py: keys as wgmma's M, at most 32 heads
+        from moeserve.kernels.attention.mla import decode_gluon_swapped
+
+        const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
+                     USE_ROWS=False, SPLIT=args.split)
+        kernel = decode_gluon_swapped._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
 
@@ -365,6 +371,8 @@ def main() -> None:
                            help="the absorbed prefill over query tiles (prefill_gluon)")
             p.add_argument("--persistent", action="store_true",
                            help="decode_gluon_persistent's kernel (one stream of rows)")
+            p.add_argument("--swapped", action="store_true",
+                           help="decode_gluon_swapped's kernel (keys as M, <= 32 heads)")
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                            help="fp8: the float8 e4m3 latent cache's variant")

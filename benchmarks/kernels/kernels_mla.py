@@ -25,7 +25,8 @@ after each case (a run cut short keeps what it measured).
     python -m benchmarks.kernels.kernels_mla --out DIR --forms split flat gluon gluon-overlap
         # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat,
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
-        # stages from --tiles' BN and S; gluon-persistent, decode_gluon_persistent's, unsplit)
+        # stages from --tiles' BN and S; gluon-persistent, decode_gluon_persistent's, unsplit;
+        # gluon-swapped, decode_gluon_swapped's (keys as wgmma's M), at most 32 heads)
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from moeserve.kernels.attention.metadata import AttentionMetadata, build_attenti
 # neither imports triton (the kernels do on first use, after --smoke set the interpreter)
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.mla import decode_gluon, reduce_triton
+from moeserve.kernels.attention.mla.decode_gluon_swapped import SWAPPED_HEADS
 from moeserve.kernels.attention.mla.reference import mla_attention_ref
 from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES, to_cache_dtype
 
@@ -119,7 +121,7 @@ def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device
 def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, latent: int,
               cfg: mla_triton.TileConfig, form: str):
     """The decode step as a call: mla_attention_triton in `form`, or ("gluon", "gluon-overlap")
-    decode_gluon at cfg's keys a tile and stages."""
+    decode_gluon at cfg's keys a tile and stages, or its persistent / swapped variant."""
     if not form.startswith("gluon"):
         return lambda: mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
                                                        decode_config=cfg, decode_form=form)
@@ -132,6 +134,11 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
             )
             decode_persistent(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                               block_n=cfg.block_n, stages=cfg.num_stages)
+            return out
+        if form == "gluon-swapped":  # decode_gluon_swapped.py, its own tile
+            from moeserve.kernels.attention.mla.decode_gluon_swapped import decode_swapped
+            decode_swapped(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
+                           meta.max_seq_len)
             return out
         decode_gluon.decode_gluon(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                                   meta.max_seq_len, block_n=cfg.block_n,
@@ -155,7 +162,8 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
         if form == "auto":
             form = mla_triton.auto_decode_form(heads, batch,
                                                decode_gluon.supports(q, cache, latent))
-        if form == "flat" and heads > mla_triton.FLAT_MAX_HEADS:
+        if (form == "flat" and heads > mla_triton.FLAT_MAX_HEADS) or (
+                form == "gluon-swapped" and heads > SWAPPED_HEADS):
             continue
         cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)
         if form.startswith("gluon"):
@@ -163,6 +171,10 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
                                                 form == "gluon-overlap")
             cfg = mla_triton.TileConfig(decode_gluon.BLOCK_H, block_n, decode_gluon.NUM_WARPS,
                                         stages)
+            if form == "gluon-swapped":  # its one tile: 32 heads, 64 keys, 2 stages
+                if tile is not None:
+                    continue
+                cfg = mla_triton.TileConfig(SWAPPED_HEADS, 64, decode_gluon.NUM_WARPS, 2)
             if (form == "gluon-overlap" and stages < 3) or (
                     form == "gluon-persistent" and stages != 2):  # their stage counts
                 continue
@@ -211,10 +223,11 @@ def main() -> None:
                              "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--forms", nargs="+", default=["auto"],
                         choices=[*mla_triton.DECODE_FORMS, "gluon-overlap",
-                                 "gluon-persistent"],
+                                 "gluon-persistent", "gluon-swapped"],
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
                              "flat skips heads past its FLAT_MAX_HEADS; gluon, gluon-overlap: "
-                             "decode_gluon, gluon-persistent: decode_gluon_persistent, sm90 "
+                             "decode_gluon, gluon-persistent: decode_gluon_persistent, "
+                             "gluon-swapped: decode_gluon_swapped (at most 32 heads), sm90 "
                              "only)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "

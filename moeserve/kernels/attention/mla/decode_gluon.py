@@ -64,6 +64,10 @@ DECODE_WAVES = 1
 # decode_gluon_persistent.py's kernel (rows in one key stream a program). Off: on the H200
 # (gpu_c432eb0/call1) within 1-2% of decode_gluon at W1's contexts, up to 5% slower at 4k.
 persistent = envs.mla_decode_persistent()
+# experiment switch (MOESERVE_MLA_DECODE_SWAPPED=1): decodes of at most 32 heads by
+# decode_gluon_swapped.py's kernel (keys as wgmma's M: 20 heads pay for 32, not 64), off until
+# timed
+swapped = envs.mla_decode_swapped()
 _DTYPES = (torch.bfloat16, torch.float16)
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
@@ -99,6 +103,10 @@ def _persistent():  # the module, imported on use (it imports this one)
     return importlib.import_module("moeserve.kernels.attention.mla.decode_gluon_persistent")
 
 
+def _swapped():  # the module, imported on use (it imports this one)
+    return importlib.import_module("moeserve.kernels.attention.mla.decode_gluon_swapped")
+
+
 def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, kv_lora_rank: int, out: torch.Tensor,
                  rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
@@ -109,6 +117,10 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     partitions a row (default reduce_triton.decode_num_splits, one wave). block_n, stages: default
     `tile`. overlap: each tile's scores issued during the previous tile's softmax (stages >=
     3); the same result."""
+    if swapped and block_n is None and stages is None and not overlap and (
+            _swapped().takes(q.shape[1])):
+        return _swapped().decode_swapped(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
+                                         num_rows, max_seq_len, num_splits)
     block_n, stages = tile(block_n, stages, overlap)
     _check(q, latent_cache, kv_lora_rank, stages, overlap)
     num_head_tiles = -(-q.shape[1] // BLOCK_H)

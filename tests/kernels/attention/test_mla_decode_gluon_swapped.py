@@ -1,0 +1,115 @@
+"""The swapped Gluon MLA decode (kernels/attention/mla/decode_gluon_swapped.py: keys as wgmma's M,
+at most 32 heads) against the dense expectation of `make_mla_case`: on the GPU (sm90) only, as
+Gluon has no interpreter; on CPU, that it refuses the call by name and that the switch leaves
+other calls alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeserve.kernels.attention.mla import decode_gluon, decode_gluon_swapped
+from moeserve.kernels.attention.mla.decode_gluon_swapped import decode_swapped
+from tests.kernels.attention.test_mla import DECODE, make_mla_case
+from tests.kernels.attention.test_mla_triton import TOL, gpu_case
+
+
+def run(case, rows: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+    """decode_swapped over a decode-only case (all its rows, or `rows`)."""
+    out = torch.zeros_like(case.q_lat[..., :case.L])
+    num_rows = case.meta.num_reqs if rows is None else rows.shape[0]
+    decode_swapped(case.q_lat, case.latent_cache, case.meta, case.scale, case.L, out, rows,
+                   num_rows, case.meta.max_seq_len, **kwargs)
+    return out
+
+
+def test_refuses_what_it_cannot_take_by_name() -> None:
+    case = make_mla_case(*DECODE, block_size=4, num_heads=5)
+    with pytest.raises(ValueError, match="decode_gluon needs an sm90 GPU"):
+        run(case)
+
+
+def test_takes_at_most_its_heads() -> None:
+    assert decode_gluon_swapped.takes(1) and decode_gluon_swapped.takes(20)
+    assert decode_gluon_swapped.takes(decode_gluon_swapped.SWAPPED_HEADS)
+    assert not decode_gluon_swapped.takes(decode_gluon_swapped.SWAPPED_HEADS + 1)
+    assert not decode_gluon_swapped.takes(0)
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_too_many_heads() -> None:
+    with pytest.raises(ValueError, match="at most 32 heads, got 64"):
+        run(gpu_case([100], [1], 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [16, 20, 32])
+@pytest.mark.parametrize(("batch", "max_context"), [(4, 4096), (64, 2048), (300, 256)])
+def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int) -> None:
+    """Rows of 1 key to many tiles, with the default split count (one wave of programs) and
+    forced ones (1: unsplit; 3: partitions of unequal tiles)."""
+    rng = np.random.default_rng(batch)
+    computed = rng.integers(0, max_context, batch).tolist()
+    computed[0] = max_context - 1
+    case = gpu_case(computed, [1] * batch, num_heads, seed=batch)
+    tol = TOL[torch.bfloat16]
+    for splits in (None, 1, 3):
+        out = run(case, num_splits=splits)
+        assert not out.isnan().any(), splits
+        torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol,
+                                   msg=f"splits {splits}")
+
+
+@pytest.mark.gpu
+def test_gpu_chosen_rows_fp16_and_a_cuda_graph() -> None:
+    """`rows` picks decode rows (only their tokens written); fp16; captured once and replayed
+    with new queries written in place, equal to decode_gluon's result."""
+    case = gpu_case([0, 30, 700, 4095, 64, 129], [1] * 6, 20, dtype=torch.float16, seed=3)
+    rows = torch.tensor([4, 1, 3], dtype=torch.int32, device="cuda")
+    out = run(case, rows=rows)
+    tol = TOL[torch.bfloat16]
+    picked = case.meta.query_start_loc[rows.long()].long()
+    torch.testing.assert_close(out[picked].float(), case.expected_latent[picked], atol=tol,
+                               rtol=tol)
+    others = torch.ones(out.shape[0], dtype=torch.bool, device="cuda")
+    others[picked] = False
+    assert (out[others] == 0).all()
+    case = gpu_case([100, 2000, 37, 500], [1] * 4, 20, seed=5)
+    out = torch.zeros_like(case.q_lat[..., :case.L])
+    args = (case.q_lat, case.latent_cache, case.meta, case.scale, case.L, out, None, 4,
+            case.meta.max_seq_len)
+    decode_swapped(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_swapped(*args)
+    for seed in range(2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        case.q_lat.copy_(torch.randn(case.q_lat.shape, generator=gen, device="cuda"))
+        graph.replay()
+        want = torch.zeros_like(out)
+        decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
+                                  want, None, 4, case.meta.max_seq_len)
+        torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+def test_gpu_the_switch_routes_few_head_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_gluon.swapped on: a decode_gluon call of at most 32 heads runs the swapped
+    kernel; 64 heads, or a forced tile, do not."""
+    calls: list[int] = []
+    real = decode_gluon_swapped.decode_swapped
+    monkeypatch.setattr(decode_gluon_swapped, "decode_swapped",
+                        lambda *a, **k: (calls.append(a[0].shape[1]), real(*a, **k))[1])
+    monkeypatch.setattr(decode_gluon, "swapped", True)
+    tol = TOL[torch.bfloat16]
+    few = gpu_case(np.random.default_rng(0).integers(1, 2048, 40).tolist(), [1] * 40, 20)
+    many = gpu_case([300, 1000], [1, 1], 64, seed=1)
+    for case, kwargs, want in ((few, {}, [20]), (many, {}, []),
+                               (few, {"block_n": 64, "stages": 2}, [])):
+        calls.clear()
+        out = torch.zeros_like(case.q_lat[..., :case.L])
+        decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
+                                  out, None, case.meta.num_reqs, case.meta.max_seq_len, **kwargs)
+        assert calls == want, kwargs
+        torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
