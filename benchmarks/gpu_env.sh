@@ -1,4 +1,5 @@
-# Sourced by the GPU-machine scripts: the wheels brought in .whl/ installed once into /tmp/site
+# Sourced by the GPU-machine scripts: the wheels brought in .whl/ (benchmarks/gpu_wheels.sh
+# fills it here) installed once into /tmp/site (and the modules the runs import checked)
 # and on PYTHONPATH with the checkout, the commit under test (GIT_COMMIT, written before the
 # call) exported for the results' provenance, and the device and versions written to $OUT.
 #   [GPU_ENV_VERSIONS="optuna ..."] source benchmarks/gpu_env.sh
@@ -14,6 +15,18 @@ if [ "$(cat "$SITE/.wheels" 2>/dev/null)" != "$WHEELS" ]; then
     --target "$SITE" .whl/*.whl && echo "$WHEELS" > "$SITE/.wheels"
 fi
 export PYTHONPATH=$PWD:$SITE
+# what the server, the bench, the tuner and the tests import from those wheels: name what is
+# missing now rather than in a failed server's log (a checkout without .whl/, or a wheel the
+# list in benchmarks/gpu_wheels.sh lacks)
+python3 -c "
+import importlib.util, sys
+need = ('fastapi', 'uvicorn', 'zmq', 'msgspec', 'orjson', 'openai', 'optuna',
+        'compressed_tensors', 'xdist', 'opentelemetry')
+missing = [m for m in need if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit('gpu_env.sh: not importable here: ' + ', '.join(missing)
+             + ' (run bash benchmarks/gpu_wheels.sh before the call and carry .whl)')
+" || echo "gpu_env.sh: WARNING: the runs below that need those modules will fail" >&2
 [ -f GIT_COMMIT ] && export MOESERVE_GIT_COMMIT=$(cat GIT_COMMIT)
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv > "$OUT/device.csv" 2>&1
