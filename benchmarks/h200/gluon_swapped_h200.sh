@@ -3,8 +3,9 @@
 # most 32 heads, an experiment off by default) on the H200. Two modes, each one call; results
 # as $OUT/gluon_swapped.tgz.
 #   bash benchmarks/h200/gluon_swapped_h200.sh kernels  # (~4 min) its GPU tests (and
-#        # decode_gluon's), then kernels_mla gluon against gluon-swapped at 20 heads (CASES,
-#        # W1's contexts among them, and --few-rows)
+#        # decode_gluon's), then kernels_mla gluon against gluon-swapped-sync (the swap alone)
+#        # and gluon-swapped (with its block-table prefetch) at 20 heads (CASES, W1's contexts
+#        # among them, and --few-rows)
 #   bash benchmarks/h200/gluon_swapped_h200.sh w1       # (~6 min) W1 on glm-4.7-flash at CONC
 #        # (default 256 512 1024) through the server: the defaults, then
 #        # MOESERVE_MLA_DECODE_SWAPPED=1, in turn at each concurrency
@@ -18,10 +19,10 @@ case "${1:-kernels}" in
       tests/kernels/attention/test_mla_decode_gluon.py > $R/gpu_tests.log 2>&1
     echo "kernel tests rc=$?"; grep -E "passed|failed|Error" $R/gpu_tests.log | tail -8
     timeout 120 python3 -m benchmarks.kernels.kernels_mla --out $R/cases --heads 20 \
-      --forms gluon gluon-swapped > $R/kernels_mla.log 2>&1
+      --forms gluon gluon-swapped-sync gluon-swapped > $R/kernels_mla.log 2>&1
     echo "kernels_mla rc=$?"; tail -3 $R/kernels_mla.log
     timeout 60 python3 -m benchmarks.kernels.kernels_mla --out $R/few --heads 20 \
-      --few-rows --forms gluon gluon-swapped > $R/kernels_mla_few.log 2>&1
+      --few-rows --forms gluon gluon-swapped-sync gluon-swapped > $R/kernels_mla_few.log 2>&1
     echo "kernels_mla few rc=$?"; tail -3 $R/kernels_mla_few.log
     python3 -m benchmarks.kernels.mla_cases_table $R/cases/kernels_mla.json \
       $R/few/kernels_mla.json ;;

@@ -244,7 +244,7 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
         from moeserve.kernels.attention.mla import decode_gluon_swapped
 
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
-                     USE_ROWS=False, SPLIT=args.split)
+                     USE_ROWS=False, SPLIT=args.split, PREFETCH=not args.no_prefetch)
         kernel = decode_gluon_swapped._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -373,6 +373,8 @@ def main() -> None:
                            help="decode_gluon_persistent's kernel (one stream of rows)")
             p.add_argument("--swapped", action="store_true",
                            help="decode_gluon_swapped's kernel (keys as M, <= 32 heads)")
+            p.add_argument("--no-prefetch", action="store_true",
+                           help="--swapped: the block table loaded in its tile's iteration")
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                            help="fp8: the float8 e4m3 latent cache's variant")

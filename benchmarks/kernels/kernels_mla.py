@@ -26,7 +26,8 @@ after each case (a run cut short keeps what it measured).
         # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat,
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
         # stages from --tiles' BN and S; gluon-persistent, decode_gluon_persistent's, unsplit;
-        # gluon-swapped, decode_gluon_swapped's (keys as wgmma's M), at most 32 heads)
+        # gluon-swapped, decode_gluon_swapped's (keys as wgmma's M), at most 32 heads;
+        # gluon-swapped-sync, the same with its block table loaded in each tile's iteration)
 """
 
 from __future__ import annotations
@@ -135,10 +136,10 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
             decode_persistent(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                               block_n=cfg.block_n, stages=cfg.num_stages)
             return out
-        if form == "gluon-swapped":  # decode_gluon_swapped.py, its own tile
+        if form.startswith("gluon-swapped"):  # decode_gluon_swapped.py, its own tile
             from moeserve.kernels.attention.mla.decode_gluon_swapped import decode_swapped
             decode_swapped(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
-                           meta.max_seq_len)
+                           meta.max_seq_len, prefetch=form == "gluon-swapped")
             return out
         decode_gluon.decode_gluon(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                                   meta.max_seq_len, block_n=cfg.block_n,
@@ -163,7 +164,7 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
             form = mla_triton.auto_decode_form(heads, batch,
                                                decode_gluon.supports(q, cache, latent))
         if (form == "flat" and heads > mla_triton.FLAT_MAX_HEADS) or (
-                form == "gluon-swapped" and heads > SWAPPED_HEADS):
+                form.startswith("gluon-swapped") and heads > SWAPPED_HEADS):
             continue
         cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)
         if form.startswith("gluon"):
@@ -171,7 +172,7 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
                                                 form == "gluon-overlap")
             cfg = mla_triton.TileConfig(decode_gluon.BLOCK_H, block_n, decode_gluon.NUM_WARPS,
                                         stages)
-            if form == "gluon-swapped":  # its one tile: 32 heads, 64 keys, 2 stages
+            if form.startswith("gluon-swapped"):  # its one tile: 32 heads, 64 keys, 2 stages
                 if tile is not None:
                     continue
                 cfg = mla_triton.TileConfig(SWAPPED_HEADS, 64, decode_gluon.NUM_WARPS, 2)
@@ -223,12 +224,12 @@ def main() -> None:
                              "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--forms", nargs="+", default=["auto"],
                         choices=[*mla_triton.DECODE_FORMS, "gluon-overlap",
-                                 "gluon-persistent", "gluon-swapped"],
+                                 "gluon-persistent", "gluon-swapped", "gluon-swapped-sync"],
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
                              "flat skips heads past its FLAT_MAX_HEADS; gluon, gluon-overlap: "
                              "decode_gluon, gluon-persistent: decode_gluon_persistent, "
-                             "gluon-swapped: decode_gluon_swapped (at most 32 heads), sm90 "
-                             "only)")
+                             "gluon-swapped(-sync): decode_gluon_swapped (at most 32 heads; "
+                             "-sync: no block-table prefetch), sm90 only)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")
