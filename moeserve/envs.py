@@ -19,6 +19,9 @@
     MOESERVE_MLA_DECODE_SWAPPED  "1" runs the Gluon MLA decode's launches of at most 32 heads
                              by mla/decode_gluon_swapped.py's kernel (keys as wgmma's M), for
                              A/Bs; off otherwise
+    MOESERVE_MLA_TABLE_PREFETCH  "1" has decode_gluon.py's kernel (the decode, DSA's sparse
+                             attention, the prefill) load each key tile's block-table entries
+                             an iteration ahead of its copies, for A/Bs; off otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -38,6 +41,7 @@ GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
 MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_PERSISTENT = "MOESERVE_MLA_DECODE_PERSISTENT"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
+MLA_TABLE_PREFETCH = "MOESERVE_MLA_TABLE_PREFETCH"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -77,6 +81,10 @@ def mla_decode_persistent() -> bool:
 
 def mla_decode_swapped() -> bool:
     return os.environ.get(MLA_DECODE_SWAPPED) == "1"
+
+
+def mla_table_prefetch() -> bool:
+    return os.environ.get(MLA_TABLE_PREFETCH) == "1"
 
 
 def api_pids_file() -> str | None:

@@ -232,7 +232,8 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
                  STAGES=stages, USE_ROWS=args.prefill, SPLIT=args.split, OVERLAP=args.overlap,
                  SPARSE=args.sparse, PACKED=args.sparse, PREFILL=args.prefill,
                  HPT=per_tile if args.prefill else decode_gluon.BLOCK_H,
-                 BLOCK_Q=block_q if args.prefill else 1)
+                 BLOCK_Q=block_q if args.prefill else 1,
+                 PREFETCH=args.table_prefetch == "on")
     kernel = decode_gluon._kernels().decode
     if args.persistent:  # decode_gluon_persistent.py: rows in one stream a program
         from moeserve.kernels.attention.mla import decode_gluon_persistent
@@ -244,7 +245,7 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
         from moeserve.kernels.attention.mla import decode_gluon_swapped
 
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
-                     USE_ROWS=False, SPLIT=args.split, PREFETCH=not args.no_prefetch)
+                     USE_ROWS=False, SPLIT=args.split, PREFETCH=args.table_prefetch != "off")
         kernel = decode_gluon_swapped._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -373,8 +374,10 @@ def main() -> None:
                            help="decode_gluon_persistent's kernel (one stream of rows)")
             p.add_argument("--swapped", action="store_true",
                            help="decode_gluon_swapped's kernel (keys as M, <= 32 heads)")
-            p.add_argument("--no-prefetch", action="store_true",
-                           help="--swapped: the block table loaded in its tile's iteration")
+            p.add_argument("--table-prefetch", choices=("default", "on", "off"),
+                           default="default",
+                           help="each tile's block table loaded an iteration ahead (default: "
+                                "off for decode_gluon, on for --swapped)")
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                            help="fp8: the float8 e4m3 latent cache's variant")

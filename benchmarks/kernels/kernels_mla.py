@@ -27,7 +27,8 @@ after each case (a run cut short keeps what it measured).
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
         # stages from --tiles' BN and S; gluon-persistent, decode_gluon_persistent's, unsplit;
         # gluon-swapped, decode_gluon_swapped's (keys as wgmma's M), at most 32 heads;
-        # gluon-swapped-sync, the same with its block table loaded in each tile's iteration)
+        # gluon-swapped-sync, the same with its block table loaded in each tile's iteration;
+        # gluon-prefetch, decode_gluon with its block table loaded a tile ahead)
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
             return out
         decode_gluon.decode_gluon(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                                   meta.max_seq_len, block_n=cfg.block_n,
-                                  stages=cfg.num_stages, overlap=form == "gluon-overlap")
+                                  stages=cfg.num_stages, overlap=form == "gluon-overlap",
+                                  prefetch=True if form == "gluon-prefetch" else None)
         return out
     return gluon
 
@@ -224,12 +226,14 @@ def main() -> None:
                              "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--forms", nargs="+", default=["auto"],
                         choices=[*mla_triton.DECODE_FORMS, "gluon-overlap",
-                                 "gluon-persistent", "gluon-swapped", "gluon-swapped-sync"],
+                                 "gluon-persistent", "gluon-swapped", "gluon-swapped-sync",
+                                 "gluon-prefetch"],
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
                              "flat skips heads past its FLAT_MAX_HEADS; gluon, gluon-overlap: "
                              "decode_gluon, gluon-persistent: decode_gluon_persistent, "
                              "gluon-swapped(-sync): decode_gluon_swapped (at most 32 heads; "
-                             "-sync: no block-table prefetch), sm90 only)")
+                             "-sync: no block-table prefetch), gluon-prefetch: decode_gluon "
+                             "with it, sm90 only)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")

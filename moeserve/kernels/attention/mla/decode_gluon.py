@@ -30,7 +30,9 @@ Where `supports` holds, the Triton launcher's "auto" decode form runs decode_glu
 (absorbed_triton.auto_decode_form), its prefill rows prefill_gluon (1.07-1.9x the Triton
 prefill: gpu_5bd5ebf/call6-7), and DSA's sparse attention sparse_gluon
 (dsa/sparse_triton.dsa_attention_triton). The overlap measured no faster and stays off.
-Gluon is imported on first use (`_kernels`).
+Gluon is imported on first use (`_kernels`); the kernel's parts (query rows, key tiles'
+copies, scores, online softmax) are in gluon_parts.py, shared with the experiments beside it
+(decode_gluon_persistent.py, decode_gluon_swapped.py; `table_prefetch`, below).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch
 
 from moeserve import envs
 from moeserve.kernels.attention.metadata import AttentionMetadata
-from moeserve.kernels.attention.mla import reduce_triton
+from moeserve.kernels.attention.mla import gluon_parts, reduce_triton
 from moeserve.kernels.triton_common import MAX_GRID_Y
 
 BLOCK_H = 64  # heads a program: wgmma's M
@@ -68,6 +70,10 @@ persistent = envs.mla_decode_persistent()
 # decode_gluon_swapped.py's kernel (keys as wgmma's M: 20 heads pay for 32, not 64), off until
 # timed
 swapped = envs.mla_decode_swapped()
+# experiment switch (MOESERVE_MLA_TABLE_PREFETCH=1): each key tile's block-table entries (and a
+# sparse token's selected positions) loaded an iteration ahead of its copies, off until timed
+# (the loop otherwise waits on those loads before it can issue a tile's copies)
+table_prefetch = envs.mla_table_prefetch()
 _DTYPES = (torch.bfloat16, torch.float16)
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
@@ -76,6 +82,14 @@ async_copy: Any = None
 fence_async_shared: Any = None
 warpgroup_mma: Any = None
 warpgroup_mma_wait: Any = None
+# gluon_parts' jitted functions the kernel calls, bound by _kernels()
+_load_tile: Any = None
+_scores: Any = None
+_valid_keys: Any = None
+_query_rows: Any = None
+_softmax_to_p: Any = None
+_tile_rows: Any = None
+_copy_tile: Any = None
 
 
 def supports(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -111,12 +125,14 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                  scale: float, kv_lora_rank: int, out: torch.Tensor,
                  rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
                  num_splits: int | None = None, block_n: int | None = None,
-                 stages: int | None = None, overlap: bool = False) -> None:
+                 stages: int | None = None, overlap: bool = False,
+                 prefetch: bool | None = None) -> None:
     """Decode rows (one query each) into out [T, H, L]: `rows` [num_rows] int32 row ids, or
     None for rows 0..B-1 (absorbed_triton._launch_decode's contract). num_splits: context
     partitions a row (default reduce_triton.decode_num_splits, one wave). block_n, stages: default
     `tile`. overlap: each tile's scores issued during the previous tile's softmax (stages >=
-    3); the same result."""
+    3); the same result. prefetch: the block table an iteration ahead (default the module's
+    `table_prefetch`); the same result."""
     if swapped and block_n is None and stages is None and not overlap and (
             _swapped().takes(q.shape[1])):
         return _swapped().decode_swapped(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
@@ -132,7 +148,7 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
         return _persistent().decode_persistent(q, latent_cache, meta, scale, kv_lora_rank,
                                                out, rows, num_rows, block_n, stages)
     parts = _launch(q, latent_cache, meta, scale, kv_lora_rank, out, num_rows, max_seq_len,
-                    num_splits, block_n, stages, overlap, rows=rows)
+                    num_splits, block_n, stages, overlap, rows=rows, prefetch=prefetch)
     if num_splits > 1:
         reduce_triton.reduce_splits(*parts, out, meta.query_start_loc, rows, num_rows,
                                     num_splits)
@@ -142,7 +158,7 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                  positions: torch.Tensor, scale: float, kv_lora_rank: int, *,
                  num_splits: int | None = None, packed: bool = False,
                  block_n: int | None = None, stages: int | None = None,
-                 overlap: bool = False) -> torch.Tensor:
+                 overlap: bool = False, prefetch: bool | None = None) -> torch.Tensor:
     """DSA's sparse MLA (dsa/sparse_triton.dsa_attention_triton's contract): each token's
     absorbed queries over its selected positions [T, topk] int32 (-1, or past the block
     table: skipped; packed: valid ones first, at most the token's position + 1 of them, so
@@ -166,7 +182,8 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
         num_splits = reduce_triton.decode_num_splits(num_tokens, num_head_tiles, topk, q.device,
                                                      waves=DECODE_WAVES)
     parts = _launch(q, latent_cache, meta, scale, kv_lora_rank, out, num_tokens, topk,
-                    num_splits, block_n, stages, overlap, sel=positions, packed=packed)
+                    num_splits, block_n, stages, overlap, sel=positions, packed=packed,
+                    prefetch=prefetch)
     if num_splits > 1:
         reduce_triton.reduce_splits(*parts, out, None, None, num_tokens, num_splits)
     return out
@@ -192,8 +209,8 @@ def _check(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, stage
 def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
             kv_lora_rank: int, out: torch.Tensor, num_rows: int, keys: int, num_splits: int,
             block_n: int, stages: int, overlap: bool, *, rows: torch.Tensor | None = None,
-            sel: torch.Tensor | None = None,
-            packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            sel: torch.Tensor | None = None, packed: bool = False,
+            prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch over (head tiles, rows or tokens, partitions of `keys`: a row's context, or
     a token's selection when `sel` is given); returns the split partials for the reduce."""
     if not 1 <= num_splits <= reduce_triton.MAX_SPLITS:
@@ -217,7 +234,8 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages,
         USE_ROWS=rows is not None, SPLIT=num_splits > 1, OVERLAP=overlap, SPARSE=sparse,
-        PACKED=packed, PREFILL=False, HPT=BLOCK_H, BLOCK_Q=1, num_warps=NUM_WARPS)
+        PACKED=packed, PREFILL=False, HPT=BLOCK_H, BLOCK_Q=1,
+        PREFETCH=table_prefetch if prefetch is None else prefetch, num_warps=NUM_WARPS)
     return part_m, part_l, part_acc
 
 
@@ -227,16 +245,17 @@ def _kernels() -> SimpleNamespace:
     builtins they call as module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     global _load_tile, _scores, _valid_keys, _query_rows, _softmax_to_p, _decode_kernel
+    global _tile_rows, _copy_tile
     from triton.experimental import gluon
-    from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
 
-    gl = language
+    parts = gluon_parts.jitted()
+    gl = gluon_parts.gl
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
-    _load_tile, _scores = gluon.jit(_load_tile), gluon.jit(_scores)
-    _valid_keys, _query_rows = gluon.jit(_valid_keys), gluon.jit(_query_rows)
-    _softmax_to_p = gluon.jit(_softmax_to_p)
+    _load_tile, _scores, _valid_keys = parts.load_tile, parts.scores, parts.valid_keys
+    _query_rows, _softmax_to_p = parts.query_rows, parts.softmax_to_p
+    _tile_rows, _copy_tile = parts.tile_rows, parts.copy_tile
     # rows_ptr: a slice of one index array at any offset (no new compile mid-serving)
     _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "topk",
                                                   "max_blocks", "stride_table"],
@@ -255,13 +274,15 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
                    BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    USE_ROWS: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
                    SPARSE: gl.constexpr, PACKED: gl.constexpr, PREFILL: gl.constexpr,
-                   HPT: gl.constexpr, BLOCK_Q: gl.constexpr):
+                   HPT: gl.constexpr, BLOCK_Q: gl.constexpr, PREFETCH: gl.constexpr):
     """Program (head_tile, i, split): BLOCK_H heads of decode row i over its context
     partition `split` (the module docstring's data flow); SPARSE: of token i over partition
     `split` of its `topk` selected positions (sel_ptr's row i; PACKED: valid ones first, at
     most the token's position + 1); PREFILL (grid (i, head_tile, 1)): query tile i, BLOCK_Q
     tokens x HPT heads of a row as the tile's 64 query rows, each over its causal context
-    (rows_ptr: the tiles' rows, then their indices within the row, `topk` tiles)."""
+    (rows_ptr: the tiles' rows, then their indices within the row, `topk` tiles). PREFETCH:
+    each tile's cache rows (its table entries; SPARSE, its selected positions too) loaded an
+    iteration before its copies are issued (gluon_parts._tile_rows)."""
     BH: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # register layouts: the copies' pointer tensors (16-byte vectors along a row), and the
@@ -345,6 +366,9 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         _load_tile(cache_ptr, table, sel, max_pos, start + j * BLOCK_N, end, k_lat_s.index(j),
                    k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, SPARSE)
         async_copy.commit_group()
+    if PREFETCH:  # the cache rows of the loop's first copy (tile STAGES - 1)
+        row, ok, row_p, ok_p = _tile_rows(table, sel, max_pos, start + (STAGES - 1) * BLOCK_N,
+                                          end, nl, np_, L, R, BLOCK_SIZE, SPARSE)
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
     l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, s_l))
@@ -361,10 +385,17 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         # every warpgroup is done with the stage the next copy overwrites (tile t - 1's)
         gl.thread_barrier()
         ahead = t + STAGES - 1
-        _load_tile(cache_ptr, table, sel, max_pos, start + ahead * BLOCK_N, end,
-                   k_lat_s.index(ahead % STAGES), k_pe_s.index(ahead % STAGES), nl, dq,
-                   np_, dp, L, R, BLOCK_SIZE, SPARSE)
-        async_copy.commit_group()
+        if PREFETCH:  # copy tile `ahead` from the rows loaded last iteration, load the next's
+            _copy_tile(cache_ptr, row, ok, row_p, ok_p, k_lat_s.index(ahead % STAGES),
+                       k_pe_s.index(ahead % STAGES), dq, dp)
+            async_copy.commit_group()
+            row, ok, row_p, ok_p = _tile_rows(table, sel, max_pos, start + (ahead + 1) * BLOCK_N,
+                                              end, nl, np_, L, R, BLOCK_SIZE, SPARSE)
+        else:
+            _load_tile(cache_ptr, table, sel, max_pos, start + ahead * BLOCK_N, end,
+                       k_lat_s.index(ahead % STAGES), k_pe_s.index(ahead % STAGES), nl, dq,
+                       np_, dp, L, R, BLOCK_SIZE, SPARSE)
+            async_copy.commit_group()
         if OVERLAP:
             # tile t + 1 landed: its scores run on the tensor cores during tile t's softmax
             # (past the last tile a zero-filled stage's, unused)
@@ -421,73 +452,3 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # an empty row writes 0
         gl.store(out_ptr + tok * stride_ot + ho.to(gl.int64)[:, None] * stride_oh
                  + do[None, :], o.to(dtype), mask=h_ok[:, None])
-
-
-def _query_rows(tok, q0, q_len, head_tile, stride_qt, stride_qh, layout: gl.constexpr,
-                NUM_HEADS: gl.constexpr, HPT: gl.constexpr, BLOCK_Q: gl.constexpr,
-                PREFILL: gl.constexpr):
-    """The 64 query rows' element offsets into q and whether each is read: a decode token's
-    heads head_tile * 64 + r, or (PREFILL) token q0 + r // HPT of the row's query (starting
-    at token `tok`), head head_tile * HPT + r % HPT."""
-    r = gl.arange(0, 64, layout=layout)
-    if PREFILL:
-        head = head_tile * HPT + r % HPT
-        ok = (r < BLOCK_Q * HPT) & (q0 + r // HPT < q_len) & (head < NUM_HEADS)
-        at = (tok + q0 + r // HPT) * stride_qt + head.to(gl.int64) * stride_qh
-    else:
-        head = head_tile * 64 + r
-        ok = head < NUM_HEADS
-        at = tok * stride_qt + head.to(gl.int64) * stride_qh
-    return at, ok
-
-
-def _softmax_to_p(s, m_i, l_i, acc, p_s, o_l: gl.constexpr):
-    """Online softmax over a tile's masked base-2 scores s: the running max and sum updated,
-    the accumulator rescaled, P written to shared memory for the P V wgmma (fenced, and both
-    warpgroups' halves written). Returns (m_i, l_i, acc)."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_ref)
-    p = gl.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-    p_s.store(p.to(p_s.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    return m_new, l_i, acc
-
-
-def _scores(q_lat_s, q_pe_s, k_lat, k_pe, s_zero):
-    """Issue (asynchronously) the scores of a stage's keys: Q_lat K_lat^T + Q_pe K_pe^T."""
-    s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    return warpgroup_mma(q_pe_s, k_pe.permute((1, 0)), s, is_async=True)
-
-
-def _valid_keys(sel, max_pos, j, end, SPARSE: gl.constexpr):
-    """Keys j (< end) and whether each is read: a position of the context, or (SPARSE) a
-    selected position that is not -1 and lies within the block table."""
-    if SPARSE:
-        pos = gl.load(sel + j, mask=j < end, other=-1)
-        ok = (pos >= 0) & (pos < max_pos)
-    else:
-        pos = j
-        ok = j < end
-    return pos, ok
-
-
-def _load_tile(cache_ptr, table, sel, max_pos, n0, end, k_lat_dst, k_pe_dst, nl, dq, np_, dp,
-               L: gl.constexpr, R: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-               SPARSE: gl.constexpr):
-    """Copies (cp.async, zero-filled where a key is not read) of keys n0 .. n0 + BLOCK_N (a
-    row's context positions, or SPARSE a token's selected ones) from the paged cache into a
-    stage: latents [BLOCK_N, L], rope parts [BLOCK_N, R]."""
-    pos, ok = _valid_keys(sel, max_pos, n0 + nl, end, SPARSE)
-    block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
-    row = (block.to(gl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)
-    async_copy.async_copy_global_to_shared(k_lat_dst, cache_ptr + row[:, None] + dq[None, :],
-                                           mask=ok[:, None])
-    pos_p, ok_p = _valid_keys(sel, max_pos, n0 + np_, end, SPARSE)
-    block_p = gl.load(table + pos_p // BLOCK_SIZE, mask=ok_p, other=0)
-    row_p = (block_p.to(gl.int64) * BLOCK_SIZE + pos_p % BLOCK_SIZE) * (L + R) + L
-    async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
-                                           mask=ok_p[:, None])

@@ -29,9 +29,9 @@ table load (decode_gluon's loop waits on one a tile, 10 LDGs in its sm90 loop bo
 Splits and their partials are decode_gluon's (reduce_triton combines them).
 `decode_gluon.swapped` (an experiment switch: MOESERVE_MLA_DECODE_SWAPPED=1, envs.py) routes
 decode_gluon's launches of at most SWAPPED_HEADS heads here; the GPU tests compare it with the
-dense expectation. Offline for sm90 (kernel_sass --swapped): 166 registers (121 without the
-prefetch), no spill, 189 KB of shared memory; the P V products are HGMMA 64x32x16 with A
-(V^T) read transposed.
+dense expectation. Offline for sm90 (kernel_sass --swapped): 166 registers (121 with
+--table-prefetch off), no spill, 189 KB of shared memory; the P V products are HGMMA
+64x32x16 with A (V^T) read transposed.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
-from moeserve.kernels.attention.mla import decode_gluon, reduce_triton
+from moeserve.kernels.attention.mla import decode_gluon, gluon_parts, reduce_triton
 from moeserve.kernels.triton_common import MAX_GRID_Y
 
 SWAPPED_HEADS = 32  # heads a program: wgmma's N (a power of two for Gluon's shapes)
@@ -119,8 +119,9 @@ def _kernels() -> SimpleNamespace:
     gl, async_copy = decode_gluon.gl, decode_gluon.async_copy
     fence_async_shared = decode_gluon.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = decode_gluon.warpgroup_mma, decode_gluon.warpgroup_mma_wait
-    _load_tile, _valid_keys = decode_gluon._load_tile, decode_gluon._valid_keys
-    _tile_rows, _copy_tile = gluon.jit(_tile_rows), gluon.jit(_copy_tile)
+    parts = gluon_parts.jitted()
+    _load_tile, _valid_keys = parts.load_tile, parts.valid_keys
+    _tile_rows, _copy_tile = parts.tile_rows, parts.copy_tile
     _swapped_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "max_blocks",
                                                    "stride_table"],
                                 do_not_specialize_on_alignment=["rows_ptr"])(_swapped_kernel)
@@ -194,7 +195,8 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
                k_pe_s.index(0), nl, dq, np_, dp, L, R, BLOCK_SIZE, False)
     async_copy.commit_group()
     if PREFETCH:  # tile 1's cache rows: its copy is the loop's first
-        row, ok, row_p, ok_p = _tile_rows(table, start + BN, end, nl, np_, L, R, BLOCK_SIZE)
+        row, ok, row_p, ok_p = _tile_rows(table, cache_ptr, max_pos, start + BN, end, nl, np_,
+                                          L, R, BLOCK_SIZE, False)
 
     m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_l))
     l_i = gl.full([H], 0.0, gl.float32, layout=gl.SliceLayout(0, s_l))
@@ -208,8 +210,8 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
             _copy_tile(cache_ptr, row, ok, row_p, ok_p, k_lat_s.index((t + 1) % NS),
                        k_pe_s.index((t + 1) % NS), dq, dp)
             async_copy.commit_group()
-            row, ok, row_p, ok_p = _tile_rows(table, start + (t + 2) * BN, end, nl, np_, L, R,
-                                              BLOCK_SIZE)
+            row, ok, row_p, ok_p = _tile_rows(table, cache_ptr, max_pos, start + (t + 2) * BN,
+                                              end, nl, np_, L, R, BLOCK_SIZE, False)
         else:
             _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 1) * BN, end,
                        k_lat_s.index((t + 1) % NS), k_pe_s.index((t + 1) % NS), nl, dq, np_,
@@ -256,25 +258,3 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
         gl.store(out_ptr + tok * stride_ot + ho.to(gl.int64)[None, :] * stride_oh
                  + d[:, None], o.to(dtype), mask=h_ok[None, :])
 
-
-def _tile_rows(table, n0, end, nl, np_, L: gl.constexpr, R: gl.constexpr,
-               BLOCK_SIZE: gl.constexpr):
-    """Keys n0 .. n0 + 64 of a row's context (those < end): their latent rows' element offsets
-    in the paged cache and masks, in the two copy layouts (latent, rope part)."""
-    pos = n0 + nl
-    ok = pos < end
-    block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
-    row = (block.to(gl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)
-    pos_p = n0 + np_
-    ok_p = pos_p < end
-    block_p = gl.load(table + pos_p // BLOCK_SIZE, mask=ok_p, other=0)
-    row_p = (block_p.to(gl.int64) * BLOCK_SIZE + pos_p % BLOCK_SIZE) * (L + R) + L
-    return row, ok, row_p, ok_p
-
-
-def _copy_tile(cache_ptr, row, ok, row_p, ok_p, k_lat_dst, k_pe_dst, dq, dp):
-    """The copies (cp.async, zero-filled where not ok) of a tile's rows into a stage."""
-    async_copy.async_copy_global_to_shared(k_lat_dst, cache_ptr + row[:, None] + dq[None, :],
-                                           mask=ok[:, None])
-    async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
-                                           mask=ok_p[:, None])

@@ -1,0 +1,128 @@
+"""The Gluon MLA kernels' shared parts (decode_gluon.py's kernel, and the persistent and swapped
+experiments beside it): the query rows a program reads, the key tiles' copies from the paged
+latent cache (whole, or as the cache rows a tile reads, loaded ahead of its copies), the scores'
+wgmmas, and the online softmax that writes P for the P V wgmma.
+
+Gluon functions, jitted by `jitted()` on first use with the Hopper builtins they call bound as
+module globals (where the compiler resolves names); the kernels' modules bind the jitted
+functions as their own globals from the namespace it returns.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+gl: Any = None  # triton.experimental.gluon.language, bound by jitted()
+async_copy: Any = None
+fence_async_shared: Any = None
+warpgroup_mma: Any = None
+
+
+@functools.cache
+def jitted() -> SimpleNamespace:
+    """The functions below, jitted (gluon imported here only); their names and the builtins
+    they call bound as this module's globals."""
+    global gl, async_copy, fence_async_shared, warpgroup_mma
+    global _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _tile_rows
+    global _copy_tile
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language
+    from triton.experimental.gluon.language.nvidia import hopper
+
+    gl = language
+    async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
+    warpgroup_mma = hopper.warpgroup_mma
+    _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _tile_rows, _copy_tile = (
+        gluon.jit(f) for f in (_query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile,
+                               _tile_rows, _copy_tile))
+    return SimpleNamespace(query_rows=_query_rows, softmax_to_p=_softmax_to_p, scores=_scores,
+                           valid_keys=_valid_keys, load_tile=_load_tile, tile_rows=_tile_rows,
+                           copy_tile=_copy_tile)
+
+
+def _query_rows(tok, q0, q_len, head_tile, stride_qt, stride_qh, layout: gl.constexpr,
+                NUM_HEADS: gl.constexpr, HPT: gl.constexpr, BLOCK_Q: gl.constexpr,
+                PREFILL: gl.constexpr):
+    """The 64 query rows' element offsets into q and whether each is read: a decode token's
+    heads head_tile * 64 + r, or (PREFILL) token q0 + r // HPT of the row's query (starting
+    at token `tok`), head head_tile * HPT + r % HPT."""
+    r = gl.arange(0, 64, layout=layout)
+    if PREFILL:
+        head = head_tile * HPT + r % HPT
+        ok = (r < BLOCK_Q * HPT) & (q0 + r // HPT < q_len) & (head < NUM_HEADS)
+        at = (tok + q0 + r // HPT) * stride_qt + head.to(gl.int64) * stride_qh
+    else:
+        head = head_tile * 64 + r
+        ok = head < NUM_HEADS
+        at = tok * stride_qt + head.to(gl.int64) * stride_qh
+    return at, ok
+
+
+def _softmax_to_p(s, m_i, l_i, acc, p_s, o_l: gl.constexpr):
+    """Online softmax over a tile's masked base-2 scores s: the running max and sum updated,
+    the accumulator rescaled, P written to shared memory for the P V wgmma (fenced, and both
+    warpgroups' halves written). Returns (m_i, l_i, acc)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_ref)
+    p = gl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    p_s.store(p.to(p_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    return m_new, l_i, acc
+
+
+def _scores(q_lat_s, q_pe_s, k_lat, k_pe, s_zero):
+    """Issue (asynchronously) the scores of a stage's keys: Q_lat K_lat^T + Q_pe K_pe^T."""
+    s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(q_pe_s, k_pe.permute((1, 0)), s, is_async=True)
+
+
+def _valid_keys(sel, max_pos, j, end, SPARSE: gl.constexpr):
+    """Keys j (< end) and whether each is read: a position of the context, or (SPARSE) a
+    selected position that is not -1 and lies within the block table."""
+    if SPARSE:
+        pos = gl.load(sel + j, mask=j < end, other=-1)
+        ok = (pos >= 0) & (pos < max_pos)
+    else:
+        pos = j
+        ok = j < end
+    return pos, ok
+
+
+def _load_tile(cache_ptr, table, sel, max_pos, n0, end, k_lat_dst, k_pe_dst, nl, dq, np_, dp,
+               L: gl.constexpr, R: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+               SPARSE: gl.constexpr):
+    """Copies (cp.async, zero-filled where a key is not read) of keys n0 .. n0 + BLOCK_N (a
+    row's context positions, or SPARSE a token's selected ones) from the paged cache into a
+    stage: latents [BLOCK_N, L], rope parts [BLOCK_N, R]."""
+    row, ok, row_p, ok_p = _tile_rows(table, sel, max_pos, n0, end, nl, np_, L, R, BLOCK_SIZE,
+                                      SPARSE)
+    _copy_tile(cache_ptr, row, ok, row_p, ok_p, k_lat_dst, k_pe_dst, dq, dp)
+
+
+def _tile_rows(table, sel, max_pos, n0, end, nl, np_, L: gl.constexpr, R: gl.constexpr,
+               BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr):
+    """Keys n0 .. n0 + BLOCK_N's cache rows (element offsets of their latents in the paged
+    cache; SPARSE: a token's selected positions) and whether each is read, in the latent and
+    the rope parts' copy layouts (nl, np_): (row, ok, row_p, ok_p). Loading them a tile ahead
+    of their copies takes the table's (and the selection's) loads off the copies' path."""
+    pos, ok = _valid_keys(sel, max_pos, n0 + nl, end, SPARSE)
+    block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
+    row = (block.to(gl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)
+    pos_p, ok_p = _valid_keys(sel, max_pos, n0 + np_, end, SPARSE)
+    block_p = gl.load(table + pos_p // BLOCK_SIZE, mask=ok_p, other=0)
+    row_p = (block_p.to(gl.int64) * BLOCK_SIZE + pos_p % BLOCK_SIZE) * (L + R) + L
+    return row, ok, row_p, ok_p
+
+
+def _copy_tile(cache_ptr, row, ok, row_p, ok_p, k_lat_dst, k_pe_dst, dq, dp):
+    """The copies (cp.async, zero-filled where not ok) of a tile's cache rows into a stage."""
+    async_copy.async_copy_global_to_shared(k_lat_dst, cache_ptr + row[:, None] + dq[None, :],
+                                           mask=ok[:, None])
+    async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
+                                           mask=ok_p[:, None])
