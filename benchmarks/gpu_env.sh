@@ -60,3 +60,24 @@ run_gpu_tests() {
     tar czf "$OUT/gpu_tests_by_file.tgz" -C /tmp gpu_tests_by_file
   fi
 }
+
+# w1_run PRESET CONCURRENCY NAME DIR [VAR=VALUE ...] [-- SERVER FLAGS ...]: W1 (the bench's
+# defaults) through a server the bench starts, with those environment variables and `moeserve
+# serve` flags, into DIR/NAME.log and DIR/NAME.jsonl (W1_TIMEOUT seconds, default 110); prints
+# its exit status and headline lines.
+w1_run() {
+  local preset=$1 c=$2 name=$3 dir=$4 server="" rc
+  shift 4
+  local vars=()
+  while [ $# -gt 0 ]; do
+    if [ "$1" = "--" ]; then shift; server="$*"; break; fi
+    vars+=("$1"); shift
+  done
+  timeout "${W1_TIMEOUT:-110}" env "${vars[@]}" python3 -m moeserve.cli bench --preset "$preset" \
+    --max-concurrency "$c" --server-args="$server" --no-progress \
+    --output-json "$dir/$name.jsonl" > "$dir/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc"
+  grep -E "Output token throughput|eager decode|serial roofline|Median TTFT|Median TPOT" \
+    "$dir/$name.log"
+}

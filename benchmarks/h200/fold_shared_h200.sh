@@ -24,14 +24,8 @@ r = json.load(open('$OUT/capacity_glm-4.7-flash.json'))['capacity']
 print(r.get('shared_experts'), r.get('moe_tune'))" ;;
   w1)
     for c in ${CONC:-256 512 1024}; do
-      for variant in default fold; do
-        extra=""; [ $variant = fold ] && extra="--fold-shared-experts"
-        timeout 120 python3 -m moeserve.cli bench --preset glm-4.7-flash \
-          --max-concurrency "$c" --server-args "$extra" --no-progress \
-          --output-json "$R/w1_c${c}_$variant.jsonl" > "$R/w1_c${c}_$variant.log" 2>&1
-        echo "c=$c $variant rc=$?"
-        grep -E "Output token throughput|eager decode|serial roofline" "$R/w1_c${c}_$variant.log"
-      done
+      w1_run glm-4.7-flash "$c" "w1_c${c}_default" $R
+      w1_run glm-4.7-flash "$c" "w1_c${c}_fold" $R -- --fold-shared-experts
     done
     gzip -f $R/*.jsonl ;;
 esac

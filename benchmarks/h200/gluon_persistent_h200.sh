@@ -44,13 +44,9 @@ case "${1:-kernels}" in
   w1)
     for c in ${CONC:-256 512 1024}; do
       for variant in ${VARIANTS:-default persistent triton_prefill}; do
-        env=(); [ $variant = persistent ] && env=(MOESERVE_MLA_DECODE_PERSISTENT=1)
-        [ $variant = triton_prefill ] && env=(MOESERVE_MLA_PREFILL_GLUON=0)
-        timeout 110 env "${env[@]}" python3 -m moeserve.cli bench --preset glm-4.7-flash \
-          --max-concurrency "$c" --no-progress --output-json "$R/w1_c${c}_$variant.jsonl" \
-          > "$R/w1_c${c}_$variant.log" 2>&1
-        echo "c=$c $variant rc=$?"
-        grep -E "Output token throughput|eager decode|serial roofline" "$R/w1_c${c}_$variant.log"
+        vars=(); [ $variant = persistent ] && vars=(MOESERVE_MLA_DECODE_PERSISTENT=1)
+        [ $variant = triton_prefill ] && vars=(MOESERVE_MLA_PREFILL_GLUON=0)
+        w1_run glm-4.7-flash "$c" "w1_c${c}_$variant" $R "${vars[@]}"
       done
     done
     gzip -f $R/*.jsonl ;;

@@ -51,13 +51,9 @@ for r in json.load(open('$R/dsa_$variant/kernels_dsa.json'))['decode']:
   w1)
     for c in ${CONC:-256 512 1024}; do
       for variant in ${VARIANTS:-default swapped prefetch}; do
-        env=(); [ $variant = swapped ] && env=(MOESERVE_MLA_DECODE_SWAPPED=1)
-        [ $variant = prefetch ] && env=(MOESERVE_MLA_TABLE_PREFETCH=1)
-        timeout 110 env "${env[@]}" python3 -m moeserve.cli bench --preset glm-4.7-flash \
-          --max-concurrency "$c" --no-progress --output-json "$R/w1_c${c}_$variant.jsonl" \
-          > "$R/w1_c${c}_$variant.log" 2>&1
-        echo "c=$c $variant rc=$?"
-        grep -E "Output token throughput|eager decode|serial roofline" "$R/w1_c${c}_$variant.log"
+        vars=(); [ $variant = swapped ] && vars=(MOESERVE_MLA_DECODE_SWAPPED=1)
+        [ $variant = prefetch ] && vars=(MOESERVE_MLA_TABLE_PREFETCH=1)
+        w1_run glm-4.7-flash "$c" "w1_c${c}_$variant" $R "${vars[@]}"
       done
     done
     gzip -f $R/*.jsonl ;;

@@ -31,13 +31,8 @@ for r in json.load(open('/tmp/gluon_waves/kernels_dsa.json'))['decode']:
 python3 -m benchmarks.kernels.mla_cases_table $R/few/kernels_mla.json
 fi
 for run in ${RUNS:-1024:4096 1024:16384}; do
-  c=${run%%:*}; budget=${run#*:}; name=w1_c${c}_budget$budget
-  timeout 110 python3 -m moeserve.cli bench --preset glm-4.7-flash --max-concurrency "$c" \
-    --server-args "--max-num-batched-tokens $budget" --no-progress \
-    --output-json "$R/$name.jsonl" > "$R/$name.log" 2>&1
-  echo "$name rc=$?"
-  grep -E "Output token throughput|eager decode|serial roofline|Median TPOT|Median TTFT" \
-    "$R/$name.log"
+  c=${run%%:*}; budget=${run#*:}
+  w1_run glm-4.7-flash "$c" "w1_c${c}_budget$budget" $R -- --max-num-batched-tokens "$budget"
 done
 gzip -f $R/*.jsonl
 tar czf $OUT/gluon_waves.tgz -C /tmp gluon_waves

@@ -85,7 +85,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--preset", default="tiny-moe",
                    help="preset of the server the bench starts without --url (default: tiny-moe)")
     t.add_argument("--server-args", default="",
-                   help="extra `moeserve serve` flags for that server, as one string")
+                   help="extra `moeserve serve` flags for that server, as one string "
+                   "(one flag alone as --server-args=--flag: argparse takes a lone '--flag' "
+                   "value for an option)")
     t.add_argument("--server-timeout", type=float, default=600.0,
                    help="seconds to wait for that server's /ready (default: 600)")
     w = parser.add_argument_group("workload")

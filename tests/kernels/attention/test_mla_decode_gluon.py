@@ -22,6 +22,59 @@ def run(case, rows: torch.Tensor | None = None, **kwargs: object) -> torch.Tenso
     return out
 
 
+def check_rows_fp16_and_graph(decode, num_rows_kw: dict, graph_heads: int) -> None:
+    """A Gluon decode variant `decode(q, cache, meta, scale, L, out, rows, num_rows, **kw)`
+    (decode_gluon's contract; num_rows_kw: its further arguments, given the case): `rows`
+    picks decode rows (only their tokens written) in fp16; then, captured once in a CUDA graph
+    and replayed with new queries written in place, it equals decode_gluon at `graph_heads`."""
+    case = gpu_case([0, 30, 700, 4095, 64, 129], [1] * 6, 20, dtype=torch.float16, seed=3)
+    rows = torch.tensor([4, 1, 3], dtype=torch.int32, device="cuda")
+    out = torch.zeros_like(case.q_lat[..., :case.L])
+    decode(case.q_lat, case.latent_cache, case.meta, case.scale, case.L, out, rows, 3,
+           **num_rows_kw(case))
+    tol = TOL[torch.bfloat16]
+    picked = case.meta.query_start_loc[rows.long()].long()
+    torch.testing.assert_close(out[picked].float(), case.expected_latent[picked], atol=tol,
+                               rtol=tol)
+    others = torch.ones(out.shape[0], dtype=torch.bool, device="cuda")
+    others[picked] = False
+    assert (out[others] == 0).all()
+    case = gpu_case([100, 2000, 37, 500], [1] * 4, graph_heads, seed=5)
+    out = torch.zeros_like(case.q_lat[..., :case.L])
+    args = (case.q_lat, case.latent_cache, case.meta, case.scale, case.L, out, None, 4)
+    decode(*args, **num_rows_kw(case))  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode(*args, **num_rows_kw(case))
+    for seed in range(2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        case.q_lat.copy_(torch.randn(case.q_lat.shape, generator=gen, device="cuda"))
+        graph.replay()
+        want = torch.zeros_like(out)
+        decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
+                                  want, None, 4, case.meta.max_seq_len)
+        torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+
+
+def gpu_sparse_inputs(num_heads: int) -> tuple:
+    """DSA's sparse attention inputs on the GPU: (q, latent cache, meta, positions) of a mixed
+    step's indexer selection (2,048 positions, -1 padding on a long prefill's first queries)."""
+    from moeserve.kernels.attention.dsa.indexer_triton import indexer_topk_triton
+    from tests.kernels.attention.test_dsa_triton import (
+        GPU_BLOCK,
+        GPU_INDEXER,
+        GPU_TOPK,
+        _gpu_steps,
+        _latents,
+        make_step,
+    )
+
+    step = make_step(*_gpu_steps()["mixed"], GPU_BLOCK, dtype=torch.bfloat16, **GPU_INDEXER)
+    positions, _ = indexer_topk_triton(step.q, step.w, step.cache, step.meta, 0.1, GPU_TOPK)
+    q, latent = _latents(step.meta, num_heads, torch.bfloat16, "cuda", width=576)
+    return q, latent, step.meta, positions
+
+
 def test_refuses_what_it_cannot_take_by_name() -> None:
     case = make_mla_case(*DECODE, block_size=4, num_heads=5)
     assert not decode_gluon.supports(case.q_lat, case.latent_cache, case.L)
@@ -119,26 +172,14 @@ def test_gpu_replays_in_a_cuda_graph() -> None:
 def test_gpu_sparse_matches_the_reference(num_heads: int, no_tf32: None) -> None:
     """sparse_gluon: L 512, R 64 over 2,048 selected positions (-1 padding on a 2,500-token
     prefill's first queries) against dsa_attention_ref, unpacked and packed, split or not."""
-    from moeserve.kernels.attention.dsa.indexer_triton import indexer_topk_triton
     from moeserve.kernels.attention.dsa.reference import dsa_attention_ref
-    from tests.kernels.attention.test_dsa_triton import (
-        GPU_BLOCK,
-        GPU_INDEXER,
-        GPU_TOPK,
-        _gpu_steps,
-        _latents,
-        make_step,
-    )
 
-    step = make_step(*_gpu_steps()["mixed"], GPU_BLOCK, dtype=torch.bfloat16, **GPU_INDEXER)
-    positions, _ = indexer_topk_triton(step.q, step.w, step.cache, step.meta, 0.1, GPU_TOPK)
-    q, latent = _latents(step.meta, num_heads, torch.bfloat16, "cuda", width=576)
-    want = dsa_attention_ref(q, latent, step.meta, positions, 576 ** -0.5, 512).float()
+    q, latent, meta, positions = gpu_sparse_inputs(num_heads)
+    want = dsa_attention_ref(q, latent, meta, positions, 576 ** -0.5, 512).float()
     tol = TOL[torch.bfloat16]
     for kwargs in ({}, {"packed": True}, {"packed": True, "num_splits": 4},
                    {"packed": True, "overlap": True}, {"block_n": 64, "stages": 2}):
-        got = decode_gluon.sparse_gluon(q, latent, step.meta, positions, 576 ** -0.5, 512,
-                                        **kwargs)
+        got = decode_gluon.sparse_gluon(q, latent, meta, positions, 576 ** -0.5, 512, **kwargs)
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, msg=str(kwargs))
 
 

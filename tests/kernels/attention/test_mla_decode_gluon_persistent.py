@@ -11,6 +11,7 @@ import torch
 from moeserve.kernels.attention.mla import decode_gluon
 from moeserve.kernels.attention.mla.decode_gluon_persistent import decode_persistent
 from tests.kernels.attention.test_mla import DECODE, make_mla_case
+from tests.kernels.attention.test_mla_decode_gluon import check_rows_fp16_and_graph
 from tests.kernels.attention.test_mla_triton import TOL, gpu_case
 
 
@@ -55,33 +56,8 @@ def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int) -> Non
 
 @pytest.mark.gpu
 def test_gpu_chosen_rows_fp16_and_a_cuda_graph() -> None:
-    """`rows` picks decode rows (only their tokens written); fp16; captured once and replayed
-    with new queries and latents written in place."""
-    case = gpu_case([0, 30, 700, 4095, 64, 129], [1] * 6, 20, dtype=torch.float16, seed=3)
-    rows = torch.tensor([4, 1, 3], dtype=torch.int32, device="cuda")
-    out = run(case, rows=rows, programs=2)
-    tol = TOL[torch.bfloat16]
-    picked = case.meta.query_start_loc[rows.long()].long()
-    torch.testing.assert_close(out[picked].float(), case.expected_latent[picked], atol=tol,
-                               rtol=tol)
-    others = torch.ones(out.shape[0], dtype=torch.bool, device="cuda")
-    others[picked] = False
-    assert (out[others] == 0).all()
-    case = gpu_case([100, 2000, 37, 500], [1] * 4, 64, seed=5)
-    out = torch.zeros_like(case.q_lat[..., :case.L])
-    args = (case.q_lat, case.latent_cache, case.meta, case.scale, case.L, out, None, 4)
-    decode_persistent(*args)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        decode_persistent(*args)
-    for seed in range(2):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        case.q_lat.copy_(torch.randn(case.q_lat.shape, generator=gen, device="cuda"))
-        graph.replay()
-        want = torch.zeros_like(out)
-        decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
-                                  want, None, 4, case.meta.max_seq_len)
-        torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+    """Chosen rows in fp16 (two programs), then a CUDA graph's replays at 64 heads."""
+    check_rows_fp16_and_graph(decode_persistent, lambda case: {"programs": 2}, 64)
 
 
 @pytest.mark.gpu

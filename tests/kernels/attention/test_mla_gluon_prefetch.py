@@ -13,6 +13,7 @@ import torch
 
 from moeserve import envs
 from moeserve.kernels.attention.mla import decode_gluon
+from tests.kernels.attention.test_mla_decode_gluon import gpu_sparse_inputs
 from tests.kernels.attention.test_mla_triton import gpu_case
 
 
@@ -48,21 +49,9 @@ def test_gpu_decode_gives_the_same_bits(num_heads: int) -> None:
 
 @pytest.mark.gpu
 def test_gpu_sparse_gives_the_same_bits() -> None:
-    from moeserve.kernels.attention.dsa.indexer_triton import indexer_topk_triton
-    from tests.kernels.attention.test_dsa_triton import (
-        GPU_BLOCK,
-        GPU_INDEXER,
-        GPU_TOPK,
-        _gpu_steps,
-        _latents,
-        make_step,
-    )
-
-    step = make_step(*_gpu_steps()["mixed"], GPU_BLOCK, dtype=torch.bfloat16, **GPU_INDEXER)
-    positions, _ = indexer_topk_triton(step.q, step.w, step.cache, step.meta, 0.1, GPU_TOPK)
-    q, latent = _latents(step.meta, 64, torch.bfloat16, "cuda", width=576)
+    q, latent, meta, positions = gpu_sparse_inputs(64)
     for kwargs in ({}, {"packed": True}, {"packed": True, "num_splits": 4}):
-        want, got = (decode_gluon.sparse_gluon(q, latent, step.meta, positions, 576 ** -0.5, 512,
+        want, got = (decode_gluon.sparse_gluon(q, latent, meta, positions, 576 ** -0.5, 512,
                                                prefetch=prefetch, **kwargs)
                      for prefetch in (False, True))
         assert torch.equal(got, want), kwargs
