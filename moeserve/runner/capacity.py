@@ -227,6 +227,7 @@ def mla_decode_line(cfg: EngineConfig, device: torch.device, dtype: torch.dtype)
         prefill = "" if envs.mla_prefill_gluon() else "; prefill rows in Triton"
         experiments = "".join(note for on, note in (
             (decode_gluon.persistent, "; persistent decode (experiment)"),
-            (decode_gluon.swapped, "; swapped decode up to 32 heads (experiment)")) if on)
+            (decode_gluon.swapped, "; swapped decode up to 32 heads (experiment)"),
+            (decode_gluon.table_prefetch, "; block-table prefetch (experiment)")) if on)
         return f"{form} (Gluon on sm90's wgmma{prefill}{experiments})"
     return f"{form} (Triton: no sm90 GPU with a 16-bit cache here)"

@@ -358,5 +358,7 @@ def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyP
     assert "Triton" in mla_decode_line(fp8, cuda, torch.bfloat16)
     monkeypatch.setenv(envs.MLA_PREFILL_GLUON, "0")
     assert "prefill rows in Triton" in mla_decode_line(cfg, cuda, torch.bfloat16)
-    monkeypatch.setattr(decode_gluon, "swapped", True)  # an experiment switch, named when on
-    assert "swapped decode up to 32 heads" in mla_decode_line(cfg, cuda, torch.bfloat16)
+    monkeypatch.setattr(decode_gluon, "swapped", True)  # the experiment switches, named when on
+    monkeypatch.setattr(decode_gluon, "table_prefetch", True)
+    line = mla_decode_line(cfg, cuda, torch.bfloat16)
+    assert "swapped decode up to 32 heads" in line and "block-table prefetch" in line
