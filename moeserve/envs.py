@@ -22,6 +22,8 @@
     MOESERVE_MLA_TABLE_PREFETCH  "1" has decode_gluon.py's kernel (the decode, DSA's sparse
                              attention, the prefill) load each key tile's block-table entries
                              an iteration ahead of its copies, for A/Bs; off otherwise
+    MOESERVE_NVFP4_SWAP_AB   "1" runs the NVFP4 fused MoE's tiles of BLOCK_N >= 64 transposed
+                             (kernels/moe/quant/swapped_triton.py), for A/Bs; off otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -42,6 +44,7 @@ MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_PERSISTENT = "MOESERVE_MLA_DECODE_PERSISTENT"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_TABLE_PREFETCH = "MOESERVE_MLA_TABLE_PREFETCH"
+NVFP4_SWAP_AB = "MOESERVE_NVFP4_SWAP_AB"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -85,6 +88,10 @@ def mla_decode_swapped() -> bool:
 
 def mla_table_prefetch() -> bool:
     return os.environ.get(MLA_TABLE_PREFETCH) == "1"
+
+
+def nvfp4_swap_ab() -> bool:
+    return os.environ.get(NVFP4_SWAP_AB) == "1"
 
 
 def api_pids_file() -> str | None:

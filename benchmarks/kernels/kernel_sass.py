@@ -166,8 +166,8 @@ def moe_quant(args: argparse.Namespace) -> dict:
                  A_ROW_DIV=8 if args.gated else 1,
                  GATED=args.gated, EVEN_K=True, DOT_PRECISION="tf32", NATIVE_FP8=True,
                  DECODE=nvfp4_tile.DECODES.index(args.decode),
-                 PREFETCH=fmt == "fp8" and args.prefetch, BLOCK_M=bm, BLOCK_N=bn,
-                 BLOCK_K=bk, GROUP_M=1, stride_bk=1, stride_sk=1)
+                 PREFETCH=fmt == "fp8" and args.prefetch, SWAP_AB=args.swap_ab, BLOCK_M=bm,
+                 BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, stride_bk=1, stride_sk=1)
     kernel = fused_triton._kernel()
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
 
@@ -351,6 +351,8 @@ def main() -> None:
                            help="fp8: a weight scale per row loaded (not one per tile)")
             p.add_argument("--prefetch", action="store_true",
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
+            p.add_argument("--swap-ab", action="store_true",
+                           help="nvfp4: swapped_triton's transposed tile (BN >= 64)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
     for name in ("mla-decode", "mla-decode-gluon", "mla-decode-flat", "mla-prefill",

@@ -121,6 +121,34 @@ def nvfp4_step(acc, a, byte, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
     return tl.dot(a_hi, (hi * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
 
 
+def nvfp4_step_t(acc, a, byte, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr):
+    """`nvfp4_step` transposed: acc^T [BN, BM] + the dequantized tile [BN, BK] (byte [BN,
+    BK / 2], the packed bytes of BN weight rows as stored; scale [BN, BK / 16] fp32) @ a
+    [BM, BK]^T; the same decode and values (moe/quant/swapped_triton.py: the weights as the
+    dot's A, which Hopper's wgmma may take from registers)."""
+    a_lo, a_hi = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))  # k = 2j, 2j + 1
+    a_lo, a_hi = tl.trans(a_lo), tl.trans(a_hi)  # [BK / 2, BM]
+    if DECODE == 1:
+        step = spread_group_columns((scale * 8.307674973655724e34).to(tl.bfloat16), 8)
+        w_lo, w_hi = tl.inline_asm_elementwise(
+            _E2M1_BF16X2_ASM, "=r,=r,=r,=r,r,r,r", [byte, step],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        acc = tl.dot(w_lo, a_lo, acc, input_precision=DOT_PRECISION)
+        return tl.dot(w_hi, a_hi, acc, input_precision=DOT_PRECISION)
+    step = spread_group_columns(scale, 8) * 16384.0
+    lo, hi = nibble_values(byte.to(tl.int32))
+    acc = tl.dot((lo * step).to(a.dtype), a_lo, acc, input_precision=DOT_PRECISION)
+    return tl.dot((hi * step).to(a.dtype), a_hi, acc, input_precision=DOT_PRECISION)
+
+
+def spread_group_columns(s, COLS: tl.constexpr):
+    """[BN, G] group scales -> [BN, G x COLS]: `spread_groups` along the columns."""
+    rows: tl.constexpr = s.shape[0]
+    groups: tl.constexpr = s.shape[1]
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (rows, groups, COLS)), (rows, groups * COLS))
+
+
 def nibble_values(bits):
     """Packed bytes (int32) -> the e2m1 values of their low and high nibbles x 2^-14, fp32,
     exactly: sign-magnitude s m2 m1 m0 set as fp16 bits s << 15 | m << 9 (the module doc)."""
@@ -162,6 +190,7 @@ def jitted() -> SimpleNamespace:
     """The helpers as Triton functions (bound here as module globals too: they call each other
     by name); triton is imported here, on first use."""
     global tl, nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale
+    global nvfp4_step_t, spread_group_columns
     global _E2M1_BF16X2_ASM
     import triton
     import triton.language
@@ -172,6 +201,7 @@ def jitted() -> SimpleNamespace:
     nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale = (
         triton.jit(f) for f in (nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups,
                                 unscale))
+    nvfp4_step_t, spread_group_columns = triton.jit(nvfp4_step_t), triton.jit(spread_group_columns)
     return SimpleNamespace(nvfp4_step=nvfp4_step, e4m3_bits_to_f32=e4m3_bits_to_f32,
                            spread_groups=spread_groups, unscale=unscale,
-                           nibble_values=nibble_values)
+                           nibble_values=nibble_values, nvfp4_step_t=nvfp4_step_t)
