@@ -94,6 +94,14 @@ def nvfp4_swap_ab() -> bool:
     return os.environ.get(NVFP4_SWAP_AB) == "1"
 
 
+def set_variables() -> dict[str, str]:
+    """The MOESERVE_ variables of this module that are set here, with their values: what a
+    result records beside its config (the kernel switches change what runs)."""
+    names = [value for name, value in globals().items()
+             if name.isupper() and isinstance(value, str) and value.startswith("MOESERVE_")]
+    return {name: os.environ[name] for name in sorted(names) if name in os.environ}
+
+
 def api_pids_file() -> str | None:
     return os.environ.get(API_PIDS_FILE) or None
 

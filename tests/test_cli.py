@@ -39,6 +39,25 @@ def test_generate_tiny_moe(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert result["capacity"]["kv_tokens"] > 0
 
 
+def test_capacity_report_records_the_moeserve_variables_set(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A result's provenance: the MOESERVE_ switches set in the engine's process (and only
+    those), in the report's dict and its text."""
+    from moeserve import LLM, envs
+
+    for name in envs.set_variables():
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(envs.MLA_TABLE_PREFETCH, "1")
+    monkeypatch.setenv(envs.GROUPED_ROUTER_TRITON, "0")
+    monkeypatch.setenv("MOESERVE_NOT_A_SWITCH", "x")  # not one of envs.py's: not recorded
+    report = LLM("tiny-moe", device="cpu").report
+    assert report.to_dict()["environment"] == {envs.GROUPED_ROUTER_TRITON: "0",
+                                               envs.MLA_TABLE_PREFETCH: "1"}
+    line = next(line for line in report.format().splitlines()
+                if line.split()[:1] == ["environment"])
+    assert "MOESERVE_MLA_TABLE_PREFETCH=1" in line
+
+
 def test_generate_bad_flag_value(capsys: pytest.CaptureFixture) -> None:
     rc = main(["generate", "--preset", "tiny-moe", "--device", "cpu", "--block-size", "12"])
     assert rc == 2

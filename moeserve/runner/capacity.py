@@ -50,6 +50,8 @@ class CapacityReport:
     mla_prefill: str = ""  # MLA models: how prefill rows attend (auto / mha / absorbed), or ""
     mla_decode: str = ""  # MLA models: the decode form and the kernels it runs here, or ""
     parallel: str = ""  # the ranks' split and what each holds (tensor_parallel_size > 1), or ""
+    # the MOESERVE_ variables set in the engine process (envs.set_variables): kernel switches
+    environment: dict[str, str] = field(default_factory=envs.set_variables)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -81,6 +83,7 @@ class CapacityReport:
             "mla_prefill": self.mla_prefill,
             "mla_decode": self.mla_decode,
             "parallel": self.parallel,
+            "environment": self.environment,
             "text": self.format(),  # as printed at start-up (the API process prints this too)
         }
 
@@ -117,6 +120,8 @@ class CapacityReport:
                         + (f", mla decode={self.mla_decode}" if self.mla_decode else "")),
             *([("sparse attention", self.dsa)] if self.dsa else []),
             ("CUDA graphs", self.cuda_graphs),
+            *([("environment", ", ".join(f"{k}={v}" for k, v in self.environment.items()))]
+              if self.environment else []),
         ]
         if self.moe_configs:
             sources = sorted({c["source"] for c in self.moe_configs.values()})
