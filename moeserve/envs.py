@@ -14,8 +14,6 @@
     MOESERVE_MLA_PREFILL_GLUON  "0" keeps the Triton MLA backend's absorbed prefill rows off
                              mla/prefill_gluon.py (wgmma, sm90), for A/Bs; on
                              otherwise where it takes the inputs
-    MOESERVE_MLA_DECODE_PERSISTENT  "1" runs the Gluon MLA decode's unsplit launches by
-                             mla/decode_gluon_persistent.py's kernel, for A/Bs; off otherwise
     MOESERVE_MLA_DECODE_SWAPPED  "1" runs the Gluon MLA decode's launches of at most 32 heads
                              by mla/decode_gluon_swapped.py's kernel (keys as wgmma's M), for
                              A/Bs; off otherwise
@@ -41,7 +39,6 @@ FAULT_INJECT = "MOESERVE_FAULT_INJECT"
 COLLECTIVES_AT_ONE_RANK = "MOESERVE_COLLECTIVES_AT_ONE_RANK"
 GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
 MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
-MLA_DECODE_PERSISTENT = "MOESERVE_MLA_DECODE_PERSISTENT"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_TABLE_PREFETCH = "MOESERVE_MLA_TABLE_PREFETCH"
 NVFP4_SWAP_AB = "MOESERVE_NVFP4_SWAP_AB"
@@ -76,10 +73,6 @@ def grouped_router_triton() -> bool:
 
 def mla_prefill_gluon() -> bool:
     return os.environ.get(MLA_PREFILL_GLUON) != "0"
-
-
-def mla_decode_persistent() -> bool:
-    return os.environ.get(MLA_DECODE_PERSISTENT) == "1"
 
 
 def mla_decode_swapped() -> bool:

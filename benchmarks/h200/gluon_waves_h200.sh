@@ -4,7 +4,8 @@
 # minutes): the GPU tests of the Gluon and DSA kernels, kernels_mla over few-row steps (split /
 # gluon) at 20 / 64 / 128 heads, kernels_dsa --decode-only (DSA's decode step in a CUDA graph),
 # then W1 on glm-4.7-flash with --max-num-batched-tokens: RUNS "concurrency:budget ..." (default
-# 1024:4096 1024:16384; the default budget, 8,192, ran in gluon_persistent_h200.sh w1). Results
+# 1024:4096 1024:16384; the default budget, 8,192, ran in the removed
+# gluon_persistent_h200.sh w1 at 4055ab5: benchmarks/results/gpu_c432eb0/call3). Results
 # as $OUT/gluon_waves.tgz.
 #   bash benchmarks/h200/gluon_waves_h200.sh          # all of it
 #   W1_ONLY=1 RUNS="512:16384 1024:32768" bash benchmarks/h200/gluon_waves_h200.sh

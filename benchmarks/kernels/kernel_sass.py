@@ -235,12 +235,6 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
                  BLOCK_Q=block_q if args.prefill else 1,
                  PREFETCH=args.table_prefetch == "on")
     kernel = decode_gluon._kernels().decode
-    if args.persistent:  # decode_gluon_persistent.py: rows in one stream a program
-        from moeserve.kernels.attention.mla import decode_gluon_persistent
-
-        const = dict(NUM_HEADS=args.heads, NUM_HEAD_TILES=-(-args.heads // 64), L=512, R=64,
-                     BLOCK_SIZE=args.block_size, BLOCK_N=bn, STAGES=stages, USE_ROWS=False)
-        kernel = decode_gluon_persistent._kernels().decode
     if args.swapped:  # decode_gluon_swapped.py: keys as wgmma's M, at most 32 heads
         from moeserve.kernels.attention.mla import decode_gluon_swapped
 
@@ -372,8 +366,6 @@ def main() -> None:
                            help="DSA's sparse MLA over packed selections (sparse_gluon)")
             p.add_argument("--prefill", action="store_true",
                            help="the absorbed prefill over query tiles (prefill_gluon)")
-            p.add_argument("--persistent", action="store_true",
-                           help="decode_gluon_persistent's kernel (one stream of rows)")
             p.add_argument("--swapped", action="store_true",
                            help="decode_gluon_swapped's kernel (keys as M, <= 32 heads)")
             p.add_argument("--table-prefetch", choices=("default", "on", "off"),

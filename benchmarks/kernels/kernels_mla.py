@@ -25,10 +25,10 @@ after each case (a run cut short keeps what it measured).
     python -m benchmarks.kernels.kernels_mla --out DIR --forms split flat gluon gluon-overlap
         # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat,
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
-        # stages from --tiles' BN and S; gluon-persistent, decode_gluon_persistent's, unsplit;
-        # gluon-swapped, decode_gluon_swapped's (keys as wgmma's M), at most 32 heads;
-        # gluon-swapped-sync, the same with its block table loaded in each tile's iteration;
-        # gluon-prefetch, decode_gluon with its block table loaded a tile ahead)
+        # stages from --tiles' BN and S; gluon-swapped, decode_gluon_swapped's (keys as
+        # wgmma's M), at most 32 heads; gluon-swapped-sync, the same with its block table
+        # loaded in each tile's iteration; gluon-prefetch, decode_gluon with its block table
+        # loaded a tile ahead)
 """
 
 from __future__ import annotations
@@ -123,20 +123,13 @@ def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device
 def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, latent: int,
               cfg: mla_triton.TileConfig, form: str):
     """The decode step as a call: mla_attention_triton in `form`, or ("gluon", "gluon-overlap")
-    decode_gluon at cfg's keys a tile and stages, or its persistent / swapped variant."""
+    decode_gluon at cfg's keys a tile and stages, or its swapped variant."""
     if not form.startswith("gluon"):
         return lambda: mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
                                                        decode_config=cfg, decode_form=form)
 
     def gluon() -> torch.Tensor:
         out = q.new_empty(*q.shape[:2], latent)
-        if form == "gluon-persistent":  # decode_gluon_persistent.py, unsplit
-            from moeserve.kernels.attention.mla.decode_gluon_persistent import (
-                decode_persistent,
-            )
-            decode_persistent(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
-                              block_n=cfg.block_n, stages=cfg.num_stages)
-            return out
         if form.startswith("gluon-swapped"):  # decode_gluon_swapped.py, its own tile
             from moeserve.kernels.attention.mla.decode_gluon_swapped import decode_swapped
             decode_swapped(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
@@ -178,14 +171,13 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
                 if tile is not None:
                     continue
                 cfg = mla_triton.TileConfig(SWAPPED_HEADS, 64, decode_gluon.NUM_WARPS, 2)
-            if (form == "gluon-overlap" and stages < 3) or (
-                    form == "gluon-persistent" and stages != 2):  # their stage counts
+            if form == "gluon-overlap" and stages < 3:  # its stage count
                 continue
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
         err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form, cache_dtype)
         waves = (decode_gluon.DECODE_WAVES if form.startswith("gluon")
                  else reduce_triton.DECODE_WAVES)
-        splits = (None if form == "flat" else 1 if form == "gluon-persistent"
+        splits = (None if form == "flat"
                   else mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len,
                                                     q.device, waves=waves))
         ms = timer(decode_op(q, cache, meta, latent, cfg, form))
@@ -226,14 +218,13 @@ def main() -> None:
                              "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--forms", nargs="+", default=["auto"],
                         choices=[*mla_triton.DECODE_FORMS, "gluon-overlap",
-                                 "gluon-persistent", "gluon-swapped", "gluon-swapped-sync",
+                                 "gluon-swapped", "gluon-swapped-sync",
                                  "gluon-prefetch"],
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
                              "flat skips heads past its FLAT_MAX_HEADS; gluon, gluon-overlap: "
-                             "decode_gluon, gluon-persistent: decode_gluon_persistent, "
-                             "gluon-swapped(-sync): decode_gluon_swapped (at most 32 heads; "
-                             "-sync: no block-table prefetch), gluon-prefetch: decode_gluon "
-                             "with it, sm90 only)")
+                             "decode_gluon, gluon-swapped(-sync): decode_gluon_swapped (at "
+                             "most 32 heads; -sync: no block-table prefetch), gluon-prefetch: "
+                             "decode_gluon with it, sm90 only)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")

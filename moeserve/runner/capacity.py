@@ -231,7 +231,6 @@ def mla_decode_line(cfg: EngineConfig, device: torch.device, dtype: torch.dtype)
             and dtype in (torch.bfloat16, torch.float16) and cfg.cache.kv_cache_dtype == "auto"):
         prefill = "" if envs.mla_prefill_gluon() else "; prefill rows in Triton"
         experiments = "".join(note for on, note in (
-            (decode_gluon.persistent, "; persistent decode (experiment)"),
             (decode_gluon.swapped, "; swapped decode up to 32 heads (experiment)"),
             (decode_gluon.table_prefetch, "; block-table prefetch (experiment)")) if on)
         return f"{form} (Gluon on sm90's wgmma{prefill}{experiments})"

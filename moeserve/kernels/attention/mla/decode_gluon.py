@@ -32,7 +32,9 @@ prefill: gpu_5bd5ebf/call6-7), and DSA's sparse attention sparse_gluon
 (dsa/sparse_triton.dsa_attention_triton). The overlap measured no faster and stays off.
 Gluon is imported on first use (`_kernels`); the kernel's parts (query rows, key tiles'
 copies, scores, online softmax) are in gluon_parts.py, shared with the experiments beside it
-(decode_gluon_persistent.py, decode_gluon_swapped.py; `table_prefetch`, below).
+(decode_gluon_swapped.py; `table_prefetch`, below). A persistent form (one program an SM whose
+rows form one key stream) measured no faster at W1's contexts and slower at 4k keys
+(benchmarks/results/gpu_c432eb0/call1) and was removed (it is in git's history at c432eb0).
 """
 
 from __future__ import annotations
@@ -62,10 +64,6 @@ OVERLAP_BLOCK_N, OVERLAP_STAGES = 32, 3  # the overlap needs three stages: (64, 
 # the dense decode at 4 rows x 16k keys (20 heads) 0.104 against 0.246, at 32 x 4k (64 heads)
 # 0.138 against 0.176.
 DECODE_WAVES = 1
-# experiment switch (MOESERVE_MLA_DECODE_PERSISTENT=1): unsplit decodes by
-# decode_gluon_persistent.py's kernel (rows in one key stream a program). Off: on the H200
-# (gpu_c432eb0/call1) within 1-2% of decode_gluon at W1's contexts, up to 5% slower at 4k.
-persistent = envs.mla_decode_persistent()
 # experiment switch (MOESERVE_MLA_DECODE_SWAPPED=1): decodes of at most 32 heads by
 # decode_gluon_swapped.py's kernel (keys as wgmma's M: 20 heads pay for 32, not 64), off until
 # timed
@@ -113,10 +111,6 @@ def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
-def _persistent():  # the module, imported on use (it imports this one)
-    return importlib.import_module("moeserve.kernels.attention.mla.decode_gluon_persistent")
-
-
 def _swapped():  # the module, imported on use (it imports this one)
     return importlib.import_module("moeserve.kernels.attention.mla.decode_gluon_swapped")
 
@@ -140,13 +134,9 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     block_n, stages = tile(block_n, stages, overlap)
     _check(q, latent_cache, kv_lora_rank, stages, overlap)
     num_head_tiles = -(-q.shape[1] // BLOCK_H)
-    forced = num_splits is not None
     if num_splits is None:
         num_splits = reduce_triton.decode_num_splits(num_rows, num_head_tiles, max_seq_len,
                                                      q.device, waves=DECODE_WAVES)
-    if persistent and num_splits == 1 and not forced and stages == 2 and not overlap:
-        return _persistent().decode_persistent(q, latent_cache, meta, scale, kv_lora_rank,
-                                               out, rows, num_rows, block_n, stages)
     parts = _launch(q, latent_cache, meta, scale, kv_lora_rank, out, num_rows, max_seq_len,
                     num_splits, block_n, stages, overlap, rows=rows, prefetch=prefetch)
     if num_splits > 1:

@@ -1,5 +1,5 @@
-"""The Gluon MLA kernels' shared parts (decode_gluon.py's kernel, and the persistent and swapped
-experiments beside it): the query rows a program reads, the key tiles' copies from the paged
+"""The Gluon MLA kernels' shared parts (decode_gluon.py's kernel, and the swapped experiment
+beside it): the query rows a program reads, the key tiles' copies from the paged
 latent cache (whole, or as the cache rows a tile reads, loaded ahead of its copies), the scores'
 wgmmas, and the online softmax that writes P for the P V wgmma.
 
