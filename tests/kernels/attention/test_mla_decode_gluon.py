@@ -4,6 +4,9 @@ interpreter; on CPU, that it refuses the call by name without importing Gluon.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -22,16 +25,17 @@ def run(case, rows: torch.Tensor | None = None, **kwargs: object) -> torch.Tenso
     return out
 
 
-def check_rows_fp16_and_graph(decode, num_rows_kw: dict, graph_heads: int) -> None:
+def check_rows_fp16_and_graph(decode, extra_kw: Callable[[Any], dict], graph_heads: int
+                              ) -> None:
     """A Gluon decode variant `decode(q, cache, meta, scale, L, out, rows, num_rows, **kw)`
-    (decode_gluon's contract; num_rows_kw: its further arguments, given the case): `rows`
+    (decode_gluon's contract; extra_kw: its further arguments, given the case): `rows`
     picks decode rows (only their tokens written) in fp16; then, captured once in a CUDA graph
     and replayed with new queries written in place, it equals decode_gluon at `graph_heads`."""
     case = gpu_case([0, 30, 700, 4095, 64, 129], [1] * 6, 20, dtype=torch.float16, seed=3)
     rows = torch.tensor([4, 1, 3], dtype=torch.int32, device="cuda")
     out = torch.zeros_like(case.q_lat[..., :case.L])
     decode(case.q_lat, case.latent_cache, case.meta, case.scale, case.L, out, rows, 3,
-           **num_rows_kw(case))
+           **extra_kw(case))
     tol = TOL[torch.bfloat16]
     picked = case.meta.query_start_loc[rows.long()].long()
     torch.testing.assert_close(out[picked].float(), case.expected_latent[picked], atol=tol,
@@ -42,10 +46,10 @@ def check_rows_fp16_and_graph(decode, num_rows_kw: dict, graph_heads: int) -> No
     case = gpu_case([100, 2000, 37, 500], [1] * 4, graph_heads, seed=5)
     out = torch.zeros_like(case.q_lat[..., :case.L])
     args = (case.q_lat, case.latent_cache, case.meta, case.scale, case.L, out, None, 4)
-    decode(*args, **num_rows_kw(case))  # compile outside the capture
+    decode(*args, **extra_kw(case))  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode(*args, **num_rows_kw(case))
+        decode(*args, **extra_kw(case))
     for seed in range(2):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         case.q_lat.copy_(torch.randn(case.q_lat.shape, generator=gen, device="cuda"))
