@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tune a preset's fused-MoE tiles on the H200 and bring the file back to commit under
 # moeserve/kernels/moe/configs/ (so that no fresh GPU machine spends its start-up tuning them):
-# one engine start with the start-up tune's budget, the tuned file written to $OUT/moe_configs.
+# one engine start with the start-up tune's budget, the tuned file written to $OUT/moe_configs
+# and packed as $OUT/moe_configs.tgz (the device tool leaves out names with '=' or ',').
 #   bash benchmarks/h200/moe_tiles_h200.sh PRESET [BUDGET_SECONDS=400] [ENGINE FLAGS...]
 # (engine flags that change the experts' shape, e.g. --fold-shared-experts: E + S experts)
 set -uo pipefail
@@ -16,3 +17,5 @@ mkdir -p "$MOESERVE_MOE_CONFIG_DIR"
 python3 -m moeserve.cli generate --preset "$PRESET" --num-prompts 1 --max-tokens 4 \
   --moe-tune-budget-s "$BUDGET" "$@" --json-out "$OUT/capacity_$PRESET.json" 2>&1 | tail -30
 ls -la "$MOESERVE_MOE_CONFIG_DIR"
+# the files' names ("E=65,H=...") do not come back from $OUT as they are: a tarball does
+tar czf "$OUT/moe_configs.tgz" -C "$OUT" moe_configs

@@ -16,3 +16,4 @@ for item in glm-4.5:4 kimi-k2:2 glm-5:4; do
 done
 mkdir -p "$OUT" && cp /tmp/tiles_*.log "$OUT/" 2>/dev/null
 ls "$OUT/moe_configs"
+tar czf "$OUT/moe_configs.tgz" -C "$OUT" moe_configs  # names with '=' and ',' come back only so

@@ -51,4 +51,5 @@ c.num_experts_per_tok)")
   echo "rc $RC $(tail -1 "$OUT/$CASE.log")"
 done
 ls -la "$OUT/moe_configs"
+tar czf "$REAL_OUT/moe_configs.tgz" -C "$OUT" moe_configs  # names with '=' and ',' come back only so
 tar czf "$REAL_OUT/rank_tiles.tgz" -C /tmp rank_tiles
