@@ -14,9 +14,9 @@
     MOESERVE_MLA_PREFILL_GLUON  "0" keeps the Triton MLA backend's absorbed prefill rows off
                              mla/prefill_gluon.py (wgmma, sm90), for A/Bs; on
                              otherwise where it takes the inputs
-    MOESERVE_MLA_DECODE_SWAPPED  "1" runs the Gluon MLA decode's launches of at most 32 heads
-                             by mla/decode_gluon_swapped.py's kernel (keys as wgmma's M), for
-                             A/Bs; off otherwise
+    MOESERVE_MLA_DECODE_SWAPPED  "0" keeps the Gluon MLA decode's launches of at most 32
+                             heads off mla/decode_gluon_swapped.py's kernel (keys as wgmma's
+                             M), for A/Bs; on otherwise
     MOESERVE_MLA_TABLE_PREFETCH  "1" has decode_gluon.py's kernel (the decode, DSA's sparse
                              attention, the prefill) load each key tile's block-table entries
                              an iteration ahead of its copies, for A/Bs; off otherwise
@@ -76,7 +76,7 @@ def mla_prefill_gluon() -> bool:
 
 
 def mla_decode_swapped() -> bool:
-    return os.environ.get(MLA_DECODE_SWAPPED) == "1"
+    return os.environ.get(MLA_DECODE_SWAPPED) != "0"
 
 
 def mla_table_prefetch() -> bool:

@@ -11,8 +11,10 @@
 #   bash benchmarks/h200/gluon_swap_prefetch_h200.sh dsa      # (~3 min) kernels_dsa
 #        # --decode-only (DSA's decode step in a CUDA graph) without and with the prefetch
 #   bash benchmarks/h200/gluon_swap_prefetch_h200.sh w1       # (~9 min) W1 on glm-4.7-flash at
-#        # CONC (default 256 512 1024) through the server: VARIANTS (default "default swapped
-#        # prefetch") in turn at each concurrency
+#        # CONC (default 256 512 1024) through the server: VARIANTS (default "default unswapped
+#        # prefetch"; also "fold": --fold-shared-experts) in turn at each concurrency
+# (The swapped decode is the default since gpu_70a3760/call1; MOESERVE_MLA_DECODE_SWAPPED=0 is
+# the A/B's other side.)
 set -uo pipefail
 source benchmarks/gpu_env.sh
 R=/tmp/gluon_swap_prefetch; mkdir -p $R
@@ -50,9 +52,10 @@ for r in json.load(open('$R/dsa_$variant/kernels_dsa.json'))['decode']:
     done ;;
   w1)
     for c in ${CONC:-256 512 1024}; do
-      for variant in ${VARIANTS:-default swapped prefetch}; do
-        vars=(); [ $variant = swapped ] && vars=(MOESERVE_MLA_DECODE_SWAPPED=1)
+      for variant in ${VARIANTS:-default unswapped prefetch}; do
+        vars=(); [ $variant = unswapped ] && vars=(MOESERVE_MLA_DECODE_SWAPPED=0)
         [ $variant = prefetch ] && vars=(MOESERVE_MLA_TABLE_PREFETCH=1)
+        [ $variant = fold ] && vars=(-- --fold-shared-experts)
         w1_run glm-4.7-flash "$c" "w1_c${c}_$variant" $R "${vars[@]}"
       done
     done

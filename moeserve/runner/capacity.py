@@ -231,7 +231,7 @@ def mla_decode_line(cfg: EngineConfig, device: torch.device, dtype: torch.dtype)
             and dtype in (torch.bfloat16, torch.float16) and cfg.cache.kv_cache_dtype == "auto"):
         prefill = "" if envs.mla_prefill_gluon() else "; prefill rows in Triton"
         experiments = "".join(note for on, note in (
-            (decode_gluon.swapped, "; swapped decode up to 32 heads (experiment)"),
+            (not decode_gluon.swapped, "; decodes of <= 32 heads not swapped"),
             (decode_gluon.table_prefetch, "; block-table prefetch (experiment)")) if on)
         return f"{form} (Gluon on sm90's wgmma{prefill}{experiments})"
     return f"{form} (Triton: no sm90 GPU with a 16-bit cache here)"

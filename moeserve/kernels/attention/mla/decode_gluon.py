@@ -64,9 +64,10 @@ OVERLAP_BLOCK_N, OVERLAP_STAGES = 32, 3  # the overlap needs three stages: (64, 
 # the dense decode at 4 rows x 16k keys (20 heads) 0.104 against 0.246, at 32 x 4k (64 heads)
 # 0.138 against 0.176.
 DECODE_WAVES = 1
-# experiment switch (MOESERVE_MLA_DECODE_SWAPPED=1): decodes of at most 32 heads by
-# decode_gluon_swapped.py's kernel (keys as wgmma's M: 20 heads pay for 32, not 64), off until
-# timed
+# decodes of at most 32 heads by decode_gluon_swapped.py's kernel (keys as wgmma's M: 20 heads
+# pay for 32, not 64); MOESERVE_MLA_DECODE_SWAPPED=0 keeps them here. On the H200
+# (gpu_70a3760/call1, kernels_mla, 20 heads) 68-82% of the bound at batch 256-2,048 x 1k-4k
+# keys against this kernel's 62-74%, 47.8 / 51.9% at W1's contexts against 42.1 / 46.2%
 swapped = envs.mla_decode_swapped()
 # experiment switch (MOESERVE_MLA_TABLE_PREFETCH=1): each key tile's block-table entries (and a
 # sparse token's selected positions) loaded an iteration ahead of its copies, off until timed

@@ -71,7 +71,7 @@ def takes(num_heads: int) -> bool:
 def decode_swapped(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                    scale: float, kv_lora_rank: int, out: torch.Tensor,
                    rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
-                   num_splits: int | None = None, prefetch: bool = True) -> None:
+                   num_splits: int | None = None, prefetch: bool = False) -> None:
     """Decode rows (one query each) into out [T, H, L] (decode_gluon.decode_gluon's contract:
     `rows` [num_rows] int32 row ids, or None for rows 0..B-1); H at most SWAPPED_HEADS.
     num_splits: context partitions a row (default reduce_triton.decode_num_splits over one
