@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 NEEDED="alembic annotated-doc annotated-types colorlog compressed-tensors distro execnet fastapi
 graphql-core greenlet harfile httpcore2 httpx2 hypothesis hypothesis-graphql jiter jsonschema-rs loguru mako
 msgspec openai opentelemetry-api optuna orjson pydantic pydantic-core pyrate-limiter
-pytest-xdist pyzmq schemathesis sqlalchemy starlette truststore typing-extensions
+pytest-xdist pyzmq schemathesis sniffio sqlalchemy starlette truststore typing-extensions
 typing-inspection uvicorn werkzeug"
 specs=()
 for name in $NEEDED; do
