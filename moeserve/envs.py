@@ -17,11 +17,6 @@
     MOESERVE_MLA_DECODE_SWAPPED  "0" keeps the Gluon MLA decode's launches of at most 32
                              heads off mla/decode_gluon_swapped.py's kernel (keys as wgmma's
                              M), for A/Bs; on otherwise
-    MOESERVE_MLA_TABLE_PREFETCH  "1" has decode_gluon.py's kernel (the decode, DSA's sparse
-                             attention, the prefill) load each key tile's block-table entries
-                             an iteration ahead of its copies, for A/Bs; off otherwise
-    MOESERVE_NVFP4_SWAP_AB   "1" runs the NVFP4 fused MoE's tiles of BLOCK_N >= 64 transposed
-                             (kernels/moe/quant/swapped_triton.py), for A/Bs; off otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -40,8 +35,6 @@ COLLECTIVES_AT_ONE_RANK = "MOESERVE_COLLECTIVES_AT_ONE_RANK"
 GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
 MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
-MLA_TABLE_PREFETCH = "MOESERVE_MLA_TABLE_PREFETCH"
-NVFP4_SWAP_AB = "MOESERVE_NVFP4_SWAP_AB"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -77,14 +70,6 @@ def mla_prefill_gluon() -> bool:
 
 def mla_decode_swapped() -> bool:
     return os.environ.get(MLA_DECODE_SWAPPED) != "0"
-
-
-def mla_table_prefetch() -> bool:
-    return os.environ.get(MLA_TABLE_PREFETCH) == "1"
-
-
-def nvfp4_swap_ab() -> bool:
-    return os.environ.get(NVFP4_SWAP_AB) == "1"
 
 
 def set_variables() -> dict[str, str]:

@@ -47,15 +47,15 @@ def test_capacity_report_records_the_moeserve_variables_set(monkeypatch: pytest.
 
     for name in envs.set_variables():
         monkeypatch.delenv(name)
-    monkeypatch.setenv(envs.MLA_TABLE_PREFETCH, "1")
+    monkeypatch.setenv(envs.MLA_DECODE_SWAPPED, "0")
     monkeypatch.setenv(envs.GROUPED_ROUTER_TRITON, "0")
     monkeypatch.setenv("MOESERVE_NOT_A_SWITCH", "x")  # not one of envs.py's: not recorded
     report = LLM("tiny-moe", device="cpu").report
     assert report.to_dict()["environment"] == {envs.GROUPED_ROUTER_TRITON: "0",
-                                               envs.MLA_TABLE_PREFETCH: "1"}
+                                               envs.MLA_DECODE_SWAPPED: "0"}
     line = next(line for line in report.format().splitlines()
                 if line.split()[:1] == ["environment"])
-    assert "MOESERVE_MLA_TABLE_PREFETCH=1" in line
+    assert "MOESERVE_MLA_DECODE_SWAPPED=0" in line
 
 
 def test_generate_bad_flag_value(capsys: pytest.CaptureFixture) -> None:

@@ -166,8 +166,8 @@ def moe_quant(args: argparse.Namespace) -> dict:
                  A_ROW_DIV=8 if args.gated else 1,
                  GATED=args.gated, EVEN_K=True, DOT_PRECISION="tf32", NATIVE_FP8=True,
                  DECODE=nvfp4_tile.DECODES.index(args.decode),
-                 PREFETCH=fmt == "fp8" and args.prefetch, SWAP_AB=args.swap_ab, BLOCK_M=bm,
-                 BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, stride_bk=1, stride_sk=1)
+                 PREFETCH=fmt == "fp8" and args.prefetch, BLOCK_M=bm, BLOCK_N=bn,
+                 BLOCK_K=bk, GROUP_M=1, stride_bk=1, stride_sk=1)
     kernel = fused_triton._kernel()
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
 
@@ -232,14 +232,13 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
                  STAGES=stages, USE_ROWS=args.prefill, SPLIT=args.split, OVERLAP=args.overlap,
                  SPARSE=args.sparse, PACKED=args.sparse, PREFILL=args.prefill,
                  HPT=per_tile if args.prefill else decode_gluon.BLOCK_H,
-                 BLOCK_Q=block_q if args.prefill else 1,
-                 PREFETCH=args.table_prefetch == "on")
+                 BLOCK_Q=block_q if args.prefill else 1)
     kernel = decode_gluon._kernels().decode
     if args.swapped:  # decode_gluon_swapped.py: keys as wgmma's M, at most 32 heads
         from moeserve.kernels.attention.mla import decode_gluon_swapped
 
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
-                     USE_ROWS=False, SPLIT=args.split, PREFETCH=args.table_prefetch != "off")
+                     USE_ROWS=False, SPLIT=args.split)
         kernel = decode_gluon_swapped._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -345,8 +344,6 @@ def main() -> None:
                            help="fp8: a weight scale per row loaded (not one per tile)")
             p.add_argument("--prefetch", action="store_true",
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
-            p.add_argument("--swap-ab", action="store_true",
-                           help="nvfp4: swapped_triton's transposed tile (BN >= 64)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
     for name in ("mla-decode", "mla-decode-gluon", "mla-decode-flat", "mla-prefill",
@@ -368,10 +365,6 @@ def main() -> None:
                            help="the absorbed prefill over query tiles (prefill_gluon)")
             p.add_argument("--swapped", action="store_true",
                            help="decode_gluon_swapped's kernel (keys as M, <= 32 heads)")
-            p.add_argument("--table-prefetch", choices=("default", "on", "off"),
-                           default="default",
-                           help="each tile's block table loaded an iteration ahead (default: "
-                                "off for decode_gluon, on for --swapped)")
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                            help="fp8: the float8 e4m3 latent cache's variant")

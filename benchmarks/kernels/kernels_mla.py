@@ -26,9 +26,7 @@ after each case (a run cut short keeps what it measured).
         # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat,
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
         # stages from --tiles' BN and S; gluon-swapped, decode_gluon_swapped's (keys as
-        # wgmma's M), at most 32 heads; gluon-swapped-sync, the same with its block table
-        # loaded in each tile's iteration; gluon-prefetch, decode_gluon with its block table
-        # loaded a tile ahead)
+        # wgmma's M), at most 32 heads)
 """
 
 from __future__ import annotations
@@ -130,15 +128,14 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
 
     def gluon() -> torch.Tensor:
         out = q.new_empty(*q.shape[:2], latent)
-        if form.startswith("gluon-swapped"):  # decode_gluon_swapped.py, its own tile
+        if form == "gluon-swapped":  # decode_gluon_swapped.py, its own tile
             from moeserve.kernels.attention.mla.decode_gluon_swapped import decode_swapped
             decode_swapped(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
-                           meta.max_seq_len, prefetch=form == "gluon-swapped")
+                           meta.max_seq_len)
             return out
         decode_gluon.decode_gluon(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                                   meta.max_seq_len, block_n=cfg.block_n,
-                                  stages=cfg.num_stages, overlap=form == "gluon-overlap",
-                                  prefetch=True if form == "gluon-prefetch" else None)
+                                  stages=cfg.num_stages, overlap=form == "gluon-overlap")
         return out
     return gluon
 
@@ -159,7 +156,7 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
             form = mla_triton.auto_decode_form(heads, batch,
                                                decode_gluon.supports(q, cache, latent))
         if (form == "flat" and heads > mla_triton.FLAT_MAX_HEADS) or (
-                form.startswith("gluon-swapped") and heads > SWAPPED_HEADS):
+                form == "gluon-swapped" and heads > SWAPPED_HEADS):
             continue
         cfg = tile or mla_triton.default_config("decode", latent, dtype, heads)
         if form.startswith("gluon"):
@@ -167,7 +164,7 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
                                                 form == "gluon-overlap")
             cfg = mla_triton.TileConfig(decode_gluon.BLOCK_H, block_n, decode_gluon.NUM_WARPS,
                                         stages)
-            if form.startswith("gluon-swapped"):  # its one tile: 32 heads, 64 keys, 2 stages
+            if form == "gluon-swapped":  # its one tile: 32 heads, 64 keys, 2 stages
                 if tile is not None:
                     continue
                 cfg = mla_triton.TileConfig(SWAPPED_HEADS, 64, decode_gluon.NUM_WARPS, 2)
@@ -217,14 +214,11 @@ def main() -> None:
                         help="decode TileConfigs to time each case at (heads a program, keys "
                              "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--forms", nargs="+", default=["auto"],
-                        choices=[*mla_triton.DECODE_FORMS, "gluon-overlap",
-                                 "gluon-swapped", "gluon-swapped-sync",
-                                 "gluon-prefetch"],
+                        choices=[*mla_triton.DECODE_FORMS, "gluon-overlap", "gluon-swapped"],
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
                              "flat skips heads past its FLAT_MAX_HEADS; gluon, gluon-overlap: "
-                             "decode_gluon, gluon-swapped(-sync): decode_gluon_swapped (at "
-                             "most 32 heads; -sync: no block-table prefetch), gluon-prefetch: "
-                             "decode_gluon with it, sm90 only)")
+                             "decode_gluon, gluon-swapped: decode_gluon_swapped (at most 32 "
+                             "heads), sm90 only)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")

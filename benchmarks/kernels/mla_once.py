@@ -9,7 +9,7 @@ of its read bound (4.27 TB/s), and of the FLOP bound (787 TFLOP/s).
 The sparse kind passes its selection packed, as the DSA layer does (the same work here: every
 selected position is valid). Without `--gluon` the Triton kernels run (as "auto" would
 without decode_gluon); `--gluon` runs mla/decode_gluon.py's kernels, the serving default on
-sm90 (--tile's BN and S; `--overlap` its overlap; `--prefetch` its block table a tile ahead).
+sm90 (--tile's BN and S; `--overlap` its overlap).
 
 The selection (`--select`): "random", 2,048 distinct positions of each row's context drawn
 uniformly and sorted ascending (the indexer's output on random scores, without running it);
@@ -72,8 +72,6 @@ def main() -> None:
     parser.add_argument("--gluon", action="store_true",
                         help="mla/decode_gluon.py's kernels (wgmma, sm90): --tile's BN and S")
     parser.add_argument("--overlap", action="store_true", help="with --gluon: its overlap")
-    parser.add_argument("--prefetch", action="store_true",
-                        help="with --gluon: the block table a tile ahead (table_prefetch)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("mla_once needs a CUDA GPU")
@@ -91,7 +89,7 @@ def main() -> None:
         from moeserve.kernels.attention.mla import decode_gluon
 
         gluon = {"block_n": tile and tile.block_n, "stages": tile and tile.num_stages,
-                 "overlap": args.overlap, "prefetch": args.prefetch or None}
+                 "overlap": args.overlap}
     if args.kind == "sparse":
         sparse_triton.slot_rows = args.slot_rows
         pos = selection(args.select, args.batch, args.context, gen)

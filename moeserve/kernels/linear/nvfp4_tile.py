@@ -107,46 +107,23 @@ def nvfp4_step(acc, a, byte, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
     "bits" (Triton's integer and fp32 ops), 1 "asm" (PTX on bf16 pairs; bf16 a, CUDA), whose
     sums carry 2^-10: the caller's epilogue multiplies by `unscale(DECODE)`."""
     a_lo, a_hi = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))  # k = 2j, 2j + 1
-    w_lo, w_hi = decoded_tiles(byte, scale, DECODE, 0, a.dtype)
+    w_lo, w_hi = decoded_tiles(byte, scale, DECODE, a.dtype)
     acc = tl.dot(a_lo, w_lo, acc, input_precision=DOT_PRECISION)
     return tl.dot(a_hi, w_hi, acc, input_precision=DOT_PRECISION)
 
 
-def nvfp4_step_t(acc, a, byte, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr):
-    """`nvfp4_step` transposed: acc^T [BN, BM] + the dequantized tile [BN, BK] (byte [BN,
-    BK / 2], the packed bytes of BN weight rows as stored; scale [BN, BK / 16] fp32) @ a
-    [BM, BK]^T; the same decode and values (moe/quant/swapped_triton.py: the weights as the
-    dot's A, which Hopper's wgmma may take from registers)."""
-    a_lo, a_hi = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))  # k = 2j, 2j + 1
-    w_lo, w_hi = decoded_tiles(byte, scale, DECODE, 1, a.dtype)
-    acc = tl.dot(w_lo, tl.trans(a_lo), acc, input_precision=DOT_PRECISION)
-    return tl.dot(w_hi, tl.trans(a_hi), acc, input_precision=DOT_PRECISION)
-
-
-def decoded_tiles(byte, scale, DECODE: tl.constexpr, GROUP_AXIS: tl.constexpr, dtype):
-    """The packed bytes' low and high nibbles dequantized (byte's shape each, in dtype): each
-    times its group's scale (scale: byte's shape with its GROUP_AXIS 8 times shorter, fp32),
-    by the "asm" decode (DECODE 1: the scales x 2^116 in bf16 first, one a byte; the tiles
-    carry 2^-10) or "bits" (0)."""
+def decoded_tiles(byte, scale, DECODE: tl.constexpr, dtype):
+    """The packed bytes' [BK / 2, BN] low and high nibbles dequantized (in dtype): each times
+    its group's scale (scale [BK / 16, BN] fp32), by the "asm" decode (DECODE 1: the scales x
+    2^116 in bf16 first, one a byte; the tiles carry 2^-10) or "bits" (0)."""
     if DECODE == 1:  # the scales x 2^116 (exact: e4m3 <= 448), in bf16, one a byte
-        step = (scale * 8.307674973655724e34).to(tl.bfloat16)
-        step = spread_groups(step, 8) if GROUP_AXIS == 0 else spread_group_columns(step, 8)
+        step = spread_groups((scale * 8.307674973655724e34).to(tl.bfloat16), 8)
         return tl.inline_asm_elementwise(
             _E2M1_BF16X2_ASM, "=r,=r,=r,=r,r,r,r", [byte, step],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    # a scale a byte; nibbles decode to value x 2^-14
-    step = spread_groups(scale, 8) if GROUP_AXIS == 0 else spread_group_columns(scale, 8)
-    step = step * 16384.0
+    step = spread_groups(scale, 8) * 16384.0  # a scale a byte; nibbles decode to value x 2^-14
     lo, hi = nibble_values(byte.to(tl.int32))
     return (lo * step).to(dtype), (hi * step).to(dtype)
-
-
-def spread_group_columns(s, COLS: tl.constexpr):
-    """[BN, G] group scales -> [BN, G x COLS]: `spread_groups` along the columns."""
-    rows: tl.constexpr = s.shape[0]
-    groups: tl.constexpr = s.shape[1]
-    return tl.reshape(tl.broadcast_to(s[:, :, None], (rows, groups, COLS)), (rows, groups * COLS))
 
 
 def nibble_values(bits):
@@ -190,7 +167,7 @@ def jitted() -> SimpleNamespace:
     """The helpers as Triton functions (bound here as module globals too: they call each other
     by name); triton is imported here, on first use."""
     global tl, nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale
-    global nvfp4_step_t, spread_group_columns, decoded_tiles
+    global decoded_tiles
     global _E2M1_BF16X2_ASM
     import triton
     import triton.language
@@ -201,8 +178,7 @@ def jitted() -> SimpleNamespace:
     nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups, unscale = (
         triton.jit(f) for f in (nibble_values, nvfp4_step, e4m3_bits_to_f32, spread_groups,
                                 unscale))
-    nvfp4_step_t, spread_group_columns, decoded_tiles = (
-        triton.jit(f) for f in (nvfp4_step_t, spread_group_columns, decoded_tiles))
+    decoded_tiles = triton.jit(decoded_tiles)
     return SimpleNamespace(nvfp4_step=nvfp4_step, e4m3_bits_to_f32=e4m3_bits_to_f32,
                            spread_groups=spread_groups, unscale=unscale,
-                           nibble_values=nibble_values, nvfp4_step_t=nvfp4_step_t)
+                           nibble_values=nibble_values)

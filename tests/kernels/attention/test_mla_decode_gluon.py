@@ -354,8 +354,7 @@ def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyP
     from moeserve.runner.capacity import mla_decode_line
 
     monkeypatch.delenv(envs.MLA_PREFILL_GLUON, raising=False)
-    monkeypatch.setattr(decode_gluon, "swapped", True)  # the defaults
-    monkeypatch.setattr(decode_gluon, "table_prefetch", False)
+    monkeypatch.setattr(decode_gluon, "swapped", True)  # the default
     cfg = EngineConfig(attention_backend="triton")
     cuda = torch.device("cuda")
     assert mla_decode_line(cfg, cuda, torch.bfloat16) == "auto (Gluon on sm90's wgmma)"
@@ -364,7 +363,5 @@ def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyP
     assert "Triton" in mla_decode_line(fp8, cuda, torch.bfloat16)
     monkeypatch.setenv(envs.MLA_PREFILL_GLUON, "0")
     assert "prefill rows in Triton" in mla_decode_line(cfg, cuda, torch.bfloat16)
-    monkeypatch.setattr(decode_gluon, "swapped", False)  # the A/B switches, named when set
-    monkeypatch.setattr(decode_gluon, "table_prefetch", True)
-    line = mla_decode_line(cfg, cuda, torch.bfloat16)
-    assert "not swapped" in line and "block-table prefetch" in line
+    monkeypatch.setattr(decode_gluon, "swapped", False)  # the A/B switch, named when set
+    assert "not swapped" in mla_decode_line(cfg, cuda, torch.bfloat16)

@@ -49,18 +49,17 @@ def test_gpu_refuses_too_many_heads() -> None:
 @pytest.mark.parametrize(("batch", "max_context"), [(4, 4096), (64, 2048), (300, 256)])
 def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int) -> None:
     """Rows of 1 key to many tiles, with the default split count (one wave of programs) and
-    forced ones (1: unsplit; 3: partitions of unequal tiles), with and without the block
-    table's prefetch."""
+    forced ones (1: unsplit; 3: partitions of unequal tiles)."""
     rng = np.random.default_rng(batch)
     computed = rng.integers(0, max_context, batch).tolist()
     computed[0] = max_context - 1
     case = gpu_case(computed, [1] * batch, num_heads, seed=batch)
     tol = TOL[torch.bfloat16]
-    for splits, prefetch in ((None, True), (1, True), (3, True), (None, False), (3, False)):
-        out = run(case, num_splits=splits, prefetch=prefetch)
-        assert not out.isnan().any(), (splits, prefetch)
+    for splits in (None, 1, 3):
+        out = run(case, num_splits=splits)
+        assert not out.isnan().any(), splits
         torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol,
-                                   msg=f"splits {splits}, prefetch {prefetch}")
+                                   msg=f"splits {splits}")
 
 
 @pytest.mark.gpu

@@ -31,10 +31,13 @@ Where `supports` holds, the Triton launcher's "auto" decode form runs decode_glu
 prefill: gpu_5bd5ebf/call6-7), and DSA's sparse attention sparse_gluon
 (dsa/sparse_triton.dsa_attention_triton). The overlap measured no faster and stays off.
 Gluon is imported on first use (`_kernels`); the kernel's parts (query rows, key tiles'
-copies, scores, online softmax) are in gluon_parts.py, shared with the experiments beside it
-(decode_gluon_swapped.py; `table_prefetch`, below). A persistent form (one program an SM whose
-rows form one key stream) measured no faster at W1's contexts and slower at 4k keys
-(benchmarks/results/gpu_c432eb0/call1) and was removed (it is in git's history at c432eb0).
+copies, scores, online softmax) are in gluon_parts.py, shared with decode_gluon_swapped.py. A
+persistent form (one program an SM whose rows form one key stream) measured no faster at W1's
+contexts and slower at 4k keys (benchmarks/results/gpu_c432eb0/call1) and was removed (it is in
+git's history at c432eb0). A block-table prefetch (each key tile's cache rows loaded an
+iteration ahead of its copies, here and in the swapped kernel) measured slower in all cases but
+one (gpu_70a3760/call1; 20 heads: 53-62% of the bound against 62-74% at batch 256-2,048) and
+was removed (it is in git's history at 941ba87).
 """
 
 from __future__ import annotations
@@ -69,10 +72,6 @@ DECODE_WAVES = 1
 # (gpu_70a3760/call1, kernels_mla, 20 heads) 68-82% of the bound at batch 256-2,048 x 1k-4k
 # keys against this kernel's 62-74%, 47.8 / 51.9% at W1's contexts against 42.1 / 46.2%
 swapped = envs.mla_decode_swapped()
-# experiment switch (MOESERVE_MLA_TABLE_PREFETCH=1): each key tile's block-table entries (and a
-# sparse token's selected positions) loaded an iteration ahead of its copies, off until timed
-# (the loop otherwise waits on those loads before it can issue a tile's copies)
-table_prefetch = envs.mla_table_prefetch()
 _DTYPES = (torch.bfloat16, torch.float16)
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
@@ -87,8 +86,6 @@ _scores: Any = None
 _valid_keys: Any = None
 _query_rows: Any = None
 _softmax_to_p: Any = None
-_tile_rows: Any = None
-_copy_tile: Any = None
 
 
 def supports(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -120,14 +117,12 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                  scale: float, kv_lora_rank: int, out: torch.Tensor,
                  rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
                  num_splits: int | None = None, block_n: int | None = None,
-                 stages: int | None = None, overlap: bool = False,
-                 prefetch: bool | None = None) -> None:
+                 stages: int | None = None, overlap: bool = False) -> None:
     """Decode rows (one query each) into out [T, H, L]: `rows` [num_rows] int32 row ids, or
     None for rows 0..B-1 (absorbed_triton._launch_decode's contract). num_splits: context
     partitions a row (default reduce_triton.decode_num_splits, one wave). block_n, stages: default
     `tile`. overlap: each tile's scores issued during the previous tile's softmax (stages >=
-    3); the same result. prefetch: the block table an iteration ahead (default the module's
-    `table_prefetch`); the same result."""
+    3); the same result."""
     if swapped and block_n is None and stages is None and not overlap and (
             _swapped().takes(q.shape[1])):
         return _swapped().decode_swapped(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
@@ -139,7 +134,7 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
         num_splits = reduce_triton.decode_num_splits(num_rows, num_head_tiles, max_seq_len,
                                                      q.device, waves=DECODE_WAVES)
     parts = _launch(q, latent_cache, meta, scale, kv_lora_rank, out, num_rows, max_seq_len,
-                    num_splits, block_n, stages, overlap, rows=rows, prefetch=prefetch)
+                    num_splits, block_n, stages, overlap, rows=rows)
     if num_splits > 1:
         reduce_triton.reduce_splits(*parts, out, meta.query_start_loc, rows, num_rows,
                                     num_splits)
@@ -149,7 +144,7 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                  positions: torch.Tensor, scale: float, kv_lora_rank: int, *,
                  num_splits: int | None = None, packed: bool = False,
                  block_n: int | None = None, stages: int | None = None,
-                 overlap: bool = False, prefetch: bool | None = None) -> torch.Tensor:
+                 overlap: bool = False) -> torch.Tensor:
     """DSA's sparse MLA (dsa/sparse_triton.dsa_attention_triton's contract): each token's
     absorbed queries over its selected positions [T, topk] int32 (-1, or past the block
     table: skipped; packed: valid ones first, at most the token's position + 1 of them, so
@@ -173,8 +168,7 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
         num_splits = reduce_triton.decode_num_splits(num_tokens, num_head_tiles, topk, q.device,
                                                      waves=DECODE_WAVES)
     parts = _launch(q, latent_cache, meta, scale, kv_lora_rank, out, num_tokens, topk,
-                    num_splits, block_n, stages, overlap, sel=positions, packed=packed,
-                    prefetch=prefetch)
+                    num_splits, block_n, stages, overlap, sel=positions, packed=packed)
     if num_splits > 1:
         reduce_triton.reduce_splits(*parts, out, None, None, num_tokens, num_splits)
     return out
@@ -200,8 +194,8 @@ def _check(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, stage
 def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
             kv_lora_rank: int, out: torch.Tensor, num_rows: int, keys: int, num_splits: int,
             block_n: int, stages: int, overlap: bool, *, rows: torch.Tensor | None = None,
-            sel: torch.Tensor | None = None, packed: bool = False,
-            prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            sel: torch.Tensor | None = None,
+            packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch over (head tiles, rows or tokens, partitions of `keys`: a row's context, or
     a token's selection when `sel` is given); returns the split partials for the reduce."""
     if not 1 <= num_splits <= reduce_triton.MAX_SPLITS:
@@ -225,8 +219,7 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages,
         USE_ROWS=rows is not None, SPLIT=num_splits > 1, OVERLAP=overlap, SPARSE=sparse,
-        PACKED=packed, PREFILL=False, HPT=BLOCK_H, BLOCK_Q=1,
-        PREFETCH=table_prefetch if prefetch is None else prefetch, num_warps=NUM_WARPS)
+        PACKED=packed, PREFILL=False, HPT=BLOCK_H, BLOCK_Q=1, num_warps=NUM_WARPS)
     return part_m, part_l, part_acc
 
 
@@ -236,7 +229,6 @@ def _kernels() -> SimpleNamespace:
     builtins they call as module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     global _load_tile, _scores, _valid_keys, _query_rows, _softmax_to_p, _decode_kernel
-    global _tile_rows, _copy_tile
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
 
@@ -246,7 +238,6 @@ def _kernels() -> SimpleNamespace:
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
     _load_tile, _scores, _valid_keys = parts.load_tile, parts.scores, parts.valid_keys
     _query_rows, _softmax_to_p = parts.query_rows, parts.softmax_to_p
-    _tile_rows, _copy_tile = parts.tile_rows, parts.copy_tile
     # rows_ptr: a slice of one index array at any offset (no new compile mid-serving)
     _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "topk",
                                                   "max_blocks", "stride_table"],
@@ -265,15 +256,13 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
                    BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    USE_ROWS: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
                    SPARSE: gl.constexpr, PACKED: gl.constexpr, PREFILL: gl.constexpr,
-                   HPT: gl.constexpr, BLOCK_Q: gl.constexpr, PREFETCH: gl.constexpr):
+                   HPT: gl.constexpr, BLOCK_Q: gl.constexpr):
     """Program (head_tile, i, split): BLOCK_H heads of decode row i over its context
     partition `split` (the module docstring's data flow); SPARSE: of token i over partition
     `split` of its `topk` selected positions (sel_ptr's row i; PACKED: valid ones first, at
     most the token's position + 1); PREFILL (grid (i, head_tile, 1)): query tile i, BLOCK_Q
     tokens x HPT heads of a row as the tile's 64 query rows, each over its causal context
-    (rows_ptr: the tiles' rows, then their indices within the row, `topk` tiles). PREFETCH:
-    each tile's cache rows (its table entries; SPARSE, its selected positions too) loaded an
-    iteration before its copies are issued (gluon_parts._tile_rows)."""
+    (rows_ptr: the tiles' rows, then their indices within the row, `topk` tiles)."""
     BH: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # register layouts: the copies' pointer tensors (16-byte vectors along a row), and the
@@ -357,9 +346,6 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         _load_tile(cache_ptr, table, sel, max_pos, start + j * BLOCK_N, end, k_lat_s.index(j),
                    k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, SPARSE)
         async_copy.commit_group()
-    if PREFETCH:  # the cache rows of the loop's first copy (tile STAGES - 1)
-        row, ok, row_p, ok_p = _tile_rows(table, sel, max_pos, start + (STAGES - 1) * BLOCK_N,
-                                          end, nl, np_, L, R, BLOCK_SIZE, SPARSE)
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
     l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, s_l))
@@ -376,17 +362,10 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         # every warpgroup is done with the stage the next copy overwrites (tile t - 1's)
         gl.thread_barrier()
         ahead = t + STAGES - 1
-        if PREFETCH:  # copy tile `ahead` from the rows loaded last iteration, load the next's
-            _copy_tile(cache_ptr, row, ok, row_p, ok_p, k_lat_s.index(ahead % STAGES),
-                       k_pe_s.index(ahead % STAGES), dq, dp)
-            async_copy.commit_group()
-            row, ok, row_p, ok_p = _tile_rows(table, sel, max_pos, start + (ahead + 1) * BLOCK_N,
-                                              end, nl, np_, L, R, BLOCK_SIZE, SPARSE)
-        else:
-            _load_tile(cache_ptr, table, sel, max_pos, start + ahead * BLOCK_N, end,
-                       k_lat_s.index(ahead % STAGES), k_pe_s.index(ahead % STAGES), nl, dq,
-                       np_, dp, L, R, BLOCK_SIZE, SPARSE)
-            async_copy.commit_group()
+        _load_tile(cache_ptr, table, sel, max_pos, start + ahead * BLOCK_N, end,
+                   k_lat_s.index(ahead % STAGES), k_pe_s.index(ahead % STAGES), nl, dq, np_, dp,
+                   L, R, BLOCK_SIZE, SPARSE)
+        async_copy.commit_group()
         if OVERLAP:
             # tile t + 1 landed: its scores run on the tensor cores during tile t's softmax
             # (past the last tile a zero-filled stage's, unused)

@@ -1,6 +1,5 @@
-"""Absorbed MLA decode in Gluon with the products transposed, for few heads (an experiment, off
-until the H200 times it): `decode_swapped`, decode_gluon.decode_gluon's contract for at most
-SWAPPED_HEADS query heads.
+"""Absorbed MLA decode in Gluon with the products transposed, for few heads: `decode_swapped`,
+decode_gluon.decode_gluon's contract for at most SWAPPED_HEADS query heads.
 
 Why: wgmma's M is at least 64 a warpgroup, so decode_gluon pads a row's heads to 64 (20 heads:
 69% of its tensor-core work is padding). At 64 heads its products cost about 121 FLOPs a cache
@@ -10,7 +9,7 @@ the keys as M and the heads as N (N may be 8-256), a 20-head row pays for 32:
 
     program (row, partition), 8 warps = 2 warpgroups, H = SWAPPED_HEADS (32) heads:
       Q  -> shared [H, L] + [H, R]             (cp.async, one group)
-      keys tile j (64 latent rows) -> stage j % 2   (cp.async, decode_gluon._load_tile)
+      keys tile j (64 latent rows) -> stage j % 2   (cp.async, gluon_parts._load_tile)
       S^T = K_lat Q_lat^T + K_pe Q_pe^T        wgmma [64 keys, H], warpgroups split the heads
       online softmax over the keys (axis 0), fp32, base 2
       P^T -> shared [64, H] (bf16)
@@ -21,17 +20,15 @@ Half the tensor-core work of decode_gluon at 17-32 heads, and half its accumulat
 (O^T [512, 32] fp32: 64 a thread). Two stages of 64 keys (147 KB) and the queries (37 KB) fill
 shared memory as decode_gluon's tile does.
 
-`prefetch` (the default): the block-table entries of the tile to copy next are loaded one
-iteration ahead, so the copy of tile t + 1 is issued at once instead of after a synchronous
-table load (decode_gluon's loop waits on one a tile, 10 LDGs in its sm90 loop body); with
-`prefetch=False` the loop loads them as decode_gluon does, for the A/B.
+A block-table prefetch (tile t + 2's table entries loaded during tile t, so tile t + 1's copy
+needs no synchronous table load) measured slower on the H200 (gpu_70a3760/call1: 58-69% of the
+bound against 68-82% without) and was removed (it is in git's history at 941ba87).
 
 Splits and their partials are decode_gluon's (reduce_triton combines them).
-`decode_gluon.swapped` (an experiment switch: MOESERVE_MLA_DECODE_SWAPPED=1, envs.py) routes
+`decode_gluon.swapped` (on unless MOESERVE_MLA_DECODE_SWAPPED=0, envs.py) routes
 decode_gluon's launches of at most SWAPPED_HEADS heads here; the GPU tests compare it with the
-dense expectation. Offline for sm90 (kernel_sass --swapped): 166 registers (121 with
---table-prefetch off), no spill, 189 KB of shared memory; the P V products are HGMMA
-64x32x16 with A (V^T) read transposed.
+dense expectation. Offline for sm90 (kernel_sass --swapped): 121 registers, no spill,
+189 KB of shared memory; the P V products are HGMMA 64x32x16 with A (V^T) read transposed.
 """
 
 from __future__ import annotations
@@ -59,8 +56,6 @@ warpgroup_mma_wait: Any = None
 async_copy: Any = None
 _load_tile: Any = None
 _valid_keys: Any = None
-_tile_rows: Any = None
-_copy_tile: Any = None
 
 
 def takes(num_heads: int) -> bool:
@@ -71,11 +66,11 @@ def takes(num_heads: int) -> bool:
 def decode_swapped(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                    scale: float, kv_lora_rank: int, out: torch.Tensor,
                    rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
-                   num_splits: int | None = None, prefetch: bool = False) -> None:
+                   num_splits: int | None = None) -> None:
     """Decode rows (one query each) into out [T, H, L] (decode_gluon.decode_gluon's contract:
     `rows` [num_rows] int32 row ids, or None for rows 0..B-1); H at most SWAPPED_HEADS.
     num_splits: context partitions a row (default reduce_triton.decode_num_splits over one
-    wave of programs). prefetch: the block table a tile ahead (module docstring)."""
+    wave of programs)."""
     decode_gluon._check(q, latent_cache, kv_lora_rank, STAGES, False)
     num_heads, dim = q.shape[1:]
     if not takes(num_heads):
@@ -101,7 +96,7 @@ def decode_swapped(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
-        PREFETCH=prefetch, num_warps=NUM_WARPS)
+        num_warps=NUM_WARPS)
     if num_splits > 1:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows,
                                     num_rows, num_splits)
@@ -112,7 +107,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use, after decode_gluon's helpers (whose jitted forms it
     calls, bound here as module globals)."""
     global gl, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, async_copy
-    global _load_tile, _valid_keys, _tile_rows, _copy_tile, _swapped_kernel
+    global _load_tile, _valid_keys, _swapped_kernel
     from triton.experimental import gluon
 
     decode_gluon._kernels()
@@ -121,7 +116,6 @@ def _kernels() -> SimpleNamespace:
     warpgroup_mma, warpgroup_mma_wait = decode_gluon.warpgroup_mma, decode_gluon.warpgroup_mma_wait
     parts = gluon_parts.jitted()
     _load_tile, _valid_keys = parts.load_tile, parts.valid_keys
-    _tile_rows, _copy_tile = parts.tile_rows, parts.copy_tile
     _swapped_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "max_blocks",
                                                    "stride_table"],
                                 do_not_specialize_on_alignment=["rows_ptr"])(_swapped_kernel)
@@ -135,8 +129,7 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
                     partition, num_splits, max_blocks, stride_qt, stride_qh, stride_ot,
                     stride_oh, stride_table,
                     NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-                    BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
-                    PREFETCH: gl.constexpr):
+                    BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr):
     """Program (0, i, split): decode row i's heads over its context partition `split` (the
     module docstring's data flow)."""
     H: gl.constexpr = 32  # SWAPPED_HEADS
@@ -194,9 +187,6 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
     _load_tile(cache_ptr, table, cache_ptr, max_pos, start, end, k_lat_s.index(0),
                k_pe_s.index(0), nl, dq, np_, dp, L, R, BLOCK_SIZE, False)
     async_copy.commit_group()
-    if PREFETCH:  # tile 1's cache rows: its copy is the loop's first
-        row, ok, row_p, ok_p = _tile_rows(table, cache_ptr, max_pos, start + BN, end, nl, np_,
-                                          L, R, BLOCK_SIZE, False)
 
     m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_l))
     l_i = gl.full([H], 0.0, gl.float32, layout=gl.SliceLayout(0, s_l))
@@ -206,17 +196,10 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
     for t in range(num_tiles):
         # every warpgroup is done with the stage the next copy overwrites (tile t - 1's)
         gl.thread_barrier()
-        if PREFETCH:  # tile t + 1 from the rows loaded last iteration; tile t + 2's loaded now
-            _copy_tile(cache_ptr, row, ok, row_p, ok_p, k_lat_s.index((t + 1) % NS),
-                       k_pe_s.index((t + 1) % NS), dq, dp)
-            async_copy.commit_group()
-            row, ok, row_p, ok_p = _tile_rows(table, cache_ptr, max_pos, start + (t + 2) * BN,
-                                              end, nl, np_, L, R, BLOCK_SIZE, False)
-        else:
-            _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 1) * BN, end,
-                       k_lat_s.index((t + 1) % NS), k_pe_s.index((t + 1) % NS), nl, dq, np_,
-                       dp, L, R, BLOCK_SIZE, False)
-            async_copy.commit_group()
+        _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 1) * BN, end,
+                   k_lat_s.index((t + 1) % NS), k_pe_s.index((t + 1) % NS), nl, dq, np_, dp, L,
+                   R, BLOCK_SIZE, False)
+        async_copy.commit_group()
         async_copy.wait_group(NS - 1)  # tile t's group (and the queries') landed
         gl.thread_barrier()
         fence_async_shared()  # the copies' writes, before the wgmmas read them

@@ -1,7 +1,6 @@
-"""The Gluon MLA kernels' shared parts (decode_gluon.py's kernel, and the swapped experiment
-beside it): the query rows a program reads, the key tiles' copies from the paged
-latent cache (whole, or as the cache rows a tile reads, loaded ahead of its copies), the scores'
-wgmmas, and the online softmax that writes P for the P V wgmma.
+"""The Gluon MLA kernels' shared parts (decode_gluon.py's kernel, and the swapped one beside
+it): the query rows a program reads, the key tiles' copies from the paged latent cache, the
+scores' wgmmas, and the online softmax that writes P for the P V wgmma.
 
 Gluon functions, jitted by `jitted()` on first use with the Hopper builtins they call bound as
 module globals (where the compiler resolves names); the kernels' modules bind the jitted
@@ -25,8 +24,7 @@ def jitted() -> SimpleNamespace:
     """The functions below, jitted (gluon imported here only); their names and the builtins
     they call bound as this module's globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma
-    global _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _tile_rows
-    global _copy_tile
+    global _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -34,12 +32,10 @@ def jitted() -> SimpleNamespace:
     gl = language
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma = hopper.warpgroup_mma
-    _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _tile_rows, _copy_tile = (
-        gluon.jit(f) for f in (_query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile,
-                               _tile_rows, _copy_tile))
+    _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile = (
+        gluon.jit(f) for f in (_query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile))
     return SimpleNamespace(query_rows=_query_rows, softmax_to_p=_softmax_to_p, scores=_scores,
-                           valid_keys=_valid_keys, load_tile=_load_tile, tile_rows=_tile_rows,
-                           copy_tile=_copy_tile)
+                           valid_keys=_valid_keys, load_tile=_load_tile)
 
 
 def _query_rows(tok, q0, q_len, head_tile, stride_qt, stride_qh, layout: gl.constexpr,
@@ -99,29 +95,14 @@ def _load_tile(cache_ptr, table, sel, max_pos, n0, end, k_lat_dst, k_pe_dst, nl,
                SPARSE: gl.constexpr):
     """Copies (cp.async, zero-filled where a key is not read) of keys n0 .. n0 + BLOCK_N (a
     row's context positions, or SPARSE a token's selected ones) from the paged cache into a
-    stage: latents [BLOCK_N, L], rope parts [BLOCK_N, R]."""
-    row, ok, row_p, ok_p = _tile_rows(table, sel, max_pos, n0, end, nl, np_, L, R, BLOCK_SIZE,
-                                      SPARSE)
-    _copy_tile(cache_ptr, row, ok, row_p, ok_p, k_lat_dst, k_pe_dst, dq, dp)
-
-
-def _tile_rows(table, sel, max_pos, n0, end, nl, np_, L: gl.constexpr, R: gl.constexpr,
-               BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr):
-    """Keys n0 .. n0 + BLOCK_N's cache rows (element offsets of their latents in the paged
-    cache; SPARSE: a token's selected positions) and whether each is read, in the latent and
-    the rope parts' copy layouts (nl, np_): (row, ok, row_p, ok_p). Loading them a tile ahead
-    of their copies takes the table's (and the selection's) loads off the copies' path."""
+    stage: latents [BLOCK_N, L], rope parts [BLOCK_N, R] (nl, np_: the keys in the two
+    parts' copy layouts)."""
     pos, ok = _valid_keys(sel, max_pos, n0 + nl, end, SPARSE)
     block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
     row = (block.to(gl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)
     pos_p, ok_p = _valid_keys(sel, max_pos, n0 + np_, end, SPARSE)
     block_p = gl.load(table + pos_p // BLOCK_SIZE, mask=ok_p, other=0)
     row_p = (block_p.to(gl.int64) * BLOCK_SIZE + pos_p % BLOCK_SIZE) * (L + R) + L
-    return row, ok, row_p, ok_p
-
-
-def _copy_tile(cache_ptr, row, ok, row_p, ok_p, k_lat_dst, k_pe_dst, dq, dp):
-    """The copies (cp.async, zero-filled where not ok) of a tile's cache rows into a stage."""
     async_copy.async_copy_global_to_shared(k_lat_dst, cache_ptr + row[:, None] + dq[None, :],
                                            mask=ok[:, None])
     async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],

@@ -41,6 +41,11 @@ input_precision "ieee"). int4's tile is the same weights, bit for bit, as
 scale then applied once in fp32 (the reference folds it into each weight, one rounding more),
 so the op differs from the reference by summation order and that one rounding.
 
+A transposed nvfp4 tile (the weights as the dot's A, the tokens as its N, for Hopper's wgmma)
+measured slower on the H200 (gpu_70a3760/call3: 42.7 / 41.2 / 23.6% of the read bound at
+GLM-5's shape for 64 / 256 / 1,024 tokens against the plain tile's 55.9 / 51.7 / 26.3%) and
+was removed (it is in git's history at 941ba87).
+
 Tiles: a `config` of tile_configs.CONFIG_KEYS, one for both launches, else the lookup of
 quant/configs.py (a tuned file of quant/tune.py, nearest token count; or, untuned or with
 tiles "default", `default_quant_config`: BLOCK_M 16/32/64 by the pairs per expert); BLOCK_K a
@@ -62,12 +67,10 @@ from typing import Any
 
 import torch
 
-from moeserve import envs
 from moeserve.kernels.linear import nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
-from moeserve.kernels.moe.quant import swapped_triton as swapped
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.quant.ref import weight_layout
 from moeserve.kernels.moe.tile_configs import check_tile_source, tile_device_name, tile_tokens
@@ -82,10 +85,6 @@ FORMAT_IDS = {"fp8": 0, "nvfp4": 1, "int4": 2}  # the kernel's FORMAT constexpr
 # 16 x 64 x 128 gated tile: every in-loop scale load one step ahead of its use, for 239 -> 255
 # loop instructions.
 prefetch_scales = False
-# nvfp4 tiles of BLOCK_N >= 64 by moe/quant/swapped_triton.py's transposed tile (the weights as
-# the dot's A, the tokens as its N: Hopper's wgmma instead of mma.sync), an experiment switch
-# (MOESERVE_NVFP4_SWAP_AB=1), off until the H200 times it; the same sums up to their order
-swap_ab = envs.nvfp4_swap_ab()
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _QWEIGHT_DTYPES = {"fp8": E4M3, "nvfp4": torch.uint8, "int4": torch.int32}
 tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
@@ -187,7 +186,6 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
         DOT_PRECISION="ieee" if c.dtype == torch.float32 else "tf32", NATIVE_FP8=native_fp8,
         DECODE=nvfp4_tile.decode_id(a.dtype, a.device) if fmt == "nvfp4" else 0,
         PREFETCH=fmt == "fp8" and prefetch_scales,
-        SWAP_AB=fmt == "nvfp4" and swap_ab and config["BLOCK_N"] >= swapped.MIN_BLOCK_N,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"])
@@ -202,7 +200,7 @@ def _kernel() -> Any:
     helpers are jitted here and bound as module globals, where the interpreter finds them.
     """
     global tl, _tile, _b_step, _w_scale, _load_k, _nvfp4_step, _e4m3_bits_to_f32, _spread_groups
-    global _unscale, _tile_swapped
+    global _unscale
     import triton
     import triton.language as tl
 
@@ -211,13 +209,6 @@ def _kernel() -> Any:
     tiles = nvfp4_tile.jitted()
     _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
     _spread_groups, _unscale = tiles.spread_groups, tiles.unscale
-    # swapped_triton's helpers, jitted and bound as that module's globals (where they call
-    # each other), its tile as this module's
-    swapped.tl, swapped._nvfp4_step_t = tl, tiles.nvfp4_step_t
-    swapped._e4m3_bits_to_f32, swapped._unscale = tiles.e4m3_bits_to_f32, tiles.unscale
-    swapped._load_n, swapped._w_step, swapped._tile_swapped = (
-        triton.jit(f) for f in (swapped._load_n, swapped._w_step, swapped._tile_swapped))
-    _tile_swapped = swapped._tile_swapped
 
     # the step-varying sizes exempt from Triton's value specialization. NOTE: not the row
     # strides (a model's constants): specialized, their divisibility by 16 lets the A loads
@@ -233,9 +224,8 @@ def _kernel() -> Any:
             FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
             ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
             EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
-            DECODE: tl.constexpr, PREFETCH: tl.constexpr, SWAP_AB: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            GROUP_M: tl.constexpr):
+            DECODE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         # (row block, N-tile): GROUP_M row blocks side by side per N-tile (B tiles shared in L2)
         pid = tl.program_id(0)
         num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -245,13 +235,7 @@ def _kernel() -> Any:
         pid_m = first_m + (pid % group_size) % group_m
         pid_n = (pid % group_size) // group_m
         expert = tl.load(expert_ids_ptr + pid_m)
-        if SWAP_AB and expert >= 0:  # nvfp4, transposed (swapped_triton.py)
-            _tile_swapped(a_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
-                          pid_m, pid_n, expert.to(tl.int64), num_pairs, N, K, stride_am,
-                          stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
-                          stride_ge, stride_gn, stride_cm, GROUP, A_ROW_DIV, GATED, EVEN_K,
-                          DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
-        elif expert >= 0:  # else past the used blocks
+        if expert >= 0:  # else past the used blocks
             _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
                   pid_m, pid_n, expert.to(tl.int64), num_pairs, N, K, stride_am, stride_asm,
                   stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
