@@ -67,9 +67,11 @@ def profile_step(num_tokens: int, context_len: int, block_size: int) -> tuple[Sc
     (the rest counted as computed; their cache holds whatever the pool held). A step's
     transients grow with its rows' contexts as well as its tokens: on the H200 GLM-4.7-Flash's
     peak is 10.98 GiB this way against 5.2-6.9 GiB at an empty context (its up-projected MLA
-    prefill at 202,752 tokens of context), and the profile takes 16 s instead of 2-4; Qwen3's
-    plan is unchanged (667,360 KV tokens). Several rows at long contexts stay within it where
-    the attention is a Triton kernel, DSA's indexer (it scores in chunks of bounded bytes) or
+    prefill at 202,752 tokens of context, measured while that row still built its [Q, S]
+    causal mask: about 5 GiB of it with the attention's bias; it attends without one since
+    paged.MAX_MASK_ELEMENTS, not yet re-measured), and the profile takes 16 s instead of 2-4;
+    Qwen3's plan is unchanged (667,360 KV tokens). Several rows at long contexts stay within it
+    where the attention is a Triton kernel, DSA's indexer (it scores in chunks of bounded bytes) or
     MLA's up-projected prefill (its rows in paged.bounded_groups); the other torch references,
     the CPU's paths, pad a step's prefill rows into one batch."""
     if not 1 <= num_tokens <= context_len:

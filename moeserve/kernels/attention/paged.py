@@ -98,6 +98,11 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     return attend_in_groups(q, kv_cache, meta, scale, _attend, q.shape[-1])
 
 
+# bounded_groups' largest causal mask a padded group builds (bool, and the attention's bias
+# from it): 16 MiB of bool. A prefill row at a long context attends alone, without one (its
+# mask at 8,192 tokens of a 202,752-token context: 1.5 GiB of bool and 3.1 GiB of bf16 bias)
+MAX_MASK_ELEMENTS = 1 << 24
+
 # attend(q_pad [B, Q, H, Dq], cache, block_tables [B, max_blocks], seq_lens [B], start [B],
 #        max_seq_len, scale) -> [B, Q, H, Dout]: one padded group of rows
 PaddedAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -141,17 +146,27 @@ def bounded_groups(query_lens: np.ndarray, seq_lens: np.ndarray,
     longest context would, the case the memory plan profiles (kv_cache.profile_step: the
     budget's tokens at the end of a max_model_len context). Longest contexts first; a row
     alone always fits. One group of a long row and a short one had padded the short row to
-    the long context: twice the long row's bytes."""
+    the long context: twice the long row's bytes. A group whose causal mask (rows x longest
+    query x longest context) would pass MAX_MASK_ELEMENTS goes row by row: one row needs no
+    mask (its queries are the context's last: `attend` aligns them lower right), so no step
+    builds one larger than that."""
     if len(rows) == 0:
         return []
     limit = max(int(seq_lens.max()), int(query_lens.sum()))
     groups, current = [], []
+
+    def close(group: list) -> None:
+        if len(group) * int(query_lens[group].max()) * int(seq_lens[group[0]]) > MAX_MASK_ELEMENTS:
+            groups.extend(rows[[i]] for i in sorted(group, key=lambda i: rows[i]))
+        else:
+            groups.append(np.sort(rows[group]))
+
     for i in np.argsort(-seq_lens, kind="stable"):  # a group's first row is its longest
         if current and (len(current) + 1) * int(seq_lens[current[0]]) > limit:
-            groups.append(np.sort(rows[current]))
+            close(current)
             current = []
         current.append(i)
-    groups.append(np.sort(rows[current]))
+    close(current)
     return groups
 
 

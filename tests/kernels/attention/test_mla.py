@@ -115,8 +115,60 @@ def test_up_projected_matches_absorbed(steps) -> None:
                                rtol=1e-5, atol=1e-5)
 
 
+def test_up_projected_rows_past_the_mask_limit_attend_alone_without_a_mask(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups whose causal mask would pass paged.MAX_MASK_ELEMENTS go row by row, each row's
+    queries aligned lower right in its context (no [Q, S] mask built): the same output."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from moeserve.kernels.attention import paged
+    from moeserve.kernels.attention.mla import reference
+
+    case = make_mla_case([0, 0, 8, 20, 5], [9, 13, 5, 3, 1])  # four prefill rows, a decode
+    biases: list[tuple[int, int]] = []
+
+    def spy(q_len: int, kv_len: int):
+        biases.append((q_len, kv_len))
+        return causal_lower_right(q_len, kv_len)
+
+    monkeypatch.setattr(reference, "causal_lower_right", spy)
+    want = up_project_output(case, case.expected_latent)
+    out = mla_prefill_ref(case.q, case.latent_cache, case.meta, case.scale, case.kv_b_proj,
+                          case.nope, case.v_dim)
+    # bounded_groups: the 23- and the 9-token contexts alone, the two of 13 one masked group
+    assert biases == [(3, 23), (9, 9)]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    biases.clear()
+    monkeypatch.setattr(paged, "MAX_MASK_ELEMENTS", 1)
+    out = mla_prefill_ref(case.q, case.latent_cache, case.meta, case.scale, case.kv_b_proj,
+                          case.nope, case.v_dim)
+    assert sorted(biases) == [(3, 23), (5, 13), (9, 9), (13, 13)]  # each prefill row alone
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_absorbed_stays_close() -> None:
     case = make_mla_case(*MIXED, dtype=torch.bfloat16)
     out = mla_attention_ref(case.q_lat, case.latent_cache, case.meta, case.scale, case.L)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), case.expected_latent, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_a_long_prefill_row_builds_no_context_mask() -> None:
+    """A prefill row of 1,024 queries at the end of a 32,768-token context attends alone
+    through a lower-right causal bias: its peak stays below the bytes its [Q, S] bool mask
+    alone would take (the attention's bf16 bias from it would take twice that again), and the
+    output is the dense expectation's."""
+    case = make_mla_case([31744], [1024], block_size=16, num_heads=2, dtype=torch.bfloat16,
+                         device="cuda")
+    want = up_project_output(case, case.expected_latent)
+    mask_bytes = 1024 * 32768
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = mla_prefill_ref(case.q, case.latent_cache, case.meta, case.scale, case.kv_b_proj,
+                          case.nope, case.v_dim)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < mask_bytes, (peak, mask_bytes)
+    torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)

@@ -191,3 +191,11 @@ def test_bounded_groups_keep_padding_within_the_longest_row() -> None:
     assert all(len(g) * int(s[g].max()) <= 64 * 128 for g in groups) and len(groups) == 2
     assert bounded_groups(np.array([], dtype=np.int64), np.array([], dtype=np.int64),
                           np.array([], dtype=np.int64)) == []
+    # four fresh 4,096-token prompts fit one group by bytes, but its mask (4 x 4,096 x 4,096)
+    # passes MAX_MASK_ELEMENTS: row by row (each attends without a mask)
+    from moeserve.kernels.attention.paged import MAX_MASK_ELEMENTS
+
+    q = s = np.full(4, 4096)
+    assert 4 * 4096 * 4096 > MAX_MASK_ELEMENTS
+    assert [g.tolist() for g in bounded_groups(q, s, np.array([7, 2, 9, 4]))] == [
+        [2], [4], [7], [9]]
