@@ -118,32 +118,63 @@ def test_up_projected_matches_absorbed(steps) -> None:
 def test_up_projected_rows_past_the_mask_limit_attend_alone_without_a_mask(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Groups whose causal mask would pass paged.MAX_MASK_ELEMENTS go row by row, each row's
-    queries aligned lower right in its context (no [Q, S] mask built): the same output."""
-    from torch.nn.attention.bias import causal_lower_right
-
+    context through up_projected.attend_row_in_chunks (no [Q, S] mask): the same output."""
     from moeserve.kernels.attention import paged
     from moeserve.kernels.attention.mla import reference
 
     case = make_mla_case([0, 0, 8, 20, 5], [9, 13, 5, 3, 1])  # four prefill rows, a decode
-    biases: list[tuple[int, int]] = []
+    alone: list[tuple[int, int]] = []
+    chunked = reference.attend_row_in_chunks
 
-    def spy(q_len: int, kv_len: int):
-        biases.append((q_len, kv_len))
-        return causal_lower_right(q_len, kv_len)
+    def spy(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        alone.append((q.shape[0], args[2]))  # (queries, context)
+        return chunked(q, *args, **kwargs)
 
-    monkeypatch.setattr(reference, "causal_lower_right", spy)
+    monkeypatch.setattr(reference, "attend_row_in_chunks", spy)
     want = up_project_output(case, case.expected_latent)
     out = mla_prefill_ref(case.q, case.latent_cache, case.meta, case.scale, case.kv_b_proj,
                           case.nope, case.v_dim)
     # bounded_groups: the 23- and the 9-token contexts alone, the two of 13 one masked group
-    assert biases == [(3, 23), (9, 9)]
+    assert alone == [(3, 23), (9, 9)]
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    biases.clear()
+    alone.clear()
     monkeypatch.setattr(paged, "MAX_MASK_ELEMENTS", 1)
     out = mla_prefill_ref(case.q, case.latent_cache, case.meta, case.scale, case.kv_b_proj,
                           case.nope, case.v_dim)
-    assert sorted(biases) == [(3, 23), (5, 13), (9, 9), (13, 13)]  # each prefill row alone
+    assert sorted(alone) == [(3, 23), (5, 13), (9, 9), (13, 13)]  # each prefill row alone
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_a_row_alone_attends_its_context_in_chunks(monkeypatch: pytest.MonkeyPatch,
+                                                   chunk: int) -> None:
+    """A long row's prefix in chunks of `chunk` tokens (the last one partial), then its own
+    span, merged by their log-sum-exps: the dense expectation, at 1, several and one piece
+    of prefix; values narrower than the keys (v 16, nope + R 32)."""
+    from moeserve.kernels.attention.mla import up_projected
+
+    monkeypatch.setattr(up_projected, "MIN_CHUNK", chunk)
+    monkeypatch.setattr(up_projected, "CHUNK_BYTES", 1)
+    assert up_projected.chunk_tokens(4, 32, 16) == chunk
+    pieces: list[bool] = []
+    attend_piece = up_projected._attend_piece
+
+    def spy(q, k, v, scale, causal):
+        pieces.append(causal)
+        return attend_piece(q, k, v, scale, causal)
+
+    monkeypatch.setattr(up_projected, "_attend_piece", spy)
+    case = make_mla_case([0, 40], [9, 7], block_size=4)  # fresh 9; 7 after a 40-token prefix
+    out = mla_prefill_ref(case.q, case.latent_cache, case.meta, case.scale, case.kv_b_proj,
+                          case.nope, case.v_dim)
+    # each row alone: the fresh one its own span, the other its prefix's chunks and its span
+    assert sorted(pieces) == [False] * -(-40 // chunk) + [True, True]
+    torch.testing.assert_close(out, up_project_output(case, case.expected_latent),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="7 queries in a context of 5"):
+        up_projected.attend_row_in_chunks(case.q[9:], case.latent_cache,
+                                          case.meta.block_tables[1], 5, case.scale,
+                                          case.kv_b_proj, case.nope, case.v_dim)
 
 
 def test_bf16_absorbed_stays_close() -> None:
@@ -154,15 +185,21 @@ def test_bf16_absorbed_stays_close() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_a_long_prefill_row_builds_no_context_mask() -> None:
-    """A prefill row of 1,024 queries at the end of a 32,768-token context attends alone
-    through a lower-right causal bias: its peak stays below the bytes its [Q, S] bool mask
-    alone would take (the attention's bf16 bias from it would take twice that again), and the
-    output is the dense expectation's."""
-    case = make_mla_case([31744], [1024], block_size=16, num_heads=2, dtype=torch.bfloat16,
-                         device="cuda")
+def test_gpu_a_long_prefill_row_holds_neither_its_mask_nor_its_whole_context(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill row of 1,024 queries at the end of a 32,768-token context, its prefix in
+    chunks of 2,048 tokens (CHUNK_BYTES 8 MiB): its peak stays below the bytes its [Q, S] bool
+    mask alone would take (32 MiB) and the whole context's up-projected keys and values
+    (112 MiB); the output is the dense expectation's (the memory-efficient kernel's
+    log-sum-exps merged)."""
+    from moeserve.kernels.attention.mla import up_projected
+
+    monkeypatch.setattr(up_projected, "CHUNK_BYTES", 8 << 20)
+    case = make_mla_case([31744], [1024], block_size=16, num_heads=8, L=64, R=32, nope=64,
+                         v_dim=64, dtype=torch.bfloat16, device="cuda")
+    assert up_projected.chunk_tokens(8, 96, 64) == 2048
     want = up_project_output(case, case.expected_latent)
-    mask_bytes = 1024 * 32768
+    whole_context = 32768 * 8 * (64 + 64 + 96) * 2
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -170,5 +207,5 @@ def test_gpu_a_long_prefill_row_builds_no_context_mask() -> None:
                           case.nope, case.v_dim)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    assert peak < mask_bytes, (peak, mask_bytes)
+    assert peak < min(1024 * 32768, whole_context), (peak, whole_context)
     torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)

@@ -29,9 +29,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.attention.mla.up_projected import attend_row_in_chunks
 from moeserve.kernels.attention.paged import attend_in_groups, context_slots, write_slots
 
 
@@ -110,19 +110,14 @@ def _attend_up_projected(q_pad: torch.Tensor, latent_cache: torch.Tensor,
     """q_pad [B, Q, H, nope + R] -> [B, Q, H, v], through SDPA (its fused kernels keep the
     [Q, S] scores of long prompts out of memory; the values may be narrower than the keys).
     One row of several queries (paged.attend_in_groups' groups of one: max_seq_len is its
-    context, its queries the context's last) takes no mask: a lower-right causal bias, which
-    the fused kernels apply without building [Q, S]."""
+    context, its queries the context's last) goes through up_projected.attend_row_in_chunks:
+    its context in bounded chunks, no [Q, S] mask, no whole context up-projected."""
     num_heads, num_queries = q_pad.shape[2], q_pad.shape[1]
-    lone = q_pad.shape[0] == 1 and num_queries > 1
-    if lone:
-        slots, _ = context_slots(block_tables, seq_lens, start, max_seq_len,
-                                 latent_cache.shape[1], 0)
-        rows = latent_cache.view(-1, latent_cache.shape[-1])[slots].to(q_pad.dtype)
-        mask = causal_lower_right(num_queries, max_seq_len)
-    else:
-        rows, mask = _gather(latent_cache, block_tables, seq_lens, start, max_seq_len,
-                             num_queries, q_pad.dtype)  # [B, S, L + R]
-        mask = mask[:, None]
+    if q_pad.shape[0] == 1 and num_queries > 1:
+        return attend_row_in_chunks(q_pad[0], latent_cache, block_tables[0], max_seq_len,
+                                    scale, kv_b_proj, nope, v_dim)[None]
+    rows, mask = _gather(latent_cache, block_tables, seq_lens, start, max_seq_len,
+                         num_queries, q_pad.dtype)  # [B, S, L + R]
     kv_lora_rank = kv_b_proj.shape[1]
     kv = torch.nn.functional.linear(rows[..., :kv_lora_rank], kv_b_proj)  # [B, S, H*(nope+v)]
     kv = kv.view(*kv.shape[:2], num_heads, nope + v_dim)
@@ -131,5 +126,5 @@ def _attend_up_projected(q_pad: torch.Tensor, latent_cache: torch.Tensor,
     v = kv[..., nope:]  # [B, S, H, v]
     o = torch.nn.functional.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, len, dim]
-        attn_mask=mask, scale=scale)  # [B, H, Q, v]
+        attn_mask=mask[:, None], scale=scale)  # [B, H, Q, v]
     return o.transpose(1, 2)

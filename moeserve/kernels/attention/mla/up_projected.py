@@ -1,0 +1,103 @@
+"""MLA's up-projected prefill (the MHA form) of one row over its context in chunks:
+`attend_row_in_chunks`, for reference.mla_prefill_ref's rows that attend alone (every row of a
+long context: paged.bounded_groups).
+
+Why: up-projecting a whole context at once holds its per-head keys and values, (nope + R +
+v) x heads x 2 bytes a token beside the latents: 5.7 GiB for GLM-4.7-Flash's 202,752 tokens
+(20 heads of 192 + 64 + 256), 18 GiB for DeepSeek-V3's 163,840 (128 heads of 128 + 64 + 128),
+and the engine's memory plan profiles exactly that step (kv_cache.profile_step: the token
+budget at the end of a max_model_len context), so the KV cache gave those bytes up. Here the
+context goes in chunks of at most CHUNK_BYTES of keys and values:
+
+    row: Q queries at positions P - Q .. P - 1 of a P-token context
+    pieces: the prefix [0, P - Q) in chunks (every query sees all of a chunk), then the
+            queries' own span [P - Q, P) (causal, square)
+    each piece: its latents gathered from the paged cache, up-projected, attended by every
+            query -> (out_i [H, Q, v], lse_i [H, Q]: the log of the piece's softmax sum)
+    out = sum_i exp(lse_i - max lse) out_i / sum_i exp(lse_i - max lse)   (fp32)
+
+A piece's attention is a fused kernel that returns its log-sum-exp (no [Q, S] scores): on
+CUDA torch's memory-efficient SDPA, on the CPU torch's flash SDPA (which needs the values as
+wide as the keys: they are zero-padded, and the padding's output columns dropped).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_BYTES = 256 << 20  # a prefix chunk's up-projected keys and values, at most
+MIN_CHUNK = 1024  # tokens a prefix chunk, at least
+
+
+def attend_row_in_chunks(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
+                         context: int, scale: float, kv_b_proj: torch.Tensor, nope: int,
+                         v_dim: int) -> torch.Tensor:
+    """One row's queries q [Q, H, nope + R] (at the last Q positions of its `context`-token
+    context; block_table [max_blocks] its blocks) -> [Q, H, v] in q's dtype."""
+    num_queries, num_heads, qk_dim = q.shape
+    prefix = context - num_queries
+    if prefix < 0:
+        raise ValueError(f"attend_row_in_chunks: {num_queries} queries in a context of "
+                         f"{context} tokens")
+    step = chunk_tokens(num_heads, qk_dim, v_dim)
+    pieces = [(a, min(a + step, prefix), False) for a in range(0, prefix, step)]
+    pieces.append((prefix, context, True))
+    qh = q.transpose(0, 1)[None]  # [1, H, Q, nope + R]
+    outs, lses = [], []
+    for first, end, causal in pieces:
+        k, v = _up_project(latent_cache, block_table, first, end, kv_b_proj, nope, v_dim,
+                           q.dtype)
+        out, lse = _attend_piece(qh, k, v, scale, causal)
+        outs.append(out)
+        lses.append(lse)
+    return merge(outs, lses).to(q.dtype)[0].transpose(0, 1)  # [Q, H, v]
+
+
+def chunk_tokens(num_heads: int, qk_dim: int, v_dim: int) -> int:
+    """Tokens a prefix chunk: CHUNK_BYTES of their 16-bit transients (the up-projection's
+    output, H x (nope + v), and the joined keys, H x (nope + R): under H x (2 qk + v) values a
+    token), at least MIN_CHUNK."""
+    per_token = num_heads * (2 * qk_dim + v_dim) * 2
+    return max(MIN_CHUNK, CHUNK_BYTES // per_token)
+
+
+def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Pieces' outputs [..., Q, v] and log-sum-exps [..., Q] -> the whole softmax's output,
+    fp32."""
+    lse = torch.stack([x.float() for x in lses])  # [n, ..., Q]
+    weight = torch.exp(lse - lse.amax(dim=0, keepdim=True))  # [n, ..., Q]
+    total = sum(w[..., None] * o.float() for w, o in zip(weight, outs, strict=True))
+    return total / weight.sum(dim=0)[..., None]
+
+
+def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: int, end: int,
+                kv_b_proj: torch.Tensor, nope: int, v_dim: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions first .. end - 1's keys [1, H, n, nope + R] and values [1, H, n, v]."""
+    block_size, width = latent_cache.shape[1], latent_cache.shape[2]
+    kv_lora_rank = kv_b_proj.shape[1]
+    pos = torch.arange(first, end, device=latent_cache.device)
+    slots = block_table[pos // block_size].long() * block_size + pos % block_size
+    rows = latent_cache.view(-1, width)[slots].to(dtype)  # [n, L + R]
+    kv = torch.nn.functional.linear(rows[:, :kv_lora_rank], kv_b_proj)  # [n, H * (nope + v)]
+    kv = kv.view(end - first, -1, nope + v_dim)  # [n, H, nope + v]
+    k_rope = rows[:, None, kv_lora_rank:].expand(-1, kv.shape[1], -1)  # [n, H, R]
+    k = torch.cat([kv[..., :nope], k_rope], dim=-1)  # [n, H, nope + R]
+    return k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None]
+
+
+def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, H, Q, D], k [1, H, n, D], v [1, H, n, Dv] -> (out [1, H, Q, Dv], lse [1, H, Q]
+    fp32); causal: the piece is the queries' own span (n == Q), square."""
+    num_queries = q.shape[2]
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse[..., :num_queries]
+    v_dim = v.shape[-1]
+    if v_dim < q.shape[-1]:  # the CPU's flash kernel takes values as wide as the keys
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale)[:2]
+    return out[..., :v_dim], lse
