@@ -14,7 +14,8 @@ context goes in chunks of at most CHUNK_BYTES of keys and values:
             queries' own span [P - Q, P) (causal, square)
     each piece: its latents gathered from the paged cache, up-projected, attended by every
             query -> (out_i [H, Q, v], lse_i [H, Q]: the log of the piece's softmax sum)
-    out = sum_i exp(lse_i - max lse) out_i / sum_i exp(lse_i - max lse)   (fp32)
+    out = sum_i exp(lse_i - max lse) out_i / sum_i exp(lse_i - max lse)   (fp32, folded in
+          piece by piece: one running sum, not every piece's output, is held)
 
 A piece's attention is a fused kernel that returns its log-sum-exp (no [Q, S] scores): on
 CUDA torch's memory-efficient SDPA, on the CPU torch's flash SDPA (which needs the values as
@@ -43,14 +44,14 @@ def attend_row_in_chunks(q: torch.Tensor, latent_cache: torch.Tensor, block_tabl
     pieces = [(a, min(a + step, prefix), False) for a in range(0, prefix, step)]
     pieces.append((prefix, context, True))
     qh = q.transpose(0, 1)[None]  # [1, H, Q, nope + R]
-    outs, lses = [], []
+    merged = None
     for first, end, causal in pieces:
         k, v = _up_project(latent_cache, block_table, first, end, kv_b_proj, nope, v_dim,
                            q.dtype)
-        out, lse = _attend_piece(qh, k, v, scale, causal)
-        outs.append(out)
-        lses.append(lse)
-    return merge(outs, lses).to(q.dtype)[0].transpose(0, 1)  # [Q, H, v]
+        merged = fold(merged, *_attend_piece(qh, k, v, scale, causal))
+        del k, v
+    acc, total, _ = merged
+    return (acc / total[..., None]).to(q.dtype)[0].transpose(0, 1)  # [Q, H, v]
 
 
 def chunk_tokens(num_heads: int, qk_dim: int, v_dim: int) -> int:
@@ -61,13 +62,17 @@ def chunk_tokens(num_heads: int, qk_dim: int, v_dim: int) -> int:
     return max(MIN_CHUNK, CHUNK_BYTES // per_token)
 
 
-def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """Pieces' outputs [..., Q, v] and log-sum-exps [..., Q] -> the whole softmax's output,
-    fp32."""
-    lse = torch.stack([x.float() for x in lses])  # [n, ..., Q]
-    weight = torch.exp(lse - lse.amax(dim=0, keepdim=True))  # [n, ..., Q]
-    total = sum(w[..., None] * o.float() for w, o in zip(weight, outs, strict=True))
-    return total / weight.sum(dim=0)[..., None]
+def fold(merged: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple:
+    """The pieces so far, (acc [..., Q, v], total [..., Q], top [..., Q]) fp32 with acc / total
+    their softmax's output and `top` the largest log-sum-exp (None: none yet), with one more
+    piece's output and log-sum-exp folded in."""
+    lse = lse.float()
+    if merged is None:
+        return out.float(), torch.ones_like(lse), lse
+    acc, total, top = merged
+    new_top = torch.maximum(top, lse)
+    old, new = torch.exp(top - new_top), torch.exp(lse - new_top)
+    return (acc * old[..., None] + out.float() * new[..., None], total * old + new, new_top)
 
 
 def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: int, end: int,
