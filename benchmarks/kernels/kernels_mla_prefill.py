@@ -25,7 +25,13 @@ timed with triton.testing.do_bench. Writes kernels_mla_prefill.json to --out aft
         # warps, stages)
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --gluon
         # the absorbed form's prefill rows through mla/prefill_gluon.py too (sm90)
+    python -m benchmarks.kernels.kernels_mla_prefill --out DIR --long [--chunk-bytes N]
+        # LONG_CASES instead; --chunk-bytes: mla/up_projected.py's CHUNK_BYTES (the context's
+        # chunks in the mha form; a large one up-projects a context at once)
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --smoke   # CPU interpreter
+
+Each form's first call also records its peak allocated bytes above the step's (`*_peak_mib`,
+CUDA).
 """
 
 from __future__ import annotations
@@ -53,11 +59,16 @@ CASES = (("w1_mixed", 64, 128, 0, 1024), ("fresh_64x128", 64, 128, 0, 0),
          ("fresh_1x8192", 1, 8192, 0, 0), ("chunk_8x256_after_2048", 8, 256, 2048, 0),
          ("chunk_4x512_after_3584", 4, 512, 3584, 0),
          ("chunk_1x2048_after_6144", 1, 2048, 6144, 0))
+# --long: a token budget's chunk at the end of long contexts (the memory plan profiles the
+# last: 8,192 tokens at glm-4.7-flash's 202,752), where "auto" up-projects
+LONG_CASES = (("chunk_1x8192_after_24576", 1, 8192, 24576, 0),
+              ("chunk_1x8192_after_57344", 1, 8192, 57344, 0),
+              ("chunk_1x8192_after_194560", 1, 8192, 194560, 0))
 SMOKE_CASES = (("mixed", 2, 6, 0, 3), ("chunk", 2, 5, 9, 0))
 # the smoke run's layer: the first preset's fields, narrowed (the interpreter is slow)
 SMOKE_DIMS = {"num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 16,
               "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
-              "v_head_dim": 16, "hidden_size": 32}
+              "v_head_dim": 16, "qk_head_dim": 32, "head_dim": 16, "hidden_size": 32}
 
 
 def layer_for(preset: str, device: str, dtype: torch.dtype, smoke: bool = False
@@ -114,17 +125,30 @@ def prefill_flops(layer: MLAttention, prompts: int, query: int, prefix: int) -> 
     return {form: prompts * layer.num_heads * f for form, f in per_head.items()}
 
 
+def peak_mib(fn) -> tuple:
+    """(fn(), the peak bytes it allocated above those held before it, MiB: None off CUDA)."""
+    if not torch.cuda.is_available():
+        return fn(), None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, round((torch.cuda.max_memory_allocated() - base) / 2 ** 20, 1)
+
+
 def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: str,
              dtype: torch.dtype, timer: Timer, tiles: tuple = (), gluon: bool = False) -> dict:
     """One case: both forms checked against each other, then each timed (and the absorbed
     form at each of `tiles`, prefill TileConfigs; gluon: its prefill rows in Gluon too)."""
     name, prompts, query, prefix, decodes = case
     q_nope, q_rope, meta = make_step(layer, case, block, device, dtype)
-    outs, ms = {}, {}
+    outs, ms, peak = {}, {}, {}
     for form in FORMS:
         layer.prefill_form = form
         with torch.no_grad():
-            outs[form] = layer._dense(q_nope, q_rope, meta).float()
+            outs[form], peak[form] = peak_mib(lambda: layer._dense(q_nope, q_rope, meta))
+            outs[form] = outs[form].float()
             ms[form] = timer(lambda: layer._dense(q_nope, q_rope, meta))
     layer.prefill_form = "absorbed"
     by_tile, backend = {}, layer.backend
@@ -153,6 +177,7 @@ def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: s
     return {"preset": preset, "case": name, "heads": layer.num_heads, "prompts": prompts,
             "query": query, "prefix": prefix, "decodes": decodes, "check_error": err,
             **{f"{form}_ms": round(ms[form], 4) for form in FORMS},
+            **{f"{form}_peak_mib": peak[form] for form in FORMS if peak[form] is not None},
             **{f"{form}_prefill_gflop": round(flops[form] / 1e9, 2) for form in FORMS},
             "faster": faster, "absorbed_speedup": round(ms["mha"] / ms["absorbed"], 3),
             "absorbed_tiles_ms": by_tile,
@@ -169,11 +194,20 @@ def main() -> None:
     parser.add_argument("--gluon", action="store_true",
                         help="the absorbed form's prefill rows through mla/prefill_gluon.py "
                              "too (sm90): absorbed_gluon_ms")
+    parser.add_argument("--long", action="store_true",
+                        help="LONG_CASES: 8,192 tokens at the end of 32k-202k contexts")
+    parser.add_argument("--chunk-bytes", type=int, default=None,
+                        help="mla/up_projected.py's CHUNK_BYTES for the mha form")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_mla_prefill")
+    if args.chunk_bytes is not None:
+        from moeserve.kernels.attention.mla import up_projected
+
+        up_projected.CHUNK_BYTES = args.chunk_bytes
     dtype, cases, block = ((torch.float32, SMOKE_CASES, 4) if args.smoke
-                           else (torch.bfloat16, CASES, args.block_size))
+                           else (torch.bfloat16, LONG_CASES if args.long else CASES,
+                                 args.block_size))
     timer = make_timer(args.smoke, warmup_ms=10, rep_ms=50)
     from benchmarks.engine.w1_offline import environment
 
