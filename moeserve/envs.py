@@ -17,6 +17,9 @@
     MOESERVE_MLA_DECODE_SWAPPED  "0" keeps the Gluon MLA decode's launches of at most 32
                              heads off mla/decode_gluon_swapped.py's kernel (keys as wgmma's
                              M), for A/Bs; on otherwise
+    MOESERVE_MLA_FRESH_VARLEN  "1" has MLA layers attend fresh prompts (no cached prefix)
+                             up-projected in one variable-length flash launch
+                             (mla/up_projected.attend_fresh_rows), an experiment; off otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -35,6 +38,7 @@ COLLECTIVES_AT_ONE_RANK = "MOESERVE_COLLECTIVES_AT_ONE_RANK"
 GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
 MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
+MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -70,6 +74,10 @@ def mla_prefill_gluon() -> bool:
 
 def mla_decode_swapped() -> bool:
     return os.environ.get(MLA_DECODE_SWAPPED) != "0"
+
+
+def mla_fresh_varlen() -> bool:
+    return os.environ.get(MLA_FRESH_VARLEN) == "1"
 
 
 def set_variables() -> dict[str, str]:

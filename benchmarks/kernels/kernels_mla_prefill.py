@@ -25,6 +25,8 @@ timed with triton.testing.do_bench. Writes kernels_mla_prefill.json to --out aft
         # warps, stages)
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --gluon
         # the absorbed form's prefill rows through mla/prefill_gluon.py too (sm90)
+    python -m benchmarks.kernels.kernels_mla_prefill --out DIR --fresh-varlen
+        # "auto" with fresh prompts' rows in one varlen flash launch too (fresh_varlen_ms)
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --long [--chunk-bytes N]
         # LONG_CASES instead; --chunk-bytes: mla/up_projected.py's CHUNK_BYTES (the context's
         # chunks in the mha form; a large one up-projects a context at once)
@@ -138,9 +140,11 @@ def peak_mib(fn) -> tuple:
 
 
 def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: str,
-             dtype: torch.dtype, timer: Timer, tiles: tuple = (), gluon: bool = False) -> dict:
+             dtype: torch.dtype, timer: Timer, tiles: tuple = (), gluon: bool = False,
+             fresh: bool = False) -> dict:
     """One case: both forms checked against each other, then each timed (and the absorbed
-    form at each of `tiles`, prefill TileConfigs; gluon: its prefill rows in Gluon too)."""
+    form at each of `tiles`, prefill TileConfigs; gluon: its prefill rows in Gluon too;
+    fresh: "auto" with the fresh prompts' varlen form)."""
     name, prompts, query, prefix, decodes = case
     q_nope, q_rope, meta = make_step(layer, case, block, device, dtype)
     outs, ms, peak = {}, {}, {}
@@ -150,6 +154,14 @@ def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: s
             outs[form], peak[form] = peak_mib(lambda: layer._dense(q_nope, q_rope, meta))
             outs[form] = outs[form].float()
             ms[form] = timer(lambda: layer._dense(q_nope, q_rope, meta))
+    if fresh:  # fresh prompts' rows in one varlen launch (mla/up_projected.attend_fresh_rows)
+        layer.prefill_form, layer.fresh_varlen = "auto", True
+        with torch.no_grad():
+            outs["fresh_varlen"], peak["fresh_varlen"] = peak_mib(
+                lambda: layer._dense(q_nope, q_rope, meta))
+            outs["fresh_varlen"] = outs["fresh_varlen"].float()
+            ms["fresh_varlen"] = timer(lambda: layer._dense(q_nope, q_rope, meta))
+        layer.fresh_varlen = False
     layer.prefill_form = "absorbed"
     by_tile, backend = {}, layer.backend
     if gluon:  # the absorbed prefill rows through mla/prefill_gluon.py
@@ -181,7 +193,9 @@ def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: s
             **{f"{form}_prefill_gflop": round(flops[form] / 1e9, 2) for form in FORMS},
             "faster": faster, "absorbed_speedup": round(ms["mha"] / ms["absorbed"], 3),
             "absorbed_tiles_ms": by_tile,
-            **({"absorbed_gluon_ms": round(ms["absorbed_gluon"], 4)} if gluon else {})}
+            **({"absorbed_gluon_ms": round(ms["absorbed_gluon"], 4)} if gluon else {}),
+            **({"fresh_varlen_ms": round(ms["fresh_varlen"], 4),
+                "fresh_varlen_peak_mib": peak["fresh_varlen"]} if fresh else {})}
 
 
 def main() -> None:
@@ -194,6 +208,9 @@ def main() -> None:
     parser.add_argument("--gluon", action="store_true",
                         help="the absorbed form's prefill rows through mla/prefill_gluon.py "
                              "too (sm90): absorbed_gluon_ms")
+    parser.add_argument("--fresh-varlen", action="store_true",
+                        help='"auto" with fresh prompts up-projected in one varlen launch too '
+                             "(layers/mla.py's fresh_varlen): fresh_varlen_ms")
     parser.add_argument("--long", action="store_true",
                         help="LONG_CASES: 8,192 tokens at the end of 32k-202k contexts")
     parser.add_argument("--chunk-bytes", type=int, default=None,
@@ -224,7 +241,8 @@ def main() -> None:
         layer = layer_for(preset, device, dtype, args.smoke)
         for case in cases:
             record(result, "cases", run_case(preset, layer, case, block, device, dtype, timer,
-                                             tiles, args.gluon), path, device)
+                                             tiles, args.gluon, args.fresh_varlen), path,
+                   device)
     print(f"wrote {path}")
 
 

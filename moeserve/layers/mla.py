@@ -48,6 +48,7 @@ from moeserve.kernels.attention.mla.rope_cache_triton import (
     mla_rope_cache_triton,
     rotate_pairs,
 )
+from moeserve.kernels.attention.mla.up_projected import attend_fresh_rows
 from moeserve.layers.linear import WeightFactory, linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.params import empty_param
@@ -71,6 +72,9 @@ PREFILL_FORMS = ("auto", "mha", "absorbed")
 # up-projected form won at 128 heads and mostly at 20. W1 (128-token prompts) ran 11.6% faster
 # absorbed (glm-4.7-flash at 1,024: 18,078 against 16,203 output tok/s, call1_b790193).
 AUTO_ABSORBED_MAX_CONTEXT = 512
+# a prefill row's form in a step: the absorbed kernels, the padded up-projected reference
+# (mla_prefill_ref), or fresh prompts' variable-length launch (`fresh_varlen`)
+ABSORBED, MHA, FRESH = 0, 1, 2
 # ... and where the absorbed prefill runs in Gluon (mla/prefill_gluon.py: sm90, a bf16 / fp16
 # cache), 1.07-1.9x faster than the Triton prefill at every case, the crossover moves out
 # with the FLOPs a query-key pair costs absorbed over up-projected, (2L + R) / (nope + R + v)
@@ -133,6 +137,10 @@ class MLAttention(nn.Module):
         self.decode_kwargs: dict = self._prefill_kwargs()
         # "auto"'s longest absorbed row; None: `auto_absorbed_max_context`'s rule
         self.auto_max_context: int | None = None
+        # an experiment (MOESERVE_MLA_FRESH_VARLEN=1): fresh prompts' rows (no cached prefix)
+        # up-projected in one variable-length causal launch (mla/up_projected.attend_fresh_rows)
+        # whatever "auto" would give them, off until timed
+        self.fresh_varlen = envs.mla_fresh_varlen()
         # tokens attended in each form, counted on the host when the forward runs eagerly (a
         # CUDA-graph replay runs no Python): tests assert which path ran
         self.reset_path_counters()
@@ -166,7 +174,7 @@ class MLAttention(nn.Module):
     def reset_path_counters(self) -> None:
         """Zero the tokens-per-form counts (the runner calls it after warm-up and capture,
         which are not served load)."""
-        self.tokens_absorbed = self.tokens_up_projected = 0
+        self.tokens_absorbed = self.tokens_up_projected = self.tokens_fresh_varlen = 0
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -239,19 +247,30 @@ class MLAttention(nn.Module):
         t, heads = q_nope.shape[:2]
         limit = self.absorbed_max_context()
         # a decode row always attends absorbed
-        absorbed = (meta.query_lens_np == 1) | (meta.seq_lens_np <= limit)
-        if bool(absorbed.all()):
+        form = np.where((meta.query_lens_np == 1) | (meta.seq_lens_np <= limit), ABSORBED,
+                        MHA).astype(np.int8)
+        if self.fresh_varlen:  # rows with no cached prefix (and more than one token)
+            form[(meta.query_lens_np > 1) & (meta.seq_lens_np == meta.query_lens_np)] = FRESH
+        if bool((form == ABSORBED).all()):
             self.tokens_absorbed += t
             return self._absorbed(q_nope, q_rope, meta)
         out = q_nope.new_empty(t, heads, self.v_dim)
-        for sub, tok, is_absorbed in _split_by_form(meta, absorbed, limit):
-            if is_absorbed:
-                self.tokens_absorbed += len(sub.token_to_req_np)
+        for sub, tok, sub_form in _split_by_form(meta, form, limit):
+            n = len(sub.token_to_req_np)
+            if sub_form == ABSORBED:
+                self.tokens_absorbed += n
                 out[tok] = self._absorbed(q_nope[tok], q_rope[tok], sub)
+                continue
+            q = torch.cat([q_nope[tok], q_rope[tok]], dim=-1)
+            if sub_form == FRESH:
+                self.tokens_fresh_varlen += n
+                latents = self.kv_cache.view(-1, self.kv_cache.shape[-1])[sub.slot_mapping]
+                out[tok] = attend_fresh_rows(q, latents, sub.query_start_loc,
+                                             sub.query_lens_np.tolist(), self.scale,
+                                             self.kv_b_proj, self.nope, self.v_dim)
             else:
-                self.tokens_up_projected += len(sub.token_to_req_np)
-                out[tok] = mla_prefill_ref(torch.cat([q_nope[tok], q_rope[tok]], dim=-1),
-                                           self.kv_cache, sub, self.scale, self.kv_b_proj,
+                self.tokens_up_projected += n
+                out[tok] = mla_prefill_ref(q, self.kv_cache, sub, self.scale, self.kv_b_proj,
                                            self.nope, self.v_dim)
         return out
 
@@ -317,16 +336,15 @@ class MLAttention(nn.Module):
         return out
 
 
-def _split_by_form(meta: AttentionMetadata, absorbed: np.ndarray, limit: int | float
-                   ) -> list[tuple[AttentionMetadata, slice | torch.Tensor, bool]]:
-    """The step's absorbed rows and up-projected rows as sub-steps (metadata, token selector,
-    absorbed), made by its first MLA layer and reused by the others (`meta.derived`, keyed by
-    the limit): one set of host copies a step, not one a layer; the sub-steps' own derived
-    tensors are shared too."""
-    key = f"mla_split_{limit}"
+def _split_by_form(meta: AttentionMetadata, form: np.ndarray, limit: int | float
+                   ) -> list[tuple[AttentionMetadata, slice | torch.Tensor, int]]:
+    """The step's rows of each form (ABSORBED, MHA, FRESH: `form` [B]) as sub-steps (metadata,
+    token selector, form), made by its first MLA layer and reused by the others
+    (`meta.derived`, keyed by the limit and the forms): one set of host copies a step, not one
+    a layer; the sub-steps' own derived tensors are shared too."""
+    key = ("mla_split", limit, form.tobytes())
     if key not in meta.derived:
-        meta.derived[key] = [(*select_rows(meta, rows), is_absorbed)
-                             for rows, is_absorbed in ((np.flatnonzero(absorbed), True),
-                                                       (np.flatnonzero(~absorbed), False))
-                             if len(rows)]
+        meta.derived[key] = [(*select_rows(meta, rows), f)
+                             for f in (ABSORBED, MHA, FRESH)
+                             if len(rows := np.flatnonzero(form == f))]
     return meta.derived[key]

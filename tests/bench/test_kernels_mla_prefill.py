@@ -68,7 +68,8 @@ def test_a_case_compares_the_forms_and_names_the_faster(glm_layer) -> None:
 def test_smoke_run_writes_every_preset_and_case_checked(tmp_path, monkeypatch) -> None:
     """The whole --smoke run (every preset narrowed to SMOKE_DIMS: a preset's own head
     fields, qk_head_dim and head_dim among them, must not contradict the narrowed ones), with
-    --chunk-bytes set (the context's chunks then MIN_CHUNK tokens)."""
+    --chunk-bytes set (the context's chunks then MIN_CHUNK tokens) and the fresh prompts'
+    varlen form timed too (checked against mha like the others)."""
     import json
     import sys
 
@@ -77,10 +78,10 @@ def test_smoke_run_writes_every_preset_and_case_checked(tmp_path, monkeypatch) -
 
     monkeypatch.setattr(up_projected, "CHUNK_BYTES", up_projected.CHUNK_BYTES)  # restored
     monkeypatch.setattr(sys, "argv", ["kernels_mla_prefill", "--out", str(tmp_path), "--smoke",
-                                      "--chunk-bytes", "1"])
+                                      "--chunk-bytes", "1", "--fresh-varlen"])
     kernels_mla_prefill.main()
     result = json.loads((tmp_path / "kernels_mla_prefill.json").read_text())
     assert [(c["preset"], c["case"]) for c in result["cases"]] == [
         (p, name) for p in kernels_mla_prefill.PRESETS for name, *_ in SMOKE_CASES]
-    assert all(c["check_error"] < 1e-4 for c in result["cases"])
+    assert all(c["check_error"] < 1e-4 and c["fresh_varlen_ms"] > 0 for c in result["cases"])
     assert result["config"]["chunk_bytes"] == 1 and up_projected.CHUNK_BYTES == 1

@@ -121,6 +121,27 @@ def test_absorbed_prefill_matches_hf(device: str, checkpoints: dict, arch: str) 
     assert [r.token_ids for r in results] == expected
 
 
+@pytest.mark.parametrize("chunk", [None, 16], ids=["whole", "chunked"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
+def test_fresh_varlen_prefill_matches_hf(device: str, checkpoints: dict, arch: str,
+                                         chunk: int | None) -> None:
+    """The fresh-prompt experiment (`fresh_varlen`, MOESERVE_MLA_FRESH_VARLEN=1): rows with no
+    cached prefix up-projected in one variable-length launch; chunked, a prompt's first chunk
+    goes so and its later ones (after a prefix) by "auto"."""
+    folder, prompts, expected = checkpoints[arch]
+    llm = _llm(folder, device, **({"max_num_batched_tokens": chunk} if chunk else {}))
+    for layer in _mla_layers(llm):
+        layer.fresh_varlen = True
+    results = llm.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected
+    for a in _mla_layers(llm):
+        if chunk:  # first chunks fresh, later ones after a prefix (absorbed: short contexts)
+            assert 0 < a.tokens_fresh_varlen < sum(len(p) for p in prompts)
+        else:
+            assert a.tokens_fresh_varlen == sum(len(p) for p in prompts)
+        assert a.tokens_up_projected == 0 and a.tokens_absorbed > 0
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_staggered_arrivals_match_hf(device: str, checkpoints: dict, arch: str) -> None:
     folder, prompts, expected = checkpoints[arch]

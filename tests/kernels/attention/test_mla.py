@@ -209,3 +209,23 @@ def test_gpu_a_long_prefill_row_holds_neither_its_mask_nor_its_whole_context(
     peak = torch.cuda.max_memory_allocated() - base
     assert peak < min(1024 * 32768, whole_context), (peak, whole_context)
     torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fresh_rows_attend_their_own_latents_in_one_launch(device: str) -> None:
+    """up_projected.attend_fresh_rows over fresh prompts' latents read back at their slots:
+    the dense expectation (on CUDA one FlashAttention-2 varlen launch, the values zero-padded
+    from 16 to the keys' 32); lengths that disagree are refused."""
+    from moeserve.kernels.attention.mla.up_projected import attend_fresh_rows
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    case = make_mla_case([0, 0, 0], [9, 2, 13], dtype=dtype, device=device)
+    latents = case.latent_cache.view(-1, case.L + case.R)[case.meta.slot_mapping]
+    out = attend_fresh_rows(case.q, latents, case.meta.query_start_loc, [9, 2, 13], case.scale,
+                            case.kv_b_proj, case.nope, case.v_dim)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), up_project_output(case, case.expected_latent),
+                               rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="24 queries, 24 latents, rows of 23 tokens"):
+        attend_fresh_rows(case.q, latents, case.meta.query_start_loc, [9, 1, 13], case.scale,
+                          case.kv_b_proj, case.nope, case.v_dim)

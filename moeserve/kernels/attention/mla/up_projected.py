@@ -1,6 +1,7 @@
-"""MLA's up-projected prefill (the MHA form) of one row over its context in chunks:
-`attend_row_in_chunks`, for reference.mla_prefill_ref's rows that attend alone (every row of a
-long context: paged.bounded_groups).
+"""MLA's up-projected prefill (the MHA form) beyond the padded torch reference: one row over
+its context in chunks (`attend_row_in_chunks`, for reference.mla_prefill_ref's rows that attend
+alone: every row of a long context, paged.bounded_groups), and a step's fresh prompts in one
+variable-length launch (`attend_fresh_rows`).
 
 Why: up-projecting a whole context at once holds its per-head keys and values, (nope + R +
 v) x heads x 2 bytes a token beside the latents: 5.7 GiB for GLM-4.7-Flash's 202,752 tokens
@@ -16,6 +17,14 @@ context goes in chunks of at most CHUNK_BYTES of keys and values:
             query -> (out_i [H, Q, v], lse_i [H, Q]: the log of the piece's softmax sum)
     out = sum_i exp(lse_i - max lse) out_i / sum_i exp(lse_i - max lse)   (fp32, folded in
           piece by piece: one running sum, not every piece's output, is held)
+
+Fresh prompts (no cached prefix: a row's context is its own tokens, whose latents this step
+wrote) need no gather through the block table, no padding and no mask: their latents are read
+back at the step's slots, up-projected at once, and attended by one variable-length causal
+flash launch over the rows' query offsets (torch's FlashAttention-2 on CUDA: the values
+zero-padded to the keys' width where narrower, DeepSeek-V3's 128 against 192; on the CPU
+SDPA a row at a time). An experiment (layers/mla.py's `fresh_varlen`, MOESERVE_MLA_FRESH_VARLEN
+=1), off until the H200 times it against the absorbed prefill "auto" gives short prompts.
 
 A piece's attention is a fused kernel that returns its log-sum-exp (no [Q, S] scores): on
 CUDA torch's memory-efficient SDPA, on the CPU torch's flash SDPA (which needs the values as
@@ -52,6 +61,42 @@ def attend_row_in_chunks(q: torch.Tensor, latent_cache: torch.Tensor, block_tabl
         del k, v
     acc, total, _ = merged
     return (acc / total[..., None]).to(q.dtype)[0].transpose(0, 1)  # [Q, H, v]
+
+
+def attend_fresh_rows(q: torch.Tensor, latents: torch.Tensor, query_start_loc: torch.Tensor,
+                      query_lens: list[int], scale: float, kv_b_proj: torch.Tensor, nope: int,
+                      v_dim: int) -> torch.Tensor:
+    """Fresh rows' queries q [T, H, nope + R] over their own tokens' latents [T, L + R] (row b:
+    tokens query_start_loc[b] .. query_start_loc[b + 1] - 1, int32 [B + 1] on q's device;
+    query_lens, its host lengths), causal -> [T, H, v] in q's dtype."""
+    num_tokens, num_heads, qk_dim = q.shape
+    if latents.shape[0] != num_tokens or sum(query_lens) != num_tokens:
+        raise ValueError(f"attend_fresh_rows: {num_tokens} queries, {latents.shape[0]} latents, "
+                         f"rows of {sum(query_lens)} tokens")
+    kv_lora_rank = kv_b_proj.shape[1]
+    lat = latents.to(q.dtype)
+    kv = torch.nn.functional.linear(lat[:, :kv_lora_rank], kv_b_proj)  # [T, H * (nope + v)]
+    kv = kv.view(num_tokens, num_heads, nope + v_dim)
+    k_rope = lat[:, None, kv_lora_rank:].expand(-1, num_heads, -1)  # [T, H, R]
+    k = torch.cat([kv[..., :nope], k_rope], dim=-1)  # [T, H, nope + R]
+    v = kv[..., nope:]  # [T, H, v]
+    if q.is_cuda:
+        if v_dim < qk_dim:  # FlashAttention-2 takes values as wide as the keys
+            v = torch.nn.functional.pad(v, (0, qk_dim - v_dim))
+        longest = max(query_lens)
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, query_start_loc, query_start_loc, longest, longest, 0.0, True, False,
+            scale=scale)[0]  # [T, H, qk or v]
+        return out[..., :v_dim]
+    out = q.new_empty(num_tokens, num_heads, v_dim)
+    first = 0
+    for n in query_lens:  # the CPU: one causal SDPA a row
+        rows = slice(first, first + n)
+        out[rows] = torch.nn.functional.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+            is_causal=True, scale=scale).transpose(0, 1)
+        first += n
+    return out
 
 
 def chunk_tokens(num_heads: int, qk_dim: int, v_dim: int) -> int:
