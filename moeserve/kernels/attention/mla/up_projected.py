@@ -21,10 +21,11 @@ context goes in chunks of at most CHUNK_BYTES of keys and values:
 Fresh prompts (no cached prefix: a row's context is its own tokens, whose latents this step
 wrote) need no gather through the block table, no padding and no mask: their latents are read
 back at the step's slots, up-projected at once, and attended by one variable-length causal
-flash launch over the rows' query offsets (torch's FlashAttention-2 on CUDA: the values
-zero-padded to the keys' width where narrower, DeepSeek-V3's 128 against 192; on the CPU
-SDPA a row at a time). An experiment (layers/mla.py's `fresh_varlen`, MOESERVE_MLA_FRESH_VARLEN
-=1), off until the H200 times it against the absorbed prefill "auto" gives short prompts.
+flash launch over the rows' query offsets (torch's FlashAttention-2 on CUDA in bf16 / fp16:
+the values zero-padded to the keys' width where narrower, DeepSeek-V3's 128 against 192;
+otherwise, the CPU or fp32, SDPA a row at a time). An experiment (layers/mla.py's
+`fresh_varlen`, MOESERVE_MLA_FRESH_VARLEN=1), off until the H200 times it against the
+absorbed prefill "auto" gives short prompts.
 
 A piece's attention is a fused kernel that returns its log-sum-exp (no [Q, S] scores): on
 CUDA torch's memory-efficient SDPA, on the CPU torch's flash SDPA (which needs the values as
@@ -80,7 +81,7 @@ def attend_fresh_rows(q: torch.Tensor, latents: torch.Tensor, query_start_loc: t
     k_rope = lat[:, None, kv_lora_rank:].expand(-1, num_heads, -1)  # [T, H, R]
     k = torch.cat([kv[..., :nope], k_rope], dim=-1)  # [T, H, nope + R]
     v = kv[..., nope:]  # [T, H, v]
-    if q.is_cuda:
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         if v_dim < qk_dim:  # FlashAttention-2 takes values as wide as the keys
             v = torch.nn.functional.pad(v, (0, qk_dim - v_dim))
         longest = max(query_lens)
@@ -90,7 +91,7 @@ def attend_fresh_rows(q: torch.Tensor, latents: torch.Tensor, query_start_loc: t
         return out[..., :v_dim]
     out = q.new_empty(num_tokens, num_heads, v_dim)
     first = 0
-    for n in query_lens:  # the CPU: one causal SDPA a row
+    for n in query_lens:  # the CPU, or fp32: one causal SDPA a row
         rows = slice(first, first + n)
         out[rows] = torch.nn.functional.scaled_dot_product_attention(
             q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
