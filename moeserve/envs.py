@@ -20,6 +20,8 @@
     MOESERVE_MLA_FRESH_VARLEN  "1" has MLA layers attend fresh prompts (no cached prefix)
                              up-projected in one variable-length flash launch
                              (mla/up_projected.attend_fresh_rows), an experiment; off otherwise
+    MOESERVE_MLA_VECTOR_STORES  "1" has the Gluon MLA kernels store their outputs in 16-byte
+                             vectors (decode_gluon.vector_stores), an experiment; off otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -39,6 +41,7 @@ GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
 MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
+MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -78,6 +81,10 @@ def mla_decode_swapped() -> bool:
 
 def mla_fresh_varlen() -> bool:
     return os.environ.get(MLA_FRESH_VARLEN) == "1"
+
+
+def mla_vector_stores() -> bool:
+    return os.environ.get(MLA_VECTOR_STORES) == "1"
 
 
 def set_variables() -> dict[str, str]:

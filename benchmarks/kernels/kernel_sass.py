@@ -232,13 +232,13 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
                  STAGES=stages, USE_ROWS=args.prefill, SPLIT=args.split, OVERLAP=args.overlap,
                  SPARSE=args.sparse, PACKED=args.sparse, PREFILL=args.prefill,
                  HPT=per_tile if args.prefill else decode_gluon.BLOCK_H,
-                 BLOCK_Q=block_q if args.prefill else 1)
+                 BLOCK_Q=block_q if args.prefill else 1, VEC_STORE=args.vector_stores)
     kernel = decode_gluon._kernels().decode
     if args.swapped:  # decode_gluon_swapped.py: keys as wgmma's M, at most 32 heads
         from moeserve.kernels.attention.mla import decode_gluon_swapped
 
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
-                     USE_ROWS=False, SPLIT=args.split)
+                     USE_ROWS=False, SPLIT=args.split, VEC_STORE=args.vector_stores)
         kernel = decode_gluon_swapped._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -365,6 +365,8 @@ def main() -> None:
                            help="the absorbed prefill over query tiles (prefill_gluon)")
             p.add_argument("--swapped", action="store_true",
                            help="decode_gluon_swapped's kernel (keys as M, <= 32 heads)")
+            p.add_argument("--vector-stores", action="store_true",
+                           help="the outputs stored in 16-byte vectors (VEC_STORE)")
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                            help="fp8: the float8 e4m3 latent cache's variant")

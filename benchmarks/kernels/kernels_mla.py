@@ -26,7 +26,8 @@ after each case (a run cut short keeps what it measured).
         # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat,
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
         # stages from --tiles' BN and S; gluon-swapped, decode_gluon_swapped's (keys as
-        # wgmma's M), at most 32 heads)
+        # wgmma's M), at most 32 heads; a "-vec" suffix on a Gluon form: with
+        # decode_gluon.vector_stores, the outputs stored in 16-byte vectors)
 """
 
 from __future__ import annotations
@@ -121,7 +122,18 @@ def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device
 def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, latent: int,
               cfg: mla_triton.TileConfig, form: str):
     """The decode step as a call: mla_attention_triton in `form`, or ("gluon", "gluon-overlap")
-    decode_gluon at cfg's keys a tile and stages, or its swapped variant."""
+    decode_gluon at cfg's keys a tile and stages, or its swapped variant ("-vec": with
+    decode_gluon.vector_stores)."""
+    if form.endswith("-vec"):
+        call = decode_op(q, cache, meta, latent, cfg, form.removesuffix("-vec"))
+
+        def with_vector_stores() -> torch.Tensor:
+            decode_gluon.vector_stores = True
+            try:
+                return call()
+            finally:
+                decode_gluon.vector_stores = False
+        return with_vector_stores
     if not form.startswith("gluon"):
         return lambda: mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
                                                        decode_config=cfg, decode_form=form)
@@ -151,7 +163,8 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
     q, cache, meta = make_step(ctx, heads, latent, rope, block, device, dtype, 0, cache_dtype)
     b = bounds(ctx, heads, latent, rope, cache.element_size())
     rows = []
-    for form, tile in [(f, t) for f in forms for t in tiles]:
+    for named, tile in [(f, t) for f in forms for t in tiles]:
+        form = named.removesuffix("-vec")  # the kernel; `named` times it ("-vec": decode_op)
         if form == "auto":
             form = mla_triton.auto_decode_form(heads, batch,
                                                decode_gluon.supports(q, cache, latent))
@@ -171,15 +184,16 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
             if form == "gluon-overlap" and stages < 3:  # its stage count
                 continue
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
-        err = check(ctx, heads, latent, rope, block, device, dtype, cfg, form, cache_dtype)
+        timed = form + ("-vec" if named.endswith("-vec") else "")
+        err = check(ctx, heads, latent, rope, block, device, dtype, cfg, timed, cache_dtype)
         waves = (decode_gluon.DECODE_WAVES if form.startswith("gluon")
                  else reduce_triton.DECODE_WAVES)
         splits = (None if form == "flat"
                   else mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len,
                                                     q.device, waves=waves))
-        ms = timer(decode_op(q, cache, meta, latent, cfg, form))
+        ms = timer(decode_op(q, cache, meta, latent, cfg, timed))
         rows.append({
-            "case": name, "form": form, "heads": heads, "batch": batch, "context": context,
+            "case": name, "form": timed, "heads": heads, "batch": batch, "context": context,
             "mean_context": round(float(np.mean(ctx)), 1), "splits": splits,
             "head_tiles": head_tiles, "tile": dataclasses.asdict(cfg),
             "check_error": err, "ms": round(ms, 4),

@@ -83,3 +83,23 @@ def test_a_tile_may_cap_the_registers() -> None:
     assert (tile.block_m, tile.block_n, tile.maxnreg) == (32, 32, 128)
     assert tile.launch() == {"num_warps": 8, "num_stages": 3, "maxnreg": 128}
     assert "maxnreg" not in kernels_mla.parse_tile("32,32,8,3").launch()
+
+
+def test_a_vec_form_runs_its_kernel_with_vector_stores_on_then_off(monkeypatch) -> None:
+    """A "-vec" form (decode_op): the form's own call with decode_gluon.vector_stores set
+    for it, and unset after (here the Triton split form, whose kernel ignores it)."""
+    from moeserve.kernels.attention.mla import absorbed_triton, decode_gluon
+
+    seen = []
+    real = absorbed_triton.mla_attention_triton
+
+    def spy(*args, **kwargs):
+        seen.append((decode_gluon.vector_stores, kwargs["decode_form"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels_mla.mla_triton, "mla_attention_triton", spy)
+    q, cache, meta = make_step([40, 17], 2, 32, 16, 8, "cpu", torch.float32, seed=1)
+    cfg = absorbed_triton.default_config("decode", 32, torch.float32, 2)
+    out = kernels_mla.decode_op(q, cache, meta, 32, cfg, "split-vec")()
+    assert seen == [(True, "split")] and not decode_gluon.vector_stores
+    assert out.shape == (2, 2, 32)

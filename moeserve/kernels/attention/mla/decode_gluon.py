@@ -72,6 +72,11 @@ DECODE_WAVES = 1
 # (gpu_70a3760/call1, kernels_mla, 20 heads) 68-82% of the bound at batch 256-2,048 x 1k-4k
 # keys against this kernel's 62-74%, 47.8 / 51.9% at W1's contexts against 42.1 / 46.2%
 swapped = envs.mla_decode_swapped()
+# experiment switch (MOESERVE_MLA_VECTOR_STORES=1): the output (and split partials) stored
+# from a layout of 8 consecutive latent columns a thread (16-byte stores; 16 STG a thread at
+# 64 heads instead of 64, the same shared memory, 200 -> 216 registers, the prefill form's 255,
+# sm90 offline), off until timed
+vector_stores = envs.mla_vector_stores()
 _DTYPES = (torch.bfloat16, torch.float16)
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
@@ -219,7 +224,8 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages,
         USE_ROWS=rows is not None, SPLIT=num_splits > 1, OVERLAP=overlap, SPARSE=sparse,
-        PACKED=packed, PREFILL=False, HPT=BLOCK_H, BLOCK_Q=1, num_warps=NUM_WARPS)
+        PACKED=packed, PREFILL=False, HPT=BLOCK_H, BLOCK_Q=1, VEC_STORE=vector_stores,
+        num_warps=NUM_WARPS)
     return part_m, part_l, part_acc
 
 
@@ -256,7 +262,7 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
                    BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    USE_ROWS: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
                    SPARSE: gl.constexpr, PACKED: gl.constexpr, PREFILL: gl.constexpr,
-                   HPT: gl.constexpr, BLOCK_Q: gl.constexpr):
+                   HPT: gl.constexpr, BLOCK_Q: gl.constexpr, VEC_STORE: gl.constexpr):
     """Program (head_tile, i, split): BLOCK_H heads of decode row i over its context
     partition `split` (the module docstring's data flow); SPARSE: of token i over partition
     `split` of its `topk` selected positions (sel_ptr's row i; PACKED: valid ones first, at
@@ -396,18 +402,24 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)  # no copy left in flight at exit
 
-    do = gl.arange(0, L, layout=gl.SliceLayout(0, o_l))
+    # VEC_STORE (`vector_stores`): O leaves through a layout whose threads hold 8 consecutive
+    # latent columns (16-byte stores, a warp 256 columns of a row; the conversion's shared
+    # memory reuses the key stages, free by now), else from the accumulator's own layout
+    # (column pairs: 4-byte pieces)
+    st_l: gl.constexpr = (gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]) if VEC_STORE
+                          else o_l)
+    do = gl.arange(0, L, layout=gl.SliceLayout(0, st_l))
     if PREFILL:  # each row to its token and head
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
-        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-        ro = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
+        o = gl.convert_layout((acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(dtype), st_l)
+        ro = gl.arange(0, BH, layout=gl.SliceLayout(1, st_l))
         o_tok = tok + q0 + ro // HPT
         o_head = head_tile * HPT + ro % HPT
         o_ok = (ro < BLOCK_Q * HPT) & (q0 + ro // HPT < q_len) & (o_head < NUM_HEADS)
         gl.store(out_ptr + o_tok[:, None] * stride_ot + o_head.to(gl.int64)[:, None] * stride_oh
-                 + do[None, :], o.to(dtype), mask=o_ok[:, None])
+                 + do[None, :], o, mask=o_ok[:, None])
         return
-    ho = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
+    ho = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, st_l))
     h_ok = ho < NUM_HEADS
     if SPLIT:
         hs = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
@@ -415,10 +427,10 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         gl.store(part_m_ptr + part, m_i, mask=hs < NUM_HEADS)
         gl.store(part_l_ptr + part, l_i, mask=hs < NUM_HEADS)
         part_o = (i * NUM_HEADS + ho) * num_splits + split
-        gl.store(part_acc_ptr + part_o.to(gl.int64)[:, None] * L + do[None, :], acc,
-                 mask=h_ok[:, None])
+        gl.store(part_acc_ptr + part_o.to(gl.int64)[:, None] * L + do[None, :],
+                 gl.convert_layout(acc, st_l), mask=h_ok[:, None])
     else:
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
         o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # an empty row writes 0
         gl.store(out_ptr + tok * stride_ot + ho.to(gl.int64)[:, None] * stride_oh
-                 + do[None, :], o.to(dtype), mask=h_ok[:, None])
+                 + do[None, :], gl.convert_layout(o.to(dtype), st_l), mask=h_ok[:, None])

@@ -96,7 +96,7 @@ def decode_swapped(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
-        num_warps=NUM_WARPS)
+        VEC_STORE=decode_gluon.vector_stores, num_warps=NUM_WARPS)
     if num_splits > 1:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows,
                                     num_rows, num_splits)
@@ -129,7 +129,8 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
                     partition, num_splits, max_blocks, stride_qt, stride_qh, stride_ot,
                     stride_oh, stride_table,
                     NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-                    BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr):
+                    BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
+                    VEC_STORE: gl.constexpr):
     """Program (0, i, split): decode row i's heads over its context partition `split` (the
     module docstring's data flow)."""
     H: gl.constexpr = 32  # SWAPPED_HEADS
@@ -224,8 +225,14 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)  # no copy left in flight at exit
 
-    d = gl.arange(0, L, layout=gl.SliceLayout(1, o_l))
-    ho = gl.arange(0, H, layout=gl.SliceLayout(0, o_l))
+    # VEC_STORE (decode_gluon.vector_stores): O^T leaves through a layout whose threads hold 8
+    # consecutive latent columns of one head (16-byte stores along the output's rows, a warp
+    # 256 columns of a head; the conversion's shared memory reuses the key stages, free by
+    # now), else from the accumulator's own (two heads' values a thread: 2-byte pieces)
+    st_l: gl.constexpr = (gl.BlockedLayout([8, 1], [32, 1], [2, 4], [0, 1]) if VEC_STORE
+                          else o_l)
+    d = gl.arange(0, L, layout=gl.SliceLayout(1, st_l))
+    ho = gl.arange(0, H, layout=gl.SliceLayout(0, st_l))
     h_ok = ho < NUM_HEADS
     if SPLIT:
         hs = gl.arange(0, H, layout=gl.SliceLayout(0, s_l))
@@ -233,11 +240,11 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
         gl.store(part_m_ptr + part, m_i, mask=hs < NUM_HEADS)
         gl.store(part_l_ptr + part, l_i, mask=hs < NUM_HEADS)
         part_o = (i * NUM_HEADS + ho) * num_splits + split
-        gl.store(part_acc_ptr + part_o.to(gl.int64)[None, :] * L + d[:, None], acc,
-                 mask=h_ok[None, :])
+        gl.store(part_acc_ptr + part_o.to(gl.int64)[None, :] * L + d[:, None],
+                 gl.convert_layout(acc, st_l), mask=h_ok[None, :])
     else:
         l_o = gl.convert_layout(l_i, gl.SliceLayout(0, o_l))
         o = acc / gl.where(l_o == 0.0, 1.0, l_o)[None, :]  # an empty row writes 0
         gl.store(out_ptr + tok * stride_ot + ho.to(gl.int64)[None, :] * stride_oh
-                 + d[:, None], o.to(dtype), mask=h_ok[None, :])
+                 + d[:, None], gl.convert_layout(o.to(dtype), st_l), mask=h_ok[None, :])
 
