@@ -22,6 +22,9 @@
                              (mla/up_projected.attend_fresh_rows), an experiment; off otherwise
     MOESERVE_MLA_VECTOR_STORES  "1" has the Gluon MLA kernels store their outputs in 16-byte
                              vectors (decode_gluon.vector_stores), an experiment; off otherwise
+    MOESERVE_DSA_SLOT_ROWS   "1" turns DSA's selections into cache rows before the sparse
+                             attention (dsa/sparse_triton.slot_rows), an experiment; off
+                             otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -42,6 +45,7 @@ MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
+DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -85,6 +89,10 @@ def mla_fresh_varlen() -> bool:
 
 def mla_vector_stores() -> bool:
     return os.environ.get(MLA_VECTOR_STORES) == "1"
+
+
+def dsa_slot_rows() -> bool:
+    return os.environ.get(DSA_SLOT_ROWS) == "1"
 
 
 def set_variables() -> dict[str, str]:

@@ -232,7 +232,8 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
                  STAGES=stages, USE_ROWS=args.prefill, SPLIT=args.split, OVERLAP=args.overlap,
                  SPARSE=args.sparse, PACKED=args.sparse, PREFILL=args.prefill,
                  HPT=per_tile if args.prefill else decode_gluon.BLOCK_H,
-                 BLOCK_Q=block_q if args.prefill else 1, VEC_STORE=args.vector_stores)
+                 BLOCK_Q=block_q if args.prefill else 1, VEC_STORE=args.vector_stores,
+                 SLOTS=args.slots)
     kernel = decode_gluon._kernels().decode
     if args.swapped:  # decode_gluon_swapped.py: keys as wgmma's M, at most 32 heads
         from moeserve.kernels.attention.mla import decode_gluon_swapped
@@ -370,9 +371,10 @@ def main() -> None:
         if name.startswith(("mla-", "dsa-")):
             p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                            help="fp8: the float8 e4m3 latent cache's variant")
-        if name == "dsa-sparse":
+        if name in ("dsa-sparse", "mla-decode-gluon"):
             p.add_argument("--slots", action="store_true",
-                           help="the selection given as cache rows (sparse_triton.slot_rows)")
+                           help="the selection given as cache rows (sparse_triton.slot_rows; "
+                                "mla-decode-gluon: with --sparse)")
     args = parser.parse_args()
     report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
               "mla-decode-gluon": mla_decode_gluon, "mla-decode-flat": mla_decode_flat,

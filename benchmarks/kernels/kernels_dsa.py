@@ -25,7 +25,8 @@ dsa_graph_key_tiles_ms), the sparse MLA over the
 2,048 selected positions (sparse_mla_ms the default kernel, sparse_mla_kernel naming it:
 decode_gluon.sparse_gluon on sm90 in bf16; sparse_mla_triton_ms the Triton kernel; with
 --tiles, also at those TileConfigs; sparse_mla_slots_ms with sparse_triton's `slot_rows`
-experiment switch on, its row conversion included), and dense MLA
+experiment switch on, its row conversion included, and sparse_mla_gluon_slots_ms the Gluon
+kernel so where it runs), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
 MLA (eager: host gaps between the indexer's launches included), and against the two captured
@@ -294,6 +295,13 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
             triton_base), f"{name}: slot rows"
         row["sparse_mla_slots_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
             q, cache, meta, positions, mla_scale, latent, gluon=False))
+        if decode_gluon.supports(q, cache, latent):  # the Gluon kernel's form of it
+            assert torch.equal(dsa_sparse_triton.dsa_attention_triton(
+                q, cache, meta, positions, mla_scale, latent).float(), base), (
+                f"{name}: Gluon slot rows")
+            row["sparse_mla_gluon_slots_ms"] = timer(
+                lambda: dsa_sparse_triton.dsa_attention_triton(q, cache, meta, positions,
+                                                               mla_scale, latent))
     finally:
         dsa_sparse_triton.slot_rows = False
     for tile in tiles:  # the sparse MLA at other tiles (--tiles), first checked against it

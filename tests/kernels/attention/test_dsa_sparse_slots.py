@@ -65,3 +65,25 @@ def test_gpu_slot_rows_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> No
     by_position, by_slot = _both(monkeypatch, q, latent, step.meta, positions, 0.1, L,
                                  packed=True)
     assert torch.equal(by_slot, by_position)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_gpu_gluon_slot_rows_give_the_same_bits(monkeypatch: pytest.MonkeyPatch,
+                                                num_splits: int | None) -> None:
+    """decode_gluon.sparse_gluon with `slots` (the switch routes it there too): the same bits
+    over the indexer's packed selection at GLM-5's latent width, and over a holey one with a
+    token of none and a position past its block table."""
+    from tests.kernels.attention.test_mla_decode_gluon import gpu_sparse_inputs
+
+    q, latent, meta, positions = gpu_sparse_inputs(64)
+    by_position, by_slot = _both(monkeypatch, q, latent, meta, positions, 0.1, 512,
+                                 num_splits=num_splits, packed=True, gluon=True)
+    assert not by_position.isnan().any() and torch.equal(by_slot, by_position)
+    holey = positions.flip(1).contiguous()  # valid ones last: not packed
+    holey[1] = -1
+    holey[0, 0] = meta.block_tables.shape[1] * latent.shape[1]  # past the table: never read
+    by_position, by_slot = _both(monkeypatch, q, latent, meta, holey, 0.1, 512,
+                                 num_splits=num_splits, gluon=True)
+    assert torch.equal(by_slot, by_position)
+    assert torch.equal(by_slot[1], torch.zeros_like(by_slot[1]))

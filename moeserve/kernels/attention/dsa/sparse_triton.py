@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from moeserve import envs
 from moeserve.kernels.attention.dsa.indexer_triton import _check_common, _need, _pow2_16
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
@@ -30,11 +31,14 @@ from moeserve.kernels.attention.paged_triton import TileConfig
 from moeserve.kernels.triton_common import next_pow2
 
 # An experiment switch (off until the H200 times it: benchmarks/kernels/kernels_dsa.py's
-# sparse_mla_slots_ms): the selection turned into cache rows by one small launch first
-# (`_slots_kernel`), so that the attention loop loads each tile's rows with one load instead
-# of a position load feeding a block-table load. Its sm90 SASS holds 26 LDGs a loop against the
-# dense decode's 9 at (64, 32, 8, 3). The same rows and ops, so the same bits (tests).
-slot_rows = False
+# sparse_mla_slots_ms; MOESERVE_DSA_SLOT_ROWS=1): the selection turned into cache rows by one
+# small launch first (`selected_slots`), so that the attention loop loads each tile's rows
+# with one load instead of a position load feeding a block-table load, in this kernel and in
+# decode_gluon.sparse_gluon (its `slots`). The Triton kernel with it measured 20% faster at
+# 128 tokens x 32k and 8-9% at 256, 7% slower at 32 x 64k (gpu_c432eb0/call4); the Gluon
+# kernel's form is untimed. Its sm90 SASS holds 26 LDGs a loop against the dense decode's 9
+# at (64, 32, 8, 3). The same rows and ops, so the same bits (tests).
+slot_rows = envs.dsa_slot_rows()
 tl: Any = None  # triton.language, bound by _kernels(): the kernel below reads it as a global
 # mla_triton's jitted helpers, bound by _kernels() too (the kernel reads it by global name)
 _attend_rows: Any = None
@@ -76,7 +80,7 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
         gluon = config is None and decode_gluon.supports(q, latent_cache, kv_lora_rank)
     if gluon:
         return decode_gluon.sparse_gluon(q, latent_cache, meta, positions, scale, kv_lora_rank,
-                                         num_splits=num_splits, packed=packed)
+                                         num_splits=num_splits, packed=packed, slots=slot_rows)
     num_tokens, num_heads, dim = q.shape
     out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
@@ -99,13 +103,7 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     grid = ((num_head_tiles, num_tokens, num_splits) if tiles_first
             else (num_tokens, num_head_tiles, num_splits))
     kern = _kernels()
-    sel = positions
-    if slot_rows:  # [T, topk] int32 cache rows, -1 none
-        sel = torch.empty_like(positions)
-        kern.slots[(num_tokens, -(-topk // _SLOTS_BLOCK))](
-            positions, meta.block_tables, meta.token_to_req, sel, topk,
-            meta.block_tables.shape[1], positions.stride(0), meta.block_tables.stride(0),
-            BLOCK_SIZE=latent_cache.shape[1], BLOCK=_SLOTS_BLOCK)
+    sel = selected_slots(positions, meta, latent_cache.shape[1]) if slot_rows else positions
     kern.sparse_attention[grid](
         q, latent_cache, out, part_m, part_l, part_acc, sel, meta.block_tables,
         meta.token_to_req, meta.positions, scale * math.log2(math.e), topk,
@@ -122,6 +120,20 @@ def dsa_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
         mla_reduce_triton.reduce_splits(part_m, part_l, part_acc, out, None, None, num_tokens,
                                  num_splits)
     return out
+
+
+def selected_slots(positions: torch.Tensor, meta: AttentionMetadata,
+                   block_size: int) -> torch.Tensor:
+    """The selection [T, topk] int32 as cache rows (-1 where a position is -1 or past its
+    request's block table), by one launch of `_slots_kernel`; the same strides."""
+    sel = torch.empty_like(positions)
+    num_tokens, topk = positions.shape
+    if num_tokens:
+        _kernels().slots[(num_tokens, -(-topk // _SLOTS_BLOCK))](
+            positions, meta.block_tables, meta.token_to_req, sel, topk,
+            meta.block_tables.shape[1], positions.stride(0), meta.block_tables.stride(0),
+            BLOCK_SIZE=block_size, BLOCK=_SLOTS_BLOCK)
+    return sel
 
 
 def _check_attention_inputs(q: torch.Tensor, latent_cache: torch.Tensor,

@@ -149,11 +149,14 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                  positions: torch.Tensor, scale: float, kv_lora_rank: int, *,
                  num_splits: int | None = None, packed: bool = False,
                  block_n: int | None = None, stages: int | None = None,
-                 overlap: bool = False) -> torch.Tensor:
+                 overlap: bool = False, slots: bool = False) -> torch.Tensor:
     """DSA's sparse MLA (dsa/sparse_triton.dsa_attention_triton's contract): each token's
     absorbed queries over its selected positions [T, topk] int32 (-1, or past the block
     table: skipped; packed: valid ones first, at most the token's position + 1 of them, so
-    the loop stops there) -> [T, H, L]; a token with no valid position gets zeros."""
+    the loop stops there) -> [T, H, L]; a token with no valid position gets zeros. slots:
+    the positions turned into cache rows by one small launch first
+    (sparse_triton.selected_slots), so that each tile's copies wait on one load, not a
+    position load feeding a block-table load (the same rows: the same bits)."""
     block_n, stages = tile(block_n, stages, overlap)
     _check(q, latent_cache, kv_lora_rank, stages, overlap)
     if (positions.dim() != 2 or positions.shape[0] != q.shape[0]
@@ -172,8 +175,13 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     if num_splits is None:
         num_splits = reduce_triton.decode_num_splits(num_tokens, num_head_tiles, topk, q.device,
                                                      waves=DECODE_WAVES)
+    if slots:
+        from moeserve.kernels.attention.dsa.sparse_triton import selected_slots
+
+        positions = selected_slots(positions, meta, latent_cache.shape[1])
     parts = _launch(q, latent_cache, meta, scale, kv_lora_rank, out, num_tokens, topk,
-                    num_splits, block_n, stages, overlap, sel=positions, packed=packed)
+                    num_splits, block_n, stages, overlap, sel=positions, packed=packed,
+                    slots=slots)
     if num_splits > 1:
         reduce_triton.reduce_splits(*parts, out, None, None, num_tokens, num_splits)
     return out
@@ -199,10 +207,11 @@ def _check(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, stage
 def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
             kv_lora_rank: int, out: torch.Tensor, num_rows: int, keys: int, num_splits: int,
             block_n: int, stages: int, overlap: bool, *, rows: torch.Tensor | None = None,
-            sel: torch.Tensor | None = None,
-            packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            sel: torch.Tensor | None = None, packed: bool = False,
+            slots: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch over (head tiles, rows or tokens, partitions of `keys`: a row's context, or
-    a token's selection when `sel` is given); returns the split partials for the reduce."""
+    a token's selection when `sel` is given: cache rows with `slots`); returns the split
+    partials for the reduce."""
     if not 1 <= num_splits <= reduce_triton.MAX_SPLITS:
         raise ValueError(f"decode_gluon: num_splits must be in 1..{reduce_triton.MAX_SPLITS}, "
                          f"got {num_splits}")
@@ -225,7 +234,7 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages,
         USE_ROWS=rows is not None, SPLIT=num_splits > 1, OVERLAP=overlap, SPARSE=sparse,
         PACKED=packed, PREFILL=False, HPT=BLOCK_H, BLOCK_Q=1, VEC_STORE=vector_stores,
-        num_warps=NUM_WARPS)
+        SLOTS=slots, num_warps=NUM_WARPS)
     return part_m, part_l, part_acc
 
 
@@ -262,7 +271,8 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
                    BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    USE_ROWS: gl.constexpr, SPLIT: gl.constexpr, OVERLAP: gl.constexpr,
                    SPARSE: gl.constexpr, PACKED: gl.constexpr, PREFILL: gl.constexpr,
-                   HPT: gl.constexpr, BLOCK_Q: gl.constexpr, VEC_STORE: gl.constexpr):
+                   HPT: gl.constexpr, BLOCK_Q: gl.constexpr, VEC_STORE: gl.constexpr,
+                   SLOTS: gl.constexpr):
     """Program (head_tile, i, split): BLOCK_H heads of decode row i over its context
     partition `split` (the module docstring's data flow); SPARSE: of token i over partition
     `split` of its `topk` selected positions (sel_ptr's row i; PACKED: valid ones first, at
@@ -328,6 +338,8 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         q_len = 1
     table = block_tables_ptr + req.to(gl.int64) * stride_table
     max_pos = max_blocks * BLOCK_SIZE  # a selected position past the table: never read
+    if SLOTS:  # the selection holds cache rows (-1 none): any row is within reach
+        max_pos = 2147483647
 
     # the tile's query rows (padding rows zero-filled): one copy group
     q_at, q_ok = _query_rows(tok, q0, q_len, head_tile, stride_qt, stride_qh,
@@ -350,7 +362,7 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
     np_ = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pe_l))
     for j in gl.static_range(STAGES - 1):  # the first tiles in flight
         _load_tile(cache_ptr, table, sel, max_pos, start + j * BLOCK_N, end, k_lat_s.index(j),
-                   k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, SPARSE)
+                   k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, SPARSE, SLOTS)
         async_copy.commit_group()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
@@ -370,7 +382,7 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         ahead = t + STAGES - 1
         _load_tile(cache_ptr, table, sel, max_pos, start + ahead * BLOCK_N, end,
                    k_lat_s.index(ahead % STAGES), k_pe_s.index(ahead % STAGES), nl, dq, np_, dp,
-                   L, R, BLOCK_SIZE, SPARSE)
+                   L, R, BLOCK_SIZE, SPARSE, SLOTS)
         async_copy.commit_group()
         if OVERLAP:
             # tile t + 1 landed: its scores run on the tensor cores during tile t's softmax

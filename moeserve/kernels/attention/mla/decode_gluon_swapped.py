@@ -186,7 +186,7 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
     nl = gl.arange(0, BN, layout=gl.SliceLayout(1, lat_l))
     np_ = gl.arange(0, BN, layout=gl.SliceLayout(1, pe_l))
     _load_tile(cache_ptr, table, cache_ptr, max_pos, start, end, k_lat_s.index(0),
-               k_pe_s.index(0), nl, dq, np_, dp, L, R, BLOCK_SIZE, False)
+               k_pe_s.index(0), nl, dq, np_, dp, L, R, BLOCK_SIZE, False, False)
     async_copy.commit_group()
 
     m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_l))
@@ -199,7 +199,7 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
         gl.thread_barrier()
         _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 1) * BN, end,
                    k_lat_s.index((t + 1) % NS), k_pe_s.index((t + 1) % NS), nl, dq, np_, dp, L,
-                   R, BLOCK_SIZE, False)
+                   R, BLOCK_SIZE, False, False)
         async_copy.commit_group()
         async_copy.wait_group(NS - 1)  # tile t's group (and the queries') landed
         gl.thread_barrier()

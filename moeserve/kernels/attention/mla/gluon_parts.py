@@ -92,17 +92,23 @@ def _valid_keys(sel, max_pos, j, end, SPARSE: gl.constexpr):
 
 def _load_tile(cache_ptr, table, sel, max_pos, n0, end, k_lat_dst, k_pe_dst, nl, dq, np_, dp,
                L: gl.constexpr, R: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-               SPARSE: gl.constexpr):
+               SPARSE: gl.constexpr, SLOTS: gl.constexpr):
     """Copies (cp.async, zero-filled where a key is not read) of keys n0 .. n0 + BLOCK_N (a
     row's context positions, or SPARSE a token's selected ones) from the paged cache into a
     stage: latents [BLOCK_N, L], rope parts [BLOCK_N, R] (nl, np_: the keys in the two
-    parts' copy layouts)."""
+    parts' copy layouts). SLOTS (with SPARSE): the selection holds cache rows already (-1
+    none; max_pos then past any row), so no block-table load stands before the copies."""
     pos, ok = _valid_keys(sel, max_pos, n0 + nl, end, SPARSE)
-    block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
-    row = (block.to(gl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)
-    pos_p, ok_p = _valid_keys(sel, max_pos, n0 + np_, end, SPARSE)
-    block_p = gl.load(table + pos_p // BLOCK_SIZE, mask=ok_p, other=0)
-    row_p = (block_p.to(gl.int64) * BLOCK_SIZE + pos_p % BLOCK_SIZE) * (L + R) + L
+    if SLOTS:
+        row = pos.to(gl.int64) * (L + R)
+        pos_p, ok_p = _valid_keys(sel, max_pos, n0 + np_, end, SPARSE)
+        row_p = pos_p.to(gl.int64) * (L + R) + L
+    else:
+        block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
+        row = (block.to(gl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)
+        pos_p, ok_p = _valid_keys(sel, max_pos, n0 + np_, end, SPARSE)
+        block_p = gl.load(table + pos_p // BLOCK_SIZE, mask=ok_p, other=0)
+        row_p = (block_p.to(gl.int64) * BLOCK_SIZE + pos_p % BLOCK_SIZE) * (L + R) + L
     async_copy.async_copy_global_to_shared(k_lat_dst, cache_ptr + row[:, None] + dq[None, :],
                                            mask=ok[:, None])
     async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
