@@ -81,3 +81,22 @@ w1_run() {
   grep -E "Output token throughput|eager decode|serial roofline|Median TTFT|Median TPOT" \
     "$dir/$name.log"
 }
+
+# dsa_decode_run NAME DIR [VAR=VALUE ...]: kernels_dsa --decode-only (DSA's decode step at
+# GLM-5's shape, the sparse MLA alone and the step in a CUDA graph) with those environment
+# variables, into DIR/NAME/ (DSA_TIMEOUT seconds, default 120); prints its exit status and a
+# line a case.
+dsa_decode_run() {
+  local name=$1 dir=$2
+  shift 2
+  mkdir -p "$dir/$name"
+  timeout -s INT "${DSA_TIMEOUT:-120}" env "$@" python3 -m benchmarks.kernels.kernels_dsa \
+    --out "$dir/$name" --decode-only > "$dir/$name/kernels_dsa.log" 2>&1
+  echo "kernels_dsa $name rc=$?"
+  python3 -c "
+import json
+for r in json.load(open('$dir/$name/kernels_dsa.json'))['decode']:
+    print('$name', r['case'], 'sparse', r['sparse_mla_ms'], 'gluon slots',
+          r.get('sparse_mla_gluon_slots_ms'), 'step graph', r['dsa_graph_ms'],
+          r['pct_of_bound_graph'])"
+}

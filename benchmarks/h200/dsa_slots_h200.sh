@@ -13,17 +13,6 @@ R=/tmp/dsa_slots; mkdir -p $R
 timeout 120 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/attention/test_dsa_sparse_slots.py > $R/gpu_tests.log 2>&1
 echo "gpu tests rc=$?"; tail -2 $R/gpu_tests.log
-for variant in default slots; do
-  env=(); [ $variant = slots ] && env=(MOESERVE_DSA_SLOT_ROWS=1)
-  mkdir -p $R/$variant
-  timeout -s INT 120 env "${env[@]}" python3 -m benchmarks.kernels.kernels_dsa \
-    --out $R/$variant --decode-only > $R/$variant/kernels_dsa.log 2>&1
-  echo "kernels_dsa $variant rc=$?"
-  python3 -c "
-import json
-for r in json.load(open('$R/$variant/kernels_dsa.json'))['decode']:
-    print('$variant', r['case'], 'sparse', r['sparse_mla_ms'], 'gluon slots',
-          r.get('sparse_mla_gluon_slots_ms'), 'step graph', r['dsa_graph_ms'],
-          r['pct_of_bound_graph'])"
-done
+dsa_decode_run default $R
+dsa_decode_run slots $R MOESERVE_DSA_SLOT_ROWS=1
 tar czf $OUT/dsa_slots.tgz -C /tmp dsa_slots

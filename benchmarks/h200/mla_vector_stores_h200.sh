@@ -24,16 +24,6 @@ timeout 60 python3 -m benchmarks.kernels.kernels_mla --out $R/few --heads 20 64 
 echo "kernels_mla few rc=$?"
 python3 -m benchmarks.kernels.mla_cases_table $R/h20/kernels_mla.json $R/h64/kernels_mla.json \
   $R/few/kernels_mla.json
-for variant in default vec; do
-  env=(); [ $variant = vec ] && env=(MOESERVE_MLA_VECTOR_STORES=1)
-  mkdir -p $R/dsa_$variant
-  timeout -s INT 100 env "${env[@]}" python3 -m benchmarks.kernels.kernels_dsa \
-    --out $R/dsa_$variant --decode-only > $R/dsa_$variant/kernels_dsa.log 2>&1
-  echo "kernels_dsa $variant rc=$?"
-  python3 -c "
-import json
-for r in json.load(open('$R/dsa_$variant/kernels_dsa.json'))['decode']:
-    print('$variant', r['case'], 'sparse', r['sparse_mla_ms'], 'step graph', r['dsa_graph_ms'],
-          r['pct_of_bound_graph'])"
-done
+DSA_TIMEOUT=100 dsa_decode_run dsa_default $R
+DSA_TIMEOUT=100 dsa_decode_run dsa_vec $R MOESERVE_MLA_VECTOR_STORES=1
 tar czf $OUT/mla_vector_stores.tgz -C /tmp mla_vector_stores
