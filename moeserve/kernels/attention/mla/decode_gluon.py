@@ -91,6 +91,7 @@ _scores: Any = None
 _valid_keys: Any = None
 _query_rows: Any = None
 _softmax_to_p: Any = None
+_nvmma_buffer: Any = None
 
 
 def supports(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -243,7 +244,8 @@ def _kernels() -> SimpleNamespace:
     """Jit the functions below on first use (gluon imported here only), bound with the Hopper
     builtins they call as module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    global _load_tile, _scores, _valid_keys, _query_rows, _softmax_to_p, _decode_kernel
+    global _load_tile, _scores, _valid_keys, _query_rows, _softmax_to_p, _nvmma_buffer
+    global _decode_kernel
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
 
@@ -253,6 +255,7 @@ def _kernels() -> SimpleNamespace:
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
     _load_tile, _scores, _valid_keys = parts.load_tile, parts.scores, parts.valid_keys
     _query_rows, _softmax_to_p = parts.query_rows, parts.softmax_to_p
+    _nvmma_buffer = parts.nvmma_buffer
     # rows_ptr: a slice of one index array at any offset (no new compile mid-serving)
     _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "topk",
                                                   "max_blocks", "stride_table"],
@@ -290,16 +293,11 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, L // 2 if L <= 512
                                                                else 256, 16])
-    q_lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, L], dtype)
-    q_pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, R], dtype)
-    k_lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
-    k_pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BLOCK_N], dtype)
-    q_lat_s = gl.allocate_shared_memory(dtype, [BH, L], q_lat_sl)
-    q_pe_s = gl.allocate_shared_memory(dtype, [BH, R], q_pe_sl)
-    k_lat_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], k_lat_sl)
-    k_pe_s = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], k_pe_sl)
-    p_s = gl.allocate_shared_memory(dtype, [BH, BLOCK_N], p_sl)
+    q_lat_s = _nvmma_buffer(dtype, [BH, L])
+    q_pe_s = _nvmma_buffer(dtype, [BH, R])
+    k_lat_s = _nvmma_buffer(dtype, [STAGES, BLOCK_N, L])
+    k_pe_s = _nvmma_buffer(dtype, [STAGES, BLOCK_N, R])
+    p_s = _nvmma_buffer(dtype, [BH, BLOCK_N])
 
     if PREFILL:  # grid (query tiles, head tiles): the tiles past the grid's y limit
         i = gl.program_id(0)

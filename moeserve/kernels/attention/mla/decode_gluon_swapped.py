@@ -56,6 +56,7 @@ warpgroup_mma_wait: Any = None
 async_copy: Any = None
 _load_tile: Any = None
 _valid_keys: Any = None
+_nvmma_buffer: Any = None
 
 
 def takes(num_heads: int) -> bool:
@@ -107,7 +108,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use, after decode_gluon's helpers (whose jitted forms it
     calls, bound here as module globals)."""
     global gl, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, async_copy
-    global _load_tile, _valid_keys, _swapped_kernel
+    global _load_tile, _valid_keys, _nvmma_buffer, _swapped_kernel
     from triton.experimental import gluon
 
     decode_gluon._kernels()
@@ -115,7 +116,7 @@ def _kernels() -> SimpleNamespace:
     fence_async_shared = decode_gluon.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = decode_gluon.warpgroup_mma, decode_gluon.warpgroup_mma_wait
     parts = gluon_parts.jitted()
-    _load_tile, _valid_keys = parts.load_tile, parts.valid_keys
+    _load_tile, _valid_keys, _nvmma_buffer = parts.load_tile, parts.valid_keys, parts.nvmma_buffer
     _swapped_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "max_blocks",
                                                    "stride_table"],
                                 do_not_specialize_on_alignment=["rows_ptr"])(_swapped_kernel)
@@ -145,16 +146,11 @@ def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_
                                                   instr_shape=[16, H // 2, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                   instr_shape=[16, H, 16])
-    q_lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, L], dtype)
-    q_pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, R], dtype)
-    k_lat_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, L], dtype)
-    k_pe_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, R], dtype)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, H], dtype)
-    q_lat_s = gl.allocate_shared_memory(dtype, [H, L], q_lat_sl)
-    q_pe_s = gl.allocate_shared_memory(dtype, [H, R], q_pe_sl)
-    k_lat_s = gl.allocate_shared_memory(dtype, [NS, BN, L], k_lat_sl)
-    k_pe_s = gl.allocate_shared_memory(dtype, [NS, BN, R], k_pe_sl)
-    p_s = gl.allocate_shared_memory(dtype, [BN, H], p_sl)
+    q_lat_s = _nvmma_buffer(dtype, [H, L])
+    q_pe_s = _nvmma_buffer(dtype, [H, R])
+    k_lat_s = _nvmma_buffer(dtype, [NS, BN, L])
+    k_pe_s = _nvmma_buffer(dtype, [NS, BN, R])
+    p_s = _nvmma_buffer(dtype, [BN, H])
 
     i = gl.program_id(1)
     split = gl.program_id(2)

@@ -24,7 +24,7 @@ def jitted() -> SimpleNamespace:
     """The functions below, jitted (gluon imported here only); their names and the builtins
     they call bound as this module's globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma
-    global _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile
+    global _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _nvmma_buffer
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -32,10 +32,19 @@ def jitted() -> SimpleNamespace:
     gl = language
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma = hopper.warpgroup_mma
-    _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile = (
-        gluon.jit(f) for f in (_query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile))
+    _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _nvmma_buffer = (
+        gluon.jit(f) for f in (_query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile,
+                               _nvmma_buffer))
     return SimpleNamespace(query_rows=_query_rows, softmax_to_p=_softmax_to_p, scores=_scores,
-                           valid_keys=_valid_keys, load_tile=_load_tile)
+                           valid_keys=_valid_keys, load_tile=_load_tile,
+                           nvmma_buffer=_nvmma_buffer)
+
+
+def _nvmma_buffer(dtype: gl.constexpr, shape: gl.constexpr):
+    """A shared-memory buffer of `shape` in the wgmma operands' default swizzle for its last
+    two dimensions (a leading dimension: stages)."""
+    return gl.allocate_shared_memory(
+        dtype, shape, gl.NVMMASharedLayout.get_default_for(shape[len(shape) - 2:], dtype))
 
 
 def _query_rows(tok, q0, q_len, head_tile, stride_qt, stride_qh, layout: gl.constexpr,
