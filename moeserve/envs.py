@@ -17,11 +17,13 @@
     MOESERVE_MLA_DECODE_SWAPPED  "0" keeps the Gluon MLA decode's launches of at most 32
                              heads off mla/decode_gluon_swapped.py's kernel (keys as wgmma's
                              M), for A/Bs; on otherwise
-    MOESERVE_MLA_FRESH_VARLEN  "1" has MLA layers attend fresh prompts (no cached prefix)
-                             up-projected in one variable-length flash launch
-                             (mla/up_projected.attend_fresh_rows), an experiment; off otherwise
-    MOESERVE_MLA_VECTOR_STORES  "1" has the Gluon MLA kernels store their outputs in 16-byte
-                             vectors (decode_gluon.vector_stores), an experiment; off otherwise
+    MOESERVE_MLA_FRESH_VARLEN  "0" keeps MLA layers' fresh prompts (no cached prefix) of
+                             layers/mla.py's FRESH_VARLEN_MIN_TOKENS or more off the one
+                             variable-length flash launch (mla/up_projected.attend_fresh_rows),
+                             for A/Bs; on otherwise
+    MOESERVE_MLA_VECTOR_STORES  "0" has the Gluon MLA decode kernels store their outputs
+                             from the accumulator's layout, not in 16-byte vectors
+                             (decode_gluon.vector_stores), for A/Bs; on otherwise
     MOESERVE_DSA_SLOT_ROWS   "1" turns DSA's selections into cache rows before the sparse
                              attention (dsa/sparse_triton.slot_rows), an experiment; off
                              otherwise
@@ -84,11 +86,11 @@ def mla_decode_swapped() -> bool:
 
 
 def mla_fresh_varlen() -> bool:
-    return os.environ.get(MLA_FRESH_VARLEN) == "1"
+    return os.environ.get(MLA_FRESH_VARLEN) != "0"
 
 
 def mla_vector_stores() -> bool:
-    return os.environ.get(MLA_VECTOR_STORES) == "1"
+    return os.environ.get(MLA_VECTOR_STORES) != "0"
 
 
 def dsa_slot_rows() -> bool:

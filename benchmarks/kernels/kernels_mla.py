@@ -62,6 +62,7 @@ FEW_ROW_CASES = (("b4_ctx16384", 4, 16384), ("b32_ctx4096", 32, 4096),
                  ("b64_ctx8192", 64, 8192), ("b128_ctx2048", 128, 2048))
 SMOKE_CASES = (("b3_ctx40", 3, 40), ("w1_b4", 4, "w1"))
 CHECK_ROWS = 8  # rows of the small step each case is checked on
+GLUON_FORMS = ("gluon", "gluon-overlap", "gluon-swapped")
 
 
 def contexts(batch: int, context: int | str, seed: int = 0) -> list[int]:
@@ -128,11 +129,11 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
         call = decode_op(q, cache, meta, latent, cfg, form.removesuffix("-vec"))
 
         def with_vector_stores() -> torch.Tensor:
-            decode_gluon.vector_stores = True
+            was, decode_gluon.vector_stores = decode_gluon.vector_stores, True
             try:
                 return call()
             finally:
-                decode_gluon.vector_stores = False
+                decode_gluon.vector_stores = was
         return with_vector_stores
     if not form.startswith("gluon"):
         return lambda: mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
@@ -228,11 +229,13 @@ def main() -> None:
                         help="decode TileConfigs to time each case at (heads a program, keys "
                              "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--forms", nargs="+", default=["auto"],
-                        choices=[*mla_triton.DECODE_FORMS, "gluon-overlap", "gluon-swapped"],
+                        choices=list(dict.fromkeys((*mla_triton.DECODE_FORMS, *GLUON_FORMS,
+                                                    *(f"{f}-vec" for f in GLUON_FORMS)))),
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
                              "flat skips heads past its FLAT_MAX_HEADS; gluon, gluon-overlap: "
                              "decode_gluon, gluon-swapped: decode_gluon_swapped (at most 32 "
-                             "heads), sm90 only)")
+                             "heads), sm90 only; a '-vec' suffix on a Gluon form: with "
+                             "16-byte output stores)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")

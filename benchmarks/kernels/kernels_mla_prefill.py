@@ -26,7 +26,7 @@ timed with triton.testing.do_bench. Writes kernels_mla_prefill.json to --out aft
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --gluon
         # the absorbed form's prefill rows through mla/prefill_gluon.py too (sm90)
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --fresh-varlen
-        # "auto" with fresh prompts' rows in one varlen flash launch too (fresh_varlen_ms)
+        # "auto" with every fresh prompt's rows in one varlen flash launch (fresh_varlen_ms)
     python -m benchmarks.kernels.kernels_mla_prefill --out DIR --long [--chunk-bytes N]
         # LONG_CASES instead; --chunk-bytes: mla/up_projected.py's CHUNK_BYTES (the context's
         # chunks in the mha form; a large one up-projects a context at once)
@@ -48,7 +48,7 @@ import torch
 from benchmarks.kernels.kernel_runs import SMOKE_HELP, Timer, make_timer, record, run_device
 from benchmarks.kernels.kernels_mla import parse_tile
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
-from moeserve.layers.mla import MLAttention
+from moeserve.layers.mla import FRESH_VARLEN_MIN_TOKENS, MLAttention
 from moeserve.model_config import ModelConfig
 from moeserve.presets import load_preset
 
@@ -155,13 +155,14 @@ def run_case(preset: str, layer: MLAttention, case: tuple, block: int, device: s
             outs[form] = outs[form].float()
             ms[form] = timer(lambda: layer._dense(q_nope, q_rope, meta))
     if fresh:  # fresh prompts' rows in one varlen launch (mla/up_projected.attend_fresh_rows)
-        layer.prefill_form, layer.fresh_varlen = "auto", True
+        # every fresh row, not only from FRESH_VARLEN_MIN_TOKENS: the launch's own time
+        layer.prefill_form, layer.fresh_varlen, layer.fresh_min_tokens = "auto", True, 2
         with torch.no_grad():
             outs["fresh_varlen"], peak["fresh_varlen"] = peak_mib(
                 lambda: layer._dense(q_nope, q_rope, meta))
             outs["fresh_varlen"] = outs["fresh_varlen"].float()
             ms["fresh_varlen"] = timer(lambda: layer._dense(q_nope, q_rope, meta))
-        layer.fresh_varlen = False
+        layer.fresh_min_tokens = FRESH_VARLEN_MIN_TOKENS
     layer.prefill_form = "absorbed"
     by_tile, backend = {}, layer.backend
     if gluon:  # the absorbed prefill rows through mla/prefill_gluon.py

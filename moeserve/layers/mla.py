@@ -83,6 +83,15 @@ ABSORBED, MHA, FRESH = 0, 1, 2
 # DeepSeek-V3's 3.4 (nope 128, v 128) 0.53-0.68x up to 512 tokens and 2,304 after a prefix,
 # 1.01x for a fresh 2,048, 1.09-1.91x at 4,096-8,192.
 GLUON_ABSORBED_MAX_CONTEXT = {2.5: 8192, float("inf"): 2048}  # pair-FLOP ratio up to -> context
+# ... and, under "auto", a fresh prompt (no cached prefix) of at least this many tokens goes
+# up-projected in one variable-length FlashAttention-2 launch (`fresh_varlen`): on the H200
+# (benchmarks/results/gpu_7c427c9/call1, kernels_mla_prefill --gluon --fresh-varlen) against
+# the absorbed Gluon prefill it ran 0.91x / 0.84x the time of 16 prompts of 512 at
+# GLM-4.7-Flash / DeepSeek-V3, 0.74x / 0.62x at 4 x 2,048, 0.64x / 0.49x at 1 x 8,192; shorter
+# prompts ran slower (64 x 128: 1.08x / 1.04x) and W1's mixed step, split into two launches,
+# 1.85x / 1.05x. The launch holds the fresh rows' up-projected keys and values, at most the
+# step's token budget of them: no more than the profiled step's own span (kv_cache.profile_step).
+FRESH_VARLEN_MIN_TOKENS = 512
 
 @functools.lru_cache(maxsize=8)
 def _pair_table(config_key: tuple, dim: int, max_position: int,
@@ -137,10 +146,11 @@ class MLAttention(nn.Module):
         self.decode_kwargs: dict = self._prefill_kwargs()
         # "auto"'s longest absorbed row; None: `auto_absorbed_max_context`'s rule
         self.auto_max_context: int | None = None
-        # an experiment (MOESERVE_MLA_FRESH_VARLEN=1): fresh prompts' rows (no cached prefix)
-        # up-projected in one variable-length causal launch (mla/up_projected.attend_fresh_rows)
-        # whatever "auto" would give them, off until timed
+        # under "auto", fresh prompts' rows (no cached prefix) of at least `fresh_min_tokens`
+        # up-projected in one variable-length causal launch (mla/up_projected.attend_fresh_rows);
+        # MOESERVE_MLA_FRESH_VARLEN=0 switches it off, for A/Bs
         self.fresh_varlen = envs.mla_fresh_varlen()
+        self.fresh_min_tokens = FRESH_VARLEN_MIN_TOKENS
         # tokens attended in each form, counted on the host when the forward runs eagerly (a
         # CUDA-graph replay runs no Python): tests assert which path ran
         self.reset_path_counters()
@@ -249,8 +259,9 @@ class MLAttention(nn.Module):
         # a decode row always attends absorbed
         form = np.where((meta.query_lens_np == 1) | (meta.seq_lens_np <= limit), ABSORBED,
                         MHA).astype(np.int8)
-        if self.fresh_varlen:  # rows with no cached prefix (and more than one token)
-            form[(meta.query_lens_np > 1) & (meta.seq_lens_np == meta.query_lens_np)] = FRESH
+        if self.fresh_varlen and self.prefill_form == "auto":  # long rows with no cached prefix
+            form[(meta.query_lens_np >= max(2, self.fresh_min_tokens))
+                 & (meta.seq_lens_np == meta.query_lens_np)] = FRESH
         if bool((form == ABSORBED).all()):
             self.tokens_absorbed += t
             return self._absorbed(q_nope, q_rope, meta)

@@ -87,7 +87,7 @@ def test_a_tile_may_cap_the_registers() -> None:
 
 def test_a_vec_form_runs_its_kernel_with_vector_stores_on_then_off(monkeypatch) -> None:
     """A "-vec" form (decode_op): the form's own call with decode_gluon.vector_stores set
-    for it, and unset after (here the Triton split form, whose kernel ignores it)."""
+    for it, and restored after (here the Triton split form, whose kernel ignores it)."""
     from moeserve.kernels.attention.mla import absorbed_triton, decode_gluon
 
     seen = []
@@ -98,6 +98,7 @@ def test_a_vec_form_runs_its_kernel_with_vector_stores_on_then_off(monkeypatch) 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(kernels_mla.mla_triton, "mla_attention_triton", spy)
+    monkeypatch.setattr(decode_gluon, "vector_stores", False)  # as MOESERVE_MLA_VECTOR_STORES=0
     q, cache, meta = make_step([40, 17], 2, 32, 16, 8, "cpu", torch.float32, seed=1)
     cfg = absorbed_triton.default_config("decode", 32, torch.float32, 2)
     out = kernels_mla.decode_op(q, cache, meta, 32, cfg, "split-vec")()

@@ -15,7 +15,7 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import ConfigError
-from moeserve.layers.mla import MLAttention
+from moeserve.layers.mla import FRESH_VARLEN_MIN_TOKENS, MLAttention
 from tests.engine.test_generate_vs_hf import (
     NEW_TOKENS,
     _prompts,
@@ -125,13 +125,14 @@ def test_absorbed_prefill_matches_hf(device: str, checkpoints: dict, arch: str) 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
 def test_fresh_varlen_prefill_matches_hf(device: str, checkpoints: dict, arch: str,
                                          chunk: int | None) -> None:
-    """The fresh-prompt experiment (`fresh_varlen`, MOESERVE_MLA_FRESH_VARLEN=1): rows with no
-    cached prefix up-projected in one variable-length launch; chunked, a prompt's first chunk
-    goes so and its later ones (after a prefix) by "auto"."""
+    """Fresh prompts' rows (`fresh_varlen`, with its threshold lowered to every prompt): rows
+    with no cached prefix up-projected in one variable-length launch; chunked, a prompt's first
+    chunk goes so and its later ones (after a prefix) by "auto"."""
     folder, prompts, expected = checkpoints[arch]
     llm = _llm(folder, device, **({"max_num_batched_tokens": chunk} if chunk else {}))
     for layer in _mla_layers(llm):
-        layer.fresh_varlen = True
+        assert layer.fresh_varlen  # the default
+        layer.fresh_min_tokens = 2
     results = llm.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == expected
     for a in _mla_layers(llm):
@@ -140,6 +141,26 @@ def test_fresh_varlen_prefill_matches_hf(device: str, checkpoints: dict, arch: s
         else:
             assert a.tokens_fresh_varlen == sum(len(p) for p in prompts)
         assert a.tokens_up_projected == 0 and a.tokens_absorbed > 0
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
+def test_fresh_varlen_takes_only_prompts_of_its_threshold(device: str, checkpoints: dict,
+                                                          arch: str) -> None:
+    """By default a fresh prompt goes to the variable-length launch only from
+    `fresh_min_tokens` (FRESH_VARLEN_MIN_TOKENS) tokens: at the longest prompt's length, that
+    prompt (and any as long) goes so, the shorter ones attend absorbed; at the default, every
+    prompt here is shorter; each way the output is HF's."""
+    folder, prompts, expected = checkpoints[arch]
+    longest = max(len(p) for p in prompts)
+    assert min(len(p) for p in prompts) < longest < FRESH_VARLEN_MIN_TOKENS
+    for threshold, fresh in ((FRESH_VARLEN_MIN_TOKENS, 0),
+                             (longest, sum(len(p) for p in prompts if len(p) == longest))):
+        llm = _llm(folder, device)
+        for layer in _mla_layers(llm):
+            layer.fresh_min_tokens = threshold
+        assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+        for a in _mla_layers(llm):
+            assert a.tokens_fresh_varlen == fresh and a.tokens_up_projected == 0
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])

@@ -1,8 +1,9 @@
-"""The Gluon MLA kernels' vector-store experiment (decode_gluon.vector_stores,
-MOESERVE_MLA_VECTOR_STORES=1: outputs and split partials stored from a layout of 8 consecutive
+"""The Gluon MLA decode kernels' vector stores (decode_gluon.vector_stores, on unless
+MOESERVE_MLA_VECTOR_STORES=0: outputs and split partials stored from a layout of 8 consecutive
 latent columns a thread): only the stores' layout changes, so every form writes the same bits
 as with the accumulator's own layout: the dense decode (decode_gluon at 64 / 128 heads, the
-swapped kernel at 20; unsplit and split), DSA's sparse attention and the absorbed prefill."""
+swapped kernel at 20; unsplit and split) and DSA's sparse attention. (The absorbed prefill
+keeps the accumulator's stores.)"""
 
 from __future__ import annotations
 
@@ -40,14 +41,3 @@ def test_gpu_sparse_writes_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> Non
         q, latent, meta, positions, 0.1, 512))
     assert not plain.isnan().any() and torch.equal(plain, vec)
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_heads", [20, 64])
-def test_gpu_prefill_writes_the_same_bits(monkeypatch: pytest.MonkeyPatch,
-                                          num_heads: int) -> None:
-    from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
-
-    case = gpu_case([0, 512, 37, 64], [128, 256, 300, 1], num_heads, seed=7)
-    plain, vec = both(monkeypatch, lambda: mla_attention_triton(
-        case.q_lat, case.latent_cache, case.meta, case.scale, case.L, prefill_gluon=True))
-    assert not plain.isnan().any() and torch.equal(plain, vec)

@@ -72,10 +72,15 @@ DECODE_WAVES = 1
 # (gpu_70a3760/call1, kernels_mla, 20 heads) 68-82% of the bound at batch 256-2,048 x 1k-4k
 # keys against this kernel's 62-74%, 47.8 / 51.9% at W1's contexts against 42.1 / 46.2%
 swapped = envs.mla_decode_swapped()
-# experiment switch (MOESERVE_MLA_VECTOR_STORES=1): the output (and split partials) stored
-# from a layout of 8 consecutive latent columns a thread (16-byte stores; 16 STG a thread at
-# 64 heads instead of 64, the same shared memory, 200 -> 216 registers, the prefill form's 255,
-# sm90 offline), off until timed
+# the decode forms' output (and split partials) stored from a layout of 8 consecutive latent
+# columns a thread (16-byte stores; 16 STG a thread at 64 heads instead of 64, the same shared
+# memory, 200 -> 216 registers, sm90 offline); MOESERVE_MLA_VECTOR_STORES=0 keeps the
+# accumulator's layout, for A/Bs. On the H200 (gpu_7c427c9/call3, kernels_mla): W1's contexts
+# at 1,024 / 2,048 rows 32.6 / 36.0% -> 38.7 / 42.1% of the bound at 64 heads, 23.5 / 25.0% ->
+# 28.4 / 29.7% at 128, 47.0 / 52.1% -> 48.8 / 52.9% at 20 (swapped); 1k contexts +1.5 to +3.2
+# points at 64 and 128 heads; 4k contexts within -1.7 / +1.1 points; DSA's decode step
+# unchanged. The prefill form (prefill_gluon.py) keeps the accumulator's stores: with them
+# it takes 255 registers and was not timed.
 vector_stores = envs.mla_vector_stores()
 _DTYPES = (torch.bfloat16, torch.float16)
 

@@ -50,5 +50,5 @@ def prefill_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMe
         NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_N=block_n, STAGES=stages, USE_ROWS=True,
         SPLIT=False, OVERLAP=False, SPARSE=False, PACKED=False, PREFILL=True, HPT=per_tile,
-        BLOCK_Q=block_q, VEC_STORE=decode_gluon.vector_stores, SLOTS=False,
+        BLOCK_Q=block_q, VEC_STORE=False, SLOTS=False,
         num_warps=decode_gluon.NUM_WARPS)
