@@ -17,6 +17,7 @@ KERNELS = {
     "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(at::cuda::": "moe",
     "void at::native::bitonicSortKVInPlace<2, -1, 16, 16, float, long>": "moe",
     "_decode_kernel": "attention",
+    "_mla_swapped_kernel": "attention",  # mla/decode_gluon_swapped.py
     "_prefill_kernel": "attention",
     "_decode_reduce_kernel": "attention",
     # DSA's indexer: its reads and FLOPs are in the attention part's bound (roofline.step_cost)

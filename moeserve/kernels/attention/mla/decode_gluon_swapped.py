@@ -108,7 +108,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use, after decode_gluon's helpers (whose jitted forms it
     calls, bound here as module globals)."""
     global gl, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, async_copy
-    global _load_tile, _valid_keys, _nvmma_buffer, _swapped_kernel
+    global _load_tile, _valid_keys, _nvmma_buffer, _mla_swapped_kernel
     from triton.experimental import gluon
 
     decode_gluon._kernels()
@@ -117,21 +117,21 @@ def _kernels() -> SimpleNamespace:
     warpgroup_mma, warpgroup_mma_wait = decode_gluon.warpgroup_mma, decode_gluon.warpgroup_mma_wait
     parts = gluon_parts.jitted()
     _load_tile, _valid_keys, _nvmma_buffer = parts.load_tile, parts.valid_keys, parts.nvmma_buffer
-    _swapped_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "max_blocks",
-                                                   "stride_table"],
-                                do_not_specialize_on_alignment=["rows_ptr"])(_swapped_kernel)
-    return SimpleNamespace(decode=_swapped_kernel)
+    _mla_swapped_kernel = gluon.jit(
+        do_not_specialize=["partition", "num_splits", "max_blocks", "stride_table"],
+        do_not_specialize_on_alignment=["rows_ptr"])(_mla_swapped_kernel)
+    return SimpleNamespace(decode=_mla_swapped_kernel)
 
 
 # ---- Gluon functions (jitted by _kernels; module globals, where the compiler finds names) ----
 
-def _swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-                    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, rows_ptr, scale_log2,
-                    partition, num_splits, max_blocks, stride_qt, stride_qh, stride_ot,
-                    stride_oh, stride_table,
-                    NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-                    BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
-                    VEC_STORE: gl.constexpr):
+def _mla_swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, rows_ptr,
+                        scale_log2, partition, num_splits, max_blocks, stride_qt, stride_qh,
+                        stride_ot, stride_oh, stride_table,
+                        NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+                        BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
+                        VEC_STORE: gl.constexpr):
     """Program (0, i, split): decode row i's heads over its context partition `split` (the
     module docstring's data flow)."""
     H: gl.constexpr = 32  # SWAPPED_HEADS
