@@ -66,11 +66,13 @@ def profile_step(num_tokens: int, context_len: int, block_size: int) -> tuple[Sc
     last `num_tokens` prompt tokens are scheduled at the end of a `context_len`-token context
     (the rest counted as computed; their cache holds whatever the pool held). A step's
     transients grow with its rows' contexts as well as its tokens: on the H200 GLM-4.7-Flash's
-    peak is 10.98 GiB this way against 5.2-6.9 GiB at an empty context (its up-projected MLA
-    prefill at 202,752 tokens of context, measured while that row still built its [Q, S]
-    causal mask: about 5 GiB of it with the attention's bias; it attends without one since
-    paged.MAX_MASK_ELEMENTS, not yet re-measured), and the profile takes 16 s instead of 2-4;
-    Qwen3's plan is unchanged (667,360 KV tokens). Several rows at long contexts stay within it
+    peak was 10.98 GiB this way against 5.2-6.9 GiB at an empty context, while its
+    up-projected MLA prefill at 202,752 tokens of context built a [Q, S] causal mask and held
+    the whole context up-projected; without them (paged.MAX_MASK_ELEMENTS, mla/up_projected's
+    chunks) 6.89 GiB and 1,232,544 KV tokens instead of 1,151,488 (gpu_7c427c9/call1). The
+    runner profiles under mla/up_projected.memory_probe (one prefix chunk of each size): the
+    same peak without attending the whole context in every layer. Qwen3's plan is unchanged
+    (667,360 KV tokens). Several rows at long contexts stay within it
     where the attention is a Triton kernel, DSA's indexer (it scores in chunks of bounded bytes) or
     MLA's up-projected prefill (its rows in paged.bounded_groups); the other torch references,
     the CPU's paths, pad a step's prefill rows into one batch."""

@@ -23,6 +23,7 @@ import torch
 from moeserve import envs
 from moeserve.config import CacheConfig, EngineConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
+from moeserve.kernels.attention.mla.up_projected import memory_probe
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers.moe import fold_shared_experts
 from moeserve.layers.sampler import SamplingTensors, sample
@@ -210,7 +211,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        self.execute(out)
+        with memory_probe():  # MLA's long-row chunks of one size attended once: the same peak
+            self.execute(out)
         logits = torch.randn(num_sample_rows, self.model_config.vocab_size,
                              device=self.device, dtype=torch.float32)
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)]

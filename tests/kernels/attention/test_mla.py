@@ -4,6 +4,7 @@ fresh prefills and chunks after a prefix."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,6 +178,36 @@ def test_a_row_alone_attends_its_context_in_chunks(monkeypatch: pytest.MonkeyPat
                                           case.kv_b_proj, case.nope, case.v_dim)
 
 
+def test_a_memory_probe_attends_one_chunk_of_each_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under up_projected.memory_probe (the memory plan's profile step) a row's prefix chunks
+    of one size are attended once: of 40 prefix tokens in chunks of 6 (six full, one of 4),
+    a full chunk, the partial one and the row's own span; outside it, every chunk again."""
+    from moeserve.kernels.attention.mla import up_projected
+
+    monkeypatch.setattr(up_projected, "MIN_CHUNK", 6)
+    monkeypatch.setattr(up_projected, "CHUNK_BYTES", 1)
+    sizes: list[tuple[int, bool]] = []
+    up_project = up_projected._up_project
+
+    def spy(cache, table, first, end, *args):
+        sizes.append((end - first, first == 40))
+        return up_project(cache, table, first, end, *args)
+
+    monkeypatch.setattr(up_projected, "_up_project", spy)
+    case = make_mla_case([40], [7], block_size=4)
+    args = (case.q, case.latent_cache, case.meta.block_tables[0], 47, case.scale,
+            case.kv_b_proj, case.nope, case.v_dim)
+    with up_projected.memory_probe():
+        probed = up_projected.attend_row_in_chunks(*args)
+    assert sorted(sizes) == [(4, False), (6, False), (7, True)] and not up_projected._probing
+    sizes.clear()
+    out = up_projected.attend_row_in_chunks(*args)
+    assert sorted(sizes) == [(4, False)] + [(6, False)] * 6 + [(7, True)]
+    torch.testing.assert_close(out, up_project_output(case, case.expected_latent),
+                               rtol=1e-5, atol=1e-5)
+    assert probed.shape == out.shape and not torch.allclose(probed, out)
+
+
 def test_bf16_absorbed_stays_close() -> None:
     case = make_mla_case(*MIXED, dtype=torch.bfloat16)
     out = mla_attention_ref(case.q_lat, case.latent_cache, case.meta, case.scale, case.L)
@@ -209,6 +240,29 @@ def test_gpu_a_long_prefill_row_holds_neither_its_mask_nor_its_whole_context(
     peak = torch.cuda.max_memory_allocated() - base
     assert peak < min(1024 * 32768, whole_context), (peak, whole_context)
     torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_a_memory_probe_reaches_the_whole_rows_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory plan's profile step attends a long row under up_projected.memory_probe (one
+    prefix chunk of each size): its peak is the whole row's, 1,024 queries after 31,744 tokens
+    in chunks of 2,048 (fifteen full, one of 1,024)."""
+    from moeserve.kernels.attention.mla import up_projected
+
+    monkeypatch.setattr(up_projected, "CHUNK_BYTES", 8 << 20)
+    case = make_mla_case([31744], [1024], block_size=16, num_heads=8, L=64, R=32, nope=64,
+                         v_dim=64, dtype=torch.bfloat16, device="cuda")
+    peaks = []
+    for probe in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with up_projected.memory_probe() if probe else contextlib.nullcontext():
+            mla_prefill_ref(case.q, case.latent_cache, case.meta, case.scale, case.kv_b_proj,
+                            case.nope, case.v_dim)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    assert peaks[1] == peaks[0] > 0, peaks
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
