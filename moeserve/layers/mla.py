@@ -81,8 +81,15 @@ ABSORBED, MHA, FRESH = 0, 1, 2
 # (benchmarks/results/gpu_5bd5ebf/call6-7, kernels_mla_prefill --gluon): at GLM's 2.1 (nope
 # 192, v 256) absorbed ran 0.13-0.94x mha's time at every context up to 8,192; at
 # DeepSeek-V3's 3.4 (nope 128, v 128) 0.53-0.68x up to 512 tokens and 2,304 after a prefix,
-# 1.01x for a fresh 2,048, 1.09-1.91x at 4,096-8,192.
-GLUON_ABSORBED_MAX_CONTEXT = {2.5: 8192, float("inf"): 2048}  # pair-FLOP ratio up to -> context
+# 1.01x for a fresh 2,048, 1.09-1.91x at 4,096-8,192. Re-measured with the up-projected rows
+# in context chunks and fresh prompts of FRESH_VARLEN_MIN_TOKENS and more in their own launch
+# (gpu_7c427c9/call1), the rows left to this choice (chunks after a prefix) ran absorbed at
+# 0.32 / 0.64 / 0.92x mha's time at DeepSeek-V3's contexts of 2,304 / 4,096 / 8,192, and at
+# 0.08 / 0.21 / 0.71x at GLM's; at GLM's 32k-202k also 0.75-0.77x (with a third of the peak
+# memory), but "auto" stays up-projected there: the memory plan profiles the token budget at
+# the end of a max_model_len context, which the absorbed form attends whole in every layer
+# (mla/up_projected.memory_probe shortens only the up-projected form's).
+GLUON_ABSORBED_MAX_CONTEXT = {2.5: 8192, float("inf"): 8192}  # pair-FLOP ratio up to -> context
 # ... and, under "auto", a fresh prompt (no cached prefix) of at least this many tokens goes
 # up-projected in one variable-length FlashAttention-2 launch (`fresh_varlen`): on the H200
 # (benchmarks/results/gpu_7c427c9/call1, kernels_mla_prefill --gluon --fresh-varlen) against

@@ -309,7 +309,7 @@ def test_layer_keeps_the_triton_prefill_only_when_the_switch_is_off(
 def test_gpu_auto_absorbs_longer_rows_where_the_prefill_runs_in_gluon(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Over a bf16 cache on sm90 "auto"'s absorbed limit follows GLUON_ABSORBED_MAX_CONTEXT by
-    the pair-FLOP ratio (GLM's 2.1: 8,192; DeepSeek-V3's 3.4: 2,048); an fp8 cache, the torch
+    the pair-FLOP ratio (GLM's 2.1 and DeepSeek-V3's 3.4: 8,192); an fp8 cache, the torch
     reference or the switch off keep AUTO_ABSORBED_MAX_CONTEXT."""
     from moeserve import envs
     from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
@@ -318,7 +318,7 @@ def test_gpu_auto_absorbs_longer_rows_where_the_prefill_runs_in_gluon(
 
     monkeypatch.delenv(envs.MLA_PREFILL_GLUON, raising=False)
     cache = torch.zeros(2, 16, 576, dtype=torch.bfloat16, device="cuda")
-    for preset, want in (("glm-4.7-flash", 8192), ("glm-5", 8192), ("deepseek-v3", 2048)):
+    for preset, want in (("glm-4.7-flash", 8192), ("glm-5", 8192), ("deepseek-v3", 8192)):
         layer = _glm_layer(mla_attention_triton, preset)
         layer.kv_cache = cache
         assert layer.absorbed_max_context() == want, preset
