@@ -28,8 +28,12 @@ class MLP(nn.Module):
                                         dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(self.activation(x), self.down_proj)  # [T, hidden]
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> silu(gate(x)) * up(x) [T, I], down_proj's input."""
         gate_up = linear(x, self.gate_up_proj)  # [T, 2I]
         if gate_up.is_cuda:  # one launch, the same bits as the two ops below
-            return linear(silu_mul_triton(gate_up), self.down_proj)
+            return silu_mul_triton(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-        return linear(F.silu(gate) * up, self.down_proj)  # [T, hidden]
+        return F.silu(gate) * up

@@ -120,13 +120,20 @@ class SparseMoeBlock(nn.Module):
         routed = self._routed(x, reduce)
         if self.shared_experts is None:
             return routed
-        shared = self.shared_experts(x)  # [T, hidden]
+        mlp = self.shared_experts
         if reduce:
-            return routed + shared
+            return routed + mlp(x)
         # added into the first routed part in place (the parts are this call's own tensor):
         # the same sum over the parts with no [T, S + 1, hidden] copy, which took 0.53 ms of
-        # glm-4.7-flash's 1,024-row decode step on the H200 (gpu_bb408cc/call7_w1_glm47_2ae848a)
-        routed[:, 0] += shared
+        # glm-4.7-flash's 1,024-row decode step on the H200 (gpu_bb408cc/call7_w1_glm47_2ae848a);
+        # a plain down_proj adds it in its GEMM's epilogue (C = the part, beta 1: cuBLAS takes
+        # the part's row stride as C's leading dimension), not by an add of its own (0.40 ms of
+        # that step in 46 launches, gpu_7c427c9/call5)
+        part = routed[:, 0]  # [T, hidden], a view
+        if isinstance(mlp.down_proj, QuantWeight):
+            part += mlp(x)
+        else:
+            part.addmm_(mlp.activation(x), mlp.down_proj.t())
         return routed  # [T, S, hidden]
 
     def fold_shared_experts(self) -> str:

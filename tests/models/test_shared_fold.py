@@ -76,3 +76,18 @@ def test_blocks_it_cannot_fold_say_why() -> None:
     assert quantized.fold_shared_experts() == "quantized weights"
     none = SparseMoeBlock(mc, get_moe_backend("torch"), torch.float32, "cpu")
     assert none.shared_experts is None and none.fold_shared_experts() == ""
+
+
+def test_unfolded_shared_experts_add_into_the_first_part_in_place() -> None:
+    """reduce=False: the shared MLP's output is added into the first routed part (by its down
+    GEMM's epilogue, on the part as a strided view of the [T, k, H] parts), so the parts sum
+    to the reduced output and stay the backend's own tensor."""
+    block = _block(2)
+    x = torch.randn(11, block.w13.shape[-1], generator=torch.Generator().manual_seed(3))
+    routed = torch.randn(11, 3, x.shape[1], generator=torch.Generator().manual_seed(4))
+    block.backend = lambda *args, reduce: routed.clone() if reduce is False else None
+    parts = block(x, reduce=False)
+    assert parts.shape == routed.shape and parts.is_contiguous()
+    torch.testing.assert_close(parts[:, 1:], routed[:, 1:], rtol=0, atol=0)
+    torch.testing.assert_close(parts.sum(1), routed.sum(1) + block.shared_experts(x),
+                               rtol=1e-5, atol=1e-5)
