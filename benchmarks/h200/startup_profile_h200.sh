@@ -18,7 +18,12 @@ echo "gpu tests rc=$?"; tail -2 $R/gpu_tests.log
 timeout 200 python3 -m benchmarks.engine.startup --preset glm-4.7-flash --runs 2 --fresh-cache \
   --out $R > $R/startup.log 2>&1
 echo "startup rc=$?"; grep -E "^(cold|warm):" $R/startup.log
-grep -o '"activation peak[^"]*"[^"]*"[^"]*"' $R/startup_glm-4.7-flash.json | head -1
+python3 -c "
+import json
+for r in json.load(open('$R/startup_glm-4.7-flash.json'))['runs'][:1]:
+    m = r['capacity_report']['memory']
+    print(f\"activation peak {m['activation_peak_bytes'] / 2**30:.2f} GiB, \"
+          f\"{m['num_kv_tokens']:,} KV tokens\")"
 timeout 200 python3 -m benchmarks.engine.profile_step --preset glm-4.7-flash --batch 1024 \
   --out $R > $R/profile.log 2>&1
 echo "profile rc=$?"; grep -E "^(decode|mixed) step" $R/profile.log
