@@ -44,6 +44,10 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
+        # the switches of envs.py this process ran with (A/B and experiment switches change
+        # which kernels run)
+        "moeserve_env": {k: v for k, v in sorted(os.environ.items())
+                         if k.startswith("MOESERVE_")},
     }
 
 
