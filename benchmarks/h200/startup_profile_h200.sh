@@ -5,7 +5,8 @@
 # and the shared experts' add in their down GEMM's epilogue (the decode step at 1,024 rows had
 # 0.40 ms of `add_` in 46 launches). GPU tests of the probe (its peak equal to the whole row's)
 # and the bf16 agreement; benchmarks.engine.startup cold then warm (the activation peak in the
-# report, 6.89 GiB before); profile_step at 1,024 rows. Results as $OUT/startup_profile.tgz.
+# report, 6.89 GiB before); profile_step at 1,024 rows; kernels_mla_prefill's fresh-prompt
+# cases, now with decode rows beside 512+-token prompts. Results as $OUT/startup_profile.tgz.
 # W1 after it: CONC=1024 RUNS=2 bash benchmarks/h200/w1_repeats_h200.sh DIR "default=".
 #   bash benchmarks/h200/startup_profile_h200.sh
 set -uo pipefail
@@ -27,4 +28,10 @@ for r in json.load(open('$R/startup_glm-4.7-flash.json'))['runs'][:1]:
 timeout 200 python3 -m benchmarks.engine.profile_step --preset glm-4.7-flash --batch 1024 \
   --out $R > $R/profile.log 2>&1
 echo "profile rc=$?"; grep -E "^(decode|mixed) step" $R/profile.log
+# fresh prompts of 512+ tokens beside decode rows (the default splits such a step; only
+# fresh-only steps and W1's were timed)
+timeout 120 python3 -m benchmarks.kernels.kernels_mla_prefill --out $R/fresh \
+  --presets glm-4.7-flash deepseek-v3 --gluon --fresh-varlen > $R/fresh.log 2>&1
+echo "kernels_mla_prefill fresh rc=$?"
+grep -oE '"case": "[^"]*"|"(absorbed_gluon|fresh_varlen)_ms": [0-9.]+' $R/fresh.log | paste -sd' '
 tar czf $OUT/startup_profile.tgz -C /tmp startup_profile

@@ -60,7 +60,12 @@ CASES = (("w1_mixed", 64, 128, 0, 1024), ("fresh_64x128", 64, 128, 0, 0),
          ("fresh_16x512", 16, 512, 0, 0), ("fresh_4x2048", 4, 2048, 0, 0),
          ("fresh_1x8192", 1, 8192, 0, 0), ("chunk_8x256_after_2048", 8, 256, 2048, 0),
          ("chunk_4x512_after_3584", 4, 512, 3584, 0),
-         ("chunk_1x2048_after_6144", 1, 2048, 6144, 0))
+         ("chunk_1x2048_after_6144", 1, 2048, 6144, 0),
+         # fresh prompts of FRESH_VARLEN_MIN_TOKENS and more beside decode rows: the step
+         # splits into an absorbed and a varlen part (W1's mixed step so split ran 1.85x the
+         # absorbed time at GLM-4.7-Flash, gpu_7c427c9/call1)
+         ("mixed_4x512_with_1024_decodes", 4, 512, 0, 1024),
+         ("mixed_1x2048_with_1024_decodes", 1, 2048, 0, 1024))
 # --long: a token budget's chunk at the end of long contexts (the memory plan profiles the
 # last: 8,192 tokens at glm-4.7-flash's 202,752), where "auto" up-projects
 LONG_CASES = (("chunk_1x8192_after_24576", 1, 8192, 24576, 0),
