@@ -213,8 +213,10 @@ class EngineConfig:
     cache as the decode rows do (W_UK folded into the queries: no up-projection, more FLOPs a
     cached token); "auto": rows whose context is at most layers/mla.py's
     AUTO_ABSORBED_MAX_CONTEXT tokens absorbed (GLUON_ABSORBED_MAX_CONTEXT's where the absorbed
-    prefill runs in Gluon, sm90), longer ones up-projected (the faster form of each, as
-    measured on the H200). The same result. No effect on other models."""
+    prefill runs in Gluon, sm90), longer ones up-projected, and fresh prompts (no cached
+    prefix) of layers/mla.py's FRESH_VARLEN_MIN_TOKENS or more up-projected in one
+    variable-length flash launch (the faster form of each, as measured on the H200). The same
+    result. No effect on other models."""
     mla_decode: str = "auto"
     """Multi-head latent attention models, Triton attention: how decode rows attend. "split":
     a program a row (and context partition, for long contexts); "flat": a program an SM over
