@@ -7,18 +7,28 @@
 #       "default=" "fold=-- --fold-shared-experts" "unswapped=MOESERVE_MLA_DECODE_SWAPPED=0"
 # A variant is NAME=ARGS, ARGS as w1_run takes them: VAR=VALUE ... [-- serve flags ...].
 # About 60-100 s a run at 256-1,024 streams: keep RUNS x concurrencies x variants within a call.
+# Give DIR outside $OUT (e.g. /tmp/w1r): it comes back as $OUT/<DIR name>.tgz.
 set -uo pipefail
 source benchmarks/gpu_env.sh
 dir=${1:?usage: w1_repeats_h200.sh DIR NAME=ARGS ...}
 shift
 [ $# -ge 1 ] || { echo "no variants given"; exit 2; }
 mkdir -p "$dir"
+# the device tool brings back only a few files a call (gpu_7c427c9/call4 lost four logs): DIR
+# as one archive in $OUT when DIR is outside it, renewed after each run (a call cut by its
+# limit still brings back the runs done)
+pack() {
+  if [ -n "${OUT:-}" ] && [[ "$(realpath "$dir")" != "$(realpath "$OUT")"* ]]; then
+    tar czf "$OUT/$(basename "$dir").tgz" -C "$(dirname "$dir")" "$(basename "$dir")"
+  fi
+}
 for c in ${CONC:-512 1024}; do
   for i in $(seq 1 "${RUNS:-3}"); do
     for spec in "$@"; do
       name=${spec%%=*}; args=${spec#*=}
       # shellcheck disable=SC2086  # ARGS is word-split on purpose
       w1_run "${PRESET:-glm-4.7-flash}" "$c" "${name}_c${c}_r$i" "$dir" $args
+      pack
     done
   done
 done
@@ -39,3 +49,4 @@ for (c, name), rs in sorted(runs.items(), key=lambda kv: (kv[0][0], names.index(
     print(f"c{c} {name}: median {statistics.median(t for t, _ in rs):,.0f} tok/s "
           f"({statistics.median(s for _, s in rs):.1f}%), runs {[t for t, _ in rs]}")
 EOF
+pack
