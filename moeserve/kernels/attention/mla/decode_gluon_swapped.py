@@ -55,8 +55,8 @@ NUM_WARPS = 8
 # row's last tile instead of waiting at a program's start: W1's rows of 129-256 keys are 3-4
 # tiles, and their prologue is exposed in each (20 heads at W1's contexts: 47-53% of the
 # bound against 76-83% at 1k-4k keys, gpu_7c427c9/call3); off until the H200 times it. sm90
-# offline (kernel_sass --swapped --rows): 199 registers, no spill, 225,792 bytes of shared
-# memory (the second query buffer: 37 KB), its loop 1,235 instructions against 638
+# offline (kernel_sass --swapped --rows): 174 registers, no spill, 225,792 bytes of shared
+# memory (the second query buffer: 37 KB), its loop 1,245 instructions against 638
 persistent_rows = envs.mla_swapped_rows()
 
 gl: Any = None  # bound by _kernels(), as in decode_gluon
@@ -350,6 +350,12 @@ def _mla_swapped_rows_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_le
     keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
     d = gl.arange(0, L, layout=gl.SliceLayout(1, o_l))
     ho = gl.arange(0, H, layout=gl.SliceLayout(0, o_l))
+    # the next row's, loaded a row ahead so that no load waits before its first copy (row 0
+    # again where there is none: never copied from)
+    ntok, nend, ntable, n_next = _row(rows_ptr, query_start_loc_ptr, seq_lens_ptr,
+                                      block_tables_ptr,
+                                      p + gl.minimum(1, my_rows - 1) * num_programs,
+                                      stride_table, USE_ROWS)
     k = 0  # the row's index among this program's
     t = 0  # the tile's index in its row
     for g in range(total):
@@ -359,9 +365,6 @@ def _mla_swapped_rows_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_le
         gl.thread_barrier()
         if last:
             if k + 1 < my_rows:
-                ntok, nend, ntable, _ = _row(rows_ptr, query_start_loc_ptr, seq_lens_ptr,
-                                             block_tables_ptr, p + (k + 1) * num_programs,
-                                             stride_table, USE_ROWS)
                 async_copy.async_copy_global_to_shared(
                     q_lat_s.index((k + 1) % 2),
                     q_ptr + ntok * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
@@ -406,10 +409,11 @@ def _mla_swapped_rows_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_le
             o = acc / gl.where(l_o == 0.0, 1.0, l_o)[None, :]  # an empty row writes 0
             gl.store(out_ptr + tok * stride_ot + ho.to(gl.int64)[None, :] * stride_oh
                      + d[:, None], o.to(dtype), mask=(ho < NUM_HEADS)[None, :])
-            if k + 1 < my_rows:
-                tok, end, table, n_tiles = _row(rows_ptr, query_start_loc_ptr, seq_lens_ptr,
-                                                block_tables_ptr, p + (k + 1) * num_programs,
-                                                stride_table, USE_ROWS)
+            tok, end, table, n_tiles = ntok, nend, ntable, n_next
+            if k + 2 < my_rows:
+                ntok, nend, ntable, n_next = _row(rows_ptr, query_start_loc_ptr, seq_lens_ptr,
+                                                  block_tables_ptr, p + (k + 2) * num_programs,
+                                                  stride_table, USE_ROWS)
             k += 1
             t = 0
         else:
