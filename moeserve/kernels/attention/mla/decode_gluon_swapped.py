@@ -68,6 +68,7 @@ _load_tile: Any = None
 _valid_keys: Any = None
 _nvmma_buffer: Any = None
 _row: Any = None
+_tile_step: Any = None
 
 
 def takes(num_heads: int) -> bool:
@@ -130,7 +131,7 @@ def _kernels() -> SimpleNamespace:
     calls, bound here as module globals)."""
     global gl, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, async_copy
     global _load_tile, _valid_keys, _nvmma_buffer, _mla_swapped_kernel, _mla_swapped_rows_kernel
-    global _row
+    global _row, _tile_step
     from triton.experimental import gluon
 
     decode_gluon._kernels()
@@ -142,7 +143,7 @@ def _kernels() -> SimpleNamespace:
     _mla_swapped_kernel = gluon.jit(
         do_not_specialize=["partition", "num_splits", "max_blocks", "stride_table"],
         do_not_specialize_on_alignment=["rows_ptr"])(_mla_swapped_kernel)
-    _row = gluon.jit(_row)
+    _row, _tile_step = gluon.jit(_row), gluon.jit(_tile_step)
     _mla_swapped_rows_kernel = gluon.jit(
         do_not_specialize=["num_rows", "max_blocks", "stride_table"],
         do_not_specialize_on_alignment=["rows_ptr"])(_mla_swapped_rows_kernel)
@@ -226,25 +227,9 @@ def _mla_swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_
         async_copy.wait_group(NS - 1)  # tile t's group (and the queries') landed
         gl.thread_barrier()
         fence_async_shared()  # the copies' writes, before the wgmmas read them
-        k_lat = k_lat_s.index(t % NS)
-        s = warpgroup_mma(k_lat, q_lat_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(k_pe_s.index(t % NS), q_pe_s.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        _, valid = _valid_keys(cache_ptr, max_pos, start + t * BN + keys, end, False)
-        s = gl.where(valid[:, None], s * scale_log2, float("-inf"))
-        # online softmax over the tile's keys (axis 0), per head
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_ref)
-        p = gl.exp2(s - m_ref[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_l))[None, :]
-        p_s.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = warpgroup_mma(k_lat.permute((1, 0)), p_s, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        m_i, l_i, acc = _tile_step(k_lat_s.index(t % NS), k_pe_s.index(t % NS), q_lat_s,
+                                   q_pe_s, p_s, cache_ptr, max_pos, start + t * BN + keys, end,
+                                   scale_log2, m_i, l_i, acc, s_zero, o_l)
     async_copy.wait_group(0)  # no copy left in flight at exit
 
     # VEC_STORE (decode_gluon.vector_stores): O^T leaves through a layout whose threads hold 8
@@ -270,6 +255,31 @@ def _mla_swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_
         gl.store(out_ptr + tok * stride_ot + ho.to(gl.int64)[None, :] * stride_oh
                  + d[:, None], gl.convert_layout(o.to(dtype), st_l), mask=h_ok[None, :])
 
+
+
+def _tile_step(k_lat, k_pe, q_lat, q_pe, p_s, cache_ptr, max_pos, keys, end, scale_log2, m_i,
+               l_i, acc, s_zero, o_l: gl.constexpr):
+    """One stage's keys (context positions `keys`, those < end read) for a row's heads:
+    S^T = K_lat Q_lat^T + K_pe Q_pe^T (wgmma, keys as M), masked and scaled to base 2, the
+    online softmax over the keys (axis 0, per head), P^T to shared memory, O^T += V^T P^T.
+    Returns (m_i, l_i, acc)."""
+    s = warpgroup_mma(k_lat, q_lat.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(k_pe, q_pe.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    _, valid = _valid_keys(cache_ptr, max_pos, keys, end, False)
+    s = gl.where(valid[:, None], s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_ref)
+    p = gl.exp2(s - m_ref[None, :])
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_l))[None, :]
+    p_s.store(p.to(p_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = warpgroup_mma(k_lat.permute((1, 0)), p_s, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return m_new, l_i, acc
 
 
 def _row(rows_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, i, stride_table,
@@ -384,26 +394,10 @@ def _mla_swapped_rows_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_le
         async_copy.wait_group(NS - 1)  # tile g's group (with its row's queries) landed
         gl.thread_barrier()
         fence_async_shared()
-        k_lat = k_lat_s.index(g % NS)
-        s = warpgroup_mma(k_lat, q_lat_s.index(k % 2).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-        s = warpgroup_mma(k_pe_s.index(g % NS), q_pe_s.index(k % 2).permute((1, 0)), s,
-                          is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        _, valid = _valid_keys(cache_ptr, max_pos, t * BN + keys, end, False)
-        s = gl.where(valid[:, None], s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_ref)
-        p_t = gl.exp2(s - m_ref[None, :])
-        l_i = l_i * alpha + gl.sum(p_t, axis=0)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_l))[None, :]
-        p_s.store(p_t.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = warpgroup_mma(k_lat.permute((1, 0)), p_s, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        m_i, l_i, acc = _tile_step(k_lat_s.index(g % NS), k_pe_s.index(g % NS),
+                                   q_lat_s.index(k % 2), q_pe_s.index(k % 2), p_s, cache_ptr,
+                                   max_pos, t * BN + keys, end, scale_log2, m_i, l_i, acc,
+                                   s_zero, o_l)
         if last:  # the row's output, then the next row's state
             l_o = gl.convert_layout(l_i, gl.SliceLayout(0, o_l))
             o = acc / gl.where(l_o == 0.0, 1.0, l_o)[None, :]  # an empty row writes 0
