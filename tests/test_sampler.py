@@ -278,3 +278,21 @@ def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:
               for i, p in enumerate([0.0, 1e-46, 5e-324, 1e-46, 0.0, 1e-30])]
     token_ids, _, finite = sample(logits, _tensors(params))
     assert torch.equal(token_ids, logits.argmax(dim=-1)) and bool(finite.all())
+
+
+
+def test_the_profiles_sampling_pass_samples_its_rows(monkeypatch) -> None:
+    """step_sampling.sample_random_logits (the memory plan's sampling pass) runs the sampler
+    once over random logits of the rows and vocabulary asked for."""
+    from moeserve.runner import step_sampling
+
+    shapes = []
+    real = step_sampling.sample
+
+    def spy(logits, tensors, *args, **kwargs):
+        shapes.append(tuple(logits.shape))
+        return real(logits, tensors, *args, **kwargs)
+
+    monkeypatch.setattr(step_sampling, "sample", spy)
+    step_sampling.sample_random_logits(3, 40, torch.device("cpu"))
+    assert shapes == [(3, 40)]

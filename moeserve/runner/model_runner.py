@@ -26,7 +26,6 @@ from moeserve.kernels.attention.metadata import build_attention_metadata, to_dev
 from moeserve.kernels.attention.mla.up_projected import memory_probe
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
 from moeserve.layers.moe import fold_shared_experts
-from moeserve.layers.sampler import SamplingTensors, sample
 from moeserve.model_config import ModelConfig, read_json_config
 from moeserve.models import build_model
 from moeserve.parallel.comm import TensorParallel
@@ -48,7 +47,7 @@ from moeserve.runner.kv_cache import (
 from moeserve.runner.mixed_graphs import MixedGraphs, mixed_token_buckets
 from moeserve.runner.pending_output import PendingOutput
 from moeserve.runner.step_profile import StepProfiler
-from moeserve.runner.step_sampling import sample_step
+from moeserve.runner.step_sampling import sample_random_logits, sample_step
 from moeserve.runner.weight_loader import (
     checkpoint_plan,
     init_dummy_weights,
@@ -213,12 +212,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         with memory_probe():  # MLA's long-row chunks of one size attended once: the same peak
             self.execute(out)
-        logits = torch.randn(num_sample_rows, self.model_config.vocab_size,
-                             device=self.device, dtype=torch.float32)
-        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)]
-        sample(logits, SamplingTensors.build(params * num_sample_rows, [0] * num_sample_rows,
-                                             [0] * num_sample_rows, self.device))
-        del logits
+        sample_random_logits(num_sample_rows, self.model_config.vocab_size, self.device)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.bind_kv_caches([])

@@ -111,3 +111,12 @@ def _inject_nan(logits: torch.Tensor, req_ids: list[str], ids: frozenset[str]) -
     logits = logits.clone()
     logits[rows] = float("nan")
     return logits
+
+
+def sample_random_logits(num_rows: int, vocab_size: int, device: torch.device) -> None:
+    """One sampling pass over random fp32 logits [num_rows, vocab_size] with every filter on
+    (temperature, top-p, top-k, min-p): the sampler's transients, for the memory plan's
+    activation profile (the runner's profile_activation_peak)."""
+    logits = torch.randn(num_rows, vocab_size, device=device, dtype=torch.float32)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01)] * num_rows
+    sample(logits, SamplingTensors.build(params, [0] * num_rows, [0] * num_rows, device))
