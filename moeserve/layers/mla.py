@@ -88,8 +88,9 @@ ABSORBED, MHA, FRESH = 0, 1, 2
 # 0.08 / 0.21 / 0.71x at GLM's; at GLM's 32k-202k also 0.75-0.77x (with a third of the peak
 # memory), but "auto" stays up-projected there: the memory plan profiles the token budget at
 # the end of a max_model_len context, which the absorbed form attends whole in every layer
-# (mla/up_projected.memory_probe shortens only the up-projected form's).
-GLUON_ABSORBED_MAX_CONTEXT = {2.5: 8192, float("inf"): 8192}  # pair-FLOP ratio up to -> context
+# (mla/up_projected.memory_probe shortens only the up-projected form's). One limit for both
+# shapes, then (it was by the pair-FLOP ratio until 670f09a).
+GLUON_ABSORBED_MAX_CONTEXT = 8192
 # ... and, under "auto", a fresh prompt (no cached prefix) of at least this many tokens goes
 # up-projected in one variable-length FlashAttention-2 launch (`fresh_varlen`): on the H200
 # (benchmarks/results/gpu_7c427c9/call1, kernels_mla_prefill --gluon --fresh-varlen) against
@@ -328,9 +329,7 @@ class MLAttention(nn.Module):
                 or self.decode_kwargs.get("prefill_gluon") is False
                 or not decode_gluon.supports_cache(cache, self.kv_lora_rank)):
             return AUTO_ABSORBED_MAX_CONTEXT
-        ratio = ((2 * self.kv_lora_rank + self.rope_dim)
-                 / (self.nope + self.rope_dim + self.v_dim))
-        return next(ctx for bound, ctx in GLUON_ABSORBED_MAX_CONTEXT.items() if ratio <= bound)
+        return GLUON_ABSORBED_MAX_CONTEXT
 
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
                   attend: MlaBackend | None = None) -> torch.Tensor:

@@ -308,8 +308,8 @@ def test_layer_keeps_the_triton_prefill_only_when_the_switch_is_off(
 @pytest.mark.gpu
 def test_gpu_auto_absorbs_longer_rows_where_the_prefill_runs_in_gluon(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over a bf16 cache on sm90 "auto"'s absorbed limit follows GLUON_ABSORBED_MAX_CONTEXT by
-    the pair-FLOP ratio (GLM's 2.1 and DeepSeek-V3's 3.4: 8,192); an fp8 cache, the torch
+    """Over a bf16 cache on sm90 "auto"'s absorbed limit is GLUON_ABSORBED_MAX_CONTEXT (8,192,
+    at GLM's shapes and DeepSeek-V3's); an fp8 cache, the torch
     reference or the switch off keep AUTO_ABSORBED_MAX_CONTEXT."""
     from moeserve import envs
     from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
