@@ -24,10 +24,6 @@
     MOESERVE_MLA_VECTOR_STORES  "0" has the Gluon MLA decode kernels store their outputs
                              from the accumulator's layout, not in 16-byte vectors
                              (decode_gluon.vector_stores), for A/Bs; on otherwise
-    MOESERVE_MLA_SWAPPED_ROWS  "1" has the swapped Gluon MLA decode's unsplit launches walk
-                             rows as one stream of key tiles, a program an SM
-                             (decode_gluon_swapped.persistent_rows), an experiment; off
-                             otherwise
     MOESERVE_DSA_SLOT_ROWS   "1" turns DSA's selections into cache rows before the sparse
                              attention (dsa/sparse_triton.slot_rows), an experiment; off
                              otherwise
@@ -52,7 +48,6 @@ MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
-MLA_SWAPPED_ROWS = "MOESERVE_MLA_SWAPPED_ROWS"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -96,10 +91,6 @@ def mla_fresh_varlen() -> bool:
 
 def mla_vector_stores() -> bool:
     return os.environ.get(MLA_VECTOR_STORES) != "0"
-
-
-def mla_swapped_rows() -> bool:
-    return os.environ.get(MLA_SWAPPED_ROWS) == "1"
 
 
 def dsa_slot_rows() -> bool:

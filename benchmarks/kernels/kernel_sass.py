@@ -241,9 +241,6 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
                      USE_ROWS=False, SPLIT=args.split, VEC_STORE=args.vector_stores)
         kernel = decode_gluon_swapped._kernels().decode
-        if args.rows:  # persistent_rows: rows as one stream of tiles (no SPLIT)
-            del const["SPLIT"], const["VEC_STORE"]
-            kernel = decode_gluon_swapped._kernels().rows
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
 
@@ -369,8 +366,6 @@ def main() -> None:
                            help="the absorbed prefill over query tiles (prefill_gluon)")
             p.add_argument("--swapped", action="store_true",
                            help="decode_gluon_swapped's kernel (keys as M, <= 32 heads)")
-            p.add_argument("--rows", action="store_true",
-                           help="with --swapped: its persistent_rows kernel")
             p.add_argument("--vector-stores", action="store_true",
                            help="the outputs stored in 16-byte vectors (VEC_STORE)")
         if name.startswith(("mla-", "dsa-")):

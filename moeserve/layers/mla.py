@@ -100,6 +100,14 @@ GLUON_ABSORBED_MAX_CONTEXT = 8192
 # 1.85x / 1.05x. The launch holds the fresh rows' up-projected keys and values, at most the
 # step's token budget of them: no more than the profiled step's own span (kv_cache.profile_step).
 FRESH_VARLEN_MIN_TOKENS = 512
+# ... but beside rows that attend absorbed (decodes, chunks after a prefix) the step splits into
+# two launches, and there the fresh rows' own launch pays only from more work: heads x the sum
+# of their squared lengths (the causal pairs' count, x 2), at least this. On the H200 beside
+# 1,024 decode rows (gpu_4705423/call1, kernels_mla_prefill's mixed_* cases) it ran 1.53x /
+# 1.04x the time of one absorbed launch at GLM-4.7-Flash's 4 x 512 / 1 x 2,048 (20 heads: 2^24.3
+# / 2^26.3) and 0.92x / 0.71x at DeepSeek-V3's (128 heads: 2^27 / 2^29): the ratio falls with
+# this product across both shapes, and crosses 1 between 2^26.3 and 2^27.
+FRESH_MIN_WORK_BESIDE_ABSORBED = 1 << 27
 
 @functools.lru_cache(maxsize=8)
 def _pair_table(config_key: tuple, dim: int, max_position: int,
@@ -159,6 +167,7 @@ class MLAttention(nn.Module):
         # MOESERVE_MLA_FRESH_VARLEN=0 switches it off, for A/Bs
         self.fresh_varlen = envs.mla_fresh_varlen()
         self.fresh_min_tokens = FRESH_VARLEN_MIN_TOKENS
+        self.fresh_min_work_beside = FRESH_MIN_WORK_BESIDE_ABSORBED
         # tokens attended in each form, counted on the host when the forward runs eagerly (a
         # CUDA-graph replay runs no Python): tests assert which path ran
         self.reset_path_counters()
@@ -264,12 +273,9 @@ class MLAttention(nn.Module):
         by `prefill_form`."""
         t, heads = q_nope.shape[:2]
         limit = self.absorbed_max_context()
-        # a decode row always attends absorbed
-        form = np.where((meta.query_lens_np == 1) | (meta.seq_lens_np <= limit), ABSORBED,
-                        MHA).astype(np.int8)
-        if self.fresh_varlen and self.prefill_form == "auto":  # long rows with no cached prefix
-            form[(meta.query_lens_np >= max(2, self.fresh_min_tokens))
-                 & (meta.seq_lens_np == meta.query_lens_np)] = FRESH
+        fresh = self.fresh_varlen and self.prefill_form == "auto"
+        form = row_forms(meta.query_lens_np, meta.seq_lens_np, limit, heads,
+                         self.fresh_min_tokens if fresh else None, self.fresh_min_work_beside)
         if bool((form == ABSORBED).all()):
             self.tokens_absorbed += t
             return self._absorbed(q_nope, q_rope, meta)
@@ -351,6 +357,26 @@ class MLAttention(nn.Module):
         out = out_lat.new_empty(t, heads, self.v_dim)  # [T, H, v], o_proj's rows as they are
         torch.bmm(out_lat.transpose(0, 1), self.w_uv.transpose(1, 2), out=out.transpose(0, 1))
         return out
+
+
+def row_forms(query_lens: np.ndarray, seq_lens: np.ndarray, limit: int | float, heads: int,
+              fresh_min_tokens: int | None, fresh_min_work_beside: int) -> np.ndarray:
+    """Each row's prefill form [B] int8 under "auto": ABSORBED for a decode row (one query)
+    and a context of at most `limit` tokens, MHA for a longer one, FRESH for a prompt with no
+    cached prefix of at least `fresh_min_tokens` queries (None: no fresh launch), unless rows
+    beside it still attend absorbed and the fresh rows' work (`heads` x the sum of their squared
+    lengths) is under `fresh_min_work_beside`: then they keep their own form (a fresh row past
+    `limit` keeps the fresh launch, the same up-projected form in one launch)."""
+    form = np.where((query_lens == 1) | (seq_lens <= limit), ABSORBED, MHA).astype(np.int8)
+    if fresh_min_tokens is None:
+        return form
+    fresh = (query_lens >= max(2, fresh_min_tokens)) & (seq_lens == query_lens)
+    if fresh.any() and (form[~fresh] == ABSORBED).any():
+        work = heads * int((query_lens[fresh].astype(np.int64) ** 2).sum())
+        if work < fresh_min_work_beside:
+            fresh &= form == MHA
+    form[fresh] = FRESH
+    return form
 
 
 def _split_by_form(meta: AttentionMetadata, form: np.ndarray, limit: int | float

@@ -10,9 +10,9 @@ from benchmarks.engine.w1_offline import environment
 
 
 def test_the_record_names_the_switches_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MOESERVE_MLA_SWAPPED_ROWS", "1")
-    monkeypatch.delenv("MOESERVE_MLA_VECTOR_STORES", raising=False)
+    monkeypatch.setenv("MOESERVE_MLA_VECTOR_STORES", "0")
+    monkeypatch.delenv("MOESERVE_DSA_SLOT_ROWS", raising=False)
     env = environment()
-    assert env["moeserve_env"]["MOESERVE_MLA_SWAPPED_ROWS"] == "1"
-    assert "MOESERVE_MLA_VECTOR_STORES" not in env["moeserve_env"]
+    assert env["moeserve_env"]["MOESERVE_MLA_VECTOR_STORES"] == "0"
+    assert "MOESERVE_DSA_SLOT_ROWS" not in env["moeserve_env"]
     assert {"git_commit", "device", "torch", "triton", "python"} <= set(env)

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import ConfigError
-from moeserve.layers.mla import FRESH_VARLEN_MIN_TOKENS, MLAttention
+from moeserve.layers.mla import ABSORBED as A
+from moeserve.layers.mla import FRESH as F
+from moeserve.layers.mla import FRESH_VARLEN_MIN_TOKENS, MLAttention, row_forms
+from moeserve.layers.mla import MHA as M
 from tests.engine.test_generate_vs_hf import (
     NEW_TOKENS,
     _prompts,
@@ -133,6 +137,7 @@ def test_fresh_varlen_prefill_matches_hf(device: str, checkpoints: dict, arch: s
     for layer in _mla_layers(llm):
         assert layer.fresh_varlen  # the default
         layer.fresh_min_tokens = 2
+        layer.fresh_min_work_beside = 0  # chunked: first chunks beside later ones, absorbed
     results = llm.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == expected
     for a in _mla_layers(llm):
@@ -158,9 +163,30 @@ def test_fresh_varlen_takes_only_prompts_of_its_threshold(device: str, checkpoin
         llm = _llm(folder, device)
         for layer in _mla_layers(llm):
             layer.fresh_min_tokens = threshold
+            layer.fresh_min_work_beside = 0  # the shorter prompts attend absorbed beside it
         assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
         for a in _mla_layers(llm):
             assert a.tokens_fresh_varlen == fresh and a.tokens_up_projected == 0
+
+
+def test_row_forms_keep_fresh_prompts_beside_absorbed_rows_only_for_enough_work() -> None:
+    """`row_forms`: decodes and contexts up to the limit absorbed, longer ones up-projected;
+    prompts with no cached prefix of FRESH_VARLEN_MIN_TOKENS fresh when alone in their step,
+    and beside absorbed rows only when heads x their squared lengths reach the work floor (a
+    fresh row past the limit keeps its launch either way)."""
+    n = FRESH_VARLEN_MIN_TOKENS
+    q = np.array([1, 1, n, 16, 2 * n])
+    seq = np.array([300, 9000, n, 116, 2 * n])
+    assert row_forms(q, seq, 8192, 20, None, 0).tolist() == [A, A, A, A, A]
+    alone = np.array([n, 2 * n])
+    assert row_forms(alone, alone, 8192, 20, n, 1 << 40).tolist() == [F, F]
+    work = 20 * (n * n + 4 * n * n)
+    assert row_forms(q, seq, 8192, 20, n, work).tolist() == [A, A, F, A, F]
+    assert row_forms(q, seq, 8192, 20, n, work + 1).tolist() == [A, A, A, A, A]
+    # past the limit: up-projected, in chunks after a prefix; fresh, in the fresh launch
+    long_q, long_seq = np.array([1, 600, 9000]), np.array([20, 9600, 9000])
+    assert row_forms(long_q, long_seq, 8192, 20, n, 1 << 40).tolist() == [A, M, F]
+    assert row_forms(long_q, long_seq, 8192, 20, None, 0).tolist() == [A, M, M]
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])

@@ -89,27 +89,3 @@ def test_gpu_the_switch_routes_few_head_launches(monkeypatch: pytest.MonkeyPatch
                                   out, None, case.meta.num_reqs, case.meta.max_seq_len, **kwargs)
         assert calls == want, kwargs
         torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_heads", [20, 32])
-@pytest.mark.parametrize(("batch", "max_context"), [(5, 700), (300, 256), (1024, 192)])
-def test_gpu_persistent_rows_write_the_same_bits(monkeypatch: pytest.MonkeyPatch,
-                                                 num_heads: int, batch: int,
-                                                 max_context: int) -> None:
-    """persistent_rows (MOESERVE_MLA_SWAPPED_ROWS=1): unsplit launches walk rows as one
-    stream of key tiles, a program an SM, and write the unsplit kernel's bits: fewer rows than
-    SMs and several a program, rows of one key to many tiles, all rows and chosen ones."""
-    rng = np.random.default_rng(batch)
-    computed = rng.integers(0, max_context, batch).tolist()
-    computed[1] = 0  # a row of one key
-    case = gpu_case(computed, [1] * batch, num_heads, seed=batch)
-    rows = torch.arange(batch - 1, -1, -2, dtype=torch.int32, device="cuda")  # reversed, half
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(decode_gluon_swapped, "persistent_rows", on)
-        outs[on] = (run(case, num_splits=1), run(case, rows, num_splits=1))
-    for plain, persistent in zip(outs[False], outs[True]):
-        assert not plain.isnan().any() and torch.equal(plain, persistent)
-    tol = TOL[torch.bfloat16]
-    torch.testing.assert_close(outs[True][0].float(), case.expected_latent, atol=tol, rtol=tol)

@@ -40,24 +40,17 @@ from typing import Any
 
 import torch
 
-from moeserve import envs
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import decode_gluon, gluon_parts, reduce_triton
-from moeserve.kernels.triton_common import MAX_GRID_Y, num_sms
+from moeserve.kernels.triton_common import MAX_GRID_Y
 
 SWAPPED_HEADS = 32  # heads a program: wgmma's N (a power of two for Gluon's shapes)
 BLOCK_N = 64  # keys a tile: wgmma's M for one warpgroup
 STAGES = 2
 NUM_WARPS = 8
-# experiment switch (MOESERVE_MLA_SWAPPED_ROWS=1): unsplit launches run `_mla_swapped_rows_kernel`,
-# a program an SM walking rows p, p + P, ... as one stream of key tiles, so the copy of a row's
-# first tile (and its queries, into the other of two query buffers) overlaps the previous
-# row's last tile instead of waiting at a program's start: W1's rows of 129-256 keys are 3-4
-# tiles, and their prologue is exposed in each (20 heads at W1's contexts: 47-53% of the
-# bound against 76-83% at 1k-4k keys, gpu_7c427c9/call3); off until the H200 times it. sm90
-# offline (kernel_sass --swapped --rows): 174 registers, no spill, 225,792 bytes of shared
-# memory (the second query buffer: 37 KB), its loop 1,245 instructions against 638
-persistent_rows = envs.mla_swapped_rows()
+# A program an SM walking rows as one stream of key tiles (so a row's first copies overlap
+# the previous row's last tile) ran 2-5% slower than this grid at every case on the H200
+# (MOESERVE_MLA_SWAPPED_ROWS, gpu_4705423/call1): removed, in git's history at 4705423.
 
 gl: Any = None  # bound by _kernels(), as in decode_gluon
 fence_async_shared: Any = None
@@ -67,7 +60,6 @@ async_copy: Any = None
 _load_tile: Any = None
 _valid_keys: Any = None
 _nvmma_buffer: Any = None
-_row: Any = None
 _tile_step: Any = None
 
 
@@ -99,16 +91,6 @@ def decode_swapped(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
     if not 1 <= num_splits <= reduce_triton.MAX_SPLITS:
         raise ValueError(f"decode_swapped: num_splits must be in 1..{reduce_triton.MAX_SPLITS}, "
                          f"got {num_splits}")
-    if persistent_rows and num_splits == 1:
-        grid_rows = min(num_rows, num_sms(q.device))
-        _kernels().rows[(1, grid_rows, 1)](
-            q, latent_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            rows if rows is not None else meta.query_start_loc, scale * math.log2(math.e),
-            num_rows, meta.block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0),
-            out.stride(1), meta.block_tables.stride(0), NUM_HEADS=num_heads, L=kv_lora_rank,
-            R=dim - kv_lora_rank, BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None,
-            num_warps=NUM_WARPS)
-        return
     partition = -(-max(1, max_seq_len) // num_splits)
     partition = -(-partition // BLOCK_N) * BLOCK_N  # whole key tiles a partition
     part_m, part_l, part_acc = reduce_triton.split_partials(out, num_rows, num_splits)
@@ -130,8 +112,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use, after decode_gluon's helpers (whose jitted forms it
     calls, bound here as module globals)."""
     global gl, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, async_copy
-    global _load_tile, _valid_keys, _nvmma_buffer, _mla_swapped_kernel, _mla_swapped_rows_kernel
-    global _row, _tile_step
+    global _load_tile, _valid_keys, _nvmma_buffer, _mla_swapped_kernel, _tile_step
     from triton.experimental import gluon
 
     decode_gluon._kernels()
@@ -143,11 +124,8 @@ def _kernels() -> SimpleNamespace:
     _mla_swapped_kernel = gluon.jit(
         do_not_specialize=["partition", "num_splits", "max_blocks", "stride_table"],
         do_not_specialize_on_alignment=["rows_ptr"])(_mla_swapped_kernel)
-    _row, _tile_step = gluon.jit(_row), gluon.jit(_tile_step)
-    _mla_swapped_rows_kernel = gluon.jit(
-        do_not_specialize=["num_rows", "max_blocks", "stride_table"],
-        do_not_specialize_on_alignment=["rows_ptr"])(_mla_swapped_rows_kernel)
-    return SimpleNamespace(decode=_mla_swapped_kernel, rows=_mla_swapped_rows_kernel)
+    _tile_step = gluon.jit(_tile_step)
+    return SimpleNamespace(decode=_mla_swapped_kernel)
 
 
 # ---- Gluon functions (jitted by _kernels; module globals, where the compiler finds names) ----
@@ -256,7 +234,6 @@ def _mla_swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_
                  + d[:, None], gl.convert_layout(o.to(dtype), st_l), mask=h_ok[None, :])
 
 
-
 def _tile_step(k_lat, k_pe, q_lat, q_pe, p_s, cache_ptr, max_pos, keys, end, scale_log2, m_i,
                l_i, acc, s_zero, o_l: gl.constexpr):
     """One stage's keys (context positions `keys`, those < end read) for a row's heads:
@@ -280,140 +257,3 @@ def _tile_step(k_lat, k_pe, q_lat, q_pe, p_s, cache_ptr, max_pos, keys, end, sca
     acc = warpgroup_mma(k_lat.permute((1, 0)), p_s, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return m_new, l_i, acc
-
-
-def _row(rows_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, i, stride_table,
-         USE_ROWS: gl.constexpr):
-    """Decode row i's query token, context length, block-table row and key tiles (at least
-    one: an empty row's masked tile writes its zeros)."""
-    if USE_ROWS:
-        req = gl.load(rows_ptr + i)
-    else:
-        req = i
-    seq_len = gl.load(seq_lens_ptr + req)
-    return (gl.load(query_start_loc_ptr + req).to(gl.int64), seq_len,
-            block_tables_ptr + req.to(gl.int64) * stride_table,
-            gl.maximum(gl.cdiv(seq_len, 64), 1))
-
-
-def _mla_swapped_rows_kernel(q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
-                             query_start_loc_ptr, rows_ptr, scale_log2, num_rows, max_blocks,
-                             stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
-                             NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-                             BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr):
-    """Program (0, p, 0) of P: rows p, p + P, ... (unsplit), their key tiles one stream: the
-    copy issued during a tile is the row's next tile or, during its last, the next row's first
-    with that row's queries (query buffers alternate by row). Each row's products and softmax
-    are `_mla_swapped_kernel`'s, in the same order: the same bits. The outputs leave from the
-    accumulator's layout: vector stores' conversion would need shared memory of its own here
-    (the stages are live), past the 227 KB the two query buffers leave."""
-    H: gl.constexpr = 32  # SWAPPED_HEADS
-    BN: gl.constexpr = 64  # BLOCK_N
-    NS: gl.constexpr = 2  # STAGES
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    lat_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [8, 1], [1, 0])
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, H // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                  instr_shape=[16, H, 16])
-    q_lat_s = _nvmma_buffer(dtype, [2, H, L])
-    q_pe_s = _nvmma_buffer(dtype, [2, H, R])
-    k_lat_s = _nvmma_buffer(dtype, [NS, BN, L])
-    k_pe_s = _nvmma_buffer(dtype, [NS, BN, R])
-    p_s = _nvmma_buffer(dtype, [BN, H])
-
-    p = gl.program_id(1)
-    num_programs = gl.num_programs(1)
-    my_rows = gl.cdiv(num_rows - p, num_programs)
-    max_pos = max_blocks * BLOCK_SIZE
-    total = 0
-    for k in range(my_rows):
-        total += _row(rows_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-                      p + k * num_programs, stride_table, USE_ROWS)[3]
-
-    hq = gl.arange(0, H, layout=gl.SliceLayout(1, lat_l))
-    dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
-    hp = gl.arange(0, H, layout=gl.SliceLayout(1, pe_l))
-    dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
-    nl = gl.arange(0, BN, layout=gl.SliceLayout(1, lat_l))
-    np_ = gl.arange(0, BN, layout=gl.SliceLayout(1, pe_l))
-    # row 0's queries and first tile: one copy group
-    tok, end, table, n_tiles = _row(rows_ptr, query_start_loc_ptr, seq_lens_ptr,
-                                    block_tables_ptr, p, stride_table, USE_ROWS)
-    async_copy.async_copy_global_to_shared(
-        q_lat_s.index(0),
-        q_ptr + tok * stride_qt + hq.to(gl.int64)[:, None] * stride_qh + dq[None, :],
-        mask=(hq < NUM_HEADS)[:, None])
-    async_copy.async_copy_global_to_shared(
-        q_pe_s.index(0),
-        q_ptr + tok * stride_qt + hp.to(gl.int64)[:, None] * stride_qh + L + dp[None, :],
-        mask=(hp < NUM_HEADS)[:, None])
-    _load_tile(cache_ptr, table, cache_ptr, max_pos, 0, end, k_lat_s.index(0), k_pe_s.index(0),
-               nl, dq, np_, dp, L, R, BLOCK_SIZE, False, False)
-    async_copy.commit_group()
-
-    m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_l))
-    l_i = gl.full([H], 0.0, gl.float32, layout=gl.SliceLayout(0, s_l))
-    acc = gl.zeros([L, H], gl.float32, layout=o_l)  # O^T
-    s_zero = gl.zeros([BN, H], gl.float32, layout=s_l)
-    keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
-    d = gl.arange(0, L, layout=gl.SliceLayout(1, o_l))
-    ho = gl.arange(0, H, layout=gl.SliceLayout(0, o_l))
-    # the next row's, loaded a row ahead so that no load waits before its first copy (row 0
-    # again where there is none: never copied from)
-    ntok, nend, ntable, n_next = _row(rows_ptr, query_start_loc_ptr, seq_lens_ptr,
-                                      block_tables_ptr,
-                                      p + gl.minimum(1, my_rows - 1) * num_programs,
-                                      stride_table, USE_ROWS)
-    k = 0  # the row's index among this program's
-    t = 0  # the tile's index in its row
-    for g in range(total):
-        last = t == n_tiles - 1
-        # every warpgroup is done with the stage (and, at a row's last tile, the query buffer)
-        # the next copy overwrites
-        gl.thread_barrier()
-        if last:
-            if k + 1 < my_rows:
-                async_copy.async_copy_global_to_shared(
-                    q_lat_s.index((k + 1) % 2),
-                    q_ptr + ntok * stride_qt + hq.to(gl.int64)[:, None] * stride_qh
-                    + dq[None, :], mask=(hq < NUM_HEADS)[:, None])
-                async_copy.async_copy_global_to_shared(
-                    q_pe_s.index((k + 1) % 2),
-                    q_ptr + ntok * stride_qt + hp.to(gl.int64)[:, None] * stride_qh + L
-                    + dp[None, :], mask=(hp < NUM_HEADS)[:, None])
-                _load_tile(cache_ptr, ntable, cache_ptr, max_pos, 0, nend,
-                           k_lat_s.index((g + 1) % NS), k_pe_s.index((g + 1) % NS), nl, dq,
-                           np_, dp, L, R, BLOCK_SIZE, False, False)
-        else:
-            _load_tile(cache_ptr, table, cache_ptr, max_pos, (t + 1) * BN, end,
-                       k_lat_s.index((g + 1) % NS), k_pe_s.index((g + 1) % NS), nl, dq, np_,
-                       dp, L, R, BLOCK_SIZE, False, False)
-        async_copy.commit_group()
-        async_copy.wait_group(NS - 1)  # tile g's group (with its row's queries) landed
-        gl.thread_barrier()
-        fence_async_shared()
-        m_i, l_i, acc = _tile_step(k_lat_s.index(g % NS), k_pe_s.index(g % NS),
-                                   q_lat_s.index(k % 2), q_pe_s.index(k % 2), p_s, cache_ptr,
-                                   max_pos, t * BN + keys, end, scale_log2, m_i, l_i, acc,
-                                   s_zero, o_l)
-        if last:  # the row's output, then the next row's state
-            l_o = gl.convert_layout(l_i, gl.SliceLayout(0, o_l))
-            o = acc / gl.where(l_o == 0.0, 1.0, l_o)[None, :]  # an empty row writes 0
-            gl.store(out_ptr + tok * stride_ot + ho.to(gl.int64)[None, :] * stride_oh
-                     + d[:, None], o.to(dtype), mask=(ho < NUM_HEADS)[None, :])
-            tok, end, table, n_tiles = ntok, nend, ntable, n_next
-            if k + 2 < my_rows:
-                ntok, nend, ntable, n_next = _row(rows_ptr, query_start_loc_ptr, seq_lens_ptr,
-                                                  block_tables_ptr, p + (k + 2) * num_programs,
-                                                  stride_table, USE_ROWS)
-            k += 1
-            t = 0
-        else:
-            t += 1
-        # a new row: with the running max at -inf its first tile's alpha is 0, which zeroes
-        # acc and l_i as the first tile of `_mla_swapped_kernel` finds them
-        m_i = gl.where(last, gl.full([H], float("-inf"), gl.float32,
-                                     layout=gl.SliceLayout(0, s_l)), m_i)
-    async_copy.wait_group(0)  # no copy left in flight at exit

@@ -23,9 +23,8 @@ wrote) need no gather through the block table, no padding and no mask: their lat
 back at the step's slots, up-projected at once, and attended by one variable-length causal
 flash launch over the rows' query offsets (torch's FlashAttention-2 on CUDA in bf16 / fp16:
 the values zero-padded to the keys' width where narrower, DeepSeek-V3's 128 against 192;
-otherwise, the CPU or fp32, SDPA a row at a time). An experiment (layers/mla.py's
-`fresh_varlen`, MOESERVE_MLA_FRESH_VARLEN=1), off until the H200 times it against the
-absorbed prefill "auto" gives short prompts.
+otherwise, the CPU or fp32, SDPA a row at a time). layers/mla.py's `row_forms` says which
+rows take it (prompts of 512 tokens and more; MOESERVE_MLA_FRESH_VARLEN=0 turns it off).
 
 A piece's attention is a fused kernel that returns its log-sum-exp (no [Q, S] scores): on
 CUDA torch's memory-efficient SDPA, on the CPU torch's flash SDPA (which needs the values as
@@ -47,12 +46,16 @@ _probing = False
 
 @contextlib.contextmanager
 def memory_probe() -> Iterator[None]:
-    """Within it, a row's prefix chunks of one size are attended once, not each: the memory
-    plan's profile step (runner/kv_cache.profile_step: the token budget at the end of a
-    max_model_len context) reaches the same peak (the pieces are folded one at a time into a
-    running sum of fixed size, and every full chunk holds the same bytes) without up-projecting
-    the whole context in every layer: on the H200 that was 12 of glm-4.7-flash's 31.7 s warm
-    start-up (gpu_7c427c9/call6). The outputs are wrong: a profile discards them."""
+    """Within it, a row attends only its first two prefix chunks (and its own span): the
+    memory plan's profile step (runner/kv_cache.profile_step: the token budget at the end of a
+    max_model_len context) reaches the same peak without up-projecting the whole context in
+    every layer. The pieces are folded one at a time into a running sum of fixed size, so the
+    peak is a full chunk's keys and values beside that sum and the fold's temporaries: the
+    second chunk's, and every later full chunk's alike (a partial last chunk holds less).
+    Keeping one chunk of each size missed it: the first chunk folds into nothing (the H200
+    measured 16.5 against 20.2 MB in a test, gpu_4705423/call1). Without it the profile was 12 of
+    glm-4.7-flash's 31.7 s warm start-up (gpu_7c427c9/call6). The outputs are wrong: a
+    profile discards them."""
     global _probing
     was, _probing = _probing, True
     try:
@@ -73,8 +76,8 @@ def attend_row_in_chunks(q: torch.Tensor, latent_cache: torch.Tensor, block_tabl
                          f"{context} tokens")
     step = chunk_tokens(num_heads, qk_dim, v_dim)
     pieces = [(a, min(a + step, prefix), False) for a in range(0, prefix, step)]
-    if _probing:  # one piece of each size (the first full chunk, the last partial one)
-        pieces = list({b - a: (a, b, causal) for a, b, causal in pieces}.values())
+    if _probing:  # the first two chunks: the second folds beside a full chunk's keys, the peak
+        pieces = pieces[:2]
     pieces.append((prefix, context, True))
     qh = q.transpose(0, 1)[None]  # [1, H, Q, nope + R]
     merged = None
