@@ -94,6 +94,8 @@ def test_the_grid_is_valid_for_each_format(fmt: str, group: int, num_experts: in
             assert c["BLOCK_M"] in (16, 32, 64, 128) and c["BLOCK_N"] in (32, 64, 128, 256)
             assert c["num_warps"] in (4, 8) and 2 <= c["num_stages"] <= 4
             assert c["GROUP_M"] in (1, 8)
+            if fmt == "nvfp4" and c["num_warps"] == 8:  # 8 warps only for 128 rows
+                assert c["BLOCK_M"] == 128, c
         assert {c["BLOCK_M"] for c in grid[1:]} <= {m for m in (16, 32, 64, 128)
                                                   if m <= max(16, 2 * per_expert)}
     decode = quant_tune_candidates(fmt, num_experts, top_k, 1, group)

@@ -56,6 +56,13 @@ MAX_QUANT_CANDIDATES = 24  # per token count, the default included
 # nibbles are decoded in registers; past ~128 a thread the tile spills).
 SHARED_MEMORY_BUDGET = 200 * 1024
 DEQUANT_VALUES_PER_THREAD = 128
+# nvfp4 tiles of fewer rows than this take 4 warps: in the H200 tunes of five expert shapes
+# (2 to 256 experts a rank, 1 to 8,192 tokens; benchmarks/results/gpu_4705423/call3-4 and the
+# committed files) no 8-warp tile under 128 rows was ever the fastest: 1.04-3.4x the best at 16
+# and 32 rows, 2.2-5x at 64 (sm90 offline: 64 barriers a K step in the 64-row tile's loop
+# against 4, the decoded tile's layout change split into pieces). 128 rows with 8 warps is the
+# pick at 4,096-8,192 tokens.
+NVFP4_8_WARPS_MIN_M = 128
 
 
 def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int,
@@ -148,8 +155,11 @@ def quant_tune_candidates(fmt: str, num_experts: int, top_k: int, num_tokens: in
 def _fits(fmt: str, config: dict[str, int], group: int) -> bool:
     """The gated launch's pipeline (A tile, gate and up weight tiles and their scales, per stage)
     within SHARED_MEMORY_BUDGET; W4A16 also its dequantized tile within
-    DEQUANT_VALUES_PER_THREAD fp32 values a thread."""
+    DEQUANT_VALUES_PER_THREAD fp32 values a thread; nvfp4 8 warps only from NVFP4_8_WARPS_MIN_M
+    rows."""
     m, n, k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if fmt == "nvfp4" and config["num_warps"] == 8 and m < NVFP4_8_WARPS_MIN_M:
+        return False
     if fmt == "fp8":  # e4m3 A and B
         stage = m * k + 2 * n * k
     else:  # 2-byte A; B half a byte a weight, a scale (<= 4 bytes) per group
