@@ -9,7 +9,8 @@
 #       glm5-nvfp4-tp8 (E 256, width 256) | glm5-nvfp4-ep8 (E 32, width 2,048) (part B),
 #       bf16-PRESET | nvfp4-PRESET: a preset's whole expert shape on one GPU (issue 16's and
 #       18's committed tiles; the shape from the preset's config, no model built, so presets
-#       too large for one GPU tune too), e.g. bf16-glm-4.7-flash nvfp4-glm-5
+#       too large for one GPU tune too), e.g. bf16-glm-4.7-flash nvfp4-glm-5. A committed file
+#       of the shape is resumed (the counts it lacks tuned) or kept.
 # e.g. the 8-GPU runs first: bash benchmarks/h200/rank_tiles_h200.sh 100 glm5-nvfp4-tp8 \
 #        glm5-nvfp4-ep8 qwen-tp8 qwen-ep8
 set -uo pipefail
@@ -19,6 +20,17 @@ REAL_OUT=$OUT
 export OUT=/tmp/rank_tiles
 mkdir -p "$OUT/moe_configs"
 source benchmarks/gpu_env.sh
+# a committed file of the case's shape (PREFIX: its name up to the device) is copied into the
+# tune's folder first, so a partial tune (a budget ran out) resumes and a whole one is kept
+resume() {  # DIR PREFIX
+  mkdir -p "$1"
+  cp moeserve/kernels/moe/configs/"$2"* "$1/" 2>/dev/null && echo "resuming $(ls "$1")"
+}
+shape() {  # PRESET -> "E H I k" from its config
+  python3 -c "from moeserve.config import load_model_config as m; \
+c = m('$1')[0]; print(c.num_experts, c.hidden_size, c.moe_intermediate_size, \
+c.num_experts_per_tok)"
+}
 for CASE in "$@"; do
   echo "== $CASE"
   case $CASE in
@@ -30,20 +42,23 @@ for CASE in "$@"; do
         --tune --tune-only --time-budget "$BUDGET" > "$OUT/$CASE.log" 2>&1; RC=$?
       cp "$OUT/$CASE"/configs/*.json "$OUT/moe_configs/" 2>/dev/null ;;
     glm5-nvfp4-tp8)
+      resume "$OUT/moe_configs" "quant=nvfp4,E=256,H=6144,I=256,k=8,"
       python3 -m moeserve.kernels.moe.quant.tune --format nvfp4 -E 256 -H 6144 -I 256 -k 8 \
         --out "$OUT/moe_configs" --time-budget-s "$BUDGET" > "$OUT/$CASE.log" 2>&1; RC=$? ;;
     glm5-nvfp4-ep8)
+      resume "$OUT/moe_configs" "quant=nvfp4,E=32,H=6144,I=2048,k=8,"
       python3 -m moeserve.kernels.moe.quant.tune --format nvfp4 -E 32 -H 6144 -I 2048 -k 8 \
         --out "$OUT/moe_configs" --time-budget-s "$BUDGET" > "$OUT/$CASE.log" 2>&1; RC=$? ;;
     bf16-*)
+      read -r E H I _ <<< "$(shape "${CASE#bf16-}")"
+      resume "$OUT/$CASE/configs" "E=$E,H=$H,I=$I,device_name=NVIDIA_H200,dtype=bfloat16,"
       python3 -m benchmarks.kernels.kernels_moe --out "$OUT/$CASE" --preset "${CASE#bf16-}" \
         --tune --tune-only --time-budget "$BUDGET" > "$OUT/$CASE.log" 2>&1; RC=$?
       cp "$OUT/$CASE"/configs/*.json "$OUT/moe_configs/" 2>/dev/null ;;
     nvfp4-*)
       # shellcheck disable=SC2046
-      set -- $(python3 -c "from moeserve.config import load_model_config as m; \
-c = m('${CASE#nvfp4-}')[0]; print(c.num_experts, c.hidden_size, c.moe_intermediate_size, \
-c.num_experts_per_tok)")
+      set -- $(shape "${CASE#nvfp4-}")
+      resume "$OUT/moe_configs" "quant=nvfp4,E=$1,H=$2,I=$3,k=$4,"
       python3 -m moeserve.kernels.moe.quant.tune --format nvfp4 -E "$1" -H "$2" -I "$3" -k "$4" \
         --out "$OUT/moe_configs" --time-budget-s "$BUDGET" > "$OUT/$CASE.log" 2>&1; RC=$? ;;
     *) echo "unknown case $CASE" | tee -a "$OUT/errors.log"; continue ;;
