@@ -21,6 +21,9 @@
 #
 #   source benchmarks/gpu_env.sh; bash benchmarks/h200/quant_w1_h200.sh /tmp/qw1; \
 #       tar czf $OUT/quant_w1.tgz -C /tmp qw1
+#   PRESET=glm-5 SERVER_ARGS="--hf-overrides '{\"num_hidden_layers\": 20}' --max-model-len 4096" \
+#       FORMATS=nvfp4 CONCS=1024 bash benchmarks/h200/quant_w1_h200.sh /tmp/qw1g5
+#       # SERVER_ARGS: more server flags for every format, split as a shell would (shlex)
 #   PYTHON=.venv/bin/python PRESET=tiny-moe CONCS=4 bash benchmarks/h200/quant_w1_h200.sh /tmp/qw1
 #       # CPU smoke (tiny-moe's quantized projections through the CPU fallbacks)
 set -uo pipefail
@@ -36,7 +39,7 @@ for i in "${!formats[@]}"; do
   left=$(( budget - (SECONDS - start) ))
   share=$(( left / (${#formats[@]} - i) ))
   if [ "$share" -lt 60 ]; then echo "== $fmt skipped: ${left}s left"; continue; fi
-  flags="--moe-tune-budget-s ${MOE_TUNE_BUDGET_S:-0}"
+  flags="--moe-tune-budget-s ${MOE_TUNE_BUDGET_S:-0} ${SERVER_ARGS:-}"
   [ "$fmt" != bf16 ] && flags="--quantization $fmt $flags"
   name="w1_$fmt"
   echo "== $name ($flags, at most ${share}s) $(date +%T)"
