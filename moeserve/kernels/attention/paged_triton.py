@@ -36,13 +36,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from moeserve.kernels.attention.checks import (
+    check_cache_and_step,
+    needer,
+)
 from moeserve.kernels.attention.limits import paged_triton_unfit
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
-from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
-from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
+from moeserve.kernels.triton_common import next_pow2
 
-SUPPORTED_BLOCK_SIZES = (4, 8, 16, 32, 64, 128)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # split-K: aim for this many decode programs (~8 per SM on an H200's 132), partitions >= this many
 TARGET_DECODE_PROGRAMS = 1024
 MIN_PARTITION_TOKENS = 256
@@ -175,38 +176,19 @@ def _split_rows(meta: AttentionMetadata, is_decode: np.ndarray, block_q: int,
 
 def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
     """ValueError naming the first input the kernels cannot take."""
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise ValueError(f"paged_attention_triton: {what}")
-
+    who = "paged_attention_triton"
+    need = needer(who)
     need(q.dim() == 3, f"q must be [T, H, D], got shape {tuple(q.shape)}")
     need(kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
          f"kv_cache must be [2, num_blocks, block_size, KVH, D], got {tuple(kv_cache.shape)}")
-    num_tokens, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1:]
     _, _, block_size, num_kv_heads, kv_dim = kv_cache.shape
-    need(q.dtype in SUPPORTED_DTYPES, f"q dtype {q.dtype} not in {SUPPORTED_DTYPES}")
-    need(kv_cache.dtype in (q.dtype, *FP8_CACHE_DTYPES),
-         f"kv_cache dtype {kv_cache.dtype} is neither q's ({q.dtype}) nor one of "
-         f"{FP8_CACHE_DTYPES}")
-    need(kv_cache.device == q.device, f"kv_cache on {kv_cache.device}, q on {q.device}")
     need(head_dim == kv_dim, f"q head_dim {head_dim} != kv_cache head_dim {kv_dim}")
     unfit = paged_triton_unfit(head_dim)  # the rule the engine config chose the backend by
     need(unfit is None, unfit or "")
     need(num_heads % num_kv_heads == 0,
          f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    need(block_size in SUPPORTED_BLOCK_SIZES,
-         f"block_size {block_size} not in {SUPPORTED_BLOCK_SIZES}")
-    need(meta.block_size == block_size,
-         f"meta.block_size {meta.block_size} != kv_cache block_size {block_size}")
-    need(q.stride(2) == 1, f"q's last dim must be contiguous, strides {q.stride()}")
-    need(kv_cache.is_contiguous(), "kv_cache must be contiguous")
-    need(num_tokens == meta.num_tokens, f"q has {num_tokens} tokens, meta {meta.num_tokens}")
-    for name in ("block_tables", "seq_lens", "query_start_loc"):
-        t = getattr(meta, name)
-        need(t.dtype == torch.int32 and t.is_contiguous(),
-             f"meta.{name} must be contiguous int32, got {t.dtype}")
-        need(t.device == q.device, f"meta.{name} on {t.device}, q on {q.device}")
-    require_attention_inputs_device(q, "paged_attention_triton")
+    check_cache_and_step(who, q, kv_cache, "kv_cache", block_size, meta)
 
 
 def _prefill_block_q(cfg: TileConfig, group: int) -> int:

@@ -58,11 +58,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from moeserve.kernels.attention.checks import SUPPORTED_DTYPES
 from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
-from moeserve.kernels.attention.paged_triton import SUPPORTED_DTYPES
 from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
 
 # int32 scores a chunk of tokens may hold ([n, S]): 128 MiB

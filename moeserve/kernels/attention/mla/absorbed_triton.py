@@ -37,20 +37,18 @@ from typing import Any
 
 import torch
 
+from moeserve.kernels.attention.checks import check_cache_and_step
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import decode_flat_triton, decode_gluon
 from moeserve.kernels.attention.mla import prefill_gluon as gluon_prefill
 from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
 from moeserve.kernels.attention.mla.reduce_triton import decode_num_splits
-from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
 from moeserve.kernels.attention.paged_triton import (
     MAX_SPLITS,
-    SUPPORTED_BLOCK_SIZES,
-    SUPPORTED_DTYPES,
     TileConfig,
     _split_rows,
 )
-from moeserve.kernels.triton_common import MAX_GRID_Y, next_pow2, require_attention_inputs_device
+from moeserve.kernels.triton_common import MAX_GRID_Y, next_pow2
 
 DECODE_FORMS = ("auto", "split", "flat", "gluon")
 # the flat decode holds every head in one tile: at 64 heads its accumulator and the next row's
@@ -186,31 +184,15 @@ def _check_inputs(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMe
     need(q.dim() == 3, f"q must be [T, H, L + R], got shape {tuple(q.shape)}")
     need(latent_cache.dim() == 3,
          f"latent_cache must be [num_blocks, block_size, L + R], got {tuple(latent_cache.shape)}")
-    num_tokens, _, dim = q.shape
+    dim = q.shape[2]
     _, block_size, cache_dim = latent_cache.shape
-    need(q.dtype in SUPPORTED_DTYPES, f"q dtype {q.dtype} not in {SUPPORTED_DTYPES}")
-    need(latent_cache.dtype in (q.dtype, *FP8_CACHE_DTYPES),
-         f"latent_cache dtype {latent_cache.dtype} is neither q's ({q.dtype}) nor one of "
-         f"{FP8_CACHE_DTYPES}")
-    need(latent_cache.device == q.device, f"latent_cache on {latent_cache.device}, q on {q.device}")
     need(dim == cache_dim, f"q's last dim {dim} != latent_cache's {cache_dim}")
     rope_dim = dim - kv_lora_rank
     need(pow2_16(kv_lora_rank), f"kv_lora_rank {kv_lora_rank} must be a power of two >= 16")
     need(pow2_16(rope_dim),
          f"rope dims R = {dim} - {kv_lora_rank} = {rope_dim} must be a power of two >= 16")
-    need(block_size in SUPPORTED_BLOCK_SIZES,
-         f"block_size {block_size} not in {SUPPORTED_BLOCK_SIZES}")
-    need(meta.block_size == block_size,
-         f"meta.block_size {meta.block_size} != latent_cache block_size {block_size}")
-    need(q.stride(2) == 1, f"q's last dim must be contiguous, strides {q.stride()}")
-    need(latent_cache.is_contiguous(), "latent_cache must be contiguous")
-    need(num_tokens == meta.num_tokens, f"q has {num_tokens} tokens, meta {meta.num_tokens}")
-    for name in ("block_tables", "seq_lens", "query_start_loc"):
-        t = getattr(meta, name)
-        need(t.dtype == torch.int32 and t.is_contiguous(),
-             f"meta.{name} must be contiguous int32, got {t.dtype}")
-        need(t.device == q.device, f"meta.{name} on {t.device}, q on {q.device}")
-    require_attention_inputs_device(q, "mla_attention_triton")
+    check_cache_and_step("mla_attention_triton", q, latent_cache, "latent_cache", block_size,
+                         meta)
 
 
 def _prefill_block_q(cfg: TileConfig, num_heads: int) -> int:
