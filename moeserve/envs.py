@@ -24,6 +24,9 @@
     MOESERVE_MLA_VECTOR_STORES  "0" has the Gluon MLA decode kernels store their outputs
                              from the accumulator's layout, not in 16-byte vectors
                              (decode_gluon.vector_stores), for A/Bs; on otherwise
+    MOESERVE_NVFP4_GLUON     "1" runs the NVFP4 fused MoE's 64-row tiles in Gluon, the decode
+                             beside the previous step's wgmmas (moe/quant/nvfp4_gluon.py), an
+                             experiment; off otherwise
     MOESERVE_DSA_SLOT_ROWS   "1" turns DSA's selections into cache rows before the sparse
                              attention (dsa/sparse_triton.slot_rows), an experiment; off
                              otherwise
@@ -48,6 +51,7 @@ MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
+NVFP4_GLUON = "MOESERVE_NVFP4_GLUON"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -91,6 +95,10 @@ def mla_fresh_varlen() -> bool:
 
 def mla_vector_stores() -> bool:
     return os.environ.get(MLA_VECTOR_STORES) != "0"
+
+
+def nvfp4_gluon() -> bool:
+    return os.environ.get(NVFP4_GLUON) == "1"
 
 
 def dsa_slot_rows() -> bool:

@@ -154,6 +154,16 @@ def moe_quant(args: argparse.Namespace) -> dict:
 
     bm, bn, bk, warps, stages = args.tile
     fmt = args.format
+    if args.gluon:  # moe/quant/nvfp4_gluon.py's kernel: BM 64, 4 warps; STAGES its own
+        from moeserve.kernels.moe.quant import nvfp4_gluon
+
+        pointers = {"a_ptr": "*bf16", "b_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32",
+                    "c_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+                    "expert_ids_ptr": "*i32"}
+        const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BLOCK_N=bn,
+                     BLOCK_K=bk, GROUP_M=1, STAGES=stages)
+        kernel = nvfp4_gluon._kernels().moe
+        return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, 1)
     weight = {"fp8": "*fp8e4nv", "nvfp4": "*u8", "int4": "*i32"}[fmt]
     scale = {"fp8": "*fp32", "nvfp4": "*fp8e4nv", "int4": "*bf16"}[fmt]
     pointers = {"a_ptr": "*fp8e4nv" if fmt == "fp8" else "*bf16", "as_ptr": "*fp32",
@@ -345,6 +355,9 @@ def main() -> None:
                            help="fp8: a weight scale per row loaded (not one per tile)")
             p.add_argument("--prefetch", action="store_true",
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
+            p.add_argument("--gluon", action="store_true",
+                           help="nvfp4: moe/quant/nvfp4_gluon.py's kernel (--tile 64 BN BK 4 "
+                                "STAGES)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
     for name in ("mla-decode", "mla-decode-gluon", "mla-decode-flat", "mla-prefill",

@@ -66,3 +66,50 @@ def test_nvfp4_auto_decode_takes_asm_where_it_runs_and_bits_elsewhere(
     monkeypatch.setattr(nvfp4_tile, "decode", "bits")
     assert torch.equal(got, moe_quant_triton(x, w13, w2, weights, ids))
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [300, 700])
+def test_gpu_nvfp4_gluon_tiles_match_the_triton_tiles(num_tokens: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe/quant/nvfp4_gluon.py (MOESERVE_NVFP4_GLUON=1: the 64-row tiles in Gluon, the
+    decode beside the previous step's wgmmas): the same decoded weights and products as the
+    Triton tile, so the same output but for the order of the fp32 sums (a bf16 ulp or so,
+    through both launches), eager and replayed in a CUDA graph; pairs of other ranks' experts
+    (-1) give zero rows either way."""
+    from moeserve.kernels.moe.quant import nvfp4_gluon
+
+    config = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
+              "num_stages": 3}
+    w13, w2 = gpu_experts("nvfp4")
+    x = tokens(num_tokens, GPU_SHAPE[1], seed=num_tokens, dtype=torch.bfloat16)
+    weights, ids = routing(num_tokens, GPU_SHAPE[0], seed=num_tokens, off_rank=True)
+    monkeypatch.setattr(nvfp4_gluon, "enabled", False)
+    expected = moe_quant_triton(x, w13, w2, weights, ids, config=config, reduce=False)
+    monkeypatch.setattr(nvfp4_gluon, "enabled", True)
+    assert nvfp4_gluon.takes(x, config, GPU_SHAPE[2], GPU_SHAPE[1], 16, True)
+    got = moe_quant_triton(x, w13, w2, weights, ids, config=config, reduce=False)
+    scale = expected.float().abs().max()
+    assert got.isfinite().all() and scale > 0
+    assert (got.float() - expected.float()).abs().max() <= 2e-2 * scale
+    assert torch.equal(got[ids < 0], torch.zeros_like(got[ids < 0]))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe_quant_triton(x, w13, w2, weights, ids, config=config, reduce=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, got)
+
+
+def test_nvfp4_gluon_takes_nothing_off_the_gpu_or_switched_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experiment runs only when switched on, for bf16 on an sm90 GPU and 64-row blocks:
+    on the CPU (and by default) the Triton tile runs."""
+    from moeserve.kernels.moe.quant import nvfp4_gluon
+
+    config = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
+              "num_stages": 3}
+    x = torch.zeros(4, 1024, dtype=torch.bfloat16)
+    assert not nvfp4_gluon.enabled  # MOESERVE_NVFP4_GLUON unset
+    monkeypatch.setattr(nvfp4_gluon, "enabled", True)
+    assert not nvfp4_gluon.takes(x, config, 512, 1024, 16, True)  # the CPU

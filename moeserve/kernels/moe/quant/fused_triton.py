@@ -71,6 +71,7 @@ from moeserve.kernels.linear import nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
+from moeserve.kernels.moe.quant import nvfp4_gluon
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.quant.ref import weight_layout
 from moeserve.kernels.moe.tile_configs import check_tile_source, tile_device_name, tile_tokens
@@ -164,6 +165,10 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
     """
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
+    if fmt == "nvfp4" and nvfp4_gluon.takes(a, config, n_out, k_dim, group, gated):
+        nvfp4_gluon.launch(a, w, c, topk_weights, sorted_ids, expert_ids, num_pairs, config,
+                           a_row_div=a_row_div, gated=gated)  # an experiment (off)
+        return
     qweight = w.qweight  # [E, N, K / pack]: e4m3, uint8 or int32
     native_fp8 = a.device.type == "cuda"  # nvfp4's scales loaded as float8 (else as bytes)
     scale = w.scale.view(torch.uint8) if fmt == "nvfp4" and not native_fp8 else w.scale
