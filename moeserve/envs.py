@@ -24,9 +24,9 @@
     MOESERVE_MLA_VECTOR_STORES  "0" has the Gluon MLA decode kernels store their outputs
                              from the accumulator's layout, not in 16-byte vectors
                              (decode_gluon.vector_stores), for A/Bs; on otherwise
-    MOESERVE_NVFP4_GLUON     "1" runs the NVFP4 fused MoE's 64-row tiles in Gluon, the decode
-                             beside the previous step's wgmmas (moe/quant/nvfp4_gluon.py), an
-                             experiment; off otherwise
+    MOESERVE_NVFP4_GLUON     "1" runs the NVFP4 fused MoE's 64- and 128-row tiles in Gluon,
+                             the decode beside the previous step's wgmmas
+                             (moe/quant/nvfp4_gluon.py), an experiment; off otherwise
     MOESERVE_DSA_SLOT_ROWS   "1" turns DSA's selections into cache rows before the sparse
                              attention (dsa/sparse_triton.slot_rows), an experiment; off
                              otherwise

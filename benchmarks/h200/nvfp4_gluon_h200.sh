@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 18: the NVFP4 fused MoE's 64-row tiles in Gluon (moe/quant/nvfp4_gluon.py, an
+# Issue 18: the NVFP4 fused MoE's 64- and 128-row tiles in Gluon (moe/quant/nvfp4_gluon.py, an
 # experiment off unless MOESERVE_NVFP4_GLUON=1: the nibble decode of a K step beside the
 # previous step's async wgmmas, where Triton's tile waits for every wgmma group), on the H200,
 # one call (~4 min): its GPU test (the Triton tile's output within a bf16 ulp or so, eager and
 # in a CUDA graph), then kernels_quant's NVFP4 MoE rows off / on at GLM-5's and qwen3's expert
-# shapes, with the tuned tiles (GLM-5's 1,024-token pick has 64-row blocks: 29% of the read
-# bound, gpu_4705423/call4) and the default ones (64-row blocks from 48 pairs an expert).
+# shapes, with the tuned tiles (GLM-5's picks have 64-row blocks at 1,024 tokens, 29% of the read
+# bound, gpu_4705423/call4, and 128 from 2,048) and the default ones (64 rows from 48 pairs).
 # Results as $OUT/nvfp4_gluon.tgz.
 #   bash benchmarks/h200/nvfp4_gluon_h200.sh
 set -uo pipefail

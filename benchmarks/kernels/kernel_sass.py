@@ -154,13 +154,13 @@ def moe_quant(args: argparse.Namespace) -> dict:
 
     bm, bn, bk, warps, stages = args.tile
     fmt = args.format
-    if args.gluon:  # moe/quant/nvfp4_gluon.py's kernel: BM 64, 4 warps; STAGES its own
+    if args.gluon:  # moe/quant/nvfp4_gluon.py's kernel: BM 64 / 128, 4 / 8 warps
         from moeserve.kernels.moe.quant import nvfp4_gluon
 
         pointers = {"a_ptr": "*bf16", "b_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32",
                     "c_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
                     "expert_ids_ptr": "*i32"}
-        const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BLOCK_N=bn,
+        const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BM=bm, BLOCK_N=bn,
                      BLOCK_K=bk, GROUP_M=1, STAGES=stages)
         kernel = nvfp4_gluon._kernels().moe
         return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, 1)
@@ -356,8 +356,8 @@ def main() -> None:
             p.add_argument("--prefetch", action="store_true",
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
             p.add_argument("--gluon", action="store_true",
-                           help="nvfp4: moe/quant/nvfp4_gluon.py's kernel (--tile 64 BN BK 4 "
-                                "STAGES)")
+                           help="nvfp4: moe/quant/nvfp4_gluon.py's kernel (--tile 64|128 BN BK "
+                                "4|8 STAGES)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
     for name in ("mla-decode", "mla-decode-gluon", "mla-decode-flat", "mla-prefill",

@@ -69,18 +69,18 @@ def test_nvfp4_auto_decode_takes_asm_where_it_runs_and_bits_elsewhere(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [300, 700])
-def test_gpu_nvfp4_gluon_tiles_match_the_triton_tiles(num_tokens: int,
+@pytest.mark.parametrize(("num_tokens", "block_m"), [(300, 64), (700, 64), (700, 128)])
+def test_gpu_nvfp4_gluon_tiles_match_the_triton_tiles(num_tokens: int, block_m: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """moe/quant/nvfp4_gluon.py (MOESERVE_NVFP4_GLUON=1: the 64-row tiles in Gluon, the
+    """moe/quant/nvfp4_gluon.py (MOESERVE_NVFP4_GLUON=1: the 64- and 128-row tiles in Gluon, the
     decode beside the previous step's wgmmas): the same decoded weights and products as the
     Triton tile, so the same output but for the order of the fp32 sums (a bf16 ulp or so,
     through both launches), eager and replayed in a CUDA graph; pairs of other ranks' experts
     (-1) give zero rows either way."""
     from moeserve.kernels.moe.quant import nvfp4_gluon
 
-    config = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-              "num_stages": 3}
+    config = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
+              "num_warps": block_m // 16, "num_stages": 3}
     w13, w2 = gpu_experts("nvfp4")
     x = tokens(num_tokens, GPU_SHAPE[1], seed=num_tokens, dtype=torch.bfloat16)
     weights, ids = routing(num_tokens, GPU_SHAPE[0], seed=num_tokens, off_rank=True)
@@ -103,7 +103,7 @@ def test_gpu_nvfp4_gluon_tiles_match_the_triton_tiles(num_tokens: int,
 
 def test_nvfp4_gluon_takes_nothing_off_the_gpu_or_switched_off(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The experiment runs only when switched on, for bf16 on an sm90 GPU and 64-row blocks:
+    """The experiment runs only when switched on, for bf16 on an sm90 GPU and 64- or 128-row blocks:
     on the CPU (and by default) the Triton tile runs."""
     from moeserve.kernels.moe.quant import nvfp4_gluon
 

@@ -1,4 +1,4 @@
-"""The NVFP4 fused MoE's 64-row tiles in Gluon, so that the nibble decode of one K step runs
+"""The NVFP4 fused MoE's 64- and 128-row tiles in Gluon, so that a K step's nibble decode runs
 while the tensor cores work on the step before: `launch`, fused_triton._launch's contract for
 one grouped GEMM. An experiment, off unless MOESERVE_NVFP4_GLUON=1 (envs.py).
 
@@ -7,10 +7,10 @@ shared memory for wgmma and waits for every wgmma group at once (sm90 SASS of th
 128 gated tile: four HGMMA groups a step, each followed by WARPGROUP.DEPBAR 0), so the decode
 (ALU), the products (tensor cores) and the reads take turns: at GLM-5's expert shape and 1,024
 tokens about 1.2 + 1.6 + 1.3 ms against the 4.3 ms measured (29% of the read bound,
-benchmarks/results/gpu_4705423/). Here a program (row block, N tile; one warpgroup, 64 rows):
+benchmarks/results/gpu_4705423/). Here a program (row block, N tile; a warpgroup a 64 rows):
 
     stages (cp.async, STAGES of them, D = STAGES - 2 tiles ahead):
-        A   [64, BK]            the rows' activations, gathered by token (x's dtype, bf16)
+        A   [BM, BK]            the rows' activations, gathered by token (x's dtype, bf16)
         W   [BN, BK / 2] x 1|2  the packed bytes of the gate (and up) rows
         S   [BN, BK / 16] x 1|2 their e4m3 group scales
     step k: issue the copies of tile k + D into step k - 2's stage, wait for tile k's, decode
@@ -38,12 +38,12 @@ from moeserve import envs
 from moeserve.kernels.linear import nvfp4_tile
 
 enabled = envs.nvfp4_gluon()
-BLOCK_M = 64  # one warpgroup's wgmma rows
-NUM_WARPS = 4
+BLOCK_MS = (64, 128)  # one or two warpgroups' wgmma rows (4 or 8 warps)
 STAGES = 4  # copies two tiles ahead: a stage is rewritten only after its wgmmas are done
 # (BLOCK_N, BLOCK_K) of each launch, its own (the config's BLOCK_M alone is shared: the rows'
-# blocks): sm90 offline, 127 / 128 registers, 82 KB of shared memory (two CTAs an SM), no
-# spill; the gated launch's 64 x 128 x 128 took 164 KB and 128 x 128 did not fit
+# blocks): sm90 offline at 64 rows 127 / 124 registers, 82 KB of shared memory (two CTAs an
+# SM), at 128 rows 126 / 120 registers, 114 KB; no spill. The gated launch's 64 x 128 x 128
+# took 164 KB, and 128 x 128 did not fit
 TILES = {True: (64, 64), False: (128, 64)}
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
@@ -60,7 +60,7 @@ def takes(x: torch.Tensor, config: dict, n_out: int, k_dim: int, group: int,
     the config's 64-row blocks, group 16 (NVFP4's), K and N whole tiles of TILES'."""
     block_n, block_k = TILES[gated]
     return (enabled and x.is_cuda and x.dtype == torch.bfloat16 and _is_sm90(x.device.index)
-            and config["BLOCK_M"] == BLOCK_M and group == 16
+            and config["BLOCK_M"] in BLOCK_MS and group == 16
             and k_dim % block_k == 0 and n_out % block_n == 0)
 
 
@@ -85,7 +85,8 @@ def launch(a: torch.Tensor, w: Any, c: torch.Tensor, topk_weights: torch.Tensor,
         num_blocks, n_out, k_dim, a.stride(0), qweight.stride(0), qweight.stride(1),
         scale.stride(0), scale.stride(1), glob.stride(0), glob.stride(1), c.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=config["GROUP_M"], STAGES=STAGES, num_warps=NUM_WARPS)
+        BM=config["BLOCK_M"], GROUP_M=config["GROUP_M"], STAGES=STAGES,
+        num_warps=config["BLOCK_M"] // 16)
 
 
 @functools.cache
@@ -114,11 +115,12 @@ def _kernels() -> SimpleNamespace:
 def _nvfp4_moe_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
                       expert_ids_ptr, num_pairs, num_blocks, N, K, stride_am, stride_be,
                       stride_bn, stride_se, stride_sn, stride_ge, stride_gn, stride_cm,
-                      A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, BM: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr):
     """Program pid: row block pid_m x N tile pid_n (GROUP_M row blocks side by side an N tile,
     as fused_triton's kernel), the module docstring's data flow."""
-    BM: gl.constexpr = 64
+    W: gl.constexpr = BM // 16  # warps: a warpgroup a 64 rows
     HALF: gl.constexpr = BLOCK_K // 2  # packed bytes a weight row a step
     GROUPS: gl.constexpr = BLOCK_K // 16  # scale columns a step
     NW: gl.constexpr = 2 if GATED else 1  # weight matrices: gate and up, or one
@@ -126,12 +128,12 @@ def _nvfp4_moe_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, weights_ptr, sorted_ids
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     # copy layouts: A rows in 16-byte vectors; packed bytes in 16-byte vectors; scales 4 bytes
     a_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_K // 8), BLOCK_K // 8],
-                                         [4, 1], [1, 0])
-    w_l: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HALF // 16), HALF // 16], [4, 1],
+                                         [W, 1], [1, 0])
+    w_l: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (HALF // 16), HALF // 16], [W, 1],
                                          [1, 0])
-    s_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (GROUPS // 4), GROUPS // 4], [4, 1],
+    s_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (GROUPS // 4), GROUPS // 4], [W, 1],
                                          [1, 0])
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                     instr_shape=[16, BLOCK_N, 16])
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
@@ -191,10 +193,10 @@ def _nvfp4_moe_kernel(a_ptr, b_ptr, s_ptr, g_ptr, c_ptr, weights_ptr, sorted_ids
             st = k % STAGES
             buf = k % 2
             _decode_step(w_s.index(st * NW), sc_s.index(st * NW), dec_s.index(buf * NW),
-                         BLOCK_N, BLOCK_K)
+                         BLOCK_N, BLOCK_K, W)
             if GATED:
                 _decode_step(w_s.index(st * NW + 1), sc_s.index(st * NW + 1),
-                             dec_s.index(buf * NW + 1), BLOCK_N, BLOCK_K)
+                             dec_s.index(buf * NW + 1), BLOCK_N, BLOCK_K, W)
             fence_async_shared()
             gl.thread_barrier()
             acc = warpgroup_mma(a_s.index(st), dec_s.index(buf * NW).permute((1, 0)), acc,
@@ -241,13 +243,14 @@ def _copy_tile(a_s, w_s, sc_s, a_at, a_ok, w_at, s_at, up_w, up_s, st, k0, NW: g
         async_copy.async_copy_global_to_shared(sc_s.index(st * NW + 1), s_at + up_s + k0 // 16)
 
 
-def _decode_step(w_st, sc_st, dec, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+def _decode_step(w_st, sc_st, dec, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                 W: gl.constexpr):
     """A stage's packed bytes [BN, BK / 2] and e4m3 scales [BN, BK / 16] -> the bf16 tile
     [BN, BK] (the weight x 2^-10, nvfp4_tile's asm decode) in `dec`, K in order (byte j's low
     nibble at 2j, its high one at 2j + 1)."""
     GROUPS: gl.constexpr = BLOCK_K // 16
     # [BN, G, 8] bytes, four consecutive in a thread (one 32-bit register for the asm)
-    b3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // (GROUPS * 2), GROUPS, 2], [4, 1, 1],
+    b3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // (GROUPS * 2), GROUPS, 2], [W, 1, 1],
                                         [2, 1, 0])
     byte = w_st.reshape([BLOCK_N, GROUPS, 8]).load(b3)
     scale = sc_st.load(gl.SliceLayout(2, b3)).to(gl.float32)  # [BN, G]
