@@ -14,8 +14,8 @@ benchmarks/results/gpu_4705423/). Here a program (row block, N tile; a warpgroup
         W   [BN, BK / 2] x 1|2  the packed bytes of the gate (and up) rows
         S   [BN, BK / 16] x 1|2 their e4m3 group scales
     step k: issue the copies of tile k + D into step k - 2's stage, wait for tile k's, decode
-        W * S (nvfp4_tile's inline PTX: the weight x 2^-10) into decoded buffer k % 2 as
-        [BN, BK] (low and high nibbles interleaved back along K), wgmma (async) A @ decoded^T,
+        W * S (inline PTX, nvfp4_tile's rule: the weight x 2^-10) into decoded buffer k % 2 as
+        [BN, BK] in K order (_E2M1_PAIRS_ASM), wgmma (async) A @ decoded^T,
         then wait until only step k's wgmmas are in flight (step k - 1's done)
     epilogue: the global scales x 2^10 per output column, silu(gate) * up (gated) or the
         routing weight per row, stored by pair
@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from moeserve import envs
-from moeserve.kernels.linear import nvfp4_tile
 
 enabled = envs.nvfp4_gluon()
 BLOCK_MS = (64, 128)  # one or two warpgroups' wgmma rows (4 or 8 warps)
@@ -45,6 +44,30 @@ STAGES = 4  # copies two tiles ahead: a stage is rewritten only after its wgmmas
 # SM), at 128 rows 126 / 120 registers, 114 KB; no spill. The gated launch's 64 x 128 x 128
 # took 164 KB, and 128 x 128 did not fit
 TILES = {True: (64, 64), False: (128, 64)}
+
+# The packed bytes' decode as bf16 PAIRS in K order: four bytes ($4) and their scale x 2^116
+# in bf16 ($5; the pack's four bytes lie in one 16-weight group, so $6 is the same scale and
+# unused) -> $0, $1 = (low, high nibble) of bytes 0 and 1, $2, $3 of bytes 2 and 3, each the
+# weight x 2^-10 (nvfp4_tile's asm decode's rule). prmt puts a byte's low nibble (from the
+# word shifted by 4) at bits 12-15 of one half and its high nibble at bits 28-31, so the
+# decoded tile needs no interleave of the low and high tiles after it (whose two PRMTs per
+# four weights the first version paid); the other bits of each half are masked off.
+_E2M1_PAIRS_ASM = """{
+.reg .b32 w4, r, m, s;
+shl.b32 w4, $4, 4;
+prmt.b32 r, w4, $4, 0x4000;
+and.b32 m, r, 0x70007000; shr.b32 m, m, 6; and.b32 s, r, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $0, m, $5;
+prmt.b32 r, w4, $4, 0x5010;
+and.b32 m, r, 0x70007000; shr.b32 m, m, 6; and.b32 s, r, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $1, m, $5;
+prmt.b32 r, w4, $4, 0x6020;
+and.b32 m, r, 0x70007000; shr.b32 m, m, 6; and.b32 s, r, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $2, m, $5;
+prmt.b32 r, w4, $4, 0x7030;
+and.b32 m, r, 0x70007000; shr.b32 m, m, 6; and.b32 s, r, 0x80008000; or.b32 m, m, s;
+mul.rn.bf16x2 $3, m, $5;
+}"""
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
 async_copy: Any = None
@@ -102,8 +125,7 @@ def _kernels() -> SimpleNamespace:
     gl = language
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
-    nvfp4_tile.jitted()  # the asm string as a constexpr
-    _E2M1_ASM = nvfp4_tile._E2M1_BF16X2_ASM
+    _E2M1_ASM = gl.constexpr(_E2M1_PAIRS_ASM)
     _decode_step, _copy_tile = gluon.jit(_decode_step), gluon.jit(_copy_tile)
     _nvfp4_moe_kernel = gluon.jit(do_not_specialize=["num_pairs", "num_blocks"])(
         _nvfp4_moe_kernel)
@@ -246,8 +268,8 @@ def _copy_tile(a_s, w_s, sc_s, a_at, a_ok, w_at, s_at, up_w, up_s, st, k0, NW: g
 def _decode_step(w_st, sc_st, dec, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  W: gl.constexpr):
     """A stage's packed bytes [BN, BK / 2] and e4m3 scales [BN, BK / 16] -> the bf16 tile
-    [BN, BK] (the weight x 2^-10, nvfp4_tile's asm decode) in `dec`, K in order (byte j's low
-    nibble at 2j, its high one at 2j + 1)."""
+    [BN, BK] (the weight x 2^-10, nvfp4_tile's rule) in `dec`, K in order (byte j's low nibble
+    at 2j, its high one at 2j + 1)."""
     GROUPS: gl.constexpr = BLOCK_K // 16
     # [BN, G, 8] bytes, four consecutive in a thread (one 32-bit register for the asm)
     b3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // (GROUPS * 2), GROUPS, 2], [W, 1, 1],
@@ -256,7 +278,10 @@ def _decode_step(w_st, sc_st, dec, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     scale = sc_st.load(gl.SliceLayout(2, b3)).to(gl.float32)  # [BN, G]
     step = (scale * 8.307674973655724e34).to(gl.bfloat16)  # x 2^116 (nvfp4_tile)
     step = gl.broadcast(step[:, :, None], byte)[0]
-    lo, hi = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [byte, step],
-                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    w = gl.reshape(gl.join(lo, hi), [BLOCK_N, BLOCK_K])  # k = 16 g + 2 j + h
+    # out_o[n, g, 4 p + i]: weight k = 16 g + 8 p + 4 o + i of row n (_E2M1_PAIRS_ASM)
+    out0, out1 = gl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [byte, step],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                           pack=4)
+    w = gl.reshape(gl.join(out0, out1), [BLOCK_N, GROUPS, 2, 4, 2])  # [n, g, p, i, o]
+    w = gl.reshape(gl.permute(w, (0, 1, 2, 4, 3)), [BLOCK_N, BLOCK_K])  # k = 16g + 8p + 4o + i
     dec.store(w)
