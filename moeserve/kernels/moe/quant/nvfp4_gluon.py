@@ -41,8 +41,8 @@ BLOCK_MS = (64, 128)  # one or two warpgroups' wgmma rows (4 or 8 warps)
 STAGES = 4  # copies two tiles ahead: a stage is rewritten only after its wgmmas are done
 # (BLOCK_N, BLOCK_K) of each launch, its own (the config's BLOCK_M alone is shared: the rows'
 # blocks): sm90 offline at 64 rows 127 / 124 registers, 82 KB of shared memory (two CTAs an
-# SM), at 128 rows 126 / 120 registers, 114 KB; no spill. The gated launch's 64 x 128 x 128
-# took 164 KB, and 128 x 128 did not fit
+# SM), at 128 rows 126 / 120 registers, 114 KB (one); no spill. The gated launch's 64 x 128 x
+# 128 took 164 KB, and 128 x 128 did not fit
 TILES = {True: (64, 64), False: (128, 64)}
 
 # The packed bytes' decode as bf16 PAIRS in K order: four bytes ($4) and their scale x 2^116
@@ -80,7 +80,7 @@ _E2M1_ASM: Any = None
 def takes(x: torch.Tensor, config: dict, n_out: int, k_dim: int, group: int,
           gated: bool) -> bool:
     """Whether this kernel runs the launch: the switch on, bf16 activations on an sm90 GPU,
-    the config's 64-row blocks, group 16 (NVFP4's), K and N whole tiles of TILES'."""
+    the config's 64- or 128-row blocks, group 16 (NVFP4's), K and N whole tiles of TILES'."""
     block_n, block_k = TILES[gated]
     return (enabled and x.is_cuda and x.dtype == torch.bfloat16 and _is_sm90(x.device.index)
             and config["BLOCK_M"] in BLOCK_MS and group == 16
@@ -95,8 +95,8 @@ def _is_sm90(index: int | None) -> bool:
 def launch(a: torch.Tensor, w: Any, c: torch.Tensor, topk_weights: torch.Tensor,
            sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_pairs: int,
            config: dict[str, int], *, a_row_div: int, gated: bool) -> None:
-    """c[rows] = a[rows] @ dequant(w[e]).T over expert-sorted 64-row blocks (fused_triton's
-    _launch for nvfp4; `takes` must hold)."""
+    """c[rows] = a[rows] @ dequant(w[e]).T over the config's expert-sorted row blocks
+    (fused_triton's _launch for nvfp4; `takes` must hold)."""
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
     block_n, block_k = TILES[gated]
