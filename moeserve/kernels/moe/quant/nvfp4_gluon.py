@@ -52,23 +52,11 @@ TILES = {True: (64, 64), False: (128, 64)}
 # word shifted by 4) at bits 12-15 of one half and its high nibble at bits 28-31, so the
 # decoded tile needs no interleave of the low and high tiles after it (whose two PRMTs per
 # four weights the first version paid); the other bits of each half are masked off.
-_E2M1_PAIRS_ASM = """{
-.reg .b32 w4, r, m, s;
-shl.b32 w4, $4, 4;
-prmt.b32 r, w4, $4, 0x4000;
-and.b32 m, r, 0x70007000; shr.b32 m, m, 6; and.b32 s, r, 0x80008000; or.b32 m, m, s;
-mul.rn.bf16x2 $0, m, $5;
-prmt.b32 r, w4, $4, 0x5010;
-and.b32 m, r, 0x70007000; shr.b32 m, m, 6; and.b32 s, r, 0x80008000; or.b32 m, m, s;
-mul.rn.bf16x2 $1, m, $5;
-prmt.b32 r, w4, $4, 0x6020;
-and.b32 m, r, 0x70007000; shr.b32 m, m, 6; and.b32 s, r, 0x80008000; or.b32 m, m, s;
-mul.rn.bf16x2 $2, m, $5;
-prmt.b32 r, w4, $4, 0x7030;
-and.b32 m, r, 0x70007000; shr.b32 m, m, 6; and.b32 s, r, 0x80008000; or.b32 m, m, s;
-mul.rn.bf16x2 $3, m, $5;
-}"""
-
+_E2M1_PAIRS_ASM = "{\n.reg .b32 w4, r, m, s;\nshl.b32 w4, $4, 4;\n" + "".join(
+    f"prmt.b32 r, w4, $4, {select:#06x};\n"  # byte b's low nibble (from w4), its high one
+    "and.b32 m, r, 0x70007000; shr.b32 m, m, 6; and.b32 s, r, 0x80008000; or.b32 m, m, s;\n"
+    f"mul.rn.bf16x2 ${b}, m, $5;\n" for b, select in enumerate((0x4000, 0x5010, 0x6020, 0x7030))
+) + "}"
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
 async_copy: Any = None
 fence_async_shared: Any = None
