@@ -362,7 +362,7 @@ class MLAttention(nn.Module):
 def row_forms(query_lens: np.ndarray, seq_lens: np.ndarray, limit: int | float, heads: int,
               fresh_min_tokens: int | None, fresh_min_work_beside: int) -> np.ndarray:
     """Each row's prefill form [B] int8 under "auto": ABSORBED for a decode row (one query)
-    and a context of at most `limit` tokens, MHA for a longer one, FRESH for a prompt with no
+    or a context of at most `limit` tokens, MHA for a longer one, FRESH for a prompt with no
     cached prefix of at least `fresh_min_tokens` queries (None: no fresh launch), unless rows
     beside it still attend absorbed and the fresh rows' work (`heads` x the sum of their squared
     lengths) is under `fresh_min_work_beside`: then they keep their own form (a fresh row past

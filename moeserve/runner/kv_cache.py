@@ -70,7 +70,7 @@ def profile_step(num_tokens: int, context_len: int, block_size: int) -> tuple[Sc
     up-projected MLA prefill at 202,752 tokens of context built a [Q, S] causal mask and held
     the whole context up-projected; without them (paged.MAX_MASK_ELEMENTS, mla/up_projected's
     chunks) 6.89 GiB and 1,232,544 KV tokens instead of 1,151,488 (gpu_7c427c9/call1). The
-    runner profiles under mla/up_projected.memory_probe (one prefix chunk of each size): the
+    runner profiles under mla/up_projected.memory_probe (a row's first two prefix chunks): the
     same peak without attending the whole context in every layer. Qwen3's plan is unchanged
     (667,360 KV tokens). Several rows at long contexts stay within it
     where the attention is a Triton kernel, DSA's indexer (it scores in chunks of bounded bytes) or

@@ -210,7 +210,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        with memory_probe():  # MLA's long-row chunks of one size attended once: the same peak
+        with memory_probe():  # MLA's long rows: their first two chunks, the same peak
             self.execute(out)
         sample_random_logits(num_sample_rows, self.model_config.vocab_size, self.device)
         torch.cuda.synchronize(self.device)

@@ -60,8 +60,8 @@ DEQUANT_VALUES_PER_THREAD = 128
 # (2 to 256 experts a rank, 1 to 8,192 tokens; benchmarks/results/gpu_4705423/call3-4 and the
 # committed files) no 8-warp tile under 128 rows was ever the fastest: 1.04-3.4x the best at 16
 # and 32 rows, 2.2-5x at 64 (sm90 offline: 64 barriers a K step in the 64-row tile's loop
-# against 4, the decoded tile's layout change split into pieces). 128 rows with 8 warps is the
-# pick at 4,096-8,192 tokens.
+# against 4, the decoded tile's layout change split into pieces). 128 rows with 8 warps stays:
+# GLM-5's pick at 8,192 tokens, within 1-5% of the best at 256-4,096 tokens of other shapes.
 NVFP4_8_WARPS_MIN_M = 128
 
 
