@@ -17,6 +17,10 @@
     MOESERVE_MLA_DECODE_SWAPPED  "0" keeps the Gluon MLA decode's launches of at most 32
                              heads off mla/decode_gluon_swapped.py's kernel (keys as wgmma's
                              M), for A/Bs; on otherwise
+    MOESERVE_MLA_SWAPPED_ONE_STAGE  "1" runs decode_gluon_swapped.py's kernel with one
+                             key stage (115 KB of shared memory: two programs an SM, each
+                             copying its next tile after its products), an experiment; two
+                             stages (one program an SM) otherwise
     MOESERVE_MLA_FRESH_VARLEN  "0" keeps MLA layers' fresh prompts (no cached prefix) of
                              layers/mla.py's FRESH_VARLEN_MIN_TOKENS or more off the one
                              variable-length flash launch (mla/up_projected.attend_fresh_rows),
@@ -49,6 +53,7 @@ GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
 MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
+MLA_SWAPPED_ONE_STAGE = "MOESERVE_MLA_SWAPPED_ONE_STAGE"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
 NVFP4_GLUON = "MOESERVE_NVFP4_GLUON"
@@ -87,6 +92,10 @@ def mla_prefill_gluon() -> bool:
 
 def mla_decode_swapped() -> bool:
     return os.environ.get(MLA_DECODE_SWAPPED) != "0"
+
+
+def mla_swapped_one_stage() -> bool:
+    return os.environ.get(MLA_SWAPPED_ONE_STAGE) == "1"
 
 
 def mla_fresh_varlen() -> bool:

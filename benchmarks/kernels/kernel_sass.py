@@ -249,7 +249,8 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
         from moeserve.kernels.attention.mla import decode_gluon_swapped
 
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
-                     USE_ROWS=False, SPLIT=args.split, VEC_STORE=args.vector_stores)
+                     USE_ROWS=False, SPLIT=args.split, VEC_STORE=args.vector_stores,
+                     STAGES=stages)  # 2, or 1 (its one_stage experiment)
         kernel = decode_gluon_swapped._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 

@@ -154,14 +154,14 @@ class DsaAttention(MLAttention):
             keys = self.indexer.keys(proj.proj[:, self.latent_end:], proj.cos, proj.sin)
             write_index_keys(keys, self.index_cache, meta.slot_mapping)
         if self.dsa_mode == "dense":
-            return self._dense(q_nope, q_rope, meta)
+            return self._dense(q_nope, q_rope, meta, proj.q_lat)
         if self.indexer is not None and self.index_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no indexer key cache bound (the "
                                "engine's dsa='dense' allocates none): only dsa_mode 'dense' "
                                "can run")
         sparse, dense = _split_rows(meta, self.topk, self.dsa_mode)
         if sparse is None:
-            return self._dense(q_nope, q_rope, meta)
+            return self._dense(q_nope, q_rope, meta, proj.q_lat)
         out = q_nope.new_empty(*q_nope.shape[:2], self.v_dim)
         for part, run_sparse in ((sparse, True), (dense, False)):
             if part is None:
@@ -197,7 +197,8 @@ class DsaAttention(MLAttention):
                    rank: int) -> torch.Tensor:
             return self.dsa_ops.attention(q, cache, m, positions, scale, rank, packed=True)
 
-        return self._absorbed(q_nope, q_rope, meta, attend)
+        return self._absorbed(q_nope, q_rope, meta, attend,
+                              q_lat=proj.q_lat if tok is None else None)
 
 
 def _split_rows(meta: AttentionMetadata, topk: int, mode: str) -> tuple:

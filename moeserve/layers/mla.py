@@ -108,6 +108,14 @@ FRESH_VARLEN_MIN_TOKENS = 512
 # / 2^26.3) and 0.92x / 0.71x at DeepSeek-V3's (128 heads: 2^27 / 2^29): the ratio falls with
 # this product across both shapes, and crosses 1 between 2^26.3 and 2^27.
 FRESH_MIN_WORK_BESIDE_ABSORBED = 1 << 27
+# pre_attention writes the rotated q_rope straight into the absorbed attention's query buffer
+# [T, H, L + R] (its last R columns; the bmm writes the first L) when T x H is at most this, so
+# `_absorbed` needs no copy of it (0.25 ms of glm-4.7-flash's 1,024-row decode step on the
+# H200, 1.4 ms of W1's mixed step: gpu_4705423/call1). Above it (DeepSeek-V3's 128 heads past
+# 2,048 tokens, GLM's 20 past 13,107) a step is mostly long prompts that attend up-projected,
+# where that buffer would be held for nothing: q_rope is its own tensor, as before. At the
+# limit the buffer is 302 MB in bf16, what `_absorbed` allocates for those rows anyway.
+LATENT_QUERY_MAX_ROWS = 1 << 18
 
 @functools.lru_cache(maxsize=8)
 def _pair_table(config_key: tuple, dim: int, max_position: int,
@@ -128,6 +136,9 @@ class Projected(NamedTuple):
     q_resid: torch.Tensor  # [T, q_lora_rank] the normed q_a output (or the q part)
     cos: torch.Tensor  # [T, R / 2] at each token's position
     sin: torch.Tensor
+    # [T, H, L + R]: the absorbed query, its last R columns q_rope already (q_rope is a view
+    # of them) and the first L for `_absorbed` to fill; None: q_rope is its own tensor
+    q_lat: torch.Tensor | None = None
 
 
 class MlaState(NamedTuple):
@@ -205,7 +216,7 @@ class MLAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        state = self.pre_attention(positions, hidden, meta.slot_mapping)
+        state = self.pre_attention(positions, hidden, meta.slot_mapping, latent_query=True)
         return self.post_attention(self.attention_core(state, meta))  # [T, hidden]
 
     # the forward in three parts, as Attention's (piecewise CUDA graphs capture the first and
@@ -217,9 +228,12 @@ class MLAttention(nn.Module):
         return self.num_heads * self.v_dim
 
     def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> MlaState:
+                      slot_mapping: torch.Tensor, latent_query: bool = False) -> MlaState:
         """hidden [T, h] -> the queries and projections the core needs, with this step's
-        latents written at slot_mapping [T]."""
+        latents written at slot_mapping [T]. latent_query: q_rope written into the absorbed
+        query's buffer (`Projected.q_lat`) when T x H is at most LATENT_QUERY_MAX_ROWS; the
+        forward asks for it, piecewise CUDA graphs (runner/mixed_graphs.py, which copy the
+        state into static buffers sized for their largest step) do not."""
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_caches)")
         t, heads, nope = hidden.shape[0], self.num_heads, self.nope
@@ -230,21 +244,26 @@ class MLAttention(nn.Module):
             q = linear(q_resid, self.q_b_proj)
         q = q.view(t, heads, nope + self.rope_dim)
         fused = a.is_cuda if self.fused_rope_cache is None else self.fused_rope_cache
-        q_rope, cos, sin = self._rope_cache(positions, a, q, slot_mapping, fused)
-        return MlaState(q[..., :nope], q_rope, Projected(hidden, a, q_resid, cos, sin))
+        L = self.kv_lora_rank
+        q_lat = (q.new_empty(t, heads, L + self.rope_dim)
+                 if latent_query and t * heads <= LATENT_QUERY_MAX_ROWS else None)
+        q_rope, cos, sin = self._rope_cache(positions, a, q, slot_mapping, fused,
+                                            None if q_lat is None else q_lat[..., L:])
+        return MlaState(q[..., :nope], q_rope, Projected(hidden, a, q_resid, cos, sin, q_lat))
 
     def _rope_cache(self, positions: torch.Tensor, a: torch.Tensor, q: torch.Tensor,
-                    slot_mapping: torch.Tensor, fused: bool
+                    slot_mapping: torch.Tensor, fused: bool,
+                    q_out: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """in_proj's output a and q [T, H, nope + R] -> q_rope [T, H, R] and cos, sin
-        [T, R / 2] at positions, with the normed latent and rotated k_rope written at
-        slot_mapping. fused: one Triton launch (CUDA, or CPU under Triton's interpreter in
-        tests: `fused_rope_cache`)."""
+        """in_proj's output a and q [T, H, nope + R] -> q_rope [T, H, R] (written into q_out
+        when given) and cos, sin [T, R / 2] at positions, with the normed latent and rotated
+        k_rope written at slot_mapping. fused: one Triton launch (CUDA, or CPU under Triton's
+        interpreter in tests: `fused_rope_cache`)."""
         if fused:
             norm = self.kv_a_layernorm
             return mla_rope_cache_triton(a[:, self.q_part:self.latent_end], q, positions,
                                          self.cos, self.sin, norm.weight, norm.eps,
-                                         self.kv_cache, slot_mapping, self.interleaved)
+                                         self.kv_cache, slot_mapping, self.interleaved, q_out)
         L = self.kv_lora_rank
         c_kv = self.kv_a_layernorm(a[:, self.q_part:self.q_part + L].contiguous())  # [T, L]
         cos, sin = self.cos[positions], self.sin[positions]  # [T, R / 2]
@@ -252,6 +271,8 @@ class MLAttention(nn.Module):
         k_rope = rotate_pairs(a[:, self.q_part + L:self.latent_end], cos, sin,
                               self.interleaved)  # [T, R]
         write_latent(torch.cat([c_kv, k_rope], dim=-1), self.kv_cache, slot_mapping)
+        if q_out is not None:
+            q_rope = q_out.copy_(q_rope)
         return q_rope, cos, sin
 
     def attention_core(self, state: MlaState, meta: AttentionMetadata) -> torch.Tensor:
@@ -265,12 +286,12 @@ class MLAttention(nn.Module):
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
                 proj: Projected) -> torch.Tensor:
         """The step's attention, [T, H, v]: dense MLA here (DSA overrides it)."""
-        return self._dense(q_nope, q_rope, meta)
+        return self._dense(q_nope, q_rope, meta, proj.q_lat)
 
-    def _dense(self, q_nope: torch.Tensor, q_rope: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+    def _dense(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
+               q_lat: torch.Tensor | None = None) -> torch.Tensor:
         """Dense MLA of the step's rows, [T, H, v]: the decode rows absorbed, the other rows
-        by `prefill_form`."""
+        by `prefill_form`. q_lat: `Projected.q_lat` of these rows, or None."""
         t, heads = q_nope.shape[:2]
         limit = self.absorbed_max_context()
         fresh = self.fresh_varlen and self.prefill_form == "auto"
@@ -278,7 +299,7 @@ class MLAttention(nn.Module):
                          self.fresh_min_tokens if fresh else None, self.fresh_min_work_beside)
         if bool((form == ABSORBED).all()):
             self.tokens_absorbed += t
-            return self._absorbed(q_nope, q_rope, meta)
+            return self._absorbed(q_nope, q_rope, meta, q_lat=q_lat)
         out = q_nope.new_empty(t, heads, self.v_dim)
         for sub, tok, sub_form in _split_by_form(meta, form, limit):
             n = len(sub.token_to_req_np)
@@ -338,17 +359,21 @@ class MLAttention(nn.Module):
         return GLUON_ABSORBED_MAX_CONTEXT
 
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
-                  attend: MlaBackend | None = None) -> torch.Tensor:
+                  attend: MlaBackend | None = None, q_lat: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         """q_nope [T, H, nope], q_rope [T, H, R] -> [T, H, v] through the latent cache, by
-        `attend` (default: the MLA backend)."""
+        `attend` (default: the MLA backend). q_lat: the latent query [T, H, L + R] whose last
+        R columns are q_rope already (`Projected.q_lat`), filled here; None: a new one."""
         # both products are written in place (cuBLAS takes the strided views), not cat and
         # copied after: at GLM-4.7-Flash's 1,024-row decode step the cat alone took 2.7 ms of
         # 38 (benchmarks/results/gpu_b9de9a5/call4_1ccc02b, "CatArrayBatchedCopy")
         t, heads = q_nope.shape[:2]
         L = self.kv_lora_rank
-        q_full = q_nope.new_empty(t, heads, L + q_rope.shape[-1])  # [T, H, L + R]
+        q_full = q_lat
+        if q_full is None:
+            q_full = q_nope.new_empty(t, heads, L + q_rope.shape[-1])  # [T, H, L + R]
+            q_full[..., L:] = q_rope
         torch.bmm(q_nope.transpose(0, 1), self.w_uk, out=q_full[..., :L].transpose(0, 1))
-        q_full[..., L:] = q_rope
         if attend is None:
             out_lat = self.backend(q_full, self.kv_cache, meta, self.scale, L,
                                    **self.decode_kwargs)

@@ -1,7 +1,12 @@
-"""RMSNorm and RoPE against transformers' own functions (bf16 bitwise, fp32 to ~1 ulp)."""
+"""RMSNorm and RoPE against transformers' own functions (bf16 bitwise, fp32 to ~1 ulp); the
+MLA layer's absorbed query buffer (q_rope written in place)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+import pytest
 import torch
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding
@@ -14,9 +19,14 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     apply_rotary_pos_emb,
 )
 
+from moeserve.kernels.attention.metadata import build_attention_metadata
+from moeserve.kernels.attention.mla.reference import mla_attention_ref
+from moeserve.layers import mla as mla_module
+from moeserve.layers.mla import MLAttention
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rope import RotaryEmbedding
-from tests.models.checkpoints import tiny_hf_config
+from moeserve.model_config import ModelConfig
+from tests.models.checkpoints import tiny_hf_config, write_tiny_checkpoint
 
 
 def test_rms_norm_matches_hf_bitwise_in_bf16() -> None:
@@ -68,3 +78,51 @@ def test_partial_rope_matches_hf_glm4_moe() -> None:
         torch.testing.assert_close(ok, hk[0].transpose(0, 1), atol=tol, rtol=0)
         assert torch.equal(oq[..., 8:], q[..., 8:]) and torch.equal(ok[..., 8:], k[..., 8:])
     assert not torch.allclose(oq[..., :8], q[..., :8])
+
+
+@pytest.mark.parametrize("limit", (1 << 18, 0), ids=("buffer", "own_tensor"))
+@torch.inference_mode()
+def test_mla_hands_the_absorbed_attention_q_rope_in_its_query_buffer(
+        limit: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLAttention.pre_attention(latent_query=True), the forward's, writes q_rope into the
+    absorbed query's last R columns (`Projected.q_lat`) when T x H is at most
+    LATENT_QUERY_MAX_ROWS (else, and by default, q_rope is its own tensor), and `_absorbed`
+    then fills that buffer instead of a new one: the attention's output is the same either way
+    (fp32, bit for bit: the same ops on the same values)."""
+    monkeypatch.setattr(mla_module, "LATENT_QUERY_MAX_ROWS", limit)
+    cfg = ModelConfig.from_file(str(Path(write_tiny_checkpoint("deepseek_v3", tmp_path))
+                                    / "config.json"))
+    layer = MLAttention(0, cfg, mla_attention_ref, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    for p in layer.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (p.dim() == 1))
+    block, cached = 4, [3, 5, 0, 9]
+    layer.kv_cache = torch.randn(16, block, layer.kv_lora_rank + layer.rope_dim, generator=gen)
+    t = len(cached)
+    hidden = torch.randn(t, layer.in_proj.shape[1], generator=gen)
+    need = [-(-(n + 1) // block) for n in cached]
+    first = np.cumsum([1, *need[:-1]]).tolist()
+    tables = [list(range(f, f + n)) for f, n in zip(first, need, strict=True)]
+    meta = build_attention_metadata(cached, [1] * t, tables, block, "cpu")
+    assert layer.pre_attention(meta.positions, hidden, meta.slot_mapping).proj.q_lat is None
+    state = layer.pre_attention(meta.positions, hidden, meta.slot_mapping, latent_query=True)
+    rank, width = layer.kv_lora_rank, layer.kv_lora_rank + layer.rope_dim
+    q_lat = state.proj.q_lat
+    assert (q_lat is not None) == (limit > 0)
+    if q_lat is not None:
+        assert q_lat.shape == (t, layer.num_heads, width)
+        assert state.q_rope.data_ptr() == q_lat[..., rank:].data_ptr()
+        assert state.q_rope.stride() == q_lat[..., rank:].stride()
+    made = []
+    real_new_empty = torch.Tensor.new_empty
+
+    def counted(self: torch.Tensor, *size: object, **kw: object) -> torch.Tensor:
+        made.append(size)
+        return real_new_empty(self, *size, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", counted)
+    got = layer.attention_core(state, meta)
+    monkeypatch.setattr(torch.Tensor, "new_empty", real_new_empty)
+    assert (sum(1 for size in made if size[-1] == width) == 0) == (limit > 0)
+    want = layer._absorbed(state.q_nope, state.q_rope.clone(), meta)
+    assert torch.equal(got, want)

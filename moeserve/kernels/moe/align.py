@@ -104,7 +104,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
 
 def moe_align_block_size_triton(topk_ids: torch.Tensor, num_experts: int,
                                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`moe_align_block_size` in three Triton launches (plus one memset); no host sync.
+    """`moe_align_block_size` in three Triton launches (plus one fill of their scratch); no
+    host sync.
 
     Same outputs (ids -1 counted into no expert), except that the pairs of one expert may come
     in any order within its segment.
@@ -116,9 +117,10 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, num_experts: int,
     size = moe_align_size(num_pairs, num_experts, block_m)
     sorted_token_ids = torch.empty(size, dtype=torch.int32, device=device)
     expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=device)
-    num_tokens_post_padded = torch.zeros(1, dtype=torch.int32, device=device)
     if num_pairs == 0:
-        return sorted_token_ids, expert_ids, num_tokens_post_padded
+        return sorted_token_ids, expert_ids, torch.zeros(1, dtype=torch.int32, device=device)
+    # B writes the total: no fill launch for it (one of a decode step's per-layer launches)
+    num_tokens_post_padded = torch.empty(1, dtype=torch.int32, device=device)
     log2_experts = (num_experts - 1).bit_length()
     e_pow2 = 1 << log2_experts
     # rows: counts, cursors, segment starts, segment ends (the kernels zero nothing themselves)

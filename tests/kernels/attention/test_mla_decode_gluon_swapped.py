@@ -1,7 +1,8 @@
 """The swapped Gluon MLA decode (kernels/attention/mla/decode_gluon_swapped.py: keys as wgmma's M,
 at most 32 heads) against the dense expectation of `make_mla_case`: on the GPU (sm90) only, as
 Gluon has no interpreter; on CPU, that it refuses the call by name and that the switch leaves
-other calls alone. Its persistent-rows experiment writes the unsplit kernel's bits."""
+other calls alone. Its one-stage experiment (`one_stage`: two programs an SM) is checked by the
+same GPU cases."""
 
 from __future__ import annotations
 
@@ -44,10 +45,17 @@ def test_gpu_refuses_too_many_heads() -> None:
         run(gpu_case([100], [1], 64))
 
 
+@pytest.fixture(params=[False, True], ids=["two_stages", "one_stage"])
+def stages(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The kernel's two-stage form, and its one-stage experiment."""
+    monkeypatch.setattr(decode_gluon_swapped, "one_stage", request.param)
+    return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads", [16, 20, 32])
 @pytest.mark.parametrize(("batch", "max_context"), [(4, 4096), (64, 2048), (300, 256)])
-def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int) -> None:
+def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int, stages: bool) -> None:
     """Rows of 1 key to many tiles, with the default split count (one wave of programs) and
     forced ones (1: unsplit; 3: partitions of unequal tiles)."""
     rng = np.random.default_rng(batch)
@@ -63,7 +71,7 @@ def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int) -> Non
 
 
 @pytest.mark.gpu
-def test_gpu_chosen_rows_fp16_and_a_cuda_graph() -> None:
+def test_gpu_chosen_rows_fp16_and_a_cuda_graph(stages: bool) -> None:
     """Chosen rows in fp16, then a CUDA graph's replays, equal to decode_gluon's result."""
     check_rows_fp16_and_graph(decode_swapped,
                               lambda case: {"max_seq_len": case.meta.max_seq_len}, 20)

@@ -210,6 +210,26 @@ def test_padding_slots() -> None:
     assert torch.equal(flat[rest], case.cache.view(num_slots, 52)[rest])
 
 
+@pytest.mark.parametrize("layout", ("v2_lite", "odd_q_lora"))
+@pytest.mark.parametrize("fused", (True, False), ids=("kernel", "reference"))
+def test_writes_q_rope_into_the_tail_of_a_latent_query_buffer(layout: str, fused: bool) -> None:
+    """q_out, the last R columns of a [T, H, L + R] buffer (layers/mla.py's absorbed query):
+    q_rope is written there, the same values as a new tensor's, and returned as that view; the
+    buffer's first L columns keep what they held."""
+    case = make_case(5, torch.float32, layout, True, seed=2, pad=False)  # the reference's slots
+    heads, rope_dim = case.q.shape[1], 2 * case.cos.shape[1]
+    rank = case.width - rope_dim
+    buffer = torch.full((5, heads, rank + rope_dim), 7.0)
+    fn = mla_rope_cache_triton if fused else mla_rope_cache_ref
+    want = fn(*case.args(case.cache.clone()))
+    got = fn(*case.args(case.cache.clone()), q_out=buffer[..., rank:])
+    assert got[0].data_ptr() == buffer[..., rank:].data_ptr() and got[0].stride() == (
+        heads * (rank + rope_dim), rank + rope_dim, 1)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert torch.equal(buffer[..., rank:], want[0])
+    assert bool((buffer[..., :rank] == 7.0).all()), "the latent columns were written"
+
+
 def test_rejects_bad_inputs() -> None:
     case = make_case(3, torch.float32, "odd", True)
     cache = case.cache.clone()
@@ -240,6 +260,12 @@ def test_rejects_bad_inputs() -> None:
         call(cos_table=case.cos.double())
     with pytest.raises(ValueError, match="differ"):
         call(sin_table=case.sin[:, :4].contiguous())
+    with pytest.raises(ValueError, match="q_out must be"):
+        call(q_out=torch.empty(3, 6, 11))
+    with pytest.raises(ValueError, match="q_out must be"):
+        call(q_out=torch.empty(3, 6, 24)[..., ::2])  # last stride 2
+    with pytest.raises(ValueError, match="q_out must be"):
+        call(q_out=torch.empty(3, 6, 12, dtype=torch.float16))
     assert torch.equal(cache, case.cache)
 
 

@@ -20,6 +20,15 @@ Half the tensor-core work of decode_gluon at 17-32 heads, and half its accumulat
 (O^T [512, 32] fp32: 64 a thread). Two stages of 64 keys (147 KB) and the queries (37 KB) fill
 shared memory as decode_gluon's tile does.
 
+`one_stage` (MOESERVE_MLA_SWAPPED_ONE_STAGE=1, an experiment until timed): one stage of keys,
+115 KB of shared memory, so two programs share an SM (128 registers x 256 threads each: the
+register file exactly; 2 x (115,200 + 1,024 reserved) of 233,472 bytes), each copying its
+next tile once its products are done. One program's copies then wait beside the other's
+products and softmax, where with two stages one program's serial chain (scores, softmax
+across warps, P V) holds the SM alone: at W1's short contexts (about 3 key tiles a row) the
+two-stage kernel reaches 48.8 / 52.9% of the read bound at 1,024 / 2,048 rows
+(gpu_7c427c9/call3), 68-82% at 1k-4k keys.
+
 A block-table prefetch (tile t + 2's table entries loaded during tile t, so tile t + 1's copy
 needs no synchronous table load) measured slower on the H200 (gpu_70a3760/call1: 58-69% of the
 bound against 68-82% without) and was removed (it is in git's history at 941ba87).
@@ -40,13 +49,17 @@ from typing import Any
 
 import torch
 
+from moeserve import envs
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import decode_gluon, gluon_parts, reduce_triton
 from moeserve.kernels.triton_common import MAX_GRID_Y
 
 SWAPPED_HEADS = 32  # heads a program: wgmma's N (a power of two for Gluon's shapes)
 BLOCK_N = 64  # keys a tile: wgmma's M for one warpgroup
-STAGES = 2
+one_stage = envs.mla_swapped_one_stage()  # the module docstring's experiment
+# ... whose registers are capped so that two programs of 256 threads fit the register file
+# (sm90 offline: 128 and 132 with a split, then 128 with no spill either way)
+ONE_STAGE_MAX_REGISTERS = 128
 NUM_WARPS = 8
 # A program an SM walking rows as one stream of key tiles (so a row's first copies overlap
 # the previous row's last tile) ran 2-5% slower than this grid at every case on the H200
@@ -76,7 +89,8 @@ def decode_swapped(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
     `rows` [num_rows] int32 row ids, or None for rows 0..B-1); H at most SWAPPED_HEADS.
     num_splits: context partitions a row (default reduce_triton.decode_num_splits over one
     wave of programs)."""
-    decode_gluon._check(q, latent_cache, kv_lora_rank, STAGES, False)
+    stages = 1 if one_stage else 2
+    decode_gluon._check(q, latent_cache, kv_lora_rank, stages, False)
     num_heads, dim = q.shape[1:]
     if not takes(num_heads):
         raise ValueError(f"decode_swapped: at most {SWAPPED_HEADS} heads, got {num_heads}")
@@ -101,7 +115,8 @@ def decode_swapped(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, L=kv_lora_rank, R=dim - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
-        VEC_STORE=decode_gluon.vector_stores, num_warps=NUM_WARPS)
+        VEC_STORE=decode_gluon.vector_stores, STAGES=stages, num_warps=NUM_WARPS,
+        **({"maxnreg": ONE_STAGE_MAX_REGISTERS} if one_stage else {}))
     if num_splits > 1:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows,
                                     num_rows, num_splits)
@@ -136,12 +151,12 @@ def _mla_swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_
                         stride_ot, stride_oh, stride_table,
                         NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                         BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
-                        VEC_STORE: gl.constexpr):
+                        VEC_STORE: gl.constexpr, STAGES: gl.constexpr):
     """Program (0, i, split): decode row i's heads over its context partition `split` (the
-    module docstring's data flow)."""
+    module docstring's data flow), with STAGES (1 or 2) key stages."""
     H: gl.constexpr = 32  # SWAPPED_HEADS
     BN: gl.constexpr = 64  # BLOCK_N
-    NS: gl.constexpr = 2  # STAGES
+    NS: gl.constexpr = STAGES
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # the copies' pointer layouts (16-byte vectors along a row): the keys' as decode_gluon's,
     # the queries' over H rows; S^T's warpgroups side by side along the heads, O^T's along L
@@ -196,18 +211,33 @@ def _mla_swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_
     s_zero = gl.zeros([BN, H], gl.float32, layout=s_l)
     keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
     for t in range(num_tiles):
-        # every warpgroup is done with the stage the next copy overwrites (tile t - 1's)
-        gl.thread_barrier()
-        _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 1) * BN, end,
-                   k_lat_s.index((t + 1) % NS), k_pe_s.index((t + 1) % NS), nl, dq, np_, dp, L,
-                   R, BLOCK_SIZE, False, False)
-        async_copy.commit_group()
-        async_copy.wait_group(NS - 1)  # tile t's group (and the queries') landed
-        gl.thread_barrier()
-        fence_async_shared()  # the copies' writes, before the wgmmas read them
-        m_i, l_i, acc = _tile_step(k_lat_s.index(t % NS), k_pe_s.index(t % NS), q_lat_s,
-                                   q_pe_s, p_s, cache_ptr, max_pos, start + t * BN + keys, end,
-                                   scale_log2, m_i, l_i, acc, s_zero, o_l)
+        if NS == 1:
+            async_copy.wait_group(0)  # tile t's group (and the queries') landed
+            gl.thread_barrier()
+            fence_async_shared()  # the copies' writes, before the wgmmas read them
+            m_i, l_i, acc = _tile_step(k_lat_s.index(0), k_pe_s.index(0), q_lat_s, q_pe_s,
+                                       p_s, cache_ptr, max_pos, start + t * BN + keys, end,
+                                       scale_log2, m_i, l_i, acc, s_zero, o_l)
+            # every warpgroup is done reading the stage, then tile t + 1 (past the last: all
+            # masked, no global read) is copied into it; no branch in the loop
+            gl.thread_barrier()
+            _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 1) * BN, end,
+                       k_lat_s.index(0), k_pe_s.index(0), nl, dq, np_, dp, L, R, BLOCK_SIZE,
+                       False, False)
+            async_copy.commit_group()
+        else:
+            # every warpgroup is done with the stage the next copy overwrites (tile t - 1's)
+            gl.thread_barrier()
+            _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 1) * BN, end,
+                       k_lat_s.index((t + 1) % NS), k_pe_s.index((t + 1) % NS), nl, dq, np_,
+                       dp, L, R, BLOCK_SIZE, False, False)
+            async_copy.commit_group()
+            async_copy.wait_group(NS - 1)  # tile t's group (and the queries') landed
+            gl.thread_barrier()
+            fence_async_shared()  # the copies' writes, before the wgmmas read them
+            m_i, l_i, acc = _tile_step(k_lat_s.index(t % NS), k_pe_s.index(t % NS), q_lat_s,
+                                       q_pe_s, p_s, cache_ptr, max_pos, start + t * BN + keys,
+                                       end, scale_log2, m_i, l_i, acc, s_zero, o_l)
     async_copy.wait_group(0)  # no copy left in flight at exit
 
     # VEC_STORE (decode_gluon.vector_stores): O^T leaves through a layout whose threads hold 8

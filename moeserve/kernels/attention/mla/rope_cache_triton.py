@@ -7,7 +7,9 @@ of the token's latent row into the paged latent cache. And its torch reference, 
     q [T, H, nope + R]  (q_b_proj's output, or in_proj's q rows without q_lora)
       c_kv --RMSNorm (weight [L], eps)-->               -> latent_cache[slot][:L]
       k_rope --RoPE at positions[t]-->                  -> latent_cache[slot][L:]
-      q[t, :, nope:] --RoPE at positions[t]-->          -> q_rope [T, H, R] (new, contiguous)
+      q[t, :, nope:] --RoPE at positions[t]-->          -> q_rope [T, H, R] (new, contiguous;
+                                                         or the caller's q_out, e.g. the tail
+                                                         of the absorbed query [T, H, L + R])
       cos_table[pos], sin_table[pos] (the rows used)    -> cos, sin [T, R / 2] (new, fp32)
 
 RoPE as `rotate_pairs`: pairs (x[2i], x[2i + 1]) laid out as [rotated evens | rotated odds]
@@ -18,7 +20,11 @@ launches.
 
 `_mla_rope_cache_kernel`: grid (T,); one program reads token t's kv_a row once (the latent and
 k_rope), its query's rotary parts once (all heads), and its two table rows; it writes the
-token's cache row [L + R], q_rope's row [H, R] and cos / sin's rows. On CUDA it replaces 24
+token's cache row [L + R], q_rope's row [H, R] and cos / sin's rows. Given `q_out`, q_rope is
+written there (any token and head strides): layers/mla.py hands it the last R columns of the
+absorbed attention's query buffer, so no copy assembles that query (the copy took 0.25 ms of
+glm-4.7-flash's 1,024-row decode step on the H200, 1.4 ms of W1's mixed step:
+gpu_4705423/call1, `direct_copy_kernel_cuda`). On CUDA it replaces 24
 launches per layer and step in bf16, 22 in fp32 (the latent's copy and Triton norm, two table
 gathers, per rotation the two casts of cos / sin (bf16), four products, a sum, a difference and
 a cat, then the latent's cat and index_copy_).
@@ -84,7 +90,8 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def mla_rope_cache_ref(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
                        cos_table: torch.Tensor, sin_table: torch.Tensor,
                        norm_weight: torch.Tensor, eps: float, latent_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, interleaved: bool
+                       slot_mapping: torch.Tensor, interleaved: bool,
+                       q_out: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch reference: the layer's unfused ops (same contract as `mla_rope_cache_triton`,
     except that every slot must be in range: write_latent raises otherwise)."""
@@ -95,13 +102,16 @@ def mla_rope_cache_ref(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.Ten
     q_rope = rotate_pairs(q[..., q.shape[-1] - rope_dim:], cos, sin, interleaved)  # [T, H, R]
     k_rope = rotate_pairs(kv_a[:, kv_lora_rank:], cos, sin, interleaved)  # [T, R]
     write_latent(torch.cat([c_kv, k_rope], dim=-1), latent_cache, slot_mapping)
+    if q_out is not None:
+        q_rope = q_out.copy_(q_rope)
     return q_rope, cos, sin
 
 
 def mla_rope_cache_triton(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
                           cos_table: torch.Tensor, sin_table: torch.Tensor,
                           norm_weight: torch.Tensor, eps: float, latent_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor, interleaved: bool
+                          slot_mapping: torch.Tensor, interleaved: bool,
+                          q_out: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The latent's norm, q's and k's RoPE and the latent write, one launch.
 
@@ -118,16 +128,23 @@ def mla_rope_cache_triton(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.
         slot_mapping: [T] int64: token t's row goes to flat slot slot_mapping[t] (out of range:
             not written).
         interleaved: RoPE pairs (x[2i], x[2i + 1]), else (x[i], x[i + R / 2]).
+        q_out: where q_rope goes, [T, H, R] of q's dtype and device with a unit last stride
+            (any token and head strides; not overlapping q's rotary part), or None: a new
+            contiguous tensor.
     Returns:
-        q_rope [T, H, R] (kv_a's dtype), cos and sin [T, R / 2] fp32 (the tables' rows at
-        positions): new contiguous tensors.
+        q_rope [T, H, R] (kv_a's dtype; q_out when given), cos and sin [T, R / 2] fp32 (the
+        tables' rows at positions): new contiguous tensors.
     """
     _check(kv_a, q, positions, cos_table, sin_table, norm_weight, latent_cache, slot_mapping)
     t, heads = q.shape[:2]
     half = cos_table.shape[1]
     rope_dim = 2 * half
     kv_lora_rank = latent_cache.shape[-1] - rope_dim
-    q_rope = torch.empty(t, heads, rope_dim, dtype=q.dtype, device=q.device)
+    if q_out is None:
+        q_rope = torch.empty(t, heads, rope_dim, dtype=q.dtype, device=q.device)
+    else:
+        _check_q_out(q_out, q, rope_dim)
+        q_rope = q_out
     cos = torch.empty(t, half, dtype=torch.float32, device=q.device)
     sin = torch.empty_like(cos)
     if t == 0:
@@ -136,7 +153,8 @@ def mla_rope_cache_triton(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.
     block_h, block_half, block_l = next_pow2(heads), next_pow2(half), next_pow2(kv_lora_rank)
     _kernels().mla_rope_cache[(t,)](
         kv_a, q, positions, cos_table, sin_table, norm_weight, latent_cache, slot_mapping,
-        q_rope, cos, sin, kv_a.stride(0), q.stride(0), q.stride(1), num_slots,
+        q_rope, cos, sin, kv_a.stride(0), q.stride(0), q.stride(1), q_rope.stride(0),
+        q_rope.stride(1), num_slots,
         1.0 / kv_lora_rank, eps, NUM_HEADS=heads, BLOCK_H=block_h, NOPE=q.shape[-1] - rope_dim,
         HALF=half, BLOCK_HALF=block_half, L=kv_lora_rank, BLOCK_L=block_l,
         PAIR_STEP=2 if interleaved else 1, PAIR_OFFSET=1 if interleaved else half,
@@ -144,6 +162,15 @@ def mla_rope_cache_triton(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.
         num_warps=min(8, max(1, max(block_h * block_half, block_l) // 512)),
         enable_fp_fusion=False)
     return q_rope, cos, sin
+
+
+def _check_q_out(q_out: torch.Tensor, q: torch.Tensor, rope_dim: int) -> None:
+    want = (*q.shape[:2], rope_dim)
+    if (q_out.shape != want or q_out.dtype != q.dtype or q_out.device != q.device
+            or q_out.stride(2) != 1):
+        raise ValueError(f"mla_rope_cache_triton: q_out must be {list(want)} {q.dtype} on "
+                         f"{q.device} with a unit last stride, got {list(q_out.shape)} "
+                         f"{q_out.dtype} on {q_out.device} strides {q_out.stride()}")
 
 
 def _check(kv_a: torch.Tensor, q: torch.Tensor, positions: torch.Tensor,
@@ -228,7 +255,7 @@ def _rotate(x1, x2, c, s, dt, BF16: tl.constexpr):
 
 def _mla_rope_cache_kernel(kv_ptr, q_ptr, positions_ptr, cos_ptr, sin_ptr, w_ptr, cache_ptr,
                            slots_ptr, q_out_ptr, cos_out_ptr, sin_out_ptr, stride_kv,
-                           stride_qt, stride_qh, num_slots, inv_l, eps,
+                           stride_qt, stride_qh, stride_ot, stride_oh, num_slots, inv_l, eps,
                            NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, NOPE: tl.constexpr,
                            HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, L: tl.constexpr,
                            BLOCK_L: tl.constexpr, PAIR_STEP: tl.constexpr,
@@ -283,6 +310,6 @@ def _mla_rope_cache_kernel(kv_ptr, q_ptr, positions_ptr, cos_ptr, sin_ptr, w_ptr
     q1 = tl.load(q_pairs, mask=qm, other=0.0).to(tl.float32)  # [BH, BHALF]
     q2 = tl.load(q_pairs + PAIR_OFFSET, mask=qm, other=0.0).to(tl.float32)
     o1, o2 = _rotate(q1, q2, c[None, :], s[None, :], dt, BF16)
-    out = q_out_ptr + t * (NUM_HEADS * 2 * HALF) + h[:, None] * (2 * HALF) + i[None, :]
+    out = q_out_ptr + t * stride_ot + h[:, None] * stride_oh + i[None, :]
     tl.store(out, o1.to(dt), mask=qm)
     tl.store(out + HALF, o2.to(dt), mask=qm)
