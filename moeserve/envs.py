@@ -21,6 +21,9 @@
                              key stage (115 KB of shared memory: two programs an SM, each
                              copying its next tile after its products), an experiment; two
                              stages (one program an SM) otherwise
+    MOESERVE_MLA_SWAPPED_TOKENS  "1" runs a mixed step's absorbed MLA (at most 32 heads) as
+                             one launch of decode_gluon_swapped.py's kernel, a program a
+                             token, an experiment; the decode and prefill launches otherwise
     MOESERVE_MLA_FRESH_VARLEN  "0" keeps MLA layers' fresh prompts (no cached prefix) of
                              layers/mla.py's FRESH_VARLEN_MIN_TOKENS or more off the one
                              variable-length flash launch (mla/up_projected.attend_fresh_rows),
@@ -54,6 +57,7 @@ MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
 MLA_SWAPPED_ONE_STAGE = "MOESERVE_MLA_SWAPPED_ONE_STAGE"
+MLA_SWAPPED_TOKENS = "MOESERVE_MLA_SWAPPED_TOKENS"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
 NVFP4_GLUON = "MOESERVE_NVFP4_GLUON"
@@ -96,6 +100,10 @@ def mla_decode_swapped() -> bool:
 
 def mla_swapped_one_stage() -> bool:
     return os.environ.get(MLA_SWAPPED_ONE_STAGE) == "1"
+
+
+def mla_swapped_tokens() -> bool:
+    return os.environ.get(MLA_SWAPPED_TOKENS) == "1"
 
 
 def mla_fresh_varlen() -> bool:

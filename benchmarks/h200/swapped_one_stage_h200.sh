@@ -6,8 +6,13 @@
 # the dense expectation, fp16, chosen rows, a CUDA graph), then kernels_mla at 20 heads,
 # gluon-swapped without and with it (the issue's cases and W1's contexts, where the two-stage
 # kernel is at 48.8 / 52.9% of the bound at 1,024 / 2,048 rows, gpu_7c427c9/call3; the issue
-# asks 60%). Results as $OUT/swapped_one_stage.tgz. W1 with it: bash
-# benchmarks/h200/w1_repeats_h200.sh DIR "default=" "one_stage=MOESERVE_MLA_SWAPPED_ONE_STAGE=1".
+# asks 60%); then its tokens form (decode_gluon_swapped.attend_tokens,
+# MOESERVE_MLA_SWAPPED_TOKENS=1: a mixed step's absorbed attention as one launch, a program a
+# token) in kernels_mla_prefill's glm-4.7-flash cases (absorbed_gluon_ms; W1's mixed step took
+# 11.4 ms of prefill_gluon in 135, gpu_4705423/call1), with two stages and with one.
+# Results as $OUT/swapped_one_stage.tgz. W1 with them: bash benchmarks/h200/w1_repeats_h200.sh
+# DIR "default=" "one_stage=MOESERVE_MLA_SWAPPED_ONE_STAGE=1"
+# "tokens=MOESERVE_MLA_SWAPPED_ONE_STAGE=1 MOESERVE_MLA_SWAPPED_TOKENS=1".
 #   bash benchmarks/h200/swapped_one_stage_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -22,4 +27,13 @@ for on in 0 1; do
 done
 python3 -m benchmarks.kernels.mla_cases_table $R/one_stage0/kernels_mla.json \
   $R/one_stage1/kernels_mla.json
+for v in "0 0" "1 0" "1 1"; do
+  set -- $v
+  timeout 100 env MOESERVE_MLA_SWAPPED_TOKENS=$1 MOESERVE_MLA_SWAPPED_ONE_STAGE=$2 \
+    python3 -m benchmarks.kernels.kernels_mla_prefill --out $R/prefill_tokens$1_one_stage$2 \
+    --presets glm-4.7-flash --gluon > $R/prefill_tokens$1_one_stage$2.log 2>&1
+  echo "kernels_mla_prefill tokens=$1 one_stage=$2 rc=$?"
+  grep -oE '"case": "[^"]*"|"absorbed_gluon_ms": [0-9.]+' \
+    $R/prefill_tokens$1_one_stage$2/kernels_mla_prefill.json | paste -sd' '
+done
 tar czf $OUT/swapped_one_stage.tgz -C /tmp swapped_one_stage

@@ -200,7 +200,7 @@ MLA_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
                 "sel_ptr": "*i32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "query_start_loc_ptr": "*i32", "rows_ptr": "*i32", "token_to_req_ptr": "*i32",
-                "tiles_ptr": "*i32", "tok_pos_ptr": "*i64",
+                "tiles_ptr": "*i32", "tok_pos_ptr": "*i64", "positions_ptr": "*i64",
                 "scale_log2": "fp32"}
 
 
@@ -250,7 +250,8 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
 
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
                      USE_ROWS=False, SPLIT=args.split, VEC_STORE=args.vector_stores,
-                     STAGES=stages)  # 2, or 1 (its one_stage experiment)
+                     STAGES=stages,  # 2, or 1 (its one_stage experiment)
+                     TOKENS=args.tokens)  # its attend_tokens experiment
         kernel = decode_gluon_swapped._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -380,6 +381,8 @@ def main() -> None:
                            help="the absorbed prefill over query tiles (prefill_gluon)")
             p.add_argument("--swapped", action="store_true",
                            help="decode_gluon_swapped's kernel (keys as M, <= 32 heads)")
+            p.add_argument("--tokens", action="store_true",
+                           help="with --swapped: a program a token (attend_tokens)")
             p.add_argument("--vector-stores", action="store_true",
                            help="the outputs stored in 16-byte vectors (VEC_STORE)")
         if name.startswith(("mla-", "dsa-")):
