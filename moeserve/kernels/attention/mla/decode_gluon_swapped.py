@@ -86,6 +86,11 @@ _nvmma_buffer: Any = None
 _tile_step: Any = None
 
 
+def programs_per_sm() -> int:
+    """Programs an SM holds at once: two with `one_stage`'s shared memory, else one."""
+    return 2 if one_stage else 1
+
+
 def takes(num_heads: int) -> bool:
     """Whether a decode of this many heads fits one program's heads."""
     return 0 < num_heads <= SWAPPED_HEADS
@@ -98,7 +103,7 @@ def decode_swapped(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
     """Decode rows (one query each) into out [T, H, L] (decode_gluon.decode_gluon's contract:
     `rows` [num_rows] int32 row ids, or None for rows 0..B-1); H at most SWAPPED_HEADS.
     num_splits: context partitions a row (default reduce_triton.decode_num_splits over one
-    wave of programs)."""
+    wave of programs, `programs_per_sm` of them an SM)."""
     stages = 1 if one_stage else 2
     decode_gluon._check(q, latent_cache, kv_lora_rank, stages, False)
     num_heads = q.shape[1]
@@ -109,9 +114,9 @@ def decode_swapped(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
                          f"{MAX_GRID_Y} (the grid's y dimension)")
     if num_rows == 0:
         return
-    if num_splits is None:
-        num_splits = reduce_triton.decode_num_splits(num_rows, 1, max_seq_len, q.device,
-                                                     waves=decode_gluon.DECODE_WAVES)
+    if num_splits is None:  # one wave of programs: two an SM with one stage
+        num_splits = reduce_triton.decode_num_splits(
+            num_rows, 1, max_seq_len, q.device, waves=decode_gluon.DECODE_WAVES * programs_per_sm())
     if not 1 <= num_splits <= reduce_triton.MAX_SPLITS:
         raise ValueError(f"decode_swapped: num_splits must be in 1..{reduce_triton.MAX_SPLITS}, "
                          f"got {num_splits}")
