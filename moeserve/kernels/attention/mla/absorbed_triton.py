@@ -128,7 +128,9 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
             (decode_gluon.py: split on wgmma, sm90) or "auto" (`auto_decode_form`; "split"
             whenever decode_splits is given, no gluon when decode_config is).
         prefill_gluon: prefill rows through mla/prefill_gluon.py; default (None)
-            wherever it takes the inputs and no prefill_config is given.
+            wherever it takes the inputs and no prefill_config is given (or, for at most 32
+            heads under MOESERVE_MLA_SWAPPED_TOKENS=1, the whole step through
+            decode_gluon_swapped.attend_tokens, an experiment).
     Returns:
         [T, H, L] contiguous, q's dtype.
     """
