@@ -95,6 +95,7 @@ _load_tile: Any = None
 _scores: Any = None
 _valid_keys: Any = None
 _query_rows: Any = None
+_decode_row: Any = None
 _softmax_to_p: Any = None
 _nvmma_buffer: Any = None
 
@@ -250,6 +251,7 @@ def _kernels() -> SimpleNamespace:
     builtins they call as module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     global _load_tile, _scores, _valid_keys, _query_rows, _softmax_to_p, _nvmma_buffer
+    global _decode_row
     global _decode_kernel
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
@@ -260,7 +262,7 @@ def _kernels() -> SimpleNamespace:
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
     _load_tile, _scores, _valid_keys = parts.load_tile, parts.scores, parts.valid_keys
     _query_rows, _softmax_to_p = parts.query_rows, parts.softmax_to_p
-    _nvmma_buffer = parts.nvmma_buffer
+    _nvmma_buffer, _decode_row = parts.nvmma_buffer, parts.decode_row
     # rows_ptr: a slice of one index array at any offset (no new compile mid-serving)
     _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "topk",
                                                   "max_blocks", "stride_table"],
@@ -328,12 +330,8 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
             end = gl.minimum(end, gl.load(tok_pos_ptr + tok).to(gl.int32) + 1)
         sel = sel_ptr + tok * stride_sel
     else:  # keys: positions start .. end of the row's context
-        if USE_ROWS:
-            req = gl.load(rows_ptr + i)
-        else:
-            req = i
-        tok = gl.load(query_start_loc_ptr + req).to(gl.int64)
-        seq_len = gl.load(seq_lens_ptr + req)
+        req, tok, seq_len = _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr,
+                                        USE_ROWS)
         end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
         sel = sel_ptr  # unused
     if not PREFILL:  # one query token: _query_rows' tile arguments unused

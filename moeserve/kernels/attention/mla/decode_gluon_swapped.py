@@ -84,6 +84,7 @@ _load_tile: Any = None
 _valid_keys: Any = None
 _nvmma_buffer: Any = None
 _tile_step: Any = None
+_decode_row: Any = None
 
 
 def programs_per_sm() -> int:
@@ -175,7 +176,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use, after decode_gluon's helpers (whose jitted forms it
     calls, bound here as module globals)."""
     global gl, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, async_copy
-    global _load_tile, _valid_keys, _nvmma_buffer, _mla_swapped_kernel, _tile_step
+    global _load_tile, _valid_keys, _nvmma_buffer, _mla_swapped_kernel, _tile_step, _decode_row
     from triton.experimental import gluon
 
     decode_gluon._kernels()
@@ -184,6 +185,7 @@ def _kernels() -> SimpleNamespace:
     warpgroup_mma, warpgroup_mma_wait = decode_gluon.warpgroup_mma, decode_gluon.warpgroup_mma_wait
     parts = gluon_parts.jitted()
     _load_tile, _valid_keys, _nvmma_buffer = parts.load_tile, parts.valid_keys, parts.nvmma_buffer
+    _decode_row = parts.decode_row
     _mla_swapped_kernel = gluon.jit(
         do_not_specialize=["partition", "num_splits", "max_blocks", "stride_table"],
         do_not_specialize_on_alignment=["rows_ptr"])(_mla_swapped_kernel)
@@ -229,12 +231,8 @@ def _mla_swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_
         req = gl.load(token_to_req_ptr + tok)
         seq_len = (gl.load(positions_ptr + tok) + 1).to(gl.int32)
     else:
-        if USE_ROWS:
-            req = gl.load(rows_ptr + i)
-        else:
-            req = i
-        tok = gl.load(query_start_loc_ptr + req).to(gl.int64)
-        seq_len = gl.load(seq_lens_ptr + req)
+        req, tok, seq_len = _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr,
+                                        USE_ROWS)
     end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
     table = block_tables_ptr + req.to(gl.int64) * stride_table
     max_pos = max_blocks * BLOCK_SIZE

@@ -1,6 +1,7 @@
 """The Gluon MLA kernels' shared parts (decode_gluon.py's kernel, and the swapped one beside
-it): the query rows a program reads, the key tiles' copies from the paged latent cache, the
-scores' wgmmas, and the online softmax that writes P for the P V wgmma.
+it): a decode program's row, the query rows a program reads, the key tiles' copies from the
+paged latent cache, the scores' wgmmas, and the online softmax that writes P for the P V
+wgmma.
 
 Gluon functions, jitted by `jitted()` on first use with the Hopper builtins they call bound as
 module globals (where the compiler resolves names); the kernels' modules bind the jitted
@@ -25,6 +26,7 @@ def jitted() -> SimpleNamespace:
     they call bound as this module's globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma
     global _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _nvmma_buffer
+    global _decode_row
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -35,9 +37,10 @@ def jitted() -> SimpleNamespace:
     _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _nvmma_buffer = (
         gluon.jit(f) for f in (_query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile,
                                _nvmma_buffer))
+    _decode_row = gluon.jit(_decode_row)
     return SimpleNamespace(query_rows=_query_rows, softmax_to_p=_softmax_to_p, scores=_scores,
                            valid_keys=_valid_keys, load_tile=_load_tile,
-                           nvmma_buffer=_nvmma_buffer)
+                           nvmma_buffer=_nvmma_buffer, decode_row=_decode_row)
 
 
 def _nvmma_buffer(dtype: gl.constexpr, shape: gl.constexpr):
@@ -45,6 +48,17 @@ def _nvmma_buffer(dtype: gl.constexpr, shape: gl.constexpr):
     two dimensions (a leading dimension: stages)."""
     return gl.allocate_shared_memory(
         dtype, shape, gl.NVMMASharedLayout.get_default_for(shape[len(shape) - 2:], dtype))
+
+
+def _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr, USE_ROWS: gl.constexpr):
+    """A decode program's row (rows_ptr[i] with USE_ROWS, else i), its query token's index
+    and its context length: (req, tok int64, seq_len)."""
+    if USE_ROWS:
+        req = gl.load(rows_ptr + i)
+    else:
+        req = i
+    tok = gl.load(query_start_loc_ptr + req).to(gl.int64)
+    return req, tok, gl.load(seq_lens_ptr + req)
 
 
 def _query_rows(tok, q0, q_len, head_tile, stride_qt, stride_qh, layout: gl.constexpr,
