@@ -87,6 +87,11 @@ _tile_step: Any = None
 _decode_row: Any = None
 
 
+def key_stages() -> int:
+    """The kernel's key stages: one with `one_stage`, else two."""
+    return 1 if one_stage else 2
+
+
 def programs_per_sm() -> int:
     """Programs an SM holds at once: two with `one_stage`'s shared memory, else one."""
     return 2 if one_stage else 1
@@ -105,8 +110,7 @@ def decode_swapped(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
     `rows` [num_rows] int32 row ids, or None for rows 0..B-1); H at most SWAPPED_HEADS.
     num_splits: context partitions a row (default reduce_triton.decode_num_splits over one
     wave of programs, `programs_per_sm` of them an SM)."""
-    stages = 1 if one_stage else 2
-    decode_gluon._check(q, latent_cache, kv_lora_rank, stages, False)
+    decode_gluon._check(q, latent_cache, kv_lora_rank, key_stages(), False)
     num_heads = q.shape[1]
     if not takes(num_heads):
         raise ValueError(f"decode_swapped: at most {SWAPPED_HEADS} heads, got {num_heads}")
@@ -137,8 +141,7 @@ def attend_tokens(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMe
     (positions 0 .. its own in its row), one unsplit program a token, into out [T, H, L]:
     a mixed step's absorbed attention in one launch (`takes_tokens` says when; the tokens
     form, an experiment: absorbed_triton runs it under MOESERVE_MLA_SWAPPED_TOKENS=1)."""
-    stages = 1 if one_stage else 2
-    decode_gluon._check(q, latent_cache, kv_lora_rank, stages, False)
+    decode_gluon._check(q, latent_cache, kv_lora_rank, key_stages(), False)
     num_tokens, num_heads = q.shape[:2]
     if not takes(num_heads) or num_tokens > MAX_GRID_Y:
         raise ValueError(f"attend_tokens: at most {SWAPPED_HEADS} heads and {MAX_GRID_Y} "
@@ -167,7 +170,7 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         meta.block_tables.stride(0), NUM_HEADS=q.shape[1], L=kv_lora_rank,
         R=dim - kv_lora_rank, BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None,
         SPLIT=num_splits > 1, VEC_STORE=decode_gluon.vector_stores,
-        STAGES=1 if one_stage else 2, TOKENS=tokens, num_warps=NUM_WARPS,
+        STAGES=key_stages(), TOKENS=tokens, num_warps=NUM_WARPS,
         **({"maxnreg": ONE_STAGE_MAX_REGISTERS} if one_stage else {}))
 
 
