@@ -88,18 +88,22 @@ class IncrementalDetokenizer:
             self._text = self._text[:pos]
             self.stop_hit = self.stop[i]
 
-    def _num_held(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        text = self._text
-        for n in range(min(self._max_held, len(text)), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
-                return n
-        return 0
-
     def _release(self, final: bool) -> str:
-        end = len(self._text) if final else max(self._num_emitted,
-                                                len(self._text) - self._num_held())
+        held = marker_prefix_len(self._text, self.stop, self._max_held)
+        end = len(self._text) if final else max(self._num_emitted, len(self._text) - held)
         delta = self._text[self._num_emitted:end]
         self._num_emitted = end
         return delta
+
+
+def marker_prefix_len(text: str, markers: Sequence[str], longest: int | None = None) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `markers` (at most
+    `longest` characters, default the longest marker's length - 1): what a stream must hold
+    back until it knows whether a marker follows."""
+    if longest is None:
+        longest = max((len(m) for m in markers), default=1) - 1
+    for n in range(min(longest, len(text)), 0, -1):
+        tail = text[-n:]
+        if any(m.startswith(tail) for m in markers):
+            return n
+    return 0

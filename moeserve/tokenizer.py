@@ -49,9 +49,15 @@ class Tokenizer(Protocol):
         errors="replace" they give the text of the ids as they appear after a prompt."""
         ...
 
+    chat_template: str | None
+    """The checkpoint's chat template (Jinja source); None: the default template."""
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat, ending with the assistant's turn when asked."""
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """The prompt text for a chat, ending with the assistant's turn when asked; `tools`
+        (OpenAI's tool objects) and `kwargs` (a request's chat_template_kwargs) are variables of
+        the template, as transformers passes them."""
         ...
 
     def max_token_chars(self) -> int:
@@ -69,10 +75,14 @@ def _message_text(content: Any) -> str:
     return "".join(part.get("text", "") for part in content if part.get("type") == "text")
 
 
-def default_chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+def default_chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> str:
     """The plain format used when a tokenizer has no chat template:
-    "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n"."""
-    text = "".join(f"<|{m['role']}|>\n{_message_text(m.get('content'))}\n" for m in messages)
+    "<|tools|>\\n[tools as JSON]\\n" when there are tools, "<|role|>\\ncontent\\n" per message,
+    then "<|assistant|>\\n". (The chat route writes an assistant message's tool calls into its
+    content, in the server's tool-call format, before this runs.)"""
+    text = f"<|tools|>\n{json.dumps(tools, ensure_ascii=False)}\n" if tools else ""
+    text += "".join(f"<|{m['role']}|>\n{_message_text(m.get('content'))}\n" for m in messages)
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
@@ -115,9 +125,12 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return b"".join(self.token_bytes(ids, skip_special_tokens)).decode("utf-8", "replace")
 
+    chat_template: str | None = None
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        return default_chat_template(messages, add_generation_prompt)
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        return default_chat_template(messages, add_generation_prompt, tools)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -250,8 +263,9 @@ class HFTokenizer:
         return self._piece_to_bytes(piece)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        return render_chat(self, messages, add_generation_prompt)
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        return render_chat(self, messages, add_generation_prompt, tools, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -357,13 +371,15 @@ def load_tokenizer(folder: str | None, builtin: str | None, model_config: ModelC
                       "with tokenizer_config.json), or use a preset with a built-in tokenizer")
 
 
-def render_chat(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+def render_chat(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
     """A checkpoint tokenizer's chat template rendered (compiled on first use into
     `tok._template`), or the default template when the checkpoint has none; shared by the HF
-    and the tiktoken tokenizers."""
+    and the tiktoken tokenizers. `kwargs` are extra template variables; they cannot replace
+    the ones set here (messages, tools, add_generation_prompt, the special tokens)."""
     if tok.chat_template is None:
-        return default_chat_template(messages, add_generation_prompt)
+        return default_chat_template(messages, add_generation_prompt, tools)
     if tok._template is None:
         tok._template = _compile_template(tok.chat_template)
-    return _render(tok._template, messages=messages,
-                   add_generation_prompt=add_generation_prompt, **tok.special_tokens)
+    return _render(tok._template, **{**kwargs, **tok.special_tokens}, messages=messages,
+                   tools=tools, add_generation_prompt=add_generation_prompt)

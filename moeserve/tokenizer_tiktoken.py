@@ -205,5 +205,6 @@ class TiktokenTokenizer:
         return b"".join(self.token_bytes(ids, skip_special_tokens)).decode("utf-8", "replace")
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        return render_chat(self, messages, add_generation_prompt)
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        return render_chat(self, messages, add_generation_prompt, tools, **kwargs)

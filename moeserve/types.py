@@ -41,6 +41,9 @@ class SamplingParams:
     """Keep generating past EOS until max_tokens."""
     logprobs: int | None = None
     """Return the sampled token's logprob and this many top logprobs (0..MAX_LOGPROBS)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text (the EOS or stop token that ends a request is left
+    out either way). Text side only: the detokenizer reads it, the engine never sees it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -23,7 +23,7 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, stop=params.stop)
+            self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop)
 
     def process(self, outputs: list[RequestOutput]
                 ) -> tuple[list[RequestOutput], list[str], list[str]]:
@@ -39,7 +39,7 @@ class OutputProcessor:
             try:
                 if out.request_id in self._faults:
                     raise envs.InjectedFault("injected detokenizer fault")
-                out.text = detok.add(out.new_token_ids)
+                out.text = detok.add(_text_tokens(out, detok))
             except Exception as e:  # this request's fault: it fails, the others go on
                 if not out.finished:
                     failed.append(out.request_id)
@@ -59,3 +59,13 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)
+
+
+def _text_tokens(out: RequestOutput, detok: IncrementalDetokenizer) -> list[int]:
+    """The new tokens that become text: all of them, less the EOS or stop token that ended the
+    request when special tokens are kept (its text is never part of the output)."""
+    ids = out.new_token_ids
+    if (not detok.skip_special_tokens and out.finished and ids
+            and out.finish_reason is FinishReason.STOP and not isinstance(out.stop_reason, str)):
+        return ids[:-1]
+    return ids

@@ -36,6 +36,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from moeserve.gc_tuning import freeze_heap
+from moeserve.server.agent.choice import choose_formats
 from moeserve.server.errors import APIError
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.openapi import install as install_openapi
@@ -68,18 +69,23 @@ async def shutdown_engine(app: FastAPI) -> None:
 
 
 def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
-              settings: dict[str, Any] | None = None) -> FastAPI:
+              settings: dict[str, Any] | None = None, tool_call_parser: str = "auto",
+              reasoning_parser: str = "auto") -> FastAPI:
     """The HTTP app over a started engine client.
 
     Args:
         client: a started AsyncEngineClient; the app's shutdown shuts it down.
         api_key: when set, every /v1 route requires "Authorization: Bearer <api_key>".
         settings: the server's own settings, shown at /v1/engine (host, port, ...).
+        tool_call_parser, reasoning_parser: the chat replies' formats (server/agent/choice.py:
+            a name, "none" or "auto"); ValueError for an unknown name.
     """
     names = {client.model_name, client.model}
+    agent = choose_formats(tool_call_parser, reasoning_parser, client.tokenizer,
+                           client.model_config.architecture)
     ctx = ServerContext(client=client, metrics=ServerMetrics(client),
                         model_names=frozenset(names), api_key=api_key or None,
-                        settings=dict(settings or {}))
+                        settings={**(settings or {}), **agent.describe()}, agent=agent)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

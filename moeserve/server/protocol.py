@@ -4,8 +4,9 @@ Requests are parsed strictly: a field we do not support is an error (`extra="for
 of the wrong JSON type is an error (`strict=True`: no "1" for 1, no 1.0 for an int), and every
 number and list is bounded, so bad input gets a 400 naming the field before it reaches the engine.
 Fields OpenAI clients send with no effect (penalties at 0, `best_of` 1, `echo` false, an empty
-`logit_bias`, `response_format` text, no tools) are accepted at exactly those values and refused
-otherwise. `docs/openai-compat.md` lists every field.
+`logit_bias`, `response_format` text) are accepted at exactly those values and refused
+otherwise. Tools, tool calls and reasoning: server/agent/. `docs/openai-compat.md` lists every
+field.
 
 Every per-field limit lives in the field's type (bounds, `Literal`, `max_length`, a model), so the
 JSON schema of these models (served at /openapi.json, server/openapi.py) shows exactly what is
@@ -35,6 +36,14 @@ from pydantic import (
     model_validator,
 )
 
+from moeserve.server.agent.protocol import (
+    MAX_TOOLS,
+    ChatMessage,
+    ReplyToolCall,
+    Tool,
+    ToolCallDelta,
+    ToolChoice,
+)
 from moeserve.types import MAX_LOGPROBS
 
 MAX_N = 8
@@ -62,8 +71,6 @@ _NEUTRAL = {
     "echo": "is not supported (only false is accepted)",
     "best_of": "is not supported (only 1 or null is accepted)",
     "response_format": 'is not supported (only {"type": "text"} or null is accepted)',
-    "tools": "are not supported (only [] or null is accepted)",
-    "tool_choice": 'is not supported (only "none" or null is accepted)',
 }
 
 
@@ -95,6 +102,9 @@ class SamplingFields(_Request):
     """One string or a list; each ends generation and is not included in the text."""
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text (the EOS that ends a reply is left out either
+    way). A request with tools keeps them when the model's tool-call markers are special."""
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -175,37 +185,6 @@ class ResponseFormat(_Request):
     type: Literal["text"]
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-
-    @field_validator("content", mode="wrap")
-    @classmethod
-    def _text_parts_only(cls, value: Any, handler: Any) -> str | list[TextPart]:
-        if isinstance(value, list):
-            for part in value:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(f"must contain only text parts ({{\"type\": \"text\", "
-                                     f"\"text\": ...}}), got a part of type {kind!r}")
-        try:
-            return handler(value)
-        except ValueError:
-            raise ValueError("must be a string or a list of text parts "
-                             "({\"type\": \"text\", \"text\": ...})") from None
-
-    @property
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
-
-
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -214,12 +193,19 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    """Functions the model may call; its calls come back in `tool_calls` (server/agent/)."""
+    tool_choice: ToolChoice | None = None
+    """"auto" (the default with tools) or "none"; "required" and a named function are refused
+    (they need constrained decoding, which moeserve does not do)."""
+    parallel_tool_calls: bool = True
+    """false: at most one call per reply (the first the model writes)."""
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32)] | None = None
+    """Extra variables for the chat template, such as {"enable_thinking": false}."""
     # Passive fields: accepted only at the value that changes nothing.
     response_format: ResponseFormat | None = None
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
-    tool_choice: Literal["none"] | None = None
 
-    @field_validator("response_format", "tools", "tool_choice", mode="wrap")
+    @field_validator("response_format", mode="wrap")
     @classmethod
     def _passive_chat(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
         return _only_neutral(value, handler, info)
@@ -231,7 +217,16 @@ class ChatCompletionRequest(SamplingFields):
         if (self.max_tokens is not None and self.max_completion_tokens is not None
                 and self.max_tokens != self.max_completion_tokens):
             raise ValueError("max_completion_tokens differs from max_tokens (give one of them)")
+        if self.tools:
+            names = [t.function.name for t in self.tools]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"tools names the function {twice[0]!r} twice")
         return self
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -316,7 +311,14 @@ class ChatLogprobs(_Response):
 
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    """null when the reply is tool calls alone."""
+    reasoning_content: str | None = None
+    """The reasoning, when the server separates it (--reasoning-parser)."""
+    tool_calls: list[ReplyToolCall] | None = None
+
+
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(_Response):
@@ -324,7 +326,7 @@ class ChatChoice(_Response):
     message: AssistantMessage
     token_ids: list[int]  # moeserve extension
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: ChatFinishReason | None = None
     stop_reason: str | int | None = None
 
 
@@ -340,6 +342,8 @@ class ChatCompletionResponse(_Response):
 class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(_Response):
@@ -347,7 +351,7 @@ class ChatStreamChoice(_Response):
     delta: Delta
     token_ids: list[int]  # moeserve extension: the tokens of this delta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: ChatFinishReason | None = None
     stop_reason: str | int | None = None
 
 

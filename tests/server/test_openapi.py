@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from moeserve.server.app import build_app
+from moeserve.tokenizer import ByteTokenizer
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server.conftest import API_KEY, LiveServer
 
@@ -30,7 +31,9 @@ STATUSES = {  # what each route can answer, without --api-key
 
 
 def _doc(api_key: str | None = None) -> dict[str, Any]:
-    client = types.SimpleNamespace(model_name="tiny-moe", model="tiny-moe", capacity_report={})
+    client = types.SimpleNamespace(model_name="tiny-moe", model="tiny-moe", capacity_report={},
+                                   tokenizer=ByteTokenizer(512, None, None),
+                                   model_config=types.SimpleNamespace(architecture="Test"))
     return build_app(client, api_key).openapi()  # type: ignore[arg-type]
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from moeserve.engine.args import add_engine_args, engine_kwargs_from_args
 from moeserve.gc_tuning import freeze_heap
+from moeserve.server.agent.choice import REASONING_PARSER_CHOICES, TOOL_PARSER_CHOICES
 
 if TYPE_CHECKING:  # imported when serving, so that building the CLI parser stays light
     from fastapi import FastAPI
@@ -80,6 +81,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "HTTP 503 with Retry-After: 1 at accept. auto: the open-files limit less "
                         "a reserve for the process's own files, which is at least 4 x (max "
                         "running + max waiting requests) where the limit allows (default: auto)")
+    parser.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+                        metavar="NAME|auto|none", help="the format of the tool calls chat "
+                        "replies are parsed for when a request offers tools (vLLM's and "
+                        "SGLang's names: hermes, glm45, glm47, deepseek_v3, deepseek_v31, "
+                        "deepseek_v32, kimi_k2, mistral). auto: the format the model's chat "
+                        "template writes, or its family's without one (default: auto)")
+    parser.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSER_CHOICES,
+                        metavar="NAME|auto|none", help="separate a chat reply's <think> "
+                        "reasoning into reasoning_content (qwen3, deepseek_r1, glm45, kimi_k2, "
+                        "... all read <think>...</think>). auto: on when the chat template "
+                        "writes <think>, or, without a template, for reasoning families "
+                        "(default: auto)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="log level of the server (debug logs every request)")
@@ -211,7 +224,9 @@ async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
                 "api_server_index": join.client_index if join else 0,
                 "engine_args": json.loads(json.dumps(engine_kwargs_from_args(args),
                                                      default=str))}
-    app = build_app(client, args.api_key, settings=settings)
+    app = build_app(client, args.api_key, settings=settings,
+                    tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
     protocol = protocol_class(http, limits, app.state.ctx.metrics)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http=protocol,
                             access_log=False, log_level=args.log_level, lifespan="on",

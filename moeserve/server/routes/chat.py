@@ -12,11 +12,18 @@ Logprobs use the chat format: {"content": [{token, logprob, bytes, top_logprobs}
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from moeserve.server.agent.protocol import NamedToolChoice
+from moeserve.server.agent.reasoning import ReasoningSplitter
+from moeserve.server.agent.reply import ReplyParser, ReplyPart
+from moeserve.server.agent.tool_formats import TOOL_FORMATS
+from moeserve.server.agent.tool_splitter import ToolCallSplitter, ToolFormat
 from moeserve.server.errors import APIError
 from moeserve.server.protocol import ChatCompletionRequest
 from moeserve.server.routes.generation import Generation
@@ -39,39 +46,104 @@ async def create_chat_completion(ctx: ServerContext, request: Request,
                                  request_id: str) -> Response:
     req = await parse_body(ctx, request, ChatCompletionRequest)
     check_model(ctx, req.model)
-    check_messages([len(m.text) for m in req.messages], ctx.client.max_model_len,
+    check_messages([m.num_chars for m in req.messages], ctx.client.max_model_len,
                    ctx.max_prompt_chars)
-    prompt = await chat_prompt(ctx, req)
+    check_agent_fields(ctx, req)
+    prompt_text, prompt = await chat_prompt(ctx, req)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_lengths(ctx, [prompt], req.max_new_tokens, field, "messages")
     params = sampling_params(req, [prompt], req.max_new_tokens, None, req.num_logprobs,
                              ctx.client.max_model_len)
+    agent = ctx.agent
+    parsed = req.parses_tool_calls or agent.reasoning is not None
+    if parsed and agent.keep_special_tokens:  # the markers are special tokens: keep them
+        params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
     gen = Generation(ctx.client, request_id, [prompt] * req.n, params, "messages")
-    renderer = ChatRenderer(ctx, request_id, req.logprobs)
+    renderer = ChatRenderer(ctx, request_id, req.logprobs, reply_parsers(ctx, req, prompt_text))
     return await serve(ctx, request, request_id, req, gen, renderer, [prompt])
 
 
-async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text} for m in req.messages]
-    tokenizer = ctx.client.tokenizer
+def check_agent_fields(ctx: ServerContext, req: ChatCompletionRequest) -> None:
+    """What the request asks of tools and the template that this server cannot give: 400s."""
+    choice = req.tool_choice
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        shown = '"required"' if choice == "required" else "a named function"
+        raise APIError(400, f"tool_choice {shown} is not supported: forcing a call needs "
+                       "constrained decoding, which moeserve does not do; send \"auto\" (the "
+                       "model then decides whether to call) or \"none\"", "tool_choice")
+    if req.parses_tool_calls and ctx.agent.tools is None:
+        raise APIError(400, f"tools: this server parses no tool calls "
+                       f"({ctx.agent.tools_reason}); start it with --tool-call-parser NAME, "
+                       "or send tool_choice \"none\"", "tools")
+    reserved = sorted(set(req.chat_template_kwargs or ()) & RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the server and "
+                       "cannot be given here", "chat_template_kwargs")
 
-    def render() -> list[int]:
+
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt",
+                                         "bos_token", "eos_token", "pad_token", "unk_token"})
+
+
+async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The rendered prompt and its token ids."""
+    tokenizer = ctx.client.tokenizer
+    messages = [m.for_template() for m in req.messages]
+    if tokenizer.chat_template is None:  # the default template: calls written in the format
+        fmt = ctx.agent.tools or TOOL_FORMATS["hermes"]
+        messages = [_calls_in_content(m, fmt) for m in messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    kwargs = req.chat_template_kwargs or {}
+
+    def render() -> tuple[str, list[int]]:
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tools=tools, **kwargs)
         except Exception as e:  # a template's raise_exception, or a template bug
             raise APIError(400, f"the chat template refused these messages: {e}",
                            "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return text, tokenizer.encode(text, add_special_tokens=False)
 
-    return await tokenize_off_loop_if_large(sum(len(m["content"]) for m in messages), render)
+    return await tokenize_off_loop_if_large(sum(m.num_chars for m in req.messages), render)
+
+
+def _calls_in_content(message: dict[str, Any], fmt: ToolFormat) -> dict[str, Any]:
+    calls = message.pop("tool_calls", None)
+    if not calls:
+        return message
+    written = fmt.render([(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+    content = message.get("content") or ""
+    return {**message, "content": f"{content}\n{written}" if content else written}
+
+
+def reply_parsers(ctx: ServerContext, req: ChatCompletionRequest,
+                  prompt_text: str) -> Callable[[], ReplyParser] | None:
+    """A factory of each choice's reply parser; None when replies are plain content."""
+    agent = ctx.agent
+    tools = agent.tools if req.parses_tool_calls else None
+    if tools is None and agent.reasoning is None:
+        return None
+    schemas = {t.function.name: t.function.parameters or {} for t in req.tools or ()}
+    reasoning, inside = agent.reasoning, (agent.reasoning is not None
+                                          and agent.reasoning.starts_inside(prompt_text))
+
+    def new() -> ReplyParser:
+        return ReplyParser(reasoning and ReasoningSplitter(reasoning, inside),
+                           tools and ToolCallSplitter(tools, schemas, req.parallel_tool_calls))
+
+    return new
 
 
 class ChatRenderer:
-    def __init__(self, ctx: ServerContext, request_id: str, want_logprobs: bool) -> None:
+    def __init__(self, ctx: ServerContext, request_id: str, want_logprobs: bool,
+                 new_parser: Callable[[], ReplyParser] | None = None) -> None:
         self.ctx = ctx
         self.request_id = request_id
         self.want_logprobs = want_logprobs
+        self.new_parser = new_parser
         self.created = now()
+        self._parsers: dict[int, ReplyParser] = {}  # per choice, while streaming
+        self._calls_sent: dict[int, int] = {}
 
     def envelope(self) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion.chunk",
@@ -84,9 +156,19 @@ class ChatRenderer:
         return b"".join(sse({**self.envelope(), "choices": [c]}) for c in choices)
 
     def chunk(self, index: int, out: RequestOutput, result: ChoiceResult) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "delta": {"content": out.text},
+        delta: dict[str, Any] = {"content": out.text}
+        finish_reason = result.finish_reason
+        if self.new_parser is not None:
+            parser = self._parsers.get(index) or self._parsers.setdefault(index,
+                                                                          self.new_parser())
+            part = parser.feed(out.text, final=out.finished)
+            sent = self._calls_sent.get(index, 0)
+            delta = _delta(part, sent)
+            self._calls_sent[index] = sent + len(part.calls)
+            finish_reason = _finish_reason(finish_reason, parser.num_calls)
+        choice: dict[str, Any] = {"index": index, "delta": delta,
                                   "token_ids": out.new_token_ids, "logprobs": None,
-                                  "finish_reason": result.finish_reason}
+                                  "finish_reason": finish_reason}
         if self.want_logprobs:
             choice["logprobs"] = self.logprobs(out.new_token_ids, out.logprobs or [])
         if out.finished:
@@ -94,14 +176,30 @@ class ChatRenderer:
         return choice
 
     def final(self, results: list[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(r.text)},
-                    "token_ids": r.token_ids,
-                    "logprobs": self.logprobs(r.token_ids, r.logprobs) if self.want_logprobs
-                    else None,
-                    "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
-                   for i, r in enumerate(results)]
+        choices = []
+        for i, r in enumerate(results):
+            message, finish_reason = self.message("".join(r.text), r.finish_reason)
+            choices.append({"index": i, "message": message, "token_ids": r.token_ids,
+                            "logprobs": self.logprobs(r.token_ids, r.logprobs)
+                            if self.want_logprobs else None,
+                            "finish_reason": finish_reason, "stop_reason": r.stop_reason})
         return {**self.envelope(), "object": "chat.completion", "choices": choices,
                 "usage": usage}
+
+    def message(self, text: str, finish_reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+        """A whole reply's message, and its finish reason ("tool_calls" when it called)."""
+        if self.new_parser is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        parser = self.new_parser()
+        part = parser.feed(text, final=True)
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": part.content or (None if part.calls else "")}
+        if parser.reasoning is not None:
+            message["reasoning_content"] = part.reasoning or None
+        if part.calls:
+            message["tool_calls"] = part.calls
+        return message, _finish_reason(finish_reason, parser.num_calls)
 
     def logprobs(self, token_ids: list[int], logprobs: list[Logprobs]) -> dict[str, Any]:
         text = self.ctx.token_string
@@ -115,3 +213,22 @@ class ChatRenderer:
             content.append({"token": token, "logprob": lp.token_logprob, "bytes": raw,
                             "top_logprobs": top})
         return {"content": content, "refusal": None}
+
+
+def _delta(part: ReplyPart, calls_sent: int) -> dict[str, Any]:
+    """A streamed delta of a parsed reply: its reasoning, content and whole calls (indexed
+    across the choice's stream); {"content": ""} when this step decided nothing."""
+    delta: dict[str, Any] = {}
+    if part.reasoning:
+        delta["reasoning_content"] = part.reasoning
+    if part.content or not (part.reasoning or part.calls):
+        delta["content"] = part.content
+    if part.calls:
+        delta["tool_calls"] = [{"index": calls_sent + k, **call}
+                               for k, call in enumerate(part.calls)]
+    return delta
+
+
+def _finish_reason(engine_reason: str | None, num_calls: int) -> str | None:
+    """OpenAI's "tool_calls" for a reply that called and ended by itself."""
+    return "tool_calls" if engine_reason == "stop" and num_calls else engine_reason

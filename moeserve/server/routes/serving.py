@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from moeserve.engine.validate import validate_request
+from moeserve.server.agent.choice import AgentFormats
 from moeserve.server.errors import APIError, from_validation_error
 from moeserve.server.metrics import RequestTimer, ServerMetrics
 from moeserve.server.protocol import SamplingFields
@@ -57,6 +58,8 @@ class ServerContext:
     model_names: frozenset[str]  # names a request's "model" may use
     api_key: str | None
     settings: dict[str, Any] = field(default_factory=dict)
+    agent: AgentFormats = field(default_factory=lambda: AgentFormats(None, "none", None, "none"))
+    """The tool-call and reasoning formats chat replies are parsed in (server/agent/)."""
     shut_down: bool = False
     _token_strings: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
 
@@ -150,7 +153,8 @@ def sampling_params(req: SamplingFields, prompts: list[list[int]], max_tokens: i
                     top_k=req.top_k or 0, min_p=req.min_p or 0.0,
                     seed=None if req.seed is None else req.seed + i,
                     stop=req.stop_strings, stop_token_ids=tuple(req.stop_token_ids or ()),
-                    ignore_eos=req.ignore_eos, logprobs=logprobs))
+                    ignore_eos=req.ignore_eos, logprobs=logprobs,
+                    skip_special_tokens=req.skip_special_tokens))
             except ValueError as e:
                 raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
     return out
