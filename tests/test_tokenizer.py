@@ -278,3 +278,25 @@ def test_load_tokenizer_builtin_and_errors(tmp_path: Path) -> None:
         load_tokenizer(str(tmp_path), None, _model_config())
     with pytest.raises(ConfigError, match="'sentencepiece'"):
         load_tokenizer(None, "sentencepiece", _model_config())
+
+
+def test_output_processor_keeps_special_tokens_but_never_the_eos_that_ends() -> None:
+    from moeserve.engine.output_processor import OutputProcessor
+    from moeserve.types import FinishReason, RequestOutput, SamplingParams
+
+    tok = _byte()
+    processor = OutputProcessor(tok)
+    eos = f"<|{EOS}|>"
+    cases = [(SamplingParams(), None, "a"),
+             (SamplingParams(skip_special_tokens=False), None, f"a{eos}"),
+             (SamplingParams(skip_special_tokens=False, stop_token_ids=(PAD,)), PAD, f"a{eos}")]
+    for i, (params, stop, middle) in enumerate(cases):
+        rid = f"r{i}"
+        processor.add_request(rid, [1], params)
+        end = [stop] if stop is not None else [EOS]
+        outs = [RequestOutput(rid, [1], [97, EOS]),  # "a", then an EOS the request ignores
+                RequestOutput(rid, [1], [ord("b"), *end], finished=True,
+                              finish_reason=FinishReason.STOP, stop_reason=stop)]
+        texts = [out.text for out in processor.process(outs[:1])[0]]
+        texts += [out.text for out in processor.process(outs[1:])[0]]
+        assert "".join(texts) == middle + "b", (params, texts)

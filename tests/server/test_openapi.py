@@ -14,8 +14,8 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from moeserve.server.app import build_app
-from moeserve.tokenizer import ByteTokenizer
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from moeserve.tokenizer import ByteTokenizer
 from tests.server.conftest import API_KEY, LiveServer
 
 POST = {"200", "400", "404", "408", "413", "429", "500", "503"}

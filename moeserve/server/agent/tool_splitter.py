@@ -5,7 +5,8 @@ family's format (tool_formats.py), incrementally, the same for any chunking of t
 
 A format names the marker that opens a block of calls and the one that closes it (None: the
 block runs to the end of the reply, as Mistral's does). Text outside blocks is content; the
-whitespace before a block, and whitespace-only text after the first call, is dropped. A closed
+whitespace before a block that parses, and whitespace-only text after the first call, is
+dropped. A closed
 block is parsed at once and its calls released whole (name and all arguments in one delta, which
 OpenAI's streaming shape allows); a block that does not parse, or names a function the request
 did not offer, is given back as content, as the model wrote it, so nothing is lost.
@@ -68,6 +69,7 @@ class ToolCallSplitter:
         self.num_calls = 0
         self._inside = False
         self._buffer = ""
+        self._gap = ""  # the whitespace before the open block: content if the block fails
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         self._buffer += text
@@ -84,7 +86,9 @@ class ToolCallSplitter:
                 continue
             at = self._buffer.find(self.fmt.start)
             if at >= 0:
-                content += self._content(self._buffer[:at].rstrip())
+                before = self._buffer[:at].rstrip()
+                content += self._content(before)
+                self._gap = self._buffer[len(before):at]
                 self._buffer = self._buffer[at + len(self.fmt.start):]
                 self._inside = True
                 continue
@@ -120,7 +124,7 @@ class ToolCallSplitter:
             if not parsed:
                 raise ToolCallError("no call in the block")
         except ToolCallError:
-            return self.fmt.start + block + end
+            return self._gap + self.fmt.start + block + end
         if not self.parallel:
             parsed = parsed[:max(0, 1 - self.num_calls)]
         self.num_calls += len(parsed)
