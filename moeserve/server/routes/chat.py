@@ -13,6 +13,7 @@ Logprobs use the chat format: {"content": [{token, logprob, bytes, top_logprobs}
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -100,11 +101,32 @@ async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[s
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                  tools=tools, **kwargs)
         except Exception as e:  # a template's raise_exception, or a template bug
-            raise APIError(400, f"the chat template refused these messages: {e}",
-                           "messages") from None
+            text = _with_text_arguments(tokenizer, messages, tools, kwargs)
+            if text is None:
+                raise APIError(400, f"the chat template refused these messages: {e}",
+                               "messages") from None
         return text, tokenizer.encode(text, add_special_tokens=False)
 
     return await tokenize_off_loop_if_large(sum(m.num_chars for m in req.messages), render)
+
+
+def _with_text_arguments(tokenizer: Any, messages: list[dict[str, Any]],
+                         tools: list[dict[str, Any]] | None,
+                         kwargs: dict[str, Any]) -> str | None:
+    """The template rendered with each call's arguments as JSON text, for templates that join
+    them to strings (DeepSeek-V3's and V3.1's do: a mapping fails there, as transformers' docs
+    would pass it); None when there are no calls, or it fails that way too."""
+    if not any(m.get("tool_calls") for m in messages):
+        return None
+    as_text = [{**m, "tool_calls": [
+        {**c, "function": {**c["function"], "arguments": json.dumps(
+            c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
+        if m.get("tool_calls") else m for m in messages]
+    try:
+        return tokenizer.apply_chat_template(as_text, add_generation_prompt=True, tools=tools,
+                                             **kwargs)
+    except Exception:
+        return None
 
 
 def _calls_in_content(message: dict[str, Any], fmt: ToolFormat) -> dict[str, Any]:

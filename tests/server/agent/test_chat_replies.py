@@ -153,3 +153,40 @@ def test_chat_template_kwargs_reach_the_template(http: httpx.Client) -> None:
     kw = post(http, CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
                            "chat_template_kwargs": {"enable_thinking": False}})
     assert kw["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+
+
+def _ctx(tokenizer: Any, tool_parser: str = "auto") -> Any:
+    agent = choose_formats(tool_parser, "auto", tokenizer, "Qwen3MoeForCausalLM")
+    return types.SimpleNamespace(agent=agent, client=types.SimpleNamespace(tokenizer=tokenizer))
+
+
+def test_a_template_that_joins_arguments_as_text_gets_them_as_text(tmp_path: Any) -> None:
+    import asyncio
+
+    from moeserve.server.routes.chat import chat_prompt
+    from moeserve.tokenizer import HFTokenizer
+    from tests.test_tokenizer import _write_bpe
+
+    # DeepSeek-V3's template writes "..." + arguments + "...": a mapping fails there
+    _write_bpe(tmp_path, "{% for m in messages %}{% for tc in m.tool_calls or [] %}"
+                         "{{ '<call>' + tc.function.name + ':' + tc.function.arguments }}"
+                         "{% endfor %}{% endfor %}")
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "t?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "1"}]})
+    text, ids = asyncio.run(chat_prompt(_ctx(HFTokenizer(str(tmp_path))), req))
+    assert text == '<call>f:{"a": 1}' and ids
+
+
+def test_tools_need_a_format_unless_tool_choice_is_none() -> None:
+    from moeserve.server.errors import APIError
+    from moeserve.server.routes.chat import check_agent_fields
+
+    ctx = _ctx(ByteTokenizer(512, None, None), tool_parser="none")
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "t"}],
+                                                "tools": [TOOL]})
+    with pytest.raises(APIError, match=r"parses no tool calls \(--tool-call-parser none\)"):
+        check_agent_fields(ctx, req)
+    check_agent_fields(ctx, req.model_copy(update={"tool_choice": "none"}))
