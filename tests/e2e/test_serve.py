@@ -100,6 +100,31 @@ def test_openai_completions_and_chat(server: Server) -> None:
     assert pieces[-1].usage.completion_tokens == 5
 
 
+def test_openai_sdk_with_tools_and_a_history_of_calls(server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Time in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    chat = client.chat.completions.create(model="tiny-moe", messages=messages, tools=tools,
+                                          max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 6 and chat.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(
+        model="tiny-moe", messages=messages, tools=tools, max_tokens=6, temperature=0,
+        stream=True, extra_body={"ignore_eos": True}))
+    whole = chat.choices[0].message
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.content or "" for d in deltas) == (whole.content or "")
+    assert [t for d in deltas for t in d.tool_calls or ()] == (whole.tool_calls or [])
+    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+        client.chat.completions.create(model="tiny-moe", messages=messages, tools=tools,
+                                       tool_choice="required", max_tokens=2)
+
+
 def test_unsupported_field_is_rejected(server: Server) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):

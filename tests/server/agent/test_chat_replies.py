@@ -190,3 +190,23 @@ def test_tools_need_a_format_unless_tool_choice_is_none() -> None:
     with pytest.raises(APIError, match=r"parses no tool calls \(--tool-call-parser none\)"):
         check_agent_fields(ctx, req)
     check_agent_fields(ctx, req.model_copy(update={"tool_choice": "none"}))
+
+
+def test_the_openai_sdk_assembles_the_streamed_calls() -> None:
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    renderer = _renderer({"tools": [TOOL]})
+    whole, _ = _renderer({"tools": [TOOL]}).message(REPLY, "stop")
+    state = ChatCompletionStreamState(input_tools=[TOOL])
+    head = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    choices = _streamed(renderer, REPLY, 5)
+    for choice in [head, *choices]:
+        state.handle_chunk(ChatCompletionChunk.model_validate(
+            {**renderer.envelope(), "choices": [choice]}))
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content == "Checking."
+    sent_ids = [c["id"] for choice in choices for c in choice["delta"].get("tool_calls", [])]
+    assert [c.id for c in final.message.tool_calls] == sent_ids and len(set(sent_ids)) == 2
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
