@@ -76,14 +76,10 @@ def choose_formats(tool_parser: str, reasoning_parser: str, tokenizer: Any,
 
 def _tool_format(flag: str, template: str | None, architecture: str
                  ) -> tuple[ToolFormat | None, str]:
-    if flag == "none":
-        return None, "--tool-call-parser none"
     if flag != "auto":
-        name = TOOL_FORMAT_ALIASES.get(flag, flag)
-        if name not in TOOL_FORMATS:
-            raise ValueError(f"--tool-call-parser {flag!r} is unknown; known: "
-                             f"{', '.join(TOOL_PARSER_CHOICES)}")
-        return TOOL_FORMATS[name], f"--tool-call-parser {flag}"
+        name, reason = _named("--tool-call-parser", flag, TOOL_FORMAT_ALIASES, TOOL_FORMATS,
+                              TOOL_PARSER_CHOICES)
+        return (TOOL_FORMATS[name] if name else None), reason
     if template is None:
         name = _ARCHITECTURE_TOOLS.get(architecture)
         if name is None:
@@ -104,14 +100,10 @@ def _tool_format(flag: str, template: str | None, architecture: str
 
 def _reasoning_format(flag: str, template: str | None, architecture: str
                       ) -> tuple[ReasoningFormat | None, str]:
-    if flag == "none":
-        return None, "--reasoning-parser none"
     if flag != "auto":
-        name = REASONING_ALIASES.get(flag, flag)
-        if name not in REASONING_NAMES:
-            raise ValueError(f"--reasoning-parser {flag!r} is unknown; known: "
-                             f"{', '.join(REASONING_PARSER_CHOICES)}")
-        return ReasoningFormat(name), f"--reasoning-parser {flag}"
+        name, reason = _named("--reasoning-parser", flag, REASONING_ALIASES, REASONING_NAMES,
+                              REASONING_PARSER_CHOICES)
+        return (ReasoningFormat(name) if name else None), reason
     if template is None:
         if architecture in _NO_REASONING_ARCHITECTURES:
             return None, f"auto: no chat template, and {architecture} does not reason"
@@ -119,6 +111,17 @@ def _reasoning_format(flag: str, template: str | None, architecture: str
     if "<think>" in template:
         return ReasoningFormat("think"), "auto: the chat template writes <think>"
     return None, "auto: the chat template writes no <think>"
+
+
+def _named(option: str, flag: str, aliases: dict[str, str], known: Any,
+           choices: tuple[str, ...]) -> tuple[str | None, str]:
+    """A flag that names a format (or "none"): the format's name, and the reason."""
+    if flag == "none":
+        return None, f"{option} none"
+    name = aliases.get(flag, flag)
+    if name not in known:
+        raise ValueError(f"{option} {flag!r} is unknown; known: {', '.join(choices)}")
+    return name, f"{option} {flag}"
 
 
 def _is_special(tokenizer: Any, marker: str) -> bool:

@@ -191,7 +191,9 @@ class Dsml:
     name: str = "deepseek_v32"
     start: str = "<｜DSML｜function_calls>"
     end: str | None = "</｜DSML｜function_calls>"
-    markers: tuple[str, ...] = ("<｜DSML｜function_calls>", "</｜DSML｜function_calls>")
+    markers: tuple[str, ...] = ("<｜DSML｜function_calls>", "</｜DSML｜function_calls>",
+                                "<｜DSML｜invoke", "</｜DSML｜invoke>", "<｜DSML｜parameter",
+                                "</｜DSML｜parameter>")
 
     def parse(self, block: str, tools: Mapping[str, dict[str, Any]]) -> list[ParsedCall]:
         calls = []
