@@ -70,6 +70,7 @@ class ToolCallSplitter:
         self._inside = False
         self._buffer = ""
         self._gap = ""  # the whitespace before the open block: content if the block fails
+        self._scanned = 0  # the open block's text before this holds no end marker
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         self._buffer += text
@@ -77,9 +78,13 @@ class ToolCallSplitter:
         while True:
             if self._inside:
                 end = self.fmt.end
-                at = -1 if end is None else self._buffer.find(end)
+                # search only where the end marker can newly complete (a long block is
+                # searched once, not once per delta)
+                at = -1 if end is None else self._buffer.find(end, self._scanned)
                 if at < 0:
+                    self._scanned = max(0, len(self._buffer) - len(end or ""))
                     return content, calls
+                self._scanned = 0
                 block, self._buffer = self._buffer[:at], self._buffer[at + len(end or ""):]
                 self._inside = False
                 content += self._close(block, end or "", calls)
