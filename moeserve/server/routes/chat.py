@@ -1,12 +1,14 @@
 """POST /v1/chat/completions: messages -> the tokenizer's chat template -> one assistant reply.
 
-    messages --apply_chat_template(add_generation_prompt=True)--> text
-             --encode(add_special_tokens=False)--> prompt token ids
+    messages, tools --apply_chat_template(add_generation_prompt=True, **chat_template_kwargs)
+             --> text --encode(add_special_tokens=False)--> prompt token ids
+    reply text --ReplyParser (server/agent/: reasoning, then tool calls)--> message / deltas
 
 (the template already holds any BOS it wants). Text parts of a message are joined with "\\n".
 Streaming: each choice first gets a delta {"role": "assistant", "content": ""}, then one delta
-{"content": ...} per engine step, with `token_ids` beside it (moeserve extension). Without
-max_tokens / max_completion_tokens a reply may run to max_model_len, as in OpenAI's API.
+per engine step ({"content": ...}, or, when the reply is parsed, its reasoning_content, content
+and whole tool calls as they are decided), with `token_ids` beside it (moeserve extension).
+Without max_tokens / max_completion_tokens a reply may run to max_model_len, as in OpenAI's API.
 Logprobs use the chat format: {"content": [{token, logprob, bytes, top_logprobs}]}.
 """
 
