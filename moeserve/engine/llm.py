@@ -1,8 +1,9 @@
 """The offline API: `LLM(model_or_preset, **engine_args).generate(prompts, SamplingParams(...))`.
 
-Runs the engine core in-process. Prompts are text (tokenized here) or token-id lists. Besides
-`generate`, `add_request` / `step` expose the loop so callers can interleave arrivals with steps;
-a bad request raises ValueError from `add_request` and the others carry on.
+Runs the engine core in-process. Prompts are text (tokenized here) or token-id lists; `chat`
+renders conversations through the chat template first. Besides `generate`, `add_request` /
+`step` expose the loop so callers can interleave arrivals with steps; a bad request raises
+ValueError from `add_request` and the others carry on.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from moeserve.engine.args import engine_config_from_kwargs
 from moeserve.engine.core import EngineCore
@@ -140,3 +142,25 @@ class LLM:
         while any(not self._results[rid].finished for rid in ids):
             self.step()
         return [self._results.pop(rid) for rid in ids]
+
+    def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[CompletionOutput]:
+        """Each conversation (one, or a list of them) rendered by the tokenizer's chat template
+        with the assistant's turn opened, then `generate`. Messages, `tools` and the template
+        variables are given as transformers takes them (a call's arguments as a mapping). The
+        replies are the model's raw text: the server parses tool calls and reasoning out of
+        them (server/agent/). A template that refuses a conversation raises ValueError naming
+        it."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts: list[Prompt] = []
+        for i, messages in enumerate(conversations):
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    list(messages), True, tools, **(chat_template_kwargs or {}))
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from e
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params)

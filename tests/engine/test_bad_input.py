@@ -74,6 +74,36 @@ def test_generate_with_one_bad_prompt_submits_nothing() -> None:
     assert not llm.has_unfinished_requests()
 
 
+def test_chat_renders_each_conversation_through_the_template() -> None:
+    llm = LLM("tiny-moe", device="cpu", max_model_len=160)
+    tools = [{"type": "function", "function": {"name": "t"}}]
+    history = [{"role": "user", "content": "T"},
+               {"role": "assistant", "content": "x"},
+               {"role": "tool", "content": "12"}]
+    outs = llm.chat([history, history[:1]], GREEDY, tools=tools)
+    want = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c, True, tools),
+                                 add_special_tokens=False) for c in (history, history[:1])]
+    assert [o.prompt_token_ids for o in outs] == want
+    assert outs[1].token_ids == llm.generate([want[1]], GREEDY)[0].token_ids
+    assert llm.chat(history[:1], GREEDY)[0].prompt_token_ids == llm.tokenizer.encode(
+        llm.tokenizer.apply_chat_template(history[:1]), add_special_tokens=False)
+
+
+def test_chat_names_the_conversation_its_template_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = _tiny()
+
+    def refuse(messages: list, *args: object, **kwargs: object) -> str:
+        if messages[0]["content"] == "bad":
+            raise ValueError("chat template error: roles must alternate")
+        return "ok"
+
+    monkeypatch.setattr(llm.tokenizer, "apply_chat_template", refuse)
+    ok, bad = [{"role": "user", "content": "fine"}], [{"role": "user", "content": "bad"}]
+    with pytest.raises(ValueError, match="conversation 1: chat template error: roles"):
+        llm.chat([ok, bad], GREEDY)
+    assert not llm.has_unfinished_requests()
+
+
 def test_duplicate_request_id() -> None:
     llm = _tiny()
     llm.add_request([1, 2], GREEDY, request_id="a")
