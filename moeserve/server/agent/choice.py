@@ -12,6 +12,7 @@ change it.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +114,7 @@ def _reasoning_format(flag: str, template: str | None, architecture: str
     return None, "auto: the chat template writes no <think>"
 
 
-def _named(option: str, flag: str, aliases: dict[str, str], known: Any,
+def _named(option: str, flag: str, aliases: dict[str, str], known: Container[str],
            choices: tuple[str, ...]) -> tuple[str | None, str]:
     """A flag that names a format (or "none"): the format's name, and the reason."""
     if flag == "none":
