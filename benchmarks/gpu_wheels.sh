@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NEEDED="alembic annotated-doc annotated-types colorlog compressed-tensors distro execnet fastapi
-graphql-core greenlet harfile httpcore2 httpx2 hypothesis hypothesis-graphql jiter jsonschema-rs loguru mako
+graphql-core greenlet harfile httpcore2 httpx2 hypothesis hypothesis-graphql jiter jsonschema-rs llguidance loguru mako
 msgspec openai opentelemetry-api optuna orjson pydantic pydantic-core pyrate-limiter
 pytest-xdist pyzmq schemathesis sniffio sqlalchemy starlette truststore typing-extensions
 typing-inspection uvicorn werkzeug"

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from moeserve.structured.spec import StructuredOutput
 from moeserve.types import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput"]
 
 
 def __getattr__(name: str):  # LLM pulls in torch; keep `import moeserve` light

@@ -65,6 +65,11 @@ class Tokenizer(Protocol):
         characters by its length in tokens, before tokenizing)."""
         ...
 
+    def non_text_token_ids(self) -> frozenset[int]:
+        """Ids inside the vocabulary that never stand for text (special tokens; the byte
+        tokenizer's ids past the 256 bytes): a grammar never allows them (structured/)."""
+        ...
+
 
 def _message_text(content: Any) -> str:
     """OpenAI message content: a string, None, or a list of parts ({"type": "text", ...})."""
@@ -110,6 +115,9 @@ class ByteTokenizer:
 
     def max_token_chars(self) -> int:
         return 1  # a token is one byte of UTF-8: at most one character
+
+    def non_text_token_ids(self) -> frozenset[int]:
+        return frozenset(self._special) | frozenset(range(256, self.vocab_size))
 
     def token_bytes(self, ids: Sequence[int], skip_special_tokens: bool = True) -> list[bytes]:
         out = []
@@ -241,6 +249,9 @@ class HFTokenizer:
         _check_ids(ids)
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def non_text_token_ids(self) -> frozenset[int]:
+        return frozenset(self._special_ids)
+
     def token_bytes(self, ids: Sequence[int], skip_special_tokens: bool = True) -> list[bytes]:
         _check_ids(ids)
         out = []
@@ -369,6 +380,15 @@ def load_tokenizer(folder: str | None, builtin: str | None, model_config: ModelC
     raise ConfigError(f"no tokenizer: {where}, and no built-in tokenizer is named; pass a "
                       "folder with tokenizer.json (HF tokenizers) or tiktoken.model (tiktoken, "
                       "with tokenizer_config.json), or use a preset with a built-in tokenizer")
+
+
+def load_model_tokenizer(model: str, tokenizer: str | None, model_config: ModelConfig
+                         ) -> Tokenizer:
+    """A served model's tokenizer: the `tokenizer` folder when given, else the model's folder,
+    or a preset's built-in tokenizer (the offline LLM, the API processes and the engine's
+    structured outputs all load it this way)."""
+    folder = tokenizer or (None if model_config.tokenizer else model)
+    return load_tokenizer(folder, model_config.tokenizer, model_config)
 
 
 def render_chat(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,

@@ -184,6 +184,9 @@ class TiktokenTokenizer:
             ids += self._enc.encode(piece, allowed_special="all")
         return ids
 
+    def non_text_token_ids(self) -> frozenset[int]:
+        return self._special_ids
+
     def max_token_chars(self) -> int:
         """The longest token in bytes (special names included): a token covers at most one
         character per byte."""

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
+
+from moeserve.structured.spec import StructuredOutput
 
 MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (vLLM's floor): dividing the
@@ -44,6 +47,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """Leave special tokens out of the text (the EOS or stop token that ends a request is left
     out either way). Text side only: the detokenizer reads it, the engine never sees it."""
+    structured: StructuredOutput | None = None
+    """Hold the output to a JSON schema, a regex, a choice or a grammar (structured/)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +76,9 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got "
+                             f"{type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +115,9 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)  # freed since the last step
     num_prefix_hit_tokens: int = 0  # tokens served from the prefix cache this step
     num_steps: int = 1  # decode-only steps run back to back (num_continuous_decode_steps)
+    grammar_rows: list[int] = field(default_factory=list)  # rows sampling under a grammar
+    grammar_bitmask: Any = None  # np.ndarray [len(grammar_rows), ceil(V / 32)] int32: bit t
+    # of a row set when token t is allowed (structured/grammars.py); None without grammar rows
 
     @property
     def num_reqs(self) -> int:

@@ -40,7 +40,7 @@ from moeserve.engine import protocol as p
 from moeserve.engine.core_proc import run_engine_core
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.validate import validate_request
-from moeserve.tokenizer import load_tokenizer
+from moeserve.tokenizer import load_model_tokenizer
 from moeserve.types import FinishReason, RequestOutput, SamplingParams
 
 _WATCHDOG_SECONDS = 0.1
@@ -130,8 +130,7 @@ class AsyncEngineClient:
             self.model_config, _ = load_model_config(self.model,
                                                      engine_kwargs.get("hf_overrides"))
             mc = self.model_config
-            folder = engine_kwargs.get("tokenizer") or (None if mc.tokenizer else self.model)
-            self.tokenizer = load_tokenizer(folder, mc.tokenizer, mc)
+            self.tokenizer = load_model_tokenizer(self.model, engine_kwargs.get("tokenizer"), mc)
             self._outputs = OutputProcessor(self.tokenizer)  # text deltas and stop strings
             self._init_sockets()
             self._send(p.Hello(client=client_index))

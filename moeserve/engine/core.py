@@ -32,12 +32,18 @@ from moeserve.config import (
     resolve_max_running_requests,
     resolve_static,
 )
+from moeserve.engine.moe_setup import (
+    ensure_quant_moe_tuned,
+    moe_configs,
+    moe_token_counts,
+    quant_moe_configs,
+)
 from moeserve.engine.oom import OomRecovery
+from moeserve.engine.structured_steps import StructuredSteps
 from moeserve.engine.validate import validate_request
 from moeserve.gc_tuning import freeze_heap
 from moeserve.kernels.moe.tile_configs import tile_device_name
 from moeserve.kernels.registry import TILED_MOE_BACKENDS
-from moeserve.model_config import ModelConfig
 from moeserve.parallel.comm import TensorParallel
 from moeserve.parallel.env import under_torchrun
 from moeserve.parallel.executor import RankedRunner, start_ranks
@@ -95,7 +101,7 @@ class EngineCore:
                                    self.max_running_requests,
                                    self.cfg.cache.enable_prefix_caching)
         with timed(phases, "warmup", device):
-            self.runner.warmup(_moe_token_counts(self.cfg, self.model_config),
+            self.runner.warmup(moe_token_counts(self.cfg, self.model_config),
                                sched_cfg.max_model_len)
         with timed(phases, "cuda_graphs", device):
             graphs_state = self._init_cuda_graphs(device, resolved)
@@ -121,6 +127,7 @@ class EngineCore:
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
         self.oom = OomRecovery(self.scheduler)
+        self.structured = StructuredSteps(self.cfg, self.model_config)
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(self.cfg.seed)
         freeze_heap()  # the model, the pool, the graphs: kept out of the step loop's GC passes
@@ -153,15 +160,15 @@ class EngineCore:
                 blocks[0].w2.shape[-1])
 
     def _report_moe_configs(self, device: torch.device) -> dict[str, dict]:
-        """The capacity report's MoE tiles: the bf16 kernel's (`_moe_configs`), or for quantized
-        experts on CUDA those of the fused quantized MoE (`_quant_moe_configs`)."""
+        """The capacity report's MoE tiles: the bf16 kernel's (`moe_configs`), or for quantized
+        experts on CUDA those of the fused quantized MoE (`quant_moe_configs`)."""
         blocks = self.runner.model.moe_blocks()
         if blocks and isinstance(blocks[0].w13, QuantWeight):
             if device.type != "cuda" or not self.model_config.num_experts:
                 return {}  # the torch reference runs them: no tiles
-            return _quant_moe_configs(self.cfg, self.model_config, blocks[0], self.runner.dtype,
+            return quant_moe_configs(self.cfg, self.model_config, blocks[0], self.runner.dtype,
                                       tile_device_name(device))
-        return _moe_configs(self.cfg, self.model_config, self.runner.dtype,
+        return moe_configs(self.cfg, self.model_config, self.runner.dtype,
                             tile_device_name(device), self._moe_shape(),
                             blocks[0].num_local_experts if blocks else 0,
                             self.model_config.num_experts_per_tok
@@ -217,7 +224,7 @@ class EngineCore:
             return ""
         blocks = self.runner.model.moe_blocks()
         if blocks and isinstance(blocks[0].w13, QuantWeight):
-            return _ensure_quant_moe_tuned(self.cfg, mc, blocks[0], self.runner.dtype, device)
+            return ensure_quant_moe_tuned(self.cfg, mc, blocks[0], self.runner.dtype, device)
         if self.cfg.moe_tiles == "default":
             return ("not tuned: moe_tiles=default (the in-code default tiles at every batch "
                     "size, no tuned file read)")
@@ -320,6 +327,7 @@ class EngineCore:
                     params: SamplingParams) -> None:
         """Queue a request; raise ValueError naming what is wrong (nothing is queued then)."""
         self._validate(request_id, prompt_token_ids, params)
+        self.structured.add(request_id, params)  # a grammar that does not compile: refused
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         self.scheduler.add_request(Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids),
@@ -335,6 +343,7 @@ class EngineCore:
     def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
         """Finish requests now (abort, or a stop string found by the caller); frees their KV."""
         self.scheduler.finish_requests(request_ids, reason)
+        self.structured.drop(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -343,127 +352,55 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One step: schedule, execute, update. With async_scheduling, the update is that of the
-        previous launch, so the CPU plans and launches step N+1 while the device runs step N."""
+        previous launch, so the CPU plans and launches step N+1 while the device runs step N
+        (unless a grammar row needs step N's tokens first: engine/structured_steps.py)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         self.counters.schedule_seconds = time.perf_counter() - start
         if out.num_reqs == 0 and not self.cfg.async_scheduling:
             return []
+        settled: list[RequestOutput] = []
+        if self._in_flight is not None and self.structured.needs_tokens(out):
+            previous, self._in_flight = self._in_flight, None
+            self.structured.num_overlap_waits += 1
+            try:
+                settled = self._update(*previous, start)
+            except torch.OutOfMemoryError as e:  # the step in flight failed; `out` ran on it
+                return self._out_of_memory(e, [previous[0], out], False)
+        self.structured.prepare(out)
         try:  # an out-of-memory forward: its requests preempted (engine/oom.py)
             launched = (out, self.runner.launch(out)) if out.num_reqs else None
         except torch.OutOfMemoryError as e:  # a step in flight is older: it stands
-            return self._out_of_memory(e, out, True)
+            return settled + self._out_of_memory(e, [out], True)
         previous = launched
         if self.cfg.async_scheduling:
             previous, self._in_flight = self._in_flight, launched
         if previous is None:
-            return []
-        out, pending = previous
+            return settled
         try:
-            result = pending.result()
+            return settled + self._update(*previous, start)
         except torch.OutOfMemoryError as e:  # a step in flight ran on this one's tokens
-            return self._out_of_memory(e, out, False)
-        outputs = self.scheduler.update(out, result)
+            return settled + self._out_of_memory(e, [previous[0]], False)
+
+    def _update(self, out: SchedulerOutput, pending: PendingOutput,
+                start: float) -> list[RequestOutput]:
+        """A launched step's tokens into the scheduler, then through the grammars."""
+        result = pending.result()
+        outputs = self.structured.settle(self.scheduler.update(out, result), self.scheduler)
         seconds = time.perf_counter() - start
         self.counters.record(out, outputs, seconds)
         if result.profiled_forwards:  # the step profile's timed forwards: this step's wall
             self.runner.profiler.add_step_wall(result.profiled_forwards, seconds / out.num_steps)
         return outputs
 
-    def _out_of_memory(self, error: torch.OutOfMemoryError, failed: SchedulerOutput,
+    def _out_of_memory(self, error: torch.OutOfMemoryError, failed: list[SchedulerOutput],
                        in_flight_is_older: bool) -> list[RequestOutput]:
-        """OomRecovery over the failed step and the one in flight; ranks in lockstep cannot
+        """OomRecovery over the failed steps and the one in flight; ranks in lockstep cannot
         recover one rank's failure: the error stands there."""
         if isinstance(self.runner, RankedRunner):
             raise error
         in_flight, self._in_flight = self._in_flight, None
-        return self.oom.recover(error, [failed], in_flight, in_flight_is_older)
-
-
-def _ensure_quant_moe_tuned(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.Module,
-                            dtype: torch.dtype, device: torch.device) -> str:
-    """`_ensure_moe_tuned` for quantized experts (the fused quantized MoE's tiles, per format:
-    kernels/moe/quant/tune.py), on the block's own weights; the capacity report's line."""
-    w13 = block.w13
-    fmt, group = w13.format, max(w13.group, block.w2.group)
-    if cfg.moe_tiles == "default":
-        return (f"not tuned: moe_tiles=default ({fmt} experts: the fused quantized MoE's "
-                "in-code default tiles at every batch size, no tuned file read)")
-    if device.type != "cuda":
-        return ""  # the torch reference runs the quantized experts: no tiles
-    from moeserve.kernels.moe.quant.configs import find_quant_tuned
-    from moeserve.kernels.moe.quant.tune import ensure_quant_tuned
-
-    shape = (fmt, block.num_local_experts, mc.hidden_size, block.w2.shape[-1],
-             mc.num_experts_per_tok, group, dtype)
-    if cfg.moe_tune_budget_s == 0:
-        found = find_quant_tuned(*shape, tile_device_name(device))
-        return (f"not tuned at start-up (moe_tune_budget_s=0; {fmt} experts): "
-                + (f"using {found[0]}" if found else "default tiles"))
-    outcome = ensure_quant_tuned(*shape, cfg.scheduler.max_num_batched_tokens,
-                                 time_budget_s=cfg.moe_tune_budget_s,
-                                 weights=(block.w13, block.w2),
-                                 device_name=tile_device_name(device))
-    torch.cuda.empty_cache()
-    return f"{fmt} experts: {outcome.detail} ({outcome.source}, {outcome.seconds:.1f}s)"
-
-
-def _moe_configs(cfg: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
-                 device_name: str, shape: tuple[int, int, int] | None,
-                 routed_local: int | None = None, top_k: int | None = None) -> dict[str, dict]:
-    """The fused-MoE tile config at a few batch sizes, and whether each was tuned (report),
-    from the engine's tile source (moe_tiles: "default" gives tuned False, source "default",
-    backend "triton" everywhere). "tiles" names the config (`config_key`: M.._N.._K.._G.._w..
-    _s.., then +down_N.. when the down launch has its own tiles). shape: this rank's (experts,
-    hidden, width) as its w13 holds them (folded shared experts included); routed_local: its
-    routed experts (the density of its pairs under EP; default shape's); top_k: each token's
-    pairs (default the model's)."""
-    if cfg.moe_backend not in TILED_MOE_BACKENDS or shape is None:
-        return {}
-    from moeserve.kernels.moe.tile_configs import config_key, get_moe_config, tile_tokens
-
-    routed_local = shape[0] if routed_local is None else routed_local
-    top_k = mc.num_experts_per_tok if top_k is None else top_k
-    sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
-    choices = {n: get_moe_config(*shape, top_k, dtype,
-                                 tile_tokens(n, routed_local, mc.num_experts), device_name,
-                                 tiles=cfg.moe_tiles) for n in sizes}
-    measured = cfg.moe_backend == "measured"
-    return {str(n): {"config": c.config, "tiles": config_key(c.config), "tuned": c.tuned,
-                     "source": c.source,
-                     "backend": c.backend if measured else "triton",
-                     "tuned_tokens": c.tuned_tokens}
-            for n, c in choices.items()}
-
-
-def _quant_moe_configs(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.Module,
-                       dtype: torch.dtype, device_name: str) -> dict[str, dict]:
-    """`_moe_configs` for quantized experts: the fused quantized MoE's tiles at a few batch
-    sizes (quant.configs.get_quant_config with the engine's moe_tiles); backend "triton"
-    everywhere (the quantized experts have no other), "format" the weights'."""
-    from moeserve.kernels.moe.quant.configs import get_quant_config
-    from moeserve.kernels.moe.tile_configs import config_key, tile_tokens
-
-    fmt, group = block.w13.format, max(block.w13.group, block.w2.group)
-    sizes = sorted({1, 64, 256, 1024, cfg.scheduler.max_num_batched_tokens})
-    local = block.num_local_experts
-    choices = {n: get_quant_config(fmt, local, mc.hidden_size, block.w2.shape[-1],
-                                   mc.num_experts_per_tok, group, dtype,
-                                   tile_tokens(n, local, mc.num_experts), device_name,
-                                   tiles=cfg.moe_tiles) for n in sizes}
-    return {str(n): {"config": c.config, "tiles": config_key(c.config), "tuned": c.tuned,
-                     "source": c.source, "backend": "triton", "tuned_tokens": c.tuned_tokens,
-                     "format": fmt}
-            for n, c in choices.items()}
-
-
-def _moe_token_counts(cfg: EngineConfig, mc: ModelConfig) -> list[int]:
-    """The token counts whose MoE kernels the warm-up compiles: those the tune covers."""
-    if not mc.num_experts:
-        return []
-    from moeserve.kernels.moe.tile_configs import engine_token_counts
-
-    return engine_token_counts(cfg.scheduler.max_num_batched_tokens)
+        return self.oom.recover(error, failed, in_flight, in_flight_is_older)
 
 
 def usable_cores() -> int:

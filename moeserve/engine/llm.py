@@ -16,7 +16,7 @@ from typing import Any
 from moeserve.engine.args import engine_config_from_kwargs
 from moeserve.engine.core import EngineCore
 from moeserve.engine.output_processor import OutputProcessor
-from moeserve.tokenizer import Tokenizer, load_tokenizer
+from moeserve.tokenizer import Tokenizer, load_model_tokenizer
 from moeserve.types import FinishReason, Logprobs, RequestOutput, SamplingParams
 
 Prompt = str | list[int]
@@ -45,8 +45,7 @@ class LLM:
     def __init__(self, model: str = "tiny-moe", **engine_args: object):
         self.engine = EngineCore(engine_config_from_kwargs(model=model, **engine_args))
         cfg, mc = self.engine.cfg, self.engine.model_config
-        folder = cfg.tokenizer or (None if mc.tokenizer else cfg.model)
-        self.tokenizer: Tokenizer = load_tokenizer(folder, mc.tokenizer, mc)
+        self.tokenizer: Tokenizer = load_model_tokenizer(cfg.model, cfg.tokenizer, mc)
         self._outputs = OutputProcessor(self.tokenizer)
         self._results: dict[str, CompletionOutput] = {}
         self._ids = itertools.count()

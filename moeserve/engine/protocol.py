@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
+from moeserve.structured.spec import StructuredOutput
 from moeserve.types import FinishReason, Logprobs, RequestOutput, SamplingParams
 
 
@@ -28,18 +29,23 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: tuple[str, str, int | None] | None = None  # kind, spec, start_after
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
         # stop strings stay in the API process (the detokenizer finds them)
+        s = p.structured
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed,
-                   list(p.stop_token_ids), p.ignore_eos, p.logprobs)
+                   list(p.stop_token_ids), p.ignore_eos, p.logprobs,
+                   None if s is None else (s.kind, s.spec, s.start_after))
 
     def to_params(self) -> SamplingParams:
+        s = self.structured
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+                              ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+                              structured=None if s is None else StructuredOutput(*s))
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):

@@ -218,6 +218,28 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num: int) -> Sample
     return SampleLogprobs(token_logprob, top_ids, top_logits - lse[:, None])
 
 
+def mask_tokens_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """A grammar's mask, in place: logits[rows[j], v] = -inf where bit v of bitmask[j] is 0.
+
+    Args:
+        logits: [R, V], any float dtype. rows: [C] int64, rows of logits (distinct).
+        bitmask: [C, W] int32 on logits' device, W * 32 >= V; bit v % 32 of word v // 32.
+    The rows go in chunks that bound the [rows, V] byte temporaries like the random path's.
+    """
+    vocab_size = logits.shape[-1]
+    # NOTE: the int32 words read as bytes, low byte first (little-endian: x86 and CUDA): byte
+    # v // 8 of a row holds token v at bit v % 8.
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    chunk = max(1, _ROW_CHUNK_ELEMENTS // (4 * bitmask.shape[1] * 8))
+    for start in range(0, rows.shape[0], chunk):
+        index = rows[start:start + chunk]  # [c]
+        words = bitmask[start:start + chunk].contiguous().view(torch.uint8)  # [c, 4W]
+        allowed = ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)  # [c, 32W]
+        picked = logits[index]  # [c, V], a copy
+        picked.masked_fill_(allowed[:, :vocab_size] == 0, float("-inf"))
+        logits[index] = picked
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors
            ) -> tuple[torch.Tensor, SampleLogprobs | None, torch.Tensor]:
     """Sample one token per row.

@@ -47,7 +47,7 @@ from moeserve.runner.kv_cache import (
 from moeserve.runner.mixed_graphs import MixedGraphs, mixed_token_buckets
 from moeserve.runner.pending_output import PendingOutput
 from moeserve.runner.step_profile import StepProfiler
-from moeserve.runner.step_sampling import sample_random_logits, sample_step
+from moeserve.runner.step_sampling import GrammarMask, sample_random_logits, sample_step
 from moeserve.runner.weight_loader import (
     checkpoint_plan,
     init_dummy_weights,
@@ -429,7 +429,7 @@ class ModelRunner:
         pending.params = [out.sampling_params[i] for i in rows]
         pending.take(sample_step(logits, pending.params, [out.sample_seeds[i] for i in rows],
                                  seq_lens[rows].tolist(), [out.req_ids[i] for i in rows],
-                                 self.faults))
+                                 self.faults, GrammarMask.of(out, rows, self.device)))
         return pending
 
     def _launch_decode_steps(self, out: SchedulerOutput, bucket: int | None) -> PendingOutput:

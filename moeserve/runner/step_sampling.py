@@ -1,7 +1,8 @@
 """One step's sampling as the runner runs it: parameters to tensors, sample, and the faults that
 belong to single requests kept to those requests.
 
-    logits [R, V] --SamplingTensors.build + sample--> token_ids [R], logprobs, finite [R]
+    logits [R, V] --grammar rows masked (mask_tokens_, in place: the step's own logits)
+                  --SamplingTensors.build + sample--> token_ids [R], logprobs, finite [R]
          | the batch call raised?
          '--> each row alone: the rows that raise alone fail (row_errors); the others are
               sampled again together (a row's token depends on that row only, so this gives the
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from moeserve.envs import InjectedFault
-from moeserve.layers.sampler import SampleLogprobs, SamplingTensors, sample
-from moeserve.types import SamplingParams
+from moeserve.kernels.attention.metadata import to_device
+from moeserve.layers.sampler import SampleLogprobs, SamplingTensors, mask_tokens_, sample
+from moeserve.types import SamplingParams, SchedulerOutput
 
 
 @dataclass
@@ -40,10 +43,32 @@ class StepSample:
     row_errors: dict[int, str] = field(default_factory=dict)  # row (of R) -> what failed
 
 
+@dataclass
+class GrammarMask:
+    """A step's grammar rows, on the device: `rows` [C] of the R sampled rows, `bitmask`
+    [C, W] int32 (structured/grammars.py's layout)."""
+
+    rows: torch.Tensor
+    bitmask: torch.Tensor
+
+    @classmethod
+    def of(cls, out: SchedulerOutput, sampled: np.ndarray,
+           device: torch.device) -> GrammarMask | None:
+        """The plan's grammar rows as rows of the sampled ones (`sampled` [R], batch rows)."""
+        if not out.grammar_rows:
+            return None
+        rows = np.searchsorted(sampled, np.asarray(out.grammar_rows, dtype=np.int64))
+        return cls(to_device(rows, device), to_device(out.grammar_bitmask, device))
+
+
 def sample_step(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                 positions: list[int], req_ids: list[str],
-                faults: dict[str, frozenset[str]]) -> StepSample:
-    """Sample R rows (see module doc). `req_ids` [R] name the rows for errors and faults."""
+                faults: dict[str, frozenset[str]],
+                grammar: GrammarMask | None = None) -> StepSample:
+    """Sample R rows (see module doc). `req_ids` [R] name the rows for errors and faults;
+    `grammar` masks its rows of `logits` in place (the caller's fresh logits of this step)."""
+    if grammar is not None:
+        mask_tokens_(logits, grammar.rows, grammar.bitmask)
     if faults.get("nan"):
         logits = _inject_nan(logits, req_ids, faults["nan"])
     try:

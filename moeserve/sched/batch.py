@@ -9,7 +9,7 @@ the truth that the rest of the engine and the tests read; the scheduler writes b
     array               value for a running request r (slot s = r.slot)
     num_prompt[s]       len(r.prompt_token_ids)                          set at admission
     limit[s]            min(num_prompt + max_tokens, max_model_len)      set at admission
-    logprobs[s]         r.sampling_params.logprobs is not None           set at admission
+    single_step[s]      logprobs asked, or a structured output        set at admission
     num_outputs[s]      len(r.output_token_ids)                          update()
     num_placeholders[s] r.num_output_placeholders                        schedule(), update()
     num_computed[s]     r.num_computed_tokens                            schedule()
@@ -32,7 +32,7 @@ import numpy as np
 
 from moeserve.sched.block_pool import BlockPool
 from moeserve.sched.request import Request, RequestStatus
-from moeserve.types import ModelOutput, SchedulerOutput
+from moeserve.types import ModelOutput, SamplingParams, SchedulerOutput
 
 # update()'s row codes (RunningBatch.classify)
 ONE_BY_ONE = 0  # Scheduler._update_row: stops, errors, prefill chunks, rows no longer running
@@ -71,6 +71,12 @@ def _zeros(n: int) -> np.ndarray:
     return np.zeros(n, np.int64)
 
 
+def single_step(params: SamplingParams) -> bool:
+    """A request whose decode steps run one token at a time: logprobs (kept per step) or a
+    structured output (each token's mask needs the one before it on the host)."""
+    return params.logprobs is not None or params.structured is not None
+
+
 def stop_ids(req: Request) -> set[int]:
     """The token ids that end the request when sampled."""
     params = req.sampling_params
@@ -90,7 +96,7 @@ class RunningBatch:
         self.num_outputs, self.num_placeholders = _zeros(num_slots), _zeros(num_slots)
         self.num_computed, self.num_blocks = _zeros(num_slots), _zeros(num_slots)
         self.num_cached, self.generation = _zeros(num_slots), _zeros(num_slots)
-        self.logprobs = np.zeros(num_slots, bool)
+        self.single_step = np.zeros(num_slots, bool)  # never multi-step decode
         self.stop_counts: dict[int, int] = {}
         self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: 0 first
 
@@ -105,7 +111,7 @@ class RunningBatch:
         params = req.sampling_params
         self.num_prompt[s] = len(req.prompt_token_ids)
         self.limit[s] = min(len(req.prompt_token_ids) + params.max_tokens, self.max_model_len)
-        self.logprobs[s] = params.logprobs is not None
+        self.single_step[s] = single_step(params)
         for token in stop_ids(req):
             self.stop_counts[token] = self.stop_counts.get(token, 0) + 1
         self.store(req, pool)
@@ -247,14 +253,14 @@ class RunningBatch:
             expect = (len(r.prompt_token_ids),
                       min(len(r.prompt_token_ids) + r.sampling_params.max_tokens,
                           self.max_model_len),
-                      r.sampling_params.logprobs is not None, len(r.output_token_ids),
+                      single_step(r.sampling_params), len(r.output_token_ids),
                       r.num_output_placeholders, r.num_computed_tokens,
                       len(pool.block_tables[r.request_id]), pool.num_cached_blocks(r.request_id))
-            got = (self.num_prompt[s], self.limit[s], self.logprobs[s], self.num_outputs[s],
+            got = (self.num_prompt[s], self.limit[s], self.single_step[s], self.num_outputs[s],
                    self.num_placeholders[s], self.num_computed[s], self.num_blocks[s],
                    self.num_cached[s])
             assert tuple(int(v) for v in got) == tuple(int(v) for v in expect), (
-                f"{r.request_id} (slot {s}): arrays (prompt, limit, logprobs, outputs, "
+                f"{r.request_id} (slot {s}): arrays (prompt, limit, single step, outputs, "
                 f"placeholders, computed, blocks, cached) {got} != request {expect}")
             assert r.status is RequestStatus.RUNNING
             for token in stop_ids(r):

@@ -345,9 +345,9 @@ class Scheduler:
     def _extend_decode_steps(self, out: ScheduledStep) -> None:
         """Make a decode-only step run several tokens back to back (num_continuous_decode_steps),
         as many as every row can still take and the free blocks allow; else leave it one step.
-        Rows asking for logprobs keep single steps."""
+        Rows asking for logprobs or held to a grammar keep single steps (batch.single_step)."""
         b, slots = self.batch, out.row_slots
-        if not all(out.sample) or max(out.num_scheduled_tokens) != 1 or b.logprobs[slots].any():
+        if not all(out.sample) or max(out.num_scheduled_tokens) != 1 or b.single_step[slots].any():
             return
         steps, missing = b.decode_steps(slots, self.config.num_continuous_decode_steps,
                                         self.pool.block_size)

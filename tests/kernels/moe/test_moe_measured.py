@@ -115,7 +115,7 @@ def test_lookup_order_env_then_package_then_user_cache(isolated_config_dirs: Pat
 
 
 def test_the_capacity_report_names_the_down_tiles(isolated_config_dirs: Path) -> None:
-    from moeserve.engine.core import _moe_configs
+    from moeserve.engine import moe_setup
 
     write_tuned(isolated_config_dirs / "env", {1: SMALL, 64: {**SPLIT, "backend": "grouped_mm"}},
                 device="Fake GPU", dtype=torch.float16)
@@ -123,7 +123,7 @@ def test_the_capacity_report_names_the_down_tiles(isolated_config_dirs: Path) ->
                           scheduler=SimpleNamespace(max_num_batched_tokens=2048))
     mc = SimpleNamespace(num_experts=E, hidden_size=H, moe_intermediate_size=N,
                          num_experts_per_tok=K)
-    report = _moe_configs(cfg, mc, torch.float16, "Fake GPU", (E, H, N))
+    report = moe_setup.moe_configs(cfg, mc, torch.float16, "Fake GPU", (E, H, N))
     assert report["1"]["config"] == SMALL and report["1"]["tiles"] == "M16_N16_K16_G1_w4_s2"
     assert report["64"]["config"] == SPLIT and report["64"]["backend"] == "grouped_mm"
     assert report["64"]["tiles"] == "M16_N16_K16_G1_w4_s2+down_N32_K16_G1_w4_s2"
@@ -257,7 +257,7 @@ def test_measured_with_default_tiles_is_triton_and_keeps_its_own_picks(
 def test_the_capacity_report_says_which_tiles_are_in_use(isolated_config_dirs: Path,
                                                          backend: str) -> None:
     from moeserve.config import EngineConfig, SchedulerConfig
-    from moeserve.engine.core import _moe_configs
+    from moeserve.engine import moe_setup
 
     path = write_tuned(isolated_config_dirs / "env", {1: SMALL, 64: {**SPLIT, "backend":
                                                                      "grouped_mm"}},
@@ -268,7 +268,7 @@ def test_the_capacity_report_says_which_tiles_are_in_use(isolated_config_dirs: P
     def report(tiles: str) -> dict[str, dict]:
         cfg = EngineConfig(moe_backend=backend, moe_tiles=tiles,
                            scheduler=SchedulerConfig(max_num_batched_tokens=2048))
-        return _moe_configs(cfg, mc, torch.float16, "Fake GPU", (E, H, N))
+        return moe_setup.moe_configs(cfg, mc, torch.float16, "Fake GPU", (E, H, N))
 
     tuned = report("tuned")
     assert all(c["tuned"] and c["source"] == str(path) for c in tuned.values())

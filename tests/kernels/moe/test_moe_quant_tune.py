@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.engine import core
+from moeserve.engine import moe_setup
 from moeserve.kernels.moe import tile_configs as moe_configs
 from moeserve.kernels.moe.quant import configs as quant_configs
 from moeserve.kernels.moe.quant import fused_triton as fused_quant_triton
@@ -326,7 +326,7 @@ def test_the_engine_tunes_quantized_experts_at_start_up(
         isolated_config_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mc = SimpleNamespace(hidden_size=H, num_experts_per_tok=K, num_experts=E)
     cuda = torch.device("cuda")  # a descriptor only: nothing runs on it
-    monkeypatch.setattr(core, "tile_device_name", lambda device: "cpu")
+    monkeypatch.setattr(moe_setup, "tile_device_name", lambda device: "cpu")
     seen: list[tuple] = []
 
     def fake_ensure(*args: object, **kwargs: object) -> quant_tune.TuneOutcome:
@@ -335,17 +335,17 @@ def test_the_engine_tunes_quantized_experts_at_start_up(
 
     monkeypatch.setattr(quant_tune, "ensure_quant_tuned", fake_ensure)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    line = core._ensure_quant_moe_tuned(EngineConfig(moe_tiles="default"), mc,
-                                        quant_block("fp8"), torch.float32, cuda)
+    line = moe_setup.ensure_quant_moe_tuned(EngineConfig(moe_tiles="default"), mc,
+                                             quant_block("fp8"), torch.float32, cuda)
     assert line.startswith("not tuned: moe_tiles=default (fp8 experts") and seen == []
     path = write_tuned(isolated_config_dirs / "env", "fp8", {1: tile_config(16, 64, 128, 1, 4, 3)})
-    line = core._ensure_quant_moe_tuned(EngineConfig(moe_tune_budget_s=0), mc,
+    line = moe_setup.ensure_quant_moe_tuned(EngineConfig(moe_tune_budget_s=0), mc,
                                         quant_block("fp8"), torch.float32, cuda)
     assert line == f"not tuned at start-up (moe_tune_budget_s=0; fp8 experts): using {path}"
     assert seen == []
-    assert core._ensure_quant_moe_tuned(EngineConfig(), mc, quant_block("fp8"), torch.float32,
+    assert moe_setup.ensure_quant_moe_tuned(EngineConfig(), mc, quant_block("fp8"), torch.float32,
                                         torch.device("cpu")) == ""  # the reference: no tiles
-    line = core._ensure_quant_moe_tuned(EngineConfig(moe_tune_budget_s=30), mc,
+    line = moe_setup.ensure_quant_moe_tuned(EngineConfig(moe_tune_budget_s=30), mc,
                                         quant_block("int4"), torch.float32, cuda)
     assert line == "int4 experts: tuned now: 3 of 3 token counts (/x.json, 1.5s)"
     assert seen == [("int4", E, H, N, K, 32, torch.float32, 8192)]
@@ -355,11 +355,11 @@ def test_the_report_names_the_quantized_tiles(isolated_config_dirs: Path) -> Non
     mc = SimpleNamespace(hidden_size=H, num_experts_per_tok=K, num_experts=E)  # every expert here
     entry = {**SMALL, "ms": 0.1}
     path = write_tuned(isolated_config_dirs / "env", "nvfp4", {64: entry})
-    tuned = core._quant_moe_configs(EngineConfig(), mc, quant_block("nvfp4"), torch.float32,
+    tuned = moe_setup.quant_moe_configs(EngineConfig(), mc, quant_block("nvfp4"), torch.float32,
                                     "cpu")
     assert all(c["tuned"] and c["source"] == str(path) and c["tiles"] == config_key(SMALL)
                and c["format"] == "nvfp4" and c["backend"] == "triton" for c in tuned.values())
-    default = core._quant_moe_configs(EngineConfig(moe_tiles="default"), mc,
+    default = moe_setup.quant_moe_configs(EngineConfig(moe_tiles="default"), mc,
                                       quant_block("nvfp4"), torch.float32, "cpu")
     assert all(not c["tuned"] and c["source"] == "default" for c in default.values())
     plan = MemoryPlan("cuda", 0, 0, 0, 0, 0, 0, 1, 2, 16, "test")

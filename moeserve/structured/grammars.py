@@ -1,0 +1,152 @@
+"""The engine's grammars: a matcher per structured request, each step's token bitmask, and each
+sampled token accepted.
+
+    add(request_id, structured)     compile (ValueError: refused) -> the request's matcher
+    rows(out)                       the step's rows that sample under an active grammar
+    bitmask(out, rows)              [len(rows), ceil(V / 32)] int32, bit t of a row: token t allowed
+    accept(outputs)                 each output's new tokens through its matcher ->
+                                    ended (the grammar is complete: the request stops) or
+                                    refused (a token the mask did not allow: the request fails)
+
+A compiled grammar is kept by its text (a few most recent), and a request gets a copy: the
+n choices of a request, and an agent's calls with the same tools, compile once. The vocabulary
+(vocabulary.py) is built at the first structured request (about a second for 150k tokens).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moeserve.structured.spec import StructuredOutput
+from moeserve.tokenizer import Tokenizer
+from moeserve.types import RequestOutput, SchedulerOutput
+
+COMPILED_KEPT = 64
+MAX_WHY_CHARS = 300  # llguidance's errors quote the whole grammar: its first line, cut
+
+
+@dataclass(slots=True)
+class RequestGrammar:
+    """One request's matcher; `waiting_for` the token after which it starts (or None)."""
+
+    matcher: Any  # llguidance.LLMatcher
+    waiting_for: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.waiting_for is None
+
+    def accept(self, tokens: Sequence[int]) -> str | None:
+        """Advance over sampled tokens; an error message when one was not allowed."""
+        for token in tokens:
+            if self.waiting_for is not None:
+                if token == self.waiting_for:
+                    self.waiting_for = None
+                continue
+            if self.matcher.is_stopped():
+                return None  # the grammar is complete; the engine stops the request
+            if not self.matcher.consume_token(token):
+                why = (self.matcher.get_error() or "refused").splitlines()[0][:MAX_WHY_CHARS]
+                return (f"the sampled token {token} is not allowed by the request's structured "
+                        f"output: {why}")
+        return None
+
+    @property
+    def ended(self) -> bool:
+        return self.active and self.matcher.is_stopped()
+
+
+@dataclass(slots=True)
+class Accepted:
+    """What `accept` found in a step's outputs."""
+
+    ended: list[str] = field(default_factory=list)  # grammar complete: stop these requests
+    refused: dict[str, str] = field(default_factory=dict)  # request id -> why it fails
+
+
+class Grammars:
+    """The structured requests of one engine (see the module docstring)."""
+
+    def __init__(self, tokenizer: Callable[[], Tokenizer], vocab_size: int,
+                 eos_ids: Sequence[int]) -> None:
+        self._load_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = tuple(eos_ids)
+        self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row
+        self._llg_tokenizer: Any = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._requests: dict[str, RequestGrammar] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def add(self, request_id: str, structured: StructuredOutput) -> None:
+        """Compile the request's grammar; ValueError naming the problem when it is refused."""
+        from llguidance import LLMatcher
+
+        grammar = structured.check()
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            if self._llg_tokenizer is None:
+                from moeserve.structured.vocabulary import grammar_tokenizer
+
+                self._llg_tokenizer = grammar_tokenizer(self._load_tokenizer(),
+                                                        self.vocab_size, self.eos_ids)
+            compiled = LLMatcher(self._llg_tokenizer, grammar, log_level=0)
+            if compiled.is_error():
+                raise ValueError(f"the {structured.kind} of the structured output cannot be "
+                                 f"compiled: {compiled.get_error()}")
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(grammar)
+        self._requests[request_id] = RequestGrammar(compiled.deep_copy(), structured.start_after)
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
+
+    def rows(self, out: SchedulerOutput) -> list[int]:
+        """Rows of the step that sample under an active grammar."""
+        if not self._requests:
+            return []
+        return [i for i, (rid, sample) in enumerate(zip(out.req_ids, out.sample))
+                if sample and rid in self._requests and self._requests[rid].active]
+
+    def bitmask(self, out: SchedulerOutput, rows: list[int]) -> np.ndarray:
+        """[len(rows), words] int32: each row's allowed tokens. A row whose grammar is complete
+        (its request stops at this step's update) allows every token: its token is dropped."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        mask = np.full((len(rows), self.words), -1, dtype=np.int32)
+        for j, i in enumerate(rows):
+            grammar = self._requests[out.req_ids[i]]
+            if not grammar.matcher.is_stopped():
+                fill_next_token_bitmask(grammar.matcher, mask, j)
+        return mask
+
+    def accept(self, outputs: list[RequestOutput]) -> Accepted:
+        """Each output's new tokens through its request's matcher; finished requests dropped."""
+        found = Accepted()
+        if not self._requests:
+            return found
+        for out in outputs:
+            grammar = self._requests.get(out.request_id)
+            if grammar is None:
+                continue
+            error = grammar.accept(out.new_token_ids) if out.new_token_ids else None
+            if out.finished:
+                del self._requests[out.request_id]
+            elif error is not None:
+                found.refused[out.request_id] = error
+            elif grammar.ended:
+                found.ended.append(out.request_id)
+        return found

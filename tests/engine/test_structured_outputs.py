@@ -1,0 +1,137 @@
+"""Structured outputs through the engine (tiny-moe, random weights, byte tokenizer): whatever
+the model would write, the output is what the grammar allows; the other requests of the batch
+are untouched; overlap scheduling, multi-step decode, preemption and a bad grammar each keep
+those properties. On CPU, and on the GPU machine (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema_rs
+import pytest
+
+from moeserve import LLM, SamplingParams, StructuredOutput
+from moeserve.structured import grammars as grammars_module
+from moeserve.types import FinishReason
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "n"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"enum": ["red", "green", "blue"]}},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+PROMPTS = ["hello", "the quick brown fox", "1, 2, 3,", "{"]
+
+
+def _llm(device: str, **kw: object) -> LLM:
+    return LLM("tiny-moe", device=device, **{"max_model_len": 256, **kw})
+
+
+def _params(structured: StructuredOutput | None, seed: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 96), temperature=1.0, seed=seed,
+                          structured=structured, **kw)
+
+
+def _check_schema(text: str) -> None:
+    jsonschema_rs.validate(SCHEMA, json.loads(text))
+
+
+KINDS = [
+    (StructuredOutput.json_schema(SCHEMA), _check_schema),
+    (StructuredOutput("regex", r"[a-z]{2,5}-\d{3}"),
+     lambda t: re.fullmatch(r"[a-z]{2,5}-\d{3}", t) or 1 / 0),
+    (StructuredOutput.choice(["yes", "no", "not sure"]),
+     lambda t: t in ("yes", "no", "not sure") or 1 / 0),
+    (StructuredOutput("grammar", 'start: "(" item ("," item)* ")"\nitem: /[0-9]/ | "x"'),
+     lambda t: re.fullmatch(r"\(([0-9x])(,[0-9x])*\)", t) or 1 / 0),
+]
+
+
+@pytest.mark.parametrize("kind", range(len(KINDS)), ids=[k[0].kind for k in KINDS])
+def test_every_output_is_what_the_grammar_allows(device: str, kind: int) -> None:
+    structured, check = KINDS[kind]
+    llm = _llm(device)
+    results = llm.generate(PROMPTS, [_params(structured, seed) for seed in range(len(PROMPTS))])
+    for r in results:
+        assert r.finish_reason is FinishReason.STOP, (r.text, r.finish_reason)
+        check(r.text)
+
+
+@pytest.mark.parametrize("engine", [{"async_scheduling": True}, {"async_scheduling": False},
+                                    {"num_continuous_decode_steps": 4}],
+                         ids=["overlap", "sync", "multi_step"])
+def test_the_other_requests_are_untouched(device: str, engine: dict) -> None:
+    """Seeded requests beside structured ones sample what they sample alone; the structured
+    ones give the same tokens in every engine mode."""
+    plain = [_params(None, seed, max_tokens=24, ignore_eos=True) for seed in (11, 12)]
+    structured = [_params(StructuredOutput.json_schema(SCHEMA), seed) for seed in (21, 22)]
+    alone = _llm(device, **engine).generate(PROMPTS[:2], plain)
+    llm = _llm(device, **engine)
+    mixed = llm.generate(PROMPTS, plain + structured)
+    assert [r.token_ids for r in mixed[:2]] == [r.token_ids for r in alone]
+    reference = _llm(device, async_scheduling=False).generate(PROMPTS[2:], structured)
+    assert [r.token_ids for r in mixed[2:]] == [r.token_ids for r in reference]
+    for r in mixed[2:]:
+        _check_schema(r.text)
+    waits = llm.engine.structured.num_overlap_waits
+    assert waits > 0 if engine.get("async_scheduling") else waits == 0
+
+
+def test_multi_step_decode_runs_single_steps_under_a_grammar(device: str) -> None:
+    """40 tokens under a grammar take 40 engine steps (a prefill and 39 single decode steps);
+    the same request without one runs 4 decode tokens a step."""
+    llm = _llm(device, num_continuous_decode_steps=4)
+    stats = llm.engine.scheduler.stats
+    for structured, steps in ((StructuredOutput("regex", "[a-z]{40}"), 40), (None, 11)):
+        before = stats.num_scheduled_steps
+        [r] = llm.generate(PROMPTS[:1], _params(structured, 1, max_tokens=40, ignore_eos=True))
+        assert len(r.token_ids) == 40
+        assert stats.num_scheduled_steps - before == steps
+
+
+def test_a_grammar_stops_its_request_even_past_eos(device: str) -> None:
+    """ignore_eos: the grammar's end still ends the request (nothing may follow it)."""
+    llm = _llm(device)
+    [r] = llm.generate(PROMPTS[:1], _params(StructuredOutput.choice(["done"]), 3,
+                                            ignore_eos=True))
+    assert r.text == "done" and r.finish_reason is FinishReason.STOP
+
+
+def test_preempted_structured_requests_resume_their_grammar(device: str) -> None:
+    llm = _llm(device, block_size=4, num_blocks=30, max_running_requests=4, max_model_len=112)
+    params = [_params(StructuredOutput.json_schema(SCHEMA), seed) for seed in range(4)]
+    results = llm.generate(PROMPTS, params)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    reference = _llm(device).generate(PROMPTS, params)
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+
+
+def test_a_bad_grammar_refuses_its_request_alone(device: str) -> None:
+    llm = _llm(device)
+    with pytest.raises(ValueError, match="invalid regex"):
+        llm.add_request(PROMPTS[0], _params(StructuredOutput("regex", "(a"), 1))
+    assert not llm.has_unfinished_requests() and len(llm.engine.structured.grammars) == 0
+    [r] = llm.generate(PROMPTS[:1], _params(StructuredOutput("regex", "ok"), 1))
+    assert r.text == "ok"
+
+
+def test_a_refused_token_fails_its_request_alone(device: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mask that lets everything through (a broken mask) makes the grammar refuse a token:
+    that request fails with the reason; the others finish."""
+    real = grammars_module.Grammars.bitmask
+
+    def broken(self: grammars_module.Grammars, out, rows):  # type: ignore[no-untyped-def]
+        mask = real(self, out, rows)
+        mask[:] = -1
+        return mask
+
+    monkeypatch.setattr(grammars_module.Grammars, "bitmask", broken)
+    llm = _llm(device)
+    results = llm.generate(PROMPTS[:2], [
+        _params(StructuredOutput("regex", "a{30}"), 1),
+        _params(None, 2, max_tokens=8, ignore_eos=True)])
+    assert results[0].finish_reason is FinishReason.ERROR
+    assert "is not allowed by the request's structured output" in results[0].error
+    assert results[1].finish_reason is FinishReason.LENGTH and len(results[1].token_ids) == 8
+    assert llm.engine.structured.num_refused_tokens == 1

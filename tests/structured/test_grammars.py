@@ -1,0 +1,139 @@
+"""The engine's grammars over the byte tokenizer: each step's bitmask against the tokens a
+grammar can take next (worked out independently by trying each byte), tokens accepted, a
+complete grammar reported, a refused token named, a deferred start, compiled grammars shared."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from moeserve.structured.grammars import Grammars
+from moeserve.structured.spec import StructuredOutput
+from moeserve.tokenizer import ByteTokenizer
+from moeserve.types import RequestOutput, SamplingParams, SchedulerOutput
+
+VOCAB = 300  # ids 0-255 bytes; 256 BOS, 257 EOS; 258-299 not text (padding of the embedding)
+EOS = 257
+
+
+def _grammars() -> Grammars:
+    return Grammars(lambda: ByteTokenizer(290, 256, EOS), VOCAB, (EOS,))
+
+
+def _plan(req_ids: list[str], sample: list[bool] | None = None) -> SchedulerOutput:
+    n = len(req_ids)
+    return SchedulerOutput(req_ids=req_ids, num_scheduled_tokens=[1] * n,
+                           num_computed_tokens=[0] * n, token_ids=[0] * n,
+                           block_tables=[[]] * n, sample=sample or [True] * n,
+                           sampling_params=[SamplingParams()] * n, sample_seeds=[0] * n,
+                           num_output_tokens=[0] * n)
+
+
+def _allowed(mask_row: np.ndarray) -> set[int]:
+    bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits[:VOCAB]).tolist())
+
+
+def _output(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id=rid, prompt_token_ids=[1], new_token_ids=tokens,
+                         finished=finished)
+
+
+def test_the_bitmask_allows_exactly_the_tokens_the_pattern_can_take() -> None:
+    pattern = r"(ab|cd)[0-9]{2}"
+    g = _grammars()
+    g.add("r", StructuredOutput("regex", pattern))
+    text = ""
+    for chosen in "cd17":
+        mask = g.bitmask(_plan(["r"]), [0])
+        # independently: a byte is allowed when text + byte is still a prefix of a match
+        assert _allowed(mask[0]) == _prefix_bytes(pattern, text)
+        assert g.accept([_output("r", [ord(chosen)])]).ended == ([] if chosen != "7" else ["r"])
+        text += chosen
+
+
+def _prefix_bytes(pattern: str, text: str) -> set[int]:
+    """Bytes b such that text + b can still be completed to a full match (brute force over the
+    pattern's short alphabet: the matches of (ab|cd)[0-9]{2} are enumerable)."""
+    matches = [a + d1 + d2 for a in ("ab", "cd") for d1 in "0123456789" for d2 in "0123456789"]
+    assert all(re.fullmatch(pattern, m) for m in matches)
+    return {b for b in range(256) if any(m.startswith(text + chr(b)) for m in matches)}
+
+
+def test_a_complete_grammar_allows_eos_and_reports_the_end() -> None:
+    g = _grammars()
+    g.add("r", StructuredOutput("regex", "a+"))
+    assert g.accept([_output("r", [ord("a")])]).ended == []  # "a" can go on: not ended
+    assert _allowed(g.bitmask(_plan(["r"]), [0])[0]) == {ord("a"), EOS}
+    assert g.accept([_output("r", [EOS])]).ended == ["r"]
+
+
+def test_a_token_the_grammar_refuses_is_named() -> None:
+    g = _grammars()
+    g.add("r", StructuredOutput.json_schema({"type": "integer"}))
+    found = g.accept([_output("r", [ord("x")])])
+    assert list(found.refused) == ["r"]
+    assert "sampled token 120 is not allowed" in found.refused["r"]
+
+
+def test_non_text_ids_are_never_allowed() -> None:
+    g = _grammars()
+    g.add("r", StructuredOutput("grammar", 'start: /(.|\\n)*/'))
+    allowed = _allowed(g.bitmask(_plan(["r"]), [0])[0])
+    assert 256 not in allowed and all(i not in allowed for i in range(258, VOCAB))
+    assert set(range(128)) <= allowed and EOS in allowed
+
+
+def test_a_deferred_grammar_waits_for_its_start_token() -> None:
+    g = _grammars()
+    g.add("r", StructuredOutput("choice", '["yes", "no"]', start_after=10))
+    plan = _plan(["r"])
+    assert g.rows(plan) == []  # thinking: unconstrained
+    g.accept([_output("r", [ord("z"), ord("q")])])
+    assert g.rows(plan) == []
+    g.accept([_output("r", [10])])  # the end of the reasoning
+    assert g.rows(plan) == [0]
+    assert _allowed(g.bitmask(plan, [0])[0]) == {ord("y"), ord("n")}
+
+
+def test_rows_are_those_that_sample_under_a_grammar() -> None:
+    g = _grammars()
+    g.add("b", StructuredOutput("regex", "x"))
+    g.add("d", StructuredOutput("regex", "y"))
+    assert g.rows(_plan(["a", "b", "c", "d"], [True, True, True, False])) == [1]
+
+
+def test_a_compiled_grammar_is_shared_and_each_request_has_its_own_state() -> None:
+    g = _grammars()
+    spec = StructuredOutput.choice(["ab", "cd"])
+    g.add("1", spec)
+    g.add("2", spec)
+    assert len(g._compiled) == 1
+    g.accept([_output("1", [ord("a")])])
+    masks = g.bitmask(_plan(["1", "2"]), [0, 1])
+    assert _allowed(masks[0]) == {ord("b")} and _allowed(masks[1]) == {ord("a"), ord("c")}
+
+
+def test_finished_and_dropped_requests_are_forgotten() -> None:
+    g = _grammars()
+    g.add("1", StructuredOutput("regex", "a+"))
+    g.add("2", StructuredOutput("regex", "a+"))
+    g.accept([_output("1", [ord("a")], finished=True)])
+    g.drop(["2", "unknown"])
+    assert len(g) == 0
+
+
+def test_a_grammar_that_does_not_compile_is_refused() -> None:
+    with pytest.raises(ValueError, match="not valid"):
+        _grammars().add("r", StructuredOutput("regex", "(unclosed"))
+
+
+def test_json_object_takes_any_object_and_nothing_else() -> None:
+    g = _grammars()
+    g.add("r", StructuredOutput("json_object"))
+    assert _allowed(g.bitmask(_plan(["r"]), [0])[0]) == {ord("{")}
+    text = '{"a":[1,{"b":null}],"c":"\\"é"}'
+    found = g.accept([_output("r", list(text.encode()))])
+    assert not found.refused and found.ended == ["r"]
