@@ -367,7 +367,7 @@ class EngineCore:
                 settled = self._update(*previous, start)
             except torch.OutOfMemoryError as e:  # the step in flight failed; `out` ran on it
                 return self._out_of_memory(e, [previous[0], out], False)
-        self.structured.prepare(out)
+        settled += self.structured.prepare(out, self.scheduler)
         try:  # an out-of-memory forward: its requests preempted (engine/oom.py)
             launched = (out, self.runner.launch(out)) if out.num_reqs else None
         except torch.OutOfMemoryError as e:  # a step in flight is older: it stands

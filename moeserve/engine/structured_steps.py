@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from moeserve.config import EngineConfig
 from moeserve.model_config import ModelConfig
 from moeserve.sched import Scheduler
-from moeserve.structured.grammars import Grammars
+from moeserve.structured.grammars import GRAMMAR_FAILED, Grammars
 from moeserve.tokenizer import load_model_tokenizer
 from moeserve.types import FinishReason, RequestOutput, SamplingParams, SchedulerOutput
 
@@ -32,7 +32,8 @@ class StructuredSteps:
             lambda: load_model_tokenizer(cfg.model, cfg.tokenizer, model_config),
             model_config.vocab_size, model_config.eos_token_ids)
         self.num_ended = 0  # requests stopped by their grammar's end
-        self.num_refused_tokens = 0  # requests failed by a token their grammar refused
+        self.num_refused_tokens = 0  # requests failed by a token their mask did not allow
+        self.num_grammar_failures = 0  # requests failed by their grammar (a parser limit)
         self.num_overlap_waits = 0  # steps that waited for the step in flight (needs_tokens)
 
     def add(self, request_id: str, params: SamplingParams) -> None:
@@ -49,11 +50,18 @@ class StructuredSteps:
         return len(grammars) > 0 and any(
             sample and rid in grammars for rid, sample in zip(out.req_ids, out.sample))
 
-    def prepare(self, out: SchedulerOutput) -> None:
-        """Put the step's grammar rows and their bitmask into the plan."""
+    def prepare(self, out: SchedulerOutput, scheduler: Scheduler) -> list[RequestOutput]:
+        """Put the step's grammar rows and their bitmask into the plan; the requests whose
+        grammar failed computing its mask fail now (their rows' tokens are dropped)."""
         rows = self.grammars.rows(out)
         out.grammar_rows = rows
-        out.grammar_bitmask = self.grammars.bitmask(out, rows) if rows else None
+        if not rows:
+            out.grammar_bitmask = None
+            return []
+        out.grammar_bitmask, failed = self.grammars.bitmask(out, rows)
+        self.num_grammar_failures += len(failed)
+        return [o for rid, why in failed.items()
+                if (o := scheduler.fail_request(rid, why)) is not None]
 
     def settle(self, outputs: list[RequestOutput], scheduler: Scheduler) -> list[RequestOutput]:
         """Accept a step's tokens; stop the requests whose grammar is complete and fail those
@@ -70,9 +78,13 @@ class StructuredSteps:
             if out.request_id in ended:
                 out.finished, out.finish_reason = True, FinishReason.STOP
             elif out.request_id in found.refused:
-                failed = scheduler.fail_request(out.request_id, found.refused[out.request_id])
+                why = found.refused[out.request_id]
+                failed = scheduler.fail_request(out.request_id, why)
                 self.grammars.drop([out.request_id])
-                self.num_refused_tokens += 1
+                if why.startswith(GRAMMAR_FAILED):
+                    self.num_grammar_failures += 1
+                else:
+                    self.num_refused_tokens += 1
                 if failed is None:
                     continue
                 out = failed

@@ -4,9 +4,9 @@ Requests are parsed strictly: a field we do not support is an error (`extra="for
 of the wrong JSON type is an error (`strict=True`: no "1" for 1, no 1.0 for an int), and every
 number and list is bounded, so bad input gets a 400 naming the field before it reaches the engine.
 Fields OpenAI clients send with no effect (penalties at 0, `best_of` 1, `echo` false, an empty
-`logit_bias`, `response_format` text) are accepted at exactly those values and refused
-otherwise. Tools, tool calls and reasoning: server/agent/. `docs/openai-compat.md` lists every
-field.
+`logit_bias`) are accepted at exactly those values and refused otherwise. Tools, tool calls and
+reasoning: server/agent/; `response_format` and `structured_outputs`: structured_output.py.
+`docs/openai-compat.md` lists every field.
 
 Every per-field limit lives in the field's type (bounds, `Literal`, `max_length`, a model), so the
 JSON schema of these models (served at /openapi.json, server/openapi.py) shows exactly what is
@@ -39,11 +39,13 @@ from pydantic import (
 from moeserve.server.agent.protocol import (
     MAX_TOOLS,
     ChatMessage,
+    NamedToolChoice,
     ReplyToolCall,
     Tool,
     ToolCallDelta,
     ToolChoice,
 )
+from moeserve.server.structured_output import ResponseFormat, StructuredOutputs
 from moeserve.types import MAX_LOGPROBS
 
 MAX_N = 8
@@ -70,7 +72,6 @@ _NEUTRAL = {
     "logit_bias": "is not supported (only {} or null is accepted)",
     "echo": "is not supported (only false is accepted)",
     "best_of": "is not supported (only 1 or null is accepted)",
-    "response_format": 'is not supported (only {"type": "text"} or null is accepted)',
 }
 
 
@@ -109,6 +110,11 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    response_format: ResponseFormat | None = None
+    """Hold the reply to JSON: {"type": "json_object"}, or {"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}}}; {"type": "text"} holds it to nothing."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's structured outputs: exactly one of json, json_object, regex, choice, grammar."""
     # Passive fields: accepted only at the value that changes nothing.
     frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
@@ -135,7 +141,17 @@ class SamplingFields(_Request):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
             raise ValueError(f"seed + n - 1 must be at most {INT64_MAX}")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("structured_outputs cannot be given beside a response_format other "
+                             "than text (give one of them)")
         return self
+
+    @property
+    def constrains_format(self) -> bool:
+        """response_format or structured_outputs holds the reply to a grammar."""
+        return self.structured_outputs is not None or (
+            self.response_format is not None and self.response_format.type != "text")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -181,10 +197,6 @@ class CompletionRequest(SamplingFields):
         return value
 
 
-class ResponseFormat(_Request):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -196,19 +208,12 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     """Functions the model may call; its calls come back in `tool_calls` (server/agent/)."""
     tool_choice: ToolChoice | None = None
-    """"auto" (the default with tools) or "none"; "required" and a named function are refused
-    (they need constrained decoding, which moeserve does not do)."""
+    """"auto" (the default with tools), "none", "required" (at least one call) or a named
+    function (a call of it); the last two hold the reply to a JSON grammar of calls."""
     parallel_tool_calls: bool = True
     """false: at most one call per reply (the first the model writes)."""
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32)] | None = None
     """Extra variables for the chat template, such as {"enable_thinking": false}."""
-    # Passive fields: accepted only at the value that changes nothing.
-    response_format: ResponseFormat | None = None
-
-    @field_validator("response_format", mode="wrap")
-    @classmethod
-    def _passive_chat(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
-        return _only_neutral(value, handler, info)
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -222,11 +227,31 @@ class ChatCompletionRequest(SamplingFields):
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:
                 raise ValueError(f"tools names the function {twice[0]!r} twice")
+        choice = self.tool_choice
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            if not self.tools:
+                raise ValueError("tool_choice forces a call, but tools offers no function")
+            if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function {choice.function.name!r}, "
+                                 "which tools does not offer")
+            if self.constrains_format:
+                raise ValueError("tool_choice forces a call, which holds the reply to a grammar "
+                                 "of calls: it cannot be given beside response_format or "
+                                 "structured_outputs")
+        elif self.tools and choice != "none" and self.constrains_format:
+            raise ValueError("tools with response_format or structured_outputs: a reply held "
+                             "to a format cannot also call tools in the model's own format; "
+                             "send tool_choice \"none\", \"required\" or a named function")
         return self
 
     @property
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_call(self) -> bool:
+        """tool_choice "required" or a named function (the validator checked the tools)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def max_new_tokens(self) -> int | None:

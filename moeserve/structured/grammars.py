@@ -3,10 +3,13 @@ sampled token accepted.
 
     add(request_id, structured)     compile (ValueError: refused) -> the request's matcher
     rows(out)                       the step's rows that sample under an active grammar
-    bitmask(out, rows)              [len(rows), ceil(V / 32)] int32, bit t of a row: token t allowed
+    bitmask(out, rows)              [len(rows), ceil(V / 32)] int32, bit t of a row: token t
+                                    allowed; and the requests whose grammar failed there (a
+                                    parser limit: the request's grammar is at fault, a 400)
     accept(outputs)                 each output's new tokens through its matcher ->
                                     ended (the grammar is complete: the request stops) or
-                                    refused (a token the mask did not allow: the request fails)
+                                    refused (the request fails: a token the mask did not allow,
+                                    or one it allowed that broke a parser limit: GRAMMAR_FAILED)
 
 A compiled grammar is kept by its text (a few most recent), and a request gets a copy: the
 n choices of a request, and an agent's calls with the same tools, compile once. The vocabulary
@@ -28,6 +31,7 @@ from moeserve.types import RequestOutput, SchedulerOutput
 
 COMPILED_KEPT = 64
 MAX_WHY_CHARS = 300  # llguidance's errors quote the whole grammar: its first line, cut
+GRAMMAR_FAILED = "structured output: the grammar cannot go on: "  # the API's 400s start so
 
 
 @dataclass(slots=True)
@@ -36,6 +40,7 @@ class RequestGrammar:
 
     matcher: Any  # llguidance.LLMatcher
     waiting_for: int | None = None
+    mask: np.ndarray | None = None  # what the grammar allowed at its last step (a copy)
 
     @property
     def active(self) -> bool:
@@ -51,7 +56,9 @@ class RequestGrammar:
             if self.matcher.is_stopped():
                 return None  # the grammar is complete; the engine stops the request
             if not self.matcher.consume_token(token):
-                why = (self.matcher.get_error() or "refused").splitlines()[0][:MAX_WHY_CHARS]
+                why = _first_line(self.matcher.get_error())
+                if self.mask is not None and (int(self.mask[token >> 5]) >> (token & 31)) & 1:
+                    return GRAMMAR_FAILED + why  # allowed, yet it broke the grammar: a limit
                 return (f"the sampled token {token} is not allowed by the request's structured "
                         f"output: {why}")
         return None
@@ -121,17 +128,28 @@ class Grammars:
         return [i for i, (rid, sample) in enumerate(zip(out.req_ids, out.sample))
                 if sample and rid in self._requests and self._requests[rid].active]
 
-    def bitmask(self, out: SchedulerOutput, rows: list[int]) -> np.ndarray:
-        """[len(rows), words] int32: each row's allowed tokens. A row whose grammar is complete
-        (its request stops at this step's update) allows every token: its token is dropped."""
+    def bitmask(self, out: SchedulerOutput, rows: list[int]
+                ) -> tuple[np.ndarray, dict[str, str]]:
+        """[len(rows), words] int32: each row's allowed tokens; and request id -> why its
+        grammar failed computing them (a parser limit). A row whose grammar is complete (its
+        request stops at this step's update) or failed allows every token: it is dropped."""
         from llguidance.numpy import fill_next_token_bitmask
 
         mask = np.full((len(rows), self.words), -1, dtype=np.int32)
+        failed: dict[str, str] = {}
         for j, i in enumerate(rows):
-            grammar = self._requests[out.req_ids[i]]
-            if not grammar.matcher.is_stopped():
-                fill_next_token_bitmask(grammar.matcher, mask, j)
-        return mask
+            rid = out.req_ids[i]
+            grammar = self._requests[rid]
+            matcher = grammar.matcher
+            if matcher.is_stopped():
+                continue
+            fill_next_token_bitmask(matcher, mask, j)
+            grammar.mask = mask[j].copy()
+            if matcher.is_error():
+                mask[j] = -1
+                failed[rid] = GRAMMAR_FAILED + _first_line(matcher.get_error())
+                del self._requests[rid]
+        return mask, failed
 
     def accept(self, outputs: list[RequestOutput]) -> Accepted:
         """Each output's new tokens through its request's matcher; finished requests dropped."""
@@ -150,3 +168,7 @@ class Grammars:
             elif grammar.ended:
                 found.ended.append(out.request_id)
         return found
+
+
+def _first_line(error: str) -> str:
+    return (error or "refused").splitlines()[0][:MAX_WHY_CHARS]

@@ -81,8 +81,12 @@ class StructuredOutput:
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.spec)
         if self.kind == "choice":  # JSON string literals are Lark string literals
+            # NOTE: one terminal (upper case: a lexeme, matched by the lexer's automaton), not
+            # one rule per choice: llguidance's Earley rows hold at most 2,000 items, which
+            # thousands of alternatives of a rule exceed at the first token.
+            options = dict.fromkeys(_choices(self.spec))
             return LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in _choices(self.spec)))
+                "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in options))
         return LLMatcher.grammar_from_lark(self.spec)
 
     def check(self) -> str:

@@ -13,10 +13,12 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
 import psutil
+import pydantic
 import pytest
 
 SERVE = [sys.executable, "-m", "moeserve.cli", "serve", "--preset", "tiny-moe", "--device", "cpu",
@@ -120,9 +122,25 @@ def test_openai_sdk_with_tools_and_a_history_of_calls(server: Server) -> None:
     deltas = [c.choices[0].delta for c in chunks]
     assert "".join(d.content or "" for d in deltas) == (whole.content or "")
     assert [t for d in deltas for t in d.tool_calls or ()] == (whole.tool_calls or [])
-    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
-        client.chat.completions.create(model="tiny-moe", messages=messages, tools=tools,
-                                       tool_choice="required", max_tokens=2)
+    forced = client.chat.completions.create(
+        model="tiny-moe", messages=messages, tools=tools, tool_choice="required", seed=4,
+        max_tokens=120)
+    assert forced.choices[0].message.tool_calls or forced.choices[0].finish_reason == "length"
+
+
+class Trip(pydantic.BaseModel):
+    city: Literal["Paris", "Oslo"]
+    days: int = pydantic.Field(ge=1, le=9)
+
+
+def test_the_sdk_parses_a_structured_reply(server: Server) -> None:
+    """The official SDK's own structured-output path: a pydantic model sent as a strict
+    json_schema response_format, the reply parsed back into it by the SDK."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    reply = client.chat.completions.parse(
+        model="tiny-moe", messages=[{"role": "user", "content": "Plan a trip"}],
+        response_format=Trip, max_tokens=40, seed=1)
+    assert isinstance(reply.choices[0].message.parsed, Trip)
 
 
 def test_unsupported_field_is_rejected(server: Server) -> None:

@@ -122,9 +122,9 @@ def test_a_refused_token_fails_its_request_alone(device: str,
     real = grammars_module.Grammars.bitmask
 
     def broken(self: grammars_module.Grammars, out, rows):  # type: ignore[no-untyped-def]
-        mask = real(self, out, rows)
+        mask, failed = real(self, out, rows)
         mask[:] = -1
-        return mask
+        return mask, failed
 
     monkeypatch.setattr(grammars_module.Grammars, "bitmask", broken)
     llm = _llm(device)

@@ -21,7 +21,8 @@ MAX_MODEL_LEN = 128
 
 
 class LiveServer:
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int = MAX_MODEL_LEN) -> None:
+        self.max_model_len = max_model_len
         self.sockets = [socket.socket(), socket.socket()]
         for s in self.sockets:
             s.bind(("127.0.0.1", 0))
@@ -52,7 +53,7 @@ class LiveServer:
 
     async def _main(self) -> None:
         self.client = await AsyncEngineClient.start(
-            {"model": "tiny-moe", "device": "cpu", "max_model_len": MAX_MODEL_LEN},
+            {"model": "tiny-moe", "device": "cpu", "max_model_len": self.max_model_len},
             max_waiting_requests=64)
         apps = [build_app(self.client, None), build_app(self.client, API_KEY)]
         # The keyed server runs without lifespan: the plain one's shutdown stops the client.

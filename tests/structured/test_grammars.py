@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from moeserve.structured.grammars import Grammars
+from moeserve.structured.grammars import GRAMMAR_FAILED, Grammars
 from moeserve.structured.spec import StructuredOutput
 from moeserve.tokenizer import ByteTokenizer
 from moeserve.types import RequestOutput, SamplingParams, SchedulerOutput
@@ -31,6 +31,12 @@ def _plan(req_ids: list[str], sample: list[bool] | None = None) -> SchedulerOutp
                            num_output_tokens=[0] * n)
 
 
+def _mask(g: Grammars, plan: SchedulerOutput, rows: list[int]) -> np.ndarray:
+    mask, failed = g.bitmask(plan, rows)
+    assert failed == {}
+    return mask
+
+
 def _allowed(mask_row: np.ndarray) -> set[int]:
     bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")
     return set(np.flatnonzero(bits[:VOCAB]).tolist())
@@ -47,7 +53,7 @@ def test_the_bitmask_allows_exactly_the_tokens_the_pattern_can_take() -> None:
     g.add("r", StructuredOutput("regex", pattern))
     text = ""
     for chosen in "cd17":
-        mask = g.bitmask(_plan(["r"]), [0])
+        mask = _mask(g, _plan(["r"]), [0])
         # independently: a byte is allowed when text + byte is still a prefix of a match
         assert _allowed(mask[0]) == _prefix_bytes(pattern, text)
         assert g.accept([_output("r", [ord(chosen)])]).ended == ([] if chosen != "7" else ["r"])
@@ -66,7 +72,7 @@ def test_a_complete_grammar_allows_eos_and_reports_the_end() -> None:
     g = _grammars()
     g.add("r", StructuredOutput("regex", "a+"))
     assert g.accept([_output("r", [ord("a")])]).ended == []  # "a" can go on: not ended
-    assert _allowed(g.bitmask(_plan(["r"]), [0])[0]) == {ord("a"), EOS}
+    assert _allowed(_mask(g, _plan(["r"]), [0])[0]) == {ord("a"), EOS}
     assert g.accept([_output("r", [EOS])]).ended == ["r"]
 
 
@@ -81,7 +87,7 @@ def test_a_token_the_grammar_refuses_is_named() -> None:
 def test_non_text_ids_are_never_allowed() -> None:
     g = _grammars()
     g.add("r", StructuredOutput("grammar", 'start: /(.|\\n)*/'))
-    allowed = _allowed(g.bitmask(_plan(["r"]), [0])[0])
+    allowed = _allowed(_mask(g, _plan(["r"]), [0])[0])
     assert 256 not in allowed and all(i not in allowed for i in range(258, VOCAB))
     assert set(range(128)) <= allowed and EOS in allowed
 
@@ -95,7 +101,7 @@ def test_a_deferred_grammar_waits_for_its_start_token() -> None:
     assert g.rows(plan) == []
     g.accept([_output("r", [10])])  # the end of the reasoning
     assert g.rows(plan) == [0]
-    assert _allowed(g.bitmask(plan, [0])[0]) == {ord("y"), ord("n")}
+    assert _allowed(_mask(g, plan, [0])[0]) == {ord("y"), ord("n")}
 
 
 def test_rows_are_those_that_sample_under_a_grammar() -> None:
@@ -112,7 +118,7 @@ def test_a_compiled_grammar_is_shared_and_each_request_has_its_own_state() -> No
     g.add("2", spec)
     assert len(g._compiled) == 1
     g.accept([_output("1", [ord("a")])])
-    masks = g.bitmask(_plan(["1", "2"]), [0, 1])
+    masks = _mask(g, _plan(["1", "2"]), [0, 1])
     assert _allowed(masks[0]) == {ord("b")} and _allowed(masks[1]) == {ord("a"), ord("c")}
 
 
@@ -133,7 +139,32 @@ def test_a_grammar_that_does_not_compile_is_refused() -> None:
 def test_json_object_takes_any_object_and_nothing_else() -> None:
     g = _grammars()
     g.add("r", StructuredOutput("json_object"))
-    assert _allowed(g.bitmask(_plan(["r"]), [0])[0]) == {ord("{")}
+    assert _allowed(_mask(g, _plan(["r"]), [0])[0]) == {ord("{")}
     text = '{"a":[1,{"b":null}],"c":"\\"é"}'
     found = g.accept([_output("r", list(text.encode()))])
     assert not found.refused and found.ended == ["r"]
+
+
+def test_a_grammar_past_a_parser_limit_fails_its_request_with_the_reason() -> None:
+    """llguidance's Earley rows hold at most 2,000 items: a rule of 2,001 alternatives breaks
+    at its first token, which the mask allowed. The request's grammar is at fault, named so
+    (GRAMMAR_FAILED: the API answers 400); a token the mask refused is named otherwise."""
+    g = _grammars()
+    g.add("r", StructuredOutput("grammar", "start: " + " | ".join(['"0"'] * 2001)))
+    g.add("ok", StructuredOutput("regex", "0+"))
+    mask = _mask(g, _plan(["r", "ok"]), [0, 1])
+    assert _allowed(mask[0]) == {ord("0")}
+    found = g.accept([_output("r", [ord("0")]), _output("ok", [ord("0")])])
+    assert list(found.refused) == ["r"] and found.refused["r"].startswith(GRAMMAR_FAILED)
+    assert "max is 2000" in found.refused["r"]
+    g.add("strict", StructuredOutput("regex", "1"))
+    _mask(g, _plan(["strict"]), [0])
+    assert "not allowed" in g.accept([_output("strict", [ord("2")])]).refused["strict"]
+
+
+def test_thousands_of_choices_are_one_lexeme() -> None:
+    g = _grammars()
+    g.add("r", StructuredOutput.choice([f"x{i}" for i in range(4000)] + ["x7"] * 96))
+    _mask(g, _plan(["r"]), [0])
+    assert not g.accept([_output("r", list(b"x399"))]).refused
+    assert _allowed(_mask(g, _plan(["r"]), [0])[0]) == {ord(str(d)) for d in range(10)} | {EOS}

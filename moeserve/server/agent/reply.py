@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeserve.server.agent.forced_calls import ForcedCallSplitter
 from moeserve.server.agent.reasoning import ReasoningSplitter
 from moeserve.server.agent.tool_splitter import ParsedCall, ToolCallSplitter, new_call_id
 
@@ -25,7 +26,7 @@ class ReplyPart:
 
 class ReplyParser:
     def __init__(self, reasoning: ReasoningSplitter | None,
-                 tools: ToolCallSplitter | None) -> None:
+                 tools: ToolCallSplitter | ForcedCallSplitter | None) -> None:
         self.reasoning = reasoning
         self.tools = tools
 

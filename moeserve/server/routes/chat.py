@@ -22,6 +22,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from moeserve.server.agent.forced_calls import ForcedCallSplitter, forced_output
 from moeserve.server.agent.protocol import NamedToolChoice
 from moeserve.server.agent.reasoning import ReasoningSplitter
 from moeserve.server.agent.reply import ReplyParser, ReplyPart
@@ -42,6 +43,8 @@ from moeserve.server.routes.serving import (
     serve,
     sse,
 )
+from moeserve.server.structured_output import requested_output
+from moeserve.structured.spec import StructuredOutput
 from moeserve.types import Logprobs, RequestOutput
 
 
@@ -56,25 +59,20 @@ async def create_chat_completion(ctx: ServerContext, request: Request,
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_lengths(ctx, [prompt], req.max_new_tokens, field, "messages")
     params = sampling_params(req, [prompt], req.max_new_tokens, None, req.num_logprobs,
-                             ctx.client.max_model_len)
+                             ctx.client.max_model_len, chat_output(ctx, req, prompt_text))
     agent = ctx.agent
     parsed = req.parses_tool_calls or agent.reasoning is not None
     if parsed and agent.keep_special_tokens:  # the markers are special tokens: keep them
         params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
     gen = Generation(ctx.client, request_id, [prompt] * req.n, params, "messages")
-    renderer = ChatRenderer(ctx, request_id, req.logprobs, reply_parsers(ctx, req, prompt_text))
+    renderer = ChatRenderer(ctx, request_id, req.logprobs, reply_parsers(ctx, req, prompt_text),
+                            isinstance(req.tool_choice, NamedToolChoice))
     return await serve(ctx, request, request_id, req, gen, renderer, [prompt])
 
 
 def check_agent_fields(ctx: ServerContext, req: ChatCompletionRequest) -> None:
     """What the request asks of tools and the template that this server cannot give: 400s."""
-    choice = req.tool_choice
-    if choice == "required" or isinstance(choice, NamedToolChoice):
-        shown = '"required"' if choice == "required" else "a named function"
-        raise APIError(400, f"tool_choice {shown} is not supported: forcing a call needs "
-                       "constrained decoding, which moeserve does not do; send \"auto\" (the "
-                       "model then decides whether to call) or \"none\"", "tool_choice")
-    if req.parses_tool_calls and ctx.agent.tools is None:
+    if req.parses_tool_calls and not req.forces_call and ctx.agent.tools is None:
         raise APIError(400, f"tools: this server parses no tool calls "
                        f"({ctx.agent.tools_reason}); start it with --tool-call-parser NAME, "
                        "or send tool_choice \"none\"", "tools")
@@ -140,28 +138,60 @@ def _calls_in_content(message: dict[str, Any], fmt: ToolFormat) -> dict[str, Any
     return {**message, "content": f"{content}\n{written}" if content else written}
 
 
+def chat_output(ctx: ServerContext, req: ChatCompletionRequest,
+                prompt_text: str) -> StructuredOutput | None:
+    """The reply's grammar: a forced call's, or response_format's / structured_outputs'. When
+    the reply starts inside the model's reasoning, the grammar starts after its end marker,
+    which must then be one token (else the JSON would land in the reasoning): a 400 otherwise."""
+    if req.forces_call:
+        assert req.tools is not None and req.tool_choice is not None
+        structured = forced_output(req.tools, req.tool_choice, req.parallel_tool_calls)
+    else:
+        structured = requested_output(req.response_format, req.structured_outputs)
+    reasoning = ctx.agent.reasoning
+    if structured is None or reasoning is None or not reasoning.starts_inside(prompt_text):
+        return structured
+    end = ctx.client.tokenizer.encode(reasoning.end, add_special_tokens=False)
+    if len(end) != 1:
+        field = "tool_choice" if req.forces_call else "response_format"
+        raise APIError(400, f"{field}: the reply starts inside the model's reasoning, whose end "
+                       f"marker {reasoning.end!r} is {len(end)} tokens, so the format cannot "
+                       "start after it; turn the reasoning off (chat_template_kwargs, e.g. "
+                       '{"enable_thinking": false}) or start the server with '
+                       "--reasoning-parser none", field)
+    return dataclasses.replace(structured, start_after=end[0])
+
+
 def reply_parsers(ctx: ServerContext, req: ChatCompletionRequest,
                   prompt_text: str) -> Callable[[], ReplyParser] | None:
     """A factory of each choice's reply parser; None when replies are plain content."""
     agent = ctx.agent
     tools = agent.tools if req.parses_tool_calls else None
-    if tools is None and agent.reasoning is None:
+    if tools is None and agent.reasoning is None and not req.forces_call:
         return None
     schemas = {t.function.name: t.function.parameters or {} for t in req.tools or ()}
     reasoning, inside = agent.reasoning, (agent.reasoning is not None
                                           and agent.reasoning.starts_inside(prompt_text))
 
     def new() -> ReplyParser:
-        return ReplyParser(reasoning and ReasoningSplitter(reasoning, inside),
-                           tools and ToolCallSplitter(tools, schemas, req.parallel_tool_calls))
+        calls: ToolCallSplitter | ForcedCallSplitter | None = None
+        if req.forces_call:
+            assert req.tool_choice is not None
+            calls = ForcedCallSplitter(req.tool_choice)
+        elif tools is not None:
+            calls = ToolCallSplitter(tools, schemas, req.parallel_tool_calls)
+        return ReplyParser(reasoning and ReasoningSplitter(reasoning, inside), calls)
 
     return new
 
 
 class ChatRenderer:
     def __init__(self, ctx: ServerContext, request_id: str, want_logprobs: bool,
-                 new_parser: Callable[[], ReplyParser] | None = None) -> None:
+                 new_parser: Callable[[], ReplyParser] | None = None,
+                 named_call: bool = False) -> None:
         self.ctx = ctx
+        self.named_call = named_call  # a forced call of a named function: finish "stop", as
+        # OpenAI's and vLLM's replies are
         self.request_id = request_id
         self.want_logprobs = want_logprobs
         self.new_parser = new_parser
@@ -189,7 +219,7 @@ class ChatRenderer:
             sent = self._calls_sent.get(index, 0)
             delta = _delta(part, sent)
             self._calls_sent[index] = sent + len(part.calls)
-            finish_reason = _finish_reason(finish_reason, parser.num_calls)
+            finish_reason = self._finish_reason(finish_reason, parser.num_calls)
         choice: dict[str, Any] = {"index": index, "delta": delta,
                                   "token_ids": out.new_token_ids, "logprobs": None,
                                   "finish_reason": finish_reason}
@@ -223,7 +253,13 @@ class ChatRenderer:
             message["reasoning_content"] = part.reasoning or None
         if part.calls:
             message["tool_calls"] = part.calls
-        return message, _finish_reason(finish_reason, parser.num_calls)
+        return message, self._finish_reason(finish_reason, parser.num_calls)
+
+    def _finish_reason(self, engine_reason: str | None, num_calls: int) -> str | None:
+        """OpenAI's "tool_calls" for a reply that called and ended by itself (but "stop" for
+        the forced call of a named function)."""
+        called = num_calls and not self.named_call
+        return "tool_calls" if engine_reason == "stop" and called else engine_reason
 
     def logprobs(self, token_ids: list[int], logprobs: list[Logprobs]) -> dict[str, Any]:
         text = self.ctx.token_string
@@ -252,7 +288,3 @@ def _delta(part: ReplyPart, calls_sent: int) -> dict[str, Any]:
                                for k, call in enumerate(part.calls)]
     return delta
 
-
-def _finish_reason(engine_reason: str | None, num_calls: int) -> str | None:
-    """OpenAI's "tool_calls" for a reply that called and ended by itself."""
-    return "tool_calls" if engine_reason == "stop" and num_calls else engine_reason

@@ -28,6 +28,7 @@ from moeserve.server.routes.serving import (
     sampling_params,
     serve,
 )
+from moeserve.server.structured_output import requested_output
 from moeserve.types import Logprobs, RequestOutput
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -39,8 +40,9 @@ async def create_completion(ctx: ServerContext, request: Request, request_id: st
     check_prompt(req.prompt, req.n, ctx.client.max_model_len, ctx.max_prompt_chars)
     prompts = await tokenize_prompts(ctx, req.prompt)
     check_lengths(ctx, prompts, req.max_tokens, "max_tokens", "prompt")
+    structured = requested_output(req.response_format, req.structured_outputs)
     params = sampling_params(req, prompts, req.max_tokens, DEFAULT_MAX_TOKENS, req.logprobs,
-                             ctx.client.max_model_len)
+                             ctx.client.max_model_len, structured)
     choice_prompts = [p for p in prompts for _ in range(req.n)]
     gen = Generation(ctx.client, request_id, choice_prompts, params, "prompt")
     renderer = CompletionRenderer(ctx, request_id, req.logprobs is not None)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import Response
 
 from moeserve.server.errors import APIError
+from moeserve.structured.grammars import GRAMMAR_FAILED
 from moeserve.types import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -51,6 +52,8 @@ def engine_error(exc: BaseException, param: str | None) -> APIError:
                         headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is unavailable: {exc}")
+    if isinstance(exc, RequestFailedError) and str(exc).startswith(GRAMMAR_FAILED):
+        return APIError(400, str(exc))  # the request's grammar exceeded a parser limit
     if isinstance(exc, RequestFailedError):  # this request's own fault; the server goes on
         logger.warning("a request failed in the engine: %s", exc)
         return APIError(500, f"the request failed in the engine: {exc}")

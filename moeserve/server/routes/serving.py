@@ -39,6 +39,7 @@ from moeserve.server.routes.generation import (
     named,
 )
 from moeserve.server.routes.request_limits import MAX_BODY_BYTES, max_prompt_chars, precheck_body
+from moeserve.structured.spec import StructuredOutput
 from moeserve.types import Logprobs, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -135,11 +136,12 @@ def check_lengths(ctx: ServerContext, prompts: list[list[int]], max_tokens: int 
 
 def sampling_params(req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
                     default_max_tokens: int | None, logprobs: int | None,
-                    max_model_len: int) -> list[SamplingParams]:
+                    max_model_len: int,
+                    structured: StructuredOutput | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice: prompt-major, n per prompt; seed + i for choice i of a
     prompt. Without max_tokens: default_max_tokens, or up to max_model_len when that is None
     (capped by max_model_len either way). The number of choices is checked before (request
-    limits)."""
+    limits). `structured`: every choice's grammar."""
     out = []
     for prompt in prompts:
         room = max_model_len - len(prompt)
@@ -154,7 +156,7 @@ def sampling_params(req: SamplingFields, prompts: list[list[int]], max_tokens: i
                     seed=None if req.seed is None else req.seed + i,
                     stop=req.stop_strings, stop_token_ids=tuple(req.stop_token_ids or ()),
                     ignore_eos=req.ignore_eos, logprobs=logprobs,
-                    skip_special_tokens=req.skip_special_tokens))
+                    skip_special_tokens=req.skip_special_tokens, structured=structured))
             except ValueError as e:
                 raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
     return out
