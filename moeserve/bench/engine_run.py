@@ -21,6 +21,7 @@ COUNTERS = ("num_steps", "num_forward_steps", "num_graph_steps", "num_mixed_grap
             "cuda_graph_fallbacks",
             "num_preemptions", "num_prefix_hit_tokens", "num_prompt_tokens",
             "num_generated_tokens", "num_aborted", "num_failed", "num_refused", "num_oom_steps",
+            "num_grammar_waits",
             "num_busy_iterations",
             "busy_loop_seconds_total", "busy_step_seconds_total", "busy_intake_seconds_total",
             "busy_send_seconds_total", "num_profiled_forwards", "profiled_device_seconds_total",

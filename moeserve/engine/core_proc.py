@@ -315,6 +315,8 @@ class _EngineLoop:
             num_prompt_tokens=c.num_prompt_tokens, num_generated_tokens=c.num_generated_tokens,
             num_aborted=s.stats.num_aborted, num_failed=s.stats.num_failed,
             num_refused=self.num_refused, num_oom_steps=self.core.oom.num_recoveries,
+            num_structured=len(self.core.structured.grammars),
+            num_grammar_waits=self.core.structured.num_overlap_waits,
             step_seconds=c.last_step_seconds, schedule_seconds=c.schedule_seconds,
             loop_seconds=self.loop_times[0], intake_seconds=self.loop_times[1],
             send_seconds=self.loop_times[2], busy_loop_seconds_total=self.loop_totals[0],

@@ -127,6 +127,10 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     num_failed: int = 0  # requests failed by a fault of their own (FinishReason.ERROR)
     num_refused: int = 0  # add requests refused by validation
     num_oom_steps: int = 0  # forwards that ran out of device memory (engine/oom.py recovered)
+    num_structured: int = 0  # requests held to a grammar now (structured outputs)
+    # steps that waited for the step in flight before launching, for a grammar row's mask
+    # (engine/structured_steps.py): overlap scheduling lost on those steps
+    num_grammar_waits: int = 0
     # wall seconds of the last step. NOTE: a gauge read by a stats request (Ping) is answered
     # between steps, after the step it arrived in: long steps are over-represented in its
     # samples (length-biased); means over a run belong to the *_total counters below

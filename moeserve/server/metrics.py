@@ -78,6 +78,8 @@ class _EngineCollector:
         s = self.client.stats
         gauges = [
             ("moeserve_num_requests_running", "Requests running in the engine", s.num_running),
+            ("moeserve_num_requests_structured", "Requests held to a grammar (structured "
+             "outputs)", s.num_structured),
             ("moeserve_num_requests_waiting", "Requests waiting in the engine", s.num_waiting),
             ("moeserve_kv_cache_usage", "Share of KV blocks in use (0-1)", s.kv_usage),
             ("moeserve_num_requests_in_flight", "Requests submitted by the API process and not "
@@ -121,6 +123,9 @@ class _EngineCollector:
             ("moeserve_engine_refused_requests", "Requests the engine refused", s.num_refused),
             ("moeserve_engine_oom_steps", "Forward steps that ran out of device memory (their "
              "requests preempted to recompute; the engine went on)", s.num_oom_steps),
+            ("moeserve_engine_grammar_wait_steps", "Steps that waited for the step in flight "
+             "(a structured output's mask needs its previous token): overlap lost",
+             s.num_grammar_waits),
             ("moeserve_engine_forward_steps", "Model forwards (a multi-step decode plan runs "
              "several per step)", s.num_forward_steps),
             ("moeserve_engine_graph_steps", "Forward steps replayed from a CUDA graph",

@@ -16,7 +16,7 @@ import pytest
 
 from moeserve.server.protocol import ChatCompletionResponse, CompletionRequest
 from tests.server.conftest import LiveServer
-from tests.server.helpers import CHAT, COMPLETIONS, MESSAGES, post, stream
+from tests.server.helpers import CHAT, COMPLETIONS, MESSAGES, engine_stats, post, stream
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
           "properties": {"city": {"enum": ["Paris", "Oslo"]},
@@ -64,6 +64,8 @@ def test_completions_follow_the_format(http: httpx.Client, fields: dict[str, Any
     for choice in out["choices"]:
         assert choice["finish_reason"] == "stop", choice
         check(choice["text"])
+    assert engine_stats(http)["num_structured"] == 0  # the grammars went with their requests
+    assert "moeserve_engine_grammar_wait_steps_total" in http.get("/metrics").text
 
 
 def test_a_chat_reply_follows_json_schema_and_streams_the_same(http: httpx.Client) -> None:
