@@ -66,15 +66,17 @@ run_gpu_tests() {
 # serve` flags, into DIR/NAME.log and DIR/NAME.jsonl (W1_TIMEOUT seconds, default 110); prints
 # its exit status and headline lines.
 w1_run() {
-  local preset=$1 c=$2 name=$3 dir=$4 server="" rc
+  local preset=$1 c=$2 name=$3 dir=$4 server="" rc extra=()
   shift 4
+  # W1_EXTRA_BODY: a JSON object added to every request (moeserve bench --extra-body)
+  [ -n "${W1_EXTRA_BODY:-}" ] && extra=(--extra-body "$W1_EXTRA_BODY")
   local vars=()
   while [ $# -gt 0 ]; do
     if [ "$1" = "--" ]; then shift; server="$*"; break; fi
     vars+=("$1"); shift
   done
   timeout "${W1_TIMEOUT:-110}" env "${vars[@]}" python3 -m moeserve.cli bench --preset "$preset" \
-    --max-concurrency "$c" --server-args="$server" --no-progress \
+    --max-concurrency "$c" --server-args="$server" --no-progress "${extra[@]}" \
     --output-json "$dir/$name.jsonl" > "$dir/$name.log" 2>&1
   rc=$?
   echo "$name rc=$rc"

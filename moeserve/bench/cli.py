@@ -21,6 +21,7 @@ command line.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -72,6 +73,17 @@ def _concurrency_list(values: list[str] | None) -> list[int | None]:
             except ValueError:
                 raise ValueError(f"--max-concurrency: {part!r} is not an integer") from None
     return out
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """--extra-body: a JSON object (argparse turns the ValueError into a usage error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +140,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                     help="seconds per request (default: 21600)")
     ld.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                     help="do not send ignore_eos")
+    ld.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
+                    help="fields added to every request, e.g. '{\"response_format\": {\"type\": "
+                    "\"json_object\"}}' to bench structured outputs (not the fields the bench "
+                    "sets: prompt, messages, max_tokens, temperature, stream, ignore_eos, ...)")
     o = parser.add_argument_group("output")
     o.add_argument("--output-json", help="append one JSON line per run to this file")
     o.add_argument("--no-progress", dest="progress", action="store_false",
@@ -228,7 +244,8 @@ def _bench(args: argparse.Namespace, url: str, console: Console, started: bool,
     engine = get_json(url, "/v1/engine", api_key)
     model = args.model or first_model(url, api_key)
     client = ClientConfig(base_url=url, model=model, api=args.api, api_key=api_key,
-                          ignore_eos=args.ignore_eos, timeout_s=args.timeout)
+                          ignore_eos=args.ignore_eos, timeout_s=args.timeout,
+                          extra_body=args.extra_body)
     s = _settings(args, engine)
     for w in s["warnings"]:
         console.print(f"[yellow]note:[/yellow] {w}", highlight=False)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -33,6 +33,10 @@ from moeserve.bench.records import RequestRecord
 from moeserve.bench.workloads import WorkItem
 
 READ_BUFSIZE = 10 * 1024 * 1024  # aiohttp's read buffer: 10 MB, as sglang's bench uses
+
+
+BENCH_FIELDS = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature",
+                          "stream", "stream_options", "messages", "prompt", "ignore_eos"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +49,17 @@ class ClientConfig:
     api_key: str | None = None  # sent as "Authorization: Bearer ..."
     ignore_eos: bool = True  # send "ignore_eos": true (moeserve, vLLM and SGLang accept it)
     timeout_s: float | None = None  # per request; None = no limit
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    """Fields added to every request (--extra-body), e.g. a response_format to bench
+    structured outputs; the fields the bench sets itself are refused."""
 
     def __post_init__(self) -> None:
         if self.api not in ("completions", "chat"):
             raise ValueError(f"--api must be 'completions' or 'chat', got {self.api!r}")
+        owned = sorted(set(self.extra_body) & BENCH_FIELDS)
+        if owned:
+            raise ValueError(f"--extra-body may not set {', '.join(owned)}: the bench sets "
+                             "them (see its flags)")
 
     @property
     def endpoint(self) -> str:
@@ -74,7 +85,7 @@ def build_payload(cfg: ClientConfig, prompt: list[int] | str, max_tokens: int) -
         body["prompt"] = prompt
     if cfg.ignore_eos:
         body["ignore_eos"] = True
-    return body
+    return body | cfg.extra_body
 
 
 class SSELineSplitter:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -270,3 +271,13 @@ def test_git_commit_env_overrides_a_checkout(monkeypatch: pytest.MonkeyPatch) ->
     """A copied tree (the GPU machine) can carry a stale .git: the explicit variable wins."""
     monkeypatch.setenv("MOESERVE_GIT_COMMIT", "feed42")
     assert git_commit() == {"commit": "feed42", "dirty": None}
+
+
+def test_extra_body_must_be_a_json_object(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    assert parser.parse_args(["--extra-body", '{"top_k": 5}']).extra_body == {"top_k": 5}
+    for bad, why in (("[1]", "must be a JSON object"), ("{x", "not JSON")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--extra-body", bad])
+        assert why in capsys.readouterr().err

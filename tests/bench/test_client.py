@@ -113,6 +113,17 @@ def test_payload() -> None:
     assert ClientConfig("http://h", "m", api_key="k").headers()["Authorization"] == "Bearer k"
 
 
+def test_extra_body_is_added_to_every_request_but_not_over_the_benchs_fields() -> None:
+    fmt = {"response_format": {"type": "json_object"}, "top_k": 5}
+    cfg = ClientConfig(base_url="http://h:1", model="m", extra_body=fmt)
+    body = build_payload(cfg, [1, 2], 16)
+    assert body["response_format"] == {"type": "json_object"} and body["top_k"] == 5
+    assert body["max_tokens"] == 16 and body["stream"] is True
+    with pytest.raises(ValueError, match="may not set max_tokens, stream"):
+        ClientConfig(base_url="http://h:1", model="m", extra_body={"stream": False,
+                                                                    "max_tokens": 1})
+
+
 def _data(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 

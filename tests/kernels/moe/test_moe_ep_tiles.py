@@ -52,14 +52,14 @@ def test_a_sharded_rank_takes_the_entry_of_its_density(isolated_config_dirs: Pat
 
 
 def test_the_capacity_report_shows_a_ranks_entries(isolated_config_dirs: Path) -> None:
-    from moeserve.engine.core import _moe_configs
+    from moeserve.engine.moe_setup import moe_configs
 
     write_tuned(isolated_config_dirs / "env", {2: SMALL, 16: {**SMALL, "BLOCK_N": 32}},
                 device="Fake GPU", dtype=torch.float16)
     cfg = SimpleNamespace(moe_backend="triton", moe_tiles="tuned",
                           scheduler=SimpleNamespace(max_num_batched_tokens=128))
     mc = SimpleNamespace(num_experts=ROUTED, num_experts_per_tok=2)
-    report = _moe_configs(cfg, mc, torch.float16, "Fake GPU", (8, 32, 16))
+    report = moe_configs(cfg, mc, torch.float16, "Fake GPU", (8, 32, 16))
     assert report["128"]["tuned_tokens"] == 16  # 128 x 8 / 64
     assert report["64"]["tuned_tokens"] == 2  # 8 tokens' density: 2 is nearer than 16
 
