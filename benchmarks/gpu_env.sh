@@ -21,7 +21,7 @@ export PYTHONPATH=$PWD:$SITE
 python3 -c "
 import importlib.util, sys
 need = ('fastapi', 'uvicorn', 'zmq', 'msgspec', 'orjson', 'openai', 'optuna',
-        'compressed_tensors', 'xdist', 'opentelemetry')
+        'compressed_tensors', 'xdist', 'opentelemetry', 'llguidance')
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit('gpu_env.sh: not importable here: ' + ', '.join(missing)

@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NEEDED="alembic annotated-doc annotated-types colorlog compressed-tensors distro execnet fastapi
-graphql-core greenlet harfile httpcore2 httpx2 hypothesis hypothesis-graphql jiter jsonschema-rs llguidance loguru mako
+graphql-core greenlet harfile httpcore2 httpx2 hypothesis hypothesis-graphql jiter jsonschema-rs loguru mako
 msgspec openai opentelemetry-api optuna orjson pydantic pydantic-core pyrate-limiter
 pytest-xdist pyzmq schemathesis sniffio sqlalchemy starlette truststore typing-extensions
 typing-inspection uvicorn werkzeug"
@@ -23,3 +23,6 @@ for name in $NEEDED; do
   specs+=("${pin:-$name}")
 done
 ../shared/device/wheels.sh "${specs[@]}"
+# llguidance's only Linux wheel is manylinux_2_31, a platform the shared script does not ask for
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_31_x86_64 -d .whl "$(grep -i '^llguidance==' constraints.txt)"
