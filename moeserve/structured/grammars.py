@@ -84,7 +84,7 @@ class Grammars:
         self._load_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
-        self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row
+        self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row (see add)
         self._llg_tokenizer: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._requests: dict[str, RequestGrammar] = {}
@@ -107,6 +107,9 @@ class Grammars:
 
                 self._llg_tokenizer = grammar_tokenizer(self._load_tokenizer(),
                                                         self.vocab_size, self.eos_ids)
+                # NOTE: with no EOS id, llguidance appends one past the model's ids: its rows
+                # are a word longer then (the sampler reads the model's V bits of each)
+                self.words = (max(self.vocab_size, self._llg_tokenizer.vocab_size) + 31) // 32
             compiled = LLMatcher(self._llg_tokenizer, grammar, log_level=0)
             if compiled.is_error():
                 raise ValueError(f"the {structured.kind} of the structured output cannot be "

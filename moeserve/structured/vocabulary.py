@@ -40,7 +40,9 @@ class _Vocabulary:
 
 def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> Any:
     """llguidance's LLTokenizer over the model's `vocab_size` ids (the logits' width), with
-    `eos_ids` (the engine's stop set) as its EOS tokens."""
+    `eos_ids` (the engine's stop set) as its EOS tokens. A model without one gets an EOS id of
+    llguidance's own past its ids, which it cannot sample: its requests end when their grammar
+    is complete (grammars.py), or at max_tokens."""
     from llguidance import LLTokenizer
 
     vocabulary = _Vocabulary(tokenizer, vocab_size, eos_ids)

@@ -13,6 +13,8 @@ The reference is the same engine on one process; the tiny fp32 checkpoints have 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from moeserve import LLM, SamplingParams
@@ -122,3 +124,20 @@ def test_one_rank_through_the_distributed_path(references, monkeypatch, collecti
         results = llm.generate(prompts, GREEDY)
         assert llm.engine.runner.world_size == 1 and llm.engine.runner.tp is not None
     assert [r.token_ids for r in results] == expected
+
+
+def test_structured_outputs_over_two_ranks(references) -> None:
+    """A grammar's bitmask crosses with the plan: both ranks mask and sample alike, so the
+    sharded engine gives the single process's tokens, and the output holds to the grammar
+    (the checkpoint's HF byte tokenizer as llguidance's vocabulary)."""
+    from moeserve import StructuredOutput
+
+    folder, prompts, _ = references("qwen3_moe")
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=s,
+                             structured=StructuredOutput("regex", "[a-f]{3,20}"))
+              for s in range(len(prompts))]
+    expected = LLM(folder, **ENGINE).generate(prompts, params)
+    with LLM(folder, **ENGINE, **LAYOUTS["tp2"]) as llm:
+        results = llm.generate(prompts, params)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert all(re.fullmatch("[a-f]{3,20}", r.text) for r in results), [r.text for r in results]

@@ -168,3 +168,15 @@ def test_thousands_of_choices_are_one_lexeme() -> None:
     _mask(g, _plan(["r"]), [0])
     assert not g.accept([_output("r", list(b"x399"))]).refused
     assert _allowed(_mask(g, _plan(["r"]), [0])[0]) == {ord(str(d)) for d in range(10)} | {EOS}
+
+
+def test_a_model_without_eos_ends_by_its_grammar() -> None:
+    """llguidance then adds an EOS id past the model's 256: a row a word longer, which the
+    sampler reads only the model's ids of; the request ends when the grammar is complete."""
+    g = Grammars(lambda: ByteTokenizer(256, None, None), 256, ())
+    g.add("r", StructuredOutput("regex", "ab?"))
+    mask = _mask(g, _plan(["r"]), [0])
+    assert mask.shape == (1, 9) and _allowed(mask[0]) == {ord("a")}
+    assert g.accept([_output("r", [ord("a")])]).ended == []
+    assert _allowed(_mask(g, _plan(["r"]), [0])[0]) == {ord("b"), 256}  # 256: no model id
+    assert g.accept([_output("r", [ord("b")])]).ended == ["r"]
