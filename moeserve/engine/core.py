@@ -352,26 +352,43 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One step: schedule, execute, update. With async_scheduling, the update is that of the
-        previous launch, so the CPU plans and launches step N+1 while the device runs step N
-        (unless a grammar row needs step N's tokens first: engine/structured_steps.py)."""
+        previous launch, so the CPU plans and launches step N+1 while the device runs step N.
+        A grammar row of N+1 needs its token of N for its mask: N+1's forward is launched, N
+        settles while it runs, then N+1 is sampled under its masks (engine/structured_steps.py;
+        on several ranks, which sample as they launch, N settles before N+1 is launched)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         self.counters.schedule_seconds = time.perf_counter() - start
         if out.num_reqs == 0 and not self.cfg.async_scheduling:
             return []
         settled: list[RequestOutput] = []
-        if self._in_flight is not None and self.structured.needs_tokens(out):
-            previous, self._in_flight = self._in_flight, None
+        late = self._in_flight is not None and self.structured.needs_tokens(out)
+        if late and isinstance(self.runner, RankedRunner):
+            late, (previous, self._in_flight) = False, (self._in_flight, None)
             self.structured.num_overlap_waits += 1
             try:
                 settled = self._update(*previous, start)
             except torch.OutOfMemoryError as e:  # the step in flight failed; `out` ran on it
                 return self._out_of_memory(e, [previous[0], out], False)
-        settled += self.structured.prepare(out, self.scheduler)
+        if not late:
+            settled += self.structured.prepare(out, self.scheduler)
+        stage = "launch"
         try:  # an out-of-memory forward: its requests preempted (engine/oom.py)
-            launched = (out, self.runner.launch(out)) if out.num_reqs else None
-        except torch.OutOfMemoryError as e:  # a step in flight is older: it stands
-            return settled + self._out_of_memory(e, [out], True)
+            pending = (None if not out.num_reqs else self.runner.launch(out, defer_sampling=True)
+                       if late else self.runner.launch(out))
+            if late:
+                previous, self._in_flight = self._in_flight, None
+                self.structured.num_overlap_waits += 1
+                stage = "previous"
+                settled = self._update(*previous, start)
+                settled += self.structured.prepare(out, self.scheduler)
+                stage = "sample"
+                self.runner.sample_deferred(pending, out)
+        except torch.OutOfMemoryError as e:
+            if stage == "previous":  # the step before failed: this one ran on its tokens
+                return self._out_of_memory(e, [previous[0], out], False)
+            return settled + self._out_of_memory(e, [out], True)  # an older step stands
+        launched = None if pending is None else (out, pending)
         previous = launched
         if self.cfg.async_scheduling:
             previous, self._in_flight = self._in_flight, launched
@@ -400,7 +417,8 @@ class EngineCore:
         if isinstance(self.runner, RankedRunner):
             raise error
         in_flight, self._in_flight = self._in_flight, None
-        return self.oom.recover(error, failed, in_flight, in_flight_is_older)
+        return self.structured.settle(self.oom.recover(error, failed, in_flight,
+                                                       in_flight_is_older), self.scheduler)
 
 
 def usable_cores() -> int:

@@ -128,8 +128,8 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     num_refused: int = 0  # add requests refused by validation
     num_oom_steps: int = 0  # forwards that ran out of device memory (engine/oom.py recovered)
     num_structured: int = 0  # requests held to a grammar now (structured outputs)
-    # steps that waited for the step in flight before launching, for a grammar row's mask
-    # (engine/structured_steps.py): overlap scheduling lost on those steps
+    # steps sampled after the step in flight settled, for a grammar row's mask (one rank: the
+    # forward enqueued first, overlap kept; several ranks: overlap lost on those steps)
     num_grammar_waits: int = 0
     # wall seconds of the last step. NOTE: a gauge read by a stats request (Ping) is answered
     # between steps, after the step it arrived in: long steps are over-represented in its

@@ -1,15 +1,18 @@
 """Structured outputs in the engine's step loop (the grammars themselves: structured/grammars.py).
 
     add_request   the request's grammar compiled; a bad one refuses the request (ValueError)
-    step          schedule -> [needs_tokens: settle the step in flight first] -> prepare (the
-                  step's bitmask into the plan) -> launch -> update -> settle (each sampled
-                  token accepted: a complete grammar stops its request, a refused token fails
-                  it; the token is dropped)
+    step          schedule -> launch -> [needs_tokens: N+1's forward enqueued, its sampling
+                  deferred; step N settles] -> prepare (N+1's bitmask into the plan) ->
+                  sample -> update -> settle (each sampled token accepted: a complete grammar
+                  stops its request, a refused token fails it; the token is dropped)
     abort         the grammar dropped with the request
 
 Overlap scheduling plans step N+1 before step N's tokens reach the host; a grammar row of N+1
-needs its token of N for its mask, so such a step waits for N first (`needs_tokens`): the batch
-loses its overlap on the steps that hold a structured request, and only on those.
+needs its token of N for its mask. So such a step's forward is enqueued first, step N's tokens
+are read and accepted while it runs, and its sampling is enqueued once the masks exist: the
+device waits only if building the masks outlasts the forward (`num_overlap_waits` counts these
+steps). Several ranks sample inside their launch: there step N settles before N+1 launches,
+and the batch loses its overlap on those steps.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ class StructuredSteps:
         self.num_ended = 0  # requests stopped by their grammar's end
         self.num_refused_tokens = 0  # requests failed by a token their mask did not allow
         self.num_grammar_failures = 0  # requests failed by their grammar (a parser limit)
-        self.num_overlap_waits = 0  # steps that waited for the step in flight (needs_tokens)
+        self.num_overlap_waits = 0  # steps sampled after the step in flight settled
+        # (needs_tokens; one rank: its forward enqueued before, so overlap is kept)
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         if params.structured is not None:

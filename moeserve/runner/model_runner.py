@@ -40,7 +40,6 @@ from moeserve.runner.kv_cache import (
     allocate_kv_caches,
     cache_dtype,
     kv_layout,
-    num_cache_blocks,
     plan_memory,
     profile_step,
 )
@@ -48,13 +47,14 @@ from moeserve.runner.mixed_graphs import MixedGraphs, mixed_token_buckets
 from moeserve.runner.pending_output import PendingOutput
 from moeserve.runner.step_profile import StepProfiler
 from moeserve.runner.step_sampling import GrammarMask, sample_random_logits, sample_step
+from moeserve.runner.warmup import warm_up
 from moeserve.runner.weight_loader import (
     checkpoint_plan,
     init_dummy_weights,
     load_weights,
     model_weight_bytes,
 )
-from moeserve.types import ModelOutput, SamplingParams, SchedulerOutput
+from moeserve.types import ModelOutput, SchedulerOutput
 
 
 class ModelRunner:
@@ -77,6 +77,7 @@ class ModelRunner:
         # DSA models: the indexer key cache exists unless dsa="dense" (no indexer runs then)
         self.indexer_cache = cfg.dsa != "dense"
         self._last: tuple[PendingOutput, dict[str, int]] | None = None  # the latest launch
+        self._defer_sampling = False  # the current launch's (launch's argument)
         self.graphs: DecodeGraphs | None = None
         self.num_eager_decode_fallbacks = 0  # decode batches run without a graph (CUDA only)
         self._load_copy: tuple[torch.Tensor, torch.cuda.Event, int] | None = None
@@ -242,40 +243,9 @@ class ModelRunner:
         self.model.bind_kv_caches(kv_caches)
         self.model.bind_expert_counters(self.expert_counts if kv_caches else None)
 
-    @torch.inference_mode()
     def warmup(self, moe_token_counts: list[int], max_model_len: int) -> None:
-        """Compile the kernel variants serving will hit, before it starts (CUDA only): one MoE
-        block at each token count (each tuned count has its own tiles) and two mixed steps (a
-        decode row beside a prefill row; the second decode row's context splits). Positions
-        stay below max_model_len (the RoPE tables end there or later). It writes the first KV
-        blocks, which are free; the expert counters are reset afterwards."""
-        if self.device.type != "cuda" or not self.kv_caches:
-            return
-        blocks = self.model.moe_blocks()
-        if blocks:
-            hidden = self.model_config.hidden_size
-            gen = torch.Generator(device=self.device).manual_seed(0)
-            for n in moe_token_counts:
-                blocks[0](torch.randn(n, hidden, generator=gen, device=self.device,
-                                      dtype=self.dtype))
-        # mixed steps: a decode row with a short context, then one long enough for the decode
-        # attention to split over the context (its reduce kernel too)
-        num_blocks = num_cache_blocks(self.kv_caches)
-        prompt = 17
-        for context in sorted({min(c, max_model_len - 1) for c in (16, 600)}):
-            if context < 1 or prompt > max_model_len:
-                break
-            blocks_needed = -(-(context + 1) // self.block_size) + 2
-            if num_blocks <= blocks_needed:
-                break
-            table = list(range(1, blocks_needed - 1))
-            self.execute(SchedulerOutput(
-                req_ids=["warmup-decode", "warmup-prefill"], num_scheduled_tokens=[1, prompt],
-                num_computed_tokens=[context, 0], token_ids=[0] * (prompt + 1),
-                block_tables=[table, [blocks_needed - 1, blocks_needed]],
-                sample=[True, True], sampling_params=[SamplingParams()] * 2,
-                sample_seeds=[0, 0], num_output_tokens=[1, 0]))
-        self.reset_counters()
+        """Compile the kernel variants serving will hit (runner/warmup.py)."""
+        warm_up(self, moe_token_counts, max_model_len)
 
     def reset_counters(self) -> None:
         """Zero the expert-load counters, the forward count, the attention layers' path counts
@@ -327,19 +297,31 @@ class ModelRunner:
         return self.launch(out).result()
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> PendingOutput:
+    def launch(self, out: SchedulerOutput, defer_sampling: bool = False) -> PendingOutput:
         """Enqueue one step on the device and return without waiting for it.
 
         Overlap scheduling: a token id of -1 in the plan is the token the previous launch is
         sampling for the same request; it is taken from that launch's device tensor, so step
         N+1 can be enqueued before step N's tokens reach the host. The sampled tokens' copy to
         the host is enqueued here, right behind the step (`PendingOutput.start_copy`): step N's
-        `result()`, called after step N+1 was launched, then waits for step N alone."""
+        `result()`, called after step N+1 was launched, then waits for step N alone.
+        `defer_sampling`: the forward only; `sample_deferred` samples it later, when the plan
+        holds its grammar masks (which need step N's tokens), and enqueues the copy."""
+        self._defer_sampling = defer_sampling
         pending = self._launch(out)
         if self.profiler is not None:
             pending.profiled_forwards = self.profiler.take_sampled()
-        pending.start_copy()
+        if not defer_sampling:
+            pending.start_copy()
         return pending
+
+    @torch.inference_mode()
+    def sample_deferred(self, pending: PendingOutput, out: SchedulerOutput) -> None:
+        """Sample a launch made with `defer_sampling` (`out` now holds its grammar masks), then
+        enqueue its tokens' copy."""
+        if pending.deferred is not None:
+            self._sample_picked(pending, out)
+        pending.start_copy()
 
     def _launch(self, out: SchedulerOutput) -> PendingOutput:
         if self.faults:
@@ -414,8 +396,9 @@ class ModelRunner:
 
     def _sample_rows(self, out: SchedulerOutput, hidden: torch.Tensor, last_token: np.ndarray,
                      seq_lens: np.ndarray) -> PendingOutput:
-        """Sample the rows that sample; last_token [B] is each row's hidden row, seq_lens [B]
-        each row's length after the step (the position of its random stream)."""
+        """Sample the rows that sample (now, or at sample_deferred); last_token [B] is each
+        row's hidden row, seq_lens [B] each row's length after the step (the position of its
+        random stream)."""
         rows = np.flatnonzero(np.asarray(out.sample, dtype=bool))  # [R]
         pending = PendingOutput(out.num_reqs, rows)
         self._last = (pending, {out.req_ids[i]: j for j, i in enumerate(rows.tolist())})
@@ -425,12 +408,22 @@ class ModelRunner:
             picked = hidden[:rows.size]  # decode: the rows in order, no gather
         else:
             picked = hidden[self._to_device(last_token[rows])]
+        pending.deferred = (picked, seq_lens[rows].tolist())
+        if not self._defer_sampling:
+            self._sample_picked(pending, out)
+        return pending
+
+    def _sample_picked(self, pending: PendingOutput, out: SchedulerOutput) -> None:
+        """The logits of a step's picked hidden rows [R, hidden], sampled into `pending`.
+        NOTE: a graph replay's rows are views of its static output, which the next replay
+        overwrites: that replay is enqueued after this (the next step), on the same stream."""
+        (picked, positions), pending.deferred = pending.deferred, None
+        rows = pending.rows
         logits = self.model.compute_logits(picked)  # [R, V] model dtype
         pending.params = [out.sampling_params[i] for i in rows]
         pending.take(sample_step(logits, pending.params, [out.sample_seeds[i] for i in rows],
-                                 seq_lens[rows].tolist(), [out.req_ids[i] for i in rows],
-                                 self.faults, GrammarMask.of(out, rows, self.device)))
-        return pending
+                                 positions, [out.req_ids[i] for i in rows], self.faults,
+                                 GrammarMask.of(out, rows, self.device)))
 
     def _launch_decode_steps(self, out: SchedulerOutput, bucket: int | None) -> PendingOutput:
         """A decode-only plan run for `out.num_steps` tokens back to back: each step's sampled

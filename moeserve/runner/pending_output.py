@@ -28,6 +28,9 @@ class PendingOutput:
         self.finite: torch.Tensor | None = None  # [R] bool, False: the row's logits not finite
         self.row_errors: dict[int, str] = {}  # row (of R) -> a fault of that row alone
         self.profiled_forwards: tuple[int, ...] = ()  # the step profiler's timed forwards
+        # (picked hidden rows [R, hidden], positions [R]) until the rows are sampled: a launch
+        # with defer_sampling keeps them for ModelRunner.sample_deferred
+        self.deferred: tuple[torch.Tensor, list[int]] | None = None
         self._copied: torch.cuda.Event | None = None  # start_copy's end, on CUDA
         self._host: tuple = ()  # start_copy's pinned (token_ids, extra ids, logprobs, finite)
 

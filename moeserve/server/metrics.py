@@ -123,8 +123,8 @@ class _EngineCollector:
             ("moeserve_engine_refused_requests", "Requests the engine refused", s.num_refused),
             ("moeserve_engine_oom_steps", "Forward steps that ran out of device memory (their "
              "requests preempted to recompute; the engine went on)", s.num_oom_steps),
-            ("moeserve_engine_grammar_wait_steps", "Steps that waited for the step in flight "
-             "(a structured output's mask needs its previous token): overlap lost",
+            ("moeserve_engine_grammar_wait_steps", "Steps sampled after the step in flight "
+             "settled (a structured output's mask needs its previous token)",
              s.num_grammar_waits),
             ("moeserve_engine_forward_steps", "Model forwards (a multi-step decode plan runs "
              "several per step)", s.num_forward_steps),

@@ -13,6 +13,7 @@ a Lark grammar, by masking the tokens the grammar forbids before each sampling.
 The engine (engine/core.py) builds the bitmask after scheduling and hands it to the runner in the
 SchedulerOutput; the sampler (layers/sampler.py, `mask_tokens_`) sets the forbidden logits to -inf.
 Overlap scheduling: a step with a grammar row needs the previous step's tokens before its mask
-exists, so the engine settles the step in flight first (that step loses its overlap); decode
-steps under a grammar run one token at a time.
+exists, so the engine enqueues its forward, settles the step in flight while it runs, then
+samples it under the masks (engine/structured_steps.py); decode steps under a grammar run one
+token at a time.
 """

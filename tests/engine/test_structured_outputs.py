@@ -135,3 +135,29 @@ def test_a_refused_token_fails_its_request_alone(device: str,
     assert "is not allowed by the request's structured output" in results[0].error
     assert results[1].finish_reason is FinishReason.LENGTH and len(results[1].token_ids) == 8
     assert llm.engine.structured.num_refused_tokens == 1
+
+
+def test_overlap_a_grammar_steps_forward_runs_before_the_step_before_settles(
+        device: str) -> None:
+    """Overlap kept: step N+1's forward is enqueued first (sampling deferred), then step N's
+    tokens are read and accepted, then N+1's masks are built and its sampling enqueued."""
+    llm = _llm(device, async_scheduling=True)
+    engine, calls = llm.engine, []
+    launch, update, sample = (engine.runner.launch, engine.scheduler.update,
+                              engine.runner.sample_deferred)
+
+    def spy(name, fn):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(name + ("(deferred)" if kwargs.get("defer_sampling") else ""))
+            return fn(*args, **kwargs)
+        return call
+
+    engine.runner.launch = spy("launch", launch)
+    engine.scheduler.update = spy("update", update)
+    engine.runner.sample_deferred = spy("sample", sample)
+    [r] = llm.generate(PROMPTS[:1], _params(StructuredOutput("regex", "[a-z]{12}"), 1))
+    assert re.fullmatch("[a-z]{12}", r.text)
+    late = [i for i, c in enumerate(calls) if c == "launch(deferred)"]
+    assert late and engine.structured.num_overlap_waits == len(late)
+    for i in late:
+        assert calls[i + 1:i + 3] == ["update", "sample"], calls
