@@ -24,6 +24,8 @@ PROMPTS = ["hello", "the quick brown fox", "1, 2, 3,", "{"]
 
 
 def _llm(device: str, **kw: object) -> LLM:
+    if device == "cuda":
+        kw.setdefault("mem_fraction", 0.05)  # a tiny model: leave the GPU's memory alone
     return LLM("tiny-moe", device=device, **{"max_model_len": 256, **kw})
 
 
