@@ -1,0 +1,113 @@
+"""The host cost of structured outputs' token masks (structured/grammars.py), per step and per row,
+at a realistic vocabulary size: the engine builds them on its thread while the step's forward
+runs (engine/structured_steps.py), so what matters is this time against a decode step's.
+
+No checkpoint is downloaded: a byte-level BPE tokenizer is trained on this repository's text
+(~126k tokens at --vocab-size 150000, close to Qwen3's 151k). Each run puts R requests under one
+JSON schema and walks them through the same compact JSON reply token by token, timing
+`Grammars.bitmask` over the R rows at each step (the accepts are not timed).
+
+    python -m benchmarks.structured.mask_cost --rows 1 64 256 1024 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import llguidance
+
+from moeserve.bench.server import git_commit
+from moeserve.structured.grammars import Grammars
+from moeserve.structured.spec import StructuredOutput
+from moeserve.tokenizer import HFTokenizer
+from moeserve.types import RequestOutput, SamplingParams, SchedulerOutput
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = {"type": "object", "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"type": "string"}}}}
+REPLY = '{"name":"Alice Smith, the third of the name","age":42,"tags":["a","bb","ccc","dddd"]}'
+
+
+def train_tokenizer(vocab_size: int, folder: str) -> HFTokenizer:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    files = sorted(glob.glob(str(ROOT / "**" / "*.py"), recursive=True)
+                   + glob.glob(str(ROOT / "**" / "*.md"), recursive=True))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train(files, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>"}, f)
+    return HFTokenizer(folder)
+
+
+def plan(rows: int) -> SchedulerOutput:
+    return SchedulerOutput(
+        req_ids=[f"r{i}" for i in range(rows)], num_scheduled_tokens=[1] * rows,
+        num_computed_tokens=[0] * rows, token_ids=[0] * rows, block_tables=[[]] * rows,
+        sample=[True] * rows, sampling_params=[SamplingParams()] * rows,
+        sample_seeds=[0] * rows, num_output_tokens=[0] * rows)
+
+
+def run(tokenizer: HFTokenizer, rows: int) -> dict:
+    grammars = Grammars(lambda: tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    start = time.perf_counter()
+    for i in range(rows):
+        grammars.add(f"r{i}", StructuredOutput.json_schema(SCHEMA))
+    setup_s = time.perf_counter() - start
+    step, ids, times = plan(rows), tokenizer.encode(REPLY, add_special_tokens=False), []
+    for token in ids:
+        start = time.perf_counter()
+        _, failed = grammars.bitmask(step, list(range(rows)))
+        times.append(time.perf_counter() - start)
+        accepted = grammars.accept([RequestOutput(f"r{i}", [1], [token]) for i in range(rows)])
+        if failed or accepted.refused:
+            raise RuntimeError(f"the reply broke the grammar: {failed or accepted.refused}")
+    return {"rows": rows, "steps": len(ids), "setup_s": round(setup_s, 4),
+            "step_ms_median": round(statistics.median(times) * 1e3, 3),
+            "step_ms_max": round(max(times) * 1e3, 3),
+            "row_us_median": round(statistics.median(times) / rows * 1e6, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 1024])
+    parser.add_argument("--vocab-size", type=int, default=150_000)
+    parser.add_argument("--out", help="directory for mask_cost.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        tokenizer = train_tokenizer(args.vocab_size, folder)
+        trained_s = time.perf_counter() - start
+        runs = [run(tokenizer, rows) for rows in args.rows]
+    result = {"benchmark": "structured mask cost", **git_commit(),
+              "device": platform.processor() or platform.machine(),
+              "cpu_count": os.cpu_count(), "python": platform.python_version(),
+              "llguidance": llguidance.__version__ if hasattr(llguidance, "__version__")
+              else "1.9.1 (constraints.txt)",
+              "config": {"vocab_size_asked": args.vocab_size, "vocab_size": tokenizer.vocab_size,
+                         "schema": SCHEMA, "reply": REPLY, "tokenizer_trained_s":
+                         round(trained_s, 1)},
+              "runs": runs}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mask_cost.json"), "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
