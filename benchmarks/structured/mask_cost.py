@@ -3,9 +3,9 @@ at a realistic vocabulary size: the engine builds them on its thread while the s
 runs (engine/structured_steps.py), so what matters is this time against a decode step's.
 
 No checkpoint is downloaded: a byte-level BPE tokenizer is trained on this repository's text
-(~126k tokens at --vocab-size 150000, close to Qwen3's 151k). Each run puts R requests under one
-JSON schema and walks them through the same compact JSON reply token by token, timing
-`Grammars.bitmask` over the R rows at each step (the accepts are not timed).
+(its files under 2 MiB; the size reached is in the result's config: "vocab_size"). Each run
+puts R requests under one JSON schema and walks them through the same compact JSON reply token
+by token, timing `Grammars.bitmask` over the R rows at each step (the accepts are not timed).
 
     python -m benchmarks.structured.mask_cost --rows 1 64 256 1024 --out DIR
 """
@@ -40,13 +40,15 @@ REPLY = '{"name":"Alice Smith, the third of the name","age":42,"tags":["a","bb",
 def train_tokenizer(vocab_size: int, folder: str) -> HFTokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    files = sorted(glob.glob(str(ROOT / "**" / "*.py"), recursive=True)
-                   + glob.glob(str(ROOT / "**" / "*.md"), recursive=True))
+    files = sorted(path for pattern in ("*.py", "*.md", "*.json", "*.sh")
+                   for path in glob.glob(str(ROOT / "**" / pattern), recursive=True)
+                   if "/.venv/" not in path and os.path.getsize(path) < 2 << 20)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train(files, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+        vocab_size=vocab_size, min_frequency=1, special_tokens=["<|endoftext|>"],
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
