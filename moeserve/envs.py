@@ -37,6 +37,11 @@
     MOESERVE_DSA_SLOT_ROWS   "1" turns DSA's selections into cache rows before the sparse
                              attention (dsa/sparse_triton.slot_rows), an experiment; off
                              otherwise
+    MOESERVE_GRAMMAR_THREADS  structured outputs' token masks: "N" builds a step's masks on
+                             llguidance's executor over N threads, "0" over its default
+                             (80% of the CPUs up to 32), an experiment
+                             (benchmarks/structured/mask_cost.py times both); one at a time
+                             on the engine thread otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -61,6 +66,7 @@ MLA_SWAPPED_TOKENS = "MOESERVE_MLA_SWAPPED_TOKENS"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
 NVFP4_GLUON = "MOESERVE_NVFP4_GLUON"
+GRAMMAR_THREADS = "MOESERVE_GRAMMAR_THREADS"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -120,6 +126,17 @@ def nvfp4_gluon() -> bool:
 
 def dsa_slot_rows() -> bool:
     return os.environ.get(DSA_SLOT_ROWS) == "1"
+
+
+def grammar_threads() -> int | None:
+    """None: masks one at a time; 0: llguidance's default thread count; N: N threads."""
+    value = os.environ.get(GRAMMAR_THREADS)
+    if value is None or value == "":
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{GRAMMAR_THREADS} must be a thread count (0: llguidance's "
+                         f"default), got {value!r}")
+    return int(value)
 
 
 def set_variables() -> dict[str, str]:

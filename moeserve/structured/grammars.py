@@ -80,7 +80,7 @@ class Grammars:
     """The structured requests of one engine (see the module docstring)."""
 
     def __init__(self, tokenizer: Callable[[], Tokenizer], vocab_size: int,
-                 eos_ids: Sequence[int]) -> None:
+                 eos_ids: Sequence[int], threads: int | None = None) -> None:
         self._load_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
@@ -88,6 +88,8 @@ class Grammars:
         self._llg_tokenizer: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._requests: dict[str, RequestGrammar] = {}
+        self.threads = threads  # None: masks one at a time; else llguidance's executor
+        self._executor: Any = None
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -136,21 +138,28 @@ class Grammars:
         """[len(rows), words] int32: each row's allowed tokens; and request id -> why its
         grammar failed computing them (a parser limit). A row whose grammar is complete (its
         request stops at this step's update) or failed allows every token: it is dropped."""
-        from llguidance.numpy import fill_next_token_bitmask
+        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
         mask = np.full((len(rows), self.words), -1, dtype=np.int32)
+        live = [(j, self._requests[out.req_ids[i]]) for j, i in enumerate(rows)]
+        live = [(j, g) for j, g in live if not g.matcher.is_stopped()]
+        if self.threads is None or len(live) < 2:
+            for j, grammar in live:
+                fill_next_token_bitmask(grammar.matcher, mask, j)
+        else:
+            if self._executor is None:
+                from llguidance import LLExecutor
+
+                self._executor = LLExecutor(self.threads or None)
+            fill_next_token_bitmask_par(self._executor, [(g.matcher, j) for j, g in live],
+                                        mask)
         failed: dict[str, str] = {}
-        for j, i in enumerate(rows):
-            rid = out.req_ids[i]
-            grammar = self._requests[rid]
-            matcher = grammar.matcher
-            if matcher.is_stopped():
-                continue
-            fill_next_token_bitmask(matcher, mask, j)
+        for j, grammar in live:
             grammar.mask = mask[j].copy()
-            if matcher.is_error():
+            if grammar.matcher.is_error():
                 mask[j] = -1
-                failed[rid] = GRAMMAR_FAILED + _first_line(matcher.get_error())
+                rid = out.req_ids[rows[j]]
+                failed[rid] = GRAMMAR_FAILED + _first_line(grammar.matcher.get_error())
                 del self._requests[rid]
         return mask, failed
 
