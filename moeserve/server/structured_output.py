@@ -41,16 +41,18 @@ class JsonSchemaFormat(_Field):
     """Accepted either way: moeserve always enforces the schema."""
 
 
-def _given(field: str) -> dict[str, Any]:
-    """JSON Schema: `field` is present and not null."""
-    return {"required": [field], "properties": {field: {"not": {"type": "null"}}}}
+def _given(field: str, json_type: str | list[str]) -> dict[str, Any]:
+    """JSON Schema: `field` is present and not null (of its non-null types)."""
+    return {"required": [field], "properties": {field: {"type": json_type}}}
 
 
 class ResponseFormat(_Field):
     # the validator's rule in the served schema too (it stays true: test_openapi)
-    model_config = ConfigDict(json_schema_extra={
-        "if": {"properties": {"type": {"const": "json_schema"}}}, "then": _given("json_schema"),
-        "else": {"properties": {"json_schema": {"type": "null"}}}})
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {**_given("json_schema", "object"), "properties": {
+            "type": {"const": "json_schema"}, "json_schema": {"type": "object"}}},
+        {"properties": {"type": {"enum": ["text", "json_object"]},
+                        "json_schema": {"type": "null"}}}]})
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -68,7 +70,9 @@ class StructuredOutputs(_Field):
     """Exactly one of the fields."""
 
     model_config = ConfigDict(json_schema_extra={"oneOf": [
-        _given(name) for name in ("json", "json_object", "regex", "choice", "grammar")]})
+        _given(name, json_type) for name, json_type in (
+            ("json", ["object", "string"]), ("json_object", "boolean"), ("regex", "string"),
+            ("choice", "array"), ("grammar", "string"))]})
 
     json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
     """A JSON schema (an object, or its JSON text)."""
