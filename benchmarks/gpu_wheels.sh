@@ -5,12 +5,14 @@
 # run this once before the first GPU call, and carry ".whl" with every call:
 #   bash benchmarks/gpu_wheels.sh
 # The list is the closure of the server's, the bench's, the tuner's and the tests' needs
-# (fastapi, uvicorn, pyzmq, msgspec, orjson, optuna, openai, compressed-tensors, pytest-xdist,
-# and schemathesis / jsonschema-rs, so that `pytest -m gpu tests` collects every file there)
+# (fastapi, uvicorn, pyzmq, msgspec, orjson, optuna, openai, anthropic, compressed-tensors,
+# pytest-xdist, and schemathesis / jsonschema-rs, so that `pytest -m gpu tests` collects every
+# file there)
 # minus the GPU machine's own packages and platform-only requirements (Windows, PyPy, < 3.11).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NEEDED="alembic annotated-doc annotated-types colorlog compressed-tensors distro execnet fastapi
+NEEDED="alembic annotated-doc annotated-types anthropic colorlog compressed-tensors distro
+docstring-parser execnet fastapi
 graphql-core greenlet harfile httpcore2 httpx2 hypothesis hypothesis-graphql jiter jsonschema-rs loguru mako
 msgspec openai opentelemetry-api optuna orjson pydantic pydantic-core pyrate-limiter
 pytest-xdist pyzmq schemathesis sniffio sqlalchemy starlette truststore typing-extensions

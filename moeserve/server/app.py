@@ -2,6 +2,9 @@
 
     POST /v1/completions        routes/completions.py    (Bearer key when --api-key)
     POST /v1/chat/completions   routes/chat.py           (Bearer key when --api-key)
+    POST /v1/messages           routes/messages.py: Anthropic's Messages API (the key as Bearer
+                                or as Anthropic's x-api-key header; errors in its shape)
+    POST /v1/messages/count_tokens   the same prompt's token count
     GET  /v1/models             the served model          (Bearer key when --api-key)
     GET  /v1/engine             capacity report + live engine stats + server settings (key too)
     GET  /health                200 while this process and the engine process are alive (its
@@ -43,6 +46,7 @@ from moeserve.server.openapi import install as install_openapi
 from moeserve.server.process.connections import BODY_TIMED_OUT
 from moeserve.server.routes.chat import create_chat_completion
 from moeserve.server.routes.completions import create_completion
+from moeserve.server.routes.messages import count_tokens, create_message
 from moeserve.server.routes.serving import ServerContext, new_request_id, now
 
 if TYPE_CHECKING:
@@ -129,6 +133,14 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def chat_completions(request: Request) -> Response:
         return await _guard(ctx, request, "chatcmpl", create_chat_completion)
 
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _guard(ctx, request, "msg", create_message, anthropic=True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        return await _guard(ctx, request, None, count_tokens, anthropic=True)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await _guard(ctx, request, None, _list_models)
@@ -167,8 +179,9 @@ async def _refresh_stats(client: AsyncEngineClient) -> None:
 
 
 async def _guard(ctx: ServerContext, request: Request, id_prefix: str | None,
-                 handler: Handler) -> Response:
-    """Authentication, then the handler; an APIError becomes its JSON response."""
+                 handler: Handler, anthropic: bool = False) -> Response:
+    """Authentication, then the handler; an APIError becomes its JSON response (`anthropic`:
+    in the Messages API's shape)."""
     request_id = new_request_id(id_prefix) if id_prefix else ""
     try:
         if id_prefix:
@@ -184,7 +197,7 @@ async def _guard(ctx: ServerContext, request: Request, id_prefix: str | None,
         level = logging.DEBUG if e.status == 429 else logging.INFO
         logger.log(level, "%s %s %s: %d %s", request_id or "-", request.method,
                    request.url.path, e.status, e.message)
-        return e.to_response(request_id)
+        return e.to_response(request_id, anthropic)
 
 
 def _client_request_id(request: Request) -> str | None:
@@ -199,14 +212,17 @@ def _client_request_id(request: Request) -> str | None:
 
 
 def _check_api_key(ctx: ServerContext, request: Request) -> None:
+    """The key as "Authorization: Bearer <key>" (OpenAI's clients) or "x-api-key: <key>"
+    (Anthropic's), on every keyed route."""
     if ctx.api_key is None:
         return
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             ctx.api_key.encode()):
-        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                       headers={"WWW-Authenticate": "Bearer"})
+    if scheme.lower() != "bearer":
+        token = request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(token.strip().encode(), ctx.api_key.encode()):
+        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                       "(or 'x-api-key: <key>')", headers={"WWW-Authenticate": "Bearer"})
 
 
 async def _list_models(ctx: ServerContext, request: Request, request_id: str) -> Response:

@@ -2,6 +2,11 @@
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": 400}}
 
+The Messages API's routes answer the same errors in Anthropic's shape (`to_anthropic_dict`):
+
+    {"type": "error", "error": {"type": "invalid_request_error", "message": "..."},
+     "request_id": "msg-..."}
+
 Routes raise `APIError`; the app turns it into that JSON (with Retry-After on 429). pydantic's
 validation errors become one APIError naming the first bad field: "unsupported field 'x'" for a
 field we do not have, "<field>: <what is wrong>" otherwise.
@@ -17,6 +22,11 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error",
           500: "internal_error", 503: "service_unavailable"}
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    404: "not_found_error", 405: "invalid_request_error",
+                    408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error"}
 
 # Segments pydantic adds to a location for the members of a union type: not field names.
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -37,11 +47,18 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.status}}
 
-    def to_response(self, request_id: str | None = None) -> Response:
+    def to_anthropic_dict(self, request_id: str | None = None) -> dict:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message},
+                "request_id": request_id or None}
+
+    def to_response(self, request_id: str | None = None, anthropic: bool = False) -> Response:
+        """The JSON response; `anthropic`: in the Messages API's shape."""
         headers = dict(self.headers)
         if request_id:
             headers["X-Request-Id"] = request_id
-        return Response(msgspec.json.encode(self.to_dict()), status_code=self.status,
+        body = self.to_anthropic_dict(request_id) if anthropic else self.to_dict()
+        return Response(msgspec.json.encode(body), status_code=self.status,
                         headers=headers, media_type="application/json")
 
 

@@ -33,10 +33,18 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import models_json_schema
 
 from moeserve.engine.protocol import EngineStats
+from moeserve.server.anthropic.protocol import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageErrorResponse,
+    MessageResponse,
+    MessagesRequest,
+    StreamEvent,
+)
 from moeserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -58,7 +66,8 @@ REF = "#/components/schemas/{model}"
 MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest, ChatCompletionRequest, CompletionResponse, CompletionStreamResponse,
     ChatCompletionResponse, ChatCompletionStreamResponse, ModelList, EngineState,
-    StatusResponse, ErrorResponse)
+    StatusResponse, ErrorResponse, MessagesRequest, CountTokensRequest, MessageResponse,
+    CountTokensResponse, MessageErrorResponse)
 
 _ERRORS = {
     400: "A bad or unsupported field (`param` names it), a body that is not a JSON object, or a "
@@ -80,6 +89,8 @@ _ROUTE_STATUSES = frozenset({200, 400, 401, 404, 413, 429, 500})  # always carry
 _REQUEST_ID = {"description": "The request's id (cmpl-... / chatcmpl-...), as in the body's "
                               "`id` and the server's log lines.", "schema": {"type": "string"}}
 _BEARER = "bearerAuth"
+_X_API_KEY = "apiKeyAuth"  # Anthropic's header, accepted on every keyed route
+_STREAM_EVENT = "MessageStreamEvent"  # the Messages stream's events (a union: no model name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +101,7 @@ class _Operation:
     request: type[BaseModel] | None = None  # the JSON body
     keyed: bool = False  # behind --api-key
     request_id: bool = False  # X-Request-Id on its responses
+    anthropic: bool = False  # errors in the Messages API's shape
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -118,6 +130,22 @@ def _generation(what: str, whole: type[BaseModel], chunk: type[BaseModel]) -> di
                         "text/event-stream": {"schema": event}}}
 
 
+def _message_stream() -> dict[str, Any]:
+    """The 200 of POST /v1/messages: one message, or with stream: true its events, each
+    `event: <type>` and `data: <the event as JSON>`."""
+    event = {"type": "object", "required": ["event", "data"], "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"$ref": REF.format(model=_STREAM_EVENT)}}}}
+    return {"description": "The message: one JSON object, or with `stream: true` server-sent "
+                           "events: message_start, per content block content_block_start, its "
+                           "deltas and content_block_stop, then message_delta and "
+                           "message_stop; an engine failure mid-stream sends an `error` event "
+                           "and ends the stream.",
+            "content": {"application/json": {"schema": _ref(MessageResponse)},
+                        "text/event-stream": {"schema": event}}}
+
+
 _POST_ERRORS = (400, 404, 408, 413, 429, 500, 503)
 _GET_ERRORS = (503,)  # a connection over the cap, at accept; the /v1 routes while starting
 _OPERATIONS: dict[tuple[str, str], _Operation] = {
@@ -129,6 +157,13 @@ _OPERATIONS: dict[tuple[str, str], _Operation] = {
         "Chat completion (the tokenizer's chat template)",
         _generation("chat completion", ChatCompletionResponse, ChatCompletionStreamResponse),
         _POST_ERRORS, ChatCompletionRequest, keyed=True, request_id=True),
+    ("/v1/messages", "post"): _Operation(
+        "Anthropic's Messages API (the tokenizer's chat template)", _message_stream(),
+        _POST_ERRORS, MessagesRequest, keyed=True, request_id=True, anthropic=True),
+    ("/v1/messages/count_tokens", "post"): _Operation(
+        "The prompt's tokens, as POST /v1/messages would render it",
+        _json("The count: {\"input_tokens\": N}.", CountTokensResponse),
+        (400, 404, 408, 413, 503), CountTokensRequest, keyed=True, anthropic=True),
     ("/v1/models", "get"): _Operation(
         "The served model", _json("The served model, with max_model_len.", ModelList),
         _GET_ERRORS, keyed=True),
@@ -182,7 +217,9 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
     components = doc.setdefault("components", {})
     components["schemas"] = component_schemas()
     if api_key:
-        components["securitySchemes"] = {_BEARER: {"type": "http", "scheme": "bearer"}}
+        components["securitySchemes"] = {
+            _BEARER: {"type": "http", "scheme": "bearer"},
+            _X_API_KEY: {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     return doc
 
 
@@ -202,14 +239,15 @@ def _operation(path: str, spec: _Operation, api_key: bool) -> dict[str, Any]:
             response = {"description": _NOT_READY[path], "content": {"application/json": {
                 "schema": {"anyOf": [_ref(StatusResponse), _ref(ErrorResponse)]}}}}
         else:
-            response = _json(_ERRORS[status], ErrorResponse)
+            response = _json(_ERRORS[status],
+                             MessageErrorResponse if spec.anthropic else ErrorResponse)
         responses[str(status)] = _with_headers(response, status, spec.request_id)
     out: dict[str, Any] = {"summary": spec.summary, "responses": responses}
     if spec.request is not None:
         out["requestBody"] = {"required": True,
                               "content": {"application/json": {"schema": _ref(spec.request)}}}
     if keyed:
-        out["security"] = [{_BEARER: []}]
+        out["security"] = [{_BEARER: []}, {_X_API_KEY: []}]  # either one
     return out
 
 
@@ -237,6 +275,9 @@ def component_schemas() -> dict[str, Any]:
     # /v1/engine sends msgspec.structs.asdict(stats): every field, and only those
     stats.update(required=list(stats["properties"]), additionalProperties=False)
     schemas.update(structs)
+    events = TypeAdapter(StreamEvent).json_schema(ref_template=REF)
+    schemas.update(events.pop("$defs"))
+    schemas[_STREAM_EVENT] = events
     state = schemas["EngineState"]["properties"]
     state["stats"] = {**ref, "description": state["stats"].get("description", "")}
     return schemas

@@ -76,6 +76,21 @@ def live() -> Iterator[LiveServer]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def long_live() -> Iterator[LiveServer]:
+    """A server whose prompts have room for tools (the default template lists them)."""
+    server = LiveServer(max_model_len=1024)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def long_http(long_live: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=long_live.url, timeout=60) as client:
+        yield client
+
+
 @pytest.fixture()
 def http(live: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=live.url, timeout=60) as client:

@@ -13,6 +13,7 @@ import jsonschema_rs
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from moeserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from moeserve.server.app import build_app
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from moeserve.tokenizer import ByteTokenizer
@@ -22,6 +23,8 @@ POST = {"200", "400", "404", "408", "413", "429", "500", "503"}
 STATUSES = {  # what each route can answer, without --api-key
     ("/v1/completions", "post"): POST,
     ("/v1/chat/completions", "post"): POST,
+    ("/v1/messages", "post"): POST,
+    ("/v1/messages/count_tokens", "post"): {"200", "400", "404", "408", "413", "503"},
     ("/v1/models", "get"): {"200", "503"},  # 503: while the engine starts, and at accept
     ("/v1/engine", "get"): {"200", "503"},
     ("/health", "get"): {"200", "503"},
@@ -46,7 +49,7 @@ def test_every_route_with_exactly_its_statuses() -> None:
     ops = _operations(_doc())
     assert {key: set(op["responses"]) for key, op in ops.items()} == STATUSES
     assert "securitySchemes" not in _doc()["components"]
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
         op = ops[(path, "post")]
         assert op["requestBody"]["required"] is True
         ok = op["responses"]["200"]
@@ -61,7 +64,8 @@ def test_every_route_with_exactly_its_statuses() -> None:
 def test_api_key_adds_401_and_the_bearer_scheme() -> None:
     doc = _doc(API_KEY)
     assert doc["components"]["securitySchemes"] == {
-        "bearerAuth": {"type": "http", "scheme": "bearer"}}
+        "bearerAuth": {"type": "http", "scheme": "bearer"},
+        "apiKeyAuth": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     for (path, method), op in _operations(doc).items():
         keyed = path.startswith("/v1/")
         expected = STATUSES[(path, method)] | ({"401"} if keyed else set())
@@ -90,8 +94,18 @@ def test_every_ref_resolves() -> None:
     assert refs
     prefix = "#/components/schemas/"
     assert all(ref.startswith(prefix) and ref[len(prefix):] in schemas for ref in refs), refs
-    for model in ("CompletionStreamResponse", "ChatCompletionStreamResponse", "EngineStats"):
+    for model in ("CompletionStreamResponse", "ChatCompletionStreamResponse", "EngineStats",
+                  "MessageStreamEvent", "MessageErrorResponse"):
         assert f"{prefix}{model}" in refs
+
+
+def test_the_messages_routes_document_anthropic_errors() -> None:
+    ops = _operations(_doc())
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        for status, response in ops[(path, "post")]["responses"].items():
+            if status != "200":
+                schema = response["content"]["application/json"]["schema"]
+                assert schema == {"$ref": "#/components/schemas/MessageErrorResponse"}, status
 
 
 # Values tried in every field: each type, bounds and just past them, neutral values.
@@ -106,12 +120,34 @@ PROBES: list[Any] = [
                                                                        "text": "t"}]}],
     [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
     [{"role": "user", "content": "x", "name": "n"}], [{"role": "user"}],
+    # the Messages API's shapes
+    [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+    [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}],
+    [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "a"}]}],
+    [{"role": "assistant", "content": [{"type": "thinking", "thinking": "t"}]},
+     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a", "content": "r",
+                                   "is_error": True}]}],
+    [{"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f",
+                                        "input": {}}] * 129}],
+    [{"role": "user", "content": [{"type": "text", "text": "t",
+                                   "cache_control": {"type": "ephemeral"}}]}],
+    [{"role": "user", "content": [{"type": "text", "text": "t", "citations": [1]}]}],
+    [{"type": "text", "text": "s"}], [{"name": "f", "input_schema": {}}],
+    [{"name": "f", "input_schema": {}, "type": "web_search_20250305"}],
+    {"type": "any"}, {"type": "tool", "name": "f"}, {"type": "auto",
+                                                     "disable_parallel_tool_use": True},
+    {"type": "enabled", "budget_tokens": 1024}, {"type": "enabled", "budget_tokens": 1023},
+    {"type": "disabled"}, {"user_id": "u"},
 ]
 # Bases that pass every limit across fields, so a probe of one field meets only its own.
 BASES: list[tuple[type[BaseModel], dict[str, Any]]] = [
     (CompletionRequest, {"prompt": "a", "stream": True}),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "stream": True,
                              "logprobs": True}),
+    (MessagesRequest, {"model": "m", "max_tokens": 4096, "messages": [
+        {"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {}}]}),
+    (CountTokensRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"name": "f", "input_schema": {}}]}),
 ]
 
 

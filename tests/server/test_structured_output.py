@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +14,6 @@ import jsonschema_rs
 import pytest
 
 from moeserve.server.protocol import ChatCompletionResponse, CompletionRequest
-from tests.server.conftest import LiveServer
 from tests.server.helpers import CHAT, COMPLETIONS, MESSAGES, engine_stats, post, stream
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -29,16 +27,6 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
 TIME = {"type": "function", "function": {"name": "time", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["tz"],
     "properties": {"tz": {"enum": ["CET", "UTC"]}}}}}
-
-
-@pytest.fixture(scope="module")
-def long_http() -> Iterator[httpx.Client]:
-    """A server whose prompts have room for tools (the default template lists them)."""
-    server = LiveServer(max_model_len=1024)
-    server.start()
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-    server.stop()
 
 
 def _valid(text: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -45,7 +46,7 @@ from moeserve.server.routes.serving import (
 )
 from moeserve.server.structured_output import requested_output
 from moeserve.structured.spec import StructuredOutput
-from moeserve.types import Logprobs, RequestOutput
+from moeserve.types import Logprobs, RequestOutput, SamplingParams
 
 
 async def create_chat_completion(ctx: ServerContext, request: Request,
@@ -54,20 +55,41 @@ async def create_chat_completion(ctx: ServerContext, request: Request,
     check_model(ctx, req.model)
     check_messages([m.num_chars for m in req.messages], ctx.client.max_model_len,
                    ctx.max_prompt_chars)
-    check_agent_fields(ctx, req)
-    prompt_text, prompt = await chat_prompt(ctx, req)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    check_lengths(ctx, [prompt], req.max_new_tokens, field, "messages")
-    params = sampling_params(req, [prompt], req.max_new_tokens, None, req.num_logprobs,
+    chat = await prepare_chat(ctx, req, field, req.num_logprobs)
+    gen = Generation(ctx.client, request_id, [chat.prompt] * req.n, chat.params, "messages")
+    renderer = ChatRenderer(ctx, request_id, req.logprobs, chat.new_parser, chat.named_call)
+    return await serve(ctx, request, request_id, req, gen, renderer, [chat.prompt])
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A checked chat request, ready to generate."""
+
+    prompt_text: str
+    prompt: list[int]
+    params: list[SamplingParams]  # per choice
+    new_parser: Callable[[], ReplyParser] | None  # each choice's reply parser (None: plain)
+    named_call: bool  # a forced call of a named function
+
+
+async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, max_tokens_field: str,
+                       num_logprobs: int | None, continuation: str = "") -> PreparedChat:
+    """The agent fields checked, the prompt rendered and checked against max_model_len, each
+    choice's sampling params (with the reply's grammar) and reply parser. `continuation`: text
+    the reply continues, appended after the template's generation prompt (the Messages API's
+    prefill). APIError 400 naming what is wrong."""
+    check_agent_fields(ctx, req)
+    prompt_text, prompt = await chat_prompt(ctx, req, continuation)
+    check_lengths(ctx, [prompt], req.max_new_tokens, max_tokens_field, "messages")
+    params = sampling_params(req, [prompt], req.max_new_tokens, None, num_logprobs,
                              ctx.client.max_model_len, chat_output(ctx, req, prompt_text))
     agent = ctx.agent
     parsed = req.parses_tool_calls or agent.reasoning is not None
     if parsed and agent.keep_special_tokens:  # the markers are special tokens: keep them
         params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
-    gen = Generation(ctx.client, request_id, [prompt] * req.n, params, "messages")
-    renderer = ChatRenderer(ctx, request_id, req.logprobs, reply_parsers(ctx, req, prompt_text),
-                            isinstance(req.tool_choice, NamedToolChoice))
-    return await serve(ctx, request, request_id, req, gen, renderer, [prompt])
+    return PreparedChat(prompt_text, prompt, params, reply_parsers(ctx, req, prompt_text),
+                        isinstance(req.tool_choice, NamedToolChoice))
 
 
 def check_agent_fields(ctx: ServerContext, req: ChatCompletionRequest) -> None:
@@ -86,8 +108,9 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_pr
                                          "bos_token", "eos_token", "pad_token", "unk_token"})
 
 
-async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """The rendered prompt and its token ids."""
+async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest,
+                      continuation: str = "") -> tuple[str, list[int]]:
+    """The rendered prompt (and `continuation` after it) and its token ids."""
     tokenizer = ctx.client.tokenizer
     messages = [m.for_template() for m in req.messages]
     if tokenizer.chat_template is None:  # the default template: calls written in the format
@@ -105,6 +128,7 @@ async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[s
             if text is None:
                 raise APIError(400, f"the chat template refused these messages: {e}",
                                "messages") from None
+        text += continuation
         return text, tokenizer.encode(text, add_special_tokens=False)
 
     return await tokenize_off_loop_if_large(sum(m.num_chars for m in req.messages), render)

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import msgspec
 from pydantic import BaseModel, ValidationError
@@ -197,8 +197,20 @@ class ChoiceResult:
             self.stop_reason = out.stop_reason
 
 
-class Renderer(Protocol):
-    """The endpoint-specific shapes of the responses."""
+class FinalRenderer(Protocol):
+    def final(self, results: list[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-streamed response."""
+        ...
+
+
+LogEnd = Callable[[list[ChoiceResult], str | None], None]
+StreamEvents = Callable[[Generation, RequestTimer, LogEnd], AsyncIterator[bytes]]
+"""A route's own event stream (the Messages API's): every event of a streamed response, the
+engine's failures included (the generation is started; the stream must aclose it)."""
+
+
+class Renderer(FinalRenderer, Protocol):
+    """The endpoint-specific shapes of the OpenAI routes' responses."""
 
     def head(self, num_choices: int) -> bytes:
         """Events sent before the first output (b"" for none)."""
@@ -210,10 +222,6 @@ class Renderer(Protocol):
 
     def envelope(self) -> dict[str, Any]:
         """id, object, created, model of every streamed event."""
-        ...
-
-    def final(self, results: list[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
-        """The non-streamed response."""
         ...
 
 
@@ -235,8 +243,7 @@ async def collect(gen: Generation, timer: RequestTimer) -> list[ChoiceResult]:
 
 async def stream_events(gen: Generation, renderer: Renderer, timer: RequestTimer,
                         prompts: list[list[int]], n: int, include_usage: bool,
-                        log_end: Callable[[list[ChoiceResult], str | None], None],
-                        ) -> AsyncIterator[bytes]:
+                        log_end: LogEnd) -> AsyncIterator[bytes]:
     """One SSE event per engine step per choice, then usage (when asked) and [DONE]. An engine
     failure mid-stream becomes an error event, then the stream ends."""
     results = [ChoiceResult() for _ in range(gen.num_choices)]
@@ -273,8 +280,10 @@ def now() -> int:
 
 
 async def serve(ctx: ServerContext, request: Request, request_id: str, req: SamplingFields,
-                gen: Generation, renderer: Renderer, prompts: list[list[int]]) -> Response:
-    """Run a validated request: start its generation, then stream it or answer once."""
+                gen: Generation, renderer: FinalRenderer, prompts: list[list[int]],
+                events: StreamEvents | None = None) -> Response:
+    """Run a validated request: start its generation, then stream it (the OpenAI routes'
+    stream_events with `renderer`, or the route's own `events`) or answer once."""
     timer = RequestTimer(ctx.metrics, gen.num_choices)
     watch = DisconnectWatch(request.receive)
 
@@ -302,8 +311,9 @@ async def serve(ctx: ServerContext, request: Request, request_id: str, req: Samp
     ctx.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     headers = {"X-Request-Id": request_id}
     if req.stream:
-        events = stream_events(gen, renderer, timer, prompts, req.n, req.include_usage, log_end)
-        return SSEResponse(events, watch, ctx.metrics.disconnects.inc, headers)
+        stream = events(gen, timer, log_end) if events is not None else stream_events(
+            gen, cast(Renderer, renderer), timer, prompts, req.n, req.include_usage, log_end)
+        return SSEResponse(stream, watch, ctx.metrics.disconnects.inc, headers)
     try:
         results = await collect(gen, timer)
     except asyncio.CancelledError:
