@@ -17,13 +17,11 @@
     MOESERVE_MLA_DECODE_SWAPPED  "0" keeps the Gluon MLA decode's launches of at most 32
                              heads off mla/decode_gluon_swapped.py's kernel (keys as wgmma's
                              M), for A/Bs; on otherwise
-    MOESERVE_MLA_SWAPPED_ONE_STAGE  "1" runs decode_gluon_swapped.py's kernel with one
-                             key stage (115 KB of shared memory: two programs an SM, each
-                             copying its next tile after its products), an experiment; two
-                             stages (one program an SM) otherwise
-    MOESERVE_MLA_SWAPPED_TOKENS  "1" runs a mixed step's absorbed MLA (at most 32 heads) as
-                             one launch of decode_gluon_swapped.py's kernel, a program a
-                             token, an experiment; the decode and prefill launches otherwise
+    MOESERVE_MLA_SWAPPED_ONE_STAGE  "0" goes back to two key stages (one program an SM) in
+                             decode_gluon_swapped.py's kernel; one stage (115 KB of shared
+                             memory: two programs an SM, each copying its next tile after its
+                             products) otherwise, the default since the H200 measured it
+                             faster (session 34, benchmarks/results/gpu_ff7b345/)
     MOESERVE_MLA_FRESH_VARLEN  "0" keeps MLA layers' fresh prompts (no cached prefix) of
                              layers/mla.py's FRESH_VARLEN_MIN_TOKENS or more off the one
                              variable-length flash launch (mla/up_projected.attend_fresh_rows),
@@ -31,17 +29,9 @@
     MOESERVE_MLA_VECTOR_STORES  "0" has the Gluon MLA decode kernels store their outputs
                              from the accumulator's layout, not in 16-byte vectors
                              (decode_gluon.vector_stores), for A/Bs; on otherwise
-    MOESERVE_NVFP4_GLUON     "1" runs the NVFP4 fused MoE's 64- and 128-row tiles in Gluon,
-                             the decode beside the previous step's wgmmas
-                             (moe/quant/nvfp4_gluon.py), an experiment; off otherwise
     MOESERVE_DSA_SLOT_ROWS   "1" turns DSA's selections into cache rows before the sparse
                              attention (dsa/sparse_triton.slot_rows), an experiment; off
                              otherwise
-    MOESERVE_GRAMMAR_THREADS  structured outputs' token masks: "N" builds a step's masks on
-                             llguidance's executor over N threads, "0" over its default
-                             (80% of the CPUs up to 32), an experiment
-                             (benchmarks/structured/mask_cost.py times both); one at a time
-                             on the engine thread otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -62,11 +52,8 @@ MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
 MLA_SWAPPED_ONE_STAGE = "MOESERVE_MLA_SWAPPED_ONE_STAGE"
-MLA_SWAPPED_TOKENS = "MOESERVE_MLA_SWAPPED_TOKENS"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
-NVFP4_GLUON = "MOESERVE_NVFP4_GLUON"
-GRAMMAR_THREADS = "MOESERVE_GRAMMAR_THREADS"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -105,11 +92,7 @@ def mla_decode_swapped() -> bool:
 
 
 def mla_swapped_one_stage() -> bool:
-    return os.environ.get(MLA_SWAPPED_ONE_STAGE) == "1"
-
-
-def mla_swapped_tokens() -> bool:
-    return os.environ.get(MLA_SWAPPED_TOKENS) == "1"
+    return os.environ.get(MLA_SWAPPED_ONE_STAGE) != "0"
 
 
 def mla_fresh_varlen() -> bool:
@@ -120,23 +103,8 @@ def mla_vector_stores() -> bool:
     return os.environ.get(MLA_VECTOR_STORES) != "0"
 
 
-def nvfp4_gluon() -> bool:
-    return os.environ.get(NVFP4_GLUON) == "1"
-
-
 def dsa_slot_rows() -> bool:
     return os.environ.get(DSA_SLOT_ROWS) == "1"
-
-
-def grammar_threads() -> int | None:
-    """None: masks one at a time; 0: llguidance's default thread count; N: N threads."""
-    value = os.environ.get(GRAMMAR_THREADS)
-    if value is None or value == "":
-        return None
-    if not value.isdigit():
-        raise ValueError(f"{GRAMMAR_THREADS} must be a thread count (0: llguidance's "
-                         f"default), got {value!r}")
-    return int(value)
 
 
 def set_variables() -> dict[str, str]:

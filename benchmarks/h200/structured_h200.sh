@@ -12,9 +12,9 @@ set -uo pipefail
 source benchmarks/gpu_env.sh
 dir=${1:-/tmp/structured}
 mkdir -p "$dir"
-# the masks' host cost at a ~115k vocabulary, one at a time and on llguidance's threads, on
-# this host's cores (the engine builds them while the step's forward runs)
-timeout 120 python3 -m benchmarks.structured.mask_cost --rows 64 256 1024 --threads none 0 \
+# the masks' host cost at a ~115k vocabulary, one at a time, on this host's cores (the engine
+# builds them while the step's forward runs)
+timeout 120 python3 -m benchmarks.structured.mask_cost --rows 64 256 1024 \
   --out "$dir/mask_cost" > "$dir/mask_cost.log" 2>&1
 echo "mask_cost rc=$?"
 python3 -c "import json, sys; [print(r) for r in json.load(open(sys.argv[1]))['runs']]" \

@@ -154,16 +154,6 @@ def moe_quant(args: argparse.Namespace) -> dict:
 
     bm, bn, bk, warps, stages = args.tile
     fmt = args.format
-    if args.gluon:  # moe/quant/nvfp4_gluon.py's kernel: BM 64 / 128, 4 / 8 warps
-        from moeserve.kernels.moe.quant import nvfp4_gluon
-
-        pointers = {"a_ptr": "*bf16", "b_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32",
-                    "c_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
-                    "expert_ids_ptr": "*i32"}
-        const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BM=bm, BLOCK_N=bn,
-                     BLOCK_K=bk, GROUP_M=1, STAGES=stages)
-        kernel = nvfp4_gluon._kernels().moe
-        return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, 1)
     weight = {"fp8": "*fp8e4nv", "nvfp4": "*u8", "int4": "*i32"}[fmt]
     scale = {"fp8": "*fp32", "nvfp4": "*fp8e4nv", "int4": "*bf16"}[fmt]
     pointers = {"a_ptr": "*fp8e4nv" if fmt == "fp8" else "*bf16", "as_ptr": "*fp32",
@@ -200,7 +190,7 @@ MLA_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
                 "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
                 "sel_ptr": "*i32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "query_start_loc_ptr": "*i32", "rows_ptr": "*i32", "token_to_req_ptr": "*i32",
-                "tiles_ptr": "*i32", "tok_pos_ptr": "*i64", "positions_ptr": "*i64",
+                "tiles_ptr": "*i32", "tok_pos_ptr": "*i64",
                 "scale_log2": "fp32"}
 
 
@@ -248,10 +238,11 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
     if args.swapped:  # decode_gluon_swapped.py: keys as wgmma's M, at most 32 heads
         from moeserve.kernels.attention.mla import decode_gluon_swapped
 
+        # STAGES 1 (its default, one_stage: SASS_MAXNREG=128 caps the registers as its launch
+        # does) or 2
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
                      USE_ROWS=False, SPLIT=args.split, VEC_STORE=args.vector_stores,
-                     STAGES=stages,  # 2, or 1 (its one_stage experiment)
-                     TOKENS=args.tokens)  # its attend_tokens experiment
+                     STAGES=stages)
         kernel = decode_gluon_swapped._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -357,9 +348,6 @@ def main() -> None:
                            help="fp8: a weight scale per row loaded (not one per tile)")
             p.add_argument("--prefetch", action="store_true",
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
-            p.add_argument("--gluon", action="store_true",
-                           help="nvfp4: moe/quant/nvfp4_gluon.py's kernel (--tile 64|128 BN BK "
-                                "4|8 STAGES)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
     for name in ("mla-decode", "mla-decode-gluon", "mla-decode-flat", "mla-prefill",
@@ -381,8 +369,6 @@ def main() -> None:
                            help="the absorbed prefill over query tiles (prefill_gluon)")
             p.add_argument("--swapped", action="store_true",
                            help="decode_gluon_swapped's kernel (keys as M, <= 32 heads)")
-            p.add_argument("--tokens", action="store_true",
-                           help="with --swapped: a program a token (attend_tokens)")
             p.add_argument("--vector-stores", action="store_true",
                            help="the outputs stored in 16-byte vectors (VEC_STORE)")
         if name.startswith(("mla-", "dsa-")):

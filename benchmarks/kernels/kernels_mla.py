@@ -44,7 +44,7 @@ from moeserve.kernels.attention.metadata import AttentionMetadata, build_attenti
 
 # neither imports triton (the kernels do on first use, after --smoke set the interpreter)
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
-from moeserve.kernels.attention.mla import decode_gluon, reduce_triton
+from moeserve.kernels.attention.mla import decode_gluon, decode_gluon_swapped, reduce_triton
 from moeserve.kernels.attention.mla.decode_gluon_swapped import SWAPPED_HEADS
 from moeserve.kernels.attention.mla.reference import mla_attention_ref
 from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES, to_cache_dtype
@@ -178,10 +178,11 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
                                                 form == "gluon-overlap")
             cfg = mla_triton.TileConfig(decode_gluon.BLOCK_H, block_n, decode_gluon.NUM_WARPS,
                                         stages)
-            if form == "gluon-swapped":  # its one tile: 32 heads, 64 keys, 2 stages
+            if form == "gluon-swapped":  # its one tile: 32 heads, 64 keys, its key stages
                 if tile is not None:
                     continue
-                cfg = mla_triton.TileConfig(SWAPPED_HEADS, 64, decode_gluon.NUM_WARPS, 2)
+                cfg = mla_triton.TileConfig(SWAPPED_HEADS, 64, decode_gluon.NUM_WARPS,
+                                            decode_gluon_swapped.key_stages())
             if form == "gluon-overlap" and stages < 3:  # its stage count
                 continue
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
@@ -189,6 +190,8 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
         err = check(ctx, heads, latent, rope, block, device, dtype, cfg, timed, cache_dtype)
         waves = (decode_gluon.DECODE_WAVES if form.startswith("gluon")
                  else reduce_triton.DECODE_WAVES)
+        if form == "gluon-swapped":  # two programs an SM with one key stage
+            waves *= decode_gluon_swapped.programs_per_sm()
         splits = (None if form == "flat"
                   else mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len,
                                                     q.device, waves=waves))

@@ -395,10 +395,6 @@ def main() -> None:
                         default=["auto"], help="NVFP4 / INT4 MoE rows per mode of "
                         "kernels/moe/quant/dequant.py (on: every expert dequantized, then the "
                         "bf16 fused MoE; off: the W4A16 fused MoE)")
-    parser.add_argument("--nvfp4-gluon", nargs="+", choices=("off", "on"), default=["off"],
-                        help="NVFP4 MoE rows per setting of the 64-row tiles in Gluon "
-                        "(kernels/moe/quant/nvfp4_gluon.py enabled; only where a tile config "
-                        "has BLOCK_M 64)")
     parser.add_argument("--profile", action="store_true",
                         help="each MoE row also lists the op's GPU kernels by time (CUDA)")
     parser.add_argument("--small", action="store_true",
@@ -446,7 +442,7 @@ def main() -> None:
     ctx["fp8_peak_tflops"] = result["peaks"]["fp8_peak_tflops"]
     save()
     moe_switches = {"decode": args.nvfp4_decode, "prefetch": args.fp8_prefetch,
-                    "moe_dequant": args.moe_dequant, "nvfp4_gluon": args.nvfp4_gluon}
+                    "moe_dequant": args.moe_dequant}
     for shape_name, shape in shapes.items():
         for fmt in args.formats:
             for settings in settings_of(fmt, moe_switches):

@@ -6,7 +6,6 @@ the value it ran with.
     prefetch       kernels/moe/quant/fused_triton.py `prefetch_scales`  fp8  off | on
     w4a16_backend  kernels/linear/w4a16_dequant.py `backend`        nvfp4, int4 linears
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
-    nvfp4_gluon    kernels/moe/quant/nvfp4_gluon.py `enabled`       nvfp4   off | on
 """
 
 from __future__ import annotations
@@ -31,8 +30,6 @@ SWITCHES = {
     "w4a16_backend": Switch("moeserve.kernels.linear.w4a16_dequant", "backend",
                             ("nvfp4", "int4")),
     "moe_dequant": Switch("moeserve.kernels.moe.quant.dequant", "mode", ("nvfp4", "int4")),
-    "nvfp4_gluon": Switch("moeserve.kernels.moe.quant.nvfp4_gluon", "enabled", ("nvfp4",),
-                          lambda v: v == "on"),
 }
 
 

@@ -5,9 +5,12 @@ runs (engine/structured_steps.py), so what matters is this time against a decode
 No checkpoint is downloaded: a byte-level BPE tokenizer is trained on this repository's text
 (its files under 2 MiB; the size reached is in the result's config: "vocab_size"). Each run
 puts R requests under one JSON schema and walks them through the same compact JSON reply token
-by token, timing `Grammars.bitmask` over the R rows at each step (the accepts are not timed).
+by token, timing `Grammars.bitmask` over the R rows at each step (the accepts are not timed),
+the masks built one at a time as the engine builds them. (Building them on llguidance's
+executor threads, MOESERVE_GRAMMAR_THREADS, was slower on 2 cores and on 16,
+benchmarks/results/gpu_ff7b345/, and was removed.)
 
-    python -m benchmarks.structured.mask_cost --rows 1 64 256 1024 --threads none 0 --out DIR
+    python -m benchmarks.structured.mask_cost --rows 1 64 256 1024 --out DIR
 """
 
 from __future__ import annotations
@@ -64,9 +67,8 @@ def plan(rows: int) -> SchedulerOutput:
         sample_seeds=[0] * rows, num_output_tokens=[0] * rows)
 
 
-def run(tokenizer: HFTokenizer, rows: int, threads: int | None) -> dict:
-    grammars = Grammars(lambda: tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids,
-                        threads)
+def run(tokenizer: HFTokenizer, rows: int) -> dict:
+    grammars = Grammars(lambda: tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
     start = time.perf_counter()
     for i in range(rows):
         grammars.add(f"r{i}", StructuredOutput.json_schema(SCHEMA))
@@ -79,8 +81,7 @@ def run(tokenizer: HFTokenizer, rows: int, threads: int | None) -> dict:
         accepted = grammars.accept([RequestOutput(f"r{i}", [1], [token]) for i in range(rows)])
         if failed or accepted.refused:
             raise RuntimeError(f"the reply broke the grammar: {failed or accepted.refused}")
-    return {"rows": rows, "threads": "one at a time" if threads is None else
-            threads or "llguidance's default", "steps": len(ids), "setup_s": round(setup_s, 4),
+    return {"rows": rows, "steps": len(ids), "setup_s": round(setup_s, 4),
             "step_ms_median": round(statistics.median(times) * 1e3, 3),
             "step_ms_max": round(max(times) * 1e3, 3),
             "row_us_median": round(statistics.median(times) / rows * 1e6, 2)}
@@ -90,17 +91,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 1024])
     parser.add_argument("--vocab-size", type=int, default=150_000)
-    parser.add_argument("--threads", nargs="+", default=["none", "0"],
-                        help="masks one at a time (none) or on llguidance's executor over N "
-                        "threads (0: its default), as MOESERVE_GRAMMAR_THREADS")
     parser.add_argument("--out", help="directory for mask_cost.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         tokenizer = train_tokenizer(args.vocab_size, folder)
         trained_s = time.perf_counter() - start
-        runs = [run(tokenizer, rows, None if t == "none" else int(t))
-                for t in args.threads for rows in args.rows]
+        runs = [run(tokenizer, rows) for rows in args.rows]
     result = {"benchmark": "structured mask cost", **git_commit(),
               "device": platform.processor() or platform.machine(),
               "cpu_count": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from moeserve import envs
 from moeserve.config import EngineConfig
 from moeserve.model_config import ModelConfig
 from moeserve.sched import Scheduler
@@ -34,7 +33,7 @@ class StructuredSteps:
     def __init__(self, cfg: EngineConfig, model_config: ModelConfig) -> None:
         self.grammars = Grammars(
             lambda: load_model_tokenizer(cfg.model, cfg.tokenizer, model_config),
-            model_config.vocab_size, model_config.eos_token_ids, envs.grammar_threads())
+            model_config.vocab_size, model_config.eos_token_ids)
         self.num_ended = 0  # requests stopped by their grammar's end
         self.num_refused_tokens = 0  # requests failed by a token their mask did not allow
         self.num_grammar_failures = 0  # requests failed by their grammar (a parser limit)

@@ -14,6 +14,8 @@ sampled token accepted.
 A compiled grammar is kept by its text (a few most recent), and a request gets a copy: the
 n choices of a request, and an agent's calls with the same tools, compile once. The vocabulary
 (vocabulary.py) is built at the first structured request (about a second for 150k tokens).
+A step's masks are built one at a time: on llguidance's executor threads they were slower on 2
+cores and on 16 (benchmarks/results/gpu_ff7b345/; removed, in git's history at 90f405a).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class Grammars:
     """The structured requests of one engine (see the module docstring)."""
 
     def __init__(self, tokenizer: Callable[[], Tokenizer], vocab_size: int,
-                 eos_ids: Sequence[int], threads: int | None = None) -> None:
+                 eos_ids: Sequence[int]) -> None:
         self._load_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
@@ -88,8 +90,6 @@ class Grammars:
         self._llg_tokenizer: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._requests: dict[str, RequestGrammar] = {}
-        self.threads = threads  # None: masks one at a time; else llguidance's executor
-        self._executor: Any = None
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -138,28 +138,21 @@ class Grammars:
         """[len(rows), words] int32: each row's allowed tokens; and request id -> why its
         grammar failed computing them (a parser limit). A row whose grammar is complete (its
         request stops at this step's update) or failed allows every token: it is dropped."""
-        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
+        from llguidance.numpy import fill_next_token_bitmask
 
         mask = np.full((len(rows), self.words), -1, dtype=np.int32)
-        live = [(j, self._requests[out.req_ids[i]]) for j, i in enumerate(rows)]
-        live = [(j, g) for j, g in live if not g.matcher.is_stopped()]
-        if self.threads is None or len(live) < 2:
-            for j, grammar in live:
-                fill_next_token_bitmask(grammar.matcher, mask, j)
-        else:
-            if self._executor is None:
-                from llguidance import LLExecutor
-
-                self._executor = LLExecutor(self.threads or None)
-            fill_next_token_bitmask_par(self._executor, [(g.matcher, j) for j, g in live],
-                                        mask)
         failed: dict[str, str] = {}
-        for j, grammar in live:
+        for j, i in enumerate(rows):
+            rid = out.req_ids[i]
+            grammar = self._requests[rid]
+            matcher = grammar.matcher
+            if matcher.is_stopped():
+                continue
+            fill_next_token_bitmask(matcher, mask, j)
             grammar.mask = mask[j].copy()
-            if grammar.matcher.is_error():
+            if matcher.is_error():
                 mask[j] = -1
-                rid = out.req_ids[rows[j]]
-                failed[rid] = GRAMMAR_FAILED + _first_line(grammar.matcher.get_error())
+                failed[rid] = GRAMMAR_FAILED + _first_line(matcher.get_error())
                 del self._requests[rid]
         return mask, failed
 

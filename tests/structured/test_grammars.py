@@ -180,27 +180,3 @@ def test_a_model_without_eos_ends_by_its_grammar() -> None:
     assert g.accept([_output("r", [ord("a")])]).ended == []
     assert _allowed(_mask(g, _plan(["r"]), [0])[0]) == {ord("b"), 256}  # 256: no model id
     assert g.accept([_output("r", [ord("b")])]).ended == ["r"]
-
-
-def test_masks_on_llguidances_threads_equal_the_one_at_a_time_masks() -> None:
-    """MOESERVE_GRAMMAR_THREADS: the executor's masks, and its parser-limit failures, are
-    the sequential ones."""
-    specs = [StructuredOutput("regex", "[0-9]{2,6}"), StructuredOutput.json_schema(
-        {"type": "object", "properties": {"a": {"type": "integer"}}}),
-        StructuredOutput("grammar", "start: " + " | ".join(['"0"'] * 2001)),
-        StructuredOutput.choice(["0x", "01"])]
-    one, par = _grammars(), Grammars(lambda: ByteTokenizer(290, 256, EOS), VOCAB, (EOS,), 2)
-    ids = [str(i) for i in range(len(specs))]
-    for g in (one, par):
-        for rid, spec in zip(ids, specs):
-            g.add(rid, spec)
-    for token in b"0123":
-        rows = [i for i, rid in enumerate(ids) if rid in one]
-        plan = _plan([ids[i] for i in rows])
-        (mask_one, failed_one), (mask_par, failed_par) = (
-            g.bitmask(plan, list(range(len(rows)))) for g in (one, par))
-        assert (mask_one == mask_par).all() and failed_one == failed_par
-        found = [g.accept([_output(ids[i], [token]) for i in rows]) for g in (one, par)]
-        assert found[0] == found[1]
-        ids = [rid for rid in ids if rid in one]
-    assert par._executor is not None

@@ -1,9 +1,8 @@
 """The swapped Gluon MLA decode (kernels/attention/mla/decode_gluon_swapped.py: keys as wgmma's M,
 at most 32 heads) against the dense expectation of `make_mla_case`: on the GPU (sm90) only, as
 Gluon has no interpreter; on CPU, that it refuses the call by name and that the switch leaves
-other calls alone. Its one-stage experiment (`one_stage`: two programs an SM) is checked by the
-same GPU cases, and its tokens form (`attend_tokens`: a mixed step, a program a token) against
-the dense expectation of decode rows beside prompts and a chunk after a prefix."""
+other calls alone. Both its forms, one key stage (`one_stage`, the default: two programs an
+SM) and two (MOESERVE_MLA_SWAPPED_ONE_STAGE=0), are checked by the same GPU cases."""
 
 from __future__ import annotations
 
@@ -33,20 +32,6 @@ def test_refuses_what_it_cannot_take_by_name() -> None:
         run(case)
 
 
-def test_the_tokens_form_is_taken_only_when_switched_on(monkeypatch: pytest.MonkeyPatch
-                                                       ) -> None:
-    monkeypatch.setattr(decode_gluon_swapped, "tokens_form", False)
-    assert not decode_gluon_swapped.takes_tokens(20, 100)
-    monkeypatch.setattr(decode_gluon_swapped, "tokens_form", True)
-    assert decode_gluon_swapped.takes_tokens(20, 100)
-    assert not decode_gluon_swapped.takes_tokens(64, 100)
-    assert not decode_gluon_swapped.takes_tokens(20, 0)
-    case = make_mla_case([3, 0], [1, 5], block_size=4, num_heads=5)
-    with pytest.raises(ValueError, match="decode_gluon needs an sm90 GPU"):
-        decode_gluon_swapped.attend_tokens(case.q_lat, case.latent_cache, case.meta, case.scale,
-                                           case.L, torch.zeros_like(case.q_lat[..., :case.L]))
-
-
 def test_takes_at_most_its_heads() -> None:
     assert decode_gluon_swapped.takes(1) and decode_gluon_swapped.takes(20)
     assert decode_gluon_swapped.takes(decode_gluon_swapped.SWAPPED_HEADS)
@@ -62,7 +47,7 @@ def test_gpu_refuses_too_many_heads() -> None:
 
 @pytest.fixture(params=[False, True], ids=["two_stages", "one_stage"])
 def stages(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """The kernel's two-stage form, and its one-stage experiment."""
+    """The kernel's two-stage form, and its one-stage form (the default)."""
     monkeypatch.setattr(decode_gluon_swapped, "one_stage", request.param)
     return request.param
 
@@ -111,44 +96,4 @@ def test_gpu_the_switch_routes_few_head_launches(monkeypatch: pytest.MonkeyPatch
         decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
                                   out, None, case.meta.num_reqs, case.meta.max_seq_len, **kwargs)
         assert calls == want, kwargs
-        torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
-
-
-MIXED = ([100, 0, 0, 37, 500, 2000], [1, 128, 77, 1, 64, 1])  # decodes, prompts, a chunk
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_heads", [16, 20, 32])
-def test_gpu_tokens_of_a_mixed_step_match(num_heads: int, stages: bool) -> None:
-    """attend_tokens: every token of a mixed step over its causal context, as the dense
-    expectation."""
-    case = gpu_case(*MIXED, num_heads, seed=num_heads)
-    out = torch.zeros_like(case.q_lat[..., :case.L])
-    decode_gluon_swapped.attend_tokens(case.q_lat, case.latent_cache, case.meta, case.scale,
-                                       case.L, out)
-    tol = TOL[torch.bfloat16]
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
-
-
-@pytest.mark.gpu
-def test_gpu_the_tokens_switch_routes_mixed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MOESERVE_MLA_SWAPPED_TOKENS's switch on: mla_attention_triton runs a mixed step of at
-    most 32 heads as one attend_tokens launch, the same result; a decode-only step and 64
-    heads do not take it."""
-    from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
-
-    calls: list[int] = []
-    real = decode_gluon_swapped.attend_tokens
-    monkeypatch.setattr(decode_gluon_swapped, "attend_tokens",
-                        lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k))[1])
-    monkeypatch.setattr(decode_gluon_swapped, "tokens_form", True)
-    tol = TOL[torch.bfloat16]
-    mixed = gpu_case(*MIXED, 20, seed=3)
-    decodes = gpu_case([300, 40], [1, 1], 20, seed=4)
-    wide = gpu_case(*MIXED, 64, seed=5)
-    for case, want in ((mixed, [mixed.q_lat.shape[0]]), (decodes, []), (wide, [])):
-        calls.clear()
-        out = mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale, case.L)
-        assert calls == want
         torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)

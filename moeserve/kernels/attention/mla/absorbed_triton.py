@@ -39,7 +39,7 @@ import torch
 
 from moeserve.kernels.attention.checks import check_cache_and_step
 from moeserve.kernels.attention.metadata import AttentionMetadata
-from moeserve.kernels.attention.mla import decode_flat_triton, decode_gluon, decode_gluon_swapped
+from moeserve.kernels.attention.mla import decode_flat_triton, decode_gluon
 from moeserve.kernels.attention.mla import prefill_gluon as gluon_prefill
 from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
 from moeserve.kernels.attention.mla.reduce_triton import decode_num_splits
@@ -128,9 +128,7 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
             (decode_gluon.py: split on wgmma, sm90) or "auto" (`auto_decode_form`; "split"
             whenever decode_splits is given, no gluon when decode_config is).
         prefill_gluon: prefill rows through mla/prefill_gluon.py; default (None)
-            wherever it takes the inputs and no prefill_config is given (or, for at most 32
-            heads under MOESERVE_MLA_SWAPPED_TOKENS=1, the whole step through
-            decode_gluon_swapped.attend_tokens, an experiment).
+            wherever it takes the inputs and no prefill_config is given.
     Returns:
         [T, H, L] contiguous, q's dtype.
     """
@@ -157,10 +155,6 @@ def mla_attention_triton(q: torch.Tensor, latent_cache: torch.Tensor, meta: Atte
     prefill_cfg = prefill_config or default_config("prefill", kv_lora_rank, q.dtype)
     if (prefill_config is None if prefill_gluon is None else prefill_gluon) and (
             decode_gluon.supports(q, latent_cache, kv_lora_rank)):
-        if (decode_form == "gluon" and decode_gluon.swapped
-                and decode_gluon_swapped.takes_tokens(num_heads, num_tokens)):
-            decode_gluon_swapped.attend_tokens(q, latent_cache, meta, scale, kv_lora_rank, out)
-            return out  # its experiment: the whole step, a program a token
         prefill_cfg = None  # _launch_prefill's Gluon form
         block_q = gluon_prefill.prefill_block_q(num_heads)[2]
     else:

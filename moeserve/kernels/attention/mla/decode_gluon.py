@@ -70,7 +70,8 @@ DECODE_WAVES = 1
 # decodes of at most 32 heads by decode_gluon_swapped.py's kernel (keys as wgmma's M: 20 heads
 # pay for 32, not 64); MOESERVE_MLA_DECODE_SWAPPED=0 keeps them here. On the H200
 # (gpu_70a3760/call1, kernels_mla, 20 heads) 68-82% of the bound at batch 256-2,048 x 1k-4k
-# keys against this kernel's 62-74%, 47.8 / 51.9% at W1's contexts against 42.1 / 46.2%
+# keys against this kernel's 62-74%, 47.8 / 51.9% at W1's contexts against 42.1 / 46.2%; with
+# its one key stage (its default since gpu_ff7b345) 70.5-90.2%, and 52.2 / 59.6%
 swapped = envs.mla_decode_swapped()
 # the decode forms' output (and split partials) stored from a layout of 8 consecutive latent
 # columns a thread (16-byte stores; 16 STG a thread at 64 heads instead of 64, the same shared

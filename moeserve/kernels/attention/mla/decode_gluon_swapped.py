@@ -9,7 +9,7 @@ the keys as M and the heads as N (N may be 8-256), a 20-head row pays for 32:
 
     program (row, partition), 8 warps = 2 warpgroups, H = SWAPPED_HEADS (32) heads:
       Q  -> shared [H, L] + [H, R]             (cp.async, one group)
-      keys tile j (64 latent rows) -> stage j % 2   (cp.async, gluon_parts._load_tile)
+      keys tile j (64 latent rows) -> stage j % STAGES (cp.async, gluon_parts._load_tile)
       S^T = K_lat Q_lat^T + K_pe Q_pe^T        wgmma [64 keys, H], warpgroups split the heads
       online softmax over the keys (axis 0), fp32, base 2
       P^T -> shared [64, H] (bf16)
@@ -17,24 +17,24 @@ the keys as M and the heads as N (N may be 8-256), a 20-head row pays for 32:
                                                stage), warpgroups split L
 
 Half the tensor-core work of decode_gluon at 17-32 heads, and half its accumulator registers
-(O^T [512, 32] fp32: 64 a thread). Two stages of 64 keys (147 KB) and the queries (37 KB) fill
-shared memory as decode_gluon's tile does.
+(O^T [512, 32] fp32: 64 a thread). With two stages of 64 keys (147 KB) the queries (37 KB)
+fill shared memory as decode_gluon's tile does.
 
-`one_stage` (MOESERVE_MLA_SWAPPED_ONE_STAGE=1, an experiment until timed): one stage of keys,
-115 KB of shared memory, so two programs share an SM (128 registers x 256 threads each: the
-register file exactly; 2 x (115,200 + 1,024 reserved) of 233,472 bytes), each copying its
-next tile once its products are done. One program's copies then wait beside the other's
-products and softmax, where with two stages one program's serial chain (scores, softmax
-across warps, P V) holds the SM alone: at W1's short contexts (about 3 key tiles a row) the
-two-stage kernel reaches 48.8 / 52.9% of the read bound at 1,024 / 2,048 rows
-(gpu_7c427c9/call3), 68-82% at 1k-4k keys.
+`one_stage` (the default; MOESERVE_MLA_SWAPPED_ONE_STAGE=0 goes back to two stages): one
+stage of keys, 115 KB of shared memory, so two programs share an SM (128 registers x 256
+threads each: the register file exactly; 2 x (115,200 + 1,024 reserved) of 233,472 bytes),
+each copying its next tile once its products are done. One program's copies then wait beside
+the other's products and softmax, where with two stages one program's serial chain (scores,
+softmax across warps, P V) holds the SM alone. On the H200 (benchmarks/results/gpu_ff7b345/,
+kernels_mla at 20 heads, % of the max(read, compute) bound) one stage was faster at every
+case: 70.5-90.2% at 256-2,048 rows x 1k-4k keys against 68.6-82.4% with two stages, and at
+W1's short contexts (about 3 key tiles a row) 52.2 / 59.6% at 1,024 / 2,048 rows against
+47.4 / 52.5%.
 
-`attend_tokens` (MOESERVE_MLA_SWAPPED_TOKENS=1, an experiment until timed): a mixed step's
-absorbed attention in one launch, a program a token (decode rows' and prefill rows' alike)
-over its causal context, where absorbed_triton otherwise launches the decode and
-prefill_gluon.py (3 tokens x 20 heads a program at GLM's 20: 12% of its bound in W1's mixed
-step, 11.4 of its 135 ms, gpu_4705423/call1). A prompt's keys are then read once for each
-of its tokens, mostly from L2; it pays only with two programs an SM (`one_stage`).
+A tokens form (`attend_tokens`, a mixed step's absorbed attention as one launch, a program a
+token over its causal context, in place of the decode and prefill_gluon.py launches) measured
+slower at every case with either stage count (gpu_ff7b345: W1's mixed step 0.576 ms without
+it, 0.717 / 0.608 with two / one stage) and was removed (it is in git's history at 90f405a).
 
 A block-table prefetch (tile t + 2's table entries loaded during tile t, so tile t + 1's copy
 needs no synchronous table load) measured slower on the H200 (gpu_70a3760/call1: 58-69% of the
@@ -43,8 +43,9 @@ bound against 68-82% without) and was removed (it is in git's history at 941ba87
 Splits and their partials are decode_gluon's (reduce_triton combines them).
 `decode_gluon.swapped` (on unless MOESERVE_MLA_DECODE_SWAPPED=0, envs.py) routes
 decode_gluon's launches of at most SWAPPED_HEADS heads here; the GPU tests compare it with the
-dense expectation. Offline for sm90 (kernel_sass --swapped): 121 registers, no spill,
-189 KB of shared memory; the P V products are HGMMA 64x32x16 with A (V^T) read transposed.
+dense expectation. Offline for sm90 (kernel_sass --swapped): one stage 128 registers (capped)
+and 115,200 B of shared memory, two stages 121 registers and 189 KB, no spill either way; the
+P V products are HGMMA 64x32x16 with A (V^T) read transposed.
 """
 
 from __future__ import annotations
@@ -63,13 +64,10 @@ from moeserve.kernels.triton_common import MAX_GRID_Y
 
 SWAPPED_HEADS = 32  # heads a program: wgmma's N (a power of two for Gluon's shapes)
 BLOCK_N = 64  # keys a tile: wgmma's M for one warpgroup
-one_stage = envs.mla_swapped_one_stage()  # the module docstring's experiment
+one_stage = envs.mla_swapped_one_stage()  # one key stage, two programs an SM (the docstring)
 # ... whose registers are capped so that two programs of 256 threads fit the register file
 # (sm90 offline: 128 and 132 with a split, then 128 with no spill either way)
 ONE_STAGE_MAX_REGISTERS = 128
-# a mixed step's absorbed attention as one program a token (`attend_tokens`), an experiment
-# off unless MOESERVE_MLA_SWAPPED_TOKENS=1 (the module docstring)
-tokens_form = envs.mla_swapped_tokens()
 NUM_WARPS = 8
 # A program an SM walking rows as one stream of key tiles (so a row's first copies overlap
 # the previous row's last tile) ran 2-5% slower than this grid at every case on the H200
@@ -128,50 +126,18 @@ def decode_swapped(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionM
     partition = -(-max(1, max_seq_len) // num_splits)
     partition = -(-partition // BLOCK_N) * BLOCK_N  # whole key tiles a partition
     part_m, part_l, part_acc = reduce_triton.split_partials(out, num_rows, num_splits)
-    _launch(q, latent_cache, meta, scale, kv_lora_rank, out, (part_m, part_l, part_acc),
-            rows, num_rows, num_splits, partition, tokens=False)
+    _kernels().decode[(1, num_rows, num_splits)](
+        q, latent_cache, out, part_m, part_l, part_acc, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, rows if rows is not None else meta.query_start_loc,
+        scale * math.log2(math.e), partition, num_splits, meta.block_tables.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, L=kv_lora_rank, R=q.shape[2] - kv_lora_rank,
+        BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
+        VEC_STORE=decode_gluon.vector_stores, STAGES=key_stages(), num_warps=NUM_WARPS,
+        **({"maxnreg": ONE_STAGE_MAX_REGISTERS} if one_stage else {}))
     if num_splits > 1:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows,
                                     num_rows, num_splits)
-
-
-def attend_tokens(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, kv_lora_rank: int, out: torch.Tensor) -> None:
-    """Every token of the step, decode rows' and prefill rows' alike, over its causal context
-    (positions 0 .. its own in its row), one unsplit program a token, into out [T, H, L]:
-    a mixed step's absorbed attention in one launch (`takes_tokens` says when; the tokens
-    form, an experiment: absorbed_triton runs it under MOESERVE_MLA_SWAPPED_TOKENS=1)."""
-    decode_gluon._check(q, latent_cache, kv_lora_rank, key_stages(), False)
-    num_tokens, num_heads = q.shape[:2]
-    if not takes(num_heads) or num_tokens > MAX_GRID_Y:
-        raise ValueError(f"attend_tokens: at most {SWAPPED_HEADS} heads and {MAX_GRID_Y} "
-                         f"tokens, got {num_heads} and {num_tokens}")
-    if num_tokens:
-        _launch(q, latent_cache, meta, scale, kv_lora_rank, out, (out, out, out), None,
-                num_tokens, 1, 0, tokens=True)
-
-
-def takes_tokens(num_heads: int, num_tokens: int) -> bool:
-    """Whether `attend_tokens` takes a step of these heads and tokens (and it is on)."""
-    return tokens_form and takes(num_heads) and 0 < num_tokens <= MAX_GRID_Y
-
-
-def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-            kv_lora_rank: int, out: torch.Tensor, partials: tuple, rows: torch.Tensor | None,
-            num_programs: int, num_splits: int, partition: int, tokens: bool) -> None:
-    """One launch of the kernel: grid (1, rows or tokens, splits)."""
-    part_m, part_l, part_acc = partials
-    dim = q.shape[-1]
-    _kernels().decode[(1, num_programs, num_splits)](
-        q, latent_cache, out, part_m, part_l, part_acc, meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, rows if rows is not None else meta.query_start_loc,
-        meta.token_to_req, meta.positions, scale * math.log2(math.e), partition, num_splits,
-        meta.block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        meta.block_tables.stride(0), NUM_HEADS=q.shape[1], L=kv_lora_rank,
-        R=dim - kv_lora_rank, BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None,
-        SPLIT=num_splits > 1, VEC_STORE=decode_gluon.vector_stores,
-        STAGES=key_stages(), TOKENS=tokens, num_warps=NUM_WARPS,
-        **({"maxnreg": ONE_STAGE_MAX_REGISTERS} if one_stage else {}))
 
 
 @functools.cache
@@ -200,14 +166,13 @@ def _kernels() -> SimpleNamespace:
 
 def _mla_swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, rows_ptr,
-                        token_to_req_ptr, positions_ptr, scale_log2, partition, num_splits,
-                        max_blocks, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+                        scale_log2, partition, num_splits, max_blocks, stride_qt, stride_qh,
+                        stride_ot, stride_oh, stride_table,
                         NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                         BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
-                        VEC_STORE: gl.constexpr, STAGES: gl.constexpr, TOKENS: gl.constexpr):
+                        VEC_STORE: gl.constexpr, STAGES: gl.constexpr):
     """Program (0, i, split): decode row i's heads over its context partition `split` (the
-    module docstring's data flow), with STAGES (1 or 2) key stages; TOKENS (unsplit): token i
-    of the step instead, over its causal context (positions 0 .. its own) in its row."""
+    module docstring's data flow), with STAGES (1 or 2) key stages."""
     H: gl.constexpr = 32  # SWAPPED_HEADS
     BN: gl.constexpr = 64  # BLOCK_N
     NS: gl.constexpr = STAGES
@@ -229,13 +194,7 @@ def _mla_swapped_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_
     i = gl.program_id(1)
     split = gl.program_id(2)
     start = split * partition
-    if TOKENS:
-        tok = i.to(gl.int64)
-        req = gl.load(token_to_req_ptr + tok)
-        seq_len = (gl.load(positions_ptr + tok) + 1).to(gl.int32)
-    else:
-        req, tok, seq_len = _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr,
-                                        USE_ROWS)
+    req, tok, seq_len = _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr, USE_ROWS)
     end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
     table = block_tables_ptr + req.to(gl.int64) * stride_table
     max_pos = max_blocks * BLOCK_SIZE

@@ -44,7 +44,10 @@ so the op differs from the reference by summation order and that one rounding.
 A transposed nvfp4 tile (the weights as the dot's A, the tokens as its N, for Hopper's wgmma)
 measured slower on the H200 (gpu_70a3760/call3: 42.7 / 41.2 / 23.6% of the read bound at
 GLM-5's shape for 64 / 256 / 1,024 tokens against the plain tile's 55.9 / 51.7 / 26.3%) and
-was removed (it is in git's history at 941ba87).
+was removed (it is in git's history at 941ba87). So were the 64- and 128-row nvfp4 tiles in
+Gluon (a K step's decode beside the previous step's wgmmas): slower at every point on the H200
+(benchmarks/results/gpu_ff7b345/: GLM-5's shape at 1,024 / 2,048 / 4,096 tokens 4.95 / 7.07 /
+12.08 ms against 4.38 / 6.02 / 10.11 with the tuned tiles; in git's history at 90f405a).
 
 Tiles: a `config` of tile_configs.CONFIG_KEYS, one for both launches, else the lookup of
 quant/configs.py (a tuned file of quant/tune.py, nearest token count; or, untuned or with
@@ -71,7 +74,6 @@ from moeserve.kernels.linear import nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
-from moeserve.kernels.moe.quant import nvfp4_gluon
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.quant.ref import weight_layout
 from moeserve.kernels.moe.tile_configs import check_tile_source, tile_device_name, tile_tokens
@@ -165,10 +167,6 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
     """
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
-    if fmt == "nvfp4" and nvfp4_gluon.takes(a, config, n_out, k_dim, group, gated):
-        nvfp4_gluon.launch(a, w, c, topk_weights, sorted_ids, expert_ids, num_pairs, config,
-                           a_row_div=a_row_div, gated=gated)  # an experiment (off)
-        return
     qweight = w.qweight  # [E, N, K / pack]: e4m3, uint8 or int32
     native_fp8 = a.device.type == "cuda"  # nvfp4's scales loaded as float8 (else as bytes)
     scale = w.scale.view(torch.uint8) if fmt == "nvfp4" and not native_fp8 else w.scale
