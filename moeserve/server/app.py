@@ -5,6 +5,8 @@
     POST /v1/messages           routes/messages.py: Anthropic's Messages API (the key as Bearer
                                 or as Anthropic's x-api-key header; errors in its shape)
     POST /v1/messages/count_tokens   the same prompt's token count
+    POST /v1/responses          routes/responses.py: OpenAI's Responses API (Bearer key)
+    GET, DELETE /v1/responses/{response_id}   a stored response
     GET  /v1/models             the served model          (Bearer key when --api-key)
     GET  /v1/engine             capacity report + live engine stats + server settings (key too)
     GET  /health                200 while this process and the engine process are alive (its
@@ -47,6 +49,7 @@ from moeserve.server.process.connections import BODY_TIMED_OUT
 from moeserve.server.routes.chat import create_chat_completion
 from moeserve.server.routes.completions import create_completion
 from moeserve.server.routes.messages import count_tokens, create_message
+from moeserve.server.routes.responses import create_response, delete_response, get_response
 from moeserve.server.routes.serving import ServerContext, new_request_id, now
 
 if TYPE_CHECKING:
@@ -140,6 +143,18 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
         return await _guard(ctx, request, None, count_tokens, anthropic=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _guard(ctx, request, "resp", create_response)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return await _guard(ctx, request, None, get_response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def deleted_response(request: Request, response_id: str) -> Response:
+        return await _guard(ctx, request, None, delete_response)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

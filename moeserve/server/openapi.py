@@ -43,8 +43,8 @@ from moeserve.server.anthropic.protocol import (
     MessageErrorResponse,
     MessageResponse,
     MessagesRequest,
-    StreamEvent,
 )
+from moeserve.server.anthropic.protocol import StreamEvent as MessageEvent
 from moeserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -57,6 +57,8 @@ from moeserve.server.protocol import (
     ModelList,
     StatusResponse,
 )
+from moeserve.server.responses.protocol import DeletedResponse, ResponseObject, ResponsesRequest
+from moeserve.server.responses.protocol import StreamEvent as ResponseEvent
 from moeserve.server.routes.serving import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -67,7 +69,8 @@ MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest, ChatCompletionRequest, CompletionResponse, CompletionStreamResponse,
     ChatCompletionResponse, ChatCompletionStreamResponse, ModelList, EngineState,
     StatusResponse, ErrorResponse, MessagesRequest, CountTokensRequest, MessageResponse,
-    CountTokensResponse, MessageErrorResponse)
+    CountTokensResponse, MessageErrorResponse, ResponsesRequest, ResponseObject,
+    DeletedResponse)
 
 _ERRORS = {
     400: "A bad or unsupported field (`param` names it), a body that is not a JSON object, or a "
@@ -75,7 +78,8 @@ _ERRORS = {
          "logprobs, seed + n - 1 beyond int64, prompts x n over 256, a token id outside the "
          "vocabulary, a prompt or prompt + max_tokens beyond max_model_len.",
     401: "A missing or wrong API key (the server runs with --api-key).",
-    404: "`model` names a model this server does not serve.",
+    404: "`model` names a model this server does not serve; or (the Responses API) "
+         "previous_response_id or the path names no stored response.",
     408: "The body did not arrive in time.",
     413: f"The body is larger than {MAX_BODY_BYTES} bytes.",
     429: "The server is full: more requests in flight than max running requests + "
@@ -90,7 +94,8 @@ _REQUEST_ID = {"description": "The request's id (cmpl-... / chatcmpl-...), as in
                               "`id` and the server's log lines.", "schema": {"type": "string"}}
 _BEARER = "bearerAuth"
 _X_API_KEY = "apiKeyAuth"  # Anthropic's header, accepted on every keyed route
-_STREAM_EVENT = "MessageStreamEvent"  # the Messages stream's events (a union: no model name)
+# the named-event streams' events (unions: no model names of their own)
+_EVENT_UNIONS = {"MessageStreamEvent": MessageEvent, "ResponseStreamEvent": ResponseEvent}
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,19 +135,16 @@ def _generation(what: str, whole: type[BaseModel], chunk: type[BaseModel]) -> di
                         "text/event-stream": {"schema": event}}}
 
 
-def _message_stream() -> dict[str, Any]:
-    """The 200 of POST /v1/messages: one message, or with stream: true its events, each
-    `event: <type>` and `data: <the event as JSON>`."""
+def _named_events(description: str, whole: type[BaseModel], events: str) -> dict[str, Any]:
+    """The 200 of a route whose stream names its events (the Messages and Responses APIs):
+    one JSON object, or with stream: true events, each `event: <type>` and `data: <the event
+    as JSON>`, the events' schema the union `events` (_EVENT_UNIONS)."""
     event = {"type": "object", "required": ["event", "data"], "properties": {
         "event": {"type": "string"},
         "data": {"type": "string", "contentMediaType": "application/json",
-                 "contentSchema": {"$ref": REF.format(model=_STREAM_EVENT)}}}}
-    return {"description": "The message: one JSON object, or with `stream: true` server-sent "
-                           "events: message_start, per content block content_block_start, its "
-                           "deltas and content_block_stop, then message_delta and "
-                           "message_stop; an engine failure mid-stream sends an `error` event "
-                           "and ends the stream.",
-            "content": {"application/json": {"schema": _ref(MessageResponse)},
+                 "contentSchema": {"$ref": REF.format(model=events)}}}}
+    return {"description": description,
+            "content": {"application/json": {"schema": _ref(whole)},
                         "text/event-stream": {"schema": event}}}
 
 
@@ -158,12 +160,31 @@ _OPERATIONS: dict[tuple[str, str], _Operation] = {
         _generation("chat completion", ChatCompletionResponse, ChatCompletionStreamResponse),
         _POST_ERRORS, ChatCompletionRequest, keyed=True, request_id=True),
     ("/v1/messages", "post"): _Operation(
-        "Anthropic's Messages API (the tokenizer's chat template)", _message_stream(),
+        "Anthropic's Messages API (the tokenizer's chat template)", _named_events(
+            "The message: one JSON object, or with `stream: true` server-sent events: "
+            "message_start, per content block content_block_start, its deltas and "
+            "content_block_stop, then message_delta and message_stop; an engine failure "
+            "mid-stream sends an `error` event and ends the stream.", MessageResponse,
+            "MessageStreamEvent"),
         _POST_ERRORS, MessagesRequest, keyed=True, request_id=True, anthropic=True),
     ("/v1/messages/count_tokens", "post"): _Operation(
         "The prompt's tokens, as POST /v1/messages would render it",
         _json("The count: {\"input_tokens\": N}.", CountTokensResponse),
         (400, 404, 408, 413, 503), CountTokensRequest, keyed=True, anthropic=True),
+    ("/v1/responses", "post"): _Operation(
+        "OpenAI's Responses API (the tokenizer's chat template)", _named_events(
+            "The response: one JSON object, or with `stream: true` server-sent events: "
+            "response.created, response.in_progress, per output item its added / delta / done "
+            "events, then response.completed (response.incomplete when max_output_tokens cut "
+            "it); an engine failure mid-stream sends an `error` event and ends the stream.",
+            ResponseObject, "ResponseStreamEvent"),
+        _POST_ERRORS, ResponsesRequest, keyed=True, request_id=True),
+    ("/v1/responses/{response_id}", "get"): _Operation(
+        "A stored response", _json("The response, as it was sent.", ResponseObject),
+        (404, 503), keyed=True),
+    ("/v1/responses/{response_id}", "delete"): _Operation(
+        "Delete a stored response", _json("Deleted.", DeletedResponse), (404, 503),
+        keyed=True),
     ("/v1/models", "get"): _Operation(
         "The served model", _json("The served model, with max_model_len.", ModelList),
         _GET_ERRORS, keyed=True),
@@ -212,7 +233,8 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
     for path, methods in doc["paths"].items():
         for method, operation in methods.items():
             spec = _OPERATIONS[(path, method)]
-            methods[method] = {"operationId": operation["operationId"],
+            params = {"parameters": operation["parameters"]} if "parameters" in operation else {}
+            methods[method] = {"operationId": operation["operationId"], **params,
                                **_operation(path, spec, api_key)}
     components = doc.setdefault("components", {})
     components["schemas"] = component_schemas()
@@ -275,9 +297,10 @@ def component_schemas() -> dict[str, Any]:
     # /v1/engine sends msgspec.structs.asdict(stats): every field, and only those
     stats.update(required=list(stats["properties"]), additionalProperties=False)
     schemas.update(structs)
-    events = TypeAdapter(StreamEvent).json_schema(ref_template=REF)
-    schemas.update(events.pop("$defs"))
-    schemas[_STREAM_EVENT] = events
+    for name, union in _EVENT_UNIONS.items():
+        events = TypeAdapter(union).json_schema(ref_template=REF)
+        schemas.update(events.pop("$defs"))
+        schemas[name] = events
     state = schemas["EngineState"]["properties"]
     state["stats"] = {**ref, "description": state["stats"].get("description", "")}
     return schemas

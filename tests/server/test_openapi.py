@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from moeserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from moeserve.server.app import build_app
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from moeserve.server.responses.protocol import ResponsesRequest
 from moeserve.tokenizer import ByteTokenizer
 from tests.server.conftest import API_KEY, LiveServer
 
@@ -25,6 +26,9 @@ STATUSES = {  # what each route can answer, without --api-key
     ("/v1/chat/completions", "post"): POST,
     ("/v1/messages", "post"): POST,
     ("/v1/messages/count_tokens", "post"): {"200", "400", "404", "408", "413", "503"},
+    ("/v1/responses", "post"): POST,
+    ("/v1/responses/{response_id}", "get"): {"200", "404", "503"},
+    ("/v1/responses/{response_id}", "delete"): {"200", "404", "503"},
     ("/v1/models", "get"): {"200", "503"},  # 503: while the engine starts, and at accept
     ("/v1/engine", "get"): {"200", "503"},
     ("/health", "get"): {"200", "503"},
@@ -49,7 +53,7 @@ def test_every_route_with_exactly_its_statuses() -> None:
     ops = _operations(_doc())
     assert {key: set(op["responses"]) for key, op in ops.items()} == STATUSES
     assert "securitySchemes" not in _doc()["components"]
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"):
         op = ops[(path, "post")]
         assert op["requestBody"]["required"] is True
         ok = op["responses"]["200"]
@@ -95,7 +99,7 @@ def test_every_ref_resolves() -> None:
     prefix = "#/components/schemas/"
     assert all(ref.startswith(prefix) and ref[len(prefix):] in schemas for ref in refs), refs
     for model in ("CompletionStreamResponse", "ChatCompletionStreamResponse", "EngineStats",
-                  "MessageStreamEvent", "MessageErrorResponse"):
+                  "MessageStreamEvent", "MessageErrorResponse", "ResponseStreamEvent"):
         assert f"{prefix}{model}" in refs
 
 
@@ -138,6 +142,15 @@ PROBES: list[Any] = [
                                                      "disable_parallel_tool_use": True},
     {"type": "enabled", "budget_tokens": 1024}, {"type": "enabled", "budget_tokens": 1023},
     {"type": "disabled"}, {"user_id": "u"},
+    # the Responses API's shapes
+    [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}],
+    [{"type": "function_call_output", "call_id": "c", "output": "r"}],
+    [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "r"}]}],
+    [{"type": "web_search_call", "id": "w"}], [{"type": "function", "name": "f"}],
+    [{"type": "web_search"}], {"type": "function", "name": "f"},
+    {"format": {"type": "json_object"}}, {"effort": "none"}, {"effort": "max"},
+    ["reasoning.encrypted_content"], "disabled",
 ]
 # Bases that pass every limit across fields, so a probe of one field meets only its own.
 BASES: list[tuple[type[BaseModel], dict[str, Any]]] = [
@@ -148,6 +161,7 @@ BASES: list[tuple[type[BaseModel], dict[str, Any]]] = [
         {"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {}}]}),
     (CountTokensRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
                           "tools": [{"name": "f", "input_schema": {}}]}),
+    (ResponsesRequest, {"input": "x", "tools": [{"type": "function", "name": "f"}]}),
 ]
 
 

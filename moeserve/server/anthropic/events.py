@@ -8,8 +8,8 @@ A stream is `message_start`, then per block `content_block_start`, its deltas (t
 text_delta, one input_json_delta with a call's whole input) and `content_block_stop`, then
 `message_delta` (stop_reason, usage) and `message_stop`; every event is
 `event: <type>\\ndata: <json>\\n\\n`. An engine failure mid-stream sends an `error` event and
-ends the stream. A block opens at its first piece that is not whitespace, so whitespace between
-the reasoning and a call makes no empty text block, streamed or whole (the two agree).
+ends the stream. Blocks follow the reply's runs (agent/runs.py: a block opens at its first piece
+that is not whitespace), streamed or whole alike.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from typing import Any
 import msgspec
 
 from moeserve.server.agent.reply import ReplyParser, ReplyPart
+from moeserve.server.agent.runs import Runs, Step
 from moeserve.server.metrics import RequestTimer
 from moeserve.server.routes.generation import Generation, engine_error
 from moeserve.server.routes.serving import ChoiceResult, LogEnd, usage_dict
 
 _encode = msgspec.json.Encoder().encode
+_BLOCKS = {"reasoning": "thinking", "content": "text"}
 _DELTAS = {"thinking": "thinking_delta", "text": "text_delta"}
 
 
@@ -38,11 +40,12 @@ class Blocks:
 
     def __init__(self) -> None:
         self.content: list[dict[str, Any]] = []  # the whole blocks so far
-        self._open: str | None = None  # the kind of the block being written
-        self._held = ("", "")  # (kind, whitespace) not yet in a block
+        self._runs = Runs()
 
     def feed(self, part: ReplyPart) -> list[dict[str, Any]]:
-        events = self._text("thinking", part.reasoning) + self._text("text", part.content)
+        steps = self._runs.feed("reasoning", part.reasoning)
+        steps += self._runs.feed("content", part.content)
+        events = [e for step in steps for e in self._event(step)]
         for call in part.calls:
             events += self.close()
             block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
@@ -59,35 +62,23 @@ class Blocks:
 
     def close(self) -> list[dict[str, Any]]:
         """Close the open block (the reply ended, or a block of another kind begins)."""
-        self._held = ("", "")
-        if self._open is None:
-            return []
-        self._open = None
-        return [{"type": "content_block_stop", "index": len(self.content) - 1}]
+        return [e for step in self._runs.close() for e in self._event(step)]
 
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        events = []
-        if self._open != kind:
-            if self._open is not None:
-                events += self.close()
-            held = self._held[1] if self._held[0] == kind else ""
-            if not (held + text).strip():
-                self._held = (kind, held + text)
-                return events
-            text, self._held = held + text, ("", "")
-            self._open = kind
+    def _event(self, step: Step) -> list[dict[str, Any]]:
+        index = len(self.content) - (step.action != "open")
+        if step.action == "close":
+            return [{"type": "content_block_stop", "index": index}]
+        kind = _BLOCKS[step.kind]
+        if step.action == "open":
             block = {"type": kind, kind: ""}
             if kind == "thinking":
                 block["signature"] = ""
             self.content.append(block)
-            events.append({"type": "content_block_start", "index": len(self.content) - 1,
-                           "content_block": dict(block)})
-        self.content[-1][kind] += text
-        events.append({"type": "content_block_delta", "index": len(self.content) - 1,
-                       "delta": {"type": _DELTAS[kind], kind: text}})
-        return events
+            return [{"type": "content_block_start", "index": index,
+                     "content_block": dict(block)}]
+        self.content[-1][kind] += step.text
+        return [{"type": "content_block_delta", "index": index,
+                 "delta": {"type": _DELTAS[kind], kind: step.text}}]
 
 
 def stop_reason(result: ChoiceResult, num_calls: int,

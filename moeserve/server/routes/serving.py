@@ -31,6 +31,7 @@ from moeserve.server.agent.choice import AgentFormats
 from moeserve.server.errors import APIError, from_validation_error
 from moeserve.server.metrics import RequestTimer, ServerMetrics
 from moeserve.server.protocol import SamplingFields
+from moeserve.server.responses.store import ResponseStore
 from moeserve.server.routes.generation import (
     DisconnectWatch,
     Generation,
@@ -62,6 +63,8 @@ class ServerContext:
     agent: AgentFormats = field(default_factory=lambda: AgentFormats(None, "none", None, "none"))
     """The tool-call and reasoning formats chat replies are parsed in (server/agent/)."""
     shut_down: bool = False
+    responses: ResponseStore = field(default_factory=ResponseStore)
+    """The Responses API's stored responses (server/responses/store.py)."""
     _token_strings: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
 
     @property
