@@ -31,9 +31,10 @@ from moeserve.server.errors import APIError
 from moeserve.server.routes.chat import reply_parsers
 from moeserve.server.routes.serving import ChoiceResult
 from moeserve.tokenizer import ByteTokenizer
-from moeserve.types import FinishReason, RequestOutput
+from moeserve.types import FinishReason
 from tests.server.conftest import API_KEY, LiveServer
 from tests.server.helpers import CHAT, post
+from tests.server.scripted import named_events, outputs
 
 MESSAGES = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
@@ -56,61 +57,18 @@ def _renderer(body: dict[str, Any], stop: tuple[str, ...] = ()) -> MessageRender
                            stop)
 
 
-def _outputs(text: str, step: int, finish: FinishReason) -> list[RequestOutput]:
-    pieces = [text[i:i + step] for i in range(0, len(text), step)]
-    return [RequestOutput("r", [1], [ord(c) % 256 for c in piece], finished=k == len(pieces) - 1,
-                          finish_reason=finish if k == len(pieces) - 1 else None, text=piece)
-            for k, piece in enumerate(pieces)]
-
-
-class _ScriptedGeneration:
-    def __init__(self, outputs: list[RequestOutput]) -> None:
-        self._outputs = outputs
-        self.closed = False
-
-    async def outputs(self) -> Any:
-        for out in self._outputs:
-            yield 0, out
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
-class _Timer:
-    def on_tokens(self, i: int, n: int) -> None: ...
-    def on_finished(self, i: int, reason: str) -> None: ...
-    def on_done(self) -> None: ...
-
-
 def _stream(renderer: MessageRenderer, text: str, step: int,
             finish: FinishReason = FinishReason.STOP) -> list[dict[str, Any]]:
-    """The renderer's events for a scripted reply, parsed back from their SSE bytes."""
-    import asyncio
-
-    gen = _ScriptedGeneration(_outputs(text, step, finish))
-    ended: list[Any] = []
-
-    async def run() -> bytes:
-        return b"".join([chunk async for chunk in renderer.stream(
-            gen, _Timer(), lambda results, error: ended.append(error))])  # type: ignore[arg-type]
-
-    raw = asyncio.run(run()).decode()
-    assert gen.closed and ended == [None]
-    events = []
-    for frame in raw.split("\n\n")[:-1]:
-        name_line, data_line = frame.split("\n")
-        assert name_line.startswith("event: ") and data_line.startswith("data: ")
-        payload = json.loads(data_line[len("data: "):])
-        assert payload["type"] == name_line[len("event: "):]
+    events = named_events(renderer, text, step, finish)
+    for payload in events:
         _EVENTS.validate_python(payload)
-        events.append(payload)
     return events
 
 
 def _whole(renderer: MessageRenderer, text: str,
            finish: FinishReason = FinishReason.STOP) -> dict[str, Any]:
     result = ChoiceResult()
-    for out in _outputs(text, 1000, finish):
+    for out in outputs(text, 1000, finish):
         result.add(out, keep=True)
     usage = {"prompt_tokens": 3, "completion_tokens": result.num_tokens,
              "prompt_tokens_details": {"cached_tokens": 0}}

@@ -5,7 +5,6 @@ previous_response_id, retrieve / delete, forced calls, text.format, errors)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import types
 from typing import Any
@@ -27,9 +26,10 @@ from moeserve.server.responses.store import ResponseStore
 from moeserve.server.routes.chat import reply_parsers
 from moeserve.server.routes.serving import ChoiceResult
 from moeserve.tokenizer import ByteTokenizer
-from moeserve.types import FinishReason, RequestOutput
+from moeserve.types import FinishReason
 from tests.server.conftest import LiveServer
 from tests.server.helpers import CHAT, post
+from tests.server.scripted import named_events, outputs
 
 RESPONSES = "/v1/responses"
 CALL = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
@@ -57,44 +57,11 @@ def _renderer(body: dict[str, Any], done: list[dict[str, Any]]) -> ResponseRende
                             len, done.append)
 
 
-def _outputs(text: str, step: int, finish: FinishReason) -> list[RequestOutput]:
-    pieces = [text[i:i + step] for i in range(0, len(text), step)]
-    return [RequestOutput("r", [1], [ord(c) % 256 for c in piece], finished=k == len(pieces) - 1,
-                          finish_reason=finish if k == len(pieces) - 1 else None, text=piece)
-            for k, piece in enumerate(pieces)]
-
-
-class _Generation:
-    def __init__(self, outputs: list[RequestOutput]) -> None:
-        self._outputs = outputs
-
-    async def outputs(self) -> Any:
-        for out in self._outputs:
-            yield 0, out
-
-    async def aclose(self) -> None: ...
-
-
-class _Timer:
-    def on_tokens(self, i: int, n: int) -> None: ...
-    def on_finished(self, i: int, reason: str) -> None: ...
-    def on_done(self) -> None: ...
-
-
 def _stream(renderer: ResponseRenderer, text: str, step: int,
             finish: FinishReason = FinishReason.STOP) -> list[dict[str, Any]]:
-    async def run() -> bytes:
-        return b"".join([chunk async for chunk in renderer.stream(
-            _Generation(_outputs(text, step, finish)), _Timer(),  # type: ignore[arg-type]
-            lambda results, error: None)])
-
-    events = []
-    for frame in asyncio.run(run()).decode().split("\n\n")[:-1]:
-        name, data = frame.split("\n")
-        payload = json.loads(data[len("data: "):])
-        assert payload["type"] == name[len("event: "):]
+    events = named_events(renderer, text, step, finish)
+    for payload in events:
         _EVENTS.validate_python(payload)
-        events.append(payload)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
 
@@ -102,7 +69,7 @@ def _stream(renderer: ResponseRenderer, text: str, step: int,
 def _whole(renderer: ResponseRenderer, text: str,
            finish: FinishReason = FinishReason.STOP) -> dict[str, Any]:
     result = ChoiceResult()
-    for out in _outputs(text, 1000, finish):
+    for out in outputs(text, 1000, finish):
         result.add(out, keep=True)
     n = result.num_tokens
     body = renderer.final([result], {"prompt_tokens": 3, "completion_tokens": n,

@@ -9,6 +9,9 @@ runs, so they agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from moeserve.server.agent.reply import ReplyPart
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,3 +50,32 @@ class Runs:
             return []
         kind, self.open = self.open, None
         return [Step("close", kind)]
+
+
+class RunEvents:
+    """A reply's parts -> an API's events: each run's open / text / close steps through
+    `_event`, each call through `_call` (after closing the open run). Subclasses keep the whole
+    blocks or items they build beside the events."""
+
+    def __init__(self) -> None:
+        self._runs = Runs()
+
+    def feed(self, part: ReplyPart) -> list[dict[str, Any]]:
+        steps = self._runs.feed("reasoning", part.reasoning)
+        steps += self._runs.feed("content", part.content)
+        events = [e for step in steps for e in self._event(step)]
+        for call in part.calls:
+            events += self.close()
+            events += self._call(call)
+        return events
+
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+        """Close the open run (`status`: "incomplete" when the reply was cut)."""
+        return [e for step in self._runs.close() for e in self._event(step, status)]
+
+    def _event(self, step: Step, status: str = "completed") -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """A whole call, in OpenAI's shape ({"id", "function": {"name", "arguments"}})."""
+        raise NotImplementedError

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from moeserve.server.agent.reply import ReplyParser, ReplyPart
-from moeserve.server.agent.runs import Runs, Step
+from moeserve.server.agent.runs import RunEvents, Step
 from moeserve.server.metrics import RequestTimer
 from moeserve.server.routes.generation import Generation, engine_error
 from moeserve.server.routes.serving import ChoiceResult, LogEnd, usage_dict
@@ -35,36 +35,25 @@ def event(payload: dict[str, Any]) -> bytes:
     return b"event: " + payload["type"].encode() + b"\ndata: " + _encode(payload) + b"\n\n"
 
 
-class Blocks:
+class Blocks(RunEvents):
     """A reply's parts -> content-block stream events, and the whole blocks."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.content: list[dict[str, Any]] = []  # the whole blocks so far
-        self._runs = Runs()
 
-    def feed(self, part: ReplyPart) -> list[dict[str, Any]]:
-        steps = self._runs.feed("reasoning", part.reasoning)
-        steps += self._runs.feed("content", part.content)
-        events = [e for step in steps for e in self._event(step)]
-        for call in part.calls:
-            events += self.close()
-            block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                     "input": json.loads(call["function"]["arguments"])}
-            index = len(self.content)
-            self.content.append(block)
-            events += [{"type": "content_block_start", "index": index,
-                        "content_block": {**block, "input": {}}},
-                       {"type": "content_block_delta", "index": index, "delta": {
-                           "type": "input_json_delta",
-                           "partial_json": call["function"]["arguments"]}},
-                       {"type": "content_block_stop", "index": index}]
-        return events
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                 "input": json.loads(call["function"]["arguments"])}
+        index = len(self.content)
+        self.content.append(block)
+        return [{"type": "content_block_start", "index": index,
+                 "content_block": {**block, "input": {}}},
+                {"type": "content_block_delta", "index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": call["function"]["arguments"]}},
+                {"type": "content_block_stop", "index": index}]
 
-    def close(self) -> list[dict[str, Any]]:
-        """Close the open block (the reply ended, or a block of another kind begins)."""
-        return [e for step in self._runs.close() for e in self._event(step)]
-
-    def _event(self, step: Step) -> list[dict[str, Any]]:
+    def _event(self, step: Step, status: str = "completed") -> list[dict[str, Any]]:
         index = len(self.content) - (step.action != "open")
         if step.action == "close":
             return [{"type": "content_block_stop", "index": index}]

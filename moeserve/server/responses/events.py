@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from moeserve.server.agent.reply import ReplyParser, ReplyPart
-from moeserve.server.agent.runs import Runs, Step
+from moeserve.server.agent.runs import RunEvents, Step
 from moeserve.server.metrics import RequestTimer
 from moeserve.server.routes.generation import Generation, engine_error
 from moeserve.server.routes.serving import ChoiceResult, LogEnd, usage_dict
@@ -44,39 +44,27 @@ def _part(part_type: str, text: str) -> dict[str, Any]:
             if part_type == "output_text" else {"type": part_type, "text": text})
 
 
-class OutputItems:
+class OutputItems(RunEvents):
     """A reply's parts -> output items and their stream events (without sequence numbers)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.items: list[dict[str, Any]] = []  # the whole items so far
-        self._runs = Runs()
         self._text = ""
 
-    def feed(self, part: ReplyPart) -> list[dict[str, Any]]:
-        steps = self._runs.feed("reasoning", part.reasoning)
-        steps += self._runs.feed("content", part.content)
-        events = [e for step in steps for e in self._event(step)]
-        for call in part.calls:
-            events += self.close()
-            index, name = len(self.items), call["function"]["name"]
-            arguments = call["function"]["arguments"]
-            item = {"id": _item_id("fc"), "type": "function_call", "call_id": call["id"],
-                    "name": name, "arguments": arguments, "status": "completed"}
-            self.items.append(item)
-            head = {"item_id": item["id"], "output_index": index}
-            events += [{"type": "response.output_item.added", "output_index": index,
-                        "item": {**item, "arguments": "", "status": "in_progress"}},
-                       {"type": "response.function_call_arguments.delta", **head,
-                        "delta": arguments},
-                       {"type": "response.function_call_arguments.done", **head,
-                        "arguments": arguments},
-                       {"type": "response.output_item.done", "output_index": index,
-                        "item": item}]
-        return events
-
-    def close(self, status: str = "completed") -> list[dict[str, Any]]:
-        """Close the open item (`status`: "incomplete" when the reply was cut)."""
-        return [e for step in self._runs.close() for e in self._event(step, status)]
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        index, arguments = len(self.items), call["function"]["arguments"]
+        item = {"id": _item_id("fc"), "type": "function_call", "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": arguments,
+                "status": "completed"}
+        self.items.append(item)
+        head = {"item_id": item["id"], "output_index": index}
+        return [{"type": "response.output_item.added", "output_index": index,
+                 "item": {**item, "arguments": "", "status": "in_progress"}},
+                {"type": "response.function_call_arguments.delta", **head, "delta": arguments},
+                {"type": "response.function_call_arguments.done", **head,
+                 "arguments": arguments},
+                {"type": "response.output_item.done", "output_index": index, "item": item}]
 
     def _event(self, step: Step, status: str = "completed") -> list[dict[str, Any]]:
         item_type, prefix, part_type = _PARTS[step.kind]
