@@ -101,9 +101,10 @@ class Grammars:
         """Compile the request's grammar; ValueError naming the problem when it is refused."""
         from llguidance import LLMatcher
 
-        grammar = structured.check()
-        compiled = self._compiled.get(grammar)
+        grammar = structured.grammar()
+        compiled = self._compiled.get(grammar)  # (validated when it was compiled)
         if compiled is None:
+            structured.check()  # llguidance's own message for a bad grammar
             if self._llg_tokenizer is None:
                 from moeserve.structured.vocabulary import grammar_tokenizer
 
