@@ -126,6 +126,8 @@ class EngineCore:
             weights=weights_by_class(self.runner.model))
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling
+        # the last settled step, its profiled forwards and outputs (for _record_wall)
+        self._settled: tuple[SchedulerOutput, tuple[int, ...], list[RequestOutput]] | None = None
         self.oom = OomRecovery(self.scheduler)
         self.structured = StructuredSteps(self.cfg, self.model_config)
         self._arrivals = itertools.count()
@@ -362,14 +364,16 @@ class EngineCore:
         if out.num_reqs == 0 and not self.cfg.async_scheduling:
             return []
         settled: list[RequestOutput] = []
+        ranked_wall = False  # the settled step's wall is recorded after this launch
         late = self._in_flight is not None and self.structured.needs_tokens(out)
         if late and isinstance(self.runner, RankedRunner):
             late, (previous, self._in_flight) = False, (self._in_flight, None)
             self.structured.num_overlap_waits += 1
             try:
-                settled = self._update(*previous, start)
+                settled = self._update(*previous, start, timed=False)
             except torch.OutOfMemoryError as e:  # the step in flight failed; `out` ran on it
                 return self._out_of_memory(e, [previous[0], out], False)
+            ranked_wall = True
         if not late:
             settled += self.structured.prepare(out, self.scheduler)
         stage = "launch"
@@ -380,14 +384,17 @@ class EngineCore:
                 previous, self._in_flight = self._in_flight, None
                 self.structured.num_overlap_waits += 1
                 stage = "previous"
-                settled = self._update(*previous, start)
+                settled = self._update(*previous, start, timed=False)
                 settled += self.structured.prepare(out, self.scheduler)
                 stage = "sample"
                 self.runner.sample_deferred(pending, out)
+                self._record_wall(start)
         except torch.OutOfMemoryError as e:
             if stage == "previous":  # the step before failed: this one ran on its tokens
                 return self._out_of_memory(e, [previous[0], out], False)
             return settled + self._out_of_memory(e, [out], True)  # an older step stands
+        if ranked_wall:
+            self._record_wall(start)
         launched = None if pending is None else (out, pending)
         previous = launched
         if self.cfg.async_scheduling:
@@ -399,16 +406,26 @@ class EngineCore:
         except torch.OutOfMemoryError as e:  # a step in flight ran on this one's tokens
             return settled + self._out_of_memory(e, [previous[0]], False)
 
-    def _update(self, out: SchedulerOutput, pending: PendingOutput,
-                start: float) -> list[RequestOutput]:
-        """A launched step's tokens into the scheduler, then through the grammars."""
+    def _update(self, out: SchedulerOutput, pending: PendingOutput, start: float,
+                timed: bool = True) -> list[RequestOutput]:
+        """A launched step's tokens into the scheduler, then through the grammars. `timed`:
+        its wall (from `start`: the loop iteration that settles it) is recorded now; else the
+        caller records it (`_record_wall`) once the iteration's work is done, a deferred
+        sampling's masks included, so the wall is the loop's period either way."""
         result = pending.result()
         outputs = self.structured.settle(self.scheduler.update(out, result), self.scheduler)
+        self._settled = (out, result.profiled_forwards, outputs)
+        if timed:
+            self._record_wall(start)
+        return outputs
+
+    def _record_wall(self, start: float) -> None:
+        assert self._settled is not None
+        out, profiled_forwards, outputs = self._settled
         seconds = time.perf_counter() - start
         self.counters.record(out, outputs, seconds)
-        if result.profiled_forwards:  # the step profile's timed forwards: this step's wall
-            self.runner.profiler.add_step_wall(result.profiled_forwards, seconds / out.num_steps)
-        return outputs
+        if profiled_forwards:  # the step profile's timed forwards: this step's wall
+            self.runner.profiler.add_step_wall(profiled_forwards, seconds / out.num_steps)
 
     def _out_of_memory(self, error: torch.OutOfMemoryError, failed: list[SchedulerOutput],
                        in_flight_is_older: bool) -> list[RequestOutput]:

@@ -163,3 +163,34 @@ def test_overlap_a_grammar_steps_forward_runs_before_the_step_before_settles(
     assert late and engine.structured.num_overlap_waits == len(late)
     for i in late:
         assert calls[i + 1:i + 3] == ["update", "sample"], calls
+
+
+def test_a_late_steps_wall_is_the_whole_iteration(device: str, monkeypatch: object) -> None:
+    """The wall recorded for a step settled late (its successor's masks waited for it) ends
+    after the successor's masks and sampling, as a plain overlapped step's ends with its
+    iteration: the loop's period either way (the doctor's cpu_bound_step reads it). A clock
+    injected into the engine core moves only while the deferred sampling is enqueued."""
+    from types import SimpleNamespace
+
+    from moeserve.engine import core
+
+    now = [0.0]
+    clock = SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(core, "time", clock)  # type: ignore[attr-defined]
+    llm = _llm(device, async_scheduling=True)
+    engine, walls = llm.engine, []
+    sample, record = engine.runner.sample_deferred, core.StepCounters.record
+
+    def slow_sample(*args, **kwargs):  # type: ignore[no-untyped-def]
+        now[0] += 1.0  # host work of the iteration that settles the step before
+        return sample(*args, **kwargs)
+
+    def spy(counters, out, outputs, seconds):  # type: ignore[no-untyped-def]
+        walls.append(seconds)
+        return record(counters, out, outputs, seconds)
+
+    engine.runner.sample_deferred = slow_sample
+    monkeypatch.setattr(core.StepCounters, "record", spy)  # type: ignore[attr-defined]
+    llm.generate(PROMPTS[:1], _params(StructuredOutput("regex", "[a-z]{12}"), 1))
+    late = engine.structured.num_overlap_waits
+    assert late > 0 and sum(w >= 1.0 for w in walls) == late, walls
