@@ -52,7 +52,9 @@ when no engine field is the fix). The rules:
                       server
                       without them, the engine process used >= 90% of a core while the GPUs
                       were < 50% busy
-                      settings: enforce_eager False (graphs off); prefill_batch_delay_steps
+                      settings: enforce_eager False (graphs off); {} when >= 50% of steps
+                      waited for structured outputs' masks (num_grammar_waits: the knob names
+                      them, no flag helps); prefill_batch_delay_steps
                       max(4, 2 x now) (>= 20% of forwards eager: mixed steps); async_scheduling
                       True (off, one decode step per plan); else num_continuous_decode_steps
                       max(2, 2 x now) with async_scheduling False (the two exclude each other)

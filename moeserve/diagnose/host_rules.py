@@ -24,6 +24,7 @@ STEP_OVER_GPU = 1.5  # a step's wall time over its device time, per forward
 NOT_OVERLAPPED = 1.2
 MIN_PROFILED_FORWARDS = 3  # fewer profiled forwards in the run: the process-CPU fallback
 EAGER_SHARE_HIGH = 0.2  # graphs on, yet this share of forwards ran eagerly: mixed steps dominate
+GRAMMAR_SHARE_HIGH = 0.5  # this share of steps waited for their grammars' masks
 STARVED_SHARE = 0.5  # a CPU engine that gets less than this share of a core per torch thread
 BUSY_LOOP_SHARE = 0.5  # ... while its loop had work at least this share of the run
 
@@ -138,7 +139,8 @@ def _cpu_bound_by_process_cpu(run: dict[str, Any]) -> Verdict | None:
 
 def _host_knob(run: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """What takes host work off the step, in the order it pays: CUDA graphs (when they are off),
-    fewer eager mixed steps, overlap scheduling, then several decode steps per plan."""
+    the structured outputs' masks when most steps waited for them (no flag: words only), fewer
+    eager mixed steps, overlap scheduling, then several decode steps per plan."""
     cfg, sched = figures.engine_config(run), figures.engine_section(run, "scheduler")
     steps = sched.get("num_continuous_decode_steps")
     steps = steps if isinstance(steps, int) and steps >= 1 else 1
@@ -147,6 +149,13 @@ def _host_knob(run: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         settings = graphs_off_settings(state if isinstance(state, str) else "off: enforce_eager")
         return (f"{as_flags(settings)}: CUDA graphs are off, so every decode step pays the "
                 "host's kernel launches", settings)
+    grammar = _grammar_step_share(run)
+    if grammar is not None and grammar >= GRAMMAR_SHARE_HIGH:
+        return (f"{grammar:.0%} of steps held a structured output's grammar: each waited for the "
+                "step before to build its token masks on the host (num_grammar_waits), and such "
+                "steps decode one token a plan (--num-continuous-decode-steps skips them): "
+                "fewer or simpler grammars per step, or structured requests on a server of "
+                "their own; no engine flag takes this host work off the step", {})
     eager = _eager_forward_share(run)
     if eager is not None and eager >= EAGER_SHARE_HIGH:
         delay = sched.get("prefill_batch_delay_steps")
@@ -162,6 +171,16 @@ def _host_knob(run: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return (f"CUDA graphs and --num-continuous-decode-steps {more} (less Python per token; "
             "it runs without --async-scheduling)",
             {"num_continuous_decode_steps": more, "async_scheduling": False})
+
+
+def _grammar_step_share(run: dict[str, Any]) -> float | None:
+    """Share of the run's steps that waited for the step before for their grammars' masks
+    (engine counters num_grammar_waits / num_steps); None without them."""
+    c = figures.run_counters(run)
+    waits, steps = c.get("num_grammar_waits"), c.get("num_steps")
+    if not isinstance(waits, int | float) or not isinstance(steps, int | float) or steps <= 0:
+        return None
+    return waits / steps
 
 
 def graphs_off(state: Any) -> bool:

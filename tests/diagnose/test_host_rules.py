@@ -211,3 +211,17 @@ def test_host_time_not_overlapped_is_a_warning_when_overlap_is_off() -> None:
     assert "cpu_bound_step" not in _fired(on)  # overlap already on: 1.35x is not CPU-bound
     close = make_run(counters=_loop(wall_ms=30.0, device_ms=26.9), async_scheduling=False)
     assert "cpu_bound_step" not in _fired(close)
+
+
+def test_grammar_steps_name_the_masks_and_no_flag() -> None:
+    """W1 at 1,024 under a regex (gpu_ff7b345/call3): every step but the first waited for its
+    predecessor's tokens for its masks. Multi-step decode, the default last resort, skips such
+    steps: the doctor names the masks and proposes no engine setting."""
+    counters = _loop(wall_ms=47.2, device_ms=26.8, steps=409, forwards=409)
+    run = make_run(counters={**counters, "num_grammar_waits": 408})
+    v = _fired(run)["cpu_bound_step"]
+    assert v.settings == {} and v.knob.startswith("100% of steps held a structured output's")
+    assert "--num-continuous-decode-steps skips them" in v.knob
+    few = make_run(counters={**counters, "num_grammar_waits": 40})
+    assert _fired(few)["cpu_bound_step"].settings == {"num_continuous_decode_steps": 2,
+                                                      "async_scheduling": False}
