@@ -11,6 +11,10 @@ pure host work. Two workloads:
              measured: every measured step is decode-only at N rows (issue 14's figure)
     decode_sync  the same without overlap scheduling: each step's tokens are known when the next
              is planned, as benchmarks/engine/profile_step.py drives the scheduler on the GPU
+    structured   mixed, every request held to W1's regex ([a-z]{128}, as structured_h200.sh) at
+             the vocabulary of --vocab-size (qwen3's by default: a mask row is V bits): the
+             grammar's host work apart, `masks` (StructuredSteps.prepare) and `intake`
+             (add_request); the stub's token is "a", which the grammar always allows
 
 Each runs in a fresh process per mode, with the heap frozen after start-up (as the engine does) or
 not (mixed only), and writes JSON with per-step median / mean / p99 / max of the whole step and of
@@ -44,13 +48,17 @@ def _summary(ms: list[float]) -> dict:
             "p99_ms": float(np.percentile(t, 99)), "max_ms": float(t.max())}
 
 
-def child(running: int, steps: int, freeze: bool, workload: str) -> dict:
+REGEX = "[a-z]{128}"
+
+
+def child(running: int, steps: int, freeze: bool, workload: str, vocab_size: int) -> dict:
     import torch
 
     from moeserve.engine import protocol as p
     from moeserve.engine.args import engine_config_from_kwargs
     from moeserve.engine.core import EngineCore
     from moeserve.runner.pending_output import PendingOutput
+    from moeserve.structured.spec import StructuredOutput
     from moeserve.types import SamplingParams
 
     decode = workload.startswith("decode")
@@ -59,20 +67,24 @@ def child(running: int, steps: int, freeze: bool, workload: str) -> dict:
     core = EngineCore(engine_config_from_kwargs(
         model="tiny-moe", device="cpu", max_running_requests=running,
         num_blocks=running * blocks_per_req, max_num_batched_tokens=8192,
-        max_model_len=PROMPT_LEN + max_tokens, async_scheduling=workload != "decode_sync"))
+        max_model_len=PROMPT_LEN + max_tokens, async_scheduling=workload != "decode_sync",
+        hf_overrides={"vocab_size": vocab_size} if workload == "structured" else None))
     if not freeze:
         gc.unfreeze()  # start-up froze the heap: undo it to measure without
 
-    def stub_launch(out):
+    token = ord("a") if workload == "structured" else 7
+
+    def stub_launch(out, defer_sampling=False):
         rows = np.flatnonzero(np.asarray(out.sample, dtype=bool))
         pending = PendingOutput(out.num_reqs, rows)
         pending.params = [out.sampling_params[i] for i in rows]
-        pending.token_ids = torch.full((len(rows),), 7, dtype=torch.int64)
+        pending.token_ids = torch.full((len(rows),), token, dtype=torch.int64)
         return pending
 
     core.runner.launch = stub_launch
+    core.runner.sample_deferred = lambda pending, out: None
     sched = core.scheduler
-    phases: dict[str, list[float]] = {"schedule": [], "update": []}
+    phases: dict[str, list[float]] = {"schedule": [], "update": [], "masks": [], "intake": []}
 
     last = {}
 
@@ -87,7 +99,10 @@ def child(running: int, steps: int, freeze: bool, workload: str) -> dict:
 
     sched.schedule = timed("schedule", sched.schedule)
     sched.update = timed("update", sched.update)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    core.structured.prepare = timed("masks", core.structured.prepare)
+    add_request = timed("intake", core.add_request)
+    structured = StructuredOutput("regex", REGEX) if workload == "structured" else None
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, structured=structured)
     rng = random.Random(0)
     added = 0
 
@@ -96,7 +111,7 @@ def child(running: int, steps: int, freeze: bool, workload: str) -> dict:
         while sched.num_running + sched.num_waiting < running:
             prompt = ([rng.randrange(1, 256) for _ in range(PROMPT_LEN)] if decode
                       else list(range(1, PROMPT_LEN + 1)))
-            core.add_request(f"r{added}", prompt, params)
+            add_request(f"r{added}", prompt, params)
             added += 1
 
     refill()
@@ -123,9 +138,12 @@ def child(running: int, steps: int, freeze: bool, workload: str) -> dict:
     if decode:
         assert sched.num_running == running and not sched.num_waiting, "a request finished"
     both = [s + u for s, u in zip(phases["schedule"], phases["update"])]
+    per_step = {name: round(sum(phases[name]) / steps, 4) for name in ("masks", "intake")}
     return {"workload": workload, "heap_frozen": freeze, **_summary(times),
             "schedule": _summary(phases["schedule"]), "update": _summary(phases["update"]),
             "schedule_plus_update": _summary(both),
+            "masks_ms_per_step": per_step["masks"], "intake_ms_per_step": per_step["intake"],
+            "num_grammar_waits": core.structured.num_overlap_waits,
             "full_gc_passes": len(full_passes), "tracked_objects": len(gc.get_objects())}
 
 
@@ -149,22 +167,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="", help="suffix of the JSON's name (before, after)")
+    parser.add_argument("--vocab-size", type=int, default=151_936,
+                        help="the structured workload's vocabulary (a mask row is this many bits)")
+    parser.add_argument("--workloads", nargs="+", default=["mixed", "decode", "decode_sync",
+                                                           "structured"])
     parser.add_argument("--child", choices=["frozen", "unfrozen"], help=argparse.SUPPRESS)
-    parser.add_argument("--workload", choices=["mixed", "decode", "decode_sync"],
+    parser.add_argument("--workload", choices=["mixed", "decode", "decode_sync", "structured"],
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.running, args.steps, args.child == "frozen", args.workload)))
+        print(json.dumps(child(args.running, args.steps, args.child == "frozen", args.workload,
+                               args.vocab_size)))
         return
     from benchmarks.engine.w1_offline import environment
 
     modes = {}
-    for workload, mode in (("mixed", "unfrozen"), ("mixed", "frozen"), ("decode", "frozen"),
-                           ("decode_sync", "frozen")):
+    runs = [(w, m) for w, m in (("mixed", "unfrozen"), ("mixed", "frozen"), ("decode", "frozen"),
+                                ("decode_sync", "frozen"), ("structured", "frozen"))
+            if w in args.workloads]
+    for workload, mode in runs:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.engine.engine_loop_cpu",
                                "--child", mode,
                                "--workload", workload, "--running", str(args.running),
-                               "--steps", str(args.steps)],
+                               "--steps", str(args.steps), "--vocab-size", str(args.vocab_size)],
                               capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                   filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))})
@@ -178,7 +203,8 @@ def main() -> None:
     path = os.path.join(args.out, f"engine_loop_cpu_r{args.running}{suffix}.json")
     with open(path, "w") as f:
         json.dump({"benchmark": "engine_loop_cpu", "running": args.running, "steps": args.steps,
-                   "modes": modes, "environment": {**environment(), **_host()}}, f, indent=1)
+                   "vocab_size": args.vocab_size, "regex": REGEX, "modes": modes,
+                   "environment": {**environment(), **_host()}}, f, indent=1)
     print("wrote", path)
 
 
