@@ -42,7 +42,7 @@ class RequestGrammar:
 
     matcher: Any  # llguidance.LLMatcher
     waiting_for: int | None = None
-    mask: np.ndarray | None = None  # what the grammar allowed at its last step (a copy)
+    mask: np.ndarray | None = None  # what the grammar allowed at this step, until accepted
 
     @property
     def active(self) -> bool:
@@ -50,6 +50,7 @@ class RequestGrammar:
 
     def accept(self, tokens: Sequence[int]) -> str | None:
         """Advance over sampled tokens; an error message when one was not allowed."""
+        mask, self.mask = self.mask, None  # (a view of the step's mask array: let it go)
         for token in tokens:
             if self.waiting_for is not None:
                 if token == self.waiting_for:
@@ -59,7 +60,7 @@ class RequestGrammar:
                 return None  # the grammar is complete; the engine stops the request
             if not self.matcher.consume_token(token):
                 why = _first_line(self.matcher.get_error())
-                if self.mask is not None and (int(self.mask[token >> 5]) >> (token & 31)) & 1:
+                if mask is not None and (int(mask[token >> 5]) >> (token & 31)) & 1:
                     return GRAMMAR_FAILED + why  # allowed, yet it broke the grammar: a limit
                 return (f"the sampled token {token} is not allowed by the request's structured "
                         f"output: {why}")
@@ -141,16 +142,19 @@ class Grammars:
         request stops at this step's update) or failed allows every token: it is dropped."""
         from llguidance.numpy import fill_next_token_bitmask
 
-        mask = np.full((len(rows), self.words), -1, dtype=np.int32)
+        # NOTE: np.empty: a row is written whole by llguidance, or set to -1 here (at 1,024 rows
+        # of a 152k vocabulary np.full took 3.4 of 12.5 ms, a copy of each row 1.3)
+        mask = np.empty((len(rows), self.words), dtype=np.int32)
         failed: dict[str, str] = {}
         for j, i in enumerate(rows):
             rid = out.req_ids[i]
             grammar = self._requests[rid]
             matcher = grammar.matcher
             if matcher.is_stopped():
+                mask[j] = -1
                 continue
             fill_next_token_bitmask(matcher, mask, j)
-            grammar.mask = mask[j].copy()
+            grammar.mask = mask[j]  # a view, dropped once the step's tokens are accepted
             if matcher.is_error():
                 mask[j] = -1
                 failed[rid] = GRAMMAR_FAILED + _first_line(matcher.get_error())

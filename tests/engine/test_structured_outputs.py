@@ -12,7 +12,6 @@ import jsonschema_rs
 import pytest
 
 from moeserve import LLM, SamplingParams, StructuredOutput
-from moeserve.structured import grammars as grammars_module
 from moeserve.types import FinishReason
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "n"],
@@ -119,16 +118,11 @@ def test_a_bad_grammar_refuses_its_request_alone(device: str) -> None:
 
 def test_a_refused_token_fails_its_request_alone(device: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """A mask that lets everything through (a broken mask) makes the grammar refuse a token:
+    """A mask the sampler does not apply (a broken mask) makes the grammar refuse a token:
     that request fails with the reason; the others finish."""
-    real = grammars_module.Grammars.bitmask
+    from moeserve.runner import step_sampling
 
-    def broken(self: grammars_module.Grammars, out, rows):  # type: ignore[no-untyped-def]
-        mask, failed = real(self, out, rows)
-        mask[:] = -1
-        return mask, failed
-
-    monkeypatch.setattr(grammars_module.Grammars, "bitmask", broken)
+    monkeypatch.setattr(step_sampling, "mask_tokens_", lambda logits, rows, bitmask: None)
     llm = _llm(device)
     results = llm.generate(PROMPTS[:2], [
         _params(StructuredOutput("regex", "a{30}"), 1),
