@@ -253,8 +253,12 @@ def test_a_stop_sequence_ends_the_reply(http: httpx.Client) -> None:
             "messages": [{"role": "user", "content": "Hi"}]}
     free = post(http, MESSAGES, body)
     text = "".join(b.get("text", "") + b.get("thinking", "") for b in free["content"])
-    stop = text[4:6]
-    assert len(stop) == 2 and stop.strip(), text  # something to stop at
+    # two characters of one block (a block's text is the reply's own, unbroken by markers),
+    # not its first: something the reply reaches after it began
+    stops = [piece for b in free["content"] for t in (b.get("text") or b.get("thinking", ""),)
+             for i in range(1, len(t) - 1) if (piece := t[i:i + 2]).strip() == piece]
+    assert stops, free["content"]  # something to stop at
+    stop = stops[0]
     stopped = post(http, MESSAGES, {**body, "stop_sequences": [stop]})
     assert stopped["stop_reason"] == "stop_sequence" and stopped["stop_sequence"] == stop
     out = "".join(b.get("text", "") + b.get("thinking", "") for b in stopped["content"])
