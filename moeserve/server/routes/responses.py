@@ -39,12 +39,12 @@ async def create_response(ctx: ServerContext, request: Request, request_id: str)
     check_messages(chars, ctx.client.max_model_len, ctx.max_prompt_chars)
     prepared = await prepare_chat(ctx, chat, "max_output_tokens", None)
     gen = Generation(ctx.client, request_id, [prepared.prompt], prepared.params, "input")
-    conversation = [*history, *input_items(req)]
-    new_chars = sum(chars) - sum(len(str(item)) for item in history)
+    new_items = input_items(req)
+    conversation = [*history, *new_items]
 
     def on_done(body: dict[str, Any]) -> None:
-        if req.store:
-            ctx.responses.add(body, conversation, max(new_chars, 0))
+        if req.store:  # (the history's items are shared with the response it continues)
+            ctx.responses.add(body, conversation, sum(len(str(item)) for item in new_items))
 
     tokenizer = ctx.client.tokenizer
     renderer = ResponseRenderer(
