@@ -54,6 +54,11 @@ class ReplyParser:
         return part
 
 
+def reply_part(parser: ReplyParser | None, text: str, final: bool) -> ReplyPart:
+    """`text` through the reply's parser; all content when the reply is not parsed."""
+    return parser.feed(text, final=final) if parser is not None else ReplyPart(content=text)
+
+
 def _openai_call(call: ParsedCall) -> dict[str, Any]:
     return {"id": call.id or new_call_id(), "type": "function",
             "function": {"name": call.name,

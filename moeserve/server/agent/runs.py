@@ -8,6 +8,7 @@ runs, so they agree.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,7 @@ class Runs:
         return [Step("close", kind)]
 
 
-class RunEvents:
+class RunEvents(ABC):
     """A reply's parts -> an API's events: each run's open / text / close steps through
     `_event`, each call through `_call` (after closing the open run). Subclasses keep the whole
     blocks or items they build beside the events."""
@@ -73,9 +74,10 @@ class RunEvents:
         """Close the open run (`status`: "incomplete" when the reply was cut)."""
         return [e for step in self._runs.close() for e in self._event(step, status)]
 
+    @abstractmethod
     def _event(self, step: Step, status: str = "completed") -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """A run's open / text / close step as the API's events."""
 
+    @abstractmethod
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         """A whole call, in OpenAI's shape ({"id", "function": {"name", "arguments"}})."""
-        raise NotImplementedError

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from moeserve.server.agent.reply import ReplyParser, ReplyPart
+from moeserve.server.agent.reply import ReplyParser, reply_part
 from moeserve.server.agent.runs import RunEvents, Step
 from moeserve.server.metrics import RequestTimer
 from moeserve.server.routes.generation import Generation, engine_error
@@ -105,9 +105,6 @@ class MessageRenderer:
         self.new_parser = new_parser
         self.stop_sequences = stop_sequences
 
-    def _parse(self, parser: ReplyParser | None, text: str, final: bool) -> ReplyPart:
-        return parser.feed(text, final=final) if parser is not None else ReplyPart(content=text)
-
     def message(self, content: list[dict[str, Any]], reason: tuple[str | None, str | None],
                 usage: dict[str, int]) -> dict[str, Any]:
         return {"id": self.request_id, "type": "message", "role": "assistant",
@@ -118,7 +115,7 @@ class MessageRenderer:
         (result,) = results
         parser = self.new_parser() if self.new_parser is not None else None
         blocks = Blocks()
-        blocks.feed(self._parse(parser, "".join(result.text), final=True))
+        blocks.feed(reply_part(parser, "".join(result.text), final=True))
         num_calls = parser.num_calls if parser is not None else 0
         return self.message(blocks.content, stop_reason(result, num_calls, self.stop_sequences),
                             message_usage(usage))
@@ -140,7 +137,7 @@ class MessageRenderer:
                     events.append({"type": "message_start", "message": self.message(
                         [], (None, None), {**usage, "output_tokens": 0})})
                     started = True
-                events += blocks.feed(self._parse(parser, out.text, out.finished))
+                events += blocks.feed(reply_part(parser, out.text, out.finished))
                 if out.finished:
                     timer.on_finished(0, result.finish_reason or "stop")
                     events += blocks.close()

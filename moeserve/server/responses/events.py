@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from moeserve.server.agent.reply import ReplyParser, ReplyPart
+from moeserve.server.agent.reply import ReplyParser, reply_part
 from moeserve.server.agent.runs import RunEvents, Step
 from moeserve.server.metrics import RequestTimer
 from moeserve.server.routes.generation import Generation, engine_error
@@ -147,7 +147,7 @@ class ResponseRenderer:
         parser = self.new_parser() if self.new_parser is not None else None
         items = OutputItems()
         text = "".join(result.text)
-        items.feed(parser.feed(text, final=True) if parser else ReplyPart(content=text))
+        items.feed(reply_part(parser, text, final=True))
         return self._finish(result, items, usage)[1]
 
     async def stream(self, gen: Generation, timer: RequestTimer,
@@ -169,9 +169,7 @@ class ResponseRenderer:
             async for _, out in gen.outputs():
                 result.add(out, keep=False)
                 timer.on_tokens(0, len(out.new_token_ids))
-                part = (parser.feed(out.text, final=out.finished) if parser
-                        else ReplyPart(content=out.text))
-                events = items.feed(part)
+                events = items.feed(reply_part(parser, out.text, out.finished))
                 if out.finished:
                     timer.on_finished(0, result.finish_reason or "stop")
                 yield encode(events)
