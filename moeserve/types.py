@@ -116,8 +116,9 @@ class SchedulerOutput:
     num_prefix_hit_tokens: int = 0  # tokens served from the prefix cache this step
     num_steps: int = 1  # decode-only steps run back to back (num_continuous_decode_steps)
     grammar_rows: list[int] = field(default_factory=list)  # rows sampling under a grammar
-    grammar_bitmask: Any = None  # np.ndarray [len(grammar_rows), ceil(V / 32)] int32: bit t
-    # of a row set when token t is allowed (structured/grammars.py); None without grammar rows
+    grammar_bitmask: Any = None  # [len(grammar_rows), ceil(V / 32)] int32: bit t of a row set
+    # when token t is allowed (structured/grammars.py); None without grammar rows. A np.ndarray,
+    # or on CUDA a pinned torch tensor (engine/structured_steps.py)
 
     @property
     def num_reqs(self) -> int:

@@ -13,8 +13,15 @@ pure host work. Two workloads:
              is planned, as benchmarks/engine/profile_step.py drives the scheduler on the GPU
     structured   mixed, every request held to W1's regex ([a-z]{128}, as structured_h200.sh) at
              the vocabulary of --vocab-size (qwen3's by default: a mask row is V bits): the
-             grammar's host work apart, `masks` (StructuredSteps.prepare) and `intake`
+             grammar's host work apart, `masks` (StructuredSteps' prepare, begin and finish:
+             the engine thread's part, waits for the masks thread included) and `intake`
              (add_request); the stub's token is "a", which the grammar always allows
+
+`--device-ms D` gives the stub a device: a queue on which each step's forward takes D ms (its
+sampling none), starting when it is enqueued or when the step before it ends, and a step's
+tokens are read once its forward (and a deferred sampling, once enqueued) ended: the loop's
+period is then max(device, host on the critical path) and shows what overlaps (the H200's
+decode forward at 1,024 rows of qwen3-30b-a3b is about 27 ms).
 
 Each runs in a fresh process per mode, with the heap frozen after start-up (as the engine does) or
 not (mixed only), and writes JSON with per-step median / mean / p99 / max of the whole step and of
@@ -51,7 +58,21 @@ def _summary(ms: list[float]) -> dict:
 REGEX = "[a-z]{128}"
 
 
-def child(running: int, steps: int, freeze: bool, workload: str, vocab_size: int) -> dict:
+class SimulatedDevice:
+    """A device queue for the stub (module docstring): enqueue an op, read when it ends."""
+
+    def __init__(self, ms: float) -> None:
+        self.seconds = ms / 1e3
+        self.free_at = 0.0
+
+    def enqueue(self, seconds: float) -> float:
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = start + seconds
+        return self.free_at
+
+
+def child(running: int, steps: int, freeze: bool, workload: str, vocab_size: int,
+          device_ms: float = 0.0) -> dict:
     import torch
 
     from moeserve.engine import protocol as p
@@ -73,16 +94,31 @@ def child(running: int, steps: int, freeze: bool, workload: str, vocab_size: int
         gc.unfreeze()  # start-up froze the heap: undo it to measure without
 
     token = ord("a") if workload == "structured" else 7
+    device = SimulatedDevice(device_ms)
+
+    class Pending(PendingOutput):
+        ready_at = 0.0  # when the simulated device has the step's tokens
+
+        def result(self):
+            wait = self.ready_at - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            return super().result()
 
     def stub_launch(out, defer_sampling=False):
         rows = np.flatnonzero(np.asarray(out.sample, dtype=bool))
-        pending = PendingOutput(out.num_reqs, rows)
+        pending = Pending(out.num_reqs, rows)
         pending.params = [out.sampling_params[i] for i in rows]
         pending.token_ids = torch.full((len(rows),), token, dtype=torch.int64)
+        pending.ready_at = device.enqueue(device.seconds) if device.seconds else 0.0
         return pending
 
+    def stub_sample(pending, out):
+        if device.seconds:
+            pending.ready_at = device.enqueue(0.0)
+
     core.runner.launch = stub_launch
-    core.runner.sample_deferred = lambda pending, out: None
+    core.runner.sample_deferred = stub_sample
     sched = core.scheduler
     phases: dict[str, list[float]] = {"schedule": [], "update": [], "masks": [], "intake": []}
 
@@ -99,7 +135,9 @@ def child(running: int, steps: int, freeze: bool, workload: str, vocab_size: int
 
     sched.schedule = timed("schedule", sched.schedule)
     sched.update = timed("update", sched.update)
-    core.structured.prepare = timed("masks", core.structured.prepare)
+    for name in ("prepare", "begin", "finish"):  # the masks' time on the engine's thread
+        if hasattr(core.structured, name):  # (begin / finish: since the masks thread)
+            setattr(core.structured, name, timed("masks", getattr(core.structured, name)))
     add_request = timed("intake", core.add_request)
     structured = StructuredOutput("regex", REGEX) if workload == "structured" else None
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, structured=structured)
@@ -139,7 +177,8 @@ def child(running: int, steps: int, freeze: bool, workload: str, vocab_size: int
         assert sched.num_running == running and not sched.num_waiting, "a request finished"
     both = [s + u for s, u in zip(phases["schedule"], phases["update"])]
     per_step = {name: round(sum(phases[name]) / steps, 4) for name in ("masks", "intake")}
-    return {"workload": workload, "heap_frozen": freeze, **_summary(times),
+    return {"workload": workload, "heap_frozen": freeze, "device_ms": device_ms,
+            **_summary(times),
             "schedule": _summary(phases["schedule"]), "update": _summary(phases["update"]),
             "schedule_plus_update": _summary(both),
             "masks_ms_per_step": per_step["masks"], "intake_ms_per_step": per_step["intake"],
@@ -169,6 +208,8 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the JSON's name (before, after)")
     parser.add_argument("--vocab-size", type=int, default=151_936,
                         help="the structured workload's vocabulary (a mask row is this many bits)")
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="a simulated device's forward per step (module docstring)")
     parser.add_argument("--workloads", nargs="+", default=["mixed", "decode", "decode_sync",
                                                            "structured"])
     parser.add_argument("--child", choices=["frozen", "unfrozen"], help=argparse.SUPPRESS)
@@ -177,7 +218,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.running, args.steps, args.child == "frozen", args.workload,
-                               args.vocab_size)))
+                               args.vocab_size, args.device_ms)))
         return
     from benchmarks.engine.w1_offline import environment
 
@@ -189,7 +230,8 @@ def main() -> None:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.engine.engine_loop_cpu",
                                "--child", mode,
                                "--workload", workload, "--running", str(args.running),
-                               "--steps", str(args.steps), "--vocab-size", str(args.vocab_size)],
+                               "--steps", str(args.steps), "--vocab-size", str(args.vocab_size),
+                               "--device-ms", str(args.device_ms)],
                               capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                   filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))})
@@ -203,7 +245,8 @@ def main() -> None:
     path = os.path.join(args.out, f"engine_loop_cpu_r{args.running}{suffix}.json")
     with open(path, "w") as f:
         json.dump({"benchmark": "engine_loop_cpu", "running": args.running, "steps": args.steps,
-                   "vocab_size": args.vocab_size, "regex": REGEX, "modes": modes,
+                   "vocab_size": args.vocab_size, "regex": REGEX,
+                   "device_ms": args.device_ms, "modes": modes,
                    "environment": {**environment(), **_host()}}, f, indent=1)
     print("wrote", path)
 

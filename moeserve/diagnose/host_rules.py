@@ -152,7 +152,8 @@ def _host_knob(run: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     grammar = _grammar_step_share(run)
     if grammar is not None and grammar >= GRAMMAR_SHARE_HIGH:
         return (f"{grammar:.0%} of steps held a structured output's grammar: each waited for the "
-                "step before to build its token masks on the host (num_grammar_waits), and such "
+                "step before to build its token masks on the host (num_grammar_waits; on a "
+                "thread of their own, beside the loop's other host work), and such "
                 "steps decode one token a plan (--num-continuous-decode-steps skips them): "
                 "fewer or simpler grammars per step, or structured requests on a server of "
                 "their own; no engine flag takes this host work off the step", {})

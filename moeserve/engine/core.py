@@ -196,7 +196,9 @@ class EngineCore:
         return line
 
     def close(self) -> None:
-        """Stop the other ranks (a no-op on one rank); the engine takes no steps after it."""
+        """Stop the other ranks (a no-op on one rank) and the masks thread; the engine takes no
+        steps after it."""
+        self.structured.close()
         if isinstance(self.runner, RankedRunner):
             self.runner.shutdown()
 
@@ -356,23 +358,33 @@ class EngineCore:
         """One step: schedule, execute, update. With async_scheduling, the update is that of the
         previous launch, so the CPU plans and launches step N+1 while the device runs step N.
         A grammar row of N+1 needs its token of N for its mask: N+1's forward is launched, N
-        settles while it runs, then N+1 is sampled under its masks (engine/structured_steps.py;
-        on several ranks, which sample as they launch, N settles before N+1 is launched)."""
+        settles while it runs, N+1's masks are built on the masks thread while the loop goes
+        on, and N+1 is sampled at the next step, before N+2 launches on its tokens
+        (engine/structured_steps.py; on several ranks, which sample as they launch, N settles
+        before N+1 is launched)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         self.counters.schedule_seconds = time.perf_counter() - start
         if out.num_reqs == 0 and not self.cfg.async_scheduling:
             return []
         settled: list[RequestOutput] = []
+        if self.structured.deferred:  # the step in flight is sampled first: `out` reads it
+            deferred, settled = self.structured.finish(self.scheduler)
+            assert self._in_flight is not None and self._in_flight[0] is deferred
+            try:
+                self.runner.sample_deferred(self._in_flight[1], deferred)
+            except torch.OutOfMemoryError as e:  # `out` was planned on its tokens
+                self._in_flight = None
+                return settled + self._out_of_memory(e, [deferred, out], False)
         ranked_wall = False  # the settled step's wall is recorded after this launch
         late = self._in_flight is not None and self.structured.needs_tokens(out)
         if late and isinstance(self.runner, RankedRunner):
             late, (previous, self._in_flight) = False, (self._in_flight, None)
             self.structured.num_overlap_waits += 1
             try:
-                settled = self._update(*previous, start, timed=False)
+                settled += self._update(*previous, start, timed=False)
             except torch.OutOfMemoryError as e:  # the step in flight failed; `out` ran on it
-                return self._out_of_memory(e, [previous[0], out], False)
+                return settled + self._out_of_memory(e, [previous[0], out], False)
             ranked_wall = True
         if not late:
             settled += self.structured.prepare(out, self.scheduler)
@@ -384,14 +396,11 @@ class EngineCore:
                 previous, self._in_flight = self._in_flight, None
                 self.structured.num_overlap_waits += 1
                 stage = "previous"
-                settled = self._update(*previous, start, timed=False)
-                settled += self.structured.prepare(out, self.scheduler)
-                stage = "sample"
-                self.runner.sample_deferred(pending, out)
-                self._record_wall(start)
+                settled += self._update(*previous, start)
+                self.structured.begin(out)  # sampled at the next step, under these masks
         except torch.OutOfMemoryError as e:
             if stage == "previous":  # the step before failed: this one ran on its tokens
-                return self._out_of_memory(e, [previous[0], out], False)
+                return settled + self._out_of_memory(e, [previous[0], out], False)
             return settled + self._out_of_memory(e, [out], True)  # an older step stands
         if ranked_wall:
             self._record_wall(start)

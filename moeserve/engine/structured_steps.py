@@ -2,27 +2,40 @@
 
     add_request   the request's grammar compiled; a bad one refuses the request (ValueError)
     step          schedule -> launch -> [needs_tokens: N+1's forward enqueued, its sampling
-                  deferred; step N settles] -> prepare (N+1's bitmask into the plan) ->
-                  sample -> update -> settle (each sampled token accepted: a complete grammar
-                  stops its request, a refused token fails it; the token is dropped)
+                  deferred; step N settles; `begin`: N+1's masks built on the masks thread
+                  while the loop sends N's outputs, takes requests in and plans N+2] ->
+                  next step: schedule N+2 -> `finish` (N+1's masks into its plan) -> N+1
+                  sampled -> N+2 launched -> ...
+                  settle (each sampled token accepted: a complete grammar stops its request,
+                  a refused token fails it; the token is dropped)
     abort         the grammar dropped with the request
 
 Overlap scheduling plans step N+1 before step N's tokens reach the host; a grammar row of N+1
 needs its token of N for its mask. So such a step's forward is enqueued first, step N's tokens
-are read and accepted while it runs, and its sampling is enqueued once the masks exist: the
-device waits only if building the masks outlasts the forward (`num_overlap_waits` counts these
-steps). Several ranks sample inside their launch: there step N settles before N+1 launches,
-and the batch loses its overlap on those steps.
+are read and accepted while it runs, and its masks are built on a thread of their own (one call
+of llguidance's executor, which releases the GIL) while the engine's thread goes on with the
+loop; N+1 is sampled once they exist, before N+2 is launched on its tokens: the device waits only
+if building the masks outlasts the forward (`num_overlap_waits` counts these steps). Several
+ranks sample inside their launch: there step N settles before N+1 launches, the masks are built
+on the engine's thread, and the batch loses its overlap on those steps.
+
+On CUDA the masks are written into page-locked host memory (torch's caching host allocator), so
+the sampler's copy to the device neither stages nor copies them first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
 
 from moeserve.config import EngineConfig
 from moeserve.model_config import ModelConfig
 from moeserve.sched import Scheduler
-from moeserve.structured.grammars import GRAMMAR_FAILED, Grammars
+from moeserve.structured.grammars import GRAMMAR_FAILED, Grammars, Masks
 from moeserve.tokenizer import load_model_tokenizer
 from moeserve.types import FinishReason, RequestOutput, SamplingParams, SchedulerOutput
 
@@ -39,6 +52,20 @@ class StructuredSteps:
         self.num_grammar_failures = 0  # requests failed by their grammar (a parser limit)
         self.num_overlap_waits = 0  # steps sampled after the step in flight settled
         # (needs_tokens; one rank: its forward enqueued before, so overlap is kept)
+        self.pinned = torch.device(cfg.device).type == "cuda"  # masks in page-locked memory
+        self._thread: ThreadPoolExecutor | None = None  # the masks thread, started at first use
+        # the plan in flight whose sampling waits for its masks (begin -> finish)
+        self._deferred: tuple[SchedulerOutput, Masks | None, Future | None] | None = None
+
+    @property
+    def deferred(self) -> bool:
+        """A launched step's sampling waits for `finish` (its masks being built)."""
+        return self._deferred is not None
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         if params.structured is not None:
@@ -62,7 +89,47 @@ class StructuredSteps:
         if not rows:
             out.grammar_bitmask = None
             return []
-        out.grammar_bitmask, failed = self.grammars.bitmask(out, rows)
+        array, out.grammar_bitmask = self._host_array(len(rows))
+        return self._failures(self.grammars.bitmask(out, rows, array)[1], scheduler)
+
+    def begin(self, out: SchedulerOutput) -> None:
+        """`prepare` for a launched step whose sampling was deferred: its rows now, its masks on
+        the masks thread; `finish` puts them into the plan before it is sampled."""
+        assert self._deferred is None, "begin with a step's masks still unfinished"
+        rows = self.grammars.rows(out)
+        out.grammar_rows = rows
+        if not rows:
+            out.grammar_bitmask = None
+            self._deferred = (out, None, None)
+            return
+        array, out.grammar_bitmask = self._host_array(len(rows))
+        masks = self.grammars.masks(out, rows, array)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="moeserve-masks")
+        self._deferred = (out, masks, self._thread.submit(masks.compute))
+
+    def finish(self, scheduler: Scheduler) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """The deferred step's plan, its masks in it, and the outputs of the requests whose
+        grammar failed computing them (as `prepare`'s)."""
+        assert self._deferred is not None, "finish with no step begun"
+        (out, masks, future), self._deferred = self._deferred, None
+        if masks is None:
+            return out, []
+        future.result()  # (raises what compute raised)
+        return out, self._failures(masks.finish()[1], scheduler)
+
+    def _host_array(self, rows: int) -> tuple[np.ndarray, Any]:
+        """An empty [rows, words] int32 array for the masks, and what the plan carries to the
+        sampler: page-locked on CUDA (a torch tensor the array views: torch's host allocator
+        reuses its memory only once the copies enqueued from it have run), else the array."""
+        shape = (rows, self.grammars.words)
+        if not self.pinned:
+            array = np.empty(shape, dtype=np.int32)
+            return array, array
+        tensor = torch.empty(shape, dtype=torch.int32, pin_memory=True)
+        return tensor.numpy(), tensor
+
+    def _failures(self, failed: dict[str, str], scheduler: Scheduler) -> list[RequestOutput]:
         self.num_grammar_failures += len(failed)
         return [o for rid, why in failed.items()
                 if (o := scheduler.fail_request(rid, why)) is not None]

@@ -6,6 +6,7 @@ sampled token accepted.
     bitmask(out, rows)              [len(rows), ceil(V / 32)] int32, bit t of a row: token t
                                     allowed; and the requests whose grammar failed there (a
                                     parser limit: the request's grammar is at fault, a 400)
+        = masks(out, rows) -> Masks: .compute() (may run on another thread), .finish()
     accept(outputs)                 each output's new tokens through its matcher ->
                                     ended (the grammar is complete: the request stops) or
                                     refused (the request fails: a token the mask did not allow,
@@ -14,8 +15,11 @@ sampled token accepted.
 A compiled grammar is kept by its text (a few most recent), and a request gets a copy: the
 n choices of a request, and an agent's calls with the same tools, compile once. The vocabulary
 (vocabulary.py) is built at the first structured request (about a second for 150k tokens).
-A step's masks are built one at a time: on llguidance's executor threads they were slower on 2
-cores and on 16 (benchmarks/results/gpu_ff7b345/; removed, in git's history at 90f405a).
+A step's masks are built by one call of llguidance's executor on one thread of its own: the
+rows in Rust with the GIL released (so the engine may build them on a thread of its own while it
+does other work: engine/structured_steps.py), about half the time of one Python call a row at
+1,024 rows (benchmarks/structured/mask_cost.py). More executor threads did not pay (2 and 16
+cores; benchmarks/results/gpu_ff7b345/).
 """
 
 from __future__ import annotations
@@ -79,6 +83,39 @@ class Accepted:
     refused: dict[str, str] = field(default_factory=dict)  # request id -> why it fails
 
 
+@dataclass(slots=True)
+class Masks:
+    """A step's masks being built (`Grammars.masks`): `compute` fills the array by one call of
+    llguidance's executor, which releases the GIL; `finish` gives the array and the failures."""
+
+    owner: Grammars
+    mask: np.ndarray
+    live: list[tuple[Any, int]]  # (matcher, row) of each row whose grammar goes on
+    grammars: list[tuple[str, RequestGrammar]]  # (request id, its grammar) of each live row
+    computed: bool = False
+
+    def compute(self) -> None:
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        if self.live:
+            fill_next_token_bitmask_par(self.owner._executor, self.live, self.mask)
+        self.computed = True
+
+    def finish(self) -> tuple[np.ndarray, dict[str, str]]:
+        """The array (each live row kept by its grammar until its token is accepted) and
+        request id -> why its grammar failed (those are forgotten, their rows allow all)."""
+        assert self.computed, "Masks.finish before compute"
+        mask, failed = self.mask, {}
+        for (matcher, j), (rid, grammar) in zip(self.live, self.grammars):
+            grammar.mask = mask[j]  # a view, dropped once the step's tokens are accepted
+            if matcher.is_error():
+                mask[j] = -1
+                failed[rid] = GRAMMAR_FAILED + _first_line(matcher.get_error())
+                if self.owner._requests.get(rid) is grammar:  # (not dropped meanwhile)
+                    del self.owner._requests[rid]
+        return mask, failed
+
+
 class Grammars:
     """The structured requests of one engine (see the module docstring)."""
 
@@ -91,6 +128,7 @@ class Grammars:
         self._llg_tokenizer: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._requests: dict[str, RequestGrammar] = {}
+        self._executor: Any = None  # llguidance's LLExecutor, one thread (module docstring)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -135,31 +173,44 @@ class Grammars:
         return [i for i, (rid, sample) in enumerate(zip(out.req_ids, out.sample))
                 if sample and rid in self._requests and self._requests[rid].active]
 
-    def bitmask(self, out: SchedulerOutput, rows: list[int]
+    def bitmask(self, out: SchedulerOutput, rows: list[int], into: np.ndarray | None = None
                 ) -> tuple[np.ndarray, dict[str, str]]:
         """[len(rows), words] int32: each row's allowed tokens; and request id -> why its
         grammar failed computing them (a parser limit). A row whose grammar is complete (its
-        request stops at this step's update) or failed allows every token: it is dropped."""
-        from llguidance.numpy import fill_next_token_bitmask
+        request stops at this step's update) or failed allows every token: it is dropped.
+        `into`: the array to fill (an empty one of that shape), else a new one."""
+        masks = self.masks(out, rows, into)
+        masks.compute()
+        return masks.finish()
 
+    def masks(self, out: SchedulerOutput, rows: list[int], into: np.ndarray | None = None
+              ) -> Masks:
+        """`bitmask`'s masks in three parts: this (the engine's thread), `Masks.compute` (any
+        thread: it touches the rows' matchers and the array alone) and `Masks.finish` (the
+        engine's thread again, before the grammars change)."""
         # NOTE: np.empty: a row is written whole by llguidance, or set to -1 here (at 1,024 rows
         # of a 152k vocabulary np.full took 3.4 of 12.5 ms, a copy of each row 1.3)
-        mask = np.empty((len(rows), self.words), dtype=np.int32)
-        failed: dict[str, str] = {}
+        shape = (len(rows), self.words)
+        if into is None:
+            into = np.empty(shape, dtype=np.int32)
+        elif into.shape != shape or into.dtype != np.int32 or not into.flags.c_contiguous:
+            raise ValueError(f"the bitmask array must be C-contiguous int32 {shape}, got "
+                             f"{into.dtype} {into.shape}")
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor(1)
+        live: list[tuple[Any, int]] = []
+        grammars: list[tuple[str, RequestGrammar]] = []
         for j, i in enumerate(rows):
             rid = out.req_ids[i]
             grammar = self._requests[rid]
-            matcher = grammar.matcher
-            if matcher.is_stopped():
-                mask[j] = -1
+            if grammar.matcher.is_stopped():
+                into[j] = -1
                 continue
-            fill_next_token_bitmask(matcher, mask, j)
-            grammar.mask = mask[j]  # a view, dropped once the step's tokens are accepted
-            if matcher.is_error():
-                mask[j] = -1
-                failed[rid] = GRAMMAR_FAILED + _first_line(matcher.get_error())
-                del self._requests[rid]
-        return mask, failed
+            live.append((grammar.matcher, j))
+            grammars.append((rid, grammar))
+        return Masks(self, into, live, grammars)
 
     def accept(self, outputs: list[RequestOutput]) -> Accepted:
         """Each output's new tokens through its request's matcher; finished requests dropped."""

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema_rs
 import pytest
 
 from moeserve import LLM, SamplingParams, StructuredOutput
+from moeserve.structured.grammars import Masks
 from moeserve.types import FinishReason
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "n"],
@@ -134,9 +136,11 @@ def test_a_refused_token_fails_its_request_alone(device: str,
 
 
 def test_overlap_a_grammar_steps_forward_runs_before_the_step_before_settles(
-        device: str) -> None:
+        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Overlap kept: step N+1's forward is enqueued first (sampling deferred), then step N's
-    tokens are read and accepted, then N+1's masks are built and its sampling enqueued."""
+    tokens are read and accepted, then N+1's masks are built (on the masks thread) and its
+    sampling is enqueued at the next step, before anything else is launched (the last step's,
+    once its requests ended, waits for a step that no one takes)."""
     llm = _llm(device, async_scheduling=True)
     engine, calls = llm.engine, []
     launch, update, sample = (engine.runner.launch, engine.scheduler.update,
@@ -151,19 +155,28 @@ def test_overlap_a_grammar_steps_forward_runs_before_the_step_before_settles(
     engine.runner.launch = spy("launch", launch)
     engine.scheduler.update = spy("update", update)
     engine.runner.sample_deferred = spy("sample", sample)
+    threads, compute = [], Masks.compute
+    monkeypatch.setattr(Masks, "compute", lambda masks: threads.append(
+        threading.current_thread().name) or compute(masks))
     [r] = llm.generate(PROMPTS[:1], _params(StructuredOutput("regex", "[a-z]{12}"), 1))
     assert re.fullmatch("[a-z]{12}", r.text)
     late = [i for i, c in enumerate(calls) if c == "launch(deferred)"]
     assert late and engine.structured.num_overlap_waits == len(late)
     for i in late:
-        assert calls[i + 1:i + 3] == ["update", "sample"], calls
+        assert calls[i + 1] == "update" and calls[i + 2:i + 3] in (["sample"], []), calls
+    assert calls[-2:] == ["launch(deferred)", "update"] and engine.structured.deferred
+    # the first grammar step's masks (nothing in flight) on the engine's thread, the others'
+    # on the masks thread (the last deferred step has no row: its request ended just before)
+    assert threads[0] == threading.current_thread().name and len(threads) == len(late)
+    assert all(name.startswith("moeserve-masks") for name in threads[1:]), threads
 
 
 def test_a_late_steps_wall_is_the_whole_iteration(device: str, monkeypatch: object) -> None:
-    """The wall recorded for a step settled late (its successor's masks waited for it) ends
-    after the successor's masks and sampling, as a plain overlapped step's ends with its
-    iteration: the loop's period either way (the doctor's cpu_bound_step reads it). A clock
-    injected into the engine core moves only while the deferred sampling is enqueued."""
+    """The wall recorded for a step whose sampling was deferred (its masks built while the
+    loop went on) takes in that sampling: the step that samples it also settles it, and
+    records its wall after (the doctor's cpu_bound_step reads it). A clock injected into the
+    engine core moves only while a deferred sampling is enqueued; the last one never runs (its
+    requests ended before it, and generate takes no step after)."""
     from types import SimpleNamespace
 
     from moeserve.engine import core
@@ -187,4 +200,54 @@ def test_a_late_steps_wall_is_the_whole_iteration(device: str, monkeypatch: obje
     monkeypatch.setattr(core.StepCounters, "record", spy)  # type: ignore[attr-defined]
     llm.generate(PROMPTS[:1], _params(StructuredOutput("regex", "[a-z]{12}"), 1))
     late = engine.structured.num_overlap_waits
-    assert late > 0 and sum(w >= 1.0 for w in walls) == late, walls
+    assert late > 1 and engine.structured.deferred
+    assert sum(w >= 1.0 for w in walls) == late - 1 and now[0] == late - 1, walls
+
+
+def _greedy(structured: StructuredOutput, max_tokens: int = 40) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured)
+
+
+def test_a_deferred_sampling_out_of_memory_loses_nothing(device: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar step's sampling (deferred to the next step, after its masks) runs out of
+    device memory: that step and the one planned on its tokens are recomputed, and every
+    request ends with the text of a run without the fault."""
+    import torch
+
+    params = [_greedy(KINDS[k][0]) for k in range(len(PROMPTS))]
+    clean = [r.text for r in _llm(device, async_scheduling=True).generate(PROMPTS, params)]
+    llm = _llm(device, async_scheduling=True)
+    sample, calls = llm.engine.runner.sample_deferred, []
+
+    def failing(pending, out):  # type: ignore[no-untyped-def]
+        calls.append(out)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return sample(pending, out)
+
+    monkeypatch.setattr(llm.engine.runner, "sample_deferred", failing)
+    results = llm.generate(PROMPTS, params)
+    assert [r.text for r in results] == clean and len(calls) > 3
+    assert all(r.finish_reason is FinishReason.STOP for r in results)
+    assert llm.engine.oom.num_recoveries == 1 and llm.engine.scheduler.stats.num_preemptions
+
+
+def test_a_request_aborted_while_its_masks_are_built_leaves_the_others_whole(
+        device: str) -> None:
+    """An abort between a step's masks begun and its sampling (the API's disconnect, taken in
+    by the loop then): the request ends aborted, its grammar is dropped, the others end with
+    the text of a run without it."""
+    params = [_greedy(KINDS[0][0]), _greedy(KINDS[1][0])]
+    clean = _llm(device, async_scheduling=True).generate(PROMPTS[:2], params)[1].text
+    llm = _llm(device, async_scheduling=True)
+    ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS[:2], params)]
+    while not llm.engine.structured.deferred:
+        llm.step()
+    llm.abort(ids[0])
+    while llm.has_unfinished_requests():
+        llm.step()
+        llm.engine.scheduler.check_integrity()
+    aborted, other = (llm.result(i) for i in ids)
+    assert aborted.finish_reason is FinishReason.ABORT and other.text == clean
+    assert ids[0] not in llm.engine.structured.grammars

@@ -180,3 +180,33 @@ def test_a_model_without_eos_ends_by_its_grammar() -> None:
     assert g.accept([_output("r", [ord("a")])]).ended == []
     assert _allowed(_mask(g, _plan(["r"]), [0])[0]) == {ord("b"), 256}  # 256: no model id
     assert g.accept([_output("r", [ord("b")])]).ended == ["r"]
+
+
+def test_masks_built_on_another_thread_equal_the_bitmask() -> None:
+    """`masks` -> `compute` on another thread -> `finish` gives `bitmask`'s array: a row whose
+    grammar is complete allows every token; a request dropped meanwhile (an abort) keeps its
+    row and is not brought back; the array it is given is filled, one of another shape is
+    refused by name."""
+    import threading
+
+    plans = []
+    for g in (_grammars(), _grammars()):
+        g.add("a", StructuredOutput("regex", "ab"))
+        g.add("b", StructuredOutput("regex", "x"))
+        g.add("c", StructuredOutput("json_object"))
+        g.accept([_output("a", [ord("a")]), _output("b", [ord("x")])])
+        plans.append((g, _plan(["a", "b", "c"])))
+    (g1, plan1), (g2, plan2) = plans
+    expected = _mask(g1, plan1, [0, 1, 2])
+    into = np.zeros((3, g2.words), dtype=np.int32)
+    masks = g2.masks(plan2, [0, 1, 2], into)
+    g2.drop(["c"])
+    worker = threading.Thread(target=masks.compute)
+    worker.start()
+    worker.join()
+    mask, failed = masks.finish()
+    assert mask is into and failed == {} and np.array_equal(mask, expected)
+    assert _allowed(mask[0]) == {ord("b")} and (mask[1] == -1).all()
+    assert "c" not in g2 and len(g2) == 2
+    with pytest.raises(ValueError, match=r"C-contiguous int32 \(3, 10\)"):
+        g2.masks(plan2, [0, 1, 2], np.zeros((3, 9), dtype=np.int32))

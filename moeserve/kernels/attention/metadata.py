@@ -98,10 +98,11 @@ def build_attention_metadata(num_computed_tokens: list[int], num_scheduled_token
     )
 
 
-def to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
+def to_device(a: np.ndarray | torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host array on `device` without a stream sync: through pinned memory on CUDA (a copy
-    from pageable memory makes CUDA wait for the stream's queued work first)."""
-    t = torch.from_numpy(a)
+    from pageable memory makes CUDA wait for the stream's queued work first; a tensor already
+    pinned is copied as it is)."""
+    t = a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
