@@ -1,14 +1,16 @@
 """The host cost of structured outputs' token masks (structured/grammars.py), per step and per row,
-at a realistic vocabulary size: the engine builds them on its thread while the step's forward
-runs (engine/structured_steps.py), so what matters is this time against a decode step's.
+at a realistic vocabulary size: the engine builds them on a thread of its own while the step's
+forward runs and the loop goes on (engine/structured_steps.py), so what matters is this time
+against a decode step's.
 
 No checkpoint is downloaded: a byte-level BPE tokenizer is trained on this repository's text
 (its files under 2 MiB; the size reached is in the result's config: "vocab_size"). Each run
 puts R requests under one JSON schema and walks them through the same compact JSON reply token
 by token, timing `Grammars.bitmask` over the R rows at each step (the accepts are not timed),
-the masks built one at a time as the engine builds them. (Building them on llguidance's
-executor threads, MOESERVE_GRAMMAR_THREADS, was slower on 2 cores and on 16,
-benchmarks/results/gpu_ff7b345/, and was removed.)
+the masks built as the engine builds them (`Grammars.bitmask`: one call of llguidance's
+executor on one thread; before bdccbac one Python call a row). (More executor threads,
+MOESERVE_GRAMMAR_THREADS, were slower on 2 cores and on 16, benchmarks/results/gpu_ff7b345/,
+and were removed.)
 
     python -m benchmarks.structured.mask_cost --rows 1 64 256 1024 --out DIR
 """
