@@ -32,6 +32,10 @@
     MOESERVE_DSA_SLOT_ROWS   "1" turns DSA's selections into cache rows before the sparse
                              attention (dsa/sparse_triton.slot_rows), an experiment; off
                              otherwise
+    MOESERVE_GRAMMAR_MASKS_THREAD  "0" builds a deferred grammar step's masks on the
+                             engine's thread, at once (engine/structured_steps.py), for
+                             A/Bs; on their own thread beside the loop's other host work
+                             otherwise
     MOESERVE_COLLECTIVES_AT_ONE_RANK  tests only: "1" runs a world of one's collectives
                              (the identity, skipped otherwise), so one GPU captures NCCL in
                              CUDA graphs
@@ -54,6 +58,7 @@ MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
 MLA_SWAPPED_ONE_STAGE = "MOESERVE_MLA_SWAPPED_ONE_STAGE"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
+GRAMMAR_MASKS_THREAD = "MOESERVE_GRAMMAR_MASKS_THREAD"
 
 # Where an injected fault fires, for the request id it names:
 #   sample      the step's sampler raises while that request is in the batch (the runner then
@@ -85,6 +90,10 @@ def grouped_router_triton() -> bool:
 
 def mla_prefill_gluon() -> bool:
     return os.environ.get(MLA_PREFILL_GLUON) != "0"
+
+
+def grammar_masks_thread() -> bool:
+    return os.environ.get(GRAMMAR_MASKS_THREAD) != "0"
 
 
 def mla_decode_swapped() -> bool:

@@ -5,7 +5,11 @@
 # the one-stage decode (issue 16's 60% target; 51.7% in gpu_4705423 with two stages), and W1
 # qwen3-30b-a3b at 1,024 under a regex and under a JSON schema (gpu_ff7b345/call3: 16,850 and
 # 19,407 output tok/s against 23,858 plain, with 8.1 / 1.8 ms of each loop iteration in intake,
-# the grammars' re-validation per request, now skipped for a compiled grammar). Into DIR
+# the grammars' re-validation per request, now skipped for a compiled grammar; and since
+# bdccbac each grammar step's masks on a thread of their own, beside the loop's other host
+# work; the regex run again with MOESERVE_GRAMMAR_MASKS_THREAD=0, masks at once on the
+# engine's thread, its A/B), plain W1 at 1,024 in the same call as their baseline (~8 min in
+# all). Into DIR
 # (default $OUT/one_stage_structured).
 #   bash benchmarks/h200/one_stage_structured_h200.sh
 set -uo pipefail
@@ -22,6 +26,9 @@ regex='{"structured_outputs": {"regex": "[a-z]{128}"}}'
 schema='{"response_format": {"type": "json_schema", "json_schema": {"name": "w1", "schema":
  {"type": "object", "required": ["t"], "additionalProperties": false, "properties":
  {"t": {"type": "string", "pattern": "^[a-z]{120}$"}}}}}}'
+w1_run qwen3-30b-a3b 1024 plain_c1024 "$dir"
 W1_EXTRA_BODY=$regex w1_run qwen3-30b-a3b 1024 regex_c1024 "$dir"
+W1_EXTRA_BODY=$regex w1_run qwen3-30b-a3b 1024 regex_c1024_masks_inline "$dir" \
+  MOESERVE_GRAMMAR_MASKS_THREAD=0
 W1_EXTRA_BODY=$schema w1_run qwen3-30b-a3b 1024 schema_c1024 "$dir"
 gzip -f "$dir"/*.jsonl

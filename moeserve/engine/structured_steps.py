@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moeserve import envs
 from moeserve.config import EngineConfig
 from moeserve.model_config import ModelConfig
 from moeserve.sched import Scheduler
@@ -53,6 +54,7 @@ class StructuredSteps:
         self.num_overlap_waits = 0  # steps sampled after the step in flight settled
         # (needs_tokens; one rank: its forward enqueued before, so overlap is kept)
         self.pinned = torch.device(cfg.device).type == "cuda"  # masks in page-locked memory
+        self.on_thread = envs.grammar_masks_thread()  # else at once (MOESERVE_GRAMMAR_MASKS_THREAD)
         self._thread: ThreadPoolExecutor | None = None  # the masks thread, started at first use
         # the plan in flight whose sampling waits for its masks (begin -> finish)
         self._deferred: tuple[SchedulerOutput, Masks | None, Future | None] | None = None
@@ -104,6 +106,12 @@ class StructuredSteps:
             return
         array, out.grammar_bitmask = self._host_array(len(rows))
         masks = self.grammars.masks(out, rows, array)
+        if not self.on_thread:  # (the A/B: at once, on the engine's thread)
+            done: Future = Future()
+            masks.compute()
+            done.set_result(None)
+            self._deferred = (out, masks, done)
+            return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="moeserve-masks")
         self._deferred = (out, masks, self._thread.submit(masks.compute))

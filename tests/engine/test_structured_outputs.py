@@ -251,3 +251,21 @@ def test_a_request_aborted_while_its_masks_are_built_leaves_the_others_whole(
     aborted, other = (llm.result(i) for i in ids)
     assert aborted.finish_reason is FinishReason.ABORT and other.text == clean
     assert ids[0] not in llm.engine.structured.grammars
+
+
+def test_masks_at_once_on_the_engines_thread_give_the_same_outputs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOESERVE_GRAMMAR_MASKS_THREAD=0 (the A/B) builds every step's masks on the engine's
+    thread, with the same outputs as the masks thread's."""
+    from moeserve import envs
+
+    params = [_greedy(KINDS[k][0]) for k in range(len(PROMPTS))]
+    threaded = [r.text for r in _llm("cpu", async_scheduling=True).generate(PROMPTS, params)]
+    monkeypatch.setenv(envs.GRAMMAR_MASKS_THREAD, "0")
+    threads, compute = [], Masks.compute
+    monkeypatch.setattr(Masks, "compute", lambda masks: threads.append(
+        threading.current_thread().name) or compute(masks))
+    llm = _llm("cpu", async_scheduling=True)
+    assert [r.text for r in llm.generate(PROMPTS, params)] == threaded
+    assert llm.engine.structured.num_overlap_waits > 1
+    assert set(threads) == {threading.current_thread().name}
