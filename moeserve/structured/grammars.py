@@ -16,10 +16,12 @@ A compiled grammar is kept by its text (a few most recent), and a request gets a
 n choices of a request, and an agent's calls with the same tools, compile once. The vocabulary
 (vocabulary.py) is built at the first structured request (about a second for 150k tokens).
 A step's masks are built by one call of llguidance's executor on one thread of its own: the
-rows in Rust with the GIL released (so the engine may build them on a thread of its own while it
-does other work: engine/structured_steps.py), about half the time of one Python call a row at
-1,024 rows (benchmarks/structured/mask_cost.py). More executor threads did not pay (2 and 16
-cores; benchmarks/results/gpu_ff7b345/).
+rows in Rust with the GIL released, so the engine builds them on a thread of its own beside the
+loop's other host work (engine/structured_steps.py). NOTE: per row that call is no cheaper than
+one Python call a row, which holds the GIL between rows (a thread of those gets no overlap): on
+the dev CPU at 1,024 rows about the same at the byte vocabulary, 1.7x dearer at a 115k BPE one
+(21.9 against 12.9 ms median, benchmarks/results/structured_masks_thread/); so the overlap has
+to pay for it. More executor threads did not pay (2 and 16 cores; gpu_ff7b345/).
 """
 
 from __future__ import annotations

@@ -185,6 +185,12 @@ def test_a_conversation_becomes_the_chat_it_is() -> None:
     ({"thinking": {"type": "enabled", "budget_tokens": 4096}}, "less than max_tokens"),
     ({"temperature": 1.5}, "temperature"),
     ({"service_tier": "auto"}, "unsupported field 'service_tier'"),
+    ({"output_config": {"effort": "high"}}, "unsupported field 'output_config.effort'"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}, "tools": [TOOL]},
+     "send tool_choice none, any or tool"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}, "tools": [TOOL],
+      "tool_choice": {"type": "any"}}, "send one of the two"),
+    ({"output_config": {"format": {"type": "text"}}}, "output_config.format.type"),
 ])
 def test_what_a_request_cannot_have(body: dict[str, Any], match: str) -> None:
     from pydantic import ValidationError
@@ -195,6 +201,20 @@ def test_what_a_request_cannot_have(body: dict[str, Any], match: str) -> None:
     with pytest.raises(ValidationError) as info:
         MessagesRequest.model_validate_json(json.dumps({**base, **body}))
     assert match in from_validation_error(info.value).message
+
+
+def test_an_output_format_and_strict_tools_become_the_chat_routes() -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    base = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}
+    chat, _ = chat_request(MessagesRequest.model_validate({**base, "output_config": {
+        "format": {"type": "json_schema", "schema": schema}}}))
+    assert chat.response_format is not None and chat.response_format.type == "json_schema"
+    assert chat.response_format.json_schema.schema_ == schema  # type: ignore[union-attr]
+    chat, _ = chat_request(MessagesRequest.model_validate({
+        **base, "tools": [{**TOOL, "strict": True}], "tool_choice": {"type": "none"},
+        "output_config": {"format": {"type": "json_schema", "schema": schema}}}))
+    assert chat.tools is not None and chat.tools[0].function.strict is True
+    assert chat.tool_choice == "none" and chat.response_format is not None
 
 
 def test_a_prefill_with_other_blocks_than_text_is_refused() -> None:
@@ -276,6 +296,20 @@ def test_a_forced_tool_call_comes_back_as_a_tool_use_block(long_live: LiveServer
     assert reply.stop_reason == "tool_use" and len(uses) == 1, reply
     assert uses[0].name == "t" and set(uses[0].input) == {"n"}  # type: ignore[arg-type]
     assert isinstance(uses[0].input["n"], int)  # type: ignore[index]
+
+
+def test_an_output_format_holds_the_reply_to_its_schema(long_live: LiveServer) -> None:
+    schema = {"type": "object", "required": ["n", "ok"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}}
+    reply = _sdk(long_live).messages.create(
+        model="tiny-moe", max_tokens=80, messages=[{"role": "user", "content": "x"}],
+        thinking={"type": "disabled"},
+        output_config={"format": {"type": "json_schema", "schema": schema}})
+    [block] = reply.content
+    assert block.type == "text" and reply.stop_reason == "end_turn", reply
+    value = json.loads(block.text)
+    assert set(value) == {"n", "ok"} and isinstance(value["n"], int)
+    assert isinstance(value["ok"], bool)
 
 
 def test_errors_come_in_anthropics_shape(http: httpx.Client, live: LiveServer) -> None:

@@ -10,12 +10,14 @@ blocks. What each Anthropic piece becomes:
     a final assistant message         the prefill: its text is appended after the template's
                                       generation prompt, and the reply continues it
     tools [{name, description,        tools [{"type": "function", "function": {name,
-      input_schema}]                  description, parameters}}]
+      input_schema, strict}]          description, parameters, strict}}]
     tool_choice auto / any / tool /   "auto" / "required" / a named function / "none";
       none                            disable_parallel_tool_use -> parallel_tool_calls false
     thinking enabled / disabled       chat_template_kwargs {"enable_thinking": bool,
                                       "thinking": bool} (Qwen's and GLM's templates read the
                                       first, DeepSeek-V3.1's the second)
+    output_config.format              response_format {"type": "json_schema", "json_schema":
+      (json_schema)                   {"name": "output", "schema"}}
     stop_sequences, temperature,      stop, temperature, top_p, top_k, max_tokens, user
       top_p, top_k, max_tokens,
       metadata.user_id
@@ -66,9 +68,13 @@ def chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, str]:
     if req.tools:
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, "parameters": t.input_schema,
-            **({"description": t.description} if t.description is not None else {})}}
+            **({"description": t.description} if t.description is not None else {}),
+            **({"strict": t.strict} if t.strict is not None else {})}}
             for t in req.tools]
     _tool_choice(req, body)
+    if req.output_format is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": req.output_format.schema_}}
     if req.thinking is not None:
         enabled = isinstance(req.thinking, ThinkingEnabled)
         body["chat_template_kwargs"] = {"enable_thinking": enabled, "thinking": enabled}

@@ -181,6 +181,9 @@ class ToolDefinition(_Request):
     """A JSON schema of the tool's input object (shown to the model by the chat template)."""
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
+    strict: bool | None = None
+    """Accepted, as the chat route's function strict: a call forced by tool_choice any or tool
+    is held to the schema by a grammar; under auto the input is not constrained."""
 
     @model_validator(mode="before")
     @classmethod
@@ -230,6 +233,17 @@ class ThinkingDisabled(_Request):
 Thinking = Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")]
 
 
+class OutputFormat(_Request):
+    type: Literal["json_schema"]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+    """The JSON schema the reply's text is held to, token by token (the chat route's
+    response_format json_schema)."""
+
+
+class OutputConfig(_Request):
+    format: OutputFormat | None = None
+
+
 class Metadata(_Request):
     user_id: Annotated[str, Field(max_length=256)] | None = None
 
@@ -251,6 +265,9 @@ class CountTokensRequest(_Request):
     thinking: Thinking | None = None
     """Sets the chat template's enable_thinking (and thinking) variable; unset: the model's
     default."""
+    output_config: OutputConfig | None = None
+    """format: the reply's text held to a JSON schema (not with tools unless tool_choice is
+    none, any or tool). effort is not taken: thinking turns the reasoning on or off."""
 
     @model_validator(mode="after")
     def _consistent(self) -> CountTokensRequest:
@@ -264,7 +281,19 @@ class CountTokensRequest(_Request):
         if isinstance(choice, NamedChoice) and choice.name not in names:
             raise ValueError(f"tool_choice names the tool {choice.name!r}, which tools does "
                              "not offer")
+        if self.output_format is not None and names and isinstance(choice, AutoChoice | None):
+            raise ValueError("output_config.format with tools under tool_choice auto: a reply "
+                             "held to a format cannot also call tools in the model's own "
+                             "format; send tool_choice none, any or tool")
+        if self.output_format is not None and isinstance(choice, AnyChoice | NamedChoice):
+            raise ValueError("output_config.format with a forced tool call (tool_choice any or "
+                             "tool), which holds the reply to a grammar of calls: send one of "
+                             "the two")
         return self
+
+    @property
+    def output_format(self) -> OutputFormat | None:
+        return None if self.output_config is None else self.output_config.format
 
     @property
     def system_text(self) -> str | None:
