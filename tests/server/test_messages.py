@@ -187,7 +187,7 @@ def test_a_conversation_becomes_the_chat_it_is() -> None:
     ({"service_tier": "auto"}, "unsupported field 'service_tier'"),
     ({"output_config": {"effort": "high"}}, "unsupported field 'output_config.effort'"),
     ({"output_config": {"format": {"type": "json_schema", "schema": {}}}, "tools": [TOOL]},
-     "send tool_choice none, any or tool"),
+     "send tool_choice none, or no output_config.format"),
     ({"output_config": {"format": {"type": "json_schema", "schema": {}}}, "tools": [TOOL],
       "tool_choice": {"type": "any"}}, "send one of the two"),
     ({"output_config": {"format": {"type": "text"}}}, "output_config.format.type"),

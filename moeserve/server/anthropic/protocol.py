@@ -266,8 +266,8 @@ class CountTokensRequest(_Request):
     """Sets the chat template's enable_thinking (and thinking) variable; unset: the model's
     default."""
     output_config: OutputConfig | None = None
-    """format: the reply's text held to a JSON schema (not with tools unless tool_choice is
-    none, any or tool). effort is not taken: thinking turns the reasoning on or off."""
+    """format: the reply's text held to a JSON schema (beside tools only with tool_choice
+    none). effort is not taken: thinking turns the reasoning on or off."""
 
     @model_validator(mode="after")
     def _consistent(self) -> CountTokensRequest:
@@ -284,7 +284,7 @@ class CountTokensRequest(_Request):
         if self.output_format is not None and names and isinstance(choice, AutoChoice | None):
             raise ValueError("output_config.format with tools under tool_choice auto: a reply "
                              "held to a format cannot also call tools in the model's own "
-                             "format; send tool_choice none, any or tool")
+                             "format; send tool_choice none, or no output_config.format")
         if self.output_format is not None and isinstance(choice, AnyChoice | NamedChoice):
             raise ValueError("output_config.format with a forced tool call (tool_choice any or "
                              "tool), which holds the reply to a grammar of calls: send one of "
