@@ -7,6 +7,7 @@
     POST /v1/messages/count_tokens   the same prompt's token count
     POST /v1/responses          routes/responses.py: OpenAI's Responses API (Bearer key)
     GET, DELETE /v1/responses/{response_id}   a stored response
+    GET /v1/responses/{response_id}/input_items   its input items, a page
     GET  /v1/models             the served model          (Bearer key when --api-key)
     GET  /v1/engine             capacity report + live engine stats + server settings (key too)
     GET  /health                200 while this process and the engine process are alive (its
@@ -46,10 +47,16 @@ from moeserve.server.errors import APIError
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.openapi import install as install_openapi
 from moeserve.server.process.connections import BODY_TIMED_OUT
+from moeserve.server.responses.store import ResponseStore
 from moeserve.server.routes.chat import create_chat_completion
 from moeserve.server.routes.completions import create_completion
 from moeserve.server.routes.messages import count_tokens, create_message
-from moeserve.server.routes.responses import create_response, delete_response, get_response
+from moeserve.server.routes.responses import (
+    create_response,
+    delete_response,
+    get_response,
+    list_input_items,
+)
 from moeserve.server.routes.serving import ServerContext, new_request_id, now
 
 if TYPE_CHECKING:
@@ -77,7 +84,8 @@ async def shutdown_engine(app: FastAPI) -> None:
 
 def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
               settings: dict[str, Any] | None = None, tool_call_parser: str = "auto",
-              reasoning_parser: str = "auto") -> FastAPI:
+              reasoning_parser: str = "auto",
+              responses: ResponseStore | None = None) -> FastAPI:
     """The HTTP app over a started engine client.
 
     Args:
@@ -86,13 +94,16 @@ def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
         settings: the server's own settings, shown at /v1/engine (host, port, ...).
         tool_call_parser, reasoning_parser: the chat replies' formats (server/agent/choice.py:
             a name, "none" or "auto"); ValueError for an unknown name.
+        responses: the Responses API's store (server/responses/store.py); default: a new
+            one in memory.
     """
     names = {client.model_name, client.model}
     agent = choose_formats(tool_call_parser, reasoning_parser, client.tokenizer,
                            client.model_config.architecture)
     ctx = ServerContext(client=client, metrics=ServerMetrics(client),
                         model_names=frozenset(names), api_key=api_key or None,
-                        settings={**(settings or {}), **agent.describe()}, agent=agent)
+                        settings={**(settings or {}), **agent.describe()}, agent=agent,
+                        responses=ResponseStore() if responses is None else responses)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -155,6 +166,10 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.delete("/v1/responses/{response_id}")
     async def deleted_response(request: Request, response_id: str) -> Response:
         return await _guard(ctx, request, None, delete_response)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(request: Request, response_id: str) -> Response:
+        return await _guard(ctx, request, None, list_input_items)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

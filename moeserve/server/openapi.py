@@ -57,7 +57,12 @@ from moeserve.server.protocol import (
     ModelList,
     StatusResponse,
 )
-from moeserve.server.responses.protocol import DeletedResponse, ResponseObject, ResponsesRequest
+from moeserve.server.responses.protocol import (
+    DeletedResponse,
+    InputItemList,
+    ResponseObject,
+    ResponsesRequest,
+)
 from moeserve.server.responses.protocol import StreamEvent as ResponseEvent
 from moeserve.server.routes.serving import MAX_BODY_BYTES
 
@@ -70,7 +75,7 @@ MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionResponse, ChatCompletionStreamResponse, ModelList, EngineState,
     StatusResponse, ErrorResponse, MessagesRequest, CountTokensRequest, MessageResponse,
     CountTokensResponse, MessageErrorResponse, ResponsesRequest, ResponseObject,
-    DeletedResponse)
+    DeletedResponse, InputItemList)
 
 _ERRORS = {
     400: "A bad or unsupported field (`param` names it), a body that is not a JSON object, or a "
@@ -107,6 +112,7 @@ class _Operation:
     keyed: bool = False  # behind --api-key
     request_id: bool = False  # X-Request-Id on its responses
     anthropic: bool = False  # errors in the Messages API's shape
+    query: tuple[dict[str, Any], ...] = ()  # its query parameters (the route parses them)
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -185,6 +191,17 @@ _OPERATIONS: dict[tuple[str, str], _Operation] = {
     ("/v1/responses/{response_id}", "delete"): _Operation(
         "Delete a stored response", _json("Deleted.", DeletedResponse), (404, 503),
         keyed=True),
+    ("/v1/responses/{response_id}/input_items", "get"): _Operation(
+        "A stored response's input items", _json(
+            "A page of the items the response took as input (the history it continued and its "
+            "own input).", InputItemList), (400, 404, 503), keyed=True, query=(
+                {"name": "limit", "in": "query", "required": False,
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}},
+                {"name": "order", "in": "query", "required": False,
+                 "schema": {"enum": ["asc", "desc"], "default": "desc"}},
+                {"name": "after", "in": "query", "required": False,
+                 "description": "An item id: the page starts after it.",
+                 "schema": {"type": "string"}})),
     ("/v1/models", "get"): _Operation(
         "The served model", _json("The served model, with max_model_len.", ModelList),
         _GET_ERRORS, keyed=True),
@@ -233,7 +250,8 @@ def build_openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
     for path, methods in doc["paths"].items():
         for method, operation in methods.items():
             spec = _OPERATIONS[(path, method)]
-            params = {"parameters": operation["parameters"]} if "parameters" in operation else {}
+            declared = [*operation.get("parameters", ()), *spec.query]
+            params = {"parameters": declared} if declared else {}
             methods[method] = {"operationId": operation["operationId"], **params,
                                **_operation(path, spec, api_key)}
     components = doc.setdefault("components", {})

@@ -277,6 +277,16 @@ def test_several_api_processes_share_one_engine() -> None:
         # counters are summed over both API processes, whichever one answers the scrape
         assert 'moeserve_requests_total{finish_reason="length"} 24.0' in metrics
         assert "moeserve_generation_tokens_total 144.0" in metrics
+        # one store of responses for both: a new connection lands on either process
+        created = httpx.post(f"{s.url}/v1/responses", timeout=60, json={
+            "model": "tiny-moe", "input": "Hi", "max_output_tokens": 2}).json()
+        found = [httpx.get(f"{s.url}/v1/responses/{created['id']}", timeout=30).status_code
+                 for _ in range(16)]
+        assert found == [200] * 16
+        follow = httpx.post(f"{s.url}/v1/responses", timeout=60, json={
+            "model": "tiny-moe", "input": "More", "max_output_tokens": 2,
+            "previous_response_id": created["id"]})
+        assert follow.status_code == 200, follow.text
     finally:
         s.stop()
     assert s.proc.returncode == 0

@@ -29,6 +29,7 @@ STATUSES = {  # what each route can answer, without --api-key
     ("/v1/responses", "post"): POST,
     ("/v1/responses/{response_id}", "get"): {"200", "404", "503"},
     ("/v1/responses/{response_id}", "delete"): {"200", "404", "503"},
+    ("/v1/responses/{response_id}/input_items", "get"): {"200", "400", "404", "503"},
     ("/v1/models", "get"): {"200", "503"},  # 503: while the engine starts, and at accept
     ("/v1/engine", "get"): {"200", "503"},
     ("/health", "get"): {"200", "503"},

@@ -6,7 +6,9 @@ previous_response_id, retrieve / delete, forced calls, text.format, errors)."""
 from __future__ import annotations
 
 import json
+import os
 import types
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +23,13 @@ from moeserve.server.agent.choice import choose_formats
 from moeserve.server.errors import APIError, from_validation_error
 from moeserve.server.responses.convert import chat_messages, chat_request
 from moeserve.server.responses.events import ResponseRenderer
-from moeserve.server.responses.protocol import ResponseObject, ResponsesRequest, StreamEvent
+from moeserve.server.responses.protocol import (
+    FunctionCallOutputItem,
+    MessageItem,
+    ResponseObject,
+    ResponsesRequest,
+    StreamEvent,
+)
 from moeserve.server.responses.store import ResponseStore
 from moeserve.server.routes.chat import reply_parsers
 from moeserve.server.routes.serving import ChoiceResult
@@ -184,23 +192,67 @@ def test_a_bad_text_format_names_text_format() -> None:
     assert info.value.param == "text.format" and info.value.message.startswith("text.format")
 
 
+_OUT = [{"id": "m", "type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "hi", "annotations": []}]}]
+
+
 def test_the_store_keeps_the_most_recent_within_its_bounds() -> None:
-    store = ResponseStore(max_responses=2, max_chars=10_000)
-    out = [{"id": "m", "type": "message", "role": "assistant", "status": "completed",
-            "content": [{"type": "output_text", "text": "hi", "annotations": []}]}]
+    store = ResponseStore(max_responses=2)
     for name in ("a", "b", "c"):
-        store.add({"id": name, "output": out}, [], 10)
+        store.add({"id": name, "output": _OUT}, [])
     assert len(store) == 2 and store.get("a") is None
     stored = store.get("b")
     assert stored is not None and chat_messages(stored.items) == [
         {"role": "assistant", "content": "hi"}]
-    store.add({"id": "d", "output": out}, [], 10)  # "c" was used least recently
+    store.add({"id": "d", "output": _OUT}, [])  # "c" was used least recently
     assert store.get("c") is None and store.get("b") is not None
-    small = ResponseStore(max_responses=10, max_chars=50)
-    small.add({"id": "x", "output": out}, [], 40)
-    small.add({"id": "y", "output": out}, [], 40)
+    big = [MessageItem(role="user", content=os.urandom(6000).hex())]  # ~6 KB zlib'd
+    small = ResponseStore(max_responses=10, max_bytes=8_000)
+    small.add({"id": "x", "output": _OUT}, big)
+    small.add({"id": "y", "output": _OUT}, big)  # the newest is kept whatever its size
     assert small.get("x") is None and small.get("y") is not None
-    assert small.delete("y") and not small.delete("y")
+    assert small.delete("y") and not small.delete("y") and len(small) == 0
+
+
+def test_stored_items_get_ids_and_keep_their_input_apart() -> None:
+    store = ResponseStore()
+    given = [MessageItem(role="user", content="Hi", id="msg_mine"),
+             MessageItem(role="user", content="More"),
+             FunctionCallOutputItem(type="function_call_output", call_id="c1", output="4")]
+    store.add({"id": "r", "output": _OUT}, given)
+    stored = store.get("r")
+    assert stored is not None and stored.num_input == 3 and len(stored.items) == 4
+    ids = [item.id for item in stored.items]
+    assert ids[0] == "msg_mine" and ids[1].startswith("msg_") and ids[2].startswith("fco_")
+    assert ids[3] == "m" and len(set(ids)) == 4
+    assert chat_messages(stored.items[:3]) == chat_messages(given)
+
+
+def test_api_processes_share_one_store_file(tmp_path: Path) -> None:
+    """Two stores on one file, as --api-servers N's processes open it: what one keeps the
+    other finds, uses and deletes; a file of another schema, or none that opens, is refused by
+    its path."""
+    path = str(tmp_path / "responses.sqlite")
+    one, two = ResponseStore(path, max_responses=2), ResponseStore(path, max_responses=2)
+    one.add({"id": "a", "output": _OUT}, [MessageItem(role="user", content="Hi")])
+    stored = two.get("a")
+    assert stored is not None and stored.body["id"] == "a" and stored.num_input == 1
+    two.add({"id": "b", "output": _OUT}, [])
+    assert one.get("a") is not None  # used last: "b" goes first
+    one.add({"id": "c", "output": _OUT}, [])
+    assert two.get("b") is None and len(two) == 2
+    assert two.delete("a") and one.get("a") is None
+    one.close()
+    two.close()
+    assert ResponseStore(path).get("c") is not None  # it outlives its processes
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA user_version = 99")
+    with pytest.raises(ValueError, match=r"responses.sqlite' was written in format 99"):
+        ResponseStore(path)
+    with pytest.raises(ValueError, match="cannot be opened"):
+        ResponseStore(str(tmp_path))  # a directory
 
 
 # ---- the live server (tiny-moe, byte tokenizer) --------------------------------------------
@@ -252,6 +304,38 @@ def test_previous_response_id_retrieve_and_delete(long_http: httpx.Client,
         "id": first.id, "object": "response", "deleted": True}
     r = long_http.post(RESPONSES, json={"input": "x", "previous_response_id": first.id})
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_input_items_list_what_a_response_took_in(long_http: httpx.Client,
+                                                   long_live: LiveServer) -> None:
+    """The history it continued and its own input, newest first by default, in pages by id;
+    the openai SDK's pager reads them; bad queries are 400s naming the parameter."""
+    client = _sdk(long_live)
+    first = client.responses.create(model="tiny-moe", input="Hi", max_output_tokens=3)
+    follow = client.responses.create(model="tiny-moe", max_output_tokens=3,
+                                      previous_response_id=first.id, input=[
+                                          {"role": "user", "content": "More", "id": "msg_x"},
+                                          {"role": "user", "content": "Again"}])
+    listed = list(client.responses.input_items.list(follow.id, order="asc", limit=2))
+    assert [i.type for i in listed] == ["message", *(o.type for o in first.output),
+                                        "message", "message"]
+    texts = [i.content[0].text if not isinstance(i.content, str) else i.content  # type: ignore
+             for i in listed if getattr(i, "role", "") == "user"]
+    assert texts == ["Hi", "More", "Again"] and listed[-2].id == "msg_x"
+    assert [i.id for i in listed[1:-2]] == [o.id for o in first.output]
+    url = f"{RESPONSES}/{follow.id}/input_items"
+    page = long_http.get(url, params={"limit": 1}).json()
+    assert page["object"] == "list" and page["has_more"] and len(page["data"]) == 1
+    assert page["first_id"] == page["last_id"] == listed[-1].id  # desc: the newest first
+    rest = long_http.get(url, params={"after": page["last_id"], "limit": 100}).json()
+    assert [i["id"] for i in rest["data"]] == [i.id for i in reversed(listed[:-1])]
+    assert not rest["has_more"]
+    for params, status, param in (({"limit": 0}, 400, "limit"), ({"order": "up"}, 400, "order"),
+                                  ({"before": "x"}, 400, "before"), ({"after": "no"}, 404,
+                                                                      "after")):
+        r = long_http.get(url, params=params)
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    assert long_http.get(f"{RESPONSES}/resp-none/input_items").status_code == 404
 
 
 def test_a_forced_call_and_a_json_format(long_live: LiveServer) -> None:

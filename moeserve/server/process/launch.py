@@ -30,6 +30,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import os
 import resource
 import signal
 import socket
@@ -93,6 +94,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "... all read <think>...</think>). auto: on when the chat template "
                         "writes <think>, or, without a template, for reasoning families "
                         "(default: auto)")
+    parser.add_argument("--responses-store", default=None, metavar="PATH",
+                        help="an SQLite file that keeps the Responses API's stored responses "
+                        "(previous_response_id, GET /v1/responses/{id}) across restarts "
+                        "(default: none: in memory, or with --api-servers N a file all N share "
+                        "for the server's lifetime)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"],
                         help="log level of the server (debug logs every request)")
@@ -194,11 +200,19 @@ async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
     from moeserve.engine.async_client import AsyncEngineClient
     from moeserve.server.app import build_app, shutdown_engine
     from moeserve.server.process.connections import protocol_class
+    from moeserve.server.responses.store import ResponseStore
 
     try:  # bind first: a port in use fails now, not after minutes of engine start-up
         sock = bind_socket(args.host, args.port, reuse_port=join is not None)
     except OSError as e:
         logger.error("cannot listen on %s:%s: %s", args.host, args.port, e)
+        return 1
+    try:  # the same for the Responses API's store
+        responses = ResponseStore(args.responses_store or (
+            os.path.join(join.ipc_dir, "responses.sqlite") if join is not None else ":memory:"))
+    except ValueError as e:
+        sock.close()
+        logger.error("--responses-store: %s", e)
         return 1
     common = {"max_waiting_requests": args.max_waiting_requests,
               "served_model_name": args.served_model_name}
@@ -224,9 +238,10 @@ async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
                 "api_server_index": join.client_index if join else 0,
                 "engine_args": json.loads(json.dumps(engine_kwargs_from_args(args),
                                                      default=str))}
+    settings["responses_store"] = responses.path
     app = build_app(client, args.api_key, settings=settings,
                     tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, responses=responses)
     protocol = protocol_class(http, limits, app.state.ctx.metrics)
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http=protocol,
                             access_log=False, log_level=args.log_level, lifespan="on",

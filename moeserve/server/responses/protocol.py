@@ -350,6 +350,17 @@ class ResponseObject(_Response):
     metadata: dict[str, str]
 
 
+class InputItemList(_Response):
+    """GET /v1/responses/{id}/input_items: a page of the items the response took as input."""
+
+    object: Literal["list"]
+    data: list[InputItem]
+    """The history it continued and its own input, each with its id (given, or the store's)."""
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class DeletedResponse(_Response):
     id: str
     object: Literal["response"]

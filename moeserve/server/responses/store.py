@@ -1,64 +1,171 @@
-"""Stored responses, for `previous_response_id` and GET / DELETE /v1/responses/{id}: in this API
-process's memory, the most recently used kept, at most MAX_RESPONSES of them and MAX_CHARS
-characters of the text they add (a response shares its history's items with the response it
-continues; the newest is kept whatever its size). With `--api-servers N` each API process has
-its own store: a follow-up that lands on another process finds nothing (a 404 that says so).
+"""Stored responses, for `previous_response_id` and GET / DELETE /v1/responses/{id} (and its
+input_items): an SQLite database, so that every API process of a server sees the same store.
+
+    one API process          ":memory:", unless --responses-store names a file
+    --api-servers N          a file in the server's IPC directory, which all N open (removed
+                             with the directory at shutdown), unless --responses-store names one
+    --responses-store PATH   that file: the responses outlive the server (a restart finds them)
+
+A row is one response: its object as sent, and its conversation's items (the history it
+continued, its input, then its output: what a follow-up's prompt is made of), each zlib'd JSON.
+The most recently used are kept, at most MAX_RESPONSES rows and MAX_BYTES of stored bytes (the
+newest is kept whatever its size). Input items that came without an id get one when stored
+(`msg_...`, `fc_...`, `fco_...`, `rs_...`), so the input_items listing can page by id.
+
+Writes take SQLite's write lock (WAL journal, a busy timeout of BUSY_TIMEOUT_MS); a database
+written by another version of this schema is refused with its path named.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import sqlite3
+import time
+import uuid
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from pydantic import TypeAdapter
 
-from moeserve.server.responses.protocol import InputItem
+from moeserve.server.responses.protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputItem,
+    MessageItem,
+)
 
 MAX_RESPONSES = 1024
-MAX_CHARS = 64 << 20
+MAX_BYTES = 64 << 20
+BUSY_TIMEOUT_MS = 5000
+SCHEMA_VERSION = 1
 _ITEM = TypeAdapter(InputItem)
+_ITEMS = TypeAdapter(list[InputItem])
+_SCHEMA = ("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, body BLOB NOT NULL, "
+           "items BLOB NOT NULL, num_input INTEGER NOT NULL, size INTEGER NOT NULL, "
+           "used INTEGER NOT NULL)",
+           "CREATE INDEX IF NOT EXISTS responses_used ON responses (used)")
 
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     body: dict[str, Any]  # the response object, as sent
     items: list[Any]  # the conversation's items: its history, its input, then its output
-    num_chars: int  # the text this response added
+    num_input: int  # items[:num_input] were its input (the history's included)
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int = MAX_RESPONSES, max_chars: int = MAX_CHARS) -> None:
+    """The stored responses (module docstring); `path` an SQLite file or ":memory:"."""
+
+    def __init__(self, path: str = ":memory:", max_responses: int = MAX_RESPONSES,
+                 max_bytes: int = MAX_BYTES) -> None:
+        self.path = path
         self.max_responses = max_responses
-        self.max_chars = max_chars
-        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._chars = 0
+        self.max_bytes = max_bytes
+        try:
+            self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000,
+                                       isolation_level=None, check_same_thread=False)
+            if path != ":memory:":
+                self._rows("PRAGMA journal_mode=WAL")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                [(version,)] = self._rows("PRAGMA user_version")
+                [(tables,)] = self._rows("SELECT count(*) FROM sqlite_master")
+                if tables and version != SCHEMA_VERSION:
+                    raise ValueError(f"the responses store {path!r} was written in format "
+                                     f"{version}, this moeserve writes {SCHEMA_VERSION}: "
+                                     "remove it or name another file")
+                for statement in _SCHEMA:
+                    self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            finally:
+                if self._db.in_transaction:
+                    self._db.execute("COMMIT")
+        except sqlite3.Error as e:
+            raise ValueError(f"the responses store {path!r} cannot be opened: {e}") from None
 
     def __len__(self) -> int:
-        return len(self._responses)
+        [(count,)] = self._rows("SELECT count(*) FROM responses")
+        return int(count)
 
-    def add(self, body: dict[str, Any], conversation: list[Any], num_new_chars: int) -> None:
+    def add(self, body: dict[str, Any], conversation: list[Any]) -> None:
         """Keep a finished response: `conversation` is its history and input items; its output
-        items are added to them (as the input items they are when sent back)."""
-        output = [_ITEM.validate_python(item) for item in body["output"]]
-        chars = num_new_chars + sum(len(str(item)) for item in body["output"])
-        self.delete(body["id"])
-        self._responses[body["id"]] = StoredResponse(body, [*conversation, *output], chars)
-        self._chars += chars
-        while len(self._responses) > 1 and (len(self._responses) > self.max_responses
-                                            or self._chars > self.max_chars):
-            _, old = self._responses.popitem(last=False)
-            self._chars -= old.num_chars
+        items are added after them (as the input items they are when sent back)."""
+        inputs = [_with_id(item) for item in conversation]
+        items = [*inputs, *(_ITEM.validate_python(item) for item in body["output"])]
+        packed_body = zlib.compress(msgspec.json.encode(body), 1)
+        packed_items = zlib.compress(
+            _ITEMS.dump_json(items, exclude_none=True, by_alias=True), 1)
+        size = len(packed_body) + len(packed_items)
+        with self._write():
+            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                             (body["id"], packed_body, packed_items, len(inputs), size,
+                              time.time_ns()))
+            rows = self._rows("SELECT id, size FROM responses ORDER BY used DESC")
+            kept = total = 0
+            gone = []
+            for response_id, row_size in rows:
+                kept += 1
+                total += row_size
+                if kept > 1 and (kept > self.max_responses or total > self.max_bytes):
+                    gone.append((response_id,))
+            self._db.executemany("DELETE FROM responses WHERE id = ?", gone)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        stored = self._responses.get(response_id)
-        if stored is not None:
-            self._responses.move_to_end(response_id)
-        return stored
+        rows = self._rows("SELECT body, items, num_input FROM responses WHERE id = ?",
+                          (response_id,))
+        if not rows:
+            return None
+        [row] = rows
+        with self._write():
+            self._db.execute("UPDATE responses SET used = ? WHERE id = ?",
+                             (time.time_ns(), response_id))
+        return StoredResponse(msgspec.json.decode(zlib.decompress(row[0])),
+                              _ITEMS.validate_json(zlib.decompress(row[1])), int(row[2]))
 
     def delete(self, response_id: str) -> bool:
-        stored = self._responses.pop(response_id, None)
-        if stored is None:
-            return False
-        self._chars -= stored.num_chars
-        return True
+        with self._write():
+            deleted = self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+        return deleted.rowcount > 0
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """A statement's rows, all read: a statement left unfinished would keep its read
+        transaction open, and this connection would go on seeing that snapshot of the store
+        (not what the other API processes write since)."""
+        cursor = self._db.execute(sql, args)
+        try:
+            return cursor.fetchall()
+        finally:
+            cursor.close()
+
+    def _write(self) -> _Transaction:
+        return _Transaction(self._db)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE (the write lock, waited for up to the busy timeout) ... COMMIT, or
+    ROLLBACK when the block raised."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        self.db.execute("ROLLBACK" if kind is not None else "COMMIT")
+
+
+_ID_PREFIXES = ((MessageItem, "msg"), (FunctionCallItem, "fc"),
+                (FunctionCallOutputItem, "fco"))
+
+
+def _with_id(item: Any) -> Any:
+    """The item, with an id of its kind when it came without one."""
+    if getattr(item, "id", None) is not None:
+        return item
+    prefix = next((p for kind, p in _ID_PREFIXES if isinstance(item, kind)), "rs")
+    return item.model_copy(update={"id": f"{prefix}_{uuid.uuid4().hex}"})

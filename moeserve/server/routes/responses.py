@@ -1,12 +1,16 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API over the chat
-route.
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items:
+OpenAI's Responses API over the chat route.
 
     body --ResponsesRequest (server/responses/protocol.py)--> + the stored history of
          previous_response_id --chat_request (responses/convert.py)--> chat request
          --prepare_chat (routes/chat.py: the template, tools, reasoning, grammars)--> one
          engine request
     reply --ResponseRenderer (responses/events.py)--> the response object, or its events;
-          with store (the default) kept in ServerContext.responses (responses/store.py)
+          with store (the default) kept in ServerContext.responses (responses/store.py: one
+          store for all the server's API processes)
+    input_items: the items a stored response took as input (the history it continued and its
+          own input), a page of `limit` (1-100, 20) in `order` (desc, asc) after the item
+          `after`, as OpenAI's list object
 
 Errors answer in the OpenAI shape, as the other OpenAI routes.
 """
@@ -43,8 +47,8 @@ async def create_response(ctx: ServerContext, request: Request, request_id: str)
     conversation = [*history, *new_items]
 
     def on_done(body: dict[str, Any]) -> None:
-        if req.store:  # (the history's items are shared with the response it continues)
-            ctx.responses.add(body, conversation, sum(len(str(item)) for item in new_items))
+        if req.store:
+            ctx.responses.add(body, conversation)
 
     tokenizer = ctx.client.tokenizer
     renderer = ResponseRenderer(
@@ -59,10 +63,8 @@ def _history(ctx: ServerContext, previous_id: str | None) -> list[Any]:
         return []
     stored = ctx.responses.get(previous_id)
     if stored is None:
-        raise APIError(404, f"previous_response_id: no stored response {previous_id!r} (this "
-                       f"API process keeps the {MAX_RESPONSES} most recent responses sent with "
-                       "store true, in memory; with --api-servers N each process has its own)",
-                       "previous_response_id")
+        raise APIError(404, f"previous_response_id: no stored response {previous_id!r} "
+                       f"({_KEPT})", "previous_response_id")
     return stored.items
 
 
@@ -102,7 +104,48 @@ def _response_id(request: Request) -> str:
     return str(request.path_params["response_id"])
 
 
+async def list_input_items(ctx: ServerContext, request: Request, request_id: str) -> Response:
+    query = request.query_params
+    unknown = sorted(set(query) - {"limit", "order", "after"})
+    if unknown:
+        raise APIError(400, f"unsupported query parameter {unknown[0]!r} (limit, order and "
+                       "after are taken)", unknown[0])
+    limit = _limit(query.get("limit", "20"))
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
+    stored = ctx.responses.get(_response_id(request))
+    if stored is None:
+        raise _not_stored(request)
+    items = [item.model_dump(mode="json", exclude_none=True, by_alias=True)
+             for item in stored.items[:stored.num_input]]
+    if order == "desc":
+        items.reverse()
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise APIError(404, f"after: the response has no input item {after!r}", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return Response(msgspec.json.encode({
+        "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}),
+        media_type="application/json")
+
+
+def _limit(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_LIST_LIMIT:
+        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got "
+                       f"{text!r}", "limit")
+    return int(text)
+
+
+MAX_LIST_LIMIT = 100
+_KEPT = (f"responses sent with store true are kept, the {MAX_RESPONSES} most recently used "
+         "within the store's bytes, in one store for all the server's API processes")
+
+
 def _not_stored(request: Request) -> APIError:
-    return APIError(404, f"no stored response {_response_id(request)!r} (responses sent with "
-                    f"store true are kept in this API process's memory, the {MAX_RESPONSES} "
-                    "most recent)", "response_id")
+    return APIError(404, f"no stored response {_response_id(request)!r} ({_KEPT})",
+                    "response_id")
