@@ -428,3 +428,26 @@ def test_connection_deadlines_and_cap() -> None:
     log = s.proc.stdout.read()
     assert "connections: at most 4 open" in log
     assert "Traceback" not in log and "Exception in ASGI" not in log, log
+
+
+def test_a_responses_store_file_outlives_the_server(tmp_path: Path) -> None:
+    """--responses-store PATH: a response stored before a restart is found after it; a path
+    that does not open stops the start-up at once, named."""
+    path = str(tmp_path / "responses.sqlite")
+    s = Server("--responses-store", path)
+    try:
+        created = httpx.post(f"{s.url}/v1/responses", timeout=60, json={
+            "model": "tiny-moe", "input": "Hi", "max_output_tokens": 2}).json()
+    finally:
+        s.stop()
+    s = Server("--responses-store", path)
+    try:
+        again = httpx.get(f"{s.url}/v1/responses/{created['id']}", timeout=30)
+        assert again.status_code == 200 and again.json() == created
+    finally:
+        s.stop()
+    bad = subprocess.run([*SERVE, "--port", str(_free_port()), "--responses-store",
+                          str(tmp_path / "no" / "such" / "dir.sqlite")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "--responses-store" in bad.stdout + bad.stderr
+    assert "no/such/dir.sqlite" in bad.stdout + bad.stderr
