@@ -8,6 +8,7 @@
     POST /v1/responses          routes/responses.py: OpenAI's Responses API (Bearer key)
     GET, DELETE /v1/responses/{response_id}   a stored response
     GET /v1/responses/{response_id}/input_items   its input items, a page
+    POST /tokenize, /detokenize routes/tokenize.py: the served tokenizer (vLLM's routes)
     GET  /v1/models             the served model          (Bearer key when --api-key)
     GET  /v1/engine             capacity report + live engine stats + server settings (key too)
     GET  /health                200 while this process and the engine process are alive (its
@@ -58,6 +59,7 @@ from moeserve.server.routes.responses import (
     list_input_items,
 )
 from moeserve.server.routes.serving import ServerContext, new_request_id, now
+from moeserve.server.routes.tokenize import detokenize, tokenize
 
 if TYPE_CHECKING:
     from moeserve.engine.async_client import AsyncEngineClient
@@ -170,6 +172,14 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(request: Request, response_id: str) -> Response:
         return await _guard(ctx, request, None, list_input_items)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await _guard(ctx, request, None, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await _guard(ctx, request, None, detokenize)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -65,6 +65,12 @@ from moeserve.server.responses.protocol import (
 )
 from moeserve.server.responses.protocol import StreamEvent as ResponseEvent
 from moeserve.server.routes.serving import MAX_BODY_BYTES
+from moeserve.server.tokenize_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -75,7 +81,8 @@ MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionResponse, ChatCompletionStreamResponse, ModelList, EngineState,
     StatusResponse, ErrorResponse, MessagesRequest, CountTokensRequest, MessageResponse,
     CountTokensResponse, MessageErrorResponse, ResponsesRequest, ResponseObject,
-    DeletedResponse, InputItemList)
+    DeletedResponse, InputItemList, TokenizeRequest, TokenizeResponse, DetokenizeRequest,
+    DetokenizeResponse)
 
 _ERRORS = {
     400: "A bad or unsupported field (`param` names it), a body that is not a JSON object, or a "
@@ -202,6 +209,13 @@ _OPERATIONS: dict[tuple[str, str], _Operation] = {
                 {"name": "after", "in": "query", "required": False,
                  "description": "An item id: the page starts after it.",
                  "schema": {"type": "string"}})),
+    ("/tokenize", "post"): _Operation(
+        "A prompt's or a chat's token ids (vLLM's route; a chat rendered as chat renders it)",
+        _json("The ids.", TokenizeResponse), (400, 404, 408, 413, 503), TokenizeRequest,
+        keyed=True),
+    ("/detokenize", "post"): _Operation(
+        "Token ids' text (vLLM's route)", _json("The text.", DetokenizeResponse),
+        (400, 404, 408, 413, 503), DetokenizeRequest, keyed=True),
     ("/v1/models", "get"): _Operation(
         "The served model", _json("The served model, with max_model_len.", ModelList),
         _GET_ERRORS, keyed=True),

@@ -30,6 +30,8 @@ STATUSES = {  # what each route can answer, without --api-key
     ("/v1/responses/{response_id}", "get"): {"200", "404", "503"},
     ("/v1/responses/{response_id}", "delete"): {"200", "404", "503"},
     ("/v1/responses/{response_id}/input_items", "get"): {"200", "400", "404", "503"},
+    ("/tokenize", "post"): {"200", "400", "404", "408", "413", "503"},
+    ("/detokenize", "post"): {"200", "400", "404", "408", "413", "503"},
     ("/v1/models", "get"): {"200", "503"},  # 503: while the engine starts, and at accept
     ("/v1/engine", "get"): {"200", "503"},
     ("/health", "get"): {"200", "503"},
@@ -72,7 +74,7 @@ def test_api_key_adds_401_and_the_bearer_scheme() -> None:
         "bearerAuth": {"type": "http", "scheme": "bearer"},
         "apiKeyAuth": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     for (path, method), op in _operations(doc).items():
-        keyed = path.startswith("/v1/")
+        keyed = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
         expected = STATUSES[(path, method)] | ({"401"} if keyed else set())
         assert set(op["responses"]) == expected, path
         assert ("security" in op) == keyed, path

@@ -98,7 +98,12 @@ def check_agent_fields(ctx: ServerContext, req: ChatCompletionRequest) -> None:
         raise APIError(400, f"tools: this server parses no tool calls "
                        f"({ctx.agent.tools_reason}); start it with --tool-call-parser NAME, "
                        "or send tool_choice \"none\"", "tools")
-    reserved = sorted(set(req.chat_template_kwargs or ()) & RESERVED_TEMPLATE_VARIABLES)
+    check_template_kwargs(req.chat_template_kwargs)
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """chat_template_kwargs may not set what the server sets: a 400 naming it."""
+    reserved = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_VARIABLES)
     if reserved:
         raise APIError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the server and "
                        "cannot be given here", "chat_template_kwargs")
@@ -109,8 +114,10 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_pr
 
 
 async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest,
-                      continuation: str = "") -> tuple[str, list[int]]:
-    """The rendered prompt (and `continuation` after it) and its token ids."""
+                      continuation: str = "", generation_prompt: bool = True,
+                      special_tokens: bool = False) -> tuple[str, list[int]]:
+    """The rendered prompt (and `continuation` after it) and its token ids; /tokenize may
+    leave the generation prompt out, and have the tokenizer add its special tokens."""
     tokenizer = ctx.client.tokenizer
     messages = [m.for_template() for m in req.messages]
     if tokenizer.chat_template is None:  # the default template: calls written in the format
@@ -121,22 +128,22 @@ async def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest,
 
     def render() -> tuple[str, list[int]]:
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tools=tools, **kwargs)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation_prompt, tools=tools, **kwargs)
         except Exception as e:  # a template's raise_exception, or a template bug
-            text = _with_text_arguments(tokenizer, messages, tools, kwargs)
+            text = _with_text_arguments(tokenizer, messages, tools, kwargs, generation_prompt)
             if text is None:
                 raise APIError(400, f"the chat template refused these messages: {e}",
                                "messages") from None
         text += continuation
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return text, tokenizer.encode(text, add_special_tokens=special_tokens)
 
     return await tokenize_off_loop_if_large(sum(m.num_chars for m in req.messages), render)
 
 
 def _with_text_arguments(tokenizer: Any, messages: list[dict[str, Any]],
                          tools: list[dict[str, Any]] | None,
-                         kwargs: dict[str, Any]) -> str | None:
+                         kwargs: dict[str, Any], generation_prompt: bool) -> str | None:
     """The template rendered with each call's arguments as JSON text, for templates that join
     them to strings (DeepSeek-V3's and V3.1's do: a mapping fails there, as transformers' docs
     would pass it); None when there are no calls, or it fails that way too."""
@@ -147,8 +154,8 @@ def _with_text_arguments(tokenizer: Any, messages: list[dict[str, Any]],
             c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]}
         if m.get("tool_calls") else m for m in messages]
     try:
-        return tokenizer.apply_chat_template(as_text, add_generation_prompt=True, tools=tools,
-                                             **kwargs)
+        return tokenizer.apply_chat_template(as_text, add_generation_prompt=generation_prompt,
+                                             tools=tools, **kwargs)
     except Exception:
         return None
 
