@@ -8,19 +8,26 @@
 # the grammars' re-validation per request, now skipped for a compiled grammar; and since
 # bdccbac each grammar step's masks on a thread of their own, beside the loop's other host
 # work; the regex run again with MOESERVE_GRAMMAR_MASKS_THREAD=0, masks at once on the
-# engine's thread, its A/B), plain W1 at 1,024 in the same call as their baseline (~8 min in
-# all). Into DIR
+# engine's thread, its A/B; and mask_cost --per-row: the executor call's host cost against
+# the per-row calls at a ~115k vocabulary on this host), plain W1 at 1,024 in the same call as
+# their baseline (~8 min in all). Into DIR
 # (default $OUT/one_stage_structured).
 #   bash benchmarks/h200/one_stage_structured_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
 dir=${1:-$OUT/one_stage_structured}
 mkdir -p "$dir"
+# the masks' host cost on this host, the executor call against the per-row reference (CPU only:
+# beside the GPU tests, off the W1 runs)
+timeout 240 python3 -m benchmarks.structured.mask_cost --rows 256 1024 --per-row \
+  --out "$dir/mask_cost" > "$dir/mask_cost.log" 2>&1 &
+masks=$!
 timeout 120 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/attention/test_mla_decode_gluon_swapped.py \
   tests/kernels/moe/test_moe_quant_nvfp4_variants.py \
   tests/engine/test_structured_outputs.py > "$dir/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -2 "$dir/gpu_tests.log"
+wait $masks; echo "mask_cost rc=$?"
 W1_TIMEOUT=130 w1_run glm-4.7-flash 1024 w1_glm-4.7-flash_c1024 "$dir"
 regex='{"structured_outputs": {"regex": "[a-z]{128}"}}'
 schema='{"response_format": {"type": "json_schema", "json_schema": {"name": "w1", "schema":
