@@ -102,9 +102,14 @@ class PendingOutput:
         top_ids, top_lps = lps.top_ids.tolist(), lps.top_logprobs.tolist()
         for j, (row, p) in enumerate(zip(self.rows.tolist(), self.params)):
             if p.logprobs is not None:
-                n = p.logprobs
-                result[row] = Logprobs(token_lp[j], top_ids[j][:n], top_lps[j][:n])
+                # the top n, less those a grammar forbade (-inf: they sort last)
+                top = top_lps[j][:p.logprobs]
+                n = next((k for k, lp in enumerate(top) if lp == _NEG_INF), len(top))
+                result[row] = Logprobs(token_lp[j], top_ids[j][:n], top[:n])
         return result
+
+
+_NEG_INF = float("-inf")
 
 
 def _to_host_async(t: torch.Tensor) -> torch.Tensor:

@@ -269,3 +269,18 @@ def test_masks_at_once_on_the_engines_thread_give_the_same_outputs(
     assert [r.text for r in llm.generate(PROMPTS, params)] == threaded
     assert llm.engine.structured.num_overlap_waits > 1
     assert set(threads) == {threading.current_thread().name}
+
+
+def test_the_tokens_a_grammar_forbids_are_not_among_the_top_logprobs(device: str) -> None:
+    """logprobs 20 under a choice that allows one or two tokens a step: each step's top list
+    holds only the allowed tokens (finite logprobs, the sampled one among them), not the
+    forbidden ones at -inf (which the API would write as null)."""
+    llm = _llm(device)
+    [r] = llm.generate(PROMPTS[:1], SamplingParams(
+        max_tokens=8, temperature=1.0, seed=3, logprobs=20,
+        structured=StructuredOutput.choice(["ab", "ac", "xyz"])))
+    assert r.text in ("ab", "ac", "xyz") and r.logprobs is not None
+    for token, lp in zip(r.token_ids, r.logprobs):
+        assert 1 <= len(lp.top_logprobs) <= 2 and len(lp.top_token_ids) == len(lp.top_logprobs)
+        assert all(v > float("-inf") for v in [lp.token_logprob, *lp.top_logprobs])
+        assert token in lp.top_token_ids
