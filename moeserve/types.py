@@ -49,6 +49,11 @@ class SamplingParams:
     out either way). Text side only: the detokenizer reads it, the engine never sees it."""
     structured: StructuredOutput | None = None
     """Hold the output to a JSON schema, a regex, a choice or a grammar (structured/)."""
+    reasoning_budget: tuple[int, int, int] | None = None
+    """(end token id, N, start token id or -1): at most N tokens of reasoning before its end
+    token, the next then forced to be it (Anthropic's thinking budget_tokens). The reasoning
+    is the output from its first token (start -1: the prompt opened it) or from the start
+    token on (the model opens it; nothing is forced if it never does)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +81,14 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        budget = self.reasoning_budget
+        if budget is not None:
+            budget = tuple(budget)
+            if len(budget) != 3 or any(not isinstance(v, int) for v in budget) \
+                    or budget[0] < 0 or budget[1] < 1 or budget[2] < -1:
+                raise ValueError(f"reasoning_budget must be (end token id >= 0, tokens >= 1, "
+                                 f"start token id >= 0 or -1), got {self.reasoning_budget!r}")
+            object.__setattr__(self, "reasoning_budget", budget)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got "
                              f"{type(self.structured).__name__}")

@@ -30,6 +30,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: tuple[str, str, int | None] | None = None  # kind, spec, start_after
+    reasoning_budget: tuple[int, int, int] | None = None  # end id, tokens, start id or -1
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
@@ -37,7 +38,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
         s = p.structured
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed,
                    list(p.stop_token_ids), p.ignore_eos, p.logprobs,
-                   None if s is None else (s.kind, s.spec, s.start_after))
+                   None if s is None else (s.kind, s.spec, s.start_after), p.reasoning_budget)
 
     def to_params(self) -> SamplingParams:
         s = self.structured
@@ -45,7 +46,8 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
                               top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
                               ignore_eos=self.ignore_eos, logprobs=self.logprobs,
-                              structured=None if s is None else StructuredOutput(*s))
+                              structured=None if s is None else StructuredOutput(*s),
+                              reasoning_budget=self.reasoning_budget)
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):

@@ -36,6 +36,7 @@ from moeserve import envs
 from moeserve.config import EngineConfig
 from moeserve.model_config import ModelConfig
 from moeserve.sched import Scheduler
+from moeserve.structured.budgets import ReasoningBudgets
 from moeserve.structured.grammars import GRAMMAR_FAILED, Grammars, Masks
 from moeserve.tokenizer import load_model_tokenizer
 from moeserve.types import FinishReason, RequestOutput, SamplingParams, SchedulerOutput
@@ -48,6 +49,7 @@ class StructuredSteps:
         self.grammars = Grammars(
             lambda: load_model_tokenizer(cfg.model, cfg.tokenizer, model_config),
             model_config.vocab_size, model_config.eos_token_ids)
+        self.budgets = ReasoningBudgets()
         self.num_ended = 0  # requests stopped by their grammar's end
         self.num_refused_tokens = 0  # requests failed by a token their mask did not allow
         self.num_grammar_failures = 0  # requests failed by their grammar (a parser limit)
@@ -72,40 +74,40 @@ class StructuredSteps:
     def add(self, request_id: str, params: SamplingParams) -> None:
         if params.structured is not None:
             self.grammars.add(request_id, params.structured)
+        if params.reasoning_budget is not None:
+            self.budgets.add(request_id, *params.reasoning_budget)
 
     def drop(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
         self.grammars.drop(request_ids)
+        self.budgets.drop(request_ids)
 
     def needs_tokens(self, out: SchedulerOutput) -> bool:
-        """A row of the plan samples under a grammar (waiting for its start token or not): its
-        mask needs every earlier token of its request on the host."""
-        grammars = self.grammars
-        return len(grammars) > 0 and any(
-            sample and rid in grammars for rid, sample in zip(out.req_ids, out.sample))
+        """A row of the plan samples under a grammar (waiting for its start token or not), or
+        its reasoning budget may run out at it: its mask needs every earlier token of its
+        request on the host."""
+        grammars, budgets = self.grammars, self.budgets
+        return (len(grammars) > 0 or len(budgets) > 0) and any(
+            sample and (rid in grammars or budgets.near(rid))
+            for rid, sample in zip(out.req_ids, out.sample))
 
     def prepare(self, out: SchedulerOutput, scheduler: Scheduler) -> list[RequestOutput]:
         """Put the step's grammar rows and their bitmask into the plan; the requests whose
         grammar failed computing its mask fail now (their rows' tokens are dropped)."""
-        rows = self.grammars.rows(out)
-        out.grammar_rows = rows
-        if not rows:
-            out.grammar_bitmask = None
+        rows, array = self._rows(out)
+        if array is None:
             return []
-        array, out.grammar_bitmask = self._host_array(len(rows))
-        return self._failures(self.grammars.bitmask(out, rows, array)[1], scheduler)
+        return self._failures(self.grammars.bitmask(out, rows, array[:len(rows)])[1], scheduler)
 
     def begin(self, out: SchedulerOutput) -> None:
         """`prepare` for a launched step whose sampling was deferred: its rows now, its masks on
         the masks thread; `finish` puts them into the plan before it is sampled."""
         assert self._deferred is None, "begin with a step's masks still unfinished"
-        rows = self.grammars.rows(out)
-        out.grammar_rows = rows
-        if not rows:
-            out.grammar_bitmask = None
+        rows, array = self._rows(out)
+        if array is None:
             self._deferred = (out, None, None)
             return
-        array, out.grammar_bitmask = self._host_array(len(rows))
-        masks = self.grammars.masks(out, rows, array)
+        masks = self.grammars.masks(out, rows, array[:len(rows)])
         if not self.on_thread:  # (the A/B: at once, on the engine's thread)
             done: Future = Future()
             masks.compute()
@@ -126,6 +128,21 @@ class StructuredSteps:
         future.result()  # (raises what compute raised)
         return out, self._failures(masks.finish()[1], scheduler)
 
+    def _rows(self, out: SchedulerOutput) -> tuple[list[int], np.ndarray | None]:
+        """The plan's grammar rows, then its forced rows (a reasoning budget used up: their
+        masks filled here) into `out`, and the masks' array (None without rows); the grammar
+        rows' masks are its first rows."""
+        rows = self.grammars.rows(out)
+        forced = self.budgets.forced(out, rows)
+        out.grammar_rows = rows + forced
+        if not out.grammar_rows:
+            out.grammar_bitmask = None
+            return rows, None
+        array, out.grammar_bitmask = self._host_array(len(out.grammar_rows))
+        if forced:
+            self.budgets.fill(array[len(rows):], [out.req_ids[i] for i in forced])
+        return rows, array
+
     def _host_array(self, rows: int) -> tuple[np.ndarray, Any]:
         """An empty [rows, words] int32 array for the masks, and what the plan carries to the
         sampler: page-locked on CUDA (a torch tensor the array views: torch's host allocator
@@ -145,6 +162,7 @@ class StructuredSteps:
     def settle(self, outputs: list[RequestOutput], scheduler: Scheduler) -> list[RequestOutput]:
         """Accept a step's tokens; stop the requests whose grammar is complete and fail those
         that sampled a token it refuses (in `outputs`, which are returned)."""
+        self.budgets.accept(outputs)
         found = self.grammars.accept(outputs)
         if not found.ended and not found.refused:
             return outputs

@@ -9,7 +9,7 @@ the truth that the rest of the engine and the tests read; the scheduler writes b
     array               value for a running request r (slot s = r.slot)
     num_prompt[s]       len(r.prompt_token_ids)                          set at admission
     limit[s]            min(num_prompt + max_tokens, max_model_len)      set at admission
-    single_step[s]      logprobs asked, or a structured output        set at admission
+    single_step[s]      logprobs, structured output, reasoning budget  set at admission
     num_outputs[s]      len(r.output_token_ids)                          update()
     num_placeholders[s] r.num_output_placeholders                        schedule(), update()
     num_computed[s]     r.num_computed_tokens                            schedule()
@@ -72,9 +72,11 @@ def _zeros(n: int) -> np.ndarray:
 
 
 def single_step(params: SamplingParams) -> bool:
-    """A request whose decode steps run one token at a time: logprobs (kept per step) or a
-    structured output (each token's mask needs the one before it on the host)."""
-    return params.logprobs is not None or params.structured is not None
+    """A request whose decode steps run one token at a time: logprobs (kept per step), a
+    structured output (each token's mask needs the one before it on the host) or a reasoning
+    budget (its end token forced at the step the budget runs out)."""
+    return (params.logprobs is not None or params.structured is not None
+            or params.reasoning_budget is not None)
 
 
 def stop_ids(req: Request) -> set[int]:

@@ -284,3 +284,29 @@ def test_the_tokens_a_grammar_forbids_are_not_among_the_top_logprobs(device: str
         assert 1 <= len(lp.top_logprobs) <= 2 and len(lp.top_token_ids) == len(lp.top_logprobs)
         assert all(v > float("-inf") for v in [lp.token_logprob, *lp.top_logprobs])
         assert token in lp.top_token_ids
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_reasoning_budget_forces_its_end_token(device: str, overlap: bool) -> None:
+    """reasoning_budget (end, n, -1): at most n tokens before `end`, which is then forced; the
+    others of the batch untouched; a grammar that starts after the end token holds from
+    there."""
+    end = ord("\n")
+    llm = _llm(device, async_scheduling=overlap)
+    free = _greedy(None, max_tokens=24)
+    plain = llm.generate(PROMPTS, [free] * len(PROMPTS))
+    budgeted = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                              reasoning_budget=(end, 5, -1))
+    results = llm.generate(PROMPTS, [budgeted, free, budgeted, free])
+    for i in (1, 3):
+        assert results[i].token_ids == plain[i].token_ids  # untouched
+    for i in (0, 2):
+        ids = results[i].token_ids
+        assert end not in plain[i].token_ids[:6]  # (the model would not write it so soon)
+        assert ids.index(end) == 5 and ids[:5] == plain[i].token_ids[:5], ids  # forced 6th
+    after = StructuredOutput("regex", "[0-9]{3}", start_after=end)
+    [held] = llm.generate(PROMPTS[:1], SamplingParams(
+        max_tokens=40, temperature=0.0, reasoning_budget=(end, 3, -1), structured=after))
+    assert held.token_ids.index(end) <= 3 and held.finish_reason is FinishReason.STOP
+    tail = held.text.partition("\n")[2]
+    assert len(tail) == 3 and tail.isdigit()

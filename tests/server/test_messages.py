@@ -339,3 +339,32 @@ def test_the_key_may_come_as_x_api_key(live: LiveServer) -> None:
         assert keyed.get("/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
     sdk = anthropic.Anthropic(base_url=live.keyed_url, api_key=API_KEY, max_retries=0)
     assert sdk.messages.create(**body).usage.output_tokens == 1  # type: ignore[arg-type]
+
+
+def test_a_thinking_budget_becomes_the_engines_reasoning_budget() -> None:
+    """budget_tokens -> (end marker's id, budget, start marker's id, or -1 when the template
+    opened the reasoning); not enforced without one-token markers or with thinking off."""
+    from moeserve.server.agent.reasoning import ReasoningFormat
+    from moeserve.server.routes.messages import reasoning_budget
+
+    ids = {"<think>": [6], "</think>": [7]}
+
+    def ctx(reasoning: ReasoningFormat | None, one_token: bool = True) -> Any:
+        encode = (lambda text, add_special_tokens: ids.get(text, list(text.encode()))) \
+            if one_token else (lambda text, add_special_tokens: list(text.encode()))
+        return types.SimpleNamespace(agent=types.SimpleNamespace(reasoning=reasoning),
+                                     client=types.SimpleNamespace(
+                                         tokenizer=types.SimpleNamespace(encode=encode)))
+
+    def req(thinking: dict[str, Any]) -> MessagesRequest:
+        return MessagesRequest.model_validate({
+            "model": "m", "max_tokens": 4096, "thinking": thinking,
+            "messages": [{"role": "user", "content": "x"}]})
+
+    on, off = req({"type": "enabled", "budget_tokens": 2048}), req({"type": "disabled"})
+    qwen = ReasoningFormat("qwen3")
+    assert reasoning_budget(ctx(qwen), on, "<|assistant|>\n<think>\n") == (7, 2048, -1)
+    assert reasoning_budget(ctx(qwen), on, "<|assistant|>\n") == (7, 2048, 6)
+    assert reasoning_budget(ctx(qwen), off, "<|assistant|>\n") is None
+    assert reasoning_budget(ctx(None), on, "<|assistant|>\n") is None
+    assert reasoning_budget(ctx(qwen, one_token=False), on, "<think>") is None

@@ -222,8 +222,9 @@ ToolChoice = Annotated[AutoChoice | AnyChoice | NamedChoice | NoneChoice,
 class ThinkingEnabled(_Request):
     type: Literal["enabled"]
     budget_tokens: Annotated[int, Field(ge=MIN_THINKING_BUDGET, le=INT32_MAX)]
-    """Checked (at least 1,024 and below max_tokens) but not enforced: the reasoning shares
-    max_tokens with the reply and is not cut at this budget."""
+    """At least 1,024 and below max_tokens: the reasoning's end marker is forced once the
+    reasoning has this many tokens (where the model's reasoning markers are one token each;
+    else not enforced)."""
 
 
 class ThinkingDisabled(_Request):

@@ -7,10 +7,13 @@
 
 Errors answer in Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the
 same statuses as the OpenAI routes. count_tokens renders the prompt as /v1/messages would and
-counts its tokens (no engine request).
+counts its tokens (no engine request). thinking's budget_tokens is the engine's reasoning
+budget where the reasoning's markers are one token each (`reasoning_budget`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import msgspec
 from starlette.requests import Request
@@ -18,7 +21,11 @@ from starlette.responses import Response
 
 from moeserve.server.anthropic.convert import chat_request
 from moeserve.server.anthropic.events import MessageRenderer
-from moeserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from moeserve.server.anthropic.protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    ThinkingEnabled,
+)
 from moeserve.server.protocol import ChatCompletionRequest
 from moeserve.server.routes.chat import chat_prompt, check_agent_fields, prepare_chat
 from moeserve.server.routes.generation import Generation
@@ -30,7 +37,11 @@ async def create_message(ctx: ServerContext, request: Request, request_id: str) 
     req = await parse_body(ctx, request, MessagesRequest)
     chat, prefill = _chat(ctx, req)
     prepared = await prepare_chat(ctx, chat, "max_tokens", None, prefill)
-    gen = Generation(ctx.client, request_id, [prepared.prompt], prepared.params, "messages")
+    params = prepared.params
+    budget = reasoning_budget(ctx, req, prepared.prompt_text)
+    if budget is not None:
+        params = [dataclasses.replace(p, reasoning_budget=budget) for p in params]
+    gen = Generation(ctx.client, request_id, [prepared.prompt], params, "messages")
     renderer = MessageRenderer(ctx.served_model, request_id, prepared.prompt,
                                prepared.new_parser, tuple(req.stop_sequences or ()))
     return await serve(ctx, request, request_id, chat, gen, renderer, [prepared.prompt],
@@ -44,6 +55,24 @@ async def count_tokens(ctx: ServerContext, request: Request, request_id: str) ->
     _, prompt = await chat_prompt(ctx, chat, prefill)
     return Response(msgspec.json.encode({"input_tokens": len(prompt)}),
                     media_type="application/json")
+
+
+def reasoning_budget(ctx: ServerContext, req: MessagesRequest,
+                     prompt_text: str) -> tuple[int, int, int] | None:
+    """thinking enabled: its budget_tokens as the engine's reasoning budget (the reasoning's
+    end marker forced once the reasoning has that many tokens), counted from the reply's first
+    token when the template opened the reasoning, else from the model's own start marker.
+    None (not enforced) without a reasoning format, or when a marker is not one token."""
+    reasoning = ctx.agent.reasoning
+    if not isinstance(req.thinking, ThinkingEnabled) or reasoning is None:
+        return None
+    encode = ctx.client.tokenizer.encode
+    end = encode(reasoning.end, add_special_tokens=False)
+    start = [-1] if reasoning.starts_inside(prompt_text) else encode(
+        reasoning.start, add_special_tokens=False)
+    if len(end) != 1 or len(start) != 1:
+        return None
+    return end[0], req.thinking.budget_tokens, start[0]
 
 
 def _chat(ctx: ServerContext, req: CountTokensRequest) -> tuple[ChatCompletionRequest, str]:
