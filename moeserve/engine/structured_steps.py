@@ -21,6 +21,10 @@ on the engine's thread, and the batch loses its overlap on those steps.
 
 On CUDA the masks are written into page-locked host memory (torch's caching host allocator), so
 the sampler's copy to the device neither stages nor copies them first.
+
+Reasoning budgets (structured/budgets.py) share the masks: a row whose budget is used up is put
+after the grammar rows with a mask of its end token alone, and a row whose budget may run out
+at this step makes it wait for the step before, as a grammar row does.
 """
 
 from __future__ import annotations
