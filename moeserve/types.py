@@ -85,8 +85,8 @@ class SamplingParams:
         if budget is not None:
             budget = tuple(budget)
             if len(budget) != 3 or any(not isinstance(v, int) for v in budget) \
-                    or budget[0] < 0 or budget[1] < 1 or budget[2] < -1:
-                raise ValueError(f"reasoning_budget must be (end token id >= 0, tokens >= 1, "
+                    or budget[0] < 0 or budget[1] < 0 or budget[2] < -1:
+                raise ValueError(f"reasoning_budget must be (end token id >= 0, tokens >= 0, "
                                  f"start token id >= 0 or -1), got {self.reasoning_budget!r}")
             object.__setattr__(self, "reasoning_budget", budget)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):

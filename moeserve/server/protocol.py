@@ -214,6 +214,10 @@ class ChatCompletionRequest(SamplingFields):
     """false: at most one call per reply (the first the model writes)."""
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32)] | None = None
     """Extra variables for the chat template, such as {"enable_thinking": false}."""
+    thinking_token_budget: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    """vLLM's: at most this many tokens of reasoning, then the reasoning's end marker is forced
+    (-1 or unset: no budget); a 400 where the model's reasoning markers are not one token
+    each."""
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:

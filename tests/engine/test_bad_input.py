@@ -48,8 +48,9 @@ BAD_REQUESTS: dict[str, tuple[Callable[[], tuple[object, object]], str]] = {
     "stop id outside vocab": (lambda: ([1, 2], SamplingParams(stop_token_ids=[9999])),
                               "stop token id"),
     "prompt of wrong type": (lambda: (3.5, GREEDY), "prompt must be"),
-    "reasoning budget of 0": (lambda: ([1, 2], SamplingParams(reasoning_budget=(3, 0, -1))),
-                              "reasoning_budget must be"),
+    "negative reasoning budget": (
+        lambda: ([1, 2], SamplingParams(reasoning_budget=(3, -2, -1))),
+        "reasoning_budget must be"),
     "reasoning budget's end outside vocab": (
         lambda: ([1, 2], SamplingParams(reasoning_budget=(9999, 4, -1))),
         "reasoning budget's token id 9999"),

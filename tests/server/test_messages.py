@@ -342,10 +342,11 @@ def test_the_key_may_come_as_x_api_key(live: LiveServer) -> None:
 
 
 def test_a_thinking_budget_becomes_the_engines_reasoning_budget() -> None:
-    """budget_tokens -> (end marker's id, budget, start marker's id, or -1 when the template
-    opened the reasoning); not enforced without one-token markers or with thinking off."""
+    """budget_tokens (and chat's thinking_token_budget) -> (end marker's id, budget, start
+    marker's id, or -1 when the template opened the reasoning); or why not, without a
+    reasoning format or one-token markers (Messages then only checks it, chat answers 400)."""
     from moeserve.server.agent.reasoning import ReasoningFormat
-    from moeserve.server.routes.messages import reasoning_budget
+    from moeserve.server.routes.chat import reasoning_budget
 
     ids = {"<think>": [6], "</think>": [7]}
 
@@ -356,15 +357,9 @@ def test_a_thinking_budget_becomes_the_engines_reasoning_budget() -> None:
                                      client=types.SimpleNamespace(
                                          tokenizer=types.SimpleNamespace(encode=encode)))
 
-    def req(thinking: dict[str, Any]) -> MessagesRequest:
-        return MessagesRequest.model_validate({
-            "model": "m", "max_tokens": 4096, "thinking": thinking,
-            "messages": [{"role": "user", "content": "x"}]})
-
-    on, off = req({"type": "enabled", "budget_tokens": 2048}), req({"type": "disabled"})
     qwen = ReasoningFormat("qwen3")
-    assert reasoning_budget(ctx(qwen), on, "<|assistant|>\n<think>\n") == (7, 2048, -1)
-    assert reasoning_budget(ctx(qwen), on, "<|assistant|>\n") == (7, 2048, 6)
-    assert reasoning_budget(ctx(qwen), off, "<|assistant|>\n") is None
-    assert reasoning_budget(ctx(None), on, "<|assistant|>\n") is None
-    assert reasoning_budget(ctx(qwen, one_token=False), on, "<think>") is None
+    assert reasoning_budget(ctx(qwen), 2048, "<|assistant|>\n<think>\n") == (7, 2048, -1)
+    assert reasoning_budget(ctx(qwen), 2048, "<|assistant|>\n") == (7, 2048, 6)
+    assert "reads no reasoning" in reasoning_budget(ctx(None), 2048, "")  # type: ignore
+    assert "not one token" in reasoning_budget(  # type: ignore[operator]
+        ctx(qwen, one_token=False), 2048, "<think>")

@@ -118,6 +118,9 @@ CHAT_CASES: list[tuple[dict[str, Any], str, str]] = [
      "max_model_len"),
     ({"presence_penalty": 1.0}, "presence_penalty", "not supported"),
     ({"n": 9}, "n", "less than or equal to 8"),
+    ({"thinking_token_budget": -2}, "thinking_token_budget", "greater than or equal to -1"),
+    # tiny-moe's byte tokenizer: no one-token reasoning marker to force
+    ({"thinking_token_budget": 8}, "thinking_token_budget", "cannot be ended by one"),
 ]
 
 
@@ -151,7 +154,8 @@ def test_passive_fields_at_their_neutral_value_are_accepted(http: httpx.Client) 
                "temperature": 0, "max_tokens": 2, "n": 1, "stream": False}
     assert post(http, COMPLETIONS, {"prompt": "Hi", "best_of": 1, "echo": False, **neutral})
     out = post(http, CHAT, {"messages": MESSAGES, "tools": [], "tool_choice": "none",
-                            "response_format": {"type": "text"}, **neutral})
+                            "response_format": {"type": "text"}, "thinking_token_budget": -1,
+                            **neutral})
     assert out["usage"]["completion_tokens"] >= 1
 
 

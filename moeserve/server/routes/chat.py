@@ -88,8 +88,33 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, max_token
     parsed = req.parses_tool_calls or agent.reasoning is not None
     if parsed and agent.keep_special_tokens:  # the markers are special tokens: keep them
         params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
+    if req.thinking_token_budget is not None and req.thinking_token_budget >= 0:
+        budget = reasoning_budget(ctx, req.thinking_token_budget, prompt_text)
+        if isinstance(budget, str):
+            raise APIError(400, f"thinking_token_budget: {budget}", "thinking_token_budget")
+        params = [dataclasses.replace(p, reasoning_budget=budget) for p in params]
     return PreparedChat(prompt_text, prompt, params, reply_parsers(ctx, req, prompt_text),
                         isinstance(req.tool_choice, NamedToolChoice))
+
+
+def reasoning_budget(ctx: ServerContext, n: int, prompt_text: str
+                     ) -> tuple[int, int, int] | str:
+    """The engine's reasoning budget of n tokens (SamplingParams.reasoning_budget: the end
+    marker forced once the reasoning has n tokens, counted from the reply's first token when
+    the template opened the reasoning, else from the model's own start marker), or why it
+    cannot be enforced: no reasoning format, or a marker that is not one token."""
+    reasoning = ctx.agent.reasoning
+    if reasoning is None:
+        return ("this server reads no reasoning from the replies (--reasoning-parser), so it "
+                "knows no marker to end it with")
+    encode = ctx.client.tokenizer.encode
+    end = encode(reasoning.end, add_special_tokens=False)
+    start = [-1] if reasoning.starts_inside(prompt_text) else encode(
+        reasoning.start, add_special_tokens=False)
+    if len(end) != 1 or len(start) != 1:
+        return (f"the reasoning's markers {reasoning.start!r} / {reasoning.end!r} are not one "
+                "token each in this model's tokenizer, so the reasoning cannot be ended by one")
+    return end[0], n, start[0]
 
 
 def check_agent_fields(ctx: ServerContext, req: ChatCompletionRequest) -> None:

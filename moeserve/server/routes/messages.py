@@ -27,7 +27,12 @@ from moeserve.server.anthropic.protocol import (
     ThinkingEnabled,
 )
 from moeserve.server.protocol import ChatCompletionRequest
-from moeserve.server.routes.chat import chat_prompt, check_agent_fields, prepare_chat
+from moeserve.server.routes.chat import (
+    chat_prompt,
+    check_agent_fields,
+    prepare_chat,
+    reasoning_budget,
+)
 from moeserve.server.routes.generation import Generation
 from moeserve.server.routes.request_limits import check_messages
 from moeserve.server.routes.serving import ServerContext, check_model, parse_body, serve
@@ -38,9 +43,10 @@ async def create_message(ctx: ServerContext, request: Request, request_id: str) 
     chat, prefill = _chat(ctx, req)
     prepared = await prepare_chat(ctx, chat, "max_tokens", None, prefill)
     params = prepared.params
-    budget = reasoning_budget(ctx, req, prepared.prompt_text)
-    if budget is not None:
-        params = [dataclasses.replace(p, reasoning_budget=budget) for p in params]
+    if isinstance(req.thinking, ThinkingEnabled):  # enforced where it can be, else checked
+        budget = reasoning_budget(ctx, req.thinking.budget_tokens, prepared.prompt_text)
+        if not isinstance(budget, str):
+            params = [dataclasses.replace(p, reasoning_budget=budget) for p in params]
     gen = Generation(ctx.client, request_id, [prepared.prompt], params, "messages")
     renderer = MessageRenderer(ctx.served_model, request_id, prepared.prompt,
                                prepared.new_parser, tuple(req.stop_sequences or ()))
@@ -55,24 +61,6 @@ async def count_tokens(ctx: ServerContext, request: Request, request_id: str) ->
     _, prompt = await chat_prompt(ctx, chat, prefill)
     return Response(msgspec.json.encode({"input_tokens": len(prompt)}),
                     media_type="application/json")
-
-
-def reasoning_budget(ctx: ServerContext, req: MessagesRequest,
-                     prompt_text: str) -> tuple[int, int, int] | None:
-    """thinking enabled: its budget_tokens as the engine's reasoning budget (the reasoning's
-    end marker forced once the reasoning has that many tokens), counted from the reply's first
-    token when the template opened the reasoning, else from the model's own start marker.
-    None (not enforced) without a reasoning format, or when a marker is not one token."""
-    reasoning = ctx.agent.reasoning
-    if not isinstance(req.thinking, ThinkingEnabled) or reasoning is None:
-        return None
-    encode = ctx.client.tokenizer.encode
-    end = encode(reasoning.end, add_special_tokens=False)
-    start = [-1] if reasoning.starts_inside(prompt_text) else encode(
-        reasoning.start, add_special_tokens=False)
-    if len(end) != 1 or len(start) != 1:
-        return None
-    return end[0], req.thinking.budget_tokens, start[0]
 
 
 def _chat(ctx: ServerContext, req: CountTokensRequest) -> tuple[ChatCompletionRequest, str]:
