@@ -47,6 +47,16 @@ def test_a_budget_counts_forces_and_ends() -> None:
     assert len(b) == 0
 
 
+def test_a_budget_of_zero_forces_the_end_at_once() -> None:
+    b = ReasoningBudgets()
+    b.add("now", 9, 0)  # the template opened the reasoning: its first token is the end
+    b.add("later", 9, 0, start=7)  # forced right after the model opens it
+    plan = _plan(["now", "later"])
+    assert b.forced(plan) == [0] and b.near("now") and not b.near("later")
+    b.accept([_out("later", [7])])
+    assert b.forced(plan) == [0, 1]
+
+
 def test_the_end_token_may_be_any_bit_of_its_word() -> None:
     b = ReasoningBudgets()
     b.add("r", 63, 1)
