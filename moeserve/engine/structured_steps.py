@@ -62,7 +62,8 @@ class StructuredSteps:
         self.pinned = torch.device(cfg.device).type == "cuda"  # masks in page-locked memory
         self.on_thread = envs.grammar_masks_thread()  # else at once (MOESERVE_GRAMMAR_MASKS_THREAD)
         self._thread: ThreadPoolExecutor | None = None  # the masks thread, started at first use
-        # the plan in flight whose sampling waits for its masks (begin -> finish)
+        # the plan in flight whose sampling waits for its masks (begin -> finish); the future
+        # of the masks thread's work, None when built at once
         self._deferred: tuple[SchedulerOutput, Masks | None, Future | None] | None = None
 
     @property
@@ -99,28 +100,25 @@ class StructuredSteps:
         """Put the step's grammar rows and their bitmask into the plan; the requests whose
         grammar failed computing its mask fail now (their rows' tokens are dropped)."""
         rows, array = self._rows(out)
-        if array is None:
+        if not rows:  # (forced rows alone: their masks are filled)
             return []
         return self._failures(self.grammars.bitmask(out, rows, array[:len(rows)])[1], scheduler)
 
     def begin(self, out: SchedulerOutput) -> None:
         """`prepare` for a launched step whose sampling was deferred: its rows now, its masks on
-        the masks thread; `finish` puts them into the plan before it is sampled."""
+        the masks thread (MOESERVE_GRAMMAR_MASKS_THREAD=0: at once, here); `finish` puts them
+        into the plan before it is sampled."""
         assert self._deferred is None, "begin with a step's masks still unfinished"
         rows, array = self._rows(out)
-        if array is None:
-            self._deferred = (out, None, None)
-            return
-        masks = self.grammars.masks(out, rows, array[:len(rows)])
-        if not self.on_thread:  # (the A/B: at once, on the engine's thread)
-            done: Future = Future()
+        masks = self.grammars.masks(out, rows, array[:len(rows)]) if rows else None
+        future = None
+        if masks is not None and self.on_thread:
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="moeserve-masks")
+            future = self._thread.submit(masks.compute)
+        elif masks is not None:
             masks.compute()
-            done.set_result(None)
-            self._deferred = (out, masks, done)
-            return
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="moeserve-masks")
-        self._deferred = (out, masks, self._thread.submit(masks.compute))
+        self._deferred = (out, masks, future)
 
     def finish(self, scheduler: Scheduler) -> tuple[SchedulerOutput, list[RequestOutput]]:
         """The deferred step's plan, its masks in it, and the outputs of the requests whose
@@ -129,7 +127,8 @@ class StructuredSteps:
         (out, masks, future), self._deferred = self._deferred, None
         if masks is None:
             return out, []
-        future.result()  # (raises what compute raised)
+        if future is not None:
+            future.result()  # (raises what compute raised)
         return out, self._failures(masks.finish()[1], scheduler)
 
     def _rows(self, out: SchedulerOutput) -> tuple[list[int], np.ndarray | None]:

@@ -18,10 +18,12 @@ written by another version of this schema is refused with its path named.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
 import uuid
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,22 +143,17 @@ class ResponseStore:
         finally:
             cursor.close()
 
-    def _write(self) -> _Transaction:
-        return _Transaction(self._db)
-
-
-class _Transaction:
-    """BEGIN IMMEDIATE (the write lock, waited for up to the busy timeout) ... COMMIT, or
-    ROLLBACK when the block raised."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, kind: object, error: object, trace: object) -> None:
-        self.db.execute("ROLLBACK" if kind is not None else "COMMIT")
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[None]:
+        """BEGIN IMMEDIATE (the write lock, waited for up to the busy timeout) ... COMMIT, or
+        ROLLBACK when the block raised."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
 
 _ID_PREFIXES = ((MessageItem, "msg"), (FunctionCallItem, "fc"),
