@@ -15,7 +15,8 @@ blocks. What each Anthropic piece becomes:
       none                            disable_parallel_tool_use -> parallel_tool_calls false
     thinking enabled / disabled       chat_template_kwargs {"enable_thinking": bool,
                                       "thinking": bool} (Qwen's and GLM's templates read the
-                                      first, DeepSeek-V3.1's the second)
+                                      first, DeepSeek-V3.1's the second); budget_tokens ->
+                                      thinking_token_budget (enforced where it can be)
     output_config.format              response_format {"type": "json_schema", "json_schema":
       (json_schema)                   {"name": "output", "schema"}}
     stop_sequences, temperature,      stop, temperature, top_p, top_k, max_tokens, user
@@ -78,6 +79,8 @@ def chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, str]:
     if req.thinking is not None:
         enabled = isinstance(req.thinking, ThinkingEnabled)
         body["chat_template_kwargs"] = {"enable_thinking": enabled, "thinking": enabled}
+        if isinstance(req.thinking, ThinkingEnabled):
+            body["thinking_token_budget"] = req.thinking.budget_tokens
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences or None,

@@ -74,11 +74,14 @@ class PreparedChat:
 
 
 async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, max_tokens_field: str,
-                       num_logprobs: int | None, continuation: str = "") -> PreparedChat:
+                       num_logprobs: int | None, continuation: str = "",
+                       budget_optional: bool = False) -> PreparedChat:
     """The agent fields checked, the prompt rendered and checked against max_model_len, each
-    choice's sampling params (with the reply's grammar) and reply parser. `continuation`: text
-    the reply continues, appended after the template's generation prompt (the Messages API's
-    prefill). APIError 400 naming what is wrong."""
+    choice's sampling params (with the reply's grammar and thinking_token_budget's reasoning
+    budget) and reply parser. `continuation`: text the reply continues, appended after the
+    template's generation prompt (the Messages API's prefill). `budget_optional`: a budget
+    that cannot be enforced is left out, not a 400 (the Messages API's thinking budget).
+    APIError 400 naming what is wrong."""
     check_agent_fields(ctx, req)
     prompt_text, prompt = await chat_prompt(ctx, req, continuation)
     check_lengths(ctx, [prompt], req.max_new_tokens, max_tokens_field, "messages")
@@ -90,9 +93,10 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, max_token
         params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
     if req.thinking_token_budget is not None and req.thinking_token_budget >= 0:
         budget = reasoning_budget(ctx, req.thinking_token_budget, prompt_text)
-        if isinstance(budget, str):
+        if isinstance(budget, str) and not budget_optional:
             raise APIError(400, f"thinking_token_budget: {budget}", "thinking_token_budget")
-        params = [dataclasses.replace(p, reasoning_budget=budget) for p in params]
+        if not isinstance(budget, str):
+            params = [dataclasses.replace(p, reasoning_budget=budget) for p in params]
     return PreparedChat(prompt_text, prompt, params, reply_parsers(ctx, req, prompt_text),
                         isinstance(req.tool_choice, NamedToolChoice))
 

@@ -8,12 +8,11 @@
 Errors answer in Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the
 same statuses as the OpenAI routes. count_tokens renders the prompt as /v1/messages would and
 counts its tokens (no engine request). thinking's budget_tokens is the engine's reasoning
-budget where the reasoning's markers are one token each (`reasoning_budget`).
+budget where the reasoning's markers are one token each (chat's thinking_token_budget,
+prepare_chat's budget_optional).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import msgspec
 from starlette.requests import Request
@@ -21,18 +20,9 @@ from starlette.responses import Response
 
 from moeserve.server.anthropic.convert import chat_request
 from moeserve.server.anthropic.events import MessageRenderer
-from moeserve.server.anthropic.protocol import (
-    CountTokensRequest,
-    MessagesRequest,
-    ThinkingEnabled,
-)
+from moeserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from moeserve.server.protocol import ChatCompletionRequest
-from moeserve.server.routes.chat import (
-    chat_prompt,
-    check_agent_fields,
-    prepare_chat,
-    reasoning_budget,
-)
+from moeserve.server.routes.chat import chat_prompt, check_agent_fields, prepare_chat
 from moeserve.server.routes.generation import Generation
 from moeserve.server.routes.request_limits import check_messages
 from moeserve.server.routes.serving import ServerContext, check_model, parse_body, serve
@@ -41,13 +31,9 @@ from moeserve.server.routes.serving import ServerContext, check_model, parse_bod
 async def create_message(ctx: ServerContext, request: Request, request_id: str) -> Response:
     req = await parse_body(ctx, request, MessagesRequest)
     chat, prefill = _chat(ctx, req)
-    prepared = await prepare_chat(ctx, chat, "max_tokens", None, prefill)
-    params = prepared.params
-    if isinstance(req.thinking, ThinkingEnabled):  # enforced where it can be, else checked
-        budget = reasoning_budget(ctx, req.thinking.budget_tokens, prepared.prompt_text)
-        if not isinstance(budget, str):
-            params = [dataclasses.replace(p, reasoning_budget=budget) for p in params]
-    gen = Generation(ctx.client, request_id, [prepared.prompt], params, "messages")
+    # the thinking budget (the chat request's thinking_token_budget): enforced where it can be
+    prepared = await prepare_chat(ctx, chat, "max_tokens", None, prefill, budget_optional=True)
+    gen = Generation(ctx.client, request_id, [prepared.prompt], prepared.params, "messages")
     renderer = MessageRenderer(ctx.served_model, request_id, prepared.prompt,
                                prepared.new_parser, tuple(req.stop_sequences or ()))
     return await serve(ctx, request, request_id, chat, gen, renderer, [prepared.prompt],
