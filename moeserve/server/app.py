@@ -7,6 +7,7 @@
     POST /v1/messages/count_tokens   the same prompt's token count
     POST /v1/responses          routes/responses.py: OpenAI's Responses API (Bearer key)
     GET, DELETE /v1/responses/{response_id}   a stored response
+    POST /v1/responses/{response_id}/cancel   end a background response
     GET /v1/responses/{response_id}/input_items   its input items, a page
     POST /tokenize, /detokenize routes/tokenize.py: the served tokenizer (vLLM's routes)
     GET  /v1/models             the served model          (Bearer key when --api-key)
@@ -53,6 +54,7 @@ from moeserve.server.routes.chat import create_chat_completion
 from moeserve.server.routes.completions import create_completion
 from moeserve.server.routes.messages import count_tokens, create_message
 from moeserve.server.routes.responses import (
+    cancel_response,
     create_response,
     delete_response,
     get_response,
@@ -81,6 +83,7 @@ async def shutdown_engine(app: FastAPI) -> None:
     ctx: ServerContext = app.state.ctx
     if not ctx.shut_down:
         ctx.shut_down = True
+        await ctx.background.shutdown()
         await ctx.client.shutdown()
 
 
@@ -168,6 +171,10 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.delete("/v1/responses/{response_id}")
     async def deleted_response(request: Request, response_id: str) -> Response:
         return await _guard(ctx, request, None, delete_response)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancelled_response(request: Request, response_id: str) -> Response:
+        return await _guard(ctx, request, None, cancel_response)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(request: Request, response_id: str) -> Response:

@@ -186,15 +186,20 @@ _OPERATIONS: dict[tuple[str, str], _Operation] = {
         (400, 404, 408, 413, 503), CountTokensRequest, keyed=True, anthropic=True),
     ("/v1/responses", "post"): _Operation(
         "OpenAI's Responses API (the tokenizer's chat template)", _named_events(
-            "The response: one JSON object, or with `stream: true` server-sent events: "
+            "The response: one JSON object (with `background: true` at once, \"queued\"), or "
+            "with `stream: true` server-sent events: "
             "response.created, response.in_progress, per output item its added / delta / done "
             "events, then response.completed (response.incomplete when max_output_tokens cut "
             "it); an engine failure mid-stream sends an `error` event and ends the stream.",
             ResponseObject, "ResponseStreamEvent"),
         _POST_ERRORS, ResponsesRequest, keyed=True, request_id=True),
     ("/v1/responses/{response_id}", "get"): _Operation(
-        "A stored response", _json("The response, as it was sent.", ResponseObject),
-        (404, 503), keyed=True),
+        "A stored response", _json(
+            "The response, as it was sent (a background one as it is now).", ResponseObject),
+        (400, 404, 503), keyed=True),
+    ("/v1/responses/{response_id}/cancel", "post"): _Operation(
+        "End a queued or in-progress background response", _json(
+            "The response, cancelled.", ResponseObject), (400, 404, 503), keyed=True),
     ("/v1/responses/{response_id}", "delete"): _Operation(
         "Delete a stored response", _json("Deleted.", DeletedResponse), (404, 503),
         keyed=True),

@@ -27,7 +27,8 @@ STATUSES = {  # what each route can answer, without --api-key
     ("/v1/messages", "post"): POST,
     ("/v1/messages/count_tokens", "post"): {"200", "400", "404", "408", "413", "503"},
     ("/v1/responses", "post"): POST,
-    ("/v1/responses/{response_id}", "get"): {"200", "404", "503"},
+    ("/v1/responses/{response_id}", "get"): {"200", "400", "404", "503"},  # 400: ?stream
+    ("/v1/responses/{response_id}/cancel", "post"): {"200", "400", "404", "503"},
     ("/v1/responses/{response_id}", "delete"): {"200", "404", "503"},
     ("/v1/responses/{response_id}/input_items", "get"): {"200", "400", "404", "503"},
     ("/tokenize", "post"): {"200", "400", "404", "408", "413", "503"},

@@ -55,7 +55,7 @@ def _renderer(body: dict[str, Any], done: list[dict[str, Any]]) -> ResponseRende
     chat = chat_request(_request(body), [])
     agent = choose_formats("hermes", "qwen3", ByteTokenizer(512, None, None), "Test")
     ctx = types.SimpleNamespace(agent=agent, served_model="m")
-    echo = {"instructions": None, "max_output_tokens": None, "model": "m",
+    echo = {"instructions": None, "max_output_tokens": None, "model": "m", "background": False,
             "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
             "store": True, "temperature": 1.0, "text": {"format": {"type": "text"}},
             "tool_choice": "auto", "tools": [TOOL], "top_p": 1.0, "truncation": "disabled",
@@ -169,7 +169,8 @@ def test_items_become_the_chat_they_are() -> None:
     ({"tools": [{"type": "web_search"}]}, "built-in tools"),
     ({"tool_choice": "required"}, "offers no function"),
     ({"truncation": "auto"}, "truncation"),
-    ({"background": True}, "unsupported field 'background'"),
+    ({"background": True, "store": False}, "background needs store true"),
+    ({"background": True, "stream": True}, "background with stream is not served"),
 ])
 def test_what_a_request_cannot_have(body: dict[str, Any], match: str) -> None:
     with pytest.raises(ValidationError) as info:
@@ -196,20 +197,25 @@ _OUT = [{"id": "m", "type": "message", "role": "assistant", "status": "completed
          "content": [{"type": "output_text", "text": "hi", "annotations": []}]}]
 
 
+def _done(response_id: str) -> dict[str, Any]:
+    """A finished response's stored fields."""
+    return {"id": response_id, "status": "completed", "output": _OUT}
+
+
 def test_the_store_keeps_the_most_recent_within_its_bounds() -> None:
     store = ResponseStore(max_responses=2)
     for name in ("a", "b", "c"):
-        store.add({"id": name, "output": _OUT}, [])
+        store.add(_done(name), [])
     assert len(store) == 2 and store.get("a") is None
     stored = store.get("b")
     assert stored is not None and chat_messages(stored.items) == [
         {"role": "assistant", "content": "hi"}]
-    store.add({"id": "d", "output": _OUT}, [])  # "c" was used least recently
+    store.add(_done("d"), [])  # "c" was used least recently
     assert store.get("c") is None and store.get("b") is not None
     big = [MessageItem(role="user", content=os.urandom(6000).hex())]  # ~6 KB zlib'd
     small = ResponseStore(max_responses=10, max_bytes=8_000)
-    small.add({"id": "x", "output": _OUT}, big)
-    small.add({"id": "y", "output": _OUT}, big)  # the newest is kept whatever its size
+    small.add(_done("x"), big)
+    small.add(_done("y"), big)  # the newest is kept whatever its size
     assert small.get("x") is None and small.get("y") is not None
     assert small.delete("y") and not small.delete("y") and len(small) == 0
 
@@ -219,7 +225,7 @@ def test_stored_items_get_ids_and_keep_their_input_apart() -> None:
     given = [MessageItem(role="user", content="Hi", id="msg_mine"),
              MessageItem(role="user", content="More"),
              FunctionCallOutputItem(type="function_call_output", call_id="c1", output="4")]
-    store.add({"id": "r", "output": _OUT}, given)
+    store.add(_done("r"), given)
     stored = store.get("r")
     assert stored is not None and stored.num_input == 3 and len(stored.items) == 4
     ids = [item.id for item in stored.items]
@@ -234,12 +240,12 @@ def test_api_processes_share_one_store_file(tmp_path: Path) -> None:
     its path."""
     path = str(tmp_path / "responses.sqlite")
     one, two = ResponseStore(path, max_responses=2), ResponseStore(path, max_responses=2)
-    one.add({"id": "a", "output": _OUT}, [MessageItem(role="user", content="Hi")])
+    one.add(_done("a"), [MessageItem(role="user", content="Hi")])
     stored = two.get("a")
     assert stored is not None and stored.body["id"] == "a" and stored.num_input == 1
-    two.add({"id": "b", "output": _OUT}, [])
+    two.add(_done("b"), [])
     assert one.get("a") is not None  # used last: "b" goes first
-    one.add({"id": "c", "output": _OUT}, [])
+    one.add(_done("c"), [])
     assert two.get("b") is None and len(two) == 2
     assert two.delete("a") and one.get("a") is None
     one.close()

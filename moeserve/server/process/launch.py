@@ -209,7 +209,8 @@ async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
         return 1
     try:  # the same for the Responses API's store
         responses = ResponseStore(args.responses_store or (
-            os.path.join(join.ipc_dir, "responses.sqlite") if join is not None else ":memory:"))
+            os.path.join(join.ipc_dir, "responses.sqlite") if join is not None else ":memory:"),
+            owner=join.ipc_dir if join is not None else None)  # one owner: the server's
     except ValueError as e:
         sock.close()
         logger.error("--responses-store: %s", e)

@@ -198,8 +198,11 @@ class ResponsesRequest(_Request):
     previous_response_id: ItemId | None = None
     """Continue a stored response: its input and output items come before this input."""
     store: bool = True
-    """Keep this response (in this API process's memory, the most recent ones) for
-    previous_response_id and GET /v1/responses/{id}."""
+    """Keep this response (the most recent ones, in the store all the server's API processes
+    share) for previous_response_id and GET /v1/responses/{id}."""
+    background: bool = False
+    """Answer at once ("queued") and generate in the server: poll GET /v1/responses/{id},
+    end it early with POST /v1/responses/{id}/cancel. Needs store true; not with stream."""
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -241,6 +244,12 @@ class ResponsesRequest(_Request):
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"tools names the function {twice[0]!r} twice")
+        if self.background and not self.store:
+            raise ValueError("background needs store true: a background response is read "
+                             "back from the store")
+        if self.background and self.stream:
+            raise ValueError("background with stream is not served: a stored response's "
+                             "events are not kept; poll GET /v1/responses/{id} instead")
         choice = self.tool_choice
         if (choice == "required" or isinstance(choice, NamedFunction)) and not names:
             raise ValueError("tool_choice forces a call, but tools offers no function")
@@ -321,15 +330,23 @@ class IncompleteDetails(_Response):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(_Response):
+    code: Literal["server_error", "invalid_prompt", "rate_limit_exceeded"]
+    message: str
+
+
 class ResponseObject(_Response):
-    """The response: POST /v1/responses (whole), GET /v1/responses/{id}, and the `response` of
-    the stream's lifecycle events (in_progress: no output or usage yet)."""
+    """The response: POST /v1/responses (whole, or "queued" with background), GET
+    /v1/responses/{id}, POST .../cancel, and the `response` of the stream's lifecycle events
+    (queued, in_progress: no output or usage yet)."""
 
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
-    error: None
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+    error: ResponseError | None
+    """Why a background response failed."""
+    background: bool
     incomplete_details: IncompleteDetails | None
     instructions: str | None
     max_output_tokens: int | None

@@ -7,13 +7,20 @@ input_items): an SQLite database, so that every API process of a server sees the
     --responses-store PATH   that file: the responses outlive the server (a restart finds them)
 
 A row is one response: its object as sent, and its conversation's items (the history it
-continued, its input, then its output: what a follow-up's prompt is made of), each zlib'd JSON.
-The most recently used are kept, at most MAX_RESPONSES rows and MAX_BYTES of stored bytes (the
-newest is kept whatever its size). Input items that came without an id get one when stored
-(`msg_...`, `fc_...`, `fco_...`, `rs_...`), so the input_items listing can page by id.
+continued, its input, then its output: what a follow-up's prompt is made of), each zlib'd JSON,
+with its status and the server that wrote it (`owner`). The most recently used are kept, at most
+MAX_RESPONSES rows and MAX_BYTES of stored bytes (the newest is kept whatever its size, and a
+background response in flight is never dropped). Input items that came without an id get one
+when stored (`msg_...`, `fc_...`, `fco_...`, `rs_...`), so the input_items listing can page by id.
 
-Writes take SQLite's write lock (WAL journal, a busy timeout of BUSY_TIMEOUT_MS); a database
-written by another version of this schema is refused with its path named.
+A background response (responses/background.py) is stored "queued" when accepted; `update`
+writes its progress and its end only while it is still in flight, so a `cancel` (from any API
+process) or a DELETE is final. A store that opens a file finds the rows another server left in
+flight (it stopped before they finished) and marks them failed.
+
+Writes take SQLite's write lock (WAL journal, a busy timeout of BUSY_TIMEOUT_MS); a database of
+format 1 is brought to this one (two columns added); one of another format is refused with its
+path named.
 """
 
 from __future__ import annotations
@@ -40,13 +47,20 @@ from moeserve.server.responses.protocol import (
 MAX_RESPONSES = 1024
 MAX_BYTES = 64 << 20
 BUSY_TIMEOUT_MS = 5000
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+IN_FLIGHT = ("queued", "in_progress")  # a background response's statuses before its end
 _ITEM = TypeAdapter(InputItem)
 _ITEMS = TypeAdapter(list[InputItem])
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, body BLOB NOT NULL, "
            "items BLOB NOT NULL, num_input INTEGER NOT NULL, size INTEGER NOT NULL, "
-           "used INTEGER NOT NULL)",
+           "used INTEGER NOT NULL, status TEXT NOT NULL DEFAULT 'completed', "
+           "owner TEXT NOT NULL DEFAULT '')",
            "CREATE INDEX IF NOT EXISTS responses_used ON responses (used)")
+_FROM_1 = ("ALTER TABLE responses ADD COLUMN status TEXT NOT NULL DEFAULT 'completed'",
+           "ALTER TABLE responses ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+LEFT_BEHIND = {"code": "server_error",
+               "message": "the server that ran this background response stopped before it "
+                          "finished"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +71,15 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """The stored responses (module docstring); `path` an SQLite file or ":memory:"."""
+    """The stored responses (module docstring); `path` an SQLite file or ":memory:"; `owner`
+    names the server (the same for all its API processes; default: one of its own)."""
 
     def __init__(self, path: str = ":memory:", max_responses: int = MAX_RESPONSES,
-                 max_bytes: int = MAX_BYTES) -> None:
+                 max_bytes: int = MAX_BYTES, owner: str | None = None) -> None:
         self.path = path
         self.max_responses = max_responses
         self.max_bytes = max_bytes
+        self.owner = owner or uuid.uuid4().hex
         try:
             self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000,
                                        isolation_level=None, check_same_thread=False)
@@ -73,13 +89,14 @@ class ResponseStore:
             try:
                 [(version,)] = self._rows("PRAGMA user_version")
                 [(tables,)] = self._rows("SELECT count(*) FROM sqlite_master")
-                if tables and version != SCHEMA_VERSION:
+                if tables and version not in (1, SCHEMA_VERSION):
                     raise ValueError(f"the responses store {path!r} was written in format "
                                      f"{version}, this moeserve writes {SCHEMA_VERSION}: "
                                      "remove it or name another file")
-                for statement in _SCHEMA:
+                for statement in (_FROM_1 if tables and version == 1 else _SCHEMA):
                     self._db.execute(statement)
                 self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                self._fail_left_behind()
             finally:
                 if self._db.in_transaction:
                     self._db.execute("COMMIT")
@@ -91,27 +108,77 @@ class ResponseStore:
         return int(count)
 
     def add(self, body: dict[str, Any], conversation: list[Any]) -> None:
-        """Keep a finished response: `conversation` is its history and input items; its output
-        items are added after them (as the input items they are when sent back)."""
+        """Keep a response (finished, or a background one just accepted): `conversation` is its
+        history and input items; its output items are added after them (as the input items
+        they are when sent back)."""
+        row = self._row(body, conversation)
+        with self._write():
+            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                             row)
+            rows = self._rows("SELECT id, size, status FROM responses ORDER BY used DESC")
+            kept = total = 0
+            gone = []
+            for response_id, row_size, status in rows:
+                kept += 1
+                total += row_size
+                if kept > 1 and status not in IN_FLIGHT and (
+                        kept > self.max_responses or total > self.max_bytes):
+                    gone.append((response_id,))
+            self._db.executemany("DELETE FROM responses WHERE id = ?", gone)
+
+    def update(self, body: dict[str, Any], conversation: list[Any]) -> bool:
+        """A background response's progress or end, written only while its row is in flight:
+        False (nothing written) once it was cancelled, failed or deleted."""
+        row = self._row(body, conversation)
+        with self._write():
+            written = self._db.execute(
+                "UPDATE responses SET body = ?, items = ?, num_input = ?, size = ?, used = ?, "
+                f"status = ? WHERE id = ? AND status IN {IN_FLIGHT}", (*row[1:7], row[0]))
+        return written.rowcount > 0
+
+    def end(self, response_id: str, status: str,
+            error: dict[str, str] | None = None) -> dict[str, Any] | None:
+        """End a background response in flight with `status` ("cancelled", "failed" with
+        `error`); its object as it is now (ended or not), or None if it is not stored."""
+        with self._write():
+            rows = self._rows("SELECT body, status FROM responses WHERE id = ?", (response_id,))
+            if not rows:
+                return None
+            [(packed, current)] = rows
+            body = msgspec.json.decode(zlib.decompress(packed))
+            if current in IN_FLIGHT:
+                body = {**body, "status": status, "error": error}
+                self._db.execute("UPDATE responses SET body = ?, status = ? WHERE id = ?",
+                                 (zlib.compress(msgspec.json.encode(body), 1), status,
+                                  response_id))
+        return body
+
+    def statuses(self, response_ids: list[str]) -> dict[str, str]:
+        """The stored ones' statuses (an id not stored is absent)."""
+        rows = self._rows(f"SELECT id, status FROM responses WHERE id IN "
+                          f"({', '.join('?' * len(response_ids))})", tuple(response_ids))
+        return dict(rows)
+
+    def _row(self, body: dict[str, Any], conversation: list[Any]) -> tuple[Any, ...]:
+        """The columns of a row: id, body, items, num_input, size, used, status, owner."""
         inputs = [_with_id(item) for item in conversation]
         items = [*inputs, *(_ITEM.validate_python(item) for item in body["output"])]
         packed_body = zlib.compress(msgspec.json.encode(body), 1)
         packed_items = zlib.compress(
             _ITEMS.dump_json(items, exclude_none=True, by_alias=True), 1)
-        size = len(packed_body) + len(packed_items)
-        with self._write():
-            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
-                             (body["id"], packed_body, packed_items, len(inputs), size,
-                              time.time_ns()))
-            rows = self._rows("SELECT id, size FROM responses ORDER BY used DESC")
-            kept = total = 0
-            gone = []
-            for response_id, row_size in rows:
-                kept += 1
-                total += row_size
-                if kept > 1 and (kept > self.max_responses or total > self.max_bytes):
-                    gone.append((response_id,))
-            self._db.executemany("DELETE FROM responses WHERE id = ?", gone)
+        return (body["id"], packed_body, packed_items, len(inputs),
+                len(packed_body) + len(packed_items), time.time_ns(), body["status"],
+                self.owner)
+
+    def _fail_left_behind(self) -> None:
+        """Rows another server left in flight end failed (in the open's transaction)."""
+        rows = self._rows(f"SELECT id, body FROM responses WHERE status IN {IN_FLIGHT} AND "
+                          "owner != ?", (self.owner,))
+        for response_id, packed in rows:
+            body = {**msgspec.json.decode(zlib.decompress(packed)), "status": "failed",
+                    "error": LEFT_BEHIND}
+            self._db.execute("UPDATE responses SET body = ?, status = 'failed' WHERE id = ?",
+                             (zlib.compress(msgspec.json.encode(body), 1), response_id))
 
     def get(self, response_id: str) -> StoredResponse | None:
         rows = self._rows("SELECT body, items, num_input FROM responses WHERE id = ?",

@@ -31,6 +31,7 @@ from moeserve.server.agent.choice import AgentFormats
 from moeserve.server.errors import APIError, from_validation_error
 from moeserve.server.metrics import RequestTimer, ServerMetrics
 from moeserve.server.protocol import SamplingFields
+from moeserve.server.responses.background import BackgroundResponses
 from moeserve.server.responses.store import ResponseStore
 from moeserve.server.routes.generation import (
     DisconnectWatch,
@@ -65,7 +66,12 @@ class ServerContext:
     shut_down: bool = False
     responses: ResponseStore = field(default_factory=ResponseStore)
     """The Responses API's stored responses (server/responses/store.py)."""
+    background: BackgroundResponses = field(init=False)
+    """The background responses this process runs (server/responses/background.py)."""
     _token_strings: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.background = BackgroundResponses(self.responses)
 
     @property
     def served_model(self) -> str:
