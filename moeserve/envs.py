@@ -17,6 +17,10 @@
     MOESERVE_MLA_DECODE_SWAPPED  "0" keeps the Gluon MLA decode's launches of at most 32
                              heads off mla/decode_gluon_swapped.py's kernel (keys as wgmma's
                              M), for A/Bs; on otherwise
+    MOESERVE_MLA_DECODE_WS  "1" routes the Gluon MLA decode's launches of more than 32 heads
+                             (at L 512, R 64) to mla/decode_gluon_ws.py's warp-specialized
+                             kernel (one warpgroup the scores, the other half of P V); off
+                             otherwise until the H200 measures it
     MOESERVE_MLA_SWAPPED_ONE_STAGE  "0" goes back to two key stages (one program an SM) in
                              decode_gluon_swapped.py's kernel; one stage (115 KB of shared
                              memory: two programs an SM, each copying its next tile after its
@@ -55,6 +59,7 @@ GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
 MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
+MLA_DECODE_WS = "MOESERVE_MLA_DECODE_WS"
 MLA_SWAPPED_ONE_STAGE = "MOESERVE_MLA_SWAPPED_ONE_STAGE"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
@@ -98,6 +103,10 @@ def grammar_masks_thread() -> bool:
 
 def mla_decode_swapped() -> bool:
     return os.environ.get(MLA_DECODE_SWAPPED) != "0"
+
+
+def mla_decode_ws() -> bool:
+    return os.environ.get(MLA_DECODE_WS) == "1"
 
 
 def mla_swapped_one_stage() -> bool:

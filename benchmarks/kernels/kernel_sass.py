@@ -244,6 +244,13 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
                      USE_ROWS=False, SPLIT=args.split, VEC_STORE=args.vector_stores,
                      STAGES=stages)
         kernel = decode_gluon_swapped._kernels().decode
+    if args.ws:  # decode_gluon_ws.py: its warpgroups specialized (4 + 4 warps; WARPS 4)
+        from moeserve.kernels.attention.mla import decode_gluon_ws
+
+        os.environ.setdefault("SASS_MAXNREG", str(decode_gluon_ws.MAX_REGISTERS))
+        const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
+                     USE_ROWS=False, SPLIT=args.split)
+        kernel = decode_gluon_ws._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
 
@@ -369,6 +376,9 @@ def main() -> None:
                            help="the absorbed prefill over query tiles (prefill_gluon)")
             p.add_argument("--swapped", action="store_true",
                            help="decode_gluon_swapped's kernel (keys as M, <= 32 heads)")
+            p.add_argument("--ws", action="store_true",
+                           help="decode_gluon_ws's kernel (warp-specialized, 64 heads a "
+                                "program)")
             p.add_argument("--vector-stores", action="store_true",
                            help="the outputs stored in 16-byte vectors (VEC_STORE)")
         if name.startswith(("mla-", "dsa-")):

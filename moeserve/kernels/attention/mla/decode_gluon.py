@@ -73,6 +73,9 @@ DECODE_WAVES = 1
 # keys against this kernel's 62-74%, 47.8 / 51.9% at W1's contexts against 42.1 / 46.2%; with
 # its one key stage (its default since gpu_ff7b345) 70.5-90.2%, and 52.2 / 59.6%
 swapped = envs.mla_decode_swapped()
+# decodes of more heads by decode_gluon_ws.py's warp-specialized kernel (one warpgroup a tile's
+# scores, the other half of P V) with MOESERVE_MLA_DECODE_WS=1; off until the H200 measures it
+ws = envs.mla_decode_ws()
 # the decode forms' output (and split partials) stored from a layout of 8 consecutive latent
 # columns a thread (16-byte stores; 16 STG a thread at 64 heads instead of 64, the same shared
 # memory, 200 -> 216 registers, sm90 offline); MOESERVE_MLA_VECTOR_STORES=0 keeps the
@@ -126,6 +129,10 @@ def _swapped():  # the module, imported on use (it imports this one)
     return importlib.import_module("moeserve.kernels.attention.mla.decode_gluon_swapped")
 
 
+def _ws():  # the module, imported on use (it imports this one)
+    return importlib.import_module("moeserve.kernels.attention.mla.decode_gluon_ws")
+
+
 def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, kv_lora_rank: int, out: torch.Tensor,
                  rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
@@ -140,6 +147,10 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
             _swapped().takes(q.shape[1])):
         return _swapped().decode_swapped(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
                                          num_rows, max_seq_len, num_splits)
+    if ws and block_n is None and stages is None and not overlap and (
+            _ws().takes(q, latent_cache, kv_lora_rank)) and not _swapped().takes(q.shape[1]):
+        return _ws().decode_ws(q, latent_cache, meta, scale, kv_lora_rank, out, rows, num_rows,
+                               max_seq_len, num_splits)
     block_n, stages = tile(block_n, stages, overlap)
     _check(q, latent_cache, kv_lora_rank, stages, overlap)
     num_head_tiles = -(-q.shape[1] // BLOCK_H)

@@ -1,0 +1,331 @@
+"""Absorbed MLA decode in Gluon with its two warpgroups given different work (warp
+specialization), for 64 heads a program: `decode_ws`, decode_gluon.decode_gluon's contract.
+
+Why: decode_gluon splits each key tile's scores between its warpgroups (32 keys each), so each
+reads the whole query tile from shared memory for half the keys, and the softmax's row maxima
+and sums cross the warpgroups through shared memory and a CTA barrier; scores, softmax and
+P V then run in turn. At 128 heads (compute-bound: 242 FLOPs a cache byte against the H200's
+ridge of 184) it sustains 42-47% of the bound, at 64 heads 59-69% (issue 16 asks 60 and 80).
+Here one warpgroup computes a tile's scores whole and the other only its half of P V, a tile
+behind, as FlashMLA splits the work:
+
+    program (head tile, row, partition): 64 heads, keys in tiles of 64, two key stages
+    scores warpgroup (the default partition, 4 warps; it issues every copy):
+      Q -> shared [64, L] + [64, R]; tiles 0 and 1 -> stages 0 and 1     (cp.async)
+      per tile t:  online softmax of S_t (fp32, base 2: all 64 keys of a row in this
+                   warpgroup, no cross-warpgroup reduction)
+                   P_t (bf16) and the rescale alpha_t -> shared, `p_ready`
+                   O_left = O_left * alpha_t + P_t V_t[:, :L/2]   (P_t from registers)
+                   S_{t+1} = Q K_{t+1}^T issued, then (wg1 done with V_t: `kv_free`) tile
+                   t + 2 copied into t's stage
+    P V warpgroup (the worker, 4 warps):
+      per tile t:  (`p_ready`) O_right = O_right * alpha_t + P_t V_t[:, L/2:]; `p_free`,
+                   `kv_free`
+    the end: each stores its half; the scores warpgroup hands over the row sums (`done`).
+
+Each tile's scores read Q once (decode_gluon: twice), and wg1's P V runs on the tensor cores
+while wg0 issues the next scores and works through its softmax. Shared memory: Q 72 KB, two
+key stages 144 KB, P 8 KB: 225 KB. bf16 / fp16, L = 512 and R = 64 (DeepSeek and GLM's
+latent), an sm90 GPU; decode rows only (no sparse or prefill form). Split partials are
+decode_gluon's (reduce_triton combines them).
+
+`decode_gluon.ws` (MOESERVE_MLA_DECODE_WS, envs.py; off by default until measured) routes
+decode_gluon's launches of more than decode_gluon_swapped's heads here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.attention.mla import decode_gluon, gluon_parts, reduce_triton
+from moeserve.kernels.triton_common import MAX_GRID_Y
+
+BLOCK_H = 64  # heads a program (wgmma's M)
+BLOCK_N = 64  # keys a tile
+NUM_WARPS = 4  # the default partition's; the worker adds four
+# registers a thread of the P V warpgroup (setmaxnreg): its accumulator [64, 256] fp32 is 128
+WORKER_REGISTERS = 192
+MAX_REGISTERS = 240  # the kernel's cap: the scores warpgroup takes what the worker leaves
+
+gl: Any = None  # bound by _kernels(), as in decode_gluon
+async_copy: Any = None
+fence_async_shared: Any = None
+warpgroup_mma: Any = None
+warpgroup_mma_wait: Any = None
+mbarrier: Any = None
+_load_tile: Any = None
+_valid_keys: Any = None
+_nvmma_buffer: Any = None
+_decode_row: Any = None
+_query_rows: Any = None
+_scores: Any = None
+
+
+def takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """Whether it takes this decode: decode_gluon's inputs at L 512, R 64."""
+    return (decode_gluon.supports(q, latent_cache, kv_lora_rank) and kv_lora_rank == 512
+            and q.shape[-1] - kv_lora_rank == 64)
+
+
+def decode_ws(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+              scale: float, kv_lora_rank: int, out: torch.Tensor, rows: torch.Tensor | None,
+              num_rows: int, max_seq_len: int, num_splits: int | None = None) -> None:
+    """Decode rows (one query each) into out [T, H, L] (decode_gluon.decode_gluon's contract:
+    `rows` [num_rows] int32 row ids, or None for rows 0..B-1). num_splits: context partitions
+    a row (default reduce_triton.decode_num_splits over one wave)."""
+    if not takes(q, latent_cache, kv_lora_rank):
+        raise ValueError("decode_ws needs an sm90 GPU, bf16 / fp16 q and latent_cache of one "
+                         f"dtype, L 512 and R 64; got {q.dtype} / {latent_cache.dtype} on "
+                         f"{q.device}, L {kv_lora_rank}, R {q.shape[-1] - kv_lora_rank}")
+    if num_rows > MAX_GRID_Y:
+        raise ValueError(f"decode_ws: {num_rows} rows in one launch, at most {MAX_GRID_Y} "
+                         "(the grid's y dimension)")
+    if num_rows == 0:
+        return
+    num_heads = q.shape[1]
+    head_tiles = -(-num_heads // BLOCK_H)
+    if num_splits is None:
+        num_splits = reduce_triton.decode_num_splits(num_rows, head_tiles, max_seq_len,
+                                                     q.device, waves=decode_gluon.DECODE_WAVES)
+    if not 1 <= num_splits <= reduce_triton.MAX_SPLITS:
+        raise ValueError(f"decode_ws: num_splits must be in 1..{reduce_triton.MAX_SPLITS}, "
+                         f"got {num_splits}")
+    partition = -(-max(1, max_seq_len) // num_splits)
+    partition = -(-partition // BLOCK_N) * BLOCK_N  # whole key tiles a partition
+    part_m, part_l, part_acc = reduce_triton.split_partials(out, num_rows, num_splits)
+    _kernels().decode[(head_tiles, num_rows, num_splits)](
+        q, latent_cache, out, part_m, part_l, part_acc, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, rows if rows is not None else meta.query_start_loc,
+        scale * math.log2(math.e), partition, num_splits, meta.block_tables.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, L=kv_lora_rank, R=q.shape[2] - kv_lora_rank,
+        BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
+        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+    if num_splits > 1:
+        reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows,
+                                    num_rows, num_splits)
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """Jit the kernel and its partitions on first use (gluon imported here only), bound with
+    the builtins and gluon_parts' functions they call as module globals."""
+    global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, mbarrier
+    global _load_tile, _valid_keys, _nvmma_buffer, _decode_row, _query_rows, _scores
+    global _ws_kernel, _scores_partition, _pv_partition
+    from triton.experimental import gluon
+    from triton.experimental.gluon.language.nvidia import hopper
+
+    parts = gluon_parts.jitted()
+    gl = gluon_parts.gl
+    async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
+    warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
+    mbarrier = hopper.mbarrier
+    _load_tile, _valid_keys, _nvmma_buffer = parts.load_tile, parts.valid_keys, parts.nvmma_buffer
+    _decode_row, _query_rows, _scores = parts.decode_row, parts.query_rows, parts.scores
+    _scores_partition = gluon.jit(_scores_partition)
+    _pv_partition = gluon.jit(_pv_partition)
+    _ws_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "max_blocks",
+                                              "stride_table"],
+                           do_not_specialize_on_alignment=["rows_ptr"])(_ws_kernel)
+    return SimpleNamespace(decode=_ws_kernel)
+
+
+# ---- Gluon functions (jitted by _kernels; module globals, where the compiler finds names) ----
+
+def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+               block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, rows_ptr, scale_log2,
+               partition, num_splits, max_blocks, stride_qt, stride_qh, stride_ot, stride_oh,
+               stride_table, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+               BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr):
+    """Program (head_tile, i, split): 64 heads of decode row i over its context partition
+    `split` (the module docstring's data flow)."""
+    BH: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    q_lat_s = _nvmma_buffer(dtype, [BH, L])
+    q_pe_s = _nvmma_buffer(dtype, [BH, R])
+    k_lat_s = _nvmma_buffer(dtype, [2, BN, L])
+    k_pe_s = _nvmma_buffer(dtype, [2, BN, R])
+    p_s = _nvmma_buffer(dtype, [BH, BN])
+    vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    alpha_s = gl.allocate_shared_memory(gl.float32, [BH], vec_l)
+    l_s = gl.allocate_shared_memory(gl.float32, [BH], vec_l)
+    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+    p_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    done = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+    mbarrier.init(kv_free.index(0), count=1)
+    mbarrier.init(kv_free.index(1), count=1)
+    mbarrier.init(done, count=1)
+
+    head_tile = gl.program_id(0)
+    i = gl.program_id(1)
+    split = gl.program_id(2)
+    start = split * partition
+    req, tok, seq_len = _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr, USE_ROWS)
+    end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
+    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
+    table = block_tables_ptr + req.to(gl.int64) * stride_table
+    bufs = (q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s)
+    bars = (p_ready, p_free, kv_free, done)
+    # the output's rows: the first head, where this program's go (out, or its split partial)
+    out_row = tok * stride_ot + (head_tile * BH).to(gl.int64) * stride_oh
+    part_row = ((i * NUM_HEADS + head_tile * BH) * num_splits + split).to(gl.int64)
+    gl.warp_specialize([
+        (_scores_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr,
+                             part_acc_ptr, table, tok, head_tile, start, end, num_tiles,
+                             max_blocks, scale_log2, stride_qt, stride_qh, stride_oh, out_row,
+                             part_row, num_splits, NUM_HEADS, L, R, BLOCK_SIZE, SPLIT)),
+        (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, head_tile, num_tiles, stride_oh,
+                         out_row, part_row, num_splits, NUM_HEADS, L, SPLIT)),
+    ], [4], [192])
+
+
+def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr,
+                      part_acc_ptr, table, tok, head_tile, start, end, num_tiles, max_blocks,
+                      scale_log2, stride_qt, stride_qh, stride_oh, out_row, part_row,
+                      num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+                      BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr):
+    """The scores warpgroup: every copy, each tile's scores and softmax, O[:, :L/2]."""
+    BH: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    HALF: gl.constexpr = L // 2
+    q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s = bufs
+    p_ready, p_free, kv_free, done = bars
+    lat_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [4, 1], [1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BN, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HALF, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    max_pos = max_blocks * BLOCK_SIZE
+
+    q_at, q_ok = _query_rows(tok, 0, 1, head_tile, stride_qt, stride_qh,
+                             gl.SliceLayout(1, lat_l), NUM_HEADS, BH, 1, False)
+    dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
+    async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_at[:, None] + dq[None, :],
+                                           mask=q_ok[:, None])
+    q_at, q_ok = _query_rows(tok, 0, 1, head_tile, stride_qt, stride_qh,
+                             gl.SliceLayout(1, pe_l), NUM_HEADS, BH, 1, False)
+    dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
+    async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_at[:, None] + L + dp[None, :],
+                                           mask=q_ok[:, None])
+    nl = gl.arange(0, BN, layout=gl.SliceLayout(1, lat_l))
+    np_ = gl.arange(0, BN, layout=gl.SliceLayout(1, pe_l))
+    for j in gl.static_range(2):  # tiles 0 and 1 (past the partition's end: zeros, no read)
+        _load_tile(cache_ptr, table, cache_ptr, max_pos, start + j * BN, end, k_lat_s.index(j),
+                   k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, False, False)
+    async_copy.commit_group()
+
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
+    l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, s_l))
+    acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)
+    s_zero = gl.zeros([BH, BN], gl.float32, layout=s_l)
+    keys = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    # tile 0's scores (the queries and tiles 0-1 in one group: the loop's copies come after)
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    fence_async_shared()
+    s = _scores(q_lat_s, q_pe_s, k_lat_s.index(0), k_pe_s.index(0), s_zero)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    for t in range(num_tiles):
+        stage = t % 2
+        _, valid = _valid_keys(cache_ptr, max_pos, start + t * BN + keys, end, False)
+        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_ref)
+        p = gl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p16 = p.to(p_s.dtype)
+        # hand P_t and alpha_t to the P V warpgroup once it is done with P_{t-1}
+        mbarrier.wait(p_free, (t & 1) ^ 1)
+        p_s.store(p16)
+        alpha_s.store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p16, p_l), k_lat_s.index(stage).slice(0, HALF, 1),
+                            acc, is_async=True)
+        # tile t + 1's scores behind it (its copies landed during tile t; past the last
+        # tile a zero stage's, unused)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        fence_async_shared()
+        s = _scores(q_lat_s, q_pe_s, k_lat_s.index(1 - stage), k_pe_s.index(1 - stage), s_zero)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_t V_t done, S pending
+        # the P V warpgroup is done with V_t too: tile t + 2 into t's stage
+        mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
+        gl.thread_barrier()
+        _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 2) * BN, end,
+                   k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
+                   BLOCK_SIZE, False, False)
+        async_copy.commit_group()
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    async_copy.wait_group(0)  # no copy left in flight at exit
+
+    rows = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
+    l_s.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(done)  # the row sums, for the other half's store
+    ho = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
+    do = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+    h_ok = head_tile * BH + ho < NUM_HEADS
+    if SPLIT:
+        part = (rows - head_tile * BH).to(gl.int64) * num_splits + part_row
+        gl.store(part_m_ptr + part, m_i, mask=rows < NUM_HEADS)
+        gl.store(part_l_ptr + part, l_i, mask=rows < NUM_HEADS)
+        part_o = ho.to(gl.int64) * num_splits + part_row
+        gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :], acc, mask=h_ok[:, None])
+    else:
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # an empty row writes 0
+        gl.store(out_ptr + out_row + ho.to(gl.int64)[:, None] * stride_oh + do[None, :],
+                 o.to(p_s.dtype), mask=h_ok[:, None])
+
+
+def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, head_tile, num_tiles, stride_oh, out_row,
+                  part_row, num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr,
+                  SPLIT: gl.constexpr):
+    """The P V warpgroup: O[:, L/2:] from each tile's P and rescale."""
+    BH: gl.constexpr = 64
+    HALF: gl.constexpr = L // 2
+    q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s = bufs
+    p_ready, p_free, kv_free, done = bars
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HALF, 16])
+    acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)
+    for t in range(num_tiles):
+        mbarrier.wait(p_ready, t & 1)
+        alpha = alpha_s.load(gl.SliceLayout(1, o_l))
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_s, k_lat_s.index(t % 2).slice(HALF, HALF, 1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(p_free)
+        mbarrier.arrive(kv_free.index(t % 2))
+    mbarrier.wait(done, 0)
+    ho = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
+    do = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+    h_ok = head_tile * BH + ho < NUM_HEADS
+    if SPLIT:
+        part_o = ho.to(gl.int64) * num_splits + part_row
+        gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :], acc, mask=h_ok[:, None])
+    else:
+        l_o = l_s.load(gl.SliceLayout(1, o_l))
+        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # an empty row writes 0
+        gl.store(out_ptr + out_row + ho.to(gl.int64)[:, None] * stride_oh + do[None, :],
+                 o.to(p_s.dtype), mask=h_ok[:, None])

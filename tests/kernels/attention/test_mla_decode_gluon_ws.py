@@ -1,0 +1,84 @@
+"""The warp-specialized Gluon MLA decode (kernels/attention/mla/decode_gluon_ws.py: one
+warpgroup a tile's scores and softmax, the other half of P V) against the dense expectation of
+`make_mla_case`: on the GPU (sm90) only, as Gluon has no interpreter; on CPU, that it refuses
+the call by name and that the switch leaves calls alone while it is off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeserve.kernels.attention.mla import decode_gluon, decode_gluon_ws
+from moeserve.kernels.attention.mla.decode_gluon_ws import decode_ws
+from tests.kernels.attention.test_mla import DECODE, make_mla_case
+from tests.kernels.attention.test_mla_decode_gluon import check_rows_fp16_and_graph
+from tests.kernels.attention.test_mla_triton import TOL, gpu_case
+
+
+def run(case, rows: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+    """decode_ws over a decode-only case (all its rows, or `rows`)."""
+    out = torch.zeros_like(case.q_lat[..., :case.L])
+    num_rows = case.meta.num_reqs if rows is None else rows.shape[0]
+    decode_ws(case.q_lat, case.latent_cache, case.meta, case.scale, case.L, out, rows,
+              num_rows, case.meta.max_seq_len, **kwargs)
+    return out
+
+
+def test_refuses_what_it_cannot_take_by_name() -> None:
+    case = make_mla_case(*DECODE, block_size=4, num_heads=5)
+    assert not decode_gluon_ws.takes(case.q_lat, case.latent_cache, case.L)
+    with pytest.raises(ValueError, match="decode_ws needs an sm90 GPU"):
+        run(case)
+
+
+def test_the_switch_is_off_by_default() -> None:
+    assert decode_gluon.ws is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [64, 128, 40])
+@pytest.mark.parametrize(("batch", "max_context"), [(4, 4096), (64, 2048), (300, 256)])
+def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int) -> None:
+    """Rows of 1 key to many tiles (an odd and an even count of tiles: the stages' phases),
+    with the default split count (one wave) and forced ones (1: unsplit; 3: partitions of
+    unequal tiles; 40: partitions past a short row's end, which compute nothing)."""
+    rng = np.random.default_rng(batch)
+    computed = rng.integers(0, max_context, batch).tolist()
+    computed[0] = max_context - 1
+    case = gpu_case(computed, [1] * batch, num_heads, seed=batch)
+    tol = TOL[torch.bfloat16]
+    for splits in (None, 1, 3, 40):
+        out = run(case, num_splits=splits)
+        assert not out.isnan().any(), splits
+        torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol,
+                                   msg=f"splits {splits}")
+
+
+@pytest.mark.gpu
+def test_gpu_chosen_rows_fp16_and_a_cuda_graph() -> None:
+    """Chosen rows in fp16, then a CUDA graph's replays, equal to decode_gluon's result."""
+    check_rows_fp16_and_graph(decode_ws, lambda case: {"max_seq_len": case.meta.max_seq_len},
+                              128)
+
+
+@pytest.mark.gpu
+def test_gpu_the_switch_routes_many_head_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_gluon.ws on: a decode_gluon call of 64 heads runs this kernel; 20 heads (the
+    swapped kernel's) or a forced tile do not."""
+    calls: list[int] = []
+    real = decode_gluon_ws.decode_ws
+    monkeypatch.setattr(decode_gluon_ws, "decode_ws",
+                        lambda *a, **k: (calls.append(a[0].shape[1]), real(*a, **k))[1])
+    monkeypatch.setattr(decode_gluon, "ws", True)
+    tol = TOL[torch.bfloat16]
+    few = gpu_case(np.random.default_rng(0).integers(1, 2048, 40).tolist(), [1] * 40, 20)
+    many = gpu_case([300, 1000], [1, 1], 64, seed=1)
+    for case, kwargs, want in ((many, {}, [64]), (few, {}, []),
+                               (many, {"block_n": 64, "stages": 2}, [])):
+        calls.clear()
+        out = torch.zeros_like(case.q_lat[..., :case.L])
+        decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
+                                  out, None, case.meta.num_reqs, case.meta.max_seq_len, **kwargs)
+        assert calls == want, kwargs
+        torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
