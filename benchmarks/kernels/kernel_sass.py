@@ -248,8 +248,11 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
         from moeserve.kernels.attention.mla import decode_gluon_ws
 
         os.environ.setdefault("SASS_MAXNREG", str(decode_gluon_ws.MAX_REGISTERS))
+        wl = bool(os.environ.get("SASS_WG1_LOADS"))  # the P V warpgroup's copies
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
-                     USE_ROWS=False, SPLIT=args.split)
+                     USE_ROWS=False, SPLIT=args.split, WG1_LOADS=wl,
+                     WORKER_REGS=decode_gluon_ws.WORKER_REGISTERS_WG1_LOADS if wl
+                     else decode_gluon_ws.WORKER_REGISTERS)
         kernel = decode_gluon_ws._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 

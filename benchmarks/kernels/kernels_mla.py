@@ -27,7 +27,8 @@ after each case (a run cut short keeps what it measured).
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
         # stages from --tiles' BN and S; gluon-swapped, decode_gluon_swapped's (keys as
         # wgmma's M), at most 32 heads; gluon-ws, decode_gluon_ws's (warp-specialized: one
-        # warpgroup the scores, the other half of P V); a "-vec" suffix on a Gluon form: with
+        # warpgroup the scores, the other half of P V; gluon-ws-wl: its copies issued by the
+        # P V warpgroup); a "-vec" suffix on a Gluon form: with
         # decode_gluon.vector_stores, the outputs stored in 16-byte vectors)
 """
 
@@ -63,7 +64,7 @@ FEW_ROW_CASES = (("b4_ctx16384", 4, 16384), ("b32_ctx4096", 32, 4096),
                  ("b64_ctx8192", 64, 8192), ("b128_ctx2048", 128, 2048))
 SMOKE_CASES = (("b3_ctx40", 3, 40), ("w1_b4", 4, "w1"))
 CHECK_ROWS = 8  # rows of the small step each case is checked on
-GLUON_FORMS = ("gluon", "gluon-overlap", "gluon-swapped", "gluon-ws")
+GLUON_FORMS = ("gluon", "gluon-overlap", "gluon-swapped", "gluon-ws", "gluon-ws-wl")
 
 
 def contexts(batch: int, context: int | str, seed: int = 0) -> list[int]:
@@ -147,10 +148,14 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
             decode_swapped(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                            meta.max_seq_len)
             return out
-        if form == "gluon-ws":  # decode_gluon_ws.py, its own tile
-            from moeserve.kernels.attention.mla.decode_gluon_ws import decode_ws
-            decode_ws(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
-                      meta.max_seq_len)
+        if form in ("gluon-ws", "gluon-ws-wl"):  # decode_gluon_ws.py, its own tile
+            from moeserve.kernels.attention.mla import decode_gluon_ws
+            was, decode_gluon_ws.wg1_loads = decode_gluon_ws.wg1_loads, form == "gluon-ws-wl"
+            try:
+                decode_gluon_ws.decode_ws(q, cache, meta, SCALE, latent, out, None,
+                                          meta.num_reqs, meta.max_seq_len)
+            finally:
+                decode_gluon_ws.wg1_loads = was
             return out
         decode_gluon.decode_gluon(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                                   meta.max_seq_len, block_n=cfg.block_n,
@@ -189,7 +194,7 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
                     continue
                 cfg = mla_triton.TileConfig(SWAPPED_HEADS, 64, decode_gluon.NUM_WARPS,
                                             decode_gluon_swapped.key_stages())
-            if form == "gluon-ws":  # its one tile: 64 heads, 64 keys, two stages, 4 + 4 warps
+            if form.startswith("gluon-ws"):  # its one tile: 64 heads, 64 keys, two stages, 4 + 4 warps
                 if tile is not None:
                     continue
                 cfg = mla_triton.TileConfig(64, 64, 8, 2)

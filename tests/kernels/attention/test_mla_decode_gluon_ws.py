@@ -36,10 +36,18 @@ def test_the_switch_is_off_by_default() -> None:
     assert decode_gluon.ws is False
 
 
+@pytest.fixture(params=[False, True], ids=["wg0_copies", "wg1_copies"])
+def wg1_loads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both forms: the copies issued by the scores warpgroup, and by the P V warpgroup."""
+    monkeypatch.setattr(decode_gluon_ws, "wg1_loads", request.param)
+    return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads", [64, 128, 40])
 @pytest.mark.parametrize(("batch", "max_context"), [(4, 4096), (64, 2048), (300, 256)])
-def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int) -> None:
+def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int,
+                            wg1_loads: bool) -> None:
     """Rows of 1 key to many tiles (an odd and an even count of tiles: the stages' phases),
     with the default split count (one wave) and forced ones (1: unsplit; 3: partitions of
     unequal tiles; 40: partitions past a short row's end, which compute nothing)."""
@@ -56,7 +64,7 @@ def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int) -> Non
 
 
 @pytest.mark.gpu
-def test_gpu_chosen_rows_fp16_and_a_cuda_graph() -> None:
+def test_gpu_chosen_rows_fp16_and_a_cuda_graph(wg1_loads: bool) -> None:
     """Chosen rows in fp16, then a CUDA graph's replays, equal to decode_gluon's result."""
     check_rows_fp16_and_graph(decode_ws, lambda case: {"max_seq_len": case.meta.max_seq_len},
                               128)

@@ -49,8 +49,14 @@ from moeserve.kernels.triton_common import MAX_GRID_Y
 BLOCK_H = 64  # heads a program (wgmma's M)
 BLOCK_N = 64  # keys a tile
 NUM_WARPS = 4  # the default partition's; the worker adds four
-# registers a thread of the P V warpgroup (setmaxnreg): its accumulator [64, 256] fp32 is 128
+# registers a thread of the P V warpgroup (setmaxnreg): its accumulator [64, 256] fp32 is 128;
+# with the copies (WG1_LOADS) their pointers too
 WORKER_REGISTERS = 192
+WORKER_REGISTERS_WG1_LOADS = 232
+# the copies issued by the P V warpgroup (WG1_LOADS: the scores warpgroup's critical path
+# without them, each stage's landing signalled by the copies' own mbarrier arrivals) or by
+# the scores warpgroup (False); kernels_mla's gluon-ws-wl form times the former
+wg1_loads = False
 MAX_REGISTERS = 240  # the kernel's cap: the scores warpgroup takes what the worker leaves
 
 gl: Any = None  # bound by _kernels(), as in decode_gluon
@@ -106,6 +112,8 @@ def decode_ws(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetada
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, L=kv_lora_rank, R=q.shape[2] - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
+        WG1_LOADS=wg1_loads,
+        WORKER_REGS=WORKER_REGISTERS_WG1_LOADS if wg1_loads else WORKER_REGISTERS,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
     if num_splits > 1:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows,
@@ -118,7 +126,7 @@ def _kernels() -> SimpleNamespace:
     the builtins and gluon_parts' functions they call as module globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, mbarrier
     global _load_tile, _valid_keys, _nvmma_buffer, _decode_row, _query_rows, _scores
-    global _ws_kernel, _scores_partition, _pv_partition
+    global _ws_kernel, _scores_partition, _pv_partition, _first_copies
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
 
@@ -131,6 +139,7 @@ def _kernels() -> SimpleNamespace:
     _decode_row, _query_rows, _scores = parts.decode_row, parts.query_rows, parts.scores
     _scores_partition = gluon.jit(_scores_partition)
     _pv_partition = gluon.jit(_pv_partition)
+    _first_copies = gluon.jit(_first_copies)
     _ws_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "max_blocks",
                                               "stride_table"],
                            do_not_specialize_on_alignment=["rows_ptr"])(_ws_kernel)
@@ -143,9 +152,11 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, rows_ptr, scale_log2,
                partition, num_splits, max_blocks, stride_qt, stride_qh, stride_ot, stride_oh,
                stride_table, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-               BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr):
+               BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
+               WG1_LOADS: gl.constexpr, WORKER_REGS: gl.constexpr):
     """Program (head_tile, i, split): 64 heads of decode row i over its context partition
-    `split` (the module docstring's data flow)."""
+    `split` (the module docstring's data flow; WG1_LOADS: the P V warpgroup issues the
+    copies)."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -162,6 +173,11 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     p_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)  # WG1_LOADS: a stage landed
+    left_done = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)  # ... and P V left of it
+    for j in gl.static_range(2):
+        mbarrier.init(ready.index(j), count=128)  # each copying thread's cp.async arrive
+        mbarrier.init(left_done.index(j), count=1)
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=1)
     mbarrier.init(kv_free.index(0), count=1)
@@ -177,7 +193,7 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
     table = block_tables_ptr + req.to(gl.int64) * stride_table
     bufs = (q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s)
-    bars = (p_ready, p_free, kv_free, done)
+    bars = (p_ready, p_free, kv_free, done, ready, left_done)
     # the output's rows: the first head, where this program's go (out, or its split partial)
     out_row = tok * stride_ot + (head_tile * BH).to(gl.int64) * stride_oh
     part_row = ((i * NUM_HEADS + head_tile * BH) * num_splits + split).to(gl.int64)
@@ -185,23 +201,27 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
         (_scores_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr,
                              part_acc_ptr, table, tok, head_tile, start, end, num_tiles,
                              max_blocks, scale_log2, stride_qt, stride_qh, stride_oh, out_row,
-                             part_row, num_splits, NUM_HEADS, L, R, BLOCK_SIZE, SPLIT)),
-        (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, head_tile, num_tiles, stride_oh,
-                         out_row, part_row, num_splits, NUM_HEADS, L, SPLIT)),
-    ], [4], [192])
+                             part_row, num_splits, NUM_HEADS, L, R, BLOCK_SIZE, SPLIT,
+                             WG1_LOADS)),
+        (_pv_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, tok,
+                         head_tile, start, end, num_tiles, max_blocks, stride_qt, stride_qh,
+                         stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R, BLOCK_SIZE,
+                         SPLIT, WG1_LOADS)),
+    ], [4], [WORKER_REGS])
 
 
 def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr,
                       part_acc_ptr, table, tok, head_tile, start, end, num_tiles, max_blocks,
                       scale_log2, stride_qt, stride_qh, stride_oh, out_row, part_row,
                       num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-                      BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr):
-    """The scores warpgroup: every copy, each tile's scores and softmax, O[:, :L/2]."""
+                      BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, WG1_LOADS: gl.constexpr):
+    """The scores warpgroup: every copy (unless WG1_LOADS), each tile's scores and softmax,
+    O[:, :L/2]."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
     q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s = bufs
-    p_ready, p_free, kv_free, done = bars
+    p_ready, p_free, kv_free, done, ready, left_done = bars
     lat_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [4, 1], [1, 0])
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -210,23 +230,15 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
                                                   instr_shape=[16, HALF, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     max_pos = max_blocks * BLOCK_SIZE
-
-    q_at, q_ok = _query_rows(tok, 0, 1, head_tile, stride_qt, stride_qh,
-                             gl.SliceLayout(1, lat_l), NUM_HEADS, BH, 1, False)
-    dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
-    async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_at[:, None] + dq[None, :],
-                                           mask=q_ok[:, None])
-    q_at, q_ok = _query_rows(tok, 0, 1, head_tile, stride_qt, stride_qh,
-                             gl.SliceLayout(1, pe_l), NUM_HEADS, BH, 1, False)
-    dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
-    async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_at[:, None] + L + dp[None, :],
-                                           mask=q_ok[:, None])
     nl = gl.arange(0, BN, layout=gl.SliceLayout(1, lat_l))
     np_ = gl.arange(0, BN, layout=gl.SliceLayout(1, pe_l))
-    for j in gl.static_range(2):  # tiles 0 and 1 (past the partition's end: zeros, no read)
-        _load_tile(cache_ptr, table, cache_ptr, max_pos, start + j * BN, end, k_lat_s.index(j),
-                   k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, False, False)
-    async_copy.commit_group()
+    dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
+    dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
+    if not WG1_LOADS:
+        _first_copies(q_ptr, cache_ptr, table, tok, head_tile, start, end, max_pos, stride_qt,
+                      stride_qh, q_lat_s, q_pe_s, k_lat_s, k_pe_s, ready, nl, dq, np_, dp,
+                      lat_l, pe_l, NUM_HEADS, L, R, BLOCK_SIZE, False)
+        async_copy.commit_group()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
     l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, s_l))
@@ -234,8 +246,11 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
     s_zero = gl.zeros([BH, BN], gl.float32, layout=s_l)
     keys = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
     # tile 0's scores (the queries and tiles 0-1 in one group: the loop's copies come after)
-    async_copy.wait_group(0)
-    gl.thread_barrier()
+    if WG1_LOADS:
+        mbarrier.wait(ready.index(0), 0)
+    else:
+        async_copy.wait_group(0)
+        gl.thread_barrier()
     fence_async_shared()
     s = _scores(q_lat_s, q_pe_s, k_lat_s.index(0), k_pe_s.index(0), s_zero)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -262,18 +277,24 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
                             acc, is_async=True)
         # tile t + 1's scores behind it (its copies landed during tile t; past the last
         # tile a zero stage's, unused)
-        async_copy.wait_group(0)
-        gl.thread_barrier()
+        if WG1_LOADS:
+            mbarrier.wait(ready.index(1 - stage), ((t + 1) // 2) & 1)
+        else:
+            async_copy.wait_group(0)
+            gl.thread_barrier()
         fence_async_shared()
         s = _scores(q_lat_s, q_pe_s, k_lat_s.index(1 - stage), k_pe_s.index(1 - stage), s_zero)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_t V_t done, S pending
-        # the P V warpgroup is done with V_t too: tile t + 2 into t's stage
-        mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
-        gl.thread_barrier()
-        _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 2) * BN, end,
-                   k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
-                   BLOCK_SIZE, False, False)
-        async_copy.commit_group()
+        if WG1_LOADS:  # the P V warpgroup copies tile t + 2 into t's stage once both halves
+            gl.thread_barrier()  # of P V are done with V_t
+            mbarrier.arrive(left_done.index(stage))
+        else:  # the P V warpgroup is done with V_t too: tile t + 2 into t's stage
+            mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
+            gl.thread_barrier()
+            _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 2) * BN, end,
+                       k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
+                       BLOCK_SIZE, False, False)
+            async_copy.commit_group()
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     async_copy.wait_group(0)  # no copy left in flight at exit
 
@@ -297,16 +318,55 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
                  o.to(p_s.dtype), mask=h_ok[:, None])
 
 
-def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, head_tile, num_tiles, stride_oh, out_row,
-                  part_row, num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr,
-                  SPLIT: gl.constexpr):
-    """The P V warpgroup: O[:, L/2:] from each tile's P and rescale."""
+def _first_copies(q_ptr, cache_ptr, table, tok, head_tile, start, end, max_pos, stride_qt,
+                  stride_qh, q_lat_s, q_pe_s, k_lat_s, k_pe_s, ready, nl, dq, np_, dp,
+                  lat_l: gl.constexpr, pe_l: gl.constexpr, NUM_HEADS: gl.constexpr,
+                  L: gl.constexpr, R: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                  SIGNAL: gl.constexpr):
+    """The queries and tiles 0 and 1 (past the partition's end: zeros, no read) copied in;
+    SIGNAL: `ready` arrived on by each thread's copies, stage 0's with the queries'."""
     BH: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    q_at, q_ok = _query_rows(tok, 0, 1, head_tile, stride_qt, stride_qh,
+                             gl.SliceLayout(1, lat_l), NUM_HEADS, BH, 1, False)
+    async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_at[:, None] + dq[None, :],
+                                           mask=q_ok[:, None])
+    q_at, q_ok = _query_rows(tok, 0, 1, head_tile, stride_qt, stride_qh,
+                             gl.SliceLayout(1, pe_l), NUM_HEADS, BH, 1, False)
+    async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_at[:, None] + L + dp[None, :],
+                                           mask=q_ok[:, None])
+    for j in gl.static_range(2):
+        _load_tile(cache_ptr, table, cache_ptr, max_pos, start + j * BN, end, k_lat_s.index(j),
+                   k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, False, False)
+        if SIGNAL:
+            async_copy.mbarrier_arrive(ready.index(j), increment_count=False)
+
+
+def _pv_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, tok, head_tile,
+                  start, end, num_tiles, max_blocks, stride_qt, stride_qh, stride_oh, out_row,
+                  part_row, num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr,
+                  R: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
+                  WG1_LOADS: gl.constexpr):
+    """The P V warpgroup: O[:, L/2:] from each tile's P and rescale (WG1_LOADS: and every
+    copy, each stage's signalled on `ready` by the copies' own arrivals)."""
+    BH: gl.constexpr = 64
+    BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
     q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s = bufs
-    p_ready, p_free, kv_free, done = bars
+    p_ready, p_free, kv_free, done, ready, left_done = bars
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, HALF, 16])
+    lat_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [4, 1], [1, 0])
+    max_pos = max_blocks * BLOCK_SIZE
+    nl = gl.arange(0, BN, layout=gl.SliceLayout(1, lat_l))
+    np_ = gl.arange(0, BN, layout=gl.SliceLayout(1, pe_l))
+    dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
+    dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
+    if WG1_LOADS:
+        _first_copies(q_ptr, cache_ptr, table, tok, head_tile, start, end, max_pos, stride_qt,
+                      stride_qh, q_lat_s, q_pe_s, k_lat_s, k_pe_s, ready, nl, dq, np_, dp,
+                      lat_l, pe_l, NUM_HEADS, L, R, BLOCK_SIZE, True)
     acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)
     for t in range(num_tiles):
         mbarrier.wait(p_ready, t & 1)
@@ -316,7 +376,17 @@ def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, head_tile, num_tiles, strid
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(p_free)
-        mbarrier.arrive(kv_free.index(t % 2))
+        if WG1_LOADS:  # tile t + 2 into t's stage once the left half of P V is done with it
+            mbarrier.wait(left_done.index(t % 2), (t // 2) & 1)
+            _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 2) * BN, end,
+                       k_lat_s.index(t % 2), k_pe_s.index(t % 2), nl, dq, np_, dp, L, R,
+                       BLOCK_SIZE, False, False)
+            async_copy.mbarrier_arrive(ready.index(t % 2), increment_count=False)
+        else:
+            mbarrier.arrive(kv_free.index(t % 2))
+    if WG1_LOADS:
+        async_copy.commit_group()
+        async_copy.wait_group(0)  # no copy left in flight at exit
     mbarrier.wait(done, 0)
     ho = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
     do = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
