@@ -194,7 +194,7 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
                     continue
                 cfg = mla_triton.TileConfig(SWAPPED_HEADS, 64, decode_gluon.NUM_WARPS,
                                             decode_gluon_swapped.key_stages())
-            if form.startswith("gluon-ws"):  # its one tile: 64 heads, 64 keys, two stages, 4 + 4 warps
+            if form.startswith("gluon-ws"):  # its one tile: 64 heads, 64 keys, 4 + 4 warps
                 if tile is not None:
                     continue
                 cfg = mla_triton.TileConfig(64, 64, 8, 2)
