@@ -71,7 +71,7 @@ def choose_formats(tool_parser: str, reasoning_parser: str, tokenizer: Any,
     reasoning, reasoning_reason = _reasoning_format(reasoning_parser, template, architecture)
     markers = [*(tools.markers if tools else ()),
                *((reasoning.start, reasoning.end) if reasoning else ())]
-    keep = any(_is_special(tokenizer, m) for m in markers)
+    keep = any(is_special_marker(tokenizer, m) for m in markers)
     return AgentFormats(tools, tools_reason, reasoning, reasoning_reason, keep)
 
 
@@ -125,7 +125,7 @@ def _named(option: str, flag: str, aliases: dict[str, str], known: Container[str
     return name, f"{option} {flag}"
 
 
-def _is_special(tokenizer: Any, marker: str) -> bool:
+def is_special_marker(tokenizer: Any, marker: str) -> bool:
     """Whether the marker's text is lost when special tokens are skipped."""
     ids = tokenizer.encode(marker, add_special_tokens=False)
     return (tokenizer.decode(ids, skip_special_tokens=True)

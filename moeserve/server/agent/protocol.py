@@ -33,7 +33,8 @@ class FunctionDefinition(_Request):
     """A JSON schema of the arguments object; the chat template shows it to the model, and
     formats that write arguments as text (GLM's) read each one's "type" from it."""
     strict: bool | None = None
-    """Accepted; arguments are not constrained to the schema (no constrained decoding)."""
+    """tool_choice "auto": a call of this function holds its arguments to `parameters` where the
+    tool-call format takes it (agent/strict_calls.py: hermes); forced calls always do."""
 
 
 class Tool(_Request):

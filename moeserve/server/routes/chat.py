@@ -23,10 +23,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from moeserve.server.agent.choice import is_special_marker
 from moeserve.server.agent.forced_calls import ForcedCallSplitter, forced_output
 from moeserve.server.agent.protocol import NamedToolChoice
 from moeserve.server.agent.reasoning import ReasoningSplitter
 from moeserve.server.agent.reply import ReplyParser, ReplyPart
+from moeserve.server.agent.strict_calls import strict_calls_output
 from moeserve.server.agent.tool_formats import TOOL_FORMATS
 from moeserve.server.agent.tool_splitter import ToolCallSplitter, ToolFormat
 from moeserve.server.errors import APIError
@@ -203,15 +205,21 @@ def chat_output(ctx: ServerContext, req: ChatCompletionRequest,
     """The reply's grammar: a forced call's, or response_format's / structured_outputs'. When
     the reply starts inside the model's reasoning, the grammar starts after its end marker,
     which must then be one token (else the JSON would land in the reasoning): a 400 otherwise."""
+    strict_auto = False  # tool_choice "auto" with strict tools (agent/strict_calls.py)
     if req.forces_call:
         assert req.tools is not None and req.tool_choice is not None
         structured = forced_output(req.tools, req.tool_choice, req.parallel_tool_calls)
     else:
         structured = requested_output(req.response_format, req.structured_outputs)
+        if structured is None and req.parses_tool_calls:
+            structured = strict_auto_output(ctx, req)
+            strict_auto = structured is not None
     reasoning = ctx.agent.reasoning
     if structured is None or reasoning is None or not reasoning.starts_inside(prompt_text):
         return structured
     end = ctx.client.tokenizer.encode(reasoning.end, add_special_tokens=False)
+    if len(end) != 1 and strict_auto:  # strict under auto is kept where it can be: not here
+        return None
     if len(end) != 1:
         field = "tool_choice" if req.forces_call else "response_format"
         raise APIError(400, f"{field}: the reply starts inside the model's reasoning, whose end "
@@ -220,6 +228,17 @@ def chat_output(ctx: ServerContext, req: ChatCompletionRequest,
                        '{"enable_thinking": false}) or start the server with '
                        "--reasoning-parser none", field)
     return dataclasses.replace(structured, start_after=end[0])
+
+
+def strict_auto_output(ctx: ServerContext, req: ChatCompletionRequest
+                       ) -> StructuredOutput | None:
+    """The grammar holding an auto reply's calls to their strict tools' schemas, where the
+    server's tool-call format takes it and its opener is text the grammar can spell."""
+    fmt = ctx.agent.tools
+    if fmt is None or is_special_marker(ctx.client.tokenizer, fmt.start):
+        return None
+    return strict_calls_output(fmt.name, fmt.start, fmt.end, req.tools or [],
+                               req.parallel_tool_calls)
 
 
 def reply_parsers(ctx: ServerContext, req: ChatCompletionRequest,
