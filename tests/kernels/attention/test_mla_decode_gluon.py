@@ -25,6 +25,30 @@ def run(case, rows: torch.Tensor | None = None, **kwargs: object) -> torch.Tenso
     return out
 
 
+def check_routing(monkeypatch: Any, module: Any, function: str, switch: str,
+                  want_heads: int) -> None:
+    """With decode_gluon's `switch` on, decode_gluon calls of `want_heads` heads run
+    `module.function` and calls of the other head count (20 or 64) or with a forced tile do
+    not; every result equals the dense expectation."""
+    calls: list[int] = []
+    real = getattr(module, function)
+    monkeypatch.setattr(module, function,
+                        lambda *a, **k: (calls.append(a[0].shape[1]), real(*a, **k))[1])
+    monkeypatch.setattr(decode_gluon, switch, True)
+    tol = TOL[torch.bfloat16]
+    few = gpu_case(np.random.default_rng(0).integers(1, 2048, 40).tolist(), [1] * 40, 20)
+    many = gpu_case([300, 1000], [1, 1], 64, seed=1)
+    routed, other = (few, many) if want_heads == 20 else (many, few)
+    for case, kwargs, want in ((routed, {}, [want_heads]), (other, {}, []),
+                               (routed, {"block_n": 64, "stages": 2}, [])):
+        calls.clear()
+        out = torch.zeros_like(case.q_lat[..., :case.L])
+        decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
+                                  out, None, case.meta.num_reqs, case.meta.max_seq_len, **kwargs)
+        assert calls == want, kwargs
+        torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
+
+
 def check_rows_fp16_and_graph(decode, extra_kw: Callable[[Any], dict], graph_heads: int
                               ) -> None:
     """A Gluon decode variant `decode(q, cache, meta, scale, L, out, rows, num_rows, **kw)`

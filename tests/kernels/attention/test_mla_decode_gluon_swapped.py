@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.kernels.attention.mla import decode_gluon, decode_gluon_swapped
+from moeserve.kernels.attention.mla import decode_gluon_swapped
 from moeserve.kernels.attention.mla.decode_gluon_swapped import decode_swapped
 from tests.kernels.attention.test_mla import DECODE, make_mla_case
-from tests.kernels.attention.test_mla_decode_gluon import check_rows_fp16_and_graph
+from tests.kernels.attention.test_mla_decode_gluon import (
+    check_routing,
+    check_rows_fp16_and_graph,
+)
 from tests.kernels.attention.test_mla_triton import TOL, gpu_case
 
 
@@ -81,19 +84,4 @@ def test_gpu_chosen_rows_fp16_and_a_cuda_graph(stages: bool) -> None:
 def test_gpu_the_switch_routes_few_head_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     """decode_gluon.swapped on: a decode_gluon call of at most 32 heads runs the swapped
     kernel; 64 heads, or a forced tile, do not."""
-    calls: list[int] = []
-    real = decode_gluon_swapped.decode_swapped
-    monkeypatch.setattr(decode_gluon_swapped, "decode_swapped",
-                        lambda *a, **k: (calls.append(a[0].shape[1]), real(*a, **k))[1])
-    monkeypatch.setattr(decode_gluon, "swapped", True)
-    tol = TOL[torch.bfloat16]
-    few = gpu_case(np.random.default_rng(0).integers(1, 2048, 40).tolist(), [1] * 40, 20)
-    many = gpu_case([300, 1000], [1, 1], 64, seed=1)
-    for case, kwargs, want in ((few, {}, [20]), (many, {}, []),
-                               (few, {"block_n": 64, "stages": 2}, [])):
-        calls.clear()
-        out = torch.zeros_like(case.q_lat[..., :case.L])
-        decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
-                                  out, None, case.meta.num_reqs, case.meta.max_seq_len, **kwargs)
-        assert calls == want, kwargs
-        torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
+    check_routing(monkeypatch, decode_gluon_swapped, "decode_swapped", "swapped", 20)

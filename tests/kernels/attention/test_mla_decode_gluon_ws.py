@@ -12,7 +12,10 @@ import torch
 from moeserve.kernels.attention.mla import decode_gluon, decode_gluon_ws
 from moeserve.kernels.attention.mla.decode_gluon_ws import decode_ws
 from tests.kernels.attention.test_mla import DECODE, make_mla_case
-from tests.kernels.attention.test_mla_decode_gluon import check_rows_fp16_and_graph
+from tests.kernels.attention.test_mla_decode_gluon import (
+    check_routing,
+    check_rows_fp16_and_graph,
+)
 from tests.kernels.attention.test_mla_triton import TOL, gpu_case
 
 
@@ -74,19 +77,4 @@ def test_gpu_chosen_rows_fp16_and_a_cuda_graph(wg1_loads: bool) -> None:
 def test_gpu_the_switch_routes_many_head_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     """decode_gluon.ws on: a decode_gluon call of 64 heads runs this kernel; 20 heads (the
     swapped kernel's) or a forced tile do not."""
-    calls: list[int] = []
-    real = decode_gluon_ws.decode_ws
-    monkeypatch.setattr(decode_gluon_ws, "decode_ws",
-                        lambda *a, **k: (calls.append(a[0].shape[1]), real(*a, **k))[1])
-    monkeypatch.setattr(decode_gluon, "ws", True)
-    tol = TOL[torch.bfloat16]
-    few = gpu_case(np.random.default_rng(0).integers(1, 2048, 40).tolist(), [1] * 40, 20)
-    many = gpu_case([300, 1000], [1, 1], 64, seed=1)
-    for case, kwargs, want in ((many, {}, [64]), (few, {}, []),
-                               (many, {"block_n": 64, "stages": 2}, [])):
-        calls.clear()
-        out = torch.zeros_like(case.q_lat[..., :case.L])
-        decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
-                                  out, None, case.meta.num_reqs, case.meta.max_seq_len, **kwargs)
-        assert calls == want, kwargs
-        torch.testing.assert_close(out.float(), case.expected_latent, atol=tol, rtol=tol)
+    check_routing(monkeypatch, decode_gluon_ws, "decode_ws", "ws", 64)
