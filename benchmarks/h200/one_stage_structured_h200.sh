@@ -10,11 +10,12 @@
 # work; the regex run again with MOESERVE_GRAMMAR_MASKS_THREAD=0, masks at once on the
 # engine's thread, its A/B; and mask_cost --per-row: the executor call's host cost against
 # the per-row calls at a ~115k vocabulary on this host), plain W1 at 1,024 in the same call as
-# their baseline (~8 min in all: two calls, a warm machine between them, each under the
-# 10-minute limit; the plain baseline in the first). Into DIR (default $OUT/one_stage_structured).
-#   bash benchmarks/h200/one_stage_structured_h200.sh tests_flash_plain|structured [DIR]
+# their baseline (~8 min in all: two calls, each under the 10-minute limit: `main` the GPU
+# tests, mask_cost, W1 on glm-4.7-flash and the regex's thread / inline A/B in one call;
+# `rest` plain W1 and the schema). Into DIR (default $OUT/one_stage_structured).
+#   bash benchmarks/h200/one_stage_structured_h200.sh main|rest [DIR]
 set -uo pipefail
-part=${1:?tests_flash_plain or structured}
+part=${1:?main or rest}
 source benchmarks/gpu_env.sh
 dir=${2:-$OUT/one_stage_structured}
 mkdir -p "$dir"
@@ -22,10 +23,8 @@ regex='{"structured_outputs": {"regex": "[a-z]{128}"}}'
 schema='{"response_format": {"type": "json_schema", "json_schema": {"name": "w1", "schema":
  {"type": "object", "required": ["t"], "additionalProperties": false, "properties":
  {"t": {"type": "string", "pattern": "^[a-z]{120}$"}}}}}}'
-if [ "$part" = structured ]; then
-  W1_EXTRA_BODY=$regex w1_run qwen3-30b-a3b 1024 regex_c1024 "$dir"
-  W1_EXTRA_BODY=$regex w1_run qwen3-30b-a3b 1024 regex_c1024_masks_inline "$dir" \
-    MOESERVE_GRAMMAR_MASKS_THREAD=0
+if [ "$part" = rest ]; then
+  w1_run qwen3-30b-a3b 1024 plain_c1024 "$dir"
   W1_EXTRA_BODY=$schema w1_run qwen3-30b-a3b 1024 schema_c1024 "$dir"
   gzip -f "$dir"/*.jsonl
   exit 0
@@ -42,5 +41,7 @@ timeout 120 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
 echo "gpu tests rc=$?"; tail -2 "$dir/gpu_tests.log"
 wait $masks; echo "mask_cost rc=$?"
 W1_TIMEOUT=130 w1_run glm-4.7-flash 1024 w1_glm-4.7-flash_c1024 "$dir"
-w1_run qwen3-30b-a3b 1024 plain_c1024 "$dir"
+W1_EXTRA_BODY=$regex w1_run qwen3-30b-a3b 1024 regex_c1024 "$dir"
+W1_EXTRA_BODY=$regex w1_run qwen3-30b-a3b 1024 regex_c1024_masks_inline "$dir" \
+  MOESERVE_GRAMMAR_MASKS_THREAD=0
 gzip -f "$dir"/*.jsonl
