@@ -187,16 +187,25 @@ _OPERATIONS: dict[tuple[str, str], _Operation] = {
     ("/v1/responses", "post"): _Operation(
         "OpenAI's Responses API (the tokenizer's chat template)", _named_events(
             "The response: one JSON object (with `background: true` at once, \"queued\"), or "
-            "with `stream: true` server-sent events: "
+            "with `stream: true` (with or without background) server-sent events: "
             "response.created, response.in_progress, per output item its added / delta / done "
             "events, then response.completed (response.incomplete when max_output_tokens cut "
             "it); an engine failure mid-stream sends an `error` event and ends the stream.",
             ResponseObject, "ResponseStreamEvent"),
         _POST_ERRORS, ResponsesRequest, keyed=True, request_id=True),
     ("/v1/responses/{response_id}", "get"): _Operation(
-        "A stored response", _json(
-            "The response, as it was sent (a background one as it is now).", ResponseObject),
-        (400, 404, 503), keyed=True),
+        "A stored response", _named_events(
+            "The response, as it was sent (a background one as it is now); with "
+            "`stream=true`, a streamed background response's events past `starting_after`, "
+            "then the ones to come until it ends.", ResponseObject, "ResponseStreamEvent"),
+        (400, 404, 503), keyed=True, query=(
+            {"name": "stream", "in": "query", "required": False,
+             "schema": {"type": "boolean", "default": False}},
+            {"name": "starting_after", "in": "query", "required": False,
+             "description": "An event's sequence_number: the stream resumes after it.",
+             "schema": {"type": "integer", "minimum": -1}},
+            {"name": "include", "in": "query", "required": False,
+             "description": "Accepted (nothing is encrypted).", "schema": {"type": "string"}})),
     ("/v1/responses/{response_id}/cancel", "post"): _Operation(
         "End a queued or in-progress background response", _json(
             "The response, cancelled.", ResponseObject), (400, 404, 503), keyed=True),

@@ -170,7 +170,6 @@ def test_items_become_the_chat_they_are() -> None:
     ({"tool_choice": "required"}, "offers no function"),
     ({"truncation": "auto"}, "truncation"),
     ({"background": True, "store": False}, "background needs store true"),
-    ({"background": True, "stream": True}, "background with stream is not served"),
 ])
 def test_what_a_request_cannot_have(body: dict[str, Any], match: str) -> None:
     with pytest.raises(ValidationError) as info:

@@ -7,6 +7,7 @@ tiny-moe server through the openai SDK."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import time
 import types
@@ -81,7 +82,7 @@ def test_a_store_file_of_format_1_is_brought_up(tmp_path: Path) -> None:
     with sqlite3.connect(path) as db:
         [(version,)] = db.execute("PRAGMA user_version").fetchall()
         columns = [row[1] for row in db.execute("PRAGMA table_info(responses)")]
-    assert version == 2 and columns[-2:] == ["status", "owner"]
+    assert version == 2 and columns[-3:] == ["status", "owner", "streamed"]
     store = ResponseStore(path)
     store.add(_row("a", "completed"), [])
     assert store.statuses(["a"]) == {"a": "completed"}
@@ -301,3 +302,112 @@ def test_the_sdk_polls_a_background_response_to_the_foreground_reply(
     assert polled.status == foreground.status and polled.output_text == foreground.output_text
     with pytest.raises(openai.BadRequestError, match="already ended"):
         client.responses.cancel(started.id)
+
+
+# ---- streamed background responses ---------------------------------------------------------
+
+
+def _events(body: bytes) -> list[dict[str, Any]]:
+    """The SSE frames' data, each frame's `event:` checked against its type."""
+    out = []
+    for frame in body.decode().split("\n\n")[:-1]:
+        name, data = frame.split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {payload['type']}"
+        out.append(payload)
+    return out
+
+
+def test_a_streamed_background_response_is_kept_and_resumed_from_any_event() -> None:
+    async def main() -> None:
+        engine = SteppedEngine()
+        async with _http(_app(engine)) as http:
+            for step in ("Hel", "lo", " there$"):
+                engine.releases.put_nowait(step)
+            r = await http.post(RESPONSES, json={"input": "Hi", "background": True,
+                                                 "stream": True})
+            assert r.status_code == 200 and r.headers["content-type"].startswith(
+                "text/event-stream")
+            events = _events(r.content)
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            assert events[0]["type"] == "response.created"
+            assert events[-1]["type"] == "response.completed"
+            rid = events[-1]["response"]["id"]
+            assert events[-1]["response"]["background"] is True
+            text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+            assert text == "Hello there"
+            stored = (await http.get(f"{RESPONSES}/{rid}")).json()
+            assert stored["status"] == "completed" and stored == events[-1]["response"]
+            resumed = await http.get(f"{RESPONSES}/{rid}",
+                                     params={"stream": "true", "starting_after": 2})
+            assert _events(resumed.content) == events[3:]
+            everything = await http.get(f"{RESPONSES}/{rid}", params={"stream": "true"})
+            assert _events(everything.content) == events
+            for params, param in (({"stream": "yes"}, "stream"),
+                                  ({"stream": "true", "starting_after": "x"}, "starting_after"),
+                                  ({"after": 1}, "after")):
+                bad = await http.get(f"{RESPONSES}/{rid}", params=params)
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+            engine.releases.put_nowait("x$")  # not streamed: no events kept
+            plain = (await _create(http))["id"]
+            await _wait_status(http, plain, "completed")
+            bad = await http.get(f"{RESPONSES}/{plain}", params={"stream": "true"})
+            assert bad.status_code == 400 and "not created with" in bad.json()["error"]["message"]
+
+    asyncio.run(main())
+
+
+def test_a_tail_follows_the_events_as_they_come_and_ends_with_a_cancel() -> None:
+    """A GET stream opened while the response runs gets what was kept, then each new event,
+    and ends when the response is cancelled (its engine request aborted)."""
+    async def main() -> None:
+        engine = SteppedEngine()
+        async with _http(_app(engine)) as http:
+            engine.releases.put_nowait("a")
+            post = asyncio.create_task(http.post(RESPONSES, json={
+                "input": "Hi", "background": True, "stream": True}))
+            await _until(lambda: len(engine.started) == 1, "submitted")
+            rid = engine.started[0]
+            await _wait_status(http, rid, "in_progress")
+            tail = asyncio.create_task(http.get(f"{RESPONSES}/{rid}",
+                                                params={"stream": "true"}))
+            engine.releases.put_nowait("b")
+            await asyncio.sleep(0.05)
+            assert not tail.done()  # still running: the tail waits for more
+            assert (await http.post(f"{RESPONSES}/{rid}/cancel")).status_code == 200
+            got, posted = _events((await tail).content), _events((await post).content)
+            assert got == posted and got[0]["type"] == "response.created"
+            deltas = [e["delta"] for e in got if e["type"] == "response.output_text.delta"]
+            assert "".join(deltas) == "ab" and got[-1]["type"] == "response.output_text.delta"
+            await _until(lambda: engine.closed == [rid], "aborted")
+            assert await _status(http, rid) == "cancelled"
+
+    asyncio.run(main())
+
+
+def test_an_engine_failure_ends_the_stream_with_an_error_and_the_response_failed() -> None:
+    async def main() -> None:
+        engine = SteppedEngine()
+        async with _http(_app(engine)) as http:
+            engine.releases.put_nowait("a")
+            engine.releases.put_nowait(RequestFailedError("the step failed"))
+            r = await http.post(RESPONSES, json={"input": "Hi", "background": True,
+                                                 "stream": True})
+            events = _events(r.content)
+            assert events[-1]["type"] == "error" and "the step failed" in events[-1]["message"]
+            rid = events[0]["response"]["id"]
+            body = (await http.get(f"{RESPONSES}/{rid}")).json()
+            assert body["status"] == "failed" and "the step failed" in body["error"]["message"]
+
+    asyncio.run(main())
+
+
+def test_the_sdk_streams_a_background_response_and_resumes_it(long_live: LiveServer) -> None:
+    client = openai.OpenAI(base_url=f"{long_live.url}/v1", api_key="unused", max_retries=0)
+    events = list(client.responses.create(model="tiny-moe", input="Hi", max_output_tokens=8,
+                                          temperature=0, background=True, stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    rid = events[-1].response.id
+    resumed = list(client.responses.retrieve(rid, stream=True, starting_after=1))
+    assert [e.sequence_number for e in resumed] == [e.sequence_number for e in events[2:]]
+    assert resumed[-1].response.output_text == events[-1].response.output_text

@@ -5,6 +5,10 @@ POST /v1/responses/{id}/cancel.
     POST (background)  the response stored "queued" and answered; `run` goes on in a task:
                        the engine's first output -> "in_progress" stored; the end ->
                        "completed" / "incomplete", or "failed" with the error the engine gave
+    stream             (with `stream`) the task keeps each event in the store as it goes; the
+                       POST's stream, and GET ?stream=true&starting_after=N from any API
+                       process, tail them (`tail`: this process's writer wakes its tails,
+                       another's are polled) until the response ends
     cancel, DELETE     end the row in the store ("cancelled", or gone) and cancel the task
                        when it runs in this process; in another API process of the server its
                        watcher sees the row ended within POLL_SECONDS and cancels it there
@@ -22,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from moeserve.server.responses.store import IN_FLIGHT, ResponseStore
@@ -41,6 +45,7 @@ class BackgroundResponses:
         self.poll_seconds = poll_seconds
         self.tasks: dict[str, asyncio.Task] = {}
         self._watcher: asyncio.Task | None = None
+        self._written: dict[str, asyncio.Event] = {}  # a response's new events, for its tails
 
     def start(self, response_id: str, run: Coroutine[Any, Any, None]) -> None:
         """Run a stored, queued response's generation in a task of its own."""
@@ -60,6 +65,31 @@ class BackgroundResponses:
         task = self.tasks.get(response_id)
         if task is not None:
             task.cancel()
+        self.wrote(response_id)  # its tails see it ended
+
+    def wrote(self, response_id: str) -> None:
+        """Wake this process's tails of the response (new events, or its end)."""
+        event = self._written.pop(response_id, None)
+        if event is not None:
+            event.set()
+
+    async def tail(self, response_id: str, after: int) -> AsyncIterator[bytes]:
+        """A streamed background response's events past sequence number `after`, as they are
+        kept, until it has ended and they are all sent."""
+        while True:
+            events = self.store.events(response_id, after)
+            for seq, data in events:
+                after = seq
+                yield data
+            if events:
+                continue
+            if self.store.statuses([response_id]).get(response_id) not in IN_FLIGHT:
+                for _, data in self.store.events(response_id, after):
+                    yield data  # kept between the read above and the end
+                return
+            written = self._written.setdefault(response_id, asyncio.Event())
+            with contextlib.suppress(TimeoutError):  # another process's writes: polled
+                await asyncio.wait_for(written.wait(), self.poll_seconds)
 
     async def shutdown(self) -> None:
         """Each running response failed ("the server shut down"), its task cancelled."""
@@ -70,6 +100,7 @@ class BackgroundResponses:
             with contextlib.suppress(Exception):  # a store that fails must not stop shutdown
                 self.store.end(response_id, "failed", SHUT_DOWN)
             task.cancel()
+            self.wrote(response_id)
         await asyncio.gather(*(task for _, task in tasks), return_exceptions=True)
 
     async def _guarded(self, response_id: str, run: Coroutine[Any, Any, None]) -> None:
@@ -83,6 +114,7 @@ class BackgroundResponses:
             with contextlib.suppress(Exception):
                 self.store.end(response_id, "failed", {
                     "code": "server_error", "message": f"internal error: {type(e).__name__}: {e}"})
+            self.wrote(response_id)
 
     async def _watch(self) -> None:
         """While tasks run: cancel each whose row another process ended or deleted."""

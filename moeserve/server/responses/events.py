@@ -152,39 +152,51 @@ class ResponseRenderer:
 
     async def stream(self, gen: Generation, timer: RequestTimer,
                      log_end: LogEnd) -> AsyncIterator[bytes]:
+        """The response's server-sent events, an engine step's at a time."""
+        async for batch in self.events(gen, timer, log_end):
+            yield b"".join(event_bytes(e) for e in batch)
+
+    async def events(self, gen: Generation, timer: RequestTimer,
+                     log_end: LogEnd) -> AsyncIterator[list[dict[str, Any]]]:
+        """The response's events (each with its sequence_number), an engine step's at a time;
+        an engine failure ends them with an `error` event."""
         result = ChoiceResult()
         parser = self.new_parser() if self.new_parser is not None else None
         items = OutputItems()
         sequence = iter(range(1 << 62))
 
-        def encode(events: list[dict[str, Any]]) -> bytes:
-            return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + _encode(
-                {**e, "sequence_number": next(sequence)}) + b"\n\n" for e in events)
+        def numbered(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [{**e, "sequence_number": next(sequence)} for e in events]
 
         error: str | None = "client went away"
         try:
             start = self.response("in_progress", [], None)
-            yield encode([{"type": "response.created", "response": start},
-                          {"type": "response.in_progress", "response": start}])
+            yield numbered([{"type": "response.created", "response": start},
+                            {"type": "response.in_progress", "response": start}])
             async for _, out in gen.outputs():
                 result.add(out, keep=False)
                 timer.on_tokens(0, len(out.new_token_ids))
                 events = items.feed(reply_part(parser, out.text, out.finished))
                 if out.finished:
                     timer.on_finished(0, result.finish_reason or "stop")
-                yield encode(events)
+                yield numbered(events)
             timer.on_done()
             error = None
             usage = usage_dict([self.prompt], [result], 1)
             events, body = self._finish(result, items, usage)
             last = "response.incomplete" if body["status"] == "incomplete" else \
                 "response.completed"
-            yield encode([*events, {"type": last, "response": body}])
+            yield numbered([*events, {"type": last, "response": body}])
         except Exception as e:  # the engine died or failed: tell the client, end the stream
             api_error = engine_error(e, None)
             error = api_error.message
-            yield encode([{"type": "error", "code": str(api_error.status),
-                           "message": api_error.message, "param": api_error.param}])
+            yield numbered([{"type": "error", "code": str(api_error.status),
+                             "message": api_error.message, "param": api_error.param}])
         finally:
             await gen.aclose()
             log_end([result], error)
+
+
+def event_bytes(event: dict[str, Any]) -> bytes:
+    """One server-sent event: `event: <type>` and its JSON."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + _encode(event) + b"\n\n"

@@ -202,7 +202,8 @@ class ResponsesRequest(_Request):
     share) for previous_response_id and GET /v1/responses/{id}."""
     background: bool = False
     """Answer at once ("queued") and generate in the server: poll GET /v1/responses/{id},
-    end it early with POST /v1/responses/{id}/cancel. Needs store true; not with stream."""
+    end it early with POST /v1/responses/{id}/cancel. Needs store true. With stream: the
+    events come as they are made, and GET ?stream=true&starting_after=N resumes them."""
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -247,9 +248,6 @@ class ResponsesRequest(_Request):
         if self.background and not self.store:
             raise ValueError("background needs store true: a background response is read "
                              "back from the store")
-        if self.background and self.stream:
-            raise ValueError("background with stream is not served: a stored response's "
-                             "events are not kept; poll GET /v1/responses/{id} instead")
         choice = self.tool_choice
         if (choice == "required" or isinstance(choice, NamedFunction)) and not names:
             raise ValueError("tool_choice forces a call, but tools offers no function")

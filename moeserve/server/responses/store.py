@@ -15,8 +15,10 @@ when stored (`msg_...`, `fc_...`, `fco_...`, `rs_...`), so the input_items listi
 
 A background response (responses/background.py) is stored "queued" when accepted; `update`
 writes its progress and its end only while it is still in flight, so a `cancel` (from any API
-process) or a DELETE is final. A store that opens a file finds the rows another server left in
-flight (it stopped before they finished) and marks them failed.
+process) or a DELETE is final. A streamed one's events are kept beside it (`events` table,
+their bytes counted in its size) for the API processes that tail them. A store that opens a
+file finds the rows another server left in flight (it stopped before they finished) and marks
+them failed.
 
 Writes take SQLite's write lock (WAL journal, a busy timeout of BUSY_TIMEOUT_MS); a database of
 format 1 is brought to this one (two columns added); one of another format is refused with its
@@ -51,13 +53,17 @@ SCHEMA_VERSION = 2
 IN_FLIGHT = ("queued", "in_progress")  # a background response's statuses before its end
 _ITEM = TypeAdapter(InputItem)
 _ITEMS = TypeAdapter(list[InputItem])
+# a streamed background response's events, each as sent (its bytes count in the response's size)
+_EVENTS = ("CREATE TABLE IF NOT EXISTS events (response_id TEXT NOT NULL, seq INTEGER NOT NULL, "
+           "data BLOB NOT NULL, PRIMARY KEY (response_id, seq))")
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, body BLOB NOT NULL, "
            "items BLOB NOT NULL, num_input INTEGER NOT NULL, size INTEGER NOT NULL, "
            "used INTEGER NOT NULL, status TEXT NOT NULL DEFAULT 'completed', "
-           "owner TEXT NOT NULL DEFAULT '')",
-           "CREATE INDEX IF NOT EXISTS responses_used ON responses (used)")
+           "owner TEXT NOT NULL DEFAULT '', streamed INTEGER NOT NULL DEFAULT 0)",
+           "CREATE INDEX IF NOT EXISTS responses_used ON responses (used)", _EVENTS)
 _FROM_1 = ("ALTER TABLE responses ADD COLUMN status TEXT NOT NULL DEFAULT 'completed'",
-           "ALTER TABLE responses ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+           "ALTER TABLE responses ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
+           "ALTER TABLE responses ADD COLUMN streamed INTEGER NOT NULL DEFAULT 0", _EVENTS)
 LEFT_BEHIND = {"code": "server_error",
                "message": "the server that ran this background response stopped before it "
                           "finished"}
@@ -107,14 +113,15 @@ class ResponseStore:
         [(count,)] = self._rows("SELECT count(*) FROM responses")
         return int(count)
 
-    def add(self, body: dict[str, Any], conversation: list[Any]) -> None:
-        """Keep a response (finished, or a background one just accepted): `conversation` is its
-        history and input items; its output items are added after them (as the input items
-        they are when sent back)."""
+    def add(self, body: dict[str, Any], conversation: list[Any],
+            streamed: bool = False) -> None:
+        """Keep a response (finished, or a background one just accepted; `streamed`: its
+        events will be kept too): `conversation` is its history and input items; its output
+        items are added after them (as the input items they are when sent back)."""
         row = self._row(body, conversation)
         with self._write():
-            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                             row)
+            self._db.execute("INSERT OR REPLACE INTO responses VALUES "
+                             "(?, ?, ?, ?, ?, ?, ?, ?, ?)", (*row, int(streamed)))
             rows = self._rows("SELECT id, size, status FROM responses ORDER BY used DESC")
             kept = total = 0
             gone = []
@@ -125,6 +132,7 @@ class ResponseStore:
                         kept > self.max_responses or total > self.max_bytes):
                     gone.append((response_id,))
             self._db.executemany("DELETE FROM responses WHERE id = ?", gone)
+            self._db.executemany("DELETE FROM events WHERE response_id = ?", gone)
 
     def update(self, body: dict[str, Any], conversation: list[Any]) -> bool:
         """A background response's progress or end, written only while its row is in flight:
@@ -132,7 +140,9 @@ class ResponseStore:
         row = self._row(body, conversation)
         with self._write():
             written = self._db.execute(
-                "UPDATE responses SET body = ?, items = ?, num_input = ?, size = ?, used = ?, "
+                "UPDATE responses SET body = ?, items = ?, num_input = ?, "
+                "size = ? + (SELECT coalesce(sum(length(data)), 0) FROM events WHERE "
+                "response_id = responses.id), used = ?, "
                 f"status = ? WHERE id = ? AND status IN {IN_FLIGHT}", (*row[1:7], row[0]))
         return written.rowcount > 0
 
@@ -195,7 +205,32 @@ class ResponseStore:
     def delete(self, response_id: str) -> bool:
         with self._write():
             deleted = self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+            self._db.execute("DELETE FROM events WHERE response_id = ?", (response_id,))
         return deleted.rowcount > 0
+
+    def append_events(self, response_id: str, events: list[tuple[int, bytes]]) -> bool:
+        """A streamed background response's next events (sequence number, bytes as sent),
+        kept while its row is in flight: False (nothing kept) once it ended or is gone."""
+        with self._write():
+            grown = self._db.execute(
+                f"UPDATE responses SET size = size + ? WHERE id = ? AND status IN {IN_FLIGHT}",
+                (sum(len(data) for _, data in events), response_id))
+            if grown.rowcount == 0:
+                return False
+            self._db.executemany("INSERT OR REPLACE INTO events VALUES (?, ?, ?)",
+                                 [(response_id, seq, data) for seq, data in events])
+        return True
+
+    def streamed(self, response_id: str) -> bool:
+        """Whether it was accepted as a streamed background response (its events kept)."""
+        rows = self._rows("SELECT streamed FROM responses WHERE id = ?", (response_id,))
+        return bool(rows and rows[0][0])
+
+    def events(self, response_id: str, after: int) -> list[tuple[int, bytes]]:
+        """Its stored events past sequence number `after`, in order."""
+        return [(int(seq), bytes(data)) for seq, data in self._rows(
+            "SELECT seq, data FROM events WHERE response_id = ? AND seq > ? ORDER BY seq",
+            (response_id, after))]
 
     def close(self) -> None:
         self._db.close()
