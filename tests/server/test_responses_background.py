@@ -140,7 +140,7 @@ async def _until(check: Any, what: str) -> None:
 
 def _app(engine: SteppedEngine, store: ResponseStore | None = None) -> Any:
     app = build_app(engine, None, responses=store)  # type: ignore[arg-type]
-    app.state.ctx.background.poll_seconds = 0.01
+    app.state.ctx.background.poll_seconds = app.state.ctx.background.tail_poll_seconds = 0.01
     return app
 
 

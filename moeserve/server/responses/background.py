@@ -8,7 +8,7 @@ POST /v1/responses/{id}/cancel.
     stream             (with `stream`) the task keeps each event in the store as it goes; the
                        POST's stream, and GET ?stream=true&starting_after=N from any API
                        process, tail them (`tail`: this process's writer wakes its tails,
-                       another's are polled) until the response ends
+                       another's are polled every TAIL_POLL_SECONDS) until it ends
     cancel, DELETE     end the row in the store ("cancelled", or gone) and cancel the task
                        when it runs in this process; in another API process of the server its
                        watcher sees the row ended within POLL_SECONDS and cancels it there
@@ -32,7 +32,8 @@ from typing import Any
 from moeserve.server.responses.store import IN_FLIGHT, ResponseStore
 
 logger = logging.getLogger("moeserve.server")
-POLL_SECONDS = 0.5
+POLL_SECONDS = 0.5  # the watcher's, for cancels through another API process
+TAIL_POLL_SECONDS = 0.1  # a tail's, for events another API process keeps
 SHUT_DOWN = {"code": "server_error",
              "message": "the server shut down before this background response finished"}
 
@@ -43,6 +44,7 @@ class BackgroundResponses:
     def __init__(self, store: ResponseStore, poll_seconds: float = POLL_SECONDS) -> None:
         self.store = store
         self.poll_seconds = poll_seconds
+        self.tail_poll_seconds = min(poll_seconds, TAIL_POLL_SECONDS)
         self.tasks: dict[str, asyncio.Task] = {}
         self._watcher: asyncio.Task | None = None
         self._written: dict[str, asyncio.Event] = {}  # a response's new events, for its tails
@@ -89,7 +91,7 @@ class BackgroundResponses:
                 return
             written = self._written.setdefault(response_id, asyncio.Event())
             with contextlib.suppress(TimeoutError):  # another process's writes: polled
-                await asyncio.wait_for(written.wait(), self.poll_seconds)
+                await asyncio.wait_for(written.wait(), self.tail_poll_seconds)
 
     async def shutdown(self) -> None:
         """Each running response failed ("the server shut down"), its task cancelled."""
