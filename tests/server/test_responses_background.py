@@ -411,3 +411,27 @@ def test_the_sdk_streams_a_background_response_and_resumes_it(long_live: LiveSer
     resumed = list(client.responses.retrieve(rid, stream=True, starting_after=1))
     assert [e.sequence_number for e in resumed] == [e.sequence_number for e in events[2:]]
     assert resumed[-1].response.output_text == events[-1].response.output_text
+
+
+def test_another_api_process_tails_the_stream_from_the_store(tmp_path: Path) -> None:
+    """Two apps on one store file: a stream opened through the one that does not run the
+    response polls the kept events and ends with the response."""
+    async def main() -> None:
+        path = str(tmp_path / "r.sqlite")
+        engine = SteppedEngine()
+        runner = _app(engine, ResponseStore(path, owner="s"))
+        other = _app(engine, ResponseStore(path, owner="s"))
+        async with _http(runner) as one, _http(other) as two:
+            engine.releases.put_nowait("a")
+            post = asyncio.create_task(one.post(RESPONSES, json={
+                "input": "Hi", "background": True, "stream": True}))
+            await _until(lambda: len(engine.started) == 1, "submitted")
+            rid = engine.started[0]
+            await _wait_status(two, rid, "in_progress")
+            tail = asyncio.create_task(two.get(f"{RESPONSES}/{rid}",
+                                               params={"stream": "true", "starting_after": 0}))
+            engine.releases.put_nowait("b$")
+            posted, got = _events((await post).content), _events((await tail).content)
+            assert got == posted[1:] and got[-1]["type"] == "response.completed"
+
+    asyncio.run(main())
