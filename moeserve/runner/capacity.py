@@ -220,7 +220,7 @@ def mla_decode_line(cfg: EngineConfig, device: torch.device, dtype: torch.dtype)
     """The capacity report's MLA decode form, with the kernels it runs here: "auto" on an sm90
     GPU with a cache in the model's 16-bit dtype runs the Gluon ones (kernels/attention/mla/
     decode_gluon.py: the decode, prefill rows unless MOESERVE_MLA_PREFILL_GLUON=0, DSA's
-    sparse attention; the A/B switch named when set), elsewhere the Triton ones."""
+    sparse attention; the A/B switches named when set), elsewhere the Triton ones."""
     form = cfg.mla_decode
     if cfg.attention_backend != "triton" or form not in ("auto", "gluon"):
         return form
@@ -230,5 +230,6 @@ def mla_decode_line(cfg: EngineConfig, device: torch.device, dtype: torch.dtype)
             and dtype in (torch.bfloat16, torch.float16) and cfg.cache.kv_cache_dtype == "auto"):
         prefill = "" if envs.mla_prefill_gluon() else "; prefill rows in Triton"
         unswapped = "" if decode_gluon.swapped else "; decodes of <= 32 heads not swapped"
-        return f"{form} (Gluon on sm90's wgmma{prefill}{unswapped})"
+        ws = "; decodes of more heads warp-specialized" if decode_gluon.ws else ""
+        return f"{form} (Gluon on sm90's wgmma{prefill}{unswapped}{ws})"
     return f"{form} (Triton: no sm90 GPU with a 16-bit cache here)"

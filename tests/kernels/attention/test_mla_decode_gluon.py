@@ -378,7 +378,8 @@ def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyP
     from moeserve.runner.capacity import mla_decode_line
 
     monkeypatch.delenv(envs.MLA_PREFILL_GLUON, raising=False)
-    monkeypatch.setattr(decode_gluon, "swapped", True)  # the default
+    monkeypatch.setattr(decode_gluon, "swapped", True)  # the defaults
+    monkeypatch.setattr(decode_gluon, "ws", False)
     cfg = EngineConfig(attention_backend="triton")
     cuda = torch.device("cuda")
     assert mla_decode_line(cfg, cuda, torch.bfloat16) == "auto (Gluon on sm90's wgmma)"
@@ -389,3 +390,5 @@ def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyP
     assert "prefill rows in Triton" in mla_decode_line(cfg, cuda, torch.bfloat16)
     monkeypatch.setattr(decode_gluon, "swapped", False)  # the A/B switch, named when set
     assert "not swapped" in mla_decode_line(cfg, cuda, torch.bfloat16)
+    monkeypatch.setattr(decode_gluon, "ws", True)  # the warp-specialized decode, when on
+    assert "warp-specialized" in mla_decode_line(cfg, cuda, torch.bfloat16)
