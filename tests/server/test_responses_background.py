@@ -357,18 +357,26 @@ def test_a_streamed_background_response_is_kept_and_resumed_from_any_event() -> 
     asyncio.run(main())
 
 
+async def _running_stream(engine: SteppedEngine, poster: httpx.AsyncClient,
+                          reader: httpx.AsyncClient) -> tuple[asyncio.Task, str]:
+    """A streamed background POST through `poster` (its task, reading the stream) whose first
+    output ("a") is out: "in_progress" as `reader` reads it; and its id."""
+    engine.releases.put_nowait("a")
+    post = asyncio.create_task(poster.post(RESPONSES, json={
+        "input": "Hi", "background": True, "stream": True}))
+    await _until(lambda: len(engine.started) == 1, "submitted")
+    rid = engine.started[0]
+    await _wait_status(reader, rid, "in_progress")
+    return post, rid
+
+
 def test_a_tail_follows_the_events_as_they_come_and_ends_with_a_cancel() -> None:
     """A GET stream opened while the response runs gets what was kept, then each new event,
     and ends when the response is cancelled (its engine request aborted)."""
     async def main() -> None:
         engine = SteppedEngine()
         async with _http(_app(engine)) as http:
-            engine.releases.put_nowait("a")
-            post = asyncio.create_task(http.post(RESPONSES, json={
-                "input": "Hi", "background": True, "stream": True}))
-            await _until(lambda: len(engine.started) == 1, "submitted")
-            rid = engine.started[0]
-            await _wait_status(http, rid, "in_progress")
+            post, rid = await _running_stream(engine, http, http)
             tail = asyncio.create_task(http.get(f"{RESPONSES}/{rid}",
                                                 params={"stream": "true"}))
             engine.releases.put_nowait("b")
@@ -422,12 +430,7 @@ def test_another_api_process_tails_the_stream_from_the_store(tmp_path: Path) -> 
         runner = _app(engine, ResponseStore(path, owner="s"))
         other = _app(engine, ResponseStore(path, owner="s"))
         async with _http(runner) as one, _http(other) as two:
-            engine.releases.put_nowait("a")
-            post = asyncio.create_task(one.post(RESPONSES, json={
-                "input": "Hi", "background": True, "stream": True}))
-            await _until(lambda: len(engine.started) == 1, "submitted")
-            rid = engine.started[0]
-            await _wait_status(two, rid, "in_progress")
+            post, rid = await _running_stream(engine, one, two)
             tail = asyncio.create_task(two.get(f"{RESPONSES}/{rid}",
                                                params={"stream": "true", "starting_after": 0}))
             engine.releases.put_nowait("b$")
