@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeserve.server.agent.reasoning import ReasoningFormat
+from moeserve.server.agent.strict_calls import SUPPORTED as STRICT_FORMATS
 from moeserve.server.agent.tool_formats import TOOL_FORMAT_ALIASES, TOOL_FORMATS
 from moeserve.server.agent.tool_splitter import ToolFormat
 
@@ -53,13 +54,17 @@ class AgentFormats:
     reasoning_reason: str
     keep_special_tokens: bool = False
     """Some marker is a special token of the tokenizer: replies that are parsed keep them."""
+    strict_auto: str = "no tool-call format"
+    """Whether strict tools hold tool_choice "auto" calls to their schemas here
+    (agent/strict_calls.py): "enforced", or why not."""
 
     def describe(self) -> dict[str, Any]:
         return {"tool_call_parser": self.tools.name if self.tools else "none",
                 "tool_call_parser_reason": self.tools_reason,
                 "reasoning_parser": self.reasoning.name if self.reasoning else "none",
                 "reasoning_parser_reason": self.reasoning_reason,
-                "keep_special_tokens": self.keep_special_tokens}
+                "keep_special_tokens": self.keep_special_tokens,
+                "strict_tools_under_auto": self.strict_auto}
 
 
 def choose_formats(tool_parser: str, reasoning_parser: str, tokenizer: Any,
@@ -72,7 +77,18 @@ def choose_formats(tool_parser: str, reasoning_parser: str, tokenizer: Any,
     markers = [*(tools.markers if tools else ()),
                *((reasoning.start, reasoning.end) if reasoning else ())]
     keep = any(is_special_marker(tokenizer, m) for m in markers)
-    return AgentFormats(tools, tools_reason, reasoning, reasoning_reason, keep)
+    return AgentFormats(tools, tools_reason, reasoning, reasoning_reason, keep,
+                        _strict_auto(tools, tokenizer))
+
+
+def _strict_auto(tools: ToolFormat | None, tokenizer: Any) -> str:
+    if tools is None:
+        return "no tool-call format"
+    if tools.name not in STRICT_FORMATS:
+        return f"not enforced: {tools.name}'s calls are not one JSON object between text markers"
+    if is_special_marker(tokenizer, tools.start):
+        return f"not enforced: {tools.start!r} is a special token of the tokenizer"
+    return "enforced"
 
 
 def _tool_format(flag: str, template: str | None, architecture: str

@@ -23,7 +23,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from moeserve.server.agent.choice import is_special_marker
 from moeserve.server.agent.forced_calls import ForcedCallSplitter, forced_output
 from moeserve.server.agent.protocol import NamedToolChoice
 from moeserve.server.agent.reasoning import ReasoningSplitter
@@ -235,7 +234,7 @@ def strict_auto_output(ctx: ServerContext, req: ChatCompletionRequest
     """The grammar holding an auto reply's calls to their strict tools' schemas, where the
     server's tool-call format takes it and its opener is text the grammar can spell."""
     fmt = ctx.agent.tools
-    if fmt is None or is_special_marker(ctx.client.tokenizer, fmt.start):
+    if fmt is None or ctx.agent.strict_auto != "enforced":
         return None
     return strict_calls_output(fmt.name, fmt.start, fmt.end, req.tools or [],
                                req.parallel_tool_calls)

@@ -118,7 +118,10 @@ def test_chat_output_gives_it_under_auto_and_only_there() -> None:
     assert forced is not None and forced.kind == "json_schema"
     loose = _request(tools=[t.model_dump(exclude_none=True) for t in _tools(False)])
     assert chat_output(ctx, loose, prompt) is None
-    assert chat_output(_ctx(BYTES, "glm45"), _request(), prompt) is None
+    glm = _ctx(BYTES, "glm45")
+    assert chat_output(glm, _request(), prompt) is None
+    assert ctx.agent.describe()["strict_tools_under_auto"] == "enforced"
+    assert glm.agent.describe()["strict_tools_under_auto"].startswith("not enforced: glm45")
 
 
 @pytest.mark.parametrize("tokenizer, start_after", [(_ThinkTokenizer(512, None, None), 300),
