@@ -66,7 +66,7 @@ def test_names_aliases_none_and_errors() -> None:
     assert choose_formats("none", "none", BYTES, "Qwen3MoeForCausalLM").describe() == {
         "tool_call_parser": "none", "tool_call_parser_reason": "--tool-call-parser none",
         "reasoning_parser": "none", "reasoning_parser_reason": "--reasoning-parser none",
-        "keep_special_tokens": False}
+        "keep_special_tokens": False, "strict_tools_under_auto": "no tool-call format"}
     with pytest.raises(ValueError, match="--tool-call-parser 'llama3_json' is unknown"):
         choose_formats("llama3_json", "auto", BYTES, "X")
     with pytest.raises(ValueError, match="--reasoning-parser 'o1' is unknown"):
