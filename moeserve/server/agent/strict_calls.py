@@ -12,6 +12,11 @@ contain the opener, so a call the model opens is held to the grammar and text th
 one is any text. JSON is written compact, as every grammar of the server's writes it
 (structured/spec.py). The reply is read back by the format's own parser, as with auto.
 
+When the prompt ends inside the model's reasoning, the grammar starts after its end marker
+(chat_output's start_after); a reasoning block the reply writes itself is text to the grammar,
+so a call opened inside it is held to the schemas too (llguidance's lazy rule commits at the
+first opener: the grammar cannot leave the block's text free and the reply's calls held).
+
 Formats whose calls are one JSON object between plain-text markers take it (`SUPPORTED`);
 where the markers are special tokens of the tokenizer (text cannot spell them) or the format
 writes arguments as other than JSON (GLM's, DSML), strict tools are accepted and not enforced.
