@@ -190,6 +190,11 @@ def test_a_bad_text_format_names_text_format() -> None:
     with pytest.raises(APIError) as info:
         chat_request(req, [])
     assert info.value.param == "text.format" and info.value.message.startswith("text.format")
+    verbose = _request({"text": {"verbosity": "low"}})  # accepted, no format
+    assert verbose.text is not None and "response_format" not in chat_request(
+        verbose, []).model_dump(exclude_none=True)
+    with pytest.raises(ValidationError, match="verbosity"):
+        _request({"text": {"verbosity": "terse"}})
 
 
 _OUT = [{"id": "m", "type": "message", "role": "assistant", "status": "completed",

@@ -178,6 +178,8 @@ class JsonSchemaTextFormat(JsonSchemaFormat):
 class TextConfig(_Request):
     format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaTextFormat,
                       Field(discriminator="type")] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    """Accepted (GPT-5's clients send it): the reply's length is the model's own."""
 
 
 class ReasoningConfig(_Request):
