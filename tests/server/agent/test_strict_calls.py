@@ -137,3 +137,23 @@ def test_inside_the_reasoning_it_starts_after_a_one_token_end_else_is_not_kept(
         assert structured is None
     else:
         assert structured is not None and structured.start_after == start_after
+
+
+def test_the_live_server_serves_strict_tools_under_auto_through_the_grammar(
+        long_live: Any) -> None:
+    """tiny-moe's server (hermes calls, byte vocabulary): /v1/engine says strict tools are
+    enforced, and a reply under auto with a strict tool is generated through the grammar (the
+    engine compiled it) to its end; whatever calls it writes are valid."""
+    import httpx
+
+    with httpx.Client(base_url=long_live.url, timeout=60) as http:
+        engine = http.get("/v1/engine").json()
+        assert engine["server"]["strict_tools_under_auto"] == "enforced", engine["server"]
+        r = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "time?"}], "max_tokens": 24,
+            "tools": [t.model_dump(exclude_none=True) for t in _tools()], "seed": 1})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        for call in choice["message"].get("tool_calls") or []:
+            assert call["function"]["name"] in ("time", "note")
+            json.loads(call["function"]["arguments"])
