@@ -22,6 +22,7 @@ Errors answer in the OpenAI shape, as the other OpenAI routes.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import msgspec
@@ -132,13 +133,15 @@ async def _run_streamed(ctx: ServerContext, gen: Generation, renderer: ResponseR
     if not await _started(ctx, gen, renderer, conversation):
         return
     rid, error = renderer.response_id, None
-    async for batch in renderer.events(gen, RequestTimer(ctx.metrics, 1), _no_log):
-        if batch and batch[-1]["type"] == "error":
-            error = batch[-1]
-        if not ctx.responses.append_events(
-                rid, [(e["sequence_number"], event_bytes(e)) for e in batch]):
-            return  # cancelled or deleted meanwhile (the stop reaches the task too)
-        ctx.background.wrote(rid)
+    async with contextlib.aclosing(renderer.events(gen, RequestTimer(ctx.metrics, 1),
+                                                   _no_log)) as events:
+        async for batch in events:
+            if batch and batch[-1]["type"] == "error":
+                error = batch[-1]
+            if not ctx.responses.append_events(
+                    rid, [(e["sequence_number"], event_bytes(e)) for e in batch]):
+                return  # cancelled or deleted meanwhile: the closing aborts the request
+            ctx.background.wrote(rid)
     if error is not None:
         ctx.responses.end(rid, "failed", {"code": _ERROR_CODES.get(
             int(error["code"]), "server_error"), "message": error["message"]})
