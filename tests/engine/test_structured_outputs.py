@@ -216,7 +216,8 @@ def test_a_deferred_sampling_out_of_memory_loses_nothing(device: str,
     import torch
 
     params = [_greedy(KINDS[k][0]) for k in range(len(PROMPTS))]
-    clean = [r.text for r in _llm(device, async_scheduling=True).generate(PROMPTS, params)]
+    clean = [(r.text, r.finish_reason) for r in
+             _llm(device, async_scheduling=True).generate(PROMPTS, params)]
     llm = _llm(device, async_scheduling=True)
     sample, calls = llm.engine.runner.sample_deferred, []
 
@@ -228,8 +229,9 @@ def test_a_deferred_sampling_out_of_memory_loses_nothing(device: str,
 
     monkeypatch.setattr(llm.engine.runner, "sample_deferred", failing)
     results = llm.generate(PROMPTS, params)
-    assert [r.text for r in results] == clean and len(calls) > 3
-    assert all(r.finish_reason is FinishReason.STOP for r in results)
+    # NOTE: the clean run's finish reasons, not STOP: on CUDA a greedy reply may end at
+    # max_tokens before its grammar completes (the GPU run found it)
+    assert [(r.text, r.finish_reason) for r in results] == clean and len(calls) > 3
     assert llm.engine.oom.num_recoveries == 1 and llm.engine.scheduler.stats.num_preemptions
 
 

@@ -26,10 +26,11 @@ def run(case, rows: torch.Tensor | None = None, **kwargs: object) -> torch.Tenso
 
 
 def check_routing(monkeypatch: Any, module: Any, function: str, switch: str,
-                  want_heads: int) -> None:
+                  want_heads: int, long: bool = False) -> None:
     """With decode_gluon's `switch` on, decode_gluon calls of `want_heads` heads run
-    `module.function` and calls of the other head count (20 or 64) or with a forced tile do
-    not; every result equals the dense expectation."""
+    `module.function` and calls of the other head count (20 or 64), with a forced tile, or
+    (`long`: the switch's kernel takes long contexts only) over short contexts do not; every
+    result equals the dense expectation."""
     calls: list[int] = []
     real = getattr(module, function)
     monkeypatch.setattr(module, function,
@@ -39,8 +40,13 @@ def check_routing(monkeypatch: Any, module: Any, function: str, switch: str,
     few = gpu_case(np.random.default_rng(0).integers(1, 2048, 40).tolist(), [1] * 40, 20)
     many = gpu_case([300, 1000], [1, 1], 64, seed=1)
     routed, other = (few, many) if want_heads == 20 else (many, few)
-    for case, kwargs, want in ((routed, {}, [want_heads]), (other, {}, []),
-                               (routed, {"block_n": 64, "stages": 2}, [])):
+    cases = [(routed, {}, [want_heads]), (other, {}, []),
+             (routed, {"block_n": 64, "stages": 2}, [])]
+    if long:  # the routed case over contexts past the threshold; the short one stays out
+        cases[0] = (gpu_case([300, decode_gluon.WS_MIN_CONTEXT + 5], [1, 1], want_heads,
+                             seed=2), {}, [want_heads])
+        cases.append((routed, {}, []))
+    for case, kwargs, want in cases:
         calls.clear()
         out = torch.zeros_like(case.q_lat[..., :case.L])
         decode_gluon.decode_gluon(case.q_lat, case.latent_cache, case.meta, case.scale, case.L,
@@ -379,7 +385,7 @@ def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyP
 
     monkeypatch.delenv(envs.MLA_PREFILL_GLUON, raising=False)
     monkeypatch.setattr(decode_gluon, "swapped", True)  # the defaults
-    monkeypatch.setattr(decode_gluon, "ws", False)
+    monkeypatch.setattr(decode_gluon, "ws", True)
     cfg = EngineConfig(attention_backend="triton")
     cuda = torch.device("cuda")
     assert mla_decode_line(cfg, cuda, torch.bfloat16) == "auto (Gluon on sm90's wgmma)"
@@ -390,5 +396,5 @@ def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyP
     assert "prefill rows in Triton" in mla_decode_line(cfg, cuda, torch.bfloat16)
     monkeypatch.setattr(decode_gluon, "swapped", False)  # the A/B switch, named when set
     assert "not swapped" in mla_decode_line(cfg, cuda, torch.bfloat16)
-    monkeypatch.setattr(decode_gluon, "ws", True)  # the warp-specialized decode, when on
-    assert "warp-specialized" in mla_decode_line(cfg, cuda, torch.bfloat16)
+    monkeypatch.setattr(decode_gluon, "ws", False)  # the warp-specialized decode's switch
+    assert "not warp-specialized" in mla_decode_line(cfg, cuda, torch.bfloat16)

@@ -73,9 +73,15 @@ DECODE_WAVES = 1
 # keys against this kernel's 62-74%, 47.8 / 51.9% at W1's contexts against 42.1 / 46.2%; with
 # its one key stage (its default since gpu_ff7b345) 70.5-90.2%, and 52.2 / 59.6%
 swapped = envs.mla_decode_swapped()
-# decodes of more heads by decode_gluon_ws.py's warp-specialized kernel (one warpgroup a tile's
-# scores, the other half of P V) with MOESERVE_MLA_DECODE_WS=1; off until the H200 measures it
+# decodes of more heads over contexts of WS_MIN_CONTEXT keys and more by decode_gluon_ws.py's
+# warp-specialized kernel (one warpgroup a tile's scores, the other half of P V); off with
+# MOESERVE_MLA_DECODE_WS=0. On the H200 (benchmarks/results/gpu_fc67c12/call1, kernels_mla,
+# share of the bound, this kernel -> it): 4,096 keys at 256-2,048 rows 70.0-72.1 -> 78.2-82.9%
+# at 64 heads, 47.7-48.4 -> 53.8-55.7% at 128; 1,024 keys within -0.9 / +2.3 points; W1's short
+# contexts (about 3 key tiles a row) 36.7 / 41.9 -> 29.9 / 33.7% at 64 heads: slower, so they
+# stay here
 ws = envs.mla_decode_ws()
+WS_MIN_CONTEXT = 2048
 # the decode forms' output (and split partials) stored from a layout of 8 consecutive latent
 # columns a thread (16-byte stores; 16 STG a thread at 64 heads instead of 64, the same shared
 # memory, 200 -> 216 registers, sm90 offline); MOESERVE_MLA_VECTOR_STORES=0 keeps the
@@ -148,7 +154,8 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
         return _swapped().decode_swapped(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
                                          num_rows, max_seq_len, num_splits)
     if ws and block_n is None and stages is None and not overlap and (
-            _ws().takes(q, latent_cache, kv_lora_rank)) and not _swapped().takes(q.shape[1]):
+            max_seq_len >= WS_MIN_CONTEXT and _ws().takes(q, latent_cache, kv_lora_rank)
+            and not _swapped().takes(q.shape[1])):
         return _ws().decode_ws(q, latent_cache, meta, scale, kv_lora_rank, out, rows, num_rows,
                                max_seq_len, num_splits)
     block_n, stages = tile(block_n, stages, overlap)
