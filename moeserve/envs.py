@@ -18,7 +18,7 @@
                              heads off mla/decode_gluon_swapped.py's kernel (keys as wgmma's
                              M), for A/Bs; on otherwise
     MOESERVE_MLA_DECODE_WS  "0" keeps the Gluon MLA decode's launches of more than 32 heads
-                             (at L 512, R 64) with contexts of 2,048 keys and more off
+                             (at L 512, R 64) with contexts of 1,024 keys and more off
                              mla/decode_gluon_ws.py's warp-specialized kernel (one warpgroup
                              the scores, the other half of P V), for A/Bs; on otherwise
     MOESERVE_MLA_SWAPPED_ONE_STAGE  "0" goes back to two key stages (one program an SM) in

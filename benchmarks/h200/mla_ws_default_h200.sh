@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# decode_gluon_ws made the default from 2,048 keys (session 36): its GPU tests, decode_gluon's
+# decode_gluon_ws made the default from 1,024 keys (session 36): its GPU tests, decode_gluon's
 # (routing, capacity report) and the structured OOM test fixed (~2 min).
 #   bash benchmarks/h200/mla_ws_default_h200.sh
 set -uo pipefail

@@ -36,7 +36,7 @@ def test_refuses_what_it_cannot_take_by_name() -> None:
 
 
 def test_the_switch_is_on_by_default_from_its_context() -> None:
-    assert decode_gluon.ws is True and decode_gluon.WS_MIN_CONTEXT == 2048
+    assert decode_gluon.ws is True and decode_gluon.WS_MIN_CONTEXT == 1024
 
 
 @pytest.fixture(params=[False, True], ids=["wg0_copies", "wg1_copies"])
@@ -75,7 +75,7 @@ def test_gpu_chosen_rows_fp16_and_a_cuda_graph(wg1_loads: bool) -> None:
 
 @pytest.mark.gpu
 def test_gpu_the_switch_routes_many_head_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """decode_gluon.ws on: a decode_gluon call of 64 heads over a context of 2,048 keys or
+    """decode_gluon.ws on: a decode_gluon call of 64 heads over a context of 1,024 keys or
     more runs this kernel; 20 heads (the swapped kernel's), a forced tile, or 64 heads over
     at most 1,000 keys do not."""
     check_routing(monkeypatch, decode_gluon_ws, "decode_ws", "ws", 64, long=True)

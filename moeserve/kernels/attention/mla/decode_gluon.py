@@ -77,11 +77,12 @@ swapped = envs.mla_decode_swapped()
 # warp-specialized kernel (one warpgroup a tile's scores, the other half of P V); off with
 # MOESERVE_MLA_DECODE_WS=0. On the H200 (benchmarks/results/gpu_fc67c12/call1, kernels_mla,
 # share of the bound, this kernel -> it): 4,096 keys at 256-2,048 rows 70.0-72.1 -> 78.2-82.9%
-# at 64 heads, 47.7-48.4 -> 53.8-55.7% at 128; 1,024 keys within -0.9 / +2.3 points; W1's short
-# contexts (about 3 key tiles a row) 36.7 / 41.9 -> 29.9 / 33.7% at 64 heads: slower, so they
-# stay here
+# at 64 heads, 47.7-48.4 -> 53.8-55.7% at 128; 1,024 keys level or faster in 5 of 6 cases (-0.9
+# to +2.7 points); W1's short contexts (129-256 keys, about 3 key tiles a row) 36.7 / 41.9 ->
+# 29.9 / 33.7% at 64 heads: slower, so they stay here (the crossover between 256 and 1,024
+# keys is not measured)
 ws = envs.mla_decode_ws()
-WS_MIN_CONTEXT = 2048
+WS_MIN_CONTEXT = 1024
 # the decode forms' output (and split partials) stored from a layout of 8 consecutive latent
 # columns a thread (16-byte stores; 16 STG a thread at 64 heads instead of 64, the same shared
 # memory, 200 -> 216 registers, sm90 offline); MOESERVE_MLA_VECTOR_STORES=0 keeps the

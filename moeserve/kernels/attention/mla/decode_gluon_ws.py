@@ -33,8 +33,9 @@ decode_gluon's (reduce_triton combines them).
 of more than decode_gluon_swapped's heads over contexts of decode_gluon.WS_MIN_CONTEXT keys and
 more here. On the H200 (benchmarks/results/gpu_fc67c12/call1, kernels_mla): at 4,096 keys
 78.2-82.9% of the bound at 64 heads (decode_gluon 70.0-72.1%), 53.8-55.7% at 128 (47.7-48.4%);
-at 1,024 keys level (-0.9 to +2.3 points); at W1's ~192 keys slower (29.9 / 33.7% against 36.7
-/ 41.9% at 64 heads: the prologue and the hand-offs of 3 tiles a row), hence the threshold.
+at 1,024 keys level or faster in 5 of 6 cases (-0.9 to +2.7 points); at W1's ~192 keys slower
+(29.9 / 33.7% against 36.7 / 41.9% at 64 heads: the prologue and the hand-offs of 3 tiles a
+row), hence the threshold.
 The worker's copies (`wg1_loads`) were slower than the scores warpgroup's at 4k keys (72.6-
 72.9% at 64 heads against 80.2-82.9) and level or slower elsewhere: kept off, for A/Bs.
 """
