@@ -238,14 +238,19 @@ def test_cancel_ends_it_and_aborts_the_engine_request() -> None:
     asyncio.run(main())
 
 
+def _two_api_processes(tmp_path: Path) -> tuple[SteppedEngine, Any, Any]:
+    """One engine and two apps on one store file of one server (as --api-servers 2)."""
+    path = str(tmp_path / "r.sqlite")
+    engine = SteppedEngine()
+    return (engine, _app(engine, ResponseStore(path, owner="s")),
+            _app(engine, ResponseStore(path, owner="s")))
+
+
 def test_a_cancel_through_another_api_process_reaches_the_one_running_it(tmp_path: Path) -> None:
     """Two apps on one store file (as --api-servers 2): the cancel lands on the other; the
     runner's watcher sees the row ended and aborts its engine request."""
     async def main() -> None:
-        path = str(tmp_path / "r.sqlite")
-        engine = SteppedEngine()
-        runner = _app(engine, ResponseStore(path, owner="s"))
-        other = _app(engine, ResponseStore(path, owner="s"))
+        engine, runner, other = _two_api_processes(tmp_path)
         async with _http(runner) as one, _http(other) as two:
             rid = (await _create(one))["id"]
             await _until(lambda: rid in engine.started, "submitted")
@@ -425,10 +430,7 @@ def test_another_api_process_tails_the_stream_from_the_store(tmp_path: Path) -> 
     """Two apps on one store file: a stream opened through the one that does not run the
     response polls the kept events and ends with the response."""
     async def main() -> None:
-        path = str(tmp_path / "r.sqlite")
-        engine = SteppedEngine()
-        runner = _app(engine, ResponseStore(path, owner="s"))
-        other = _app(engine, ResponseStore(path, owner="s"))
+        engine, runner, other = _two_api_processes(tmp_path)
         async with _http(runner) as one, _http(other) as two:
             post, rid = await _running_stream(engine, one, two)
             tail = asyncio.create_task(two.get(f"{RESPONSES}/{rid}",
