@@ -245,17 +245,18 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
         _first_copies(q_ptr, cache_ptr, table, tok, head_tile, start, end, max_pos, stride_qt,
                       stride_qh, q_lat_s, q_pe_s, k_lat_s, k_pe_s, ready, nl, dq, np_, dp,
                       lat_l, pe_l, NUM_HEADS, L, R, BLOCK_SIZE, False)
+        async_copy.commit_group()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
     l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, s_l))
     acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)
     s_zero = gl.zeros([BH, BN], gl.float32, layout=s_l)
     keys = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-    # tile 0's scores (the queries and tile 0 in the first group; tile 1's may be in flight)
+    # tile 0's scores (the queries and tiles 0-1 in one group: the loop's copies come after)
     if WG1_LOADS:
         mbarrier.wait(ready.index(0), 0)
     else:
-        async_copy.wait_group(1)
+        async_copy.wait_group(0)
         gl.thread_barrier()
     fence_async_shared()
     s = _scores(q_lat_s, q_pe_s, k_lat_s.index(0), k_pe_s.index(0), s_zero)
@@ -346,8 +347,6 @@ def _first_copies(q_ptr, cache_ptr, table, tok, head_tile, start, end, max_pos, 
                    k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, False, False)
         if SIGNAL:
             async_copy.mbarrier_arrive(ready.index(j), increment_count=False)
-        else:  # a group a tile: tile 0's scores wait for the queries and tile 0 only
-            async_copy.commit_group()
 
 
 def _pv_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, tok, head_tile,
