@@ -385,7 +385,7 @@ def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyP
 
     monkeypatch.delenv(envs.MLA_PREFILL_GLUON, raising=False)
     monkeypatch.setattr(decode_gluon, "swapped", True)  # the defaults
-    monkeypatch.setattr(decode_gluon, "ws", True)
+    monkeypatch.setattr(decode_gluon, "ws", False)
     cfg = EngineConfig(attention_backend="triton")
     cuda = torch.device("cuda")
     assert mla_decode_line(cfg, cuda, torch.bfloat16) == "auto (Gluon on sm90's wgmma)"
@@ -396,5 +396,5 @@ def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyP
     assert "prefill rows in Triton" in mla_decode_line(cfg, cuda, torch.bfloat16)
     monkeypatch.setattr(decode_gluon, "swapped", False)  # the A/B switch, named when set
     assert "not swapped" in mla_decode_line(cfg, cuda, torch.bfloat16)
-    monkeypatch.setattr(decode_gluon, "ws", False)  # the warp-specialized decode's switch
-    assert "not warp-specialized" in mla_decode_line(cfg, cuda, torch.bfloat16)
+    monkeypatch.setattr(decode_gluon, "ws", True)  # the warp-specialized decode, when on
+    assert "warp-specialized" in mla_decode_line(cfg, cuda, torch.bfloat16)

@@ -35,8 +35,8 @@ def test_refuses_what_it_cannot_take_by_name() -> None:
         run(case)
 
 
-def test_the_switch_is_on_by_default_from_its_context() -> None:
-    assert decode_gluon.ws is True and decode_gluon.WS_MIN_CONTEXT == 1024
+def test_the_switch_is_off_by_default_and_takes_long_contexts() -> None:
+    assert decode_gluon.ws is False and decode_gluon.WS_MIN_CONTEXT == 1024
 
 
 @pytest.fixture(params=[False, True], ids=["wg0_copies", "wg1_copies"])

@@ -74,13 +74,16 @@ DECODE_WAVES = 1
 # its one key stage (its default since gpu_ff7b345) 70.5-90.2%, and 52.2 / 59.6%
 swapped = envs.mla_decode_swapped()
 # decodes of more heads over contexts of WS_MIN_CONTEXT keys and more by decode_gluon_ws.py's
-# warp-specialized kernel (one warpgroup a tile's scores, the other half of P V); off with
-# MOESERVE_MLA_DECODE_WS=0. On the H200 (benchmarks/results/gpu_fc67c12/call1, kernels_mla,
-# share of the bound, this kernel -> it): 4,096 keys at 256-2,048 rows 70.0-72.1 -> 78.2-82.9%
-# at 64 heads, 47.7-48.4 -> 53.8-55.7% at 128; 1,024 keys level or faster in 5 of 6 cases (-0.9
-# to +2.7 points); W1's short contexts (129-256 keys, about 3 key tiles a row) 36.7 / 41.9 ->
-# 29.9 / 33.7% at 64 heads: slower, so they stay here (the crossover between 256 and 1,024
-# keys is not measured)
+# warp-specialized kernel (one warpgroup a tile's scores, the other half of P V) with
+# MOESERVE_MLA_DECODE_WS=1. Off by default: a decode CUDA graph is captured with max_seq_len at
+# max_model_len (runner/cuda_graphs.py), so in a served decode every launch would pass the
+# threshold, W1's short rows too, where the kernel is slower; the default waits for graphs
+# that know their rows' context bound (as DSA models' do). On the H200
+# (benchmarks/results/gpu_fc67c12/call1, kernels_mla, share of the bound, this kernel -> it):
+# 4,096 keys at 256-2,048 rows 70.0-72.1 -> 78.2-82.9% at 64 heads, 47.7-48.4 -> 53.8-55.7% at
+# 128; 1,024 keys level or faster in 5 of 6 cases (-0.9 to +2.7 points); W1's short contexts
+# (129-256 keys, about 3 key tiles a row) 36.7 / 41.9 -> 29.9 / 33.7% at 64 heads: slower, so
+# they stay here (the crossover between 256 and 1,024 keys is not measured)
 ws = envs.mla_decode_ws()
 WS_MIN_CONTEXT = 1024
 # the decode forms' output (and split partials) stored from a layout of 8 consecutive latent

@@ -29,8 +29,9 @@ key stages 144 KB, P 8 KB: 225 KB. bf16 / fp16, L = 512 and R = 64 (DeepSeek and
 latent), an sm90 GPU; decode rows only (no sparse or prefill form). Split partials are
 decode_gluon's (reduce_triton combines them).
 
-`decode_gluon.ws` (on unless MOESERVE_MLA_DECODE_WS=0, envs.py) routes decode_gluon's launches
-of more than decode_gluon_swapped's heads over contexts of decode_gluon.WS_MIN_CONTEXT keys and
+`decode_gluon.ws` (MOESERVE_MLA_DECODE_WS=1, envs.py; off by default, decode_gluon's note says
+why: a served decode's CUDA graph is captured at max_model_len) routes decode_gluon's launches of
+more than decode_gluon_swapped's heads over contexts of decode_gluon.WS_MIN_CONTEXT keys and
 more here. On the H200 (benchmarks/results/gpu_fc67c12/call1, kernels_mla): at 4,096 keys
 78.2-82.9% of the bound at 64 heads (decode_gluon 70.0-72.1%), 53.8-55.7% at 128 (47.7-48.4%);
 at 1,024 keys level or faster in 5 of 6 cases (-0.9 to +2.7 points); at W1's ~192 keys slower
