@@ -60,12 +60,8 @@ async def create_response(ctx: ServerContext, request: Request, request_id: str)
     new_items = input_items(req)
     conversation = [*history, *new_items]
 
-    finished: list[dict[str, Any]] = []  # a background response's end, stored by its task
-
     def on_done(body: dict[str, Any]) -> None:
-        if req.background:  # after its last events (stream): their tails end on it
-            finished.append(body)
-        elif req.store:
+        if req.store and not req.background:  # a background one's task stores its end
             ctx.responses.add(body, conversation)
 
     tokenizer = ctx.client.tokenizer
@@ -76,7 +72,7 @@ async def create_response(ctx: ServerContext, request: Request, request_id: str)
         queued = renderer.response("queued", [], None)
         ctx.responses.add(queued, conversation, streamed=req.stream)
         run = _run_streamed if req.stream else _run
-        ctx.background.start(request_id, run(ctx, gen, renderer, conversation, finished))
+        ctx.background.start(request_id, run(ctx, gen, renderer, conversation))
         headers = {"X-Request-Id": request_id}
         if req.stream:
             return StreamingResponse(ctx.background.tail(request_id, -1), headers=headers,
@@ -104,13 +100,18 @@ async def _started(ctx: ServerContext, gen: Generation, renderer: ResponseRender
 
 def _failed(ctx: ServerContext, response_id: str, exc: BaseException) -> None:
     error = engine_error(exc, None)
+    _end_failed(ctx, response_id, error.status, error.message)
+
+
+def _end_failed(ctx: ServerContext, response_id: str, status: int, message: str) -> None:
+    """The response "failed" with OpenAI's error object for an HTTP status and message."""
     ctx.responses.end(response_id, "failed", {
-        "code": _ERROR_CODES.get(error.status, "server_error"), "message": error.message})
+        "code": _ERROR_CODES.get(status, "server_error"), "message": message})
     ctx.background.wrote(response_id)
 
 
 async def _run(ctx: ServerContext, gen: Generation, renderer: ResponseRenderer,
-               conversation: list[Any], finished: list[dict[str, Any]]) -> None:
+               conversation: list[Any]) -> None:
     """A background response's generation: "in_progress" once the engine's first output came,
     then its end (the renderer's on_done), or "failed" with the engine's error."""
     if not await _started(ctx, gen, renderer, conversation):
@@ -122,31 +123,30 @@ async def _run(ctx: ServerContext, gen: Generation, renderer: ResponseRenderer,
         return
     finally:
         await gen.aclose()
-    renderer.final(results, usage_dict([renderer.prompt], results, 1))
-    ctx.responses.update(finished[0], conversation)
+    ctx.responses.update(renderer.final(results, usage_dict([renderer.prompt], results, 1)),
+                         conversation)
 
 
 async def _run_streamed(ctx: ServerContext, gen: Generation, renderer: ResponseRenderer,
-                        conversation: list[Any], finished: list[dict[str, Any]]) -> None:
+                        conversation: list[Any]) -> None:
     """A streamed background response: its events kept in the store as they come (its tails
-    read them there), then its end stored; an `error` event ends it "failed"."""
+    read them there), then its end stored (the last event's response, after the events: the
+    tails end on it); an `error` event ends it "failed"."""
     if not await _started(ctx, gen, renderer, conversation):
         return
-    rid, error = renderer.response_id, None
+    rid, last = renderer.response_id, None
     async with contextlib.aclosing(renderer.events(gen, RequestTimer(ctx.metrics, 1),
                                                    _no_log)) as events:
         async for batch in events:
-            if batch and batch[-1]["type"] == "error":
-                error = batch[-1]
+            last = batch[-1] if batch else last
             if not ctx.responses.append_events(
                     rid, [(e["sequence_number"], event_bytes(e)) for e in batch]):
                 return  # cancelled or deleted meanwhile: the closing aborts the request
             ctx.background.wrote(rid)
-    if error is not None:
-        ctx.responses.end(rid, "failed", {"code": _ERROR_CODES.get(
-            int(error["code"]), "server_error"), "message": error["message"]})
-    elif finished:
-        ctx.responses.update(finished[0], conversation)
+    if last is not None and last["type"] == "error":
+        _end_failed(ctx, rid, int(last["code"]), last["message"])
+    elif last is not None and "response" in last:  # response.completed / .incomplete
+        ctx.responses.update(last["response"], conversation)
     ctx.background.wrote(rid)
 
 
