@@ -17,12 +17,10 @@
     MOESERVE_MLA_DECODE_SWAPPED  "0" keeps the Gluon MLA decode's launches of at most 32
                              heads off mla/decode_gluon_swapped.py's kernel (keys as wgmma's
                              M), for A/Bs; on otherwise
-    MOESERVE_MLA_DECODE_WS  "1" routes the Gluon MLA decode's launches of more than 32 heads
-                             (at L 512, R 64) with contexts of 1,024 keys and more to
+    MOESERVE_MLA_DECODE_WS  "0" keeps the Gluon MLA decode's launches of more than 32 heads
+                             (at L 512, R 64) whose rows reach past 1,024 keys off
                              mla/decode_gluon_ws.py's warp-specialized kernel (one warpgroup
-                             the scores, the other half of P V); off otherwise: a decode CUDA
-                             graph is captured at max_model_len, so short rows would take it
-                             too, where it is slower (decode_gluon.py's note)
+                             the scores, the other half of P V), for A/Bs; on otherwise
     MOESERVE_MLA_SWAPPED_ONE_STAGE  "0" goes back to two key stages (one program an SM) in
                              decode_gluon_swapped.py's kernel; one stage (115 KB of shared
                              memory: two programs an SM, each copying its next tile after its
@@ -108,7 +106,7 @@ def mla_decode_swapped() -> bool:
 
 
 def mla_decode_ws() -> bool:
-    return os.environ.get(MLA_DECODE_WS) == "1"
+    return os.environ.get(MLA_DECODE_WS) != "0"
 
 
 def mla_swapped_one_stage() -> bool:

@@ -22,6 +22,7 @@ after each case (a run cut short keeps what it measured).
     python -m benchmarks.kernels.kernels_mla --out DIR --tiles 16,64,4,2 32,32,8,2
         # each case at each tile
     python -m benchmarks.kernels.kernels_mla --out DIR --few-rows   # 4-128 rows instead
+    python -m benchmarks.kernels.kernels_mla --out DIR --crossover   # 384-1,536 keys instead
     python -m benchmarks.kernels.kernels_mla --out DIR --forms split flat gluon gluon-overlap
         # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat,
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
@@ -62,6 +63,10 @@ CASES = tuple((f"b{b}_ctx{c}", b, c) for b in (256, 1024, 2048) for c in (1024, 
 # the flat decode
 FEW_ROW_CASES = (("b4_ctx16384", 4, 16384), ("b32_ctx4096", 32, 4096),
                  ("b64_ctx8192", 64, 8192), ("b128_ctx2048", 128, 2048))
+# --crossover: contexts between W1's and 1k, where decode_gluon_ws overtakes decode_gluon
+# (decode_gluon.WS_SHORT_CONTEXT: the decode graphs' bound between them)
+CROSSOVER_CASES = tuple((f"b{b}_ctx{c}", b, c) for b in (256, 1024, 2048)
+                        for c in (384, 512, 768, 1536))
 SMOKE_CASES = (("b3_ctx40", 3, 40), ("w1_b4", 4, "w1"))
 CHECK_ROWS = 8  # rows of the small step each case is checked on
 GLUON_FORMS = ("gluon", "gluon-overlap", "gluon-swapped", "gluon-ws", "gluon-ws-wl")
@@ -257,8 +262,12 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")
-    parser.add_argument("--few-rows", action="store_true",
-                        help="time FEW_ROW_CASES (4-128 rows of 2k-16k keys) instead of CASES")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--few-rows", action="store_true",
+                       help="time FEW_ROW_CASES (4-128 rows of 2k-16k keys) instead of CASES")
+    which.add_argument("--crossover", action="store_true",
+                       help="time CROSSOVER_CASES (256-2,048 rows of 384-1,536 keys) instead "
+                            "of CASES")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_mla")
@@ -267,7 +276,9 @@ def main() -> None:
         shape = {"latent": 32, "rope": 16, "block_size": 8}
         heads = [min(h, 4) for h in args.heads[:1]]
     else:
-        dtype, cases = torch.bfloat16, FEW_ROW_CASES if args.few_rows else CASES
+        dtype = torch.bfloat16
+        cases = (FEW_ROW_CASES if args.few_rows else CROSSOVER_CASES if args.crossover
+                 else CASES)
         shape = {"latent": LATENT, "rope": ROPE, "block_size": args.block_size}
         heads = args.heads
     timer = make_timer(args.smoke, warmup_ms=10, rep_ms=50)

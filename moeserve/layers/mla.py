@@ -333,6 +333,16 @@ class MLAttention(nn.Module):
         self.decode_kwargs = ({} if form == "auto" else {"decode_form": form}) | (
             self._prefill_kwargs())
 
+    def decode_kernel_bounds(self) -> dict[int, str]:
+        """Contexts past which this layer's decode runs another kernel (decode_gluon's
+        `kernel_bounds`, under the Triton backend in its "auto" or "gluon" form, over the bound
+        cache), each with what changes; {} without a cache or under another backend or form."""
+        cache = self.kv_cache
+        if (cache is None or self.backend is not mla_attention_triton
+                or self.decode_kwargs.get("decode_form", "gluon") != "gluon"):
+            return {}
+        return decode_gluon.kernel_bounds(self.num_heads, cache, self.kv_lora_rank)
+
     def _prefill_kwargs(self) -> dict:
         """The Triton backend's absorbed prefill not in Gluon, when MOESERVE_MLA_PREFILL_GLUON=0
         (an A/B switch, envs.py)."""

@@ -268,6 +268,17 @@ class CausalLM(nn.Module):
             if isinstance(layer.self_attn, MLAttention):
                 layer.self_attn.set_decode_form(form)
 
+    def decode_kernel_bounds(self) -> dict[int, str]:
+        """Contexts past which a decode step's attention runs another kernel, each with what
+        changes (the MLA layers' `decode_kernel_bounds`): the CUDA-graph decode captures a
+        graph per bucket at each (runner/cuda_graphs.py's `context_bounds`)."""
+        bounds: dict[int, str] = {}
+        for layer in self.model.layers:
+            attn_bounds = getattr(layer.self_attn, "decode_kernel_bounds", None)
+            if attn_bounds is not None:
+                bounds.update(attn_bounds())
+        return bounds
+
     def dense_context_limit(self) -> int | None:
         """The context length up to which every DSA layer runs dense MLA whatever the host
         knows (its index_topk; layers/dsa.py's `_split_rows` reads meta.max_seq_len as the

@@ -15,13 +15,18 @@ Rows B' >= the batch (padding) get token 0 at position 0, seq_len 1 and slot 0: 
 K/V into the null block (block 0, never handed out) and read one key from it; `count_mask` keeps
 them out of the expert-load counters. Their outputs are dropped.
 
-The Triton decode kernel sizes its context partitions from `max_seq_len`, fixed at capture to
-max_model_len; rows shorter than a partition skip it, so one graph serves every context length.
-A model with DeepSeek Sparse Attention gets one graph per bucket and context bound
-(`context_bounds`): the model's `dense_context_limit()` (index_topk), where layers/dsa.py runs
-dense MLA with no indexer, then bounds 8x apart up to max_model_len, where every row is sparse
-and the indexer's scores and top-k span the bound, not max_model_len. `stage` picks, on the
-host, the smallest bound that every context stays within through a multi-step round.
+The Triton decode kernel sizes its context partitions from `max_seq_len`, fixed at capture (to
+max_model_len by default); rows shorter than a partition skip it, so one graph serves every
+context length. Where a decode's kernels depend on the rows' longest context, a bucket holds
+one graph per context bound (`context_bounds`), and `stage` picks, on the host, the smallest
+bound that every context stays within through a multi-step round:
+  - the model's `decode_kernel_bounds()`: contexts past which an attention kernel changes (an
+    MLA model of more than 32 heads: decode_gluon's WS_SHORT_CONTEXT, past which its decode
+    runs decode_gluon_ws, slower on short rows);
+  - a model with DeepSeek Sparse Attention: its `dense_context_limit()` (index_topk), where
+    layers/dsa.py runs dense MLA with no indexer, then bounds 8x apart up to max_model_len,
+    where every row is sparse and the indexer's scores and top-k span the bound, not
+    max_model_len.
 Graphs are captured largest first into one memory pool (a smaller graph's activations fit in the
 larger one's). Multi-step decode advances positions, lengths and slots on the device (`advance`)
 between replays, with no host round trip.
@@ -68,18 +73,19 @@ def bucket_padding(sizes: list[int]) -> float:
     return worst
 
 
-def context_bounds(dense_limit: int | None, max_model_len: int,
-                   step: int = CONTEXT_STEP) -> tuple[int, ...]:
-    """The max_seq_len of each graph a bucket holds, ascending, the last max_model_len:
-    (max_model_len,) without a dense limit below it; else the limit, then `step`x bounds
-    below max_model_len, then max_model_len (GLM-5's 2,048 at 202,752: 2,048, 16,384,
-    131,072, 202,752)."""
-    if dense_limit is None or dense_limit >= max_model_len:
-        return (max_model_len,)
-    bounds = [dense_limit]
-    while bounds[-1] * step < max_model_len:
-        bounds.append(bounds[-1] * step)
-    return (*bounds, max_model_len)
+def context_bounds(dense_limit: int | None, max_model_len: int, step: int = CONTEXT_STEP,
+                   kernel_bounds: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The max_seq_len of each graph a bucket holds, ascending, the last max_model_len: the
+    dense limit and `step`x bounds from it below max_model_len (GLM-5's 2,048 at 202,752:
+    2,048, 16,384, 131,072, 202,752), and each of `kernel_bounds` below max_model_len (the
+    contexts where a decode's attention kernel changes); (max_model_len,) with neither."""
+    bounds = {b for b in kernel_bounds if 0 < b < max_model_len}
+    if dense_limit is not None:
+        b = dense_limit
+        while b < max_model_len:
+            bounds.add(b)
+            b *= step
+    return (*sorted(bounds), max_model_len)
 
 
 class DecodeGraphs:
@@ -97,7 +103,13 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.device = device
         limit = getattr(model, "dense_context_limit", lambda: None)()
-        self.bounds = context_bounds(limit, max_model_len)  # each bucket's graphs' max_seq_len
+        self.dense_limit = limit if limit is not None and limit < max_model_len else None
+        # context -> what changes past it (the model's `decode_kernel_bounds`)
+        self.kernel_bounds: dict[int, str] = {
+            b: why for b, why in getattr(model, "decode_kernel_bounds", dict)().items()
+            if b < max_model_len}
+        self.bounds = context_bounds(self.dense_limit, max_model_len,  # graphs' max_seq_len
+                                     kernel_bounds=tuple(self.kernel_bounds))
         self.bound = max_model_len  # the staged step's (`stage`)
         n = self.max_batch
         self.max_blocks = -(-max_model_len // block_size)
@@ -115,8 +127,8 @@ class DecodeGraphs:
 
     @property
     def dense_context(self) -> int | None:
-        """The smallest bound where it is the model's dense limit (DSA: index_topk), else None."""
-        return self.bounds[0] if len(self.bounds) > 1 else None
+        """The model's dense limit (DSA: index_topk) when below max_model_len, else None."""
+        return self.dense_limit
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket >= batch, or None when the batch is larger than every bucket."""
@@ -172,9 +184,11 @@ class DecodeGraphs:
     def report(self, seconds: float) -> str:
         """The capacity report's one-line state, after `capture` took `seconds`."""
         kind = "captured" if self.graphs else "static buffers, eager (no CUDA)"
+        why = [f"{b}: {text}" for b, text in sorted(self.kernel_bounds.items())]
+        if self.dense_context is not None:
+            why.append(f"DSA: within {self.dense_context} dense MLA, no indexer")
         bounds = (f" x {len(self.bounds)} context bounds {', '.join(map(str, self.bounds))} "
-                  f"(DSA: within {self.dense_context} dense MLA, no indexer)"
-                  if self.dense_context is not None else "")
+                  f"({'; '.join(why)})" if len(self.bounds) > 1 else "")
         return (f"on: {len(self.sizes)} decode batch sizes 1..{self.max_batch}{bounds} ({kind} "
                 f"in {seconds:.1f}s), padding < 10% of a batch")
 

@@ -139,14 +139,41 @@ class _ShortModel(torch.nn.Module):
         return 8
 
 
+class _KernelBoundModel(torch.nn.Module):
+    """A stand-in model whose decode changes kernel past 16 keys (as an MLA model's past
+    decode_gluon.WS_SHORT_CONTEXT), and past 4,096 (beyond max_model_len: no graph)."""
+
+    def decode_kernel_bounds(self) -> dict[int, str]:
+        return {16: "a longer-context kernel past it", 4096: "never reached"}
+
+
 def test_context_bounds() -> None:
     """index_topk, then 8x bounds below max_model_len, then max_model_len; one bound without
-    a dense limit below max_model_len."""
+    a dense limit below max_model_len; kernel bounds below max_model_len merged in."""
     assert context_bounds(2048, 202752) == (2048, 16384, 131072, 202752)
     assert context_bounds(2048, 33280) == (2048, 16384, 33280)
     assert context_bounds(2048, 16384) == (2048, 16384)
     assert context_bounds(8, 64) == (8, 64) and context_bounds(8, 65) == (8, 64, 65)
     assert context_bounds(None, 4096) == (4096,) and context_bounds(4096, 4096) == (4096,)
+    assert context_bounds(None, 4096, kernel_bounds=(1024,)) == (1024, 4096)
+    assert context_bounds(None, 1024, kernel_bounds=(1024, 2048)) == (1024,)
+    assert context_bounds(2048, 202752, kernel_bounds=(1024, 16384)) == (
+        1024, 2048, 16384, 131072, 202752)
+
+
+def test_a_kernel_bound_gets_its_graphs_and_short_steps_replay_them() -> None:
+    """A model's decode kernel bound: a graph per bucket at it and at max_model_len; a step of
+    rows within it stages the bound (its metadata's max_seq_len: what decode_gluon routes
+    by), one reaching past it max_model_len; the report says what changes there."""
+    graphs = DecodeGraphs(_KernelBoundModel(), [1, 2], 64, 4, torch.device("cpu"))
+    assert graphs.bounds == (16, 64) and graphs.dense_context is None
+    ids = np.array([5, 6], dtype=np.int64)
+    tables = [list(range(1, 17)), list(range(17, 33))]
+    for positions, steps, bound in (([3, 14], 1, 16), ([3, 15], 1, 16), ([3, 15], 2, 64),
+                                    ([16, 0], 1, 64)):
+        graphs.stage(ids, np.array(positions, dtype=np.int64), tables, 2, steps)
+        assert graphs.bound == bound, (positions, steps)
+    assert "2 context bounds 16, 64 (16: a longer-context kernel past it)" in graphs.report(0.0)
 
 
 def test_stage_picks_the_smallest_context_bound_every_context_stays_within() -> None:

@@ -38,12 +38,13 @@ def check_routing(monkeypatch: Any, module: Any, function: str, switch: str,
     monkeypatch.setattr(decode_gluon, switch, True)
     tol = TOL[torch.bfloat16]
     few = gpu_case(np.random.default_rng(0).integers(1, 2048, 40).tolist(), [1] * 40, 20)
-    many = gpu_case([300, 1000], [1, 1], 64, seed=1)
+    # max_seq_len 1,024: within WS_SHORT_CONTEXT
+    many = gpu_case([300, decode_gluon.WS_SHORT_CONTEXT - 1], [1, 1], 64, seed=1)
     routed, other = (few, many) if want_heads == 20 else (many, few)
     cases = [(routed, {}, [want_heads]), (other, {}, []),
              (routed, {"block_n": 64, "stages": 2}, [])]
     if long:  # the routed case over contexts past the threshold; the short one stays out
-        cases[0] = (gpu_case([300, decode_gluon.WS_MIN_CONTEXT + 5], [1, 1], want_heads,
+        cases[0] = (gpu_case([300, decode_gluon.WS_SHORT_CONTEXT + 5], [1, 1], want_heads,
                              seed=2), {}, [want_heads])
         cases.append((routed, {}, []))
     for case, kwargs, want in cases:
@@ -333,6 +334,32 @@ def test_layer_keeps_the_triton_prefill_only_when_the_switch_is_off(
     assert layer.absorbed_max_context() == AUTO_ABSORBED_MAX_CONTEXT
     layer.auto_max_context = 77  # a set limit wins
     assert layer.absorbed_max_context() == 77
+
+
+def test_layer_names_the_ws_bound_for_its_decode_graphs(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """An MLA layer's `decode_kernel_bounds` (what the decode CUDA graphs capture a bound at):
+    decode_gluon.WS_SHORT_CONTEXT for GLM-5's 64 heads under the Triton backend over a cache
+    decode_gluon takes (stubbed on CPU), in "auto" and "gluon" forms; none without a cache,
+    for GLM-4.7-Flash's 20 heads (the swapped kernel), in the split form, or under the torch
+    reference."""
+    from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
+    from moeserve.kernels.attention.mla.reference import mla_attention_ref
+
+    monkeypatch.setattr(decode_gluon, "supports_cache", lambda c, L: True)
+    monkeypatch.setattr(decode_gluon, "ws", True)
+    cache = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    layer = _glm_layer(mla_attention_triton, "glm-5")
+    assert layer.decode_kernel_bounds() == {}  # no cache bound yet
+    layer.kv_cache = cache
+    assert list(layer.decode_kernel_bounds()) == [decode_gluon.WS_SHORT_CONTEXT]
+    layer.set_decode_form("gluon")
+    assert list(layer.decode_kernel_bounds()) == [decode_gluon.WS_SHORT_CONTEXT]
+    layer.set_decode_form("split")
+    assert layer.decode_kernel_bounds() == {}
+    for other in (_glm_layer(mla_attention_triton), _glm_layer(mla_attention_ref, "glm-5")):
+        other.kv_cache = cache
+        assert other.decode_kernel_bounds() == {}
 
 
 @pytest.mark.gpu

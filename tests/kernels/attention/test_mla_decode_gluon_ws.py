@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from moeserve import envs
 from moeserve.kernels.attention.mla import decode_gluon, decode_gluon_ws
 from moeserve.kernels.attention.mla.decode_gluon_ws import decode_ws
 from tests.kernels.attention.test_mla import DECODE, make_mla_case
@@ -35,8 +36,25 @@ def test_refuses_what_it_cannot_take_by_name() -> None:
         run(case)
 
 
-def test_the_switch_is_off_by_default_and_takes_long_contexts() -> None:
-    assert decode_gluon.ws is False and decode_gluon.WS_MIN_CONTEXT == 1024
+def test_the_switch_is_on_by_default_and_names_its_context_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On unless MOESERVE_MLA_DECODE_WS=0; `kernel_bounds` names WS_SHORT_CONTEXT for a cache
+    it takes at more than 32 heads (a CPU cache: the sm90 check stubbed), not at 20 heads, not
+    at another latent shape, not with the switch off."""
+    assert decode_gluon.ws is True and decode_gluon.WS_SHORT_CONTEXT == 1024
+    monkeypatch.setenv("MOESERVE_MLA_DECODE_WS", "0")
+    assert envs.mla_decode_ws() is False
+    monkeypatch.delenv("MOESERVE_MLA_DECODE_WS")
+    assert envs.mla_decode_ws() is True
+    cache = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
+    assert decode_gluon.kernel_bounds(64, cache, 512) == {}  # on CPU: no Gluon decode at all
+    monkeypatch.setattr(decode_gluon, "supports_cache", lambda c, L: True)
+    assert list(decode_gluon.kernel_bounds(64, cache, 512)) == [1024]
+    assert list(decode_gluon.kernel_bounds(128, cache, 512)) == [1024]
+    assert decode_gluon.kernel_bounds(20, cache, 512) == {}  # the swapped kernel's heads
+    assert decode_gluon.kernel_bounds(64, torch.zeros(2, 4, 320), 256) == {}  # L 256, R 64
+    monkeypatch.setattr(decode_gluon, "ws", False)
+    assert decode_gluon.kernel_bounds(64, cache, 512) == {}
 
 
 @pytest.fixture(params=[False, True], ids=["wg0_copies", "wg1_copies"])
@@ -75,7 +93,7 @@ def test_gpu_chosen_rows_fp16_and_a_cuda_graph(wg1_loads: bool) -> None:
 
 @pytest.mark.gpu
 def test_gpu_the_switch_routes_many_head_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """decode_gluon.ws on: a decode_gluon call of 64 heads over a context of 1,024 keys or
-    more runs this kernel; 20 heads (the swapped kernel's), a forced tile, or 64 heads over
-    at most 1,000 keys do not."""
+    """decode_gluon.ws on: a decode_gluon call of 64 heads whose longest row has more than
+    WS_SHORT_CONTEXT keys runs this kernel; 20 heads (the swapped kernel's), a forced tile, or
+    64 heads over at most WS_SHORT_CONTEXT keys do not."""
     check_routing(monkeypatch, decode_gluon_ws, "decode_ws", "ws", 64, long=True)

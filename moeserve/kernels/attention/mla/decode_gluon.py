@@ -73,19 +73,19 @@ DECODE_WAVES = 1
 # keys against this kernel's 62-74%, 47.8 / 51.9% at W1's contexts against 42.1 / 46.2%; with
 # its one key stage (its default since gpu_ff7b345) 70.5-90.2%, and 52.2 / 59.6%
 swapped = envs.mla_decode_swapped()
-# decodes of more heads over contexts of WS_MIN_CONTEXT keys and more by decode_gluon_ws.py's
-# warp-specialized kernel (one warpgroup a tile's scores, the other half of P V) with
-# MOESERVE_MLA_DECODE_WS=1. Off by default: a decode CUDA graph is captured with max_seq_len at
-# max_model_len (runner/cuda_graphs.py), so in a served decode every launch would pass the
-# threshold, W1's short rows too, where the kernel is slower; the default waits for graphs
-# that know their rows' context bound (as DSA models' do). On the H200
-# (benchmarks/results/gpu_fc67c12/call1, kernels_mla, share of the bound, this kernel -> it):
-# 4,096 keys at 256-2,048 rows 70.0-72.1 -> 78.2-82.9% at 64 heads, 47.7-48.4 -> 53.8-55.7% at
-# 128; 1,024 keys level or faster in 5 of 6 cases (-0.9 to +2.7 points); W1's short contexts
-# (129-256 keys, about 3 key tiles a row) 36.7 / 41.9 -> 29.9 / 33.7% at 64 heads: slower, so
-# they stay here (the crossover between 256 and 1,024 keys is not measured)
+# decodes of more heads whose longest row has more than WS_SHORT_CONTEXT keys by
+# decode_gluon_ws.py's warp-specialized kernel (one warpgroup a tile's scores, the other half
+# of P V); MOESERVE_MLA_DECODE_WS=0 keeps them here. The choice is the launch's, by max_seq_len:
+# a served decode's CUDA graph is captured per context bound, one of them WS_SHORT_CONTEXT
+# (`kernel_bounds`, runner/cuda_graphs.py), so a step of short rows replays a graph of this
+# kernel. On the H200 (benchmarks/results/gpu_fc67c12/call1, kernels_mla, share of the bound,
+# this kernel -> it): 4,096 keys at 256-2,048 rows 70.0-72.1 -> 78.2-82.9% at 64 heads,
+# 47.7-48.4 -> 53.8-55.7% at 128; 1,024 keys level or faster in 5 of 6 cases (-0.9 to +2.7
+# points); W1's short contexts (129-256 keys, about 3 key tiles a row) 36.7 / 41.9 -> 29.9 /
+# 33.7% at 64 heads: slower, so they stay here. NOTE: the crossover below 1,024 keys is not
+# measured yet (kernels_mla --crossover); 1,024 keys stay here, level either way.
 ws = envs.mla_decode_ws()
-WS_MIN_CONTEXT = 1024
+WS_SHORT_CONTEXT = 1024
 # the decode forms' output (and split partials) stored from a layout of 8 consecutive latent
 # columns a thread (16-byte stores; 16 STG a thread at 64 heads instead of 64, the same shared
 # memory, 200 -> 216 registers, sm90 offline); MOESERVE_MLA_VECTOR_STORES=0 keeps the
@@ -143,6 +143,18 @@ def _ws():  # the module, imported on use (it imports this one)
     return importlib.import_module("moeserve.kernels.attention.mla.decode_gluon_ws")
 
 
+def kernel_bounds(num_heads: int, latent_cache: torch.Tensor, kv_lora_rank: int
+                  ) -> dict[int, str]:
+    """Contexts past which a decode of `num_heads` heads over this cache, by `decode_gluon`
+    with its default tile, runs another kernel, each with what changes: {WS_SHORT_CONTEXT:
+    ...} where the warp-specialized kernel takes the longer launches, else {}."""
+    rope = latent_cache.shape[-1] - kv_lora_rank
+    if (not ws or _swapped().takes(num_heads) or not supports_cache(latent_cache, kv_lora_rank)
+            or not _ws().takes_shape(kv_lora_rank, rope)):
+        return {}
+    return {WS_SHORT_CONTEXT: "MLA decode past it warp-specialized (decode_gluon_ws)"}
+
+
 def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, kv_lora_rank: int, out: torch.Tensor,
                  rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
@@ -158,7 +170,7 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
         return _swapped().decode_swapped(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
                                          num_rows, max_seq_len, num_splits)
     if ws and block_n is None and stages is None and not overlap and (
-            max_seq_len >= WS_MIN_CONTEXT and _ws().takes(q, latent_cache, kv_lora_rank)
+            max_seq_len > WS_SHORT_CONTEXT and _ws().takes(q, latent_cache, kv_lora_rank)
             and not _swapped().takes(q.shape[1])):
         return _ws().decode_ws(q, latent_cache, meta, scale, kv_lora_rank, out, rows, num_rows,
                                max_seq_len, num_splits)

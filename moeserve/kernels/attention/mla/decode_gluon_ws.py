@@ -29,10 +29,10 @@ key stages 144 KB, P 8 KB: 225 KB. bf16 / fp16, L = 512 and R = 64 (DeepSeek and
 latent), an sm90 GPU; decode rows only (no sparse or prefill form). Split partials are
 decode_gluon's (reduce_triton combines them).
 
-`decode_gluon.ws` (MOESERVE_MLA_DECODE_WS=1, envs.py; off by default, decode_gluon's note says
-why: a served decode's CUDA graph is captured at max_model_len) routes decode_gluon's launches of
-more than decode_gluon_swapped's heads over contexts of decode_gluon.WS_MIN_CONTEXT keys and
-more here. On the H200 (benchmarks/results/gpu_fc67c12/call1, kernels_mla): at 4,096 keys
+`decode_gluon.ws` (on unless MOESERVE_MLA_DECODE_WS=0, envs.py) routes decode_gluon's launches
+of more than decode_gluon_swapped's heads whose longest row has more than
+decode_gluon.WS_SHORT_CONTEXT keys here (decode CUDA graphs capture a bound there: decode_gluon's
+`kernel_bounds`). On the H200 (benchmarks/results/gpu_fc67c12/call1, kernels_mla): at 4,096 keys
 78.2-82.9% of the bound at 64 heads (decode_gluon 70.0-72.1%), 53.8-55.7% at 128 (47.7-48.4%);
 at 1,024 keys level or faster in 5 of 6 cases (-0.9 to +2.7 points); at W1's ~192 keys slower
 (29.9 / 33.7% against 36.7 / 41.9% at 64 heads: the prologue and the hand-offs of 3 tiles a
@@ -83,8 +83,13 @@ _scores: Any = None
 
 def takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
     """Whether it takes this decode: decode_gluon's inputs at L 512, R 64."""
-    return (decode_gluon.supports(q, latent_cache, kv_lora_rank) and kv_lora_rank == 512
-            and q.shape[-1] - kv_lora_rank == 64)
+    return (decode_gluon.supports(q, latent_cache, kv_lora_rank)
+            and takes_shape(kv_lora_rank, q.shape[-1] - kv_lora_rank))
+
+
+def takes_shape(kv_lora_rank: int, rope: int) -> bool:
+    """Whether its one tile fits this latent: L 512, R 64 (DeepSeek's and GLM's)."""
+    return kv_lora_rank == 512 and rope == 64
 
 
 def decode_ws(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,

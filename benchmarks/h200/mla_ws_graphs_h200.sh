@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# decode_gluon_ws served by default past decode_gluon.WS_SHORT_CONTEXT keys, the decode CUDA
+# graphs holding a graph per bucket at that bound (session 37, issue 16). Two parts, one call
+# each:
+#   bash benchmarks/h200/mla_ws_graphs_h200.sh kernels   # ~4 min: the GPU tests of both decode
+#       kernels, the CUDA graphs' and the structured OOM test; kernels_mla --crossover (384 to
+#       1,536 keys at 64 and 128 heads) with decode_gluon's kernel and with decode_gluon_ws
+#   bash benchmarks/h200/mla_ws_graphs_h200.sh serve     # ~6 min: glm-5 sliced to 6 layers
+#       with dense MLA forced (64 heads at every context), 4,096-token prompts, 512 output
+#       tokens, 256 prompts at concurrency 128, served with the warp-specialized decode (the
+#       default) and with MOESERVE_MLA_DECODE_WS=0
+#   bash benchmarks/h200/mla_ws_graphs_h200.sh w1        # ~5 min: W1 at 1,024 on the same
+#       slice, both ways (its rows stay within the bound: decode_gluon's graphs either way; the
+#       default pays a second graph a bucket at start-up)
+# Into $OUT/mla_ws_graphs/.
+set -uo pipefail
+source benchmarks/gpu_env.sh
+dir=$OUT/mla_ws_graphs
+mkdir -p "$dir"
+case "${1:-}" in
+  kernels)
+    timeout 240 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
+      tests/kernels/attention/test_mla_decode_gluon_ws.py \
+      tests/kernels/attention/test_mla_decode_gluon.py tests/engine/test_cuda_graphs.py \
+      "tests/engine/test_structured_outputs.py::test_a_deferred_sampling_out_of_memory_loses_nothing" \
+      > "$dir/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$dir/gpu_tests.log"
+    for form in gluon gluon-ws; do
+      mkdir -p "$dir/$form"
+      timeout -s INT 150 python3 -m benchmarks.kernels.kernels_mla --out "$dir/$form" \
+        --heads 64 128 --forms "$form" --crossover > "$dir/$form/kernels_mla.log" 2>&1
+      echo "kernels_mla $form rc=$?"
+    done
+    python3 - "$dir" <<'PY'
+import json, sys
+rows = {}
+for form in ("gluon", "gluon-ws"):
+    try:
+        data = json.load(open(f"{sys.argv[1]}/{form}/kernels_mla.json"))
+    except (OSError, ValueError) as e:
+        print(form, "no results:", e)
+        continue
+    for r in data["cases"]:
+        rows.setdefault((r["heads"], r["case"]), {})[form] = (r["ms"], r["pct_of_bound"])
+for (heads, case), got in sorted(rows.items()):
+    print(heads, case, got)
+PY
+    ;;
+  serve)
+    layers='{"num_hidden_layers": 6}'
+    for ws in 1 0; do
+      name=long4k_glm-5_dense_c128_ws$ws
+      timeout 200 env MOESERVE_MLA_DECODE_WS=$ws python3 -m moeserve.cli bench --preset glm-5 \
+        --server-args="--hf-overrides '$layers' --dsa dense --max-model-len 8192" \
+        --input-len 4096 --output-len 512 --num-prompts 256 --max-concurrency 128 \
+        --no-progress --output-json "$dir/$name.jsonl" > "$dir/$name.log" 2>&1
+      echo "$name rc=$?"
+      grep -E "Output token throughput|Median TPOT|serial roofline|eager decode|CUDA graphs" \
+        "$dir/$name.log"
+    done
+    ;;
+  w1)
+    for ws in 1 0; do
+      W1_TIMEOUT=150 w1_run glm-5 1024 w1_glm-5_dense_c1024_ws$ws "$dir" \
+        MOESERVE_MLA_DECODE_WS=$ws -- --hf-overrides "'{\"num_hidden_layers\": 6}'" --dsa dense
+    done
+    ;;
+  *)
+    sed -n 2,16p "$0"; exit 2 ;;
+esac
