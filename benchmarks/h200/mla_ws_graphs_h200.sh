@@ -2,9 +2,11 @@
 # decode_gluon_ws served by default past decode_gluon.WS_SHORT_CONTEXT keys, the decode CUDA
 # graphs holding a graph per bucket at that bound (session 37, issue 16). Two parts, one call
 # each:
-#   bash benchmarks/h200/mla_ws_graphs_h200.sh kernels   # ~4 min: the GPU tests of both decode
-#       kernels, the CUDA graphs' and the structured OOM test; kernels_mla --crossover (384 to
-#       1,536 keys at 64 and 128 heads) with decode_gluon's kernel and with decode_gluon_ws
+#   bash benchmarks/h200/mla_ws_graphs_h200.sh kernels   # ~5 min: the GPU tests of both decode
+#       kernels, the CUDA graphs' and the structured OOM test; kernels_mla at 64 and 128 heads:
+#       its main cases with decode_gluon_ws in its two forms (one P V warpgroup beside the
+#       scores warpgroup's half; two, `two_pv`), then --crossover (384 to 1,536 keys) with
+#       decode_gluon's kernel and both (the runs packed as kernels_mla_runs.tgz)
 #   bash benchmarks/h200/mla_ws_graphs_h200.sh serve     # ~6 min: glm-5 sliced to 6 layers
 #       with dense MLA forced (64 heads at every context), 4,096-token prompts, 512 output
 #       tokens, 256 prompts at concurrency 128, served with the warp-specialized decode (the
@@ -25,23 +27,25 @@ case "${1:-}" in
       "tests/engine/test_structured_outputs.py::test_a_deferred_sampling_out_of_memory_loses_nothing" \
       > "$dir/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$dir/gpu_tests.log"
-    for form in gluon gluon-ws; do
-      mkdir -p "$dir/$form"
-      timeout -s INT 150 python3 -m benchmarks.kernels.kernels_mla --out "$dir/$form" \
-        --heads 64 128 --forms "$form" --crossover > "$dir/$form/kernels_mla.log" 2>&1
-      echo "kernels_mla $form rc=$?"
+    runs=/tmp/mla_ws_runs  # one folder a run, packed into one tarball (a call returns 8 files)
+    rm -rf "$runs"; mkdir -p "$runs"
+    for run in main:gluon-ws main:gluon-ws2 crossover:gluon crossover:gluon-ws \
+               crossover:gluon-ws2; do
+      cases=${run%%:*} form=${run#*:}
+      flag=""; [ "$cases" = crossover ] && flag=--crossover
+      mkdir -p "$runs/${cases}_$form"
+      timeout -s INT 120 python3 -m benchmarks.kernels.kernels_mla --out "$runs/${cases}_$form" \
+        --heads 64 128 --forms "$form" $flag > "$runs/${cases}_$form/kernels_mla.log" 2>&1
+      echo "kernels_mla $run rc=$?"
     done
-    python3 - "$dir" <<'PY'
-import json, sys
+    tar czf "$dir/kernels_mla_runs.tgz" -C /tmp mla_ws_runs
+    python3 - "$runs" <<'PY'
+import glob, json, os, sys
 rows = {}
-for form in ("gluon", "gluon-ws"):
-    try:
-        data = json.load(open(f"{sys.argv[1]}/{form}/kernels_mla.json"))
-    except (OSError, ValueError) as e:
-        print(form, "no results:", e)
-        continue
-    for r in data["cases"]:
-        rows.setdefault((r["heads"], r["case"]), {})[form] = (r["ms"], r["pct_of_bound"])
+for path in sorted(glob.glob(f"{sys.argv[1]}/*/kernels_mla.json")):
+    form = os.path.basename(os.path.dirname(path)).split("_", 1)[1]
+    for r in json.load(open(path))["cases"]:
+        rows.setdefault((r["heads"], r["case"]), {})[form] = f'{r["ms"]:.4f} ({r["pct_of_bound"]:.1f}%)'
 for (heads, case), got in sorted(rows.items()):
     print(heads, case, got)
 PY

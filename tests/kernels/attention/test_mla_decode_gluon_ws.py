@@ -57,10 +57,12 @@ def test_the_switch_is_on_by_default_and_names_its_context_bound(
     assert decode_gluon.kernel_bounds(64, cache, 512) == {}
 
 
-@pytest.fixture(params=[False, True], ids=["wg0_copies", "wg1_copies"])
-def wg1_loads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both forms: the copies issued by the scores warpgroup, and by the P V warpgroup."""
-    monkeypatch.setattr(decode_gluon_ws, "wg1_loads", request.param)
+@pytest.fixture(params=["wg0_copies", "wg1_copies", "two_pv"])
+def ws_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every form: the copies issued by the scores warpgroup, by the P V warpgroup, and two P
+    V warpgroups (O's halves) beside a scores warpgroup doing no P V."""
+    monkeypatch.setattr(decode_gluon_ws, "wg1_loads", request.param == "wg1_copies")
+    monkeypatch.setattr(decode_gluon_ws, "two_pv", request.param == "two_pv")
     return request.param
 
 
@@ -68,7 +70,7 @@ def wg1_loads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize("num_heads", [64, 128, 40])
 @pytest.mark.parametrize(("batch", "max_context"), [(4, 4096), (64, 2048), (300, 256)])
 def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int,
-                            wg1_loads: bool) -> None:
+                            ws_form: str) -> None:
     """Rows of 1 key to many tiles (an odd and an even count of tiles: the stages' phases),
     with the default split count (one wave) and forced ones (1: unsplit; 3: partitions of
     unequal tiles; 40: partitions past a short row's end, which compute nothing)."""
@@ -85,7 +87,7 @@ def test_gpu_decode_matches(num_heads: int, batch: int, max_context: int,
 
 
 @pytest.mark.gpu
-def test_gpu_chosen_rows_fp16_and_a_cuda_graph(wg1_loads: bool) -> None:
+def test_gpu_chosen_rows_fp16_and_a_cuda_graph(ws_form: str) -> None:
     """Chosen rows in fp16, then a CUDA graph's replays, equal to decode_gluon's result."""
     check_rows_fp16_and_graph(decode_ws, lambda case: {"max_seq_len": case.meta.max_seq_len},
                               128)

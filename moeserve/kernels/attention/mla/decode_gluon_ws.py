@@ -66,6 +66,14 @@ WORKER_REGISTERS_WG1_LOADS = 232
 # the scores warpgroup (False); kernels_mla's gluon-ws-wl form times the former
 wg1_loads = False
 MAX_REGISTERS = 240  # the kernel's cap: the scores warpgroup takes what the worker leaves
+# two P V warpgroups (`two_pv`: O's left and right halves, the scores warpgroup none of P V,
+# so its path a tile is the scores and softmax alone; 12 warps): the cap a thread at launch is
+# 168 (65,536 registers / 384 threads), each P V warpgroup raised to 176, the scores
+# warpgroup left with 152. An A/B switch (kernels_mla's gluon-ws2 form) until the H200
+# measures it
+two_pv = False
+MAX_REGISTERS_TWO_PV = 168
+WORKER_REGISTERS_TWO_PV = 176
 
 gl: Any = None  # bound by _kernels(), as in decode_gluon
 async_copy: Any = None
@@ -118,6 +126,9 @@ def decode_ws(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetada
     partition = -(-max(1, max_seq_len) // num_splits)
     partition = -(-partition // BLOCK_N) * BLOCK_N  # whole key tiles a partition
     part_m, part_l, part_acc = reduce_triton.split_partials(out, num_rows, num_splits)
+    two = two_pv and not wg1_loads
+    worker_regs = (WORKER_REGISTERS_TWO_PV if two else WORKER_REGISTERS_WG1_LOADS if wg1_loads
+                   else WORKER_REGISTERS)
     _kernels().decode[(head_tiles, num_rows, num_splits)](
         q, latent_cache, out, part_m, part_l, part_acc, meta.block_tables, meta.seq_lens,
         meta.query_start_loc, rows if rows is not None else meta.query_start_loc,
@@ -125,9 +136,8 @@ def decode_ws(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetada
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, L=kv_lora_rank, R=q.shape[2] - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
-        WG1_LOADS=wg1_loads,
-        WORKER_REGS=WORKER_REGISTERS_WG1_LOADS if wg1_loads else WORKER_REGISTERS,
-        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+        WG1_LOADS=wg1_loads and not two, TWO_PV=two, WORKER_REGS=worker_regs,
+        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS_TWO_PV if two else MAX_REGISTERS)
     if num_splits > 1:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows,
                                     num_rows, num_splits)
@@ -166,10 +176,10 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                partition, num_splits, max_blocks, stride_qt, stride_qh, stride_ot, stride_oh,
                stride_table, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
-               WG1_LOADS: gl.constexpr, WORKER_REGS: gl.constexpr):
+               WG1_LOADS: gl.constexpr, TWO_PV: gl.constexpr, WORKER_REGS: gl.constexpr):
     """Program (head_tile, i, split): 64 heads of decode row i over its context partition
     `split` (the module docstring's data flow; WG1_LOADS: the P V warpgroup issues the
-    copies)."""
+    copies; TWO_PV: two P V warpgroups, O's halves, and none in the scores warpgroup)."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -191,10 +201,11 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     for j in gl.static_range(2):
         mbarrier.init(ready.index(j), count=128)  # each copying thread's cp.async arrive
         mbarrier.init(left_done.index(j), count=1)
+    pv_groups: gl.constexpr = 2 if TWO_PV else 1  # the P V warpgroups, each arriving once
     mbarrier.init(p_ready, count=1)
-    mbarrier.init(p_free, count=1)
-    mbarrier.init(kv_free.index(0), count=1)
-    mbarrier.init(kv_free.index(1), count=1)
+    mbarrier.init(p_free, count=pv_groups)
+    mbarrier.init(kv_free.index(0), count=pv_groups)
+    mbarrier.init(kv_free.index(1), count=pv_groups)
     mbarrier.init(done, count=1)
 
     head_tile = gl.program_id(0)
@@ -210,26 +221,47 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     # the output's rows: the first head, where this program's go (out, or its split partial)
     out_row = tok * stride_ot + (head_tile * BH).to(gl.int64) * stride_oh
     part_row = ((i * NUM_HEADS + head_tile * BH) * num_splits + split).to(gl.int64)
-    gl.warp_specialize([
-        (_scores_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr,
-                             part_acc_ptr, table, tok, head_tile, start, end, num_tiles,
-                             max_blocks, scale_log2, stride_qt, stride_qh, stride_oh, out_row,
-                             part_row, num_splits, NUM_HEADS, L, R, BLOCK_SIZE, SPLIT,
-                             WG1_LOADS)),
-        (_pv_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, tok,
-                         head_tile, start, end, num_tiles, max_blocks, stride_qt, stride_qh,
-                         stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R, BLOCK_SIZE,
-                         SPLIT, WG1_LOADS)),
-    ], [4], [WORKER_REGS])
+    # the partitions' arguments written out in each call: a tuple built beforehand would turn
+    # its constexprs into tensors
+    HALF: gl.constexpr = L // 2
+    if TWO_PV:  # O[:, :L/2] and O[:, L/2:] by a P V warpgroup each
+        gl.warp_specialize([
+            (_scores_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr,
+                                 part_acc_ptr, table, tok, head_tile, start, end, num_tiles,
+                                 max_blocks, scale_log2, stride_qt, stride_qh, stride_oh,
+                                 out_row, part_row, num_splits, NUM_HEADS, L, R, BLOCK_SIZE,
+                                 SPLIT, WG1_LOADS, TWO_PV)),
+            (_pv_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, tok,
+                             head_tile, start, end, num_tiles, max_blocks, stride_qt, stride_qh,
+                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
+                             BLOCK_SIZE, SPLIT, False, 0)),
+            (_pv_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, tok,
+                             head_tile, start, end, num_tiles, max_blocks, stride_qt, stride_qh,
+                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
+                             BLOCK_SIZE, SPLIT, False, HALF)),
+        ], [4, 4], [WORKER_REGS, WORKER_REGS])
+    else:  # O[:, L/2:] by the P V warpgroup, O[:, :L/2] by the scores warpgroup
+        gl.warp_specialize([
+            (_scores_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr,
+                                 part_acc_ptr, table, tok, head_tile, start, end, num_tiles,
+                                 max_blocks, scale_log2, stride_qt, stride_qh, stride_oh,
+                                 out_row, part_row, num_splits, NUM_HEADS, L, R, BLOCK_SIZE,
+                                 SPLIT, WG1_LOADS, TWO_PV)),
+            (_pv_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, tok,
+                             head_tile, start, end, num_tiles, max_blocks, stride_qt, stride_qh,
+                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
+                             BLOCK_SIZE, SPLIT, WG1_LOADS, HALF)),
+        ], [4], [WORKER_REGS])
 
 
 def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr,
                       part_acc_ptr, table, tok, head_tile, start, end, num_tiles, max_blocks,
                       scale_log2, stride_qt, stride_qh, stride_oh, out_row, part_row,
                       num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-                      BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, WG1_LOADS: gl.constexpr):
+                      BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, WG1_LOADS: gl.constexpr,
+                      TWO_PV: gl.constexpr):
     """The scores warpgroup: every copy (unless WG1_LOADS), each tile's scores and softmax,
-    O[:, :L/2]."""
+    O[:, :L/2] (unless TWO_PV: then no P V here)."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
@@ -285,29 +317,44 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(p_ready)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p16, p_l), k_lat_s.index(stage).slice(0, HALF, 1),
-                            acc, is_async=True)
-        # tile t + 1's scores behind it (its copies landed during tile t; past the last
-        # tile a zero stage's, unused)
-        if WG1_LOADS:
-            mbarrier.wait(ready.index(1 - stage), ((t + 1) // 2) & 1)
-        else:
+        if TWO_PV:
+            # tile t + 1's scores (its copies landed during tile t); then, once both P V
+            # warpgroups are done with V_t, tile t + 2 into t's stage
             async_copy.wait_group(0)
             gl.thread_barrier()
-        fence_async_shared()
-        s = _scores(q_lat_s, q_pe_s, k_lat_s.index(1 - stage), k_pe_s.index(1 - stage), s_zero)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_t V_t done, S pending
-        if WG1_LOADS:  # the P V warpgroup copies tile t + 2 into t's stage once both halves
-            gl.thread_barrier()  # of P V are done with V_t
-            mbarrier.arrive(left_done.index(stage))
-        else:  # the P V warpgroup is done with V_t too: tile t + 2 into t's stage
+            fence_async_shared()
+            s = _scores(q_lat_s, q_pe_s, k_lat_s.index(1 - stage), k_pe_s.index(1 - stage),
+                        s_zero)
             mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
-            gl.thread_barrier()
             _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 2) * BN, end,
                        k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
                        BLOCK_SIZE, False, False)
             async_copy.commit_group()
+        else:
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p16, p_l),
+                                k_lat_s.index(stage).slice(0, HALF, 1), acc, is_async=True)
+            # tile t + 1's scores behind it (its copies landed during tile t; past the last
+            # tile a zero stage's, unused)
+            if WG1_LOADS:
+                mbarrier.wait(ready.index(1 - stage), ((t + 1) // 2) & 1)
+            else:
+                async_copy.wait_group(0)
+                gl.thread_barrier()
+            fence_async_shared()
+            s = _scores(q_lat_s, q_pe_s, k_lat_s.index(1 - stage), k_pe_s.index(1 - stage),
+                        s_zero)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_t V_t done, S pending
+            if WG1_LOADS:  # the P V warpgroup copies tile t + 2 into t's stage once both
+                gl.thread_barrier()  # halves of P V are done with V_t
+                mbarrier.arrive(left_done.index(stage))
+            else:  # the P V warpgroup is done with V_t too: tile t + 2 into t's stage
+                mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
+                gl.thread_barrier()
+                _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 2) * BN, end,
+                           k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
+                           BLOCK_SIZE, False, False)
+                async_copy.commit_group()
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     async_copy.wait_group(0)  # no copy left in flight at exit
 
@@ -322,9 +369,10 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
         part = (rows - head_tile * BH).to(gl.int64) * num_splits + part_row
         gl.store(part_m_ptr + part, m_i, mask=rows < NUM_HEADS)
         gl.store(part_l_ptr + part, l_i, mask=rows < NUM_HEADS)
-        part_o = ho.to(gl.int64) * num_splits + part_row
-        gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :], acc, mask=h_ok[:, None])
-    else:
+        if not TWO_PV:
+            part_o = ho.to(gl.int64) * num_splits + part_row
+            gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :], acc, mask=h_ok[:, None])
+    elif not TWO_PV:
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
         o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # an empty row writes 0
         gl.store(out_ptr + out_row + ho.to(gl.int64)[:, None] * stride_oh + do[None, :],
@@ -359,9 +407,9 @@ def _pv_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, to
                   start, end, num_tiles, max_blocks, stride_qt, stride_qh, stride_oh, out_row,
                   part_row, num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr,
                   R: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
-                  WG1_LOADS: gl.constexpr):
-    """The P V warpgroup: O[:, L/2:] from each tile's P and rescale (WG1_LOADS: and every
-    copy, each stage's signalled on `ready` by the copies' own arrivals)."""
+                  WG1_LOADS: gl.constexpr, COL: gl.constexpr):
+    """A P V warpgroup: O[:, COL:COL + L/2] from each tile's P and rescale (WG1_LOADS: and
+    every copy, each stage's signalled on `ready` by the copies' own arrivals)."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
@@ -385,7 +433,7 @@ def _pv_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, to
         mbarrier.wait(p_ready, t & 1)
         alpha = alpha_s.load(gl.SliceLayout(1, o_l))
         acc = acc * alpha[:, None]
-        acc = warpgroup_mma(p_s, k_lat_s.index(t % 2).slice(HALF, HALF, 1), acc, is_async=True)
+        acc = warpgroup_mma(p_s, k_lat_s.index(t % 2).slice(COL, HALF, 1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(p_free)
@@ -402,7 +450,7 @@ def _pv_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, to
         async_copy.wait_group(0)  # no copy left in flight at exit
     mbarrier.wait(done, 0)
     ho = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
-    do = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+    do = COL + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
     h_ok = head_tile * BH + ho < NUM_HEADS
     if SPLIT:
         part_o = ho.to(gl.int64) * num_splits + part_row
