@@ -6,7 +6,8 @@
 #       kernels, the CUDA graphs' and the structured OOM test; kernels_mla at 64 and 128 heads:
 #       its main cases with decode_gluon_ws in its two forms (one P V warpgroup beside the
 #       scores warpgroup's half; two, `two_pv`), then --crossover (384 to 1,536 keys) with
-#       decode_gluon's kernel and both (the runs packed as kernels_mla_runs.tgz)
+#       decode_gluon's kernel and decode_gluon_ws; kernels_dsa --decode-only with the sparse
+#       MLA by decode_gluon_ws too (the runs packed as kernels_mla_runs.tgz)
 #   bash benchmarks/h200/mla_ws_graphs_h200.sh serve     # ~6 min: glm-5 sliced to 6 layers
 #       with dense MLA forced (64 heads at every context), 4,096-token prompts, 512 output
 #       tokens, 256 prompts at concurrency 128, served with the warp-specialized decode (the
@@ -35,8 +36,7 @@ case "${1:-}" in
     echo "gpu tests rc=$?"; tail -3 "$dir/gpu_tests.log"
     runs=/tmp/mla_ws_runs  # one folder a run, packed into one tarball (a call returns 8 files)
     rm -rf "$runs"; mkdir -p "$runs"
-    for run in main:gluon-ws main:gluon-ws2 crossover:gluon crossover:gluon-ws \
-               crossover:gluon-ws2; do
+    for run in main:gluon-ws main:gluon-ws2 crossover:gluon crossover:gluon-ws; do
       cases=${run%%:*} form=${run#*:}
       [ "$form" = gluon-ws2 ] && [ "$two" != 0 ] && continue
       flag=""; [ "$cases" = crossover ] && flag=--crossover
@@ -45,6 +45,15 @@ case "${1:-}" in
         --heads 64 128 --forms "$form" $flag > "$runs/${cases}_$form/kernels_mla.log" 2>&1
       echo "kernels_mla $run rc=$?"
     done
+    # DSA's decode step with the sparse MLA by decode_gluon_ws (sparse_mla_ws_ms, ws2 too)
+    DSA_TIMEOUT=150 dsa_decode_run kernels_dsa "$runs"
+    python3 -c "
+import json
+for r in json.load(open('$runs/kernels_dsa/kernels_dsa.json'))['decode']:
+    b = r['read_bound_ms']
+    print(r['case'], 'sparse', r['sparse_mla_ms'], 'ws', r.get('sparse_mla_ws_ms'), 'ws2',
+          r.get('sparse_mla_ws2_ms'), 'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'],
+          'ws', r.get('dsa_graph_ws_ms'), 'ws2', r.get('dsa_graph_ws2_ms'), 'bound', b)"
     tar czf "$dir/kernels_mla_runs.tgz" -C /tmp mla_ws_runs
     python3 - "$runs" <<'PY'
 import glob, json, os, sys

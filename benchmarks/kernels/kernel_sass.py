@@ -247,14 +247,13 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
     if args.ws:  # decode_gluon_ws.py: its warpgroups specialized (4 + 4 warps; WARPS 4)
         from moeserve.kernels.attention.mla import decode_gluon_ws as ws
 
-        wl = bool(os.environ.get("SASS_WG1_LOADS"))  # the P V warpgroup's copies
         two = bool(os.environ.get("SASS_TWO_PV"))  # two P V warpgroups (4 + 4 + 4 warps)
         os.environ.setdefault("SASS_MAXNREG", str(ws.MAX_REGISTERS_TWO_PV if two
                                                   else ws.MAX_REGISTERS))
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
-                     USE_ROWS=False, SPLIT=args.split, WG1_LOADS=wl and not two, TWO_PV=two,
-                     WORKER_REGS=ws.WORKER_REGISTERS_TWO_PV if two
-                     else ws.WORKER_REGISTERS_WG1_LOADS if wl else ws.WORKER_REGISTERS)
+                     USE_ROWS=False, SPLIT=args.split, SPARSE=args.sparse, PACKED=args.sparse,
+                     TWO_PV=two,
+                     WORKER_REGS=ws.WORKER_REGISTERS_TWO_PV if two else ws.WORKER_REGISTERS)
         kernel = ws._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 

@@ -25,7 +25,9 @@ dsa_graph_key_tiles_ms), the sparse MLA over the
 2,048 selected positions (sparse_mla_ms the default kernel, sparse_mla_kernel naming it:
 decode_gluon.sparse_gluon on sm90 in bf16; sparse_mla_triton_ms the Triton kernel; with
 --tiles, also at those TileConfigs; sparse_mla_slots_ms with sparse_triton's `slot_rows`
-experiment switch on, its row conversion included, and sparse_mla_gluon_slots_ms the Gluon
+experiment switch on, its row conversion included, sparse_mla_ws_ms / sparse_mla_ws2_ms by
+decode_gluon_ws (decode_gluon.ws_sparse; one or two P V warpgroups) with dsa_graph_ws_ms /
+dsa_graph_ws2_ms the step's graph with it, and sparse_mla_gluon_slots_ms the Gluon
 kernel so where it runs), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
@@ -69,6 +71,7 @@ from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.mla import decode_gluon
+from moeserve.kernels.attention.mla.decode_gluon_swapped import SWAPPED_HEADS
 
 HEADS, DIM, BLOCK, TOPK = 32, 128, 64, 2048
 CASES = (  # (name, computed tokens per row, new tokens per row)
@@ -191,6 +194,30 @@ def time_score_key_tiles(name: str, args: tuple, scores: torch.Tensor, timer: Ti
     return out
 
 
+def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
+                   base: torch.Tensor, timer: Timer, cuda: bool) -> dict:
+    """The sparse MLA by decode_gluon_ws (decode_gluon.ws_sparse on), in its two forms (one
+    P V warpgroup; two, `two_pv`), each first checked against the default kernel's output
+    `base`: sparse_mla_ws_ms / sparse_mla_ws2_ms, and the DSA step's graph with it,
+    dsa_graph_ws_ms / dsa_graph_ws2_ms."""
+    from moeserve.kernels.attention.mla import decode_gluon_ws
+
+    row: dict = {}
+    was = decode_gluon.ws_sparse, decode_gluon_ws.two_pv
+    try:
+        for key, two in (("ws", False), ("ws2", True)):
+            decode_gluon.ws_sparse, decode_gluon_ws.two_pv = True, two
+            run = functools.partial(dsa_sparse_triton.dsa_attention_triton, *args)
+            err = float((run().float() - base).abs().max() / base.abs().max())
+            assert err <= 2 ** -6, f"{name}: sparse MLA by decode_gluon_ws ({key}): {err:.3g}"
+            row[f"sparse_mla_{key}_ms"] = timer(run)
+            step()  # compiled (its packed form) before the capture
+            row[f"dsa_graph_{key}_ms"] = graph_timed(timer, step, cuda)
+    finally:
+        decode_gluon.ws_sparse, decode_gluon_ws.two_pv = was
+    return row
+
+
 def decode_bound_ms(batch: int, context: int, topk: int, index_dim: int, width: int,
                     itemsize: int) -> tuple[float, float]:
     """(DSA's read bound, dense MLA's) in ms for one decode step (module doc)."""
@@ -304,6 +331,9 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
                                                                mla_scale, latent))
     finally:
         dsa_sparse_triton.slot_rows = False
+    if decode_gluon.supports(q, cache, latent) and q.shape[1] > SWAPPED_HEADS:
+        row |= time_sparse_ws(name, step, (q, cache, meta, positions, mla_scale, latent), base,
+                              timer, cuda)
     for tile in tiles:  # the sparse MLA at other tiles (--tiles), first checked against it
         run = functools.partial(dsa_sparse_triton.dsa_attention_triton, q, cache, meta, positions,
                                 mla_scale, latent, config=tile)

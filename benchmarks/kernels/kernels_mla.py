@@ -28,9 +28,8 @@ after each case (a run cut short keeps what it measured).
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
         # stages from --tiles' BN and S; gluon-swapped, decode_gluon_swapped's (keys as
         # wgmma's M), at most 32 heads; gluon-ws, decode_gluon_ws's (warp-specialized: one
-        # warpgroup the scores, the other half of P V; gluon-ws-wl: its copies issued by the
-        # P V warpgroup; gluon-ws2: two P V warpgroups, O's halves, beside a scores
-        # warpgroup doing no P V); a "-vec" suffix on a Gluon form: with
+        # warpgroup the scores, the other half of P V; gluon-ws2: two P V warpgroups, O's
+        # halves, beside a scores warpgroup doing no P V); a "-vec" suffix on a Gluon form: with
         # decode_gluon.vector_stores, the outputs stored in 16-byte vectors)
 """
 
@@ -70,8 +69,7 @@ CROSSOVER_CASES = tuple((f"b{b}_ctx{c}", b, c) for b in (256, 1024, 2048)
                         for c in (384, 512, 768, 1536))
 SMOKE_CASES = (("b3_ctx40", 3, 40), ("w1_b4", 4, "w1"))
 CHECK_ROWS = 8  # rows of the small step each case is checked on
-GLUON_FORMS = ("gluon", "gluon-overlap", "gluon-swapped", "gluon-ws", "gluon-ws-wl",
-               "gluon-ws2")
+GLUON_FORMS = ("gluon", "gluon-overlap", "gluon-swapped", "gluon-ws", "gluon-ws2")
 
 
 def contexts(batch: int, context: int | str, seed: int = 0) -> list[int]:
@@ -157,13 +155,12 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
             return out
         if form.startswith("gluon-ws"):  # decode_gluon_ws.py, its own tile
             from moeserve.kernels.attention.mla import decode_gluon_ws as ws
-            was = ws.wg1_loads, ws.two_pv
-            ws.wg1_loads, ws.two_pv = form == "gluon-ws-wl", form == "gluon-ws2"
+            was, ws.two_pv = ws.two_pv, form == "gluon-ws2"
             try:
                 ws.decode_ws(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                              meta.max_seq_len)
             finally:
-                ws.wg1_loads, ws.two_pv = was
+                ws.two_pv = was
             return out
         decode_gluon.decode_gluon(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
                                   meta.max_seq_len, block_n=cfg.block_n,

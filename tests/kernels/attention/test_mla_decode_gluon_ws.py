@@ -16,6 +16,7 @@ from tests.kernels.attention.test_mla import DECODE, make_mla_case
 from tests.kernels.attention.test_mla_decode_gluon import (
     check_routing,
     check_rows_fp16_and_graph,
+    gpu_sparse_inputs,
 )
 from tests.kernels.attention.test_mla_triton import TOL, gpu_case
 
@@ -57,11 +58,10 @@ def test_the_switch_is_on_by_default_and_names_its_context_bound(
     assert decode_gluon.kernel_bounds(64, cache, 512) == {}
 
 
-@pytest.fixture(params=["wg0_copies", "wg1_copies", "two_pv"])
+@pytest.fixture(params=["one_pv", "two_pv"])
 def ws_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every form: the copies issued by the scores warpgroup, by the P V warpgroup, and two P
-    V warpgroups (O's halves) beside a scores warpgroup doing no P V."""
-    monkeypatch.setattr(decode_gluon_ws, "wg1_loads", request.param == "wg1_copies")
+    """Both forms: one P V warpgroup beside the scores warpgroup's half of P V, and two P V
+    warpgroups (O's halves) beside a scores warpgroup doing none."""
     monkeypatch.setattr(decode_gluon_ws, "two_pv", request.param == "two_pv")
     return request.param
 
@@ -99,3 +99,33 @@ def test_gpu_the_switch_routes_many_head_launches(monkeypatch: pytest.MonkeyPatc
     WS_SHORT_CONTEXT keys runs this kernel; 20 heads (the swapped kernel's), a forced tile, or
     64 heads over at most WS_SHORT_CONTEXT keys do not."""
     check_routing(monkeypatch, decode_gluon_ws, "decode_ws", "ws", 64, long=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [64, 128])
+def test_gpu_sparse_matches_the_reference(num_heads: int, ws_form: str, no_tf32: None,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSA's sparse MLA by this kernel (decode_gluon.ws_sparse: sparse_gluon routes to
+    sparse_ws) over 2,048 selected positions (-1 padding on a long prefill's first queries)
+    against dsa_attention_ref, unpacked and packed, split or not; with the switch off,
+    sparse_ws is not called."""
+    from moeserve.kernels.attention.dsa.reference import dsa_attention_ref
+
+    calls: list[int] = []
+    real = decode_gluon_ws.sparse_ws
+    monkeypatch.setattr(decode_gluon_ws, "sparse_ws",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    q, latent, meta, positions = gpu_sparse_inputs(num_heads)
+    want = dsa_attention_ref(q, latent, meta, positions, 576 ** -0.5, 512).float()
+    tol = TOL[torch.bfloat16]
+    monkeypatch.setattr(decode_gluon, "ws_sparse", True)
+    for kwargs in ({}, {"packed": True}, {"packed": True, "num_splits": 4},
+                   {"num_splits": 1}):
+        calls.clear()
+        got = decode_gluon.sparse_gluon(q, latent, meta, positions, 576 ** -0.5, 512, **kwargs)
+        assert calls == [1], kwargs
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, msg=str(kwargs))
+    monkeypatch.setattr(decode_gluon, "ws_sparse", False)
+    calls.clear()
+    decode_gluon.sparse_gluon(q, latent, meta, positions, 576 ** -0.5, 512)
+    assert calls == []

@@ -86,6 +86,10 @@ swapped = envs.mla_decode_swapped()
 # measured yet (kernels_mla --crossover); 1,024 keys stay here, level either way.
 ws = envs.mla_decode_ws()
 WS_SHORT_CONTEXT = 1024
+# DSA's sparse MLA of more than 32 heads by decode_gluon_ws.py's kernel too (`sparse_ws`, at
+# L 512, R 64, default tile, no slots): an A/B switch (kernels_dsa's sparse_mla_ws_ms) until
+# the H200 times it against this kernel's
+ws_sparse = False
 # the decode forms' output (and split partials) stored from a layout of 8 consecutive latent
 # columns a thread (16-byte stores; 16 STG a thread at 64 heads instead of 64, the same shared
 # memory, 200 -> 216 registers, sm90 offline); MOESERVE_MLA_VECTOR_STORES=0 keeps the
@@ -209,6 +213,11 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     num_tokens, topk = positions.shape
     out = q.new_empty(num_tokens, q.shape[1], kv_lora_rank)
     if num_tokens == 0:
+        return out
+    if ws_sparse and block_n is None and stages is None and not overlap and not slots and (
+            _ws().takes(q, latent_cache, kv_lora_rank) and not _swapped().takes(q.shape[1])):
+        _ws().sparse_ws(q, latent_cache, meta, positions, scale, kv_lora_rank, out,
+                        num_splits, packed)
         return out
     if num_tokens > MAX_GRID_Y:
         raise ValueError(f"sparse_gluon: {num_tokens} tokens in one launch, at most "

@@ -1,44 +1,41 @@
-"""Absorbed MLA decode in Gluon with its two warpgroups given different work (warp
-specialization), for 64 heads a program: `decode_ws`, decode_gluon.decode_gluon's contract.
+"""Absorbed MLA decode in Gluon with its warpgroups given different work (warp
+specialization), for 64 heads a program: `decode_ws` (decode_gluon.decode_gluon's contract) and
+`sparse_ws` (DSA's sparse MLA, decode_gluon.sparse_gluon's contract).
 
 Why: decode_gluon splits each key tile's scores between its warpgroups (32 keys each), so each
 reads the whole query tile from shared memory for half the keys, and the softmax's row maxima
 and sums cross the warpgroups through shared memory and a CTA barrier; scores, softmax and
-P V then run in turn. At 128 heads (compute-bound: 242 FLOPs a cache byte against the H200's
-ridge of 184) it sustains 42-47% of the bound, at 64 heads 59-69% (issue 16 asks 60 and 80).
-Here one warpgroup computes a tile's scores whole and the other only its half of P V, a tile
-behind, as FlashMLA splits the work:
+P V then run in turn. Here one warpgroup computes a tile's scores whole and the others P V a
+tile behind, as FlashMLA splits the work:
 
-    program (head tile, row, partition): 64 heads, keys in tiles of 64, two key stages
+    program (head tile, row or token, partition): 64 heads, keys in tiles of 64, two stages
     scores warpgroup (the default partition, 4 warps; it issues every copy):
       Q -> shared [64, L] + [64, R]; tiles 0 and 1 -> stages 0 and 1     (cp.async)
-      per tile t:  online softmax of S_t (fp32, base 2: all 64 keys of a row in this
-                   warpgroup, no cross-warpgroup reduction)
+      per tile t:  online softmax of S_t (fp32, base 2: a row's 64 keys in this warpgroup)
                    P_t (bf16) and the rescale alpha_t -> shared, `p_ready`
-                   O_left = O_left * alpha_t + P_t V_t[:, :L/2]   (P_t from registers)
-                   S_{t+1} = Q K_{t+1}^T issued, then (wg1 done with V_t: `kv_free`) tile
+                   O_left = O_left * alpha_t + P_t V_t[:, :L/2]   (P_t from registers;
+                   not with `two_pv`)
+                   S_{t+1} = Q K_{t+1}^T issued, then (P V done with V_t: `kv_free`) tile
                    t + 2 copied into t's stage
-    P V warpgroup (the worker, 4 warps):
-      per tile t:  (`p_ready`) O_right = O_right * alpha_t + P_t V_t[:, L/2:]; `p_free`,
+    P V warpgroup (a worker, 4 warps; two with `two_pv`, O's halves):
+      per tile t:  (`p_ready`) O_cols = O_cols * alpha_t + P_t V_t[:, cols]; `p_free`,
                    `kv_free`
-    the end: each stores its half; the scores warpgroup hands over the row sums (`done`).
+    the end: each stores its columns; the scores warpgroup hands over the row sums (`done`).
 
-Each tile's scores read Q once (decode_gluon: twice), and wg1's P V runs on the tensor cores
-while wg0 issues the next scores and works through its softmax. Shared memory: Q 72 KB, two
-key stages 144 KB, P 8 KB: 225 KB. bf16 / fp16, L = 512 and R = 64 (DeepSeek and GLM's
-latent), an sm90 GPU; decode rows only (no sparse or prefill form). Split partials are
-decode_gluon's (reduce_triton combines them).
+Shared memory: Q 72 KB, two key stages 144 KB, P 8 KB: 225 KB. bf16 / fp16, L = 512 and R = 64
+(DeepSeek and GLM's latent), an sm90 GPU. SPARSE: a program's keys are a token's selected
+positions (decode_gluon's sparse form). Split partials are decode_gluon's (reduce_triton
+combines them).
 
-`decode_gluon.ws` (on unless MOESERVE_MLA_DECODE_WS=0, envs.py) routes decode_gluon's launches
+decode_gluon routes here (`decode_gluon.ws`, on unless MOESERVE_MLA_DECODE_WS=0) its launches
 of more than decode_gluon_swapped's heads whose longest row has more than
-decode_gluon.WS_SHORT_CONTEXT keys here (decode CUDA graphs capture a bound there: decode_gluon's
+decode_gluon.WS_SHORT_CONTEXT keys (decode CUDA graphs capture a bound there: decode_gluon's
 `kernel_bounds`). On the H200 (benchmarks/results/gpu_fc67c12/call1, kernels_mla): at 4,096 keys
 78.2-82.9% of the bound at 64 heads (decode_gluon 70.0-72.1%), 53.8-55.7% at 128 (47.7-48.4%);
 at 1,024 keys level or faster in 5 of 6 cases (-0.9 to +2.7 points); at W1's ~192 keys slower
 (29.9 / 33.7% against 36.7 / 41.9% at 64 heads: the prologue and the hand-offs of 3 tiles a
-row), hence the threshold.
-The worker's copies (`wg1_loads`) were slower than the scores warpgroup's at 4k keys (72.6-
-72.9% at 64 heads against 80.2-82.9) and level or slower elsewhere: kept off, for A/Bs.
+row), hence the threshold. The P V warpgroup's issuing the copies measured slower there (72.6-
+72.9% at 64 heads and 4k keys) and was removed (git history at 14ca5ca, `wg1_loads`).
 """
 
 from __future__ import annotations
@@ -56,15 +53,9 @@ from moeserve.kernels.triton_common import MAX_GRID_Y
 
 BLOCK_H = 64  # heads a program (wgmma's M)
 BLOCK_N = 64  # keys a tile
-NUM_WARPS = 4  # the default partition's; the worker adds four
-# registers a thread of the P V warpgroup (setmaxnreg): its accumulator [64, 256] fp32 is 128;
-# with the copies (WG1_LOADS) their pointers too
+NUM_WARPS = 4  # the default partition's; each worker adds four
+# registers a thread of the P V warpgroup (setmaxnreg): its accumulator [64, 256] fp32 is 128
 WORKER_REGISTERS = 192
-WORKER_REGISTERS_WG1_LOADS = 232
-# the copies issued by the P V warpgroup (WG1_LOADS: the scores warpgroup's critical path
-# without them, each stage's landing signalled by the copies' own mbarrier arrivals) or by
-# the scores warpgroup (False); kernels_mla's gluon-ws-wl form times the former
-wg1_loads = False
 MAX_REGISTERS = 240  # the kernel's cap: the scores warpgroup takes what the worker leaves
 # two P V warpgroups (`two_pv`: O's left and right halves, the scores warpgroup none of P V,
 # so its path a tile is the scores and softmax alone; 12 warps): the cap a thread at launch is
@@ -115,32 +106,62 @@ def decode_ws(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetada
                          "(the grid's y dimension)")
     if num_rows == 0:
         return
+    _launch(q, latent_cache, meta, scale, kv_lora_rank, out, rows, num_rows, max_seq_len,
+            num_splits)
+
+
+def sparse_ws(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
+              positions: torch.Tensor, scale: float, kv_lora_rank: int, out: torch.Tensor,
+              num_splits: int | None = None, packed: bool = False) -> None:
+    """DSA's sparse MLA into out [T, H, L] (decode_gluon.sparse_gluon's contract, checked
+    there: positions int32 [T, topk], -1 or past the block table skipped; packed: valid ones
+    first, at most the token's position + 1 of them)."""
+    if not takes(q, latent_cache, kv_lora_rank):
+        raise ValueError("sparse_ws needs an sm90 GPU, bf16 / fp16 q and latent_cache of one "
+                         f"dtype, L 512 and R 64; got {q.dtype} / {latent_cache.dtype} on "
+                         f"{q.device}, L {kv_lora_rank}, R {q.shape[-1] - kv_lora_rank}")
+    if q.shape[0] > MAX_GRID_Y:
+        raise ValueError(f"sparse_ws: {q.shape[0]} tokens in one launch, at most {MAX_GRID_Y} "
+                         "(the grid's y dimension)")
+    if q.shape[0]:
+        _launch(q, latent_cache, meta, scale, kv_lora_rank, out, None, q.shape[0],
+                positions.shape[1], num_splits, sel=positions, packed=packed)
+
+
+def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            kv_lora_rank: int, out: torch.Tensor, rows: torch.Tensor | None, num_rows: int,
+            keys: int, num_splits: int | None, sel: torch.Tensor | None = None,
+            packed: bool = False) -> None:
+    """One launch over (head tiles, rows or tokens, partitions of `keys`: a row's context, or
+    a token's selection `sel`), then the splits' reduce."""
     num_heads = q.shape[1]
     head_tiles = -(-num_heads // BLOCK_H)
     if num_splits is None:
-        num_splits = reduce_triton.decode_num_splits(num_rows, head_tiles, max_seq_len,
-                                                     q.device, waves=decode_gluon.DECODE_WAVES)
+        num_splits = reduce_triton.decode_num_splits(num_rows, head_tiles, keys, q.device,
+                                                     waves=decode_gluon.DECODE_WAVES)
     if not 1 <= num_splits <= reduce_triton.MAX_SPLITS:
         raise ValueError(f"decode_ws: num_splits must be in 1..{reduce_triton.MAX_SPLITS}, "
                          f"got {num_splits}")
-    partition = -(-max(1, max_seq_len) // num_splits)
+    partition = -(-max(1, keys) // num_splits)
     partition = -(-partition // BLOCK_N) * BLOCK_N  # whole key tiles a partition
     part_m, part_l, part_acc = reduce_triton.split_partials(out, num_rows, num_splits)
-    two = two_pv and not wg1_loads
-    worker_regs = (WORKER_REGISTERS_TWO_PV if two else WORKER_REGISTERS_WG1_LOADS if wg1_loads
-                   else WORKER_REGISTERS)
+    sparse = sel is not None
     _kernels().decode[(head_tiles, num_rows, num_splits)](
         q, latent_cache, out, part_m, part_l, part_acc, meta.block_tables, meta.seq_lens,
         meta.query_start_loc, rows if rows is not None else meta.query_start_loc,
-        scale * math.log2(math.e), partition, num_splits, meta.block_tables.shape[1],
+        sel if sparse else meta.seq_lens, meta.token_to_req, meta.positions,
+        scale * math.log2(math.e), partition, num_splits, keys, meta.block_tables.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        sel.stride(0) if sparse else 0,
         NUM_HEADS=num_heads, L=kv_lora_rank, R=q.shape[2] - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
-        WG1_LOADS=wg1_loads and not two, TWO_PV=two, WORKER_REGS=worker_regs,
-        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS_TWO_PV if two else MAX_REGISTERS)
+        SPARSE=sparse, PACKED=packed, TWO_PV=two_pv,
+        WORKER_REGS=WORKER_REGISTERS_TWO_PV if two_pv else WORKER_REGISTERS,
+        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS_TWO_PV if two_pv else MAX_REGISTERS)
     if num_splits > 1:
-        reduce_triton.reduce_splits(part_m, part_l, part_acc, out, meta.query_start_loc, rows,
-                                    num_rows, num_splits)
+        reduce_triton.reduce_splits(part_m, part_l, part_acc, out,
+                                    None if sparse else meta.query_start_loc, rows, num_rows,
+                                    num_splits)
 
 
 @functools.cache
@@ -149,7 +170,7 @@ def _kernels() -> SimpleNamespace:
     the builtins and gluon_parts' functions they call as module globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, mbarrier
     global _load_tile, _valid_keys, _nvmma_buffer, _decode_row, _query_rows, _scores
-    global _ws_kernel, _scores_partition, _pv_partition, _first_copies
+    global _ws_kernel, _scores_partition, _pv_partition, _store_o
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
 
@@ -162,8 +183,8 @@ def _kernels() -> SimpleNamespace:
     _decode_row, _query_rows, _scores = parts.decode_row, parts.query_rows, parts.scores
     _scores_partition = gluon.jit(_scores_partition)
     _pv_partition = gluon.jit(_pv_partition)
-    _first_copies = gluon.jit(_first_copies)
-    _ws_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "max_blocks",
+    _store_o = gluon.jit(_store_o)
+    _ws_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "keys", "max_blocks",
                                               "stride_table"],
                            do_not_specialize_on_alignment=["rows_ptr"])(_ws_kernel)
     return SimpleNamespace(decode=_ws_kernel)
@@ -172,16 +193,19 @@ def _kernels() -> SimpleNamespace:
 # ---- Gluon functions (jitted by _kernels; module globals, where the compiler finds names) ----
 
 def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-               block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, rows_ptr, scale_log2,
-               partition, num_splits, max_blocks, stride_qt, stride_qh, stride_ot, stride_oh,
-               stride_table, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+               block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, rows_ptr, sel_ptr,
+               token_to_req_ptr, tok_pos_ptr, scale_log2, partition, num_splits, keys,
+               max_blocks, stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_sel,
+               NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
-               WG1_LOADS: gl.constexpr, TWO_PV: gl.constexpr, WORKER_REGS: gl.constexpr):
+               SPARSE: gl.constexpr, PACKED: gl.constexpr, TWO_PV: gl.constexpr,
+               WORKER_REGS: gl.constexpr):
     """Program (head_tile, i, split): 64 heads of decode row i over its context partition
-    `split` (the module docstring's data flow; WG1_LOADS: the P V warpgroup issues the
-    copies; TWO_PV: two P V warpgroups, O's halves, and none in the scores warpgroup)."""
+    `split`, or (SPARSE) of token i over that partition of its selection (the module
+    docstring's data flow; TWO_PV: two P V warpgroups, O's halves, none in the scores one)."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
+    HALF: gl.constexpr = L // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_lat_s = _nvmma_buffer(dtype, [BH, L])
     q_pe_s = _nvmma_buffer(dtype, [BH, R])
@@ -196,11 +220,6 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     p_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_l)
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)  # WG1_LOADS: a stage landed
-    left_done = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)  # ... and P V left of it
-    for j in gl.static_range(2):
-        mbarrier.init(ready.index(j), count=128)  # each copying thread's cp.async arrive
-        mbarrier.init(left_done.index(j), count=1)
     pv_groups: gl.constexpr = 2 if TWO_PV else 1  # the P V warpgroups, each arriving once
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=pv_groups)
@@ -212,61 +231,67 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     i = gl.program_id(1)
     split = gl.program_id(2)
     start = split * partition
-    req, tok, seq_len = _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr, USE_ROWS)
-    end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
+    if SPARSE:  # keys: the token's selection; its request's block table
+        tok = i.to(gl.int64)
+        req = gl.load(token_to_req_ptr + tok)
+        end = gl.where(split == num_splits - 1, keys, gl.minimum(keys, start + partition))
+        if PACKED:  # past the token's own context: -1 only
+            end = gl.minimum(end, gl.load(tok_pos_ptr + tok).to(gl.int32) + 1)
+        sel = sel_ptr + tok * stride_sel
+    else:  # keys: positions start .. end of the row's context
+        req, tok, seq_len = _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr,
+                                        USE_ROWS)
+        end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
+        sel = sel_ptr  # unused
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
     table = block_tables_ptr + req.to(gl.int64) * stride_table
+    max_pos = max_blocks * BLOCK_SIZE  # a selected position past the table: never read
     bufs = (q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s)
-    bars = (p_ready, p_free, kv_free, done, ready, left_done)
+    bars = (p_ready, p_free, kv_free, done)
     # the output's rows: the first head, where this program's go (out, or its split partial)
     out_row = tok * stride_ot + (head_tile * BH).to(gl.int64) * stride_oh
     part_row = ((i * NUM_HEADS + head_tile * BH) * num_splits + split).to(gl.int64)
     # the partitions' arguments written out in each call: a tuple built beforehand would turn
     # its constexprs into tensors
-    HALF: gl.constexpr = L // 2
     if TWO_PV:  # O[:, :L/2] and O[:, L/2:] by a P V warpgroup each
         gl.warp_specialize([
             (_scores_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr,
-                                 part_acc_ptr, table, tok, head_tile, start, end, num_tiles,
-                                 max_blocks, scale_log2, stride_qt, stride_qh, stride_oh,
-                                 out_row, part_row, num_splits, NUM_HEADS, L, R, BLOCK_SIZE,
-                                 SPLIT, WG1_LOADS, TWO_PV)),
-            (_pv_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, tok,
-                             head_tile, start, end, num_tiles, max_blocks, stride_qt, stride_qh,
-                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                             BLOCK_SIZE, SPLIT, False, 0)),
-            (_pv_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, tok,
-                             head_tile, start, end, num_tiles, max_blocks, stride_qt, stride_qh,
-                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                             BLOCK_SIZE, SPLIT, False, HALF)),
+                                 part_acc_ptr, table, sel, tok, head_tile, start, end,
+                                 num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
+                                 stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV)),
+            (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
+                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT, 0)),
+            (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
+                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT,
+                             HALF)),
         ], [4, 4], [WORKER_REGS, WORKER_REGS])
     else:  # O[:, L/2:] by the P V warpgroup, O[:, :L/2] by the scores warpgroup
         gl.warp_specialize([
             (_scores_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr,
-                                 part_acc_ptr, table, tok, head_tile, start, end, num_tiles,
-                                 max_blocks, scale_log2, stride_qt, stride_qh, stride_oh,
-                                 out_row, part_row, num_splits, NUM_HEADS, L, R, BLOCK_SIZE,
-                                 SPLIT, WG1_LOADS, TWO_PV)),
-            (_pv_partition, (bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, tok,
-                             head_tile, start, end, num_tiles, max_blocks, stride_qt, stride_qh,
-                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                             BLOCK_SIZE, SPLIT, WG1_LOADS, HALF)),
+                                 part_acc_ptr, table, sel, tok, head_tile, start, end,
+                                 num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
+                                 stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV)),
+            (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
+                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT,
+                             HALF)),
         ], [4], [WORKER_REGS])
 
 
 def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr,
-                      part_acc_ptr, table, tok, head_tile, start, end, num_tiles, max_blocks,
+                      part_acc_ptr, table, sel, tok, head_tile, start, end, num_tiles, max_pos,
                       scale_log2, stride_qt, stride_qh, stride_oh, out_row, part_row,
                       num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-                      BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, WG1_LOADS: gl.constexpr,
+                      BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr,
                       TWO_PV: gl.constexpr):
-    """The scores warpgroup: every copy (unless WG1_LOADS), each tile's scores and softmax,
-    O[:, :L/2] (unless TWO_PV: then no P V here)."""
+    """The scores warpgroup: every copy, each tile's scores and softmax, and O[:, :L/2]
+    (unless TWO_PV)."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
     q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s = bufs
-    p_ready, p_free, kv_free, done, ready, left_done = bars
+    p_ready, p_free, kv_free, done = bars
     lat_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [4, 1], [1, 0])
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -274,120 +299,11 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, HALF, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    max_pos = max_blocks * BLOCK_SIZE
     nl = gl.arange(0, BN, layout=gl.SliceLayout(1, lat_l))
     np_ = gl.arange(0, BN, layout=gl.SliceLayout(1, pe_l))
     dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
     dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
-    if not WG1_LOADS:
-        _first_copies(q_ptr, cache_ptr, table, tok, head_tile, start, end, max_pos, stride_qt,
-                      stride_qh, q_lat_s, q_pe_s, k_lat_s, k_pe_s, ready, nl, dq, np_, dp,
-                      lat_l, pe_l, NUM_HEADS, L, R, BLOCK_SIZE, False)
-        async_copy.commit_group()
-
-    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
-    l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, s_l))
-    acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)
-    s_zero = gl.zeros([BH, BN], gl.float32, layout=s_l)
-    keys = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-    # tile 0's scores (the queries and tiles 0-1 in one group: the loop's copies come after)
-    if WG1_LOADS:
-        mbarrier.wait(ready.index(0), 0)
-    else:
-        async_copy.wait_group(0)
-        gl.thread_barrier()
-    fence_async_shared()
-    s = _scores(q_lat_s, q_pe_s, k_lat_s.index(0), k_pe_s.index(0), s_zero)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    for t in range(num_tiles):
-        stage = t % 2
-        _, valid = _valid_keys(cache_ptr, max_pos, start + t * BN + keys, end, False)
-        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_ref)
-        p = gl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p16 = p.to(p_s.dtype)
-        # hand P_t and alpha_t to the P V warpgroup once it is done with P_{t-1}
-        mbarrier.wait(p_free, (t & 1) ^ 1)
-        p_s.store(p16)
-        alpha_s.store(alpha)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(p_ready)
-        if TWO_PV:
-            # tile t + 1's scores (its copies landed during tile t); then, once both P V
-            # warpgroups are done with V_t, tile t + 2 into t's stage
-            async_copy.wait_group(0)
-            gl.thread_barrier()
-            fence_async_shared()
-            s = _scores(q_lat_s, q_pe_s, k_lat_s.index(1 - stage), k_pe_s.index(1 - stage),
-                        s_zero)
-            mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
-            _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 2) * BN, end,
-                       k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
-                       BLOCK_SIZE, False, False)
-            async_copy.commit_group()
-        else:
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p16, p_l),
-                                k_lat_s.index(stage).slice(0, HALF, 1), acc, is_async=True)
-            # tile t + 1's scores behind it (its copies landed during tile t; past the last
-            # tile a zero stage's, unused)
-            if WG1_LOADS:
-                mbarrier.wait(ready.index(1 - stage), ((t + 1) // 2) & 1)
-            else:
-                async_copy.wait_group(0)
-                gl.thread_barrier()
-            fence_async_shared()
-            s = _scores(q_lat_s, q_pe_s, k_lat_s.index(1 - stage), k_pe_s.index(1 - stage),
-                        s_zero)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_t V_t done, S pending
-            if WG1_LOADS:  # the P V warpgroup copies tile t + 2 into t's stage once both
-                gl.thread_barrier()  # halves of P V are done with V_t
-                mbarrier.arrive(left_done.index(stage))
-            else:  # the P V warpgroup is done with V_t too: tile t + 2 into t's stage
-                mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
-                gl.thread_barrier()
-                _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 2) * BN, end,
-                           k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
-                           BLOCK_SIZE, False, False)
-                async_copy.commit_group()
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    async_copy.wait_group(0)  # no copy left in flight at exit
-
-    rows = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
-    l_s.store(l_i)
-    gl.thread_barrier()
-    mbarrier.arrive(done)  # the row sums, for the other half's store
-    ho = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
-    do = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
-    h_ok = head_tile * BH + ho < NUM_HEADS
-    if SPLIT:
-        part = (rows - head_tile * BH).to(gl.int64) * num_splits + part_row
-        gl.store(part_m_ptr + part, m_i, mask=rows < NUM_HEADS)
-        gl.store(part_l_ptr + part, l_i, mask=rows < NUM_HEADS)
-        if not TWO_PV:
-            part_o = ho.to(gl.int64) * num_splits + part_row
-            gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :], acc, mask=h_ok[:, None])
-    elif not TWO_PV:
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
-        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # an empty row writes 0
-        gl.store(out_ptr + out_row + ho.to(gl.int64)[:, None] * stride_oh + do[None, :],
-                 o.to(p_s.dtype), mask=h_ok[:, None])
-
-
-def _first_copies(q_ptr, cache_ptr, table, tok, head_tile, start, end, max_pos, stride_qt,
-                  stride_qh, q_lat_s, q_pe_s, k_lat_s, k_pe_s, ready, nl, dq, np_, dp,
-                  lat_l: gl.constexpr, pe_l: gl.constexpr, NUM_HEADS: gl.constexpr,
-                  L: gl.constexpr, R: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                  SIGNAL: gl.constexpr):
-    """The queries and tiles 0 and 1 (past the partition's end: zeros, no read) copied in;
-    SIGNAL: `ready` arrived on by each thread's copies, stage 0's with the queries'."""
-    BH: gl.constexpr = 64
-    BN: gl.constexpr = 64
+    # the queries and tiles 0 and 1 (past the partition's end: zeros, no read) in one group
     q_at, q_ok = _query_rows(tok, 0, 1, head_tile, stride_qt, stride_qh,
                              gl.SliceLayout(1, lat_l), NUM_HEADS, BH, 1, False)
     async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_at[:, None] + dq[None, :],
@@ -397,37 +313,83 @@ def _first_copies(q_ptr, cache_ptr, table, tok, head_tile, start, end, max_pos, 
     async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_at[:, None] + L + dp[None, :],
                                            mask=q_ok[:, None])
     for j in gl.static_range(2):
-        _load_tile(cache_ptr, table, cache_ptr, max_pos, start + j * BN, end, k_lat_s.index(j),
-                   k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, False, False)
-        if SIGNAL:
-            async_copy.mbarrier_arrive(ready.index(j), increment_count=False)
+        _load_tile(cache_ptr, table, sel, max_pos, start + j * BN, end, k_lat_s.index(j),
+                   k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, SPARSE, False)
+    async_copy.commit_group()
+
+    m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
+    l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, s_l))
+    acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)  # O[:, :L/2] (unused with TWO_PV)
+    s_zero = gl.zeros([BH, BN], gl.float32, layout=s_l)
+    keys = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    fence_async_shared()
+    s = _scores(q_lat_s, q_pe_s, k_lat_s.index(0), k_pe_s.index(0), s_zero)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    for t in range(num_tiles):
+        stage = t % 2
+        _, valid = _valid_keys(sel, max_pos, start + t * BN + keys, end, SPARSE)
+        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_ref)
+        p = gl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p16 = p.to(p_s.dtype)
+        # hand P_t and alpha_t to the P V warpgroups once they are done with P_{t-1}
+        mbarrier.wait(p_free, (t & 1) ^ 1)
+        p_s.store(p16)
+        alpha_s.store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready)
+        if not TWO_PV:  # O_left += P_t V_t[:, :L/2], P_t from registers
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p16, p_l),
+                                k_lat_s.index(stage).slice(0, HALF, 1), acc, is_async=True)
+        # tile t + 1's scores (its copies landed during tile t; past the last tile a zero
+        # stage's, unused)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        fence_async_shared()
+        s = _scores(q_lat_s, q_pe_s, k_lat_s.index(1 - stage), k_pe_s.index(1 - stage), s_zero)
+        if not TWO_PV:
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_t V_t done, S pending
+        # the P V warpgroups are done with V_t too: tile t + 2 into t's stage
+        mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
+        gl.thread_barrier()
+        _load_tile(cache_ptr, table, sel, max_pos, start + (t + 2) * BN, end,
+                   k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
+                   BLOCK_SIZE, SPARSE, False)
+        async_copy.commit_group()
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    async_copy.wait_group(0)  # no copy left in flight at exit
+
+    rows = head_tile * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
+    l_s.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(done)  # the row sums, for the P V warpgroups' stores
+    if SPLIT:
+        part = (rows - head_tile * BH).to(gl.int64) * num_splits + part_row
+        gl.store(part_m_ptr + part, m_i, mask=rows < NUM_HEADS)
+        gl.store(part_l_ptr + part, l_i, mask=rows < NUM_HEADS)
+    if not TWO_PV:
+        _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, part_row,
+                 num_splits, NUM_HEADS, L, SPLIT, 0, o_l)
 
 
-def _pv_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, tok, head_tile,
-                  start, end, num_tiles, max_blocks, stride_qt, stride_qh, stride_oh, out_row,
+def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile, stride_oh, out_row,
                   part_row, num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr,
-                  R: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
-                  WG1_LOADS: gl.constexpr, COL: gl.constexpr):
-    """A P V warpgroup: O[:, COL:COL + L/2] from each tile's P and rescale (WG1_LOADS: and
-    every copy, each stage's signalled on `ready` by the copies' own arrivals)."""
+                  SPLIT: gl.constexpr, COL: gl.constexpr):
+    """A P V warpgroup: O[:, COL:COL + L/2] from each tile's P and rescale."""
     BH: gl.constexpr = 64
-    BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
     q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s = bufs
-    p_ready, p_free, kv_free, done, ready, left_done = bars
+    p_ready, p_free, kv_free, done = bars
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, HALF, 16])
-    lat_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [4, 1], [1, 0])
-    max_pos = max_blocks * BLOCK_SIZE
-    nl = gl.arange(0, BN, layout=gl.SliceLayout(1, lat_l))
-    np_ = gl.arange(0, BN, layout=gl.SliceLayout(1, pe_l))
-    dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
-    dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
-    if WG1_LOADS:
-        _first_copies(q_ptr, cache_ptr, table, tok, head_tile, start, end, max_pos, stride_qt,
-                      stride_qh, q_lat_s, q_pe_s, k_lat_s, k_pe_s, ready, nl, dq, np_, dp,
-                      lat_l, pe_l, NUM_HEADS, L, R, BLOCK_SIZE, True)
     acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)
     for t in range(num_tiles):
         mbarrier.wait(p_ready, t & 1)
@@ -437,18 +399,20 @@ def _pv_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, to
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(p_free)
-        if WG1_LOADS:  # tile t + 2 into t's stage once the left half of P V is done with it
-            mbarrier.wait(left_done.index(t % 2), (t // 2) & 1)
-            _load_tile(cache_ptr, table, cache_ptr, max_pos, start + (t + 2) * BN, end,
-                       k_lat_s.index(t % 2), k_pe_s.index(t % 2), nl, dq, np_, dp, L, R,
-                       BLOCK_SIZE, False, False)
-            async_copy.mbarrier_arrive(ready.index(t % 2), increment_count=False)
-        else:
-            mbarrier.arrive(kv_free.index(t % 2))
-    if WG1_LOADS:
-        async_copy.commit_group()
-        async_copy.wait_group(0)  # no copy left in flight at exit
+        mbarrier.arrive(kv_free.index(t % 2))
     mbarrier.wait(done, 0)
+    l_i = l_s.load(gl.SliceLayout(1, o_l))
+    _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, part_row,
+             num_splits, NUM_HEADS, L, SPLIT, COL, o_l)
+
+
+def _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, part_row,
+             num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, SPLIT: gl.constexpr,
+             COL: gl.constexpr, o_l: gl.constexpr):
+    """O[:, COL:COL + L/2] stored: the split partial as it is, or out divided by the row
+    sums l_i (an empty row writes 0)."""
+    BH: gl.constexpr = 64
+    HALF: gl.constexpr = L // 2
     ho = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
     do = COL + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
     h_ok = head_tile * BH + ho < NUM_HEADS
@@ -456,7 +420,7 @@ def _pv_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_acc_ptr, table, to
         part_o = ho.to(gl.int64) * num_splits + part_row
         gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :], acc, mask=h_ok[:, None])
     else:
-        l_o = l_s.load(gl.SliceLayout(1, o_l))
-        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # an empty row writes 0
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
         gl.store(out_ptr + out_row + ho.to(gl.int64)[:, None] * stride_oh + do[None, :],
-                 o.to(p_s.dtype), mask=h_ok[:, None])
+                 o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
