@@ -120,10 +120,13 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.token_to_req = torch.arange(n, dtype=torch.int64, device=device)
-        # (bucket, context bound) -> the graph, and its hidden states [B, hidden]
+        # (bucket, context bound) -> the graph; every graph copies its hidden states into
+        # `hidden_out`'s first rows (allocated at capture), so no graph holds an output of its
+        # own in the pool: with several bounds a bucket, those would add up
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.hidden_out: torch.Tensor | None = None  # [N, hidden]
         self.capture_seconds = 0.0
+        self.capture_bytes = 0  # the device memory the capture reserved (pool and buffers)
 
     @property
     def dense_context(self) -> int | None:
@@ -158,6 +161,7 @@ class DecodeGraphs:
         if self.device.type != "cuda":
             return 0.0
         self._pad_all()
+        before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         set_mask = getattr(self.model, "set_expert_count_mask", None)
         try:
@@ -167,23 +171,30 @@ class DecodeGraphs:
                     if set_mask is not None:
                         set_mask(self.count_mask[:bucket])
                     # warm-up: Triton JIT for this bucket's tile configs, cuBLAS workspaces
-                    self.model(self.input_ids[:bucket], self.positions[:bucket], meta)
+                    warm = self.model(self.input_ids[:bucket], self.positions[:bucket], meta)
+                    if self.hidden_out is None:  # the largest bucket's rows, its dtype
+                        self.hidden_out = warm.new_empty(self.max_batch, warm.shape[-1])
+                    del warm
                     torch.cuda.synchronize(self.device)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[bucket, bound] = self.model(
-                            self.input_ids[:bucket], self.positions[:bucket], meta)
+                        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket],
+                                            meta)
+                        self.hidden_out[:bucket].copy_(hidden)
+                        del hidden
                     self.graphs[bucket, bound] = graph
         finally:
             if set_mask is not None:
                 set_mask(None)
         torch.cuda.synchronize(self.device)
+        self.capture_bytes = torch.cuda.memory_reserved(self.device) - before
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
 
     def report(self, seconds: float) -> str:
         """The capacity report's one-line state, after `capture` took `seconds`."""
-        kind = "captured" if self.graphs else "static buffers, eager (no CUDA)"
+        kind = (f"captured, {self.capture_bytes / 2**30:.2f} GiB reserved" if self.graphs
+                else "static buffers, eager (no CUDA)")
         why = [f"{b}: {text}" for b, text in sorted(self.kernel_bounds.items())]
         if self.dense_context is not None:
             why.append(f"DSA: within {self.dense_context} dense MLA, no indexer")
@@ -238,7 +249,7 @@ class DecodeGraphs:
         graph = self.graphs.get((bucket, self.bound))
         if graph is not None:
             graph.replay()
-            return self.outputs[bucket, self.bound]
+            return self.hidden_out[:bucket]
         set_mask = getattr(self.model, "set_expert_count_mask", None)
         if set_mask is not None:
             set_mask(self.count_mask[:bucket])
