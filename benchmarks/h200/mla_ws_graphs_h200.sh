@@ -2,12 +2,13 @@
 # decode_gluon_ws served by default past decode_gluon.WS_SHORT_CONTEXT keys, the decode CUDA
 # graphs holding a graph per bucket at that bound (session 37, issue 16). Two parts, one call
 # each:
-#   bash benchmarks/h200/mla_ws_graphs_h200.sh kernels   # ~5 min: the GPU tests of both decode
-#       kernels, the CUDA graphs' and the structured OOM test; kernels_mla at 64 and 128 heads:
+#   [RUNS="main:gluon-ws ..."] [TESTS_TIMEOUT=S] bash benchmarks/h200/mla_ws_graphs_h200.sh kernels
+#       ~8 min: the two-P V form's and the sparse form's GPU tests; kernels_mla at 64 and 128 heads:
 #       its main cases with decode_gluon_ws in its two forms (one P V warpgroup beside the
 #       scores warpgroup's half; two, `two_pv`), then --crossover (384 to 1,536 keys) with
 #       decode_gluon's kernel and decode_gluon_ws; kernels_dsa --decode-only with the sparse
-#       MLA by decode_gluon_ws too (the runs packed as kernels_mla_runs.tgz)
+#       MLA by decode_gluon_ws too (the runs packed as kernels_mla_runs.tgz); then the GPU
+#       tests of decode_gluon_ws, decode_gluon, the CUDA graphs and the structured OOM test
 #   bash benchmarks/h200/mla_ws_graphs_h200.sh serve     # ~6 min: glm-5 sliced to 6 layers
 #       with dense MLA forced (64 heads at every context), 4,096-token prompts, 512 output
 #       tokens, 256 prompts at concurrency 128, served with the warp-specialized decode (the
@@ -24,19 +25,13 @@ case "${1:-}" in
   kernels)
     # the two-P V form's tests first and on their own, briefly: a hang there (a barrier
     # phase wrong) must not eat the call; its timings only if they passed
-    timeout 100 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -k two_pv \
+    timeout 100 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -k "two_pv or sparse" \
       tests/kernels/attention/test_mla_decode_gluon_ws.py > "$dir/gpu_tests_two_pv.log" 2>&1
     two=$?
-    echo "gpu tests two_pv rc=$two"; tail -3 "$dir/gpu_tests_two_pv.log"
-    timeout 200 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -k "not two_pv" \
-      tests/kernels/attention/test_mla_decode_gluon_ws.py \
-      tests/kernels/attention/test_mla_decode_gluon.py tests/engine/test_cuda_graphs.py \
-      "tests/engine/test_structured_outputs.py::test_a_deferred_sampling_out_of_memory_loses_nothing" \
-      > "$dir/gpu_tests.log" 2>&1
-    echo "gpu tests rc=$?"; tail -3 "$dir/gpu_tests.log"
+    echo "gpu tests two_pv and sparse rc=$two"; tail -3 "$dir/gpu_tests_two_pv.log"
     runs=/tmp/mla_ws_runs  # one folder a run, packed into one tarball (a call returns 8 files)
     rm -rf "$runs"; mkdir -p "$runs"
-    for run in main:gluon-ws main:gluon-ws2 crossover:gluon crossover:gluon-ws; do
+    for run in ${RUNS:-main:gluon-ws main:gluon-ws2 crossover:gluon crossover:gluon-ws}; do
       cases=${run%%:*} form=${run#*:}
       [ "$form" = gluon-ws2 ] && [ "$two" != 0 ] && continue
       flag=""; [ "$cases" = crossover ] && flag=--crossover
@@ -45,16 +40,6 @@ case "${1:-}" in
         --heads 64 128 --forms "$form" $flag > "$runs/${cases}_$form/kernels_mla.log" 2>&1
       echo "kernels_mla $run rc=$?"
     done
-    # DSA's decode step with the sparse MLA by decode_gluon_ws (sparse_mla_ws_ms, ws2 too)
-    DSA_TIMEOUT=150 dsa_decode_run kernels_dsa "$runs"
-    python3 -c "
-import json
-for r in json.load(open('$runs/kernels_dsa/kernels_dsa.json'))['decode']:
-    b = r['read_bound_ms']
-    print(r['case'], 'sparse', r['sparse_mla_ms'], 'ws', r.get('sparse_mla_ws_ms'), 'ws2',
-          r.get('sparse_mla_ws2_ms'), 'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'],
-          'ws', r.get('dsa_graph_ws_ms'), 'ws2', r.get('dsa_graph_ws2_ms'), 'bound', b)"
-    tar czf "$dir/kernels_mla_runs.tgz" -C /tmp mla_ws_runs
     python3 - "$runs" <<'PY'
 import glob, json, os, sys
 rows = {}
@@ -65,6 +50,25 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/*/kernels_mla.json")):
 for (heads, case), got in sorted(rows.items()):
     print(heads, case, got)
 PY
+    # DSA's decode step with the sparse MLA by decode_gluon_ws (sparse_mla_ws_ms, ws2 too)
+    if [ "$two" = 0 ]; then
+      DSA_TIMEOUT=150 dsa_decode_run kernels_dsa "$runs"
+      python3 -c "
+import json
+for r in json.load(open('$runs/kernels_dsa/kernels_dsa.json'))['decode']:
+    b = r['read_bound_ms']
+    print(r['case'], 'sparse', r['sparse_mla_ms'], 'ws', r.get('sparse_mla_ws_ms'), 'ws2',
+          r.get('sparse_mla_ws2_ms'), 'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'],
+          'ws', r.get('dsa_graph_ws_ms'), 'ws2', r.get('dsa_graph_ws2_ms'), 'bound', b)"
+    fi
+    tar czf "$dir/kernels_mla_runs.tgz" -C /tmp mla_ws_runs
+    # the other GPU tests of the change, in what is left of the call (TESTS_TIMEOUT seconds)
+    timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
+      -k "not two_pv and not sparse" tests/kernels/attention/test_mla_decode_gluon_ws.py \
+      tests/engine/test_cuda_graphs.py tests/kernels/attention/test_mla_decode_gluon.py \
+      "tests/engine/test_structured_outputs.py::test_a_deferred_sampling_out_of_memory_loses_nothing" \
+      > "$dir/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; tail -3 "$dir/gpu_tests.log"
     ;;
   serve)
     layers='{"num_hidden_layers": 6}'

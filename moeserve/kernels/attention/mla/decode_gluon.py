@@ -203,6 +203,7 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     the positions turned into cache rows by one small launch first
     (sparse_triton.selected_slots), so that each tile's copies wait on one load, not a
     position load feeding a block-table load (the same rows: the same bits)."""
+    default_tile = block_n is None and stages is None and not overlap
     block_n, stages = tile(block_n, stages, overlap)
     _check(q, latent_cache, kv_lora_rank, stages, overlap)
     if (positions.dim() != 2 or positions.shape[0] != q.shape[0]
@@ -214,7 +215,7 @@ def sparse_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     out = q.new_empty(num_tokens, q.shape[1], kv_lora_rank)
     if num_tokens == 0:
         return out
-    if ws_sparse and block_n is None and stages is None and not overlap and not slots and (
+    if ws_sparse and default_tile and not slots and (
             _ws().takes(q, latent_cache, kv_lora_rank) and not _swapped().takes(q.shape[1])):
         _ws().sparse_ws(q, latent_cache, meta, positions, scale, kv_lora_rank, out,
                         num_splits, packed)
