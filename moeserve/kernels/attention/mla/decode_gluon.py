@@ -113,7 +113,7 @@ _load_tile: Any = None
 _scores: Any = None
 _valid_keys: Any = None
 _query_rows: Any = None
-_decode_row: Any = None
+_program_keys: Any = None
 _softmax_to_p: Any = None
 _nvmma_buffer: Any = None
 
@@ -296,7 +296,7 @@ def _kernels() -> SimpleNamespace:
     builtins they call as module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     global _load_tile, _scores, _valid_keys, _query_rows, _softmax_to_p, _nvmma_buffer
-    global _decode_row
+    global _program_keys
     global _decode_kernel
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
@@ -307,7 +307,7 @@ def _kernels() -> SimpleNamespace:
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
     _load_tile, _scores, _valid_keys = parts.load_tile, parts.scores, parts.valid_keys
     _query_rows, _softmax_to_p = parts.query_rows, parts.softmax_to_p
-    _nvmma_buffer, _decode_row = parts.nvmma_buffer, parts.decode_row
+    _nvmma_buffer, _program_keys = parts.nvmma_buffer, parts.program_keys
     # rows_ptr: a slice of one index array at any offset (no new compile mid-serving)
     _decode_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "topk",
                                                   "max_blocks", "stride_table"],
@@ -367,18 +367,11 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         seq_len = gl.load(seq_lens_ptr + req)
         end = seq_len - q_len + gl.minimum(q_len, q0 + BLOCK_Q)
         sel = sel_ptr  # unused
-    elif SPARSE:  # keys: the token's selection; its request's block table
-        tok = i.to(gl.int64)
-        req = gl.load(token_to_req_ptr + tok)
-        end = gl.where(split == num_splits - 1, topk, gl.minimum(topk, start + partition))
-        if PACKED:  # past the token's own context: -1 only
-            end = gl.minimum(end, gl.load(tok_pos_ptr + tok).to(gl.int32) + 1)
-        sel = sel_ptr + tok * stride_sel
-    else:  # keys: positions start .. end of the row's context
-        req, tok, seq_len = _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr,
-                                        USE_ROWS)
-        end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
-        sel = sel_ptr  # unused
+    else:  # a decode row's context, or (SPARSE) a token's selection
+        req, tok, end, sel = _program_keys(i, start, split, partition, num_splits, topk,
+                                           rows_ptr, query_start_loc_ptr, seq_lens_ptr,
+                                           token_to_req_ptr, tok_pos_ptr, sel_ptr, stride_sel,
+                                           USE_ROWS, SPARSE, PACKED)
     if not PREFILL:  # one query token: _query_rows' tile arguments unused
         q0 = 0
         q_len = 1

@@ -75,7 +75,7 @@ mbarrier: Any = None
 _load_tile: Any = None
 _valid_keys: Any = None
 _nvmma_buffer: Any = None
-_decode_row: Any = None
+_program_keys: Any = None
 _query_rows: Any = None
 _scores: Any = None
 
@@ -169,7 +169,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel and its partitions on first use (gluon imported here only), bound with
     the builtins and gluon_parts' functions they call as module globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, mbarrier
-    global _load_tile, _valid_keys, _nvmma_buffer, _decode_row, _query_rows, _scores
+    global _load_tile, _valid_keys, _nvmma_buffer, _program_keys, _query_rows, _scores
     global _ws_kernel, _scores_partition, _pv_partition, _store_o
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
@@ -180,7 +180,7 @@ def _kernels() -> SimpleNamespace:
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
     mbarrier = hopper.mbarrier
     _load_tile, _valid_keys, _nvmma_buffer = parts.load_tile, parts.valid_keys, parts.nvmma_buffer
-    _decode_row, _query_rows, _scores = parts.decode_row, parts.query_rows, parts.scores
+    _program_keys, _query_rows, _scores = parts.program_keys, parts.query_rows, parts.scores
     _scores_partition = gluon.jit(_scores_partition)
     _pv_partition = gluon.jit(_pv_partition)
     _store_o = gluon.jit(_store_o)
@@ -231,18 +231,10 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     i = gl.program_id(1)
     split = gl.program_id(2)
     start = split * partition
-    if SPARSE:  # keys: the token's selection; its request's block table
-        tok = i.to(gl.int64)
-        req = gl.load(token_to_req_ptr + tok)
-        end = gl.where(split == num_splits - 1, keys, gl.minimum(keys, start + partition))
-        if PACKED:  # past the token's own context: -1 only
-            end = gl.minimum(end, gl.load(tok_pos_ptr + tok).to(gl.int32) + 1)
-        sel = sel_ptr + tok * stride_sel
-    else:  # keys: positions start .. end of the row's context
-        req, tok, seq_len = _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr,
-                                        USE_ROWS)
-        end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
-        sel = sel_ptr  # unused
+    req, tok, end, sel = _program_keys(i, start, split, partition, num_splits, keys, rows_ptr,
+                                       query_start_loc_ptr, seq_lens_ptr, token_to_req_ptr,
+                                       tok_pos_ptr, sel_ptr, stride_sel, USE_ROWS, SPARSE,
+                                       PACKED)
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
     table = block_tables_ptr + req.to(gl.int64) * stride_table
     max_pos = max_blocks * BLOCK_SIZE  # a selected position past the table: never read

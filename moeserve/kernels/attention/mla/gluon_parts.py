@@ -26,7 +26,7 @@ def jitted() -> SimpleNamespace:
     they call bound as this module's globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma
     global _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _nvmma_buffer
-    global _decode_row
+    global _decode_row, _program_keys
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -37,10 +37,11 @@ def jitted() -> SimpleNamespace:
     _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _nvmma_buffer = (
         gluon.jit(f) for f in (_query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile,
                                _nvmma_buffer))
-    _decode_row = gluon.jit(_decode_row)
+    _decode_row, _program_keys = gluon.jit(_decode_row), gluon.jit(_program_keys)
     return SimpleNamespace(query_rows=_query_rows, softmax_to_p=_softmax_to_p, scores=_scores,
                            valid_keys=_valid_keys, load_tile=_load_tile,
-                           nvmma_buffer=_nvmma_buffer, decode_row=_decode_row)
+                           nvmma_buffer=_nvmma_buffer, decode_row=_decode_row,
+                           program_keys=_program_keys)
 
 
 def _nvmma_buffer(dtype: gl.constexpr, shape: gl.constexpr):
@@ -59,6 +60,29 @@ def _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr, USE_ROWS: gl.con
         req = i
     tok = gl.load(query_start_loc_ptr + req).to(gl.int64)
     return req, tok, gl.load(seq_lens_ptr + req)
+
+
+def _program_keys(i, start, split, partition, num_splits, keys, rows_ptr, query_start_loc_ptr,
+                  seq_lens_ptr, token_to_req_ptr, tok_pos_ptr, sel_ptr, stride_sel,
+                  USE_ROWS: gl.constexpr, SPARSE: gl.constexpr, PACKED: gl.constexpr):
+    """A decode program's keys, partition `split` (from key `start`) of `num_splits`: (req,
+    tok int64, end, sel): decode row i's context positions start .. end, or (SPARSE) token
+    i's selected positions start .. end of `keys` in its row of sel_ptr (PACKED: up to the
+    token's own position + 1, past which only -1 follows); sel is that row (else sel_ptr,
+    unused)."""
+    if SPARSE:  # keys: the token's selection; its request's block table
+        tok = i.to(gl.int64)
+        req = gl.load(token_to_req_ptr + tok)
+        end = gl.where(split == num_splits - 1, keys, gl.minimum(keys, start + partition))
+        if PACKED:
+            end = gl.minimum(end, gl.load(tok_pos_ptr + tok).to(gl.int32) + 1)
+        sel = sel_ptr + tok * stride_sel
+    else:
+        req, tok, seq_len = _decode_row(i, rows_ptr, query_start_loc_ptr, seq_lens_ptr,
+                                        USE_ROWS)
+        end = gl.where(split == num_splits - 1, seq_len, gl.minimum(seq_len, start + partition))
+        sel = sel_ptr
+    return req, tok, end, sel
 
 
 def _query_rows(tok, q0, q_len, head_tile, stride_qt, stride_qh, layout: gl.constexpr,
