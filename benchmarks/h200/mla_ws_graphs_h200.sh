@@ -62,11 +62,14 @@ for r in json.load(open('$runs/kernels_dsa/kernels_dsa.json'))['decode']:
           'ws', r.get('dsa_graph_ws_ms'), 'ws2', r.get('dsa_graph_ws2_ms'), 'bound', b)"
     fi
     tar czf "$dir/kernels_mla_runs.tgz" -C /tmp mla_ws_runs
-    # the other GPU tests of the change, in what is left of the call (TESTS_TIMEOUT seconds)
+    # the other GPU tests of the change, in what is left of the call (TESTS_TIMEOUT seconds):
+    # decode_gluon's (its sparse form's too), the CUDA graphs', the structured OOM test, then
+    # decode_gluon_ws's one-P V decode tests
     timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
-      -k "not two_pv and not sparse" tests/kernels/attention/test_mla_decode_gluon_ws.py \
-      tests/engine/test_cuda_graphs.py tests/kernels/attention/test_mla_decode_gluon.py \
+      tests/kernels/attention/test_mla_decode_gluon.py tests/engine/test_cuda_graphs.py \
       "tests/engine/test_structured_outputs.py::test_a_deferred_sampling_out_of_memory_loses_nothing" \
+      "tests/kernels/attention/test_mla_decode_gluon_ws.py::test_gpu_decode_matches" \
+      "tests/kernels/attention/test_mla_decode_gluon_ws.py::test_gpu_the_switch_routes_many_head_launches" \
       > "$dir/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -3 "$dir/gpu_tests.log"
     ;;
