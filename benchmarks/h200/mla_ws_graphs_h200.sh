@@ -23,8 +23,13 @@ dir=$OUT/mla_ws_graphs
 mkdir -p "$dir"
 case "${1:-}" in
   kernels)
-    # the two-P V form's tests first and on their own, briefly: a hang there (a barrier
-    # phase wrong) must not eat the call; its timings only if they passed
+    # the decode CUDA graphs' GPU tests (capture and replay: every graph's hidden states
+    # copied into one buffer), then the two-P V form's and the sparse form's on their own,
+    # briefly: a hang there (a barrier phase wrong) must not eat the call; their timings
+    # only if they passed
+    timeout 90 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
+      tests/engine/test_cuda_graphs.py > "$dir/gpu_tests_graphs.log" 2>&1
+    echo "gpu tests graphs rc=$?"; tail -3 "$dir/gpu_tests_graphs.log"
     timeout 100 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -k "two_pv or sparse" \
       tests/kernels/attention/test_mla_decode_gluon_ws.py > "$dir/gpu_tests_two_pv.log" 2>&1
     two=$?
@@ -62,9 +67,10 @@ for r in json.load(open('$runs/kernels_dsa/kernels_dsa.json'))['decode']:
           'ws', r.get('dsa_graph_ws_ms'), 'ws2', r.get('dsa_graph_ws2_ms'), 'bound', b)"
     fi
     tar czf "$dir/kernels_mla_runs.tgz" -C /tmp mla_ws_runs
-    # the other GPU tests of the change, in what is left of the call (TESTS_TIMEOUT seconds):
-    # decode_gluon's (its sparse form's too), the CUDA graphs', the structured OOM test, then
-    # decode_gluon_ws's one-P V decode tests
+    # the other GPU tests of the change, in what is left of the call (TESTS_TIMEOUT seconds,
+    # 0: none): decode_gluon's (its sparse form's too), the CUDA graphs', the structured OOM
+    # test, then decode_gluon_ws's one-P V decode tests
+    [ "${TESTS_TIMEOUT:-200}" = 0 ] && exit 0
     timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
       tests/kernels/attention/test_mla_decode_gluon.py tests/engine/test_cuda_graphs.py \
       "tests/engine/test_structured_outputs.py::test_a_deferred_sampling_out_of_memory_loses_nothing" \
