@@ -1,7 +1,7 @@
-"""The Gluon MLA kernels' shared parts (decode_gluon.py's kernel, and the swapped one beside
-it): a decode program's row, the query rows a program reads, the key tiles' copies from the
-paged latent cache, the scores' wgmmas, and the online softmax that writes P for the P V
-wgmma.
+"""The Gluon MLA kernels' shared parts (decode_gluon.py's kernel, the swapped and the
+warp-specialized ones beside it): a decode program's row, its keys (a context partition or
+DSA's selection), the query rows a program reads, the key tiles' copies from the paged latent
+cache, the scores' wgmmas, and the online softmax that writes P for the P V wgmma.
 
 Gluon functions, jitted by `jitted()` on first use with the Hopper builtins they call bound as
 module globals (where the compiler resolves names); the kernels' modules bind the jitted
