@@ -103,12 +103,13 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.device = device
         limit = getattr(model, "dense_context_limit", lambda: None)()
-        self.dense_limit = limit if limit is not None and limit < max_model_len else None
+        # the model's dense limit (DSA: index_topk) when below max_model_len, else None
+        self.dense_context = limit if limit is not None and limit < max_model_len else None
         # context -> what changes past it (the model's `decode_kernel_bounds`)
         self.kernel_bounds: dict[int, str] = {
             b: why for b, why in getattr(model, "decode_kernel_bounds", dict)().items()
             if b < max_model_len}
-        self.bounds = context_bounds(self.dense_limit, max_model_len,  # graphs' max_seq_len
+        self.bounds = context_bounds(self.dense_context, max_model_len,  # graphs' max_seq_len
                                      kernel_bounds=tuple(self.kernel_bounds))
         self.bound = max_model_len  # the staged step's (`stage`)
         n = self.max_batch
@@ -127,11 +128,6 @@ class DecodeGraphs:
         self.hidden_out: torch.Tensor | None = None  # [N, hidden]
         self.capture_seconds = 0.0
         self.capture_bytes = 0  # the device memory the capture reserved (pool and buffers)
-
-    @property
-    def dense_context(self) -> int | None:
-        """The model's dense limit (DSA: index_topk) when below max_model_len, else None."""
-        return self.dense_limit
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket >= batch, or None when the batch is larger than every bucket."""
