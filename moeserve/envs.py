@@ -17,10 +17,11 @@
     MOESERVE_MLA_DECODE_SWAPPED  "0" keeps the Gluon MLA decode's launches of at most 32
                              heads off mla/decode_gluon_swapped.py's kernel (keys as wgmma's
                              M), for A/Bs; on otherwise
-    MOESERVE_MLA_DECODE_WS  "0" keeps the Gluon MLA decode's launches of more than 32 heads
-                             (at L 512, R 64) whose rows reach past 1,024 keys off
-                             mla/decode_gluon_ws.py's warp-specialized kernel (one warpgroup
-                             the scores, the other half of P V), for A/Bs; on otherwise
+    MOESERVE_MLA_DECODE_WS  "0" keeps the Gluon MLA decode's launches of many heads (64+ on
+                             the H200, 128+ on the H100; at L 512, R 64) whose rows reach
+                             past 1,024 keys off mla/decode_gluon_ws.py's warp-specialized
+                             kernel (one warpgroup the scores, the other half of P V), for
+                             A/Bs; on otherwise
     MOESERVE_MLA_SWAPPED_ONE_STAGE  "0" goes back to two key stages (one program an SM) in
                              decode_gluon_swapped.py's kernel; one stage (115 KB of shared
                              memory: two programs an SM, each copying its next tile after its

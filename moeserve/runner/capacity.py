@@ -230,7 +230,7 @@ def mla_decode_line(cfg: EngineConfig, device: torch.device, dtype: torch.dtype)
             and dtype in (torch.bfloat16, torch.float16) and cfg.cache.kv_cache_dtype == "auto"):
         prefill = "" if envs.mla_prefill_gluon() else "; prefill rows in Triton"
         unswapped = "" if decode_gluon.swapped else "; decodes of <= 32 heads not swapped"
-        ws = (f"; decodes of more heads warp-specialized past {decode_gluon.WS_SHORT_CONTEXT:,} "
-              "keys" if decode_gluon.ws else "")
+        ws = (f"; decodes of {decode_gluon.ws_min_heads(device)}+ heads warp-specialized past "
+              f"{decode_gluon.WS_SHORT_CONTEXT:,} keys" if decode_gluon.ws else "")
         return f"{form} (Gluon on sm90's wgmma{prefill}{unswapped}{ws})"
     return f"{form} (Triton: no sm90 GPU with a 16-bit cache here)"

@@ -21,7 +21,8 @@ context length. Where a decode's kernels depend on the rows' longest context, a 
 one graph per context bound (`context_bounds`), and `stage` picks, on the host, the smallest
 bound that every context stays within through a multi-step round:
   - the model's `decode_kernel_bounds()`: contexts past which an attention kernel changes (an
-    MLA model of more than 32 heads: decode_gluon's WS_SHORT_CONTEXT, past which its decode
+    MLA model of enough heads for the device (decode_gluon.WS_MIN_HEADS: 64 on the H200, 128
+    on the H100): decode_gluon's WS_SHORT_CONTEXT, past which its decode
     runs decode_gluon_ws, slower on short rows);
   - a model with DeepSeek Sparse Attention: its `dense_context_limit()` (index_topk), where
     layers/dsa.py runs dense MLA with no indexer, then bounds 8x apart up to max_model_len,

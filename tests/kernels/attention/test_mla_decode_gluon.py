@@ -26,11 +26,11 @@ def run(case, rows: torch.Tensor | None = None, **kwargs: object) -> torch.Tenso
 
 
 def check_routing(monkeypatch: Any, module: Any, function: str, switch: str,
-                  want_heads: int, long: bool = False) -> None:
+                  want_heads: int, long: bool = False, routed: bool = True) -> None:
     """With decode_gluon's `switch` on, decode_gluon calls of `want_heads` heads run
-    `module.function` and calls of the other head count (20 or 64), with a forced tile, or
-    (`long`: the switch's kernel takes long contexts only) over short contexts do not; every
-    result equals the dense expectation."""
+    `module.function` (`routed`; else they do not) and calls of the other head count (20, or
+    64 / want_heads), with a forced tile, or (`long`: the switch's kernel takes long contexts
+    only) over short contexts do not; every result equals the dense expectation."""
     calls: list[int] = []
     real = getattr(module, function)
     monkeypatch.setattr(module, function,
@@ -39,14 +39,16 @@ def check_routing(monkeypatch: Any, module: Any, function: str, switch: str,
     tol = TOL[torch.bfloat16]
     few = gpu_case(np.random.default_rng(0).integers(1, 2048, 40).tolist(), [1] * 40, 20)
     # max_seq_len 1,024: within WS_SHORT_CONTEXT
-    many = gpu_case([300, decode_gluon.WS_SHORT_CONTEXT - 1], [1, 1], 64, seed=1)
-    routed, other = (few, many) if want_heads == 20 else (many, few)
-    cases = [(routed, {}, [want_heads]), (other, {}, []),
-             (routed, {"block_n": 64, "stages": 2}, [])]
-    if long:  # the routed case over contexts past the threshold; the short one stays out
+    many = gpu_case([300, decode_gluon.WS_SHORT_CONTEXT - 1], [1, 1],
+                    64 if want_heads == 20 else want_heads, seed=1)
+    chosen, other = (few, many) if want_heads == 20 else (many, few)
+    want = [want_heads] if routed else []
+    cases = [(chosen, {}, want), (other, {}, []),
+             (chosen, {"block_n": 64, "stages": 2}, [])]
+    if long:  # the chosen case over contexts past the threshold; the short one stays out
         cases[0] = (gpu_case([300, decode_gluon.WS_SHORT_CONTEXT + 5], [1, 1], want_heads,
-                             seed=2), {}, [want_heads])
-        cases.append((routed, {}, []))
+                             seed=2), {}, want)
+        cases.append((chosen, {}, []))
     for case, kwargs, want in cases:
         calls.clear()
         out = torch.zeros_like(case.q_lat[..., :case.L])
@@ -340,13 +342,14 @@ def test_layer_names_the_ws_bound_for_its_decode_graphs(monkeypatch: pytest.Monk
                                                        ) -> None:
     """An MLA layer's `decode_kernel_bounds` (what the decode CUDA graphs capture a bound at):
     decode_gluon.WS_SHORT_CONTEXT for GLM-5's 64 heads under the Triton backend over a cache
-    decode_gluon takes (stubbed on CPU), in "auto" and "gluon" forms; none without a cache,
+    decode_gluon takes (stubbed on CPU; an H200), in "auto" and "gluon" forms; none without a cache,
     for GLM-4.7-Flash's 20 heads (the swapped kernel), in the split form, or under the torch
     reference."""
     from moeserve.kernels.attention.mla.absorbed_triton import mla_attention_triton
     from moeserve.kernels.attention.mla.reference import mla_attention_ref
 
     monkeypatch.setattr(decode_gluon, "supports_cache", lambda c, L: True)
+    monkeypatch.setattr(decode_gluon, "_device_name", lambda index: "NVIDIA H200")
     monkeypatch.setattr(decode_gluon, "ws", True)
     cache = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
     layer = _glm_layer(mla_attention_triton, "glm-5")

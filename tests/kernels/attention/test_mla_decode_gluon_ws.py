@@ -40,8 +40,9 @@ def test_refuses_what_it_cannot_take_by_name() -> None:
 def test_the_switch_is_on_by_default_and_names_its_context_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """On unless MOESERVE_MLA_DECODE_WS=0; `kernel_bounds` names WS_SHORT_CONTEXT for a cache
-    it takes at more than 32 heads (a CPU cache: the sm90 check stubbed), not at 20 heads, not
-    at another latent shape, not with the switch off."""
+    it takes (a CPU cache: the sm90 check stubbed) at 64 heads and more on an H200, 128 on an
+    H100 or another device, not at 20 heads, not at another latent shape, not with the switch
+    off."""
     assert decode_gluon.ws is True and decode_gluon.WS_SHORT_CONTEXT == 1024
     monkeypatch.setenv("MOESERVE_MLA_DECODE_WS", "0")
     assert envs.mla_decode_ws() is False
@@ -50,8 +51,14 @@ def test_the_switch_is_on_by_default_and_names_its_context_bound(
     cache = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
     assert decode_gluon.kernel_bounds(64, cache, 512) == {}  # on CPU: no Gluon decode at all
     monkeypatch.setattr(decode_gluon, "supports_cache", lambda c, L: True)
+    monkeypatch.setattr(decode_gluon, "_device_name", lambda index: "NVIDIA H200")
     assert list(decode_gluon.kernel_bounds(64, cache, 512)) == [1024]
     assert list(decode_gluon.kernel_bounds(128, cache, 512)) == [1024]
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H800", "a device not named"):
+        monkeypatch.setattr(decode_gluon, "_device_name", lambda index, name=name: name)
+        assert decode_gluon.kernel_bounds(64, cache, 512) == {}, name
+        assert list(decode_gluon.kernel_bounds(128, cache, 512)) == [1024], name
+    monkeypatch.setattr(decode_gluon, "_device_name", lambda index: "NVIDIA H200")
     assert decode_gluon.kernel_bounds(20, cache, 512) == {}  # the swapped kernel's heads
     assert decode_gluon.kernel_bounds(64, torch.zeros(2, 4, 320), 256) == {}  # L 256, R 64
     monkeypatch.setattr(decode_gluon, "ws", False)
@@ -95,10 +102,15 @@ def test_gpu_chosen_rows_fp16_and_a_cuda_graph(ws_form: str) -> None:
 
 @pytest.mark.gpu
 def test_gpu_the_switch_routes_many_head_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """decode_gluon.ws on: a decode_gluon call of 64 heads whose longest row has more than
-    WS_SHORT_CONTEXT keys runs this kernel; 20 heads (the swapped kernel's), a forced tile, or
-    64 heads over at most WS_SHORT_CONTEXT keys do not."""
-    check_routing(monkeypatch, decode_gluon_ws, "decode_ws", "ws", 64, long=True)
+    """decode_gluon.ws on: a decode_gluon call of the device's WS_MIN_HEADS (64 on an H200,
+    128 on an H100) whose longest row has more than WS_SHORT_CONTEXT keys runs this kernel; 20
+    heads (the swapped kernel's), a forced tile, or those heads over at most WS_SHORT_CONTEXT
+    keys do not; on a device that keeps 64 heads off it, 64 heads do not."""
+    heads = 64 if decode_gluon.ws_takes_heads(64, torch.device("cuda")) else 128
+    check_routing(monkeypatch, decode_gluon_ws, "decode_ws", "ws", heads, long=True)
+    if heads == 128:
+        check_routing(monkeypatch, decode_gluon_ws, "decode_ws", "ws", 64, long=True,
+                      routed=False)
 
 
 @pytest.mark.gpu

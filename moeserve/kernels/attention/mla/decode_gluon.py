@@ -82,10 +82,18 @@ swapped = envs.mla_decode_swapped()
 # this kernel -> it): 4,096 keys at 256-2,048 rows 70.0-72.1 -> 78.2-82.9% at 64 heads,
 # 47.7-48.4 -> 53.8-55.7% at 128; 1,024 keys level or faster in 5 of 6 cases (-0.9 to +2.7
 # points); W1's short contexts (129-256 keys, about 3 key tiles a row) 36.7 / 41.9 -> 29.9 /
-# 33.7% at 64 heads: slower, so they stay here. NOTE: the crossover below 1,024 keys is not
-# measured yet (kernels_mla --crossover); 1,024 keys stay here, level either way.
+# 33.7% at 64 heads: slower, so they stay here; 1,024 keys stay here, level either way.
 ws = envs.mla_decode_ws()
 WS_SHORT_CONTEXT = 1024
+# The fewest heads it takes, by device (matched by name; others get the H100's): it pays where
+# the decode nears the tensor cores' rate, and 64 heads' 121 FLOPs a byte are 0.59 of the H200's
+# ridge (787 TFLOP/s over 4.27 TB/s, measured) but 0.41 of the H100's (798 over 3.0). On an H100
+# (gpu_e6ddc73/call1, kernels_mla --crossover, ms this kernel -> it) 64 heads were slower at
+# every context of 384 to 4,096 keys (4,096 at 256-2,048 rows: 0.439 -> 0.454, 1.722 -> 1.739,
+# 3.445 -> 3.471), 128 heads faster from 1,024 keys (1.623 -> 1.572 at 2,048 rows, 3.097 ->
+# 2.695 at 1,024 x 4,096) and level at 768.
+WS_MIN_HEADS = {"H200": 33, "H100": 65}
+WS_MIN_HEADS_OTHER = 65
 # DSA's sparse MLA of more than 32 heads by decode_gluon_ws.py's kernel too (`sparse_ws`, at
 # L 512, R 64, default tile, no slots): an A/B switch (kernels_dsa's sparse_mla_ws_ms) until
 # the H200 times it against this kernel's
@@ -135,6 +143,23 @@ def _is_sm90(index: int | None) -> bool:  # asked once a device: every decode ca
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
+@functools.cache
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def ws_min_heads(device: torch.device) -> int:
+    """The fewest heads whose decodes on this CUDA device decode_gluon_ws takes (WS_MIN_HEADS)."""
+    name = _device_name(device.index)
+    return next((n for key, n in WS_MIN_HEADS.items() if key in name), WS_MIN_HEADS_OTHER)
+
+
+def ws_takes_heads(num_heads: int, device: torch.device) -> bool:
+    """Whether a decode of `num_heads` heads on this device is decode_gluon_ws's past
+    WS_SHORT_CONTEXT keys (the swapped kernel's heads never are)."""
+    return num_heads >= ws_min_heads(device) and not _swapped().takes(num_heads)
+
+
 def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
@@ -153,8 +178,9 @@ def kernel_bounds(num_heads: int, latent_cache: torch.Tensor, kv_lora_rank: int
     with its default tile, runs another kernel, each with what changes: {WS_SHORT_CONTEXT:
     ...} where the warp-specialized kernel takes the longer launches, else {}."""
     rope = latent_cache.shape[-1] - kv_lora_rank
-    if (not ws or _swapped().takes(num_heads) or not supports_cache(latent_cache, kv_lora_rank)
-            or not _ws().takes_shape(kv_lora_rank, rope)):
+    if (not ws or not supports_cache(latent_cache, kv_lora_rank)
+            or not _ws().takes_shape(kv_lora_rank, rope)
+            or not ws_takes_heads(num_heads, latent_cache.device)):
         return {}
     return {WS_SHORT_CONTEXT: "MLA decode past it warp-specialized (decode_gluon_ws)"}
 
@@ -175,7 +201,7 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                                          num_rows, max_seq_len, num_splits)
     if ws and block_n is None and stages is None and not overlap and (
             max_seq_len > WS_SHORT_CONTEXT and _ws().takes(q, latent_cache, kv_lora_rank)
-            and not _swapped().takes(q.shape[1])):
+            and ws_takes_heads(q.shape[1], q.device)):
         return _ws().decode_ws(q, latent_cache, meta, scale, kv_lora_rank, out, rows, num_rows,
                                max_seq_len, num_splits)
     block_n, stages = tile(block_n, stages, overlap)
