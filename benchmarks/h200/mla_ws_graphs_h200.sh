@@ -9,7 +9,7 @@
 #       decode_gluon's kernel and decode_gluon_ws; kernels_dsa --decode-only with the sparse
 #       MLA by decode_gluon_ws too (the runs packed as kernels_mla_runs.tgz); then the GPU
 #       tests of decode_gluon_ws, decode_gluon, the CUDA graphs and the structured OOM test
-#   bash benchmarks/h200/mla_ws_graphs_h200.sh serve     # ~6 min: glm-5 sliced to 6 layers
+#   [WS_ORDER="1 0"] bash benchmarks/h200/mla_ws_graphs_h200.sh serve  # ~2 min: glm-5 sliced to 6 layers
 #       with dense MLA forced (64 heads at every context), 4,096-token prompts, 512 output
 #       tokens, 256 prompts at concurrency 128, served with the warp-specialized decode (the
 #       default) and with MOESERVE_MLA_DECODE_WS=0
@@ -81,8 +81,10 @@ for r in json.load(open('$runs/kernels_dsa/kernels_dsa.json'))['decode']:
     ;;
   serve)
     layers='{"num_hidden_layers": 6}'
-    for ws in 1 0; do
-      name=long4k_glm-5_dense_c128_ws$ws
+    round=0  # WS_ORDER: the runs' switch values in order (default "1 0"), e.g. "0 1 0 1"
+    for ws in ${WS_ORDER:-1 0}; do
+      round=$((round + 1))
+      name=long4k_glm-5_dense_c128_ws${ws}_r$round
       timeout 200 env MOESERVE_MLA_DECODE_WS=$ws python3 -m moeserve.cli bench --preset glm-5 \
         --server-args="--hf-overrides '$layers' --dsa dense --max-model-len 8192" \
         --input-len 4096 --output-len 512 --num-prompts 256 --max-concurrency 128 \
