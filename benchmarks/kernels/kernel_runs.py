@@ -11,6 +11,9 @@ and the JSON they rewrite after every case, so that a run cut short keeps what i
                                            cudaProfilerStart / Stop (what `ncu
                                            --profile-from-start off` sees): their median ms
     record(result, section, row, path, device)
+    device_ceilings(device)                the roofline's ceilings of this GPU (an H100 SXM's
+                                           or an H200's), else the H200's (ANCHORS.md's
+                                           reference machine; a CPU smoke run)
 """
 
 from __future__ import annotations
@@ -36,6 +39,16 @@ def run_device(smoke: bool, name: str) -> str:
     if not torch.cuda.is_available():
         raise SystemExit(f"{name} needs a CUDA GPU (or --smoke)")
     return "cuda"
+
+
+def device_ceilings(device: str):
+    """diagnose/bounds/roofline's Ceilings of the GPU a benchmark runs on, the H200's where it
+    has none measured (and for a CPU smoke run): the shares of the bound a run reports are of
+    its own machine's where that machine is measured. The JSON names which (`.name`)."""
+    from moeserve.diagnose.bounds.roofline import CEILINGS, ceilings_for
+
+    found = ceilings_for(torch.cuda.get_device_name()) if device == "cuda" else None
+    return found or CEILINGS[0]
 
 
 def make_timer(smoke: bool, warmup_ms: int, rep_ms: int) -> Timer:

@@ -58,6 +58,7 @@ import torch
 from benchmarks.kernels.kernel_runs import (
     SMOKE_HELP,
     Timer,
+    device_ceilings,
     graph_timed,
     make_timer,
     record,
@@ -89,7 +90,7 @@ DECODE_CASES = (("decode_b32_ctx8k", 32, 8192), ("decode_b32_ctx64k", 32, 65536)
                 ("decode_b256_ctx64k", 256, 65536))
 SMOKE_DECODE = (("decode_b3_ctx40", 3, 40),)
 MLA_HEADS, LATENT, ROPE = 64, 512, 64
-COPY_TBPS = 4.27  # ANCHORS.md: the H200's copy rate
+COPY_TBPS = 4.27  # ANCHORS.md: the H200's copy rate; main() takes its GPU's (device_ceilings)
 CHECK_ROWS = 2  # rows of each decode case checked against the references
 # the radix top-k's row form at (positions a step, warps), in graphs
 ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16))
@@ -368,12 +369,16 @@ def main() -> None:
                         help="also time the decode step's sparse MLA at these TileConfigs")
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_dsa")
+    global COPY_TBPS
+    ceilings = device_ceilings(device)
+    COPY_TBPS = ceilings.bytes_per_s / 1e12
     cases, decode_cases = (SMOKE, SMOKE_DECODE) if args.smoke else (CASES, DECODE_CASES)
     timer = make_timer(args.smoke, warmup_ms=25, rep_ms=100)
     from benchmarks.engine.w1_offline import environment
 
     os.makedirs(args.out, exist_ok=True)
-    result: dict = {"environment": environment(), "shape": {
+    result: dict = {"environment": environment(), "ceilings": ceilings.name,
+                    "copy_tbps": COPY_TBPS, "shape": {
         "heads": HEADS, "dim": DIM, "block_size": BLOCK, "topk": TOPK}, "cases": []}
     path = os.path.join(args.out, "kernels_dsa.json")
     result["decode"] = []

@@ -42,7 +42,14 @@ import os
 import numpy as np
 import torch
 
-from benchmarks.kernels.kernel_runs import SMOKE_HELP, Timer, make_timer, record, run_device
+from benchmarks.kernels.kernel_runs import (
+    SMOKE_HELP,
+    Timer,
+    device_ceilings,
+    make_timer,
+    record,
+    run_device,
+)
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 
 # neither imports triton (the kernels do on first use, after --smoke set the interpreter)
@@ -54,7 +61,8 @@ from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES, to_cache_dtype
 
 LATENT, ROPE = 512, 64  # kv_lora_rank, qk_rope_head_dim (DeepSeek-V3, GLM-4.7-Flash, GLM-5)
 SCALE = (128 + 64) ** -0.5  # (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
-COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # ANCHORS.md: the H200's copy rate, bf16 dense peak
+# ANCHORS.md: the H200's copy rate, bf16 dense peak; main() takes its GPU's (device_ceilings)
+COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0
 HEADS = (20, 64, 128)
 # (name, batch, context): a fixed context, or "w1" (contexts drawn from 129..256)
 CASES = tuple((f"b{b}_ctx{c}", b, c) for b in (256, 1024, 2048) for c in (1024, 4096)) + (
@@ -271,6 +279,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_mla")
+    global COPY_TBPS, DENSE_TFLOPS
+    ceilings = device_ceilings(device)
+    COPY_TBPS, DENSE_TFLOPS = ceilings.bytes_per_s / 1e12, ceilings.flops_per_s / 1e12
     if args.smoke:
         dtype, cases = torch.float32, SMOKE_CASES
         shape = {"latent": 32, "rope": 16, "block_size": 8}
@@ -287,7 +298,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     result: dict = {"environment": environment(),
                     "config": {**vars(args), **shape, "dtype": str(dtype), "scale": SCALE,
-                               "copy_tbps": COPY_TBPS, "dense_tflops": DENSE_TFLOPS,
+                               "ceilings": ceilings.name, "copy_tbps": COPY_TBPS,
+                               "dense_tflops": DENSE_TFLOPS,
                                "timer": "one eager call (smoke)" if args.smoke
                                else "triton.testing.do_bench, warmup 10 ms, rep 50 ms"},
                     "cases": []}

@@ -6,7 +6,8 @@
                     there): engine timeline, steady window, GPU and process figures
     expert_load.py  the engine's tokens-per-expert counters: run delta, mean per step, imbalance
     bounds/         what a step could cost at best: roofline.py (bytes and FLOPs of a step
-                    from the model shape; H200 ceilings; the share of the bound a run reached),
+                    from the model shape; the H200's and H100's ceilings; the share of the
+                    bound a run reached),
                     step_parts.py (a profiled step's parts against their bounds), kv_bound.py
                     (the throughput a fixed-length run's KV cache allows)
     doctor.py       the rules: run -> [Verdict(rule, severity, message, knob, evidence,

@@ -40,6 +40,9 @@ def test_experts_touched() -> None:
     assert experts_touched(128, 8, 1024) == pytest.approx(128.0, rel=1e-9)
     assert 8 < experts_touched(128, 8, 4) < 32
     assert ceilings_for("x86_64") is None and ceilings_for(None) is None
+    h100 = ceilings_for("NVIDIA H100 80GB HBM3")  # the SXM part; not the PCIe one's memory
+    assert h100 is not None and h100.bytes_per_s < ceilings_for("NVIDIA H200").bytes_per_s
+    assert ceilings_for("NVIDIA H100 PCIe") is None
 
 
 def test_analyse_run_observed_against_bound() -> None:

@@ -28,6 +28,8 @@ device's ceilings, and how close a run came.
 
 Ceilings measured on the reference machine (shared/reference/ANCHORS.md): one NVIDIA H200,
 787 TFLOP/s dense bf16, 4.27 TB/s device copy. W1 at batch 1,024 (context 128 + 64): 18.8 ms.
+Also the H100 SXM's (`CEILINGS`); a device without measured ceilings gets no roofline
+(benchmarks/kernels/ceilings.py measures them).
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ class Ceilings:
     bytes_per_s: float
 
 
-CEILINGS = (Ceilings("H200", 787e12, 4.27e12),)
+# The H100's (the SXM part, HBM3, which nvidia-smi names "NVIDIA H100 80GB HBM3"; the PCIe and
+# NVL parts have other memory) as measured on the device machine's H100 (its KINDS.md, by the
+# method above: 8192^3 bf16 product 798 TFLOP/s, device copy about 3.0 TB/s read + written)
+CEILINGS = (Ceilings("H200", 787e12, 4.27e12), Ceilings("H100 80GB HBM3", 798e12, 3.0e12))
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 # bytes a quantized weight, its scales included (quant/packed.py): e4m3 + an fp32 scale per
 # 128 x 128 block; e2m1 + an e4m3 scale per 16; 4 bits + a bf16 scale per 32 (Kimi's group)

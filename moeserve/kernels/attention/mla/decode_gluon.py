@@ -82,7 +82,9 @@ swapped = envs.mla_decode_swapped()
 # this kernel -> it): 4,096 keys at 256-2,048 rows 70.0-72.1 -> 78.2-82.9% at 64 heads,
 # 47.7-48.4 -> 53.8-55.7% at 128; 1,024 keys level or faster in 5 of 6 cases (-0.9 to +2.7
 # points); W1's short contexts (129-256 keys, about 3 key tiles a row) 36.7 / 41.9 -> 29.9 /
-# 33.7% at 64 heads: slower, so they stay here; 1,024 keys stay here, level either way.
+# 33.7% at 64 heads: slower, so they stay here; 1,024 keys stay here, level either way. The
+# crossover (gpu_e6ddc73/call3, kernels_mla --crossover): 64 heads 1-19% slower there at 384-768
+# keys, 3-6% faster at 1,536; 128 heads level or faster from 768 (-1 to +3%), 7-8% at 1,536.
 ws = envs.mla_decode_ws()
 WS_SHORT_CONTEXT = 1024
 # The fewest heads it takes, by device (matched by name; others get the H100's): it pays where
@@ -95,8 +97,10 @@ WS_SHORT_CONTEXT = 1024
 WS_MIN_HEADS = {"H200": 33, "H100": 65}
 WS_MIN_HEADS_OTHER = 65
 # DSA's sparse MLA of more than 32 heads by decode_gluon_ws.py's kernel too (`sparse_ws`, at
-# L 512, R 64, default tile, no slots): an A/B switch (kernels_dsa's sparse_mla_ws_ms) until
-# the H200 times it against this kernel's
+# L 512, R 64, default tile, no slots): an A/B switch. GLM-5's DSA decode step in a CUDA graph
+# (kernels_dsa's dsa_graph_ws_ms) 1.2-5.8% faster with it in all five cases on the H200
+# (gpu_e6ddc73/call3) and 0.3-4.4% on the H100 (call1); off until DSA's prefill, the same launch
+# over a chunk's tokens, is timed with it (kernels_dsa_prefill)
 ws_sparse = False
 # the decode forms' output (and split partials) stored from a layout of 8 consecutive latent
 # columns a thread (16-byte stores; 16 STG a thread at 64 heads instead of 64, the same shared
