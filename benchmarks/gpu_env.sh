@@ -35,13 +35,31 @@ print(torch.__version__, triton.__version__, *(m.__version__ for m in extra))" \
   ${GPU_ENV_VERSIONS:-} \
   > "$OUT/versions.txt" 2>&1
 
-# run_gpu_tests SECONDS: `pytest -m gpu` over the test tree into $OUT/gpu_tests.log. If the run
-# crashes (a device-side assert aborts the whole process, and every later test errors), each
-# test file then runs in a process of its own within what is left of SECONDS, their logs in
-# $OUT/gpu_tests_by_file.tgz (a call returns at most 8 files), so one call shows them all.
+# run_gpu_tests SECONDS [K/N]: `pytest -m gpu` over the test tree into $OUT/gpu_tests.log; with
+# K/N only the K-th of N parts of its files (balanced by their GPU tests' count): the whole
+# tree takes more than one call's 600 s on the H200 (gpu_e6ddc73/call2: ~58% in 500 s), so
+# "1/2" and "2/2" in two calls. If the run crashes (a device-side assert aborts the whole
+# process, and every later test errors), each test file then runs in a process of its own
+# within what is left of SECONDS, their logs in $OUT/gpu_tests_by_file.tgz (a call returns at
+# most 8 files), so one call shows them all.
+gpu_test_part() {  # K/N -> the K-th part's test files, one a line
+  python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests 2>/dev/null \
+    | grep "::" | sed 's/::.*//' | python3 -c "
+import collections, sys
+k, n = map(int, sys.argv[1].split('/'))
+counts = collections.Counter(line.strip() for line in sys.stdin)
+parts = [[0, []] for _ in range(n)]
+for path, c in sorted(counts.items(), key=lambda pc: (-pc[1], pc[0])):
+    lightest = min(parts, key=lambda p: p[0])
+    lightest[0] += c
+    lightest[1].append(path)
+print('\n'.join(sorted(parts[k - 1][1])))" "$1"
+}
 run_gpu_tests() {
-  local start=$SECONDS rc
-  timeout "$1" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests \
+  local start=$SECONDS rc targets=(tests)
+  # shellcheck disable=SC2207
+  [ -n "${2:-}" ] && targets=($(gpu_test_part "$2"))
+  timeout "$1" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "${targets[@]}" \
     > "$OUT/gpu_tests.log" 2>&1
   rc=$?
   tail -3 "$OUT/gpu_tests.log"
@@ -49,8 +67,8 @@ run_gpu_tests() {
     echo "pytest crashed (rc $rc): file by file"
     local dir=/tmp/gpu_tests_by_file f
     mkdir -p "$dir"
-    for f in $(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests 2>/dev/null \
-               | grep "::" | sed 's/::.*//' | sort -u); do
+    for f in $(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider "${targets[@]}" \
+               2>/dev/null | grep "::" | sed 's/::.*//' | sort -u); do
       local left=$(( $1 - (SECONDS - start) ))
       [ "$left" -gt 20 ] || break
       timeout "$left" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "$f" \
