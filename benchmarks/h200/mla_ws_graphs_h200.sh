@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # decode_gluon_ws served by default past decode_gluon.WS_SHORT_CONTEXT keys, the decode CUDA
-# graphs holding a graph per bucket at that bound (session 37, issue 16). Two parts, one call
-# each:
+# graphs holding a graph per bucket at that bound (sessions 37-38, issue 16). Four parts, one
+# call each:
 #   [RUNS="main:gluon-ws ..."] [TESTS_TIMEOUT=S] bash benchmarks/h200/mla_ws_graphs_h200.sh kernels
 #       ~8 min: the two-P V form's and the sparse form's GPU tests; kernels_mla at 64 and 128 heads:
 #       its main cases with decode_gluon_ws in its two forms (one P V warpgroup beside the
@@ -9,10 +9,12 @@
 #       decode_gluon's kernel and decode_gluon_ws; kernels_dsa --decode-only with the sparse
 #       MLA by decode_gluon_ws too (the runs packed as kernels_mla_runs.tgz); then the GPU
 #       tests of decode_gluon_ws, decode_gluon, the CUDA graphs and the structured OOM test
-#   [WS_ORDER="1 0"] bash benchmarks/h200/mla_ws_graphs_h200.sh serve  # ~2 min: glm-5 sliced to 6 layers
-#       with dense MLA forced (64 heads at every context), 4,096-token prompts, 512 output
+#   [WS_ORDER="1 0"] bash benchmarks/h200/mla_ws_graphs_h200.sh serve   # ~2 min a pair:
+#       glm-5 sliced to 6 layers with dense MLA forced (64 heads at every context), 4,096-token prompts, 512 output
 #       tokens, 256 prompts at concurrency 128, served with the warp-specialized decode (the
 #       default) and with MOESERVE_MLA_DECODE_WS=0
+#   bash benchmarks/h200/mla_ws_graphs_h200.sh prefill   # ~3 min: kernels_dsa_prefill (W3's
+#       chunks at GLM-5's shape), the sparse MLA by decode_gluon_ws too (ws_sparse's A/B)
 #   bash benchmarks/h200/mla_ws_graphs_h200.sh w1        # ~5 min: W1 at 1,024 on the same
 #       slice, both ways (its rows stay within the bound: decode_gluon's graphs either way; the
 #       default pays a second graph a bucket at start-up)
@@ -93,6 +95,18 @@ for r in json.load(open('$runs/kernels_dsa/kernels_dsa.json'))['decode']:
       grep -E "Output token throughput|Median TPOT|serial roofline|eager decode|CUDA graphs" \
         "$dir/$name.log"
     done
+    ;;
+  prefill)
+    # decode_gluon.ws_sparse's other half: DSA's prefill chunks (W3's) with the sparse MLA by
+    # decode_gluon_ws (sparse_mla_ws_ms) against decode_gluon's kernel (sparse_mla_ms)
+    timeout 300 python3 -m benchmarks.kernels.kernels_dsa_prefill --out "$dir/prefill" \
+      > "$dir/kernels_dsa_prefill.log" 2>&1
+    echo "kernels_dsa_prefill rc=$?"
+    python3 -c "
+import json
+for r in json.load(open('$dir/prefill/kernels_dsa_prefill.json'))['prefill']:
+    print(r['case'], 'sparse MLA', r['sparse_mla_ms'], 'ws', r.get('sparse_mla_ws_ms'),
+          'bound', r['sparse_mla_bound_ms'])"
     ;;
   w1)
     for ws in 1 0; do

@@ -15,10 +15,12 @@ after P cached positions, token t seeing e(t) <= P + C positions, costs per full
                      `--dsa dense` runs for a row whose context passes 512: mla_prefill_ref)
 
 Each part's bound is max(bytes / 4.27 TB/s, FLOPs / 787 TFLOP/s) (ANCHORS.md's H200 copy rate
-and bf16 dense peak); the sparse MLA and dense MLA bounds count FLOPs only (their reads are a
-few MB of latents, and the queries). Timed with triton.testing.do_bench, eager (a prefill step
-is not a CUDA graph). First checked, on a small step of exact integer data: the selection equal
-to `indexer_topk_ref`'s, the sparse MLA within 2^-6 of `dsa_attention_ref`.
+and bf16 dense peak; another GPU's own where the roofline has them); the sparse MLA and dense
+MLA bounds count FLOPs only (their reads are a few MB of latents, and the queries). Timed with
+triton.testing.do_bench, eager (a prefill step is not a CUDA graph). First checked, on a small
+step of exact integer data: the selection equal to `indexer_topk_ref`'s, the sparse MLA within
+2^-6 of `dsa_attention_ref`. On the GPU the sparse MLA is timed by decode_gluon_ws's sparse
+form too (sparse_mla_ws_ms: decode_gluon.ws_sparse's A/B).
 
     python -m benchmarks.kernels.kernels_dsa_prefill --out DIR
     python -m benchmarks.kernels.kernels_dsa_prefill --out DIR --smoke   # tiny, CPU interpreter
@@ -27,11 +29,19 @@ to `indexer_topk_ref`'s, the sparse MLA within 2^-6 of `dsa_attention_ref`.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import torch
 
-from benchmarks.kernels.kernel_runs import SMOKE_HELP, Timer, make_timer, record, run_device
+from benchmarks.kernels.kernel_runs import (
+    SMOKE_HELP,
+    Timer,
+    device_ceilings,
+    make_timer,
+    record,
+    run_device,
+)
 from benchmarks.kernels.kernels_dsa import (
     COPY_TBPS,
     key_bytes,
@@ -45,6 +55,8 @@ from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_
 from moeserve.kernels.attention.mla.reference import mla_prefill_ref
 
 PEAK_TFLOPS = 787.0  # ANCHORS.md: the H200's bf16 dense peak
+# (TB/s, TFLOP/s) of the bounds: the H200's; main() takes its GPU's (device_ceilings)
+CEILINGS = [COPY_TBPS, PEAK_TFLOPS]
 # (name, cached positions P, chunk tokens C): W3's last chunk of a 32k prompt, its first, and a
 # short chunk after a long prefix
 CASES = (("w3_chunk_8192_after_24576", 24576, 8192), ("w3_chunk_8192_after_0", 0, 8192),
@@ -61,7 +73,7 @@ def ends(meta) -> torch.Tensor:
 
 
 def bound_ms(nbytes: float, flops: float) -> float:
-    return max(nbytes / (COPY_TBPS * 1e12), flops / (PEAK_TFLOPS * 1e12)) * 1e3
+    return max(nbytes / (CEILINGS[0] * 1e12), flops / (CEILINGS[1] * 1e12)) * 1e3
 
 
 def check(device: str, dtype: torch.dtype, s: dict) -> float:
@@ -85,6 +97,24 @@ def check(device: str, dtype: torch.dtype, s: dict) -> float:
     err = float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
     assert err <= 2 ** -6, f"sparse MLA: {err:.3g} from the reference"
     return err
+
+
+def time_sparse_ws_prefill(name: str, args: tuple, timer: Timer) -> dict:
+    """The chunk's sparse MLA with decode_gluon.ws_sparse on (decode_gluon_ws's sparse form,
+    one P V warpgroup), first checked against the default kernel's output:
+    sparse_mla_ws_ms."""
+    from moeserve.kernels.attention.mla import decode_gluon
+
+    run = functools.partial(dsa_sparse_triton.dsa_attention_triton, *args, packed=True)
+    base = run().float()
+    was = decode_gluon.ws_sparse
+    try:
+        decode_gluon.ws_sparse = True
+        err = float((run().float() - base).abs().max() / base.abs().max())
+        assert err <= 2 ** -6, f"{name}: sparse MLA by decode_gluon_ws: {err:.3g}"
+        return {"sparse_mla_ws_ms": timer(run)}
+    finally:
+        decode_gluon.ws_sparse = was
 
 
 def run_case(name: str, prefix: int, chunk: int, device: str, timer: Timer) -> dict:
@@ -126,6 +156,9 @@ def run_case(name: str, prefix: int, chunk: int, device: str, timer: Timer) -> d
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
     row["sparse_mla_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
         q_lat, latent, meta, positions, width ** -0.5, s["latent"], packed=True))
+    if cuda:  # decode_gluon.ws_sparse's A/B: the same launch by decode_gluon_ws
+        row |= time_sparse_ws_prefill(name, (q_lat, latent, meta, positions, width ** -0.5,
+                                             s["latent"]), timer)
     row["dense_mla_ms"] = timer(lambda: mla_prefill_ref(
         q_up, latent, meta, (s["nope"] + s["rope"]) ** -0.5, kv_b, s["nope"], s["v"]))
     seen = ends(meta).double()
@@ -157,12 +190,16 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_dsa_prefill")
+    ceilings = device_ceilings(device)
+    CEILINGS[:] = [ceilings.bytes_per_s / 1e12, ceilings.flops_per_s / 1e12]
     cases = SMOKE if args.smoke else CASES
     timer = make_timer(args.smoke, warmup_ms=25, rep_ms=100)
     from benchmarks.engine.w1_offline import environment
 
     os.makedirs(args.out, exist_ok=True)
-    result: dict = {"environment": environment(), "shape": SHAPE[device], "prefill": []}
+    result: dict = {"environment": environment(), "shape": SHAPE[device],
+                    "ceilings": ceilings.name, "copy_tbps": CEILINGS[0],
+                    "dense_tflops": CEILINGS[1], "prefill": []}
     path = os.path.join(args.out, "kernels_dsa_prefill.json")
     for name, prefix, chunk in cases:
         record(result, "prefill", run_case(name, prefix, chunk, device, timer), path, device)
