@@ -327,18 +327,52 @@ def _check_tiles(tiles: dict, keys: Sequence[str], what: str) -> None:
             raise ValueError(f"{what} {key} must be a power of two >= 1, got {value}")
 
 
+# Devices of one chip (the H200 is the H100 SXM's Hopper die, 132 SMs, 50 MB L2, with more and
+# faster memory): where one has no tuned file for a shape, the package's committed file of
+# another is used as it is (reported as such), rather than the in-code default tiles or a
+# start-up tune of minutes. Only committed files are borrowed: a tune here writes under this
+# device's own name. Not the H100 PCIe or NVL (114 / 132 SMs with other memory).
+SAME_CHIP = (("NVIDIA H200", "NVIDIA H100 80GB HBM3"),)
+
+
+def same_chip_devices(device_name: str) -> list[str]:
+    """The other devices of `device_name`'s chip (SAME_CHIP), whose committed tiles it borrows."""
+    return [other for chip in SAME_CHIP if device_name in chip for other in chip
+            if other != device_name]
+
+
+def find_config_file(file_name: Callable[[str], str], load: Callable[[str], dict[int, dict]],
+                     device_name: str) -> tuple[str, dict[int, dict]] | None:
+    """(path, table) of the first folder of `config_dirs` whose file `file_name(device_name)`
+    holds a finished entry, else of the package's committed file of a device of the same chip
+    (`same_chip_devices`), else None."""
+    paths = [directory / file_name(device_name) for directory in config_dirs()]
+    paths += [PACKAGE_CONFIG_DIR / file_name(other) for other in same_chip_devices(device_name)]
+    for path in paths:
+        table = load(str(path))
+        if table:
+            return str(path), table
+    return None
+
+
+def committed_detail(path: str, device_name: str) -> str:
+    """The report's word for a committed file serving `device_name`: "committed", or, when it
+    is another device's (same_chip_devices), which."""
+    for other in same_chip_devices(device_name):
+        if f"device_name={other.replace(' ', '_')}," in Path(path).name:
+            return (f"committed, tuned on {other} (the same chip; `moeserve tune` tunes "
+                    f"{device_name} itself)")
+    return "committed"
+
+
 def find_tuned(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
                device_name: str) -> tuple[str, dict[int, dict]] | None:
     """(path, {num_tokens: entry}) of the first config folder with a finished entry for this
-    shape, or None. An entry holds CONFIG_KEYS and "backend" (plus "down", "ms",
-    "grouped_mm_ms" when recorded)."""
-    name = config_file_name(num_experts, hidden, inter, dtype, device_name)
-    for directory in config_dirs():
-        path = str(directory / name)
-        table = _load_tuned(path)
-        if table:
-            return path, table
-    return None
+    shape, or None (`find_config_file`: a same-chip device's committed file too). An entry
+    holds CONFIG_KEYS and "backend" (plus "down", "ms", "grouped_mm_ms" when recorded)."""
+    return find_config_file(
+        lambda device: config_file_name(num_experts, hidden, inter, dtype, device), _load_tuned,
+        device_name)
 
 
 def engine_token_counts(max_num_batched_tokens: int = MAX_TUNE_TOKENS) -> list[int]:

@@ -255,7 +255,8 @@ def ensure_tuned(num_experts: int, hidden: int, inter: int, top_k: int, dtype: t
         path, table = found
         missing = [n for n in wanted if n not in table]
         if Path(path).parent == moe_configs.PACKAGE_CONFIG_DIR:
-            return TuneOutcome(time.perf_counter() - start, True, path, "committed")
+            return TuneOutcome(time.perf_counter() - start, True, path,
+                               moe_configs.committed_detail(path, device_name))
         if not missing:
             return TuneOutcome(time.perf_counter() - start, True, path, "tuned earlier (cached)")
         out_path = Path(path)  # a partial tune (a budget ran out): resume it

@@ -39,8 +39,8 @@ from moeserve.kernels.moe.tile_configs import (
     MoeConfigChoice,
     check_config,
     check_tile_source,
-    config_dirs,
     config_key,
+    find_config_file,
     nearest_token_count,
     read_tuned_table,
     register_cache,
@@ -184,15 +184,12 @@ def find_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_k:
                      group: int, dtype: torch.dtype,
                      device_name: str) -> tuple[str, dict[int, dict]] | None:
     """(path, {num_tokens: entry}) of the first config folder with a finished entry for this
-    shape and format, or None."""
-    name = quant_config_file_name(fmt, num_experts, hidden, inter, top_k, group, dtype,
-                                  device_name)
-    for directory in config_dirs():
-        path = str(directory / name)
-        table = _load_quant_tuned(path, fmt, group)
-        if table:
-            return path, table
-    return None
+    shape and format, or None (tile_configs.find_config_file: a same-chip device's committed
+    file too)."""
+    return find_config_file(
+        lambda device: quant_config_file_name(fmt, num_experts, hidden, inter, top_k, group,
+                                              dtype, device),
+        lambda path: _load_quant_tuned(path, fmt, group), device_name)
 
 
 def get_quant_config(fmt: str, num_experts: int, hidden: int, inter: int, top_k: int,

@@ -230,7 +230,8 @@ def ensure_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_
     if found is not None:
         path, table = found
         if Path(path).parent == tile_configs.PACKAGE_CONFIG_DIR:
-            return TuneOutcome(time.perf_counter() - start, True, path, "committed")
+            return TuneOutcome(time.perf_counter() - start, True, path,
+                               tile_configs.committed_detail(path, device_name))
         if all(n in table for n in wanted):
             return TuneOutcome(time.perf_counter() - start, True, path, "tuned earlier (cached)")
         out_path = Path(path)  # a partial tune (a budget ran out): resume it
