@@ -224,13 +224,14 @@ def mla_decode_line(cfg: EngineConfig, device: torch.device, dtype: torch.dtype)
     form = cfg.mla_decode
     if cfg.attention_backend != "triton" or form not in ("auto", "gluon"):
         return form
-    from moeserve.kernels.attention.mla import decode_gluon
+    from moeserve.kernels.attention.mla import decode_gluon, decode_gluon_ws
 
     if (device.type == "cuda" and decode_gluon._is_sm90(device.index)
             and dtype in (torch.bfloat16, torch.float16) and cfg.cache.kv_cache_dtype == "auto"):
         prefill = "" if envs.mla_prefill_gluon() else "; prefill rows in Triton"
         unswapped = "" if decode_gluon.swapped else "; decodes of <= 32 heads not swapped"
-        ws = (f"; decodes of {decode_gluon.ws_min_heads(device)}+ heads warp-specialized past "
+        least = decode_gluon_ws.min_heads(device)
+        ws = (f"; decodes of {least}+ heads warp-specialized past "
               f"{decode_gluon.WS_SHORT_CONTEXT:,} keys" if decode_gluon.ws else "")
         return f"{form} (Gluon on sm90's wgmma{prefill}{unswapped}{ws})"
     return f"{form} (Triton: no sm90 GPU with a 16-bit cache here)"

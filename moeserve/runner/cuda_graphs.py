@@ -21,7 +21,7 @@ context length. Where a decode's kernels depend on the rows' longest context, a 
 one graph per context bound (`context_bounds`), and `stage` picks, on the host, the smallest
 bound that every context stays within through a multi-step round:
   - the model's `decode_kernel_bounds()`: contexts past which an attention kernel changes (an
-    MLA model of enough heads for the device (decode_gluon.WS_MIN_HEADS: 64 on the H200, 128
+    MLA model of enough heads for the device (decode_gluon_ws.WS_MIN_HEADS: 64 on the H200, 128
     on the H100): decode_gluon's WS_SHORT_CONTEXT, past which its decode
     runs decode_gluon_ws, slower on short rows);
   - a model with DeepSeek Sparse Attention: its `dense_context_limit()` (index_topk), where

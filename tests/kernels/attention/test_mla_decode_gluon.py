@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.kernels.attention.mla import decode_gluon, prefill_gluon
+from moeserve.kernels.attention.mla import decode_gluon, decode_gluon_ws, prefill_gluon
 from tests.kernels.attention.test_mla import DECODE, make_mla_case
 from tests.kernels.attention.test_mla_triton import TOL, gpu_case
 
@@ -349,7 +349,7 @@ def test_layer_names_the_ws_bound_for_its_decode_graphs(monkeypatch: pytest.Monk
     from moeserve.kernels.attention.mla.reference import mla_attention_ref
 
     monkeypatch.setattr(decode_gluon, "supports_cache", lambda c, L: True)
-    monkeypatch.setattr(decode_gluon, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(decode_gluon_ws, "_device_name", lambda index: "NVIDIA H200")
     monkeypatch.setattr(decode_gluon, "ws", True)
     cache = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
     layer = _glm_layer(mla_attention_triton, "glm-5")

@@ -51,14 +51,14 @@ def test_the_switch_is_on_by_default_and_names_its_context_bound(
     cache = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
     assert decode_gluon.kernel_bounds(64, cache, 512) == {}  # on CPU: no Gluon decode at all
     monkeypatch.setattr(decode_gluon, "supports_cache", lambda c, L: True)
-    monkeypatch.setattr(decode_gluon, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(decode_gluon_ws, "_device_name", lambda index: "NVIDIA H200")
     assert list(decode_gluon.kernel_bounds(64, cache, 512)) == [1024]
     assert list(decode_gluon.kernel_bounds(128, cache, 512)) == [1024]
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H800", "a device not named"):
-        monkeypatch.setattr(decode_gluon, "_device_name", lambda index, name=name: name)
+        monkeypatch.setattr(decode_gluon_ws, "_device_name", lambda index, name=name: name)
         assert decode_gluon.kernel_bounds(64, cache, 512) == {}, name
         assert list(decode_gluon.kernel_bounds(128, cache, 512)) == [1024], name
-    monkeypatch.setattr(decode_gluon, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(decode_gluon_ws, "_device_name", lambda index: "NVIDIA H200")
     assert decode_gluon.kernel_bounds(20, cache, 512) == {}  # the swapped kernel's heads
     assert decode_gluon.kernel_bounds(64, torch.zeros(2, 4, 320), 256) == {}  # L 256, R 64
     monkeypatch.setattr(decode_gluon, "ws", False)
@@ -106,7 +106,7 @@ def test_gpu_the_switch_routes_many_head_launches(monkeypatch: pytest.MonkeyPatc
     128 on an H100) whose longest row has more than WS_SHORT_CONTEXT keys runs this kernel; 20
     heads (the swapped kernel's), a forced tile, or those heads over at most WS_SHORT_CONTEXT
     keys do not; on a device that keeps 64 heads off it, 64 heads do not."""
-    heads = 64 if decode_gluon.ws_takes_heads(64, torch.device("cuda")) else 128
+    heads = 64 if decode_gluon_ws.takes_heads(64, torch.device("cuda")) else 128
     check_routing(monkeypatch, decode_gluon_ws, "decode_ws", "ws", heads, long=True)
     if heads == 128:
         check_routing(monkeypatch, decode_gluon_ws, "decode_ws", "ws", 64, long=True,

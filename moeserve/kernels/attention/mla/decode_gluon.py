@@ -87,15 +87,6 @@ swapped = envs.mla_decode_swapped()
 # keys, 3-6% faster at 1,536; 128 heads level or faster from 768 (-1 to +3%), 7-8% at 1,536.
 ws = envs.mla_decode_ws()
 WS_SHORT_CONTEXT = 1024
-# The fewest heads it takes, by device (matched by name; others get the H100's): it pays where
-# the decode nears the tensor cores' rate, and 64 heads' 121 FLOPs a byte are 0.59 of the H200's
-# ridge (787 TFLOP/s over 4.27 TB/s, measured) but 0.41 of the H100's (798 over 3.0). On an H100
-# (gpu_e6ddc73/call1, kernels_mla --crossover, ms this kernel -> it) 64 heads were slower at
-# every context of 384 to 4,096 keys (4,096 at 256-2,048 rows: 0.439 -> 0.454, 1.722 -> 1.739,
-# 3.445 -> 3.471), 128 heads faster from 1,024 keys (1.623 -> 1.572 at 2,048 rows, 3.097 ->
-# 2.695 at 1,024 x 4,096) and level at 768.
-WS_MIN_HEADS = {"H200": 33, "H100": 65}
-WS_MIN_HEADS_OTHER = 65
 # DSA's sparse MLA of more than 32 heads by decode_gluon_ws.py's kernel too (`sparse_ws`, at
 # L 512, R 64, default tile, no slots): an A/B switch. GLM-5's DSA decode step in a CUDA graph
 # (kernels_dsa's dsa_graph_ws_ms) 1.2-5.8% faster with it in all five cases on the H200
@@ -147,23 +138,6 @@ def _is_sm90(index: int | None) -> bool:  # asked once a device: every decode ca
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-@functools.cache
-def _device_name(index: int | None) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-def ws_min_heads(device: torch.device) -> int:
-    """The fewest heads whose decodes on this CUDA device decode_gluon_ws takes (WS_MIN_HEADS)."""
-    name = _device_name(device.index)
-    return next((n for key, n in WS_MIN_HEADS.items() if key in name), WS_MIN_HEADS_OTHER)
-
-
-def ws_takes_heads(num_heads: int, device: torch.device) -> bool:
-    """Whether a decode of `num_heads` heads on this device is decode_gluon_ws's past
-    WS_SHORT_CONTEXT keys (the swapped kernel's heads never are)."""
-    return num_heads >= ws_min_heads(device) and not _swapped().takes(num_heads)
-
-
 def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
@@ -180,11 +154,12 @@ def kernel_bounds(num_heads: int, latent_cache: torch.Tensor, kv_lora_rank: int
                   ) -> dict[int, str]:
     """Contexts past which a decode of `num_heads` heads over this cache, by `decode_gluon`
     with its default tile, runs another kernel, each with what changes: {WS_SHORT_CONTEXT:
-    ...} where the warp-specialized kernel takes the longer launches, else {}."""
+    ...} where the warp-specialized kernel takes the longer launches (decode_gluon_ws's
+    `takes_heads`: by the device), else {}."""
     rope = latent_cache.shape[-1] - kv_lora_rank
     if (not ws or not supports_cache(latent_cache, kv_lora_rank)
             or not _ws().takes_shape(kv_lora_rank, rope)
-            or not ws_takes_heads(num_heads, latent_cache.device)):
+            or not _ws().takes_heads(num_heads, latent_cache.device)):
         return {}
     return {WS_SHORT_CONTEXT: "MLA decode past it warp-specialized (decode_gluon_ws)"}
 
@@ -205,7 +180,7 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
                                          num_rows, max_seq_len, num_splits)
     if ws and block_n is None and stages is None and not overlap and (
             max_seq_len > WS_SHORT_CONTEXT and _ws().takes(q, latent_cache, kv_lora_rank)
-            and ws_takes_heads(q.shape[1], q.device)):
+            and _ws().takes_heads(q.shape[1], q.device)):
         return _ws().decode_ws(q, latent_cache, meta, scale, kv_lora_rank, out, rows, num_rows,
                                max_seq_len, num_splits)
     block_n, stages = tile(block_n, stages, overlap)

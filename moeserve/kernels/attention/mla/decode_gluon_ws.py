@@ -65,6 +65,16 @@ MAX_REGISTERS = 240  # the kernel's cap: the scores warpgroup takes what the wor
 two_pv = False
 MAX_REGISTERS_TWO_PV = 168
 WORKER_REGISTERS_TWO_PV = 176
+# The fewest heads it takes past decode_gluon.WS_SHORT_CONTEXT keys, by device (matched by
+# name; others get the H100's): it pays where
+# the decode nears the tensor cores' rate, and 64 heads' 121 FLOPs a byte are 0.59 of the H200's
+# ridge (787 TFLOP/s over 4.27 TB/s, measured) but 0.41 of the H100's (798 over 3.0). On an H100
+# (gpu_e6ddc73/call1, kernels_mla --crossover, ms this kernel -> it) 64 heads were slower at
+# every context of 384 to 4,096 keys (4,096 at 256-2,048 rows: 0.439 -> 0.454, 1.722 -> 1.739,
+# 3.445 -> 3.471), 128 heads faster from 1,024 keys (1.623 -> 1.572 at 2,048 rows, 3.097 ->
+# 2.695 at 1,024 x 4,096) and level at 768.
+WS_MIN_HEADS = {"H200": 33, "H100": 65}
+WS_MIN_HEADS_OTHER = 65
 
 gl: Any = None  # bound by _kernels(), as in decode_gluon
 async_copy: Any = None
@@ -89,6 +99,23 @@ def takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> boo
 def takes_shape(kv_lora_rank: int, rope: int) -> bool:
     """Whether its one tile fits this latent: L 512, R 64 (DeepSeek's and GLM's)."""
     return kv_lora_rank == 512 and rope == 64
+
+
+@functools.cache
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def min_heads(device: torch.device) -> int:
+    """The fewest heads whose decodes on this CUDA device it takes (WS_MIN_HEADS)."""
+    name = _device_name(device.index)
+    return next((n for key, n in WS_MIN_HEADS.items() if key in name), WS_MIN_HEADS_OTHER)
+
+
+def takes_heads(num_heads: int, device: torch.device) -> bool:
+    """Whether a decode of `num_heads` heads on this device is its past WS_SHORT_CONTEXT keys
+    (decode_gluon_swapped's heads never are)."""
+    return num_heads >= min_heads(device) and not decode_gluon._swapped().takes(num_heads)
 
 
 def decode_ws(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
