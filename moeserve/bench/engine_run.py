@@ -3,11 +3,12 @@
 Owns `engine_snapshot` (the stats object of GET /v1/engine, or None for a server without it)
 and `engine_run` (the run's share of the engine's cumulative counters, with per-step means):
 how many steps it took, how many replayed a CUDA graph, how many decode batches fell back to
-eager, and where a busy engine-loop iteration's wall time went (core.step(), request intake,
-sending outputs), and over the step profile's sampled forwards the wall time of their steps
-against their device time (per forward: a multi-step plan runs several). A result without these
-cannot say whether a slow run was the GPU's or the host's; the /v1/engine document fetched
-before the run (provenance) holds only the start.
+eager, its slow steps (the engine's latest steps of 0.25 s or more, with what they held), where
+a busy engine-loop iteration's wall time went (core.step(), request intake, sending outputs),
+and over the step profile's sampled forwards the wall time of their steps against their device
+time (per forward: a multi-step plan runs several). A result without these cannot say whether a
+slow run was the GPU's or the host's; the /v1/engine document fetched before the run
+(provenance) holds only the start.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ COUNTERS = ("num_steps", "num_forward_steps", "num_graph_steps", "num_mixed_grap
             "cuda_graph_fallbacks",
             "num_preemptions", "num_prefix_hit_tokens", "num_prompt_tokens",
             "num_generated_tokens", "num_aborted", "num_failed", "num_refused", "num_oom_steps",
-            "num_grammar_waits",
+            "num_grammar_waits", "num_recorded_steps",
             "num_busy_iterations",
             "busy_loop_seconds_total", "busy_step_seconds_total", "busy_intake_seconds_total",
             "busy_send_seconds_total", "num_profiled_forwards", "profiled_device_seconds_total",
@@ -73,7 +74,23 @@ def engine_run(before: dict[str, Any] | None, after: dict[str, Any] | None,
     busy = delta.get("busy_loop_seconds_total")
     if busy is not None and duration_s > 0:
         out["busy_share"] = busy / duration_s  # of the run's wall time, the loop had work
+    slow = run_slow_steps(before, after)
+    if slow is not None:
+        out["slow_steps"] = slow
     return out
+
+
+def run_slow_steps(before: dict[str, Any], after: dict[str, Any]) -> list[dict] | None:
+    """The engine's slow steps (engine/step_counters.py) numbered within the run, numbered from
+    its first step: [{"step", "seconds", "prompt_tokens", "decode_rows", "generated_tokens"}];
+    None for a server
+    without them. The engine keeps only its latest few: a run with more keeps the last."""
+    start, slow = before.get("num_recorded_steps"), after.get("slow_steps")
+    if not isinstance(start, int) or not isinstance(slow, list):
+        return None
+    return [{"step": n - start, "seconds": seconds, "prompt_tokens": prompt,
+             "decode_rows": rows, "generated_tokens": generated}
+            for n, seconds, prompt, rows, generated in slow if n > start]
 
 
 def describe(run: dict[str, Any] | None) -> str | None:

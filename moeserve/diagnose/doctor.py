@@ -5,11 +5,11 @@
 
 A rule is a pure function run -> Verdict | None: None when its case is absent or its figures
 are missing (a run without --diagnose still gets the rules that need only the bench's figures);
-those about the host's processes (client_bound, api_bound, cpu_bound_step, cpu_threads) live in
-host_rules.py, the Verdict in verdict.py. A Verdict cites the figures that fired it in
-`evidence`, says the knob in words (`knob`) and, for a tuner, the same proposal as engine config
-fields (`settings`: the flat names of config.py, as `engine_config_from_kwargs` takes them; {}
-when no engine field is the fix). The rules:
+those about the host's processes (client_bound, api_bound, cpu_bound_step, cpu_threads,
+step_stall) live in host_rules.py, the Verdict in verdict.py. A Verdict cites the figures that
+fired it in `evidence`, says the knob in words (`knob`) and, for a tuner, the same proposal as
+engine config fields (`settings`: the flat names of config.py, as `engine_config_from_kwargs`
+takes them; {} when no engine field is the fix). The rules:
 
     admission_cap     running == max_running_requests while requests wait, in >= 25% of samples
                       settings: explicit cap -> max_running_requests min(concurrency, KV fits);
@@ -58,6 +58,10 @@ when no engine field is the fix). The rules:
                       max(4, 2 x now) (>= 20% of forwards eager: mixed steps); async_scheduling
                       True (off, one decode step per plan); else num_continuous_decode_steps
                       max(2, 2 x now) with async_scheduling False (the two exclude each other)
+    step_stall        a slow step of the run (the engine's latest of >= 0.25 s) whose seconds a
+                      token are >= 10 x the run's: a stall (most often a kernel compiled at
+                      first use); a warning when the stalls took >= 1% of the run, else info
+                      settings: {} (warm up before timing)
     moe_tiles         (CUDA engines, fused MoE: triton / measured) the capacity report's MoE
                       tile configs are all untuned: the seeds' "MoE autotune left out"
                       settings: moe_tiles "tuned" when the engine was told "default"; else
@@ -95,6 +99,7 @@ from moeserve.diagnose.host_rules import (
     cpu_threads,
     graphs_off,
     graphs_off_settings,
+    step_stall,
 )
 from moeserve.diagnose.parallel_rules import communication, ep_rank_load
 from moeserve.diagnose.verdict import SEVERITIES, Verdict, as_flags
@@ -395,7 +400,7 @@ def roofline_rule(run: dict[str, Any]) -> Verdict | None:
 Rule = Callable[[dict[str, Any]], Verdict | None]
 RULES: tuple[Rule, ...] = (admission_cap, kv_capacity, oom_steps, cuda_graphs, tokens_per_expert,
                            cpu_threads, gpu_power, client_bound, api_bound, cpu_bound_step,
-                           moe_tiles, roofline_rule, communication)
+                           step_stall, moe_tiles, roofline_rule, communication)
 
 
 def diagnose(run: dict[str, Any]) -> list[Verdict]:

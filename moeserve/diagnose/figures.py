@@ -54,6 +54,25 @@ def run_counters(run: dict[str, Any]) -> dict[str, Any]:
     return _dict(engine_run(run).get("counters"))
 
 
+SLOW_STEP_FIELDS = ("step", "seconds", "prompt_tokens", "decode_rows", "generated_tokens")
+
+
+def slow_steps(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's slow steps (engine_run.slow_steps: bench/engine_run.py), [] when absent;
+    ValueError naming the field for a malformed one."""
+    steps = engine_run(run).get("slow_steps")
+    if steps is None:
+        return []
+    if not isinstance(steps, list):
+        raise ValueError(f"engine_run.slow_steps must be a list, got {type(steps).__name__}")
+    for i, s in enumerate(steps):
+        bad = [k for k in SLOW_STEP_FIELDS if not isinstance(s, dict)
+               or not isinstance(s.get(k), int | float) or isinstance(s.get(k), bool)]
+        if bad:
+            raise ValueError(f"engine_run.slow_steps[{i}] needs numbers {', '.join(bad)}")
+    return steps
+
+
 def _positive_int(value: Any) -> int | None:
     ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
     return value if ok else None

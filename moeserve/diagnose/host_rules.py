@@ -27,6 +27,11 @@ EAGER_SHARE_HIGH = 0.2  # graphs on, yet this share of forwards ran eagerly: mix
 GRAMMAR_SHARE_HIGH = 0.5  # this share of steps waited for their grammars' masks
 STARVED_SHARE = 0.5  # a CPU engine that gets less than this share of a core per torch thread
 BUSY_LOOP_SHARE = 0.5  # ... while its loop had work at least this share of the run
+# a slow step's seconds a token at this multiple of the run's is a stall, not work (the first
+# server on a fresh H200 paid 1.5 s in one decode step of a run whose steps took 29 ms:
+# benchmarks/results/gpu_e6ddc73/call4); a warning when the stalls took this share of the run
+STALL_RATIO = 10.0
+STALL_SHARE = 0.01
 
 
 def client_bound(run: dict[str, Any]) -> Verdict | None:
@@ -259,3 +264,36 @@ def _busy_share(run: dict[str, Any]) -> float | None:
     _, running = figures.engine_series(run, "num_running")
     vals = [r for r in running if r is not None]
     return sum(1 for r in vals if r > 0) / len(vals) if vals else None
+
+
+def step_stall(run: dict[str, Any]) -> Verdict | None:
+    """The run's slow steps (engine_run's slow_steps: the engine's latest steps of 0.25 s or
+    more) whose seconds a token are STALL_RATIO or more times the run's (busy step seconds over
+    prompt + generated tokens): time their tokens do not explain."""
+    c, slow = figures.run_counters(run), figures.slow_steps(run)
+    step_s = c.get("busy_step_seconds_total")
+    tokens = (c.get("num_prompt_tokens") or 0) + (c.get("num_generated_tokens") or 0)
+    if not slow or not step_s or tokens <= 0:
+        return None
+    per_token = step_s / tokens
+    stalls = [s for s in slow if s["seconds"] / max(1, s["prompt_tokens"] + s["generated_tokens"])
+              >= STALL_RATIO * per_token]
+    if not stalls:
+        return None
+    worst = max(stalls, key=lambda s: s["seconds"])
+    stalled = sum(s["seconds"] for s in stalls)
+    share = stalled / run["duration"] if run.get("duration") else None
+    severity = "warning" if share is None or share >= STALL_SHARE else "info"
+    return Verdict("step_stall", severity,
+                   f"{len(stalls)} step(s) took far longer than their tokens explain: the "
+                   f"longest {worst['seconds']:.2f} s (step {worst['step']} of the run: "
+                   f"{worst['prompt_tokens']} prompt tokens, {worst['decode_rows']} decode rows)"
+                   f" against {1e3 * per_token:.3f} ms a token over the run; "
+                   f"{stalled:.2f} s in all" + (f", {share:.1%} of the run" if share else ""),
+                   "most often a kernel compiled at its first use (a shape the start-up warm-up "
+                   "did not reach): a second run on the same server, or on the same machine "
+                   "(Triton's cache), does not pay it, so warm up before timing; else a host "
+                   "pause (swap, another process)",
+                   {"slow_steps": stalls, "seconds_per_token": rounded(per_token, 6),
+                    "stalled_seconds": rounded(stalled, 3),
+                    "share_of_run": None if share is None else rounded(share, 4)})

@@ -20,7 +20,6 @@ import os
 import platform
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +38,7 @@ from moeserve.engine.moe_setup import (
     quant_moe_configs,
 )
 from moeserve.engine.oom import OomRecovery
+from moeserve.engine.step_counters import StepCounters
 from moeserve.engine.structured_steps import StructuredSteps
 from moeserve.engine.validate import validate_request
 from moeserve.gc_tuning import freeze_heap
@@ -460,19 +460,3 @@ def _device_name(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
 
-
-@dataclass(slots=True)
-class StepCounters:
-    """Cumulative token counts of the step loop (for stats and metrics)."""
-
-    num_prompt_tokens: int = 0  # tokens computed for prompts (recomputation included)
-    num_generated_tokens: int = 0
-    last_step_seconds: float = 0.0
-    schedule_seconds: float = 0.0  # the last schedule() call
-
-    def record(self, out: SchedulerOutput, outputs: list[RequestOutput], seconds: float) -> None:
-        decodes = sum(1 for n, k in zip(out.num_scheduled_tokens, out.num_output_tokens)
-                      if n == 1 and k > 0)
-        self.num_prompt_tokens += out.total_num_tokens - decodes
-        self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
-        self.last_step_seconds = seconds

@@ -324,6 +324,7 @@ class _EngineLoop:
             busy_intake_seconds_total=self.loop_totals[2],
             busy_send_seconds_total=self.loop_totals[3],
             num_busy_iterations=self.num_busy_iterations,
+            num_recorded_steps=c.num_recorded_steps, slow_steps=list(c.slow_steps),
             num_forward_steps=runner.num_forward_steps, num_graph_steps=runner.num_graph_steps,
             num_mixed_graph_steps=runner.num_mixed_graph_steps,
             cuda_graph_fallbacks=runner.num_eager_decode_fallbacks, **profile)

@@ -166,6 +166,11 @@ class EngineStats(msgspec.Struct, omit_defaults=False):
     profiled_device_seconds_total: float = 0.0
     profiled_wall_seconds_total: float = 0.0
     num_forward_steps: int = 0  # model forwards (a multi-step decode plan runs several)
+    # steps settled since start, and the latest of them that took engine/step_counters.py's
+    # SLOW_STEP_SECONDS or more: [step number, wall seconds, prompt tokens, decode rows, tokens
+    # generated]
+    num_recorded_steps: int = 0
+    slow_steps: list[tuple[int, float, int, int, int]] = []
     num_graph_steps: int = 0  # forward steps replayed from a CUDA graph
     num_mixed_graph_steps: int = 0  # mixed steps run through the piecewise graphs
     cuda_graph_fallbacks: int = 0  # decode batches run eagerly on CUDA (no graph fitted)

@@ -81,3 +81,23 @@ def test_profiled_forwards_wall_against_device() -> None:
     assert run["step_ms_per_forward"] == pytest.approx(10.0)  # 4 s over 400 forwards
     assert describe(run).endswith("; 10 profiled forwards: their steps' wall 10.00 ms per "
                                   "forward, device 8.00 ms (1.25x)")
+
+
+def test_the_runs_slow_steps_are_those_numbered_after_its_start() -> None:
+    """The engine's latest slow steps (engine/step_counters.py) within the run, numbered from
+    its first step; a server without them gives none."""
+    before = _stats(0, 0, 0, 0.0, 0.0, 0) | {"num_recorded_steps": 40,
+                                             "slow_steps": [[12, 0.9, 4096, 0, 0]]}
+    after = _stats(9, 9, 9, 1.0, 0.9, 9) | {
+        "num_recorded_steps": 140,
+        "slow_steps": [[12, 0.9, 4096, 0, 0], [40, 0.3, 0, 8, 8], [41, 1.5, 0, 128, 128],
+                       [90, 0.4, 8192, 64, 65]]}
+    run = engine_run(before, after, 1.0)
+    assert run["counters"]["num_recorded_steps"] == 100
+    assert run["slow_steps"] == [
+        {"step": 1, "seconds": 1.5, "prompt_tokens": 0, "decode_rows": 128,
+         "generated_tokens": 128},
+        {"step": 50, "seconds": 0.4, "prompt_tokens": 8192, "decode_rows": 64,
+         "generated_tokens": 65}]
+    assert "slow_steps" not in engine_run(_stats(0, 0, 0, 0.0, 0.0, 0),
+                                          _stats(9, 9, 9, 1.0, 0.9, 9), 1.0)

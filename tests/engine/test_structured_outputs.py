@@ -179,14 +179,14 @@ def test_a_late_steps_wall_is_the_whole_iteration(device: str, monkeypatch: obje
     requests ended before it, and generate takes no step after)."""
     from types import SimpleNamespace
 
-    from moeserve.engine import core
+    from moeserve.engine import core, step_counters
 
     now = [0.0]
     clock = SimpleNamespace(perf_counter=lambda: now[0])
     monkeypatch.setattr(core, "time", clock)  # type: ignore[attr-defined]
     llm = _llm(device, async_scheduling=True)
     engine, walls = llm.engine, []
-    sample, record = engine.runner.sample_deferred, core.StepCounters.record
+    sample, record = engine.runner.sample_deferred, step_counters.StepCounters.record
 
     def slow_sample(*args, **kwargs):  # type: ignore[no-untyped-def]
         now[0] += 1.0  # host work of the iteration that settles the step before
@@ -197,7 +197,7 @@ def test_a_late_steps_wall_is_the_whole_iteration(device: str, monkeypatch: obje
         return record(counters, out, outputs, seconds)
 
     engine.runner.sample_deferred = slow_sample
-    monkeypatch.setattr(core.StepCounters, "record", spy)  # type: ignore[attr-defined]
+    monkeypatch.setattr(step_counters.StepCounters, "record", spy)  # type: ignore[attr-defined]
     llm.generate(PROMPTS[:1], _params(StructuredOutput("regex", "[a-z]{12}"), 1))
     late = engine.structured.num_overlap_waits
     assert late > 1 and engine.structured.deferred

@@ -62,6 +62,17 @@ def test_engine_state(http: httpx.Client) -> None:
     assert state["stats"]["num_running"] == 0 and state["stats"]["kv_usage"] == 0.0
 
 
+def test_engine_stats_count_settled_steps_and_carry_the_slow_ones(http: httpx.Client) -> None:
+    """num_recorded_steps grows with a request's steps; slow_steps (engine/step_counters.py)
+    crosses the process boundary as a list of [step, seconds, prompt, rows, generated]."""
+    before = http.get("/v1/engine").json()["stats"]["num_recorded_steps"]
+    post(http, COMPLETIONS, {**BODY, "max_tokens": 3})
+    stats = http.get("/v1/engine").json()["stats"]
+    assert stats["num_recorded_steps"] >= before + 3
+    assert isinstance(stats["slow_steps"], list)
+    assert all(len(s) == 5 and s[1] >= 0.25 for s in stats["slow_steps"])
+
+
 def _metrics(http: httpx.Client) -> dict[str, float]:
     text = http.get("/metrics").text
     out = {}
