@@ -117,4 +117,8 @@ def describe(run: dict[str, Any] | None) -> str | None:
                  f"{run['profiled_wall_ms_per_forward']:.2f} ms per forward, device "
                  f"{run['profiled_device_ms_per_forward']:.2f} ms "
                  f"({run['profiled_wall_over_device']:.2f}x)")
+    if run.get("slow_steps"):  # the engine keeps only its latest few
+        longest = max(s["seconds"] for s in run["slow_steps"])
+        line += (f"; {len(run['slow_steps'])} recent steps of 0.25 s or more (the longest "
+                 f"{longest:.2f} s)")
     return line

@@ -99,5 +99,6 @@ def test_the_runs_slow_steps_are_those_numbered_after_its_start() -> None:
          "generated_tokens": 128},
         {"step": 50, "seconds": 0.4, "prompt_tokens": 8192, "decode_rows": 64,
          "generated_tokens": 65}]
+    assert describe(run).endswith("; 2 recent steps of 0.25 s or more (the longest 1.50 s)")
     assert "slow_steps" not in engine_run(_stats(0, 0, 0, 0.0, 0.0, 0),
                                           _stats(9, 9, 9, 1.0, 0.9, 9), 1.0)
