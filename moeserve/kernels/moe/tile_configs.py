@@ -360,8 +360,8 @@ def committed_detail(path: str, device_name: str) -> str:
     is another device's (same_chip_devices), which."""
     for other in same_chip_devices(device_name):
         if f"device_name={other.replace(' ', '_')}," in Path(path).name:
-            return (f"committed, tuned on {other} (the same chip; `moeserve tune` tunes "
-                    f"{device_name} itself)")
+            return (f"committed, tuned on {other} (the same chip; benchmarks/kernels/"
+                    f"kernels_moe.py --tune tunes {device_name} itself)")
     return "committed"
 
 
