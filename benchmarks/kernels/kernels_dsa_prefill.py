@@ -43,7 +43,6 @@ from benchmarks.kernels.kernel_runs import (
     run_device,
 )
 from benchmarks.kernels.kernels_dsa import (
-    COPY_TBPS,
     key_bytes,
     make_step,
     time_score_key_tiles,
@@ -54,9 +53,8 @@ from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_topk_ref
 from moeserve.kernels.attention.mla.reference import mla_prefill_ref
 
-PEAK_TFLOPS = 787.0  # ANCHORS.md: the H200's bf16 dense peak
-# (TB/s, TFLOP/s) of the bounds: the H200's; main() takes its GPU's (device_ceilings)
-CEILINGS = [COPY_TBPS, PEAK_TFLOPS]
+# ANCHORS.md: the H200's copy rate and bf16 dense peak; main() takes its GPU's (device_ceilings)
+COPY_TBPS, PEAK_TFLOPS = 4.27, 787.0
 # (name, cached positions P, chunk tokens C): W3's last chunk of a 32k prompt, its first, and a
 # short chunk after a long prefix
 CASES = (("w3_chunk_8192_after_24576", 24576, 8192), ("w3_chunk_8192_after_0", 0, 8192),
@@ -73,7 +71,7 @@ def ends(meta) -> torch.Tensor:
 
 
 def bound_ms(nbytes: float, flops: float) -> float:
-    return max(nbytes / (CEILINGS[0] * 1e12), flops / (CEILINGS[1] * 1e12)) * 1e3
+    return max(nbytes / (COPY_TBPS * 1e12), flops / (PEAK_TFLOPS * 1e12)) * 1e3
 
 
 def check(device: str, dtype: torch.dtype, s: dict) -> float:
@@ -190,16 +188,17 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_dsa_prefill")
+    global COPY_TBPS, PEAK_TFLOPS
     ceilings = device_ceilings(device)
-    CEILINGS[:] = [ceilings.bytes_per_s / 1e12, ceilings.flops_per_s / 1e12]
+    COPY_TBPS, PEAK_TFLOPS = ceilings.bytes_per_s / 1e12, ceilings.flops_per_s / 1e12
     cases = SMOKE if args.smoke else CASES
     timer = make_timer(args.smoke, warmup_ms=25, rep_ms=100)
     from benchmarks.engine.w1_offline import environment
 
     os.makedirs(args.out, exist_ok=True)
     result: dict = {"environment": environment(), "shape": SHAPE[device],
-                    "ceilings": ceilings.name, "copy_tbps": CEILINGS[0],
-                    "dense_tflops": CEILINGS[1], "prefill": []}
+                    "ceilings": ceilings.name, "copy_tbps": COPY_TBPS,
+                    "dense_tflops": PEAK_TFLOPS, "prefill": []}
     path = os.path.join(args.out, "kernels_dsa_prefill.json")
     for name, prefix, chunk in cases:
         record(result, "prefill", run_case(name, prefix, chunk, device, timer), path, device)
