@@ -18,7 +18,9 @@ to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the late
 (scores + top-k), the top-k alone (topk_triton's radix select over the step's scores; and
 torch.topk over int64 sort keys built from them, the path it replaced, as topk_torch_ms; the
 radix select's default form ("auto"), and its "chunks" form as topk_chunks_ms; each also in a CUDA
-graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms; the row form at
+graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms (at `topk_chunk` positions a
+program, topk_triton.chunks_chunk's; at each of CHUNK_SIZES as topk_chunks_sizes_graph_ms, and
+the step's graph at CHUNK alone, fit_chunks off, as dsa_graph_fixed_chunk_ms); the row form at
 ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms), the scores with each scoring
 program walking SCORE_KEY_TILES key tiles (score_key_tiles_ms, and the step in a graph as
 dsa_graph_key_tiles_ms), the sparse MLA over the
@@ -94,6 +96,8 @@ COPY_TBPS = 4.27  # ANCHORS.md: the H200's copy rate; main() takes its GPU's (de
 CHECK_ROWS = 2  # rows of each decode case checked against the references
 # the radix top-k's row form at (positions a step, warps), in graphs
 ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16))
+# the radix top-k's chunks form at these positions a program, in graphs
+CHUNK_SIZES = (256, 512, 1024, 2048)
 # indexer_triton.score_key_tiles settings timed: the scores alone and the step in a graph
 SCORE_KEY_TILES = (2, 4, 8, 16)
 
@@ -278,6 +282,13 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     assert torch.equal(chunks.args[4], selected), f"{name}: the two top-k forms differ"
     row["topk_chunks_ms"] = timer(chunks)
     row["topk_chunks_graph_ms"] = graph_timed(timer, chunks, cuda)
+    row["topk_chunk"] = topk_triton.chunks_chunk(batch, scores.shape[1], scores.device)
+    for size in CHUNK_SIZES if cuda else ():  # the chunks form at each chunk size, in graphs
+        fn = functools.partial(chunks, chunk=size)
+        fn()
+        assert torch.equal(fn.args[4], selected), f"{name}: chunks of {size}"
+        row.setdefault("topk_chunks_sizes_graph_ms", {})[size] = round(
+            graph_timed(timer, fn, cuda), 4)
     for block, warps in ROW_VARIANTS if cuda else ():  # the row form's launch shapes
         saved, topk_triton.ROW_WARPS = topk_triton.ROW_WARPS, warps
         try:
@@ -301,6 +312,12 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
                                                       packed=True)
     step()
     row["dsa_graph_ms"] = graph_timed(timer, step, cuda)
+    was, topk_triton.fit_chunks = topk_triton.fit_chunks, False  # the step at CHUNK alone
+    try:
+        step()
+        row["dsa_graph_fixed_chunk_ms"] = graph_timed(timer, step, cuda)
+    finally:
+        topk_triton.fit_chunks = was
     if cuda:
         row |= time_score_key_tiles(name, (q_i, w, index_cache, meta, scale), scores, timer,
                                     {"dsa_graph_key_tiles_ms": lambda: graph_timed(
