@@ -20,8 +20,9 @@
     MOESERVE_MLA_DECODE_WS  "0" keeps the Gluon MLA decode's launches of many heads (64+ on
                              the H200, 128+ on the H100; at L 512, R 64) whose rows reach
                              past 1,024 keys off mla/decode_gluon_ws.py's warp-specialized
-                             kernel (one warpgroup the scores, the other half of P V), for
-                             A/Bs; on otherwise
+                             kernel (one warpgroup the scores, the other half of P V), and
+                             DSA's sparse MLA of 33+ heads off it too (decode_gluon.ws_sparse),
+                             for A/Bs; on otherwise
     MOESERVE_MLA_SWAPPED_ONE_STAGE  "0" goes back to two key stages (one program an SM) in
                              decode_gluon_swapped.py's kernel; one stage (115 KB of shared
                              memory: two programs an SM, each copying its next tile after its

@@ -98,7 +98,8 @@ for r in json.load(open('$runs/kernels_dsa/kernels_dsa.json'))['decode']:
     ;;
   prefill)
     # decode_gluon.ws_sparse's other half: DSA's prefill chunks (W3's) with the sparse MLA by
-    # decode_gluon_ws (sparse_mla_ws_ms) against decode_gluon's kernel (sparse_mla_ms)
+    # decode_gluon_ws (sparse_mla_ws_ms) against decode_gluon's kernel (sparse_mla_gluon_ms;
+    # before ws_sparse was the default, b8a5462 and earlier, sparse_mla_ms)
     timeout 300 python3 -m benchmarks.kernels.kernels_dsa_prefill --out "$dir/prefill" \
       > "$dir/kernels_dsa_prefill.log" 2>&1
     echo "kernels_dsa_prefill rc=$?"
@@ -106,7 +107,7 @@ for r in json.load(open('$runs/kernels_dsa/kernels_dsa.json'))['decode']:
 import json
 for r in json.load(open('$dir/prefill/kernels_dsa_prefill.json'))['prefill']:
     print(r['case'], 'sparse MLA', r['sparse_mla_ms'], 'ws', r.get('sparse_mla_ws_ms'),
-          'bound', r['sparse_mla_bound_ms'])"
+          'gluon', r.get('sparse_mla_gluon_ms'), 'bound', r['sparse_mla_bound_ms'])"
     ;;
   w1)
     for ws in 1 0; do

@@ -18,18 +18,18 @@ to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the late
 (scores + top-k), the top-k alone (topk_triton's radix select over the step's scores; and
 torch.topk over int64 sort keys built from them, the path it replaced, as topk_torch_ms; the
 radix select's default form ("auto"), and its "chunks" form as topk_chunks_ms; each also in a CUDA
-graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms (at `topk_chunk` positions a
-program, topk_triton.chunks_chunk's; at each of CHUNK_SIZES as topk_chunks_sizes_graph_ms, and
-the step's graph at CHUNK alone, fit_chunks off, as dsa_graph_fixed_chunk_ms); the row form at
+graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms (and at each of CHUNK_SIZES
+positions a program as topk_chunks_sizes_graph_ms); the row form at
 ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms), the scores with each scoring
 program walking SCORE_KEY_TILES key tiles (score_key_tiles_ms, and the step in a graph as
 dsa_graph_key_tiles_ms), the sparse MLA over the
 2,048 selected positions (sparse_mla_ms the default kernel, sparse_mla_kernel naming it:
 decode_gluon.sparse_gluon on sm90 in bf16; sparse_mla_triton_ms the Triton kernel; with
 --tiles, also at those TileConfigs; sparse_mla_slots_ms with sparse_triton's `slot_rows`
-experiment switch on, its row conversion included, sparse_mla_ws_ms / sparse_mla_ws2_ms by
-decode_gluon_ws (decode_gluon.ws_sparse; one or two P V warpgroups) with dsa_graph_ws_ms /
-dsa_graph_ws2_ms the step's graph with it, and sparse_mla_gluon_slots_ms the Gluon
+experiment switch on, its row conversion included, sparse_mla_gluon_ms by decode_gluon's
+kernel and sparse_mla_ws_ms / sparse_mla_ws2_ms by decode_gluon_ws (decode_gluon.ws_sparse,
+the default on sm90: one or two P V warpgroups) with dsa_graph_gluon_ms / dsa_graph_ws_ms /
+dsa_graph_ws2_ms the step's graph with each, and sparse_mla_gluon_slots_ms the Gluon
 kernel so where it runs), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
@@ -201,20 +201,20 @@ def time_score_key_tiles(name: str, args: tuple, scores: torch.Tensor, timer: Ti
 
 def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
                    base: torch.Tensor, timer: Timer, cuda: bool) -> dict:
-    """The sparse MLA by decode_gluon_ws (decode_gluon.ws_sparse on), in its two forms (one
-    P V warpgroup; two, `two_pv`), each first checked against the default kernel's output
-    `base`: sparse_mla_ws_ms / sparse_mla_ws2_ms, and the DSA step's graph with it,
-    dsa_graph_ws_ms / dsa_graph_ws2_ms."""
+    """The sparse MLA by decode_gluon's kernel (decode_gluon.ws_sparse off) and by
+    decode_gluon_ws (on) in its two forms (one P V warpgroup; two, `two_pv`), each first
+    checked against the default kernel's output `base`: sparse_mla_{gluon,ws,ws2}_ms, and the
+    DSA step's graph with each, dsa_graph_{gluon,ws,ws2}_ms."""
     from moeserve.kernels.attention.mla import decode_gluon_ws
 
     row: dict = {}
     was = decode_gluon.ws_sparse, decode_gluon_ws.two_pv
     try:
-        for key, two in (("ws", False), ("ws2", True)):
-            decode_gluon.ws_sparse, decode_gluon_ws.two_pv = True, two
+        for key, ws, two in (("gluon", False, False), ("ws", True, False), ("ws2", True, True)):
+            decode_gluon.ws_sparse, decode_gluon_ws.two_pv = ws, two
             run = functools.partial(dsa_sparse_triton.dsa_attention_triton, *args)
             err = float((run().float() - base).abs().max() / base.abs().max())
-            assert err <= 2 ** -6, f"{name}: sparse MLA by decode_gluon_ws ({key}): {err:.3g}"
+            assert err <= 2 ** -6, f"{name}: sparse MLA ({key}): {err:.3g} from the default"
             row[f"sparse_mla_{key}_ms"] = timer(run)
             step()  # compiled (its packed form) before the capture
             row[f"dsa_graph_{key}_ms"] = graph_timed(timer, step, cuda)
@@ -282,7 +282,6 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     assert torch.equal(chunks.args[4], selected), f"{name}: the two top-k forms differ"
     row["topk_chunks_ms"] = timer(chunks)
     row["topk_chunks_graph_ms"] = graph_timed(timer, chunks, cuda)
-    row["topk_chunk"] = topk_triton.chunks_chunk(batch, scores.shape[1], scores.device)
     for size in CHUNK_SIZES if cuda else ():  # the chunks form at each chunk size, in graphs
         fn = functools.partial(chunks, chunk=size)
         fn()
@@ -312,19 +311,14 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
                                                       packed=True)
     step()
     row["dsa_graph_ms"] = graph_timed(timer, step, cuda)
-    was, topk_triton.fit_chunks = topk_triton.fit_chunks, False  # the step at CHUNK alone
-    try:
-        step()
-        row["dsa_graph_fixed_chunk_ms"] = graph_timed(timer, step, cuda)
-    finally:
-        topk_triton.fit_chunks = was
     if cuda:
         row |= time_score_key_tiles(name, (q_i, w, index_cache, meta, scale), scores, timer,
                                     {"dsa_graph_key_tiles_ms": lambda: graph_timed(
                                         timer, step, cuda)})
     # the default (decode_gluon.sparse_gluon on sm90 in bf16) and the Triton kernel
-    row["sparse_mla_kernel"] = ("gluon" if decode_gluon.supports(q, cache, latent)
-                                else "triton")
+    gluon = decode_gluon.supports(q, cache, latent)
+    row["sparse_mla_kernel"] = ("triton" if not gluon else "gluon-ws" if (
+        decode_gluon.ws_sparse and q.shape[1] > SWAPPED_HEADS) else "gluon")
     row["sparse_mla_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
         q, cache, meta, positions, mla_scale, latent))
     row["sparse_mla_triton_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(

@@ -20,7 +20,8 @@ MLA bounds count FLOPs only (their reads are a few MB of latents, and the querie
 triton.testing.do_bench, eager (a prefill step is not a CUDA graph). First checked, on a small
 step of exact integer data: the selection equal to `indexer_topk_ref`'s, the sparse MLA within
 2^-6 of `dsa_attention_ref`. On the GPU the sparse MLA is timed by decode_gluon_ws's sparse
-form too (sparse_mla_ws_ms: decode_gluon.ws_sparse's A/B).
+form (sparse_mla_ws_ms) and by decode_gluon's kernel (sparse_mla_gluon_ms): decode_gluon.ws_sparse's
+A/B.
 
     python -m benchmarks.kernels.kernels_dsa_prefill --out DIR
     python -m benchmarks.kernels.kernels_dsa_prefill --out DIR --smoke   # tiny, CPU interpreter
@@ -99,18 +100,22 @@ def check(device: str, dtype: torch.dtype, s: dict) -> float:
 
 def time_sparse_ws_prefill(name: str, args: tuple, timer: Timer) -> dict:
     """The chunk's sparse MLA with decode_gluon.ws_sparse on (decode_gluon_ws's sparse form,
-    one P V warpgroup), first checked against the default kernel's output:
-    sparse_mla_ws_ms."""
+    one P V warpgroup) and off (decode_gluon's kernel), the second checked against the first:
+    sparse_mla_ws_ms, sparse_mla_gluon_ms."""
     from moeserve.kernels.attention.mla import decode_gluon
 
     run = functools.partial(dsa_sparse_triton.dsa_attention_triton, *args, packed=True)
-    base = run().float()
     was = decode_gluon.ws_sparse
+    row: dict = {}
     try:
         decode_gluon.ws_sparse = True
+        base = run().float()
+        row["sparse_mla_ws_ms"] = timer(run)
+        decode_gluon.ws_sparse = False
         err = float((run().float() - base).abs().max() / base.abs().max())
-        assert err <= 2 ** -6, f"{name}: sparse MLA by decode_gluon_ws: {err:.3g}"
-        return {"sparse_mla_ws_ms": timer(run)}
+        assert err <= 2 ** -6, f"{name}: sparse MLA by decode_gluon against _ws: {err:.3g}"
+        row["sparse_mla_gluon_ms"] = timer(run)
+        return row
     finally:
         decode_gluon.ws_sparse = was
 
@@ -154,7 +159,7 @@ def run_case(name: str, prefix: int, chunk: int, device: str, timer: Timer) -> d
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
     row["sparse_mla_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
         q_lat, latent, meta, positions, width ** -0.5, s["latent"], packed=True))
-    if cuda:  # decode_gluon.ws_sparse's A/B: the same launch by decode_gluon_ws
+    if cuda:  # decode_gluon.ws_sparse's A/B: the same launch by each kernel
         row |= time_sparse_ws_prefill(name, (q_lat, latent, meta, positions, width ** -0.5,
                                              s["latent"]), timer)
     row["dense_mla_ms"] = timer(lambda: mla_prefill_ref(

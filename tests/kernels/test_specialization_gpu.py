@@ -58,7 +58,8 @@ def test_paged_attention_compiles_once_across_batch_shapes() -> None:
 def test_mla_attention_compiles_once_across_batch_shapes() -> None:
     """Mixed steps (decode rows by index, prefill tiles) and pure decode steps, each decode
     form: split-K (its reduce) and flat (its combine). At these row counts "auto" would take
-    flat only, so each form is asked for by name."""
+    flat only, so each form is asked for by name; the prefill rows through the Triton kernel
+    (on sm90 in bf16 they would take prefill_gluon.py, whose kernel this does not count)."""
     kern, flat = mla_triton._kernels(), decode_flat_triton._kernels()
     rng = np.random.default_rng(0)
     counts = []
@@ -70,7 +71,7 @@ def test_mla_attention_compiles_once_across_batch_shapes() -> None:
                      gpu_case(computed, [1] * batch, 16, seed=batch)):
             for form in ("split", "flat"):
                 mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale,
-                                     case.L, decode_form=form)
+                                     case.L, decode_form=form, prefill_gluon=False)
         torch.cuda.synchronize()
         counts.append((variants(kern.decode), variants(mla_reduce_triton._kernels().decode_reduce),
                        variants(kern.prefill), variants(flat.decode), variants(flat.combine)))

@@ -186,22 +186,6 @@ def test_auto_takes_the_row_form_from_row_min_tokens(monkeypatch: pytest.MonkeyP
         assert launched == (["write"] if form == "chunks" else ["row"]), launched
 
 
-def test_chunks_chunk_fills_the_sms_down_to_min_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chunks form's default chunk on CUDA halves while the launch has fewer than
-    PROGRAMS_PER_SM programs an SM, never under MIN_CHUNK; CHUNK on CPU and with the switch off."""
-    monkeypatch.setattr(topk_triton, "num_sms", lambda device: 132)
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    chunk = topk_triton.chunks_chunk
-    assert topk_triton.PROGRAMS_PER_SM * 132 == 528
-    assert chunk(32, 65536, cuda) == 2048  # 1,024 programs already
-    assert chunk(32, 8192, cuda) == 256  # 128 -> 256 -> 512 -> 1,024 programs
-    assert chunk(128, 8192, cuda) == 1024  # 512 programs at 2,048, 1,024 at 1,024
-    assert chunk(2, 8192, cuda) == topk_triton.MIN_CHUNK  # 64 programs at the floor
-    assert chunk(32, 8192, cpu) == topk_triton.CHUNK
-    monkeypatch.setattr(topk_triton, "fit_chunks", False)
-    assert chunk(32, 8192, cuda) == topk_triton.CHUNK
-
-
 @pytest.mark.parametrize("name", list(STEPS))
 def test_indexer_with_small_chunks_equals_the_reference(name: str) -> None:
     """The whole indexer (scores, then the radix select over 16-position chunks) against

@@ -61,7 +61,6 @@ from typing import Any
 import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
-from moeserve.kernels.triton_common import num_sms
 
 CHUNK = 2048  # positions a program (tests set a smaller chunk so that rows span several)
 # 8-bit digits, four levels: Triton's histogram costs a thread about BINS / 32 instructions an
@@ -74,15 +73,11 @@ FORM = "auto"  # radix_topk's default form: "row" from ROW_MIN_TOKENS tokens, el
 ROW_MIN_TOKENS = 256
 ROW_CHUNK = 4096  # the row form's positions a step, and its warps (gpu_039305d/call6: in a
 ROW_WARPS = 8  # graph 0.058 / 0.382 ms at 256 x 8k / 64k against 0.063 / 0.436 at 2,048)
-# The chunks form's positions a program on CUDA when not given (`chunks_chunk`): CHUNK, halved
-# down to MIN_CHUNK while the launch has fewer than PROGRAMS_PER_SM programs an SM. At 32
-# tokens of 8k positions CHUNK makes 128 programs of 4 warps, one an SM, each histogram a
-# step's whole work (gpu_c432eb0: the top-k 0.041 of the decode step's 0.113 ms); smaller
-# chunks spread the same passes over more warps. `fit_chunks` is the A/B switch (kernels_dsa
-# times the chunks form at each size and the step both ways).
-fit_chunks = True
-MIN_CHUNK = 256
-PROGRAMS_PER_SM = 4
+# Smaller chunks where a launch has few programs (32 tokens of 8k positions: 128 programs of 4
+# warps at 2,048) measured no faster on the H100 (gpu_b8a5462/call2, the chunks form in a CUDA
+# graph at 256 / 512 / 1,024 / 2,048 positions a program: 0.041 / 0.037 / 0.039 / 0.041 ms,
+# the DSA step 0.134 against 0.131 ms with 256; slower at every other case): the six
+# launches' latency, about 7 us each, not the histograms' work, sets the top-k's time there.
 
 tl: Any = None  # triton.language, bound by _kernels() (the kernels read it as a global)
 
@@ -94,7 +89,7 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     a short context's; the module docstring has the contract). meta's positions, seq_lens and
     token_to_req give each token's context end, on the device. form: "row" (one program a
     token, ROW_CHUNK positions a step), "chunks" (six launches over (token, chunk of positions)
-    programs, `chunks_chunk` positions a chunk) or "auto" (row from ROW_MIN_TOKENS tokens);
+    programs, CHUNK positions a chunk) or "auto" (row from ROW_MIN_TOKENS tokens);
     default the module's FORM. chunk overrides the form's positions a program or step
     (tests: small, so rows span several).
     Returns the number of tokens whose topk-th and (topk + 1)-th scores are equal (a host
@@ -107,7 +102,7 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
         raise ValueError(f"radix_topk: form {form!r} not in {FORMS}")
     if form == "auto":
         form = "row" if n >= ROW_MIN_TOKENS else "chunks"
-    chunk = chunk or (ROW_CHUNK if form == "row" else chunks_chunk(n, num_keys, scores.device))
+    chunk = chunk or (ROW_CHUNK if form == "row" else CHUNK)
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"radix_topk: chunk must be a power of two >= 16, got {chunk}")
     kern = _kernels()
@@ -137,18 +132,6 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     kern.write[grid](scores, work, out, *rows, num_keys, topk, num_chunks, work.stride(0),
                      out.stride(0), **consts)
     return int(work[:, -1].sum()) if count_boundary_ties and num_keys > topk else 0
-
-
-def chunks_chunk(n: int, num_keys: int, device: torch.device) -> int:
-    """The chunks form's positions a program for n tokens of num_keys scores (static shapes
-    only, so a CUDA graph's launch keeps it): CHUNK, halved down to MIN_CHUNK while n x chunks
-    is under PROGRAMS_PER_SM programs an SM of the CUDA device (`fit_chunks`; on CPU, CHUNK)."""
-    chunk = CHUNK
-    if fit_chunks and device.type == "cuda":
-        target = PROGRAMS_PER_SM * num_sms(device)
-        while chunk > MIN_CHUNK and n * -(-num_keys // chunk) < target:
-            chunk //= 2
-    return chunk
 
 
 @functools.cache

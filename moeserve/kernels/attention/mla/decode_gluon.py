@@ -88,11 +88,13 @@ swapped = envs.mla_decode_swapped()
 ws = envs.mla_decode_ws()
 WS_SHORT_CONTEXT = 1024
 # DSA's sparse MLA of more than 32 heads by decode_gluon_ws.py's kernel too (`sparse_ws`, at
-# L 512, R 64, default tile, no slots): an A/B switch. GLM-5's DSA decode step in a CUDA graph
-# (kernels_dsa's dsa_graph_ws_ms) 1.2-5.8% faster with it in all five cases on the H200
-# (gpu_e6ddc73/call3) and 0.3-4.4% on the H100 (call1); off until DSA's prefill, the same launch
-# over a chunk's tokens, is timed with it (kernels_dsa_prefill)
-ws_sparse = False
+# L 512, R 64, default tile, no slots), on any sm90 device, with `ws` (MOESERVE_MLA_DECODE_WS=0
+# turns both off). GLM-5's DSA decode step in a CUDA graph (kernels_dsa's dsa_graph_ws_ms)
+# 1.2-5.8% faster with it in all five cases on the H200 (gpu_e6ddc73/call3), 0.3-4.4% on the
+# H100 (call1) and 0.7-2.9% there again (gpu_b8a5462/call2); DSA's prefill, the same launch
+# over W3's chunks (kernels_dsa_prefill's sparse_mla_ws_ms), 4.4-7.2% faster on the H100
+# (gpu_b8a5462/call2: 7.87 -> 7.52, 6.64 -> 6.17, 1.023 -> 0.977 ms)
+ws_sparse = ws
 # the decode forms' output (and split partials) stored from a layout of 8 consecutive latent
 # columns a thread (16-byte stores; 16 STG a thread at 64 heads instead of 64, the same shared
 # memory, 200 -> 216 registers, sm90 offline); MOESERVE_MLA_VECTOR_STORES=0 keeps the
