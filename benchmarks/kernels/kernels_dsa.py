@@ -19,7 +19,9 @@ to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the late
 torch.topk over int64 sort keys built from them, the path it replaced, as topk_torch_ms; the
 radix select's default form ("auto"), and its "chunks" form as topk_chunks_ms; each also in a CUDA
 graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms (and at each of CHUNK_SIZES
-positions a program as topk_chunks_sizes_graph_ms); the row form at
+positions a program as topk_chunks_sizes_graph_ms), the "coop" form (one launch,
+topk_coop_triton.py; at most a token an SM) as topk_coop_graph_ms with the step's graph with it
+as dsa_graph_coop_ms; the row form at
 ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms), the scores with each scoring
 program walking SCORE_KEY_TILES key tiles (score_key_tiles_ms, and the step in a graph as
 dsa_graph_key_tiles_ms), the sparse MLA over the
@@ -75,6 +77,7 @@ from moeserve.kernels.attention.metadata import AttentionMetadata, build_attenti
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.mla import decode_gluon
 from moeserve.kernels.attention.mla.decode_gluon_swapped import SWAPPED_HEADS
+from moeserve.kernels.triton_common import num_sms
 
 HEADS, DIM, BLOCK, TOPK = 32, 128, 64, 2048
 CASES = (  # (name, computed tokens per row, new tokens per row)
@@ -288,6 +291,12 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         assert torch.equal(fn.args[4], selected), f"{name}: chunks of {size}"
         row.setdefault("topk_chunks_sizes_graph_ms", {})[size] = round(
             graph_timed(timer, fn, cuda), 4)
+    if batch <= (num_sms(scores.device) if cuda else batch):  # the one-launch form
+        coop = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,
+                                 torch.empty_like(selected), form="coop")
+        coop()
+        assert torch.equal(coop.args[4], selected), f"{name}: the coop top-k differs"
+        row["topk_coop_graph_ms"] = graph_timed(timer, coop, cuda)
     for block, warps in ROW_VARIANTS if cuda else ():  # the row form's launch shapes
         saved, topk_triton.ROW_WARPS = topk_triton.ROW_WARPS, warps
         try:
@@ -311,6 +320,13 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
                                                       packed=True)
     step()
     row["dsa_graph_ms"] = graph_timed(timer, step, cuda)
+    if "topk_coop_graph_ms" in row:  # the step with the one-launch top-k
+        was, topk_triton.FORM = topk_triton.FORM, "coop"
+        try:
+            step()
+            row["dsa_graph_coop_ms"] = graph_timed(timer, step, cuda)
+        finally:
+            topk_triton.FORM = was
     if cuda:
         row |= time_score_key_tiles(name, (q_i, w, index_cache, meta, scale), scores, timer,
                                     {"dsa_graph_key_tiles_ms": lambda: graph_timed(

@@ -9,9 +9,10 @@ spread over several chunks, taken lowest first across chunk boundaries), negativ
 scores (-0.0 and +0.0 are one score), and garbage past each token's end (never read). Chunks of
 16 and 64 positions make rows span several programs (the write's offsets, the ties' ranks);
 2,048 is the default. Then the whole indexer with small chunks, against `indexer_topk_ref`.
-Every test runs in both of radix_topk's forms ("row": a program a token, the chunk its step;
-"chunks": programs over (token, chunk)), by the `form` fixture, as the module's default; "auto"
-picks between them by the token count.
+Every test runs in each of radix_topk's forms ("row": a program a token, the chunk its step;
+"chunks": programs over (token, chunk); "coop": the chunks form's passes in one launch, the
+chunk its step, one program a token on CPU, several on the GPU), by the `form` fixture, as the
+module's default; "auto" picks between row and chunks by the token count.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tests.kernels.attention.test_dsa_triton import DIM, STEPS, TOPK, make_step
 GARBAGE = 7777  # what out holds before a call: the top-k writes every place
 
 
-@pytest.fixture(autouse=True, params=("row", "chunks"))
+@pytest.fixture(autouse=True, params=("row", "chunks", "coop"))
 def form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test in each form, set as the default (the indexer's calls take it too)."""
     monkeypatch.setattr(topk_triton, "FORM", request.param)
@@ -184,6 +185,25 @@ def test_auto_takes_the_row_form_from_row_min_tokens(monkeypatch: pytest.MonkeyP
         radix_topk(ord_of(scores), rows_meta(ends), 0, 8, out, chunk=16, form="auto")
         assert torch.equal(out, want_topk(scores, ends, 8)[0])
         assert launched == (["write"] if form == "chunks" else ["row"]), launched
+
+
+def test_coop_programs_fill_the_sms_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coop form's programs a token: as many as fill the SMs once (all resident, so no
+    barrier waits on a program not yet running), each at least a step of positions; one on
+    CPU; refused where the tokens alone outnumber the SMs."""
+    from moeserve.kernels.attention.dsa import topk_coop_triton
+
+    monkeypatch.setattr(topk_coop_triton, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    programs = topk_coop_triton.programs
+    assert programs(32, 8192, 2048, cuda) == 4  # 128 programs
+    assert programs(32, 65536, 2048, cuda) == 4  # 16,384 positions each
+    assert programs(6, 20000, 64, cuda) == 22
+    assert programs(2, 1000, 2048, cuda) == 1  # a step holds the whole row
+    assert programs(132, 65536, 2048, cuda) == 1
+    assert programs(500, 65536, 2048, torch.device("cpu")) == 1
+    with pytest.raises(ValueError, match="133 tokens, at most one a streaming multiprocessor"):
+        programs(133, 8192, 2048, cuda)
 
 
 @pytest.mark.parametrize("name", list(STEPS))

@@ -68,7 +68,7 @@ CHUNK = 2048  # positions a program (tests set a smaller chunk so that rows span
 # cost less than 2,048 over three (sm90 SASS: 3,904 instructions a 2,048-position program)
 _BINS = 256
 _LEVELS = 4
-FORMS = ("auto", "row", "chunks")
+FORMS = ("auto", "row", "chunks", "coop")  # coop: topk_coop_triton.py's one launch
 FORM = "auto"  # radix_topk's default form: "row" from ROW_MIN_TOKENS tokens, else "chunks"
 ROW_MIN_TOKENS = 256
 ROW_CHUNK = 4096  # the row form's positions a step, and its warps (gpu_039305d/call6: in a
@@ -89,7 +89,8 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     a short context's; the module docstring has the contract). meta's positions, seq_lens and
     token_to_req give each token's context end, on the device. form: "row" (one program a
     token, ROW_CHUNK positions a step), "chunks" (six launches over (token, chunk of positions)
-    programs, CHUNK positions a chunk) or "auto" (row from ROW_MIN_TOKENS tokens);
+    programs, CHUNK positions a chunk), "coop" (the chunks form's passes in one launch,
+    topk_coop_triton.py; at most a token an SM) or "auto" (row from ROW_MIN_TOKENS tokens);
     default the module's FORM. chunk overrides the form's positions a program or step
     (tests: small, so rows span several).
     Returns the number of tokens whose topk-th and (topk + 1)-th scores are equal (a host
@@ -102,6 +103,10 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
         raise ValueError(f"radix_topk: form {form!r} not in {FORMS}")
     if form == "auto":
         form = "row" if n >= ROW_MIN_TOKENS else "chunks"
+    if form == "coop":  # the chunks form's passes in one launch (imported here: it imports us)
+        from moeserve.kernels.attention.dsa.topk_coop_triton import radix_topk_coop
+
+        return radix_topk_coop(scores, meta, t0, topk, out, chunk, count_boundary_ties)
     chunk = chunk or (ROW_CHUNK if form == "row" else CHUNK)
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"radix_topk: chunk must be a power of two >= 16, got {chunk}")

@@ -1,0 +1,201 @@
+"""DSA's radix top-k in one launch for few tokens: `radix_topk_coop`, topk_triton.radix_topk's
+contract (its "coop" form), the chunks form's passes with the programs of a token meeting at
+barriers in global memory instead of at launch boundaries.
+
+Why: at 32 tokens of 8k positions the chunks form's six launches (four histogram levels, the
+count, the write) take ~7 us each whatever their work, 0.041 ms of the DSA decode step's 0.13
+(benchmarks/results/gpu_b8a5462/call2: a quarter of the positions a program was no faster).
+Here one launch over (token, chunk) programs does all six passes:
+
+    program (i, c): positions [c x chunk, (c + 1) x chunk) of token i, BLOCK a step
+      level 0..3:  the digit histogram of its positions (level 0: u's top byte; then the next
+                   byte among the scores whose higher bytes are the threshold's so far), added
+                   into token i's hist[level] by atomics; barrier; every program reads the
+                   whole histogram and finds the level's bin (the chunks form's _find_bin)
+      count:       its scores above T and equal to T -> counts[c]; barrier
+      write:       its selected positions at (selected in chunks < c) + (before it in c)
+
+A barrier is an arrival counter a token (atomic add, then a spin until the count reaches the
+token's programs x passes so far); every thread's atomics are done (a CTA barrier) before its
+program arrives, and the reads after it bypass L1 (volatile). A program waits on others only of
+its own token, so the launch is safe while all its programs are resident at once: at most one
+program an SM (`programs`), one a token where the tokens alone fill the GPU, and on CPU, where
+Triton's interpreter runs programs one after another, always one (a program then waits on
+itself only, so the tests run every pass and barrier of it).
+
+Off by default (radix_topk's "auto" never picks it) until the GPU times it: kernels_dsa's
+topk_coop_graph_ms and dsa_graph_coop_ms.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from moeserve.kernels.attention.dsa import topk_triton
+from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.triton_common import num_sms
+
+BLOCK = 2048  # positions a step
+NUM_WARPS = 8
+
+tl: Any = None  # triton.language, bound by _kernels() (the kernel reads it as a global)
+_context_end: Any = None
+_top_bits: Any = None
+
+
+def programs(n: int, num_keys: int, block: int, device: torch.device) -> int:
+    """Programs a token for n tokens of num_keys scores: as many as fill the SMs once (one an
+    SM, so all are resident together), none with less than a step of positions; 1 on CPU.
+    ValueError where the tokens alone outnumber the SMs."""
+    if device.type != "cuda":
+        return 1
+    sms = num_sms(device)
+    if n > sms:
+        raise ValueError(f"radix_topk coop: {n} tokens, at most one a streaming multiprocessor "
+                         f"({sms}): its programs must all be resident at once")
+    return max(1, min(-(-num_keys // block), sms // n))
+
+
+def radix_topk_coop(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int,
+                    out: torch.Tensor, chunk: int | None = None,
+                    count_boundary_ties: bool = False) -> int:
+    """topk_triton.radix_topk's contract in one launch (the module docstring). chunk: positions
+    a step (default BLOCK; tests: small, so a program's share spans several steps). Returns
+    the boundary ties' count (a host sync) with count_boundary_ties, else 0."""
+    n, num_keys = scores.shape
+    block = chunk or BLOCK
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"radix_topk coop: chunk must be a power of two >= 16, got {block}")
+    per_token = programs(n, num_keys, block, scores.device)
+    share = -(-max(1, num_keys) // per_token)
+    share = -(-share // block) * block  # whole steps a program
+    num_chunks = -(-max(1, num_keys) // share)
+    # a token's workspace: hist [LEVELS, BINS], its chunks' (above, equal) counts, the
+    # arrival counter, the boundary-tie flag; zeroed (one memset)
+    levels, bins = topk_triton._LEVELS, topk_triton._BINS
+    work = torch.zeros(n, levels * bins + 2 * num_chunks + 2, dtype=torch.int32,
+                       device=scores.device)
+    _kernels().coop[(n, num_chunks)](
+        scores, work, out, meta.positions, meta.seq_lens, meta.token_to_req, t0, num_keys,
+        topk, num_chunks, share, work.stride(0), out.stride(0), COUNT_TIES=count_boundary_ties,
+        LEVELS=levels, BLOCK=block, BINS=bins, num_warps=NUM_WARPS)
+    return int(work[:, -1].sum()) if count_boundary_ties else 0
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """Import triton and jit the kernel once, with topk_triton's helpers it calls by global
+    name (step-varying ints unspecialised, as there)."""
+    global tl, _context_end, _top_bits, _barrier
+    import triton
+    import triton.language
+
+    topk_triton._kernels()
+    tl = triton.language
+    _context_end, _top_bits = topk_triton._context_end, topk_triton._top_bits
+    _barrier = triton.jit(_barrier)
+    varying = ["t0", "num_keys", "topk", "num_chunks", "share", "stride_work", "stride_out"]
+    return SimpleNamespace(coop=triton.jit(_radix_coop_kernel, do_not_specialize=varying))
+
+
+# ---- Triton functions (jitted by _kernels; module globals, as the interpreter resolves
+# names) ----
+
+def _barrier(counter_ptr, target):
+    """This program arrives at its token's counter, then waits until `target` programs have
+    (counts only grow: a later barrier's target is the token's programs x passes so far)."""
+    tl.debug_barrier()  # every thread's atomics before the arrival
+    tl.atomic_add(counter_ptr, 1)
+    while tl.atomic_add(counter_ptr, 0) < target:
+        pass
+    tl.debug_barrier()
+
+
+def _radix_coop_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_ptr,
+                       token_to_req_ptr, t0, num_keys, topk, num_chunks, share, stride_work,
+                       stride_out, COUNT_TIES: tl.constexpr, LEVELS: tl.constexpr,
+                       BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """Program (i, c): token t0 + i's positions [c x share, (c + 1) x share) through every
+    pass of the select (the module docstring), BLOCK a step."""
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    n0 = c * share
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
+    n1 = tl.minimum(n0 + share, end)  # past the context: an empty range, still at barriers
+    out = out_ptr + i.to(tl.int64) * stride_out
+    row = scores_ptr + i.to(tl.int64) * num_keys
+    if end <= topk:  # the whole context at its places (chunk 0: -1 after it)
+        if c == 0:
+            for j in range(tl.maximum(end, 0), topk, BLOCK):
+                place = j + tl.arange(0, BLOCK)
+                tl.store(out + place, tl.full([BLOCK], -1, tl.int32), mask=place < topk)
+        for b0 in range(n0, n1, BLOCK):
+            n = b0 + tl.arange(0, BLOCK)
+            tl.store(out + n, n, mask=n < n1)
+    else:
+        work = work_ptr + i.to(tl.int64) * stride_work
+        counts = work + LEVELS * BINS
+        arrivals = counts + 2 * num_chunks
+        bins = tl.arange(0, BINS)
+        need = topk
+        prefix = 0  # u's digits found so far
+        at = 0
+        for level in tl.static_range(LEVELS):
+            hist = tl.zeros([BINS], tl.int32)
+            for b0 in range(n0, n1, BLOCK):
+                n = b0 + tl.arange(0, BLOCK)
+                ok = n < n1
+                s = tl.load(row + n, mask=ok, other=0)  # ord
+                if level == 0:
+                    hist += tl.histogram(((s >> 24) & 0xFF) ^ 0x80, BINS, mask=ok)
+                else:  # only the scores whose higher digits are the threshold's so far
+                    ok = ok & (_top_bits(s, level) == prefix)
+                    if tl.sum(ok.to(tl.int32), 0) > 0:
+                        hist += tl.histogram((s >> (24 - 8 * level)) & 0xFF, BINS, mask=ok)
+            tl.atomic_add(work + level * BINS + bins, hist, mask=hist > 0)
+            _barrier(arrivals, num_chunks * (level + 1))
+            hist = tl.load(work + level * BINS + bins, volatile=True)  # the token's, whole
+            from_bin = tl.cumsum(hist, 0, reverse=True)  # [BINS]: counts in bins >= b
+            b = tl.sum((from_bin >= need).to(tl.int32), 0) - 1
+            need -= tl.sum(tl.where(bins == b, from_bin - hist, 0), 0)
+            at = tl.sum(tl.where(bins == b, hist, 0), 0)
+            prefix = (prefix << 8) | b
+        # u's bits as ord: the sign bit flipped back (the shift wraps into it)
+        thr = ((((prefix >> 24) & 0xFF) ^ 0x80) << 24) | (prefix & 0xFFFFFF)
+        above = 0
+        equal = 0
+        for b0 in range(n0, n1, BLOCK):
+            n = b0 + tl.arange(0, BLOCK)
+            ok = n < n1
+            s = tl.load(row + n, mask=ok, other=0)
+            above += tl.sum((ok & (s > thr)).to(tl.int32), 0)
+            equal += tl.sum((ok & (s == thr)).to(tl.int32), 0)
+        tl.atomic_xchg(counts + 2 * c, above)
+        tl.atomic_xchg(counts + 2 * c + 1, equal)
+        _barrier(arrivals, num_chunks * (LEVELS + 1))
+        if COUNT_TIES:
+            if c == 0:
+                tl.store(arrivals + 1, (at > need).to(tl.int32))
+        above_sum = tl.zeros([128], tl.int32)
+        equal_sum = tl.zeros([128], tl.int32)
+        for c0 in range(0, c, 128):  # the chunks before c
+            cc = c0 + tl.arange(0, 128)
+            m = cc < c
+            above_sum += tl.load(counts + cc * 2, mask=m, other=0, volatile=True)
+            equal_sum += tl.load(counts + cc * 2 + 1, mask=m, other=0, volatile=True)
+        ties = tl.sum(equal_sum, 0)  # T's scores before this chunk
+        taken = tl.sum(above_sum, 0) + tl.minimum(ties, need)  # this chunk's first place
+        for b0 in range(n0, n1, BLOCK):
+            n = b0 + tl.arange(0, BLOCK)
+            ok = n < n1
+            s = tl.load(row + n, mask=ok, other=0)
+            eq = ok & (s == thr)
+            rank = ties + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among T's scores
+            take = (ok & (s > thr)) | (eq & (rank <= need))
+            tl.store(out + taken + tl.cumsum(take.to(tl.int32), 0) - 1, n, mask=take)
+            taken += tl.sum(take.to(tl.int32), 0)
+            ties += tl.sum(eq.to(tl.int32), 0)
