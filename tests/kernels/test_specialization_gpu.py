@@ -79,6 +79,43 @@ def test_mla_attention_compiles_once_across_batch_shapes() -> None:
     assert counts == [counts[0]] * len(counts), counts
 
 
+@pytest.mark.parametrize("num_heads", [20, 64])
+def test_mla_gluon_compiles_once_across_batch_shapes(num_heads: int) -> None:
+    """The sm90 defaults (bf16): decode_gluon's kernel (64 heads' decode; every prefill, its
+    PREFILL form), decode_gluon_swapped's (20 heads' decode) and the splits' reduce. A first
+    pass of step shapes compiles what each kind of launch needs (split or not, mixed or pure
+    decode); a second pass over other row counts of the same kinds compiles nothing more. The
+    contexts stay under decode_gluon.WS_SHORT_CONTEXT, so decode_gluon_ws takes none."""
+    from moeserve.kernels.attention.mla import decode_gluon, decode_gluon_swapped
+
+    if not decode_gluon.supports_cache(torch.empty(1, 1, 576, device="cuda",
+                                                   dtype=torch.bfloat16), 512):
+        pytest.skip("the Gluon MLA kernels need an sm90 GPU")
+
+    def compiled() -> tuple[int, ...]:
+        return (variants(decode_gluon._kernels().decode),
+                variants(decode_gluon_swapped._kernels().decode),
+                variants(mla_reduce_triton._kernels().decode_reduce))
+
+    rng = np.random.default_rng(1)
+
+    def run(shapes: list[tuple[int, int]]) -> tuple[int, ...]:
+        for batch, num_prefill in shapes:  # 7 to 300 rows: split (few rows) and not (many)
+            computed = [599] + rng.integers(1, 600, batch - 1).tolist()
+            prefill = rng.integers(5, 130, num_prefill).tolist()
+            for case in (gpu_case(computed + [0] * num_prefill, [1] * batch + prefill,
+                                  num_heads, seed=batch),
+                         gpu_case(computed, [1] * batch, num_heads, seed=batch)):
+                mla_attention_triton(case.q_lat, case.latent_cache, case.meta, case.scale,
+                                     case.L)
+        torch.cuda.synchronize()
+        return compiled()
+
+    first = run([(7, 1), (16, 2), (100, 1), (300, 2)])
+    assert first[0] >= 1 and first[2] >= 1, first
+    assert run([(9, 2), (20, 1), (90, 3), (280, 1), (8, 1)]) == first
+
+
 def test_dsa_indexer_compiles_once_across_batch_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """GLM-5's indexer (32 heads x 128, bf16, blocks of 64): decode steps (one token a program)
     and mixed steps (query tiles), some scored in chunks of tiles (the tiles sliced at odd
