@@ -43,8 +43,13 @@ BLOCK = 2048  # positions a step
 NUM_WARPS = 8
 
 tl: Any = None  # triton.language, bound by _kernels() (the kernel reads it as a global)
+# topk_triton's jitted helpers, bound by _kernels()
 _context_end: Any = None
-_top_bits: Any = None
+_digit: Any = None
+_ord_of: Any = None
+_range_hist: Any = None
+_write_range: Any = None
+_chunks_before: Any = None
 
 
 def programs(n: int, num_keys: int, block: int, device: torch.device) -> int:
@@ -90,13 +95,17 @@ def radix_topk_coop(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel once, with topk_triton's helpers it calls by global
     name (step-varying ints unspecialised, as there)."""
-    global tl, _context_end, _top_bits, _barrier
+    global tl, _context_end, _barrier, _digit, _ord_of, _range_hist, _write_range
+    global _chunks_before
     import triton
     import triton.language
 
     topk_triton._kernels()
     tl = triton.language
-    _context_end, _top_bits = topk_triton._context_end, topk_triton._top_bits
+    _context_end, _digit, _ord_of = (topk_triton._context_end, topk_triton._digit,
+                                     topk_triton._ord_of)
+    _range_hist, _write_range = topk_triton._range_hist, topk_triton._write_range
+    _chunks_before = topk_triton._chunks_before
     _barrier = triton.jit(_barrier)
     varying = ["t0", "num_keys", "topk", "num_chunks", "share", "stride_work", "stride_out"]
     return SimpleNamespace(coop=triton.jit(_radix_coop_kernel, do_not_specialize=varying))
@@ -145,27 +154,13 @@ def _radix_coop_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_pt
         prefix = 0  # u's digits found so far
         at = 0
         for level in tl.static_range(LEVELS):
-            hist = tl.zeros([BINS], tl.int32)
-            for b0 in range(n0, n1, BLOCK):
-                n = b0 + tl.arange(0, BLOCK)
-                ok = n < n1
-                s = tl.load(row + n, mask=ok, other=0)  # ord
-                if level == 0:
-                    hist += tl.histogram(((s >> 24) & 0xFF) ^ 0x80, BINS, mask=ok)
-                else:  # only the scores whose higher digits are the threshold's so far
-                    ok = ok & (_top_bits(s, level) == prefix)
-                    if tl.sum(ok.to(tl.int32), 0) > 0:
-                        hist += tl.histogram((s >> (24 - 8 * level)) & 0xFF, BINS, mask=ok)
+            hist = _range_hist(row, n0, n1, prefix, level, BLOCK, BINS)
             tl.atomic_add(work + level * BINS + bins, hist, mask=hist > 0)
             _barrier(arrivals, num_chunks * (level + 1))
             hist = tl.load(work + level * BINS + bins, volatile=True)  # the token's, whole
-            from_bin = tl.cumsum(hist, 0, reverse=True)  # [BINS]: counts in bins >= b
-            b = tl.sum((from_bin >= need).to(tl.int32), 0) - 1
-            need -= tl.sum(tl.where(bins == b, from_bin - hist, 0), 0)
-            at = tl.sum(tl.where(bins == b, hist, 0), 0)
+            b, need, at = _digit(hist, need, BINS)
             prefix = (prefix << 8) | b
-        # u's bits as ord: the sign bit flipped back (the shift wraps into it)
-        thr = ((((prefix >> 24) & 0xFF) ^ 0x80) << 24) | (prefix & 0xFFFFFF)
+        thr = _ord_of(prefix)
         above = 0
         equal = 0
         for b0 in range(n0, n1, BLOCK):
@@ -180,22 +175,6 @@ def _radix_coop_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_pt
         if COUNT_TIES:
             if c == 0:
                 tl.store(arrivals + 1, (at > need).to(tl.int32))
-        above_sum = tl.zeros([128], tl.int32)
-        equal_sum = tl.zeros([128], tl.int32)
-        for c0 in range(0, c, 128):  # the chunks before c
-            cc = c0 + tl.arange(0, 128)
-            m = cc < c
-            above_sum += tl.load(counts + cc * 2, mask=m, other=0, volatile=True)
-            equal_sum += tl.load(counts + cc * 2 + 1, mask=m, other=0, volatile=True)
-        ties = tl.sum(equal_sum, 0)  # T's scores before this chunk
-        taken = tl.sum(above_sum, 0) + tl.minimum(ties, need)  # this chunk's first place
-        for b0 in range(n0, n1, BLOCK):
-            n = b0 + tl.arange(0, BLOCK)
-            ok = n < n1
-            s = tl.load(row + n, mask=ok, other=0)
-            eq = ok & (s == thr)
-            rank = ties + tl.cumsum(eq.to(tl.int32), 0)  # 1-based among T's scores
-            take = (ok & (s > thr)) | (eq & (rank <= need))
-            tl.store(out + taken + tl.cumsum(take.to(tl.int32), 0) - 1, n, mask=take)
-            taken += tl.sum(take.to(tl.int32), 0)
-            ties += tl.sum(eq.to(tl.int32), 0)
+        above_before, ties = _chunks_before(counts, c, True)
+        _write_range(row, out, n0, n1, thr, need, above_before + tl.minimum(ties, need), ties,
+                     BLOCK)

@@ -146,12 +146,15 @@ def _kernels() -> SimpleNamespace:
     step-varying ints are exempt from specialisation (a new batch shape must not compile a new
     variant mid-serving)."""
     global tl, _context_end, _find_bin, _prefix, _top_bits, _threshold
+    global _digit, _ord_of, _range_hist, _write_range, _chunks_before
     import triton
     import triton.language
 
     tl = triton.language
     _context_end, _find_bin = triton.jit(_context_end), triton.jit(_find_bin)
     _prefix, _top_bits, _threshold = (triton.jit(f) for f in (_prefix, _top_bits, _threshold))
+    _digit, _ord_of, _range_hist, _write_range, _chunks_before = (triton.jit(f) for f in (
+        _digit, _ord_of, _range_hist, _write_range, _chunks_before))
     varying = ["t0", "num_keys", "topk", "num_chunks", "stride_work", "stride_out"]
     jit = functools.partial(triton.jit, do_not_specialize=varying)
     return SimpleNamespace(hist=jit(_radix_hist_kernel), count=jit(_radix_count_kernel),
@@ -170,16 +173,75 @@ def _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, tok, num_keys):
     return tl.minimum(end, num_keys).to(tl.int32)
 
 
-def _find_bin(hist_ptr, need, BINS: tl.constexpr):
-    """The bin b of hist [BINS] with fewer than `need` counts above it and at least `need`
-    from it; returns (b, need minus the counts above b, hist[b])."""
+def _digit(hist, need, BINS: tl.constexpr):
+    """The bin b of a histogram [BINS] (registers) with fewer than `need` counts above it and
+    at least `need` from it; returns (b, need minus the counts above b, hist[b])."""
     bins = tl.arange(0, BINS)
-    h = tl.load(hist_ptr + bins)
-    from_bin = tl.cumsum(h, 0, reverse=True)  # [BINS]: counts in bins >= b
+    from_bin = tl.cumsum(hist, 0, reverse=True)  # [BINS]: counts in bins >= b
     b = tl.sum((from_bin >= need).to(tl.int32), 0) - 1
-    above = tl.sum(tl.where(bins == b, from_bin - h, 0), 0)
-    at = tl.sum(tl.where(bins == b, h, 0), 0)
+    above = tl.sum(tl.where(bins == b, from_bin - hist, 0), 0)
+    at = tl.sum(tl.where(bins == b, hist, 0), 0)
     return b, need - above, at
+
+
+def _find_bin(hist_ptr, need, BINS: tl.constexpr):
+    """`_digit` of the histogram hist_ptr [BINS] holds."""
+    return _digit(tl.load(hist_ptr + tl.arange(0, BINS)), need, BINS)
+
+
+def _ord_of(u):
+    """The threshold's ord from u's bits: the sign bit flipped back (the shift wraps into
+    it)."""
+    return ((((u >> 24) & 0xFF) ^ 0x80) << 24) | (u & 0xFFFFFF)
+
+
+def _range_hist(row, n0, n1, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr,
+                BINS: tl.constexpr):
+    """Level LEVEL's digit histogram [BINS] of the ord scores row[n0:n1], BLOCK a step: u's
+    top byte at level 0, then the next byte among the scores whose higher digits are
+    `prefix` (the threshold's so far)."""
+    hist = tl.zeros([BINS], tl.int32)
+    for b0 in range(n0, n1, BLOCK):
+        n = b0 + tl.arange(0, BLOCK)
+        ok = n < n1
+        s = tl.load(row + n, mask=ok, other=0)  # ord
+        if LEVEL == 0:
+            hist += tl.histogram(((s >> 24) & 0xFF) ^ 0x80, BINS, mask=ok)
+        else:  # only the scores whose higher digits are the threshold's so far
+            ok = ok & (_top_bits(s, LEVEL) == prefix)
+            if tl.sum(ok.to(tl.int32), 0) > 0:
+                hist += tl.histogram((s >> (24 - 8 * LEVEL)) & 0xFF, BINS, mask=ok)
+    return hist
+
+
+def _write_range(row, out, n0, n1, thr, need, taken, ties, BLOCK: tl.constexpr):
+    """The selected positions of row[n0:n1] (scores above thr, and those equal to it while
+    their rank among thr's, `ties` of them before n0, is at most need) written at out[taken:]
+    in position order, BLOCK a step; returns (taken, ties) after them."""
+    for b0 in range(n0, n1, BLOCK):
+        n = b0 + tl.arange(0, BLOCK)
+        ok = n < n1
+        s = tl.load(row + n, mask=ok, other=0)
+        equal = ok & (s == thr)
+        rank = ties + tl.cumsum(equal.to(tl.int32), 0)  # 1-based among T's scores
+        take = (ok & (s > thr)) | (equal & (rank <= need))
+        tl.store(out + taken + tl.cumsum(take.to(tl.int32), 0) - 1, n, mask=take)
+        taken += tl.sum(take.to(tl.int32), 0)
+        ties += tl.sum(equal.to(tl.int32), 0)
+    return taken, ties
+
+
+def _chunks_before(counts, c, VOLATILE: tl.constexpr):
+    """The (above, equal) counts [chunks, 2] of a token's chunks before chunk c, summed
+    (VOLATILE: read past L1, as other programs of this launch wrote them)."""
+    above = tl.zeros([128], tl.int32)
+    equal = tl.zeros([128], tl.int32)
+    for c0 in range(0, c, 128):
+        cc = c0 + tl.arange(0, 128)
+        m = cc < c
+        above += tl.load(counts + cc * 2, mask=m, other=0, volatile=VOLATILE)
+        equal += tl.load(counts + cc * 2 + 1, mask=m, other=0, volatile=VOLATILE)
+    return tl.sum(above, 0), tl.sum(equal, 0)
 
 
 def _prefix(hist_ptr, topk, LEVELS: tl.constexpr, BINS: tl.constexpr):
@@ -231,8 +293,7 @@ def _threshold(hist_ptr, topk, LEVELS: tl.constexpr, BINS: tl.constexpr):
     """The selection's lowest score T (as ord), how many scores equal to T it takes, and how
     many there are."""
     u, need, at = _prefix(hist_ptr, topk, LEVELS, BINS)
-    # u's bits as ord: the sign bit flipped back (the shift wraps into it)
-    return ((((u >> 24) & 0xFF) ^ 0x80) << 24) | (u & 0xFFFFFF), need, at
+    return _ord_of(u), need, at
 
 
 def _radix_count_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr,
@@ -283,16 +344,7 @@ def _radix_write_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_p
         else:
             work = work_ptr + i.to(tl.int64) * stride_work
             thr, need, _ = _threshold(work, topk, LEVELS, BINS)
-            above = tl.zeros([128], tl.int32)
-            equal = tl.zeros([128], tl.int32)
-            counts = work + LEVELS * BINS
-            for c0 in range(0, c, 128):  # the chunks before c
-                cc = c0 + tl.arange(0, 128)
-                m = cc < c
-                above += tl.load(counts + cc * 2, mask=m, other=0)
-                equal += tl.load(counts + cc * 2 + 1, mask=m, other=0)
-            above_before = tl.sum(above, 0)
-            equal_before = tl.sum(equal, 0)
+            above_before, equal_before = _chunks_before(work + LEVELS * BINS, c, False)
             s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)
             equal = ok & (s == thr)
             rank = equal_before + tl.cumsum(equal.to(tl.int32), 0)  # 1-based among T's
@@ -321,40 +373,13 @@ def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to
         if COUNT_TIES:
             tl.store(ties_ptr + i, 0)
     else:
-        bins = tl.arange(0, BINS)
         need = topk
         prefix = 0  # u's digits found so far
         at = 0
         for level in tl.static_range(4):
-            hist = tl.zeros([BINS], tl.int32)
-            for n0 in range(0, end, BLOCK):
-                n = n0 + tl.arange(0, BLOCK)
-                ok = n < end
-                s = tl.load(row + n, mask=ok, other=0)  # ord
-                if level == 0:
-                    hist += tl.histogram(((s >> 24) & 0xFF) ^ 0x80, BINS, mask=ok)
-                else:  # only the scores whose higher digits are the threshold's so far
-                    ok = ok & (_top_bits(s, level) == prefix)
-                    if tl.sum(ok.to(tl.int32), 0) > 0:
-                        hist += tl.histogram((s >> (24 - 8 * level)) & 0xFF, BINS, mask=ok)
-            from_bin = tl.cumsum(hist, 0, reverse=True)  # [BINS]: counts in bins >= b
-            b = tl.sum((from_bin >= need).to(tl.int32), 0) - 1
-            need -= tl.sum(tl.where(bins == b, from_bin - hist, 0), 0)
-            at = tl.sum(tl.where(bins == b, hist, 0), 0)
+            hist = _range_hist(row, 0, end, prefix, level, BLOCK, BINS)
+            b, need, at = _digit(hist, need, BINS)
             prefix = (prefix << 8) | b
-        # u's bits as ord: the sign bit flipped back (the shift wraps into it)
-        thr = ((((prefix >> 24) & 0xFF) ^ 0x80) << 24) | (prefix & 0xFFFFFF)
-        taken = 0
-        ties = 0
-        for n0 in range(0, end, BLOCK):
-            n = n0 + tl.arange(0, BLOCK)
-            ok = n < end
-            s = tl.load(row + n, mask=ok, other=0)
-            equal = ok & (s == thr)
-            rank = ties + tl.cumsum(equal.to(tl.int32), 0)  # 1-based among T's scores
-            take = (ok & (s > thr)) | (equal & (rank <= need))
-            tl.store(out + taken + tl.cumsum(take.to(tl.int32), 0) - 1, n, mask=take)
-            taken += tl.sum(take.to(tl.int32), 0)
-            ties += tl.sum(equal.to(tl.int32), 0)
+        _write_range(row, out, 0, end, _ord_of(prefix), need, need * 0, need * 0, BLOCK)
         if COUNT_TIES:
             tl.store(ties_ptr + i, (at > need).to(tl.int32))
