@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Issue 17: the radix top-k on the H200 in one short call (~4 minutes): its GPU tests (both
-# forms), the DSA kernel and tile tests, the compile-once checks, kernels_dsa --decode-only
-# (the top-k's row and chunks forms eager and in CUDA graphs beside torch.topk; the decode step
-# as one graph) and kernels_dsa_prefill (W3's prefill chunk per layer: indexer, top-k, sparse
+# Issue 17: the radix top-k on the H200 in one short call (~4 minutes): its GPU tests (every
+# form), the DSA kernel and tile tests, the compile-once checks, then, if they passed (the coop
+# form's barriers: a hang or a wrong selection must not be timed), kernels_dsa --decode-only
+# (the top-k's row, chunks (at 256-2,048 positions a program too) and coop forms eager and in
+# CUDA graphs beside torch.topk; the decode step as one graph, with the coop top-k too:
+# dsa_graph_coop_ms) and kernels_dsa_prefill (W3's prefill chunk per layer: indexer, top-k, sparse
 # MLA against dense MLA); kernels_dsa also times indexer_triton.score_key_tiles at 2-16 and the
 # sparse MLA at TILES. Results as $OUT/dsa.tgz.
 #   bash benchmarks/h200/topk_h200.sh
@@ -12,7 +14,9 @@ R=/tmp/dsa; mkdir -p $R
 timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/attention/test_dsa_topk_triton.py tests/kernels/attention/test_dsa_triton.py \
   tests/kernels/attention/test_dsa_triton_tiles.py tests/kernels/test_specialization_gpu.py -k "dsa or mla" > $R/gpu_tests_topk.log 2>&1
-echo "tests rc=$?"; tail -3 $R/gpu_tests_topk.log
+rc=$?
+echo "tests rc=$rc"; tail -3 $R/gpu_tests_topk.log
+if [ "$rc" != 0 ]; then tar czf $OUT/dsa.tgz -C /tmp dsa; exit 1; fi
 # TILES: the sparse MLA also at these tiles (default 32 heads a program: at 32 rows two head
 # tiles halve each program's split partials)
 timeout -s INT 200 python3 -m benchmarks.kernels.kernels_dsa --out $R --decode-only \
@@ -22,7 +26,8 @@ python3 -c "
 import json
 for r in json.load(open('/tmp/dsa/kernels_dsa.json'))['decode']:
     print(r['case'], 'topk', r['topk_ms'], r['topk_graph_ms'], 'chunks', r['topk_chunks_ms'],
-          r['topk_chunks_graph_ms'], 'torch', r['topk_torch_ms'],
+          r['topk_chunks_graph_ms'], r.get('topk_chunks_sizes_graph_ms'), 'coop',
+          r.get('topk_coop_graph_ms'), r.get('dsa_graph_coop_ms'), 'torch', r['topk_torch_ms'],
           r['topk_torch_graph_ms'], 'score', r['score_ms'], 'sparse', r['sparse_mla_ms'],
           'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'], 'key tiles',
           r.get('score_key_tiles_ms'), r.get('dsa_graph_key_tiles_ms'), 'tiles',
