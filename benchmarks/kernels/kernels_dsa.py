@@ -20,7 +20,8 @@ torch.topk over int64 sort keys built from them, the path it replaced, as topk_t
 radix select's default form ("auto"), and its "chunks" form as topk_chunks_ms; each also in a CUDA
 graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms (and at each of CHUNK_SIZES
 positions a program as topk_chunks_sizes_graph_ms), the "coop" form (one launch,
-topk_coop_triton.py; at most a token an SM) as topk_coop_graph_ms with the step's graph with it
+topk_coop_triton.py; where refused, too many tokens, the reason as topk_coop) as
+topk_coop_graph_ms with the step's graph with it
 as dsa_graph_coop_ms; the row form at
 ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms), the scores with each scoring
 program walking SCORE_KEY_TILES key tiles (score_key_tiles_ms, and the step in a graph as
@@ -77,7 +78,6 @@ from moeserve.kernels.attention.metadata import AttentionMetadata, build_attenti
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.mla import decode_gluon
 from moeserve.kernels.attention.mla.decode_gluon_swapped import SWAPPED_HEADS
-from moeserve.kernels.triton_common import num_sms
 
 HEADS, DIM, BLOCK, TOPK = 32, 128, 64, 2048
 CASES = (  # (name, computed tokens per row, new tokens per row)
@@ -291,10 +291,13 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         assert torch.equal(fn.args[4], selected), f"{name}: chunks of {size}"
         row.setdefault("topk_chunks_sizes_graph_ms", {})[size] = round(
             graph_timed(timer, fn, cuda), 4)
-    if batch <= (num_sms(scores.device) if cuda else batch):  # the one-launch form
-        coop = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,
-                                 torch.empty_like(selected), form="coop")
+    coop = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,
+                             torch.empty_like(selected), form="coop")
+    try:  # the one-launch form, where its programs are all resident at once
         coop()
+    except ValueError as refused:
+        row["topk_coop"] = str(refused)
+    else:
         assert torch.equal(coop.args[4], selected), f"{name}: the coop top-k differs"
         row["topk_coop_graph_ms"] = graph_timed(timer, coop, cuda)
     for block, warps in ROW_VARIANTS if cuda else ():  # the row form's launch shapes

@@ -188,9 +188,9 @@ def test_auto_takes_the_row_form_from_row_min_tokens(monkeypatch: pytest.MonkeyP
 
 
 def test_coop_programs_fill_the_sms_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The coop form's programs a token: as many as fill the SMs once (all resident, so no
-    barrier waits on a program not yet running), each at least a step of positions; one on
-    CPU; refused where the tokens alone outnumber the SMs."""
+    """The coop form's programs a token: as many as the SMs hold at once (all resident, so no
+    barrier waits on a program that cannot run), each at least a step of positions; one on
+    CPU; refused where the tokens alone outnumber the places."""
     from moeserve.kernels.attention.dsa import topk_coop_triton
 
     monkeypatch.setattr(topk_coop_triton, "num_sms", lambda device: 132)
@@ -202,8 +202,19 @@ def test_coop_programs_fill_the_sms_once(monkeypatch: pytest.MonkeyPatch) -> Non
     assert programs(2, 1000, 2048, cuda) == 1  # a step holds the whole row
     assert programs(132, 65536, 2048, cuda) == 1
     assert programs(500, 65536, 2048, torch.device("cpu")) == 1
-    with pytest.raises(ValueError, match="133 tokens, at most one a streaming multiprocessor"):
+    assert programs(32, 65536, 2048, cuda, per_sm=3) == 12  # 396 places
+    assert programs(200, 65536, 2048, cuda, per_sm=3) == 1
+    with pytest.raises(ValueError, match=r"133 tokens, at most 132 \(1 a streaming"):
         programs(133, 8192, 2048, cuda)
+    # an SM's places from the compiled kernel's registers and shared memory (sm90's file)
+    props = SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                            shared_memory_per_multiprocessor=233472)
+    resident = topk_coop_triton.resident_per_sm
+    assert resident(80, 1024, props) == 3  # 8 warps x 2,560 registers: 3 of 65,536
+    assert resident(32, 1024, props) == topk_coop_triton.MAX_PROGRAMS_PER_SM  # 8 would fit
+    assert resident(80, 100_000, props) == 2  # shared memory for two
+    assert resident(255, 1024, props) == 1  # 8 x 8,192 registers: one
+    assert resident(80, 1024, SimpleNamespace()) == 3  # sm90's figures where torch lacks them
 
 
 @pytest.mark.parametrize("name", list(STEPS))

@@ -18,10 +18,13 @@ Here one launch over (token, chunk) programs does all six passes:
 A barrier is an arrival counter a token (atomic add, then a spin until the count reaches the
 token's programs x passes so far); every thread's atomics are done (a CTA barrier) before its
 program arrives, and the reads after it bypass L1 (volatile). A program waits on others only of
-its own token, so the launch is safe while all its programs are resident at once: at most one
-program an SM (`programs`), one a token where the tokens alone fill the GPU, and on CPU, where
-Triton's interpreter runs programs one after another, always one (a program then waits on
-itself only, so the tests run every pass and barrier of it).
+its own token, so the launch is safe while all its programs are resident at once: at most as
+many as the SMs hold of it (`resident_per_sm`, from the compiled kernel's registers and shared
+memory: three an SM on sm90, capped at MAX_PROGRAMS_PER_SM; `programs`), one a token where the
+tokens alone fill those places, refused past them; on CPU, where Triton's interpreter runs
+programs one after another, always one a token (a program then waits on itself only, so the
+tests run every pass and barrier of it). A program waiting for a place (another kernel's still
+running) only delays its token: the others' waits end once it runs.
 
 Off by default (radix_topk's "auto" never picks it) until the GPU times it: kernels_dsa's
 topk_coop_graph_ms and dsa_graph_coop_ms.
@@ -41,6 +44,9 @@ from moeserve.kernels.triton_common import num_sms
 
 BLOCK = 2048  # positions a step
 NUM_WARPS = 8
+# programs an SM at most, where more would fit (sm90 offline: 80 registers, 1 KB of shared
+# memory: three of 8 warps fit the register file)
+MAX_PROGRAMS_PER_SM = 4
 
 tl: Any = None  # triton.language, bound by _kernels() (the kernel reads it as a global)
 # topk_triton's jitted helpers, bound by _kernels()
@@ -52,17 +58,32 @@ _write_range: Any = None
 _chunks_before: Any = None
 
 
-def programs(n: int, num_keys: int, block: int, device: torch.device) -> int:
-    """Programs a token for n tokens of num_keys scores: as many as fill the SMs once (one an
-    SM, so all are resident together), none with less than a step of positions; 1 on CPU.
-    ValueError where the tokens alone outnumber the SMs."""
+def programs(n: int, num_keys: int, block: int, device: torch.device, per_sm: int = 1) -> int:
+    """Programs a token for n tokens of num_keys scores: as many as the GPU holds at once
+    (`per_sm` an SM, `resident_per_sm`), so all are resident together, none with less than a
+    step of positions; 1 on CPU. ValueError where the tokens alone outnumber those places."""
     if device.type != "cuda":
         return 1
-    sms = num_sms(device)
-    if n > sms:
-        raise ValueError(f"radix_topk coop: {n} tokens, at most one a streaming multiprocessor "
-                         f"({sms}): its programs must all be resident at once")
-    return max(1, min(-(-num_keys // block), sms // n))
+    places = num_sms(device) * per_sm
+    if n > places:
+        raise ValueError(f"radix_topk coop: {n} tokens, at most {places} ({per_sm} a streaming "
+                         "multiprocessor): its programs must all be resident at once")
+    return max(1, min(-(-num_keys // block), places // n))
+
+
+def resident_per_sm(n_regs: int, shared: int, props: Any) -> int:
+    """How many programs of a compiled kernel (n_regs registers a thread, `shared` bytes) an
+    SM of these device properties holds at once, at most MAX_PROGRAMS_PER_SM: registers by
+    warps in units of 256, 1 KB of shared memory reserved a program (sm90); at least 1."""
+    threads = NUM_WARPS * 32
+    per_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * NUM_WARPS)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+    by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // (shared + 1024)
+    return max(1, min(by_regs, by_threads, by_shared, MAX_PROGRAMS_PER_SM))
+
+
+_resident: dict[tuple, int] = {}  # (device, the kernel's constexprs) -> resident_per_sm
 
 
 def radix_topk_coop(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int,
@@ -75,19 +96,32 @@ def radix_topk_coop(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk
     block = chunk or BLOCK
     if block < 16 or block & (block - 1):
         raise ValueError(f"radix_topk coop: chunk must be a power of two >= 16, got {block}")
-    per_token = programs(n, num_keys, block, scores.device)
+    levels, bins = topk_triton._LEVELS, topk_triton._BINS
+    consts = dict(COUNT_TIES=count_boundary_ties, LEVELS=levels, BLOCK=block, BINS=bins,
+                  num_warps=NUM_WARPS)
+
+    def args(num_chunks: int, share: int, work: torch.Tensor) -> tuple:
+        return (scores, work, out, meta.positions, meta.seq_lens, meta.token_to_req, t0,
+                num_keys, topk, num_chunks, share, work.stride(0), out.stride(0))
+    per_sm = 1
+    if scores.is_cuda:  # from the compiled kernel (shares and counts are not specialised)
+        key = (scores.device.index, block, count_boundary_ties)
+        if key not in _resident:
+            compiled = _kernels().coop.warmup(*args(1, block, scores.new_zeros(1, 1)),
+                                              grid=(1,), **consts)
+            compiled.run  # noqa: B018 (loads the binary: its n_regs)
+            _resident[key] = resident_per_sm(compiled.n_regs, compiled.metadata.shared,
+                                             torch.cuda.get_device_properties(scores.device))
+        per_sm = _resident[key]
+    per_token = programs(n, num_keys, block, scores.device, per_sm)
     share = -(-max(1, num_keys) // per_token)
     share = -(-share // block) * block  # whole steps a program
     num_chunks = -(-max(1, num_keys) // share)
     # a token's workspace: hist [LEVELS, BINS], its chunks' (above, equal) counts, the
     # arrival counter, the boundary-tie flag; zeroed (one memset)
-    levels, bins = topk_triton._LEVELS, topk_triton._BINS
     work = torch.zeros(n, levels * bins + 2 * num_chunks + 2, dtype=torch.int32,
                        device=scores.device)
-    _kernels().coop[(n, num_chunks)](
-        scores, work, out, meta.positions, meta.seq_lens, meta.token_to_req, t0, num_keys,
-        topk, num_chunks, share, work.stride(0), out.stride(0), COUNT_TIES=count_boundary_ties,
-        LEVELS=levels, BLOCK=block, BINS=bins, num_warps=NUM_WARPS)
+    _kernels().coop[(n, num_chunks)](*args(num_chunks, share, work), **consts)
     return int(work[:, -1].sum()) if count_boundary_ties else 0
 
 
