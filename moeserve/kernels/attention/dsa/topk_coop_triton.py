@@ -109,6 +109,7 @@ def radix_topk_coop(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk
         if key not in _resident:
             compiled = _kernels().coop.warmup(*args(1, block, scores.new_zeros(1, 1)),
                                               grid=(1,), **consts)
+            compiled = compiled.result() if hasattr(compiled, "result") else compiled
             compiled.run  # noqa: B018 (loads the binary: its n_regs)
             _resident[key] = resident_per_sm(compiled.n_regs, compiled.metadata.shared,
                                              torch.cuda.get_device_properties(scores.device))
