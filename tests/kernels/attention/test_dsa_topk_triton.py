@@ -163,7 +163,8 @@ def test_bad_chunk_and_form() -> None:
         radix_topk(*args, form="rows")
 
 
-def test_auto_takes_the_row_form_from_row_min_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     kern = topk_triton._kernels()
     launched: list[str] = []
 
@@ -176,15 +177,20 @@ def test_auto_takes_the_row_form_from_row_min_tokens(monkeypatch: pytest.MonkeyP
             return self.fn[grid]
     for name in ("row", "write"):
         monkeypatch.setattr(kern, name, Spy(name, getattr(kern, name)))
+    from moeserve.kernels.attention.dsa import topk_coop_triton
+
+    coop = topk_coop_triton._kernels()
+    monkeypatch.setattr(coop, "coop", Spy("coop", coop.coop))
     monkeypatch.setattr(topk_triton, "ROW_MIN_TOKENS", 3)
+    monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 1)
     gen = torch.Generator().manual_seed(9)
-    for ends, form in (([40, 30], "chunks"), ([40, 30, 25], "row")):
+    for ends, form in (([40, 30], "chunks"), ([40, 30, 25], "row"), ([40], "coop")):
         launched.clear()
         scores = torch.randn(len(ends), 40, generator=gen)
         out = torch.full((len(ends), 8), GARBAGE, dtype=torch.int32)
         radix_topk(ord_of(scores), rows_meta(ends), 0, 8, out, chunk=16, form="auto")
         assert torch.equal(out, want_topk(scores, ends, 8)[0])
-        assert launched == (["write"] if form == "chunks" else ["row"]), launched
+        assert launched == ([form] if form != "chunks" else ["write"]), launched
 
 
 def test_coop_programs_fill_the_sms_once(monkeypatch: pytest.MonkeyPatch) -> None:

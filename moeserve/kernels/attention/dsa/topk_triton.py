@@ -71,6 +71,9 @@ _LEVELS = 4
 FORMS = ("auto", "row", "chunks", "coop")  # coop: topk_coop_triton.py's one launch
 FORM = "auto"  # radix_topk's default form: "row" from ROW_MIN_TOKENS tokens, else "chunks"
 ROW_MIN_TOKENS = 256
+# ... and "coop" (topk_coop_triton.py) up to this many tokens: 0, none, until the GPU times it
+# (kernels_dsa's topk_coop_graph_ms); at most the GPU's SMs, where it is never refused
+COOP_MAX_TOKENS = 0
 ROW_CHUNK = 4096  # the row form's positions a step, and its warps (gpu_039305d/call6: in a
 ROW_WARPS = 8  # graph 0.058 / 0.382 ms at 256 x 8k / 64k against 0.063 / 0.436 at 2,048)
 # Smaller chunks where a launch has few programs (32 tokens of 8k positions: 128 programs of 4
@@ -102,7 +105,8 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     if form not in FORMS:
         raise ValueError(f"radix_topk: form {form!r} not in {FORMS}")
     if form == "auto":
-        form = "row" if n >= ROW_MIN_TOKENS else "chunks"
+        form = ("row" if n >= ROW_MIN_TOKENS else "coop" if n <= COOP_MAX_TOKENS
+                else "chunks")
     if form == "coop":  # the chunks form's passes in one launch (imported here: it imports us)
         from moeserve.kernels.attention.dsa.topk_coop_triton import radix_topk_coop
 
