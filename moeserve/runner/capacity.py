@@ -233,5 +233,6 @@ def mla_decode_line(cfg: EngineConfig, device: torch.device, dtype: torch.dtype)
         least = decode_gluon_ws.min_heads(device)
         ws = (f"; decodes of {least}+ heads warp-specialized past "
               f"{decode_gluon.WS_SHORT_CONTEXT:,} keys" if decode_gluon.ws else "")
-        return f"{form} (Gluon on sm90's wgmma{prefill}{unswapped}{ws})"
+        sparse = "; DSA's sparse MLA warp-specialized" if decode_gluon.ws_sparse else ""
+        return f"{form} (Gluon on sm90's wgmma{prefill}{unswapped}{ws}{sparse})"
     return f"{form} (Triton: no sm90 GPU with a 16-bit cache here)"

@@ -416,6 +416,7 @@ def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv(envs.MLA_PREFILL_GLUON, raising=False)
     monkeypatch.setattr(decode_gluon, "swapped", True)  # the defaults
     monkeypatch.setattr(decode_gluon, "ws", False)
+    monkeypatch.setattr(decode_gluon, "ws_sparse", False)
     cfg = EngineConfig(attention_backend="triton")
     cuda = torch.device("cuda")
     assert mla_decode_line(cfg, cuda, torch.bfloat16) == "auto (Gluon on sm90's wgmma)"
@@ -427,4 +428,6 @@ def test_gpu_the_capacity_report_names_gluon_on_sm90(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(decode_gluon, "swapped", False)  # the A/B switch, named when set
     assert "not swapped" in mla_decode_line(cfg, cuda, torch.bfloat16)
     monkeypatch.setattr(decode_gluon, "ws", True)  # the warp-specialized decode, when on
-    assert "warp-specialized" in mla_decode_line(cfg, cuda, torch.bfloat16)
+    assert "warp-specialized past" in mla_decode_line(cfg, cuda, torch.bfloat16)
+    monkeypatch.setattr(decode_gluon, "ws_sparse", True)  # ... and DSA's sparse MLA on it
+    assert "DSA's sparse MLA warp-specialized" in mla_decode_line(cfg, cuda, torch.bfloat16)
