@@ -53,11 +53,15 @@ Budget on one H200 (defaults; the engine ~10-25k output tok/s at c1024, 3-6k at 
     total                                                              ~4-7 min
 
 Usage (GPU; OUT may hold at most 8 files on the device machine, hence --bundle):
-    python benchmarks/engine/doctor_acceptance.py --out /tmp/doctor_acceptance \
+    python -m benchmarks.engine.doctor_acceptance --out /tmp/doctor_acceptance \
         --bundle $OUT/doctor_acceptance.tar.gz
 CPU smoke test (tiny-moe, a minute or so):
-    python benchmarks/engine/doctor_acceptance.py --preset tiny-moe --server-args "--device cpu" \
+    python -m benchmarks.engine.doctor_acceptance --preset tiny-moe --server-args "--device cpu" \
         --concurrency 8 --cap 2 --num-prompts 32 --input-len 32 --output-len 32 --out /tmp/acc
+
+The script's parts: acceptance_plan.py (the pure helpers: the plan, the statistics, the cap
+check, the arguments), acceptance_state.py (the run's record and its files), acceptance_host.py
+(the environment, the server subprocess); this module runs the steps.
 
 Outputs under --out:
     summary.json                  steps, timings, environment, the cap check, the overhead
@@ -75,419 +79,49 @@ Outputs under --out:
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
-import os
-import platform
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
-import tarfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-SCHEMA = "moeserve.doctor_acceptance/1"
-CAP_RULE = "admission_cap"  # moeserve/diagnose/doctor.py: the admission-cap-binding verdict
-TARGET_OVERHEAD_PCT = 2.0
-ENGINE_COLLECTION_OFF = ("--no-collect-expert-load", "--step-profile-every", "0")
-DESIGNS = ("two-servers", "one-server", "restarts")
+from benchmarks.engine.acceptance_host import (
+    Server,
+    environment,
+    gpu_memory_used,
+    wait_gpu_memory_back,
+)
+from benchmarks.engine.acceptance_plan import (
+    CAP_RULE,
+    DESIGNS,
+    Step,
+    bench_argv,
+    cap_check,
+    plan_steps,
+    server_args,
+    slim_result,
+    verdict_rules,
+)
+from benchmarks.engine.acceptance_state import (
+    T0,
+    State,
+    log,
+    run_record,
+    save_state,
+)
+
 # first guesses for the deadline check, replaced by what is measured (H200, qwen3-30b-a3b)
 DEFAULT_START_S = 90.0
 DEFAULT_TPUT = {"cap": 2500.0, "auto": 8000.0}
 RUN_SLACK_S = 10.0  # warm-up, workload, the bench's table and the doctor
 REPORT_EST_S = 30.0
 
-_T0 = time.monotonic()
-
-
-def log(msg: str) -> None:
-    now = datetime.now().strftime("%H:%M:%S")
-    print(f"[{time.monotonic() - _T0:7.1f}s {now}] {msg}", flush=True)
-
-
-# ---- pure helpers (tests/bench/test_doctor_acceptance.py) -------------------------------------
-
-def group_stats(values: Sequence[float]) -> dict[str, Any]:
-    """Median, min, max and the values of one group of throughputs."""
-    vals = [float(v) for v in values]
-    if not vals:
-        return {"n": 0, "median": None, "min": None, "max": None, "spread_pct": None,
-                "values": []}
-    med = statistics.median(vals)
-    return {"n": len(vals), "median": med, "min": min(vals), "max": max(vals),
-            "spread_pct": round(100.0 * (max(vals) - min(vals)) / med, 3) if med else None,
-            "values": vals}
-
-
-def overhead(on: Sequence[float], off: Sequence[float],
-             target_pct: float = TARGET_OVERHEAD_PCT) -> dict[str, Any]:
-    """Overhead % = 100 x (1 - median_on / median_off), with the range the spread allows
-    (best: the fastest "on" against the slowest "off"; worst: the reverse)."""
-    g_on, g_off = group_stats(on), group_stats(off)
-    out: dict[str, Any] = {"on": g_on, "off": g_off, "overhead_pct": None,
-                           "overhead_pct_range": None, "target_pct": target_pct,
-                           "within_target": None}
-    if g_on["n"] and g_off["n"] and g_off["median"] > 0 and g_off["min"] > 0:
-        pct = 100.0 * (1.0 - g_on["median"] / g_off["median"])
-        best = 100.0 * (1.0 - g_on["max"] / g_off["min"])
-        worst = 100.0 * (1.0 - g_on["min"] / g_off["max"])
-        out.update(overhead_pct=round(pct, 3), overhead_pct_range=[round(best, 3),
-                                                                   round(worst, 3)],
-                   within_target=pct <= target_pct)
-    return out
-
-
-def verdict_rules(verdicts: Sequence[dict[str, Any]] | None) -> list[str]:
-    """The rule names of a run's verdicts (res["verdicts"] or one `moeserve doctor --json` line)."""
-    return [str(v.get("rule")) for v in verdicts or [] if isinstance(v, dict)]
-
-
-def cap_check(cap_rules: Sequence[str], auto_rules: Sequence[str]) -> dict[str, Any]:
-    """The acceptance: the doctor names the cap in the capped run and not in the auto run."""
-    named_cap, named_auto = CAP_RULE in cap_rules, CAP_RULE in auto_rules
-    return {"rule": CAP_RULE, "named_in_cap_run": named_cap, "named_in_auto_run": named_auto,
-            "pass": named_cap and not named_auto}
-
-
-def bound_flags(res: dict[str, Any]) -> list[str]:
-    """"client_bound" / "api_bound" when the run's client or API process was saturated (the
-    doctor's verdicts where it ran, else the bench's own client_bound flag)."""
-    flags = {v for v in verdict_rules(res.get("verdicts")) if v in ("client_bound", "api_bound")}
-    if res.get("client_bound"):
-        flags.add("client_bound")
-    return sorted(flags)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of the plan: a timed bench run, or the report (kind "report")."""
-
-    name: str  # file stem of a run; "report" for the report
-    kind: str = "run"  # "run" | "report"
-    server: str = ""  # "cap" | "on" | "off": the server configuration it needs
-    diagnose: bool = False
-    num_prompts: int = 0
-    roles: tuple[str, ...] = ()  # "cap", "auto", "on", "off"
-    file: str = ""  # path under OUT
-
-
-def plan_steps(*, preset: str, concurrency: int, cap: int, n_cap: int, n_auto: int,
-               n_overhead: int, repeats: int, design: str, skip_cap: bool = False,
-               skip_overhead: bool = False) -> list[Step]:
-    """The ordered steps. Servers: "cap" (--max-running-requests cap), "on" (defaults: engine
-    collection on), "off" (engine collection off); a step on another server than the previous
-    one stops the old server and starts the new one."""
-    if design not in DESIGNS:
-        raise ValueError(f"--overhead-design must be one of {DESIGNS}, got {design!r}")
-    stem = f"w1_{preset}_c{concurrency}"
-    steps: list[Step] = []
-    if not skip_cap:
-        steps.append(Step(f"{stem}_cap{cap}", server="cap", diagnose=True, num_prompts=n_cap,
-                          roles=("cap",), file=f"{stem}_cap{cap}.jsonl"))
-    auto_is_on = not skip_overhead and n_auto == n_overhead
-    steps.append(Step(f"{stem}_auto", server="on", diagnose=True, num_prompts=n_auto,
-                      roles=("auto", "on") if auto_is_on else ("auto",),
-                      file=f"{stem}_auto.jsonl"))
-    if not skip_cap:
-        steps.append(Step("report", kind="report"))
-    if skip_overhead:
-        return steps
-
-    def run(role: str, i: int) -> Step:
-        server = "on" if role == "on" or design == "one-server" else "off"
-        name = f"{stem}_{role}{i}"
-        return Step(name, server=server, diagnose=role == "on", num_prompts=n_overhead,
-                    roles=(role,), file=f"overhead/{name}.jsonl")
-
-    first_on = 2 if auto_is_on else 1
-    if design == "two-servers":
-        steps += [run("on", i) for i in range(first_on, repeats + 1)]
-        steps += [run("off", i) for i in range(1, repeats + 1)]
-    else:  # interleaved: on, off, on, off, ... (the auto run is on #1 when it counts as one)
-        for i in range(1, repeats + 1):
-            if i >= first_on:
-                steps.append(run("on", i))
-            steps.append(run("off", i))
-    return steps
-
-
-def slim_result(res: dict[str, Any]) -> dict[str, Any]:
-    """Drop the per-chunk arrival lists of the request records (as benchmarks/engine/split_runs.py);
-    `num_chunks` keeps their count. The run's figures already summarise them."""
-    for r in res.get("requests") or []:
-        if isinstance(r, dict) and "chunk_times" in r:
-            r["num_chunks"] = len(r.pop("chunk_times") or [])
-            r.pop("chunk_tokens", None)
-    return res
-
-
-# ---- environment ----------------------------------------------------------------------------
-
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _nvml() -> Any | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml
-    except Exception:
-        return None
-
-
-def gpu_info() -> dict[str, Any] | None:
-    nv = _nvml()
-    if nv is None:
-        return None
-    try:
-        gpus = []
-        for i in range(nv.nvmlDeviceGetCount()):
-            h = nv.nvmlDeviceGetHandleByIndex(i)
-            name = nv.nvmlDeviceGetName(h)
-            gpus.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                         "memory_total_bytes": int(nv.nvmlDeviceGetMemoryInfo(h).total)})
-        driver = nv.nvmlSystemGetDriverVersion()
-        return {"driver": driver.decode() if isinstance(driver, bytes) else driver, "gpus": gpus}
-    except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}"}
-
-
-def gpu_memory_used() -> int | None:
-    nv = _nvml()
-    if nv is None:
-        return None
-    try:
-        return sum(int(nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(i)).used)
-                   for i in range(nv.nvmlDeviceGetCount()))
-    except Exception:
-        return None
-
-
-def environment() -> dict[str, Any]:
-    from moeserve.bench.server import git_commit
-
-    gpu = gpu_info()
-    names = [g["name"] for g in (gpu or {}).get("gpus", [])]
-    return {"git": git_commit(), "device": names[0] if names else platform.processor() or "cpu",
-            "gpu": gpu, "torch": _dist_version("torch"), "triton": _dist_version("triton"),
-            "python": platform.python_version(), "platform": platform.platform(),
-            "argv": sys.argv}
-
-
-# ---- the server -----------------------------------------------------------------------------
-
-class Server:
-    """`moeserve serve` in a subprocess, its log under OUT/logs."""
-
-    def __init__(self, key: str, preset: str, args: list[str], port: int, log_path: Path,
-                 ready_timeout_s: float, host: str = "127.0.0.1") -> None:
-        from moeserve.bench.server import free_port
-
-        self.key, self.args = key, args
-        self.port = port or free_port(host)
-        self.url = f"http://{host}:{self.port}"
-        self.cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--host", host,
-                    "--port", str(self.port)]
-        if "--model" not in args and "--preset" not in args:
-            self.cmd += ["--preset", preset]
-        self.cmd += args
-        self.log_path, self.ready_timeout_s = log_path, ready_timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start_s: float | None = None
-
-    def start(self) -> None:
-        t = time.monotonic()
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as f:
-            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT)
-        deadline = t + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode} before "
-                                   f"it was ready; {self.log_path} ends:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
-                    if r.status == 200:
-                        self.start_s = time.monotonic() - t
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"the server was not ready after {self.ready_timeout_s:.0f} s; "
-                           f"{self.log_path} ends:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 25) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        from moeserve.bench.server import stop_process
-
-        stop_process(self.proc, grace_s)
-
-
-def wait_gpu_memory_back(baseline: int | None, timeout_s: float = 60.0) -> None:
-    """After a server stops: wait until the GPUs' used memory is back near where it started,
-    so the next server sizes its KV cache from the whole memory."""
-    if baseline is None:
-        return
-    t = time.monotonic()
-    while time.monotonic() - t < timeout_s:
-        used = gpu_memory_used()
-        if used is None or used <= baseline + (2 << 30):
-            return
-        time.sleep(0.5)
-    log(f"warning: GPU memory still {gpu_memory_used() or 0:,} bytes used after {timeout_s:.0f} "
-        f"s (baseline {baseline:,})")
-
-
 # ---- the script ---------------------------------------------------------------------------
-
-@dataclass
-class State:
-    args: argparse.Namespace
-    out: Path
-    env: dict[str, Any]
-    steps: list[Step]
-    started_at: str = field(
-        default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    records: list[dict[str, Any]] = field(default_factory=list)  # one per step
-    servers: list[dict[str, Any]] = field(default_factory=list)
-    results: dict[str, dict[str, Any]] = field(default_factory=dict)  # step name -> run
-    cap: dict[str, Any] | None = None
-    report: dict[str, Any] | None = None
-    overhead: dict[str, Any] | None = None
-
-
-def server_args(key: str, args: argparse.Namespace) -> list[str]:
-    base = shlex.split(args.server_args)
-    if key == "cap":
-        return base + ["--max-running-requests", str(args.cap)]
-    if key == "off":
-        return base + list(ENGINE_COLLECTION_OFF)
-    return base
-
-
-def bench_argv(step: Step, args: argparse.Namespace, seed: int, raw: Path) -> list[str]:
-    argv = ["--preset", args.preset, "--workload", "random", "--input-len", str(args.input_len),
-            "--output-len", str(args.output_len), "--range-ratio", "1.0",
-            "--num-prompts", str(step.num_prompts), "--max-concurrency", str(args.concurrency),
-            "--seed", str(seed), "--workers", str(args.workers), "--no-progress",
-            "--output-json", str(raw)]
-    return argv + (["--diagnose"] if step.diagnose else [])
-
-
-def write_json(path: Path, doc: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def run_record(res: dict[str, Any]) -> dict[str, Any]:
-    client = [c.get("cpu_fraction") for c in res.get("client") or []]
-    return {"output_throughput": res.get("output_throughput"), "duration": res.get("duration"),
-            "completed": res.get("completed"), "failed": res.get("failed"),
-            "median_tpot_ms": res.get("median_tpot_ms"), "client_cpu_fraction": client,
-            "server_api_cpu_fraction": res.get("server_api_cpu_fraction"),
-            "verdicts": verdict_rules(res.get("verdicts")),
-            "diagnose": bool(res.get("diagnostics"))}
-
-
-def compute_overhead(st: State) -> dict[str, Any] | None:
-    runs = [s for s in st.steps if s.kind == "run" and ({"on", "off"} & set(s.roles))]
-    if not runs:
-        return None
-    on = [(s, st.results[s.name]) for s in runs if "on" in s.roles and s.name in st.results]
-    off = [(s, st.results[s.name]) for s in runs if "off" in s.roles and s.name in st.results]
-    doc = overhead([r["output_throughput"] for _, r in on],
-                   [r["output_throughput"] for _, r in off])
-    for group, pairs in (("on", on), ("off", off)):
-        doc[group]["runs"] = [{"name": s.name, "file": s.file, **run_record(r)} for s, r in pairs]
-    a = st.args
-    doc.update({
-        "schema": SCHEMA + "/overhead", "design": a.overhead_design,
-        "what": {"two-servers": "full cost: engine collection (expert-load counters, step "
-                                "profile) + client --diagnose, on vs off servers; blocked "
-                                "(each server started once)",
-                 "one-server": "client-side only: --diagnose on vs off, interleaved, on one "
-                               "server with engine collection on",
-                 "restarts": "full cost, interleaved: a fresh server per run"}[a.overhead_design],
-        "on_server_args": server_args("on", a), "on_client": "--diagnose",
-        "off_server_args": server_args("on" if a.overhead_design == "one-server" else "off", a),
-        "off_client": "no --diagnose",
-        "order": [s.name for s in runs],
-        "complete": len(on) == a.repeats and len(off) == a.repeats,
-        "repeats": a.repeats, "concurrency": a.concurrency, "preset": a.preset,
-        "num_prompts": a.num_prompts_overhead, "input_len": a.input_len,
-        "output_len": a.output_len, "metric": "output_throughput (tok/s)",
-        "formula": "overhead_pct = 100 x (1 - median_on / median_off); range = "
-                   "[1 - max_on / min_off, 1 - min_on / max_off]",
-        "failed_requests": sum(r.get("failed") or 0 for _, r in on + off),
-        # a saturated client or API process makes the comparison measure it, not the engine
-        "bound_runs": {s.name: bound_flags(r) for s, r in on + off if bound_flags(r)},
-        "max_client_cpu_fraction": max((c.get("cpu_fraction") or 0.0 for _, r in on + off
-                                        for c in r.get("client") or []), default=None),
-        "environment": st.env,
-    })
-    return doc
-
-
-def save_state(st: State) -> None:
-    st.overhead = compute_overhead(st)
-    if st.overhead is not None:
-        write_json(st.out / "diagnostics_overhead.json", st.overhead)
-    ov = st.overhead
-    ov_summary = None
-    if ov is not None:
-        ov_summary = {k: ov.get(k) for k in ("design", "what", "overhead_pct",
-                                              "overhead_pct_range", "within_target",
-                                              "complete", "target_pct", "failed_requests",
-                                              "bound_runs", "max_client_cpu_fraction")}
-        for g in ("on", "off"):
-            ov_summary[g] = {k: ov[g].get(k) for k in ("n", "median", "min", "max",
-                                                        "spread_pct", "values")}
-    write_json(st.out / "summary.json", {
-        "schema": SCHEMA, "issue": 5, "started_at": st.started_at,
-        "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "elapsed_s": round(time.monotonic() - _T0, 1), "environment": st.env,
-        "args": vars(st.args), "plan": [s.name for s in st.steps], "steps": st.records,
-        "servers": st.servers, "cap_check": st.cap, "report": st.report,
-        "overhead": ov_summary,
-    })
-    if st.args.bundle:
-        bundle(st.out, Path(st.args.bundle))
-
-
-def bundle(out: Path, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with tarfile.open(tmp, "w:gz") as tar:
-            for f in sorted(out.rglob("*")):
-                if f.is_file() and f.resolve() not in (path.resolve(), tmp.resolve()) \
-                        and not f.name.endswith(".tmp"):
-                    tar.add(f, arcname=str(Path(out.name) / f.relative_to(out)))
-        os.replace(tmp, path)
-    except OSError as e:
-        log(f"warning: the bundle {path} failed: {e}")
-
 
 class Heartbeat:
     """A line every `every_s` while a long step runs (a hung step shows in the log)."""
@@ -616,7 +250,7 @@ def execute(st: State) -> None:
             st.records.append(rec)
             need_start = step.kind == "run" and (server is None or server.key != step.server)
             est = estimate_s(step, st, need_start)
-            left = a.deadline_s - (time.monotonic() - _T0)
+            left = a.deadline_s - (time.monotonic() - T0)
             # the first step always runs (nothing to save yet), and so does the report: (a)'s
             # runs are done by then and it takes seconds
             if est > left and idx > 0 and step.kind != "report":
@@ -629,7 +263,7 @@ def execute(st: State) -> None:
                 log(f"SKIP {step.name} and the rest: {rec['why']}")
                 break
             t = time.monotonic()
-            rec["started_s"] = round(t - _T0, 1)
+            rec["started_s"] = round(t - T0, 1)
             try:
                 if step.kind == "report":
                     log("report + doctor on the (a) runs")
@@ -762,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              "on_tok_s": (ov.get("on") or {}).get("values"),
              "off_tok_s": (ov.get("off") or {}).get("values"),
              "steps": {r["name"]: r.get("status") for r in st.records},
-             "elapsed_s": round(time.monotonic() - _T0, 1), "out": str(out)}
+             "elapsed_s": round(time.monotonic() - T0, 1), "out": str(out)}
     log("SUMMARY " + json.dumps(final))
     ok = all(r.get("status") == "ok" for r in st.records)
     return 0 if ok and (st.cap is None or st.cap["pass"]) else 1
