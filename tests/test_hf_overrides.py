@@ -13,7 +13,7 @@ import pytest
 
 from moeserve.config import ConfigError, EngineConfig, load_model_config
 from moeserve.presets import load_preset
-from tests.test_hf_config import FP8, _write_checkpoint_config
+from tests.hf_published import FP8, write_checkpoint_config
 
 
 def test_hf_overrides_slice_a_preset_at_its_real_widths() -> None:
@@ -26,7 +26,7 @@ def test_hf_overrides_slice_a_preset_at_its_real_widths() -> None:
 
 
 def test_hf_overrides_apply_to_a_checkpoint_folder_and_take_a_dict(tmp_path: Path) -> None:
-    folder = _write_checkpoint_config(tmp_path / "flash", load_preset("glm-4.7-flash"))
+    folder = write_checkpoint_config(tmp_path / "flash", load_preset("glm-4.7-flash"))
     mc, _ = load_model_config(folder, {"num_hidden_layers": 4, "n_routed_experts": 16})
     assert (mc.num_layers, mc.num_experts, mc.mlp_only_layers) == (4, 16, (0,))
 
