@@ -382,8 +382,6 @@ GPU_INDEXER = {"heads": 32, "dim": 128, "device": "cuda"}
 GPU_TOPK, GPU_BLOCK = 2048, 64
 
 
-
-
 def _gpu_steps() -> dict[str, tuple[list[int], list[int]]]:
     rng = np.random.default_rng(0)
     decode = rng.integers(4096, 16384, 32).tolist()
