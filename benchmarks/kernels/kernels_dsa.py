@@ -25,7 +25,8 @@ topk_coop_graph_ms with the step's graph with it
 as dsa_graph_coop_ms; the row form at
 ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms), the scores with each scoring
 program walking SCORE_KEY_TILES key tiles (score_key_tiles_ms, and the step in a graph as
-dsa_graph_key_tiles_ms), the sparse MLA over the
+dsa_graph_key_tiles_ms) and launched at SCORE_LAUNCHES' warps and stages (score_launch_ms,
+dsa_graph_score_launch_ms), the sparse MLA over the
 2,048 selected positions (sparse_mla_ms the default kernel, sparse_mla_kernel naming it:
 decode_gluon.sparse_gluon on sm90 in bf16; sparse_mla_triton_ms the Triton kernel; with
 --tiles, also at those TileConfigs; sparse_mla_slots_ms with sparse_triton's `slot_rows`
@@ -103,6 +104,8 @@ ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16))
 CHUNK_SIZES = (256, 512, 1024, 2048)
 # indexer_triton.score_key_tiles settings timed: the scores alone and the step in a graph
 SCORE_KEY_TILES = (2, 4, 8, 16)
+# indexer_triton's (score_warps, score_stages) timed likewise (None: Triton's default stages)
+SCORE_LAUNCHES = ((4, None), (8, None), (4, 2), (4, 4), (8, 3))
 
 
 def make_step(computed: list[int], scheduled: list[int], block: int, device: str,
@@ -199,6 +202,28 @@ def time_score_key_tiles(name: str, args: tuple, scores: torch.Tensor, timer: Ti
                 out[key][key_tiles] = round(fn(), 4)
         finally:
             dsa_triton.score_key_tiles = saved
+    return out
+
+
+def time_score_launches(name: str, args: tuple, scores: torch.Tensor, timer: Timer,
+                        step_graph: Callable[[], float]) -> dict:
+    """The scores at each of SCORE_LAUNCHES (indexer_triton's score_warps / score_stages, set
+    and restored), each first checked equal to `scores` where the tokens see them:
+    {"score_launch_ms": {"warps,stages": ms}, "dsa_graph_score_launch_ms": {...: step ms}}."""
+    def score() -> list[torch.Tensor]:
+        return [c for _, _, c in dsa_triton.index_score_chunks(*args)]
+    seen = context_mask(args[3], 0, scores.shape[0], scores.shape[1])
+    out: dict = {"score_launch_ms": {}, "dsa_graph_score_launch_ms": {}}
+    saved = dsa_triton.score_warps, dsa_triton.score_stages
+    try:
+        for warps, stages in SCORE_LAUNCHES:
+            dsa_triton.score_warps, dsa_triton.score_stages = warps, stages
+            key = f"{warps},{stages or 'default'}"
+            assert torch.equal(torch.cat(score())[seen], scores[seen]), f"{name}: {key}"
+            out["score_launch_ms"][key] = round(timer(score), 4)
+            out["dsa_graph_score_launch_ms"][key] = round(step_graph(), 4)
+    finally:
+        dsa_triton.score_warps, dsa_triton.score_stages = saved
     return out
 
 
@@ -334,6 +359,8 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         row |= time_score_key_tiles(name, (q_i, w, index_cache, meta, scale), scores, timer,
                                     {"dsa_graph_key_tiles_ms": lambda: graph_timed(
                                         timer, step, cuda)})
+        row |= time_score_launches(name, (q_i, w, index_cache, meta, scale), scores, timer,
+                                   lambda: graph_timed(timer, step, cuda))
     # the default (decode_gluon.sparse_gluon on sm90 in bf16) and the Triton kernel
     gluon = decode_gluon.supports(q, cache, latent)
     row["sparse_mla_kernel"] = ("triton" if not gluon else "gluon-ws" if (

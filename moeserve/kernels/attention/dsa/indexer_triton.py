@@ -75,6 +75,10 @@ INDEX_TILE_ROWS = 128
 # 1-14% faster in all five kernels_dsa cases (b256 64k: 2.149 -> 1.841 ms), W3's prefill
 # scores 13.09 -> 8.06 ms (16: 7.73); the tests also run 1 to 4.
 score_key_tiles = 8
+# The scoring launch's warps and pipeline stages (None: Triton's default): experiment switches,
+# timed by kernels_dsa (SCORE_LAUNCHES) before any other value becomes the default
+score_warps = 4
+score_stages: int | None = None
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 # mla_triton's jitted helper, bound by _kernels() too (the kernel reads it by global name)
@@ -161,7 +165,8 @@ def index_score_chunks(q: torch.Tensor, weights: torch.Tensor, index_cache: torc
             NUM_HEADS=num_heads, BLOCK_H=max(16 // block_q, next_pow2(num_heads)),
             BLOCK_Q=block_q, D=dim, BLOCK_SIZE=index_cache.shape[1], BLOCK_N=block_n,
             USE_TILES=part is not None, IEEE=q.dtype == torch.float32,
-            KEY_TILES=score_key_tiles, num_warps=4)
+            KEY_TILES=score_key_tiles, num_warps=score_warps,
+            **({} if score_stages is None else {"num_stages": score_stages}))
         yield t0, n, scores
 
 
