@@ -11,7 +11,7 @@ Here one launch over (token, chunk) programs does all six passes:
       level 0..3:  the digit histogram of its positions (level 0: u's top byte; then the next
                    byte among the scores whose higher bytes are the threshold's so far), added
                    into token i's hist[level] by atomics; barrier; every program reads the
-                   whole histogram and finds the level's bin (the chunks form's _find_bin)
+                   whole histogram and finds the level's bin (topk_triton._digit)
       count:       its scores above T and equal to T -> counts[c]; barrier
       write:       its selected positions at (selected in chunks < c) + (before it in c)
 
@@ -26,8 +26,8 @@ programs one after another, always one a token (a program then waits on itself o
 tests run every pass and barrier of it). A program waiting for a place (another kernel's still
 running) only delays its token: the others' waits end once it runs.
 
-Off by default (radix_topk's "auto" never picks it) until the GPU times it: kernels_dsa's
-topk_coop_graph_ms and dsa_graph_coop_ms.
+Off by default (radix_topk's "auto" takes it up to topk_triton.COOP_MAX_TOKENS tokens, 0)
+until the GPU times it: kernels_dsa's topk_coop_graph_ms and dsa_graph_coop_ms.
 """
 
 from __future__ import annotations
