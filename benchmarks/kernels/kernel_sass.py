@@ -19,6 +19,7 @@ To match the GPU machine, put its Triton on the path first:
         --heads 64
     PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass gqa-prefill --tile 128 64 4 3 \
         --heads 8
+    PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass topk --form coop --warps 8
 
 --tile is BLOCK_M BLOCK_N BLOCK_K num_warps num_stages (mla-decode: BLOCK_M BLOCK_N num_warps
 num_stages, BLOCK_M the heads a program). The report includes ptxas's registers a thread and
@@ -335,6 +336,32 @@ def gqa(args: argparse.Namespace) -> dict:
     return compile_sm90(kernel, GQA_POINTERS, const, _nospec(args, kernel), warps, stages)
 
 
+TOPK_POINTERS = {"scores_ptr": "*i32", "work_ptr": "*i32", "out_ptr": "*i32",
+                 "positions_ptr": "*i64", "seq_lens_ptr": "*i32", "token_to_req_ptr": "*i32",
+                 "ties_ptr": "*i32"}
+
+
+def topk(args: argparse.Namespace) -> dict:
+    """DSA's radix top-k (kernels/attention/dsa/topk_triton.py, topk_coop_triton.py): --form's
+    kernel at --block positions a step (a program's chunk for hist / count / write) and
+    --warps; the coop form's registers and shared memory are what its residency rule reads."""
+    from moeserve.kernels.attention.dsa import topk_coop_triton, topk_triton
+
+    levels, bins = topk_triton._LEVELS, topk_triton._BINS
+    if args.form == "coop":
+        kernel = topk_coop_triton._kernels().coop
+        const = dict(COUNT_TIES=False, LEVELS=levels, BLOCK=args.block, BINS=bins)
+    elif args.form == "row":
+        kernel = topk_triton._kernels().row
+        const = dict(COUNT_TIES=False, BLOCK=args.block, BINS=bins)
+    else:
+        kernel = getattr(topk_triton._kernels(), args.form)
+        const = dict(LEVELS=levels, CHUNK=args.block, BINS=bins)
+        const |= {"LEVEL": 0} if args.form == "hist" else {}
+        const |= {"COUNT_TIES": False} if args.form == "count" else {}
+    return compile_sm90(kernel, TOPK_POINTERS, const, _nospec(args, kernel), args.warps, 1)
+
+
 def _nospec(args: argparse.Namespace, kernel) -> set[str]:
     if args.nospec is not None:
         return set(args.nospec)
@@ -392,8 +419,13 @@ def main() -> None:
             p.add_argument("--slots", action="store_true",
                            help="the selection given as cache rows (sparse_triton.slot_rows; "
                                 "mla-decode-gluon: with --sparse)")
+    p = sub.add_parser("topk")
+    p.add_argument("--form", choices=("coop", "row", "hist", "count", "write"), default="coop")
+    p.add_argument("--block", type=int, default=2048, help="positions a step (or a chunk)")
+    p.add_argument("--warps", type=int, default=8)
+    p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     args = parser.parse_args()
-    report = {"moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
+    report = {"topk": topk, "moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
               "mla-decode-gluon": mla_decode_gluon, "mla-decode-flat": mla_decode_flat,
               "mla-prefill": mla_prefill, "dsa-sparse": dsa_sparse, "gqa-prefill": gqa,
               "gqa-decode": gqa}[args.kernel](args)
