@@ -193,6 +193,18 @@ def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
         assert launched == ([form] if form != "chunks" else ["write"]), launched
 
 
+def test_auto_form_keeps_coop_within_a_token_an_sm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(topk_triton, "num_sms", lambda device: 132)
+    monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 200)
+    cuda = torch.device("cuda", 0)
+    assert topk_triton.auto_form(132, cuda) == "coop"
+    assert topk_triton.auto_form(133, cuda) == "chunks"  # past the SMs: never refused mid-step
+    assert topk_triton.auto_form(topk_triton.ROW_MIN_TOKENS, cuda) == "row"
+    assert topk_triton.auto_form(150, torch.device("cpu")) == "coop"
+    monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 0)  # the default: never
+    assert topk_triton.auto_form(1, cuda) == "chunks"
+
+
 def test_coop_programs_fill_the_sms_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The coop form's programs a token: as many as the SMs hold at once (all resident, so no
     barrier waits on a program that cannot run), each at least a step of positions; one on

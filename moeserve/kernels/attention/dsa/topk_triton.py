@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.triton_common import num_sms
 
 CHUNK = 2048  # positions a program (tests set a smaller chunk so that rows span several)
 # 8-bit digits, four levels: Triton's histogram costs a thread about BINS / 32 instructions an
@@ -72,7 +73,7 @@ FORMS = ("auto", "row", "chunks", "coop")  # coop: topk_coop_triton.py's one lau
 FORM = "auto"  # radix_topk's default form: "row" from ROW_MIN_TOKENS tokens, else "chunks"
 ROW_MIN_TOKENS = 256
 # ... and "coop" (topk_coop_triton.py) up to this many tokens: 0, none, until the GPU times it
-# (kernels_dsa's topk_coop_graph_ms); at most the GPU's SMs, where it is never refused
+# (kernels_dsa's topk_coop_graph_ms); never past the GPU's SMs, where it is never refused
 COOP_MAX_TOKENS = 0
 ROW_CHUNK = 4096  # the row form's positions a step, and its warps (gpu_039305d/call6: in a
 ROW_WARPS = 8  # graph 0.058 / 0.382 ms at 256 x 8k / 64k against 0.063 / 0.436 at 2,048)
@@ -105,8 +106,7 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     if form not in FORMS:
         raise ValueError(f"radix_topk: form {form!r} not in {FORMS}")
     if form == "auto":
-        form = ("row" if n >= ROW_MIN_TOKENS else "coop" if n <= COOP_MAX_TOKENS
-                else "chunks")
+        form = auto_form(n, scores.device)
     if form == "coop":  # the chunks form's passes in one launch (imported here: it imports us)
         from moeserve.kernels.attention.dsa.topk_coop_triton import radix_topk_coop
 
@@ -141,6 +141,15 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     kern.write[grid](scores, work, out, *rows, num_keys, topk, num_chunks, work.stride(0),
                      out.stride(0), **consts)
     return int(work[:, -1].sum()) if count_boundary_ties and num_keys > topk else 0
+
+
+def auto_form(n: int, device: torch.device) -> str:
+    """"auto"'s form for n tokens: "row" from ROW_MIN_TOKENS, "coop" up to COOP_MAX_TOKENS
+    but never past a token an SM of a CUDA device (where it always fits), else "chunks"."""
+    if n >= ROW_MIN_TOKENS:
+        return "row"
+    sms = num_sms(device) if device.type == "cuda" else n
+    return "coop" if n <= min(COOP_MAX_TOKENS, sms) else "chunks"
 
 
 @functools.cache
