@@ -18,6 +18,7 @@ from moeserve.layers.sampler import (
 )
 from moeserve.runner.step_sampling import sample_step
 from moeserve.types import SamplingParams
+from tests.cuda_graph import capture
 
 CHI2_7DOF_P001 = 24.32  # chi-square critical value, 7 degrees of freedom, p = 0.001
 
@@ -235,14 +236,7 @@ def test_cuda_matches_cpu_and_runs_inside_a_cuda_graph() -> None:
     static_logits = logits.cuda()
     eager_ids, eager_lp, _ = sample(static_logits, t)
     assert (eager_ids.cpu() == cpu_ids).float().mean() > 0.95  # fp rounding may flip a near-tie
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        sample(static_logits, t)  # warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_ids, graph_lp, _ = sample(static_logits, t)
+    graph, (graph_ids, graph_lp, _) = capture(lambda: sample(static_logits, t))
     graph.replay()
     assert torch.equal(graph_ids, eager_ids) and torch.equal(graph_lp.top_ids, eager_lp.top_ids)
     t.positions.add_(1)  # the next decode step, in place: new draws, same graph

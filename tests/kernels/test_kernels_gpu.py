@@ -15,6 +15,7 @@ from moeserve.kernels.attention.paged import (
 from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe.ref import moe_loop_ref
 from moeserve.kernels.routing.select import select_experts
+from tests.cuda_graph import capture
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
@@ -102,14 +103,7 @@ def test_grouped_mm_replays_in_a_cuda_graph() -> None:
         return moe_grouped_mm(static_x, w13, w2,
                               *select_experts(static_logits, TOP_K, renormalize=True))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture(step)
     x2, _, _, logits2 = moe_inputs(96, seed=1)  # new tokens, new routing
     static_x.copy_(x2)
     static_logits.copy_(logits2)

@@ -27,6 +27,7 @@ from moeserve.kernels.moe.fused_triton import moe_triton
 from moeserve.kernels.moe.grouped_mm import moe_grouped_mm
 from moeserve.kernels.moe.ref import moe_dense_ref, moe_loop_ref
 from moeserve.kernels.routing.select import select_experts
+from tests.cuda_graph import capture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_EXPERTS, FIRST, LAST = 8, 2, 6  # the rank holds experts [FIRST, LAST) of NUM_EXPERTS
@@ -272,14 +273,7 @@ def test_gpu_cuda_graph_replays_with_new_nonlocal_pairs(backend: str) -> None:
     x, w13, w2, weights, ids = make_case(64, 256, 128, 4)
     x, w13, w2 = x.bfloat16(), w13[FIRST:LAST].bfloat16(), w2[FIRST:LAST].bfloat16()
     static_weights, static_ids = weights.clone(), on_rank(ids)[1]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(x, w13, w2, static_weights, static_ids)  # compile and warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fn(x, w13, w2, static_weights, static_ids)
+    graph, static_out = capture(lambda: fn(x, w13, w2, static_weights, static_ids))
     *_, weights2, ids2 = make_case(64, 256, 128, 4, seed=1)
     for new_ids in (on_rank(ids2)[1], torch.full_like(ids2, -1)):
         static_weights.copy_(weights2)

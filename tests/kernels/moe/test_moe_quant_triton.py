@@ -24,6 +24,7 @@ from moeserve.kernels.moe.quant.ref import moe_quant_ref
 from moeserve.kernels.moe.ref import moe_loop_ref
 from moeserve.quant.fp8_block import E4M3, quantize_activations, quantize_blockwise
 from moeserve.quant.packed import QuantView, QuantWeight, quantize_into
+from tests.cuda_graph import capture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOP_K = 2
@@ -404,14 +405,7 @@ def test_gpu_cuda_graph_replays_with_new_routing(fmt: str) -> None:
     def step() -> torch.Tensor:
         return moe_quant_triton(static[0], w13, w2, static[1], static[2])
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile and warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture(step)
     x2 = tokens(96, GPU_SHAPE[1], seed=3, dtype=torch.bfloat16)
     weights2, ids2 = routing(96, GPU_SHAPE[0], seed=3, off_rank=True)  # new routing
     for buf, new in zip(static, (x2, weights2, ids2)):

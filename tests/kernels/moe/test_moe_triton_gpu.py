@@ -19,6 +19,7 @@ from moeserve.kernels.moe.search import trial_key
 from moeserve.kernels.moe.tile_configs import config_file_name, get_moe_config
 from moeserve.kernels.moe.tune import tune_moe
 from moeserve.kernels.routing.select import select_experts
+from tests.cuda_graph import capture
 from tests.kernels.moe.test_moe_triton import check_align
 
 QWEN_E, QWEN_H, QWEN_I, QWEN_K = 128, 2048, 768, 8  # qwen3-30b-a3b experts
@@ -151,14 +152,7 @@ def test_gpu_cuda_graph_replays_with_new_routing(qwen_experts: tuple) -> None:
         return moe_triton(static_x, w13, w2,
                           *select_experts(static_logits, QWEN_K, renormalize=True))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile and warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture(step)
     x2, logits2 = qwen_tokens(96, seed=3)  # new tokens, new routing
     static_x.copy_(x2)
     static_logits.copy_(logits2)
