@@ -181,50 +181,38 @@ def run_case(name: str, computed: list[int], scheduled: list[int], device: str,
     return row
 
 
-def time_score_key_tiles(name: str, args: tuple, scores: torch.Tensor, timer: Timer,
-                         also: dict[str, Callable[[], float]] | None = None) -> dict:
-    """The scores timed at each of SCORE_KEY_TILES (indexer_triton's experiment switch, set
-    and restored), each first checked equal to `scores` where the tokens see them:
-    {"score_key_tiles_ms": {tiles: ms}} and, for each `also` name, {name: {tiles: fn()}} run
-    with the switch set."""
-    def score() -> list[torch.Tensor]:
-        return [c for _, _, c in dsa_triton.index_score_chunks(*args)]
-    meta = args[3]
-    out: dict = {"score_key_tiles_ms": {}, **{key: {} for key in also or {}}}
-    for key_tiles in SCORE_KEY_TILES:
-        saved, dsa_triton.score_key_tiles = dsa_triton.score_key_tiles, key_tiles
-        try:
-            seen = context_mask(meta, 0, scores.shape[0], scores.shape[1])
-            walked = torch.cat(score())
-            assert torch.equal(walked[seen], scores[seen]), f"{name}: key tiles {key_tiles}"
-            out["score_key_tiles_ms"][key_tiles] = round(timer(score), 4)
-            for key, fn in (also or {}).items():
-                out[key][key_tiles] = round(fn(), 4)
-        finally:
-            dsa_triton.score_key_tiles = saved
-    return out
-
-
-def time_score_launches(name: str, args: tuple, scores: torch.Tensor, timer: Timer,
-                        step_graph: Callable[[], float]) -> dict:
-    """The scores at each of SCORE_LAUNCHES (indexer_triton's score_warps / score_stages, set
-    and restored), each first checked equal to `scores` where the tokens see them:
-    {"score_launch_ms": {"warps,stages": ms}, "dsa_graph_score_launch_ms": {...: step ms}}."""
+def time_score_settings(name: str, args: tuple, scores: torch.Tensor, timer: Timer,
+                        settings: dict[str, dict[str, object]], ms_key: str,
+                        also: dict[str, Callable[[], float]] | None = None) -> dict:
+    """The scores timed with indexer_triton's experiment switches set to each of `settings`
+    (label -> {switch: value}, restored after), each first checked equal to `scores` where the
+    tokens see them: {ms_key: {label: ms}} and, for each `also` name, {name: {label: fn()}}
+    run with the switches set."""
     def score() -> list[torch.Tensor]:
         return [c for _, _, c in dsa_triton.index_score_chunks(*args)]
     seen = context_mask(args[3], 0, scores.shape[0], scores.shape[1])
-    out: dict = {"score_launch_ms": {}, "dsa_graph_score_launch_ms": {}}
-    saved = dsa_triton.score_warps, dsa_triton.score_stages
-    try:
-        for warps, stages in SCORE_LAUNCHES:
-            dsa_triton.score_warps, dsa_triton.score_stages = warps, stages
-            key = f"{warps},{stages or 'default'}"
-            assert torch.equal(torch.cat(score())[seen], scores[seen]), f"{name}: {key}"
-            out["score_launch_ms"][key] = round(timer(score), 4)
-            out["dsa_graph_score_launch_ms"][key] = round(step_graph(), 4)
-    finally:
-        dsa_triton.score_warps, dsa_triton.score_stages = saved
+    out: dict = {ms_key: {}, **{key: {} for key in also or {}}}
+    for label, switches in settings.items():
+        saved = {k: getattr(dsa_triton, k) for k in switches}
+        try:
+            for k, v in switches.items():
+                setattr(dsa_triton, k, v)
+            assert torch.equal(torch.cat(score())[seen], scores[seen]), f"{name}: {label}"
+            out[ms_key][label] = round(timer(score), 4)
+            for key, fn in (also or {}).items():
+                out[key][label] = round(fn(), 4)
+        finally:
+            for k, v in saved.items():
+                setattr(dsa_triton, k, v)
     return out
+
+
+def time_score_key_tiles(name: str, args: tuple, scores: torch.Tensor, timer: Timer,
+                         also: dict[str, Callable[[], float]] | None = None) -> dict:
+    """`time_score_settings` at each of SCORE_KEY_TILES: {"score_key_tiles_ms": {tiles: ms}}."""
+    return time_score_settings(name, args, scores, timer,
+                               {str(t): {"score_key_tiles": t} for t in SCORE_KEY_TILES},
+                               "score_key_tiles_ms", also)
 
 
 def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
@@ -359,8 +347,11 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         row |= time_score_key_tiles(name, (q_i, w, index_cache, meta, scale), scores, timer,
                                     {"dsa_graph_key_tiles_ms": lambda: graph_timed(
                                         timer, step, cuda)})
-        row |= time_score_launches(name, (q_i, w, index_cache, meta, scale), scores, timer,
-                                   lambda: graph_timed(timer, step, cuda))
+        row |= time_score_settings(
+            name, (q_i, w, index_cache, meta, scale), scores, timer,
+            {f"{warps},{stages or 'default'}": {"score_warps": warps, "score_stages": stages}
+             for warps, stages in SCORE_LAUNCHES}, "score_launch_ms",
+            {"dsa_graph_score_launch_ms": lambda: graph_timed(timer, step, cuda)})
     # the default (decode_gluon.sparse_gluon on sm90 in bf16) and the Triton kernel
     gluon = decode_gluon.supports(q, cache, latent)
     row["sparse_mla_kernel"] = ("triton" if not gluon else "gluon-ws" if (
