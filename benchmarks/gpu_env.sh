@@ -110,7 +110,7 @@ dsa_decode_run() {
   local name=$1 dir=$2
   shift 2
   mkdir -p "$dir/$name"
-  timeout -s INT "${DSA_TIMEOUT:-120}" env "$@" python3 -m benchmarks.kernels.kernels_dsa \
+  timeout -s INT "${DSA_TIMEOUT:-120}" env "$@" python3 -m benchmarks.kernels.mla.kernels_dsa \
     --out "$dir/$name" --decode-only > "$dir/$name/kernels_dsa.log" 2>&1
   echo "kernels_dsa $name rc=$?"
   python3 -c "

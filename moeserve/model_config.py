@@ -204,7 +204,7 @@ class ModelConfig:
     """Built-in tokenizer name for presets without tokenizer files ("byte")."""
     quantization: QuantSpec | None = None
     """The checkpoint's quantized format (moeserve/quant/spec.py); None: unquantized. Such
-    weights are held quantized (quant/plan.py, runner/quant_loading.py)."""
+    weights are held quantized (quant/plan.py, runner/weights/quant.py)."""
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

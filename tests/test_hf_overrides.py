@@ -87,7 +87,7 @@ def test_engine_and_capacity_report_use_the_overridden_config() -> None:
 def test_api_process_sees_the_engines_overridden_config() -> None:
     import asyncio
 
-    from moeserve.engine.async_client import AsyncEngineClient
+    from moeserve.engine.process.async_client import AsyncEngineClient
 
     engine = {"model": "tiny-moe", "device": "cpu", "max_model_len": 64,
               "hf_overrides": '{"num_hidden_layers": 2, "vocab_size": 300}'}

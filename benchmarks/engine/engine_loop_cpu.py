@@ -75,9 +75,9 @@ def child(running: int, steps: int, freeze: bool, workload: str, vocab_size: int
           device_ms: float = 0.0) -> dict:
     import torch
 
-    from moeserve.engine import protocol as p
     from moeserve.engine.args import engine_config_from_kwargs
     from moeserve.engine.core import EngineCore
+    from moeserve.engine.process import protocol as p
     from moeserve.runner.pending_output import PendingOutput
     from moeserve.structured.spec import StructuredOutput
     from moeserve.types import SamplingParams

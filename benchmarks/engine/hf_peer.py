@@ -4,7 +4,7 @@ W1-shaped batch on one device: B prompts of 128 random token ids, exactly 128 ne
 (greedy, EOS ignored: min_new_tokens = max_new_tokens), all in one `generate` call with
 transformers' defaults (its default experts and attention implementations, DynamicCache), timed
 after a warm-up call at the same batch. Output throughput = B * output_len / seconds. Weights
-follow moeserve's dummy-weight recipe (runner/weight_loader.init_dummy_weights), so routing
+follow moeserve's dummy-weight recipe (runner/weights/loader.init_dummy_weights), so routing
 spreads as it does in the engine's runs. Writes hf_peer_<preset>_b<B>.json to --out.
 
     python -m benchmarks.engine.hf_peer --preset qwen3-30b-a3b --batch 256 --out DIR

@@ -20,7 +20,7 @@ timeout 240 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/engine/test_dsa_families_vs_hf.py tests/engine/test_cuda_graphs.py \
   tests/kernels/test_specialization_gpu.py > "$R/gpu_tests_dsa.log" 2>&1
 echo "dsa gpu tests rc=$?"; tail -2 "$R/gpu_tests_dsa.log"
-timeout -s INT 240 python3 -m benchmarks.kernels.kernels_dsa --out "$R" --decode-only \
+timeout -s INT 240 python3 -m benchmarks.kernels.mla.kernels_dsa --out "$R" --decode-only \
   ${TILES:+--tiles $TILES} > "$R/kernels_dsa.log" 2>&1
 echo "kernels_dsa rc=$?"
 python3 -c "import json, sys

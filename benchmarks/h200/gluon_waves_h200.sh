@@ -17,10 +17,10 @@ timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -n 4 \
   tests/kernels/attention/test_mla_decode_gluon.py tests/kernels/attention/test_dsa_triton.py \
   > $R/gpu_tests.log 2>&1
 echo "tests rc=$?"; grep -E "passed|failed|Error" $R/gpu_tests.log | tail -8
-timeout 100 python3 -m benchmarks.kernels.kernels_mla --out $R/few --heads 20 64 128 \
+timeout 100 python3 -m benchmarks.kernels.mla.kernels_mla --out $R/few --heads 20 64 128 \
   --few-rows --forms split gluon > $R/kernels_mla_few.log 2>&1
 echo "kernels_mla few rc=$?"
-timeout -s INT 150 python3 -m benchmarks.kernels.kernels_dsa --out $R --decode-only \
+timeout -s INT 150 python3 -m benchmarks.kernels.mla.kernels_dsa --out $R --decode-only \
   > $R/kernels_dsa.log 2>&1
 echo "kernels_dsa rc=$?"
 python3 -c "
@@ -29,7 +29,7 @@ for r in json.load(open('/tmp/gluon_waves/kernels_dsa.json'))['decode']:
     print(r['case'], 'score', r['score_ms'], 'sparse', r['sparse_mla_ms'], 'step graph',
           r['dsa_graph_ms'], r['pct_of_bound_graph'])
 "
-python3 -m benchmarks.kernels.mla_cases_table $R/few/kernels_mla.json
+python3 -m benchmarks.kernels.mla.mla_cases_table $R/few/kernels_mla.json
 fi
 for run in ${RUNS:-1024:4096 1024:16384}; do
   c=${run%%:*}; budget=${run#*:}

@@ -65,7 +65,7 @@ case "${1:?usage: mixed_graphs_h200.sh host|w1|long|attention|fp8}" in
     timeout 120 python3 -m benchmarks.kernels.kernels_attention --out "$R/fp8" --no-sweep \
       --kv-cache-dtype fp8 --batches 1024 2048 > "$R/kernels_attention_fp8.log" 2>&1
     echo "kernels_attention fp8 rc=$?"; grep -E "^ +[0-9]|^prefill" "$R/kernels_attention_fp8.log"
-    timeout 100 python3 -m benchmarks.kernels.kernels_mla --out "$R/mla_fp8" --heads 20 64 \
+    timeout 100 python3 -m benchmarks.kernels.mla.kernels_mla --out "$R/mla_fp8" --heads 20 64 \
       --kv-cache-dtype fp8 > "$R/kernels_mla_fp8.log" 2>&1
     echo "kernels_mla fp8 rc=$?"; tail -2 "$R/kernels_mla_fp8.log"
     for flag in ${LONG_FLAGS---kv-cache-dtype=fp8 ""}; do

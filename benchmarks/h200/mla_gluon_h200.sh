@@ -15,16 +15,16 @@ R=/tmp/mla_gluon; mkdir -p $R
 timeout 200 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/attention/test_mla_decode_gluon.py > $R/gpu_tests.log 2>&1
 echo "tests rc=$?"; grep -E "passed|failed|Error" $R/gpu_tests.log | tail -8
-timeout 120 python3 -m benchmarks.kernels.kernels_mla --out $R/split --heads ${HEADS:-20 64 128} \
+timeout 120 python3 -m benchmarks.kernels.mla.kernels_mla --out $R/split --heads ${HEADS:-20 64 128} \
   --forms split > $R/kernels_mla_split.log 2>&1
 echo "kernels_mla split rc=$?"
-timeout 240 python3 -m benchmarks.kernels.kernels_mla --out $R/gluon --heads ${HEADS:-20 64 128} \
+timeout 240 python3 -m benchmarks.kernels.mla.kernels_mla --out $R/gluon --heads ${HEADS:-20 64 128} \
   --forms gluon gluon-overlap --tiles ${GLUON_TILES:-64,32,8,3 64,32,8,4 64,16,8,4 64,64,8,2} \
   > $R/kernels_mla_gluon.log 2>&1
 echo "kernels_mla gluon rc=$?"; tail -3 $R/kernels_mla_gluon.log
 # DSA's sparse MLA (GLM-5's 64 heads, 2,048 selected of 8k / 64k) and the dense decode at
 # 20 heads, W1's mean context: Triton against Gluon (mla_once)
-once() { timeout 60 python3 -m benchmarks.kernels.mla_once "$@" 2>>$R/once.err | tail -1 \
+once() { timeout 60 python3 -m benchmarks.kernels.mla.mla_once "$@" 2>>$R/once.err | tail -1 \
   | tee -a $R/mla_once.jsonl; }
 for args in "--kind sparse --batch 256 --context 8192" "--kind sparse --batch 32 --context 65536" \
             "--kind sparse --batch 128 --context 32768" \
@@ -33,5 +33,5 @@ for args in "--kind sparse --batch 256 --context 8192" "--kind sparse --batch 32
   once $args --gluon
   once $args --gluon --overlap
 done
-python3 -m benchmarks.kernels.mla_cases_table $R/split/kernels_mla.json $R/gluon/kernels_mla.json
+python3 -m benchmarks.kernels.mla.mla_cases_table $R/split/kernels_mla.json $R/gluon/kernels_mla.json
 tar czf $OUT/mla_gluon.tgz -C /tmp mla_gluon

@@ -28,10 +28,10 @@ mkdir -p "$R"
 PRESET=${PRESET:-glm-4.7-flash}
 case "${1:?usage: mla_h200.sh tests|w1|prefill|decode|tiles PRESET...}" in
   decode)
-    timeout 200 python3 -m benchmarks.kernels.kernels_mla --out "$R/decode20" --heads 20 \
+    timeout 200 python3 -m benchmarks.kernels.mla.kernels_mla --out "$R/decode20" --heads 20 \
       --kv-cache-dtype "${KV:-auto}" --tiles ${TILES20:-32,64,8,3 32,32,8,4 16,64,8,3 16,32,4,3} > "$R/kernels_mla_20.log" 2>&1
     echo "kernels_mla 20 heads rc=$?"
-    timeout 200 python3 -m benchmarks.kernels.kernels_mla --out "$R/decode_wide" --heads 64 128 \
+    timeout 200 python3 -m benchmarks.kernels.mla.kernels_mla --out "$R/decode_wide" --heads 64 128 \
       --kv-cache-dtype "${KV:-auto}" --tiles ${TILESWIDE:-64,32,8,3 64,64,8,2} > "$R/kernels_mla_wide.log" 2>&1
     echo "kernels_mla 64/128 heads rc=$?"
     python3 -c "import json, sys
@@ -41,7 +41,7 @@ for f in sys.argv[1:]:
         print(r['heads'], r['case'], (t['block_m'], t['block_n'], t['num_warps'], t['num_stages']), r['ms'], r['pct_of_bound'])
 " "$R/decode20/kernels_mla.json" "$R/decode_wide/kernels_mla.json" ;;
   prefill)
-    timeout 240 python3 -m benchmarks.kernels.kernels_mla_prefill --out "$R" \
+    timeout 240 python3 -m benchmarks.kernels.mla.kernels_mla_prefill --out "$R" \
       > "$R/kernels_mla_prefill.log" 2>&1
     echo "kernels_mla_prefill rc=$?"
     python3 -c "import json, sys; [print(r['preset'], r['case'], r['mha_ms'], r['absorbed_ms'], \

@@ -20,12 +20,12 @@ timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
 echo "gpu tests rc=$?"; tail -2 $R/gpu_tests.log
 for variant in chunks whole; do
   extra=(); [ $variant = whole ] && extra=(--chunk-bytes 1000000000000)
-  timeout 150 python3 -m benchmarks.kernels.kernels_mla_prefill --out $R/$variant \
+  timeout 150 python3 -m benchmarks.kernels.mla.kernels_mla_prefill --out $R/$variant \
     --presets glm-4.7-flash --long "${extra[@]}" > $R/$variant.log 2>&1
   echo "kernels_mla_prefill $variant rc=$?"
   grep -oE '"case": "[^"]*"|"(mha|absorbed)_(ms|peak_mib)": [0-9.]+' $R/$variant.log | paste -sd' '
 done
-timeout 150 python3 -m benchmarks.kernels.kernels_mla_prefill --out $R/fresh \
+timeout 150 python3 -m benchmarks.kernels.mla.kernels_mla_prefill --out $R/fresh \
   --presets glm-4.7-flash deepseek-v3 --gluon --fresh-varlen > $R/fresh.log 2>&1
 echo "kernels_mla_prefill fresh rc=$?"
 grep -oE '"case": "[^"]*"|"(absorbed_gluon|fresh_varlen|mha)_ms": [0-9.]+' $R/fresh.log \

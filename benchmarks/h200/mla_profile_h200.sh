@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 16/17: why DSA's sparse MLA runs at half the dense decode's rate per key (gpu_bc677c8:
 # 0.72 ms for 256 rows x 2,048 selected keys at 64 heads; the dense decode over 256 x 8,192
-# keys takes 1.46). One call (~4 minutes): benchmarks/kernels/mla_once.py's A/B (split count,
+# keys takes 1.46). One call (~4 minutes): benchmarks/kernels/mla/mla_once.py's A/B (split count,
 # gathered against contiguous keys, tile, slot_rows) at 256 rows and 32 rows, then Nsight
 # Compute over the sparse kernel (gathered and contiguous) and the dense decode at the same
 # keys a row. Results: $OUT/mla_ab.jsonl, the reports as text in $OUT/ncu_mla.tgz.
@@ -9,7 +9,7 @@
 set -uo pipefail
 source benchmarks/gpu_env.sh
 dir=/tmp/ncu_mla; mkdir -p $dir
-once() { timeout 90 python3 -m benchmarks.kernels.mla_once "$@" 2>>$dir/once.err | tail -1 | tee -a $OUT/mla_ab.jsonl; }
+once() { timeout 90 python3 -m benchmarks.kernels.mla.mla_once "$@" 2>>$dir/once.err | tail -1 | tee -a $OUT/mla_ab.jsonl; }
 for s in 1 2 4; do
   once --kind sparse --batch 256 --context 8192 --splits $s
   once --kind sparse --batch 256 --context 8192 --splits $s --select first
@@ -27,7 +27,7 @@ sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section Mem
 prof() {  # name kernel-regex mla_once args...
   local name=$1 kern=$2; shift 2
   timeout 150 "$NCU" --profile-from-start off --target-processes all -k regex:$kern -c 1 \
-    $sections -o $dir/$name -f python3 -m benchmarks.kernels.mla_once "$@" --calls 1 \
+    $sections -o $dir/$name -f python3 -m benchmarks.kernels.mla.mla_once "$@" --calls 1 \
     > $dir/$name.log 2>&1
   echo "$name: ncu rc=$?"
   [ -f $dir/$name.ncu-rep ] && "$NCU" --import $dir/$name.ncu-rep --page details > $dir/$name.txt 2>&1

@@ -14,16 +14,16 @@ R=/tmp/mla_vector_stores; mkdir -p $R
 timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/attention/test_mla_gluon_vector_stores.py > $R/gpu_tests.log 2>&1
 echo "gpu tests rc=$?"; tail -2 $R/gpu_tests.log
-timeout 90 env MOESERVE_MLA_VECTOR_STORES=0 python3 -m benchmarks.kernels.kernels_mla --out $R/h20 --heads 20 \
+timeout 90 env MOESERVE_MLA_VECTOR_STORES=0 python3 -m benchmarks.kernels.mla.kernels_mla --out $R/h20 --heads 20 \
   --forms gluon-swapped gluon-swapped-vec > $R/kernels_mla_h20.log 2>&1
 echo "kernels_mla 20 rc=$?"
-timeout 100 env MOESERVE_MLA_VECTOR_STORES=0 python3 -m benchmarks.kernels.kernels_mla --out $R/h64 --heads 64 128 \
+timeout 100 env MOESERVE_MLA_VECTOR_STORES=0 python3 -m benchmarks.kernels.mla.kernels_mla --out $R/h64 --heads 64 128 \
   --forms gluon gluon-vec > $R/kernels_mla_h64.log 2>&1
 echo "kernels_mla 64/128 rc=$?"
-timeout 60 env MOESERVE_MLA_VECTOR_STORES=0 python3 -m benchmarks.kernels.kernels_mla --out $R/few --heads 20 64 --few-rows \
+timeout 60 env MOESERVE_MLA_VECTOR_STORES=0 python3 -m benchmarks.kernels.mla.kernels_mla --out $R/few --heads 20 64 --few-rows \
   --forms gluon gluon-vec gluon-swapped gluon-swapped-vec > $R/kernels_mla_few.log 2>&1
 echo "kernels_mla few rc=$?"
-python3 -m benchmarks.kernels.mla_cases_table $R/h20/kernels_mla.json $R/h64/kernels_mla.json \
+python3 -m benchmarks.kernels.mla.mla_cases_table $R/h20/kernels_mla.json $R/h64/kernels_mla.json \
   $R/few/kernels_mla.json
 DSA_TIMEOUT=100 dsa_decode_run dsa_default $R MOESERVE_MLA_VECTOR_STORES=0
 DSA_TIMEOUT=100 dsa_decode_run dsa_vec $R MOESERVE_MLA_VECTOR_STORES=1

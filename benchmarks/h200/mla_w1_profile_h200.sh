@@ -9,7 +9,7 @@
 set -uo pipefail
 source benchmarks/gpu_env.sh
 dir=/tmp/ncu_mla_w1; mkdir -p $dir
-once() { timeout 90 python3 -m benchmarks.kernels.mla_once --kind dense --heads 20 "$@" \
+once() { timeout 90 python3 -m benchmarks.kernels.mla.mla_once --kind dense --heads 20 "$@" \
   2>>$dir/once.err | tail -1 | tee -a $OUT/mla_w1.jsonl; }
 for ctx in 192 4096; do once --batch 1024 --context $ctx --splits 1; done
 once --batch 1024 --context 192 --splits 1 --tile 16,64,4,3
@@ -18,7 +18,7 @@ NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SourceCounters --section SchedulerStats"
 for ctx in 192 4096; do
   timeout 150 "$NCU" --profile-from-start off --target-processes all -k regex:_decode_kernel \
-    -c 1 $sections -o $dir/dense20_ctx$ctx -f python3 -m benchmarks.kernels.mla_once \
+    -c 1 $sections -o $dir/dense20_ctx$ctx -f python3 -m benchmarks.kernels.mla.mla_once \
     --kind dense --heads 20 --batch 1024 --context $ctx --splits 1 --calls 1 \
     > $dir/dense20_ctx$ctx.log 2>&1
   echo "ctx $ctx: ncu rc=$?"

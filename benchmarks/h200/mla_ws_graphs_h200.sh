@@ -43,7 +43,7 @@ case "${1:-}" in
       [ "$form" = gluon-ws2 ] && [ "$two" != 0 ] && continue
       flag=""; [ "$cases" = crossover ] && flag=--crossover
       mkdir -p "$runs/${cases}_$form"
-      timeout -s INT 120 python3 -m benchmarks.kernels.kernels_mla --out "$runs/${cases}_$form" \
+      timeout -s INT 120 python3 -m benchmarks.kernels.mla.kernels_mla --out "$runs/${cases}_$form" \
         --heads 64 128 --forms "$form" $flag > "$runs/${cases}_$form/kernels_mla.log" 2>&1
       echo "kernels_mla $run rc=$?"
     done
@@ -100,7 +100,7 @@ for r in json.load(open('$runs/kernels_dsa/kernels_dsa.json'))['decode']:
     # decode_gluon.ws_sparse's other half: DSA's prefill chunks (W3's) with the sparse MLA by
     # decode_gluon_ws (sparse_mla_ws_ms) against decode_gluon's kernel (sparse_mla_gluon_ms;
     # before ws_sparse was the default, b8a5462 and earlier, sparse_mla_ms)
-    timeout 300 python3 -m benchmarks.kernels.kernels_dsa_prefill --out "$dir/prefill" \
+    timeout 300 python3 -m benchmarks.kernels.mla.kernels_dsa_prefill --out "$dir/prefill" \
       > "$dir/kernels_dsa_prefill.log" 2>&1
     echo "kernels_dsa_prefill rc=$?"
     python3 -c "

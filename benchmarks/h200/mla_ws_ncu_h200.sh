@@ -13,14 +13,14 @@ set -uo pipefail
 source benchmarks/gpu_env.sh
 dir=/tmp/ncu_ws; mkdir -p $dir
 for heads in 64 128; do
-  timeout 90 python3 -m benchmarks.kernels.mla_once --kind dense --gluon --heads $heads \
+  timeout 90 python3 -m benchmarks.kernels.mla.mla_once --kind dense --gluon --heads $heads \
     --batch 1024 --context 4096 2>>$dir/once.err | tail -1 | tee -a $OUT/ws_once.jsonl
 done
 NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy"
 for heads in 64 128; do
   timeout 200 "$NCU" --profile-from-start off --target-processes all -k regex:_ws_kernel -c 1 \
-    $sections -o $dir/ws_h$heads -f python3 -m benchmarks.kernels.mla_once --kind dense \
+    $sections -o $dir/ws_h$heads -f python3 -m benchmarks.kernels.mla.mla_once --kind dense \
     --gluon --heads $heads --batch 1024 --context 4096 --calls 1 > $dir/ws_h$heads.log 2>&1
   echo "ws $heads heads: ncu rc=$?"
   if [ -f $dir/ws_h$heads.ncu-rep ]; then

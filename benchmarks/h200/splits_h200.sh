@@ -14,7 +14,7 @@ timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/attention/test_mla_triton.py tests/kernels/attention/test_dsa_triton.py \
   > $R/gpu_tests.log 2>&1
 echo "gpu tests rc=$?"; tail -2 $R/gpu_tests.log
-once() { timeout 90 python3 -m benchmarks.kernels.mla_once "$@" 2>>$R/once.err | tail -1 | tee -a $R/mla_ab.jsonl; }
+once() { timeout 90 python3 -m benchmarks.kernels.mla.mla_once "$@" 2>>$R/once.err | tail -1 | tee -a $R/mla_ab.jsonl; }
 once --kind sparse --batch 256 --context 8192
 once --kind sparse --batch 256 --context 8192 --splits 4
 once --kind sparse --batch 32 --context 65536
@@ -23,7 +23,7 @@ once --kind dense --batch 256 --context 2048
 once --kind dense --batch 256 --context 2048 --splits 4
 once --kind dense --batch 32 --context 65536
 once --kind dense --batch 32 --context 65536 --splits 32
-timeout -s INT 200 python3 -m benchmarks.kernels.kernels_dsa --out $R --decode-only \
+timeout -s INT 200 python3 -m benchmarks.kernels.mla.kernels_dsa --out $R --decode-only \
   --tiles 64,64,8,2 > $R/kernels_dsa.log 2>&1
 echo "kernels_dsa rc=$?"
 python3 -c "import json, sys
@@ -32,9 +32,9 @@ for r in json.load(open(sys.argv[1]))['decode']:
           'tiles', r.get('sparse_mla_tiles'), 'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'],
           'dense', r['dense_mla_ms'], r['dense_pct_of_bound'])
 " $R/kernels_dsa.json
-timeout 150 python3 -m benchmarks.kernels.kernels_mla --out $R/decode20 --heads 20 > $R/kernels_mla_20.log 2>&1
+timeout 150 python3 -m benchmarks.kernels.mla.kernels_mla --out $R/decode20 --heads 20 > $R/kernels_mla_20.log 2>&1
 echo "kernels_mla 20 rc=$?"
-timeout 170 python3 -m benchmarks.kernels.kernels_mla --out $R/decode_wide --heads 64 128 > $R/kernels_mla_wide.log 2>&1
+timeout 170 python3 -m benchmarks.kernels.mla.kernels_mla --out $R/decode_wide --heads 64 128 > $R/kernels_mla_wide.log 2>&1
 echo "kernels_mla 64/128 rc=$?"
 python3 -c "import json, sys
 for f in sys.argv[1:]:

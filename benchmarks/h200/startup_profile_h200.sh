@@ -30,7 +30,7 @@ timeout 200 python3 -m benchmarks.engine.profile_step --preset glm-4.7-flash --b
 echo "profile rc=$?"; grep -E "^(decode|mixed) step" $R/profile.log
 # fresh prompts of 512+ tokens beside decode rows (the default splits such a step; only
 # fresh-only steps and W1's were timed)
-timeout 120 python3 -m benchmarks.kernels.kernels_mla_prefill --out $R/fresh \
+timeout 120 python3 -m benchmarks.kernels.mla.kernels_mla_prefill --out $R/fresh \
   --presets glm-4.7-flash deepseek-v3 --gluon --fresh-varlen > $R/fresh.log 2>&1
 echo "kernels_mla_prefill fresh rc=$?"
 grep -oE '"case": "[^"]*"|"(absorbed_gluon|fresh_varlen)_ms": [0-9.]+' $R/fresh.log | paste -sd' '

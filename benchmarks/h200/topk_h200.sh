@@ -20,7 +20,7 @@ echo "tests rc=$rc"; tail -3 $R/gpu_tests_topk.log
 if [ "$rc" != 0 ]; then tar czf $OUT/dsa.tgz -C /tmp dsa; exit 1; fi
 # TILES: the sparse MLA also at these tiles (default 32 heads a program: at 32 rows two head
 # tiles halve each program's split partials)
-timeout -s INT 200 python3 -m benchmarks.kernels.kernels_dsa --out $R --decode-only \
+timeout -s INT 200 python3 -m benchmarks.kernels.mla.kernels_dsa --out $R --decode-only \
   --tiles ${TILES:-32,64,8,3} > $R/kernels_dsa.log 2>&1
 echo "kernels_dsa rc=$?"
 python3 -c "
@@ -35,7 +35,7 @@ for r in json.load(open('/tmp/dsa/kernels_dsa.json'))['decode']:
           r.get('score_key_tiles_ms'), r.get('dsa_graph_key_tiles_ms'), 'tiles',
           r.get('sparse_mla_tiles'))
 "
-timeout -s INT 150 python3 -m benchmarks.kernels.kernels_dsa_prefill --out $R \
+timeout -s INT 150 python3 -m benchmarks.kernels.mla.kernels_dsa_prefill --out $R \
   > $R/kernels_dsa_prefill.log 2>&1
 echo "kernels_dsa_prefill rc=$?"; cut -c1-400 $R/kernels_dsa_prefill.log
 tar czf $OUT/dsa.tgz -C /tmp dsa

@@ -92,9 +92,10 @@ def bytes_a_weight(fmt: str) -> float:
 def make_weight(fmt: str, shape: tuple[int, ...], dtype: torch.dtype, device: str,
                 gen: torch.Generator):
     """A [..., N, K] weight as the server's dummy weights: dtype floats for bf16, else a
-    QuantWeight drawn and quantized by weight_loader's `_dummy_quantized` (FP8 scales folded)."""
+    QuantWeight drawn and quantized by runner/weights/loader.py's `_dummy_quantized` (FP8
+    scales folded)."""
     from moeserve.quant.packed import QuantWeight, compact_fp8_scales
-    from moeserve.runner.weight_loader import _dummy_quantized
+    from moeserve.runner.weights.loader import _dummy_quantized
 
     std = shape[-1] ** -0.5
     if fmt == "bf16":

@@ -17,7 +17,7 @@ from typing import Any
 
 from moeserve.bench.server import get_json
 
-# cumulative fields of the engine's stats (moeserve/engine/protocol.py EngineStats)
+# cumulative fields of the engine's stats (moeserve/engine/process/protocol.py EngineStats)
 COUNTERS = ("num_steps", "num_forward_steps", "num_graph_steps", "num_mixed_graph_steps",
             "cuda_graph_fallbacks",
             "num_preemptions", "num_prefix_hit_tokens", "num_prompt_tokens",

@@ -1,7 +1,7 @@
 """Text-side bookkeeping of requests: incremental detokenization and stop strings.
 
 The engine core speaks token ids. This module, used by the offline LLM and by the API process
-(engine/async_client.py), turns each step's new tokens into text deltas, finds stop strings,
+(engine/process/async_client.py), turns each step's new tokens into text deltas, finds stop strings,
 and tells the caller which requests must be finished because a stop string appeared, or because
 their detokenization failed: such a fault fails that request alone (FinishReason.ERROR).
 """

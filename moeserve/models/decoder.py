@@ -26,7 +26,7 @@ experts, and which layers are dense (`mlp_only_layers`: Qwen3-MoE's list, DeepSe
 first_k_dense_replace, GLM-4.7-Flash's and the DSA models' mlp_layer_types). One tree with the
 choices in layers/ rather than a file per family, so a fix lands once; each family's config
 parsing is in moeserve/hf_config/<family>.py and its HF weight names in
-runner/weight_names.py.
+runner/weights/names.py.
 
 Tensor parallelism (`tp`, a parallel.comm.TensorParallel; None at one rank, and held as None
 over a world of one, whose collectives are the identity): the layers are

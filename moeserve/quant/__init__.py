@@ -11,6 +11,6 @@ format's arithmetic as torch references.
                   values an int32, group scales; pack / unpack, the W4A16 linear reference
 
 FP8 block-scaled checkpoints load, dequantized into the engine's dtype as they are copied
-(runner/weight_loader.py); the FP8 kernels that keep them in FP8 come next. NVFP4 and INT4
+(runner/weights/loader.py); the FP8 kernels that keep them in FP8 come next. NVFP4 and INT4
 checkpoints are recognised and refused with their format named.
 """

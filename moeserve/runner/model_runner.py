@@ -48,7 +48,7 @@ from moeserve.runner.pending_output import PendingOutput
 from moeserve.runner.step_profile import StepProfiler
 from moeserve.runner.step_sampling import GrammarMask, sample_random_logits, sample_step
 from moeserve.runner.warmup import warm_up
-from moeserve.runner.weight_loader import (
+from moeserve.runner.weights.loader import (
     checkpoint_plan,
     init_dummy_weights,
     load_weights,

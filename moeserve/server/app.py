@@ -64,7 +64,7 @@ from moeserve.server.routes.serving import ServerContext, new_request_id, now
 from moeserve.server.routes.tokenize import detokenize, tokenize
 
 if TYPE_CHECKING:
-    from moeserve.engine.async_client import AsyncEngineClient
+    from moeserve.engine.process.async_client import AsyncEngineClient
 
 logger = logging.getLogger("moeserve.server")
 _REJECTED = {429: "queue_full", 503: "engine_unavailable"}

@@ -35,7 +35,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from moeserve import envs
 
 if TYPE_CHECKING:
-    from moeserve.engine.async_client import AsyncEngineClient
+    from moeserve.engine.process.async_client import AsyncEngineClient
 
 RATE_WINDOW_S = 5
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,

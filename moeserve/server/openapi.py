@@ -36,7 +36,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import models_json_schema
 
-from moeserve.engine.protocol import EngineStats
+from moeserve.engine.process.protocol import EngineStats
 from moeserve.server.anthropic.protocol import (
     CountTokensRequest,
     CountTokensResponse,

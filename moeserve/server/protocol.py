@@ -449,5 +449,5 @@ class EngineState(_Response):
     capacity_report: dict[str, Any]
     """What the engine chose at start-up and why (runner/capacity.py)."""
     stats: dict[str, Any]
-    """The engine's latest snapshot (engine/protocol.py EngineStats)."""
+    """The engine's latest snapshot (engine/process/protocol.py EngineStats)."""
     server: ServerInfo

@@ -1,4 +1,4 @@
-"""benchmarks/engine/doctor_acceptance.py's pure helpers (acceptance_plan.py): the plan, the
+"""benchmarks/engine/doctor_acceptance/run.py's pure helpers (plan.py): the plan, the
 overhead figures, the cap check, the servers' and runs' arguments."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.engine import acceptance_plan as plan
-from benchmarks.engine import doctor_acceptance as da
+from benchmarks.engine.doctor_acceptance import plan
+from benchmarks.engine.doctor_acceptance import run as da
 
 
 def _plan(design: str = "two-servers", **kw: object) -> list[plan.Step]:

@@ -1,6 +1,6 @@
-"""benchmarks/kernels/kernels_dsa.py on CPU: the decode step's bounds (the issue's bytes), and the
-smoke run end to end through Triton's interpreter (fp32): the scoring cases and the decode step,
-each checked against the references before it is timed."""
+"""benchmarks/kernels/mla/kernels_dsa.py on CPU: the decode step's bounds (the issue's bytes), and
+the smoke run end to end through Triton's interpreter (fp32): the scoring cases and the decode
+step, each checked against the references before it is timed."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from benchmarks.kernels import kernels_dsa
-from benchmarks.kernels.kernels_dsa import decode_bound_ms
+from benchmarks.kernels.mla import kernels_dsa
+from benchmarks.kernels.mla.kernels_dsa import decode_bound_ms
 
 
 def test_decode_bounds_are_the_issues_bytes() -> None:
@@ -40,7 +40,7 @@ def test_smoke_run_writes_both_sections(tmp_path, monkeypatch) -> None:
 def test_prefill_smoke_run(tmp_path, monkeypatch) -> None:
     """kernels_dsa_prefill's smoke run: the chunk checked against the references, every part
     timed, each bound and share present."""
-    from benchmarks.kernels import kernels_dsa_prefill
+    from benchmarks.kernels.mla import kernels_dsa_prefill
 
     monkeypatch.setattr(sys, "argv", ["kernels_dsa_prefill", "--out", str(tmp_path), "--smoke"])
     kernels_dsa_prefill.main()
@@ -55,7 +55,7 @@ def test_prefill_smoke_run(tmp_path, monkeypatch) -> None:
 
 def test_prefill_flop_bound_of_w3s_last_chunk() -> None:
     """The prefill bound is ANCHORS.md's: FLOPs / 787 TFLOP/s, or bytes / 4.27 TB/s if larger."""
-    from benchmarks.kernels.kernels_dsa_prefill import bound_ms
+    from benchmarks.kernels.mla.kernels_dsa_prefill import bound_ms
 
     assert bound_ms(0, 787e12) == pytest.approx(1e3)
     assert bound_ms(4.27e12, 1.0) == pytest.approx(1e3)

@@ -1,6 +1,6 @@
-"""benchmarks/kernels/kernels_mla.py on CPU: the bounds' arithmetic, the step's scattered blocks,
-W1's contexts, and the smoke run end to end through Triton's interpreter (fp32, each case checked
-against mla_attention_ref)."""
+"""benchmarks/kernels/mla/kernels_mla.py on CPU: the bounds' arithmetic, the step's scattered
+blocks, W1's contexts, and the smoke run end to end through Triton's interpreter (fp32, each
+case checked against mla_attention_ref)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from benchmarks.kernels import kernels_mla
-from benchmarks.kernels.kernels_mla import bounds, contexts, make_step
+from benchmarks.kernels.mla import kernels_mla
+from benchmarks.kernels.mla.kernels_mla import bounds, contexts, make_step
 
 
 def test_bounds_follow_the_issues_definition() -> None:

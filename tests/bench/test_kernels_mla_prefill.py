@@ -1,6 +1,6 @@
-"""benchmarks/kernels/kernels_mla_prefill.py on CPU: the FLOP model of the two prefill forms, the
-step's layout, and one case end to end through Triton's interpreter (fp32, both forms compared,
-a fake timer deciding which is faster)."""
+"""benchmarks/kernels/mla/kernels_mla_prefill.py on CPU: the FLOP model of the two prefill forms,
+the step's layout, and one case end to end through Triton's interpreter (fp32, both forms
+compared, a fake timer deciding which is faster)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from benchmarks.kernels.kernels_mla_prefill import (
+from benchmarks.kernels.mla.kernels_mla_prefill import (
     SMOKE_CASES,
     layer_for,
     make_step,
@@ -73,7 +73,7 @@ def test_smoke_run_writes_every_preset_and_case_checked(tmp_path, monkeypatch) -
     import json
     import sys
 
-    from benchmarks.kernels import kernels_mla_prefill
+    from benchmarks.kernels.mla import kernels_mla_prefill
     from moeserve.kernels.attention.mla import up_projected
 
     monkeypatch.setattr(up_projected, "CHUNK_BYTES", up_projected.CHUNK_BYTES)  # restored

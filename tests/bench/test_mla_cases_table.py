@@ -1,11 +1,11 @@
-"""benchmarks/kernels/mla_cases_table.py: the H200 scripts' one-line-a-case summary."""
+"""benchmarks/kernels/mla/mla_cases_table.py: the H200 scripts' one-line-a-case summary."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks.kernels.mla_cases_table import lines
+from benchmarks.kernels.mla.mla_cases_table import lines
 
 
 def test_a_line_a_case_and_a_line_for_an_unreadable_file(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from moeserve import LLM, SamplingParams
-from moeserve.engine.async_client import AsyncEngineClient, EngineDeadError, QueueFullError
+from moeserve.engine.process.async_client import AsyncEngineClient, EngineDeadError, QueueFullError
 from tests.wait import TIMEOUT_S, async_wait_until
 
 ENGINE = {"model": "tiny-moe", "device": "cpu", "max_model_len": 256}
@@ -170,7 +170,7 @@ def test_a_failing_output_reader_fails_every_request_and_marks_the_engine_dead(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Without this, a message the reader cannot handle would leave every stream waiting for
     outputs that never come, while the server looked healthy."""
-    from moeserve.engine import async_client as module
+    from moeserve.engine.process import async_client as module
 
     async def main() -> None:
         client = await AsyncEngineClient.start(ENGINE)

@@ -62,7 +62,7 @@ from moeserve.model_config import ModelConfig
 from moeserve.models import build_model
 from moeserve.models.decoder import CausalLM
 from moeserve.presets import load_preset
-from moeserve.runner.weight_loader import init_dummy_weights, load_weights
+from moeserve.runner.weights.loader import init_dummy_weights, load_weights
 from tests.models.checkpoints import write_tiny_checkpoint
 
 MIN_TOP1 = 0.99

@@ -140,7 +140,7 @@ def test_the_recoveries_reach_the_stats_and_metrics(monkeypatch: pytest.MonkeyPa
 
     from prometheus_client import generate_latest
 
-    from moeserve.engine.protocol import EngineStats
+    from moeserve.engine.process.protocol import EngineStats
     from moeserve.server.metrics import ServerMetrics
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)

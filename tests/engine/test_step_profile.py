@@ -114,7 +114,7 @@ def test_multi_step_plans_give_each_forward_its_share_of_the_step() -> None:
 def test_engine_stats_carry_the_profile_totals() -> None:
     """The engine process's stats (what /v1/engine and /metrics serve): the totals exist and
     grow with each request."""
-    from moeserve.engine.async_client import AsyncEngineClient
+    from moeserve.engine.process.async_client import AsyncEngineClient
 
     engine = {"model": "tiny-moe", "device": "cpu", "max_model_len": 256,
               "step_profile_every": 2}

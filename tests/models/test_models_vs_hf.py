@@ -17,7 +17,7 @@ from moeserve.model_config import ModelConfig
 from moeserve.models import build_model
 from moeserve.models.decoder import CausalLM
 from moeserve.runner.kv_cache import LayerCache, MemoryPlan, allocate_kv_caches
-from moeserve.runner.weight_loader import load_weights
+from moeserve.runner.weights.loader import load_weights
 from tests.models.checkpoints import hf_logits
 from tests.models.conftest import MLA_VARIANTS, VARIANTS
 

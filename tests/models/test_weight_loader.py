@@ -15,7 +15,7 @@ from moeserve.kernels.routing.select import select_experts
 from moeserve.model_config import ModelConfig
 from moeserve.models import build_model
 from moeserve.models.decoder import CausalLM
-from moeserve.runner.weight_loader import (
+from moeserve.runner.weights.loader import (
     INDEX_FILE,
     WeightLoadError,
     init_dummy_weights,

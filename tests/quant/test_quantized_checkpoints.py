@@ -35,7 +35,7 @@ from moeserve import LLM, SamplingParams
 from moeserve.quant import int4_pack, nvfp4
 from moeserve.quant.fp8_block import quantize_blockwise
 from moeserve.quant.packed import QuantWeight
-from moeserve.runner.weight_loader import WeightLoadError
+from moeserve.runner.weights.loader import WeightLoadError
 from tests.engine.test_generate_vs_hf import _prompts, hf_generate, hf_greedy
 from tests.models.checkpoints import write_tiny_checkpoint
 

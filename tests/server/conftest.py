@@ -13,7 +13,7 @@ import httpx
 import pytest
 import uvicorn
 
-from moeserve.engine.async_client import AsyncEngineClient
+from moeserve.engine.process.async_client import AsyncEngineClient
 from moeserve.server.app import build_app
 
 API_KEY = "test-key"

@@ -22,7 +22,7 @@ import pytest
 import uvicorn
 import uvloop
 
-from moeserve.engine.protocol import EngineStats
+from moeserve.engine.process.protocol import EngineStats
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.process.connections import (
     BODY_TIMED_OUT,

@@ -8,7 +8,7 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
-from moeserve.engine.async_client import EngineDeadError, QueueFullError
+from moeserve.engine.process.async_client import EngineDeadError, QueueFullError
 from moeserve.server.errors import APIError, from_validation_error
 from moeserve.server.metrics import RateMeter
 from moeserve.server.process.launch import add_serve_args

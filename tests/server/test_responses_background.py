@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from moeserve.engine.async_client import RequestFailedError
+from moeserve.engine.process.async_client import RequestFailedError
 from moeserve.server.app import build_app, shutdown_engine
 from moeserve.server.responses.background import SHUT_DOWN
 from moeserve.server.responses.protocol import ResponseObject

@@ -197,7 +197,7 @@ class EngineJoin:
 async def _serve(args: argparse.Namespace, join: EngineJoin | None) -> int:
     import uvicorn
 
-    from moeserve.engine.async_client import AsyncEngineClient
+    from moeserve.engine.process.async_client import AsyncEngineClient
     from moeserve.server.app import build_app, shutdown_engine
     from moeserve.server.process.connections import protocol_class
     from moeserve.server.responses.store import ResponseStore

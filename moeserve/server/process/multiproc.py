@@ -27,7 +27,7 @@ import tempfile
 import time
 
 from moeserve import envs
-from moeserve.engine import protocol as p
+from moeserve.engine.process import protocol as p
 from moeserve.server.process.launch import EXIT_ENGINE_DIED
 
 logger = logging.getLogger("moeserve.server")
@@ -36,7 +36,7 @@ API_PIDS_FILE = p.API_PIDS_FILE  # the API processes' pids: the CPU metric, the 
 
 def run_launcher(args: argparse.Namespace) -> int:
     from moeserve.engine.args import engine_kwargs_from_args
-    from moeserve.engine.async_client import spawn_engine
+    from moeserve.engine.process.async_client import spawn_engine
     from moeserve.server.process.launch import bind_socket
 
     logging.basicConfig(level=args.log_level.upper(),

@@ -31,7 +31,7 @@ from moeserve.structured.grammars import GRAMMAR_FAILED
 from moeserve.types import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from moeserve.engine.async_client import AsyncEngineClient
+    from moeserve.engine.process.async_client import AsyncEngineClient
 
 logger = logging.getLogger("moeserve.server")
 
@@ -43,7 +43,11 @@ def named(param: str | None, message: str) -> str:
 
 def engine_error(exc: BaseException, param: str | None) -> APIError:
     """The HTTP error for an exception raised by AsyncEngineClient.generate."""
-    from moeserve.engine.async_client import EngineDeadError, QueueFullError, RequestFailedError
+    from moeserve.engine.process.async_client import (
+        EngineDeadError,
+        QueueFullError,
+        RequestFailedError,
+    )
 
     if isinstance(exc, APIError):
         return exc

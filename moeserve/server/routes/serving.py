@@ -45,7 +45,7 @@ from moeserve.structured.spec import StructuredOutput
 from moeserve.types import Logprobs, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from moeserve.engine.async_client import AsyncEngineClient
+    from moeserve.engine.process.async_client import AsyncEngineClient
 
 logger = logging.getLogger("moeserve.server")
 _encode = msgspec.json.Encoder().encode

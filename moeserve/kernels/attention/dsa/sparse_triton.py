@@ -30,7 +30,7 @@ from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
 from moeserve.kernels.attention.paged_triton import TileConfig
 from moeserve.kernels.triton_common import next_pow2
 
-# An experiment switch (off until the H200 times it: benchmarks/kernels/kernels_dsa.py's
+# An experiment switch (off until the H200 times it: benchmarks/kernels/mla/kernels_dsa.py's
 # sparse_mla_slots_ms; MOESERVE_DSA_SLOT_ROWS=1): the selection turned into cache rows by one
 # small launch first (`selected_slots`), so that the attention loop loads each tile's rows
 # with one load instead of a position load feeding a block-table load, in this kernel and in

@@ -18,9 +18,9 @@ contiguous 73.7 KB blocks instead of rows spread over the context, so that the t
 the gather costs).
 
     source benchmarks/gpu_env.sh
-    python3 -m benchmarks.kernels.mla_once --kind sparse --batch 256 --context 8192 --splits 1
+    python3 -m benchmarks.kernels.mla.mla_once --kind sparse --batch 256 --context 8192 --splits 1
     ncu --profile-from-start off -k regex:_sparse_attention --section SpeedOfLight ... \
-        python3 -m benchmarks.kernels.mla_once --kind sparse --calls 1
+        python3 -m benchmarks.kernels.mla.mla_once --kind sparse --calls 1
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import json
 import torch
 
 from benchmarks.kernels.kernel_runs import profiled_median_ms
-from benchmarks.kernels.kernels_dsa import (
+from benchmarks.kernels.mla.kernels_dsa import (
     BLOCK,
     COPY_TBPS,
     LATENT,
@@ -40,7 +40,7 @@ from benchmarks.kernels.kernels_dsa import (
     TOPK,
     make_step,
 )
-from benchmarks.kernels.kernels_mla import parse_tile
+from benchmarks.kernels.mla.kernels_mla import parse_tile
 
 PEAK_TFLOPS = 787.0  # ANCHORS.md: the H200's dense bf16 rate
 

@@ -1,4 +1,4 @@
-"""The pure part of benchmarks/engine/doctor_acceptance.py (issue #5's GPU runs), which
+"""The pure part of benchmarks/engine/doctor_acceptance/run.py (issue #5's GPU runs), which
 tests/bench/test_doctor_acceptance.py covers: the plan of steps (servers and runs in order),
 a group's throughput statistics and the diagnostics' overhead between two groups, the doctor's
 verdict rules and the cap check over them, a result's bound flags and its slimmed form, each

@@ -36,9 +36,9 @@ import zmq
 import zmq.asyncio
 
 from moeserve.config import load_model_config
-from moeserve.engine import protocol as p
-from moeserve.engine.core_proc import run_engine_core
 from moeserve.engine.output_processor import OutputProcessor
+from moeserve.engine.process import protocol as p
+from moeserve.engine.process.core_proc import run_engine_core
 from moeserve.engine.validate import validate_request
 from moeserve.tokenizer import load_model_tokenizer
 from moeserve.types import FinishReason, RequestOutput, SamplingParams

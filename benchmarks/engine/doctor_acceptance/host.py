@@ -1,4 +1,4 @@
-"""The host side of benchmarks/engine/doctor_acceptance.py (issue #5's GPU runs): the machine's
+"""The host side of benchmarks/engine/doctor_acceptance/run.py (issue #5's GPU runs): the machine's
 environment for a result (git commit, GPUs through NVML, torch / Triton versions), a `moeserve
 serve` subprocess started, waited for and stopped (`Server`), and the wait for the GPUs' memory
 to come back after a server stops.

@@ -6,13 +6,13 @@ parameters, so peak memory stays about 1x the model). The name map is strict: ev
 tensor must be present with its exact shape, and nothing else may be there; any mismatch raises
 WeightLoadError naming the tensor, before anything is copied.
 
-The name map (every family's HF names -> our packed parameters) is runner/weight_names.py.
+The name map (every family's HF names -> our packed parameters) is runner/weights/names.py.
 A checkpoint's multi-token-prediction layers are recognised by name and left out
 (`load_weights` counts them, for the capacity report), as are the layers an `hf_overrides`
 slice of num_hidden_layers cuts off.
 
 Quantized checkpoints (ModelConfig.quantization: FP8 block-scaled, NVFP4, INT4; each linear's
-tensors as runner/quant_loading.py lists them): `checkpoint_plan` says which of the model's
+tensors as runner/weights/quant.py lists them): `checkpoint_plan` says which of the model's
 weights are held quantized (those whose every checkpoint part is quantized: quant/plan.py); those
 copy their packed tensors and scales as they are, the others are dequantized into the engine's
 dtype as they are copied. A tensor that does not fit its format, a tensor-parallel cut through a
@@ -42,14 +42,14 @@ from moeserve.models.decoder import CausalLM
 from moeserve.parallel.layout import RankLayout, quantized_split_breaks
 from moeserve.quant.packed import QuantView, QuantWeight, quantize_into, rows_of
 from moeserve.quant.plan import QuantPlan
-from moeserve.runner.quant_loading import (
+from moeserve.runner.weights.names import Target, left_out_layer_names, weight_targets
+from moeserve.runner.weights.quant import (
     QuantizedTensors,
     QuantLoadError,
     check_cut,
     copy_part,
     part_of,
 )
-from moeserve.runner.weight_names import Target, left_out_layer_names, weight_targets
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -113,7 +113,7 @@ def load_weights(model: CausalLM, model_config: ModelConfig, folder: str,
                  layout: RankLayout | None = None) -> LoadedWeights:
     """Copy the checkpoint in `folder` into `model`'s parameters (strict; see module doc).
     checkpoint_layers: the checkpoint's own num_hidden_layers when hf_overrides served fewer;
-    layout: the rank whose shard `model` holds (each tensor's part read, weight_names.Target)."""
+    layout: the rank whose shard `model` holds (each tensor's part read, names.Target)."""
     files = _checkpoint_files(folder)  # tensor name -> file path
     left_out = left_out_layer_names(model_config, set(files), checkpoint_layers)
     try:

@@ -1,4 +1,4 @@
-"""The record of benchmarks/engine/doctor_acceptance.py's run (issue #5's GPU runs): its
+"""The record of benchmarks/engine/doctor_acceptance/run.py's run (issue #5's GPU runs): its
 `State` (the plan, each step's record, the servers, the results), the diagnostics' overhead
 document computed from the results so far, and summary.json / diagnostics_overhead.json (and
 the --bundle tarball) rewritten after every step, so a run killed at its time limit still
@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engine.acceptance_plan import (
+from benchmarks.engine.doctor_acceptance.plan import (
     SCHEMA,
     Step,
     bound_flags,

@@ -23,8 +23,8 @@ step of exact integer data: the selection equal to `indexer_topk_ref`'s, the spa
 form (sparse_mla_ws_ms) and by decode_gluon's kernel (sparse_mla_gluon_ms): decode_gluon.ws_sparse's
 A/B.
 
-    python -m benchmarks.kernels.kernels_dsa_prefill --out DIR
-    python -m benchmarks.kernels.kernels_dsa_prefill --out DIR --smoke   # tiny, CPU interpreter
+    python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR
+    python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR --smoke   # tiny, CPU interpreter
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from benchmarks.kernels.kernel_runs import (
     record,
     run_device,
 )
-from benchmarks.kernels.kernels_dsa import (
+from benchmarks.kernels.mla.kernels_dsa import (
     key_bytes,
     make_step,
     time_score_key_tiles,

@@ -45,9 +45,9 @@ sparse output are first checked against the references on the first rows.
 Writes kernels_dsa.json to --out (`--no-decode` skips the decode step, `--decode-only` the
 scoring section).
 
-    python -m benchmarks.kernels.kernels_dsa --out DIR
-    python -m benchmarks.kernels.kernels_dsa --out DIR --smoke   # tiny shapes, CPU interpreter
-    python -m benchmarks.kernels.kernels_dsa --out DIR --decode-only --tiles 64,32,8,3 32,32,8,3
+    python -m benchmarks.kernels.mla.kernels_dsa --out DIR
+    python -m benchmarks.kernels.mla.kernels_dsa --out DIR --smoke   # tiny shapes, CPU interpreter
+    python -m benchmarks.kernels.mla.kernels_dsa --out DIR --decode-only --tiles 64,32,8,3 32,32,8,3
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from benchmarks.kernels.kernel_runs import (
     record,
     run_device,
 )
-from benchmarks.kernels.kernels_mla import parse_tile
+from benchmarks.kernels.mla.kernels_mla import parse_tile
 from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
 from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
 from moeserve.kernels.attention.dsa import topk_triton

@@ -1,7 +1,7 @@
 """kernels_mla.json files' cases, one a line (form, heads, case, the tile's keys and stages, ms,
 share of the bound): the summary the H200 scripts print.
 
-    python -m benchmarks.kernels.mla_cases_table DIR/kernels_mla.json [...]
+    python -m benchmarks.kernels.mla.mla_cases_table DIR/kernels_mla.json [...]
 """
 
 from __future__ import annotations

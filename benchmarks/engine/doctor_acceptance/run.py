@@ -59,8 +59,8 @@ CPU smoke test (tiny-moe, a minute or so):
     python -m benchmarks.engine.doctor_acceptance --preset tiny-moe --server-args "--device cpu" \
         --concurrency 8 --cap 2 --num-prompts 32 --input-len 32 --output-len 32 --out /tmp/acc
 
-The script's parts: acceptance_plan.py (the pure helpers: the plan, the statistics, the cap
-check, the arguments), acceptance_state.py (the run's record and its files), acceptance_host.py
+The script's parts: plan.py (the pure helpers: the plan, the statistics, the cap
+check, the arguments), state.py (the run's record and its files), host.py
 (the environment, the server subprocess); this module runs the steps.
 
 Outputs under --out:
@@ -90,13 +90,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engine.acceptance_host import (
+from benchmarks.engine.doctor_acceptance.host import (
     Server,
     environment,
     gpu_memory_used,
     wait_gpu_memory_back,
 )
-from benchmarks.engine.acceptance_plan import (
+from benchmarks.engine.doctor_acceptance.plan import (
     CAP_RULE,
     DESIGNS,
     Step,
@@ -107,7 +107,7 @@ from benchmarks.engine.acceptance_plan import (
     slim_result,
     verdict_rules,
 )
-from benchmarks.engine.acceptance_state import (
+from benchmarks.engine.doctor_acceptance.state import (
     T0,
     State,
     log,

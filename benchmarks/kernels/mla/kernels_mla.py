@@ -17,13 +17,13 @@ the same heads and contexts), then timed with triton.testing.do_bench: the whole
 kernel, and the split reduce when the context is split). Writes kernels_mla.json to --out
 after each case (a run cut short keeps what it measured).
 
-    python -m benchmarks.kernels.kernels_mla --out DIR [--heads 20 64 128] [--block-size 16]
-    python -m benchmarks.kernels.kernels_mla --out DIR --smoke   # tiny shapes, CPU interpreter
-    python -m benchmarks.kernels.kernels_mla --out DIR --tiles 16,64,4,2 32,32,8,2
+    python -m benchmarks.kernels.mla.kernels_mla --out DIR [--heads 20 64 128] [--block-size 16]
+    python -m benchmarks.kernels.mla.kernels_mla --out DIR --smoke   # tiny shapes, CPU interpreter
+    python -m benchmarks.kernels.mla.kernels_mla --out DIR --tiles 16,64,4,2 32,32,8,2
         # each case at each tile
-    python -m benchmarks.kernels.kernels_mla --out DIR --few-rows   # 4-128 rows instead
-    python -m benchmarks.kernels.kernels_mla --out DIR --crossover   # 384-1,536 keys instead
-    python -m benchmarks.kernels.kernels_mla --out DIR --forms split flat gluon gluon-overlap
+    python -m benchmarks.kernels.mla.kernels_mla --out DIR --few-rows   # 4-128 rows instead
+    python -m benchmarks.kernels.mla.kernels_mla --out DIR --crossover   # 384-1,536 keys instead
+    python -m benchmarks.kernels.mla.kernels_mla --out DIR --forms split flat gluon gluon-overlap
         # each case in each decode form (absorbed_triton's split, decode_flat_triton's flat,
         # decode_gluon's wgmma kernel, without and with its overlap: its keys a tile and
         # stages from --tiles' BN and S; gluon-swapped, decode_gluon_swapped's (keys as

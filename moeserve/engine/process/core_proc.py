@@ -37,7 +37,7 @@ from collections import defaultdict
 
 import zmq
 
-from moeserve.engine import protocol as p
+from moeserve.engine.process import protocol as p
 from moeserve.types import FinishReason
 
 _IDLE_POLL_MS = 100

@@ -19,18 +19,18 @@ causal: n (c - n) + n (n + 1) / 2 query-key pairs):
 Both forms' outputs are compared first (the largest error relative to the output's scale);
 timed with triton.testing.do_bench. Writes kernels_mla_prefill.json to --out after each case.
 
-    python -m benchmarks.kernels.kernels_mla_prefill --out DIR [--presets glm-4.7-flash ...]
-    python -m benchmarks.kernels.kernels_mla_prefill --out DIR --tiles 32,32,8,2 64,32,8,3
+    python -m benchmarks.kernels.mla.kernels_mla_prefill --out DIR [--presets glm-4.7-flash ...]
+    python -m benchmarks.kernels.mla.kernels_mla_prefill --out DIR --tiles 32,32,8,2 64,32,8,3
         # the absorbed form at each prefill TileConfig too (rows a program, keys a step,
         # warps, stages)
-    python -m benchmarks.kernels.kernels_mla_prefill --out DIR --gluon
+    python -m benchmarks.kernels.mla.kernels_mla_prefill --out DIR --gluon
         # the absorbed form's prefill rows through mla/prefill_gluon.py too (sm90)
-    python -m benchmarks.kernels.kernels_mla_prefill --out DIR --fresh-varlen
+    python -m benchmarks.kernels.mla.kernels_mla_prefill --out DIR --fresh-varlen
         # "auto" with every fresh prompt's rows in one varlen flash launch (fresh_varlen_ms)
-    python -m benchmarks.kernels.kernels_mla_prefill --out DIR --long [--chunk-bytes N]
+    python -m benchmarks.kernels.mla.kernels_mla_prefill --out DIR --long [--chunk-bytes N]
         # LONG_CASES instead; --chunk-bytes: mla/up_projected.py's CHUNK_BYTES (the context's
         # chunks in the mha form; a large one up-projects a context at once)
-    python -m benchmarks.kernels.kernels_mla_prefill --out DIR --smoke   # CPU interpreter
+    python -m benchmarks.kernels.mla.kernels_mla_prefill --out DIR --smoke   # CPU interpreter
 
 Each form's first call also records its peak allocated bytes above the step's (`*_peak_mib`,
 CUDA).
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from benchmarks.kernels.kernel_runs import SMOKE_HELP, Timer, make_timer, record, run_device
-from benchmarks.kernels.kernels_mla import parse_tile
+from benchmarks.kernels.mla.kernels_mla import parse_tile
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 from moeserve.layers.mla import FRESH_VARLEN_MIN_TOKENS, MLAttention
 from moeserve.model_config import ModelConfig
