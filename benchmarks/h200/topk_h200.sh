@@ -3,8 +3,9 @@
 # form), the DSA kernel and tile tests, the compile-once checks, then, if they passed (the coop
 # form's barriers: a hang or a wrong selection must not be timed), kernels_dsa --decode-only
 # (the top-k's row, chunks (at 256-2,048 positions a program too) and coop forms eager and in
-# CUDA graphs beside torch.topk; the decode step as one graph, with the coop top-k too:
-# dsa_graph_coop_ms) and kernels_dsa_prefill (W3's prefill chunk per layer: indexer, top-k, sparse
+# CUDA graphs beside torch.topk, the row and chunks forms with topk_triton.GATHER; the decode
+# step as one graph, with the coop top-k and with GATHER too: dsa_graph_coop_ms,
+# dsa_graph_gather_ms) and kernels_dsa_prefill (W3's prefill chunk per layer: indexer, top-k, sparse
 # MLA against dense MLA); kernels_dsa also times indexer_triton.score_key_tiles at 2-16, the
 # scoring launch's warps and stages (SCORE_LAUNCHES) and the sparse MLA at TILES. Results as
 # $OUT/dsa.tgz.
@@ -28,7 +29,8 @@ import json
 for r in json.load(open('/tmp/dsa/kernels_dsa.json'))['decode']:
     print(r['case'], 'topk', r['topk_ms'], r['topk_graph_ms'], 'chunks', r['topk_chunks_ms'],
           r['topk_chunks_graph_ms'], r.get('topk_chunks_sizes_graph_ms'), 'coop',
-          r.get('topk_coop_graph_ms'), r.get('dsa_graph_coop_ms'), 'score launches',
+          r.get('topk_coop_graph_ms'), r.get('dsa_graph_coop_ms'), 'gather',
+          r.get('topk_gather_graph_ms'), r.get('dsa_graph_gather_ms'), 'score launches',
           r.get('score_launch_ms'), r.get('dsa_graph_score_launch_ms'), 'torch', r['topk_torch_ms'],
           r['topk_torch_graph_ms'], 'score', r['score_ms'], 'sparse', r['sparse_mla_ms'],
           'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'], 'key tiles',

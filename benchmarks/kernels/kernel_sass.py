@@ -343,8 +343,9 @@ TOPK_POINTERS = {"scores_ptr": "*i32", "work_ptr": "*i32", "out_ptr": "*i32",
 
 def topk(args: argparse.Namespace) -> dict:
     """DSA's radix top-k (kernels/attention/dsa/topk_triton.py, topk_coop_triton.py): --form's
-    kernel at --block positions a step (a program's chunk for hist / count / write) and
-    --warps; the coop form's registers and shared memory are what its residency rule reads."""
+    kernel at --block positions a step (a program's chunk for hist / count / write / gather,
+    last_levels' step) and --warps; the coop form's registers and shared memory are what its
+    residency rule reads."""
     from moeserve.kernels.attention.dsa import topk_coop_triton, topk_triton
 
     levels, bins = topk_triton._LEVELS, topk_triton._BINS
@@ -353,7 +354,7 @@ def topk(args: argparse.Namespace) -> dict:
         const = dict(COUNT_TIES=False, LEVELS=levels, BLOCK=args.block, BINS=bins)
     elif args.form == "row":
         kernel = topk_triton._kernels().row
-        const = dict(COUNT_TIES=False, BLOCK=args.block, BINS=bins)
+        const = dict(COUNT_TIES=False, GATHER=args.gather, BLOCK=args.block, BINS=bins)
     else:
         kernel = getattr(topk_triton._kernels(), args.form)
         const = dict(LEVELS=levels, CHUNK=args.block, BINS=bins)
@@ -420,7 +421,11 @@ def main() -> None:
                            help="the selection given as cache rows (sparse_triton.slot_rows; "
                                 "mla-decode-gluon: with --sparse)")
     p = sub.add_parser("topk")
-    p.add_argument("--form", choices=("coop", "row", "hist", "count", "write"), default="coop")
+    p.add_argument("--form", choices=("coop", "row", "hist", "count", "write", "gather",
+                                      "last_levels"), default="coop")
+    p.add_argument("--gather", action="store_true",
+                   help="the row form with topk_triton.GATHER (gather and last_levels: the "
+                        "chunks form's kernels of it)")
     p.add_argument("--block", type=int, default=2048, help="positions a step (or a chunk)")
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")

@@ -30,6 +30,9 @@ def test_smoke_run_writes_both_sections(tmp_path, monkeypatch) -> None:
     decode = result["decode"]
     assert [c["case"] for c in decode] == [n for n, *_ in kernels_dsa.SMOKE_DECODE]
     assert all(c["check_error"] < 1e-5 and c["dsa_ms"] > 0 for c in decode)
+    # GATHER's forms, each checked equal to the default's selection before it was timed
+    assert all(set(c["topk_gather_graph_ms"]) == {"chunks", "row"}
+               and c["dsa_graph_gather_ms"] > 0 for c in decode)
     monkeypatch.setattr(sys, "argv", ["kernels_dsa", "--out", str(tmp_path), "--smoke",
                                       "--decode-only"])
     kernels_dsa.main()
@@ -47,7 +50,8 @@ def test_prefill_smoke_run(tmp_path, monkeypatch) -> None:
     result = json.loads((tmp_path / "kernels_dsa_prefill.json").read_text())
     (row,) = result["prefill"]
     assert row["case"] == kernels_dsa_prefill.SMOKE[0][0] and row["check_error"] < 1e-5
-    for part in ("indexer", "score", "topk", "topk_torch", "sparse_mla", "dense_mla"):
+    for part in ("indexer", "score", "topk", "topk_torch", "topk_row_gather",
+                 "topk_chunks_gather", "sparse_mla", "dense_mla"):
         assert row[f"{part}_ms"] > 0, part
     for part in ("indexer", "sparse_mla", "dense_mla"):
         assert row[f"{part}_bound_ms"] >= 0 and f"{part}_pct" in row

@@ -23,7 +23,9 @@ positions a program as topk_chunks_sizes_graph_ms), the "coop" form (one launch,
 topk_coop_triton.py; where refused, too many tokens, the reason as topk_coop) as
 topk_coop_graph_ms with the step's graph with it
 as dsa_graph_coop_ms; the row form at
-ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms), the scores with each scoring
+ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row and chunks forms with
+topk_triton.GATHER as topk_gather_graph_ms, the step's graph with it as dsa_graph_gather_ms),
+the scores with each scoring
 program walking SCORE_KEY_TILES key tiles (score_key_tiles_ms, and the step in a graph as
 dsa_graph_key_tiles_ms) and launched at SCORE_LAUNCHES' warps and stages (score_launch_ms,
 dsa_graph_score_launch_ms), the sparse MLA over the
@@ -239,6 +241,28 @@ def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
     return row
 
 
+def time_gather(name: str, scores: torch.Tensor, meta: AttentionMetadata, topk: int,
+                selected: torch.Tensor, step: Callable[[], object], timer: Timer,
+                cuda: bool) -> dict:
+    """topk_triton.GATHER on (the threshold's last two digits from its 16-bit bin's scores):
+    the row and chunks forms checked against `selected`, then in graphs as
+    topk_gather_graph_ms {form: ms}; the step's graph with it as dsa_graph_gather_ms."""
+    row: dict = {"topk_gather_graph_ms": {}}
+    was, topk_triton.GATHER = topk_triton.GATHER, True
+    try:
+        for form in ("chunks", "row"):
+            fn = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,
+                                   torch.empty_like(selected), form=form)
+            fn()
+            assert torch.equal(fn.args[4], selected), f"{name}: {form} with GATHER"
+            row["topk_gather_graph_ms"][form] = round(graph_timed(timer, fn, cuda), 4)
+        step()
+        row["dsa_graph_gather_ms"] = graph_timed(timer, step, cuda)
+    finally:
+        topk_triton.GATHER = was
+    return row
+
+
 def decode_bound_ms(batch: int, context: int, topk: int, index_dim: int, width: int,
                     itemsize: int) -> tuple[float, float]:
     """(DSA's read bound, dense MLA's) in ms for one decode step (module doc)."""
@@ -343,6 +367,7 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
             row["dsa_graph_coop_ms"] = graph_timed(timer, step, cuda)
         finally:
             topk_triton.FORM = was
+    row |= time_gather(name, scores, meta, topk, selected, step, timer, cuda)
     if cuda:
         row |= time_score_key_tiles(name, (q_i, w, index_cache, meta, scale), scores, timer,
                                     {"dsa_graph_key_tiles_ms": lambda: graph_timed(

@@ -21,7 +21,8 @@ triton.testing.do_bench, eager (a prefill step is not a CUDA graph). First check
 step of exact integer data: the selection equal to `indexer_topk_ref`'s, the sparse MLA within
 2^-6 of `dsa_attention_ref`. On the GPU the sparse MLA is timed by decode_gluon_ws's sparse
 form (sparse_mla_ws_ms) and by decode_gluon's kernel (sparse_mla_gluon_ms): decode_gluon.ws_sparse's
-A/B.
+A/B. The top-k in its row and chunks forms with topk_triton.GATHER on as topk_row_gather_ms and
+topk_chunks_gather_ms (each first checked equal to the default's selection).
 
     python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR
     python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR --smoke   # tiny, CPU interpreter
@@ -157,6 +158,17 @@ def run_case(name: str, prefix: int, chunk: int, device: str, timer: Timer) -> d
     row["topk_row_ms"] = timer(lambda: topk_triton.radix_topk(
         scores, meta, 0, s["topk"], selected, form="row"))
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
+    gathered = torch.empty_like(selected)  # topk_triton.GATHER's A/B, row and chunks forms
+    topk_triton.radix_topk(scores, meta, 0, s["topk"], selected)
+    was, topk_triton.GATHER = topk_triton.GATHER, True
+    try:
+        for form in ("row", "chunks"):
+            topk_triton.radix_topk(scores, meta, 0, s["topk"], gathered, form=form)
+            assert torch.equal(gathered, selected), f"{name}: the {form} top-k with GATHER"
+            row[f"topk_{form}_gather_ms"] = timer(lambda f=form: topk_triton.radix_topk(
+                scores, meta, 0, s["topk"], gathered, form=f))
+    finally:
+        topk_triton.GATHER = was
     row["sparse_mla_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
         q_lat, latent, meta, positions, width ** -0.5, s["latent"], packed=True))
     if cuda:  # decode_gluon.ws_sparse's A/B: the same launch by each kernel

@@ -31,11 +31,15 @@ from tests.kernels.attention.test_dsa_triton import DIM, STEPS, TOPK, make_step
 GARBAGE = 7777  # what out holds before a call: the top-k writes every place
 
 
-@pytest.fixture(autouse=True, params=("row", "chunks", "coop"))
+@pytest.fixture(autouse=True, params=("row", "chunks", "coop", "row+gather", "chunks+gather"))
 def form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test in each form, set as the default (the indexer's calls take it too)."""
-    monkeypatch.setattr(topk_triton, "FORM", request.param)
-    return request.param
+    """Each test in each form, set as the default (the indexer's calls take it too); "+gather"
+    with topk_triton.GATHER (the last two levels over the gathered scores of the threshold's
+    16-bit bin; the coop form keeps four levels)."""
+    form, _, gather = request.param.partition("+")
+    monkeypatch.setattr(topk_triton, "FORM", form)
+    monkeypatch.setattr(topk_triton, "GATHER", bool(gather))
+    return form
 
 
 def ord_of(scores: torch.Tensor) -> torch.Tensor:
@@ -123,6 +127,36 @@ def test_all_equal_takes_the_first_positions(chunk: int) -> None:
     out = torch.full((1, 8), GARBAGE, dtype=torch.int32)
     radix_topk(ord_of(scores[:1]), rows_meta([100]), 0, 8, out, chunk=chunk)
     assert out.tolist() == [list(range(8))]
+
+
+def threshold_bin_count(scores: torch.Tensor, topk: int) -> int:
+    """How many of a row's scores share the topk-th largest's top 16 bits of u (ord with its
+    sign bit flipped): what GATHER places, where at most topk."""
+    u = ord_of(scores).to(torch.int64) ^ 0x80000000  # as unsigned
+    kth = torch.sort(scores, descending=True).values[topk - 1]
+    top16 = u >> 16
+    return int((top16 == (int(ord_of(kth.reshape(1))[0]) ^ 0x80000000) >> 16).sum())
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("cluster", [25, 70])
+def test_the_threshold_in_a_bin_of_ulps(chunk: int, cluster: int) -> None:
+    """30 scores above a cluster of scores a few ulps from 1.5 (one 16-bit bin: the last two
+    digits choose), the rest below, topk 40: the threshold lies in the cluster. With GATHER
+    a cluster of 25 (<= topk) is gathered and its last two levels read from out; one of 70
+    (> topk) is read from the row. Exact either way."""
+    gen = torch.Generator().manual_seed(cluster + chunk)
+    rows = []
+    for _ in range(3):
+        ulps = torch.randperm(900, generator=gen)[:cluster].to(torch.int32)
+        near = (torch.tensor(1.5).view(torch.int32) + ulps).view(torch.float32)
+        high = 2.0 + torch.rand(30, generator=gen) * 5
+        low = torch.rand(200 - 30 - cluster, generator=gen) * 2 - 1
+        row = torch.cat([high, near, low])
+        rows.append(row[torch.randperm(200, generator=gen)])
+    scores = torch.stack(rows)
+    assert all(threshold_bin_count(row, 40) == cluster for row in scores)
+    run(scores, [200, 200, 200], 40, chunk)
 
 
 def test_context_within_topk_selects_it_all_without_scores() -> None:

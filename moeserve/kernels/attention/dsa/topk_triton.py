@@ -43,6 +43,18 @@ shapes given n and S: it can be captured in a CUDA graph. The selection is T's s
 plus the first (topk - above) scores equal to T in position order. The write is deterministic:
 offsets come from the count's per-chunk totals, not from atomics.
 
+GATHER (off until the GPU times it): the threshold's 16-bit bin (levels 0 and 1) holds few
+scores, and levels 2 and 3 need only them, yet each of those passes runs a histogram over every
+score (Triton's histogram costs a 2,048-position program ~1,300-1,600 sm90 instructions whatever
+its mask). So the bin's scores, where at most topk, are placed in `out` first (an atomic slot
+each, in any order: the write pass replaces them last), and levels 2 and 3 histogram those:
+in the row form inside its program, in the chunks form by a gather launch (a chunk a program)
+and a last_levels launch (a program a token, which writes the two histograms where the hist
+launches would have summed them, so count and write run as before). A bin of more than topk
+scores is read from the row as before. Offline (sm90 SASS, a 2,048-position program): gather
+864 instructions against hist's 1,344-1,584; the chunks form's six launches ~8,300 -> ~6,100
+a chunk, plus last_levels' 2,816 a token.
+
 Why: torch.topk over int64 sort keys (score << 32 | position) was 20-28% of DSA's decode step on
 the H200 at GLM-5's shape (benchmarks/results/gpu_bc677c8: 0.08 ms at 32 tokens and 8k
 positions, 0.56 ms at 256 and 64k), with the score kernel writing 8 bytes a position. First
@@ -75,6 +87,12 @@ ROW_MIN_TOKENS = 256
 # ... and "coop" (topk_coop_triton.py) up to this many tokens: 0, none, until the GPU times it
 # (kernels_dsa's topk_coop_graph_ms); never past the GPU's SMs, where it is never refused
 COOP_MAX_TOKENS = 0
+# The threshold's last two digits from its 16-bit bin's scores gathered first (at most topk of
+# them, into `out`, which the write pass fills last; else from every score as before): in the
+# row and chunks forms, two of the four histogram passes over every score become one light
+# gather pass and two histograms of the gathered few (the coop form keeps four levels). Off
+# until the GPU times it (kernels_dsa: topk_gather_graph_ms).
+GATHER = False
 ROW_CHUNK = 4096  # the row form's positions a step, and its warps (gpu_039305d/call6: in a
 ROW_WARPS = 8  # graph 0.058 / 0.382 ms at 256 x 8k / 64k against 0.063 / 0.436 at 2,048)
 # Smaller chunks where a launch has few programs (32 tokens of 8k positions: 128 programs of 4
@@ -117,30 +135,37 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     kern = _kernels()
     rows = (meta.positions, meta.seq_lens, meta.token_to_req, t0)
     if form == "row":
-        ties = torch.empty(n if count_boundary_ties else 1, dtype=torch.int32,
-                           device=scores.device)
+        # the tie flags, and with GATHER first each token's gather counter (zeroed)
+        ties = (torch.zeros if GATHER else torch.empty)(
+            n if count_boundary_ties or GATHER else 1, dtype=torch.int32, device=scores.device)
         kern.row[(n,)](scores, out, *rows, ties, num_keys, topk, out.stride(0),
-                       COUNT_TIES=count_boundary_ties, BLOCK=chunk, BINS=_BINS,
+                       COUNT_TIES=count_boundary_ties, GATHER=GATHER, BLOCK=chunk, BINS=_BINS,
                        num_warps=ROW_WARPS)
         return int(ties.sum()) if count_boundary_ties else 0
     num_chunks = -(-num_keys // chunk)
     grid = (n, num_chunks)
     consts = dict(LEVELS=_LEVELS, CHUNK=chunk, BINS=_BINS, num_warps=4)
+    tie_flag = _LEVELS * _BINS + 2 * num_chunks
     if num_keys > topk:
         # one zeroed workspace a token (one memset): its histograms [LEVELS, BINS], then its
-        # chunks' (above, equal) counts [num_chunks, 2], then its boundary-tie flag
-        work = torch.zeros(n, _LEVELS * _BINS + 2 * num_chunks + 1, dtype=torch.int32,
-                           device=scores.device)
-        for level in range(_LEVELS):
+        # chunks' (above, equal) counts [num_chunks, 2], its boundary-tie flag, and the gather's
+        # count of the scores it has placed
+        work = torch.zeros(n, tie_flag + 2, dtype=torch.int32, device=scores.device)
+        for level in range(2 if GATHER else _LEVELS):
             kern.hist[grid](scores, work, *rows, num_keys, topk, work.stride(0), LEVEL=level,
                             **consts)
+        if GATHER:  # the last two levels from the gathered scores (GATHER's comment)
+            kern.gather[grid](scores, work, out, *rows, num_keys, topk, num_chunks,
+                              work.stride(0), out.stride(0), **consts)
+            kern.last_levels[(n,)](scores, work, out, *rows, num_keys, topk, work.stride(0),
+                                   out.stride(0), **consts)
         kern.count[grid](scores, work, *rows, num_keys, topk, num_chunks, work.stride(0),
                          COUNT_TIES=count_boundary_ties, **consts)
     else:  # every token selects its whole context: the write alone (work unread)
         work = scores
     kern.write[grid](scores, work, out, *rows, num_keys, topk, num_chunks, work.stride(0),
                      out.stride(0), **consts)
-    return int(work[:, -1].sum()) if count_boundary_ties and num_keys > topk else 0
+    return int(work[:, tie_flag].sum()) if count_boundary_ties and num_keys > topk else 0
 
 
 def auto_form(n: int, device: torch.device) -> str:
@@ -159,19 +184,24 @@ def _kernels() -> SimpleNamespace:
     step-varying ints are exempt from specialisation (a new batch shape must not compile a new
     variant mid-serving)."""
     global tl, _context_end, _find_bin, _prefix, _top_bits, _threshold
-    global _digit, _ord_of, _range_hist, _write_range, _chunks_before
+    global _digit, _ord_of, _range_hist, _write_range, _chunks_before, _gather_range
+    global _above_and_rank
     import triton
     import triton.language
 
     tl = triton.language
     _context_end, _find_bin = triton.jit(_context_end), triton.jit(_find_bin)
     _prefix, _top_bits, _threshold = (triton.jit(f) for f in (_prefix, _top_bits, _threshold))
-    _digit, _ord_of, _range_hist, _write_range, _chunks_before = (triton.jit(f) for f in (
-        _digit, _ord_of, _range_hist, _write_range, _chunks_before))
+    _digit, _ord_of, _range_hist, _write_range, _chunks_before, _gather_range = (
+        triton.jit(f) for f in (_digit, _ord_of, _range_hist, _write_range, _chunks_before,
+                                _gather_range))
+    _above_and_rank = triton.jit(_above_and_rank)
     varying = ["t0", "num_keys", "topk", "num_chunks", "stride_work", "stride_out"]
     jit = functools.partial(triton.jit, do_not_specialize=varying)
     return SimpleNamespace(hist=jit(_radix_hist_kernel), count=jit(_radix_count_kernel),
-                           write=jit(_radix_write_kernel), row=jit(_radix_row_kernel))
+                           write=jit(_radix_write_kernel), row=jit(_radix_row_kernel),
+                           gather=jit(_radix_gather_kernel),
+                           last_levels=jit(_radix_last_levels_kernel))
 
 
 # ---- Triton helpers and kernels (jitted by _kernels; module globals, as the interpreter
@@ -235,13 +265,40 @@ def _write_range(row, out, n0, n1, thr, need, taken, ties, BLOCK: tl.constexpr):
         n = b0 + tl.arange(0, BLOCK)
         ok = n < n1
         s = tl.load(row + n, mask=ok, other=0)
+        above = ok & (s > thr)
         equal = ok & (s == thr)
-        rank = ties + tl.cumsum(equal.to(tl.int32), 0)  # 1-based among T's scores
-        take = (ok & (s > thr)) | (equal & (rank <= need))
-        tl.store(out + taken + tl.cumsum(take.to(tl.int32), 0) - 1, n, mask=take)
-        taken += tl.sum(take.to(tl.int32), 0)
-        ties += tl.sum(equal.to(tl.int32), 0)
+        above_to, rank = _above_and_rank(above, equal, ties)
+        take = above | (equal & (rank <= need))
+        # taken up to here: the scores above, and T's while their rank is at most need
+        place = taken + above_to + tl.minimum(rank, need) - tl.minimum(ties, need) - 1
+        tl.store(out + place, n, mask=take)
+        equals = tl.sum(equal.to(tl.int32), 0)
+        taken += (tl.sum(above.to(tl.int32), 0) + tl.minimum(ties + equals, need)
+                  - tl.minimum(ties, need))
+        ties += equals
     return taken, ties
+
+
+def _above_and_rank(above, equal, ties):
+    """Both running counts of a block in one scan (above in the low 16 bits, equal in the high:
+    a block holds fewer than 2^16 positions): the scores above T up to each position, and
+    each position's 1-based rank among T's scores, `ties` of them before the block."""
+    both = tl.cumsum(above.to(tl.int32) | (equal.to(tl.int32) << 16), 0)
+    return both & 0xFFFF, ties + (both >> 16)
+
+
+def _gather_range(row, out, n0, n1, prefix, counter, BLOCK: tl.constexpr):
+    """The ord scores of row[n0:n1] whose u's top 16 bits are `prefix` (the threshold's first
+    two digits) written into out at the slots the int32 at `counter` hands out (an atomic add
+    a score: they are few, and only their histograms are taken, not their order), BLOCK a
+    step."""
+    for b0 in range(n0, n1, BLOCK):
+        n = b0 + tl.arange(0, BLOCK)
+        s = tl.load(row + n, mask=n < n1, other=0)
+        take = (n < n1) & (_top_bits(s, 2) == prefix)
+        if tl.sum(take.to(tl.int32), 0) > 0:
+            slot = tl.atomic_add(counter + n * 0, 1, mask=take, sem="relaxed")
+            tl.store(out + slot, s, mask=take)
 
 
 def _chunks_before(counts, c, VOLATILE: tl.constexpr):
@@ -302,6 +359,50 @@ def _radix_hist_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_
             tl.atomic_add(hist + LEVEL * BINS + tl.arange(0, BINS), counts, mask=counts > 0)
 
 
+def _radix_gather_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_ptr,
+                         token_to_req_ptr, t0, num_keys, topk, num_chunks, stride_work,
+                         stride_out, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
+                         BINS: tl.constexpr):
+    """Program (i, c) (GATHER): token t0 + i's scores in chunk c whose u's top 16 bits are the
+    threshold's (levels 0 and 1 found), placed in out[i] at slots a counter in its work row
+    hands out, when they number at most topk in all (else nothing: last_levels reads them
+    all)."""
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    n0 = c * CHUNK
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
+    if (end > topk) & (n0 < end):
+        work = work_ptr + i.to(tl.int64) * stride_work
+        prefix, _, at = _prefix(work, topk, 2, BINS)
+        if at <= topk:
+            _gather_range(scores_ptr + i.to(tl.int64) * num_keys, out_ptr + i.to(tl.int64) *
+                          stride_out, n0, tl.minimum(n0 + CHUNK, end), prefix,
+                          work + LEVELS * BINS + 2 * num_chunks + 1, CHUNK)
+
+
+def _radix_last_levels_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_ptr,
+                              token_to_req_ptr, t0, num_keys, topk, stride_work, stride_out,
+                              LEVELS: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr):
+    """Program i (GATHER): token t0 + i's histograms of levels 2 and 3 into its work row, as
+    the hist kernel would sum them, from the scores the gather placed in out[i] (CHUNK a
+    step), or from its whole row where they were more than topk."""
+    i = tl.program_id(0)
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
+    if end > topk:
+        work = work_ptr + i.to(tl.int64) * stride_work
+        prefix, need, at = _prefix(work, topk, 2, BINS)
+        src = scores_ptr + i.to(tl.int64) * num_keys
+        n_src = end
+        if at <= topk:
+            src = out_ptr + i.to(tl.int64) * stride_out
+            n_src = at
+        for level in tl.static_range(2, LEVELS):
+            hist = _range_hist(src, 0, n_src, prefix, level, CHUNK, BINS)
+            tl.store(work + level * BINS + tl.arange(0, BINS), hist)
+            b, need, _ = _digit(hist, need, BINS)
+            prefix = (prefix << 8) | b
+
+
 def _threshold(hist_ptr, topk, LEVELS: tl.constexpr, BINS: tl.constexpr):
     """The selection's lowest score T (as ord), how many scores equal to T it takes, and how
     many there are."""
@@ -359,22 +460,25 @@ def _radix_write_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_p
             thr, need, _ = _threshold(work, topk, LEVELS, BINS)
             above_before, equal_before = _chunks_before(work + LEVELS * BINS, c, False)
             s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)
+            above = ok & (s > thr)
             equal = ok & (s == thr)
-            rank = equal_before + tl.cumsum(equal.to(tl.int32), 0)  # 1-based among T's
-            take = (ok & (s > thr)) | (equal & (rank <= need))
-            first = above_before + tl.minimum(equal_before, need)
-            place = first + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(out + place, n, mask=take)
+            above_to, rank = _above_and_rank(above, equal, equal_before)
+            take = above | (equal & (rank <= need))
+            # after the chunks before's (above_before + min(equal_before, need) places), this
+            # chunk's above and taken equal scores up to each position
+            tl.store(out + above_before + above_to + tl.minimum(rank, need) - 1, n, mask=take)
 
 
 def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
                       ties_ptr, num_keys, topk, stride_out, COUNT_TIES: tl.constexpr,
-                      BLOCK: tl.constexpr, BINS: tl.constexpr):
+                      GATHER: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
     """Program i: token t0 + i's whole select in one program, BLOCK positions a step: four
     passes of digit histograms summed in registers (no atomics, no workspace), the threshold
     T from each, then one pass writing the selection in position order with running offsets
-    (no count pass: the steps run in order). COUNT_TIES: ties_ptr[i] = 1 where T's scores
-    outnumber those taken."""
+    (no count pass: the steps run in order). GATHER: the last two levels over the scores of
+    the threshold's 16-bit bin, gathered into out[i] first where at most topk, ties_ptr[i]
+    (zeroed) their slot counter. COUNT_TIES: ties_ptr[i] = 1 where T's scores outnumber those
+    taken (after the gather's count, where both run)."""
     i = tl.program_id(0)
     end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     out = out_ptr + i.to(tl.int64) * stride_out
@@ -389,10 +493,20 @@ def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to
         need = topk
         prefix = 0  # u's digits found so far
         at = 0
+        src = row  # where the last two levels read: the row, or its gathered scores
+        n_src = end
         for level in tl.static_range(4):
-            hist = _range_hist(row, 0, end, prefix, level, BLOCK, BINS)
+            if GATHER and level == 2:
+                if at <= topk:  # the threshold's 16-bit bin: at scores, into out
+                    _gather_range(row, out, 0, end, prefix, ties_ptr + i, BLOCK)
+                    tl.debug_barrier()  # placed by every thread before any reads them
+                    src = out
+                    n_src = at
+            hist = _range_hist(src, 0, n_src, prefix, level, BLOCK, BINS)
             b, need, at = _digit(hist, need, BINS)
             prefix = (prefix << 8) | b
+        if GATHER:
+            tl.debug_barrier()  # the gathered scores read before the write replaces them
         _write_range(row, out, 0, end, _ord_of(prefix), need, need * 0, need * 0, BLOCK)
         if COUNT_TIES:
             tl.store(ties_ptr + i, (at > need).to(tl.int32))
