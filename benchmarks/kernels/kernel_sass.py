@@ -351,7 +351,8 @@ def topk(args: argparse.Namespace) -> dict:
     levels, bins = topk_triton._LEVELS, topk_triton._BINS
     if args.form == "coop":
         kernel = topk_coop_triton._kernels().coop
-        const = dict(COUNT_TIES=False, LEVELS=levels, BLOCK=args.block, BINS=bins)
+        const = dict(COUNT_TIES=False, GATHER=args.gather, LEVELS=levels, BLOCK=args.block,
+                     BINS=bins)
     elif args.form == "row":
         kernel = topk_triton._kernels().row
         const = dict(COUNT_TIES=False, GATHER=args.gather, BLOCK=args.block, BINS=bins)
@@ -424,8 +425,8 @@ def main() -> None:
     p.add_argument("--form", choices=("coop", "row", "hist", "count", "write", "gather",
                                       "last_levels"), default="coop")
     p.add_argument("--gather", action="store_true",
-                   help="the row form with topk_triton.GATHER (gather and last_levels: the "
-                        "chunks form's kernels of it)")
+                   help="the row or coop form with topk_triton.GATHER (gather and "
+                        "last_levels: the chunks form's kernels of it)")
     p.add_argument("--block", type=int, default=2048, help="positions a step (or a chunk)")
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")

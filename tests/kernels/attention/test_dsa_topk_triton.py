@@ -31,11 +31,12 @@ from tests.kernels.attention.test_dsa_triton import DIM, STEPS, TOPK, make_step
 GARBAGE = 7777  # what out holds before a call: the top-k writes every place
 
 
-@pytest.fixture(autouse=True, params=("row", "chunks", "coop", "row+gather", "chunks+gather"))
+@pytest.fixture(autouse=True, params=("row", "chunks", "coop", "row+gather", "chunks+gather",
+                                      "coop+gather"))
 def form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test in each form, set as the default (the indexer's calls take it too); "+gather"
     with topk_triton.GATHER (the last two levels over the gathered scores of the threshold's
-    16-bit bin; the coop form keeps four levels)."""
+    16-bit bin)."""
     form, _, gather = request.param.partition("+")
     monkeypatch.setattr(topk_triton, "FORM", form)
     monkeypatch.setattr(topk_triton, "GATHER", bool(gather))

@@ -56,6 +56,7 @@ _ord_of: Any = None
 _range_hist: Any = None
 _write_range: Any = None
 _chunks_before: Any = None
+_gather_range: Any = None
 
 
 def programs(n: int, num_keys: int, block: int, device: torch.device, per_sm: int = 1) -> int:
@@ -97,15 +98,15 @@ def radix_topk_coop(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk
     if block < 16 or block & (block - 1):
         raise ValueError(f"radix_topk coop: chunk must be a power of two >= 16, got {block}")
     levels, bins = topk_triton._LEVELS, topk_triton._BINS
-    consts = dict(COUNT_TIES=count_boundary_ties, LEVELS=levels, BLOCK=block, BINS=bins,
-                  num_warps=NUM_WARPS)
+    consts = dict(COUNT_TIES=count_boundary_ties, GATHER=topk_triton.GATHER, LEVELS=levels,
+                  BLOCK=block, BINS=bins, num_warps=NUM_WARPS)
 
     def args(num_chunks: int, share: int, work: torch.Tensor) -> tuple:
         return (scores, work, out, meta.positions, meta.seq_lens, meta.token_to_req, t0,
                 num_keys, topk, num_chunks, share, work.stride(0), out.stride(0))
     per_sm = 1
     if scores.is_cuda:  # from the compiled kernel (shares and counts are not specialised)
-        key = (scores.device.index, block, count_boundary_ties)
+        key = (scores.device.index, block, count_boundary_ties, topk_triton.GATHER)
         if key not in _resident:
             compiled = _kernels().coop.warmup(*args(1, block, scores.new_zeros(1, 1)),
                                               grid=(1,), **consts)
@@ -119,11 +120,11 @@ def radix_topk_coop(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk
     share = -(-share // block) * block  # whole steps a program
     num_chunks = -(-max(1, num_keys) // share)
     # a token's workspace: hist [LEVELS, BINS], its chunks' (above, equal) counts, the
-    # arrival counter, the boundary-tie flag; zeroed (one memset)
-    work = torch.zeros(n, levels * bins + 2 * num_chunks + 2, dtype=torch.int32,
-                       device=scores.device)
+    # arrival counter, the boundary-tie flag, GATHER's slot counter; zeroed (one memset)
+    arrivals = levels * bins + 2 * num_chunks
+    work = torch.zeros(n, arrivals + 3, dtype=torch.int32, device=scores.device)
     _kernels().coop[(n, num_chunks)](*args(num_chunks, share, work), **consts)
-    return int(work[:, -1].sum()) if count_boundary_ties else 0
+    return int(work[:, arrivals + 1].sum()) if count_boundary_ties else 0
 
 
 @functools.cache
@@ -131,7 +132,7 @@ def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel once, with topk_triton's helpers it calls by global
     name (step-varying ints unspecialised, as there)."""
     global tl, _context_end, _barrier, _digit, _ord_of, _range_hist, _write_range
-    global _chunks_before
+    global _chunks_before, _gather_range
     import triton
     import triton.language
 
@@ -140,7 +141,7 @@ def _kernels() -> SimpleNamespace:
     _context_end, _digit, _ord_of = (topk_triton._context_end, topk_triton._digit,
                                      topk_triton._ord_of)
     _range_hist, _write_range = topk_triton._range_hist, topk_triton._write_range
-    _chunks_before = topk_triton._chunks_before
+    _chunks_before, _gather_range = topk_triton._chunks_before, topk_triton._gather_range
     _barrier = triton.jit(_barrier)
     varying = ["t0", "num_keys", "topk", "num_chunks", "share", "stride_work", "stride_out"]
     return SimpleNamespace(coop=triton.jit(_radix_coop_kernel, do_not_specialize=varying))
@@ -161,10 +162,14 @@ def _barrier(counter_ptr, target):
 
 def _radix_coop_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_ptr,
                        token_to_req_ptr, t0, num_keys, topk, num_chunks, share, stride_work,
-                       stride_out, COUNT_TIES: tl.constexpr, LEVELS: tl.constexpr,
-                       BLOCK: tl.constexpr, BINS: tl.constexpr):
+                       stride_out, COUNT_TIES: tl.constexpr, GATHER: tl.constexpr,
+                       LEVELS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
     """Program (i, c): token t0 + i's positions [c x share, (c + 1) x share) through every
-    pass of the select (the module docstring), BLOCK a step."""
+    pass of the select (the module docstring), BLOCK a step. GATHER (topk_triton's): after
+    level 1, where the threshold's 16-bit bin holds at most topk scores, each program places
+    its range's into out (slots from a counter), one barrier, then every program sums levels
+    2 and 3 over all of them itself (the count's barrier keeps the write from replacing them
+    before every program has read them)."""
     i = tl.program_id(0)
     c = tl.program_id(1)
     n0 = c * share
@@ -188,11 +193,22 @@ def _radix_coop_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_pt
         need = topk
         prefix = 0  # u's digits found so far
         at = 0
+        gathered = end * 0  # 1: the last two levels from the scores gathered into out
+        gathered_count = end * 0
         for level in tl.static_range(LEVELS):
-            hist = _range_hist(row, n0, n1, prefix, level, BLOCK, BINS)
-            tl.atomic_add(work + level * BINS + bins, hist, mask=hist > 0)
-            _barrier(arrivals, num_chunks * (level + 1))
-            hist = tl.load(work + level * BINS + bins, volatile=True)  # the token's, whole
+            if GATHER and level == 2:
+                if at <= topk:  # the same for all the token's programs (its histograms')
+                    _gather_range(row, out, n0, n1, prefix, arrivals + 2, BLOCK)
+                    _barrier(arrivals, num_chunks * 3)
+                    gathered = end * 0 + 1
+                    gathered_count = at
+            if gathered == 1:  # every program the whole histogram of the few: no barrier
+                hist = _range_hist(out, 0, gathered_count, prefix, level, BLOCK, BINS, True)
+            else:
+                hist = _range_hist(row, n0, n1, prefix, level, BLOCK, BINS, False)
+                tl.atomic_add(work + level * BINS + bins, hist, mask=hist > 0)
+                _barrier(arrivals, num_chunks * (level + 1))
+                hist = tl.load(work + level * BINS + bins, volatile=True)  # the token's
             b, need, at = _digit(hist, need, BINS)
             prefix = (prefix << 8) | b
         thr = _ord_of(prefix)
@@ -206,7 +222,7 @@ def _radix_coop_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_pt
             equal += tl.sum((ok & (s == thr)).to(tl.int32), 0)
         tl.atomic_xchg(counts + 2 * c, above)
         tl.atomic_xchg(counts + 2 * c + 1, equal)
-        _barrier(arrivals, num_chunks * (LEVELS + 1))
+        _barrier(arrivals, num_chunks * (LEVELS + 1 - gathered))  # its barriers so far + 1
         if COUNT_TIES:
             if c == 0:
                 tl.store(arrivals + 1, (at > need).to(tl.int32))

@@ -50,7 +50,8 @@ its mask). So the bin's scores, where at most topk, are placed in `out` first (a
 each, in any order: the write pass replaces them last), and levels 2 and 3 histogram those:
 in the row form inside its program, in the chunks form by a gather launch (a chunk a program)
 and a last_levels launch (a program a token, which writes the two histograms where the hist
-launches would have summed them, so count and write run as before). A bin of more than topk
+launches would have summed them, so count and write run as before), in the coop form by a
+gather and one barrier, after which each program sums the two levels itself. A bin of more than topk
 scores is read from the row as before. Offline (sm90 SASS, a 2,048-position program): gather
 864 instructions against hist's 1,344-1,584; the chunks form's six launches ~8,300 -> ~6,100
 a chunk, plus last_levels' 2,816 a token.
@@ -88,10 +89,10 @@ ROW_MIN_TOKENS = 256
 # (kernels_dsa's topk_coop_graph_ms); never past the GPU's SMs, where it is never refused
 COOP_MAX_TOKENS = 0
 # The threshold's last two digits from its 16-bit bin's scores gathered first (at most topk of
-# them, into `out`, which the write pass fills last; else from every score as before): in the
-# row and chunks forms, two of the four histogram passes over every score become one light
-# gather pass and two histograms of the gathered few (the coop form keeps four levels). Off
-# until the GPU times it (kernels_dsa: topk_gather_graph_ms).
+# them, into `out`, which the write pass fills last; else from every score as before): in
+# every form two of the four histogram passes over every score become one light gather pass
+# and two histograms of the gathered few (the coop form: two barriers fewer). Off until the
+# GPU times it (kernels_dsa: topk_gather_graph_ms).
 GATHER = False
 ROW_CHUNK = 4096  # the row form's positions a step, and its warps (gpu_039305d/call6: in a
 ROW_WARPS = 8  # graph 0.058 / 0.382 ms at 256 x 8k / 64k against 0.063 / 0.436 at 2,048)
@@ -239,15 +240,15 @@ def _ord_of(u):
 
 
 def _range_hist(row, n0, n1, prefix, LEVEL: tl.constexpr, BLOCK: tl.constexpr,
-                BINS: tl.constexpr):
+                BINS: tl.constexpr, VOLATILE: tl.constexpr):
     """Level LEVEL's digit histogram [BINS] of the ord scores row[n0:n1], BLOCK a step: u's
     top byte at level 0, then the next byte among the scores whose higher digits are
-    `prefix` (the threshold's so far)."""
+    `prefix` (the threshold's so far). VOLATILE: read past L1 (other programs wrote them)."""
     hist = tl.zeros([BINS], tl.int32)
     for b0 in range(n0, n1, BLOCK):
         n = b0 + tl.arange(0, BLOCK)
         ok = n < n1
-        s = tl.load(row + n, mask=ok, other=0)  # ord
+        s = tl.load(row + n, mask=ok, other=0, volatile=VOLATILE)  # ord
         if LEVEL == 0:
             hist += tl.histogram(((s >> 24) & 0xFF) ^ 0x80, BINS, mask=ok)
         else:  # only the scores whose higher digits are the threshold's so far
@@ -397,7 +398,7 @@ def _radix_last_levels_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_
             src = out_ptr + i.to(tl.int64) * stride_out
             n_src = at
         for level in tl.static_range(2, LEVELS):
-            hist = _range_hist(src, 0, n_src, prefix, level, CHUNK, BINS)
+            hist = _range_hist(src, 0, n_src, prefix, level, CHUNK, BINS, False)
             tl.store(work + level * BINS + tl.arange(0, BINS), hist)
             b, need, _ = _digit(hist, need, BINS)
             prefix = (prefix << 8) | b
@@ -502,7 +503,7 @@ def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to
                     tl.debug_barrier()  # placed by every thread before any reads them
                     src = out
                     n_src = at
-            hist = _range_hist(src, 0, n_src, prefix, level, BLOCK, BINS)
+            hist = _range_hist(src, 0, n_src, prefix, level, BLOCK, BINS, False)
             b, need, at = _digit(hist, need, BINS)
             prefix = (prefix << 8) | b
         if GATHER:
