@@ -186,7 +186,7 @@ def _kernels() -> SimpleNamespace:
     variant mid-serving)."""
     global tl, _context_end, _find_bin, _prefix, _top_bits, _threshold
     global _digit, _ord_of, _range_hist, _write_range, _chunks_before, _gather_range
-    global _above_and_rank
+    global _above_and_rank, _chunk_program
     import triton
     import triton.language
 
@@ -196,7 +196,7 @@ def _kernels() -> SimpleNamespace:
     _digit, _ord_of, _range_hist, _write_range, _chunks_before, _gather_range = (
         triton.jit(f) for f in (_digit, _ord_of, _range_hist, _write_range, _chunks_before,
                                 _gather_range))
-    _above_and_rank = triton.jit(_above_and_rank)
+    _above_and_rank, _chunk_program = triton.jit(_above_and_rank), triton.jit(_chunk_program)
     varying = ["t0", "num_keys", "topk", "num_chunks", "stride_work", "stride_out"]
     jit = functools.partial(triton.jit, do_not_specialize=varying)
     return SimpleNamespace(hist=jit(_radix_hist_kernel), count=jit(_radix_count_kernel),
@@ -215,6 +215,16 @@ def _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, tok, num_keys):
     req = tl.load(token_to_req_ptr + tok)
     end = tl.minimum(tl.load(positions_ptr + tok) + 1, tl.load(seq_lens_ptr + req))
     return tl.minimum(end, num_keys).to(tl.int32)
+
+
+def _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0, num_keys,
+                   CHUNK: tl.constexpr):
+    """Program (i, c) of a (token, chunk) launch: i, c, the chunk's first position and token
+    t0 + i's context end."""
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
+    return i, c, c * CHUNK, end
 
 
 def _digit(hist, need, BINS: tl.constexpr):
@@ -340,9 +350,8 @@ def _radix_hist_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_
     """Program (i, chunk c): level LEVEL's digit histogram of token t0 + i's valid scores in
     chunk c whose higher digits are the threshold's so far, added into token i's histogram
     LEVEL (work row i)."""
-    i = tl.program_id(0)
-    n0 = tl.program_id(1) * CHUNK
-    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
+    i, _, n0, end = _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
+                                   num_keys, CHUNK)
     if (end > topk) & (n0 < end):
         hist = work_ptr + i.to(tl.int64) * stride_work
         n = n0 + tl.arange(0, CHUNK)
@@ -368,10 +377,8 @@ def _radix_gather_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_
     threshold's (levels 0 and 1 found), placed in out[i] at slots a counter in its work row
     hands out, when they number at most topk in all (else nothing: last_levels reads them
     all)."""
-    i = tl.program_id(0)
-    c = tl.program_id(1)
-    n0 = c * CHUNK
-    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
+    i, c, n0, end = _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
+                                   num_keys, CHUNK)
     if (end > topk) & (n0 < end):
         work = work_ptr + i.to(tl.int64) * stride_work
         prefix, _, at = _prefix(work, topk, 2, BINS)
@@ -417,10 +424,8 @@ def _radix_count_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token
     """Program (i, c): token i's chunk counts [c] = (scores above T, scores equal to T) in
     chunk c; with COUNT_TIES, chunk 0 also sets the token's tie flag where T's scores
     outnumber those taken."""
-    i = tl.program_id(0)
-    c = tl.program_id(1)
-    n0 = c * CHUNK
-    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
+    i, c, n0, end = _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
+                                   num_keys, CHUNK)
     if (end > topk) & (n0 < end):
         work = work_ptr + i.to(tl.int64) * stride_work
         thr, need, at = _threshold(work, topk, LEVELS, BINS)
@@ -442,10 +447,8 @@ def _radix_write_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_p
     """Program (i, c): token t0 + i's selected positions of chunk c, in position order, at
     their places in out[i] (after those of chunks < c); chunk 0 also writes -1 at the places
     a context shorter than topk leaves."""
-    i = tl.program_id(0)
-    c = tl.program_id(1)
-    n0 = c * CHUNK
-    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
+    i, c, n0, end = _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
+                                   num_keys, CHUNK)
     n = n0 + tl.arange(0, CHUNK)
     ok = n < end
     out = out_ptr + i.to(tl.int64) * stride_out
