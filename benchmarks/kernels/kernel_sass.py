@@ -338,7 +338,7 @@ def gqa(args: argparse.Namespace) -> dict:
 
 TOPK_POINTERS = {"scores_ptr": "*i32", "work_ptr": "*i32", "out_ptr": "*i32",
                  "positions_ptr": "*i64", "seq_lens_ptr": "*i32", "token_to_req_ptr": "*i32",
-                 "ties_ptr": "*i32"}
+                 "ties_ptr": "*i32", "bin_ptr": "*i32"}
 
 
 def topk(args: argparse.Namespace) -> dict:

@@ -140,12 +140,14 @@ def threshold_bin_count(scores: torch.Tensor, topk: int) -> int:
 
 
 @pytest.mark.parametrize("chunk", [16, 64])
-@pytest.mark.parametrize("cluster", [25, 70])
+@pytest.mark.parametrize("cluster", [25, 45, 70])
 def test_the_threshold_in_a_bin_of_ulps(chunk: int, cluster: int) -> None:
     """30 scores above a cluster of scores a few ulps from 1.5 (one 16-bit bin: the last two
-    digits choose), the rest below, topk 40: the threshold lies in the cluster. With GATHER
-    a cluster of 25 (<= topk) is gathered and its last two levels read from out; one of 70
-    (> topk) is read from the row. Exact either way."""
+    digits choose), the rest below, topk 40 of 200: the threshold lies in the cluster. With
+    GATHER a cluster of 25 (<= topk) is gathered in every form; one of 45 by the chunks form
+    (its room: max(topk, 200 / GATHER_SHARE) = 50) and read from the row by the others; one
+    of 70 read from the row in every form. Exact each way."""
+    assert max(40, 200 // topk_triton.GATHER_SHARE) == 50
     gen = torch.Generator().manual_seed(cluster + chunk)
     rows = []
     for _ in range(3):

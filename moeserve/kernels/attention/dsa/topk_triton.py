@@ -47,12 +47,13 @@ GATHER (off until the GPU times it): the threshold's 16-bit bin (levels 0 and 1)
 scores, and levels 2 and 3 need only them, yet each of those passes runs a histogram over every
 score (Triton's histogram costs a 2,048-position program ~1,300-1,600 sm90 instructions whatever
 its mask). So the bin's scores, where at most topk, are placed in `out` first (an atomic slot
-each, in any order: the write pass replaces them last), and levels 2 and 3 histogram those:
+each, in any order: the write pass replaces them last; the chunks form: up to a quarter of the
+row's in a buffer of their own), and levels 2 and 3 histogram those:
 in the row form inside its program, in the chunks form by a gather launch (a chunk a program)
 and a last_levels launch (a program a token, which writes the two histograms where the hist
 launches would have summed them, so count and write run as before), in the coop form by a
-gather and one barrier, after which each program sums the two levels itself. A bin of more than topk
-scores is read from the row as before. Offline (sm90 SASS, a 2,048-position program): gather
+gather and one barrier, after which each program sums the two levels itself. A fuller bin is
+read from the row as before. Offline (sm90 SASS, a 2,048-position program): gather
 864 instructions against hist's 1,344-1,584; the chunks form's six launches ~8,300 -> ~6,100
 a chunk, plus last_levels' 2,816 a token.
 
@@ -94,6 +95,12 @@ COOP_MAX_TOKENS = 0
 # and two histograms of the gathered few (the coop form: two barriers fewer). Off until the
 # GPU times it (kernels_dsa: topk_gather_graph_ms).
 GATHER = False
+# ... the chunks form's gathered scores: up to a GATHER_SHARE-th of a row (at least topk) in a
+# buffer of their own, so that a bin of concentrated scores (a few thousand of 64k within its
+# 1/128 of a value) still gathers; only a bin of more is read from the row, by one program a
+# token. The row and coop forms gather into `out` (topk places) and read a fuller bin from
+# the row as before, across their programs.
+GATHER_SHARE = 4
 ROW_CHUNK = 4096  # the row form's positions a step, and its warps (gpu_039305d/call6: in a
 ROW_WARPS = 8  # graph 0.058 / 0.382 ms at 256 x 8k / 64k against 0.063 / 0.436 at 2,048)
 # Smaller chunks where a launch has few programs (32 tokens of 8k positions: 128 programs of 4
@@ -156,10 +163,12 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
             kern.hist[grid](scores, work, *rows, num_keys, topk, work.stride(0), LEVEL=level,
                             **consts)
         if GATHER:  # the last two levels from the gathered scores (GATHER's comment)
-            kern.gather[grid](scores, work, out, *rows, num_keys, topk, num_chunks,
-                              work.stride(0), out.stride(0), **consts)
-            kern.last_levels[(n,)](scores, work, out, *rows, num_keys, topk, work.stride(0),
-                                   out.stride(0), **consts)
+            room = max(topk, -(-num_keys // GATHER_SHARE))  # scores a token's bin may place
+            bin_scores = torch.empty(n, room, dtype=torch.int32, device=scores.device)
+            kern.gather[grid](scores, work, bin_scores, *rows, num_keys, topk, room,
+                              num_chunks, work.stride(0), bin_scores.stride(0), **consts)
+            kern.last_levels[(n,)](scores, work, bin_scores, *rows, num_keys, topk, room,
+                                   work.stride(0), bin_scores.stride(0), **consts)
         kern.count[grid](scores, work, *rows, num_keys, topk, num_chunks, work.stride(0),
                          COUNT_TIES=count_boundary_ties, **consts)
     else:  # every token selects its whole context: the write alone (work unread)
@@ -197,7 +206,8 @@ def _kernels() -> SimpleNamespace:
         triton.jit(f) for f in (_digit, _ord_of, _range_hist, _write_range, _chunks_before,
                                 _gather_range))
     _above_and_rank, _chunk_program = triton.jit(_above_and_rank), triton.jit(_chunk_program)
-    varying = ["t0", "num_keys", "topk", "num_chunks", "stride_work", "stride_out"]
+    varying = ["t0", "num_keys", "topk", "room", "num_chunks", "stride_work", "stride_out",
+               "stride_bin"]
     jit = functools.partial(triton.jit, do_not_specialize=varying)
     return SimpleNamespace(hist=jit(_radix_hist_kernel), count=jit(_radix_count_kernel),
                            write=jit(_radix_write_kernel), row=jit(_radix_row_kernel),
@@ -369,31 +379,32 @@ def _radix_hist_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_
             tl.atomic_add(hist + LEVEL * BINS + tl.arange(0, BINS), counts, mask=counts > 0)
 
 
-def _radix_gather_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_ptr,
-                         token_to_req_ptr, t0, num_keys, topk, num_chunks, stride_work,
-                         stride_out, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
+def _radix_gather_kernel(scores_ptr, work_ptr, bin_ptr, positions_ptr, seq_lens_ptr,
+                         token_to_req_ptr, t0, num_keys, topk, room, num_chunks, stride_work,
+                         stride_bin, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
                          BINS: tl.constexpr):
     """Program (i, c) (GATHER): token t0 + i's scores in chunk c whose u's top 16 bits are the
-    threshold's (levels 0 and 1 found), placed in out[i] at slots a counter in its work row
-    hands out, when they number at most topk in all (else nothing: last_levels reads them
-    all)."""
+    threshold's (levels 0 and 1 found), placed in bin_ptr's row i at slots a counter in its
+    work row hands out, when they number at most `room` in all (else nothing: last_levels
+    reads the row)."""
     i, c, n0, end = _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
                                    num_keys, CHUNK)
     if (end > topk) & (n0 < end):
         work = work_ptr + i.to(tl.int64) * stride_work
         prefix, _, at = _prefix(work, topk, 2, BINS)
-        if at <= topk:
-            _gather_range(scores_ptr + i.to(tl.int64) * num_keys, out_ptr + i.to(tl.int64) *
-                          stride_out, n0, tl.minimum(n0 + CHUNK, end), prefix,
+        if at <= room:
+            _gather_range(scores_ptr + i.to(tl.int64) * num_keys, bin_ptr + i.to(tl.int64) *
+                          stride_bin, n0, tl.minimum(n0 + CHUNK, end), prefix,
                           work + LEVELS * BINS + 2 * num_chunks + 1, CHUNK)
 
 
-def _radix_last_levels_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_ptr,
-                              token_to_req_ptr, t0, num_keys, topk, stride_work, stride_out,
-                              LEVELS: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr):
+def _radix_last_levels_kernel(scores_ptr, work_ptr, bin_ptr, positions_ptr, seq_lens_ptr,
+                              token_to_req_ptr, t0, num_keys, topk, room, stride_work,
+                              stride_bin, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
+                              BINS: tl.constexpr):
     """Program i (GATHER): token t0 + i's histograms of levels 2 and 3 into its work row, as
-    the hist kernel would sum them, from the scores the gather placed in out[i] (CHUNK a
-    step), or from its whole row where they were more than topk."""
+    the hist kernel would sum them, from the scores the gather placed in bin_ptr's row i
+    (CHUNK a step), or from its whole row where they were more than `room`."""
     i = tl.program_id(0)
     end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     if end > topk:
@@ -401,8 +412,8 @@ def _radix_last_levels_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_
         prefix, need, at = _prefix(work, topk, 2, BINS)
         src = scores_ptr + i.to(tl.int64) * num_keys
         n_src = end
-        if at <= topk:
-            src = out_ptr + i.to(tl.int64) * stride_out
+        if at <= room:
+            src = bin_ptr + i.to(tl.int64) * stride_bin
             n_src = at
         for level in tl.static_range(2, LEVELS):
             hist = _range_hist(src, 0, n_src, prefix, level, CHUNK, BINS, False)
