@@ -35,11 +35,14 @@ its chunk's 4-byte scores once, so few tokens with long contexts still spread ov
     write            each selected position at (selected before its chunk) + (before it in it)
 
 Every histogram is summed into the token's hist[level, 256] (in one zeroed workspace a token,
-beside the chunks' counts) by atomic adds of its nonzero bins.
-A level's program finds the bins of the levels before it from hist (the bin b with fewer than
-`need` scores above it and at least `need` from it; `need` starts at topk and loses each
-level's scores above its bin), so no launch waits on a host value and the whole op has static
-shapes given n and S: it can be captured in a CUDA graph. The selection is T's scores above,
+beside the chunks' counts) by atomic adds of its nonzero bins; then each program arrives at its
+token's counter for the level, and the last to arrive finds the level's bin from the whole
+histogram (the bin b with fewer than `need` scores above it and at least `need` from it; `need`
+starts at topk and loses each level's scores above its bin) and stores it with the prefix so
+far for the later launches (three ints to load, where each program found every level's bin
+again before: ~450 of a level-3 program's 1,584 sm90 instructions, ~600 of the count's 808).
+No launch waits on a host value and the whole op has static shapes given n and S: it can be
+captured in a CUDA graph. The selection is T's scores above,
 plus the first (topk - above) scores equal to T in position order. The write is deterministic:
 offsets come from the count's per-chunk totals, not from atomics.
 
@@ -155,10 +158,12 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     consts = dict(LEVELS=_LEVELS, CHUNK=chunk, BINS=_BINS, num_warps=4)
     tie_flag = _LEVELS * _BINS + 2 * num_chunks
     if num_keys > topk:
-        # one zeroed workspace a token (one memset): its histograms [LEVELS, BINS], then its
-        # chunks' (above, equal) counts [num_chunks, 2], its boundary-tie flag, and the gather's
-        # count of the scores it has placed
-        work = torch.zeros(n, tie_flag + 2, dtype=torch.int32, device=scores.device)
+        # one zeroed workspace a token (one memset): its histograms [LEVELS, BINS], its chunks'
+        # (above, equal) counts [num_chunks, 2], then (_tail) its boundary-tie flag, the
+        # gather's count of the scores it has placed, an arrival counter a level and what each
+        # level's last program found (prefix, need, at)
+        work = torch.zeros(n, tie_flag + 2 + 4 * _LEVELS, dtype=torch.int32,
+                           device=scores.device)
         for level in range(2 if GATHER else _LEVELS):
             kern.hist[grid](scores, work, *rows, num_keys, topk, work.stride(0), LEVEL=level,
                             **consts)
@@ -168,7 +173,7 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
             kern.gather[grid](scores, work, bin_scores, *rows, num_keys, topk, room,
                               num_chunks, work.stride(0), bin_scores.stride(0), **consts)
             kern.last_levels[(n,)](scores, work, bin_scores, *rows, num_keys, topk, room,
-                                   work.stride(0), bin_scores.stride(0), **consts)
+                                   num_chunks, work.stride(0), bin_scores.stride(0), **consts)
         kern.count[grid](scores, work, *rows, num_keys, topk, num_chunks, work.stride(0),
                          COUNT_TIES=count_boundary_ties, **consts)
     else:  # every token selects its whole context: the write alone (work unread)
@@ -193,15 +198,16 @@ def _kernels() -> SimpleNamespace:
     kernels call the helpers and read `tl` by global name, so those are bound here. NOTE:
     step-varying ints are exempt from specialisation (a new batch shape must not compile a new
     variant mid-serving)."""
-    global tl, _context_end, _find_bin, _prefix, _top_bits, _threshold
+    global tl, _context_end, _top_bits, _tail, _found, _store_found, _arrive
     global _digit, _ord_of, _range_hist, _write_range, _chunks_before, _gather_range
     global _above_and_rank, _chunk_program
     import triton
     import triton.language
 
     tl = triton.language
-    _context_end, _find_bin = triton.jit(_context_end), triton.jit(_find_bin)
-    _prefix, _top_bits, _threshold = (triton.jit(f) for f in (_prefix, _top_bits, _threshold))
+    _context_end, _top_bits = triton.jit(_context_end), triton.jit(_top_bits)
+    _tail, _found, _store_found, _arrive = (triton.jit(f) for f in (
+        _tail, _found, _store_found, _arrive))
     _digit, _ord_of, _range_hist, _write_range, _chunks_before, _gather_range = (
         triton.jit(f) for f in (_digit, _ord_of, _range_hist, _write_range, _chunks_before,
                                 _gather_range))
@@ -246,11 +252,6 @@ def _digit(hist, need, BINS: tl.constexpr):
     above = tl.sum(tl.where(bins == b, from_bin - hist, 0), 0)
     at = tl.sum(tl.where(bins == b, hist, 0), 0)
     return b, need - above, at
-
-
-def _find_bin(hist_ptr, need, BINS: tl.constexpr):
-    """`_digit` of the histogram hist_ptr [BINS] holds."""
-    return _digit(tl.load(hist_ptr + tl.arange(0, BINS)), need, BINS)
 
 
 def _ord_of(u):
@@ -335,22 +336,45 @@ def _chunks_before(counts, c, VOLATILE: tl.constexpr):
     return tl.sum(above, 0), tl.sum(equal, 0)
 
 
-def _prefix(hist_ptr, topk, LEVELS: tl.constexpr, BINS: tl.constexpr):
-    """From hist levels 0 .. LEVELS - 1 (LEVELS >= 1): the threshold's top 8 x LEVELS bits of u
-    (the digits' bins), the scores equal to it still to take, and the last level's count at
-    its bin."""
-    b, need, at = _find_bin(hist_ptr, topk, BINS)
-    prefix = b
-    for level in tl.static_range(1, LEVELS):
-        b, need, at = _find_bin(hist_ptr + level * BINS, need, BINS)
-        prefix = (prefix << 8) | b
-    return prefix, need, at
-
-
 def _top_bits(s, LEVELS: tl.constexpr):
     """u's top 8 x LEVELS bits (1 <= LEVELS <= 3) of ord scores s: their bits with the sign
     bit flipped."""
     return ((s >> (32 - 8 * LEVELS)) & ((1 << (8 * LEVELS)) - 1)) ^ (0x80 << (8 * LEVELS - 8))
+
+
+def _tail(work, num_chunks, LEVELS: tl.constexpr, BINS: tl.constexpr):
+    """A token's work row past its histograms and chunk counts (radix_topk's layout): the tie
+    flag, the gather's counter, an arrival counter a level, then (prefix, need, at) a level."""
+    return work + LEVELS * BINS + 2 * num_chunks
+
+
+def _found(tail, LEVEL: tl.constexpr, LEVELS: tl.constexpr):
+    """(prefix, need, at) after level LEVEL, as the level's last program stored them: u's top
+    8 x (LEVEL + 1) bits of the threshold, the scores equal to it still to take, and the
+    level's count at its bin."""
+    d = tail + 2 + LEVELS + 3 * LEVEL
+    return tl.load(d), tl.load(d + 1), tl.load(d + 2)
+
+
+def _store_found(tail, prefix, need, at, LEVEL: tl.constexpr, LEVELS: tl.constexpr):
+    d = tail + 2 + LEVELS + 3 * LEVEL
+    tl.store(d, prefix)
+    tl.store(d + 1, need)
+    tl.store(d + 2, at)
+
+
+def _arrive(work, tail, end, prefix, need, LEVEL: tl.constexpr, LEVELS: tl.constexpr,
+            CHUNK: tl.constexpr, BINS: tl.constexpr):
+    """This program's arrival once its histogram of level LEVEL is added; the token's last
+    (of its cdiv(end, CHUNK) programs) finds the level's digit from the whole histogram and
+    stores what it finds (`_found`), so later launches load three ints instead of finding
+    every level's digit again."""
+    tl.debug_barrier()  # every thread's histogram atomics before the arrival
+    ticket = tl.atomic_add(tail + 2 + LEVEL, 1)
+    if ticket == tl.cdiv(end, CHUNK) - 1:  # the others' counts are all in
+        hist = tl.load(work + LEVEL * BINS + tl.arange(0, BINS), volatile=True)
+        b, need, at = _digit(hist, need, BINS)
+        _store_found(tail, (prefix << 8) | b, need, at, LEVEL, LEVELS)
 
 
 def _radix_hist_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr,
@@ -359,24 +383,28 @@ def _radix_hist_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_
                        CHUNK: tl.constexpr, BINS: tl.constexpr):
     """Program (i, chunk c): level LEVEL's digit histogram of token t0 + i's valid scores in
     chunk c whose higher digits are the threshold's so far, added into token i's histogram
-    LEVEL (work row i)."""
+    LEVEL (work row i); the token's last program to arrive finds the level's digit."""
     i, _, n0, end = _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
                                    num_keys, CHUNK)
     if (end > topk) & (n0 < end):
-        hist = work_ptr + i.to(tl.int64) * stride_work
+        work = work_ptr + i.to(tl.int64) * stride_work
+        tail = _tail(work, tl.num_programs(1), LEVELS, BINS)
         n = n0 + tl.arange(0, CHUNK)
         ok = n < end
         s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)  # ord
         if LEVEL == 0:
+            prefix = end * 0
+            need = topk + end * 0
             digit = ((s >> 24) & 0xFF) ^ 0x80  # u's top byte
         else:
-            prefix, _, _ = _prefix(hist, topk, LEVEL, BINS)
+            prefix, need, _ = _found(tail, LEVEL - 1, LEVELS)
             ok = ok & (_top_bits(s, LEVEL) == prefix)
             digit = (s >> (24 - 8 * LEVEL)) & 0xFF
         # from level 1 most chunks hold no score of the threshold's bins: no histogram there
         if (LEVEL == 0) or (tl.sum(ok.to(tl.int32), 0) > 0):
             counts = tl.histogram(digit, BINS, mask=ok)
-            tl.atomic_add(hist + LEVEL * BINS + tl.arange(0, BINS), counts, mask=counts > 0)
+            tl.atomic_add(work + LEVEL * BINS + tl.arange(0, BINS), counts, mask=counts > 0)
+        _arrive(work, tail, end, prefix, need, LEVEL, LEVELS, CHUNK, BINS)
 
 
 def _radix_gather_kernel(scores_ptr, work_ptr, bin_ptr, positions_ptr, seq_lens_ptr,
@@ -390,26 +418,25 @@ def _radix_gather_kernel(scores_ptr, work_ptr, bin_ptr, positions_ptr, seq_lens_
     i, c, n0, end = _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
                                    num_keys, CHUNK)
     if (end > topk) & (n0 < end):
-        work = work_ptr + i.to(tl.int64) * stride_work
-        prefix, _, at = _prefix(work, topk, 2, BINS)
+        tail = _tail(work_ptr + i.to(tl.int64) * stride_work, num_chunks, LEVELS, BINS)
+        prefix, _, at = _found(tail, 1, LEVELS)
         if at <= room:
             _gather_range(scores_ptr + i.to(tl.int64) * num_keys, bin_ptr + i.to(tl.int64) *
-                          stride_bin, n0, tl.minimum(n0 + CHUNK, end), prefix,
-                          work + LEVELS * BINS + 2 * num_chunks + 1, CHUNK)
+                          stride_bin, n0, tl.minimum(n0 + CHUNK, end), prefix, tail + 1, CHUNK)
 
 
 def _radix_last_levels_kernel(scores_ptr, work_ptr, bin_ptr, positions_ptr, seq_lens_ptr,
-                              token_to_req_ptr, t0, num_keys, topk, room, stride_work,
-                              stride_bin, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
-                              BINS: tl.constexpr):
-    """Program i (GATHER): token t0 + i's histograms of levels 2 and 3 into its work row, as
-    the hist kernel would sum them, from the scores the gather placed in bin_ptr's row i
-    (CHUNK a step), or from its whole row where they were more than `room`."""
+                              token_to_req_ptr, t0, num_keys, topk, room, num_chunks,
+                              stride_work, stride_bin, LEVELS: tl.constexpr,
+                              CHUNK: tl.constexpr, BINS: tl.constexpr):
+    """Program i (GATHER): token t0 + i's digits of levels 2 and 3 from the scores the gather
+    placed in bin_ptr's row i (CHUNK a step), or from its whole row where they were more than
+    `room`; the threshold stored as the hist launches' last level would (`_found`)."""
     i = tl.program_id(0)
     end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     if end > topk:
-        work = work_ptr + i.to(tl.int64) * stride_work
-        prefix, need, at = _prefix(work, topk, 2, BINS)
+        tail = _tail(work_ptr + i.to(tl.int64) * stride_work, num_chunks, LEVELS, BINS)
+        prefix, need, at = _found(tail, 1, LEVELS)
         src = scores_ptr + i.to(tl.int64) * num_keys
         n_src = end
         if at <= room:
@@ -417,16 +444,9 @@ def _radix_last_levels_kernel(scores_ptr, work_ptr, bin_ptr, positions_ptr, seq_
             n_src = at
         for level in tl.static_range(2, LEVELS):
             hist = _range_hist(src, 0, n_src, prefix, level, CHUNK, BINS, False)
-            tl.store(work + level * BINS + tl.arange(0, BINS), hist)
-            b, need, _ = _digit(hist, need, BINS)
+            b, need, at = _digit(hist, need, BINS)
             prefix = (prefix << 8) | b
-
-
-def _threshold(hist_ptr, topk, LEVELS: tl.constexpr, BINS: tl.constexpr):
-    """The selection's lowest score T (as ord), how many scores equal to T it takes, and how
-    many there are."""
-    u, need, at = _prefix(hist_ptr, topk, LEVELS, BINS)
-    return _ord_of(u), need, at
+        _store_found(tail, prefix, need, at, LEVELS - 1, LEVELS)
 
 
 def _radix_count_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr,
@@ -439,7 +459,9 @@ def _radix_count_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token
                                    num_keys, CHUNK)
     if (end > topk) & (n0 < end):
         work = work_ptr + i.to(tl.int64) * stride_work
-        thr, need, at = _threshold(work, topk, LEVELS, BINS)
+        tail = _tail(work, num_chunks, LEVELS, BINS)
+        u, need, at = _found(tail, LEVELS - 1, LEVELS)
+        thr = _ord_of(u)
         n = n0 + tl.arange(0, CHUNK)
         ok = n < end
         s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)
@@ -448,7 +470,7 @@ def _radix_count_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token
         tl.store(counts + 1, tl.sum((ok & (s == thr)).to(tl.int32), 0))
         if COUNT_TIES:
             if c == 0:
-                tl.store(work + LEVELS * BINS + 2 * num_chunks, (at > need).to(tl.int32))
+                tl.store(tail, (at > need).to(tl.int32))
 
 
 def _radix_write_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_ptr,
@@ -472,7 +494,8 @@ def _radix_write_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_p
             tl.store(out + n, n, mask=ok)
         else:
             work = work_ptr + i.to(tl.int64) * stride_work
-            thr, need, _ = _threshold(work, topk, LEVELS, BINS)
+            u, need, _ = _found(_tail(work, num_chunks, LEVELS, BINS), LEVELS - 1, LEVELS)
+            thr = _ord_of(u)
             above_before, equal_before = _chunks_before(work + LEVELS * BINS, c, False)
             s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)
             above = ok & (s > thr)
