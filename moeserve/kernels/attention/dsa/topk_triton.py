@@ -540,7 +540,10 @@ def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to
                     tl.debug_barrier()  # placed by every thread before any reads them
                     src = out
                     n_src = at
-            hist = _range_hist(src, 0, n_src, prefix, level, BLOCK, BINS, False)
+            # GATHER: levels 2 and 3 read past L1 (a line of the gathered scores another
+            # program on this SM read before they were placed would be stale there)
+            hist = _range_hist(src, 0, n_src, prefix, level, BLOCK, BINS,
+                               GATHER and level >= 2)
             b, need, at = _digit(hist, need, BINS)
             prefix = (prefix << 8) | b
         if GATHER:
