@@ -31,8 +31,9 @@ def test_smoke_run_writes_both_sections(tmp_path, monkeypatch) -> None:
     assert [c["case"] for c in decode] == [n for n, *_ in kernels_dsa.SMOKE_DECODE]
     assert all(c["check_error"] < 1e-5 and c["dsa_ms"] > 0 for c in decode)
     # GATHER's forms, each checked equal to the default's selection before it was timed
-    assert all(set(c["topk_gather_graph_ms"]) == {"chunks", "row"}
-               and c["dsa_graph_gather_ms"] > 0 for c in decode)
+    assert all(set(c["topk_gather_graph_ms"]) == {"chunks", "row", "coop"}
+               and c["dsa_graph_gather_ms"] > 0 and c["dsa_graph_coop_gather_ms"] > 0
+               for c in decode)
     monkeypatch.setattr(sys, "argv", ["kernels_dsa", "--out", str(tmp_path), "--smoke",
                                       "--decode-only"])
     kernels_dsa.main()

@@ -23,8 +23,9 @@ positions a program as topk_chunks_sizes_graph_ms), the "coop" form (one launch,
 topk_coop_triton.py; where refused, too many tokens, the reason as topk_coop) as
 topk_coop_graph_ms with the step's graph with it
 as dsa_graph_coop_ms; the row form at
-ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row and chunks forms with
-topk_triton.GATHER as topk_gather_graph_ms, the step's graph with it as dsa_graph_gather_ms),
+ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row, chunks and coop forms
+with topk_triton.GATHER as topk_gather_graph_ms, the step's graph with it as
+dsa_graph_gather_ms and with coop as dsa_graph_coop_gather_ms),
 the scores with each scoring
 program walking SCORE_KEY_TILES key tiles (score_key_tiles_ms, and the step in a graph as
 dsa_graph_key_tiles_ms) and launched at SCORE_LAUNCHES' warps and stages (score_launch_ms,
@@ -245,21 +246,30 @@ def time_gather(name: str, scores: torch.Tensor, meta: AttentionMetadata, topk: 
                 selected: torch.Tensor, step: Callable[[], object], timer: Timer,
                 cuda: bool) -> dict:
     """topk_triton.GATHER on (the threshold's last two digits from its 16-bit bin's scores):
-    the row and chunks forms checked against `selected`, then in graphs as
-    topk_gather_graph_ms {form: ms}; the step's graph with it as dsa_graph_gather_ms."""
+    the row, chunks and coop forms (coop where not refused) checked against `selected`, then
+    in graphs as topk_gather_graph_ms {form: ms}; the step's graph with it as
+    dsa_graph_gather_ms ("auto"'s form), and with the coop form as dsa_graph_coop_gather_ms."""
     row: dict = {"topk_gather_graph_ms": {}}
-    was, topk_triton.GATHER = topk_triton.GATHER, True
+    was = topk_triton.GATHER, topk_triton.FORM
+    topk_triton.GATHER = True
     try:
-        for form in ("chunks", "row"):
+        for form in ("chunks", "row", "coop"):
             fn = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,
                                    torch.empty_like(selected), form=form)
-            fn()
+            try:
+                fn()
+            except ValueError:  # coop: more tokens than its programs' places
+                continue
             assert torch.equal(fn.args[4], selected), f"{name}: {form} with GATHER"
             row["topk_gather_graph_ms"][form] = round(graph_timed(timer, fn, cuda), 4)
         step()
         row["dsa_graph_gather_ms"] = graph_timed(timer, step, cuda)
+        if "coop" in row["topk_gather_graph_ms"]:
+            topk_triton.FORM = "coop"
+            step()
+            row["dsa_graph_coop_gather_ms"] = graph_timed(timer, step, cuda)
     finally:
-        topk_triton.GATHER = was
+        topk_triton.GATHER, topk_triton.FORM = was
     return row
 
 
