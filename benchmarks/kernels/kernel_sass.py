@@ -342,11 +342,12 @@ TOPK_POINTERS = {"scores_ptr": "*i32", "work_ptr": "*i32", "out_ptr": "*i32",
 
 
 def topk(args: argparse.Namespace) -> dict:
-    """DSA's radix top-k (kernels/attention/dsa/topk_triton.py, topk_coop_triton.py): --form's
+    """DSA's radix top-k (kernels/attention/dsa/topk_triton.py, topk_chunks_triton.py,
+    topk_coop_triton.py): --form's
     kernel at --block positions a step (a program's chunk for hist / count / write / gather,
     last_levels' step) and --warps; the coop form's registers and shared memory are what its
     residency rule reads."""
-    from moeserve.kernels.attention.dsa import topk_coop_triton, topk_triton
+    from moeserve.kernels.attention.dsa import topk_chunks_triton, topk_coop_triton, topk_triton
 
     levels, bins = topk_triton._LEVELS, topk_triton._BINS
     if args.form == "coop":
@@ -357,7 +358,7 @@ def topk(args: argparse.Namespace) -> dict:
         kernel = topk_triton._kernels().row
         const = dict(COUNT_TIES=False, GATHER=args.gather, BLOCK=args.block, BINS=bins)
     else:
-        kernel = getattr(topk_triton._kernels(), args.form)
+        kernel = getattr(topk_chunks_triton._kernels(), args.form)
         const = dict(LEVELS=levels, CHUNK=args.block, BINS=bins)
         const |= {"LEVEL": 0} if args.form == "hist" else {}
         const |= {"COUNT_TIES": False} if args.form == "count" else {}

@@ -212,10 +212,11 @@ def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
         def __getitem__(self, grid):
             launched.append(self.name)
             return self.fn[grid]
-    for name in ("row", "write"):
-        monkeypatch.setattr(kern, name, Spy(name, getattr(kern, name)))
-    from moeserve.kernels.attention.dsa import topk_coop_triton
+    monkeypatch.setattr(kern, "row", Spy("row", kern.row))
+    from moeserve.kernels.attention.dsa import topk_chunks_triton, topk_coop_triton
 
+    chunks = topk_chunks_triton._kernels()
+    monkeypatch.setattr(chunks, "write", Spy("write", chunks.write))
     coop = topk_coop_triton._kernels()
     monkeypatch.setattr(coop, "coop", Spy("coop", coop.coop))
     monkeypatch.setattr(topk_triton, "ROW_MIN_TOKENS", 3)

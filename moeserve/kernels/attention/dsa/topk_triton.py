@@ -11,7 +11,7 @@ the positions of the selection, in ascending position order, -1 after them:
     (the reference's stable sort): exactly `topk` positions.
 
 Radix select: u = ord with its sign bit flipped orders as an unsigned int, read as four 8-bit
-digits from the top. Two forms (`radix_topk`'s form, default FORM):
+digits from the top. Three forms (`radix_topk`'s form, default FORM):
 
 "row": one launch, a program a token (`_radix_row_kernel`): four passes over the token's
 scores, CHUNK a step, each summing one digit's histogram in registers among the scores whose
@@ -25,40 +25,21 @@ in a graph against 0.079; W3's prefill chunks 4.87 against 5.76 ms), so "auto" t
 ROW_MIN_TOKENS tokens (256 x 64k at 2,048 a step: 0.435 against 0.403; at ROW_CHUNK 4,096
 0.382).
 
-"chunks": six launches over (token, chunk of CHUNK positions) programs, each program reading
-its chunk's 4-byte scores once, so few tokens with long contexts still spread over the GPU:
-
-    hist level 0     histogram of u's top byte over the token's valid scores
-    hist level 1-3   of the next byte, among the scores whose higher bytes are the
-                     threshold's so far (the bins the levels before found) -> the threshold T
-    count            per chunk: scores above T, scores equal to T
-    write            each selected position at (selected before its chunk) + (before it in it)
-
-Every histogram is summed into the token's hist[level, 256] (in one zeroed workspace a token,
-beside the chunks' counts) by atomic adds of its nonzero bins; then each program arrives at its
-token's counter for the level, and the last to arrive finds the level's bin from the whole
-histogram (the bin b with fewer than `need` scores above it and at least `need` from it; `need`
-starts at topk and loses each level's scores above its bin) and stores it with the prefix so
-far for the later launches (three ints to load, where each program found every level's bin
-again before: ~450 of a level-3 program's 1,584 sm90 instructions, ~600 of the count's 808).
-No launch waits on a host value and the whole op has static shapes given n and S: it can be
-captured in a CUDA graph. The selection is T's scores above,
-plus the first (topk - above) scores equal to T in position order. The write is deterministic:
-offsets come from the count's per-chunk totals, not from atomics.
+"chunks" (topk_chunks_triton.py): six launches over (token, chunk of CHUNK positions) programs,
+each reading its chunk's scores once, so few tokens with long contexts still spread over the
+GPU. "coop" (topk_coop_triton.py): the chunks form's passes in one launch.
 
 GATHER (off until the GPU times it): the threshold's 16-bit bin (levels 0 and 1) holds few
 scores, and levels 2 and 3 need only them, yet each of those passes runs a histogram over every
-score (Triton's histogram costs a 2,048-position program ~1,300-1,600 sm90 instructions whatever
-its mask). So the bin's scores, where at most topk, are placed in `out` first (an atomic slot
-each, in any order: the write pass replaces them last; the chunks form: up to a quarter of the
-row's in a buffer of their own), and levels 2 and 3 histogram those:
-in the row form inside its program, in the chunks form by a gather launch (a chunk a program)
-and a last_levels launch (a program a token, which writes the two histograms where the hist
-launches would have summed them, so count and write run as before), in the coop form by a
-gather and one barrier, after which each program sums the two levels itself. A fuller bin is
-read from the row as before. Offline (sm90 SASS, a 2,048-position program): gather
-864 instructions against hist's 1,344-1,584; the chunks form's six launches ~8,300 -> ~6,100
-a chunk, plus last_levels' 2,816 a token.
+score (Triton's histogram costs a 2,048-position program ~1,300 sm90 instructions whatever its
+mask). So the bin's scores, where at most topk, are placed in `out` first (an atomic slot
+each, in any order: the write pass replaces them last), and levels 2 and 3 histogram those:
+in the row form inside its program, in the coop form after one barrier by each program
+itself, in the chunks form by a gather and a last_levels launch (into a buffer of up to a
+quarter of the row). A fuller bin is read from the row as before. Offline (sm90 SASS, a
+2,048-position program): gather 624 instructions against a histogram pass's ~1,300-1,450;
+the chunks form ~8,650 instructions a chunk at 3f5092c's parent, ~6,600 after its last
+arrivers (topk_chunks_triton.py), ~4,700 with GATHER (plus last_levels' 2,712 a token).
 
 Why: torch.topk over int64 sort keys (score << 32 | position) was 20-28% of DSA's decode step on
 the H200 at GLM-5's shape (benchmarks/results/gpu_bc677c8: 0.08 ms at 32 tokens and 8k
@@ -122,7 +103,8 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     a short context's; the module docstring has the contract). meta's positions, seq_lens and
     token_to_req give each token's context end, on the device. form: "row" (one program a
     token, ROW_CHUNK positions a step), "chunks" (six launches over (token, chunk of positions)
-    programs, CHUNK positions a chunk), "coop" (the chunks form's passes in one launch,
+    programs, CHUNK positions a chunk, topk_chunks_triton.py), "coop" (the chunks form's
+    passes in one launch,
     topk_coop_triton.py; at most a token an SM) or "auto" (row from ROW_MIN_TOKENS tokens);
     default the module's FORM. chunk overrides the form's positions a program or step
     (tests: small, so rows span several).
@@ -143,44 +125,17 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     chunk = chunk or (ROW_CHUNK if form == "row" else CHUNK)
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"radix_topk: chunk must be a power of two >= 16, got {chunk}")
-    kern = _kernels()
-    rows = (meta.positions, meta.seq_lens, meta.token_to_req, t0)
-    if form == "row":
-        # the tie flags, and with GATHER first each token's gather counter (zeroed)
-        ties = (torch.zeros if GATHER else torch.empty)(
-            n if count_boundary_ties or GATHER else 1, dtype=torch.int32, device=scores.device)
-        kern.row[(n,)](scores, out, *rows, ties, num_keys, topk, out.stride(0),
-                       COUNT_TIES=count_boundary_ties, GATHER=GATHER, BLOCK=chunk, BINS=_BINS,
-                       num_warps=ROW_WARPS)
-        return int(ties.sum()) if count_boundary_ties else 0
-    num_chunks = -(-num_keys // chunk)
-    grid = (n, num_chunks)
-    consts = dict(LEVELS=_LEVELS, CHUNK=chunk, BINS=_BINS, num_warps=4)
-    tie_flag = _LEVELS * _BINS + 2 * num_chunks
-    if num_keys > topk:
-        # one zeroed workspace a token (one memset): its histograms [LEVELS, BINS], its chunks'
-        # (above, equal) counts [num_chunks, 2], then (_tail) its boundary-tie flag, the
-        # gather's count of the scores it has placed, an arrival counter a level and what each
-        # level's last program found (prefix, need, at)
-        work = torch.zeros(n, tie_flag + 2 + 4 * _LEVELS, dtype=torch.int32,
-                           device=scores.device)
-        for level in range(2 if GATHER else _LEVELS):
-            kern.hist[grid](scores, work, *rows, num_keys, topk, work.stride(0), LEVEL=level,
-                            **consts)
-        if GATHER:  # the last two levels from the gathered scores (GATHER's comment)
-            room = max(topk, -(-num_keys // GATHER_SHARE))  # scores a token's bin may place
-            bin_scores = torch.empty(n, room, dtype=torch.int32, device=scores.device)
-            kern.gather[grid](scores, work, bin_scores, *rows, num_keys, topk, room,
-                              num_chunks, work.stride(0), bin_scores.stride(0), **consts)
-            kern.last_levels[(n,)](scores, work, bin_scores, *rows, num_keys, topk, room,
-                                   num_chunks, work.stride(0), bin_scores.stride(0), **consts)
-        kern.count[grid](scores, work, *rows, num_keys, topk, num_chunks, work.stride(0),
-                         COUNT_TIES=count_boundary_ties, **consts)
-    else:  # every token selects its whole context: the write alone (work unread)
-        work = scores
-    kern.write[grid](scores, work, out, *rows, num_keys, topk, num_chunks, work.stride(0),
-                     out.stride(0), **consts)
-    return int(work[:, tie_flag].sum()) if count_boundary_ties and num_keys > topk else 0
+    if form == "chunks":  # topk_chunks_triton.py (imported here: it imports us)
+        from moeserve.kernels.attention.dsa.topk_chunks_triton import radix_topk_chunks
+
+        return radix_topk_chunks(scores, meta, t0, topk, out, chunk, count_boundary_ties)
+    # the tie flags, and with GATHER first each token's gather counter (zeroed)
+    ties = (torch.zeros if GATHER else torch.empty)(
+        n if count_boundary_ties or GATHER else 1, dtype=torch.int32, device=scores.device)
+    _kernels().row[(n,)](scores, out, meta.positions, meta.seq_lens, meta.token_to_req, t0,
+                         ties, num_keys, topk, out.stride(0), COUNT_TIES=count_boundary_ties,
+                         GATHER=GATHER, BLOCK=chunk, BINS=_BINS, num_warps=ROW_WARPS)
+    return int(ties.sum()) if count_boundary_ties else 0
 
 
 def auto_form(n: int, device: torch.device) -> str:
@@ -198,27 +153,20 @@ def _kernels() -> SimpleNamespace:
     kernels call the helpers and read `tl` by global name, so those are bound here. NOTE:
     step-varying ints are exempt from specialisation (a new batch shape must not compile a new
     variant mid-serving)."""
-    global tl, _context_end, _top_bits, _tail, _found, _store_found, _arrive
+    global tl, _context_end, _top_bits
     global _digit, _ord_of, _range_hist, _write_range, _chunks_before, _gather_range
-    global _above_and_rank, _chunk_program
+    global _above_and_rank
     import triton
     import triton.language
 
     tl = triton.language
     _context_end, _top_bits = triton.jit(_context_end), triton.jit(_top_bits)
-    _tail, _found, _store_found, _arrive = (triton.jit(f) for f in (
-        _tail, _found, _store_found, _arrive))
     _digit, _ord_of, _range_hist, _write_range, _chunks_before, _gather_range = (
         triton.jit(f) for f in (_digit, _ord_of, _range_hist, _write_range, _chunks_before,
                                 _gather_range))
-    _above_and_rank, _chunk_program = triton.jit(_above_and_rank), triton.jit(_chunk_program)
-    varying = ["t0", "num_keys", "topk", "room", "num_chunks", "stride_work", "stride_out",
-               "stride_bin"]
-    jit = functools.partial(triton.jit, do_not_specialize=varying)
-    return SimpleNamespace(hist=jit(_radix_hist_kernel), count=jit(_radix_count_kernel),
-                           write=jit(_radix_write_kernel), row=jit(_radix_row_kernel),
-                           gather=jit(_radix_gather_kernel),
-                           last_levels=jit(_radix_last_levels_kernel))
+    _above_and_rank = triton.jit(_above_and_rank)
+    varying = ["t0", "num_keys", "topk", "stride_out"]
+    return SimpleNamespace(row=triton.jit(_radix_row_kernel, do_not_specialize=varying))
 
 
 # ---- Triton helpers and kernels (jitted by _kernels; module globals, as the interpreter
@@ -231,16 +179,6 @@ def _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, tok, num_keys):
     req = tl.load(token_to_req_ptr + tok)
     end = tl.minimum(tl.load(positions_ptr + tok) + 1, tl.load(seq_lens_ptr + req))
     return tl.minimum(end, num_keys).to(tl.int32)
-
-
-def _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0, num_keys,
-                   CHUNK: tl.constexpr):
-    """Program (i, c) of a (token, chunk) launch: i, c, the chunk's first position and token
-    t0 + i's context end."""
-    i = tl.program_id(0)
-    c = tl.program_id(1)
-    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
-    return i, c, c * CHUNK, end
 
 
 def _digit(hist, need, BINS: tl.constexpr):
@@ -340,171 +278,6 @@ def _top_bits(s, LEVELS: tl.constexpr):
     """u's top 8 x LEVELS bits (1 <= LEVELS <= 3) of ord scores s: their bits with the sign
     bit flipped."""
     return ((s >> (32 - 8 * LEVELS)) & ((1 << (8 * LEVELS)) - 1)) ^ (0x80 << (8 * LEVELS - 8))
-
-
-def _tail(work, num_chunks, LEVELS: tl.constexpr, BINS: tl.constexpr):
-    """A token's work row past its histograms and chunk counts (radix_topk's layout): the tie
-    flag, the gather's counter, an arrival counter a level, then (prefix, need, at) a level."""
-    return work + LEVELS * BINS + 2 * num_chunks
-
-
-def _found(tail, LEVEL: tl.constexpr, LEVELS: tl.constexpr):
-    """(prefix, need, at) after level LEVEL, as the level's last program stored them: u's top
-    8 x (LEVEL + 1) bits of the threshold, the scores equal to it still to take, and the
-    level's count at its bin."""
-    d = tail + 2 + LEVELS + 3 * LEVEL
-    return tl.load(d), tl.load(d + 1), tl.load(d + 2)
-
-
-def _store_found(tail, prefix, need, at, LEVEL: tl.constexpr, LEVELS: tl.constexpr):
-    d = tail + 2 + LEVELS + 3 * LEVEL
-    tl.store(d, prefix)
-    tl.store(d + 1, need)
-    tl.store(d + 2, at)
-
-
-def _arrive(work, tail, end, prefix, need, LEVEL: tl.constexpr, LEVELS: tl.constexpr,
-            CHUNK: tl.constexpr, BINS: tl.constexpr):
-    """This program's arrival once its histogram of level LEVEL is added; the token's last
-    (of its cdiv(end, CHUNK) programs) finds the level's digit from the whole histogram and
-    stores what it finds (`_found`), so later launches load three ints instead of finding
-    every level's digit again."""
-    tl.debug_barrier()  # every thread's histogram atomics before the arrival
-    ticket = tl.atomic_add(tail + 2 + LEVEL, 1)
-    if ticket == tl.cdiv(end, CHUNK) - 1:  # the others' counts are all in
-        hist = tl.load(work + LEVEL * BINS + tl.arange(0, BINS), volatile=True)
-        b, need, at = _digit(hist, need, BINS)
-        _store_found(tail, (prefix << 8) | b, need, at, LEVEL, LEVELS)
-
-
-def _radix_hist_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr,
-                       t0, num_keys, topk, stride_work, LEVEL: tl.constexpr,
-                       LEVELS: tl.constexpr,
-                       CHUNK: tl.constexpr, BINS: tl.constexpr):
-    """Program (i, chunk c): level LEVEL's digit histogram of token t0 + i's valid scores in
-    chunk c whose higher digits are the threshold's so far, added into token i's histogram
-    LEVEL (work row i); the token's last program to arrive finds the level's digit."""
-    i, _, n0, end = _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
-                                   num_keys, CHUNK)
-    if (end > topk) & (n0 < end):
-        work = work_ptr + i.to(tl.int64) * stride_work
-        tail = _tail(work, tl.num_programs(1), LEVELS, BINS)
-        n = n0 + tl.arange(0, CHUNK)
-        ok = n < end
-        s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)  # ord
-        if LEVEL == 0:
-            prefix = end * 0
-            need = topk + end * 0
-            digit = ((s >> 24) & 0xFF) ^ 0x80  # u's top byte
-        else:
-            prefix, need, _ = _found(tail, LEVEL - 1, LEVELS)
-            ok = ok & (_top_bits(s, LEVEL) == prefix)
-            digit = (s >> (24 - 8 * LEVEL)) & 0xFF
-        # from level 1 most chunks hold no score of the threshold's bins: no histogram there
-        if (LEVEL == 0) or (tl.sum(ok.to(tl.int32), 0) > 0):
-            counts = tl.histogram(digit, BINS, mask=ok)
-            tl.atomic_add(work + LEVEL * BINS + tl.arange(0, BINS), counts, mask=counts > 0)
-        _arrive(work, tail, end, prefix, need, LEVEL, LEVELS, CHUNK, BINS)
-
-
-def _radix_gather_kernel(scores_ptr, work_ptr, bin_ptr, positions_ptr, seq_lens_ptr,
-                         token_to_req_ptr, t0, num_keys, topk, room, num_chunks, stride_work,
-                         stride_bin, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
-                         BINS: tl.constexpr):
-    """Program (i, c) (GATHER): token t0 + i's scores in chunk c whose u's top 16 bits are the
-    threshold's (levels 0 and 1 found), placed in bin_ptr's row i at slots a counter in its
-    work row hands out, when they number at most `room` in all (else nothing: last_levels
-    reads the row)."""
-    i, c, n0, end = _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
-                                   num_keys, CHUNK)
-    if (end > topk) & (n0 < end):
-        tail = _tail(work_ptr + i.to(tl.int64) * stride_work, num_chunks, LEVELS, BINS)
-        prefix, _, at = _found(tail, 1, LEVELS)
-        if at <= room:
-            _gather_range(scores_ptr + i.to(tl.int64) * num_keys, bin_ptr + i.to(tl.int64) *
-                          stride_bin, n0, tl.minimum(n0 + CHUNK, end), prefix, tail + 1, CHUNK)
-
-
-def _radix_last_levels_kernel(scores_ptr, work_ptr, bin_ptr, positions_ptr, seq_lens_ptr,
-                              token_to_req_ptr, t0, num_keys, topk, room, num_chunks,
-                              stride_work, stride_bin, LEVELS: tl.constexpr,
-                              CHUNK: tl.constexpr, BINS: tl.constexpr):
-    """Program i (GATHER): token t0 + i's digits of levels 2 and 3 from the scores the gather
-    placed in bin_ptr's row i (CHUNK a step), or from its whole row where they were more than
-    `room`; the threshold stored as the hist launches' last level would (`_found`)."""
-    i = tl.program_id(0)
-    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
-    if end > topk:
-        tail = _tail(work_ptr + i.to(tl.int64) * stride_work, num_chunks, LEVELS, BINS)
-        prefix, need, at = _found(tail, 1, LEVELS)
-        src = scores_ptr + i.to(tl.int64) * num_keys
-        n_src = end
-        if at <= room:
-            src = bin_ptr + i.to(tl.int64) * stride_bin
-            n_src = at
-        for level in tl.static_range(2, LEVELS):
-            hist = _range_hist(src, 0, n_src, prefix, level, CHUNK, BINS, False)
-            b, need, at = _digit(hist, need, BINS)
-            prefix = (prefix << 8) | b
-        _store_found(tail, prefix, need, at, LEVELS - 1, LEVELS)
-
-
-def _radix_count_kernel(scores_ptr, work_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr,
-                        t0, num_keys, topk, num_chunks, stride_work, COUNT_TIES: tl.constexpr,
-                        LEVELS: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr):
-    """Program (i, c): token i's chunk counts [c] = (scores above T, scores equal to T) in
-    chunk c; with COUNT_TIES, chunk 0 also sets the token's tie flag where T's scores
-    outnumber those taken."""
-    i, c, n0, end = _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
-                                   num_keys, CHUNK)
-    if (end > topk) & (n0 < end):
-        work = work_ptr + i.to(tl.int64) * stride_work
-        tail = _tail(work, num_chunks, LEVELS, BINS)
-        u, need, at = _found(tail, LEVELS - 1, LEVELS)
-        thr = _ord_of(u)
-        n = n0 + tl.arange(0, CHUNK)
-        ok = n < end
-        s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)
-        counts = work + LEVELS * BINS + c * 2
-        tl.store(counts, tl.sum((ok & (s > thr)).to(tl.int32), 0))
-        tl.store(counts + 1, tl.sum((ok & (s == thr)).to(tl.int32), 0))
-        if COUNT_TIES:
-            if c == 0:
-                tl.store(tail, (at > need).to(tl.int32))
-
-
-def _radix_write_kernel(scores_ptr, work_ptr, out_ptr, positions_ptr, seq_lens_ptr,
-                        token_to_req_ptr, t0, num_keys, topk, num_chunks, stride_work,
-                        stride_out, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
-                        BINS: tl.constexpr):
-    """Program (i, c): token t0 + i's selected positions of chunk c, in position order, at
-    their places in out[i] (after those of chunks < c); chunk 0 also writes -1 at the places
-    a context shorter than topk leaves."""
-    i, c, n0, end = _chunk_program(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
-                                   num_keys, CHUNK)
-    n = n0 + tl.arange(0, CHUNK)
-    ok = n < end
-    out = out_ptr + i.to(tl.int64) * stride_out
-    if c == 0:
-        for j in range(tl.maximum(end, 0), topk, CHUNK):  # the places past a short context
-            place = j + tl.arange(0, CHUNK)
-            tl.store(out + place, tl.full([CHUNK], -1, tl.int32), mask=place < topk)
-    if n0 < end:
-        if end <= topk:  # the whole context: position s at place s
-            tl.store(out + n, n, mask=ok)
-        else:
-            work = work_ptr + i.to(tl.int64) * stride_work
-            u, need, _ = _found(_tail(work, num_chunks, LEVELS, BINS), LEVELS - 1, LEVELS)
-            thr = _ord_of(u)
-            above_before, equal_before = _chunks_before(work + LEVELS * BINS, c, False)
-            s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)
-            above = ok & (s > thr)
-            equal = ok & (s == thr)
-            above_to, rank = _above_and_rank(above, equal, equal_before)
-            take = above | (equal & (rank <= need))
-            # after the chunks before's (above_before + min(equal_before, need) places), this
-            # chunk's above and taken equal scores up to each position
-            tl.store(out + above_before + above_to + tl.minimum(rank, need) - 1, n, mask=take)
 
 
 def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
