@@ -121,18 +121,20 @@ def test_dsa_indexer_compiles_once_across_batch_shapes(monkeypatch: pytest.Monke
     and mixed steps (query tiles), some scored in chunks of tiles (the tiles sliced at odd
     offsets): at most two new variants, both compiled by the first pair of steps (none when
     the run's earlier DSA tests compiled them: the full `pytest -m gpu` on the H200). The
-    radix top-k's kernels (dsa/topk_triton.py) likewise compile in the first pair only (the
-    row form's one; the chunks form's six: four histogram levels, the count, the write)
-    whatever the tokens, contexts and chunks."""
+    radix top-k's kernels (dsa/topk_triton.py's row form, topk_chunks_triton.py's chunks
+    form) likewise compile in the first pair only (the row form's one; the chunks form's six:
+    four histogram levels, the count, the write) whatever the tokens, contexts and chunks."""
     from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
-    from moeserve.kernels.attention.dsa import topk_triton
+    from moeserve.kernels.attention.dsa import topk_chunks_triton, topk_triton
     from tests.kernels.attention.test_dsa_triton import make_step
 
-    kern, topk_kern = dsa_triton._kernels(), topk_triton._kernels()
+    kern, row_kern = dsa_triton._kernels(), topk_triton._kernels()
+    chunks_kern = topk_chunks_triton._kernels()
 
     def compiled() -> tuple[int, ...]:
-        return (variants(kern.index_score), variants(topk_kern.hist), variants(topk_kern.count),
-                variants(topk_kern.write), variants(topk_kern.row))
+        return (variants(kern.index_score), variants(chunks_kern.hist),
+                variants(chunks_kern.count), variants(chunks_kern.write),
+                variants(row_kern.row))
     rng = np.random.default_rng(0)
     monkeypatch.setattr(dsa_triton, "_CHUNK_KEYS", 1 << 16)  # ~20 tokens a chunk at S ~ 3k
     start, counts = compiled(), []
