@@ -43,7 +43,7 @@ for r in json.load(open('/tmp/dsa/kernels_dsa.json'))['decode']:
           r.get('sparse_mla_tiles'))
 "
 if [ "${PREFILL:-1}" = 1 ]; then
-timeout -s INT 140 python3 -m benchmarks.kernels.mla.kernels_dsa_prefill --out $R \
+timeout -s INT 200 python3 -m benchmarks.kernels.mla.kernels_dsa_prefill --out $R \
   > $R/kernels_dsa_prefill.log 2>&1
 echo "kernels_dsa_prefill rc=$?"; cut -c1-400 $R/kernels_dsa_prefill.log
 fi

@@ -22,7 +22,10 @@ step of exact integer data: the selection equal to `indexer_topk_ref`'s, the spa
 2^-6 of `dsa_attention_ref`. On the GPU the sparse MLA is timed by decode_gluon_ws's sparse
 form (sparse_mla_ws_ms) and by decode_gluon's kernel (sparse_mla_gluon_ms): decode_gluon.ws_sparse's
 A/B. The top-k in its row and chunks forms with topk_triton.GATHER on as topk_row_gather_ms and
-topk_chunks_gather_ms (each first checked equal to the default's selection).
+topk_chunks_gather_ms (each first checked equal to the default's selection). The dense MLA
+also with its pieces through the memory-efficient kernel (up_projected.FLASH_PIECES off:
+dense_mla_efficient_ms, and its largest difference from the default relative to the output's
+largest value, dense_mla_efficient_error).
 
     python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR
     python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR --smoke   # tiny, CPU interpreter
@@ -53,6 +56,7 @@ from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
 from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
 from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_topk_ref
+from moeserve.kernels.attention.mla import up_projected
 from moeserve.kernels.attention.mla.reference import mla_prefill_ref
 
 # ANCHORS.md: the H200's copy rate and bf16 dense peak; main() takes its GPU's (device_ceilings)
@@ -174,8 +178,20 @@ def run_case(name: str, prefix: int, chunk: int, device: str, timer: Timer) -> d
     if cuda:  # decode_gluon.ws_sparse's A/B: the same launch by each kernel
         row |= time_sparse_ws_prefill(name, (q_lat, latent, meta, positions, width ** -0.5,
                                              s["latent"]), timer)
-    row["dense_mla_ms"] = timer(lambda: mla_prefill_ref(
-        q_up, latent, meta, (s["nope"] + s["rope"]) ** -0.5, kv_b, s["nope"], s["v"]))
+    def dense() -> torch.Tensor:
+        return mla_prefill_ref(q_up, latent, meta, (s["nope"] + s["rope"]) ** -0.5, kv_b,
+                               s["nope"], s["v"])
+    row["dense_mla_ms"] = timer(dense)
+    if cuda:  # up_projected.FLASH_PIECES' A/B: the memory-efficient kernel's pieces
+        flash = dense()
+        was, up_projected.FLASH_PIECES = up_projected.FLASH_PIECES, False
+        try:
+            efficient = dense()
+            row["dense_mla_efficient_error"] = float(
+                (efficient.float() - flash.float()).abs().max() / flash.float().abs().max())
+            row["dense_mla_efficient_ms"] = timer(dense)
+        finally:
+            up_projected.FLASH_PIECES = was
     seen = ends(meta).double()
     index_flops = float(seen.sum()) * q_i.shape[1] * q_i.shape[2] * 2
     sparse_flops = float(seen.clamp(max=s["topk"]).sum()) * heads * 2 * (width + s["latent"])
@@ -186,7 +202,7 @@ def run_case(name: str, prefix: int, chunk: int, device: str, timer: Timer) -> d
                                   index_flops),
               "sparse_mla": bound_ms(0, sparse_flops), "dense_mla": bound_ms(0, dense_flops)}
     dsa_ms = row["indexer_ms"] + row["sparse_mla_ms"]
-    row = {key: round(v, 4) if isinstance(v, float) and key != "check_error" else v
+    row = {key: round(v, 4) if isinstance(v, float) and not key.endswith("error") else v
            for key, v in row.items()}
     row.update({f"{part}_bound_ms": round(b, 4) for part, b in bounds.items()})
     row.update({"indexer_pct": round(100 * bounds["indexer"] / row["indexer_ms"], 1),

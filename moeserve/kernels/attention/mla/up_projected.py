@@ -27,8 +27,9 @@ otherwise, the CPU or fp32, SDPA a row at a time). layers/mla.py's `row_forms` s
 rows take it (prompts of 512 tokens and more; MOESERVE_MLA_FRESH_VARLEN=0 turns it off).
 
 A piece's attention is a fused kernel that returns its log-sum-exp (no [Q, S] scores): on
-CUDA torch's memory-efficient SDPA, on the CPU torch's flash SDPA (which needs the values as
-wide as the keys: they are zero-padded, and the padding's output columns dropped).
+CUDA in bf16 / fp16 with keys up to 256 wide torch's FlashAttention-2 (FLASH_PIECES), else
+torch's memory-efficient SDPA; on the CPU torch's flash SDPA. Both flash kernels need the
+values as wide as the keys: they are zero-padded, and the padding's output columns dropped.
 """
 
 from __future__ import annotations
@@ -163,18 +164,29 @@ def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: in
     return k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None]
 
 
+# A piece through FlashAttention-2 rather than the memory-efficient kernel where it takes the
+# shapes (off: the memory-efficient kernel, kernels_dsa_prefill's dense_mla_efficient_ms). The
+# efficient kernel held W3's dense prefill chunk (8,192 queries after 24,576 tokens, 64 heads)
+# at 14.2% of its compute bound on the H100 (gpu_948136d/call3: 144.2 ms).
+FLASH_PIECES = True
+
+
 def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """q [1, H, Q, D], k [1, H, n, D], v [1, H, n, Dv] -> (out [1, H, Q, Dv], lse [1, H, Q]
     fp32); causal: the piece is the queries' own span (n == Q), square."""
-    num_queries = q.shape[2]
-    if q.is_cuda:
+    num_queries, width, v_dim = q.shape[2], q.shape[-1], v.shape[-1]
+    flash = FLASH_PIECES and q.dtype in (torch.bfloat16, torch.float16) and width <= 256
+    if q.is_cuda and not flash:
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)[:2]
         return out, lse[..., :num_queries]
-    v_dim = v.shape[-1]
-    if v_dim < q.shape[-1]:  # the CPU's flash kernel takes values as wide as the keys
-        v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale)[:2]
+    if v_dim < width:  # the flash kernels take values as wide as the keys
+        v = torch.nn.functional.pad(v, (0, width - v_dim))
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)[:2]
     return out[..., :v_dim], lse
