@@ -415,9 +415,13 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         row["sparse_mla_slots_ms"] = timer(lambda: dsa_sparse_triton.dsa_attention_triton(
             q, cache, meta, positions, mla_scale, latent, gluon=False))
         if decode_gluon.supports(q, cache, latent):  # the Gluon kernel's form of it
-            assert torch.equal(dsa_sparse_triton.dsa_attention_triton(
-                q, cache, meta, positions, mla_scale, latent).float(), base), (
-                f"{name}: Gluon slot rows")
+            # within the sparse check's 2^-6: the slots form runs decode_gluon's kernel where
+            # the default may be decode_gluon_ws's (decode_gluon.ws_sparse), another sum order
+            got = dsa_sparse_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,
+                                                         latent).float()
+            err = float((got - base).abs().max() / base.abs().max())
+            row["sparse_mla_gluon_slots_error"] = err
+            assert err <= 2 ** -6, f"{name}: Gluon slot rows {err:.3g}"
             row["sparse_mla_gluon_slots_ms"] = timer(
                 lambda: dsa_sparse_triton.dsa_attention_triton(q, cache, meta, positions,
                                                                mla_scale, latent))

@@ -269,7 +269,12 @@ def test_gpu_a_memory_probe_reaches_the_whole_rows_peak(monkeypatch: pytest.Monk
                             case.nope, case.v_dim)
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base)
-    assert peaks[1] == peaks[0] > 0, peaks
+    # within 1 MiB: the caching allocator leaves a large block unsplit where less than 1 MiB
+    # would remain, and counts all of it allocated, so a peak depends on the blocks the
+    # allocations before found (with the flash pieces' padded values the whole row's peak
+    # was 512 KiB above the probe's on an H100, gpu_948136d/call11); the probe missing a
+    # piece's peak, as it once did, was 3.7 MB below
+    assert peaks[1] > 0 and abs(peaks[1] - peaks[0]) <= 1 << 20, peaks
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
