@@ -202,6 +202,8 @@ def test_bad_chunk_and_form() -> None:
 
 def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" by the tokens' count: chunks, row from ROW_MIN_TOKENS, coop up to
+    COOP_MAX_TOKENS, chunks with GATHER (its gather launch) from CHUNKS_GATHER_MIN_TOKENS."""
     kern = topk_triton._kernels()
     launched: list[str] = []
 
@@ -217,18 +219,23 @@ def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
 
     chunks = topk_chunks_triton._kernels()
     monkeypatch.setattr(chunks, "write", Spy("write", chunks.write))
+    monkeypatch.setattr(chunks, "gather", Spy("gather", chunks.gather))
     coop = topk_coop_triton._kernels()
     monkeypatch.setattr(coop, "coop", Spy("coop", coop.coop))
     monkeypatch.setattr(topk_triton, "ROW_MIN_TOKENS", 3)
     monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 1)
+    monkeypatch.setattr(topk_triton, "CHUNKS_GATHER_MIN_TOKENS", 4)
+    monkeypatch.setattr(topk_triton, "GATHER", False)
     gen = torch.Generator().manual_seed(9)
-    for ends, form in (([40, 30], "chunks"), ([40, 30, 25], "row"), ([40], "coop")):
+    for ends, form in (([40, 30], "chunks"), ([40, 30, 25], "row"), ([40], "coop"),
+                       ([40, 30, 25, 36], "chunks_gather")):
         launched.clear()
         scores = torch.randn(len(ends), 40, generator=gen)
         out = torch.full((len(ends), 8), GARBAGE, dtype=torch.int32)
         radix_topk(ord_of(scores), rows_meta(ends), 0, 8, out, chunk=16, form="auto")
         assert torch.equal(out, want_topk(scores, ends, 8)[0])
-        assert launched == ([form] if form != "chunks" else ["write"]), launched
+        want = {"chunks": ["write"], "chunks_gather": ["gather", "write"]}.get(form, [form])
+        assert launched == want, launched
 
 
 def test_auto_form_keeps_coop_within_a_token_an_sm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,6 +245,8 @@ def test_auto_form_keeps_coop_within_a_token_an_sm(monkeypatch: pytest.MonkeyPat
     assert topk_triton.auto_form(132, cuda) == "coop"
     assert topk_triton.auto_form(133, cuda) == "chunks"  # past the SMs: never refused mid-step
     assert topk_triton.auto_form(topk_triton.ROW_MIN_TOKENS, cuda) == "row"
+    assert topk_triton.auto_form(topk_triton.CHUNKS_GATHER_MIN_TOKENS - 1, cuda) == "row"
+    assert topk_triton.auto_form(topk_triton.CHUNKS_GATHER_MIN_TOKENS, cuda) == "chunks"
     assert topk_triton.auto_form(150, torch.device("cpu")) == "coop"
     monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 0)  # the default: never
     assert topk_triton.auto_form(1, cuda) == "chunks"

@@ -53,13 +53,15 @@ _above_and_rank: Any = None
 
 
 def radix_topk_chunks(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int,
-                      out: torch.Tensor, chunk: int, count_boundary_ties: bool = False) -> int:
+                      out: torch.Tensor, chunk: int, count_boundary_ties: bool = False,
+                      gather: bool | None = None) -> int:
     """topk_triton.radix_topk's contract in six launches, chunk positions a program (a power
-    of two, checked by radix_topk). Returns the boundary ties' count (a host sync) with
+    of two, checked by radix_topk); gather: levels 2 and 3 from the gathered scores (default
+    topk_triton.GATHER). Returns the boundary ties' count (a host sync) with
     count_boundary_ties, else 0."""
     n, num_keys = scores.shape
     levels, bins = topk_triton._LEVELS, topk_triton._BINS
-    gather = topk_triton.GATHER
+    gather = topk_triton.GATHER if gather is None else gather
     kern = _kernels()
     rows = (meta.positions, meta.seq_lens, meta.token_to_req, t0)
     num_chunks = -(-num_keys // chunk)

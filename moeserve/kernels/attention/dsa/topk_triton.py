@@ -70,6 +70,11 @@ _LEVELS = 4
 FORMS = ("auto", "row", "chunks", "coop")  # coop: topk_coop_triton.py's one launch
 FORM = "auto"  # radix_topk's default form: "row" from ROW_MIN_TOKENS tokens, else "chunks"
 ROW_MIN_TOKENS = 256
+# ... and "chunks" with GATHER from this many tokens (prefill chunks): W3's prefill chunks on an
+# H100 (gpu_948136d/call3, call11) 3.58-3.60 / 0.716-0.721 / 0.499-0.501 ms against the row
+# form's 4.36-4.39 / 0.844-0.851 / 0.627-0.629 (8,192 after 24,576 / after 0, 1,024 after
+# 31,744); not yet timed on the H200
+CHUNKS_GATHER_MIN_TOKENS = 1024
 # ... and "coop" (topk_coop_triton.py) up to this many tokens: 0, none, until the GPU times it
 # (kernels_dsa's topk_coop_graph_ms); never past the GPU's SMs, where it is never refused
 COOP_MAX_TOKENS = 0
@@ -105,7 +110,8 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     token, ROW_CHUNK positions a step), "chunks" (six launches over (token, chunk of positions)
     programs, CHUNK positions a chunk, topk_chunks_triton.py), "coop" (the chunks form's
     passes in one launch,
-    topk_coop_triton.py; at most a token an SM) or "auto" (row from ROW_MIN_TOKENS tokens);
+    topk_coop_triton.py; at most a token an SM) or "auto" (auto_form: row from ROW_MIN_TOKENS
+    tokens, chunks with GATHER from CHUNKS_GATHER_MIN_TOKENS);
     default the module's FORM. chunk overrides the form's positions a program or step
     (tests: small, so rows span several).
     Returns the number of tokens whose topk-th and (topk + 1)-th scores are equal (a host
@@ -116,8 +122,10 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     form = form or FORM
     if form not in FORMS:
         raise ValueError(f"radix_topk: form {form!r} not in {FORMS}")
+    gather = GATHER
     if form == "auto":
         form = auto_form(n, scores.device)
+        gather = gather or n >= CHUNKS_GATHER_MIN_TOKENS
     if form == "coop":  # the chunks form's passes in one launch (imported here: it imports us)
         from moeserve.kernels.attention.dsa.topk_coop_triton import radix_topk_coop
 
@@ -128,7 +136,8 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     if form == "chunks":  # topk_chunks_triton.py (imported here: it imports us)
         from moeserve.kernels.attention.dsa.topk_chunks_triton import radix_topk_chunks
 
-        return radix_topk_chunks(scores, meta, t0, topk, out, chunk, count_boundary_ties)
+        return radix_topk_chunks(scores, meta, t0, topk, out, chunk, count_boundary_ties,
+                                 gather)
     # the tie flags, and with GATHER first each token's gather counter (zeroed)
     ties = (torch.zeros if GATHER else torch.empty)(
         n if count_boundary_ties or GATHER else 1, dtype=torch.int32, device=scores.device)
@@ -139,8 +148,11 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
 
 
 def auto_form(n: int, device: torch.device) -> str:
-    """"auto"'s form for n tokens: "row" from ROW_MIN_TOKENS, "coop" up to COOP_MAX_TOKENS
-    but never past a token an SM of a CUDA device (where it always fits), else "chunks"."""
+    """"auto"'s form for n tokens: "chunks" from CHUNKS_GATHER_MIN_TOKENS (radix_topk turns
+    GATHER on there), "row" from ROW_MIN_TOKENS, "coop" up to COOP_MAX_TOKENS but never past a
+    token an SM of a CUDA device (where it always fits), else "chunks"."""
+    if n >= CHUNKS_GATHER_MIN_TOKENS:
+        return "chunks"
     if n >= ROW_MIN_TOKENS:
         return "row"
     sms = num_sms(device) if device.type == "cuda" else n
