@@ -41,7 +41,10 @@ print(torch.__version__, triton.__version__, *(m.__version__ for m in extra))" \
 # "1/2" and "2/2" in two calls. If the run crashes (a device-side assert aborts the whole
 # process, and every later test errors), each test file then runs in a process of its own
 # within what is left of SECONDS, their logs in $OUT/gpu_tests_by_file.tgz (a call returns at
-# most 8 files), so one call shows them all.
+# most 8 files), so one call shows them all. GPU_TEST_WORKERS=W (default 1): the kernel tests
+# (tests/kernels/) in W pytest-xdist processes, a file each at a time (their time is mostly
+# Triton's compiles, on the CPU), before the rest in one process (the engine tests each take
+# 90% of the GPU's memory); not yet tried on a GPU machine.
 gpu_test_part() {  # K/N -> the K-th part's test files, one a line
   python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider tests 2>/dev/null \
     | grep "::" | sed 's/::.*//' | python3 -c "
@@ -56,12 +59,38 @@ for path, c in sorted(counts.items(), key=lambda pc: (-pc[1], pc[0])):
 print('\n'.join(sorted(parts[k - 1][1])))" "$1"
 }
 run_gpu_tests() {
-  local start=$SECONDS rc targets=(tests)
+  local start=$SECONDS rc targets=(tests) workers=${GPU_TEST_WORKERS:-1}
   # shellcheck disable=SC2207
   [ -n "${2:-}" ] && targets=($(gpu_test_part "$2"))
-  timeout "$1" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "${targets[@]}" \
-    > "$OUT/gpu_tests.log" 2>&1
-  rc=$?
+  if [ "$workers" -gt 1 ]; then
+    local kernels=() rest=() f
+    for f in "${targets[@]}"; do
+      case "$f" in
+        tests) kernels+=(tests/kernels); rest+=(tests --ignore=tests/kernels) ;;
+        tests/kernels/*) kernels+=("$f") ;;
+        *) rest+=("$f") ;;
+      esac
+    done
+    rc=0
+    if [ "${#kernels[@]}" -gt 0 ]; then
+      timeout "$1" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -n "$workers" \
+        --dist loadfile "${kernels[@]}" > "$OUT/gpu_tests.log" 2>&1
+      rc=$?
+      echo "kernel tests in $workers processes: $(tail -1 "$OUT/gpu_tests.log") \
+($((SECONDS - start)) s)"
+    fi
+    local left=$(( $1 - (SECONDS - start) )) rc2
+    if [ "${#rest[@]}" -gt 0 ] && [ "$rc" -le 128 ] && [ "$left" -gt 20 ]; then
+      timeout "$left" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "${rest[@]}" \
+        >> "$OUT/gpu_tests.log" 2>&1
+      rc2=$?
+      [ "$rc2" -gt "$rc" ] && rc=$rc2
+    fi
+  else
+    timeout "$1" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "${targets[@]}" \
+      > "$OUT/gpu_tests.log" 2>&1
+    rc=$?
+  fi
   tail -3 "$OUT/gpu_tests.log"
   if [ "$rc" -gt 128 ]; then
     echo "pytest crashed (rc $rc): file by file"
