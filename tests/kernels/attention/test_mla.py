@@ -209,6 +209,25 @@ def test_a_memory_probe_attends_the_first_two_chunks(monkeypatch: pytest.MonkeyP
     assert probed.shape == out.shape and not torch.allclose(probed, out)
 
 
+def test_fold_merges_bf16_pieces_by_their_log_sum_exps_without_touching_them() -> None:
+    """up_projected.fold, as the CUDA pieces hand it: bf16 outputs (one a view of a wider,
+    padded output) and fp32 log-sum-exps -> the softmax-weighted mean in fp32; the accumulator
+    is updated in place, so the first piece's output (fp32 here) is copied, not aliased."""
+    from moeserve.kernels.attention.mla.up_projected import fold
+
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randn(1, 4, 8, 16, generator=gen)
+    padded = torch.randn(1, 4, 8, 32, generator=gen).bfloat16()
+    lses = torch.randn(2, 1, 4, 8, generator=gen) * 4
+    kept = first.clone()
+    acc, total, top = fold(fold(None, first, lses[0]), padded[..., :16], lses[1])
+    weights = torch.exp(lses - lses.max(0).values)
+    want = (first * weights[0, ..., None] + padded[..., :16].float() * weights[1, ..., None]
+            ) / weights.sum(0)[..., None]
+    torch.testing.assert_close(acc / total[..., None], want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(top, lses.max(0).values) and torch.equal(first, kept)
+
+
 def test_bf16_absorbed_stays_close() -> None:
     case = make_mla_case(*MIXED, dtype=torch.bfloat16)
     out = mla_attention_ref(case.q_lat, case.latent_cache, case.meta, case.scale, case.L)

@@ -140,12 +140,16 @@ def fold(merged: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple:
     their softmax's output and `top` the largest log-sum-exp (None: none yet), with one more
     piece's output and log-sum-exp folded in."""
     lse = lse.float()
-    if merged is None:
-        return out.float(), torch.ones_like(lse), lse
+    if merged is None:  # a copy even of an fp32 output: acc is updated in place below
+        return out.to(torch.float32, copy=True), torch.ones_like(lse), lse
     acc, total, top = merged
     new_top = torch.maximum(top, lse)
     old, new = torch.exp(top - new_top), torch.exp(lse - new_top)
-    return (acc * old[..., None] + out.float() * new[..., None], total * old + new, new_top)
+    # in place, the piece's output read once in its own dtype: two passes over the fp32 [H, Q,
+    # v] accumulator where out-of-place products took four and two more temporaries (W3's
+    # chunk at 64 heads: a 512 MiB accumulator, folded once a piece)
+    acc.mul_(old[..., None]).addcmul_(out, new[..., None])
+    return acc, total * old + new, new_top
 
 
 def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: int, end: int,
