@@ -23,9 +23,10 @@ step of exact integer data: the selection equal to `indexer_topk_ref`'s, the spa
 form (sparse_mla_ws_ms) and by decode_gluon's kernel (sparse_mla_gluon_ms): decode_gluon.ws_sparse's
 A/B. The top-k in its row and chunks forms with topk_triton.GATHER on as topk_row_gather_ms and
 topk_chunks_gather_ms (each first checked equal to the default's selection). The dense MLA
-also with its pieces through the memory-efficient kernel (up_projected.FLASH_PIECES off:
-dense_mla_efficient_ms, and its largest difference from the default relative to the output's
-largest value, dense_mla_efficient_error).
+also with its pieces through the memory-efficient kernel and through cuDNN's
+(up_projected.PIECE_KERNEL: dense_mla_{efficient,cudnn}_ms, each with its largest difference
+from the default relative to the output's largest value, dense_mla_{...}_error; a kernel that
+raises is recorded as dense_mla_{...}_ms: "error: ...").
 
     python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR
     python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR --smoke   # tiny, CPU interpreter
@@ -182,16 +183,22 @@ def run_case(name: str, prefix: int, chunk: int, device: str, timer: Timer) -> d
         return mla_prefill_ref(q_up, latent, meta, (s["nope"] + s["rope"]) ** -0.5, kv_b,
                                s["nope"], s["v"])
     row["dense_mla_ms"] = timer(dense)
-    if cuda:  # up_projected.FLASH_PIECES' A/B: the memory-efficient kernel's pieces
-        flash = dense()
-        was, up_projected.FLASH_PIECES = up_projected.FLASH_PIECES, False
-        try:
-            efficient = dense()
-            row["dense_mla_efficient_error"] = float(
-                (efficient.float() - flash.float()).abs().max() / flash.float().abs().max())
-            row["dense_mla_efficient_ms"] = timer(dense)
-        finally:
-            up_projected.FLASH_PIECES = was
+    if cuda:  # up_projected.PIECE_KERNEL's A/B: the pieces through the other kernels
+        base = dense().float()
+        was = up_projected.PIECE_KERNEL
+        for kernel in up_projected.PIECE_KERNELS:
+            if kernel == was:
+                continue
+            up_projected.PIECE_KERNEL = kernel
+            try:
+                got = dense().float()
+                row[f"dense_mla_{kernel}_error"] = float(
+                    (got - base).abs().max() / base.abs().max())
+                row[f"dense_mla_{kernel}_ms"] = timer(dense)
+            except RuntimeError as e:  # a kernel that refuses the shapes
+                row[f"dense_mla_{kernel}_ms"] = f"error: {str(e)[:200]}"
+            finally:
+                up_projected.PIECE_KERNEL = was
     seen = ends(meta).double()
     index_flops = float(seen.sum()) * q_i.shape[1] * q_i.shape[2] * 2
     sparse_flops = float(seen.clamp(max=s["topk"]).sum()) * heads * 2 * (width + s["latent"])

@@ -228,6 +228,16 @@ def test_fold_merges_bf16_pieces_by_their_log_sum_exps_without_touching_them() -
     assert torch.equal(top, lses.max(0).values) and torch.equal(first, kept)
 
 
+def test_an_unknown_piece_kernel_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeserve.kernels.attention.mla import up_projected
+
+    monkeypatch.setattr(up_projected, "PIECE_KERNEL", "flash3")
+    case = make_mla_case([8], [4])
+    with pytest.raises(ValueError, match="PIECE_KERNEL 'flash3' not in"):
+        up_projected.attend_row_in_chunks(case.q, case.latent_cache, case.meta.block_tables[0],
+                                          12, case.scale, case.kv_b_proj, case.nope, case.v_dim)
+
+
 def test_bf16_absorbed_stays_close() -> None:
     case = make_mla_case(*MIXED, dtype=torch.bfloat16)
     out = mla_attention_ref(case.q_lat, case.latent_cache, case.meta, case.scale, case.L)

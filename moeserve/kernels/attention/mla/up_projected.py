@@ -27,9 +27,10 @@ otherwise, the CPU or fp32, SDPA a row at a time). layers/mla.py's `row_forms` s
 rows take it (prompts of 512 tokens and more; MOESERVE_MLA_FRESH_VARLEN=0 turns it off).
 
 A piece's attention is a fused kernel that returns its log-sum-exp (no [Q, S] scores): on
-CUDA in bf16 / fp16 with keys up to 256 wide torch's FlashAttention-2 (FLASH_PIECES), else
-torch's memory-efficient SDPA; on the CPU torch's flash SDPA. Both flash kernels need the
-values as wide as the keys: they are zero-padded, and the padding's output columns dropped.
+CUDA in bf16 / fp16 with keys up to 256 wide torch's FlashAttention-2 (PIECE_KERNEL), else
+torch's memory-efficient SDPA; on the CPU torch's flash SDPA. The flash kernels (and cuDNN's,
+PIECE_KERNEL's experiment) take the values as wide as the keys: they are zero-padded, and the
+padding's output columns dropped.
 """
 
 from __future__ import annotations
@@ -168,11 +169,14 @@ def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: in
     return k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None]
 
 
-# A piece through FlashAttention-2 rather than the memory-efficient kernel where it takes the
-# shapes (off: the memory-efficient kernel, kernels_dsa_prefill's dense_mla_efficient_ms). The
-# efficient kernel held W3's dense prefill chunk (8,192 queries after 24,576 tokens, 64 heads)
-# at 14.2% of its compute bound on the H100 (gpu_948136d/call3: 144.2 ms).
-FLASH_PIECES = True
+# A CUDA piece's kernel in bf16 / fp16 with keys up to 256 wide: "flash" (FlashAttention-2),
+# "cudnn" (cuDNN's fused attention: an experiment, untimed) or "efficient" (the
+# memory-efficient kernel, the only one past those). kernels_dsa_prefill times each
+# (dense_mla_{efficient,cudnn}_ms). FlashAttention-2 took W3's dense prefill chunk (8,192
+# queries after 24,576 tokens, 64 heads) from 134.6 to 72.6 ms on an H100 (gpu_948136d/call11:
+# 15.2 -> 28.2% of its compute bound).
+PIECE_KERNELS = ("flash", "cudnn", "efficient")
+PIECE_KERNEL = "flash"
 
 
 def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -180,14 +184,21 @@ def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """q [1, H, Q, D], k [1, H, n, D], v [1, H, n, Dv] -> (out [1, H, Q, Dv], lse [1, H, Q]
     fp32); causal: the piece is the queries' own span (n == Q), square."""
     num_queries, width, v_dim = q.shape[2], q.shape[-1], v.shape[-1]
-    flash = FLASH_PIECES and q.dtype in (torch.bfloat16, torch.float16) and width <= 256
-    if q.is_cuda and not flash:
+    if PIECE_KERNEL not in PIECE_KERNELS:
+        raise ValueError(f"up_projected.PIECE_KERNEL {PIECE_KERNEL!r} not in {PIECE_KERNELS}")
+    kernel = (PIECE_KERNEL if q.dtype in (torch.bfloat16, torch.float16) and width <= 256
+              else "efficient")
+    if q.is_cuda and kernel == "efficient":
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)[:2]
         return out, lse[..., :num_queries]
     if v_dim < width:  # the flash kernels take values as wide as the keys
         v = torch.nn.functional.pad(v, (0, width - v_dim))
-    if q.is_cuda:
+    if q.is_cuda and kernel == "cudnn":
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+        lse = lse.reshape(q.shape[:3])  # [B, H, Q] (cuDNN's may carry a trailing 1)
+    elif q.is_cuda:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)[:2]
     else:
