@@ -29,7 +29,8 @@ ROW_MIN_TOKENS tokens (256 x 64k at 2,048 a step: 0.435 against 0.403; at ROW_CH
 each reading its chunk's scores once, so few tokens with long contexts still spread over the
 GPU. "coop" (topk_coop_triton.py): the chunks form's passes in one launch.
 
-GATHER (off until the GPU times it): the threshold's 16-bit bin (levels 0 and 1) holds few
+GATHER ("auto" turns it on from CHUNKS_GATHER_MIN_TOKENS tokens, with the chunks form; else
+off until the GPU times it): the threshold's 16-bit bin (levels 0 and 1) holds few
 scores, and levels 2 and 3 need only them, yet each of those passes runs a histogram over every
 score (Triton's histogram costs a 2,048-position program ~1,300 sm90 instructions whatever its
 mask). So the bin's scores, where at most topk, are placed in `out` first (an atomic slot
@@ -81,8 +82,8 @@ COOP_MAX_TOKENS = 0
 # The threshold's last two digits from its 16-bit bin's scores gathered first (at most topk of
 # them, into `out`, which the write pass fills last; else from every score as before): in
 # every form two of the four histogram passes over every score become one light gather pass
-# and two histograms of the gathered few (the coop form: two barriers fewer). Off until the
-# GPU times it (kernels_dsa: topk_gather_graph_ms).
+# and two histograms of the gathered few (the coop form: two barriers fewer). Off below
+# CHUNKS_GATHER_MIN_TOKENS until the GPU times it there (kernels_dsa: topk_gather_graph_ms).
 GATHER = False
 # ... the chunks form's gathered scores: up to a GATHER_SHARE-th of a row (at least topk) in a
 # buffer of their own, so that a bin of concentrated scores (a few thousand of 64k within its
