@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17: the radix top-k on the H200 in one call (up to ~10 minutes): its GPU tests (every
-# form), the DSA kernel and tile tests, the compile-once checks, then, if they passed (the coop
+# form), the DSA kernel and tile tests, the compile-once checks, the MLA up-projected prefill's
+# (test_mla.py), then, if they passed (the coop
 # form's barriers: a hang or a wrong selection must not be timed), kernels_dsa --decode-only
 # (the top-k's row, chunks (at 256-2,048 positions a program too) and coop forms eager and in
 # CUDA graphs beside torch.topk, the row and chunks forms with topk_triton.GATHER; the decode
@@ -18,7 +19,8 @@ R=/tmp/dsa; mkdir -p $R
 if [ "${TOPK_TESTS:-1}" = 1 ]; then
 timeout 200 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/attention/test_dsa_topk_triton.py tests/kernels/attention/test_dsa_triton.py \
-  tests/kernels/attention/test_dsa_triton_tiles.py tests/kernels/test_specialization_gpu.py -k "dsa or mla" > $R/gpu_tests_topk.log 2>&1
+  tests/kernels/attention/test_dsa_triton_tiles.py tests/kernels/test_specialization_gpu.py \
+  tests/kernels/attention/test_mla.py -k "dsa or mla or topk" > $R/gpu_tests_topk.log 2>&1
 rc=$?
 echo "tests rc=$rc"; tail -3 $R/gpu_tests_topk.log
 if [ "$rc" != 0 ]; then tar czf $OUT/dsa.tgz -C /tmp dsa; exit 1; fi
