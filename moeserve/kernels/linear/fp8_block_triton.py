@@ -220,6 +220,10 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
     b_cols = b_ptr + rn.to(tl.int64)[None, :] * stride_bn  # [1, BN]
     a_scale = as_ptr + rm.to(tl.int64) * stride_asm  # [BM]
     b_scale = bs_ptr + (rn // SCALE_ROWS) * stride_bsn  # [BN]: one scale row per SCALE_ROWS
+    # 128-row scales: the tile's rows lie in one scale row (the launcher checks block_n), so
+    # one scale a step, the two scales' product [BM], and one FFMA an accumulator where a
+    # [BN] scale took an FMUL more (the MoE kernel's ONE_SCALE_ROW; the same bits)
+    b_scale_one = bs_ptr + (pid_n * BLOCK_N // SCALE_ROWS) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         k = kb * BLOCK_K + rk
@@ -229,8 +233,11 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
         b = tl.load(b_cols + k[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)  # [BK, BN] e4m3
         s_a = tl.load(a_scale + kb * stride_ask, mask=m_ok, other=0.0)  # [BM]
-        s_b = tl.load(b_scale + kb * stride_bsk, mask=n_ok, other=0.0)  # [BN]
-        acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
+        if SCALE_ROWS > 1:
+            acc += tl.dot(a, b) * (s_a * tl.load(b_scale_one + kb * stride_bsk))[:, None]
+        else:
+            s_b = tl.load(b_scale + kb * stride_bsk, mask=n_ok, other=0.0)  # [BN]
+            acc += tl.dot(a, b) * (s_a[:, None] * s_b[None, :])
     c = (c_ptr + pid_s.to(tl.int64) * split_stride + rm.to(tl.int64)[:, None] * stride_cm
          + rn.to(tl.int64)[None, :] * stride_cn)
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

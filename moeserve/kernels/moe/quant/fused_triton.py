@@ -427,10 +427,13 @@ def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, 
     rows = rows.to(tl.int64)
     if FORMAT == 0:  # e4m3 x e4m3 in fp32, times s_a[row] and s_b[row // SCALE_ROWS]
         b = _load_k(b_base + rows[None, :] * stride_bn + kk[:, None] * stride_bk, k_ok, EVEN_K)
+        # the two scales multiplied first: with one weight scale a step the product is [BM]
+        # and each accumulator takes one FFMA (sm90, a 128 x 128 gated tile: its loop's 128
+        # FMUL + 128 FFMA a thread were the dot's product times s_a, then times s_b plus acc)
         if ONE_SCALE_ROW:  # the tile's rows lie in one block of SCALE_ROWS: one scale a step
-            acc += tl.dot(a, b) * s_a[:, None] * s_b  # the per-row path's ops: its bits
+            acc += tl.dot(a, b) * (s_a * s_b)[:, None]  # the per-row path's bits
         else:  # a scale a row (BLOCK_N of them a step)
-            acc += tl.dot(a, b) * s_a[:, None] * s_b[None, :]
+            acc += tl.dot(a, b) * (s_a[:, None] * s_b[None, :])
     elif FORMAT == 1:  # the bytes and, per byte, its group's scale: nvfp4_tile's step
         c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
         c_ok = c * 2 < K  # past K: 0 (x's columns there are 0)
