@@ -60,6 +60,9 @@ print('\n'.join(sorted(parts[k - 1][1])))" "$1"
 }
 run_gpu_tests() {
   local start=$SECONDS rc targets=(tests) workers=${GPU_TEST_WORKERS:-1}
+  # SIGINT at the limit: pytest then still prints its failures and the slowest tests
+  local stop=(timeout -s INT -k 30)
+  local pytest=(python3 -m pytest -q -rfE -m gpu -p no:cacheprovider --durations=25)
   # shellcheck disable=SC2207
   [ -n "${2:-}" ] && targets=($(gpu_test_part "$2"))
   if [ "$workers" -gt 1 ]; then
@@ -73,22 +76,20 @@ run_gpu_tests() {
     done
     rc=0
     if [ "${#kernels[@]}" -gt 0 ]; then
-      timeout "$1" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -n "$workers" \
-        --dist loadfile "${kernels[@]}" > "$OUT/gpu_tests.log" 2>&1
+      "${stop[@]}" "$1" "${pytest[@]}" -n "$workers" --dist loadfile "${kernels[@]}" \
+        > "$OUT/gpu_tests.log" 2>&1
       rc=$?
       echo "kernel tests in $workers processes: $(tail -1 "$OUT/gpu_tests.log") \
 ($((SECONDS - start)) s)"
     fi
     local left=$(( $1 - (SECONDS - start) )) rc2
     if [ "${#rest[@]}" -gt 0 ] && [ "$rc" -le 128 ] && [ "$left" -gt 20 ]; then
-      timeout "$left" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "${rest[@]}" \
-        >> "$OUT/gpu_tests.log" 2>&1
+      "${stop[@]}" "$left" "${pytest[@]}" "${rest[@]}" >> "$OUT/gpu_tests.log" 2>&1
       rc2=$?
       [ "$rc2" -gt "$rc" ] && rc=$rc2
     fi
   else
-    timeout "$1" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider "${targets[@]}" \
-      > "$OUT/gpu_tests.log" 2>&1
+    "${stop[@]}" "$1" "${pytest[@]}" "${targets[@]}" > "$OUT/gpu_tests.log" 2>&1
     rc=$?
   fi
   tail -3 "$OUT/gpu_tests.log"

@@ -5,11 +5,11 @@
 # On an H100 the first half took more than a call (gpu_b8a5462/call1: 181 tests in 560 s):
 # there, thirds (1/3, 2/3, 3/3).
 # The parts are the test files split by their GPU tests' count (gpu_env.sh's gpu_test_part);
-# GPU_TESTS_TIMEOUT seconds (default 560).
+# GPU_TESTS_TIMEOUT seconds (default 540; pytest is interrupted there and prints its summary).
 set -uo pipefail
 source benchmarks/gpu_env.sh
 part=${1:?usage: gpu_tests_h200.sh K/N}
 gpu_test_part "$part" > "$OUT/gpu_tests_files.txt"
 echo "part $part: $(wc -l < "$OUT/gpu_tests_files.txt") files"
-run_gpu_tests "${GPU_TESTS_TIMEOUT:-560}" "$part"
+run_gpu_tests "${GPU_TESTS_TIMEOUT:-540}" "$part"
 grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
