@@ -27,10 +27,10 @@ otherwise, the CPU or fp32, SDPA a row at a time). layers/mla.py's `row_forms` s
 rows take it (prompts of 512 tokens and more; MOESERVE_MLA_FRESH_VARLEN=0 turns it off).
 
 A piece's attention is a fused kernel that returns its log-sum-exp (no [Q, S] scores): on
-CUDA in bf16 / fp16 with keys up to 256 wide torch's FlashAttention-2 (PIECE_KERNEL), else
-torch's memory-efficient SDPA; on the CPU torch's flash SDPA. The flash kernels (and cuDNN's,
-PIECE_KERNEL's experiment) take the values as wide as the keys: they are zero-padded, and the
-padding's output columns dropped.
+CUDA in bf16 / fp16 with keys up to 256 wide (a multiple of 8) torch's FlashAttention-2
+(PIECE_KERNEL), else torch's memory-efficient SDPA; on the CPU torch's flash SDPA. The flash
+kernels (and cuDNN's, PIECE_KERNEL's experiment) take the values as wide as the keys: they
+are zero-padded, and the padding's output columns dropped.
 """
 
 from __future__ import annotations
@@ -169,8 +169,8 @@ def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: in
     return k.transpose(0, 1)[None], kv[..., nope:].transpose(0, 1)[None]
 
 
-# A CUDA piece's kernel in bf16 / fp16 with keys up to 256 wide: "flash" (FlashAttention-2),
-# "cudnn" (cuDNN's fused attention: an experiment, untimed) or "efficient" (the
+# A CUDA piece's kernel in bf16 / fp16 with keys up to 256 wide, a multiple of 8: "flash"
+# (FlashAttention-2), "cudnn" (cuDNN's fused attention: an experiment, untimed) or "efficient" (the
 # memory-efficient kernel, the only one past those). kernels_dsa_prefill times each
 # (dense_mla_{efficient,cudnn}_ms). FlashAttention-2 took W3's dense prefill chunk (8,192
 # queries after 24,576 tokens, 64 heads) from 134.6 to 72.6 ms on an H100 (gpu_948136d/call11:
@@ -186,8 +186,8 @@ def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     num_queries, width, v_dim = q.shape[2], q.shape[-1], v.shape[-1]
     if PIECE_KERNEL not in PIECE_KERNELS:
         raise ValueError(f"up_projected.PIECE_KERNEL {PIECE_KERNEL!r} not in {PIECE_KERNELS}")
-    kernel = (PIECE_KERNEL if q.dtype in (torch.bfloat16, torch.float16) and width <= 256
-              else "efficient")
+    fits = q.dtype in (torch.bfloat16, torch.float16) and width <= 256 and width % 8 == 0
+    kernel = PIECE_KERNEL if fits else "efficient"  # the flash kernels' head widths
     if q.is_cuda and kernel == "efficient":
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)[:2]
