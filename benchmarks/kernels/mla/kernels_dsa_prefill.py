@@ -26,7 +26,9 @@ topk_chunks_gather_ms (each first checked equal to the default's selection). The
 also with its pieces through the memory-efficient kernel and through cuDNN's
 (up_projected.PIECE_KERNEL: dense_mla_{efficient,cudnn}_ms, each with its largest difference
 from the default relative to the output's largest value, dense_mla_{...}_error; a kernel that
-raises is recorded as dense_mla_{...}_ms: "error: ...").
+raises is recorded as dense_mla_{...}_ms: "error: ..."). A served prefill's pieces come in
+shapes never seen before (each row's lengths), and cuDNN builds a graph per shape: `pieces`
+times each kernel's first call at fresh shapes against its repeat (piece_first_call).
 
     python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR
     python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR --smoke   # tiny, CPU interpreter
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 
 import torch
@@ -222,6 +225,39 @@ def run_case(name: str, prefix: int, chunk: int, device: str, timer: Timer) -> d
     return row
 
 
+def piece_first_call(device: str, heads: int, width: int, v_dim: int
+                     ) -> dict[str, dict[str, float]]:
+    """Each up_projected.PIECE_KERNEL's first call at shapes not seen before (a causal square
+    piece and a context piece of odd lengths) against the same call repeated: the per-shape
+    set-up a served prefill pays (cuDNN builds a graph a shape; the flash kernel none), in
+    ms, the mean of three fresh shape pairs, wall time with a sync around each call."""
+    import time
+
+    was, result = up_projected.PIECE_KERNEL, {}
+    try:
+        for i, kernel in enumerate(up_projected.PIECE_KERNELS):
+            up_projected.PIECE_KERNEL = kernel
+            first, again = [], []
+            for j in range(3):
+                queries = 1021 + 64 * (3 * i + j)  # fresh for every kernel and pair
+                for keys, causal in ((queries, True), (4 * queries + 7, False)):
+                    q = torch.randn(1, heads, queries, width, device=device,
+                                    dtype=torch.bfloat16)
+                    k = torch.randn(1, heads, keys, width, device=device, dtype=torch.bfloat16)
+                    v = torch.randn(1, heads, keys, v_dim, device=device, dtype=torch.bfloat16)
+                    for times in (first, again):
+                        torch.cuda.synchronize(device)
+                        t0 = time.perf_counter()
+                        up_projected._attend_piece(q, k, v, width ** -0.5, causal)
+                        torch.cuda.synchronize(device)
+                        times.append(1e3 * (time.perf_counter() - t0))
+            result[kernel] = {"first_ms": round(sum(first) / len(first), 3),
+                              "repeat_ms": round(sum(again) / len(again), 3)}
+    finally:
+        up_projected.PIECE_KERNEL = was
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for kernels_dsa_prefill.json")
@@ -242,6 +278,13 @@ def main() -> None:
     path = os.path.join(args.out, "kernels_dsa_prefill.json")
     for name, prefix, chunk in cases:
         record(result, "prefill", run_case(name, prefix, chunk, device, timer), path, device)
+    if device == "cuda":
+        s = SHAPE[device]
+        result["piece_first_call"] = piece_first_call(device, s["heads"], s["nope"] + s["rope"],
+                                                      s["v"])
+        print("piece_first_call", json.dumps(result["piece_first_call"]))
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
     print(f"wrote {path}")
 
 

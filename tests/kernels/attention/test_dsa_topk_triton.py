@@ -12,7 +12,7 @@ scores (-0.0 and +0.0 are one score), and garbage past each token's end (never r
 Every test runs in each of radix_topk's forms ("row": a program a token, the chunk its step;
 "chunks": programs over (token, chunk); "coop": the chunks form's passes in one launch, the
 chunk its step, one program a token on CPU, several on the GPU), by the `form` fixture, as the
-module's default; "auto" picks between row and chunks by the token count.
+module's default; "auto" picks by the token count and the rows' length.
 """
 
 from __future__ import annotations
@@ -202,8 +202,9 @@ def test_bad_chunk_and_form() -> None:
 
 def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """"auto" by the tokens' count: chunks, row from ROW_MIN_TOKENS, coop up to
-    COOP_MAX_TOKENS, chunks with GATHER (its gather launch) from CHUNKS_GATHER_MIN_TOKENS."""
+    """"auto" by the tokens' count and the rows' length: chunks with GATHER (its gather
+    launch), row from ROW_MIN_TOKENS over rows shorter than ROW_MAX_KEYS, coop up to
+    COOP_MAX_TOKENS, chunks with GATHER again from CHUNKS_GATHER_MIN_TOKENS."""
     kern = topk_triton._kernels()
     launched: list[str] = []
 
@@ -225,16 +226,18 @@ def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
     monkeypatch.setattr(topk_triton, "ROW_MIN_TOKENS", 3)
     monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 1)
     monkeypatch.setattr(topk_triton, "CHUNKS_GATHER_MIN_TOKENS", 4)
+    monkeypatch.setattr(topk_triton, "ROW_MAX_KEYS", 48)
     monkeypatch.setattr(topk_triton, "GATHER", False)
     gen = torch.Generator().manual_seed(9)
-    for ends, form in (([40, 30], "chunks"), ([40, 30, 25], "row"), ([40], "coop"),
-                       ([40, 30, 25, 36], "chunks_gather")):
+    for ends, keys, form in (([40, 30], 40, "chunks_gather"), ([40, 30, 25], 40, "row"),
+                             ([40, 30, 25], 48, "chunks_gather"), ([40], 40, "coop"),
+                             ([40, 30, 25, 36], 40, "chunks_gather")):
         launched.clear()
-        scores = torch.randn(len(ends), 40, generator=gen)
+        scores = torch.randn(len(ends), keys, generator=gen)
         out = torch.full((len(ends), 8), GARBAGE, dtype=torch.int32)
         radix_topk(ord_of(scores), rows_meta(ends), 0, 8, out, chunk=16, form="auto")
         assert torch.equal(out, want_topk(scores, ends, 8)[0])
-        want = {"chunks": ["write"], "chunks_gather": ["gather", "write"]}.get(form, [form])
+        want = {"chunks_gather": ["gather", "write"]}.get(form, [form])
         assert launched == want, launched
 
 
@@ -242,14 +245,19 @@ def test_auto_form_keeps_coop_within_a_token_an_sm(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(topk_triton, "num_sms", lambda device: 132)
     monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 200)
     cuda = torch.device("cuda", 0)
-    assert topk_triton.auto_form(132, cuda) == "coop"
-    assert topk_triton.auto_form(133, cuda) == "chunks"  # past the SMs: never refused mid-step
-    assert topk_triton.auto_form(topk_triton.ROW_MIN_TOKENS, cuda) == "row"
-    assert topk_triton.auto_form(topk_triton.CHUNKS_GATHER_MIN_TOKENS - 1, cuda) == "row"
-    assert topk_triton.auto_form(topk_triton.CHUNKS_GATHER_MIN_TOKENS, cuda) == "chunks"
-    assert topk_triton.auto_form(150, torch.device("cpu")) == "coop"
+    short, long = topk_triton.ROW_MAX_KEYS - 1, topk_triton.ROW_MAX_KEYS
+    assert topk_triton.auto_form(132, short, cuda) == ("coop", False)
+    # past the SMs: never refused mid-step
+    assert topk_triton.auto_form(133, short, cuda) == ("chunks", True)
+    assert topk_triton.auto_form(topk_triton.ROW_MIN_TOKENS, short, cuda) == ("row", False)
+    assert topk_triton.auto_form(topk_triton.ROW_MIN_TOKENS, long, cuda) == ("chunks", True)
+    assert topk_triton.auto_form(topk_triton.CHUNKS_GATHER_MIN_TOKENS - 1, short,
+                                 cuda) == ("row", False)
+    assert topk_triton.auto_form(topk_triton.CHUNKS_GATHER_MIN_TOKENS, short,
+                                 cuda) == ("chunks", True)
+    assert topk_triton.auto_form(150, short, torch.device("cpu")) == ("coop", False)
     monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 0)  # the default: never
-    assert topk_triton.auto_form(1, cuda) == "chunks"
+    assert topk_triton.auto_form(1, long, cuda) == ("chunks", True)
 
 
 def test_coop_programs_fill_the_sms_once(monkeypatch: pytest.MonkeyPatch) -> None:

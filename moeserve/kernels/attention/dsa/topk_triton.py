@@ -29,8 +29,8 @@ ROW_MIN_TOKENS tokens (256 x 64k at 2,048 a step: 0.435 against 0.403; at ROW_CH
 each reading its chunk's scores once, so few tokens with long contexts still spread over the
 GPU. "coop" (topk_coop_triton.py): the chunks form's passes in one launch.
 
-GATHER ("auto" turns it on from CHUNKS_GATHER_MIN_TOKENS tokens, with the chunks form; else
-off until the GPU times it): the threshold's 16-bit bin (levels 0 and 1) holds few
+GATHER ("auto" turns it on with the chunks form, FORM's comment has the timings): the
+threshold's 16-bit bin (levels 0 and 1) holds few
 scores, and levels 2 and 3 need only them, yet each of those passes runs a histogram over every
 score (Triton's histogram costs a 2,048-position program ~1,300 sm90 instructions whatever its
 mask). So the bin's scores, where at most topk, are placed in `out` first (an atomic slot
@@ -69,21 +69,33 @@ CHUNK = 2048  # positions a program (tests set a smaller chunk so that rows span
 _BINS = 256
 _LEVELS = 4
 FORMS = ("auto", "row", "chunks", "coop")  # coop: topk_coop_triton.py's one launch
-FORM = "auto"  # radix_topk's default form: "row" from ROW_MIN_TOKENS tokens, else "chunks"
+# radix_topk's default form; "auto" (auto_form): the chunks form with GATHER, but "row" from
+# ROW_MIN_TOKENS tokens over rows shorter than ROW_MAX_KEYS positions and below
+# CHUNKS_GATHER_MIN_TOKENS tokens. On an H100 in CUDA graphs (gpu_77293e0/call4, kernels_dsa's
+# decode cases): chunks with GATHER 0.0595 / 0.0858 ms at 32 x 64k / 128 x 32k against
+# 0.068 / 0.102 without (the DSA step 2.8 / 2.5% faster), level at 32 x 8k (0.0377 / 0.0363,
+# the step 0.1209 / 0.1214); at 256 tokens the row form 0.053 ms over 8k positions against
+# chunks with GATHER's 0.061, but 0.410 over 64k against 0.258 (the crossover near 11k
+# positions by a line through both). W3's prefill chunks (gpu_948136d/call3, call11): chunks
+# with GATHER 3.58-3.60 / 0.716-0.721 / 0.499-0.501 ms against the row form's 4.36-4.39 /
+# 0.844-0.851 / 0.627-0.629 (8,192 after 24,576 / after 0, 1,024 after 31,744). Not yet timed
+# on the H200.
+FORM = "auto"
 ROW_MIN_TOKENS = 256
-# ... and "chunks" with GATHER from this many tokens (prefill chunks): W3's prefill chunks on an
-# H100 (gpu_948136d/call3, call11) 3.58-3.60 / 0.716-0.721 / 0.499-0.501 ms against the row
-# form's 4.36-4.39 / 0.844-0.851 / 0.627-0.629 (8,192 after 24,576 / after 0, 1,024 after
-# 31,744); not yet timed on the H200
+ROW_MAX_KEYS = 16384
 CHUNKS_GATHER_MIN_TOKENS = 1024
-# ... and "coop" (topk_coop_triton.py) up to this many tokens: 0, none, until the GPU times it
-# (kernels_dsa's topk_coop_graph_ms); never past the GPU's SMs, where it is never refused
+# ... and "coop" (topk_coop_triton.py) up to this many tokens: 0, none. On the H100
+# (gpu_77293e0/call4) the DSA step with it 3.0% faster at 32 x 8k (0.1177 against 0.1214 ms;
+# 0.1199 with GATHER), 3.0 / 2.7 / 4.3% slower at 32 x 64k, 128 x 32k, 256 x 8k: kept off.
+# Never past the GPU's SMs, where it is never refused.
 COOP_MAX_TOKENS = 0
 # The threshold's last two digits from its 16-bit bin's scores gathered first (at most topk of
 # them, into `out`, which the write pass fills last; else from every score as before): in
 # every form two of the four histogram passes over every score become one light gather pass
-# and two histograms of the gathered few (the coop form: two barriers fewer). Off below
-# CHUNKS_GATHER_MIN_TOKENS until the GPU times it there (kernels_dsa: topk_gather_graph_ms).
+# and two histograms of the gathered few (the coop form: two barriers fewer). "auto" turns it
+# on with the chunks form (FORM's comment); True turns it on in every form. The chunks form's
+# gathered scores take a GATHER_SHARE-th of the scores' bytes, which the indexer bounds
+# (indexer_triton._CHUNK_KEYS: at most 32 MiB), so decode graphs need no reserve for them.
 GATHER = False
 # ... the chunks form's gathered scores: up to a GATHER_SHARE-th of a row (at least topk) in a
 # buffer of their own, so that a bin of concentrated scores (a few thousand of 64k within its
@@ -111,8 +123,8 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     token, ROW_CHUNK positions a step), "chunks" (six launches over (token, chunk of positions)
     programs, CHUNK positions a chunk, topk_chunks_triton.py), "coop" (the chunks form's
     passes in one launch,
-    topk_coop_triton.py; at most a token an SM) or "auto" (auto_form: row from ROW_MIN_TOKENS
-    tokens, chunks with GATHER from CHUNKS_GATHER_MIN_TOKENS);
+    topk_coop_triton.py; at most a token an SM) or "auto" (auto_form: chunks with GATHER,
+    row from ROW_MIN_TOKENS tokens over short rows);
     default the module's FORM. chunk overrides the form's positions a program or step
     (tests: small, so rows span several).
     Returns the number of tokens whose topk-th and (topk + 1)-th scores are equal (a host
@@ -125,8 +137,8 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
         raise ValueError(f"radix_topk: form {form!r} not in {FORMS}")
     gather = GATHER
     if form == "auto":
-        form = auto_form(n, scores.device)
-        gather = gather or n >= CHUNKS_GATHER_MIN_TOKENS
+        form, auto_gather = auto_form(n, num_keys, scores.device)
+        gather = gather or auto_gather
     if form == "coop":  # the chunks form's passes in one launch (imported here: it imports us)
         from moeserve.kernels.attention.dsa.topk_coop_triton import radix_topk_coop
 
@@ -140,24 +152,25 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
         return radix_topk_chunks(scores, meta, t0, topk, out, chunk, count_boundary_ties,
                                  gather)
     # the tie flags, and with GATHER first each token's gather counter (zeroed)
-    ties = (torch.zeros if GATHER else torch.empty)(
-        n if count_boundary_ties or GATHER else 1, dtype=torch.int32, device=scores.device)
+    ties = (torch.zeros if gather else torch.empty)(
+        n if count_boundary_ties or gather else 1, dtype=torch.int32, device=scores.device)
     _kernels().row[(n,)](scores, out, meta.positions, meta.seq_lens, meta.token_to_req, t0,
                          ties, num_keys, topk, out.stride(0), COUNT_TIES=count_boundary_ties,
-                         GATHER=GATHER, BLOCK=chunk, BINS=_BINS, num_warps=ROW_WARPS)
+                         GATHER=gather, BLOCK=chunk, BINS=_BINS, num_warps=ROW_WARPS)
     return int(ties.sum()) if count_boundary_ties else 0
 
 
-def auto_form(n: int, device: torch.device) -> str:
-    """"auto"'s form for n tokens: "chunks" from CHUNKS_GATHER_MIN_TOKENS (radix_topk turns
-    GATHER on there), "row" from ROW_MIN_TOKENS, "coop" up to COOP_MAX_TOKENS but never past a
-    token an SM of a CUDA device (where it always fits), else "chunks"."""
-    if n >= CHUNKS_GATHER_MIN_TOKENS:
-        return "chunks"
-    if n >= ROW_MIN_TOKENS:
-        return "row"
+def auto_form(n: int, num_keys: int, device: torch.device) -> tuple[str, bool]:
+    """"auto"'s (form, GATHER) for n tokens' rows of num_keys positions: ("row", False) from
+    ROW_MIN_TOKENS tokens below CHUNKS_GATHER_MIN_TOKENS over rows shorter than ROW_MAX_KEYS;
+    else ("coop", False) up to COOP_MAX_TOKENS tokens but never past a token an SM of a CUDA
+    device (where it always fits); else ("chunks", True)."""
+    if ROW_MIN_TOKENS <= n < CHUNKS_GATHER_MIN_TOKENS and num_keys < ROW_MAX_KEYS:
+        return "row", False
     sms = num_sms(device) if device.type == "cuda" else n
-    return "coop" if n <= min(COOP_MAX_TOKENS, sms) else "chunks"
+    if n <= min(COOP_MAX_TOKENS, sms):
+        return "coop", False
+    return "chunks", True
 
 
 @functools.cache

@@ -170,11 +170,15 @@ def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: in
 
 
 # A CUDA piece's kernel in bf16 / fp16 with keys up to 256 wide, a multiple of 8: "flash"
-# (FlashAttention-2), "cudnn" (cuDNN's fused attention: an experiment, untimed) or "efficient" (the
-# memory-efficient kernel, the only one past those). kernels_dsa_prefill times each
-# (dense_mla_{efficient,cudnn}_ms). FlashAttention-2 took W3's dense prefill chunk (8,192
-# queries after 24,576 tokens, 64 heads) from 134.6 to 72.6 ms on an H100 (gpu_948136d/call11:
-# 15.2 -> 28.2% of its compute bound).
+# (FlashAttention-2), "cudnn" (cuDNN's fused attention) or "efficient" (the memory-efficient
+# kernel, the only one past those). kernels_dsa_prefill times each (dense_mla_{efficient,
+# cudnn}_ms). FlashAttention-2 took W3's dense prefill chunk (8,192 queries after 24,576
+# tokens, 64 heads) from 134.6 to 72.6 ms on an H100 (gpu_948136d/call11: 15.2 -> 28.2% of its
+# compute bound); with the fold in place 67.4 ms, and cuDNN's 43.4 (gpu_77293e0/call4: 47.2%;
+# 7.41 / 10.09 against 10.95 / 13.53 ms after 0 / 1,024 after 31,744; outputs as far from
+# flash's as the efficient kernel's). Flash stays the default until cuDNN's first call at a
+# new shape (a graph built a shape; a served prefill's pieces are mostly new shapes) is timed:
+# kernels_dsa_prefill's piece_first_call.
 PIECE_KERNELS = ("flash", "cudnn", "efficient")
 PIECE_KERNEL = "flash"
 
