@@ -32,6 +32,10 @@
                              layers/mla.py's FRESH_VARLEN_MIN_TOKENS or more off the one
                              variable-length flash launch (mla/up_projected.attend_fresh_rows),
                              for A/Bs; on otherwise
+    MOESERVE_MLA_PIECE_KERNEL  the attention kernel of the up-projected MLA prefill's pieces
+                             on CUDA (mla/up_projected.PIECE_KERNEL): "flash" (the default),
+                             "cudnn" or "efficient"; anything else is refused at the first
+                             piece
     MOESERVE_MLA_VECTOR_STORES  "0" has the Gluon MLA decode kernels store their outputs
                              from the accumulator's layout, not in 16-byte vectors
                              (decode_gluon.vector_stores), for A/Bs; on otherwise
@@ -64,6 +68,7 @@ MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
 MLA_DECODE_WS = "MOESERVE_MLA_DECODE_WS"
 MLA_SWAPPED_ONE_STAGE = "MOESERVE_MLA_SWAPPED_ONE_STAGE"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
+MLA_PIECE_KERNEL = "MOESERVE_MLA_PIECE_KERNEL"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
 GRAMMAR_MASKS_THREAD = "MOESERVE_GRAMMAR_MASKS_THREAD"
 
@@ -121,6 +126,10 @@ def mla_fresh_varlen() -> bool:
 
 def mla_vector_stores() -> bool:
     return os.environ.get(MLA_VECTOR_STORES) != "0"
+
+
+def mla_piece_kernel(default: str) -> str:
+    return os.environ.get(MLA_PIECE_KERNEL) or default
 
 
 def dsa_slot_rows() -> bool:

@@ -40,6 +40,8 @@ from collections.abc import Iterator
 
 import torch
 
+from moeserve import envs
+
 CHUNK_BYTES = 256 << 20  # a prefix chunk's up-projected keys and values, at most
 MIN_CHUNK = 1024  # tokens a prefix chunk, at least
 # set by `memory_probe`: a row attends only the pieces that differ in size, a wrong output
@@ -180,7 +182,7 @@ def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: in
 # new shape (a graph built a shape; a served prefill's pieces are mostly new shapes) is timed:
 # kernels_dsa_prefill's piece_first_call.
 PIECE_KERNELS = ("flash", "cudnn", "efficient")
-PIECE_KERNEL = "flash"
+PIECE_KERNEL = envs.mla_piece_kernel("flash")  # MOESERVE_MLA_PIECE_KERNEL
 
 
 def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
