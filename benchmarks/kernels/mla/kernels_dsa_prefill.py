@@ -28,9 +28,11 @@ also with its pieces through the memory-efficient kernel and through cuDNN's
 from the default relative to the output's largest value, dense_mla_{...}_error; a kernel that
 raises is recorded as dense_mla_{...}_ms: "error: ..."). A served prefill's pieces come in
 shapes never seen before (each row's lengths), and cuDNN builds a graph per shape: `pieces`
-times each kernel's first call at fresh shapes against its repeat (piece_first_call).
+times each kernel's first call at fresh shapes against its repeat (piece_first_call), and
+`--pieces` times only the kernels, at the pieces a long row makes (piece_sweep).
 
     python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR
+    python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR --pieces  # kernels only
     python -m benchmarks.kernels.mla.kernels_dsa_prefill --out DIR --smoke   # tiny, CPU interpreter
 """
 
@@ -258,10 +260,44 @@ def piece_first_call(device: str, heads: int, width: int, v_dim: int
     return result
 
 
+# (heads, key width, value width): GLM-5's, glm-4.7-flash's (the same widths) and DeepSeek-V3's
+PIECE_SHAPES = ((64, 256, 256), (20, 256, 256), (128, 192, 128))
+
+
+def piece_sweep(timer: Timer) -> list[dict]:
+    """Each piece kernel's time (repeated shapes) at the pieces a long row makes: a causal
+    square piece and a context piece of up_projected.chunk_tokens keys, 1,024 and 8,192
+    queries, at PIECE_SHAPES; a kernel that refuses the shapes recorded as "error: ..."."""
+    rows, was = [], up_projected.PIECE_KERNEL
+    for heads, width, v_dim in PIECE_SHAPES:
+        context = up_projected.chunk_tokens(heads, width, v_dim)
+        for queries in (1024, 8192):
+            for keys, causal in ((queries, True), (context, False)):
+                q = torch.randn(1, heads, queries, width, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(1, heads, keys, width, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(1, heads, keys, v_dim, device="cuda", dtype=torch.bfloat16)
+                row = {"heads": heads, "width": width, "queries": queries, "keys": keys,
+                       "causal": causal}
+                for kernel in up_projected.PIECE_KERNELS:
+                    up_projected.PIECE_KERNEL = kernel
+                    try:
+                        row[f"{kernel}_ms"] = round(timer(functools.partial(
+                            up_projected._attend_piece, q, k, v, width ** -0.5, causal)), 4)
+                    except RuntimeError as e:
+                        row[f"{kernel}_ms"] = f"error: {str(e)[:200]}"
+                    finally:
+                        up_projected.PIECE_KERNEL = was
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for kernels_dsa_prefill.json")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    parser.add_argument("--pieces", action="store_true",
+                        help="only the piece kernels: piece_sweep and piece_first_call (CUDA)")
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_dsa_prefill")
     global COPY_TBPS, PEAK_TFLOPS
@@ -276,6 +312,9 @@ def main() -> None:
                     "ceilings": ceilings.name, "copy_tbps": COPY_TBPS,
                     "dense_tflops": PEAK_TFLOPS, "prefill": []}
     path = os.path.join(args.out, "kernels_dsa_prefill.json")
+    if args.pieces:
+        result["piece_sweep"] = piece_sweep(timer)
+        cases = ()
     for name, prefix, chunk in cases:
         record(result, "prefill", run_case(name, prefix, chunk, device, timer), path, device)
     if device == "cuda":
