@@ -33,7 +33,8 @@
                              variable-length flash launch (mla/up_projected.attend_fresh_rows),
                              for A/Bs; on otherwise
     MOESERVE_MLA_PIECE_KERNEL  the attention kernel of the up-projected MLA prefill's pieces
-                             on CUDA (mla/up_projected.PIECE_KERNEL): "flash" (the default),
+                             on CUDA (mla/up_projected.PIECE_KERNEL): "auto" (the default:
+                             cuDNN's for large pieces of many heads, else flash), "flash",
                              "cudnn" or "efficient"; anything else is refused at the first
                              piece
     MOESERVE_MLA_VECTOR_STORES  "0" has the Gluon MLA decode kernels store their outputs

@@ -27,10 +27,10 @@ otherwise, the CPU or fp32, SDPA a row at a time). layers/mla.py's `row_forms` s
 rows take it (prompts of 512 tokens and more; MOESERVE_MLA_FRESH_VARLEN=0 turns it off).
 
 A piece's attention is a fused kernel that returns its log-sum-exp (no [Q, S] scores): on
-CUDA in bf16 / fp16 with keys up to 256 wide (a multiple of 8) torch's FlashAttention-2
-(PIECE_KERNEL), else torch's memory-efficient SDPA; on the CPU torch's flash SDPA. The flash
-kernels (and cuDNN's, PIECE_KERNEL's experiment) take the values as wide as the keys: they
-are zero-padded, and the padding's output columns dropped.
+CUDA in bf16 / fp16 with keys up to 256 wide (a multiple of 8) torch's FlashAttention-2, or
+cuDNN's for large pieces of many heads (PIECE_KERNEL's "auto", `piece_kernel`), else torch's
+memory-efficient SDPA; on the CPU torch's flash SDPA. The flash kernels and cuDNN's take the
+values as wide as the keys: they are zero-padded, and the padding's output columns dropped.
 """
 
 from __future__ import annotations
@@ -172,17 +172,42 @@ def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: in
 
 
 # A CUDA piece's kernel in bf16 / fp16 with keys up to 256 wide, a multiple of 8: "flash"
-# (FlashAttention-2), "cudnn" (cuDNN's fused attention) or "efficient" (the memory-efficient
-# kernel, the only one past those). kernels_dsa_prefill times each (dense_mla_{efficient,
-# cudnn}_ms). FlashAttention-2 took W3's dense prefill chunk (8,192 queries after 24,576
-# tokens, 64 heads) from 134.6 to 72.6 ms on an H100 (gpu_948136d/call11: 15.2 -> 28.2% of its
-# compute bound); with the fold in place 67.4 ms, and cuDNN's 43.4 (gpu_77293e0/call4: 47.2%;
-# 7.41 / 10.09 against 10.95 / 13.53 ms after 0 / 1,024 after 31,744; outputs as far from
-# flash's as the efficient kernel's). Flash stays the default until cuDNN's first call at a
-# new shape (a graph built a shape; a served prefill's pieces are mostly new shapes) is timed:
-# kernels_dsa_prefill's piece_first_call.
-PIECE_KERNELS = ("flash", "cudnn", "efficient")
-PIECE_KERNEL = envs.mla_piece_kernel("flash")  # MOESERVE_MLA_PIECE_KERNEL
+# (FlashAttention-2), "cudnn" (cuDNN's fused attention), "efficient" (the memory-efficient
+# kernel, the only one past those) or "auto" (piece_kernel: cuDNN for large pieces of many
+# heads, else flash). kernels_dsa_prefill times each (dense_mla_{flash,efficient,cudnn}_ms;
+# `--pieces` the kernels alone). On an H100: FlashAttention-2 took W3's dense prefill chunk
+# (8,192 queries after 24,576 tokens, GLM-5's 64 heads) from 134.6 to 72.6 ms
+# (gpu_948136d/call11: 15.2 -> 28.2% of its compute bound); with the fold in place 67.4 ms,
+# and cuDNN's 43.4 (gpu_77293e0/call4: 47.2%; 7.41 / 10.09 against 10.95 / 13.53 ms after 0 /
+# 1,024 after 31,744; outputs as far from flash's as the efficient kernel's). But cuDNN builds
+# a graph for each new shape: its first call 38.7 ms at a new shape of 20 heads, ~1,021
+# queries, against 0.30 repeated (flash 0.30 either way; at 64 heads 0.57 against flash's 0.70
+# repeated; call7). So "auto" takes it only where a piece's work repays a build within a
+# layer or two: CUDNN_MIN_HEADS heads and CUDNN_MIN_PRODUCTS queries x keys (W3's pieces of
+# 8,192 queries x 4,096 keys, ~3 ms faster each a layer; a long row's full context pieces
+# share one shape, so a row adds at most its last pieces' shapes). Unmeasured: 20 heads and
+# DeepSeek-V3's 128 at such sizes (kernels_dsa_prefill --pieces times them).
+PIECE_KERNELS = ("auto", "flash", "cudnn", "efficient")
+PIECE_KERNEL = envs.mla_piece_kernel("auto")  # MOESERVE_MLA_PIECE_KERNEL
+CUDNN_MIN_HEADS = 64
+CUDNN_MIN_PRODUCTS = 1 << 25
+_cudnn_refused: set[tuple] = set()  # (heads, width, dtype) cuDNN raised at: flash there since
+
+
+def piece_kernel(q: torch.Tensor, num_keys: int) -> str:
+    """The kernel of a CUDA piece of q [1, H, Q, D] over num_keys keys: PIECE_KERNEL, or for
+    "auto" cuDNN's where the piece has CUDNN_MIN_HEADS heads and CUDNN_MIN_PRODUCTS queries x
+    keys (and cuDNN has not refused its heads and width), else flash's; "efficient" wherever
+    the flash kernels' dtypes and widths are not met."""
+    if PIECE_KERNEL not in PIECE_KERNELS:
+        raise ValueError(f"up_projected.PIECE_KERNEL {PIECE_KERNEL!r} not in {PIECE_KERNELS}")
+    heads, num_queries, width = q.shape[1], q.shape[2], q.shape[3]
+    if q.dtype not in (torch.bfloat16, torch.float16) or width > 256 or width % 8:
+        return "efficient"
+    if PIECE_KERNEL != "auto":
+        return PIECE_KERNEL
+    large = heads >= CUDNN_MIN_HEADS and num_queries * num_keys >= CUDNN_MIN_PRODUCTS
+    return "cudnn" if large and (heads, width, q.dtype) not in _cudnn_refused else "flash"
 
 
 def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -190,10 +215,7 @@ def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """q [1, H, Q, D], k [1, H, n, D], v [1, H, n, Dv] -> (out [1, H, Q, Dv], lse [1, H, Q]
     fp32); causal: the piece is the queries' own span (n == Q), square."""
     num_queries, width, v_dim = q.shape[2], q.shape[-1], v.shape[-1]
-    if PIECE_KERNEL not in PIECE_KERNELS:
-        raise ValueError(f"up_projected.PIECE_KERNEL {PIECE_KERNEL!r} not in {PIECE_KERNELS}")
-    fits = q.dtype in (torch.bfloat16, torch.float16) and width <= 256 and width % 8 == 0
-    kernel = PIECE_KERNEL if fits else "efficient"  # the flash kernels' head widths
+    kernel = piece_kernel(q, k.shape[2])
     if q.is_cuda and kernel == "efficient":
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)[:2]
@@ -201,13 +223,26 @@ def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if v_dim < width:  # the flash kernels take values as wide as the keys
         v = torch.nn.functional.pad(v, (0, width - v_dim))
     if q.is_cuda and kernel == "cudnn":
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
-        lse = lse.reshape(q.shape[:3])  # [B, H, Q] (cuDNN's may carry a trailing 1)
-    elif q.is_cuda:
+        try:
+            out, lse = _cudnn(q, k, v, scale, causal)
+            return out[..., :v_dim], lse.reshape(q.shape[:3])  # cuDNN's may carry a last 1
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # no plan for these shapes: flash here, and for them from now
+            if PIECE_KERNEL != "auto":
+                raise
+            _cudnn_refused.add((q.shape[1], width, q.dtype))
+    if q.is_cuda:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)[:2]
     return out[..., :v_dim], lse
+
+
+def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's fused attention (out, lse); its own function so tests can make it refuse."""
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
