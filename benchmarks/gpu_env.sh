@@ -107,6 +107,7 @@ run_gpu_tests() {
     done
     tar czf "$OUT/gpu_tests_by_file.tgz" -C /tmp gpu_tests_by_file
   fi
+  return "$rc"
 }
 
 # w1_run PRESET CONCURRENCY NAME DIR [VAR=VALUE ...] [-- SERVER FLAGS ...]: W1 (the bench's

@@ -12,4 +12,6 @@ part=${1:?usage: gpu_tests_h200.sh K/N}
 gpu_test_part "$part" > "$OUT/gpu_tests_files.txt"
 echo "part $part: $(wc -l < "$OUT/gpu_tests_files.txt") files"
 run_gpu_tests "${GPU_TESTS_TIMEOUT:-540}" "$part"
+rc=$?  # pytest's (the worse of the two runs'), not the grep's
 grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
+exit "$rc"
