@@ -9,7 +9,7 @@
 # dsa_graph_gather_ms) and kernels_dsa_prefill (W3's prefill chunk per layer: indexer, top-k, sparse
 # MLA against dense MLA); kernels_dsa also times indexer_triton.score_key_tiles at 2-16, the
 # scoring launch's warps and stages (SCORE_LAUNCHES) and the sparse MLA at TILES. Results as
-# $OUT/dsa.tgz.
+# $OUT/dsa.tgz. Then kernels_dsa_prefill --pieces (the MLA prefill's piece kernels).
 #   bash benchmarks/h200/topk_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -20,7 +20,8 @@ if [ "${TOPK_TESTS:-1}" = 1 ]; then
 timeout 200 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/attention/test_dsa_topk_triton.py tests/kernels/attention/test_dsa_triton.py \
   tests/kernels/attention/test_dsa_triton_tiles.py tests/kernels/test_specialization_gpu.py \
-  tests/kernels/attention/test_mla.py -k "dsa or mla or topk" > $R/gpu_tests_topk.log 2>&1
+  tests/kernels/attention/test_mla.py tests/kernels/attention/test_mla_piece_kernel.py \
+  tests/kernels/attention/test_dsa_sparse_slots.py -k "dsa or mla or topk" > $R/gpu_tests_topk.log 2>&1
 rc=$?
 echo "tests rc=$rc"; tail -3 $R/gpu_tests_topk.log
 if [ "$rc" != 0 ]; then tar czf $OUT/dsa.tgz -C /tmp dsa; exit 1; fi
@@ -48,5 +49,12 @@ if [ "${PREFILL:-1}" = 1 ]; then
 timeout -s INT 200 python3 -m benchmarks.kernels.mla.kernels_dsa_prefill --out $R \
   > $R/kernels_dsa_prefill.log 2>&1
 echo "kernels_dsa_prefill rc=$?"; cut -c1-400 $R/kernels_dsa_prefill.log
+fi
+# the up-projected prefill's piece kernels alone (flash, cuDNN, efficient at 20 / 64 / 128
+# heads, 1,024 and 8,192 queries; their first call at new shapes): PIECES=0 skips it
+if [ "${PIECES:-1}" = 1 ]; then
+timeout -s INT 120 python3 -m benchmarks.kernels.mla.kernels_dsa_prefill --out $R/pieces \
+  --pieces > $R/kernels_dsa_pieces.log 2>&1
+echo "kernels_dsa_prefill --pieces rc=$?"; grep -E "^\{|piece_first_call" $R/kernels_dsa_pieces.log | cut -c1-300
 fi
 tar czf $OUT/dsa.tgz -C /tmp dsa
