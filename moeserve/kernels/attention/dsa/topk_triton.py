@@ -94,8 +94,8 @@ COOP_MAX_TOKENS = 0
 # every form two of the four histogram passes over every score become one light gather pass
 # and two histograms of the gathered few (the coop form: two barriers fewer). "auto" turns it
 # on with the chunks form (FORM's comment); True turns it on in every form. The chunks form's
-# gathered scores take a GATHER_SHARE-th of the scores' bytes, which the indexer bounds
-# (indexer_triton._CHUNK_KEYS: at most 32 MiB), so decode graphs need no reserve for them.
+# gathered scores take max(topk, S / GATHER_SHARE) a token, never more than the scores' own
+# bytes, which the indexer bounds (indexer_triton._CHUNK_KEYS: 128 MiB of scores a launch).
 GATHER = False
 # ... the chunks form's gathered scores: up to a GATHER_SHARE-th of a row (at least topk) in a
 # buffer of their own, so that a bin of concentrated scores (a few thousand of 64k within its
