@@ -203,7 +203,7 @@ def test_bad_chunk_and_form() -> None:
 def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """"auto" by the tokens' count and the rows' length: chunks with GATHER (its gather
-    launch), row from ROW_MIN_TOKENS over rows shorter than ROW_MAX_KEYS, coop up to
+    launch), row from ROW_MIN_TOKENS over rows of at most ROW_MAX_KEYS, coop up to
     COOP_MAX_TOKENS, chunks with GATHER again from CHUNKS_GATHER_MIN_TOKENS."""
     kern = topk_triton._kernels()
     launched: list[str] = []
@@ -226,7 +226,7 @@ def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
     monkeypatch.setattr(topk_triton, "ROW_MIN_TOKENS", 3)
     monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 1)
     monkeypatch.setattr(topk_triton, "CHUNKS_GATHER_MIN_TOKENS", 4)
-    monkeypatch.setattr(topk_triton, "ROW_MAX_KEYS", 48)
+    monkeypatch.setattr(topk_triton, "ROW_MAX_KEYS", 40)
     monkeypatch.setattr(topk_triton, "GATHER", False)
     gen = torch.Generator().manual_seed(9)
     for ends, keys, form in (([40, 30], 40, "chunks_gather"), ([40, 30, 25], 40, "row"),
@@ -245,7 +245,7 @@ def test_auto_form_keeps_coop_within_a_token_an_sm(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(topk_triton, "num_sms", lambda device: 132)
     monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 200)
     cuda = torch.device("cuda", 0)
-    short, long = topk_triton.ROW_MAX_KEYS - 1, topk_triton.ROW_MAX_KEYS
+    short, long = topk_triton.ROW_MAX_KEYS, topk_triton.ROW_MAX_KEYS + 1
     assert topk_triton.auto_form(132, short, cuda) == ("coop", False)
     # past the SMs: never refused mid-step
     assert topk_triton.auto_form(133, short, cuda) == ("chunks", True)

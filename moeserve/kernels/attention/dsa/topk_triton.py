@@ -70,8 +70,10 @@ _BINS = 256
 _LEVELS = 4
 FORMS = ("auto", "row", "chunks", "coop")  # coop: topk_coop_triton.py's one launch
 # radix_topk's default form; "auto" (auto_form): the chunks form with GATHER, but "row" from
-# ROW_MIN_TOKENS tokens over rows shorter than ROW_MAX_KEYS positions and below
-# CHUNKS_GATHER_MIN_TOKENS tokens. On an H100 in CUDA graphs (gpu_77293e0/call4, kernels_dsa's
+# ROW_MIN_TOKENS tokens over rows of at most ROW_MAX_KEYS positions and below
+# CHUNKS_GATHER_MIN_TOKENS tokens. The rows' width is the scores' (meta.max_seq_len): in a
+# decode CUDA graph the graph's context bound (runner/cuda_graphs.py: GLM-5's 16,384 for
+# contexts of 2,049-16,384, then 131,072), so the row form takes the 16,384 graph's steps. On an H100 in CUDA graphs (gpu_77293e0/call4, kernels_dsa's
 # decode cases): chunks with GATHER 0.0595 / 0.0858 ms at 32 x 64k / 128 x 32k against
 # 0.068 / 0.102 without (the DSA step 2.8 / 2.5% faster), level at 32 x 8k (0.0377 / 0.0363,
 # the step 0.1209 / 0.1214); at 256 tokens the row form 0.053 ms over 8k positions against
@@ -162,10 +164,10 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
 
 def auto_form(n: int, num_keys: int, device: torch.device) -> tuple[str, bool]:
     """"auto"'s (form, GATHER) for n tokens' rows of num_keys positions: ("row", False) from
-    ROW_MIN_TOKENS tokens below CHUNKS_GATHER_MIN_TOKENS over rows shorter than ROW_MAX_KEYS;
+    ROW_MIN_TOKENS tokens below CHUNKS_GATHER_MIN_TOKENS over rows of at most ROW_MAX_KEYS;
     else ("coop", False) up to COOP_MAX_TOKENS tokens but never past a token an SM of a CUDA
     device (where it always fits); else ("chunks", True)."""
-    if ROW_MIN_TOKENS <= n < CHUNKS_GATHER_MIN_TOKENS and num_keys < ROW_MAX_KEYS:
+    if ROW_MIN_TOKENS <= n < CHUNKS_GATHER_MIN_TOKENS and num_keys <= ROW_MAX_KEYS:
         return "row", False
     sms = num_sms(device) if device.type == "cuda" else n
     if n <= min(COOP_MAX_TOKENS, sms):
