@@ -41,7 +41,8 @@ for r in json.load(open('/tmp/dsa/kernels_dsa.json'))['decode']:
           r.get('dsa_graph_coop_gather_ms'), 'score launches',
           r.get('score_launch_ms'), r.get('dsa_graph_score_launch_ms'), 'torch', r['topk_torch_ms'],
           r['topk_torch_graph_ms'], 'score', r['score_ms'], 'sparse', r['sparse_mla_ms'],
-          'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'], 'key tiles',
+          'step graph', r['dsa_graph_ms'], r['pct_of_bound_graph'], 'at the graph bound',
+          r.get('graph_bound'), r.get('dsa_graph_bound_ms'), 'key tiles',
           r.get('score_key_tiles_ms'), r.get('dsa_graph_key_tiles_ms'), 'tiles',
           r.get('sparse_mla_tiles'))
 "

@@ -41,7 +41,8 @@ kernel so where it runs), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
 MLA (eager: host gaps between the indexer's launches included), and against the two captured
-in one CUDA graph as a served decode step runs them (dsa_graph_ms, pct_of_bound_graph); the
+in one CUDA graph as a served decode step runs them (dsa_graph_ms, pct_of_bound_graph; and
+with the scores as wide as the served graph's context bound, dsa_graph_bound_ms); the
 dense kernel's own read bound is context x 1,152 bytes a row. The selection and the
 sparse output are first checked against the references on the first rows.
 
@@ -56,6 +57,7 @@ scoring section).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -82,6 +84,7 @@ from moeserve.kernels.attention.metadata import AttentionMetadata, build_attenti
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.mla import decode_gluon
 from moeserve.kernels.attention.mla.decode_gluon_swapped import SWAPPED_HEADS
+from moeserve.runner.cuda_graphs import context_bounds
 
 HEADS, DIM, BLOCK, TOPK = 32, 128, 64, 2048
 CASES = (  # (name, computed tokens per row, new tokens per row)
@@ -372,12 +375,16 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         timer, lambda: topk_triton.radix_topk(scores, meta, 0, topk, selected), cuda)
     row["topk_torch_graph_ms"] = graph_timed(timer, lambda: torch.topk(keys, k, dim=1), cuda)
 
-    def step() -> torch.Tensor:
-        pos, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta, scale, topk)
-        return dsa_sparse_triton.dsa_attention_triton(q, cache, meta, pos, mla_scale, latent,
+    def step(m: AttentionMetadata = meta) -> torch.Tensor:
+        pos, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, m, scale, topk)
+        return dsa_sparse_triton.dsa_attention_triton(q, cache, m, pos, mla_scale, latent,
                                                       packed=True)
     step()
     row["dsa_graph_ms"] = graph_timed(timer, step, cuda)
+    # as served: the decode graph's max_seq_len is its context bound (GLM-5's), the scores' width
+    row["graph_bound"] = next(b for b in context_bounds(topk, 202752) if b >= context)
+    wide = dataclasses.replace(meta, max_seq_len=row["graph_bound"], derived={})
+    row["dsa_graph_bound_ms"] = graph_timed(timer, functools.partial(step, wide), cuda)
     if "topk_coop_graph_ms" in row:  # the step with the one-launch top-k
         was, topk_triton.FORM = topk_triton.FORM, "coop"
         try:
