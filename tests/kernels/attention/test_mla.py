@@ -160,9 +160,9 @@ def test_a_row_alone_attends_its_context_in_chunks(monkeypatch: pytest.MonkeyPat
     pieces: list[bool] = []
     attend_piece = up_projected._attend_piece
 
-    def spy(q, k, v, scale, causal):
+    def spy(q, k, v, scale, causal, kernel=None):
         pieces.append(causal)
-        return attend_piece(q, k, v, scale, causal)
+        return attend_piece(q, k, v, scale, causal, kernel)
 
     monkeypatch.setattr(up_projected, "_attend_piece", spy)
     case = make_mla_case([0, 40], [9, 7], block_size=4)  # fresh 9; 7 after a 40-token prefix

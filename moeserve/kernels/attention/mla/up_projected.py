@@ -88,7 +88,7 @@ def attend_row_in_chunks(q: torch.Tensor, latent_cache: torch.Tensor, block_tabl
     for first, end, causal in pieces:
         k, v = _up_project(latent_cache, block_table, first, end, kv_b_proj, nope, v_dim,
                            q.dtype)
-        merged = fold(merged, *_attend_piece(qh, k, v, scale, causal))
+        merged = _attend_and_fold(merged, qh, k, v, scale, causal)
         del k, v
     acc, total, _ = merged
     return (acc / total[..., None]).to(q.dtype)[0].transpose(0, 1)  # [Q, H, v]
@@ -133,9 +133,11 @@ def attend_fresh_rows(q: torch.Tensor, latents: torch.Tensor, query_start_loc: t
 def chunk_tokens(num_heads: int, qk_dim: int, v_dim: int) -> int:
     """Tokens a prefix chunk: CHUNK_BYTES of their 16-bit transients (the up-projection's
     output, H x (nope + v), and the joined keys, H x (nope + R): under H x (2 qk + v) values a
-    token), at least MIN_CHUNK."""
+    token), a multiple of CUDNN_SHAPE_MULTIPLE (its pieces' shapes recur: `piece_kernel`), at
+    least MIN_CHUNK."""
     per_token = num_heads * (2 * qk_dim + v_dim) * 2
-    return max(MIN_CHUNK, CHUNK_BYTES // per_token)
+    fits = CHUNK_BYTES // per_token
+    return max(MIN_CHUNK, fits - fits % CUDNN_SHAPE_MULTIPLE)
 
 
 def fold(merged: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple:
@@ -182,23 +184,31 @@ def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: in
 # 1,024 after 31,744; outputs as far from flash's as the efficient kernel's). But cuDNN builds
 # a graph for each new shape: its first call 38.7 ms at a new shape of 20 heads, ~1,021
 # queries, against 0.30 repeated (flash 0.30 either way; at 64 heads 0.57 against flash's 0.70
-# repeated; call7). So "auto" takes it only where a piece's work repays a build within a
-# layer or two: CUDNN_MIN_HEADS heads and CUDNN_MIN_PRODUCTS queries x keys (W3's pieces of
-# 8,192 queries x 4,096 keys, ~3 ms faster each a layer; a long row's full context pieces
-# share one shape, so a row adds at most its last pieces' shapes). Unmeasured: 20 heads and
-# DeepSeek-V3's 128 at such sizes (kernels_dsa_prefill --pieces times them).
+# repeated; call7). So "auto" takes it only where its builds are paid once, for a
+# few dozen recurring shapes: pieces of CUDNN_MIN_HEADS heads and CUDNN_MIN_PRODUCTS queries
+# x keys (W3's chunk of 8,192 queries after 24,576: ten pieces, ~2.4 ms faster each a layer),
+# over a whole context chunk (chunk_tokens is a multiple of CUDNN_SHAPE_MULTIPLE) or the
+# queries' own causal span, and only the queries' first multiple of CUDNN_SHAPE_MULTIPLE:
+# the rest (a served chunk's length is the budget less the step's decodes) take flash, folded
+# into their rows in place (`_attend_split`, no output-sized copy), as does a context's last
+# piece. torch's cache of cuDNN graphs (one a shape, never evicted) then holds at most a
+# couple of shapes a query multiple. Unmeasured: 20 heads and DeepSeek-V3's 128 at such sizes
+# (kernels_dsa_prefill --pieces times them).
 PIECE_KERNELS = ("auto", "flash", "cudnn", "efficient")
 PIECE_KERNEL = envs.mla_piece_kernel("auto")  # MOESERVE_MLA_PIECE_KERNEL
 CUDNN_MIN_HEADS = 64
-CUDNN_MIN_PRODUCTS = 1 << 25
+CUDNN_MIN_PRODUCTS = 1 << 20
+CUDNN_SHAPE_MULTIPLE = 256
 _cudnn_refused: set[tuple] = set()  # (heads, width, dtype) cuDNN raised at: flash there since
 
 
-def piece_kernel(q: torch.Tensor, num_keys: int) -> str:
-    """The kernel of a CUDA piece of q [1, H, Q, D] over num_keys keys: PIECE_KERNEL, or for
-    "auto" cuDNN's where the piece has CUDNN_MIN_HEADS heads and CUDNN_MIN_PRODUCTS queries x
-    keys (and cuDNN has not refused its heads and width), else flash's; "efficient" wherever
-    the flash kernels' dtypes and widths are not met."""
+def piece_kernel(q: torch.Tensor, num_keys: int, causal: bool = False) -> str:
+    """The kernel of a CUDA piece of q [1, H, Q, D] over num_keys keys (causal: its own span):
+    PIECE_KERNEL, or for "auto" cuDNN's where the piece has CUDNN_MIN_HEADS heads, its keys
+    are a multiple of CUDNN_SHAPE_MULTIPLE or its own span, and its queries' first such
+    multiple times its keys reach CUDNN_MIN_PRODUCTS (and cuDNN has not refused its heads and
+    width; `_attend_and_fold` gives the other queries to flash), else flash's; "efficient"
+    wherever the flash kernels' dtypes and widths are not met."""
     if PIECE_KERNEL not in PIECE_KERNELS:
         raise ValueError(f"up_projected.PIECE_KERNEL {PIECE_KERNEL!r} not in {PIECE_KERNELS}")
     heads, num_queries, width = q.shape[1], q.shape[2], q.shape[3]
@@ -206,16 +216,67 @@ def piece_kernel(q: torch.Tensor, num_keys: int) -> str:
         return "efficient"
     if PIECE_KERNEL != "auto":
         return PIECE_KERNEL
-    large = heads >= CUDNN_MIN_HEADS and num_queries * num_keys >= CUDNN_MIN_PRODUCTS
-    return "cudnn" if large and (heads, width, q.dtype) not in _cudnn_refused else "flash"
+    whole = num_queries - num_queries % CUDNN_SHAPE_MULTIPLE
+    keys = whole if causal else num_keys
+    recurs = whole > 0 and (causal or num_keys % CUDNN_SHAPE_MULTIPLE == 0)
+    large = heads >= CUDNN_MIN_HEADS and whole * keys >= CUDNN_MIN_PRODUCTS
+    if recurs and large and (heads, width, q.dtype) not in _cudnn_refused:
+        return "cudnn"
+    return "flash"
+
+
+def _attend_and_fold(merged: tuple | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float, causal: bool) -> tuple:
+    """One piece (`_attend_piece`'s arguments) attended and folded into `merged` (`fold`'s):
+    whole, or where "auto" gives it to cuDNN with queries past a multiple of
+    CUDNN_SHAPE_MULTIPLE, split by `_attend_split`."""
+    kernel = piece_kernel(q, k.shape[2], causal)
+    whole = q.shape[2] - q.shape[2] % CUDNN_SHAPE_MULTIPLE
+    if kernel == "cudnn" and PIECE_KERNEL == "auto" and whole < q.shape[2]:
+        return _attend_split(merged, q, k, v, scale, causal, whole)
+    return fold(merged, *_attend_piece(q, k, v, scale, causal, kernel))
+
+
+def _attend_split(merged: tuple | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float, causal: bool, whole: int) -> tuple:
+    """The piece's first `whole` queries by cuDNN (over the first `whole` keys where causal:
+    their own span), the rest by flash (where causal: every one of those keys, then their own
+    span), each folded into its query rows of `merged` in place."""
+    if merged is None:  # an empty fold: no weight anywhere, the first part's lse on top
+        acc = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
+        merged = (acc, torch.zeros(q.shape[:3], device=q.device),
+                  torch.full(q.shape[:3], float("-inf"), device=q.device))
+    head, tail = slice(0, whole), slice(whole, None)
+    ka, va = (k[:, :, head], v[:, :, head]) if causal else (k, v)
+    _fold_rows(merged, head, *_attend_piece(q[:, :, head], ka, va, scale, causal, "cudnn"))
+    if causal:  # every key before the tail's own span, then that span
+        _fold_rows(merged, tail, *_attend_piece(q[:, :, tail], ka, va, scale, False, "flash"))
+        _fold_rows(merged, tail, *_attend_piece(q[:, :, tail], k[:, :, tail], v[:, :, tail],
+                                                scale, True, "flash"))
+    else:
+        _fold_rows(merged, tail, *_attend_piece(q[:, :, tail], k, v, scale, False, "flash"))
+    return merged
+
+
+def _fold_rows(merged: tuple, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """`fold` of a piece's output for query rows `rows` only, in place in merged's tensors
+    (each part of a piece sees a key, so its lse is finite: no -inf minus -inf)."""
+    acc, total, top = merged
+    lse = lse.float()
+    new_top = torch.maximum(top[..., rows], lse)
+    old, new = torch.exp(top[..., rows] - new_top), torch.exp(lse - new_top)
+    acc[..., rows, :].mul_(old[..., None]).addcmul_(out, new[..., None])
+    total[..., rows] = total[..., rows] * old + new
+    top[..., rows] = new_top
 
 
 def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  causal: bool, kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [1, H, Q, D], k [1, H, n, D], v [1, H, n, Dv] -> (out [1, H, Q, Dv], lse [1, H, Q]
-    fp32); causal: the piece is the queries' own span (n == Q), square."""
+    fp32); causal: the piece is the queries' own span (n == Q), square. kernel: default
+    `piece_kernel`'s (the CPU runs its flash SDPA whatever it names but "efficient")."""
     num_queries, width, v_dim = q.shape[2], q.shape[-1], v.shape[-1]
-    kernel = piece_kernel(q, k.shape[2])
+    kernel = kernel or piece_kernel(q, k.shape[2], causal)
     if q.is_cuda and kernel == "efficient":
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)[:2]
