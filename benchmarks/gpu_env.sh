@@ -151,3 +151,22 @@ for r in json.load(open('$dir/$name/kernels_dsa.json'))['decode']:
           r.get('sparse_mla_gluon_slots_ms'), 'step graph', r['dsa_graph_ms'],
           r['pct_of_bound_graph'])"
 }
+
+# ncu_profile DIR NAME LIMIT PATTERN NCU_ARGS... -- CMD...: Nsight Compute (NCU, default ncu
+# on the path) over CMD, its profiled range only (`--profile-from-start off`), into
+# DIR/NAME.ncu-rep, the details page as DIR/NAME.txt, its lines matching the egrep PATTERN
+# printed (30 at most); LIMIT seconds for the run.
+ncu_profile() {
+  local dir=$1 name=$2 limit=$3 pattern=$4 ncu=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
+  shift 4
+  local args=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done
+  shift
+  timeout "$limit" "$ncu" --profile-from-start off --target-processes all "${args[@]}" \
+    -o "$dir/$name" -f "$@" > "$dir/$name.log" 2>&1
+  echo "$name: ncu rc=$?"
+  if [ -f "$dir/$name.ncu-rep" ]; then
+    "$ncu" --import "$dir/$name.ncu-rep" --page details > "$dir/$name.txt" 2>&1
+    grep -E "$pattern" "$dir/$name.txt" | head -30
+  fi
+}

@@ -16,18 +16,13 @@ for heads in 64 128; do
   timeout 90 python3 -m benchmarks.kernels.mla.mla_once --kind dense --gluon --heads $heads \
     --batch 1024 --context 4096 2>>$dir/once.err | tail -1 | tee -a $OUT/ws_once.jsonl
 done
-NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy"
 for heads in 64 128; do
-  timeout 200 "$NCU" --profile-from-start off --target-processes all -k regex:_ws_kernel -c 1 \
-    $sections -o $dir/ws_h$heads -f python3 -m benchmarks.kernels.mla.mla_once --kind dense \
-    --gluon --heads $heads --batch 1024 --context 4096 --calls 1 > $dir/ws_h$heads.log 2>&1
-  echo "ws $heads heads: ncu rc=$?"
-  if [ -f $dir/ws_h$heads.ncu-rep ]; then
-    "$NCU" --import $dir/ws_h$heads.ncu-rep --page details > $dir/ws_h$heads.txt 2>&1
-    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Shared|Tensor|Issue Slots|Stall|Warp Cycles" \
-      $dir/ws_h$heads.txt | head -40
-  fi
+  # shellcheck disable=SC2086
+  ncu_profile $dir ws_h$heads 200 \
+    "Duration|Compute \(SM\) Throughput|Memory Throughput|Shared|Tensor|Issue Slots|Stall|Warp Cycles" \
+    -k regex:_ws_kernel -c 1 $sections -- python3 -m benchmarks.kernels.mla.mla_once \
+    --kind dense --gluon --heads $heads --batch 1024 --context 4096 --calls 1
 done
 cp $dir/once.err $OUT/ 2>/dev/null
 tar czf $OUT/ncu_ws.tgz --exclude="*.ncu-rep" -C /tmp ncu_ws

@@ -18,18 +18,12 @@ for form in row chunks coop; do
 done
 timeout 60 python3 -m benchmarks.kernels.mla.topk_once --form row --batch 256 \
   2>>$dir/once.err | tail -1 | tee -a $OUT/topk_once.jsonl
-NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section SourceCounters"
 for form in row chunks coop; do
-  timeout 150 "$NCU" --profile-from-start off --target-processes all -c 8 $sections \
-    -o $dir/topk_$form -f python3 -m benchmarks.kernels.mla.topk_once --form $form --calls 1 \
-    > $dir/topk_$form.log 2>&1
-  echo "$form: ncu rc=$?"
-  if [ -f $dir/topk_$form.ncu-rep ]; then
-    "$NCU" --import $dir/topk_$form.ncu-rep --page details > $dir/topk_$form.txt 2>&1
-    grep -E "^  [a-z_]+.*\(|Duration|Warp Cycles Per Issued|Issue Slots Busy|Stall|Registers" \
-      $dir/topk_$form.txt | head -30
-  fi
+  # shellcheck disable=SC2086
+  ncu_profile $dir topk_$form 150 \
+    "^  [a-z_]+.*\(|Duration|Warp Cycles Per Issued|Issue Slots Busy|Stall|Registers" \
+    -c 8 $sections -- python3 -m benchmarks.kernels.mla.topk_once --form $form --calls 1
 done
 cp $dir/once.err $OUT/ 2>/dev/null
 tar czf $OUT/ncu_topk.tgz --exclude="*.ncu-rep" -C /tmp ncu_topk
