@@ -18,6 +18,11 @@ for form in row chunks coop; do
 done
 timeout 60 python3 -m benchmarks.kernels.mla.topk_once --form row --batch 256 \
   2>>$dir/once.err | tail -1 | tee -a $OUT/topk_once.jsonl
+for shape in "4096 16" "8192 32"; do  # the row form's warps: latency hidden by more of them
+  set -- $shape
+  timeout 60 python3 -m benchmarks.kernels.mla.topk_once --form row --block $1 --warps $2 \
+    2>>$dir/once.err | tail -1 | tee -a $OUT/topk_once.jsonl
+done
 sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section SourceCounters"
 for form in row chunks coop; do
   # shellcheck disable=SC2086

@@ -105,7 +105,7 @@ MLA_HEADS, LATENT, ROPE = 64, 512, 64
 COPY_TBPS = 4.27  # ANCHORS.md: the H200's copy rate; main() takes its GPU's (device_ceilings)
 CHECK_ROWS = 2  # rows of each decode case checked against the references
 # the radix top-k's row form at (positions a step, warps), in graphs
-ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16))
+ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16), (4096, 16), (8192, 32))
 # the radix top-k's chunks form at these positions a program, in graphs
 CHUNK_SIZES = (256, 512, 1024, 2048)
 # indexer_triton.score_key_tiles settings timed: the scores alone and the step in a graph

@@ -11,7 +11,9 @@ Why: at 32 rows of 8,192 positions the top-k takes ~0.036 ms in a CUDA graph on 
 (gpu_77293e0/call4) in every form, for 1 MB of scores; the row form's loop is 1,188 sm90
 instructions a thread for each 4,096-position step (kernel_sass topk --form row: 144 VOTE,
 128 POPC and 459 LOP3 of them the ballot histogram), which at 8 warps an SM issues in ~10 us
-for the four levels, so most of the time is latency (loads, barriers) a profile can name.
+for the four levels, so most of the time is latency: the loads, the barriers, and with two
+warps a scheduler each thread's dependent chains (at 8,192 positions and 32 warps the step
+is 799 instructions, 64 registers, no spill: --block 8192 --warps 32).
 
     source benchmarks/gpu_env.sh
     python3 -m benchmarks.kernels.mla.topk_once --form row --batch 32 --context 8192
@@ -35,6 +37,10 @@ parser.add_argument("--gather", action="store_true", help="topk_triton.GATHER on
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--context", type=int, default=8192)
 parser.add_argument("--calls", type=int, default=20, help="timed calls")
+parser.add_argument("--block", type=int, default=None,
+                    help="positions a step (row form) or a program (chunks); default the form's")
+parser.add_argument("--warps", type=int, default=None,
+                    help="the row form's warps (topk_triton.ROW_WARPS); default 8")
 
 
 def main() -> None:
@@ -55,9 +61,11 @@ def main() -> None:
     topk_triton.radix_topk(scores, meta, 0, TOPK, want, form="chunks")
     got = torch.empty_like(want)
     topk_triton.GATHER = args.gather
+    if args.warps:
+        topk_triton.ROW_WARPS = args.warps
 
     def fn() -> None:
-        topk_triton.radix_topk(scores, meta, 0, TOPK, got, form=args.form)
+        topk_triton.radix_topk(scores, meta, 0, TOPK, got, chunk=args.block, form=args.form)
     fn()
     if not torch.equal(got, want):
         raise SystemExit(f"topk_once: the {args.form} form's selection differs from the "
