@@ -50,6 +50,18 @@ def ord_of(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
+def test_scores_fp32_inverts_the_ord() -> None:
+    """indexer_triton.scores_fp32: the ords back to their fp32 scores (-0.0 as +0.0), so a
+    check of two scorings' values measures floats, not ord distances."""
+    from moeserve.kernels.attention.dsa.indexer_triton import scores_fp32
+
+    scores = torch.tensor([1.5, -2.25, 0.0, -0.0, -1e-30, 1e-30, 3e38, -3e38])
+    back = scores_fp32(ord_of(scores))
+    assert torch.equal(back, torch.where(scores == 0, 0.0, scores))
+    assert not torch.signbit(back[3])
+    assert torch.equal(ord_of(scores).argsort(stable=True), back.argsort(stable=True))
+
+
 def want_topk(scores: torch.Tensor, ends: list[int], topk: int) -> tuple[torch.Tensor, int]:
     """The contract in torch: (positions [n, topk], tokens with a tie at the boundary)."""
     out = torch.full((len(ends), topk), -1, dtype=torch.int32)

@@ -85,6 +85,12 @@ tl: Any = None  # triton.language, bound by _kernels(): the kernels below read i
 _sum: Any = None
 
 
+def scores_fp32(ords: torch.Tensor) -> torch.Tensor:
+    """The scores index_score_chunks writes as ords (int32 of the fp32 order) back as fp32:
+    the map is its own inverse (a negative's magnitude bits flipped back)."""
+    return torch.where(ords < 0, ords ^ 0x7FFFFFFF, ords).view(torch.float32)
+
+
 def index_block_n(head_dim: int) -> int:
     """Keys per scoring program: small at test dims, so the tile loop and its masks run."""
     return 16 if head_dim <= 64 else 64

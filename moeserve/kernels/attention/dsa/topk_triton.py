@@ -73,15 +73,15 @@ FORMS = ("auto", "row", "chunks", "coop")  # coop: topk_coop_triton.py's one lau
 # ROW_MIN_TOKENS tokens over rows of at most ROW_MAX_KEYS positions and below
 # CHUNKS_GATHER_MIN_TOKENS tokens. The rows' width is the scores' (meta.max_seq_len): in a
 # decode CUDA graph the graph's context bound (runner/cuda_graphs.py: GLM-5's 16,384 for
-# contexts of 2,049-16,384, then 131,072), so the row form takes the 16,384 graph's steps. On an H100 in CUDA graphs (gpu_77293e0/call4, kernels_dsa's
-# decode cases): chunks with GATHER 0.0595 / 0.0858 ms at 32 x 64k / 128 x 32k against
-# 0.068 / 0.102 without (the DSA step 2.8 / 2.5% faster), level at 32 x 8k (0.0377 / 0.0363,
-# the step 0.1209 / 0.1214); at 256 tokens the row form 0.053 ms over 8k positions against
-# chunks with GATHER's 0.061, but 0.410 over 64k against 0.258 (the crossover near 11k
-# positions by a line through both). W3's prefill chunks (gpu_948136d/call3, call11): chunks
-# with GATHER 3.58-3.60 / 0.716-0.721 / 0.499-0.501 ms against the row form's 4.36-4.39 /
-# 0.844-0.851 / 0.627-0.629 (8,192 after 24,576 / after 0, 1,024 after 31,744). Not yet timed
-# on the H200.
+# contexts of 2,049-16,384, then 131,072), so the row form takes the 16,384 graph's steps.
+# On an H100 in CUDA graphs (gpu_77293e0/call4, kernels_dsa's decode cases): chunks with GATHER
+# 0.0595 / 0.0858 ms at 32 x 64k / 128 x 32k against 0.068 / 0.102 without (the DSA step 2.8 / 2.5%
+# faster), level at 32 x 8k (0.0377 / 0.0363, the step 0.1209 / 0.1214); at 256 tokens the row form
+# 0.053 ms over 8k positions against chunks with GATHER's 0.061, but 0.410 over 64k against 0.258
+# (the crossover near 11k positions by a line through both). W3's prefill chunks (gpu_948136d/call3,
+# call11): chunks with GATHER 3.58-3.60 / 0.716-0.721 / 0.499-0.501 ms against the row form's
+# 4.36-4.39 / 0.844-0.851 / 0.627-0.629 (8,192 after 24,576 / after 0, 1,024 after 31,744). Not yet
+# timed on the H200.
 FORM = "auto"
 ROW_MIN_TOKENS = 256
 ROW_MAX_KEYS = 16384
