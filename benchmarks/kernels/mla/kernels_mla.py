@@ -50,6 +50,7 @@ from benchmarks.kernels.kernel_runs import (
     record,
     run_device,
 )
+from moeserve.kernels.attention import metadata
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 
 # neither imports triton (the kernels do on first use, after --smoke set the interpreter)
@@ -139,33 +140,31 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
               cfg: mla_triton.TileConfig, form: str):
     """The decode step as a call: mla_attention_triton in `form`, or ("gluon", "gluon-overlap")
     decode_gluon at cfg's keys a tile and stages, or its swapped variant ("-vec": with
-    decode_gluon.vector_stores)."""
-    if form.endswith("-vec"):
-        call = decode_op(q, cache, meta, latent, cfg, form.removesuffix("-vec"))
-
-        def with_vector_stores() -> torch.Tensor:
-            was, decode_gluon.vector_stores = decode_gluon.vector_stores, True
-            try:
-                return call()
-            finally:
-                decode_gluon.vector_stores = was
-        return with_vector_stores
+    decode_gluon.vector_stores; "-lf": with decode_gluon.longest_first). "auto": what a
+    served step runs, mla_attention_triton's own pick (on sm90 decode_gluon.decode_gluon's
+    dispatch: the swapped kernel to 32 heads, the warp-specialized one past 1,024 keys)."""
+    for suffix, switch in (("-lf", "longest_first"), ("-vec", "vector_stores")):
+        if form.endswith(suffix):
+            return _switched(decode_op(q, cache, meta, latent, cfg, form.removesuffix(suffix)),
+                             switch)
     if not form.startswith("gluon"):
         return lambda: mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
                                                        decode_config=cfg, decode_form=form)
 
     def gluon() -> torch.Tensor:
         out = q.new_empty(*q.shape[:2], latent)
+        # the kernels called directly take decode_gluon.decode_gluon's row order
+        rows = metadata.longest_first(meta, None) if decode_gluon.longest_first else None
         if form == "gluon-swapped":  # decode_gluon_swapped.py, its own tile
             from moeserve.kernels.attention.mla.decode_gluon_swapped import decode_swapped
-            decode_swapped(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
+            decode_swapped(q, cache, meta, SCALE, latent, out, rows, meta.num_reqs,
                            meta.max_seq_len)
             return out
         if form.startswith("gluon-ws"):  # decode_gluon_ws.py, its own tile
             from moeserve.kernels.attention.mla import decode_gluon_ws as ws
             was, ws.two_pv = ws.two_pv, form == "gluon-ws2"
             try:
-                ws.decode_ws(q, cache, meta, SCALE, latent, out, None, meta.num_reqs,
+                ws.decode_ws(q, cache, meta, SCALE, latent, out, rows, meta.num_reqs,
                              meta.max_seq_len)
             finally:
                 ws.two_pv = was
@@ -175,6 +174,18 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
                                   stages=cfg.num_stages, overlap=form == "gluon-overlap")
         return out
     return gluon
+
+
+def _switched(call, switch: str):
+    """call with decode_gluon's module switch `switch` on (restored after)."""
+    def on() -> torch.Tensor:
+        was = getattr(decode_gluon, switch)
+        setattr(decode_gluon, switch, True)
+        try:
+            return call()
+        finally:
+            setattr(decode_gluon, switch, was)
+    return on
 
 
 def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
@@ -189,8 +200,12 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
     b = bounds(ctx, heads, latent, rope, cache.element_size())
     rows = []
     for named, tile in [(f, t) for f in forms for t in tiles]:
-        form = named.removesuffix("-vec")  # the kernel; `named` times it ("-vec": decode_op)
-        if form == "auto":
+        form, suffix = named, ""  # the kernel; `named` times it ("-lf", "-vec": decode_op)
+        for s in ("-vec", "-lf"):
+            if form.endswith(s):
+                form, suffix = form.removesuffix(s), s + suffix
+        served = form == "auto"  # timed as served; the form it maps to for the record
+        if served:
             form = mla_triton.auto_decode_form(heads, batch,
                                                decode_gluon.supports(q, cache, latent))
         if (form == "flat" and heads > mla_triton.FLAT_MAX_HEADS) or (
@@ -214,7 +229,7 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
             if form == "gluon-overlap" and stages < 3:  # its stage count
                 continue
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
-        timed = form + ("-vec" if named.endswith("-vec") else "")
+        timed = ("auto" if served else form) + suffix
         err = check(ctx, heads, latent, rope, block, device, dtype, cfg, timed, cache_dtype)
         waves = (decode_gluon.DECODE_WAVES if form.startswith("gluon")
                  else reduce_triton.DECODE_WAVES)
@@ -261,12 +276,15 @@ def main() -> None:
                              "an iteration, warps, stages); default: the kernel's default")
     parser.add_argument("--forms", nargs="+", default=["auto"],
                         choices=list(dict.fromkeys((*mla_triton.DECODE_FORMS, *GLUON_FORMS,
-                                                    *(f"{f}-vec" for f in GLUON_FORMS)))),
+                                                    *(f"{f}-vec" for f in GLUON_FORMS),
+                                                    "auto-lf",
+                                                    *(f"{f}-lf" for f in GLUON_FORMS)))),
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
                              "flat skips heads past its FLAT_MAX_HEADS; gluon, gluon-overlap: "
                              "decode_gluon, gluon-swapped: decode_gluon_swapped (at most 32 "
                              "heads), sm90 only; a '-vec' suffix on a Gluon form: with "
-                             "16-byte output stores)")
+                             "16-byte output stores; '-lf' on auto or a Gluon form: rows "
+                             "launched longest context first)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")

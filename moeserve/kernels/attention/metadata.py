@@ -142,3 +142,18 @@ def select_rows(meta: AttentionMetadata, rows: np.ndarray
         exact_host_lens=meta.exact_host_lens)
     consecutive = len(tok) and int(tok[-1]) - int(tok[0]) + 1 == len(tok)
     return sub, slice(int(tok[0]), int(tok[-1]) + 1) if consecutive else tok_t
+
+
+def longest_first(meta: AttentionMetadata, rows: torch.Tensor | None) -> torch.Tensor:
+    """Decode rows (`rows` int32 row ids, or None for every row) ordered by context, longest
+    first (ties: in order), int32 on the device: launched in that order, one program a row,
+    the short rows fill the last wave's gaps (longest-processing-time first). One argsort a
+    step, kept in meta.derived for its other layers (captured in a CUDA graph as any launch)."""
+    key = ("longest_first", None if rows is None else rows.data_ptr(), meta.num_reqs)
+    if key not in meta.derived:
+        ids = rows.long() if rows is not None else None
+        lens = meta.seq_lens if ids is None else meta.seq_lens[ids]
+        order = torch.argsort(lens, descending=True, stable=True)
+        meta.derived[key] = (order if ids is None else ids[order]).to(torch.int32)
+    return meta.derived[key]
+

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from moeserve import envs
+from moeserve.kernels.attention import metadata
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import gluon_parts, reduce_triton
 from moeserve.kernels.triton_common import MAX_GRID_Y
@@ -105,6 +106,9 @@ ws_sparse = ws
 # unchanged. The prefill form (prefill_gluon.py) keeps the accumulator's stores: with them
 # it takes 255 registers and was not timed.
 vector_stores = envs.mla_vector_stores()
+# decode_gluon's rows launched longest context first (metadata.longest_first: the last wave's
+# gaps filled by short rows), an A/B switch (kernels_mla's "-lf" forms) until the GPU times it
+longest_first = envs.mla_longest_first()
 _DTYPES = (torch.bfloat16, torch.float16)
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
@@ -176,6 +180,8 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     partitions a row (default reduce_triton.decode_num_splits, one wave). block_n, stages: default
     `tile`. overlap: each tile's scores issued during the previous tile's softmax (stages >=
     3); the same result."""
+    if longest_first and num_rows > 1:  # the same rows, another launch order
+        rows = metadata.longest_first(meta, rows)
     if swapped and block_n is None and stages is None and not overlap and (
             _swapped().takes(q.shape[1])):
         return _swapped().decode_swapped(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
