@@ -37,9 +37,10 @@
                              cuDNN's for large pieces of many heads, else flash), "flash",
                              "cudnn" or "efficient"; anything else is refused at the first
                              piece
-    MOESERVE_MLA_LONGEST_FIRST  "1" launches the Gluon MLA decode's rows longest context
-                             first (decode_gluon.longest_first), an experiment; in step
-                             order otherwise
+    MOESERVE_DECODE_LONGEST_FIRST  "1" launches the decode attention's rows longest
+                             context first (the Gluon MLA decode's, decode_gluon.longest_first,
+                             and the Triton GQA decode's, paged_triton.longest_first), an
+                             experiment; in step order otherwise
     MOESERVE_MLA_VECTOR_STORES  "0" has the Gluon MLA decode kernels store their outputs
                              from the accumulator's layout, not in 16-byte vectors
                              (decode_gluon.vector_stores), for A/Bs; on otherwise
@@ -73,7 +74,7 @@ MLA_DECODE_WS = "MOESERVE_MLA_DECODE_WS"
 MLA_SWAPPED_ONE_STAGE = "MOESERVE_MLA_SWAPPED_ONE_STAGE"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 MLA_PIECE_KERNEL = "MOESERVE_MLA_PIECE_KERNEL"
-MLA_LONGEST_FIRST = "MOESERVE_MLA_LONGEST_FIRST"
+DECODE_LONGEST_FIRST = "MOESERVE_DECODE_LONGEST_FIRST"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
 GRAMMAR_MASKS_THREAD = "MOESERVE_GRAMMAR_MASKS_THREAD"
 
@@ -137,8 +138,8 @@ def mla_piece_kernel(default: str) -> str:
     return os.environ.get(MLA_PIECE_KERNEL) or default
 
 
-def mla_longest_first() -> bool:
-    return os.environ.get(MLA_LONGEST_FIRST) == "1"
+def decode_longest_first() -> bool:
+    return os.environ.get(DECODE_LONGEST_FIRST) == "1"
 
 
 def dsa_slot_rows() -> bool:

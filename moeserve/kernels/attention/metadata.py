@@ -150,10 +150,11 @@ def longest_first(meta: AttentionMetadata, rows: torch.Tensor | None) -> torch.T
     the short rows fill the last wave's gaps (longest-processing-time first). One argsort a
     step, kept in meta.derived for its other layers (captured in a CUDA graph as any launch)."""
     key = ("longest_first", None if rows is None else rows.data_ptr(), meta.num_reqs)
-    if key not in meta.derived:
+    cached = meta.derived.get(key)
+    if cached is None or cached[0] is not rows:  # (held: its address is not reused meanwhile)
         ids = rows.long() if rows is not None else None
         lens = meta.seq_lens if ids is None else meta.seq_lens[ids]
         order = torch.argsort(lens, descending=True, stable=True)
-        meta.derived[key] = (order if ids is None else ids[order]).to(torch.int32)
-    return meta.derived[key]
+        cached = meta.derived[key] = (rows, (order if ids is None else ids[order]).int())
+    return cached[1]
 

@@ -36,18 +36,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from moeserve import envs
 from moeserve.kernels.attention.checks import (
     check_cache_and_step,
     needer,
 )
 from moeserve.kernels.attention.limits import paged_triton_unfit
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
+from moeserve.kernels.attention.metadata import longest_first as longest_first_rows
 from moeserve.kernels.triton_common import next_pow2
 
 # split-K: aim for this many decode programs (~8 per SM on an H200's 132), partitions >= this many
 TARGET_DECODE_PROGRAMS = 1024
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
+# the decode's rows launched longest context first (metadata.longest_first: the last wave's
+# gaps filled by short rows; MOESERVE_DECODE_LONGEST_FIRST=1), an A/B switch until timed
+longest_first = envs.decode_longest_first()
 # a prefill with a query chunk this long takes the long-prompt tile (default_config); W1's sweep
 # had (64, 32, 4, 2) fastest up to 8 fresh prompts of 1,024 tokens
 LONG_PREFILL_MIN_TOKENS = 2048
@@ -204,6 +209,8 @@ def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
                    cfg: TileConfig | None = None) -> None:
     """Decode rows (one query each): `rows` [num_rows] int32 row ids, or None for rows 0..B-1."""
     kern = _kernels()
+    if longest_first and num_rows > 1:  # the same rows, another launch order
+        rows = longest_first_rows(meta, rows)
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -1,5 +1,5 @@
 """The Gluon MLA decode's rows launched longest context first (metadata.longest_first,
-decode_gluon.longest_first, MOESERVE_MLA_LONGEST_FIRST): the order (ties in step order, a
+decode_gluon.longest_first, MOESERVE_DECODE_LONGEST_FIRST): the order (ties in step order, a
 chosen subset of rows, one argsort a step) on the CPU, the switch handing the order to the
 kernel it routes to; on the GPU (sm90), the same bits as the step order for each kernel, also
 replayed from a CUDA graph."""

@@ -185,6 +185,24 @@ def test_mixed_step_rows_are_split_once_per_step() -> None:
     torch.testing.assert_close(first, second, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("splits", [None, 1])
+def test_decode_rows_longest_first_give_the_same_bits(monkeypatch: pytest.MonkeyPatch,
+                                                      splits: int | None) -> None:
+    """paged_triton.longest_first (MOESERVE_DECODE_LONGEST_FIRST): the decode rows launched
+    longest context first, in a pure decode (split or not) and a mixed step's decode rows:
+    every output as in step order, bit for bit."""
+    from moeserve.kernels.attention import paged_triton
+
+    for step in (make_step([4, 9, 300, 0, 15, 40], [1] * 6), make_step(*MIXED, block_size=16)):
+        monkeypatch.setattr(paged_triton, "longest_first", False)
+        want = check(step, decode_splits=splits)
+        step.meta.derived.clear()
+        monkeypatch.setattr(paged_triton, "longest_first", True)
+        got = check(step, decode_splits=splits)
+        assert torch.equal(got, want)
+        assert any(key[0] == "longest_first" for key in step.meta.derived)
+
+
 @pytest.mark.parametrize(("block_size", "head_dim", "group"), [(32, 32, 3), (8, 64, 8)])
 def test_other_block_sizes_head_dims_and_groups(block_size: int, head_dim: int,
                                                 group: int) -> None:

@@ -108,7 +108,7 @@ ws_sparse = ws
 vector_stores = envs.mla_vector_stores()
 # decode_gluon's rows launched longest context first (metadata.longest_first: the last wave's
 # gaps filled by short rows), an A/B switch (kernels_mla's "-lf" forms) until the GPU times it
-longest_first = envs.mla_longest_first()
+longest_first = envs.decode_longest_first()
 _DTYPES = (torch.bfloat16, torch.float16)
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
