@@ -140,21 +140,27 @@ def chunk_tokens(num_heads: int, qk_dim: int, v_dim: int) -> int:
     return max(MIN_CHUNK, fits - fits % CUDNN_SHAPE_MULTIPLE)
 
 
-def fold(merged: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple:
+def fold(merged: tuple | None, out: torch.Tensor, lse: torch.Tensor,
+         rows: slice = slice(None)) -> tuple:
     """The pieces so far, (acc [..., Q, v], total [..., Q], top [..., Q]) fp32 with acc / total
     their softmax's output and `top` the largest log-sum-exp (None: none yet), with one more
-    piece's output and log-sum-exp folded in."""
+    piece's output and log-sum-exp folded in, in place: into query rows `rows` only where
+    the piece is a part of the queries (`_attend_split`; each part sees a key, so its lse is
+    finite)."""
     lse = lse.float()
-    if merged is None:  # a copy even of an fp32 output: acc is updated in place below
-        return out.to(torch.float32, copy=True), torch.ones_like(lse), lse
+    if merged is None:  # copies even of fp32 inputs: the state is updated in place below
+        return (out.to(torch.float32, copy=True), torch.ones_like(lse),
+                lse.to(torch.float32, copy=True))
     acc, total, top = merged
-    new_top = torch.maximum(top, lse)
-    old, new = torch.exp(top - new_top), torch.exp(lse - new_top)
+    new_top = torch.maximum(top[..., rows], lse)
+    old, new = torch.exp(top[..., rows] - new_top), torch.exp(lse - new_top)
     # in place, the piece's output read once in its own dtype: two passes over the fp32 [H, Q,
     # v] accumulator where out-of-place products took four and two more temporaries (W3's
     # chunk at 64 heads: a 512 MiB accumulator, folded once a piece)
-    acc.mul_(old[..., None]).addcmul_(out, new[..., None])
-    return acc, total * old + new, new_top
+    acc[..., rows, :].mul_(old[..., None]).addcmul_(out, new[..., None])
+    total[..., rows] = total[..., rows] * old + new
+    top[..., rows] = new_top
+    return merged
 
 
 def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: int, end: int,
@@ -241,33 +247,21 @@ def _attend_split(merged: tuple | None, q: torch.Tensor, k: torch.Tensor, v: tor
                   scale: float, causal: bool, whole: int) -> tuple:
     """The piece's first `whole` queries by cuDNN (over the first `whole` keys where causal:
     their own span), the rest by flash (where causal: every one of those keys, then their own
-    span), each folded into its query rows of `merged` in place."""
+    span), each folded into its query rows of `merged` in place (`fold`'s rows)."""
     if merged is None:  # an empty fold: no weight anywhere, the first part's lse on top
         acc = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
         merged = (acc, torch.zeros(q.shape[:3], device=q.device),
                   torch.full(q.shape[:3], float("-inf"), device=q.device))
     head, tail = slice(0, whole), slice(whole, None)
     ka, va = (k[:, :, head], v[:, :, head]) if causal else (k, v)
-    _fold_rows(merged, head, *_attend_piece(q[:, :, head], ka, va, scale, causal, "cudnn"))
+    fold(merged, *_attend_piece(q[:, :, head], ka, va, scale, causal, "cudnn"), head)
     if causal:  # every key before the tail's own span, then that span
-        _fold_rows(merged, tail, *_attend_piece(q[:, :, tail], ka, va, scale, False, "flash"))
-        _fold_rows(merged, tail, *_attend_piece(q[:, :, tail], k[:, :, tail], v[:, :, tail],
-                                                scale, True, "flash"))
+        fold(merged, *_attend_piece(q[:, :, tail], ka, va, scale, False, "flash"), tail)
+        fold(merged, *_attend_piece(q[:, :, tail], k[:, :, tail], v[:, :, tail], scale, True,
+                                    "flash"), tail)
     else:
-        _fold_rows(merged, tail, *_attend_piece(q[:, :, tail], k, v, scale, False, "flash"))
+        fold(merged, *_attend_piece(q[:, :, tail], k, v, scale, False, "flash"), tail)
     return merged
-
-
-def _fold_rows(merged: tuple, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """`fold` of a piece's output for query rows `rows` only, in place in merged's tensors
-    (each part of a piece sees a key, so its lse is finite: no -inf minus -inf)."""
-    acc, total, top = merged
-    lse = lse.float()
-    new_top = torch.maximum(top[..., rows], lse)
-    old, new = torch.exp(top[..., rows] - new_top), torch.exp(lse - new_top)
-    acc[..., rows, :].mul_(old[..., None]).addcmul_(out, new[..., None])
-    total[..., rows] = total[..., rows] * old + new
-    top[..., rows] = new_top
 
 
 def _attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
