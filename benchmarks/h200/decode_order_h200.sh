@@ -15,7 +15,8 @@ set -uo pipefail
 source benchmarks/gpu_env.sh
 R=/tmp/decode_order; mkdir -p $R
 timeout 120 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
-  tests/kernels/attention/test_mla_longest_first.py > $R/gpu_tests.log 2>&1
+  tests/kernels/attention/test_mla_longest_first.py tests/engine/test_cuda_graphs.py \
+  tests/kernels/attention/test_mla_piece_kernel.py > $R/gpu_tests.log 2>&1
 rc=$?
 echo "tests rc=$rc"; tail -3 $R/gpu_tests.log
 if [ "$rc" = 0 ]; then

@@ -173,10 +173,13 @@ class DecodeGraphs:
                         self.hidden_out = warm.new_empty(self.max_batch, warm.shape[-1])
                     del warm
                     torch.cuda.synchronize(self.device)
+                    # a fresh metadata for the capture: what the warm-up left in meta.derived
+                    # (tensors of the step's first layer, reused by the others) would be baked
+                    # into the graph, not recomputed by it, and freed once the capture is done
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
                         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket],
-                                            meta)
+                                            self.metadata(bucket, bound))
                         self.hidden_out[:bucket].copy_(hidden)
                         del hidden
                     self.graphs[bucket, bound] = graph

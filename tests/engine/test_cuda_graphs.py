@@ -198,3 +198,29 @@ def test_stage_picks_the_smallest_context_bound_every_context_stays_within() -> 
     assert plain.bounds == (64,) and plain.dense_context is None
     plain.stage(ids, np.array([1, 2], dtype=np.int64), [[1], [2]], 2)
     assert plain.bound == 64 and "context bounds" not in plain.report(0.0)
+
+
+class _DerivedModel(torch.nn.Module):
+    """A stand-in model that, as the attention layers do, computes a tensor once a step into
+    meta.derived (from the step's device inputs) and reuses it."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        if "twice" not in meta.derived:
+            meta.derived["twice"] = meta.seq_lens.float() * 2
+        return meta.derived["twice"][:, None].repeat(1, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_captured_graph_recomputes_what_the_step_derives() -> None:
+    """What a layer derives into meta.derived is captured (recomputed from each replay's
+    staged inputs), not the warm-up's tensor baked into the graph: the warm-up ran on the same
+    buckets, and its tensor was freed after the capture (a served MLA decode with its rows
+    longest first read freed memory this way: an illegal address)."""
+    graphs = DecodeGraphs(_DerivedModel(), [2, 4], 64, 4, torch.device("cuda"))
+    graphs.capture()
+    ids = np.array([5, 6, 7], dtype=np.int64)
+    graphs.stage(ids, np.array([4, 8, 30], dtype=np.int64), [[1, 2], [3, 4, 5], [6] * 8], 4)
+    torch.cuda.empty_cache()
+    out = graphs.replay(4)
+    assert out[:, 0].tolist() == [10.0, 18.0, 62.0, 2.0]  # 2 x (position + 1); padding 2 x 1

@@ -149,9 +149,12 @@ def longest_first(meta: AttentionMetadata, rows: torch.Tensor | None) -> torch.T
     first (ties: in order), int32 on the device: launched in that order, one program a row,
     the short rows fill the last wave's gaps (longest-processing-time first). One argsort a
     step, kept in meta.derived for its other layers (captured in a CUDA graph as any launch)."""
-    key = ("longest_first", None if rows is None else rows.data_ptr(), meta.num_reqs)
+    # keyed by the rows' address and length: the entry holds the rows tensor, so no other
+    # tensor takes that address during the step (a layer's new view of the same rows hits)
+    key = ("longest_first", None if rows is None else (rows.data_ptr(), rows.numel()),
+           meta.num_reqs)
     cached = meta.derived.get(key)
-    if cached is None or cached[0] is not rows:  # (held: its address is not reused meanwhile)
+    if cached is None:
         ids = rows.long() if rows is not None else None
         lens = meta.seq_lens if ids is None else meta.seq_lens[ids]
         order = torch.argsort(lens, descending=True, stable=True)

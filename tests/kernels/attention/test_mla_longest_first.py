@@ -28,7 +28,10 @@ def test_rows_longest_context_first_ties_in_step_order() -> None:
     assert order.dtype == torch.int32 and order.tolist() == [1, 3, 2, 5, 0, 4]
     assert longest_first(meta, None) is order  # one argsort a step: its layers share it
     rows = torch.tensor([4, 0, 5, 2], dtype=torch.int32)
-    assert longest_first(meta, rows).tolist() == [5, 2, 0, 4]  # only the chosen rows
+    chosen = longest_first(meta, rows)
+    assert chosen.tolist() == [5, 2, 0, 4]  # only the chosen rows
+    assert longest_first(meta, rows[:]) is chosen  # a layer's new view of the same rows
+    assert longest_first(meta, rows[:3]).tolist() == [5, 0, 4]  # fewer rows: their own order
     assert longest_first(meta, None) is order
 
 

@@ -198,11 +198,14 @@ def _up_project(latent_cache: torch.Tensor, block_table: torch.Tensor, first: in
 # the rest (a served chunk's length is the budget less the step's decodes) take flash, folded
 # into their rows in place (`_attend_split`, no output-sized copy), as does a context's last
 # piece. torch's cache of cuDNN graphs (one a shape, never evicted) then holds at most a
-# couple of shapes a query multiple. Unmeasured: 20 heads and DeepSeek-V3's 128 at such sizes
-# (kernels_dsa_prefill --pieces times them).
+# couple of shapes a query multiple. kernels_dsa_prefill --pieces on an H100 (gpu_6b1031a
+# call1): cuDNN about twice flash's speed at 20 heads too (1.16 / 2.18 ms against 2.31 / 4.48
+# for 8,192 queries causal / over 8,704 keys; 0.045 / 0.40 against 0.076 / 0.85 at 1,024), so
+# from GLM-4.7-Flash's 20 heads; at DeepSeek-V3's 128 (width 192) 5.61 / 2.71 against
+# 10.55 / 5.19.
 PIECE_KERNELS = ("auto", "flash", "cudnn", "efficient")
 PIECE_KERNEL = envs.mla_piece_kernel("auto")  # MOESERVE_MLA_PIECE_KERNEL
-CUDNN_MIN_HEADS = 64
+CUDNN_MIN_HEADS = 20
 CUDNN_MIN_PRODUCTS = 1 << 20
 CUDNN_SHAPE_MULTIPLE = 256
 _cudnn_refused: set[tuple] = set()  # (heads, width, dtype) cuDNN raised at: flash there since
