@@ -39,8 +39,9 @@
                              piece
     MOESERVE_DECODE_LONGEST_FIRST  "1" launches the decode attention's rows longest
                              context first (the Gluon MLA decode's, decode_gluon.longest_first,
-                             and the Triton GQA decode's, paged_triton.longest_first), an
-                             experiment; in step order otherwise
+                             and the Triton GQA decode's, paged_triton.longest_first), "0" in
+                             step order; unset, the MLA decode's longest first (its default),
+                             the GQA decode's in step order
     MOESERVE_MLA_VECTOR_STORES  "0" has the Gluon MLA decode kernels store their outputs
                              from the accumulator's layout, not in 16-byte vectors
                              (decode_gluon.vector_stores), for A/Bs; on otherwise
@@ -138,8 +139,9 @@ def mla_piece_kernel(default: str) -> str:
     return os.environ.get(MLA_PIECE_KERNEL) or default
 
 
-def decode_longest_first() -> bool:
-    return os.environ.get(DECODE_LONGEST_FIRST) == "1"
+def decode_longest_first(default: bool) -> bool:
+    value = os.environ.get(DECODE_LONGEST_FIRST)
+    return default if value is None else value == "1"
 
 
 def dsa_slot_rows() -> bool:

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Issues 16 (and W1 at 2,048): the decode attention's rows launched longest context first
-# (MOESERVE_DECODE_LONGEST_FIRST=1: decode_gluon.longest_first, paged_triton.longest_first;
-# off by default). One program a row, launched in step order, the last wave of W1's mixed
+# (MOESERVE_DECODE_LONGEST_FIRST=1 / 0: decode_gluon.longest_first, paged_triton.longest_first;
+# unset, the MLA decode's on, the GQA decode's off). One program a row, launched in step order, the last wave of W1's mixed
 # contexts (129-256 keys: three or four 64-key tiles a row) leaves SMs idle; a
 # list-scheduling model puts the loss at 8-11% at 1,024 rows and 5-7% at 2,048, ~3% longest
 # first. W1's contexts are where the 20-head bars miss (52.2 / 59.6% against 60%). One call
 # (~8 min): the order's GPU tests (the same bits, eager and in a CUDA graph), kernels_mla at
-# every case and head count, "auto" (as served) against "auto-lf", then W1 at CONC (default
-# 1024) without and with the switch for each of PRESETS (default glm-4.7-flash) while the
+# every case and head count, "auto-so" (step order) against "auto" (as served: longest
+# first, the MLA decode's default since gpu_8267862/call5), then W1 at CONC (default
+# 1024) with the switch 0 and 1 for each of PRESETS (default glm-4.7-flash) while the
 # call has 240 s left (qwen3's GQA decode in another call: PRESETS=qwen3-30b-a3b KERNELS=0).
 # $OUT/decode_order.tgz.
 #   bash benchmarks/h200/decode_order_h200.sh
@@ -22,14 +23,14 @@ echo "tests rc=$rc"; tail -3 $R/gpu_tests.log
 if [ "$rc" = 0 ]; then
   if [ "${KERNELS:-1}" = 1 ]; then
     timeout -s INT 240 python3 -m benchmarks.kernels.mla.kernels_mla --out $R \
-      --forms auto auto-lf > $R/kernels_mla.log 2>&1
+      --forms auto-so auto > $R/kernels_mla.log 2>&1
     echo "kernels_mla rc=$?"
     python3 -m benchmarks.kernels.mla.mla_cases_table $R/kernels_mla.json 2>/dev/null | head -60
   fi
   c=${CONC:-1024}
   for preset in ${PRESETS:-glm-4.7-flash}; do
     if [ $SECONDS -gt 330 ]; then echo "W1 $preset skipped: ${SECONDS}s gone"; continue; fi
-    w1_run $preset "$c" "w1_${preset}_c${c}" $R
+    w1_run $preset "$c" "w1_${preset}_c${c}_so" $R MOESERVE_DECODE_LONGEST_FIRST=0
     w1_run $preset "$c" "w1_${preset}_c${c}_lf" $R MOESERVE_DECODE_LONGEST_FIRST=1
   done
 fi

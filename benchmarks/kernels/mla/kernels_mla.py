@@ -136,17 +136,23 @@ def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device
     return err
 
 
+# form suffixes: (suffix, decode_gluon's module switch, its value while timed)
+SWITCHES = (("-vec", "vector_stores", True), ("-lf", "longest_first", True),
+            ("-so", "longest_first", False))
+
+
 def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, latent: int,
               cfg: mla_triton.TileConfig, form: str):
     """The decode step as a call: mla_attention_triton in `form`, or ("gluon", "gluon-overlap")
     decode_gluon at cfg's keys a tile and stages, or its swapped variant ("-vec": with
-    decode_gluon.vector_stores; "-lf": with decode_gluon.longest_first). "auto": what a
+    decode_gluon.vector_stores; "-lf" / "-so": decode_gluon.longest_first on / off, rows
+    longest context first / in step order). "auto": what a
     served step runs, mla_attention_triton's own pick (on sm90 decode_gluon.decode_gluon's
     dispatch: the swapped kernel to 32 heads, the warp-specialized one past 1,024 keys)."""
-    for suffix, switch in (("-lf", "longest_first"), ("-vec", "vector_stores")):
+    for suffix, switch, value in SWITCHES:
         if form.endswith(suffix):
             return _switched(decode_op(q, cache, meta, latent, cfg, form.removesuffix(suffix)),
-                             switch)
+                             switch, value)
     if not form.startswith("gluon"):
         return lambda: mla_triton.mla_attention_triton(q, cache, meta, SCALE, latent,
                                                        decode_config=cfg, decode_form=form)
@@ -176,11 +182,11 @@ def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, lat
     return gluon
 
 
-def _switched(call, switch: str):
-    """call with decode_gluon's module switch `switch` on (restored after)."""
+def _switched(call, switch: str, value: bool):
+    """call with decode_gluon's module switch `switch` set to `value` (restored after)."""
     def on() -> torch.Tensor:
         was = getattr(decode_gluon, switch)
-        setattr(decode_gluon, switch, True)
+        setattr(decode_gluon, switch, value)
         try:
             return call()
         finally:
@@ -200,10 +206,9 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
     b = bounds(ctx, heads, latent, rope, cache.element_size())
     rows = []
     for named, tile in [(f, t) for f in forms for t in tiles]:
-        form, suffix = named, ""  # the kernel; `named` times it ("-lf", "-vec": decode_op)
-        for s in ("-vec", "-lf"):
-            if form.endswith(s):
-                form, suffix = form.removesuffix(s), s + suffix
+        form, suffix = named, ""  # the kernel; `named` times it (SWITCHES': decode_op)
+        while strip := next((s for s, _, _ in SWITCHES if form.endswith(s)), None):
+            form, suffix = form.removesuffix(strip), strip + suffix
         served = form == "auto"  # timed as served; the form it maps to for the record
         if served:
             form = mla_triton.auto_decode_form(heads, batch,
@@ -277,14 +282,14 @@ def main() -> None:
     parser.add_argument("--forms", nargs="+", default=["auto"],
                         choices=list(dict.fromkeys((*mla_triton.DECODE_FORMS, *GLUON_FORMS,
                                                     *(f"{f}-vec" for f in GLUON_FORMS),
-                                                    "auto-lf",
-                                                    *(f"{f}-lf" for f in GLUON_FORMS)))),
+                                                    *(f"{f}{s}" for s in ("-lf", "-so")
+                                                      for f in ("auto", *GLUON_FORMS))))),
                         help="decode forms to time (split, flat; auto: the launcher's pick; "
                              "flat skips heads past its FLAT_MAX_HEADS; gluon, gluon-overlap: "
                              "decode_gluon, gluon-swapped: decode_gluon_swapped (at most 32 "
                              "heads), sm90 only; a '-vec' suffix on a Gluon form: with "
-                             "16-byte output stores; '-lf' on auto or a Gluon form: rows "
-                             "launched longest context first)")
+                             "16-byte output stores; '-lf' / '-so' on auto or a Gluon form: "
+                             "rows launched longest context first / in step order)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the latent cache's type: the queries' (auto) or float8 e4m3 (the "
                              "engine's kv_cache_dtype=fp8; the read bound counts its bytes)")

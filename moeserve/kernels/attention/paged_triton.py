@@ -50,9 +50,10 @@ from moeserve.kernels.triton_common import next_pow2
 TARGET_DECODE_PROGRAMS = 1024
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
-# the decode's rows launched longest context first (metadata.longest_first: the last wave's
-# gaps filled by short rows; MOESERVE_DECODE_LONGEST_FIRST=1), an A/B switch until timed
-longest_first = envs.decode_longest_first()
+# the decode's rows launched longest context first (metadata.longest_first; the switch
+# MOESERVE_DECODE_LONGEST_FIRST=1): off, W1 qwen3-30b-a3b c1024 9,399 against 9,377 tok/s with
+# it (H100, gpu_8267862/call5); the MLA decode's is on (decode_gluon.longest_first)
+longest_first = envs.decode_longest_first(default=False)
 # a prefill with a query chunk this long takes the long-prompt tile (default_config); W1's sweep
 # had (64, 32, 4, 2) fastest up to 8 fresh prompts of 1,024 tokens
 LONG_PREFILL_MIN_TOKENS = 2048

@@ -103,12 +103,12 @@ ws_sparse = ws
 # at 1,024 / 2,048 rows 32.6 / 36.0% -> 38.7 / 42.1% of the bound at 64 heads, 23.5 / 25.0% ->
 # 28.4 / 29.7% at 128, 47.0 / 52.1% -> 48.8 / 52.9% at 20 (swapped); 1k contexts +1.5 to +3.2
 # points at 64 and 128 heads; 4k contexts within -1.7 / +1.1 points; DSA's decode step
-# unchanged. The prefill form (prefill_gluon.py) keeps the accumulator's stores: with them
-# it takes 255 registers and was not timed.
+# unchanged. The prefill form (prefill_gluon.py) keeps the accumulator's stores (255 registers).
 vector_stores = envs.mla_vector_stores()
-# decode_gluon's rows launched longest context first (metadata.longest_first: the last wave's
-# gaps filled by short rows), an A/B switch (kernels_mla's "-lf" forms) until the GPU times it
-longest_first = envs.decode_longest_first()
+# rows longest context first (metadata.longest_first; =0 in MOESERVE_DECODE_LONGEST_FIRST: step
+# order): H100 W1 contexts -3.5 / -3.0 / -2.9% at 20 / 64 / 128 heads x 1,024 rows, uniform
+# ones within -1.7 / +1.8% (gpu_6b1031a/call2); W1 glm-4.7-flash c1024 +3.4% (gpu_8267862/call5)
+longest_first = envs.decode_longest_first(default=True)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
