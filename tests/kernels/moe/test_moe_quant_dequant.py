@@ -43,25 +43,31 @@ def test_dequant_path_matches_the_reference_fp32(fmt: str, raw: bool) -> None:
 
 def test_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     w13, w2 = experts("nvfp4")
+    many = DEQUANT_MIN_TOKENS["nvfp4"]
     assert dequant_bytes(w13, w2, torch.bfloat16) == 2 * (w13.shape.numel() + w2.shape.numel())
     cpu = torch.zeros(1, dtype=torch.bfloat16)
-    assert not choose_moe_dequant(w13, w2, DEQUANT_MIN_TOKENS, cpu)  # the bf16 MoE: CUDA only
+    assert not choose_moe_dequant(w13, w2, many, cpu)  # the bf16 MoE: CUDA only
 
     class CudaLike:  # what the choice reads of x
         is_cuda, dtype = True, torch.bfloat16
 
     x = CudaLike()
-    assert choose_moe_dequant(w13, w2, DEQUANT_MIN_TOKENS, x)
-    assert not choose_moe_dequant(w13, w2, DEQUANT_MIN_TOKENS - 1, x)
+    assert choose_moe_dequant(w13, w2, many, x)
+    assert not choose_moe_dequant(w13, w2, many - 1, x)
     fp8_13, fp8_2 = experts("fp8")
-    assert not choose_moe_dequant(fp8_13, fp8_2, DEQUANT_MIN_TOKENS, x)  # W8A8: its own MMA
+    assert not choose_moe_dequant(fp8_13, fp8_2, many, x)  # W8A8: its own MMA
     monkeypatch.setattr(dequant, "DEQUANT_MAX_BYTES", dequant_bytes(w13, w2, x.dtype) - 1)
-    assert not choose_moe_dequant(w13, w2, DEQUANT_MIN_TOKENS, x)  # too large a transient
+    assert not choose_moe_dequant(w13, w2, many, x)  # too large a transient
     monkeypatch.undo()
     monkeypatch.setattr(dequant, "mode", "on")
     assert choose_moe_dequant(w13, w2, 1, x)
     monkeypatch.setattr(dequant, "mode", "off")
-    assert not choose_moe_dequant(w13, w2, DEQUANT_MIN_TOKENS, x)
+    assert not choose_moe_dequant(w13, w2, many, x)
+    monkeypatch.setattr(dequant, "mode", "auto")
+    i13, i2 = experts("int4")  # its own threshold: the fused INT4 tile falls behind sooner
+    assert DEQUANT_MIN_TOKENS["int4"] < many
+    assert choose_moe_dequant(i13, i2, DEQUANT_MIN_TOKENS["int4"], x)
+    assert not choose_moe_dequant(i13, i2, DEQUANT_MIN_TOKENS["int4"] - 1, x)
     monkeypatch.setattr(dequant, "mode", "always")
     with pytest.raises(ValueError, match="mode must be one of"):
         choose_moe_dequant(w13, w2, 1, x)

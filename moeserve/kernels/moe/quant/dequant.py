@@ -27,10 +27,12 @@ from moeserve.kernels.linear.w4a16_dequant import dequant_unfit, dequantize_w4a1
 from moeserve.quant.packed import QuantWeight
 
 MODES = ("auto", "on", "off")
-# "auto" dequantizes from this many tokens a step. NOTE: from the fused kernel's measured times
-# and the dequant's bytes (module doc); the H200 A/B (benchmarks/quant/kernels_quant.py
-# --moe-dequant off on) decides it.
-DEQUANT_MIN_TOKENS = 4096
+# "auto" dequantizes from this many tokens a step, by format: where the two lines cross
+# (kernels_quant --moe-dequant off on, qwen3-30b-a3b's experts on an H100, gpu_6b1031a/call3):
+# NVFP4 fused 0.457 / 2.31 ms at 1,024 / 8,192 tokens against dequantized 1.19 / 2.01 (crossing
+# near 6,000); INT4 0.635 / 3.20 against 1.17 / 2.00 (near 3,200). GLM-5's experts stay fused
+# (DEQUANT_MAX_BYTES).
+DEQUANT_MIN_TOKENS = {"nvfp4": 6144, "int4": 3072}
 DEQUANT_MAX_BYTES = 2 << 30  # the transient bf16 experts of one layer, at most
 # "auto" (above), "on" (wherever the format and size allow), "off"; benchmarks set it
 mode = "auto"
@@ -46,7 +48,7 @@ def choose_moe_dequant(w13: QuantWeight, w2: QuantWeight, num_tokens: int,
                        x: torch.Tensor) -> bool:
     """Whether this call runs `moe_dequant` (module doc): a 4-bit format the dequant kernel
     takes, x on CUDA (the fused MoE takes fp32, fp16 and bf16), at most DEQUANT_MAX_BYTES,
-    and, with mode "auto", at least DEQUANT_MIN_TOKENS tokens."""
+    and, with mode "auto", at least the format's DEQUANT_MIN_TOKENS tokens."""
     if mode not in MODES:
         raise ValueError(f"moe dequant mode must be one of {MODES}, got {mode!r}")
     if mode == "off" or w13.format not in ("nvfp4", "int4") or not x.is_cuda:
@@ -55,7 +57,7 @@ def choose_moe_dequant(w13: QuantWeight, w2: QuantWeight, num_tokens: int,
         return False
     if dequant_bytes(w13, w2, x.dtype) > DEQUANT_MAX_BYTES:
         return False
-    return mode == "on" or num_tokens >= DEQUANT_MIN_TOKENS
+    return mode == "on" or num_tokens >= DEQUANT_MIN_TOKENS[w13.format]
 
 
 def moe_dequant(x: torch.Tensor, w13: QuantWeight, w2: QuantWeight,
