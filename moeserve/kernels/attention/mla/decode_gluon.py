@@ -107,7 +107,7 @@ ws_sparse = ws
 vector_stores = envs.mla_vector_stores()
 # rows longest context first (metadata.longest_first; =0 in MOESERVE_DECODE_LONGEST_FIRST: step
 # order): H100 W1 contexts -3.5 / -3.0 / -2.9% at 20 / 64 / 128 heads x 1,024 rows, uniform
-# ones within -1.7 / +1.8% (gpu_6b1031a/call2); W1 glm-4.7-flash c1024 +3.4% (gpu_8267862/call5)
+# ones within -1.7 / +1.8% (gpu_6b1031a/call2); W1 glm-4.7-flash c1024 level (gpu_43c198d)
 longest_first = envs.decode_longest_first(default=True)
 _DTYPES = (torch.bfloat16, torch.float16)
 
