@@ -113,7 +113,8 @@ run_gpu_tests() {
 # w1_run PRESET CONCURRENCY NAME DIR [VAR=VALUE ...] [-- SERVER FLAGS ...]: W1 (the bench's
 # defaults) through a server the bench starts, with those environment variables and `moeserve
 # serve` flags, into DIR/NAME.log and DIR/NAME.jsonl (W1_TIMEOUT seconds, default 110); prints
-# its exit status and headline lines.
+# its exit status and headline lines. An A/B of two runs in a row is biased: on an H100 the
+# second of a pair was ~3% faster whichever ran second (gpu_43c198d), so run A B B A.
 w1_run() {
   local preset=$1 c=$2 name=$3 dir=$4 server="" rc extra=()
   shift 4
