@@ -9,7 +9,8 @@
 # Each tune resumes from copies of the committed files (their ledgers kept) within TUNE_S
 # seconds (default 150; a tune cut short resumes in a later call). Commit
 # $OUT/moe_configs/*.json over moeserve/kernels/moe/configs/ (the names with '=' and ',' come
-# back in $OUT/moe_configs.tgz). JOBS picks a subset (default "glm5-fp8 qwen3-fp8 qwen3-nvfp4").
+# back in $OUT/moe_configs.tgz). JOBS picks a subset (default "glm5-fp8 qwen3-fp8 qwen3-nvfp4";
+# also qwen3-int4, kimi-int4: no INT4 file yet, int4_tile.py's planes decode from BLOCK_K 128).
 #   bash benchmarks/h200/quant_tiles_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -25,6 +26,9 @@ for job in ${JOBS:-glm5-fp8 qwen3-fp8 qwen3-nvfp4}; do
     glm5-fp8) args="--format fp8 -E 256 -H 6144 -I 2048 -k 8"; tokens="64 256 1024 16 1 128 512 2048 8192";;
     qwen3-fp8) args="--format fp8 -E 128 -H 2048 -I 768 -k 8"; tokens="2048 4096 8192";;
     qwen3-nvfp4) args="--format nvfp4 -E 128 -H 2048 -I 768 -k 8"; tokens="2048 4096 8192 512 128 16 1";;
+    # INT4 (group 32): BLOCK_K 64 tiles take the reshape decode, 128 the nibble planes
+    qwen3-int4) args="--format int4 -E 128 -H 2048 -I 768 -k 8 --group 32"; tokens="64 256 1024 16 1 8192";;
+    kimi-int4) args="--format int4 -E 384 -H 7168 -I 2048 -k 8 --group 32"; tokens="64 256 1024 16 1";;
     *) echo "unknown job $job"; continue;;
   esac
   # shellcheck disable=SC2086

@@ -150,7 +150,7 @@ def _loop_copy_wait(sass: str) -> int | None:
 
 
 def moe_quant(args: argparse.Namespace) -> dict:
-    from moeserve.kernels.linear import nvfp4_tile
+    from moeserve.kernels.linear import int4_tile, nvfp4_tile
     from moeserve.kernels.moe.quant import fused_triton
 
     bm, bn, bk, warps, stages = args.tile
@@ -166,7 +166,9 @@ def moe_quant(args: argparse.Namespace) -> dict:
                  ONE_SCALE_ROW=fmt == "fp8" and 128 % bn == 0 and not args.row_scales,
                  A_ROW_DIV=8 if args.gated else 1,
                  GATED=args.gated, EVEN_K=True, DOT_PRECISION="tf32", NATIVE_FP8=True,
-                 DECODE=nvfp4_tile.DECODES.index(args.decode),
+                 DECODE=(int4_tile.DECODES.index(args.decode or "reshape") if fmt == "int4"
+                         else nvfp4_tile.DECODES.index(args.decode or "bits")
+                         if fmt == "nvfp4" else 0),
                  PREFETCH=fmt == "fp8" and args.prefetch, BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=1, stride_bk=1, stride_sk=1)
     kernel = fused_triton._kernel()
@@ -180,7 +182,7 @@ def w4a16(args: argparse.Namespace) -> dict:
     pointers = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32",
                 "bias_ptr": "*bf16", "out_ptr": "*bf16" if args.split == 1 else "*fp32"}
     const = dict(NVFP4=True, GROUP=16, HAS_BIAS=False, DOT_PRECISION="tf32", NATIVE_FP8=True,
-                 DECODE=nvfp4_tile.DECODES.index(args.decode), BLOCK_M=bm, BLOCK_N=bn,
+                 DECODE=nvfp4_tile.DECODES.index(args.decode or "bits"), BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, SPLIT_K=args.split, EVEN_K=True, stride_xk=1, stride_qk=1,
                  stride_sk=1, stride_on=1)
     kernel = w4a16_triton._kernels().w4a16
@@ -379,7 +381,9 @@ def main() -> None:
         p = sub.add_parser(name)
         p.add_argument("--tile", type=int, nargs=5, required=True,
                        metavar=("BM", "BN", "BK", "WARPS", "STAGES"))
-        p.add_argument("--decode", choices=("bits", "asm"), default="bits")
+        p.add_argument("--decode", choices=("bits", "asm", "reshape", "planes", "planes-asm"),
+                       default=None, help="nvfp4: bits (default) or asm; int4: reshape "
+                       "(default) or planes")
         p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
         if name == "moe-quant":
             p.add_argument("--format", choices=("fp8", "nvfp4", "int4"), default="nvfp4")

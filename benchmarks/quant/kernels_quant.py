@@ -39,6 +39,7 @@ On the H200 (one call; expected 3-6 minutes, most of it Triton compiles and weig
 the timeout's SIGINT leaves the JSON of what was done; `--shapes glm-5` etc. split it;
 --profile adds each MoE row's kernels by GPU time, torch.profiler over three eager calls;
 --nvfp4-decode bits asm times the NVFP4 rows with each decode of kernels/linear/nvfp4_tile.py
+(--int4-decode reshape planes planes-asm the INT4 MoE rows with kernels/linear/int4_tile.py's)
 (--fp8-prefetch off on the FP8 rows with and without the scales' one-step prefetch;
 --moe-dequant off on the 4-bit MoE rows fused or dequantized first; --w4a16-backend fused
 dequant the 4-bit linears: benchmarks/quant/quant_switches.py), the acceptance taking the best):
@@ -385,6 +386,10 @@ def main() -> None:
     parser.add_argument("--nvfp4-decode", nargs="+", choices=("auto", "bits", "asm"),
                         default=["auto"], help="NVFP4 rows per decode of "
                         "kernels/linear/nvfp4_tile.py (asm: inline PTX, CUDA only)")
+    parser.add_argument("--int4-decode", nargs="+",
+                        choices=("auto", "reshape", "planes", "planes-asm"), default=["auto"],
+                        help="INT4 MoE rows per decode of kernels/linear/int4_tile.py (planes: "
+                        "BLOCK_K >= 128; planes-asm: inline PTX, bf16 on CUDA)")
     parser.add_argument("--fp8-prefetch", nargs="+", choices=("off", "on"), default=["off"],
                         help="FP8 MoE rows per setting of the scales' one-step prefetch "
                         "(kernels/moe/quant/fused_triton.py prefetch_scales)")
@@ -443,7 +448,7 @@ def main() -> None:
     ctx["fp8_peak_tflops"] = result["peaks"]["fp8_peak_tflops"]
     save()
     moe_switches = {"decode": args.nvfp4_decode, "prefetch": args.fp8_prefetch,
-                    "moe_dequant": args.moe_dequant}
+                    "moe_dequant": args.moe_dequant, "int4_decode": args.int4_decode}
     for shape_name, shape in shapes.items():
         for fmt in args.formats:
             for settings in settings_of(fmt, moe_switches):

@@ -3,6 +3,8 @@ of: a benchmark's rows run with one switch set, each row of the switch's formats
 the value it ran with.
 
     decode         kernels/linear/nvfp4_tile.py `decode`            nvfp4   bits | asm
+    int4_decode    kernels/linear/int4_tile.py `decode`             int4 MoE  reshape | planes |
+                                                                    planes-asm
     prefetch       kernels/moe/quant/fused_triton.py `prefetch_scales`  fp8  off | on
     w4a16_backend  kernels/linear/w4a16_dequant.py `backend`        nvfp4, int4 linears
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
@@ -25,6 +27,7 @@ class Switch:
 
 SWITCHES = {
     "decode": Switch("moeserve.kernels.linear.nvfp4_tile", "decode", ("nvfp4",)),
+    "int4_decode": Switch("moeserve.kernels.linear.int4_tile", "decode", ("int4",)),
     "prefetch": Switch("moeserve.kernels.moe.quant.fused_triton", "prefetch_scales", ("fp8",),
                        lambda v: v == "on"),
     "w4a16_backend": Switch("moeserve.kernels.linear.w4a16_dequant", "backend",

@@ -1,74 +1,26 @@
-"""nvfp4_tile's inline-PTX decode, run on the CPU: a small interpreter of the instructions it
-uses (mov, prmt, and, or, shl, shr, mul.rn.bf16x2) executes `_E2M1_BF16X2_ASM` itself, so a
-wrong selector, mask or output order fails here, not only on the GPU (whose tests compare its
-bits with the "bits" decode). Every byte and e4m3 scale code; the scale shift and `unscale`'s
-factor agree with the kernel's literal."""
+"""nvfp4_tile's inline-PTX decode, run on the CPU: ptx_emulator.py's interpreter executes
+`_E2M1_BF16X2_ASM` itself, so a wrong selector, mask or output order fails here, not only on
+the GPU (whose tests compare its bits with the "bits" decode). Every byte and e4m3 scale
+code; the scale shift and `unscale`'s factor agree with the kernel's literal."""
 
 from __future__ import annotations
 
 import inspect
-import re
 
 import torch
 
 from moeserve.kernels.linear import nvfp4_tile
 from moeserve.quant.fp8_block import E4M3
 from moeserve.quant.nvfp4 import E2M1_VALUES
-
-MASK = 0xFFFFFFFF
-
-
-def _bf16(bits: int) -> float:
-    return torch.tensor([bits << 16], dtype=torch.int64).to(torch.int32).view(
-        torch.float32).item()
-
-
-def _bf16_bits(value: float) -> int:
-    return int(torch.tensor([value], dtype=torch.float32).to(torch.bfloat16).view(
-        torch.int16).item()) & 0xFFFF
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
-    return sum(src[(sel >> 4 * i) & 7] << 8 * i for i in range(4))
-
-
-def _mul_bf16x2(a: int, b: int) -> int:
-    halves = [_bf16_bits(_bf16((a >> s) & 0xFFFF) * _bf16((b >> s) & 0xFFFF)) for s in (0, 16)]
-    return halves[0] | halves[1] << 16
+from tests.kernels.linear.ptx_emulator import bf16 as _bf16
+from tests.kernels.linear.ptx_emulator import bf16_bits as _bf16_bits
+from tests.kernels.linear.ptx_emulator import emulate
 
 
 def run_asm(word: int, s01: int, s23: int) -> list[int]:
     """The PTX of nvfp4_tile's asm decode on one packed word and its two bf16x2 scale words:
     the four output registers $0..$3."""
-    reg = {"$4": word, "$5": s01, "$6": s23}
-
-    def val(x: str) -> int:
-        return reg[x] if x in reg else int(x, 0)
-
-    body = nvfp4_tile._E2M1_BF16X2_ASM
-    body = getattr(body, "value", body)
-    for ins in re.findall(r"([a-z0-9.]+)\s+([^;]+);", body):
-        op, args = ins[0], [a.strip() for a in ins[1].split(",")]
-        if op == ".reg":
-            continue
-        d, *src = args
-        if op == "mov.b32":
-            reg[d] = val(src[0])
-        elif op == "prmt.b32":
-            reg[d] = _prmt(val(src[0]), val(src[1]), val(src[2]))
-        elif op == "and.b32":
-            reg[d] = val(src[0]) & val(src[1])
-        elif op == "or.b32":
-            reg[d] = val(src[0]) | val(src[1])
-        elif op == "shl.b32":
-            reg[d] = (val(src[0]) << val(src[1])) & MASK
-        elif op == "shr.b32":
-            reg[d] = val(src[0]) >> val(src[1])
-        elif op == "mul.rn.bf16x2":
-            reg[d] = _mul_bf16x2(val(src[0]), val(src[1]))
-        else:
-            raise AssertionError(f"the emulator lacks {op}")
+    reg = emulate(nvfp4_tile._E2M1_BF16X2_ASM, {"$4": word, "$5": s01, "$6": s23})
     return [reg[f"${i}"] for i in range(4)]
 
 

@@ -32,6 +32,7 @@ import functools
 
 import torch
 
+from moeserve.kernels.linear.int4_tile import MIN_BLOCK_K as INT4_MIN_BLOCK_K
 from moeserve.kernels.linear.nvfp4_tile import MIN_BLOCK_K as NVFP4_MIN_BLOCK_K
 from moeserve.kernels.moe.tile_configs import (
     CONFIG_KEYS,
@@ -68,13 +69,16 @@ NVFP4_8_WARPS_MIN_M = 128
 def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int,
                          group: int) -> dict[str, int]:
     """In-code tiles by the pairs per expert: BLOCK_M 16 / 32 / 64, BLOCK_N 64 then 128,
-    BLOCK_K 128 for fp8 (one scale column a step) and nvfp4, 64 and at least the group for int4.
+    BLOCK_K 128 for fp8 (one scale column a step) and nvfp4, 128 and at least the group for int4.
     nvfp4's 128: the H200 tunes of three expert shapes (qwen3-30b-a3b's, GLM-5's per rank under
     TP 8 and EP 8; benchmarks/results/gpu_04e1157/) picked BLOCK_K 128 at every token count, 8-30%
-    faster than 64, whose [BK/16, BN] group-scale tile still needs synchronous loads; int4 has
-    no H200 tune yet."""
+    faster than 64, whose [BK/16, BN] group-scale tile still needs synchronous loads. int4's 128
+    (int4_tile.MIN_BLOCK_K) takes the nibble-plane decode: Triton 3.6's sm90 SASS of the 16 x 64
+    gated tile 467 loop instructions a 128-K step in bf16 ("planes-asm") against 1,068 with the
+    reshape decode (543 a 64-K step, the earlier default), no shared-memory round trip of the
+    decoded weights; int4 has no GPU timing or tune yet (quant_tiles_h200.sh)."""
     per_expert = num_tokens * top_k / max(num_experts, 1)
-    block_k = FP8_GROUP if fmt in ("fp8", "nvfp4") else max(64, group)
+    block_k = FP8_GROUP if fmt in ("fp8", "nvfp4") else max(INT4_MIN_BLOCK_K, group)
     if per_expert <= 16:  # decode: a handful of rows per expert
         return tile_config(16, 64, block_k, 1, 4, 3)
     if per_expert <= 48:

@@ -27,8 +27,10 @@ dtype and are dequantized in registers, per FORMAT:
            columns with the low and high nibbles' [BK / 2, BN] tiles (BLOCK_K >= 32), each
            e2m1 * scale, exact in x's dtype; global_scale[e, n] multiplies the fp32
            accumulator's column n before the epilogue (gate and up rows their own)
-    int4   int32 words of 8 nibbles (q + 8): w = (nibble - 8) * scale[n, k // group], the
-           [BK / 8, 8, BN] nibbles reshaped to the [BK, BN] tile
+    int4   int32 words of 8 nibbles (q + 8): w = (nibble - 8) * scale[n, k // group]; from
+           BLOCK_K 128 by linear/int4_tile.py's nibble planes (x's eight column classes each
+           dotted with one nibble of every word: no reshape of the weight tile; in bf16 the
+           decode in inline PTX), below it the [BK / 8, 8, BN] nibbles reshaped to [BK, BN]
     fp8    e4m3 as loaded; A is e4m3 too, BLOCK_K = 128 (one scale column a step):
            acc += dot(a_q, b_q) * s_a[row, kb] * s_b[e, n // scale_rows, kb]   (fp32)
            where a tile's rows lie in one block of scale_rows (128-row blocks, BLOCK_N
@@ -70,7 +72,7 @@ from typing import Any
 
 import torch
 
-from moeserve.kernels.linear import nvfp4_tile
+from moeserve.kernels.linear import int4_tile, nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
@@ -187,7 +189,9 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
         and n_out % scale_rows == 0, A_ROW_DIV=a_row_div,
         GATED=gated, EVEN_K=k_dim % config["BLOCK_K"] == 0,
         DOT_PRECISION="ieee" if c.dtype == torch.float32 else "tf32", NATIVE_FP8=native_fp8,
-        DECODE=nvfp4_tile.decode_id(a.dtype, a.device) if fmt == "nvfp4" else 0,
+        DECODE=(nvfp4_tile.decode_id(a.dtype, a.device) if fmt == "nvfp4" else
+                int4_tile.decode_id(config["BLOCK_K"], a.dtype, w.scale.dtype, a.device)
+                if fmt == "int4" else 0),
         PREFETCH=fmt == "fp8" and prefetch_scales,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
@@ -203,7 +207,7 @@ def _kernel() -> Any:
     helpers are jitted here and bound as module globals, where the interpreter finds them.
     """
     global tl, _tile, _b_step, _w_scale, _load_k, _nvfp4_step, _e4m3_bits_to_f32, _spread_groups
-    global _unscale
+    global _unscale, _int4_planes_step
     import triton
     import triton.language as tl
 
@@ -212,6 +216,7 @@ def _kernel() -> Any:
     tiles = nvfp4_tile.jitted()
     _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
     _spread_groups, _unscale = tiles.spread_groups, tiles.unscale
+    _int4_planes_step = int4_tile.jitted().int4_planes_step
 
     # the step-varying sizes exempt from Triton's value specialization. NOTE: not the row
     # strides (a model's constants): specialized, their divisibility by 16 lets the A loads
@@ -454,13 +459,17 @@ def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, 
         kp_ok, kg_ok = kp * 8 < K, kg * GROUP < K  # past K: 0 (x's columns there are 0)
         packed = _load_k(b_base + rows[None, :] * stride_bn + kp[:, None] * stride_bk, kp_ok,
                          EVEN_K).to(tl.int32)  # [BK / 8, BN]
-        nib = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-        nib = tl.reshape(nib, (BLOCK_K, BLOCK_N))  # [BK, BN]: element 8 j + i at nibble i
         step = _load_k(s_base + rows[None, :] * stride_sn + kg[:, None] * stride_sk, kg_ok,
                        EVEN_K).to(tl.float32)  # [BK / G, BN]
-        step = _spread_groups(step, GROUP)  # [BK, BN]: each scale over its group's rows
-        w_val = (nib - 8).to(tl.float32)  # int32 words of 8 nibbles, stored as q + 8
-        acc = tl.dot(a, (w_val * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
+        if DECODE >= 1:  # int4_tile's nibble planes: each scale over its group's words
+            acc = _int4_planes_step(acc, a, packed, _spread_groups(step, GROUP // 8),
+                                    BLOCK_M, BLOCK_K, DOT_PRECISION, DECODE)
+        else:  # "reshape": every word's 8 nibbles into the [BK, BN] tile (8 j + i: nibble i)
+            nib = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+            nib = tl.reshape(nib, (BLOCK_K, BLOCK_N))
+            step = _spread_groups(step, GROUP)  # [BK, BN]: each scale over its group's rows
+            w_val = (nib - 8).to(tl.float32)  # int32 words of 8 nibbles, stored as q + 8
+            acc = tl.dot(a, (w_val * step).to(a.dtype), acc, input_precision=DOT_PRECISION)
     return acc
 
 
