@@ -45,19 +45,21 @@ decode = "auto"
 # "planes-asm": two packed words ($8, $9: elements 0 and 1 of the pair) and their bf16 scales
 # ($10) -> the eight planes' bf16 pairs ($0..$7: plane i of word 0 in the low half, of word 1
 # in the high). prmt puts byte c of each word in its half's low byte, a shift by 4 brings the
-# high nibble there; (t & 0x000F000F) | 0x43004300 is then bf16 128 + n for the nibble n (bf16
-# has 7 mantissa bits: a nibble at bits 4-7 would reach the exponent), an fma takes 136 off
-# exactly (n - 8), and one multiply by the scale rounds once: (n - 8) * scale in bf16, the
-# "planes" bits. 32 instructions for 16 weights (and 2 constants), against ~5 a weight for the
-# fp32 path. (bf16x2 constants: one 1.0, n136 -136.0, in both halves.)
+# high nibble there; (t & 0x000F000F) | 0x43004300 (one lop3, 0xEA: a & b | c) is then bf16
+# 128 + n for the nibble n (bf16 has 7 mantissa bits: a nibble at bits 4-7 would reach the
+# exponent), an fma takes 136 off exactly (n - 8), and one multiply by the scale rounds once:
+# (n - 8) * scale in bf16, the "planes" bits. 28 instructions for 16 weights, against ~5 a
+# weight for the fp32 path; sm90 SASS of the 16 x 64 gated tile a 128-K step: 404 loop
+# instructions (467 with and + or, which ptxas kept as two LOP3s; "planes" 808, "reshape"
+# 1,068). bf16x2 constants: one 1.0, n136 -136.0, in both halves.
 _INT4_BF16X2_ASM = """{
 .reg .b32 t, u, v, one, n136;
 mov.b32 one, 0x3F803F80; mov.b32 n136, 0xC308C308;
 """ + "".join(f"""prmt.b32 t, $8, $9, {c | c << 4 | (4 + c) << 8 | (4 + c) << 12:#06x};
-and.b32 v, t, 0x000F000F; or.b32 v, v, 0x43004300;
+lop3.b32 v, t, 0x000F000F, 0x43004300, 0xEA;
 fma.rn.bf16x2 v, v, one, n136; mul.rn.bf16x2 ${2 * c}, v, $10;
 shr.b32 u, t, 4;
-and.b32 v, u, 0x000F000F; or.b32 v, v, 0x43004300;
+lop3.b32 v, u, 0x000F000F, 0x43004300, 0xEA;
 fma.rn.bf16x2 v, v, one, n136; mul.rn.bf16x2 ${2 * c + 1}, v, $10;
 """ for c in range(4)) + "}"
 

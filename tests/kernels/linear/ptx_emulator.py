@@ -1,5 +1,5 @@
 """A small interpreter of the PTX the 4-bit decodes inline (nvfp4_tile's and int4_tile's asm):
-mov, prmt, and, or, shl, shr on b32, and mul / fma on bf16x2 with round-to-nearest-even, so
+mov, prmt, and, or, lop3, shl, shr on b32, and mul / fma on bf16x2 with round-to-nearest-even, so
 that a wrong selector, mask, constant or output order fails on the CPU, not only on the GPU."""
 
 from __future__ import annotations
@@ -80,6 +80,10 @@ def emulate(body: str, regs: dict[str, int]) -> dict[str, int]:
             reg[d] = v[0] & v[1]
         elif op == "or.b32":
             reg[d] = v[0] | v[1]
+        elif op == "lop3.b32":  # bit i of the result: the table's bit (a_i << 2 | b_i << 1 | c_i)
+            a, b, c, lut = v
+            reg[d] = sum(((lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1)
+                         << i for i in range(32))
         elif op == "shl.b32":
             reg[d] = (v[0] << v[1]) & MASK
         elif op == "shr.b32":

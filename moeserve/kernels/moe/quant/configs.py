@@ -74,7 +74,7 @@ def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int
     TP 8 and EP 8; benchmarks/results/gpu_04e1157/) picked BLOCK_K 128 at every token count, 8-30%
     faster than 64, whose [BK/16, BN] group-scale tile still needs synchronous loads. int4's 128
     (int4_tile.MIN_BLOCK_K) takes the nibble-plane decode: Triton 3.6's sm90 SASS of the 16 x 64
-    gated tile 467 loop instructions a 128-K step in bf16 ("planes-asm") against 1,068 with the
+    gated tile 404 loop instructions a 128-K step in bf16 ("planes-asm") against 1,068 with the
     reshape decode (543 a 64-K step, the earlier default), no shared-memory round trip of the
     decoded weights; int4 has no GPU timing or tune yet (quant_tiles_h200.sh)."""
     per_expert = num_tokens * top_k / max(num_experts, 1)
