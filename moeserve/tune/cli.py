@@ -396,8 +396,9 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                          "num_devices": s["num_devices"],
                          "slo": [args.slo_tpot_ms, args.slo_ttft_ms, args.slo_stat]})
     command_of = lambda p: shlex.join(evaluator.command(p))  # noqa: E731
+    # one line whatever the storage's length (a wrapped path broke "trials so far" apart)
     console.print(f"study {name!r} in {args.storage}: {len(study_mod.ledger(study))} trials so "
-                  f"far; searching {len(space.knobs)} knobs on {s['device']}")
+                  f"far; searching {len(space.knobs)} knobs on {s['device']}", soft_wrap=True)
     try:
         if "search" in s["phases"]:
             why = study_mod.search(study, space, evaluator,
