@@ -232,6 +232,13 @@ class EngineConfig:
     whatever it declares. With an unquantized checkpoint or load_format dummy: the layout its
     weights are quantized into as they load (every linear projection, by the format's rule; the
     embedding, LM head, routers, norms and MLA's kv_b_proj stay in `dtype`)."""
+    dequantize_linears: bool = False
+    """A quantized model's projections outside the routed experts (attention, the DSA indexer,
+    dense MLPs, shared experts) held in `dtype`, dequantized once as they load (exact for nvfp4
+    and int4; fp8's W8A8 becomes a `dtype` GEMM), the routed experts staying quantized: more
+    weight memory (their bytes x 2 / 0.5625 for nvfp4), and cuBLAS's speed for those
+    projections (on an H100 the W4A16 linear kernels took 1.0-3x bf16's time at 64-1,024
+    tokens, benchmarks/results/gpu_6b1031a/call3). No effect on an unquantized model."""
     moe_tiles: str = "tuned"
     """The fused MoE's tiles: "tuned" (a committed or cached tuned file for this device and MoE
     shape, tuned at start-up within moe_tune_budget_s when none exists) or "default" (the

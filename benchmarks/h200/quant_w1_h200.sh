@@ -2,7 +2,9 @@
 # Issue 18's W1 check through the server: qwen3-30b-a3b with dummy weights, bf16, then every
 # projection quantized (`--quantization fp8`, then `--quantization nvfp4`), each format one
 # `moeserve bench` (its own server; CUDA graphs and overlap scheduling on, the defaults) over
-# the concurrencies CONCS (default 256 512 1024 2048), one call. Each run's JSON (without the
+# the concurrencies CONCS (default 256 512 1024 2048), one call. A format with the suffix "dl"
+# (FORMATS="bf16 nvfp4 nvfp4dl") quantizes the routed experts alone (--dequantize-linears: the
+# other projections dequantized into bf16 as they load; its targets are the format's). Each run's JSON (without the
 # per-request records; with the server's capacity report, resolved config and `serial_bound`,
 # whose `weights` names the format) goes to OUT/runs/w1_<format>_c<C>.json, each format's log
 # to OUT/w1_<format>.log; benchmarks/quant/quant_compare.py then writes OUT/compare.json (output
@@ -40,7 +42,11 @@ for i in "${!formats[@]}"; do
   share=$(( left / (${#formats[@]} - i) ))
   if [ "$share" -lt 60 ]; then echo "== $fmt skipped: ${left}s left"; continue; fi
   flags="--moe-tune-budget-s ${MOE_TUNE_BUDGET_S:-0} ${SERVER_ARGS:-}"
-  [ "$fmt" != bf16 ] && flags="--quantization $fmt $flags"
+  case $fmt in
+    bf16) ;;
+    *dl) flags="--quantization ${fmt%dl} --dequantize-linears $flags";;  # experts only
+    *) flags="--quantization $fmt $flags";;
+  esac
   name="w1_$fmt"
   echo "== $name ($flags, at most ${share}s) $(date +%T)"
   # SIGINT, not SIGTERM: the bench's KeyboardInterrupt stops the server it started

@@ -62,9 +62,10 @@ def summarise(by: dict[tuple[str, int], list[dict]]) -> list[dict]:
         if fmt != "bf16" and (base := median.get(("bf16", conc))):
             row["x_bf16"] = round(tok_s / base, 3)
         checks = []
-        if (t := SHARE_TARGET.get((fmt, conc))) is not None and row["percent_of_bound"]:
+        target_fmt = fmt.removesuffix("dl")  # "nvfp4dl": nvfp4 with --dequantize-linears
+        if (t := SHARE_TARGET.get((target_fmt, conc))) is not None and row["percent_of_bound"]:
             checks.append(("percent_of_bound", row["percent_of_bound"], t))
-        if (t := RATIO_TARGET.get((fmt, conc))) is not None and "x_bf16" in row:
+        if (t := RATIO_TARGET.get((target_fmt, conc))) is not None and "x_bf16" in row:
             checks.append(("x_bf16", row["x_bf16"], t))
         if checks:
             row["target"] = {what: t for what, _, t in checks}

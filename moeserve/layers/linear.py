@@ -46,7 +46,7 @@ class WeightFactory:
     def linear(self, name: str, *shape: int, dtype: torch.dtype | None,
                device: torch.device | str | None) -> Weight:
         """A projection weight [..., N, K] named `name` in its module."""
-        if self.plan is not None and self.plan.holds(self.prefix + name):
+        if self.plan is not None and self.plan.holds(self.prefix + name, len(shape) > 2):
             try:
                 return QuantWeight(self.plan.format, *shape, scale_dtype=dtype or torch.float32,
                                    device=device, int4_group=self.plan.int4_group)

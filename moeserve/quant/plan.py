@@ -12,6 +12,8 @@ the engine's dtype.
         part left unquantized (`exclude_modules`, `ignore`, `modules_to_not_convert`) is held
         in the engine's dtype, its quantized parts dequantized as they load (exact)
     dummy weights (`--quantization F --load-format dummy`): every quantizable weight
+    either way, with `experts_only` (--dequantize-linears) the routed experts' stacks alone: the
+        other projections in the engine's dtype (a checkpoint's dequantized as they load)
 """
 
 from __future__ import annotations
@@ -28,16 +30,25 @@ class QuantPlan:
     format: str  # "fp8" | "nvfp4" | "int4"
     int4_group: int | None = None  # int4: K per scale
     held: frozenset[str] | None = None  # the weights' paths held quantized; None: every one
+    # the routed experts' stacks only ([E, N, K]: WeightFactory.linear's weights with leading
+    # dims); every other projection in the engine's dtype (--dequantize-linears)
+    experts_only: bool = False
 
     @classmethod
     def from_spec(cls, spec: QuantSpec, held: frozenset[str] | None = None) -> QuantPlan:
         return cls(spec.format, spec.group_size if spec.format == "int4" else None, held)
 
-    def holds(self, path: str) -> bool:
+    def holds(self, path: str, stacked: bool = True) -> bool:
+        """Whether the weight at `path` is held quantized (`stacked`: a routed experts' stack,
+        [E, N, K])."""
+        if self.experts_only and not stacked:
+            return False
         return self.held is None or path in self.held
 
     def describe(self) -> str:
-        return {"fp8": "fp8 block-scaled W8A8 (e4m3, 128-wide scales)",
+        text = {"fp8": "fp8 block-scaled W8A8 (e4m3, 128-wide scales)",
                 "nvfp4": "nvfp4 W4A16 (e2m1, e4m3 scales per 16, a global scale)",
                 "int4": f"int4 W4A16 (pack-quantized, groups of {self.int4_group})"
                 }[self.format]
+        return text + (" for the routed experts only (--dequantize-linears)"
+                       if self.experts_only else "")

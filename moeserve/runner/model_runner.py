@@ -12,6 +12,7 @@ else runs eagerly, and a decode batch run eagerly on CUDA is counted
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -94,6 +95,8 @@ class ModelRunner:
     def _init_model(self, weights_folder: str | None) -> None:
         mc = self.model_config
         plan = self._quant_plan(weights_folder)
+        if plan is not None and self.cfg.dequantize_linears:  # the routed experts alone
+            plan = dataclasses.replace(plan, experts_only=True)
         self.model = build_model(mc, self.dtype, self.device,
                                  get_moe_backend(self.cfg.moe_backend, self.cfg.moe_tiles),
                                  get_attention_backend(self.cfg.attention_backend),

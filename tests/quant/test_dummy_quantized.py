@@ -61,3 +61,17 @@ def test_fp8_scales_fold_to_the_checkpoints_row_blocks() -> None:
     quantize_into(rows[:100], torch.randn(100, 256))  # a fused part ending off the blocks
     quantize_into(rows[100:], torch.randn(100, 256) * 3)
     assert not compact_fp8_scales(rows) and rows.scale_rows == 1
+
+
+def test_dequantize_linears_draws_only_the_routed_experts_quantized() -> None:
+    llm = LLM("tiny-moe", device="cpu", quantization="nvfp4", hf_overrides=WIDER,
+              dequantize_linears=True)
+    held = {n for n, m in llm.engine.runner.model.named_modules() if isinstance(m, QuantWeight)}
+    assert held and {n.rsplit(".", 1)[-1] for n in held} == {"w13", "w2"}
+    report = llm.report.format()
+    assert "routed experts only (--dequantize-linears)" in report
+    assert "routed experts nvfp4" in report and "attention float32" in report
+    outs = llm.generate([[1, 2, 3, 4], [5, 6]], GREEDY)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    plain = LLM("tiny-moe", device="cpu", hf_overrides=WIDER, dequantize_linears=True)
+    assert not any(isinstance(m, QuantWeight) for m in plain.engine.runner.model.modules())

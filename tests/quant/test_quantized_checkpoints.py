@@ -404,3 +404,26 @@ def test_gpu_4bit_many_token_paths_match_transformers(tmp_path: str, fmt: str,
     assert llm.engine.cfg.attention_backend == "torch"
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
     assert calls["linear"] > 0 and calls["moe"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_dequantize_linears_keeps_only_the_routed_experts_quantized(tmp_path: str,
+                                                                     fmt: str) -> None:
+    """--dequantize-linears: the attention and shared-expert projections of an NVFP4 / INT4
+    checkpoint dequantized as they load (exact), the routed experts held packed: the same
+    greedy tokens as transformers on the dequantized weights, more weight bytes, the report
+    naming each class's format."""
+    quant, ref, _ = write_quantized_pair("deepseek_v3", str(tmp_path), fmt)
+    prompts = _prompts(256, (5, 17, 9))
+    expected = hf_greedy(ref, prompts, GREEDY.max_tokens)
+    packed = LLM(quant, device="cpu", dtype="float32")
+    llm = LLM(quant, device="cpu", dtype="float32", dequantize_linears=True)
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+    held = {n for n, m in llm.engine.runner.model.named_modules() if isinstance(m, QuantWeight)}
+    assert held and all(n.endswith((".mlp.w13", ".mlp.w2")) for n in held)
+    was = {n for n, m in packed.engine.runner.model.named_modules() if isinstance(m, QuantWeight)}
+    assert held < was and any("self_attn" in n for n in was - held)
+    assert llm.engine.runner.weight_bytes > packed.engine.runner.weight_bytes
+    report = llm.report.format()
+    assert "for the routed experts only (--dequantize-linears)" in report
+    assert f"routed experts {fmt}" in report and "attention float32" in report
