@@ -231,7 +231,8 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     space = knob_space(device, start, fixed=list(fixed), only=only,
                        concurrency=max(concurrencies), num_devices=num_devices,
                        dummy_weights=_dummy_weights(model, fixed),
-                       shared_experts=_shared_experts(model))
+                       shared_experts=_shared_experts(model),
+                       quantized=_quantized_checkpoint(model, fixed))
     owned = sorted({a.split("=")[0] for a in shlex.split(args.bench_args)} & _TUNE_OWNS)
     if owned:
         raise ValueError(f"--bench-args: {', '.join(owned)} are the tune's own (use "
@@ -262,6 +263,20 @@ def _shared_experts(model: str) -> bool:
 
     try:
         return bool(load_model_config(model)[0].shared_expert_intermediate_size)
+    except (OSError, ValueError):
+        return False
+
+
+def _quantized_checkpoint(model: str, fixed: dict[str, Any]) -> bool:
+    """Whether the served weights are quantized whatever the study picks: a checkpoint that
+    declares a format, or --quantization among the fixed arguments; False where the model's
+    config cannot be read here."""
+    from moeserve.config import load_model_config
+
+    if fixed.get("quantization") is not None:
+        return True
+    try:
+        return load_model_config(model)[0].quantization is not None
     except (OSError, ValueError):
         return False
 

@@ -21,8 +21,9 @@ parallel layout joins the space (tensor_parallel_size, enable_expert_parallel,
 expert_parallel_size: `_parallel_knobs`); with dummy weights the quantized format
 (`QUANTIZATION`: a checkpoint's format is its own) and the KV cache's element type
 (`KV_CACHE_DTYPE`: fp8 rounds a real checkpoint's cache, a choice of quality the user makes);
-for a model with shared experts whether they fold into the routed launch (`FOLD_SHARED`); a
-knob the engine gains later is one more row in _knobs.
+for a model with shared experts whether they fold into the routed launch (`FOLD_SHARED`); for
+quantized weights whether the projections outside the routed experts are dequantized at load
+(`DEQUANTIZE_LINEARS`); a knob the engine gains later is one more row in _knobs.
 
 Restart: every knob today is an engine flag, read at start-up, so a trial is a fresh server;
 `restart` is declared per knob so that a knob the server can change live can skip it.
@@ -236,6 +237,10 @@ QUANTIZATION = Knob("quantization", None, (None, "fp8", "nvfp4", "int4"), device
 # the KV cache's element type: with dummy weights too (it rounds what a real checkpoint's
 # cache holds, so a study over real weights leaves it to the user)
 KV_CACHE_DTYPE = Knob("kv_cache_dtype", "auto", ("auto", "fp8"), devices=("cuda",))
+# the projections outside the routed experts dequantized at load (--dequantize-linears): a
+# quantized checkpoint, or dummy weights whose format is quantized (not with QUANTIZATION None)
+DEQUANTIZE_LINEARS = Knob("dequantize_linears", False, (False, True), devices=("cuda",),
+                          unless=("quantization", None))
 # the shared experts in the routed launch or beside it: a model with shared experts only
 FOLD_SHARED = Knob("fold_shared_experts", False, (False, True))
 
@@ -243,16 +248,19 @@ FOLD_SHARED = Knob("fold_shared_experts", False, (False, True))
 def knob_space(device: str, start: Mapping[str, Any], fixed: Sequence[str] = (),
                only: Sequence[str] | None = None, concurrency: int = 1024,
                num_devices: int = 1, dummy_weights: bool = False,
-               shared_experts: bool = False) -> Space:
+               shared_experts: bool = False, quantized: bool = False) -> Space:
     """The knobs that matter on `device` ("cuda" or "cpu") at the largest concurrency the
     study optimises, less `fixed` (fields the user set in the server's fixed arguments),
     restricted to `only` when given; with num_devices > 1 (GPUs), the parallel layouts too;
     with dummy_weights (a preset, or --load-format dummy), the weights' quantized format and
     the KV cache's element type; with
-    shared_experts (the model has them), whether they fold into the routed launch."""
+    shared_experts (the model has them), whether they fold into the routed launch; with dummy
+    weights or a quantized checkpoint (`quantized`), whether the projections outside the routed
+    experts are dequantized at load."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
     extra = [QUANTIZATION, KV_CACHE_DTYPE] if dummy_weights else []
+    extra += [DEQUANTIZE_LINEARS] if dummy_weights or quantized else []
     extra += [FOLD_SHARED] if shared_experts else []
     knobs = [k for k in [*_knobs(concurrency, num_devices), *extra]
              if device in k.devices and k.name not in fixed]

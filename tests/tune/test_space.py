@@ -56,3 +56,23 @@ def test_mixed_graphs_and_the_shared_experts_fold_are_knobs() -> None:
         "--fold-shared-experts"]
     assert _shared_experts("glm-4.7-flash") and _shared_experts("deepseek-v3")
     assert not _shared_experts("qwen3-30b-a3b") and not _shared_experts("/no/such/folder")
+
+
+def test_dequantize_linears_is_a_knob_where_the_weights_are_quantized() -> None:
+    from moeserve.tune.cli import _quantized_checkpoint
+
+    assert "dequantize_linears" not in knob_space("cuda", {}).knobs
+    assert "dequantize_linears" not in knob_space("cpu", {}, dummy_weights=True).knobs
+    space = knob_space("cuda", {}, dummy_weights=True)
+    assert list(space.knobs).index("quantization") < list(space.knobs).index(
+        "dequantize_linears")  # its condition first
+    none = space.complete({"quantization": None, "dequantize_linears": True})
+    assert none["dequantize_linears"] is False  # unquantized: the knob does not apply
+    nvfp4 = space.complete({"quantization": "nvfp4", "dequantize_linears": True})
+    assert space.flags(nvfp4) == ["--quantization", "nvfp4", "--dequantize-linears"]
+    checkpoint = knob_space("cuda", {}, quantized=True)  # no quantization knob: always applies
+    assert checkpoint.flags(checkpoint.complete({"dequantize_linears": True})) == [
+        "--dequantize-linears"]
+    assert _quantized_checkpoint("qwen3-30b-a3b", {"quantization": "fp8"})
+    assert not _quantized_checkpoint("qwen3-30b-a3b", {})
+    assert not _quantized_checkpoint("/no/such/folder", {})
