@@ -156,7 +156,8 @@ for r in json.load(open('$dir/$name/kernels_dsa.json'))['decode']:
 # ncu_profile DIR NAME LIMIT PATTERN NCU_ARGS... -- CMD...: Nsight Compute (NCU, default ncu
 # on the path) over CMD, its profiled range only (`--profile-from-start off`), into
 # DIR/NAME.ncu-rep, the details page as DIR/NAME.txt, its lines matching the egrep PATTERN
-# printed (30 at most); LIMIT seconds for the run.
+# printed (30 at most); LIMIT seconds for the run. With NCU_ALL=1 also DIR/NAME_all.txt, the
+# sections' bodies too (--print-details all: warp stall reasons, pipe utilizations).
 ncu_profile() {
   local dir=$1 name=$2 limit=$3 pattern=$4 ncu=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
   shift 4
@@ -168,6 +169,8 @@ ncu_profile() {
   echo "$name: ncu rc=$?"
   if [ -f "$dir/$name.ncu-rep" ]; then
     "$ncu" --import "$dir/$name.ncu-rep" --page details > "$dir/$name.txt" 2>&1
+    [ "${NCU_ALL:-0}" = 1 ] && "$ncu" --import "$dir/$name.ncu-rep" --page details \
+      --print-details all > "$dir/${name}_all.txt" 2>&1
     grep -E "$pattern" "$dir/$name.txt" | head -30
   fi
 }

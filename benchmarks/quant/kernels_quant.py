@@ -41,8 +41,9 @@ the timeout's SIGINT leaves the JSON of what was done; `--shapes glm-5` etc. spl
 --nvfp4-decode bits asm times the NVFP4 rows with each decode of kernels/linear/nvfp4_tile.py
 (--int4-decode reshape planes planes-asm the INT4 MoE rows with kernels/linear/int4_tile.py's)
 (--fp8-prefetch off on the FP8 rows with and without the scales' one-step prefetch;
---moe-dequant off on the 4-bit MoE rows fused or dequantized first; --w4a16-backend fused
-dequant the 4-bit linears: benchmarks/quant/quant_switches.py), the acceptance taking the best):
+--moe-dequant off on the 4-bit MoE rows fused or dequantized first; --maxnreg off 96 80 the MoE
+rows with each register cap a thread; --w4a16-backend fused dequant the 4-bit linears:
+benchmarks/quant/quant_switches.py), the acceptance taking the best):
 
     source benchmarks/gpu_env.sh; timeout -s INT 560 python3 -m benchmarks.quant.kernels_quant \
         --out $OUT
@@ -306,6 +307,13 @@ def dense_peaks(size: int, ctx: dict) -> dict:
     return out
 
 
+def register_cap(value: str) -> str:
+    """--maxnreg's value: "off", or a register count ptxas can cap a thread at (24..255)."""
+    if value != "off" and not (value.isdigit() and 24 <= int(value) <= 255):
+        raise argparse.ArgumentTypeError(f"a register cap is 'off' or 24..255, got {value!r}")
+    return value
+
+
 def settings_of(fmt: str, switches: dict[str, list[str]]) -> list[list[tuple[str, str]]]:
     """Every combination of the switches (quant_switches.py) that act on `fmt`, each value of
     each: one benchmark run apiece."""
@@ -401,6 +409,9 @@ def main() -> None:
                         default=["auto"], help="NVFP4 / INT4 MoE rows per mode of "
                         "kernels/moe/quant/dequant.py (on: every expert dequantized, then the "
                         "bf16 fused MoE; off: the W4A16 fused MoE)")
+    parser.add_argument("--maxnreg", nargs="+", default=["off"], type=register_cap,
+                        help="MoE rows per register cap a thread of the fused quantized MoE "
+                        "(kernels/moe/quant/fused_triton.py max_registers; off: ptxas's choice)")
     parser.add_argument("--profile", action="store_true",
                         help="each MoE row also lists the op's GPU kernels by time (CUDA)")
     parser.add_argument("--small", action="store_true",
@@ -448,7 +459,8 @@ def main() -> None:
     ctx["fp8_peak_tflops"] = result["peaks"]["fp8_peak_tflops"]
     save()
     moe_switches = {"decode": args.nvfp4_decode, "prefetch": args.fp8_prefetch,
-                    "moe_dequant": args.moe_dequant, "int4_decode": args.int4_decode}
+                    "moe_dequant": args.moe_dequant, "int4_decode": args.int4_decode,
+                    "maxnreg": args.maxnreg}
     for shape_name, shape in shapes.items():
         for fmt in args.formats:
             for settings in settings_of(fmt, moe_switches):

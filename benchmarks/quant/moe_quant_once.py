@@ -24,7 +24,13 @@ import torch
 
 def main() -> None:
     from benchmarks.kernels.kernel_runs import profiled_median_ms
-    from benchmarks.quant.kernels_quant import FORMATS, make_weight, moe_op, moe_shapes
+    from benchmarks.quant.kernels_quant import (
+        FORMATS,
+        make_weight,
+        moe_op,
+        moe_shapes,
+        register_cap,
+    )
     from moeserve.kernels.moe.timer import random_tokens
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,7 +41,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2, help="measured calls")
     parser.add_argument("--nvfp4-decode", choices=("bits", "asm"), default=None,
                         help="kernels/linear/nvfp4_tile.py's decode (default: as set there)")
+    parser.add_argument("--maxnreg", type=register_cap, default="off",
+                        help="a register cap a thread (kernels/moe/quant/fused_triton.py "
+                        "max_registers; off: ptxas's choice)")
     args = parser.parse_args()
+    if args.maxnreg != "off":
+        from moeserve.kernels.moe.quant import fused_triton
+
+        fused_triton.max_registers = int(args.maxnreg)
     if args.nvfp4_decode:
         from moeserve.kernels.linear import nvfp4_tile
 

@@ -8,6 +8,8 @@ the value it ran with.
     prefetch       kernels/moe/quant/fused_triton.py `prefetch_scales`  fp8  off | on
     w4a16_backend  kernels/linear/w4a16_dequant.py `backend`        nvfp4, int4 linears
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
+    maxnreg        kernels/moe/quant/fused_triton.py `max_registers`  every format's MoE
+                                                                    off | a register cap
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ SWITCHES = {
     "w4a16_backend": Switch("moeserve.kernels.linear.w4a16_dequant", "backend",
                             ("nvfp4", "int4")),
     "moe_dequant": Switch("moeserve.kernels.moe.quant.dequant", "mode", ("nvfp4", "int4")),
+    "maxnreg": Switch("moeserve.kernels.moe.quant.fused_triton", "max_registers",
+                      ("fp8", "nvfp4", "int4"), lambda v: None if v == "off" else int(v)),
 }
 
 

@@ -90,6 +90,11 @@ FORMAT_IDS = {"fp8": 0, "nvfp4": 1, "int4": 2}  # the kernel's FORMAT constexpr
 # 16 x 64 x 128 gated tile: every in-loop scale load one step ahead of its use, for 239 -> 255
 # loop instructions.
 prefetch_scales = False
+# A cap on the registers a thread (Triton's maxnreg launch option), None: ptxas's choice. An
+# experiment switch (kernels_quant.py --maxnreg): at 128 registers the 4-warp 16 x 64 x 128
+# W4A16 tile holds 4 programs an SM (25% occupancy, latency-bound by Nsight Compute in
+# gpu_b1fed26/call2); 96 fits 5 (20 bytes spilled), 80 fits 6 (72). Same bits either way.
+max_registers: int | None = None
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _QWEIGHT_DTYPES = {"fp8": E4M3, "nvfp4": torch.uint8, "int4": torch.int32}
 tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
@@ -195,7 +200,8 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
         PREFETCH=fmt == "fp8" and prefetch_scales,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
-        num_stages=config["num_stages"])
+        num_stages=config["num_stages"],
+        **({"maxnreg": max_registers} if max_registers and a.device.type == "cuda" else {}))
 
 
 @functools.cache
