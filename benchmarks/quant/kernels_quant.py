@@ -11,11 +11,14 @@ defaults; --tiles default forces the defaults; each row records its tiles and th
 expert sort and the combine included) timed by the tuner's `time_in_graph` (10 calls captured in
 one CUDA graph, the median of 5 replays). Weights are drawn as the server's dummy weights are
 (`_dummy_quantized`; FP8 scales then folded to one row per 128). The read bound: experts
-touched, E x (1 - (1 - k/E)^T) (roofline.experts_touched), x 3 x H x I x bytes a weight / 4.27
-TB/s, the bytes a weight being the roofline's QUANT_BYTES (scales counted at their nominal
+touched, E x (1 - (1 - k/E)^T) (roofline.experts_touched), x 3 x H x I x bytes a weight / the
+device's copy rate (roofline.ceilings_for: the H200's 4.27 TB/s, the H100's 3.0; a device
+without measured ceilings is judged by the H200's, the issue's, and the JSON's config says
+which), the bytes a weight being the roofline's QUANT_BYTES (scales counted at their nominal
 share: fp8 1 + 4 / 128^2, nvfp4 0.5 + 1/16, int4 0.5 + 2/32; the nvfp4 per-row fp32 global
 scale, 4 / K, is not counted) or 2 for bf16; the bytes the tensors actually hold are reported
-beside it (`held_bytes_per_weight`). TFLOP/s against 787 (dense bf16, ANCHORS.md) and against
+beside it (`held_bytes_per_weight`). TFLOP/s against the device's dense bf16 rate (787 on the
+H200, ANCHORS.md; `pct_of_787_tflops` keeps its name) and against
 the FP8 dense peak measured here (torch._scaled_mm, e4m3, per-tensor scales, bf16 out, at
 --peak-size cubed; the faster of fp32 and fast accumulation).
 
@@ -26,8 +29,8 @@ Linear: qwen3-30b-a3b's qkv (N 5120, K 2048) and o_proj (N 2048, K 4096), GLM-5'
 `fp8_linear` (the engine's backend choice: cuBLASLt where supported, else Triton;
 benchmarks/quant/fp8_linear_backends.py times the two apart), `w4a16_linear` (the engine's choice
 of kernels/linear/w4a16_dequant.py; `--w4a16-backend fused dequant` times each), beside the
-weight-read bound and the whole bound max((weights + x + out bytes) / 4.27 TB/s, FLOPs / 787
-TFLOP/s).
+weight-read bound and the whole bound max((weights + x + out bytes) / copy rate, FLOPs / dense
+rate), the device's ceilings as above.
 
 Each op is first run once and its output checked finite and against its reference (moe_loop_ref
 / moe_quant_ref; the dequantized weight in fp32) at the smallest token count; `acceptance` lists
@@ -68,7 +71,7 @@ import torch.nn.functional as F
 
 from benchmarks.quant.quant_switches import SWITCHES, switched
 
-COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # H200, measured (ANCHORS.md)
+COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # H200, measured (ANCHORS.md): the issue's device
 FORMATS = ("bf16", "fp8", "nvfp4", "int4")
 MOE_TOKENS, LINEAR_TOKENS = (64, 256, 1024, 8192), (64, 256, 1024)
 LINEAR_SHAPES = (("qwen3_qkv", 5120, 2048), ("qwen3_o_proj", 2048, 4096),
@@ -192,11 +195,16 @@ def bench_moe_format(fmt: str, shape_name: str, shape: tuple[int, int, int, int]
         x, weights, ids = random_tokens(num_tokens, hidden, num_experts, top_k, dtype, gen)
         fn = moe_op(fmt, x, w13, w2, weights, ids, ctx["tiles"])
         ref = moe_ref(fmt, x, w13, w2, weights, ids) if num_tokens == min(tokens) else None
-        row = {"shape": shape_name, "format": fmt, "tokens": num_tokens,
-               **check_output(fn(), ref)}
-        ms = timer(fn)
+        row = {"shape": shape_name, "format": fmt, "tokens": num_tokens}
+        try:
+            row.update(check_output(fn(), ref))
+            ms = timer(fn)
+        except Exception as e:  # e.g. ptxas refusing a register cap: the row says so, the rest run
+            rows.append(row | {"error": f"{type(e).__name__}: {first_line(e)}", "finite": True})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
         touched = experts_touched(num_experts, top_k, num_tokens)
-        bound_ms = touched * 3 * hidden * inter * per_weight / (COPY_TBPS * 1e12) * 1e3
+        bound_ms = touched * 3 * hidden * inter * per_weight / (ctx["copy_tbps"] * 1e12) * 1e3
         tflops = 2 * num_tokens * top_k * 3 * hidden * inter / (ms * 1e-3) / 1e12
         row.update({
             "ms": round(ms, 4), "experts_touched_expected": round(touched, 2),
@@ -204,7 +212,7 @@ def bench_moe_format(fmt: str, shape_name: str, shape: tuple[int, int, int, int]
             "bytes_per_weight": round(per_weight, 6),
             "held_bytes_per_weight": round(held, 6), "read_bound_ms": round(bound_ms, 4),
             "pct_of_read_bound": round(100 * bound_ms / ms, 1), "tflops": round(tflops, 1),
-            "pct_of_787_tflops": round(100 * tflops / DENSE_TFLOPS, 1),
+            "pct_of_787_tflops": round(100 * tflops / ctx["dense_tflops"], 1),
             "tiles": moe_tiles(fmt, w13, num_tokens, top_k, dtype, ctx["tiles"])})
         if ctx.get("profile") and device == "cuda":
             row["kernels"] = kernel_breakdown(fn)
@@ -255,9 +263,9 @@ def bench_linear(shapes: tuple, tokens: list[int], ctx: dict) -> list[dict]:
                 row = {"shape": name, "N": n, "K": k, "format": fmt, "tokens": num_tokens,
                        **check_output(fn(), ref)}
                 ms = timer(fn)
-                read_ms = n * k * per_weight / (COPY_TBPS * 1e12) * 1e3
-                io_ms = read_ms + num_tokens * (n + k) * 2 / (COPY_TBPS * 1e12) * 1e3
-                flop_ms = 2 * num_tokens * n * k / (DENSE_TFLOPS * 1e12) * 1e3
+                read_ms = n * k * per_weight / (ctx["copy_tbps"] * 1e12) * 1e3
+                io_ms = read_ms + num_tokens * (n + k) * 2 / (ctx["copy_tbps"] * 1e12) * 1e3
+                flop_ms = 2 * num_tokens * n * k / (ctx["dense_tflops"] * 1e12) * 1e3
                 bound_ms = max(io_ms, flop_ms)
                 row.update({"ms": round(ms, 4), "bytes_per_weight": round(per_weight, 6),
                             "held_bytes_per_weight": round(held_bytes(w) / (n * k), 6),
@@ -323,13 +331,21 @@ def settings_of(fmt: str, switches: dict[str, list[str]]) -> list[list[tuple[str
             for combo in itertools.product(*(values for _, values in mine))]
 
 
+def first_line(error: BaseException) -> str:
+    """An error's message up to its first line that says something (ptxas's come long)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    fatal = [line for line in lines if "fatal" in line]
+    return (fatal or lines or [""])[0][:300]
+
+
 def acceptance(moe_rows: list[dict], fp8_peak: float | None) -> list[dict]:
     """The issue's kernel criteria against the rows measured (one entry a shape and target;
-    of several rows of one key, NVFP4 decodes, the best)."""
+    of several rows of one key, NVFP4 decodes, the best; rows that ended in an error left out)."""
     by: dict = {}
-    for r in sorted(moe_rows, key=lambda r: r["pct_of_read_bound"]):
+    timed = [r for r in moe_rows if "error" not in r]
+    for r in sorted(timed, key=lambda r: r["pct_of_read_bound"]):
         by[(r["shape"], r["format"], r["tokens"])] = r
-    shapes = sorted({r["shape"] for r in moe_rows})
+    shapes = sorted({r["shape"] for r in timed})
     out = []
     for shape in shapes:
         for fmt, tokens, target in READ_TARGETS:
@@ -344,6 +360,20 @@ def acceptance(moe_rows: list[dict], fp8_peak: float | None) -> list[dict]:
                         "what": "% of measured FP8 dense peak", "value": value,
                         "target": target, "pass": value >= target})
     return out
+
+
+def device_ceilings(device: str) -> dict:
+    """copy_tbps and dense_tflops, the bounds' rates: the CUDA device's measured ceilings
+    (roofline.ceilings_for), else the H200's (ANCHORS.md; ceilings_of says whose)."""
+    from moeserve.diagnose.bounds.roofline import ceilings_for
+
+    name = torch.cuda.get_device_name() if device == "cuda" else None
+    own = ceilings_for(name)
+    if own is None:
+        return {"copy_tbps": COPY_TBPS, "dense_tflops": DENSE_TFLOPS,
+                "ceilings_of": f"H200 (ANCHORS.md; none measured for {name or device})"}
+    return {"copy_tbps": own.bytes_per_s / 1e12, "dense_tflops": own.flops_per_s / 1e12,
+            "ceilings_of": own.name}
 
 
 def make_timer(device: str) -> Timer:
@@ -434,7 +464,8 @@ def main() -> None:
     path = os.path.join(args.out, "kernels_quant.json")
     shapes = moe_shapes(args.shapes, args.small)
     ctx = {"device": device, "dtype": dtype, "timer": make_timer(device),
-           "formats": args.formats, "tiles": args.tiles, "profile": args.profile}
+           "formats": args.formats, "tiles": args.tiles, "profile": args.profile,
+           **device_ceilings(device)}
     t0 = time.perf_counter()
     result: dict = {
         "environment": environment(),
@@ -443,8 +474,9 @@ def main() -> None:
                                   for k, v in shapes.items()},
                    "linear_shapes": [dict(zip(("name", "N", "K"), s)) for s in
                                      (SMALL_LINEAR if args.small else LINEAR_SHAPES)],
-                   "int4_group": INT4_GROUP, "copy_tbps": COPY_TBPS,
-                   "dense_bf16_tflops": DENSE_TFLOPS,
+                   "int4_group": INT4_GROUP, "copy_tbps": ctx["copy_tbps"],
+                   "dense_bf16_tflops": ctx["dense_tflops"],
+                   "ceilings_of": ctx["ceilings_of"],
                    "timer": (f"time_in_graph: {CALLS} calls in one CUDA graph, median of "
                              f"{REPLAYS} replays" if device == "cuda"
                              else "one eager call (CPU smoke: not a measurement)")},

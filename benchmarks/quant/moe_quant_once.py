@@ -12,12 +12,19 @@ the measured calls between cudaProfilerStart and cudaProfilerStop, so that
     ncu --import $OUT/nvfp4_t64.ncu-rep --page details > $OUT/nvfp4_t64.txt
 
 Without ncu it prints the op's median time over the measured calls (CUDA events), a check that
-the call runs.
+the call runs. With --tile (repeatable) it times the fused kernel at each tile config instead,
+in a CUDA graph as kernels_quant.py does (no profiler range), one JSON line a tile with its
+largest difference from the op's output at its own tiles (relative to that output's largest
+value), the tuned or default op first:
+
+    python3 -m benchmarks.quant.moe_quant_once --format nvfp4 --shape glm-5 --tokens 64 \
+        --tile 16 64 128 4 3 --tile 16 32 256 4 3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
@@ -44,6 +51,9 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=register_cap, default="off",
                         help="a register cap a thread (kernels/moe/quant/fused_triton.py "
                         "max_registers; off: ptxas's choice)")
+    parser.add_argument("--tile", type=int, nargs=5, action="append", default=[],
+                        metavar=("BLOCK_M", "BLOCK_N", "BLOCK_K", "WARPS", "STAGES"),
+                        help="time the fused kernel at this tile config (repeatable)")
     args = parser.parse_args()
     if args.maxnreg != "off":
         from moeserve.kernels.moe.quant import fused_triton
@@ -62,9 +72,35 @@ def main() -> None:
     w2 = make_weight(args.format, (num_experts, hidden, inter), dtype, "cuda", gen)
     x, weights, ids = random_tokens(args.tokens, hidden, num_experts, top_k, dtype, gen)
     fn = moe_op(args.format, x, w13, w2, weights, ids, args.tiles)
+    if args.tile:
+        time_tiles(args, fn, x, w13, w2, weights, ids)
+        return
     ms = profiled_median_ms(fn, args.calls)
     print(f"{args.format} {args.shape} T{args.tokens}: {ms:.4f} ms "
           f"(median of {args.calls} eager calls)")
+
+
+def time_tiles(args: argparse.Namespace, fn, x, w13, w2, weights, ids) -> None:
+    """One JSON line for the op at its own tiles, then one for each --tile."""
+    from benchmarks.quant.kernels_quant import make_timer
+    from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
+    from moeserve.kernels.moe.tile_configs import tile_config
+
+    timer = make_timer("cuda")
+    ref = fn().float()
+    scale = ref.abs().max().item() or 1.0
+    print(json.dumps({"tile": args.tiles, "ms": round(timer(fn), 4)}), flush=True)
+    for m, n, k, warps, stages in args.tile:
+        config = tile_config(m, n, k, 1, warps, stages)  # GROUP_M 1: decode's row blocks
+        row = {"tile": [m, n, k, warps, stages]}
+        try:
+            def op(config=config):
+                return moe_quant_triton(x, w13, w2, weights, ids, config=config)
+            diff = (op().float() - ref).abs().max().item() / scale
+            row |= {"ms": round(timer(op), 4), "max_diff": round(diff, 5)}
+        except Exception as e:  # a tile the format refuses or ptxas cannot fit: said, go on
+            row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -45,3 +45,46 @@ def test_a_register_cap_outside_what_ptxas_takes_is_refused(value: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="register cap"):
         register_cap(value)
     assert register_cap("off") == "off" and register_cap("96") == "96"
+
+
+def test_a_row_that_fails_is_recorded_and_the_others_still_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from benchmarks.quant import kernels_quant
+
+    def op(fmt, x, *rest):
+        def run():  # a launch compiles on its first call, where ptxas may refuse it
+            if x.shape[0] == 5:
+                raise RuntimeError("PTXAS error: Internal Triton PTX codegen error\n`ptxas` "
+                                   "stderr:\nptxas fatal   : (C7602) Insufficient registers "
+                                   "(80)\nmore")
+            return torch.zeros(x.shape[0], 32)
+        return run
+
+    monkeypatch.setattr(kernels_quant, "moe_op", op)
+    monkeypatch.setattr(kernels_quant, "moe_ref", lambda *a: None)
+    monkeypatch.setattr(kernels_quant, "moe_tiles", lambda *a: {"config": "stub"})
+    ctx = {"device": "cpu", "dtype": torch.float32, "timer": lambda fn: 1.0, "tiles": "default",
+           **kernels_quant.device_ceilings("cpu")}
+    rows = kernels_quant.bench_moe_format("nvfp4", "tiny", (4, 32, 32, 2), [3, 5, 7], ctx)
+    assert [r["tokens"] for r in rows] == [3, 5, 7]
+    assert rows[1]["error"] == "RuntimeError: ptxas fatal   : (C7602) Insufficient registers (80)"
+    assert "error" not in rows[0] and rows[2]["ms"] == 1.0
+    monkeypatch.setattr(kernels_quant, "READ_TARGETS", [("nvfp4", 5, 70), ("nvfp4", 7, 70)])
+    assert [a["tokens"] for a in kernels_quant.acceptance(rows, None)] == [7]  # 5 not judged
+
+
+def test_the_bounds_take_the_devices_own_ceilings(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from benchmarks.quant.kernels_quant import device_ceilings
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert device_ceilings("cuda") == {"copy_tbps": 3.0, "dense_tflops": 798.0,
+                                       "ceilings_of": "H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert device_ceilings("cuda")["copy_tbps"] == 4.27
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A10")
+    unknown = device_ceilings("cuda")
+    assert unknown["copy_tbps"] == 4.27 and "none measured for NVIDIA A10" in unknown["ceilings_of"]

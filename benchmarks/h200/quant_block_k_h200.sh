@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Issue 18: do the 4-bit fused MoE's weight loads want 256-K steps? At BLOCK_K 128 a program
+# reads 64 bytes of each packed weight row a step, half a 128-byte line (FP8's 128-K step and
+# bf16's 64 read whole lines); NVFP4 and INT4 reach the same ~60% of the H100's DRAM peak by
+# Nsight Compute (gpu_2d81e17/call5-6) at different instruction counts, FP8 ~94%. The
+# quantized tuner's grid has BLOCK_K 64 and 128 only. One call (~3-4 min): moe_quant_once
+# --tile at GLM-5's expert shape (then qwen3-30b-a3b's), tuned / default first, each a JSON
+# line, into $OUT/block_k.jsonl.
+#   bash benchmarks/h200/quant_block_k_h200.sh
+set -uo pipefail
+source benchmarks/gpu_env.sh
+tiles=(--tile 16 64 128 4 3 --tile 16 64 128 4 4 --tile 16 32 256 4 3 --tile 16 32 256 4 4
+       --tile 16 64 256 8 3 --tile 16 64 256 4 3 --tile 16 32 128 4 4)
+for case in "glm-5 nvfp4 64" "glm-5 int4 64" "glm-5 nvfp4 256" "qwen3-30b-a3b nvfp4 64"; do
+  read -r shape fmt tokens <<< "$case"
+  echo "== $case" | tee -a $OUT/block_k.log
+  timeout 120 python3 -m benchmarks.quant.moe_quant_once --format $fmt --shape $shape \
+    --tokens $tokens "${tiles[@]}" 2>>$OUT/block_k.log \
+    | sed "s/^{/{\"case\": \"$case\", /" | tee -a $OUT/block_k.jsonl
+done
