@@ -2,9 +2,10 @@
 # Issue 18: do the 4-bit fused MoE's weight loads want 256-K steps? At BLOCK_K 128 a program
 # reads 64 bytes of each packed weight row a step, half a 128-byte line (FP8's 128-K step and
 # bf16's 64 read whole lines); NVFP4 and INT4 reach the same ~60% of the H100's DRAM peak by
-# Nsight Compute (gpu_2d81e17/call5-6) at different instruction counts, FP8 ~94%. The
-# quantized tuner's grid has BLOCK_K 64 and 128 only. One call (~3-4 min): moe_quant_once
-# --tile at GLM-5's expert shape (then qwen3-30b-a3b's), tuned / default first, each a JSON
+# Nsight Compute (gpu_2d81e17/call5-6) at different instruction counts, while FP8's experts
+# read ~3.1 TB/s by kernels_quant's count (gpu_6b1031a). The quantized tuner's grid had BLOCK_K
+# 64 and 128 only (128 and 256 since). One call (~1 min on an H100): moe_quant_once --tile at
+# GLM-5's expert shape (then qwen3-30b-a3b's), the tuned / default tiles first, each a JSON
 # line, into $OUT/block_k.jsonl.
 #   bash benchmarks/h200/quant_block_k_h200.sh
 set -uo pipefail

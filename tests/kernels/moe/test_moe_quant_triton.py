@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.moe.quant.configs import default_quant_config
+from moeserve.kernels.moe.quant.configs import WIDE_K_MIN, default_quant_config
 from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
 from moeserve.kernels.moe.quant.ref import moe_quant_ref
 from moeserve.kernels.moe.ref import moe_loop_ref
@@ -135,6 +135,20 @@ def test_explicit_tiles_fp32(fmt: str) -> None:
     w13, w2 = experts(fmt)
     x = tokens(33, w13.shape[2], seed=4)
     weights, ids = routing(33, w13.shape[0], seed=4)
+    out = moe_quant_triton(x, w13, w2, weights, ids, config=config)
+    assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 1e-4
+
+
+@pytest.mark.parametrize("fmt", W4A16)
+def test_wide_k_tiles_fp32(fmt: str) -> None:
+    """The 4-bit formats' 256-K step (configs.WIDE_K): the gated launch's K 256 one whole
+    step, the down launch's K 128 / 200 one partial step (int4: a partial last group too)."""
+    config = default_quant_config(fmt, 1, TOP_K, 8, 16 if fmt == "nvfp4" else 32,
+                                  (WIDE_K_MIN, WIDE_K_MIN))
+    assert config["BLOCK_K"] == 256
+    w13, w2 = experts(fmt)
+    x = tokens(7, w13.shape[2], seed=5)
+    weights, ids = routing(7, w13.shape[0], seed=5)
     out = moe_quant_triton(x, w13, w2, weights, ids, config=config)
     assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 1e-4
 
@@ -376,6 +390,20 @@ def test_gpu_bf16_matches_ref(fmt: str, num_tokens: int) -> None:
     parts = moe_quant_triton(x, w13, w2, weights, ids, reduce=False)
     assert torch.equal(parts.sum(1), out)
     assert torch.equal(parts[ids == -1], torch.zeros_like(parts[ids == -1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", W4A16)
+def test_gpu_wide_k_tile_matches_ref(fmt: str) -> None:
+    """The 256-K decode tile in bf16 (its PTX decodes at twice the 128-K step's registers)."""
+    config = default_quant_config(fmt, 64, TOP_K, GPU_SHAPE[0], GPU_FORMATS[fmt] or 16,
+                                  (WIDE_K_MIN, WIDE_K_MIN))  # the tile of GLM-5's experts
+    assert config["BLOCK_K"] == 256
+    w13, w2 = gpu_experts(fmt)
+    x = tokens(64, GPU_SHAPE[1], seed=6, dtype=torch.bfloat16)
+    weights, ids = routing(64, GPU_SHAPE[0], seed=6)
+    out = moe_quant_triton(x, w13, w2, weights, ids, config=config)
+    assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 2e-2
 
 
 @pytest.mark.gpu

@@ -105,6 +105,23 @@ def test_the_grid_is_valid_for_each_format(fmt: str, group: int, num_experts: in
                                                             group)[1:]} == {64, 128}
 
 
+@pytest.mark.parametrize(("fmt", "group"), [("nvfp4", 16), ("int4", 32), ("int4", 128)])
+def test_long_k_dims_take_the_wide_k_step_in_decode(fmt: str, group: int) -> None:
+    wide, narrow = (6144, 2048), (2048, 768)  # GLM-5's experts (H, I), qwen3-30b-a3b's
+    decode = default_quant_config(fmt, 64, 8, 256, group, wide)
+    assert decode == tile_config(16, 64, quant_configs.WIDE_K, 1, 4, 3)
+    assert default_quant_config(fmt, 64, 8, 128, group, narrow)["BLOCK_K"] == 128
+    assert default_quant_config(fmt, 64, 8, 256, group)["BLOCK_K"] == 128  # dims unknown
+    assert default_quant_config(fmt, 8192, 8, 256, group, wide)["BLOCK_K"] == 128  # prefill
+    assert default_quant_config("fp8", 64, 8, 256, 128, wide)["BLOCK_K"] == 128
+    grid = quant_tune_candidates(fmt, 256, 8, 64, group, wide)
+    assert grid[0] == decode and {c["BLOCK_K"] for c in grid} == {128, 256}
+    assert {c["BLOCK_K"] for c in quant_tune_candidates(fmt, 128, 8, 64, group)} == {128, 256}
+    choice = get_quant_config(fmt, 256, *wide, 8, group, torch.bfloat16, 64, "cpu",
+                              tiles="default")  # the lookup passes the shape's K dims
+    assert choice.config == decode
+
+
 def test_the_grid_refuses_an_unknown_format() -> None:
     with pytest.raises(ValueError, match="unknown quantized format 'int8'"):
         quant_tune_candidates("int8", E, K, 1, 32)

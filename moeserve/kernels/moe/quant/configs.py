@@ -57,6 +57,8 @@ MAX_QUANT_CANDIDATES = 24  # per token count, the default included
 # nibbles are decoded in registers; past ~128 a thread the tile spills).
 SHARED_MEMORY_BUDGET = 200 * 1024
 DEQUANT_VALUES_PER_THREAD = 128
+# The 4-bit formats' long K step (default_quant_config: where both K dims reach WIDE_K_MIN)
+WIDE_K, WIDE_K_MIN = 256, 2048
 # nvfp4 tiles of fewer rows than this take 4 warps: in the H200 tunes of five expert shapes
 # (2 to 256 experts a rank, 1 to 8,192 tokens; benchmarks/results/gpu_4705423/call3-4 and the
 # committed files) no 8-warp tile under 128 rows was ever the fastest: 1.04-3.4x the best at 16
@@ -67,7 +69,7 @@ NVFP4_8_WARPS_MIN_M = 128
 
 
 def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int,
-                         group: int) -> dict[str, int]:
+                         group: int, k_dims: tuple[int, int] | None = None) -> dict[str, int]:
     """In-code tiles by the pairs per expert: BLOCK_M 16 / 32 / 64, BLOCK_N 64 then 128,
     BLOCK_K 128 for fp8 (one scale column a step) and nvfp4, 128 and at least the group for int4.
     nvfp4's 128: the H200 tunes of three expert shapes (qwen3-30b-a3b's, GLM-5's per rank under
@@ -75,11 +77,20 @@ def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int
     faster than 64, whose [BK/16, BN] group-scale tile still needs synchronous loads. int4's 128
     (int4_tile.MIN_BLOCK_K) takes the nibble-plane decode: Triton 3.6's sm90 SASS of the 16 x 64
     gated tile 404 loop instructions a 128-K step in bf16 ("planes-asm") against 1,068 with the
-    reshape decode (543 a 64-K step, the earlier default), no shared-memory round trip of the
-    decoded weights; int4 has no GPU timing or tune yet (quant_tiles_h200.sh)."""
+    reshape decode (543 a 64-K step, the earlier default).
+
+    k_dims: the two launches' K (the hidden size, the expert width). Where both are at least
+    WIDE_K_MIN, the 4-bit decode tile takes 256-K steps (16 x 64 x 256, 4 warps, 3 stages): on
+    an H100 GLM-5's experts (6,144 / 2,048) took 2.001 against 2.248 ms in INT4 and 2.107
+    against 2.237 in NVFP4 at 64 tokens, 2.595 against 2.710 in NVFP4 at 256 (a 128-K step
+    reads half of each packed row's 128-byte line); qwen3-30b-a3b's (2,048 / 768) 0.206 against
+    0.187 in NVFP4 (gpu_b547afb/call8)."""
     per_expert = num_tokens * top_k / max(num_experts, 1)
     block_k = FP8_GROUP if fmt in ("fp8", "nvfp4") else max(INT4_MIN_BLOCK_K, group)
     if per_expert <= 16:  # decode: a handful of rows per expert
+        if (fmt != "fp8" and k_dims is not None and min(k_dims) >= WIDE_K_MIN
+                and WIDE_K % group == 0):
+            return tile_config(16, 64, WIDE_K, 1, 4, 3)
         return tile_config(16, 64, block_k, 1, 4, 3)
     if per_expert <= 48:
         return tile_config(32, 64, block_k, 8, 4, 3)
@@ -108,11 +119,13 @@ def check_quant_config(config: dict, fmt: str, groups: tuple[int, ...],
 
 
 def quant_block_ks(fmt: str, group: int) -> list[int]:
-    """The BLOCK_K values the grid tries: 128 for fp8; for nvfp4 / int4 64 and 128 where they
-    are multiples of the group, else the group itself (a group past 128)."""
+    """The BLOCK_K values the grid tries: 128 for fp8; for nvfp4 / int4 128 and WIDE_K where
+    they are multiples of the group, else the group itself (a group past WIDE_K). No 64: the
+    H200 tunes never picked it for nvfp4 (8-30% slower than 128), and int4 below 128 takes
+    the reshape decode (int4_tile)."""
     if fmt == "fp8":
         return [FP8_GROUP]
-    return [k for k in (64, 128) if k % group == 0] or [group]
+    return [k for k in (128, WIDE_K) if k % group == 0] or [group]
 
 
 # Per BLOCK_M, (BLOCK_N, num_warps, num_stages), best guesses first: the same lists at every
@@ -131,7 +144,8 @@ _GRID = {
 
 
 def quant_tune_candidates(fmt: str, num_experts: int, top_k: int, num_tokens: int,
-                          group: int) -> list[dict[str, int]]:
+                          group: int, k_dims: tuple[int, int] | None = None
+                          ) -> list[dict[str, int]]:
     """The grid at one token count: `default_quant_config` first, then <= 23 more (at most
     MAX_QUANT_CANDIDATES in all). BLOCK_M: the one or two of 16 / 32 / 64 / 128 that fit the
     pairs per expert (<= 2x it; 16 alone in decode), as the bf16 quick grid picks them; BLOCK_K
@@ -143,7 +157,7 @@ def quant_tune_candidates(fmt: str, num_experts: int, top_k: int, num_tokens: in
     fitting = [m for m in _GRID if m <= max(16, 2 * per_expert)]
     block_ms = fitting[-2:]
     block_ks = quant_block_ks(fmt, group)
-    grid = [default_quant_config(fmt, num_tokens, top_k, num_experts, group)]
+    grid = [default_quant_config(fmt, num_tokens, top_k, num_experts, group, k_dims)]
     per_block = -(-(MAX_QUANT_CANDIDATES - 1) // (len(block_ms) * len(block_ks)))
     for block_m in block_ms:
         for block_k in block_ks:
@@ -210,8 +224,8 @@ def get_quant_config(fmt: str, num_experts: int, hidden: int, inter: int, top_k:
         nearest = nearest_token_count(table, num_tokens)
         config = {k: table[nearest][k] for k in CONFIG_KEYS}
         return MoeConfigChoice(config, True, path, "triton", nearest)
-    return MoeConfigChoice(default_quant_config(fmt, num_tokens, top_k, num_experts, group),
-                           False, "default")
+    return MoeConfigChoice(default_quant_config(fmt, num_tokens, top_k, num_experts, group,
+                                                (hidden, inter)), False, "default")
 
 
 def parse_quant_entry(raw: dict, fmt: str, group: int) -> dict:

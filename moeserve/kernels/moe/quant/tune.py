@@ -137,7 +137,7 @@ def tune_quant_moe(fmt: str, num_experts: int, hidden: int, inter: int, top_k: i
     out_path = Path(out_path)
     doc = _load_ledger(out_path, meta)
     get_candidates = candidates or functools.partial(quant_tune_candidates, fmt, num_experts,
-                                                     top_k, group=group)
+                                                     top_k, group=group, k_dims=(hidden, inter))
     start = time.perf_counter()
     deadline = None if time_budget_s is None else start + time_budget_s
     try:
