@@ -72,6 +72,9 @@ takes them; {} when no engine field is the fix). The rules:
     communication     (several ranks) the collectives' share of the sampled step's device time
                       (parallel_rules.py), with each EP rank's share of the routed tokens
                       settings: tensor_parallel_size half of now
+    w4a16_linears     (CUDA engines) projections outside the routed experts in NVFP4 / INT4,
+                      weight-only GEMMs slower than bf16's (quant_rules.py)
+                      settings: dequantize_linears True
 
 NOTE: cpu_bound_step reads no gauge means. The gauges step_seconds and gpu_step_seconds are
 sampled by /v1/engine, whose answer (a Ping) waits for the step in progress: a query is answered
@@ -102,6 +105,7 @@ from moeserve.diagnose.host_rules import (
     step_stall,
 )
 from moeserve.diagnose.parallel_rules import communication, ep_rank_load
+from moeserve.diagnose.quant_rules import w4a16_linears
 from moeserve.diagnose.verdict import SEVERITIES, Verdict, as_flags
 from moeserve.diagnose.verdict import rounded as _r
 
@@ -400,7 +404,7 @@ def roofline_rule(run: dict[str, Any]) -> Verdict | None:
 Rule = Callable[[dict[str, Any]], Verdict | None]
 RULES: tuple[Rule, ...] = (admission_cap, kv_capacity, oom_steps, cuda_graphs, tokens_per_expert,
                            cpu_threads, gpu_power, client_bound, api_bound, cpu_bound_step,
-                           step_stall, moe_tiles, roofline_rule, communication)
+                           step_stall, moe_tiles, roofline_rule, communication, w4a16_linears)
 
 
 def diagnose(run: dict[str, Any]) -> list[Verdict]:
