@@ -45,7 +45,8 @@ the timeout's SIGINT leaves the JSON of what was done; `--shapes glm-5` etc. spl
 (--int4-decode reshape planes planes-asm the INT4 MoE rows with kernels/linear/int4_tile.py's)
 (--fp8-prefetch off on the FP8 rows with and without the scales' one-step prefetch;
 --moe-dequant off on the 4-bit MoE rows fused or dequantized first; --maxnreg off 96 80 the MoE
-rows with each register cap a thread; --w4a16-backend fused dequant the 4-bit linears:
+rows with each register cap a thread; --scale-layout rows k-major the 4-bit MoE rows with the
+group scales row- or K-major in memory; --w4a16-backend fused dequant the 4-bit linears:
 benchmarks/quant/quant_switches.py), the acceptance taking the best):
 
     source benchmarks/gpu_env.sh; timeout -s INT 560 python3 -m benchmarks.quant.kernels_quant \
@@ -72,6 +73,11 @@ import torch.nn.functional as F
 from benchmarks.quant.quant_switches import SWITCHES, switched
 
 COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # H200, measured (ANCHORS.md): the issue's device
+# The 4-bit weights' group scales in memory (a switch, --scale-layout): "rows" as loaded, each
+# weight row's scales contiguous (a K step reads BK / G bytes a row: 8 at BK 128), or
+# "k-major", each group column's N scales contiguous (the same [.., N, K / G] view, other
+# strides: the kernel reads either; a step then reads BK / G runs of BLOCK_N).
+scale_layout = "rows"
 FORMATS = ("bf16", "fp8", "nvfp4", "int4")
 MOE_TOKENS, LINEAR_TOKENS = (64, 256, 1024, 8192), (64, 256, 1024)
 LINEAR_SHAPES = (("qwen3_qkv", 5120, 2048), ("qwen3_o_proj", 2048, 4096),
@@ -108,6 +114,8 @@ def make_weight(fmt: str, shape: tuple[int, ...], dtype: torch.dtype, device: st
     w = QuantWeight(fmt, *shape, scale_dtype=dtype, device=device, int4_group=INT4_GROUP)
     _dummy_quantized(w, std, gen)
     compact_fp8_scales(w)
+    if scale_layout == "k-major" and fmt in ("nvfp4", "int4"):
+        w.scale.data = w.scale.data.mT.contiguous().mT  # same [.., N, K / G] view, N fastest
     return w
 
 
@@ -442,6 +450,9 @@ def main() -> None:
     parser.add_argument("--maxnreg", nargs="+", default=["off"], type=register_cap,
                         help="MoE rows per register cap a thread of the fused quantized MoE "
                         "(kernels/moe/quant/fused_triton.py max_registers; off: ptxas's choice)")
+    parser.add_argument("--scale-layout", nargs="+", choices=("rows", "k-major"),
+                        default=["rows"], help="NVFP4 / INT4 MoE rows per layout of "
+                        "the group scales in memory (kernels_quant.scale_layout)")
     parser.add_argument("--profile", action="store_true",
                         help="each MoE row also lists the op's GPU kernels by time (CUDA)")
     parser.add_argument("--small", action="store_true",
@@ -492,7 +503,7 @@ def main() -> None:
     save()
     moe_switches = {"decode": args.nvfp4_decode, "prefetch": args.fp8_prefetch,
                     "moe_dequant": args.moe_dequant, "int4_decode": args.int4_decode,
-                    "maxnreg": args.maxnreg}
+                    "maxnreg": args.maxnreg, "scale_layout": args.scale_layout}
     for shape_name, shape in shapes.items():
         for fmt in args.formats:
             for settings in settings_of(fmt, moe_switches):

@@ -10,6 +10,8 @@ the value it ran with.
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
     maxnreg        kernels/moe/quant/fused_triton.py `max_registers`  every format's MoE
                                                                     off | a register cap
+    scale_layout   benchmarks/quant/kernels_quant.py `scale_layout`  nvfp4, int4 MoE
+                                                                    rows | k-major
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ SWITCHES = {
     "moe_dequant": Switch("moeserve.kernels.moe.quant.dequant", "mode", ("nvfp4", "int4")),
     "maxnreg": Switch("moeserve.kernels.moe.quant.fused_triton", "max_registers",
                       ("fp8", "nvfp4", "int4"), lambda v: None if v == "off" else int(v)),
+    "scale_layout": Switch("benchmarks.quant.kernels_quant", "scale_layout", ("nvfp4", "int4")),
 }
 
 

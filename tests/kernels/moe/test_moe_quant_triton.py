@@ -153,6 +153,20 @@ def test_wide_k_tiles_fp32(fmt: str) -> None:
     assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 1e-4
 
 
+@pytest.mark.parametrize("fmt", W4A16)
+def test_k_major_scales_give_the_same_bits(fmt: str) -> None:
+    """The group scales stored N-fastest (kernels_quant's --scale-layout k-major: the same
+    [E, N, K / G] view, other strides) are read by their strides: the same output."""
+    w13, w2 = experts(fmt)
+    x = tokens(7, w13.shape[2], seed=8)
+    weights, ids = routing(7, w13.shape[0], seed=8)
+    rows = moe_quant_triton(x, w13, w2, weights, ids)
+    for w in (w13, w2):
+        w.scale.data = w.scale.data.mT.contiguous().mT
+        assert w.scale.stride(-2) == 1
+    assert torch.equal(moe_quant_triton(x, w13, w2, weights, ids), rows)
+
+
 def test_nvfp4_subnormal_scales() -> None:
     """e4m3 group scales of exponent 0 (subnormal: mantissa x 2^-9) and 1, decoded by bits."""
     e, h, i, _ = SHAPES["nvfp4"]
