@@ -6,10 +6,11 @@
 # read ~3.1 TB/s by kernels_quant's count (gpu_6b1031a). The quantized tuner's grid had BLOCK_K
 # 64 and 128 only (128 and 256 since). One call (~1 min on an H100): moe_quant_once --tile at
 # GLM-5's expert shape (then qwen3-30b-a3b's), the tuned / default tiles first, each a JSON
-# line, into $OUT/block_k.jsonl. With SCALES=1 (~3 more minutes) then kernels_quant's NVFP4 /
-# INT4 MoE rows with the group scales row- and K-major in memory (--scale-layout rows k-major:
-# at BLOCK_K 128 a step reads 8 scale bytes a weight row, 4-byte cp.async each in the SASS) into
-# $OUT/scales/kernels_quant.json.
+# line, into $OUT/block_k.jsonl. With LAYOUTS=1 (~4 more minutes) then the micro-tiles' GPU
+# tests and kernels_quant's NVFP4 / INT4 MoE rows with the packed experts in rows or micro-tiles
+# (--weight-layout rows micro: kernels/moe/quant/micro_tiles.py, whole kilobytes a 128-K step)
+# and the group scales row- or K-major (--scale-layout rows k-major: at BLOCK_K 128 a step reads
+# 8 scale bytes a weight row) into $OUT/layouts/kernels_quant.json.
 #   bash benchmarks/h200/quant_block_k_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -22,16 +23,20 @@ for case in "glm-5 nvfp4 64" "glm-5 int4 64" "glm-5 nvfp4 256" "qwen3-30b-a3b nv
     --tokens $tokens "${tiles[@]}" 2>>$OUT/block_k.log \
     | sed "s/^{/{\"case\": \"$case\", /" | tee -a $OUT/block_k.jsonl
 done
-if [ "${SCALES:-0}" = 1 ]; then
-  mkdir -p $OUT/scales
-  timeout -s INT 240 python3 -m benchmarks.quant.kernels_quant --out $OUT/scales \
-    --formats nvfp4 int4 --no-linear --tokens 64 256 1024 --scale-layout rows k-major \
-    > $OUT/scales/kq.log 2>&1
+if [ "${LAYOUTS:-0}" = 1 ]; then
+  mkdir -p $OUT/layouts
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/kernels/moe/test_moe_quant_micro.py tests/kernels/moe/test_moe_quant_triton.py \
+    > $OUT/layouts/gpu_tests.log 2>&1
+  echo "gpu tests rc=$?"; tail -2 $OUT/layouts/gpu_tests.log
+  timeout -s INT 300 python3 -m benchmarks.quant.kernels_quant --out $OUT/layouts \
+    --formats nvfp4 int4 --no-linear --tokens 64 256 1024 --weight-layout rows micro \
+    --scale-layout rows k-major > $OUT/layouts/kq.log 2>&1
   echo "kernels_quant rc=$?"
-  python3 - "$OUT/scales/kernels_quant.json" <<'PY'
+  python3 - "$OUT/layouts/kernels_quant.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1]))["moe"]:
-    print(r["shape"], r["format"], r["tokens"], r.get("scale_layout"), r.get("ms"),
-          r.get("pct_of_read_bound"), r.get("error", ""))
+    print(r["shape"], r["format"], r["tokens"], r.get("weight_layout"), r.get("scale_layout"),
+          r.get("ms"), r.get("pct_of_read_bound"), r.get("error", ""))
 PY
 fi

@@ -171,6 +171,7 @@ def moe_quant(args: argparse.Namespace) -> dict:
                          if fmt == "nvfp4" else 0),
                  PREFETCH=fmt == "fp8" and args.prefetch, BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=1, stride_bk=1,
+                 MICRO={"fp8": 0, "nvfp4": 64, "int4": 16}[fmt] if args.micro else 0,
                  **({"stride_sn": 1} if args.k_major_scales else {"stride_sk": 1}))
     kernel = fused_triton._kernel()
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
@@ -390,6 +391,8 @@ def main() -> None:
             p.add_argument("--format", choices=("fp8", "nvfp4", "int4"), default="nvfp4")
             p.add_argument("--down", dest="gated", action="store_false",
                            help="the down launch (default: the gated one)")
+            p.add_argument("--micro", action="store_true",
+                           help="4-bit weights in micro-tiles (kernels/moe/quant/micro_tiles.py)")
             p.add_argument("--k-major-scales", action="store_true",
                            help="the group scales N-fastest (kernels_quant --scale-layout "
                            "k-major): stride_sn 1, not stride_sk")

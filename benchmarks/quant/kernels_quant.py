@@ -46,7 +46,8 @@ the timeout's SIGINT leaves the JSON of what was done; `--shapes glm-5` etc. spl
 (--fp8-prefetch off on the FP8 rows with and without the scales' one-step prefetch;
 --moe-dequant off on the 4-bit MoE rows fused or dequantized first; --maxnreg off 96 80 the MoE
 rows with each register cap a thread; --scale-layout rows k-major the 4-bit MoE rows with the
-group scales row- or K-major in memory; --w4a16-backend fused dequant the 4-bit linears:
+group scales row- or K-major in memory; --weight-layout rows micro the 4-bit MoE rows with the
+packed experts in rows or micro-tiles; --w4a16-backend fused dequant the 4-bit linears:
 benchmarks/quant/quant_switches.py), the acceptance taking the best):
 
     source benchmarks/gpu_env.sh; timeout -s INT 560 python3 -m benchmarks.quant.kernels_quant \
@@ -70,14 +71,20 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.quant.quant_switches import SWITCHES, switched
+from benchmarks.quant import quant_weights
+from benchmarks.quant.quant_switches import SWITCHES, register_cap, switched
+from benchmarks.quant.quant_weights import (
+    INT4_GROUP,
+    bytes_a_weight,
+    check_output,
+    held_bytes,
+    linear_ref,
+    make_weight,
+    moe_ref,
+    row_layout,
+)
 
 COPY_TBPS, DENSE_TFLOPS = 4.27, 787.0  # H200, measured (ANCHORS.md): the issue's device
-# The 4-bit weights' group scales in memory (a switch, --scale-layout): "rows" as loaded, each
-# weight row's scales contiguous (a K step reads BK / G bytes a row: 8 at BK 128), or
-# "k-major", each group column's N scales contiguous (the same [.., N, K / G] view, other
-# strides: the kernel reads either; a step then reads BK / G runs of BLOCK_N).
-scale_layout = "rows"
 FORMATS = ("bf16", "fp8", "nvfp4", "int4")
 MOE_TOKENS, LINEAR_TOKENS = (64, 256, 1024, 8192), (64, 256, 1024)
 LINEAR_SHAPES = (("qwen3_qkv", 5120, 2048), ("qwen3_o_proj", 2048, 4096),
@@ -86,50 +93,11 @@ SMALL_MOE = {"small_a": (8, 256, 128, 2), "small_b": (16, 384, 256, 4)}  # (E, H
 SMALL_LINEAR = (("small_qkv", 320, 256), ("small_o", 256, 384))
 SMALL_TOKENS = (1, 33)
 CALLS, REPLAYS = 10, 5  # time_in_graph: calls captured in one graph, replays (the median)
-INT4_GROUP = 32  # the server's dummy INT4 group (quant/plan.py DUMMY_INT4_GROUP)
 # the issue's kernel acceptance: (format, tokens, minimum % of the read bound)
 READ_TARGETS = (("nvfp4", 64, 70), ("nvfp4", 256, 70), ("nvfp4", 1024, 60),
                 ("fp8", 64, 75), ("fp8", 256, 75))
 FP8_PEAK_TARGET = (8192, 60)  # FP8 at 8,192 tokens: % of the measured FP8 dense peak
 Timer = Callable[[Callable[[], object]], float]
-
-
-def bytes_a_weight(fmt: str) -> float:
-    from moeserve.diagnose.bounds.roofline import QUANT_BYTES
-
-    return 2.0 if fmt == "bf16" else QUANT_BYTES[fmt]
-
-
-def make_weight(fmt: str, shape: tuple[int, ...], dtype: torch.dtype, device: str,
-                gen: torch.Generator):
-    """A [..., N, K] weight as the server's dummy weights: dtype floats for bf16, else a
-    QuantWeight drawn and quantized by runner/weights/loader.py's `_dummy_quantized` (FP8
-    scales folded)."""
-    from moeserve.quant.packed import QuantWeight, compact_fp8_scales
-    from moeserve.runner.weights.loader import _dummy_quantized
-
-    std = shape[-1] ** -0.5
-    if fmt == "bf16":
-        return torch.randn(shape, device=device, generator=gen, dtype=dtype) * std
-    w = QuantWeight(fmt, *shape, scale_dtype=dtype, device=device, int4_group=INT4_GROUP)
-    _dummy_quantized(w, std, gen)
-    compact_fp8_scales(w)
-    if scale_layout == "k-major" and fmt in ("nvfp4", "int4"):
-        w.scale.data = w.scale.data.mT.contiguous().mT  # same [.., N, K / G] view, N fastest
-    return w
-
-
-def held_bytes(w) -> int:
-    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.bytes()
-
-
-def check_output(out: torch.Tensor, ref: torch.Tensor | None) -> dict:
-    """finite, and max |out - ref| / max |ref| when a reference is given."""
-    row: dict = {"finite": bool(torch.isfinite(out).all())}
-    if ref is not None:
-        row["rel_err"] = float((out.float() - ref.float()).abs().max()
-                               / ref.float().abs().max().clamp_min(1e-30))
-    return row
 
 
 def moe_op(fmt: str, x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
@@ -156,16 +124,6 @@ def kernel_breakdown(fn: Callable[[], object], calls: int = 3) -> list[dict]:
     return [{"kernel": e.key[:100], "us": round(e.self_device_time_total / calls, 1),
              "share": round(e.self_device_time_total / total, 3)}
             for e in sorted(events, key=lambda e: -e.self_device_time_total)]
-
-
-def moe_ref(fmt: str, x: torch.Tensor, w13, w2, weights: torch.Tensor,
-            ids: torch.Tensor) -> torch.Tensor:
-    from moeserve.kernels.moe.quant.ref import moe_quant_ref
-    from moeserve.kernels.moe.ref import moe_loop_ref
-
-    if fmt == "bf16":
-        return moe_loop_ref(x, w13, w2, weights, ids)
-    return moe_quant_ref(x, w13, w2, weights, ids)
 
 
 def moe_tiles(fmt: str, w13, num_tokens: int, top_k: int, dtype: torch.dtype,
@@ -202,8 +160,13 @@ def bench_moe_format(fmt: str, shape_name: str, shape: tuple[int, int, int, int]
     for num_tokens in tokens:
         x, weights, ids = random_tokens(num_tokens, hidden, num_experts, top_k, dtype, gen)
         fn = moe_op(fmt, x, w13, w2, weights, ids, ctx["tiles"])
-        ref = moe_ref(fmt, x, w13, w2, weights, ids) if num_tokens == min(tokens) else None
-        row = {"shape": shape_name, "format": fmt, "tokens": num_tokens}
+        ref = None
+        if num_tokens == min(tokens):
+            with row_layout(w13, w2):
+                ref = moe_ref(fmt, x, w13, w2, weights, ids)
+        row = {"shape": shape_name, "format": fmt, "tokens": num_tokens,
+               **({"micro_tiled": [bool(getattr(w, "micro_tiled", False)) for w in (w13, w2)]}
+                  if quant_weights.packed_layout == "micro" else {})}
         try:
             row.update(check_output(fn(), ref))
             ms = timer(fn)
@@ -244,16 +207,6 @@ def linear_op(fmt: str, x: torch.Tensor, w) -> Callable[[], torch.Tensor]:
         return lambda: fp8_linear(x, w.qweight, w.scale, scale_rows=w.scale_rows)
     return lambda: w4a16_linear(x, w.format, w.qweight, w.scale, w.global_scale, w.group,
                                 w.shape[-1])
-
-
-def linear_ref(fmt: str, x: torch.Tensor, w) -> torch.Tensor:
-    """fp32: x (fp8: its run-time quantization, dequantized) @ the dequantized weight.T."""
-    from moeserve.kernels.moe.quant.ref import fp8_dequant_activations
-
-    if fmt == "bf16":
-        return x.float() @ w.float().T
-    rows = fp8_dequant_activations(x) if fmt == "fp8" else x.float()
-    return rows @ w.dequantize(torch.float32).T
 
 
 def bench_linear(shapes: tuple, tokens: list[int], ctx: dict) -> list[dict]:
@@ -321,13 +274,6 @@ def dense_peaks(size: int, ctx: dict) -> dict:
     out["fp8_peak_tflops"] = max(fp8) if fp8 else None
     print(json.dumps(out), flush=True)
     return out
-
-
-def register_cap(value: str) -> str:
-    """--maxnreg's value: "off", or a register count ptxas can cap a thread at (24..255)."""
-    if value != "off" and not (value.isdigit() and 24 <= int(value) <= 255):
-        raise argparse.ArgumentTypeError(f"a register cap is 'off' or 24..255, got {value!r}")
-    return value
 
 
 def settings_of(fmt: str, switches: dict[str, list[str]]) -> list[list[tuple[str, str]]]:
@@ -453,6 +399,9 @@ def main() -> None:
     parser.add_argument("--scale-layout", nargs="+", choices=("rows", "k-major"),
                         default=["rows"], help="NVFP4 / INT4 MoE rows per layout of "
                         "the group scales in memory (kernels_quant.scale_layout)")
+    parser.add_argument("--weight-layout", nargs="+", choices=("rows", "micro"),
+                        default=["rows"], help="NVFP4 / INT4 MoE rows per layout of the packed "
+                        "expert weights (micro: kernels/moe/quant/micro_tiles.py)")
     parser.add_argument("--profile", action="store_true",
                         help="each MoE row also lists the op's GPU kernels by time (CUDA)")
     parser.add_argument("--small", action="store_true",
@@ -503,7 +452,8 @@ def main() -> None:
     save()
     moe_switches = {"decode": args.nvfp4_decode, "prefetch": args.fp8_prefetch,
                     "moe_dequant": args.moe_dequant, "int4_decode": args.int4_decode,
-                    "maxnreg": args.maxnreg, "scale_layout": args.scale_layout}
+                    "maxnreg": args.maxnreg, "scale_layout": args.scale_layout,
+                    "weight_layout": args.weight_layout}
     for shape_name, shape in shapes.items():
         for fmt in args.formats:
             for settings in settings_of(fmt, moe_switches):

@@ -10,12 +10,15 @@ the value it ran with.
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
     maxnreg        kernels/moe/quant/fused_triton.py `max_registers`  every format's MoE
                                                                     off | a register cap
-    scale_layout   benchmarks/quant/kernels_quant.py `scale_layout`  nvfp4, int4 MoE
+    scale_layout   benchmarks/quant/quant_weights.py `scale_layout`  nvfp4, int4 MoE
                                                                     rows | k-major
+    weight_layout  benchmarks/quant/quant_weights.py `packed_layout`  nvfp4, int4 MoE
+                                                                    rows | micro
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +42,9 @@ SWITCHES = {
     "moe_dequant": Switch("moeserve.kernels.moe.quant.dequant", "mode", ("nvfp4", "int4")),
     "maxnreg": Switch("moeserve.kernels.moe.quant.fused_triton", "max_registers",
                       ("fp8", "nvfp4", "int4"), lambda v: None if v == "off" else int(v)),
-    "scale_layout": Switch("benchmarks.quant.kernels_quant", "scale_layout", ("nvfp4", "int4")),
+    "scale_layout": Switch("benchmarks.quant.quant_weights", "scale_layout", ("nvfp4", "int4")),
+    "weight_layout": Switch("benchmarks.quant.quant_weights", "packed_layout",
+                            ("nvfp4", "int4")),
 }
 
 
@@ -72,3 +77,10 @@ def switched(settings: list[tuple[str, str | None]],
 def _bind(tag: str, value: str | None, bench: Callable[[], list[dict]]
           ) -> Callable[[], list[dict]]:
     return lambda: with_switch(tag, value, bench)
+
+
+def register_cap(value: str) -> str:
+    """--maxnreg's value: "off", or a register count ptxas can cap a thread at (24..255)."""
+    if value != "off" and not (value.isdigit() and 24 <= int(value) <= 255):
+        raise argparse.ArgumentTypeError(f"a register cap is 'off' or 24..255, got {value!r}")
+    return value

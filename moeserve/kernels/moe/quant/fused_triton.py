@@ -76,6 +76,7 @@ from moeserve.kernels.linear import int4_tile, nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
+from moeserve.kernels.moe.quant import micro_tiles
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.quant.ref import weight_layout
 from moeserve.kernels.moe.tile_configs import check_tile_source, tile_device_name, tile_tokens
@@ -199,7 +200,8 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
                 if fmt == "int4" else 0),
         PREFETCH=fmt == "fp8" and prefetch_scales,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-        GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+        GROUP_M=config["GROUP_M"], MICRO=micro_tiles.micro_arg(fmt, w, qweight),
+        num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         **({"maxnreg": max_registers} if max_registers and a.device.type == "cuda" else {}))
 
@@ -213,12 +215,13 @@ def _kernel() -> Any:
     helpers are jitted here and bound as module globals, where the interpreter finds them.
     """
     global tl, _tile, _b_step, _w_scale, _load_k, _nvfp4_step, _e4m3_bits_to_f32, _spread_groups
-    global _unscale, _int4_planes_step
+    global _unscale, _int4_planes_step, _b_offsets
     import triton
     import triton.language as tl
 
     _tile, _b_step, _w_scale, _load_k = (triton.jit(f) for f in (_tile, _b_step, _w_scale,
                                                                   _load_k))
+    _b_offsets = micro_tiles.jitted().tile_offsets
     tiles = nvfp4_tile.jitted()
     _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
     _spread_groups, _unscale = tiles.spread_groups, tiles.unscale
@@ -239,7 +242,8 @@ def _kernel() -> Any:
             ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
             EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
             DECODE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+            MICRO: tl.constexpr = 0):
         # (row block, N-tile): GROUP_M row blocks side by side per N-tile (B tiles shared in L2)
         pid = tl.program_id(0)
         num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -256,7 +260,7 @@ def _kernel() -> Any:
                   stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS, ONE_SCALE_ROW,
                   A_ROW_DIV,
                   GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, PREFETCH, BLOCK_M,
-                  BLOCK_N, BLOCK_K)
+                  BLOCK_N, BLOCK_K, MICRO)
 
     return _fused_moe_quant_kernel
 
@@ -347,8 +351,9 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
           ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
           EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
           DECODE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`, int64)."""
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MICRO: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`, int64); MICRO:
+    the packed columns of a micro-tile's row (micro_tiles.py), 0 for the row layout."""
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)  # [BM]
@@ -396,12 +401,12 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
             a = tl.load(a_base + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _b_step(acc, a, s_a, s_g, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn,
                       stride_bk, stride_sn, stride_sk, FORMAT, GROUP, ONE_SCALE_ROW, EVEN_K,
-                      DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N, BLOCK_K)
+                      DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N, BLOCK_K, MICRO)
         if GATED:  # the up rows N + n: their own scales
             acc_up = _b_step(acc_up, a, s_a, s_u, b_base, s_base, rows + N, kk, k_ok, k0, K,
                              stride_bn, stride_bk, stride_sn, stride_sk, FORMAT, GROUP,
                              ONE_SCALE_ROW, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M,
-                             BLOCK_N, BLOCK_K)
+                             BLOCK_N, BLOCK_K, MICRO)
         s_a, s_g, s_u = s_a_next, s_g_next, s_u_next
     if FORMAT == 1:  # nvfp4's global scales, per weight row (gate and up rows their own)
         g_rows = bg_ptr + expert * stride_ge + rows.to(tl.int64) * stride_gn  # [BN]
@@ -431,7 +436,8 @@ def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, 
             stride_sn, stride_sk, FORMAT: tl.constexpr, GROUP: tl.constexpr,
             ONE_SCALE_ROW: tl.constexpr, EVEN_K: tl.constexpr,
             DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr, DECODE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            MICRO: tl.constexpr):
     """acc [BM, BN] + a [BM, BK] @ the [BK, BN] tile of weight rows `rows` at columns kk,
     dequantized per FORMAT (0 fp8, 1 nvfp4, 2 int4; the module docstring); fp8's scales
     s_a [BM] and s_b (`_w_scale`) are the caller's."""
@@ -448,7 +454,7 @@ def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, 
     elif FORMAT == 1:  # the bytes and, per byte, its group's scale: nvfp4_tile's step
         c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
         c_ok = c * 2 < K  # past K: 0 (x's columns there are 0)
-        byte = _load_k(b_base + rows[None, :] * stride_bn + c[:, None] * stride_bk, c_ok,
+        byte = _load_k(b_base + _b_offsets(rows, c, stride_bn, stride_bk, MICRO), c_ok,
                        EVEN_K)  # [BK / 2, BN] uint8
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [BK / G] group columns
         s_ptrs = s_base + rows[None, :] * stride_sn + g[:, None] * stride_sk  # [BK / G, BN]
@@ -463,7 +469,7 @@ def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, 
         kp = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK / 8] packed columns
         kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [BK / G] scale columns
         kp_ok, kg_ok = kp * 8 < K, kg * GROUP < K  # past K: 0 (x's columns there are 0)
-        packed = _load_k(b_base + rows[None, :] * stride_bn + kp[:, None] * stride_bk, kp_ok,
+        packed = _load_k(b_base + _b_offsets(rows, kp, stride_bn, stride_bk, MICRO), kp_ok,
                          EVEN_K).to(tl.int32)  # [BK / 8, BN]
         step = _load_k(s_base + rows[None, :] * stride_sn + kg[:, None] * stride_sk, kg_ok,
                        EVEN_K).to(tl.float32)  # [BK / G, BN]

@@ -99,6 +99,10 @@ def moe_quant_ref(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor
     fmt, _, _ = weight_layout("w13", w13)
     if weight_layout("w2", w2)[0] != fmt:
         raise ValueError(f"w13 is {fmt}, w2 is {w2.format}: one format for both")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if getattr(w, "micro_tiled", False):
+            raise ValueError(f"{name} is micro-tiled (kernels/moe/quant/micro_tiles.py): the "
+                             "reference reads the row layout (from_micro gives it)")
     inter = w2.shape[-1]
     num_tokens, top_k = topk_ids.shape
     parts = torch.zeros(num_tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)

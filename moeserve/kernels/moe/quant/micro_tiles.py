@@ -1,0 +1,90 @@
+"""The 4-bit experts' packed weights in micro-tiles, for the quantized fused MoE's loads (an
+experiment behind benchmarks/quant/kernels_quant.py --weight-layout micro; the engine keeps the
+row layout).
+
+In the row layout ([E, N, C] packed columns: C = K / 2 bytes for nvfp4, K / 8 int32 words for
+int4) a 128-K step of a program reads 64 bytes of each of its weight rows, half a 128-byte line,
+every row K / 2 bytes from the next. NVFP4 and INT4 reach the same ~60% of an H100's DRAM peak
+at different instruction counts (benchmarks/results/gpu_2d81e17/), and 256-K steps (whole
+lines) were 5-11% faster at GLM-5's shape (gpu_b547afb/). Micro-tiles make each step's reads
+whole contiguous kilobytes at the 128-K step's registers:
+
+    micro[e] = q[e].reshape(N / 16, 16, C / MC, MC).permute(0, 2, 1, 3)
+
+16 rows x 64 bytes (MC columns of the packed dtype) contiguous, the tiles of 16 rows in K order,
+the same [E, N, C] shape and bytes. `micro_offsets` is the kernel's address of (row, column).
+Needs N % 16 == 0 and C % MC == 0 (K a multiple of 128); the dequantize-first path and the
+references read the row layout only (`from_micro` gives it back).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+ROWS, TILE_BYTES = 16, 64  # micro_offsets spells them out: a jitted body reads no globals
+tl: Any = None  # triton.language, bound by jitted() (triton is imported on first use)
+
+
+def micro_columns(dtype: torch.dtype) -> int:
+    """MC: the packed columns of a micro-tile's row (64 uint8 bytes, 16 int32 words)."""
+    return TILE_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
+def to_micro(q: torch.Tensor) -> torch.Tensor:
+    """[E, N, C] packed weights (row layout) -> the same shape in micro-tiles."""
+    e, n, c = q.shape
+    mc = micro_columns(q.dtype)
+    if n % ROWS or c % mc:
+        raise ValueError(f"micro-tiles need rows a multiple of {ROWS} and packed columns a "
+                         f"multiple of {mc}, got [{e}, {n}, {c}] {q.dtype}")
+    return (q.reshape(e, n // ROWS, ROWS, c // mc, mc).permute(0, 1, 3, 2, 4).contiguous()
+            .reshape(e, n, c))
+
+
+def from_micro(q: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_micro`: the row layout back."""
+    e, n, c = q.shape
+    mc = micro_columns(q.dtype)
+    return (q.reshape(e, n // ROWS, c // mc, ROWS, mc).permute(0, 1, 3, 2, 4).contiguous()
+            .reshape(e, n, c))
+
+
+def micro_offsets(rows, cols, C, MC: tl.constexpr):
+    """Element offsets in one expert's micro-tiled weight of rows [1, BN] and packed columns
+    [BC, 1] (C: the packed columns a row): a Triton helper (fused_triton jits it)."""
+    return (rows // 16) * (16 * C) + (rows % 16) * MC + (cols // MC) * (16 * MC) + cols % MC
+
+
+def micro_arg(fmt: str, w: Any, qweight: torch.Tensor) -> int:
+    """The fused kernel's MICRO: the packed columns of a micro-tile's row where the weight says
+    it is micro-tiled (`w.micro_tiled`, NVFP4 / INT4 only), else 0 (the row layout)."""
+    if not getattr(w, "micro_tiled", False):
+        return 0
+    if fmt not in ("nvfp4", "int4"):
+        raise ValueError(f"micro-tiled weights are NVFP4 / INT4 only, got {fmt}")
+    return micro_columns(qweight.dtype)
+
+
+def tile_offsets(rows, cols, stride_bn, stride_bk, MICRO: tl.constexpr):
+    """[len(cols), len(rows)] element offsets of a 4-bit weight tile in one expert: strided
+    rows and packed columns, or (MICRO > 0) micro-tiles (stride_bn: the columns a row)."""
+    if MICRO > 0:
+        offs = micro_offsets(rows[None, :], cols[:, None], stride_bn, MICRO)
+    else:
+        offs = rows[None, :] * stride_bn + cols[:, None] * stride_bk
+    return offs
+
+
+def jitted() -> SimpleNamespace:
+    """The Triton helpers (bound here as module globals too: tile_offsets calls micro_offsets
+    by name); triton is imported here, on first use."""
+    global tl, micro_offsets, tile_offsets
+    import triton
+    import triton.language
+
+    tl = triton.language
+    micro_offsets, tile_offsets = (triton.jit(f) for f in (micro_offsets, tile_offsets))
+    return SimpleNamespace(tile_offsets=tile_offsets)
