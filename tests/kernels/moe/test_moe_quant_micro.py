@@ -20,9 +20,13 @@ from tests.kernels.moe.test_moe_quant_triton import (
 )
 
 
-def tile(w) -> None:
-    w.qweight.data = to_micro(w.qweight.data)
-    w.micro_tiled = True
+def assert_micro_gives_the_bits(w13, w2, x, weights, ids, config: dict) -> None:
+    """The op's output with both weights micro-tiled equals the row layout's, bit for bit."""
+    rows = moe_quant_triton(x, w13, w2, weights, ids, config=config)
+    for w in (w13, w2):
+        w.qweight.data = to_micro(w.qweight.data)
+        w.micro_tiled = True
+    assert torch.equal(moe_quant_triton(x, w13, w2, weights, ids, config=config), rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32])
@@ -50,10 +54,7 @@ def test_the_kernel_reads_micro_tiles_to_the_same_bits(fmt: str, block_k: int) -
     weights, ids = routing(7, w13.shape[0], seed=9)
     config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, GROUP_M=1, num_warps=4,
                   num_stages=2)
-    rows = moe_quant_triton(x, w13, w2, weights, ids, config=config)
-    tile(w13)
-    tile(w2)
-    assert torch.equal(moe_quant_triton(x, w13, w2, weights, ids, config=config), rows)
+    assert_micro_gives_the_bits(w13, w2, x, weights, ids, config)
     with pytest.raises(ValueError, match="w13 is micro-tiled"):
         moe_quant_ref(x, w13, w2, weights, ids)
 
@@ -76,7 +77,4 @@ def test_gpu_micro_tiles_give_the_same_bits(fmt: str, block_k: int) -> None:
     weights, ids = routing(64, GPU_SHAPE[0], seed=10)
     config = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=1, num_warps=4,
                   num_stages=3)
-    rows = moe_quant_triton(x, w13, w2, weights, ids, config=config)
-    tile(w13)
-    tile(w2)
-    assert torch.equal(moe_quant_triton(x, w13, w2, weights, ids, config=config), rows)
+    assert_micro_gives_the_bits(w13, w2, x, weights, ids, config)

@@ -125,6 +125,14 @@ def test_parts_and_off_rank_ids(fmt: str) -> None:
     assert rel_err(parts, ref) < 1e-4
 
 
+def assert_tiles_match_ref(fmt: str, config: dict, num_tokens: int, seed: int) -> None:
+    w13, w2 = experts(fmt)
+    x = tokens(num_tokens, w13.shape[2], seed=seed)
+    weights, ids = routing(num_tokens, w13.shape[0], seed=seed)
+    out = moe_quant_triton(x, w13, w2, weights, ids, config=config)
+    assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 1e-4
+
+
 @pytest.mark.parametrize("fmt", list(SHAPES))
 def test_explicit_tiles_fp32(fmt: str) -> None:
     """Other tiles: GROUP_M > 1 orders several row blocks per N-tile, BLOCK_N 32 several
@@ -132,11 +140,7 @@ def test_explicit_tiles_fp32(fmt: str) -> None:
     block_k = {"fp8": 128, "nvfp4": 32, "int4": 32}[fmt]
     config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, GROUP_M=3, num_warps=4,
                   num_stages=2)
-    w13, w2 = experts(fmt)
-    x = tokens(33, w13.shape[2], seed=4)
-    weights, ids = routing(33, w13.shape[0], seed=4)
-    out = moe_quant_triton(x, w13, w2, weights, ids, config=config)
-    assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 1e-4
+    assert_tiles_match_ref(fmt, config, 33, seed=4)
 
 
 @pytest.mark.parametrize("fmt", W4A16)
@@ -146,11 +150,7 @@ def test_wide_k_tiles_fp32(fmt: str) -> None:
     config = default_quant_config(fmt, 1, TOP_K, 8, 16 if fmt == "nvfp4" else 32,
                                   (WIDE_K_MIN, WIDE_K_MIN))
     assert config["BLOCK_K"] == 256
-    w13, w2 = experts(fmt)
-    x = tokens(7, w13.shape[2], seed=5)
-    weights, ids = routing(7, w13.shape[0], seed=5)
-    out = moe_quant_triton(x, w13, w2, weights, ids, config=config)
-    assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 1e-4
+    assert_tiles_match_ref(fmt, config, 7, seed=5)
 
 
 @pytest.mark.parametrize("fmt", W4A16)
