@@ -9,7 +9,10 @@
 # whose `weights` names the format) goes to OUT/runs/w1_<format>_c<C>.json, each format's log
 # to OUT/w1_<format>.log; benchmarks/quant/quant_compare.py then writes OUT/compare.json (output
 # tok/s, share of the format's serial bound, ratio to bf16, the issue's targets).
-# BUDGET_S (default 520) bounds the call: each format gets an equal share of what is left, and
+# ORDER=abba runs the formats, then each again in reverse (A B B A: the second of two W1 runs
+# back to back was ~3% faster whichever it was, gpu_43c198d), the second runs as _run2 and
+# quant_compare taking each format's median (here the mean of its two) at twice the time.
+# BUDGET_S (default 520) bounds the call: each run gets an equal share of what is left, and
 # one past its share is stopped with SIGINT (the bench then stops its server; the runs it
 # finished are kept). Expect ~7-8 minutes with 2048 (bf16 ~1.5, each quantized format ~2.5-3
 # with start-up: dummy quantization, kernel compiles, graph capture); CONCS="256 512 1024"
@@ -34,12 +37,19 @@ mkdir -p "$out"
 out=$(realpath "$out")
 py=${PYTHON:-python3}
 formats=(${FORMATS:-bf16 fp8 nvfp4})
+order=("${formats[@]}")
+if [ "${ORDER:-once}" = abba ]; then  # then each format again, in reverse: A B B A
+  for ((j = ${#formats[@]} - 1; j >= 0; j--)); do order+=("${formats[$j]}"); done
+fi
+declare -A passes
 budget=${BUDGET_S:-520}
 start=$SECONDS
-for i in "${!formats[@]}"; do
-  fmt=${formats[$i]}
+for i in "${!order[@]}"; do
+  fmt=${order[$i]}
+  passes[$fmt]=$(( ${passes[$fmt]:-0} + 1 ))
+  pass=${passes[$fmt]}
   left=$(( budget - (SECONDS - start) ))
-  share=$(( left / (${#formats[@]} - i) ))
+  share=$(( left / (${#order[@]} - i) ))
   if [ "$share" -lt 60 ]; then echo "== $fmt skipped: ${left}s left"; continue; fi
   flags="--moe-tune-budget-s ${MOE_TUNE_BUDGET_S:-0} ${SERVER_ARGS:-}"
   case $fmt in
@@ -48,6 +58,7 @@ for i in "${!formats[@]}"; do
     *) flags="--quantization $fmt $flags";;
   esac
   name="w1_$fmt"
+  [ "$pass" -gt 1 ] && name="w1_${fmt}_pass$pass"
   echo "== $name ($flags, at most ${share}s) $(date +%T)"
   # SIGINT, not SIGTERM: the bench's KeyboardInterrupt stops the server it started
   timeout -s INT -k 30 "$share" "$py" -m moeserve.cli bench --preset "${PRESET:-qwen3-30b-a3b}" \
@@ -56,8 +67,17 @@ for i in "${!formats[@]}"; do
   echo "rc=$? after $(( SECONDS - start ))s"
   grep -E "Max request concurrency|Output token throughput|serial roofline" "$out/$name.log"
   if [ -s "$out/$name.jsonl" ]; then
-    "$py" benchmarks/engine/split_runs.py "$out/$name.jsonl" "$out/runs" "$name" > /dev/null \
+    split="$out/runs"
+    [ "$pass" -gt 1 ] && split="$out/runs_pass$pass"
+    "$py" benchmarks/engine/split_runs.py "$out/$name.jsonl" "$split" "w1_$fmt" > /dev/null \
       && rm -f "$out/$name.jsonl"
+    if [ "$pass" -gt 1 ]; then  # w1_<fmt>_c<C>.json -> runs/w1_<fmt>_c<C>_run<pass>.json
+      mkdir -p "$out/runs"
+      for f in "$split"/*.json; do
+        [ -e "$f" ] && mv "$f" "$out/runs/$(basename "${f%.json}")_run$pass.json"
+      done
+      rmdir "$split"
+    fi
   fi
 done
 "$py" benchmarks/quant/quant_compare.py "$out/runs" "$out/compare.json"
