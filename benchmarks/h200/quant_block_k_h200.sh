@@ -10,7 +10,8 @@
 # tests and kernels_quant's NVFP4 / INT4 MoE rows with the packed experts in rows or micro-tiles
 # (--weight-layout rows micro: kernels/moe/quant/micro_tiles.py, whole kilobytes a 128-K step)
 # and the group scales row- or K-major (--scale-layout rows k-major: at BLOCK_K 128 a step reads
-# 8 scale bytes a weight row) into $OUT/layouts/kernels_quant.json.
+# 8 scale bytes a weight row) into $OUT/layouts/kernels_quant.json, and GLM-5's micro-tiled
+# experts at 64 tokens by tile (128- and 256-K steps) into $OUT/layouts/micro_tiles.jsonl.
 #   bash benchmarks/h200/quant_block_k_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -29,6 +30,12 @@ if [ "${LAYOUTS:-0}" = 1 ]; then
     tests/kernels/moe/test_moe_quant_micro.py tests/kernels/moe/test_moe_quant_triton.py \
     > $OUT/layouts/gpu_tests.log 2>&1
   echo "gpu tests rc=$?"; tail -2 $OUT/layouts/gpu_tests.log
+  for fmt in nvfp4 int4; do  # micro-tiles at 128- and 256-K steps, GLM-5's experts
+    timeout 120 python3 -m benchmarks.quant.moe_quant_once --format $fmt --shape glm-5 \
+      --tokens 64 --weight-layout micro --tile 16 64 128 4 3 --tile 16 64 128 4 4 \
+      --tile 16 64 256 4 3 2>>$OUT/layouts/micro_tiles.log \
+      | sed "s/^{/{\"case\": \"glm-5 $fmt 64 micro\", /" | tee -a $OUT/layouts/micro_tiles.jsonl
+  done
   timeout -s INT 300 python3 -m benchmarks.quant.kernels_quant --out $OUT/layouts \
     --formats nvfp4 int4 --no-linear --tokens 64 256 1024 --weight-layout rows micro \
     --scale-layout rows k-major > $OUT/layouts/kq.log 2>&1

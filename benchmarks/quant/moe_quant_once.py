@@ -19,6 +19,8 @@ value), the tuned or default op first:
 
     python3 -m benchmarks.quant.moe_quant_once --format nvfp4 --shape glm-5 --tokens 64 \
         --tile 16 64 128 4 3 --tile 16 32 256 4 3
+
+--weight-layout micro draws the 4-bit experts micro-tiled (kernels/moe/quant/micro_tiles.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=register_cap, default="off",
                         help="a register cap a thread (kernels/moe/quant/fused_triton.py "
                         "max_registers; off: ptxas's choice)")
+    parser.add_argument("--weight-layout", choices=("rows", "micro"), default="rows",
+                        help="the 4-bit experts' packed layout (quant_weights.packed_layout)")
     parser.add_argument("--tile", type=int, nargs=5, action="append", default=[],
                         metavar=("BLOCK_M", "BLOCK_N", "BLOCK_K", "WARPS", "STAGES"),
                         help="time the fused kernel at this tile config (repeatable)")
@@ -59,6 +63,10 @@ def main() -> None:
         from moeserve.kernels.moe.quant import fused_triton
 
         fused_triton.max_registers = int(args.maxnreg)
+    if args.weight_layout != "rows":
+        from benchmarks.quant import quant_weights
+
+        quant_weights.packed_layout = args.weight_layout
     if args.nvfp4_decode:
         from moeserve.kernels.linear import nvfp4_tile
 
