@@ -147,6 +147,7 @@ def bench_moe_format(fmt: str, shape_name: str, shape: tuple[int, int, int, int]
                      tokens: list[int], ctx: dict) -> list[dict]:
     """The rows of one format at one expert shape (weights built once, freed after)."""
     from moeserve.diagnose.bounds.roofline import experts_touched
+    from moeserve.kernels.moe.quant.micro_tiles import is_micro
     from moeserve.kernels.moe.timer import random_tokens
 
     num_experts, hidden, inter, top_k = shape
@@ -165,7 +166,7 @@ def bench_moe_format(fmt: str, shape_name: str, shape: tuple[int, int, int, int]
             with row_layout(w13, w2):
                 ref = moe_ref(fmt, x, w13, w2, weights, ids)
         row = {"shape": shape_name, "format": fmt, "tokens": num_tokens,
-               **({"micro_tiled": [bool(getattr(w, "micro_tiled", False)) for w in (w13, w2)]}
+               **({"micro_tiled": [is_micro(w) for w in (w13, w2)]}
                   if quant_weights.packed_layout == "micro" else {})}
         try:
             row.update(check_output(fn(), ref))

@@ -56,9 +56,9 @@ def make_weight(fmt: str, shape: tuple[int, ...], dtype: torch.dtype, device: st
 @contextlib.contextmanager
 def row_layout(*weights):
     """Micro-tiled weights in the row layout for the duration (the references read only it)."""
-    from moeserve.kernels.moe.quant.micro_tiles import from_micro, to_micro
+    from moeserve.kernels.moe.quant.micro_tiles import from_micro, is_micro, to_micro
 
-    tiled = [w for w in weights if getattr(w, "micro_tiled", False)]
+    tiled = [w for w in weights if is_micro(w)]
     for w in tiled:
         w.qweight.data, w.micro_tiled = from_micro(w.qweight.data), False
     try:

@@ -93,8 +93,9 @@ FORMAT_IDS = {"fp8": 0, "nvfp4": 1, "int4": 2}  # the kernel's FORMAT constexpr
 prefetch_scales = False
 # A cap on the registers a thread (Triton's maxnreg launch option), None: ptxas's choice. An
 # experiment switch (kernels_quant.py --maxnreg): at 128 registers the 4-warp 16 x 64 x 128
-# W4A16 tile holds 4 programs an SM (25% occupancy, latency-bound by Nsight Compute in
-# gpu_b1fed26/call2); 96 fits 5 (20 bytes spilled), 80 fits 6 (72). Same bits either way.
+# W4A16 tile holds 4 programs an SM; 96 fits 5 (20 bytes spilled), 80 fits 6 (72). Same bits,
+# but slower on an H100 (gpu_2d81e17/call5: 80 registers 1.87 against 1.55 ms, 96 at 1,024
+# tokens 3.08 against 0.47): off.
 max_registers: int | None = None
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _QWEIGHT_DTYPES = {"fp8": E4M3, "nvfp4": torch.uint8, "int4": torch.int32}

@@ -30,7 +30,12 @@ tl: Any = None  # triton.language, bound by jitted() (triton is imported on firs
 
 def micro_columns(dtype: torch.dtype) -> int:
     """MC: the packed columns of a micro-tile's row (64 uint8 bytes, 16 int32 words)."""
-    return TILE_BYTES // torch.empty((), dtype=dtype).element_size()
+    return TILE_BYTES // dtype.itemsize
+
+
+def is_micro(w: Any) -> bool:
+    """Whether a quantized weight says its packed columns are micro-tiled."""
+    return bool(getattr(w, "micro_tiled", False))
 
 
 def to_micro(q: torch.Tensor) -> torch.Tensor:
@@ -61,7 +66,7 @@ def micro_offsets(rows, cols, C, MC: tl.constexpr):
 def micro_arg(fmt: str, w: Any, qweight: torch.Tensor) -> int:
     """The fused kernel's MICRO: the packed columns of a micro-tile's row where the weight says
     it is micro-tiled (`w.micro_tiled`, NVFP4 / INT4 only), else 0 (the row layout)."""
-    if not getattr(w, "micro_tiled", False):
+    if not is_micro(w):
         return 0
     if fmt not in ("nvfp4", "int4"):
         raise ValueError(f"micro-tiled weights are NVFP4 / INT4 only, got {fmt}")

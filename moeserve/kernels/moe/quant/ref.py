@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moeserve.kernels.moe.quant.micro_tiles import is_micro
 from moeserve.quant import nvfp4
 from moeserve.quant.fp8_block import quantize_activations
 from moeserve.quant.packed import FP8_GROUP, dequantize
@@ -100,7 +101,7 @@ def moe_quant_ref(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor
     if weight_layout("w2", w2)[0] != fmt:
         raise ValueError(f"w13 is {fmt}, w2 is {w2.format}: one format for both")
     for name, w in (("w13", w13), ("w2", w2)):
-        if getattr(w, "micro_tiled", False):
+        if is_micro(w):
             raise ValueError(f"{name} is micro-tiled (kernels/moe/quant/micro_tiles.py): the "
                              "reference reads the row layout (from_micro gives it)")
     inter = w2.shape[-1]
