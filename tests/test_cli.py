@@ -77,3 +77,13 @@ def test_capacity_report_names_the_moe_tile_configs() -> None:
                       if line.split()[:4] == ["MoE", "tiles", "by", "tokens"])
     assert f"1: {configs['1']['tiles']}" in tiles_line and "+down" not in tiles_line
     assert LLM("tiny-moe", device="cpu", moe_backend="grouped_mm").report.moe_configs == {}
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_help_renders_every_engine_flag(command: str, capsys: pytest.CaptureFixture) -> None:
+    """argparse %-formats each help text: a config docstring with "13%" broke --help."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "--moe-weight-layout" in out and "13% (NVFP4)" in out

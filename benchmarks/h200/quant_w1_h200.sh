@@ -4,7 +4,9 @@
 # `moeserve bench` (its own server; CUDA graphs and overlap scheduling on, the defaults) over
 # the concurrencies CONCS (default 256 512 1024 2048), one call. A format with the suffix "dl"
 # (FORMATS="bf16 nvfp4 nvfp4dl") quantizes the routed experts alone (--dequantize-linears: the
-# other projections dequantized into bf16 as they load; its targets are the format's). Each run's JSON (without the
+# other projections dequantized into bf16 as they load; its targets are the format's); the
+# suffix "rows" (nvfp4dlrows) keeps the 4-bit experts in rows (--moe-weight-layout rows: the
+# A/B of the micro-tiled default). Each run's JSON (without the
 # per-request records; with the server's capacity report, resolved config and `serial_bound`,
 # whose `weights` names the format) goes to OUT/runs/w1_<format>_c<C>.json, each format's log
 # to OUT/w1_<format>.log; benchmarks/quant/quant_compare.py then writes OUT/compare.json (output
@@ -52,10 +54,12 @@ for i in "${!order[@]}"; do
   share=$(( left / (${#order[@]} - i) ))
   if [ "$share" -lt 60 ]; then echo "== $fmt skipped: ${left}s left"; continue; fi
   flags="--moe-tune-budget-s ${MOE_TUNE_BUDGET_S:-0} ${SERVER_ARGS:-}"
-  case $fmt in
+  base=${fmt%rows}  # "rows": the 4-bit experts in the row layout (not micro-tiled)
+  [ "$base" != "$fmt" ] && flags="--moe-weight-layout rows $flags"
+  case $base in
     bf16) ;;
-    *dl) flags="--quantization ${fmt%dl} --dequantize-linears $flags";;  # experts only
-    *) flags="--quantization $fmt $flags";;
+    *dl) flags="--quantization ${base%dl} --dequantize-linears $flags";;  # experts only
+    *) flags="--quantization $base $flags";;
   esac
   name="w1_$fmt"
   [ "$pass" -gt 1 ] && name="w1_${fmt}_pass$pass"

@@ -130,6 +130,7 @@ def moe_tiles(fmt: str, w13, num_tokens: int, top_k: int, dtype: torch.dtype,
               tiles: str) -> dict:
     """The tiles the op runs with, looked up as the op looks them up (tuned file or default)."""
     from moeserve.kernels.moe.quant.configs import get_quant_config
+    from moeserve.kernels.moe.quant.micro_tiles import is_micro
     from moeserve.kernels.moe.tile_configs import get_moe_config, tile_device_name
 
     num_experts, _, hidden = w13.shape
@@ -139,7 +140,7 @@ def moe_tiles(fmt: str, w13, num_tokens: int, top_k: int, dtype: torch.dtype,
                                 tiles=tiles)
     else:
         choice = get_quant_config(fmt, num_experts, hidden, inter, top_k, w13.group, dtype,
-                                  num_tokens, name, tiles=tiles)
+                                  num_tokens, name, tiles=tiles, micro=is_micro(w13))
     return dataclasses.asdict(choice)
 
 

@@ -73,7 +73,8 @@ def summarise(by: dict[tuple[str, int], list[dict]]) -> list[dict]:
             if base_held is not None and base_held[1]:
                 row["x_bf16_base_held_back"] = True
         checks = []
-        target_fmt = fmt.removesuffix("dl")  # "nvfp4dl": nvfp4 with --dequantize-linears
+        # "nvfp4dl": nvfp4 with --dequantize-linears; "...rows": the experts in rows
+        target_fmt = fmt.removesuffix("rows").removesuffix("dl")
         if (t := SHARE_TARGET.get((target_fmt, conc))) is not None and row["percent_of_bound"]:
             checks.append(("percent_of_bound", row["percent_of_bound"], t))
         if (t := RATIO_TARGET.get((target_fmt, conc))) is not None and "x_bf16" in row:

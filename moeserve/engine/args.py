@@ -75,7 +75,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         cls = EngineConfig if section is None else _SECTIONS[section]
         default = f.default if f.default is not dataclasses.MISSING else None
         flags = ("--" + name.replace("_", "-"), *_ALIASES.get(name, ()))
-        help_text = f"{field_docs(cls).get(name, '')} (default: {default})"
+        # argparse %-formats help: a docstring's "13%" would break --help
+        help_text = f"{field_docs(cls).get(name, '')} (default: {default})".replace("%", "%%")
         if f.type in ("bool", "bool | None"):
             parser.add_argument(*flags, dest=name, default=None,
                                 action=argparse.BooleanOptionalAction, help=help_text)

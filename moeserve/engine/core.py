@@ -123,6 +123,7 @@ class EngineCore:
             mla_decode=(mla_decode_line(self.cfg, device, self.runner.dtype)
                         if self.model_config.mla is not None else ""),
             checkpoint_format=self.runner.format_note, shared_experts=self.runner.shared_note,
+            expert_layout=self.runner.layout_note,
             weights=weights_by_class(self.runner.model))
         self.counters = StepCounters()
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # async_scheduling

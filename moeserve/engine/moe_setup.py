@@ -74,6 +74,7 @@ def quant_moe_configs(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.Module
     sizes (quant.configs.get_quant_config with the engine's moe_tiles); backend "triton"
     everywhere (the quantized experts have no other), "format" the weights'."""
     from moeserve.kernels.moe.quant.configs import get_quant_config
+    from moeserve.kernels.moe.quant.micro_tiles import is_micro
     from moeserve.kernels.moe.tile_configs import config_key, tile_tokens
 
     fmt, group = block.w13.format, max(block.w13.group, block.w2.group)
@@ -82,7 +83,7 @@ def quant_moe_configs(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.Module
     choices = {n: get_quant_config(fmt, local, mc.hidden_size, block.w2.shape[-1],
                                    mc.num_experts_per_tok, group, dtype,
                                    tile_tokens(n, local, mc.num_experts), device_name,
-                                   tiles=cfg.moe_tiles) for n in sizes}
+                                   tiles=cfg.moe_tiles, micro=is_micro(block.w13)) for n in sizes}
     return {str(n): {"config": c.config, "tiles": config_key(c.config), "tuned": c.tuned,
                      "source": c.source, "backend": "triton", "tuned_tokens": c.tuned_tokens,
                      "format": fmt}

@@ -63,7 +63,7 @@ from moeserve.kernels.routing.select_triton import MAX_EXPERTS, select_experts_t
 from moeserve.layers.linear import WeightFactory
 from moeserve.layers.mlp import MLP
 from moeserve.layers.params import empty_param
-from moeserve.model_config import ModelConfig
+from moeserve.model_config import ConfigError, ModelConfig
 from moeserve.quant.packed import QuantWeight
 
 # The sigmoid router as one Triton launch on CUDA (module doc): a dozen small launches a MoE
@@ -239,3 +239,31 @@ def fold_shared_experts(blocks: list[SparseMoeBlock]) -> str:
         return (f"folded into the routed experts' launch: {b.folded_shared} more expert(s) "
                 f"a block, always selected (w13 {list(b.w13.shape)})")
     return "a separate MLP (fold_shared_experts: " + "; ".join(sorted(reasons - {""})) + ")"
+
+
+def tile_experts(blocks: list[SparseMoeBlock], layout: str, device: torch.device) -> str:
+    """The engine's moe_weight_layout over a model's MoE blocks: NVFP4 / INT4 routed experts
+    micro-tiled in place (kernels/moe/quant/micro_tiles.py) with "micro", or with "auto" on
+    CUDA where they fit; the capacity report's line ("" for a model without 4-bit experts and
+    "auto"). Raises ConfigError where "micro" cannot be kept."""
+    from moeserve.kernels.moe.quant.micro_tiles import micro_unfit, tile_in_place
+
+    weights = [w for b in blocks for w in (b.w13, b.w2) if isinstance(w, QuantWeight)]
+    fmt = weights[0].format if weights else None
+    if fmt not in ("nvfp4", "int4"):
+        if layout == "micro":
+            raise ConfigError(f"moe_weight_layout micro needs NVFP4 or INT4 routed experts; "
+                              f"this model's are {fmt or 'unquantized'}")
+        return ""
+    if layout == "rows":
+        return f"{fmt} experts in rows (moe_weight_layout rows)"
+    why = ("the fused MoE reads micro-tiles on CUDA only (the reference reads rows)"
+           if device.type != "cuda" else
+           next((why for w in weights if (why := micro_unfit(w))), ""))
+    if why:
+        if layout == "micro":
+            raise ConfigError(f"moe_weight_layout micro: {why}")
+        return f"{fmt} experts in rows: {why}"
+    for w in weights:
+        tile_in_place(w)
+    return f"{fmt} experts micro-tiled (16 rows x 64 bytes; moe_weight_layout {layout})"

@@ -112,6 +112,8 @@ class QuantWeight(nn.Module):
     def view_of(self) -> QuantView:
         if self.scale_rows != 1:
             raise ValueError("a QuantWeight with compacted FP8 scales has no row views")
+        if getattr(self, "micro_tiled", False):  # kernels/moe/quant/micro_tiles.py
+            raise ValueError("a micro-tiled QuantWeight has no row views")
         return QuantView(self.format, self.qweight, self.scale, self.global_scale,
                          self.logical_shape, self.group)
 

@@ -45,6 +45,7 @@ class CapacityReport:
     mtp: str = ""  # the checkpoint's layers not run (MTP, an hf_overrides slice), or ""
     checkpoint_format: str = ""  # a quantized checkpoint's weights (how they load), or ""
     shared_experts: str = ""  # fold_shared_experts: folded, or why not; "" when off
+    expert_layout: str = ""  # 4-bit routed experts: micro-tiled or rows, and why; "" otherwise
     weights: str = ""  # each module class's format and GiB (weights_by_class)
     dsa: str = ""  # DeepSeek Sparse Attention: how contexts attend (auto / dense), or ""
     mla_prefill: str = ""  # MLA models: how prefill rows attend (auto / mha / absorbed), or ""
@@ -79,6 +80,7 @@ class CapacityReport:
             "kv_layout": self.kv_layout,
             "mtp": self.mtp,
             "shared_experts": self.shared_experts,
+            "expert_layout": self.expert_layout,
             "dsa": self.dsa,
             "mla_prefill": self.mla_prefill,
             "mla_decode": self.mla_decode,
@@ -147,6 +149,8 @@ class CapacityReport:
             rows.append(("checkpoint format", self.checkpoint_format))
         if self.shared_experts:
             rows.append(("shared experts", self.shared_experts))
+        if self.expert_layout:
+            rows.append(("expert layout", self.expert_layout))
         if self.weights:
             rows.append(("weights by class", self.weights))
         rows += [(f"auto {k}", v) for k, v in self.resolved.items()]

@@ -26,7 +26,7 @@ from moeserve.config import CacheConfig, EngineConfig
 from moeserve.kernels.attention.metadata import build_attention_metadata, to_device
 from moeserve.kernels.attention.mla.up_projected import memory_probe
 from moeserve.kernels.registry import get_attention_backend, get_mla_backend, get_moe_backend
-from moeserve.layers.moe import fold_shared_experts
+from moeserve.layers.moe import fold_shared_experts, tile_experts
 from moeserve.model_config import ModelConfig, read_json_config
 from moeserve.models import build_model
 from moeserve.parallel.comm import TensorParallel
@@ -137,6 +137,8 @@ class ModelRunner:
                 compact_fp8_scales(m)
         self.shared_note = (fold_shared_experts(self.model.moe_blocks())
                             if self.cfg.fold_shared_experts else "")  # the report's line
+        self.layout_note = tile_experts(self.model.moe_blocks(), self.cfg.moe_weight_layout,
+                                        self.device)  # 4-bit experts micro-tiled: the line
         self.model.eval()
         self.weight_bytes = model_weight_bytes(self.model)
         self.num_forward_steps = 0

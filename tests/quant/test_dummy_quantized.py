@@ -75,3 +75,44 @@ def test_dequantize_linears_draws_only_the_routed_experts_quantized() -> None:
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     plain = LLM("tiny-moe", device="cpu", hf_overrides=WIDER, dequantize_linears=True)
     assert not any(isinstance(m, QuantWeight) for m in plain.engine.runner.model.modules())
+
+
+def test_the_expert_layout_is_reported_and_micro_tiles_need_cuda() -> None:
+    llm = LLM("tiny-moe", device="cpu", quantization="nvfp4", hf_overrides=WIDER)
+    assert llm.report.expert_layout.startswith("nvfp4 experts in rows: the fused MoE reads "
+                                               "micro-tiles on CUDA only")
+    assert "expert layout" in llm.report.format()
+    with pytest.raises(ConfigError, match="moe_weight_layout micro: the fused MoE reads "
+                                          "micro-tiles on CUDA only"):
+        LLM("tiny-moe", device="cpu", quantization="nvfp4", hf_overrides=WIDER,
+            moe_weight_layout="micro")
+    with pytest.raises(ConfigError, match="moe_weight_layout must be one of auto, rows, micro"):
+        LLM("tiny-moe", device="cpu", moe_weight_layout="tiles")
+    assert LLM("tiny-moe", device="cpu", hf_overrides=WIDER).report.expert_layout == ""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_gpu_micro_tiled_experts_serve_the_row_layouts_tokens(
+        fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA "auto" micro-tiles the 4-bit experts (widths of 128) and the served tokens are
+    the row layout's: both launches read the same bits, and the long prompt's step (past the
+    dequantize-first path's threshold, lowered here) reads them back to rows."""
+    import gc
+
+    from moeserve.kernels.moe.quant import dequant
+
+    monkeypatch.setitem(dequant.DEQUANT_MIN_TOKENS, fmt, 256)
+    wide = WIDER | {"moe_intermediate_size": 128}
+    prompts = [list(range(1, 9)), list(range(3, 400))]
+    outs = {}
+    for layout in ("rows", "auto"):
+        llm = LLM("tiny-moe", device="cuda", dtype="bfloat16", quantization=fmt,
+                  hf_overrides=wide, moe_weight_layout=layout, mem_fraction=0.1)
+        w13 = llm.engine.runner.model.moe_blocks()[0].w13
+        assert getattr(w13, "micro_tiled", False) == (layout == "auto")
+        assert ("micro-tiled" in llm.report.expert_layout) == (layout == "auto")
+        outs[layout] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        del llm
+        gc.collect()
+    assert outs["auto"] == outs["rows"]

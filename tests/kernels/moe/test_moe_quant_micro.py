@@ -1,15 +1,28 @@
 """The 4-bit experts' micro-tiled layout (kernels/moe/quant/micro_tiles.py): the permutation and
 its inverse, the fused kernel reading it (Triton's interpreter on CPU, the GPU when marked)
-with the row layout's bits, and the paths that read only the row layout refusing it."""
+with the row layout's bits, the dequantize-first path reading it back to rows, the in-place
+tiling the engine does at start-up (layers/moe.py's tile_experts) and the paths that read only
+the row layout refusing it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from moeserve.config import ConfigError
+from moeserve.kernels.moe.quant.configs import default_quant_config
+from moeserve.kernels.moe.quant.dequant import moe_dequant
 from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
-from moeserve.kernels.moe.quant.micro_tiles import from_micro, micro_arg, to_micro
+from moeserve.kernels.moe.quant.micro_tiles import (
+    from_micro,
+    is_micro,
+    micro_arg,
+    micro_unfit,
+    tile_in_place,
+    to_micro,
+)
 from moeserve.kernels.moe.quant.ref import moe_quant_ref
+from moeserve.kernels.moe.quant.tune import engine_micro
 from tests.kernels.moe.test_moe_quant_triton import (
     DEVICE,
     GPU_SHAPE,
@@ -65,6 +78,74 @@ def test_micro_tiles_are_4_bit_only() -> None:
     with pytest.raises(ValueError, match="NVFP4 / INT4 only, got fp8"):
         micro_arg("fp8", w13, w13.qweight)
     assert micro_arg("nvfp4", experts("nvfp4")[0], torch.empty(0, dtype=torch.uint8)) == 0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_tiling_in_place_is_to_micro_and_drops_row_views(fmt: str) -> None:
+    w13, w2 = experts(fmt, inter=128)
+    rows = w13.qweight.detach().clone()
+    assert micro_unfit(w13) == "" and not is_micro(w13)
+    tile_in_place(w13)
+    assert is_micro(w13) and torch.equal(w13.qweight, to_micro(rows))
+    tile_in_place(w13)  # once only: a second call leaves it as it is
+    assert torch.equal(from_micro(w13.qweight), rows)
+    with pytest.raises(ValueError, match="micro-tiled QuantWeight has no row views"):
+        w13[0]
+    w13_odd, w2_odd = experts(fmt, inter=192)  # w2's K (the width): not whole 128-K tile rows
+    assert "needs rows a multiple of 16 and K a multiple of 128" in micro_unfit(w2_odd)
+    with pytest.raises(ValueError, match="cannot micro-tile: .*K a multiple of 128"):
+        tile_in_place(w2_odd)
+    assert micro_unfit(w13_odd) == ""  # w13's K is the hidden size, 256
+    fp8, _ = experts("fp8")
+    assert micro_unfit(fp8) == "fp8 weights are not packed 4-bit"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_the_dequantize_first_path_reads_micro_tiles_back(fmt: str) -> None:
+    w13, w2 = experts(fmt, inter=128)
+    x = tokens(9, w13.shape[2], seed=4)
+    weights, ids = routing(9, w13.shape[0], seed=4)
+    rows = moe_dequant(x, w13, w2, weights, ids)
+    tile_in_place(w13)
+    tile_in_place(w2)
+    assert torch.equal(moe_dequant(x, w13, w2, weights, ids), rows)
+
+
+def test_micro_tiles_keep_128_k_steps_and_the_engine_tiles_4_bit_multiples_of_128() -> None:
+    glm5 = (6144, 2048)  # (H, I): the 4-bit decode default's 256-K step, not for micro-tiles
+    assert default_quant_config("nvfp4", 64, 8, 256, 16, glm5)["BLOCK_K"] == 256
+    assert default_quant_config("nvfp4", 64, 8, 256, 16, glm5, micro=True)["BLOCK_K"] == 128
+    assert default_quant_config("int4", 64, 8, 256, 32, glm5, micro=True)["BLOCK_K"] == 128
+    assert engine_micro("nvfp4", *glm5) and engine_micro("int4", 2048, 768)
+    assert not engine_micro("fp8", *glm5) and not engine_micro("nvfp4", 2048, 704)
+
+
+def test_the_engine_tiles_its_4_bit_experts_where_it_can() -> None:
+    from moeserve.layers.moe import tile_experts
+
+    class Block:  # what tile_experts reads of a SparseMoeBlock
+        def __init__(self, fmt: str, inter: int = 128) -> None:
+            self.w13, self.w2 = experts(fmt, inter=inter)
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # the decision; the tensors on CPU
+    blocks = [Block("nvfp4"), Block("nvfp4")]
+    line = tile_experts(blocks, "auto", cuda)
+    assert line == "nvfp4 experts micro-tiled (16 rows x 64 bytes; moe_weight_layout auto)"
+    assert all(is_micro(w) for b in blocks for w in (b.w13, b.w2))
+    line = tile_experts([Block("int4")], "rows", cuda)
+    assert line == "int4 experts in rows (moe_weight_layout rows)"
+    line = tile_experts(rows := [Block("int4")], "auto", cpu)
+    assert line.startswith("int4 experts in rows: the fused MoE reads micro-tiles on CUDA only")
+    assert not is_micro(rows[0].w13)
+    with pytest.raises(ConfigError, match="moe_weight_layout micro: the fused MoE reads"):
+        tile_experts([Block("int4")], "micro", cpu)
+    odd = [Block("nvfp4", inter=192)]
+    assert "K a multiple of 128" in tile_experts(odd, "auto", cuda)
+    assert not is_micro(odd[0].w13)  # all or none: the block's w13 fit, its w2 not
+    with pytest.raises(ConfigError, match="micro needs NVFP4 or INT4 routed experts; this "
+                                          "model's are fp8"):
+        tile_experts([Block("fp8")], "micro", cuda)
+    assert tile_experts([Block("fp8")], "auto", cuda) == ""
 
 
 @pytest.mark.gpu

@@ -38,10 +38,8 @@ def moe_quantized(x: torch.Tensor, w13: QuantWeight, w2: QuantWeight,
     if x.is_cuda:
         from moeserve.kernels.moe.quant.dequant import choose_moe_dequant, moe_dequant
         from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
-        from moeserve.kernels.moe.quant.micro_tiles import is_micro
 
-        micro = is_micro(w13) or is_micro(w2)
-        if not micro and choose_moe_dequant(w13, w2, x.shape[0], x):  # micro: the fused only
+        if choose_moe_dequant(w13, w2, x.shape[0], x):
             return moe_dequant(x, w13, w2, topk_weights, topk_ids, reduce=reduce, tiles=tiles,
                                routed_experts=routed_experts)
 

@@ -69,7 +69,8 @@ NVFP4_8_WARPS_MIN_M = 128
 
 
 def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int,
-                         group: int, k_dims: tuple[int, int] | None = None) -> dict[str, int]:
+                         group: int, k_dims: tuple[int, int] | None = None,
+                         micro: bool = False) -> dict[str, int]:
     """In-code tiles by the pairs per expert: BLOCK_M 16 / 32 / 64, BLOCK_N 64 then 128,
     BLOCK_K 128 for fp8 (one scale column a step) and nvfp4, 128 and at least the group for int4.
     nvfp4's 128: the H200 tunes of three expert shapes (qwen3-30b-a3b's, GLM-5's per rank under
@@ -84,11 +85,13 @@ def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int
     an H100 GLM-5's experts (6,144 / 2,048) took 2.001 against 2.248 ms in INT4 and 2.107
     against 2.237 in NVFP4 at 64 tokens, 2.595 against 2.710 in NVFP4 at 256 (a 128-K step
     reads half of each packed row's 128-byte line); qwen3-30b-a3b's (2,048 / 768) 0.206 against
-    0.187 in NVFP4 (gpu_b547afb/call8)."""
+    0.187 in NVFP4 (gpu_b547afb/call8). micro: the weights are micro-tiled (micro_tiles.py),
+    whose 128-K step already reads whole lines: 128-K steps there (GLM-5's experts at 64 tokens
+    1.843 / 1.806 ms in NVFP4 / INT4 against 2.165 / 2.089 at 256, gpu_4da0855/call1)."""
     per_expert = num_tokens * top_k / max(num_experts, 1)
     block_k = FP8_GROUP if fmt in ("fp8", "nvfp4") else max(INT4_MIN_BLOCK_K, group)
     if per_expert <= 16:  # decode: a handful of rows per expert
-        if (fmt != "fp8" and k_dims is not None and min(k_dims) >= WIDE_K_MIN
+        if (fmt != "fp8" and not micro and k_dims is not None and min(k_dims) >= WIDE_K_MIN
                 and WIDE_K % group == 0):
             return tile_config(16, 64, WIDE_K, 1, 4, 3)
         return tile_config(16, 64, block_k, 1, 4, 3)
@@ -144,20 +147,21 @@ _GRID = {
 
 
 def quant_tune_candidates(fmt: str, num_experts: int, top_k: int, num_tokens: int,
-                          group: int, k_dims: tuple[int, int] | None = None
-                          ) -> list[dict[str, int]]:
+                          group: int, k_dims: tuple[int, int] | None = None,
+                          micro: bool = False) -> list[dict[str, int]]:
     """The grid at one token count: `default_quant_config` first, then <= 23 more (at most
     MAX_QUANT_CANDIDATES in all). BLOCK_M: the one or two of 16 / 32 / 64 / 128 that fit the
     pairs per expert (<= 2x it; 16 alone in decode), as the bf16 quick grid picks them; BLOCK_K
     by `quant_block_ks`; GROUP_M 8 when an expert holds more than one row block, else 1. Every
-    candidate keeps `check_quant_config` for the format and the group."""
+    candidate keeps `check_quant_config` for the format and the group. micro: the default's
+    (the weights micro-tiled); the grid is the same."""
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; one of {QUANT_FORMATS}")
     per_expert = num_tokens * top_k / max(num_experts, 1)
     fitting = [m for m in _GRID if m <= max(16, 2 * per_expert)]
     block_ms = fitting[-2:]
     block_ks = quant_block_ks(fmt, group)
-    grid = [default_quant_config(fmt, num_tokens, top_k, num_experts, group, k_dims)]
+    grid = [default_quant_config(fmt, num_tokens, top_k, num_experts, group, k_dims, micro)]
     per_block = -(-(MAX_QUANT_CANDIDATES - 1) // (len(block_ms) * len(block_ks)))
     for block_m in block_ms:
         for block_k in block_ks:
@@ -212,10 +216,10 @@ def find_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_k:
 
 def get_quant_config(fmt: str, num_experts: int, hidden: int, inter: int, top_k: int,
                      group: int, dtype: torch.dtype, num_tokens: int, device_name: str,
-                     tiles: str = "tuned") -> MoeConfigChoice:
+                     tiles: str = "tuned", micro: bool = False) -> MoeConfigChoice:
     """The tuned entry nearest `num_tokens` for this shape, format and device, else
-    `default_quant_config`; tiles "default": the default at once, no file read. (backend is
-    always "triton": the quantized experts have no other.)"""
+    `default_quant_config` (micro: for micro-tiled weights); tiles "default": the default at
+    once, no file read. (backend is always "triton": the quantized experts have no other.)"""
     check_tile_source(tiles)
     found = (find_quant_tuned(fmt, num_experts, hidden, inter, top_k, group, dtype, device_name)
              if tiles == "tuned" else None)
@@ -225,7 +229,7 @@ def get_quant_config(fmt: str, num_experts: int, hidden: int, inter: int, top_k:
         config = {k: table[nearest][k] for k in CONFIG_KEYS}
         return MoeConfigChoice(config, True, path, "triton", nearest)
     return MoeConfigChoice(default_quant_config(fmt, num_tokens, top_k, num_experts, group,
-                                                (hidden, inter)), False, "default")
+                                                (hidden, inter), micro), False, "default")
 
 
 def parse_quant_entry(raw: dict, fmt: str, group: int) -> dict:

@@ -134,7 +134,8 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
     if config is None:  # host-side lookups only (cached files): no sync, graph-capturable
         config = get_quant_config(fmt, num_experts, hidden, inter, top_k, max(group13, group2),
                                   x.dtype, tile_tokens(num_tokens, num_experts, routed_experts),
-                                  tile_device_name(x.device), tiles=tiles).config
+                                  tile_device_name(x.device), tiles=tiles,
+                                  micro=micro_tiles.is_micro(w13)).config
     check_quant_config(config, fmt, (group13, group2))
     # the grid covers every block; those past the used ones (expert -1) return at once, so
     # num_tokens_post_padded is not read

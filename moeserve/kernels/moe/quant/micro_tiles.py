@@ -1,6 +1,6 @@
-"""The 4-bit experts' packed weights in micro-tiles, for the quantized fused MoE's loads (an
-experiment behind benchmarks/quant/kernels_quant.py --weight-layout micro; the engine keeps the
-row layout).
+"""The 4-bit experts' packed weights in micro-tiles, the layout the engine holds NVFP4 / INT4
+routed experts in on CUDA (EngineConfig.moe_weight_layout; `tile_experts` at start-up), which the
+quantized fused MoE's loads read.
 
 In the row layout ([E, N, C] packed columns: C = K / 2 bytes for nvfp4, K / 8 int32 words for
 int4) a 128-K step of a program reads 64 bytes of each of its weight rows, half a 128-byte line,
@@ -13,8 +13,14 @@ whole contiguous kilobytes at the 128-K step's registers:
 
 16 rows x 64 bytes (MC columns of the packed dtype) contiguous, the tiles of 16 rows in K order,
 the same [E, N, C] shape and bytes. `micro_offsets` is the kernel's address of (row, column).
-Needs N % 16 == 0 and C % MC == 0 (K a multiple of 128); the dequantize-first path and the
-references read the row layout only (`from_micro` gives it back).
+Needs N % 16 == 0 and C % MC == 0 (K a multiple of 128); the references read the row layout
+only (`from_micro` gives it back; the dequantize-first path does so per call).
+
+Measured (an H100, benchmarks/results/gpu_4da0855/): GLM-5's experts at 64 tokens 1.843 ms
+(NVFP4) / 1.806 (INT4) micro-tiled at a 128-K step against the best row-layout tile's 2.120 /
+1.977 (-13 / -9%; 84% of the H100's 4-bit read bound for NVFP4), 14% at 256 tokens; qwen3's
+experts +6-10% at 64 tokens, level at 256. A 256-K step undoes it (2.165 / 2.089), so the
+default tiles keep 128-K steps for micro-tiled weights (configs.default_quant_config).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 import torch
 
 ROWS, TILE_BYTES = 16, 64  # micro_offsets spells them out: a jitted body reads no globals
+MICRO_K = 2 * TILE_BYTES  # K a tile row holds (two e2m1 a byte, eight nibbles an int32)
 tl: Any = None  # triton.language, bound by jitted() (triton is imported on first use)
 
 
@@ -55,6 +62,36 @@ def from_micro(q: torch.Tensor) -> torch.Tensor:
     mc = micro_columns(q.dtype)
     return (q.reshape(e, n // ROWS, c // mc, ROWS, mc).permute(0, 1, 3, 2, 4).contiguous()
             .reshape(e, n, c))
+
+
+def micro_unfit(w: Any) -> str:
+    """Why a quantized weight cannot be micro-tiled ("" when it can): the format (NVFP4 / INT4
+    only), its row count or packed columns off the tile."""
+    if w.format not in ("nvfp4", "int4"):
+        return f"{w.format} weights are not packed 4-bit"
+    if w.qweight.dim() != 3:
+        return f"{list(w.shape)} is not a stack of experts"
+    *_, n, c = w.qweight.shape
+    mc = micro_columns(w.qweight.dtype)
+    if n % ROWS or c % mc:
+        return (f"{list(w.shape)} needs rows a multiple of {ROWS} and K a multiple of "
+                f"{MICRO_K}")
+    return ""
+
+
+def tile_in_place(w: Any) -> None:
+    """A quantized weight's [E, N, C] packed columns rewritten as micro-tiles in place, one
+    expert at a time (a transient of one expert's bytes: a whole GLM-5 layer is 4.8 GB), and
+    `w.micro_tiled` set. Raises ValueError where `micro_unfit` names a reason."""
+    why = micro_unfit(w)
+    if why:
+        raise ValueError(f"cannot micro-tile: {why}")
+    if is_micro(w):
+        return
+    q = w.qweight.data
+    for e in range(q.shape[0]):
+        q[e].copy_(to_micro(q[e:e + 1])[0])
+    w.micro_tiled = True
 
 
 def micro_offsets(rows, cols, C, MC: tl.constexpr):

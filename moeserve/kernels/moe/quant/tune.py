@@ -7,7 +7,8 @@ Unlike the bf16 tuner (tune.py), which times the two launches apart and joins th
 the quantized op takes one config for both launches, so each candidate is timed whole: the align,
 fp8's activation quantizations, both launches and the combine, by `QuantTimer` with timer.py's
 `time_in_graph` (calls captured in one CUDA graph, a few replays) on the model's weights or
-random ones quantized by quant/packed.py on the GPU.
+random ones quantized by quant/packed.py on the GPU, in the layout the engine holds (4-bit
+experts micro-tiled where they fit: micro_tiles.py; the ledger's meta names it).
 
 The ledger is tune.py's: the file's "trials" hold each timing under "moe:<config key>" (an
 error when a candidate fails to compile or run, then skipped); the file is written (atomically)
@@ -41,6 +42,7 @@ from moeserve.kernels.moe.quant.configs import (
     quant_config_file_name,
     quant_tune_candidates,
 )
+from moeserve.kernels.moe.quant.micro_tiles import MICRO_K, is_micro
 from moeserve.kernels.moe.search import trial_key
 from moeserve.kernels.moe.tile_configs import (
     CONFIG_KEYS,
@@ -70,9 +72,10 @@ class QuantTimer:
     CALLS, REPLAYS = 10, 5
 
     def __init__(self, fmt: str, num_experts: int, hidden: int, inter: int, top_k: int,
-                 group: int, dtype: torch.dtype, weights: tuple[Any, Any] | None = None) -> None:
-        self.w13, self.w2 = weights or random_quant_experts(fmt, num_experts, hidden, inter,
-                                                            group, dtype, torch.device("cuda"))
+                 group: int, dtype: torch.dtype, weights: tuple[Any, Any] | None = None,
+                 micro: bool = False) -> None:
+        self.w13, self.w2 = weights or random_quant_experts(
+            fmt, num_experts, hidden, inter, group, dtype, torch.device("cuda"), micro)
         self.top_k, self.dtype = top_k, dtype
         self.gen = torch.Generator(device=self.w13.qweight.device).manual_seed(0)
         self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -91,11 +94,13 @@ class QuantTimer:
 
 
 def random_quant_experts(fmt: str, num_experts: int, hidden: int, inter: int, group: int,
-                         dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
+                         dtype: torch.dtype, device: torch.device,
+                         micro: bool = False) -> tuple[Any, Any]:
     """(w13 [E, 2I, H], w2 [E, H, I]) as QuantWeights on `device`, quantized (packed.py's rule)
     from random normal weights, one expert at a time (a float copy of one expert at most); fp8
     scales folded to one row per 128 as the engine holds them (`compact_fp8_scales`), so that
-    the kernel variant timed is the one served."""
+    the kernel variant timed is the one served; micro: the packed weights micro-tiled."""
+    from moeserve.kernels.moe.quant.micro_tiles import tile_in_place
     from moeserve.quant.packed import QuantWeight, compact_fp8_scales, quantize_into
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -107,6 +112,8 @@ def random_quant_experts(fmt: str, num_experts: int, hidden: int, inter: int, gr
             dense = torch.randn(n, k, device=device, generator=gen) * k ** -0.5
             quantize_into(w[e], dense)
         compact_fp8_scales(w)  # fp8 only; a no-op for the others
+        if micro:
+            tile_in_place(w)
         made.append(w)
     return made[0], made[1]
 
@@ -122,22 +129,26 @@ def tune_quant_moe(fmt: str, num_experts: int, hidden: int, inter: int, top_k: i
 
     candidates(num_tokens): configs (default `quant_tune_candidates`; each is checked for the
     format, and the first is the one "default_ms" reports). timer(config, num_tokens) -> ms:
-    default a `QuantTimer` on CUDA (on `weights` when given); the seam for tests.
+    default a `QuantTimer` on CUDA (on `weights` when given, else random experts in the
+    engine's layout, `engine_micro`); the seam for tests.
     Returns {num_tokens: entry} of the file's finished token counts (CONFIG_KEYS, "ms",
     "default_ms").
     """
+    micro = is_micro(weights[0]) if weights else engine_micro(fmt, hidden, inter)
     if timer is None:
         if not torch.cuda.is_available():
             raise RuntimeError("tune_quant_moe times kernels on a CUDA GPU; none is available")
-        timer = QuantTimer(fmt, num_experts, hidden, inter, top_k, group, dtype, weights)
+        timer = QuantTimer(fmt, num_experts, hidden, inter, top_k, group, dtype, weights, micro)
         device_name = device_name or torch.cuda.get_device_name()
     meta = {"device_name": device_name or "unknown", "dtype": str(dtype).removeprefix("torch."),
             "format": fmt, "E": num_experts, "H": hidden, "I": inter, "top_k": top_k,
-            "group": group, "triton": triton_version(), "torch": torch.__version__}
+            "group": group, "triton": triton_version(), "torch": torch.__version__,
+            "weight_layout": "micro" if micro else "rows"}
     out_path = Path(out_path)
     doc = _load_ledger(out_path, meta)
     get_candidates = candidates or functools.partial(quant_tune_candidates, fmt, num_experts,
-                                                     top_k, group=group, k_dims=(hidden, inter))
+                                                     top_k, group=group, k_dims=(hidden, inter),
+                                                     micro=micro)
     start = time.perf_counter()
     deadline = None if time_budget_s is None else start + time_budget_s
     try:
@@ -170,6 +181,12 @@ def tune_quant_moe(fmt: str, num_experts: int, hidden: int, inter: int, top_k: i
     finally:
         clear_caches()
     return _finished(doc, fmt, group)
+
+
+def engine_micro(fmt: str, hidden: int, inter: int) -> bool:
+    """Whether the engine holds experts of this format and shape micro-tiled on CUDA
+    (moe_weight_layout "auto": 4-bit formats whose w13 and w2 fit the tiles)."""
+    return fmt in ("nvfp4", "int4") and hidden % MICRO_K == 0 and inter % MICRO_K == 0
 
 
 def _time_one(timer: QuantTimerFn, config: dict, num_tokens: int,
