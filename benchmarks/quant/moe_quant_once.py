@@ -55,10 +55,14 @@ def main() -> None:
                         "max_registers; off: ptxas's choice)")
     parser.add_argument("--weight-layout", choices=("rows", "micro"), default="rows",
                         help="the 4-bit experts' packed layout (quant_weights.packed_layout)")
-    parser.add_argument("--tile", type=int, nargs=5, action="append", default=[],
-                        metavar=("BLOCK_M", "BLOCK_N", "BLOCK_K", "WARPS", "STAGES"),
-                        help="time the fused kernel at this tile config (repeatable)")
+    parser.add_argument("--tile", type=int, nargs="+", action="append", default=[],
+                        metavar="N", help="time the fused kernel at this tile config: BLOCK_M "
+                        "BLOCK_N BLOCK_K WARPS STAGES [GROUP_M, default 1] (repeatable)")
     args = parser.parse_args()
+    for tile in args.tile:
+        if len(tile) not in (5, 6):
+            parser.error(f"--tile takes BLOCK_M BLOCK_N BLOCK_K WARPS STAGES [GROUP_M], "
+                         f"got {tile}")
     if args.maxnreg != "off":
         from moeserve.kernels.moe.quant import fused_triton
 
@@ -98,9 +102,10 @@ def time_tiles(args: argparse.Namespace, fn, x, w13, w2, weights, ids) -> None:
     ref = fn().float()
     scale = ref.abs().max().item() or 1.0
     print(json.dumps({"tile": args.tiles, "ms": round(timer(fn), 4)}), flush=True)
-    for m, n, k, warps, stages in args.tile:
-        config = tile_config(m, n, k, 1, warps, stages)  # GROUP_M 1: decode's row blocks
-        row = {"tile": [m, n, k, warps, stages]}
+    for m, n, k, warps, stages, *group in args.tile:
+        group_m = group[0] if group else 1  # 1: decode's row blocks, one an expert
+        config = tile_config(m, n, k, group_m, warps, stages)
+        row = {"tile": [m, n, k, warps, stages, group_m]}
         try:
             def op(config=config):
                 return moe_quant_triton(x, w13, w2, weights, ids, config=config)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 18: the 4-bit MoE past decode sizes, where W1 at 1,024 streams spends its step. On an
+# H100 GLM-5's micro-tiled NVFP4 experts took 4.13 ms at 1,024 tokens (43.9% of the read bound)
+# against 1.80 at 64 (87.4%) with the tuned 64 x 128 tile (gpu_00d38f5/call2): at 32 rows an
+# expert the weights are read about once whatever BLOCK_M, so the time is the tile's, not the
+# stream's. The quantized tuner's grid never tried BLOCK_M 16 / 32 at 1,024 tokens (it takes the
+# two largest of 16-128 within twice the rows an expert). One call (~4 minutes on an H100):
+#   1. moe_quant_once --tile at 1,024 and 2,048 tokens, GLM-5's and qwen3-30b-a3b's experts
+#      in NVFP4, micro-tiled as the engine holds them: BLOCK_M 16-128, GROUP_M 8 (consecutive
+#      row blocks of an expert share each weight tile in L2) -> $OUT/large_m.jsonl
+#   2. the decode step of glm-5 sliced to 12 layers in NVFP4 at 1,024 rows, part by part against
+#      each part's bound (benchmarks/engine/profile_step.py) -> $OUT/profile/
+#   bash benchmarks/h200/quant_large_m_h200.sh
+set -uo pipefail
+source benchmarks/gpu_env.sh
+tiles=(--tile 64 128 128 4 3 8 --tile 16 64 128 4 3 8 --tile 16 128 128 4 3 8
+       --tile 32 64 128 4 3 8 --tile 32 128 128 4 3 8 --tile 64 64 128 4 3 8
+       --tile 64 128 128 8 3 8 --tile 128 128 128 8 3 8 --tile 16 64 128 4 3 1)
+for case in "glm-5 1024" "glm-5 2048" "qwen3-30b-a3b 1024" "qwen3-30b-a3b 2048"; do
+  read -r shape tokens <<< "$case"
+  timeout 150 python3 -m benchmarks.quant.moe_quant_once --format nvfp4 --shape $shape \
+    --tokens $tokens --weight-layout micro "${tiles[@]}" 2>>$OUT/large_m.log \
+    | sed "s/^{/{\"case\": \"$case nvfp4 micro\", /" | tee -a $OUT/large_m.jsonl
+done
+mkdir -p $OUT/profile
+timeout 300 python3 -m benchmarks.engine.profile_step --preset glm-5 --batch 1024 \
+  --hf-overrides '{"num_hidden_layers": 12}' \
+  --engine-args '{"quantization": "nvfp4", "moe_tune_budget_s": 0, "max_model_len": 4096}' \
+  --out $OUT/profile > $OUT/profile/profile.log 2>&1
+echo "profile_step rc=$?"; tail -40 $OUT/profile/profile.log
