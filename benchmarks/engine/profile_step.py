@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.engine.w1_offline import environment
 from moeserve import LLM, SamplingParams
-from moeserve.diagnose.bounds.roofline import ceilings_for, step_cost
+from moeserve.diagnose.bounds.roofline import ceilings_for, step_cost, weights_format
 from moeserve.diagnose.bounds.step_parts import describe, part_shares, part_times_ms
 from moeserve.types import SchedulerOutput
 
@@ -173,8 +173,9 @@ def step_parts(llm: LLM, out: SchedulerOutput, events: list) -> dict:
     ceilings = ceilings_for(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     if ceilings is None:
         return {"step": step, "measured_ms": measured, "bounds": "no measured ceilings"}
-    runner = llm.engine.runner
-    cost = step_cost(llm.engine.model_config, runner.dtype.itemsize, **step,
+    runner, model = llm.engine.runner, llm.engine.model_config
+    quant = weights_format(llm.engine.cfg.quantization, model)  # the weights' bytes
+    cost = step_cost(model, runner.dtype.itemsize, **step, quant=quant,
                      kv_elem_bytes=runner.kv_dtype.itemsize)
     shares = part_shares(cost, ceilings, measured)
     return {"step": step, "parts": [s.to_dict() for s in shares], "line": describe(shares)}

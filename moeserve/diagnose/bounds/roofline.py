@@ -236,9 +236,14 @@ def kv_elem_bytes_of(run: dict[str, Any]) -> int | None:
 
 def quant_of(run: dict[str, Any], model: ModelConfig) -> str | None:
     """The run's quantized weight format: --quantization, else the checkpoint's."""
+    return weights_format(figures.engine_config(run).get("quantization"), model)
+
+
+def weights_format(flag: Any, model: ModelConfig) -> str | None:
+    """The quantized weight format an engine holds: its quantization flag (vLLM's names
+    accepted), else the checkpoint's; None for unquantized weights."""
     from moeserve.quant.spec import ALIASES
 
-    flag = figures.engine_config(run).get("quantization")
     if isinstance(flag, str) and flag in ALIASES:
         return ALIASES[flag]
     return model.quantization.format if model.quantization is not None else None
