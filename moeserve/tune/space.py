@@ -23,7 +23,7 @@ expert_parallel_size: `_parallel_knobs`); with dummy weights the quantized forma
 (`KV_CACHE_DTYPE`: fp8 rounds a real checkpoint's cache, a choice of quality the user makes);
 for a model with shared experts whether they fold into the routed launch (`FOLD_SHARED`); for
 quantized weights whether the projections outside the routed experts are dequantized at load
-(`DEQUANTIZE_LINEARS`); a knob the engine gains later is one more row in _knobs.
+(`DEQUANTIZE_LINEARS`) and the 4-bit experts' layout (`MOE_WEIGHT_LAYOUT`); a knob the engine gains later is one more row in _knobs.
 
 Restart: every knob today is an engine flag, read at start-up, so a trial is a fresh server;
 `restart` is declared per knob so that a knob the server can change live can skip it.
@@ -241,6 +241,10 @@ KV_CACHE_DTYPE = Knob("kv_cache_dtype", "auto", ("auto", "fp8"), devices=("cuda"
 # quantized checkpoint, or dummy weights whose format is quantized (not with QUANTIZATION None)
 DEQUANTIZE_LINEARS = Knob("dequantize_linears", False, (False, True), devices=("cuda",),
                           unless=("quantization", None))
+# the 4-bit routed experts micro-tiled ("auto" on CUDA) or in rows (--moe-weight-layout): where
+# DEQUANTIZE_LINEARS is (fp8 experts are rows either way: the knob then changes nothing)
+MOE_WEIGHT_LAYOUT = Knob("moe_weight_layout", "auto", ("auto", "rows"), devices=("cuda",),
+                         unless=("quantization", None))
 # the shared experts in the routed launch or beside it: a model with shared experts only
 FOLD_SHARED = Knob("fold_shared_experts", False, (False, True))
 
@@ -256,11 +260,11 @@ def knob_space(device: str, start: Mapping[str, Any], fixed: Sequence[str] = (),
     the KV cache's element type; with
     shared_experts (the model has them), whether they fold into the routed launch; with dummy
     weights or a quantized checkpoint (`quantized`), whether the projections outside the routed
-    experts are dequantized at load."""
+    experts are dequantized at load and the 4-bit experts' layout."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
     extra = [QUANTIZATION, KV_CACHE_DTYPE] if dummy_weights else []
-    extra += [DEQUANTIZE_LINEARS] if dummy_weights or quantized else []
+    extra += [DEQUANTIZE_LINEARS, MOE_WEIGHT_LAYOUT] if dummy_weights or quantized else []
     extra += [FOLD_SHARED] if shared_experts else []
     knobs = [k for k in [*_knobs(concurrency, num_devices), *extra]
              if device in k.devices and k.name not in fixed]

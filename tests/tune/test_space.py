@@ -76,3 +76,13 @@ def test_dequantize_linears_is_a_knob_where_the_weights_are_quantized() -> None:
     assert _quantized_checkpoint("qwen3-30b-a3b", {"quantization": "fp8"})
     assert not _quantized_checkpoint("qwen3-30b-a3b", {})
     assert not _quantized_checkpoint("/no/such/folder", {})
+
+
+def test_the_expert_layout_is_a_knob_where_the_weights_are_quantized() -> None:
+    assert "moe_weight_layout" not in knob_space("cuda", {}).knobs
+    assert "moe_weight_layout" not in knob_space("cpu", {}, quantized=True).knobs
+    space = knob_space("cuda", {}, dummy_weights=True)
+    assert space.complete({"quantization": None, "moe_weight_layout": "rows"})[
+        "moe_weight_layout"] == "auto"  # unquantized: the knob does not apply
+    rows = space.complete({"quantization": "int4", "moe_weight_layout": "rows"})
+    assert space.flags(rows) == ["--quantization", "int4", "--moe-weight-layout", "rows"]
