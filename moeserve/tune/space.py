@@ -23,7 +23,8 @@ expert_parallel_size: `_parallel_knobs`); with dummy weights the quantized forma
 (`KV_CACHE_DTYPE`: fp8 rounds a real checkpoint's cache, a choice of quality the user makes);
 for a model with shared experts whether they fold into the routed launch (`FOLD_SHARED`); for
 quantized weights whether the projections outside the routed experts are dequantized at load
-(`DEQUANTIZE_LINEARS`) and the 4-bit experts' layout (`MOE_WEIGHT_LAYOUT`); a knob the engine gains later is one more row in _knobs.
+(`DEQUANTIZE_LINEARS`) and the 4-bit experts' layout (`MOE_WEIGHT_LAYOUT`); a knob the engine
+gains later is one more row in _knobs.
 
 Restart: every knob today is an engine flag, read at start-up, so a trial is a fresh server;
 `restart` is declared per knob so that a knob the server can change live can skip it.
