@@ -18,10 +18,12 @@ tokens. Below AUTO_DEQUANT_MIN_TOKENS the fused kernel reads the weight once and
 
 The dequantized tile is the fused kernel's, bit for bit: NVFP4 e2m1 x e4m3 (at most 7
 significant bits in [2^-10, 2688]: exact in fp16 and bf16; the global scale is not applied),
-INT4 (nibble - 8) x scale in fp32 and then cast to x's dtype. The GEMM returns fp32
-(`torch.mm(..., out_dtype=torch.float32)` on CUDA), NVFP4's global scale and the bias are
-applied in fp32, and the result is rounded to x's dtype once, as in the fused kernel: only the
-order of the fp32 sums differs. On CPU (tests, TRITON_INTERPRET=1) the matmul runs in fp32.
+INT4 (nibble - 8) x scale in fp32 and then cast to x's dtype. NVFP4's GEMM returns fp32
+(`torch.mm(..., out_dtype=torch.float32)` on CUDA) and `scale_columns` applies its global scale
+and the bias in fp32 and rounds to x's dtype once, in one pass; INT4's (no global scale) is
+cuBLAS's GEMM in x's dtype, the bias added to its fp32 sums: either way one rounding, as in
+the fused kernel, and only the order of the fp32 sums differs. On CPU (tests,
+TRITON_INTERPRET=1) the matmul runs in fp32.
 
 Launch shapes depend on the weight's shape only, so a CUDA graph captures the whole op; the
 [N, K] workspace comes from the caching allocator (a graph's pool reuses it from layer to
@@ -57,6 +59,7 @@ AUTO_DEQUANT_MIN_TOKENS = 128
 backend = "auto"
 _BLOCK_N = 32  # weight rows a program
 _BLOCK_K = 128  # weight columns a program (a multiple of every group: 16, int4's <= 128)
+_EPILOGUE_T, _EPILOGUE_N = 32, 128  # scale_columns' tile
 
 
 def w4a16_linear(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale: torch.Tensor,
@@ -121,15 +124,37 @@ def w4a16_linear_dequant(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale
     check_w4a16_x(x, k, n, bias, (qweight, scale, global_scale))
     rows = x.reshape(-1, k)  # [T, K]
     w = dequantize_w4a16(fmt, qweight, scale, group, k, x.dtype)  # [N, K]
-    if x.is_cuda and x.dtype != torch.float32:
-        acc = torch.mm(rows, w.t(), out_dtype=torch.float32)  # [T, N]
-    else:
-        acc = rows.float() @ w.float().t()
-    if fmt == "nvfp4":
-        acc.mul_(global_scale)
-    if bias is not None:
-        acc.add_(bias.float())
-    return acc.to(x.dtype).reshape(*x.shape[:-1], n)
+    g = global_scale if fmt == "nvfp4" else None
+    if x.dtype == torch.float32:
+        out = rows @ w.t()
+        if g is not None:
+            out.mul_(g)
+        if bias is not None:
+            out.add_(bias)
+    elif x.is_cuda and g is None:  # cuBLAS adds the bias to its fp32 sums and rounds once
+        out = torch.mm(rows, w.t()) if bias is None else torch.addmm(bias, rows, w.t())
+    else:  # fp32 sums, then x g + bias and the one rounding in a single pass
+        acc = (torch.mm(rows, w.t(), out_dtype=torch.float32) if x.is_cuda
+               else rows.float() @ w.float().t())  # [T, N]
+        out = scale_columns(acc, g, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def scale_columns(acc: torch.Tensor, g: torch.Tensor | None, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """acc [T, N] fp32 (contiguous) -> (acc * g[n] + bias[n]) in dtype, computed in fp32 and
+    rounded once, in one Triton pass (the GEMM's epilogue: a mul_, an add_ and a cast were
+    three passes over the fp32 [T, N], 1.6 + 1.0 ms of a 61 ms glm-5 NVFP4 decode step on an
+    H100, benchmarks/results/gpu_03209dd/call5)."""
+    t, n = acc.shape
+    out = torch.empty(t, n, dtype=dtype, device=acc.device)
+    if t and n:
+        grid = (math.ceil(t / _EPILOGUE_T), math.ceil(n / _EPILOGUE_N))
+        _kernels().scale_columns[grid](
+            acc, acc if g is None else g, acc if bias is None else bias, out, t, n,
+            acc.stride(0), out.stride(0), HAS_G=g is not None, HAS_BIAS=bias is not None,
+            BLOCK_T=_EPILOGUE_T, BLOCK_N=_EPILOGUE_N, num_warps=4)
+    return out
 
 
 def dequantize_w4a16(fmt: str, qweight: torch.Tensor, scale: torch.Tensor, group: int, k: int,
@@ -172,7 +197,8 @@ def _kernels() -> SimpleNamespace:
     tl = triton.language
     tiles = nvfp4_tile.jitted()  # the kernel calls them by these global names
     _e4m3_bits_to_f32, _nibble_values = tiles.e4m3_bits_to_f32, tiles.nibble_values
-    return SimpleNamespace(dequant=triton.jit(_dequant_kernel))
+    return SimpleNamespace(dequant=triton.jit(_dequant_kernel),
+                           scale_columns=triton.jit(_scale_columns_kernel))
 
 
 # ---- Triton kernel (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
@@ -218,3 +244,21 @@ def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, st
     tl.store(out_ptr + rows * stride_on + rk[None, :] * stride_ok,
              w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
 
+
+
+def _scale_columns_kernel(acc_ptr, g_ptr, bias_ptr, out_ptr, T, N, stride_at, stride_ot,
+                          HAS_G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """Program (t tile, n tile) of `scale_columns`: acc fp32 [T, N] (unit column stride)."""
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    mask = (rt < T)[:, None] & n_ok[None, :]
+    v = tl.load(acc_ptr + rt.to(tl.int64)[:, None] * stride_at + rn[None, :], mask=mask,
+                other=0.0)
+    if HAS_G:
+        v = v * tl.load(g_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        v = v + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rt.to(tl.int64)[:, None] * stride_ot + rn[None, :],
+             v.to(out_ptr.dtype.element_ty), mask=mask)

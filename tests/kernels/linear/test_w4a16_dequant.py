@@ -14,6 +14,7 @@ from moeserve.kernels.linear.w4a16_dequant import (
     AUTO_DEQUANT_MIN_TOKENS,
     choose_w4a16_backend,
     dequantize_w4a16,
+    scale_columns,
     w4a16_linear,
     w4a16_linear_dequant,
 )
@@ -135,6 +136,34 @@ def test_bad_inputs_are_named() -> None:
                              qw.global_scale, 16, 128)
 
 
+@pytest.mark.parametrize("with_g", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_epilogue_is_one_rounding_of_the_fp32_scale_and_bias(with_g: bool,
+                                                                 with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    acc = torch.randn(37, 300, generator=gen) * 50  # partial tiles both ways
+    g = torch.rand(300, generator=gen) + 0.5 if with_g else None
+    bias = torch.randn(300, generator=gen).half() if with_bias else None
+    expected = acc.clone()
+    if g is not None:
+        expected = expected * g
+    if bias is not None:
+        expected = expected + bias.float()
+    assert torch.equal(scale_columns(acc, g, bias, torch.float16), expected.half())
+    assert scale_columns(acc[:0], g, bias, torch.float16).shape == (0, 300)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_the_fp16_linear_with_bias_rounds_the_fp32_result_once(fmt: str) -> None:
+    qw = _quantized(fmt, 160, 256, 32 if fmt == "int4" else None)
+    x = _x(5, 256).half()
+    bias = torch.randn(160).half()
+    acc = x.float() @ _dequant(qw, torch.float16).float().t()
+    if fmt == "nvfp4":
+        acc = acc * qw.global_scale
+    assert torch.equal(_linear(x, qw, bias=bias), (acc + bias.float()).half())
+
+
 # ---- GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -151,6 +180,27 @@ def test_gpu_dequant_linear_bf16(t: int, n: int, k: int, fmt: str, group: int | 
     _assert_matches(_linear(x, qw), x, qw.dequantize(), rtol=2 ** -8)
     assert choose_w4a16_backend(t, x.device, x.dtype, qw.group) == (
         "dequant" if t >= AUTO_DEQUANT_MIN_TOKENS else "fused")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_gpu_dequant_linear_bf16_bias_and_epilogue(fmt: str) -> None:
+    qw = _quantized(fmt, 2048, 1024, 32 if fmt == "int4" else None,
+                    scale_dtype=torch.bfloat16, device="cuda")
+    x = _x(300, 1024, device="cuda").bfloat16()
+    bias = torch.randn(2048, device="cuda").bfloat16()
+    acc = torch.mm(x, _dequant(qw, torch.bfloat16).t(), out_dtype=torch.float32)
+    if fmt == "nvfp4":
+        acc = acc * qw.global_scale
+    expected = (acc + bias.float()).bfloat16()
+    out = _linear(x, qw, bias=bias)
+    if fmt == "nvfp4":  # the same fp32 sums, then scale_columns' one pass: the same bits
+        assert torch.equal(out, expected)
+    else:  # cuBLAS's bf16 GEMM with the bias: one rounding of its own fp32 sums
+        torch.testing.assert_close(out, expected, rtol=2 ** -7, atol=1e-2)
+    g = qw.global_scale if fmt == "nvfp4" else None
+    assert torch.equal(scale_columns(acc, g, None, torch.bfloat16),
+                       (acc * (g if g is not None else 1.0)).bfloat16())
 
 
 @pytest.mark.gpu
