@@ -45,6 +45,7 @@ from moeserve.kernels.linear.w4a16_triton import (
     check_w4a16_x,
     w4a16_linear_triton,
 )
+from moeserve.kernels.moe.quant import micro_tiles
 from moeserve.quant.int4_pack import PER_WORD
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernel reads it as a global
@@ -158,12 +159,14 @@ def scale_columns(acc: torch.Tensor, g: torch.Tensor | None, bias: torch.Tensor 
 
 
 def dequantize_w4a16(fmt: str, qweight: torch.Tensor, scale: torch.Tensor, group: int, k: int,
-                     dtype: torch.dtype, global_scale: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     dtype: torch.dtype, global_scale: torch.Tensor | None = None,
+                     micro: int = 0) -> torch.Tensor:
     """The weight [..., N, K] in dtype by the Triton kernel (interpreted on CPU): NVFP4 without
     its global scale (module doc), or with it, global_scale [..., N] fp32 multiplied in fp32
     before the one rounding to dtype (no longer exact: the MoE's dequant path); leading dims
-    (a MoE block's experts) flattened into the rows."""
+    (a MoE block's experts) flattened into the rows. micro: qweight is micro-tiled
+    (kernels/moe/quant/micro_tiles.py) with this many packed columns a tile row (its
+    `micro_arg`), contiguous; 0 for the row layout."""
     unfit = dequant_unfit(group)
     if unfit is not None:
         raise ValueError(f"w4a16 dequantize: {unfit}")
@@ -180,7 +183,7 @@ def dequantize_w4a16(fmt: str, qweight: torch.Tensor, scale: torch.Tensor, group
         _kernels().dequant[grid](
             rows_q, s, g, out, rows, k, rows_q.stride(0), rows_q.stride(1), s.stride(0),
             s.stride(1), out.stride(0), out.stride(1),
-            NVFP4=nvfp4, GROUP=group, NATIVE_FP8=native_fp8,
+            NVFP4=nvfp4, GROUP=group, NATIVE_FP8=native_fp8, MICRO=micro,
             HAS_GLOBAL=global_scale is not None, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
             PER_WORD=PER_WORD, num_warps=4)  # a constexpr argument: compiled Triton reads
         # no plain Python global (the interpreter does, so only the GPU run caught it)
@@ -190,13 +193,16 @@ def dequantize_w4a16(fmt: str, qweight: torch.Tensor, scale: torch.Tensor, group
 @functools.cache
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now)."""
-    global tl, _e4m3_bits_to_f32, _nibble_values
+    global tl, _e4m3_bits_to_f32, _nibble_values, _micro_offsets
     import triton
     import triton.language
 
     tl = triton.language
     tiles = nvfp4_tile.jitted()  # the kernel calls them by these global names
     _e4m3_bits_to_f32, _nibble_values = tiles.e4m3_bits_to_f32, tiles.nibble_values
+    _micro_offsets = micro_tiles.jitted().micro_offsets
+    global _q_offsets
+    _q_offsets = triton.jit(_q_offsets)
     return SimpleNamespace(dequant=triton.jit(_dequant_kernel),
                            scale_columns=triton.jit(_scale_columns_kernel))
 
@@ -206,9 +212,11 @@ def _kernels() -> SimpleNamespace:
 def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, stride_sn,
                     stride_sk, stride_on, stride_ok, NVFP4: tl.constexpr, GROUP: tl.constexpr,
                     NATIVE_FP8: tl.constexpr, HAS_GLOBAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PER_WORD: tl.constexpr):
+                    BLOCK_K: tl.constexpr, PER_WORD: tl.constexpr, MICRO: tl.constexpr = 0):
     """Program (n tile, k tile): out[n, k] for BLOCK_N rows and BLOCK_K columns (module doc);
-    HAS_GLOBAL: times g[n] (contiguous fp32) before the cast; PER_WORD: int4 values a word."""
+    HAS_GLOBAL: times g[n] (contiguous fp32) before the cast; PER_WORD: int4 values a word;
+    MICRO: the packed columns of a micro-tile's row (rows of 16 within the flattened experts:
+    N % 16 == 0), 0 for the row layout."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k0 = tl.program_id(1) * BLOCK_K
@@ -219,7 +227,7 @@ def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, st
     s_mask = n_ok[:, None] & (g * GROUP < K)[None, :]
     if NVFP4:  # bytes 2j (low nibble) and 2j + 1 (high), K % 16 == 0
         c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
-        byte = tl.load(q_ptr + rows * stride_qn + c[None, :] * stride_qk,
+        byte = tl.load(q_ptr + _q_offsets(rows, c[None, :], stride_qn, stride_qk, MICRO),
                        mask=n_ok[:, None] & (2 * c < K)[None, :], other=0).to(tl.int32)
         if NATIVE_FP8:
             s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
@@ -231,7 +239,7 @@ def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, st
         w = tl.reshape(tl.join(lo * s, hi * s), (BLOCK_N, BLOCK_K))  # k = 2j + h
     else:  # k at bits 4 (k % 8) of word k // 8, stored q + 8
         c = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)  # [BK / 8] word columns
-        word = tl.load(q_ptr + rows * stride_qn + c[None, :] * stride_qk,
+        word = tl.load(q_ptr + _q_offsets(rows, c[None, :], stride_qn, stride_qk, MICRO),
                        mask=n_ok[:, None] & (PER_WORD * c < K)[None, :], other=0)
         nib = (word[:, :, None] >> (tl.arange(0, PER_WORD) * 4)[None, None, :]) & 15
         s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BN, G]
@@ -244,6 +252,15 @@ def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, st
     tl.store(out_ptr + rows * stride_on + rk[None, :] * stride_ok,
              w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
 
+
+
+def _q_offsets(rows, cols, stride_qn, stride_qk, MICRO: tl.constexpr):
+    """Element offsets of packed (rows [BN, 1], columns [1, BC]): strided, or micro-tiles."""
+    if MICRO > 0:
+        offs = _micro_offsets(rows, cols, stride_qn, MICRO)
+    else:
+        offs = rows * stride_qn + cols * stride_qk
+    return offs
 
 
 def _scale_columns_kernel(acc_ptr, g_ptr, bias_ptr, out_ptr, T, N, stride_at, stride_ot,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.kernels.linear.w4a16_dequant import dequant_unfit, dequantize_w4a16
-from moeserve.kernels.moe.quant.micro_tiles import from_micro, is_micro
+from moeserve.kernels.moe.quant.micro_tiles import micro_arg
 from moeserve.quant.packed import QuantWeight
 
 MODES = ("auto", "on", "off")
@@ -76,8 +76,6 @@ def moe_dequant(x: torch.Tensor, w13: QuantWeight, w2: QuantWeight,
 
 
 def _dequantized(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The stack in `dtype`; micro-tiled packed weights (micro_tiles.py) back in rows first (a
-    transient of the packed bytes, a quarter of the bf16 stack this writes)."""
-    qweight = from_micro(w.qweight) if is_micro(w) else w.qweight
-    return dequantize_w4a16(w.format, qweight, w.scale, w.group, w.shape[-1], dtype,
-                            w.global_scale)
+    """The stack in `dtype` (micro-tiled packed weights read as such: micro_tiles.py)."""
+    return dequantize_w4a16(w.format, w.qweight, w.scale, w.group, w.shape[-1], dtype,
+                            w.global_scale, micro_arg(w.format, w, w.qweight))

@@ -14,7 +14,7 @@ whole contiguous kilobytes at the 128-K step's registers:
 16 rows x 64 bytes (MC columns of the packed dtype) contiguous, the tiles of 16 rows in K order,
 the same [E, N, C] shape and bytes. `micro_offsets` is the kernel's address of (row, column).
 Needs N % 16 == 0 and C % MC == 0 (K a multiple of 128); the references read the row layout
-only (`from_micro` gives it back; the dequantize-first path does so per call).
+only (`from_micro` gives it back); the dequantize-first path's kernel reads micro-tiles too.
 
 Measured (an H100, benchmarks/results/gpu_4da0855/): GLM-5's experts at 64 tokens 1.843 ms
 (NVFP4) / 1.806 (INT4) micro-tiled at a 128-K step against the best row-layout tile's 2.120 /
@@ -25,6 +25,7 @@ default tiles keep 128-K steps for micro-tiled weights (configs.default_quant_co
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -120,13 +121,15 @@ def tile_offsets(rows, cols, stride_bn, stride_bk, MICRO: tl.constexpr):
     return offs
 
 
+@functools.cache
 def jitted() -> SimpleNamespace:
     """The Triton helpers (bound here as module globals too: tile_offsets calls micro_offsets
-    by name); triton is imported here, on first use."""
+    by name); triton is imported here, on first use (once: the fused MoE and the dequantize
+    kernel both take them)."""
     global tl, micro_offsets, tile_offsets
     import triton
     import triton.language
 
     tl = triton.language
     micro_offsets, tile_offsets = (triton.jit(f) for f in (micro_offsets, tile_offsets))
-    return SimpleNamespace(tile_offsets=tile_offsets)
+    return SimpleNamespace(tile_offsets=tile_offsets, micro_offsets=micro_offsets)
