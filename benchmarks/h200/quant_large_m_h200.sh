@@ -10,13 +10,17 @@
 #      row blocks of an expert share each weight tile in L2) -> $OUT/large_m.jsonl
 #   2. the decode step of glm-5 sliced to 12 layers in NVFP4 at 1,024 rows, part by part against
 #      each part's bound (benchmarks/engine/profile_step.py) -> $OUT/profile/
+# PROFILE_ONLY=1 runs part 2 alone (~2 minutes; ENGINE_ARGS: more engine arguments as JSON
+# members, e.g. '"dequantize_linears": true'; TAG=_dl names its files).
 #   bash benchmarks/h200/quant_large_m_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
 tiles=(--tile 64 128 128 4 3 8 --tile 16 64 128 4 3 8 --tile 16 128 128 4 3 8
        --tile 32 64 128 4 3 8 --tile 32 128 128 4 3 8 --tile 64 64 128 4 3 8
        --tile 64 128 128 8 3 8 --tile 128 128 128 8 3 8 --tile 16 64 128 4 3 1)
-for case in "glm-5 1024" "glm-5 2048" "qwen3-30b-a3b 1024" "qwen3-30b-a3b 2048"; do
+cases=("glm-5 1024" "glm-5 2048" "qwen3-30b-a3b 1024" "qwen3-30b-a3b 2048")
+[ "${PROFILE_ONLY:-0}" = 1 ] && cases=()
+for case in "${cases[@]}"; do
   read -r shape tokens <<< "$case"
   timeout 150 python3 -m benchmarks.quant.moe_quant_once --format nvfp4 --shape $shape \
     --tokens $tokens --weight-layout micro "${tiles[@]}" 2>>$OUT/large_m.log \
@@ -25,6 +29,6 @@ done
 mkdir -p $OUT/profile
 timeout 300 python3 -m benchmarks.engine.profile_step --preset glm-5 --batch 1024 \
   --hf-overrides '{"num_hidden_layers": 12}' \
-  --engine-args '{"quantization": "nvfp4", "moe_tune_budget_s": 0, "max_model_len": 4096}' \
-  --out $OUT/profile > $OUT/profile/profile.log 2>&1
-echo "profile_step rc=$?"; tail -40 $OUT/profile/profile.log
+  --engine-args "{\"quantization\": \"nvfp4\", \"moe_tune_budget_s\": 0, \"max_model_len\": 4096${ENGINE_ARGS:+, $ENGINE_ARGS}}" \
+  --tag "${TAG:-}" --out $OUT/profile > $OUT/profile/profile${TAG:+_$TAG}.log 2>&1
+echo "profile_step rc=$?"; tail -40 $OUT/profile/profile${TAG:+_$TAG}.log
