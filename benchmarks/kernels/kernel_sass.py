@@ -14,6 +14,7 @@ To match the GPU machine, put its Triton on the path first:
         --tile 16 64 64 4 2
     PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass w4a16 --tile 16 64 128 4 4 \
         --split 4 --decode asm
+    PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass w4a16-dequant --micro
 
     PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass mla-decode --tile 16 64 4 2 \
         --heads 64
@@ -189,6 +190,28 @@ def w4a16(args: argparse.Namespace) -> dict:
                  stride_sk=1, stride_on=1)
     kernel = w4a16_triton._kernels().w4a16
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
+
+
+def w4a16_dequant(args: argparse.Namespace) -> dict:
+    """The W4A16 linear's many-token path (kernels/linear/w4a16_dequant.py): the dequantize
+    kernel at its own tile (--micro: the experts' micro-tiles read in place), or with
+    --epilogue `scale_columns`' kernel (NVFP4's global scale and a bias over fp32 [T, N])."""
+    from moeserve.kernels.linear import w4a16_dequant as wd
+    from moeserve.kernels.moe.quant.micro_tiles import TILE_BYTES
+
+    kern = wd._kernels()
+    if args.epilogue:
+        pointers = {"acc_ptr": "*fp32", "g_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+        const = dict(HAS_G=True, HAS_BIAS=True, BLOCK_T=wd._EPILOGUE_T, BLOCK_N=wd._EPILOGUE_N)
+        return compile_sm90(kern.scale_columns, pointers, const,
+                            _nospec(args, kern.scale_columns), 4, 1)
+    nvfp4 = args.format == "nvfp4"
+    pointers = {"q_ptr": "*u8" if nvfp4 else "*i32", "s_ptr": "*fp8e4nv" if nvfp4 else "*bf16",
+                "g_ptr": "*fp32", "out_ptr": "*bf16"}
+    const = dict(NVFP4=nvfp4, GROUP=16 if nvfp4 else 32, NATIVE_FP8=True, HAS_GLOBAL=nvfp4,
+                 BLOCK_N=wd._BLOCK_N, BLOCK_K=wd._BLOCK_K, PER_WORD=8,
+                 MICRO=(TILE_BYTES if nvfp4 else TILE_BYTES // 4) if args.micro else 0)
+    return compile_sm90(kern.dequant, pointers, const, _nospec(args, kern.dequant), 4, 1)
 
 
 MLA_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
@@ -433,6 +456,12 @@ def main() -> None:
             p.add_argument("--slots", action="store_true",
                            help="the selection given as cache rows (sparse_triton.slot_rows; "
                                 "mla-decode-gluon: with --sparse)")
+    p = sub.add_parser("w4a16-dequant")
+    p.add_argument("--format", choices=("nvfp4", "int4"), default="nvfp4")
+    p.add_argument("--micro", action="store_true", help="the weights in micro-tiles")
+    p.add_argument("--epilogue", action="store_true",
+                   help="scale_columns' kernel instead of the dequantize kernel")
+    p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     p = sub.add_parser("topk")
     p.add_argument("--form", choices=("coop", "row", "hist", "count", "write", "gather",
                                       "last_levels"), default="coop")
@@ -443,7 +472,8 @@ def main() -> None:
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     args = parser.parse_args()
-    report = {"topk": topk, "moe-quant": moe_quant, "w4a16": w4a16, "mla-decode": mla_decode,
+    report = {"topk": topk, "moe-quant": moe_quant, "w4a16": w4a16,
+              "w4a16-dequant": w4a16_dequant, "mla-decode": mla_decode,
               "mla-decode-gluon": mla_decode_gluon, "mla-decode-flat": mla_decode_flat,
               "mla-prefill": mla_prefill, "dsa-sparse": dsa_sparse, "gqa-prefill": gqa,
               "gqa-decode": gqa}[args.kernel](args)
