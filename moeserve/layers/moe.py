@@ -259,7 +259,7 @@ def tile_experts(blocks: list[SparseMoeBlock], layout: str, device: torch.device
         return f"{fmt} experts in rows (moe_weight_layout rows)"
     why = ("the fused MoE reads micro-tiles on CUDA only (the reference reads rows)"
            if device.type != "cuda" else
-           next((why for w in weights if (why := micro_unfit(w))), ""))
+           next(filter(None, map(micro_unfit, weights)), ""))
     if why:
         if layout == "micro":
             raise ConfigError(f"moe_weight_layout micro: {why}")

@@ -88,6 +88,7 @@ class QuantWeight(nn.Module):
         self.format = fmt
         self.group = group_size(fmt, int4_group)
         self.scale_rows = 1
+        self.micro_tiled = False  # packed columns in micro-tiles (kernels/moe/quant/micro_tiles)
         self.logical_shape = tuple(shape)
         if fmt == "nvfp4" and k % nvfp4.GROUP:
             raise ValueError(f"NVFP4 needs in_features a multiple of {nvfp4.GROUP}, got {k}")
@@ -112,7 +113,7 @@ class QuantWeight(nn.Module):
     def view_of(self) -> QuantView:
         if self.scale_rows != 1:
             raise ValueError("a QuantWeight with compacted FP8 scales has no row views")
-        if getattr(self, "micro_tiled", False):  # kernels/moe/quant/micro_tiles.py
+        if self.micro_tiled:
             raise ValueError("a micro-tiled QuantWeight has no row views")
         return QuantView(self.format, self.qweight, self.scale, self.global_scale,
                          self.logical_shape, self.group)

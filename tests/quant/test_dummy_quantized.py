@@ -110,7 +110,7 @@ def test_gpu_micro_tiled_experts_serve_the_row_layouts_tokens(
         llm = LLM("tiny-moe", device="cuda", dtype="bfloat16", quantization=fmt,
                   hf_overrides=wide, moe_weight_layout=layout, mem_fraction=0.1)
         w13 = llm.engine.runner.model.moe_blocks()[0].w13
-        assert getattr(w13, "micro_tiled", False) == (layout == "auto")
+        assert w13.micro_tiled == (layout == "auto")
         assert ("micro-tiled" in llm.report.expert_layout) == (layout == "auto")
         outs[layout] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         del llm

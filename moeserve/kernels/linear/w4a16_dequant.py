@@ -193,16 +193,14 @@ def dequantize_w4a16(fmt: str, qweight: torch.Tensor, scale: torch.Tensor, group
 @functools.cache
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now)."""
-    global tl, _e4m3_bits_to_f32, _nibble_values, _micro_offsets
+    global tl, _e4m3_bits_to_f32, _nibble_values, _packed_offsets
     import triton
     import triton.language
 
     tl = triton.language
     tiles = nvfp4_tile.jitted()  # the kernel calls them by these global names
     _e4m3_bits_to_f32, _nibble_values = tiles.e4m3_bits_to_f32, tiles.nibble_values
-    _micro_offsets = micro_tiles.jitted().micro_offsets
-    global _q_offsets
-    _q_offsets = triton.jit(_q_offsets)
+    _packed_offsets = micro_tiles.jitted().packed_offsets
     return SimpleNamespace(dequant=triton.jit(_dequant_kernel),
                            scale_columns=triton.jit(_scale_columns_kernel))
 
@@ -227,7 +225,7 @@ def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, st
     s_mask = n_ok[:, None] & (g * GROUP < K)[None, :]
     if NVFP4:  # bytes 2j (low nibble) and 2j + 1 (high), K % 16 == 0
         c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
-        byte = tl.load(q_ptr + _q_offsets(rows, c[None, :], stride_qn, stride_qk, MICRO),
+        byte = tl.load(q_ptr + _packed_offsets(rows, c[None, :], stride_qn, stride_qk, MICRO),
                        mask=n_ok[:, None] & (2 * c < K)[None, :], other=0).to(tl.int32)
         if NATIVE_FP8:
             s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
@@ -239,7 +237,7 @@ def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, st
         w = tl.reshape(tl.join(lo * s, hi * s), (BLOCK_N, BLOCK_K))  # k = 2j + h
     else:  # k at bits 4 (k % 8) of word k // 8, stored q + 8
         c = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)  # [BK / 8] word columns
-        word = tl.load(q_ptr + _q_offsets(rows, c[None, :], stride_qn, stride_qk, MICRO),
+        word = tl.load(q_ptr + _packed_offsets(rows, c[None, :], stride_qn, stride_qk, MICRO),
                        mask=n_ok[:, None] & (PER_WORD * c < K)[None, :], other=0)
         nib = (word[:, :, None] >> (tl.arange(0, PER_WORD) * 4)[None, None, :]) & 15
         s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BN, G]
@@ -251,16 +249,6 @@ def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, st
     rk = k0 + tl.arange(0, BLOCK_K)  # [BK]
     tl.store(out_ptr + rows * stride_on + rk[None, :] * stride_ok,
              w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & (rk < K)[None, :])
-
-
-
-def _q_offsets(rows, cols, stride_qn, stride_qk, MICRO: tl.constexpr):
-    """Element offsets of packed (rows [BN, 1], columns [1, BC]): strided, or micro-tiles."""
-    if MICRO > 0:
-        offs = _micro_offsets(rows, cols, stride_qn, MICRO)
-    else:
-        offs = rows * stride_qn + cols * stride_qk
-    return offs
 
 
 def _scale_columns_kernel(acc_ptr, g_ptr, bias_ptr, out_ptr, T, N, stride_at, stride_ot,

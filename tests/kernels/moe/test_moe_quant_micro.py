@@ -14,6 +14,7 @@ from moeserve.kernels.moe.quant.configs import default_quant_config
 from moeserve.kernels.moe.quant.dequant import moe_dequant
 from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
 from moeserve.kernels.moe.quant.micro_tiles import (
+    fits_shape,
     from_micro,
     is_micro,
     micro_arg,
@@ -22,7 +23,6 @@ from moeserve.kernels.moe.quant.micro_tiles import (
     to_micro,
 )
 from moeserve.kernels.moe.quant.ref import moe_quant_ref
-from moeserve.kernels.moe.quant.tune import engine_micro
 from tests.kernels.moe.test_moe_quant_triton import (
     DEVICE,
     GPU_SHAPE,
@@ -116,8 +116,8 @@ def test_micro_tiles_keep_128_k_steps_and_the_engine_tiles_4_bit_multiples_of_12
     assert default_quant_config("nvfp4", 64, 8, 256, 16, glm5)["BLOCK_K"] == 256
     assert default_quant_config("nvfp4", 64, 8, 256, 16, glm5, micro=True)["BLOCK_K"] == 128
     assert default_quant_config("int4", 64, 8, 256, 32, glm5, micro=True)["BLOCK_K"] == 128
-    assert engine_micro("nvfp4", *glm5) and engine_micro("int4", 2048, 768)
-    assert not engine_micro("fp8", *glm5) and not engine_micro("nvfp4", 2048, 704)
+    assert fits_shape("nvfp4", *glm5) and fits_shape("int4", 2048, 768)
+    assert not fits_shape("fp8", *glm5) and not fits_shape("nvfp4", 2048, 704)
 
 
 def test_the_engine_tiles_its_4_bit_experts_where_it_can() -> None:

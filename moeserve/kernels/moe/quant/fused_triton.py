@@ -223,7 +223,7 @@ def _kernel() -> Any:
 
     _tile, _b_step, _w_scale, _load_k = (triton.jit(f) for f in (_tile, _b_step, _w_scale,
                                                                   _load_k))
-    _b_offsets = micro_tiles.jitted().tile_offsets
+    _b_offsets = micro_tiles.jitted().packed_offsets
     tiles = nvfp4_tile.jitted()
     _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
     _spread_groups, _unscale = tiles.spread_groups, tiles.unscale
@@ -456,8 +456,8 @@ def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, 
     elif FORMAT == 1:  # the bytes and, per byte, its group's scale: nvfp4_tile's step
         c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
         c_ok = c * 2 < K  # past K: 0 (x's columns there are 0)
-        byte = _load_k(b_base + _b_offsets(rows, c, stride_bn, stride_bk, MICRO), c_ok,
-                       EVEN_K)  # [BK / 2, BN] uint8
+        byte = _load_k(b_base + _b_offsets(rows[None, :], c[:, None], stride_bn, stride_bk,
+                                           MICRO), c_ok, EVEN_K)  # [BK / 2, BN] uint8
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [BK / G] group columns
         s_ptrs = s_base + rows[None, :] * stride_sn + g[:, None] * stride_sk  # [BK / G, BN]
         if NATIVE_FP8:  # float8_e4m3fn, the hardware's conversion
@@ -471,8 +471,8 @@ def _b_step(acc, a, s_a, s_b, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn, 
         kp = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK / 8] packed columns
         kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [BK / G] scale columns
         kp_ok, kg_ok = kp * 8 < K, kg * GROUP < K  # past K: 0 (x's columns there are 0)
-        packed = _load_k(b_base + _b_offsets(rows, kp, stride_bn, stride_bk, MICRO), kp_ok,
-                         EVEN_K).to(tl.int32)  # [BK / 8, BN]
+        packed = _load_k(b_base + _b_offsets(rows[None, :], kp[:, None], stride_bn, stride_bk,
+                                             MICRO), kp_ok, EVEN_K).to(tl.int32)  # [BK / 8, BN]
         step = _load_k(s_base + rows[None, :] * stride_sn + kg[:, None] * stride_sk, kg_ok,
                        EVEN_K).to(tl.float32)  # [BK / G, BN]
         if DECODE >= 1:  # int4_tile's nibble planes: each scale over its group's words

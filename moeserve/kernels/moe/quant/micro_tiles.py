@@ -80,6 +80,12 @@ def micro_unfit(w: Any) -> str:
     return ""
 
 
+def fits_shape(fmt: str, hidden: int, inter: int) -> bool:
+    """Whether experts of this format and shape (w13 [E, 2I, H], w2 [E, H, I]) can be
+    micro-tiled: `micro_unfit`'s rule from the shape alone (the tuner's random experts)."""
+    return fmt in ("nvfp4", "int4") and hidden % MICRO_K == 0 and inter % MICRO_K == 0
+
+
 def tile_in_place(w: Any) -> None:
     """A quantized weight's [E, N, C] packed columns rewritten as micro-tiles in place, one
     expert at a time (a transient of one expert's bytes: a whole GLM-5 layer is 4.8 GB), and
@@ -111,25 +117,26 @@ def micro_arg(fmt: str, w: Any, qweight: torch.Tensor) -> int:
     return micro_columns(qweight.dtype)
 
 
-def tile_offsets(rows, cols, stride_bn, stride_bk, MICRO: tl.constexpr):
-    """[len(cols), len(rows)] element offsets of a 4-bit weight tile in one expert: strided
-    rows and packed columns, or (MICRO > 0) micro-tiles (stride_bn: the columns a row)."""
+def packed_offsets(rows, cols, stride_row, stride_col, MICRO: tl.constexpr):
+    """Element offsets of 4-bit packed weights at rows and packed columns broadcast against
+    each other (the fused MoE's [BC, BN] tile, the dequantize kernel's [BN, BC]): strided, or
+    (MICRO > 0) micro-tiles (stride_row: the columns a row)."""
     if MICRO > 0:
-        offs = micro_offsets(rows[None, :], cols[:, None], stride_bn, MICRO)
+        offs = micro_offsets(rows, cols, stride_row, MICRO)
     else:
-        offs = rows[None, :] * stride_bn + cols[:, None] * stride_bk
+        offs = rows * stride_row + cols * stride_col
     return offs
 
 
 @functools.cache
 def jitted() -> SimpleNamespace:
-    """The Triton helpers (bound here as module globals too: tile_offsets calls micro_offsets
-    by name); triton is imported here, on first use (once: the fused MoE and the dequantize
-    kernel both take them)."""
-    global tl, micro_offsets, tile_offsets
+    """The Triton helpers (bound here as module globals too: packed_offsets calls
+    micro_offsets by name); triton is imported here, on first use (once: the fused MoE and the
+    dequantize kernel both take them)."""
+    global tl, micro_offsets, packed_offsets
     import triton
     import triton.language
 
     tl = triton.language
-    micro_offsets, tile_offsets = (triton.jit(f) for f in (micro_offsets, tile_offsets))
-    return SimpleNamespace(tile_offsets=tile_offsets, micro_offsets=micro_offsets)
+    micro_offsets, packed_offsets = (triton.jit(f) for f in (micro_offsets, packed_offsets))
+    return SimpleNamespace(packed_offsets=packed_offsets)

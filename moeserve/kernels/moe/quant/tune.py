@@ -42,7 +42,7 @@ from moeserve.kernels.moe.quant.configs import (
     quant_config_file_name,
     quant_tune_candidates,
 )
-from moeserve.kernels.moe.quant.micro_tiles import MICRO_K, is_micro
+from moeserve.kernels.moe.quant.micro_tiles import fits_shape, is_micro
 from moeserve.kernels.moe.search import trial_key
 from moeserve.kernels.moe.tile_configs import (
     CONFIG_KEYS,
@@ -130,11 +130,11 @@ def tune_quant_moe(fmt: str, num_experts: int, hidden: int, inter: int, top_k: i
     candidates(num_tokens): configs (default `quant_tune_candidates`; each is checked for the
     format, and the first is the one "default_ms" reports). timer(config, num_tokens) -> ms:
     default a `QuantTimer` on CUDA (on `weights` when given, else random experts in the
-    engine's layout, `engine_micro`); the seam for tests.
+    engine's layout, micro-tiled where `fits_shape`); the seam for tests.
     Returns {num_tokens: entry} of the file's finished token counts (CONFIG_KEYS, "ms",
     "default_ms").
     """
-    micro = is_micro(weights[0]) if weights else engine_micro(fmt, hidden, inter)
+    micro = is_micro(weights[0]) if weights else fits_shape(fmt, hidden, inter)
     if timer is None:
         if not torch.cuda.is_available():
             raise RuntimeError("tune_quant_moe times kernels on a CUDA GPU; none is available")
@@ -181,12 +181,6 @@ def tune_quant_moe(fmt: str, num_experts: int, hidden: int, inter: int, top_k: i
     finally:
         clear_caches()
     return _finished(doc, fmt, group)
-
-
-def engine_micro(fmt: str, hidden: int, inter: int) -> bool:
-    """Whether the engine holds experts of this format and shape micro-tiled on CUDA
-    (moe_weight_layout "auto": 4-bit formats whose w13 and w2 fit the tiles)."""
-    return fmt in ("nvfp4", "int4") and hidden % MICRO_K == 0 and inter % MICRO_K == 0
 
 
 def _time_one(timer: QuantTimerFn, config: dict, num_tokens: int,
