@@ -173,6 +173,7 @@ def moe_quant(args: argparse.Namespace) -> dict:
                  PREFETCH=fmt == "fp8" and args.prefetch, BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=1, stride_bk=1,
                  MICRO={"fp8": 0, "nvfp4": 64, "int4": 16}[fmt] if args.micro else 0,
+                 **fused_triton._sub_tiles({"BLOCK_M": bm, "SUB_M": int(args.sub_m)}),
                  **({"stride_sn": 1} if args.k_major_scales else {"stride_sk": 1}))
     kernel = fused_triton._kernel()
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
@@ -423,6 +424,8 @@ def main() -> None:
                            help="fp8: a weight scale per row loaded (not one per tile)")
             p.add_argument("--prefetch", action="store_true",
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
+            p.add_argument("--sub-m", action="store_true",
+                           help="the SUB_M option: half and quarter tiles beside BLOCK_M's")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
     for name in ("mla-decode", "mla-decode-gluon", "mla-decode-flat", "mla-prefill",

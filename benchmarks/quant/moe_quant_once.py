@@ -20,7 +20,8 @@ value), the tuned or default op first:
     python3 -m benchmarks.quant.moe_quant_once --format nvfp4 --shape glm-5 --tokens 64 \
         --tile 16 64 128 4 3 --tile 16 32 256 4 3
 
---weight-layout micro draws the 4-bit experts micro-tiled (kernels/moe/quant/micro_tiles.py).
+A seventh number 1 adds the SUB_M option (a block of few real rows computes a half or quarter
+tile). --weight-layout micro draws the 4-bit experts micro-tiled (kernels/moe/quant/micro_tiles.py).
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ def main() -> None:
                         help="the 4-bit experts' packed layout (quant_weights.packed_layout)")
     parser.add_argument("--tile", type=int, nargs="+", action="append", default=[],
                         metavar="N", help="time the fused kernel at this tile config: BLOCK_M "
-                        "BLOCK_N BLOCK_K WARPS STAGES [GROUP_M, default 1] (repeatable)")
+                        "BLOCK_N BLOCK_K WARPS STAGES [GROUP_M, default 1 [SUB_M, default 0]] "
+                        "(repeatable)")
     args = parser.parse_args()
     for tile in args.tile:
-        if len(tile) not in (5, 6):
-            parser.error(f"--tile takes BLOCK_M BLOCK_N BLOCK_K WARPS STAGES [GROUP_M], "
+        if len(tile) not in (5, 6, 7):
+            parser.error(f"--tile takes BLOCK_M BLOCK_N BLOCK_K WARPS STAGES [GROUP_M [SUB_M]], "
                          f"got {tile}")
     if args.maxnreg != "off":
         from moeserve.kernels.moe.quant import fused_triton
@@ -102,10 +104,11 @@ def time_tiles(args: argparse.Namespace, fn, x, w13, w2, weights, ids) -> None:
     ref = fn().float()
     scale = ref.abs().max().item() or 1.0
     print(json.dumps({"tile": args.tiles, "ms": round(timer(fn), 4)}), flush=True)
-    for m, n, k, warps, stages, *group in args.tile:
-        group_m = group[0] if group else 1  # 1: decode's row blocks, one an expert
-        config = tile_config(m, n, k, group_m, warps, stages)
-        row = {"tile": [m, n, k, warps, stages, group_m]}
+    for m, n, k, warps, stages, *more in args.tile:
+        group_m = more[0] if more else 1  # 1: decode's row blocks, one an expert
+        sub_m = more[1] if len(more) > 1 else 0  # the SUB_M option (fused_triton.py)
+        config = tile_config(m, n, k, group_m, warps, stages) | ({"SUB_M": 1} if sub_m else {})
+        row = {"tile": [m, n, k, warps, stages, group_m, sub_m]}
         try:
             def op(config=config):
                 return moe_quant_triton(x, w13, w2, weights, ids, config=config)

@@ -143,6 +143,35 @@ def test_explicit_tiles_fp32(fmt: str) -> None:
     assert_tiles_match_ref(fmt, config, 33, seed=4)
 
 
+def skewed_routing(num_tokens: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing (k = 2) whose experts hold 56, 24 and 10 pairs, the rest spread over the others:
+    the pairs' experts in runs, token t taking runs' positions t and T + t (distinct, as no
+    expert holds more than T pairs)."""
+    rest = 2 * num_tokens - 90
+    counts = [56, 24, 10] + [rest // (num_experts - 3) + (e < rest % (num_experts - 3))
+                             for e in range(num_experts - 3)]
+    runs = torch.repeat_interleave(torch.arange(num_experts), torch.tensor(counts))
+    ids = torch.stack([runs[:num_tokens], runs[num_tokens:]], dim=1).int()
+    weights = torch.rand(num_tokens, TOP_K, generator=torch.Generator().manual_seed(7))
+    return weights.to(DEVICE), ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("fmt", list(SHAPES))
+def test_sub_m_tiles_give_the_whole_blocks_bits(fmt: str) -> None:
+    """SUB_M: a 64-row block whose real rows fit 32 (16) computes a tile of that height (the
+    routing has blocks of all three); the rows' results are those of the whole blocks."""
+    w13, w2 = experts(fmt)
+    x = tokens(60, w13.shape[2], seed=8)
+    weights, ids = skewed_routing(60, w13.shape[0])
+    assert (ids[:, 0] != ids[:, 1]).all()
+    block_k = {"fp8": 128, "nvfp4": 64, "int4": 32}[fmt]
+    config = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=2)
+    whole = moe_quant_triton(x, w13, w2, weights, ids, config=config)
+    out = moe_quant_triton(x, w13, w2, weights, ids, config=config | {"SUB_M": 1})
+    assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 1e-4
+    assert rel_err(out, whole) < 1e-6  # each row its own sums (their order may differ)
+
+
 @pytest.mark.parametrize("fmt", W4A16)
 def test_wide_k_tiles_fp32(fmt: str) -> None:
     """The 4-bit formats' 256-K step (configs.WIDE_K): the gated launch's K 256 one whole

@@ -51,6 +51,9 @@ from moeserve.kernels.moe.tile_configs import (
 from moeserve.quant.packed import FP8_GROUP
 
 QUANT_FORMATS = ("fp8", "nvfp4", "int4")
+# The launch options (tile_configs.OPTION_KEYS) the quantized kernel takes: SUB_M, a block's
+# tile of its real rows' height (a half or a quarter of BLOCK_M, >= 16 rows) where they fit.
+QUANT_OPTIONS = ("SUB_M",)
 MAX_QUANT_CANDIDATES = 24  # per token count, the default included
 # Budgets the grid keeps to (per program): shared memory of the gated launch's pipeline stages,
 # and the fp32 values of one dequantized [BLOCK_K, BLOCK_N] weight tile per thread (W4A16: the
@@ -105,10 +108,10 @@ def check_quant_config(config: dict, fmt: str, groups: tuple[int, ...],
     """tile_configs.check_config's rules, no launch options, and BLOCK_K: 128 for fp8 (one
     scale column a K step), a multiple of both weights' groups for nvfp4 / int4."""
     check_config(config, what)
-    extra = sorted(k for k in ("down", *OPTION_KEYS) if config.get(k))
+    extra = sorted(k for k in ("down", *OPTION_KEYS) if config.get(k) and k not in QUANT_OPTIONS)
     if extra:
         raise ValueError(f"{what}: {extra} are not supported (one set of CONFIG_KEYS tiles for "
-                         f"both launches): {config!r}")
+                         f"both launches, options {list(QUANT_OPTIONS)}): {config!r}")
     block_k = config["BLOCK_K"]
     if fmt == "fp8" and block_k != FP8_GROUP:
         raise ValueError(f"{what}: fp8 needs BLOCK_K {FP8_GROUP} (one scale column a step), "

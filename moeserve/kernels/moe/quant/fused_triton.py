@@ -203,9 +203,19 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
         PREFETCH=fmt == "fp8" and prefetch_scales,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], MICRO=micro_tiles.micro_arg(fmt, w, qweight),
+        **_sub_tiles(config),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         **({"maxnreg": max_registers} if max_registers and a.device.type == "cuda" else {}))
+
+
+def _sub_tiles(config: dict[str, int]) -> dict[str, int]:
+    """HALF_M and QUARTER_M of a config with SUB_M (the heights under BLOCK_M a block with few
+    real rows computes: those of at least 16 rows, 0 where none), both 0 without it."""
+    if not config.get("SUB_M"):
+        return {"HALF_M": 0, "QUARTER_M": 0}
+    half, quarter = config["BLOCK_M"] // 2, config["BLOCK_M"] // 4
+    return {"HALF_M": half if half >= 16 else 0, "QUARTER_M": quarter if quarter >= 16 else 0}
 
 
 @functools.cache
@@ -217,9 +227,14 @@ def _kernel() -> Any:
     helpers are jitted here and bound as module globals, where the interpreter finds them.
     """
     global tl, _tile, _b_step, _w_scale, _load_k, _nvfp4_step, _e4m3_bits_to_f32, _spread_groups
-    global _unscale, _int4_planes_step, _b_offsets
+    global _unscale, _int4_planes_step, _b_offsets, _sub_rows
     import triton
     import triton.language as tl
+
+    from moeserve.kernels.moe import fused_triton as bf16_moe
+
+    bf16_moe._kernel()  # binds its jitted helpers, _sub_rows among them
+    _sub_rows = bf16_moe._sub_rows
 
     _tile, _b_step, _w_scale, _load_k = (triton.jit(f) for f in (_tile, _b_step, _w_scale,
                                                                   _load_k))
@@ -245,7 +260,7 @@ def _kernel() -> Any:
             EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
             DECODE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-            MICRO: tl.constexpr = 0):
+            MICRO: tl.constexpr = 0, HALF_M: tl.constexpr = 0, QUARTER_M: tl.constexpr = 0):
         # (row block, N-tile): GROUP_M row blocks side by side per N-tile (B tiles shared in L2)
         pid = tl.program_id(0)
         num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -254,15 +269,34 @@ def _kernel() -> Any:
         group_m = tl.minimum(num_blocks - first_m, GROUP_M)
         pid_m = first_m + (pid % group_size) % group_m
         pid_n = (pid % group_size) // group_m
-        expert = tl.load(expert_ids_ptr + pid_m)
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         if expert >= 0:  # else past the used blocks
-            _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
-                  pid_m, pid_n, expert.to(tl.int64), num_pairs, N, K, stride_am, stride_asm,
-                  stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
-                  stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS, ONE_SCALE_ROW,
-                  A_ROW_DIV,
-                  GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, PREFETCH, BLOCK_M,
-                  BLOCK_N, BLOCK_K, MICRO)
+            which = 0  # the whole block's tile; with SUB_M (HALF_M > 0) by its real rows
+            if HALF_M > 0:  # they come first: the align fills an expert's run, pads its end
+                ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+                real = tl.sum((ids < num_pairs).to(tl.int32), axis=0)
+                which = _sub_rows(real, BLOCK_M, HALF_M, QUARTER_M)  # 0, 1 or 2
+            if which == 0:
+                _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr,
+                      sorted_ids_ptr, pid_m, pid_n, expert, num_pairs, N, K, stride_am,
+                      stride_asm, stride_be, stride_bn, stride_bk, stride_se, stride_sn,
+                      stride_sk, stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS,
+                      ONE_SCALE_ROW, A_ROW_DIV, GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8,
+                      DECODE, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, MICRO, BLOCK_M)
+            elif which == 1:
+                _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr,
+                      sorted_ids_ptr, pid_m, pid_n, expert, num_pairs, N, K, stride_am,
+                      stride_asm, stride_be, stride_bn, stride_bk, stride_se, stride_sn,
+                      stride_sk, stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS,
+                      ONE_SCALE_ROW, A_ROW_DIV, GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8,
+                      DECODE, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, MICRO, HALF_M)
+            elif QUARTER_M > 0:  # constexpr: a quarter tile exists (>= 16 rows)
+                _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr,
+                      sorted_ids_ptr, pid_m, pid_n, expert, num_pairs, N, K, stride_am,
+                      stride_asm, stride_be, stride_bn, stride_bk, stride_se, stride_sn,
+                      stride_sk, stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS,
+                      ONE_SCALE_ROW, A_ROW_DIV, GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8,
+                      DECODE, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, MICRO, QUARTER_M)
 
     return _fused_moe_quant_kernel
 
@@ -353,10 +387,12 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
           ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
           EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
           DECODE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MICRO: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] output tile of row block pid_m (expert `expert`, int64); MICRO:
-    the packed columns of a micro-tile's row (micro_tiles.py), 0 for the row layout."""
-    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MICRO: tl.constexpr,
+          ROWS: tl.constexpr):
+    """One [ROWS, BLOCK_N] output tile: the first ROWS (BLOCK_M, or a half or quarter of it
+    with SUB_M) rows of row block pid_m (expert `expert`, int64); MICRO: the packed columns of a
+    micro-tile's row (micro_tiles.py), 0 for the row layout."""
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, ROWS))  # [ROWS]
     row_ok = pairs < num_pairs  # padding holds the sentinel num_pairs
     a_rows = (pairs // A_ROW_DIV).to(tl.int64)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
@@ -365,13 +401,13 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
     a_base = a_ptr + a_rows[:, None] * stride_am  # [BM, 1]; A's last dim is contiguous
     b_base = b_ptr + expert * stride_be
     s_base = bs_ptr + expert * stride_se
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # the up rows' (gated)
+    acc = tl.full((ROWS, BLOCK_N), 0.0, dtype=tl.float32)
+    acc_up = tl.full((ROWS, BLOCK_N), 0.0, dtype=tl.float32)  # the up rows' (gated)
     # fp8: the rows' scales of a 128-group ([BM]) and the weights' (gate and up rows their
     # own); with PREFETCH each loaded a step ahead (a load that feeds no dot is not in
     # Triton's pipeline: loaded in the step that uses it, its latency is the step's)
     s_rows = as_ptr + a_rows * stride_asm
-    s_a = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
+    s_a = tl.full((ROWS,), 0.0, dtype=tl.float32)
     s_g = 0.0
     s_u = 0.0
     if FORMAT == 0:
@@ -403,11 +439,11 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
             a = tl.load(a_base + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _b_step(acc, a, s_a, s_g, b_base, s_base, rows, kk, k_ok, k0, K, stride_bn,
                       stride_bk, stride_sn, stride_sk, FORMAT, GROUP, ONE_SCALE_ROW, EVEN_K,
-                      DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M, BLOCK_N, BLOCK_K, MICRO)
+                      DOT_PRECISION, NATIVE_FP8, DECODE, ROWS, BLOCK_N, BLOCK_K, MICRO)
         if GATED:  # the up rows N + n: their own scales
             acc_up = _b_step(acc_up, a, s_a, s_u, b_base, s_base, rows + N, kk, k_ok, k0, K,
                              stride_bn, stride_bk, stride_sn, stride_sk, FORMAT, GROUP,
-                             ONE_SCALE_ROW, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, BLOCK_M,
+                             ONE_SCALE_ROW, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, ROWS,
                              BLOCK_N, BLOCK_K, MICRO)
         s_a, s_g, s_u = s_a_next, s_g_next, s_u_next
     if FORMAT == 1:  # nvfp4's global scales, per weight row (gate and up rows their own)
