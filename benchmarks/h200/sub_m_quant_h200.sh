@@ -3,7 +3,9 @@
 # whose real rows fit a half or a quarter of it computes that tile: mma.sync's register
 # operands at 16 / 32 rows, no stores of the decoded tile to shared memory). At 1,024 tokens
 # GLM-5's experts hold ~32 rows each, so about half of the 64-row blocks would take the 32-row
-# tile with each expert's weights still decoded once. One call (~6 minutes on an H100):
+# tile with each expert's weights still decoded once; at 256 tokens qwen3-30b-a3b's hold ~16,
+# where 16-row blocks decode the weights of about 4 experts in 10 twice and 32-row blocks with
+# SUB_M would not. One call (~6 minutes on an H100):
 #   1. the GPU tests of the quantized MoE (SUB_M's included), of the micro-tiled experts and of
 #      the W4A16 linear's dequantize path (written in session 45, not yet run) -> gpu_tests.log
 #   2. moe_quant_once --tile with and without SUB_M, NVFP4 and INT4 micro-tiled as the engine
@@ -18,9 +20,11 @@ timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
 echo "gpu tests rc=$?"; tail -3 $OUT/gpu_tests.log
 tiles=(--tile 64 128 128 4 3 8 --tile 64 128 128 4 3 8 1 --tile 64 64 128 4 3 8
        --tile 64 64 128 4 3 8 1 --tile 128 128 128 8 3 8 --tile 128 128 128 8 3 8 1
-       --tile 128 64 128 4 3 8 1 --tile 32 64 128 4 3 8 --tile 32 64 128 4 3 8 1)
-cases=("glm-5 1024 nvfp4" "glm-5 512 nvfp4" "glm-5 2048 nvfp4" "qwen3-30b-a3b 1024 nvfp4"
-       "qwen3-30b-a3b 2048 nvfp4" "glm-5 1024 int4" "qwen3-30b-a3b 1024 int4")
+       --tile 128 64 128 4 3 8 1 --tile 32 64 128 4 3 8 --tile 32 64 128 4 3 8 1
+       --tile 16 64 128 4 3 1 --tile 32 64 128 4 3 1 1)
+cases=("glm-5 1024 nvfp4" "qwen3-30b-a3b 256 nvfp4" "qwen3-30b-a3b 1024 nvfp4"
+       "glm-5 512 nvfp4" "qwen3-30b-a3b 512 nvfp4" "glm-5 2048 nvfp4" "glm-5 1024 int4"
+       "qwen3-30b-a3b 1024 int4" "qwen3-30b-a3b 2048 nvfp4")
 for case in "${cases[@]}"; do
   read -r shape tokens fmt <<< "$case"
   timeout 120 python3 -m benchmarks.quant.moe_quant_once --format $fmt --shape $shape \

@@ -98,6 +98,11 @@ def test_the_grid_is_valid_for_each_format(fmt: str, group: int, num_experts: in
                 assert c["BLOCK_M"] == 128, c
         assert {c["BLOCK_M"] for c in grid[1:]} <= {m for m in (16, 32, 64, 128)
                                                   if m <= max(16, 2 * per_expert)}
+        # each BLOCK_M from 32 once with SUB_M, beside the same tile without it
+        subs = [c for c in grid if c.get("SUB_M")]
+        assert sorted(c["BLOCK_M"] for c in subs) == sorted(
+            {c["BLOCK_M"] for c in grid[1:] if c["BLOCK_M"] >= 32})
+        assert all({k: v for k, v in c.items() if k != "SUB_M"} in grid for c in subs)
     decode = quant_tune_candidates(fmt, num_experts, top_k, 1, group)
     assert {c["BLOCK_M"] for c in decode} == {16}  # one row block per expert
     if num_experts >= 128:  # 8192 tokens: 256-512 pairs per expert
@@ -249,7 +254,8 @@ def test_the_lookup_reads_the_tune_back_at_the_nearest_token_count(
     for num_tokens, nearest in ((1, 1), (20, 1), (40, 64), (5000, 64)):
         choice = get_quant_config(*args, num_tokens, "cpu")
         assert choice.tuned and choice.source == str(path) and choice.tuned_tokens == nearest
-        assert choice.config == {k: done[nearest][k] for k in moe_configs.CONFIG_KEYS}
+        assert choice.config == {k: v for k, v in done[nearest].items()
+                                 if k not in ("ms", "default_ms")}  # tiles and SUB_M
     other = get_quant_config("nvfp4", E, H, N, 8, 16, torch.float32, 1, "cpu")  # top-k 8
     assert not other.tuned and other.source == "default"
     default = get_quant_config(*args, 1, "cpu", tiles="default")
@@ -260,6 +266,18 @@ def test_a_bad_entry_names_the_file(isolated_config_dirs: Path) -> None:
     path = write_tuned(isolated_config_dirs / "env", "fp8", {4: dict(SMALL)})  # BLOCK_K 32
     with pytest.raises(ValueError, match=rf"{path.name}: the entry for 4 tokens: .*BLOCK_K 128"):
         get_quant_config("fp8", E, H, N, K, 128, torch.float32, 4, "cpu")
+
+
+def test_an_entry_with_sub_m_is_read_back_with_it(isolated_config_dirs: Path) -> None:
+    sub = {**SMALL, "BLOCK_K": 128, "BLOCK_M": 64, "SUB_M": 1}
+    write_tuned(isolated_config_dirs / "env", "fp8", {4: {**sub, "ms": 0.2}, 64: dict(sub)
+                                                      | {"SUB_M": 0, "ms": 0.3}})
+    args = ("fp8", E, H, N, K, 128, torch.float32)
+    assert get_quant_config(*args, 4, "cpu").config == sub
+    assert "SUB_M" not in get_quant_config(*args, 64, "cpu").config  # 0: absent, as untuned
+    write_tuned(isolated_config_dirs / "env", "fp8", {4: {**sub, "PERSISTENT": 2}})
+    with pytest.raises(ValueError, match=r"the entry for 4 tokens: .*PERSISTENT"):
+        get_quant_config(*args, 4, "cpu")
 
 
 def test_moe_quant_triton_takes_tuned_tiles_and_default_reads_no_file(

@@ -3,7 +3,8 @@ defaults, the rules a config must keep per format, the tuner's candidate grid an
 tuned files.
 
 A config is tile_configs.CONFIG_KEYS (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
-num_stages), one set for both launches, no launch options and no "down" entry. Per format
+num_stages), one set for both launches, no "down" entry, and of the launch options only SUB_M
+(QUANT_OPTIONS; a tuned entry may carry it). Per format
 (`check_quant_config`): fp8 needs BLOCK_K 128 (one activation / weight scale column a K step);
 nvfp4 and int4 a BLOCK_K that is a multiple of the group (16, or the checkpoint's int4 group),
 for nvfp4 at least 32.
@@ -155,7 +156,9 @@ def quant_tune_candidates(fmt: str, num_experts: int, top_k: int, num_tokens: in
     """The grid at one token count: `default_quant_config` first, then <= 23 more (at most
     MAX_QUANT_CANDIDATES in all). BLOCK_M: the one or two of 16 / 32 / 64 / 128 that fit the
     pairs per expert (<= 2x it; 16 alone in decode), as the bf16 quick grid picks them; BLOCK_K
-    by `quant_block_ks`; GROUP_M 8 when an expert holds more than one row block, else 1. Every
+    by `quant_block_ks`; GROUP_M 8 when an expert holds more than one row block, else 1; from
+    BLOCK_M 32 each BLOCK_M's first tile with SUB_M as well (an expert's rows in one block,
+    those of a half or a quarter of it computed at that height). Every
     candidate keeps `check_quant_config` for the format and the group. micro: the default's
     (the weights micro-tiled); the grid is the same."""
     if fmt not in QUANT_FORMATS:
@@ -165,14 +168,18 @@ def quant_tune_candidates(fmt: str, num_experts: int, top_k: int, num_tokens: in
     block_ms = fitting[-2:]
     block_ks = quant_block_ks(fmt, group)
     grid = [default_quant_config(fmt, num_tokens, top_k, num_experts, group, k_dims, micro)]
-    per_block = -(-(MAX_QUANT_CANDIDATES - 1) // (len(block_ms) * len(block_ks)))
+    tiles = []
     for block_m in block_ms:
         for block_k in block_ks:
             fits = [c for c in (tile_config(block_m, n, block_k, 8 if per_expert > block_m else 1,
                                             warps, stages)
                                 for n, warps, stages in _GRID[block_m])
                     if _fits(fmt, c, group)]
-            grid += fits[:per_block]
+            tiles.append(fits)
+            if block_m >= 32 and fits and block_k == block_ks[0]:  # its first guess, SUB_M
+                grid.append(fits[0] | {"SUB_M": 1})
+    per_block = -(-(MAX_QUANT_CANDIDATES - len(grid)) // max(len(tiles), 1))
+    grid += [c for fits in tiles for c in fits[:per_block]]
     unique = list({config_key(c): c for c in grid}.values())
     return unique[:MAX_QUANT_CANDIDATES]
 
@@ -229,7 +236,8 @@ def get_quant_config(fmt: str, num_experts: int, hidden: int, inter: int, top_k:
     if found is not None:
         path, table = found
         nearest = nearest_token_count(table, num_tokens)
-        config = {k: table[nearest][k] for k in CONFIG_KEYS}
+        config = {k: table[nearest][k] for k in (*CONFIG_KEYS, *QUANT_OPTIONS)
+                  if k in table[nearest]}
         return MoeConfigChoice(config, True, path, "triton", nearest)
     return MoeConfigChoice(default_quant_config(fmt, num_tokens, top_k, num_experts, group,
                                                 (hidden, inter), micro), False, "default")
@@ -247,7 +255,10 @@ def parse_quant_entry(raw: dict, fmt: str, group: int) -> dict:
         if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
             raise ValueError(f"tuned quantized MoE entry {key} must be an integer, got {value!r}")
         entry[key] = int(value)
-    check_quant_config(entry, fmt, (group,), "tuned quantized MoE entry")
+    entry |= {k: raw[k] for k in QUANT_OPTIONS if raw.get(k)}
+    # the options it may not carry are named too (they would not be read)
+    check_quant_config(entry | {k: raw[k] for k in ("down", *OPTION_KEYS) if raw.get(k)}, fmt,
+                       (group,), "tuned quantized MoE entry")
     for key in ("ms", "default_ms"):
         if key in raw:
             entry[key] = float(raw[key])

@@ -36,6 +36,7 @@ import torch
 
 from moeserve.kernels.moe import tile_configs
 from moeserve.kernels.moe.quant.configs import (
+    QUANT_OPTIONS,
     check_quant_config,
     find_quant_tuned,
     parse_quant_entry,
@@ -203,7 +204,8 @@ def _pick(grid: Sequence[dict], trials: dict[str, float | str]) -> dict | None:
     if not timed:
         return None
     ms, _, config = min(timed, key=lambda t: t[:2])
-    entry = {k: config[k] for k in CONFIG_KEYS} | {"ms": ms}
+    entry = ({k: config[k] for k in CONFIG_KEYS} | {k: config[k] for k in QUANT_OPTIONS
+                                                     if config.get(k)} | {"ms": ms})
     default = trials.get(trial_key("moe", grid[0]))
     if isinstance(default, float):
         entry["default_ms"] = default
