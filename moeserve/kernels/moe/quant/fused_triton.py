@@ -67,7 +67,6 @@ refused on CPU.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import torch
@@ -77,12 +76,10 @@ from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
 from moeserve.kernels.moe.quant import micro_tiles
+from moeserve.kernels.moe.quant.checks import check_inputs
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
-from moeserve.kernels.moe.quant.ref import weight_layout
 from moeserve.kernels.moe.tile_configs import check_tile_source, tile_device_name, tile_tokens
-from moeserve.kernels.triton_common import require_triton_device
-from moeserve.quant.fp8_block import E4M3, quantize_activations
-from moeserve.quant.packed import FP8_GROUP, packed_columns
+from moeserve.quant.fp8_block import quantize_activations
 
 FORMAT_IDS = {"fp8": 0, "nvfp4": 1, "int4": 2}  # the kernel's FORMAT constexpr
 # fp8's activation and weight scales loaded a K step ahead (an experiment switch, off until
@@ -97,8 +94,6 @@ prefetch_scales = False
 # but slower on an H100 (gpu_2d81e17/call5: 80 registers 1.87 against 1.55 ms, 96 at 1,024
 # tokens 3.08 against 0.47): off.
 max_registers: int | None = None
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_QWEIGHT_DTYPES = {"fp8": E4M3, "nvfp4": torch.uint8, "int4": torch.int32}
 tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
 
 
@@ -126,7 +121,7 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
         [T, H] in x's dtype ([T, k, H] with reduce False).
     """
     check_tile_source(tiles)
-    fmt, (group13, rows13), (group2, rows2) = _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    fmt, (group13, rows13), (group2, rows2) = check_inputs(x, w13, w2, topk_weights, topk_ids)
     num_tokens, hidden = x.shape
     num_experts, inter, top_k = w13.shape[0], w2.shape[-1], topk_ids.shape[1]
     if num_tokens == 0:
@@ -299,82 +294,6 @@ def _kernel() -> Any:
                       DECODE, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, MICRO, QUARTER_M)
 
     return _fused_moe_quant_kernel
-
-
-def _check_inputs(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> tuple[str, tuple[int, int], tuple[int, int]]:
-    """Shapes, dtypes, devices and strides, with a ValueError naming the tensor (no sync).
-    Returns the format and each weight's (group, scale_rows)."""
-    if x.dim() != 2 or x.dtype not in _DTYPES or x.stride(-1) != 1:
-        raise ValueError(f"x must be [T, H] of {_DTYPES} with a contiguous last dim, got "
-                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
-    require_triton_device(x.device, "moe_quant_triton")
-    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-        raise ValueError("moe_quant_triton: x in bf16 needs CUDA (Triton's interpreter loads "
-                         "bf16 wrongly); use fp32 / fp16 on CPU")
-    fmt = weight_layout("w13", w13)[0]
-    if len(w13.shape) != 3 or w13.shape[1] % 2 or w13.shape[2] != x.shape[1]:
-        raise ValueError(f"w13: logical shape must be [E, 2I, H] with H = {x.shape[1]} (x's), "
-                         f"got {list(w13.shape)}")
-    num_experts, two_inter, hidden = w13.shape
-    layout13 = _check_weight("w13", w13, fmt, (num_experts, two_inter, hidden), x.device)
-    layout2 = _check_weight("w2", w2, fmt, (num_experts, hidden, two_inter // 2), x.device)
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_ids must be [T, k] with T = {x.shape[0]}, got "
-                         f"{tuple(topk_ids.shape)}")
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-        raise ValueError(f"topk_ids must be integer, got {topk_ids.dtype}")
-    if (topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32
-            or not topk_weights.is_contiguous()):
-        raise ValueError(f"topk_weights must be contiguous float32 {tuple(topk_ids.shape)}, got "
-                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
-    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    return fmt, layout13, layout2
-
-
-def _check_weight(name: str, w: Any, fmt: str, shape: tuple[int, int, int],
-                  device: torch.device) -> tuple[int, int]:
-    """One quantized weight of logical `shape` [E, N, K] in format `fmt`, as quant/packed.py
-    lays it out; returns its (group, scale_rows)."""
-    wfmt, group, scale_rows = weight_layout(name, w)
-    if wfmt != fmt:
-        raise ValueError(f"{name}: format {wfmt!r}, w13's is {fmt!r}: one format for both")
-    if tuple(w.shape) != shape:
-        raise ValueError(f"{name}: logical shape must be {list(shape)}, got {list(w.shape)}")
-    num_experts, n, k = shape
-    want = _QWEIGHT_DTYPES[fmt]
-    if w.qweight.dtype != want:
-        raise ValueError(f"{name}.qweight must be {want} for {fmt}, got {w.qweight.dtype}")
-    if tuple(w.qweight.shape) != (num_experts, n, packed_columns(fmt, k)):
-        raise ValueError(f"{name}.qweight must be {[num_experts, n, packed_columns(fmt, k)]} for "
-                         f"{fmt} {list(shape)}, got {list(w.qweight.shape)}")
-    if fmt == "fp8" and (group != FP8_GROUP or scale_rows < 1):
-        raise ValueError(f"{name}: fp8 needs group {FP8_GROUP} and scale_rows >= 1, got {group} "
-                         f"and {scale_rows}")
-    if fmt != "fp8" and (scale_rows != 1 or group < 8 or group & (group - 1)):
-        raise ValueError(f"{name}: {fmt} needs scale_rows 1 and a power-of-two group >= 8, got "
-                         f"{scale_rows} and {group}")
-    want_s = (num_experts, math.ceil(n / scale_rows), math.ceil(k / group))
-    if tuple(w.scale.shape) != want_s:
-        raise ValueError(f"{name}.scale must be {list(want_s)}, got {list(w.scale.shape)}")
-    s_ok = {"fp8": w.scale.dtype == torch.float32, "nvfp4": w.scale.dtype == E4M3,
-            "int4": w.scale.dtype in _DTYPES}[fmt]
-    if not s_ok or (device.type == "cpu" and w.scale.dtype == torch.bfloat16):
-        raise ValueError(f"{name}.scale: {w.scale.dtype} is not {fmt}'s scale dtype (fp8 "
-                         "float32, nvfp4 float8_e4m3fn, int4 fp32 / fp16 / bf16, bf16 on CUDA)")
-    tensors = [("qweight", w.qweight), ("scale", w.scale)]
-    if fmt == "nvfp4":
-        gs = w.global_scale
-        if gs is None or gs.dtype != torch.float32 or tuple(gs.shape) != (num_experts, n):
-            raise ValueError(f"{name}.global_scale must be float32 [{num_experts}, {n}], got "
-                             f"{None if gs is None else (gs.dtype, list(gs.shape))}")
-        tensors.append(("global_scale", gs))
-    for part, t in tensors:
-        if t.device != device:
-            raise ValueError(f"{name}.{part} is on {t.device}, x on {device}")
-    return group, scale_rows
 
 
 # ---- Triton helpers (jitted by _kernel; module globals, as the interpreter resolves names) ----
