@@ -271,27 +271,18 @@ def _kernel() -> Any:
                 ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
                 real = tl.sum((ids < num_pairs).to(tl.int32), axis=0)
                 which = _sub_rows(real, BLOCK_M, HALF_M, QUARTER_M)  # 0, 1 or 2
-            if which == 0:
-                _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr,
-                      sorted_ids_ptr, pid_m, pid_n, expert, num_pairs, N, K, stride_am,
-                      stride_asm, stride_be, stride_bn, stride_bk, stride_se, stride_sn,
-                      stride_sk, stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS,
-                      ONE_SCALE_ROW, A_ROW_DIV, GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8,
-                      DECODE, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, MICRO, BLOCK_M)
-            elif which == 1:
-                _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr,
-                      sorted_ids_ptr, pid_m, pid_n, expert, num_pairs, N, K, stride_am,
-                      stride_asm, stride_be, stride_bn, stride_bk, stride_se, stride_sn,
-                      stride_sk, stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS,
-                      ONE_SCALE_ROW, A_ROW_DIV, GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8,
-                      DECODE, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, MICRO, HALF_M)
-            elif QUARTER_M > 0:  # constexpr: a quarter tile exists (>= 16 rows)
-                _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr,
-                      sorted_ids_ptr, pid_m, pid_n, expert, num_pairs, N, K, stride_am,
-                      stride_asm, stride_be, stride_bn, stride_bk, stride_se, stride_sn,
-                      stride_sk, stride_ge, stride_gn, stride_cm, FORMAT, GROUP, SCALE_ROWS,
-                      ONE_SCALE_ROW, A_ROW_DIV, GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8,
-                      DECODE, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, MICRO, QUARTER_M)
+            # the whole block's tile, its half, its quarter: one call site, unrolled (r and
+            # so the height are constexprs), each height compiled only where it exists
+            for r in tl.static_range(3):
+                if r == 0 or (r == 1 and HALF_M > 0) or (r == 2 and QUARTER_M > 0):
+                    if which == r:
+                        _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr,
+                              sorted_ids_ptr, pid_m, pid_n, expert, num_pairs, N, K,
+                              stride_am, stride_asm, stride_be, stride_bn, stride_bk,
+                              stride_se, stride_sn, stride_sk, stride_ge, stride_gn, stride_cm,
+                              FORMAT, GROUP, SCALE_ROWS, ONE_SCALE_ROW, A_ROW_DIV, GATED,
+                              EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, PREFETCH, BLOCK_M,
+                              BLOCK_N, BLOCK_K, MICRO, BLOCK_M >> r)
 
     return _fused_moe_quant_kernel
 
