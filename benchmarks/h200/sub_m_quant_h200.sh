@@ -9,7 +9,9 @@
 #   1. the GPU tests of the quantized MoE (SUB_M's included), of the micro-tiled experts and of
 #      the W4A16 linear's dequantize path (written in session 45, not yet run) -> gpu_tests.log
 #   2. moe_quant_once --tile with and without SUB_M, NVFP4 and INT4 micro-tiled as the engine
-#      holds them, GLM-5's and qwen3-30b-a3b's experts -> $OUT/sub_m.jsonl
+#      holds them, GLM-5's and qwen3-30b-a3b's experts, and gated 64-wide tiles beside a
+#      128-wide down launch (--down-n 128: the 64 x 128 gated tile spills, 64 x 64 does not)
+#      -> $OUT/sub_m.jsonl
 #   bash benchmarks/h200/sub_m_quant_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -24,9 +26,15 @@ tiles=(--tile 64 128 128 4 3 8 --tile 64 128 128 4 3 8 1 --tile 64 64 128 4 3 8
 cases=("glm-5 1024 nvfp4" "qwen3-30b-a3b 256 nvfp4" "qwen3-30b-a3b 1024 nvfp4"
        "glm-5 1024 int4" "glm-5 512 nvfp4" "qwen3-30b-a3b 512 nvfp4" "glm-5 2048 nvfp4"
        "qwen3-30b-a3b 2048 nvfp4" "qwen3-30b-a3b 1024 int4")
+split=(--down-n 128 --tile 64 64 128 4 3 8 --tile 64 64 128 4 3 8 1 --tile 128 64 128 8 3 8
+       --tile 32 64 128 4 3 1 1)
 for case in "${cases[@]}"; do
+  [ $SECONDS -gt ${DEADLINE_S:-480} ] && { echo "stopped before $case (deadline)"; break; }
   read -r shape tokens fmt <<< "$case"
   timeout 100 python3 -m benchmarks.quant.moe_quant_once --format $fmt --shape $shape \
     --tokens $tokens --weight-layout micro "${tiles[@]}" 2>>$OUT/sub_m.log \
     | sed "s/^{/{\"case\": \"$case micro\", /" | tee -a $OUT/sub_m.jsonl
+  timeout 60 python3 -m benchmarks.quant.moe_quant_once --format $fmt --shape $shape \
+    --tokens $tokens --weight-layout micro "${split[@]}" 2>>$OUT/sub_m.log \
+    | sed "s/^{/{\"case\": \"$case micro split\", /" | tee -a $OUT/sub_m.jsonl
 done

@@ -21,7 +21,8 @@ value), the tuned or default op first:
         --tile 16 64 128 4 3 --tile 16 32 256 4 3
 
 A seventh number 1 adds the SUB_M option (a block of few real rows computes a half or quarter
-tile). --weight-layout micro draws the 4-bit experts micro-tiled (kernels/moe/quant/micro_tiles.py).
+tile); --down-n N gives every --tile's down launch BLOCK_N N (a config's "down" entry).
+--weight-layout micro draws the 4-bit experts micro-tiled (kernels/moe/quant/micro_tiles.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def main() -> None:
                         metavar="N", help="time the fused kernel at this tile config: BLOCK_M "
                         "BLOCK_N BLOCK_K WARPS STAGES [GROUP_M, default 1 [SUB_M, default 0]] "
                         "(repeatable)")
+    parser.add_argument("--down-n", type=int, default=None,
+                        help="each --tile's down launch at this BLOCK_N (its other tiles the "
+                             "same): the config's 'down' entry")
     args = parser.parse_args()
     for tile in args.tile:
         if len(tile) not in (5, 6, 7):
@@ -109,6 +113,10 @@ def time_tiles(args: argparse.Namespace, fn, x, w13, w2, weights, ids) -> None:
         sub_m = more[1] if len(more) > 1 else 0  # the SUB_M option (fused_triton.py)
         config = tile_config(m, n, k, group_m, warps, stages) | ({"SUB_M": 1} if sub_m else {})
         row = {"tile": [m, n, k, warps, stages, group_m, sub_m]}
+        if args.down_n:
+            config["down"] = {"BLOCK_N": args.down_n, "BLOCK_K": k, "GROUP_M": group_m,
+                              "num_warps": warps, "num_stages": stages}
+            row["down_n"] = args.down_n
         try:
             def op(config=config):
                 return moe_quant_triton(x, w13, w2, weights, ids, config=config)

@@ -172,6 +172,29 @@ def test_sub_m_tiles_give_the_whole_blocks_bits(fmt: str) -> None:
     assert rel_err(out, whole) < 1e-6  # each row its own sums (their order may differ)
 
 
+@pytest.mark.parametrize("fmt", list(SHAPES))
+def test_the_down_launch_takes_its_own_tiles(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config's "down" entry: the down launch's BLOCK_N, BLOCK_K, GROUP_M, warps and stages
+    (BLOCK_M shared), the gated launch the top-level ones; the result the reference's."""
+    from moeserve.kernels.moe.quant import fused_triton
+
+    block_k = {"fp8": 128, "nvfp4": 32, "int4": 32}[fmt]
+    config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, GROUP_M=1, num_warps=4,
+                  num_stages=2, down=dict(BLOCK_N=64, BLOCK_K=128 if fmt != "int4" else 64,
+                                          GROUP_M=2, num_warps=4, num_stages=3))
+    launched: list[dict] = []
+    real_launch = fused_triton._launch
+
+    def spy(*args: object, **kwargs: object) -> None:
+        launched.append(args[11])  # the launch's tiles
+        real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(fused_triton, "_launch", spy)
+    assert_tiles_match_ref(fmt, config, 33, seed=9)
+    assert launched[0] == config  # the gated launch: the top-level tiles
+    assert launched[1] == {"BLOCK_M": 16} | config["down"]
+
+
 @pytest.mark.parametrize("fmt", W4A16)
 def test_wide_k_tiles_fp32(fmt: str) -> None:
     """The 4-bit formats' 256-K step (configs.WIDE_K): the gated launch's K 256 one whole
@@ -382,6 +405,13 @@ def test_config_errors() -> None:
         moe_quant_triton(x, w13, w2, weights, ids, config=config | {"BLOCK_K": 16})
     with pytest.raises(ValueError, match=r"ONE_DOT"):
         moe_quant_triton(x, w13, w2, weights, ids, config=config | {"ONE_DOT": 1})
+    down = {k: config[k] for k in ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")}
+    with pytest.raises(ValueError, match=r"'down': BLOCK_K 16 must be a multiple"):
+        moe_quant_triton(x, w13, w2, weights, ids, config=config | {"down": down
+                                                                    | {"BLOCK_K": 16}})
+    with pytest.raises(ValueError, match=r"'down': \['PERSISTENT'\] are not supported"):
+        moe_quant_triton(x, w13, w2, weights, ids, config=config | {"down": down
+                                                                    | {"PERSISTENT": 2}})
     f13, f2 = experts("fp8")
     fx = tokens(3, f13.shape[2], seed=12)
     with pytest.raises(ValueError, match=r"fp8 needs BLOCK_K 128"):

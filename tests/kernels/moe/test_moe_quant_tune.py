@@ -103,6 +103,12 @@ def test_the_grid_is_valid_for_each_format(fmt: str, group: int, num_experts: in
         assert sorted(c["BLOCK_M"] for c in subs) == sorted(
             {c["BLOCK_M"] for c in grid[1:] if c["BLOCK_M"] >= 32})
         assert all({k: v for k, v in c.items() if k != "SUB_M"} in grid for c in subs)
+        # from 64 rows a gated BLOCK_N 64 tile beside a down launch of BLOCK_N 128
+        splits = [c for c in grid if "down" in c]
+        assert all(c["BLOCK_M"] >= 64 and c["BLOCK_N"] == 64
+                   and c["down"]["BLOCK_N"] == 128 for c in splits)
+        if max(c["BLOCK_M"] for c in grid) >= 64 and fmt != "fp8":
+            assert splits, grid
     decode = quant_tune_candidates(fmt, num_experts, top_k, 1, group)
     assert {c["BLOCK_M"] for c in decode} == {16}  # one row block per expert
     if num_experts >= 128:  # 8192 tokens: 256-512 pairs per expert
@@ -278,6 +284,17 @@ def test_an_entry_with_sub_m_is_read_back_with_it(isolated_config_dirs: Path) ->
     write_tuned(isolated_config_dirs / "env", "fp8", {4: {**sub, "PERSISTENT": 2}})
     with pytest.raises(ValueError, match=r"the entry for 4 tokens: .*PERSISTENT"):
         get_quant_config(*args, 4, "cpu")
+
+
+def test_an_entry_with_down_tiles_is_read_back_with_them(isolated_config_dirs: Path) -> None:
+    down = {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+    split = {**SMALL, "BLOCK_K": 128, "down": down}
+    write_tuned(isolated_config_dirs / "env", "fp8", {4: {**split, "ms": 0.2}})
+    assert get_quant_config("fp8", E, H, N, K, 128, torch.float32, 4, "cpu").config == split
+    write_tuned(isolated_config_dirs / "env", "fp8", {4: {**split, "down": down
+                                                          | {"BLOCK_K": 64}}})
+    with pytest.raises(ValueError, match=r"the entry for 4 tokens: .*'down': fp8 needs"):
+        get_quant_config("fp8", E, H, N, K, 128, torch.float32, 4, "cpu")
 
 
 def test_moe_quant_triton_takes_tuned_tiles_and_default_reads_no_file(

@@ -3,8 +3,8 @@ defaults, the rules a config must keep per format, the tuner's candidate grid an
 tuned files.
 
 A config is tile_configs.CONFIG_KEYS (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
-num_stages), one set for both launches, no "down" entry, and of the launch options only SUB_M
-(QUANT_OPTIONS; a tuned entry may carry it). Per format
+num_stages) for both launches, or with a "down" entry (tile_configs.DOWN_KEYS) the down
+launch's own, and of the launch options only SUB_M (QUANT_OPTIONS). Per format
 (`check_quant_config`): fp8 needs BLOCK_K 128 (one activation / weight scale column a K step);
 nvfp4 and int4 a BLOCK_K that is a multiple of the group (16, or the checkpoint's int4 group),
 for nvfp4 at least 32.
@@ -37,6 +37,7 @@ from moeserve.kernels.linear.int4_tile import MIN_BLOCK_K as INT4_MIN_BLOCK_K
 from moeserve.kernels.linear.nvfp4_tile import MIN_BLOCK_K as NVFP4_MIN_BLOCK_K
 from moeserve.kernels.moe.tile_configs import (
     CONFIG_KEYS,
+    DOWN_KEYS,
     OPTION_KEYS,
     MoeConfigChoice,
     check_config,
@@ -52,6 +53,11 @@ from moeserve.kernels.moe.tile_configs import (
 from moeserve.quant.packed import FP8_GROUP
 
 QUANT_FORMATS = ("fp8", "nvfp4", "int4")
+# A gated tile holds two accumulators (gate and up), the down tile one: from SPLIT_MIN_M rows
+# the grid tries the gated launch at BLOCK_N SPLIT_N[0] beside the down launch at SPLIT_N[1],
+# the same registers a launch (sm90, NVFP4 micro-tiles, 64 rows, 128-K: the 64 x 128 gated
+# tile 255 registers and 36 bytes spilled, 64 x 64 gated 229 and 64 x 128 down 237, no spill).
+SPLIT_MIN_M, SPLIT_N = 64, (64, 128)
 # The launch options (tile_configs.OPTION_KEYS) the quantized kernel takes: SUB_M, a block's
 # tile of its real rows' height (a half or a quarter of BLOCK_M, >= 16 rows) where they fit.
 QUANT_OPTIONS = ("SUB_M",)
@@ -106,14 +112,22 @@ def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int
 
 def check_quant_config(config: dict, fmt: str, groups: tuple[int, ...],
                        what: str = "moe_quant_triton config") -> None:
-    """tile_configs.check_config's rules, no launch options, and BLOCK_K: 128 for fp8 (one
-    scale column a K step), a multiple of both weights' groups for nvfp4 / int4."""
+    """tile_configs.check_config's rules (an optional "down" entry: the down launch's own
+    tiles), of the launch options only QUANT_OPTIONS, and each launch's BLOCK_K: 128 for fp8
+    (one scale column a K step), a multiple of both weights' groups for nvfp4 / int4."""
     check_config(config, what)
-    extra = sorted(k for k in ("down", *OPTION_KEYS) if config.get(k) and k not in QUANT_OPTIONS)
-    if extra:
-        raise ValueError(f"{what}: {extra} are not supported (one set of CONFIG_KEYS tiles for "
-                         f"both launches, options {list(QUANT_OPTIONS)}): {config!r}")
-    block_k = config["BLOCK_K"]
+    for part, tiles in (("", config), (" 'down'", config.get("down") or {})):
+        extra = sorted(k for k in OPTION_KEYS if tiles.get(k) and k not in QUANT_OPTIONS)
+        if extra:
+            raise ValueError(f"{what}{part}: {extra} are not supported (the quantized kernel's "
+                             f"options: {list(QUANT_OPTIONS)}): {config!r}")
+    _check_block_k(config["BLOCK_K"], fmt, groups, what)
+    if "down" in config:
+        _check_block_k(config["down"]["BLOCK_K"], fmt, groups, f"{what} 'down'")
+
+
+def _check_block_k(block_k: int, fmt: str, groups: tuple[int, ...], what: str) -> None:
+    """One launch's BLOCK_K for the format (check_quant_config's rule)."""
     if fmt == "fp8" and block_k != FP8_GROUP:
         raise ValueError(f"{what}: fp8 needs BLOCK_K {FP8_GROUP} (one scale column a step), "
                          f"got {block_k}")
@@ -158,7 +172,8 @@ def quant_tune_candidates(fmt: str, num_experts: int, top_k: int, num_tokens: in
     pairs per expert (<= 2x it; 16 alone in decode), as the bf16 quick grid picks them; BLOCK_K
     by `quant_block_ks`; GROUP_M 8 when an expert holds more than one row block, else 1; from
     BLOCK_M 32 each BLOCK_M's first tile with SUB_M as well (an expert's rows in one block,
-    those of a half or a quarter of it computed at that height). Every
+    those of a half or a quarter of it computed at that height), from SPLIT_MIN_M its first
+    BLOCK_N 64 tile with a down launch of BLOCK_N 128 ("down"). Every
     candidate keeps `check_quant_config` for the format and the group. micro: the default's
     (the weights micro-tiled); the grid is the same."""
     if fmt not in QUANT_FORMATS:
@@ -178,6 +193,10 @@ def quant_tune_candidates(fmt: str, num_experts: int, top_k: int, num_tokens: in
             tiles.append(fits)
             if block_m >= 32 and fits and block_k == block_ks[0]:  # its first guess, SUB_M
                 grid.append(fits[0] | {"SUB_M": 1})
+            narrow = [c for c in fits if c["BLOCK_N"] == SPLIT_N[0]]
+            if block_m >= SPLIT_MIN_M and narrow and block_k == block_ks[0]:
+                grid.append(narrow[0] | {"down": {k: narrow[0][k] for k in DOWN_KEYS}
+                                         | {"BLOCK_N": SPLIT_N[1]}})
     per_block = -(-(MAX_QUANT_CANDIDATES - len(grid)) // max(len(tiles), 1))
     grid += [c for fits in tiles for c in fits[:per_block]]
     unique = list({config_key(c): c for c in grid}.values())
@@ -236,7 +255,7 @@ def get_quant_config(fmt: str, num_experts: int, hidden: int, inter: int, top_k:
     if found is not None:
         path, table = found
         nearest = nearest_token_count(table, num_tokens)
-        config = {k: table[nearest][k] for k in (*CONFIG_KEYS, *QUANT_OPTIONS)
+        config = {k: table[nearest][k] for k in (*CONFIG_KEYS, *QUANT_OPTIONS, "down")
                   if k in table[nearest]}
         return MoeConfigChoice(config, True, path, "triton", nearest)
     return MoeConfigChoice(default_quant_config(fmt, num_tokens, top_k, num_experts, group,
@@ -256,8 +275,12 @@ def parse_quant_entry(raw: dict, fmt: str, group: int) -> dict:
             raise ValueError(f"tuned quantized MoE entry {key} must be an integer, got {value!r}")
         entry[key] = int(value)
     entry |= {k: raw[k] for k in QUANT_OPTIONS if raw.get(k)}
+    if "down" in raw:  # the down launch's own tiles (ints; check_config names a bad one)
+        down = raw["down"]
+        entry["down"] = ({k: int(v) if isinstance(v, float) and v == int(v) else v
+                          for k, v in down.items()} if isinstance(down, dict) else down)
     # the options it may not carry are named too (they would not be read)
-    check_quant_config(entry | {k: raw[k] for k in ("down", *OPTION_KEYS) if raw.get(k)}, fmt,
+    check_quant_config(entry | {k: raw[k] for k in OPTION_KEYS if raw.get(k)}, fmt,
                        (group,), "tuned quantized MoE entry")
     for key in ("ms", "default_ms"):
         if key in raw:

@@ -51,7 +51,9 @@ Gluon (a K step's decode beside the previous step's wgmmas): slower at every poi
 (benchmarks/results/gpu_ff7b345/: GLM-5's shape at 1,024 / 2,048 / 4,096 tokens 4.95 / 7.07 /
 12.08 ms against 4.38 / 6.02 / 10.11 with the tuned tiles; in git's history at 90f405a).
 
-Tiles: a `config` of tile_configs.CONFIG_KEYS, one for both launches, else the lookup of
+Tiles: a `config` of tile_configs.CONFIG_KEYS for both launches (a "down" entry: the down
+launch's own, BLOCK_M shared; the SUB_M option: a block of few real rows computes a half or a
+quarter tile), else the lookup of
 quant/configs.py (a tuned file of quant/tune.py, nearest token count; or, untuned or with
 tiles "default", `default_quant_config`: BLOCK_M 16/32/64 by the pairs per expert); BLOCK_K a
 multiple of the group (nvfp4, int4) or exactly 128 (fp8). No host sync: the launches' shapes
@@ -78,7 +80,12 @@ from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
 from moeserve.kernels.moe.quant import micro_tiles
 from moeserve.kernels.moe.quant.checks import check_inputs
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
-from moeserve.kernels.moe.tile_configs import check_tile_source, tile_device_name, tile_tokens
+from moeserve.kernels.moe.tile_configs import (
+    check_tile_source,
+    down_tiles,
+    tile_device_name,
+    tile_tokens,
+)
 from moeserve.quant.fp8_block import quantize_activations
 
 FORMAT_IDS = {"fp8": 0, "nvfp4": 1, "int4": 2}  # the kernel's FORMAT constexpr
@@ -111,7 +118,8 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
         topk_weights: [T, k] float32, contiguous.
         topk_ids: [T, k] integer expert ids in [0, E) (not checked: that would sync), or -1:
             not on this rank (never computed; its part row is 0).
-        config: tiles, the keys of tile_configs.CONFIG_KEYS (one set for both launches);
+        config: tiles, the keys of tile_configs.CONFIG_KEYS (both launches; "down": the down
+            launch's own, BLOCK_M shared; SUB_M the one option);
             default: `quant.configs.get_quant_config` with `tiles`.
         tiles: where a looked-up config comes from (tile_configs.TILE_SOURCES): "tuned" (the
             nearest token count of a tuned file for this device, format and shape, else the
@@ -146,7 +154,7 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
     out = x.new_empty(num_tokens, top_k, hidden)  # [T, k, H], row pair = t * k + i
     _zero_nonlocal_rows(out.view(num_pairs, hidden), topk_ids)  # rows no launch writes
     _launch(fmt, a, a_scale, w2, group2, rows2, out.view(num_pairs, hidden), topk_weights,
-            sorted_ids, expert_ids, num_pairs, config, a_row_div=1, gated=False)
+            sorted_ids, expert_ids, num_pairs, down_tiles(config), a_row_div=1, gated=False)
     if not reduce:
         return out
     return out.view(num_tokens, hidden) if top_k == 1 else out.sum(dim=1)

@@ -4,7 +4,8 @@ and token count, the fastest of `configs.quant_tune_candidates` (the in-code def
 <= 23 more, valid for the format's BLOCK_K rule).
 
 Unlike the bf16 tuner (tune.py), which times the two launches apart and joins their best tiles,
-the quantized op takes one config for both launches, so each candidate is timed whole: the align,
+each candidate here (a config for both launches, or a gated / down pair of the grid's) is timed
+whole: the align,
 fp8's activation quantizations, both launches and the combine, by `QuantTimer` with timer.py's
 `time_in_graph` (calls captured in one CUDA graph, a few replays) on the model's weights or
 random ones quantized by quant/packed.py on the GPU, in the layout the engine holds (4-bit
@@ -205,7 +206,8 @@ def _pick(grid: Sequence[dict], trials: dict[str, float | str]) -> dict | None:
         return None
     ms, _, config = min(timed, key=lambda t: t[:2])
     entry = ({k: config[k] for k in CONFIG_KEYS} | {k: config[k] for k in QUANT_OPTIONS
-                                                     if config.get(k)} | {"ms": ms})
+                                                     if config.get(k)}
+             | ({"down": dict(config["down"])} if "down" in config else {}) | {"ms": ms})
     default = trials.get(trial_key("moe", grid[0]))
     if isinstance(default, float):
         entry["default_ms"] = default
