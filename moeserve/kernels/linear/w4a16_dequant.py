@@ -143,10 +143,11 @@ def w4a16_linear_dequant(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scale
 
 def scale_columns(acc: torch.Tensor, g: torch.Tensor | None, bias: torch.Tensor | None,
                   dtype: torch.dtype) -> torch.Tensor:
-    """acc [T, N] fp32 (contiguous) -> (acc * g[n] + bias[n]) in dtype, computed in fp32 and
-    rounded once, in one Triton pass (the GEMM's epilogue: a mul_, an add_ and a cast were
-    three passes over the fp32 [T, N], 1.6 + 1.0 ms of a 61 ms glm-5 NVFP4 decode step on an
-    H100, benchmarks/results/gpu_03209dd/call5)."""
+    """acc [T, N] fp32 (contiguous) -> (acc * g[n] + bias[n]) in dtype, computed in fp32 (on
+    the GPU one FMA, so the fp32 value may differ from torch's mul then add in its last bit:
+    the GPU test) and rounded once, in one Triton pass (the GEMM's epilogue: a mul_, an add_
+    and a cast were three passes over the fp32 [T, N], 1.6 + 1.0 ms of a 61 ms glm-5 NVFP4
+    decode step on an H100, benchmarks/results/gpu_03209dd/call5)."""
     t, n = acc.shape
     out = torch.empty(t, n, dtype=dtype, device=acc.device)
     if t and n:

@@ -194,8 +194,11 @@ def test_gpu_dequant_linear_bf16_bias_and_epilogue(fmt: str) -> None:
         acc = acc * qw.global_scale
     expected = (acc + bias.float()).bfloat16()
     out = _linear(x, qw, bias=bias)
-    if fmt == "nvfp4":  # the same fp32 sums, then scale_columns' one pass: the same bits
-        assert torch.equal(out, expected)
+    if fmt == "nvfp4":  # the same fp32 sums, then scale_columns' one pass, whose mul and add
+        # the GPU contracts into one FMA (an fp32 rounding fewer than torch's two ops): the
+        # bf16 results agree to one rounding of their own (the CPU tests: bit for bit)
+        torch.testing.assert_close(out, expected, rtol=2 ** -7, atol=0)
+        assert (out != expected).float().mean() < 0.01
     else:  # cuBLAS's bf16 GEMM with the bias: one rounding of its own fp32 sums
         torch.testing.assert_close(out, expected, rtol=2 ** -7, atol=1e-2)
     g = qw.global_scale if fmt == "nvfp4" else None
