@@ -195,6 +195,25 @@ def test_the_ledger_resumes_and_a_rerun_times_nothing(tmp_path: Path) -> None:
         tune("nvfp4", path, [1], timer)
 
 
+def test_a_ledger_of_the_other_weight_layout_is_not_resumed(tmp_path: Path) -> None:
+    """Rows and micro-tiles time the same tiles differently: a micro-tiled tune refuses a rows
+    ledger, and a ledger without the layout (from before micro-tiles) counts as rows."""
+    path = tmp_path / "t.json"
+    _, timer = fake_timer()
+    tune("nvfp4", path, [1], timer)  # CPU shapes: rows (fits_shape needs K % 128)
+    doc = json.loads(path.read_text())
+    assert doc["meta"]["weight_layout"] == "rows"
+    w13, w2 = random_quant_experts("nvfp4", E, H, N, 16, torch.float32, torch.device("cpu"))
+    w13.micro_tiled = True  # as the engine marks them (the timer here is fake)
+    with pytest.raises(ValueError, match="in the rows layout, not micro"):
+        tune("nvfp4", path, [1], timer, weights=(w13, w2))
+    del doc["meta"]["weight_layout"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="in the rows layout, not micro"):
+        tune("nvfp4", path, [1], timer, weights=(w13, w2))
+    assert tune("nvfp4", path, [1], timer)  # rows again: resumed
+
+
 def test_the_time_budget_stops_the_tune_and_a_rerun_resumes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = SimpleNamespace(now=0.0)

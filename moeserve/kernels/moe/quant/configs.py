@@ -100,14 +100,18 @@ def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int
     1.843 / 1.806 ms in NVFP4 / INT4 against 2.165 / 2.089 at 256, gpu_4da0855/call1).
 
     The 4-bit formats' 32- and 64-row tiles take SUB_M (a block whose real rows fit a half or a
-    quarter computes that tile): on an H100, micro-tiled, 5-22% faster wherever an expert's
+    quarter computes that tile), the 32-row one from 16 rows an expert (at 16 the 16-row tile
+    decodes the weights of the ~43% of experts past 16 rows twice: GLM-5's experts at 512 tokens
+    2.91 ms against 3.16, qwen3-30b-a3b's at 256 0.214 against 0.230, NVFP4, H100, micro-tiled,
+    gpu_306980f/call1): on an H100, micro-tiled, 5-22% faster wherever an expert's
     rows fit its block (GLM-5's experts at 512 / 1,024 tokens 2.91 / 3.71 ms against 3.14 /
     4.12 in NVFP4, 1,024 INT4 4.05 against 4.58; qwen3-30b-a3b's at 256 / 512 / 1,024 0.214 /
     0.299 / 0.415 against 0.234 / 0.310 / 0.463; level at 2,048 on GLM-5's:
     benchmarks/results/gpu_306980f/call1). fp8's tiles are untimed with it."""
     per_expert = num_tokens * top_k / max(num_experts, 1)
     block_k = FP8_GROUP if fmt in ("fp8", "nvfp4") else max(INT4_MIN_BLOCK_K, group)
-    if per_expert <= 16:  # decode: a handful of rows per expert
+    # 4-bit: from 16 rows an expert the 32-row SUB_M tile (below, measured at 16)
+    if per_expert < 16 or (fmt == "fp8" and per_expert == 16):  # decode: a handful a expert
         if (fmt != "fp8" and not micro and k_dims is not None and min(k_dims) >= WIDE_K_MIN
                 and WIDE_K % group == 0):
             return tile_config(16, 64, WIDE_K, 1, 4, 3)

@@ -219,7 +219,14 @@ def _finished(doc: dict, fmt: str, group: int) -> dict[int, dict]:
 
 
 def _load_ledger(path: Path, meta: dict) -> dict:
-    return load_ledger(path, meta, _SAME, ("configs", "trials"))
+    """tune.py's ledger, also refused when it timed the weights in another layout (rows or
+    micro-tiles: other times for the same tiles; a ledger from before micro-tiles is rows')."""
+    doc = load_ledger(path, meta, _SAME, ("configs", "trials"))
+    theirs = doc["meta"].get("weight_layout", "rows")
+    if theirs != meta["weight_layout"]:
+        raise ValueError(f"{path} holds a tune of the weights in the {theirs} layout, not "
+                         f"{meta['weight_layout']}; pick another out_path")
+    return doc
 
 
 def ensure_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_k: int,
