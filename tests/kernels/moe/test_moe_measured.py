@@ -26,6 +26,7 @@ from moeserve.kernels.moe.tile_configs import (
     nearest_token_count,
 )
 from moeserve.kernels.routing.select import select_experts
+from tests.kernels.moe.launch_spy import spy_launches
 
 pytestmark = pytest.mark.usefixtures("isolated_config_dirs")  # conftest.py
 
@@ -218,14 +219,7 @@ def test_triton_with_default_tiles_launches_the_defaults(isolated_config_dirs: P
     from moeserve.kernels.moe import fused_triton as triton_module
 
     write_tuned(isolated_config_dirs / "env", {4: dict(SMALL, BLOCK_N=32)})
-    launched: list[dict] = []
-    real_launch = triton_module._launch
-
-    def launch(*args: object, **kwargs: object) -> None:
-        launched.append(args[8])  # the launch's tiles
-        real_launch(*args, **kwargs)
-
-    monkeypatch.setattr(triton_module, "_launch", launch)
+    launched = spy_launches(monkeypatch, triton_module, 8)
     x, w13, w2, weights, ids = experts_and_tokens(4, seed=3)
     expected = moe_loop_ref(x, w13, w2, weights, ids)
     for tiles, config in (("tuned", dict(SMALL, BLOCK_N=32)), ("default", default_tiles(4))):

@@ -25,6 +25,7 @@ from moeserve.kernels.moe.ref import moe_loop_ref
 from moeserve.quant.fp8_block import E4M3, quantize_activations, quantize_blockwise
 from moeserve.quant.packed import QuantView, QuantWeight, quantize_into
 from tests.cuda_graph import capture
+from tests.kernels.moe.launch_spy import spy_launches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOP_K = 2
@@ -182,14 +183,7 @@ def test_the_down_launch_takes_its_own_tiles(fmt: str, monkeypatch: pytest.Monke
     config = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, GROUP_M=1, num_warps=4,
                   num_stages=2, down=dict(BLOCK_N=64, BLOCK_K=128 if fmt != "int4" else 64,
                                           GROUP_M=2, num_warps=4, num_stages=3))
-    launched: list[dict] = []
-    real_launch = fused_triton._launch
-
-    def spy(*args: object, **kwargs: object) -> None:
-        launched.append(args[11])  # the launch's tiles
-        real_launch(*args, **kwargs)
-
-    monkeypatch.setattr(fused_triton, "_launch", spy)
+    launched = spy_launches(monkeypatch, fused_triton, 11)
     assert_tiles_match_ref(fmt, config, 33, seed=9)
     assert launched[0] == config  # the gated launch: the top-level tiles
     assert launched[1] == {"BLOCK_M": 16} | config["down"]

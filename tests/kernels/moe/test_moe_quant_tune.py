@@ -38,6 +38,7 @@ from moeserve.kernels.moe.tile_configs import config_key, engine_token_counts, t
 from moeserve.kernels.moe.timer import random_tokens
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.kv_cache import MemoryPlan
+from tests.kernels.moe.launch_spy import spy_launches
 
 pytestmark = pytest.mark.usefixtures("isolated_config_dirs")  # conftest.py
 
@@ -321,14 +322,7 @@ def test_an_entry_with_down_tiles_is_read_back_with_them(isolated_config_dirs: P
 def test_moe_quant_triton_takes_tuned_tiles_and_default_reads_no_file(
         isolated_config_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_tuned(isolated_config_dirs / "env", "nvfp4", {2: {**SMALL, "ms": 0.1}})
-    launched: list[dict] = []
-    real_launch = fused_quant_triton._launch
-
-    def spy(*args: object, **kwargs: object) -> None:
-        launched.append(args[11])  # the config
-        real_launch(*args, **kwargs)
-
-    monkeypatch.setattr(fused_quant_triton, "_launch", spy)
+    launched = spy_launches(monkeypatch, fused_quant_triton, 11)
     w13, w2 = random_quant_experts("nvfp4", E, H, N, 16, torch.float32, torch.device("cpu"))
     x, weights, ids = random_tokens(3, H, E, K, torch.float32, torch.Generator().manual_seed(1))
     expected = moe_quant_ref(x, w13, w2, weights, ids)
