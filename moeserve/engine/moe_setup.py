@@ -24,12 +24,14 @@ def ensure_quant_moe_tuned(cfg: EngineConfig, mc: ModelConfig, block: torch.nn.M
     if device.type != "cuda":
         return ""  # the torch reference runs the quantized experts: no tiles
     from moeserve.kernels.moe.quant.configs import find_quant_tuned
+    from moeserve.kernels.moe.quant.micro_tiles import is_micro
     from moeserve.kernels.moe.quant.tune import ensure_quant_tuned
 
     shape = (fmt, block.num_local_experts, mc.hidden_size, block.w2.shape[-1],
              mc.num_experts_per_tok, group, dtype)
     if cfg.moe_tune_budget_s == 0:
-        found = find_quant_tuned(*shape, tile_device_name(device))
+        found = find_quant_tuned(*shape, tile_device_name(device),
+                                 layout="micro" if is_micro(w13) else "rows")
         return (f"not tuned at start-up (moe_tune_budget_s=0; {fmt} experts): "
                 + (f"using {found[0]}" if found else "default tiles"))
     outcome = ensure_quant_tuned(*shape, cfg.scheduler.max_num_batched_tokens,

@@ -296,6 +296,45 @@ def test_a_bad_entry_names_the_file(isolated_config_dirs: Path) -> None:
         get_quant_config("fp8", E, H, N, K, 128, torch.float32, 4, "cpu")
 
 
+def test_the_lookup_takes_the_file_of_the_weights_layout(isolated_config_dirs: Path) -> None:
+    """A rows tune serves row-layout weights only, a micro one micro-tiled weights only (the
+    same tiles time differently in the two); micro-tiled weights with a rows file alone take
+    the micro default."""
+    rows_tiles, micro_tiles = tile_config(16, 32, 32, 1, 4, 2), tile_config(16, 64, 32, 1, 4, 3)
+    write_tuned(isolated_config_dirs / "env", "nvfp4", {4: {**rows_tiles, "ms": 0.1}})
+    args = ("nvfp4", E, H, N, K, 16, torch.float32, 4, "cpu")
+    assert get_quant_config(*args).config == rows_tiles
+    micro = get_quant_config(*args, micro=True)
+    assert not micro.tuned and micro.config == default_quant_config("nvfp4", 4, K, E, 16,
+                                                                    (H, N), micro=True)
+    path = isolated_config_dirs / "env" / quant_config_file_name(
+        "nvfp4", E, H, N, K, 16, torch.float32, "cpu", layout="micro")
+    path.write_text(json.dumps({"meta": {}, "configs": {"4": {**micro_tiles, "ms": 0.1}}}))
+    moe_configs.clear_caches()
+    assert get_quant_config(*args, micro=True).config == micro_tiles
+    assert get_quant_config(*args).config == rows_tiles
+    with pytest.raises(ValueError, match="weight layout must be one of"):
+        quant_config_file_name("nvfp4", E, H, N, K, 16, torch.float32, "cpu", layout="cols")
+
+
+def test_micro_experts_with_only_a_committed_rows_file_take_the_defaults_at_once(
+        isolated_config_dirs: Path) -> None:
+    write_tuned(isolated_config_dirs / "package", "nvfp4", {64: tile_config(16, 64, 128, 1, 4, 3)},
+                device="Fake GPU")
+    w13, w2 = random_quant_experts("nvfp4", E, H, N, 16, torch.float32, torch.device("cpu"))
+    w13.micro_tiled = True  # as the engine marks them
+    outcome = ensure_quant_tuned("nvfp4", E, H, N, K, 16, torch.float32, 8192,
+                                 weights=(w13, w2), device_name="Fake GPU", log=lambda s: None,
+                                 timer=lambda c, n: pytest.fail("no start-up tune"))
+    assert not outcome.tuned and outcome.source == "default"
+    assert "timed the other weight layout, not these micro experts" in outcome.detail
+    w13.micro_tiled = False  # rows weights: the committed file itself
+    outcome = ensure_quant_tuned("nvfp4", E, H, N, K, 16, torch.float32, 8192,
+                                 weights=(w13, w2), device_name="Fake GPU", log=lambda s: None,
+                                 timer=lambda c, n: pytest.fail("a committed file is kept"))
+    assert outcome.tuned and outcome.detail == "committed"
+
+
 def test_an_entry_with_sub_m_is_read_back_with_it(isolated_config_dirs: Path) -> None:
     sub = {**SMALL, "BLOCK_K": 128, "BLOCK_M": 64, "SUB_M": 1}
     write_tuned(isolated_config_dirs / "env", "fp8", {4: {**sub, "ms": 0.2}, 64: dict(sub)
@@ -447,11 +486,15 @@ def test_the_command_line_tunes_one_format_and_shape(tmp_path: Path,
     (args, kwargs), = seen
     assert args[:7] == ("int4", 256, 6144, 2048, 8, 32, torch.bfloat16)
     assert args[7] == [1, 2, 4] and kwargs == {"time_budget_s": None}
+    # GLM-5's K dims fit micro-tiles: the tune times them so and its file says so
     assert args[8] == tmp_path / quant_config_file_name("int4", 256, 6144, 2048, 8, 32,
-                                                        torch.bfloat16, "Fake GPU")
+                                                        torch.bfloat16, "Fake GPU",
+                                                        layout="micro")
+    assert ",layout=micro," in args[8].name
     quant_tune.main(["--format", "nvfp4", "-E", "8", "-H", "256", "-I", "128", "-k", "2",
                      "--out", str(tmp_path), "--tokens", "64", "1024"])
     assert seen[1][0][:6] == ("nvfp4", 8, 256, 128, 2, 16) and seen[1][0][7] == [64, 1024]
+    assert ",layout=micro," in seen[1][0][8].name  # K 256 and 128: micro-tiles fit too
     with pytest.raises(SystemExit):
         quant_tune.main(["--format", "fp8", "-E", "8", "-H", "256", "-I", "128", "-k", "2",
                          "--out", str(tmp_path), "--tokens", "0"])

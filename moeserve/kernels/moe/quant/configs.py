@@ -53,6 +53,7 @@ from moeserve.kernels.moe.tile_configs import (
 from moeserve.quant.packed import FP8_GROUP
 
 QUANT_FORMATS = ("fp8", "nvfp4", "int4")
+WEIGHT_LAYOUTS = ("rows", "micro")  # the 4-bit experts' packed layouts a tune timed
 # A gated tile holds two accumulators (gate and up), the down tile one: from SPLIT_MIN_M rows
 # the grid tries the gated launch at BLOCK_N SPLIT_N[0] beside the down launch at SPLIT_N[1],
 # the same registers a launch (sm90, NVFP4 micro-tiles, 64 rows, 128-K: the 64 x 128 gated
@@ -234,36 +235,45 @@ def _fits(fmt: str, config: dict[str, int], group: int) -> bool:
 
 def quant_config_file_name(fmt: str, num_experts: int, hidden: int, inter: int, top_k: int,
                            group: int, dtype: torch.dtype, device_name: str,
-                           triton: str | None = None) -> str:
+                           triton: str | None = None, layout: str = "rows") -> str:
     """quant=fp8,E=128,H=2048,I=768,k=8,group=128,device_name=NVIDIA_H200,dtype=bfloat16,
-    triton=3.6.0.json (tile_configs.config_file_name's style; dtype: the activations')."""
+    triton=3.6.0.json (tile_configs.config_file_name's style; dtype: the activations'); a tune
+    of micro-tiled weights (layout "micro") is quant=nvfp4,layout=micro,E=...: the same tiles
+    time differently in the two layouts, so each has its own file (a rows file keeps the name
+    it had before micro-tiles)."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
     device = device_name.replace(" ", "_").replace("/", "_")
     dtype_name = str(dtype).removeprefix("torch.")
-    return (f"quant={fmt},E={num_experts},H={hidden},I={inter},k={top_k},group={group},"
+    tag = ",layout=micro" if layout == "micro" else ""
+    return (f"quant={fmt}{tag},E={num_experts},H={hidden},I={inter},k={top_k},group={group},"
             f"device_name={device},dtype={dtype_name},triton={triton or triton_version()}.json")
 
 
 def find_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_k: int,
-                     group: int, dtype: torch.dtype,
-                     device_name: str) -> tuple[str, dict[int, dict]] | None:
+                     group: int, dtype: torch.dtype, device_name: str,
+                     layout: str = "rows") -> tuple[str, dict[int, dict]] | None:
     """(path, {num_tokens: entry}) of the first config folder with a finished entry for this
-    shape and format, or None (tile_configs.find_config_file: a same-chip device's committed
-    file too)."""
+    shape, format and weight layout ("rows" / "micro": the file's name says which), or None
+    (tile_configs.find_config_file: a same-chip device's committed file too)."""
     return find_config_file(
         lambda device: quant_config_file_name(fmt, num_experts, hidden, inter, top_k, group,
-                                              dtype, device),
+                                              dtype, device, layout=layout),
         lambda path: _load_quant_tuned(path, fmt, group), device_name)
 
 
 def get_quant_config(fmt: str, num_experts: int, hidden: int, inter: int, top_k: int,
                      group: int, dtype: torch.dtype, num_tokens: int, device_name: str,
                      tiles: str = "tuned", micro: bool = False) -> MoeConfigChoice:
-    """The tuned entry nearest `num_tokens` for this shape, format and device, else
-    `default_quant_config` (micro: for micro-tiled weights); tiles "default": the default at
-    once, no file read. (backend is always "triton": the quantized experts have no other.)"""
+    """The tuned entry nearest `num_tokens` for this shape, format and device, of a file that
+    timed the weights' layout (micro: micro-tiled, else rows), else `default_quant_config` (a
+    tune of the other layout times other tiles best: on an H100 the rows-era GLM-5 / qwen3
+    entries ran micro-tiled weights 0-22% slower than the micro defaults from 16 rows an
+    expert, gpu_306980f/call1); tiles "default": the default at once, no file read. (backend
+    is always "triton": the quantized experts have no other.)"""
     check_tile_source(tiles)
-    found = (find_quant_tuned(fmt, num_experts, hidden, inter, top_k, group, dtype, device_name)
-             if tiles == "tuned" else None)
+    found = (find_quant_tuned(fmt, num_experts, hidden, inter, top_k, group, dtype, device_name,
+                              layout="micro" if micro else "rows") if tiles == "tuned" else None)
     if found is not None:
         path, table = found
         nearest = nearest_token_count(table, num_tokens)

@@ -237,10 +237,13 @@ def ensure_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_
                        log: Callable[[str], None] = print) -> TuneOutcome:
     """Start-up: make sure this format and shape have tuned tiles on this device.
 
-    Returns at once (no GPU work) when a committed file (the package's configs/) serves it, or
-    another found file holds every token count of `engine_token_counts`. Otherwise tunes
-    (resuming a partial tune) into `tune_dir()` within `time_budget_s`. Without CUDA (and no
-    `timer`) it tunes nothing: the default tiles.
+    The weights' layout (micro-tiled or rows: `weights`' own, else the tuner's rule) picks the
+    file. Returns at once (no GPU work) when a committed file (the package's configs/) serves
+    it, or another found file holds every token count of `engine_token_counts`, or a committed
+    file of the other layout exists (the default tiles then: a start-up does not spend minutes
+    tuning a shape the package covers; benchmarks/h200/quant_micro_tiles_h200.sh tunes it).
+    Otherwise tunes (resuming a partial tune) into `tune_dir()` within `time_budget_s`.
+    Without CUDA (and no `timer`) it tunes nothing: the default tiles.
     """
     start = time.perf_counter()
     if timer is None and not torch.cuda.is_available():
@@ -248,7 +251,15 @@ def ensure_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_
     device_name = device_name or torch.cuda.get_device_name()
     shape = (fmt, num_experts, hidden, inter, top_k, group, dtype)
     wanted = engine_token_counts(max_num_batched_tokens)
-    found = find_quant_tuned(*shape, device_name)
+    layout = "micro" if (is_micro(weights[0]) if weights else fits_shape(fmt, hidden, inter)) \
+        else "rows"
+    found = find_quant_tuned(*shape, device_name, layout=layout)
+    other = find_quant_tuned(*shape, device_name, layout="rows" if layout == "micro" else "micro")
+    if found is None and other is not None and \
+            Path(other[0]).parent == tile_configs.PACKAGE_CONFIG_DIR:
+        return TuneOutcome(time.perf_counter() - start, False, "default",
+                           f"default tiles: the committed {Path(other[0]).name} timed the "
+                           f"other weight layout, not these {layout} experts")
     if found is not None:
         path, table = found
         if Path(path).parent == tile_configs.PACKAGE_CONFIG_DIR:
@@ -258,7 +269,7 @@ def ensure_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_
             return TuneOutcome(time.perf_counter() - start, True, path, "tuned earlier (cached)")
         out_path = Path(path)  # a partial tune (a budget ran out): resume it
     else:
-        out_path = tune_dir() / quant_config_file_name(*shape, device_name)
+        out_path = tune_dir() / quant_config_file_name(*shape, device_name, layout=layout)
     log(f"MoE tiles ({fmt}): no complete tune for E={num_experts} H={hidden} I={inter} "
         f"k={top_k} group={group} {dtype} on {device_name}; tuning {len(wanted)} token counts "
         f"into {out_path} (budget {time_budget_s:.0f} s)")
@@ -298,7 +309,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     group = group_size(args.format, args.group)
     dtype = getattr(torch, args.dtype)
     shape = (args.format, args.experts, args.hidden, args.inter, args.top_k, group, dtype)
-    path = Path(args.out) / quant_config_file_name(*shape, torch.cuda.get_device_name())
+    path = Path(args.out) / quant_config_file_name(
+        *shape, torch.cuda.get_device_name(),
+        layout="micro" if fits_shape(args.format, args.hidden, args.inter) else "rows")
     tune_quant_moe(*shape, args.tokens or engine_token_counts(args.max_batched_tokens), path,
                    time_budget_s=args.time_budget_s)
     print(path)
