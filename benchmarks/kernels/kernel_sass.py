@@ -12,6 +12,8 @@ To match the GPU machine, put its Triton on the path first:
     pip install --target /tmp/tri36 --no-deps triton==3.6.0
     PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass moe-quant --format nvfp4 \
         --tile 16 64 64 4 2
+    PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass moe --tile 64 64 64 4 3 \
+        --one-dot --sub-m
     PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass w4a16 --tile 16 64 128 4 4 \
         --split 4 --decode asm
     PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass w4a16-dequant --micro
@@ -175,6 +177,25 @@ def moe_quant(args: argparse.Namespace) -> dict:
                  MICRO={"fp8": 0, "nvfp4": 64, "int4": 16}[fmt] if args.micro else 0,
                  **fused_triton._sub_tiles({"BLOCK_M": bm, "SUB_M": int(args.sub_m)}),
                  **({"stride_sn": 1} if args.k_major_scales else {"stride_sk": 1}))
+    kernel = fused_triton._kernel()
+    return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
+
+
+def moe(args: argparse.Namespace) -> dict:
+    """The bf16 fused MoE (kernels/moe/fused_triton.py) at a tile, with its launch options
+    (--one-dot: the gated launch's gate and up in one dot; --persistent; --sub-m)."""
+    from moeserve.kernels.moe import fused_triton
+
+    bm, bn, bk, warps, stages = args.tile
+    pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "weights_ptr": "*fp32",
+                "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "post_padded_ptr": "*i32"}
+    half, quarter = (bm // 2, bm // 4) if args.sub_m else (0, 0)
+    const = dict(A_ROW_DIV=8 if args.gated else 1, C_ROW_DIV=1, GATED=args.gated,
+                 MUL_WEIGHT=not args.gated, ATOMIC=False, EVEN_K=True,
+                 PERSISTENT=args.persistent, DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn,
+                 BLOCK_K=bk, GROUP_M=1, B_WIDTH=bn * (2 if args.gated and args.one_dot else 1),
+                 HALF_M=half if half >= 16 else 0, QUARTER_M=quarter if quarter >= 16 else 0,
+                 stride_ak=1, stride_bk=1, stride_cn=1)
     kernel = fused_triton._kernel()
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
 
@@ -403,7 +424,7 @@ def _nospec(args: argparse.Namespace, kernel) -> set[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="kernel", required=True)
-    for name in ("moe-quant", "w4a16"):
+    for name in ("moe", "moe-quant", "w4a16"):
         p = sub.add_parser(name)
         p.add_argument("--tile", type=int, nargs=5, required=True,
                        metavar=("BM", "BN", "BK", "WARPS", "STAGES"))
@@ -411,6 +432,12 @@ def main() -> None:
                        default=None, help="nvfp4: bits (default) or asm; int4: reshape "
                        "(default) or planes")
         p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
+        if name == "moe":
+            p.add_argument("--down", dest="gated", action="store_false",
+                           help="the down launch (default: the gated one)")
+            p.add_argument("--one-dot", action="store_true", help="the ONE_DOT option")
+            p.add_argument("--persistent", action="store_true", help="the PERSISTENT option")
+            p.add_argument("--sub-m", action="store_true", help="the SUB_M option")
         if name == "moe-quant":
             p.add_argument("--format", choices=("fp8", "nvfp4", "int4"), default="nvfp4")
             p.add_argument("--down", dest="gated", action="store_false",
@@ -475,7 +502,7 @@ def main() -> None:
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     args = parser.parse_args()
-    report = {"topk": topk, "moe-quant": moe_quant, "w4a16": w4a16,
+    report = {"topk": topk, "moe": moe, "moe-quant": moe_quant, "w4a16": w4a16,
               "w4a16-dequant": w4a16_dequant, "mla-decode": mla_decode,
               "mla-decode-gluon": mla_decode_gluon, "mla-decode-flat": mla_decode_flat,
               "mla-prefill": mla_prefill, "dsa-sparse": dsa_sparse, "gqa-prefill": gqa,

@@ -19,6 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = {  # name: kernel_sass arguments
+    "moe-bf16-plain": "moe --tile 64 128 64 4 3",
+    "moe-bf16-one_dot-sub_m": "moe --tile 64 64 64 4 3 --one-dot --sub-m",
+    "moe-bf16-persistent-down": "moe --tile 128 128 64 8 3 --persistent --down",
     "moe-quant-nvfp4-plain-64": "moe-quant --format nvfp4 --micro --decode asm "
                                 "--tile 64 128 128 4 3",
     "moe-quant-nvfp4-sub_m-64": "moe-quant --format nvfp4 --micro --decode asm "
