@@ -38,7 +38,7 @@ import argparse
 import json
 import os
 
-from benchmarks.kernels.kernel_sass import compile_sm90
+from benchmarks.kernels.sm90_compile import compile_sm90
 from moeserve.kernels.linear import nvfp4_tile
 
 FORMS = ("plain", "stored", "relaid", "halves")

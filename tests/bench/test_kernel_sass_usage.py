@@ -1,8 +1,8 @@
-"""benchmarks/kernels/kernel_sass.py's reading of `ptxas -v`: registers and spilled bytes."""
+"""benchmarks/kernels/sm90_compile.py's reading of `ptxas -v`: registers and spilled bytes."""
 
 from __future__ import annotations
 
-from benchmarks.kernels.kernel_sass import ptxas_usage
+from benchmarks.kernels.sm90_compile import ptxas_usage
 
 SPILLING = """ptxas info    : Compiling entry function '_decode_kernel' for 'sm_90a'
 ptxas info    : Function properties for _decode_kernel
