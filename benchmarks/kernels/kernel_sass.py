@@ -38,6 +38,7 @@ import json
 import os
 
 from benchmarks.kernels.sm90_compile import compile_sm90
+from moeserve.kernels.moe.tile_configs import sub_heights
 
 
 def moe_quant(args: argparse.Namespace) -> dict:
@@ -63,7 +64,7 @@ def moe_quant(args: argparse.Namespace) -> dict:
                  PREFETCH=fmt == "fp8" and args.prefetch, BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=1, stride_bk=1,
                  MICRO={"fp8": 0, "nvfp4": 64, "int4": 16}[fmt] if args.micro else 0,
-                 **fused_triton._sub_tiles({"BLOCK_M": bm, "SUB_M": int(args.sub_m)}),
+                 **sub_heights({"BLOCK_M": bm, "SUB_M": int(args.sub_m)}),
                  **({"stride_sn": 1} if args.k_major_scales else {"stride_sk": 1}))
     kernel = fused_triton._kernel()
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
@@ -77,12 +78,11 @@ def moe(args: argparse.Namespace) -> dict:
     bm, bn, bk, warps, stages = args.tile
     pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "weights_ptr": "*fp32",
                 "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "post_padded_ptr": "*i32"}
-    half, quarter = (bm // 2, bm // 4) if args.sub_m else (0, 0)
     const = dict(A_ROW_DIV=8 if args.gated else 1, C_ROW_DIV=1, GATED=args.gated,
                  MUL_WEIGHT=not args.gated, ATOMIC=False, EVEN_K=True,
                  PERSISTENT=args.persistent, DOT_PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=1, B_WIDTH=bn * (2 if args.gated and args.one_dot else 1),
-                 HALF_M=half if half >= 16 else 0, QUARTER_M=quarter if quarter >= 16 else 0,
+                 **sub_heights({"BLOCK_M": bm, "SUB_M": int(args.sub_m)}),
                  stride_ak=1, stride_bk=1, stride_cn=1)
     kernel = fused_triton._kernel()
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)

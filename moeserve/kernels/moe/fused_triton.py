@@ -73,6 +73,7 @@ from moeserve.kernels.moe.tile_configs import (
     down_tiles,
     get_moe_config,
     launch_options,
+    sub_heights,
     tile_device_name,
     tile_tokens,
 )
@@ -160,10 +161,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: tor
     one dot of twice the width). Otherwise w is w2 ([E, H, I]); N = H and rows are scaled by
     their routing weight. PERSISTENT n > 0: n programs per SM walk the used tiles.
     """
-    one_dot, persistent, sub_m = launch_options(config)
+    one_dot, persistent, _ = launch_options(config)
     programs = persistent * _num_sms(a.device)  # 0: one program per tile
-    block_m = config["BLOCK_M"]
-    half, quarter = (block_m // 2, block_m // 4) if sub_m else (0, 0)
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
     num_blocks = expert_ids.shape[0]
@@ -178,8 +177,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: tor
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         B_WIDTH=config["BLOCK_N"] * (2 if gated and one_dot else 1),
-        HALF_M=half if half >= 16 else 0, QUARTER_M=quarter if quarter >= 16 else 0,
-        GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
+        **sub_heights(config), GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
         num_stages=config["num_stages"])
 
 

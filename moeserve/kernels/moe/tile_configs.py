@@ -222,6 +222,16 @@ def _set_options(tiles: dict, keys: Sequence[str]) -> dict[str, int]:
     return {k: tiles[k] for k in keys if tiles.get(k)}
 
 
+def sub_heights(tiles: dict) -> dict[str, int]:
+    """The kernels' HALF_M and QUARTER_M for a launch's tiles: with SUB_M the heights under
+    BLOCK_M a block of few real rows computes (those of at least 16 rows, else 0), both 0
+    without it (the bf16 and the quantized fused MoE alike)."""
+    if not tiles.get("SUB_M"):
+        return {"HALF_M": 0, "QUARTER_M": 0}
+    half, quarter = tiles["BLOCK_M"] // 2, tiles["BLOCK_M"] // 4
+    return {"HALF_M": half if half >= 16 else 0, "QUARTER_M": quarter if quarter >= 16 else 0}
+
+
 def launch_options(tiles: dict) -> tuple[int, int, int]:
     """(ONE_DOT, PERSISTENT, SUB_M) of one launch's tiles, 0 where absent."""
     return tuple(int(tiles.get(key, 0)) for key in OPTION_KEYS)  # type: ignore[return-value]

@@ -111,13 +111,14 @@ def default_quant_config(fmt: str, num_tokens: int, top_k: int, num_experts: int
     benchmarks/results/gpu_306980f/call1). fp8's tiles are untimed with it."""
     per_expert = num_tokens * top_k / max(num_experts, 1)
     block_k = FP8_GROUP if fmt in ("fp8", "nvfp4") else max(INT4_MIN_BLOCK_K, group)
-    # 4-bit: from 16 rows an expert the 32-row SUB_M tile (below, measured at 16)
-    if per_expert < 16 or (fmt == "fp8" and per_expert == 16):  # decode: a handful a expert
+    # decode, a handful of rows an expert; the 4-bit formats from 16 rows take the 32-row
+    # SUB_M tile below (the docstring)
+    if per_expert < 16 or (fmt == "fp8" and per_expert == 16):
         if (fmt != "fp8" and not micro and k_dims is not None and min(k_dims) >= WIDE_K_MIN
                 and WIDE_K % group == 0):
             return tile_config(16, 64, WIDE_K, 1, 4, 3)
         return tile_config(16, 64, block_k, 1, 4, 3)
-    sub_m = {"SUB_M": 1} if fmt != "fp8" else {}  # the 4-bit formats' rows blocks: docstring
+    sub_m = {"SUB_M": 1} if fmt != "fp8" else {}  # fp8: untimed with it
     if per_expert <= 48:
         return tile_config(32, 64, block_k, 8, 4, 3) | sub_m
     return tile_config(64, 128, block_k, 8, 4, 3) | sub_m

@@ -83,6 +83,7 @@ from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_con
 from moeserve.kernels.moe.tile_configs import (
     check_tile_source,
     down_tiles,
+    sub_heights,
     tile_device_name,
     tile_tokens,
 )
@@ -206,19 +207,10 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
         PREFETCH=fmt == "fp8" and prefetch_scales,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], MICRO=micro_tiles.micro_arg(fmt, w, qweight),
-        **_sub_tiles(config),
+        **sub_heights(config),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         **({"maxnreg": max_registers} if max_registers and a.device.type == "cuda" else {}))
-
-
-def _sub_tiles(config: dict[str, int]) -> dict[str, int]:
-    """HALF_M and QUARTER_M of a config with SUB_M (the heights under BLOCK_M a block with few
-    real rows computes: those of at least 16 rows, 0 where none), both 0 without it."""
-    if not config.get("SUB_M"):
-        return {"HALF_M": 0, "QUARTER_M": 0}
-    half, quarter = config["BLOCK_M"] // 2, config["BLOCK_M"] // 4
-    return {"HALF_M": half if half >= 16 else 0, "QUARTER_M": quarter if quarter >= 16 else 0}
 
 
 @functools.cache

@@ -136,7 +136,7 @@ def tune_quant_moe(fmt: str, num_experts: int, hidden: int, inter: int, top_k: i
     Returns {num_tokens: entry} of the file's finished token counts (CONFIG_KEYS, "ms",
     "default_ms").
     """
-    micro = is_micro(weights[0]) if weights else fits_shape(fmt, hidden, inter)
+    micro = _layout(fmt, hidden, inter, weights) == "micro"
     if timer is None:
         if not torch.cuda.is_available():
             raise RuntimeError("tune_quant_moe times kernels on a CUDA GPU; none is available")
@@ -218,6 +218,13 @@ def _finished(doc: dict, fmt: str, group: int) -> dict[int, dict]:
     return {int(n): parse_quant_entry(e, fmt, group) for n, e in doc["configs"].items()}
 
 
+def _layout(fmt: str, hidden: int, inter: int, weights: tuple[Any, Any] | None) -> str:
+    """The weight layout a tune times: the given weights' own, else the engine's for the shape
+    (micro-tiles where they fit)."""
+    micro = is_micro(weights[0]) if weights else fits_shape(fmt, hidden, inter)
+    return "micro" if micro else "rows"
+
+
 def _load_ledger(path: Path, meta: dict) -> dict:
     """tune.py's ledger, also refused when it timed the weights in another layout (rows or
     micro-tiles: other times for the same tiles; a ledger from before micro-tiles is rows')."""
@@ -251,8 +258,7 @@ def ensure_quant_tuned(fmt: str, num_experts: int, hidden: int, inter: int, top_
     device_name = device_name or torch.cuda.get_device_name()
     shape = (fmt, num_experts, hidden, inter, top_k, group, dtype)
     wanted = engine_token_counts(max_num_batched_tokens)
-    layout = "micro" if (is_micro(weights[0]) if weights else fits_shape(fmt, hidden, inter)) \
-        else "rows"
+    layout = _layout(fmt, hidden, inter, weights)
     found = find_quant_tuned(*shape, device_name, layout=layout)
     other = find_quant_tuned(*shape, device_name, layout="rows" if layout == "micro" else "micro")
     if found is None and other is not None and \
@@ -311,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     shape = (args.format, args.experts, args.hidden, args.inter, args.top_k, group, dtype)
     path = Path(args.out) / quant_config_file_name(
         *shape, torch.cuda.get_device_name(),
-        layout="micro" if fits_shape(args.format, args.hidden, args.inter) else "rows")
+        layout=_layout(args.format, args.hidden, args.inter, None))
     tune_quant_moe(*shape, args.tokens or engine_token_counts(args.max_batched_tokens), path,
                    time_budget_s=args.time_budget_s)
     print(path)
