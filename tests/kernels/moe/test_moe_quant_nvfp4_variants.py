@@ -65,3 +65,66 @@ def test_nvfp4_auto_decode_takes_asm_where_it_runs_and_bits_elsewhere(
     got = moe_quant_triton(x, w13, w2, weights, ids)
     monkeypatch.setattr(nvfp4_tile, "decode", "bits")
     assert torch.equal(got, moe_quant_triton(x, w13, w2, weights, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_tokens", "block_t", "block_k", "micro"),
+                         [(5, 16, 64, True), (300, 32, 64, True), (300, 64, 64, False),
+                          (700, 32, 128, True), (700, 16, 128, False)])
+def test_gpu_nvfp4_swapped_matches_the_triton_tile(num_tokens: int, block_t: int,
+                                                   block_k: int, micro: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe/quant/nvfp4_swapped.py (MOESERVE_NVFP4_SWAPPED=1: the tokens as wgmma's N, in
+    Gluon): the same decoded weights and products as the Triton tile, so the same output but
+    for the order of the fp32 sums (a bf16 ulp or so, through both launches), on both weight
+    layouts, eager and replayed in a CUDA graph; pairs of other ranks' experts (-1) give zero
+    rows either way."""
+    from moeserve.kernels.moe.quant import nvfp4_swapped
+    from moeserve.kernels.moe.quant.micro_tiles import tile_in_place
+
+    config = {"BLOCK_M": block_t, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
+              "num_warps": 4, "num_stages": 3}
+    w13, w2 = gpu_experts("nvfp4")
+    if micro:
+        tile_in_place(w13)
+        tile_in_place(w2)
+    x = tokens(num_tokens, GPU_SHAPE[1], seed=num_tokens, dtype=torch.bfloat16)
+    weights, ids = routing(num_tokens, GPU_SHAPE[0], seed=num_tokens, off_rank=True)
+    monkeypatch.setattr(nvfp4_swapped, "enabled", False)
+    expected = moe_quant_triton(x, w13, w2, weights, ids, config=config, reduce=False)
+    monkeypatch.setattr(nvfp4_swapped, "enabled", True)
+    monkeypatch.setattr(nvfp4_swapped, "BLOCK_K", block_k)
+    assert nvfp4_swapped.takes(x, w13, config, True) and nvfp4_swapped.takes(x, w2, config,
+                                                                              False)
+    got = moe_quant_triton(x, w13, w2, weights, ids, config=config, reduce=False)
+    scale = expected.float().abs().max()
+    assert got.isfinite().all() and scale > 0
+    assert (got.float() - expected.float()).abs().max() <= 2e-2 * scale
+    assert torch.equal(got[ids < 0], torch.zeros_like(got[ids < 0]))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe_quant_triton(x, w13, w2, weights, ids, config=config, reduce=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, got)
+
+
+def test_nvfp4_swapped_takes_nothing_off_the_gpu_or_switched_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experiment runs only when switched on, for NVFP4 under bf16 on an sm90 GPU and
+    row blocks of 16-64: on the CPU (and by default) the Triton tile runs, to its bits."""
+    from moeserve.kernels.moe.quant import nvfp4_swapped
+
+    config = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
+              "num_stages": 3}
+    w13, w2 = make_weight("nvfp4", 4, 256, 128, None), make_weight("nvfp4", 4, 128, 128, None)
+    x = tokens(3, 128, seed=0)
+    weights, ids = routing(3, 4, seed=0)
+    assert not nvfp4_swapped.enabled  # MOESERVE_NVFP4_SWAPPED unset
+    expected = moe_quant_triton(x, w13, w2, weights, ids, config=config)
+    monkeypatch.setattr(nvfp4_swapped, "enabled", True)
+    assert not nvfp4_swapped.takes(x.bfloat16(), w13, config, True)  # the CPU
+    assert torch.equal(moe_quant_triton(x, w13, w2, weights, ids, config=config), expected)
+    for fmt in ("int4", "fp8"):
+        assert not nvfp4_swapped.takes(x, make_weight(fmt, 4, 256, 128, 32 if fmt == "int4"
+                                                      else None), config, True)

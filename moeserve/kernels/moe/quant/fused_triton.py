@@ -49,7 +49,9 @@ GLM-5's shape for 64 / 256 / 1,024 tokens against the plain tile's 55.9 / 51.7 /
 was removed (it is in git's history at 941ba87). So were the 64- and 128-row nvfp4 tiles in
 Gluon (a K step's decode beside the previous step's wgmmas): slower at every point on the H200
 (benchmarks/results/gpu_ff7b345/: GLM-5's shape at 1,024 / 2,048 / 4,096 tokens 4.95 / 7.07 /
-12.08 ms against 4.38 / 6.02 / 10.11 with the tuned tiles; in git's history at 90f405a).
+12.08 ms against 4.38 / 6.02 / 10.11 with the tuned tiles; in git's history at 90f405a). That
+Gluon pipeline transposed (the tokens as wgmma's N: 16-64 rows) is quant/nvfp4_swapped.py, an
+experiment behind MOESERVE_NVFP4_SWAPPED.
 
 Tiles: a `config` of tile_configs.CONFIG_KEYS for both launches (a "down" entry: the down
 launch's own, BLOCK_M shared; the SUB_M option: a block of few real rows computes a half or a
@@ -77,7 +79,7 @@ from moeserve.kernels.linear import int4_tile, nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
-from moeserve.kernels.moe.quant import micro_tiles
+from moeserve.kernels.moe.quant import micro_tiles, nvfp4_swapped
 from moeserve.kernels.moe.quant.checks import check_inputs
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.tile_configs import (
@@ -179,6 +181,10 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
     gated: w is w13 (N = I, silu(gate) * up in the epilogue), a_row_div = k (A's row of pair p
     is token p // k); else w is w2 (N = H, rows scaled by their routing weight).
     """
+    if fmt == "nvfp4" and nvfp4_swapped.takes(a, w, config, gated):  # an experiment
+        nvfp4_swapped.launch(a, w, c, topk_weights, sorted_ids, expert_ids, num_pairs, config,
+                             a_row_div=a_row_div, gated=gated)
+        return
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
     qweight = w.qweight  # [E, N, K / pack]: e4m3, uint8 or int32
