@@ -23,9 +23,6 @@ value), the tuned or default op first:
 A seventh number 1 adds the SUB_M option (a block of few real rows computes a half or quarter
 tile); --down-n N gives every --tile's down launch BLOCK_N N (a config's "down" entry).
 --weight-layout micro draws the 4-bit experts micro-tiled (kernels/moe/quant/micro_tiles.py).
---swapped BT BK STAGES [GROUP_M] (repeatable, NVFP4) times kernels/moe/quant/nvfp4_swapped.py's
-Gluon kernel (the tokens as wgmma's N) at row blocks of BT pairs, K steps of BK, STAGES copy
-stages, after the --tile lines.
 """
 
 from __future__ import annotations
@@ -67,13 +64,7 @@ def main() -> None:
     parser.add_argument("--down-n", type=int, default=None,
                         help="each --tile's down launch at this BLOCK_N (its other tiles the "
                              "same): the config's 'down' entry")
-    parser.add_argument("--swapped", type=int, nargs="+", action="append", default=[],
-                        metavar="N", help="time nvfp4_swapped.py's kernel: BT BK STAGES "
-                        "[GROUP_M, default 1] (repeatable)")
     args = parser.parse_args()
-    for form in args.swapped:
-        if len(form) not in (3, 4):
-            parser.error(f"--swapped takes BT BK STAGES [GROUP_M], got {form}")
     for tile in args.tile:
         if len(tile) not in (5, 6, 7):
             parser.error(f"--tile takes BLOCK_M BLOCK_N BLOCK_K WARPS STAGES [GROUP_M [SUB_M]], "
@@ -99,7 +90,7 @@ def main() -> None:
     w2 = make_weight(args.format, (num_experts, hidden, inter), dtype, "cuda", gen)
     x, weights, ids = random_tokens(args.tokens, hidden, num_experts, top_k, dtype, gen)
     fn = moe_op(args.format, x, w13, w2, weights, ids, args.tiles)
-    if args.tile or args.swapped:
+    if args.tile:
         time_tiles(args, fn, x, w13, w2, weights, ids)
         return
     ms = profiled_median_ms(fn, args.calls)
@@ -134,35 +125,6 @@ def time_tiles(args: argparse.Namespace, fn, x, w13, w2, weights, ids) -> None:
         except Exception as e:  # a tile the format refuses or ptxas cannot fit: said, go on
             row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
         print(json.dumps(row), flush=True)
-    for bt, bk, stages, *more in args.swapped:
-        _time_swapped(timer, x, w13, w2, weights, ids, ref, scale, bt, bk, stages,
-                      more[0] if more else 1)
-
-
-def _time_swapped(timer, x, w13, w2, weights, ids, ref, scale, bt, bk, stages,
-                  group_m) -> None:
-    """One JSON line: nvfp4_swapped.py's kernel at (bt, bk, stages, group_m)."""
-    from moeserve.kernels.moe.quant import nvfp4_swapped
-    from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
-    from moeserve.kernels.moe.tile_configs import tile_config
-
-    config = tile_config(bt, 64, 128, group_m, 4, 3)  # BLOCK_M and GROUP_M are what it reads
-    row = {"swapped": [bt, bk, stages, group_m]}
-    saved = nvfp4_swapped.enabled, nvfp4_swapped.BLOCK_K, nvfp4_swapped.STAGES
-    nvfp4_swapped.enabled, nvfp4_swapped.BLOCK_K, nvfp4_swapped.STAGES = True, bk, stages
-    try:
-        if not nvfp4_swapped.takes(x, w13, config, True):
-            raise ValueError("nvfp4_swapped.takes refuses these experts")
-
-        def op():
-            return moe_quant_triton(x, w13, w2, weights, ids, config=config)
-        diff = (op().float() - ref).abs().max().item() / scale
-        row |= {"ms": round(timer(op), 4), "max_diff": round(diff, 5)}
-    except Exception as e:  # said, go on
-        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
-    finally:
-        nvfp4_swapped.enabled, nvfp4_swapped.BLOCK_K, nvfp4_swapped.STAGES = saved
-    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

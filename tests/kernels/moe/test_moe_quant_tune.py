@@ -435,7 +435,8 @@ def test_each_committed_quantized_tile_file_is_named_by_its_meta_and_every_entry
     meta = data["meta"]
     name = quant_config_file_name(meta["format"], meta["E"], meta["H"], meta["I"], meta["top_k"],
                                   meta["group"], getattr(torch, meta["dtype"]),
-                                  meta["device_name"], meta["triton"])
+                                  meta["device_name"], meta["triton"],
+                                  layout=meta.get("weight_layout", "rows"))
     assert path.name == name
     assert data["configs"], "a committed file with no finished entry"
     for tokens, raw in data["configs"].items():

@@ -49,9 +49,13 @@ GLM-5's shape for 64 / 256 / 1,024 tokens against the plain tile's 55.9 / 51.7 /
 was removed (it is in git's history at 941ba87). So were the 64- and 128-row nvfp4 tiles in
 Gluon (a K step's decode beside the previous step's wgmmas): slower at every point on the H200
 (benchmarks/results/gpu_ff7b345/: GLM-5's shape at 1,024 / 2,048 / 4,096 tokens 4.95 / 7.07 /
-12.08 ms against 4.38 / 6.02 / 10.11 with the tuned tiles; in git's history at 90f405a). That
-Gluon pipeline transposed (the tokens as wgmma's N: 16-64 rows) is quant/nvfp4_swapped.py, an
-experiment behind MOESERVE_NVFP4_SWAPPED.
+12.08 ms against 4.38 / 6.02 / 10.11 with the tuned tiles; in git's history at 90f405a). So
+was that Gluon pipeline transposed (the decoded weights as wgmma's M, 128 rows: gate and up;
+a block's 16-64 tokens as N, so ~32 real rows cost 32): on an H100 (gpu_8502acf/call1) GLM-5's
+experts at 1,024 tokens 4.72 ms at 64-token blocks, 5.88 at 32, against the SUB_M tile's 3.71,
+and ~2x the Triton tile at 64 tokens (3.40 against 1.83 ms), where only the decode and the
+reads count: the packed bytes' trip through shared memory, the decoded tile's store and the
+barriers cost more than the padding they save (in git's history at 8502acf).
 
 Tiles: a `config` of tile_configs.CONFIG_KEYS for both launches (a "down" entry: the down
 launch's own, BLOCK_M shared; the SUB_M option: a block of few real rows computes a half or a
@@ -79,7 +83,7 @@ from moeserve.kernels.linear import int4_tile, nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
-from moeserve.kernels.moe.quant import micro_tiles, nvfp4_swapped
+from moeserve.kernels.moe.quant import micro_tiles
 from moeserve.kernels.moe.quant.checks import check_inputs
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.tile_configs import (
@@ -181,10 +185,6 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
     gated: w is w13 (N = I, silu(gate) * up in the epilogue), a_row_div = k (A's row of pair p
     is token p // k); else w is w2 (N = H, rows scaled by their routing weight).
     """
-    if fmt == "nvfp4" and nvfp4_swapped.takes(a, w, config, gated):  # an experiment
-        nvfp4_swapped.launch(a, w, c, topk_weights, sorted_ids, expert_ids, num_pairs, config,
-                             a_row_div=a_row_div, gated=gated)
-        return
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
     qweight = w.qweight  # [E, N, K / pack]: e4m3, uint8 or int32
