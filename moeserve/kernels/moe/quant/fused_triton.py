@@ -56,8 +56,13 @@ experts at 1,024 tokens 4.72 ms at 64-token blocks, 5.88 at 32, against the SUB_
 and ~2x the Triton tile at 64 tokens (3.40 against 1.83 ms), where only the decode and the
 reads count: the packed bytes' trip through shared memory, the decoded tile's store and the
 barriers cost more than the padding they save (in git's history at 8502acf).
-quant/nvfp4_regs.py keeps the weights out of shared memory altogether (decoded into wgmma's A
-registers from a byte order of its own), an experiment not yet run on a GPU.
+Keeping the weights out of shared memory altogether (decoded straight into wgmma's A registers
+from a byte order that makes a lane's fragment one 16-byte load; 8 warps, 128 weight rows, the
+tokens as N) was level with this tile at 64-pair blocks (GLM-5's experts at 1,024 / 2,048
+tokens 3.775 / 5.519 ms against 3.731 / 5.476) and 1.1-1.4x slower below, on an H100
+(gpu_f396a81/call1), timed with a race on its A registers (wrong outputs): removed, in git's
+history at f396a81. The 32-row SUB_M half of this tile already takes its decoded weights from
+registers (mma.sync).
 
 Tiles: a `config` of tile_configs.CONFIG_KEYS for both launches (a "down" entry: the down
 launch's own, BLOCK_M shared; the SUB_M option: a block of few real rows computes a half or a
@@ -85,7 +90,7 @@ from moeserve.kernels.linear import int4_tile, nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
-from moeserve.kernels.moe.quant import micro_tiles, nvfp4_regs
+from moeserve.kernels.moe.quant import micro_tiles
 from moeserve.kernels.moe.quant.checks import check_inputs
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.tile_configs import (
@@ -187,12 +192,6 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
     gated: w is w13 (N = I, silu(gate) * up in the epilogue), a_row_div = k (A's row of pair p
     is token p // k); else w is w2 (N = H, rows scaled by their routing weight).
     """
-    if nvfp4_regs.has_mma_words(w):  # an experiment's layout: its kernel reads it, no other
-        if not (fmt == "nvfp4" and nvfp4_regs.takes(a, w, config, gated)):
-            raise ValueError(nvfp4_regs.REFUSED)
-        nvfp4_regs.launch(a, w, c, topk_weights, sorted_ids, expert_ids, num_pairs, config,
-                          a_row_div=a_row_div, gated=gated)
-        return
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
     qweight = w.qweight  # [E, N, K / pack]: e4m3, uint8 or int32
