@@ -60,8 +60,9 @@ Keeping the weights out of shared memory altogether (decoded straight into wgmma
 from a byte order that makes a lane's fragment one 16-byte load; 8 warps, 128 weight rows, the
 tokens as N) was level with this tile at 64-pair blocks (GLM-5's experts at 1,024 / 2,048
 tokens 3.775 / 5.519 ms against 3.731 / 5.476) and 1.1-1.4x slower below, on an H100
-(gpu_f396a81/call1), timed with wrong outputs (NaN in some programs' tiles, a race on its
-asynchronous wgmma's A registers the likeliest cause): removed, in git's
+(gpu_f396a81/call1), timed with wrong outputs (NaN in some programs' tiles: its sm90 SASS
+rewrites the A registers R40-R71 at the loop head while the HGMMA group reading them is still
+in flight, the wait letting one group run on): removed, in git's
 history at f396a81. The 32-row SUB_M half of this tile already takes its decoded weights from
 registers (mma.sync).
 
