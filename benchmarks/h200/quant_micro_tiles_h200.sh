@@ -14,6 +14,7 @@
 set -uo pipefail
 source benchmarks/gpu_env.sh
 dir=$OUT/moe_configs; mkdir -p "$dir"
+[ -n "${RESUME_FROM:-}" ] && cp -v "$RESUME_FROM"/*.json "$dir"/
 budget=${TUNE_S:-120}
 counts="1024 256 64 512 2048 128 16 1 4096 8192"
 for job in ${JOBS:-glm5-nvfp4 qwen3-nvfp4 glm47flash-nvfp4 glm5-int4}; do
