@@ -23,6 +23,14 @@ value), the tuned or default op first:
 A seventh number 1 adds the SUB_M option (a block of few real rows computes a half or quarter
 tile); --down-n N gives every --tile's down launch BLOCK_N N (a config's "down" entry).
 --weight-layout micro draws the 4-bit experts micro-tiled (kernels/moe/quant/micro_tiles.py).
+
+--breakdown (repeatable token counts, no ncu) says where the op's time goes: for each count
+one JSON line with the op timed in a CUDA graph as kernels_quant.py does (`graph_ms`), each
+kernel's GPU time a call from torch.profiler over eager calls (`kernels`, microseconds, in
+launch order; the align, zero-rows and combine launches beside the two GEMM launches), their
+sum, and what the graph spends beyond it (`gaps_us`: launch gaps and tails between kernels):
+
+    python3 -m benchmarks.quant.moe_quant_once --weight-layout micro --breakdown 64 256 1024
 """
 
 from __future__ import annotations
@@ -64,6 +72,8 @@ def main() -> None:
     parser.add_argument("--down-n", type=int, default=None,
                         help="each --tile's down launch at this BLOCK_N (its other tiles the "
                              "same): the config's 'down' entry")
+    parser.add_argument("--breakdown", type=int, nargs="+", default=None, metavar="TOKENS",
+                        help="per-kernel GPU times of the op at these token counts (JSON lines)")
     args = parser.parse_args()
     for tile in args.tile:
         if len(tile) not in (5, 6, 7):
@@ -88,6 +98,15 @@ def main() -> None:
     dtype = torch.bfloat16
     w13 = make_weight(args.format, (num_experts, 2 * inter, hidden), dtype, "cuda", gen)
     w2 = make_weight(args.format, (num_experts, hidden, inter), dtype, "cuda", gen)
+    if args.breakdown:
+        for tokens in args.breakdown:
+            x, weights, ids = random_tokens(tokens, hidden, num_experts, top_k, dtype, gen)
+            row = breakdown(moe_op(args.format, x, w13, w2, weights, ids, args.tiles),
+                            args.calls)
+            print(json.dumps({"format": args.format, "shape": args.shape, "tokens": tokens,
+                              "weight_layout": args.weight_layout, "tiles": args.tiles}
+                             | row), flush=True)
+        return
     x, weights, ids = random_tokens(args.tokens, hidden, num_experts, top_k, dtype, gen)
     fn = moe_op(args.format, x, w13, w2, weights, ids, args.tiles)
     if args.tile:
@@ -96,6 +115,33 @@ def main() -> None:
     ms = profiled_median_ms(fn, args.calls)
     print(f"{args.format} {args.shape} T{args.tokens}: {ms:.4f} ms "
           f"(median of {args.calls} eager calls)")
+
+
+def breakdown(fn, calls: int) -> dict:
+    """fn's time in a CUDA graph, and each kernel's GPU time a call over `calls` eager calls
+    (torch.profiler; kernels keyed by name in first-launch order, microseconds a call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.quant.kernels_quant import make_timer
+
+    graph_ms = make_timer("cuda")(fn)
+    calls = max(calls, 5)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = (kernels.get(event.name, 0.0)
+                                  + event.time_range.elapsed_us() / calls)
+    total_us = sum(kernels.values())
+    return {"graph_ms": round(graph_ms, 4), "calls": calls,
+            "kernels": {name: round(us, 2) for name, us in kernels.items()},
+            "kernels_us": round(total_us, 2), "gaps_us": round(graph_ms * 1e3 - total_us, 2)}
 
 
 def time_tiles(args: argparse.Namespace, fn, x, w13, w2, weights, ids) -> None:
