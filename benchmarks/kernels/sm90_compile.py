@@ -40,6 +40,8 @@ def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str]
     if os.environ.get("SASS_DUMP"):  # the whole listing, to read
         with open(os.environ["SASS_DUMP"], "w") as dump:
             dump.write(sass)
+        with open(os.environ["SASS_DUMP"] + ".ptx", "w") as dump:  # and its PTX beside it
+            dump.write(out.asm["ptx"])
     ops = collections.Counter(
         m.group(1) for line in sass.splitlines()
         if (m := OPCODE.search(line)))
