@@ -11,8 +11,11 @@
 #   2. the decode step of glm-5 sliced to 12 layers in NVFP4 at 1,024 rows, part by part against
 #      each part's bound (benchmarks/engine/profile_step.py) -> $OUT/profile/
 # PROFILE_ONLY=1 runs part 2 alone (~2 minutes; ENGINE_ARGS: more engine arguments as JSON
-# members, e.g. '"dequantize_linears": true'; TAG=_dl names its files).
+# members, e.g. '"dequantize_linears": true'; TAG=_dl names its files; PRESET, default glm-5,
+# LAYERS, default 12 (0: the preset's own) and BATCHES, default 1024, profile another model).
 #   bash benchmarks/h200/quant_large_m_h200.sh
+#   PROFILE_ONLY=1 PRESET=qwen3-30b-a3b LAYERS=0 BATCHES="256 1024" TAG=qwen3_dl \
+#       ENGINE_ARGS='"dequantize_linears": true' bash benchmarks/h200/quant_large_m_h200.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
 tiles=(--tile 64 128 128 4 3 8 --tile 16 64 128 4 3 8 --tile 16 128 128 4 3 8
@@ -27,8 +30,12 @@ for case in "${cases[@]}"; do
     | sed "s/^{/{\"case\": \"$case nvfp4 micro\", /" | tee -a $OUT/large_m.jsonl
 done
 mkdir -p $OUT/profile
-timeout 300 python3 -m benchmarks.engine.profile_step --preset glm-5 --batch 1024 \
-  --hf-overrides '{"num_hidden_layers": 12}' \
+layers=${LAYERS:-12}
+slice=()
+[ "$layers" != 0 ] && slice=(--hf-overrides "{\"num_hidden_layers\": $layers}")
+# shellcheck disable=SC2086
+timeout 300 python3 -m benchmarks.engine.profile_step --preset "${PRESET:-glm-5}" \
+  --batch ${BATCHES:-1024} "${slice[@]}" \
   --engine-args "{\"quantization\": \"nvfp4\", \"moe_tune_budget_s\": 0, \"max_model_len\": 4096${ENGINE_ARGS:+, $ENGINE_ARGS}}" \
   --tag "${TAG:-}" --out $OUT/profile > $OUT/profile/profile${TAG:+_$TAG}.log 2>&1
 echo "profile_step rc=$?"; tail -40 $OUT/profile/profile${TAG:+_$TAG}.log
