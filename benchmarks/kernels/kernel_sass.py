@@ -70,6 +70,21 @@ def moe_quant(args: argparse.Namespace) -> dict:
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
 
 
+def moe_align_one(args: argparse.Namespace) -> dict:
+    """The MoE align's three phases in one program (kernels/moe/align.py `_one_kernel`), at
+    --experts experts and block height --block-m."""
+    from moeserve.kernels.moe import align
+
+    e_pow2 = 1 << (args.experts - 1).bit_length()
+    pointers = {n: "*i32" for n in ("ids_ptr", "scratch_ptr", "sorted_ids_ptr",
+                                    "expert_ids_ptr", "post_ptr")}
+    const = dict(BLOCK_M=args.block_m, E_POW2=e_pow2, LOG2_E=(args.experts - 1).bit_length(),
+                 CHUNK=align._ALIGN_CHUNK, FILL_CHUNK=align._ALIGN_CHUNK,
+                 BLOCKS_CHUNK=align._ALIGN_BLOCKS_CHUNK)
+    kernel = align._align_kernels().one
+    return compile_sm90(kernel, pointers, const, _nospec(args, kernel), 4, 1)
+
+
 def moe_nvfp4_regs(args: argparse.Namespace) -> dict:
     """The NVFP4 fused MoE's Gluon kernel with the decoded weights as wgmma's A operand in
     registers (kernels/moe/quant/nvfp4_regs.py) at row blocks of --bt, the gated launch (or
@@ -389,6 +404,10 @@ def main() -> None:
             p.add_argument("--slots", action="store_true",
                            help="the selection given as cache rows (sparse_triton.slot_rows; "
                                 "mla-decode-gluon: with --sparse)")
+    p = sub.add_parser("moe-align-one")
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--block-m", type=int, default=16)
+    p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     p = sub.add_parser("moe-nvfp4-regs")
     p.add_argument("--bt", type=int, choices=(16, 32, 64), default=32,
                    help="the row block's tokens (wgmma's N)")
@@ -412,7 +431,7 @@ def main() -> None:
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     args = parser.parse_args()
     report = {"topk": topk, "moe": moe, "moe-quant": moe_quant,
-              "moe-nvfp4-regs": moe_nvfp4_regs, "w4a16": w4a16,
+              "moe-nvfp4-regs": moe_nvfp4_regs, "moe-align-one": moe_align_one, "w4a16": w4a16,
               "w4a16-dequant": w4a16_dequant, "mla-decode": mla_decode,
               "mla-decode-gluon": mla_decode_gluon, "mla-decode-flat": mla_decode_flat,
               "mla-prefill": mla_prefill, "dsa-sparse": dsa_sparse, "gqa-prefill": gqa,

@@ -22,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CASES = {  # name: kernel_sass arguments
     "moe-bf16-plain": "moe --tile 64 128 64 4 3",
+    "moe-align-one": "moe-align-one --experts 128 --block-m 16",
     "moe-bf16-one_dot-sub_m": "moe --tile 64 64 64 4 3 --one-dot --sub-m",
     "moe-bf16-persistent-down": "moe --tile 128 128 64 8 3 --persistent --down",
     "moe-quant-nvfp4-plain-64": "moe-quant --format nvfp4 --micro --decode asm "

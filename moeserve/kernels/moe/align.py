@@ -32,6 +32,12 @@ program per 512 pairs, so the pairs spread over the GPU (one program for all of 
     C: sorted_token_ids[starts[e] + atomic_add(cursor[e], 1)] = pair, for ids e >= 0
 Pairs of one expert land in arrival order of the atomics, not pair order; the fused-MoE output
 does not depend on that order (every row of the GEMMs is computed on its own).
+
+Up to ONE_LAUNCH_MAX_PAIRS pairs (a decode step of up to 64 tokens at top-8), where A and C
+are one program each anyway, the three phases run in one program of `_one_kernel` instead
+(its scratch zeroed by itself, a CTA barrier between phases): one launch where there were
+four (the scratch's fill and A, B, C), each a node of a decode step's CUDA graph per MoE
+layer. Not yet timed on a GPU (moe_quant_once --breakdown lists the op's launches).
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ import torch
 
 _ALIGN_CHUNK = 512  # pairs per program of the count and scatter launches
 _ALIGN_BLOCKS_CHUNK = 64  # expert_ids entries per step of the offsets program
+# pairs up to which the three phases run in one launch (_one_kernel; at most _ALIGN_CHUNK, its
+# program's width); 0 turns it off
+ONE_LAUNCH_MAX_PAIRS = _ALIGN_CHUNK
 tl: Any = None  # triton.language, bound by _align_kernel() on first use
 _add: Any = None  # the jitted combine function of the scans, bound there too
 
@@ -123,11 +132,19 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, num_experts: int,
     num_tokens_post_padded = torch.empty(1, dtype=torch.int32, device=device)
     log2_experts = (num_experts - 1).bit_length()
     e_pow2 = 1 << log2_experts
+    kern = _align_kernels()
+    if num_pairs <= ONE_LAUNCH_MAX_PAIRS:  # A, B and C in one program (module docstring)
+        scratch = torch.empty(3, e_pow2, dtype=torch.int32, device=device)
+        kern.one[(1,)](topk_ids.reshape(-1), scratch, sorted_token_ids, expert_ids,
+                       num_tokens_post_padded, num_pairs, num_experts, size, e_pow2,
+                       BLOCK_M=block_m, E_POW2=e_pow2, LOG2_E=log2_experts,
+                       CHUNK=_ALIGN_CHUNK, FILL_CHUNK=_ALIGN_CHUNK,
+                       BLOCKS_CHUNK=_ALIGN_BLOCKS_CHUNK, num_warps=4)
+        return sorted_token_ids, expert_ids, num_tokens_post_padded
     # rows: counts, cursors, segment starts, segment ends (the kernels zero nothing themselves)
     scratch = torch.zeros(4, e_pow2, dtype=torch.int32, device=device)
     counts, cursors, starts, ends = scratch.unbind(0)
     ids = topk_ids.reshape(-1)
-    kern = _align_kernels()
     programs = -(-num_pairs // _ALIGN_CHUNK)
     fill = -(-size // programs)
     kern.count[(programs,)](ids, counts, sorted_token_ids, num_pairs, size, fill,
@@ -176,7 +193,8 @@ def _check_align_args(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 @functools.cache
 def _align_kernels() -> Any:
-    """Build the three align kernels on first use (see the module docstring for their phases).
+    """Build the align kernels (the three phases, and the three in one) on first use (see the
+    module docstring for their phases).
 
     Only triton.language builtins are called (no tl.sum/tl.cumsum, which are @jit helpers bound
     when triton is imported): so they also run when TRITON_INTERPRET=1 was set after that
@@ -248,4 +266,56 @@ def _align_kernels() -> Any:
         rank = tl.atomic_add(cursor_ptr + ids, 1, mask=ok, sem="relaxed")
         tl.store(sorted_ids_ptr + start + rank, offs, mask=ok)
 
-    return SimpleNamespace(count=_count_kernel, offsets=_offsets_kernel, scatter=_scatter_kernel)
+    @triton.jit(do_not_specialize=["num_pairs", "size"])
+    def _one_kernel(ids_ptr, scratch_ptr, sorted_ids_ptr, expert_ids_ptr, post_ptr, num_pairs,
+                    num_experts, size, stride_scratch, BLOCK_M: tl.constexpr,
+                    E_POW2: tl.constexpr, LOG2_E: tl.constexpr, CHUNK: tl.constexpr,
+                    FILL_CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+        # A, B and C in one program, a barrier between phases (num_pairs <= CHUNK); scratch
+        # rows: counts, then cursors, then segment ends (zeroed here: no fill launch)
+        counts_ptr = scratch_ptr
+        cursor_ptr = scratch_ptr + stride_scratch
+        ends_ptr = scratch_ptr + 2 * stride_scratch
+        experts = tl.arange(0, E_POW2)
+        tl.store(counts_ptr + experts, tl.full((E_POW2,), 0, tl.int32))
+        tl.store(cursor_ptr + experts, tl.full((E_POW2,), 0, tl.int32))
+        fill = tl.arange(0, FILL_CHUNK)
+        sentinel = tl.full((FILL_CHUNK,), 0, tl.int32) + num_pairs
+        for c in range(0, size, FILL_CHUNK):
+            tl.store(sorted_ids_ptr + c + fill, sentinel, mask=c + fill < size)
+        tl.debug_barrier()
+        offs = tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        ok = ids >= 0  # -1: not on this rank
+        tl.atomic_add(counts_ptr + ids, 1, mask=ok, sem="relaxed")
+        tl.debug_barrier()
+        # B: the atomics' counts read back from L2 (.cg: never a stale L1 line)
+        counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0,
+                         cache_modifier=".cg")
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.associative_scan(padded, 0, _add)  # inclusive cumsum
+        tl.store(ends_ptr + experts, ends)
+        total = tl.reduce(padded, 0, _add)
+        tl.store(post_ptr, total)
+        tl.debug_barrier()
+        blocks = tl.arange(0, BLOCKS_CHUNK)
+        num_blocks = size // BLOCK_M
+        for b in range(0, num_blocks, BLOCKS_CHUNK):
+            rows = (b + blocks) * BLOCK_M
+            owner = tl.full((BLOCKS_CHUNK,), 0, tl.int32)  # binary search as in B
+            for i in tl.static_range(LOG2_E + 1):
+                probe = owner + (E_POW2 >> i)
+                end = tl.load(ends_ptr + probe - 1, mask=probe <= E_POW2, other=size + 1,
+                              cache_modifier=".cg")
+                owner = tl.where(end <= rows, probe, owner)
+            tl.store(expert_ids_ptr + b + blocks, tl.where(rows < total, owner, -1),
+                     mask=b + blocks < num_blocks)
+        # C: a pair's segment start is its expert's end less its padded count
+        seg_end = tl.load(ends_ptr + ids, mask=ok, other=0, cache_modifier=".cg")
+        seg_count = tl.load(counts_ptr + ids, mask=ok, other=0, cache_modifier=".cg")
+        start = seg_end - (seg_count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        rank = tl.atomic_add(cursor_ptr + ids, 1, mask=ok, sem="relaxed")
+        tl.store(sorted_ids_ptr + start + rank, offs, mask=ok)
+
+    return SimpleNamespace(count=_count_kernel, offsets=_offsets_kernel, scatter=_scatter_kernel,
+                           one=_one_kernel)

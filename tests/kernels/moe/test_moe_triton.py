@@ -115,6 +115,45 @@ def test_align_skewed_large_and_int32_ids(align: Callable) -> None:
     check_align(align, ids, 128, 64)
 
 
+class _LaunchSpy:
+    """A jitted kernel whose launches (kernel[grid](...)) are recorded by name, then run."""
+
+    def __init__(self, kernel: object, name: str, log: list[str]) -> None:
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable:
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("limit", ["default", 0])
+@pytest.mark.parametrize("num_tokens", [1, 64, 65])
+def test_align_runs_one_launch_up_to_its_limit(monkeypatch: pytest.MonkeyPatch, num_tokens: int,
+                                               limit: str | int) -> None:
+    """Up to ONE_LAUNCH_MAX_PAIRS pairs (64 tokens at top-8) the Triton align's three phases
+    run in one launch, above it (or with the limit 0) in three; the same experts, total and
+    rows as the reference either way, pairs of other ranks (-1) included."""
+    from moeserve.kernels.moe import align as align_module
+
+    kernels = align_module._align_kernels()
+    launched: list[str] = []
+    for name in ("one", "count", "offsets", "scatter"):
+        monkeypatch.setattr(kernels, name, _LaunchSpy(getattr(kernels, name), name, launched))
+    if limit != "default":
+        monkeypatch.setattr(align_module, "ONE_LAUNCH_MAX_PAIRS", limit)
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.randint(0, 96, (num_tokens, 8), generator=gen)
+    ids[::3, 5] = -1  # not on this rank
+    sorted_ids, expert_ids, post = (t.cpu() for t in moe_align_block_size_triton(
+        ids.to(DEVICE), 96, 16))
+    one = ids.numel() <= align_module.ONE_LAUNCH_MAX_PAIRS
+    assert launched == (["one"] if one else ["count", "offsets", "scatter"])
+    assert one == (limit == "default" and num_tokens <= 64)
+    ref_ids, ref_experts, ref_post = moe_align_block_size_ref(ids, 96, 16)
+    assert torch.equal(expert_ids, ref_experts) and torch.equal(post, ref_post)
+    assert torch.equal(canonical(sorted_ids, expert_ids, 16), ref_ids)
+
+
 def test_align_reads_no_device_value() -> None:
     # meta tensors hold no data: .item(), nonzero, bincount... would raise
     ids = torch.empty(9, 2, dtype=torch.int64, device="meta")
