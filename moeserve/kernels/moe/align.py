@@ -55,6 +55,7 @@ _ALIGN_BLOCKS_CHUNK = 64  # expert_ids entries per step of the offsets program
 ONE_LAUNCH_MAX_PAIRS = _ALIGN_CHUNK
 tl: Any = None  # triton.language, bound by _align_kernel() on first use
 _add: Any = None  # the jitted combine function of the scans, bound there too
+_offsets_phase: Any = None  # phase B, jitted, shared by the offsets and the one-launch kernels
 
 
 def moe_align_size(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -134,7 +135,7 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, num_experts: int,
     e_pow2 = 1 << log2_experts
     kern = _align_kernels()
     if num_pairs <= ONE_LAUNCH_MAX_PAIRS:  # A, B and C in one program (module docstring)
-        scratch = torch.empty(3, e_pow2, dtype=torch.int32, device=device)
+        scratch = torch.empty(4, e_pow2, dtype=torch.int32, device=device)
         kern.one[(1,)](topk_ids.reshape(-1), scratch, sorted_token_ids, expert_ids,
                        num_tokens_post_padded, num_pairs, num_experts, size, e_pow2,
                        BLOCK_M=block_m, E_POW2=e_pow2, LOG2_E=log2_experts,
@@ -202,7 +203,7 @@ def _align_kernels() -> Any:
     resolves names in the function's module, not in its closure. Step-varying sizes are exempt
     from value specialization (see moe_triton.py).
     """
-    global tl, _add
+    global tl, _add, _offsets_phase
     import triton
     import triton.language as tl
 
@@ -227,14 +228,13 @@ def _align_kernels() -> Any:
             tl.store(sorted_ids_ptr + rows, sentinel,
                      mask=(rows < size) & (c + lanes < fill_per_program))
 
-    @triton.jit(do_not_specialize=["size"])
-    def _offsets_kernel(counts_ptr, start_ptr, ends_ptr, expert_ids_ptr, post_ptr, num_experts,
-                        size, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
-                        LOG2_E: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
-        # B (one program): segment starts and ends, the total, the expert of every block
+    @triton.jit
+    def _offsets_phase(counts, start_ptr, ends_ptr, expert_ids_ptr, post_ptr, size,
+                       BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, LOG2_E: tl.constexpr,
+                       BLOCKS_CHUNK: tl.constexpr):
+        # B, from the experts' counts [E_POW2]: segment starts and ends, the total, the
+        # expert of every block (ends read back from L2, .cg: never a stale L1 line)
         experts = tl.arange(0, E_POW2)
-        real = experts < num_experts
-        counts = tl.load(counts_ptr + experts, mask=real, other=0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.associative_scan(padded, 0, _add)  # inclusive cumsum
         tl.store(start_ptr + experts, ends - padded)
@@ -249,10 +249,21 @@ def _align_kernels() -> Any:
             owner = tl.full((BLOCKS_CHUNK,), 0, tl.int32)  # binary search: #experts ending <= row
             for i in tl.static_range(LOG2_E + 1):  # steps E_POW2, E_POW2 / 2, ..., 1
                 probe = owner + (E_POW2 >> i)
-                end = tl.load(ends_ptr + probe - 1, mask=probe <= E_POW2, other=size + 1)
+                end = tl.load(ends_ptr + probe - 1, mask=probe <= E_POW2, other=size + 1,
+                              cache_modifier=".cg")
                 owner = tl.where(end <= rows, probe, owner)
             tl.store(expert_ids_ptr + b + blocks, tl.where(rows < total, owner, -1),
                      mask=b + blocks < num_blocks)
+
+    @triton.jit(do_not_specialize=["size"])
+    def _offsets_kernel(counts_ptr, start_ptr, ends_ptr, expert_ids_ptr, post_ptr, num_experts,
+                        size, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
+                        LOG2_E: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+        # B (one program)
+        experts = tl.arange(0, E_POW2)
+        counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+        _offsets_phase(counts, start_ptr, ends_ptr, expert_ids_ptr, post_ptr, size, BLOCK_M,
+                       E_POW2, LOG2_E, BLOCKS_CHUNK)
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _scatter_kernel(ids_ptr, start_ptr, cursor_ptr, sorted_ids_ptr, num_pairs,
@@ -272,10 +283,12 @@ def _align_kernels() -> Any:
                     E_POW2: tl.constexpr, LOG2_E: tl.constexpr, CHUNK: tl.constexpr,
                     FILL_CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
         # A, B and C in one program, a barrier between phases (num_pairs <= CHUNK); scratch
-        # rows: counts, then cursors, then segment ends (zeroed here: no fill launch)
+        # rows: counts, cursors, segment starts, segment ends (the first two zeroed here: no
+        # fill launch)
         counts_ptr = scratch_ptr
         cursor_ptr = scratch_ptr + stride_scratch
-        ends_ptr = scratch_ptr + 2 * stride_scratch
+        start_ptr = scratch_ptr + 2 * stride_scratch
+        ends_ptr = scratch_ptr + 3 * stride_scratch
         experts = tl.arange(0, E_POW2)
         tl.store(counts_ptr + experts, tl.full((E_POW2,), 0, tl.int32))
         tl.store(cursor_ptr + experts, tl.full((E_POW2,), 0, tl.int32))
@@ -292,28 +305,11 @@ def _align_kernels() -> Any:
         # B: the atomics' counts read back from L2 (.cg: never a stale L1 line)
         counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0,
                          cache_modifier=".cg")
-        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        ends = tl.associative_scan(padded, 0, _add)  # inclusive cumsum
-        tl.store(ends_ptr + experts, ends)
-        total = tl.reduce(padded, 0, _add)
-        tl.store(post_ptr, total)
+        _offsets_phase(counts, start_ptr, ends_ptr, expert_ids_ptr, post_ptr, size, BLOCK_M,
+                       E_POW2, LOG2_E, BLOCKS_CHUNK)
         tl.debug_barrier()
-        blocks = tl.arange(0, BLOCKS_CHUNK)
-        num_blocks = size // BLOCK_M
-        for b in range(0, num_blocks, BLOCKS_CHUNK):
-            rows = (b + blocks) * BLOCK_M
-            owner = tl.full((BLOCKS_CHUNK,), 0, tl.int32)  # binary search as in B
-            for i in tl.static_range(LOG2_E + 1):
-                probe = owner + (E_POW2 >> i)
-                end = tl.load(ends_ptr + probe - 1, mask=probe <= E_POW2, other=size + 1,
-                              cache_modifier=".cg")
-                owner = tl.where(end <= rows, probe, owner)
-            tl.store(expert_ids_ptr + b + blocks, tl.where(rows < total, owner, -1),
-                     mask=b + blocks < num_blocks)
-        # C: a pair's segment start is its expert's end less its padded count
-        seg_end = tl.load(ends_ptr + ids, mask=ok, other=0, cache_modifier=".cg")
-        seg_count = tl.load(counts_ptr + ids, mask=ok, other=0, cache_modifier=".cg")
-        start = seg_end - (seg_count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        # C
+        start = tl.load(start_ptr + ids, mask=ok, other=0, cache_modifier=".cg")
         rank = tl.atomic_add(cursor_ptr + ids, 1, mask=ok, sem="relaxed")
         tl.store(sorted_ids_ptr + start + rank, offs, mask=ok)
 
