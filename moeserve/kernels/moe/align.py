@@ -50,8 +50,8 @@ import torch
 
 _ALIGN_CHUNK = 512  # pairs per program of the count and scatter launches
 _ALIGN_BLOCKS_CHUNK = 64  # expert_ids entries per step of the offsets program
-# pairs up to which the three phases run in one launch (_one_kernel; at most _ALIGN_CHUNK, its
-# program's width); 0 turns it off
+# pairs up to which the three phases run in one launch (_one_kernel; capped at _ALIGN_CHUNK,
+# its program's width); 0 turns it off
 ONE_LAUNCH_MAX_PAIRS = _ALIGN_CHUNK
 tl: Any = None  # triton.language, bound by _align_kernel() on first use
 _add: Any = None  # the jitted combine function of the scans, bound there too
@@ -134,7 +134,8 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, num_experts: int,
     log2_experts = (num_experts - 1).bit_length()
     e_pow2 = 1 << log2_experts
     kern = _align_kernels()
-    if num_pairs <= ONE_LAUNCH_MAX_PAIRS:  # A, B and C in one program (module docstring)
+    # A, B and C in one program (module docstring), never past its width
+    if num_pairs <= min(ONE_LAUNCH_MAX_PAIRS, _ALIGN_CHUNK):
         scratch = torch.empty(4, e_pow2, dtype=torch.int32, device=device)
         kern.one[(1,)](topk_ids.reshape(-1), scratch, sorted_token_ids, expert_ids,
                        num_tokens_post_padded, num_pairs, num_experts, size, e_pow2,
