@@ -28,10 +28,6 @@
                              memory: two programs an SM, each copying its next tile after its
                              products) otherwise, the default since the H200 measured it
                              faster (session 34, benchmarks/results/gpu_ff7b345/)
-    MOESERVE_NVFP4_REGS  "1" runs the NVFP4 fused MoE's launches over experts in the "mma"
-                             layout through moe/quant/nvfp4_regs.py's Gluon kernel (the decoded
-                             weights as wgmma's A operand in registers; sm90, bf16), an
-                             experiment for A/Bs; off otherwise
     MOESERVE_MLA_FRESH_VARLEN  "0" keeps MLA layers' fresh prompts (no cached prefix) of
                              layers/mla.py's FRESH_VARLEN_MIN_TOKENS or more off the one
                              variable-length flash launch (mla/up_projected.attend_fresh_rows),
@@ -75,7 +71,6 @@ GROUPED_ROUTER_TRITON = "MOESERVE_GROUPED_ROUTER_TRITON"
 MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
-NVFP4_REGS = "MOESERVE_NVFP4_REGS"
 MLA_DECODE_WS = "MOESERVE_MLA_DECODE_WS"
 MLA_SWAPPED_ONE_STAGE = "MOESERVE_MLA_SWAPPED_ONE_STAGE"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
@@ -130,10 +125,6 @@ def mla_decode_ws() -> bool:
 
 def mla_swapped_one_stage() -> bool:
     return os.environ.get(MLA_SWAPPED_ONE_STAGE) != "0"
-
-
-def nvfp4_regs() -> bool:
-    return os.environ.get(NVFP4_REGS) == "1"
 
 
 def mla_fresh_varlen() -> bool:

@@ -85,21 +85,6 @@ def moe_align_one(args: argparse.Namespace) -> dict:
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), 4, 1)
 
 
-def moe_nvfp4_regs(args: argparse.Namespace) -> dict:
-    """The NVFP4 fused MoE's Gluon kernel with the decoded weights as wgmma's A operand in
-    registers (kernels/moe/quant/nvfp4_regs.py) at row blocks of --bt, the gated launch (or
-    --down)."""
-    from moeserve.kernels.moe.quant import nvfp4_regs
-
-    pointers = {"a_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32",
-                "c_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
-                "expert_ids_ptr": "*i32"}
-    const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BT=args.bt, GROUP_M=1,
-                 STAGES=nvfp4_regs.STAGES, **nvfp4_regs.layouts(args.bt))
-    kernel = nvfp4_regs._kernels().moe
-    return compile_sm90(kernel, pointers, const, _nospec(args, kernel), nvfp4_regs.WARPS, 1)
-
-
 def moe(args: argparse.Namespace) -> dict:
     """The bf16 fused MoE (kernels/moe/fused_triton.py) at a tile, with its launch options
     (--one-dot: the gated launch's gate and up in one dot; --persistent; --sub-m)."""
@@ -408,12 +393,6 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--block-m", type=int, default=16)
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
-    p = sub.add_parser("moe-nvfp4-regs")
-    p.add_argument("--bt", type=int, choices=(16, 32, 64), default=32,
-                   help="the row block's tokens (wgmma's N)")
-    p.add_argument("--down", dest="gated", action="store_false",
-                   help="the down launch (default: the gated one)")
-    p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     p = sub.add_parser("w4a16-dequant")
     p.add_argument("--format", choices=("nvfp4", "int4"), default="nvfp4")
     p.add_argument("--micro", action="store_true", help="the weights in micro-tiles")
@@ -431,7 +410,7 @@ def main() -> None:
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     args = parser.parse_args()
     report = {"topk": topk, "moe": moe, "moe-quant": moe_quant,
-              "moe-nvfp4-regs": moe_nvfp4_regs, "moe-align-one": moe_align_one, "w4a16": w4a16,
+              "moe-align-one": moe_align_one, "w4a16": w4a16,
               "w4a16-dequant": w4a16_dequant, "mla-decode": mla_decode,
               "mla-decode-gluon": mla_decode_gluon, "mla-decode-flat": mla_decode_flat,
               "mla-prefill": mla_prefill, "dsa-sparse": dsa_sparse, "gqa-prefill": gqa,

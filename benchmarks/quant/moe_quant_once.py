@@ -31,10 +31,6 @@ launch order; the align, zero-rows and combine launches beside the two GEMM laun
 sum, and what the graph spends beyond it (`gaps_us`: launch gaps and tails between kernels):
 
     python3 -m benchmarks.quant.moe_quant_once --weight-layout micro --breakdown 64 256 1024
-
---regs BT [STAGES [GROUP_M]] (repeatable; NVFP4, --weight-layout micro) times
-kernels/moe/quant/nvfp4_regs.py's Gluon kernel (the decoded weights as wgmma's A in registers,
-over its mma byte order) at row blocks of BT pairs, after the --tile lines.
 """
 
 from __future__ import annotations
@@ -78,13 +74,7 @@ def main() -> None:
                              "same): the config's 'down' entry")
     parser.add_argument("--breakdown", type=int, nargs="+", default=None, metavar="TOKENS",
                         help="per-kernel GPU times of the op at these token counts (JSON lines)")
-    parser.add_argument("--regs", type=int, nargs="+", action="append", default=[],
-                        metavar="N", help="time nvfp4_regs.py's kernel: BT [STAGES [GROUP_M]] "
-                        "(repeatable)")
     args = parser.parse_args()
-    for form in args.regs:
-        if len(form) not in (1, 2, 3):
-            parser.error(f"--regs takes BT [STAGES [GROUP_M]], got {form}")
     for tile in args.tile:
         if len(tile) not in (5, 6, 7):
             parser.error(f"--tile takes BLOCK_M BLOCK_N BLOCK_K WARPS STAGES [GROUP_M [SUB_M]], "
@@ -119,7 +109,7 @@ def main() -> None:
         return
     x, weights, ids = random_tokens(args.tokens, hidden, num_experts, top_k, dtype, gen)
     fn = moe_op(args.format, x, w13, w2, weights, ids, args.tiles)
-    if args.tile or args.regs:
+    if args.tile:
         time_tiles(args, fn, x, w13, w2, weights, ids)
         return
     ms = profiled_median_ms(fn, args.calls)
@@ -181,38 +171,6 @@ def time_tiles(args: argparse.Namespace, fn, x, w13, w2, weights, ids) -> None:
         except Exception as e:  # a tile the format refuses or ptxas cannot fit: said, go on
             row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
         print(json.dumps(row), flush=True)
-    for bt, *more in args.regs:
-        _time_regs(timer, x, w13, w2, weights, ids, ref, scale, bt,
-                   more[0] if more else None, more[1] if len(more) > 1 else 1)
-
-
-def _time_regs(timer, x, w13, w2, weights, ids, ref, scale, bt, stages, group_m) -> None:
-    """One JSON line: nvfp4_regs.py's kernel at row blocks of bt (its STAGES unless given),
-    the experts rewritten in its mma layout for the run and back after."""
-    from moeserve.kernels.moe.quant import nvfp4_regs
-    from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
-    from moeserve.kernels.moe.tile_configs import tile_config
-
-    config = tile_config(bt, 64, 128, group_m, 4, 3)  # BLOCK_M and GROUP_M are what it reads
-    saved = nvfp4_regs.enabled, nvfp4_regs.STAGES
-    nvfp4_regs.enabled, nvfp4_regs.STAGES = True, stages or nvfp4_regs.STAGES
-    row = {"regs": [bt, nvfp4_regs.STAGES, group_m]}
-    try:
-        for w in (w13, w2):
-            nvfp4_regs.mma_words_in_place(w)
-
-        def op():
-            return moe_quant_triton(x, w13, w2, weights, ids, config=config)
-        diff = (op().float() - ref).abs().max().item() / scale
-        row |= {"ms": round(timer(op), 4), "max_diff": round(diff, 5)}
-    except Exception as e:  # said, go on
-        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
-    finally:
-        for w in (w13, w2):
-            if nvfp4_regs.has_mma_words(w):
-                nvfp4_regs.mma_words_undone(w)
-        nvfp4_regs.enabled, nvfp4_regs.STAGES = saved
-    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -57,10 +57,6 @@ CASES = {  # name: kernel_sass arguments
     "gluon-dsa-sparse-ws-slots": "mla-decode-gluon --tile 64 64 4 2 --heads 64 --ws --sparse "
                                  "--slots",
     "gluon-mla-prefill": "mla-decode-gluon --tile 64 64 8 2 --heads 20 --prefill",
-    # the NVFP4 MoE with the decoded weights as wgmma's A in registers (moe/quant/nvfp4_regs.py;
-    # its layouts asserted trivial at compile time)
-    "gluon-moe-nvfp4-regs-32": "moe-nvfp4-regs --bt 32",
-    "gluon-moe-nvfp4-regs-64-down": "moe-nvfp4-regs --bt 64 --down",
 }
 GPU_TRITON = ROOT / ".venv" / "gpu-triton"  # scripts/setup.sh's
 

@@ -64,8 +64,14 @@ tokens 3.775 / 5.519 ms against 3.731 / 5.476) and 1.1-1.4x slower below, on an 
 rewrites the A registers R40-R71 at the loop head while the HGMMA group reading them is still
 in flight, the wait letting one group run on): removed, in git's
 history at f396a81. The 32-row SUB_M half of this tile already takes its decoded weights from
-registers (mma.sync). quant/nvfp4_regs.py holds that kernel's second form (the words, scales
-and X tiles through a cp.async ring, each wgmma retired at once), not yet run on a GPU.
+registers (mma.sync). Its second form (the words, scales and X tiles through a cp.async ring
+of 3-4 stages, each wgmma retired at once: race-free, its GPU test passed) was slower at every
+point on an H100 (gpu_2775d26/call1, micro-tiled experts, best of its row blocks and stages
+against the looked-up tile): GLM-5's experts 1.07x at 1,024 / 2,048 tokens (3.958 / 5.920
+against 3.702 / 5.495 ms), 1.34-1.37x at 64 / 256; qwen3-30b-a3b's 1.09x at 1,024 (0.459
+against 0.423), 1.21-1.30x at 64 / 256. Retiring each wgmma at once leaves the decode and
+the MMA in turn within a program, and two programs an SM do not hide it: removed again, in
+git's history at 2775d26.
 
 Tiles: a `config` of tile_configs.CONFIG_KEYS for both launches (a "down" entry: the down
 launch's own, BLOCK_M shared; the SUB_M option: a block of few real rows computes a half or a
@@ -93,7 +99,7 @@ from moeserve.kernels.linear import int4_tile, nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
-from moeserve.kernels.moe.quant import micro_tiles, nvfp4_regs
+from moeserve.kernels.moe.quant import micro_tiles
 from moeserve.kernels.moe.quant.checks import check_inputs
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.tile_configs import (
@@ -195,12 +201,6 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
     gated: w is w13 (N = I, silu(gate) * up in the epilogue), a_row_div = k (A's row of pair p
     is token p // k); else w is w2 (N = H, rows scaled by their routing weight).
     """
-    if nvfp4_regs.has_mma_words(w):  # an experiment's layout: its kernel reads it, no other
-        if not (fmt == "nvfp4" and nvfp4_regs.takes(a, w, config, gated)):
-            raise ValueError(nvfp4_regs.REFUSED)
-        nvfp4_regs.launch(a, w, c, topk_weights, sorted_ids, expert_ids, num_pairs, config,
-                          a_row_div=a_row_div, gated=gated)
-        return
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
     qweight = w.qweight  # [E, N, K / pack]: e4m3, uint8 or int32
