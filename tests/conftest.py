@@ -1,8 +1,8 @@
 """Test-wide set-up: without a GPU, Triton kernels run through Triton's interpreter (the
 variable must be set before anything imports triton, transformers does for one, so it is set
 here, when pytest loads this file, rather than in the kernel test modules); `no_tf32` for fp32
-expectations on the GPU. At the end of the run, the figures tests recorded
-(tests/faults/figures.py) are printed.
+expectations on the GPU; in a pytest-xdist worker, torch's CPU threads its share of the cores.
+At the end of the run, the figures tests recorded (tests/faults/figures.py) are printed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,18 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _share_the_cores() -> None:
+    """In a pytest-xdist worker, torch's CPU ops get this worker's share of the usable cores
+    (at least one thread), not every core each: N workers with a pool of all the cores apiece
+    oversubscribe the machine (CI: 2 workers on 2 cores; the GPU machine: 14 on 16)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+_share_the_cores()
 
 
 @pytest.fixture
