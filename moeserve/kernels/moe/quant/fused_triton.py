@@ -73,6 +73,18 @@ against 0.423), 1.21-1.30x at 64 / 256. Retiring each wgmma at once leaves the d
 the MMA in turn within a program, and two programs an SM do not hide it: removed again, in
 git's history at 2775d26.
 
+What the tile's sm90 loop does per K step (Triton 3.6, read offline, session 49): the decode,
+the decoded tile's STS, a CTA barrier, then the HGMMAs and `WARPGROUP.DEPBAR.LE gsb0, 0x0`
+at once: Triton keeps a wgmma asynchronous only when both operands come from its pipelined
+loads (a minimal kernel with B from a plain load gets `0x1` in its loop, the same with B
+converted in registers `0x0`; so do the register-A form `dot(w, x.T)` and the loop under
+`warp_specialize=True`, whose pass fails on it). A program's decode and MMA run in turn; only
+the SM's other program (255 registers, ~100 KB at 64 x 128) overlaps them. A "halves" nibble
+order (a byte's nibbles from the two halves of its 128-k block, so x is dotted from shared
+memory in two contiguous halves, not split into even and odd columns in registers) removed
+the split and the spills but left the loop at 890 instructions against 900 (64 x 128) and
+raised it at 16 / 32 rows: not pursued.
+
 Tiles: a `config` of tile_configs.CONFIG_KEYS for both launches (a "down" entry: the down
 launch's own, BLOCK_M shared; the SUB_M option: a block of few real rows computes a half or a
 quarter tile), else the lookup of
