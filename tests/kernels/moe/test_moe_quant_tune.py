@@ -404,21 +404,33 @@ def test_gpu_a_small_real_tune_writes_a_file_the_kernel_reads(fmt: str, tmp_path
                                                               monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
     """The CUDA timer end to end (random quantized experts, CUDA-graph timings) on a small
-    shape, the grid at 2 token counts (1 and 2); moe_quant_triton then runs the tuned tiles."""
+    shape, the grid at 2 token counts (1 and 2); moe_quant_triton then runs the tuned tiles.
+    In NVFP4 and INT4 the shape fits micro-tiles, so the tune times them (the engine's layout
+    on CUDA) and its file is the micro layout's, which micro-tiled experts look up (FP8 has
+    rows only)."""
+    from moeserve.kernels.moe.quant.micro_tiles import fits_shape, tile_in_place
+
     monkeypatch.delenv(moe_configs.CONFIG_DIR_ENV)
     e, h, i, k, group = 16, 512, 256, 4, GROUPS[fmt]
+    micro = fits_shape(fmt, h, i)
+    assert micro == (fmt != "fp8")
     done = ensure_quant_tuned(fmt, e, h, i, k, group, torch.bfloat16, 2, log=lambda s: None)
     assert done.tuned and done.detail.startswith("tuned now: 2 of 2")
+    assert (",layout=micro," in Path(done.source).name) == micro
     doc = json.loads(Path(done.source).read_text())
     assert all(isinstance(v, float) for t in doc["trials"].values() for v in t.values())
     device = moe_configs.tile_device_name(torch.device("cuda"))
-    choice = get_quant_config(fmt, e, h, i, k, group, torch.bfloat16, 2, device)
+    choice = get_quant_config(fmt, e, h, i, k, group, torch.bfloat16, 2, device, micro=micro)
     assert choice.tuned and choice.source == done.source
+    if micro:  # the rows layout has no file: its defaults
+        assert not get_quant_config(fmt, e, h, i, k, group, torch.bfloat16, 2, device).tuned
     w13, w2 = random_quant_experts(fmt, e, h, i, group, torch.bfloat16, torch.device("cuda"))
     x, weights, ids = random_tokens(2, h, e, k, torch.bfloat16,
                                     torch.Generator(device="cuda").manual_seed(0))
+    expected = moe_quant_ref(x, w13, w2, weights, ids).float()  # the reference reads rows
+    for w in (w13, w2) if micro else ():
+        tile_in_place(w)
     out = fused_quant_triton.moe_quant_triton(x, w13, w2, weights, ids)
-    expected = moe_quant_ref(x, w13, w2, weights, ids).float()
     assert float((out.float() - expected).abs().max() / expected.abs().max()) < 2e-2
 
 
