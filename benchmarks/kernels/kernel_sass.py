@@ -135,7 +135,8 @@ def w4a16_dequant(args: argparse.Namespace) -> dict:
                 "g_ptr": "*fp32", "out_ptr": "*bf16"}
     const = dict(NVFP4=nvfp4, GROUP=16 if nvfp4 else 32, NATIVE_FP8=True, HAS_GLOBAL=nvfp4,
                  BLOCK_N=wd._BLOCK_N, BLOCK_K=wd._BLOCK_K, PER_WORD=8,
-                 MICRO=(TILE_BYTES if nvfp4 else TILE_BYTES // 4) if args.micro else 0)
+                 MICRO=(TILE_BYTES if nvfp4 else TILE_BYTES // 4) if args.micro else 0,
+                 stride_qk=1, stride_sk=1, stride_ok=1)  # unit strides: 1, as a launch has them
     return compile_sm90(kern.dequant, pointers, const, _nospec(args, kern.dequant), 4, 1)
 
 

@@ -28,6 +28,7 @@ from tests.kernels.moe.test_moe_quant_triton import (
     GPU_SHAPE,
     experts,
     gpu_experts,
+    make_weight,
     routing,
     tokens,
 )
@@ -109,6 +110,23 @@ def test_the_dequantize_first_path_reads_micro_tiles_back(fmt: str) -> None:
     tile_in_place(w13)
     tile_in_place(w2)
     assert torch.equal(moe_dequant(x, w13, w2, weights, ids), rows)
+
+
+@pytest.mark.parametrize(("fmt", "group"), [("nvfp4", 16), ("int4", 32)])
+def test_the_dequantize_kernel_reads_micro_tiles_to_the_rows_bits(fmt: str, group: int) -> None:
+    """The dequantize kernel over micro-tiles (NVFP4's bytes read there as int32 words, 8 k a
+    word) gives the row layout's weights bit for bit: random bytes (every nibble code, both
+    signs of zero), NVFP4 with its global scale, K of two steps."""
+    from moeserve.kernels.linear.w4a16_dequant import dequantize_w4a16
+    from moeserve.kernels.moe.quant.micro_tiles import micro_columns
+
+    e, n, k = 2, 32, 256
+    w = make_weight(fmt, e, n, k, group if fmt == "int4" else None, raw=True)
+    glob = w.global_scale if fmt == "nvfp4" else None
+    rows = dequantize_w4a16(fmt, w.qweight, w.scale, group, k, torch.float32, glob)
+    micro = dequantize_w4a16(fmt, to_micro(w.qweight), w.scale, group, k, torch.float32, glob,
+                             micro=micro_columns(w.qweight.dtype))
+    assert rows.isfinite().all() and torch.equal(rows, micro)
 
 
 def test_micro_tiles_keep_128_k_steps_and_the_engine_tiles_4_bit_multiples_of_128() -> None:
