@@ -117,16 +117,29 @@ def test_the_dequantize_kernel_reads_micro_tiles_to_the_rows_bits(fmt: str, grou
     """The dequantize kernel over micro-tiles (NVFP4's bytes read there as int32 words, 8 k a
     word) gives the row layout's weights bit for bit: random bytes (every nibble code, both
     signs of zero), NVFP4 with its global scale, K of two steps."""
+    assert_dequant_micro_bits(fmt, group)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("fmt", "group"), [("nvfp4", 16), ("int4", 32)])
+def test_gpu_the_dequantize_kernel_reads_micro_tiles_to_the_rows_bits(fmt: str,
+                                                                      group: int) -> None:
+    assert DEVICE == "cuda"
+    assert_dequant_micro_bits(fmt, group)
+
+
+def assert_dequant_micro_bits(fmt: str, group: int) -> None:
     from moeserve.kernels.linear.w4a16_dequant import dequantize_w4a16
     from moeserve.kernels.moe.quant.micro_tiles import micro_columns
 
     e, n, k = 2, 32, 256
     w = make_weight(fmt, e, n, k, group if fmt == "int4" else None, raw=True)
     glob = w.global_scale if fmt == "nvfp4" else None
-    rows = dequantize_w4a16(fmt, w.qweight, w.scale, group, k, torch.float32, glob)
-    micro = dequantize_w4a16(fmt, to_micro(w.qweight), w.scale, group, k, torch.float32, glob,
-                             micro=micro_columns(w.qweight.dtype))
-    assert rows.isfinite().all() and torch.equal(rows, micro)
+    for dtype in (torch.float32, torch.bfloat16):  # on CUDA: the float8 scale loads, bf16 out
+        rows = dequantize_w4a16(fmt, w.qweight, w.scale, group, k, dtype, glob)
+        micro = dequantize_w4a16(fmt, to_micro(w.qweight), w.scale, group, k, dtype, glob,
+                                 micro=micro_columns(w.qweight.dtype))
+        assert rows.isfinite().all() and torch.equal(rows, micro)
 
 
 def test_micro_tiles_keep_128_k_steps_and_the_engine_tiles_4_bit_multiples_of_128() -> None:
