@@ -224,44 +224,42 @@ def _dequant_kernel(q_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_qn, stride_qk, st
     g = k0 // GROUP + tl.arange(0, GROUPS)  # [G] scale columns
     s_ptrs = s_ptr + rows * stride_sn + g[None, :] * stride_sk  # [BN, G]
     s_mask = n_ok[:, None] & (g * GROUP < K)[None, :]
-    if NVFP4 and MICRO > 0:  # micro-tiled: the bytes read as int32 words, 8 k a word in order
-        # (a byte's low nibble k = 2j, its high one 2j + 1: nibble i of word w is k = 8 w + i);
-        # each row's 16 words of a step are one tile row, adjacent, so they load as words
-        # (read as bytes, sm90 compiled a byte load each: 16 a thread against 4)
-        wc = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK / 8] word columns
-        word = tl.load(q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                       + _packed_offsets(rows, wc[None, :], stride_qn // 4, 1, MICRO // 4),
-                       mask=n_ok[:, None], other=0)  # micro-tiles: K % 128 == 0, all within
-        nib = (word[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
-        nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))
-        if NATIVE_FP8:
-            s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
-        else:
-            s = _e4m3_bits_to_f32(tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32))
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, GROUP)),
-                       (BLOCK_N, BLOCK_K)) * 16384.0  # a scale a nibble; nibbles x 2^-14
-        w = _nibble_values(nib)[0] * s  # the low nibble of each: the word's nibble itself
-    elif NVFP4:  # bytes 2j (low nibble) and 2j + 1 (high), K % 16 == 0
-        c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
-        byte = tl.load(q_ptr + _packed_offsets(rows, c[None, :], stride_qn, stride_qk, MICRO),
-                       mask=n_ok[:, None] & (2 * c < K)[None, :], other=0).to(tl.int32)
+    if NVFP4:  # the group scales, e4m3 [BN, G]
         if NATIVE_FP8:
             s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
         else:  # its bytes (the interpreter's fp8 loads lose the NaN codes)
             s = _e4m3_bits_to_f32(tl.load(s_ptrs, mask=s_mask, other=0).to(tl.int32))
+    else:
+        s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+    if NVFP4 and MICRO == 0:  # bytes 2j (low nibble) and 2j + 1 (high), K % 16 == 0
+        c = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
+        byte = tl.load(q_ptr + _packed_offsets(rows, c[None, :], stride_qn, stride_qk, 0),
+                       mask=n_ok[:, None] & (2 * c < K)[None, :], other=0).to(tl.int32)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, GROUP // 2)),
                        (BLOCK_N, BLOCK_K // 2)) * 16384.0  # a scale a byte; nibbles x 2^-14
         lo, hi = _nibble_values(byte)  # [BN, BK / 2] each: the e2m1 values x 2^-14
         w = tl.reshape(tl.join(lo * s, hi * s), (BLOCK_N, BLOCK_K))  # k = 2j + h
-    else:  # k at bits 4 (k % 8) of word k // 8, stored q + 8
+    else:  # int32 words, nibble i of word w at k = 8 w + i: INT4's (stored q + 8), and
+        # micro-tiled NVFP4's bytes read as words (a byte's low nibble k = 2j, its high one
+        # 2j + 1; a step's 16 words of a row are one tile row, adjacent and within K: read as
+        # bytes, sm90 compiled a byte load each, 16 a thread against 4)
         c = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)  # [BK / 8] word columns
-        word = tl.load(q_ptr + _packed_offsets(rows, c[None, :], stride_qn, stride_qk, MICRO),
-                       mask=n_ok[:, None] & (PER_WORD * c < K)[None, :], other=0)
+        if NVFP4:
+            word = tl.load(q_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                           + _packed_offsets(rows, c[None, :], stride_qn // 4, 1, MICRO // 4),
+                           mask=n_ok[:, None], other=0)
+        else:
+            word = tl.load(q_ptr + _packed_offsets(rows, c[None, :], stride_qn, stride_qk,
+                                                   MICRO),
+                           mask=n_ok[:, None] & (PER_WORD * c < K)[None, :], other=0)
         nib = (word[:, :, None] >> (tl.arange(0, PER_WORD) * 4)[None, None, :]) & 15
-        s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BN, G]
+        nib = tl.reshape(nib, (BLOCK_N, BLOCK_K))
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, GROUP)),
                        (BLOCK_N, BLOCK_K))
-        w = (tl.reshape(nib, (BLOCK_N, BLOCK_K)) - 8).to(tl.float32) * s
+        if NVFP4:  # a nibble is a byte's low one to _nibble_values: its value x 2^-14
+            w = _nibble_values(nib)[0] * (s * 16384.0)
+        else:
+            w = (nib - 8).to(tl.float32) * s
     if HAS_GLOBAL:
         w = w * tl.load(g_ptr + rn, mask=n_ok, other=0.0)[:, None]
     rk = k0 + tl.arange(0, BLOCK_K)  # [BK]
