@@ -17,6 +17,7 @@ To match the GPU machine, put its Triton on the path first:
     PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass w4a16 --tile 16 64 128 4 4 \
         --split 4 --decode asm
     PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass w4a16-dequant --micro
+    PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass moe-fp8-gluon --block-m 128
 
     PYTHONPATH=/tmp/tri36:. python -m benchmarks.kernels.kernel_sass mla-decode --tile 16 64 4 2 \
         --heads 64
@@ -68,6 +69,24 @@ def moe_quant(args: argparse.Namespace) -> dict:
                  **({"stride_sn": 1} if args.k_major_scales else {"stride_sk": 1}))
     kernel = fused_triton._kernel()
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), warps, stages)
+
+
+def moe_fp8_gluon(args: argparse.Namespace) -> dict:
+    """The FP8 MoE's Gluon grouped GEMM (kernels/moe/quant/fp8_gluon.py) at --block-m rows a
+    program (its tile: fp8_gluon.tiles), gated or (--down) the down launch, at qwen3-30b-a3b's
+    K (2,048 / 768)."""
+    from moeserve.kernels.moe.quant import fp8_gluon
+
+    t = fp8_gluon.tiles(args.block_m, 768)
+    pointers = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
+                "c_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+                "expert_ids_ptr": "*i32"}
+    const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BLOCK_M=t["BLOCK_M"],
+                 BLOCK_N=t["BLOCK_N"], STAGES=args.stages or t["STAGES"],
+                 UNROLL=args.unroll or fp8_gluon.unroll(2048 if args.gated else 768,
+                                                          args.gated))
+    kernel = fp8_gluon._kernels().moe
+    return compile_sm90(kernel, pointers, const, _nospec(args, kernel), t["num_warps"], 1)
 
 
 def moe_align_one(args: argparse.Namespace) -> dict:
@@ -390,6 +409,13 @@ def main() -> None:
             p.add_argument("--slots", action="store_true",
                            help="the selection given as cache rows (sparse_triton.slot_rows; "
                                 "mla-decode-gluon: with --sparse)")
+    p = sub.add_parser("moe-fp8-gluon")
+    p.add_argument("--block-m", type=int, default=128, choices=(64, 128))
+    p.add_argument("--stages", type=int, default=None, help="default: fp8_gluon.tiles'")
+    p.add_argument("--unroll", type=int, default=None, help="default: fp8_gluon.unroll's")
+    p.add_argument("--down", dest="gated", action="store_false",
+                   help="the down launch (default: the gated one)")
+    p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     p = sub.add_parser("moe-align-one")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--block-m", type=int, default=16)
@@ -411,7 +437,7 @@ def main() -> None:
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     args = parser.parse_args()
     report = {"topk": topk, "moe": moe, "moe-quant": moe_quant,
-              "moe-align-one": moe_align_one, "w4a16": w4a16,
+              "moe-align-one": moe_align_one, "moe-fp8-gluon": moe_fp8_gluon, "w4a16": w4a16,
               "w4a16-dequant": w4a16_dequant, "mla-decode": mla_decode,
               "mla-decode-gluon": mla_decode_gluon, "mla-decode-flat": mla_decode_flat,
               "mla-prefill": mla_prefill, "dsa-sparse": dsa_sparse, "gqa-prefill": gqa,

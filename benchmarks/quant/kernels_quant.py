@@ -387,6 +387,11 @@ def main() -> None:
     parser.add_argument("--fp8-prefetch", nargs="+", choices=("off", "on"), default=["off"],
                         help="FP8 MoE rows per setting of the scales' one-step prefetch "
                         "(kernels/moe/quant/fused_triton.py prefetch_scales)")
+    parser.add_argument("--fp8-moe", nargs="+", choices=("triton", "gluon", "gluon-128"),
+                        default=["triton"], help="FP8 MoE rows per grouped GEMM "
+                        "(kernels/moe/quant/fp8_gluon.py backend: gluon where it supports the "
+                        "launch, sm90, gluon-128 with 128-row blocks; triton: fused_triton's "
+                        "kernel)")
     parser.add_argument("--w4a16-backend", nargs="+", choices=("auto", "fused", "dequant"),
                         default=["auto"], help="NVFP4 / INT4 linear rows per backend of "
                         "kernels/linear/w4a16_dequant.py (fused: dequantized in the GEMM's "
@@ -453,6 +458,7 @@ def main() -> None:
     ctx["fp8_peak_tflops"] = result["peaks"]["fp8_peak_tflops"]
     save()
     moe_switches = {"decode": args.nvfp4_decode, "prefetch": args.fp8_prefetch,
+                    "fp8_moe": args.fp8_moe,
                     "moe_dequant": args.moe_dequant, "int4_decode": args.int4_decode,
                     "maxnreg": args.maxnreg, "scale_layout": args.scale_layout,
                     "weight_layout": args.weight_layout}

@@ -6,6 +6,8 @@ the value it ran with.
     int4_decode    kernels/linear/int4_tile.py `decode`             int4 MoE  reshape | planes |
                                                                     planes-asm
     prefetch       kernels/moe/quant/fused_triton.py `prefetch_scales`  fp8  off | on
+    fp8_moe        kernels/moe/quant/fp8_gluon.py `backend`          fp8 MoE  triton | gluon |
+                                                                    gluon-128
     w4a16_backend  kernels/linear/w4a16_dequant.py `backend`        nvfp4, int4 linears
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
     maxnreg        kernels/moe/quant/fused_triton.py `max_registers`  every format's MoE
@@ -37,6 +39,7 @@ SWITCHES = {
     "int4_decode": Switch("moeserve.kernels.linear.int4_tile", "decode", ("int4",)),
     "prefetch": Switch("moeserve.kernels.moe.quant.fused_triton", "prefetch_scales", ("fp8",),
                        lambda v: v == "on"),
+    "fp8_moe": Switch("moeserve.kernels.moe.quant.fp8_gluon", "backend", ("fp8",)),
     "w4a16_backend": Switch("moeserve.kernels.linear.w4a16_dequant", "backend",
                             ("nvfp4", "int4")),
     "moe_dequant": Switch("moeserve.kernels.moe.quant.dequant", "mode", ("nvfp4", "int4")),

@@ -115,7 +115,7 @@ from moeserve.kernels.linear import int4_tile, nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
-from moeserve.kernels.moe.quant import micro_tiles
+from moeserve.kernels.moe.quant import fp8_gluon, micro_tiles
 from moeserve.kernels.moe.quant.checks import check_inputs
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.tile_configs import (
@@ -179,6 +179,8 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
                                   tile_device_name(x.device), tiles=tiles,
                                   micro=micro_tiles.is_micro(w13)).config
     check_quant_config(config, fmt, (group13, group2))
+    if fmt == "fp8" and fp8_gluon.block_m(config) != config["BLOCK_M"]:
+        config = {**config, "BLOCK_M": fp8_gluon.block_m(config)}  # the switch's experiment
     # the grid covers every block; those past the used ones (expert -1) return at once, so
     # num_tokens_post_padded is not read
     sorted_ids, expert_ids, _ = moe_align_block_size_triton(topk_ids, num_experts,
@@ -219,6 +221,11 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
     """
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
+    if (fmt == "fp8" and fp8_gluon.backend != "triton" and config["BLOCK_M"] in (64, 128)
+            and fp8_gluon.supports(a, a_scale, w, scale_rows, gated)):
+        fp8_gluon.launch(a, a_scale, w, c, topk_weights, sorted_ids, expert_ids, num_pairs,
+                         config["BLOCK_M"], a_row_div=a_row_div, gated=gated)
+        return
     qweight = w.qweight  # [E, N, K / pack]: e4m3, uint8 or int32
     native_fp8 = a.device.type == "cuda"  # nvfp4's scales loaded as float8 (else as bytes)
     scale = w.scale.view(torch.uint8) if fmt == "nvfp4" and not native_fp8 else w.scale

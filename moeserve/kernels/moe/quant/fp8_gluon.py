@@ -1,0 +1,288 @@
+"""The FP8 (W8A8, 128 x 128 block scales) grouped GEMM of the fused MoE in Gluon, for Hopper:
+`launch`, one launch of fused_triton.py's data flow (gated: act = silu(x W_gate^T) * x W_up^T;
+down: out = w * act W2^T), over the same sorted row blocks, A rows gathered the same way.
+
+Why a second kernel: every K step of a block-scaled product is scaled on its own,
+acc += dot(a_k, b_k) * s_a[row, k] * s_b[k], and Triton waits for each step's wgmma before
+that multiply (sm90 SASS, Triton 3.6: `WARPGROUP.DEPBAR.LE gsb0, 0x0` right after the step's
+QGMMAs, also with the product consumed one step late or two dots a step), so a program's
+tensor cores idle through each step's scaling, its barrier and its next loads: at 8,192 tokens
+the Triton kernel reaches 446-458 TFLOP/s, 32-33% of the H200's FP8 peak
+(benchmarks/results/gpu_04e1157/). Here the products are promoted one step late (DeepGEMM's
+way): step k's wgmmas are issued into fresh accumulators, then step k - 1's are retired
+(`warpgroup_mma_wait(2)`) and added, scaled, to the fp32 accumulators while step k's run.
+
+A program: row block b (BLOCK_M sorted pairs, one expert) x N tile n; BLOCK_M 64 (4 warps,
+one warpgroup) or 128 (8 warps, two). A [BLOCK_M, 128] e4m3 rows (x_q's token rows, or act_q's
+pair rows) and B [BLOCK_N, 128] weight rows (gate and up tiles apart when gated) reach shared
+memory by cp.async, STAGES deep; the copies for step k + STAGES - 2 go out after step k's CTA
+barrier, into the stage step k - 2's wgmmas read (every warpgroup retired those by then).
+Scales: s_a [rows, K / 128] fp32 per row and step, s_b [E, N / 128, K / 128] one scalar a step
+per tile (BLOCK_N divides 128, the tile in one 128-row block), both loaded a step ahead.
+
+Bounds: CUDA sm90, N and K multiples of 128 (`supports`). fused_triton.py routes to it from
+`min_tokens` pairs a block (`route`), an experiment switch until timed.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
+async_copy: Any = None
+fence_async_shared: Any = None
+warpgroup_mma: Any = None
+warpgroup_mma_wait: Any = None
+
+BLOCK_K = 128  # one scale column a step
+# The switch (kernels_quant --fp8-moe): "triton" keeps fused_triton's kernel; "gluon" takes
+# this one wherever `supports` holds and the looked-up BLOCK_M is 64 or 128; "gluon-128" also
+# makes every FP8 op's row blocks 128 high (the align's too). Off ("triton") until the GPU
+# measures it.
+backend = "triton"
+BACKENDS = ("triton", "gluon", "gluon-128")
+
+
+def block_m(config: dict) -> int:
+    """The op's row-block height under the switch: 128 with "gluon-128", else the config's."""
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8_gluon.backend {backend!r} is not one of {BACKENDS}")
+    return 128 if backend == "gluon-128" else config["BLOCK_M"]
+
+
+def unroll(k_dim: int, gated: bool) -> int:
+    """The K steps an iteration of the kernel's loop (0: K's steps of 128 are not even): 2
+    gated (its six accumulators, 192 registers a thread, spill from 4: sm90 compile, Triton
+    3.6), else the largest of 8, 4, 2 dividing the steps (at 6, 255 registers against 192-207
+    at 4 and 8)."""
+    steps = k_dim // BLOCK_K if k_dim % BLOCK_K == 0 else 0
+    return next((u for u in ((2,) if gated else (8, 4, 2)) if steps and steps % u == 0), 0)
+
+
+def supports(a: torch.Tensor, a_scale: torch.Tensor, w: Any, scale_rows: int,
+             gated: bool) -> bool:
+    """Whether this kernel runs the launch: CUDA sm90 (wgmma), N a multiple of 128, K's steps
+    of 128 an even count, the weights' scales in 128-row blocks (a tile's rows share one) and
+    every tensor's last dimension contiguous."""
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    return (a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) == (9, 0)
+            and n_out % 128 == 0 and unroll(w.shape[2], False) > 0 and scale_rows == 128
+            and a.stride(1) == 1 and a_scale.stride(1) == 1 and w.qweight.stride(2) == 1
+            and w.scale.stride(2) == 1)
+
+
+def tiles(block_m: int, n_out: int) -> dict[str, int]:
+    """The launch's tile for fused_triton's BLOCK_M: BLOCK_N 64 (a gated tile's gate and up
+    halves each, or down's) and 4 stages; 4 warps for 64 rows, 8 for 128."""
+    if block_m not in (64, 128):
+        raise ValueError(f"fp8_gluon: BLOCK_M {block_m} is not 64 or 128")
+    return {"BLOCK_M": block_m, "BLOCK_N": 64 if n_out % 64 == 0 else 128, "STAGES": 4,
+            "num_warps": block_m // 16}
+
+
+def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
+           topk_weights: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+           num_pairs: int, block_m: int, *, a_row_div: int, gated: bool) -> None:
+    """One grouped GEMM (fused_triton._launch's contract, fp8): c[pair] = a[row] @ w[e].T
+    scaled by the blocks' scales; gated: c[pair, n] = silu(gate) * up, else times the pair's
+    routing weight. a: [rows, K] e4m3, a_scale [rows, K / 128] fp32; w: fp8 QuantWeight
+    ([E, N (x 2 gated), K] e4m3, scale [E, N / 128, K / 128] fp32)."""
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    k_dim = w.shape[2]
+    qweight, scale = w.qweight, w.scale
+    t = tiles(block_m, n_out)
+    num_blocks = expert_ids.shape[0]
+    grid = (num_blocks * (n_out // t["BLOCK_N"]),)
+    _kernels().moe[grid](
+        a, a_scale, qweight, scale, c, topk_weights, sorted_ids, expert_ids,
+        num_pairs, n_out, k_dim, a.stride(0), a_scale.stride(0),
+        qweight.stride(0), qweight.stride(1), scale.stride(0), scale.stride(1), c.stride(0),
+        A_ROW_DIV=a_row_div, GATED=gated, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
+        STAGES=t["STAGES"], UNROLL=unroll(k_dim, gated), num_warps=t["num_warps"])
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """Jit the kernel on first use (gluon imported here only), with the Hopper builtins it
+    calls bound as module globals (where the compiler resolves names)."""
+    global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    global _moe_fp8_kernel, _copy_step, _issue, _promote, _scales
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language
+    from triton.experimental.gluon.language.nvidia import hopper
+
+    gl = language
+    async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
+    warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
+    _copy_step, _issue, _promote, _scales = (gluon.jit(f) for f in (_copy_step, _issue,
+                                                                     _promote, _scales))
+    _moe_fp8_kernel = gluon.jit(do_not_specialize=["num_pairs"])(_moe_fp8_kernel)
+    return SimpleNamespace(moe=_moe_fp8_kernel)
+
+
+# ---- Gluon functions (jitted by _kernels; module globals, where the compiler finds names) ----
+
+def _copy_step(k, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr, a_dst, b_dst,
+               bu_dst, GATED: gl.constexpr):
+    """Step k's copies (cp.async; none past the last step: zero-filled, nothing read): the
+    A rows' 128 K columns, the weight tile's rows (and the up tile's when gated)."""
+    live = k < num_k
+    k0 = k * 128
+    async_copy.async_copy_global_to_shared(a_dst, a_ptr + a_rows[:, None] + k0 + dk[None, :],
+                                           mask=a_ok[:, None] & live)
+    async_copy.async_copy_global_to_shared(b_dst, b_ptr + b_rows[:, None] + k0 + dk[None, :],
+                                           mask=(b_rows >= 0)[:, None] & live)
+    if GATED:
+        async_copy.async_copy_global_to_shared(
+            bu_dst, b_ptr + b_up_rows[:, None] + k0 + dk[None, :],
+            mask=(b_up_rows >= 0)[:, None] & live)
+
+
+def _issue(k, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr, a_s, b_s, bu_s, r,
+           r_up, STAGES: gl.constexpr, GATED: gl.constexpr):
+    """Step k: wait for its copies (every thread's: a CTA barrier, which also means every
+    warpgroup retired step k - 2's wgmmas), send out step k + STAGES - 2's into the stage
+    step k - 2 read, and issue step k's wgmmas into fresh accumulators in r's (r_up's)
+    registers (the up tile's too when gated; else the second is the first). Returns their
+    tokens."""
+    async_copy.wait_group(STAGES - 3)
+    gl.thread_barrier()
+    fence_async_shared()
+    ahead = k + STAGES - 2
+    _copy_step(ahead, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr,
+               a_s.index(ahead % STAGES), b_s.index(ahead % STAGES),
+               bu_s.index(ahead % STAGES if GATED else 0), GATED)
+    async_copy.commit_group()
+    st = k % STAGES
+    d = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), r, use_acc=False,
+                      is_async=True)
+    d_up = d
+    if GATED:
+        d_up = warpgroup_mma(a_s.index(st), bu_s.index(st).permute((1, 0)), r_up,
+                             use_acc=False, is_async=True)
+    return d, d_up
+
+
+def _promote(acc, acc_up, d, d_up, s_row, s_row_up, AFTER: gl.constexpr, GATED: gl.constexpr):
+    """Retire the step whose tokens d (d_up) are, leaving the AFTER steps issued since in
+    flight, and add its products to the accumulators, each row scaled by s_row (s_row_up).
+    Returns the accumulators and the retired products (whose registers the set's next step
+    writes)."""
+    if GATED:
+        d, d_up = warpgroup_mma_wait(num_outstanding=2 * AFTER, deps=(d, d_up))
+        acc += d * s_row[:, None]
+        acc_up += d_up * s_row_up[:, None]
+    else:
+        d = warpgroup_mma_wait(num_outstanding=AFTER, deps=(d,))
+        acc += d * s_row[:, None]
+        d_up = d
+    return acc, acc_up, d, d_up
+
+
+def _scales(as_rows, row_ok, s_gate, s_up, k, GATED: gl.constexpr):
+    """Step k's scale a row: its activation scale times the tile's weight scale (the up
+    tile's own when gated; else the second is the first)."""
+    s_a = gl.load(as_rows + k, mask=row_ok, other=0.0)
+    s_row = s_a * gl.load(s_gate + k)
+    s_row_up = s_row
+    if GATED:
+        s_row_up = s_a * gl.load(s_up + k)
+    return s_row, s_row_up
+
+
+def _moe_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
+                    expert_ids_ptr, num_pairs, N, K, stride_am, stride_asm, stride_be,
+                    stride_bn, stride_se, stride_sn, stride_cm,
+                    A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr):
+    """Program (row block b, N tile n): the module docstring's loop and epilogue."""
+    W: gl.constexpr = BLOCK_M // 16  # warps: 16 rows each, four a warpgroup
+    # copies: 16-byte vectors, a row's 128 bytes over 8 threads
+    cp_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                    instr_shape=[16, BLOCK_N, 32])
+    a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.float8e4nv)
+    b_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], gl.float8e4nv)
+    a_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, 128], a_sl)
+    b_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 128], b_sl)
+    bu_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES if GATED else 1, BLOCK_N, 128],
+                                     b_sl)
+
+    num_n = N // BLOCK_N
+    pid = gl.program_id(0)
+    b = pid // num_n
+    n0 = (pid % num_n) * BLOCK_N
+    e = gl.load(expert_ids_ptr + b)
+    if e >= 0:  # blocks past the used ones: expert -1
+        num_k = K // 128
+        # A rows (pairs' tokens; padding rows past num_pairs zero-filled) in the copies' layout
+        rc = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, cp_l))
+        pair_c = gl.load(sorted_ids_ptr + b * BLOCK_M + rc)
+        a_ok = pair_c < num_pairs
+        a_rows = (pair_c // A_ROW_DIV).to(gl.int64) * stride_am
+        dk = gl.arange(0, 128, layout=gl.SliceLayout(0, cp_l))
+        nc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp_l))
+        w_base = e.to(gl.int64) * stride_be
+        b_rows = w_base + (n0 + nc).to(gl.int64) * stride_bn
+        b_up_rows = w_base + (N + n0 + nc).to(gl.int64) * stride_bn  # unused unless GATED
+
+        # the rows' scales in the accumulator's row layout; the weights' a scalar a step
+        ra = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_l))
+        pair_a = gl.load(sorted_ids_ptr + b * BLOCK_M + ra)
+        row_ok = pair_a < num_pairs
+        as_rows = as_ptr + (pair_a // A_ROW_DIV).to(gl.int64) * stride_asm
+        s_gate = bs_ptr + e.to(gl.int64) * stride_se + (n0 // 128) * stride_sn
+        s_up = bs_ptr + e.to(gl.int64) * stride_se + ((N + n0) // 128) * stride_sn
+
+        for j in gl.static_range(STAGES - 2):  # the first steps in flight
+            _copy_step(j, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr,
+                       a_s.index(j), b_s.index(j), bu_s.index(j if GATED else 0), GATED)
+            async_copy.commit_group()
+
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_l)
+        acc = zero
+        acc_up = zero
+        # two accumulator sets, A (even steps) and B (odd), by turns, UNROLL steps an
+        # iteration: step k's wgmmas run while step k - 1's products are added, scaled, and
+        # each writes its set's registers of two steps before (retired and added by then,
+        # passed as the unused accumulator). The last step of an iteration is retired in it:
+        # ptxas serializes every wgmma of the kernel when a non-wgmma instruction copies or
+        # zeroes an accumulator register while a wgmma runs (C7514 / C7515), as the phi of a
+        # token in flight across the loop's back edge does.
+        r_a = zero
+        ru_a = zero
+        r_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_l)
+        ru_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_l)
+        for it in range(num_k // UNROLL):
+            for p in gl.static_range(UNROLL // 2):
+                k = it * UNROLL + 2 * p
+                d_a, du_a = _issue(k, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr,
+                                   a_s, b_s, bu_s, r_a, ru_a, STAGES, GATED)
+                s_a, su_a = _scales(as_rows, row_ok, s_gate, s_up, k, GATED)
+                if p > 0:  # step k - 1, in set B (p is unrolled: bound at p - 1)
+                    acc, acc_up, r_b, ru_b = _promote(
+                        acc, acc_up, d_b, du_b, s_b, su_b, 1, GATED)  # noqa: F821
+                d_b, du_b = _issue(k + 1, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr,
+                                   b_ptr, a_s, b_s, bu_s, r_b, ru_b, STAGES, GATED)
+                s_b, su_b = _scales(as_rows, row_ok, s_gate, s_up, k + 1, GATED)
+                acc, acc_up, r_a, ru_a = _promote(acc, acc_up, d_a, du_a, s_a, su_a, 1, GATED)
+            acc, acc_up, r_b, ru_b = _promote(acc, acc_up, d_b, du_b, s_b, su_b, 0, GATED)
+        async_copy.wait_group(0)  # no copy left in flight at exit
+
+        # epilogue: each real pair's row of C, in C's dtype (16-byte stores)
+        st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+        if GATED:
+            out = acc / (1.0 + gl.exp(-acc)) * acc_up  # silu(gate) * up, fp32
+        else:
+            w_pair = gl.load(weights_ptr + pair_a, mask=row_ok, other=0.0)
+            out = acc * w_pair[:, None]
+        out = gl.convert_layout(out.to(c_ptr.dtype.element_ty), st_l)
+        ro = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_l))
+        pair_o = gl.load(sorted_ids_ptr + b * BLOCK_M + ro)
+        co = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_l))
+        gl.store(c_ptr + pair_o.to(gl.int64)[:, None] * stride_cm + n0 + co[None, :], out,
+                 mask=(pair_o < num_pairs)[:, None])

@@ -1,0 +1,141 @@
+"""The FP8 MoE's Gluon grouped GEMM (kernels/moe/quant/fp8_gluon.py): which launches it takes
+(CPU), and on an sm90 GPU its output against fused_triton's FP8 kernel and the reference, with
+expert-parallel (-1) pairs, the parts, a CUDA graph with new routing, and proof that it ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.kernels.moe.quant import fp8_gluon, fused_triton
+from moeserve.kernels.moe.quant.configs import default_quant_config
+from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
+from moeserve.kernels.moe.quant.ref import moe_quant_ref
+from tests.cuda_graph import capture
+from tests.kernels.moe.test_moe_quant_triton import (
+    TOP_K,
+    _fp8_block_experts,
+    rel_err,
+    routing,
+    tokens,
+)
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_unroll_takes_even_step_counts() -> None:
+    assert fp8_gluon.unroll(2048, gated=True) == 2  # 16 steps: gated 2 (its registers)
+    assert fp8_gluon.unroll(2048, gated=False) == 8
+    assert fp8_gluon.unroll(768, gated=False) == 2  # 6 steps: not 8, 4
+    assert fp8_gluon.unroll(1536, gated=False) == 4  # 12 steps
+    assert fp8_gluon.unroll(1408, gated=False) == 0  # 11 steps: odd
+    assert fp8_gluon.unroll(1000, gated=True) == 0  # not whole steps
+
+
+def test_tiles_name_their_warps_and_refuse_other_heights() -> None:
+    assert fp8_gluon.tiles(64, 768) == {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 4,
+                                        "num_warps": 4}
+    assert fp8_gluon.tiles(128, 768)["num_warps"] == 8
+    with pytest.raises(ValueError, match="BLOCK_M 32"):
+        fp8_gluon.tiles(32, 768)
+
+
+def test_the_cpu_runs_the_triton_kernel_with_the_switch_on(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """The switch on, a CPU launch is not the Gluon kernel's (sm90 only): the same bits as
+    with it off."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path")
+    compact, _ = _fp8_block_experts(2, 256, 128, torch.float32)
+    x = tokens(7, 256, seed=3)
+    weights, ids = routing(7, 2, seed=3)
+    config = {**default_quant_config("fp8", 7, TOP_K, 2, 128), "BLOCK_M": 64}
+    off = moe_quant_triton(x, *compact, weights, ids, config=config)
+    monkeypatch.setattr(fp8_gluon, "backend", "gluon")
+    calls = []
+    monkeypatch.setattr(fp8_gluon, "launch", lambda *a, **k: calls.append(a))
+    assert torch.equal(moe_quant_triton(x, *compact, weights, ids, config=config), off)
+    assert calls == []
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+E, H, INTER = 16, 1024, 512  # K steps: 8 (gated), 4 (down)
+
+
+def _configs(num_tokens: int, block_m: int) -> dict:
+    return {**default_quant_config("fp8", num_tokens, TOP_K, E, 128), "BLOCK_M": block_m}
+
+
+@pytest.fixture
+def gluon_on(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The switch on, each Gluon launch counted (gated, down)."""
+    launched = []
+    real = fp8_gluon.launch
+
+    def counted(*args, **kwargs):
+        launched.append(kwargs["gated"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_gluon, "backend", "gluon")
+    monkeypatch.setattr(fp8_gluon, "launch", counted)
+    return launched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm90")
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("num_tokens", [5, 64, 300, 2048])
+def test_gpu_gluon_matches_triton_and_ref(num_tokens: int, block_m: int, gluon_on: list,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    compact, _ = _fp8_block_experts(E, H, INTER, torch.bfloat16)
+    x = tokens(num_tokens, H, seed=num_tokens, dtype=torch.bfloat16)
+    weights, ids = routing(num_tokens, E, seed=num_tokens, off_rank=True)
+    config = _configs(num_tokens, block_m)
+    out = moe_quant_triton(x, *compact, weights, ids, config=config)
+    assert gluon_on == [True, False]  # both launches its
+    parts = moe_quant_triton(x, *compact, weights, ids, config=config, reduce=False)
+    assert torch.equal(parts.sum(1), out)
+    assert torch.equal(parts[ids == -1], torch.zeros_like(parts[ids == -1]))
+    monkeypatch.setattr(fp8_gluon, "backend", "triton")
+    triton_out = moe_quant_triton(x, *compact, weights, ids, config=config)
+    assert len(gluon_on) == 4  # the Triton run took none
+    # the same products and scales, summed in another order (promoted a step late)
+    assert rel_err(out, triton_out) < 1e-2
+    assert rel_err(out, moe_quant_ref(x, *compact, weights, ids)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm90")
+def test_gpu_gluon_replays_in_a_cuda_graph_with_new_routing(gluon_on: list) -> None:
+    compact, _ = _fp8_block_experts(E, H, INTER, torch.bfloat16)
+    x = tokens(256, H, seed=2, dtype=torch.bfloat16)
+    weights, ids = routing(256, E, seed=2)
+    static = [x.clone(), weights.clone(), ids.clone()]
+    config = _configs(256, 64)
+
+    def step() -> torch.Tensor:
+        return moe_quant_triton(static[0], *compact, static[1], static[2], config=config)
+
+    graph, static_out = capture(step)
+    x2 = tokens(256, H, seed=3, dtype=torch.bfloat16)
+    weights2, ids2 = routing(256, E, seed=3, off_rank=True)
+    for buf, new in zip(static, (x2, weights2, ids2)):
+        buf.copy_(new)
+    graph.replay()
+    assert torch.equal(static_out, step())  # deterministic: eager's bits
+    assert rel_err(static_out, moe_quant_ref(x2, *compact, weights2, ids2)) < 2e-2
+    assert gluon_on and all(g in (True, False) for g in gluon_on)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm90")
+def test_gpu_gluon_leaves_what_it_cannot_run_to_triton(gluon_on: list) -> None:
+    """Per-row weight scales (scale_rows 1) and 16-row blocks stay with fused_triton."""
+    compact, per_row = _fp8_block_experts(E, H, INTER, torch.bfloat16)
+    x = tokens(64, H, seed=4, dtype=torch.bfloat16)
+    weights, ids = routing(64, E, seed=4)
+    moe_quant_triton(x, *per_row, weights, ids, config=_configs(64, 64))
+    moe_quant_triton(x, *compact, weights, ids, config=_configs(64, 16))
+    assert gluon_on == []
+    assert fused_triton.moe_quant_triton is moe_quant_triton
