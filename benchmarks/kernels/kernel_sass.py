@@ -84,7 +84,8 @@ def moe_fp8_gluon(args: argparse.Namespace) -> dict:
     const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BLOCK_M=t["BLOCK_M"],
                  BLOCK_N=t["BLOCK_N"], STAGES=args.stages or t["STAGES"],
                  UNROLL=args.unroll or fp8_gluon.unroll(2048 if args.gated else 768,
-                                                          args.gated))
+                                                          args.gated),
+                 ONE_DOT=args.one_dot)
     kernel = fp8_gluon._kernels().moe
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), t["num_warps"], 1)
 
@@ -413,6 +414,8 @@ def main() -> None:
     p.add_argument("--block-m", type=int, default=128, choices=(64, 128))
     p.add_argument("--stages", type=int, default=None, help="default: fp8_gluon.tiles'")
     p.add_argument("--unroll", type=int, default=None, help="default: fp8_gluon.unroll's")
+    p.add_argument("--one-dot", action="store_true",
+                   help="gated: gate and up rows in one tile (fp8_gluon.one_dot)")
     p.add_argument("--down", dest="gated", action="store_false",
                    help="the down launch (default: the gated one)")
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")

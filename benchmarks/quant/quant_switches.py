@@ -8,6 +8,7 @@ the value it ran with.
     prefetch       kernels/moe/quant/fused_triton.py `prefetch_scales`  fp8  off | on
     fp8_moe        kernels/moe/quant/fp8_gluon.py `backend`          fp8 MoE  triton | gluon |
                                                                     gluon-128
+    fp8_gluon_dot  kernels/moe/quant/fp8_gluon.py `one_dot`          fp8 MoE  two | one
     w4a16_backend  kernels/linear/w4a16_dequant.py `backend`        nvfp4, int4 linears
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
     maxnreg        kernels/moe/quant/fused_triton.py `max_registers`  every format's MoE
@@ -40,6 +41,8 @@ SWITCHES = {
     "prefetch": Switch("moeserve.kernels.moe.quant.fused_triton", "prefetch_scales", ("fp8",),
                        lambda v: v == "on"),
     "fp8_moe": Switch("moeserve.kernels.moe.quant.fp8_gluon", "backend", ("fp8",)),
+    "fp8_gluon_dot": Switch("moeserve.kernels.moe.quant.fp8_gluon", "one_dot", ("fp8",),
+                            lambda v: v == "one"),
     "w4a16_backend": Switch("moeserve.kernels.linear.w4a16_dequant", "backend",
                             ("nvfp4", "int4")),
     "moe_dequant": Switch("moeserve.kernels.moe.quant.dequant", "mode", ("nvfp4", "int4")),

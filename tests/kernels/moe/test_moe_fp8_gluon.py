@@ -84,10 +84,14 @@ def gluon_on(monkeypatch: pytest.MonkeyPatch) -> list:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm90")
+@pytest.mark.parametrize("one_dot", [False, True])
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("num_tokens", [5, 64, 300, 2048])
-def test_gpu_gluon_matches_triton_and_ref(num_tokens: int, block_m: int, gluon_on: list,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_gluon_matches_triton_and_ref(num_tokens: int, block_m: int, one_dot: bool,
+                                          gluon_on: list, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """Both forms of the gated launch (one_dot: gate and up rows interleaved in one tile)."""
+    monkeypatch.setattr(fp8_gluon, "one_dot", one_dot)
     compact, _ = _fp8_block_experts(E, H, INTER, torch.bfloat16)
     x = tokens(num_tokens, H, seed=num_tokens, dtype=torch.bfloat16)
     weights, ids = routing(num_tokens, E, seed=num_tokens, off_rank=True)

@@ -45,6 +45,9 @@ BLOCK_K = 128  # one scale column a step
 # measures it.
 backend = "triton"
 BACKENDS = ("triton", "gluon", "gluon-128")
+# The gated launch's gate and up rows interleaved in one weight tile, one wgmma a step reading
+# A once (two: A read for each). An experiment switch (kernels_quant --fp8-gluon-dot), untimed.
+one_dot = False
 
 
 def block_m(config: dict) -> int:
@@ -102,7 +105,8 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
         num_pairs, n_out, k_dim, a.stride(0), a_scale.stride(0),
         qweight.stride(0), qweight.stride(1), scale.stride(0), scale.stride(1), c.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
-        STAGES=t["STAGES"], UNROLL=unroll(k_dim, gated), num_warps=t["num_warps"])
+        STAGES=t["STAGES"], UNROLL=unroll(k_dim, gated), ONE_DOT=one_dot,
+        num_warps=t["num_warps"])
 
 
 @functools.cache
@@ -167,7 +171,8 @@ def _issue(k, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr, a_s, b_s
     return d, d_up
 
 
-def _promote(acc, acc_up, d, d_up, s_row, s_row_up, AFTER: gl.constexpr, GATED: gl.constexpr):
+def _promote(acc, acc_up, d, d_up, s_row, s_row_up, AFTER: gl.constexpr, GATED: gl.constexpr,
+             ONE_DOT: gl.constexpr, col_gate):
     """Retire the step whose tokens d (d_up) are, leaving the AFTER steps issued since in
     flight, and add its products to the accumulators, each row scaled by s_row (s_row_up).
     Returns the accumulators and the retired products (whose registers the set's next step
@@ -178,7 +183,10 @@ def _promote(acc, acc_up, d, d_up, s_row, s_row_up, AFTER: gl.constexpr, GATED: 
         acc_up += d_up * s_row_up[:, None]
     else:
         d = warpgroup_mma_wait(num_outstanding=AFTER, deps=(d,))
-        acc += d * s_row[:, None]
+        if ONE_DOT:  # even columns gate, odd up: each its row scale
+            acc += d * gl.where(col_gate[None, :], s_row[:, None], s_row_up[:, None])
+        else:
+            acc += d * s_row[:, None]
         d_up = d
     return acc, acc_up, d, d_up
 
@@ -198,19 +206,24 @@ def _moe_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids
                     expert_ids_ptr, num_pairs, N, K, stride_am, stride_asm, stride_be,
                     stride_bn, stride_se, stride_sn, stride_cm,
                     A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr):
-    """Program (row block b, N tile n): the module docstring's loop and epilogue."""
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr,
+                    ONE_DOT: gl.constexpr):
+    """Program (row block b, N tile n): the module docstring's loop and epilogue. ONE_DOT
+    (gated): the gate and up rows interleaved in one [2 BLOCK_N, 128] weight tile (row 2j
+    gate n0 + j, 2j + 1 up), one wgmma a step reading A once, not two."""
     W: gl.constexpr = BLOCK_M // 16  # warps: 16 rows each, four a warpgroup
+    TWO: gl.constexpr = GATED and not ONE_DOT  # two dots a step, gate and up
+    ONE: gl.constexpr = GATED and ONE_DOT  # one dot, gate and up rows interleaved
+    WIDE: gl.constexpr = 2 * BLOCK_N if ONE else BLOCK_N  # a dot's N
     # copies: 16-byte vectors, a row's 128 bytes over 8 threads
     cp_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                    instr_shape=[16, BLOCK_N, 32])
+                                                    instr_shape=[16, WIDE, 32])
     a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.float8e4nv)
-    b_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], gl.float8e4nv)
+    b_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WIDE, 128], gl.float8e4nv)
     a_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, 128], a_sl)
-    b_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 128], b_sl)
-    bu_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES if GATED else 1, BLOCK_N, 128],
-                                     b_sl)
+    b_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, WIDE, 128], b_sl)
+    bu_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES if TWO else 1, WIDE, 128], b_sl)
 
     num_n = N // BLOCK_N
     pid = gl.program_id(0)
@@ -225,10 +238,13 @@ def _moe_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids
         a_ok = pair_c < num_pairs
         a_rows = (pair_c // A_ROW_DIV).to(gl.int64) * stride_am
         dk = gl.arange(0, 128, layout=gl.SliceLayout(0, cp_l))
-        nc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cp_l))
+        nc = gl.arange(0, WIDE, layout=gl.SliceLayout(1, cp_l))
         w_base = e.to(gl.int64) * stride_be
-        b_rows = w_base + (n0 + nc).to(gl.int64) * stride_bn
-        b_up_rows = w_base + (N + n0 + nc).to(gl.int64) * stride_bn  # unused unless GATED
+        if ONE:  # row 2j: gate n0 + j; 2j + 1: up
+            b_rows = w_base + (n0 + nc // 2 + (nc % 2) * N).to(gl.int64) * stride_bn
+        else:
+            b_rows = w_base + (n0 + nc).to(gl.int64) * stride_bn
+        b_up_rows = w_base + (N + n0 + nc).to(gl.int64) * stride_bn  # unused unless TWO
 
         # the rows' scales in the accumulator's row layout; the weights' a scalar a step
         ra = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_l))
@@ -240,12 +256,14 @@ def _moe_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids
 
         for j in gl.static_range(STAGES - 2):  # the first steps in flight
             _copy_step(j, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr,
-                       a_s.index(j), b_s.index(j), bu_s.index(j if GATED else 0), GATED)
+                       a_s.index(j), b_s.index(j), bu_s.index(j if TWO else 0), TWO)
             async_copy.commit_group()
 
-        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_l)
+        zero = gl.zeros([BLOCK_M, WIDE], gl.float32, layout=acc_l)
         acc = zero
         acc_up = zero
+        # ONE_DOT: the columns' weight scale by parity (even gate, odd up)
+        col_gate = gl.arange(0, WIDE, layout=gl.SliceLayout(0, acc_l)) % 2 == 0
         # two accumulator sets, A (even steps) and B (odd), by turns, UNROLL steps an
         # iteration: step k's wgmmas run while step k - 1's products are added, scaled, and
         # each writes its set's registers of two steps before (retired and added by then,
@@ -255,28 +273,34 @@ def _moe_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids
         # token in flight across the loop's back edge does.
         r_a = zero
         ru_a = zero
-        r_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_l)
-        ru_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_l)
+        r_b = gl.zeros([BLOCK_M, WIDE], gl.float32, layout=acc_l)
+        ru_b = gl.zeros([BLOCK_M, WIDE], gl.float32, layout=acc_l)
         for it in range(num_k // UNROLL):
             for p in gl.static_range(UNROLL // 2):
                 k = it * UNROLL + 2 * p
                 d_a, du_a = _issue(k, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr,
-                                   a_s, b_s, bu_s, r_a, ru_a, STAGES, GATED)
+                                   a_s, b_s, bu_s, r_a, ru_a, STAGES, TWO)
                 s_a, su_a = _scales(as_rows, row_ok, s_gate, s_up, k, GATED)
                 if p > 0:  # step k - 1, in set B (p is unrolled: bound at p - 1)
                     acc, acc_up, r_b, ru_b = _promote(
-                        acc, acc_up, d_b, du_b, s_b, su_b, 1, GATED)  # noqa: F821
+                        acc, acc_up, d_b, du_b, s_b, su_b, 1, TWO, ONE,  # noqa: F821
+                        col_gate)
                 d_b, du_b = _issue(k + 1, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr,
-                                   b_ptr, a_s, b_s, bu_s, r_b, ru_b, STAGES, GATED)
+                                   b_ptr, a_s, b_s, bu_s, r_b, ru_b, STAGES, TWO)
                 s_b, su_b = _scales(as_rows, row_ok, s_gate, s_up, k + 1, GATED)
-                acc, acc_up, r_a, ru_a = _promote(acc, acc_up, d_a, du_a, s_a, su_a, 1, GATED)
-            acc, acc_up, r_b, ru_b = _promote(acc, acc_up, d_b, du_b, s_b, su_b, 0, GATED)
+                acc, acc_up, r_a, ru_a = _promote(acc, acc_up, d_a, du_a, s_a, su_a, 1, TWO,
+                                                  ONE, col_gate)
+            acc, acc_up, r_b, ru_b = _promote(acc, acc_up, d_b, du_b, s_b, su_b, 0, TWO, ONE,
+                                              col_gate)
         async_copy.wait_group(0)  # no copy left in flight at exit
 
         # epilogue: each real pair's row of C, in C's dtype (16-byte stores)
         st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-        if GATED:
-            out = acc / (1.0 + gl.exp(-acc)) * acc_up  # silu(gate) * up, fp32
+        if ONE:  # even columns gate, odd up
+            gate, up = gl.split(gl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+            out = gate / (1.0 + gl.exp(-gate)) * up  # silu(gate) * up, fp32
+        elif GATED:
+            out = acc / (1.0 + gl.exp(-acc)) * acc_up
         else:
             w_pair = gl.load(weights_ptr + pair_a, mask=row_ok, other=0.0)
             out = acc * w_pair[:, None]
