@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.kernels.moe.quant import fp8_gluon, fused_triton
+from moeserve.kernels.moe.quant import fp8_gluon
 from moeserve.kernels.moe.quant.configs import default_quant_config
 from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
 from moeserve.kernels.moe.quant.ref import moe_quant_ref
@@ -129,7 +129,7 @@ def test_gpu_gluon_replays_in_a_cuda_graph_with_new_routing(gluon_on: list) -> N
     graph.replay()
     assert torch.equal(static_out, step())  # deterministic: eager's bits
     assert rel_err(static_out, moe_quant_ref(x2, *compact, weights2, ids2)) < 2e-2
-    assert gluon_on and all(g in (True, False) for g in gluon_on)
+    assert True in gluon_on and False in gluon_on  # the captured launches were its
 
 
 @pytest.mark.gpu
@@ -142,4 +142,3 @@ def test_gpu_gluon_leaves_what_it_cannot_run_to_triton(gluon_on: list) -> None:
     moe_quant_triton(x, *per_row, weights, ids, config=_configs(64, 64))
     moe_quant_triton(x, *compact, weights, ids, config=_configs(64, 16))
     assert gluon_on == []
-    assert fused_triton.moe_quant_triton is moe_quant_triton
