@@ -10,12 +10,18 @@
 #      launch as two wgmmas a step and as one (--profile: each launch's GPU time)
 #      -> $OUT/fp8/kernels_quant.json
 #   bash benchmarks/h200/fp8_gluon_h200.sh
+# (TESTS_LAST=1: the timings first, the tests after, within TESTS_TIMEOUT seconds; SHAPES,
+# TOKENS, KQ_TIMEOUT, FP8_MOE narrow the timings)
 set -uo pipefail
 source benchmarks/gpu_env.sh
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/moe/test_moe_fp8_gluon.py \
-  "tests/kernels/moe/test_moe_quant_triton.py" -k "fp8 or gluon" > $OUT/fp8_gluon_tests.log 2>&1
-echo "GPU tests: $(tail -1 $OUT/fp8_gluon_tests.log)"
-grep -E "^(FAILED|ERROR)|Error" $OUT/fp8_gluon_tests.log | head -20
+gpu_tests() {
+  timeout -s INT ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/kernels/moe/test_moe_fp8_gluon.py "tests/kernels/moe/test_moe_quant_triton.py" \
+    -k "fp8 or gluon" > $OUT/fp8_gluon_tests.log 2>&1
+  echo "GPU tests: $(tail -1 $OUT/fp8_gluon_tests.log)"
+  grep -E "^(FAILED|ERROR)|Error" $OUT/fp8_gluon_tests.log | head -20
+}
+[ "${TESTS_LAST:-0}" = 1 ] || gpu_tests
 timeout -s INT ${KQ_TIMEOUT:-330} python3 -m benchmarks.quant.kernels_quant --out $OUT/fp8 \
   --formats fp8 --no-linear --tokens ${TOKENS:-1024 8192} --shapes ${SHAPES:-qwen3-30b-a3b glm-5} \
   --fp8-moe ${FP8_MOE:-triton gluon gluon-128} --fp8-gluon-dot two one --profile > $OUT/fp8_kq.log 2>&1
@@ -29,3 +35,4 @@ keep = ("shape", "tokens", "fp8_moe", "fp8_gluon_dot", "ms", "tflops", "pct_of_f
 for r in d["moe"]:
     print({k: r[k] for k in r if k in keep or "err" in k}, r.get("kernels", [])[:4])
 PY
+[ "${TESTS_LAST:-0}" = 1 ] && gpu_tests
