@@ -35,4 +35,4 @@ keep = ("shape", "tokens", "fp8_moe", "fp8_gluon_dot", "ms", "tflops", "pct_of_f
 for r in d["moe"]:
     print({k: r[k] for k in r if k in keep or "err" in k}, r.get("kernels", [])[:4])
 PY
-[ "${TESTS_LAST:-0}" = 1 ] && gpu_tests
+if [ "${TESTS_LAST:-0}" = 1 ]; then gpu_tests; fi
