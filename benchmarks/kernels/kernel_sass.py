@@ -77,14 +77,14 @@ def moe_fp8_gluon(args: argparse.Namespace) -> dict:
     K (2,048 / 768)."""
     from moeserve.kernels.moe.quant import fp8_gluon
 
-    t = fp8_gluon.tiles(args.block_m, 768)
+    t = fp8_gluon.tiles(args.block_m, args.gated)
     pointers = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
                 "c_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
                 "expert_ids_ptr": "*i32"}
     const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BLOCK_M=t["BLOCK_M"],
                  BLOCK_N=t["BLOCK_N"], STAGES=args.stages or t["STAGES"],
                  UNROLL=args.unroll or fp8_gluon.unroll(2048 if args.gated else 768,
-                                                          args.gated),
+                                                          args.gated or t["BLOCK_N"] == 128),
                  ONE_DOT=args.one_dot)
     kernel = fp8_gluon._kernels().moe
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), t["num_warps"], 1)

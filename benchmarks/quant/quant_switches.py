@@ -9,6 +9,7 @@ the value it ran with.
     fp8_moe        kernels/moe/quant/fp8_gluon.py `backend`          fp8 MoE  triton | gluon |
                                                                     gluon-128
     fp8_gluon_dot  kernels/moe/quant/fp8_gluon.py `one_dot`          fp8 MoE  two | one
+    fp8_gluon_down_n  kernels/moe/quant/fp8_gluon.py `down_block_n`  fp8 MoE  128 | 64
     w4a16_backend  kernels/linear/w4a16_dequant.py `backend`        nvfp4, int4 linears
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
     maxnreg        kernels/moe/quant/fused_triton.py `max_registers`  every format's MoE
@@ -43,6 +44,8 @@ SWITCHES = {
     "fp8_moe": Switch("moeserve.kernels.moe.quant.fp8_gluon", "backend", ("fp8",)),
     "fp8_gluon_dot": Switch("moeserve.kernels.moe.quant.fp8_gluon", "one_dot", ("fp8",),
                             lambda v: v == "one"),
+    "fp8_gluon_down_n": Switch("moeserve.kernels.moe.quant.fp8_gluon", "down_block_n",
+                               ("fp8",), int),
     "w4a16_backend": Switch("moeserve.kernels.linear.w4a16_dequant", "backend",
                             ("nvfp4", "int4")),
     "moe_dequant": Switch("moeserve.kernels.moe.quant.dequant", "mode", ("nvfp4", "int4")),

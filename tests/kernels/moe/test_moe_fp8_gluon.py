@@ -24,20 +24,21 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 
 
 def test_unroll_takes_even_step_counts() -> None:
-    assert fp8_gluon.unroll(2048, gated=True) == 2  # 16 steps: gated 2 (its registers)
-    assert fp8_gluon.unroll(2048, gated=False) == 8
-    assert fp8_gluon.unroll(768, gated=False) == 2  # 6 steps: not 8, 4
-    assert fp8_gluon.unroll(1536, gated=False) == 4  # 12 steps
-    assert fp8_gluon.unroll(1408, gated=False) == 0  # 11 steps: odd
-    assert fp8_gluon.unroll(1000, gated=True) == 0  # not whole steps
+    assert fp8_gluon.unroll(2048, wide=True) == 2  # 16 steps: 192 accumulator registers
+    assert fp8_gluon.unroll(2048, wide=False) == 8
+    assert fp8_gluon.unroll(768, wide=False) == 2  # 6 steps: not 8, 4
+    assert fp8_gluon.unroll(1536, wide=False) == 4  # 12 steps
+    assert fp8_gluon.unroll(1408, wide=False) == 0  # 11 steps: odd
+    assert fp8_gluon.unroll(1000, wide=True) == 0  # not whole steps
 
 
 def test_tiles_name_their_warps_and_refuse_other_heights() -> None:
-    assert fp8_gluon.tiles(64, 768) == {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 4,
-                                        "num_warps": 4}
-    assert fp8_gluon.tiles(128, 768)["num_warps"] == 8
+    assert fp8_gluon.tiles(64, True) == {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 4,
+                                         "num_warps": 4}
+    assert fp8_gluon.tiles(128, False) == {"BLOCK_M": 128, "BLOCK_N": fp8_gluon.down_block_n,
+                                           "STAGES": 4, "num_warps": 8}
     with pytest.raises(ValueError, match="BLOCK_M 32"):
-        fp8_gluon.tiles(32, 768)
+        fp8_gluon.tiles(32, True)
 
 
 def test_the_cpu_runs_the_triton_kernel_with_the_switch_on(monkeypatch: pytest.MonkeyPatch

@@ -48,6 +48,10 @@ BACKENDS = ("triton", "gluon", "gluon-128")
 # The gated launch's gate and up rows interleaved in one weight tile, one wgmma a step reading
 # A once (two: A read for each). An experiment switch (kernels_quant --fp8-gluon-dot), untimed.
 one_dot = False
+# The down launch's N tile: 128 (wgmma m64n128, A read from shared memory once for 128 output
+# columns; sm90 compile: 239-250 registers, no spills at UNROLL 2) or 64 (137-207 registers,
+# UNROLL up to 8). Untimed.
+down_block_n = 128
 
 
 def block_m(config: dict) -> int:
@@ -57,13 +61,13 @@ def block_m(config: dict) -> int:
     return 128 if backend == "gluon-128" else config["BLOCK_M"]
 
 
-def unroll(k_dim: int, gated: bool) -> int:
+def unroll(k_dim: int, wide: bool) -> int:
     """The K steps an iteration of the kernel's loop (0: K's steps of 128 are not even): 2
-    gated (its six accumulators, 192 registers a thread, spill from 4: sm90 compile, Triton
-    3.6), else the largest of 8, 4, 2 dividing the steps (at 6, 255 registers against 192-207
-    at 4 and 8)."""
+    where the accumulators take 192 registers a thread (`wide`: gated, or down at BLOCK_N
+    128; both spill from 4: sm90 compile, Triton 3.6), else the largest of 8, 4, 2 dividing
+    the steps (at 6, 255 registers against 192-207 at 4 and 8)."""
     steps = k_dim // BLOCK_K if k_dim % BLOCK_K == 0 else 0
-    return next((u for u in ((2,) if gated else (8, 4, 2)) if steps and steps % u == 0), 0)
+    return next((u for u in ((2,) if wide else (8, 4, 2)) if steps and steps % u == 0), 0)
 
 
 def supports(a: torch.Tensor, a_scale: torch.Tensor, w: Any, scale_rows: int,
@@ -78,12 +82,13 @@ def supports(a: torch.Tensor, a_scale: torch.Tensor, w: Any, scale_rows: int,
             and w.scale.stride(2) == 1)
 
 
-def tiles(block_m: int, n_out: int) -> dict[str, int]:
-    """The launch's tile for fused_triton's BLOCK_M: BLOCK_N 64 (a gated tile's gate and up
-    halves each, or down's) and 4 stages; 4 warps for 64 rows, 8 for 128."""
+def tiles(block_m: int, gated: bool) -> dict[str, int]:
+    """The launch's tile for fused_triton's BLOCK_M: BLOCK_N 64 gated (its gate and up halves
+    each; one_dot's weight tile 128 rows), `down_block_n` down; 4 stages; 4 warps for 64 rows,
+    8 for 128."""
     if block_m not in (64, 128):
         raise ValueError(f"fp8_gluon: BLOCK_M {block_m} is not 64 or 128")
-    return {"BLOCK_M": block_m, "BLOCK_N": 64 if n_out % 64 == 0 else 128, "STAGES": 4,
+    return {"BLOCK_M": block_m, "BLOCK_N": 64 if gated else down_block_n, "STAGES": 4,
             "num_warps": block_m // 16}
 
 
@@ -97,7 +102,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
     qweight, scale = w.qweight, w.scale
-    t = tiles(block_m, n_out)
+    t = tiles(block_m, gated)
     num_blocks = expert_ids.shape[0]
     grid = (num_blocks * (n_out // t["BLOCK_N"]),)
     _kernels().moe[grid](
@@ -105,7 +110,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
         num_pairs, n_out, k_dim, a.stride(0), a_scale.stride(0),
         qweight.stride(0), qweight.stride(1), scale.stride(0), scale.stride(1), c.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
-        STAGES=t["STAGES"], UNROLL=unroll(k_dim, gated), ONE_DOT=one_dot,
+        STAGES=t["STAGES"], UNROLL=unroll(k_dim, gated or t["BLOCK_N"] == 128), ONE_DOT=one_dot,
         num_warps=t["num_warps"])
 
 
