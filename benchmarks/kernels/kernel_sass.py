@@ -27,7 +27,8 @@ To match the GPU machine, put its Triton on the path first:
 
 --tile is BLOCK_M BLOCK_N BLOCK_K num_warps num_stages (mla-decode: BLOCK_M BLOCK_N num_warps
 num_stages, BLOCK_M the heads a program). The report includes ptxas's registers a thread and
-spilled bytes. --nospec lists the integer arguments
+spilled bytes, whether ptxas serialized the wgmmas (`wgmma_serialized`) and the main loop's
+wgmma waits (`loop_wgmma_waits`: the groups each leaves running). --nospec lists the integer arguments
 taken as unspecialized; its default is the kernel's own list. Prints one JSON line.
 """
 

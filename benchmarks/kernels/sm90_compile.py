@@ -56,6 +56,7 @@ def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str]
             "sass_instructions": sum(ops.values()),
             "loop_instructions": _top(_loop_ops(sass)),
             "loop_copy_wait": _loop_copy_wait(sass),
+            "loop_wgmma_waits": _loop_wgmma_waits(sass),
             "top_ops": dict(ops.most_common(int(os.environ.get("SASS_TOP", "12")))),
             "shared_bytes": out.metadata.shared,
             "cp_async": out.asm["ptx"].count("cp.async."),
@@ -71,7 +72,10 @@ def ptxas_usage(text: str) -> dict[str, int]:
         return int(m.group(1)) if m else 0
     return {"registers": grab(r"Used (\d+) registers"),
             "spill_store_bytes": grab(r"(\d+) bytes spill stores"),
-            "spill_load_bytes": grab(r"(\d+) bytes spill loads")}
+            "spill_load_bytes": grab(r"(\d+) bytes spill loads"),
+            # ptxas serializing every wgmma of the kernel (C7510-C7520: an accumulator
+            # register touched by another instruction while a wgmma runs, and the like)
+            "wgmma_serialized": int("wgmma.mma_async instructions are serialized" in text)}
 
 
 # the loads, stores and barriers: always reported, however rare (a synchronous LDG in the K
@@ -111,6 +115,14 @@ def _loop_ops(sass: str) -> collections.Counter:
     ops = collections.Counter(OPCODE.search(line).group(1) for line in _longest_loop(sass))
     ops["total"] = sum(ops.values())
     return ops
+
+
+def _loop_wgmma_waits(sass: str) -> list[int]:
+    """N of each wgmma wait in the longest loop (WARPGROUP.DEPBAR.LE gsb0, N), in order: the
+    wgmma groups it leaves running. All 0: each step's MMAs finish before anything after
+    them (Triton's block-scaled FP8 loop, or ptxas's serialization)."""
+    return [int(m.group(1), 0) for line in _longest_loop(sass)
+            if (m := re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+|\d+)", line))]
 
 
 def _loop_copy_wait(sass: str) -> int | None:

@@ -57,7 +57,17 @@ CASES = {  # name: kernel_sass arguments
     "gluon-dsa-sparse-ws-slots": "mla-decode-gluon --tile 64 64 4 2 --heads 64 --ws --sparse "
                                  "--slots",
     "gluon-mla-prefill": "mla-decode-gluon --tile 64 64 8 2 --heads 20 --prefill",
+    # the FP8 MoE's Gluon grouped GEMM (kernels/moe/quant/fp8_gluon.py): gated in both forms,
+    # down, 64 and 128 rows
+    "gluon-moe-fp8": "moe-fp8-gluon --block-m 128",
+    "gluon-moe-fp8-one_dot-64": "moe-fp8-gluon --block-m 64 --one-dot",
+    "gluon-moe-fp8-down": "moe-fp8-gluon --block-m 128 --down",
+    "gluon-moe-fp8-down-64": "moe-fp8-gluon --block-m 64 --down",
 }
+# cases whose point is wgmmas left running through other work: ptxas must not serialize them,
+# and the main loop must keep one step's in flight (a wait above 0) without spilling
+OVERLAPPED = {"gluon-moe-fp8", "gluon-moe-fp8-one_dot-64", "gluon-moe-fp8-down",
+              "gluon-moe-fp8-down-64"}
 GPU_TRITON = ROOT / ".venv" / "gpu-triton"  # scripts/setup.sh's
 
 
@@ -77,3 +87,7 @@ def test_the_kernel_compiles_for_sm90(case: str) -> None:
     installed = dist.removesuffix(".dist-info").split("-")[1]
     assert report["triton"] == installed  # the GPU machine's release, not CI's
     assert report["registers"] <= 255
+    if case in OVERLAPPED:
+        assert not report["wgmma_serialized"]
+        assert max(report["loop_wgmma_waits"]) > 0, report["loop_wgmma_waits"]
+        assert report["spill_store_bytes"] == 0
