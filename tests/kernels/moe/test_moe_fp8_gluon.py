@@ -68,6 +68,13 @@ def _configs(num_tokens: int, block_m: int) -> dict:
     return {**default_quant_config("fp8", num_tokens, TOP_K, E, 128), "BLOCK_M": block_m}
 
 
+def _inputs(num_tokens: int, seed: int, off_rank: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x bf16 [T, H], topk_weights, topk_ids) on the GPU."""
+    x = tokens(num_tokens, H, seed=seed, dtype=torch.bfloat16)
+    return (x, *routing(num_tokens, E, seed=seed, off_rank=off_rank))
+
+
 @pytest.fixture
 def gluon_on(monkeypatch: pytest.MonkeyPatch) -> list:
     """The switch on, each Gluon launch counted (gated, down)."""
@@ -94,8 +101,7 @@ def test_gpu_gluon_matches_triton_and_ref(num_tokens: int, block_m: int, one_dot
     """Both forms of the gated launch (one_dot: gate and up rows interleaved in one tile)."""
     monkeypatch.setattr(fp8_gluon, "one_dot", one_dot)
     compact, _ = _fp8_block_experts(E, H, INTER, torch.bfloat16)
-    x = tokens(num_tokens, H, seed=num_tokens, dtype=torch.bfloat16)
-    weights, ids = routing(num_tokens, E, seed=num_tokens, off_rank=True)
+    x, weights, ids = _inputs(num_tokens, num_tokens, off_rank=True)
     config = _configs(num_tokens, block_m)
     out = moe_quant_triton(x, *compact, weights, ids, config=config)
     assert gluon_on == [True, False]  # both launches its
@@ -114,8 +120,7 @@ def test_gpu_gluon_matches_triton_and_ref(num_tokens: int, block_m: int, one_dot
 @pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm90")
 def test_gpu_gluon_replays_in_a_cuda_graph_with_new_routing(gluon_on: list) -> None:
     compact, _ = _fp8_block_experts(E, H, INTER, torch.bfloat16)
-    x = tokens(256, H, seed=2, dtype=torch.bfloat16)
-    weights, ids = routing(256, E, seed=2)
+    x, weights, ids = _inputs(256, 2)
     static = [x.clone(), weights.clone(), ids.clone()]
     config = _configs(256, 64)
 
@@ -123,8 +128,7 @@ def test_gpu_gluon_replays_in_a_cuda_graph_with_new_routing(gluon_on: list) -> N
         return moe_quant_triton(static[0], *compact, static[1], static[2], config=config)
 
     graph, static_out = capture(step)
-    x2 = tokens(256, H, seed=3, dtype=torch.bfloat16)
-    weights2, ids2 = routing(256, E, seed=3, off_rank=True)
+    x2, weights2, ids2 = _inputs(256, 3, off_rank=True)
     for buf, new in zip(static, (x2, weights2, ids2)):
         buf.copy_(new)
     graph.replay()
@@ -138,8 +142,7 @@ def test_gpu_gluon_replays_in_a_cuda_graph_with_new_routing(gluon_on: list) -> N
 def test_gpu_gluon_leaves_what_it_cannot_run_to_triton(gluon_on: list) -> None:
     """Per-row weight scales (scale_rows 1) and 16-row blocks stay with fused_triton."""
     compact, per_row = _fp8_block_experts(E, H, INTER, torch.bfloat16)
-    x = tokens(64, H, seed=4, dtype=torch.bfloat16)
-    weights, ids = routing(64, E, seed=4)
+    x, weights, ids = _inputs(64, 4)
     moe_quant_triton(x, *per_row, weights, ids, config=_configs(64, 64))
     moe_quant_triton(x, *compact, weights, ids, config=_configs(64, 16))
     assert gluon_on == []
