@@ -11,7 +11,8 @@
 #      -> $OUT/fp8/kernels_quant.json
 #   bash benchmarks/h200/fp8_gluon_h200.sh
 # (TESTS_LAST=1: the timings first, the tests after, within TESTS_TIMEOUT seconds; SHAPES,
-# TOKENS, KQ_TIMEOUT, FP8_MOE narrow the timings)
+# TOKENS, KQ_TIMEOUT, FP8_MOE narrow the timings; GATED_N="64 32", DOWN_N="128 64" add the
+# N tiles' settings)
 set -uo pipefail
 source benchmarks/gpu_env.sh
 gpu_tests() {
@@ -24,13 +25,15 @@ gpu_tests() {
 [ "${TESTS_LAST:-0}" = 1 ] || gpu_tests
 timeout -s INT ${KQ_TIMEOUT:-330} python3 -m benchmarks.quant.kernels_quant --out $OUT/fp8 \
   --formats fp8 --no-linear --tokens ${TOKENS:-1024 8192} --shapes ${SHAPES:-qwen3-30b-a3b glm-5} \
-  --fp8-moe ${FP8_MOE:-triton gluon gluon-128} --fp8-gluon-dot two one --profile > $OUT/fp8_kq.log 2>&1
+  --fp8-moe ${FP8_MOE:-triton gluon gluon-128} --fp8-gluon-dot two one \
+  --fp8-gluon-gated-n ${GATED_N:-64} --fp8-gluon-down-n ${DOWN_N:-128} --profile > $OUT/fp8_kq.log 2>&1
 echo "kernels_quant rc=$?"
 python3 - <<'PY'
 import json, os
 d = json.load(open(os.path.join(os.environ["OUT"], "fp8", "kernels_quant.json")))
 print("fp8 peak", d.get("peaks", {}).get("fp8_peak_tflops"))
-keep = ("shape", "tokens", "fp8_moe", "fp8_gluon_dot", "ms", "tflops", "pct_of_fp8_peak", "pct_of_read_bound",
+keep = ("shape", "tokens", "fp8_moe", "fp8_gluon_dot", "fp8_gluon_gated_n", "fp8_gluon_down_n",
+        "ms", "tflops", "pct_of_fp8_peak", "pct_of_read_bound",
         "finite", "max_rel_err", "error")
 for r in d["moe"]:
     print({k: r[k] for k in r if k in keep or "err" in k}, r.get("kernels", [])[:4])

@@ -28,8 +28,8 @@ To match the GPU machine, put its Triton on the path first:
 --tile is BLOCK_M BLOCK_N BLOCK_K num_warps num_stages (mla-decode: BLOCK_M BLOCK_N num_warps
 num_stages, BLOCK_M the heads a program). The report includes ptxas's registers a thread and
 spilled bytes, whether ptxas serialized the wgmmas (`wgmma_serialized`) and the main loop's
-wgmma waits (`loop_wgmma_waits`: the groups each leaves running). --nospec lists the integer arguments
-taken as unspecialized; its default is the kernel's own list. Prints one JSON line.
+wgmma waits (`loop_wgmma_waits`: the groups each leaves running). --nospec lists the integer
+arguments taken as unspecialized; its default is the kernel's own list. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ def moe_fp8_gluon(args: argparse.Namespace) -> dict:
     K (2,048 / 768)."""
     from moeserve.kernels.moe.quant import fp8_gluon
 
+    if args.block_n:
+        setattr(fp8_gluon, "gated_block_n" if args.gated else "down_block_n", args.block_n)
     t = fp8_gluon.tiles(args.block_m, args.gated)
     pointers = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
                 "c_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
@@ -85,7 +87,7 @@ def moe_fp8_gluon(args: argparse.Namespace) -> dict:
     const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BLOCK_M=t["BLOCK_M"],
                  BLOCK_N=t["BLOCK_N"], STAGES=args.stages or t["STAGES"],
                  UNROLL=args.unroll or fp8_gluon.unroll(2048 if args.gated else 768,
-                                                          args.gated or t["BLOCK_N"] == 128),
+                                                          t["wide"]),
                  ONE_DOT=args.one_dot)
     kernel = fp8_gluon._kernels().moe
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), t["num_warps"], 1)
@@ -417,6 +419,8 @@ def main() -> None:
     p.add_argument("--unroll", type=int, default=None, help="default: fp8_gluon.unroll's")
     p.add_argument("--one-dot", action="store_true",
                    help="gated: gate and up rows in one tile (fp8_gluon.one_dot)")
+    p.add_argument("--block-n", type=int, default=None,
+                   help="the launch's N tile (fp8_gluon.gated_block_n / down_block_n)")
     p.add_argument("--down", dest="gated", action="store_false",
                    help="the down launch (default: the gated one)")
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")

@@ -395,9 +395,10 @@ def main() -> None:
     parser.add_argument("--fp8-gluon-dot", nargs="+", choices=("two", "one"), default=["two"],
                         help="FP8 rows per form of fp8_gluon's gated launch (one: gate and up "
                         "rows interleaved in one weight tile, one wgmma a step; fp8_gluon.one_dot)")
-    parser.add_argument("--fp8-gluon-down-n", nargs="+", choices=("128", "64"),
-                        default=["128"], help="FP8 rows per N tile of fp8_gluon's down launch "
-                        "(fp8_gluon.down_block_n)")
+    for launch, tiles in (("down", ("128", "64")), ("gated", ("64", "32"))):
+        parser.add_argument(f"--fp8-gluon-{launch}-n", nargs="+", choices=tiles,
+                            default=[tiles[0]], help=f"FP8 rows per N tile of fp8_gluon's "
+                            f"{launch} launch (fp8_gluon.{launch}_block_n)")
     parser.add_argument("--w4a16-backend", nargs="+", choices=("auto", "fused", "dequant"),
                         default=["auto"], help="NVFP4 / INT4 linear rows per backend of "
                         "kernels/linear/w4a16_dequant.py (fused: dequantized in the GEMM's "
@@ -466,6 +467,7 @@ def main() -> None:
     moe_switches = {"decode": args.nvfp4_decode, "prefetch": args.fp8_prefetch,
                     "fp8_moe": args.fp8_moe, "fp8_gluon_dot": args.fp8_gluon_dot,
                     "fp8_gluon_down_n": args.fp8_gluon_down_n,
+                    "fp8_gluon_gated_n": args.fp8_gluon_gated_n,
                     "moe_dequant": args.moe_dequant, "int4_decode": args.int4_decode,
                     "maxnreg": args.maxnreg, "scale_layout": args.scale_layout,
                     "weight_layout": args.weight_layout}

@@ -10,6 +10,7 @@ the value it ran with.
                                                                     gluon-128
     fp8_gluon_dot  kernels/moe/quant/fp8_gluon.py `one_dot`          fp8 MoE  two | one
     fp8_gluon_down_n  kernels/moe/quant/fp8_gluon.py `down_block_n`  fp8 MoE  128 | 64
+    fp8_gluon_gated_n kernels/moe/quant/fp8_gluon.py `gated_block_n` fp8 MoE  64 | 32
     w4a16_backend  kernels/linear/w4a16_dequant.py `backend`        nvfp4, int4 linears
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
     maxnreg        kernels/moe/quant/fused_triton.py `max_registers`  every format's MoE
@@ -46,6 +47,8 @@ SWITCHES = {
                             lambda v: v == "one"),
     "fp8_gluon_down_n": Switch("moeserve.kernels.moe.quant.fp8_gluon", "down_block_n",
                                ("fp8",), int),
+    "fp8_gluon_gated_n": Switch("moeserve.kernels.moe.quant.fp8_gluon", "gated_block_n",
+                                ("fp8",), int),
     "w4a16_backend": Switch("moeserve.kernels.linear.w4a16_dequant", "backend",
                             ("nvfp4", "int4")),
     "moe_dequant": Switch("moeserve.kernels.moe.quant.dequant", "mode", ("nvfp4", "int4")),

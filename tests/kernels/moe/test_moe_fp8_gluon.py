@@ -25,18 +25,21 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 
 def test_unroll_takes_even_step_counts() -> None:
     assert fp8_gluon.unroll(2048, wide=True) == 2  # 16 steps: 192 accumulator registers
-    assert fp8_gluon.unroll(2048, wide=False) == 8
-    assert fp8_gluon.unroll(768, wide=False) == 2  # 6 steps: not 8, 4
+    assert fp8_gluon.unroll(2048, wide=False) == 4
+    assert fp8_gluon.unroll(768, wide=False) == 2  # 6 steps: not 4
     assert fp8_gluon.unroll(1536, wide=False) == 4  # 12 steps
     assert fp8_gluon.unroll(1408, wide=False) == 0  # 11 steps: odd
     assert fp8_gluon.unroll(1000, wide=True) == 0  # not whole steps
 
 
-def test_tiles_name_their_warps_and_refuse_other_heights() -> None:
+def test_tiles_name_their_warps_and_refuse_other_heights(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
     assert fp8_gluon.tiles(64, True) == {"BLOCK_M": 64, "BLOCK_N": 64, "STAGES": 4,
-                                         "num_warps": 4}
-    assert fp8_gluon.tiles(128, False) == {"BLOCK_M": 128, "BLOCK_N": fp8_gluon.down_block_n,
-                                           "STAGES": 4, "num_warps": 8}
+                                         "num_warps": 4, "wide": True}
+    assert fp8_gluon.tiles(128, False) == {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 4,
+                                           "num_warps": 8, "wide": True}
+    monkeypatch.setattr(fp8_gluon, "gated_block_n", 32)  # 64 accumulator columns a row
+    assert fp8_gluon.tiles(64, True)["wide"] is False
     with pytest.raises(ValueError, match="BLOCK_M 32"):
         fp8_gluon.tiles(32, True)
 
@@ -146,3 +149,23 @@ def test_gpu_gluon_leaves_what_it_cannot_run_to_triton(gluon_on: list) -> None:
     moe_quant_triton(x, *per_row, weights, ids, config=_configs(64, 64))
     moe_quant_triton(x, *compact, weights, ids, config=_configs(64, 16))
     assert gluon_on == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm90")
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_gpu_gluon_narrow_tiles_match_the_wide(block_m: int, gluon_on: list,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 64-column accumulators (gated one-dot over 32 gate + 32 up rows, down 64 columns;
+    UNROLL 4, not 2) give the same op as the 128-column ones."""
+    compact, _ = _fp8_block_experts(E, H, INTER, torch.bfloat16)
+    x, weights, ids = _inputs(300, 7, off_rank=True)
+    config = _configs(300, block_m)
+    monkeypatch.setattr(fp8_gluon, "one_dot", True)
+    wide = moe_quant_triton(x, *compact, weights, ids, config=config)
+    monkeypatch.setattr(fp8_gluon, "gated_block_n", 32)
+    monkeypatch.setattr(fp8_gluon, "down_block_n", 64)
+    narrow = moe_quant_triton(x, *compact, weights, ids, config=config)
+    assert gluon_on == [True, False, True, False]
+    assert rel_err(narrow, wide) < 1e-2
+    assert rel_err(narrow, moe_quant_ref(x, *compact, weights, ids)) < 2e-2

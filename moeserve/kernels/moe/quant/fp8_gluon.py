@@ -48,10 +48,15 @@ BACKENDS = ("triton", "gluon", "gluon-128")
 # The gated launch's gate and up rows interleaved in one weight tile, one wgmma a step reading
 # A once (two: A read for each). An experiment switch (kernels_quant --fp8-gluon-dot), untimed.
 one_dot = False
-# The down launch's N tile: 128 (wgmma m64n128, A read from shared memory once for 128 output
-# columns; sm90 compile: 239-250 registers, no spills at UNROLL 2) or 64 (137-207 registers,
-# UNROLL up to 8). Untimed.
+# The launches' N tiles (switches, untimed). ptxas serializes every wgmma when a product set
+# stays in flight across the loop's back edge while another runs (sm90, Triton 3.6), so each
+# UNROLL steps end in a drain, and UNROLL is 2 where the three product sets take 192
+# registers (4 spills): 128 accumulator columns a row. Down: 128 (one m64n128 wgmma a step, A
+# read once per 128 output columns; 239-250 registers at UNROLL 2) or 64 (UNROLL 4).
+# Gated: 64 (gate and up 64 each; 246-252 registers at UNROLL 2) or 32 (with one_dot one
+# m64n64 wgmma a step over 32 gate and 32 up rows; ~200 registers at UNROLL 4).
 down_block_n = 128
+gated_block_n = 64
 
 
 def block_m(config: dict) -> int:
@@ -62,12 +67,13 @@ def block_m(config: dict) -> int:
 
 
 def unroll(k_dim: int, wide: bool) -> int:
-    """The K steps an iteration of the kernel's loop (0: K's steps of 128 are not even): 2
-    where the accumulators take 192 registers a thread (`wide`: gated, or down at BLOCK_N
-    128; both spill from 4: sm90 compile, Triton 3.6), else the largest of 8, 4, 2 dividing
-    the steps (at 6, 255 registers against 192-207 at 4 and 8)."""
+    """The K steps an iteration of the kernel's loop, each iteration's last retired inside it
+    (0: K's steps of 128 are not even): 2 where the accumulators span 128 columns a row
+    (`wide`: three product sets take 192 registers a thread, and spill from 4), else 4 where
+    it divides the steps, else 2 (sm90 compile, Triton 3.6: 64 columns spill at 8 with 64-row
+    blocks)."""
     steps = k_dim // BLOCK_K if k_dim % BLOCK_K == 0 else 0
-    return next((u for u in ((2,) if wide else (8, 4, 2)) if steps and steps % u == 0), 0)
+    return next((u for u in ((2,) if wide else (4, 2)) if steps and steps % u == 0), 0)
 
 
 def supports(a: torch.Tensor, a_scale: torch.Tensor, w: Any, scale_rows: int,
@@ -83,13 +89,14 @@ def supports(a: torch.Tensor, a_scale: torch.Tensor, w: Any, scale_rows: int,
 
 
 def tiles(block_m: int, gated: bool) -> dict[str, int]:
-    """The launch's tile for fused_triton's BLOCK_M: BLOCK_N 64 gated (its gate and up halves
-    each; one_dot's weight tile 128 rows), `down_block_n` down; 4 stages; 4 warps for 64 rows,
-    8 for 128."""
+    """The launch's tile for fused_triton's BLOCK_M: BLOCK_N `gated_block_n` gated (its gate
+    and up halves each; one_dot's weight tile twice as many rows), `down_block_n` down; 4
+    stages; 4 warps for 64 rows, 8 for 128; UNROLL by the accumulators' width (`unroll`)."""
     if block_m not in (64, 128):
         raise ValueError(f"fp8_gluon: BLOCK_M {block_m} is not 64 or 128")
-    return {"BLOCK_M": block_m, "BLOCK_N": 64 if gated else down_block_n, "STAGES": 4,
-            "num_warps": block_m // 16}
+    block_n = gated_block_n if gated else down_block_n
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": 4, "num_warps": block_m // 16,
+            "wide": (2 * block_n if gated else block_n) >= 128}
 
 
 def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
@@ -110,7 +117,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
         num_pairs, n_out, k_dim, a.stride(0), a_scale.stride(0),
         qweight.stride(0), qweight.stride(1), scale.stride(0), scale.stride(1), c.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
-        STAGES=t["STAGES"], UNROLL=unroll(k_dim, gated or t["BLOCK_N"] == 128), ONE_DOT=one_dot,
+        STAGES=t["STAGES"], UNROLL=unroll(k_dim, t["wide"]), ONE_DOT=one_dot,
         num_warps=t["num_warps"])
 
 
