@@ -14,14 +14,19 @@ way): step k's wgmmas are issued into fresh accumulators, then step k - 1's are 
 
 A program: row block b (BLOCK_M sorted pairs, one expert) x N tile n; BLOCK_M 64 (4 warps,
 one warpgroup) or 128 (8 warps, two). A [BLOCK_M, 128] e4m3 rows (x_q's token rows, or act_q's
-pair rows) and B [BLOCK_N, 128] weight rows (gate and up tiles apart when gated) reach shared
-memory by cp.async, STAGES deep; the copies for step k + STAGES - 2 go out after step k's CTA
-barrier, into the stage step k - 2's wgmmas read (every warpgroup retired those by then).
-Scales: s_a [rows, K / 128] fp32 per row and step, s_b [E, N / 128, K / 128] one scalar a step
-per tile (BLOCK_N divides 128, the tile in one 128-row block), both loaded a step ahead.
+pair rows) and B [BLOCK_N, 128] weight rows (gate and up tiles apart when gated, or
+interleaved in one with `one_dot`) reach shared memory by cp.async, STAGES deep; the copies
+for step k + STAGES - 2 go out after step k's CTA barrier, into the stage step k - 2's wgmmas
+read (every warpgroup retired those by then). Scales: s_a [rows, K / 128] fp32 per row and
+step, s_b [E, N / 128, K / 128] one scalar a step per tile (the tile in one 128-row block),
+each loaded the step before its products are added. Two product sets alternate, UNROLL steps
+an iteration, the last retired in it (`unroll`; the kernel's comment says why ptxas needs
+that).
 
-Bounds: CUDA sm90, N and K multiples of 128 (`supports`). fused_triton.py routes to it from
-`min_tokens` pairs a block (`route`), an experiment switch until timed.
+Bounds: CUDA sm90, N a multiple of 128, K's 128-steps an even count, 128-row weight scales
+(`supports`). fused_triton.py's `_launch` calls it for fp8 where `backend` is not "triton",
+BLOCK_M is 64 or 128 and `supports` holds: an experiment switch, off until timed on a GPU
+(benchmarks/h200/fp8_gluon_h200.sh).
 """
 
 from __future__ import annotations
