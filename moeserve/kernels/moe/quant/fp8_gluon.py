@@ -37,13 +37,15 @@ from typing import Any
 
 import torch
 
+from moeserve.quant.packed import FP8_GROUP
+
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
 async_copy: Any = None
 fence_async_shared: Any = None
 warpgroup_mma: Any = None
 warpgroup_mma_wait: Any = None
 
-BLOCK_K = 128  # one scale column a step
+BLOCK_K = FP8_GROUP  # one scale column a step
 # The switch (kernels_quant --fp8-moe): "triton" keeps fused_triton's kernel; "gluon" takes
 # this one wherever `supports` holds and the looked-up BLOCK_M is 64 or 128; "gluon-128" also
 # makes every FP8 op's row blocks 128 high (the align's too). Off ("triton") until the GPU

@@ -179,8 +179,8 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
                                   tile_device_name(x.device), tiles=tiles,
                                   micro=micro_tiles.is_micro(w13)).config
     check_quant_config(config, fmt, (group13, group2))
-    if fmt == "fp8" and fp8_gluon.block_m(config) != config["BLOCK_M"]:
-        config = {**config, "BLOCK_M": fp8_gluon.block_m(config)}  # the switch's experiment
+    if fmt == "fp8" and (block_m := fp8_gluon.block_m(config)) != config["BLOCK_M"]:
+        config = {**config, "BLOCK_M": block_m}  # the switch's experiment
     # the grid covers every block; those past the used ones (expert -1) return at once, so
     # num_tokens_post_padded is not read
     sorted_ids, expert_ids, _ = moe_align_block_size_triton(topk_ids, num_experts,
