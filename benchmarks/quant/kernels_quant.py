@@ -399,6 +399,9 @@ def main() -> None:
         parser.add_argument(f"--fp8-gluon-{launch}-n", nargs="+", choices=tiles,
                             default=[tiles[0]], help=f"FP8 rows per N tile of fp8_gluon's "
                             f"{launch} launch (fp8_gluon.{launch}_block_n)")
+    parser.add_argument("--fp8-gluon-stages", nargs="+", choices=("3", "4", "5", "6"),
+                        default=["4"], help="FP8 rows per shared-memory depth of fp8_gluon's "
+                        "launches (fp8_gluon.stages)")
     parser.add_argument("--w4a16-backend", nargs="+", choices=("auto", "fused", "dequant"),
                         default=["auto"], help="NVFP4 / INT4 linear rows per backend of "
                         "kernels/linear/w4a16_dequant.py (fused: dequantized in the GEMM's "
@@ -468,6 +471,7 @@ def main() -> None:
                     "fp8_moe": args.fp8_moe, "fp8_gluon_dot": args.fp8_gluon_dot,
                     "fp8_gluon_down_n": args.fp8_gluon_down_n,
                     "fp8_gluon_gated_n": args.fp8_gluon_gated_n,
+                    "fp8_gluon_stages": args.fp8_gluon_stages,
                     "moe_dequant": args.moe_dequant, "int4_decode": args.int4_decode,
                     "maxnreg": args.maxnreg, "scale_layout": args.scale_layout,
                     "weight_layout": args.weight_layout}

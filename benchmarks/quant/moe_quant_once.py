@@ -23,6 +23,8 @@ value), the tuned or default op first:
 A seventh number 1 adds the SUB_M option (a block of few real rows computes a half or quarter
 tile); --down-n N gives every --tile's down launch BLOCK_N N (a config's "down" entry).
 --weight-layout micro draws the 4-bit experts micro-tiled (kernels/moe/quant/micro_tiles.py).
+--switch TAG=VALUE (repeatable) sets one of quant_switches.py's kernel switches for the run,
+e.g. `--format fp8 --switch fp8_moe=gluon --switch fp8_gluon_dot=one`.
 
 --breakdown (repeatable token counts, no ncu) says where the op's time goes: for each count
 one JSON line with the op timed in a CUDA graph as kernels_quant.py does (`graph_ms`), each
@@ -50,6 +52,7 @@ def main() -> None:
         moe_shapes,
         register_cap,
     )
+    from benchmarks.quant.quant_switches import set_switch
     from moeserve.kernels.moe.timer import random_tokens
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -72,6 +75,9 @@ def main() -> None:
     parser.add_argument("--down-n", type=int, default=None,
                         help="each --tile's down launch at this BLOCK_N (its other tiles the "
                              "same): the config's 'down' entry")
+    parser.add_argument("--switch", type=set_switch, action="append", default=[],
+                        metavar="TAG=VALUE", help="a kernel switch of quant_switches.py set "
+                        "for the run (repeatable)")
     parser.add_argument("--breakdown", type=int, nargs="+", default=None, metavar="TOKENS",
                         help="per-kernel GPU times of the op at these token counts (JSON lines)")
     args = parser.parse_args()

@@ -11,6 +11,7 @@ the value it ran with.
     fp8_gluon_dot  kernels/moe/quant/fp8_gluon.py `one_dot`          fp8 MoE  two | one
     fp8_gluon_down_n  kernels/moe/quant/fp8_gluon.py `down_block_n`  fp8 MoE  128 | 64
     fp8_gluon_gated_n kernels/moe/quant/fp8_gluon.py `gated_block_n` fp8 MoE  64 | 32
+    fp8_gluon_stages  kernels/moe/quant/fp8_gluon.py `stages`        fp8 MoE  3 .. 6
     w4a16_backend  kernels/linear/w4a16_dequant.py `backend`        nvfp4, int4 linears
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
     maxnreg        kernels/moe/quant/fused_triton.py `max_registers`  every format's MoE
@@ -49,6 +50,8 @@ SWITCHES = {
                                ("fp8",), int),
     "fp8_gluon_gated_n": Switch("moeserve.kernels.moe.quant.fp8_gluon", "gated_block_n",
                                 ("fp8",), int),
+    "fp8_gluon_stages": Switch("moeserve.kernels.moe.quant.fp8_gluon", "stages", ("fp8",),
+                               int),
     "w4a16_backend": Switch("moeserve.kernels.linear.w4a16_dequant", "backend",
                             ("nvfp4", "int4")),
     "moe_dequant": Switch("moeserve.kernels.moe.quant.dequant", "mode", ("nvfp4", "int4")),
@@ -76,6 +79,19 @@ def with_switch(tag: str, value: str | None, bench: Callable[[], list[dict]]) ->
         if row["format"] in switch.formats:
             row[tag] = chosen
     return rows
+
+
+def set_switch(setting: str) -> str:
+    """Set a switch for the rest of the process from "TAG=VALUE" (a profiler's single run,
+    moe_quant_once --switch); returns the setting. Unknown tags and values without "=" are
+    refused by name."""
+    tag, sep, value = setting.partition("=")
+    if not sep or tag not in SWITCHES:
+        raise argparse.ArgumentTypeError(
+            f"a switch is TAG=VALUE with TAG one of {', '.join(SWITCHES)}; got {setting!r}")
+    switch = SWITCHES[tag]
+    setattr(importlib.import_module(switch.module), switch.attr, switch.convert(value))
+    return setting
 
 
 def switched(settings: list[tuple[str, str | None]],

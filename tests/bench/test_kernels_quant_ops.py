@@ -1,6 +1,6 @@
 """benchmarks/quant/kernels_quant.py times the engine's quantized MoE dispatcher, so that its
 --moe-dequant switch changes what runs (it once timed the fused kernel on both sides); the
-register cap switch (--maxnreg)."""
+register cap switch (--maxnreg); a switch set by tag for a profiler's run."""
 
 from __future__ import annotations
 
@@ -34,6 +34,23 @@ def test_the_register_cap_switch_sets_the_kernel_module_while_its_rows_run() -> 
     assert seen == [80] and fused_triton.max_registers is None  # restored after
     assert rows == [{"format": "nvfp4", "maxnreg": 80}, {"format": "bf16"}]
     assert with_switch("maxnreg", "off", bench)[0]["maxnreg"] is None
+
+
+def test_a_profilers_run_sets_a_switch_by_tag_and_refuses_unknown_tags(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from benchmarks.quant.quant_switches import set_switch
+    from moeserve.kernels.moe.quant import fp8_gluon
+
+    monkeypatch.setattr(fp8_gluon, "one_dot", False)
+    monkeypatch.setattr(fp8_gluon, "gated_block_n", 64)
+    assert set_switch("fp8_gluon_dot=one") == "fp8_gluon_dot=one"
+    set_switch("fp8_gluon_gated_n=32")
+    assert fp8_gluon.one_dot is True and fp8_gluon.gated_block_n == 32
+    for bad in ("fp8_gluon_dots=one", "fp8_moe", "=gluon"):
+        with pytest.raises(argparse.ArgumentTypeError, match="TAG=VALUE"):
+            set_switch(bad)
 
 
 @pytest.mark.parametrize("value", ["0", "256", "12", "many", "-80"])

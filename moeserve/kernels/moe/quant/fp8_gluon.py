@@ -64,6 +64,10 @@ one_dot = False
 # m64n64 wgmma a step over 32 gate and 32 up rows; ~200 registers at UNROLL 4).
 down_block_n = 128
 gated_block_n = 64
+# Shared-memory stages (a switch, untimed): step k + STAGES - 2's copies go out at step k, so
+# 4 keeps two steps of loads in flight; 24 KB a stage at 64 rows (32 KB at 128), so 4 lets two
+# 64-row programs share an SM and 5 or 6 hold one further ahead.
+stages = 4
 
 
 def block_m(config: dict) -> int:
@@ -98,11 +102,13 @@ def supports(a: torch.Tensor, a_scale: torch.Tensor, w: Any, scale_rows: int,
 def tiles(block_m: int, gated: bool) -> dict[str, int]:
     """The launch's tile for fused_triton's BLOCK_M: BLOCK_N `gated_block_n` gated (its gate
     and up halves each; one_dot's weight tile twice as many rows), `down_block_n` down; 4
-    stages; 4 warps for 64 rows, 8 for 128; UNROLL by the accumulators' width (`unroll`)."""
+    `stages`; 4 warps for 64 rows, 8 for 128; UNROLL by the accumulators' width (`unroll`)."""
     if block_m not in (64, 128):
         raise ValueError(f"fp8_gluon: BLOCK_M {block_m} is not 64 or 128")
+    if stages not in (3, 4, 5, 6):
+        raise ValueError(f"fp8_gluon.stages {stages} is not 3, 4, 5 or 6")
     block_n = gated_block_n if gated else down_block_n
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": 4, "num_warps": block_m // 16,
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages, "num_warps": block_m // 16,
             "wide": (2 * block_n if gated else block_n) >= 128}
 
 
