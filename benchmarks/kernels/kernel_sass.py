@@ -52,7 +52,8 @@ def moe_quant(args: argparse.Namespace) -> dict:
     weight = {"fp8": "*fp8e4nv", "nvfp4": "*u8", "int4": "*i32"}[fmt]
     scale = {"fp8": "*fp32", "nvfp4": "*fp8e4nv", "int4": "*bf16"}[fmt]
     pointers = {"a_ptr": "*fp8e4nv" if fmt == "fp8" else "*bf16", "as_ptr": "*fp32",
-                "b_ptr": weight, "bs_ptr": scale, "bg_ptr": "*fp32", "c_ptr": "*bf16",
+                "b_ptr": weight, "bs_ptr": scale, "bg_ptr": "*fp32",
+                "c_ptr": "*fp8e4nv" if args.quant_out else "*bf16", "cs_ptr": "*fp32",
                 "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"}
     const = dict(FORMAT=fused_triton.FORMAT_IDS[fmt],
                  GROUP={"fp8": 128, "nvfp4": 16, "int4": 32}[fmt],
@@ -63,7 +64,9 @@ def moe_quant(args: argparse.Namespace) -> dict:
                  DECODE=(int4_tile.DECODES.index(args.decode or "reshape") if fmt == "int4"
                          else nvfp4_tile.DECODES.index(args.decode or "bits")
                          if fmt == "nvfp4" else 0),
-                 PREFETCH=fmt == "fp8" and args.prefetch, BLOCK_M=bm, BLOCK_N=bn,
+                 PREFETCH=fmt == "fp8" and args.prefetch, QUANT_OUT=args.quant_out,
+                 ACT_ROUND=1 if args.quant_out else 0, FP8_MAX=448.0, MIN_SCALE=1e-12,
+                 BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=1, stride_bk=1,
                  MICRO={"fp8": 0, "nvfp4": 64, "int4": 16}[fmt] if args.micro else 0,
                  **sub_heights({"BLOCK_M": bm, "SUB_M": int(args.sub_m)}),
@@ -380,6 +383,8 @@ def main() -> None:
                            help="fp8: the scales loaded a K step ahead (prefetch_scales)")
             p.add_argument("--sub-m", action="store_true",
                            help="the SUB_M option: half and quarter tiles beside BLOCK_M's")
+            p.add_argument("--quant-out", action="store_true",
+                           help="fp8, gated: act quantized in the epilogue (fuse_act_quant)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
     for name in ("mla-decode", "mla-decode-gluon", "mla-decode-flat", "mla-prefill",

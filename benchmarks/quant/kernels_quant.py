@@ -387,11 +387,16 @@ def main() -> None:
     parser.add_argument("--fp8-prefetch", nargs="+", choices=("off", "on"), default=["off"],
                         help="FP8 MoE rows per setting of the scales' one-step prefetch "
                         "(kernels/moe/quant/fused_triton.py prefetch_scales)")
-    parser.add_argument("--fp8-moe", nargs="+", choices=("triton", "gluon", "gluon-128"),
+    parser.add_argument("--fp8-act-quant", nargs="+", choices=("fused", "apart"),
+                        default=["fused"], help="FP8 MoE rows per place of act's quantization "
+                        "(fused: in the gated launch's epilogue, where it runs the Triton "
+                        "kernel; apart: its own launch; fused_triton.py fuse_act_quant)")
+    parser.add_argument("--fp8-moe", nargs="+", choices=("triton", "gluon", "gluon-128",
+                                                     "gluon-down"),
                         default=["triton"], help="FP8 MoE rows per grouped GEMM "
                         "(kernels/moe/quant/fp8_gluon.py backend: gluon where it supports the "
-                        "launch, sm90, gluon-128 with 128-row blocks; triton: fused_triton's "
-                        "kernel)")
+                        "launch, sm90, gluon-128 with 128-row blocks, gluon-down the down launch "
+                        "only; triton: fused_triton's kernel)")
     parser.add_argument("--fp8-gluon-dot", nargs="+", choices=("two", "one"), default=["two"],
                         help="FP8 rows per form of fp8_gluon's gated launch (one: gate and up "
                         "rows interleaved in one weight tile, one wgmma a step; fp8_gluon.one_dot)")
@@ -468,6 +473,7 @@ def main() -> None:
     ctx["fp8_peak_tflops"] = result["peaks"]["fp8_peak_tflops"]
     save()
     moe_switches = {"decode": args.nvfp4_decode, "prefetch": args.fp8_prefetch,
+                    "fp8_act_quant": args.fp8_act_quant,
                     "fp8_moe": args.fp8_moe, "fp8_gluon_dot": args.fp8_gluon_dot,
                     "fp8_gluon_down_n": args.fp8_gluon_down_n,
                     "fp8_gluon_gated_n": args.fp8_gluon_gated_n,

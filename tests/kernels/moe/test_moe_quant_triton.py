@@ -446,3 +446,59 @@ def test_gpu_fp8_one_weight_scale_a_tile_gives_the_per_row_bits(
     monkeypatch.setattr(fused_triton, "prefetch_scales", True)  # the scales a step ahead
     for experts in (compact, per_row):
         assert torch.equal(out, moe_quant_triton(x, *experts, weights, ids, tiles="default"))
+
+
+def test_fp8_act_quant_is_fused_where_a_tile_holds_whole_groups(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fuse_act_quant: launch 1 quantizes act in its epilogue on CUDA, where it runs the
+    Triton kernel (not the Gluon one) and its tiles' columns are whole 128-groups; nowhere
+    else (the CPU interpreter's e4m3 cast is wrong: the separate torch quantization)."""
+    from moeserve.kernels.moe.quant import fp8_gluon, fused_triton
+
+    def fuses(n_cols: int, inter: int, device: str = "cuda", fmt: str = "fp8") -> bool:
+        a = SimpleNamespace(device=torch.device(device))
+        w13 = SimpleNamespace(shape=(8, 2 * inter, 1024))
+        return fused_triton._fuses_act_quant(fmt, a, None, w13, 128,
+                                             {"BLOCK_M": 64, "BLOCK_N": n_cols})
+
+    assert fuses(128, 768) and fuses(256, 512)
+    assert not fuses(64, 768) and not fuses(128, 320) and not fuses(128, 768, "cpu")
+    assert not fuses(128, 768, fmt="nvfp4")
+    monkeypatch.setattr(fp8_gluon, "backend", "gluon-down")  # the gated launch stays Triton's
+    assert fuses(128, 768)
+    monkeypatch.setattr(fused_triton, "fuse_act_quant", False)
+    assert not fuses(128, 768)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [5, 64, 300])
+def test_gpu_fp8_act_quantized_in_the_epilogue_gives_the_separate_launchs_bits(
+        num_tokens: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """act quantized in launch 1's epilogue (one and two 128-groups a tile) gives the op the
+    bits of act written in x's dtype and quantized by its own launch; the spy shows which
+    ran (one quantization of x alone, or x's and act's)."""
+    from moeserve.kernels.moe.quant import fused_triton
+
+    e, h, i = 16, 1024, 512
+    compact, _ = _fp8_block_experts(e, h, i, dtype)
+    x = tokens(num_tokens, h, seed=num_tokens, dtype=dtype)
+    weights, ids = routing(num_tokens, e, seed=num_tokens, off_rank=True)
+    quantized = []
+    real = fused_triton._activations
+    monkeypatch.setattr(fused_triton, "_activations",
+                        lambda a, fmt: quantized.append(a.shape) or real(a, fmt))
+    for n_cols in (128, 256):
+        config = dict(BLOCK_M=16, BLOCK_N=n_cols, BLOCK_K=128, GROUP_M=1, num_warps=4,
+                      num_stages=3)
+        runs = {}
+        for fused in (True, False):
+            monkeypatch.setattr(fused_triton, "fuse_act_quant", fused)
+            quantized.clear()
+            runs[fused] = moe_quant_triton(x, *compact, weights, ids, config=config,
+                                           reduce=False)
+            assert quantized == ([(num_tokens, h)] if fused else
+                                 [(num_tokens, h), (num_tokens * TOP_K, i)])
+        assert torch.equal(runs[True], runs[False]), n_cols
+        assert torch.equal(runs[True][ids == -1], torch.zeros_like(runs[True][ids == -1]))
+    assert rel_err(runs[True].sum(1), moe_quant_ref(x, *compact, weights, ids)) < 2e-2

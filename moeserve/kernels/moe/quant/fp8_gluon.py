@@ -48,10 +48,11 @@ warpgroup_mma_wait: Any = None
 BLOCK_K = FP8_GROUP  # one scale column a step
 # The switch (kernels_quant --fp8-moe): "triton" keeps fused_triton's kernel; "gluon" takes
 # this one wherever `supports` holds and the looked-up BLOCK_M is 64 or 128; "gluon-128" also
-# makes every FP8 op's row blocks 128 high (the align's too). Off ("triton") until the GPU
-# measures it.
+# makes every FP8 op's row blocks 128 high (the align's too); "gluon-down" takes only the down
+# launch (the gated one stays Triton's, whose epilogue can quantize act: fused_triton's
+# fuse_act_quant). Off ("triton") until the GPU measures it.
 backend = "triton"
-BACKENDS = ("triton", "gluon", "gluon-128")
+BACKENDS = ("triton", "gluon", "gluon-128", "gluon-down")
 # The gated launch's gate and up rows interleaved in one weight tile, one wgmma a step reading
 # A once (two: A read for each). An experiment switch (kernels_quant --fp8-gluon-dot), untimed.
 one_dot = False
@@ -75,6 +76,13 @@ def block_m(config: dict) -> int:
     if backend not in BACKENDS:
         raise ValueError(f"fp8_gluon.backend {backend!r} is not one of {BACKENDS}")
     return 128 if backend == "gluon-128" else config["BLOCK_M"]
+
+
+def takes(gated: bool) -> bool:
+    """Whether the switch hands this launch (gated or down) to this kernel, where `supports`
+    holds and the row blocks are 64 or 128 high (fused_triton's `_gluon_takes`)."""
+    block_m({"BLOCK_M": 0})  # the switch's value checked
+    return backend != "triton" and (backend != "gluon-down" or not gated)
 
 
 def unroll(k_dim: int, wide: bool) -> int:

@@ -9,7 +9,8 @@ The data flow is `moe_triton`'s (fused_triton.py), for T tokens, k experts each,
     launch 1 (gated), program (block b, N-tile n), e = expert_ids[b]:
         gate, up = rows @ w13[e, n-tile].T, rows @ w13[e, I + n-tile].T    rows = x[pair // k]
         act[pair, n-tile] = silu(gate) * up                  act [M, I] in x's dtype
-    (fp8: act --quantize_activations--> act_q [M, I], s_act [M, ceil(I / 128)])
+    (fp8: act --quantize_activations--> act_q [M, I], s_act [M, ceil(I / 128)]; on CUDA,
+     with `fuse_act_quant`, in launch 1's epilogue instead: `_fuses_act_quant`)
     launch 2: out[pair] = topk_weights[pair] * act[pair] @ w2[e, n-tile].T   out [T, k, H]
     combine "sum": out.sum(1) (reduce=False returns the parts); rows of -1 pairs zeroed by
     fused_triton's `_zero_nonlocal_rows` (neither launch computes them)
@@ -125,7 +126,8 @@ from moeserve.kernels.moe.tile_configs import (
     tile_device_name,
     tile_tokens,
 )
-from moeserve.quant.fp8_block import quantize_activations
+from moeserve.quant.fp8_block import _MIN_SCALE, E4M3, E4M3_MAX, quantize_activations
+from moeserve.quant.packed import FP8_GROUP
 
 FORMAT_IDS = {"fp8": 0, "nvfp4": 1, "int4": 2}  # the kernel's FORMAT constexpr
 # fp8's activation and weight scales loaded a K step ahead (an experiment switch, off until
@@ -140,6 +142,14 @@ prefetch_scales = False
 # but slower on an H100 (gpu_2d81e17/call5: 80 registers 1.87 against 1.55 ms, 96 at 1,024
 # tokens 3.08 against 0.47): off.
 max_registers: int | None = None
+# fp8: the gated launch's epilogue quantizes act itself (each row's 128-column groups of its
+# tile: their amax, scale and e4m3 bytes, act rounded to x's dtype first, the separate
+# launch's arithmetic), so act_q and s_act come out of launch 1 with no bf16 act written and
+# read back and no quantize launch between (`_fuses_act_quant` says where). The same bytes
+# either way (a GPU test compares them).
+fuse_act_quant = True
+# the epilogue's rounding of act to x's dtype before it is quantized (the ACT_ROUND constexpr)
+_ACT_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
 
 
@@ -188,10 +198,21 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
     num_pairs = num_tokens * top_k
 
     a, a_scale = _activations(x, fmt)  # fp8: ([T, H] e4m3, [T, H / 128] fp32), else (x, None)
-    act = x.new_empty(num_pairs, inter)  # [M, I], row = pair
-    _launch(fmt, a, a_scale, w13, group13, rows13, act, topk_weights, sorted_ids, expert_ids,
-            num_pairs, config, a_row_div=top_k, gated=True)
-    a, a_scale = _activations(act, fmt)  # rows of -1 pairs unwritten: quantized, never read
+    if _fuses_act_quant(fmt, a, a_scale, w13, rows13, config):
+        # [M, I] e4m3 and [M, I / 128] fp32 straight from launch 1 (rows of -1 pairs unwritten,
+        # never read)
+        act = torch.empty(num_pairs, inter, dtype=E4M3, device=x.device)
+        act_scale = torch.empty(num_pairs, inter // FP8_GROUP, dtype=torch.float32,
+                                device=x.device)
+        _launch(fmt, a, a_scale, w13, group13, rows13, act, topk_weights, sorted_ids,
+                expert_ids, num_pairs, config, a_row_div=top_k, gated=True,
+                c_scale=act_scale, act_round=_ACT_ROUND[x.dtype])
+        a, a_scale = act, act_scale
+    else:
+        act = x.new_empty(num_pairs, inter)  # [M, I], row = pair
+        _launch(fmt, a, a_scale, w13, group13, rows13, act, topk_weights, sorted_ids,
+                expert_ids, num_pairs, config, a_row_div=top_k, gated=True)
+        a, a_scale = _activations(act, fmt)  # rows of -1 pairs unwritten: quantized, never read
     out = x.new_empty(num_tokens, top_k, hidden)  # [T, k, H], row pair = t * k + i
     _zero_nonlocal_rows(out.view(num_pairs, hidden), topk_ids)  # rows no launch writes
     _launch(fmt, a, a_scale, w2, group2, rows2, out.view(num_pairs, hidden), topk_weights,
@@ -210,19 +231,39 @@ def _activations(a: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor 
     return quantize_activations_triton(a)
 
 
+def _gluon_takes(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any,
+                 scale_rows: int, config: dict[str, int], gated: bool) -> bool:
+    """Whether fp8_gluon's kernel runs this launch (its switch: `fp8_gluon.takes`)."""
+    return (fmt == "fp8" and fp8_gluon.takes(gated) and config["BLOCK_M"] in (64, 128)
+            and fp8_gluon.supports(a, a_scale, w, scale_rows, gated))
+
+
+def _fuses_act_quant(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w13: Any,
+                     scale_rows: int, config: dict[str, int]) -> bool:
+    """Whether launch 1 quantizes act in its epilogue (`fuse_act_quant`): fp8 on CUDA (the
+    interpreter's e4m3 cast is wrong), this module's kernel running it, and each tile's
+    columns whole 128-groups (BLOCK_N and I multiples of 128)."""
+    return (fmt == "fp8" and fuse_act_quant and a.device.type == "cuda"
+            and config["BLOCK_N"] % FP8_GROUP == 0
+            and (w13.shape[1] // 2) % FP8_GROUP == 0
+            and not _gluon_takes(fmt, a, a_scale, w13, scale_rows, config, True))
+
+
 def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, group: int,
             scale_rows: int, c: torch.Tensor, topk_weights: torch.Tensor,
             sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_pairs: int,
-            config: dict[str, int], *, a_row_div: int, gated: bool) -> None:
+            config: dict[str, int], *, a_row_div: int, gated: bool,
+            c_scale: torch.Tensor | None = None, act_round: int = 0) -> None:
     """One grouped GEMM c[rows] = a[rows] @ dequant(w[e]).T over expert-sorted row blocks.
 
     gated: w is w13 (N = I, silu(gate) * up in the epilogue), a_row_div = k (A's row of pair p
-    is token p // k); else w is w2 (N = H, rows scaled by their routing weight).
+    is token p // k); else w is w2 (N = H, rows scaled by their routing weight). c_scale
+    (fp8, gated, `_fuses_act_quant`): c is e4m3 and c_scale [rows, N / 128] fp32, act
+    quantized in the epilogue after its rounding by act_round (_ACT_ROUND).
     """
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
-    if (fmt == "fp8" and fp8_gluon.backend != "triton" and config["BLOCK_M"] in (64, 128)
-            and fp8_gluon.supports(a, a_scale, w, scale_rows, gated)):
+    if _gluon_takes(fmt, a, a_scale, w, scale_rows, config, gated):
         fp8_gluon.launch(a, a_scale, w, c, topk_weights, sorted_ids, expert_ids, num_pairs,
                          config["BLOCK_M"], a_row_div=a_row_div, gated=gated)
         return
@@ -233,14 +274,16 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
     a_scale = a_scale if a_scale is not None else topk_weights  # unused unless fp8
     num_blocks = expert_ids.shape[0]
     grid = (num_blocks * -(-n_out // config["BLOCK_N"]),)  # blocks past the used ones return
+    quant_out = c_scale is not None
+    c_scale = c_scale if quant_out else topk_weights  # unused unless quant_out
     _kernel()[grid](
-        a, a_scale, qweight, scale, glob, c, topk_weights, sorted_ids, expert_ids,
+        a, a_scale, qweight, scale, glob, c, c_scale, topk_weights, sorted_ids, expert_ids,
         num_pairs, num_blocks, n_out, k_dim,
         a.stride(0), a_scale.stride(0),  # A [rows, K], its fp8 scales [rows, K / 128]
         qweight.stride(0), qweight.stride(1), qweight.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2),
         glob.stride(0), glob.stride(1),  # [E, N] (nvfp4)
-        c.stride(0),  # C [M, N]
+        c.stride(0), c_scale.stride(0),  # C [M, N] (and its scales [M, N / 128])
         FORMAT=FORMAT_IDS[fmt], GROUP=group, SCALE_ROWS=scale_rows,
         ONE_SCALE_ROW=fmt == "fp8" and scale_rows % config["BLOCK_N"] == 0
         and n_out % scale_rows == 0, A_ROW_DIV=a_row_div,
@@ -249,7 +292,8 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
         DECODE=(nvfp4_tile.decode_id(a.dtype, a.device) if fmt == "nvfp4" else
                 int4_tile.decode_id(config["BLOCK_K"], a.dtype, w.scale.dtype, a.device)
                 if fmt == "int4" else 0),
-        PREFETCH=fmt == "fp8" and prefetch_scales,
+        PREFETCH=fmt == "fp8" and prefetch_scales, QUANT_OUT=quant_out, ACT_ROUND=act_round,
+        FP8_MAX=E4M3_MAX, MIN_SCALE=_MIN_SCALE,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], MICRO=micro_tiles.micro_arg(fmt, w, qweight),
         **sub_heights(config),
@@ -267,7 +311,7 @@ def _kernel() -> Any:
     helpers are jitted here and bound as module globals, where the interpreter finds them.
     """
     global tl, _tile, _b_step, _w_scale, _load_k, _nvfp4_step, _e4m3_bits_to_f32, _spread_groups
-    global _unscale, _int4_planes_step, _b_offsets, _sub_rows
+    global _unscale, _int4_planes_step, _b_offsets, _sub_rows, _quant_store
     import triton
     import triton.language as tl
 
@@ -276,8 +320,8 @@ def _kernel() -> Any:
     bf16_moe._kernel()  # binds its jitted helpers, _sub_rows among them
     _sub_rows = bf16_moe._sub_rows
 
-    _tile, _b_step, _w_scale, _load_k = (triton.jit(f) for f in (_tile, _b_step, _w_scale,
-                                                                  _load_k))
+    _tile, _b_step, _w_scale, _load_k, _quant_store = (
+        triton.jit(f) for f in (_tile, _b_step, _w_scale, _load_k, _quant_store))
     _b_offsets = micro_tiles.jitted().packed_offsets
     tiles = nvfp4_tile.jitted()
     _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
@@ -291,14 +335,16 @@ def _kernel() -> Any:
     # fp8 64 x 128 tile 2,512 against 1,608)
     @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
     def _fused_moe_quant_kernel(
-            a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
+            a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, cs_ptr, weights_ptr, sorted_ids_ptr,
             expert_ids_ptr, num_pairs, num_blocks, N, K, stride_am, stride_asm,
             stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
-            stride_ge, stride_gn, stride_cm,
+            stride_ge, stride_gn, stride_cm, stride_csm,
             FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
             ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
             EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
-            DECODE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+            DECODE: tl.constexpr, PREFETCH: tl.constexpr, QUANT_OUT: tl.constexpr,
+            ACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+            BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
             MICRO: tl.constexpr = 0, HALF_M: tl.constexpr = 0, QUARTER_M: tl.constexpr = 0):
         # (row block, N-tile): GROUP_M row blocks side by side per N-tile (B tiles shared in L2)
@@ -321,27 +367,31 @@ def _kernel() -> Any:
             for r in tl.static_range(3):
                 if r == 0 or (r == 1 and HALF_M > 0) or (r == 2 and QUARTER_M > 0):
                     if which == r:
-                        _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr,
+                        _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, cs_ptr, weights_ptr,
                               sorted_ids_ptr, pid_m, pid_n, expert, num_pairs, N, K,
                               stride_am, stride_asm, stride_be, stride_bn, stride_bk,
                               stride_se, stride_sn, stride_sk, stride_ge, stride_gn, stride_cm,
-                              FORMAT, GROUP, SCALE_ROWS, ONE_SCALE_ROW, A_ROW_DIV, GATED,
-                              EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, PREFETCH, BLOCK_M,
-                              BLOCK_N, BLOCK_K, MICRO, BLOCK_M >> r)
+                              stride_csm, FORMAT, GROUP, SCALE_ROWS, ONE_SCALE_ROW, A_ROW_DIV,
+                              GATED, EVEN_K, DOT_PRECISION, NATIVE_FP8, DECODE, PREFETCH,
+                              QUANT_OUT, ACT_ROUND, FP8_MAX, MIN_SCALE, BLOCK_M, BLOCK_N,
+                              BLOCK_K, MICRO,
+                              BLOCK_M >> r)
 
     return _fused_moe_quant_kernel
 
 
 # ---- Triton helpers (jitted by _kernel; module globals, as the interpreter resolves names) ----
 
-def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
+def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, cs_ptr, weights_ptr, sorted_ids_ptr,
           pid_m, pid_n, expert, num_pairs, N, K, stride_am, stride_asm,
           stride_be, stride_bn, stride_bk, stride_se, stride_sn, stride_sk,
-          stride_ge, stride_gn, stride_cm,
+          stride_ge, stride_gn, stride_cm, stride_csm,
           FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_ROWS: tl.constexpr,
           ONE_SCALE_ROW: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
           EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_FP8: tl.constexpr,
-          DECODE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+          DECODE: tl.constexpr, PREFETCH: tl.constexpr, QUANT_OUT: tl.constexpr,
+          ACT_ROUND: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+          BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MICRO: tl.constexpr,
           ROWS: tl.constexpr):
     """One [ROWS, BLOCK_N] output tile: the first ROWS (BLOCK_M, or a half or quarter of it
@@ -411,7 +461,35 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, weights_ptr, sorted_ids_p
     else:
         acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+    if QUANT_OUT:  # fp8 act quantized here (fuse_act_quant): e4m3 bytes and a scale a group
+        _quant_store(acc, c_ptrs, cs_ptr + pairs.to(tl.int64) * stride_csm, row_ok, pid_n, N,
+                     ACT_ROUND, FP8_MAX, MIN_SCALE, ROWS, BLOCK_N)
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+def _quant_store(act, c_ptrs, s_rows, row_ok, pid_n, N, ACT_ROUND: tl.constexpr,
+                 FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """fp8's run-time quantization of act [ROWS, BLOCK_N] (fp32), whole 128-column groups,
+    as quantize_activations_triton does it (act rounded to x's dtype first: ACT_ROUND 1 bf16,
+    2 fp16, 0 none): each row's group scale max(amax / FP8_MAX, MIN_SCALE) to s_rows + its
+    group, the values divided by it (IEEE division, that kernel's NOTE), clamped, as e4m3 to
+    c_ptrs."""
+    if ACT_ROUND == 1:
+        act = act.to(tl.bfloat16).to(tl.float32)
+    elif ACT_ROUND == 2:
+        act = act.to(tl.float16).to(tl.float32)
+    G: tl.constexpr = BLOCK_N // 128
+    groups = tl.reshape(act, (ROWS, G, 128))
+    scale = tl.maximum(tl.max(tl.abs(groups), 2) / FP8_MAX, MIN_SCALE)  # [ROWS, G]
+    q = tl.minimum(tl.maximum(tl.math.div_rn(groups, scale[:, :, None]), -FP8_MAX), FP8_MAX)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(c_ptrs, tl.reshape(q, (ROWS, BLOCK_N)).to(c_ptrs.dtype.element_ty),
+             mask=row_ok[:, None] & (cols < N)[None, :])
+    g = pid_n * G + tl.arange(0, G)
+    tl.store(s_rows[:, None] + g[None, :], scale, mask=row_ok[:, None] & (g * 128 < N)[None, :])
 
 
 def _w_scale(s_base, rows, row0, kb, stride_sn, stride_sk, SCALE_ROWS: tl.constexpr,
