@@ -434,8 +434,9 @@ def test_gpu_cuda_graph_replays_with_new_routing(fmt: str) -> None:
 @pytest.mark.parametrize("num_tokens", [5, 64, 300])
 def test_gpu_fp8_one_weight_scale_a_tile_gives_the_per_row_bits(
         num_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from moeserve.kernels.moe.quant import fused_triton
+    from moeserve.kernels.moe.quant import fp8_gluon, fused_triton
 
+    monkeypatch.setattr(fp8_gluon, "backend", "triton")  # this kernel's ONE_SCALE_ROW
     e, h, i = 16, 1024, 512
     compact, per_row = _fp8_block_experts(e, h, i, torch.bfloat16)
     x = tokens(num_tokens, h, seed=num_tokens, dtype=torch.bfloat16)
@@ -451,19 +452,22 @@ def test_gpu_fp8_one_weight_scale_a_tile_gives_the_per_row_bits(
 def test_fp8_act_quant_is_fused_where_a_tile_holds_whole_groups(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """fuse_act_quant: launch 1 quantizes act in its epilogue on CUDA, where it runs the
-    Triton kernel (not the Gluon one) and its tiles' columns are whole 128-groups; nowhere
-    else (the CPU interpreter's e4m3 cast is wrong: the separate torch quantization)."""
+    Triton kernel (not the Gluon one), its row blocks are at most FUSE_MAX_BLOCK_M high and
+    its tiles' columns whole 128-groups; nowhere else (the CPU interpreter's e4m3 cast is
+    wrong: the separate torch quantization)."""
     from moeserve.kernels.moe.quant import fp8_gluon, fused_triton
 
-    def fuses(n_cols: int, inter: int, device: str = "cuda", fmt: str = "fp8") -> bool:
+    def fuses(n_cols: int, inter: int, device: str = "cuda", fmt: str = "fp8",
+              rows: int = 16) -> bool:
         a = SimpleNamespace(device=torch.device(device))
         w13 = SimpleNamespace(shape=(8, 2 * inter, 1024))
         return fused_triton._fuses_act_quant(fmt, a, None, w13, 128,
-                                             {"BLOCK_M": 64, "BLOCK_N": n_cols})
+                                             {"BLOCK_M": rows, "BLOCK_N": n_cols})
 
-    assert fuses(128, 768) and fuses(256, 512)
+    assert fuses(128, 768) and fuses(256, 512) and fuses(128, 768, rows=32)
     assert not fuses(64, 768) and not fuses(128, 320) and not fuses(128, 768, "cpu")
     assert not fuses(128, 768, fmt="nvfp4")
+    assert not fuses(128, 768, rows=64)  # its epilogue costs more than the launch it saves
     monkeypatch.setattr(fp8_gluon, "backend", "gluon-down")  # the gated launch stays Triton's
     assert fuses(128, 768)
     monkeypatch.setattr(fused_triton, "fuse_act_quant", False)

@@ -24,9 +24,14 @@ an iteration, the last retired in it (`unroll`; the kernel's comment says why pt
 that).
 
 Bounds: CUDA sm90, N a multiple of 128, K's 128-steps an even count, 128-row weight scales
-(`supports`). fused_triton.py's `_launch` calls it for fp8 where `backend` is not "triton",
-BLOCK_M is 64 or 128 and `supports` holds: an experiment switch, off until timed on a GPU
-(benchmarks/h200/fp8_gluon_h200.sh).
+(`supports`). fused_triton.py's `_launch` calls it for fp8 where `backend` hands it the
+launch (`takes`; "gluon", the default, both), BLOCK_M is 64 or 128 and `supports` holds
+(timed: benchmarks/h200/fp8_gluon_h200.sh, fp8_act_quant_h200.sh).
+
+What holds it (and Triton's kernel) near a third of the FP8 peak at 8,192 tokens (Nsight
+Compute, gpu_ae64d49/call1 on the H200): not the issue slots (26-38% busy) nor DRAM (20-24%)
+but latency at two warps a scheduler, long-scoreboard stalls first (the scale loads in the
+loop, the down launch's six-step programs' dependent start), then fixed-latency waits.
 """
 
 from __future__ import annotations
@@ -50,12 +55,17 @@ BLOCK_K = FP8_GROUP  # one scale column a step
 # this one wherever `supports` holds and the looked-up BLOCK_M is 64 or 128; "gluon-128" also
 # makes every FP8 op's row blocks 128 high (the align's too); "gluon-down" takes only the down
 # launch (the gated one stays Triton's, whose epilogue can quantize act: fused_triton's
-# fuse_act_quant). Off ("triton") until the GPU measures it.
-backend = "triton"
+# fuse_act_quant). "gluon" by default: on an H100 (benchmarks/results/gpu_6433006/call1,
+# gpu_9d50325/call1) qwen3-30b-a3b's experts at 1,024 tokens 0.313-0.318 ms against Triton's
+# 0.332-0.338 (5-7%), at 8,192 1.358-1.378 against 1.366-1.386, GLM-5's at 8,192 9.12-9.50
+# against 10.02, 1,024 level; below ~512 tokens the looked-up row blocks are 16-32 high and
+# Triton's kernel runs.
+backend = "gluon"
 BACKENDS = ("triton", "gluon", "gluon-128", "gluon-down")
 # The gated launch's gate and up rows interleaved in one weight tile, one wgmma a step reading
-# A once (two: A read for each). An experiment switch (kernels_quant --fp8-gluon-dot), untimed.
-one_dot = False
+# A once (two: A read for each; kernels_quant --fp8-gluon-dot). One by default: level or ahead
+# on an H100 (gpu_6433006/call1: 8,192 tokens 1.358 against 1.371 ms, 1,024 0.318 / 0.320).
+one_dot = True
 # The launches' N tiles (switches, untimed). ptxas serializes every wgmma when a product set
 # stays in flight across the loop's back edge while another runs (sm90, Triton 3.6), so each
 # UNROLL steps end in a drain, and UNROLL is 2 where the three product sets take 192

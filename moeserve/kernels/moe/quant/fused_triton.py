@@ -146,8 +146,13 @@ max_registers: int | None = None
 # tile: their amax, scale and e4m3 bytes, act rounded to x's dtype first, the separate
 # launch's arithmetic), so act_q and s_act come out of launch 1 with no bf16 act written and
 # read back and no quantize launch between (`_fuses_act_quant` says where). The same bytes
-# either way (a GPU test compares them).
+# either way (a GPU test compares them). Only up to FUSE_MAX_BLOCK_M rows a block: on an H100
+# (benchmarks/results/gpu_9d50325/call1, qwen3-30b-a3b's experts) the 16-row tiles of 64 /
+# 256 tokens gain 2.4 / 2.9% (0.229 / 0.255 ms against 0.235 / 0.263), while the 64-row,
+# 8-warp tile's epilogue costs more than the launch it saves (1,024 tokens 0.338 against
+# 0.332, 8,192 1.438 against 1.386: the gated launch 774 against 661 us).
 fuse_act_quant = True
+FUSE_MAX_BLOCK_M = 32
 # the epilogue's rounding of act to x's dtype before it is quantized (the ACT_ROUND constexpr)
 _ACT_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
@@ -241,10 +246,11 @@ def _gluon_takes(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any
 def _fuses_act_quant(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w13: Any,
                      scale_rows: int, config: dict[str, int]) -> bool:
     """Whether launch 1 quantizes act in its epilogue (`fuse_act_quant`): fp8 on CUDA (the
-    interpreter's e4m3 cast is wrong), this module's kernel running it, and each tile's
-    columns whole 128-groups (BLOCK_N and I multiples of 128)."""
+    interpreter's e4m3 cast is wrong), this module's kernel running it, row blocks of at most
+    FUSE_MAX_BLOCK_M, and each tile's columns whole 128-groups (BLOCK_N and I multiples of
+    128)."""
     return (fmt == "fp8" and fuse_act_quant and a.device.type == "cuda"
-            and config["BLOCK_N"] % FP8_GROUP == 0
+            and config["BLOCK_M"] <= FUSE_MAX_BLOCK_M and config["BLOCK_N"] % FP8_GROUP == 0
             and (w13.shape[1] // 2) % FP8_GROUP == 0
             and not _gluon_takes(fmt, a, a_scale, w13, scale_rows, config, True))
 
