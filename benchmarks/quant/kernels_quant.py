@@ -404,6 +404,9 @@ def main() -> None:
         parser.add_argument(f"--fp8-gluon-{launch}-n", nargs="+", choices=tiles,
                             default=[tiles[0]], help=f"FP8 rows per N tile of fp8_gluon's "
                             f"{launch} launch (fp8_gluon.{launch}_block_n)")
+    parser.add_argument("--fp8-gluon-scales", nargs="+", choices=("global", "smem"),
+                        default=["global"], help="FP8 rows per source of fp8_gluon's step "
+                        "scales (smem: copied with the step's operands; fp8_gluon.smem_scales)")
     parser.add_argument("--fp8-gluon-stages", nargs="+", choices=("3", "4", "5", "6"),
                         default=["4"], help="FP8 rows per shared-memory depth of fp8_gluon's "
                         "launches (fp8_gluon.stages)")
@@ -478,6 +481,7 @@ def main() -> None:
                     "fp8_gluon_down_n": args.fp8_gluon_down_n,
                     "fp8_gluon_gated_n": args.fp8_gluon_gated_n,
                     "fp8_gluon_stages": args.fp8_gluon_stages,
+                    "fp8_gluon_scales": args.fp8_gluon_scales,
                     "moe_dequant": args.moe_dequant, "int4_decode": args.int4_decode,
                     "maxnreg": args.maxnreg, "scale_layout": args.scale_layout,
                     "weight_layout": args.weight_layout}

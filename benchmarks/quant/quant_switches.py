@@ -13,6 +13,7 @@ the value it ran with.
     fp8_gluon_down_n  kernels/moe/quant/fp8_gluon.py `down_block_n`  fp8 MoE  128 | 64
     fp8_gluon_gated_n kernels/moe/quant/fp8_gluon.py `gated_block_n` fp8 MoE  64 | 32
     fp8_gluon_stages  kernels/moe/quant/fp8_gluon.py `stages`        fp8 MoE  3 .. 6
+    fp8_gluon_scales  kernels/moe/quant/fp8_gluon.py `smem_scales`   fp8 MoE  global | smem
     w4a16_backend  kernels/linear/w4a16_dequant.py `backend`        nvfp4, int4 linears
     moe_dequant    kernels/moe/quant/dequant.py `mode`              nvfp4, int4 MoE
     maxnreg        kernels/moe/quant/fused_triton.py `max_registers`  every format's MoE
@@ -55,6 +56,8 @@ SWITCHES = {
                                 ("fp8",), int),
     "fp8_gluon_stages": Switch("moeserve.kernels.moe.quant.fp8_gluon", "stages", ("fp8",),
                                int),
+    "fp8_gluon_scales": Switch("moeserve.kernels.moe.quant.fp8_gluon", "smem_scales",
+                               ("fp8",), lambda v: v == "smem"),
     "w4a16_backend": Switch("moeserve.kernels.linear.w4a16_dequant", "backend",
                             ("nvfp4", "int4")),
     "moe_dequant": Switch("moeserve.kernels.moe.quant.dequant", "mode", ("nvfp4", "int4")),

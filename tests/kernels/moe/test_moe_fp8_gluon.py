@@ -169,3 +169,22 @@ def test_gpu_gluon_narrow_tiles_match_the_wide(block_m: int, gluon_on: list,
     assert gluon_on == [True, False, True, False]
     assert rel_err(narrow, wide) < 1e-2
     assert rel_err(narrow, moe_quant_ref(x, *compact, weights, ids)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm90")
+@pytest.mark.parametrize("one_dot", [False, True])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_gpu_gluon_scales_through_shared_memory_give_the_same_bits(
+        block_m: int, one_dot: bool, gluon_on: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """smem_scales: each step's scales copied with its operands into the stage and read from
+    there: the same values and arithmetic, so the same bits (padding rows and -1 pairs too)."""
+    compact, _ = _fp8_block_experts(E, H, INTER, torch.bfloat16)
+    x, weights, ids = _inputs(300, 9, off_rank=True)
+    config = _configs(300, block_m)
+    monkeypatch.setattr(fp8_gluon, "one_dot", one_dot)
+    loaded = moe_quant_triton(x, *compact, weights, ids, config=config, reduce=False)
+    monkeypatch.setattr(fp8_gluon, "smem_scales", True)
+    copied = moe_quant_triton(x, *compact, weights, ids, config=config, reduce=False)
+    assert gluon_on == [True, False, True, False]
+    assert torch.equal(copied, loaded)

@@ -79,6 +79,11 @@ gated_block_n = 64
 # 4 keeps two steps of loads in flight; 24 KB a stage at 64 rows (32 KB at 128), so 4 lets two
 # 64-row programs share an SM and 5 or 6 hold one further ahead.
 stages = 4
+# Each step's scales (the rows' and the tile's) copied into its shared-memory stage with its
+# operands (cp.async, STAGES - 2 steps ahead) and read from there, not loaded from global
+# memory in the step that uses them: the long-scoreboard stalls Nsight Compute puts first
+# (gpu_ae64d49/call1). A switch (kernels_quant --fp8-gluon-scales), untimed.
+smem_scales = False
 
 
 def block_m(config: dict) -> int:
@@ -149,6 +154,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
         qweight.stride(0), qweight.stride(1), scale.stride(0), scale.stride(1), c.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
         STAGES=t["STAGES"], UNROLL=unroll(k_dim, t["wide"]), ONE_DOT=one_dot,
+        SMEM_SCALES=smem_scales,
         num_warps=t["num_warps"])
 
 
@@ -174,11 +180,16 @@ def _kernels() -> SimpleNamespace:
 # ---- Gluon functions (jitted by _kernels; module globals, where the compiler finds names) ----
 
 def _copy_step(k, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr, a_dst, b_dst,
-               bu_dst, GATED: gl.constexpr):
+               bu_dst, sc, as_dst, ws_dst, GATED: gl.constexpr, SMEM_SCALES: gl.constexpr):
     """Step k's copies (cp.async; none past the last step: zero-filled, nothing read): the
-    A rows' 128 K columns, the weight tile's rows (and the up tile's when gated)."""
+    A rows' 128 K columns, the weight tile's rows (and the up tile's when gated); with
+    SMEM_SCALES also the step's scales, the rows' (sc[0]: their pointers) into as_dst and
+    the tile's gate and up ones (sc[1], masked by sc[2]) into ws_dst."""
     live = k < num_k
     k0 = k * 128
+    if SMEM_SCALES:
+        async_copy.async_copy_global_to_shared(as_dst, sc[0] + k, mask=a_ok & live)
+        async_copy.async_copy_global_to_shared(ws_dst, sc[1] + k, mask=sc[2] & live)
     async_copy.async_copy_global_to_shared(a_dst, a_ptr + a_rows[:, None] + k0 + dk[None, :],
                                            mask=a_ok[:, None] & live)
     async_copy.async_copy_global_to_shared(b_dst, b_ptr + b_rows[:, None] + k0 + dk[None, :],
@@ -190,7 +201,8 @@ def _copy_step(k, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr, a_ds
 
 
 def _issue(k, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr, a_s, b_s, bu_s, r,
-           r_up, STAGES: gl.constexpr, GATED: gl.constexpr):
+           r_up, sc, as_s, ws_s, STAGES: gl.constexpr, GATED: gl.constexpr,
+           SMEM_SCALES: gl.constexpr):
     """Step k: wait for its copies (every thread's: a CTA barrier, which also means every
     warpgroup retired step k - 2's wgmmas), send out step k + STAGES - 2's into the stage
     step k - 2 read, and issue step k's wgmmas into fresh accumulators in r's (r_up's)
@@ -202,7 +214,9 @@ def _issue(k, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr, a_s, b_s
     ahead = k + STAGES - 2
     _copy_step(ahead, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr,
                a_s.index(ahead % STAGES), b_s.index(ahead % STAGES),
-               bu_s.index(ahead % STAGES if GATED else 0), GATED)
+               bu_s.index(ahead % STAGES if GATED else 0), sc,
+               as_s.index(ahead % STAGES if SMEM_SCALES else 0),
+               ws_s.index(ahead % STAGES if SMEM_SCALES else 0), GATED, SMEM_SCALES)
     async_copy.commit_group()
     st = k % STAGES
     d = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), r, use_acc=False,
@@ -234,14 +248,28 @@ def _promote(acc, acc_up, d, d_up, s_row, s_row_up, AFTER: gl.constexpr, GATED: 
     return acc, acc_up, d, d_up
 
 
-def _scales(as_rows, row_ok, s_gate, s_up, k, GATED: gl.constexpr):
+def _scales(as_rows, row_ok, s_gate, s_up, k, as_s, ws_s, GATED: gl.constexpr,
+            SMEM_SCALES: gl.constexpr, STAGES: gl.constexpr, ROW_L: gl.constexpr,
+            W_L: gl.constexpr):
     """Step k's scale a row: its activation scale times the tile's weight scale (the up
-    tile's own when gated; else the second is the first)."""
-    s_a = gl.load(as_rows + k, mask=row_ok, other=0.0)
-    s_row = s_a * gl.load(s_gate + k)
-    s_row_up = s_row
-    if GATED:
-        s_row_up = s_a * gl.load(s_up + k)
+    tile's own when gated; else the second is the first). SMEM_SCALES: read from the step's
+    stage (copied with its operands, STAGES - 2 steps ahead), else loaded from global memory
+    here."""
+    if SMEM_SCALES:
+        st = k % STAGES
+        s_a = as_s.index(st).load(ROW_L)
+        w = ws_s.index(st).load(W_L)  # [2]: gate, up
+        first = gl.arange(0, 2, layout=W_L) == 0
+        s_row = s_a * gl.sum(gl.where(first, w, 0.0), axis=0)
+        s_row_up = s_row
+        if GATED:
+            s_row_up = s_a * gl.sum(gl.where(first, 0.0, w), axis=0)
+    else:
+        s_a = gl.load(as_rows + k, mask=row_ok, other=0.0)
+        s_row = s_a * gl.load(s_gate + k)
+        s_row_up = s_row
+        if GATED:
+            s_row_up = s_a * gl.load(s_up + k)
     return s_row, s_row_up
 
 
@@ -250,7 +278,7 @@ def _moe_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids
                     stride_bn, stride_se, stride_sn, stride_cm,
                     A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr,
-                    ONE_DOT: gl.constexpr):
+                    ONE_DOT: gl.constexpr, SMEM_SCALES: gl.constexpr = False):
     """Program (row block b, N tile n): the module docstring's loop and epilogue. ONE_DOT
     (gated): the gate and up rows interleaved in one [2 BLOCK_N, 128] weight tile (row 2j
     gate n0 + j, 2j + 1 up), one wgmma a step reading A once, not two."""
@@ -267,6 +295,13 @@ def _moe_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids
     a_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, 128], a_sl)
     b_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, WIDE, 128], b_sl)
     bu_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES if TWO else 1, WIDE, 128], b_sl)
+    # SMEM_SCALES: each stage's scales, the rows' [BLOCK_M] and the tile's gate and up [2]
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    w_l: gl.constexpr = gl.BlockedLayout([2], [32], [W], [0])
+    sc_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a stage's, indexed
+    as_s = gl.allocate_shared_memory(gl.float32, [STAGES if SMEM_SCALES else 1, BLOCK_M],
+                                     sc_sl)
+    ws_s = gl.allocate_shared_memory(gl.float32, [STAGES if SMEM_SCALES else 1, 2], sc_sl)
 
     num_n = N // BLOCK_N
     pid = gl.program_id(0)
@@ -296,10 +331,17 @@ def _moe_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids
         as_rows = as_ptr + (pair_a // A_ROW_DIV).to(gl.int64) * stride_asm
         s_gate = bs_ptr + e.to(gl.int64) * stride_se + (n0 // 128) * stride_sn
         s_up = bs_ptr + e.to(gl.int64) * stride_se + ((N + n0) // 128) * stride_sn
+        # SMEM_SCALES' copies: the rows' scale pointers in the A copies' row layout; the
+        # tile's gate and up scale pointers (the up one only when gated)
+        wi = gl.arange(0, 2, layout=w_l)
+        sc = (as_ptr + (pair_c // A_ROW_DIV).to(gl.int64) * stride_asm,
+              gl.where(wi == 0, s_gate, s_up), (wi == 0) | GATED)
 
         for j in gl.static_range(STAGES - 2):  # the first steps in flight
             _copy_step(j, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr,
-                       a_s.index(j), b_s.index(j), bu_s.index(j if TWO else 0), TWO)
+                       a_s.index(j), b_s.index(j), bu_s.index(j if TWO else 0), sc,
+                       as_s.index(j if SMEM_SCALES else 0),
+                       ws_s.index(j if SMEM_SCALES else 0), TWO, SMEM_SCALES)
             async_copy.commit_group()
 
         zero = gl.zeros([BLOCK_M, WIDE], gl.float32, layout=acc_l)
@@ -322,15 +364,19 @@ def _moe_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids
             for p in gl.static_range(UNROLL // 2):
                 k = it * UNROLL + 2 * p
                 d_a, du_a = _issue(k, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr, b_ptr,
-                                   a_s, b_s, bu_s, r_a, ru_a, STAGES, TWO)
-                s_a, su_a = _scales(as_rows, row_ok, s_gate, s_up, k, GATED)
+                                   a_s, b_s, bu_s, r_a, ru_a, sc, as_s, ws_s, STAGES, TWO,
+                                   SMEM_SCALES)
+                s_a, su_a = _scales(as_rows, row_ok, s_gate, s_up, k, as_s, ws_s, GATED,
+                                    SMEM_SCALES, STAGES, row_l, w_l)
                 if p > 0:  # step k - 1, in set B (p is unrolled: bound at p - 1)
                     acc, acc_up, r_b, ru_b = _promote(
                         acc, acc_up, d_b, du_b, s_b, su_b, 1, TWO, ONE,  # noqa: F821
                         col_gate)
                 d_b, du_b = _issue(k + 1, num_k, a_rows, a_ok, dk, b_rows, b_up_rows, a_ptr,
-                                   b_ptr, a_s, b_s, bu_s, r_b, ru_b, STAGES, TWO)
-                s_b, su_b = _scales(as_rows, row_ok, s_gate, s_up, k + 1, GATED)
+                                   b_ptr, a_s, b_s, bu_s, r_b, ru_b, sc, as_s, ws_s, STAGES,
+                                   TWO, SMEM_SCALES)
+                s_b, su_b = _scales(as_rows, row_ok, s_gate, s_up, k + 1, as_s, ws_s, GATED,
+                                    SMEM_SCALES, STAGES, row_l, w_l)
                 acc, acc_up, r_a, ru_a = _promote(acc, acc_up, d_a, du_a, s_a, su_a, 1, TWO,
                                                   ONE, col_gate)
             acc, acc_up, r_b, ru_b = _promote(acc, acc_up, d_b, du_b, s_b, su_b, 0, TWO, ONE,
