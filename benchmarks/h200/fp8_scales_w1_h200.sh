@@ -8,7 +8,7 @@
 #   3. W1 through the server, bf16 then fp8 (the defaults: Gluon grouped GEMM), 256 / 512 /
 #      1,024 streams (quant_w1_h200.sh) -> $OUT/quant_w1.tgz
 #   bash benchmarks/h200/fp8_scales_w1_h200.sh
-# (TESTS_TIMEOUT, KQ_TIMEOUT, W1_BUDGET_S)
+# (TESTS_TIMEOUT, KQ_TIMEOUT, W1_BUDGET_S, W1_FORMATS, W1_CONCS: on an H100 W1_FORMATS=fp8)
 set -uo pipefail
 source benchmarks/gpu_env.sh
 timeout -s INT ${TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
@@ -29,7 +29,7 @@ for r in d["moe"]:
           r.get("pct_of_read_bound"), "peak%", r.get("pct_of_fp8_peak"), r.get("error", ""),
           [(k["kernel"][:20], k["us"]) for k in r.get("kernels", [])[:2]])
 PY
-FORMATS="bf16 fp8" CONCS="256 512 1024" BUDGET_S=${W1_BUDGET_S:-360} \
+FORMATS=${W1_FORMATS:-bf16 fp8} CONCS=${W1_CONCS:-256 512 1024} BUDGET_S=${W1_BUDGET_S:-360} \
   bash benchmarks/h200/quant_w1_h200.sh /tmp/qw1 > $OUT/w1.log 2>&1
 tail -5 $OUT/w1.log
 python3 - <<'PY'
