@@ -7,13 +7,16 @@
 #      (fp8_gluon.smem_scales) -> $OUT/scales/kernels_quant.json
 #   3. W1 through the server, bf16 then fp8 (the defaults: Gluon grouped GEMM), 256 / 512 /
 #      1,024 streams (quant_w1_h200.sh) -> $OUT/quant_w1.tgz
+#   4. last (a hang of its barriers must not cost the rest): the warp-specialized kernel
+#      (fp8_gluon_ws.py)'s GPU test, then its timing against the Gluon default at 1,024 and
+#      8,192 tokens -> $OUT/ws_tests.log, $OUT/ws/kernels_quant.json
 #   bash benchmarks/h200/fp8_scales_w1_h200.sh
 # (TESTS_TIMEOUT, KQ_TIMEOUT, W1_BUDGET_S, W1_FORMATS, W1_CONCS: on an H100 W1_FORMATS=fp8)
 set -uo pipefail
 source benchmarks/gpu_env.sh
 timeout -s INT ${TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
   tests/kernels/moe/test_moe_fp8_gluon.py tests/kernels/moe/test_moe_quant_triton.py \
-  -k "fp8 or gluon" > $OUT/fp8_tests.log 2>&1
+  -k "(fp8 or gluon) and not warp_specialized" > $OUT/fp8_tests.log 2>&1
 echo "GPU tests: $(tail -1 $OUT/fp8_tests.log)"
 grep -E "^(FAILED|ERROR)" $OUT/fp8_tests.log | head -20
 timeout -s INT ${KQ_TIMEOUT:-70} python3 -m benchmarks.quant.kernels_quant --out $OUT/scales \
@@ -42,3 +45,20 @@ else:
     print(json.dumps(d, indent=1)[:3000])
 PY
 tar czf $OUT/quant_w1.tgz -C /tmp qw1
+timeout -s KILL ${WS_TESTS_TIMEOUT:-60} python3 -m pytest -q -m gpu -p no:cacheprovider -x \
+  tests/kernels/moe/test_moe_fp8_gluon.py -k warp_specialized > $OUT/ws_tests.log 2>&1
+echo "WS tests rc=$?: $(tail -1 $OUT/ws_tests.log)"
+grep -E "^(FAILED|ERROR)|Error" $OUT/ws_tests.log | head -10
+timeout -s KILL ${WS_KQ_TIMEOUT:-70} python3 -m benchmarks.quant.kernels_quant --out $OUT/ws \
+  --formats fp8 --no-linear --tokens 1024 8192 --shapes qwen3-30b-a3b \
+  --fp8-moe gluon gluon-ws --profile > $OUT/ws.log 2>&1
+echo "WS kernels_quant rc=$?"
+python3 - <<'PY'
+import json, os
+d = json.load(open(os.path.join(os.environ["OUT"], "ws", "kernels_quant.json")))
+print("fp8 peak", d.get("peaks", {}).get("fp8_peak_tflops"))
+for r in d["moe"]:
+    print(r["shape"], r["tokens"], r.get("fp8_moe"), r.get("ms"), "peak%",
+          r.get("pct_of_fp8_peak"), r.get("error", ""),
+          [(k["kernel"][:20], k["us"]) for k in r.get("kernels", [])[:2]])
+PY

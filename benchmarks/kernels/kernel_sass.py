@@ -96,6 +96,25 @@ def moe_fp8_gluon(args: argparse.Namespace) -> dict:
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), t["num_warps"], 1)
 
 
+def moe_fp8_gluon_ws(args: argparse.Namespace) -> dict:
+    """The FP8 MoE's warp-specialized Gluon grouped GEMM (kernels/moe/quant/fp8_gluon_ws.py),
+    gated (one dot) or (--down) the down launch, at qwen3-30b-a3b's K (2,048 / 768)."""
+    from moeserve.kernels.moe.quant import fp8_gluon
+    from moeserve.kernels.moe.quant import fp8_gluon_ws as ws
+
+    t = fp8_gluon.tiles(ws.BLOCK_M, args.gated)
+    pointers = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32",
+                "c_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+                "expert_ids_ptr": "*i32"}
+    const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BLOCK_N=t["BLOCK_N"],
+                 STAGES=args.stages or ws.stages,
+                 UNROLL=fp8_gluon.unroll(2048 if args.gated else 768, t["wide"]),
+                 MATH_W=ws.MATH_WARPS, PRODUCER_W=ws.PRODUCER_WARPS,
+                 PRODUCER_REGS=args.producer_regs or ws.PRODUCER_REGISTERS)
+    kernel = ws._kernels().moe
+    return compile_sm90(kernel, pointers, const, _nospec(args, kernel), ws.MATH_WARPS, 1)
+
+
 def moe_align_one(args: argparse.Namespace) -> dict:
     """The MoE align's three phases in one program (kernels/moe/align.py `_one_kernel`), at
     --experts experts and block height --block-m."""
@@ -431,6 +450,13 @@ def main() -> None:
     p.add_argument("--down", dest="gated", action="store_false",
                    help="the down launch (default: the gated one)")
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
+    p = sub.add_parser("moe-fp8-gluon-ws")
+    p.add_argument("--stages", type=int, default=None, help="default: fp8_gluon_ws.stages")
+    p.add_argument("--producer-regs", type=int, default=None,
+                   help="the producer's registers (default: fp8_gluon_ws.PRODUCER_REGISTERS)")
+    p.add_argument("--down", dest="gated", action="store_false",
+                   help="the down launch (default: the gated one)")
+    p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     p = sub.add_parser("moe-align-one")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--block-m", type=int, default=16)
@@ -452,7 +478,8 @@ def main() -> None:
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     args = parser.parse_args()
     report = {"topk": topk, "moe": moe, "moe-quant": moe_quant,
-              "moe-align-one": moe_align_one, "moe-fp8-gluon": moe_fp8_gluon, "w4a16": w4a16,
+              "moe-align-one": moe_align_one, "moe-fp8-gluon": moe_fp8_gluon,
+              "moe-fp8-gluon-ws": moe_fp8_gluon_ws, "w4a16": w4a16,
               "w4a16-dequant": w4a16_dequant, "mla-decode": mla_decode,
               "mla-decode-gluon": mla_decode_gluon, "mla-decode-flat": mla_decode_flat,
               "mla-prefill": mla_prefill, "dsa-sparse": dsa_sparse, "gqa-prefill": gqa,

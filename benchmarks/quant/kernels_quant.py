@@ -392,11 +392,12 @@ def main() -> None:
                         "(fused: in the gated launch's epilogue, where it runs the Triton "
                         "kernel; apart: its own launch; fused_triton.py fuse_act_quant)")
     parser.add_argument("--fp8-moe", nargs="+", choices=("triton", "gluon", "gluon-128",
-                                                     "gluon-down"),
+                                                     "gluon-down", "gluon-ws"),
                         default=["gluon"], help="FP8 MoE rows per grouped GEMM "
                         "(kernels/moe/quant/fp8_gluon.py backend: gluon where it supports the "
                         "launch, sm90, gluon-128 with 128-row blocks, gluon-down the down launch "
-                        "only; triton: fused_triton's kernel)")
+                        "only, gluon-ws the warp-specialized kernel; triton: fused_triton's "
+                        "kernel)")
     parser.add_argument("--fp8-gluon-dot", nargs="+", choices=("two", "one"), default=["one"],
                         help="FP8 rows per form of fp8_gluon's gated launch (one: gate and up "
                         "rows interleaved in one weight tile, one wgmma a step; fp8_gluon.one_dot)")

@@ -188,3 +188,43 @@ def test_gpu_gluon_scales_through_shared_memory_give_the_same_bits(
     copied = moe_quant_triton(x, *compact, weights, ids, config=config, reduce=False)
     assert gluon_on == [True, False, True, False]
     assert torch.equal(copied, loaded)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90, reason="the Gluon kernel runs on sm90")
+@pytest.mark.parametrize("num_tokens", [5, 64, 300, 2048])
+def test_gpu_warp_specialized_kernel_matches_triton_and_ref(
+        num_tokens: int, gluon_on: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_gluon_ws (backend "gluon-ws": 128-row blocks, loads in a producer partition
+    STAGES ahead, mbarriers between): both launches its, the op within 1e-2 of Triton's,
+    -1 pairs' parts zero, a CUDA graph's replay eager's bits."""
+    from moeserve.kernels.moe.quant import fp8_gluon_ws
+
+    ws_launches = []
+    real = fp8_gluon_ws.launch
+    monkeypatch.setattr(fp8_gluon_ws, "launch",
+                        lambda *a, **k: ws_launches.append(k["gated"]) or real(*a, **k))
+    monkeypatch.setattr(fp8_gluon, "backend", "gluon-ws")
+    compact, _ = _fp8_block_experts(E, H, INTER, torch.bfloat16)
+    x, weights, ids = _inputs(num_tokens, 20 + num_tokens, off_rank=True)
+    config = _configs(num_tokens, 64)  # the switch makes the row blocks 128 high
+    parts = moe_quant_triton(x, *compact, weights, ids, config=config, reduce=False)
+    assert ws_launches == [True, False]
+    assert torch.equal(parts[ids == -1], torch.zeros_like(parts[ids == -1]))
+    out = parts.sum(1)
+    monkeypatch.setattr(fp8_gluon, "backend", "triton")
+    assert rel_err(out, moe_quant_triton(x, *compact, weights, ids, config=config)) < 1e-2
+    assert rel_err(out, moe_quant_ref(x, *compact, weights, ids)) < 2e-2
+    monkeypatch.setattr(fp8_gluon, "backend", "gluon-ws")
+    static = [x.clone(), weights.clone(), ids.clone()]
+
+    def step() -> torch.Tensor:
+        return moe_quant_triton(static[0], *compact, static[1], static[2], config=config)
+
+    graph, static_out = capture(step)
+    x2, weights2, ids2 = _inputs(num_tokens, 40 + num_tokens, off_rank=True)
+    for buf, new in zip(static, (x2, weights2, ids2)):
+        buf.copy_(new)
+    graph.replay()
+    assert torch.equal(static_out, step())
+    assert rel_err(static_out, moe_quant_ref(x2, *compact, weights2, ids2)) < 2e-2

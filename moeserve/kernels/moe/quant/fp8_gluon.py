@@ -61,7 +61,9 @@ BLOCK_K = FP8_GROUP  # one scale column a step
 # against 10.02, 1,024 level; below ~512 tokens the looked-up row blocks are 16-32 high and
 # Triton's kernel runs.
 backend = "gluon"
-BACKENDS = ("triton", "gluon", "gluon-128", "gluon-down")
+BACKENDS = ("triton", "gluon", "gluon-128", "gluon-down", "gluon-ws")
+# "gluon-ws": fp8_gluon_ws.py's warp-specialized kernel (loads in their own warps, STAGES
+# ahead), 128-row blocks as with "gluon-128"; an experiment until timed
 # The gated launch's gate and up rows interleaved in one weight tile, one wgmma a step reading
 # A once (two: A read for each; kernels_quant --fp8-gluon-dot). One by default: level or ahead
 # on an H100 (gpu_6433006/call1: 8,192 tokens 1.358 against 1.371 ms, 1,024 0.318 / 0.320).
@@ -87,10 +89,11 @@ smem_scales = False
 
 
 def block_m(config: dict) -> int:
-    """The op's row-block height under the switch: 128 with "gluon-128", else the config's."""
+    """The op's row-block height under the switch: 128 with "gluon-128" and "gluon-ws", else
+    the config's."""
     if backend not in BACKENDS:
         raise ValueError(f"fp8_gluon.backend {backend!r} is not one of {BACKENDS}")
-    return 128 if backend == "gluon-128" else config["BLOCK_M"]
+    return 128 if backend in ("gluon-128", "gluon-ws") else config["BLOCK_M"]
 
 
 def takes(gated: bool) -> bool:
@@ -142,6 +145,12 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
     scaled by the blocks' scales; gated: c[pair, n] = silu(gate) * up, else times the pair's
     routing weight. a: [rows, K] e4m3, a_scale [rows, K / 128] fp32; w: fp8 QuantWeight
     ([E, N (x 2 gated), K] e4m3, scale [E, N / 128, K / 128] fp32)."""
+    if backend == "gluon-ws" and block_m == 128:
+        from moeserve.kernels.moe.quant import fp8_gluon_ws
+
+        fp8_gluon_ws.launch(a, a_scale, w, c, topk_weights, sorted_ids, expert_ids, num_pairs,
+                            a_row_div=a_row_div, gated=gated)
+        return
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
     qweight, scale = w.qweight, w.scale
