@@ -5,11 +5,11 @@
 #   2. kernels_quant's FP8 rows at 1,024 and 8,192 tokens, qwen3-30b-a3b's experts, the Gluon
 #      kernel's step scales loaded in the step against copied with its operands
 #      (fp8_gluon.smem_scales) -> $OUT/scales/kernels_quant.json
-#   3. W1 through the server, bf16 then fp8 (the defaults: Gluon grouped GEMM), 256 / 512 /
+#   3. the warp-specialized kernel (fp8_gluon_ws.py)'s GPU test (killed at WS_TESTS_TIMEOUT:
+#      a hang of its barriers), then its timing against the Gluon default at 1,024 and 8,192
+#      tokens -> $OUT/ws_tests.log, $OUT/ws/kernels_quant.json
+#   4. W1 through the server, bf16 then fp8 (the defaults: Gluon grouped GEMM), 256 / 512 /
 #      1,024 streams (quant_w1_h200.sh) -> $OUT/quant_w1.tgz
-#   4. last (a hang of its barriers must not cost the rest): the warp-specialized kernel
-#      (fp8_gluon_ws.py)'s GPU test, then its timing against the Gluon default at 1,024 and
-#      8,192 tokens -> $OUT/ws_tests.log, $OUT/ws/kernels_quant.json
 #   bash benchmarks/h200/fp8_scales_w1_h200.sh
 # (TESTS_TIMEOUT, KQ_TIMEOUT, W1_BUDGET_S, W1_FORMATS, W1_CONCS: on an H100 W1_FORMATS=fp8)
 set -uo pipefail
@@ -32,19 +32,6 @@ for r in d["moe"]:
           r.get("pct_of_read_bound"), "peak%", r.get("pct_of_fp8_peak"), r.get("error", ""),
           [(k["kernel"][:20], k["us"]) for k in r.get("kernels", [])[:2]])
 PY
-FORMATS=${W1_FORMATS:-bf16 fp8} CONCS=${W1_CONCS:-256 512 1024} BUDGET_S=${W1_BUDGET_S:-360} \
-  bash benchmarks/h200/quant_w1_h200.sh /tmp/qw1 > $OUT/w1.log 2>&1
-tail -5 $OUT/w1.log
-python3 - <<'PY'
-import json
-try:
-    d = json.load(open("/tmp/qw1/compare.json"))
-except OSError as e:
-    print("no compare.json:", e)
-else:
-    print(json.dumps(d, indent=1)[:3000])
-PY
-tar czf $OUT/quant_w1.tgz -C /tmp qw1
 timeout -s KILL ${WS_TESTS_TIMEOUT:-60} python3 -m pytest -q -m gpu -p no:cacheprovider -x \
   tests/kernels/moe/test_moe_fp8_gluon.py -k warp_specialized > $OUT/ws_tests.log 2>&1
 echo "WS tests rc=$?: $(tail -1 $OUT/ws_tests.log)"
@@ -62,3 +49,16 @@ for r in d["moe"]:
           r.get("pct_of_fp8_peak"), r.get("error", ""),
           [(k["kernel"][:20], k["us"]) for k in r.get("kernels", [])[:2]])
 PY
+FORMATS=${W1_FORMATS:-bf16 fp8} CONCS=${W1_CONCS:-256 512 1024} BUDGET_S=${W1_BUDGET_S:-360} \
+  bash benchmarks/h200/quant_w1_h200.sh /tmp/qw1 > $OUT/w1.log 2>&1
+tail -5 $OUT/w1.log
+python3 - <<'PY'
+import json
+try:
+    d = json.load(open("/tmp/qw1/compare.json"))
+except OSError as e:
+    print("no compare.json:", e)
+else:
+    print(json.dumps(d, indent=1)[:3000])
+PY
+tar czf $OUT/quant_w1.tgz -C /tmp qw1
