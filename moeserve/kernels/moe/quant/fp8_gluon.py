@@ -172,7 +172,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use (gluon imported here only), with the Hopper builtins it
     calls bound as module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    global _moe_fp8_kernel, _copy_step, _issue, _promote, _scales
+    global _moe_fp8_kernel, _copy_step, _issue, _promote, _scales, _program_tile
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -180,8 +180,8 @@ def _kernels() -> SimpleNamespace:
     gl = language
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
-    _copy_step, _issue, _promote, _scales = (gluon.jit(f) for f in (_copy_step, _issue,
-                                                                     _promote, _scales))
+    _copy_step, _issue, _promote, _scales, _program_tile = (
+        gluon.jit(f) for f in (_copy_step, _issue, _promote, _scales, _program_tile))
     _moe_fp8_kernel = gluon.jit(do_not_specialize=["num_pairs"])(_moe_fp8_kernel)
     return SimpleNamespace(moe=_moe_fp8_kernel)
 
@@ -257,6 +257,15 @@ def _promote(acc, acc_up, d, d_up, s_row, s_row_up, AFTER: gl.constexpr, GATED: 
     return acc, acc_up, d, d_up
 
 
+def _program_tile(expert_ids_ptr, N, BLOCK_N: gl.constexpr):
+    """This program's row block b, its N tile's first column n0 and the block's expert e
+    (-1 past the used blocks)."""
+    num_n = N // BLOCK_N
+    pid = gl.program_id(0)
+    b = pid // num_n
+    return b, (pid % num_n) * BLOCK_N, gl.load(expert_ids_ptr + b)
+
+
 def _scales(as_rows, row_ok, s_gate, s_up, k, as_s, ws_s, GATED: gl.constexpr,
             SMEM_SCALES: gl.constexpr, STAGES: gl.constexpr, ROW_L: gl.constexpr,
             W_L: gl.constexpr):
@@ -312,11 +321,7 @@ def _moe_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids
                                      sc_sl)
     ws_s = gl.allocate_shared_memory(gl.float32, [STAGES if SMEM_SCALES else 1, 2], sc_sl)
 
-    num_n = N // BLOCK_N
-    pid = gl.program_id(0)
-    b = pid // num_n
-    n0 = (pid % num_n) * BLOCK_N
-    e = gl.load(expert_ids_ptr + b)
+    b, n0, e = _program_tile(expert_ids_ptr, N, BLOCK_N)
     if e >= 0:  # blocks past the used ones: expert -1
         num_k = K // 128
         # A rows (pairs' tokens; padding rows past num_pairs zero-filled) in the copies' layout

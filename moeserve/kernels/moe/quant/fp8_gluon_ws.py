@@ -48,6 +48,7 @@ mbarrier: Any = None
 _copy_step: Any = None  # fp8_gluon's jitted helpers, bound by _kernels()
 _promote: Any = None
 _scales: Any = None
+_program_tile: Any = None
 
 BLOCK_M = 128  # two math warpgroups of 64 rows
 MATH_WARPS = 8
@@ -83,7 +84,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use, fp8_gluon's helpers and the Hopper builtins bound as
     module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, mbarrier
-    global _copy_step, _promote, _scales, _producer, _math, _wait_issue, _moe_fp8_ws_kernel
+    global _copy_step, _promote, _scales, _program_tile, _producer, _math, _wait_issue, _moe_fp8_ws_kernel
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
 
@@ -92,6 +93,7 @@ def _kernels() -> SimpleNamespace:
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma, mbarrier = hopper.warpgroup_mma, hopper.mbarrier
     _copy_step, _promote, _scales = fp8_gluon._copy_step, fp8_gluon._promote, fp8_gluon._scales
+    _program_tile = fp8_gluon._program_tile
     _producer, _math, _wait_issue = (gluon.jit(f) for f in (_producer, _math, _wait_issue))
     _moe_fp8_ws_kernel = gluon.jit(do_not_specialize=["num_pairs"])(_moe_fp8_ws_kernel)
     return SimpleNamespace(moe=_moe_fp8_ws_kernel)
@@ -217,11 +219,7 @@ def _moe_fp8_ws_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_
         mbarrier.init(full.index(s), count=32 * PRODUCER_W)  # the producer's threads
         mbarrier.init(empty.index(s), count=1)  # the math partition's arrive
 
-    num_n = N // BLOCK_N
-    pid = gl.program_id(0)
-    b = pid // num_n
-    n0 = (pid % num_n) * BLOCK_N
-    e = gl.load(expert_ids_ptr + b)
+    b, n0, e = _program_tile(expert_ids_ptr, N, BLOCK_N)
     if e >= 0:  # blocks past the used ones: expert -1
         w_base = e.to(gl.int64) * stride_be
         s_base = e.to(gl.int64) * stride_se
