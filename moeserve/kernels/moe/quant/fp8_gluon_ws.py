@@ -84,7 +84,8 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use, fp8_gluon's helpers and the Hopper builtins bound as
     module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, mbarrier
-    global _copy_step, _promote, _scales, _program_tile, _producer, _math, _wait_issue, _moe_fp8_ws_kernel
+    global _copy_step, _promote, _scales, _program_tile
+    global _producer, _math, _wait_issue, _moe_fp8_ws_kernel
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
 
