@@ -406,7 +406,7 @@ def main() -> None:
                             default=[tiles[0]], help=f"FP8 rows per N tile of fp8_gluon's "
                             f"{launch} launch (fp8_gluon.{launch}_block_n)")
     parser.add_argument("--fp8-gluon-scales", nargs="+", choices=("global", "smem"),
-                        default=["global"], help="FP8 rows per source of fp8_gluon's step "
+                        default=["smem"], help="FP8 rows per source of fp8_gluon's step "
                         "scales (smem: copied with the step's operands; fp8_gluon.smem_scales)")
     parser.add_argument("--fp8-gluon-stages", nargs="+", choices=("3", "4", "5", "6"),
                         default=["4"], help="FP8 rows per shared-memory depth of fp8_gluon's "

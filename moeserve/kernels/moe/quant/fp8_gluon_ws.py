@@ -27,7 +27,12 @@ Triton 3.6: `bar.sync 0, 256` then `@tid0 mbarrier.arrive`), so `empty[s]` count
 step, made after every math warp retired the step's wgmmas.
 
 Shared memory: STAGES x (A 16 KB + weight tile 16 KB + scales 0.5 KB); one program an SM.
-An experiment (the switch off) until the GPU measures it.
+An experiment (backend "gluon-ws"): correct on an H100 (its GPU test) but slower than
+fp8_gluon's two programs an SM (benchmarks/results/gpu_106c118/call1, qwen3-30b-a3b's
+experts: 8,192 tokens 1.440 against 1.370 ms, 1,024 0.360 against 0.312). Not yet profiled:
+one program an SM leaves its prologue, epilogue and the down launch's six-step loops
+exposed (a persistent form would overlap them), and the producer's 128 threads may be too
+few for 32 KB of gathered copies a step.
 """
 
 from __future__ import annotations
