@@ -183,6 +183,7 @@ def test_gpu_gluon_scales_through_shared_memory_give_the_same_bits(
     x, weights, ids = _inputs(300, 9, off_rank=True)
     config = _configs(300, block_m)
     monkeypatch.setattr(fp8_gluon, "one_dot", one_dot)
+    monkeypatch.setattr(fp8_gluon, "smem_scales", False)
     loaded = moe_quant_triton(x, *compact, weights, ids, config=config, reduce=False)
     monkeypatch.setattr(fp8_gluon, "smem_scales", True)
     copied = moe_quant_triton(x, *compact, weights, ids, config=config, reduce=False)
