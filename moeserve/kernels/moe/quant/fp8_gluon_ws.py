@@ -1,5 +1,5 @@
 """The FP8 MoE's grouped GEMM in Gluon with its loads in their own warps (warp
-specialization): `launch`, fp8_gluon.launch's contract, for 128-row blocks on sm90
+specialization), persistent: `launch`, fp8_gluon.launch's contract, for 128-row blocks on sm90
 (fp8_gluon's `backend` "gluon-ws").
 
 Why: Nsight Compute puts fp8_gluon's kernel (and Triton's) at a third of the FP8 peak at 8,192
@@ -7,32 +7,34 @@ tokens for want of latency hiding, not of issue slots or DRAM (benchmarks/result
 call1: two warps a scheduler, long-scoreboard stalls first): each warpgroup computes its loads'
 addresses, waits for its copies at a CTA barrier every step and can keep only two steps of
 copies in flight. Here a producer partition (4 warps, few registers) runs STAGES steps ahead
-of the math, as DeepGEMM and CUTLASS's warp-specialized mainloops do:
+of the math, as DeepGEMM and CUTLASS's warp-specialized mainloops do, and one program an SM
+walks its tiles (program_id, + num_programs, ...), so the producer fills the next tile's
+stages while the math stores this one's:
 
-    program (row block b of 128 sorted pairs, one expert; N tile n)
-    producer (worker, 4 warps): per step k, stage s = k % STAGES
-        (k >= STAGES) wait `empty[s]`: the math retired step k - STAGES
+    program: tiles of (row block b of 128 sorted pairs, one expert; N tile n), N fastest
+    producer (worker, 4 warps): per step j of its tiles, stage s = j % STAGES
+        (j >= STAGES) wait `empty[s]`: the math retired step j - STAGES
         cp.async: the A rows' 128 K columns (gathered by sorted pair), the weight tile's rows,
         the rows' and the tile's scales (fp8_gluon._copy_step, scales through shared memory);
         each thread's copies arrive on `full[s]` as they land (cp.async.mbarrier.arrive.noinc:
         `full[s]` counts the producer's 128 threads)
-    math (default partition, 8 warps, two warpgroups of 64 rows): per step k
-        wait `full[s]`, fence, issue step k's wgmmas into fresh registers, read its scales;
-        retire step k - 1 (its products added, scaled, as fp8_gluon promotes them) and arrive
-        on `empty` of its stage; fp8_gluon's two product sets and UNROLL drain (ptxas's rule)
-    epilogue (math): silu(gate) * up, or the routing weight, stored by pair
+    math (default partition, 8 warps, two warpgroups of 64 rows): per step j
+        wait `full[s]`, fence, issue step j's wgmmas into fresh registers, read its scales;
+        retire step j - 1 (its products added, scaled, as fp8_gluon promotes them) and arrive
+        on `empty` of its stage; fp8_gluon's two product sets and UNROLL drain (ptxas's rule);
+        each tile's epilogue: silu(gate) * up, or the routing weight, stored by pair
 
 `mbarrier.arrive` in a partition is a barrier of its warps then one thread's arrive (sm90 PTX,
 Triton 3.6: `bar.sync 0, 256` then `@tid0 mbarrier.arrive`), so `empty[s]` counts one arrival a
 step, made after every math warp retired the step's wgmmas.
 
 Shared memory: STAGES x (A 16 KB + weight tile 16 KB + scales 0.5 KB); one program an SM.
-An experiment (backend "gluon-ws"): correct on an H100 (its GPU test) but slower than
-fp8_gluon's two programs an SM (benchmarks/results/gpu_106c118/call1, qwen3-30b-a3b's
-experts: 8,192 tokens 1.440 against 1.370 ms, 1,024 0.360 against 0.312). Not yet profiled:
-one program an SM leaves its prologue, epilogue and the down launch's six-step loops
-exposed (a persistent form would overlap them), and the producer's 128 threads may be too
-few for 32 KB of gathered copies a step.
+An experiment (backend "gluon-ws"). Its first, one-tile-a-program form was correct on an
+H100 (its GPU test) but slower than fp8_gluon's two programs an SM
+(benchmarks/results/gpu_106c118/call1, qwen3-30b-a3b's experts: 8,192 tokens 1.440 against
+1.370 ms, 1,024 0.360 against 0.312): one program an SM left each tile's start (the first
+stages' latency) and epilogue exposed, ~6 us of math a tile at the peak. This persistent form
+is untimed and its GPU test not yet run.
 """
 
 from __future__ import annotations
@@ -53,14 +55,13 @@ mbarrier: Any = None
 _copy_step: Any = None  # fp8_gluon's jitted helpers, bound by _kernels()
 _promote: Any = None
 _scales: Any = None
-_program_tile: Any = None
 
 BLOCK_M = 128  # two math warpgroups of 64 rows
 MATH_WARPS = 8
 PRODUCER_WARPS = 4
 # registers a producer thread (setmaxnreg): its row addresses and masks; the math warps take
 # what the 384 threads' share leaves
-PRODUCER_REGISTERS = 72
+PRODUCER_REGISTERS = 80
 # shared-memory stages: 32.5 KB each at 128 x 128 (one-dot gated, or down 128)
 stages = 6
 
@@ -74,10 +75,11 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
     k_dim = w.shape[2]
     t = fp8_gluon.tiles(BLOCK_M, gated)
     unroll = fp8_gluon.unroll(k_dim, t["wide"])
-    grid = (expert_ids.shape[0] * (n_out // t["BLOCK_N"]),)
+    num_tiles = expert_ids.shape[0] * (n_out // t["BLOCK_N"])
+    grid = (min(num_tiles, _num_sms(a.device)),)  # persistent: one program an SM
     _kernels().moe[grid](
         a, a_scale, w.qweight, w.scale, c, topk_weights, sorted_ids, expert_ids,
-        num_pairs, n_out, k_dim, a.stride(0), a_scale.stride(0),
+        num_pairs, num_tiles, n_out, k_dim, a.stride(0), a_scale.stride(0),
         w.qweight.stride(0), w.qweight.stride(1), w.scale.stride(0), w.scale.stride(1),
         c.stride(0), A_ROW_DIV=a_row_div, GATED=gated, BLOCK_N=t["BLOCK_N"],
         STAGES=stages, UNROLL=unroll, MATH_W=MATH_WARPS, PRODUCER_W=PRODUCER_WARPS,
@@ -85,11 +87,16 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
 
 
 @functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
 def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use, fp8_gluon's helpers and the Hopper builtins bound as
     module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, mbarrier
-    global _copy_step, _promote, _scales, _program_tile
+    global _copy_step, _promote, _scales
     global _producer, _math, _wait_issue, _moe_fp8_ws_kernel
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
@@ -99,118 +106,145 @@ def _kernels() -> SimpleNamespace:
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma, mbarrier = hopper.warpgroup_mma, hopper.mbarrier
     _copy_step, _promote, _scales = fp8_gluon._copy_step, fp8_gluon._promote, fp8_gluon._scales
-    _program_tile = fp8_gluon._program_tile
     _producer, _math, _wait_issue = (gluon.jit(f) for f in (_producer, _math, _wait_issue))
-    _moe_fp8_ws_kernel = gluon.jit(do_not_specialize=["num_pairs"])(_moe_fp8_ws_kernel)
+    _moe_fp8_ws_kernel = gluon.jit(do_not_specialize=["num_pairs", "num_tiles"])(
+        _moe_fp8_ws_kernel)
     return SimpleNamespace(moe=_moe_fp8_ws_kernel)
 
 
 # ---- Gluon functions (jitted by _kernels; module globals, where the compiler finds names) ----
 
-def _producer(a_ptr, as_ptr, b_ptr, bs_ptr, sorted_ids_ptr, num_pairs, N, K, stride_am,
-              stride_asm, stride_bn, stride_sn, b, n0, w_base, s_base, a_s, b_s, as_s,
-              ws_s, full, empty, A_ROW_DIV: gl.constexpr, GATED: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, P: gl.constexpr):
-    """Every step's copies, STAGES ahead of the math, in P warps (module docstring)."""
+def _producer(a_ptr, as_ptr, b_ptr, bs_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs,
+              num_tiles, N, K, stride_am, stride_asm, stride_be, stride_bn, stride_se,
+              stride_sn, a_s, b_s, as_s, ws_s, full, empty, A_ROW_DIV: gl.constexpr,
+              GATED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              P: gl.constexpr):
+    """Every step's copies of this program's tiles, STAGES ahead of the math, in P warps
+    (module docstring); j counts the steps over the tiles (its stage j % STAGES)."""
     WIDE: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     cp_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [P, 1], [1, 0])
     w_l: gl.constexpr = gl.BlockedLayout([2], [32], [P], [0])
     rc = gl.arange(0, 128, layout=gl.SliceLayout(1, cp_l))
-    pair_c = gl.load(sorted_ids_ptr + b * 128 + rc)
-    a_ok = pair_c < num_pairs
-    a_rows = (pair_c // A_ROW_DIV).to(gl.int64) * stride_am
     dk = gl.arange(0, 128, layout=gl.SliceLayout(0, cp_l))
     nc = gl.arange(0, WIDE, layout=gl.SliceLayout(1, cp_l))
-    if GATED:  # one dot: row 2j gate n0 + j, 2j + 1 up
-        b_rows = w_base + (n0 + nc // 2 + (nc % 2) * N).to(gl.int64) * stride_bn
-    else:
-        b_rows = w_base + (n0 + nc).to(gl.int64) * stride_bn
     wi = gl.arange(0, 2, layout=w_l)
-    s_gate = bs_ptr + s_base + (n0 // 128) * stride_sn
-    s_up = bs_ptr + s_base + ((N + n0) // 128) * stride_sn
-    sc = (as_ptr + (pair_c // A_ROW_DIV).to(gl.int64) * stride_asm,
-          gl.where(wi == 0, s_gate, s_up), (wi == 0) | GATED)
+    num_n = N // BLOCK_N
     num_k = K // 128
-    for k in range(num_k):
-        s = k % STAGES
-        if k >= STAGES:  # the math retired step k - STAGES, which read stage s
-            mbarrier.wait(empty.index(s), (k // STAGES - 1) & 1)
-        _copy_step(k, num_k, a_rows, a_ok, dk, b_rows, b_rows, a_ptr, b_ptr, a_s.index(s),
-                   b_s.index(s), b_s.index(s), sc, as_s.index(s), ws_s.index(s), False, True)
-        async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+    g = 0  # steps issued before this tile
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b = tile // num_n
+        n0 = (tile % num_n) * BLOCK_N
+        e = gl.load(expert_ids_ptr + b)
+        if e >= 0:  # blocks past the used ones: expert -1
+            pair_c = gl.load(sorted_ids_ptr + b * 128 + rc)
+            a_ok = pair_c < num_pairs
+            a_rows = (pair_c // A_ROW_DIV).to(gl.int64) * stride_am
+            w_base = e.to(gl.int64) * stride_be
+            if GATED:  # one dot: row 2j gate n0 + j, 2j + 1 up
+                b_rows = w_base + (n0 + nc // 2 + (nc % 2) * N).to(gl.int64) * stride_bn
+            else:
+                b_rows = w_base + (n0 + nc).to(gl.int64) * stride_bn
+            s_base = bs_ptr + e.to(gl.int64) * stride_se
+            sc = (as_ptr + (pair_c // A_ROW_DIV).to(gl.int64) * stride_asm,
+                  gl.where(wi == 0, s_base + (n0 // 128) * stride_sn,
+                           s_base + ((N + n0) // 128) * stride_sn),
+                  (wi == 0) | GATED)
+            for k in range(num_k):
+                j = g + k
+                s = j % STAGES
+                if j >= STAGES:  # the math retired step j - STAGES, which read stage s
+                    mbarrier.wait(empty.index(s), (j // STAGES - 1) & 1)
+                _copy_step(k, num_k, a_rows, a_ok, dk, b_rows, b_rows, a_ptr, b_ptr,
+                           a_s.index(s), b_s.index(s), b_s.index(s), sc, as_s.index(s),
+                           ws_s.index(s), False, True)
+                async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+            g += num_k
 
 
-def _wait_issue(k, a_s, b_s, r, full, STAGES: gl.constexpr):
-    """Step k: wait for its stage's copies, then issue its wgmmas into fresh registers r's."""
-    s = k % STAGES
-    mbarrier.wait(full.index(s), (k // STAGES) & 1)
+def _wait_issue(j, a_s, b_s, r, full, STAGES: gl.constexpr):
+    """Step j (of all the program's): wait for its stage's copies, then issue its wgmmas
+    into fresh registers r's."""
+    s = j % STAGES
+    mbarrier.wait(full.index(s), (j // STAGES) & 1)
     fence_async_shared()
     return warpgroup_mma(a_s.index(s), b_s.index(s).permute((1, 0)), r, use_acc=False,
                          is_async=True)
 
 
-def _math(c_ptr, weights_ptr, sorted_ids_ptr, num_pairs, K, stride_cm, b, n0, a_s, b_s,
-          as_s, ws_s, full, empty, GATED: gl.constexpr, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr, UNROLL: gl.constexpr, W: gl.constexpr):
-    """The wgmmas, the promotion a step late and the epilogue, in W warps (module
-    docstring)."""
+def _math(c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_tiles, N, K,
+          stride_cm, a_s, b_s, as_s, ws_s, full, empty, GATED: gl.constexpr,
+          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr,
+          W: gl.constexpr):
+    """Per tile of this program: the wgmmas, the promotion a step late and the epilogue, in
+    W warps (module docstring); g counts the steps of the tiles before (as the producer)."""
     WIDE: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                     instr_shape=[16, WIDE, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
     w_l: gl.constexpr = gl.BlockedLayout([2], [32], [W], [0])
-    col_gate = gl.arange(0, WIDE, layout=gl.SliceLayout(0, acc_l)) % 2 == 0
-    zero = gl.zeros([128, WIDE], gl.float32, layout=acc_l)
-    acc = zero
-    r_a = zero
-    r_b = gl.zeros([128, WIDE], gl.float32, layout=acc_l)
-    num_k = K // 128
-    for it in range(num_k // UNROLL):
-        for p in gl.static_range(UNROLL // 2):
-            k = it * UNROLL + 2 * p
-            d_a = _wait_issue(k, a_s, b_s, r_a, full, STAGES)
-            s_a, su_a = _scales(0, 0, 0, 0, k, as_s, ws_s, GATED, True, STAGES, row_l, w_l)
-            if p > 0:  # step k - 1, in set B (p is unrolled: bound at p - 1)
-                acc, _u, r_b, _d = _promote(acc, acc, d_b, d_b, s_b, su_b,  # noqa: F821
-                                            1, False, GATED, col_gate)
-                mbarrier.arrive(empty.index((k - 1) % STAGES))
-            d_b = _wait_issue(k + 1, a_s, b_s, r_b, full, STAGES)
-            s_b, su_b = _scales(0, 0, 0, 0, k + 1, as_s, ws_s, GATED, True, STAGES, row_l,
-                                w_l)
-            acc, _u, r_a, _d = _promote(acc, acc, d_a, d_a, s_a, su_a, 1, False, GATED,
-                                        col_gate)
-            mbarrier.arrive(empty.index(k % STAGES))
-        acc, _u, r_b, _d = _promote(acc, acc, d_b, d_b, s_b, su_b, 0, False, GATED,
-                                    col_gate)
-        mbarrier.arrive(empty.index((it * UNROLL + UNROLL - 1) % STAGES))
-
-    # epilogue: each real pair's row of C, in C's dtype (16-byte stores)
     st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-    ra = gl.arange(0, 128, layout=row_l)
-    pair_a = gl.load(sorted_ids_ptr + b * 128 + ra)
-    row_ok = pair_a < num_pairs
-    if GATED:  # even columns gate, odd up
-        gate, up = gl.split(gl.reshape(acc, [128, BLOCK_N, 2]))
-        out = gate / (1.0 + gl.exp(-gate)) * up  # silu(gate) * up, fp32
-    else:
-        w_pair = gl.load(weights_ptr + pair_a, mask=row_ok, other=0.0)
-        out = acc * w_pair[:, None]
-    out = gl.convert_layout(out.to(c_ptr.dtype.element_ty), st_l)
-    ro = gl.arange(0, 128, layout=gl.SliceLayout(1, st_l))
-    pair_o = gl.load(sorted_ids_ptr + b * 128 + ro)
-    co = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_l))
-    gl.store(c_ptr + pair_o.to(gl.int64)[:, None] * stride_cm + n0 + co[None, :], out,
-             mask=(pair_o < num_pairs)[:, None])
+    col_gate = gl.arange(0, WIDE, layout=gl.SliceLayout(0, acc_l)) % 2 == 0
+    num_n = N // BLOCK_N
+    num_k = K // 128
+    g = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        b = tile // num_n
+        n0 = (tile % num_n) * BLOCK_N
+        e = gl.load(expert_ids_ptr + b)
+        if e >= 0:  # blocks past the used ones: expert -1
+            # every wgmma of the tile before retired: the accumulators start from zeros
+            acc = gl.zeros([128, WIDE], gl.float32, layout=acc_l)
+            r_a = gl.zeros([128, WIDE], gl.float32, layout=acc_l)
+            r_b = gl.zeros([128, WIDE], gl.float32, layout=acc_l)
+            for it in range(num_k // UNROLL):
+                for p in gl.static_range(UNROLL // 2):
+                    j = g + it * UNROLL + 2 * p
+                    d_a = _wait_issue(j, a_s, b_s, r_a, full, STAGES)
+                    s_a, su_a = _scales(0, 0, 0, 0, j, as_s, ws_s, GATED, True, STAGES, row_l,
+                                        w_l)
+                    if p > 0:  # step j - 1, in set B (p is unrolled: bound at p - 1)
+                        acc, _u, r_b, _d = _promote(acc, acc, d_b, d_b, s_b,  # noqa: F821
+                                                    su_b, 1, False, GATED, col_gate)  # noqa: F821
+                        mbarrier.arrive(empty.index((j - 1) % STAGES))
+                    d_b = _wait_issue(j + 1, a_s, b_s, r_b, full, STAGES)
+                    s_b, su_b = _scales(0, 0, 0, 0, j + 1, as_s, ws_s, GATED, True, STAGES,
+                                        row_l, w_l)
+                    acc, _u, r_a, _d = _promote(acc, acc, d_a, d_a, s_a, su_a, 1, False,
+                                                GATED, col_gate)
+                    mbarrier.arrive(empty.index(j % STAGES))
+                acc, _u, r_b, _d = _promote(acc, acc, d_b, d_b, s_b, su_b, 0, False, GATED,
+                                            col_gate)
+                mbarrier.arrive(empty.index((g + it * UNROLL + UNROLL - 1) % STAGES))
+            g += num_k
+
+            # epilogue (the producer already filling the next tile's stages): each real
+            # pair's row of C, in C's dtype (16-byte stores)
+            ra = gl.arange(0, 128, layout=row_l)
+            pair_a = gl.load(sorted_ids_ptr + b * 128 + ra)
+            row_ok = pair_a < num_pairs
+            if GATED:  # even columns gate, odd up
+                gate, up = gl.split(gl.reshape(acc, [128, BLOCK_N, 2]))
+                out = gate / (1.0 + gl.exp(-gate)) * up  # silu(gate) * up, fp32
+            else:
+                w_pair = gl.load(weights_ptr + pair_a, mask=row_ok, other=0.0)
+                out = acc * w_pair[:, None]
+            out = gl.convert_layout(out.to(c_ptr.dtype.element_ty), st_l)
+            ro = gl.arange(0, 128, layout=gl.SliceLayout(1, st_l))
+            pair_o = gl.load(sorted_ids_ptr + b * 128 + ro)
+            co = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_l))
+            gl.store(c_ptr + pair_o.to(gl.int64)[:, None] * stride_cm + n0 + co[None, :], out,
+                     mask=(pair_o < num_pairs)[:, None])
 
 
 def _moe_fp8_ws_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
-                       expert_ids_ptr, num_pairs, N, K, stride_am, stride_asm, stride_be,
-                       stride_bn, stride_se, stride_sn, stride_cm,
+                       expert_ids_ptr, num_pairs, num_tiles, N, K, stride_am, stride_asm,
+                       stride_be, stride_bn, stride_se, stride_sn, stride_cm,
                        A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, UNROLL: gl.constexpr, MATH_W: gl.constexpr,
                        PRODUCER_W: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Program (row block b, N tile n): shared memory and barriers, then the producer and
-    math partitions (module docstring)."""
+    """A persistent program (tiles program_id, + num_programs, ...: row block b, N tile n,
+    N-fastest): shared memory and barriers, then the producer and math partitions (module
+    docstring)."""
     WIDE: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
     b_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WIDE, 128], gl.float8e4nv)
@@ -224,16 +258,12 @@ def _moe_fp8_ws_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=32 * PRODUCER_W)  # the producer's threads
         mbarrier.init(empty.index(s), count=1)  # the math partition's arrive
-
-    b, n0, e = _program_tile(expert_ids_ptr, N, BLOCK_N)
-    if e >= 0:  # blocks past the used ones: expert -1
-        w_base = e.to(gl.int64) * stride_be
-        s_base = e.to(gl.int64) * stride_se
-        gl.warp_specialize([
-            (_math, (c_ptr, weights_ptr, sorted_ids_ptr, num_pairs, K, stride_cm, b, n0, a_s,
-                     b_s, as_s, ws_s, full, empty, GATED, BLOCK_N, STAGES, UNROLL, MATH_W)),
-            (_producer, (a_ptr, as_ptr, b_ptr, bs_ptr, sorted_ids_ptr, num_pairs, N, K,
-                         stride_am, stride_asm, stride_bn, stride_sn, b, n0, w_base, s_base,
-                         a_s, b_s, as_s, ws_s, full, empty, A_ROW_DIV, GATED, BLOCK_N,
-                         STAGES, PRODUCER_W)),
-        ], [PRODUCER_W], [PRODUCER_REGS])
+    gl.warp_specialize([
+        (_math, (c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_tiles, N,
+                 K, stride_cm, a_s, b_s, as_s, ws_s, full, empty, GATED, BLOCK_N, STAGES,
+                 UNROLL, MATH_W)),
+        (_producer, (a_ptr, as_ptr, b_ptr, bs_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs,
+                     num_tiles, N, K, stride_am, stride_asm, stride_be, stride_bn, stride_se,
+                     stride_sn, a_s, b_s, as_s, ws_s, full, empty, A_ROW_DIV, GATED, BLOCK_N,
+                     STAGES, PRODUCER_W)),
+    ], [PRODUCER_W], [PRODUCER_REGS])
