@@ -7,7 +7,7 @@
 #      (fp8_gluon.smem_scales) -> $OUT/scales/kernels_quant.json
 #   3. the warp-specialized kernel (fp8_gluon_ws.py)'s GPU test (killed at WS_TESTS_TIMEOUT:
 #      a hang of its barriers), then its timing against the Gluon default at 1,024 and 8,192
-#      tokens -> $OUT/ws_tests.log, $OUT/ws/kernels_quant.json
+#      tokens -> $OUT/ws_tests.log, $OUT/ws/kernels_quant.json (both timings in $OUT/kq.tgz)
 #   4. W1 through the server, bf16 then fp8 (the defaults: Gluon grouped GEMM), 256 / 512 /
 #      1,024 streams (quant_w1_h200.sh) -> $OUT/quant_w1.tgz
 #   bash benchmarks/h200/fp8_scales_w1_h200.sh
@@ -62,3 +62,6 @@ else:
     print(json.dumps(d, indent=1)[:3000])
 PY
 tar czf $OUT/quant_w1.tgz -C /tmp qw1
+# the machine returns 8 files: the timings' JSONs and logs in one archive
+tar czf $OUT/kq.tgz -C $OUT scales ws scales.log ws.log && rm -rf $OUT/scales $OUT/ws \
+  $OUT/scales.log $OUT/ws.log
