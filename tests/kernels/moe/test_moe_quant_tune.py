@@ -454,3 +454,67 @@ def test_each_committed_quantized_tile_file_is_named_by_its_meta_and_every_entry
     for tokens, raw in data["configs"].items():
         entry = quant_configs.parse_quant_entry(raw, meta["format"], meta["group"])
         assert int(tokens) > 0 and entry["ms"] > 0
+
+
+# ------------------------------------------------ the FP8 Gluon kernel's candidates
+
+def test_fp8_candidates_the_gluon_kernel_runs_alike_are_timed_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where both launches run fp8_gluon's kernel (sm90, its shape rules), it reads only the
+    row-block height: of the 64- and 128-row candidates the first of each is timed, the
+    16- and 32-row ones (Triton's tiles) all, the default first."""
+    from types import SimpleNamespace
+
+    from moeserve.kernels.moe.quant import fp8_gluon
+
+    num_tokens = 256  # 128 pairs an expert: 64- and 128-row blocks in the grid
+    grid = quant_tune_candidates("fp8", E, K, num_tokens, 128)
+    assert sum(c["BLOCK_M"] == 64 for c in grid) > 1 and sum(
+        c["BLOCK_M"] == 128 for c in grid) > 1
+    distinct = fp8_gluon.distinct_candidates(grid)
+    assert distinct[0] == grid[0]
+    assert [c["BLOCK_M"] for c in distinct if c["BLOCK_M"] >= 64] == sorted(
+        {64, 128}, key=[c["BLOCK_M"] for c in grid].index)
+    assert [c for c in distinct if c["BLOCK_M"] < 64] == [c for c in grid if c["BLOCK_M"] < 64]
+    monkeypatch.setattr(fp8_gluon, "backend", "gluon-128")  # every op's blocks 128 high
+    assert fp8_gluon.distinct_candidates(grid) == grid[:1]
+    monkeypatch.setattr(fp8_gluon, "backend", "gluon")
+
+    # the tuner times the distinct ones only where takes_every_launch holds
+    experts = SimpleNamespace(scale_rows=128, qweight=SimpleNamespace(device=torch.device("cpu")))
+    seen = []
+    monkeypatch.setattr(fp8_gluon, "takes_every_launch",
+                        lambda h, i, rows, device: seen.append((h, i, rows)) or True)
+    calls, timer = fake_timer()
+    tune("fp8", tmp_path / "g.json", [num_tokens], timer, weights=(experts, experts))
+    assert seen == [(H, N, 128)]
+    assert [key for key, _ in calls] == [config_key(c) for c in distinct]
+    monkeypatch.setattr(fp8_gluon, "takes_every_launch", lambda *a: False)
+    calls, timer = fake_timer()
+    tune("fp8", tmp_path / "t.json", [num_tokens], timer, weights=(experts, experts))
+    assert len(calls) == len(grid)
+
+
+def test_the_gluon_kernel_takes_every_launch_only_on_sm90_at_its_shapes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """sm90 (the capability faked here), 128-row weight scales, H and I whole and even
+    counts of 128-steps, and a switch value that hands it both launches."""
+    from moeserve.kernels.moe.quant import fp8_gluon
+
+    cuda = torch.device("cuda")
+    assert not fp8_gluon.takes_every_launch(2048, 768, 128, torch.device("cpu"))
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[0])
+    monkeypatch.setattr(fp8_gluon, "backend", "gluon")
+    assert fp8_gluon.takes_every_launch(2048, 768, 128, cuda)  # qwen3-30b-a3b's experts
+    assert fp8_gluon.takes_every_launch(6144, 2048, 128, cuda)  # GLM-5's
+    assert not fp8_gluon.takes_every_launch(2048, 1408, 128, cuda)  # 11 steps: odd
+    assert not fp8_gluon.takes_every_launch(2048, 700, 128, cuda)  # not whole steps
+    assert not fp8_gluon.takes_every_launch(2048, 768, 1, cuda)  # a scale a row
+    for other in ("triton", "gluon-down"):  # Triton runs a launch
+        monkeypatch.setattr(fp8_gluon, "backend", other)
+        assert not fp8_gluon.takes_every_launch(2048, 768, 128, cuda)
+    monkeypatch.setattr(fp8_gluon, "backend", "gluon-ws")
+    assert fp8_gluon.takes_every_launch(2048, 768, 128, cuda)
+    capability[0] = (10, 0)
+    assert not fp8_gluon.takes_every_launch(2048, 768, 128, cuda)

@@ -105,6 +105,35 @@ def takes(gated: bool) -> bool:
     return backend != "triton" and (backend != "gluon-down" or not gated)
 
 
+def takes_every_launch(hidden: int, inter: int, scale_rows: int,
+                       device: torch.device) -> bool:
+    """Whether both of an op's launches run this kernel (or fp8_gluon_ws's) wherever its row
+    blocks are 64 or 128 high: a switch value that hands it both, an sm90 device, `supports`'
+    shape rules for the gated ([E, 2I, H]) and down ([E, H, I]) weights."""
+    return (backend in ("gluon", "gluon-128", "gluon-ws") and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0) and scale_rows == 128
+            and hidden % 128 == 0 and inter % 128 == 0
+            and unroll(hidden, False) > 0 and unroll(inter, False) > 0)
+
+
+def distinct_candidates(configs: list[dict]) -> list[dict]:
+    """configs less those that launch the same kernels as one before them, where
+    `takes_every_launch` holds: of a row-block height this kernel takes (`block_m`: 64 or 128)
+    the first only, since it reads no other key (BLOCK_N, warps, stages, GROUP_M, SUB_M and
+    a "down" entry are Triton's tiles); the other heights' configs all kept (quant/tune.py's
+    FP8 grid: half its candidates at 1,024 tokens and more were one op timed again)."""
+    seen: set[int] = set()
+    kept = []
+    for config in configs:
+        height = block_m(config)
+        if height in (64, 128):
+            if height in seen:
+                continue
+            seen.add(height)
+        kept.append(config)
+    return kept
+
+
 def unroll(k_dim: int, wide: bool) -> int:
     """The K steps an iteration of the kernel's loop, each iteration's last retired inside it
     (0: K's steps of 128 are not even): 2 where the accumulators span 128 columns a row

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from moeserve.kernels.moe import tile_configs
+from moeserve.kernels.moe.quant import fp8_gluon
 from moeserve.kernels.moe.quant.configs import (
     QUANT_OPTIONS,
     check_quant_config,
@@ -151,6 +152,15 @@ def tune_quant_moe(fmt: str, num_experts: int, hidden: int, inter: int, top_k: i
     get_candidates = candidates or functools.partial(quant_tune_candidates, fmt, num_experts,
                                                      top_k, group=group, k_dims=(hidden, inter),
                                                      micro=micro)
+    w13 = weights[0] if weights else getattr(timer, "w13", None)  # the experts timed
+    if (candidates is None and fmt == "fp8" and w13 is not None
+            and fp8_gluon.takes_every_launch(hidden, inter, w13.scale_rows,
+                                             w13.qweight.device)):
+        # the Gluon kernel reads only the row-block height: one candidate of each it takes
+        grid_of = get_candidates
+
+        def get_candidates(num_tokens: int) -> list[dict[str, int]]:
+            return fp8_gluon.distinct_candidates(grid_of(num_tokens))
     start = time.perf_counter()
     deadline = None if time_budget_s is None else start + time_budget_s
     try:
