@@ -19,14 +19,17 @@ interleaved in one with `one_dot`) reach shared memory by cp.async, STAGES deep;
 for step k + STAGES - 2 go out after step k's CTA barrier, into the stage step k - 2's wgmmas
 read (every warpgroup retired those by then). Scales: s_a [rows, K / 128] fp32 per row and
 step, s_b [E, N / 128, K / 128] one scalar a step per tile (the tile in one 128-row block),
-each loaded the step before its products are added. Two product sets alternate, UNROLL steps
+copied with the step's operands into its stage (`smem_scales`, the default; else loaded the
+step before its products are added). Two product sets alternate, UNROLL steps
 an iteration, the last retired in it (`unroll`; the kernel's comment says why ptxas needs
 that).
 
 Bounds: CUDA sm90, N a multiple of 128, K's 128-steps an even count, 128-row weight scales
 (`supports`). fused_triton.py's `_launch` calls it for fp8 where `backend` hands it the
 launch (`takes`; "gluon", the default, both), BLOCK_M is 64 or 128 and `supports` holds
-(timed: benchmarks/h200/fp8_gluon_h200.sh, fp8_act_quant_h200.sh).
+(timed: benchmarks/h200/fp8_gluon_h200.sh, fp8_act_quant_h200.sh, fp8_scales_w1_h200.sh).
+quant/tune.py times one candidate of each row-block height it takes (`distinct_candidates`:
+it reads no other tile key) where `takes_every_launch` holds.
 
 What holds it (and Triton's kernel) near a third of the FP8 peak at 8,192 tokens (Nsight
 Compute, gpu_ae64d49/call1 on the H200): not the issue slots (26-38% busy) nor DRAM (20-24%)
