@@ -14,6 +14,17 @@
 # (TESTS_TIMEOUT, KQ_TIMEOUT, W1_BUDGET_S, W1_FORMATS, W1_CONCS: on an H100 W1_FORMATS=fp8)
 set -uo pipefail
 source benchmarks/gpu_env.sh
+summary() {  # DIR TAG: kernels_quant's rows under $OUT/DIR, each with its switch TAG's value
+  python3 - "$OUT/$1/kernels_quant.json" "$2" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("fp8 peak", d.get("peaks", {}).get("fp8_peak_tflops"))
+for r in d["moe"]:
+    print(r["shape"], r["tokens"], r.get(sys.argv[2]), r.get("ms"), "read%",
+          r.get("pct_of_read_bound"), "peak%", r.get("pct_of_fp8_peak"), r.get("error", ""),
+          [(k["kernel"][:20], k["us"]) for k in r.get("kernels", [])[:2]])
+PY
+}
 timeout -s INT ${TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
   tests/kernels/moe/test_moe_fp8_gluon.py tests/kernels/moe/test_moe_quant_triton.py \
   -k "(fp8 or gluon) and not warp_specialized" > $OUT/fp8_tests.log 2>&1
@@ -23,15 +34,7 @@ timeout -s INT ${KQ_TIMEOUT:-70} python3 -m benchmarks.quant.kernels_quant --out
   --formats fp8 --no-linear --tokens 1024 8192 --shapes qwen3-30b-a3b --fp8-moe gluon \
   --fp8-gluon-scales global smem --profile > $OUT/scales.log 2>&1
 echo "kernels_quant rc=$?"
-python3 - <<'PY'
-import json, os
-d = json.load(open(os.path.join(os.environ["OUT"], "scales", "kernels_quant.json")))
-print("fp8 peak", d.get("peaks", {}).get("fp8_peak_tflops"))
-for r in d["moe"]:
-    print(r["shape"], r["tokens"], r.get("fp8_gluon_scales"), r.get("ms"), "read%",
-          r.get("pct_of_read_bound"), "peak%", r.get("pct_of_fp8_peak"), r.get("error", ""),
-          [(k["kernel"][:20], k["us"]) for k in r.get("kernels", [])[:2]])
-PY
+summary scales fp8_gluon_scales
 timeout -s KILL ${WS_TESTS_TIMEOUT:-60} python3 -m pytest -q -m gpu -p no:cacheprovider -x \
   tests/kernels/moe/test_moe_fp8_gluon.py -k warp_specialized > $OUT/ws_tests.log 2>&1
 echo "WS tests rc=$?: $(tail -1 $OUT/ws_tests.log)"
@@ -40,15 +43,7 @@ timeout -s KILL ${WS_KQ_TIMEOUT:-70} python3 -m benchmarks.quant.kernels_quant -
   --formats fp8 --no-linear --tokens 1024 8192 --shapes qwen3-30b-a3b \
   --fp8-moe gluon gluon-ws --profile > $OUT/ws.log 2>&1
 echo "WS kernels_quant rc=$?"
-python3 - <<'PY'
-import json, os
-d = json.load(open(os.path.join(os.environ["OUT"], "ws", "kernels_quant.json")))
-print("fp8 peak", d.get("peaks", {}).get("fp8_peak_tflops"))
-for r in d["moe"]:
-    print(r["shape"], r["tokens"], r.get("fp8_moe"), r.get("ms"), "peak%",
-          r.get("pct_of_fp8_peak"), r.get("error", ""),
-          [(k["kernel"][:20], k["us"]) for k in r.get("kernels", [])[:2]])
-PY
+summary ws fp8_moe
 FORMATS=${W1_FORMATS:-bf16 fp8} CONCS=${W1_CONCS:-256 512 1024} BUDGET_S=${W1_BUDGET_S:-360} \
   bash benchmarks/h200/quant_w1_h200.sh /tmp/qw1 > $OUT/w1.log 2>&1
 tail -5 $OUT/w1.log
