@@ -11,7 +11,8 @@
 #   4. W1 through the server, bf16 then fp8 (the defaults: Gluon grouped GEMM), 256 / 512 /
 #      1,024 streams (quant_w1_h200.sh) -> $OUT/quant_w1.tgz
 #   bash benchmarks/h200/fp8_scales_w1_h200.sh
-# (TESTS_TIMEOUT, KQ_TIMEOUT, W1_BUDGET_S, W1_FORMATS, W1_CONCS: on an H100 W1_FORMATS=fp8)
+# (TESTS_TIMEOUT, KQ_TIMEOUT, WS_TESTS_TIMEOUT, WS_KQ_TIMEOUT, WS_SHAPES, W1_BUDGET_S,
+# W1_FORMATS, W1_CONCS: on an H100 W1_FORMATS=fp8)
 set -uo pipefail
 source benchmarks/gpu_env.sh
 summary() {  # DIR TAG: kernels_quant's rows under $OUT/DIR, each with its switch TAG's value
@@ -40,7 +41,7 @@ timeout -s KILL ${WS_TESTS_TIMEOUT:-60} python3 -m pytest -q -m gpu -p no:cachep
 echo "WS tests rc=$?: $(tail -1 $OUT/ws_tests.log)"
 grep -E "^(FAILED|ERROR)|Error" $OUT/ws_tests.log | head -10
 timeout -s KILL ${WS_KQ_TIMEOUT:-70} python3 -m benchmarks.quant.kernels_quant --out $OUT/ws \
-  --formats fp8 --no-linear --tokens 1024 8192 --shapes qwen3-30b-a3b \
+  --formats fp8 --no-linear --tokens 1024 8192 --shapes ${WS_SHAPES:-qwen3-30b-a3b} \
   --fp8-moe gluon gluon-ws --profile > $OUT/ws.log 2>&1
 echo "WS kernels_quant rc=$?"
 summary ws fp8_moe
