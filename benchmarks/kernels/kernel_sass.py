@@ -91,7 +91,8 @@ def moe_fp8_gluon(args: argparse.Namespace) -> dict:
                  BLOCK_N=t["BLOCK_N"], STAGES=args.stages or t["STAGES"],
                  UNROLL=args.unroll or fp8_gluon.unroll(2048 if args.gated else 768,
                                                           t["wide"]),
-                 ONE_DOT=args.one_dot, SMEM_SCALES=args.smem_scales)
+                 ONE_DOT=args.one_dot,
+                 SMEM_SCALES=fp8_gluon.smem_scales and not args.loaded_scales)
     kernel = fp8_gluon._kernels().moe
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), t["num_warps"], 1)
 
@@ -441,8 +442,9 @@ def main() -> None:
     p.add_argument("--block-m", type=int, default=128, choices=(64, 128))
     p.add_argument("--stages", type=int, default=None, help="default: fp8_gluon.tiles'")
     p.add_argument("--unroll", type=int, default=None, help="default: fp8_gluon.unroll's")
-    p.add_argument("--smem-scales", action="store_true",
-                   help="each step's scales through its shared-memory stage (smem_scales)")
+    p.add_argument("--loaded-scales", action="store_true",
+                   help="each step's scales loaded in the step, not through its shared-memory "
+                   "stage (default: fp8_gluon.smem_scales)")
     p.add_argument("--one-dot", action="store_true",
                    help="gated: gate and up rows in one tile (fp8_gluon.one_dot)")
     p.add_argument("--block-n", type=int, default=None,

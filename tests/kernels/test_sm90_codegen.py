@@ -65,8 +65,8 @@ CASES = {  # name: kernel_sass arguments
     "gluon-moe-fp8-down-64": "moe-fp8-gluon --block-m 64 --down",
     "gluon-moe-fp8-one_dot-n32": "moe-fp8-gluon --block-m 64 --one-dot --block-n 32",
     "gluon-moe-fp8-down-n64": "moe-fp8-gluon --block-m 128 --down --block-n 64",
-    "gluon-moe-fp8-smem-scales": "moe-fp8-gluon --block-m 64 --one-dot --smem-scales",
-    "gluon-moe-fp8-down-smem-scales": "moe-fp8-gluon --block-m 64 --down --smem-scales",
+    "gluon-moe-fp8-loaded-scales": "moe-fp8-gluon --block-m 64 --one-dot --loaded-scales",
+    "gluon-moe-fp8-down-loaded-scales": "moe-fp8-gluon --block-m 64 --down --loaded-scales",
     "gluon-moe-fp8-ws": "moe-fp8-gluon-ws",
     "gluon-moe-fp8-ws-down": "moe-fp8-gluon-ws --down",
 }
@@ -74,7 +74,7 @@ CASES = {  # name: kernel_sass arguments
 # and the main loop must keep one step's in flight (a wait above 0) without spilling
 OVERLAPPED = {"gluon-moe-fp8", "gluon-moe-fp8-one_dot-64", "gluon-moe-fp8-down",
               "gluon-moe-fp8-down-64", "gluon-moe-fp8-one_dot-n32", "gluon-moe-fp8-down-n64",
-              "gluon-moe-fp8-smem-scales", "gluon-moe-fp8-down-smem-scales",
+              "gluon-moe-fp8-loaded-scales", "gluon-moe-fp8-down-loaded-scales",
               "gluon-moe-fp8-ws"}
 GPU_TRITON = ROOT / ".venv" / "gpu-triton"  # scripts/setup.sh's
 
