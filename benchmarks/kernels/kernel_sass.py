@@ -404,7 +404,7 @@ def main() -> None:
             p.add_argument("--sub-m", action="store_true",
                            help="the SUB_M option: half and quarter tiles beside BLOCK_M's")
             p.add_argument("--quant-out", action="store_true",
-                           help="fp8, gated: act quantized in the epilogue (fuse_act_quant)")
+                           help="fp8, gated: act quantized in the epilogue (quant/act_quant.py)")
         else:
             p.add_argument("--split", type=int, default=1, help="SPLIT_K")
     for name in ("mla-decode", "mla-decode-gluon", "mla-decode-flat", "mla-prefill",

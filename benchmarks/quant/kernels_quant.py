@@ -390,7 +390,7 @@ def main() -> None:
     parser.add_argument("--fp8-act-quant", nargs="+", choices=("fused", "apart"),
                         default=["fused"], help="FP8 MoE rows per place of act's quantization "
                         "(fused: in the gated launch's epilogue, where it runs the Triton "
-                        "kernel; apart: its own launch; fused_triton.py fuse_act_quant)")
+                        "kernel; apart: its own launch; kernels/moe/quant/act_quant.py)")
     parser.add_argument("--fp8-moe", nargs="+", choices=("triton", "gluon", "gluon-128",
                                                      "gluon-down", "gluon-ws"),
                         default=["gluon"], help="FP8 MoE rows per grouped GEMM "

@@ -6,7 +6,7 @@ the value it ran with.
     int4_decode    kernels/linear/int4_tile.py `decode`             int4 MoE  reshape | planes |
                                                                     planes-asm
     prefetch       kernels/moe/quant/fused_triton.py `prefetch_scales`  fp8  off | on
-    fp8_act_quant  kernels/moe/quant/fused_triton.py `fuse_act_quant`  fp8 MoE  fused | apart
+    fp8_act_quant  kernels/moe/quant/act_quant.py `enabled`         fp8 MoE  fused | apart
     fp8_moe        kernels/moe/quant/fp8_gluon.py `backend`          fp8 MoE  triton | gluon |
                                                                     gluon-128 | gluon-down
     fp8_gluon_dot  kernels/moe/quant/fp8_gluon.py `one_dot`          fp8 MoE  two | one
@@ -45,7 +45,7 @@ SWITCHES = {
     "int4_decode": Switch("moeserve.kernels.linear.int4_tile", "decode", ("int4",)),
     "prefetch": Switch("moeserve.kernels.moe.quant.fused_triton", "prefetch_scales", ("fp8",),
                        lambda v: v == "on"),
-    "fp8_act_quant": Switch("moeserve.kernels.moe.quant.fused_triton", "fuse_act_quant",
+    "fp8_act_quant": Switch("moeserve.kernels.moe.quant.act_quant", "enabled",
                             ("fp8",), lambda v: v == "fused"),
     "fp8_moe": Switch("moeserve.kernels.moe.quant.fp8_gluon", "backend", ("fp8",)),
     "fp8_gluon_dot": Switch("moeserve.kernels.moe.quant.fp8_gluon", "one_dot", ("fp8",),

@@ -451,11 +451,11 @@ def test_gpu_fp8_one_weight_scale_a_tile_gives_the_per_row_bits(
 
 def test_fp8_act_quant_is_fused_where_a_tile_holds_whole_groups(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """fuse_act_quant: launch 1 quantizes act in its epilogue on CUDA, where it runs the
-    Triton kernel (not the Gluon one), its row blocks are at most FUSE_MAX_BLOCK_M high and
+    """act_quant: launch 1 quantizes act in its epilogue on CUDA, where it runs the
+    Triton kernel (not the Gluon one), its row blocks are at most MAX_BLOCK_M high and
     its tiles' columns whole 128-groups; nowhere else (the CPU interpreter's e4m3 cast is
     wrong: the separate torch quantization)."""
-    from moeserve.kernels.moe.quant import fp8_gluon, fused_triton
+    from moeserve.kernels.moe.quant import act_quant, fp8_gluon, fused_triton
 
     def fuses(n_cols: int, inter: int, device: str = "cuda", fmt: str = "fp8",
               rows: int = 16) -> bool:
@@ -470,7 +470,7 @@ def test_fp8_act_quant_is_fused_where_a_tile_holds_whole_groups(
     assert not fuses(128, 768, rows=64)  # its epilogue costs more than the launch it saves
     monkeypatch.setattr(fp8_gluon, "backend", "gluon-down")  # the gated launch stays Triton's
     assert fuses(128, 768)
-    monkeypatch.setattr(fused_triton, "fuse_act_quant", False)
+    monkeypatch.setattr(act_quant, "enabled", False)
     assert not fuses(128, 768)
 
 
@@ -482,7 +482,7 @@ def test_gpu_fp8_act_quantized_in_the_epilogue_gives_the_separate_launchs_bits(
     """act quantized in launch 1's epilogue (one and two 128-groups a tile) gives the op the
     bits of act written in x's dtype and quantized by its own launch; the spy shows which
     ran (one quantization of x alone, or x's and act's)."""
-    from moeserve.kernels.moe.quant import fused_triton
+    from moeserve.kernels.moe.quant import act_quant, fused_triton
 
     e, h, i = 16, 1024, 512
     compact, _ = _fp8_block_experts(e, h, i, dtype)
@@ -497,7 +497,7 @@ def test_gpu_fp8_act_quantized_in_the_epilogue_gives_the_separate_launchs_bits(
                       num_stages=3)
         runs = {}
         for fused in (True, False):
-            monkeypatch.setattr(fused_triton, "fuse_act_quant", fused)
+            monkeypatch.setattr(act_quant, "enabled", fused)
             quantized.clear()
             runs[fused] = moe_quant_triton(x, *compact, weights, ids, config=config,
                                            reduce=False)

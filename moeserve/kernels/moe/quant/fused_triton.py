@@ -10,7 +10,7 @@ The data flow is `moe_triton`'s (fused_triton.py), for T tokens, k experts each,
         gate, up = rows @ w13[e, n-tile].T, rows @ w13[e, I + n-tile].T    rows = x[pair // k]
         act[pair, n-tile] = silu(gate) * up                  act [M, I] in x's dtype
     (fp8: act --quantize_activations--> act_q [M, I], s_act [M, ceil(I / 128)]; on CUDA,
-     with `fuse_act_quant`, in launch 1's epilogue instead: `_fuses_act_quant`)
+     where act_quant.py's switch and rule say, in launch 1's epilogue instead)
     launch 2: out[pair] = topk_weights[pair] * act[pair] @ w2[e, n-tile].T   out [T, k, H]
     combine "sum": out.sum(1) (reduce=False returns the parts); rows of -1 pairs zeroed by
     fused_triton's `_zero_nonlocal_rows` (neither launch computes them)
@@ -44,51 +44,8 @@ input_precision "ieee"). int4's tile is the same weights, bit for bit, as
 scale then applied once in fp32 (the reference folds it into each weight, one rounding more),
 so the op differs from the reference by summation order and that one rounding.
 
-A transposed nvfp4 tile (the weights as the dot's A, the tokens as its N, for Hopper's wgmma)
-measured slower on the H200 (gpu_70a3760/call3: 42.7 / 41.2 / 23.6% of the read bound at
-GLM-5's shape for 64 / 256 / 1,024 tokens against the plain tile's 55.9 / 51.7 / 26.3%) and
-was removed (it is in git's history at 941ba87). So were the 64- and 128-row nvfp4 tiles in
-Gluon (a K step's decode beside the previous step's wgmmas): slower at every point on the H200
-(benchmarks/results/gpu_ff7b345/: GLM-5's shape at 1,024 / 2,048 / 4,096 tokens 4.95 / 7.07 /
-12.08 ms against 4.38 / 6.02 / 10.11 with the tuned tiles; in git's history at 90f405a). So
-was that Gluon pipeline transposed (the decoded weights as wgmma's M, 128 rows: gate and up;
-a block's 16-64 tokens as N, so ~32 real rows cost 32): on an H100 (gpu_8502acf/call1) GLM-5's
-experts at 1,024 tokens 4.72 ms at 64-token blocks, 5.88 at 32, against the SUB_M tile's 3.71,
-and ~2x the Triton tile at 64 tokens (3.40 against 1.83 ms), where only the decode and the
-reads count: the packed bytes' trip through shared memory, the decoded tile's store and the
-barriers cost more than the padding they save (in git's history at 8502acf).
-Keeping the weights out of shared memory altogether (decoded straight into wgmma's A registers
-from a byte order that makes a lane's fragment one 16-byte load; 8 warps, 128 weight rows, the
-tokens as N) was level with this tile at 64-pair blocks (GLM-5's experts at 1,024 / 2,048
-tokens 3.775 / 5.519 ms against 3.731 / 5.476) and 1.1-1.4x slower below, on an H100
-(gpu_f396a81/call1), timed with wrong outputs (NaN in some programs' tiles: its sm90 SASS
-rewrites the A registers R40-R71 at the loop head while the HGMMA group reading them is still
-in flight, the wait letting one group run on): removed, in git's
-history at f396a81. The 32-row SUB_M half of this tile already takes its decoded weights from
-registers (mma.sync). Its second form (the words, scales and X tiles through a cp.async ring
-of 3-4 stages, each wgmma retired at once: race-free, its GPU test passed) was slower at every
-point on an H100 (gpu_2775d26/call1, micro-tiled experts, best of its row blocks and stages
-against the looked-up tile): GLM-5's experts 1.07x at 1,024 / 2,048 tokens (3.958 / 5.920
-against 3.702 / 5.495 ms), 1.34-1.37x at 64 / 256; qwen3-30b-a3b's 1.09x at 1,024 (0.459
-against 0.423), 1.21-1.30x at 64 / 256. Retiring each wgmma at once leaves the decode and
-the MMA in turn within a program, and two programs an SM do not hide it: removed again, in
-git's history at 2775d26.
-
-What the tile's sm90 loop does per K step (Triton 3.6, read offline, session 49): the decode,
-the decoded tile's STS, a CTA barrier, then the HGMMAs and `WARPGROUP.DEPBAR.LE gsb0, 0x0`
-at once: Triton keeps a wgmma asynchronous only when both operands come from its pipelined
-loads (a minimal kernel with B from a plain load gets `0x1` in its loop, the same with B
-converted in registers `0x0`; so do the register-A form `dot(w, x.T)` and the loop under
-`warp_specialize=True`, whose pass fails on it). A program's decode and MMA run in turn; only
-the SM's other program (255 registers, ~100 KB at 64 x 128) overlaps them. Nsight Compute
-at qwen3-30b-a3b's experts, 1,024 tokens, on an H100 (gpu_cc441e4/call3): 12.5% occupancy,
-issue slots 30-39% busy, DRAM 31-36%, tensor pipe 24%, the stalls spread over the decode's
-shared-memory and fixed-latency chains, the barrier before each wgmma and the global loads:
-latency-bound, two warps a scheduler. A "halves" nibble
-order (a byte's nibbles from the two halves of its 128-k block, so x is dotted from shared
-memory in two contiguous halves, not split into even and odd columns in registers) removed
-the split and the spills but left the loop at 890 instructions against 900 (64 x 128) and
-raised it at 16 / 32 rows: not pursued.
+The nvfp4 tile's forms tried and removed (transposed, in Gluon, register-A), with their figures,
+and what the tile's sm90 loop does per K step: docs/moe-quant-kernels.md.
 
 Tiles: a `config` of tile_configs.CONFIG_KEYS for both launches (a "down" entry: the down
 launch's own, BLOCK_M shared; the SUB_M option: a block of few real rows computes a half or a
@@ -116,7 +73,7 @@ from moeserve.kernels.linear import int4_tile, nvfp4_tile
 from moeserve.kernels.linear.fp8_block_triton import quantize_activations_triton
 from moeserve.kernels.moe.align import moe_align_block_size_triton
 from moeserve.kernels.moe.fused_triton import _zero_nonlocal_rows
-from moeserve.kernels.moe.quant import fp8_gluon, micro_tiles
+from moeserve.kernels.moe.quant import act_quant, fp8_gluon, micro_tiles
 from moeserve.kernels.moe.quant.checks import check_inputs
 from moeserve.kernels.moe.quant.configs import check_quant_config, get_quant_config
 from moeserve.kernels.moe.tile_configs import (
@@ -142,20 +99,8 @@ prefetch_scales = False
 # but slower on an H100 (gpu_2d81e17/call5: 80 registers 1.87 against 1.55 ms, 96 at 1,024
 # tokens 3.08 against 0.47): off.
 max_registers: int | None = None
-# fp8: the gated launch's epilogue quantizes act itself (each row's 128-column groups of its
-# tile: their amax, scale and e4m3 bytes, act rounded to x's dtype first, the separate
-# launch's arithmetic), so act_q and s_act come out of launch 1 with no bf16 act written and
-# read back and no quantize launch between (`_fuses_act_quant` says where). The same bytes
-# either way (a GPU test compares them). Only up to FUSE_MAX_BLOCK_M rows a block: on an H100
-# (benchmarks/results/gpu_9d50325/call1, qwen3-30b-a3b's experts) the 16-row tiles of 64 /
-# 256 tokens gain 2.4 / 2.9% (0.229 / 0.255 ms against 0.235 / 0.263), while the 64-row,
-# 8-warp tile's epilogue costs more than the launch it saves (1,024 tokens 0.338 against
-# 0.332, 8,192 1.438 against 1.386: the gated launch 774 against 661 us).
-fuse_act_quant = True
-FUSE_MAX_BLOCK_M = 32
-# the epilogue's rounding of act to x's dtype before it is quantized (the ACT_ROUND constexpr)
-_ACT_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 tl: Any = None  # triton.language, bound by _kernel() on first use (lazy import)
+_quant_store: Any = None  # act_quant.quant_store, jitted by _kernel()
 
 
 def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Tensor,
@@ -211,7 +156,7 @@ def moe_quant_triton(x: torch.Tensor, w13: Any, w2: Any, topk_weights: torch.Ten
                                 device=x.device)
         _launch(fmt, a, a_scale, w13, group13, rows13, act, topk_weights, sorted_ids,
                 expert_ids, num_pairs, config, a_row_div=top_k, gated=True,
-                c_scale=act_scale, act_round=_ACT_ROUND[x.dtype])
+                c_scale=act_scale, act_round=act_quant.ACT_ROUND[x.dtype])
         a, a_scale = act, act_scale
     else:
         act = x.new_empty(num_pairs, inter)  # [M, I], row = pair
@@ -245,13 +190,9 @@ def _gluon_takes(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any
 
 def _fuses_act_quant(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w13: Any,
                      scale_rows: int, config: dict[str, int]) -> bool:
-    """Whether launch 1 quantizes act in its epilogue (`fuse_act_quant`): fp8 on CUDA (the
-    interpreter's e4m3 cast is wrong), this module's kernel running it, row blocks of at most
-    FUSE_MAX_BLOCK_M, and each tile's columns whole 128-groups (BLOCK_N and I multiples of
-    128)."""
-    return (fmt == "fp8" and fuse_act_quant and a.device.type == "cuda"
-            and config["BLOCK_M"] <= FUSE_MAX_BLOCK_M and config["BLOCK_N"] % FP8_GROUP == 0
-            and (w13.shape[1] // 2) % FP8_GROUP == 0
+    """Whether launch 1 quantizes act in its epilogue: act_quant.fuses, this module's kernel
+    running the launch (not fp8_gluon's)."""
+    return (act_quant.fuses(fmt, a.device, w13.shape[1] // 2, config)
             and not _gluon_takes(fmt, a, a_scale, w13, scale_rows, config, True))
 
 
@@ -265,7 +206,7 @@ def _launch(fmt: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: Any, gro
     gated: w is w13 (N = I, silu(gate) * up in the epilogue), a_row_div = k (A's row of pair p
     is token p // k); else w is w2 (N = H, rows scaled by their routing weight). c_scale
     (fp8, gated, `_fuses_act_quant`): c is e4m3 and c_scale [rows, N / 128] fp32, act
-    quantized in the epilogue after its rounding by act_round (_ACT_ROUND).
+    quantized in the epilogue after its rounding by act_round (act_quant.ACT_ROUND).
     """
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
@@ -326,8 +267,10 @@ def _kernel() -> Any:
     bf16_moe._kernel()  # binds its jitted helpers, _sub_rows among them
     _sub_rows = bf16_moe._sub_rows
 
-    _tile, _b_step, _w_scale, _load_k, _quant_store = (
-        triton.jit(f) for f in (_tile, _b_step, _w_scale, _load_k, _quant_store))
+    _tile, _b_step, _w_scale, _load_k = (triton.jit(f) for f in (_tile, _b_step, _w_scale,
+                                                                  _load_k))
+    act_quant.tl = tl  # the name its helper's body resolves
+    _quant_store = triton.jit(act_quant.quant_store)
     _b_offsets = micro_tiles.jitted().packed_offsets
     tiles = nvfp4_tile.jitted()
     _nvfp4_step, _e4m3_bits_to_f32 = tiles.nvfp4_step, tiles.e4m3_bits_to_f32
@@ -467,35 +410,12 @@ def _tile(a_ptr, as_ptr, b_ptr, bs_ptr, bg_ptr, c_ptr, cs_ptr, weights_ptr, sort
     else:
         acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    if QUANT_OUT:  # fp8 act quantized here (fuse_act_quant): e4m3 bytes and a scale a group
+    if QUANT_OUT:  # fp8 act quantized here (act_quant.py): e4m3 bytes and a scale a group
         _quant_store(acc, c_ptrs, cs_ptr + pairs.to(tl.int64) * stride_csm, row_ok, pid_n, N,
                      ACT_ROUND, FP8_MAX, MIN_SCALE, ROWS, BLOCK_N)
     else:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_n < N)[None, :])
-
-
-def _quant_store(act, c_ptrs, s_rows, row_ok, pid_n, N, ACT_ROUND: tl.constexpr,
-                 FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """fp8's run-time quantization of act [ROWS, BLOCK_N] (fp32), whole 128-column groups,
-    as quantize_activations_triton does it (act rounded to x's dtype first: ACT_ROUND 1 bf16,
-    2 fp16, 0 none): each row's group scale max(amax / FP8_MAX, MIN_SCALE) to s_rows + its
-    group, the values divided by it (IEEE division, that kernel's NOTE), clamped, as e4m3 to
-    c_ptrs."""
-    if ACT_ROUND == 1:
-        act = act.to(tl.bfloat16).to(tl.float32)
-    elif ACT_ROUND == 2:
-        act = act.to(tl.float16).to(tl.float32)
-    G: tl.constexpr = BLOCK_N // 128
-    groups = tl.reshape(act, (ROWS, G, 128))
-    scale = tl.maximum(tl.max(tl.abs(groups), 2) / FP8_MAX, MIN_SCALE)  # [ROWS, G]
-    q = tl.minimum(tl.maximum(tl.math.div_rn(groups, scale[:, :, None]), -FP8_MAX), FP8_MAX)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(c_ptrs, tl.reshape(q, (ROWS, BLOCK_N)).to(c_ptrs.dtype.element_ty),
-             mask=row_ok[:, None] & (cols < N)[None, :])
-    g = pid_n * G + tl.arange(0, G)
-    tl.store(s_rows[:, None] + g[None, :], scale, mask=row_ok[:, None] & (g * 128 < N)[None, :])
 
 
 def _w_scale(s_base, rows, row0, kb, stride_sn, stride_sk, SCALE_ROWS: tl.constexpr,
