@@ -116,6 +116,24 @@ def moe_fp8_gluon_ws(args: argparse.Namespace) -> dict:
     return compile_sm90(kernel, pointers, const, _nospec(args, kernel), ws.MATH_WARPS, 1)
 
 
+def moe_gluon_ws(args: argparse.Namespace) -> dict:
+    """The bf16 MoE's warp-specialized Gluon grouped GEMM (kernels/moe/gluon_ws.py), gated
+    (one dot) or (--down) the down launch, at --n-out columns (glm-4.7-flash's I 1,536 / H
+    2,048 by default)."""
+    from moeserve.kernels.moe import gluon_ws as ws
+
+    bn = ws.block_n(args.n_out or (1536 if args.gated else 2048), args.gated)
+    pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "weights_ptr": "*fp32",
+                "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"}
+    const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BLOCK_N=bn,
+                 STAGES=args.stages or ws.stages(2 * bn if args.gated else bn, 2),
+                 MATH_W=ws.MATH_WARPS, PRODUCER_W=ws.PRODUCER_WARPS,
+                 PRODUCER_REGS=args.producer_regs or ws.PRODUCER_REGISTERS)
+    kernel = ws._kernels().moe
+    return {"BLOCK_N": bn, "STAGES": const["STAGES"],
+            **compile_sm90(kernel, pointers, const, _nospec(args, kernel), ws.MATH_WARPS, 1)}
+
+
 def moe_align_one(args: argparse.Namespace) -> dict:
     """The MoE align's three phases in one program (kernels/moe/align.py `_one_kernel`), at
     --experts experts and block height --block-m."""
@@ -459,6 +477,15 @@ def main() -> None:
     p.add_argument("--down", dest="gated", action="store_false",
                    help="the down launch (default: the gated one)")
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
+    p = sub.add_parser("moe-gluon-ws")
+    p.add_argument("--stages", type=int, default=None, help="default: gluon_ws.stages'")
+    p.add_argument("--producer-regs", type=int, default=None,
+                   help="the producer's registers (default: gluon_ws.PRODUCER_REGISTERS)")
+    p.add_argument("--n-out", type=int, default=None, help="the launch's N (its tile: "
+                   "gluon_ws.block_n)")
+    p.add_argument("--down", dest="gated", action="store_false",
+                   help="the down launch (default: the gated one)")
+    p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     p = sub.add_parser("moe-align-one")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--block-m", type=int, default=16)
@@ -481,7 +508,7 @@ def main() -> None:
     args = parser.parse_args()
     report = {"topk": topk, "moe": moe, "moe-quant": moe_quant,
               "moe-align-one": moe_align_one, "moe-fp8-gluon": moe_fp8_gluon,
-              "moe-fp8-gluon-ws": moe_fp8_gluon_ws, "w4a16": w4a16,
+              "moe-fp8-gluon-ws": moe_fp8_gluon_ws, "moe-gluon-ws": moe_gluon_ws, "w4a16": w4a16,
               "w4a16-dequant": w4a16_dequant, "mla-decode": mla_decode,
               "mla-decode-gluon": mla_decode_gluon, "mla-decode-flat": mla_decode_flat,
               "mla-prefill": mla_prefill, "dsa-sparse": dsa_sparse, "gqa-prefill": gqa,

@@ -15,7 +15,8 @@ engine's "measured"); triton_atomic / triton_torch_align (looked-up tiles, other
 triton_plain / triton_one_dot / triton_persistent1 / triton_sub_m (the looked-up tiles with
 their launch options replaced: none, the gated launch in one dot, 1 program per SM walking the
 tiles in both launches, half / quarter tiles for blocks of few rows: what each option is
-worth). A backend that fails to compile is reported in "check",
+worth); gluon_ws (128-row blocks through kernels/moe/gluon_ws.py's warp-specialized kernel,
+--backends picks a subset). A backend that fails to compile is reported in "check",
 not timed.
 
 --tune first runs the engine's tune (`moe_tune.tune_for_engine`: the quick grid at 1, 2, 4,
@@ -43,6 +44,7 @@ import torch
 
 from benchmarks.engine.w1_offline import environment
 from moeserve.config import load_model_config
+from moeserve.kernels.moe import gluon_ws
 from moeserve.kernels.moe import search as moe_search
 from moeserve.kernels.moe import tile_configs as moe_configs
 from moeserve.kernels.moe import timer as moe_timer
@@ -229,7 +231,19 @@ def make_backends() -> dict[str, MoeFn]:
             "triton_plain": triton(options="plain"),
             "triton_one_dot": triton(options="one_dot"),
             "triton_persistent1": triton(options="persistent1"),
-            "triton_sub_m": triton(options="sub_m")}
+            "triton_sub_m": triton(options="sub_m"), "gluon_ws": gluon_ws_backend}
+
+
+def gluon_ws_backend(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     weights: torch.Tensor, ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The looked-up tiles at 128-row blocks with kernels/moe/gluon_ws.py's switch on: both
+    launches its warp-specialized kernel where it supports them (sm90), else Triton's."""
+    config = {**looked_up_config(x, w13, w2, ids), "BLOCK_M": gluon_ws.BLOCK_M}
+    gluon_ws.enabled = True
+    try:
+        return moe_triton(x, w13, w2, weights, ids, config=config)
+    finally:
+        gluon_ws.enabled = False
 
 
 def looked_up_config(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -281,6 +295,8 @@ def main() -> None:
                         "parallelism: E / N experts (its tuned entries are looked up at T x "
                         "E_local / E tokens, tile_configs.tile_tokens: the layer benchmark's "
                         "token counts are then that share)")
+    parser.add_argument("--backends", nargs="+", default=None,
+                        help="time only these (make_backends' names; default: all)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     shape = num_experts, hidden, inter, top_k = expert_shape(args.preset, args.moe_tp, args.ep)
@@ -315,6 +331,11 @@ def bench(args: argparse.Namespace, result: dict, w13: torch.Tensor, w2: torch.T
           top_k: int) -> None:
     num_experts = w13.shape[0]
     backends = make_backends()
+    if args.backends:
+        unknown = sorted(set(args.backends) - set(backends))
+        if unknown:
+            raise SystemExit(f"--backends: unknown {unknown}; known: {sorted(backends)}")
+        backends = {name: backends[name] for name in args.backends}
     result["check"] = check_backends(backends, w13, w2, top_k)
     print(json.dumps({"check": result["check"]}), flush=True)
     result["rows"], result["align"] = [], []
