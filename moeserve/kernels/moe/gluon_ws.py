@@ -102,7 +102,7 @@ def launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: torc
     bn = block_n(n_out, gated)
     width = 2 * bn if gated else bn
     num_tiles = expert_ids.shape[0] * (n_out // bn)
-    grid = (min(num_tiles, _num_sms(a.device)),)  # persistent: one program an SM
+    grid = (min(num_tiles, num_sms(a.device)),)  # persistent: one program an SM
     _kernels().moe[grid](
         a, w, c, topk_weights, sorted_ids, expert_ids, num_pairs, num_tiles, n_out, k_dim,
         a.stride(0), w.stride(0), w.stride(1), c.stride(0), A_ROW_DIV=a_row_div, GATED=gated,
@@ -111,7 +111,8 @@ def launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: torc
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The device's SMs: a persistent launch's programs (also fp8_gluon_ws's)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -120,7 +121,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use (gluon imported here only), the Hopper builtins bound as
     module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, mbarrier
-    global _producer, _math, _moe_ws_kernel
+    global _producer, _math, _moe_ws_kernel, _tile_of, _store_tile
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -129,12 +130,43 @@ def _kernels() -> SimpleNamespace:
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
     mbarrier = hopper.mbarrier
-    _producer, _math = gluon.jit(_producer), gluon.jit(_math)
+    _producer, _math, _tile_of, _store_tile = (
+        gluon.jit(f) for f in (_producer, _math, _tile_of, _store_tile))
     _moe_ws_kernel = gluon.jit(do_not_specialize=["num_pairs", "num_tiles"])(_moe_ws_kernel)
     return SimpleNamespace(moe=_moe_ws_kernel)
 
 
 # ---- Gluon functions (jitted by _kernels; module globals, where the compiler finds names) ----
+
+def _tile_of(tile, N, expert_ids_ptr, BLOCK_N: gl.constexpr):
+    """A persistent program's tile (N fastest): its row block b, first column n0 and the
+    block's expert e (-1 past the used blocks). Also fp8_gluon_ws's."""
+    num_n = N // BLOCK_N
+    b = tile // num_n
+    return b, (tile % num_n) * BLOCK_N, gl.load(expert_ids_ptr + b)
+
+
+def _store_tile(acc, c_ptr, weights_ptr, sorted_ids_ptr, b, n0, num_pairs, stride_cm,
+               GATED: gl.constexpr, BLOCK_N: gl.constexpr, W: gl.constexpr):
+    """A tile's epilogue: each real pair's row of C in C's dtype (16-byte stores) from the fp32
+    accumulators [128, WIDE] in wgmma's layout: gated, silu(gate) * up (even columns gate,
+    odd up), else times the pair's routing weight. Also fp8_gluon_ws's."""
+    st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    if GATED:
+        gate, up = gl.split(gl.reshape(acc, [128, BLOCK_N, 2]))
+        out = gate / (1.0 + gl.exp(-gate)) * up  # silu(gate) * up, fp32
+    else:
+        ra = gl.arange(0, 128, layout=gl.SliceLayout(1, acc.type.layout))
+        pair_a = gl.load(sorted_ids_ptr + b * 128 + ra)
+        w_pair = gl.load(weights_ptr + pair_a, mask=pair_a < num_pairs, other=0.0)
+        out = acc * w_pair[:, None]
+    out = gl.convert_layout(out.to(c_ptr.dtype.element_ty), st_l)
+    ro = gl.arange(0, 128, layout=gl.SliceLayout(1, st_l))
+    pair_o = gl.load(sorted_ids_ptr + b * 128 + ro)
+    co = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_l))
+    gl.store(c_ptr + pair_o.to(gl.int64)[:, None] * stride_cm + n0 + co[None, :], out,
+             mask=(pair_o < num_pairs)[:, None])
+
 
 def _producer(a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_tiles, N, K,
               stride_am, stride_be, stride_bn, a_s, b_s, full, empty,
@@ -148,13 +180,10 @@ def _producer(a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_tiles
     rc = gl.arange(0, 128, layout=gl.SliceLayout(1, cp_l))
     dk = gl.arange(0, 64, layout=gl.SliceLayout(0, cp_l))
     nc = gl.arange(0, WIDE, layout=gl.SliceLayout(1, cp_l))
-    num_n = N // BLOCK_N
     num_k = K // 64
     j = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        b = tile // num_n
-        n0 = (tile % num_n) * BLOCK_N
-        e = gl.load(expert_ids_ptr + b)
+        b, n0, e = _tile_of(tile, N, expert_ids_ptr, BLOCK_N)
         if e >= 0:  # blocks past the used ones: expert -1
             pair_c = gl.load(sorted_ids_ptr + b * 128 + rc)
             a_ok = pair_c < num_pairs  # padding rows zero-filled
@@ -187,15 +216,10 @@ def _math(c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_til
     WIDE: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                     instr_shape=[16, WIDE, 16])
-    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-    st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-    num_n = N // BLOCK_N
     num_k = K // 64
     j = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        b = tile // num_n
-        n0 = (tile % num_n) * BLOCK_N
-        e = gl.load(expert_ids_ptr + b)
+        b, n0, e = _tile_of(tile, N, expert_ids_ptr, BLOCK_N)
         if e >= 0:  # blocks past the used ones: expert -1
             acc = gl.zeros([128, WIDE], gl.float32, layout=acc_l)
             for k in range(num_k):
@@ -211,21 +235,9 @@ def _math(c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_til
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES))
 
-            # epilogue: each real pair's row of C, in C's dtype (16-byte stores)
-            if GATED:  # even columns gate, odd up
-                gate, up = gl.split(gl.reshape(acc, [128, BLOCK_N, 2]))
-                out = gate / (1.0 + gl.exp(-gate)) * up  # silu(gate) * up, fp32
-            else:
-                ra = gl.arange(0, 128, layout=row_l)
-                pair_a = gl.load(sorted_ids_ptr + b * 128 + ra)
-                w_pair = gl.load(weights_ptr + pair_a, mask=pair_a < num_pairs, other=0.0)
-                out = acc * w_pair[:, None]
-            out = gl.convert_layout(out.to(c_ptr.dtype.element_ty), st_l)
-            ro = gl.arange(0, 128, layout=gl.SliceLayout(1, st_l))
-            pair_o = gl.load(sorted_ids_ptr + b * 128 + ro)
-            co = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_l))
-            gl.store(c_ptr + pair_o.to(gl.int64)[:, None] * stride_cm + n0 + co[None, :], out,
-                     mask=(pair_o < num_pairs)[:, None])
+            # the epilogue, while the producer fills the next tile's stages
+            _store_tile(acc, c_ptr, weights_ptr, sorted_ids_ptr, b, n0, num_pairs, stride_cm,
+                       GATED, BLOCK_N, W)
 
 
 def _moe_ws_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,

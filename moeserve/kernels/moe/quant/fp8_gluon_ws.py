@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from moeserve.kernels.moe import gluon_ws
 from moeserve.kernels.moe.quant import fp8_gluon
 
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
@@ -55,6 +56,8 @@ mbarrier: Any = None
 _copy_step: Any = None  # fp8_gluon's jitted helpers, bound by _kernels()
 _promote: Any = None
 _scales: Any = None
+_tile_of: Any = None  # gluon_ws's
+_store_tile: Any = None
 
 BLOCK_M = 128  # two math warpgroups of 64 rows
 MATH_WARPS = 8
@@ -76,7 +79,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
     t = fp8_gluon.tiles(BLOCK_M, gated)
     unroll = fp8_gluon.unroll(k_dim, t["wide"])
     num_tiles = expert_ids.shape[0] * (n_out // t["BLOCK_N"])
-    grid = (min(num_tiles, _num_sms(a.device)),)  # persistent: one program an SM
+    grid = (min(num_tiles, gluon_ws.num_sms(a.device)),)  # persistent: one program an SM
     _kernels().moe[grid](
         a, a_scale, w.qweight, w.scale, c, topk_weights, sorted_ids, expert_ids,
         num_pairs, num_tiles, n_out, k_dim, a.stride(0), a_scale.stride(0),
@@ -87,16 +90,11 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: Any, c: torch.Tensor,
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
 def _kernels() -> SimpleNamespace:
-    """Jit the kernel on first use, fp8_gluon's helpers and the Hopper builtins bound as
-    module globals (where the compiler resolves names)."""
+    """Jit the kernel on first use, fp8_gluon's and gluon_ws's helpers and the Hopper builtins
+    bound as module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, mbarrier
-    global _copy_step, _promote, _scales
+    global _copy_step, _promote, _scales, _tile_of, _store_tile
     global _producer, _math, _wait_issue, _moe_fp8_ws_kernel
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
@@ -106,6 +104,8 @@ def _kernels() -> SimpleNamespace:
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma, mbarrier = hopper.warpgroup_mma, hopper.mbarrier
     _copy_step, _promote, _scales = fp8_gluon._copy_step, fp8_gluon._promote, fp8_gluon._scales
+    gluon_ws._kernels()
+    _tile_of, _store_tile = gluon_ws._tile_of, gluon_ws._store_tile
     _producer, _math, _wait_issue = (gluon.jit(f) for f in (_producer, _math, _wait_issue))
     _moe_fp8_ws_kernel = gluon.jit(do_not_specialize=["num_pairs", "num_tiles"])(
         _moe_fp8_ws_kernel)
@@ -128,13 +128,10 @@ def _producer(a_ptr, as_ptr, b_ptr, bs_ptr, sorted_ids_ptr, expert_ids_ptr, num_
     dk = gl.arange(0, 128, layout=gl.SliceLayout(0, cp_l))
     nc = gl.arange(0, WIDE, layout=gl.SliceLayout(1, cp_l))
     wi = gl.arange(0, 2, layout=w_l)
-    num_n = N // BLOCK_N
     num_k = K // 128
     g = 0  # steps issued before this tile
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        b = tile // num_n
-        n0 = (tile % num_n) * BLOCK_N
-        e = gl.load(expert_ids_ptr + b)
+        b, n0, e = _tile_of(tile, N, expert_ids_ptr, BLOCK_N)
         if e >= 0:  # blocks past the used ones: expert -1
             pair_c = gl.load(sorted_ids_ptr + b * 128 + rc)
             a_ok = pair_c < num_pairs
@@ -182,15 +179,11 @@ def _math(c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_til
                                                     instr_shape=[16, WIDE, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
     w_l: gl.constexpr = gl.BlockedLayout([2], [32], [W], [0])
-    st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
     col_gate = gl.arange(0, WIDE, layout=gl.SliceLayout(0, acc_l)) % 2 == 0
-    num_n = N // BLOCK_N
     num_k = K // 128
     g = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        b = tile // num_n
-        n0 = (tile % num_n) * BLOCK_N
-        e = gl.load(expert_ids_ptr + b)
+        b, n0, e = _tile_of(tile, N, expert_ids_ptr, BLOCK_N)
         if e >= 0:  # blocks past the used ones: expert -1
             # every wgmma of the tile before retired: the accumulators start from zeros
             acc = gl.zeros([128, WIDE], gl.float32, layout=acc_l)
@@ -217,23 +210,9 @@ def _math(c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_til
                 mbarrier.arrive(empty.index((g + it * UNROLL + UNROLL - 1) % STAGES))
             g += num_k
 
-            # epilogue (the producer already filling the next tile's stages): each real
-            # pair's row of C, in C's dtype (16-byte stores)
-            ra = gl.arange(0, 128, layout=row_l)
-            pair_a = gl.load(sorted_ids_ptr + b * 128 + ra)
-            row_ok = pair_a < num_pairs
-            if GATED:  # even columns gate, odd up
-                gate, up = gl.split(gl.reshape(acc, [128, BLOCK_N, 2]))
-                out = gate / (1.0 + gl.exp(-gate)) * up  # silu(gate) * up, fp32
-            else:
-                w_pair = gl.load(weights_ptr + pair_a, mask=row_ok, other=0.0)
-                out = acc * w_pair[:, None]
-            out = gl.convert_layout(out.to(c_ptr.dtype.element_ty), st_l)
-            ro = gl.arange(0, 128, layout=gl.SliceLayout(1, st_l))
-            pair_o = gl.load(sorted_ids_ptr + b * 128 + ro)
-            co = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_l))
-            gl.store(c_ptr + pair_o.to(gl.int64)[:, None] * stride_cm + n0 + co[None, :], out,
-                     mask=(pair_o < num_pairs)[:, None])
+            # the epilogue, while the producer fills the next tile's stages
+            _store_tile(acc, c_ptr, weights_ptr, sorted_ids_ptr, b, n0, num_pairs, stride_cm,
+                       GATED, BLOCK_N, W)
 
 
 def _moe_fp8_ws_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, weights_ptr, sorted_ids_ptr,
