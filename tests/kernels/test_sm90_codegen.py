@@ -69,13 +69,16 @@ CASES = {  # name: kernel_sass arguments
     "gluon-moe-fp8-down-loaded-scales": "moe-fp8-gluon --block-m 64 --down --loaded-scales",
     "gluon-moe-fp8-ws": "moe-fp8-gluon-ws",
     "gluon-moe-fp8-ws-down": "moe-fp8-gluon-ws --down",
+    # the bf16 MoE's warp-specialized Gluon grouped GEMM (kernels/moe/gluon_ws.py)
+    "gluon-moe-ws": "moe-gluon-ws",
+    "gluon-moe-ws-down": "moe-gluon-ws --down",
 }
 # cases whose point is wgmmas left running through other work: ptxas must not serialize them,
 # and the main loop must keep one step's in flight (a wait above 0) without spilling
 OVERLAPPED = {"gluon-moe-fp8", "gluon-moe-fp8-one_dot-64", "gluon-moe-fp8-down",
               "gluon-moe-fp8-down-64", "gluon-moe-fp8-one_dot-n32", "gluon-moe-fp8-down-n64",
               "gluon-moe-fp8-loaded-scales", "gluon-moe-fp8-down-loaded-scales",
-              "gluon-moe-fp8-ws"}
+              "gluon-moe-fp8-ws", "gluon-moe-ws", "gluon-moe-ws-down"}
 GPU_TRITON = ROOT / ".venv" / "gpu-triton"  # scripts/setup.sh's
 
 
