@@ -12,6 +12,8 @@
 #      (default: what is left until W1_END_S, 540 s into the call; quant_w1_h200.sh)
 #      -> $OUT/quant_w1.tgz
 #   bash benchmarks/h200/ws_moe_h200.sh
+#   SKIP_FP8=1 W1_END_S=0 BF16_PRESETS=glm-4.7-flash bash benchmarks/h200/ws_moe_h200.sh
+#       # the bf16 kernel's tests and one timing alone (~3 minutes)
 set -uo pipefail
 W1_END_S=${W1_END_S:-540}
 source benchmarks/gpu_env.sh
@@ -37,6 +39,7 @@ for r in d.get("rows", []):
           "tflops", r.get("tflops"), "read%", r.get("pct_of_read_bound"))
 PY
 done
+if [ -z "${SKIP_FP8:-}" ]; then
 timeout -s KILL ${FP8_TESTS_TIMEOUT:-60} python3 -m pytest -q -m gpu -p no:cacheprovider -x \
   tests/kernels/moe/test_moe_fp8_gluon.py -k warp_specialized > $OUT/fp8_tests.log 2>&1
 echo "FP8 WS tests rc=$?: $(tail -1 $OUT/fp8_tests.log)"
@@ -56,7 +59,9 @@ for r in d["moe"]:
     print(r["shape"], r["tokens"], r.get("fp8_moe"), r.get("ms"), "read%",
           r.get("pct_of_read_bound"), "peak%", r.get("pct_of_fp8_peak"), r.get("error", ""))
 PY
+fi
 tar czf $OUT/kq.tgz -C /tmp kq
+[ "$W1_END_S" -gt 0 ] || exit 0
 FORMATS=${W1_FORMATS:-bf16 fp8} CONCS=${W1_CONCS:-256 512 1024} BUDGET_S=${W1_BUDGET_S:-$((W1_END_S - SECONDS))} \
   bash benchmarks/h200/quant_w1_h200.sh /tmp/qw1 > $OUT/w1.log 2>&1
 tail -5 $OUT/w1.log
