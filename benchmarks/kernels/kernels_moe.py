@@ -236,14 +236,14 @@ def make_backends() -> dict[str, MoeFn]:
 
 def gluon_ws_backend(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      weights: torch.Tensor, ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The looked-up tiles at 128-row blocks with kernels/moe/gluon_ws.py's switch on: both
+    """The looked-up tiles at 128-row blocks with kernels/moe/gluon_ws.py's mode "on": both
     launches its warp-specialized kernel where it supports them (sm90), else Triton's."""
     config = {**looked_up_config(x, w13, w2, ids), "BLOCK_M": gluon_ws.BLOCK_M}
-    gluon_ws.enabled = True
+    mode, gluon_ws.mode = gluon_ws.mode, "on"
     try:
         return moe_triton(x, w13, w2, weights, ids, config=config)
     finally:
-        gluon_ws.enabled = False
+        gluon_ws.mode = mode
 
 
 def looked_up_config(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

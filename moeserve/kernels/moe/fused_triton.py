@@ -55,7 +55,7 @@ ones (expert id -1) return at once, and experts with no pairs have no blocks. No
 device value on the host, so the op can be captured in a CUDA graph. fp32 uses
 `input_precision="ieee"` (no TF32), so it matches the torch reference tightly.
 
-On sm90 with `gluon_ws.enabled` (an experiment, off), launches of 128-row blocks run
+On sm90 under `gluon_ws.mode` (an experiment, "off"), launches of 128-row blocks run
 kernels/moe/gluon_ws.py's warp-specialized, persistent Gluon kernel instead (its 128 x 256
 tiles for many rows an expert; `_launch`).
 
@@ -165,10 +165,10 @@ def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: tor
     gated: w is w13 ([E, 2I, H]); N = I and the program computes silu(gate) * up (ONE_DOT: in
     one dot of twice the width). Otherwise w is w2 ([E, H, I]); N = H and rows are scaled by
     their routing weight. PERSISTENT n > 0: n programs per SM walk the used tiles. Where
-    gluon_ws takes the launch (its switch on, 128-row blocks, sm90), its warp-specialized
+    gluon_ws takes the launch (its mode, 128-row blocks, sm90), its warp-specialized
     kernel runs it instead.
     """
-    if gluon_ws.takes(a, w, c, config["BLOCK_M"], gated, atomic, c_row_div):
+    if gluon_ws.takes(a, w, c, config["BLOCK_M"], gated, atomic, c_row_div, num_pairs):
         gluon_ws.launch(a, w, c, topk_weights, sorted_ids, expert_ids, num_pairs,
                         a_row_div=a_row_div, gated=gated)
         return

@@ -25,8 +25,9 @@ memory (the warp-specialized, persistent mainloops of CUTLASS and DeepGEMM):
 
 Bounds (`supports`): CUDA sm90, bf16 / fp16, K a multiple of 64, N of the launch's N tile
 (`block_n`), "sum" combine (no atomics), every last dimension contiguous. fused_triton's
-`_launch` calls it where `enabled` and `takes` hold and the row blocks are 128 high.
-An experiment: off (`enabled`) until timed (benchmarks/kernels/kernels_moe.py's "gluon_ws").
+`_launch` calls it where `takes` holds: `mode` "on", or "auto" where the op has a full row
+block an expert on average (pairs >= 128 x experts), the row blocks 128 high. An experiment:
+"off" until timed (benchmarks/kernels/kernels_moe.py's "gluon_ws" backend runs it "on").
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ warpgroup_mma: Any = None
 warpgroup_mma_wait: Any = None
 mbarrier: Any = None
 
-enabled = False  # the switch (kernels_moe's "gluon_ws" backend turns it on)
+mode = "off"  # the switch: "off", "auto" (many rows an expert) or "on" (kernels_moe's "gluon_ws")
+MODES = ("off", "auto", "on")
 BLOCK_M = 128  # two math warpgroups of 64 rows
 BLOCK_K = 64  # a row's 128 bytes a step: the 128-byte swizzle
 MATH_WARPS = 8
@@ -84,10 +86,14 @@ def supports(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, gated: bool) -> 
 
 
 def takes(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, block_m: int, gated: bool,
-          atomic: bool, c_row_div: int) -> bool:
-    """Whether fused_triton's launch is handed to this kernel: the switch on, 128-row blocks,
-    the "sum" combine's plain row stores, `supports`."""
-    return (enabled and block_m == BLOCK_M and not atomic and c_row_div == 1
+          atomic: bool, c_row_div: int, num_pairs: int) -> bool:
+    """Whether fused_triton's launch is handed to this kernel: `mode` "on", or "auto" with
+    num_pairs >= 128 x the experts in w; 128-row blocks, the "sum" combine's plain row stores,
+    `supports`."""
+    if mode not in MODES:
+        raise ValueError(f"gluon_ws.mode {mode!r} is not one of {MODES}")
+    wanted = mode == "on" or (mode == "auto" and num_pairs >= BLOCK_M * w.shape[0])
+    return (wanted and block_m == BLOCK_M and not atomic and c_row_div == 1
             and supports(a, w, c, gated))
 
 

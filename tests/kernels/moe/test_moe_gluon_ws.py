@@ -32,6 +32,29 @@ def test_stages_fill_shared_memory_beside_the_epilogue() -> None:
     assert gluon_ws.stages(256, 2) * (128 + 256) * 64 * 2 + 16 * 1024 <= gluon_ws.SMEM_BYTES
 
 
+def test_auto_wants_a_full_block_an_expert_on_average(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """"auto" hands over a launch only from 128 pairs an expert (here the switch's rule alone:
+    `supports` is stubbed true); "off" never, "on" always, an unknown mode refused."""
+    monkeypatch.setattr(gluon_ws, "supports", lambda *args: True)
+    a = c = torch.empty(0)
+    w = torch.empty(16, 0, 0)  # 16 experts: 2,048 pairs a full block each
+
+    def takes(num_pairs: int, block_m: int = 128) -> bool:
+        return gluon_ws.takes(a, w, c, block_m, True, False, 1, num_pairs)
+
+    assert not takes(2048)  # "off", the default
+    monkeypatch.setattr(gluon_ws, "mode", "auto")
+    assert takes(2048) and not takes(2047)
+    assert not takes(4096, block_m=64)  # the align's blocks must be 128 high
+    assert not gluon_ws.takes(a, w, c, 128, True, True, 1, 4096)  # atomic combine
+    monkeypatch.setattr(gluon_ws, "mode", "on")
+    assert takes(1)
+    monkeypatch.setattr(gluon_ws, "mode", "yes")
+    with pytest.raises(ValueError, match="'yes' is not one of"):
+        takes(1)
+
+
 def test_a_cpu_launch_never_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The switch on, a CPU op runs Triton's kernel (the interpreter): the same bits as off."""
     if torch.cuda.is_available():
@@ -44,7 +67,7 @@ def test_a_cpu_launch_never_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
     config = {"BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 4,
               "num_stages": 2}
     off = moe_triton(x, w13, w2, weights, ids, config=config)
-    monkeypatch.setattr(gluon_ws, "enabled", True)
+    monkeypatch.setattr(gluon_ws, "mode", "on")
     calls = []
     monkeypatch.setattr(gluon_ws, "launch", lambda *a, **k: calls.append(k))
     assert torch.equal(moe_triton(x, w13, w2, weights, ids, config=config), off)
@@ -79,10 +102,10 @@ def _inputs(num_tokens: int, seed: int, dtype: torch.dtype, off_rank: bool = Fal
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """gluon_ws switched on, its launches' `gated` recorded."""
+    """gluon_ws's mode "on", its launches' `gated` recorded."""
     launches: list[bool] = []
     real = gluon_ws.launch
-    monkeypatch.setattr(gluon_ws, "enabled", True)
+    monkeypatch.setattr(gluon_ws, "mode", "on")
     monkeypatch.setattr(gluon_ws, "launch",
                         lambda *a, **k: launches.append(k["gated"]) or real(*a, **k))
     return launches
