@@ -26,8 +26,13 @@ memory (the warp-specialized, persistent mainloops of CUTLASS and DeepGEMM):
 Bounds (`supports`): CUDA sm90, bf16 / fp16, K a multiple of 64, N of the launch's N tile
 (`block_n`), "sum" combine (no atomics), every last dimension contiguous. fused_triton's
 `_launch` calls it where `takes` holds: `mode` "on", or "auto" where the op has a full row
-block an expert on average (pairs >= 128 x experts), the row blocks 128 high. An experiment:
-"off" until timed (benchmarks/kernels/kernels_moe.py's "gluon_ws" backend runs it "on").
+block an expert on average (pairs >= 128 x experts), the row blocks 128 high. "off" by
+default: on an H100 (benchmarks/results/gpu_c06bad4/, kernels_moe's "gluon_ws" backend, the
+whole routed layer) it is correct (8 GPU tests) but barely ahead: glm-4.7-flash's experts at
+8,192 tokens 1.396 / 1.500 ms against Triton's 1.445 / 1.567 (dummy / skewed routing; 56% of
+787 TFLOP/s), qwen3-30b-a3b's level (1.448 / 1.441), at 2,048 tokens with skewed routing 4-7%
+slower. What binds it is not yet profiled (the math partition's barrier arrive a step, the
+epilogue the math waits through, L2).
 """
 
 from __future__ import annotations

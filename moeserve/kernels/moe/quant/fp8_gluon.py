@@ -66,7 +66,8 @@ BLOCK_K = FP8_GROUP  # one scale column a step
 backend = "gluon"
 BACKENDS = ("triton", "gluon", "gluon-128", "gluon-down", "gluon-ws")
 # "gluon-ws": fp8_gluon_ws.py's warp-specialized kernel (loads in their own warps, STAGES
-# ahead), 128-row blocks as with "gluon-128"; an experiment until timed
+# ahead), 128-row blocks as with "gluon-128"; an experiment, slower in both of its
+# forms (fp8_gluon_ws.py says by how much)
 # The gated launch's gate and up rows interleaved in one weight tile, one wgmma a step reading
 # A once (two: A read for each; kernels_quant --fp8-gluon-dot). One by default: level or ahead
 # on an H100 (gpu_6433006/call1: 8,192 tokens 1.358 against 1.371 ms, 1,024 0.318 / 0.320).

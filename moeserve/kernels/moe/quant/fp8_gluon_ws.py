@@ -29,12 +29,13 @@ Triton 3.6: `bar.sync 0, 256` then `@tid0 mbarrier.arrive`), so `empty[s]` count
 step, made after every math warp retired the step's wgmmas.
 
 Shared memory: STAGES x (A 16 KB + weight tile 16 KB + scales 0.5 KB); one program an SM.
-An experiment (backend "gluon-ws"). Its first, one-tile-a-program form was correct on an
-H100 (its GPU test) but slower than fp8_gluon's two programs an SM
-(benchmarks/results/gpu_106c118/call1, qwen3-30b-a3b's experts: 8,192 tokens 1.440 against
-1.370 ms, 1,024 0.360 against 0.312): one program an SM left each tile's start (the first
-stages' latency) and epilogue exposed, ~6 us of math a tile at the peak. This persistent form
-is untimed and its GPU test not yet run.
+An experiment (backend "gluon-ws"), slower in both forms on an H100 (qwen3-30b-a3b's
+experts): one tile a program (benchmarks/results/gpu_106c118/call1) 1.440 ms at 8,192 tokens
+and 0.360 at 1,024 against fp8_gluon's two programs an SM at 1.370 / 0.312; this persistent
+form (gpu_c06bad4/call2; its GPU test passed) 1.491 / 0.366 against 1.297 / 0.315. With the
+per-step promotion's product sets a thread's registers allow no wider tile than 128 x 128,
+which at the FP8 peak asks L2 for ~11 TB/s: the lever left is fewer L2 bytes a FLOP (the
+weight tile multicast over a cluster by TMA), not deeper loads.
 """
 
 from __future__ import annotations
