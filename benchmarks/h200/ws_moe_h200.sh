@@ -2,7 +2,7 @@
 # The MoE's two warp-specialized, persistent Gluon kernels, one call (~9-10 minutes):
 #   1. bf16 (kernels/moe/gluon_ws.py): its GPU tests (killed at BF16_TESTS_TIMEOUT: a hang of
 #      its barriers) -> $OUT/bf16_tests.log; then kernels_moe, Triton's looked-up tiles against
-#      it, glm-4.7-flash's and qwen3-30b-a3b's experts at BF16_TOKENS (default 1024 2048 8192)
+#      it in both its stage-release forms (BF16_BACKENDS), glm-4.7-flash's and qwen3-30b-a3b's experts at BF16_TOKENS (default 1024 2048 8192)
 #      -> kernels_moe_<preset>.json in $OUT/kq.tgz
 #   2. FP8 (kernels/moe/quant/fp8_gluon_ws.py, persistent since session 51): its GPU test
 #      (killed at FP8_TESTS_TIMEOUT) -> $OUT/fp8_tests.log; kernels_quant's gluon against
@@ -24,7 +24,8 @@ echo "bf16 WS tests rc=$?: $(tail -1 $OUT/bf16_tests.log)"
 grep -E "^(FAILED|ERROR)|Error" $OUT/bf16_tests.log | head -10
 for preset in ${BF16_PRESETS:-glm-4.7-flash qwen3-30b-a3b}; do
   timeout -s KILL ${BF16_KQ_TIMEOUT:-80} python3 -m benchmarks.kernels.kernels_moe --out /tmp/kq \
-    --preset $preset --tokens ${BF16_TOKENS:-1024 2048 8192} --backends triton gluon_ws \
+    --preset $preset --tokens ${BF16_TOKENS:-1024 2048 8192} \
+    --backends ${BF16_BACKENDS:-triton gluon_ws gluon_ws_thread_arrive} \
     > /tmp/kq/bf16_$preset.log 2>&1
   echo "kernels_moe $preset rc=$?"
   python3 - /tmp/kq/kernels_moe_$preset.json <<'PY'

@@ -128,6 +128,7 @@ def moe_gluon_ws(args: argparse.Namespace) -> dict:
     const = dict(A_ROW_DIV=8 if args.gated else 1, GATED=args.gated, BLOCK_N=bn,
                  STAGES=args.stages or ws.stages(2 * bn if args.gated else bn, 2),
                  MATH_W=ws.MATH_WARPS, PRODUCER_W=ws.PRODUCER_WARPS,
+                 THREAD_ARRIVE=args.thread_arrive or ws.arrive_per_thread,
                  PRODUCER_REGS=args.producer_regs or ws.PRODUCER_REGISTERS)
     kernel = ws._kernels().moe
     return {"BLOCK_N": bn, "STAGES": const["STAGES"],
@@ -483,6 +484,9 @@ def main() -> None:
                    help="the producer's registers (default: gluon_ws.PRODUCER_REGISTERS)")
     p.add_argument("--n-out", type=int, default=None, help="the launch's N (its tile: "
                    "gluon_ws.block_n)")
+    p.add_argument("--thread-arrive", action="store_true",
+                   help="each math thread arrives on a stage's empty barrier "
+                   "(gluon_ws.arrive_per_thread)")
     p.add_argument("--down", dest="gated", action="store_false",
                    help="the down launch (default: the gated one)")
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")

@@ -15,8 +15,9 @@ engine's "measured"); triton_atomic / triton_torch_align (looked-up tiles, other
 triton_plain / triton_one_dot / triton_persistent1 / triton_sub_m (the looked-up tiles with
 their launch options replaced: none, the gated launch in one dot, 1 program per SM walking the
 tiles in both launches, half / quarter tiles for blocks of few rows: what each option is
-worth); gluon_ws (128-row blocks through kernels/moe/gluon_ws.py's warp-specialized kernel,
---backends picks a subset). A backend that fails to compile is reported in "check",
+worth); gluon_ws / gluon_ws_thread_arrive (128-row blocks through kernels/moe/gluon_ws.py's
+warp-specialized kernel, its stages released by a barrier or by each thread; --backends
+picks a subset). A backend that fails to compile is reported in "check",
 not timed.
 
 --tune first runs the engine's tune (`moe_tune.tune_for_engine`: the quick grid at 1, 2, 4,
@@ -231,19 +232,25 @@ def make_backends() -> dict[str, MoeFn]:
             "triton_plain": triton(options="plain"),
             "triton_one_dot": triton(options="one_dot"),
             "triton_persistent1": triton(options="persistent1"),
-            "triton_sub_m": triton(options="sub_m"), "gluon_ws": gluon_ws_backend}
+            "triton_sub_m": triton(options="sub_m"), "gluon_ws": gluon_ws_backend(False),
+            "gluon_ws_thread_arrive": gluon_ws_backend(True)}
 
 
-def gluon_ws_backend(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     weights: torch.Tensor, ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The looked-up tiles at 128-row blocks with kernels/moe/gluon_ws.py's mode "on": both
-    launches its warp-specialized kernel where it supports them (sm90), else Triton's."""
-    config = {**looked_up_config(x, w13, w2, ids), "BLOCK_M": gluon_ws.BLOCK_M}
-    mode, gluon_ws.mode = gluon_ws.mode, "on"
-    try:
-        return moe_triton(x, w13, w2, weights, ids, config=config)
-    finally:
-        gluon_ws.mode = mode
+def gluon_ws_backend(thread_arrive: bool) -> MoeFn:
+    """The looked-up tiles at 128-row blocks with kernels/moe/gluon_ws.py's mode "on" (its
+    `arrive_per_thread` as given): both launches its warp-specialized kernel where it supports
+    them (sm90), else Triton's."""
+
+    def fn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+           ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        config = {**looked_up_config(x, w13, w2, ids), "BLOCK_M": gluon_ws.BLOCK_M}
+        saved = gluon_ws.mode, gluon_ws.arrive_per_thread
+        gluon_ws.mode, gluon_ws.arrive_per_thread = "on", thread_arrive
+        try:
+            return moe_triton(x, w13, w2, weights, ids, config=config)
+        finally:
+            gluon_ws.mode, gluon_ws.arrive_per_thread = saved
+    return fn
 
 
 def looked_up_config(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -72,13 +72,15 @@ CASES = {  # name: kernel_sass arguments
     # the bf16 MoE's warp-specialized Gluon grouped GEMM (kernels/moe/gluon_ws.py)
     "gluon-moe-ws": "moe-gluon-ws",
     "gluon-moe-ws-down": "moe-gluon-ws --down",
+    "gluon-moe-ws-thread-arrive": "moe-gluon-ws --thread-arrive",
 }
 # cases whose point is wgmmas left running through other work: ptxas must not serialize them,
 # and the main loop must keep one step's in flight (a wait above 0) without spilling
 OVERLAPPED = {"gluon-moe-fp8", "gluon-moe-fp8-one_dot-64", "gluon-moe-fp8-down",
               "gluon-moe-fp8-down-64", "gluon-moe-fp8-one_dot-n32", "gluon-moe-fp8-down-n64",
               "gluon-moe-fp8-loaded-scales", "gluon-moe-fp8-down-loaded-scales",
-              "gluon-moe-fp8-ws", "gluon-moe-ws", "gluon-moe-ws-down"}
+              "gluon-moe-fp8-ws", "gluon-moe-ws", "gluon-moe-ws-down",
+              "gluon-moe-ws-thread-arrive"}
 GPU_TRITON = ROOT / ".venv" / "gpu-triton"  # scripts/setup.sh's
 
 

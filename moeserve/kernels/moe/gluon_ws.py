@@ -60,6 +60,11 @@ PRODUCER_WARPS = 4
 # in the gated launch, 96 none); the math warps take what the 384 threads' share leaves (208)
 PRODUCER_REGISTERS = 96
 SMEM_BYTES = 227 * 1024  # sm90's shared memory a block
+# How the math warps release a stage (a switch, untimed): False, `mbarrier.arrive` (a barrier
+# of the 8 warps, then one thread's arrive: `empty` counts 1); True, each math thread's own
+# arrive (cp.async.mbarrier.arrive.noinc, which with no copy of its own in flight arrives at
+# once: `empty` counts 256), no barrier a step, the warpgroups free to drift apart
+arrive_per_thread = False
 # accumulator columns a launch: the gated one's gate and up halves of 128 each (interleaved,
 # one wgmma), the down one's 256; smaller where the width does not divide (`block_n`)
 GATED_WIDTH, DOWN_WIDTH = 256, 256
@@ -118,6 +123,7 @@ def launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: torc
         a, w, c, topk_weights, sorted_ids, expert_ids, num_pairs, num_tiles, n_out, k_dim,
         a.stride(0), w.stride(0), w.stride(1), c.stride(0), A_ROW_DIV=a_row_div, GATED=gated,
         BLOCK_N=bn, STAGES=stages(width, a.element_size()), MATH_W=MATH_WARPS,
+        THREAD_ARRIVE=arrive_per_thread,
         PRODUCER_W=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGISTERS, num_warps=MATH_WARPS)
 
 
@@ -132,7 +138,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel on first use (gluon imported here only), the Hopper builtins bound as
     module globals (where the compiler resolves names)."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, mbarrier
-    global _producer, _math, _moe_ws_kernel, _tile_of, _store_tile
+    global _producer, _math, _moe_ws_kernel, _tile_of, _store_tile, _release
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -141,8 +147,8 @@ def _kernels() -> SimpleNamespace:
     async_copy, fence_async_shared = hopper.async_copy, hopper.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = hopper.warpgroup_mma, hopper.warpgroup_mma_wait
     mbarrier = hopper.mbarrier
-    _producer, _math, _tile_of, _store_tile = (
-        gluon.jit(f) for f in (_producer, _math, _tile_of, _store_tile))
+    _producer, _math, _tile_of, _store_tile, _release = (
+        gluon.jit(f) for f in (_producer, _math, _tile_of, _store_tile, _release))
     _moe_ws_kernel = gluon.jit(do_not_specialize=["num_pairs", "num_tiles"])(_moe_ws_kernel)
     return SimpleNamespace(moe=_moe_ws_kernel)
 
@@ -177,6 +183,15 @@ def _store_tile(acc, c_ptr, weights_ptr, sorted_ids_ptr, b, n0, num_pairs, strid
     co = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st_l))
     gl.store(c_ptr + pair_o.to(gl.int64)[:, None] * stride_cm + n0 + co[None, :], out,
              mask=(pair_o < num_pairs)[:, None])
+
+
+def _release(bar, THREAD_ARRIVE: gl.constexpr):
+    """The math warps' arrive on a stage's `empty` once they retired its wgmmas
+    (`arrive_per_thread`)."""
+    if THREAD_ARRIVE:
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+    else:
+        mbarrier.arrive(bar)
 
 
 def _producer(a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_tiles, N, K,
@@ -220,7 +235,7 @@ def _producer(a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_tiles
 
 def _math(c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_tiles, N, K,
           stride_cm, a_s, b_s, full, empty, GATED: gl.constexpr, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr, W: gl.constexpr):
+          STAGES: gl.constexpr, W: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
     """Per tile of this program: the wgmmas, each step's stage released once the next one's
     wgmma is issued and it retired, then the epilogue, in W warps; j counts the steps as the
     producer does."""
@@ -241,10 +256,10 @@ def _math(c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_til
                                     is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 if k > 0:  # step j - 1 retired: its stage is the producer's again
-                    mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES))
+                    _release(empty.index((j + STAGES - 1) % STAGES), THREAD_ARRIVE)
                 j += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES))
+            _release(empty.index((j + STAGES - 1) % STAGES), THREAD_ARRIVE)
 
             # the epilogue, while the producer fills the next tile's stages
             _store_tile(acc, c_ptr, weights_ptr, sorted_ids_ptr, b, n0, num_pairs, stride_cm,
@@ -254,7 +269,8 @@ def _math(c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_til
 def _moe_ws_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
                    num_pairs, num_tiles, N, K, stride_am, stride_be, stride_bn, stride_cm,
                    A_ROW_DIV: gl.constexpr, GATED: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, MATH_W: gl.constexpr, PRODUCER_W: gl.constexpr,
+                   STAGES: gl.constexpr, MATH_W: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
+                   PRODUCER_W: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr):
     """A persistent program: shared memory and barriers, then the producer and math
     partitions (module docstring)."""
@@ -268,10 +284,12 @@ def _moe_ws_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=32 * PRODUCER_W)  # the producer's threads
-        mbarrier.init(empty.index(s), count=1)  # the math partition's arrive
+        # the math partition's arrive, or each of its threads' (THREAD_ARRIVE)
+        mbarrier.init(empty.index(s), count=32 * MATH_W if THREAD_ARRIVE else 1)
     gl.warp_specialize([
         (_math, (c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_tiles, N,
-                 K, stride_cm, a_s, b_s, full, empty, GATED, BLOCK_N, STAGES, MATH_W)),
+                 K, stride_cm, a_s, b_s, full, empty, GATED, BLOCK_N, STAGES, MATH_W,
+                 THREAD_ARRIVE)),
         (_producer, (a_ptr, b_ptr, sorted_ids_ptr, expert_ids_ptr, num_pairs, num_tiles, N, K,
                      stride_am, stride_be, stride_bn, a_s, b_s, full, empty, A_ROW_DIV,
                      GATED, BLOCK_N, STAGES, PRODUCER_W)),

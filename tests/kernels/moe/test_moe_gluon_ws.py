@@ -113,13 +113,16 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm90 GPU")
+@pytest.mark.parametrize("thread_arrive", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens", [1, 300, 2048])
 def test_gpu_both_launches_match_triton_and_the_loop(experts: dict, num_tokens: int,
-                                                     dtype: torch.dtype,
+                                                     dtype: torch.dtype, thread_arrive: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both launches its (one block of mostly padding, several blocks an expert); the output
-    within bf16's error of Triton's kernel and of the fp32 per-expert loop."""
+    """Both launches its (one block of mostly padding, several blocks an expert), the stages
+    released either way (`arrive_per_thread`); the output within bf16's error of Triton's
+    kernel and of the fp32 per-expert loop."""
+    monkeypatch.setattr(gluon_ws, "arrive_per_thread", thread_arrive)
     w13, w2 = experts[dtype]
     x, weights, ids = _inputs(num_tokens, seed=num_tokens, dtype=dtype)
     triton_out = moe_triton(x, w13, w2, weights, ids, config=CONFIG).float()
