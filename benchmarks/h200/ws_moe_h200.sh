@@ -2,7 +2,8 @@
 # The MoE's two warp-specialized, persistent Gluon kernels, one call (~9-10 minutes):
 #   1. bf16 (kernels/moe/gluon_ws.py): its GPU tests (killed at BF16_TESTS_TIMEOUT: a hang of
 #      its barriers) -> $OUT/bf16_tests.log; then kernels_moe, Triton's looked-up tiles against
-#      it in both its stage-release forms (BF16_BACKENDS), glm-4.7-flash's and qwen3-30b-a3b's experts at BF16_TOKENS (default 1024 2048 8192)
+#      it in both its stage-release forms (BF16_BACKENDS), glm-4.7-flash's and qwen3-30b-a3b's
+#      experts (BF16_PRESETS) at BF16_TOKENS (default 1024 2048 8192)
 #      -> kernels_moe_<preset>.json in $OUT/kq.tgz
 #   2. FP8 (kernels/moe/quant/fp8_gluon_ws.py, persistent since session 51): its GPU test
 #      (killed at FP8_TESTS_TIMEOUT) -> $OUT/fp8_tests.log; kernels_quant's gluon against
