@@ -36,9 +36,9 @@ for r in d.get("rows", []):
 PY
 dir=/tmp/ncu_ws; mkdir -p $dir
 sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
-for backend in ${NCU_BACKENDS:-triton gluon_ws gluon_ws_thread_arrive}; do
+for backend in ${NCU_BACKENDS:-triton gluon_ws}; do
   # shellcheck disable=SC2086
-  NCU_ALL=1 ncu_profile $dir ncu_$backend ${NCU_TIMEOUT:-100} \
+  NCU_ALL=1 ncu_profile $dir ncu_$backend ${NCU_TIMEOUT:-80} \
     "Duration|Throughput|Issue Slots|Issued Ipc|Registers|Pipe|L2 Cache|L1/TEX Hit|L2 Hit|Shared Memory|Block Size|Grid Size" \
     --clock-control none -k regex:"_fused_moe_kernel|_moe_ws_kernel" -c 2 $sections \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,lts__t_bytes.sum.per_second,lts__t_sectors_srcunit_tex.sum,dram__bytes_read.sum" -- \

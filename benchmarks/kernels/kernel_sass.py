@@ -361,7 +361,7 @@ TOPK_POINTERS = {"scores_ptr": "*i32", "work_ptr": "*i32", "out_ptr": "*i32",
 
 def topk(args: argparse.Namespace) -> dict:
     """DSA's radix top-k (kernels/attention/dsa/topk_triton.py, topk_chunks_triton.py,
-    topk_coop_triton.py): --form's
+    topk_coop_triton.py, topk_bisect_triton.py): --form's
     kernel at --block positions a step (a program's chunk for hist / count / write / gather,
     last_levels' step) and --warps; the coop form's registers and shared memory are what its
     residency rule reads."""
@@ -372,6 +372,11 @@ def topk(args: argparse.Namespace) -> dict:
         kernel = topk_coop_triton._kernels().coop
         const = dict(COUNT_TIES=False, GATHER=args.gather, LEVELS=levels, BLOCK=args.block,
                      BINS=bins)
+    elif args.form == "bisect":
+        from moeserve.kernels.attention.dsa import topk_bisect_triton
+
+        kernel = topk_bisect_triton._kernels().bisect
+        const = dict(COUNT_TIES=False, BLOCK=args.block)
     elif args.form == "row":
         kernel = topk_triton._kernels().row
         const = dict(COUNT_TIES=False, GATHER=args.gather, BLOCK=args.block, BINS=bins)
@@ -501,8 +506,8 @@ def main() -> None:
                    help="scale_columns' kernel instead of the dequantize kernel")
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     p = sub.add_parser("topk")
-    p.add_argument("--form", choices=("coop", "row", "hist", "count", "write", "gather",
-                                      "last_levels"), default="coop")
+    p.add_argument("--form", choices=("coop", "row", "bisect", "hist", "count", "write",
+                                      "gather", "last_levels"), default="coop")
     p.add_argument("--gather", action="store_true",
                    help="the row or coop form with topk_triton.GATHER (gather and "
                         "last_levels: the chunks form's kernels of it)")

@@ -22,7 +22,9 @@ graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms (and at each of 
 positions a program as topk_chunks_sizes_graph_ms), the "coop" form (one launch,
 topk_coop_triton.py; where refused, too many tokens, the reason as topk_coop) as
 topk_coop_graph_ms with the step's graph with it
-as dsa_graph_coop_ms; the row form at
+as dsa_graph_coop_ms; the "bisect" form (topk_bisect_triton.py, rows of at most 16,384
+positions; where refused, the reason as topk_bisect) as topk_bisect_graph_ms and the step's
+graph with it as dsa_graph_bisect_ms; the row form at
 ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row, chunks and coop forms
 with topk_triton.GATHER as topk_gather_graph_ms, the step's graph with it as
 dsa_graph_gather_ms and with coop as dsa_graph_coop_gather_ms),
@@ -52,6 +54,7 @@ scoring section).
     python -m benchmarks.kernels.mla.kernels_dsa --out DIR
     python -m benchmarks.kernels.mla.kernels_dsa --out DIR --smoke   # tiny shapes, CPU interpreter
     python -m benchmarks.kernels.mla.kernels_dsa --out DIR --decode-only --tiles 64,32,8,3 32,32,8,3
+    python -m benchmarks.kernels.mla.kernels_dsa --out DIR --decode-only --cases decode_b32_ctx8k
 """
 
 from __future__ import annotations
@@ -360,6 +363,15 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     else:
         assert torch.equal(coop.args[4], selected), f"{name}: the coop top-k differs"
         row["topk_coop_graph_ms"] = graph_timed(timer, coop, cuda)
+    bisect = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,
+                               torch.empty_like(selected), form="bisect")
+    try:  # a program a token, the row in registers, where it fits them
+        bisect()
+    except ValueError as refused:
+        row["topk_bisect"] = str(refused)
+    else:
+        assert torch.equal(bisect.args[4], selected), f"{name}: the bisect top-k differs"
+        row["topk_bisect_graph_ms"] = graph_timed(timer, bisect, cuda)
     for block, warps in ROW_VARIANTS if cuda else ():  # the row form's launch shapes
         saved, topk_triton.ROW_WARPS = topk_triton.ROW_WARPS, warps
         try:
@@ -392,6 +404,13 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         try:
             step()
             row["dsa_graph_coop_ms"] = graph_timed(timer, step, cuda)
+        finally:
+            topk_triton.FORM = was
+    if "topk_bisect_graph_ms" in row:  # the step with the bisect top-k
+        was, topk_triton.FORM = topk_triton.FORM, "bisect"
+        try:
+            step()
+            row["dsa_graph_bisect_ms"] = graph_timed(timer, step, cuda)
         finally:
             topk_triton.FORM = was
     row |= time_gather(name, scores, meta, topk, selected, step, timer, cuda)
@@ -469,6 +488,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     parser.add_argument("--no-decode", action="store_true", help="skip the decode step")
     parser.add_argument("--decode-only", action="store_true", help="only the decode step")
+    parser.add_argument("--cases", nargs="+", default=None, metavar="NAME",
+                        help="only these decode cases (e.g. decode_b32_ctx8k)")
     parser.add_argument("--tiles", nargs="+", default=[], metavar="BM,BN,W,S",
                         help="also time the decode step's sparse MLA at these TileConfigs")
     args = parser.parse_args()
@@ -489,7 +510,12 @@ def main() -> None:
     runs = [] if args.decode_only else [("cases", run_case, c) for c in cases]
     tiles = tuple(parse_tile(t) for t in args.tiles)
     decode = functools.partial(run_decode_case, tiles=tiles)
-    runs += [] if args.no_decode else [("decode", decode, c) for c in decode_cases]
+    unknown = set(args.cases or ()) - {c[0] for c in decode_cases}
+    if unknown:
+        parser.error(f"--cases: no decode case {sorted(unknown)}; the cases: "
+                     f"{[c[0] for c in decode_cases]}")
+    runs += [] if args.no_decode else [("decode", decode, c) for c in decode_cases
+                                       if args.cases is None or c[0] in args.cases]
     for section, run, (name, *case) in runs:
         record(result, section, run(name, *case, device, timer), path, device)
     print(f"wrote {path}")

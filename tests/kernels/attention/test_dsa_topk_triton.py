@@ -11,8 +11,9 @@ scores (-0.0 and +0.0 are one score), and garbage past each token's end (never r
 2,048 is the default. Then the whole indexer with small chunks, against `indexer_topk_ref`.
 Every test runs in each of radix_topk's forms ("row": a program a token, the chunk its step;
 "chunks": programs over (token, chunk); "coop": the chunks form's passes in one launch, the
-chunk its step, one program a token on CPU, several on the GPU), by the `form` fixture, as the
-module's default; "auto" picks by the token count and the rows' length.
+chunk its step, one program a token on CPU, several on the GPU; "bisect": a program a token,
+its row in registers, the chunk unused), by the `form` fixture, as the module's default;
+"auto" picks by the token count and the rows' length.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from tests.kernels.attention.test_dsa_triton import DIM, STEPS, TOPK, make_step
 GARBAGE = 7777  # what out holds before a call: the top-k writes every place
 
 
-@pytest.fixture(autouse=True, params=("row", "chunks", "coop", "row+gather", "chunks+gather",
-                                      "coop+gather"))
+@pytest.fixture(autouse=True, params=("row", "chunks", "coop", "bisect", "row+gather",
+                                      "chunks+gather", "coop+gather"))
 def form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test in each form, set as the default (the indexer's calls take it too); "+gather"
     with topk_triton.GATHER (the last two levels over the gathered scores of the threshold's

@@ -68,7 +68,8 @@ CHUNK = 2048  # positions a program (tests set a smaller chunk so that rows span
 # cost less than 2,048 over three (sm90 SASS: 3,904 instructions a 2,048-position program)
 _BINS = 256
 _LEVELS = 4
-FORMS = ("auto", "row", "chunks", "coop")  # coop: topk_coop_triton.py's one launch
+FORMS = ("auto", "row", "chunks", "coop", "bisect")  # coop: topk_coop_triton.py's one launch;
+# bisect: topk_bisect_triton.py's program a token, the row in registers (rows <= 16,384)
 # radix_topk's default form; "auto" (auto_form): the chunks form with GATHER, but "row" from
 # ROW_MIN_TOKENS tokens over rows of at most ROW_MAX_KEYS positions and below
 # CHUNKS_GATHER_MIN_TOKENS tokens. The rows' width is the scores' (meta.max_seq_len): in a
@@ -124,11 +125,11 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     token_to_req give each token's context end, on the device. form: "row" (one program a
     token, ROW_CHUNK positions a step), "chunks" (six launches over (token, chunk of positions)
     programs, CHUNK positions a chunk, topk_chunks_triton.py), "coop" (the chunks form's
-    passes in one launch,
-    topk_coop_triton.py; at most a token an SM) or "auto" (auto_form: chunks with GATHER,
-    row from ROW_MIN_TOKENS tokens over short rows);
-    default the module's FORM. chunk overrides the form's positions a program or step
-    (tests: small, so rows span several).
+    passes in one launch, topk_coop_triton.py; at most a token an SM), "bisect" (a program a
+    token, its row of at most 16,384 positions in registers, topk_bisect_triton.py; chunk
+    unused) or "auto" (auto_form: chunks with GATHER, row from ROW_MIN_TOKENS tokens over
+    short rows); default the module's FORM. chunk overrides the form's positions a program or
+    step (tests: small, so rows span several).
     Returns the number of tokens whose topk-th and (topk + 1)-th scores are equal (a host
     sync) with count_boundary_ties, else 0."""
     n, num_keys = scores.shape
@@ -141,6 +142,12 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     if form == "auto":
         form, auto_gather = auto_form(n, num_keys, scores.device)
         gather = gather or auto_gather
+    if form == "bisect":  # a program a token, its row in registers (imported here: it imports us)
+        if chunk is not None and (chunk < 16 or chunk & (chunk - 1)):  # unused, still checked
+            raise ValueError(f"radix_topk: chunk must be a power of two >= 16, got {chunk}")
+        from moeserve.kernels.attention.dsa.topk_bisect_triton import radix_topk_bisect
+
+        return radix_topk_bisect(scores, meta, t0, topk, out, count_boundary_ties)
     if form == "coop":  # the chunks form's passes in one launch (imported here: it imports us)
         from moeserve.kernels.attention.dsa.topk_coop_triton import radix_topk_coop
 
