@@ -213,6 +213,21 @@ def test_bad_chunk_and_form() -> None:
         radix_topk(*args, form="rows")
 
 
+def test_bisect_holds_rows_to_its_register_bound(form: str) -> None:
+    """The bisect form's row is in registers: two compiled widths, rows past MAX_KEYS
+    refused by name (the other forms take them)."""
+    from moeserve.kernels.attention.dsa import topk_bisect_triton as bisect
+
+    assert bisect.block_shape(1) == bisect.block_shape(4096) == (4096, 8)
+    assert bisect.block_shape(4097) == bisect.block_shape(bisect.MAX_KEYS) == (16384, 16)
+    wide = torch.zeros(1, bisect.MAX_KEYS + 1, dtype=torch.int32)
+    out = torch.full((1, 8), GARBAGE, dtype=torch.int32)
+    if form == "bisect":
+        with pytest.raises(ValueError, match="rows of 16385 positions, at most 16384"):
+            radix_topk(wide, rows_meta([40]), 0, 8, out)
+        assert (out == GARBAGE).all()  # nothing written
+
+
 def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """"auto" by the tokens' count and the rows' length: chunks with GATHER (its gather
