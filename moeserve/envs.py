@@ -45,6 +45,13 @@
     MOESERVE_MLA_VECTOR_STORES  "0" has the Gluon MLA decode kernels store their outputs
                              from the accumulator's layout, not in 16-byte vectors
                              (decode_gluon.vector_stores), for A/Bs; on otherwise
+    MOESERVE_MOE_GLUON_WS    the bf16 fused MoE's launches handed to kernels/moe/gluon_ws.py's
+                             warp-specialized Gluon kernel (its `mode`): "off" (the default),
+                             "auto" (from 128 rows an expert on average) or "on", for A/Bs;
+                             anything else is refused at the first launch
+    MOESERVE_DSA_TOPK_FORM   DSA's top-k form (dsa/topk_triton.FORM): "auto" (the default),
+                             "row", "chunks", "coop" or "bisect", for A/Bs; anything else is
+                             refused at the first top-k
     MOESERVE_DSA_SLOT_ROWS   "1" turns DSA's selections into cache rows before the sparse
                              attention (dsa/sparse_triton.slot_rows), an experiment; off
                              otherwise
@@ -77,6 +84,8 @@ MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 MLA_PIECE_KERNEL = "MOESERVE_MLA_PIECE_KERNEL"
 DECODE_LONGEST_FIRST = "MOESERVE_DECODE_LONGEST_FIRST"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
+MOE_GLUON_WS = "MOESERVE_MOE_GLUON_WS"
+DSA_TOPK_FORM = "MOESERVE_DSA_TOPK_FORM"
 GRAMMAR_MASKS_THREAD = "MOESERVE_GRAMMAR_MASKS_THREAD"
 
 # Where an injected fault fires, for the request id it names:
@@ -142,6 +151,14 @@ def mla_piece_kernel(default: str) -> str:
 def decode_longest_first(default: bool) -> bool:
     value = os.environ.get(DECODE_LONGEST_FIRST)
     return default if value is None else value == "1"
+
+
+def moe_gluon_ws(default: str) -> str:
+    return os.environ.get(MOE_GLUON_WS) or default
+
+
+def dsa_topk_form(default: str) -> str:
+    return os.environ.get(DSA_TOPK_FORM) or default
 
 
 def dsa_slot_rows() -> bool:

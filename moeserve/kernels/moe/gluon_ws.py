@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from moeserve import envs
+
 gl: Any = None  # triton.experimental.gluon.language, bound by _kernels()
 async_copy: Any = None
 fence_async_shared: Any = None
@@ -50,7 +52,9 @@ warpgroup_mma: Any = None
 warpgroup_mma_wait: Any = None
 mbarrier: Any = None
 
-mode = "off"  # the switch: "off", "auto" (many rows an expert) or "on" (kernels_moe's "gluon_ws")
+# the switch: "off", "auto" (many rows an expert) or "on" (kernels_moe's "gluon_ws");
+# MOESERVE_MOE_GLUON_WS sets it for a served A/B
+mode = envs.moe_gluon_ws("off")
 MODES = ("off", "auto", "on")
 BLOCK_M = 128  # two math warpgroups of 64 rows
 BLOCK_K = 64  # a row's 128 bytes a step: the 128-byte swizzle

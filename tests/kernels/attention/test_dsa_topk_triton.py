@@ -213,6 +213,23 @@ def test_bad_chunk_and_form() -> None:
         radix_topk(*args, form="rows")
 
 
+def test_the_environment_sets_the_default_form(form: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOESERVE_DSA_TOPK_FORM is FORM at import (a served A/B's processes); unset, "auto"."""
+    import importlib
+
+    from moeserve import envs
+
+    if form != "bisect":
+        pytest.skip("the environment's default is checked once, under the bisect form")
+    monkeypatch.setenv(envs.DSA_TOPK_FORM, "bisect")
+    try:
+        assert importlib.reload(topk_triton).FORM == "bisect"
+    finally:
+        monkeypatch.delenv(envs.DSA_TOPK_FORM)
+        assert importlib.reload(topk_triton).FORM == "auto"
+
+
 def test_bisect_holds_rows_to_its_register_bound(form: str) -> None:
     """The bisect form's row is in registers: two compiled widths, rows past MAX_KEYS
     refused by name (the other forms take them)."""

@@ -5,9 +5,12 @@ fp16, a CUDA graph with new routing, and proof that it ran."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
+from moeserve import envs
 from moeserve.kernels.moe import gluon_ws
 from moeserve.kernels.moe.fused_triton import moe_triton
 from moeserve.kernels.moe.ref import moe_loop_ref
@@ -53,6 +56,18 @@ def test_auto_wants_a_full_block_an_expert_on_average(monkeypatch: pytest.Monkey
     monkeypatch.setattr(gluon_ws, "mode", "yes")
     with pytest.raises(ValueError, match="'yes' is not one of"):
         takes(1)
+
+
+def test_the_environment_sets_the_mode_for_a_served_ab(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """MOESERVE_MOE_GLUON_WS is the mode at import (a server's processes take it from
+    there); unset, "off"."""
+    monkeypatch.setenv(envs.MOE_GLUON_WS, "auto")
+    try:
+        assert importlib.reload(gluon_ws).mode == "auto"
+    finally:
+        monkeypatch.delenv(envs.MOE_GLUON_WS)
+        assert importlib.reload(gluon_ws).mode == "off"
 
 
 def test_a_cpu_launch_never_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:

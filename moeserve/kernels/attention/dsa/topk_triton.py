@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from moeserve import envs
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.triton_common import num_sms
 
@@ -83,7 +84,7 @@ FORMS = ("auto", "row", "chunks", "coop", "bisect")  # coop: topk_coop_triton.py
 # call11): chunks with GATHER 3.58-3.60 / 0.716-0.721 / 0.499-0.501 ms against the row form's
 # 4.36-4.39 / 0.844-0.851 / 0.627-0.629 (8,192 after 24,576 / after 0, 1,024 after 31,744). Not yet
 # timed on the H200.
-FORM = "auto"
+FORM = envs.dsa_topk_form("auto")  # MOESERVE_DSA_TOPK_FORM sets it for a served A/B
 ROW_MIN_TOKENS = 256
 ROW_MAX_KEYS = 16384
 CHUNKS_GATHER_MIN_TOKENS = 1024
