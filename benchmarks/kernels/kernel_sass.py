@@ -375,8 +375,9 @@ def topk(args: argparse.Namespace) -> dict:
     elif args.form == "bisect":
         from moeserve.kernels.attention.dsa import topk_bisect_triton
 
-        kernel = topk_bisect_triton._kernels().bisect
-        const = dict(COUNT_TIES=False, BLOCK=args.block)
+        kernel = topk_bisect_triton._kernels().bisect  # --block: the row's positions
+        const = dict(COUNT_TIES=False, CHUNKS=topk_bisect_triton.num_chunks(args.block),
+                     CHUNK=topk_bisect_triton.CHUNK)
     elif args.form == "row":
         kernel = topk_triton._kernels().row
         const = dict(COUNT_TIES=False, GATHER=args.gather, BLOCK=args.block, BINS=bins)

@@ -24,7 +24,8 @@ topk_coop_triton.py; where refused, too many tokens, the reason as topk_coop) as
 topk_coop_graph_ms with the step's graph with it
 as dsa_graph_coop_ms; the "bisect" form (topk_bisect_triton.py, rows of at most 16,384
 positions; where refused, the reason as topk_bisect) as topk_bisect_graph_ms and the step's
-graph with it as dsa_graph_bisect_ms; the row form at
+graph with it as dsa_graph_bisect_ms (and with the scores as wide as the served graph's
+context bound, dsa_graph_bound_bisect_ms); the row form at
 ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row, chunks and coop forms
 with topk_triton.GATHER as topk_gather_graph_ms, the step's graph with it as
 dsa_graph_gather_ms and with coop as dsa_graph_coop_gather_ms),
@@ -411,6 +412,9 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         try:
             step()
             row["dsa_graph_bisect_ms"] = graph_timed(timer, step, cuda)
+            step(wide)  # as served: rows as wide as the graph's context bound
+            row["dsa_graph_bound_bisect_ms"] = graph_timed(
+                timer, functools.partial(step, wide), cuda)
         finally:
             topk_triton.FORM = was
     row |= time_gather(name, scores, meta, topk, selected, step, timer, cuda)

@@ -231,18 +231,38 @@ def test_the_environment_sets_the_default_form(form: str,
 
 
 def test_bisect_holds_rows_to_its_register_bound(form: str) -> None:
-    """The bisect form's row is in registers: two compiled widths, rows past MAX_KEYS
-    refused by name (the other forms take them)."""
+    """The bisect form's row is in registers, chunks of 4,096 positions (a compiled variant
+    a count): rows past MAX_KEYS refused by name, nothing written (the other forms take
+    them)."""
     from moeserve.kernels.attention.dsa import topk_bisect_triton as bisect
 
-    assert bisect.block_shape(1) == bisect.block_shape(4096) == (4096, 8)
-    assert bisect.block_shape(4097) == bisect.block_shape(bisect.MAX_KEYS) == (16384, 16)
+    assert [bisect.num_chunks(k) for k in (1, 4096, 4097, 12288, bisect.MAX_KEYS)] == [
+        1, 1, 2, 3, 4]
     wide = torch.zeros(1, bisect.MAX_KEYS + 1, dtype=torch.int32)
     out = torch.full((1, 8), GARBAGE, dtype=torch.int32)
-    if form == "bisect":
-        with pytest.raises(ValueError, match="rows of 16385 positions, at most 16384"):
-            radix_topk(wide, rows_meta([40]), 0, 8, out)
-        assert (out == GARBAGE).all()  # nothing written
+    if form != "bisect":
+        pytest.skip("the bisect form's bound")
+    with pytest.raises(ValueError, match="rows of 16385 positions, at most 16384"):
+        radix_topk(wide, rows_meta([40]), 0, 8, out)
+    assert (out == GARBAGE).all()  # nothing written
+
+
+@pytest.mark.parametrize("values", ["random", "ties"])
+def test_rows_over_several_register_chunks(form: str, values: str) -> None:
+    """Rows of 2-4 of the bisect form's register chunks (4,096 positions), contexts ending in
+    each chunk and at its edges; heavy ties spanning chunks taken lowest first (the CPU runs the
+    GPU's chunk loop: the other tests' rows fit one chunk)."""
+    if form != "bisect":
+        pytest.skip("the bisect form's chunks")
+    gen = torch.Generator().manual_seed(11)
+    width, topk = 13000, 2048
+    ends = [width, 4096, 4097, 8193, 2049, 12288 + 7]
+    scores = (torch.randn(len(ends), width, generator=gen) if values == "random" else
+              torch.randint(0, 5, (len(ends), width), generator=gen).float())
+    out = torch.full((len(ends), topk), GARBAGE, dtype=torch.int32)
+    ties = radix_topk(ord_of(scores), rows_meta(ends), 0, topk, out, count_boundary_ties=True)
+    want, want_ties = want_topk(scores, ends, topk)
+    assert torch.equal(out, want) and ties == want_ties
 
 
 def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
@@ -349,13 +369,14 @@ def test_indexer_with_small_chunks_equals_the_reference(name: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("chunk", [64, 2048, None])  # None: the form's default
-def test_on_the_gpu(chunk: int | None) -> None:
-    """Long rows on CUDA (atomics and histograms for real): 2,048 of 20,000 positions with
-    heavy ties, and random."""
+def test_on_the_gpu(chunk: int | None, form: str) -> None:
+    """Long rows on CUDA (atomics and histograms for real): 2,048 of 20,000 positions (16,000
+    in the bisect form) with heavy ties, and random."""
     gen = torch.Generator().manual_seed(chunk or 3)
-    ends = [20000, 2048, 2049, 5000, 0, 19999]
-    for scores in (torch.randn(len(ends), 20000, generator=gen),
-                   torch.randint(0, 7, (len(ends), 20000), generator=gen).float() * 0.5):
+    width = 16000 if form == "bisect" else 20000  # the bisect form's rows: 16,384 at most
+    ends = [width, 2048, 2049, 5000, 0, width - 1, 4096, 4097, 12000]
+    for scores in (torch.randn(len(ends), width, generator=gen),
+                   torch.randint(0, 7, (len(ends), width), generator=gen).float() * 0.5):
         keys = ord_of(scores).cuda()
         out = torch.full((len(ends), 2048), GARBAGE, dtype=torch.int32, device="cuda")
         meta = rows_meta(ends)

@@ -2,23 +2,31 @@
 whole row in registers: `radix_topk_bisect`, topk_triton.radix_topk's contract (its "bisect"
 form).
 
-Why: at 32 tokens of 8k positions the other forms take 0.036-0.041 ms of the DSA decode step's
+Why: at 32 tokens of 8k positions the other forms take 0.032-0.041 ms of the DSA decode step's
 0.12 (H100, benchmarks/results/gpu_6b1031a), about a third of it: the chunks form's six launches
 of ~7 us each, the row form's histograms (Triton's costs a thread ~BINS / 32 instructions an
 element, ~8 clocks a position). Here a program holds its token's scores as unsigned keys u (the
-ord's sign bit flipped) and builds the threshold T bit by bit from the top:
+ord's sign bit flipped) in registers and builds the threshold T bit by bit from the top:
 
     T = 0; for bit 31 .. 0: if count(u >= T | 2^bit) >= topk: T |= 2^bit
 
 a compare and an add an element and one block reduction a bit, stopping early once a count is
-exactly topk (then {u >= T} is the selection: no ties to break; random scores get there after
-about 20 bits). T is then the topk-th largest key (or such a cut), and one scan writes the
-positions above it and T's first (lowest) positions up to topk, in position order. No
-workspace, no atomics. Estimated (not yet timed): 8k positions ~32 x (2 instructions x 16
-elements + a reduction) a thread, ~5-7 us a token an SM.
+exactly topk (then {u >= T} is the selection: no ties to break). T is then the topk-th largest
+key (or such a cut), and a scan a chunk writes the positions above it and T's first (lowest)
+positions up to topk, in position order. No workspace, no atomics.
+
+The row sits in up to four register chunks of CHUNK positions (16 warps: 8 keys a thread a
+chunk), and a chunk past the token's context is neither counted nor scanned (a branch the whole
+program takes alike): a decode CUDA graph's scores are as wide as its context bound (GLM-5's
+16,384 for contexts of 2,049-16,384), so a token pays for its own context, not the bound.
+First measured whole-row (one [16,384] tensor, every position counted and scanned; H100,
+benchmarks/results/gpu_a8d729a/call1): 0.0334 ms at 32 x 8k in a graph against "auto"'s 0.0373
+(the step 0.1195 against 0.1215), 0.063 against 0.054 at 256 x 8k; sm90 SASS: ~170
+instructions a thread a bit and three barriers, the write's scan ~3,000. Not picked by "auto"
+until timed.
 
 Rows past MAX_KEYS (a step's or a decode graph's max_seq_len) are refused: the row must fit
-the registers (BLOCK positions over WARPS warps; two compiled variants, 4,096 and 16,384).
+the registers (128 a thread at 16,384 positions, sm90 offline, no spill).
 """
 
 from __future__ import annotations
@@ -33,22 +41,21 @@ from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata
 
 MAX_KEYS = 16384
-# (BLOCK, warps): the row's registers, 16 and 32 keys a thread
-SHAPES = ((4096, 8), (16384, 16))
+CHUNK = 4096  # positions a register chunk: the row is up to MAX_KEYS / CHUNK of them
+WARPS = 16  # 8 keys a thread a chunk
 
 tl: Any = None  # triton.language, bound by _kernels() (the kernel reads it as a global)
 _context_end: Any = None  # topk_triton's jitted helpers, bound by _kernels()
 _above_and_rank: Any = None
 
 
-def block_shape(num_keys: int) -> tuple[int, int]:
-    """(BLOCK, warps) of the variant holding rows of num_keys positions; ValueError past
-    MAX_KEYS."""
-    for block, warps in SHAPES:
-        if num_keys <= block:
-            return block, warps
-    raise ValueError(f"radix_topk bisect: rows of {num_keys} positions, at most {MAX_KEYS} "
-                     "(a row is held in registers)")
+def num_chunks(num_keys: int) -> int:
+    """Register chunks of CHUNK positions holding rows of num_keys (a compiled variant
+    each); ValueError past MAX_KEYS."""
+    if num_keys > MAX_KEYS:
+        raise ValueError(f"radix_topk bisect: rows of {num_keys} positions, at most "
+                         f"{MAX_KEYS} (a row is held in registers)")
+    return max(1, -(-num_keys // CHUNK))
 
 
 def radix_topk_bisect(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int,
@@ -56,12 +63,13 @@ def radix_topk_bisect(scores: torch.Tensor, meta: AttentionMetadata, t0: int, to
     """topk_triton.radix_topk's contract, a program a token (the module docstring). Returns
     the boundary ties' count (a host sync) with count_boundary_ties, else 0."""
     n, num_keys = scores.shape
-    block, warps = block_shape(num_keys)
+    chunks = num_chunks(num_keys)
     ties = torch.empty(n if count_boundary_ties else 1, dtype=torch.int32,
                        device=scores.device)
     _kernels().bisect[(n,)](scores, out, meta.positions, meta.seq_lens, meta.token_to_req, t0,
                             ties, num_keys, topk, out.stride(0),
-                            COUNT_TIES=count_boundary_ties, BLOCK=block, num_warps=warps)
+                            COUNT_TIES=count_boundary_ties, CHUNKS=chunks, CHUNK=CHUNK,
+                            num_warps=WARPS)
     return int(ties.sum()) if count_boundary_ties else 0
 
 
@@ -69,50 +77,108 @@ def radix_topk_bisect(scores: torch.Tensor, meta: AttentionMetadata, t0: int, to
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now); the
     helpers it calls bound as globals. Step-varying ints are not specialised."""
-    global tl, _context_end, _above_and_rank
+    global tl, _context_end, _above_and_rank, _load_keys, _hits, _write_chunk
     import triton
     import triton.language
 
     tl = triton.language
     topk_triton._kernels()  # binds topk_triton's jitted helpers
     _context_end, _above_and_rank = topk_triton._context_end, topk_triton._above_and_rank
+    _load_keys, _hits, _write_chunk = (triton.jit(f) for f in (_load_keys, _hits,
+                                                               _write_chunk))
     varying = ["t0", "num_keys", "topk", "stride_out"]
     return SimpleNamespace(bisect=triton.jit(_bisect_kernel, do_not_specialize=varying))
 
 
+def _load_keys(row, first, end, CHUNK: tl.constexpr):
+    """Positions first .. first + CHUNK of a row as unsigned keys (ord's sign bit flipped: the
+    scores' order) and their mask (< end); nothing is read past end."""
+    pos = first + tl.arange(0, CHUNK)
+    ok = pos < end
+    s = tl.load(row + pos, mask=ok, other=0)
+    return (s ^ -2147483648).to(tl.uint32, bitcast=True), ok
+
+
+def _hits(u, ok, cand):
+    return (ok & (u >= cand)).to(tl.int32)
+
+
+def _write_chunk(out, u, ok, first, thr, need, taken, ties, CHUNK: tl.constexpr):
+    """A chunk's selected positions (keys above thr, and those equal to it while their rank
+    among thr's, `ties` of them before the chunk, is at most need) written at out[taken:] in
+    position order; returns (taken, ties) after them (topk_triton._write_range on registers)."""
+    above = ok & (u > thr)
+    equal = ok & (u == thr)
+    above_to, rank = _above_and_rank(above, equal, ties)
+    take = above | (equal & (rank <= need))
+    place = taken + above_to + tl.minimum(rank, need) - tl.minimum(ties, need) - 1
+    tl.store(out + place, first + tl.arange(0, CHUNK), mask=take)
+    equals = tl.sum(equal.to(tl.int32), 0)
+    taken += (tl.sum(above.to(tl.int32), 0) + tl.minimum(ties + equals, need)
+              - tl.minimum(ties, need))
+    return taken, ties + equals
+
+
 def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
                    ties_ptr, num_keys, topk, stride_out, COUNT_TIES: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """Program i: token t0 + i's select, its row of ord scores in registers (the module
-    docstring). COUNT_TIES: ties_ptr[i] = 1 where T's scores outnumber those taken."""
+                   CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+    """Program i: token t0 + i's select, its row of ord scores in up to four register chunks
+    of CHUNK positions, each counted and written only where the token's context reaches it
+    (a decode graph's rows are as wide as its context bound; the module docstring).
+    COUNT_TIES: ties_ptr[i] = 1 where T's scores outnumber those taken."""
     i = tl.program_id(0)
     end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     out = out_ptr + i.to(tl.int64) * stride_out
     if end <= topk:  # the whole context, -1 after it
-        for j in range(0, topk, BLOCK):
-            place = j + tl.arange(0, BLOCK)
+        for j in range(0, topk, CHUNK):
+            place = j + tl.arange(0, CHUNK)
             tl.store(out + place, tl.where(place < end, place, -1), mask=place < topk)
         if COUNT_TIES:
             tl.store(ties_ptr + i, 0)
     else:
-        n = tl.arange(0, BLOCK)
-        ok = n < end
-        s = tl.load(scores_ptr + i.to(tl.int64) * num_keys + n, mask=ok, other=0)
-        u = (s ^ -2147483648).to(tl.uint32, bitcast=True)  # ord's order, unsigned
+        row = scores_ptr + i.to(tl.int64) * num_keys
+        u0, ok0 = _load_keys(row, 0, end, CHUNK)
+        u1, ok1 = _load_keys(row, CHUNK, end, CHUNK)  # all masked where end is below
+        u2, ok2 = _load_keys(row, 2 * CHUNK, end, CHUNK)  # (CHUNKS bounds the variants)
+        u3, ok3 = _load_keys(row, 3 * CHUNK, end, CHUNK)
         thr = (end * 0).to(tl.uint32)
         bit = end * 0 + 31
         exact = end * 0
         while (bit >= 0) & (exact == 0):
             cand = thr | ((end * 0 + 1).to(tl.uint32) << bit.to(tl.uint32))
-            count = tl.sum((ok & (u >= cand)).to(tl.int32), 0)
+            hits = _hits(u0, ok0, cand)
+            if CHUNKS > 1:
+                if end > CHUNK:
+                    hits += _hits(u1, ok1, cand)
+            if CHUNKS > 2:
+                if end > 2 * CHUNK:
+                    hits += _hits(u2, ok2, cand)
+            if CHUNKS > 3:
+                if end > 3 * CHUNK:
+                    hits += _hits(u3, ok3, cand)
+            count = tl.sum(hits, 0)
             thr = tl.where(count >= topk, cand, thr)
             exact = (count == topk).to(tl.int32)
             bit -= 1
-        above = ok & (u > thr)
-        equal = ok & (u == thr)
-        need = topk - tl.sum(above.to(tl.int32), 0)  # T's scores taken, the lowest first
-        above_to, rank = _above_and_rank(above, equal, need * 0)
-        take = above | (equal & (rank <= need))
-        tl.store(out + above_to + tl.minimum(rank, need) - 1, n, mask=take)
+        above = (ok0 & (u0 > thr)).to(tl.int32)
+        if CHUNKS > 1:
+            above += (ok1 & (u1 > thr)).to(tl.int32)
+        if CHUNKS > 2:
+            above += (ok2 & (u2 > thr)).to(tl.int32)
+        if CHUNKS > 3:
+            above += (ok3 & (u3 > thr)).to(tl.int32)
+        need = topk - tl.sum(above, 0)  # T's scores taken, the lowest first
+        taken, ties = _write_chunk(out, u0, ok0, 0, thr, need, need * 0, need * 0, CHUNK)
+        if CHUNKS > 1:
+            if end > CHUNK:
+                taken, ties = _write_chunk(out, u1, ok1, CHUNK, thr, need, taken, ties, CHUNK)
+        if CHUNKS > 2:
+            if end > 2 * CHUNK:
+                taken, ties = _write_chunk(out, u2, ok2, 2 * CHUNK, thr, need, taken, ties,
+                                           CHUNK)
+        if CHUNKS > 3:
+            if end > 3 * CHUNK:
+                taken, ties = _write_chunk(out, u3, ok3, 3 * CHUNK, thr, need, taken, ties,
+                                           CHUNK)
         if COUNT_TIES:
-            tl.store(ties_ptr + i, (tl.sum(equal.to(tl.int32), 0) > need).to(tl.int32))
+            tl.store(ties_ptr + i, (ties > need).to(tl.int32))
