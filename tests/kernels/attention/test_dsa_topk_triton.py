@@ -238,6 +238,7 @@ def test_bisect_holds_rows_to_its_register_bound(form: str) -> None:
 
     assert [bisect.num_chunks(k) for k in (1, 4096, 4097, 12288, bisect.MAX_KEYS)] == [
         1, 1, 2, 3, 4]
+    assert topk_triton.BISECT_MAX_KEYS <= bisect.MAX_KEYS  # "auto" never hands it a wider row
     wide = torch.zeros(1, bisect.MAX_KEYS + 1, dtype=torch.int32)
     out = torch.full((1, 8), GARBAGE, dtype=torch.int32)
     if form != "bisect":
@@ -265,11 +266,11 @@ def test_rows_over_several_register_chunks(form: str, values: str) -> None:
     assert torch.equal(out, want) and ties == want_ties
 
 
-def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
+def test_auto_takes_bisect_over_short_rows_and_coop_to_coop_max(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """"auto" by the tokens' count and the rows' length: chunks with GATHER (its gather
-    launch), row from ROW_MIN_TOKENS over rows of at most ROW_MAX_KEYS, coop up to
-    COOP_MAX_TOKENS, chunks with GATHER again from CHUNKS_GATHER_MIN_TOKENS."""
+    """"auto" by the tokens' count and the rows' length: bisect below
+    CHUNKS_GATHER_MIN_TOKENS over rows of at most BISECT_MAX_KEYS, else coop up to
+    COOP_MAX_TOKENS, else chunks with GATHER (its gather launch)."""
     kern = topk_triton._kernels()
     launched: list[str] = []
 
@@ -281,21 +282,26 @@ def test_auto_takes_row_from_row_min_tokens_and_coop_to_coop_max(
             launched.append(self.name)
             return self.fn[grid]
     monkeypatch.setattr(kern, "row", Spy("row", kern.row))
-    from moeserve.kernels.attention.dsa import topk_chunks_triton, topk_coop_triton
+    from moeserve.kernels.attention.dsa import (
+        topk_bisect_triton,
+        topk_chunks_triton,
+        topk_coop_triton,
+    )
 
     chunks = topk_chunks_triton._kernels()
     monkeypatch.setattr(chunks, "write", Spy("write", chunks.write))
     monkeypatch.setattr(chunks, "gather", Spy("gather", chunks.gather))
     coop = topk_coop_triton._kernels()
     monkeypatch.setattr(coop, "coop", Spy("coop", coop.coop))
-    monkeypatch.setattr(topk_triton, "ROW_MIN_TOKENS", 3)
+    bisect = topk_bisect_triton._kernels()
+    monkeypatch.setattr(bisect, "bisect", Spy("bisect", bisect.bisect))
     monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 1)
     monkeypatch.setattr(topk_triton, "CHUNKS_GATHER_MIN_TOKENS", 4)
-    monkeypatch.setattr(topk_triton, "ROW_MAX_KEYS", 40)
+    monkeypatch.setattr(topk_triton, "BISECT_MAX_KEYS", 40)
     monkeypatch.setattr(topk_triton, "GATHER", False)
     gen = torch.Generator().manual_seed(9)
-    for ends, keys, form in (([40, 30], 40, "chunks_gather"), ([40, 30, 25], 40, "row"),
-                             ([40, 30, 25], 48, "chunks_gather"), ([40], 40, "coop"),
+    for ends, keys, form in (([40, 30], 40, "bisect"), ([40, 30, 25], 40, "bisect"),
+                             ([40, 30, 25], 48, "chunks_gather"), ([40], 48, "coop"),
                              ([40, 30, 25, 36], 40, "chunks_gather")):
         launched.clear()
         scores = torch.randn(len(ends), keys, generator=gen)
@@ -310,17 +316,16 @@ def test_auto_form_keeps_coop_within_a_token_an_sm(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(topk_triton, "num_sms", lambda device: 132)
     monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 200)
     cuda = torch.device("cuda", 0)
-    short, long = topk_triton.ROW_MAX_KEYS, topk_triton.ROW_MAX_KEYS + 1
-    assert topk_triton.auto_form(132, short, cuda) == ("coop", False)
+    short, long = topk_triton.BISECT_MAX_KEYS, topk_triton.BISECT_MAX_KEYS + 1
+    assert topk_triton.auto_form(132, long, cuda) == ("coop", False)
     # past the SMs: never refused mid-step
-    assert topk_triton.auto_form(133, short, cuda) == ("chunks", True)
-    assert topk_triton.auto_form(topk_triton.ROW_MIN_TOKENS, short, cuda) == ("row", False)
-    assert topk_triton.auto_form(topk_triton.ROW_MIN_TOKENS, long, cuda) == ("chunks", True)
+    assert topk_triton.auto_form(133, long, cuda) == ("chunks", True)
+    assert topk_triton.auto_form(1, short, cuda) == ("bisect", False)
     assert topk_triton.auto_form(topk_triton.CHUNKS_GATHER_MIN_TOKENS - 1, short,
-                                 cuda) == ("row", False)
+                                 cuda) == ("bisect", False)
     assert topk_triton.auto_form(topk_triton.CHUNKS_GATHER_MIN_TOKENS, short,
                                  cuda) == ("chunks", True)
-    assert topk_triton.auto_form(150, short, torch.device("cpu")) == ("coop", False)
+    assert topk_triton.auto_form(150, long, torch.device("cpu")) == ("coop", False)
     monkeypatch.setattr(topk_triton, "COOP_MAX_TOKENS", 0)  # the default: never
     assert topk_triton.auto_form(1, long, cuda) == ("chunks", True)
 

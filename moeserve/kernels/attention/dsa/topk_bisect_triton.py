@@ -22,8 +22,10 @@ program takes alike): a decode CUDA graph's scores are as wide as its context bo
 First measured whole-row (one [16,384] tensor, every position counted and scanned; H100,
 benchmarks/results/gpu_a8d729a/call1): 0.0334 ms at 32 x 8k in a graph against "auto"'s 0.0373
 (the step 0.1195 against 0.1215), 0.063 against 0.054 at 256 x 8k; sm90 SASS: ~170
-instructions a thread a bit and three barriers, the write's scan ~3,000. Not picked by "auto"
-until timed.
+instructions a thread a bit and three barriers, the write's scan ~3,000. By chunks (the same
+call's successor, gpu_a8d729a/call2): 0.0248 / 0.045 ms at 32 / 256 x 8k against "auto"'s
+0.0378 / 0.0535 then, the step 0.1108 / 0.5287 against 0.1213 / 0.5363: "auto" takes it below
+1,024 tokens over the rows it holds since (topk_triton.auto_form).
 
 Rows past MAX_KEYS (a step's or a decode graph's max_seq_len) are refused: the row must fit
 the registers (128 a thread at 16,384 positions, sm90 offline, no spill).

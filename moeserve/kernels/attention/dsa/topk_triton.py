@@ -11,7 +11,7 @@ the positions of the selection, in ascending position order, -1 after them:
     (the reference's stable sort): exactly `topk` positions.
 
 Radix select: u = ord with its sign bit flipped orders as an unsigned int, read as four 8-bit
-digits from the top. Three forms (`radix_topk`'s form, default FORM):
+digits from the top. Four forms (`radix_topk`'s form, default FORM):
 
 "row": one launch, a program a token (`_radix_row_kernel`): four passes over the token's
 scores, CHUNK a step, each summing one digit's histogram in registers among the scores whose
@@ -21,13 +21,16 @@ SM's work, and each step's cross-warp reductions (the histogram, the scans) wait
 on the H200 about 8 clocks a position (gpu_039305d/call4, call5: 0.26 ms for one token of 64k
 positions, against 0.075 for the chunks form over 32 programs; pipelining its loads with
 tl.range changed nothing). With 256 tokens and more it is level or faster (256 x 8k: 0.063 ms
-in a graph against 0.079; W3's prefill chunks 4.87 against 5.76 ms), so "auto" takes it from
-ROW_MIN_TOKENS tokens (256 x 64k at 2,048 a step: 0.435 against 0.403; at ROW_CHUNK 4,096
-0.382).
+in a graph against 0.079; W3's prefill chunks 4.87 against 5.76 ms; 256 x 64k at 2,048 a step:
+0.435 against 0.403; at ROW_CHUNK 4,096 0.382). "auto" took it from 256 tokens over rows of at
+most 16,384 positions until the bisect form measured faster there (FORM's comment).
 
 "chunks" (topk_chunks_triton.py): six launches over (token, chunk of CHUNK positions) programs,
 each reading its chunk's scores once, so few tokens with long contexts still spread over the
-GPU. "coop" (topk_coop_triton.py): the chunks form's passes in one launch.
+GPU. "coop" (topk_coop_triton.py): the chunks form's passes in one launch. "bisect"
+(topk_bisect_triton.py): a program a token, its row of at most 16,384 positions in registers,
+the threshold built bit by bit by block counts: "auto"'s form below 1,024 tokens over such
+rows.
 
 GATHER ("auto" turns it on with the chunks form, FORM's comment has the timings): the
 threshold's 16-bit bin (levels 0 and 1) holds few
@@ -71,22 +74,24 @@ _BINS = 256
 _LEVELS = 4
 FORMS = ("auto", "row", "chunks", "coop", "bisect")  # coop: topk_coop_triton.py's one launch;
 # bisect: topk_bisect_triton.py's program a token, the row in registers (rows <= 16,384)
-# radix_topk's default form; "auto" (auto_form): the chunks form with GATHER, but "row" from
-# ROW_MIN_TOKENS tokens over rows of at most ROW_MAX_KEYS positions and below
-# CHUNKS_GATHER_MIN_TOKENS tokens. The rows' width is the scores' (meta.max_seq_len): in a
-# decode CUDA graph the graph's context bound (runner/cuda_graphs.py: GLM-5's 16,384 for
-# contexts of 2,049-16,384, then 131,072), so the row form takes the 16,384 graph's steps.
-# On an H100 in CUDA graphs (gpu_77293e0/call4, kernels_dsa's decode cases): chunks with GATHER
-# 0.0595 / 0.0858 ms at 32 x 64k / 128 x 32k against 0.068 / 0.102 without (the DSA step 2.8 / 2.5%
-# faster), level at 32 x 8k (0.0377 / 0.0363, the step 0.1209 / 0.1214); at 256 tokens the row form
-# 0.053 ms over 8k positions against chunks with GATHER's 0.061, but 0.410 over 64k against 0.258
-# (the crossover near 11k positions by a line through both). W3's prefill chunks (gpu_948136d/call3,
-# call11): chunks with GATHER 3.58-3.60 / 0.716-0.721 / 0.499-0.501 ms against the row form's
-# 4.36-4.39 / 0.844-0.851 / 0.627-0.629 (8,192 after 24,576 / after 0, 1,024 after 31,744). Not yet
-# timed on the H200.
+# radix_topk's default form; "auto" (auto_form): the bisect form below CHUNKS_GATHER_MIN_TOKENS
+# tokens over rows of at most BISECT_MAX_KEYS positions, else the chunks form with GATHER. The
+# rows' width is the scores' (meta.max_seq_len): in a decode CUDA graph the graph's context
+# bound (runner/cuda_graphs.py: GLM-5's 16,384 for contexts of 2,049-16,384, then 131,072), so
+# the bisect form takes the 16,384 graph's steps.
+# On an H100 in CUDA graphs (gpu_a8d729a/call2, kernels_dsa's decode cases at 8k positions):
+# the bisect form 0.0248 / 0.045 ms at 32 / 256 tokens against "auto"'s chunks with GATHER /
+# row form before it, 0.0378 / 0.0535 (the DSA step 0.1108 / 0.5287 against 0.1213 / 0.5363;
+# with the scores as wide as the served graph's bound, 0.114 / 0.532 against 0.125 / 0.538).
+# Earlier (gpu_77293e0/call4): chunks with GATHER 0.0595 / 0.0858 ms at 32 x 64k / 128 x 32k
+# against 0.068 / 0.102 without, level at 32 x 8k; at 256 tokens the row form 0.053 ms over 8k
+# positions against chunks with GATHER's 0.061, but 0.410 over 64k against 0.258. W3's prefill
+# chunks (gpu_948136d/call3, call11): chunks with GATHER 3.58-3.60 / 0.716-0.721 / 0.499-0.501
+# ms against the row form's 4.36-4.39 / 0.844-0.851 / 0.627-0.629 (8,192 after 24,576 / after
+# 0, 1,024 after 31,744). Many tokens over short rows (a prefill of up to 16k context) stay
+# with chunks and GATHER until the bisect form is timed there. Not yet timed on the H200.
 FORM = envs.dsa_topk_form("auto")  # MOESERVE_DSA_TOPK_FORM sets it for a served A/B
-ROW_MIN_TOKENS = 256
-ROW_MAX_KEYS = 16384
+BISECT_MAX_KEYS = 16384  # topk_bisect_triton.MAX_KEYS: the rows its registers hold
 CHUNKS_GATHER_MIN_TOKENS = 1024
 # ... and "coop" (topk_coop_triton.py) up to this many tokens: 0, none. On the H100
 # (gpu_77293e0/call4) the DSA step with it 3.0% faster at 32 x 8k (0.1177 against 0.1214 ms;
@@ -128,8 +133,8 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     programs, CHUNK positions a chunk, topk_chunks_triton.py), "coop" (the chunks form's
     passes in one launch, topk_coop_triton.py; at most a token an SM), "bisect" (a program a
     token, its row of at most 16,384 positions in registers, topk_bisect_triton.py; chunk
-    unused) or "auto" (auto_form: chunks with GATHER, row from ROW_MIN_TOKENS tokens over
-    short rows); default the module's FORM. chunk overrides the form's positions a program or
+    unused) or "auto" (auto_form: bisect for fewer than CHUNKS_GATHER_MIN_TOKENS tokens over
+    rows it holds, else chunks with GATHER); default the module's FORM. chunk overrides the form's positions a program or
     step (tests: small, so rows span several).
     Returns the number of tokens whose topk-th and (topk + 1)-th scores are equal (a host
     sync) with count_boundary_ties, else 0."""
@@ -171,12 +176,12 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
 
 
 def auto_form(n: int, num_keys: int, device: torch.device) -> tuple[str, bool]:
-    """"auto"'s (form, GATHER) for n tokens' rows of num_keys positions: ("row", False) from
-    ROW_MIN_TOKENS tokens below CHUNKS_GATHER_MIN_TOKENS over rows of at most ROW_MAX_KEYS;
-    else ("coop", False) up to COOP_MAX_TOKENS tokens but never past a token an SM of a CUDA
-    device (where it always fits); else ("chunks", True)."""
-    if ROW_MIN_TOKENS <= n < CHUNKS_GATHER_MIN_TOKENS and num_keys <= ROW_MAX_KEYS:
-        return "row", False
+    """"auto"'s (form, GATHER) for n tokens' rows of num_keys positions: ("bisect", False)
+    below CHUNKS_GATHER_MIN_TOKENS tokens over rows of at most BISECT_MAX_KEYS; else
+    ("coop", False) up to COOP_MAX_TOKENS tokens but never past a token an SM of a CUDA device
+    (where it always fits); else ("chunks", True)."""
+    if n < CHUNKS_GATHER_MIN_TOKENS and num_keys <= BISECT_MAX_KEYS:
+        return "bisect", False
     sms = num_sms(device) if device.type == "cuda" else n
     if n <= min(COOP_MAX_TOKENS, sms):
         return "coop", False
