@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 17: where DSA's decode step at 32 rows of 8k positions spends its time (0.111 ms in a
+# CUDA graph on an H100 against a 0.0475 ms read bound, gpu_a8d729a/call2): Nsight Compute over
+# every kernel of one step (the indexer's scores, the bisect top-k, the sparse MLA and its
+# split's combine), each against its own bytes. One call (~2 minutes) -> $OUT/ncu_dsa.tgz and
+# the details page's key lines printed.
+#   bash benchmarks/h200/dsa_step_ncu_h200.sh         # BATCH=32 CONTEXT=8192
+set -uo pipefail
+source benchmarks/gpu_env.sh
+dir=/tmp/ncu_dsa; mkdir -p $dir
+python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} \
+  --calls 20 | tee $dir/step.json
+sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
+# shellcheck disable=SC2086
+NCU_ALL=1 ncu_profile $dir ncu_dsa_b${BATCH:-32} ${NCU_TIMEOUT:-150} \
+  "^  [_a-zA-Z]|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Registers Per|Grid Size|Block Size|Achieved Occupancy|Issued Ipc" \
+  --clock-control none -c 12 $sections \
+  --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,dram__bytes_read.sum,lts__t_bytes.sum.per_second" -- \
+  python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} --calls 1
+rm -f $dir/*.ncu-rep
+grep -E "^  [_a-zA-Z]|dram__bytes_read.sum |stalled_(long_scoreboard|barrier|wait|short_scoreboard|math|mio|lg_throttle)" \
+  $dir/ncu_dsa_b${BATCH:-32}_all.txt | head -60
+tar czf $OUT/ncu_dsa.tgz -C /tmp ncu_dsa
