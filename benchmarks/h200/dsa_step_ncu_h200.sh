@@ -5,8 +5,33 @@
 # split's combine), each against its own bytes. One call (~2 minutes) -> $OUT/ncu_dsa.tgz and
 # the details page's key lines printed.
 #   bash benchmarks/h200/dsa_step_ncu_h200.sh         # BATCH=32 CONTEXT=8192
+# First (unless NO_TIMINGS=1): the indexer's GPU tests with and without indexer_triton's
+# score_prefetch (-> $OUT/dsa_tests.log), and kernels_dsa's 32 and 256 x 8k cases
+# (score_prefetch_ms, dsa_graph_score_prefetch_ms; -> $OUT/kernels_dsa.json).
 set -uo pipefail
 source benchmarks/gpu_env.sh
+if [ -z "${NO_TIMINGS:-}" ]; then
+  timeout -s KILL ${TESTS_TIMEOUT:-90} python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/kernels/attention/test_dsa_triton.py > $OUT/dsa_tests.log 2>&1
+  echo "dsa GPU tests rc=$?: $(tail -1 $OUT/dsa_tests.log)"
+  grep -E "^(FAILED|ERROR)" $OUT/dsa_tests.log | head -5
+  timeout -s INT ${DSA_TIMEOUT:-150} python3 -m benchmarks.kernels.mla.kernels_dsa \
+    --out /tmp/kdsa --decode-only --cases decode_b32_ctx8k decode_b256_ctx8k \
+    > $OUT/kernels_dsa.log 2>&1
+  echo "kernels_dsa rc=$?"
+  cp /tmp/kdsa/kernels_dsa.json $OUT/ 2>/dev/null
+  python3 - $OUT/kernels_dsa.json <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except OSError as e:
+    sys.exit(f"no result: {e}")
+for r in d["decode"]:
+    print(r["case"], "step graph", r.get("dsa_graph_ms"), "bound", r.get("read_bound_ms"),
+          "topk", r.get("topk_graph_ms"), "score", r.get("score_ms"), "prefetch",
+          r.get("score_prefetch_ms"), r.get("dsa_graph_score_prefetch_ms"))
+PY
+fi
 dir=/tmp/ncu_dsa; mkdir -p $dir
 python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} \
   --calls 20 | tee $dir/step.json

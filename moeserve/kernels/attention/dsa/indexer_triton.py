@@ -78,6 +78,10 @@ score_key_tiles = 8
 # The scoring launch's warps and pipeline stages (None: Triton's default): experiment switches,
 # timed by kernels_dsa (SCORE_LAUNCHES) before any other value becomes the default
 score_warps = 4
+# The scoring loop's next key tile (its block-table entry, then its keys) loaded while this
+# one is scored, instead of each tile's two dependent loads before its dot: an experiment
+# switch until kernels_dsa times it (score_prefetch_ms)
+score_prefetch = False
 score_stages: int | None = None
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
@@ -171,7 +175,7 @@ def index_score_chunks(q: torch.Tensor, weights: torch.Tensor, index_cache: torc
             NUM_HEADS=num_heads, BLOCK_H=max(16 // block_q, next_pow2(num_heads)),
             BLOCK_Q=block_q, D=dim, BLOCK_SIZE=index_cache.shape[1], BLOCK_N=block_n,
             USE_TILES=part is not None, IEEE=q.dtype == torch.float32,
-            KEY_TILES=score_key_tiles, num_warps=score_warps,
+            KEY_TILES=score_key_tiles, PREFETCH=score_prefetch, num_warps=score_warps,
             **({} if score_stages is None else {"num_stages": score_stages}))
         yield t0, n, scores
 
@@ -263,13 +267,14 @@ def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernels, once (interpreted if TRITON_INTERPRET=1 now). The
     shared helpers are mla_triton's, jitted there; the kernels read them and `tl` by global
     name, so they are bound here."""
-    global tl, _sum
+    global tl, _sum, _key_tile
     import triton
     import triton.language
 
     mla_triton._kernels()
     tl = triton.language
     _sum = mla_triton._sum
+    _key_tile = triton.jit(_key_tile)
     # NOTE: step-varying ints (the first token of a chunk, S, topk, the block table's width and
     # stride) and the query tiles sliced at any chunk's offset are exempt from specialisation:
     # a new batch shape must not compile a new variant mid-serving (see paged_triton._kernels).
@@ -281,13 +286,24 @@ def _kernels() -> SimpleNamespace:
 
 # ---- Triton kernels (jitted by _kernels; pointer arguments are untyped, as Triton expects) ----
 
+def _key_tile(cache_ptr, table, n0, end, d, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """The keys [D, BLOCK_N] of context positions n0 .. n0 + BLOCK_N of a row (zeros from end):
+    each position's block from the row's table, then its key row."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    k_ok = n < end
+    block = tl.load(table + n // BLOCK_SIZE, mask=k_ok, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE  # [N]
+    return tl.load(cache_ptr + slot[None, :] * D + d[:, None], mask=k_ok[None, :], other=0.0)
+
+
 def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq_lens_ptr,
                         positions_ptr, token_to_req_ptr, tiles_ptr, scale, t0, num_keys,
                         stride_qt, stride_qh, stride_wt, stride_table,
                         NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
                         D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                         USE_TILES: tl.constexpr, IEEE: tl.constexpr,
-                        KEY_TILES: tl.constexpr):
+                        KEY_TILES: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (i, span): the scores' ord [BLOCK_Q, BLOCK_N] of query tile i over KEY_TILES
     key tiles of BLOCK_N context positions from span * BLOCK_N * KEY_TILES, written to keys
     rows (token - t0) ([n, num_keys] int32) where each query sees the position (the rest of
@@ -342,13 +358,16 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
                     mask=q_ok[:, None] & (h < NUM_HEADS)[None, :], other=0.0)  # [Q, H'] fp32
         table = block_tables_ptr + req * stride_table
         span_end = tl.minimum(span0 + BLOCK_N * KEY_TILES, kv_hi)
+        if PREFETCH:  # the span's first tile before the loop, each next one a tile ahead
+            k_next = _key_tile(cache_ptr, table, span0, span_end, d, D, BLOCK_SIZE, BLOCK_N)
         for n0 in range(span0, span_end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)  # [N] context positions
-            k_ok = n < kv_hi
-            block = tl.load(table + n // BLOCK_SIZE, mask=k_ok, other=0)
-            slot = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE  # [N]
-            k = tl.load(cache_ptr + slot[None, :] * D + d[:, None], mask=k_ok[None, :],
-                        other=0.0)  # [D, N]
+            if PREFETCH:
+                k = k_next
+                k_next = _key_tile(cache_ptr, table, n0 + BLOCK_N, span_end, d, D,
+                                   BLOCK_SIZE, BLOCK_N)
+            else:
+                k = _key_tile(cache_ptr, table, n0, kv_hi, d, D, BLOCK_SIZE, BLOCK_N)
             if IEEE:
                 s = tl.dot(q, k, input_precision="ieee")
             else:

@@ -134,8 +134,8 @@ def radix_topk(scores: torch.Tensor, meta: AttentionMetadata, t0: int, topk: int
     passes in one launch, topk_coop_triton.py; at most a token an SM), "bisect" (a program a
     token, its row of at most 16,384 positions in registers, topk_bisect_triton.py; chunk
     unused) or "auto" (auto_form: bisect for fewer than CHUNKS_GATHER_MIN_TOKENS tokens over
-    rows it holds, else chunks with GATHER); default the module's FORM. chunk overrides the form's positions a program or
-    step (tests: small, so rows span several).
+    rows it holds, else chunks with GATHER); default the module's FORM. chunk overrides the
+    form's positions a program or step (tests: small, so rows span several).
     Returns the number of tokens whose topk-th and (topk + 1)-th scores are equal (a host
     sync) with count_boundary_ties, else 0."""
     n, num_keys = scores.shape
