@@ -359,6 +359,25 @@ TOPK_POINTERS = {"scores_ptr": "*i32", "work_ptr": "*i32", "out_ptr": "*i32",
                  "ties_ptr": "*i32", "bin_ptr": "*i32"}
 
 
+INDEX_POINTERS = {"q_ptr": "*bf16", "w_ptr": "*fp32", "cache_ptr": "*bf16", "keys_ptr": "*i32",
+                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "positions_ptr": "*i64",
+                  "token_to_req_ptr": "*i32", "tiles_ptr": "*i32", "scale": "fp32"}
+
+
+def index_score(args: argparse.Namespace) -> dict:
+    """DSA's indexer scores (kernels/attention/dsa/indexer_triton.py) at GLM-5's shape (32
+    heads x 128, blocks of 64): a decode token a program, or --block-q tokens a tile, walking
+    --key-tiles key tiles, --prefetch each next tile a tile ahead."""
+    from moeserve.kernels.attention.dsa import indexer_triton
+
+    const = dict(NUM_HEADS=32, BLOCK_H=max(16 // args.block_q, 32), BLOCK_Q=args.block_q,
+                 D=128, BLOCK_SIZE=64, BLOCK_N=64, USE_TILES=args.block_q > 1, IEEE=False,
+                 KEY_TILES=args.key_tiles, PREFETCH=args.prefetch)
+    kernel = indexer_triton._kernels().index_score
+    return compile_sm90(kernel, INDEX_POINTERS, const, _nospec(args, kernel), args.warps,
+                        args.stages)
+
+
 def topk(args: argparse.Namespace) -> dict:
     """DSA's radix top-k (kernels/attention/dsa/topk_triton.py, topk_chunks_triton.py,
     topk_coop_triton.py, topk_bisect_triton.py): --form's
@@ -506,6 +525,13 @@ def main() -> None:
     p.add_argument("--epilogue", action="store_true",
                    help="scale_columns' kernel instead of the dequantize kernel")
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
+    p = sub.add_parser("index-score")
+    p.add_argument("--block-q", type=int, default=1, help="tokens a program (1: decode)")
+    p.add_argument("--key-tiles", type=int, default=8)
+    p.add_argument("--prefetch", action="store_true")
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     p = sub.add_parser("topk")
     p.add_argument("--form", choices=("coop", "row", "bisect", "hist", "count", "write",
                                       "gather", "last_levels"), default="coop")
@@ -516,7 +542,7 @@ def main() -> None:
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")
     args = parser.parse_args()
-    report = {"topk": topk, "moe": moe, "moe-quant": moe_quant,
+    report = {"topk": topk, "index-score": index_score, "moe": moe, "moe-quant": moe_quant,
               "moe-align-one": moe_align_one, "moe-fp8-gluon": moe_fp8_gluon,
               "moe-fp8-gluon-ws": moe_fp8_gluon_ws, "moe-gluon-ws": moe_gluon_ws, "w4a16": w4a16,
               "w4a16-dequant": w4a16_dequant, "mla-decode": mla_decode,
