@@ -356,24 +356,16 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         assert torch.equal(fn.args[4], selected), f"{name}: chunks of {size}"
         row.setdefault("topk_chunks_sizes_graph_ms", {})[size] = round(
             graph_timed(timer, fn, cuda), 4)
-    coop = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,
-                             torch.empty_like(selected), form="coop")
-    try:  # the one-launch form, where its programs are all resident at once
-        coop()
-    except ValueError as refused:
-        row["topk_coop"] = str(refused)
-    else:
-        assert torch.equal(coop.args[4], selected), f"{name}: the coop top-k differs"
-        row["topk_coop_graph_ms"] = graph_timed(timer, coop, cuda)
-    bisect = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,
-                               torch.empty_like(selected), form="bisect")
-    try:  # a program a token, the row in registers, where it fits them
-        bisect()
-    except ValueError as refused:
-        row["topk_bisect"] = str(refused)
-    else:
-        assert torch.equal(bisect.args[4], selected), f"{name}: the bisect top-k differs"
-        row["topk_bisect_graph_ms"] = graph_timed(timer, bisect, cuda)
+    for form in ("coop", "bisect"):  # forms that may refuse a case (too many tokens; rows
+        fn = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,  # too wide)
+                               torch.empty_like(selected), form=form)
+        try:
+            fn()
+        except ValueError as refused:
+            row[f"topk_{form}"] = str(refused)
+        else:
+            assert torch.equal(fn.args[4], selected), f"{name}: the {form} top-k differs"
+            row[f"topk_{form}_graph_ms"] = graph_timed(timer, fn, cuda)
     for block, warps in ROW_VARIANTS if cuda else ():  # the row form's launch shapes
         saved, topk_triton.ROW_WARPS = topk_triton.ROW_WARPS, warps
         try:
@@ -401,21 +393,15 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     row["graph_bound"] = next(b for b in context_bounds(topk, 202752) if b >= context)
     wide = dataclasses.replace(meta, max_seq_len=row["graph_bound"], derived={})
     row["dsa_graph_bound_ms"] = graph_timed(timer, functools.partial(step, wide), cuda)
-    if "topk_coop_graph_ms" in row:  # the step with the one-launch top-k
-        was, topk_triton.FORM = topk_triton.FORM, "coop"
+    for form, widths in (("coop", {"": meta}), ("bisect", {"": meta, "bound_": wide})):
+        if f"topk_{form}_graph_ms" not in row:  # the step with that top-k, where it ran
+            continue
+        was, topk_triton.FORM = topk_triton.FORM, form
         try:
-            step()
-            row["dsa_graph_coop_ms"] = graph_timed(timer, step, cuda)
-        finally:
-            topk_triton.FORM = was
-    if "topk_bisect_graph_ms" in row:  # the step with the bisect top-k
-        was, topk_triton.FORM = topk_triton.FORM, "bisect"
-        try:
-            step()
-            row["dsa_graph_bisect_ms"] = graph_timed(timer, step, cuda)
-            step(wide)  # as served: rows as wide as the graph's context bound
-            row["dsa_graph_bound_bisect_ms"] = graph_timed(
-                timer, functools.partial(step, wide), cuda)
+            for tag, m in widths.items():  # bound_: rows as wide as the graph's context bound
+                step(m)
+                row[f"dsa_graph_{tag}{form}_ms"] = graph_timed(
+                    timer, functools.partial(step, m), cuda)
         finally:
             topk_triton.FORM = was
     row |= time_gather(name, scores, meta, topk, selected, step, timer, cuda)

@@ -5,7 +5,9 @@ fp16, a CUDA graph with new routing, and proof that it ran."""
 
 from __future__ import annotations
 
-import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,16 +60,17 @@ def test_auto_wants_a_full_block_an_expert_on_average(monkeypatch: pytest.Monkey
         takes(1)
 
 
-def test_the_environment_sets_the_mode_for_a_served_ab(monkeypatch: pytest.MonkeyPatch
-                                                       ) -> None:
+def test_the_environment_sets_the_mode_for_a_served_ab() -> None:
     """MOESERVE_MOE_GLUON_WS is the mode at import (a server's processes take it from
-    there); unset, "off"."""
-    monkeypatch.setenv(envs.MOE_GLUON_WS, "auto")
-    try:
-        assert importlib.reload(gluon_ws).mode == "auto"
-    finally:
-        monkeypatch.delenv(envs.MOE_GLUON_WS)
-        assert importlib.reload(gluon_ws).mode == "off"
+    there); unset, "off". In a fresh interpreter: reloading the module here would unbind the
+    jitted helpers fp8_gluon_ws holds."""
+    read = "from moeserve.kernels.moe import gluon_ws; print(gluon_ws.mode)"
+    env = {k: v for k, v in os.environ.items() if k != envs.MOE_GLUON_WS}
+    for value, want in ((None, "off"), ("auto", "auto")):
+        run_env = env if value is None else env | {envs.MOE_GLUON_WS: value}
+        got = subprocess.run([sys.executable, "-c", read], env=run_env, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert got == want
 
 
 def test_a_cpu_launch_never_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:

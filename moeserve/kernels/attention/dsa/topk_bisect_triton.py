@@ -49,6 +49,7 @@ WARPS = 16  # 8 keys a thread a chunk
 tl: Any = None  # triton.language, bound by _kernels() (the kernel reads it as a global)
 _context_end: Any = None  # topk_triton's jitted helpers, bound by _kernels()
 _above_and_rank: Any = None
+_select_all: Any = None
 
 
 def num_chunks(num_keys: int) -> int:
@@ -79,13 +80,14 @@ def radix_topk_bisect(scores: torch.Tensor, meta: AttentionMetadata, t0: int, to
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now); the
     helpers it calls bound as globals. Step-varying ints are not specialised."""
-    global tl, _context_end, _above_and_rank, _load_keys, _hits, _write_chunk
+    global tl, _context_end, _above_and_rank, _select_all, _load_keys, _hits, _write_chunk
     import triton
     import triton.language
 
     tl = triton.language
     topk_triton._kernels()  # binds topk_triton's jitted helpers
     _context_end, _above_and_rank = topk_triton._context_end, topk_triton._above_and_rank
+    _select_all = topk_triton._select_all
     _load_keys, _hits, _write_chunk = (triton.jit(f) for f in (_load_keys, _hits,
                                                                _write_chunk))
     varying = ["t0", "num_keys", "topk", "stride_out"]
@@ -131,12 +133,8 @@ def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_re
     i = tl.program_id(0)
     end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     out = out_ptr + i.to(tl.int64) * stride_out
-    if end <= topk:  # the whole context, -1 after it
-        for j in range(0, topk, CHUNK):
-            place = j + tl.arange(0, CHUNK)
-            tl.store(out + place, tl.where(place < end, place, -1), mask=place < topk)
-        if COUNT_TIES:
-            tl.store(ties_ptr + i, 0)
+    if end <= topk:
+        _select_all(out, ties_ptr + i, end, topk, COUNT_TIES, CHUNK)
     else:
         row = scores_ptr + i.to(tl.int64) * num_keys
         u0, ok0 = _load_keys(row, 0, end, CHUNK)

@@ -196,7 +196,7 @@ def _kernels() -> SimpleNamespace:
     variant mid-serving)."""
     global tl, _context_end, _top_bits
     global _digit, _ord_of, _range_hist, _write_range, _chunks_before, _gather_range
-    global _above_and_rank
+    global _above_and_rank, _select_all
     import triton
     import triton.language
 
@@ -205,7 +205,7 @@ def _kernels() -> SimpleNamespace:
     _digit, _ord_of, _range_hist, _write_range, _chunks_before, _gather_range = (
         triton.jit(f) for f in (_digit, _ord_of, _range_hist, _write_range, _chunks_before,
                                 _gather_range))
-    _above_and_rank = triton.jit(_above_and_rank)
+    _above_and_rank, _select_all = triton.jit(_above_and_rank), triton.jit(_select_all)
     varying = ["t0", "num_keys", "topk", "stride_out"]
     return SimpleNamespace(row=triton.jit(_radix_row_kernel, do_not_specialize=varying))
 
@@ -315,6 +315,16 @@ def _chunks_before(counts, c, VOLATILE: tl.constexpr):
     return tl.sum(above, 0), tl.sum(equal, 0)
 
 
+def _select_all(out, ties, end, topk, COUNT_TIES: tl.constexpr, BLOCK: tl.constexpr):
+    """A context of at most topk: its positions 0 .. end - 1, then -1 to topk, BLOCK a step;
+    no tie (COUNT_TIES: *ties = 0). Also the bisect form's."""
+    for j in range(0, topk, BLOCK):
+        place = j + tl.arange(0, BLOCK)
+        tl.store(out + place, tl.where(place < end, place, -1), mask=place < topk)
+    if COUNT_TIES:
+        tl.store(ties, 0)
+
+
 def _top_bits(s, LEVELS: tl.constexpr):
     """u's top 8 x LEVELS bits (1 <= LEVELS <= 3) of ord scores s: their bits with the sign
     bit flipped."""
@@ -335,12 +345,8 @@ def _radix_row_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to
     end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     out = out_ptr + i.to(tl.int64) * stride_out
     row = scores_ptr + i.to(tl.int64) * num_keys
-    if end <= topk:  # the whole context, -1 after it
-        for j in range(0, topk, BLOCK):
-            place = j + tl.arange(0, BLOCK)
-            tl.store(out + place, tl.where(place < end, place, -1), mask=place < topk)
-        if COUNT_TIES:
-            tl.store(ties_ptr + i, 0)
+    if end <= topk:
+        _select_all(out, ties_ptr + i, end, topk, COUNT_TIES, BLOCK)
     else:
         need = topk
         prefix = 0  # u's digits found so far
