@@ -5,9 +5,8 @@
 # split's combine), each against its own bytes. One call (~2 minutes) -> $OUT/ncu_dsa.tgz and
 # the details page's key lines printed.
 #   bash benchmarks/h200/dsa_step_ncu_h200.sh         # BATCH=32 CONTEXT=8192
-# First (unless NO_TIMINGS=1): the indexer's GPU tests with and without indexer_triton's
-# score_prefetch (-> $OUT/dsa_tests.log), and kernels_dsa's 32 and 256 x 8k cases
-# (score_prefetch_ms, dsa_graph_score_prefetch_ms; -> $OUT/kernels_dsa.json).
+# First (unless NO_TIMINGS=1): the indexer's GPU tests (-> $OUT/dsa_tests.log), and
+# kernels_dsa's 32 and 256 x 8k cases (-> $OUT/kernels_dsa.json).
 set -uo pipefail
 source benchmarks/gpu_env.sh
 if [ -z "${NO_TIMINGS:-}" ]; then
@@ -28,8 +27,7 @@ except OSError as e:
     sys.exit(f"no result: {e}")
 for r in d["decode"]:
     print(r["case"], "step graph", r.get("dsa_graph_ms"), "bound", r.get("read_bound_ms"),
-          "topk", r.get("topk_graph_ms"), "score", r.get("score_ms"), "prefetch",
-          r.get("score_prefetch_ms"), r.get("dsa_graph_score_prefetch_ms"))
+          "topk", r.get("topk_graph_ms"), "score", r.get("score_ms"))
 PY
 fi
 dir=/tmp/ncu_dsa; mkdir -p $dir

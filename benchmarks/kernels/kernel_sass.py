@@ -367,12 +367,12 @@ INDEX_POINTERS = {"q_ptr": "*bf16", "w_ptr": "*fp32", "cache_ptr": "*bf16", "key
 def index_score(args: argparse.Namespace) -> dict:
     """DSA's indexer scores (kernels/attention/dsa/indexer_triton.py) at GLM-5's shape (32
     heads x 128, blocks of 64): a decode token a program, or --block-q tokens a tile, walking
-    --key-tiles key tiles, --prefetch each next tile a tile ahead."""
+    --key-tiles key tiles."""
     from moeserve.kernels.attention.dsa import indexer_triton
 
     const = dict(NUM_HEADS=32, BLOCK_H=max(16 // args.block_q, 32), BLOCK_Q=args.block_q,
                  D=128, BLOCK_SIZE=64, BLOCK_N=64, USE_TILES=args.block_q > 1, IEEE=False,
-                 KEY_TILES=args.key_tiles, PREFETCH=args.prefetch)
+                 KEY_TILES=args.key_tiles)
     kernel = indexer_triton._kernels().index_score
     return compile_sm90(kernel, INDEX_POINTERS, const, _nospec(args, kernel), args.warps,
                         args.stages)
@@ -528,7 +528,6 @@ def main() -> None:
     p = sub.add_parser("index-score")
     p.add_argument("--block-q", type=int, default=1, help="tokens a program (1: decode)")
     p.add_argument("--key-tiles", type=int, default=8)
-    p.add_argument("--prefetch", action="store_true")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--nospec", nargs="*", help="integer arguments left unspecialized")

@@ -32,8 +32,7 @@ dsa_graph_gather_ms and with coop as dsa_graph_coop_gather_ms),
 the scores with each scoring
 program walking SCORE_KEY_TILES key tiles (score_key_tiles_ms, and the step in a graph as
 dsa_graph_key_tiles_ms) and launched at SCORE_LAUNCHES' warps and stages (score_launch_ms,
-dsa_graph_score_launch_ms) and with each next key tile loaded a tile ahead at 4 and 8 key
-tiles a program (score_prefetch_ms, dsa_graph_score_prefetch_ms), the sparse MLA over the
+dsa_graph_score_launch_ms), the sparse MLA over the
 2,048 selected positions (sparse_mla_ms the default kernel, sparse_mla_kernel naming it:
 decode_gluon.sparse_gluon on sm90 in bf16; sparse_mla_triton_ms the Triton kernel; with
 --tiles, also at those TileConfigs; sparse_mla_slots_ms with sparse_triton's `slot_rows`
@@ -414,12 +413,6 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
             {f"{warps},{stages or 'default'}": {"score_warps": warps, "score_stages": stages}
              for warps, stages in SCORE_LAUNCHES}, "score_launch_ms",
             {"dsa_graph_score_launch_ms": lambda: graph_timed(timer, step, cuda)}, rtol=1e-5)
-        row |= time_score_settings(  # each next key tile loaded a tile ahead, or not
-            name, (q_i, w, index_cache, meta, scale), scores, timer,
-            {f"{tiles},{'prefetch' if on else 'plain'}": {"score_prefetch": on,
-                                                         "score_key_tiles": tiles}
-             for tiles in (4, 8) for on in (False, True)}, "score_prefetch_ms",
-            {"dsa_graph_score_prefetch_ms": lambda: graph_timed(timer, step, cuda)})
     # the default (decode_gluon.sparse_gluon on sm90 in bf16) and the Triton kernel
     gluon = decode_gluon.supports(q, cache, latent)
     row["sparse_mla_kernel"] = ("triton" if not gluon else "gluon-ws" if (

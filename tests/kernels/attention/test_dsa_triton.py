@@ -150,17 +150,13 @@ def test_forced_ties_break_to_the_lowest_position(block_size: int, force: object
         assert ties > 0
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("key_tiles", [1, 3])
 @pytest.mark.parametrize("name", list(STEPS))
 def test_scoring_programs_walking_several_key_tiles(monkeypatch: pytest.MonkeyPatch,
-                                                    key_tiles: int, name: str,
-                                                    prefetch: bool) -> None:
+                                                    key_tiles: int, name: str) -> None:
     """score_key_tiles: a scoring program over several key tiles (3: spans ending inside a
-    row's context and past it) selects as the reference does, ties included; with
-    score_prefetch each next tile loaded a tile ahead (the last one's load all masked)."""
+    row's context and past it) selects as the reference does, ties included."""
     monkeypatch.setattr(dsa_triton, "score_key_tiles", key_tiles)
-    monkeypatch.setattr(dsa_triton, "score_prefetch", prefetch)
     step = make_step(*STEPS[name], 16, seed=7)
     _integers(step)
     check_topk(step, scale=0.25)
@@ -414,13 +410,11 @@ def _ref_scores(step: Step, scale: float) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("key_tiles", [1, 4])
 @pytest.mark.parametrize("name", list(_gpu_steps()))
-def test_gpu_topk_integer_data_is_exact(name: str, key_tiles: int, prefetch: bool,
+def test_gpu_topk_integer_data_is_exact(name: str, key_tiles: int,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dsa_triton, "score_key_tiles", key_tiles)
-    monkeypatch.setattr(dsa_triton, "score_prefetch", prefetch)
     step = make_step(*_gpu_steps()[name], GPU_BLOCK, dtype=torch.bfloat16, **GPU_INDEXER)
     _integers(step)
     _, ties = check_topk(step, topk=GPU_TOPK, scale=0.25)

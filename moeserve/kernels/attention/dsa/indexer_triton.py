@@ -78,10 +78,10 @@ score_key_tiles = 8
 # The scoring launch's warps and pipeline stages (None: Triton's default): experiment switches,
 # timed by kernels_dsa (SCORE_LAUNCHES) before any other value becomes the default
 score_warps = 4
-# The scoring loop's next key tile (its block-table entry, then its keys) loaded while this
-# one is scored, instead of each tile's two dependent loads before its dot: an experiment
-# switch until kernels_dsa times it (score_prefetch_ms)
-score_prefetch = False
+# (A form loading each next key tile into registers a tile ahead was compiled offline,
+# kernel_sass index-score, and dropped untimed: Triton's pipeliner already streams the key
+# tiles by cp.async, LDGSTS, at num_stages 3 with 80 registers; the register-staged form took
+# 124 and plain loads. In git's history at d04b9d1.)
 score_stages: int | None = None
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
@@ -175,7 +175,7 @@ def index_score_chunks(q: torch.Tensor, weights: torch.Tensor, index_cache: torc
             NUM_HEADS=num_heads, BLOCK_H=max(16 // block_q, next_pow2(num_heads)),
             BLOCK_Q=block_q, D=dim, BLOCK_SIZE=index_cache.shape[1], BLOCK_N=block_n,
             USE_TILES=part is not None, IEEE=q.dtype == torch.float32,
-            KEY_TILES=score_key_tiles, PREFETCH=score_prefetch, num_warps=score_warps,
+            KEY_TILES=score_key_tiles, num_warps=score_warps,
             **({} if score_stages is None else {"num_stages": score_stages}))
         yield t0, n, scores
 
@@ -303,7 +303,7 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
                         NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
                         D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                         USE_TILES: tl.constexpr, IEEE: tl.constexpr,
-                        KEY_TILES: tl.constexpr, PREFETCH: tl.constexpr):
+                        KEY_TILES: tl.constexpr):
     """Program (i, span): the scores' ord [BLOCK_Q, BLOCK_N] of query tile i over KEY_TILES
     key tiles of BLOCK_N context positions from span * BLOCK_N * KEY_TILES, written to keys
     rows (token - t0) ([n, num_keys] int32) where each query sees the position (the rest of
@@ -358,16 +358,9 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
                     mask=q_ok[:, None] & (h < NUM_HEADS)[None, :], other=0.0)  # [Q, H'] fp32
         table = block_tables_ptr + req * stride_table
         span_end = tl.minimum(span0 + BLOCK_N * KEY_TILES, kv_hi)
-        if PREFETCH:  # the span's first tile before the loop, each next one a tile ahead
-            k_next = _key_tile(cache_ptr, table, span0, span_end, d, D, BLOCK_SIZE, BLOCK_N)
         for n0 in range(span0, span_end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)  # [N] context positions
-            if PREFETCH:
-                k = k_next
-                k_next = _key_tile(cache_ptr, table, n0 + BLOCK_N, span_end, d, D,
-                                   BLOCK_SIZE, BLOCK_N)
-            else:
-                k = _key_tile(cache_ptr, table, n0, kv_hi, d, D, BLOCK_SIZE, BLOCK_N)
+            k = _key_tile(cache_ptr, table, n0, kv_hi, d, D, BLOCK_SIZE, BLOCK_N)  # [D, N]
             if IEEE:
                 s = tl.dot(q, k, input_precision="ieee")
             else:
