@@ -25,7 +25,8 @@ topk_coop_graph_ms with the step's graph with it
 as dsa_graph_coop_ms; the "bisect" form (topk_bisect_triton.py, rows of at most 16,384
 positions; where refused, the reason as topk_bisect) as topk_bisect_graph_ms and the step's
 graph with it as dsa_graph_bisect_ms (and with the scores as wide as the served graph's
-context bound, dsa_graph_bound_bisect_ms); the row form at
+context bound, dsa_graph_bound_bisect_ms), at BISECT_WARPS' warps as
+topk_bisect_warps_graph_ms / topk_bisect_warps_wide_graph_ms; the row form at
 ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row, chunks and coop forms
 with topk_triton.GATHER as topk_gather_graph_ms, the step's graph with it as
 dsa_graph_gather_ms and with coop as dsa_graph_coop_gather_ms),
@@ -110,6 +111,8 @@ COPY_TBPS = 4.27  # ANCHORS.md: the H200's copy rate; main() takes its GPU's (de
 CHECK_ROWS = 2  # rows of each decode case checked against the references
 # the radix top-k's row form at (positions a step, warps), in graphs
 ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16), (4096, 16), (8192, 32))
+# the bisect top-k's warps timed (topk_bisect_triton.WARPS), in graphs
+BISECT_WARPS = (8, 16, 32)
 # the radix top-k's chunks form at these positions a program, in graphs
 CHUNK_SIZES = (256, 512, 1024, 2048)
 # indexer_triton.score_key_tiles settings timed: the scores alone and the step in a graph
@@ -233,6 +236,35 @@ def time_score_key_tiles(name: str, args: tuple, scores: torch.Tensor, timer: Ti
     return time_score_settings(name, args, scores, timer,
                                {str(t): {"score_key_tiles": t} for t in SCORE_KEY_TILES},
                                "score_key_tiles_ms", also)
+
+
+def time_bisect_warps(name: str, scores: torch.Tensor, meta: AttentionMetadata, topk: int,
+                      selected: torch.Tensor, timer: Timer) -> dict:
+    """The bisect top-k at each of BISECT_WARPS (topk_bisect_triton.WARPS: 4,096 / 32 / warps
+    keys a thread a register chunk), each checked against `selected`, in graphs over the
+    scores as given and as wide as the served graph's context bound (16,384: four chunks, the
+    ones past a token's context skipped): {"topk_bisect_warps_graph_ms": {warps: ms},
+    "topk_bisect_warps_wide_graph_ms": {warps: ms}}."""
+    from moeserve.kernels.attention.dsa import topk_bisect_triton
+
+    wide = torch.zeros(scores.shape[0], topk_bisect_triton.MAX_KEYS, dtype=scores.dtype,
+                       device=scores.device)
+    wide[:, :scores.shape[1]] = scores  # past each token's context: never read
+    out: dict = {"topk_bisect_warps_graph_ms": {}, "topk_bisect_warps_wide_graph_ms": {}}
+    saved = topk_bisect_triton.WARPS
+    try:
+        for warps in BISECT_WARPS:
+            topk_bisect_triton.WARPS = warps
+            for key, s in (("topk_bisect_warps_graph_ms", scores),
+                           ("topk_bisect_warps_wide_graph_ms", wide)):
+                fn = functools.partial(topk_triton.radix_topk, s, meta, 0, topk,
+                                       torch.empty_like(selected), form="bisect")
+                fn()
+                assert torch.equal(fn.args[4], selected), f"{name}: bisect at {warps} warps"
+                out[key][str(warps)] = round(graph_timed(timer, fn, True), 4)
+    finally:
+        topk_bisect_triton.WARPS = saved
+    return out
 
 
 def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
@@ -376,6 +408,8 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
                 graph_timed(timer, fn, cuda), 4)
         finally:
             topk_triton.ROW_WARPS = saved
+    if "topk_bisect_graph_ms" in row and cuda:  # the bisect form's warps, rows as served
+        row |= time_bisect_warps(name, scores, meta, topk, selected, timer)
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
     # both as a served decode step runs them: in a CUDA graph (no host time between launches)
     row["topk_graph_ms"] = graph_timed(
