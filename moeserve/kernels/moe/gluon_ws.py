@@ -31,8 +31,13 @@ default: on an H100 (benchmarks/results/gpu_c06bad4/, kernels_moe's "gluon_ws" b
 whole routed layer) it is correct (8 GPU tests) but barely ahead: glm-4.7-flash's experts at
 8,192 tokens 1.396 / 1.500 ms against Triton's 1.445 / 1.567 (dummy / skewed routing; 56% of
 787 TFLOP/s), qwen3-30b-a3b's level (1.448 / 1.441), at 2,048 tokens with skewed routing 4-7%
-slower. What binds it is not yet profiled (the math partition's barrier arrive a step, the
-epilogue the math waits through, L2).
+slower. What binds it (Nsight Compute on an H100 at 8,192 tokens, benchmarks/results/
+gpu_a8d729a/call1): L2's bandwidth to the SMs, at 79-80% of its peak in both this kernel and
+Triton's (6.9-7.4 TB/s), the tensor pipe 69 / 64% active in the gated / down launch (Triton's
+58 / 59%); the per-thread stage release (`arrive_per_thread`) measured level. A 128 x 256
+tile needs ~9 TB/s of L2 at the bf16 peak; what would lift it is fewer L2 bytes a FLOP: the
+weight tile multicast over a cluster of CTAs (TMA multicast: Gluon 3.6's TMA copy has no
+multicast form) or a taller tile than two math warpgroups' registers hold.
 """
 
 from __future__ import annotations
