@@ -45,6 +45,10 @@ CASES = {  # name: kernel_sass arguments
     "gqa-decode-split": "gqa-decode --tile 16 64 4 2 --heads 8 --split",
     "topk-row": "topk --form row",
     "topk-coop": "topk --form coop",
+    # DSA's bisect top-k at the served graph's width (four register chunks) and the indexer's
+    # decode scores (every chunk branch and the key-tile helper built)
+    "topk-bisect": "topk --form bisect --block 16384 --warps 16",
+    "dsa-index-score": "index-score",
     # Gluon (kernels/attention/mla/*_gluon*.py): decode_gluon at 64 heads, its split and
     # 16-byte-store forms, the swapped one (20 heads), the warp-specialized one (64 heads, 4
     # warps), DSA's sparse forms, the prefill over query tiles
