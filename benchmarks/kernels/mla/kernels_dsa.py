@@ -37,7 +37,9 @@ dsa_graph_score_launch_ms), the sparse MLA over the
 2,048 selected positions (sparse_mla_ms the default kernel, sparse_mla_kernel naming it:
 decode_gluon.sparse_gluon on sm90 in bf16; sparse_mla_triton_ms the Triton kernel; with
 --tiles, also at those TileConfigs; sparse_mla_slots_ms with sparse_triton's `slot_rows`
-experiment switch on, its row conversion included, sparse_mla_gluon_ms by decode_gluon's
+experiment switch on, its row conversion included; at SPARSE_SPLITS' partitions a token as
+sparse_mla_splits_ms, the step's graph with each as dsa_graph_splits_ms; sparse_mla_gluon_ms
+by decode_gluon's
 kernel and sparse_mla_ws_ms / sparse_mla_ws2_ms by decode_gluon_ws (decode_gluon.ws_sparse,
 the default on sm90: one or two P V warpgroups) with dsa_graph_gluon_ms / dsa_graph_ws_ms /
 dsa_graph_ws2_ms the step's graph with each, and sparse_mla_gluon_slots_ms the Gluon
@@ -111,6 +113,9 @@ COPY_TBPS = 4.27  # ANCHORS.md: the H200's copy rate; main() takes its GPU's (de
 CHECK_ROWS = 2  # rows of each decode case checked against the references
 # the radix top-k's row form at (positions a step, warps), in graphs
 ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16), (4096, 16), (8192, 32))
+# the sparse MLA's partitions of a token's selection timed (the default picks them to fill
+# about a wave of programs)
+SPARSE_SPLITS = (1, 2, 4, 8)
 # the bisect top-k's warps timed (topk_bisect_triton.WARPS), in graphs
 BISECT_WARPS = (8, 16, 32)
 # the radix top-k's chunks form at these positions a program, in graphs
@@ -264,6 +269,33 @@ def time_bisect_warps(name: str, scores: torch.Tensor, meta: AttentionMetadata, 
                 out[key][str(warps)] = round(graph_timed(timer, fn, True), 4)
     finally:
         topk_bisect_triton.WARPS = saved
+    return out
+
+
+def time_sparse_splits(name: str, sparse_args: tuple, base: torch.Tensor, index_args: tuple,
+                       timer: Timer) -> dict:
+    """The default sparse MLA (the Gluon kernels on sm90) at SPARSE_SPLITS partitions of each
+    token's selection (combined by the split reduce), each within 2^-6 of `base` (another sum
+    order): sparse_mla_splits_ms {splits: ms}, and the whole step (indexer + sparse MLA) in a
+    graph with each: dsa_graph_splits_ms {splits: ms}."""
+    q_i, w, index_cache, meta, scale, topk = index_args
+    out: dict = {"sparse_mla_splits_ms": {}, "dsa_graph_splits_ms": {}}
+    for splits in SPARSE_SPLITS:
+        def sparse(splits: int = splits) -> torch.Tensor:
+            return dsa_sparse_triton.dsa_attention_triton(*sparse_args, num_splits=splits)
+        err = float((sparse().float() - base).abs().max() / base.abs().max())
+        if err > 2 ** -6:
+            out["sparse_mla_splits_ms"][str(splits)] = f"mismatch {err:.3g}"
+            continue
+        out["sparse_mla_splits_ms"][str(splits)] = round(timer(sparse), 4)
+
+        def step(splits: int = splits) -> torch.Tensor:
+            pos, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta, scale, topk)
+            q, cache, _, _, mla_scale, latent = sparse_args
+            return dsa_sparse_triton.dsa_attention_triton(q, cache, meta, pos, mla_scale, latent,
+                                                          packed=True, num_splits=splits)
+        step()
+        out["dsa_graph_splits_ms"][str(splits)] = round(graph_timed(timer, step, True), 4)
     return out
 
 
@@ -459,6 +491,9 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
                                            latent).float()  # checked above, on a small step
     triton_base = dsa_sparse_triton.dsa_attention_triton(q, cache, meta, positions, mla_scale,
                                                          latent, gluon=False).float()
+    if cuda:
+        row |= time_sparse_splits(name, (q, cache, meta, positions, mla_scale, latent), base,
+                                  (q_i, w, index_cache, meta, scale, topk), timer)
     dsa_sparse_triton.slot_rows = True  # the experiment switch: cache rows first, then the loop
     try:
         assert torch.equal(dsa_sparse_triton.dsa_attention_triton(
