@@ -217,21 +217,14 @@ def test_the_environment_sets_the_default_form(form: str) -> None:
     """MOESERVE_DSA_TOPK_FORM is FORM at import (a served A/B's processes); unset, "auto".
     In a fresh interpreter: reloading the module here would unbind the jitted helpers other
     forms' modules hold."""
-    import os
-    import subprocess
-    import sys
-
     from moeserve import envs
+    from tests.fresh_import import attribute_at_import
 
     if form != "bisect":
         pytest.skip("the environment's default is checked once, under the bisect form")
-    read = "from moeserve.kernels.attention.dsa import topk_triton; print(topk_triton.FORM)"
-    env = {k: v for k, v in os.environ.items() if k != envs.DSA_TOPK_FORM}
     for value, want in ((None, "auto"), ("bisect", "bisect")):
-        run_env = env if value is None else env | {envs.DSA_TOPK_FORM: value}
-        got = subprocess.run([sys.executable, "-c", read], env=run_env, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        assert got == want
+        assert attribute_at_import("moeserve.kernels.attention.dsa.topk_triton", "FORM",
+                                   envs.DSA_TOPK_FORM, value) == want
 
 
 def test_bisect_holds_rows_to_its_register_bound(form: str) -> None:

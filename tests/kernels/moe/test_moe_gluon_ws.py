@@ -5,10 +5,6 @@ fp16, a CUDA graph with new routing, and proof that it ran."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -18,6 +14,7 @@ from moeserve.kernels.moe.fused_triton import moe_triton
 from moeserve.kernels.moe.ref import moe_loop_ref
 from moeserve.kernels.routing.select import select_experts
 from tests.cuda_graph import capture
+from tests.fresh_import import attribute_at_import
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -64,13 +61,9 @@ def test_the_environment_sets_the_mode_for_a_served_ab() -> None:
     """MOESERVE_MOE_GLUON_WS is the mode at import (a server's processes take it from
     there); unset, "off". In a fresh interpreter: reloading the module here would unbind the
     jitted helpers fp8_gluon_ws holds."""
-    read = "from moeserve.kernels.moe import gluon_ws; print(gluon_ws.mode)"
-    env = {k: v for k, v in os.environ.items() if k != envs.MOE_GLUON_WS}
     for value, want in ((None, "off"), ("auto", "auto")):
-        run_env = env if value is None else env | {envs.MOE_GLUON_WS: value}
-        got = subprocess.run([sys.executable, "-c", read], env=run_env, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        assert got == want
+        assert attribute_at_import("moeserve.kernels.moe.gluon_ws", "mode", envs.MOE_GLUON_WS,
+                                   value) == want
 
 
 def test_a_cpu_launch_never_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
