@@ -2,16 +2,20 @@
 # Issue 17: where DSA's decode step at 32 rows of 8k positions spends its time (0.111 ms in a
 # CUDA graph on an H100 against a 0.0475 ms read bound, gpu_a8d729a/call2): Nsight Compute over
 # every kernel of one step (the indexer's scores, the bisect top-k, the sparse MLA and its
-# split's combine), each against its own bytes. One call (~2 minutes) -> $OUT/ncu_dsa.tgz and
+# split's combine), each against its own bytes. One call (~5 minutes with the tests and
+# timings below; ~2 with NO_TIMINGS=1) -> $OUT/ncu_dsa.tgz and
 # the details page's key lines printed.
 #   bash benchmarks/h200/dsa_step_ncu_h200.sh         # BATCH=32 CONTEXT=8192
-# First (unless NO_TIMINGS=1): the indexer's GPU tests (-> $OUT/dsa_tests.log), and
-# kernels_dsa's 32 and 256 x 8k cases (-> $OUT/kernels_dsa.json).
+# First (unless NO_TIMINGS=1): the GPU tests of the indexer, the top-k in every form and the
+# DSA families against transformers under "auto"'s bisect top-k (-> $OUT/dsa_tests.log;
+# TESTS_TIMEOUT), and kernels_dsa's 32 and 256 x 8k cases with the bisect warps and the
+# sparse MLA's splits swept (-> $OUT/kernels_dsa.json).
 set -uo pipefail
 source benchmarks/gpu_env.sh
 if [ -z "${NO_TIMINGS:-}" ]; then
-  timeout -s KILL ${TESTS_TIMEOUT:-90} python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/kernels/attention/test_dsa_triton.py > $OUT/dsa_tests.log 2>&1
+  timeout -s KILL ${TESTS_TIMEOUT:-180} python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/kernels/attention/test_dsa_triton.py tests/kernels/attention/test_dsa_topk_triton.py \
+    tests/engine/test_dsa_families_vs_hf.py > $OUT/dsa_tests.log 2>&1
   echo "dsa GPU tests rc=$?: $(tail -1 $OUT/dsa_tests.log)"
   grep -E "^(FAILED|ERROR)" $OUT/dsa_tests.log | head -5
   timeout -s INT ${DSA_TIMEOUT:-150} python3 -m benchmarks.kernels.mla.kernels_dsa \
@@ -27,7 +31,9 @@ except OSError as e:
     sys.exit(f"no result: {e}")
 for r in d["decode"]:
     print(r["case"], "step graph", r.get("dsa_graph_ms"), "bound", r.get("read_bound_ms"),
-          "topk", r.get("topk_graph_ms"), "score", r.get("score_ms"))
+          "topk", r.get("topk_graph_ms"), "score", r.get("score_ms"), "| bisect warps",
+          r.get("topk_bisect_warps_graph_ms"), r.get("topk_bisect_warps_wide_graph_ms"),
+          "| sparse splits", r.get("sparse_mla_splits_ms"), r.get("dsa_graph_splits_ms"))
 PY
 fi
 dir=/tmp/ncu_dsa; mkdir -p $dir
