@@ -122,24 +122,32 @@ def test_dsa_indexer_compiles_once_across_batch_shapes(monkeypatch: pytest.Monke
     offsets): at most two new variants, both compiled by the first pair of steps (none when
     the run's earlier DSA tests compiled them: the full `pytest -m gpu` on the H200). The
     radix top-k's kernels (dsa/topk_triton.py's row form, topk_chunks_triton.py's chunks
-    form) likewise compile in the first pair only (the row form's one; the chunks form's six:
-    four histogram levels, the count, the write) whatever the tokens, contexts and chunks."""
+    form, topk_bisect_triton.py's bisect form: "auto"'s for these few tokens) likewise
+    compile in the first pair only (the row form's one; the chunks form's six: four histogram
+    levels, the count, the write; the bisect form's four, one a register chunk count, all
+    built at its first call) whatever the tokens, contexts (later steps' rows reach 2, 3 and
+    4 chunks of 4,096) and chunks."""
     from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
-    from moeserve.kernels.attention.dsa import topk_chunks_triton, topk_triton
+    from moeserve.kernels.attention.dsa import (
+        topk_bisect_triton,
+        topk_chunks_triton,
+        topk_triton,
+    )
     from tests.kernels.attention.test_dsa_triton import make_step
 
     kern, row_kern = dsa_triton._kernels(), topk_triton._kernels()
-    chunks_kern = topk_chunks_triton._kernels()
+    chunks_kern, bisect_kern = topk_chunks_triton._kernels(), topk_bisect_triton._kernels()
 
     def compiled() -> tuple[int, ...]:
         return (variants(kern.index_score), variants(chunks_kern.hist),
                 variants(chunks_kern.count), variants(chunks_kern.write),
-                variants(row_kern.row))
+                variants(row_kern.row), variants(bisect_kern.bisect))
     rng = np.random.default_rng(0)
     monkeypatch.setattr(dsa_triton, "_CHUNK_KEYS", 1 << 16)  # ~20 tokens a chunk at S ~ 3k
     start, counts = compiled(), []
-    for batch, num_prefill in [(7, 1), (16, 2), (33, 3), (100, 1), (129, 4)]:
-        computed = rng.integers(1, 3000, batch).tolist()
+    for (batch, num_prefill), longest in zip([(7, 1), (16, 2), (33, 3), (100, 1), (129, 4)],
+                                             [3000, 3000, 6000, 11000, 16000]):
+        computed = rng.integers(1, longest, batch).tolist()
         prefill = rng.integers(5, 130, num_prefill).tolist()
         for comp, sched in ((computed + [0] * num_prefill, [1] * batch + prefill),
                             (computed, [1] * batch)):
@@ -149,7 +157,7 @@ def test_dsa_indexer_compiles_once_across_batch_shapes(monkeypatch: pytest.Monke
         torch.cuda.synchronize()
         counts.append(tuple(now - then for now, then in zip(compiled(), start)))
     # counts[0] is 0s when an earlier test of the run compiled the variants already
-    assert all(n <= most for n, most in zip(counts[0], (2, 4, 1, 1, 1))), counts
+    assert all(n <= most for n, most in zip(counts[0], (2, 4, 1, 1, 1, 4))), counts
     assert counts == [counts[0]] * len(counts), counts
 
 

@@ -245,6 +245,33 @@ def test_bisect_holds_rows_to_its_register_bound(form: str) -> None:
     assert (out == GARBAGE).all()  # nothing written
 
 
+def test_bisect_builds_every_chunk_count_at_its_first_call(
+        form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the bisect form's first call of a device compiles its kernel at every register
+    chunk count (warmup: no launch), so that a later step's wider rows do not compile
+    mid-serving; once a (device, ties, warps), not again. (The launch count itself is the GPU
+    specialization test's.)"""
+    from moeserve.kernels.attention.dsa import topk_bisect_triton as bisect
+
+    if form != "bisect":
+        pytest.skip("the bisect form's compile rule")
+    built: list[dict] = []
+
+    class Kernel:
+        def warmup(self, *args, grid, **constexprs):
+            built.append({"grid": grid, **constexprs})
+    monkeypatch.setattr(bisect, "_kernels", lambda: SimpleNamespace(bisect=Kernel()))
+    monkeypatch.setattr(bisect, "_compiled", set())
+    args = (torch.zeros(2, 100, dtype=torch.int32),)
+    bisect._compile_every_width(args, False)
+    bisect._compile_every_width(args, False)  # once
+    assert [b["CHUNKS"] for b in built] == [1, 2, 3, 4]
+    assert all(b["CHUNK"] == bisect.CHUNK and b["num_warps"] == bisect.WARPS
+               and not b["COUNT_TIES"] for b in built)
+    bisect._compile_every_width(args, True)  # the tie-counting variants are others
+    assert [b["CHUNKS"] for b in built[4:]] == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("values", ["random", "ties"])
 def test_rows_over_several_register_chunks(form: str, values: str) -> None:
     """Rows of 2-4 of the bisect form's register chunks (4,096 positions), contexts ending in

@@ -28,7 +28,10 @@ call's successor, gpu_a8d729a/call2): 0.0248 / 0.045 ms at 32 / 256 x 8k against
 1,024 tokens over the rows it holds since (topk_triton.auto_form).
 
 Rows past MAX_KEYS (a step's or a decode graph's max_seq_len) are refused: the row must fit
-the registers (128 a thread at 16,384 positions, sm90 offline, no spill).
+the registers (128 a thread at 16,384 positions, sm90 offline, no spill). The kernel has a
+variant a chunk count (CHUNKS, 1-4, from the rows' width); on CUDA the first call builds all
+four (`_compile_every_width`), so a later step whose rows reach more chunks launches at once
+rather than compiling mid-serving (tests/kernels/test_specialization_gpu.py counts them).
 """
 
 from __future__ import annotations
@@ -69,11 +72,29 @@ def radix_topk_bisect(scores: torch.Tensor, meta: AttentionMetadata, t0: int, to
     chunks = num_chunks(num_keys)
     ties = torch.empty(n if count_boundary_ties else 1, dtype=torch.int32,
                        device=scores.device)
-    _kernels().bisect[(n,)](scores, out, meta.positions, meta.seq_lens, meta.token_to_req, t0,
-                            ties, num_keys, topk, out.stride(0),
-                            COUNT_TIES=count_boundary_ties, CHUNKS=chunks, CHUNK=CHUNK,
+    args = (scores, out, meta.positions, meta.seq_lens, meta.token_to_req, t0, ties, num_keys,
+            topk, out.stride(0))
+    if scores.is_cuda:
+        _compile_every_width(args, count_boundary_ties)
+    _kernels().bisect[(n,)](*args, COUNT_TIES=count_boundary_ties, CHUNKS=chunks, CHUNK=CHUNK,
                             num_warps=WARPS)
     return int(ties.sum()) if count_boundary_ties else 0
+
+
+_compiled: set[tuple] = set()  # (device, COUNT_TIES, WARPS) whose CHUNKS variants are built
+
+
+def _compile_every_width(args: tuple, count_ties: bool) -> None:
+    """Every CHUNKS variant (one a row width's chunk count) compiled at the first call of a
+    device and form, so that a later step whose rows reach another chunk count (a prefill's
+    max_seq_len, a decode graph's bound) launches at once instead of compiling mid-serving."""
+    key = (args[0].device, count_ties, WARPS)
+    if key in _compiled:
+        return
+    for chunks in range(1, MAX_KEYS // CHUNK + 1):
+        _kernels().bisect.warmup(*args, grid=(1,), COUNT_TIES=count_ties, CHUNKS=chunks,
+                                 CHUNK=CHUNK, num_warps=WARPS)
+    _compiled.add(key)
 
 
 @functools.cache
