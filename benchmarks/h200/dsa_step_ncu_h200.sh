@@ -6,8 +6,9 @@
 # timings below; ~2 with NO_TIMINGS=1) -> $OUT/ncu_dsa.tgz and
 # the details page's key lines printed.
 #   bash benchmarks/h200/dsa_step_ncu_h200.sh         # BATCH=32 CONTEXT=8192
-# First (unless NO_TIMINGS=1): the GPU tests of the indexer, the top-k in every form and the
-# DSA families against transformers under "auto"'s bisect top-k (-> $OUT/dsa_tests.log;
+# First (unless NO_TIMINGS=1): the GPU tests of the indexer, the top-k in every form, the
+# DSA families against transformers under "auto"'s bisect top-k and the indexer's and top-k's
+# compile-once count (-> $OUT/dsa_tests.log;
 # TESTS_TIMEOUT), and kernels_dsa's 32 and 256 x 8k cases with the bisect warps and the
 # sparse MLA's splits swept (-> $OUT/kernels_dsa.json).
 set -uo pipefail
@@ -15,7 +16,9 @@ source benchmarks/gpu_env.sh
 if [ -z "${NO_TIMINGS:-}" ]; then
   timeout -s KILL ${TESTS_TIMEOUT:-180} python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/kernels/attention/test_dsa_triton.py tests/kernels/attention/test_dsa_topk_triton.py \
-    tests/engine/test_dsa_families_vs_hf.py > $OUT/dsa_tests.log 2>&1
+    tests/engine/test_dsa_families_vs_hf.py \
+    tests/kernels/test_specialization_gpu.py::test_dsa_indexer_compiles_once_across_batch_shapes \
+    > $OUT/dsa_tests.log 2>&1
   echo "dsa GPU tests rc=$?: $(tail -1 $OUT/dsa_tests.log)"
   grep -E "^(FAILED|ERROR)" $OUT/dsa_tests.log | head -5
   timeout -s INT ${DSA_TIMEOUT:-150} python3 -m benchmarks.kernels.mla.kernels_dsa \
