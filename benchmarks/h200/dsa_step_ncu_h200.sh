@@ -14,8 +14,10 @@
 set -uo pipefail
 source benchmarks/gpu_env.sh
 if [ -z "${NO_TIMINGS:-}" ]; then
-  timeout -s KILL ${TESTS_TIMEOUT:-180} python3 -m pytest -q -m gpu -p no:cacheprovider \
+  timeout -s KILL ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider \
     tests/kernels/attention/test_dsa_triton.py tests/kernels/attention/test_dsa_topk_triton.py \
+    tests/kernels/attention/test_dsa_topk_bisect.py tests/kernels/attention/test_mla_decode_gluon_ws.py \
+    tests/kernels/attention/test_mla_decode_gluon.py tests/kernels/attention/test_mla_decode_gluon_swapped.py \
     tests/engine/test_dsa_families_vs_hf.py \
     tests/kernels/test_specialization_gpu.py::test_dsa_indexer_compiles_once_across_batch_shapes \
     > $OUT/dsa_tests.log 2>&1
@@ -36,7 +38,10 @@ for r in d["decode"]:
     print(r["case"], "step graph", r.get("dsa_graph_ms"), "bound", r.get("read_bound_ms"),
           "topk", r.get("topk_graph_ms"), "score", r.get("score_ms"), "| bisect warps",
           r.get("topk_bisect_warps_graph_ms"), r.get("topk_bisect_warps_wide_graph_ms"),
-          "| sparse splits", r.get("sparse_mla_splits_ms"), r.get("dsa_graph_splits_ms"))
+          "bits", r.get("topk_bisect_bits_graph_ms"), r.get("topk_bisect_bits_wide_graph_ms"),
+          "| sparse splits", r.get("sparse_mla_splits_ms"), r.get("dsa_graph_splits_ms"),
+          "| ws prefetch on / off", r.get("sparse_mla_ws_ms"), r.get("dsa_graph_ws_ms"),
+          r.get("sparse_mla_ws_noprefetch_ms"), r.get("dsa_graph_ws_noprefetch_ms"))
 PY
 fi
 dir=/tmp/ncu_dsa; mkdir -p $dir

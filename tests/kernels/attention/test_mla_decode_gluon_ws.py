@@ -65,11 +65,13 @@ def test_the_switch_is_on_by_default_and_names_its_context_bound(
     assert decode_gluon.kernel_bounds(64, cache, 512) == {}
 
 
-@pytest.fixture(params=["one_pv", "two_pv"])
+@pytest.fixture(params=["one_pv", "two_pv", "one_pv_loads_in_place"])
 def ws_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both forms: one P V warpgroup beside the scores warpgroup's half of P V, and two P V
-    warpgroups (O's halves) beside a scores warpgroup doing none."""
+    warpgroups (O's halves) beside a scores warpgroup doing none; the first also with each
+    tile's validity and cache rows loaded where used (`prefetch` off)."""
     monkeypatch.setattr(decode_gluon_ws, "two_pv", request.param == "two_pv")
+    monkeypatch.setattr(decode_gluon_ws, "prefetch", request.param != "one_pv_loads_in_place")
     return request.param
 
 

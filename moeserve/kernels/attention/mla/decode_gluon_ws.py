@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from moeserve import envs
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import decode_gluon, gluon_parts, reduce_triton
 from moeserve.kernels.triton_common import MAX_GRID_Y
@@ -74,6 +75,13 @@ WORKER_REGISTERS_TWO_PV = 176
 # 3.445 -> 3.471), 128 heads faster from 1,024 keys (1.623 -> 1.572 at 2,048 rows, 3.097 ->
 # 2.695 at 1,024 x 4,096) and level at 768.
 WS_MIN_HEADS = {"H200": 33, "H100": 65}
+# The scores warpgroup loads tile t + 1's key validity (DSA: the selection) and tile t + 2's
+# cache rows (the selection, then the block table) at tile t's start, a tile ahead of the
+# softmax and the copies that wait on them; off: each loaded where it is used, after the
+# P V warpgroup frees the stage (two dependent loads before a tile's copies can start: DSA's
+# sparse MLA at 32 x 8k read DRAM at 51% of peak, gpu_48511b5/call1). An A/B switch until
+# kernels_dsa times it (MOESERVE_MLA_WS_PREFETCH=0 / 1)
+prefetch = envs.mla_ws_prefetch()
 WS_MIN_HEADS_OTHER = 65
 
 gl: Any = None  # bound by _kernels(), as in decode_gluon
@@ -88,6 +96,8 @@ _nvmma_buffer: Any = None
 _program_keys: Any = None
 _query_rows: Any = None
 _scores: Any = None
+_tile_slots: Any = None
+_copy_slots: Any = None
 
 
 def takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -182,7 +192,7 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         sel.stride(0) if sparse else 0,
         NUM_HEADS=num_heads, L=kv_lora_rank, R=q.shape[2] - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
-        SPARSE=sparse, PACKED=packed, TWO_PV=two_pv,
+        SPARSE=sparse, PACKED=packed, TWO_PV=two_pv, PREFETCH=prefetch,
         WORKER_REGS=WORKER_REGISTERS_TWO_PV if two_pv else WORKER_REGISTERS,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS_TWO_PV if two_pv else MAX_REGISTERS)
     if num_splits > 1:
@@ -197,7 +207,7 @@ def _kernels() -> SimpleNamespace:
     the builtins and gluon_parts' functions they call as module globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, mbarrier
     global _load_tile, _valid_keys, _nvmma_buffer, _program_keys, _query_rows, _scores
-    global _ws_kernel, _scores_partition, _pv_partition, _store_o
+    global _tile_slots, _copy_slots, _ws_kernel, _scores_partition, _pv_partition, _store_o
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
 
@@ -208,6 +218,7 @@ def _kernels() -> SimpleNamespace:
     mbarrier = hopper.mbarrier
     _load_tile, _valid_keys, _nvmma_buffer = parts.load_tile, parts.valid_keys, parts.nvmma_buffer
     _program_keys, _query_rows, _scores = parts.program_keys, parts.query_rows, parts.scores
+    _tile_slots, _copy_slots = parts.tile_slots, parts.copy_slots
     _scores_partition = gluon.jit(_scores_partition)
     _pv_partition = gluon.jit(_pv_partition)
     _store_o = gluon.jit(_store_o)
@@ -226,7 +237,7 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
                SPARSE: gl.constexpr, PACKED: gl.constexpr, TWO_PV: gl.constexpr,
-               WORKER_REGS: gl.constexpr):
+               WORKER_REGS: gl.constexpr, PREFETCH: gl.constexpr):
     """Program (head_tile, i, split): 64 heads of decode row i over its context partition
     `split`, or (SPARSE) of token i over that partition of its selection (the module
     docstring's data flow; TWO_PV: two P V warpgroups, O's halves, none in the scores one)."""
@@ -278,7 +289,7 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                                  part_acc_ptr, table, sel, tok, head_tile, start, end,
                                  num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
                                  stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV)),
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, PREFETCH)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
                              stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT, 0)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
@@ -291,7 +302,7 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                                  part_acc_ptr, table, sel, tok, head_tile, start, end,
                                  num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
                                  stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV)),
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, PREFETCH)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
                              stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT,
                              HALF)),
@@ -303,9 +314,10 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
                       scale_log2, stride_qt, stride_qh, stride_oh, out_row, part_row,
                       num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                       BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr,
-                      TWO_PV: gl.constexpr):
+                      TWO_PV: gl.constexpr, PREFETCH: gl.constexpr):
     """The scores warpgroup: every copy, each tile's scores and softmax, and O[:, :L/2]
-    (unless TWO_PV)."""
+    (unless TWO_PV). PREFETCH: tile t + 1's key validity and tile t + 2's cache rows loaded
+    at tile t's start, so neither the softmax nor the copies wait on a load then."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
@@ -341,6 +353,8 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
     acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)  # O[:, :L/2] (unused with TWO_PV)
     s_zero = gl.zeros([BH, BN], gl.float32, layout=s_l)
     keys = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    if PREFETCH:
+        _, valid_next = _valid_keys(sel, max_pos, start + keys, end, SPARSE)
     async_copy.wait_group(0)
     gl.thread_barrier()
     fence_async_shared()
@@ -348,7 +362,13 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     for t in range(num_tiles):
         stage = t % 2
-        _, valid = _valid_keys(sel, max_pos, start + t * BN + keys, end, SPARSE)
+        if PREFETCH:  # loads for later tiles, issued before this tile's softmax
+            valid = valid_next
+            slot, slot_p = _tile_slots(table, sel, max_pos, start + (t + 2) * BN, end, nl, np_,
+                                       BLOCK_SIZE, SPARSE)
+            _, valid_next = _valid_keys(sel, max_pos, start + (t + 1) * BN + keys, end, SPARSE)
+        else:
+            _, valid = _valid_keys(sel, max_pos, start + t * BN + keys, end, SPARSE)
         s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -379,9 +399,13 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
         # the P V warpgroups are done with V_t too: tile t + 2 into t's stage
         mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
         gl.thread_barrier()
-        _load_tile(cache_ptr, table, sel, max_pos, start + (t + 2) * BN, end,
-                   k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
-                   BLOCK_SIZE, SPARSE, False)
+        if PREFETCH:
+            _copy_slots(cache_ptr, slot, slot_p, k_lat_s.index(stage), k_pe_s.index(stage), dq,
+                        dp, L, R)
+        else:
+            _load_tile(cache_ptr, table, sel, max_pos, start + (t + 2) * BN, end,
+                       k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
+                       BLOCK_SIZE, SPARSE, False)
         async_copy.commit_group()
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     async_copy.wait_group(0)  # no copy left in flight at exit
