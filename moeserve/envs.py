@@ -23,9 +23,6 @@
                              kernel (one warpgroup the scores, the other half of P V), and
                              DSA's sparse MLA of 33+ heads off it too (decode_gluon.ws_sparse),
                              for A/Bs; on otherwise
-    MOESERVE_MLA_WS_PREFETCH "0" has that kernel load each key tile's validity and cache rows
-                             where it uses them, not a tile ahead (decode_gluon_ws.prefetch),
-                             for A/Bs; on otherwise
     MOESERVE_MLA_SWAPPED_ONE_STAGE  "0" goes back to two key stages (one program an SM) in
                              decode_gluon_swapped.py's kernel; one stage (115 KB of shared
                              memory: two programs an SM, each copying its next tile after its
@@ -82,7 +79,6 @@ MLA_PREFILL_GLUON = "MOESERVE_MLA_PREFILL_GLUON"
 MLA_DECODE_SWAPPED = "MOESERVE_MLA_DECODE_SWAPPED"
 MLA_FRESH_VARLEN = "MOESERVE_MLA_FRESH_VARLEN"
 MLA_DECODE_WS = "MOESERVE_MLA_DECODE_WS"
-MLA_WS_PREFETCH = "MOESERVE_MLA_WS_PREFETCH"
 MLA_SWAPPED_ONE_STAGE = "MOESERVE_MLA_SWAPPED_ONE_STAGE"
 MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 MLA_PIECE_KERNEL = "MOESERVE_MLA_PIECE_KERNEL"
@@ -134,10 +130,6 @@ def mla_decode_swapped() -> bool:
 
 def mla_decode_ws() -> bool:
     return os.environ.get(MLA_DECODE_WS) != "0"
-
-
-def mla_ws_prefetch() -> bool:
-    return os.environ.get(MLA_WS_PREFETCH) != "0"
 
 
 def mla_swapped_one_stage() -> bool:

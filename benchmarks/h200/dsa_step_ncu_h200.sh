@@ -38,22 +38,22 @@ for r in d["decode"]:
     print(r["case"], "step graph", r.get("dsa_graph_ms"), "bound", r.get("read_bound_ms"),
           "topk", r.get("topk_graph_ms"), "score", r.get("score_ms"), "| bisect warps",
           r.get("topk_bisect_warps_graph_ms"), r.get("topk_bisect_warps_wide_graph_ms"),
-          "bits", r.get("topk_bisect_bits_graph_ms"), r.get("topk_bisect_bits_wide_graph_ms"),
           "| sparse splits", r.get("sparse_mla_splits_ms"), r.get("dsa_graph_splits_ms"),
-          "| ws prefetch on / off", r.get("sparse_mla_ws_ms"), r.get("dsa_graph_ws_ms"),
-          r.get("sparse_mla_ws_noprefetch_ms"), r.get("dsa_graph_ws_noprefetch_ms"))
+          "| ws tiles", r.get("sparse_mla_ws_tiles_ms"), r.get("dsa_graph_ws_tiles_ms"))
 PY
 fi
 dir=/tmp/ncu_dsa; mkdir -p $dir
+# SPARSE_TILE="32 4": decode_gluon_ws.sparse_tile for the profiled steps (its own otherwise)
 python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} \
-  --calls 20 | tee $dir/step.json
+  --calls 20 ${SPARSE_TILE:+--sparse-tile $SPARSE_TILE} | tee $dir/step.json
 sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
 # shellcheck disable=SC2086
 NCU_ALL=1 ncu_profile $dir ncu_dsa_b${BATCH:-32} ${NCU_TIMEOUT:-150} \
   "^  [_a-zA-Z]|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Registers Per|Grid Size|Block Size|Achieved Occupancy|Issued Ipc" \
   --clock-control none -c 12 $sections \
   --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,dram__bytes_read.sum,lts__t_bytes.sum.per_second" -- \
-  python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} --calls 1
+  python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} --calls 1 \
+  ${SPARSE_TILE:+--sparse-tile $SPARSE_TILE}
 rm -f $dir/*.ncu-rep
 grep -E "^  [_a-zA-Z]|dram__bytes_read.sum |stalled_(long_scoreboard|barrier|wait|short_scoreboard|math|mio|lg_throttle)" \
   $dir/ncu_dsa_b${BATCH:-32}_all.txt | head -60

@@ -271,8 +271,9 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
                                                   else ws.MAX_REGISTERS))
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
                      USE_ROWS=False, SPLIT=args.split, SPARSE=args.sparse, PACKED=args.sparse,
-                     TWO_PV=two, PREFETCH=ws.prefetch,  # MOESERVE_MLA_WS_PREFETCH
-                     WORKER_REGS=ws.WORKER_REGISTERS_TWO_PV if two else ws.WORKER_REGISTERS)
+                     TWO_PV=two,
+                     WORKER_REGS=ws.WORKER_REGISTERS_TWO_PV if two else ws.WORKER_REGISTERS,
+                     BN=bn, STAGES=stages)  # --tile's; the kernel's: 64 2 (sparse_tile)
         kernel = ws._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -396,8 +397,7 @@ def topk(args: argparse.Namespace) -> dict:
 
         kernel = topk_bisect_triton._kernels().bisect  # --block: the row's positions
         const = dict(COUNT_TIES=False, CHUNKS=topk_bisect_triton.num_chunks(args.block),
-                     CHUNK=topk_bisect_triton.CHUNK,
-                     BITS=int(os.environ.get("SASS_BISECT_BITS", topk_bisect_triton.BITS)))
+                     CHUNK=topk_bisect_triton.CHUNK)
     elif args.form == "row":
         kernel = topk_triton._kernels().row
         const = dict(COUNT_TIES=False, GATHER=args.gather, BLOCK=args.block, BINS=bins)

@@ -26,8 +26,7 @@ as dsa_graph_coop_ms; the "bisect" form (topk_bisect_triton.py, rows of at most 
 positions; where refused, the reason as topk_bisect) as topk_bisect_graph_ms and the step's
 graph with it as dsa_graph_bisect_ms (and with the scores as wide as the served graph's
 context bound, dsa_graph_bound_bisect_ms), at BISECT_WARPS' warps as
-topk_bisect_warps_graph_ms / topk_bisect_warps_wide_graph_ms and at BISECT_BITS' bits a
-round as topk_bisect_bits_graph_ms / topk_bisect_bits_wide_graph_ms; the row form at
+topk_bisect_warps_graph_ms / topk_bisect_warps_wide_graph_ms; the row form at
 ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row, chunks and coop forms
 with topk_triton.GATHER as topk_gather_graph_ms, the step's graph with it as
 dsa_graph_gather_ms and with coop as dsa_graph_coop_gather_ms),
@@ -43,9 +42,8 @@ sparse_mla_splits_ms, the step's graph with each as dsa_graph_splits_ms; sparse_
 by decode_gluon's
 kernel and sparse_mla_ws_ms / sparse_mla_ws2_ms by decode_gluon_ws (decode_gluon.ws_sparse,
 the default on sm90: one or two P V warpgroups) with dsa_graph_gluon_ms / dsa_graph_ws_ms /
-dsa_graph_ws2_ms the step's graph with each; sparse_mla_ws_noprefetch_ms /
-dsa_graph_ws_noprefetch_ms the first without its loads a tile ahead, decode_gluon_ws.prefetch
-off), and sparse_mla_gluon_slots_ms the Gluon
+dsa_graph_ws2_ms the step's graph with each, the first at SPARSE_WS_TILES' tiles as
+sparse_mla_ws_tiles_ms / dsa_graph_ws_tiles_ms), and sparse_mla_gluon_slots_ms the Gluon
 kernel so where it runs), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
@@ -119,10 +117,10 @@ ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16), (4096, 16), (8192, 32))
 # the sparse MLA's partitions of a token's selection timed (the default picks them to fill
 # about a wave of programs)
 SPARSE_SPLITS = (1, 2, 4, 8)
+# decode_gluon_ws's sparse tiles (keys a tile, stages) timed
+SPARSE_WS_TILES = ((64, 2), (32, 3), (32, 4))
 # the bisect top-k's warps timed (topk_bisect_triton.WARPS), in graphs
 BISECT_WARPS = (8, 16, 32)
-# and its threshold bits a round (topk_bisect_triton.BITS)
-BISECT_BITS = (1, 2)
 # the radix top-k's chunks form at these positions a program, in graphs
 CHUNK_SIZES = (256, 512, 1024, 2048)
 # indexer_triton.score_key_tiles settings timed: the scores alone and the step in a graph
@@ -248,35 +246,32 @@ def time_score_key_tiles(name: str, args: tuple, scores: torch.Tensor, timer: Ti
                                "score_key_tiles_ms", also)
 
 
-def time_bisect_settings(name: str, scores: torch.Tensor, meta: AttentionMetadata, topk: int,
-                         selected: torch.Tensor, timer: Timer, setting: str,
-                         values: tuple[int, ...]) -> dict:
-    """The bisect top-k at each of `values` of topk_bisect_triton's `setting` ("WARPS": 4,096
-    / 32 / warps keys a thread a register chunk; "BITS": threshold bits a round), each checked
-    against `selected`, in graphs over the scores as given and as wide as the served graph's
-    context bound (16,384: four chunks, the ones past a token's context skipped):
-    {"topk_bisect_<setting>_graph_ms": {value: ms}, "topk_bisect_<setting>_wide_graph_ms":
-    {value: ms}} (setting in lower case)."""
+def time_bisect_warps(name: str, scores: torch.Tensor, meta: AttentionMetadata, topk: int,
+                      selected: torch.Tensor, timer: Timer) -> dict:
+    """The bisect top-k at each of BISECT_WARPS (topk_bisect_triton.WARPS: 4,096 / 32 / warps
+    keys a thread a register chunk), each checked against `selected`, in graphs over the
+    scores as given and as wide as the served graph's context bound (16,384: four chunks, the
+    ones past a token's context skipped): {"topk_bisect_warps_graph_ms": {warps: ms},
+    "topk_bisect_warps_wide_graph_ms": {warps: ms}}."""
     from moeserve.kernels.attention.dsa import topk_bisect_triton
 
     wide = torch.zeros(scores.shape[0], topk_bisect_triton.MAX_KEYS, dtype=scores.dtype,
                        device=scores.device)
     wide[:, :scores.shape[1]] = scores  # past each token's context: never read
-    keys = (f"topk_bisect_{setting.lower()}_graph_ms",
-            f"topk_bisect_{setting.lower()}_wide_graph_ms")
-    out: dict = {key: {} for key in keys}
-    saved = getattr(topk_bisect_triton, setting)
+    out: dict = {"topk_bisect_warps_graph_ms": {}, "topk_bisect_warps_wide_graph_ms": {}}
+    saved = topk_bisect_triton.WARPS
     try:
-        for value in values:
-            setattr(topk_bisect_triton, setting, value)
-            for key, s in zip(keys, (scores, wide), strict=True):
+        for warps in BISECT_WARPS:
+            topk_bisect_triton.WARPS = warps
+            for key, s in (("topk_bisect_warps_graph_ms", scores),
+                           ("topk_bisect_warps_wide_graph_ms", wide)):
                 fn = functools.partial(topk_triton.radix_topk, s, meta, 0, topk,
                                        torch.empty_like(selected), form="bisect")
                 fn()
-                assert torch.equal(fn.args[4], selected), f"{name}: bisect {setting} {value}"
-                out[key][str(value)] = round(graph_timed(timer, fn, True), 4)
+                assert torch.equal(fn.args[4], selected), f"{name}: bisect at {warps} warps"
+                out[key][str(warps)] = round(graph_timed(timer, fn, True), 4)
     finally:
-        setattr(topk_bisect_triton, setting, saved)
+        topk_bisect_triton.WARPS = saved
     return out
 
 
@@ -310,28 +305,39 @@ def time_sparse_splits(name: str, sparse_args: tuple, base: torch.Tensor, index_
 def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
                    base: torch.Tensor, timer: Timer, cuda: bool) -> dict:
     """The sparse MLA by decode_gluon's kernel (decode_gluon.ws_sparse off) and by
-    decode_gluon_ws (on) in its two forms (one P V warpgroup; two, `two_pv`), and the first
-    without its loads a tile ahead (`prefetch` off), each first checked against the default
-    kernel's output `base`: sparse_mla_{gluon,ws,ws2,ws_noprefetch}_ms, and the DSA step's
-    graph with each, dsa_graph_{gluon,ws,ws2,ws_noprefetch}_ms."""
+    decode_gluon_ws (on) in its two forms (one P V warpgroup; two, `two_pv`), each first
+    checked against the default kernel's output `base`: sparse_mla_{gluon,ws,ws2}_ms, and the
+    DSA step's graph with each, dsa_graph_{gluon,ws,ws2}_ms; the first at each of
+    SPARSE_WS_TILES (decode_gluon_ws.sparse_tile): sparse_mla_ws_tiles_ms /
+    dsa_graph_ws_tiles_ms {"<keys>x<stages>": ms}."""
     from moeserve.kernels.attention.mla import decode_gluon_ws
 
     row: dict = {}
-    was = decode_gluon.ws_sparse, decode_gluon_ws.two_pv, decode_gluon_ws.prefetch
+    was = decode_gluon.ws_sparse, decode_gluon_ws.two_pv
+    tile_was = decode_gluon_ws.sparse_tile
     try:
-        for key, ws, two, ahead in (("gluon", False, False, True), ("ws", True, False, True),
-                                    ("ws2", True, True, True),
-                                    ("ws_noprefetch", True, False, False)):
+        for key, ws, two in (("gluon", False, False), ("ws", True, False), ("ws2", True, True)):
             decode_gluon.ws_sparse, decode_gluon_ws.two_pv = ws, two
-            decode_gluon_ws.prefetch = ahead
             run = functools.partial(dsa_sparse_triton.dsa_attention_triton, *args)
             err = float((run().float() - base).abs().max() / base.abs().max())
             assert err <= 2 ** -6, f"{name}: sparse MLA ({key}): {err:.3g} from the default"
             row[f"sparse_mla_{key}_ms"] = timer(run)
             step()  # compiled (its packed form) before the capture
             row[f"dsa_graph_{key}_ms"] = graph_timed(timer, step, cuda)
+        decode_gluon.ws_sparse, decode_gluon_ws.two_pv = True, False
+        for block_n, stages in SPARSE_WS_TILES:  # its (keys a tile, stages) likewise
+            decode_gluon_ws.sparse_tile = (block_n, stages)
+            tile = f"{block_n}x{stages}"
+            run = functools.partial(dsa_sparse_triton.dsa_attention_triton, *args)
+            err = float((run().float() - base).abs().max() / base.abs().max())
+            assert err <= 2 ** -6, f"{name}: sparse MLA (ws, {tile}): {err:.3g}"
+            row.setdefault("sparse_mla_ws_tiles_ms", {})[tile] = round(timer(run), 4)
+            step()
+            row.setdefault("dsa_graph_ws_tiles_ms", {})[tile] = round(
+                graph_timed(timer, step, cuda), 4)
     finally:
-        decode_gluon.ws_sparse, decode_gluon_ws.two_pv, decode_gluon_ws.prefetch = was
+        decode_gluon.ws_sparse, decode_gluon_ws.two_pv = was
+        decode_gluon_ws.sparse_tile = tile_was
     return row
 
 
@@ -453,10 +459,7 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         finally:
             topk_triton.ROW_WARPS = saved
     if "topk_bisect_graph_ms" in row and cuda:  # the bisect form's warps, rows as served
-        row |= time_bisect_settings(name, scores, meta, topk, selected, timer, "WARPS",
-                                    BISECT_WARPS)
-        row |= time_bisect_settings(name, scores, meta, topk, selected, timer, "BITS",
-                                    BISECT_BITS)
+        row |= time_bisect_warps(name, scores, meta, topk, selected, timer)
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
     # both as a served decode step runs them: in a CUDA graph (no host time between launches)
     row["topk_graph_ms"] = graph_timed(

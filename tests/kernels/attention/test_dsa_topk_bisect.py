@@ -64,14 +64,10 @@ def test_bisect_builds_every_chunk_count_at_its_first_call(
     assert [b["CHUNKS"] for b in built[4:]] == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("bits", [1, 2])
 @pytest.mark.parametrize("values", ["random", "ties"])
-def test_rows_over_several_register_chunks(values: str, bits: int,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rows_over_several_register_chunks(values: str) -> None:
     """Rows of 2-4 register chunks, contexts ending in each chunk and at its edges; heavy ties
-    spanning chunks taken lowest first (every round run, no exact count); at one and two
-    threshold bits a round."""
-    monkeypatch.setattr(bisect, "BITS", bits)
+    spanning chunks taken lowest first."""
     gen = torch.Generator().manual_seed(11)
     width, topk = 13000, 2048
     ends = [width, 4096, 4097, 8193, 2049, 12288 + 7]
@@ -82,59 +78,3 @@ def test_rows_over_several_register_chunks(values: str, bits: int,
                       form="bisect")
     want, want_ties = want_topk(scores, ends, topk)
     assert torch.equal(out, want) and ties == want_ties
-
-
-@pytest.mark.parametrize("case", ["signs", "one_above_topk", "exact_early", "all_equal"])
-def test_two_bits_a_round_selects_as_one(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two threshold bits a round (three packed counts a reduction) select what one does: the
-    sign bit's round (negative and positive scores), a context one past topk, counts exact
-    after the first round, a row of one value (every round's digit 0 but the last's)."""
-    topk = 64
-    gen = torch.Generator().manual_seed(5)
-    if case == "signs":
-        scores, ends = torch.randn(3, 300, generator=gen) * 1e3, [300, 200, 65]
-    elif case == "one_above_topk":
-        scores, ends = torch.randn(2, 300, generator=gen), [topk + 1, topk + 1]
-    elif case == "exact_early":  # 64 scores far above the rest: the first rounds split them
-        scores = -torch.rand(2, 300, generator=gen)
-        scores[:, 100:164] = 1e30
-        ends = [300, 250]
-    else:
-        scores, ends = torch.full((2, 300), -2.5), [300, 100]
-    want, want_ties = want_topk(scores, ends, topk)
-    for bits in (1, 2):
-        monkeypatch.setattr(bisect, "BITS", bits)
-        out = torch.full((len(ends), topk), GARBAGE, dtype=torch.int32)
-        ties = radix_topk(ord_of(scores), rows_meta(ends), 0, topk, out,
-                          count_boundary_ties=True, form="bisect")
-        assert torch.equal(out, want) and ties == want_ties, bits
-
-
-def test_bisect_refuses_other_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """BITS is 1 or 2, by name otherwise."""
-    monkeypatch.setattr(bisect, "BITS", 3)
-    out = torch.full((1, 8), GARBAGE, dtype=torch.int32)
-    with pytest.raises(ValueError, match="BITS must be 1 or 2, got 3"):
-        radix_topk(torch.zeros(1, 40, dtype=torch.int32), rows_meta([40]), 0, 8, out,
-                   form="bisect")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("bits", [1, 2])
-def test_gpu_both_bits_a_round(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA, rows of 1-4 register chunks at one and two threshold bits a round: random
-    scores (counts exact early) and heavy ties (every round run)."""
-    monkeypatch.setattr(bisect, "BITS", bits)
-    gen = torch.Generator().manual_seed(bits)
-    width = 16000
-    ends = [width, 2048, 2049, 5000, 0, width - 1, 4096, 4097, 12000]
-    for scores in (torch.randn(len(ends), width, generator=gen),
-                   torch.randint(0, 7, (len(ends), width), generator=gen).float() * 0.5):
-        meta = rows_meta(ends)
-        meta = SimpleNamespace(**{k: v.cuda() for k, v in vars(meta).items()})
-        out = torch.full((len(ends), 2048), GARBAGE, dtype=torch.int32, device="cuda")
-        ties = radix_topk(ord_of(scores).cuda(), meta, 0, 2048, out, count_boundary_ties=True,
-                          form="bisect")
-        want, want_ties = want_topk(scores, ends, 2048)
-        assert torch.equal(out.cpu(), want) and ties == want_ties

@@ -48,11 +48,6 @@ from moeserve.kernels.attention.metadata import AttentionMetadata
 MAX_KEYS = 16384
 CHUNK = 4096  # positions a register chunk: the row is up to MAX_KEYS / CHUNK of them
 WARPS = 16  # 8 keys a thread a chunk
-# Threshold bits a round: 1 (one count, one block reduction a bit) or 2 (the counts at the
-# three candidates of the next two bits, packed in 16-bit fields of one int64 and reduced
-# together: half the rounds and their barriers, three compares an element a round). 1 until
-# kernels_dsa times 2 (BISECT_BITS)
-BITS = 1
 
 tl: Any = None  # triton.language, bound by _kernels() (the kernel reads it as a global)
 _context_end: Any = None  # topk_triton's jitted helpers, bound by _kernels()
@@ -81,26 +76,24 @@ def radix_topk_bisect(scores: torch.Tensor, meta: AttentionMetadata, t0: int, to
             topk, out.stride(0))
     if scores.is_cuda:
         _compile_every_width(args, count_boundary_ties)
-    if BITS not in (1, 2):
-        raise ValueError(f"radix_topk bisect: BITS must be 1 or 2, got {BITS}")
     _kernels().bisect[(n,)](*args, COUNT_TIES=count_boundary_ties, CHUNKS=chunks, CHUNK=CHUNK,
-                            BITS=BITS, num_warps=WARPS)
+                            num_warps=WARPS)
     return int(ties.sum()) if count_boundary_ties else 0
 
 
-_compiled: set[tuple] = set()  # (device, COUNT_TIES, WARPS, BITS): CHUNKS variants built
+_compiled: set[tuple] = set()  # (device, COUNT_TIES, WARPS) whose CHUNKS variants are built
 
 
 def _compile_every_width(args: tuple, count_ties: bool) -> None:
     """Every CHUNKS variant (one a row width's chunk count) compiled at the first call of a
     device and form, so that a later step whose rows reach another chunk count (a prefill's
     max_seq_len, a decode graph's bound) launches at once instead of compiling mid-serving."""
-    key = (args[0].device, count_ties, WARPS, BITS)
+    key = (args[0].device, count_ties, WARPS)
     if key in _compiled:
         return
     for chunks in range(1, MAX_KEYS // CHUNK + 1):
         _kernels().bisect.warmup(*args, grid=(1,), COUNT_TIES=count_ties, CHUNKS=chunks,
-                                 CHUNK=CHUNK, BITS=BITS, num_warps=WARPS)
+                                 CHUNK=CHUNK, num_warps=WARPS)
     _compiled.add(key)
 
 
@@ -109,7 +102,6 @@ def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now); the
     helpers it calls bound as globals. Step-varying ints are not specialised."""
     global tl, _context_end, _above_and_rank, _select_all, _load_keys, _hits, _write_chunk
-    global _hits3
     import triton
     import triton.language
 
@@ -117,8 +109,8 @@ def _kernels() -> SimpleNamespace:
     topk_triton._kernels()  # binds topk_triton's jitted helpers
     _context_end, _above_and_rank = topk_triton._context_end, topk_triton._above_and_rank
     _select_all = topk_triton._select_all
-    _load_keys, _hits, _hits3, _write_chunk = (triton.jit(f) for f in (
-        _load_keys, _hits, _hits3, _write_chunk))
+    _load_keys, _hits, _write_chunk = (triton.jit(f) for f in (_load_keys, _hits,
+                                                               _write_chunk))
     varying = ["t0", "num_keys", "topk", "stride_out"]
     return SimpleNamespace(bisect=triton.jit(_bisect_kernel, do_not_specialize=varying))
 
@@ -134,15 +126,6 @@ def _load_keys(row, first, end, CHUNK: tl.constexpr):
 
 def _hits(u, ok, cand):
     return (ok & (u >= cand)).to(tl.int32)
-
-
-def _hits3(u, ok, thr, step):
-    """An element's hits at the candidates thr + step, + 2 step, + 3 step (the next two bits'
-    three settings) in 16-bit fields of an int64 (a row's count is at most MAX_KEYS = 2^14)."""
-    one = (ok & (u >= thr + step)).to(tl.int64)
-    two = (ok & (u >= thr + 2 * step)).to(tl.int64)
-    three = (ok & (u >= thr + 3 * step)).to(tl.int64)
-    return one + (two << 16) + (three << 32)
 
 
 def _write_chunk(out, u, ok, first, thr, need, taken, ties, CHUNK: tl.constexpr):
@@ -163,7 +146,7 @@ def _write_chunk(out, u, ok, first, thr, need, taken, ties, CHUNK: tl.constexpr)
 
 def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
                    ties_ptr, num_keys, topk, stride_out, COUNT_TIES: tl.constexpr,
-                   CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr):
+                   CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
     """Program i: token t0 + i's select, its row of ord scores in up to four register chunks
     of CHUNK positions, each counted and written only where the token's context reaches it
     (a decode graph's rows are as wide as its context bound; the module docstring).
@@ -180,51 +163,24 @@ def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_re
         u2, ok2 = _load_keys(row, 2 * CHUNK, end, CHUNK)  # (CHUNKS bounds the variants)
         u3, ok3 = _load_keys(row, 3 * CHUNK, end, CHUNK)
         thr = (end * 0).to(tl.uint32)
+        bit = end * 0 + 31
         exact = end * 0
-        if BITS == 1:
-            bit = end * 0 + 31
-            while (bit >= 0) & (exact == 0):
-                cand = thr | ((end * 0 + 1).to(tl.uint32) << bit.to(tl.uint32))
-                hits = _hits(u0, ok0, cand)
-                if CHUNKS > 1:
-                    if end > CHUNK:
-                        hits += _hits(u1, ok1, cand)
-                if CHUNKS > 2:
-                    if end > 2 * CHUNK:
-                        hits += _hits(u2, ok2, cand)
-                if CHUNKS > 3:
-                    if end > 3 * CHUNK:
-                        hits += _hits(u3, ok3, cand)
-                count = tl.sum(hits, 0)
-                thr = tl.where(count >= topk, cand, thr)
-                exact = (count == topk).to(tl.int32)
-                bit -= 1
-        else:  # two bits a round: the highest of three candidates whose count reaches topk
-            bit = end * 0 + 30
-            while (bit >= 0) & (exact == 0):
-                step = (end * 0 + 1).to(tl.uint32) << bit.to(tl.uint32)
-                hits = _hits3(u0, ok0, thr, step)
-                if CHUNKS > 1:
-                    if end > CHUNK:
-                        hits += _hits3(u1, ok1, thr, step)
-                if CHUNKS > 2:
-                    if end > 2 * CHUNK:
-                        hits += _hits3(u2, ok2, thr, step)
-                if CHUNKS > 3:
-                    if end > 3 * CHUNK:
-                        hits += _hits3(u3, ok3, thr, step)
-                packed = tl.sum(hits, 0)
-                c1 = (packed & 0xFFFF).to(tl.int32)
-                c2 = ((packed >> 16) & 0xFFFF).to(tl.int32)
-                c3 = (packed >> 32).to(tl.int32)
-                # counts fall as the candidate rises; digit 0 keeps thr (its count, the last
-                # round's, was not exactly topk or the loop had stopped)
-                digit = tl.where(c3 >= topk, 3, tl.where(c2 >= topk, 2,
-                                                         tl.where(c1 >= topk, 1, 0)))
-                count = tl.where(digit == 3, c3, tl.where(digit == 2, c2, c1))
-                thr = thr + digit.to(tl.uint32) * step
-                exact = ((digit > 0) & (count == topk)).to(tl.int32)
-                bit -= 2
+        while (bit >= 0) & (exact == 0):
+            cand = thr | ((end * 0 + 1).to(tl.uint32) << bit.to(tl.uint32))
+            hits = _hits(u0, ok0, cand)
+            if CHUNKS > 1:
+                if end > CHUNK:
+                    hits += _hits(u1, ok1, cand)
+            if CHUNKS > 2:
+                if end > 2 * CHUNK:
+                    hits += _hits(u2, ok2, cand)
+            if CHUNKS > 3:
+                if end > 3 * CHUNK:
+                    hits += _hits(u3, ok3, cand)
+            count = tl.sum(hits, 0)
+            thr = tl.where(count >= topk, cand, thr)
+            exact = (count == topk).to(tl.int32)
+            bit -= 1
         above = (ok0 & (u0 > thr)).to(tl.int32)
         if CHUNKS > 1:
             above += (ok1 & (u1 > thr)).to(tl.int32)

@@ -47,13 +47,38 @@ from typing import Any
 
 import torch
 
-from moeserve import envs
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import decode_gluon, gluon_parts, reduce_triton
 from moeserve.kernels.triton_common import MAX_GRID_Y
 
 BLOCK_H = 64  # heads a program (wgmma's M)
-BLOCK_N = 64  # keys a tile
+BLOCK_N = 64  # keys a tile (dense decode rows)
+STAGES = 2  # key tiles in shared memory (dense decode rows)
+# DSA's sparse MLA: (keys a tile, stages). Two 64-key stages leave one tile's copy in flight a
+# program while the program waits on it (the b32 x 8k step's sparse MLA read DRAM at 48-51% of
+# peak, one program an SM: gpu_48511b5/call1); 32-key tiles fit four stages in the same
+# shared memory, three tiles' copies in flight. (64, 2) until kernels_dsa times the others
+# (SPARSE_WS_TILES)
+sparse_tile = (64, 2)
+SHARED_BYTES_SM90 = 232448  # an sm90 program's shared memory at most (227 KB)
+
+
+def shared_bytes(block_n: int, stages: int) -> int:
+    """A program's shared memory at a tile of block_n keys and `stages` stages (bf16, L 512,
+    R 64): Q, the key stages, P (the row sums' and barriers' few hundred bytes left out)."""
+    return 2 * (64 * 576 + stages * block_n * 576 + 64 * block_n)
+
+
+def check_tile(block_n: int, stages: int) -> None:
+    """ValueError naming a (keys a tile, stages) this kernel cannot run: keys 32 or 64 (a
+    wgmma N and P V's K), at least two stages, within an sm90 program's shared memory."""
+    if block_n not in (32, 64) or stages < 2:
+        raise ValueError(f"decode_ws: a tile of 32 or 64 keys and at least 2 stages, got "
+                         f"{block_n} keys, {stages} stages")
+    if shared_bytes(block_n, stages) > SHARED_BYTES_SM90 - 1024:
+        raise ValueError(f"decode_ws: {stages} stages of {block_n} keys need "
+                         f"{shared_bytes(block_n, stages)} bytes of shared memory, more than "
+                         f"an sm90 program's {SHARED_BYTES_SM90} less 1,024 for the rest")
 NUM_WARPS = 4  # the default partition's; each worker adds four
 # registers a thread of the P V warpgroup (setmaxnreg): its accumulator [64, 256] fp32 is 128
 WORKER_REGISTERS = 192
@@ -75,13 +100,6 @@ WORKER_REGISTERS_TWO_PV = 176
 # 3.445 -> 3.471), 128 heads faster from 1,024 keys (1.623 -> 1.572 at 2,048 rows, 3.097 ->
 # 2.695 at 1,024 x 4,096) and level at 768.
 WS_MIN_HEADS = {"H200": 33, "H100": 65}
-# The scores warpgroup loads tile t + 1's key validity (DSA: the selection) and tile t + 2's
-# cache rows (the selection, then the block table) at tile t's start, a tile ahead of the
-# softmax and the copies that wait on them; off: each loaded where it is used, after the
-# P V warpgroup frees the stage (two dependent loads before a tile's copies can start: DSA's
-# sparse MLA at 32 x 8k read DRAM at 51% of peak, gpu_48511b5/call1). An A/B switch until
-# kernels_dsa times it (MOESERVE_MLA_WS_PREFETCH=0 / 1)
-prefetch = envs.mla_ws_prefetch()
 WS_MIN_HEADS_OTHER = 65
 
 gl: Any = None  # bound by _kernels(), as in decode_gluon
@@ -96,8 +114,6 @@ _nvmma_buffer: Any = None
 _program_keys: Any = None
 _query_rows: Any = None
 _scores: Any = None
-_tile_slots: Any = None
-_copy_slots: Any = None
 
 
 def takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -179,10 +195,12 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
     if not 1 <= num_splits <= reduce_triton.MAX_SPLITS:
         raise ValueError(f"decode_ws: num_splits must be in 1..{reduce_triton.MAX_SPLITS}, "
                          f"got {num_splits}")
-    partition = -(-max(1, keys) // num_splits)
-    partition = -(-partition // BLOCK_N) * BLOCK_N  # whole key tiles a partition
-    part_m, part_l, part_acc = reduce_triton.split_partials(out, num_rows, num_splits)
     sparse = sel is not None
+    block_n, stages = sparse_tile if sparse else (BLOCK_N, STAGES)
+    check_tile(block_n, stages)
+    partition = -(-max(1, keys) // num_splits)
+    partition = -(-partition // block_n) * block_n  # whole key tiles a partition
+    part_m, part_l, part_acc = reduce_triton.split_partials(out, num_rows, num_splits)
     _kernels().decode[(head_tiles, num_rows, num_splits)](
         q, latent_cache, out, part_m, part_l, part_acc, meta.block_tables, meta.seq_lens,
         meta.query_start_loc, rows if rows is not None else meta.query_start_loc,
@@ -192,9 +210,10 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         sel.stride(0) if sparse else 0,
         NUM_HEADS=num_heads, L=kv_lora_rank, R=q.shape[2] - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
-        SPARSE=sparse, PACKED=packed, TWO_PV=two_pv, PREFETCH=prefetch,
-        WORKER_REGS=WORKER_REGISTERS_TWO_PV if two_pv else WORKER_REGISTERS,
-        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS_TWO_PV if two_pv else MAX_REGISTERS)
+        SPARSE=sparse, PACKED=packed, TWO_PV=two_pv,
+        WORKER_REGS=WORKER_REGISTERS_TWO_PV if two_pv else WORKER_REGISTERS, BN=block_n,
+        STAGES=stages, num_warps=NUM_WARPS,
+        maxnreg=MAX_REGISTERS_TWO_PV if two_pv else MAX_REGISTERS)
     if num_splits > 1:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out,
                                     None if sparse else meta.query_start_loc, rows, num_rows,
@@ -207,7 +226,7 @@ def _kernels() -> SimpleNamespace:
     the builtins and gluon_parts' functions they call as module globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, mbarrier
     global _load_tile, _valid_keys, _nvmma_buffer, _program_keys, _query_rows, _scores
-    global _tile_slots, _copy_slots, _ws_kernel, _scores_partition, _pv_partition, _store_o
+    global _ws_kernel, _scores_partition, _pv_partition, _store_o
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
 
@@ -218,7 +237,6 @@ def _kernels() -> SimpleNamespace:
     mbarrier = hopper.mbarrier
     _load_tile, _valid_keys, _nvmma_buffer = parts.load_tile, parts.valid_keys, parts.nvmma_buffer
     _program_keys, _query_rows, _scores = parts.program_keys, parts.query_rows, parts.scores
-    _tile_slots, _copy_slots = parts.tile_slots, parts.copy_slots
     _scores_partition = gluon.jit(_scores_partition)
     _pv_partition = gluon.jit(_pv_partition)
     _store_o = gluon.jit(_store_o)
@@ -237,18 +255,17 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
                SPARSE: gl.constexpr, PACKED: gl.constexpr, TWO_PV: gl.constexpr,
-               WORKER_REGS: gl.constexpr, PREFETCH: gl.constexpr):
+               WORKER_REGS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     """Program (head_tile, i, split): 64 heads of decode row i over its context partition
     `split`, or (SPARSE) of token i over that partition of its selection (the module
     docstring's data flow; TWO_PV: two P V warpgroups, O's halves, none in the scores one)."""
     BH: gl.constexpr = 64
-    BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_lat_s = _nvmma_buffer(dtype, [BH, L])
     q_pe_s = _nvmma_buffer(dtype, [BH, R])
-    k_lat_s = _nvmma_buffer(dtype, [2, BN, L])
-    k_pe_s = _nvmma_buffer(dtype, [2, BN, R])
+    k_lat_s = _nvmma_buffer(dtype, [STAGES, BN, L])
+    k_pe_s = _nvmma_buffer(dtype, [STAGES, BN, R])
     p_s = _nvmma_buffer(dtype, [BH, BN])
     vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     alpha_s = gl.allocate_shared_memory(gl.float32, [BH], vec_l)
@@ -256,13 +273,13 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     bar_l: gl.constexpr = mbarrier.MBarrierLayout()
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     p_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
-    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_l)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     pv_groups: gl.constexpr = 2 if TWO_PV else 1  # the P V warpgroups, each arriving once
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=pv_groups)
-    mbarrier.init(kv_free.index(0), count=pv_groups)
-    mbarrier.init(kv_free.index(1), count=pv_groups)
+    for j in gl.static_range(STAGES):
+        mbarrier.init(kv_free.index(j), count=pv_groups)
     mbarrier.init(done, count=1)
 
     head_tile = gl.program_id(0)
@@ -289,12 +306,13 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                                  part_acc_ptr, table, sel, tok, head_tile, start, end,
                                  num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
                                  stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, PREFETCH)),
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, BN, STAGES)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
-                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT, 0)),
+                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT, 0,
+                             STAGES)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
                              stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT,
-                             HALF)),
+                             HALF, STAGES)),
         ], [4, 4], [WORKER_REGS, WORKER_REGS])
     else:  # O[:, L/2:] by the P V warpgroup, O[:, :L/2] by the scores warpgroup
         gl.warp_specialize([
@@ -302,10 +320,10 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                                  part_acc_ptr, table, sel, tok, head_tile, start, end,
                                  num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
                                  stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, PREFETCH)),
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, BN, STAGES)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
                              stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT,
-                             HALF)),
+                             HALF, STAGES)),
         ], [4], [WORKER_REGS])
 
 
@@ -314,12 +332,10 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
                       scale_log2, stride_qt, stride_qh, stride_oh, out_row, part_row,
                       num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                       BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr,
-                      TWO_PV: gl.constexpr, PREFETCH: gl.constexpr):
-    """The scores warpgroup: every copy, each tile's scores and softmax, and O[:, :L/2]
-    (unless TWO_PV). PREFETCH: tile t + 1's key validity and tile t + 2's cache rows loaded
-    at tile t's start, so neither the softmax nor the copies wait on a load then."""
+                      TWO_PV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    """The scores warpgroup: every copy (a commit group a tile, Q's with tile 0's), each
+    tile's scores and softmax, and O[:, :L/2] (unless TWO_PV)."""
     BH: gl.constexpr = 64
-    BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
     q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s = bufs
     p_ready, p_free, kv_free, done = bars
@@ -334,7 +350,7 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
     np_ = gl.arange(0, BN, layout=gl.SliceLayout(1, pe_l))
     dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
     dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
-    # the queries and tiles 0 and 1 (past the partition's end: zeros, no read) in one group
+    # the queries and the first STAGES tiles (past the partition's end: zeros, no read)
     q_at, q_ok = _query_rows(tok, 0, 1, head_tile, stride_qt, stride_qh,
                              gl.SliceLayout(1, lat_l), NUM_HEADS, BH, 1, False)
     async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_at[:, None] + dq[None, :],
@@ -343,32 +359,24 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
                              gl.SliceLayout(1, pe_l), NUM_HEADS, BH, 1, False)
     async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_at[:, None] + L + dp[None, :],
                                            mask=q_ok[:, None])
-    for j in gl.static_range(2):
+    for j in gl.static_range(STAGES):
         _load_tile(cache_ptr, table, sel, max_pos, start + j * BN, end, k_lat_s.index(j),
                    k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, SPARSE, False)
-    async_copy.commit_group()
+        async_copy.commit_group()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
     l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, s_l))
     acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)  # O[:, :L/2] (unused with TWO_PV)
     s_zero = gl.zeros([BH, BN], gl.float32, layout=s_l)
     keys = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-    if PREFETCH:
-        _, valid_next = _valid_keys(sel, max_pos, start + keys, end, SPARSE)
-    async_copy.wait_group(0)
+    async_copy.wait_group(STAGES - 1)  # Q and tile 0
     gl.thread_barrier()
     fence_async_shared()
     s = _scores(q_lat_s, q_pe_s, k_lat_s.index(0), k_pe_s.index(0), s_zero)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     for t in range(num_tiles):
-        stage = t % 2
-        if PREFETCH:  # loads for later tiles, issued before this tile's softmax
-            valid = valid_next
-            slot, slot_p = _tile_slots(table, sel, max_pos, start + (t + 2) * BN, end, nl, np_,
-                                       BLOCK_SIZE, SPARSE)
-            _, valid_next = _valid_keys(sel, max_pos, start + (t + 1) * BN + keys, end, SPARSE)
-        else:
-            _, valid = _valid_keys(sel, max_pos, start + t * BN + keys, end, SPARSE)
+        stage = t % STAGES
+        _, valid = _valid_keys(sel, max_pos, start + t * BN + keys, end, SPARSE)
         s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -388,24 +396,21 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             acc = warpgroup_mma(gl.convert_layout(p16, p_l),
                                 k_lat_s.index(stage).slice(0, HALF, 1), acc, is_async=True)
-        # tile t + 1's scores (its copies landed during tile t; past the last tile a zero
-        # stage's, unused)
-        async_copy.wait_group(0)
+        # tile t + 1's scores (its group: all but the STAGES - 2 newest; past the last tile a
+        # zero stage's, unused)
+        async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         fence_async_shared()
-        s = _scores(q_lat_s, q_pe_s, k_lat_s.index(1 - stage), k_pe_s.index(1 - stage), s_zero)
+        nxt = (t + 1) % STAGES
+        s = _scores(q_lat_s, q_pe_s, k_lat_s.index(nxt), k_pe_s.index(nxt), s_zero)
         if not TWO_PV:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_t V_t done, S pending
-        # the P V warpgroups are done with V_t too: tile t + 2 into t's stage
-        mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
+        # the P V warpgroups are done with V_t too: tile t + STAGES into t's stage
+        mbarrier.wait(kv_free.index(stage), (t // STAGES) & 1)
         gl.thread_barrier()
-        if PREFETCH:
-            _copy_slots(cache_ptr, slot, slot_p, k_lat_s.index(stage), k_pe_s.index(stage), dq,
-                        dp, L, R)
-        else:
-            _load_tile(cache_ptr, table, sel, max_pos, start + (t + 2) * BN, end,
-                       k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
-                       BLOCK_SIZE, SPARSE, False)
+        _load_tile(cache_ptr, table, sel, max_pos, start + (t + STAGES) * BN, end,
+                   k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
+                   BLOCK_SIZE, SPARSE, False)
         async_copy.commit_group()
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     async_copy.wait_group(0)  # no copy left in flight at exit
@@ -425,7 +430,7 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
 
 def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile, stride_oh, out_row,
                   part_row, num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr,
-                  SPLIT: gl.constexpr, COL: gl.constexpr):
+                  SPLIT: gl.constexpr, COL: gl.constexpr, STAGES: gl.constexpr):
     """A P V warpgroup: O[:, COL:COL + L/2] from each tile's P and rescale."""
     BH: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
@@ -438,11 +443,12 @@ def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile, strid
         mbarrier.wait(p_ready, t & 1)
         alpha = alpha_s.load(gl.SliceLayout(1, o_l))
         acc = acc * alpha[:, None]
-        acc = warpgroup_mma(p_s, k_lat_s.index(t % 2).slice(COL, HALF, 1), acc, is_async=True)
+        acc = warpgroup_mma(p_s, k_lat_s.index(t % STAGES).slice(COL, HALF, 1), acc,
+                            is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(p_free)
-        mbarrier.arrive(kv_free.index(t % 2))
+        mbarrier.arrive(kv_free.index(t % STAGES))
     mbarrier.wait(done, 0)
     l_i = l_s.load(gl.SliceLayout(1, o_l))
     _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, part_row,

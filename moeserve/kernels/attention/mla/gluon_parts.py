@@ -26,7 +26,7 @@ def jitted() -> SimpleNamespace:
     they call bound as this module's globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma
     global _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _nvmma_buffer
-    global _decode_row, _program_keys, _tile_slots, _copy_slots
+    global _decode_row, _program_keys
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -38,12 +38,10 @@ def jitted() -> SimpleNamespace:
         gluon.jit(f) for f in (_query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile,
                                _nvmma_buffer))
     _decode_row, _program_keys = gluon.jit(_decode_row), gluon.jit(_program_keys)
-    _tile_slots, _copy_slots = gluon.jit(_tile_slots), gluon.jit(_copy_slots)
     return SimpleNamespace(query_rows=_query_rows, softmax_to_p=_softmax_to_p, scores=_scores,
                            valid_keys=_valid_keys, load_tile=_load_tile,
                            nvmma_buffer=_nvmma_buffer, decode_row=_decode_row,
-                           program_keys=_program_keys, tile_slots=_tile_slots,
-                           copy_slots=_copy_slots)
+                           program_keys=_program_keys)
 
 
 def _nvmma_buffer(dtype: gl.constexpr, shape: gl.constexpr):
@@ -147,36 +145,18 @@ def _load_tile(cache_ptr, table, sel, max_pos, n0, end, k_lat_dst, k_pe_dst, nl,
     stage: latents [BLOCK_N, L], rope parts [BLOCK_N, R] (nl, np_: the keys in the two
     parts' copy layouts). SLOTS (with SPARSE): the selection holds cache rows already (-1
     none; max_pos then past any row), so no block-table load stands before the copies."""
-    if SLOTS:
-        pos, ok = _valid_keys(sel, max_pos, n0 + nl, end, SPARSE)
-        pos_p, ok_p = _valid_keys(sel, max_pos, n0 + np_, end, SPARSE)
-        _copy_slots(cache_ptr, gl.where(ok, pos, -1), gl.where(ok_p, pos_p, -1), k_lat_dst,
-                    k_pe_dst, dq, dp, L, R)
-    else:
-        slot, slot_p = _tile_slots(table, sel, max_pos, n0, end, nl, np_, BLOCK_SIZE, SPARSE)
-        _copy_slots(cache_ptr, slot, slot_p, k_lat_dst, k_pe_dst, dq, dp, L, R)
-
-
-def _tile_slots(table, sel, max_pos, n0, end, nl, np_, BLOCK_SIZE: gl.constexpr,
-                SPARSE: gl.constexpr):
-    """The cache rows (slots, int32; -1 where a key is not read) of keys n0 .. n0 + BLOCK_N
-    in the two parts' copy layouts (nl, np_): the selection's and block table's loads a
-    tile's copies wait on, which a kernel may issue a tile ahead of them (_copy_slots)."""
     pos, ok = _valid_keys(sel, max_pos, n0 + nl, end, SPARSE)
-    block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
-    pos_p, ok_p = _valid_keys(sel, max_pos, n0 + np_, end, SPARSE)
-    block_p = gl.load(table + pos_p // BLOCK_SIZE, mask=ok_p, other=0)
-    return (gl.where(ok, block * BLOCK_SIZE + pos % BLOCK_SIZE, -1),
-            gl.where(ok_p, block_p * BLOCK_SIZE + pos_p % BLOCK_SIZE, -1))
-
-
-def _copy_slots(cache_ptr, slot, slot_p, k_lat_dst, k_pe_dst, dq, dp, L: gl.constexpr,
-                R: gl.constexpr):
-    """A stage's copies (cp.async) of cache rows `slot` (latents [BLOCK_N, L]) and `slot_p`
-    (rope parts [BLOCK_N, R]), zero-filled where a slot is -1."""
-    row = slot.to(gl.int64) * (L + R)
-    row_p = slot_p.to(gl.int64) * (L + R) + L
+    if SLOTS:
+        row = pos.to(gl.int64) * (L + R)
+        pos_p, ok_p = _valid_keys(sel, max_pos, n0 + np_, end, SPARSE)
+        row_p = pos_p.to(gl.int64) * (L + R) + L
+    else:
+        block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
+        row = (block.to(gl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * (L + R)
+        pos_p, ok_p = _valid_keys(sel, max_pos, n0 + np_, end, SPARSE)
+        block_p = gl.load(table + pos_p // BLOCK_SIZE, mask=ok_p, other=0)
+        row_p = (block_p.to(gl.int64) * BLOCK_SIZE + pos_p % BLOCK_SIZE) * (L + R) + L
     async_copy.async_copy_global_to_shared(k_lat_dst, cache_ptr + row[:, None] + dq[None, :],
-                                           mask=(slot >= 0)[:, None])
+                                           mask=ok[:, None])
     async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
-                                           mask=(slot_p >= 0)[:, None])
+                                           mask=ok_p[:, None])
