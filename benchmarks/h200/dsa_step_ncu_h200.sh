@@ -38,6 +38,8 @@ for r in d["decode"]:
     print(r["case"], "step graph", r.get("dsa_graph_ms"), "bound", r.get("read_bound_ms"),
           "topk", r.get("topk_graph_ms"), "score", r.get("score_ms"), "| bisect warps",
           r.get("topk_bisect_warps_graph_ms"), r.get("topk_bisect_warps_wide_graph_ms"),
+          "digit bits", r.get("topk_bisect_digit_bits_graph_ms"),
+          r.get("topk_bisect_digit_bits_wide_graph_ms"),
           "| sparse splits", r.get("sparse_mla_splits_ms"), r.get("dsa_graph_splits_ms"),
           "| ws tiles", r.get("sparse_mla_ws_tiles_ms"), r.get("dsa_graph_ws_tiles_ms"))
 PY

@@ -26,8 +26,9 @@ as dsa_graph_coop_ms; the "bisect" form (topk_bisect_triton.py, rows of at most 
 positions; where refused, the reason as topk_bisect) as topk_bisect_graph_ms and the step's
 graph with it as dsa_graph_bisect_ms (and with the scores as wide as the served graph's
 context bound, dsa_graph_bound_bisect_ms), at BISECT_WARPS' warps as
-topk_bisect_warps_graph_ms / topk_bisect_warps_wide_graph_ms; the row form at
-ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row, chunks and coop forms
+topk_bisect_warps_graph_ms / topk_bisect_warps_wide_graph_ms and at BISECT_DIGITS' bits a
+round as topk_bisect_digit_bits_graph_ms / topk_bisect_digit_bits_wide_graph_ms; the row form
+at ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row, chunks and coop forms
 with topk_triton.GATHER as topk_gather_graph_ms, the step's graph with it as
 dsa_graph_gather_ms and with coop as dsa_graph_coop_gather_ms),
 the scores with each scoring
@@ -121,6 +122,8 @@ SPARSE_SPLITS = (1, 2, 4, 8)
 SPARSE_WS_TILES = ((64, 2), (32, 3), (32, 4))
 # the bisect top-k's warps timed (topk_bisect_triton.WARPS), in graphs
 BISECT_WARPS = (8, 16, 32)
+# and at these threshold bits a round (topk_bisect_triton.DIGIT_BITS)
+BISECT_DIGITS = (1, 4)
 # the radix top-k's chunks form at these positions a program, in graphs
 CHUNK_SIZES = (256, 512, 1024, 2048)
 # indexer_triton.score_key_tiles settings timed: the scores alone and the step in a graph
@@ -246,32 +249,35 @@ def time_score_key_tiles(name: str, args: tuple, scores: torch.Tensor, timer: Ti
                                "score_key_tiles_ms", also)
 
 
-def time_bisect_warps(name: str, scores: torch.Tensor, meta: AttentionMetadata, topk: int,
-                      selected: torch.Tensor, timer: Timer) -> dict:
-    """The bisect top-k at each of BISECT_WARPS (topk_bisect_triton.WARPS: 4,096 / 32 / warps
-    keys a thread a register chunk), each checked against `selected`, in graphs over the
-    scores as given and as wide as the served graph's context bound (16,384: four chunks, the
-    ones past a token's context skipped): {"topk_bisect_warps_graph_ms": {warps: ms},
-    "topk_bisect_warps_wide_graph_ms": {warps: ms}}."""
+def time_bisect_settings(name: str, scores: torch.Tensor, meta: AttentionMetadata, topk: int,
+                         selected: torch.Tensor, timer: Timer, setting: str,
+                         values: tuple[int, ...]) -> dict:
+    """The bisect top-k at each of `values` of topk_bisect_triton's `setting` ("WARPS": 4,096
+    / 32 / warps keys a thread a register chunk; "DIGIT_BITS": threshold bits a round), each
+    checked against `selected`, in graphs over the scores as given and as wide as the served
+    graph's context bound (16,384: four chunks, the ones past a token's context skipped):
+    {"topk_bisect_<setting>_graph_ms": {value: ms}, "topk_bisect_<setting>_wide_graph_ms":
+    {value: ms}} (setting in lower case)."""
     from moeserve.kernels.attention.dsa import topk_bisect_triton
 
     wide = torch.zeros(scores.shape[0], topk_bisect_triton.MAX_KEYS, dtype=scores.dtype,
                        device=scores.device)
     wide[:, :scores.shape[1]] = scores  # past each token's context: never read
-    out: dict = {"topk_bisect_warps_graph_ms": {}, "topk_bisect_warps_wide_graph_ms": {}}
-    saved = topk_bisect_triton.WARPS
+    keys = (f"topk_bisect_{setting.lower()}_graph_ms",
+            f"topk_bisect_{setting.lower()}_wide_graph_ms")
+    out: dict = {key: {} for key in keys}
+    saved = getattr(topk_bisect_triton, setting)
     try:
-        for warps in BISECT_WARPS:
-            topk_bisect_triton.WARPS = warps
-            for key, s in (("topk_bisect_warps_graph_ms", scores),
-                           ("topk_bisect_warps_wide_graph_ms", wide)):
+        for value in values:
+            setattr(topk_bisect_triton, setting, value)
+            for key, s in zip(keys, (scores, wide), strict=True):
                 fn = functools.partial(topk_triton.radix_topk, s, meta, 0, topk,
                                        torch.empty_like(selected), form="bisect")
                 fn()
-                assert torch.equal(fn.args[4], selected), f"{name}: bisect at {warps} warps"
-                out[key][str(warps)] = round(graph_timed(timer, fn, True), 4)
+                assert torch.equal(fn.args[4], selected), f"{name}: bisect {setting} {value}"
+                out[key][str(value)] = round(graph_timed(timer, fn, True), 4)
     finally:
-        topk_bisect_triton.WARPS = saved
+        setattr(topk_bisect_triton, setting, saved)
     return out
 
 
@@ -459,7 +465,10 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         finally:
             topk_triton.ROW_WARPS = saved
     if "topk_bisect_graph_ms" in row and cuda:  # the bisect form's warps, rows as served
-        row |= time_bisect_warps(name, scores, meta, topk, selected, timer)
+        row |= time_bisect_settings(name, scores, meta, topk, selected, timer, "WARPS",
+                                    BISECT_WARPS)
+        row |= time_bisect_settings(name, scores, meta, topk, selected, timer, "DIGIT_BITS",
+                                    BISECT_DIGITS)
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
     # both as a served decode step runs them: in a CUDA graph (no host time between launches)
     row["topk_graph_ms"] = graph_timed(
