@@ -6,18 +6,17 @@
 # timings below; ~2 with NO_TIMINGS=1) -> $OUT/ncu_dsa.tgz and
 # the details page's key lines printed.
 #   bash benchmarks/h200/dsa_step_ncu_h200.sh         # BATCH=32 CONTEXT=8192
-# First (unless NO_TIMINGS=1): the GPU tests of the indexer, the top-k in every form, the
-# DSA families against transformers under "auto"'s bisect top-k and the indexer's and top-k's
-# compile-once count (-> $OUT/dsa_tests.log;
-# TESTS_TIMEOUT), and kernels_dsa's 32 and 256 x 8k cases with the bisect warps and the
-# sparse MLA's splits swept (-> $OUT/kernels_dsa.json).
+# First (unless NO_TIMINGS=1): the GPU tests of the indexer, the top-k in every form (the
+# bisect form's own too), the warp-specialized MLA decode (its sparse form), the DSA families
+# against transformers under "auto"'s bisect top-k and the indexer's and top-k's compile-once
+# count (-> $OUT/dsa_tests.log; TESTS_TIMEOUT), and kernels_dsa's 32 and 256 x 8k cases with
+# the bisect warps and the sparse MLA's splits swept (-> $OUT/kernels_dsa.json).
 set -uo pipefail
 source benchmarks/gpu_env.sh
 if [ -z "${NO_TIMINGS:-}" ]; then
   timeout -s KILL ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider \
     tests/kernels/attention/test_dsa_triton.py tests/kernels/attention/test_dsa_topk_triton.py \
     tests/kernels/attention/test_dsa_topk_bisect.py tests/kernels/attention/test_mla_decode_gluon_ws.py \
-    tests/kernels/attention/test_mla_decode_gluon.py tests/kernels/attention/test_mla_decode_gluon_swapped.py \
     tests/engine/test_dsa_families_vs_hf.py \
     tests/kernels/test_specialization_gpu.py::test_dsa_indexer_compiles_once_across_batch_shapes \
     > $OUT/dsa_tests.log 2>&1
@@ -38,24 +37,20 @@ for r in d["decode"]:
     print(r["case"], "step graph", r.get("dsa_graph_ms"), "bound", r.get("read_bound_ms"),
           "topk", r.get("topk_graph_ms"), "score", r.get("score_ms"), "| bisect warps",
           r.get("topk_bisect_warps_graph_ms"), r.get("topk_bisect_warps_wide_graph_ms"),
-          "digit bits", r.get("topk_bisect_digit_bits_graph_ms"),
-          r.get("topk_bisect_digit_bits_wide_graph_ms"),
           "| sparse splits", r.get("sparse_mla_splits_ms"), r.get("dsa_graph_splits_ms"),
-          "| ws tiles", r.get("sparse_mla_ws_tiles_ms"), r.get("dsa_graph_ws_tiles_ms"))
+          "| ws", r.get("sparse_mla_ws_ms"), r.get("dsa_graph_ws_ms"))
 PY
 fi
 dir=/tmp/ncu_dsa; mkdir -p $dir
-# SPARSE_TILE="32 4": decode_gluon_ws.sparse_tile for the profiled steps (its own otherwise)
 python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} \
-  --calls 20 ${SPARSE_TILE:+--sparse-tile $SPARSE_TILE} | tee $dir/step.json
+  --calls 20 | tee $dir/step.json
 sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
 # shellcheck disable=SC2086
 NCU_ALL=1 ncu_profile $dir ncu_dsa_b${BATCH:-32} ${NCU_TIMEOUT:-150} \
   "^  [_a-zA-Z]|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Registers Per|Grid Size|Block Size|Achieved Occupancy|Issued Ipc" \
   --clock-control none -c 12 $sections \
   --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,dram__bytes_read.sum,lts__t_bytes.sum.per_second" -- \
-  python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} --calls 1 \
-  ${SPARSE_TILE:+--sparse-tile $SPARSE_TILE}
+  python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} --calls 1
 rm -f $dir/*.ncu-rep
 grep -E "^  [_a-zA-Z]|dram__bytes_read.sum |stalled_(long_scoreboard|barrier|wait|short_scoreboard|math|mio|lg_throttle)" \
   $dir/ncu_dsa_b${BATCH:-32}_all.txt | head -60

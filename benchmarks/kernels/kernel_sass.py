@@ -272,8 +272,7 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
                      USE_ROWS=False, SPLIT=args.split, SPARSE=args.sparse, PACKED=args.sparse,
                      TWO_PV=two,
-                     WORKER_REGS=ws.WORKER_REGISTERS_TWO_PV if two else ws.WORKER_REGISTERS,
-                     BN=bn, STAGES=stages)  # --tile's; the kernel's: 64 2 (sparse_tile)
+                     WORKER_REGS=ws.WORKER_REGISTERS_TWO_PV if two else ws.WORKER_REGISTERS)
         kernel = ws._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -397,8 +396,7 @@ def topk(args: argparse.Namespace) -> dict:
 
         kernel = topk_bisect_triton._kernels().bisect  # --block: the row's positions
         const = dict(COUNT_TIES=False, CHUNKS=topk_bisect_triton.num_chunks(args.block),
-                     CHUNK=topk_bisect_triton.CHUNK,  # SASS_DIGIT_BITS: 1 or 4 (DIGIT_BITS)
-                     DIGIT=int(os.environ.get("SASS_DIGIT_BITS", topk_bisect_triton.DIGIT_BITS)))
+                     CHUNK=topk_bisect_triton.CHUNK)
     elif args.form == "row":
         kernel = topk_triton._kernels().row
         const = dict(COUNT_TIES=False, GATHER=args.gather, BLOCK=args.block, BINS=bins)

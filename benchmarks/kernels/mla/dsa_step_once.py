@@ -36,16 +36,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--calls", type=int, default=1, help="profiled steps")
-    parser.add_argument("--sparse-tile", type=int, nargs=2, metavar=("KEYS", "STAGES"),
-                        help="decode_gluon_ws.sparse_tile for this run (default: its own)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("dsa_step_once needs a CUDA GPU")
-    if args.sparse_tile:
-        from moeserve.kernels.attention.mla import decode_gluon_ws
-
-        decode_gluon_ws.check_tile(*args.sparse_tile)
-        decode_gluon_ws.sparse_tile = tuple(args.sparse_tile)
     rows = [args.context - 1] * args.batch, [1] * args.batch
     q_i, w, index_cache, meta = make_step(*rows, BLOCK, "cuda", torch.bfloat16, integers=False)
     gen = torch.Generator(device="cuda").manual_seed(5)

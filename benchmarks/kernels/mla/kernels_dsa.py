@@ -26,9 +26,8 @@ as dsa_graph_coop_ms; the "bisect" form (topk_bisect_triton.py, rows of at most 
 positions; where refused, the reason as topk_bisect) as topk_bisect_graph_ms and the step's
 graph with it as dsa_graph_bisect_ms (and with the scores as wide as the served graph's
 context bound, dsa_graph_bound_bisect_ms), at BISECT_WARPS' warps as
-topk_bisect_warps_graph_ms / topk_bisect_warps_wide_graph_ms and at BISECT_DIGITS' bits a
-round as topk_bisect_digit_bits_graph_ms / topk_bisect_digit_bits_wide_graph_ms; the row form
-at ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row, chunks and coop forms
+topk_bisect_warps_graph_ms / topk_bisect_warps_wide_graph_ms; the row form at
+ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row, chunks and coop forms
 with topk_triton.GATHER as topk_gather_graph_ms, the step's graph with it as
 dsa_graph_gather_ms and with coop as dsa_graph_coop_gather_ms),
 the scores with each scoring
@@ -43,8 +42,7 @@ sparse_mla_splits_ms, the step's graph with each as dsa_graph_splits_ms; sparse_
 by decode_gluon's
 kernel and sparse_mla_ws_ms / sparse_mla_ws2_ms by decode_gluon_ws (decode_gluon.ws_sparse,
 the default on sm90: one or two P V warpgroups) with dsa_graph_gluon_ms / dsa_graph_ws_ms /
-dsa_graph_ws2_ms the step's graph with each, the first at SPARSE_WS_TILES' tiles as
-sparse_mla_ws_tiles_ms / dsa_graph_ws_tiles_ms), and sparse_mla_gluon_slots_ms the Gluon
+dsa_graph_ws2_ms the step's graph with each, and sparse_mla_gluon_slots_ms the Gluon
 kernel so where it runs), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
@@ -118,12 +116,8 @@ ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16), (4096, 16), (8192, 32))
 # the sparse MLA's partitions of a token's selection timed (the default picks them to fill
 # about a wave of programs)
 SPARSE_SPLITS = (1, 2, 4, 8)
-# decode_gluon_ws's sparse tiles (keys a tile, stages) timed
-SPARSE_WS_TILES = ((64, 2), (32, 3), (32, 4))
-# the bisect top-k's warps timed (topk_bisect_triton.WARPS), in graphs
+# the bisect top-k's warps timed (topk_bisect_triton.WARPS forced), in graphs
 BISECT_WARPS = (8, 16, 32)
-# and at these threshold bits a round (topk_bisect_triton.DIGIT_BITS)
-BISECT_DIGITS = (1, 4)
 # the radix top-k's chunks form at these positions a program, in graphs
 CHUNK_SIZES = (256, 512, 1024, 2048)
 # indexer_triton.score_key_tiles settings timed: the scores alone and the step in a graph
@@ -253,7 +247,7 @@ def time_bisect_settings(name: str, scores: torch.Tensor, meta: AttentionMetadat
                          selected: torch.Tensor, timer: Timer, setting: str,
                          values: tuple[int, ...]) -> dict:
     """The bisect top-k at each of `values` of topk_bisect_triton's `setting` ("WARPS": 4,096
-    / 32 / warps keys a thread a register chunk; "DIGIT_BITS": threshold bits a round), each
+    / 32 / warps keys a thread a register chunk; None, the default: warps' rule), each
     checked against `selected`, in graphs over the scores as given and as wide as the served
     graph's context bound (16,384: four chunks, the ones past a token's context skipped):
     {"topk_bisect_<setting>_graph_ms": {value: ms}, "topk_bisect_<setting>_wide_graph_ms":
@@ -313,14 +307,11 @@ def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
     """The sparse MLA by decode_gluon's kernel (decode_gluon.ws_sparse off) and by
     decode_gluon_ws (on) in its two forms (one P V warpgroup; two, `two_pv`), each first
     checked against the default kernel's output `base`: sparse_mla_{gluon,ws,ws2}_ms, and the
-    DSA step's graph with each, dsa_graph_{gluon,ws,ws2}_ms; the first at each of
-    SPARSE_WS_TILES (decode_gluon_ws.sparse_tile): sparse_mla_ws_tiles_ms /
-    dsa_graph_ws_tiles_ms {"<keys>x<stages>": ms}."""
+    DSA step's graph with each, dsa_graph_{gluon,ws,ws2}_ms."""
     from moeserve.kernels.attention.mla import decode_gluon_ws
 
     row: dict = {}
     was = decode_gluon.ws_sparse, decode_gluon_ws.two_pv
-    tile_was = decode_gluon_ws.sparse_tile
     try:
         for key, ws, two in (("gluon", False, False), ("ws", True, False), ("ws2", True, True)):
             decode_gluon.ws_sparse, decode_gluon_ws.two_pv = ws, two
@@ -330,20 +321,8 @@ def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
             row[f"sparse_mla_{key}_ms"] = timer(run)
             step()  # compiled (its packed form) before the capture
             row[f"dsa_graph_{key}_ms"] = graph_timed(timer, step, cuda)
-        decode_gluon.ws_sparse, decode_gluon_ws.two_pv = True, False
-        for block_n, stages in SPARSE_WS_TILES:  # its (keys a tile, stages) likewise
-            decode_gluon_ws.sparse_tile = (block_n, stages)
-            tile = f"{block_n}x{stages}"
-            run = functools.partial(dsa_sparse_triton.dsa_attention_triton, *args)
-            err = float((run().float() - base).abs().max() / base.abs().max())
-            assert err <= 2 ** -6, f"{name}: sparse MLA (ws, {tile}): {err:.3g}"
-            row.setdefault("sparse_mla_ws_tiles_ms", {})[tile] = round(timer(run), 4)
-            step()
-            row.setdefault("dsa_graph_ws_tiles_ms", {})[tile] = round(
-                graph_timed(timer, step, cuda), 4)
     finally:
         decode_gluon.ws_sparse, decode_gluon_ws.two_pv = was
-        decode_gluon_ws.sparse_tile = tile_was
     return row
 
 
@@ -467,8 +446,6 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     if "topk_bisect_graph_ms" in row and cuda:  # the bisect form's warps, rows as served
         row |= time_bisect_settings(name, scores, meta, topk, selected, timer, "WARPS",
                                     BISECT_WARPS)
-        row |= time_bisect_settings(name, scores, meta, topk, selected, timer, "DIGIT_BITS",
-                                    BISECT_DIGITS)
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
     # both as a served decode step runs them: in a CUDA graph (no host time between launches)
     row["topk_graph_ms"] = graph_timed(

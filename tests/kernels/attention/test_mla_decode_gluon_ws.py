@@ -113,32 +113,15 @@ def test_gpu_the_switch_routes_many_head_launches(monkeypatch: pytest.MonkeyPatc
                       routed=False)
 
 
-def test_tiles_it_cannot_run_are_refused_by_name() -> None:
-    """A sparse tile (keys, stages) past an sm90 program's shared memory, of other keys than
-    32 / 64 or of one stage is refused before any launch; the kernel's own tiles fit."""
-    for tile in ((64, 2), (32, 3), (32, 4), decode_gluon_ws.sparse_tile):
-        decode_gluon_ws.check_tile(*tile)
-    for (block_n, stages), match in (((64, 3), "3 stages of 64 keys need 303104 bytes"),
-                                     ((32, 5), "5 stages of 32 keys need 262144 bytes"),
-                                     ((48, 2), "got 48 keys, 2 stages"),
-                                     ((32, 1), "got 32 keys, 1 stages")):
-        with pytest.raises(ValueError, match=match):
-            decode_gluon_ws.check_tile(block_n, stages)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(64, 2), (32, 3), (32, 4)])
 @pytest.mark.parametrize("num_heads", [64, 128])
-def test_gpu_sparse_matches_the_reference(num_heads: int, tile: tuple[int, int], ws_form: str,
-                                          no_tf32: None,
+def test_gpu_sparse_matches_the_reference(num_heads: int, ws_form: str, no_tf32: None,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """DSA's sparse MLA by this kernel (decode_gluon.ws_sparse: sparse_gluon routes to
     sparse_ws) over 2,048 selected positions (-1 padding on a long prefill's first queries)
-    against dsa_attention_ref, unpacked and packed, split or not, at each sparse tile (keys,
-    stages); with the switch off, sparse_ws is not called."""
+    against dsa_attention_ref, unpacked and packed, split or not; with the switch off,
+    sparse_ws is not called."""
     from moeserve.kernels.attention.dsa.reference import dsa_attention_ref
-
-    monkeypatch.setattr(decode_gluon_ws, "sparse_tile", tile)
 
     calls: list[int] = []
     real = decode_gluon_ws.sparse_ws

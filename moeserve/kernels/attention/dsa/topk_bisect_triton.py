@@ -16,9 +16,10 @@ key (or such a cut), and a scan a chunk writes the positions above it and T's fi
 positions up to topk, in position order. No workspace, no atomics.
 
 The row sits in up to four register chunks of CHUNK positions (16 warps: 8 keys a thread a
-chunk), and a chunk past the token's context is neither counted nor scanned (a branch the whole
-program takes alike): a decode CUDA graph's scores are as wide as its context bound (GLM-5's
-16,384 for contexts of 2,049-16,384), so a token pays for its own context, not the bound.
+chunk; 8 warps once the tokens outnumber the SMs), and a chunk past the token's context is
+neither counted nor scanned (a branch the whole program takes alike): a decode CUDA graph's
+scores are as wide as its context bound (GLM-5's 16,384 for contexts of 2,049-16,384), so a
+token pays for its own context, not the bound.
 First measured whole-row (one [16,384] tensor, every position counted and scanned; H100,
 benchmarks/results/gpu_a8d729a/call1): 0.0334 ms at 32 x 8k in a graph against "auto"'s 0.0373
 (the step 0.1195 against 0.1215), 0.063 against 0.054 at 256 x 8k; sm90 SASS: ~170
@@ -44,23 +45,35 @@ import torch
 
 from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata
+from moeserve.kernels.triton_common import num_sms
 
 MAX_KEYS = 16384
 CHUNK = 4096  # positions a register chunk: the row is up to MAX_KEYS / CHUNK of them
-WARPS = 16  # 8 keys a thread a chunk
-# Threshold bits a round: 1 (a block count a bit, the module docstring) or 4 (a 16-bin
-# histogram a round of the digit below the threshold's bits so far, among the keys that share
-# them: tl.histogram's ballots, a few instructions an element, and one cross-warp combine for
-# four bits; the threshold's digit is then the bin where the keys from the top reach topk,
-# stopping where they reach it exactly). Two bits a round by packed counts measured slower
-# than one (0.0253 against 0.0242 ms at 32 x 8k, gpu_6f54c80/call2; in git's history there).
-# 1 until kernels_dsa times 4 (BISECT_DIGITS)
-DIGIT_BITS = 1
+# Warps a program: 16 (8 keys a thread a chunk) while the tokens are at most the GPU's SMs
+# (a program an SM), 8 past them (two programs share an SM). On an H100 in CUDA graphs
+# (kernels_dsa, gpu_48511b5 / gpu_6f54c80 / gpu_5c4e2c2 / gpu_2e525ad, four runs): 32 tokens
+# x 8k 0.0241-0.0243 ms at 16 against 0.0256-0.0259 at 8 and 0.0271-0.0274 at 32; 256 x 8k
+# 0.0448-0.0452 at 16 against 0.0387-0.0389 at 8. WARPS set (an int) forces one count (the
+# sweeps). Alternatives measured slower and removed: two threshold bits a round by three
+# packed counts (0.0253 against 0.0242 ms at 32 x 8k; git's history at 6f54c80), a 4-bit digit
+# a round from 16-bin histograms (0.0288 / 0.0514 against 0.0241 / 0.045 at 32 / 256 x 8k; at
+# 2e525ad).
+WARPS_FEW, WARPS_MANY = 16, 8
+WARPS: int | None = None
 
 tl: Any = None  # triton.language, bound by _kernels() (the kernel reads it as a global)
 _context_end: Any = None  # topk_triton's jitted helpers, bound by _kernels()
 _above_and_rank: Any = None
 _select_all: Any = None
+
+
+def warps(num_tokens: int, device: torch.device) -> int:
+    """A program's warps for a launch of num_tokens programs (WARPS' comment)."""
+    if WARPS is not None:
+        return WARPS
+    if device.type != "cuda" or num_tokens <= num_sms(device):
+        return WARPS_FEW
+    return WARPS_MANY
 
 
 def num_chunks(num_keys: int) -> int:
@@ -84,26 +97,26 @@ def radix_topk_bisect(scores: torch.Tensor, meta: AttentionMetadata, t0: int, to
             topk, out.stride(0))
     if scores.is_cuda:
         _compile_every_width(args, count_boundary_ties)
-    if DIGIT_BITS not in (1, 4):
-        raise ValueError(f"radix_topk bisect: DIGIT_BITS must be 1 or 4, got {DIGIT_BITS}")
     _kernels().bisect[(n,)](*args, COUNT_TIES=count_boundary_ties, CHUNKS=chunks, CHUNK=CHUNK,
-                            DIGIT=DIGIT_BITS, num_warps=WARPS)
+                            num_warps=warps(n, scores.device))
     return int(ties.sum()) if count_boundary_ties else 0
 
 
-_compiled: set[tuple] = set()  # (device, COUNT_TIES, WARPS, DIGIT_BITS): CHUNKS variants built
+_compiled: set[tuple] = set()  # (device, COUNT_TIES, WARPS): their variants are built
 
 
 def _compile_every_width(args: tuple, count_ties: bool) -> None:
-    """Every CHUNKS variant (one a row width's chunk count) compiled at the first call of a
-    device and form, so that a later step whose rows reach another chunk count (a prefill's
-    max_seq_len, a decode graph's bound) launches at once instead of compiling mid-serving."""
-    key = (args[0].device, count_ties, WARPS, DIGIT_BITS)
+    """Every variant (a row width's chunk count, at each warp count `warps` may pick)
+    compiled at the first call of a device and form, so that a later step whose rows reach
+    another chunk count (a prefill's max_seq_len, a decode graph's bound) or whose tokens pass
+    the SM count launches at once instead of compiling mid-serving."""
+    key = (args[0].device, count_ties, WARPS)
     if key in _compiled:
         return
-    for chunks in range(1, MAX_KEYS // CHUNK + 1):
-        _kernels().bisect.warmup(*args, grid=(1,), COUNT_TIES=count_ties, CHUNKS=chunks,
-                                 CHUNK=CHUNK, DIGIT=DIGIT_BITS, num_warps=WARPS)
+    for num_warps in ((WARPS,) if WARPS is not None else (WARPS_FEW, WARPS_MANY)):
+        for chunks in range(1, MAX_KEYS // CHUNK + 1):
+            _kernels().bisect.warmup(*args, grid=(1,), COUNT_TIES=count_ties, CHUNKS=chunks,
+                                     CHUNK=CHUNK, num_warps=num_warps)
     _compiled.add(key)
 
 
@@ -112,16 +125,15 @@ def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now); the
     helpers it calls bound as globals. Step-varying ints are not specialised."""
     global tl, _context_end, _above_and_rank, _select_all, _load_keys, _hits, _write_chunk
-    global _digit, _digit_hist
     import triton
     import triton.language
 
     tl = triton.language
     topk_triton._kernels()  # binds topk_triton's jitted helpers
     _context_end, _above_and_rank = topk_triton._context_end, topk_triton._above_and_rank
-    _select_all, _digit = topk_triton._select_all, topk_triton._digit
-    _load_keys, _hits, _digit_hist, _write_chunk = (triton.jit(f) for f in (
-        _load_keys, _hits, _digit_hist, _write_chunk))
+    _select_all = topk_triton._select_all
+    _load_keys, _hits, _write_chunk = (triton.jit(f) for f in (_load_keys, _hits,
+                                                               _write_chunk))
     varying = ["t0", "num_keys", "topk", "stride_out"]
     return SimpleNamespace(bisect=triton.jit(_bisect_kernel, do_not_specialize=varying))
 
@@ -137,14 +149,6 @@ def _load_keys(row, first, end, CHUNK: tl.constexpr):
 
 def _hits(u, ok, cand):
     return (ok & (u >= cand)).to(tl.int32)
-
-
-def _digit_hist(u, ok, thr, shift: tl.constexpr):
-    """The 16-bin histogram of the keys' 4-bit digit at `shift`, among those whose bits above
-    it are thr's."""
-    top = shift + 4
-    same = ok & ((u >> top) == (thr >> top)) if top < 32 else ok
-    return tl.histogram(((u >> shift) & 15).to(tl.int32), 16, mask=same)
 
 
 def _write_chunk(out, u, ok, first, thr, need, taken, ties, CHUNK: tl.constexpr):
@@ -165,7 +169,7 @@ def _write_chunk(out, u, ok, first, thr, need, taken, ties, CHUNK: tl.constexpr)
 
 def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
                    ties_ptr, num_keys, topk, stride_out, COUNT_TIES: tl.constexpr,
-                   CHUNKS: tl.constexpr, CHUNK: tl.constexpr, DIGIT: tl.constexpr):
+                   CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
     """Program i: token t0 + i's select, its row of ord scores in up to four register chunks
     of CHUNK positions, each counted and written only where the token's context reaches it
     (a decode graph's rows are as wide as its context bound; the module docstring).
@@ -182,44 +186,24 @@ def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_re
         u2, ok2 = _load_keys(row, 2 * CHUNK, end, CHUNK)  # (CHUNKS bounds the variants)
         u3, ok3 = _load_keys(row, 3 * CHUNK, end, CHUNK)
         thr = (end * 0).to(tl.uint32)
+        bit = end * 0 + 31
         exact = end * 0
-        if DIGIT == 1:
-            bit = end * 0 + 31
-            while (bit >= 0) & (exact == 0):
-                cand = thr | ((end * 0 + 1).to(tl.uint32) << bit.to(tl.uint32))
-                hits = _hits(u0, ok0, cand)
-                if CHUNKS > 1:
-                    if end > CHUNK:
-                        hits += _hits(u1, ok1, cand)
-                if CHUNKS > 2:
-                    if end > 2 * CHUNK:
-                        hits += _hits(u2, ok2, cand)
-                if CHUNKS > 3:
-                    if end > 3 * CHUNK:
-                        hits += _hits(u3, ok3, cand)
-                count = tl.sum(hits, 0)
-                thr = tl.where(count >= topk, cand, thr)
-                exact = (count == topk).to(tl.int32)
-                bit -= 1
-        else:  # a 4-bit digit a round, from 16-bin histograms (DIGIT_BITS' comment)
-            need = topk  # keys still to take at and below the threshold's bits so far
-            for level in tl.static_range(8):
-                if exact == 0:
-                    shift = 28 - 4 * level
-                    hist = _digit_hist(u0, ok0, thr, shift)
-                    if CHUNKS > 1:
-                        if end > CHUNK:
-                            hist += _digit_hist(u1, ok1, thr, shift)
-                    if CHUNKS > 2:
-                        if end > 2 * CHUNK:
-                            hist += _digit_hist(u2, ok2, thr, shift)
-                    if CHUNKS > 3:
-                        if end > 3 * CHUNK:
-                            hist += _digit_hist(u3, ok3, thr, shift)
-                    b, need, at = _digit(hist, need, 16)
-                    thr = thr | (b.to(tl.uint32) << shift)
-                    # the keys from bin b up are exactly topk: thr (its lower bits 0) cuts them
-                    exact = (at == need).to(tl.int32)
+        while (bit >= 0) & (exact == 0):
+            cand = thr | ((end * 0 + 1).to(tl.uint32) << bit.to(tl.uint32))
+            hits = _hits(u0, ok0, cand)
+            if CHUNKS > 1:
+                if end > CHUNK:
+                    hits += _hits(u1, ok1, cand)
+            if CHUNKS > 2:
+                if end > 2 * CHUNK:
+                    hits += _hits(u2, ok2, cand)
+            if CHUNKS > 3:
+                if end > 3 * CHUNK:
+                    hits += _hits(u3, ok3, cand)
+            count = tl.sum(hits, 0)
+            thr = tl.where(count >= topk, cand, thr)
+            exact = (count == topk).to(tl.int32)
+            bit -= 1
         above = (ok0 & (u0 > thr)).to(tl.int32)
         if CHUNKS > 1:
             above += (ok1 & (u1 > thr)).to(tl.int32)

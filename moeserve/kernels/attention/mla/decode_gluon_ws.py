@@ -36,6 +36,17 @@ at 1,024 keys level or faster in 5 of 6 cases (-0.9 to +2.7 points); at W1's ~19
 (29.9 / 33.7% against 36.7 / 41.9% at 64 heads: the prologue and the hand-offs of 3 tiles a
 row), hence the threshold. The P V warpgroup's issuing the copies measured slower there (72.6-
 72.9% at 64 heads and 4k keys) and was removed (git history at 14ca5ca, `wg1_loads`).
+
+DSA's sparse form at 32 tokens x 8k (one program an SM, 128 programs: 4 splits of 512 selected
+keys) reads DRAM at 48-51% of peak (Nsight Compute, H100, benchmarks/results/gpu_48511b5/
+call1: 47.5 us for 78 MB, plus 16.8 MB of fp32 split partials written and 8.7 us of their
+combine). Two changes aimed at its copies measured slower on the H100 in CUDA graphs and were
+removed: loading tile t + 1's validity and tile t + 2's cache rows at tile t's start (the step
+0.1137 against 0.1100 ms at 32 x 8k, 0.5364 against 0.5312 at 256 x 8k; gpu_6f54c80/call2, in
+git's history there), and 32-key tiles in three or four stages, three tiles' copies in flight
+(three / four stages: the step 0.1093 / 0.1109 against 0.1075 ms at 32 x 8k, 0.5423 / 0.5416
+against 0.5141 at 256 x 8k, gpu_5c4e2c2/call3; 0.3134 / 0.3147 against 0.3095 at 32 x 64k,
+gpu_2e525ad/call4; in git's history at 5c4e2c2). The copies in flight are not what holds it.
 """
 
 from __future__ import annotations
@@ -52,33 +63,7 @@ from moeserve.kernels.attention.mla import decode_gluon, gluon_parts, reduce_tri
 from moeserve.kernels.triton_common import MAX_GRID_Y
 
 BLOCK_H = 64  # heads a program (wgmma's M)
-BLOCK_N = 64  # keys a tile (dense decode rows)
-STAGES = 2  # key tiles in shared memory (dense decode rows)
-# DSA's sparse MLA: (keys a tile, stages). Two 64-key stages leave one tile's copy in flight a
-# program while the program waits on it (the b32 x 8k step's sparse MLA read DRAM at 48-51% of
-# peak, one program an SM: gpu_48511b5/call1); 32-key tiles fit four stages in the same
-# shared memory, three tiles' copies in flight. (64, 2) until kernels_dsa times the others
-# (SPARSE_WS_TILES)
-sparse_tile = (64, 2)
-SHARED_BYTES_SM90 = 232448  # an sm90 program's shared memory at most (227 KB)
-
-
-def shared_bytes(block_n: int, stages: int) -> int:
-    """A program's shared memory at a tile of block_n keys and `stages` stages (bf16, L 512,
-    R 64): Q, the key stages, P (the row sums' and barriers' few hundred bytes left out)."""
-    return 2 * (64 * 576 + stages * block_n * 576 + 64 * block_n)
-
-
-def check_tile(block_n: int, stages: int) -> None:
-    """ValueError naming a (keys a tile, stages) this kernel cannot run: keys 32 or 64 (a
-    wgmma N and P V's K), at least two stages, within an sm90 program's shared memory."""
-    if block_n not in (32, 64) or stages < 2:
-        raise ValueError(f"decode_ws: a tile of 32 or 64 keys and at least 2 stages, got "
-                         f"{block_n} keys, {stages} stages")
-    if shared_bytes(block_n, stages) > SHARED_BYTES_SM90 - 1024:
-        raise ValueError(f"decode_ws: {stages} stages of {block_n} keys need "
-                         f"{shared_bytes(block_n, stages)} bytes of shared memory, more than "
-                         f"an sm90 program's {SHARED_BYTES_SM90} less 1,024 for the rest")
+BLOCK_N = 64  # keys a tile
 NUM_WARPS = 4  # the default partition's; each worker adds four
 # registers a thread of the P V warpgroup (setmaxnreg): its accumulator [64, 256] fp32 is 128
 WORKER_REGISTERS = 192
@@ -195,12 +180,10 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
     if not 1 <= num_splits <= reduce_triton.MAX_SPLITS:
         raise ValueError(f"decode_ws: num_splits must be in 1..{reduce_triton.MAX_SPLITS}, "
                          f"got {num_splits}")
-    sparse = sel is not None
-    block_n, stages = sparse_tile if sparse else (BLOCK_N, STAGES)
-    check_tile(block_n, stages)
     partition = -(-max(1, keys) // num_splits)
-    partition = -(-partition // block_n) * block_n  # whole key tiles a partition
+    partition = -(-partition // BLOCK_N) * BLOCK_N  # whole key tiles a partition
     part_m, part_l, part_acc = reduce_triton.split_partials(out, num_rows, num_splits)
+    sparse = sel is not None
     _kernels().decode[(head_tiles, num_rows, num_splits)](
         q, latent_cache, out, part_m, part_l, part_acc, meta.block_tables, meta.seq_lens,
         meta.query_start_loc, rows if rows is not None else meta.query_start_loc,
@@ -211,9 +194,8 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         NUM_HEADS=num_heads, L=kv_lora_rank, R=q.shape[2] - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
         SPARSE=sparse, PACKED=packed, TWO_PV=two_pv,
-        WORKER_REGS=WORKER_REGISTERS_TWO_PV if two_pv else WORKER_REGISTERS, BN=block_n,
-        STAGES=stages, num_warps=NUM_WARPS,
-        maxnreg=MAX_REGISTERS_TWO_PV if two_pv else MAX_REGISTERS)
+        WORKER_REGS=WORKER_REGISTERS_TWO_PV if two_pv else WORKER_REGISTERS,
+        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS_TWO_PV if two_pv else MAX_REGISTERS)
     if num_splits > 1:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out,
                                     None if sparse else meta.query_start_loc, rows, num_rows,
@@ -255,17 +237,18 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
                SPARSE: gl.constexpr, PACKED: gl.constexpr, TWO_PV: gl.constexpr,
-               WORKER_REGS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+               WORKER_REGS: gl.constexpr):
     """Program (head_tile, i, split): 64 heads of decode row i over its context partition
     `split`, or (SPARSE) of token i over that partition of its selection (the module
     docstring's data flow; TWO_PV: two P V warpgroups, O's halves, none in the scores one)."""
     BH: gl.constexpr = 64
+    BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_lat_s = _nvmma_buffer(dtype, [BH, L])
     q_pe_s = _nvmma_buffer(dtype, [BH, R])
-    k_lat_s = _nvmma_buffer(dtype, [STAGES, BN, L])
-    k_pe_s = _nvmma_buffer(dtype, [STAGES, BN, R])
+    k_lat_s = _nvmma_buffer(dtype, [2, BN, L])
+    k_pe_s = _nvmma_buffer(dtype, [2, BN, R])
     p_s = _nvmma_buffer(dtype, [BH, BN])
     vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     alpha_s = gl.allocate_shared_memory(gl.float32, [BH], vec_l)
@@ -273,13 +256,13 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     bar_l: gl.constexpr = mbarrier.MBarrierLayout()
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     p_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
-    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_l)
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
     done = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     pv_groups: gl.constexpr = 2 if TWO_PV else 1  # the P V warpgroups, each arriving once
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=pv_groups)
-    for j in gl.static_range(STAGES):
-        mbarrier.init(kv_free.index(j), count=pv_groups)
+    mbarrier.init(kv_free.index(0), count=pv_groups)
+    mbarrier.init(kv_free.index(1), count=pv_groups)
     mbarrier.init(done, count=1)
 
     head_tile = gl.program_id(0)
@@ -306,13 +289,12 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                                  part_acc_ptr, table, sel, tok, head_tile, start, end,
                                  num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
                                  stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, BN, STAGES)),
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
-                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT, 0,
-                             STAGES)),
+                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT, 0)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
                              stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT,
-                             HALF, STAGES)),
+                             HALF)),
         ], [4, 4], [WORKER_REGS, WORKER_REGS])
     else:  # O[:, L/2:] by the P V warpgroup, O[:, :L/2] by the scores warpgroup
         gl.warp_specialize([
@@ -320,10 +302,10 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                                  part_acc_ptr, table, sel, tok, head_tile, start, end,
                                  num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
                                  stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, BN, STAGES)),
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
                              stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT,
-                             HALF, STAGES)),
+                             HALF)),
         ], [4], [WORKER_REGS])
 
 
@@ -332,10 +314,11 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
                       scale_log2, stride_qt, stride_qh, stride_oh, out_row, part_row,
                       num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                       BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr,
-                      TWO_PV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
-    """The scores warpgroup: every copy (a commit group a tile, Q's with tile 0's), each
-    tile's scores and softmax, and O[:, :L/2] (unless TWO_PV)."""
+                      TWO_PV: gl.constexpr):
+    """The scores warpgroup: every copy, each tile's scores and softmax, and O[:, :L/2]
+    (unless TWO_PV)."""
     BH: gl.constexpr = 64
+    BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
     q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s = bufs
     p_ready, p_free, kv_free, done = bars
@@ -350,7 +333,7 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
     np_ = gl.arange(0, BN, layout=gl.SliceLayout(1, pe_l))
     dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
     dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
-    # the queries and the first STAGES tiles (past the partition's end: zeros, no read)
+    # the queries and tiles 0 and 1 (past the partition's end: zeros, no read) in one group
     q_at, q_ok = _query_rows(tok, 0, 1, head_tile, stride_qt, stride_qh,
                              gl.SliceLayout(1, lat_l), NUM_HEADS, BH, 1, False)
     async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_at[:, None] + dq[None, :],
@@ -359,23 +342,23 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
                              gl.SliceLayout(1, pe_l), NUM_HEADS, BH, 1, False)
     async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_at[:, None] + L + dp[None, :],
                                            mask=q_ok[:, None])
-    for j in gl.static_range(STAGES):
+    for j in gl.static_range(2):
         _load_tile(cache_ptr, table, sel, max_pos, start + j * BN, end, k_lat_s.index(j),
                    k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, SPARSE, False)
-        async_copy.commit_group()
+    async_copy.commit_group()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
     l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, s_l))
     acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)  # O[:, :L/2] (unused with TWO_PV)
     s_zero = gl.zeros([BH, BN], gl.float32, layout=s_l)
     keys = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-    async_copy.wait_group(STAGES - 1)  # Q and tile 0
+    async_copy.wait_group(0)
     gl.thread_barrier()
     fence_async_shared()
     s = _scores(q_lat_s, q_pe_s, k_lat_s.index(0), k_pe_s.index(0), s_zero)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     for t in range(num_tiles):
-        stage = t % STAGES
+        stage = t % 2
         _, valid = _valid_keys(sel, max_pos, start + t * BN + keys, end, SPARSE)
         s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -396,19 +379,18 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             acc = warpgroup_mma(gl.convert_layout(p16, p_l),
                                 k_lat_s.index(stage).slice(0, HALF, 1), acc, is_async=True)
-        # tile t + 1's scores (its group: all but the STAGES - 2 newest; past the last tile a
-        # zero stage's, unused)
-        async_copy.wait_group(STAGES - 2)
+        # tile t + 1's scores (its copies landed during tile t; past the last tile a zero
+        # stage's, unused)
+        async_copy.wait_group(0)
         gl.thread_barrier()
         fence_async_shared()
-        nxt = (t + 1) % STAGES
-        s = _scores(q_lat_s, q_pe_s, k_lat_s.index(nxt), k_pe_s.index(nxt), s_zero)
+        s = _scores(q_lat_s, q_pe_s, k_lat_s.index(1 - stage), k_pe_s.index(1 - stage), s_zero)
         if not TWO_PV:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P_t V_t done, S pending
-        # the P V warpgroups are done with V_t too: tile t + STAGES into t's stage
-        mbarrier.wait(kv_free.index(stage), (t // STAGES) & 1)
+        # the P V warpgroups are done with V_t too: tile t + 2 into t's stage
+        mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
         gl.thread_barrier()
-        _load_tile(cache_ptr, table, sel, max_pos, start + (t + STAGES) * BN, end,
+        _load_tile(cache_ptr, table, sel, max_pos, start + (t + 2) * BN, end,
                    k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
                    BLOCK_SIZE, SPARSE, False)
         async_copy.commit_group()
@@ -430,7 +412,7 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
 
 def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile, stride_oh, out_row,
                   part_row, num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr,
-                  SPLIT: gl.constexpr, COL: gl.constexpr, STAGES: gl.constexpr):
+                  SPLIT: gl.constexpr, COL: gl.constexpr):
     """A P V warpgroup: O[:, COL:COL + L/2] from each tile's P and rescale."""
     BH: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
@@ -443,12 +425,11 @@ def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile, strid
         mbarrier.wait(p_ready, t & 1)
         alpha = alpha_s.load(gl.SliceLayout(1, o_l))
         acc = acc * alpha[:, None]
-        acc = warpgroup_mma(p_s, k_lat_s.index(t % STAGES).slice(COL, HALF, 1), acc,
-                            is_async=True)
+        acc = warpgroup_mma(p_s, k_lat_s.index(t % 2).slice(COL, HALF, 1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(p_free)
-        mbarrier.arrive(kv_free.index(t % STAGES))
+        mbarrier.arrive(kv_free.index(t % 2))
     mbarrier.wait(done, 0)
     l_i = l_s.load(gl.SliceLayout(1, o_l))
     _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, part_row,
