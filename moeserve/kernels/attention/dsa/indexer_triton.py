@@ -75,14 +75,18 @@ INDEX_TILE_ROWS = 128
 # 1-14% faster in all five kernels_dsa cases (b256 64k: 2.149 -> 1.841 ms), W3's prefill
 # scores 13.09 -> 8.06 ms (16: 7.73); the tests also run 1 to 4.
 score_key_tiles = 8
-# The scoring launch's warps and pipeline stages (None: Triton's default): experiment switches,
-# timed by kernels_dsa (SCORE_LAUNCHES) before any other value becomes the default
+# The scoring launch's warps, and a decode-only step's pipeline stages (None: Triton's
+# default, 3; a step with a prefill row always runs the default, untimed otherwise). 2 stages
+# on decode steps: on an H100 in CUDA graphs (kernels_dsa's SCORE_LAUNCHES, five runs in
+# gpu_48511b5 / gpu_6f54c80 / gpu_5c4e2c2 / gpu_2e525ad) the DSA step 0.1051-0.1122 ms against
+# 0.1067-0.1129 at 32 x 8k, 0.5097-0.5311 against 0.5149-0.5357 at 256 x 8k, 0.3027 against
+# 0.3094 at 32 x 64k: faster in all nine; 8 warps slower in all.
 score_warps = 4
 # (A form loading each next key tile into registers a tile ahead was compiled offline,
 # kernel_sass index-score, and dropped untimed: Triton's pipeliner already streams the key
 # tiles by cp.async, LDGSTS, at num_stages 3 with 80 registers; the register-staged form took
 # 124 and plain loads. In git's history at d04b9d1.)
-score_stages: int | None = None
+score_stages: int | None = 2
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernels below read it as a global
 # mla_triton's jitted helper, bound by _kernels() too (the kernel reads it by global name)
@@ -176,7 +180,8 @@ def index_score_chunks(q: torch.Tensor, weights: torch.Tensor, index_cache: torc
             BLOCK_Q=block_q, D=dim, BLOCK_SIZE=index_cache.shape[1], BLOCK_N=block_n,
             USE_TILES=part is not None, IEEE=q.dtype == torch.float32,
             KEY_TILES=score_key_tiles, num_warps=score_warps,
-            **({} if score_stages is None else {"num_stages": score_stages}))
+            **({} if score_stages is None or part is not None else
+               {"num_stages": score_stages}))
         yield t0, n, scores
 
 
