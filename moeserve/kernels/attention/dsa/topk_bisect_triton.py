@@ -140,15 +140,17 @@ def _kernels() -> SimpleNamespace:
 
 def _load_keys(row, first, end, CHUNK: tl.constexpr):
     """Positions first .. first + CHUNK of a row as unsigned keys (ord's sign bit flipped: the
-    scores' order) and their mask (< end); nothing is read past end."""
+    scores' order) and their mask (< end); nothing is read past end, where the key is 0 (below
+    every candidate threshold, which has a bit set, so the counts need no mask)."""
     pos = first + tl.arange(0, CHUNK)
     ok = pos < end
-    s = tl.load(row + pos, mask=ok, other=0)
+    s = tl.load(row + pos, mask=ok, other=-2147483648)
     return (s ^ -2147483648).to(tl.uint32, bitcast=True), ok
 
 
-def _hits(u, ok, cand):
-    return (ok & (u >= cand)).to(tl.int32)
+def _hits(u, cand):
+    """Keys at or above a candidate threshold (cand > 0: an unread position's 0 never is)."""
+    return (u >= cand).to(tl.int32)
 
 
 def _write_chunk(out, u, ok, first, thr, need, taken, ties, CHUNK: tl.constexpr):
@@ -190,16 +192,16 @@ def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_re
         exact = end * 0
         while (bit >= 0) & (exact == 0):
             cand = thr | ((end * 0 + 1).to(tl.uint32) << bit.to(tl.uint32))
-            hits = _hits(u0, ok0, cand)
+            hits = _hits(u0, cand)
             if CHUNKS > 1:
                 if end > CHUNK:
-                    hits += _hits(u1, ok1, cand)
+                    hits += _hits(u1, cand)
             if CHUNKS > 2:
                 if end > 2 * CHUNK:
-                    hits += _hits(u2, ok2, cand)
+                    hits += _hits(u2, cand)
             if CHUNKS > 3:
                 if end > 3 * CHUNK:
-                    hits += _hits(u3, ok3, cand)
+                    hits += _hits(u3, cand)
             count = tl.sum(hits, 0)
             thr = tl.where(count >= topk, cand, thr)
             exact = (count == topk).to(tl.int32)
