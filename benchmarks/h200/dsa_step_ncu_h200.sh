@@ -38,7 +38,9 @@ for r in d["decode"]:
           "topk", r.get("topk_graph_ms"), "score", r.get("score_ms"), "| bisect warps",
           r.get("topk_bisect_warps_graph_ms"), r.get("topk_bisect_warps_wide_graph_ms"),
           "| sparse splits", r.get("sparse_mla_splits_ms"), r.get("dsa_graph_splits_ms"),
-          "| ws", r.get("sparse_mla_ws_ms"), r.get("dsa_graph_ws_ms"))
+          "| ws", r.get("sparse_mla_ws_ms"), r.get("dsa_graph_ws_ms"), "ws slots",
+          r.get("sparse_mla_ws_slots_ms"), r.get("dsa_graph_ws_slots_ms"), "ws2 / slots",
+          r.get("dsa_graph_ws2_ms"), r.get("dsa_graph_ws2_slots_ms"))
 PY
 fi
 dir=/tmp/ncu_dsa; mkdir -p $dir

@@ -42,7 +42,9 @@ sparse_mla_splits_ms, the step's graph with each as dsa_graph_splits_ms; sparse_
 by decode_gluon's
 kernel and sparse_mla_ws_ms / sparse_mla_ws2_ms by decode_gluon_ws (decode_gluon.ws_sparse,
 the default on sm90: one or two P V warpgroups) with dsa_graph_gluon_ms / dsa_graph_ws_ms /
-dsa_graph_ws2_ms the step's graph with each, and sparse_mla_gluon_slots_ms the Gluon
+dsa_graph_ws2_ms the step's graph with each; with decode_gluon_ws.slots_by_pv as
+sparse_mla_ws_slots_ms / sparse_mla_ws2_slots_ms, dsa_graph_ws_slots_ms /
+dsa_graph_ws2_slots_ms), and sparse_mla_gluon_slots_ms the Gluon
 kernel so where it runs), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
@@ -305,16 +307,21 @@ def time_sparse_splits(name: str, sparse_args: tuple, base: torch.Tensor, index_
 def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
                    base: torch.Tensor, timer: Timer, cuda: bool) -> dict:
     """The sparse MLA by decode_gluon's kernel (decode_gluon.ws_sparse off) and by
-    decode_gluon_ws (on) in its two forms (one P V warpgroup; two, `two_pv`), each first
-    checked against the default kernel's output `base`: sparse_mla_{gluon,ws,ws2}_ms, and the
-    DSA step's graph with each, dsa_graph_{gluon,ws,ws2}_ms."""
+    decode_gluon_ws (on) in its two forms (one P V warpgroup; two, `two_pv`), each also with
+    the cache rows left in shared memory by the P V warpgroup (`slots_by_pv`: _slots), each
+    first checked against the default kernel's output `base`:
+    sparse_mla_{gluon,ws,ws2,ws_slots,ws2_slots}_ms, and the DSA step's graph with each,
+    dsa_graph_{gluon,ws,ws2,ws_slots,ws2_slots}_ms."""
     from moeserve.kernels.attention.mla import decode_gluon_ws
 
     row: dict = {}
-    was = decode_gluon.ws_sparse, decode_gluon_ws.two_pv
+    was = decode_gluon.ws_sparse, decode_gluon_ws.two_pv, decode_gluon_ws.slots_by_pv
     try:
-        for key, ws, two in (("gluon", False, False), ("ws", True, False), ("ws2", True, True)):
+        for key, ws, two, by_pv in (("gluon", False, False, False), ("ws", True, False, False),
+                                    ("ws2", True, True, False), ("ws_slots", True, False, True),
+                                    ("ws2_slots", True, True, True)):
             decode_gluon.ws_sparse, decode_gluon_ws.two_pv = ws, two
+            decode_gluon_ws.slots_by_pv = by_pv
             run = functools.partial(dsa_sparse_triton.dsa_attention_triton, *args)
             err = float((run().float() - base).abs().max() / base.abs().max())
             assert err <= 2 ** -6, f"{name}: sparse MLA ({key}): {err:.3g} from the default"
@@ -322,7 +329,7 @@ def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
             step()  # compiled (its packed form) before the capture
             row[f"dsa_graph_{key}_ms"] = graph_timed(timer, step, cuda)
     finally:
-        decode_gluon.ws_sparse, decode_gluon_ws.two_pv = was
+        decode_gluon.ws_sparse, decode_gluon_ws.two_pv, decode_gluon_ws.slots_by_pv = was
     return row
 
 

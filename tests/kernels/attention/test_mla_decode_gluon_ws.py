@@ -114,14 +114,19 @@ def test_gpu_the_switch_routes_many_head_launches(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slots_by_pv", [False, True])
 @pytest.mark.parametrize("num_heads", [64, 128])
-def test_gpu_sparse_matches_the_reference(num_heads: int, ws_form: str, no_tf32: None,
+def test_gpu_sparse_matches_the_reference(num_heads: int, slots_by_pv: bool, ws_form: str,
+                                          no_tf32: None,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """DSA's sparse MLA by this kernel (decode_gluon.ws_sparse: sparse_gluon routes to
     sparse_ws) over 2,048 selected positions (-1 padding on a long prefill's first queries)
-    against dsa_attention_ref, unpacked and packed, split or not; with the switch off,
-    sparse_ws is not called."""
+    against dsa_attention_ref, unpacked and packed, split or not, with each tile's cache rows
+    loaded by the scores warpgroup or left in shared memory by the P V one (slots_by_pv);
+    with the switch off, sparse_ws is not called."""
     from moeserve.kernels.attention.dsa.reference import dsa_attention_ref
+
+    monkeypatch.setattr(decode_gluon_ws, "slots_by_pv", slots_by_pv)
 
     calls: list[int] = []
     real = decode_gluon_ws.sparse_ws

@@ -85,6 +85,14 @@ WORKER_REGISTERS_TWO_PV = 176
 # 3.445 -> 3.471), 128 heads faster from 1,024 keys (1.623 -> 1.572 at 2,048 rows, 3.097 ->
 # 2.695 at 1,024 x 4,096) and level at 768.
 WS_MIN_HEADS = {"H200": 33, "H100": 65}
+# DSA's sparse form: the P V warpgroup (idle ~75% of the step's sparse MLA at 32 x 8k waiting
+# for P, while the scores warpgroup spends ~30% of its loop waiting on each next tile's
+# selection and block-table loads: Nsight Compute's source counters, gpu_de8d30e/call6) loads
+# the selection and block table of tile t + 2 while it waits for P_t, and leaves the tile's
+# cache rows (slots, -1 where not read) in shared memory before it frees tile t's stage; the
+# scores warpgroup reads them there for its copies and its softmax's mask. Off: each loaded by
+# the scores warpgroup where used. An A/B switch (kernels_dsa's ws_slots form) until timed
+slots_by_pv = False
 WS_MIN_HEADS_OTHER = 65
 
 gl: Any = None  # bound by _kernels(), as in decode_gluon
@@ -99,6 +107,8 @@ _nvmma_buffer: Any = None
 _program_keys: Any = None
 _query_rows: Any = None
 _scores: Any = None
+_slots_of: Any = None
+_copy_rows: Any = None
 
 
 def takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -193,7 +203,7 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         sel.stride(0) if sparse else 0,
         NUM_HEADS=num_heads, L=kv_lora_rank, R=q.shape[2] - kv_lora_rank,
         BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
-        SPARSE=sparse, PACKED=packed, TWO_PV=two_pv,
+        SPARSE=sparse, PACKED=packed, TWO_PV=two_pv, PV_SLOTS=sparse and slots_by_pv,
         WORKER_REGS=WORKER_REGISTERS_TWO_PV if two_pv else WORKER_REGISTERS,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS_TWO_PV if two_pv else MAX_REGISTERS)
     if num_splits > 1:
@@ -208,7 +218,7 @@ def _kernels() -> SimpleNamespace:
     the builtins and gluon_parts' functions they call as module globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, mbarrier
     global _load_tile, _valid_keys, _nvmma_buffer, _program_keys, _query_rows, _scores
-    global _ws_kernel, _scores_partition, _pv_partition, _store_o
+    global _ws_kernel, _scores_partition, _pv_partition, _store_o, _slots_of, _copy_rows
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
 
@@ -222,6 +232,7 @@ def _kernels() -> SimpleNamespace:
     _scores_partition = gluon.jit(_scores_partition)
     _pv_partition = gluon.jit(_pv_partition)
     _store_o = gluon.jit(_store_o)
+    _slots_of, _copy_rows = gluon.jit(_slots_of), gluon.jit(_copy_rows)
     _ws_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "keys", "max_blocks",
                                               "stride_table"],
                            do_not_specialize_on_alignment=["rows_ptr"])(_ws_kernel)
@@ -237,7 +248,7 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
                SPARSE: gl.constexpr, PACKED: gl.constexpr, TWO_PV: gl.constexpr,
-               WORKER_REGS: gl.constexpr):
+               WORKER_REGS: gl.constexpr, PV_SLOTS: gl.constexpr):
     """Program (head_tile, i, split): 64 heads of decode row i over its context partition
     `split`, or (SPARSE) of token i over that partition of its selection (the module
     docstring's data flow; TWO_PV: two P V warpgroups, O's halves, none in the scores one)."""
@@ -253,6 +264,9 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     alpha_s = gl.allocate_shared_memory(gl.float32, [BH], vec_l)
     l_s = gl.allocate_shared_memory(gl.float32, [BH], vec_l)
+    # PV_SLOTS: tile t's cache rows at slots_s[t % 4] (written two tiles ahead, read by the
+    # softmax's mask two tiles later)
+    slots_s = gl.allocate_shared_memory(gl.int32, [4 if PV_SLOTS else 1, BN], vec_l)
     bar_l: gl.constexpr = mbarrier.MBarrierLayout()
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     p_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
@@ -276,7 +290,7 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
     table = block_tables_ptr + req.to(gl.int64) * stride_table
     max_pos = max_blocks * BLOCK_SIZE  # a selected position past the table: never read
-    bufs = (q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s)
+    bufs = (q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s, slots_s)
     bars = (p_ready, p_free, kv_free, done)
     # the output's rows: the first head, where this program's go (out, or its split partial)
     out_row = tok * stride_ot + (head_tile * BH).to(gl.int64) * stride_oh
@@ -289,12 +303,13 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                                  part_acc_ptr, table, sel, tok, head_tile, start, end,
                                  num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
                                  stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV)),
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, PV_SLOTS)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
-                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT, 0)),
+                             stride_oh, out_row, part_row, num_splits, table, sel, max_pos,
+                             start, end, NUM_HEADS, L, SPLIT, 0, BLOCK_SIZE, PV_SLOTS)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
-                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT,
-                             HALF)),
+                             stride_oh, out_row, part_row, num_splits, table, sel, max_pos,
+                             start, end, NUM_HEADS, L, SPLIT, HALF, BLOCK_SIZE, False)),
         ], [4, 4], [WORKER_REGS, WORKER_REGS])
     else:  # O[:, L/2:] by the P V warpgroup, O[:, :L/2] by the scores warpgroup
         gl.warp_specialize([
@@ -302,10 +317,10 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                                  part_acc_ptr, table, sel, tok, head_tile, start, end,
                                  num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
                                  stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV)),
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, PV_SLOTS)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
-                             stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, SPLIT,
-                             HALF)),
+                             stride_oh, out_row, part_row, num_splits, table, sel, max_pos,
+                             start, end, NUM_HEADS, L, SPLIT, HALF, BLOCK_SIZE, PV_SLOTS)),
         ], [4], [WORKER_REGS])
 
 
@@ -314,13 +329,13 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
                       scale_log2, stride_qt, stride_qh, stride_oh, out_row, part_row,
                       num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                       BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr,
-                      TWO_PV: gl.constexpr):
+                      TWO_PV: gl.constexpr, PV_SLOTS: gl.constexpr):
     """The scores warpgroup: every copy, each tile's scores and softmax, and O[:, :L/2]
     (unless TWO_PV)."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
-    q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s = bufs
+    q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s, slots_s = bufs
     p_ready, p_free, kv_free, done = bars
     lat_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [4, 1], [1, 0])
@@ -343,8 +358,15 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
     async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_at[:, None] + L + dp[None, :],
                                            mask=q_ok[:, None])
     for j in gl.static_range(2):
-        _load_tile(cache_ptr, table, sel, max_pos, start + j * BN, end, k_lat_s.index(j),
-                   k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, SPARSE, False)
+        if PV_SLOTS:  # tiles 0 and 1's rows by this warpgroup, kept for their masks
+            slots_s.index(j).store(_slots_of(table, sel, max_pos, start + j * BN, end,
+                                             gl.SliceLayout(1, lat_l), BN, BLOCK_SIZE))
+            gl.thread_barrier()
+            _copy_rows(cache_ptr, slots_s.index(j), k_lat_s.index(j), k_pe_s.index(j), dq, dp,
+                       lat_l, pe_l, L, R)
+        else:
+            _load_tile(cache_ptr, table, sel, max_pos, start + j * BN, end, k_lat_s.index(j),
+                       k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, SPARSE, False)
     async_copy.commit_group()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
@@ -359,7 +381,10 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     for t in range(num_tiles):
         stage = t % 2
-        _, valid = _valid_keys(sel, max_pos, start + t * BN + keys, end, SPARSE)
+        if PV_SLOTS:
+            valid = slots_s.index(t % 4).load(gl.SliceLayout(0, s_l)) >= 0
+        else:
+            _, valid = _valid_keys(sel, max_pos, start + t * BN + keys, end, SPARSE)
         s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -390,9 +415,13 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
         # the P V warpgroups are done with V_t too: tile t + 2 into t's stage
         mbarrier.wait(kv_free.index(stage), (t // 2) & 1)
         gl.thread_barrier()
-        _load_tile(cache_ptr, table, sel, max_pos, start + (t + 2) * BN, end,
-                   k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
-                   BLOCK_SIZE, SPARSE, False)
+        if PV_SLOTS:  # its rows, left by the P V warpgroup before it freed the stage
+            _copy_rows(cache_ptr, slots_s.index((t + 2) % 4), k_lat_s.index(stage),
+                       k_pe_s.index(stage), dq, dp, lat_l, pe_l, L, R)
+        else:
+            _load_tile(cache_ptr, table, sel, max_pos, start + (t + 2) * BN, end,
+                       k_lat_s.index(stage), k_pe_s.index(stage), nl, dq, np_, dp, L, R,
+                       BLOCK_SIZE, SPARSE, False)
         async_copy.commit_group()
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     async_copy.wait_group(0)  # no copy left in flight at exit
@@ -411,22 +440,31 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
 
 
 def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile, stride_oh, out_row,
-                  part_row, num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr,
-                  SPLIT: gl.constexpr, COL: gl.constexpr):
-    """A P V warpgroup: O[:, COL:COL + L/2] from each tile's P and rescale."""
+                  part_row, num_splits, table, sel, max_pos, start, end,
+                  NUM_HEADS: gl.constexpr, L: gl.constexpr, SPLIT: gl.constexpr,
+                  COL: gl.constexpr, BLOCK_SIZE: gl.constexpr, PV_SLOTS: gl.constexpr):
+    """A P V warpgroup: O[:, COL:COL + L/2] from each tile's P and rescale; PV_SLOTS: also
+    tile t + 2's cache rows into slots_s while it waits for P_t (slots_by_pv)."""
     BH: gl.constexpr = 64
+    BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
-    q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s = bufs
+    q_lat_s, q_pe_s, k_lat_s, k_pe_s, p_s, alpha_s, l_s, slots_s = bufs
     p_ready, p_free, kv_free, done = bars
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, HALF, 16])
+    row_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)
     for t in range(num_tiles):
+        if PV_SLOTS:  # loads issued now, stored once P_t V_t is done
+            ahead = _slots_of(table, sel, max_pos, start + (t + 2) * BN, end, row_l, BN,
+                              BLOCK_SIZE)
         mbarrier.wait(p_ready, t & 1)
         alpha = alpha_s.load(gl.SliceLayout(1, o_l))
         acc = acc * alpha[:, None]
         acc = warpgroup_mma(p_s, k_lat_s.index(t % 2).slice(COL, HALF, 1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if PV_SLOTS:
+            slots_s.index((t + 2) % 4).store(ahead)
         gl.thread_barrier()
         mbarrier.arrive(p_free)
         mbarrier.arrive(kv_free.index(t % 2))
@@ -434,6 +472,29 @@ def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile, strid
     l_i = l_s.load(gl.SliceLayout(1, o_l))
     _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, part_row,
              num_splits, NUM_HEADS, L, SPLIT, COL, o_l)
+
+
+def _slots_of(table, sel, max_pos, n0, end, layout: gl.constexpr, BN: gl.constexpr,
+              BLOCK_SIZE: gl.constexpr):
+    """The cache rows (int32, -1 where not read) of a token's selected keys n0 .. n0 + BN in
+    `layout`: its selection's positions through its block table."""
+    pos, ok = _valid_keys(sel, max_pos, n0 + gl.arange(0, BN, layout=layout), end, True)
+    block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
+    return gl.where(ok, block * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
+
+
+def _copy_rows(cache_ptr, slots, k_lat_dst, k_pe_dst, dq, dp, lat_l: gl.constexpr,
+               pe_l: gl.constexpr, L: gl.constexpr, R: gl.constexpr):
+    """A stage's copies (cp.async, zero-filled where a slot is -1) of the cache rows in the
+    shared-memory vector `slots`: latents [BN, L], rope parts [BN, R]."""
+    slot = slots.load(gl.SliceLayout(1, lat_l))
+    slot_p = slots.load(gl.SliceLayout(1, pe_l))
+    row = slot.to(gl.int64) * (L + R)
+    row_p = slot_p.to(gl.int64) * (L + R) + L
+    async_copy.async_copy_global_to_shared(k_lat_dst, cache_ptr + row[:, None] + dq[None, :],
+                                           mask=(slot >= 0)[:, None])
+    async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
+                                           mask=(slot_p >= 0)[:, None])
 
 
 def _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, part_row,
