@@ -90,9 +90,12 @@ WS_MIN_HEADS = {"H200": 33, "H100": 65}
 # selection and block-table loads: Nsight Compute's source counters, gpu_de8d30e/call6) loads
 # the selection and block table of tile t + 2 while it waits for P_t, and leaves the tile's
 # cache rows (slots, -1 where not read) in shared memory before it frees tile t's stage; the
-# scores warpgroup reads them there for its copies and its softmax's mask. Off: each loaded by
-# the scores warpgroup where used. An A/B switch (kernels_dsa's ws_slots form) until timed
-slots_by_pv = False
+# scores warpgroup reads them there for its copies and its softmax's mask (off: each loaded
+# by the scores warpgroup where used). On an H100 in CUDA graphs (kernels_dsa,
+# gpu_9144cb1/call8): the sparse MLA 0.248 against 0.2806 ms at 256 x 8k, the DSA step 0.4728
+# against 0.5046 (80.4 against 75.3% of the read bound), 0.1052 against 0.1069 at 32 x 8k;
+# the same with two P V warpgroups. On since
+slots_by_pv = True
 WS_MIN_HEADS_OTHER = 65
 
 gl: Any = None  # bound by _kernels(), as in decode_gluon
