@@ -18,13 +18,16 @@ tile behind, as FlashMLA splits the work:
                    S_{t+1} = Q K_{t+1}^T issued, then (P V done with V_t: `kv_free`) tile
                    t + 2 copied into t's stage
     P V warpgroup (a worker, 4 warps; two with `two_pv`, O's halves):
-      per tile t:  (`p_ready`) O_cols = O_cols * alpha_t + P_t V_t[:, cols]; `p_free`,
-                   `kv_free`
+      per tile t:  (SPARSE, `slots_by_pv`: tile t + 2's selection and block-table loads
+                   issued) (`p_ready`) O_cols = O_cols * alpha_t + P_t V_t[:, cols]; (tile
+                   t + 2's cache rows -> shared) `p_free`, `kv_free`
     the end: each stores its columns; the scores warpgroup hands over the row sums (`done`).
 
-Shared memory: Q 72 KB, two key stages 144 KB, P 8 KB: 225 KB. bf16 / fp16, L = 512 and R = 64
-(DeepSeek and GLM's latent), an sm90 GPU. SPARSE: a program's keys are a token's selected
-positions (decode_gluon's sparse form). Split partials are decode_gluon's (reduce_triton
+Shared memory: Q 72 KB, two key stages 144 KB, P 8 KB: 225 KB (and 1 KB of cache rows with
+`slots_by_pv`). bf16 / fp16, L = 512 and R = 64 (DeepSeek and GLM's latent), an sm90 GPU.
+SPARSE: a program's keys are a token's selected positions (decode_gluon's sparse form); with
+`slots_by_pv` (on) the scores warpgroup's copies and mask read each tile's cache rows from
+shared memory, where the P V warpgroup left them. Split partials are decode_gluon's (reduce_triton
 combines them).
 
 decode_gluon routes here (`decode_gluon.ws`, on unless MOESERVE_MLA_DECODE_WS=0) its launches
