@@ -271,7 +271,9 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
                                                   else ws.MAX_REGISTERS))
         const = dict(NUM_HEADS=args.heads, L=512, R=64, BLOCK_SIZE=args.block_size,
                      USE_ROWS=False, SPLIT=args.split, SPARSE=args.sparse, PACKED=args.sparse,
-                     TWO_PV=two, PV_SLOTS=args.sparse and bool(os.environ.get("SASS_PV_SLOTS")),
+                     # SASS_PV_SLOTS=0 / 1 overrides the module's slots_by_pv (sparse only)
+                     TWO_PV=two, PV_SLOTS=args.sparse and os.environ.get(
+                         "SASS_PV_SLOTS", "1" if ws.slots_by_pv else "0") == "1",
                      WORKER_REGS=ws.WORKER_REGISTERS_TWO_PV if two else ws.WORKER_REGISTERS)
         kernel = ws._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
