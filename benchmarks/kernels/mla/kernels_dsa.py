@@ -44,7 +44,8 @@ kernel and sparse_mla_ws_ms / sparse_mla_ws2_ms by decode_gluon_ws (decode_gluon
 the default on sm90: one or two P V warpgroups) with dsa_graph_gluon_ms / dsa_graph_ws_ms /
 dsa_graph_ws2_ms the step's graph with each; with decode_gluon_ws.slots_by_pv as
 sparse_mla_ws_slots_ms / sparse_mla_ws2_slots_ms, dsa_graph_ws_slots_ms /
-dsa_graph_ws2_slots_ms), and sparse_mla_gluon_slots_ms the Gluon
+dsa_graph_ws2_slots_ms), the split combine at REDUCE_BLOCKS' splits read at once as
+sparse_mla_reduce_block_ms / dsa_graph_reduce_block_ms, and sparse_mla_gluon_slots_ms the Gluon
 kernel so where it runs), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
@@ -91,7 +92,7 @@ from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_topk_ref
 from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
-from moeserve.kernels.attention.mla import decode_gluon
+from moeserve.kernels.attention.mla import decode_gluon, reduce_triton
 from moeserve.kernels.attention.mla.decode_gluon_swapped import SWAPPED_HEADS
 from moeserve.runner.cuda_graphs import context_bounds
 
@@ -118,6 +119,8 @@ ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16), (4096, 16), (8192, 32))
 # the sparse MLA's partitions of a token's selection timed (the default picks them to fill
 # about a wave of programs)
 SPARSE_SPLITS = (1, 2, 4, 8)
+# the split combine's splits read at once (reduce_triton.split_block; 0: one at a time)
+REDUCE_BLOCKS = (0, 8)
 # the bisect top-k's warps timed (topk_bisect_triton.WARPS forced), in graphs
 BISECT_WARPS = (8, 16, 32)
 # the radix top-k's chunks form at these positions a program, in graphs
@@ -333,6 +336,29 @@ def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
     return row
 
 
+def time_reduce_block(name: str, step: Callable[[], torch.Tensor], args: tuple,
+                      base: torch.Tensor, timer: Timer) -> dict:
+    """The split combine (reduce_triton) at each of REDUCE_BLOCKS splits read at once (its
+    `split_block`; 0: one at a time), the sparse MLA first checked against `base`: the sparse
+    MLA alone (sparse_mla_reduce_block_ms) and the step's graph (dsa_graph_reduce_block_ms),
+    {block: ms}."""
+    out: dict = {"sparse_mla_reduce_block_ms": {}, "dsa_graph_reduce_block_ms": {}}
+    was = reduce_triton.split_block
+    try:
+        for block in REDUCE_BLOCKS:
+            reduce_triton.split_block = block
+            run = functools.partial(dsa_sparse_triton.dsa_attention_triton, *args)
+            err = float((run().float() - base).abs().max() / base.abs().max())
+            assert err <= 2 ** -6, f"{name}: sparse MLA (reduce block {block}): {err:.3g}"
+            out["sparse_mla_reduce_block_ms"][str(block)] = round(timer(run), 4)
+            step()
+            out["dsa_graph_reduce_block_ms"][str(block)] = round(graph_timed(timer, step, True),
+                                                                 4)
+    finally:
+        reduce_triton.split_block = was
+    return out
+
+
 def time_gather(name: str, scores: torch.Tensor, meta: AttentionMetadata, topk: int,
                 selected: torch.Tensor, step: Callable[[], object], timer: Timer,
                 cuda: bool) -> dict:
@@ -528,6 +554,9 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     if decode_gluon.supports(q, cache, latent) and q.shape[1] > SWAPPED_HEADS:
         row |= time_sparse_ws(name, step, (q, cache, meta, positions, mla_scale, latent), base,
                               timer, cuda)
+    if cuda:
+        row |= time_reduce_block(name, step, (q, cache, meta, positions, mla_scale, latent),
+                                 base, timer)
     for tile in tiles:  # the sparse MLA at other tiles (--tiles), first checked against it
         run = functools.partial(dsa_sparse_triton.dsa_attention_triton, q, cache, meta, positions,
                                 mla_scale, latent, config=tile)

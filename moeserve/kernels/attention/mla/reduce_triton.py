@@ -26,6 +26,13 @@ tl: Any = None  # triton.language, bound by _kernels(): the kernel below reads i
 # at 8 partitions, 256 programs). paged_triton's rule (1,024 programs) is for GQA's light ones.
 DECODE_WAVES = 2
 NOMINAL_SMS = 132  # off CUDA (the interpreter): an H200's, so a step splits as it would there
+# Splits the combine reads at once: a program (row, head) loads SPLIT_BLOCK partitions' maxima,
+# sums and accumulator rows as one masked block (one memory latency for up to 8 splits, a loop
+# of blocks past them: one compiled variant for every split count); 0: a partition at a time,
+# as before. The combine took 8.7 us of DSA's 0.106 ms decode step at 32 x 8k (4 splits, 2,048
+# programs; Nsight Compute: 80% of its warps' samples waiting on those loads, in turn,
+# gpu_de8d30e/call6). An A/B switch (kernels_dsa's reduce_block form) until timed
+split_block = 0
 
 
 def decode_num_splits(num_rows: int, num_head_tiles: int, context: int,
@@ -68,7 +75,7 @@ def reduce_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Te
         else part_m,  # unused when USE_ROWS is off
         num_splits, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, L=kv_lora_rank, USE_ROWS=rows is not None,
-        TOKEN_ROWS=query_start_loc is None, num_warps=4)
+        TOKEN_ROWS=query_start_loc is None, SPLIT_BLOCK=split_block, num_warps=4)
 
 
 @functools.cache
@@ -90,11 +97,11 @@ def _kernels() -> SimpleNamespace:
 def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_start_loc_ptr,
                           rows_ptr, num_splits, stride_ot, stride_oh,
                           NUM_HEADS: tl.constexpr, L: tl.constexpr, USE_ROWS: tl.constexpr,
-                          TOKEN_ROWS: tl.constexpr):
+                          TOKEN_ROWS: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
     """Program (i, head): combine the split partials of row i, query head `head`, into its
-    output token (TOKEN_ROWS: token i), a split at a time: the loop runs num_splits times
-    whatever the count (one compiled variant; the earlier block of all 64 possible splits,
-    masked, cost 16x the lanes at 4 splits)."""
+    output token (TOKEN_ROWS: token i), a split at a time, or (SPLIT_BLOCK) SPLIT_BLOCK at a
+    time, masked past num_splits: either loop runs whatever the count (one compiled variant;
+    the earlier block of all 64 possible splits, masked, cost 16x the lanes at 4 splits)."""
     i = tl.program_id(0)
     head = tl.program_id(1)
     if USE_ROWS:
@@ -107,15 +114,31 @@ def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_s
         tok = tl.load(query_start_loc_ptr + req)
     base = (i * NUM_HEADS + head).to(tl.int64) * num_splits
     m_max = tl.full([], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s))
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
     d = tl.arange(0, L)
     total = tl.full([], 0.0, tl.float32)
     o = tl.full([L], 0.0, tl.float32)
-    for s in range(num_splits):
-        w = tl.exp2(tl.load(part_m_ptr + base + s) - m_ref)  # empty partitions (-inf) weigh 0
-        total += w * tl.load(part_l_ptr + base + s)
-        o += w * tl.load(part_acc_ptr + (base + s) * L + d)
+    if SPLIT_BLOCK == 0:
+        for s in range(num_splits):
+            m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s))
+        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+        for s in range(num_splits):
+            w = tl.exp2(tl.load(part_m_ptr + base + s) - m_ref)  # empty partitions weigh 0
+            total += w * tl.load(part_l_ptr + base + s)
+            o += w * tl.load(part_acc_ptr + (base + s) * L + d)
+    else:
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            s = s0 + tl.arange(0, SPLIT_BLOCK)
+            m = tl.load(part_m_ptr + base + s, mask=s < num_splits, other=float("-inf"))
+            m_max = tl.maximum(m_max, tl.max(m, 0))
+        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            s = s0 + tl.arange(0, SPLIT_BLOCK)
+            ok = s < num_splits
+            # empty partitions (-inf) and splits past num_splits weigh 0
+            w = tl.exp2(tl.load(part_m_ptr + base + s, mask=ok, other=float("-inf")) - m_ref)
+            total += tl.sum(w * tl.load(part_l_ptr + base + s, mask=ok, other=0.0), 0)
+            acc = tl.load(part_acc_ptr + (base + s)[:, None] * L + d[None, :], mask=ok[:, None],
+                          other=0.0)
+            o += tl.sum(w[:, None] * acc, 0)
     o = o / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
