@@ -9,14 +9,16 @@
 # First (unless NO_TIMINGS=1): the GPU tests of the indexer, the top-k in every form (the
 # bisect form's own too), the warp-specialized MLA decode (its sparse form), the DSA families
 # against transformers under "auto"'s bisect top-k and the indexer's and top-k's compile-once
-# count (-> $OUT/dsa_tests.log; TESTS_TIMEOUT), and kernels_dsa's 32 and 256 x 8k cases with
-# the bisect warps and the sparse MLA's splits swept (-> $OUT/kernels_dsa.json).
+# count, the split partials' every writer (-> $OUT/dsa_tests.log; TESTS_TIMEOUT), and
+# kernels_dsa's 32 and 256 x 8k cases with the bisect warps, the sparse MLA's splits, its
+# forms and the split partials' forms swept (-> $OUT/kernels_dsa.json).
 set -uo pipefail
 source benchmarks/gpu_env.sh
 if [ -z "${NO_TIMINGS:-}" ]; then
   timeout -s KILL ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider \
     tests/kernels/attention/test_dsa_triton.py tests/kernels/attention/test_dsa_topk_triton.py \
     tests/kernels/attention/test_dsa_topk_bisect.py tests/kernels/attention/test_mla_decode_gluon_ws.py \
+    tests/kernels/attention/test_mla_split_partials.py \
     tests/engine/test_dsa_families_vs_hf.py \
     tests/kernels/test_specialization_gpu.py::test_dsa_indexer_compiles_once_across_batch_shapes \
     > $OUT/dsa_tests.log 2>&1
@@ -40,7 +42,8 @@ for r in d["decode"]:
           "| sparse splits", r.get("sparse_mla_splits_ms"), r.get("dsa_graph_splits_ms"),
           "| ws", r.get("sparse_mla_ws_ms"), r.get("dsa_graph_ws_ms"), "ws slots",
           r.get("sparse_mla_ws_slots_ms"), r.get("dsa_graph_ws_slots_ms"), "ws2 / slots",
-          r.get("dsa_graph_ws2_ms"), r.get("dsa_graph_ws2_slots_ms"))
+          r.get("dsa_graph_ws2_ms"), r.get("dsa_graph_ws2_slots_ms"), "| reduce forms",
+          r.get("sparse_mla_reduce_ms"), r.get("dsa_graph_reduce_ms"))
 PY
 fi
 dir=/tmp/ncu_dsa; mkdir -p $dir

@@ -215,10 +215,14 @@ MLA_POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
 
 def _mla_pointers(args: argparse.Namespace) -> dict[str, str]:
     """MLA_POINTERS with the latent cache's element type: --kv-cache-dtype fp8 compiles the
-    float8 e4m3 cache's variant (each load converted to the queries' bf16)."""
+    float8 e4m3 cache's variant (each load converted to the queries' bf16); SASS_HALF_PARTIALS=1
+    the split accumulators in bf16 (reduce_triton.half_partials)."""
+    pointers = dict(MLA_POINTERS)
     if getattr(args, "kv_cache_dtype", "auto") == "fp8":
-        return {**MLA_POINTERS, "cache_ptr": "*fp8e4nv"}
-    return MLA_POINTERS
+        pointers["cache_ptr"] = "*fp8e4nv"
+    if os.environ.get("SASS_HALF_PARTIALS") == "1":
+        pointers["part_acc_ptr"] = "*bf16"
+    return pointers
 
 
 def mla_decode(args: argparse.Namespace) -> dict:

@@ -44,8 +44,8 @@ kernel and sparse_mla_ws_ms / sparse_mla_ws2_ms by decode_gluon_ws (decode_gluon
 the default on sm90: one or two P V warpgroups) with dsa_graph_gluon_ms / dsa_graph_ws_ms /
 dsa_graph_ws2_ms the step's graph with each; with decode_gluon_ws.slots_by_pv as
 sparse_mla_ws_slots_ms / sparse_mla_ws2_slots_ms, dsa_graph_ws_slots_ms /
-dsa_graph_ws2_slots_ms), the split combine at REDUCE_BLOCKS' splits read at once as
-sparse_mla_reduce_block_ms / dsa_graph_reduce_block_ms, and sparse_mla_gluon_slots_ms the Gluon
+dsa_graph_ws2_slots_ms), the split partials and combine at REDUCE_FORMS as
+sparse_mla_reduce_ms / dsa_graph_reduce_ms, and sparse_mla_gluon_slots_ms the Gluon
 kernel so where it runs), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
@@ -119,8 +119,9 @@ ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16), (4096, 16), (8192, 32))
 # the sparse MLA's partitions of a token's selection timed (the default picks them to fill
 # about a wave of programs)
 SPARSE_SPLITS = (1, 2, 4, 8)
-# the split combine's splits read at once (reduce_triton.split_block; 0: one at a time)
-REDUCE_BLOCKS = (0, 8)
+# the split partials' forms timed: (splits the combine reads at once, reduce_triton's
+# split_block, 0: one at a time; accumulators in bf16, its half_partials)
+REDUCE_FORMS = ((0, False), (8, False), (0, True), (8, True))
 # the bisect top-k's warps timed (topk_bisect_triton.WARPS forced), in graphs
 BISECT_WARPS = (8, 16, 32)
 # the radix top-k's chunks form at these positions a program, in graphs
@@ -336,26 +337,26 @@ def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
     return row
 
 
-def time_reduce_block(name: str, step: Callable[[], torch.Tensor], args: tuple,
+def time_reduce_forms(name: str, step: Callable[[], torch.Tensor], args: tuple,
                       base: torch.Tensor, timer: Timer) -> dict:
-    """The split combine (reduce_triton) at each of REDUCE_BLOCKS splits read at once (its
-    `split_block`; 0: one at a time), the sparse MLA first checked against `base`: the sparse
-    MLA alone (sparse_mla_reduce_block_ms) and the step's graph (dsa_graph_reduce_block_ms),
-    {block: ms}."""
-    out: dict = {"sparse_mla_reduce_block_ms": {}, "dsa_graph_reduce_block_ms": {}}
-    was = reduce_triton.split_block
+    """The split partials and their combine (reduce_triton) at each of REDUCE_FORMS: splits
+    read at once (`split_block`; 0: one at a time) and accumulators in bf16 or fp32
+    (`half_partials`), the sparse MLA first checked against `base`: the sparse MLA alone
+    (sparse_mla_reduce_ms) and the step's graph (dsa_graph_reduce_ms), {"<block>[,half]": ms}."""
+    out: dict = {"sparse_mla_reduce_ms": {}, "dsa_graph_reduce_ms": {}}
+    was = reduce_triton.split_block, reduce_triton.half_partials
     try:
-        for block in REDUCE_BLOCKS:
-            reduce_triton.split_block = block
+        for block, half in REDUCE_FORMS:
+            reduce_triton.split_block, reduce_triton.half_partials = block, half
+            key = f"{block},half" if half else str(block)
             run = functools.partial(dsa_sparse_triton.dsa_attention_triton, *args)
             err = float((run().float() - base).abs().max() / base.abs().max())
-            assert err <= 2 ** -6, f"{name}: sparse MLA (reduce block {block}): {err:.3g}"
-            out["sparse_mla_reduce_block_ms"][str(block)] = round(timer(run), 4)
+            assert err <= 2 ** -6, f"{name}: sparse MLA (reduce {key}): {err:.3g}"
+            out["sparse_mla_reduce_ms"][key] = round(timer(run), 4)
             step()
-            out["dsa_graph_reduce_block_ms"][str(block)] = round(graph_timed(timer, step, True),
-                                                                 4)
+            out["dsa_graph_reduce_ms"][key] = round(graph_timed(timer, step, True), 4)
     finally:
-        reduce_triton.split_block = was
+        reduce_triton.split_block, reduce_triton.half_partials = was
     return out
 
 
@@ -555,7 +556,7 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         row |= time_sparse_ws(name, step, (q, cache, meta, positions, mla_scale, latent), base,
                               timer, cuda)
     if cuda:
-        row |= time_reduce_block(name, step, (q, cache, meta, positions, mla_scale, latent),
+        row |= time_reduce_forms(name, step, (q, cache, meta, positions, mla_scale, latent),
                                  base, timer)
     for tile in tiles:  # the sparse MLA at other tiles (--tiles), first checked against it
         run = functools.partial(dsa_sparse_triton.dsa_attention_triton, q, cache, meta, positions,

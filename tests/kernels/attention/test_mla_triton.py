@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from moeserve.kernels.attention.metadata import build_attention_metadata
-from moeserve.kernels.attention.mla import reduce_triton as mla_reduce_triton
 from moeserve.kernels.attention.mla.absorbed_triton import (
     TileConfig,
     decode_num_splits,
@@ -94,13 +93,9 @@ def test_gluon_decode_splits_aim_at_one_wave() -> None:
     assert decode_num_splits(5, 1, 301, cpu, waves=waves) == 2  # the length still limits
 
 
-@pytest.mark.parametrize("split_block", [0, 8])
-@pytest.mark.parametrize("splits", [1, 3, 8, 9, 64])
-def test_decode_forced_splits_incl_empty_partitions(splits: int, split_block: int,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """8 partitions of 48 tokens: the short rows leave most of theirs empty; 64 is MAX_SPLITS;
-    the combine a split at a time and 8 at a time (9: a block and a one-split block)."""
-    monkeypatch.setattr(mla_reduce_triton, "split_block", split_block)
+@pytest.mark.parametrize("splits", [1, 3, 8, 64])
+def test_decode_forced_splits_incl_empty_partitions(splits: int) -> None:
+    # 8 partitions of 48 tokens: the short rows leave most of theirs empty; 64 is MAX_SPLITS
     check(make_mla_case([4, 9, 370, 0, 63], [1] * 5, block_size=16), decode_splits=splits)
 
 

@@ -515,7 +515,8 @@ def _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, par
     h_ok = head_tile * BH + ho < NUM_HEADS
     if SPLIT:
         part_o = ho.to(gl.int64) * num_splits + part_row
-        gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :], acc, mask=h_ok[:, None])
+        gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :],
+                 acc.to(part_acc_ptr.dtype.element_ty), mask=h_ok[:, None])
     else:
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
         o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]

@@ -33,6 +33,11 @@ NOMINAL_SMS = 132  # off CUDA (the interpreter): an H200's, so a step splits as 
 # programs; Nsight Compute: 80% of its warps' samples waiting on those loads, in turn,
 # gpu_de8d30e/call6). An A/B switch (kernels_dsa's reduce_block form) until timed
 split_block = 0
+# A bf16 output's split accumulators (part_acc) held in bf16, not fp32: half the bytes the
+# split decode writes and the combine reads (at 32 x 8k DSA's sparse MLA writes 16.8 MB of
+# fp32 partials beside its 78 MB of latents); a partial rounds to bf16 once, as the output
+# does. An A/B switch (kernels_dsa's half_partials form) until timed
+half_partials = False
 
 
 def decode_num_splits(num_rows: int, num_head_tiles: int, context: int,
@@ -49,14 +54,17 @@ def decode_num_splits(num_rows: int, num_head_tiles: int, context: int,
 def split_partials(out: torch.Tensor, num_rows: int, num_splits: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split decode's partials for out [T, H, L]: part_m, part_l [n, H, S] fp32 (running
-    max of the base-2 logits, sum of exp2) and part_acc [n, H, S, L] fp32, which `reduce_splits`
-    combines; with one split, out three times (the kernels then write out directly)."""
+    max of the base-2 logits, sum of exp2) and part_acc [n, H, S, L] fp32 (bf16 for a bf16 out
+    with `half_partials`), which `reduce_splits` combines; with one split, out three times
+    (the kernels then write out directly, and store part_acc in its own dtype)."""
     if num_splits == 1:
         return out, out, out
     num_heads, kv_lora_rank = out.shape[1:]
     part_m = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32,
                          device=out.device)
-    part_acc = torch.empty(num_rows, num_heads, num_splits, kv_lora_rank, dtype=torch.float32,
+    acc_dtype = (torch.bfloat16 if half_partials and out.dtype == torch.bfloat16
+                 else torch.float32)
+    part_acc = torch.empty(num_rows, num_heads, num_splits, kv_lora_rank, dtype=acc_dtype,
                            device=out.device)
     return part_m, torch.empty_like(part_m), part_acc
 
@@ -124,7 +132,7 @@ def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_s
         for s in range(num_splits):
             w = tl.exp2(tl.load(part_m_ptr + base + s) - m_ref)  # empty partitions weigh 0
             total += w * tl.load(part_l_ptr + base + s)
-            o += w * tl.load(part_acc_ptr + (base + s) * L + d)
+            o += w * tl.load(part_acc_ptr + (base + s) * L + d).to(tl.float32)
     else:
         for s0 in range(0, num_splits, SPLIT_BLOCK):
             s = s0 + tl.arange(0, SPLIT_BLOCK)
@@ -138,7 +146,7 @@ def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_s
             w = tl.exp2(tl.load(part_m_ptr + base + s, mask=ok, other=float("-inf")) - m_ref)
             total += tl.sum(w * tl.load(part_l_ptr + base + s, mask=ok, other=0.0), 0)
             acc = tl.load(part_acc_ptr + (base + s)[:, None] * L + d[None, :], mask=ok[:, None],
-                          other=0.0)
+                          other=0.0).to(tl.float32)
             o += tl.sum(w[:, None] * acc, 0)
     o = o / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
