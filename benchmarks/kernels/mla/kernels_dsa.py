@@ -118,7 +118,7 @@ CHECK_ROWS = 2  # rows of each decode case checked against the references
 ROW_VARIANTS = ((2048, 8), (4096, 8), (2048, 16), (4096, 16), (8192, 32))
 # the sparse MLA's partitions of a token's selection timed (the default picks them to fill
 # about a wave of programs)
-SPARSE_SPLITS = (1, 2, 4, 8)
+SPARSE_SPLITS = (1, 2, 3, 4, 8)
 # the split partials' forms timed: (splits the combine reads at once, reduce_triton's
 # split_block, 0: one at a time; accumulators in bf16, its half_partials)
 REDUCE_FORMS = ((0, False), (8, False), (0, True), (8, True))
