@@ -341,8 +341,9 @@ def time_reduce_forms(name: str, step: Callable[[], torch.Tensor], args: tuple,
                       base: torch.Tensor, timer: Timer) -> dict:
     """The split partials and their combine (reduce_triton) at each of REDUCE_FORMS: splits
     read at once (`split_block`; 0: one at a time) and accumulators in bf16 or fp32
-    (`half_partials`), the sparse MLA first checked against `base`: the sparse MLA alone
-    (sparse_mla_reduce_ms) and the step's graph (dsa_graph_reduce_ms), {"<block>[,half]": ms}."""
+    (`half_partials`), the sparse MLA first checked against `base` (a form off by more than
+    2^-6 is recorded as its mismatch, untimed): the sparse MLA alone (sparse_mla_reduce_ms)
+    and the step's graph (dsa_graph_reduce_ms), {"<block>[,half]": ms}."""
     out: dict = {"sparse_mla_reduce_ms": {}, "dsa_graph_reduce_ms": {}}
     was = reduce_triton.split_block, reduce_triton.half_partials
     try:
@@ -351,7 +352,9 @@ def time_reduce_forms(name: str, step: Callable[[], torch.Tensor], args: tuple,
             key = f"{block},half" if half else str(block)
             run = functools.partial(dsa_sparse_triton.dsa_attention_triton, *args)
             err = float((run().float() - base).abs().max() / base.abs().max())
-            assert err <= 2 ** -6, f"{name}: sparse MLA (reduce {key}): {err:.3g}"
+            if not err <= 2 ** -6:  # recorded, not raised: the other forms still run
+                out["sparse_mla_reduce_ms"][key] = f"mismatch {err:.3g}"
+                continue
             out["sparse_mla_reduce_ms"][key] = round(timer(run), 4)
             step()
             out["dsa_graph_reduce_ms"][key] = round(graph_timed(timer, step, True), 4)
