@@ -55,6 +55,9 @@
     MOESERVE_DSA_SLOT_ROWS   "1" turns DSA's selections into cache rows before the sparse
                              attention (dsa/sparse_triton.slot_rows), an experiment; off
                              otherwise
+    MOESERVE_DSA_FUSED_INDEXER  "1" runs the DSA indexer's key write and query RoPE as one
+                             Triton launch each on CUDA (layers/dsa.FUSED_ON_CUDA), for A/Bs
+                             until timed; the torch ops otherwise
     MOESERVE_GRAMMAR_MASKS_THREAD  "0" builds a deferred grammar step's masks on the
                              engine's thread, at once (engine/structured_steps.py), for
                              A/Bs; on their own thread beside the loop's other host work
@@ -84,6 +87,7 @@ MLA_VECTOR_STORES = "MOESERVE_MLA_VECTOR_STORES"
 MLA_PIECE_KERNEL = "MOESERVE_MLA_PIECE_KERNEL"
 DECODE_LONGEST_FIRST = "MOESERVE_DECODE_LONGEST_FIRST"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
+DSA_FUSED_INDEXER = "MOESERVE_DSA_FUSED_INDEXER"
 MOE_GLUON_WS = "MOESERVE_MOE_GLUON_WS"
 DSA_TOPK_FORM = "MOESERVE_DSA_TOPK_FORM"
 GRAMMAR_MASKS_THREAD = "MOESERVE_GRAMMAR_MASKS_THREAD"
@@ -163,6 +167,10 @@ def dsa_topk_form(default: str) -> str:
 
 def dsa_slot_rows() -> bool:
     return os.environ.get(DSA_SLOT_ROWS) == "1"
+
+
+def dsa_fused_indexer() -> bool:
+    return os.environ.get(DSA_FUSED_INDEXER) == "1"
 
 
 def set_variables() -> dict[str, str]:

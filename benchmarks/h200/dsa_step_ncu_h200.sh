@@ -18,7 +18,7 @@ if [ -z "${NO_TIMINGS:-}" ]; then
   timeout -s KILL ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider \
     tests/kernels/attention/test_dsa_triton.py tests/kernels/attention/test_dsa_topk_triton.py \
     tests/kernels/attention/test_dsa_topk_bisect.py tests/kernels/attention/test_mla_decode_gluon_ws.py \
-    tests/kernels/attention/test_mla_split_partials.py \
+    tests/kernels/attention/test_mla_split_partials.py tests/kernels/attention/test_dsa_indexer_rope.py \
     tests/engine/test_dsa_families_vs_hf.py \
     tests/kernels/test_specialization_gpu.py::test_dsa_indexer_compiles_once_across_batch_shapes \
     > $OUT/dsa_tests.log 2>&1

@@ -43,16 +43,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve import envs
+from moeserve.kernels.attention.dsa.indexer_rope_triton import (
+    indexer_keys_triton,
+    indexer_q_rope_triton,
+    rope_first,
+)
 from moeserve.kernels.attention.dsa.reference import write_index_keys
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
 from moeserve.kernels.registry import DsaBackend, IndexerTopkFn, dsa_backend_for
 from moeserve.layers.linear import WeightFactory, linear
-from moeserve.layers.mla import MlaBackend, MLAttention, Projected, rotate_pairs
+from moeserve.layers.mla import MlaBackend, MLAttention, Projected
 from moeserve.layers.norm import LayerNorm
 from moeserve.layers.params import empty_param
 from moeserve.model_config import ModelConfig
 
 DSA_MODES = ("auto", "dense", "sparse")
+# The indexer's key norm, RoPE and cache write, and its query's RoPE, each one Triton launch on
+# CUDA (kernels/attention/dsa/indexer_rope_triton.py) in place of about twenty small torch
+# launches a full layer and step: off until the GPU tests and a timing have run the kernels
+# (CPU tests under Triton's interpreter match them to the torch ops); MOESERVE_DSA_FUSED_INDEXER=1
+# turns it on (a served A/B); `Indexer.fused` forces either way
+FUSED_ON_CUDA = envs.dsa_fused_indexer()
 
 
 class DsaLayerCache(NamedTuple):
@@ -86,22 +98,33 @@ class Indexer(nn.Module):
                                         dtype=torch.float32, device=device)
         self.count_ties = False  # tests: count selections with a tie at the k-th place
         self.boundary_ties = 0
+        # the fused key / query launches: None, on CUDA when FUSED_ON_CUDA; True / False
+        # forced (tests: True runs them on CPU under Triton's interpreter)
+        self.fused: bool | None = None
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rope_dim
-        return torch.cat([rotate_pairs(x[..., :r], cos, sin, self.interleaved), x[..., r:]],
-                         dim=-1)
+    def _fused(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and FUSED_ON_CUDA) if self.fused is None else self.fused
 
     def keys(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """wk(x) [T, D] -> the cached keys LayerNorm(.) with RoPE on the first R dims."""
-        return self._rope(self.k_norm(k), cos, sin)
+        return rope_first(self.k_norm(k), cos, sin, self.interleaved)
+
+    def write_keys(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The step's keys (`keys`) written into the indexer cache at slot_mapping."""
+        if self._fused(k):
+            indexer_keys_triton(k, cos, sin, self.k_norm.weight, self.k_norm.bias,
+                                self.k_norm.eps, index_cache, slot_mapping, self.interleaved)
+        else:
+            write_index_keys(self.keys(k, cos, sin), index_cache, slot_mapping)
 
     def select(self, q_resid: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata,
                topk: int) -> torch.Tensor:
         """The top-k context positions [T, topk] int32 (-1: none) of the step's tokens."""
         q = linear(q_resid, self.wq_b).view(-1, self.heads, self.head_dim)
-        q = self._rope(q, cos, sin)  # [T, Hi, D]
+        q = (indexer_q_rope_triton(q, cos, sin, self.interleaved) if self._fused(q)
+             else rope_first(q, cos, sin, self.interleaved))  # [T, Hi, D]
         w = F.linear(hidden.float(), self.weights_proj) * self.heads ** -0.5  # [T, Hi]
         pos, ties = self.topk_fn(q, w, index_cache, meta, self.scale, topk,
                                  count_boundary_ties=self.count_ties)
@@ -151,8 +174,8 @@ class DsaAttention(MLAttention):
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
                 proj: Projected) -> torch.Tensor:
         if self.indexer is not None and self.index_cache is not None:
-            keys = self.indexer.keys(proj.proj[:, self.latent_end:], proj.cos, proj.sin)
-            write_index_keys(keys, self.index_cache, meta.slot_mapping)
+            self.indexer.write_keys(proj.proj[:, self.latent_end:], proj.cos, proj.sin,
+                                    self.index_cache, meta.slot_mapping)
         if self.dsa_mode == "dense":
             return self._dense(q_nope, q_rope, meta, proj.q_lat)
         if self.indexer is not None and self.index_cache is None:

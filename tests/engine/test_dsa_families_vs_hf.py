@@ -293,3 +293,28 @@ def test_triton_backend_matches_hf(device: str, checkpoints: dict, arch: str) ->
     assert [r.token_ids for r in results] == expected
     assert all(a.dsa_ops is DSA_BACKENDS["triton"] for a in _dsa_layers(llm))
     _assert_sparse_ran_without_ties(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpu_fused_indexer_launches_match_hf(checkpoints: dict, arch: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA with the indexer's fused key write and query RoPE on (layers/dsa.py's
+    FUSED_ON_CUDA, off by default until timed), fp32 with TF32 off: the greedy tokens of
+    transformers, with CUDA-graph decodes, every row sparse and no boundary tie."""
+    from moeserve.layers import dsa as dsa_layer
+
+    if not torch.cuda.is_available():
+        pytest.fail("a gpu-marked test ran without a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    monkeypatch.setattr(dsa_layer, "FUSED_ON_CUDA", True)
+    calls: list[int] = []
+    real = dsa_layer.indexer_keys_triton
+    monkeypatch.setattr(dsa_layer, "indexer_keys_triton",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    folder, prompts, expected = checkpoints[arch]
+    llm = _llm(folder, "cuda")
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+    assert calls
+    _assert_sparse_ran_without_ties(llm)

@@ -131,3 +131,44 @@ def test_a_full_layer_without_its_indexer_cache_runs_dense_only(
     model.set_dsa_mode("dense")
     meta = build_attention_metadata([0], [12], [[1, 2, 3, 4]], BLOCK_SIZE, "cpu")
     assert model(ids, meta.positions, meta).shape == (12, cfg.hidden_size)
+
+
+@pytest.mark.parametrize("variant", DSA)
+@torch.inference_mode()
+def test_fused_indexer_launches_match_the_torch_ops(
+        variant: str, tiny_checkpoint: Callable[[str], str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The indexer's fused key write and query RoPE (Indexer.fused, the Triton launches)
+    forced on CPU under the interpreter: the chunked prefill's logits and indexer caches as
+    the torch ops give them (fp32: the key norm's sums in another order, within 1e-5 of the
+    largest magnitude), once a full layer and chunk each; unforced, the CPU runs neither."""
+    from moeserve.layers import dsa as dsa_layer
+
+    calls: list[str] = []
+    for name in ("indexer_keys_triton", "indexer_q_rope_triton"):
+        real = getattr(dsa_layer, name)
+        monkeypatch.setattr(dsa_layer, name, lambda *a, real=real, name=name, **k: (
+            calls.append(name), real(*a, **k))[1])
+    model, cfg, kv = _build(tiny_checkpoint(variant), "torch")
+    prompt = [random.Random(3).randrange(cfg.vocab_size) for _ in range(29)]
+    table = _block_tables(random.Random(1), (29,))
+    full = [a for a in model.dsa_layers() if a.indexer is not None]
+    assert full
+
+    def run() -> list[torch.Tensor]:
+        logits = []
+        for start, end in ((0, 5), (5, 13), (13, 29)):
+            meta = build_attention_metadata([start], [end - start], table, BLOCK_SIZE, "cpu")
+            logits.append(model.compute_logits(
+                model(torch.tensor(prompt[start:end]), meta.positions, meta)))
+        return [torch.cat(logits)] + [a.index_cache.clone() for a in full]
+    want = run()
+    assert not calls
+    for a in full:
+        a.indexer.fused = True
+    got = run()
+    # keys every chunk; queries on the two sparse chunks (the first is within index_topk)
+    assert calls.count("indexer_keys_triton") == 3 * len(full)
+    assert calls.count("indexer_q_rope_triton") == 2 * len(full)
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max() <= 1e-5 * w.abs().max()
