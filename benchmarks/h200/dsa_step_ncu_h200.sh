@@ -43,7 +43,8 @@ for r in d["decode"]:
           "| ws", r.get("sparse_mla_ws_ms"), r.get("dsa_graph_ws_ms"), "ws slots",
           r.get("sparse_mla_ws_slots_ms"), r.get("dsa_graph_ws_slots_ms"), "ws2 / slots",
           r.get("dsa_graph_ws2_ms"), r.get("dsa_graph_ws2_slots_ms"), "| reduce forms",
-          r.get("sparse_mla_reduce_ms"), r.get("dsa_graph_reduce_ms"))
+          r.get("sparse_mla_reduce_ms"), r.get("dsa_graph_reduce_ms"), "| indexer rope",
+          r.get("indexer_rope_graph_ms"))
 PY
 fi
 dir=/tmp/ncu_dsa; mkdir -p $dir

@@ -45,7 +45,8 @@ the default on sm90: one or two P V warpgroups) with dsa_graph_gluon_ms / dsa_gr
 dsa_graph_ws2_ms the step's graph with each; with decode_gluon_ws.slots_by_pv as
 sparse_mla_ws_slots_ms / sparse_mla_ws2_slots_ms, dsa_graph_ws_slots_ms /
 dsa_graph_ws2_slots_ms), the split partials and combine at REDUCE_FORMS as
-sparse_mla_reduce_ms / dsa_graph_reduce_ms, and sparse_mla_gluon_slots_ms the Gluon
+sparse_mla_reduce_ms / dsa_graph_reduce_ms, the indexer's key write and query RoPE as torch
+ops and fused as indexer_rope_graph_ms, and sparse_mla_gluon_slots_ms the Gluon
 kernel so where it runs), and dense MLA
 (mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
@@ -363,6 +364,41 @@ def time_reduce_forms(name: str, step: Callable[[], torch.Tensor], args: tuple,
     return out
 
 
+def time_indexer_rope(name: str, index_cache: torch.Tensor, meta: AttentionMetadata,
+                      timer: Timer) -> dict:
+    """The indexer's key LayerNorm + RoPE + cache write and its query's RoPE (GLM-5's 32 heads
+    of 128, 64 rotary dims, interleaved) for the step's tokens, as the torch ops and as the
+    two fused launches (dsa/indexer_rope_triton.py), each checked against the torch ops and
+    replayed in a CUDA graph: {"indexer_rope_graph_ms": {"torch": ms, "fused": ms}}."""
+    from moeserve.kernels.attention.dsa import indexer_rope_triton as rope
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    t, dt = meta.num_tokens, index_cache.dtype
+    k = torch.randn(t, DIM, generator=gen, device="cuda").to(dt)
+    q = torch.randn(t, HEADS, DIM, generator=gen, device="cuda").to(dt)
+    angles = torch.rand(t, 32, generator=gen, device="cuda") * 6
+    cos, sin = angles.cos(), angles.sin()
+    w = (torch.randn(DIM, generator=gen, device="cuda") * 0.5 + 1).to(dt)
+    b = (torch.randn(DIM, generator=gen, device="cuda") * 0.1).to(dt)
+    slots = meta.slot_mapping
+    runs = {
+        "torch": lambda: (rope.indexer_keys_ref(k, cos, sin, w, b, 1e-6, index_cache, slots,
+                                                True),
+                          rope.indexer_q_rope_ref(q, cos, sin, True)),
+        "fused": lambda: (rope.indexer_keys_triton(k, cos, sin, w, b, 1e-6, index_cache,
+                                                   slots, True),
+                          rope.indexer_q_rope_triton(q, cos, sin, True)),
+    }
+    q_want = runs["torch"]()[1]
+    keys_want = index_cache.view(-1, DIM)[slots].clone()
+    q_got = runs["fused"]()[1]
+    assert torch.equal(q_got, q_want), f"{name}: the fused query RoPE"
+    err = float((index_cache.view(-1, DIM)[slots].float() - keys_want.float()).abs().max())
+    assert err <= 2 ** -5 * float(keys_want.float().abs().max()), f"{name}: fused keys {err}"
+    return {"indexer_rope_graph_ms": {key: round(graph_timed(timer, fn, True), 4)
+                                      for key, fn in runs.items()}}
+
+
 def time_gather(name: str, scores: torch.Tensor, meta: AttentionMetadata, topk: int,
                 selected: torch.Tensor, step: Callable[[], object], timer: Timer,
                 cuda: bool) -> dict:
@@ -561,6 +597,7 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     if cuda:
         row |= time_reduce_forms(name, step, (q, cache, meta, positions, mla_scale, latent),
                                  base, timer)
+        row |= time_indexer_rope(name, index_cache, meta, timer)
     for tile in tiles:  # the sparse MLA at other tiles (--tiles), first checked against it
         run = functools.partial(dsa_sparse_triton.dsa_attention_triton, q, cache, meta, positions,
                                 mla_scale, latent, config=tile)
