@@ -372,6 +372,7 @@ def time_indexer_rope(name: str, index_cache: torch.Tensor, meta: AttentionMetad
     replayed in a CUDA graph: {"indexer_rope_graph_ms": {"torch": ms, "fused": ms}}."""
     from moeserve.kernels.attention.dsa import indexer_rope_triton as rope
 
+    index_cache = index_cache.clone()  # the step's own keys left as they are
     gen = torch.Generator(device="cuda").manual_seed(9)
     t, dt = meta.num_tokens, index_cache.dtype
     k = torch.randn(t, DIM, generator=gen, device="cuda").to(dt)
