@@ -2,8 +2,7 @@
 combine of the absorbed MLA decode (mla/absorbed_triton.py) and of DSA's sparse MLA
 (dsa/sparse_triton.py): each (row, head)'s partitions, as (running max, sum of exp2,
 accumulator: fp32, or bf16 for a bf16 output with `half_partials`) partials, weighted into one
-output row. Jitted on first use, as the kernels it
-follows."""
+output row. Jitted on first use, as the kernels it follows."""
 
 from __future__ import annotations
 
