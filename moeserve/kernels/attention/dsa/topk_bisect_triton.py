@@ -63,7 +63,6 @@ WARPS: int | None = None
 
 tl: Any = None  # triton.language, bound by _kernels() (the kernel reads it as a global)
 _context_end: Any = None  # topk_triton's jitted helpers, bound by _kernels()
-_above_and_rank: Any = None
 _select_all: Any = None
 
 
@@ -124,13 +123,13 @@ def _compile_every_width(args: tuple, count_ties: bool) -> None:
 def _kernels() -> SimpleNamespace:
     """Import triton and jit the kernel, once (interpreted if TRITON_INTERPRET=1 now); the
     helpers it calls bound as globals. Step-varying ints are not specialised."""
-    global tl, _context_end, _above_and_rank, _select_all, _load_keys, _hits, _write_chunk
+    global tl, _context_end, _select_all, _load_keys, _hits, _write_chunk
     import triton
     import triton.language
 
     tl = triton.language
     topk_triton._kernels()  # binds topk_triton's jitted helpers
-    _context_end, _above_and_rank = topk_triton._context_end, topk_triton._above_and_rank
+    _context_end = topk_triton._context_end
     _select_all = topk_triton._select_all
     _load_keys, _hits, _write_chunk = (triton.jit(f) for f in (_load_keys, _hits,
                                                                _write_chunk))
@@ -159,13 +158,16 @@ def _write_chunk(out, u, ok, first, thr, need, taken, ties, CHUNK: tl.constexpr)
     position order; returns (taken, ties) after them (topk_triton._write_range on registers)."""
     above = ok & (u > thr)
     equal = ok & (u == thr)
-    above_to, rank = _above_and_rank(above, equal, ties)
+    # both running counts in one scan (topk_triton._above_and_rank's packing), and both
+    # totals from its last value, its largest (the packed counts only grow): one reduction
+    both = tl.cumsum(above.to(tl.int32) | (equal.to(tl.int32) << 16), 0)
+    above_to, rank = both & 0xFFFF, ties + (both >> 16)
     take = above | (equal & (rank <= need))
     place = taken + above_to + tl.minimum(rank, need) - tl.minimum(ties, need) - 1
     tl.store(out + place, first + tl.arange(0, CHUNK), mask=take)
-    equals = tl.sum(equal.to(tl.int32), 0)
-    taken += (tl.sum(above.to(tl.int32), 0) + tl.minimum(ties + equals, need)
-              - tl.minimum(ties, need))
+    last = tl.max(both, 0)
+    equals = last >> 16
+    taken += (last & 0xFFFF) + tl.minimum(ties + equals, need) - tl.minimum(ties, need)
     return taken, ties + equals
 
 
