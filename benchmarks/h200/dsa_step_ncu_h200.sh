@@ -29,23 +29,11 @@ if [ -z "${NO_TIMINGS:-}" ]; then
     > $OUT/kernels_dsa.log 2>&1
   echo "kernels_dsa rc=$?"
   cp /tmp/kdsa/kernels_dsa.json $OUT/ 2>/dev/null
-  python3 - $OUT/kernels_dsa.json <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except OSError as e:
-    sys.exit(f"no result: {e}")
-for r in d["decode"]:
-    print(r["case"], "step graph", r.get("dsa_graph_ms"), "bound", r.get("read_bound_ms"),
-          "topk", r.get("topk_graph_ms"), "score", r.get("score_ms"), "| bisect warps",
-          r.get("topk_bisect_warps_graph_ms"), r.get("topk_bisect_warps_wide_graph_ms"),
-          "| sparse splits", r.get("sparse_mla_splits_ms"), r.get("dsa_graph_splits_ms"),
-          "| ws", r.get("sparse_mla_ws_ms"), r.get("dsa_graph_ws_ms"), "ws slots",
-          r.get("sparse_mla_ws_slots_ms"), r.get("dsa_graph_ws_slots_ms"), "ws2 / slots",
-          r.get("dsa_graph_ws2_ms"), r.get("dsa_graph_ws2_slots_ms"), "| reduce forms",
-          r.get("sparse_mla_reduce_ms"), r.get("dsa_graph_reduce_ms"), "| indexer rope",
-          r.get("indexer_rope_graph_ms"))
-PY
+  python3 -m benchmarks.kernels.json_rows $OUT/kernels_dsa.json decode case dsa_graph_ms \
+    read_bound_ms topk_graph_ms score_ms topk_bisect_warps_graph_ms \
+    topk_bisect_warps_wide_graph_ms sparse_mla_splits_ms dsa_graph_splits_ms sparse_mla_ws_ms \
+    dsa_graph_ws_ms sparse_mla_ws_slots_ms dsa_graph_ws_slots_ms dsa_graph_ws2_ms \
+    dsa_graph_ws2_slots_ms sparse_mla_reduce_ms dsa_graph_reduce_ms indexer_rope_graph_ms
 fi
 dir=/tmp/ncu_dsa; mkdir -p $dir
 python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} \

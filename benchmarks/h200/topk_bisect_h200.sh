@@ -16,15 +16,6 @@ timeout -s INT ${DSA_TIMEOUT:-150} python3 -m benchmarks.kernels.mla.kernels_dsa
   --decode-only --cases ${CASES:-decode_b32_ctx8k decode_b256_ctx8k} > $OUT/kernels_dsa.log 2>&1
 echo "kernels_dsa rc=$?"
 cp /tmp/kdsa/kernels_dsa.json $OUT/ 2>/dev/null
-python3 - $OUT/kernels_dsa.json <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except OSError as e:
-    sys.exit(f"no result: {e}")
-for r in d["decode"]:
-    print(r["case"], "topk graph auto", r.get("topk_graph_ms"), "bisect", r.get("topk_bisect_graph_ms"),
-          "chunks", r.get("topk_chunks_graph_ms"), "| step graph", r.get("dsa_graph_ms"),
-          "bisect", r.get("dsa_graph_bisect_ms"), "bound", r.get("read_bound_ms"),
-          "pct", r.get("pct_of_bound_graph"))
-PY
+python3 -m benchmarks.kernels.json_rows $OUT/kernels_dsa.json decode case topk_graph_ms \
+  topk_bisect_graph_ms topk_chunks_graph_ms dsa_graph_ms dsa_graph_bisect_ms read_bound_ms \
+  pct_of_bound_graph
