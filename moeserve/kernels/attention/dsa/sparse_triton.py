@@ -266,8 +266,7 @@ def _sparse_attention_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, 
         part = (t * NUM_HEADS + head) * num_splits + split  # [H']
         tl.store(part_m_ptr + part, m_i, mask=h_ok)
         tl.store(part_l_ptr + part, l_i, mask=h_ok)
-        tl.store(part_acc_ptr + part[:, None] * L + dl[None, :],
-                 acc.to(part_acc_ptr.dtype.element_ty), mask=h_ok[:, None])
+        tl.store(part_acc_ptr + part[:, None] * L + dl[None, :], acc, mask=h_ok[:, None])
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no valid position: zeros
         o = acc / l_safe[:, None]

@@ -414,8 +414,8 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         part = (i * NUM_HEADS + head) * num_splits + split  # [H']
         tl.store(part_m_ptr + part, m_i, mask=h_ok)
         tl.store(part_l_ptr + part, l_i, mask=h_ok)
-        tl.store(part_acc_ptr + part[:, None].to(tl.int64) * L + dl[None, :],
-                 acc.to(part_acc_ptr.dtype.element_ty), mask=h_ok[:, None])
+        tl.store(part_acc_ptr + part[:, None].to(tl.int64) * L + dl[None, :], acc,
+                 mask=h_ok[:, None])
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty row (seq_len 0 padding) writes 0
         o = acc / l_safe[:, None]

@@ -492,8 +492,7 @@ def _decode_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_p
         gl.store(part_l_ptr + part, l_i, mask=hs < NUM_HEADS)
         part_o = (i * NUM_HEADS + ho) * num_splits + split
         gl.store(part_acc_ptr + part_o.to(gl.int64)[:, None] * L + do[None, :],
-                 gl.convert_layout(acc.to(part_acc_ptr.dtype.element_ty), st_l),
-                 mask=h_ok[:, None])
+                 gl.convert_layout(acc, st_l), mask=h_ok[:, None])
     else:
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
         o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]  # an empty row writes 0

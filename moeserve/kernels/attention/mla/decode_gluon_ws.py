@@ -88,18 +88,13 @@ WORKER_REGISTERS_TWO_PV = 176
 # 3.445 -> 3.471), 128 heads faster from 1,024 keys (1.623 -> 1.572 at 2,048 rows, 3.097 ->
 # 2.695 at 1,024 x 4,096) and level at 768.
 WS_MIN_HEADS = {"H200": 33, "H100": 65}
-# DSA's sparse form: the P V warpgroup (idle ~75% of the step's sparse MLA at 32 x 8k waiting
-# for P, while the scores warpgroup spends ~30% of its loop waiting on each next tile's
-# selection and block-table loads: Nsight Compute's source counters, gpu_de8d30e/call6) loads
-# the selection and block table of tile t + 2 while it waits for P_t, and leaves the tile's
-# cache rows (slots, -1 where not read) in shared memory before it frees tile t's stage; the
-# scores warpgroup reads them there for its copies and its softmax's mask (off: each loaded
-# by the scores warpgroup where used). On an H100 in CUDA graphs (kernels_dsa,
-# gpu_9144cb1/call8): the sparse MLA 0.248 against 0.2806 ms at 256 x 8k, the DSA step 0.4728
-# against 0.5046 (80.4 against 75.3% of the read bound), 0.1052 against 0.1069 at 32 x 8k;
-# the same with two P V warpgroups. On since
-slots_by_pv = True
 WS_MIN_HEADS_OTHER = 65
+# DSA's sparse form: the P V warpgroup leaves each tile's cache rows in shared memory two tiles
+# ahead (the module docstring); off: the scores warpgroup loads them where it uses them, as it
+# waited on them ~30% of its loop (gpu_de8d30e/call6). On since gpu_9144cb1/call8 (H100,
+# graphs): DSA's step 0.4728 against 0.5046 ms at 256 x 8k (80.4 against 75.3% of the read
+# bound), 0.1052 against 0.1069 at 32 x 8k; the same with two P V warpgroups
+slots_by_pv = True
 
 gl: Any = None  # bound by _kernels(), as in decode_gluon
 async_copy: Any = None
@@ -113,7 +108,7 @@ _nvmma_buffer: Any = None
 _program_keys: Any = None
 _query_rows: Any = None
 _scores: Any = None
-_slots_of: Any = None
+_slots_of: Any = None  # gluon_parts' slot helpers, bound by _kernels()
 _copy_rows: Any = None
 
 
@@ -238,7 +233,7 @@ def _kernels() -> SimpleNamespace:
     _scores_partition = gluon.jit(_scores_partition)
     _pv_partition = gluon.jit(_pv_partition)
     _store_o = gluon.jit(_store_o)
-    _slots_of, _copy_rows = gluon.jit(_slots_of), gluon.jit(_copy_rows)
+    _slots_of, _copy_rows = parts.slots_of, parts.copy_rows
     _ws_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "keys", "max_blocks",
                                               "stride_table"],
                            do_not_specialize_on_alignment=["rows_ptr"])(_ws_kernel)
@@ -480,29 +475,6 @@ def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile, strid
              num_splits, NUM_HEADS, L, SPLIT, COL, o_l)
 
 
-def _slots_of(table, sel, max_pos, n0, end, layout: gl.constexpr, BN: gl.constexpr,
-              BLOCK_SIZE: gl.constexpr):
-    """The cache rows (int32, -1 where not read) of a token's selected keys n0 .. n0 + BN in
-    `layout`: its selection's positions through its block table."""
-    pos, ok = _valid_keys(sel, max_pos, n0 + gl.arange(0, BN, layout=layout), end, True)
-    block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
-    return gl.where(ok, block * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
-
-
-def _copy_rows(cache_ptr, slots, k_lat_dst, k_pe_dst, dq, dp, lat_l: gl.constexpr,
-               pe_l: gl.constexpr, L: gl.constexpr, R: gl.constexpr):
-    """A stage's copies (cp.async, zero-filled where a slot is -1) of the cache rows in the
-    shared-memory vector `slots`: latents [BN, L], rope parts [BN, R]."""
-    slot = slots.load(gl.SliceLayout(1, lat_l))
-    slot_p = slots.load(gl.SliceLayout(1, pe_l))
-    row = slot.to(gl.int64) * (L + R)
-    row_p = slot_p.to(gl.int64) * (L + R) + L
-    async_copy.async_copy_global_to_shared(k_lat_dst, cache_ptr + row[:, None] + dq[None, :],
-                                           mask=(slot >= 0)[:, None])
-    async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
-                                           mask=(slot_p >= 0)[:, None])
-
-
 def _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, part_row,
              num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, SPLIT: gl.constexpr,
              COL: gl.constexpr, o_l: gl.constexpr):
@@ -515,8 +487,7 @@ def _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, par
     h_ok = head_tile * BH + ho < NUM_HEADS
     if SPLIT:
         part_o = ho.to(gl.int64) * num_splits + part_row
-        gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :],
-                 acc.to(part_acc_ptr.dtype.element_ty), mask=h_ok[:, None])
+        gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :], acc, mask=h_ok[:, None])
     else:
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
         o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]

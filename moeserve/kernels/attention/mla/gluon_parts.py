@@ -1,7 +1,9 @@
 """The Gluon MLA kernels' shared parts (decode_gluon.py's kernel, the swapped and the
 warp-specialized ones beside it): a decode program's row, its keys (a context partition or
 DSA's selection), the query rows a program reads, the key tiles' copies from the paged latent
-cache, the scores' wgmmas, and the online softmax that writes P for the P V wgmma.
+cache (or from cache rows computed ahead into shared memory: `slots_of`, `copy_rows`, for
+decode_gluon_ws's slots_by_pv), the scores' wgmmas, and the online softmax that writes P for
+the P V wgmma.
 
 Gluon functions, jitted by `jitted()` on first use with the Hopper builtins they call bound as
 module globals (where the compiler resolves names); the kernels' modules bind the jitted
@@ -26,7 +28,7 @@ def jitted() -> SimpleNamespace:
     they call bound as this module's globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma
     global _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _nvmma_buffer
-    global _decode_row, _program_keys
+    global _decode_row, _program_keys, _slots_of, _copy_rows
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -38,10 +40,12 @@ def jitted() -> SimpleNamespace:
         gluon.jit(f) for f in (_query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile,
                                _nvmma_buffer))
     _decode_row, _program_keys = gluon.jit(_decode_row), gluon.jit(_program_keys)
+    _slots_of, _copy_rows = gluon.jit(_slots_of), gluon.jit(_copy_rows)
     return SimpleNamespace(query_rows=_query_rows, softmax_to_p=_softmax_to_p, scores=_scores,
                            valid_keys=_valid_keys, load_tile=_load_tile,
                            nvmma_buffer=_nvmma_buffer, decode_row=_decode_row,
-                           program_keys=_program_keys)
+                           program_keys=_program_keys, slots_of=_slots_of,
+                           copy_rows=_copy_rows)
 
 
 def _nvmma_buffer(dtype: gl.constexpr, shape: gl.constexpr):
@@ -160,3 +164,26 @@ def _load_tile(cache_ptr, table, sel, max_pos, n0, end, k_lat_dst, k_pe_dst, nl,
                                            mask=ok[:, None])
     async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
                                            mask=ok_p[:, None])
+
+
+def _slots_of(table, sel, max_pos, n0, end, layout: gl.constexpr, BN: gl.constexpr,
+              BLOCK_SIZE: gl.constexpr):
+    """The cache rows (int32, -1 where not read) of a token's selected keys n0 .. n0 + BN in
+    `layout`: its selection's positions through its block table."""
+    pos, ok = _valid_keys(sel, max_pos, n0 + gl.arange(0, BN, layout=layout), end, True)
+    block = gl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
+    return gl.where(ok, block * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
+
+
+def _copy_rows(cache_ptr, slots, k_lat_dst, k_pe_dst, dq, dp, lat_l: gl.constexpr,
+               pe_l: gl.constexpr, L: gl.constexpr, R: gl.constexpr):
+    """A stage's copies (cp.async, zero-filled where a slot is -1) of the cache rows in the
+    shared-memory vector `slots`: latents [BN, L], rope parts [BN, R]."""
+    slot = slots.load(gl.SliceLayout(1, lat_l))
+    slot_p = slots.load(gl.SliceLayout(1, pe_l))
+    row = slot.to(gl.int64) * (L + R)
+    row_p = slot_p.to(gl.int64) * (L + R) + L
+    async_copy.async_copy_global_to_shared(k_lat_dst, cache_ptr + row[:, None] + dq[None, :],
+                                           mask=(slot >= 0)[:, None])
+    async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
+                                           mask=(slot_p >= 0)[:, None])
