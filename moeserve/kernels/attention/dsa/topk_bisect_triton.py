@@ -148,8 +148,11 @@ def _load_keys(row, first, end, CHUNK: tl.constexpr):
 
 
 def _hits(u, cand):
-    """Keys at or above a candidate threshold (cand > 0: an unread position's 0 never is)."""
-    return (u >= cand).to(tl.int32)
+    """Keys at or above a candidate threshold (cand > 0: an unread position's 0 never is), as
+    fp32 ones (exact: a row's count is at most MAX_KEYS). Not int32: LLVM narrows a sum of
+    0/1 ints that fit a byte to packed i8 lanes, and ptxas packs and unpacks them with PRMTs
+    (sm90: the 4-chunk loop 211 instructions, 56 of them PRMT, against 140 in fp32)."""
+    return tl.where(u >= cand, 1.0, 0.0)
 
 
 def _write_chunk(out, u, ok, first, thr, need, taken, ties, CHUNK: tl.constexpr):
@@ -204,7 +207,7 @@ def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_re
             if CHUNKS > 3:
                 if end > 3 * CHUNK:
                     hits += _hits(u3, cand)
-            count = tl.sum(hits, 0)
+            count = tl.sum(hits, 0).to(tl.int32)
             thr = tl.where(count >= topk, cand, thr)
             exact = (count == topk).to(tl.int32)
             bit -= 1
