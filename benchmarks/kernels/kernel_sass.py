@@ -402,7 +402,8 @@ def topk(args: argparse.Namespace) -> dict:
 
         kernel = topk_bisect_triton._kernels().bisect  # --block: the row's positions
         const = dict(COUNT_TIES=False, CHUNKS=topk_bisect_triton.num_chunks(args.block),
-                     CHUNK=topk_bisect_triton.CHUNK)
+                     CHUNK=topk_bisect_triton.CHUNK,
+                     ALIGNED=args.block % topk_bisect_triton.ROW_ALIGN == 0)
     elif args.form == "row":
         kernel = topk_triton._kernels().row
         const = dict(COUNT_TIES=False, GATHER=args.gather, BLOCK=args.block, BINS=bins)

@@ -45,8 +45,8 @@ def test_bisect_builds_every_chunk_count_at_its_first_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the first call of a device compiles the kernel at every register chunk count
     (warmup: no launch), so that a later step's wider rows do not compile mid-serving; once a
-    (device, ties, warps), not again. (The launch count itself is the GPU specialization
-    test's.)"""
+    (device, ties, warps, row alignment), not again. (The launch count itself is the GPU
+    specialization test's.)"""
     built: list[dict] = []
 
     class Kernel:
@@ -55,17 +55,20 @@ def test_bisect_builds_every_chunk_count_at_its_first_call(
     monkeypatch.setattr(bisect, "_kernels", lambda: SimpleNamespace(bisect=Kernel()))
     monkeypatch.setattr(bisect, "_compiled", set())
     args = (torch.zeros(2, 100, dtype=torch.int32),)
-    bisect._compile_every_width(args, False)
-    bisect._compile_every_width(args, False)  # once
+    bisect._compile_every_width(args, False, False)
+    bisect._compile_every_width(args, False, False)  # once
     # each chunk count at both warp counts the rule may pick
     assert [(b["CHUNKS"], b["num_warps"]) for b in built] == [
         (c, w) for w in (bisect.WARPS_FEW, bisect.WARPS_MANY) for c in (1, 2, 3, 4)]
-    assert all(b["CHUNK"] == bisect.CHUNK and not b["COUNT_TIES"] for b in built)
-    bisect._compile_every_width(args, True)  # the tie-counting variants are others
+    assert all(b["CHUNK"] == bisect.CHUNK and not b["COUNT_TIES"] and not b["ALIGNED"]
+               for b in built)
+    bisect._compile_every_width(args, True, False)  # the tie-counting variants are others
     assert [b["CHUNKS"] for b in built[8:]] == [1, 2, 3, 4] * 2
+    bisect._compile_every_width(args, False, True)  # the aligned rows' variants too
+    assert [b["CHUNKS"] for b in built[16:] if b["ALIGNED"]] == [1, 2, 3, 4] * 2
     monkeypatch.setattr(bisect, "WARPS", 32)  # a forced count: its variants alone
-    bisect._compile_every_width(args, False)
-    assert [(b["CHUNKS"], b["num_warps"]) for b in built[16:]] == [(c, 32) for c in (1, 2, 3, 4)]
+    bisect._compile_every_width(args, False, False)
+    assert [(b["CHUNKS"], b["num_warps"]) for b in built[24:]] == [(c, 32) for c in (1, 2, 3, 4)]
 
 
 def test_warps_by_tokens_against_the_sms(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,12 +82,16 @@ def test_warps_by_tokens_against_the_sms(monkeypatch: pytest.MonkeyPatch) -> Non
     assert bisect.warps(256, cuda) == bisect.warps(1, cuda) == 32
 
 
+@pytest.mark.parametrize("width", [13000, 13008])
 @pytest.mark.parametrize("values", ["random", "ties"])
-def test_rows_over_several_register_chunks(values: str) -> None:
+def test_rows_over_several_register_chunks(values: str, width: int) -> None:
     """Rows of 2-4 register chunks, contexts ending in each chunk and at its edges; heavy ties
-    spanning chunks taken lowest first."""
+    spanning chunks taken lowest first. Both row layouts: a width that is a multiple of
+    ROW_ALIGN (13,008) reads on to each end rounded up to 16, whose scores past the end
+    (random here, above the selected ones as often as not) must not be taken."""
+    assert (width % bisect.ROW_ALIGN == 0) == (width == 13008)
     gen = torch.Generator().manual_seed(11)
-    width, topk = 13000, 2048
+    topk = 2048
     ends = [width, 4096, 4097, 8193, 2049, 12288 + 7]
     scores = (torch.randn(len(ends), width, generator=gen) if values == "random" else
               torch.randint(0, 5, (len(ends), width), generator=gen).float())

@@ -60,6 +60,7 @@ import torch
 
 from moeserve.kernels.attention.checks import SUPPORTED_DTYPES
 from moeserve.kernels.attention.dsa import topk_triton
+from moeserve.kernels.attention.dsa.topk_bisect_triton import ROW_ALIGN
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
@@ -148,11 +149,13 @@ def index_score_chunks(q: torch.Tensor, weights: torch.Tensor, index_cache: torc
                        meta: AttentionMetadata, scale: float, block_q: int | None = None
                        ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """The step's scores, a chunk of tokens at a time (indexer_topk_triton's inputs, checked
-    there): (first token t0, tokens n, scores [n, S] int32 ord), S = max(1, meta.max_seq_len),
-    each chunk launched as the previous one is consumed. block_q: tokens a tile on a step with
+    there): (first token t0, tokens n, scores [n, S] int32 ord), S = max(1, meta.max_seq_len)
+    rounded up to topk_bisect_triton.ROW_ALIGN (that top-k's vector loads; the columns past
+    max_seq_len, like those past each token's context, are never written), each chunk
+    launched as the previous one is consumed. block_q: tokens a tile on a step with
     a prefill row (benchmarks: 1 scores one token a program there); default index_block_q."""
     num_tokens, num_heads, dim = q.shape
-    num_keys = max(1, meta.max_seq_len)
+    num_keys = -(-max(1, meta.max_seq_len) // ROW_ALIGN) * ROW_ALIGN
     if num_tokens == 0:
         return
     block_n = index_block_n(dim)
