@@ -58,6 +58,10 @@
     MOESERVE_DSA_FUSED_INDEXER  "1" runs the DSA indexer's key write and query RoPE as one
                              Triton launch each on CUDA (layers/dsa.FUSED_ON_CUDA), for A/Bs
                              until timed; the torch ops otherwise
+    MOESERVE_PDL             "1" launches the kernels that take it (DSA's decode step:
+                             indexer scores, bisect top-k, sparse MLA, split combine) with
+                             programmatic dependent launch (triton_common.pdl), for A/Bs until
+                             timed; plain launches otherwise
     MOESERVE_GRAMMAR_MASKS_THREAD  "0" builds a deferred grammar step's masks on the
                              engine's thread, at once (engine/structured_steps.py), for
                              A/Bs; on their own thread beside the loop's other host work
@@ -88,6 +92,7 @@ MLA_PIECE_KERNEL = "MOESERVE_MLA_PIECE_KERNEL"
 DECODE_LONGEST_FIRST = "MOESERVE_DECODE_LONGEST_FIRST"
 DSA_SLOT_ROWS = "MOESERVE_DSA_SLOT_ROWS"
 DSA_FUSED_INDEXER = "MOESERVE_DSA_FUSED_INDEXER"
+PDL = "MOESERVE_PDL"
 MOE_GLUON_WS = "MOESERVE_MOE_GLUON_WS"
 DSA_TOPK_FORM = "MOESERVE_DSA_TOPK_FORM"
 GRAMMAR_MASKS_THREAD = "MOESERVE_GRAMMAR_MASKS_THREAD"
@@ -171,6 +176,10 @@ def dsa_slot_rows() -> bool:
 
 def dsa_fused_indexer() -> bool:
     return os.environ.get(DSA_FUSED_INDEXER) == "1"
+
+
+def pdl() -> bool:
+    return os.environ.get(PDL) == "1"
 
 
 def set_variables() -> dict[str, str]:

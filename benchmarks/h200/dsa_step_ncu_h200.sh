@@ -33,7 +33,8 @@ if [ -z "${NO_TIMINGS:-}" ]; then
     read_bound_ms topk_graph_ms score_ms topk_bisect_warps_graph_ms \
     topk_bisect_warps_wide_graph_ms sparse_mla_splits_ms dsa_graph_splits_ms sparse_mla_ws_ms \
     dsa_graph_ws_ms sparse_mla_ws_slots_ms dsa_graph_ws_slots_ms dsa_graph_ws2_ms \
-    dsa_graph_ws2_slots_ms sparse_mla_reduce_ms dsa_graph_reduce_ms indexer_rope_graph_ms
+    dsa_graph_ws2_slots_ms sparse_mla_reduce_ms dsa_graph_reduce_ms indexer_rope_graph_ms \
+    dsa_graph_bound_ms dsa_graph_pdl_ms
 fi
 dir=/tmp/ncu_dsa; mkdir -p $dir
 python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} \

@@ -278,7 +278,8 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
                      # SASS_PV_SLOTS=0 / 1 overrides the module's slots_by_pv (sparse only)
                      TWO_PV=two, PV_SLOTS=args.sparse and os.environ.get(
                          "SASS_PV_SLOTS", "1" if ws.slots_by_pv else "0") == "1",
-                     WORKER_REGS=ws.WORKER_REGISTERS_TWO_PV if two else ws.WORKER_REGISTERS)
+                     WORKER_REGS=ws.WORKER_REGISTERS_TWO_PV if two else ws.WORKER_REGISTERS,
+                     PDL=_pdl())
         kernel = ws._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, _nospec(args, kernel), warps, 1)
 
@@ -378,7 +379,7 @@ def index_score(args: argparse.Namespace) -> dict:
 
     const = dict(NUM_HEADS=32, BLOCK_H=max(16 // args.block_q, 32), BLOCK_Q=args.block_q,
                  D=128, BLOCK_SIZE=64, BLOCK_N=64, USE_TILES=args.block_q > 1, IEEE=False,
-                 KEY_TILES=args.key_tiles)
+                 KEY_TILES=args.key_tiles, PDL=_pdl())
     kernel = indexer_triton._kernels().index_score
     return compile_sm90(kernel, INDEX_POINTERS, const, _nospec(args, kernel), args.warps,
                         args.stages)
@@ -403,7 +404,7 @@ def topk(args: argparse.Namespace) -> dict:
         kernel = topk_bisect_triton._kernels().bisect  # --block: the row's positions
         const = dict(COUNT_TIES=False, CHUNKS=topk_bisect_triton.num_chunks(args.block),
                      CHUNK=topk_bisect_triton.CHUNK,
-                     ALIGNED=args.block % topk_bisect_triton.ROW_ALIGN == 0)
+                     ALIGNED=args.block % topk_bisect_triton.ROW_ALIGN == 0, PDL=_pdl())
     elif args.form == "row":
         kernel = topk_triton._kernels().row
         const = dict(COUNT_TIES=False, GATHER=args.gather, BLOCK=args.block, BINS=bins)
@@ -413,6 +414,12 @@ def topk(args: argparse.Namespace) -> dict:
         const |= {"LEVEL": 0} if args.form == "hist" else {}
         const |= {"COUNT_TIES": False} if args.form == "count" else {}
     return compile_sm90(kernel, TOPK_POINTERS, const, _nospec(args, kernel), args.warps, 1)
+
+
+def _pdl() -> bool:
+    """SASS_PDL=1: the kernels that take a PDL constexpr (triton_common.pdl) compiled with
+    their wait for the previous kernel."""
+    return os.environ.get("SASS_PDL") == "1"
 
 
 def _nospec(args: argparse.Namespace, kernel) -> set[str]:

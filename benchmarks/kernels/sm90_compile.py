@@ -61,7 +61,9 @@ def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str]
             "shared_bytes": out.metadata.shared,
             "cp_async": out.asm["ptx"].count("cp.async."),
             "convert_layout": ttgir.count("ttg.convert_layout"),
-            "wgmma": ttgir.count("warp_group_dot ")}
+            "wgmma": ttgir.count("warp_group_dot "),
+            # griddepcontrol.wait (programmatic dependent launch's wait, triton_common.pdl)
+            "gdc_waits": ops["ACQBULK"]}
 
 
 def ptxas_usage(text: str) -> dict[str, int]:

@@ -7,7 +7,30 @@ import os
 
 import torch
 
+from moeserve import envs
+
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
+# Programmatic dependent launch (Hopper's griddepcontrol): a kernel launched with it is
+# scheduled while the stream's previous kernel drains, not after it, and its first instruction
+# waits (griddepcontrol.wait) until that kernel has finished and its writes are visible; a
+# kernel that finished before it has, so each launch stays ordered after all earlier work.
+# Only a kernel with that wait takes it (`pdl_launch`): its PDL constexpr and the launch's
+# `launch_pdl` set together. An A/B switch (MOESERVE_PDL=1) until timed.
+pdl = envs.pdl()
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Whether a kernel that waits on its predecessor (module comment) launches with
+    programmatic dependent launch on `device`: pdl on, CUDA, compute capability 9+."""
+    return (pdl and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def pdl_kwargs(device: torch.device) -> dict:
+    """A launch's (or warmup's) keywords for a kernel with a PDL constexpr: PDL (its wait)
+    and launch_pdl (a compile option of Triton's, so both pick the variant) together."""
+    on = pdl_launch(device)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 def next_pow2(n: int) -> int:

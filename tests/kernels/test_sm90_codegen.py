@@ -88,18 +88,35 @@ OVERLAPPED = {"gluon-moe-fp8", "gluon-moe-fp8-one_dot-64", "gluon-moe-fp8-down",
 GPU_TRITON = ROOT / ".venv" / "gpu-triton"  # scripts/setup.sh's
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_kernel_compiles_for_sm90(case: str) -> None:
+# the kernels that take programmatic dependent launch (triton_common.pdl), compiled with it
+PDL_CASES = ("topk-bisect", "dsa-index-score", "gluon-dsa-sparse-ws-slots")
+
+
+def compile_case(case: str, **env_vars: str) -> dict:
+    """kernel_sass's report of CASES[case], compiled by the GPU machine's Triton release."""
     assert (GPU_TRITON / "triton" / "__init__.py").is_file(), (
         f"no GPU Triton in {GPU_TRITON}: run bash scripts/setup.sh")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env_vars
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(GPU_TRITON), str(ROOT),
                                                       env.get("PYTHONPATH"))))
     run = subprocess.run([sys.executable, "-m", "benchmarks.kernels.kernel_sass",
                           *CASES[case].split()], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.splitlines()[-1])
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", PDL_CASES)
+def test_a_pdl_kernel_waits_for_its_predecessor_only_when_asked(case: str) -> None:
+    """With its PDL constexpr on, the kernel's SASS holds one griddepcontrol.wait (ACQBULK),
+    at its start; off, none (a plain launch needs none)."""
+    assert compile_case(case, SASS_PDL="1")["gdc_waits"] == 1
+    assert compile_case(case, SASS_PDL="0")["gdc_waits"] == 0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_kernel_compiles_for_sm90(case: str) -> None:
+    report = compile_case(case)
     dist = next(GPU_TRITON.glob("triton-*.dist-info")).name  # triton-<version>.dist-info
     installed = dist.removesuffix(".dist-info").split("-")[1]
     assert report["triton"] == installed  # the GPU machine's release, not CI's

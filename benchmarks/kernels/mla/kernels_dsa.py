@@ -52,7 +52,8 @@ kernel so where it runs), and dense MLA
 issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
 MLA (eager: host gaps between the indexer's launches included), and against the two captured
 in one CUDA graph as a served decode step runs them (dsa_graph_ms, pct_of_bound_graph; and
-with the scores as wide as the served graph's context bound, dsa_graph_bound_ms); the
+with the scores as wide as the served graph's context bound, dsa_graph_bound_ms, and that
+with plain and programmatic dependent launches, dsa_graph_pdl_ms); the
 dense kernel's own read bound is context x 1,152 bytes a row. The selection and the
 sparse output are first checked against the references on the first rows.
 
@@ -87,6 +88,7 @@ from benchmarks.kernels.kernel_runs import (
     run_device,
 )
 from benchmarks.kernels.mla.kernels_mla import parse_tile
+from moeserve.kernels import triton_common
 from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
 from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
 from moeserve.kernels.attention.dsa import topk_triton
@@ -338,6 +340,24 @@ def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
     return row
 
 
+def time_pdl(name: str, step: Callable[[], torch.Tensor], timer: Timer) -> dict:
+    """The step's graph with its kernels launched plain and with programmatic dependent launch
+    (triton_common.pdl), each first checked equal to the plain launches' output:
+    {"dsa_graph_pdl_ms": {"off": ms, "on": ms}}."""
+    out: dict = {}
+    was = triton_common.pdl
+    try:
+        triton_common.pdl = False
+        want = step().clone()
+        for label, on in (("off", False), ("on", True)):
+            triton_common.pdl = on
+            assert torch.equal(step(), want), f"{name}: the step with PDL {label} differs"
+            out[label] = round(graph_timed(timer, step, True), 4)
+    finally:
+        triton_common.pdl = was
+    return {"dsa_graph_pdl_ms": out}
+
+
 def time_reduce_forms(name: str, step: Callable[[], torch.Tensor], args: tuple,
                       base: torch.Tensor, timer: Timer) -> dict:
     """The split partials and their combine (reduce_triton) at each of REDUCE_FORMS: splits
@@ -536,6 +556,8 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     row["graph_bound"] = next(b for b in context_bounds(topk, 202752) if b >= context)
     wide = dataclasses.replace(meta, max_seq_len=row["graph_bound"], derived={})
     row["dsa_graph_bound_ms"] = graph_timed(timer, functools.partial(step, wide), cuda)
+    if cuda:
+        row |= time_pdl(name, functools.partial(step, wide), timer)
     for form, widths in (("coop", {"": meta}), ("bisect", {"": meta, "bound_": wide})):
         if f"topk_{form}_graph_ms" not in row:  # the step with that top-k, where it ran
             continue

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 
+from moeserve.kernels import triton_common
 from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
 from moeserve.kernels.attention.dsa.indexer_triton import indexer_topk_triton
 from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_topk_ref
@@ -459,9 +460,13 @@ def test_gpu_sparse_attention(num_heads: int, dtype: torch.dtype, gluon: bool | 
 
 
 @pytest.mark.gpu
-def test_gpu_decode_makes_no_host_sync_and_replays_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_decode_makes_no_host_sync_and_replays_in_a_cuda_graph(
+        pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 32-row decode: no sync under torch's sync debug mode; captured once, replayed with new
-    queries, keys and lengths written in place, equal to the reference each time."""
+    queries, keys and lengths written in place, equal to the reference each time; its kernels
+    launched plain and with programmatic dependent launch (triton_common.pdl)."""
+    monkeypatch.setattr(triton_common, "pdl", pdl)
     batch, max_len = 32, 8192
     step = make_step([max_len - 1] * batch, [1] * batch, GPU_BLOCK, dtype=torch.bfloat16,
                      **GPU_INDEXER)  # block tables sized for max_len

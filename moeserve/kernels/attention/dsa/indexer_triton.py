@@ -64,7 +64,7 @@ from moeserve.kernels.attention.dsa.topk_bisect_triton import ROW_ALIGN
 from moeserve.kernels.attention.metadata import AttentionMetadata, to_device
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.paged import FP8_CACHE_DTYPES
-from moeserve.kernels.triton_common import next_pow2, require_attention_inputs_device
+from moeserve.kernels.triton_common import next_pow2, pdl_kwargs, require_attention_inputs_device
 
 # int32 scores a chunk of tokens may hold ([n, S]): 128 MiB
 _CHUNK_KEYS = 1 << 25
@@ -182,7 +182,7 @@ def index_score_chunks(q: torch.Tensor, weights: torch.Tensor, index_cache: torc
             NUM_HEADS=num_heads, BLOCK_H=max(16 // block_q, next_pow2(num_heads)),
             BLOCK_Q=block_q, D=dim, BLOCK_SIZE=index_cache.shape[1], BLOCK_N=block_n,
             USE_TILES=part is not None, IEEE=q.dtype == torch.float32,
-            KEY_TILES=score_key_tiles, num_warps=score_warps,
+            KEY_TILES=score_key_tiles, num_warps=score_warps, **pdl_kwargs(q.device),
             **({} if score_stages is None or part is not None else
                {"num_stages": score_stages}))
         yield t0, n, scores
@@ -311,7 +311,7 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
                         NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
                         D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                         USE_TILES: tl.constexpr, IEEE: tl.constexpr,
-                        KEY_TILES: tl.constexpr):
+                        KEY_TILES: tl.constexpr, PDL: tl.constexpr):
     """Program (i, span): the scores' ord [BLOCK_Q, BLOCK_N] of query tile i over KEY_TILES
     key tiles of BLOCK_N context positions from span * BLOCK_N * KEY_TILES, written to keys
     rows (token - t0) ([n, num_keys] int32) where each query sees the position (the rest of
@@ -335,8 +335,11 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
       S = 8192: 2 MiB -> 512 KiB a token, 128 MiB -> 32 MiB the chunk.
     q is loaded per key tile as before: Hi * D * 2 = 8 KiB a token per 64 keys, 128 B a key a
     token (the chunk's q, 64 * 8 KiB = 512 KiB, stays in L2). Decode rows: one token, 256 B a
-    key, as before.
+    key, as before. PDL: launched early, it first waits for the previous kernel
+    (triton_common.pdl).
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     i = tl.program_id(0)
     span0 = tl.program_id(1) * (BLOCK_N * KEY_TILES)
     if USE_TILES:

@@ -45,7 +45,7 @@ import torch
 
 from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata
-from moeserve.kernels.triton_common import num_sms
+from moeserve.kernels.triton_common import num_sms, pdl_kwargs, pdl_launch
 
 MAX_KEYS = 16384
 # A row width (positions) that is a multiple of this is read by 16-byte vector loads (the
@@ -103,7 +103,8 @@ def radix_topk_bisect(scores: torch.Tensor, meta: AttentionMetadata, t0: int, to
     if scores.is_cuda:
         _compile_every_width(args, count_boundary_ties, aligned)
     _kernels().bisect[(n,)](*args, COUNT_TIES=count_boundary_ties, CHUNKS=chunks, CHUNK=CHUNK,
-                            ALIGNED=aligned, num_warps=warps(n, scores.device))
+                            ALIGNED=aligned, num_warps=warps(n, scores.device),
+                            **pdl_kwargs(scores.device))
     return int(ties.sum()) if count_boundary_ties else 0
 
 
@@ -115,13 +116,14 @@ def _compile_every_width(args: tuple, count_ties: bool, aligned: bool) -> None:
     compiled at the first call of a device and form, so that a later step whose rows reach
     another chunk count (a prefill's max_seq_len, a decode graph's bound) or whose tokens pass
     the SM count launches at once instead of compiling mid-serving."""
-    key = (args[0].device, count_ties, WARPS, aligned)
+    key = (args[0].device, count_ties, WARPS, aligned, pdl_launch(args[0].device))
     if key in _compiled:
         return
     for num_warps in ((WARPS,) if WARPS is not None else (WARPS_FEW, WARPS_MANY)):
         for chunks in range(1, MAX_KEYS // CHUNK + 1):
             _kernels().bisect.warmup(*args, grid=(1,), COUNT_TIES=count_ties, CHUNKS=chunks,
-                                     CHUNK=CHUNK, ALIGNED=aligned, num_warps=num_warps)
+                                     CHUNK=CHUNK, ALIGNED=aligned, num_warps=num_warps,
+                                     **pdl_kwargs(args[0].device))
     _compiled.add(key)
 
 
@@ -189,11 +191,15 @@ def _write_chunk(out, u, ok, first, thr, need, taken, ties, CHUNK: tl.constexpr)
 
 def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_req_ptr, t0,
                    ties_ptr, num_keys, topk, stride_out, COUNT_TIES: tl.constexpr,
-                   CHUNKS: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
+                   CHUNKS: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program i: token t0 + i's select, its row of ord scores in up to four register chunks
     of CHUNK positions, each counted and written only where the token's context reaches it
     (a decode graph's rows are as wide as its context bound; the module docstring).
-    COUNT_TIES: ties_ptr[i] = 1 where T's scores outnumber those taken."""
+    COUNT_TIES: ties_ptr[i] = 1 where T's scores outnumber those taken. PDL: launched early,
+    it first waits for the previous kernel (triton_common.pdl)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     i = tl.program_id(0)
     end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     out = out_ptr + i.to(tl.int64) * stride_out

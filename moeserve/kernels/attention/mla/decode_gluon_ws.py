@@ -63,7 +63,7 @@ import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import decode_gluon, gluon_parts, reduce_triton
-from moeserve.kernels.triton_common import MAX_GRID_Y
+from moeserve.kernels.triton_common import MAX_GRID_Y, pdl_kwargs
 
 BLOCK_H = 64  # heads a program (wgmma's M)
 BLOCK_N = 64  # keys a tile
@@ -206,7 +206,8 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         BLOCK_SIZE=latent_cache.shape[1], USE_ROWS=rows is not None, SPLIT=num_splits > 1,
         SPARSE=sparse, PACKED=packed, TWO_PV=two_pv, PV_SLOTS=sparse and slots_by_pv,
         WORKER_REGS=WORKER_REGISTERS_TWO_PV if two_pv else WORKER_REGISTERS,
-        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS_TWO_PV if two_pv else MAX_REGISTERS)
+        num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS_TWO_PV if two_pv else MAX_REGISTERS,
+        **pdl_kwargs(q.device))
     if num_splits > 1:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out,
                                     None if sparse else meta.query_start_loc, rows, num_rows,
@@ -249,10 +250,12 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
                SPARSE: gl.constexpr, PACKED: gl.constexpr, TWO_PV: gl.constexpr,
-               WORKER_REGS: gl.constexpr, PV_SLOTS: gl.constexpr):
+               WORKER_REGS: gl.constexpr, PV_SLOTS: gl.constexpr, PDL: gl.constexpr):
     """Program (head_tile, i, split): 64 heads of decode row i over its context partition
     `split`, or (SPARSE) of token i over that partition of its selection (the module
-    docstring's data flow; TWO_PV: two P V warpgroups, O's halves, none in the scores one)."""
+    docstring's data flow; TWO_PV: two P V warpgroups, O's halves, none in the scores one).
+    PDL: launched early, it waits for the previous kernel once its barriers are set up
+    (triton_common.pdl)."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
@@ -279,6 +282,9 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     mbarrier.init(kv_free.index(0), count=pv_groups)
     mbarrier.init(kv_free.index(1), count=pv_groups)
     mbarrier.init(done, count=1)
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
     head_tile = gl.program_id(0)
     i = gl.program_id(1)

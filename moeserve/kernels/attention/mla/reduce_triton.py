@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from moeserve.kernels.attention.paged_triton import MAX_SPLITS, MIN_PARTITION_TOKENS
-from moeserve.kernels.triton_common import num_sms
+from moeserve.kernels.triton_common import num_sms, pdl_kwargs
 
 tl: Any = None  # triton.language, bound by _kernels(): the kernel below reads it as a global
 
@@ -83,7 +83,8 @@ def reduce_splits(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Te
         else part_m,  # unused when USE_ROWS is off
         num_splits, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, L=kv_lora_rank, USE_ROWS=rows is not None,
-        TOKEN_ROWS=query_start_loc is None, SPLIT_BLOCK=split_block, num_warps=4)
+        TOKEN_ROWS=query_start_loc is None, SPLIT_BLOCK=split_block, num_warps=4,
+        **pdl_kwargs(out.device))
 
 
 @functools.cache
@@ -105,11 +106,15 @@ def _kernels() -> SimpleNamespace:
 def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_start_loc_ptr,
                           rows_ptr, num_splits, stride_ot, stride_oh,
                           NUM_HEADS: tl.constexpr, L: tl.constexpr, USE_ROWS: tl.constexpr,
-                          TOKEN_ROWS: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+                          TOKEN_ROWS: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
     """Program (i, head): combine the split partials of row i, query head `head`, into its
     output token (TOKEN_ROWS: token i), a split at a time, or (SPLIT_BLOCK) SPLIT_BLOCK at a
     time, masked past num_splits: either loop runs whatever the count (one compiled variant;
-    the earlier block of all 64 possible splits, masked, cost 16x the lanes at 4 splits)."""
+    the earlier block of all 64 possible splits, masked, cost 16x the lanes at 4 splits).
+    PDL: launched early, it first waits for the previous kernel (triton_common.pdl)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     i = tl.program_id(0)
     head = tl.program_id(1)
     if USE_ROWS:
