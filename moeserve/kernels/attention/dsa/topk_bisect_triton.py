@@ -162,12 +162,14 @@ def _load_keys(row, first, end, CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
     return (s ^ -2147483648).to(tl.uint32, bitcast=True), ok
 
 
-def _hits(u, cand):
-    """Keys at or above a candidate threshold (cand > 0: an unread position's 0 never is), as
-    fp32 ones (exact: a row's count is at most MAX_KEYS). Not int32: LLVM narrows a sum of
-    0/1 ints that fit a byte to packed i8 lanes, and ptxas packs and unpacks them with PRMTs
-    (sm90: the 4-chunk loop 211 instructions, 56 of them PRMT, against 140 in fp32)."""
-    return tl.where(u >= cand, 1.0, 0.0)
+def _hits(u, cand, weight):
+    """Keys at or above a candidate threshold (cand > 0: an unread position's 0 never is),
+    each counted as `weight` (topk: a count of c sums to c * topk < 2^28). Not as 0 / 1: LLVM
+    narrows a sum of 0/1 ints that fit a byte to packed i8 lanes, which ptxas packs and
+    unpacks with PRMTs; a runtime weight's sum it cannot bound (sm90, the 4-chunk loop: 211
+    instructions, 56 of them PRMT, as 0 / 1; 140 as fp32 ones, whose warp sums take five
+    dependent shuffles; 128 weighted, one REDUX a warp)."""
+    return tl.where(u >= cand, weight, 0)
 
 
 def _write_chunk(out, u, ok, first, thr, need, taken, ties, CHUNK: tl.constexpr):
@@ -219,19 +221,19 @@ def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_re
         exact = end * 0
         while (bit >= 0) & (exact == 0):
             cand = thr | ((end * 0 + 1).to(tl.uint32) << bit.to(tl.uint32))
-            hits = _hits(u0, cand)
+            hits = _hits(u0, cand, topk)
             if CHUNKS > 1:
                 if end > CHUNK:
-                    hits += _hits(u1, cand)
+                    hits += _hits(u1, cand, topk)
             if CHUNKS > 2:
                 if end > 2 * CHUNK:
-                    hits += _hits(u2, cand)
+                    hits += _hits(u2, cand, topk)
             if CHUNKS > 3:
                 if end > 3 * CHUNK:
-                    hits += _hits(u3, cand)
-            count = tl.sum(hits, 0).to(tl.int32)
-            thr = tl.where(count >= topk, cand, thr)
-            exact = (count == topk).to(tl.int32)
+                    hits += _hits(u3, cand, topk)
+            count = tl.sum(hits, 0)  # the keys at or above cand, times topk
+            thr = tl.where(count >= topk * topk, cand, thr)
+            exact = (count == topk * topk).to(tl.int32)
             bit -= 1
         above = (ok0 & (u0 > thr)).to(tl.int32)
         if CHUNKS > 1:
