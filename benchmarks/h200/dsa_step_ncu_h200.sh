@@ -3,7 +3,7 @@
 # CUDA graph on an H100 against a 0.0475 ms read bound, gpu_a8d729a/call2): Nsight Compute over
 # every kernel of one step (the indexer's scores, the bisect top-k, the sparse MLA and its
 # split's combine), each against its own bytes. One call (~5 minutes with the tests and
-# timings below; ~2 with NO_TIMINGS=1) -> $OUT/ncu_dsa.tgz and
+# timings below; ~2 with NO_TIMINGS=1; NO_NCU=1 skips the profile) -> $OUT/ncu_dsa.tgz and
 # the details page's key lines printed.
 #   bash benchmarks/h200/dsa_step_ncu_h200.sh         # BATCH=32 CONTEXT=8192
 # First (unless NO_TIMINGS=1): the GPU tests of the indexer, the top-k in every form (the
@@ -36,6 +36,7 @@ if [ -z "${NO_TIMINGS:-}" ]; then
     dsa_graph_ws2_slots_ms sparse_mla_reduce_ms dsa_graph_reduce_ms indexer_rope_graph_ms \
     dsa_graph_bound_ms dsa_graph_pdl_ms
 fi
+[ -n "${NO_NCU:-}" ] && exit 0  # NO_NCU=1: the tests and timings alone
 dir=/tmp/ncu_dsa; mkdir -p $dir
 python3 -m benchmarks.kernels.mla.dsa_step_once --batch ${BATCH:-32} --context ${CONTEXT:-8192} \
   --calls 20 | tee $dir/step.json
