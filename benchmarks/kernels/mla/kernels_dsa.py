@@ -256,7 +256,8 @@ def time_bisect_settings(name: str, scores: torch.Tensor, meta: AttentionMetadat
                          selected: torch.Tensor, timer: Timer, setting: str,
                          values: tuple[int, ...]) -> dict:
     """The bisect top-k at each of `values` of topk_bisect_triton's `setting` ("WARPS": 4,096
-    / 32 / warps keys a thread a register chunk; None, the default: warps' rule), each
+    / 32 / warps keys a thread a register chunk; None, the default: warps' rule; "ALIGN_ROWS":
+    16-aligned rows by vector loads or plain), each
     checked against `selected`, in graphs over the scores as given and as wide as the served
     graph's context bound (16,384: four chunks, the ones past a token's context skipped):
     {"topk_bisect_<setting>_graph_ms": {value: ms}, "topk_bisect_<setting>_wide_graph_ms":
@@ -540,6 +541,8 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     if "topk_bisect_graph_ms" in row and cuda:  # the bisect form's warps, rows as served
         row |= time_bisect_settings(name, scores, meta, topk, selected, timer, "WARPS",
                                     BISECT_WARPS)
+        row |= time_bisect_settings(name, scores, meta, topk, selected, timer, "ALIGN_ROWS",
+                                    (False, True))
     row["topk_torch_ms"] = timer(lambda: torch.topk(keys, k, dim=1))
     # both as a served decode step runs them: in a CUDA graph (no host time between launches)
     row["topk_graph_ms"] = graph_timed(

@@ -53,6 +53,7 @@ MAX_KEYS = 16384
 # 3,848 -> 2,416 instructions at 4 chunks (warp scans 160 -> 48 SHFL.UP). indexer_triton pads
 # its scores' rows to it; other widths run the plain variant.
 ROW_ALIGN = 16
+ALIGN_ROWS = True  # False: every row by the plain variant (an A/B switch: kernels_dsa times both)
 CHUNK = 4096  # positions a register chunk: the row is up to MAX_KEYS / CHUNK of them
 # Warps a program: 16 (8 keys a thread a chunk) while the tokens are at most the GPU's SMs
 # (a program an SM), 8 past them (two programs share an SM). On an H100 in CUDA graphs
@@ -99,7 +100,7 @@ def radix_topk_bisect(scores: torch.Tensor, meta: AttentionMetadata, t0: int, to
                        device=scores.device)
     args = (scores, out, meta.positions, meta.seq_lens, meta.token_to_req, t0, ties, num_keys,
             topk, out.stride(0))
-    aligned = num_keys % ROW_ALIGN == 0
+    aligned = ALIGN_ROWS and num_keys % ROW_ALIGN == 0
     if scores.is_cuda:
         _compile_every_width(args, count_boundary_ties, aligned)
     _kernels().bisect[(n,)](*args, COUNT_TIES=count_boundary_ties, CHUNKS=chunks, CHUNK=CHUNK,
