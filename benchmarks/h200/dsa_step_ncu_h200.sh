@@ -25,7 +25,7 @@ if [ -z "${NO_TIMINGS:-}" ]; then
   echo "dsa GPU tests rc=$?: $(tail -1 $OUT/dsa_tests.log)"
   grep -E "^(FAILED|ERROR)" $OUT/dsa_tests.log | head -5
   timeout -s INT ${DSA_TIMEOUT:-200} python3 -m benchmarks.kernels.mla.kernels_dsa \
-    --out /tmp/kdsa --decode-only --cases decode_b32_ctx8k decode_b256_ctx8k \
+    --out /tmp/kdsa --decode-only --cases ${DSA_CASES:-decode_b32_ctx8k decode_b256_ctx8k} \
     > $OUT/kernels_dsa.log 2>&1
   echo "kernels_dsa rc=$?"
   cp /tmp/kdsa/kernels_dsa.json $OUT/ 2>/dev/null
