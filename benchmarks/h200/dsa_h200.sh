@@ -15,7 +15,7 @@ source benchmarks/gpu_env.sh
 R=/tmp/dsa
 mkdir -p "$R"
 timeout 240 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
-  tests/kernels/attention/test_dsa_triton.py tests/kernels/attention/test_dsa_triton_tiles.py \
+  tests/kernels/attention/test_dsa_triton_gpu.py tests/kernels/attention/test_dsa_triton_tiles.py \
   tests/kernels/attention/test_dsa_sparse_slots.py tests/kernels/attention/test_dsa_topk_triton.py \
   tests/engine/test_dsa_families_vs_hf.py tests/engine/test_cuda_graphs.py \
   tests/kernels/test_specialization_gpu.py > "$R/gpu_tests_dsa.log" 2>&1

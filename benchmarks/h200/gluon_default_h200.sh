@@ -10,7 +10,7 @@ set -uo pipefail
 source benchmarks/gpu_env.sh
 R=/tmp/gluon_default; mkdir -p $R
 timeout 240 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -n 4 \
-  tests/kernels/attention/test_mla_decode_gluon.py tests/kernels/attention/test_dsa_triton.py \
+  tests/kernels/attention/test_mla_decode_gluon.py tests/kernels/attention/test_dsa_triton_gpu.py \
   tests/kernels/attention/test_mla_triton.py tests/kernels/attention/test_mla_decode_flat.py \
   > $R/gpu_tests.log 2>&1
 echo "tests rc=$?"; grep -E "passed|failed|Error" $R/gpu_tests.log | tail -8

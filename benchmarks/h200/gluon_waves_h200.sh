@@ -14,7 +14,7 @@ source benchmarks/gpu_env.sh
 R=/tmp/gluon_waves; mkdir -p $R
 if [ -z "${W1_ONLY:-}" ]; then
 timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider -n 4 \
-  tests/kernels/attention/test_mla_decode_gluon.py tests/kernels/attention/test_dsa_triton.py \
+  tests/kernels/attention/test_mla_decode_gluon.py tests/kernels/attention/test_dsa_triton_gpu.py \
   > $R/gpu_tests.log 2>&1
 echo "tests rc=$?"; grep -E "passed|failed|Error" $R/gpu_tests.log | tail -8
 timeout 100 python3 -m benchmarks.kernels.mla.kernels_mla --out $R/few --heads 20 64 128 \

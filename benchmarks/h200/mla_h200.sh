@@ -48,7 +48,7 @@ for f in sys.argv[1:]:
 r['faster']) for r in json.load(open(sys.argv[1]))['cases']]" "$R/kernels_mla_prefill.json" ;;
   tests)
     timeout 170 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
-      tests/kernels/attention/test_mla_triton.py tests/kernels/attention/test_dsa_triton.py \
+      tests/kernels/attention/test_mla_triton.py tests/kernels/attention/test_dsa_triton_gpu.py \
       tests/kernels/attention/test_dsa_triton_tiles.py \
       tests/kernels/attention/test_mla_rope_cache_triton.py > "$R/gpu_tests_kernels.log" 2>&1
     echo "kernel tests rc=$?"; tail -2 "$R/gpu_tests_kernels.log"

@@ -11,7 +11,7 @@ set -uo pipefail
 source benchmarks/gpu_env.sh
 R=/tmp/splits; mkdir -p $R
 timeout 150 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
-  tests/kernels/attention/test_mla_triton.py tests/kernels/attention/test_dsa_triton.py \
+  tests/kernels/attention/test_mla_triton.py tests/kernels/attention/test_dsa_triton_gpu.py \
   > $R/gpu_tests.log 2>&1
 echo "gpu tests rc=$?"; tail -2 $R/gpu_tests.log
 once() { timeout 90 python3 -m benchmarks.kernels.mla.mla_once "$@" 2>>$R/once.err | tail -1 | tee -a $R/mla_ab.jsonl; }

@@ -18,7 +18,7 @@ R=/tmp/dsa; mkdir -p $R
 # skips kernels_dsa_prefill
 if [ "${TOPK_TESTS:-1}" = 1 ]; then
 timeout 200 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
-  tests/kernels/attention/test_dsa_topk_triton.py tests/kernels/attention/test_dsa_triton.py \
+  tests/kernels/attention/test_dsa_topk_triton.py tests/kernels/attention/test_dsa_triton_gpu.py \
   tests/kernels/attention/test_dsa_triton_tiles.py tests/kernels/test_specialization_gpu.py \
   tests/kernels/attention/test_mla.py tests/kernels/attention/test_mla_piece_kernel.py \
   tests/kernels/attention/test_dsa_sparse_slots.py -k "dsa or mla or topk" > $R/gpu_tests_topk.log 2>&1
