@@ -50,7 +50,7 @@ from moeserve.kernels.triton_common import num_sms, pdl_kwargs, pdl_launch
 MAX_KEYS = 16384
 # A row width (positions) that is a multiple of this is read by 16-byte vector loads (the
 # kernel's ALIGNED variant), which also gives the write's scans 4 positions a thread: sm90
-# 3,848 -> 2,416 instructions at 4 chunks (warp scans 160 -> 48 SHFL.UP). indexer_triton pads
+# 3,832 -> 2,416 instructions at 4 chunks (warp scans 160 -> 48 SHFL.UP). indexer_triton pads
 # its scores' rows to it; other widths run the plain variant.
 ROW_ALIGN = 16
 ALIGN_ROWS = True  # False: every row by the plain variant (an A/B switch: kernels_dsa times both)
@@ -169,7 +169,7 @@ def _hits(u, cand, weight):
     narrows a sum of 0/1 ints that fit a byte to packed i8 lanes, which ptxas packs and
     unpacks with PRMTs; a runtime weight's sum it cannot bound (sm90, the 4-chunk loop: 211
     instructions, 56 of them PRMT, as 0 / 1; 140 as fp32 ones, whose warp sums take five
-    dependent shuffles; 128 weighted, one REDUX a warp)."""
+    dependent shuffles; 127 weighted, one REDUX a warp)."""
     return tl.where(u >= cand, weight, 0)
 
 
