@@ -22,8 +22,14 @@ pdl = envs.pdl()
 def pdl_launch(device: torch.device) -> bool:
     """Whether a kernel that waits on its predecessor (module comment) launches with
     programmatic dependent launch on `device`: pdl on, CUDA, compute capability 9+."""
-    return (pdl and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return pdl and device.type == "cuda" and _major_of(
+        device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.cache
+def _major_of(index: int) -> int:
+    """A CUDA device's compute capability major, looked up once (pdl_launch runs a launch)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def pdl_kwargs(device: torch.device) -> dict:

@@ -23,10 +23,12 @@ def test_pdl_only_on_hopper_cuda_and_only_when_asked(monkeypatch: pytest.MonkeyP
     compute capability 9 or more launch with it, the wait compiled in with the attribute; older
     GPUs and the interpreter's CPU tensors stay plain."""
     capability = {0: (9, 0), 1: (8, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability[d.index])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[index])
+    triton_common._major_of.cache_clear()
     hopper, ampere, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
     monkeypatch.setattr(triton_common, "pdl", False)
     assert [triton_common.pdl_kwargs(d) for d in (hopper, ampere, cpu)] == [{"PDL": False}] * 3
     monkeypatch.setattr(triton_common, "pdl", True)
     assert triton_common.pdl_kwargs(hopper) == {"PDL": True, "launch_pdl": True}
     assert triton_common.pdl_kwargs(ampere) == triton_common.pdl_kwargs(cpu) == {"PDL": False}
+    triton_common._major_of.cache_clear()  # no fake capability left for later tests

@@ -254,8 +254,7 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     """Program (head_tile, i, split): 64 heads of decode row i over its context partition
     `split`, or (SPARSE) of token i over that partition of its selection (the module
     docstring's data flow; TWO_PV: two P V warpgroups, O's halves, none in the scores one).
-    PDL: launched early, it waits for the previous kernel once its barriers are set up
-    (triton_common.pdl)."""
+    PDL: launched early, it waits for the previous kernel after its barriers' set-up."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
