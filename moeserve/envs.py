@@ -60,8 +60,9 @@
                              until timed; the torch ops otherwise
     MOESERVE_PDL             "1" launches the kernels that take it (DSA's decode step:
                              indexer scores, bisect top-k, sparse MLA, split combine) with
-                             programmatic dependent launch (triton_common.pdl), for A/Bs until
-                             timed; plain launches otherwise
+                             programmatic dependent launch (triton_common.pdl), "2" also
+                             releases each one's successor early, for A/Bs until timed;
+                             plain launches otherwise (any other value is an error)
     MOESERVE_GRAMMAR_MASKS_THREAD  "0" builds a deferred grammar step's masks on the
                              engine's thread, at once (engine/structured_steps.py), for
                              A/Bs; on their own thread beside the loop's other host work
@@ -178,8 +179,13 @@ def dsa_fused_indexer() -> bool:
     return os.environ.get(DSA_FUSED_INDEXER) == "1"
 
 
-def pdl() -> bool:
-    return os.environ.get(PDL) == "1"
+def pdl() -> int:
+    """MOESERVE_PDL: 0 (unset) plain launches, 1 each DSA kernel waits for its predecessor,
+    2 also lets its successor launch right after that wait (triton_common.pdl)."""
+    value = os.environ.get(PDL) or "0"
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"{PDL}={value!r}: expected 0, 1 or 2")
+    return int(value)
 
 
 def set_variables() -> dict[str, str]:

@@ -416,10 +416,10 @@ def topk(args: argparse.Namespace) -> dict:
     return compile_sm90(kernel, TOPK_POINTERS, const, _nospec(args, kernel), args.warps, 1)
 
 
-def _pdl() -> bool:
-    """SASS_PDL=1: the kernels that take a PDL constexpr (triton_common.pdl) compiled with
-    their wait for the previous kernel."""
-    return os.environ.get("SASS_PDL") == "1"
+def _pdl() -> int:
+    """SASS_PDL=1 or 2: the kernels that take a PDL constexpr (triton_common.pdl's level)
+    compiled with their wait for the previous kernel (2: and the next one's early launch)."""
+    return int(os.environ.get("SASS_PDL") or "0")
 
 
 def _nospec(args: argparse.Namespace, kernel) -> set[str]:

@@ -62,8 +62,9 @@ def compile_sm90(jit_fn, pointers: dict[str, str], const: dict, nospec: set[str]
             "cp_async": out.asm["ptx"].count("cp.async."),
             "convert_layout": ttgir.count("ttg.convert_layout"),
             "wgmma": ttgir.count("warp_group_dot "),
-            # griddepcontrol.wait (programmatic dependent launch's wait, triton_common.pdl)
-            "gdc_waits": ops["ACQBULK"]}
+            # griddepcontrol.wait and .launch_dependents (programmatic dependent launch's
+            # wait and early release, triton_common.pdl)
+            "gdc_waits": ops["ACQBULK"], "gdc_launches": ops["PREEXIT"]}
 
 
 def ptxas_usage(text: str) -> dict[str, int]:

@@ -15,7 +15,12 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
 # waits (griddepcontrol.wait) until that kernel has finished and its writes are visible; a
 # kernel that finished before it has, so each launch stays ordered after all earlier work.
 # Only a kernel with that wait takes it (`pdl_launch`): its PDL constexpr and the launch's
-# `launch_pdl` set together. An A/B switch (MOESERVE_PDL=1) until timed.
+# `launch_pdl` set together. Levels: 0 plain; 1 the wait only (the successor is scheduled when
+# this kernel exits); 2 also, right after the wait, griddepcontrol.launch_dependents: the
+# successor's programs are scheduled onto free SMs as soon as every program of this one has
+# passed its wait, and spin at their own wait, so a launch's ramp overlaps the previous
+# kernel's tail (correct either way: the successor's wait still covers this kernel's writes).
+# An A/B switch (MOESERVE_PDL=1 or 2) until timed.
 pdl = envs.pdl()
 
 
@@ -33,10 +38,10 @@ def _major_of(index: int) -> int:
 
 
 def pdl_kwargs(device: torch.device) -> dict:
-    """A launch's (or warmup's) keywords for a kernel with a PDL constexpr: PDL (its wait)
-    and launch_pdl (a compile option of Triton's, so both pick the variant) together."""
-    on = pdl_launch(device)
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+    """A launch's (or warmup's) keywords for a kernel with a PDL constexpr: PDL (the level:
+    0 none, 1 its wait, 2 its wait and its successor's early launch) and launch_pdl (a
+    compile option of Triton's, so both pick the variant) together."""
+    return {"PDL": int(pdl), "launch_pdl": True} if pdl_launch(device) else {"PDL": 0}
 
 
 def next_pow2(n: int) -> int:

@@ -106,12 +106,14 @@ def compile_case(case: str, **env_vars: str) -> dict:
     return json.loads(run.stdout.splitlines()[-1])
 
 
+@pytest.mark.parametrize("level", [0, 1, 2])
 @pytest.mark.parametrize("case", PDL_CASES)
-def test_a_pdl_kernel_waits_for_its_predecessor_only_when_asked(case: str) -> None:
-    """With its PDL constexpr on, the kernel's SASS holds one griddepcontrol.wait (ACQBULK),
-    at its start; off, none (a plain launch needs none)."""
-    assert compile_case(case, SASS_PDL="1")["gdc_waits"] == 1
-    assert compile_case(case, SASS_PDL="0")["gdc_waits"] == 0
+def test_a_pdl_kernel_waits_and_releases_its_successor_only_when_asked(case: str,
+                                                                        level: int) -> None:
+    """At PDL level 1 the kernel's SASS holds one griddepcontrol.wait (ACQBULK); at 2 also one
+    griddepcontrol.launch_dependents (PREEXIT); at 0 neither (a plain launch needs none)."""
+    report = compile_case(case, SASS_PDL=str(level))
+    assert (report["gdc_waits"], report["gdc_launches"]) == (int(level >= 1), int(level == 2))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -111,12 +111,12 @@ def test_gpu_sparse_attention(num_heads: int, dtype: torch.dtype, gluon: bool | 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("pdl", [0, 1, 2])
 def test_gpu_decode_makes_no_host_sync_and_replays_in_a_cuda_graph(
-        pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        pdl: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 32-row decode: no sync under torch's sync debug mode; captured once, replayed with new
     queries, keys and lengths written in place, equal to the reference each time; its kernels
-    launched plain and with programmatic dependent launch (triton_common.pdl)."""
+    launched plain and at each programmatic dependent launch level (triton_common.pdl)."""
     monkeypatch.setattr(triton_common, "pdl", pdl)
     batch, max_len = 32, 8192
     step = make_step([max_len - 1] * batch, [1] * batch, GPU_BLOCK, dtype=torch.bfloat16,

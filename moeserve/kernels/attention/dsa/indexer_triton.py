@@ -335,11 +335,13 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
       S = 8192: 2 MiB -> 512 KiB a token, 128 MiB -> 32 MiB the chunk.
     q is loaded per key tile as before: Hi * D * 2 = 8 KiB a token per 64 keys, 128 B a key a
     token (the chunk's q, 64 * 8 KiB = 512 KiB, stays in L2). Decode rows: one token, 256 B a
-    key, as before. PDL: launched early, it first waits for the previous kernel
-    (triton_common.pdl).
+    key, as before. PDL (a level, triton_common.pdl): launched early, it first waits for the
+    previous kernel (2: then lets its successor launch).
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     span0 = tl.program_id(1) * (BLOCK_N * KEY_TILES)
     if USE_TILES:

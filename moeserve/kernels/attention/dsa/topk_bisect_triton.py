@@ -45,7 +45,7 @@ import torch
 
 from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.metadata import AttentionMetadata
-from moeserve.kernels.triton_common import num_sms, pdl_kwargs, pdl_launch
+from moeserve.kernels.triton_common import num_sms, pdl_kwargs
 
 MAX_KEYS = 16384
 # A row width (positions) that is a multiple of this is read by 16-byte vector loads (the
@@ -109,7 +109,7 @@ def radix_topk_bisect(scores: torch.Tensor, meta: AttentionMetadata, t0: int, to
     return int(ties.sum()) if count_boundary_ties else 0
 
 
-_compiled: set[tuple] = set()  # (device, COUNT_TIES, WARPS, ALIGNED): variants built
+_compiled: set[tuple] = set()  # (device, COUNT_TIES, WARPS, ALIGNED, PDL): variants built
 
 
 def _compile_every_width(args: tuple, count_ties: bool, aligned: bool) -> None:
@@ -117,7 +117,7 @@ def _compile_every_width(args: tuple, count_ties: bool, aligned: bool) -> None:
     compiled at the first call of a device and form, so that a later step whose rows reach
     another chunk count (a prefill's max_seq_len, a decode graph's bound) or whose tokens pass
     the SM count launches at once instead of compiling mid-serving."""
-    key = (args[0].device, count_ties, WARPS, aligned, pdl_launch(args[0].device))
+    key = (args[0].device, count_ties, WARPS, aligned, pdl_kwargs(args[0].device)["PDL"])
     if key in _compiled:
         return
     for num_warps in ((WARPS,) if WARPS is not None else (WARPS_FEW, WARPS_MANY)):
@@ -199,10 +199,13 @@ def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_re
     """Program i: token t0 + i's select, its row of ord scores in up to four register chunks
     of CHUNK positions, each counted and written only where the token's context reaches it
     (a decode graph's rows are as wide as its context bound; the module docstring).
-    COUNT_TIES: ties_ptr[i] = 1 where T's scores outnumber those taken. PDL: launched early,
-    it first waits for the previous kernel (triton_common.pdl)."""
+    COUNT_TIES: ties_ptr[i] = 1 where T's scores outnumber those taken. PDL (a level,
+    triton_common.pdl): launched early, it first waits for the previous kernel (2: then lets
+    its successor launch)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     out = out_ptr + i.to(tl.int64) * stride_out

@@ -108,8 +108,9 @@ _nvmma_buffer: Any = None
 _program_keys: Any = None
 _query_rows: Any = None
 _scores: Any = None
-_slots_of: Any = None  # gluon_parts' slot helpers, bound by _kernels()
+_slots_of: Any = None  # gluon_parts' slot helpers and PDL gate, bound by _kernels()
 _copy_rows: Any = None
+_pdl_gate: Any = None
 
 
 def takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -219,7 +220,7 @@ def _kernels() -> SimpleNamespace:
     """Jit the kernel and its partitions on first use (gluon imported here only), bound with
     the builtins and gluon_parts' functions they call as module globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait, mbarrier
-    global _load_tile, _valid_keys, _nvmma_buffer, _program_keys, _query_rows, _scores
+    global _load_tile, _valid_keys, _nvmma_buffer, _program_keys, _query_rows, _scores, _pdl_gate
     global _ws_kernel, _scores_partition, _pv_partition, _store_o, _slots_of, _copy_rows
     from triton.experimental import gluon
     from triton.experimental.gluon.language.nvidia import hopper
@@ -234,7 +235,7 @@ def _kernels() -> SimpleNamespace:
     _scores_partition = gluon.jit(_scores_partition)
     _pv_partition = gluon.jit(_pv_partition)
     _store_o = gluon.jit(_store_o)
-    _slots_of, _copy_rows = parts.slots_of, parts.copy_rows
+    _slots_of, _copy_rows, _pdl_gate = parts.slots_of, parts.copy_rows, parts.pdl_gate
     _ws_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "keys", "max_blocks",
                                               "stride_table"],
                            do_not_specialize_on_alignment=["rows_ptr"])(_ws_kernel)
@@ -254,7 +255,8 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     """Program (head_tile, i, split): 64 heads of decode row i over its context partition
     `split`, or (SPARSE) of token i over that partition of its selection (the module
     docstring's data flow; TWO_PV: two P V warpgroups, O's halves, none in the scores one).
-    PDL: launched early, it waits for the previous kernel after its barriers' set-up."""
+    PDL: launched early, it waits for the previous kernel after its barriers' set-up
+    (gluon_parts' pdl_gate)."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
@@ -281,9 +283,7 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     mbarrier.init(kv_free.index(0), count=pv_groups)
     mbarrier.init(kv_free.index(1), count=pv_groups)
     mbarrier.init(done, count=1)
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+    _pdl_gate(PDL)
 
     head_tile = gl.program_id(0)
     i = gl.program_id(1)

@@ -28,7 +28,7 @@ def jitted() -> SimpleNamespace:
     they call bound as this module's globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma
     global _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _nvmma_buffer
-    global _decode_row, _program_keys, _slots_of, _copy_rows
+    global _decode_row, _program_keys, _slots_of, _copy_rows, _pdl_gate
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -41,11 +41,23 @@ def jitted() -> SimpleNamespace:
                                _nvmma_buffer))
     _decode_row, _program_keys = gluon.jit(_decode_row), gluon.jit(_program_keys)
     _slots_of, _copy_rows = gluon.jit(_slots_of), gluon.jit(_copy_rows)
+    _pdl_gate = gluon.jit(_pdl_gate)
     return SimpleNamespace(query_rows=_query_rows, softmax_to_p=_softmax_to_p, scores=_scores,
                            valid_keys=_valid_keys, load_tile=_load_tile,
                            nvmma_buffer=_nvmma_buffer, decode_row=_decode_row,
                            program_keys=_program_keys, slots_of=_slots_of,
-                           copy_rows=_copy_rows)
+                           copy_rows=_copy_rows, pdl_gate=_pdl_gate)
+
+
+def _pdl_gate(PDL: gl.constexpr):
+    """Programmatic dependent launch's gate (triton_common.pdl, a level): 1 waits for the
+    previous kernel (griddepcontrol.wait); 2 then lets the next kernel launch."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    if PDL == 2:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 def _nvmma_buffer(dtype: gl.constexpr, shape: gl.constexpr):

@@ -112,9 +112,12 @@ def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_s
     output token (TOKEN_ROWS: token i), a split at a time, or (SPLIT_BLOCK) SPLIT_BLOCK at a
     time, masked past num_splits: either loop runs whatever the count (one compiled variant;
     the earlier block of all 64 possible splits, masked, cost 16x the lanes at 4 splits).
-    PDL: launched early, it first waits for the previous kernel (triton_common.pdl)."""
+    PDL (a level, triton_common.pdl): launched early, it first waits for the previous kernel
+    (2: then lets its successor launch)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     head = tl.program_id(1)
     if USE_ROWS:
