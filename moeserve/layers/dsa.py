@@ -202,7 +202,11 @@ class DsaAttention(MLAttention):
 
     def _sparse(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
                 proj: Projected, tok: torch.Tensor | None) -> torch.Tensor:
-        """The sparse rows (`meta` is theirs; `tok` their tokens in the step, None: all)."""
+        """The sparse rows (`meta` is theirs; `tok` their tokens in the step, None: all). The
+        absorbed queries are made before the indexer's selection, so that its scores, top-k,
+        the sparse MLA and its split combine run back to back (each waits for the one before
+        it only: triton_common.pdl)."""
+        q_full = self._latent_queries(q_nope, q_rope, proj.q_lat if tok is None else None)
         key = ("dsa_topk", self.source_layer, self.dsa_mode)
         if self.indexer is not None:
             pick = (lambda x: x) if tok is None else (lambda x: x[tok])
@@ -220,8 +224,7 @@ class DsaAttention(MLAttention):
                    rank: int) -> torch.Tensor:
             return self.dsa_ops.attention(q, cache, m, positions, scale, rank, packed=True)
 
-        return self._absorbed(q_nope, q_rope, meta, attend,
-                              q_lat=proj.q_lat if tok is None else None)
+        return self._attend_latent(q_full, meta, attend)
 
 
 def _split_rows(meta: AttentionMetadata, topk: int, mode: str) -> tuple:

@@ -374,6 +374,12 @@ class MLAttention(nn.Module):
         """q_nope [T, H, nope], q_rope [T, H, R] -> [T, H, v] through the latent cache, by
         `attend` (default: the MLA backend). q_lat: the latent query [T, H, L + R] whose last
         R columns are q_rope already (`Projected.q_lat`), filled here; None: a new one."""
+        return self._attend_latent(self._latent_queries(q_nope, q_rope, q_lat), meta, attend)
+
+    def _latent_queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                        q_lat: torch.Tensor | None) -> torch.Tensor:
+        """The absorbed queries [T, H, L + R]: [q_nope W_UK | q_rope], into q_lat where given
+        (its last R columns q_rope already), else a new tensor."""
         # both products are written in place (cuBLAS takes the strided views), not cat and
         # copied after: at GLM-4.7-Flash's 1,024-row decode step the cat alone took 2.7 ms of
         # 38 (benchmarks/results/gpu_b9de9a5/call4_1ccc02b, "CatArrayBatchedCopy")
@@ -384,6 +390,14 @@ class MLAttention(nn.Module):
             q_full = q_nope.new_empty(t, heads, L + q_rope.shape[-1])  # [T, H, L + R]
             q_full[..., L:] = q_rope
         torch.bmm(q_nope.transpose(0, 1), self.w_uk, out=q_full[..., :L].transpose(0, 1))
+        return q_full
+
+    def _attend_latent(self, q_full: torch.Tensor, meta: AttentionMetadata,
+                       attend: MlaBackend | None) -> torch.Tensor:
+        """The absorbed queries' attention over the latent cache (by `attend`, default the
+        MLA backend), up-projected by W_UV: [T, H, v]."""
+        t, heads = q_full.shape[:2]
+        L = self.kv_lora_rank
         if attend is None:
             out_lat = self.backend(q_full, self.kv_cache, meta, self.scale, L,
                                    **self.decode_kwargs)
