@@ -10,7 +10,8 @@ tile behind, as FlashMLA splits the work:
 
     program (head tile, row or token, partition): 64 heads, keys in tiles of 64, two stages
     scores warpgroup (the default partition, 4 warps; it issues every copy):
-      Q -> shared [64, L] + [64, R]; tiles 0 and 1 -> stages 0 and 1     (cp.async)
+      Q -> shared [64, L] + [64, R]; tiles 0 and 1 -> stages 0 and 1     (cp.async;
+                   S_0 waits for Q and tile 0 only)
       per tile t:  online softmax of S_t (fp32, base 2: a row's 64 keys in this warpgroup)
                    P_t (bf16) and the rescale alpha_t -> shared, `p_ready`
                    O_left = O_left * alpha_t + P_t V_t[:, :L/2]   (P_t from registers;
@@ -80,13 +81,12 @@ two_pv = False
 MAX_REGISTERS_TWO_PV = 168
 WORKER_REGISTERS_TWO_PV = 176
 # The fewest heads it takes past decode_gluon.WS_SHORT_CONTEXT keys, by device (matched by
-# name; others get the H100's): it pays where
-# the decode nears the tensor cores' rate, and 64 heads' 121 FLOPs a byte are 0.59 of the H200's
-# ridge (787 TFLOP/s over 4.27 TB/s, measured) but 0.41 of the H100's (798 over 3.0). On an H100
-# (gpu_e6ddc73/call1, kernels_mla --crossover, ms this kernel -> it) 64 heads were slower at
-# every context of 384 to 4,096 keys (4,096 at 256-2,048 rows: 0.439 -> 0.454, 1.722 -> 1.739,
-# 3.445 -> 3.471), 128 heads faster from 1,024 keys (1.623 -> 1.572 at 2,048 rows, 3.097 ->
-# 2.695 at 1,024 x 4,096) and level at 768.
+# name; others get the H100's): it pays where the decode nears the tensor cores' rate, and 64
+# heads' 121 FLOPs a byte are 0.59 of the H200's ridge (787 TFLOP/s over 4.27 TB/s, measured)
+# but 0.41 of the H100's (798 over 3.0). On an H100 (gpu_e6ddc73/call1, kernels_mla
+# --crossover, ms this kernel -> it) 64 heads were slower at every context of 384 to 4,096
+# keys (4,096 at 256-2,048 rows: 0.439 -> 0.454, 1.722 -> 1.739, 3.445 -> 3.471), 128 heads
+# faster from 1,024 keys (2,048 rows: 1.623 -> 1.572; 1,024 x 4,096: 3.097 -> 2.695), level at 768.
 WS_MIN_HEADS = {"H200": 33, "H100": 65}
 WS_MIN_HEADS_OTHER = 65
 # DSA's sparse form: the P V warpgroup leaves each tile's cache rows in shared memory two tiles
@@ -354,7 +354,7 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
     np_ = gl.arange(0, BN, layout=gl.SliceLayout(1, pe_l))
     dq = gl.arange(0, L, layout=gl.SliceLayout(0, lat_l))
     dp = gl.arange(0, R, layout=gl.SliceLayout(0, pe_l))
-    # the queries and tiles 0 and 1 (past the partition's end: zeros, no read) in one group
+    # Q with tile 0 in one copy group, tile 1 in the next (past the end: zeros): S_0 waits for Q
     q_at, q_ok = _query_rows(tok, 0, 1, head_tile, stride_qt, stride_qh,
                              gl.SliceLayout(1, lat_l), NUM_HEADS, BH, 1, False)
     async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_at[:, None] + dq[None, :],
@@ -373,14 +373,14 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
         else:
             _load_tile(cache_ptr, table, sel, max_pos, start + j * BN, end, k_lat_s.index(j),
                        k_pe_s.index(j), nl, dq, np_, dp, L, R, BLOCK_SIZE, SPARSE, False)
-    async_copy.commit_group()
+        async_copy.commit_group()
 
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
     l_i = gl.full([BH], 0.0, gl.float32, layout=gl.SliceLayout(1, s_l))
     acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)  # O[:, :L/2] (unused with TWO_PV)
     s_zero = gl.zeros([BH, BN], gl.float32, layout=s_l)
     keys = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-    async_copy.wait_group(0)
+    async_copy.wait_group(1)  # Q and tile 0
     gl.thread_barrier()
     fence_async_shared()
     s = _scores(q_lat_s, q_pe_s, k_lat_s.index(0), k_pe_s.index(0), s_zero)
