@@ -111,6 +111,7 @@ _scores: Any = None
 _slots_of: Any = None  # gluon_parts' slot helpers and PDL gate, bound by _kernels()
 _copy_rows: Any = None
 _pdl_gate: Any = None
+_store_o: Any = None
 
 
 def takes(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -196,6 +197,7 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
     partition = -(-partition // BLOCK_N) * BLOCK_N  # whole key tiles a partition
     part_m, part_l, part_acc = reduce_triton.split_partials(out, num_rows, num_splits)
     sparse = sel is not None
+    pdl = pdl_kwargs(q.device)
     _kernels().decode[(head_tiles, num_rows, num_splits)](
         q, latent_cache, out, part_m, part_l, part_acc, meta.block_tables, meta.seq_lens,
         meta.query_start_loc, rows if rows is not None else meta.query_start_loc,
@@ -208,7 +210,7 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         SPARSE=sparse, PACKED=packed, TWO_PV=two_pv, PV_SLOTS=sparse and slots_by_pv,
         WORKER_REGS=WORKER_REGISTERS_TWO_PV if two_pv else WORKER_REGISTERS,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS_TWO_PV if two_pv else MAX_REGISTERS,
-        **pdl_kwargs(q.device))
+        Q_EARLY=sparse and pdl["PDL"] == 2, **pdl)
     if num_splits > 1:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out,
                                     None if sparse else meta.query_start_loc, rows, num_rows,
@@ -234,8 +236,8 @@ def _kernels() -> SimpleNamespace:
     _program_keys, _query_rows, _scores = parts.program_keys, parts.query_rows, parts.scores
     _scores_partition = gluon.jit(_scores_partition)
     _pv_partition = gluon.jit(_pv_partition)
-    _store_o = gluon.jit(_store_o)
     _slots_of, _copy_rows, _pdl_gate = parts.slots_of, parts.copy_rows, parts.pdl_gate
+    _store_o = parts.store_o
     _ws_kernel = gluon.jit(do_not_specialize=["partition", "num_splits", "keys", "max_blocks",
                                               "stride_table"],
                            do_not_specialize_on_alignment=["rows_ptr"])(_ws_kernel)
@@ -251,12 +253,14 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                BLOCK_SIZE: gl.constexpr, USE_ROWS: gl.constexpr, SPLIT: gl.constexpr,
                SPARSE: gl.constexpr, PACKED: gl.constexpr, TWO_PV: gl.constexpr,
-               WORKER_REGS: gl.constexpr, PV_SLOTS: gl.constexpr, PDL: gl.constexpr):
+               WORKER_REGS: gl.constexpr, PV_SLOTS: gl.constexpr, PDL: gl.constexpr,
+               Q_EARLY: gl.constexpr):
     """Program (head_tile, i, split): 64 heads of decode row i over its context partition
     `split`, or (SPARSE) of token i over that partition of its selection (the module
     docstring's data flow; TWO_PV: two P V warpgroups, O's halves, none in the scores one).
     PDL: launched early, it waits for the previous kernel after its barriers' set-up
-    (gluon_parts' pdl_gate)."""
+    (gluon_parts' pdl_gate); Q_EARLY (DSA's sparse form at PDL level 2, its queries made
+    before the indexer's kernels: layers/dsa.py) after its queries' copies are issued."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
@@ -283,7 +287,8 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     mbarrier.init(kv_free.index(0), count=pv_groups)
     mbarrier.init(kv_free.index(1), count=pv_groups)
     mbarrier.init(done, count=1)
-    _pdl_gate(PDL)
+    if not Q_EARLY:
+        _pdl_gate(PDL)
 
     head_tile = gl.program_id(0)
     i = gl.program_id(1)
@@ -309,13 +314,15 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                                  part_acc_ptr, table, sel, tok, head_tile, start, end,
                                  num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
                                  stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, PV_SLOTS)),
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, PV_SLOTS, PDL, Q_EARLY)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
                              stride_oh, out_row, part_row, num_splits, table, sel, max_pos,
-                             start, end, NUM_HEADS, L, SPLIT, 0, BLOCK_SIZE, PV_SLOTS)),
+                             start, end, NUM_HEADS, L, SPLIT, 0, BLOCK_SIZE, PV_SLOTS,
+                             Q_EARLY)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
                              stride_oh, out_row, part_row, num_splits, table, sel, max_pos,
-                             start, end, NUM_HEADS, L, SPLIT, HALF, BLOCK_SIZE, False)),
+                             start, end, NUM_HEADS, L, SPLIT, HALF, BLOCK_SIZE, False,
+                             Q_EARLY)),
         ], [4, 4], [WORKER_REGS, WORKER_REGS])
     else:  # O[:, L/2:] by the P V warpgroup, O[:, :L/2] by the scores warpgroup
         gl.warp_specialize([
@@ -323,10 +330,11 @@ def _ws_kernel(q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                                  part_acc_ptr, table, sel, tok, head_tile, start, end,
                                  num_tiles, max_pos, scale_log2, stride_qt, stride_qh,
                                  stride_oh, out_row, part_row, num_splits, NUM_HEADS, L, R,
-                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, PV_SLOTS)),
+                                 BLOCK_SIZE, SPLIT, SPARSE, TWO_PV, PV_SLOTS, PDL, Q_EARLY)),
             (_pv_partition, (bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile,
                              stride_oh, out_row, part_row, num_splits, table, sel, max_pos,
-                             start, end, NUM_HEADS, L, SPLIT, HALF, BLOCK_SIZE, PV_SLOTS)),
+                             start, end, NUM_HEADS, L, SPLIT, HALF, BLOCK_SIZE, PV_SLOTS,
+                             Q_EARLY)),
         ], [4], [WORKER_REGS])
 
 
@@ -335,9 +343,10 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
                       scale_log2, stride_qt, stride_qh, stride_oh, out_row, part_row,
                       num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
                       BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, SPARSE: gl.constexpr,
-                      TWO_PV: gl.constexpr, PV_SLOTS: gl.constexpr):
+                      TWO_PV: gl.constexpr, PV_SLOTS: gl.constexpr, PDL: gl.constexpr,
+                      Q_EARLY: gl.constexpr):
     """The scores warpgroup: every copy, each tile's scores and softmax, and O[:, :L/2]
-    (unless TWO_PV)."""
+    (unless TWO_PV); Q_EARLY: the PDL gate between the queries' copies and the tiles'."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
@@ -363,6 +372,8 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
                              gl.SliceLayout(1, pe_l), NUM_HEADS, BH, 1, False)
     async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_at[:, None] + L + dp[None, :],
                                            mask=q_ok[:, None])
+    if Q_EARLY:
+        _pdl_gate(PDL)
     for j in gl.static_range(2):
         if PV_SLOTS:  # tiles 0 and 1's rows by this warpgroup, kept for their masks
             slots_s.index(j).store(_slots_of(table, sel, max_pos, start + j * BN, end,
@@ -448,9 +459,11 @@ def _scores_partition(bufs, bars, q_ptr, cache_ptr, out_ptr, part_m_ptr, part_l_
 def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile, stride_oh, out_row,
                   part_row, num_splits, table, sel, max_pos, start, end,
                   NUM_HEADS: gl.constexpr, L: gl.constexpr, SPLIT: gl.constexpr,
-                  COL: gl.constexpr, BLOCK_SIZE: gl.constexpr, PV_SLOTS: gl.constexpr):
+                  COL: gl.constexpr, BLOCK_SIZE: gl.constexpr, PV_SLOTS: gl.constexpr,
+                  Q_EARLY: gl.constexpr):
     """A P V warpgroup: O[:, COL:COL + L/2] from each tile's P and rescale; PV_SLOTS: also
-    tile t + 2's cache rows into slots_s while it waits for P_t (slots_by_pv)."""
+    tile t + 2's cache rows into slots_s while it waits for P_t (slots_by_pv). Q_EARLY: it
+    first waits for the previous kernel (the selection is its output)."""
     BH: gl.constexpr = 64
     BN: gl.constexpr = 64
     HALF: gl.constexpr = L // 2
@@ -459,6 +472,8 @@ def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile, strid
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, HALF, 16])
     row_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    if Q_EARLY:
+        _pdl_gate(1)
     acc = gl.zeros([BH, HALF], gl.float32, layout=o_l)
     for t in range(num_tiles):
         if PV_SLOTS:  # loads issued now, stored once P_t V_t is done
@@ -478,23 +493,3 @@ def _pv_partition(bufs, bars, out_ptr, part_acc_ptr, num_tiles, head_tile, strid
     l_i = l_s.load(gl.SliceLayout(1, o_l))
     _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, part_row,
              num_splits, NUM_HEADS, L, SPLIT, COL, o_l)
-
-
-def _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, part_row,
-             num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, SPLIT: gl.constexpr,
-             COL: gl.constexpr, o_l: gl.constexpr):
-    """O[:, COL:COL + L/2] stored: the split partial as it is, or out divided by the row
-    sums l_i (an empty row writes 0)."""
-    BH: gl.constexpr = 64
-    HALF: gl.constexpr = L // 2
-    ho = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
-    do = COL + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
-    h_ok = head_tile * BH + ho < NUM_HEADS
-    if SPLIT:
-        part_o = ho.to(gl.int64) * num_splits + part_row
-        gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :], acc, mask=h_ok[:, None])
-    else:
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
-        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-        gl.store(out_ptr + out_row + ho.to(gl.int64)[:, None] * stride_oh + do[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])

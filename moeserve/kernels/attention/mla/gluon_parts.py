@@ -28,7 +28,7 @@ def jitted() -> SimpleNamespace:
     they call bound as this module's globals."""
     global gl, async_copy, fence_async_shared, warpgroup_mma
     global _query_rows, _softmax_to_p, _scores, _valid_keys, _load_tile, _nvmma_buffer
-    global _decode_row, _program_keys, _slots_of, _copy_rows, _pdl_gate
+    global _decode_row, _program_keys, _slots_of, _copy_rows, _pdl_gate, _store_o
     from triton.experimental import gluon
     from triton.experimental.gluon import language
     from triton.experimental.gluon.language.nvidia import hopper
@@ -41,12 +41,13 @@ def jitted() -> SimpleNamespace:
                                _nvmma_buffer))
     _decode_row, _program_keys = gluon.jit(_decode_row), gluon.jit(_program_keys)
     _slots_of, _copy_rows = gluon.jit(_slots_of), gluon.jit(_copy_rows)
-    _pdl_gate = gluon.jit(_pdl_gate)
+    _pdl_gate, _store_o = gluon.jit(_pdl_gate), gluon.jit(_store_o)
     return SimpleNamespace(query_rows=_query_rows, softmax_to_p=_softmax_to_p, scores=_scores,
                            valid_keys=_valid_keys, load_tile=_load_tile,
                            nvmma_buffer=_nvmma_buffer, decode_row=_decode_row,
                            program_keys=_program_keys, slots_of=_slots_of,
-                           copy_rows=_copy_rows, pdl_gate=_pdl_gate)
+                           copy_rows=_copy_rows, pdl_gate=_pdl_gate,
+                           store_o=_store_o)
 
 
 def _pdl_gate(PDL: gl.constexpr):
@@ -199,3 +200,23 @@ def _copy_rows(cache_ptr, slots, k_lat_dst, k_pe_dst, dq, dp, lat_l: gl.constexp
                                            mask=(slot >= 0)[:, None])
     async_copy.async_copy_global_to_shared(k_pe_dst, cache_ptr + row_p[:, None] + dp[None, :],
                                            mask=(slot_p >= 0)[:, None])
+
+
+def _store_o(acc, l_i, out_ptr, part_acc_ptr, head_tile, stride_oh, out_row, part_row,
+             num_splits, NUM_HEADS: gl.constexpr, L: gl.constexpr, SPLIT: gl.constexpr,
+             COL: gl.constexpr, o_l: gl.constexpr):
+    """O[:, COL:COL + L/2] stored: the split partial as it is, or out divided by the row
+    sums l_i (an empty row writes 0)."""
+    BH: gl.constexpr = 64
+    HALF: gl.constexpr = L // 2
+    ho = gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
+    do = COL + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+    h_ok = head_tile * BH + ho < NUM_HEADS
+    if SPLIT:
+        part_o = ho.to(gl.int64) * num_splits + part_row
+        gl.store(part_acc_ptr + part_o[:, None] * L + do[None, :], acc, mask=h_ok[:, None])
+    else:
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+        gl.store(out_ptr + out_row + ho.to(gl.int64)[:, None] * stride_oh + do[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
