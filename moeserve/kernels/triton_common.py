@@ -20,6 +20,9 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
 # successor's programs are scheduled onto free SMs as soon as every program of this one has
 # passed its wait, and spin at their own wait, so a launch's ramp overlaps the previous
 # kernel's tail (correct either way: the successor's wait still covers this kernel's writes).
+# At 2, DSA's sparse MLA (decode_gluon_ws, Q_EARLY) also copies its queries in before its
+# wait: they must come from a kernel before its predecessor's own predecessor, as the DSA
+# layer's do (made before the indexer's projections, scores and top-k: layers/dsa.py).
 # An A/B switch (MOESERVE_PDL=1 or 2) until timed.
 pdl = envs.pdl()
 
