@@ -53,7 +53,9 @@ issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexe
 MLA (eager: host gaps between the indexer's launches included), and against the two captured
 in one CUDA graph as a served decode step runs them (dsa_graph_ms, pct_of_bound_graph; and
 with the scores as wide as the served graph's context bound, dsa_graph_bound_ms, and that
-with plain and programmatic dependent launches, dsa_graph_pdl_ms); the
+with plain and programmatic dependent launches, dsa_graph_pdl_ms); the selected latent
+rows read by a kernel doing nothing else, and as many contiguous ones, as gather_rate_tbs
+(gather_rate.py: the ceiling under the sparse MLA's reads); the
 dense kernel's own read bound is context x 1,152 bytes a row. The selection and the
 sparse output are first checked against the references on the first rows.
 
@@ -87,6 +89,7 @@ from benchmarks.kernels.kernel_runs import (
     record,
     run_device,
 )
+from benchmarks.kernels.mla.gather_rate import time_gather_rate
 from benchmarks.kernels.mla.kernels_dsa_forms import (
     BISECT_WARPS,
     time_bisect_settings,
@@ -374,6 +377,10 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         finally:
             topk_triton.FORM = was
     row |= time_gather(name, scores, meta, topk, selected, step, timer, cuda)
+    # the selected latent rows read by a kernel doing nothing else (gather_rate.py)
+    row |= time_gather_rate(cache, dsa_sparse_triton.selected_slots(positions, meta,
+                                                                    cache.shape[1]),
+                            latent, timer)
     if cuda:
         row |= time_score_key_tiles(name, (q_i, w, index_cache, meta, scale), scores, timer,
                                     {"dsa_graph_key_tiles_ms": lambda: graph_timed(
