@@ -4,6 +4,7 @@ registers and spills (the report kernel_sass.py prints)."""
 
 from __future__ import annotations
 
+import argparse
 import collections
 import inspect
 import os
@@ -137,3 +138,18 @@ def _loop_copy_wait(sass: str) -> int | None:
         if m := re.search(r"DEPBAR\.LE\s+SB0,\s*(0x[0-9a-f]+|\d+)", line):
             return int(m.group(1), 0)
     return None
+
+
+def pdl_level() -> int:
+    """SASS_PDL=1 or 2: the kernels that take a PDL constexpr (triton_common.pdl's level)
+    compiled with their wait for the previous kernel (2: and the next one's early launch)."""
+    return int(os.environ.get("SASS_PDL") or "0")
+
+
+def nospec_of(args: argparse.Namespace, kernel) -> set[str]:
+    """The integer arguments compiled unspecialized: --nospec's, else the kernel's own
+    do_not_specialize list."""
+    if args.nospec is not None:
+        return set(args.nospec)
+    names = list(inspect.signature(kernel.fn).parameters)  # the list holds names or indices
+    return {names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
