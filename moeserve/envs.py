@@ -55,14 +55,14 @@
     MOESERVE_DSA_SLOT_ROWS   "1" turns DSA's selections into cache rows before the sparse
                              attention (dsa/sparse_triton.slot_rows), an experiment; off
                              otherwise
-    MOESERVE_DSA_FUSED_INDEXER  "1" runs the DSA indexer's key write and query RoPE as one
-                             Triton launch each on CUDA (layers/dsa.FUSED_ON_CUDA), for A/Bs
-                             until timed; the torch ops otherwise
-    MOESERVE_PDL             "1" launches the kernels that take it (DSA's decode step:
-                             indexer scores, bisect top-k, sparse MLA, split combine) with
-                             programmatic dependent launch (triton_common.pdl), "2" also
-                             releases each one's successor early, for A/Bs until timed;
-                             plain launches otherwise (any other value is an error)
+    MOESERVE_DSA_FUSED_INDEXER  "0" runs the DSA indexer's key write and query RoPE as the
+                             torch ops on CUDA, for A/Bs; one Triton launch each otherwise
+                             (layers/dsa.FUSED_ON_CUDA)
+    MOESERVE_PDL             "0" launches the kernels that take programmatic dependent
+                             launch (DSA's decode step: indexer scores, bisect top-k, sparse
+                             MLA, split combine) plainly, "1" with their waits only, for
+                             A/Bs; "2" (unset) also releases each one's successor early
+                             (triton_common.pdl; any other value is an error)
     MOESERVE_GRAMMAR_MASKS_THREAD  "0" builds a deferred grammar step's masks on the
                              engine's thread, at once (engine/structured_steps.py), for
                              A/Bs; on their own thread beside the loop's other host work
@@ -176,13 +176,13 @@ def dsa_slot_rows() -> bool:
 
 
 def dsa_fused_indexer() -> bool:
-    return os.environ.get(DSA_FUSED_INDEXER) == "1"
+    return os.environ.get(DSA_FUSED_INDEXER) != "0"
 
 
 def pdl() -> int:
-    """MOESERVE_PDL: 0 (unset) plain launches, 1 each DSA kernel waits for its predecessor,
-    2 also lets its successor launch right after that wait (triton_common.pdl)."""
-    value = os.environ.get(PDL) or "0"
+    """MOESERVE_PDL: 0 plain launches, 1 each DSA kernel waits for its predecessor, 2 (unset)
+    also lets its successor launch right after that wait (triton_common.pdl)."""
+    value = os.environ.get(PDL) or "2"
     if value not in ("0", "1", "2"):
         raise ValueError(f"{PDL}={value!r}: expected 0, 1 or 2")
     return int(value)

@@ -61,9 +61,10 @@ from moeserve.model_config import ModelConfig
 DSA_MODES = ("auto", "dense", "sparse")
 # The indexer's key norm, RoPE and cache write, and its query's RoPE, each one Triton launch on
 # CUDA (kernels/attention/dsa/indexer_rope_triton.py) in place of about twenty small torch
-# launches a full layer and step: off until the GPU tests and a timing have run the kernels
-# (CPU tests under Triton's interpreter match them to the torch ops); MOESERVE_DSA_FUSED_INDEXER=1
-# turns it on (a served A/B); `Indexer.fused` forces either way
+# launches a full layer and step. On an H100 in CUDA graphs (benchmarks/results/gpu_56e6f7e/
+# call1, kernels_dsa's indexer_rope_graph_ms) 0.0107 against 0.0497 ms at 32 decode tokens,
+# 0.0126 against 0.0574 at 256; MOESERVE_DSA_FUSED_INDEXER=0 turns it off (a served A/B);
+# `Indexer.fused` forces either way
 FUSED_ON_CUDA = envs.dsa_fused_indexer()
 
 

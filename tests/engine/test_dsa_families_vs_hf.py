@@ -300,8 +300,9 @@ def test_triton_backend_matches_hf(device: str, checkpoints: dict, arch: str) ->
 def test_gpu_fused_indexer_launches_match_hf(checkpoints: dict, arch: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA with the indexer's fused key write and query RoPE on (layers/dsa.py's
-    FUSED_ON_CUDA, off by default until timed), fp32 with TF32 off: the greedy tokens of
-    transformers, with CUDA-graph decodes, every row sparse and no boundary tie."""
+    FUSED_ON_CUDA, the default, set here whatever the environment), fp32 with TF32 off: the
+    greedy tokens of transformers, with CUDA-graph decodes, every row sparse and no boundary
+    tie."""
     from moeserve.layers import dsa as dsa_layer
 
     if not torch.cuda.is_available():

@@ -12,8 +12,8 @@ from tests.fresh_import import attribute_at_import
 
 
 def test_the_environment_sets_the_pdl_level() -> None:
-    """MOESERVE_PDL=1 or 2 sets the level at import (a served A/B's processes); unset, 0."""
-    for value, want in ((None, "0"), ("1", "1"), ("2", "2"), ("0", "0")):
+    """MOESERVE_PDL=0, 1 or 2 sets the level at import (a served A/B's processes); unset, 2."""
+    for value, want in ((None, "2"), ("1", "1"), ("2", "2"), ("0", "0")):
         assert attribute_at_import("moeserve.kernels.triton_common", "pdl", envs.PDL,
                                    value) == want
 

@@ -123,12 +123,12 @@ def test_gpu_bf16_matches_the_torch_ops(interleaved: bool) -> None:
                        indexer_q_rope_ref(q, cos, sin, interleaved))
 
 
-def test_the_environment_turns_the_fused_launches_on() -> None:
-    """MOESERVE_DSA_FUSED_INDEXER=1 sets layers/dsa.FUSED_ON_CUDA at import (a served A/B's
-    processes); unset or anything else, off. In a fresh interpreter."""
+def test_the_environment_turns_the_fused_launches_off() -> None:
+    """MOESERVE_DSA_FUSED_INDEXER=0 clears layers/dsa.FUSED_ON_CUDA at import (a served A/B's
+    processes); unset or anything else, on. In a fresh interpreter."""
     from moeserve import envs
     from tests.fresh_import import attribute_at_import
 
-    for value, want in ((None, False), ("1", True), ("0", False)):
+    for value, want in ((None, True), ("1", True), ("0", False)):
         assert attribute_at_import("moeserve.layers.dsa", "FUSED_ON_CUDA",
                                    envs.DSA_FUSED_INDEXER, value) == str(want)

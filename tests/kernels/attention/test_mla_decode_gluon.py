@@ -97,13 +97,12 @@ def gpu_sparse_inputs(num_heads: int) -> tuple:
     """DSA's sparse attention inputs on the GPU: (q, latent cache, meta, positions) of a mixed
     step's indexer selection (2,048 positions, -1 padding on a long prefill's first queries)."""
     from moeserve.kernels.attention.dsa.indexer_triton import indexer_topk_triton
-    from tests.kernels.attention.test_dsa_triton import (
+    from tests.kernels.attention.test_dsa_triton import _latents, make_step
+    from tests.kernels.attention.test_dsa_triton_gpu import (
         GPU_BLOCK,
         GPU_INDEXER,
         GPU_TOPK,
         _gpu_steps,
-        _latents,
-        make_step,
     )
 
     step = make_step(*_gpu_steps()["mixed"], GPU_BLOCK, dtype=torch.bfloat16, **GPU_INDEXER)
