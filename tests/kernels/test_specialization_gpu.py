@@ -174,21 +174,24 @@ def test_moe_compiles_once_across_token_counts() -> None:
 
     def moe_variants() -> tuple[int, ...]:
         align = moe_align._align_kernels()
-        return (variants(moe_triton._kernel()), variants(align.count), variants(align.offsets),
-                variants(align.scatter))
+        return (variants(moe_triton._kernel()), variants(align.one), variants(align.count),
+                variants(align.offsets), variants(align.scatter))
 
+    # the first two calls compile what each align path needs: the one-launch align up to
+    # ONE_LAUNCH_MAX_PAIRS pairs (1 token), its three launches past them (250 tokens x 4)
+    assert 250 * top_k > moe_align.ONE_LAUNCH_MAX_PAIRS >= 64 * top_k
     before, counts = None, []
-    for tokens in (1, 3, 16, 37, 64, 129, 250):  # the first call compiles what it needs
+    for i, tokens in enumerate((1, 250, 3, 16, 37, 64, 129, 250)):
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
         logits = torch.randn(tokens, experts, device="cuda", generator=gen)
         weights, ids = torch.topk(logits.softmax(-1), top_k)
         run_moe(x, w13, w2, weights.contiguous(), ids.to(torch.int32), config=config)
         torch.cuda.synchronize()
-        if before is None:
+        if i == 1:
             before = moe_variants()
-        else:
+        elif i > 1:
             counts.append(tuple(a - b for a, b in zip(moe_variants(), before)))
-    assert counts == [(0, 0, 0, 0)] * len(counts), counts
+    assert counts == [(0, 0, 0, 0, 0)] * len(counts), counts
 
 
 def test_rms_norm_compiles_once_across_row_counts() -> None:
