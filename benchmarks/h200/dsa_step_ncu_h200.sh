@@ -35,6 +35,7 @@ if [ -z "${NO_TIMINGS:-}" ]; then
     dsa_graph_ws_ms sparse_mla_ws_slots_ms dsa_graph_ws_slots_ms dsa_graph_ws2_ms \
     dsa_graph_ws2_slots_ms sparse_mla_reduce_ms dsa_graph_reduce_ms indexer_rope_graph_ms \
     dsa_graph_bound_ms dsa_graph_pdl_ms topk_bisect_align_rows_graph_ms gather_rate_tbs \
+    dsa_graph_halves_ms dsa_graph_two_streams_ms \
     topk_bisect_align_rows_wide_graph_ms
 fi
 [ -n "${NO_NCU:-}" ] && exit 0  # NO_NCU=1: the tests and timings alone

@@ -13,51 +13,49 @@ achieved rate of those bytes. Decode-only steps run one token a program either w
 the baseline).
 
 Decode step (`decode_cases`): GLM-5's attention per layer, one decode token a row at batch 32
-to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the latent cache
-(576 values, 1,152 bytes a token) over the same scattered blocks. Timed apart: the indexer
-(scores + top-k), the top-k alone (topk_triton's radix select over the step's scores; and
-torch.topk over int64 sort keys built from them, the path it replaced, as topk_torch_ms; the
-radix select's default form ("auto"), and its "chunks" form as topk_chunks_ms; each also in a CUDA
-graph, topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms (and at each of CHUNK_SIZES
-positions a program as topk_chunks_sizes_graph_ms), the "coop" form (one launch,
-topk_coop_triton.py; where refused, too many tokens, the reason as topk_coop) as
-topk_coop_graph_ms with the step's graph with it
-as dsa_graph_coop_ms; the "bisect" form (topk_bisect_triton.py, rows of at most 16,384
-positions; where refused, the reason as topk_bisect) as topk_bisect_graph_ms and the step's
-graph with it as dsa_graph_bisect_ms (and with the scores as wide as the served graph's
-context bound, dsa_graph_bound_bisect_ms), at BISECT_WARPS' warps as
-topk_bisect_warps_graph_ms / topk_bisect_warps_wide_graph_ms; the row form at
-ROW_VARIANTS' launch shapes in graphs as topk_row_graph_ms; the row, chunks and coop forms
-with topk_triton.GATHER as topk_gather_graph_ms, the step's graph with it as
-dsa_graph_gather_ms and with coop as dsa_graph_coop_gather_ms),
-the scores with each scoring
-program walking SCORE_KEY_TILES key tiles (score_key_tiles_ms, and the step in a graph as
-dsa_graph_key_tiles_ms) and launched at SCORE_LAUNCHES' warps and stages (score_launch_ms,
-dsa_graph_score_launch_ms), the sparse MLA over the
-2,048 selected positions (sparse_mla_ms the default kernel, sparse_mla_kernel naming it:
-decode_gluon.sparse_gluon on sm90 in bf16; sparse_mla_triton_ms the Triton kernel; with
+to 256 and contexts 8k to 64k, the indexer keys (256 bytes a token) and the latent cache (576
+values, 1,152 bytes a token) over the same scattered blocks. Timed apart: the indexer (scores +
+top-k), the top-k alone (topk_triton's radix select over the step's scores; and torch.topk over
+int64 sort keys built from them, the path it replaced, as topk_torch_ms; the radix select's
+default form ("auto"), and its "chunks" form as topk_chunks_ms; each also in a CUDA graph,
+topk_graph_ms, topk_torch_graph_ms, topk_chunks_graph_ms (and at each of CHUNK_SIZES positions
+a program as topk_chunks_sizes_graph_ms), the "coop" form (one launch, topk_coop_triton.py;
+where refused, too many tokens, the reason as topk_coop) as topk_coop_graph_ms with the step's
+graph with it as dsa_graph_coop_ms; the "bisect" form (topk_bisect_triton.py, rows of at most
+16,384 positions; where refused, the reason as topk_bisect) as topk_bisect_graph_ms and the
+step's graph with it as dsa_graph_bisect_ms (and with the scores as wide as the served graph's
+context bound, dsa_graph_bound_bisect_ms), at BISECT_WARPS' warps as topk_bisect_warps_graph_ms
+/ topk_bisect_warps_wide_graph_ms; the row form at ROW_VARIANTS' launch shapes in graphs as
+topk_row_graph_ms; the row, chunks and coop forms with topk_triton.GATHER as
+topk_gather_graph_ms, the step's graph with it as dsa_graph_gather_ms and with coop as
+dsa_graph_coop_gather_ms), the scores with each scoring program walking SCORE_KEY_TILES key
+tiles (score_key_tiles_ms, and the step in a graph as dsa_graph_key_tiles_ms) and launched at
+SCORE_LAUNCHES' warps and stages (score_launch_ms, dsa_graph_score_launch_ms), the sparse MLA
+over the 2,048 selected positions (sparse_mla_ms the default kernel, sparse_mla_kernel naming
+it: decode_gluon.sparse_gluon on sm90 in bf16; sparse_mla_triton_ms the Triton kernel; with
 --tiles, also at those TileConfigs; sparse_mla_slots_ms with sparse_triton's `slot_rows`
 experiment switch on, its row conversion included; at SPARSE_SPLITS' partitions a token as
-sparse_mla_splits_ms, the step's graph with each as dsa_graph_splits_ms; sparse_mla_gluon_ms
-by decode_gluon's
-kernel and sparse_mla_ws_ms / sparse_mla_ws2_ms by decode_gluon_ws (decode_gluon.ws_sparse,
-the default on sm90: one or two P V warpgroups) with dsa_graph_gluon_ms / dsa_graph_ws_ms /
-dsa_graph_ws2_ms the step's graph with each; with decode_gluon_ws.slots_by_pv as
-sparse_mla_ws_slots_ms / sparse_mla_ws2_slots_ms, dsa_graph_ws_slots_ms /
-dsa_graph_ws2_slots_ms), the split partials and combine at REDUCE_FORMS as
-sparse_mla_reduce_ms / dsa_graph_reduce_ms, the indexer's key write and query RoPE as torch
-ops and fused as indexer_rope_graph_ms, and sparse_mla_gluon_slots_ms the Gluon
-kernel so where it runs), and dense MLA
-(mla_triton) on the same cache; the scoring launches alone as score_ms. The bound is the
-issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against indexer + sparse
-MLA (eager: host gaps between the indexer's launches included), and against the two captured
-in one CUDA graph as a served decode step runs them (dsa_graph_ms, pct_of_bound_graph; and
-with the scores as wide as the served graph's context bound, dsa_graph_bound_ms, and that
-with plain and programmatic dependent launches, dsa_graph_pdl_ms); the selected latent
-rows read by a kernel doing nothing else, and as many contiguous ones, as gather_rate_tbs
-(gather_rate.py: the ceiling under the sparse MLA's reads); the
-dense kernel's own read bound is context x 1,152 bytes a row. The selection and the
-sparse output are first checked against the references on the first rows.
+sparse_mla_splits_ms, the step's graph with each as dsa_graph_splits_ms; sparse_mla_gluon_ms by
+decode_gluon's kernel and sparse_mla_ws_ms / sparse_mla_ws2_ms by decode_gluon_ws
+(decode_gluon.ws_sparse, the default on sm90: one or two P V warpgroups) with
+dsa_graph_gluon_ms / dsa_graph_ws_ms / dsa_graph_ws2_ms the step's graph with each; with
+decode_gluon_ws.slots_by_pv as sparse_mla_ws_slots_ms / sparse_mla_ws2_slots_ms,
+dsa_graph_ws_slots_ms / dsa_graph_ws2_slots_ms), the split partials and combine at REDUCE_FORMS
+as sparse_mla_reduce_ms / dsa_graph_reduce_ms, the indexer's key write and query RoPE as torch
+ops and fused as indexer_rope_graph_ms, and sparse_mla_gluon_slots_ms the Gluon kernel so where
+it runs), and dense MLA (mla_triton) on the same cache; the scoring launches alone as score_ms.
+The bound is the issue's: (context x 256 + 2,048 x 1,152) bytes a row / 4.27 TB/s, against
+indexer + sparse MLA (eager: host gaps between the indexer's launches included), and against
+the two captured in one CUDA graph as a served decode step runs them (dsa_graph_ms,
+pct_of_bound_graph; and with the scores as wide as the served graph's context bound,
+dsa_graph_bound_ms, and that with plain and programmatic dependent launches, dsa_graph_pdl_ms);
+the selected latent rows read by a kernel doing nothing else, and as many contiguous ones, as
+gather_rate_tbs (gather_rate.py: the ceiling under the sparse MLA's reads); the rows in two
+halves, each with caches of its own, one after the other and on two CUDA streams in one graph,
+at dsa_streams.SPLITS' partitions a token, as dsa_graph_halves_ms / dsa_graph_two_streams_ms
+(dsa_streams.py: whether one half's top-k and combine overlap the other's reads); the dense
+kernel's own read bound is context x 1,152 bytes a row. The selection and the sparse output are
+first checked against the references on the first rows.
 
 Writes kernels_dsa.json to --out (`--no-decode` skips the decode step, `--decode-only` the
 scoring section).
@@ -89,6 +87,8 @@ from benchmarks.kernels.kernel_runs import (
     record,
     run_device,
 )
+from benchmarks.kernels.mla.dsa_inputs import DIM, HEADS, latent_inputs, make_step
+from benchmarks.kernels.mla.dsa_streams import time_two_streams
 from benchmarks.kernels.mla.gather_rate import time_gather_rate
 from benchmarks.kernels.mla.kernels_dsa_forms import (
     BISECT_WARPS,
@@ -105,13 +105,13 @@ from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
 from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
 from moeserve.kernels.attention.dsa import topk_triton
 from moeserve.kernels.attention.dsa.reference import dsa_attention_ref, indexer_topk_ref
-from moeserve.kernels.attention.metadata import AttentionMetadata, build_attention_metadata
+from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import absorbed_triton as mla_triton
 from moeserve.kernels.attention.mla import decode_gluon
 from moeserve.kernels.attention.mla.decode_gluon_swapped import SWAPPED_HEADS
 from moeserve.runner.cuda_graphs import context_bounds
 
-HEADS, DIM, BLOCK, TOPK = 32, 128, 64, 2048
+BLOCK, TOPK = 64, 2048
 CASES = (  # (name, computed tokens per row, new tokens per row)
     ("chunk_64_after_8k", [8128], [64]),
     ("chunk_512_after_8k", [8192], [512]),
@@ -137,27 +137,6 @@ CHUNK_SIZES = (256, 512, 1024, 2048)
 SCORE_KEY_TILES = (2, 4, 8, 16)
 # indexer_triton's (score_warps, score_stages) timed likewise (None: Triton's default stages)
 SCORE_LAUNCHES = ((4, None), (8, None), (4, 2), (4, 4), (8, 3))
-
-
-def make_step(computed: list[int], scheduled: list[int], block: int, device: str,
-              dtype: torch.dtype, integers: bool, seed: int = 0) -> tuple:
-    """(q [T, H, D], w [T, H] fp32, index cache, metadata) over shuffled blocks."""
-    rng = np.random.default_rng(seed)
-    need = [-(-(c + s) // block) for c, s in zip(computed, scheduled)]
-    free = rng.permutation(np.arange(1, sum(need) + 2)).tolist()
-    tables = [[free.pop() for _ in range(n)] for n in need]
-    meta = build_attention_metadata(computed, scheduled, tables, block, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    shape_q, shape_c = (meta.num_tokens, HEADS, DIM), (sum(need) + 2, block, DIM)
-    if integers:
-        q = torch.randint(-2, 3, shape_q, generator=gen, device=device).to(dtype)
-        cache = torch.randint(-2, 3, shape_c, generator=gen, device=device).to(dtype)
-        w = torch.randint(-2, 3, shape_q[:2], generator=gen, device=device) * 0.25
-    else:
-        q = torch.randn(shape_q, generator=gen, device=device).to(dtype)
-        cache = torch.randn(shape_c, generator=gen, device=device).to(dtype)
-        w = torch.randn(shape_q[:2], generator=gen, device=device) * HEADS ** -0.5
-    return q, w.float(), cache, meta
 
 
 def key_bytes(meta: AttentionMetadata, block_q: int, block_n: int) -> int:
@@ -273,13 +252,8 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     scale, mla_scale = DIM ** -0.5, (128 + 64) ** -0.5
     rows = [context - 1] * batch, [1] * batch
 
-    def latent_step(n: int, num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(absorbed queries [n, H, L + R], a latent cache over num_blocks blocks)."""
-        gen = torch.Generator(device=device).manual_seed(seed)
-        q = torch.randn(n, heads, latent + rope, generator=gen, device=device).to(dtype)
-        return q, torch.randn(num_blocks, block, latent + rope, generator=gen,
-                              device=device).to(dtype)
-
+    latent_step = functools.partial(latent_inputs, heads=heads, width=latent + rope,
+                                    block=block, device=device, dtype=dtype)
     # the check: the first rows' selection and sparse output against the references
     q_i, w, index_cache, meta = make_step(rows[0][:CHECK_ROWS], rows[1][:CHECK_ROWS], block,
                                           device, dtype, integers=True, seed=3)
@@ -377,6 +351,10 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         finally:
             topk_triton.FORM = was
     row |= time_gather(name, scores, meta, topk, selected, step, timer, cuda)
+    if cuda:  # the rows in two halves on two streams (dsa_streams.py)
+        row |= time_two_streams(name, functools.partial(
+            make_step, [context - 1] * (batch // 2), [1] * (batch // 2), block, device, dtype,
+            False), latent_step, (scale, mla_scale, latent, topk), timer)
     # the selected latent rows read by a kernel doing nothing else (gather_rate.py)
     row |= time_gather_rate(cache, dsa_sparse_triton.selected_slots(positions, meta,
                                                                     cache.shape[1]),
