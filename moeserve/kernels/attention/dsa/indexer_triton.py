@@ -335,9 +335,13 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
       S = 8192: 2 MiB -> 512 KiB a token, 128 MiB -> 32 MiB the chunk.
     q is loaded per key tile as before: Hi * D * 2 = 8 KiB a token per 64 keys, 128 B a key a
     token (the chunk's q, 64 * 8 KiB = 512 KiB, stays in L2). Decode rows: one token, 256 B a
-    key, as before. PDL (a level, triton_common.pdl): launched early, it waits for the
-    previous kernel once it has read its tile's metadata (2: then lets its successor launch).
+    key, as before. PDL (a level, triton_common.pdl): launched early, it first waits for the
+    previous kernel (2: then lets its successor launch).
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     span0 = tl.program_id(1) * (BLOCK_N * KEY_TILES)
     if USE_TILES:
@@ -355,12 +359,6 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
     # the tile's last query sees the most (positions rise along a row)
     kv_end = tl.minimum(tl.load(positions_ptr + tok, mask=q_ok, other=-1) + 1, seq_len)  # [Q]
     kv_hi = tl.minimum(tl.load(positions_ptr + first + count - 1) + 1, seq_len)
-    # the step's metadata above is read before the wait (written before the previous kernel's
-    # own predecessor: triton_common.pdl); the queries, weights and keys after it
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
     if span0 < kv_hi:  # causal: key tiles wholly after the tile's last query write nothing
         r = tl.arange(0, BLOCK_Q * BLOCK_H)  # [M] dot rows
         r_ok = (r // BLOCK_H < count) & (r % BLOCK_H < NUM_HEADS)

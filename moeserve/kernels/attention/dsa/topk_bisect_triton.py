@@ -200,16 +200,14 @@ def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_re
     of CHUNK positions, each counted and written only where the token's context reaches it
     (a decode graph's rows are as wide as its context bound; the module docstring).
     COUNT_TIES: ties_ptr[i] = 1 where T's scores outnumber those taken. PDL (a level,
-    triton_common.pdl): launched early, it waits for the previous kernel once it has read its
-    token's metadata (2: then lets its successor launch)."""
-    i = tl.program_id(0)
-    # the step's metadata read before the wait (written before the previous kernel's own
-    # predecessor: triton_common.pdl); the scores after it
-    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
+    triton_common.pdl): launched early, it first waits for the previous kernel (2: then lets
+    its successor launch)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
+    i = tl.program_id(0)
+    end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
     out = out_ptr + i.to(tl.int64) * stride_out
     if end <= topk:
         _select_all(out, ties_ptr + i, end, topk, COUNT_TIES, CHUNK)

@@ -112,8 +112,12 @@ def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_s
     output token (TOKEN_ROWS: token i), a split at a time, or (SPLIT_BLOCK) SPLIT_BLOCK at a
     time, masked past num_splits: either loop runs whatever the count (one compiled variant;
     the earlier block of all 64 possible splits, masked, cost 16x the lanes at 4 splits).
-    PDL (a level, triton_common.pdl): launched early, it waits for the previous kernel once it
-    has read its row's metadata (2: then lets its successor launch)."""
+    PDL (a level, triton_common.pdl): launched early, it first waits for the previous kernel
+    (2: then lets its successor launch)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     head = tl.program_id(1)
     if USE_ROWS:
@@ -124,12 +128,6 @@ def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_s
         tok = i
     else:
         tok = tl.load(query_start_loc_ptr + req)
-    # the step's metadata (rows, query_start_loc) is read before the wait: written before the
-    # previous kernel's own predecessor (triton_common.pdl)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
     base = (i * NUM_HEADS + head).to(tl.int64) * num_splits
     m_max = tl.full([], float("-inf"), tl.float32)
     d = tl.arange(0, L)
