@@ -20,7 +20,7 @@ from moeserve.kernels.moe.tile_configs import config_file_name, get_moe_config
 from moeserve.kernels.moe.tune import tune_moe
 from moeserve.kernels.routing.select import select_experts
 from tests.cuda_graph import capture
-from tests.kernels.moe.test_moe_triton import check_align
+from tests.kernels.moe.test_moe_align import check_align
 
 QWEN_E, QWEN_H, QWEN_I, QWEN_K = 128, 2048, 768, 8  # qwen3-30b-a3b experts
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 kernel vs the fp32 loop on the same bf16 values
