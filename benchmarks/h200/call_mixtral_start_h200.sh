@@ -11,7 +11,7 @@ export OUT=/tmp/callB
 mkdir -p "$OUT"
 GPU_ENV_VERSIONS=optuna source benchmarks/gpu_env.sh
 timeout 200 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
-  tests/kernels/moe/test_moe_quant_triton.py tests/kernels/moe/test_moe_quant_nvfp4_variants.py \
+  tests/kernels/moe/test_moe_quant_triton.py tests/kernels/moe/test_moe_quant_triton_gpu.py tests/kernels/moe/test_moe_quant_nvfp4_variants.py \
   tests/kernels/linear/test_quant_linear_triton.py \
   tests/kernels/linear/test_fp8_linear_triton.py tests/kernels/linear/test_fp8_linear_cublas.py \
   tests/kernels/moe/test_moe_quant_tune.py > "$OUT/gpu_tests_quant.log" 2>&1

@@ -27,7 +27,7 @@ for r in d["moe"]:
 PY
 }
 timeout -s INT ${TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
-  tests/kernels/moe/test_moe_fp8_gluon.py tests/kernels/moe/test_moe_quant_triton.py \
+  tests/kernels/moe/test_moe_fp8_gluon.py tests/kernels/moe/test_moe_quant_triton.py tests/kernels/moe/test_moe_quant_triton_gpu.py \
   -k "(fp8 or gluon) and not warp_specialized" > $OUT/fp8_tests.log 2>&1
 echo "GPU tests: $(tail -1 $OUT/fp8_tests.log)"
 grep -E "^(FAILED|ERROR)" $OUT/fp8_tests.log | head -20

@@ -27,7 +27,7 @@ done
 if [ "${LAYOUTS:-0}" = 1 ]; then
   mkdir -p $OUT/layouts
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/kernels/moe/test_moe_quant_micro.py tests/kernels/moe/test_moe_quant_triton.py \
+    tests/kernels/moe/test_moe_quant_micro.py tests/kernels/moe/test_moe_quant_triton.py tests/kernels/moe/test_moe_quant_triton_gpu.py \
     > $OUT/layouts/gpu_tests.log 2>&1
   echo "gpu tests rc=$?"; tail -2 $OUT/layouts/gpu_tests.log
   for fmt in nvfp4 int4; do  # micro-tiles at 128- and 256-K steps, GLM-5's experts

@@ -15,7 +15,7 @@ source benchmarks/gpu_env.sh
 R=/tmp/quant_decodes; mkdir -p $R
 timeout 240 python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
   tests/kernels/moe/test_moe_quant_int4_planes.py tests/kernels/moe/test_moe_quant_nvfp4_variants.py \
-  tests/kernels/moe/test_moe_quant_triton.py tests/kernels/linear/ > $R/gpu_tests.log 2>&1
+  tests/kernels/moe/test_moe_quant_triton.py tests/kernels/moe/test_moe_quant_triton_gpu.py tests/kernels/linear/ > $R/gpu_tests.log 2>&1
 rc=$?
 echo "tests rc=$rc"; tail -3 $R/gpu_tests.log
 if [ "$rc" = 0 ]; then

@@ -17,7 +17,7 @@
 set -uo pipefail
 source benchmarks/gpu_env.sh
 timeout -s INT -k 15 "${TESTS_S:-150}" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider \
-  -n "${TEST_WORKERS:-8}" --durations=25 tests/kernels/moe/test_moe_quant_micro.py tests/kernels/moe/test_moe_quant_triton.py \
+  -n "${TEST_WORKERS:-8}" --durations=25 tests/kernels/moe/test_moe_quant_micro.py tests/kernels/moe/test_moe_quant_triton.py tests/kernels/moe/test_moe_quant_triton_gpu.py \
   tests/kernels/moe/test_moe_quant_dequant.py tests/kernels/moe/test_moe_quant_lookup.py \
   tests/kernels/moe/test_moe_quant_tiles.py tests/kernels/moe/test_moe_quant_nvfp4_variants.py \
   tests/kernels/linear/test_w4a16_dequant.py tests/quant > "$OUT/gpu_tests.log" 2>&1

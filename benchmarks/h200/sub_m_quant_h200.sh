@@ -16,7 +16,7 @@
 set -uo pipefail
 source benchmarks/gpu_env.sh
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 \
-  tests/kernels/moe/test_moe_quant_micro.py tests/kernels/moe/test_moe_quant_triton.py \
+  tests/kernels/moe/test_moe_quant_micro.py tests/kernels/moe/test_moe_quant_triton.py tests/kernels/moe/test_moe_quant_triton_gpu.py \
   tests/kernels/moe/test_moe_quant_dequant.py tests/kernels/linear/test_w4a16_dequant.py \
   tests/quant > $OUT/gpu_tests.log 2>&1
 echo "gpu tests rc=$?"; tail -3 $OUT/gpu_tests.log

@@ -4,8 +4,9 @@ reference itself against independent computations.
 Without a GPU the kernel runs through Triton's interpreter in fp32 (and fp16) on small shapes:
 each format with E 4..8, H 256 / 320 and I 128 / 192 / 200 (fp8's and int4's last groups
 partial), top-k 2, T in {1, 7, 33}, weights quantized from random floats and, for nvfp4 / int4,
-made of random raw bytes (every nibble code, every e4m3 scale code but NaN). The @pytest.mark.gpu
-tests add bf16 on the GPU, a CUDA-graph replay and a no-sync check.
+made of random raw bytes (every nibble code, every e4m3 scale code but NaN). The GPU tests in
+bf16 (a CUDA-graph replay, a no-sync check) are test_moe_quant_triton_gpu.py's, and the FP8
+scale forms' here.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.moe.quant.configs import WIDE_K_MIN, default_quant_config
+from moeserve.kernels.moe.quant.configs import default_quant_config
 from moeserve.kernels.moe.quant.fused_triton import moe_quant_triton
 from moeserve.kernels.moe.quant.ref import moe_quant_ref
 from moeserve.kernels.moe.ref import moe_loop_ref
 from moeserve.quant.fp8_block import E4M3, quantize_activations, quantize_blockwise
 from moeserve.quant.packed import QuantView, QuantWeight, quantize_into
-from tests.cuda_graph import capture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOP_K = 2
@@ -362,72 +362,6 @@ def gpu_experts(fmt: str) -> tuple[QuantWeight, QuantWeight]:
     group = GPU_FORMATS[fmt]
     return (make_weight(fmt, e, 2 * i, h, group, dtype=torch.bfloat16, seed=21),
             make_weight(fmt, e, h, i, group, dtype=torch.bfloat16, seed=22))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 64, 300])
-@pytest.mark.parametrize("fmt", list(GPU_FORMATS))
-def test_gpu_bf16_matches_ref(fmt: str, num_tokens: int) -> None:
-    w13, w2 = gpu_experts(fmt)
-    x = tokens(num_tokens, GPU_SHAPE[1], seed=num_tokens, dtype=torch.bfloat16)
-    weights, ids = routing(num_tokens, GPU_SHAPE[0], seed=num_tokens, off_rank=True)
-    out = moe_quant_triton(x, w13, w2, weights, ids)
-    assert out.dtype == torch.bfloat16
-    assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 2e-2
-    parts = moe_quant_triton(x, w13, w2, weights, ids, reduce=False)
-    assert torch.equal(parts.sum(1), out)
-    assert torch.equal(parts[ids == -1], torch.zeros_like(parts[ids == -1]))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", W4A16)
-def test_gpu_wide_k_tile_matches_ref(fmt: str) -> None:
-    """The 256-K decode tile in bf16 (its PTX decodes at twice the 128-K step's registers)."""
-    config = default_quant_config(fmt, 64, TOP_K, GPU_SHAPE[0], GPU_FORMATS[fmt] or 16,
-                                  (WIDE_K_MIN, WIDE_K_MIN))  # the tile of GLM-5's experts
-    assert config["BLOCK_K"] == 256
-    w13, w2 = gpu_experts(fmt)
-    x = tokens(64, GPU_SHAPE[1], seed=6, dtype=torch.bfloat16)
-    weights, ids = routing(64, GPU_SHAPE[0], seed=6)
-    out = moe_quant_triton(x, w13, w2, weights, ids, config=config)
-    assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 2e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", list(GPU_FORMATS))
-def test_gpu_no_host_sync(fmt: str) -> None:
-    w13, w2 = gpu_experts(fmt)
-    x = tokens(64, GPU_SHAPE[1], seed=1, dtype=torch.bfloat16)
-    weights, ids = routing(64, GPU_SHAPE[0], seed=1)
-    moe_quant_triton(x, w13, w2, weights, ids)  # compile
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = moe_quant_triton(x, w13, w2, weights, ids)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert out.shape == x.shape
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", list(GPU_FORMATS))
-def test_gpu_cuda_graph_replays_with_new_routing(fmt: str) -> None:
-    w13, w2 = gpu_experts(fmt)
-    x = tokens(96, GPU_SHAPE[1], seed=2, dtype=torch.bfloat16)
-    weights, ids = routing(96, GPU_SHAPE[0], seed=2)
-    static = [x.clone(), weights.clone(), ids.clone()]
-
-    def step() -> torch.Tensor:
-        return moe_quant_triton(static[0], w13, w2, static[1], static[2])
-
-    graph, static_out = capture(step)
-    x2 = tokens(96, GPU_SHAPE[1], seed=3, dtype=torch.bfloat16)
-    weights2, ids2 = routing(96, GPU_SHAPE[0], seed=3, off_rank=True)  # new routing
-    for buf, new in zip(static, (x2, weights2, ids2)):
-        buf.copy_(new)
-    graph.replay()
-    assert torch.equal(static_out, step())  # deterministic: the same bits as eager
-    assert rel_err(static_out, moe_quant_ref(x2, w13, w2, weights2, ids2)) < 2e-2
 
 
 @pytest.mark.gpu
