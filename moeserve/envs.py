@@ -61,7 +61,8 @@
     MOESERVE_PDL             "0" launches the kernels that take programmatic dependent
                              launch (DSA's decode step: indexer scores, bisect top-k, sparse
                              MLA, split combine) plainly, "1" with their waits only, for
-                             A/Bs; "2" (unset) also releases each one's successor early
+                             A/Bs; "2" (unset) also releases each one's successor early; "3"
+                             as 2, the step's metadata read before the wait, for A/Bs
                              (triton_common.pdl; any other value is an error)
     MOESERVE_GRAMMAR_MASKS_THREAD  "0" builds a deferred grammar step's masks on the
                              engine's thread, at once (engine/structured_steps.py), for
@@ -181,10 +182,11 @@ def dsa_fused_indexer() -> bool:
 
 def pdl() -> int:
     """MOESERVE_PDL: 0 plain launches, 1 each DSA kernel waits for its predecessor, 2 (unset)
-    also lets its successor launch right after that wait (triton_common.pdl)."""
+    also lets its successor launch right after that wait, 3 reads the step's metadata first
+    (triton_common.pdl)."""
     value = os.environ.get(PDL) or "2"
-    if value not in ("0", "1", "2"):
-        raise ValueError(f"{PDL}={value!r}: expected 0, 1 or 2")
+    if value not in ("0", "1", "2", "3"):
+        raise ValueError(f"{PDL}={value!r}: expected 0, 1, 2 or 3")
     return int(value)
 
 

@@ -83,7 +83,7 @@ def mla_decode_gluon(args: argparse.Namespace) -> dict:
                      TWO_PV=two, PV_SLOTS=args.sparse and os.environ.get(
                          "SASS_PV_SLOTS", "1" if ws.slots_by_pv else "0") == "1",
                      WORKER_REGS=ws.WORKER_REGISTERS_TWO_PV if two else ws.WORKER_REGISTERS,
-                     PDL=pdl_level(), Q_EARLY=args.sparse and pdl_level() == 2)
+                     PDL=pdl_level(), Q_EARLY=args.sparse and pdl_level() >= 2)
         kernel = ws._kernels().decode
     return compile_sm90(kernel, _mla_pointers(args), const, nospec_of(args, kernel), warps, 1)
 

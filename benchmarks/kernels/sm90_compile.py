@@ -141,8 +141,8 @@ def _loop_copy_wait(sass: str) -> int | None:
 
 
 def pdl_level() -> int:
-    """SASS_PDL=1 or 2: the kernels that take a PDL constexpr (triton_common.pdl's level)
-    compiled with their wait for the previous kernel (2: and the next one's early launch)."""
+    """SASS_PDL=1, 2 or 3: the kernels that take a PDL constexpr (triton_common.pdl's level)
+    compiled with their wait for the previous kernel (2, 3: and the next one's early launch)."""
     return int(os.environ.get("SASS_PDL") or "0")
 
 

@@ -23,7 +23,10 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
 # At 2, DSA's sparse MLA (decode_gluon_ws, Q_EARLY) also copies its queries in before its
 # wait: they must come from a kernel before its predecessor's own predecessor, as the DSA
 # layer's do (made before the indexer's projections, scores and top-k: layers/dsa.py).
-# 2 by default (MOESERVE_PDL=0 / 1 for A/Bs): on an H100 (benchmarks/results/gpu_56e6f7e/call1,
+# Level 3 (an A/B, untimed): as 2, but the scores, bisect top-k and combine read the step's
+# metadata (positions, lengths, rows: host copies made before the step's first kernel) before
+# their wait and release, the previous kernel's outputs after them.
+# 2 by default (MOESERVE_PDL=0 / 1 / 3 for A/Bs): on an H100 (benchmarks/results/gpu_56e6f7e/call1,
 # kernels_dsa's dsa_graph_pdl_ms, the step's graph with GLM-5's served row width) 0.1032 /
 # 0.1017 / 0.098 ms at levels 0 / 1 / 2 and 32 x 8k, 0.4816 / 0.4797 / 0.4756 at 256 x 8k.
 pdl = envs.pdl()

@@ -12,8 +12,8 @@ from tests.fresh_import import attribute_at_import
 
 
 def test_the_environment_sets_the_pdl_level() -> None:
-    """MOESERVE_PDL=0, 1 or 2 sets the level at import (a served A/B's processes); unset, 2."""
-    for value, want in ((None, "2"), ("1", "1"), ("2", "2"), ("0", "0")):
+    """MOESERVE_PDL=0 to 3 sets the level at import (a served A/B's processes); unset, 2."""
+    for value, want in ((None, "2"), ("1", "1"), ("2", "2"), ("3", "3"), ("0", "0")):
         assert attribute_at_import("moeserve.kernels.triton_common", "pdl", envs.PDL,
                                    value) == want
 
@@ -35,7 +35,7 @@ def test_pdl_only_on_hopper_cuda_and_only_when_asked(monkeypatch: pytest.MonkeyP
     hopper, ampere, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
     monkeypatch.setattr(triton_common, "pdl", 0)
     assert [triton_common.pdl_kwargs(d) for d in (hopper, ampere, cpu)] == [{"PDL": 0}] * 3
-    for level in (1, 2):
+    for level in (1, 2, 3):
         monkeypatch.setattr(triton_common, "pdl", level)
         assert triton_common.pdl_kwargs(hopper) == {"PDL": level, "launch_pdl": True}
         assert triton_common.pdl_kwargs(ampere) == triton_common.pdl_kwargs(cpu) == {"PDL": 0}

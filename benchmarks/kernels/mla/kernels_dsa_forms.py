@@ -120,15 +120,15 @@ def time_sparse_ws(name: str, step: Callable[[], torch.Tensor], args: tuple,
 
 def time_pdl(name: str, step: Callable[[], torch.Tensor], timer: Timer) -> dict:
     """The step's graph with its kernels launched plain and at each programmatic dependent
-    launch level (triton_common.pdl: 1 the wait, 2 also the successor's early launch), each
-    first checked equal to the plain launches' output:
-    {"dsa_graph_pdl_ms": {"off": ms, "wait": ms, "early": ms}}."""
+    launch level (triton_common.pdl: 1 the wait, 2 also the successor's early launch, 3 the
+    metadata read before both), each first checked equal to the plain launches' output:
+    {"dsa_graph_pdl_ms": {"off": ms, "wait": ms, "early": ms, "meta": ms}}."""
     out: dict = {}
     was = triton_common.pdl
     try:
         triton_common.pdl = 0
         want = step().clone()
-        for label, level in (("off", 0), ("wait", 1), ("early", 2)):
+        for label, level in (("off", 0), ("wait", 1), ("early", 2), ("meta", 3)):
             triton_common.pdl = level
             assert torch.equal(step(), want), f"{name}: the step with PDL {label} differs"
             out[label] = round(graph_timed(timer, step, True), 4)

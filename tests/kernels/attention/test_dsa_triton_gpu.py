@@ -111,7 +111,7 @@ def test_gpu_sparse_attention(num_heads: int, dtype: torch.dtype, gluon: bool | 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [0, 1, 2])
+@pytest.mark.parametrize("pdl", [0, 1, 2, 3])
 def test_gpu_decode_makes_no_host_sync_and_replays_in_a_cuda_graph(
         pdl: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 32-row decode: no sync under torch's sync debug mode; captured once, replayed with new

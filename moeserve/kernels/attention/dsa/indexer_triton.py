@@ -336,9 +336,10 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
     q is loaded per key tile as before: Hi * D * 2 = 8 KiB a token per 64 keys, 128 B a key a
     token (the chunk's q, 64 * 8 KiB = 512 KiB, stays in L2). Decode rows: one token, 256 B a
     key, as before. PDL (a level, triton_common.pdl): launched early, it first waits for the
-    previous kernel (2: then lets its successor launch).
+    previous kernel (2: then lets its successor launch; 3: both once it has read its tile's
+    metadata).
     """
-    if PDL:
+    if PDL == 1 or PDL == 2:  # at the top; 3: once the step's metadata below is read
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
@@ -359,6 +360,9 @@ def _index_score_kernel(q_ptr, w_ptr, cache_ptr, keys_ptr, block_tables_ptr, seq
     # the tile's last query sees the most (positions rise along a row)
     kv_end = tl.minimum(tl.load(positions_ptr + tok, mask=q_ok, other=-1) + 1, seq_len)  # [Q]
     kv_hi = tl.minimum(tl.load(positions_ptr + first + count - 1) + 1, seq_len)
+    if PDL == 3:  # the metadata read: now the previous kernel's outputs (triton_common.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if span0 < kv_hi:  # causal: key tiles wholly after the tile's last query write nothing
         r = tl.arange(0, BLOCK_Q * BLOCK_H)  # [M] dot rows
         r_ok = (r // BLOCK_H < count) & (r % BLOCK_H < NUM_HEADS)

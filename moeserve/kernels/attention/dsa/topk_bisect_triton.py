@@ -201,13 +201,16 @@ def _bisect_kernel(scores_ptr, out_ptr, positions_ptr, seq_lens_ptr, token_to_re
     (a decode graph's rows are as wide as its context bound; the module docstring).
     COUNT_TIES: ties_ptr[i] = 1 where T's scores outnumber those taken. PDL (a level,
     triton_common.pdl): launched early, it first waits for the previous kernel (2: then lets
-    its successor launch)."""
-    if PDL:
+    its successor launch; 3: both once it has read its token's metadata)."""
+    if PDL == 1 or PDL == 2:  # at the top; 3: once the step's metadata below is read
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     end = _context_end(positions_ptr, seq_lens_ptr, token_to_req_ptr, t0 + i, num_keys)
+    if PDL == 3:  # the metadata read: now the previous kernel's outputs (triton_common.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     out = out_ptr + i.to(tl.int64) * stride_out
     if end <= topk:
         _select_all(out, ties_ptr + i, end, topk, COUNT_TIES, CHUNK)

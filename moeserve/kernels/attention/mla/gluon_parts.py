@@ -52,11 +52,11 @@ def jitted() -> SimpleNamespace:
 
 def _pdl_gate(PDL: gl.constexpr):
     """Programmatic dependent launch's gate (triton_common.pdl, a level): 1 waits for the
-    previous kernel (griddepcontrol.wait); 2 then lets the next kernel launch."""
+    previous kernel (griddepcontrol.wait); 2 and 3 then let the next kernel launch."""
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    if PDL == 2:
+    if PDL >= 2:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
 

@@ -113,8 +113,8 @@ def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_s
     time, masked past num_splits: either loop runs whatever the count (one compiled variant;
     the earlier block of all 64 possible splits, masked, cost 16x the lanes at 4 splits).
     PDL (a level, triton_common.pdl): launched early, it first waits for the previous kernel
-    (2: then lets its successor launch)."""
-    if PDL:
+    (2: then lets its successor launch; 3: both once it has read its row's metadata)."""
+    if PDL == 1 or PDL == 2:  # at the top; 3: once the step's metadata below is read
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
@@ -128,6 +128,9 @@ def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, query_s
         tok = i
     else:
         tok = tl.load(query_start_loc_ptr + req)
+    if PDL == 3:  # the metadata read: now the previous kernel's outputs (triton_common.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     base = (i * NUM_HEADS + head).to(tl.int64) * num_splits
     m_max = tl.full([], float("-inf"), tl.float32)
     d = tl.arange(0, L)
