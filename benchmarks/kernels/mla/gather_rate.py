@@ -8,7 +8,7 @@ gathers cannot reach the copy rate on this GPU at all, no MLA kernel can, and th
 hold the sparse MLA against is this one. `time_gather_rate` reads the same rows (the top-k's
 selection turned into cache rows) by `_row_sum_kernel`: BLOCK_R rows a program, each row's
 L + R values loaded and summed into one fp32 a program (so nothing is optimized away; 4 bytes
-written a program), many programs an SM. The same kernel over as many contiguous rows gives
+written a program), many programs an SM, at each of LAUNCHES (the fastest reported). The same kernel over as many contiguous rows gives
 the sequential rate of the same loads, the pair's ratio the gathers' cost.
 """
 
@@ -20,7 +20,9 @@ import torch
 
 from benchmarks.kernels.kernel_runs import graph_timed
 
-BLOCK_R = 16  # rows a program: 18 KB of loads in flight a program at 576 bf16 values a row
+# (rows a program, warps) timed: 16 rows are 18 KB of loads in flight a program at 576 bf16
+# values a row; the fastest of them is the ceiling reported
+LAUNCHES = ((16, 4), (32, 4), (64, 8))
 
 
 def _kernel():
@@ -47,34 +49,42 @@ def _kernel():
     return _row_sum_kernel
 
 
-def row_sums(cache: torch.Tensor, rows: torch.Tensor, latent: int) -> torch.Tensor:
-    """Each program's sum of its BLOCK_R rows of cache [blocks, block_size, L + R] (rows:
+def row_sums(cache: torch.Tensor, rows: torch.Tensor, latent: int, block_r: int = 16,
+             warps: int = 4) -> torch.Tensor:
+    """Each program's sum of its block_r rows of cache [blocks, block_size, L + R] (rows:
     int32 cache rows, -1 skipped): [programs] fp32."""
     flat = cache.reshape(-1, cache.shape[-1])
     rows = rows.reshape(-1).to(torch.int32).contiguous()
-    out = torch.empty(-(-rows.numel() // BLOCK_R), dtype=torch.float32, device=cache.device)
+    out = torch.empty(-(-rows.numel() // block_r), dtype=torch.float32, device=cache.device)
     _kernel()[(out.numel(),)](flat, rows, out, rows.numel(), L=latent,
-                              R=flat.shape[1] - latent, BLOCK_R=BLOCK_R, num_warps=4)
+                              R=flat.shape[1] - latent, BLOCK_R=block_r, num_warps=warps)
     return out
 
 
 def time_gather_rate(cache: torch.Tensor, rows: torch.Tensor, latent: int,
                      timer: Callable[[Callable[[], object]], float]) -> dict:
-    """The selected rows' gather and as many contiguous rows, each checked against torch's
-    sums and timed in a CUDA graph: {"gather_rate_tbs": {"selected": TB/s, "contiguous": TB/s},
-    "gather_ms": {...}} (bytes: the valid rows x (L + R) x the element size)."""
+    """The selected rows' gather and as many contiguous rows at each of LAUNCHES, each checked
+    against torch's sums and timed in a CUDA graph: {"gather_ms": {"selected": {"16,4": ms,
+    ...}, "contiguous": {...}}, "gather_rate_tbs": {"selected": the fastest launch's TB/s,
+    "contiguous": ...}} (bytes: the valid rows x (L + R) x the element size)."""
     valid = rows.reshape(-1)[rows.reshape(-1) >= 0]
     flat = cache.reshape(-1, cache.shape[-1])
     out: dict = {"gather_rate_tbs": {}, "gather_ms": {}}
     contiguous = torch.arange(valid.numel(), dtype=torch.int32, device=cache.device)
-    for label, these in (("selected", valid), ("contiguous", contiguous)):
-        got = row_sums(cache, these, latent)
-        want = flat[these.long()].float().reshape(-1, cache.shape[-1]).sum(1)
-        want = torch.nn.functional.pad(want, (0, got.numel() * BLOCK_R - want.numel()))
-        want = want.reshape(-1, BLOCK_R).sum(1)
-        assert torch.allclose(got, want, rtol=1e-3, atol=1e-2 * BLOCK_R), f"{label} row sums"
-        ms = graph_timed(timer, lambda t=these: row_sums(cache, t, latent), cache.is_cuda)
-        out["gather_ms"][label] = round(ms, 4)
+    sums = flat[valid.long()].float().sum(1), flat[contiguous.long()].float().sum(1)
+    for (label, these), want_rows in zip((("selected", valid), ("contiguous", contiguous)),
+                                         sums):
+        times = out["gather_ms"].setdefault(label, {})
+        for block_r, warps in LAUNCHES:
+            got = row_sums(cache, these, latent, block_r, warps)
+            want = torch.nn.functional.pad(want_rows, (0, got.numel() * block_r
+                                                       - want_rows.numel()))
+            want = want.reshape(-1, block_r).sum(1)
+            assert torch.allclose(got, want, rtol=1e-3, atol=1e-2 * block_r), (
+                f"{label} row sums at {block_r} rows, {warps} warps")
+            times[f"{block_r},{warps}"] = round(graph_timed(
+                timer, lambda t=these, b=block_r, w=warps: row_sums(cache, t, latent, b, w),
+                cache.is_cuda), 4)
         out["gather_rate_tbs"][label] = round(
-            these.numel() * flat.shape[1] * flat.element_size() / ms / 1e9, 3)
+            these.numel() * flat.shape[1] * flat.element_size() / min(times.values()) / 1e9, 3)
     return out
