@@ -8,8 +8,9 @@ gathers cannot reach the copy rate on this GPU at all, no MLA kernel can, and th
 hold the sparse MLA against is this one. `time_gather_rate` reads the same rows (the top-k's
 selection turned into cache rows) by `_row_sum_kernel`: BLOCK_R rows a program, each row's
 L + R values loaded and summed into one fp32 a program (so nothing is optimized away; 4 bytes
-written a program), many programs an SM, at each of LAUNCHES (the fastest reported). The same kernel over as many contiguous rows gives
-the sequential rate of the same loads, the pair's ratio the gathers' cost.
+written a program), many programs an SM, at each of LAUNCHES (the fastest reported). The same
+kernel over as many contiguous rows gives the sequential rate of the same loads, the pair's
+ratio the gathers' cost.
 """
 
 from __future__ import annotations
