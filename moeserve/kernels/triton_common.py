@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -20,9 +23,10 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
 # successor's programs are scheduled onto free SMs as soon as every program of this one has
 # passed its wait, and spin at their own wait, so a launch's ramp overlaps the previous
 # kernel's tail (correct either way: the successor's wait still covers this kernel's writes).
-# At 2, DSA's sparse MLA (decode_gluon_ws, Q_EARLY) also copies its queries in before its
-# wait: they must come from a kernel before its predecessor's own predecessor, as the DSA
-# layer's do (made before the indexer's projections, scores and top-k: layers/dsa.py).
+# From 2, DSA's sparse MLA (decode_gluon_ws, Q_EARLY) also copies its queries in before its
+# wait where its caller says they were made before its predecessor's own predecessor
+# (`queries_made_earlier`): a full DSA layer's are, made before the indexer's projections,
+# scores and top-k (layers/dsa.py); a shared layer's come from the launch just before it.
 # Level 3 (an A/B, untimed): as 2, but the scores, bisect top-k and combine read the step's
 # metadata (positions, lengths, rows: host copies made before the step's first kernel) before
 # their wait and release, the previous kernel's outputs after them.
@@ -30,6 +34,24 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's y dimension
 # kernels_dsa's dsa_graph_pdl_ms, the step's graph with GLM-5's served row width) 0.1032 /
 # 0.1017 / 0.098 ms at levels 0 / 1 / 2 and 32 x 8k, 0.4816 / 0.4797 / 0.4756 at 256 x 8k.
 pdl = envs.pdl()
+_queries_early: contextvars.ContextVar[bool] = contextvars.ContextVar("queries_early",
+                                                                      default=False)
+
+
+@contextlib.contextmanager
+def queries_made_earlier() -> Iterator[None]:
+    """Within it, the attention launches may read their queries before their PDL wait: the
+    caller made them before the previous kernel's own predecessor (the comment above)."""
+    token = _queries_early.set(True)
+    try:
+        yield
+    finally:
+        _queries_early.reset(token)
+
+
+def queries_early() -> bool:
+    """Whether the caller is inside `queries_made_earlier`."""
+    return _queries_early.get()
 
 
 def pdl_launch(device: torch.device) -> bool:

@@ -52,6 +52,7 @@ from moeserve.kernels.attention.dsa.indexer_rope_triton import (
 from moeserve.kernels.attention.dsa.reference import write_index_keys
 from moeserve.kernels.attention.metadata import AttentionMetadata, select_rows
 from moeserve.kernels.registry import DsaBackend, IndexerTopkFn, dsa_backend_for
+from moeserve.kernels.triton_common import queries_made_earlier
 from moeserve.layers.linear import WeightFactory, linear
 from moeserve.layers.mla import MlaBackend, MLAttention, Projected
 from moeserve.layers.norm import LayerNorm
@@ -225,7 +226,10 @@ class DsaAttention(MLAttention):
                    rank: int) -> torch.Tensor:
             return self.dsa_ops.attention(q, cache, m, positions, scale, rank, packed=True)
 
-        return self._attend_latent(q_full, meta, attend)
+        if self.indexer is None:  # a shared layer: its queries come from the launch just before
+            return self._attend_latent(q_full, meta, attend)
+        with queries_made_earlier():  # before the indexer's launches (triton_common.pdl)
+            return self._attend_latent(q_full, meta, attend)
 
 
 def _split_rows(meta: AttentionMetadata, topk: int, mode: str) -> tuple:

@@ -227,6 +227,27 @@ def test_a_context_within_index_topk_runs_dense_mla(device: str, checkpoints: di
             assert attn.tokens_up_projected > 0 and attn.tokens_absorbed > 0
 
 
+def test_only_full_layers_let_the_sparse_mla_read_its_queries_early(
+        device: str, checkpoints: dict) -> None:
+    """A full DSA layer makes its absorbed queries before its indexer's launches, so its sparse
+    attention runs inside triton_common.queries_made_earlier (PDL's early query copies); a
+    shared layer's queries come from the launch just before its attention: outside it."""
+    from moeserve.kernels import triton_common
+
+    folder, prompts, _ = checkpoints["glm_moe_dsa"]  # layer 1 shares layer 0's selection
+    llm = _llm(folder, device)
+    seen: dict[bool, set[bool]] = {}
+    for attn in _dsa_layers(llm):
+        def spy(*args: object, _real=attn.dsa_ops.attention, _full=attn.indexer is not None,
+                **kwargs: object) -> torch.Tensor:
+            seen.setdefault(_full, set()).add(triton_common.queries_early())
+            return _real(*args, **kwargs)
+        attn.dsa_ops = attn.dsa_ops._replace(attention=spy)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert seen == {True: {True}, False: {False}}
+    assert not triton_common.queries_early()  # the context ends with each call
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dsa_dense_flag_drops_the_indexer(device: str, checkpoints: dict, arch: str) -> None:
     """dsa="dense": no indexer key cache in the plan or the layers, no sparse row; on the long

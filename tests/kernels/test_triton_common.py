@@ -40,3 +40,14 @@ def test_pdl_only_on_hopper_cuda_and_only_when_asked(monkeypatch: pytest.MonkeyP
         assert triton_common.pdl_kwargs(hopper) == {"PDL": level, "launch_pdl": True}
         assert triton_common.pdl_kwargs(ampere) == triton_common.pdl_kwargs(cpu) == {"PDL": 0}
     triton_common._major_of.cache_clear()  # no fake capability left for later tests
+
+
+def test_queries_made_earlier_holds_only_within_its_block() -> None:
+    """The early-queries context is set inside the block only, and reset on an error too."""
+    assert not triton_common.queries_early()
+    with triton_common.queries_made_earlier():
+        assert triton_common.queries_early()
+    assert not triton_common.queries_early()
+    with pytest.raises(RuntimeError), triton_common.queries_made_earlier():
+        raise RuntimeError("a launch failed")
+    assert not triton_common.queries_early()

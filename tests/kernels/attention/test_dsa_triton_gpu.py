@@ -125,9 +125,10 @@ def test_gpu_decode_makes_no_host_sync_and_replays_in_a_cuda_graph(
     meta = step.meta
     q_lat, latent = _latents(meta, 64, torch.bfloat16, "cuda", width=576)
 
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
+    def run() -> tuple[torch.Tensor, torch.Tensor]:  # as a full DSA layer runs it
         pos, _ = indexer_topk_triton(step.q, step.w, step.cache, meta, 0.25, GPU_TOPK)
-        return pos, dsa_attention_triton(q_lat, latent, meta, pos, 0.1, 512)
+        with triton_common.queries_made_earlier():  # q_lat made before the indexer's launches
+            return pos, dsa_attention_triton(q_lat, latent, meta, pos, 0.1, 512)
 
     run()  # compile outside the capture
     torch.cuda.synchronize()

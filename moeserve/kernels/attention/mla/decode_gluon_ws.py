@@ -64,7 +64,7 @@ import torch
 
 from moeserve.kernels.attention.metadata import AttentionMetadata
 from moeserve.kernels.attention.mla import decode_gluon, gluon_parts, reduce_triton
-from moeserve.kernels.triton_common import MAX_GRID_Y, pdl_kwargs
+from moeserve.kernels.triton_common import MAX_GRID_Y, pdl_kwargs, queries_early
 
 BLOCK_H = 64  # heads a program (wgmma's M)
 BLOCK_N = 64  # keys a tile
@@ -210,7 +210,7 @@ def _launch(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata
         SPARSE=sparse, PACKED=packed, TWO_PV=two_pv, PV_SLOTS=sparse and slots_by_pv,
         WORKER_REGS=WORKER_REGISTERS_TWO_PV if two_pv else WORKER_REGISTERS,
         num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS_TWO_PV if two_pv else MAX_REGISTERS,
-        Q_EARLY=sparse and pdl["PDL"] >= 2, **pdl)
+        Q_EARLY=sparse and pdl["PDL"] >= 2 and queries_early(), **pdl)
     if num_splits > 1:
         reduce_triton.reduce_splits(part_m, part_l, part_acc, out,
                                     None if sparse else meta.query_start_loc, rows, num_rows,
