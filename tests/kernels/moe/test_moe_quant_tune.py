@@ -69,6 +69,16 @@ def tune(fmt: str, path: Path, counts: list[int], timer: quant_tune.QuantTimerFn
                                      **kwargs)
 
 
+def write_tuned(directory: Path, fmt: str, entries: dict[int, dict],
+                device: str = "cpu") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / quant_config_file_name(fmt, E, H, N, K, GROUPS[fmt], torch.float32,
+                                              device)
+    path.write_text(json.dumps({"meta": {}, "configs": {str(n): e for n, e in entries.items()}}))
+    moe_configs.clear_caches()
+    return path
+
+
 # ---------------------------------------------------------------- the grid
 
 @pytest.mark.parametrize(("fmt", "group"), [("fp8", 128), ("nvfp4", 16), ("int4", 32),

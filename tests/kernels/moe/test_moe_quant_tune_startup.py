@@ -6,7 +6,6 @@ command line tunes one format and shape. Fake timers stand in for the CUDA ones
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,19 +21,18 @@ from moeserve.kernels.moe.quant.tune import ensure_quant_tuned
 from moeserve.kernels.moe.tile_configs import config_key, tile_config
 from moeserve.runner.capacity import CapacityReport
 from moeserve.runner.kv_cache import MemoryPlan
-from tests.kernels.moe.test_moe_quant_tune import GROUPS, SMALL, E, H, K, N, fake_timer
+from tests.kernels.moe.test_moe_quant_tune import (
+    GROUPS,
+    SMALL,
+    E,
+    H,
+    K,
+    N,
+    fake_timer,
+    write_tuned,
+)
 
 pytestmark = pytest.mark.usefixtures("isolated_config_dirs")  # conftest.py
-
-
-def write_tuned(directory: Path, fmt: str, entries: dict[int, dict],
-                device: str = "cpu") -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / quant_config_file_name(fmt, E, H, N, K, GROUPS[fmt], torch.float32,
-                                              device)
-    path.write_text(json.dumps({"meta": {}, "configs": {str(n): e for n, e in entries.items()}}))
-    moe_configs.clear_caches()
-    return path
 
 
 
