@@ -23,13 +23,18 @@ from tests.kernels.moe.test_moe_quant_triton import (
 )
 
 
+def gpu_case(fmt: str, num_tokens: int, seed: int, off_rank: bool = False) -> tuple:
+    """(w13, w2, x, weights, ids): GPU_SHAPE's experts in `fmt`, bf16 tokens and routing."""
+    w13, w2 = gpu_experts(fmt)
+    x = tokens(num_tokens, GPU_SHAPE[1], seed=seed, dtype=torch.bfloat16)
+    return (w13, w2, x, *routing(num_tokens, GPU_SHAPE[0], seed=seed, off_rank=off_rank))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 64, 300])
 @pytest.mark.parametrize("fmt", list(GPU_FORMATS))
 def test_gpu_bf16_matches_ref(fmt: str, num_tokens: int) -> None:
-    w13, w2 = gpu_experts(fmt)
-    x = tokens(num_tokens, GPU_SHAPE[1], seed=num_tokens, dtype=torch.bfloat16)
-    weights, ids = routing(num_tokens, GPU_SHAPE[0], seed=num_tokens, off_rank=True)
+    w13, w2, x, weights, ids = gpu_case(fmt, num_tokens, num_tokens, off_rank=True)
     out = moe_quant_triton(x, w13, w2, weights, ids)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 2e-2
@@ -45,9 +50,7 @@ def test_gpu_wide_k_tile_matches_ref(fmt: str) -> None:
     config = default_quant_config(fmt, 64, TOP_K, GPU_SHAPE[0], GPU_FORMATS[fmt] or 16,
                                   (WIDE_K_MIN, WIDE_K_MIN))  # the tile of GLM-5's experts
     assert config["BLOCK_K"] == 256
-    w13, w2 = gpu_experts(fmt)
-    x = tokens(64, GPU_SHAPE[1], seed=6, dtype=torch.bfloat16)
-    weights, ids = routing(64, GPU_SHAPE[0], seed=6)
+    w13, w2, x, weights, ids = gpu_case(fmt, 64, 6)
     out = moe_quant_triton(x, w13, w2, weights, ids, config=config)
     assert rel_err(out, moe_quant_ref(x, w13, w2, weights, ids)) < 2e-2
 
@@ -55,9 +58,7 @@ def test_gpu_wide_k_tile_matches_ref(fmt: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", list(GPU_FORMATS))
 def test_gpu_no_host_sync(fmt: str) -> None:
-    w13, w2 = gpu_experts(fmt)
-    x = tokens(64, GPU_SHAPE[1], seed=1, dtype=torch.bfloat16)
-    weights, ids = routing(64, GPU_SHAPE[0], seed=1)
+    w13, w2, x, weights, ids = gpu_case(fmt, 64, 1)
     moe_quant_triton(x, w13, w2, weights, ids)  # compile
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -71,9 +72,7 @@ def test_gpu_no_host_sync(fmt: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", list(GPU_FORMATS))
 def test_gpu_cuda_graph_replays_with_new_routing(fmt: str) -> None:
-    w13, w2 = gpu_experts(fmt)
-    x = tokens(96, GPU_SHAPE[1], seed=2, dtype=torch.bfloat16)
-    weights, ids = routing(96, GPU_SHAPE[0], seed=2)
+    w13, w2, x, weights, ids = gpu_case(fmt, 96, 2)
     static = [x.clone(), weights.clone(), ids.clone()]
 
     def step() -> torch.Tensor:
