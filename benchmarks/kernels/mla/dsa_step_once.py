@@ -19,6 +19,7 @@ import json
 import torch
 
 from benchmarks.kernels.kernel_runs import device_ceilings, profiled_median_ms
+from benchmarks.kernels.mla.dsa_inputs import full_layer_step
 from benchmarks.kernels.mla.kernels_dsa import (
     BLOCK,
     LATENT,
@@ -30,9 +31,6 @@ from benchmarks.kernels.mla.kernels_dsa import (
 
 
 def main() -> None:
-    from moeserve.kernels.attention.dsa import indexer_triton, sparse_triton
-    from moeserve.kernels.triton_common import queries_made_earlier
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=8192)
@@ -49,11 +47,9 @@ def main() -> None:
                         device="cuda").to(torch.bfloat16)
     scale, mla_scale = q_i.shape[-1] ** -0.5, (128 + 64) ** -0.5
 
-    def step() -> torch.Tensor:  # as a full DSA layer runs it (its queries made before)
-        pos, _ = indexer_triton.indexer_topk_triton(q_i, w, index_cache, meta, scale, TOPK)
-        with queries_made_earlier():
-            return sparse_triton.dsa_attention_triton(q, cache, meta, pos, mla_scale, LATENT,
-                                                      packed=True)
+    def step() -> torch.Tensor:  # as a full DSA layer runs it
+        return full_layer_step(q_i, w, index_cache, meta, q, cache, scale, mla_scale, LATENT,
+                               TOPK)
     ms = profiled_median_ms(step, args.calls)
     rate = device_ceilings("cuda").bytes_per_s
     bound_ms = args.batch * (args.context * 256 + TOPK * 1152) / rate * 1e3

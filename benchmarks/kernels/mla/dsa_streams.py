@@ -19,9 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from benchmarks.kernels.kernel_runs import Timer, graph_timed
-from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
-from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
-from moeserve.kernels.triton_common import queries_made_earlier
+from benchmarks.kernels.mla.dsa_inputs import full_layer_step
 
 # the sparse MLA's partitions of a token's selection in each half (None: its default, which
 # fills the GPU with one half's programs)
@@ -62,12 +60,7 @@ def time_two_streams(name: str, make_half: Callable[[int], tuple],
         halves.append((q_i, w, index_cache, meta, q, cache))
 
     def step(half: tuple, splits: int | None) -> torch.Tensor:
-        q_i, w, index_cache, meta, q, cache = half
-        pos, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, meta, scale, topk)
-        with queries_made_earlier():  # as a full DSA layer runs it
-            return dsa_sparse_triton.dsa_attention_triton(q, cache, meta, pos, mla_scale,
-                                                          latent, packed=True,
-                                                          num_splits=splits)
+        return full_layer_step(*half, scale, mla_scale, latent, topk, num_splits=splits)
     out: dict = {"dsa_graph_halves_ms": {}, "dsa_graph_two_streams_ms": {}}
     for splits in SPLITS:
         parts = [functools.partial(step, half, splits) for half in halves]

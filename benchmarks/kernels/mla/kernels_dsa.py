@@ -87,7 +87,13 @@ from benchmarks.kernels.kernel_runs import (
     record,
     run_device,
 )
-from benchmarks.kernels.mla.dsa_inputs import DIM, HEADS, latent_inputs, make_step
+from benchmarks.kernels.mla.dsa_inputs import (
+    DIM,
+    HEADS,
+    full_layer_step,
+    latent_inputs,
+    make_step,
+)
 from benchmarks.kernels.mla.dsa_streams import time_two_streams
 from benchmarks.kernels.mla.gather_rate import time_gather_rate
 from benchmarks.kernels.mla.kernels_dsa_forms import (
@@ -101,7 +107,6 @@ from benchmarks.kernels.mla.kernels_dsa_forms import (
     time_sparse_ws,
 )
 from benchmarks.kernels.mla.kernels_mla import parse_tile
-from moeserve.kernels import triton_common
 from moeserve.kernels.attention.dsa import indexer_triton as dsa_triton
 from moeserve.kernels.attention.dsa import sparse_triton as dsa_sparse_triton
 from moeserve.kernels.attention.dsa import topk_triton
@@ -329,10 +334,7 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     row["topk_torch_graph_ms"] = graph_timed(timer, lambda: torch.topk(keys, k, dim=1), cuda)
 
     def step(m: AttentionMetadata = meta) -> torch.Tensor:  # as a full DSA layer runs it
-        pos, _ = dsa_triton.indexer_topk_triton(q_i, w, index_cache, m, scale, topk)
-        with triton_common.queries_made_earlier():  # q made before the indexer's launches
-            return dsa_sparse_triton.dsa_attention_triton(q, cache, m, pos, mla_scale, latent,
-                                                          packed=True)
+        return full_layer_step(q_i, w, index_cache, m, q, cache, scale, mla_scale, latent, topk)
     step()
     row["dsa_graph_ms"] = graph_timed(timer, step, cuda)
     # as served: the decode graph's max_seq_len is its context bound (GLM-5's), the scores' width
