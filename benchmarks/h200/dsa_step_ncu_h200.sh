@@ -15,7 +15,7 @@
 set -uo pipefail
 source benchmarks/gpu_env.sh
 if [ -z "${NO_TIMINGS:-}" ]; then
-  timeout -s KILL ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider \
+  timeout -s KILL ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider \
     tests/kernels/attention/test_dsa_triton_gpu.py tests/kernels/attention/test_dsa_topk_triton.py \
     tests/kernels/attention/test_dsa_topk_bisect.py tests/kernels/attention/test_mla_decode_gluon_ws.py \
     tests/kernels/attention/test_mla_split_partials.py tests/kernels/attention/test_dsa_indexer_rope.py \

@@ -311,14 +311,14 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
         else:
             assert torch.equal(fn.args[4], selected), f"{name}: the {form} top-k differs"
             row[f"topk_{form}_graph_ms"] = graph_timed(timer, fn, cuda)
-    for block, warps in ROW_VARIANTS if cuda else ():  # the row form's launch shapes
+    for width, warps in ROW_VARIANTS if cuda else ():  # the row form's launch shapes
         saved, topk_triton.ROW_WARPS = topk_triton.ROW_WARPS, warps
-        try:
+        try:  # (not `block`: that is the caches' block size, which later steps use)
             fn = functools.partial(topk_triton.radix_topk, scores, meta, 0, topk,
-                                   torch.empty_like(selected), chunk=block, form="row")
+                                   torch.empty_like(selected), chunk=width, form="row")
             fn()
-            assert torch.equal(fn.args[4], selected), f"{name}: row {block, warps}"
-            row.setdefault("topk_row_graph_ms", {})[f"{block},{warps}"] = round(
+            assert torch.equal(fn.args[4], selected), f"{name}: row {width, warps}"
+            row.setdefault("topk_row_graph_ms", {})[f"{width},{warps}"] = round(
                 graph_timed(timer, fn, cuda), 4)
         finally:
             topk_triton.ROW_WARPS = saved
