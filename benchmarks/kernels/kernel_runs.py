@@ -1,8 +1,11 @@
 """What the attention-kernel benchmarks (kernels_mla.py, kernels_dsa.py) share: their timer
 and the JSON they rewrite after every case, so that a run cut short keeps what it measured.
 
-    make_timer(smoke, warmup_ms, rep_ms)   fn -> ms: triton.testing.do_bench on the GPU, one
-                                           eager call in a CPU smoke run (not a measurement)
+    make_timer(smoke, warmup_ms, rep_ms[, flush])
+                                           fn -> ms: triton.testing.do_bench on the GPU (its
+                                           L2 flush writes; flush="read": read_flushed_bench,
+                                           the same with a flush that reads), one eager call
+                                           in a CPU smoke run (not a measurement)
     graph_timed(timer, fn, cuda)           the timer over fn captured in a CUDA graph (a
                                            decode step as serving runs it), eager on CPU
     run_device(smoke, name)                "cpu" through Triton's interpreter for a smoke run,
@@ -18,6 +21,7 @@ and the JSON they rewrite after every case, so that a run cut short keeps what i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -51,18 +55,71 @@ def device_ceilings(device: str):
     return found or CEILINGS[0]
 
 
-def make_timer(smoke: bool, warmup_ms: int, rep_ms: int) -> Timer:
+# how a timer empties the L2 before each timed call: "zero" writes a 256 MB buffer
+# (triton.testing.do_bench's way), which leaves the L2 full of dirty lines that the timed call
+# then writes back to DRAM as it reads (up to the L2's size: 50 MB on an H100, 60 on an H200);
+# "read" reads a buffer of that size instead (clean lines: a served step's L2, holding the
+# previous layer's weights, has next to no dirty lines to give back)
+L2_FLUSHES = ("zero", "read")
+FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def make_timer(smoke: bool, warmup_ms: int, rep_ms: int, flush: str = "zero") -> Timer:
+    """fn -> its mean ms over calls each after an L2 flush (L2_FLUSHES); one eager call on a
+    smoke run."""
+    if flush not in L2_FLUSHES:
+        raise ValueError(f"make_timer: flush {flush!r} is not one of {L2_FLUSHES}")
     if smoke:
         def one_call(fn: Callable[[], object]) -> float:
             t = time.perf_counter()
             fn()
             return (time.perf_counter() - t) * 1e3
         return one_call
+    if flush == "read":
+        return functools.partial(read_flushed_bench, warmup_ms=warmup_ms, rep_ms=rep_ms)
     import triton.testing
 
     def bench(fn: Callable[[], object]) -> float:
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms))
     return bench
+
+
+@functools.cache
+def _read_flush_buffers() -> tuple[torch.Tensor, torch.Tensor]:
+    """(FLUSH_BYTES of fp32 ones, a scalar for their sum) on the GPU, made once."""
+    return (torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda"),
+            torch.empty((), dtype=torch.float32, device="cuda"))
+
+
+def read_flushed_bench(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> float:
+    """do_bench's measurement (a first call; a 5-call estimate that sizes the warm-up and the
+    timed calls; the mean of CUDA-event times, each call after its flush) with the L2 emptied
+    by reading FLUSH_BYTES into one sum rather than by zeroing them."""
+    flush_buf, sink = _read_flush_buffers()
+
+    def flush() -> None:
+        torch.sum(flush_buf, dim=0, out=sink)
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)  # flush included, as do_bench's
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(1, int(rep_ms / estimate)))]
+    for begin, done in events:
+        flush()
+        begin.record()
+        fn()
+        done.record()
+    torch.cuda.synchronize()
+    return statistics.fmean(begin.elapsed_time(done) for begin, done in events)
 
 
 def graph_timed(timer: Timer, fn: Callable[[], object], cuda: bool) -> float:

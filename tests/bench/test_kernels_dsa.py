@@ -78,3 +78,49 @@ def test_a_gpu_run_without_a_gpu_exits_naming_the_benchmark(monkeypatch) -> None
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match="kernels_dsa_prefill needs a CUDA GPU"):
         run_device(False, "kernels_dsa_prefill")
+
+
+def test_flush_smoke_run_times_each_step_and_read_after_each_flush(tmp_path, monkeypatch) -> None:
+    """dsa_flush's smoke run: every decode case's step and the bare reader's rows (their sums
+    checked) timed once for each of kernel_runs' L2 flushes, each beside its bound."""
+    from benchmarks.kernels.kernel_runs import L2_FLUSHES
+    from benchmarks.kernels.mla import dsa_flush
+
+    monkeypatch.setattr(sys, "argv", ["dsa_flush", "--out", str(tmp_path), "--smoke"])
+    dsa_flush.main()
+    result = json.loads((tmp_path / "dsa_flush.json").read_text())
+    assert [s["case"] for s in result["steps"]] == [n for n, *_ in kernels_dsa.SMOKE_DECODE]
+    for row in result["steps"]:
+        assert set(row["step_ms"]) == set(row["pct_of_bound"]) == set(L2_FLUSHES)
+        assert row["read_bound_ms"] > 0 and all(ms > 0 for ms in row["step_ms"].values())
+    (read,) = result["reads"]
+    assert read["megabytes"] > 0 and set(read["tbs"]) == set(L2_FLUSHES)
+    monkeypatch.setattr(sys, "argv", ["dsa_flush", "--out", str(tmp_path), "--smoke",
+                                      "--cases", "decode_b32_ctx8k"])
+    with pytest.raises(SystemExit):  # a case the smoke run lacks, named in the error
+        dsa_flush.main()
+
+
+def test_a_timer_with_an_unknown_flush_is_refused() -> None:
+    from benchmarks.kernels.kernel_runs import make_timer
+
+    with pytest.raises(ValueError, match="flush 'dirty' is not one of"):
+        make_timer(True, 1, 1, flush="dirty")
+
+
+@pytest.mark.gpu
+def test_read_flushed_bench_times_the_call_after_each_flush() -> None:
+    """On a GPU: the read-flushed timer runs fn for its estimate, warm-up and timed calls and
+    returns their mean, a positive time in ms."""
+    import torch
+
+    from benchmarks.kernels.kernel_runs import read_flushed_bench
+
+    x = torch.ones(1 << 20, device="cuda")
+    calls = []
+
+    def fn() -> None:
+        calls.append(1)
+        x.mul_(1.0)
+    ms = read_flushed_bench(fn, warmup_ms=1, rep_ms=2)
+    assert 0 < ms < 1e3 and len(calls) >= 1 + 5 + 1 + 1

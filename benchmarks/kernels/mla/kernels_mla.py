@@ -13,7 +13,8 @@ contexts drawn from 129..256 (128 prompt tokens, up to 128 generated; mean about
     bound        = max of the two; pct_of_bound = 100 x bound / measured
 
 Each case is first checked against `mla_attention_ref` on its first rows (a small step with
-the same heads and contexts), then timed with triton.testing.do_bench: the whole op (decode
+the same heads and contexts), then timed with triton.testing.do_bench (--l2-flush read: the
+same with an L2 flush that reads, kernel_runs.read_flushed_bench): the whole op (decode
 kernel, and the split reduce when the context is split). Writes kernels_mla.json to --out
 after each case (a run cut short keeps what it measured).
 
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 
 from benchmarks.kernels.kernel_runs import (
+    L2_FLUSHES,
     SMOKE_HELP,
     Timer,
     device_ceilings,
@@ -299,6 +301,10 @@ def main() -> None:
     which.add_argument("--crossover", action="store_true",
                        help="time CROSSOVER_CASES (256-2,048 rows of 384-1,536 keys) instead "
                             "of CASES")
+    parser.add_argument("--l2-flush", choices=L2_FLUSHES, default="zero",
+                        help="how the timer empties the L2 before each call (kernel_runs: "
+                             "zero, do_bench's, leaves dirty lines the call writes back; read: "
+                             "a served step's clean L2)")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_mla")
@@ -315,7 +321,7 @@ def main() -> None:
                  else CASES)
         shape = {"latent": LATENT, "rope": ROPE, "block_size": args.block_size}
         heads = args.heads
-    timer = make_timer(args.smoke, warmup_ms=10, rep_ms=50)
+    timer = make_timer(args.smoke, warmup_ms=10, rep_ms=50, flush=args.l2_flush)
     from benchmarks.engine.w1_offline import environment
 
     os.makedirs(args.out, exist_ok=True)
@@ -324,7 +330,8 @@ def main() -> None:
                                "ceilings": ceilings.name, "copy_tbps": COPY_TBPS,
                                "dense_tflops": DENSE_TFLOPS,
                                "timer": "one eager call (smoke)" if args.smoke
-                               else "triton.testing.do_bench, warmup 10 ms, rep 50 ms"},
+                               else f"mean after an L2 flush by {args.l2_flush} "
+                                    "(kernel_runs.make_timer), warmup 10 ms, rep 50 ms"},
                     "cases": []}
     path = os.path.join(args.out, "kernels_mla.json")
     tiles = [parse_tile(t) for t in args.tiles] if args.tiles else [None]
