@@ -104,3 +104,29 @@ def test_a_vec_form_runs_its_kernel_with_vector_stores_on_then_off(monkeypatch) 
     out = kernels_mla.decode_op(q, cache, meta, 32, cfg, "split-vec")()
     assert seen == [(True, "split")] and not decode_gluon.vector_stores
     assert out.shape == (2, 2, 32)
+
+
+def test_the_auto_form_times_the_launchers_own_pick(tmp_path, monkeypatch) -> None:
+    """"auto" with no --tiles hands mla_attention_triton no tile (a tile would force its Triton
+    kernel on sm90, not the Gluon kernels a served step runs); with --tiles, that tile."""
+    from moeserve.kernels.attention.mla import absorbed_triton
+
+    seen = []
+    real = absorbed_triton.mla_attention_triton
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("decode_config"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(absorbed_triton, "mla_attention_triton", spy)
+    monkeypatch.setattr(sys, "argv", ["kernels_mla", "--out", str(tmp_path), "--smoke",
+                                      "--l2-flush", "read"])
+    kernels_mla.main()
+    result = json.loads((tmp_path / "kernels_mla.json").read_text())
+    assert seen and all(cfg is None for cfg in seen)
+    assert result["config"]["l2_flush"] == "read"
+    assert all(c["kernel"] in absorbed_triton.DECODE_FORMS for c in result["cases"])  # CPU
+    seen.clear()
+    monkeypatch.setattr(sys, "argv", ["kernels_mla", "--out", str(tmp_path), "--smoke",
+                                      "--tiles", "16,16,2,1"])
+    kernels_mla.main()
+    assert seen and all(cfg == kernels_mla.parse_tile("16,16,2,1") for cfg in seen)

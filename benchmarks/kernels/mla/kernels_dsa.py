@@ -79,6 +79,7 @@ import torch
 
 # none imports triton (the kernels do on first use, after --smoke set the interpreter)
 from benchmarks.kernels.kernel_runs import (
+    L2_FLUSHES,
     SMOKE_HELP,
     Timer,
     device_ceilings,
@@ -448,17 +449,20 @@ def main() -> None:
                         help="only these decode cases (e.g. decode_b32_ctx8k)")
     parser.add_argument("--tiles", nargs="+", default=[], metavar="BM,BN,W,S",
                         help="also time the decode step's sparse MLA at these TileConfigs")
+    parser.add_argument("--l2-flush", choices=L2_FLUSHES, default="zero",
+                        help="the timer's L2 flush (kernel_runs; kernels_mla's flag)")
     args = parser.parse_args()
     device = run_device(args.smoke, "kernels_dsa")
     global COPY_TBPS
     ceilings = device_ceilings(device)
     COPY_TBPS = ceilings.bytes_per_s / 1e12
     cases, decode_cases = (SMOKE, SMOKE_DECODE) if args.smoke else (CASES, DECODE_CASES)
-    timer = make_timer(args.smoke, warmup_ms=25, rep_ms=100)
+    timer = make_timer(args.smoke, warmup_ms=25, rep_ms=100, flush=args.l2_flush)
     from benchmarks.engine.w1_offline import environment
 
     os.makedirs(args.out, exist_ok=True)
     result: dict = {"environment": environment(), "ceilings": ceilings.name,
+                    "l2_flush": args.l2_flush,
                     "copy_tbps": COPY_TBPS, "shape": {
         "heads": HEADS, "dim": DIM, "block_size": BLOCK, "topk": TOPK}, "cases": []}
     path = os.path.join(args.out, "kernels_dsa.json")

@@ -138,19 +138,23 @@ def check(ctx: list[int], heads: int, latent: int, rope: int, block: int, device
     return err
 
 
+# decode_gluon.decode_kernel's names -> this benchmark's form for the kernel a served step runs
+SERVED_GLUON = {"swapped": "gluon-swapped", "ws": "gluon-ws", "gluon": "gluon"}
 # form suffixes: (suffix, decode_gluon's module switch, its value while timed)
 SWITCHES = (("-vec", "vector_stores", True), ("-lf", "longest_first", True),
             ("-so", "longest_first", False))
 
 
 def decode_op(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, latent: int,
-              cfg: mla_triton.TileConfig, form: str):
+              cfg: mla_triton.TileConfig | None, form: str):
     """The decode step as a call: mla_attention_triton in `form`, or ("gluon", "gluon-overlap")
     decode_gluon at cfg's keys a tile and stages, or its swapped variant ("-vec": with
     decode_gluon.vector_stores; "-lf" / "-so": decode_gluon.longest_first on / off, rows
     longest context first / in step order). "auto": what a
     served step runs, mla_attention_triton's own pick (on sm90 decode_gluon.decode_gluon's
-    dispatch: the swapped kernel to 32 heads, the warp-specialized one past 1,024 keys)."""
+    dispatch: the swapped kernel to 32 heads, the warp-specialized one past 1,024 keys) when
+    cfg is None; a Triton tile given to "auto" forces absorbed_triton's split or flat kernel
+    (as every "auto" row measured before session 57)."""
     for suffix, switch, value in SWITCHES:
         if form.endswith(suffix):
             return _switched(decode_op(q, cache, meta, latent, cfg, form.removesuffix(suffix)),
@@ -212,9 +216,12 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
         while strip := next((s for s, _, _ in SWITCHES if form.endswith(s)), None):
             form, suffix = form.removesuffix(strip), strip + suffix
         served = form == "auto"  # timed as served; the form it maps to for the record
-        if served:
+        if served:  # the kernel a served step runs (decode_gluon's own dispatch on sm90)
             form = mla_triton.auto_decode_form(heads, batch,
                                                decode_gluon.supports(q, cache, latent))
+            if form == "gluon" and tile is None:
+                form = SERVED_GLUON[decode_gluon.decode_kernel(q, cache, latent,
+                                                               meta.max_seq_len)]
         if (form == "flat" and heads > mla_triton.FLAT_MAX_HEADS) or (
                 form == "gluon-swapped" and heads > SWAPPED_HEADS):
             continue
@@ -237,7 +244,8 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
                 continue
         head_tiles = 1 if form == "flat" else mla_triton.head_tiles(heads, cfg.block_m)[0]
         timed = ("auto" if served else form) + suffix
-        err = check(ctx, heads, latent, rope, block, device, dtype, cfg, timed, cache_dtype)
+        op_cfg = None if served and tile is None else cfg  # None: the launcher's own pick
+        err = check(ctx, heads, latent, rope, block, device, dtype, op_cfg, timed, cache_dtype)
         waves = (decode_gluon.DECODE_WAVES if form.startswith("gluon")
                  else reduce_triton.DECODE_WAVES)
         if form == "gluon-swapped":  # two programs an SM with one key stage
@@ -245,9 +253,10 @@ def run_case(name: str, batch: int, context: int | str, heads: int, shape: dict,
         splits = (None if form == "flat"
                   else mla_triton.decode_num_splits(batch, head_tiles, meta.max_seq_len,
                                                     q.device, waves=waves))
-        ms = timer(decode_op(q, cache, meta, latent, cfg, timed))
+        ms = timer(decode_op(q, cache, meta, latent, op_cfg, timed))
         rows.append({
-            "case": name, "form": timed, "heads": heads, "batch": batch, "context": context,
+            "case": name, "form": timed, "kernel": form, "heads": heads, "batch": batch,
+            "context": context,
             "mean_context": round(float(np.mean(ctx)), 1), "splits": splits,
             "head_tiles": head_tiles, "tile": dataclasses.asdict(cfg),
             "check_error": err, "ms": round(ms, 4),

@@ -31,13 +31,10 @@ Where `supports` holds, the Triton launcher's "auto" decode form runs decode_glu
 prefill: gpu_5bd5ebf/call6-7), and DSA's sparse attention sparse_gluon
 (dsa/sparse_triton.dsa_attention_triton). The overlap measured no faster and stays off.
 Gluon is imported on first use (`_kernels`); the kernel's parts (query rows, key tiles'
-copies, scores, online softmax) are in gluon_parts.py, shared with decode_gluon_swapped.py. A
-persistent form (one program an SM whose rows form one key stream) measured no faster at W1's
-contexts and slower at 4k keys (benchmarks/results/gpu_c432eb0/call1) and was removed (it is in
-git's history at c432eb0). A block-table prefetch (each key tile's cache rows loaded an
-iteration ahead of its copies, here and in the swapped kernel) measured slower in all cases but
-one (gpu_70a3760/call1; 20 heads: 53-62% of the bound against 62-74% at batch 256-2,048) and
-was removed (it is in git's history at 941ba87).
+copies, scores, online softmax) are in gluon_parts.py, shared with decode_gluon_swapped.py.
+Removed after measuring slower (in git's history): a persistent form (one program an SM, its
+rows one key stream; gpu_c432eb0/call1, at c432eb0), a block-table prefetch (each tile's cache
+rows an iteration ahead; gpu_70a3760/call1, 20 heads 53-62% against 62-74%, at 941ba87).
 """
 
 from __future__ import annotations
@@ -79,13 +76,11 @@ swapped = envs.mla_decode_swapped()
 # of P V); MOESERVE_MLA_DECODE_WS=0 keeps them here. The choice is the launch's, by max_seq_len:
 # a served decode's CUDA graph is captured per context bound, one of them WS_SHORT_CONTEXT
 # (`kernel_bounds`, runner/cuda_graphs.py), so a step of short rows replays a graph of this
-# kernel. On the H200 (benchmarks/results/gpu_fc67c12/call1, kernels_mla, share of the bound,
-# this kernel -> it): 4,096 keys at 256-2,048 rows 70.0-72.1 -> 78.2-82.9% at 64 heads,
-# 47.7-48.4 -> 53.8-55.7% at 128; 1,024 keys level or faster in 5 of 6 cases (-0.9 to +2.7
-# points); W1's short contexts (129-256 keys, about 3 key tiles a row) 36.7 / 41.9 -> 29.9 /
-# 33.7% at 64 heads: slower, so they stay here; 1,024 keys stay here, level either way. The
-# crossover (gpu_e6ddc73/call3, kernels_mla --crossover): 64 heads 1-19% slower there at 384-768
-# keys, 3-6% faster at 1,536; 128 heads level or faster from 768 (-1 to +3%), 7-8% at 1,536.
+# kernel. H200 (gpu_fc67c12/call1, share of the bound, this kernel -> it): 4k keys at 256-2,048
+# rows 70.0-72.1 -> 78.2-82.9% at 64 heads, 47.7-48.4 -> 53.8-55.7% at 128; 1k level (-0.9 to
+# +2.7 points); W1's contexts 36.7 / 41.9 -> 29.9 / 33.7% at 64 heads (they stay here). The
+# crossover (gpu_e6ddc73/call3): 64 heads 1-19% slower at 384-768 keys, 3-6% faster at 1,536;
+# 128 heads -1 to +3% from 768, 7-8% at 1,536.
 ws = envs.mla_decode_ws()
 WS_SHORT_CONTEXT = 1024
 # DSA's sparse MLA of more than 32 heads by decode_gluon_ws.py's kernel too (`sparse_ws`, at
@@ -96,18 +91,16 @@ WS_SHORT_CONTEXT = 1024
 # over W3's chunks (kernels_dsa_prefill's sparse_mla_ws_ms), 4.4-7.2% faster on the H100
 # (gpu_b8a5462/call2: 7.87 -> 7.52, 6.64 -> 6.17, 1.023 -> 0.977 ms)
 ws_sparse = ws
-# the decode forms' output (and split partials) stored from a layout of 8 consecutive latent
-# columns a thread (16-byte stores; 16 STG a thread at 64 heads instead of 64, the same shared
-# memory, 200 -> 216 registers, sm90 offline); MOESERVE_MLA_VECTOR_STORES=0 keeps the
-# accumulator's layout, for A/Bs. On the H200 (gpu_7c427c9/call3, kernels_mla): W1's contexts
-# at 1,024 / 2,048 rows 32.6 / 36.0% -> 38.7 / 42.1% of the bound at 64 heads, 23.5 / 25.0% ->
-# 28.4 / 29.7% at 128, 47.0 / 52.1% -> 48.8 / 52.9% at 20 (swapped); 1k contexts +1.5 to +3.2
-# points at 64 and 128 heads; 4k contexts within -1.7 / +1.1 points; DSA's decode step
-# unchanged. The prefill form (prefill_gluon.py) keeps the accumulator's stores (255 registers).
+# the decode forms' output (and split partials) stored from 8 consecutive latent columns a
+# thread (16-byte stores; 200 -> 216 registers); MOESERVE_MLA_VECTOR_STORES=0 keeps the
+# accumulator's layout, for A/Bs. H200 (gpu_7c427c9/call3), W1's contexts at 1,024 / 2,048
+# rows: 64 heads 32.6 / 36.0 -> 38.7 / 42.1% of the bound, 128 23.5 / 25.0 -> 28.4 / 29.7, 20
+# (swapped) 47.0 / 52.1 -> 48.8 / 52.9; 1k +1.5 to +3.2 points; 4k within -1.7 / +1.1. The
+# prefill form (prefill_gluon.py) keeps the accumulator's stores (255 registers).
 vector_stores = envs.mla_vector_stores()
 # rows longest context first (metadata.longest_first; =0 in MOESERVE_DECODE_LONGEST_FIRST: step
-# order): H100 W1 contexts -3.5 / -3.0 / -2.9% at 20 / 64 / 128 heads x 1,024 rows, uniform
-# ones within -1.7 / +1.8% (gpu_6b1031a/call2); W1 glm-4.7-flash c1024 level (gpu_43c198d)
+# order): W1 glm-4.7-flash c1024 level (gpu_43c198d). (The kernel-alone A/B, gpu_6b1031a/call2,
+# timed absorbed_triton's split kernel: kernels_mla's "auto" passed a Triton tile until 57.)
 longest_first = envs.decode_longest_first(default=True)
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -170,6 +163,16 @@ def kernel_bounds(num_heads: int, latent_cache: torch.Tensor, kv_lora_rank: int
     return {WS_SHORT_CONTEXT: "MLA decode past it warp-specialized (decode_gluon_ws)"}
 
 
+def decode_kernel(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int,
+                  max_seq_len: int, default_tile: bool = True) -> str:
+    """`decode_gluon`'s kernel for these queries: "swapped" (at most 32 heads), "ws" (rows
+    past WS_SHORT_CONTEXT keys) or "gluon" (this module's; at a tile not the default too)."""
+    heads = q.shape[1]
+    long_ws = ws and max_seq_len > WS_SHORT_CONTEXT and _ws().takes(q, latent_cache, kv_lora_rank)
+    return ("gluon" if not default_tile else "swapped" if swapped and _swapped().takes(heads)
+            else "ws" if long_ws and _ws().takes_heads(heads, q.device) else "gluon")
+
+
 def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, kv_lora_rank: int, out: torch.Tensor,
                  rows: torch.Tensor | None, num_rows: int, max_seq_len: int,
@@ -182,15 +185,12 @@ def decode_gluon(q: torch.Tensor, latent_cache: torch.Tensor, meta: AttentionMet
     3); the same result."""
     if longest_first and num_rows > 1:  # the same rows, another launch order
         rows = metadata.longest_first(meta, rows)
-    if swapped and block_n is None and stages is None and not overlap and (
-            _swapped().takes(q.shape[1])):
-        return _swapped().decode_swapped(q, latent_cache, meta, scale, kv_lora_rank, out, rows,
-                                         num_rows, max_seq_len, num_splits)
-    if ws and block_n is None and stages is None and not overlap and (
-            max_seq_len > WS_SHORT_CONTEXT and _ws().takes(q, latent_cache, kv_lora_rank)
-            and _ws().takes_heads(q.shape[1], q.device)):
-        return _ws().decode_ws(q, latent_cache, meta, scale, kv_lora_rank, out, rows, num_rows,
-                               max_seq_len, num_splits)
+    kernel = decode_kernel(q, latent_cache, kv_lora_rank, max_seq_len,
+                           block_n is None and stages is None and not overlap)
+    if kernel != "gluon":
+        launch = _swapped().decode_swapped if kernel == "swapped" else _ws().decode_ws
+        return launch(q, latent_cache, meta, scale, kv_lora_rank, out, rows, num_rows,
+                      max_seq_len, num_splits)
     block_n, stages = tile(block_n, stages, overlap)
     _check(q, latent_cache, kv_lora_rank, stages, overlap)
     num_head_tiles = -(-q.shape[1] // BLOCK_H)
