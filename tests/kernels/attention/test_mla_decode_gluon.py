@@ -122,6 +122,27 @@ def test_refuses_what_it_cannot_take_by_name() -> None:
                                    case.meta.query_start_loc, 1)
 
 
+def test_decode_kernel_names_the_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_kernel (decode_gluon's dispatch, and kernels_mla's name for a served row): the
+    swapped kernel to 32 heads, the warp-specialized one past WS_SHORT_CONTEXT keys where it
+    takes the call, this module's at a tile not the default or with the switches off."""
+    q20, q64, cache = torch.empty(2, 20, 576), torch.empty(2, 64, 576), torch.empty(4, 16, 576)
+    short, long = decode_gluon.WS_SHORT_CONTEXT, decode_gluon.WS_SHORT_CONTEXT + 1
+    monkeypatch.setattr(decode_gluon, "swapped", True)
+    monkeypatch.setattr(decode_gluon, "ws", True)
+    monkeypatch.setattr(decode_gluon_ws, "takes", lambda q, c, L: True)  # as on an sm90 GPU
+    monkeypatch.setattr(decode_gluon_ws, "min_heads", lambda device: 64)
+    assert decode_gluon.decode_kernel(q20, cache, 512, long) == "swapped"
+    assert decode_gluon.decode_kernel(q64, cache, 512, long) == "ws"
+    assert decode_gluon.decode_kernel(q64, cache, 512, short) == "gluon"
+    assert decode_gluon.decode_kernel(q20, cache, 512, long, default_tile=False) == "gluon"
+    assert decode_gluon.decode_kernel(q64, cache, 512, long, default_tile=False) == "gluon"
+    monkeypatch.setattr(decode_gluon, "swapped", False)
+    monkeypatch.setattr(decode_gluon, "ws", False)
+    assert decode_gluon.decode_kernel(q20, cache, 512, long) == "gluon"
+    assert decode_gluon.decode_kernel(q64, cache, 512, long) == "gluon"
+
+
 @pytest.mark.parametrize(("num_heads", "want"), [(20, (1, 20, 3)), (16, (1, 16, 4)),
                                                  (64, (1, 64, 1)), (128, (2, 64, 1)),
                                                  (96, (2, 48, 1))])
