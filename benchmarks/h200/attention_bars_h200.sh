@@ -32,5 +32,6 @@ for r in runs.get("read", []):
           f"{r['pct_of_bound']}% (zeroed: {z.get('pct_of_bound')}%)")
 path = os.path.join(out, "dsa_flush.json")
 for s in json.load(open(path))["steps"] if os.path.exists(path) else []:
-    print(f"DSA {s['case']:<20} {s['step_ms']} ms {s['pct_of_bound']} % of {s['read_bound_ms']} ms")
+    print(f"DSA {s['case']:<20} {s['step_ms']} ms {s['pct_of_bound']} % of {s['read_bound_ms']} ms;"
+          f" alone (read flush): {s.get('parts_ms')} ms")
 PY

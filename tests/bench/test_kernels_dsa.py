@@ -93,6 +93,8 @@ def test_flush_smoke_run_times_each_step_and_read_after_each_flush(tmp_path, mon
     for row in result["steps"]:
         assert set(row["step_ms"]) == set(row["pct_of_bound"]) == set(L2_FLUSHES)
         assert row["read_bound_ms"] > 0 and all(ms > 0 for ms in row["step_ms"].values())
+        assert set(row["parts_ms"]) == {"scores", "indexer", "sparse_mla"}
+        assert all(ms > 0 for ms in row["parts_ms"].values())
     (read,) = result["reads"]
     assert read["megabytes"] > 0 and set(read["tbs"]) == set(L2_FLUSHES)
     monkeypatch.setattr(sys, "argv", ["dsa_flush", "--out", str(tmp_path), "--smoke",

@@ -10,7 +10,8 @@ weights (clean): the "read" flush is that state, the "zero" flush the figures so
 
 Each step is the one a full DSA layer runs (dsa_inputs.full_layer_step: the indexer's scores
 and top-k, then the sparse MLA) in a CUDA graph, its scores as wide as the served graph's
-context bound, at the default PDL level. Writes dsa_flush.json to --out.
+context bound, at the default PDL level; its phases are also timed alone (`parts_ms`, read
+flush: the scores, scores + top-k, the sparse MLA). Writes dsa_flush.json to --out.
 
     python -m benchmarks.kernels.mla.dsa_flush --out DIR [--cases decode_b32_ctx8k ...]
     python -m benchmarks.kernels.mla.dsa_flush --out DIR --smoke   # tiny shapes, CPU interpreter
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 
 import torch
@@ -27,6 +29,7 @@ import torch
 from benchmarks.kernels.kernel_runs import (
     L2_FLUSHES,
     SMOKE_HELP,
+    Timer,
     device_ceilings,
     graph_timed,
     make_timer,
@@ -77,7 +80,31 @@ def step_case(name: str, batch: int, context: int, device: str, timers: dict,
     times = {flush: round(graph_timed(timer, step, cuda), 4) for flush, timer in timers.items()}
     return {"case": name, "batch": batch, "context": context, "graph_bound": bound,
             "read_bound_ms": float(f"{bound_ms:.4g}"), "step_ms": times,
-            "pct_of_bound": {f: round(100 * bound_ms / ms, 1) for f, ms in times.items()}}
+            "pct_of_bound": {f: round(100 * bound_ms / ms, 1) for f, ms in times.items()},
+            "parts_ms": step_parts((q_i, w, index_cache, wide, q, cache), latent, topk,
+                                   timers["read"], cuda)}
+
+
+def step_parts(inputs: tuple, latent: int, topk: int, timer: Timer, cuda: bool) -> dict:
+    """The step's phases each alone in a graph (read flush): the indexer's scores, scores
+    and top-k (`indexer`; the top-k's share is the difference), the sparse MLA over the
+    indexer's selection (its queries' copies after its wait: no queries_made_earlier)."""
+    from moeserve.kernels.attention.dsa import indexer_triton, sparse_triton
+
+    q_i, w, index_cache, meta, q, cache = inputs
+
+    def indexer() -> torch.Tensor:
+        return indexer_triton.indexer_topk_triton(q_i, w, index_cache, meta, DIM ** -0.5,
+                                                  topk)[0]
+
+    def scores() -> list[torch.Tensor]:
+        return [c for _, _, c in indexer_triton.index_score_chunks(q_i, w, index_cache, meta,
+                                                                   DIM ** -0.5)]
+    positions = indexer()
+    sparse = functools.partial(sparse_triton.dsa_attention_triton, q, cache, meta, positions,
+                               (128 + 64) ** -0.5, latent, packed=True)
+    parts = {"scores": scores, "indexer": indexer, "sparse_mla": sparse}
+    return {name: round(graph_timed(timer, fn, cuda), 4) for name, fn in parts.items()}
 
 
 def read_case(megabytes: float, device: str, timers: dict) -> dict:
