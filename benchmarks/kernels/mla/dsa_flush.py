@@ -42,12 +42,12 @@ from benchmarks.kernels.mla.kernels_dsa import (
     BLOCK,
     DECODE_CASES,
     LATENT,
-    MLA_HEADS,
     ROPE,
     SMOKE_DECODE,
-    TOPK,
+    decode_bound_ms,
+    decode_shape,
+    graph_bound,
 )
-from moeserve.runner.cuda_graphs import context_bounds
 
 # the bare reader's sizes (MB of contiguous latent rows) and launch (rows a program, warps:
 # gather_rate's fastest on the H100, gpu_1d87ba9)
@@ -61,22 +61,20 @@ def step_case(name: str, batch: int, context: int, device: str, timers: dict,
     """The case's decode step in a graph after each flush: {"step_ms": {flush: ms},
     "pct_of_bound": {flush: %}} beside its read bound."""
     cuda = device == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    block, topk = (BLOCK, TOPK) if cuda else (16, 8)
-    heads, latent, rope = (MLA_HEADS, LATENT, ROPE) if cuda else (4, 32, 16)
+    dtype, block, topk, heads, latent, rope = decode_shape(device)
     q_i, w, index_cache, meta = make_step([context - 1] * batch, [1] * batch, block, device,
                                           dtype, integers=False)
     q, cache = latent_inputs(batch, index_cache.shape[0], 5, heads=heads, width=latent + rope,
                              block=block, device=device, dtype=dtype)
-    bound = next(b for b in context_bounds(topk, 202752) if b >= context)
+    bound = graph_bound(topk, context)
     wide = dataclasses.replace(meta, max_seq_len=bound, derived={})
 
     def step() -> torch.Tensor:
         return full_layer_step(q_i, w, index_cache, wide, q, cache, DIM ** -0.5,
                                (128 + 64) ** -0.5, latent, topk)
     step()
-    nbytes = batch * (context * DIM + min(topk, context) * (latent + rope)) * q.element_size()
-    bound_ms = nbytes / copy_bps * 1e3
+    bound_ms = decode_bound_ms(batch, context, topk, DIM, latent + rope, q.element_size(),
+                               copy_bps / 1e12)[0]
     times = {flush: round(graph_timed(timer, step, cuda), 4) for flush, timer in timers.items()}
     return {"case": name, "batch": batch, "context": context, "graph_bound": bound,
             "read_bound_ms": float(f"{bound_ms:.4g}"), "step_ms": times,

@@ -243,19 +243,33 @@ def time_score_key_tiles(name: str, args: tuple, scores: torch.Tensor, timer: Ti
 
 
 def decode_bound_ms(batch: int, context: int, topk: int, index_dim: int, width: int,
-                    itemsize: int) -> tuple[float, float]:
-    """(DSA's read bound, dense MLA's) in ms for one decode step (module doc)."""
+                    itemsize: int, tbps: float | None = None) -> tuple[float, float]:
+    """(DSA's read bound, dense MLA's) in ms for one decode step (module doc), at `tbps`
+    (default COPY_TBPS, main()'s device's)."""
+    rate = (tbps or COPY_TBPS) * 1e12
     sparse = batch * (context * index_dim + min(topk, context) * width) * itemsize
     dense = batch * context * width * itemsize
-    return (sparse / (COPY_TBPS * 1e12) * 1e3, dense / (COPY_TBPS * 1e12) * 1e3)
+    return (sparse / rate * 1e3, dense / rate * 1e3)
+
+
+def decode_shape(device: str) -> tuple[torch.dtype, int, int, int, int, int]:
+    """(dtype, cache block, topk, MLA heads, latent L, rope R) of the decode cases: GLM-5's on
+    the GPU, tiny ones on the CPU interpreter."""
+    if device == "cuda":
+        return torch.bfloat16, BLOCK, TOPK, MLA_HEADS, LATENT, ROPE
+    return torch.float32, 16, 8, 4, 32, 16
+
+
+def graph_bound(topk: int, context: int) -> int:
+    """The served decode graph's context bound for rows of `context` (GLM-5's bounds): its
+    scores are that wide."""
+    return next(b for b in context_bounds(topk, 202752) if b >= context)
 
 
 def run_decode_case(name: str, batch: int, context: int, device: str,
                     timer: Timer, tiles: tuple = ()) -> dict:
     cuda = device == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    block, topk = (BLOCK, TOPK) if cuda else (16, 8)
-    heads, latent, rope = (MLA_HEADS, LATENT, ROPE) if cuda else (4, 32, 16)
+    dtype, block, topk, heads, latent, rope = decode_shape(device)
     scale, mla_scale = DIM ** -0.5, (128 + 64) ** -0.5
     rows = [context - 1] * batch, [1] * batch
 
@@ -339,7 +353,7 @@ def run_decode_case(name: str, batch: int, context: int, device: str,
     step()
     row["dsa_graph_ms"] = graph_timed(timer, step, cuda)
     # as served: the decode graph's max_seq_len is its context bound (GLM-5's), the scores' width
-    row["graph_bound"] = next(b for b in context_bounds(topk, 202752) if b >= context)
+    row["graph_bound"] = graph_bound(topk, context)
     wide = dataclasses.replace(meta, max_seq_len=row["graph_bound"], derived={})
     row["dsa_graph_bound_ms"] = graph_timed(timer, functools.partial(step, wide), cuda)
     if cuda:
