@@ -5,6 +5,7 @@ step, each checked against the references before it is timed."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -125,4 +126,4 @@ def test_read_flushed_bench_times_the_call_after_each_flush() -> None:
         calls.append(1)
         x.mul_(1.0)
     ms = read_flushed_bench(fn, warmup_ms=1, rep_ms=2)
-    assert 0 < ms < 1e3 and len(calls) >= 1 + 5 + 1 + 1
+    assert math.isfinite(ms) and ms > 0 and len(calls) >= 1 + 5 + 1 + 1
