@@ -175,8 +175,9 @@ def step_parts(llm: LLM, out: SchedulerOutput, events: list) -> dict:
         return {"step": step, "measured_ms": measured, "bounds": "no measured ceilings"}
     runner, model = llm.engine.runner, llm.engine.model_config
     quant = weights_format(llm.engine.cfg.quantization, model)  # the weights' bytes
+    folded = any(b.folded_shared for b in runner.model.moe_blocks())  # fold_shared_experts
     cost = step_cost(model, runner.dtype.itemsize, **step, quant=quant,
-                     kv_elem_bytes=runner.kv_dtype.itemsize)
+                     kv_elem_bytes=runner.kv_dtype.itemsize, shared_in_moe=folded)
     shares = part_shares(cost, ceilings, measured)
     return {"step": step, "parts": [s.to_dict() for s in shares], "line": describe(shares)}
 

@@ -106,3 +106,24 @@ def test_a_long_prefill_is_compute_bound_in_its_dense_and_attention_parts() -> N
     shares = {s.part: s for s in part_shares(cost, H200, {"dense": 10.0, "attention": 10.0})}
     assert shares["dense"].bound_kind == "compute"
     assert shares["moe"].bound_kind == "compute"
+
+
+def test_folded_shared_experts_count_in_the_moe_part() -> None:
+    """With fold_shared_experts the shared experts run in the MoE launch: their weights (always
+    read) and FLOPs move from the dense part's bound to the MoE part's; the step's totals stay."""
+    model = load_model_config("glm-4.7-flash")[0]
+    layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    shared = layers * 3 * model.hidden_size * model.shared_expert_intermediate_size
+    assert shared > 0
+    apart, folded = (step_cost(model, 2, 8192, 1190, 1190, 157.0, shared_in_moe=f)
+                     for f in (False, True))
+    assert folded.bytes == pytest.approx(apart.bytes)
+    assert folded.flops == pytest.approx(apart.flops)
+    assert folded.expert_bytes - apart.expert_bytes == pytest.approx(2 * shared)
+    assert apart.dense_bytes - folded.dense_bytes == pytest.approx(2 * shared)
+    assert folded.expert_flops - apart.expert_flops == pytest.approx(2 * 8192 * shared)
+    assert apart.dense_flops - folded.dense_flops == pytest.approx(2 * 8192 * shared)
+    moe = {s.part: s for s in part_shares(folded, H200, {"moe": 50.0, "dense": 30.0})}
+    moe_apart = {s.part: s for s in part_shares(apart, H200, {"moe": 50.0, "dense": 30.0})}
+    assert moe["moe"].bound_ms > moe_apart["moe"].bound_ms
+    assert moe["dense"].bound_ms < moe_apart["dense"].bound_ms

@@ -7,7 +7,8 @@ device's ceilings, and how close a run came.
                  shared experts, lm_head, the embedding rows looked up) + the KV cache of the
                  batch (batch x context x layers x cached values a token: 2 x kv heads x head
                  dim, or MLA's latent L + R; DSA: the latents of min(context, index_topk)
-                 positions, and every context position's indexer key in each full layer)
+                 positions, and every context position's indexer key in each full layer);
+                 shared_in_moe (folded shared experts): theirs in the expert part, not the dense
         FLOPs  = 2 x active parameters per token (lm_head only for the `rows` that sample)
                  + attention over the context (2 x context x heads x (qk dims + v dims) per
                  layer: 4 x head dim for GQA; (L + R) + L for MLA's absorbed decode; DSA: over
@@ -120,17 +121,20 @@ class StepCost:
 
 def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, batch: float,
               context: float, quant: str | None = None,
-              kv_elem_bytes: int | None = None) -> StepCost:
+              kv_elem_bytes: int | None = None, shared_in_moe: bool = False) -> StepCost:
     """Bytes and FLOPs of one step (see the module docstring). kv_elem_bytes: the KV cache's
     element size when it is not the model's (1: kv_cache_dtype="fp8"; DSA's indexer keys stay
-    in the model's dtype)."""
+    in the model's dtype). shared_in_moe (the engine's fold_shared_experts, where it folded
+    them): the shared experts' weights and FLOPs count in the MoE part, whose launch runs them
+    (every one read: always selected), not in the dense part; the step's totals are the same."""
     h, d = model.hidden_size, model.head_dim
     attn_params = model.attention_params()
     expert_params = 3 * h * model.moe_intermediate_size
     moe_layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i))
     dense_layers = model.num_layers - moe_layers
+    shared_params = moe_layers * 3 * h * model.shared_expert_intermediate_size
     projections = (model.num_layers * attn_params + dense_layers * 3 * h * model.intermediate_size
-                   + moe_layers * 3 * h * model.shared_expert_intermediate_size)  # + shared
+                   + (0 if shared_in_moe else shared_params))  # + shared, unless folded
     dense_params = projections + moe_layers * model.num_experts * h  # + the routers
     weight_bytes = dtype_bytes if quant is None else QUANT_BYTES[quant]
     if quant is not None and model.mla is not None:  # kv_b stays in the engine's dtype
@@ -158,11 +162,13 @@ def step_cost(model: ModelConfig, dtype_bytes: int, tokens: float, rows: float, 
                   + index_flops)
     return StepCost(
         tokens=tokens, rows=rows, batch=batch, context=context,
-        expert_bytes=moe_layers * touched * expert_params * weight_bytes,
+        expert_bytes=(moe_layers * touched * expert_params
+                      + (shared_params if shared_in_moe else 0)) * weight_bytes,
         dense_bytes=((dense_params - projections + lm_head + min(tokens, model.vocab_size) * h)
                      * dtype_bytes + projections * weight_bytes),
         kv_bytes=batch * kv_per_row,
-        expert_flops=2.0 * tokens * moe_layers * model.num_experts_per_tok * expert_params,
+        expert_flops=2.0 * tokens * (moe_layers * model.num_experts_per_tok * expert_params
+                                     + (shared_params if shared_in_moe else 0)),
         dense_flops=2.0 * tokens * dense_params + 2.0 * rows * lm_head,
         attention_flops=tokens * attn_flops,
         attention_io_bytes=(tokens * model.num_layers * model.num_heads * (qk_dim + v_dim)
