@@ -263,11 +263,16 @@ class EngineConfig:
     appended to the routed stack as always-selected experts (one per routed width of the
     shared width, weight 1), so the block is one MoE op with no separate MLP and no extra
     part. bf16 experts without expert parallelism only (the capacity report says why not
-    otherwise). Off until measured on the H200."""
+    otherwise). Off: on the H200, W1 on glm-4.7-flash moved -0.4 / +1.3 / +0.9 points at 256 /
+    512 / 1,024 streams, within one run's noise (benchmarks/results/gpu_70a3760/); a knob of
+    `moeserve tune`'s space."""
     mixed_cuda_graphs: bool = False
     """Mixed (prompt + decode) steps replay piecewise CUDA graphs: one graph per piece between
     two attentions, at token-count buckets up to the step's token budget, each attention run
-    eagerly between them (runner/mixed_graphs.py). Off until measured on the H200."""
+    eagerly between them (runner/mixed_graphs.py). Off: on the H200, W1 on qwen3-30b-a3b at
+    99.0-99.8% of the defaults' medians at 256-2,048 streams, three alternated repetitions
+    (benchmarks/results/gpu_ed8f6d2/), and glm-4.7-flash at 1,024 one run 50.5% against 51.5%
+    (gpu_7c427c9/)."""
     cuda_graph_max_batch_size: int | str = "auto"
     """Largest decode batch captured in a CUDA graph; "auto" = max_running_requests (capped by
     the step's token budget), so every decode batch the scheduler can form has a graph."""
