@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from moeserve.config import load_model_config
@@ -35,6 +38,50 @@ KERNELS = {
     "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda": "other",
     "Memcpy HtoD (Pinned -> Device)": "other",
 }
+
+
+# every kernel moeserve defines (a function named _..._kernel under moeserve/kernels), by the
+# part its device time belongs to: a kernel added or renamed must be placed here (and in
+# step_parts._PATTERNS), or the step profile would count it as "other" unseen, as it did the
+# warp-specialized MLA decode, DSA's bisect top-k and the MoE's align until session 58
+OWN_KERNELS = {
+    "_bisect_kernel": "attention", "_combine_kernel": "attention",
+    "_decode_kernel": "attention", "_decode_reduce_kernel": "attention",
+    "_flat_decode_kernel": "attention", "_index_score_kernel": "attention",
+    "_mla_swapped_kernel": "attention", "_prefill_kernel": "attention",
+    "_radix_coop_kernel": "attention", "_radix_count_kernel": "attention",
+    "_radix_gather_kernel": "attention", "_radix_hist_kernel": "attention",
+    "_radix_last_levels_kernel": "attention", "_radix_row_kernel": "attention",
+    "_radix_write_kernel": "attention", "_slots_kernel": "attention",
+    "_sparse_attention_kernel": "attention", "_ws_kernel": "attention",
+    "_count_kernel": "moe", "_fused_moe_kernel": "moe", "_fused_moe_quant_kernel": "moe",
+    "_moe_fp8_kernel": "moe", "_moe_fp8_ws_kernel": "moe", "_moe_ws_kernel": "moe",
+    "_offsets_kernel": "moe", "_one_kernel": "moe", "_route_kernel": "moe",
+    "_route_sigmoid_kernel": "moe", "_scatter_kernel": "moe", "_zero_rows_kernel": "moe",
+    "_matmul_kernel": "dense", "_scale_columns_kernel": "dense", "_w4a16_kernel": "dense",
+    "_keys_kernel": "norm_rope", "_mla_rope_cache_kernel": "norm_rope",
+    "_q_rope_kernel": "norm_rope", "_qk_rope_kv_kernel": "norm_rope",
+    "_rms_norm_kernel": "norm_rope", "_rope_kernel": "norm_rope",
+    "_dequant_kernel": "other", "_quantize_kernel": "other", "_silu_mul_kernel": "other",
+}
+
+
+def _defined_kernels() -> set[str]:
+    """The names of the kernel functions under moeserve/kernels (`def _..._kernel(`), the
+    loaders `_kernel()` / `_zero_kernel()` that jit them left out (they take no arguments)."""
+    root = Path(__file__).resolve().parents[2] / "moeserve" / "kernels"
+    pattern = re.compile(r"^\s*def (_\w*_kernel)\((?!\))", re.MULTILINE)
+    return {m.group(1) for f in root.rglob("*.py") for m in pattern.finditer(f.read_text())}
+
+
+def test_every_own_kernel_is_placed_in_its_part() -> None:
+    defined = _defined_kernels()
+    assert len(defined) > 30  # the scan found the kernels
+    assert defined == set(OWN_KERNELS), (
+        f"kernels not in OWN_KERNELS: {sorted(defined - set(OWN_KERNELS))}; listed but not "
+        f"defined: {sorted(set(OWN_KERNELS) - defined)}")
+    wrong = {n: part_of(n) for n, part in OWN_KERNELS.items() if part_of(n) != part}
+    assert not wrong, f"placed in the wrong part: {wrong}"
 
 
 @pytest.mark.parametrize(("name", "part"), list(KERNELS.items()))
