@@ -62,7 +62,8 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 class _Request(BaseModel):
     # NOTE: the attribute docstrings become the fields' descriptions in /openapi.json
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
 
 # The error of a passive field at any other value (its type allows only the neutral one).

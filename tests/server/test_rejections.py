@@ -159,6 +159,21 @@ def test_passive_fields_at_their_neutral_value_are_accepted(http: httpx.Client) 
     assert out["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.parametrize("field,literal", [("temperature", "NaN"), ("top_p", "Infinity"),
+                                           ("min_p", "-Infinity")])
+def test_non_finite_numbers_are_refused_by_name(http: httpx.Client, field: str,
+                                                literal: str) -> None:
+    """Python's json (and others) write NaN and Infinity, which the body's parser reads: a
+    400 saying the number is not finite, not a range error about a value that has none."""
+    body = f'{{"prompt": "Hi", "max_tokens": 2, "{field}": {literal}}}'.encode()
+    before = engine_stats(http)
+    r = http.post(COMPLETIONS, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and "finite number" in error["message"], error
+    assert engine_stats(http)["num_steps"] == before["num_steps"]
+
+
 def test_unknown_model_is_404(http: httpx.Client) -> None:
     error = rejected(http, COMPLETIONS, {"model": "gpt-4", "prompt": "Hi"}, status=404)
     assert error["param"] == "model" and "tiny-moe" in error["message"]

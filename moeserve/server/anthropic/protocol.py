@@ -25,7 +25,8 @@ MIN_THINKING_BUDGET = 1024  # Anthropic's own minimum
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
 
 class CacheControl(_Request):
@@ -124,7 +125,8 @@ _ROLE_RULES = [
 
 
 class Message(_Request):
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True,
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True,
                               json_schema_extra={"allOf": _ROLE_RULES})
 
     role: Literal["user", "assistant"]

@@ -25,7 +25,8 @@ Status = Literal["in_progress", "completed", "incomplete"]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
 
 class InputText(_Request):
