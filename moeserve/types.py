@@ -15,6 +15,8 @@ from typing import Any
 from moeserve.structured.spec import StructuredOutput
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # token ids a request may bias (each costs host work every step)
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (vLLM's floor): dividing the
 # logits by it would overflow fp32 (1e-39 gives inf logits and a NaN softmax)
 
@@ -49,6 +51,10 @@ class SamplingParams:
     out either way). Text side only: the detokenizer reads it, the engine never sees it."""
     structured: StructuredOutput | None = None
     """Hold the output to a JSON schema, a regex, a choice or a grammar (structured/)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs (or a dict id -> bias): each bias, in [-100, 100], is added to its
+    token's logit before sampling, greedy rows included (OpenAI's logit_bias; -100 all but bans
+    a token, +100 all but forces it). At most MAX_LOGIT_BIAS distinct ids."""
     reasoning_budget: tuple[int, int, int] | None = None
     """(end token id, N, start token id or -1): at most N tokens of reasoning before its end
     token, the next then forced to be it (Anthropic's thinking budget_tokens). The reasoning
@@ -81,6 +87,7 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         budget = self.reasoning_budget
         if budget is not None:
             budget = tuple(budget)
@@ -96,6 +103,29 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """SamplingParams.logit_bias as sorted (id, bias) pairs; ValueError naming what is wrong."""
+    pairs = list(value.items()) if isinstance(value, dict) else list(value)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(pairs)} tokens; at most {MAX_LOGIT_BIAS}")
+    out = []
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}")
+        token, bias = pair
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias token ids must be integers >= 0, got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) \
+                or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, "
+                             f"{LOGIT_BIAS_LIMIT:g}], got {bias!r} for token {token}")
+        out.append((token, float(bias)))
+    out.sort()
+    if any(a[0] == b[0] for a, b in zip(out, out[1:])):
+        raise ValueError("logit_bias names a token id twice")
+    return tuple(out)
 
 
 class FinishReason(str, enum.Enum):

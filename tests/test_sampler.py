@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from moeserve.layers.sampler import (
     random_uniform,
     sample,
 )
-from moeserve.runner.step_sampling import sample_step
+from moeserve.runner.step_sampling import add_logit_bias_, sample_step
 from moeserve.types import SamplingParams
 from tests.cuda_graph import capture
 
@@ -290,3 +291,56 @@ def test_the_profiles_sampling_pass_samples_its_rows(monkeypatch) -> None:
     monkeypatch.setattr(step_sampling, "sample", spy)
     step_sampling.sample_random_logits(3, 40, torch.device("cpu"))
     assert shapes == [(3, 40)]
+
+
+def test_logit_bias_moves_greedy_and_random_rows_and_the_logprobs() -> None:
+    """logit_bias is added to the row's logits before sampling: +100 forces a token on a greedy
+    row and on a random one, -100 bans the argmax, a row without one is untouched, and the
+    logprobs report the biased distribution."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    top = int(logits[2].argmax())
+    params = [SamplingParams(temperature=0.0, logit_bias={7: 100.0}, logprobs=1),
+              SamplingParams(temperature=1.0, seed=3, logit_bias=((11, 100.0),)),
+              SamplingParams(temperature=0.0, logit_bias={top: -100.0}),
+              SamplingParams(temperature=0.0)]
+    got = sample_step(logits.clone(), params, [0, 1, 2, 3], [5, 6, 7, 8], list("abcd"), {})
+    assert got.token_ids[0] == 7 and got.token_ids[1] == 11
+    second = int(logits[2].topk(2).indices[1])
+    assert got.token_ids[2] == second != top
+    assert got.token_ids[3] == int(logits[3].argmax())
+    biased = logits[0].clone()
+    biased[7] += 100.0
+    torch.testing.assert_close(got.logprobs.token_logprob[0],
+                               biased.log_softmax(-1)[7])
+
+
+def test_logit_bias_rounds_once_in_the_logits_dtype() -> None:
+    """bf16 logits: the sum is taken in fp32 and rounded once (not the bias rounded first)."""
+    logits = torch.full((1, 8), 3.0, dtype=torch.bfloat16)
+    params = [SamplingParams(temperature=0.0, logit_bias={2: 0.01})]
+    add_logit_bias_(logits, params)
+    assert logits[0, 2] == torch.tensor(3.0 + 0.01).to(torch.bfloat16)
+    assert torch.equal(logits[0, :2], torch.full((2,), 3.0, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(("bias", "message"), [
+    ({-1: 1.0}, "integers >= 0"), ({"5": 1.0}, "integers >= 0"), ({5: 100.5}, "[-100, 100]"),
+    ({5: float("nan")}, "[-100, 100]"), (((5, 1.0), (5, 2.0)), "twice"),
+    ({i: 1.0 for i in range(1025)}, "at most 1024"), (((5,),), "pairs"),
+])
+def test_logit_bias_is_validated(bias, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_crosses_to_the_engine_process() -> None:
+    import msgspec
+
+    from moeserve.engine.process.protocol import WireSamplingParams
+
+    params = SamplingParams(temperature=0.0, logit_bias={9: -3.5, 2: 100})
+    assert params.logit_bias == ((2, 100.0), (9, -3.5))
+    for p in (params, SamplingParams()):
+        wire = msgspec.msgpack.encode(WireSamplingParams.from_params(p))
+        assert msgspec.msgpack.decode(wire, type=WireSamplingParams).to_params() == p

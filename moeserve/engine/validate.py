@@ -24,6 +24,9 @@ def validate_request(prompt: list[int], params: SamplingParams, vocab_size: int,
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
     budget = params.reasoning_budget
     bad = None if budget is None else next(
         (t for t in (budget[0], budget[2]) if t >= vocab_size), None)

@@ -2,6 +2,8 @@
 belong to single requests kept to those requests.
 
     logits [R, V] --grammar rows masked (mask_tokens_, in place: the step's own logits)
+                  --logit_bias added (add_logit_bias_, in place: what is sampled and what
+                    the logprobs report, as with the mask)
                   --SamplingTensors.build + sample--> token_ids [R], logprobs, finite [R]
          | the batch call raised?
          '--> each row alone: the rows that raise alone fail (row_errors); the others are
@@ -69,6 +71,7 @@ def sample_step(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
     `grammar` masks its rows of `logits` in place (the caller's fresh logits of this step)."""
     if grammar is not None:
         mask_tokens_(logits, grammar.rows, grammar.bitmask)
+    add_logit_bias_(logits, params)
     if faults.get("nan"):
         logits = _inject_nan(logits, req_ids, faults["nan"])
     try:
@@ -76,6 +79,22 @@ def sample_step(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
     except Exception as batch_error:
         return _sample_row_by_row(logits, params, seeds, positions, req_ids, faults,
                                   batch_error)
+
+
+def add_logit_bias_(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Each row's SamplingParams.logit_bias added to its logits, in place (the step's own
+    logits [R, V], row j params[j]'s): the sum in fp32, rounded once to the logits' dtype (a
+    grammar's -inf stays -inf). No work when no row has a bias; otherwise one copy of the
+    (row, id, bias) triples to the device, no sync."""
+    biased = [(j, p.logit_bias) for j, p in enumerate(params) if p.logit_bias]
+    if not biased:
+        return
+    rows = np.concatenate([np.full(len(b), j, dtype=np.int64) for j, b in biased])
+    pairs = np.array([pair for _, b in biased for pair in b], dtype=np.float64)  # [N, 2]
+    device = logits.device
+    index = (to_device(rows, device), to_device(pairs[:, 0].astype(np.int64), device))
+    values = to_device(pairs[:, 1].astype(np.float32), device)
+    logits.index_put_(index, (logits[index].float() + values).to(logits.dtype))
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],

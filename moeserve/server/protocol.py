@@ -3,8 +3,8 @@
 Requests are parsed strictly: a field we do not support is an error (`extra="forbid"`), a value
 of the wrong JSON type is an error (`strict=True`: no "1" for 1, no 1.0 for an int), and every
 number and list is bounded, so bad input gets a 400 naming the field before it reaches the engine.
-Fields OpenAI clients send with no effect (penalties at 0, `best_of` 1, `echo` false, an empty
-`logit_bias`) are accepted at exactly those values and refused otherwise. Tools, tool calls and
+Fields OpenAI clients send with no effect (penalties at 0, `best_of` 1, `echo` false) are
+accepted at exactly those values and refused otherwise. Tools, tool calls and
 reasoning: server/agent/; `response_format` and `structured_outputs`: structured_output.py.
 `docs/openai-compat.md` lists every field.
 
@@ -46,7 +46,7 @@ from moeserve.server.agent.protocol import (
     ToolChoice,
 )
 from moeserve.server.structured_output import ResponseFormat, StructuredOutputs
-from moeserve.types import MAX_LOGPROBS
+from moeserve.types import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_N = 8
 MAX_CHOICES = 256  # prompts x n in one request
@@ -70,7 +70,6 @@ class _Request(BaseModel):
 _NEUTRAL = {
     "frequency_penalty": "is not supported (only 0 or null is accepted)",
     "presence_penalty": "is not supported (only 0 or null is accepted)",
-    "logit_bias": "is not supported (only {} or null is accepted)",
     "echo": "is not supported (only false is accepted)",
     "best_of": "is not supported (only 1 or null is accepted)",
 }
@@ -83,6 +82,21 @@ def _only_neutral(value: Any, handler: Any, info: ValidationInfo) -> Any:
         return handler(value)
     except ValueError:
         raise ValueError(_NEUTRAL[str(info.field_name)]) from None
+
+
+def _first_error(e: ValueError) -> str:
+    """A logit_bias error's first problem: the key that is not a token id, or the bias (of
+    which key) out of its range, or the map's size."""
+    errors = getattr(e, "errors", None)
+    if not callable(errors) or not errors():
+        return str(e)
+    first = errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    if loc[-1:] == ["[key]"]:
+        return f"{loc[0]!r} is not a token id"
+    if loc:
+        return f"{loc[0]!r}: {first['msg']}"
+    return first["msg"]
 
 
 class StreamOptions(_Request):
@@ -116,15 +130,37 @@ class SamplingFields(_Request):
     "json_schema": {"name": ..., "schema": {...}}}; {"type": "text"} holds it to nothing."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's structured outputs: exactly one of json, json_object, regex, choice, grammar."""
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+                               Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT,
+                                                      le=LOGIT_BIAS_LIMIT)]],
+                          Field(max_length=MAX_LOGIT_BIAS,
+                                json_schema_extra={"additionalProperties": False})] | None = None
+    """Token id (as a string) -> a bias in [-100, 100] added to that token's logit before
+    sampling, greedy included: -100 all but bans the token, +100 all but forces it. The
+    logprobs are of the biased logits."""
     # Passive fields: accepted only at the value that changes nothing.
     frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
-    @field_validator("frequency_penalty", "presence_penalty", "logit_bias", mode="wrap")
+    @field_validator("frequency_penalty", "presence_penalty", mode="wrap")
     @classmethod
     def _passive_shared(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
         return _only_neutral(value, handler, info)
+
+    @field_validator("logit_bias", mode="wrap")
+    @classmethod
+    def _logit_bias(cls, value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValueError as e:
+            raise ValueError(f"must map token ids (decimal strings) to numbers in "
+                             f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], at most "
+                             f"{MAX_LOGIT_BIAS} of them: {_first_error(e)}") from None
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs."""
+        return tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
 
     @field_validator("stop", mode="wrap")
     @classmethod

@@ -23,3 +23,22 @@ def test_sampling_values_that_round_to_zero_give_the_greedy_answer(
     assert post(http, path, {**request, **edge})["choices"][0]["token_ids"] == greedy
     assert post(http, path, {**request, "temperature": 0})["choices"][0]["token_ids"] == greedy
     assert http.get("/ready").status_code == 200
+
+
+@pytest.mark.parametrize("path,body", [(COMPLETIONS, {"prompt": "hi"}),
+                                       (CHAT, {"messages": MESSAGES})])
+def test_logit_bias_forces_and_bans_tokens(http: httpx.Client, path: str, body: dict) -> None:
+    """+100 on a token makes greedy (and sampled) replies that token alone; -100 on the greedy
+    reply's first token takes it out of the first position; {} and null change nothing."""
+    request = {**body, "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    greedy = post(http, path, request)["choices"][0]["token_ids"]
+    for neutral in ({}, None):
+        assert post(http, path, {**request, "logit_bias": neutral})["choices"][0][
+            "token_ids"] == greedy
+    forced = post(http, path, {**request, "logit_bias": {"77": 100}})["choices"][0]
+    assert forced["token_ids"] == [77] * 5
+    sampled = post(http, path, {**request, "temperature": 1.0, "seed": 4, "n": 2,
+                                "logit_bias": {"77": 100}})
+    assert all(c["token_ids"] == [77] * 5 for c in sampled["choices"])
+    banned = post(http, path, {**request, "logit_bias": {str(greedy[0]): -100}})
+    assert banned["choices"][0]["token_ids"][0] != greedy[0]

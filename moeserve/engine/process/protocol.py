@@ -31,6 +31,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: int | None = None
     structured: tuple[str, str, int | None] | None = None  # kind, spec, start_after
     reasoning_budget: tuple[int, int, int] | None = None  # end id, tokens, start id or -1
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias), sorted by id
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
@@ -38,7 +39,8 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
         s = p.structured
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed,
                    list(p.stop_token_ids), p.ignore_eos, p.logprobs,
-                   None if s is None else (s.kind, s.spec, s.start_after), p.reasoning_budget)
+                   None if s is None else (s.kind, s.spec, s.start_after), p.reasoning_budget,
+                   list(p.logit_bias))
 
     def to_params(self) -> SamplingParams:
         s = self.structured
@@ -47,7 +49,8 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
                               seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
                               ignore_eos=self.ignore_eos, logprobs=self.logprobs,
                               structured=None if s is None else StructuredOutput(*s),
-                              reasoning_budget=self.reasoning_budget)
+                              reasoning_budget=self.reasoning_budget,
+                              logit_bias=tuple(tuple(e) for e in self.logit_bias))
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):
