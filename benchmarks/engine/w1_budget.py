@@ -4,7 +4,8 @@ the run's bench JSON (`moeserve bench --output-json`, with the server's engine c
 (its decode step and its mixed step, each part against its own bound).
 
     steps     the run's forward steps split by kind: decode steps replayed from CUDA graphs
-              (`num_graph_steps`) and the rest, eager mixed (prompt + decode) steps
+              (`num_graph_steps`) and the rest, eager mixed (prompt + decode) steps (a decode
+              step that fell back to eager, `cuda_graph_fallbacks`, counts with them)
     time      decode steps x the profile's decode step (device ms: with overlap scheduling a
               graph step's host work hides behind the previous step), the rest of the run's
               duration to the mixed steps (their per-step share is checked against the
