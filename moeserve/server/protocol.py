@@ -3,8 +3,8 @@
 Requests are parsed strictly: a field we do not support is an error (`extra="forbid"`), a value
 of the wrong JSON type is an error (`strict=True`: no "1" for 1, no 1.0 for an int), and every
 number and list is bounded, so bad input gets a 400 naming the field before it reaches the engine.
-Fields OpenAI clients send with no effect (penalties at 0, `best_of` 1, `echo` false) are
-accepted at exactly those values and refused otherwise. Tools, tool calls and
+Fields OpenAI clients send with no effect (penalties at 0, `best_of` 1) are accepted at
+exactly those values and refused otherwise. Tools, tool calls and
 reasoning: server/agent/; `response_format` and `structured_outputs`: structured_output.py.
 `docs/openai-compat.md` lists every field.
 
@@ -12,10 +12,9 @@ Every per-field limit lives in the field's type (bounds, `Literal`, `max_length`
 JSON schema of these models (served at /openapi.json, server/openapi.py) shows exactly what is
 accepted; field validators only reword errors. pydantic checks bool and int literals laxly even
 in strict mode (`Literal[False]` takes 0, `Literal[1]` takes true and 1.0), so `best_of` is an int
-bounded to [1, 1], and `echo`, the one exception, is a strict bool that a validator refuses unless
-false, with `const: false` added to its schema. What a schema cannot say stays in the model
-validators (400s naming the field): limits across fields (stream_options without stream,
-top_logprobs without logprobs, seed + n - 1), and, in the routes, limits of the served model
+bounded to [1, 1]. What a schema cannot say stays in the model validators (400s naming the
+field): limits across fields (stream_options without stream, top_logprobs without logprobs,
+echo with logprobs, seed + n - 1), and, in the routes, limits of the served model
 (vocabulary, max_model_len, prompts x n).
 
 Response models document the shapes and build non-streamed responses; the streaming path writes
@@ -70,7 +69,6 @@ class _Request(BaseModel):
 _NEUTRAL = {
     "frequency_penalty": "is not supported (only 0 or null is accepted)",
     "presence_penalty": "is not supported (only 0 or null is accepted)",
-    "echo": "is not supported (only false is accepted)",
     "best_of": "is not supported (only 1 or null is accepted)",
 }
 
@@ -209,7 +207,10 @@ class CompletionRequest(SamplingFields):
 
     prompt: Annotated[PromptInput, Field(examples=["Hello", [[1, 2, 3], [4, 5]]])]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: Annotated[bool, Field(json_schema_extra={"const": False})] = False
+    echo: bool = False
+    """Each choice's text begins with its prompt's (the text as sent, or a token-id prompt
+    decoded); `token_ids` and the usage stay the completion's. Not with logprobs (the prompt's
+    logprobs are not computed)."""
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
     @field_validator("prompt", mode="wrap")
@@ -226,12 +227,12 @@ class CompletionRequest(SamplingFields):
     def _passive_completion(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
         return _only_neutral(value, handler, info)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:  # NOTE: not Literal[False], which would also take 0
-            raise ValueError(_NEUTRAL["echo"])
-        return value
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo is not served with logprobs: the prompt's logprobs are not "
+                             "computed")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -70,6 +70,29 @@ def test_completion_stream_equals_non_stream(http: httpx.Client) -> None:
         "length"]
 
 
+def test_echo_begins_each_choice_with_its_prompt(http: httpx.Client) -> None:
+    """echo: a text prompt as sent, a token-id prompt decoded, before each choice's completion
+    (n choices each), streamed in each choice's first event; token_ids and usage unchanged."""
+    body = {"prompt": ["Hello", "Bye"], "max_tokens": 4, "n": 2, **GREEDY}
+    plain = _completion(http, **body)
+    echoed = _completion(http, **body, echo=True)
+    assert echoed["usage"] == plain["usage"]
+    for i, (a, b) in enumerate(zip(plain["choices"], echoed["choices"], strict=True)):
+        assert b["text"] == ["Hello", "Bye"][i // 2] + a["text"]
+        assert b["token_ids"] == a["token_ids"]
+    ids = _completion(http, prompt=[72, 105], max_tokens=3, echo=True, **GREEDY)["choices"][0]
+    assert ids["text"] == "Hi" + _decode(http, ids["token_ids"])
+    events = stream(http, COMPLETIONS, {**body, "echo": True})
+    texts: dict[int, str] = {}
+    firsts: dict[int, str] = {}
+    for e in events:
+        for c in e["choices"]:
+            firsts.setdefault(c["index"], c["text"])
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {i: c["text"] for i, c in enumerate(echoed["choices"])}
+    assert all(firsts[i].startswith(["Hello", "Bye"][i // 2]) for i in range(4))
+
+
 def test_stream_without_usage_has_no_usage_chunk(http: httpx.Client) -> None:
     events = stream(http, COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": 3, **GREEDY})
     assert all(e["choices"] and "usage" not in e for e in events)

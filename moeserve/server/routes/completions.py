@@ -3,6 +3,7 @@
 A list of prompts gives one choice per prompt (x n), indexed prompt-major like OpenAI. Each
 streamed event carries one choice's `text` and `token_ids` of one engine step (the token ids
 are a moeserve extension: a client can count tokens per event without a tokenizer).
+`echo` begins each choice's text with its prompt's (its first streamed event carries it).
 Logprobs use the legacy completions format: tokens, token_logprobs, top_logprobs (a dict per
 token: token text -> logprob; where two tokens have the same text, e.g. two bytes that are not
 UTF-8 on their own, the likelier one is kept) and text_offset.
@@ -45,8 +46,24 @@ async def create_completion(ctx: ServerContext, request: Request, request_id: st
                              ctx.client.max_model_len, structured)
     choice_prompts = [p for p in prompts for _ in range(req.n)]
     gen = Generation(ctx.client, request_id, choice_prompts, params, "prompt")
-    renderer = CompletionRenderer(ctx, request_id, req.logprobs is not None)
+    echoes = None
+    if req.echo:  # each choice's prompt text, as sent (token ids decoded)
+        texts = prompt_texts(ctx, req.prompt, prompts, req.skip_special_tokens)
+        echoes = [t for t in texts for _ in range(req.n)]
+    renderer = CompletionRenderer(ctx, request_id, req.logprobs is not None, echoes)
     return await serve(ctx, request, request_id, req, gen, renderer, prompts)
+
+
+def prompt_texts(ctx: ServerContext, prompt: Any, prompts: list[list[int]],
+                 skip_special_tokens: bool) -> list[str]:
+    """The prompts' texts for echo: the strings as sent, token-id prompts decoded (special
+    tokens left out as the request's skip_special_tokens says, as for its completion)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], str):
+        return list(prompt)
+    decode = ctx.client.tokenizer.decode
+    return [decode(ids, skip_special_tokens=skip_special_tokens) for ids in prompts]
 
 
 async def tokenize_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
@@ -69,12 +86,15 @@ async def tokenize_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
 
 
 class CompletionRenderer:
-    def __init__(self, ctx: ServerContext, request_id: str, want_logprobs: bool) -> None:
+    def __init__(self, ctx: ServerContext, request_id: str, want_logprobs: bool,
+                 echoes: list[str] | None = None) -> None:
         self.ctx = ctx
         self.request_id = request_id
         self.want_logprobs = want_logprobs
+        self.echoes = echoes  # per choice: the prompt text its text begins with (echo)
         self.created = now()
         self._offsets: list[int] = []
+        self._echoed: set[int] = set()  # streamed choices whose prompt text went out
 
     def envelope(self) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
@@ -85,7 +105,11 @@ class CompletionRenderer:
         return b""
 
     def chunk(self, index: int, out: RequestOutput, result: ChoiceResult) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "text": out.text,
+        text = out.text
+        if self.echoes is not None and index not in self._echoed:  # a choice's first event
+            self._echoed.add(index)
+            text = self.echoes[index] + text
+        choice: dict[str, Any] = {"index": index, "text": text,
                                   "token_ids": out.new_token_ids, "logprobs": None,
                                   "finish_reason": result.finish_reason}
         if self.want_logprobs:
@@ -99,7 +123,10 @@ class CompletionRenderer:
         choices = []
         for i, r in enumerate(results):
             logprobs = self.logprobs(r.token_ids, r.logprobs, 0)[0] if self.want_logprobs else None
-            choices.append({"index": i, "text": "".join(r.text), "token_ids": r.token_ids,
+            text = "".join(r.text)
+            if self.echoes is not None:
+                text = self.echoes[i] + text
+            choices.append({"index": i, "text": text, "token_ids": r.token_ids,
                             "logprobs": logprobs, "finish_reason": r.finish_reason,
                             "stop_reason": r.stop_reason})
         return {**self.envelope(), "choices": choices, "usage": usage}
