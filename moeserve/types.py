@@ -17,6 +17,7 @@ from moeserve.structured.spec import StructuredOutput
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias (each costs host work every step)
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]
+PENALTY_LIMIT = 2.0  # OpenAI's range for presence / frequency penalties: [-2, 2]
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (vLLM's floor): dividing the
 # logits by it would overflow fp32 (1e-39 gives inf logits and a NaN softmax)
 
@@ -55,6 +56,12 @@ class SamplingParams:
     """(token id, bias) pairs (or a dict id -> bias): each bias, in [-100, 100], is added to its
     token's logit before sampling, greedy rows included (OpenAI's logit_bias; -100 all but bans
     a token, +100 all but forces it). At most MAX_LOGIT_BIAS distinct ids."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the request has generated (OpenAI's; in
+    [-2, 2]; runner/penalties.py)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once for every time the request has generated it
+    (OpenAI's; in [-2, 2])."""
     reasoning_budget: tuple[int, int, int] | None = None
     """(end token id, N, start token id or -1): at most N tokens of reasoning before its end
     token, the next then forced to be it (Anthropic's thinking budget_tokens). The reasoning
@@ -88,6 +95,13 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be a number in [-{PENALTY_LIMIT:g}, "
+                                 f"{PENALTY_LIMIT:g}], got {value!r}")
+            object.__setattr__(self, name, float(value))
         budget = self.reasoning_budget
         if budget is not None:
             budget = tuple(budget)

@@ -339,8 +339,10 @@ def test_logit_bias_crosses_to_the_engine_process() -> None:
 
     from moeserve.engine.process.protocol import WireSamplingParams
 
-    params = SamplingParams(temperature=0.0, logit_bias={9: -3.5, 2: 100})
+    params = SamplingParams(temperature=0.0, logit_bias={9: -3.5, 2: 100},
+                            presence_penalty=0.5, frequency_penalty=-1)
     assert params.logit_bias == ((2, 100.0), (9, -3.5))
+    assert params.frequency_penalty == -1.0
     for p in (params, SamplingParams()):
         wire = msgspec.msgpack.encode(WireSamplingParams.from_params(p))
         assert msgspec.msgpack.decode(wire, type=WireSamplingParams).to_params() == p

@@ -45,6 +45,7 @@ from moeserve.runner.kv_cache import (
     profile_step,
 )
 from moeserve.runner.mixed_graphs import MixedGraphs, mixed_token_buckets
+from moeserve.runner.penalties import OutputCounts
 from moeserve.runner.pending_output import PendingOutput
 from moeserve.runner.step_profile import StepProfiler
 from moeserve.runner.step_sampling import GrammarMask, sample_random_logits, sample_step
@@ -71,6 +72,7 @@ class ModelRunner:
         self.layout = tp.layout if tp is not None else RankLayout()
         self.local_config = local_model_config(model_config, self.layout)  # the rank's shapes
         self.device = torch.device(cfg.device)
+        self.output_counts = OutputCounts()  # the penalized requests' (runner/penalties.py)
         self.dtype = getattr(torch, cfg.dtype)
         self.kv_dtype = cache_dtype(cfg.cache, self.dtype)  # DSA's indexer keys: self.dtype
         self.block_size = cfg.cache.block_size
@@ -331,6 +333,7 @@ class ModelRunner:
     def _launch(self, out: SchedulerOutput) -> PendingOutput:
         if self.faults:
             self._inject_step_faults(out)
+        self.output_counts.release(out.finished_req_ids)
         is_decode = out.num_reqs > 0 and all(n == 1 for n in out.num_scheduled_tokens)
         bucket = self.graphs.bucket(out.num_reqs) if self.graphs and is_decode else None
         if bucket is None and is_decode and self.device.type == "cuda":
@@ -428,7 +431,7 @@ class ModelRunner:
         pending.params = [out.sampling_params[i] for i in rows]
         pending.take(sample_step(logits, pending.params, [out.sample_seeds[i] for i in rows],
                                  positions, [out.req_ids[i] for i in rows], self.faults,
-                                 GrammarMask.of(out, rows, self.device)))
+                                 GrammarMask.of(out, rows, self.device), self.output_counts))
 
     def _launch_decode_steps(self, out: SchedulerOutput, bucket: int | None) -> PendingOutput:
         """A decode-only plan run for `out.num_steps` tokens back to back: each step's sampled
@@ -458,7 +461,8 @@ class ModelRunner:
                                        out.num_reqs, breakdown=True)  # [B, hidden]
             logits = self.model.compute_logits(hidden)  # [B, V] model dtype
             step_sample = sample_step(logits, out.sampling_params, out.sample_seeds,
-                                      (computed + step + 1).tolist(), out.req_ids, self.faults)
+                                      (computed + step + 1).tolist(), out.req_ids, self.faults,
+                                      counts=self.output_counts)
             input_ids = step_sample.token_ids  # [B]: this step's tokens, next step's input
             tokens.append(input_ids)
             pending.take(step_sample, first=step == 0)

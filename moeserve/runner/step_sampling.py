@@ -3,7 +3,8 @@ belong to single requests kept to those requests.
 
     logits [R, V] --grammar rows masked (mask_tokens_, in place: the step's own logits)
                   --logit_bias added (add_logit_bias_, in place: what is sampled and what
-                    the logprobs report, as with the mask)
+                    the logprobs report, as with the mask), then the presence / frequency
+                    penalties subtracted (runner/penalties.py; the sampled tokens counted after)
                   --SamplingTensors.build + sample--> token_ids [R], logprobs, finite [R]
          | the batch call raised?
          '--> each row alone: the rows that raise alone fail (row_errors); the others are
@@ -32,6 +33,7 @@ import torch
 from moeserve.envs import InjectedFault
 from moeserve.kernels.attention.metadata import to_device
 from moeserve.layers.sampler import SampleLogprobs, SamplingTensors, mask_tokens_, sample
+from moeserve.runner.penalties import OutputCounts
 from moeserve.types import SamplingParams, SchedulerOutput
 
 
@@ -66,19 +68,27 @@ class GrammarMask:
 def sample_step(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                 positions: list[int], req_ids: list[str],
                 faults: dict[str, frozenset[str]],
-                grammar: GrammarMask | None = None) -> StepSample:
+                grammar: GrammarMask | None = None,
+                counts: OutputCounts | None = None) -> StepSample:
     """Sample R rows (see module doc). `req_ids` [R] name the rows for errors and faults;
-    `grammar` masks its rows of `logits` in place (the caller's fresh logits of this step)."""
+    `grammar` masks its rows of `logits` in place (the caller's fresh logits of this step);
+    `counts`: the penalized requests' output counts (runner/penalties.py), subtracted before
+    sampling and given the sampled tokens after."""
     if grammar is not None:
         mask_tokens_(logits, grammar.rows, grammar.bitmask)
     add_logit_bias_(logits, params)
+    if counts is not None:
+        counts.apply_(logits, req_ids, params)
     if faults.get("nan"):
         logits = _inject_nan(logits, req_ids, faults["nan"])
     try:
-        return StepSample(*_sample(logits, params, seeds, positions, req_ids, faults))
+        got = StepSample(*_sample(logits, params, seeds, positions, req_ids, faults))
     except Exception as batch_error:
-        return _sample_row_by_row(logits, params, seeds, positions, req_ids, faults,
-                                  batch_error)
+        got = _sample_row_by_row(logits, params, seeds, positions, req_ids, faults,
+                                 batch_error)
+    if counts is not None:
+        counts.record(req_ids, params, got.token_ids)
+    return got
 
 
 def add_logit_bias_(logits: torch.Tensor, params: list[SamplingParams]) -> None:

@@ -3,8 +3,8 @@
 Requests are parsed strictly: a field we do not support is an error (`extra="forbid"`), a value
 of the wrong JSON type is an error (`strict=True`: no "1" for 1, no 1.0 for an int), and every
 number and list is bounded, so bad input gets a 400 naming the field before it reaches the engine.
-Fields OpenAI clients send with no effect (penalties at 0, `best_of` 1) are accepted at
-exactly those values and refused otherwise. Tools, tool calls and
+A field OpenAI clients send with no effect here (`best_of` 1) is accepted at exactly that
+value and refused otherwise. Tools, tool calls and
 reasoning: server/agent/; `response_format` and `structured_outputs`: structured_output.py.
 `docs/openai-compat.md` lists every field.
 
@@ -45,7 +45,7 @@ from moeserve.server.agent.protocol import (
     ToolChoice,
 )
 from moeserve.server.structured_output import ResponseFormat, StructuredOutputs
-from moeserve.types import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_LOGPROBS
+from moeserve.types import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_LOGPROBS, PENALTY_LIMIT
 
 MAX_N = 8
 MAX_CHOICES = 256  # prompts x n in one request
@@ -67,8 +67,6 @@ class _Request(BaseModel):
 
 # The error of a passive field at any other value (its type allows only the neutral one).
 _NEUTRAL = {
-    "frequency_penalty": "is not supported (only 0 or null is accepted)",
-    "presence_penalty": "is not supported (only 0 or null is accepted)",
     "best_of": "is not supported (only 1 or null is accepted)",
 }
 
@@ -136,14 +134,10 @@ class SamplingFields(_Request):
     """Token id (as a string) -> a bias in [-100, 100] added to that token's logit before
     sampling, greedy included: -100 all but bans the token, +100 all but forces it. The
     logprobs are of the biased logits."""
-    # Passive fields: accepted only at the value that changes nothing.
-    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
-
-    @field_validator("frequency_penalty", "presence_penalty", mode="wrap")
-    @classmethod
-    def _passive_shared(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
-        return _only_neutral(value, handler, info)
+    frequency_penalty: Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)] | None = None
+    """Subtracted from a token's logit once for every time the reply has used it so far."""
+    presence_penalty: Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)] | None = None
+    """Subtracted from the logit of every token the reply has used so far."""
 
     @field_validator("logit_bias", mode="wrap")
     @classmethod

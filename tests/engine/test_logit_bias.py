@@ -40,3 +40,56 @@ def test_a_bias_outside_the_vocabulary_is_refused_by_name() -> None:
     vocab = llm.engine.model_config.vocab_size
     with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is outside the vocab"):
         llm.generate([[1, 2]], SamplingParams(logit_bias={vocab: 1.0}))
+
+
+def _reference(llm: LLM, prompt: list[int], presence: float, frequency: float,
+               n: int) -> list[int]:
+    """Greedy with the penalties written as each step's logit_bias (-presence - frequency x
+    count on every token generated so far), one token a call."""
+    out: list[int] = []
+    for _ in range(n):
+        bias = {t: -(presence + frequency * out.count(t)) for t in set(out)}
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                logit_bias=bias)
+        out += llm.generate([prompt + out], params)[0].token_ids
+    return out
+
+
+@pytest.mark.parametrize("engine", [{}, {"num_continuous_decode_steps": 4},
+                                    {"async_scheduling": True}],
+                         ids=["single-step", "multi-step", "overlap"])
+def test_penalties_equal_the_logit_bias_they_amount_to(engine: dict) -> None:
+    """presence / frequency penalties over each request's own generated tokens, counted on the
+    device as they are sampled: the same tokens as a step-by-step logit_bias reference, on
+    every decode path, beside a request without them (which decodes as it does alone)."""
+    llm = LLM("tiny-moe", device="cpu", **engine)
+    prompts, n = [[5, 6], [7, 8, 9], [1]], 24  # tiny-moe's greedy replies to 0 and 2 repeat
+    plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)] * 3
+    base = [o.token_ids for o in llm.generate(prompts, plain)]
+    penalized = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                presence_penalty=0.7, frequency_penalty=0.4),
+                 plain[1],
+                 SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                frequency_penalty=2.0)]
+    got = [o.token_ids for o in llm.generate(prompts, penalized)]
+    assert got[1] == base[1]
+    assert got[0] == _reference(llm, prompts[0], 0.7, 0.4, n) != base[0]
+    assert got[2] == _reference(llm, prompts[2], 0.0, 2.0, n) != base[2]
+
+
+def test_counts_are_dropped_with_their_requests() -> None:
+    llm = LLM("tiny-moe", device="cpu")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                            presence_penalty=1.0)
+    llm.generate(PROMPTS, params)
+    llm.generate([[1, 2]], params)
+    counts = llm.engine.runner.output_counts.counts
+    assert len(counts) <= 1  # the first call's three are gone; the last may await its release
+
+
+@pytest.mark.parametrize(("field", "value"), [("presence_penalty", 2.5),
+                                              ("frequency_penalty", float("nan")),
+                                              ("presence_penalty", True)])
+def test_penalties_are_validated(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be a number in"):
+        SamplingParams(**{field: value})

@@ -31,10 +31,10 @@ def test_prompt_shapes() -> None:
 
 
 def test_error_json_names_the_field() -> None:
-    e = _error(CompletionRequest, '{"prompt": "a", "presence_penalty": 0.1}')
+    e = _error(CompletionRequest, '{"prompt": "a", "best_of": 2}')
     assert e.to_dict() == {"error": {
-        "message": "presence_penalty is not supported (only 0 or null is accepted)",
-        "type": "invalid_request_error", "param": "presence_penalty", "code": 400}}
+        "message": "best_of is not supported (only 1 or null is accepted)",
+        "type": "invalid_request_error", "param": "best_of", "code": 400}}
     e = _error(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "x", "y": 1}]}')
     assert (e.message, e.param) == ("unsupported field 'messages[0].y'", "messages[0].y")
     e = _error(CompletionRequest, '{"prompt": "a", "stream_options": {"include_usage": true}}')

@@ -12,8 +12,8 @@ from tests.server.helpers import CHAT, COMPLETIONS, MESSAGES, engine_stats, post
 
 # (extra fields, the param the error must name, a phrase the message must contain)
 COMPLETION_CASES: list[tuple[dict[str, Any], str, str]] = [
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"frequency_penalty": -1.0}, "frequency_penalty", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty", "greater than or equal to -2"),
     ({"best_of": 2}, "best_of", "not supported"),
     ({"echo": True, "logprobs": 1}, "echo", "not served with logprobs"),
     ({"echo": 1}, "echo", "valid boolean"),
@@ -122,7 +122,7 @@ CHAT_CASES: list[tuple[dict[str, Any], str, str]] = [
     ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "differs"),
     ({"max_tokens": None, "max_completion_tokens": 500}, "max_completion_tokens",
      "max_model_len"),
-    ({"presence_penalty": 1.0}, "presence_penalty", "not supported"),
+    ({"presence_penalty": -3.0}, "presence_penalty", "greater than or equal to -2"),
     ({"n": 9}, "n", "less than or equal to 8"),
     ({"thinking_token_budget": -2}, "thinking_token_budget", "greater than or equal to -1"),
     # tiny-moe's byte tokenizer: no one-token reasoning marker to force

@@ -42,3 +42,19 @@ def test_logit_bias_forces_and_bans_tokens(http: httpx.Client, path: str, body: 
     assert all(c["token_ids"] == [77] * 5 for c in sampled["choices"])
     banned = post(http, path, {**request, "logit_bias": {str(greedy[0]): -100}})
     assert banned["choices"][0]["token_ids"][0] != greedy[0]
+
+
+def test_penalties_are_served(http: httpx.Client) -> None:
+    """presence / frequency penalties in [-2, 2] reach the engine (their arithmetic:
+    tests/engine/test_logit_bias.py): at 0 nothing changes, and a repeating greedy reply
+    (tiny-moe's to token ids 5, 6 repeats after 18 tokens) changes under a frequency penalty."""
+    request = {"prompt": [5, 6], "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    greedy = post(http, COMPLETIONS, request)["choices"][0]["token_ids"]
+    zero = {**request, "presence_penalty": 0.0, "frequency_penalty": 0}
+    assert post(http, COMPLETIONS, zero)["choices"][0]["token_ids"] == greedy
+    chat = post(http, CHAT, {"messages": MESSAGES, "max_tokens": 4, "presence_penalty": -2,
+                             "frequency_penalty": 2})
+    assert chat["choices"][0]["message"]["content"] is not None
+    if len(set(greedy)) < len(greedy):
+        penalized = {**request, "frequency_penalty": 2.0}
+        assert post(http, COMPLETIONS, penalized)["choices"][0]["token_ids"] != greedy

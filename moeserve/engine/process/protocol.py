@@ -32,6 +32,8 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     structured: tuple[str, str, int | None] | None = None  # kind, spec, start_after
     reasoning_budget: tuple[int, int, int] | None = None  # end id, tokens, start id or -1
     logit_bias: list[tuple[int, float]] = []  # (token id, bias), sorted by id
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
@@ -40,7 +42,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed,
                    list(p.stop_token_ids), p.ignore_eos, p.logprobs,
                    None if s is None else (s.kind, s.spec, s.start_after), p.reasoning_budget,
-                   list(p.logit_bias))
+                   list(p.logit_bias), p.presence_penalty, p.frequency_penalty)
 
     def to_params(self) -> SamplingParams:
         s = self.structured
@@ -50,7 +52,9 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
                               ignore_eos=self.ignore_eos, logprobs=self.logprobs,
                               structured=None if s is None else StructuredOutput(*s),
                               reasoning_budget=self.reasoning_budget,
-                              logit_bias=tuple(tuple(e) for e in self.logit_bias))
+                              logit_bias=tuple(tuple(e) for e in self.logit_bias),
+                              presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty)
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):

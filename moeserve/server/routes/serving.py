@@ -166,6 +166,8 @@ def sampling_params(req: SamplingFields, prompts: list[list[int]], max_tokens: i
                     stop=req.stop_strings, stop_token_ids=tuple(req.stop_token_ids or ()),
                     ignore_eos=req.ignore_eos, logprobs=logprobs,
                     logit_bias=req.logit_bias_pairs,
+                    presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
                     skip_special_tokens=req.skip_special_tokens, structured=structured))
             except ValueError as e:
                 raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None

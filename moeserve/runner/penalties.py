@@ -1,0 +1,81 @@
+"""OpenAI's presence and frequency penalties: each penalized request's output-token counts,
+kept on the device and updated by every sampling, so that they are exact under overlap
+scheduling (step N+1 is sampled after step N's tokens were counted, in stream order, while the
+host has not seen them yet) and inside multi-step decode plans (each sub-step's tokens counted
+before the next sub-step samples).
+
+    logits[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t]
+
+over the request's generated tokens (not its prompt), the difference taken in fp32 and rounded
+once to the logits' dtype, as logit_bias is (runner/step_sampling.py): a penalty of p on a
+token equals a logit_bias of -p there.
+
+`OutputCounts` holds one [V] int32 vector per penalized request that has sampled (V x 4
+bytes: 620 KB at a 155k vocabulary), created at its first sampling, dropped when a plan names
+the request among its finished ones (an id reused later starts from zero). A request
+preempted by recompute keeps its outputs, so it keeps its counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from moeserve.kernels.attention.metadata import to_device
+from moeserve.types import SamplingParams
+
+
+def penalized(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+class OutputCounts:
+    """The penalized requests' output-token counts on the device (module doc)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, torch.Tensor] = {}  # request id -> [V] int32 on the logits' device
+
+    @staticmethod
+    def _rows(params: list[SamplingParams]) -> list[int]:
+        return [j for j, p in enumerate(params) if penalized(p)]
+
+    def _of(self, req_id: str, like: torch.Tensor) -> torch.Tensor:
+        """req_id's counts, zeros [V] of like's width and device at its first sampling."""
+        c = self.counts.get(req_id)
+        if c is None:
+            c = self.counts[req_id] = torch.zeros(like.shape[-1], dtype=torch.int32,
+                                                  device=like.device)
+        return c
+
+    def apply_(self, logits: torch.Tensor, req_ids: list[str],
+               params: list[SamplingParams]) -> None:
+        """The penalties of the penalized rows subtracted from logits [R, V], in place."""
+        rows = self._rows(params)
+        if not rows:
+            return
+        counts = torch.stack([self._of(req_ids[j], logits) for j in rows]).float()  # [P, V]
+        weights = np.array([[params[j].presence_penalty, params[j].frequency_penalty]
+                            for j in rows], dtype=np.float32)  # [P, 2]
+        w = to_device(weights, logits.device)
+        penalty = (counts > 0).float() * w[:, :1] + counts * w[:, 1:]  # [P, V]
+        index = to_device(np.asarray(rows, dtype=np.int64), logits.device)
+        logits[index] = (logits[index].float() - penalty).to(logits.dtype)
+
+    def record(self, req_ids: list[str], params: list[SamplingParams],
+               token_ids: torch.Tensor) -> None:
+        """Count the tokens just sampled (token_ids [R], on the device) of the penalized rows
+        (each row's counts made by `apply_` of the same step)."""
+        one = None
+        for j in self._rows(params):
+            if one is None:
+                one = torch.ones(1, dtype=torch.int32, device=token_ids.device)
+            self.counts[req_ids[j]].index_add_(0, token_ids[j:j + 1], one)
+
+    def release(self, req_ids: Iterable[str]) -> None:
+        """Forget finished requests' counts. A plan names a request finished only after every
+        sampling of it (the engine samples a step, deferred or not, before it launches the
+        next), so none counts into a released request."""
+        for r in req_ids:
+            self.counts.pop(r, None)
