@@ -13,7 +13,9 @@ token equals a logit_bias of -p there.
 `OutputCounts` holds one [V] int32 vector per penalized request that has sampled (V x 4
 bytes: 620 KB at a 155k vocabulary), created at its first sampling, dropped when a plan names
 the request among its finished ones (an id reused later starts from zero). A request
-preempted by recompute keeps its outputs, so it keeps its counts.
+preempted by recompute keeps its outputs, so it keeps its counts. The counts live outside the
+memory plan (1,024 penalized requests at a 155k vocabulary hold 635 MB): an allocation that
+fails is a step out of memory, which the engine recovers from by preempting (engine/oom.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ import torch
 
 from moeserve.kernels.attention.metadata import to_device
 from moeserve.types import SamplingParams
+
+# rows x vocabulary of a chunk's fp32 temporaries (512 MB each), as the sampler's random path
+# bounds its own (layers/sampler.py): below the sampling transients the memory plan's profile
+# measures, and freed before the sampler runs
+_CHUNK_ELEMENTS = 1 << 27
 
 
 def penalized(p: SamplingParams) -> bool:
@@ -55,13 +62,17 @@ class OutputCounts:
         rows = self._rows(params)
         if not rows:
             return
-        counts = torch.stack([self._of(req_ids[j], logits) for j in rows]).float()  # [P, V]
-        weights = np.array([[params[j].presence_penalty, params[j].frequency_penalty]
-                            for j in rows], dtype=np.float32)  # [P, 2]
-        w = to_device(weights, logits.device)
-        penalty = (counts > 0).float() * w[:, :1] + counts * w[:, 1:]  # [P, V]
-        index = to_device(np.asarray(rows, dtype=np.int64), logits.device)
-        logits[index] = (logits[index].float() - penalty).to(logits.dtype)
+        weights = to_device(np.array([[params[j].presence_penalty, params[j].frequency_penalty]
+                                      for j in rows], dtype=np.float32), logits.device)  # [P, 2]
+        index = to_device(np.asarray(rows, dtype=np.int64), logits.device)  # [P]
+        step = max(1, _CHUNK_ELEMENTS // logits.shape[-1])
+        for start in range(0, len(rows), step):  # [rows, V] temporaries of bounded size
+            chunk = rows[start:start + step]
+            counts = torch.stack([self._of(req_ids[j], logits) for j in chunk]).float()
+            w = weights[start:start + step]
+            penalty = (counts > 0).float().mul_(w[:, :1]).add_(counts.mul_(w[:, 1:]))
+            at = index[start:start + step]
+            logits[at] = (logits[at].float() - penalty).to(logits.dtype)
 
     def record(self, req_ids: list[str], params: list[SamplingParams],
                token_ids: torch.Tensor) -> None:

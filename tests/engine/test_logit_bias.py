@@ -93,3 +93,35 @@ def test_counts_are_dropped_with_their_requests() -> None:
 def test_penalties_are_validated(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"{field} must be a number in"):
         SamplingParams(**{field: value})
+
+
+def test_penalties_in_row_chunks_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OutputCounts.apply_ bounds its temporaries by rows (a chunk a row here): the same logits
+    as in one chunk; the arithmetic is presence x (count > 0) + frequency x count."""
+    import torch
+
+    from moeserve.runner import penalties
+
+    logits = torch.randn(3, 40)
+    ids = ["a", "b", "c"]
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), SamplingParams(),
+              SamplingParams(frequency_penalty=-1.0)]
+    results = []
+    for chunk in (1 << 27, 40):
+        monkeypatch.setattr(penalties, "_CHUNK_ELEMENTS", chunk)
+        counts = penalties.OutputCounts()
+        out = logits.clone()
+        counts.apply_(out.clone(), ids, params)  # creates the zero counts
+        counts.record(ids, params, torch.tensor([3, 5, 3]))
+        counts.record(ids, params, torch.tensor([3, 7, 9]))
+        counts.apply_(out, ids, params)
+        results.append(out)
+    assert torch.equal(results[0], results[1])
+    expected = logits.clone()
+    expected[0, 3] -= 0.5 + 0.25 * 2
+    expected[2, 3] -= -1.0
+    expected[2, 9] -= -1.0
+    torch.testing.assert_close(results[0], expected)
+    assert set(counts.counts) == {"a", "c"}
+    counts.release(["a", "b"])
+    assert set(counts.counts) == {"c"}
