@@ -145,9 +145,15 @@ def test_the_sdk_parses_a_structured_reply(server: Server) -> None:
 
 def test_unsupported_field_is_rejected(server: Server) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model="tiny-moe", prompt="Hi", max_tokens=3, best_of=2)
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model="tiny-moe", prompt="Hi", max_tokens=3,
-                                  presence_penalty=0.5)
+                                  presence_penalty=2.5)
+    reply = client.completions.create(model="tiny-moe", prompt="Hi", max_tokens=3,
+                                      presence_penalty=0.5, frequency_penalty=0.5,
+                                      logit_bias={"65": 5})  # served since session 58
+    assert 1 <= reply.usage.completion_tokens <= 3
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model="tiny-moe", prompt=[1] * 600, max_tokens=3)
 
