@@ -57,11 +57,12 @@ class OutputCounts:
         return c
 
     def apply_(self, logits: torch.Tensor, req_ids: list[str],
-               params: list[SamplingParams]) -> None:
-        """The penalties of the penalized rows subtracted from logits [R, V], in place."""
+               params: list[SamplingParams]) -> list[int]:
+        """The penalties of the penalized rows subtracted from logits [R, V], in place;
+        returns those rows (what `record` counts after the sampling)."""
         rows = self._rows(params)
         if not rows:
-            return
+            return rows
         weights = to_device(np.array([[params[j].presence_penalty, params[j].frequency_penalty]
                                       for j in rows], dtype=np.float32), logits.device)  # [P, 2]
         index = to_device(np.asarray(rows, dtype=np.int64), logits.device)  # [P]
@@ -73,13 +74,13 @@ class OutputCounts:
             penalty = (counts > 0).float().mul_(w[:, :1]).add_(counts.mul_(w[:, 1:]))
             at = index[start:start + step]
             logits[at] = (logits[at].float() - penalty).to(logits.dtype)
+        return rows
 
-    def record(self, req_ids: list[str], params: list[SamplingParams],
-               token_ids: torch.Tensor) -> None:
+    def record(self, req_ids: list[str], rows: list[int], token_ids: torch.Tensor) -> None:
         """Count the tokens just sampled (token_ids [R], on the device) of the penalized rows
-        (each row's counts made by `apply_` of the same step)."""
+        `apply_` returned for the same step (their counts made there)."""
         one = None
-        for j in self._rows(params):
+        for j in rows:
             if one is None:
                 one = torch.ones(1, dtype=torch.int32, device=token_ids.device)
             self.counts[req_ids[j]].index_add_(0, token_ids[j:j + 1], one)

@@ -77,8 +77,7 @@ def sample_step(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
     if grammar is not None:
         mask_tokens_(logits, grammar.rows, grammar.bitmask)
     add_logit_bias_(logits, params)
-    if counts is not None:
-        counts.apply_(logits, req_ids, params)
+    penalized = counts.apply_(logits, req_ids, params) if counts is not None else []
     if faults.get("nan"):
         logits = _inject_nan(logits, req_ids, faults["nan"])
     try:
@@ -86,8 +85,8 @@ def sample_step(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
     except Exception as batch_error:
         got = _sample_row_by_row(logits, params, seeds, positions, req_ids, faults,
                                  batch_error)
-    if counts is not None:
-        counts.record(req_ids, params, got.token_ids)
+    if penalized:
+        counts.record(req_ids, penalized, got.token_ids)
     return got
 
 

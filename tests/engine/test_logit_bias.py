@@ -111,9 +111,10 @@ def test_penalties_in_row_chunks_are_the_same(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setattr(penalties, "_CHUNK_ELEMENTS", chunk)
         counts = penalties.OutputCounts()
         out = logits.clone()
-        counts.apply_(out.clone(), ids, params)  # creates the zero counts
-        counts.record(ids, params, torch.tensor([3, 5, 3]))
-        counts.record(ids, params, torch.tensor([3, 7, 9]))
+        rows = counts.apply_(out.clone(), ids, params)  # creates the zero counts
+        assert rows == [0, 2]
+        counts.record(ids, rows, torch.tensor([3, 5, 3]))
+        counts.record(ids, rows, torch.tensor([3, 7, 9]))
         counts.apply_(out, ids, params)
         results.append(out)
     assert torch.equal(results[0], results[1])
