@@ -9,6 +9,8 @@ Stop strings are searched in the accumulated text. While streaming, the tail of 
 could be the start of a stop string (the longest tail that is a proper prefix of one: at most
 max(len(stop)) - 1 characters) is held back; when a stop string is found the text is cut before
 it and nothing more is emitted; `flush()` releases what is held at the end of the request.
+With `min_tokens` M, a stop string counts only if it ends in the text of the (M+1)-th token or a
+later one (it may begin earlier), as vLLM's min_tokens holds stop strings.
 
     text:   | emitted ........................ | held back (a stop's prefix) |
             0                             num_emitted                    len(text)
@@ -31,10 +33,13 @@ class IncrementalDetokenizer:
             reference (the output text is the text the output ids add after the prompt).
         skip_special_tokens: drop special tokens (EOS, ...) from the text.
         stop: strings that end the output; the text is cut before the first one to complete.
+        min_tokens: a stop string must end in the text of a later token than the first
+            min_tokens ones.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 skip_special_tokens: bool = True, stop: tuple[str, ...] = ()) -> None:
+                 skip_special_tokens: bool = True, stop: tuple[str, ...] = (),
+                 min_tokens: int = 0) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self.tokenizer = tokenizer
@@ -48,6 +53,8 @@ class IncrementalDetokenizer:
         self._text = ""
         self._num_emitted = 0
         self._finished = False
+        self._tokens_to_hold = min_tokens  # tokens still to come before a stop may complete
+        self._stop_end_after = 0  # a stop must end past this many characters of text
 
     @property
     def text(self) -> str:
@@ -58,9 +65,18 @@ class IncrementalDetokenizer:
         """Decode the new tokens; return the text that can be emitted now ("" once stopped)."""
         if self.stop_hit is not None or self._finished:
             return ""
-        data = b"".join(self.tokenizer.token_bytes(new_token_ids, self.skip_special_tokens))
-        self._append(self._decoder.decode(data))
+        if self._tokens_to_hold > 0:  # min_tokens: these tokens' text cannot end a stop
+            held, new_token_ids = new_token_ids[:self._tokens_to_hold], \
+                new_token_ids[self._tokens_to_hold:]
+            self._tokens_to_hold -= len(held)
+            self._text += self._decode(held)
+            self._stop_end_after = len(self._text)
+        self._append(self._decode(new_token_ids))
         return self._release(final=self.stop_hit is not None)
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self._decoder.decode(
+            b"".join(self.tokenizer.token_bytes(token_ids, self.skip_special_tokens)))
 
     def flush(self) -> str:
         """End of the output: decode any incomplete trailing bytes (as U+FFFD) and return all
@@ -79,10 +95,11 @@ class IncrementalDetokenizer:
         if not self.stop or not new_text:
             return
         # A new occurrence must end in new_text, so it starts in the held-back tail at the
-        # earliest (an earlier start would have been complete, and found, before).
-        start = self._num_emitted
+        # earliest (an earlier start would have been complete, and found, before); under
+        # min_tokens it must also end past the held tokens' text.
+        start, after = self._num_emitted, self._stop_end_after
         found = [(pos + len(s), pos, i) for i, s in enumerate(self.stop)
-                 if (pos := self._text.find(s, start)) >= 0]
+                 if (pos := self._text.find(s, max(start, after - len(s) + 1))) >= 0]
         if found:  # the stop completed first, as token-by-token streaming would see it
             _, pos, i = min(found)
             self._text = self._text[:pos]

@@ -28,6 +28,10 @@ class SamplingParams:
 
     max_tokens: int = 16
     """Most tokens to generate (>= 1)."""
+    min_tokens: int = 0
+    """Fewest tokens to generate (0 <= min_tokens <= max_tokens) before EOS or a stop token id
+    may be sampled (their logits are -inf until then) or a stop string may end the text (one
+    must end in the text of a later token); a length limit still ends it (vLLM's)."""
     temperature: float = 1.0
     """0 means greedy; must be finite and >= 0; below 1e-5 it is greedy (stored as 0)."""
     top_p: float = 1.0
@@ -75,6 +79,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]"
+                             f", got {self.min_tokens!r}")
         if not 0.0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got "
                              f"{self.temperature!r}")
@@ -113,6 +121,9 @@ class SamplingParams:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got "
                              f"{type(self.structured).__name__}")
+        if self.structured is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a structured output (a "
+                             "grammar that is complete allows EOS alone)")
 
     @property
     def greedy(self) -> bool:

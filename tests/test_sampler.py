@@ -340,7 +340,7 @@ def test_logit_bias_crosses_to_the_engine_process() -> None:
     from moeserve.engine.process.protocol import WireSamplingParams
 
     params = SamplingParams(temperature=0.0, logit_bias={9: -3.5, 2: 100},
-                            presence_penalty=0.5, frequency_penalty=-1)
+                            presence_penalty=0.5, frequency_penalty=-1, min_tokens=3)
     assert params.logit_bias == ((2, 100.0), (9, -3.5))
     assert params.frequency_penalty == -1.0
     for p in (params, SamplingParams()):

@@ -36,9 +36,10 @@ def _byte() -> ByteTokenizer:
 
 
 def _stream(tok: Tokenizer, ids: list[int], chunks: list[int] | None = None,
-            stop: tuple[str, ...] = ()) -> tuple[list[str], IncrementalDetokenizer]:
+            stop: tuple[str, ...] = (), min_tokens: int = 0
+            ) -> tuple[list[str], IncrementalDetokenizer]:
     """Feed `ids` in chunks of the given sizes (1 by default); the deltas, flush last."""
-    detok = IncrementalDetokenizer(tok, [BOS], stop=stop)
+    detok = IncrementalDetokenizer(tok, [BOS], stop=stop, min_tokens=min_tokens)
     deltas, pos = [], 0
     for size in chunks or [1] * len(ids):
         deltas.append(detok.add(ids[pos:pos + size]))
@@ -120,6 +121,31 @@ def test_stop_string_streaming_property(text: str, stops: list[str], chunks: lis
     expected = text[:found[0][1]] if found else text
     assert "".join(deltas) == expected == detok.text
     assert detok.stop_hit == (stops[found[0][2]] if found else None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab ", max_size=30),
+       stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=3), min_size=1, max_size=3),
+       chunks=st.lists(st.integers(1, 4), max_size=40), min_tokens=st.integers(0, 12))
+def test_min_tokens_holds_stop_strings(text: str, stops: list[str], chunks: list[int],
+                                       min_tokens: int) -> None:
+    """A stop string counts only if it ends in the text of a token past the first min_tokens
+    (one byte, one character, one token here), whatever the chunking; it may begin earlier."""
+    tok = _byte()
+    deltas, detok = _stream(tok, tok.encode(text), chunks, tuple(stops), min_tokens)
+    found = sorted((p + len(s), p, i) for i, s in enumerate(stops) for p in range(len(text))
+                   if text.startswith(s, p) and p + len(s) > min_tokens)
+    expected = text[:found[0][1]] if found else text
+    assert "".join(deltas) == expected == detok.text
+    assert detok.stop_hit == (stops[found[0][2]] if found else None)
+
+
+def test_min_tokens_lets_a_stop_begin_in_the_held_text() -> None:
+    tok = _byte()
+    deltas, detok = _stream(tok, tok.encode("xSTOPySTOPz"), [4, 7], ("STOP",), min_tokens=3)
+    assert "".join(deltas) == "x" and detok.stop_hit == "STOP"  # ends at the 5th token
+    deltas, detok = _stream(tok, tok.encode("xSTOPySTOPz"), [11], ("STOP",), min_tokens=5)
+    assert "".join(deltas) == "xSTOPy" and detok.stop_hit == "STOP"  # the first ends at 5
 
 
 def test_stop_string_across_token_boundaries_truncates() -> None:

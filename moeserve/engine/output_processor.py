@@ -23,7 +23,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop)
+            self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+            params.min_tokens)
 
     def process(self, outputs: list[RequestOutput]
                 ) -> tuple[list[RequestOutput], list[str], list[str]]:

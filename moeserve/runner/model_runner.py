@@ -426,19 +426,20 @@ class ModelRunner:
         NOTE: a graph replay's rows are views of its static output, which the next replay
         overwrites: that replay is enqueued after this (the next step), on the same stream."""
         (picked, positions), pending.deferred = pending.deferred, None
-        rows = pending.rows
+        rows, eos = pending.rows, self.model_config.eos_token_ids
         logits = self.model.compute_logits(picked)  # [R, V] model dtype
         pending.params = [out.sampling_params[i] for i in rows]
         pending.take(sample_step(logits, pending.params, [out.sample_seeds[i] for i in rows],
                                  positions, [out.req_ids[i] for i in rows], self.faults,
-                                 GrammarMask.of(out, rows, self.device), self.output_counts))
+                                 GrammarMask.of(out, rows, self.device), self.output_counts,
+                                 [out.num_output_tokens[i] for i in rows], eos))
 
     def _launch_decode_steps(self, out: SchedulerOutput, bucket: int | None) -> PendingOutput:
         """A decode-only plan run for `out.num_steps` tokens back to back: each step's sampled
         tokens are the next step's inputs, on the device, with no host sync in between. With a
         graph bucket, positions and slots advance on the device; else the metadata is rebuilt."""
         pending = PendingOutput(out.num_reqs, np.arange(out.num_reqs))
-        pending.params = out.sampling_params
+        pending.params, eos = out.sampling_params, self.model_config.eos_token_ids
         token_ids = np.asarray(out.token_ids, dtype=np.int64)  # [B]
         computed = np.asarray(out.num_computed_tokens, dtype=np.int64)  # [B]
         graphs = self.graphs if bucket is not None else None
@@ -460,9 +461,10 @@ class ModelRunner:
                 hidden = self._forward(self.model, (input_ids, meta.positions, meta),
                                        out.num_reqs, breakdown=True)  # [B, hidden]
             logits = self.model.compute_logits(hidden)  # [B, V] model dtype
-            step_sample = sample_step(logits, out.sampling_params, out.sample_seeds,
-                                      (computed + step + 1).tolist(), out.req_ids, self.faults,
-                                      counts=self.output_counts)
+            step_sample = sample_step(
+                logits, out.sampling_params, out.sample_seeds, (computed + step + 1).tolist(),
+                out.req_ids, self.faults, counts=self.output_counts, eos_token_ids=eos,
+                num_outputs=[n + step for n in out.num_output_tokens])
             input_ids = step_sample.token_ids  # [B]: this step's tokens, next step's input
             tokens.append(input_ids)
             pending.take(step_sample, first=step == 0)

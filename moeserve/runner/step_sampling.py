@@ -5,6 +5,7 @@ belong to single requests kept to those requests.
                   --logit_bias added (add_logit_bias_, in place: what is sampled and what
                     the logprobs report, as with the mask), then the presence / frequency
                     penalties subtracted (runner/penalties.py; the sampled tokens counted after)
+                  --rows short of their min_tokens: EOS and stop ids to -inf (hold_stops_)
                   --SamplingTensors.build + sample--> token_ids [R], logprobs, finite [R]
          | the batch call raised?
          '--> each row alone: the rows that raise alone fail (row_errors); the others are
@@ -69,15 +70,20 @@ def sample_step(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
                 positions: list[int], req_ids: list[str],
                 faults: dict[str, frozenset[str]],
                 grammar: GrammarMask | None = None,
-                counts: OutputCounts | None = None) -> StepSample:
+                counts: OutputCounts | None = None,
+                num_outputs: list[int] | None = None,
+                eos_token_ids: tuple[int, ...] = ()) -> StepSample:
     """Sample R rows (see module doc). `req_ids` [R] name the rows for errors and faults;
     `grammar` masks its rows of `logits` in place (the caller's fresh logits of this step);
     `counts`: the penalized requests' output counts (runner/penalties.py), subtracted before
-    sampling and given the sampled tokens after."""
+    sampling and given the sampled tokens after; `num_outputs` [R]: each row's output tokens
+    before the one it samples (in-flight ones included), for min_tokens (hold_stops_)."""
     if grammar is not None:
         mask_tokens_(logits, grammar.rows, grammar.bitmask)
     add_logit_bias_(logits, params)
     penalized = counts.apply_(logits, req_ids, params) if counts is not None else []
+    if num_outputs is not None:
+        hold_stops_(logits, params, num_outputs, eos_token_ids)
     if faults.get("nan"):
         logits = _inject_nan(logits, req_ids, faults["nan"])
     try:
@@ -104,6 +110,22 @@ def add_logit_bias_(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     index = (to_device(rows, device), to_device(pairs[:, 0].astype(np.int64), device))
     values = to_device(pairs[:, 1].astype(np.float32), device)
     logits.index_put_(index, (logits[index].float() + values).to(logits.dtype))
+
+
+def hold_stops_(logits: torch.Tensor, params: list[SamplingParams], num_outputs: list[int],
+                eos_token_ids: tuple[int, ...]) -> None:
+    """Rows j whose request has generated fewer than params[j].min_tokens tokens
+    (num_outputs[j]) cannot sample a token that would stop them: their stop_token_ids and,
+    unless ignore_eos, the model's EOS ids set to -inf in `logits` [R, V], in place. No work
+    when no row is held; otherwise one copy of the (row, id) pairs to the device, no sync."""
+    held = [(j, p.stop_token_ids if p.ignore_eos else p.stop_token_ids + eos_token_ids)
+            for j, (p, n) in enumerate(zip(params, num_outputs, strict=True))
+            if n < p.min_tokens]
+    pairs = [(j, t) for j, ids in held for t in ids]
+    if not pairs:
+        return
+    index = to_device(np.array(pairs, dtype=np.int64).T.copy(), logits.device)  # [2, N]
+    logits[index[0], index[1]] = float("-inf")
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],

@@ -105,6 +105,9 @@ class SamplingFields(_Request):
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    """vLLM's: EOS, stop_token_ids and stop strings end the reply only after this many tokens
+    (at most the reply's max_tokens; not with a response_format or structured_outputs)."""
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None

@@ -58,3 +58,22 @@ def test_penalties_are_served(http: httpx.Client) -> None:
     if len(set(greedy)) < len(greedy):
         penalized = {**request, "frequency_penalty": 2.0}
         assert post(http, COMPLETIONS, penalized)["choices"][0]["token_ids"] != greedy
+
+
+@pytest.mark.parametrize("path,body", [(COMPLETIONS, {"prompt": "hi"}),
+                                       (CHAT, {"messages": MESSAGES})])
+def test_min_tokens_holds_eos_and_stop_strings(http: httpx.Client, path: str,
+                                               body: dict) -> None:
+    """A stop string ("M", token 77's text, the greedy token under a +100 bias) counts only
+    where it ends past the first min_tokens tokens; a stop id made the greedy token is held
+    off the first min_tokens positions, then sampled."""
+    request = {**body, "max_tokens": 8, "temperature": 0}
+    stopped = post(http, path, {**request, "logit_bias": {"77": 100}, "stop": "M",
+                                "min_tokens": 3})["choices"][0]
+    text = stopped["text"] if path == COMPLETIONS else stopped["message"]["content"]
+    assert text == "MMM" and stopped["finish_reason"] == "stop"
+    assert stopped["stop_reason"] == "M"
+    held = post(http, path, {**request, "logit_bias": {"77": 100}, "stop_token_ids": [77],
+                             "min_tokens": 5})["choices"][0]
+    assert len(held["token_ids"]) == 6 and 77 not in held["token_ids"][:5]
+    assert held["token_ids"][5] == 77 and held["finish_reason"] == "stop"

@@ -34,6 +34,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     logit_bias: list[tuple[int, float]] = []  # (token id, bias), sorted by id
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_tokens: int = 0
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
@@ -42,7 +43,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed,
                    list(p.stop_token_ids), p.ignore_eos, p.logprobs,
                    None if s is None else (s.kind, s.spec, s.start_after), p.reasoning_budget,
-                   list(p.logit_bias), p.presence_penalty, p.frequency_penalty)
+                   list(p.logit_bias), p.presence_penalty, p.frequency_penalty, p.min_tokens)
 
     def to_params(self) -> SamplingParams:
         s = self.structured
@@ -54,7 +55,8 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
                               reasoning_budget=self.reasoning_budget,
                               logit_bias=tuple(tuple(e) for e in self.logit_bias),
                               presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty)
+                              frequency_penalty=self.frequency_penalty,
+                              min_tokens=self.min_tokens)
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):

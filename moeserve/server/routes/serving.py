@@ -158,7 +158,7 @@ def sampling_params(req: SamplingFields, prompts: list[list[int]], max_tokens: i
         for i in range(req.n):
             try:
                 out.append(SamplingParams(
-                    max_tokens=limit,
+                    max_tokens=limit, min_tokens=req.min_tokens,
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p,
                     top_k=req.top_k or 0, min_p=req.min_p or 0.0,

@@ -1,0 +1,90 @@
+"""SamplingParams.min_tokens through the engine: EOS and stop ids held off until a request has
+generated that many tokens, on every decode path, each row by its own count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from moeserve.runner.step_sampling import hold_stops_
+from moeserve.types import FinishReason
+
+PATHS = pytest.mark.parametrize("engine", [{}, {"num_continuous_decode_steps": 4},
+                                           {"async_scheduling": True}],
+                                ids=["single-step", "multi-step", "overlap"])
+
+
+@PATHS
+def test_stops_wait_for_min_tokens(engine: dict) -> None:
+    """A +100 bias makes EOS (or a stop id) the greedy token at every step: with min_tokens m
+    the reply is m other tokens and then it (multi-step plans and overlap scheduling count the
+    tokens in flight), ignore_eos keeps EOS allowed, and a request without min_tokens beside
+    them stops at once."""
+    llm = LLM("tiny-moe", device="cpu", **engine)
+    eos = llm.engine.model_config.eos_token_ids[0]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, min_tokens=5, logit_bias={eos: 100}),
+              SamplingParams(max_tokens=12, temperature=0.0, min_tokens=3, stop_token_ids=(42,),
+                             logit_bias={42: 100}),
+              SamplingParams(max_tokens=12, temperature=0.0, logit_bias={eos: 100}),
+              SamplingParams(max_tokens=6, temperature=0.0, min_tokens=6, logit_bias={eos: 100}),
+              SamplingParams(max_tokens=4, temperature=0.8, min_tokens=2, ignore_eos=True,
+                             logit_bias={eos: 100})]
+    outs = llm.generate([[1, 2, 3, 4], [5, 6], [7, 8, 9], [3], [4, 4]], params)
+    tokens = [o.token_ids for o in outs]
+    assert len(tokens[0]) == 6 and eos not in tokens[0][:5] and tokens[0][5] == eos
+    assert outs[0].finish_reason is FinishReason.STOP
+    assert len(tokens[1]) == 4 and 42 not in tokens[1][:3] and tokens[1][3] == 42
+    assert outs[1].finish_reason is FinishReason.STOP
+    assert tokens[2] == [eos]
+    assert len(tokens[3]) == 6 and eos not in tokens[3]
+    assert outs[3].finish_reason is FinishReason.LENGTH
+    assert tokens[4] == [eos] * 4  # ignore_eos: EOS is no stop, so it is not held
+
+
+def test_held_rows_equal_a_ban_by_logit_bias() -> None:
+    """Greedy with min_tokens equals greedy with the stop ids biased by -100 for the first
+    min_tokens steps, one token a call (tiny-moe's logits are far within 100 of each other)."""
+    llm = LLM("tiny-moe", device="cpu")
+    prompt, stop_id = [5, 6], None
+    plain = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0,
+                                                  ignore_eos=True))[0].token_ids
+    stop_id = plain[0]  # the first greedy token: without min_tokens the reply stops at once
+    got = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                min_tokens=4, stop_token_ids=(stop_id,)))
+    out: list[int] = []
+    while len(out) < 8:
+        bias = {stop_id: -100.0} if len(out) < 4 else {}
+        out += llm.generate([prompt + out], SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True, logit_bias=bias))[0].token_ids
+        if len(out) > 4 and out[-1] == stop_id:
+            break
+    assert got[0].token_ids == out and stop_id not in out[:4]
+
+
+def test_hold_stops_masks_only_rows_short_of_their_count() -> None:
+    logits = torch.zeros(3, 10)
+    params = [SamplingParams(min_tokens=2, stop_token_ids=(3,)),
+              SamplingParams(min_tokens=2, stop_token_ids=(4,)),
+              SamplingParams(min_tokens=5, ignore_eos=True, stop_token_ids=(5,))]
+    hold_stops_(logits, params, [1, 2, 0], eos_token_ids=(9,))
+    inf = float("-inf")
+    assert logits[0].tolist() == [0, 0, 0, inf, 0, 0, 0, 0, 0, inf]
+    assert logits[1].tolist() == [0.0] * 10  # its 2 tokens are out: nothing held
+    assert logits[2].tolist() == [0, 0, 0, 0, 0, inf, 0, 0, 0, 0]  # EOS is no stop here
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"min_tokens": 17}, r"min_tokens must be an integer in \[0, max_tokens=16\]"),
+    ({"min_tokens": -1}, "min_tokens must be"),
+    ({"min_tokens": True}, "min_tokens must be"),
+])
+def test_min_tokens_is_validated(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_min_tokens_with_a_grammar_is_refused() -> None:
+    from moeserve.structured.spec import StructuredOutput
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with a structured"):
+        SamplingParams(min_tokens=2, structured=StructuredOutput("regex", "a+"))
