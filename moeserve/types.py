@@ -51,6 +51,10 @@ class SamplingParams:
     """Keep generating past EOS until max_tokens."""
     logprobs: int | None = None
     """Return the sampled token's logprob and this many top logprobs (0..MAX_LOGPROBS)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob after the tokens before it (the first has none) and
+    this many top logprobs (0..MAX_LOGPROBS), with the request's first output (vLLM's;
+    sched/prompt_logprobs.py). Such a request reads no prefix-cache hit."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text (the EOS or stop token that ends a request is left
     out either way). Text side only: the detokenizer reads it, the engine never sees it."""
@@ -96,8 +100,11 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
@@ -187,6 +194,10 @@ class SchedulerOutput:
     grammar_bitmask: Any = None  # [len(grammar_rows), ceil(V / 32)] int32: bit t of a row set
     # when token t is allowed (structured/grammars.py); None without grammar rows. A np.ndarray,
     # or on CUDA a pinned torch tensor (engine/structured_steps.py)
+    # prompt logprobs to compute (sched/prompt_logprobs.py): (row, first entry k, count) each,
+    # entry k from the logits of the row's position k - 1, its target prompt[k], flat in order
+    prompt_logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    prompt_logprob_targets: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -217,6 +228,8 @@ class ModelOutput:
     logprobs: list[Logprobs | None] | None = None
     extra_token_ids: list[list[int]] | None = None  # per row, steps 2..num_steps
     row_errors: dict[int, str] | None = None
+    # per plan span (SchedulerOutput.prompt_logprob_spans), its entries in order
+    prompt_logprobs: list[list[Logprobs]] | None = None
     # ids of this step's forwards the step profiler timed (runner/step_profile.py): the engine
     # hands them back with the step's wall time
     profiled_forwards: tuple[int, ...] = ()
@@ -236,3 +249,6 @@ class RequestOutput:
     logprobs: list[Logprobs] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # why it was refused (finish "abort") or failed (finish "error")
+    # prompt entries not reported before (SamplingParams.prompt_logprobs): with the request's
+    # first output they start at prompt[1]
+    prompt_logprobs: list[Logprobs] | None = None

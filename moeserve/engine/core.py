@@ -54,8 +54,14 @@ from moeserve.parallel.layout import (
     quantized_split_breaks,
 )
 from moeserve.quant.packed import QuantWeight
-from moeserve.runner.capacity import CapacityReport, dsa_line, mla_decode_line, weights_by_class
-from moeserve.runner.model_runner import ModelRunner, timed
+from moeserve.runner.capacity import (
+    CapacityReport,
+    dsa_line,
+    mla_decode_line,
+    timed,
+    weights_by_class,
+)
+from moeserve.runner.model_runner import ModelRunner
 from moeserve.runner.pending_output import PendingOutput
 from moeserve.sched import Request, Scheduler
 from moeserve.types import FinishReason, RequestOutput, SamplingParams, SchedulerOutput

@@ -35,6 +35,8 @@ class CompletionOutput:
     logprobs: list[Logprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None  # what failed, when finish_reason is ERROR (a fault of its own)
+    prompt_logprobs: list[Logprobs | None] | None = None
+    """With SamplingParams.prompt_logprobs: one per prompt token, None for the first (vLLM's)."""
 
     @property
     def finished(self) -> bool:
@@ -100,6 +102,8 @@ class LLM:
             result.token_ids += out.new_token_ids
             result.text += out.text
             result.logprobs += out.logprobs or []
+            if out.prompt_logprobs is not None:
+                result.prompt_logprobs = (result.prompt_logprobs or [None]) + out.prompt_logprobs
             result.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason

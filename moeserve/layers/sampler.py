@@ -208,7 +208,7 @@ def _sample_random_rows(logits: torch.Tensor, t: SamplingTensors) -> torch.Tenso
         .argmax(dim=-1)
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num: int) -> SampleLogprobs:
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num: int) -> SampleLogprobs:
     """Raw-model logprobs of the sampled tokens and the top `num`, without a [B, V] copy of
     log_softmax: logprob = logit - logsumexp, and top-k of logits == top-k of logprobs."""
     logits = logits.to(torch.float32)
@@ -262,5 +262,5 @@ def sample(logits: torch.Tensor, t: SamplingTensors
         token_ids = torch.where(t.temperature == 0, token_ids, sampled)
     logprobs = None
     if t.max_num_logprobs is not None:
-        logprobs = _logprobs(logits, token_ids, t.max_num_logprobs)
+        logprobs = token_logprobs(logits, token_ids, t.max_num_logprobs)
     return token_ids, logprobs, finite

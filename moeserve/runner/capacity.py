@@ -8,6 +8,9 @@ the weights and activations cost, which kernels run, and how long each start-up 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,3 +243,14 @@ def mla_decode_line(cfg: EngineConfig, device: torch.device, dtype: torch.dtype)
         sparse = "; DSA's sparse MLA warp-specialized" if decode_gluon.ws_sparse else ""
         return f"{form} (Gluon on sm90's wgmma{prefill}{unswapped}{ws}{sparse})"
     return f"{form} (Triton: no sm90 GPU with a 16-bit cache here)"
+
+
+@contextmanager
+def timed(phases: dict[str, float], name: str,
+          device: torch.device | None = None) -> Iterator[None]:
+    """Record the wall seconds of a start-up phase (synchronising the GPU at the end)."""
+    start = time.perf_counter()
+    yield
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    phases[name] = round(time.perf_counter() - start, 3)

@@ -15,8 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -47,6 +46,7 @@ from moeserve.runner.kv_cache import (
 from moeserve.runner.mixed_graphs import MixedGraphs, mixed_token_buckets
 from moeserve.runner.penalties import OutputCounts
 from moeserve.runner.pending_output import PendingOutput
+from moeserve.runner.prompt_logprobs import prompt_logprobs_of
 from moeserve.runner.step_profile import StepProfiler
 from moeserve.runner.step_sampling import GrammarMask, sample_random_logits, sample_step
 from moeserve.runner.warmup import warm_up
@@ -410,6 +410,8 @@ class ModelRunner:
         rows = np.flatnonzero(np.asarray(out.sample, dtype=bool))  # [R]
         pending = PendingOutput(out.num_reqs, rows)
         self._last = (pending, {out.req_ids[i]: j for j, i in enumerate(rows.tolist())})
+        pending.prompt_logprobs = prompt_logprobs_of(out, hidden, last_token, self.model
+                                                     .compute_logits, self.model_config.vocab_size)
         if rows.size == 0:
             return pending
         if np.array_equal(last_token[rows], np.arange(rows.size)):
@@ -487,14 +489,3 @@ class ModelRunner:
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         return to_device(a, self.device)
-
-
-@contextmanager
-def timed(phases: dict[str, float], name: str,
-          device: torch.device | None = None) -> Iterator[None]:
-    """Record the wall seconds of a start-up phase (synchronising the GPU at the end)."""
-    start = time.perf_counter()
-    yield
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    phases[name] = round(time.perf_counter() - start, 3)

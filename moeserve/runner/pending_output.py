@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from moeserve.layers.sampler import SampleLogprobs
+from moeserve.runner.prompt_logprobs import split_entries
 from moeserve.runner.step_sampling import StepSample
-from moeserve.types import Logprobs, ModelOutput, SamplingParams
+from moeserve.types import Logprobs, ModelOutput, SamplingParams, SchedulerOutput
 
 
 class PendingOutput:
@@ -31,6 +32,8 @@ class PendingOutput:
         # (picked hidden rows [R, hidden], positions [R]) until the rows are sampled: a launch
         # with defer_sampling keeps them for ModelRunner.sample_deferred
         self.deferred: tuple[torch.Tensor, list[int]] | None = None
+        # the plan's prompt logprobs ([N] in span order: runner/prompt_logprobs.py), its plan
+        self.prompt_logprobs: tuple[SampleLogprobs, SchedulerOutput] | None = None
         self._copied: torch.cuda.Event | None = None  # start_copy's end, on CUDA
         self._host: tuple = ()  # start_copy's pinned (token_ids, extra ids, logprobs, finite)
 
@@ -52,6 +55,11 @@ class PendingOutput:
         the host) would wait for step N+1's whole forward, and the GPU would then idle while
         the host planned step N+2: overlap lost (~10 ms a step at 1,024 requests on the H200).
         """
+        if self.prompt_logprobs is not None and self.prompt_logprobs[0].top_ids.is_cuda:
+            lps, plan = self.prompt_logprobs
+            self.prompt_logprobs = (_logprobs_to_host(lps), plan)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         if self.token_ids is None or self.token_ids.device.type != "cuda":
             return
         # the device tensors stay: the next launch reads its -1 placeholders from token_ids
@@ -59,9 +67,7 @@ class PendingOutput:
         self._host = (_to_host_async(self.token_ids),
                       None if self.extra_token_ids is None
                       else _to_host_async(self.extra_token_ids),
-                      None if lp is None else SampleLogprobs(
-                          _to_host_async(lp.token_logprob), _to_host_async(lp.top_ids),
-                          _to_host_async(lp.top_logprobs)),
+                      None if lp is None else _logprobs_to_host(lp),
                       None if self.finite is None else _to_host_async(self.finite))
         self._copied = torch.cuda.Event()
         self._copied.record()
@@ -69,13 +75,16 @@ class PendingOutput:
     def result(self) -> ModelOutput:
         """Wait for the step (the host sync) and return its ModelOutput."""
         sampled = [-1] * self.num_reqs
+        if self._copied is not None:
+            self._copied.synchronize()  # this step's copies only, not later launches
+        prompt = None if self.prompt_logprobs is None else split_entries(
+            self.prompt_logprobs[1], self.prompt_logprobs[0])
         if self.token_ids is None:
-            return ModelOutput(sampled_token_ids=sampled,
+            return ModelOutput(sampled_token_ids=sampled, prompt_logprobs=prompt,
                                profiled_forwards=self.profiled_forwards)
         token_ids, extra_ids, logprobs, finite = (self.token_ids, self.extra_token_ids,
                                                   self.logprobs, self.finite)
         if self._copied is not None:
-            self._copied.synchronize()  # this step's copies only, not later launches
             token_ids, extra_ids, logprobs, finite = self._host
         rows = self.rows.tolist()
         for i, tok in zip(rows, token_ids.tolist()):
@@ -83,7 +92,7 @@ class PendingOutput:
         extra = None if extra_ids is None else extra_ids.tolist()
         return ModelOutput(sampled_token_ids=sampled, logprobs=self._logprobs(logprobs),
                            extra_token_ids=extra, row_errors=self._row_errors(rows, finite),
-                           profiled_forwards=self.profiled_forwards)
+                           profiled_forwards=self.profiled_forwards, prompt_logprobs=prompt)
 
     def _row_errors(self, rows: list[int], finite: torch.Tensor | None) -> dict[int, str] | None:
         """Batch row -> what failed, for the rows with a fault of their own; None when none."""
@@ -110,6 +119,11 @@ class PendingOutput:
 
 
 _NEG_INF = float("-inf")
+
+
+def _logprobs_to_host(lp: SampleLogprobs) -> SampleLogprobs:
+    return SampleLogprobs(_to_host_async(lp.token_logprob), _to_host_async(lp.top_ids),
+                          _to_host_async(lp.top_logprobs))
 
 
 def _to_host_async(t: torch.Tensor) -> torch.Tensor:

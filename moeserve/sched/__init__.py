@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from moeserve.sched.block_pool import NULL_BLOCK, BlockPool
 from moeserve.sched.request import Request, RequestStatus
-from moeserve.sched.scheduler import Scheduler, SchedulerStats
+from moeserve.sched.scheduler import Scheduler
+from moeserve.sched.stats import SchedulerStats
 
 __all__ = ["NULL_BLOCK", "BlockPool", "Request", "RequestStatus", "Scheduler", "SchedulerStats"]

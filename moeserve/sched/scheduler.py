@@ -39,7 +39,6 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,27 +46,10 @@ from moeserve.config import ConfigError, SchedulerConfig
 from moeserve.sched.batch import APPEND_AND_CACHE, ONE_BY_ONE, RunningBatch, ScheduledStep
 from moeserve.sched.block_pool import BlockPool, cdiv
 from moeserve.sched.integrity import check_scheduler
+from moeserve.sched.prompt_logprobs import PromptLogprobs
 from moeserve.sched.request import Request, RequestStatus
-from moeserve.types import (
-    FinishReason,
-    Logprobs,
-    ModelOutput,
-    RequestOutput,
-    SchedulerOutput,
-)
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Cumulative counters (kv_usage is the current fraction of usable KV blocks in use)."""
-
-    num_preemptions: int = 0
-    num_prefix_hit_tokens: int = 0
-    num_prefill_chunks: int = 0  # prefill chunks that stopped short of the end of the tokens
-    num_scheduled_steps: int = 0  # schedule() calls that scheduled at least one request
-    num_aborted: int = 0
-    num_failed: int = 0  # requests finished with FinishReason.ERROR (a fault of their own)
-    kv_usage: float = 0.0
+from moeserve.sched.stats import SchedulerStats
+from moeserve.types import FinishReason, Logprobs, ModelOutput, RequestOutput, SchedulerOutput
 
 
 class Scheduler:
@@ -89,6 +71,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_req_ids: list[str] = []  # freed since the last schedule()
         self._held_steps = 0  # steps admission has been held (prefill_batch_delay_steps)
+        self.prompt_logprobs = PromptLogprobs()  # the requests that asked for them
         self._check_config(num_blocks, block_size)
         self.batch = RunningBatch(max_running_requests, self.max_model_len)
         self._running_slots: np.ndarray | None = None  # [num_running], cached until it changes
@@ -134,10 +117,12 @@ class Scheduler:
         assert req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.prompt_logprobs.add(req)
 
     def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> None:
         """Finish requests from outside (abort, a stop string); unknown ids are ignored."""
         finished = [self.requests[i] for i in dict.fromkeys(req_ids) if i in self.requests]
+        self.prompt_logprobs.drop(r.request_id for r in finished)
         for req in finished:
             self._finish(req, reason)
             if reason is FinishReason.ABORT:
@@ -166,6 +151,7 @@ class Scheduler:
         if (req := self.requests.get(req_id)) is None:
             return None
         self.pool.uncache(req)
+        self.prompt_logprobs.drop([req_id])
         self._finish(req, FinishReason.ERROR)
         self.stats.num_failed += 1
         self._drop_finished([req])
@@ -188,6 +174,7 @@ class Scheduler:
         if extend:
             self._extend_decode_steps(out)
         out.row_generations = self.batch.generation[out.row_slots]
+        self.prompt_logprobs.plan(out)
         if out.req_ids:
             self.stats.num_scheduled_steps += 1
         self.stats.kv_usage = self.pool.usage
@@ -297,7 +284,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted with a token in flight: its tokens are not all known yet
-            hit_blocks, num_hit = self.pool.get_computed_blocks(req)
+            hit_blocks, num_hit = (self.pool.get_computed_blocks(req)
+                                   if self.prompt_logprobs.cached_prefix_allowed(req) else ([], 0))
             num_new = req.num_tokens - num_hit
             if num_new > budget:
                 if not chunked:
@@ -373,6 +361,7 @@ class Scheduler:
         """
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
+        self.prompt_logprobs.take(out, model_out)
         if isinstance(out, ScheduledStep) and len(out.row_slots) == out.num_reqs:
             self._update_rows(out, model_out, outputs, finished)
         else:  # a plan this scheduler did not make
@@ -380,6 +369,7 @@ class Scheduler:
                 self._update_row(out, model_out, i, outputs, finished)
         self._drop_finished(finished)
         self.stats.kv_usage = self.pool.usage
+        self.prompt_logprobs.attach(outputs)
         return outputs
 
     def _update_rows(self, out: ScheduledStep, model_out: ModelOutput,

@@ -206,8 +206,11 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     """Each choice's text begins with its prompt's (the text as sent, or a token-id prompt
-    decoded); `token_ids` and the usage stay the completion's. Not with logprobs (the prompt's
-    logprobs are not computed)."""
+    decoded); `token_ids` and the usage stay the completion's. With logprobs, the logprobs
+    begin with the prompt's tokens (the first one's null), as OpenAI's legacy completions."""
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    """vLLM's: each choice's `prompt_logprobs`, one per prompt token (null for the first): the
+    token's logprob after the ones before it and this many top ones, by token id."""
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
     @field_validator("prompt", mode="wrap")
@@ -224,12 +227,12 @@ class CompletionRequest(SamplingFields):
     def _passive_completion(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
         return _only_neutral(value, handler, info)
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo is not served with logprobs: the prompt's logprobs are not "
-                             "computed")
-        return self
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The top logprobs each prompt token needs: prompt_logprobs', or logprobs' with echo."""
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                  if n is not None]
+        return max(wanted) if wanted else None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -321,9 +324,14 @@ class Usage(_Response):
 
 class CompletionLogprobs(_Response):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(_Response):
+    logprob: float
+    decoded_token: str
 
 
 class CompletionChoice(_Response):
@@ -333,6 +341,8 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # vLLM's, with the prompt_logprobs field: per prompt token (null for the first), by id
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Response):

@@ -16,12 +16,12 @@ PATHS = pytest.mark.parametrize("engine", [{}, {"num_continuous_decode_steps": 4
 
 
 @PATHS
-def test_stops_wait_for_min_tokens(engine: dict) -> None:
+def test_stops_wait_for_min_tokens(engine: dict, device: str) -> None:
     """A +100 bias makes EOS (or a stop id) the greedy token at every step: with min_tokens m
     the reply is m other tokens and then it (multi-step plans and overlap scheduling count the
     tokens in flight), ignore_eos keeps EOS allowed, and a request without min_tokens beside
     them stops at once."""
-    llm = LLM("tiny-moe", device="cpu", **engine)
+    llm = LLM("tiny-moe", device=device, dtype="float32", **engine)
     eos = llm.engine.model_config.eos_token_ids[0]
     params = [SamplingParams(max_tokens=12, temperature=0.0, min_tokens=5, logit_bias={eos: 100}),
               SamplingParams(max_tokens=12, temperature=0.0, min_tokens=3, stop_token_ids=(42,),

@@ -232,3 +232,32 @@ def test_chat_logprobs(http: httpx.Client) -> None:
     assert all(e["top_logprobs"] == [] for e in no_top) and len(no_top) == 5
     plain = post(http, CHAT, {**body, "logprobs": False, "top_logprobs": None})
     assert plain["choices"][0]["logprobs"] is None
+
+
+def test_echo_with_logprobs_begins_with_the_prompts(http: httpx.Client) -> None:
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1): the
+    legacy logprobs list the prompt's tokens first, the first one null, then the completion's;
+    the prompt's values are those prompt_logprobs gives by id; streamed the same."""
+    prompt = [72, 105, 33, 32, 119, 111]
+    body = {"prompt": prompt, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    choice = _completion(http, **body)["choices"][0]
+    lps = choice["logprobs"]
+    assert lps["tokens"] == [_decode(http, [t]) for t in prompt + choice["token_ids"]]
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lps["token_logprobs"][1:])
+    assert all(len(top) == 1 for top in lps["top_logprobs"][1:])
+    assert lps["text_offset"] == [0, 1, 2, 3, 4, 5, 6]
+    by_id = _completion(http, prompt=prompt, max_tokens=1, prompt_logprobs=2,
+                        temperature=0)["choices"][0]
+    assert by_id["logprobs"] is None and by_id["prompt_logprobs"][0] is None
+    entries = by_id["prompt_logprobs"][1:]
+    assert len(entries) == len(prompt) - 1
+    for token, entry, value in zip(prompt[1:], entries, lps["token_logprobs"][1:6]):
+        assert entry[str(token)]["logprob"] == value
+        assert entry[str(token)]["decoded_token"] == _decode(http, [token])
+        assert 2 <= len(entry) <= 3  # the prompt token and its top 2
+    events = stream(http, COMPLETIONS, body)
+    streamed = [c["logprobs"] for e in events for c in e["choices"]]
+    assert streamed[0]["token_logprobs"] == lps["token_logprobs"]
+    plain = _completion(http, prompt=prompt, max_tokens=1, temperature=0)["choices"][0]
+    assert "prompt_logprobs" not in plain and plain["token_ids"] == choice["token_ids"]

@@ -19,7 +19,7 @@ COMPLETION_CASES: list[tuple[dict[str, Any], str, str]] = [
     ({"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
     ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens",
      "cannot be combined with a structured output"),
-    ({"echo": True, "logprobs": 1}, "echo", "not served with logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
     ({"echo": 1}, "echo", "valid boolean"),
     ({"logit_bias": {"abc": 1.0}}, "logit_bias", "'abc' is not a token id"),
     ({"logit_bias": {"-5": 1.0}}, "logit_bias", "'-5' is not a token id"),

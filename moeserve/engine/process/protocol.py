@@ -35,6 +35,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
@@ -43,7 +44,8 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
         return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed,
                    list(p.stop_token_ids), p.ignore_eos, p.logprobs,
                    None if s is None else (s.kind, s.spec, s.start_after), p.reasoning_budget,
-                   list(p.logit_bias), p.presence_penalty, p.frequency_penalty, p.min_tokens)
+                   list(p.logit_bias), p.presence_penalty, p.frequency_penalty, p.min_tokens,
+                   p.prompt_logprobs)
 
     def to_params(self) -> SamplingParams:
         s = self.structured
@@ -56,7 +58,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
                               logit_bias=tuple(tuple(e) for e in self.logit_bias),
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
-                              min_tokens=self.min_tokens)
+                              min_tokens=self.min_tokens, prompt_logprobs=self.prompt_logprobs)
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):
@@ -102,25 +104,35 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[WireLogprobs] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # the request was refused (e.g. it failed validation)
+    prompt_logprobs: list[WireLogprobs] | None = None
 
     @classmethod
     def from_output(cls, o: RequestOutput) -> WireOutput:
-        lps = None if o.logprobs is None else [
-            WireLogprobs(lp.token_logprob, lp.top_token_ids, lp.top_logprobs) for lp in o.logprobs]
         stop = o.stop_reason if isinstance(o.stop_reason, int) else None
         return cls(o.request_id, o.new_token_ids, o.finished,
-                   o.finish_reason.value if o.finish_reason else None, stop, lps,
-                   o.num_cached_tokens, o.error)
+                   o.finish_reason.value if o.finish_reason else None, stop,
+                   _to_wire(o.logprobs), o.num_cached_tokens, o.error,
+                   _to_wire(o.prompt_logprobs))
 
     def to_output(self, prompt_token_ids: list[int]) -> RequestOutput:
-        lps = None if self.logprobs is None else [
-            Logprobs(lp.token_logprob, lp.top_token_ids, lp.top_logprobs) for lp in self.logprobs]
+        lps = _from_wire(self.logprobs)
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=prompt_token_ids,
             new_token_ids=self.new_token_ids, finished=self.finished,
             finish_reason=FinishReason(self.finish_reason) if self.finish_reason else None,
             stop_reason=self.stop_reason, logprobs=lps,
-            num_cached_tokens=self.num_cached_tokens, error=self.error)
+            num_cached_tokens=self.num_cached_tokens, error=self.error,
+            prompt_logprobs=_from_wire(self.prompt_logprobs))
+
+
+def _to_wire(lps: list[Logprobs] | None) -> list[WireLogprobs] | None:
+    return None if lps is None else [
+        WireLogprobs(lp.token_logprob, lp.top_token_ids, lp.top_logprobs) for lp in lps]
+
+
+def _from_wire(lps: list[WireLogprobs] | None) -> list[Logprobs] | None:
+    return None if lps is None else [
+        Logprobs(lp.token_logprob, lp.top_token_ids, lp.top_logprobs) for lp in lps]
 
 
 class EngineStats(msgspec.Struct, omit_defaults=False):

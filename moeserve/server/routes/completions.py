@@ -6,11 +6,17 @@ are a moeserve extension: a client can count tokens per event without a tokenize
 `echo` begins each choice's text with its prompt's (its first streamed event carries it).
 Logprobs use the legacy completions format: tokens, token_logprobs, top_logprobs (a dict per
 token: token text -> logprob; where two tokens have the same text, e.g. two bytes that are not
-UTF-8 on their own, the likelier one is kept) and text_offset.
+UTF-8 on their own, the likelier one is kept) and text_offset; with echo they begin with the
+prompt's tokens, the first one's logprob and top logprobs null (what lm-evaluation-harness
+reads for a loglikelihood). `prompt_logprobs` (vLLM's) gives each choice a list of them by
+token id instead: null for the first prompt token, then {id: {"logprob", "decoded_token"}}
+holding the prompt token and its top n. Both come from the engine's prompt logprobs
+(sched/prompt_logprobs.py), with the choice's first output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from starlette.requests import Request
@@ -44,13 +50,16 @@ async def create_completion(ctx: ServerContext, request: Request, request_id: st
     structured = requested_output(req.response_format, req.structured_outputs)
     params = sampling_params(req, prompts, req.max_tokens, DEFAULT_MAX_TOKENS, req.logprobs,
                              ctx.client.max_model_len, structured)
+    if req.num_prompt_logprobs is not None:
+        params = [dataclasses.replace(p, prompt_logprobs=req.num_prompt_logprobs) for p in params]
     choice_prompts = [p for p in prompts for _ in range(req.n)]
     gen = Generation(ctx.client, request_id, choice_prompts, params, "prompt")
     echoes = None
     if req.echo:  # each choice's prompt text, as sent (token ids decoded)
         texts = prompt_texts(ctx, req.prompt, prompts, req.skip_special_tokens)
         echoes = [t for t in texts for _ in range(req.n)]
-    renderer = CompletionRenderer(ctx, request_id, req.logprobs is not None, echoes)
+    renderer = CompletionRenderer(ctx, request_id, req.logprobs is not None, echoes,
+                                  req.prompt_logprobs, choice_prompts)
     return await serve(ctx, request, request_id, req, gen, renderer, prompts)
 
 
@@ -87,11 +96,14 @@ async def tokenize_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
 
 class CompletionRenderer:
     def __init__(self, ctx: ServerContext, request_id: str, want_logprobs: bool,
-                 echoes: list[str] | None = None) -> None:
+                 echoes: list[str] | None = None, prompt_logprobs: int | None = None,
+                 prompts: list[list[int]] | None = None) -> None:
         self.ctx = ctx
         self.request_id = request_id
         self.want_logprobs = want_logprobs
         self.echoes = echoes  # per choice: the prompt text its text begins with (echo)
+        self.prompt_logprobs = prompt_logprobs  # top n of the `prompt_logprobs` field
+        self.prompts = prompts  # per choice: its prompt's token ids
         self.created = now()
         self._offsets: list[int] = []
         self._echoed: set[int] = set()  # streamed choices whose prompt text went out
@@ -114,7 +126,10 @@ class CompletionRenderer:
                                   "finish_reason": result.finish_reason}
         if self.want_logprobs:
             choice["logprobs"], self._offsets[index] = self.logprobs(
-                out.new_token_ids, out.logprobs or [], self._offsets[index])
+                *self._with_prompt(index, out.new_token_ids, out.logprobs or [],
+                                   out.prompt_logprobs), self._offsets[index])
+        if self.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.by_id(index, out.prompt_logprobs)
         if out.finished:
             choice["stop_reason"] = result.stop_reason
         return choice
@@ -122,29 +137,57 @@ class CompletionRenderer:
     def final(self, results: list[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
         choices = []
         for i, r in enumerate(results):
-            logprobs = self.logprobs(r.token_ids, r.logprobs, 0)[0] if self.want_logprobs else None
+            logprobs = (self.logprobs(*self._with_prompt(i, r.token_ids, r.logprobs,
+                                                         r.prompt_logprobs or None), 0)[0]
+                        if self.want_logprobs else None)
             text = "".join(r.text)
             if self.echoes is not None:
                 text = self.echoes[i] + text
-            choices.append({"index": i, "text": text, "token_ids": r.token_ids,
-                            "logprobs": logprobs, "finish_reason": r.finish_reason,
-                            "stop_reason": r.stop_reason})
+            choice = {"index": i, "text": text, "token_ids": r.token_ids, "logprobs": logprobs,
+                      "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+            if self.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.by_id(i, r.prompt_logprobs)
+            choices.append(choice)
         return {**self.envelope(), "choices": choices, "usage": usage}
 
-    def logprobs(self, token_ids: list[int], logprobs: list[Logprobs],
+    def _with_prompt(self, index: int, token_ids: list[int], logprobs: list[Logprobs],
+                     prompt_logprobs: list[Logprobs] | None
+                     ) -> tuple[list[int], list[Logprobs | None]]:
+        """The tokens the legacy logprobs list: with echo, the prompt's first (in the output
+        that carries the prompt's logprobs, the first one), its first token without any."""
+        if self.echoes is None or prompt_logprobs is None or self.prompts is None:
+            return token_ids, list(logprobs)
+        prompt = self.prompts[index][:len(prompt_logprobs) + 1]  # (all of it but after a fault)
+        return prompt + token_ids, [None, *prompt_logprobs, *logprobs]
+
+    def logprobs(self, token_ids: list[int], logprobs: list[Logprobs | None],
                  offset: int) -> tuple[dict[str, Any], int]:
-        """The legacy format for these tokens; text_offset continues from `offset`."""
+        """The legacy format for these tokens (None: a prompt's first token, null logprobs);
+        text_offset continues from `offset`."""
         text = self.ctx.token_string
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for token_id, lp in zip(token_ids, logprobs):
+        for token_id, lp in zip(token_ids, logprobs, strict=True):
             token = text(token_id)[0]
             tokens.append(token)
-            token_logprobs.append(lp.token_logprob)
-            entry: dict[str, float] = {}
-            for t, v in zip(lp.top_token_ids, lp.top_logprobs):
+            token_logprobs.append(None if lp is None else lp.token_logprob)
+            entry: dict[str, float] | None = None if lp is None else {}
+            for t, v in zip(*((lp.top_token_ids, lp.top_logprobs) if lp else ((), ()))):
                 entry.setdefault(text(t)[0], v)  # tokens with the same text: keep the likeliest
             top.append(entry)
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": offsets}, offset
+
+    def by_id(self, index: int, entries: list[Logprobs]) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: null, then per prompt token {id: {logprob, decoded_token}}
+        for the token itself and its top n."""
+        text, prompt = self.ctx.token_string, self.prompts[index] if self.prompts else []
+        n = self.prompt_logprobs or 0
+        result: list[dict[str, Any] | None] = [None]
+        for token_id, lp in zip(prompt[1:], entries):
+            ids = [token_id, *lp.top_token_ids[:n]]
+            values = [lp.token_logprob, *lp.top_logprobs[:n]]
+            result.append({str(t): {"logprob": v, "decoded_token": text(t)[0]}
+                           for t, v in zip(ids, values)})
+        return result

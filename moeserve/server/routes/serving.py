@@ -195,6 +195,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)  # prompt[1:]'s, when asked
 
     def add(self, out: RequestOutput, keep: bool) -> None:
         self.num_tokens += len(out.new_token_ids)
@@ -204,6 +205,8 @@ class ChoiceResult:
             self.text.append(out.text)
             if out.logprobs:
                 self.logprobs += out.logprobs
+            if out.prompt_logprobs:
+                self.prompt_logprobs += out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason.value if out.finish_reason else "stop"
             self.stop_reason = out.stop_reason
