@@ -188,6 +188,12 @@ class EngineConfig:
     with fewer layers. A dict is accepted from Python (kept as its JSON)."""
     tokenizer: str | None = None
     """Tokenizer folder; defaults to the model folder, or the preset's built-in tokenizer."""
+    generation_config: str = "auto"
+    """The model's sampling defaults for what a request leaves out (the API server, and
+    `LLM.generate` without params): "auto" = the model folder's generation_config.json
+    (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM and SGLang
+    do; "none" = moeserve's neutral ones ("vllm" accepted); or a folder holding a
+    generation_config.json (hf_config/generation.py)."""
     device: str = "auto"
     """"cuda", "cpu" or "auto" (cuda when available)."""
     dtype: str = "auto"

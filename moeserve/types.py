@@ -18,6 +18,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias (each costs host work every step)
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence / frequency penalties: [-2, 2]
+# repetition_penalty's range: beyond it a logit divided by it could overflow the logits' dtype
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (vLLM's floor): dividing the
 # logits by it would overflow fp32 (1e-39 gives inf logits and a NaN softmax)
 
@@ -70,6 +72,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted from a token's logit once for every time the request has generated it
     (OpenAI's; in [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """The logit of every token in the prompt or the output so far divided by it where
+    positive, multiplied where negative (HF's and vLLM's; in REPETITION_PENALTY_RANGE, 1 is
+    none)."""
     reasoning_budget: tuple[int, int, int] | None = None
     """(end token id, N, start token id or -1): at most N tokens of reasoning before its end
     token, the next then forced to be it (Anthropic's thinking budget_tokens). The reasoning
@@ -117,6 +123,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-{PENALTY_LIMIT:g}, "
                                  f"{PENALTY_LIMIT:g}], got {value!r}")
             object.__setattr__(self, name, float(value))
+        value, (low, high) = self.repetition_penalty, REPETITION_PENALTY_RANGE
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not low <= value <= high:
+            raise ValueError(f"repetition_penalty must be a number in [{low:g}, {high:g}], "
+                             f"got {value!r}")
+        object.__setattr__(self, "repetition_penalty", float(value))
         budget = self.reasoning_budget
         if budget is not None:
             budget = tuple(budget)
@@ -198,6 +210,9 @@ class SchedulerOutput:
     # entry k from the logits of the row's position k - 1, its target prompt[k], flat in order
     prompt_logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
     prompt_logprob_targets: list[int] = field(default_factory=list)
+    # (row, its prompt's token ids) of requests with a repetition penalty, in the first plan
+    # that schedules them (the runner keeps the prompt's tokens until they finish)
+    penalty_prompts: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

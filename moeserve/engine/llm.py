@@ -16,6 +16,7 @@ from typing import Any
 from moeserve.engine.args import engine_config_from_kwargs
 from moeserve.engine.core import EngineCore
 from moeserve.engine.output_processor import OutputProcessor
+from moeserve.hf_config.generation import sampling_defaults
 from moeserve.tokenizer import Tokenizer, load_model_tokenizer
 from moeserve.types import FinishReason, Logprobs, RequestOutput, SamplingParams
 
@@ -48,6 +49,8 @@ class LLM:
         self.engine = EngineCore(engine_config_from_kwargs(model=model, **engine_args))
         cfg, mc = self.engine.cfg, self.engine.model_config
         self.tokenizer: Tokenizer = load_model_tokenizer(cfg.model, cfg.tokenizer, mc)
+        # the model's generation_config.json: the params of a call that gives none
+        self.sampling_defaults = sampling_defaults(cfg.model, cfg.generation_config)
         self._outputs = OutputProcessor(self.tokenizer)
         self._results: dict[str, CompletionOutput] = {}
         self._ids = itertools.count()
@@ -66,10 +69,15 @@ class LLM:
     def report(self):  # the capacity report
         return self.engine.report
 
+    def default_params(self) -> SamplingParams:
+        """SamplingParams of the model's defaults (generation_config.json's, unless
+        generation_config is "none"; moeserve's own for the rest), as vLLM's LLM takes them."""
+        return SamplingParams(**self.sampling_defaults)
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue one request; ValueError names what is wrong, and nothing is queued then."""
-        params = params or SamplingParams()
+        params = params or self.default_params()
         if isinstance(prompt, str):
             prompt_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
@@ -126,7 +134,7 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_params()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")

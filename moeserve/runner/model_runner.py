@@ -334,6 +334,9 @@ class ModelRunner:
         if self.faults:
             self._inject_step_faults(out)
         self.output_counts.release(out.finished_req_ids)
+        if out.penalty_prompts:  # repetition penalties' prompts (sched/penalty_prompts.py)
+            self.output_counts.add_prompts(out.req_ids, out.penalty_prompts,
+                                           self.model_config.vocab_size, self.device)
         is_decode = out.num_reqs > 0 and all(n == 1 for n in out.num_scheduled_tokens)
         bucket = self.graphs.bucket(out.num_reqs) if self.graphs and is_decode else None
         if bucket is None and is_decode and self.device.type == "cuda":

@@ -1,14 +1,18 @@
-"""OpenAI's presence and frequency penalties: each penalized request's output-token counts,
-kept on the device and updated by every sampling, so that they are exact under overlap
-scheduling (step N+1 is sampled after step N's tokens were counted, in stream order, while the
-host has not seen them yet) and inside multi-step decode plans (each sub-step's tokens counted
-before the next sub-step samples).
+"""The penalties: OpenAI's presence and frequency penalties and HF's / vLLM's repetition
+penalty, from each penalized request's output-token counts, kept on the device and updated by
+every sampling, so that they are exact under overlap scheduling (step N+1 is sampled after step
+N's tokens were counted, in stream order, while the host has not seen them yet) and inside
+multi-step decode plans (each sub-step's tokens counted before the next sub-step samples).
 
+    logits[t] = logits[t] / r if > 0 else logits[t] * r    where t is in the prompt or
+                                                              count[t] > 0 (r: repetition)
     logits[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t]
 
-over the request's generated tokens (not its prompt), the difference taken in fp32 and rounded
-once to the logits' dtype, as logit_bias is (runner/step_sampling.py): a penalty of p on a
-token equals a logit_bias of -p there.
+in that order (vLLM's), the presence and frequency over the request's generated tokens only,
+in fp32 and rounded once to the logits' dtype, as logit_bias is (runner/step_sampling.py): a
+penalty of p on a token equals a logit_bias of -p there. The prompt's tokens come once, in the
+first plan that schedules the request (sched/penalty_prompts.py: a decode plan carries no
+prompt), kept as a [V] bool until the request finishes.
 
 `OutputCounts` holds one [V] int32 vector per penalized request that has sampled (V x 4
 bytes: 620 KB at a 155k vocabulary), created at its first sampling, dropped when a plan names
@@ -35,7 +39,8 @@ _CHUNK_ELEMENTS = 1 << 27
 
 
 def penalized(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or p.repetition_penalty != 1.0)
 
 
 class OutputCounts:
@@ -43,6 +48,15 @@ class OutputCounts:
 
     def __init__(self) -> None:
         self.counts: dict[str, torch.Tensor] = {}  # request id -> [V] int32 on the logits' device
+        self.prompts: dict[str, torch.Tensor] = {}  # request id -> [V] bool: in its prompt
+
+    def add_prompts(self, req_ids: list[str], prompts: list[tuple[int, list[int]]],
+                    vocab_size: int, device: torch.device) -> None:
+        """Keep the prompts of a plan's `penalty_prompts` (row, token ids) as [V] masks."""
+        for row, ids in prompts:
+            mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            mask[to_device(np.asarray(ids, dtype=np.int64), device)] = True
+            self.prompts[req_ids[row]] = mask
 
     @staticmethod
     def _rows(params: list[SamplingParams]) -> list[int]:
@@ -63,17 +77,26 @@ class OutputCounts:
         rows = self._rows(params)
         if not rows:
             return rows
-        weights = to_device(np.array([[params[j].presence_penalty, params[j].frequency_penalty]
-                                      for j in rows], dtype=np.float32), logits.device)  # [P, 2]
+        weights = to_device(np.array([[params[j].presence_penalty, params[j].frequency_penalty,
+                                       params[j].repetition_penalty] for j in rows],
+                                     dtype=np.float32), logits.device)  # [P, 3]
         index = to_device(np.asarray(rows, dtype=np.int64), logits.device)  # [P]
         step = max(1, _CHUNK_ELEMENTS // logits.shape[-1])
         for start in range(0, len(rows), step):  # [rows, V] temporaries of bounded size
             chunk = rows[start:start + step]
             counts = torch.stack([self._of(req_ids[j], logits) for j in chunk]).float()
             w = weights[start:start + step]
-            penalty = (counts > 0).float().mul_(w[:, :1]).add_(counts.mul_(w[:, 1:]))
             at = index[start:start + step]
-            logits[at] = (logits[at].float() - penalty).to(logits.dtype)
+            x = logits[at].float()
+            if any(params[j].repetition_penalty != 1.0 for j in chunk):
+                seen = counts > 0
+                for k, j in enumerate(chunk):
+                    if req_ids[j] in self.prompts:
+                        seen[k] |= self.prompts[req_ids[j]]
+                r = w[:, 2:]
+                x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+            penalty = (counts > 0).float().mul_(w[:, :1]).add_(counts.mul_(w[:, 1:2]))
+            logits[at] = (x - penalty).to(logits.dtype)
         return rows
 
     def record(self, req_ids: list[str], rows: list[int], token_ids: torch.Tensor) -> None:
@@ -91,3 +114,4 @@ class OutputCounts:
         next), so none counts into a released request."""
         for r in req_ids:
             self.counts.pop(r, None)
+            self.prompts.pop(r, None)

@@ -46,6 +46,7 @@ from moeserve.config import ConfigError, SchedulerConfig
 from moeserve.sched.batch import APPEND_AND_CACHE, ONE_BY_ONE, RunningBatch, ScheduledStep
 from moeserve.sched.block_pool import BlockPool, cdiv
 from moeserve.sched.integrity import check_scheduler
+from moeserve.sched.penalty_prompts import PenaltyPrompts
 from moeserve.sched.prompt_logprobs import PromptLogprobs
 from moeserve.sched.request import Request, RequestStatus
 from moeserve.sched.stats import SchedulerStats
@@ -72,6 +73,7 @@ class Scheduler:
         self._finished_req_ids: list[str] = []  # freed since the last schedule()
         self._held_steps = 0  # steps admission has been held (prefill_batch_delay_steps)
         self.prompt_logprobs = PromptLogprobs()  # the requests that asked for them
+        self.penalty_prompts = PenaltyPrompts()  # repetition penalties' prompts, until sent
         self._check_config(num_blocks, block_size)
         self.batch = RunningBatch(max_running_requests, self.max_model_len)
         self._running_slots: np.ndarray | None = None  # [num_running], cached until it changes
@@ -118,11 +120,13 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.prompt_logprobs.add(req)
+        self.penalty_prompts.add(req)
 
     def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> None:
         """Finish requests from outside (abort, a stop string); unknown ids are ignored."""
         finished = [self.requests[i] for i in dict.fromkeys(req_ids) if i in self.requests]
         self.prompt_logprobs.drop(r.request_id for r in finished)
+        self.penalty_prompts.drop(r.request_id for r in finished)
         for req in finished:
             self._finish(req, reason)
             if reason is FinishReason.ABORT:
@@ -175,6 +179,7 @@ class Scheduler:
             self._extend_decode_steps(out)
         out.row_generations = self.batch.generation[out.row_slots]
         self.prompt_logprobs.plan(out)
+        self.penalty_prompts.plan(out)
         if out.req_ids:
             self.stats.num_scheduled_steps += 1
         self.stats.kv_usage = self.pool.usage

@@ -103,11 +103,16 @@ def build_app(client: AsyncEngineClient, api_key: str | None = None, *,
             one in memory.
     """
     names = {client.model_name, client.model}
+    if client.sampling_defaults:
+        logger.info("sampling defaults from the model's generation_config.json for the fields a "
+                    "request leaves out: %s (--generation-config none keeps the neutral ones)",
+                    client.sampling_defaults)
     agent = choose_formats(tool_call_parser, reasoning_parser, client.tokenizer,
                            client.model_config.architecture)
     ctx = ServerContext(client=client, metrics=ServerMetrics(client),
                         model_names=frozenset(names), api_key=api_key or None,
-                        settings={**(settings or {}), **agent.describe()}, agent=agent,
+                        settings={**(settings or {}), **agent.describe(),
+                                  "sampling_defaults": client.sampling_defaults}, agent=agent,
                         responses=ResponseStore() if responses is None else responses)
 
     @contextlib.asynccontextmanager

@@ -45,7 +45,13 @@ from moeserve.server.agent.protocol import (
     ToolChoice,
 )
 from moeserve.server.structured_output import ResponseFormat, StructuredOutputs
-from moeserve.types import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_LOGPROBS, PENALTY_LIMIT
+from moeserve.types import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    PENALTY_LIMIT,
+    REPETITION_PENALTY_RANGE,
+)
 
 MAX_N = 8
 MAX_CHOICES = 256  # prompts x n in one request
@@ -141,6 +147,10 @@ class SamplingFields(_Request):
     """Subtracted from a token's logit once for every time the reply has used it so far."""
     presence_penalty: Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)] | None = None
     """Subtracted from the logit of every token the reply has used so far."""
+    repetition_penalty: Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0],
+                                               le=REPETITION_PENALTY_RANGE[1])] | None = None
+    """vLLM's (HF's): the logit of every token in the prompt or the reply so far divided by it
+    where positive, multiplied where negative; 0.01..100, 1 is none."""
 
     @field_validator("logit_bias", mode="wrap")
     @classmethod

@@ -89,7 +89,9 @@ def test_counts_are_dropped_with_their_requests() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [("presence_penalty", 2.5),
                                               ("frequency_penalty", float("nan")),
-                                              ("presence_penalty", True)])
+                                              ("presence_penalty", True),
+                                              ("repetition_penalty", 0.0),
+                                              ("repetition_penalty", float("inf"))])
 def test_penalties_are_validated(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"{field} must be a number in"):
         SamplingParams(**{field: value})
@@ -126,3 +128,53 @@ def test_penalties_in_row_chunks_are_the_same(monkeypatch: pytest.MonkeyPatch) -
     assert set(counts.counts) == {"a", "c"}
     counts.release(["a", "b"])
     assert set(counts.counts) == {"c"}
+
+
+def test_repetition_penalty_scales_the_prompt_and_output_tokens() -> None:
+    """A repetition penalty r divides the positive and multiplies the negative logits of every
+    token in the prompt or the output so far, before the frequency penalty."""
+    import torch
+
+    from moeserve.runner.penalties import OutputCounts
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0], [2.0, -1.0, 0.5, 3.0, -2.0]])
+    counts = OutputCounts()
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams(repetition_penalty=0.5,
+                                                                     frequency_penalty=1.0)]
+    counts.add_prompts(["a", "b"], [(0, [0, 1]), (1, [4])], 5, logits.device)
+    rows = counts.apply_(logits.clone(), ["a", "b"], params)
+    counts.record(["a", "b"], rows, torch.tensor([3, 2]))
+    out = logits.clone()
+    counts.apply_(out, ["a", "b"], params)
+    assert out[0].tolist() == [1.0, -2.0, 0.5, 1.5, -2.0]  # prompt 0, 1 and output 3
+    assert out[1].tolist() == [2.0, -1.0, 1.0 - 1.0, 3.0, -1.0]  # prompt 4, output 2 (x2 - 1)
+    counts.release(["a"])
+    assert set(counts.prompts) == {"b"}
+
+
+def test_repetition_penalty_reaches_every_path() -> None:
+    """The same tokens on the single-step, multi-step and overlap paths, unlike the unpenalized
+    reply, and after a prefix-cache hit (the prompt comes to the runner with the first plan,
+    hit or not); the prompt masks are dropped with their requests."""
+    prompt, n = [5, 6], 24  # tiny-moe's greedy reply repeats after 18 tokens
+    plain = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                            repetition_penalty=1.8)
+    base = LLM("tiny-moe", device="cpu", dtype="float32").generate([prompt], plain)[0].token_ids
+    got = []
+    for engine in ({}, {"num_continuous_decode_steps": 4}, {"async_scheduling": True}):
+        llm = LLM("tiny-moe", device="cpu", dtype="float32", **engine)
+        outs = llm.generate([prompt, prompt], [params, plain])
+        assert outs[1].token_ids == base
+        got.append(outs[0].token_ids)
+        llm.generate([[1]], SamplingParams(max_tokens=2))  # a plan that names them finished
+        assert not llm.engine.runner.output_counts.prompts
+    assert all(g == got[0] for g in got) and got[0] != base
+    favour = SamplingParams(max_tokens=3, temperature=0.0, repetition_penalty=0.01)
+    assert llm.generate([prompt], favour)[0].token_ids[0] in prompt  # the prompt counts
+    llm = LLM("tiny-moe", device="cpu", dtype="float32", enable_prefix_caching=True,
+              block_size=4)
+    long = [9, 8, 7, 6, 1, 2, 3, 4, 5, 6]
+    first, again = (llm.generate([long], params)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 8
+    assert again.token_ids == first.token_ids

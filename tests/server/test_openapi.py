@@ -44,7 +44,8 @@ STATUSES = {  # what each route can answer, without --api-key
 def _doc(api_key: str | None = None) -> dict[str, Any]:
     client = types.SimpleNamespace(model_name="tiny-moe", model="tiny-moe", capacity_report={},
                                    tokenizer=ByteTokenizer(512, None, None),
-                                   model_config=types.SimpleNamespace(architecture="Test"))
+                                   model_config=types.SimpleNamespace(architecture="Test"),
+                                   sampling_defaults={})
     return build_app(client, api_key).openapi()  # type: ignore[arg-type]
 
 

@@ -99,6 +99,7 @@ class SteppedEngine:
         self.tokenizer = ByteTokenizer(512, None, None)
         self.model_name = self.model = "stepped"
         self.model_config = types.SimpleNamespace(architecture="Test", vocab_size=512)
+        self.sampling_defaults: dict = {}
         self.max_model_len = 1024
         self.ready = self.alive = True
         self.num_in_flight = 0

@@ -56,8 +56,12 @@ def test_penalties_are_served(http: httpx.Client) -> None:
                              "frequency_penalty": 2})
     assert chat["choices"][0]["message"]["content"] is not None
     if len(set(greedy)) < len(greedy):
-        penalized = {**request, "frequency_penalty": 2.0}
-        assert post(http, COMPLETIONS, penalized)["choices"][0]["token_ids"] != greedy
+        for penalty in ({"frequency_penalty": 2.0}, {"repetition_penalty": 1.8}):
+            penalized = {**request, **penalty}
+            assert post(http, COMPLETIONS, penalized)["choices"][0]["token_ids"] != greedy
+    assert post(http, COMPLETIONS, {**request, "repetition_penalty": 1})["choices"][0][
+        "token_ids"] == greedy
+    assert http.get("/v1/engine").json()["server"]["sampling_defaults"] == {}
 
 
 @pytest.mark.parametrize("path,body", [(COMPLETIONS, {"prompt": "hi"}),

@@ -40,6 +40,7 @@ from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.process import protocol as p
 from moeserve.engine.process.core_proc import run_engine_core
 from moeserve.engine.validate import validate_request
+from moeserve.hf_config.generation import sampling_defaults
 from moeserve.tokenizer import load_model_tokenizer
 from moeserve.types import FinishReason, RequestOutput, SamplingParams
 
@@ -70,6 +71,7 @@ class AsyncEngineClient:
         self.stats = p.EngineStats()
         self.ready = False  # Ready arrived: the engine loop runs, the limits below are known
         self.died = asyncio.Event()  # the engine process died while serving (not a shutdown)
+        self.sampling_defaults: dict[str, Any] = {}  # the model's, for omitted request fields
 
     @classmethod
     async def start(cls, engine_kwargs: dict, max_waiting_requests: int = 4096,
@@ -131,6 +133,8 @@ class AsyncEngineClient:
                                                      engine_kwargs.get("hf_overrides"))
             mc = self.model_config
             self.tokenizer = load_model_tokenizer(self.model, engine_kwargs.get("tokenizer"), mc)
+            self.sampling_defaults = sampling_defaults(  # generation_config.json's
+                self.model, str(engine_kwargs.get("generation_config", "auto")))
             self._outputs = OutputProcessor(self.tokenizer)  # text deltas and stop strings
             self._init_sockets()
             self._send(p.Hello(client=client_index))

@@ -36,6 +36,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
@@ -45,7 +46,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
                    list(p.stop_token_ids), p.ignore_eos, p.logprobs,
                    None if s is None else (s.kind, s.spec, s.start_after), p.reasoning_budget,
                    list(p.logit_bias), p.presence_penalty, p.frequency_penalty, p.min_tokens,
-                   p.prompt_logprobs)
+                   p.prompt_logprobs, p.repetition_penalty)
 
     def to_params(self) -> SamplingParams:
         s = self.structured
@@ -58,7 +59,8 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
                               logit_bias=tuple(tuple(e) for e in self.logit_bias),
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
-                              min_tokens=self.min_tokens, prompt_logprobs=self.prompt_logprobs)
+                              min_tokens=self.min_tokens, prompt_logprobs=self.prompt_logprobs,
+                              repetition_penalty=self.repetition_penalty)
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):

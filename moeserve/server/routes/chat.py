@@ -87,7 +87,8 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, max_token
     prompt_text, prompt = await chat_prompt(ctx, req, continuation)
     check_lengths(ctx, [prompt], req.max_new_tokens, max_tokens_field, "messages")
     params = sampling_params(req, [prompt], req.max_new_tokens, None, num_logprobs,
-                             ctx.client.max_model_len, chat_output(ctx, req, prompt_text))
+                             ctx.client.max_model_len, chat_output(ctx, req, prompt_text),
+                             ctx.sampling_defaults)
     agent = ctx.agent
     parsed = req.parses_tool_calls or agent.reasoning is not None
     if parsed and agent.keep_special_tokens:  # the markers are special tokens: keep them

@@ -49,7 +49,7 @@ async def create_completion(ctx: ServerContext, request: Request, request_id: st
     check_lengths(ctx, prompts, req.max_tokens, "max_tokens", "prompt")
     structured = requested_output(req.response_format, req.structured_outputs)
     params = sampling_params(req, prompts, req.max_tokens, DEFAULT_MAX_TOKENS, req.logprobs,
-                             ctx.client.max_model_len, structured)
+                             ctx.client.max_model_len, structured, ctx.sampling_defaults)
     if req.num_prompt_logprobs is not None:
         params = [dataclasses.replace(p, prompt_logprobs=req.num_prompt_logprobs) for p in params]
     choice_prompts = [p for p in prompts for _ in range(req.n)]

@@ -78,6 +78,11 @@ class ServerContext:
         return self.client.model_name
 
     @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's, for the fields a request leaves out (hf_config/generation.py)."""
+        return self.client.sampling_defaults
+
+    @property
     def max_prompt_chars(self) -> int:
         """Longer text cannot fit in max_model_len tokens (request_limits.py)."""
         return max_prompt_chars(self.client.max_model_len,
@@ -145,23 +150,29 @@ def check_lengths(ctx: ServerContext, prompts: list[list[int]], max_tokens: int 
 
 def sampling_params(req: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
                     default_max_tokens: int | None, logprobs: int | None,
-                    max_model_len: int,
-                    structured: StructuredOutput | None = None) -> list[SamplingParams]:
+                    max_model_len: int, structured: StructuredOutput | None = None,
+                    defaults: dict[str, Any] | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice: prompt-major, n per prompt; seed + i for choice i of a
     prompt. Without max_tokens: default_max_tokens, or up to max_model_len when that is None
-    (capped by max_model_len either way). The number of choices is checked before (request
-    limits). `structured`: every choice's grammar."""
-    out = []
+    (capped by max_model_len and the model's max_new_tokens). The number of choices is checked
+    before (request limits). `structured`: every choice's grammar. `defaults`: the model's
+    sampling defaults for the fields the request leaves out (hf_config/generation.py)."""
+    out, model = [], defaults or {}
+
+    def given(name: str, neutral: Any) -> Any:
+        value = getattr(req, name)
+        return model.get(name, neutral) if value is None else value
+
     for prompt in prompts:
         room = max_model_len - len(prompt)
-        limit = max_tokens or min(default_max_tokens or room, room)
+        limit = max_tokens or min(default_max_tokens or room, room, model.get("max_tokens", room))
         for i in range(req.n):
             try:
                 out.append(SamplingParams(
                     max_tokens=limit, min_tokens=req.min_tokens,
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p,
-                    top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+                    temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
+                    top_k=given("top_k", 0), min_p=given("min_p", 0.0),
+                    repetition_penalty=given("repetition_penalty", 1.0),
                     seed=None if req.seed is None else req.seed + i,
                     stop=req.stop_strings, stop_token_ids=tuple(req.stop_token_ids or ()),
                     ignore_eos=req.ignore_eos, logprobs=logprobs,
