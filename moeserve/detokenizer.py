@@ -8,7 +8,8 @@ exactly as a one-shot `bytes.decode("utf-8", "replace")` would make them.
 Stop strings are searched in the accumulated text. While streaming, the tail of the text that
 could be the start of a stop string (the longest tail that is a proper prefix of one: at most
 max(len(stop)) - 1 characters) is held back; when a stop string is found the text is cut before
-it and nothing more is emitted; `flush()` releases what is held at the end of the request.
+it (after it, with `include_stop`) and nothing more is emitted; `flush()` releases what is held
+at the end of the request.
 With `min_tokens` M, a stop string counts only if it ends in the text of the (M+1)-th token or a
 later one (it may begin earlier), as vLLM's min_tokens holds stop strings.
 
@@ -35,11 +36,12 @@ class IncrementalDetokenizer:
         stop: strings that end the output; the text is cut before the first one to complete.
         min_tokens: a stop string must end in the text of a later token than the first
             min_tokens ones.
+        include_stop: the text keeps the stop string that ended it (cut after it, not before).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
                  skip_special_tokens: bool = True, stop: tuple[str, ...] = (),
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, include_stop: bool = False) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self.tokenizer = tokenizer
@@ -53,6 +55,7 @@ class IncrementalDetokenizer:
         self._text = ""
         self._num_emitted = 0
         self._finished = False
+        self._include_stop = include_stop
         self._tokens_to_hold = min_tokens  # tokens still to come before a stop may complete
         self._stop_end_after = 0  # a stop must end past this many characters of text
 
@@ -101,8 +104,8 @@ class IncrementalDetokenizer:
         found = [(pos + len(s), pos, i) for i, s in enumerate(self.stop)
                  if (pos := self._text.find(s, max(start, after - len(s) + 1))) >= 0]
         if found:  # the stop completed first, as token-by-token streaming would see it
-            _, pos, i = min(found)
-            self._text = self._text[:pos]
+            end, pos, i = min(found)
+            self._text = self._text[:end if self._include_stop else pos]
             self.stop_hit = self.stop[i]
 
     def _release(self, final: bool) -> str:

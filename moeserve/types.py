@@ -46,7 +46,10 @@ class SamplingParams:
     seed: int | None = None
     """Per-request seed: the same tokens whatever else is in the batch."""
     stop: tuple[str, ...] = ()
-    """Strings that end generation; the stop string is not included in the text."""
+    """Strings that end generation; the stop string is not included in the text (unless
+    include_stop_str_in_output)."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the text at its end (vLLM's). Text side only."""
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end generation (in addition to EOS unless ignore_eos)."""
     ignore_eos: bool = False

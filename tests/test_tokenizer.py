@@ -326,3 +326,16 @@ def test_output_processor_keeps_special_tokens_but_never_the_eos_that_ends() -> 
         texts = [out.text for out in processor.process(outs[:1])[0]]
         texts += [out.text for out in processor.process(outs[1:])[0]]
         assert "".join(texts) == middle + "b", (params, texts)
+
+
+def test_include_stop_keeps_the_stop_string_whatever_the_chunking() -> None:
+    tok = _byte()
+    ids = tok.encode("one two three")
+    for chunks in ([1] * len(ids), [len(ids)], [5, 3, 5]):
+        detok = IncrementalDetokenizer(tok, [], stop=("two", "e t"), include_stop=True)
+        deltas, pos = [], 0
+        for size in chunks:
+            deltas.append(detok.add(ids[pos:pos + size]))
+            pos += size
+        deltas.append(detok.flush())
+        assert "".join(deltas) == "one t" == detok.text and detok.stop_hit == "e t"

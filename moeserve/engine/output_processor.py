@@ -24,7 +24,7 @@ class OutputProcessor:
                     params: SamplingParams) -> None:
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
-            params.min_tokens)
+            params.min_tokens, params.include_stop_str_in_output)
 
     def process(self, outputs: list[RequestOutput]
                 ) -> tuple[list[RequestOutput], list[str], list[str]]:

@@ -122,6 +122,8 @@ class SamplingFields(_Request):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     """One string or a list; each ends generation and is not included in the text."""
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    include_stop_str_in_output: bool = False
+    """vLLM's: the stop string that ended the reply stays at the end of its text."""
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     """Leave special tokens out of the text (the EOS that ends a reply is left out either

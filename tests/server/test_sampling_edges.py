@@ -77,6 +77,10 @@ def test_min_tokens_holds_eos_and_stop_strings(http: httpx.Client, path: str,
     text = stopped["text"] if path == COMPLETIONS else stopped["message"]["content"]
     assert text == "MMM" and stopped["finish_reason"] == "stop"
     assert stopped["stop_reason"] == "M"
+    kept = post(http, path, {**request, "logit_bias": {"77": 100}, "stop": "MM",
+                             "include_stop_str_in_output": True, "min_tokens": 2})["choices"][0]
+    text = kept["text"] if path == COMPLETIONS else kept["message"]["content"]
+    assert text == "MMM" and kept["stop_reason"] == "MM"  # the stop ends at the 3rd token
     held = post(http, path, {**request, "logit_bias": {"77": 100}, "stop_token_ids": [77],
                              "min_tokens": 5})["choices"][0]
     assert len(held["token_ids"]) == 6 and 77 not in held["token_ids"][:5]
