@@ -18,6 +18,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias (each costs host work every step)
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence / frequency penalties: [-2, 2]
+MAX_ALLOWED_TOKEN_IDS = 4096  # allowed_token_ids a request may give (host work every step)
 # repetition_penalty's range: beyond it a logit divided by it could overflow the logits' dtype
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this is greedy (vLLM's floor): dividing the
@@ -69,6 +70,9 @@ class SamplingParams:
     """(token id, bias) pairs (or a dict id -> bias): each bias, in [-100, 100], is added to its
     token's logit before sampling, greedy rows included (OpenAI's logit_bias; -100 all but bans
     a token, +100 all but forces it). At most MAX_LOGIT_BIAS distinct ids."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Sample only among these token ids (vLLM's; at most MAX_ALLOWED_TOKEN_IDS, non-empty):
+    every other token's logit is -inf, greedy rows and logprobs included."""
     presence_penalty: float = 0.0
     """Subtracted from the logit of every token the request has generated (OpenAI's; in
     [-2, 2]; runner/penalties.py)."""
@@ -119,6 +123,13 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = tuple(sorted(set(self.allowed_token_ids)))
+            if not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in allowed):
+                raise ValueError(f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} token "
+                                 f"ids >= 0, got {self.allowed_token_ids!r}")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) \

@@ -24,6 +24,10 @@ def validate_request(prompt: list[int], params: SamplingParams, vocab_size: int,
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in params.allowed_token_ids or () if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"allowed_token_ids has token id {bad}, outside the vocabulary "
+                         f"[0, {vocab_size})")
     bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")

@@ -2,6 +2,7 @@
 belong to single requests kept to those requests.
 
     logits [R, V] --grammar rows masked (mask_tokens_, in place: the step's own logits)
+                  --rows with allowed_token_ids: every other token to -inf (allow_only_)
                   --logit_bias added (add_logit_bias_, in place: what is sampled and what
                     the logprobs report, as with the mask), then the presence / frequency
                     penalties subtracted (runner/penalties.py; the sampled tokens counted after)
@@ -80,6 +81,7 @@ def sample_step(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
     before the one it samples (in-flight ones included), for min_tokens (hold_stops_)."""
     if grammar is not None:
         mask_tokens_(logits, grammar.rows, grammar.bitmask)
+    allow_only_(logits, params)
     add_logit_bias_(logits, params)
     penalized = counts.apply_(logits, req_ids, params) if counts is not None else []
     if num_outputs is not None:
@@ -110,6 +112,20 @@ def add_logit_bias_(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     index = (to_device(rows, device), to_device(pairs[:, 0].astype(np.int64), device))
     values = to_device(pairs[:, 1].astype(np.float32), device)
     logits.index_put_(index, (logits[index].float() + values).to(logits.dtype))
+
+
+def allow_only_(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Rows j with params[j].allowed_token_ids keep those logits alone; the others are -inf,
+    in place. No work when no row has them; otherwise one copy of the (row, id) pairs."""
+    rows = [(j, p.allowed_token_ids) for j, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return
+    pairs = np.array([(j, t) for j, ids in rows for t in ids], dtype=np.int64).T.copy()
+    at = to_device(pairs, logits.device)  # [2, N]
+    kept = logits[at[0], at[1]]
+    logits[to_device(np.array([j for j, _ in rows], dtype=np.int64), logits.device)] = \
+        float("-inf")
+    logits[at[0], at[1]] = kept
 
 
 def hold_stops_(logits: torch.Tensor, params: list[SamplingParams], num_outputs: list[int],

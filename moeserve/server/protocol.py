@@ -47,6 +47,7 @@ from moeserve.server.agent.protocol import (
 from moeserve.server.structured_output import ResponseFormat, StructuredOutputs
 from moeserve.types import (
     LOGIT_BIAS_LIMIT,
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     PENALTY_LIMIT,
@@ -124,6 +125,9 @@ class SamplingFields(_Request):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     """vLLM's: the stop string that ended the reply stays at the end of its text."""
+    allowed_token_ids: Annotated[list[TokenId], Field(
+        min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    """vLLM's: the reply samples among these token ids alone."""
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     """Leave special tokens out of the text (the EOS that ends a reply is left out either

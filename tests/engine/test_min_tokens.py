@@ -88,3 +88,32 @@ def test_min_tokens_with_a_grammar_is_refused() -> None:
     from moeserve.structured.spec import StructuredOutput
     with pytest.raises(ValueError, match="min_tokens cannot be combined with a structured"):
         SamplingParams(min_tokens=2, structured=StructuredOutput("regex", "a+"))
+
+
+@pytest.mark.parametrize("engine", [{}, {"num_continuous_decode_steps": 4}],
+                         ids=["single-step", "multi-step"])
+def test_allowed_token_ids_are_all_a_row_samples(engine: dict) -> None:
+    """Greedy and sampled rows pick among their allowed ids alone (the greedy one the likeliest
+    of them: logprobs say so), beside a row without a list."""
+    llm = LLM("tiny-moe", device="cpu", dtype="float32", **engine)
+    allowed = (11, 42, 77)
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                             allowed_token_ids=allowed, logprobs=3),
+              SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True,
+                             allowed_token_ids=[77, 11]),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
+    outs = llm.generate([[5, 6], [7, 8], [5, 6]], params)
+    assert set(outs[0].token_ids) <= set(allowed) and set(outs[1].token_ids) <= {11, 77}
+    for lp, token in zip(outs[0].logprobs, outs[0].token_ids, strict=True):
+        assert lp.top_token_ids[0] == token and set(lp.top_token_ids) <= set(allowed)
+    alone = llm.generate([[5, 6]], params[2])[0].token_ids
+    assert outs[2].token_ids == alone and not set(alone) <= set(allowed)
+
+
+def test_allowed_token_ids_are_validated() -> None:
+    with pytest.raises(ValueError, match="allowed_token_ids must be 1 to 4096 token ids"):
+        SamplingParams(allowed_token_ids=())
+    llm = LLM("tiny-moe", device="cpu")
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=f"allowed_token_ids has token id {vocab}, outside"):
+        llm.generate([[1]], SamplingParams(allowed_token_ids=[1, vocab]))

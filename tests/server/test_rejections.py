@@ -20,6 +20,8 @@ COMPLETION_CASES: list[tuple[dict[str, Any], str, str]] = [
     ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens",
      "cannot be combined with a structured output"),
     ({"prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
+    ({"allowed_token_ids": [1, 600]}, "allowed_token_ids", "outside the vocabulary"),
     ({"repetition_penalty": 0}, "repetition_penalty", "greater than or equal to 0.01"),
     ({"repetition_penalty": 101}, "repetition_penalty", "less than or equal to 100"),
     ({"repetition_penalty": "x"}, "repetition_penalty", "valid number"),

@@ -37,6 +37,7 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSamplingParams:
@@ -46,7 +47,8 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
                    list(p.stop_token_ids), p.ignore_eos, p.logprobs,
                    None if s is None else (s.kind, s.spec, s.start_after), p.reasoning_budget,
                    list(p.logit_bias), p.presence_penalty, p.frequency_penalty, p.min_tokens,
-                   p.prompt_logprobs, p.repetition_penalty)
+                   p.prompt_logprobs, p.repetition_penalty,
+                   None if p.allowed_token_ids is None else list(p.allowed_token_ids))
 
     def to_params(self) -> SamplingParams:
         s = self.structured
@@ -60,7 +62,9 @@ class WireSamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
                               min_tokens=self.min_tokens, prompt_logprobs=self.prompt_logprobs,
-                              repetition_penalty=self.repetition_penalty)
+                              repetition_penalty=self.repetition_penalty,
+                              allowed_token_ids=None if self.allowed_token_ids is None
+                              else tuple(self.allowed_token_ids))
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):

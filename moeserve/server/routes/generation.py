@@ -65,6 +65,7 @@ def engine_error(exc: BaseException, param: str | None) -> APIError:
         message = str(exc)
         param = ("stop_token_ids" if "stop token" in message else
                  "logit_bias" if message.startswith("logit_bias") else
+                 "allowed_token_ids" if message.startswith("allowed_token_ids") else
                  "X-Request-Id" if "request id" in message else param)
         return APIError(400, named(param, message), param)
     logger.error("unexpected engine error", exc_info=exc)

@@ -180,7 +180,8 @@ def sampling_params(req: SamplingFields, prompts: list[list[int]], max_tokens: i
                     presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
                     skip_special_tokens=req.skip_special_tokens, structured=structured,
-                    include_stop_str_in_output=req.include_stop_str_in_output))
+                    include_stop_str_in_output=req.include_stop_str_in_output,
+                    allowed_token_ids=req.allowed_token_ids))
             except ValueError as e:
                 raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
     return out
