@@ -136,6 +136,9 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprobs name each token "token_id:<id>" (a token whose bytes are not text on
+    their own is then told apart)."""
     response_format: ResponseFormat | None = None
     """Hold the reply to JSON: {"type": "json_object"}, or {"type": "json_schema",
     "json_schema": {"name": ..., "schema": {...}}}; {"type": "text"} holds it to nothing."""

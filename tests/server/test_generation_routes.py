@@ -261,3 +261,20 @@ def test_echo_with_logprobs_begins_with_the_prompts(http: httpx.Client) -> None:
     assert streamed[0]["token_logprobs"] == lps["token_logprobs"]
     plain = _completion(http, prompt=prompt, max_tokens=1, temperature=0)["choices"][0]
     assert "prompt_logprobs" not in plain and plain["token_ids"] == choice["token_ids"]
+
+
+def test_return_tokens_as_token_ids_names_tokens_by_id(http: httpx.Client) -> None:
+    body = {"prompt": [72, 105], "max_tokens": 3, "logprobs": 2,
+            "return_tokens_as_token_ids": True, **GREEDY}
+    choice = _completion(http, **body)["choices"][0]
+    lps = choice["logprobs"]
+    assert lps["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(k.startswith("token_id:") for top in lps["top_logprobs"] for k in top)
+    plain = _completion(http, **{**body, "return_tokens_as_token_ids": False})["choices"][0]
+    assert lps["text_offset"] == plain["logprobs"]["text_offset"]  # offsets of the text
+    chat = post(http, CHAT, {"messages": MESSAGES, "max_tokens": 2, "logprobs": True,
+                             "top_logprobs": 1, "return_tokens_as_token_ids": True, **GREEDY})
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [
+        f"token_id:{t}" for t in chat["choices"][0]["token_ids"]]
+    assert content[0]["top_logprobs"][0]["token"].startswith("token_id:")

@@ -59,7 +59,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request,
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     chat = await prepare_chat(ctx, req, field, req.num_logprobs)
     gen = Generation(ctx.client, request_id, [chat.prompt] * req.n, chat.params, "messages")
-    renderer = ChatRenderer(ctx, request_id, req.logprobs, chat.new_parser, chat.named_call)
+    renderer = ChatRenderer(ctx, request_id, req.logprobs, chat.new_parser, chat.named_call,
+                            req.return_tokens_as_token_ids)
     return await serve(ctx, request, request_id, req, gen, renderer, [chat.prompt])
 
 
@@ -267,8 +268,9 @@ def reply_parsers(ctx: ServerContext, req: ChatCompletionRequest,
 class ChatRenderer:
     def __init__(self, ctx: ServerContext, request_id: str, want_logprobs: bool,
                  new_parser: Callable[[], ReplyParser] | None = None,
-                 named_call: bool = False) -> None:
+                 named_call: bool = False, as_ids: bool = False) -> None:
         self.ctx = ctx
+        self.as_ids = as_ids  # return_tokens_as_token_ids
         self.named_call = named_call  # a forced call of a named function: finish "stop", as
         # OpenAI's and vLLM's replies are
         self.request_id = request_id
@@ -341,7 +343,7 @@ class ChatRenderer:
         return "tool_calls" if engine_reason == "stop" and called else engine_reason
 
     def logprobs(self, token_ids: list[int], logprobs: list[Logprobs]) -> dict[str, Any]:
-        text = self.ctx.token_string
+        text = self.ctx.token_label(self.as_ids)
         content = []
         for token_id, lp in zip(token_ids, logprobs):
             token, raw = text(token_id)

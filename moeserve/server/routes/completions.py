@@ -59,7 +59,8 @@ async def create_completion(ctx: ServerContext, request: Request, request_id: st
         texts = prompt_texts(ctx, req.prompt, prompts, req.skip_special_tokens)
         echoes = [t for t in texts for _ in range(req.n)]
     renderer = CompletionRenderer(ctx, request_id, req.logprobs is not None, echoes,
-                                  req.prompt_logprobs, choice_prompts)
+                                  req.prompt_logprobs, choice_prompts,
+                                  req.return_tokens_as_token_ids)
     return await serve(ctx, request, request_id, req, gen, renderer, prompts)
 
 
@@ -97,13 +98,14 @@ async def tokenize_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
 class CompletionRenderer:
     def __init__(self, ctx: ServerContext, request_id: str, want_logprobs: bool,
                  echoes: list[str] | None = None, prompt_logprobs: int | None = None,
-                 prompts: list[list[int]] | None = None) -> None:
+                 prompts: list[list[int]] | None = None, as_ids: bool = False) -> None:
         self.ctx = ctx
         self.request_id = request_id
         self.want_logprobs = want_logprobs
         self.echoes = echoes  # per choice: the prompt text its text begins with (echo)
         self.prompt_logprobs = prompt_logprobs  # top n of the `prompt_logprobs` field
         self.prompts = prompts  # per choice: its prompt's token ids
+        self.as_ids = as_ids  # return_tokens_as_token_ids
         self.created = now()
         self._offsets: list[int] = []
         self._echoed: set[int] = set()  # streamed choices whose prompt text went out
@@ -164,15 +166,15 @@ class CompletionRenderer:
                  offset: int) -> tuple[dict[str, Any], int]:
         """The legacy format for these tokens (None: a prompt's first token, null logprobs);
         text_offset continues from `offset`."""
-        text = self.ctx.token_string
+        text, label = self.ctx.token_string, self.ctx.token_label(self.as_ids)
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token_id, lp in zip(token_ids, logprobs, strict=True):
             token = text(token_id)[0]
-            tokens.append(token)
+            tokens.append(label(token_id)[0])
             token_logprobs.append(None if lp is None else lp.token_logprob)
             entry: dict[str, float] | None = None if lp is None else {}
             for t, v in zip(*((lp.top_token_ids, lp.top_logprobs) if lp else ((), ()))):
-                entry.setdefault(text(t)[0], v)  # tokens with the same text: keep the likeliest
+                entry.setdefault(label(t)[0], v)  # tokens with the same text: keep the likeliest
             top.append(entry)
             offsets.append(offset)
             offset += len(token)

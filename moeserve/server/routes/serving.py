@@ -88,6 +88,13 @@ class ServerContext:
         return max_prompt_chars(self.client.max_model_len,
                                 self.client.tokenizer.max_token_chars())
 
+    def token_label(self, as_ids: bool) -> Callable[[int], tuple[str, list[int]]]:
+        """How logprobs name a token: its text and bytes (`token_string`), or with
+        return_tokens_as_token_ids "token_id:<id>" and its bytes."""
+        if not as_ids:
+            return self.token_string
+        return lambda token_id: (f"token_id:{token_id}", self.token_string(token_id)[1])
+
     def token_string(self, token_id: int) -> tuple[str, list[int]]:
         """A token's own text and bytes, as logprobs show it (special tokens included)."""
         hit = self._token_strings.get(token_id)
