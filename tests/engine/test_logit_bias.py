@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moeserve import LLM, SamplingParams
+from tests.engine.conftest import tiny_llm
 
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
 
@@ -20,7 +21,7 @@ def test_each_row_gets_its_own_bias(engine: dict, device: str) -> None:
     """A +100 bias forces its token at every step of its request (multi-step decode plans and
     overlap scheduling included), a -100 bias keeps the greedy token out, and the request
     without a bias decodes as it does alone."""
-    llm = LLM("tiny-moe", device=device, dtype="float32", **engine)
+    llm = tiny_llm(device, **engine)
     greedy = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
     plain = _tokens(llm, [greedy] * 3)
     banned = plain[2][0]
@@ -62,7 +63,7 @@ def test_penalties_equal_the_logit_bias_they_amount_to(engine: dict, device: str
     """presence / frequency penalties over each request's own generated tokens, counted on the
     device as they are sampled: the same tokens as a step-by-step logit_bias reference, on
     every decode path, beside a request without them (which decodes as it does alone)."""
-    llm = LLM("tiny-moe", device=device, dtype="float32", **engine)
+    llm = tiny_llm(device, **engine)
     prompts, n = [[5, 6], [7, 8, 9], [1]], 24  # tiny-moe's greedy replies to 0 and 2 repeat
     plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)] * 3
     base = [o.token_ids for o in llm.generate(prompts, plain)]

@@ -9,6 +9,7 @@ import torch
 from moeserve import LLM, SamplingParams
 from moeserve.runner.step_sampling import hold_stops_
 from moeserve.types import FinishReason
+from tests.engine.conftest import tiny_llm
 
 PATHS = pytest.mark.parametrize("engine", [{}, {"num_continuous_decode_steps": 4},
                                            {"async_scheduling": True}],
@@ -21,7 +22,7 @@ def test_stops_wait_for_min_tokens(engine: dict, device: str) -> None:
     the reply is m other tokens and then it (multi-step plans and overlap scheduling count the
     tokens in flight), ignore_eos keeps EOS allowed, and a request without min_tokens beside
     them stops at once."""
-    llm = LLM("tiny-moe", device=device, dtype="float32", **engine)
+    llm = tiny_llm(device, **engine)
     eos = llm.engine.model_config.eos_token_ids[0]
     params = [SamplingParams(max_tokens=12, temperature=0.0, min_tokens=5, logit_bias={eos: 100}),
               SamplingParams(max_tokens=12, temperature=0.0, min_tokens=3, stop_token_ids=(42,),

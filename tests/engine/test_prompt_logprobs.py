@@ -8,6 +8,7 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.engine.llm import CompletionOutput
+from tests.engine.conftest import tiny_llm
 
 N = 3
 
@@ -44,9 +45,9 @@ def _check(got: CompletionOutput, prompt: list[int], reference: list) -> None:
     {"max_num_batched_tokens": 5, "enable_chunked_prefill": True, "async_scheduling": True}],
     ids=["one-step", "chunked", "chunked-overlap"])
 def test_prompt_logprobs_equal_decoding_each_prefix(engine: dict, device: str) -> None:
-    llm = LLM("tiny-moe", device=device, dtype="float32", **engine)
+    llm = tiny_llm(device, **engine)
     prompt = _prompt(llm)
-    reference = _reference(LLM("tiny-moe", device=device, dtype="float32"), prompt)
+    reference = _reference(tiny_llm(device), prompt)
     params = [SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=N),
               SamplingParams(max_tokens=3, temperature=0.0)]
     got = llm.generate([prompt, prompt[:6]], params)
