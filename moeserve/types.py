@@ -88,6 +88,9 @@ class SamplingParams:
     token, the next then forced to be it (Anthropic's thinking budget_tokens). The reasoning
     is the output from its first token (start -1: the prompt opened it) or from the start
     token on (the model opens it; nothing is forced if it never does)."""
+    edits_logits: bool = field(init=False, repr=False, compare=False, default=False)
+    """Derived: allowed_token_ids, logit_bias, a penalty or min_tokens changes this request's
+    logits before sampling (the sampler's one scan a step finds the rows that do)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +160,10 @@ class SamplingParams:
         if self.structured is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with a structured output (a "
                              "grammar that is complete allows EOS alone)")
+        object.__setattr__(self, "edits_logits", bool(
+            self.allowed_token_ids or self.logit_bias or self.min_tokens
+            or self.presence_penalty or self.frequency_penalty
+            or self.repetition_penalty != 1.0))
 
     @property
     def greedy(self) -> bool:

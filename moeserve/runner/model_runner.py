@@ -437,7 +437,7 @@ class ModelRunner:
         pending.take(sample_step(logits, pending.params, [out.sample_seeds[i] for i in rows],
                                  positions, [out.req_ids[i] for i in rows], self.faults,
                                  GrammarMask.of(out, rows, self.device), self.output_counts,
-                                 [out.num_output_tokens[i] for i in rows], eos))
+                                 lambda j: out.num_output_tokens[rows[j]], eos))
 
     def _launch_decode_steps(self, out: SchedulerOutput, bucket: int | None) -> PendingOutput:
         """A decode-only plan run for `out.num_steps` tokens back to back: each step's sampled
@@ -469,7 +469,7 @@ class ModelRunner:
             step_sample = sample_step(
                 logits, out.sampling_params, out.sample_seeds, (computed + step + 1).tolist(),
                 out.req_ids, self.faults, counts=self.output_counts, eos_token_ids=eos,
-                num_outputs=[n + step for n in out.num_output_tokens])
+                num_outputs=lambda j, step=step: out.num_output_tokens[j] + step)
             input_ids = step_sample.token_ids  # [B]: this step's tokens, next step's input
             tokens.append(input_ids)
             pending.take(step_sample, first=step == 0)

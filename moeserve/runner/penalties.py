@@ -58,10 +58,6 @@ class OutputCounts:
             mask[to_device(np.asarray(ids, dtype=np.int64), device)] = True
             self.prompts[req_ids[row]] = mask
 
-    @staticmethod
-    def _rows(params: list[SamplingParams]) -> list[int]:
-        return [j for j, p in enumerate(params) if penalized(p)]
-
     def _of(self, req_id: str, like: torch.Tensor) -> torch.Tensor:
         """req_id's counts, zeros [V] of like's width and device at its first sampling."""
         c = self.counts.get(req_id)
@@ -70,11 +66,12 @@ class OutputCounts:
                                                   device=like.device)
         return c
 
-    def apply_(self, logits: torch.Tensor, req_ids: list[str],
-               params: list[SamplingParams]) -> list[int]:
-        """The penalties of the penalized rows subtracted from logits [R, V], in place;
-        returns those rows (what `record` counts after the sampling)."""
-        rows = self._rows(params)
+    def apply_(self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams],
+               candidates: list[int] | None = None) -> list[int]:
+        """The penalties of the penalized rows (among `candidates`, default all) applied to
+        logits [R, V], in place; returns those rows (what `record` counts after sampling)."""
+        rows = [j for j in (range(len(params)) if candidates is None else candidates)
+                if penalized(params[j])]
         if not rows:
             return rows
         weights = to_device(np.array([[params[j].presence_penalty, params[j].frequency_penalty,

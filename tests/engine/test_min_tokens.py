@@ -68,7 +68,7 @@ def test_hold_stops_masks_only_rows_short_of_their_count() -> None:
     params = [SamplingParams(min_tokens=2, stop_token_ids=(3,)),
               SamplingParams(min_tokens=2, stop_token_ids=(4,)),
               SamplingParams(min_tokens=5, ignore_eos=True, stop_token_ids=(5,))]
-    hold_stops_(logits, params, [1, 2, 0], eos_token_ids=(9,))
+    hold_stops_(logits, params, range(3), [1, 2, 0].__getitem__, eos_token_ids=(9,))
     inf = float("-inf")
     assert logits[0].tolist() == [0, 0, 0, inf, 0, 0, 0, 0, 0, inf]
     assert logits[1].tolist() == [0.0] * 10  # its 2 tokens are out: nothing held
