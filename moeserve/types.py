@@ -157,6 +157,13 @@ class SamplingParams:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got "
                              f"{type(self.structured).__name__}")
+        if budget is not None and self.allowed_token_ids is not None \
+                and budget[0] not in self.allowed_token_ids:
+            raise ValueError(f"allowed_token_ids must hold the reasoning budget's end token "
+                             f"{budget[0]}, which the budget forces")
+        if self.structured is not None and self.allowed_token_ids is not None:
+            raise ValueError("allowed_token_ids cannot be combined with a structured output "
+                             "(the grammar decides which tokens are allowed)")
         if self.structured is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with a structured output (a "
                              "grammar that is complete allows EOS alone)")

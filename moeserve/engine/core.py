@@ -349,7 +349,7 @@ class EngineCore:
         if self.scheduler.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         validate_request(prompt, params, self.model_config.vocab_size,
-                         self.cfg.scheduler.max_model_len)
+                         self.cfg.scheduler.max_model_len, self.model_config.eos_token_ids)
 
     def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
         """Finish requests now (abort, or a stop string found by the caller); frees their KV."""

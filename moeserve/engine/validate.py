@@ -9,7 +9,7 @@ from moeserve.types import SamplingParams
 
 
 def validate_request(prompt: list[int], params: SamplingParams, vocab_size: int,
-                     max_model_len: int) -> None:
+                     max_model_len: int, eos_token_ids: tuple[int, ...] = ()) -> None:
     """Raise ValueError naming the first problem of a request; return None when it is servable."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -28,6 +28,13 @@ def validate_request(prompt: list[int], params: SamplingParams, vocab_size: int,
     if bad is not None:
         raise ValueError(f"allowed_token_ids has token id {bad}, outside the vocabulary "
                          f"[0, {vocab_size})")
+    allowed = params.allowed_token_ids
+    if allowed and params.min_tokens:
+        stops = set(params.stop_token_ids) | set(() if params.ignore_eos else eos_token_ids)
+        if stops.issuperset(allowed):
+            raise ValueError(f"allowed_token_ids {list(allowed)} are all tokens that stop the "
+                             f"request, which min_tokens={params.min_tokens} holds off: nothing "
+                             "could be sampled")
     bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")

@@ -118,3 +118,24 @@ def test_allowed_token_ids_are_validated() -> None:
     vocab = llm.engine.model_config.vocab_size
     with pytest.raises(ValueError, match=f"allowed_token_ids has token id {vocab}, outside"):
         llm.generate([[1]], SamplingParams(allowed_token_ids=[1, vocab]))
+
+
+def test_allowed_ids_that_min_tokens_holds_off_are_refused() -> None:
+    """allowed_token_ids that are all stop tokens under min_tokens would leave nothing to
+    sample: refused by name (they failed in the sampler, non-finite logits, before)."""
+    from moeserve.structured.spec import StructuredOutput
+
+    llm = LLM("tiny-moe", device="cpu")
+    eos = llm.engine.model_config.eos_token_ids[0]
+    for params in (SamplingParams(allowed_token_ids=[5], stop_token_ids=(5,), min_tokens=1),
+                   SamplingParams(allowed_token_ids=[eos], min_tokens=2)):
+        with pytest.raises(ValueError, match="allowed_token_ids .* are all tokens that stop"):
+            llm.generate([[1, 2]], params)
+    ok = llm.generate([[1, 2]], SamplingParams(max_tokens=3, allowed_token_ids=[eos],
+                                               min_tokens=2, ignore_eos=True))[0]
+    assert ok.token_ids == [eos] * 3
+    with pytest.raises(ValueError, match="allowed_token_ids cannot be combined"):
+        SamplingParams(allowed_token_ids=[1], structured=StructuredOutput("regex", "a"))
+    with pytest.raises(ValueError, match="must hold the reasoning budget's end token 5"):
+        SamplingParams(allowed_token_ids=[1], reasoning_budget=(5, 10, -1))
+    assert SamplingParams(allowed_token_ids=[1, 5], reasoning_budget=(5, 10, -1)).edits_logits

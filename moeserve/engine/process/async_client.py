@@ -224,7 +224,7 @@ class AsyncEngineClient:
         if not self.alive:
             raise EngineDeadError(self._dead_reason or "the engine process is not running")
         validate_request(prompt_token_ids, params, self.model_config.vocab_size,
-                         self.max_model_len)
+                         self.max_model_len, self.model_config.eos_token_ids)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.num_in_flight >= self.max_running_requests + self.max_waiting_requests:

@@ -99,7 +99,10 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, max_token
         if isinstance(budget, str) and not budget_optional:
             raise APIError(400, f"thinking_token_budget: {budget}", "thinking_token_budget")
         if not isinstance(budget, str):
-            params = [dataclasses.replace(p, reasoning_budget=budget) for p in params]
+            try:
+                params = [dataclasses.replace(p, reasoning_budget=budget) for p in params]
+            except ValueError as e:  # a field the budget contradicts (allowed_token_ids)
+                raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
     return PreparedChat(prompt_text, prompt, params, reply_parsers(ctx, req, prompt_text),
                         isinstance(req.tool_choice, NamedToolChoice))
 
