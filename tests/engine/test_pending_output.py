@@ -60,3 +60,44 @@ def test_gpu_result_waits_for_its_step_only() -> None:
     check(out)
     assert still_running, "result() waited for work enqueued after its step"
     assert p.token_ids.is_cuda  # the device tensor stays for the next step's placeholders
+
+
+def _with_prompt_logprobs(p: PendingOutput, device: str) -> PendingOutput:
+    """Two spans of the plan's prompt logprobs: row 1's entries 1-2 (top 1), row 3's entry 4
+    (top 0)."""
+    from moeserve.types import SchedulerOutput
+
+    plan = SchedulerOutput(req_ids=["a", "b", "c", "d"], prompt_logprob_spans=[(1, 1, 2),
+                                                                           (3, 4, 1)],
+                           sampling_params=[SamplingParams(), SamplingParams(prompt_logprobs=1),
+                                            SamplingParams(), SamplingParams(prompt_logprobs=0)])
+    p.prompt_logprobs = (SampleLogprobs(torch.tensor([-0.1, -0.2, -0.3], device=device),
+                                        torch.tensor([[5, 6], [7, 8], [9, 10]], device=device),
+                                        torch.tensor([[-0.1, -2.0], [-0.2, -3.0], [-0.3, -4.0]],
+                                                     device=device)), plan)
+    return p
+
+
+def _check_prompt(out) -> None:
+    first, second = out.prompt_logprobs
+    assert [e.top_token_ids for e in first] == [[5], [7]] and second[0].top_token_ids == []
+    assert [e.token_logprob for e in first + second] == pytest.approx([-0.1, -0.2, -0.3])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_prompt_logprobs_come_back_with_and_without_sampled_rows(device: str) -> None:
+    """A prefill chunk that samples nothing still returns its prompt logprobs (copied to the
+    host at launch on CUDA, read after that step alone), as does a step that samples."""
+    p = _with_prompt_logprobs(PendingOutput(num_reqs=4, rows=np.array([], dtype=np.int64)),
+                              device)
+    p.start_copy()
+    out = p.result()
+    assert out.sampled_token_ids == [-1] * 4
+    _check_prompt(out)
+    p = _with_prompt_logprobs(pending(device), device)
+    p.start_copy()
+    if device == "cuda":
+        torch.cuda._sleep(1_000_000_000)  # a later step's work: result() must not wait for it
+    out = p.result()
+    check(out)
+    _check_prompt(out)
