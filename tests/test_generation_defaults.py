@@ -71,3 +71,15 @@ def test_llm_generate_without_params_takes_them(tmp_path: Path) -> None:
     assert len(out.token_ids) <= 3
     assert out.token_ids == llm.generate([[5, 6]], SamplingParams(
         temperature=0.0, max_tokens=3))[0].token_ids
+
+
+def test_a_bad_source_fails_before_the_engine_starts(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeserve import LLM
+    from moeserve.engine import llm as llm_module
+
+    started = []
+    monkeypatch.setattr(llm_module, "EngineCore", lambda cfg: started.append(cfg))
+    with pytest.raises(ConfigError, match="must be auto, none or a folder"):
+        LLM("tiny-moe", device="cpu", generation_config=str(tmp_path))
+    assert not started

@@ -46,11 +46,13 @@ class CompletionOutput:
 
 class LLM:
     def __init__(self, model: str = "tiny-moe", **engine_args: object):
-        self.engine = EngineCore(engine_config_from_kwargs(model=model, **engine_args))
+        cfg = engine_config_from_kwargs(model=model, **engine_args)
+        # the model's generation_config.json: the params of a call that gives none (read
+        # before the engine starts, so a bad file or folder fails with nothing to stop)
+        self.sampling_defaults = sampling_defaults(cfg.model, cfg.generation_config)
+        self.engine = EngineCore(cfg)
         cfg, mc = self.engine.cfg, self.engine.model_config
         self.tokenizer: Tokenizer = load_model_tokenizer(cfg.model, cfg.tokenizer, mc)
-        # the model's generation_config.json: the params of a call that gives none
-        self.sampling_defaults = sampling_defaults(cfg.model, cfg.generation_config)
         self._outputs = OutputProcessor(self.tokenizer)
         self._results: dict[str, CompletionOutput] = {}
         self._ids = itertools.count()
