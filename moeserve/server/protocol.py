@@ -136,6 +136,9 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = None
+    """vLLM's: keep the prompt's last N tokens (-1: as many as max_model_len allows, one less
+    than it), before the length checks."""
     return_tokens_as_token_ids: bool = False
     """vLLM's: logprobs name each token "token_id:<id>" (a token whose bytes are not text on
     their own is then told apart)."""

@@ -278,3 +278,23 @@ def test_return_tokens_as_token_ids_names_tokens_by_id(http: httpx.Client) -> No
     assert [c["token"] for c in content] == [
         f"token_id:{t}" for t in chat["choices"][0]["token_ids"]]
     assert content[0]["top_logprobs"][0]["token"].startswith("token_id:")
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(http: httpx.Client) -> None:
+    """The last N tokens of the prompt are served (usage counts them; echo shows them), a
+    token-id prompt past max_model_len included; -1 keeps max_model_len - 1."""
+    tail = [72, 105, 33]
+    body = {"max_tokens": 3, **GREEDY}
+    cut = _completion(http, prompt=[1, 2, 3, 4] + tail, truncate_prompt_tokens=3, echo=True,
+                      **body)
+    whole = _completion(http, prompt=tail, **body)
+    assert cut["usage"]["prompt_tokens"] == 3
+    assert cut["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
+    assert cut["choices"][0]["text"].startswith("Hi!")
+    long = [65] * (MAX_MODEL_LEN + 10)
+    out = _completion(http, prompt=long, truncate_prompt_tokens=-1, max_tokens=1, **GREEDY)
+    assert out["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 1
+    chat = post(http, CHAT, {"messages": MESSAGES, "truncate_prompt_tokens": 2, **body})
+    assert chat["usage"]["prompt_tokens"] == 2
+    bad = http.post(COMPLETIONS, json={"prompt": "x", "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"

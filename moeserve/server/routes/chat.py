@@ -44,6 +44,7 @@ from moeserve.server.routes.serving import (
     sampling_params,
     serve,
     sse,
+    truncate_prompts,
 )
 from moeserve.server.structured_output import requested_output
 from moeserve.structured.spec import StructuredOutput
@@ -86,6 +87,7 @@ async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, max_token
     APIError 400 naming what is wrong."""
     check_agent_fields(ctx, req)
     prompt_text, prompt = await chat_prompt(ctx, req, continuation)
+    prompt = truncate_prompts(req, [prompt], ctx.client.max_model_len)[0]
     check_lengths(ctx, [prompt], req.max_new_tokens, max_tokens_field, "messages")
     params = sampling_params(req, [prompt], req.max_new_tokens, None, num_logprobs,
                              ctx.client.max_model_len, chat_output(ctx, req, prompt_text),

@@ -34,6 +34,7 @@ from moeserve.server.routes.serving import (
     parse_body,
     sampling_params,
     serve,
+    truncate_prompts,
 )
 from moeserve.server.structured_output import requested_output
 from moeserve.types import Logprobs, RequestOutput
@@ -44,8 +45,10 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 async def create_completion(ctx: ServerContext, request: Request, request_id: str) -> Response:
     req = await parse_body(ctx, request, CompletionRequest)
     check_model(ctx, req.model)
-    check_prompt(req.prompt, req.n, ctx.client.max_model_len, ctx.max_prompt_chars)
-    prompts = await tokenize_prompts(ctx, req.prompt)
+    check_prompt(req.prompt, req.n, ctx.client.max_model_len, ctx.max_prompt_chars,
+                 req.truncate_prompt_tokens is not None)
+    sent = await tokenize_prompts(ctx, req.prompt)
+    prompts = truncate_prompts(req, sent, ctx.client.max_model_len)
     check_lengths(ctx, prompts, req.max_tokens, "max_tokens", "prompt")
     structured = requested_output(req.response_format, req.structured_outputs)
     params = sampling_params(req, prompts, req.max_tokens, DEFAULT_MAX_TOKENS, req.logprobs,
@@ -56,7 +59,8 @@ async def create_completion(ctx: ServerContext, request: Request, request_id: st
     gen = Generation(ctx.client, request_id, choice_prompts, params, "prompt")
     echoes = None
     if req.echo:  # each choice's prompt text, as sent (token ids decoded)
-        texts = prompt_texts(ctx, req.prompt, prompts, req.skip_special_tokens)
+        texts = prompt_texts(ctx, req.prompt if prompts == sent else prompts, prompts,
+                             req.skip_special_tokens)  # a truncated prompt: its ids decoded
         echoes = [t for t in texts for _ in range(req.n)]
     renderer = CompletionRenderer(ctx, request_id, req.logprobs is not None, echoes,
                                   req.prompt_logprobs, choice_prompts,

@@ -117,9 +117,12 @@ def _too_many_messages(count: int, max_model_len: int) -> APIError:
                     f"{max_model_len} tokens", "messages")
 
 
-def check_prompt(prompt: Any, n: int, max_model_len: int, max_chars: int) -> None:
+def check_prompt(prompt: Any, n: int, max_model_len: int, max_chars: int,
+                 truncated: bool = False) -> None:
     """The completions prompt field: a string, a list of token ids, a list of strings or a list
-    of token-id lists (other shapes are the strict parse's to refuse)."""
+    of token-id lists (other shapes are the strict parse's to refuse). `truncated`
+    (truncate_prompt_tokens): token-id prompts may be longer than max_model_len; text stays
+    within what tokenization takes."""
     prompts = [prompt] if isinstance(prompt, str) or not isinstance(prompt, list) or (
         prompt and isinstance(prompt[0], int)) else prompt
     if len(prompts) * n > MAX_CHOICES:
@@ -130,7 +133,7 @@ def check_prompt(prompt: Any, n: int, max_model_len: int, max_chars: int) -> Non
             raise APIError(400, f"prompt: {where}the text has {len(p)} characters, more than "
                            f"max_model_len {max_model_len} tokens can hold (at most "
                            f"{max_chars} characters are tokenized)", "prompt")
-        if isinstance(p, list) and len(p) >= max_model_len:
+        if isinstance(p, list) and len(p) >= max_model_len and not truncated:
             raise _too_many_ids(where, len(p), max_model_len)
 
 

@@ -138,6 +138,17 @@ def check_model(ctx: ServerContext, name: str | None) -> None:
                        f"'{ctx.served_model}'", "model")
 
 
+def truncate_prompts(req: SamplingFields, prompts: list[list[int]],
+                     max_model_len: int) -> list[list[int]]:
+    """Each prompt's last truncate_prompt_tokens tokens (-1: max_model_len - 1), as vLLM's
+    truncate_prompt_tokens keeps them; the prompts as they are without it."""
+    n = req.truncate_prompt_tokens
+    if n is None:
+        return prompts
+    keep = max_model_len - 1 if n == -1 else n
+    return [p[-keep:] if len(p) > keep else p for p in prompts]
+
+
 def check_lengths(ctx: ServerContext, prompts: list[list[int]], max_tokens: int | None,
                   max_tokens_field: str, prompt_field: str) -> None:
     """Bad prompts and max_tokens beyond the context are 400s before anything is submitted."""
